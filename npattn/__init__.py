@@ -1,0 +1,15 @@
+"""npattn: multi-head attention with hand-derived gradients, on any Array API backend.
+
+* ``npattn.functional``: stateless ``*_forward -> (out, cache)`` /
+  ``*_backward(dout, cache) -> grads`` pairs for every step;
+* ``npattn.MultiHeadAttention``: the module, a thin composition of them;
+* ``npattn.gradcheck``: central finite-difference checks for your own code;
+* ``npattn.backend``: the one seam between npattn and array libraries.
+"""
+
+from . import backend, functional, gradcheck
+from .module import MultiHeadAttention
+
+__version__ = "0.1.0"
+
+__all__ = ["MultiHeadAttention", "backend", "functional", "gradcheck", "__version__"]

@@ -1,0 +1,453 @@
+"""Stateless forward/backward pairs for every step of multi-head attention.
+
+Each primitive is a pair that sits side by side::
+
+    out, cache = op_forward(*inputs, ...)
+    grads      = op_backward(dout, cache)
+
+``cache`` is a ``NamedTuple`` holding exactly what the backward needs.
+Gradients come back in the order of the forward's array inputs and are named
+``d<name>``; a backward never writes into its arguments or its cache.
+
+The forward numbers its steps; the backward walks them in reverse and quotes
+the forward line it differentiates. ``docs/derivations.md`` derives the same
+steps with the same names.
+
+Shape legend
+------------
+B batch, H heads, Lq query length, Lk key length, D model width,
+Dh head width (D = H * Dh), Din / Dout the two sides of a linear layer.
+
+All code below uses only the Python Array API standard through ``xp``, the
+namespace of the inputs; what is backend-specific lives in ``npattn.backend``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+from .backend import device_of, is_bool, is_floating, keep_mask, make_rng, namespace
+
+__all__ = [
+    "linear_forward",
+    "linear_backward",
+    "split_heads_forward",
+    "split_heads_backward",
+    "merge_heads_forward",
+    "merge_heads_backward",
+    "masked_softmax_forward",
+    "masked_softmax_backward",
+    "dropout_forward",
+    "dropout_backward",
+    "sdpa_forward",
+    "sdpa_backward",
+    "causal_mask",
+    "sum_to_shape",
+]
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def sum_to_shape(xp, g, shape):
+    """Sum ``g`` over the axes that broadcasting added or stretched to reach ``g.shape``.
+
+    The adjoint of broadcasting ``shape`` up to ``g.shape``: the gradient of an
+    array that was broadcast in the forward is summed back to its own shape.
+    """
+    lead = g.ndim - len(shape)
+    if lead > 0:
+        g = xp.sum(g, axis=tuple(range(lead)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if stretched:
+        g = xp.sum(g, axis=stretched, keepdims=True)
+    return g
+
+
+def causal_mask(xp, Lq: int, Lk: int, device=None):
+    """Top-left aligned causal mask, True = may attend: query i sees keys j <= i.
+
+    This is SDPA's ``is_causal`` convention. # -> [Lq, Lk] bool
+    """
+    i = xp.arange(Lq, device=device)  # [Lq]
+    j = xp.arange(Lk, device=device)  # [Lk]
+    return xp.expand_dims(i, axis=1) >= xp.expand_dims(j, axis=0)  # [Lq, Lk]
+
+
+def _compute_dtype(xp, dtype):
+    """Scores and softmax of half-precision inputs are computed in float32."""
+    for half in ("float16", "bfloat16"):
+        # compare only with dtypes the namespace has: NumPy reads dtype == None as float64
+        if hasattr(xp, half) and dtype == getattr(xp, half):
+            return xp.float32
+    return dtype
+
+
+# --------------------------------------------------------------------------
+# linear: y = x @ w.T + b   (PyTorch layout: w is [Dout, Din])
+
+
+class LinearCache(NamedTuple):
+    x: Any  # [..., Din]  input, for dw
+    w: Any  # [Dout, Din] weight, for dx
+    has_bias: bool
+
+
+def linear_forward(x, w, b=None):
+    """Affine map in PyTorch's layout: ``y = x @ w.T + b``.
+
+    Parameters
+    ----------
+    x : array, shape (..., Din)
+    w : array, shape (Dout, Din)
+    b : array, shape (Dout,), optional
+
+    Returns
+    -------
+    y : array, shape (..., Dout)
+    cache : LinearCache
+    """
+    # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
+    xp = namespace(x, w, b)
+    y = x @ xp.matrix_transpose(w)  # [..., Dout]
+    if b is not None:
+        y = y + b  # [..., Dout]
+    return y, LinearCache(x, w, b is not None)
+
+
+def linear_backward(dy, cache: LinearCache):
+    """Gradients of ``y = x @ w.T + b``.
+
+    ``dx = dy @ w``, ``dw = dy^T x`` summed over every leading axis,
+    ``db = sum(dy)`` over every leading axis (None without bias).
+
+    Returns
+    -------
+    dx : array, shape (..., Din)
+    dw : array, shape (Dout, Din)
+    db : array, shape (Dout,) or None
+    """
+    # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
+    xp = namespace(dy, cache.x)
+    x, w = cache.x, cache.w
+    # forward: y = x @ w.T + b
+    dx = dy @ w  # [..., Din]
+    dy2 = xp.reshape(dy, (-1, dy.shape[-1]))  # [N, Dout]
+    x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
+    dw = xp.matrix_transpose(dy2) @ x2  # [Dout, Din]
+    db = xp.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
+    return dx, dw, db
+
+
+# --------------------------------------------------------------------------
+# split_heads / merge_heads: [B, L, D] <-> [B, H, L, Dh]
+# Both are permutations of entries, so each one's backward is the other.
+
+
+class HeadsCache(NamedTuple):
+    n_head: int
+
+
+def split_heads_forward(x, n_head: int):
+    """Split the feature axis into heads: ``[B, L, H*Dh] -> [B, H, L, Dh]``.
+
+    Head ``h`` owns features ``h*Dh : (h+1)*Dh``, as in PyTorch.
+    """
+    # [B, L, D] -> [B, H, L, Dh]
+    xp = namespace(x)
+    B, L, D = x.shape
+    x = xp.reshape(x, (B, L, n_head, D // n_head))  # [B, L, H, Dh]
+    return xp.permute_dims(x, (0, 2, 1, 3)), HeadsCache(n_head)  # [B, H, L, Dh]
+
+
+def split_heads_backward(dout, cache: HeadsCache):
+    """Gradient of ``split_heads``: merge the heads of ``dout`` back. Returns ``dx``."""
+    # [B, H, L, Dh] -> [B, L, D]
+    return merge_heads_forward(dout)[0]
+
+
+def merge_heads_forward(x):
+    """Concatenate the heads: ``[B, H, L, Dh] -> [B, L, H*Dh]``."""
+    # [B, H, L, Dh] -> [B, L, D]
+    xp = namespace(x)
+    B, H, L, Dh = x.shape
+    x = xp.permute_dims(x, (0, 2, 1, 3))  # [B, L, H, Dh]
+    return xp.reshape(x, (B, L, H * Dh)), HeadsCache(H)  # [B, L, D]
+
+
+def merge_heads_backward(dout, cache: HeadsCache):
+    """Gradient of ``merge_heads``: split ``dout`` into heads again. Returns ``dx``."""
+    # [B, L, D] -> [B, H, L, Dh]
+    return split_heads_forward(dout, cache.n_head)[0]
+
+
+# --------------------------------------------------------------------------
+# masked softmax over the last axis
+
+
+class SoftmaxCache(NamedTuple):
+    p: Any  # [..., Lk] probabilities, the only array the backward needs
+    mask_shape: Optional[tuple]  # shape of an additive mask, for dmask; else None
+
+
+def masked_softmax_forward(x, mask=None):
+    """Numerically stable softmax over the last axis, with masking.
+
+    ``mask`` is either boolean (True = may attend; False entries get
+    probability exactly 0) or floating (added to ``x``; ``-inf`` entries get
+    probability exactly 0). Entries of ``x + mask`` equal to ``-inf`` are
+    masked too. A row with nothing to attend gives an all-zero row.
+
+    Steps (the backward walks them in reverse):
+
+    1. ``z = x + mask``                       (floating mask only)
+    2. ``z = where(mask, z, -inf)``           (boolean mask only)
+    3. ``m = max(z)``, and 0 for a fully masked row (a finite shift)
+    4. ``e = exp(z - m)``                     (exactly 0 where masked)
+    5. ``p = e / sum(e)``, and 0 for a fully masked row (divide by 1)
+
+    Parameters
+    ----------
+    x : array, shape (..., Lk), real floating
+    mask : array broadcastable to ``x.shape``, bool or real floating, optional
+
+    Returns
+    -------
+    p : array, shape of ``x`` broadcast with ``mask``
+    cache : SoftmaxCache
+    """
+    # [..., Lk], mask broadcastable -> [..., Lk]
+    xp = namespace(x, mask)
+    mask_shape = None
+    z = x
+    if mask is not None and is_floating(xp, mask):
+        z = x + mask  # 1.                                     [..., Lk]
+        mask_shape = tuple(mask.shape)
+    elif mask is not None:
+        z = xp.where(mask, z, -math.inf)  # 2.                 [..., Lk]
+    m = xp.max(z, axis=-1, keepdims=True)  # 3.                [..., 1]
+    m = xp.where(m == -math.inf, 0.0, m)  # fully masked row: no -inf - -inf
+    e = xp.exp(z - m)  # 4.                                    [..., Lk]
+    s = xp.sum(e, axis=-1, keepdims=True)  # 5.                [..., 1]
+    p = e / xp.where(s == 0.0, 1.0, s)  # rows with nothing to attend stay 0
+    return p, SoftmaxCache(p, mask_shape)
+
+
+def masked_softmax_backward(dp, cache: SoftmaxCache):
+    """Gradient of the masked softmax, without forming a Jacobian.
+
+    ``dx = p * (dp - sum(dp * p))``, summed over the last axis inside the
+    bracket. Masked entries have ``p = 0`` and so ``dx = 0``; a fully masked
+    row has ``dx = 0`` everywhere. An additive mask gets ``dmask = dx`` summed
+    back to the mask's own shape; ``dmask`` is None for a boolean or no mask.
+
+    Returns
+    -------
+    dx : array, shape of ``p``
+    dmask : array of the mask's shape, or None
+    """
+    # [..., Lk] -> [..., Lk], mask shape
+    xp = namespace(dp, cache.p)
+    p = cache.p
+    # 5.-3. p = softmax(z) on the attended entries:
+    #       dz = p * (dp - sum_j dp_j p_j); the shift m cancels (p does not depend on it)
+    dz = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True))  # [..., Lk]
+    # 2. z = where(mask, x, -inf): dx = where(mask, dz, 0), already 0 since p = 0 there
+    # 1. z = x + mask: dx = dz, dmask = dz summed to the mask's shape
+    dmask = None if cache.mask_shape is None else sum_to_shape(xp, dz, cache.mask_shape)
+    return dz, dmask
+
+
+# --------------------------------------------------------------------------
+# dropout (inverted): y = x * keep / (1 - p)
+
+
+class DropoutCache(NamedTuple):
+    keep: Any  # bool keep-mask broadcastable to x, or None when dropout is off
+    scale: float  # 1 / (1 - p)
+
+
+def dropout_forward(x, p: float, *, mask=None, rng=None):
+    """Inverted dropout: ``y = where(keep, x / (1 - p), 0)``.
+
+    ``p`` is the drop probability. ``mask`` is a boolean keep-mask (True =
+    keep) broadcastable to ``x.shape``; without one, a mask with
+    ``P(keep) = 1 - p`` is drawn from ``rng`` (a seed or a NumPy
+    ``Generator``; see ``npattn.backend.keep_mask``). With ``p == 0`` and no
+    mask this is the identity.
+
+    Returns
+    -------
+    y : array, shape of ``x``
+    cache : DropoutCache (holds the keep-mask, so the backward reuses it)
+    """
+    # [...] -> [...]
+    xp = namespace(x, mask)
+    if mask is None and p == 0.0:
+        return x, DropoutCache(None, 1.0)
+    keep = mask
+    if keep is None:
+        keep = keep_mask(make_rng(rng), x.shape, p, xp, device_of(x))  # [...] bool
+    scale = 1.0 / (1.0 - p)
+    y = xp.where(keep, x * scale, 0.0)  # [...]
+    return y, DropoutCache(keep, scale)
+
+
+def dropout_backward(dy, cache: DropoutCache):
+    """Gradient of inverted dropout with the forward's keep-mask: ``dx = where(keep, dy / (1 - p), 0)``."""
+    # [...] -> [...]
+    if cache.keep is None:
+        return dy
+    xp = namespace(dy, cache.keep)
+    return xp.where(cache.keep, dy * cache.scale, 0.0)
+
+
+# --------------------------------------------------------------------------
+# scaled dot-product attention on [B, H, L, Dh]
+
+
+class SDPACache(NamedTuple):
+    q: Any  # [B, H, Lq, Dh]  (compute dtype)
+    k: Any  # [B, H, Lk, Dh]
+    v: Any  # [B, H, Lk, Dh]
+    probs: Any  # [B, H, Lq, Lk] softmax output, before dropout (the returned weights)
+    attn: Any  # [B, H, Lq, Lk] after dropout; the same array as probs without dropout
+    softmax: SoftmaxCache
+    dropout: DropoutCache
+    scale: float
+    mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
+    in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
+
+
+def sdpa_forward(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_mask=None,
+    rng=None,
+):
+    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
+
+    Steps (the backward walks them in reverse):
+
+    1. ``s = (q @ k^T) * scale``                          [B, H, Lq, Lk]
+    2. ``a_mask = mask`` combined with the causal mask    (boolean: AND;
+       floating: ``-inf`` where causal forbids)
+    3. ``p = masked_softmax(s, a_mask)``                   [B, H, Lq, Lk]
+    4. ``a = dropout(p)``                                  [B, H, Lq, Lk]
+    5. ``out = a @ v``                                     [B, H, Lq, Dh]
+
+    Parameters
+    ----------
+    q : array, shape (B, H, Lq, Dh)
+    k : array, shape (B, H, Lk, Dh)
+    v : array, shape (B, H, Lk, Dh)
+    mask : array broadcastable to (B, H, Lq, Lk), optional
+        Boolean (True = may attend) or floating (added to the scaled scores,
+        ``-inf`` allowed).
+    is_causal : bool
+        Query ``i`` attends keys ``j <= i`` (top-left aligned, as SDPA); ANDed
+        with ``mask``.
+    scale : float, optional
+        Defaults to ``1 / sqrt(Dh)``.
+    dropout_p : float
+        Drop probability on the attention probabilities.
+    dropout_mask : bool array broadcastable to (B, H, Lq, Lk), optional
+        Keep-mask (True = keep); replaces the generator.
+    rng : int, numpy.random.Generator or None
+        Draws the keep-mask when ``dropout_p > 0`` and no mask is given.
+
+    Returns
+    -------
+    out : array, shape (B, H, Lq, Dh)
+    cache : SDPACache; ``cache.probs`` are the attention weights before dropout.
+
+    Notes
+    -----
+    float16 and bfloat16 inputs are computed in float32 throughout and the
+    output is cast back to the input dtype. A query row with nothing to attend
+    gets an all-zero row of weights and zero output.
+    """
+    # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
+    xp = namespace(q, k, v, mask, dropout_mask)
+    in_dtype = q.dtype
+    work = _compute_dtype(xp, in_dtype)
+    if work != in_dtype:
+        q, k, v = (xp.astype(t, work) for t in (q, k, v))
+        if mask is not None and is_floating(xp, mask):
+            mask = xp.astype(mask, work)
+    Dh = q.shape[-1]
+    scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+
+    s = (q @ xp.matrix_transpose(k)) * scale  # 1.                 [B, H, Lq, Lk]
+
+    a_mask = mask  # 2.
+    mask_shape = None
+    if mask is not None and is_floating(xp, mask):
+        mask_shape = tuple(mask.shape)
+    if is_causal:
+        causal = causal_mask(xp, Lq, Lk, device_of(q))  # [Lq, Lk]
+        if mask is None:
+            a_mask = causal
+        elif is_bool(xp, mask):
+            a_mask = xp.logical_and(mask, causal)
+        else:
+            a_mask = xp.where(causal, mask, -math.inf)
+
+    p, sm_cache = masked_softmax_forward(s, a_mask)  # 3.          [B, H, Lq, Lk]
+    a, do_cache = dropout_forward(p, dropout_p, mask=dropout_mask, rng=rng)  # 4.
+    out = a @ v  # 5.                                              [B, H, Lq, Dh]
+
+    if work != in_dtype:
+        out = xp.astype(out, in_dtype)
+    cache = SDPACache(q, k, v, p, a, sm_cache, do_cache, scale, mask_shape, in_dtype)
+    return out, cache
+
+
+def sdpa_backward(dout, cache: SDPACache):
+    """Gradients of scaled dot-product attention.
+
+    Returns
+    -------
+    dq : array, shape (B, H, Lq, Dh)
+    dk : array, shape (B, H, Lk, Dh)
+    dv : array, shape (B, H, Lk, Dh)
+    dmask : array of the floating mask's own shape, or None for a boolean or
+        no mask. It is the gradient of the output with respect to the additive
+        mask, summed over the axes the mask was broadcast along.
+    """
+    # [B, H, Lq, Dh] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh], mask shape
+    xp = namespace(dout, cache.q)
+    q, k, v, a = cache.q, cache.k, cache.v, cache.attn
+    if dout.dtype != q.dtype:
+        dout = xp.astype(dout, q.dtype)
+
+    # 5. out = a @ v
+    da = dout @ xp.matrix_transpose(v)  # [B, H, Lq, Lk]
+    dv = xp.matrix_transpose(a) @ dout  # [B, H, Lk, Dh]
+    # 4. a = dropout(p)
+    dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
+    # 3. p = masked_softmax(s, a_mask)
+    ds, da_mask = masked_softmax_backward(dp, cache.softmax)  # [B, H, Lq, Lk]
+    # 2. a_mask = where(causal, mask, -inf): dmask = da_mask where causal allows,
+    #    and da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
+    dmask = None
+    if cache.mask_shape is not None:
+        dmask = sum_to_shape(xp, da_mask, cache.mask_shape)
+    # 1. s = (q @ k^T) * scale
+    dq = (ds @ k) * cache.scale  # [B, H, Lq, Dh]
+    dk = (xp.matrix_transpose(ds) @ q) * cache.scale  # [B, H, Lk, Dh]
+
+    if cache.in_dtype != q.dtype:
+        dq, dk, dv = (xp.astype(t, cache.in_dtype) for t in (dq, dk, dv))
+        if dmask is not None:
+            dmask = xp.astype(dmask, cache.in_dtype)
+    return dq, dk, dv, dmask

@@ -1,0 +1,326 @@
+"""Gradient checking by central finite differences, for npattn and your own code.
+
+A hand-derived backward computes the vector-Jacobian product
+``g_i = J_i^T dout`` for each input ``x_i`` of ``out = f(x_1, ..., x_n)``.
+Equivalently, ``g_i`` is the gradient of the scalar ``L = <f(x), dout>``.
+Two checks compare it with central differences of ``L`` in float64:
+
+* **full** (small inputs): every entry,
+  ``n_j = (L(x + eps e_j) - L(x - eps e_j)) / (2 eps)`` against ``g_j``;
+* **vjp** (any size; JAX's ``check_vjp`` idea): a few random directions
+  ``t``, ``<g, t>`` against ``(L(x + eps t) - L(x - eps t)) / (2 eps)``.
+
+The upstream gradient ``dout`` is random normal by default, never all ones:
+an all-ones ``dout`` makes the softmax gradient vanish and hides bugs.
+
+Errors are reported per input. ``max_abs_err`` is the largest absolute
+difference. ``max_rel_err`` divides it by the gradient's scale: the largest
+``|g_j|`` or ``|n_j|`` in full mode, and ``sum_j |g_j t_j|`` in vjp mode (the
+size of the terms summed, which a cancelling sum cannot make small). An input
+passes when ``max_abs_err <= atol + rtol * scale``.
+
+The function under test is called with arrays of the inputs' own backend and
+device, cast to float64; the arithmetic of the differences is done on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .backend import device_of, from_numpy, is_floating, namespace, to_numpy
+
+__all__ = ["GradcheckReport", "InputReport", "gradcheck", "numerical_vjp", "check_vjp"]
+
+
+@dataclass
+class InputReport:
+    """The comparison for one input."""
+
+    name: str
+    max_abs_err: float
+    max_rel_err: float
+    scale: float
+    passed: bool
+
+
+@dataclass
+class GradcheckReport:
+    """Per-input results of a gradient check; ``ok`` is True when all passed."""
+
+    mode: str
+    inputs: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.passed for r in self.inputs)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __getitem__(self, name: str) -> InputReport:
+        for r in self.inputs:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        lines = [f"{'input':<12} {'max abs err':>12} {'max rel err':>12}  result   ({self.mode})"]
+        for r in self.inputs:
+            verdict = "pass" if r.passed else "FAIL"
+            lines.append(f"{r.name:<12} {r.max_abs_err:12.3e} {r.max_rel_err:12.3e}  {verdict}")
+        return "\n".join(lines)
+
+
+class _Float64Evaluator:
+    """Evaluates ``L(x) = <f(x), dout>`` from host float64 copies of the inputs."""
+
+    def __init__(self, f, inputs, dout_host):
+        self.f = f
+        self.like = inputs
+        self.host = [_host64(x) if _is_float_array(x) else None for x in inputs]
+        self.dout = dout_host
+
+    def loss(self, host) -> float:
+        out = _host64(self.f(*_on_backend(self.like, host)))
+        return float(np.sum(out * self.dout))
+
+
+def _on_backend(like, host):
+    """Host float64 arrays ``host`` back on the backend and device of ``like``.
+
+    Masks, ``None`` and other non-floating inputs pass through untouched.
+    """
+    out = []
+    for x, h in zip(like, host):
+        if h is None or not _is_float_array(x):
+            out.append(x)
+        else:
+            out.append(from_numpy(h, namespace(x), device_of(x)))
+    return out
+
+
+def _is_float_array(x) -> bool:
+    if x is None:
+        return False
+    try:
+        xp = namespace(x)
+    except TypeError:
+        return False
+    return is_floating(xp, x)
+
+
+def _host64(x) -> np.ndarray:
+    return np.asarray(to_numpy(x), dtype=np.float64)
+
+
+def numerical_vjp(f: Callable, inputs: Sequence, dout, *, eps: float = 1e-6, wrt=None):
+    """Central-difference estimate of ``J_i^T dout`` for each input in ``wrt``.
+
+    Parameters
+    ----------
+    f : callable
+        ``f(*inputs) -> out``, one array.
+    inputs : sequence of arrays (or None, or non-floating arrays left alone)
+    dout : array, shape of ``out``
+    eps : float
+        Step; the check is done in float64.
+    wrt : sequence of int, optional
+        Indices to differentiate; default every floating input.
+
+    Returns
+    -------
+    list of NumPy float64 arrays (None for inputs not in ``wrt``), each of its
+    input's shape. Costs two evaluations of ``f`` per entry.
+    """
+    ev = _Float64Evaluator(f, inputs, _host64(dout))
+    wrt = _default_wrt(inputs) if wrt is None else list(wrt)
+    grads = [None] * len(inputs)
+    for i in wrt:
+        base = ev.host[i]
+        g = np.zeros_like(base)  # [*x_i.shape]
+        for j in np.ndindex(base.shape):
+            host = list(ev.host)
+            plus = base.copy()
+            plus[j] += eps
+            host[i] = plus
+            lp = ev.loss(host)
+            minus = base.copy()
+            minus[j] -= eps
+            host[i] = minus
+            lm = ev.loss(host)
+            g[j] = (lp - lm) / (2.0 * eps)
+        grads[i] = g
+    return grads
+
+
+def _default_wrt(inputs):
+    return [i for i, x in enumerate(inputs) if x is not None and _is_float_array(x)]
+
+
+def check_vjp(
+    f: Callable,
+    inputs: Sequence,
+    grads: Sequence,
+    dout,
+    *,
+    names=None,
+    eps: float = 1e-6,
+    n_directions: int = 3,
+    rtol: float = 1e-6,
+    atol: float = 1e-12,
+    seed=0,
+    wrt=None,
+) -> GradcheckReport:
+    """Random-direction check of analytic gradients ``grads`` of ``<f(*inputs), dout>``.
+
+    For each checked input and each of ``n_directions`` random normal
+    directions ``t`` compares ``<g, t>`` with
+    ``(L(x + eps t) - L(x - eps t)) / (2 eps)``. Two evaluations of ``f`` per
+    direction, whatever the input's size.
+    """
+    rng = np.random.default_rng(seed)
+    ev = _Float64Evaluator(f, inputs, _host64(dout))
+    wrt = _default_wrt(inputs) if wrt is None else list(wrt)
+    names = _names(names, len(inputs))
+    report = GradcheckReport("vjp")
+    for i in wrt:
+        if grads[i] is None:
+            raise ValueError(f"grads[{i}] ({names[i]}) is None but input {i} is checked")
+        g = _host64(grads[i])
+        base = ev.host[i]
+        if g.shape != base.shape:
+            raise ValueError(
+                f"grads[{i}] ({names[i]}): expected shape {base.shape}, got {g.shape}"
+            )
+        worst_abs, worst_rel, worst_scale, passed = 0.0, 0.0, 0.0, True
+        for _ in range(n_directions):
+            t = rng.standard_normal(base.shape)  # [*x_i.shape]
+            host = list(ev.host)
+            host[i] = base + eps * t
+            lp = ev.loss(host)
+            host[i] = base - eps * t
+            lm = ev.loss(host)
+            numeric = (lp - lm) / (2.0 * eps)
+            analytic = float(np.sum(g * t))
+            scale = float(np.sum(np.abs(g * t)))
+            err = abs(analytic - numeric)
+            rel = err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
+            passed = passed and err <= atol + rtol * scale
+            if rel >= worst_rel:
+                worst_abs, worst_rel, worst_scale = err, rel, scale
+        report.inputs.append(InputReport(names[i], worst_abs, worst_rel, worst_scale, passed))
+    return report
+
+
+def _names(names, n):
+    if names is None:
+        return [f"input{i}" for i in range(n)]
+    names = list(names)
+    if len(names) != n:
+        raise ValueError(f"names: expected {n} names, got {len(names)}")
+    return names
+
+
+def gradcheck(
+    forward: Callable,
+    backward: Callable,
+    inputs: Sequence,
+    *,
+    dout=None,
+    names=None,
+    mode: str = "auto",
+    eps: float = 1e-6,
+    rtol: float = 1e-6,
+    atol: float = 1e-12,
+    n_directions: int = 3,
+    max_full_size: int = 4096,
+    seed=0,
+    wrt=None,
+) -> GradcheckReport:
+    """Check a ``(forward, backward)`` pair against central finite differences.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(*inputs) -> (out, cache)``, the npattn contract.
+    backward : callable
+        ``backward(dout, cache) -> grads``: one gradient per input (a tuple,
+        or a single array for a single input); ``None`` for inputs that are
+        not differentiated (boolean masks, ``None``).
+    inputs : sequence
+        Arrays of any supported backend; floating ones are checked in float64.
+    dout : array, optional
+        Upstream gradient; by default random normal from ``seed``.
+    mode : {"auto", "full", "vjp"}
+        "auto" uses "full" when the checked inputs hold at most
+        ``max_full_size`` entries together, else "vjp".
+    eps, rtol, atol : float
+        Step and tolerances (see the module docstring).
+    n_directions : int
+        Random directions per input in vjp mode.
+    seed : int
+        Seeds ``dout`` and the directions.
+    wrt : sequence of int, optional
+        Inputs to check; default every floating input.
+
+    Returns
+    -------
+    GradcheckReport
+        ``report.ok``, and per input ``max_abs_err`` and ``max_rel_err``;
+        ``print(report)`` shows a table.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.gradcheck import gradcheck
+    >>> rng = np.random.default_rng(0)
+    >>> x, w = rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4))
+    >>> gradcheck(F.linear_forward, F.linear_backward, [x, w]).ok
+    True
+    """
+    if mode not in ("auto", "full", "vjp"):
+        raise ValueError(f"mode: expected 'auto', 'full' or 'vjp', got {mode!r}")
+    names = _names(names, len(inputs))
+    wrt = _default_wrt(inputs) if wrt is None else list(wrt)
+    # the inputs in float64, on their own backend and device
+    ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])
+    out, cache = forward(*ev_inputs)
+    rng = np.random.default_rng(seed)
+    if dout is None:
+        dout_host = rng.standard_normal(tuple(out.shape))  # [*out.shape]
+        dout = from_numpy(dout_host, namespace(out), device_of(out))
+    grads = backward(dout, cache)
+    if not isinstance(grads, (tuple, list)):
+        grads = (grads,)
+    grads = list(grads) + [None] * (len(inputs) - len(grads))
+
+    def f(*a):
+        return forward(*a)[0]
+
+    if mode == "auto":
+        total = sum(int(np.prod(inputs[i].shape)) for i in wrt)
+        mode = "full" if total <= max_full_size else "vjp"
+    if mode == "vjp":
+        return check_vjp(
+            f, ev_inputs, grads, dout, names=names, eps=eps, n_directions=n_directions,
+            rtol=rtol, atol=atol, seed=rng, wrt=wrt,
+        )
+
+    numeric = numerical_vjp(f, ev_inputs, dout, eps=eps, wrt=wrt)
+    report = GradcheckReport("full")
+    for i in wrt:
+        if grads[i] is None:
+            raise ValueError(f"backward returned None for {names[i]}, which is checked")
+        g = _host64(grads[i])
+        n = numeric[i]
+        if g.shape != n.shape:
+            raise ValueError(f"gradient of {names[i]}: expected shape {n.shape}, got {g.shape}")
+        err = float(np.max(np.abs(g - n), initial=0.0))
+        scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
+        rel = err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
+        report.inputs.append(InputReport(names[i], err, rel, scale, err <= atol + rtol * scale))
+    return report
