@@ -17,7 +17,13 @@ Errors are reported per input. ``max_abs_err`` is the largest absolute
 difference. ``max_rel_err`` divides it by the gradient's scale: the largest
 ``|g_j|`` or ``|n_j|`` in full mode, and ``sum_j |g_j t_j|`` in vjp mode (the
 size of the terms summed, which a cancelling sum cannot make small). An input
-passes when ``max_abs_err <= atol + rtol * scale``.
+passes when ``max_abs_err <= atol + rtol * scale``. A gradient whose scale
+is at most ``atol`` is numerically zero (``d b_k`` of attention is, exactly:
+a bias added to every key shifts each score row by a constant); its relative
+error is reported as 0 when the absolute error is within ``atol`` too.
+By default ``atol`` is the rounding floor of the differences themselves,
+``16 * 2**-52 * sum|out * dout| / eps``: what float64 rounding of ``L`` can
+make of a gradient that is exactly zero.
 
 The function under test is called with arrays of the inputs' own backend and
 device, cast to float64; the arithmetic of the differences is done on the host.
@@ -32,7 +38,7 @@ import numpy as np
 
 from .backend import device_of, from_numpy, is_floating, namespace, to_numpy
 
-__all__ = ["GradcheckReport", "InputReport", "gradcheck", "numerical_vjp", "check_vjp"]
+__all__ = ["GradcheckReport", "InputReport", "gradcheck", "gradcheck_module", "numerical_vjp", "check_vjp"]
 
 
 @dataclass
@@ -170,7 +176,7 @@ def check_vjp(
     eps: float = 1e-6,
     n_directions: int = 3,
     rtol: float = 1e-6,
-    atol: float = 1e-12,
+    atol: Optional[float] = None,
     seed=0,
     wrt=None,
 ) -> GradcheckReport:
@@ -185,6 +191,8 @@ def check_vjp(
     ev = _Float64Evaluator(f, inputs, _host64(dout))
     wrt = _default_wrt(inputs) if wrt is None else list(wrt)
     names = _names(names, len(inputs))
+    if atol is None:
+        atol = _rounding_floor(f(*_on_backend(ev.like, ev.host)), ev.dout, eps)
     report = GradcheckReport("vjp")
     for i in wrt:
         if grads[i] is None:
@@ -207,12 +215,24 @@ def check_vjp(
             analytic = float(np.sum(g * t))
             scale = float(np.sum(np.abs(g * t)))
             err = abs(analytic - numeric)
-            rel = err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
+            rel = _relative(err, scale, atol)
             passed = passed and err <= atol + rtol * scale
             if rel >= worst_rel:
                 worst_abs, worst_rel, worst_scale = err, rel, scale
         report.inputs.append(InputReport(names[i], worst_abs, worst_rel, worst_scale, passed))
     return report
+
+
+def _rounding_floor(out, dout, eps: float) -> float:
+    """Absolute error that float64 rounding of ``L = <out, dout>`` alone puts into a central difference."""
+    return 16 * 2.0**-52 * float(np.sum(np.abs(_host64(out) * _host64(dout)))) / eps
+
+
+def _relative(err: float, scale: float, atol: float) -> float:
+    """``err / scale``; a gradient of scale <= atol counts as zero (0 when err <= atol too)."""
+    if scale <= atol:
+        return 0.0 if err <= atol else np.inf
+    return err / scale
 
 
 def _names(names, n):
@@ -234,7 +254,7 @@ def gradcheck(
     mode: str = "auto",
     eps: float = 1e-6,
     rtol: float = 1e-6,
-    atol: float = 1e-12,
+    atol: Optional[float] = None,
     n_directions: int = 3,
     max_full_size: int = 4096,
     seed=0,
@@ -257,8 +277,10 @@ def gradcheck(
     mode : {"auto", "full", "vjp"}
         "auto" uses "full" when the checked inputs hold at most
         ``max_full_size`` entries together, else "vjp".
-    eps, rtol, atol : float
-        Step and tolerances (see the module docstring).
+    eps, rtol : float
+        Step and relative tolerance (see the module docstring).
+    atol : float, optional
+        Absolute tolerance; by default the rounding floor of the differences.
     n_directions : int
         Random directions per input in vjp mode.
     seed : int
@@ -311,6 +333,8 @@ def gradcheck(
         )
 
     numeric = numerical_vjp(f, ev_inputs, dout, eps=eps, wrt=wrt)
+    if atol is None:
+        atol = _rounding_floor(out, dout, eps)
     report = GradcheckReport("full")
     for i in wrt:
         if grads[i] is None:
@@ -321,6 +345,56 @@ def gradcheck(
             raise ValueError(f"gradient of {names[i]}: expected shape {n.shape}, got {g.shape}")
         err = float(np.max(np.abs(g - n), initial=0.0))
         scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
-        rel = err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
+        rel = _relative(err, scale, atol)
         report.inputs.append(InputReport(names[i], err, rel, scale, err <= atol + rtol * scale))
     return report
+
+
+def gradcheck_module(module, query, key, value, *, forward_kwargs=None, **check_kwargs):
+    """Check a ``MultiHeadAttention``'s backward: the three inputs and every parameter.
+
+    The module must hold float64 parameters (``dtype="float64"``): finite
+    differences need them. With dropout active, pass a fixed keep-mask in
+    ``forward_kwargs["dropout_mask"]`` so every evaluation drops the same
+    entries. ``check_kwargs`` go to :func:`gradcheck` (``mode``, ``rtol``, ...).
+    The module's parameters are restored afterwards.
+
+    Returns
+    -------
+    GradcheckReport with entries ``query``, ``key``, ``value`` and one per
+    parameter name.
+    """
+    fk = dict(forward_kwargs or {})
+    xp = namespace(query)
+    if module.params["w_q"].dtype != xp.float64:
+        raise ValueError(
+            f"module: expected float64 parameters for a gradient check, got {module.params['w_q'].dtype}; "
+            'construct it with dtype="float64"'
+        )
+    if module.training and module.dropout > 0 and fk.get("dropout_mask") is None:
+        raise ValueError(
+            "forward_kwargs: dropout is active, so a fixed 'dropout_mask' is needed "
+            "(or call module.eval())"
+        )
+    pnames = list(module.params)
+    saved = dict(module.params)
+
+    def forward(q, k, v, *params):
+        for name, p in zip(pnames, params):
+            module.params[name] = p
+        return module.forward(q, k, v, **fk), None
+
+    def backward(dout, _cache):
+        dq, dk, dv = module.backward(dout)
+        return (dq, dk, dv, *[module.grads[name] for name in pnames])
+
+    try:
+        return gradcheck(
+            forward,
+            backward,
+            [query, key, value, *[saved[n] for n in pnames]],
+            names=["query", "key", "value", *pnames],
+            **check_kwargs,
+        )
+    finally:
+        module.params.update(saved)

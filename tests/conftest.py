@@ -58,20 +58,20 @@ def backend_or_skip(name):
     return resolve_backend(name)
 
 
-@pytest.fixture(params=BACKEND_NAMES)
+@pytest.fixture(scope="session", params=BACKEND_NAMES)
 def backend(request):
     """Backend name, skipped with a reason when unavailable."""
     backend_or_skip(request.param)
     return request.param
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def xp(backend):
     """The Array API namespace of ``backend``."""
     return resolve_backend(backend)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def to_xp(xp):
     """Move a NumPy array (or None) onto the backend under test."""
 
@@ -83,7 +83,7 @@ def to_xp(xp):
     return convert
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def to_np():
     """Host NumPy copy of a backend array (or None)."""
 

@@ -1,0 +1,267 @@
+"""Every functional pair against central finite differences, and its invariants.
+
+Each test body runs on every backend fixture; gradients are checked in float64
+with a random upstream gradient (``gradcheck`` never uses all ones).
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _strategies import attention_dims, make_mask, mask_forms, mask_kinds
+from npattn import functional as F
+from npattn.backend import namespace
+from npattn.gradcheck import gradcheck
+
+RTOL = 1e-6
+
+
+def assert_same_namespace(xp, *arrays):
+    for a in arrays:
+        if a is not None:
+            assert namespace(a) is xp, f"output left its namespace: {type(a)}"
+
+
+def assert_ok(report):
+    assert report.ok, "\n" + str(report)
+    for r in report.inputs:
+        assert r.max_rel_err <= RTOL, str(report)
+
+
+# ----------------------------------------------------------------- linear
+
+
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    din=st.integers(1, 6),
+    dout=st.integers(1, 6),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_gradients(xp, to_xp, lead, din, dout, bias, seed):
+    rng = np.random.default_rng(seed)
+    x = to_xp(rng.standard_normal((*lead, din)))
+    w = to_xp(rng.standard_normal((dout, din)))
+    b = to_xp(rng.standard_normal(dout)) if bias else None
+    y, _ = F.linear_forward(x, w, b)
+    assert tuple(y.shape) == (*lead, dout)
+    assert_same_namespace(xp, y)
+    inputs = [x, w] + ([b] if bias else [])
+    report = gradcheck(F.linear_forward, F.linear_backward, inputs, names=["x", "w", "b"][: len(inputs)], seed=seed)
+    assert_ok(report)
+
+
+# --------------------------------------------------------- split / merge
+
+
+@given(B=st.integers(1, 3), L=st.integers(1, 5), H=st.integers(1, 4), Dh=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_split_merge_identity_and_gradients(xp, to_xp, to_np, B, L, H, Dh, seed):
+    rng = np.random.default_rng(seed)
+    x_host = rng.standard_normal((B, L, H * Dh))
+    x = to_xp(x_host)
+    xh, _ = F.split_heads_forward(x, H)
+    assert tuple(xh.shape) == (B, H, L, Dh)
+    # head h owns features h*Dh:(h+1)*Dh
+    np.testing.assert_array_equal(to_np(xh)[:, 1 % H], x_host[:, :, (1 % H) * Dh : (1 % H + 1) * Dh])
+    back, _ = F.merge_heads_forward(xh)
+    np.testing.assert_array_equal(to_np(back), x_host)
+    assert_same_namespace(xp, xh, back)
+    assert_ok(gradcheck(lambda t: F.split_heads_forward(t, H), F.split_heads_backward, [x], seed=seed))
+    assert_ok(gradcheck(F.merge_heads_forward, F.merge_heads_backward, [xh], seed=seed))
+
+
+# ------------------------------------------------------------ softmax
+
+
+@given(dims=attention_dims(max_dh=1), kind=mask_kinds, form=mask_forms, masked_row=st.booleans(), seed=st.integers(0, 2**16))
+def test_masked_softmax_gradients_and_invariants(xp, to_xp, to_np, dims, kind, form, masked_row, seed):
+    B, H, Lq, Lk, _ = dims
+    rng = np.random.default_rng(seed)
+    x_host = 3.0 * rng.standard_normal((B, H, Lq, Lk))
+    m_host = make_mask(rng, kind, form, B, H, Lq, Lk, masked_row=masked_row)
+    x, m = to_xp(x_host), to_xp(m_host)
+
+    p, _ = F.masked_softmax_forward(x, m)
+    assert_same_namespace(xp, p)
+    p = to_np(p)
+    assert np.all(np.isfinite(p))
+    # which entries may be attended
+    allowed = np.ones_like(x_host, dtype=bool)
+    if m_host is not None:
+        allowed = np.broadcast_to(m_host if m_host.dtype == bool else np.isfinite(m_host), x_host.shape)
+    assert np.all(p[~allowed] == 0.0), "masked entries must be exactly 0"
+    row_has_key = allowed.any(axis=-1)
+    np.testing.assert_allclose(p.sum(-1)[row_has_key], 1.0, rtol=1e-12)
+    assert np.all(p.sum(-1)[~row_has_key] == 0.0), "fully masked rows must be all zero"
+
+    is_float = m_host is not None and m_host.dtype != bool
+    inputs = [x, m] if is_float else [x]
+
+    def fwd(x, *mask):
+        return F.masked_softmax_forward(x, mask[0] if mask else m)
+
+    def bwd(dp, cache):
+        dx, dmask = F.masked_softmax_backward(dp, cache)
+        assert np.all(np.isfinite(to_np(dx)))
+        return (dx, dmask) if is_float else dx
+
+    assert_ok(gradcheck(fwd, bwd, inputs, names=["x", "mask"][: len(inputs)], seed=seed))
+
+
+def test_softmax_backward_matches_documented_formula(xp, to_xp, to_np):
+    """ds = p * (dp - sum(dp * p)), the vectorised formula of the docstring."""
+    rng = np.random.default_rng(0)
+    x, dp = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 3, 5))
+    p, cache = F.masked_softmax_forward(to_xp(x))
+    ds, _ = F.masked_softmax_backward(to_xp(dp), cache)
+    p = to_np(p)
+    # the Jacobian written out entry by entry: dp_i/dx_j = p_i (delta_ij - p_j)
+    jac = np.einsum("...i,ij->...ij", p, np.eye(5)) - np.einsum("...i,...j->...ij", p, p)
+    np.testing.assert_allclose(to_np(ds), np.einsum("...ij,...i->...j", jac, dp), rtol=1e-12, atol=1e-14)
+
+
+def test_softmax_large_scores_stable(xp, to_xp, to_np):
+    x = to_xp(np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]]))
+    p, cache = F.masked_softmax_forward(x)
+    ds, _ = F.masked_softmax_backward(to_xp(np.array([[1.0, -2.0, 0.5], [0.3, 0.1, -0.2]])), cache)
+    p, ds = to_np(p), to_np(ds)
+    np.testing.assert_allclose(p[0], [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(p[1], [1 / 3] * 3)
+    assert np.all(np.isfinite(ds))
+
+
+# ------------------------------------------------------------ dropout
+
+
+@given(shape=st.lists(st.integers(2, 4), min_size=2, max_size=4), p=st.floats(0.1, 0.9), seed=st.integers(0, 2**16))
+def test_dropout_fixed_mask_gradients(xp, to_xp, to_np, shape, p, seed):
+    rng = np.random.default_rng(seed)
+    x_host = rng.standard_normal(shape)
+    keep_host = rng.random(shape) >= p
+    x, keep = to_xp(x_host), to_xp(keep_host)
+    y, _ = F.dropout_forward(x, p, mask=keep)
+    np.testing.assert_allclose(to_np(y), np.where(keep_host, x_host / (1 - p), 0.0), rtol=1e-15)
+    assert_ok(gradcheck(lambda t: F.dropout_forward(t, p, mask=keep), F.dropout_backward, [x], seed=seed))
+
+
+def test_dropout_generator_is_seeded_and_unbiased(xp, to_xp, to_np):
+    x = to_xp(np.ones((200, 200)))
+    y1, c1 = F.dropout_forward(x, 0.25, rng=7)
+    y2, _ = F.dropout_forward(x, 0.25, rng=7)
+    y3, _ = F.dropout_forward(x, 0.25, rng=8)
+    y1, y2, y3 = to_np(y1), to_np(y2), to_np(y3)
+    np.testing.assert_array_equal(y1, y2)
+    assert not np.array_equal(y1, y3)
+    kept = np.mean(to_np(c1.keep))
+    assert abs(kept - 0.75) < 0.01  # 40 000 draws: 5 standard deviations is 0.011
+    assert abs(y1.mean() - 1.0) < 0.02  # inverted scaling keeps the expectation
+
+
+def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
+    x = to_xp(np.ones((6, 7)))
+    y, cache = F.dropout_forward(x, 0.5, rng=3)
+    dx = F.dropout_backward(to_xp(np.ones((6, 7))), cache)
+    np.testing.assert_array_equal(to_np(dx), to_np(y))
+
+
+# --------------------------------------------------------------- sdpa
+
+
+def _sdpa_case(rng, dims, kind, form, masked_row):
+    B, H, Lq, Lk, Dh = dims
+    q = rng.standard_normal((B, H, Lq, Dh))
+    k = rng.standard_normal((B, H, Lk, Dh))
+    v = rng.standard_normal((B, H, Lk, Dh))
+    m = make_mask(rng, kind, form, B, H, Lq, Lk, masked_row=masked_row)
+    return q, k, v, m
+
+
+@given(
+    dims=attention_dims(),
+    kind=mask_kinds,
+    form=mask_forms,
+    masked_row=st.booleans(),
+    causal=st.booleans(),
+    scale=st.one_of(st.none(), st.floats(0.1, 2.0)),
+    dropout_p=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+def test_sdpa_gradients(xp, to_xp, to_np, dims, kind, form, masked_row, causal, scale, dropout_p, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v, m = (to_xp(a) for a in _sdpa_case(rng, dims, kind, form, masked_row))
+    B, H, Lq, Lk, Dh = dims
+    keep = to_xp(rng.random((B, H, Lq, Lk)) >= dropout_p) if dropout_p else None
+    is_float = m is not None and xp.isdtype(m.dtype, "real floating")
+    kw = dict(is_causal=causal, scale=scale, dropout_p=dropout_p, dropout_mask=keep)
+
+    out, cache = F.sdpa_forward(q, k, v, mask=m, **kw)
+    assert tuple(out.shape) == (B, H, Lq, Dh)
+    assert_same_namespace(xp, out)
+    assert np.all(np.isfinite(to_np(out)))
+
+    def fwd(q, k, v, *mask):
+        return F.sdpa_forward(q, k, v, mask=mask[0] if mask else m, **kw)
+
+    def bwd(dout, cache):
+        dq, dk, dv, dmask = F.sdpa_backward(dout, cache)
+        assert_same_namespace(xp, dq, dk, dv, dmask)
+        assert (dmask is None) == (not is_float)
+        for g in (dq, dk, dv, dmask):
+            assert g is None or np.all(np.isfinite(to_np(g)))
+        return (dq, dk, dv, dmask) if is_float else (dq, dk, dv)
+
+    inputs = [q, k, v, m] if is_float else [q, k, v]
+    assert_ok(gradcheck(fwd, bwd, inputs, names=["q", "k", "v", "mask"][: len(inputs)], seed=seed))
+
+
+def test_sdpa_matches_direct_formula(xp, to_xp, to_np):
+    """out = softmax(q k^T / sqrt(Dh) + mask) v, written out with NumPy."""
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 3, 6, 5)), rng.standard_normal((2, 3, 6, 5))
+    m = rng.standard_normal((4, 6))
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(5) + m
+    s = np.where(np.tril(np.ones((4, 6), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out, cache = F.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(m), is_causal=True)
+    np.testing.assert_allclose(to_np(out), p @ v, rtol=1e-12)
+    np.testing.assert_allclose(to_np(cache.probs), p, rtol=1e-12, atol=1e-15)
+
+
+def test_sdpa_causal_is_top_left(xp, to_xp, to_np):
+    rng = np.random.default_rng(2)
+    q, k, v = (to_xp(rng.standard_normal((1, 1, L, 3))) for L in (3, 5, 5))
+    _, cache = F.sdpa_forward(q, k, v, is_causal=True)
+    p = to_np(cache.probs)[0, 0]
+    allowed = np.arange(3)[:, None] >= np.arange(5)[None, :]
+    assert np.all(p[~allowed] == 0.0) and np.all(p[allowed] > 0.0)
+
+
+@given(dims=attention_dims(), kind=st.sampled_from(["bool", "float_inf", "padding"]), form=mask_forms, seed=st.integers(0, 2**16))
+def test_masked_keys_do_not_change_the_output(xp, to_xp, to_np, dims, kind, form, seed):
+    """Changing the key/value entries that no query may see leaves the output unchanged."""
+    B, H, Lq, Lk, Dh = dims
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((B, H, L, Dh)) for L in (Lq, Lk, Lk))
+    m = make_mask(rng, kind, form, B, H, Lq, Lk)
+    allowed = np.broadcast_to(m if m.dtype == bool else np.isfinite(m), (B, H, Lq, Lk))
+    unseen = ~allowed.any(axis=2)  # [B, H, Lk] keys no query attends
+    k2 = np.where(unseen[..., None], 100.0 * rng.standard_normal(k.shape), k)
+    v2 = np.where(unseen[..., None], 100.0 * rng.standard_normal(v.shape), v)
+    out1, _ = F.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(m))
+    out2, _ = F.sdpa_forward(to_xp(q), to_xp(k2), to_xp(v2), mask=to_xp(m))
+    np.testing.assert_allclose(to_np(out1), to_np(out2), rtol=1e-12, atol=1e-12)
+
+
+def test_fully_masked_batch_gives_zeros_and_zero_gradients(xp, to_xp, to_np):
+    rng = np.random.default_rng(3)
+    q, k, v = (to_xp(rng.standard_normal((2, 2, L, 4))) for L in (3, 5, 5))
+    m = to_xp(np.full((2, 1, 3, 5), -np.inf))
+    out, cache = F.sdpa_forward(q, k, v, mask=m)
+    dq, dk, dv, dmask = F.sdpa_backward(to_xp(rng.standard_normal((2, 2, 3, 4))), cache)
+    for a in (out, cache.probs, dq, dk, dv, dmask):
+        a = to_np(a)
+        assert np.all(a == 0.0) and np.all(np.isfinite(a))

@@ -1,0 +1,74 @@
+"""The gradient checker itself: it passes correct gradients and catches wrong ones."""
+
+import numpy as np
+import pytest
+
+from npattn import functional as F
+from npattn.gradcheck import check_vjp, gradcheck, numerical_vjp
+
+
+def _case(to_xp):
+    rng = np.random.default_rng(0)
+    return to_xp(rng.standard_normal((2, 3, 4))), to_xp(rng.standard_normal((5, 4))), to_xp(rng.standard_normal(5))
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+def test_correct_backward_passes(to_xp, mode):
+    report = gradcheck(F.linear_forward, F.linear_backward, list(_case(to_xp)), names=["x", "w", "b"], mode=mode)
+    assert report.ok, str(report)
+    assert [r.name for r in report.inputs] == ["x", "w", "b"]
+    assert report["w"].max_rel_err < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda dx, dw, db: (dx * 0.0, dw, db),  # a backward that returns zeros
+        lambda dx, dw, db: (dx, dw * 1.001, db),  # off by 0.1 %
+        lambda dx, dw, db: (dx, dw, db + 1e-3),
+    ],
+    ids=["zeros", "scaled", "shifted"],
+)
+def test_wrong_backward_fails(to_xp, mode, wrong):
+    def bad_backward(dy, cache):
+        return wrong(*F.linear_backward(dy, cache))
+
+    report = gradcheck(F.linear_forward, bad_backward, list(_case(to_xp)), names=["x", "w", "b"], mode=mode)
+    assert not report.ok
+    assert "FAIL" in str(report)
+
+
+def test_numerical_vjp_matches_a_known_gradient():
+    """For f(x) = x**3 elementwise, J^T dout = 3 x**2 dout."""
+    rng = np.random.default_rng(1)
+    x, dout = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    (g,) = numerical_vjp(lambda t: t**3, [x], dout)
+    np.testing.assert_allclose(g, 3 * x**2 * dout, rtol=1e-7, atol=1e-8)
+
+
+def test_check_vjp_catches_a_transposed_gradient():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((4, 4))
+    x, dout = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    good = check_vjp(lambda t: a @ t, [x], [a.T @ dout], dout)
+    bad = check_vjp(lambda t: a @ t, [x], [a @ dout], dout)
+    assert good.ok and not bad.ok
+
+
+def test_default_upstream_gradient_is_random_not_ones(to_xp, to_np):
+    seen = []
+
+    def backward(dy, cache):
+        seen.append(to_np(dy))
+        return F.linear_backward(dy, cache)
+
+    gradcheck(F.linear_forward, backward, list(_case(to_xp)))
+    assert len(np.unique(seen[0])) == seen[0].size
+
+
+def test_bad_arguments_are_reported():
+    with pytest.raises(ValueError, match="mode"):
+        gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], mode="fast")
+    with pytest.raises(ValueError, match="names"):
+        gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], names=["x"])

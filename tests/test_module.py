@@ -1,0 +1,194 @@
+"""MultiHeadAttention: gradients of inputs and parameters, masks, dropout, invariants."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _strategies import MASK_FORMS, make_mask
+from npattn import MultiHeadAttention
+from npattn.backend import namespace
+from npattn.gradcheck import gradcheck_module
+
+RTOL = 1e-6
+
+
+@st.composite
+def module_cases(draw):
+    B = draw(st.integers(1, 3))
+    H = draw(st.integers(1, 4))
+    Dh = draw(st.integers(1, 4))
+    Lq = draw(st.integers(1, 5))
+    Lk = draw(st.integers(1, 5))
+    cross = draw(st.booleans())
+    kdim = draw(st.integers(1, 6)) if cross and draw(st.booleans()) else None
+    vdim = draw(st.integers(1, 6)) if cross and draw(st.booleans()) else None
+    return dict(
+        B=B, H=H, Dh=Dh, Lq=Lq, Lk=Lk if cross else Lq, cross=cross, kdim=kdim, vdim=vdim,
+        bias=draw(st.booleans()),
+        kind=draw(st.sampled_from(["none", "bool", "float", "float_inf", "padding"])),
+        form=draw(st.sampled_from(MASK_FORMS)),
+        masked_row=draw(st.booleans()),
+        causal=draw(st.booleans()),
+        dropout=draw(st.sampled_from([0.0, 0.25])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _make(xp_name, c):
+    D = c["H"] * c["Dh"]
+    mha = MultiHeadAttention(
+        D, c["H"], dropout=c["dropout"], bias=c["bias"], kdim=c["kdim"], vdim=c["vdim"],
+        dtype="float64", seed=c["seed"], backend=xp_name,
+    )
+    rng = np.random.default_rng(c["seed"])
+    query = rng.standard_normal((c["B"], c["Lq"], D))
+    if c["cross"]:
+        key = rng.standard_normal((c["B"], c["Lk"], mha.kdim))
+        value = rng.standard_normal((c["B"], c["Lk"], mha.vdim))
+    else:
+        key = value = query
+    mask = make_mask(rng, c["kind"], c["form"], c["B"], c["H"], c["Lq"], c["Lk"], masked_row=c["masked_row"])
+    keep = rng.random((c["B"], c["H"], c["Lq"], c["Lk"])) >= 0.25 if c["dropout"] else None
+    return mha, query, key, value, mask, keep
+
+
+@given(c=module_cases())
+def test_module_gradients_inputs_and_parameters(backend, to_xp, c):
+    mha, query, key, value, mask, keep = _make(backend, c)
+    fk = dict(mask=to_xp(mask), is_causal=c["causal"], dropout_mask=to_xp(keep))
+    report = gradcheck_module(mha, to_xp(query), to_xp(key), to_xp(value), forward_kwargs=fk, seed=c["seed"])
+    assert report.ok, "\n" + str(report)
+    assert {r.name for r in report.inputs} >= {"query", "key", "value", "w_q", "w_k", "w_v", "w_o"}
+    for r in report.inputs:
+        assert r.max_rel_err <= RTOL, str(report)
+
+
+@given(c=module_cases())
+def test_module_gradients_random_direction_check(backend, to_xp, c):
+    """The same gradients through the cheap random-direction (vjp) check."""
+    mha, query, key, value, mask, keep = _make(backend, c)
+    fk = dict(mask=to_xp(mask), is_causal=c["causal"], dropout_mask=to_xp(keep))
+    report = gradcheck_module(mha, to_xp(query), to_xp(key), to_xp(value), forward_kwargs=fk, mode="vjp", seed=c["seed"])
+    assert report.ok, "\n" + str(report)
+
+
+def test_outputs_and_gradients_stay_in_their_namespace(xp, backend, to_xp):
+    mha = MultiHeadAttention(8, 2, kdim=3, vdim=5, seed=0, backend=backend)
+    rng = np.random.default_rng(0)
+    q = to_xp(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    k = to_xp(rng.standard_normal((2, 4, 3)).astype(np.float32))
+    v = to_xp(rng.standard_normal((2, 4, 5)).astype(np.float32))
+    out, w = mha(q, k, v, need_weights=True)
+    assert tuple(out.shape) == (2, 3, 8) and tuple(w.shape) == (2, 2, 3, 4)
+    grads = mha.backward(to_xp(rng.standard_normal((2, 3, 8)).astype(np.float32)))
+    for a in (out, w, *grads, *mha.grads.values(), *mha.params.values()):
+        assert namespace(a) is xp
+        assert a.dtype == xp.float32
+    assert set(mha.grads) == set(mha.params)
+    assert [tuple(g.shape) for g in grads] == [(2, 3, 8), (2, 4, 3), (2, 4, 5)]
+
+
+def test_parameter_layout_and_init(xp, backend, to_np):
+    mha = MultiHeadAttention(12, 3, kdim=5, vdim=7, seed=1, dtype="float64", backend=backend)
+    shapes = {k: tuple(v.shape) for k, v in mha.params.items()}
+    assert shapes == {
+        "w_q": (12, 12), "w_k": (12, 5), "w_v": (12, 7), "w_o": (12, 12),
+        "b_q": (12,), "b_k": (12,), "b_v": (12,), "b_o": (12,),
+    }
+    w_k = to_np(mha.params["w_k"])
+    bound = math.sqrt(6 / (12 + 5))  # Xavier/Glorot uniform
+    assert np.all(np.abs(w_k) <= bound) and np.abs(w_k).max() > 0.8 * bound
+    assert np.all(to_np(mha.params["b_o"]) == 0.0)
+    no_bias = MultiHeadAttention(12, 3, bias=False, seed=1, backend=backend)
+    assert set(no_bias.params) == {"w_q", "w_k", "w_v", "w_o"}
+    same = MultiHeadAttention(12, 3, kdim=5, vdim=7, seed=1, dtype="float64", backend=backend)
+    for name in mha.params:
+        np.testing.assert_array_equal(to_np(mha.params[name]), to_np(same.params[name]))
+
+
+def test_assigning_a_parameter_replaces_it(backend, to_xp, to_np):
+    mha = MultiHeadAttention(4, 2, dtype="float64", seed=0, backend=backend)
+    mha.params["w_o"] = to_xp(np.zeros((4, 4)))
+    mha.params["b_o"] = to_xp(np.arange(4.0))
+    out = mha(*(to_xp(np.ones((2, 3, 4))),) * 3)
+    np.testing.assert_array_equal(to_np(out), np.broadcast_to(np.arange(4.0), (2, 3, 4)))
+
+
+def test_need_weights_matches_direct_recomputation(backend, to_xp, to_np):
+    D, H = 8, 2
+    mha = MultiHeadAttention(D, H, dtype="float64", seed=3, backend=backend)
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((2, 3, D)), rng.standard_normal((2, 5, D))
+    m = rng.random((3, 5)) > 0.3
+    _, w = mha(to_xp(x), to_xp(y), to_xp(y), mask=to_xp(m), need_weights=True)
+    P = {k: to_np(v) for k, v in mha.params.items()}
+    q = (x @ P["w_q"].T + P["b_q"]).reshape(2, 3, H, D // H).transpose(0, 2, 1, 3)
+    k = (y @ P["w_k"].T + P["b_k"]).reshape(2, 5, H, D // H).transpose(0, 2, 1, 3)
+    s = np.where(m, q @ k.transpose(0, 1, 3, 2) / math.sqrt(D // H), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(to_np(w), p, rtol=1e-12, atol=1e-15)
+
+
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 3), L=st.integers(2, 6))
+def test_self_attention_is_permutation_equivariant(backend, to_xp, to_np, seed, B, L):
+    mha = MultiHeadAttention(6, 3, dtype="float64", seed=seed, backend=backend)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, L, 6))
+    perm = rng.permutation(L)
+    out = to_np(mha(*(to_xp(x),) * 3))
+    out_perm = to_np(mha(*(to_xp(x[:, perm]),) * 3))
+    np.testing.assert_allclose(out_perm, out[:, perm], rtol=1e-10, atol=1e-12)
+
+
+def test_fully_masked_rows_give_output_bias_and_zero_gradients(backend, to_xp, to_np):
+    mha = MultiHeadAttention(6, 2, dtype="float64", seed=0, backend=backend)
+    rng = np.random.default_rng(0)
+    mha.params["b_o"] = to_xp(rng.standard_normal(6))
+    x = to_xp(rng.standard_normal((2, 3, 6)))
+    mask = np.ones((2, 1, 3, 4), bool)
+    mask[0, 0, 1] = False  # one query row has nothing to attend
+    mask[1] = False  # nor any row of the second batch entry
+    y = to_xp(rng.standard_normal((2, 4, 6)))
+    out = to_np(mha(x, y, y, mask=to_xp(mask)))
+    b_o = to_np(mha.params["b_o"])
+    np.testing.assert_array_equal(out[0, 1], b_o)
+    np.testing.assert_array_equal(out[1], np.broadcast_to(b_o, (3, 6)))
+    dq, dk, dv = mha.backward(to_xp(rng.standard_normal((2, 3, 6))))
+    dq, dk, dv = to_np(dq), to_np(dk), to_np(dv)
+    assert np.all(dq[0, 1] == 0.0) and np.all(dq[1] == 0.0)
+    assert np.all(dk[1] == 0.0) and np.all(dv[1] == 0.0)
+    for g in mha.grads.values():
+        assert np.all(np.isfinite(to_np(g)))
+
+
+def test_train_eval_and_seeded_dropout(backend, to_xp, to_np):
+    rng = np.random.default_rng(0)
+    x = to_xp(rng.standard_normal((2, 5, 8)))
+    a = MultiHeadAttention(8, 2, dropout=0.5, dtype="float64", seed=11, backend=backend)
+    b = MultiHeadAttention(8, 2, dropout=0.5, dtype="float64", seed=11, backend=backend)
+    assert a.training
+    out_a, w_a = a(x, x, x, need_weights=True)
+    out_b = b(x, x, x)
+    np.testing.assert_array_equal(to_np(out_a), to_np(out_b))  # same seed, same masks
+    out_a2 = a(x, x, x)
+    assert not np.array_equal(to_np(out_a), to_np(out_a2))  # a fresh mask each call
+    a.eval()
+    e1, w_e = a(x, x, x, need_weights=True)
+    e2 = a(x, x, x)
+    np.testing.assert_array_equal(to_np(e1), to_np(e2))  # no dropout in eval
+    np.testing.assert_allclose(to_np(w_a), to_np(w_e), rtol=1e-14)  # weights are before dropout
+    assert a.train() is a and a.training
+
+
+def test_given_keep_mask_replaces_the_generator(backend, to_xp, to_np):
+    rng = np.random.default_rng(0)
+    x = to_xp(rng.standard_normal((2, 4, 6)))
+    keep = to_xp(rng.random((2, 3, 4, 4)) > 0.4)
+    a = MultiHeadAttention(6, 3, dropout=0.4, dtype="float64", seed=1, backend=backend)
+    b = MultiHeadAttention(6, 3, dropout=0.4, dtype="float64", seed=2, backend=backend)
+    b.params.update(a.params)
+    np.testing.assert_array_equal(to_np(a(x, x, x, dropout_mask=keep)), to_np(b(x, x, x, dropout_mask=keep)))
