@@ -72,3 +72,10 @@ def test_bad_arguments_are_reported():
         gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], mode="fast")
     with pytest.raises(ValueError, match="names"):
         gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], names=["x"])
+
+
+def test_the_module_is_callable_as_gradcheck(to_xp):
+    import npattn
+
+    report = npattn.gradcheck(F.linear_forward, F.linear_backward, list(_case(to_xp)))
+    assert report.ok and report.mode == "full"
