@@ -5,11 +5,11 @@
   and checked against ``masked_softmax_backward`` on random inputs, masks and
   upstream gradients.
 * Every ```python block in ``docs/*.md`` preceded by ``<!-- run -->`` is
-  executed, page by page in one namespace, in order. ``<!-- run: requires=torch -->``
-  names what a block needs (a module, or a dotted attribute such as
-  ``npattn.MultiHeadAttention.from_torch``; ``cupy`` means CuPy and a GPU). A
-  block whose requirement is missing is skipped together with the rest of its
-  page, since later blocks may build on it.
+  executed, page by page in one namespace, in order; each block is one test.
+  ``<!-- run: requires=torch -->`` names what a block needs (a module, or a
+  dotted attribute such as ``npattn.MultiHeadAttention.from_torch``; ``cupy``
+  means CuPy and a GPU). A block whose requirement is missing is skipped, so a
+  block may only use names from earlier blocks that need no more than it does.
 * Every ``{py:...}`` cross-reference in the docs names an object that exists.
 * The docstring examples of the package run (doctest).
 * The Sphinx build is warning-free (skipped when Sphinx is not installed).
@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import doctest
+import functools
 import importlib
 import importlib.util
 import pkgutil
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -246,6 +248,32 @@ def missing(requirement: str):
 
 
 PAGES_WITH_CODE = [p for p in PAGES if runnable_blocks(p)]
+BLOCKS = [(page, i) for page in PAGES_WITH_CODE for i in range(len(runnable_blocks(page)))]
+
+
+@functools.lru_cache(maxsize=None)
+def run_page(page: Path):
+    """Execute the runnable blocks of ``page`` in order, in one namespace.
+
+    Returns one ``(status, detail)`` per block: ``("ok", "")``,
+    ``("skip", why)`` or ``("fail", traceback)``. A block whose requirement is
+    missing is skipped on its own; so a block may use names defined only by
+    earlier blocks that need no more than it does.
+    """
+    namespace = {"__name__": f"docs_{page.stem}"}
+    results = []
+    for line, requires, code in runnable_blocks(page):
+        absent = [r for r in (missing(r) for r in requires) if r]
+        if absent:
+            results.append(("skip", f"{page.name}:{line} needs {', '.join(absent)}"))
+            continue
+        try:
+            exec(compile(code, f"{page}:{line}", "exec"), namespace)
+        except Exception:  # noqa: BLE001 - reported by the block's own test
+            results.append(("fail", traceback.format_exc()))
+        else:
+            results.append(("ok", ""))
+    return results
 
 
 def test_some_pages_have_runnable_code():
@@ -253,18 +281,15 @@ def test_some_pages_have_runnable_code():
     assert {"derivations.md", "oracle.md", "gpu.md"} <= names
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(DOCS)))
-def test_runnable_snippets(page, capsys):
-    namespace = {"__name__": f"docs_{page.stem}"}
-    for i, (line, requires, code) in enumerate(runnable_blocks(page)):
-        absent = [r for r in (missing(r) for r in requires) if r]
-        if absent:
-            pytest.skip(f"{page.name}: ran {i} block(s); the block at line {line} needs "
-                        f"{', '.join(absent)}")
-        try:
-            exec(compile(code, f"{page}:{line}", "exec"), namespace)
-        except Exception as exc:
-            raise AssertionError(f"block at {page.name}:{line} failed: {exc!r}") from exc
+@pytest.mark.parametrize(
+    "page, index", BLOCKS,
+    ids=[f"{p.relative_to(DOCS)}:{runnable_blocks(p)[i][0]}" for p, i in BLOCKS],
+)
+def test_runnable_snippet(page, index):
+    status, detail = run_page(page)[index]
+    if status == "skip":
+        pytest.skip(detail)
+    assert status == "ok", f"the block at {page.name}:{runnable_blocks(page)[index][0]} failed:\n{detail}"
 
 
 # --------------------------------------------------------------------------
