@@ -48,6 +48,7 @@ napoleon_custom_sections = ["Shape legend"]
 
 # -- HTML --------------------------------------------------------------------
 html_theme = "alabaster"
+html_theme_options = {"page_width": "1120px", "sidebar_width": "230px"}
 html_title = f"npattn {release}"
 html_static_path = []
 

@@ -102,10 +102,12 @@ def device_of(x):
 
 
 def is_floating(xp, x) -> bool:
+    """Whether array ``x`` (any shape) has a real floating dtype."""
     return xp.isdtype(x.dtype, "real floating")
 
 
 def is_bool(xp, x) -> bool:
+    """Whether array ``x`` (any shape) is boolean."""
     return xp.isdtype(x.dtype, "bool")
 
 
