@@ -102,15 +102,17 @@ def device_of(x):
 
 
 def is_floating(xp, x) -> bool:
+    """Whether array ``x`` (any shape) has a real floating dtype."""
     return xp.isdtype(x.dtype, "real floating")
 
 
 def is_bool(xp, x) -> bool:
+    """Whether array ``x`` (any shape) is boolean."""
     return xp.isdtype(x.dtype, "bool")
 
 
 def to_numpy(x) -> np.ndarray:
-    """A host NumPy copy of ``x`` (any supported backend)."""
+    """A host NumPy copy of ``x`` (any supported backend), of the same shape and dtype."""
     if isinstance(x, np.ndarray):
         return np.array(x, copy=True)
     if array_api_compat.is_cupy_array(x):
@@ -121,7 +123,7 @@ def to_numpy(x) -> np.ndarray:
 
 
 def from_numpy(a: np.ndarray, xp, device=None):
-    """Host array ``a`` as an array of namespace ``xp`` on ``device``."""
+    """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype."""
     return xp.asarray(np.ascontiguousarray(a), device=device)
 
 

@@ -56,6 +56,16 @@ def sum_to_shape(xp, g, shape):
 
     The adjoint of broadcasting ``shape`` up to ``g.shape``: the gradient of an
     array that was broadcast in the forward is summed back to its own shape.
+
+    Parameters
+    ----------
+    xp : namespace
+    g : array, shape ``shape`` broadcast to ``(..., *shape)``
+    shape : tuple of int
+
+    Returns
+    -------
+    array, shape ``shape``
     """
     lead = g.ndim - len(shape)
     if lead > 0:
@@ -69,7 +79,11 @@ def sum_to_shape(xp, g, shape):
 def causal_mask(xp, Lq: int, Lk: int, device=None):
     """Top-left aligned causal mask, True = may attend: query i sees keys j <= i.
 
-    This is SDPA's ``is_causal`` convention. # -> [Lq, Lk] bool
+    This is SDPA's ``is_causal`` convention.
+
+    Returns
+    -------
+    array, shape (Lq, Lk), bool
     """
     i = xp.arange(Lq, device=device)  # [Lq]
     j = xp.arange(Lk, device=device)  # [Lk]
@@ -123,6 +137,11 @@ def linear_backward(dy, cache: LinearCache):
     ``dx = dy @ w``, ``dw = dy^T x`` summed over every leading axis,
     ``db = sum(dy)`` over every leading axis (None without bias).
 
+    Parameters
+    ----------
+    dy : array, shape (..., Dout)
+    cache : LinearCache
+
     Returns
     -------
     dx : array, shape (..., Din)
@@ -154,6 +173,17 @@ def split_heads_forward(x, n_head: int):
     """Split the feature axis into heads: ``[B, L, H*Dh] -> [B, H, L, Dh]``.
 
     Head ``h`` owns features ``h*Dh : (h+1)*Dh``, as in PyTorch.
+
+    Parameters
+    ----------
+    x : array, shape (B, L, D)
+    n_head : int
+        H; must divide D.
+
+    Returns
+    -------
+    xh : array, shape (B, H, L, Dh)
+    cache : HeadsCache
     """
     # [B, L, D] -> [B, H, L, Dh]
     xp = namespace(x)
@@ -163,13 +193,33 @@ def split_heads_forward(x, n_head: int):
 
 
 def split_heads_backward(dout, cache: HeadsCache):
-    """Gradient of ``split_heads``: merge the heads of ``dout`` back. Returns ``dx``."""
+    """Gradient of ``split_heads``: merge the heads of ``dout`` back.
+
+    Parameters
+    ----------
+    dout : array, shape (B, H, L, Dh)
+    cache : HeadsCache
+
+    Returns
+    -------
+    dx : array, shape (B, L, D)
+    """
     # [B, H, L, Dh] -> [B, L, D]
     return merge_heads_forward(dout)[0]
 
 
 def merge_heads_forward(x):
-    """Concatenate the heads: ``[B, H, L, Dh] -> [B, L, H*Dh]``."""
+    """Concatenate the heads: ``[B, H, L, Dh] -> [B, L, H*Dh]``.
+
+    Parameters
+    ----------
+    x : array, shape (B, H, L, Dh)
+
+    Returns
+    -------
+    y : array, shape (B, L, D)
+    cache : HeadsCache
+    """
     # [B, H, L, Dh] -> [B, L, D]
     xp = namespace(x)
     B, H, L, Dh = x.shape
@@ -178,7 +228,17 @@ def merge_heads_forward(x):
 
 
 def merge_heads_backward(dout, cache: HeadsCache):
-    """Gradient of ``merge_heads``: split ``dout`` into heads again. Returns ``dx``."""
+    """Gradient of ``merge_heads``: split ``dout`` into heads again.
+
+    Parameters
+    ----------
+    dout : array, shape (B, L, D)
+    cache : HeadsCache
+
+    Returns
+    -------
+    dx : array, shape (B, H, L, Dh)
+    """
     # [B, L, D] -> [B, H, L, Dh]
     return split_heads_forward(dout, cache.n_head)[0]
 
@@ -243,6 +303,11 @@ def masked_softmax_backward(dp, cache: SoftmaxCache):
     row has ``dx = 0`` everywhere. An additive mask gets ``dmask = dx`` summed
     back to the mask's own shape; ``dmask`` is None for a boolean or no mask.
 
+    Parameters
+    ----------
+    dp : array, shape of ``p`` (..., Lk)
+    cache : SoftmaxCache
+
     Returns
     -------
     dx : array, shape of ``p``
@@ -278,10 +343,19 @@ def dropout_forward(x, p: float, *, mask=None, rng=None):
     ``Generator``; see ``npattn.backend.keep_mask``). With ``p == 0`` and no
     mask this is the identity.
 
+    Parameters
+    ----------
+    x : array, any shape (...)
+    p : float
+        Drop probability, in [0, 1).
+    mask : bool array broadcastable to ``x.shape``, optional
+    rng : int, numpy.random.Generator or None
+
     Returns
     -------
     y : array, shape of ``x``
-    cache : DropoutCache (holds the keep-mask, so the backward reuses it)
+    cache : DropoutCache
+        Holds the keep-mask, so the backward reuses it.
     """
     # [...] -> [...]
     xp = namespace(x, mask)
@@ -296,7 +370,17 @@ def dropout_forward(x, p: float, *, mask=None, rng=None):
 
 
 def dropout_backward(dy, cache: DropoutCache):
-    """Gradient of inverted dropout with the forward's keep-mask: ``dx = where(keep, dy / (1 - p), 0)``."""
+    """Gradient of inverted dropout with the forward's keep-mask: ``dx = where(keep, dy / (1 - p), 0)``.
+
+    Parameters
+    ----------
+    dy : array, shape of the forward's ``x``
+    cache : DropoutCache
+
+    Returns
+    -------
+    dx : array, shape of ``dy``
+    """
     # [...] -> [...]
     if cache.keep is None:
         return dy
@@ -367,7 +451,8 @@ def sdpa_forward(
     Returns
     -------
     out : array, shape (B, H, Lq, Dh)
-    cache : SDPACache; ``cache.probs`` are the attention weights before dropout.
+    cache : SDPACache
+        ``cache.probs`` (B, H, Lq, Lk) are the attention weights before dropout.
 
     Notes
     -----
@@ -414,6 +499,11 @@ def sdpa_forward(
 
 def sdpa_backward(dout, cache: SDPACache):
     """Gradients of scaled dot-product attention.
+
+    Parameters
+    ----------
+    dout : array, shape (B, H, Lq, Dh)
+    cache : SDPACache
 
     Returns
     -------

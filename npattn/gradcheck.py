@@ -188,6 +188,23 @@ def check_vjp(
     directions ``t`` compares ``<g, t>`` with
     ``(L(x + eps t) - L(x - eps t)) / (2 eps)``. Two evaluations of ``f`` per
     direction, whatever the input's size.
+
+    Parameters
+    ----------
+    f : callable
+        ``f(*inputs) -> out``, one array.
+    inputs : sequence of arrays (or None, or non-floating arrays left alone)
+    grads : sequence of arrays, each of its input's shape (None where not checked)
+    dout : array, shape of ``out``
+    names : sequence of str, optional
+    eps, rtol, atol : float
+    n_directions : int
+    seed : int or numpy.random.Generator
+    wrt : sequence of int, optional
+
+    Returns
+    -------
+    GradcheckReport
     """
     rng = np.random.default_rng(seed)
     ev = _Float64Evaluator(f, inputs, _host64(dout))

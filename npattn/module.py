@@ -213,8 +213,18 @@ class MultiHeadAttention:
     def backward(self, dout):
         """Backpropagate ``dout`` (B, Lq, D) through the last forward.
 
-        Fills ``self.grads`` (same keys as ``params``) and returns
+        Fills ``self.grads`` (same keys and shapes as ``params``) and returns
         ``(dquery, dkey, dvalue)``. In self-attention the caller sums the three.
+
+        Parameters
+        ----------
+        dout : array, shape (B, Lq, D)
+
+        Returns
+        -------
+        dquery : array, shape (B, Lq, D)
+        dkey : array, shape (B, Lk, Dk)
+        dvalue : array, shape (B, Lk, Dv)
         """
         c = self._cache
         # 7. out = o @ w_o.T + b_o

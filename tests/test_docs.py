@@ -1,0 +1,351 @@
+"""The docs agree with the code.
+
+* The softmax-backward formula, as written in LaTeX in ``docs/derivations.md``
+  (the equation labelled ``softmax-backward``), is translated into array code
+  and checked against ``masked_softmax_backward`` on random inputs, masks and
+  upstream gradients.
+* Every ```python block in ``docs/*.md`` preceded by ``<!-- run -->`` is
+  executed, page by page in one namespace, in order; each block is one test.
+  ``<!-- run: requires=torch -->`` names what a block needs (a module, or a
+  dotted attribute such as ``npattn.MultiHeadAttention.from_torch``; ``cupy``
+  means CuPy and a GPU). A block whose requirement is missing is skipped, so a
+  block may only use names from earlier blocks that need no more than it does.
+* Every ``{py:...}`` cross-reference in the docs names an object that exists.
+* The docstring examples of the package run (doctest).
+* The Sphinx build is warning-free (skipped when Sphinx is not installed).
+"""
+
+from __future__ import annotations
+
+import doctest
+import functools
+import importlib
+import importlib.util
+import pkgutil
+import re
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import npattn
+from npattn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+
+
+# --------------------------------------------------------------------------
+# the softmax-backward formula, read from the docs
+
+
+def labelled_equation(text: str, label: str) -> str:
+    """The body of the MyST ``$$ ... $$ (label)`` block named ``label``."""
+    m = re.search(r"\$\$(?P<body>(?:(?!\$\$).)*)\$\$\s*\(" + re.escape(label) + r"\)", text, re.S)
+    if m is None:
+        raise AssertionError(f"no equation labelled ({label}) found")
+    return m.group("body").strip()
+
+
+_TOKEN = re.compile(
+    r"\s+|\\,|\\;|\\!|\\left|\\right|\\Big|\\big"  # spacing and sizing: ignored
+    r"|(?P<sum>\\sum_(?:\{(?P<si>[a-z])\}|(?P<si2>[a-z])))"
+    r"|(?P<sym>(?:\\mathrm\{d\}\s*)?[a-zA-Z])_(?:\{(?P<i>[a-z])\}|(?P<i2>[a-z]))"
+    r"|(?P<op>[-+=()])"
+)
+
+
+def latex_to_python(latex: str, names: dict) -> tuple[str, str]:
+    """Translate a one-row softmax-style formula in index notation into array code.
+
+    The grammar is the small one the derivation uses: indexed symbols
+    (``p_j``, ``\\mathrm{d}p_k``), products by juxtaposition, ``+``, ``-``,
+    parentheses (with ``\\left``/``\\right``) and ``\\sum_k``, which sums the
+    rest of its product term over the last axis. All indices run over the last
+    axis; a free index maps to the array itself, a summed one to a reduction.
+    ``names`` maps LaTeX symbols to Python names. Returns ``(lhs, rhs)``.
+    """
+    tokens = []
+    pos = 0
+    while pos < len(latex):
+        m = _TOKEN.match(latex, pos)
+        if m is None:
+            raise ValueError(f"cannot read {latex[pos:pos + 20]!r} in {latex!r}")
+        pos = m.end()
+        if m.group("sum"):
+            tokens.append(("sum", m.group("si") or m.group("si2")))
+        elif m.group("sym"):
+            sym = re.sub(r"\s+", "", m.group("sym"))
+            if sym not in names:
+                raise ValueError(f"unknown symbol {sym!r} in {latex!r}")
+            tokens.append(("sym", (names[sym], m.group("i") or m.group("i2"))))
+        elif m.group("op"):
+            tokens.append(("op", m.group("op")))
+    eq = tokens.index(("op", "="))
+    lhs, rhs = tokens[:eq], tokens[eq + 1:]
+    if len(lhs) != 1 or lhs[0][0] != "sym":
+        raise ValueError(f"expected one symbol left of '=', got {lhs}")
+    free = lhs[0][1][1]
+
+    def parse_expr(i, bound):  # expr := term (('+'|'-') term)*
+        code, i = parse_term(i, bound)
+        while i < len(rhs) and rhs[i][0] == "op" and rhs[i][1] in "+-":
+            op = rhs[i][1]
+            nxt, i = parse_term(i + 1, bound)
+            code = f"({code} {op} {nxt})"
+        return code, i
+
+    def parse_term(i, bound):  # term := factor+ ; \sum_k takes the rest of the term
+        factors = []
+        while i < len(rhs):
+            kind, val = rhs[i]
+            if kind == "sum":
+                inner, i = parse_term(i + 1, bound | {val})
+                factors.append(f"xp.sum({inner}, axis=-1, keepdims=True)")
+                break
+            if kind == "sym":
+                name, index = val
+                if bound and index not in bound:
+                    raise ValueError(f"{name}_{index} inside a sum: only summed indices there")
+                if not bound and index != free:
+                    raise ValueError(f"index {index} of {name} is neither free nor summed")
+                factors.append(name)
+                i += 1
+            elif val == "(":
+                inner, i = parse_expr(i + 1, bound)
+                if i >= len(rhs) or rhs[i] != ("op", ")"):
+                    raise ValueError("unbalanced parentheses")
+                factors.append(f"({inner})")
+                i += 1
+            else:
+                break
+        if not factors:
+            raise ValueError(f"empty term at token {i} of {latex!r}")
+        return " * ".join(factors), i
+
+    code, end = parse_expr(0, frozenset())
+    if end != len(rhs):
+        raise ValueError(f"unparsed tokens {rhs[end:]} in {latex!r}")
+    return lhs[0][1][0], code
+
+
+SOFTMAX_NAMES = {"p": "p", r"\mathrm{d}p": "dp", r"\mathrm{d}z": "dz"}
+
+
+def test_formula_translator_reads_variants():
+    # the translator itself must be able to tell formulas apart
+    assert latex_to_python(r"\mathrm{d}z_j = p_j \left( \mathrm{d}p_j - \sum_k \mathrm{d}p_k \, p_k \right)",
+                           SOFTMAX_NAMES) == (
+        "dz", "p * ((dp - xp.sum(dp * p, axis=-1, keepdims=True)))")
+    assert latex_to_python(r"\mathrm{d}z_j = p_j (\mathrm{d}p_j - \sum_{k} \mathrm{d}p_k)",
+                           SOFTMAX_NAMES)[1] == "p * ((dp - xp.sum(dp, axis=-1, keepdims=True)))"
+    for bad in (r"\mathrm{d}z_j = p_i", r"\mathrm{d}z_j = \sum_k p_j \mathrm{d}p_k",
+                r"\mathrm{d}z_j = p_j (\mathrm{d}p_j", r"\mathrm{d}z_j = q_j"):
+        with pytest.raises(ValueError):
+            latex_to_python(bad, SOFTMAX_NAMES)
+
+
+@pytest.fixture(scope="module")
+def softmax_backward_as_documented():
+    latex = labelled_equation((DOCS / "derivations.md").read_text(), "softmax-backward")
+    lhs, code = latex_to_python(latex, SOFTMAX_NAMES)
+    assert lhs == "dz"
+    return code
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # fixtures are stateless
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(2, 4), st.integers(2, 6)),
+    kind=st.sampled_from(["none", "bool", "float"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_documented_softmax_backward_matches_code(softmax_backward_as_documented, xp, to_xp, to_np,
+                                                  shape, kind, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 3.0
+    dp = rng.standard_normal(shape)  # random upstream gradient, never all ones
+    mask = None
+    if kind == "bool":
+        mask = rng.random(shape[-2:]) < 0.6
+        mask[0] = False  # a fully masked row
+    elif kind == "float":
+        mask = rng.standard_normal(shape[-2:])
+        mask[rng.random(shape[-2:]) < 0.3] = -np.inf
+        mask[-1] = -np.inf  # a fully masked row
+    p, cache = F.masked_softmax_forward(to_xp(x), to_xp(mask))
+    dx, _ = F.masked_softmax_backward(to_xp(dp), cache)
+    documented = eval(softmax_backward_as_documented, {"xp": xp, "p": p, "dp": to_xp(dp)})
+    np.testing.assert_allclose(to_np(dx), to_np(documented), rtol=1e-12, atol=1e-12)
+    assert np.all(np.isfinite(to_np(dx)))
+
+
+def test_a_wrong_formula_would_fail(softmax_backward_as_documented):
+    # the check above can fail: the formula without its p_j factor disagrees with the code
+    rng = np.random.default_rng(0)
+    x, dp = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
+    p, cache = F.masked_softmax_forward(x)
+    dx, _ = F.masked_softmax_backward(dp, cache)
+    _, wrong = latex_to_python(r"\mathrm{d}z_j = \mathrm{d}p_j - \sum_k \mathrm{d}p_k \, p_k", SOFTMAX_NAMES)
+    assert not np.allclose(dx, eval(wrong, {"xp": np, "p": p, "dp": dp}))
+    assert np.allclose(dx, eval(softmax_backward_as_documented, {"xp": np, "p": p, "dp": dp}))
+
+
+# --------------------------------------------------------------------------
+# runnable snippets
+
+_BLOCK = re.compile(
+    r"<!--[ \t]*run(?:[ \t]*:[ \t]*(?P<opts>[^\n>]*?))?[ \t]*-->[ \t]*\n"
+    r"```python[^\n]*\n(?P<code>.*?)^```",
+    re.S | re.M,
+)
+
+
+def runnable_blocks(page: Path):
+    """``(line, requires, code)`` for each runnable block of ``page``."""
+    text = page.read_text()
+    blocks = []
+    for m in _BLOCK.finditer(text):
+        requires = []
+        for opt in (m.group("opts") or "").split():
+            key, _, value = opt.partition("=")
+            if key != "requires":
+                raise ValueError(f"{page.name}: unknown run option {opt!r}")
+            requires += [r for r in value.split(",") if r]
+        line = text.count("\n", 0, m.start("code")) + 1
+        blocks.append((line, requires, m.group("code")))
+    return blocks
+
+
+def missing(requirement: str):
+    """Why ``requirement`` is not met, or None when it is."""
+    if requirement == "cupy":
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                return None
+        except Exception:  # noqa: BLE001 - no CuPy or no GPU, either way skip
+            pass
+        return "CuPy and a CUDA GPU"
+    parts = requirement.split(".")
+    for n in range(len(parts), 0, -1):  # longest importable prefix, then attributes
+        module = ".".join(parts[:n])
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            continue
+        for attr in parts[n:]:
+            if not hasattr(obj, attr):
+                return requirement
+            obj = getattr(obj, attr)
+        return None
+    return requirement
+
+
+PAGES_WITH_CODE = [p for p in PAGES if runnable_blocks(p)]
+BLOCKS = [(page, i) for page in PAGES_WITH_CODE for i in range(len(runnable_blocks(page)))]
+
+
+@functools.lru_cache(maxsize=None)
+def run_page(page: Path):
+    """Execute the runnable blocks of ``page`` in order, in one namespace.
+
+    Returns one ``(status, detail)`` per block: ``("ok", "")``,
+    ``("skip", why)`` or ``("fail", traceback)``. A block whose requirement is
+    missing is skipped on its own; so a block may use names defined only by
+    earlier blocks that need no more than it does.
+    """
+    namespace = {"__name__": f"docs_{page.stem}"}
+    results = []
+    for line, requires, code in runnable_blocks(page):
+        absent = [r for r in (missing(r) for r in requires) if r]
+        if absent:
+            results.append(("skip", f"{page.name}:{line} needs {', '.join(absent)}"))
+            continue
+        try:
+            exec(compile(code, f"{page}:{line}", "exec"), namespace)
+        except Exception:  # noqa: BLE001 - reported by the block's own test
+            results.append(("fail", traceback.format_exc()))
+        else:
+            results.append(("ok", ""))
+    return results
+
+
+def test_some_pages_have_runnable_code():
+    names = {p.name for p in PAGES_WITH_CODE}
+    assert {"derivations.md", "oracle.md", "gpu.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_run_marker_has_a_python_block(page):
+    # a marker that is not directly followed by a ```python block would be ignored silently
+    markers = len(re.findall(r"^<!--[ \t]*run\b", page.read_text(), re.M))
+    assert markers == len(runnable_blocks(page)), f"{page.name}: a <!-- run --> marker has no block"
+
+
+@pytest.mark.parametrize(
+    "page, index", BLOCKS,
+    ids=[f"{p.relative_to(DOCS)}:{runnable_blocks(p)[i][0]}" for p, i in BLOCKS],
+)
+def test_runnable_snippet(page, index):
+    status, detail = run_page(page)[index]
+    if status == "skip":
+        pytest.skip(detail)
+    assert status == "ok", f"the block at {page.name}:{runnable_blocks(page)[index][0]} failed:\n{detail}"
+
+
+# --------------------------------------------------------------------------
+# cross-references
+
+_XREF = re.compile(r"\{py:(?:func|meth|class|mod|attr|data|obj)\}`(?:[^`<]*<)?~?(?P<target>[\w.]+)>?`")
+
+
+def test_cross_references_name_existing_objects():
+    targets = {m.group("target") for p in PAGES for m in _XREF.finditer(p.read_text())}
+    assert targets, "the docs link no API object"
+    broken = sorted(t for t in targets if missing(t))
+    assert not broken, f"docs link objects that do not exist: {broken}"
+
+
+# --------------------------------------------------------------------------
+# docstring examples
+
+
+def _package_modules():
+    names = ["npattn"]
+    for info in pkgutil.walk_packages(npattn.__path__, "npattn."):
+        if info.name.rsplit(".", 1)[-1] != "__main__":
+            names.append(info.name)
+    return names
+
+
+@pytest.mark.parametrize("name", _package_modules())
+def test_docstring_examples(name):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:  # an optional dependency of that module is absent
+        pytest.skip(f"{name}: {exc}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+
+
+# --------------------------------------------------------------------------
+# the Sphinx build
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None,
+    reason="building the docs needs the docs extra (sphinx, myst-parser)",
+)
+def test_sphinx_build_is_warning_free(tmp_path):
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+           "-d", str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"sphinx build failed:\n{run.stdout}\n{run.stderr}"
+    assert (tmp_path / "html" / "derivations.html").exists()
