@@ -245,8 +245,8 @@ def save_heatmaps(model: ReverseModel, out_dir: str, *, seed: int = 0) -> list:
         ax.set_title(title)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_yticks(range(len(labels)), labels)
-        ax.set_xlabel("key (input digit)")
-        ax.set_ylabel("query position (its input digit)")
+        ax.set_xlabel("key position 0..L-1 (its digit)")
+        ax.set_ylabel("query position 0..L-1 (its digit)")
         return im
 
     H = w.shape[0]
@@ -256,18 +256,18 @@ def save_heatmaps(model: ReverseModel, out_dir: str, *, seed: int = 0) -> list:
         fig.colorbar(im, ax=ax, fraction=0.046)
         fig.tight_layout()
         path = os.path.join(out_dir, f"attention_head{h}.png")
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
-    fig, axes = plt.subplots(1, H, figsize=(3.2 * H, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, H, figsize=(3.4 * H, 4.0), squeeze=False)
     for h in range(H):
         im = draw(axes[0, h], w[h], f"head {h}")
         if h:
             axes[0, h].set_ylabel("")
-    fig.suptitle(f"Attention weights, reversing {''.join(labels)}")
-    fig.tight_layout()
+    fig.suptitle(f"Attention weights per head, reversing {''.join(labels)}")
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.95))
     path = os.path.join(out_dir, "attention_heads.png")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     paths.append(path)
     return paths
