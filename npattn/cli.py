@@ -11,6 +11,7 @@ error or a missing dependency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--json", action="store_true", help="print machine-readable results")
     check.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _threads_option(check)
 
     demo = sub.add_parser(
         "demo",
@@ -74,9 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for the heatmaps (default ./npattn-demo)")
     demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _threads_option(demo)
 
     sub.add_parser("bench", add_help=False, help="time forward/backward (npattn.bench)")
     return parser
+
+
+def _threads_option(parser):
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="BLAS threads while it runs (default 1: the arrays are tiny, and extra threads "
+        "only contend); needs threadpoolctl, else the library's own setting is kept",
+    )
+
+
+@contextlib.contextmanager
+def blas_threads(n):
+    """Limit BLAS threads to ``n`` inside the block, when threadpoolctl is installed."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield
 
 
 def main(argv=None) -> int:
@@ -95,10 +118,11 @@ def _main(argv) -> int:
         return _bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "check":
-        return _check(args)
-    if args.command == "demo":
-        return _demo(args, parser)
+    if args.command in ("check", "demo"):
+        if args.threads < 1:
+            parser.error(f"--threads: expected a positive integer, got {args.threads}")
+        with blas_threads(args.threads):
+            return _check(args) if args.command == "check" else _demo(args, parser)
     parser.print_help()
     return 2
 

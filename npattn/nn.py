@@ -190,6 +190,7 @@ def cross_entropy_forward(logits, targets):
     onehot = one_hot(xp, targets, V, logits.dtype)  # [..., V]
     n = math.prod(targets.shape)
     loss = -xp.sum(onehot * logp) / float(n)  # 4.                      []
+    loss = xp.asarray(loss)  # NumPy reduces to a scalar type; keep a 0-d array
     return loss, CrossEntropyCache(xp.exp(logp), onehot, n)
 
 
