@@ -52,7 +52,10 @@ from .backend import from_numpy, resolve_backend, to_numpy
 from .gradcheck import numerical_vjp
 from .module import PARAM_NAMES, MultiHeadAttention
 
-__all__ = ["TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit"]
+__all__ = [
+    "TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit",
+    "format_table", "summary_line",
+]
 
 #: (rtol, atol) per audited dtype; see the module docstring for what is compared.
 #: float64: central differences with eps = 1e-6 are accurate to about 1e-9

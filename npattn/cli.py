@@ -91,14 +91,28 @@ def _threads_option(parser):
 
 
 @contextlib.contextmanager
-def blas_threads(n):
-    """Limit BLAS threads to ``n`` inside the block, when threadpoolctl is installed."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=n, user_api="blas"):
+def blas_threads(n, backend="numpy"):
+    """Limit BLAS threads to ``n`` inside the block, when threadpoolctl is installed.
+
+    The torch backend has its own intra-op thread pool, limited with
+    ``torch.set_num_threads`` and restored afterwards.
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            from threadpoolctl import threadpool_limits
+
+            stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
+        except ImportError:
+            pass
+        if backend == "torch":
+            try:
+                import torch
+            except ImportError:
+                torch = None
+            if torch is not None:
+                before = torch.get_num_threads()
+                torch.set_num_threads(n)
+                stack.callback(torch.set_num_threads, before)
         yield
 
 
@@ -121,7 +135,7 @@ def _main(argv) -> int:
     if args.command in ("check", "demo"):
         if args.threads < 1:
             parser.error(f"--threads: expected a positive integer, got {args.threads}")
-        with blas_threads(args.threads):
+        with blas_threads(args.threads, args.backend):
             return _check(args) if args.command == "check" else _demo(args, parser)
     parser.print_help()
     return 2
