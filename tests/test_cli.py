@@ -1,5 +1,6 @@
 """The npattn command: check (the gradient audit), demo, bench."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -213,3 +214,20 @@ def test_bench_passes_the_remaining_arguments(monkeypatch):
     monkeypatch.setitem(sys.modules, "npattn.bench", fake)
     assert cli.main(["bench", "--sizes", "small", "--json"]) == 3
     assert seen == [["--sizes", "small", "--json"]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_threads_option_limits_and_restores_torch_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    with cli.blas_threads(target, "torch"):
+        assert torch.get_num_threads() == target
+    assert torch.get_num_threads() == before
+
+
+def test_threads_must_be_positive():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--threads", "0"])
+    assert exc.value.code == 2
