@@ -1,0 +1,8 @@
+"""``python -m npattn``: the same as the ``npattn`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,482 @@
+"""The gradient audit behind ``npattn check``: every backward against finite differences.
+
+A fixed panel of configurations covers every primitive of
+``npattn.functional`` and the ``MultiHeadAttention`` module: self- and
+cross-attention (Lq != Lk), kdim/vdim, bias on and off, boolean and floating
+masks (with ``-inf``), padding and causal masks, fully masked rows, and
+dropout with p > 0 and a fixed keep-mask. For every (configuration, tensor)
+it reports the largest absolute and relative error of the hand-derived
+gradient.
+
+How one check works
+-------------------
+1. Inputs are drawn in float64 on the host from a fixed seed, cast to the
+   audited dtype and moved to the audited backend.
+2. The analytic gradient is the backward of the pair, run in the audited
+   dtype and backend, for a random normal upstream gradient ``dout`` (never
+   all ones).
+3. The reference is ``npattn.gradcheck.numerical_vjp``: central differences
+   of ``<f(x), dout>`` with step 1e-6, always evaluated in float64 (from the
+   very same, float32-representable, input values in float32 mode).
+4. ``max_abs_err = max |g - n|`` and ``max_rel_err = max_abs_err / scale``
+   with ``scale = max(max|g|, max|n|, FLOOR * S)``, where ``S`` is the largest
+   gradient entry of any tensor in the same configuration. A tensor passes
+   when ``max_abs_err <= atol + rtol * scale``.
+
+   The floor is there for gradients that are exactly zero in exact
+   arithmetic: ``b_k`` shifts every score of a row by the same ``q . b_k``,
+   which softmax ignores, so ``d b_k = 0`` and both sides are pure round-off
+   that no relative error can judge. A wrong ``d b_k`` would be of the size
+   of the other gradients and still fail.
+
+So in float32 mode the audit checks that the backward computed *in float32*
+agrees with the exact derivative (float64 differences) up to float32
+round-off; in float64 mode it checks the derivation itself up to the
+truncation error of the differences. Tolerances are in ``TOLERANCES``.
+
+Shape legend: B batch, H heads, Lq/Lk query/key lengths, D model width,
+Dh head width.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import functional as F
+from .backend import from_numpy, resolve_backend, to_numpy
+from .gradcheck import numerical_vjp
+from .module import PARAM_NAMES, MultiHeadAttention
+
+__all__ = [
+    "TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit",
+    "format_table", "summary_line",
+]
+
+#: (rtol, atol) per audited dtype; see the module docstring for what is compared.
+#: float64: central differences with eps = 1e-6 are accurate to about 1e-9
+#: relative, so 1e-6 leaves room only for round-off, not for a wrong formula.
+#: float32: the analytic gradient carries float32 round-off (unit 6e-8) through
+#: a few matmuls and a softmax; 1e-4 relative is ~1000 units, far below the
+#: O(1) relative error of any wrong term.
+TOLERANCES = {"float64": (1e-6, 1e-12), "float32": (1e-4, 1e-7)}
+#: Step of the central differences.
+EPS = 1e-6
+#: Error scale floor, as a fraction of the configuration's largest gradient entry.
+FLOOR = 1e-2
+
+
+@dataclass
+class Check:
+    """One configuration of the panel.
+
+    ``build(xp, dtype, rng)`` returns ``(forward, backward, inputs, names, wrt)``
+    with ``inputs`` already on the backend, in the audited dtype.
+    """
+
+    name: str
+    kind: str  # "primitive" or "module"
+    build: Callable
+
+
+@dataclass
+class Row:
+    """The result for one (configuration, tensor)."""
+
+    config: str
+    tensor: str
+    max_abs_err: float
+    max_rel_err: float
+    passed: bool
+    error: Optional[str] = None  # an exception raised by the check, if any
+
+
+@dataclass
+class AuditResult:
+    backend: str
+    dtype: str
+    rtol: float
+    atol: float
+    rows: list
+    seconds: float
+
+    @property
+    def n_failed(self) -> int:
+        return sum(not r.passed for r in self.rows)
+
+    @property
+    def ok(self) -> bool:
+        return self.n_failed == 0 and len(self.rows) > 0
+
+    def to_dict(self) -> dict:
+        def clean(x):
+            return x if isinstance(x, float) and math.isfinite(x) else None
+
+        rows = []
+        for r in self.rows:
+            d = asdict(r)
+            d["max_abs_err"] = clean(r.max_abs_err)
+            d["max_rel_err"] = clean(r.max_rel_err)
+            rows.append(d)
+        return {
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "eps": EPS,
+            "n_checked": len(self.rows),
+            "n_failed": self.n_failed,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "rows": rows,
+        }
+
+
+# --------------------------------------------------------------------------
+# building blocks of the panel
+
+
+class _Maker:
+    """Draws host float64 arrays from a seeded generator and puts them on the backend."""
+
+    def __init__(self, xp, dtype, rng):
+        self.xp, self.dtype, self.rng = xp, dtype, rng
+
+    def normal(self, *shape):
+        return self.put(self.rng.standard_normal(shape))
+
+    def put(self, a):
+        return self.xp.astype(from_numpy(np.asarray(a, dtype=np.float64), self.xp), self.dtype)
+
+    def bool(self, a):
+        return from_numpy(np.asarray(a, dtype=bool), self.xp)
+
+    def keep(self, shape, p):
+        return self.bool(self.rng.random(shape) >= p)
+
+
+def _padding_keep(B, Lk, lengths):
+    """Boolean (B, Lk): key j of batch b is real when j < lengths[b]."""
+    return np.arange(Lk)[None, :] < np.asarray(lengths)[:, None]
+
+
+def _float_mask(rng, shape, *, neg_inf_frac=0.3, full_rows=()):
+    """Finite random values with some ``-inf`` entries; rows in ``full_rows`` all ``-inf``."""
+    m = 0.5 * rng.standard_normal(shape)
+    m[rng.random(shape) < neg_inf_frac] = -np.inf
+    m[..., 0] = np.where(np.isinf(m[..., 0]), 0.3, m[..., 0])  # keep most rows alive
+    for idx in full_rows:
+        m[idx] = -np.inf
+    return m
+
+
+def _pair(forward_name, backward_name, **kwargs):
+    """``(forward, backward)`` looking the functions up at call time in ``npattn.functional``.
+
+    Late binding lets a test swap a backward and watch the audit fail.
+    """
+
+    def forward(*args):
+        return getattr(F, forward_name)(*args, **kwargs)
+
+    def backward(dout, cache):
+        return getattr(F, backward_name)(dout, cache)
+
+    return forward, backward
+
+
+def _sdpa_pair(**kwargs):
+    def forward(q, k, v, mask=None):
+        return F.sdpa_forward(q, k, v, mask=mask, **kwargs)
+
+    def backward(dout, cache):
+        return F.sdpa_backward(dout, cache)
+
+    return forward, backward
+
+
+def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
+    """The module as a pure pair over (inputs, parameters).
+
+    Self-attention feeds one ``x`` as query, key and value, so its gradient is
+    ``dquery + dkey + dvalue``: the check covers that sum too.
+    """
+    names = [n for n in PARAM_NAMES if n in mha.params]
+
+    def forward(*args):
+        n_in = 1 if self_attention else 3
+        acts, ps = args[:n_in], args[n_in:]
+        for n, p in zip(names, ps):
+            mha.params[n] = p
+        q, k, v = (acts[0],) * 3 if self_attention else acts
+        out = mha.forward(q, k, v, **fwd_kwargs)
+        return out, mha._cache
+
+    def backward(dout, cache):
+        mha._cache = cache
+        dq, dk, dv = mha.backward(dout)
+        g = [mha.grads[n] for n in names]
+        return ((dq + dk + dv,) if self_attention else (dq, dk, dv)) + tuple(g)
+
+    return forward, backward, names
+
+
+# --------------------------------------------------------------------------
+# the panel
+
+
+def _linear(bias):
+    def build(xp, dtype, rng):
+        m = _Maker(xp, dtype, rng)
+        x, w = m.normal(2, 3, 5), m.normal(4, 5)
+        inputs = [x, w] + ([m.normal(4)] if bias else [])
+        names = ["x", "w"] + (["b"] if bias else [])
+        return (*_pair("linear_forward", "linear_backward"), inputs, names)
+
+    return build
+
+
+def _split(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    return (*_pair("split_heads_forward", "split_heads_backward", n_head=2),
+            [m.normal(2, 3, 6)], ["x"])
+
+
+def _merge(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    return (*_pair("merge_heads_forward", "merge_heads_backward"), [m.normal(2, 3, 4, 2)], ["x"])
+
+
+def _softmax(mask_kind):
+    def build(xp, dtype, rng):
+        m = _Maker(xp, dtype, rng)
+        x = m.normal(2, 3, 5)  # [B, Lq, Lk]
+        fwd, bwd = _pair("masked_softmax_forward", "masked_softmax_backward")
+        if mask_kind is None:
+            return fwd, bwd, [x], ["x"]
+        if mask_kind == "bool":
+            keep = rng.random((2, 3, 5)) < 0.6
+            keep[..., 0] = True
+            keep[1, 2, :] = False  # a fully masked row
+            return fwd, bwd, [x, m.bool(keep)], ["x", "mask"]
+        if mask_kind == "float":
+            mask = _float_mask(rng, (3, 5), full_rows=[(1,)])  # broadcast over B
+            return fwd, bwd, [x, m.put(mask)], ["x", "mask"]
+        # "padding": additive (B, 1, Lk) mask, -inf on padded keys, one sequence empty
+        pad = np.where(_padding_keep(2, 5, [3, 0]), 0.2 * rng.standard_normal((2, 5)), -np.inf)
+        return fwd, bwd, [x, m.put(pad[:, None, :])], ["x", "mask"]
+
+    return build
+
+
+def _dropout(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    x = m.normal(2, 3, 4)
+    keep = m.keep((2, 3, 4), 0.3)
+    return (*_pair("dropout_forward", "dropout_backward", p=0.3, mask=keep), [x], ["x"])
+
+
+def _sdpa(Lq, Lk, mask_kind=None, is_causal=False, dropout_p=0.0):
+    def build(xp, dtype, rng):
+        m = _Maker(xp, dtype, rng)
+        B, H, Dh = 2, 2, 3
+        q, k, v = m.normal(B, H, Lq, Dh), m.normal(B, H, Lk, Dh), m.normal(B, H, Lk, Dh)
+        kwargs = {"is_causal": is_causal}
+        if dropout_p:
+            kwargs.update(dropout_p=dropout_p, dropout_mask=m.keep((B, H, Lq, Lk), dropout_p))
+        fwd, bwd = _sdpa_pair(**kwargs)
+        inputs, names = [q, k, v], ["q", "k", "v"]
+        if mask_kind == "bool_padding":  # (B, 1, 1, Lk), True = real key
+            inputs.append(m.bool(_padding_keep(B, Lk, [Lk - 2, Lk])[:, None, None, :]))
+            names.append("mask")
+        elif mask_kind == "bool_full_rows":  # (B, H, Lq, Lk) with fully masked rows
+            keep = rng.random((B, H, Lq, Lk)) < 0.6
+            keep[..., 0] = True
+            keep[0, 1, 1, :] = False
+            keep[1, 0, Lq - 1, :] = False
+            inputs.append(m.bool(keep))
+            names.append("mask")
+        elif mask_kind == "float":  # (B, 1, Lq, Lk), -inf entries, one fully masked row
+            inputs.append(m.put(_float_mask(rng, (B, 1, Lq, Lk), full_rows=[(1, 0, 0)])))
+            names.append("mask")
+        return fwd, bwd, inputs, names
+
+    return build
+
+
+def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_causal=False,
+         dropout_p=0.0):
+    def build(xp, dtype, rng):
+        m = _Maker(xp, dtype, rng)
+        B, Lq, Lk, D, H = 2, 4, (4 if self_attention else 5), 8, 2
+        mha = MultiHeadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout_p,
+                                 backend=xp, dtype="float64")
+        kwargs = {"is_causal": is_causal}
+        if mask_kind == "bool_padding":
+            kwargs["mask"] = m.bool(_padding_keep(B, Lk, [Lk - 1, 2])[:, None, None, :])
+        elif mask_kind == "float":
+            kwargs["mask"] = m.put(_float_mask(rng, (Lq, Lk), full_rows=[(1,)]))
+        elif mask_kind == "bool_full_rows":
+            keep = rng.random((B, 1, Lq, Lk)) < 0.7
+            keep[..., 0] = True
+            keep[1, 0, 2, :] = False
+            kwargs["mask"] = m.bool(keep)
+        if dropout_p:
+            kwargs["dropout_mask"] = m.keep((B, H, Lq, Lk), dropout_p)
+        fwd, bwd, pnames = _module_pair(mha.train(), self_attention, **kwargs)
+        if self_attention:
+            acts, anames = [m.normal(B, Lq, D)], ["x (q=k=v)"]
+        else:
+            acts = [m.normal(B, Lq, D), m.normal(B, Lk, mha.kdim), m.normal(B, Lk, mha.vdim)]
+            anames = ["query", "key", "value"]
+        params = [m.normal(*mha.params[n].shape) for n in pnames]
+        return fwd, bwd, acts + params, anames + pnames
+
+    return build
+
+
+def panel() -> list:
+    """The fixed list of ``Check``s that ``npattn check`` runs."""
+    P, M = "primitive", "module"
+    return [
+        Check("linear, bias", P, _linear(True)),
+        Check("linear, no bias", P, _linear(False)),
+        Check("split_heads, H=2", P, _split),
+        Check("merge_heads, H=3", P, _merge),
+        Check("masked_softmax, no mask", P, _softmax(None)),
+        Check("masked_softmax, bool mask, fully masked row", P, _softmax("bool")),
+        Check("masked_softmax, float mask -inf, fully masked row", P, _softmax("float")),
+        Check("masked_softmax, float padding mask, empty sequence", P, _softmax("padding")),
+        Check("dropout p=0.3, fixed keep-mask", P, _dropout),
+        Check("sdpa, Lq=Lk, no mask", P, _sdpa(4, 4)),
+        Check("sdpa, Lq!=Lk, bool padding mask", P, _sdpa(3, 5, "bool_padding")),
+        Check("sdpa, Lq!=Lk, causal", P, _sdpa(4, 6, is_causal=True)),
+        Check("sdpa, float mask -inf, fully masked row", P, _sdpa(3, 5, "float")),
+        Check("sdpa, causal + float mask", P, _sdpa(4, 4, "float", is_causal=True)),
+        Check("sdpa, bool mask, fully masked rows, dropout p=0.25", P,
+              _sdpa(3, 5, "bool_full_rows", dropout_p=0.25)),
+        Check("mha self, bias, no mask", M, _mha(True)),
+        Check("mha self, no bias, causal", M, _mha(True, bias=False, is_causal=True)),
+        Check("mha cross, kdim=5 vdim=3, bool padding mask", M,
+              _mha(False, kdim=5, vdim=3, mask_kind="bool_padding")),
+        Check("mha cross, no bias, float mask -inf, fully masked row", M,
+              _mha(False, bias=False, mask_kind="float")),
+        Check("mha self, causal + bool mask, fully masked row, dropout p=0.2", M,
+              _mha(True, mask_kind="bool_full_rows", is_causal=True, dropout_p=0.2)),
+    ]
+
+
+# --------------------------------------------------------------------------
+# running it
+
+
+def _scale(g, n) -> float:
+    return float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
+
+
+def _compare(g, n, floor, rtol, atol):
+    err = float(np.max(np.abs(g - n), initial=0.0))
+    scale = max(_scale(g, n), floor)
+    if not math.isfinite(err) or not math.isfinite(scale):
+        return math.nan, math.nan, False
+    rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+    return err, rel, err <= atol + rtol * scale
+
+
+def run_check(check: Check, xp, dtype: str, *, seed: int = 0) -> list:
+    """Rows for one configuration: one per differentiable input (masks with a float dtype included)."""
+    rtol, atol = TOLERANCES[dtype]
+    rng = np.random.default_rng(seed)
+    try:
+        fwd, bwd, inputs, names = check.build(xp, getattr(xp, dtype), rng)
+        wrt = [i for i, x in enumerate(inputs) if xp.isdtype(x.dtype, "real floating")]
+        out, cache = fwd(*inputs)
+        dout = xp.astype(from_numpy(rng.standard_normal(tuple(out.shape)), xp), out.dtype)
+        grads = bwd(dout, cache)
+        grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+        numeric = numerical_vjp(lambda *a: fwd(*a)[0], inputs, dout, eps=EPS, wrt=wrt)
+    except Exception as exc:  # a crash is a failure of the whole configuration
+        return [Row(check.name, "(all)", math.nan, math.nan, False,
+                    f"{type(exc).__name__}: {exc}")]
+    rows, pairs = {}, {}
+    for i in wrt:
+        g = grads[i] if i < len(grads) else None
+        if g is None:
+            rows[i] = Row(check.name, names[i], math.nan, math.nan, False,
+                          "backward returned None")
+        elif tuple(g.shape) != numeric[i].shape:
+            rows[i] = Row(check.name, names[i], math.nan, math.nan, False,
+                          f"gradient shape {tuple(g.shape)}, expected {numeric[i].shape}")
+        else:
+            pairs[i] = (np.asarray(to_numpy(g), dtype=np.float64), numeric[i])
+    # the configuration's gradient scale S, for the floor (see the module docstring)
+    S = max((_scale(g, n) for g, n in pairs.values()), default=0.0)
+    floor = FLOOR * S if math.isfinite(S) else 0.0
+    for i, (g, n) in pairs.items():
+        rows[i] = Row(check.name, names[i], *_compare(g, n, floor, rtol, atol))
+    return [rows[i] for i in wrt]
+
+
+def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
+              checks=None) -> AuditResult:
+    """Run the panel on ``backend`` in ``dtype``.
+
+    Parameters
+    ----------
+    backend : str
+        "numpy", "array_api_strict", "torch" or "cupy".
+    dtype : {"float64", "float32"}
+    progress : callable, optional
+        Called as ``progress(i, n, check_name)`` before each configuration.
+    checks : list of Check, optional
+        Default ``panel()``.
+
+    Returns
+    -------
+    AuditResult
+    """
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype: expected one of {sorted(TOLERANCES)}, got {dtype!r}")
+    xp = resolve_backend(backend)
+    checks = panel() if checks is None else checks
+    rtol, atol = TOLERANCES[dtype]
+    start = time.perf_counter()
+    rows = []
+    for i, check in enumerate(checks):
+        if progress is not None:
+            progress(i, len(checks), check.name)
+        rows.extend(run_check(check, xp, dtype, seed=i))
+    if progress is not None:
+        progress(len(checks), len(checks), "")
+    return AuditResult(backend, dtype, rtol, atol, rows, time.perf_counter() - start)
+
+
+def format_table(result: AuditResult) -> str:
+    """The audit as a text table, one row per (configuration, tensor), and a summary line."""
+    cw = max(len("configuration"), *(len(r.config) for r in result.rows))
+    tw = max(len("tensor"), *(len(r.tensor) for r in result.rows))
+    head = f"{'configuration':<{cw}}  {'tensor':<{tw}}  {'max abs err':>11}  {'max rel err':>11}  result"
+    lines = [head, "-" * len(head)]
+    for r in result.rows:
+        verdict = "pass" if r.passed else "FAIL"
+        lines.append(
+            f"{r.config:<{cw}}  {r.tensor:<{tw}}  {r.max_abs_err:11.2e}  {r.max_rel_err:11.2e}  {verdict}"
+            + (f"  ({r.error})" if r.error else "")
+        )
+    lines.append("-" * len(head))
+    lines.append(summary_line(result))
+    return "\n".join(lines)
+
+
+def summary_line(result: AuditResult) -> str:
+    n, bad = len(result.rows), result.n_failed
+    n_cfg = len({r.config for r in result.rows})
+    verdict = "all gradients match finite differences" if bad == 0 else f"{bad} FAILED"
+    return (
+        f"{n - bad}/{n} passed over {n_cfg} configurations ({result.backend}, {result.dtype}, "
+        f"rtol={result.rtol:g}, atol={result.atol:g}) in {result.seconds:.1f}s: {verdict}"
+    )

@@ -1,0 +1,253 @@
+"""The ``npattn`` command (also ``python -m npattn``).
+
+* ``npattn check``: audit every hand-derived gradient against finite differences;
+* ``npattn demo``: train a small attention model on digit reversal, save heatmaps;
+* ``npattn bench``: timings (provided by ``npattn.bench`` when installed).
+
+``main(argv)`` returns the exit status: 0 success, 1 a failed check, 2 a usage
+error or a missing dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+
+from . import __version__
+
+__all__ = ["main", "build_parser"]
+
+BACKEND_CHOICES = ["numpy", "array_api_strict", "cupy", "torch"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="npattn",
+        description="Multi-head attention with hand-derived gradients: audit them, or watch "
+        "them train a model.",
+    )
+    parser.add_argument("--version", action="version", version=f"npattn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench}")
+
+    check = sub.add_parser(
+        "check",
+        help="audit every backward against finite differences",
+        description="Check the gradient of every primitive (linear, split/merge heads, "
+        "masked softmax, dropout, sdpa) and of MultiHeadAttention (inputs and every "
+        "parameter) against central finite differences in float64, over a fixed panel of "
+        "configurations. Exit status 1 if any check fails.",
+    )
+    check.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
+    check.add_argument(
+        "--dtype", choices=["float64", "float32"], default="float64",
+        help="dtype of inputs, parameters and the analytic backward (finite differences "
+        "are always float64); default float64",
+    )
+    check.add_argument("--json", action="store_true", help="print machine-readable results")
+    check.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _threads_option(check)
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small attention model on digit reversal, save attention heatmaps",
+        description="Train embedding + positional encoding + multi-head self-attention + "
+        "output projection with softmax cross-entropy and Adam, all with hand-derived "
+        "gradients, to reverse digit sequences. Saves per-head attention heatmaps (PNG, "
+        "needs matplotlib: pip install 'npattn[plot]').",
+    )
+    demo.add_argument("--heads", default="4",
+                      help="number of heads, or a comma list such as 1,2,4,8 to compare "
+                      "them at the same d_model (default 4)")
+    demo.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
+    demo.add_argument("--seq-len", type=int, default=12, help="digits per sequence (default 12)")
+    demo.add_argument("--d-model", type=int, default=32, help="model width (default 32)")
+    demo.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
+    demo.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
+    demo.add_argument("--pos", choices=["sinusoidal", "learned"], default="sinusoidal",
+                      help="positional encoding (default sinusoidal)")
+    demo.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
+    demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="npattn-demo",
+                      help="folder for the heatmaps (default ./npattn-demo)")
+    demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _threads_option(demo)
+
+    sub.add_parser("bench", add_help=False, help="time forward/backward (npattn.bench)")
+    return parser
+
+
+def _threads_option(parser):
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="BLAS threads while it runs (default 1: the arrays are tiny, and extra threads "
+        "only contend); needs threadpoolctl, else the library's own setting is kept",
+    )
+
+
+@contextlib.contextmanager
+def blas_threads(n, backend="numpy"):
+    """Limit BLAS threads to ``n`` inside the block, when threadpoolctl is installed.
+
+    The torch backend has its own intra-op thread pool, limited with
+    ``torch.set_num_threads`` and restored afterwards.
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            from threadpoolctl import threadpool_limits
+
+            stack.enter_context(threadpool_limits(limits=n, user_api="blas"))
+        except ImportError:
+            pass
+        if backend == "torch":
+            try:
+                import torch
+            except ImportError:
+                torch = None
+            if torch is not None:
+                before = torch.get_num_threads()
+                torch.set_num_threads(n)
+                stack.callback(torch.set_num_threads, before)
+        yield
+
+
+def main(argv=None) -> int:
+    """Run the ``npattn`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # e.g. `npattn check | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # everything after "bench" belongs to npattn.bench
+        return _bench(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("check", "demo"):
+        if args.threads < 1:
+            parser.error(f"--threads: expected a positive integer, got {args.threads}")
+        with blas_threads(args.threads, args.backend):
+            return _check(args) if args.command == "check" else _demo(args, parser)
+    parser.print_help()
+    return 2
+
+
+# --------------------------------------------------------------------------
+
+
+def _backend_or_exit(name):
+    """Resolve backend ``name``; on failure print why and return None."""
+    from .backend import resolve_backend
+
+    try:
+        xp = resolve_backend(name)
+        if name == "cupy":
+            import cupy
+
+            cupy.cuda.runtime.getDeviceCount()
+        return xp
+    except Exception as exc:  # ImportError, or a CUDA runtime error without a GPU
+        print(f"npattn: backend {name!r} is not usable here: {exc}", file=sys.stderr)
+        return None
+
+
+def _check(args) -> int:
+    from .audit import format_table, panel, run_audit, summary_line
+    from .progress import ProgressBar
+
+    if _backend_or_exit(args.backend) is None:
+        return 2
+    checks = panel()
+    bar = ProgressBar(len(checks), "check", enabled=not args.no_progress)
+
+    def progress(i, n, name):
+        if i:
+            bar.update(1)
+        bar.note = name
+
+    result = run_audit(args.backend, args.dtype, progress=progress, checks=checks)
+    bar.close()
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_table(result))
+    if not result.ok and args.json:
+        print(summary_line(result), file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _parse_heads(text, d_model, parser):
+    try:
+        heads = [int(h) for h in text.split(",") if h.strip()]
+    except ValueError:
+        parser.error(f"--heads: expected integers separated by commas, got {text!r}")
+    if not heads or any(h < 1 for h in heads):
+        parser.error(f"--heads: expected positive integers, got {text!r}")
+    bad = [h for h in heads if d_model % h]
+    if bad:
+        parser.error(f"--heads: each must divide --d-model {d_model}; {bad} do not")
+    return heads
+
+
+def _demo(args, parser) -> int:
+    from .demo import DemoConfig, format_table, have_matplotlib, save_heatmaps, train
+
+    heads = _parse_heads(args.heads, args.d_model, parser)
+    for name in ("steps", "seq_len", "d_model", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, "
+                         f"got {getattr(args, name)}")
+    if _backend_or_exit(args.backend) is None:
+        return 2
+    plots = not args.no_plots
+    if plots and not have_matplotlib():
+        print("npattn demo: matplotlib is not installed, so no heatmaps are saved "
+              "(pip install 'npattn[plot]')", file=sys.stderr)
+        plots = False
+
+    print(f"Reversing {args.seq_len}-digit sequences; d_model={args.d_model}, "
+          f"{args.pos} positions, {args.steps} Adam steps of {args.batch}, lr={args.lr}, "
+          f"{args.backend} {args.dtype}, seed {args.seed}")
+    results = []
+    for H in heads:
+        cfg = DemoConfig(
+            seq_len=args.seq_len, d_model=args.d_model, n_head=H, batch=args.batch,
+            steps=args.steps, lr=args.lr, pos=args.pos, dtype=args.dtype,
+            backend=args.backend, seed=args.seed,
+        )
+        model, r = train(cfg, progress=not args.no_progress)
+        results.append((r, args.d_model))
+        reached = "reached" if r.accuracy >= 0.95 else "below"
+        print(f"heads={H}: held-out token accuracy {r.accuracy:.4f} ({reached} 95 %), "
+              f"loss {r.final_loss:.4f}, {r.seconds:.1f}s, {r.n_params} parameters")
+        if plots:
+            out = args.out if len(heads) == 1 else os.path.join(args.out, f"heads{H}")
+            paths = save_heatmaps(model, out, seed=args.seed)
+            print(f"  attention heatmaps ({len(paths)} PNG) in {os.path.abspath(out)}: "
+                  + ", ".join(os.path.basename(p) for p in paths))
+    if len(heads) > 1:
+        print()
+        print(format_table(results))
+    return 0
+
+
+def _bench(rest) -> int:
+    try:
+        bench = importlib.import_module("npattn.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("npattn.bench",):
+            raise
+        print("npattn bench: the benchmark module npattn.bench is not part of this "
+              "installation", file=sys.stderr)
+        return 2
+    status = bench.main(rest)
+    return 0 if status is None else int(status)

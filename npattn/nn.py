@@ -1,0 +1,258 @@
+"""The pieces a small model needs around attention, each with a hand-derived backward.
+
+Used by ``npattn demo`` (a sequence model built from npattn pieces only) and
+tested by finite differences like the attention primitives. Same contract as
+``npattn.functional``::
+
+    out, cache = op_forward(*inputs)
+    grads      = op_backward(dout, cache)
+
+Shape legend
+------------
+B batch, L sequence length, V vocabulary size, D model width, N = B * L.
+
+Code uses only the Python Array API standard through ``xp``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from .backend import device_of, namespace
+from .functional import sum_to_shape
+
+__all__ = [
+    "one_hot",
+    "embedding_forward",
+    "embedding_backward",
+    "add_positions_forward",
+    "add_positions_backward",
+    "sinusoidal_positions",
+    "cross_entropy_forward",
+    "cross_entropy_backward",
+    "AdamState",
+    "adam_init",
+    "adam_step",
+]
+
+
+def one_hot(xp, ids, n: int, dtype):
+    """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]"""
+    classes = xp.arange(n, device=device_of(ids))  # [n]
+    hit = xp.expand_dims(ids, axis=-1) == classes  # [..., n] bool
+    return xp.astype(hit, dtype)  # [..., n]
+
+
+# --------------------------------------------------------------------------
+# token embedding: out = table[ids], written as a product with one-hot rows
+
+
+class EmbeddingCache(NamedTuple):
+    onehot: Any  # [..., V] one-hot rows of ids, for dtable
+
+
+def embedding_forward(ids, table):
+    """Look up rows of ``table``: ``out[..., :] = table[ids[...], :]``.
+
+    Written as ``out = one_hot(ids) @ table`` so that the backward is the
+    transpose product; only the Array API standard is needed (it has no
+    scatter-add).
+
+    Parameters
+    ----------
+    ids : integer array, shape (...), values in [0, V)
+    table : array, shape (V, D)
+
+    Returns
+    -------
+    out : array, shape (..., D)
+    cache : EmbeddingCache
+    """
+    # [...], [V, D] -> [..., D]
+    xp = namespace(ids, table)
+    V = table.shape[0]
+    onehot = one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
+    out = onehot @ table  # 2.                        [..., D]
+    return out, EmbeddingCache(onehot)
+
+
+def embedding_backward(dout, cache: EmbeddingCache):
+    """Gradient of the lookup: ``dtable = one_hot(ids)^T @ dout``, summed over all positions.
+
+    Row ``v`` of ``dtable`` is the sum of ``dout`` over the positions that
+    hold token ``v``. ``ids`` are integers and get no gradient (None).
+
+    Returns
+    -------
+    dids : None
+    dtable : array, shape (V, D)
+    """
+    # [..., D] -> None, [V, D]
+    xp = namespace(dout, cache.onehot)
+    # 2. out = onehot @ table
+    oh2 = xp.reshape(cache.onehot, (-1, cache.onehot.shape[-1]))  # [N, V]
+    d2 = xp.reshape(dout, (-1, dout.shape[-1]))  # [N, D]
+    dtable = xp.matrix_transpose(oh2) @ d2  # [V, D]
+    return None, dtable
+
+
+# --------------------------------------------------------------------------
+# positional encodings
+
+
+class PositionsCache(NamedTuple):
+    pos_shape: tuple  # shape of the positional table, for dpos
+
+
+def add_positions_forward(x, pos):
+    """Add a positional table: ``out[b, i, :] = x[b, i, :] + pos[i, :]``.
+
+    ``pos`` is a learned parameter, or a fixed table such as
+    ``sinusoidal_positions`` (then its gradient is simply not used).
+
+    Parameters
+    ----------
+    x : array, shape (B, L, D)
+    pos : array, shape (L, D)
+
+    Returns
+    -------
+    out : array, shape (B, L, D)
+    cache : PositionsCache
+    """
+    # [B, L, D], [L, D] -> [B, L, D]
+    if tuple(pos.shape) != tuple(x.shape[-2:]):
+        raise ValueError(
+            f"pos: expected shape {tuple(x.shape[-2:])} (L, D) to match x, got {tuple(pos.shape)}"
+        )
+    return x + pos, PositionsCache(tuple(pos.shape))  # [B, L, D]
+
+
+def add_positions_backward(dout, cache: PositionsCache):
+    """``dx = dout``; ``dpos = sum_b dout[b]`` (the adjoint of broadcasting over the batch)."""
+    # [B, L, D] -> [B, L, D], [L, D]
+    xp = namespace(dout)
+    return dout, sum_to_shape(xp, dout, cache.pos_shape)
+
+
+def sinusoidal_positions(xp, L: int, D: int, dtype=None, device=None):
+    """The fixed encoding of "Attention Is All You Need".
+
+    ``pe[i, 2k] = sin(i / 10000^(2k/D))``, ``pe[i, 2k+1] = cos(i / 10000^(2k/D))``.
+    # -> [L, D]
+    """
+    dtype = xp.float64 if dtype is None else dtype
+    i = xp.astype(xp.arange(L, device=device), xp.float64)  # [L]
+    k = xp.astype(xp.arange(D, device=device) // 2, xp.float64)  # [D]
+    rate = xp.exp(k * (-2.0 * math.log(10000.0) / D))  # [D]
+    angle = xp.expand_dims(i, axis=1) * rate  # [L, D]
+    even = (xp.arange(D, device=device) % 2) == 0  # [D]
+    return xp.astype(xp.where(even, xp.sin(angle), xp.cos(angle)), dtype)  # [L, D]
+
+
+# --------------------------------------------------------------------------
+# softmax cross-entropy, mean over all positions
+
+
+class CrossEntropyCache(NamedTuple):
+    p: Any  # [..., V] softmax of the logits
+    onehot: Any  # [..., V] one-hot targets
+    n: int  # number of positions averaged over
+
+
+def cross_entropy_forward(logits, targets):
+    """Mean softmax cross-entropy, ``loss = -mean_n log softmax(logits_n)[t_n]``.
+
+    Steps:
+
+    1. ``m = max(logits)``                  (a shift for stability; cancels)
+    2. ``lse = m + log(sum(exp(logits - m)))``   log-sum-exp, [..., 1]
+    3. ``logp = logits - lse``               log-probabilities, [..., V]
+    4. ``loss = -sum(one_hot(t) * logp) / N``
+
+    Parameters
+    ----------
+    logits : array, shape (..., V)
+    targets : integer array, shape (...), values in [0, V)
+
+    Returns
+    -------
+    loss : 0-d array
+    cache : CrossEntropyCache
+    """
+    # [..., V], [...] -> []
+    xp = namespace(logits, targets)
+    V = logits.shape[-1]
+    m = xp.max(logits, axis=-1, keepdims=True)  # 1.                    [..., 1]
+    lse = m + xp.log(xp.sum(xp.exp(logits - m), axis=-1, keepdims=True))  # 2. [..., 1]
+    logp = logits - lse  # 3.                                           [..., V]
+    onehot = one_hot(xp, targets, V, logits.dtype)  # [..., V]
+    n = math.prod(targets.shape)
+    loss = -xp.sum(onehot * logp) / float(n)  # 4.                      []
+    loss = xp.asarray(loss)  # NumPy reduces to a scalar type; keep a 0-d array
+    return loss, CrossEntropyCache(xp.exp(logp), onehot, n)
+
+
+def cross_entropy_backward(dloss, cache: CrossEntropyCache):
+    """Gradient of the mean cross-entropy: ``dlogits = dloss * (softmax(logits) - one_hot(t)) / N``.
+
+    From 4. and 3.: ``dlogp = -dloss * one_hot / N``, and through
+    ``logp = logits - lse`` with ``d lse / d logits = softmax``:
+    ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - one_hot) / N``
+    (each row of ``one_hot`` sums to 1). ``targets`` get None.
+
+    Returns
+    -------
+    dlogits : array, shape (..., V)
+    dtargets : None
+    """
+    # [] -> [..., V], None
+    return dloss * (cache.p - cache.onehot) / float(cache.n), None
+
+
+# --------------------------------------------------------------------------
+# Adam (Kingma & Ba, 2015), as a pure update
+
+
+class AdamState(NamedTuple):
+    m: dict  # first-moment estimates, keyed like the parameters
+    v: dict  # second-moment estimates
+    t: int  # number of steps taken
+
+
+def adam_init(params: dict) -> AdamState:
+    """Zero moments for every parameter in ``params``."""
+    zeros = {k: p * 0.0 for k, p in params.items()}
+    return AdamState(zeros, dict(zeros), 0)
+
+
+def adam_step(params: dict, grads: dict, state: AdamState, *, lr=1e-3, betas=(0.9, 0.999),
+              eps=1e-8, weight_decay=0.0):
+    """One Adam step; returns ``(new_params, new_state)`` and writes into nothing.
+
+    For each parameter ``w`` with gradient ``g``, at step ``t = state.t + 1``::
+
+        g = g + weight_decay * w                (L2 penalty, off by default)
+        m = b1 m + (1 - b1) g
+        v = b2 v + (1 - b2) g^2
+        w = w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+    Parameters missing from ``grads`` are left unchanged.
+    """
+    b1, b2 = float(betas[0]), float(betas[1])
+    t = state.t + 1
+    c1, c2 = 1.0 - b1**t, 1.0 - b2**t
+    new_p, new_m, new_v = dict(params), dict(state.m), dict(state.v)
+    for name, g in grads.items():
+        if g is None:
+            continue
+        xp = namespace(g)
+        w = params[name]
+        if weight_decay:
+            g = g + float(weight_decay) * w
+        m = b1 * state.m[name] + (1.0 - b1) * g
+        v = b2 * state.v[name] + (1.0 - b2) * (g * g)
+        new_p[name] = w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps))
+        new_m[name], new_v[name] = m, v
+    return new_p, AdamState(new_m, new_v, t)

@@ -1,0 +1,233 @@
+"""The npattn command: check (the gradient audit), demo, bench."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+import npattn
+from npattn import audit, cli
+from npattn import functional as F
+from npattn.backend import namespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ check
+
+
+def test_python_m_npattn_check_passes_and_prints_table():
+    proc = subprocess.run(
+        [sys.executable, "-m", "npattn", "check"], capture_output=True, text=True, env=_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "max abs err" in out and "max rel err" in out
+    checks = audit.panel()
+    for c in checks:
+        assert c.name in out
+    assert f"passed over {len(checks)} configurations (numpy, float64" in out
+    assert "FAIL" not in out
+    assert "check [" in proc.stderr  # the progress bar
+
+
+def test_check_rows_cover_the_panel(capsys):
+    assert cli.main(["check", "--json", "--no-progress"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ok"] and res["n_failed"] == 0 and res["dtype"] == "float64"
+    rows = res["rows"]
+    assert res["n_checked"] == len(rows)
+    configs = {r["config"] for r in rows}
+    assert configs == {c.name for c in audit.panel()}
+    tensors = {r["tensor"] for r in rows}
+    # inputs of every primitive, the module's inputs and all eight parameters, and dmask
+    for name in ("x", "w", "b", "q", "k", "v", "mask", "query", "key", "value", "x (q=k=v)",
+                 "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
+        assert name in tensors, name
+    for r in rows:
+        assert r["passed"] and r["max_abs_err"] is not None
+        assert r["max_rel_err"] <= res["rtol"]
+
+
+def test_check_float32(capsys):
+    assert cli.main(["check", "--dtype", "float32", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "(numpy, float32, rtol=0.0001" in out
+
+
+def test_audit_on_every_backend(backend):
+    """A part of the panel (primitives and module) on each backend, in float32."""
+    checks = audit.panel()[::4]
+    assert {c.kind for c in checks} == {"primitive", "module"}
+    result = audit.run_audit(backend, "float32", checks=checks)
+    assert result.ok, audit.format_table(result)
+
+
+def _zeros_softmax_backward(dp, cache):
+    return dp * 0.0, None
+
+
+def _linear_backward_off_by_a_bit(dy, cache):
+    dx, dw, db = _ORIG["linear_backward"](dy, cache)
+    return dx, dw * 1.001, db
+
+
+def _dropout_backward_without_scale(dy, cache):
+    if cache.keep is None:
+        return dy
+    return namespace(dy).where(cache.keep, dy, 0.0)
+
+
+def _sdpa_backward_wrong_dmask(dout, cache):
+    dq, dk, dv, dmask = _ORIG["sdpa_backward"](dout, cache)
+    return dq, dk, dv, (None if dmask is None else -dmask)
+
+
+_ORIG = {name: getattr(F, name) for name in ("linear_backward", "sdpa_backward")}
+
+
+@pytest.mark.parametrize(
+    "name, broken, must_fail",
+    [
+        ("masked_softmax_backward", _zeros_softmax_backward, ["masked_softmax", "sdpa", "mha"]),
+        ("linear_backward", _linear_backward_off_by_a_bit, ["linear, bias", "mha"]),
+        ("dropout_backward", _dropout_backward_without_scale, ["dropout", "p=0.25", "p=0.2"]),
+        ("sdpa_backward", _sdpa_backward_wrong_dmask, ["sdpa, float mask", "sdpa, causal + float"]),
+    ],
+)
+def test_broken_backward_fails_the_audit(monkeypatch, capsys, name, broken, must_fail):
+    monkeypatch.setattr(F, name, broken)
+    assert cli.main(["check", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out.splitlines()[-1]
+    failed = [line for line in out.splitlines() if line.rstrip().endswith("FAIL")]
+    for key in must_fail:
+        assert any(key in line for line in failed), (key, out)
+
+
+def test_crashing_backward_is_reported_not_raised(monkeypatch, capsys):
+    def boom(dout, cache):
+        raise RuntimeError("no backward today")
+
+    monkeypatch.setattr(F, "split_heads_backward", boom)
+    assert cli.main(["check", "--json", "--no-progress"]) == 1
+    res = json.loads(capsys.readouterr().out)
+    bad = [r for r in res["rows"] if not r["passed"]]
+    assert any("no backward today" in (r["error"] or "") for r in bad)
+    assert all(r["max_abs_err"] is None for r in bad if r["error"])
+
+
+def test_unavailable_backend_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    assert cli.main(["check", "--backend", "cupy", "--no-progress"]) == 2
+    assert "backend 'cupy' is not usable" in capsys.readouterr().err
+
+
+def test_bad_option_exits_2():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--dtype", "float16"])
+    assert exc.value.code == 2
+
+
+# ------------------------------------------------------------------- demo
+
+
+def _demo_args(tmp_path, *extra):
+    return ["demo", "--steps", "3", "--seq-len", "4", "--d-model", "8", "--batch", "4",
+            "--no-progress", "--out", str(tmp_path / "out"), *extra]
+
+
+def test_demo_writes_heatmaps_and_compares_heads(tmp_path, capsys):
+    assert cli.main(_demo_args(tmp_path, "--heads", "1,2")) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["heads"])
+    table = lines[header + 1:]
+    assert [row.split()[0] for row in table] == ["1", "2"]
+    assert [row.split()[1] for row in table] == ["8", "4"]  # head dims at d_model 8
+    if _has_matplotlib():
+        for H in (1, 2):
+            d = tmp_path / "out" / f"heads{H}"
+            pngs = sorted(p.name for p in d.iterdir())
+            assert pngs == sorted([f"attention_head{h}.png" for h in range(H)]
+                                  + ["attention_heads.png"])
+            for p in d.iterdir():
+                assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(tmp_path / "out") in out.out
+    else:
+        assert "matplotlib is not installed" in out.err
+
+
+def test_demo_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(_demo_args(tmp_path)) == 0
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_progress_bar_shows_loss_and_accuracy(tmp_path, capsys):
+    args = [a for a in _demo_args(tmp_path, "--no-plots") if a != "--no-progress"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert "loss" in err and "acc" in err and "3/3" in err
+
+
+@pytest.mark.parametrize("heads", ["3", "0", "a,b"])
+def test_demo_rejects_bad_heads(heads, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(_demo_args(tmp_path, "--heads", heads))
+    assert exc.value.code == 2
+
+
+# ------------------------------------------------------------------ bench
+
+
+def test_bench_missing_module_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "npattn.bench", None)
+    assert cli.main(["bench", "--anything"]) == 2
+    assert "npattn.bench" in capsys.readouterr().err
+
+
+def test_bench_passes_the_remaining_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("npattn.bench")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "npattn.bench", fake)
+    assert cli.main(["bench", "--sizes", "small", "--json"]) == 3
+    assert seen == [["--sizes", "small", "--json"]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_threads_option_limits_and_restores_torch_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    with cli.blas_threads(target, "torch"):
+        assert torch.get_num_threads() == target
+    assert torch.get_num_threads() == before
+
+
+def test_threads_must_be_positive():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--threads", "0"])
+    assert exc.value.code == 2

@@ -1,0 +1,156 @@
+"""Finite-difference and property tests of npattn.nn (embedding, positions, cross-entropy, Adam)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npattn import nn
+from npattn.gradcheck import gradcheck
+
+
+def _ids(rng, shape, V):
+    ids = rng.integers(0, V, size=shape)
+    ids.flat[0], ids.flat[-1] = 0, V - 1  # both ends of the vocabulary occur
+    return ids
+
+
+def test_embedding_gradcheck(xp, to_xp):
+    rng = np.random.default_rng(1)
+    V, D = 5, 3
+    ids = to_xp(_ids(rng, (2, 4), V))
+    table = to_xp(rng.standard_normal((V, D)))
+    report = gradcheck(nn.embedding_forward, nn.embedding_backward, [ids, table],
+                       names=["ids", "table"], mode="full")
+    assert report.ok, str(report)
+
+
+def test_embedding_forward_is_row_lookup(xp, to_xp, to_np):
+    rng = np.random.default_rng(2)
+    ids = _ids(rng, (3, 5), 7)
+    table = rng.standard_normal((7, 4))
+    out, _ = nn.embedding_forward(to_xp(ids), to_xp(table))
+    np.testing.assert_array_equal(to_np(out), table[ids])
+
+
+def test_embedding_backward_counts_repeated_tokens(xp, to_xp, to_np):
+    """dtable[v] = sum of dout over the positions holding v (a token that never occurs: 0)."""
+    rng = np.random.default_rng(3)
+    ids = np.array([[1, 1, 3], [3, 1, 0]])
+    dout = rng.standard_normal((2, 3, 2))
+    _, cache = nn.embedding_forward(to_xp(ids), to_xp(rng.standard_normal((5, 2))))
+    dids, dtable = nn.embedding_backward(to_xp(dout), cache)
+    assert dids is None
+    expected = np.zeros((5, 2))
+    for b in range(2):
+        for i in range(3):
+            expected[ids[b, i]] += dout[b, i]
+    np.testing.assert_allclose(to_np(dtable), expected, rtol=1e-12, atol=1e-12)
+    assert np.all(to_np(dtable)[[2, 4]] == 0.0)
+
+
+def test_add_positions_gradcheck(xp, to_xp):
+    rng = np.random.default_rng(4)
+    x, pos = to_xp(rng.standard_normal((3, 4, 2))), to_xp(rng.standard_normal((4, 2)))
+    report = gradcheck(nn.add_positions_forward, nn.add_positions_backward, [x, pos],
+                       names=["x", "pos"], mode="full")
+    assert report.ok, str(report)
+
+
+def test_add_positions_rejects_wrong_shape():
+    with pytest.raises(ValueError, match="pos: expected shape"):
+        nn.add_positions_forward(np.zeros((2, 4, 3)), np.zeros((5, 3)))
+
+
+def test_sinusoidal_positions_formula(xp, to_np):
+    L, D = 6, 8
+    pe = to_np(nn.sinusoidal_positions(xp, L, D, dtype=xp.float64))
+    for i in range(L):
+        for k in range(D // 2):
+            angle = i / 10000.0 ** (2 * k / D)
+            assert pe[i, 2 * k] == pytest.approx(math.sin(angle), abs=1e-12)
+            assert pe[i, 2 * k + 1] == pytest.approx(math.cos(angle), abs=1e-12)
+
+
+def test_cross_entropy_gradcheck(xp, to_xp):
+    rng = np.random.default_rng(5)
+    V = 4
+    logits = to_xp(3.0 * rng.standard_normal((2, 3, V)))
+    targets = to_xp(_ids(rng, (2, 3), V))
+    report = gradcheck(nn.cross_entropy_forward, nn.cross_entropy_backward, [logits, targets],
+                       names=["logits", "targets"], mode="full")
+    assert report.ok, str(report)
+
+
+@given(
+    n=st.integers(1, 6),
+    V=st.integers(2, 6),
+    shift=st.floats(-500.0, 500.0),
+    seed=st.integers(0, 2**16),
+)
+def test_cross_entropy_matches_direct_formula(n, V, shift, seed):
+    """Mean of -log(exp(x_t) / sum exp(x)), computed in a different way; a large shift must not overflow."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((n, V)) * 2.0
+    targets = rng.integers(0, V, size=n)
+    loss, cache = nn.cross_entropy_forward(logits + shift, targets)
+    expected = np.mean([
+        -(logits[i, targets[i]] - math.log(math.fsum(math.exp(v) for v in logits[i])))
+        for i in range(n)
+    ])
+    assert float(loss) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    dlogits, dtargets = nn.cross_entropy_backward(1.0, cache)
+    assert dtargets is None
+    np.testing.assert_allclose(np.sum(dlogits, axis=-1), 0.0, atol=1e-12)  # rows sum to 0
+
+
+def _adam_reference(w, grads, lr, b1, b2, eps):
+    """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1."""
+    w = [float(v) for v in w]
+    m = [0.0] * len(w)
+    v = [0.0] * len(w)
+    for t, g in enumerate(grads, start=1):
+        for j in range(len(w)):
+            m[j] = b1 * m[j] + (1 - b1) * g[j]
+            v[j] = b2 * v[j] + (1 - b2) * g[j] ** 2
+            mhat = m[j] / (1 - b1**t)
+            vhat = v[j] / (1 - b2**t)
+            w[j] -= lr * mhat / (math.sqrt(vhat) + eps)
+    return w
+
+
+def test_adam_matches_scalar_reference(xp, to_xp, to_np):
+    rng = np.random.default_rng(6)
+    w0 = rng.standard_normal(5)
+    grads = [rng.standard_normal(5) for _ in range(4)]
+    params = {"w": to_xp(w0)}
+    state = nn.adam_init(params)
+    for g in grads:
+        params, state = nn.adam_step(params, {"w": to_xp(g)}, state, lr=0.05, betas=(0.8, 0.99),
+                                     eps=1e-8)
+    assert state.t == 4
+    expected = _adam_reference(w0, grads, 0.05, 0.8, 0.99, 1e-8)
+    np.testing.assert_allclose(to_np(params["w"]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_adam_first_step_is_lr_times_sign_and_writes_nothing():
+    g = np.array([3.0, -0.01, 1e-3])
+    w = np.array([1.0, 2.0, 3.0])
+    params, grads = {"w": w}, {"w": g}
+    state = nn.adam_init(params)
+    new, _ = nn.adam_step(params, grads, state, lr=0.1, eps=0.0)
+    np.testing.assert_allclose(new["w"], w - 0.1 * np.sign(g), rtol=1e-12)
+    np.testing.assert_array_equal(params["w"], [1.0, 2.0, 3.0])  # input untouched
+    np.testing.assert_array_equal(state.m["w"], 0.0)
+
+
+def test_adam_minimises_a_quadratic():
+    rng = np.random.default_rng(7)
+    target = rng.standard_normal(4)
+    params = {"w": np.zeros(4)}
+    state = nn.adam_init(params)
+    for _ in range(500):
+        params, state = nn.adam_step(params, {"w": 2.0 * (params["w"] - target)}, state, lr=0.05)
+    np.testing.assert_allclose(params["w"], target, atol=1e-3)
