@@ -323,6 +323,54 @@ class SDPACache(NamedTuple):
     scale: float
     mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
     in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
+    groups: int = 1  # G = Hq // Hkv query heads per K/V head (grouped-query attention)
+
+
+def _group_heads(xp, x, G: int):
+    """View query-head rows as rows of their K/V head: ``[..., Hq, L, X] -> [..., Hkv, G*L, X]``.
+
+    Query head ``h = hkv * G + g`` lands in K/V head ``hkv = h // G``, at rows
+    ``g*L : (g+1)*L``. A row-major reshape: no data is repeated.
+    """
+    if G == 1:
+        return x
+    *lead, Hq, L, X = x.shape
+    return xp.reshape(x, (*lead, Hq // G, G * L, X))  # [..., Hkv, G*L, X]
+
+
+def _ungroup_heads(xp, x, G: int):
+    """Inverse of ``_group_heads``: ``[..., Hkv, G*L, X] -> [..., Hq, L, X]``."""
+    if G == 1:
+        return x
+    *lead, Hkv, GL, X = x.shape
+    return xp.reshape(x, (*lead, Hkv * G, GL // G, X))  # [..., Hq, L, X]
+
+
+def _gqa_groups(q, k, v, enable_gqa: bool) -> int:
+    """Number of query heads per K/V head, with the shape checks of grouped-query attention."""
+    if not enable_gqa:
+        return 1
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim < 3:
+            raise ValueError(
+                f"{name}: enable_gqa needs a head axis, shape (..., H, L, Dh); got shape {tuple(t.shape)}"
+            )
+    Hq, Hkv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != Hkv:
+        raise ValueError(
+            f"v: expected {Hkv} heads like k with enable_gqa, got shape {tuple(v.shape)}"
+        )
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"k: with enable_gqa the query heads Hq={Hq} must be a multiple of the "
+            f"key/value heads, got Hkv={Hkv}"
+        )
+    if tuple(q.shape[:-3]) != tuple(k.shape[:-3]) or tuple(k.shape[:-3]) != tuple(v.shape[:-3]):
+        raise ValueError(
+            "q, k, v: with enable_gqa the batch axes must be equal, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    return Hq // Hkv
 
 
 def sdpa_forward(
@@ -336,11 +384,14 @@ def sdpa_forward(
     dropout_p: float = 0.0,
     dropout_mask=None,
     rng=None,
+    enable_gqa: bool = False,
 ):
     """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
 
     Steps (the backward walks them in reverse):
 
+    0. ``qg = group_heads(q)``  (grouped-query attention only: the G query
+       heads of one K/V head become G blocks of rows, ``[B, Hkv, G*Lq, Dh]``)
     1. ``s = (q @ k^T) * scale``                          [B, H, Lq, Lk]
     2. ``a_mask = mask`` combined with the causal mask    (boolean: AND;
        floating: ``-inf`` where causal forbids)
@@ -348,11 +399,15 @@ def sdpa_forward(
     4. ``a = dropout(p)``                                  [B, H, Lq, Lk]
     5. ``out = a @ v``                                     [B, H, Lq, Dh]
 
+    With ``enable_gqa``, steps 1 and 5 multiply in the grouped view,
+    ``s = ungroup(qg @ k^T) * scale`` and ``out = ungroup(group(a) @ v)``;
+    steps 2-4 act on ``[B, Hq, Lq, Lk]`` as usual, so masks keep their shapes.
+
     Parameters
     ----------
-    q : array, shape (B, H, Lq, Dh)
-    k : array, shape (B, H, Lk, Dh)
-    v : array, shape (B, H, Lk, Dh)
+    q : array, shape (B, H, Lq, Dh)   (H = Hq with ``enable_gqa``)
+    k : array, shape (B, H, Lk, Dh)   (H = Hkv with ``enable_gqa``)
+    v : array, shape (B, H, Lk, Dh)   (H = Hkv with ``enable_gqa``)
     mask : array broadcastable to (B, H, Lq, Lk), optional
         Boolean (True = may attend) or floating (added to the scaled scores,
         ``-inf`` allowed).
@@ -367,6 +422,12 @@ def sdpa_forward(
         Keep-mask (True = keep); replaces the generator.
     rng : int, numpy.random.Generator or None
         Draws the keep-mask when ``dropout_p > 0`` and no mask is given.
+    enable_gqa : bool
+        Grouped-query attention, as SDPA's ``enable_gqa``: Hq is a multiple of
+        Hkv and query head ``h`` uses K/V head ``h // (Hq // Hkv)``. K and V
+        are not repeated: each K/V head multiplies the stacked rows of its
+        ``G = Hq // Hkv`` query heads. Masks and ``dropout_mask`` broadcast
+        to (B, Hq, Lq, Lk).
 
     Returns
     -------
@@ -381,6 +442,7 @@ def sdpa_forward(
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
     xp = namespace(q, k, v, mask, dropout_mask)
+    G = _gqa_groups(q, k, v, enable_gqa)
     in_dtype = q.dtype
     work = _compute_dtype(xp, in_dtype)
     if work != in_dtype:
@@ -391,7 +453,8 @@ def sdpa_forward(
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     Lq, Lk = q.shape[-2], k.shape[-2]
 
-    s = (q @ xp.matrix_transpose(k)) * scale  # 1.                 [B, H, Lq, Lk]
+    qg = _group_heads(xp, q, G)  # 0.                              [B, Hkv, G*Lq, Dh]
+    s = _ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
 
     a_mask = mask  # 2.
     mask_shape = None
@@ -408,11 +471,11 @@ def sdpa_forward(
 
     p, sm_cache = masked_softmax_forward(s, a_mask)  # 3.          [B, H, Lq, Lk]
     a, do_cache = dropout_forward(p, dropout_p, mask=dropout_mask, rng=rng)  # 4.
-    out = a @ v  # 5.                                              [B, H, Lq, Dh]
+    out = _ungroup_heads(xp, _group_heads(xp, a, G) @ v, G)  # 5.   [B, H, Lq, Dh]
 
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
-    cache = SDPACache(q, k, v, p, a, sm_cache, do_cache, scale, mask_shape, in_dtype)
+    cache = SDPACache(q, k, v, p, a, sm_cache, do_cache, scale, mask_shape, in_dtype, G)
     return out, cache
 
 
@@ -422,8 +485,8 @@ def sdpa_backward(dout, cache: SDPACache):
     Returns
     -------
     dq : array, shape (B, H, Lq, Dh)
-    dk : array, shape (B, H, Lk, Dh)
-    dv : array, shape (B, H, Lk, Dh)
+    dk : array, shape (B, H, Lk, Dh)   (B, Hkv, Lk, Dh) with ``enable_gqa``
+    dv : array, shape (B, H, Lk, Dh)   (B, Hkv, Lk, Dh) with ``enable_gqa``
     dmask : array of the floating mask's own shape, or None for a boolean or
         no mask. It is the gradient of the output with respect to the additive
         mask, summed over the axes the mask was broadcast along.
@@ -434,9 +497,13 @@ def sdpa_backward(dout, cache: SDPACache):
     if dout.dtype != q.dtype:
         dout = xp.astype(dout, q.dtype)
 
-    # 5. out = a @ v
-    da = dout @ xp.matrix_transpose(v)  # [B, H, Lq, Lk]
-    dv = xp.matrix_transpose(a) @ dout  # [B, H, Lk, Dh]
+    G = cache.groups
+    # 5. out = ungroup(group(a) @ v): the grouped view is a plain matmul, so
+    #    da = dout @ v^T and dv = a^T @ dout in that view; the contraction over
+    #    the G*Lq rows of dv sums each K/V head's gradient over its G query heads
+    dout_g = _group_heads(xp, dout, G)  # [B, Hkv, G*Lq, Dh]
+    da = _ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
+    dv = xp.matrix_transpose(_group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
     # 4. a = dropout(p)
     dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
     # 3. p = masked_softmax(s, a_mask)
@@ -446,9 +513,13 @@ def sdpa_backward(dout, cache: SDPACache):
     dmask = None
     if cache.mask_shape is not None:
         dmask = sum_to_shape(xp, da_mask, cache.mask_shape)
-    # 1. s = (q @ k^T) * scale
-    dq = (ds @ k) * cache.scale  # [B, H, Lq, Dh]
-    dk = (xp.matrix_transpose(ds) @ q) * cache.scale  # [B, H, Lk, Dh]
+    # 1. s = ungroup(qg @ k^T) * scale: dqg = ds_g @ k * scale, and
+    #    dk = ds_g^T @ qg * scale, again summed over the G query heads of a group
+    ds_g = _group_heads(xp, ds, G)  # [B, Hkv, G*Lq, Lk]
+    dqg = (ds_g @ k) * cache.scale  # [B, Hkv, G*Lq, Dh]
+    dk = (xp.matrix_transpose(ds_g) @ _group_heads(xp, q, G)) * cache.scale  # [B, Hkv, Lk, Dh]
+    # 0. qg = group_heads(q): a reshape, undone
+    dq = _ungroup_heads(xp, dqg, G)  # [B, H, Lq, Dh]
 
     if cache.in_dtype != q.dtype:
         dq, dk, dv = (xp.astype(t, cache.in_dtype) for t in (dq, dk, dv))

@@ -1,0 +1,181 @@
+"""Grouped-query attention in ``sdpa_forward(..., enable_gqa=True)``.
+
+Query head h uses K/V head h // G with G = Hq // Hkv (SDPA's semantics); the
+backward sums dk and dv over each group. Checked by central differences on
+every backend, against an explicit repeat of K/V, and against torch's
+``F.scaled_dot_product_attention(..., enable_gqa=True)``.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from npattn import functional as F
+from npattn.gradcheck import gradcheck
+
+
+def _inputs(rng, B=2, Hq=4, Hkv=2, Lq=3, Lk=5, Dh=3, Dv=None):
+    Dv = Dh if Dv is None else Dv
+    q = rng.standard_normal((B, Hq, Lq, Dh))
+    k = rng.standard_normal((B, Hkv, Lk, Dh))
+    v = rng.standard_normal((B, Hkv, Lk, Dv))
+    return q, k, v
+
+
+def _bool_mask_with_empty_row(rng, shape):
+    m = rng.random(shape) < 0.7  # [..., Lq, Lk]
+    m[..., 0, :] = False  # query 0: nothing to attend, in every head
+    return m
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool_per_qhead", "float_lq_lk", "padding"])
+def test_gqa_gradcheck_every_backend(xp, to_xp, to_np, mask_kind):
+    rng = np.random.default_rng(1)
+    B, Hq, Hkv, Lq, Lk = 2, 4, 2, 3, 5
+    q, k, v = _inputs(rng, B, Hq, Hkv, Lq, Lk)
+    if mask_kind == "none":
+        mask = None
+    elif mask_kind == "bool_per_qhead":
+        mask = _bool_mask_with_empty_row(rng, (B, Hq, Lq, Lk))
+    elif mask_kind == "float_lq_lk":
+        mask = rng.standard_normal((Lq, Lk))
+        mask[1, 2:] = -math.inf
+    else:
+        mask = np.ones((B, 1, 1, Lk), dtype=bool)
+        mask[1, ..., 3:] = False
+    keep = rng.random((B, Hq, Lq, Lk)) >= 0.3  # p > 0 with a fixed keep-mask
+    keep_x = to_xp(keep)
+    mask_x = to_xp(mask)
+    float_mask = mask is not None and mask.dtype != bool
+
+    def fwd(q, k, v, *m):
+        return F.sdpa_forward(
+            q, k, v, mask=m[0] if m else mask_x, enable_gqa=True,
+            dropout_p=0.3, dropout_mask=keep_x,
+        )
+
+    def bwd(dout, cache):
+        dq, dk, dv, dmask = F.sdpa_backward(dout, cache)
+        return (dq, dk, dv, dmask) if float_mask else (dq, dk, dv)
+
+    inputs = [to_xp(q), to_xp(k), to_xp(v)] + ([mask_x] if float_mask else [])
+    if float_mask:
+        # finite differences cannot step a -inf entry; check the mask only where finite
+        report = gradcheck(fwd, bwd, inputs, names=["q", "k", "v", "mask"], wrt=[0, 1, 2], seed=3)
+    else:
+        report = gradcheck(fwd, bwd, inputs, names=["q", "k", "v"], seed=3)
+    assert report.ok, str(report)
+
+    out, cache = fwd(*inputs)
+    assert tuple(out.shape) == (B, Hq, Lq, 3)
+    assert tuple(cache.probs.shape) == (B, Hq, Lq, Lk)
+    dq, dk, dv, _ = F.sdpa_backward(to_xp(rng.standard_normal((B, Hq, Lq, 3))), cache)
+    assert tuple(dk.shape) == (B, Hkv, Lk, 3) and tuple(dv.shape) == (B, Hkv, Lk, 3)
+    if mask_kind == "bool_per_qhead":
+        # a query with nothing to attend: zero weights, zero output, zero dq
+        assert np.all(to_np(cache.probs)[:, :, 0, :] == 0.0)
+        assert np.all(to_np(out)[:, :, 0, :] == 0.0)
+        assert np.all(to_np(dq)[:, :, 0, :] == 0.0)
+        assert np.all(np.isfinite(to_np(dk))) and np.all(np.isfinite(to_np(dv)))
+
+
+def test_gqa_float_mask_gradient(xp, to_xp):
+    """dmask of a per-query-head float mask, by central differences (finite entries)."""
+    rng = np.random.default_rng(2)
+    q, k, v = _inputs(rng, B=2, Hq=6, Hkv=2, Lq=2, Lk=3)
+    mask = rng.standard_normal((1, 6, 2, 3))
+
+    def fwd(q, k, v, m):
+        return F.sdpa_forward(q, k, v, mask=m, enable_gqa=True, is_causal=True)
+
+    report = gradcheck(fwd, F.sdpa_backward, [to_xp(q), to_xp(k), to_xp(v), to_xp(mask)],
+                       names=["q", "k", "v", "mask"], seed=4)
+    assert report.ok, str(report)
+
+
+@settings(max_examples=15)
+@given(
+    Hkv=st.integers(1, 3), G=st.integers(1, 3), Lq=st.integers(1, 4), Lk=st.integers(1, 4),
+    Dh=st.integers(1, 3), Dv=st.integers(1, 3), causal=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_gqa_equals_repeated_kv(Hkv, G, Lq, Lk, Dh, Dv, causal, seed):
+    """enable_gqa equals plain attention with K/V heads repeated (repeat_interleave),
+    and its dk/dv equal the repeated gradients summed over each group."""
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * G
+    q, k, v = _inputs(rng, 2, Hq, Hkv, Lq, Lk, Dh, Dv)
+    mask = rng.random((2, Hq, Lq, Lk)) < 0.6
+    out, cache = F.sdpa_forward(q, k, v, mask=mask, is_causal=causal, enable_gqa=True)
+    kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # [B, Hq, Lk, .]
+    ref, ref_cache = F.sdpa_forward(q, kr, vr, mask=mask, is_causal=causal)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(cache.probs, ref_cache.probs, rtol=1e-12, atol=1e-14)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv, _ = F.sdpa_backward(dout, cache)
+    rq, rk, rv, _ = F.sdpa_backward(dout, ref_cache)
+    np.testing.assert_allclose(dq, rq, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dk, rk.reshape(2, Hkv, G, Lk, Dh).sum(axis=2), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dv, rv.reshape(2, Hkv, G, Lk, Dv).sum(axis=2), rtol=1e-12, atol=1e-13)
+
+
+def test_gqa_bad_head_counts():
+    rng = np.random.default_rng(0)
+    q, k, v = _inputs(rng, Hq=4, Hkv=3)
+    with pytest.raises(ValueError, match="Hq=4.*Hkv=3"):
+        F.sdpa_forward(q, k, v, enable_gqa=True)
+    q, k, v = _inputs(rng, Hq=4, Hkv=2)
+    with pytest.raises(ValueError, match="v: expected 2 heads"):
+        F.sdpa_forward(q, k, v[:, :1], enable_gqa=True)
+    with pytest.raises(ValueError, match="batch axes"):
+        F.sdpa_forward(q, k[:1], v[:1], enable_gqa=True)
+
+
+# --------------------------------------------------------------------------
+# parity with torch's SDPA
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+@settings(max_examples=10)
+@given(
+    Hkv=st.integers(1, 3), G=st.integers(1, 3), Lq=st.integers(2, 5), Lk=st.integers(2, 5),
+    mask_kind=st.sampled_from(["none", "bool", "float", "causal"]),
+    use_scale=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_gqa_torch_parity(Hkv, G, Lq, Lk, mask_kind, use_scale, seed):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    Hq, Dh = Hkv * G, 4
+    q, k, v = _inputs(rng, 2, Hq, Hkv, Lq, Lk, Dh)
+    mask, is_causal = None, False
+    if mask_kind == "bool":
+        mask = rng.random((2, 1, Lq, Lk)) < 0.7
+        mask[..., 0] = True  # torch gives NaN on a fully masked row; npattn gives 0
+    elif mask_kind == "float":
+        mask = rng.standard_normal((Hq, Lq, Lk))
+    elif mask_kind == "causal":
+        is_causal = True  # top-left: every row sees key 0, so no row is empty
+    scale = 0.37 if use_scale else None
+    out, cache = F.sdpa_forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv, dmask = F.sdpa_backward(dout, cache)
+
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    tm = None if mask is None else torch.tensor(mask, requires_grad=mask.dtype != bool)
+    tout = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=tm, is_causal=is_causal, scale=scale, enable_gqa=True
+    )
+    tout.backward(torch.tensor(dout))
+    assert np.isfinite(tout.detach().numpy()).all()
+    assert _rel(out, tout.detach().numpy()) < 1e-9
+    assert _rel(dq, tq.grad.numpy()) < 1e-9
+    assert _rel(dk, tk.grad.numpy()) < 1e-9
+    assert _rel(dv, tv.grad.numpy()) < 1e-9
+    if mask_kind == "float":
+        assert _rel(dmask, tm.grad.numpy()) < 1e-9
