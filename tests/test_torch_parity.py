@@ -34,16 +34,30 @@ RTOL = 1e-9
 fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def assert_close(got, want, name):
-    """max |got - want| <= 1e-9 * max |want| (relative to the array's scale)."""
-    got = np.asarray(to_numpy(got), dtype=np.float64)
-    want = want.detach().numpy() if isinstance(want, torch.Tensor) else np.asarray(want)
+def _np(a):
+    return a.detach().numpy() if isinstance(a, torch.Tensor) else np.asarray(to_numpy(a))
+
+
+def assert_close(got, want, name, floor=0.0):
+    """max |got - want| <= 1e-9 * max(max |want|, floor).
+
+    Relative to the array's scale. ``floor`` is for gradients that vanish in
+    exact arithmetic (``b_k``: softmax ignores a shift shared by a row's
+    scores) and so are pure rounding noise: the tests pass 1e-3 of the
+    largest gradient of the same backward, an absolute 1e-12 of it.
+    """
+    got = np.asarray(_np(got), dtype=np.float64)
+    want = _np(want)
     assert got.shape == want.shape, f"{name}: shape {got.shape} != torch {want.shape}"
     assert np.all(np.isfinite(got)), f"{name}: npattn has non-finite entries"
-    scale = float(np.max(np.abs(want), initial=0.0))
+    scale = max(float(np.max(np.abs(want), initial=0.0)), floor)
     err = float(np.max(np.abs(got - want), initial=0.0))
     assert err <= RTOL * scale + 1e-300, f"{name}: max abs err {err:.3e}, scale {scale:.3e}"
-    return err / scale if scale else 0.0
+
+
+def grad_floor(*grads):
+    """1e-3 of the largest entry among torch gradients (see ``assert_close``)."""
+    return 1e-3 * max(float(np.max(np.abs(_np(g)), initial=0.0)) for g in grads if g is not None)
 
 
 def t64(a, grad=True):
@@ -184,25 +198,26 @@ def test_module_matches_torch_mha(backend, cfg):
     if c["need_weights"]:
         assert_close(w, t_w, "weights")
     dq, dk, dv = mha.backward(on(backend, dout))
-    if c["cross"]:
-        assert_close(dq, tq.grad, "dquery")
-        assert_close(dk, tk.grad, "dkey")
-        assert_close(dv, tv.grad, "dvalue")
-    else:
-        assert_close(to_numpy(dq) + to_numpy(dk) + to_numpy(dv), tq.grad, "dx (self-attention)")
     t_grads = {k: p.grad for k, p in tm.named_parameters()}
+    floor = grad_floor(tq.grad, tk.grad, tv.grad, *t_grads.values())
+    if c["cross"]:
+        assert_close(dq, tq.grad, "dquery", floor)
+        assert_close(dk, tk.grad, "dkey", floor)
+        assert_close(dv, tv.grad, "dvalue", floor)
+    else:
+        assert_close(to_numpy(dq) + to_numpy(dk) + to_numpy(dv), tq.grad, "dx (self-attention)", floor)
     from npattn.torch_interop import torch_state_dict_shapes
 
     assert set(torch_state_dict_shapes(mha)) == set(t_grads)
     for name, g in MultiHeadAttention.torch_state_dict(_with_params(mha, mha.grads)).items():
-        assert_close(g, t_grads[name], "grad " + name)
+        assert_close(g, t_grads[name], "grad " + name, floor)
     if t_am is not None and t_am.requires_grad:
         dmask = to_numpy(mha.dmask)
         if kpm is not None:  # npattn's mask was attn_mask + padding, broadcast to [B, 1, Lq, S]
             dmask = dmask.sum(axis=(0, 1))
         if attn_mask.ndim == 3:
             dmask = dmask.reshape(B * H, Lq, S)
-        assert_close(dmask, t_am.grad, "dmask")
+        assert_close(dmask, t_am.grad, "dmask", floor)
     else:
         assert mha.dmask is None
 
@@ -332,14 +347,15 @@ def test_module_matches_torch_by_hand(backend, cfg):
     )
     assert_close(out, t_out, "out")
     dq, dk, dv = mha.backward(on(backend, dout))
-    assert_close(dq, tq.grad, "dquery")
-    assert_close(dk, tk.grad, "dkey")
-    assert_close(dv, tv.grad, "dvalue")
+    floor = grad_floor(tq.grad, tk.grad, tv.grad, *(t.grad for t in tP.values()))
+    assert_close(dq, tq.grad, "dquery", floor)
+    assert_close(dk, tk.grad, "dkey", floor)
+    assert_close(dv, tv.grad, "dvalue", floor)
     assert set(mha.grads) == set(tP)
     for name, g in mha.grads.items():
-        assert_close(g, tP[name].grad, "grad " + name)
+        assert_close(g, tP[name].grad, "grad " + name, floor)
     if t_mask is not None and t_mask.requires_grad:
-        assert_close(mha.dmask, t_mask.grad, "dmask")
+        assert_close(mha.dmask, t_mask.grad, "dmask", floor)
     else:
         assert mha.dmask is None
 
@@ -413,11 +429,12 @@ def test_sdpa_matches_torch_sdpa(backend, cfg):
     )
     assert_close(out, t_out, "out")
     dq, dk, dv, dmask = F.sdpa_backward(on(backend, dout), cache)
-    assert_close(dq, tq.grad, "dq")
-    assert_close(dk, tk.grad, "dk")
-    assert_close(dv, tv.grad, "dv")
+    floor = grad_floor(tq.grad, tk.grad, tv.grad)
+    assert_close(dq, tq.grad, "dq", floor)
+    assert_close(dk, tk.grad, "dk", floor)
+    assert_close(dv, tv.grad, "dv", floor)
     if t_mask is not None and t_mask.requires_grad:
-        assert_close(dmask, t_mask.grad, "dmask")
+        assert_close(dmask, t_mask.grad, "dmask", floor)
     else:
         assert dmask is None
 
@@ -457,8 +474,9 @@ def test_sdpa_dropout_matches_torch_with_same_keep_mask(backend, p, causal, floa
     assert_close(out, t_out, "out")
     assert_close(cache.probs, probs, "probs (returned weights, before dropout)")
     dq, dk, dv, dmask = F.sdpa_backward(on(backend, dout), cache)
-    assert_close(dq, tq.grad, "dq")
-    assert_close(dk, tk.grad, "dk")
-    assert_close(dv, tv.grad, "dv")
+    floor = grad_floor(tq.grad, tk.grad, tv.grad)
+    assert_close(dq, tq.grad, "dq", floor)
+    assert_close(dk, tk.grad, "dk", floor)
+    assert_close(dv, tv.grad, "dv", floor)
     if t_mask is not None:
-        assert_close(dmask, t_mask.grad, "dmask")
+        assert_close(dmask, t_mask.grad, "dmask", floor)
