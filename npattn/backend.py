@@ -29,6 +29,7 @@ __all__ = [
     "resolve_backend",
     "backend_name",
     "device_of",
+    "check_same_device",
     "to_numpy",
     "from_numpy",
     "is_floating",
@@ -99,6 +100,23 @@ def backend_name(xp) -> str:
 def device_of(x):
     """The device of array ``x``, as the Array API ``device=`` arguments take it."""
     return array_api_compat.device(x)
+
+
+def check_same_device(**arrays):
+    """Raise ``ValueError`` naming the first array that is not on the device of the first one.
+
+    ``None`` entries are ignored. Libraries disagree on what mixing devices
+    does (an error, a silent copy); npattn refuses it up front.
+    """
+    items = [(name, a) for name, a in arrays.items() if a is not None]
+    if not items:
+        return
+    first, a0 = items[0]
+    d0 = device_of(a0)
+    for name, a in items[1:]:
+        d = device_of(a)
+        if d != d0:
+            raise ValueError(f"{name}: expected an array on device {d0!r} like {first}, got device {d!r}")
 
 
 def is_floating(xp, x) -> bool:

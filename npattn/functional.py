@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional
 
-from .backend import device_of, is_bool, is_floating, keep_mask, make_rng, namespace
+from .backend import check_same_device, device_of, is_bool, is_floating, keep_mask, make_rng, namespace
 
 __all__ = [
     "linear_forward",
@@ -442,6 +442,7 @@ def sdpa_forward(
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
     xp = namespace(q, k, v, mask, dropout_mask)
+    check_same_device(q=q, k=k, v=v, mask=mask, dropout_mask=dropout_mask)
     G = _gqa_groups(q, k, v, enable_gqa)
     in_dtype = q.dtype
     work = _compute_dtype(xp, in_dtype)
@@ -493,6 +494,7 @@ def sdpa_backward(dout, cache: SDPACache):
     """
     # [B, H, Lq, Dh] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh], mask shape
     xp = namespace(dout, cache.q)
+    check_same_device(q=cache.q, dout=dout)
     q, k, v, a = cache.q, cache.k, cache.v, cache.attn
     if dout.dtype != q.dtype:
         dout = xp.astype(dout, q.dtype)

@@ -1,0 +1,281 @@
+"""Mask builders and adapters, all in npattn's convention.
+
+npattn's masks (see ``docs/conventions.md``):
+
+* **boolean**: True = may attend (as SDPA and ``jax.nn.dot_product_attention``);
+* **floating**: added to the scaled scores; ``-inf`` forbids a key;
+* any shape that broadcasts to (B, H, Lq, Lk).
+
+This module builds such masks (``causal``, ``padding``) and converts the
+masks of ``torch.nn.MultiheadAttention``, whose booleans mean the opposite
+(True = ignore), with ``from_torch_mha``. Nothing here imports torch: torch
+tensors are handled through array-api-compat like any other backend.
+
+Shape legend: B batch (torch's N), H heads, Lq query length (torch's L),
+Lk key length (torch's S).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .backend import (
+    device_of,
+    from_numpy,
+    is_bool,
+    is_floating,
+    namespace,
+    resolve_backend,
+    to_numpy,
+)
+
+__all__ = ["causal", "padding", "from_torch_mha"]
+
+_ALIGNS = ("top_left", "bottom_right")
+
+
+def _namespace_or(xp):
+    """``xp=`` as a namespace: None means NumPy, a string is a backend name."""
+    return resolve_backend("numpy" if xp is None else xp)
+
+
+def _check_length(name, n):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
+
+
+def causal(Lq: int, Lk: int, align: str = "top_left", *, xp=None, device=None):
+    """Causal mask, True = may attend.  # -> [Lq, Lk] bool
+
+    * ``align="top_left"`` (SDPA's ``is_causal``, npattn's ``is_causal``):
+      query ``i`` sees keys ``j <= i``.
+    * ``align="bottom_right"`` (flash-attn's ``causal=True`` when
+      ``Lq != Lk``, i.e. the last query is aligned with the last key, as when
+      ``Lq`` new queries attend to a cache of ``Lk`` keys): query ``i`` sees
+      keys ``j <= i + Lk - Lq``. With ``Lq > Lk`` the first ``Lq - Lk`` rows
+      see nothing; npattn gives them zero weights and zero output.
+
+    The two agree when ``Lq == Lk``.
+
+    Parameters
+    ----------
+    Lq, Lk : int
+        Query and key lengths.
+    align : {"top_left", "bottom_right"}
+    xp : namespace or backend name, optional
+        Where to create the mask; default NumPy.
+    device : optional
+        Device of the mask, as the Array API's ``device=``.
+
+    Returns
+    -------
+    mask : bool array, shape (Lq, Lk); broadcasts to (B, H, Lq, Lk).
+    """
+    _check_length("Lq", Lq)
+    _check_length("Lk", Lk)
+    if align not in _ALIGNS:
+        raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")
+    xp = _namespace_or(xp)
+    offset = 0 if align == "top_left" else Lk - Lq
+    i = xp.arange(Lq, device=device)  # [Lq]
+    j = xp.arange(Lk, device=device)  # [Lk]
+    # j <= i + offset, written j - i <= offset so that no index goes negative
+    return xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) <= offset  # [Lq, Lk]
+
+
+def padding(lengths, Lk: int, *, xp=None, device=None):
+    """Key padding mask from sequence lengths, True = may attend.  # [B] -> [B, 1, 1, Lk] bool
+
+    Key ``j`` of batch entry ``b`` may be attended when ``j < lengths[b]``;
+    the keys from ``lengths[b]`` on are padding. A length of 0 leaves every
+    query of that entry with nothing to attend (zero weights and output).
+
+    Parameters
+    ----------
+    lengths : integer array of shape (B,), or a sequence of ints
+        An array keeps its own backend and device; a sequence is created with
+        ``xp`` on ``device``.
+    Lk : int
+        Key length; every length must lie in ``[0, Lk]``.
+
+    Returns
+    -------
+    mask : bool array, shape (B, 1, 1, Lk)
+    """
+    _check_length("Lk", Lk)
+    try:
+        lxp = namespace(lengths)
+    except TypeError:
+        lxp = None
+    if lxp is None:
+        seq = list(lengths)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in seq):
+            raise TypeError(f"lengths: expected ints, got {seq!r}")
+        xp = _namespace_or(xp)
+        lengths = xp.asarray(seq, dtype=xp.int64, device=device)  # [B]
+    else:
+        xp = lxp
+        if not xp.isdtype(lengths.dtype, "integral"):
+            raise TypeError(f"lengths: expected an integer array, got dtype {lengths.dtype}")
+        device = device_of(lengths)
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths: expected shape (B,), got shape {tuple(lengths.shape)}")
+    host = to_numpy(lengths)
+    if host.size and (host.min() < 0 or host.max() > Lk):
+        raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {host.tolist()}")
+    j = xp.arange(Lk, dtype=lengths.dtype, device=device)  # [Lk]
+    keep = xp.expand_dims(j, axis=0) < xp.expand_dims(lengths, axis=1)  # [B, Lk]
+    return xp.reshape(keep, (lengths.shape[0], 1, 1, Lk))  # [B, 1, 1, Lk]
+
+
+def _check_mask_dtype(xp, name, m):
+    if not (is_bool(xp, m) or is_floating(xp, m)):
+        raise TypeError(f"{name}: expected a bool or real floating array, got dtype {m.dtype}")
+
+
+def from_torch_mha(
+    attn_mask=None,
+    key_padding_mask=None,
+    *,
+    n_head=None,
+    batch_size=None,
+    dtype=None,
+    xp=None,
+    device=None,
+):
+    """Convert the masks of ``torch.nn.MultiheadAttention`` into one npattn mask.
+
+    torch's conventions, as ``nn.MultiheadAttention.forward`` reads them:
+
+    * a **boolean** ``attn_mask`` or ``key_padding_mask`` is True where a key
+      is **ignored** (the opposite of npattn and SDPA);
+    * a **floating** one is **added** to the scaled scores (``-inf`` ignores);
+    * ``attn_mask`` is (L, S), the same for every batch entry and head, or
+      (N*H, L, S), one per batch entry and head, with entry ``n*H + h``;
+    * ``key_padding_mask`` is (N, S) (or (S,) for unbatched inputs);
+    * torch adds the two (as floats) when both are given.
+
+    The result, broadcastable to (B, H, Lq, Lk):
+
+    * all given masks boolean and ``dtype`` None: a **boolean** mask,
+      True = may attend (``not attn_mask and not key_padding_mask``);
+    * otherwise a **floating** additive mask: each boolean becomes 0 / ``-inf``
+      and the masks are summed, as torch does. Its dtype is ``dtype``, or that
+      of the floating inputs.
+
+    Shapes out: attn_mask (L, S) -> (1, 1, L, S); (N*H, L, S) -> (N, H, L, S);
+    key_padding_mask (N, S) -> (N, 1, 1, S); both -> their broadcast.
+
+    Parameters
+    ----------
+    attn_mask : array, shape (L, S) or (N*H, L, S), bool or floating, optional
+    key_padding_mask : array, shape (N, S) or (S,), bool or floating, optional
+    n_head : int, optional
+        H; needed to split a 3-D ``attn_mask`` unless ``batch_size`` is given.
+    batch_size : int, optional
+        N; checked against the masks when given.
+    dtype : floating dtype, optional
+        Force a floating additive mask of this dtype (torch itself always
+        works with a float mask of the query's dtype).
+    xp : namespace or backend name, optional
+        Move the result to this backend (through the host); default: the
+        backend of the inputs.
+    device : optional
+        Device for the result when ``xp`` is given.
+
+    Returns
+    -------
+    mask : array broadcastable to (B, H, Lq, Lk), or None when both inputs are None.
+
+    Notes
+    -----
+    A query row whose keys are all ignored gives NaN weights in torch and
+    all-zero weights and output in npattn.
+    """
+    if attn_mask is None and key_padding_mask is None:
+        return None
+    src = namespace(attn_mask, key_padding_mask)
+    for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if m is not None:
+            _check_mask_dtype(src, name, m)
+    for name, n in (("n_head", n_head), ("batch_size", batch_size)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+
+    parts = []  # (array in 4-D npattn shape, torch's polarity)
+    if attn_mask is not None:
+        parts.append(_attn_mask_4d(src, attn_mask, n_head, batch_size))
+    if key_padding_mask is not None:
+        parts.append(_key_padding_4d(src, key_padding_mask, batch_size))
+    if len(parts) == 2:
+        S_a, S_k = parts[0].shape[-1], parts[1].shape[-1]
+        if S_a != S_k:
+            raise ValueError(
+                f"key_padding_mask: expected S={S_a} keys like attn_mask, got {S_k}"
+            )
+        N_a, N_k = parts[0].shape[0], parts[1].shape[0]
+        if N_a != 1 and N_k != 1 and N_a != N_k:
+            raise ValueError(
+                f"key_padding_mask: expected N={N_a} like attn_mask, got {N_k}"
+            )
+
+    if dtype is None and all(is_bool(src, m) for m in parts):
+        # True = ignore in torch; npattn keeps what no mask ignores
+        keep = src.logical_not(parts[0])
+        for m in parts[1:]:
+            keep = src.logical_and(keep, src.logical_not(m))  # broadcast [B, H, Lq, Lk]
+        out = keep
+    else:
+        if dtype is None:
+            dtype = src.result_type(*[m.dtype for m in parts if is_floating(src, m)])
+        out = None
+        for m in parts:
+            if is_bool(src, m):
+                zeros = src.zeros(m.shape, dtype=dtype, device=device_of(m))
+                add = src.where(m, -math.inf, zeros)  # True = ignore -> -inf
+            else:
+                add = src.astype(m, dtype)
+            out = add if out is None else out + add  # broadcast [B, H, Lq, Lk]
+
+    if xp is not None:
+        out = from_numpy(to_numpy(out), resolve_backend(xp), device)
+    return out
+
+
+def _attn_mask_4d(xp, m, n_head, batch_size):
+    """torch's (L, S) or (N*H, L, S) attn_mask as (1, 1, L, S) or (N, H, L, S)."""
+    if m.ndim == 2:
+        return xp.reshape(m, (1, 1, *m.shape))  # [1, 1, L, S]
+    if m.ndim != 3:
+        raise ValueError(
+            f"attn_mask: expected shape (L, S) or (N*H, L, S), got shape {tuple(m.shape)}"
+        )
+    NH, L, S = m.shape
+    if n_head is None and batch_size is None:
+        if NH != 1:
+            raise ValueError(
+                f"attn_mask: a 3-D mask of shape {tuple(m.shape)} needs n_head= "
+                "(or batch_size=) to split its first axis N*H"
+            )
+        return xp.reshape(m, (1, 1, L, S))
+    H = n_head if n_head is not None else NH // batch_size
+    N = batch_size if batch_size is not None else NH // n_head
+    if N * H != NH:
+        raise ValueError(
+            f"attn_mask: expected first axis N*H = {N}*{H} = {N * H}, got shape {tuple(m.shape)}"
+        )
+    return xp.reshape(m, (N, H, L, S))  # [N, H, L, S], entry n*H + h -> [n, h]
+
+
+def _key_padding_4d(xp, m, batch_size):
+    """torch's (N, S) or (S,) key_padding_mask as (N, 1, 1, S)."""
+    if m.ndim == 1:
+        m = xp.reshape(m, (1, m.shape[0]))  # [1, S]
+    if m.ndim != 2:
+        raise ValueError(
+            f"key_padding_mask: expected shape (N, S) or (S,), got shape {tuple(m.shape)}"
+        )
+    N, S = m.shape
+    if batch_size is not None and N != batch_size:
+        raise ValueError(f"key_padding_mask: expected N=batch_size={batch_size}, got shape {tuple(m.shape)}")
+    return xp.reshape(m, (N, 1, 1, S))  # [N, 1, 1, S]

@@ -1,0 +1,275 @@
+"""npattn.masks: causal / padding builders and the torch MHA mask adapter.
+
+Against torch where torch defines the behaviour (nn.MultiheadAttention with
+its own masks vs npattn with the converted mask); structural properties
+otherwise, on every backend.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from npattn import MultiHeadAttention, masks
+from npattn import functional as F
+from npattn.backend import device_of
+
+# --------------------------------------------------------------------------
+# causal
+
+
+@settings(max_examples=25)
+@given(Lq=st.integers(0, 7), Lk=st.integers(0, 7))
+def test_causal_alignments_are_corners_of_a_square(Lq, Lk):
+    """top-left is the top-left corner of the square causal mask; bottom-right
+    the bottom-right corner (Lq new queries at the end of Lk keys)."""
+    M = max(Lq, Lk)
+    square = np.tril(np.ones((M, M), dtype=bool))  # query i sees j <= i
+    tl = np.asarray(masks.causal(Lq, Lk))
+    br = np.asarray(masks.causal(Lq, Lk, align="bottom_right"))
+    assert tl.shape == br.shape == (Lq, Lk) and tl.dtype == br.dtype == np.bool_
+    np.testing.assert_array_equal(tl, square[:Lq, :Lk])
+    np.testing.assert_array_equal(br, square[M - Lq:, M - Lk:])
+    if Lq == Lk:
+        np.testing.assert_array_equal(tl, br)
+    # bottom-right: the last query sees every key
+    if Lq and Lk:
+        assert br[-1].all()
+
+
+def test_causal_top_left_is_sdpa_is_causal(xp, to_xp, to_np):
+    rng = np.random.default_rng(0)
+    q, k, v = (to_xp(rng.standard_normal(s)) for s in [(2, 2, 5, 3), (2, 2, 3, 3), (2, 2, 3, 3)])
+    ref, _ = F.sdpa_forward(q, k, v, is_causal=True)
+    out, _ = F.sdpa_forward(q, k, v, mask=masks.causal(5, 3, xp=xp))
+    np.testing.assert_array_equal(to_np(out), to_np(ref))
+
+
+def test_causal_bottom_right_empty_rows_are_zero(xp, to_xp, to_np):
+    rng = np.random.default_rng(1)
+    q = to_xp(rng.standard_normal((2, 2, 5, 3)))
+    k, v = (to_xp(rng.standard_normal((2, 2, 3, 3))) for _ in range(2))
+    out, cache = F.sdpa_forward(q, k, v, mask=masks.causal(5, 3, "bottom_right", xp=xp))
+    out = to_np(out)
+    assert np.all(out[:, :, :2] == 0.0)  # queries 0, 1 see no key
+    assert np.all(np.isfinite(out)) and np.all(np.abs(out[:, :, 2:]) > 0.0)
+
+
+def test_causal_bad_arguments():
+    with pytest.raises(ValueError, match="align"):
+        masks.causal(2, 3, align="top-left")
+    with pytest.raises(ValueError, match="Lk"):
+        masks.causal(2, -1)
+
+
+# --------------------------------------------------------------------------
+# padding
+
+
+@settings(max_examples=20)
+@given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=4), extra=st.integers(0, 2))
+def test_padding_properties(lengths, extra):
+    Lk = max(lengths) + extra
+    m = np.asarray(masks.padding(lengths, Lk))
+    assert m.shape == (len(lengths), 1, 1, Lk) and m.dtype == np.bool_
+    np.testing.assert_array_equal(m.sum(axis=-1).ravel(), lengths)
+    # a prefix: once a key is padding, every later key is too
+    assert np.all(np.diff(m.astype(int), axis=-1) <= 0)
+
+
+def test_padding_on_backend_keeps_device(xp, to_xp, to_np):
+    lengths = to_xp(np.array([3, 0, 5]))
+    m = masks.padding(lengths, 5)
+    assert device_of(m) == device_of(lengths)
+    np.testing.assert_array_equal(to_np(m).sum(axis=-1).ravel(), [3, 0, 5])
+    # the length-0 entry: nothing to attend, zero output, never NaN
+    rng = np.random.default_rng(2)
+    q, k, v = (to_xp(rng.standard_normal(s)) for s in [(3, 2, 4, 2), (3, 2, 5, 2), (3, 2, 5, 2)])
+    out, _ = F.sdpa_forward(q, k, v, mask=m)
+    out = to_np(out)
+    assert np.all(out[1] == 0.0) and np.all(np.isfinite(out))
+
+
+def test_padding_bad_arguments():
+    with pytest.raises(ValueError, match="lengths"):
+        masks.padding([1, 4], 3)
+    with pytest.raises(ValueError, match="lengths"):
+        masks.padding(np.array([[1, 2]]), 3)
+    with pytest.raises(TypeError, match="lengths"):
+        masks.padding(np.array([1.0, 2.0]), 3)
+
+
+def test_masks_on_strict_second_device():
+    xps = pytest.importorskip("array_api_strict")
+    dev = xps.Device("device1")
+    c = masks.causal(3, 4, xp=xps, device=dev)
+    assert c.device == dev
+    p = masks.padding(xps.asarray([1, 2], device=dev), 4)
+    assert p.device == dev
+    kpm = xps.asarray(np.array([[False, True]]), device=dev)
+    assert masks.from_torch_mha(key_padding_mask=kpm).device == dev
+
+
+# --------------------------------------------------------------------------
+# from_torch_mha without torch: structure
+
+
+@settings(max_examples=20)
+@given(N=st.integers(1, 3), H=st.integers(1, 3), L=st.integers(1, 4), S=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_from_torch_mha_structure(N, H, L, S, seed):
+    rng = np.random.default_rng(seed)
+    a2 = rng.random((L, S)) < 0.3  # True = ignore
+    a3 = rng.random((N * H, L, S)) < 0.3
+    kpm = rng.random((N, S)) < 0.3
+    m = masks.from_torch_mha(a2)
+    np.testing.assert_array_equal(m, ~a2[None, None])
+    m = masks.from_torch_mha(a3, n_head=H)
+    assert m.shape == (N, H, L, S)
+    for n in range(N):
+        for h in range(H):  # torch's entry n*H + h is batch n, head h
+            np.testing.assert_array_equal(m[n, h], ~a3[n * H + h])
+    np.testing.assert_array_equal(masks.from_torch_mha(a3, batch_size=N), m)
+    m = masks.from_torch_mha(a2, kpm)
+    np.testing.assert_array_equal(m, ~a2[None, None] & ~kpm[:, None, None, :])
+    # the floating form of the same masks gives the same softmax
+    f = masks.from_torch_mha(a3, kpm, n_head=H, dtype=np.float64)
+    b = masks.from_torch_mha(a3, kpm, n_head=H)
+    assert f.dtype == np.float64 and set(np.unique(f)) <= {0.0, -math.inf}
+    x = rng.standard_normal((N, H, L, S))
+    np.testing.assert_array_equal(F.masked_softmax_forward(x, f)[0], F.masked_softmax_forward(x, b)[0])
+    # float masks are added, bools become -inf
+    fa = rng.standard_normal((L, S))
+    fk = rng.standard_normal((N, S))
+    np.testing.assert_allclose(masks.from_torch_mha(fa, fk), fa[None, None] + fk[:, None, None, :])
+    out = masks.from_torch_mha(fa, kpm)
+    np.testing.assert_array_equal(out, np.where(kpm[:, None, None, :], -np.inf, fa[None, None]))
+
+
+def test_from_torch_mha_bad_arguments():
+    a3 = np.zeros((6, 2, 3), dtype=bool)
+    assert masks.from_torch_mha() is None
+    with pytest.raises(ValueError, match="n_head"):
+        masks.from_torch_mha(a3)
+    with pytest.raises(ValueError, match="N\\*H"):
+        masks.from_torch_mha(a3, n_head=4)
+    with pytest.raises(ValueError, match="N\\*H"):
+        masks.from_torch_mha(a3, n_head=2, batch_size=2)
+    with pytest.raises(ValueError, match="S=3"):
+        masks.from_torch_mha(np.zeros((2, 3), bool), np.zeros((2, 4), bool))
+    with pytest.raises(ValueError, match="batch_size"):
+        masks.from_torch_mha(key_padding_mask=np.zeros((2, 4), bool), batch_size=3)
+    with pytest.raises(TypeError, match="attn_mask"):
+        masks.from_torch_mha(np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match="attn_mask"):
+        masks.from_torch_mha(np.zeros((1, 1, 2, 3), bool))
+
+
+# --------------------------------------------------------------------------
+# from_torch_mha against torch.nn.MultiheadAttention
+
+
+def _npattn_from_torch(tm, D, H):
+    """npattn module with tm's parameters (packed in_proj split by hand)."""
+    mha = MultiHeadAttention(D, H, dtype="float64")
+    W = tm.in_proj_weight.detach().numpy()
+    b = tm.in_proj_bias.detach().numpy()
+    mha.params.update(
+        w_q=W[:D].copy(), w_k=W[D:2 * D].copy(), w_v=W[2 * D:].copy(),
+        b_q=b[:D].copy(), b_k=b[D:2 * D].copy(), b_v=b[2 * D:].copy(),
+        w_o=tm.out_proj.weight.detach().numpy().copy(), b_o=tm.out_proj.bias.detach().numpy().copy(),
+    )
+    return mha
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
+@settings(max_examples=15)
+@given(
+    attn_kind=st.sampled_from(["none", "bool2d", "bool3d", "float2d", "float3d"]),
+    kpm_kind=st.sampled_from(["none", "bool", "float"]),
+    L=st.integers(2, 4), S=st.integers(2, 5), seed=st.integers(0, 2**16),
+)
+def test_from_torch_mha_matches_torch_module(attn_kind, kpm_kind, L, S, seed):
+    torch = pytest.importorskip("torch")
+    if attn_kind == "none" and kpm_kind == "none":
+        kpm_kind = "bool"
+    N, D, H = 3, 8, 2
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    tm = torch.nn.MultiheadAttention(D, H, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        tm.in_proj_bias.normal_()
+        tm.out_proj.bias.normal_()
+    query = rng.standard_normal((N, L, D))
+    key = rng.standard_normal((N, S, D))
+    value = rng.standard_normal((N, S, D))
+
+    def ignore(shape):  # torch polarity, True = ignore; key 0 always kept (no empty row: torch gives NaN)
+        m = rng.random(shape) < 0.4
+        m[..., 0] = False
+        return m
+
+    def additive(shape):
+        m = rng.standard_normal(shape)
+        m[rng.random(shape) < 0.3] = -math.inf
+        m[..., 0] = 0.0
+        return m
+
+    attn = {"none": None, "bool2d": ignore((L, S)), "bool3d": ignore((N * H, L, S)),
+            "float2d": additive((L, S)), "float3d": additive((N * H, L, S))}[attn_kind]
+    kpm = {"none": None, "bool": ignore((N, S)), "float": additive((N, S))}[kpm_kind]
+
+    t_in = [torch.tensor(a, requires_grad=True) for a in (query, key, value)]
+    t_out, t_w = tm(
+        *t_in,
+        attn_mask=None if attn is None else torch.tensor(attn),
+        key_padding_mask=None if kpm is None else torch.tensor(kpm),
+        need_weights=True, average_attn_weights=False,
+    )
+    dout = rng.standard_normal((N, L, D))
+    t_out.backward(torch.tensor(dout))
+
+    mask = masks.from_torch_mha(attn, kpm, n_head=H)
+    mha = _npattn_from_torch(tm, D, H)
+    out, w = mha(query, key, value, mask=mask, need_weights=True)
+    dq, dk, dv = mha.backward(dout)
+    assert _rel(out, t_out.detach().numpy()) < 1e-12
+    assert _rel(w, t_w.detach().numpy()) < 1e-12
+    for g, t in zip((dq, dk, dv), t_in):
+        assert _rel(g, t.grad.numpy()) < 1e-10
+
+    # the same mask converted from torch tensors stays a torch tensor, equal values
+    mt = masks.from_torch_mha(
+        None if attn is None else torch.tensor(attn),
+        None if kpm is None else torch.tensor(kpm), n_head=H,
+    )
+    assert isinstance(mt, torch.Tensor)
+    np.testing.assert_array_equal(mt.numpy(), mask)
+    # and npattn's mask means the same to torch's SDPA (True = may attend there too)
+    qh = rng.standard_normal((N, H, L, 4))
+    kh, vh = rng.standard_normal((N, H, S, 4)), rng.standard_normal((N, H, S, 4))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.tensor(a) for a in (qh, kh, vh)), attn_mask=mt
+    ).numpy()
+    assert _rel(F.sdpa_forward(qh, kh, vh, mask=mask)[0], ref) < 1e-12
+
+
+def test_causal_bottom_right_matches_torch_causal_lower_right():
+    """torch's own bottom-right causal bias (torch.nn.attention.bias.causal_lower_right)."""
+    torch = pytest.importorskip("torch")
+    bias = pytest.importorskip("torch.nn.attention.bias")
+    rng = np.random.default_rng(3)
+    for Lq, Lk in [(2, 5), (4, 4), (3, 6)]:
+        q = rng.standard_normal((2, 2, Lq, 3))
+        k, v = rng.standard_normal((2, 2, Lk, 3)), rng.standard_normal((2, 2, Lk, 3))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(torch.tensor(a) for a in (q, k, v)), attn_mask=bias.causal_lower_right(Lq, Lk)
+        ).numpy()
+        out, _ = F.sdpa_forward(q, k, v, mask=masks.causal(Lq, Lk, "bottom_right"))
+        assert _rel(out, ref) < 1e-12
