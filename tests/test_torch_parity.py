@@ -12,8 +12,9 @@ Three references:
 
 Every output and every gradient is compared: the inputs, all parameters
 (bias_k/bias_v included) and a floating mask's gradient at the mask's own
-shape. torch's masks say True = ignore; the tests convert them to npattn's
-True = attend by hand. npattn runs on every backend fixture.
+shape. torch MHA's masks (True = ignore) go through
+``npattn.masks.from_torch_mha``, so its conversion is checked against torch
+too. npattn runs on every backend fixture.
 """
 
 import math
@@ -29,6 +30,7 @@ TF = torch.nn.functional
 from npattn import MultiHeadAttention  # noqa: E402
 from npattn import functional as F  # noqa: E402
 from npattn.backend import from_numpy, resolve_backend, to_numpy  # noqa: E402
+from npattn.masks import from_torch_mha  # noqa: E402
 
 RTOL = 1e-9
 fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -93,24 +95,6 @@ def draw_torch_masks(rng, kind, B, H, Lq, S, causal):
     return attn_mask, kpm
 
 
-def npattn_mask(attn_mask, kpm, B, H, Lq, S):
-    """torch (True = ignore) masks as one npattn mask (True = attend, or additive)."""
-    m = None
-    if attn_mask is not None:
-        m = attn_mask if attn_mask.ndim == 2 else attn_mask.reshape(B, H, Lq, S)
-        if m.dtype == bool:
-            m = ~m
-    if kpm is not None:
-        pad = ~kpm[:, None, None, :]  # [B, 1, 1, S]
-        if m is None:
-            m = pad
-        elif m.dtype == bool:
-            m = m & pad
-        else:  # torch adds -inf for a padded key to a float attn_mask
-            m = m + np.where(pad, 0.0, -math.inf)
-    return m
-
-
 def causal_ignore(Lq, S):
     return torch.ones(Lq, S, dtype=torch.bool).triu(1)  # True = ignore, top-left
 
@@ -166,7 +150,7 @@ def test_module_matches_torch_mha(backend, cfg):
     key = rng.standard_normal((B, S, Dk)) if c["cross"] else query
     value = rng.standard_normal((B, S, Dv)) if c["cross"] else query
     attn_mask, kpm = draw_torch_masks(rng, c["mask"], B, H, Lq, S, c["causal"])
-    mask = npattn_mask(attn_mask, kpm, B, H, Lq, S)
+    mask = from_torch_mha(attn_mask, kpm, n_head=H, batch_size=B)  # True = attend, or additive
 
     # torch: self-attention passes one tensor three times, so its grad is the sum
     tq = t64(query)
@@ -212,10 +196,11 @@ def test_module_matches_torch_mha(backend, cfg):
     for name, g in MultiHeadAttention.torch_state_dict(_with_params(mha, mha.grads)).items():
         assert_close(g, t_grads[name], "grad " + name, floor)
     if t_am is not None and t_am.requires_grad:
-        dmask = to_numpy(mha.dmask)
-        if kpm is not None:  # npattn's mask was attn_mask + padding, broadcast to [B, 1, Lq, S]
+        dmask = to_numpy(mha.dmask)  # [1 or B, 1 or H, Lq, S], the adapter's shape
+        assert dmask.shape == tuple(mask.shape)
+        if attn_mask.ndim == 2:  # npattn's mask was attn_mask (+ padding): sum the broadcast
             dmask = dmask.sum(axis=(0, 1))
-        if attn_mask.ndim == 3:
+        else:
             dmask = dmask.reshape(B * H, Lq, S)
         assert_close(dmask, t_am.grad, "dmask", floor)
     else:
