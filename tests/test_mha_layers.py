@@ -263,3 +263,22 @@ def test_bool_mask_gives_no_dmask_float_mask_does(xp, to_xp):
 def test_bad_layer_arguments(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         MultiHeadAttention(8, 4, **kwargs)
+
+
+def test_extra_kv_pairs_stay_on_the_input_device():
+    """array-api-strict's simulated second device: nothing is created on the default one."""
+    from conftest import backend_or_skip
+
+    xps = backend_or_skip("array_api_strict")
+    dev = xps.Device("device1")
+    rng = np.random.default_rng(7)
+    x = xps.asarray(rng.standard_normal((2, 3, 4)), device=dev)
+    b = xps.asarray(rng.standard_normal(4), device=dev)
+    y, c = F.append_kv_forward(x, b, add_zero_attn=True)
+    dx, db = F.append_kv_backward(xps.asarray(rng.standard_normal((2, 5, 4)), device=dev), c)
+    fm = xps.asarray(rng.standard_normal((2, 1, 3, 3)), device=dev)
+    m, mc = F.pad_mask_forward(fm, 3, 3, 2, is_causal=True)
+    dm = F.pad_mask_backward(xps.asarray(rng.standard_normal((2, 1, 3, 5)), device=dev), mc)
+    bm, _ = F.pad_mask_forward(None, 3, 3, 1, is_causal=True, like=x)
+    for a in (y, dx, db, m, dm, bm):
+        assert a.device == dev
