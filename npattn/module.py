@@ -250,17 +250,17 @@ class MultiHeadAttention:
         k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, Dkv]
         v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, Dkv]
         Lq, Lk = q.shape[1], k.shape[1]
-        k, k_extra_c = F.append_kv_forward(k, P.get("bias_k"), add_zero_attn=self.add_zero_attn)  # 4.
-        v, v_extra_c = F.append_kv_forward(v, P.get("bias_v"), add_zero_attn=self.add_zero_attn)
-        n_extra = k.shape[1] - Lk  # [B, Lk + n, Dkv]
+        zero = self.add_zero_attn
+        k, k_extra_c = F.append_kv_forward(k, P.get("bias_k"), add_zero_attn=zero)  # 4. [B, Lk + n, Dkv]
+        v, v_extra_c = F.append_kv_forward(v, P.get("bias_v"), add_zero_attn=zero)  # [B, Lk + n, Dkv]
+        n_extra = k.shape[1] - Lk
         mask_c = None
-        if n_extra:  # the extra keys stay attendable: fold is_causal into the padded mask
+        if n_extra:  # the extra keys stay attendable: is_causal is folded into the padded mask
             mask, mask_c = F.pad_mask_forward(mask, Lq, Lk, n_extra, is_causal=is_causal, like=q)
-            is_causal = False  # [..., Lk + n]
+            is_causal = False  # mask: [..., Lk + n]
         qh, split_c = F.split_heads_forward(q, H)  # 5.                  [B, H, Lq, Dh]
         kh, _ = F.split_heads_forward(k, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
         vh, _ = F.split_heads_forward(v, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
-        gqa = {"enable_gqa": True} if self.n_kv_head != H else {}
         oh, sdpa_c = F.sdpa_forward(  # 6.                               [B, H, Lq, Dh]
             qh,
             kh,
@@ -270,7 +270,7 @@ class MultiHeadAttention:
             dropout_p=self.dropout if use_dropout else 0.0,
             dropout_mask=dropout_mask if use_dropout else None,
             rng=self._rng,
-            **gqa,
+            enable_gqa=self.n_kv_head != H,
         )
         o, merge_c = F.merge_heads_forward(oh)  # 7.                     [B, Lq, D]
         out, o_c = F.linear_forward(o, P["w_o"], P.get("b_o"))  # 8.     [B, Lq, D]

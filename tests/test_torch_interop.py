@@ -17,6 +17,7 @@ LAYOUTS = [
     dict(),
     dict(kdim=3, vdim=5),
     dict(kdim=6),
+    dict(vdim=4),
     dict(bias=False),
     dict(bias=False, kdim=3, vdim=5),
     dict(add_bias_kv=True),
