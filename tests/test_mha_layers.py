@@ -164,7 +164,11 @@ def test_module_gradcheck(backend, to_xp, cfg):
     keep = to_xp(rng.random((B, H, Lq, Lk + n_extra)) >= c["p"]) if c["p"] else None
     fwd, bwd = module_pair(mha, names, is_causal=c["causal"], dropout_mask=keep)
     inputs = [to_xp(query), to_xp(key), to_xp(value), to_xp(mask), *params]
-    rep = gradcheck(fwd, bwd, inputs, names=["query", "key", "value", "mask", *names], mode="vjp")
+    # atol: b_k's gradient is 0 in exact arithmetic without extra keys (softmax ignores a
+    # shift shared by a row), so only the differences' rounding (~1e-9 here) is compared
+    rep = gradcheck(
+        fwd, bwd, inputs, names=["query", "key", "value", "mask", *names], mode="vjp", atol=1e-8
+    )
     assert rep.ok, str(rep)
     assert set(mha.grads) == set(mha.params)
     for n in names:
