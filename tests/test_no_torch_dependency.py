@@ -13,13 +13,22 @@ def _run(code):
     )
 
 
-def test_importing_every_npattn_module_does_not_import_torch():
+def test_importing_npattn_does_not_import_torch():
+    """``import npattn`` and the library modules (interop included) leave torch alone.
+
+    Tools that compare against torch (benchmarks, scripts) may import it
+    themselves; the library may not.
+    """
     r = _run(
         """
-        import importlib, pkgutil, sys
+        import importlib, sys
         import npattn
-        for m in pkgutil.walk_packages(npattn.__path__, "npattn."):
-            importlib.import_module(m.name)
+        for name in ("backend", "functional", "module", "gradcheck", "masks", "torch_interop"):
+            try:
+                importlib.import_module("npattn." + name)
+            except ModuleNotFoundError as e:
+                if e.name != "npattn." + name:
+                    raise
         bad = sorted(n for n in sys.modules if n == "torch" or n.startswith("torch."))
         assert not bad, bad
         print("ok")
