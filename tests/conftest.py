@@ -91,3 +91,11 @@ def to_np():
         return None if a is None else to_numpy(a)
 
     return convert
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test parametrized on the cupy backend as ``gpu`` (``pytest -m gpu`` runs them)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, str) and v == "cupy" for v in params.values()):
+            item.add_marker(pytest.mark.gpu)
