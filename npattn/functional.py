@@ -42,6 +42,10 @@ __all__ = [
     "dropout_backward",
     "sdpa_forward",
     "sdpa_backward",
+    "append_kv_forward",
+    "append_kv_backward",
+    "pad_mask_forward",
+    "pad_mask_backward",
     "causal_mask",
     "sum_to_shape",
 ]
@@ -614,3 +618,156 @@ def sdpa_backward(dout, cache: SDPACache):
         if dmask is not None:
             dmask = xp.astype(dmask, cache.in_dtype)
     return dq, dk, dv, dmask
+
+
+# --------------------------------------------------------------------------
+# extra keys/values (torch's add_bias_kv, add_zero_attn): [..., Lk, D] -> [..., Lk + n, D]
+
+
+class AppendKVCache(NamedTuple):
+    n_given: int  # Lk, the number of keys the caller gave
+    has_bias: bool  # whether row Lk is the learned bias
+
+
+def append_kv_forward(x, bias=None, *, add_zero_attn: bool = False):
+    """Append torch's extra key (or value) positions after the given ones.
+
+    Applied alike to the projected keys (with ``bias_k``) and values (with
+    ``bias_v``), in the order of ``torch.nn.MultiheadAttention``:
+
+    1. ``x = concat([x, bias], axis=-2)``   (``bias`` given)   [..., Lk + 1, D]
+    2. ``x = concat([x, 0], axis=-2)``      (``add_zero_attn``) [..., Lk + n, D]
+
+    Parameters
+    ----------
+    x : array, shape (..., Lk, D)
+    bias : array, shape (D,), optional
+        Learned extra position, broadcast over the leading axes.
+    add_zero_attn : bool
+        Append a position of zeros last.
+
+    Returns
+    -------
+    y : array, shape (..., Lk + n, D), n = (bias given) + add_zero_attn
+    cache : AppendKVCache
+    """
+    # [..., Lk, D], [D] -> [..., Lk + n, D]
+    xp = namespace(x, bias)
+    row_shape = tuple(x.shape[:-2]) + (1, x.shape[-1])
+    parts = [x]
+    if bias is not None:
+        parts.append(xp.broadcast_to(bias, row_shape))  # 1.          [..., 1, D]
+    if add_zero_attn:
+        parts.append(xp.zeros(row_shape, dtype=x.dtype, device=device_of(x)))  # 2. [..., 1, D]
+    y = xp.concat(parts, axis=-2) if len(parts) > 1 else x  # [..., Lk + n, D]
+    return y, AppendKVCache(x.shape[-2], bias is not None)
+
+
+def append_kv_backward(dy, cache: AppendKVCache):
+    """Gradients of ``append_kv``: ``dx`` is the first Lk positions of ``dy``.
+
+    The zero position has no inputs and its gradient is dropped; ``dbias`` is
+    the gradient of the bias position summed over the leading axes it was
+    broadcast along (None without a bias).
+
+    Returns
+    -------
+    dx : array, shape (..., Lk, D)
+    dbias : array, shape (D,) or None
+    """
+    # [..., Lk + n, D] -> [..., Lk, D], [D]
+    xp = namespace(dy)
+    Lk = cache.n_given
+    # 2. x = concat([x, 0]): the zero row is a constant, its gradient goes nowhere
+    # 1. x = concat([x, bias]): row Lk came from the bias, broadcast over [...]
+    dbias = None
+    if cache.has_bias:
+        db = dy[..., Lk, :]  # [..., D]
+        dbias = xp.sum(xp.reshape(db, (-1, db.shape[-1])), axis=0)  # [D]
+    dx = dy[..., :Lk, :]  # [..., Lk, D]
+    return dx, dbias
+
+
+class PadMaskCache(NamedTuple):
+    n_given: int  # Lk
+    causal: Any  # [Lq, Lk] bool causal mask that was applied to a floating mask, else None
+    mask_shape: Optional[tuple]  # shape of a floating mask, for dmask; else None
+
+
+def pad_mask_forward(mask, Lq: int, Lk: int, n_extra: int, *, is_causal: bool = False, like=None):
+    """Extend a mask over the Lk given keys to ``n_extra`` appended keys, which are always attendable.
+
+    This is how torch pads its masks for ``add_bias_kv`` and ``add_zero_attn``
+    (``pad(mask, (0, 1))``: False = attend, or 0.0 added). ``is_causal``
+    (top-left, query i sees given keys j <= i) is folded in first, so it
+    never hides the extra keys.
+
+    1. ``m = mask`` combined with ``causal(Lq, Lk)``: boolean AND, floating
+       ``where(causal, mask, -inf)``, no mask: the causal mask
+    2. ``m`` broadcast to length Lk on its last axis                 [..., Lk]
+    3. ``m = concat([m, fill], axis=-1)``, fill True or 0.0           [..., Lk + n_extra]
+
+    Parameters
+    ----------
+    mask : array broadcastable to (..., Lq, Lk), bool (True = may attend) or floating, optional
+    Lq, Lk : int
+        Query length and number of given keys.
+    n_extra : int
+        Number of appended keys.
+    is_causal : bool
+    like : array, optional
+        Gives the namespace and device of the causal mask when ``mask`` is None.
+
+    Returns
+    -------
+    m : array, shape (..., Lk + n_extra), or None when ``mask`` is None and not causal
+    cache : PadMaskCache
+    """
+    # [..., Lk] -> [..., Lk + n]
+    if mask is None and not is_causal:
+        return None, PadMaskCache(Lk, None, None)
+    floating = mask is not None and is_floating(namespace(mask), mask)
+    mask_shape = tuple(mask.shape) if floating else None
+    m = mask
+    causal = None
+    if is_causal:  # 1.
+        ref = mask if mask is not None else like
+        if ref is None:
+            raise ValueError("pad_mask_forward: is_causal with mask=None needs like= (an array)")
+        xp = namespace(ref)
+        causal = causal_mask(xp, Lq, Lk, device_of(ref))  # [Lq, Lk]
+        if mask is None:
+            m = causal
+        elif floating:
+            m = xp.where(causal, mask, -math.inf)  # [..., Lq, Lk]
+        else:
+            m = xp.logical_and(mask, causal)  # [..., Lq, Lk]
+        causal = causal if floating else None
+    xp = namespace(m)
+    if m.shape[-1] != Lk:  # 2.
+        m = xp.broadcast_to(m, tuple(m.shape[:-1]) + (Lk,))  # [..., Lk]
+    fill_shape = tuple(m.shape[:-1]) + (n_extra,)
+    if floating:
+        fill = xp.zeros(fill_shape, dtype=m.dtype, device=device_of(m))  # [..., n]
+    else:
+        fill = xp.ones(fill_shape, dtype=xp.bool, device=device_of(m))  # [..., n]
+    m = xp.concat([m, fill], axis=-1)  # 3.                            [..., Lk + n]
+    return m, PadMaskCache(Lk, causal, mask_shape)
+
+
+def pad_mask_backward(dm, cache: PadMaskCache):
+    """Gradient of ``pad_mask`` for a floating mask: ``dmask`` of the mask's own shape.
+
+    None for a boolean or no mask (``dm`` may then be None too).
+    """
+    # [..., Lk + n] -> mask shape
+    if cache.mask_shape is None:
+        return None
+    xp = namespace(dm)
+    # 3. m = concat([m, 0]): keep the given keys' columns
+    d = dm[..., : cache.n_given]  # [..., Lk]
+    # 1. m = where(causal, mask, -inf): no gradient where causal forbids
+    if cache.causal is not None:
+        d = xp.where(cache.causal, d, 0.0)  # [..., Lq, Lk]
+    # 2. and 1.: sum over what broadcasting added
+    return sum_to_shape(xp, d, cache.mask_shape)

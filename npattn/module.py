@@ -3,14 +3,15 @@
 The module owns its parameters, a seeded dropout generator and the cache of
 its last forward; every computation is a call into the functional pairs.
 
-Shape legend: B batch, H heads, Lq query length, Lk key length,
-D = d_model, Dh = D // H, Dk = kdim, Dv = vdim.
+Shape legend: B batch, H heads, Hkv key/value heads, Lq query length,
+Lk key length, n extra keys (add_bias_kv, add_zero_attn), D = d_model,
+Dh = D // H, Dkv = Hkv * Dh, Dq = qdim, Dk = kdim, Dv = vdim.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -19,13 +20,16 @@ from .backend import from_numpy, resolve_backend
 
 __all__ = ["MultiHeadAttention"]
 
-PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
 
 
 class MHACache(NamedTuple):
     q_proj: F.LinearCache
     k_proj: F.LinearCache
     v_proj: F.LinearCache
+    k_extra: F.AppendKVCache
+    v_extra: F.AppendKVCache
+    mask_pad: Optional[F.PadMaskCache]  # None when no extra keys were appended
     split: F.HeadsCache
     sdpa: F.SDPACache
     merge: F.HeadsCache
@@ -37,15 +41,26 @@ class MHACache(NamedTuple):
 class MultiHeadAttention:
     """Multi-head attention with a hand-derived backward.
 
-    Forward, for query (B, Lq, D), key (B, Lk, Dk), value (B, Lk, Dv)::
+    Forward, for query (B, Lq, Dq), key (B, Lk, Dk), value (B, Lk, Dv)::
 
-        1. q  = query @ w_q.T + b_q          [B, Lq, D]
-        2. k  = key   @ w_k.T + b_k          [B, Lk, D]
-        3. v  = value @ w_v.T + b_v          [B, Lk, D]
-        4. qh, kh, vh = split_heads(q, k, v) [B, H, L, Dh]
-        5. oh = sdpa(qh, kh, vh, mask)       [B, H, Lq, Dh]
-        6. o  = merge_heads(oh)              [B, Lq, D]
-        7. out = o @ w_o.T + b_o             [B, Lq, D]
+        1. q  = query @ w_q.T + b_q                  [B, Lq, D]
+        2. k  = key   @ w_k.T + b_k                  [B, Lk, Dkv]
+        3. v  = value @ w_v.T + b_v                  [B, Lk, Dkv]
+        4. k  = append_kv(k, bias_k, add_zero_attn)  [B, Lk + n, Dkv]
+           v  = append_kv(v, bias_v, add_zero_attn)  (and the mask padded
+           with attendable columns, see below)
+        5. qh, kh, vh = split_heads(q, k, v)         [B, H, Lq, Dh], [B, Hkv, Lk + n, Dh]
+        6. oh = sdpa(qh, kh, vh, mask)               [B, H, Lq, Dh]
+        7. o  = merge_heads(oh)                      [B, Lq, D]
+        8. out = o @ w_o.T + b_o                     [B, Lq, D]
+
+    Step 4 is torch's ``add_bias_kv`` (a learned key ``bias_k`` and value
+    ``bias_v`` appended after the projection) then ``add_zero_attn`` (a zero
+    key and value appended last), in torch's order. The user's mask and
+    ``is_causal`` cover the Lk given keys; the n extra keys are always
+    attendable (a boolean mask is padded with True, a floating one with 0.0),
+    as torch pads its own masks. With ``n_kv_head < n_head`` (grouped-query
+    attention) query head h uses key/value head ``h // (n_head // n_kv_head)``.
 
     Parameters
     ----------
@@ -56,9 +71,24 @@ class MultiHeadAttention:
     dropout : float
         Drop probability on the attention probabilities, in [0, 1).
     bias : bool
-        Whether the four projections have biases.
+        Default of ``qkv_bias`` and ``out_bias``.
+    qkv_bias, out_bias : bool, optional
+        Whether the Q/K/V projections (``b_q b_k b_v``) and the output
+        projection (``b_o``) have biases; each defaults to ``bias``.
     kdim, vdim : int, optional
         Feature sizes of key and value; default ``d_model``.
+    qdim : int, optional
+        Feature size of the query; default ``d_model``. The output is always
+        ``d_model`` wide.
+    add_bias_kv : bool
+        Append the learned ``bias_k``/``bias_v`` as an extra key/value (torch's
+        ``add_bias_kv``; initialised normal with std ``1/sqrt(Dkv)``, as torch's
+        Xavier-normal on its (1, 1, D) shape).
+    add_zero_attn : bool
+        Append a zero key/value after everything else (torch's ``add_zero_attn``).
+    n_kv_head : int, optional
+        Number of key/value heads Hkv for grouped-query attention; must divide
+        ``n_head``. Default ``n_head`` (standard multi-head attention).
     dtype : str
         Parameter dtype, "float32" (default), "float64" or "float16".
     seed : int, optional
@@ -69,11 +99,16 @@ class MultiHeadAttention:
     Attributes
     ----------
     params : dict
-        ``w_q`` (D, D), ``w_k`` (D, Dk), ``w_v`` (D, Dv), ``w_o`` (D, D) in
-        PyTorch's (out, in) layout, and ``b_q b_k b_v b_o`` (D,) when bias is
-        on. Assigning an array to a key replaces that parameter.
+        ``w_q`` (D, Dq), ``w_k`` (Dkv, Dk), ``w_v`` (Dkv, Dv), ``w_o`` (D, D)
+        in PyTorch's (out, in) layout; ``b_q`` (D,), ``b_k b_v`` (Dkv,) with
+        ``qkv_bias``; ``b_o`` (D,) with ``out_bias``; ``bias_k bias_v`` (Dkv,)
+        with ``add_bias_kv``. Dkv = D unless ``n_kv_head`` is set. Assigning
+        an array to a key replaces that parameter.
     grads : dict
         Filled by ``backward`` with the same keys as ``params``.
+    dmask : array or None
+        Filled by ``backward``: the gradient with respect to a floating
+        ``mask``, of the mask's own shape; None for a boolean or no mask.
     training : bool
         True after ``train()`` (the default), False after ``eval()``.
     """
@@ -87,6 +122,12 @@ class MultiHeadAttention:
         bias: bool = True,
         kdim=None,
         vdim=None,
+        qdim=None,
+        qkv_bias=None,
+        out_bias=None,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        n_kv_head=None,
         dtype: str = "float32",
         seed=None,
         backend="numpy",
@@ -97,14 +138,22 @@ class MultiHeadAttention:
         self.head_dim = d_model // n_head
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
+        self.qdim = d_model if qdim is None else qdim
+        self.n_kv_head = n_head if n_kv_head is None else n_kv_head
+        _check_layer_shape(self.qdim, self.n_head, self.n_kv_head)
         self.dropout = float(dropout)
         self.bias = bool(bias)
+        self.qkv_bias = self.bias if qkv_bias is None else bool(qkv_bias)
+        self.out_bias = self.bias if out_bias is None else bool(out_bias)
+        self.add_bias_kv = bool(add_bias_kv)
+        self.add_zero_attn = bool(add_zero_attn)
         self.dtype = getattr(xp, dtype)
         self.training = True
         init_seq, dropout_seq = np.random.SeedSequence(seed).spawn(2)
         self._rng = np.random.default_rng(dropout_seq)
         self.params = self._init_params(np.random.default_rng(init_seq))
         self.grads: dict = {}
+        self.dmask = None
         self._cache = None
 
     # ------------------------------------------------------------------ setup
@@ -115,16 +164,27 @@ class MultiHeadAttention:
         Drawn in float64 on the host, then cast, so one seed gives the same
         parameters on every backend.
         """
-        D = self.d_model
-        shapes = {"w_q": (D, D), "w_k": (D, self.kdim), "w_v": (D, self.vdim), "w_o": (D, D)}
+        D, Dkv = self.d_model, self.n_kv_head * self.head_dim
+        shapes = {
+            "w_q": (D, self.qdim),
+            "w_k": (Dkv, self.kdim),
+            "w_v": (Dkv, self.vdim),
+            "w_o": (D, D),
+        }
         params = {}
         for name, (fan_out, fan_in) in shapes.items():
             a = math.sqrt(6.0 / (fan_in + fan_out))
             params[name] = self._asparam(rng.uniform(-a, a, size=(fan_out, fan_in)))
-        if self.bias:
-            for name in ("b_q", "b_k", "b_v", "b_o"):
-                params[name] = self._asparam(np.zeros(D))
-        return params
+        if self.qkv_bias:
+            params["b_q"] = self._asparam(np.zeros(D))
+            params["b_k"] = self._asparam(np.zeros(Dkv))
+            params["b_v"] = self._asparam(np.zeros(Dkv))
+        if self.out_bias:
+            params["b_o"] = self._asparam(np.zeros(D))
+        if self.add_bias_kv:  # drawn last, so the weights above do not depend on it
+            params["bias_k"] = self._asparam(rng.normal(0.0, 1.0 / math.sqrt(Dkv), size=Dkv))
+            params["bias_v"] = self._asparam(rng.normal(0.0, 1.0 / math.sqrt(Dkv), size=Dkv))
+        return {name: params[name] for name in PARAM_NAMES if name in params}
 
     def _asparam(self, a: np.ndarray):
         return self.xp.astype(from_numpy(a, self.xp), self.dtype)
@@ -158,21 +218,25 @@ class MultiHeadAttention:
 
         Parameters
         ----------
-        query : array, shape (B, Lq, D)
+        query : array, shape (B, Lq, Dq)
         key : array, shape (B, Lk, Dk)
         value : array, shape (B, Lk, Dv)
         mask : array, optional
             Boolean (True = may attend) or floating (added to the scaled
             scores, ``-inf`` allowed), of a shape broadcastable to
             (B, H, Lq, Lk): (Lq, Lk), (1, 1, Lq, Lk), (B, 1, Lq, Lk),
-            (B, 1, 1, Lk) or (B, H, Lq, Lk).
+            (B, 1, 1, Lk) or (B, H, Lq, Lk). It covers the Lk given keys
+            only; the extra keys of ``add_bias_kv``/``add_zero_attn`` are
+            always attendable.
         is_causal : bool
-            Query i attends keys j <= i (top-left); ANDed with ``mask``.
-        dropout_mask : bool array broadcastable to (B, H, Lq, Lk), optional
-            Keep-mask used instead of the generator. Dropout, and so this
-            mask, acts only in training mode with ``dropout > 0``.
+            Query i attends given keys j <= i (top-left); ANDed with ``mask``.
+        dropout_mask : bool array broadcastable to (B, H, Lq, Lk + n), optional
+            Keep-mask used instead of the generator; it covers the n extra
+            keys too. Dropout, and so this mask, acts only in training mode
+            with ``dropout > 0``.
         need_weights : bool
-            Also return the attention weights (B, H, Lq, Lk), before dropout.
+            Also return the attention weights (B, H, Lq, Lk + n), before
+            dropout, the extra keys last.
 
         Returns
         -------
@@ -183,12 +247,21 @@ class MultiHeadAttention:
         use_dropout = self.training and self.dropout > 0.0
 
         q, q_c = F.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
-        k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, D]
-        v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, D]
-        qh, split_c = F.split_heads_forward(q, H)  # 4.                  [B, H, Lq, Dh]
-        kh, _ = F.split_heads_forward(k, H)  # [B, H, Lk, Dh]
-        vh, _ = F.split_heads_forward(v, H)  # [B, H, Lk, Dh]
-        oh, sdpa_c = F.sdpa_forward(  # 5.                               [B, H, Lq, Dh]
+        k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, Dkv]
+        v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, Dkv]
+        Lq, Lk = q.shape[1], k.shape[1]
+        zero = self.add_zero_attn
+        k, k_extra_c = F.append_kv_forward(k, P.get("bias_k"), add_zero_attn=zero)  # 4. [B, Lk + n, Dkv]
+        v, v_extra_c = F.append_kv_forward(v, P.get("bias_v"), add_zero_attn=zero)  # [B, Lk + n, Dkv]
+        n_extra = k.shape[1] - Lk
+        mask_c = None
+        if n_extra:  # the extra keys stay attendable: is_causal is folded into the padded mask
+            mask, mask_c = F.pad_mask_forward(mask, Lq, Lk, n_extra, is_causal=is_causal, like=q)
+            is_causal = False  # mask: [..., Lk + n]
+        qh, split_c = F.split_heads_forward(q, H)  # 5.                  [B, H, Lq, Dh]
+        kh, _ = F.split_heads_forward(k, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
+        vh, _ = F.split_heads_forward(v, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
+        oh, sdpa_c = F.sdpa_forward(  # 6.                               [B, H, Lq, Dh]
             qh,
             kh,
             vh,
@@ -197,12 +270,14 @@ class MultiHeadAttention:
             dropout_p=self.dropout if use_dropout else 0.0,
             dropout_mask=dropout_mask if use_dropout else None,
             rng=self._rng,
+            enable_gqa=self.n_kv_head != H,
         )
-        o, merge_c = F.merge_heads_forward(oh)  # 6.                     [B, Lq, D]
-        out, o_c = F.linear_forward(o, P["w_o"], P.get("b_o"))  # 7.     [B, Lq, D]
+        o, merge_c = F.merge_heads_forward(oh)  # 7.                     [B, Lq, D]
+        out, o_c = F.linear_forward(o, P["w_o"], P.get("b_o"))  # 8.     [B, Lq, D]
 
         self._cache = MHACache(
-            q_c, k_c, v_c, split_c, sdpa_c, merge_c, o_c, tuple(out.shape), out.dtype
+            q_c, k_c, v_c, k_extra_c, v_extra_c, mask_c, split_c, sdpa_c, merge_c, o_c,
+            tuple(out.shape), out.dtype,
         )
         if need_weights:
             return out, self.xp.astype(sdpa_c.probs, out.dtype)  # [B, H, Lq, Lk]
@@ -213,7 +288,8 @@ class MultiHeadAttention:
     def backward(self, dout):
         """Backpropagate ``dout`` (B, Lq, D) through the last forward.
 
-        Fills ``self.grads`` (same keys and shapes as ``params``) and returns
+        Fills ``self.grads`` (same keys and shapes as ``params``) and
+        ``self.dmask`` (floating mask only), and returns
         ``(dquery, dkey, dvalue)``. In self-attention the caller sums the three.
 
         Parameters
@@ -222,35 +298,86 @@ class MultiHeadAttention:
 
         Returns
         -------
-        dquery : array, shape (B, Lq, D)
+        dquery : array, shape (B, Lq, Dq)
         dkey : array, shape (B, Lk, Dk)
         dvalue : array, shape (B, Lk, Dv)
         """
         c = self._cache
-        # 7. out = o @ w_o.T + b_o
+        # 8. out = o @ w_o.T + b_o
         do, dw_o, db_o = F.linear_backward(dout, c.out_proj)  # [B, Lq, D]
-        # 6. o = merge_heads(oh)
+        # 7. o = merge_heads(oh)
         doh = F.merge_heads_backward(do, c.merge)  # [B, H, Lq, Dh]
-        # 5. oh = sdpa(qh, kh, vh, mask)
-        dqh, dkh, dvh, _ = F.sdpa_backward(doh, c.sdpa)
-        # 4. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
+        # 6. oh = sdpa(qh, kh, vh, mask); dk, dv summed over each query group under GQA
+        dqh, dkh, dvh, dmask = F.sdpa_backward(doh, c.sdpa)
+        # 5. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
         dq = F.split_heads_backward(dqh, c.split)  # [B, Lq, D]
-        dk = F.split_heads_backward(dkh, c.split)  # [B, Lk, D]
-        dv = F.split_heads_backward(dvh, c.split)  # [B, Lk, D]
+        dk = F.split_heads_backward(dkh, c.split)  # [B, Lk + n, Dkv]
+        dv = F.split_heads_backward(dvh, c.split)  # [B, Lk + n, Dkv]
+        # 4. k = append_kv(k, bias_k), v = append_kv(v, bias_v), mask = pad_mask(mask)
+        dk, dbias_k = F.append_kv_backward(dk, c.k_extra)  # [B, Lk, Dkv], [Dkv]
+        dv, dbias_v = F.append_kv_backward(dv, c.v_extra)  # [B, Lk, Dkv], [Dkv]
+        if c.mask_pad is not None:
+            dmask = F.pad_mask_backward(dmask, c.mask_pad)  # mask's own shape
         # 3.-1. v = value @ w_v.T + b_v, and so on
         dvalue, dw_v, db_v = F.linear_backward(dv, c.v_proj)  # [B, Lk, Dv]
         dkey, dw_k, db_k = F.linear_backward(dk, c.k_proj)  # [B, Lk, Dk]
-        dquery, dw_q, db_q = F.linear_backward(dq, c.q_proj)  # [B, Lq, D]
+        dquery, dw_q, db_q = F.linear_backward(dq, c.q_proj)  # [B, Lq, Dq]
 
         grads = {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
-        if self.bias:
-            grads.update(b_q=db_q, b_k=db_k, b_v=db_v, b_o=db_o)
-        self.grads = grads
+        if self.qkv_bias:
+            grads.update(b_q=db_q, b_k=db_k, b_v=db_v)
+        if self.out_bias:
+            grads["b_o"] = db_o
+        if self.add_bias_kv:
+            grads.update(bias_k=dbias_k, bias_v=dbias_v)
+        self.grads = {name: grads[name] for name in PARAM_NAMES if name in grads}
+        self.dmask = dmask
         return dquery, dkey, dvalue
 
     def __repr__(self):
         return (
             f"MultiHeadAttention(d_model={self.d_model}, n_head={self.n_head}, "
             f"dropout={self.dropout}, bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}, "
-            f"dtype={self.dtype}, backend={self.xp.__name__!r})"
+            f"qdim={self.qdim}, qkv_bias={self.qkv_bias}, out_bias={self.out_bias}, "
+            f"add_bias_kv={self.add_bias_kv}, add_zero_attn={self.add_zero_attn}, "
+            f"n_kv_head={self.n_kv_head}, dtype={self.dtype}, backend={self.xp.__name__!r})"
+        )
+
+    # ----------------------------------------------------------- torch interop
+
+    @classmethod
+    def from_torch(cls, module, *, backend="numpy"):
+        """A copy of a ``torch.nn.MultiheadAttention`` (its weights, dtype and mode).
+
+        Only the weights are converted: npattn takes (B, L, D) inputs, torch
+        takes (L, B, D) unless ``batch_first=True``. See ``npattn.torch_interop``.
+        """
+        from .torch_interop import from_torch
+
+        return from_torch(module, backend=backend)
+
+    def load_torch_state_dict(self, state_dict):
+        """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self."""
+        from .torch_interop import load_torch_state_dict
+
+        load_torch_state_dict(self, state_dict)
+        return self
+
+    def torch_state_dict(self):
+        """``params`` as a ``torch.nn.MultiheadAttention`` state dict of CPU tensors."""
+        from .torch_interop import torch_state_dict
+
+        return torch_state_dict(self)
+
+
+def _check_layer_shape(qdim, n_head, n_kv_head):
+    """Checks of the arguments this module adds beyond the core ones."""
+    for name, val in (("qdim", qdim), ("n_kv_head", n_kv_head)):
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"{name}: expected a positive int, got {type(val).__name__} {val!r}")
+        if val <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {val}")
+    if isinstance(n_head, int) and n_head > 0 and n_head % n_kv_head != 0:
+        raise ValueError(
+            f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}"
         )

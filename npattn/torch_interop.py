@@ -1,0 +1,237 @@
+"""Weights between ``npattn.MultiHeadAttention`` and ``torch.nn.MultiheadAttention``.
+
+torch is imported inside the functions only, so ``import npattn`` never
+imports it and torch stays an optional extra (``pip install npattn[torch]``).
+
+Only weights are converted, never data layout: npattn's inputs are
+(B, L, D); torch's are (L, B, D) unless the torch module was built with
+``batch_first=True``. Transpose your inputs, or use ``batch_first=True``.
+torch's ``True = ignore`` masks are converted by ``npattn.masks``, not here.
+
+Name mapping (Dkv = D for every torch layer)::
+
+    torch state dict                       npattn params
+    in_proj_weight      (3D, D)            w_q, w_k, w_v stacked      (kdim == vdim == D)
+    q_proj_weight       (D, D)             w_q                        (kdim or vdim != D)
+    k_proj_weight       (D, kdim)          w_k
+    v_proj_weight       (D, vdim)          w_v
+    in_proj_bias        (3D,)              b_q, b_k, b_v stacked      (bias=True)
+    bias_k, bias_v      (1, 1, D)          bias_k, bias_v  (D,)       (add_bias_kv=True)
+    out_proj.weight     (D, D)             w_o
+    out_proj.bias       (D,)               b_o                        (bias=True)
+
+torch has one ``bias`` flag for both projections and no ``qdim`` or
+``n_kv_head``; npattn layers that use them have no torch state dict and get a
+``ValueError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import array_api_compat
+import numpy as np
+
+from .backend import to_numpy
+
+__all__ = ["from_torch", "load_torch_state_dict", "torch_state_dict", "torch_state_dict_shapes"]
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "npattn.torch_interop needs PyTorch: pip install 'npattn[torch]'"
+        ) from exc
+    return torch
+
+
+def _check_torch_compatible(mha) -> None:
+    """torch's MultiheadAttention has no qdim, no GQA and one bias flag."""
+    if mha.qdim != mha.d_model:
+        raise ValueError(
+            f"qdim: torch.nn.MultiheadAttention needs qdim == d_model={mha.d_model}, got {mha.qdim}"
+        )
+    if mha.n_kv_head != mha.n_head:
+        raise ValueError(
+            f"n_kv_head: torch.nn.MultiheadAttention needs n_kv_head == n_head={mha.n_head}, "
+            f"got {mha.n_kv_head}"
+        )
+    if mha.qkv_bias != mha.out_bias:
+        raise ValueError(
+            "qkv_bias, out_bias: torch.nn.MultiheadAttention has one bias flag for both, "
+            f"got qkv_bias={mha.qkv_bias}, out_bias={mha.out_bias}"
+        )
+
+
+def torch_state_dict_shapes(mha) -> "OrderedDict[str, tuple]":
+    """The keys and shapes of the torch state dict of ``mha``, in torch's order."""
+    _check_torch_compatible(mha)
+    D = mha.d_model
+    shapes = OrderedDict()
+    if mha.kdim == D and mha.vdim == D:
+        shapes["in_proj_weight"] = (3 * D, D)
+    else:
+        shapes["q_proj_weight"] = (D, D)
+        shapes["k_proj_weight"] = (D, mha.kdim)
+        shapes["v_proj_weight"] = (D, mha.vdim)
+    if mha.qkv_bias:
+        shapes["in_proj_bias"] = (3 * D,)
+    if mha.add_bias_kv:
+        shapes["bias_k"] = (1, 1, D)
+        shapes["bias_v"] = (1, 1, D)
+    shapes["out_proj.weight"] = (D, D)
+    if mha.out_bias:
+        shapes["out_proj.bias"] = (D,)
+    return shapes
+
+
+def _host(x) -> np.ndarray:
+    """A host NumPy copy of a torch tensor or any backend's array (bfloat16 widened to float32, exactly)."""
+    if array_api_compat.is_torch_array(x):
+        torch = _torch()
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            x = x.to(torch.float32)
+        return x.numpy().copy()
+    return np.asarray(to_numpy(x))
+
+
+def load_torch_state_dict(mha, state_dict) -> None:
+    """Set ``mha.params`` from a ``torch.nn.MultiheadAttention`` state dict.
+
+    Values may be torch tensors or arrays of any backend; they are cast to
+    ``mha.dtype`` on ``mha``'s backend. All keys are checked (missing,
+    unexpected, shape) before anything is assigned.
+    """
+    expected = torch_state_dict_shapes(mha)
+    got = set(state_dict.keys())
+    missing = [k for k in expected if k not in got]
+    unexpected = sorted(got - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"state_dict: expected keys {list(expected)}, got {sorted(got)} "
+            f"(missing {missing}, unexpected {unexpected})"
+        )
+    host = {}
+    for name, shape in expected.items():
+        a = _host(state_dict[name])
+        if tuple(a.shape) != shape:
+            raise ValueError(f"state_dict[{name!r}]: expected shape {shape}, got {tuple(a.shape)}")
+        host[name] = a
+
+    D = mha.d_model
+    params = {}
+    if "in_proj_weight" in host:
+        w = host["in_proj_weight"]  # [3D, D]
+        params["w_q"], params["w_k"], params["w_v"] = w[:D], w[D : 2 * D], w[2 * D :]
+    else:
+        params["w_q"] = host["q_proj_weight"]  # [D, D]
+        params["w_k"] = host["k_proj_weight"]  # [D, Dk]
+        params["w_v"] = host["v_proj_weight"]  # [D, Dv]
+    params["w_o"] = host["out_proj.weight"]  # [D, D]
+    if "in_proj_bias" in host:
+        b = host["in_proj_bias"]  # [3D]
+        params["b_q"], params["b_k"], params["b_v"] = b[:D], b[D : 2 * D], b[2 * D :]
+    if "out_proj.bias" in host:
+        params["b_o"] = host["out_proj.bias"]  # [D]
+    if "bias_k" in host:
+        params["bias_k"] = host["bias_k"].reshape(D)  # [1, 1, D] -> [D]
+        params["bias_v"] = host["bias_v"].reshape(D)
+    order = [n for n in mha.params] + [n for n in params if n not in mha.params]
+    mha.params = {n: mha._asparam(np.array(params[n])) for n in order if n in params}
+
+
+def torch_state_dict(mha) -> "OrderedDict":
+    """``mha.params`` as a ``torch.nn.MultiheadAttention`` state dict.
+
+    CPU tensors of the torch dtype matching ``mha.dtype``, copies (not views
+    of the parameters), keys in torch's order; ``module.load_state_dict`` of
+    a torch module built with the same settings accepts it.
+    """
+    torch = _torch()
+    shapes = torch_state_dict_shapes(mha)
+    P = mha.params
+    dtype = getattr(torch, _dtype_name(mha.dtype))
+
+    def t(name):
+        x = P[name]
+        if array_api_compat.is_torch_array(x):
+            return x.detach().to(device="cpu", dtype=dtype, copy=True)
+        return torch.from_numpy(np.array(to_numpy(x))).to(dtype)
+
+    sd = OrderedDict()
+    for name in shapes:
+        if name == "in_proj_weight":
+            sd[name] = torch.cat([t("w_q"), t("w_k"), t("w_v")], dim=0)  # [3D, D]
+        elif name == "in_proj_bias":
+            sd[name] = torch.cat([t("b_q"), t("b_k"), t("b_v")], dim=0)  # [3D]
+        elif name in ("bias_k", "bias_v"):
+            sd[name] = t(name).reshape(1, 1, -1)  # [1, 1, D]
+        else:
+            src = {"q_proj_weight": "w_q", "k_proj_weight": "w_k", "v_proj_weight": "w_v",
+                   "out_proj.weight": "w_o", "out_proj.bias": "b_o"}[name]
+            sd[name] = t(src)
+    return sd
+
+
+def _dtype_name(dtype) -> str:
+    """'float32' and so on, for a dtype of any backend (NumPy, torch, array-api-strict)."""
+    for name in ("bfloat16", "float64", "float32", "float16"):
+        if name in str(dtype):
+            return name
+    raise ValueError(f"dtype: expected a floating dtype, got {dtype!r}")
+
+
+def from_torch(module, *, backend="numpy"):
+    """A ``npattn.MultiHeadAttention`` with the layout, weights, dtype, dropout and mode of ``module``.
+
+    Parameters
+    ----------
+    module : torch.nn.MultiheadAttention
+    backend : str or namespace module
+        npattn backend of the copy. A bfloat16 module needs a backend with
+        bfloat16 (torch).
+
+    Notes
+    -----
+    ``module.batch_first`` is not carried over: npattn always takes
+    (B, L, D) inputs.
+    """
+    torch = _torch()
+    from .module import MultiHeadAttention
+
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise TypeError(
+            f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}"
+        )
+    dtype = _dtype_name(module.out_proj.weight.dtype)
+    mha = MultiHeadAttention(
+        module.embed_dim,
+        module.num_heads,
+        dropout=module.dropout,
+        bias=module.in_proj_bias is not None,
+        qkv_bias=module.in_proj_bias is not None,
+        out_bias=module.out_proj.bias is not None,
+        kdim=module.kdim,
+        vdim=module.vdim,
+        add_bias_kv=module.bias_k is not None,
+        add_zero_attn=bool(module.add_zero_attn),
+        dtype=_checked_dtype(dtype, backend),
+        backend=backend,
+    )
+    load_torch_state_dict(mha, module.state_dict())
+    return mha.train(module.training)
+
+
+def _checked_dtype(dtype: str, backend) -> str:
+    from .backend import backend_name, resolve_backend
+
+    xp = resolve_backend(backend)
+    if not hasattr(xp, dtype):
+        raise ValueError(
+            f"module: its dtype {dtype} is not available on backend {backend_name(xp)!r}; "
+            "use backend='torch' or convert the module first"
+        )
+    return dtype

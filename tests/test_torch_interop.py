@@ -1,0 +1,120 @@
+"""``MultiHeadAttention.from_torch``, ``load_torch_state_dict``, ``torch_state_dict``.
+
+Values are checked in ``test_torch_parity.py``; here: every torch layout
+round-trips exactly, dtypes follow the torch module, and a bad state dict or
+a layer torch cannot express gets a ValueError naming it.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from npattn import MultiHeadAttention  # noqa: E402
+from npattn.backend import to_numpy  # noqa: E402
+
+LAYOUTS = [
+    dict(),
+    dict(kdim=3, vdim=5),
+    dict(kdim=6),
+    dict(vdim=4),
+    dict(bias=False),
+    dict(bias=False, kdim=3, vdim=5),
+    dict(add_bias_kv=True),
+    dict(add_bias_kv=True, add_zero_attn=True, kdim=3, vdim=5),
+    dict(add_zero_attn=True, bias=False),
+]
+
+
+def _randomized(tm):
+    with torch.no_grad():
+        for p in tm.parameters():
+            p.copy_(torch.randn_like(p))
+    return tm
+
+
+@pytest.mark.parametrize("kw", LAYOUTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
+def test_round_trip_every_layout(backend, kw):
+    tm = _randomized(torch.nn.MultiheadAttention(6, 2, dtype=torch.float64, **kw))
+    mha = MultiHeadAttention.from_torch(tm, backend=backend)
+    D = 6
+    sd = tm.state_dict()
+    # the mapping, entry by entry
+    if "in_proj_weight" in sd:
+        w = sd["in_proj_weight"].numpy()
+        np.testing.assert_array_equal(to_numpy(mha.params["w_k"]), w[D : 2 * D])
+    else:
+        np.testing.assert_array_equal(to_numpy(mha.params["w_v"]), sd["v_proj_weight"].numpy())
+    if "in_proj_bias" in sd:
+        np.testing.assert_array_equal(to_numpy(mha.params["b_v"]), sd["in_proj_bias"].numpy()[2 * D :])
+    if "bias_k" in sd:
+        np.testing.assert_array_equal(to_numpy(mha.params["bias_k"]), sd["bias_k"].numpy().reshape(D))
+    assert mha.add_zero_attn == bool(kw.get("add_zero_attn", False))
+    back = mha.torch_state_dict()
+    assert list(back) == list(sd)
+    for k in sd:
+        assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]), k
+    tm2 = torch.nn.MultiheadAttention(6, 2, dtype=torch.float64, **kw)
+    tm2.load_state_dict(back)  # strict: same keys and shapes
+    # export is a copy: changing it leaves the npattn module alone
+    before = to_numpy(mha.params["w_o"])
+    back["out_proj.weight"].add_(1.0)
+    np.testing.assert_array_equal(to_numpy(mha.params["w_o"]), before)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_dtype_dropout_and_mode_follow_torch(dtype):
+    tm = torch.nn.MultiheadAttention(4, 2, dropout=0.25, dtype=getattr(torch, dtype)).eval()
+    mha = MultiHeadAttention.from_torch(tm)
+    assert str(mha.params["w_q"].dtype) == dtype
+    assert mha.dropout == 0.25 and mha.training is False
+    assert mha.torch_state_dict()["in_proj_weight"].dtype == getattr(torch, dtype)
+
+
+def test_bfloat16_needs_a_backend_with_it():
+    tm = torch.nn.MultiheadAttention(4, 2, dtype=torch.bfloat16)
+    mha = MultiHeadAttention.from_torch(tm, backend="torch")
+    assert mha.params["w_q"].dtype == torch.bfloat16
+    assert torch.equal(mha.torch_state_dict()["in_proj_weight"], tm.in_proj_weight.detach())
+    with pytest.raises(ValueError, match="bfloat16"):
+        MultiHeadAttention.from_torch(tm, backend="numpy")
+
+
+def test_load_casts_to_module_dtype_and_takes_numpy():
+    tm = _randomized(torch.nn.MultiheadAttention(4, 2, dtype=torch.float64))
+    mha = MultiHeadAttention(4, 2, dtype="float32")
+    sd = {k: v.numpy() for k, v in tm.state_dict().items()}
+    assert mha.load_torch_state_dict(sd) is mha
+    assert mha.params["w_q"].dtype == np.float32
+    np.testing.assert_array_equal(mha.params["b_o"], sd["out_proj.bias"].astype(np.float32))
+
+
+def test_bad_state_dicts_are_named():
+    mha = MultiHeadAttention(4, 2)
+    sd = torch.nn.MultiheadAttention(4, 2).state_dict()
+    before = {k: v.copy() for k, v in mha.params.items()}
+    missing = {k: v for k, v in sd.items() if k != "in_proj_bias"}
+    with pytest.raises(ValueError, match="missing \\['in_proj_bias'\\]"):
+        mha.load_torch_state_dict(missing)
+    with pytest.raises(ValueError, match="unexpected \\['bias_k'\\]"):
+        mha.load_torch_state_dict({**sd, "bias_k": torch.zeros(1, 1, 4)})
+    bad = dict(sd)
+    bad["out_proj.weight"] = torch.zeros(4, 5)
+    with pytest.raises(ValueError, match=r"out_proj.weight.*\(4, 4\).*\(4, 5\)"):
+        mha.load_torch_state_dict(bad)
+    for k in before:  # nothing was assigned by a failed load
+        np.testing.assert_array_equal(mha.params[k], before[k])
+    with pytest.raises(TypeError, match="module"):
+        MultiHeadAttention.from_torch(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [(dict(qdim=3), "qdim"), (dict(n_kv_head=1), "n_kv_head"), (dict(qkv_bias=False), "qkv_bias")],
+)
+def test_layers_torch_cannot_express(kwargs, words):
+    mha = MultiHeadAttention(4, 2, **kwargs)
+    with pytest.raises(ValueError, match=words):
+        mha.torch_state_dict()
+    with pytest.raises(ValueError, match=words):
+        mha.load_torch_state_dict(torch.nn.MultiheadAttention(4, 2).state_dict())
