@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import functional as F
+from . import validation as V
 from .backend import from_numpy, resolve_backend
 
 __all__ = ["MultiHeadAttention"]
@@ -92,6 +93,8 @@ class MultiHeadAttention:
         backend="numpy",
     ):
         self.xp = xp = resolve_backend(backend)
+        dtype = V.check_module_args(xp, d_model=d_model, n_head=n_head, dropout=dropout, bias=bias,
+                                    kdim=kdim, vdim=vdim, dtype=dtype, seed=seed)
         self.d_model = d_model
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -103,7 +106,7 @@ class MultiHeadAttention:
         self.training = True
         init_seq, dropout_seq = np.random.SeedSequence(seed).spawn(2)
         self._rng = np.random.default_rng(dropout_seq)
-        self.params = self._init_params(np.random.default_rng(init_seq))
+        self._params = V.ParameterDict(self._init_params(np.random.default_rng(init_seq)), xp=xp)
         self.grads: dict = {}
         self._cache = None
 
@@ -125,6 +128,15 @@ class MultiHeadAttention:
             for name in ("b_q", "b_k", "b_v", "b_o"):
                 params[name] = self._asparam(np.zeros(D))
         return params
+
+    @property
+    def params(self) -> dict:
+        return self._params
+
+    @params.setter
+    def params(self, new: dict):
+        # every array is checked (names, library, device, dtype, shape) before any is assigned
+        self._params.replace_all(new)
 
     def _asparam(self, a: np.ndarray):
         return self.xp.astype(from_numpy(a, self.xp), self.dtype)
@@ -153,6 +165,7 @@ class MultiHeadAttention:
         is_causal: bool = False,
         dropout_mask=None,
         need_weights: bool = False,
+        check_finite: bool = False,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -173,11 +186,24 @@ class MultiHeadAttention:
             mask, acts only in training mode with ``dropout > 0``.
         need_weights : bool
             Also return the attention weights (B, H, Lq, Lk), before dropout.
+        check_finite : bool
+            Also check that the inputs and parameters hold no NaN or inf (and
+            the mask no NaN or +inf); reads the data, so it is opt-in.
 
         Returns
         -------
         out : array, shape (B, Lq, D), or ``(out, weights)`` with ``need_weights``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Before any computation, for inputs of the wrong kind, library,
+            device, dtype or shape (see ``npattn.validation``); the module is
+            left as it was.
         """
+        V.check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
+                               is_causal=is_causal, need_weights=need_weights,
+                               check_finite=check_finite)
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
@@ -215,7 +241,10 @@ class MultiHeadAttention:
 
         Fills ``self.grads`` (same keys as ``params``) and returns
         ``(dquery, dkey, dvalue)``. In self-attention the caller sums the three.
+        Raises ``RuntimeError`` before any forward, and ``ValueError`` /
+        ``TypeError`` when ``dout`` does not match the output's shape / dtype.
         """
+        V.check_backward_inputs(self, dout)
         c = self._cache
         # 7. out = o @ w_o.T + b_o
         do, dw_o, db_o = F.linear_backward(dout, c.out_proj)  # [B, Lq, D]
