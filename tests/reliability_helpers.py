@@ -71,3 +71,61 @@ def raises(exc, *fragments):
     """pytest.raises(exc) whose message must contain each fragment, 'expected' and 'got'."""
     pattern = "".join(f"(?=[\\s\\S]*{re.escape(f)})" for f in fragments + ("expected", "got"))
     return pytest.raises(exc, match=pattern)
+
+
+# --------------------------------------------------------------------------
+# an independent float64 reference on the host, written from the formulas
+
+
+def ref_softmax(s):
+    """Softmax over the last axis; a row that is all -inf gives zeros."""
+    with np.errstate(invalid="ignore"):
+        m = np.max(s, axis=-1, keepdims=True)
+        m = np.where(np.isneginf(m), 0.0, m)
+        e = np.exp(s - m)
+        z = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(z == 0.0, 1.0, z)
+
+
+def ref_sdpa(q, k, v, *, allowed=None, additive=None):
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if additive is not None:
+        s = s + additive
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    p = ref_softmax(s)
+    return p @ v, p
+
+
+def ref_mha(params, query, key, value, n_head, *, allowed=None, additive=None):
+    """out (B, Lq, D) and weights (B, H, Lq, Lk) of multi-head attention, host float64."""
+    P = {n: np.asarray(to_numpy(a), dtype=np.float64) for n, a in params.items()}
+    query, key, value = (np.asarray(to_numpy(a), dtype=np.float64) for a in (query, key, value))
+
+    def proj(x, n):
+        y = x @ P["w_" + n].T
+        return y + P["b_" + n] if "b_" + n in P else y
+
+    def split(x):
+        B, L, D = x.shape
+        return x.reshape(B, L, n_head, D // n_head).transpose(0, 2, 1, 3)
+
+    oh, p = ref_sdpa(split(proj(query, "q")), split(proj(key, "k")), split(proj(value, "v")),
+                     allowed=allowed, additive=additive)
+    B, H, Lq, Dh = oh.shape
+    return proj(oh.transpose(0, 2, 1, 3).reshape(B, Lq, H * Dh), "o"), p
+
+
+def module_pair(m, wrt_params=(), **kwargs):
+    """(forward, backward) in gradcheck's contract for the module, over
+    (query, key, value, *params in wrt_params)."""
+
+    def forward(query, key, value, *params):
+        for name, p in zip(wrt_params, params):
+            m.params[name] = p
+        return m(query, key, value, **kwargs), None
+
+    def backward(dout, cache):
+        return (*m.backward(dout), *(m.grads[n] for n in wrt_params))
+
+    return forward, backward
