@@ -101,7 +101,7 @@ def _check_probability(name, value):
         raise ValueError(f"{name}: expected a drop probability in [0, 1), got {value!r}")
 
 
-def _check_array(name, x, xp=None, device=None):
+def _check_array(name, x, xp=None, device=None, where="where the parameters live"):
     """``x`` is an array of namespace ``xp`` on ``device`` (each when given)."""
     if not array_api_compat.is_array_api_obj(x):
         expected = f"a {backend_name(xp)} array" if xp is not None else "an array"
@@ -116,7 +116,7 @@ def _check_array(name, x, xp=None, device=None):
             )
     if device is not None and device_of(x) != device:
         raise ValueError(
-            f"{name}: expected an array on device {device!r} (where the parameters live), "
+            f"{name}: expected an array on device {device!r} ({where}), "
             f"got one on device {device_of(x)!r}"
         )
 
@@ -140,8 +140,14 @@ def _broadcast_error(name, shape, target, target_text):
 # construction
 
 
-def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, seed) -> str:
+def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, seed,
+                      **layer_args) -> str:
     """Check the arguments of ``MultiHeadAttention(...)``; ``backend`` was resolved to ``xp``.
+
+    ``layer_args`` may hold the optional layer-shape arguments ``qdim`` and
+    ``n_kv_head`` (None or a positive int; ``n_kv_head`` divides ``n_head``)
+    and the flags ``qkv_bias``, ``out_bias`` (None or bool), ``add_bias_kv``,
+    ``add_zero_attn`` (bool).
 
     Returns the name of the parameter dtype ("float32", ...), which may be
     given as a string or as a dtype object of any library.
@@ -157,6 +163,17 @@ def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, 
     _check_bool("bias", bias)
     _check_positive_int("kdim", kdim, allow_none=True)
     _check_positive_int("vdim", vdim, allow_none=True)
+    for name, value in layer_args.items():
+        if name in ("qdim", "n_kv_head"):
+            _check_positive_int(name, value, allow_none=True)
+        elif name in ("qkv_bias", "out_bias", "add_bias_kv", "add_zero_attn"):
+            if value is not None:
+                _check_bool(name, value)
+        else:
+            raise TypeError(f"check_module_args: unexpected argument {name!r}")
+    n_kv_head = layer_args.get("n_kv_head")
+    if n_kv_head is not None and n_head % n_kv_head != 0:
+        raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
     if seed is not None:
         if isinstance(seed, (bool, np.bool_)):
             raise TypeError(f"seed: expected None or a non-negative int, got bool {seed!r}")
@@ -276,7 +293,7 @@ class ParameterDict(dict):
 
 
 def check_mask(name, mask, xp, *, target, target_text, dtype, device=None, ndims=None,
-               bool_only=False):
+               bool_only=False, where="where the parameters live"):
     """Check a mask against the score shape ``target``.
 
     ``mask`` must be an array of ``xp`` (on ``device``), boolean or, unless
@@ -287,7 +304,7 @@ def check_mask(name, mask, xp, *, target, target_text, dtype, device=None, ndims
     """
     if mask is None:
         return
-    _check_array(name, mask, xp, device)
+    _check_array(name, mask, xp, device, where)
     if _is_bool(xp, mask.dtype):
         pass
     elif bool_only:
@@ -362,7 +379,9 @@ def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_ca
     xp = module.xp
     device = device_of(module.params["w_q"])
     dtype = module.dtype
-    widths = {"query": module.d_model, "key": module.kdim, "value": module.vdim}
+    # input widths are those of the weights (PyTorch layout: (out, in))
+    widths = {n: int(module.params[w].shape[1]) for n, w in
+              (("query", "w_q"), ("key", "w_k"), ("value", "w_v"))}
     inputs = {"query": query, "key": key, "value": value}
     for name, x in inputs.items():
         _check_array(name, x, xp, device)
@@ -384,9 +403,9 @@ def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_ca
                 f"{name}: expected batch size {B} (that of query), got shape {_shape(x)}"
             )
         if x.shape[-1] != widths[name]:
-            param = {"query": "d_model", "key": "kdim", "value": "vdim"}[name]
+            w = {"query": "w_q", "key": "w_k", "value": "w_v"}[name]
             raise ValueError(
-                f"{name}: expected last axis {widths[name]} ({param} of the weights), "
+                f"{name}: expected last axis {widths[name]} (the input width of {w}), "
                 f"got shape {_shape(x)}"
             )
     Lk = int(key.shape[1])
@@ -400,7 +419,11 @@ def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_ca
     target = (B, module.n_head, Lq, Lk)
     check_mask("mask", mask, xp, target=target, target_text="(B, H, Lq, Lk)", dtype=dtype,
                device=device, ndims=(2, 4))
-    check_mask("dropout_mask", dropout_mask, xp, target=target, target_text="(B, H, Lq, Lk)",
+    # the keep-mask also covers the extra keys of add_bias_kv / add_zero_attn, if any
+    n_extra = int(bool(getattr(module, "add_bias_kv", False))) + int(
+        bool(getattr(module, "add_zero_attn", False)))
+    check_mask("dropout_mask", dropout_mask, xp, target=(B, module.n_head, Lq, Lk + n_extra),
+               target_text="(B, H, Lq, Lk + n)" if n_extra else "(B, H, Lq, Lk)",
                dtype=dtype, device=device, ndims=(2, 4), bool_only=True)
     if check_finite:
         for name, x in inputs.items():
@@ -435,19 +458,22 @@ def check_backward_inputs(module, dout):
 # functional.sdpa_forward
 
 
-def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causal):
+def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causal,
+                      enable_gqa=False):
     """Check the arguments of ``functional.sdpa_forward``.
 
     q (..., Lq, Dh), k (..., Lk, Dh), v (..., Lk, Dv): arrays of one library
     and device with the same leading axes and one real floating dtype; masks
-    broadcast to the scores (..., Lq, Lk) without changing their shape.
+    broadcast to the scores (..., Lq, Lk) without changing their shape. With
+    ``enable_gqa`` the head axes of k and v may differ from q's; that rule is
+    checked by sdpa's grouped-query code.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x)
     xp = array_api_compat.array_namespace(q)
     device = device_of(q)
     for name, x in (("k", k), ("v", v)):
-        _check_array(name, x, xp, device)
+        _check_array(name, x, xp, device, where="like q")
     if not _is_floating(xp, q.dtype):
         raise TypeError(f"q: expected a real floating dtype, got {_dtype_name(q.dtype)}")
     for name, x in (("k", k), ("v", v)):
@@ -460,6 +486,8 @@ def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causa
         raise ValueError(f"q: expected at least 2 axes (..., Lq, Dh), got shape {_shape(q)}")
     lead = _shape(q)[:-2]
     for name, x in (("k", k), ("v", v)):
+        if enable_gqa:
+            break
         if x.ndim != q.ndim or _shape(x)[:-2] != lead:
             raise ValueError(
                 f"{name}: expected shape ({', '.join(map(str, lead + ('L', 'D')))}) with the "
@@ -473,10 +501,10 @@ def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causa
         raise ValueError(f"v: expected length {k.shape[-2]} (that of k), got shape {_shape(v)}")
     target = lead + (int(q.shape[-2]), int(k.shape[-2]))
     check_mask("mask", mask, xp, target=target, target_text="the scores (..., Lq, Lk)",
-               dtype=q.dtype, device=device)
+               dtype=q.dtype, device=device, where="like q")
     check_mask("dropout_mask", dropout_mask, xp, target=target,
                target_text="the scores (..., Lq, Lk)", dtype=q.dtype, device=device,
-               bool_only=True)
+               bool_only=True, where="like q")
     _check_probability("dropout_p", dropout_p)
     _check_bool("is_causal", is_causal)
     if scale is not None:

@@ -87,9 +87,9 @@ def _bad_forward_cases(xp):
         ("value None", (q, k, None), {}, TypeError, ("value", "None")),
         ("batch", (q, k[:1, ...], v[:1, ...]), {}, ValueError, ("key", "batch size 2", "(1, 5, 6)")),
         ("lengths", (q, k, v[:, :4, :]), {}, ValueError, ("value", "length 5", "(2, 4, 4)")),
-        ("query width", (q[..., :6], k, v), {}, ValueError, ("query", "d_model", "8", "(2, 3, 6)")),
-        ("key width", (q, k[..., :4], v), {}, ValueError, ("key", "kdim", "6", "(2, 5, 4)")),
-        ("value width", (q, k, v[..., :3]), {}, ValueError, ("value", "vdim", "4", "(2, 5, 3)")),
+        ("query width", (q[..., :6], k, v), {}, ValueError, ("query", "w_q", "8", "(2, 3, 6)")),
+        ("key width", (q, k[..., :4], v), {}, ValueError, ("key", "w_k", "6", "(2, 5, 4)")),
+        ("value width", (q, k, v[..., :3]), {}, ValueError, ("value", "w_v", "4", "(2, 5, 3)")),
         ("empty query", (q[:, :0, :], k, v), {}, ValueError, ("query length", "0")),
         ("empty keys", (q, k[:, :0, :], v[:, :0, :]), {}, ValueError, ("key length", "0")),
     ]
@@ -362,3 +362,27 @@ def test_sdpa_rejects(backend, xp):
     for args, kwargs, exc, fragments in cases:
         with raises(exc, *fragments):
             F.sdpa_forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, fragments",
+    [
+        (dict(qdim=0), ValueError, ("qdim", "positive int")),
+        (dict(qdim=2.5), TypeError, ("qdim", "float")),
+        (dict(n_kv_head=3), ValueError, ("n_kv_head", "divisor of n_head=4", "3")),
+        (dict(n_kv_head=True), TypeError, ("n_kv_head", "bool")),
+        (dict(add_bias_kv="no"), TypeError, ("add_bias_kv", "bool", "str")),
+        (dict(qkv_bias=1), TypeError, ("qkv_bias", "bool", "int")),
+    ],
+)
+def test_layer_shape_arguments(kwargs, exc, fragments):
+    """The optional layer-shape arguments a module may pass on (qdim, n_kv_head, flags)."""
+    from npattn import validation as V
+    from npattn.backend import resolve_backend
+
+    args = dict(d_model=8, n_head=4, dropout=0.0, bias=True, kdim=None, vdim=None,
+                dtype="float32", seed=None)
+    assert V.check_module_args(resolve_backend("numpy"), **args, qdim=None, n_kv_head=2,
+                               add_bias_kv=True, qkv_bias=None) == "float32"
+    with raises(exc, *fragments):
+        V.check_module_args(resolve_backend("numpy"), **args, **kwargs)
