@@ -235,7 +235,9 @@ class ParameterDict(dict):
     must have the library, device, dtype and shape of the one it replaces, or
     ``TypeError``/``ValueError`` is raised and nothing changes. Unknown names
     raise ``ValueError``; parameters cannot be deleted (``TypeError``).
-    ``update`` checks every value before assigning any.
+    ``update`` checks every value before assigning any. Copies
+    (``copy.copy``, ``copy.deepcopy``, ``pickle``, ``.copy()``) are plain
+    dicts, ready to be assigned back with ``module.params = saved``.
     """
 
     def __init__(self, params, *, xp):

@@ -386,3 +386,18 @@ def test_layer_shape_arguments(kwargs, exc, fragments):
                                add_bias_kv=True, qkv_bias=None) == "float32"
     with raises(exc, *fragments):
         V.check_module_args(resolve_backend("numpy"), **args, **kwargs)
+
+
+def test_params_snapshot_and_restore(backend, xp):
+    """copy.deepcopy(params) is a plain dict of copies; assigning it back restores the module."""
+    import copy
+
+    m = make_mha(backend)
+    q, k, v = inputs(xp, 2, 3, 5, 8)
+    saved = copy.deepcopy(m.params)
+    assert type(saved) is dict
+    out = to_numpy(m(q, k, v))
+    m.params["w_o"] = from_numpy(np.zeros((8, 8)), xp)
+    assert not np.array_equal(to_numpy(m(q, k, v)), out)
+    m.params = saved
+    np.testing.assert_array_equal(to_numpy(m(q, k, v)), out)
