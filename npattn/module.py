@@ -131,6 +131,7 @@ class MultiHeadAttention:
 
     @property
     def params(self) -> dict:
+        """The parameters: a dict whose assignments are checked (``validation.ParameterDict``)."""
         return self._params
 
     @params.setter
