@@ -137,7 +137,8 @@ class ModuleMachine(RuleBasedStateMachine):
         elif corruption == "int mask":
             kw["mask"] = from_numpy(np.ones((Lq, Lk), dtype=np.int32), xp)
         elif corruption == "3-D mask":
-            kw["mask"] = from_numpy(np.ones((B, Lq, Lk), dtype=bool), xp)
+            # (H, Lq, Lk) would broadcast silently as (1, H, Lq, Lk): still refused
+            kw["mask"] = from_numpy(np.ones((m.n_head, Lq, Lk), dtype=bool), xp)
         elif corruption == "mask shape":
             kw["mask"] = from_numpy(np.ones((Lk, Lq), dtype=bool), xp)
         elif corruption == "mask dtype":
