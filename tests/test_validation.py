@@ -134,7 +134,9 @@ def test_forward_rejects(backend, xp):
 def test_forward_accepts_documented_mask_shapes(backend, xp):
     m = make_mha(backend)
     q, k, v = inputs(xp, 2, 3, 5, 8)
-    for shape in [(3, 5), (1, 5), (3, 1), (1, 1, 3, 5), (2, 1, 3, 5), (2, 1, 1, 5), (2, 2, 3, 5), (1, 2, 1, 1)]:
+    shapes = [(3, 5), (1, 5), (3, 1), (1, 1, 3, 5), (2, 1, 3, 5), (2, 1, 1, 5), (2, 2, 3, 5),
+              (1, 2, 1, 1)]
+    for shape in shapes:
         mask = from_numpy(np.ones(shape, dtype=bool), xp)
         out = m(q, k, v, mask=mask)
         assert tuple(out.shape) == (2, 3, 8)
@@ -348,10 +350,12 @@ def test_sdpa_rejects(backend, xp):
         (([[1.0]], k, v), {}, TypeError, ("q", "list")),
         ((q, k, v), dict(mask=from_numpy(np.ones((3, 5), dtype=np.int32), xp)), TypeError, ("mask", "int32")),
         ((q, k, v), dict(mask=from_numpy(np.ones((3, 4), dtype=bool), xp)), ValueError, ("mask", "(3, 4)")),
-        ((q, k, v), dict(mask=from_numpy(np.ones((3, 2, 3, 5), dtype=bool), xp)), ValueError, ("mask", "(3, 2, 3, 5)")),
+        ((q, k, v), dict(mask=from_numpy(np.ones((3, 2, 3, 5), dtype=bool), xp)), ValueError,
+         ("mask", "(3, 2, 3, 5)")),
         ((q, k, v), dict(mask=a(3, 5, dtype=np.float32)), TypeError, ("mask", "float64", "float32")),
         ((q, k, v), dict(dropout_mask=a(3, 5)), TypeError, ("dropout_mask", "bool", "float64")),
-        ((q, k, v), dict(dropout_mask=from_numpy(np.ones((2, 5), dtype=bool), xp)), ValueError, ("dropout_mask", "(2, 5)")),
+        ((q, k, v), dict(dropout_mask=from_numpy(np.ones((2, 5), dtype=bool), xp)), ValueError,
+         ("dropout_mask", "(2, 5)")),
         ((q, k, v), dict(dropout_p=1.0), ValueError, ("dropout_p", "[0, 1)", "1.0")),
         ((q, k, v), dict(dropout_p=-0.5), ValueError, ("dropout_p", "-0.5")),
         ((q, k, v), dict(dropout_p=None), TypeError, ("dropout_p", "None")),
