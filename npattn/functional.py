@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional
 
+from . import validation as V
 from .backend import check_same_device, device_of, is_bool, is_floating, keep_mask, make_rng, namespace
 
 __all__ = [
@@ -252,8 +253,9 @@ def merge_heads_backward(dout, cache: HeadsCache):
 
 
 class SoftmaxCache(NamedTuple):
-    p: Any  # [..., Lk] probabilities, the only array the backward needs
+    p: Any  # [..., Lk] probabilities, the only array the backward needs (compute dtype)
     mask_shape: Optional[tuple]  # shape of an additive mask, for dmask; else None
+    in_dtype: Any = None  # dtype of x when it differs from p's (float16 -> float32)
 
 
 def masked_softmax_forward(x, mask=None):
@@ -263,6 +265,8 @@ def masked_softmax_forward(x, mask=None):
     probability exactly 0) or floating (added to ``x``; ``-inf`` entries get
     probability exactly 0). Entries of ``x + mask`` equal to ``-inf`` are
     masked too. A row with nothing to attend gives an all-zero row.
+    float16 and bfloat16 ``x`` are computed in float32 (the max, the
+    exponentials and their sum) and ``p`` is cast back to the input dtype.
 
     Steps (the backward walks them in reverse):
 
@@ -284,6 +288,12 @@ def masked_softmax_forward(x, mask=None):
     """
     # [..., Lk], mask broadcastable -> [..., Lk]
     xp = namespace(x, mask)
+    in_dtype = x.dtype
+    work = _compute_dtype(xp, in_dtype)  # float16 / bfloat16: work in float32
+    if work != in_dtype:
+        x = xp.astype(x, work)
+        if mask is not None and is_floating(xp, mask):
+            mask = xp.astype(mask, work)
     mask_shape = None
     z = x
     if mask is not None and is_floating(xp, mask):
@@ -296,6 +306,8 @@ def masked_softmax_forward(x, mask=None):
     e = xp.exp(z - m)  # 4.                                    [..., Lk]
     s = xp.sum(e, axis=-1, keepdims=True)  # 5.                [..., 1]
     p = e / xp.where(s == 0.0, 1.0, s)  # rows with nothing to attend stay 0
+    if work != in_dtype:
+        return xp.astype(p, in_dtype), SoftmaxCache(p, mask_shape, in_dtype)
     return p, SoftmaxCache(p, mask_shape)
 
 
@@ -320,12 +332,17 @@ def masked_softmax_backward(dp, cache: SoftmaxCache):
     # [..., Lk] -> [..., Lk], mask shape
     xp = namespace(dp, cache.p)
     p = cache.p
+    if dp.dtype != p.dtype:  # half-precision input: the sums run in float32 too
+        dp = xp.astype(dp, p.dtype)
     # 5.-3. p = softmax(z) on the attended entries:
     #       dz = p * (dp - sum_j dp_j p_j); the shift m cancels (p does not depend on it)
     dz = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True))  # [..., Lk]
     # 2. z = where(mask, x, -inf): dx = where(mask, dz, 0), already 0 since p = 0 there
     # 1. z = x + mask: dx = dz, dmask = dz summed to the mask's shape
     dmask = None if cache.mask_shape is None else sum_to_shape(xp, dz, cache.mask_shape)
+    if cache.in_dtype is not None:
+        dz = xp.astype(dz, cache.in_dtype)
+        dmask = None if dmask is None else xp.astype(dmask, cache.in_dtype)
     return dz, dmask
 
 
@@ -526,8 +543,9 @@ def sdpa_forward(
     gets an all-zero row of weights and zero output.
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
+    V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
+                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     xp = namespace(q, k, v, mask, dropout_mask)
-    check_same_device(q=q, k=k, v=v, mask=mask, dropout_mask=dropout_mask)
     G = _gqa_groups(q, k, v, enable_gqa)
     in_dtype = q.dtype
     work = _compute_dtype(xp, in_dtype)

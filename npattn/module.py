@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import functional as F
+from . import validation as V
 from .backend import from_numpy, resolve_backend
 
 __all__ = ["MultiHeadAttention"]
@@ -133,6 +134,11 @@ class MultiHeadAttention:
         backend="numpy",
     ):
         self.xp = xp = resolve_backend(backend)
+        dtype = V.check_module_args(
+            xp, d_model=d_model, n_head=n_head, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
+            dtype=dtype, seed=seed, qdim=qdim, n_kv_head=n_kv_head, qkv_bias=qkv_bias,
+            out_bias=out_bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
+        )
         self.d_model = d_model
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -140,7 +146,6 @@ class MultiHeadAttention:
         self.vdim = d_model if vdim is None else vdim
         self.qdim = d_model if qdim is None else qdim
         self.n_kv_head = n_head if n_kv_head is None else n_kv_head
-        _check_layer_shape(self.qdim, self.n_head, self.n_kv_head)
         self.dropout = float(dropout)
         self.bias = bool(bias)
         self.qkv_bias = self.bias if qkv_bias is None else bool(qkv_bias)
@@ -151,7 +156,7 @@ class MultiHeadAttention:
         self.training = True
         init_seq, dropout_seq = np.random.SeedSequence(seed).spawn(2)
         self._rng = np.random.default_rng(dropout_seq)
-        self.params = self._init_params(np.random.default_rng(init_seq))
+        self._params = V.ParameterDict(self._init_params(np.random.default_rng(init_seq)), xp=xp)
         self.grads: dict = {}
         self.dmask = None
         self._cache = None
@@ -186,6 +191,16 @@ class MultiHeadAttention:
             params["bias_v"] = self._asparam(rng.normal(0.0, 1.0 / math.sqrt(Dkv), size=Dkv))
         return {name: params[name] for name in PARAM_NAMES if name in params}
 
+    @property
+    def params(self) -> dict:
+        """The parameters: a dict whose assignments are checked (``validation.ParameterDict``)."""
+        return self._params
+
+    @params.setter
+    def params(self, new: dict):
+        # every array is checked (names, library, device, dtype, shape) before any is assigned
+        self._params.replace_all(new)
+
     def _asparam(self, a: np.ndarray):
         return self.xp.astype(from_numpy(a, self.xp), self.dtype)
 
@@ -213,6 +228,7 @@ class MultiHeadAttention:
         is_causal: bool = False,
         dropout_mask=None,
         need_weights: bool = False,
+        check_finite: bool = False,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -237,11 +253,24 @@ class MultiHeadAttention:
         need_weights : bool
             Also return the attention weights (B, H, Lq, Lk + n), before
             dropout, the extra keys last.
+        check_finite : bool
+            Also check that the inputs and parameters hold no NaN or inf (and
+            the mask no NaN or +inf); reads the data, so it is opt-in.
 
         Returns
         -------
         out : array, shape (B, Lq, D), or ``(out, weights)`` with ``need_weights``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Before any computation, for inputs of the wrong kind, library,
+            device, dtype or shape (see ``npattn.validation``); the module is
+            left as it was.
         """
+        V.check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
+                               is_causal=is_causal, need_weights=need_weights,
+                               check_finite=check_finite)
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
@@ -291,6 +320,8 @@ class MultiHeadAttention:
         Fills ``self.grads`` (same keys and shapes as ``params``) and
         ``self.dmask`` (floating mask only), and returns
         ``(dquery, dkey, dvalue)``. In self-attention the caller sums the three.
+        Raises ``RuntimeError`` before any forward, and ``ValueError`` /
+        ``TypeError`` when ``dout`` does not match the output's shape / dtype.
 
         Parameters
         ----------
@@ -302,6 +333,7 @@ class MultiHeadAttention:
         dkey : array, shape (B, Lk, Dk)
         dvalue : array, shape (B, Lk, Dv)
         """
+        V.check_backward_inputs(self, dout)
         c = self._cache
         # 8. out = o @ w_o.T + b_o
         do, dw_o, db_o = F.linear_backward(dout, c.out_proj)  # [B, Lq, D]
@@ -368,16 +400,3 @@ class MultiHeadAttention:
         from .torch_interop import torch_state_dict
 
         return torch_state_dict(self)
-
-
-def _check_layer_shape(qdim, n_head, n_kv_head):
-    """Checks of the arguments this module adds beyond the core ones."""
-    for name, val in (("qdim", qdim), ("n_kv_head", n_kv_head)):
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise TypeError(f"{name}: expected a positive int, got {type(val).__name__} {val!r}")
-        if val <= 0:
-            raise ValueError(f"{name}: expected a positive int, got {val}")
-    if isinstance(n_head, int) and n_head > 0 and n_head % n_kv_head != 0:
-        raise ValueError(
-            f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}"
-        )

@@ -1,0 +1,407 @@
+"""Every misuse is caught before any computation with a message that names the
+argument, what was expected and what was received (``npattn.validation``)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from npattn import MultiHeadAttention
+from npattn import functional as F
+from npattn.backend import from_numpy, to_numpy
+
+from reliability_helpers import host_inputs, inputs, make_mha, raises, snapshot
+
+# --------------------------------------------------------------------------
+# construction
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, fragments",
+    [
+        (dict(n_head=0), ValueError, ("n_head", "positive int", "0")),
+        (dict(n_head=-2), ValueError, ("n_head", "-2")),
+        (dict(n_head=2.0), TypeError, ("n_head", "float")),
+        (dict(n_head="2"), TypeError, ("n_head", "str")),
+        (dict(n_head=True), TypeError, ("n_head", "bool")),
+        (dict(d_model=0), ValueError, ("d_model", "positive int")),
+        (dict(d_model=8.0), TypeError, ("d_model", "float")),
+        (dict(d_model=9), ValueError, ("d_model", "multiple of n_head=2", "9")),
+        (dict(dropout=-0.1), ValueError, ("dropout", "[0, 1)", "-0.1")),
+        (dict(dropout=1.0), ValueError, ("dropout", "[0, 1)", "1.0")),
+        (dict(dropout=math.nan), ValueError, ("dropout", "nan")),
+        (dict(dropout="0.1"), TypeError, ("dropout", "str")),
+        (dict(kdim=0), ValueError, ("kdim", "positive int")),
+        (dict(vdim=-3), ValueError, ("vdim", "-3")),
+        (dict(kdim=2.5), TypeError, ("kdim", "float")),
+        (dict(dtype="float128"), ValueError, ("dtype", "float32", "float128")),
+        (dict(dtype="int32"), ValueError, ("dtype", "int32")),
+        (dict(dtype=np.int32), TypeError, ("dtype", "float32")),
+        (dict(dtype=3), TypeError, ("dtype", "int")),
+        (dict(bias="yes"), TypeError, ("bias", "bool", "str")),
+        (dict(seed=-1), ValueError, ("seed", "non-negative", "-1")),
+        (dict(seed=1.5), TypeError, ("seed", "float")),
+        (dict(seed=True), TypeError, ("seed", "bool")),
+    ],
+)
+def test_construction_rejects(backend, kwargs, exc, fragments):
+    args = dict(d_model=8, n_head=2, backend=backend)
+    args.update(kwargs)
+    with raises(exc, *fragments):
+        MultiHeadAttention(args.pop("d_model"), args.pop("n_head"), **args)
+
+
+@pytest.mark.parametrize(
+    "backend_arg, exc, fragment",
+    [("jax_or_what", ValueError, "'jax_or_what'"), (3, TypeError, "int"), (math, TypeError, "math")],
+)
+def test_construction_rejects_backend(backend_arg, exc, fragment):
+    with raises(exc, "backend", fragment):
+        MultiHeadAttention(8, 2, backend=backend_arg)
+
+
+def test_float16_on_a_backend_without_it():
+    pytest.importorskip("array_api_strict")
+    with raises(ValueError, "dtype", "array_api_strict", "float16"):
+        MultiHeadAttention(8, 2, dtype="float16", backend="array_api_strict")
+
+
+def test_dtype_accepts_dtype_objects(backend, xp):
+    m = MultiHeadAttention(8, 2, dtype=xp.float64, backend=backend)
+    assert m.dtype == xp.float64
+    assert all(p.dtype == xp.float64 for p in m.params.values())
+
+
+# --------------------------------------------------------------------------
+# forward: shapes
+
+
+def _bad_forward_cases(xp):
+    """(name, (query, key, value), kwargs, exception, fragments) for a module
+    with d_model=8, n_head=2, kdim=6, vdim=4, float64."""
+    q, k, v = inputs(xp, 2, 3, 5, 8, 6, 4)
+    cases = [
+        ("query 2-D", (q[0, ...], k, v), {}, ValueError, ("query", "3-D", "(3, 8)")),
+        ("key 4-D", (q, xp.reshape(k, (2, 5, 6, 1)), v), {}, ValueError, ("key", "3-D", "(2, 5, 6, 1)")),
+        ("query list", (to_numpy(q).tolist(), k, v), {}, TypeError, ("query", "list")),
+        ("value None", (q, k, None), {}, TypeError, ("value", "None")),
+        ("batch", (q, k[:1, ...], v[:1, ...]), {}, ValueError, ("key", "batch size 2", "(1, 5, 6)")),
+        ("lengths", (q, k, v[:, :4, :]), {}, ValueError, ("value", "length 5", "(2, 4, 4)")),
+        ("query width", (q[..., :6], k, v), {}, ValueError, ("query", "w_q", "8", "(2, 3, 6)")),
+        ("key width", (q, k[..., :4], v), {}, ValueError, ("key", "w_k", "6", "(2, 5, 4)")),
+        ("value width", (q, k, v[..., :3]), {}, ValueError, ("value", "w_v", "4", "(2, 5, 3)")),
+        ("empty query", (q[:, :0, :], k, v), {}, ValueError, ("query length", "0")),
+        ("empty keys", (q, k[:, :0, :], v[:, :0, :]), {}, ValueError, ("key length", "0")),
+    ]
+    masks = [
+        ("int mask", np.ones((3, 5), dtype=np.int64), TypeError, ("mask", "bool", "int64", "ambiguous")),
+        ("3-D mask", np.ones((2, 3, 5), dtype=bool), ValueError, ("mask", "(B, 1, Lq, Lk)", "(2, 3, 5)")),
+        ("1-D mask", np.ones((5,), dtype=bool), ValueError, ("mask", "2-D or 4-D", "(5,)")),
+        ("5-D mask", np.ones((1, 2, 2, 3, 5), dtype=bool), ValueError, ("mask", "(1, 2, 2, 3, 5)")),
+        ("mask Lk", np.ones((3, 4), dtype=bool), ValueError, ("mask", "(2, 2, 3, 5)", "(3, 4)")),
+        ("mask Lq", np.ones((4, 5), dtype=bool), ValueError, ("mask", "(4, 5)")),
+        ("mask batch", np.ones((3, 1, 3, 5), dtype=bool), ValueError, ("mask", "(3, 1, 3, 5)")),
+        ("mask heads", np.ones((1, 3, 3, 5), dtype=bool), ValueError, ("mask", "(1, 3, 3, 5)")),
+        ("float32 mask", np.zeros((3, 5), dtype=np.float32), TypeError, ("mask", "float64", "float32")),
+    ]
+    for name, m, exc, frag in masks:
+        cases.append((name, (q, k, v), dict(mask=from_numpy(m, xp)), exc, frag))
+    cases += [
+        ("dropout_mask float", (q, k, v), dict(dropout_mask=from_numpy(np.ones((3, 5)), xp)),
+         TypeError, ("dropout_mask", "bool", "float64")),
+        ("dropout_mask shape", (q, k, v), dict(dropout_mask=from_numpy(np.ones((5, 3), dtype=bool), xp)),
+         ValueError, ("dropout_mask", "(5, 3)")),
+        ("dropout_mask 3-D", (q, k, v), dict(dropout_mask=from_numpy(np.ones((2, 3, 5), dtype=bool), xp)),
+         ValueError, ("dropout_mask", "(2, 3, 5)")),
+        ("mask list", (q, k, v), dict(mask=[[True] * 5] * 3), TypeError, ("mask", "list")),
+        ("is_causal", (q, k, v), dict(is_causal="yes"), TypeError, ("is_causal", "bool", "str")),
+        ("need_weights", (q, k, v), dict(need_weights=1), TypeError, ("need_weights", "bool", "int")),
+        ("check_finite", (q, k, v), dict(check_finite=None), TypeError, ("check_finite", "None")),
+        ("dtype", (xp.astype(q, xp.float32), k, v), {}, TypeError, ("query", "float64", "float32")),
+        ("key dtype", (q, xp.astype(k, xp.float32), v), {}, TypeError, ("key", "float64", "float32")),
+    ]
+    return cases
+
+
+def test_forward_rejects(backend, xp):
+    m = make_mha(backend, kdim=6, vdim=4)
+    for name, (q, k, v), kwargs, exc, fragments in _bad_forward_cases(xp):
+        with raises(exc, *fragments):
+            m(q, k, v, **kwargs)
+        assert m._cache is None, name  # nothing was computed or stored
+
+
+def test_forward_accepts_documented_mask_shapes(backend, xp):
+    m = make_mha(backend)
+    q, k, v = inputs(xp, 2, 3, 5, 8)
+    shapes = [(3, 5), (1, 5), (3, 1), (1, 1, 3, 5), (2, 1, 3, 5), (2, 1, 1, 5), (2, 2, 3, 5),
+              (1, 2, 1, 1)]
+    for shape in shapes:
+        mask = from_numpy(np.ones(shape, dtype=bool), xp)
+        out = m(q, k, v, mask=mask)
+        assert tuple(out.shape) == (2, 3, 8)
+        fmask = from_numpy(np.zeros(shape), xp)
+        np.testing.assert_array_equal(to_numpy(m(q, k, v, mask=fmask)), to_numpy(out))
+
+
+# --------------------------------------------------------------------------
+# backends and devices
+
+
+def _other_backends():
+    import importlib.util
+
+    names = ["numpy", "array_api_strict", "torch"]
+    return [n for n in names if importlib.util.find_spec(n) is not None]
+
+
+@pytest.mark.parametrize(
+    "module_backend, input_backend",
+    [(a, b) for a in _other_backends() for b in _other_backends() if a != b],
+)
+def test_mixing_backends_is_a_type_error(module_backend, input_backend):
+    m = make_mha(module_backend)
+    mine = inputs(m.xp, 2, 3, 5, 8)
+    theirs = inputs(make_mha(input_backend).xp, 2, 3, 5, 8)
+    for i, name in enumerate(("query", "key", "value")):
+        args = list(mine)
+        args[i] = theirs[i]
+        with raises(TypeError, name, module_backend, input_backend):
+            m(*args)
+    other = make_mha(input_backend).xp
+    mask = from_numpy(np.ones((3, 5), dtype=bool), other)
+    with raises(TypeError, "mask", module_backend, input_backend):
+        m(*mine, mask=mask)
+    with raises(TypeError, "dropout_mask", module_backend):
+        m(*mine, dropout_mask=mask)
+    with raises(TypeError, "params['w_k']", module_backend, input_backend):
+        m.params["w_k"] = from_numpy(to_numpy(m.params["w_k"]), other)
+    out = m(*mine)
+    with raises(TypeError, "dout", module_backend, input_backend):
+        m.backward(from_numpy(to_numpy(out), other))
+    with raises(TypeError, "v", module_backend, input_backend):
+        F.sdpa_forward(*(from_numpy(np.ones((1, 1, 2, 2)), x) for x in (m.xp, m.xp, other)))
+
+
+def test_mixing_devices_is_a_value_error():
+    aas = pytest.importorskip("array_api_strict")
+    m = make_mha("array_api_strict")
+    q, k, v = inputs(aas, 2, 3, 5, 8)
+    dev = aas.Device("device1")
+    k1 = aas.asarray(k, device=dev)
+    with raises(ValueError, "key", "device1", "device"):
+        m(q, k1, v)
+    with raises(ValueError, "mask", "device1"):
+        m(q, k, v, mask=aas.ones((3, 5), dtype=aas.bool, device=dev))
+    with raises(ValueError, "params['w_q']", "device1"):
+        m.params["w_q"] = aas.asarray(m.params["w_q"], device=dev)
+    out = m(q, k, v)
+    with raises(ValueError, "dout", "device1"):
+        m.backward(aas.asarray(out, device=dev))
+    with raises(ValueError, "k", "device1"):
+        F.sdpa_forward(*(aas.ones((1, 1, 2, 2), dtype=aas.float64, device=d)
+                         for d in (q.device, dev, q.device)))
+
+
+# --------------------------------------------------------------------------
+# check_finite
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_check_finite_names_the_argument(backend, xp):
+    m = make_mha(backend)
+    hq, hk, hv = host_inputs(2, 3, 5, 8)
+    for i, name in enumerate(("query", "key", "value")):
+        for bad in (math.nan, math.inf, -math.inf):
+            arrays = [hq.copy(), hk.copy(), hv.copy()]
+            arrays[i][1, 0, 2] = bad
+            args = [from_numpy(a, xp) for a in arrays]
+            with raises(ValueError, name, "finite", "1 entries"):
+                m(*args, check_finite=True)
+            m(*args)  # opt-in: without the flag nothing reads the data
+    q, k, v = (from_numpy(a, xp) for a in (hq, hk, hv))
+    mask = np.zeros((3, 5))
+    mask[0, 1] = -math.inf  # allowed: a masked entry
+    m(q, k, v, mask=from_numpy(mask, xp), check_finite=True)
+    for bad in (math.nan, math.inf):
+        mask[2, 2] = bad
+        with raises(ValueError, "mask", "+inf"):
+            m(q, k, v, mask=from_numpy(mask, xp), check_finite=True)
+    w = to_numpy(m.params["w_v"])
+    w[0, 0] = math.nan
+    m.params["w_v"] = from_numpy(w, xp)
+    with raises(ValueError, "params['w_v']", "finite"):
+        m(q, k, v, check_finite=True)
+
+
+# --------------------------------------------------------------------------
+# backward
+
+
+def test_backward_before_forward(backend, xp):
+    m = make_mha(backend)
+    with pytest.raises(RuntimeError, match="forward"):
+        m.backward(from_numpy(np.ones((2, 3, 8)), xp))
+    # a failed forward does not count as a forward
+    with pytest.raises(ValueError):
+        m(*inputs(xp, 2, 3, 5, 8, Dk=7))
+    with pytest.raises(RuntimeError, match="forward"):
+        m.backward(from_numpy(np.ones((2, 3, 8)), xp))
+
+
+def test_backward_rejects_bad_dout(backend, xp):
+    m = make_mha(backend)
+    out = m(*inputs(xp, 2, 3, 5, 8))
+    d = np.random.default_rng(0).standard_normal((2, 3, 8))
+    with raises(ValueError, "dout", "(2, 3, 8)", "(2, 4, 8)"):
+        m.backward(from_numpy(np.ones((2, 4, 8)), xp))
+    with raises(ValueError, "dout", "(2, 3, 8)", "(3, 8)"):
+        m.backward(from_numpy(d[0], xp))
+    with raises(TypeError, "dout", "float64", "float32"):
+        m.backward(from_numpy(d.astype(np.float32), xp))
+    with raises(TypeError, "dout", "list"):
+        m.backward(d.tolist())
+    # the failed calls changed nothing: backward still works
+    dq, dk, dv = m.backward(from_numpy(d, xp))
+    assert tuple(dq.shape) == (2, 3, 8) and tuple(dk.shape) == (2, 5, 8)
+    assert tuple(out.shape) == (2, 3, 8)
+
+
+def test_failed_forward_leaves_module_as_it_was(backend, xp):
+    """A rejected call keeps the previous cache and does not advance the dropout generator."""
+    m = make_mha(backend, dropout=0.3, kdim=6, vdim=4)
+    twin = make_mha(backend, dropout=0.3, kdim=6, vdim=4)
+    q, k, v = inputs(xp, 2, 3, 5, 8, 6, 4)
+    d = from_numpy(np.random.default_rng(3).standard_normal((2, 3, 8)), xp)
+    m(q, k, v)
+    twin(q, k, v)
+    for name, args, kwargs, exc, fragments in _bad_forward_cases(xp):
+        with raises(exc, *fragments):
+            m(*args, **kwargs)
+    g1 = snapshot(zip(("dq", "dk", "dv"), m.backward(d)))
+    g2 = snapshot(zip(("dq", "dk", "dv"), twin.backward(d)))
+    for name in g1:
+        np.testing.assert_array_equal(g1[name], g2[name])
+    # the next forward draws the same dropout mask in both
+    np.testing.assert_array_equal(to_numpy(m(q, k, v)), to_numpy(twin(q, k, v)))
+
+
+# --------------------------------------------------------------------------
+# parameters
+
+
+def test_param_assignment_is_checked(backend, xp):
+    m = make_mha(backend, kdim=6)
+    before = snapshot(m.params)
+    good = np.random.default_rng(0).standard_normal((8, 6))
+    with raises(ValueError, "params['w_k']", "(8, 6)", "(6, 8)"):
+        m.params["w_k"] = from_numpy(good.T, xp)
+    with raises(TypeError, "params['w_k']", "float64", "float32"):
+        m.params["w_k"] = from_numpy(good.astype(np.float32), xp)
+    with raises(TypeError, "params['w_k']", "list"):
+        m.params["w_k"] = good.tolist()
+    with raises(ValueError, "params", "w_x"):
+        m.params["w_x"] = from_numpy(good, xp)
+    with pytest.raises(TypeError, match="cannot be removed"):
+        del m.params["w_q"]
+    with pytest.raises(TypeError, match="cannot be removed"):
+        m.params.pop("b_q")
+    with pytest.raises(TypeError, match="cannot be removed"):
+        m.params.clear()
+    # update checks every value before assigning any
+    with raises(ValueError, "params['b_o']", "(8,)", "(7,)"):
+        m.params.update(w_k=from_numpy(good, xp), b_o=from_numpy(np.zeros(7), xp))
+    with raises(ValueError, "params", "exactly the names"):
+        m.params = {"w_q": m.params["w_q"]}
+    with raises(TypeError, "params", "list"):
+        m.params = [1, 2]
+    assert isinstance(m.params, dict)
+    for name, value in snapshot(m.params).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+    m.params["w_k"] = from_numpy(good, xp)  # a valid assignment takes effect
+    np.testing.assert_array_equal(to_numpy(m.params["w_k"]), good)
+    new = dict(m.params)
+    new["b_q"] = from_numpy(np.full(8, 0.5), xp)
+    m.params = new
+    np.testing.assert_array_equal(to_numpy(m.params["b_q"]), np.full(8, 0.5))
+
+
+# --------------------------------------------------------------------------
+# functional.sdpa_forward
+
+
+def test_sdpa_rejects(backend, xp):
+    rng = np.random.default_rng(0)
+
+    def a(*shape, dtype=np.float64):
+        return from_numpy(rng.standard_normal(shape).astype(dtype), xp)
+
+    q, k, v = a(2, 2, 3, 4), a(2, 2, 5, 4), a(2, 2, 5, 6)
+    F.sdpa_forward(q, k, v)  # valid, and v may have its own width
+    cases = [
+        ((q, a(2, 2, 5, 4, dtype=np.float32), v), {}, TypeError, ("k", "float64", "float32")),
+        ((q, a(1, 2, 5, 4), a(1, 2, 5, 6)), {}, ValueError, ("k", "leading axes", "(1, 2, 5, 4)")),
+        ((q, a(2, 2, 5, 3), v), {}, ValueError, ("k", "last axis 4", "(2, 2, 5, 3)")),
+        ((q, k, a(2, 2, 4, 6)), {}, ValueError, ("v", "length 5", "(2, 2, 4, 6)")),
+        ((q, k, a(2, 5, 6)), {}, ValueError, ("v", "(2, 5, 6)")),
+        ((a(4), a(4), a(4)), {}, ValueError, ("q", "at least 2 axes", "(4,)")),
+        ((from_numpy(np.ones((2, 3), dtype=np.int64), xp),) * 3, {}, TypeError, ("q", "floating", "int64")),
+        (([[1.0]], k, v), {}, TypeError, ("q", "list")),
+        ((q, k, v), dict(mask=from_numpy(np.ones((3, 5), dtype=np.int32), xp)), TypeError, ("mask", "int32")),
+        ((q, k, v), dict(mask=from_numpy(np.ones((3, 4), dtype=bool), xp)), ValueError, ("mask", "(3, 4)")),
+        ((q, k, v), dict(mask=from_numpy(np.ones((3, 2, 3, 5), dtype=bool), xp)), ValueError,
+         ("mask", "(3, 2, 3, 5)")),
+        ((q, k, v), dict(mask=a(3, 5, dtype=np.float32)), TypeError, ("mask", "float64", "float32")),
+        ((q, k, v), dict(dropout_mask=a(3, 5)), TypeError, ("dropout_mask", "bool", "float64")),
+        ((q, k, v), dict(dropout_mask=from_numpy(np.ones((2, 5), dtype=bool), xp)), ValueError,
+         ("dropout_mask", "(2, 5)")),
+        ((q, k, v), dict(dropout_p=1.0), ValueError, ("dropout_p", "[0, 1)", "1.0")),
+        ((q, k, v), dict(dropout_p=-0.5), ValueError, ("dropout_p", "-0.5")),
+        ((q, k, v), dict(dropout_p=None), TypeError, ("dropout_p", "None")),
+        ((q, k, v), dict(scale=math.nan), ValueError, ("scale", "finite", "nan")),
+        ((q, k, v), dict(scale="1"), TypeError, ("scale", "str")),
+        ((q, k, v), dict(is_causal=1), TypeError, ("is_causal", "bool", "int")),
+    ]
+    for args, kwargs, exc, fragments in cases:
+        with raises(exc, *fragments):
+            F.sdpa_forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, fragments",
+    [
+        (dict(qdim=0), ValueError, ("qdim", "positive int")),
+        (dict(qdim=2.5), TypeError, ("qdim", "float")),
+        (dict(n_kv_head=3), ValueError, ("n_kv_head", "divisor of n_head=4", "3")),
+        (dict(n_kv_head=True), TypeError, ("n_kv_head", "bool")),
+        (dict(add_bias_kv="no"), TypeError, ("add_bias_kv", "bool", "str")),
+        (dict(qkv_bias=1), TypeError, ("qkv_bias", "bool", "int")),
+    ],
+)
+def test_layer_shape_arguments(kwargs, exc, fragments):
+    """The optional layer-shape arguments a module may pass on (qdim, n_kv_head, flags)."""
+    from npattn import validation as V
+    from npattn.backend import resolve_backend
+
+    args = dict(d_model=8, n_head=4, dropout=0.0, bias=True, kdim=None, vdim=None,
+                dtype="float32", seed=None)
+    assert V.check_module_args(resolve_backend("numpy"), **args, qdim=None, n_kv_head=2,
+                               add_bias_kv=True, qkv_bias=None) == "float32"
+    with raises(exc, *fragments):
+        V.check_module_args(resolve_backend("numpy"), **args, **kwargs)
+
+
+def test_params_snapshot_and_restore(backend, xp):
+    """copy.deepcopy(params) is a plain dict of copies; assigning it back restores the module."""
+    import copy
+
+    m = make_mha(backend)
+    q, k, v = inputs(xp, 2, 3, 5, 8)
+    saved = copy.deepcopy(m.params)
+    assert type(saved) is dict
+    out = to_numpy(m(q, k, v))
+    m.params["w_o"] = from_numpy(np.zeros((8, 8)), xp)
+    assert not np.array_equal(to_numpy(m(q, k, v)), out)
+    m.params = saved
+    np.testing.assert_array_equal(to_numpy(m(q, k, v)), out)
