@@ -206,20 +206,34 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
     ``dquery + dkey + dvalue``: the check covers that sum too.
     """
     names = [n for n in PARAM_NAMES if n in mha.params]
+    xp = mha.xp
+    modules = {}  # one module per dtype: parameters and inputs never mix dtypes
+
+    def module_for(dtype):
+        if dtype == mha.dtype:
+            return mha
+        if dtype not in modules:
+            modules[dtype] = MultiHeadAttention(
+                mha.d_model, mha.n_head, bias=mha.bias, kdim=mha.kdim, vdim=mha.vdim,
+                dropout=mha.dropout, backend=xp, dtype=dtype).train(mha.training)
+        return modules[dtype]
 
     def forward(*args):
         n_in = 1 if self_attention else 3
         acts, ps = args[:n_in], args[n_in:]
+        m = module_for(acts[0].dtype)
         for n, p in zip(names, ps):
-            mha.params[n] = p
+            m.params[n] = p
         q, k, v = (acts[0],) * 3 if self_attention else acts
-        out = mha.forward(q, k, v, **fwd_kwargs)
-        return out, mha._cache
+        kw = {key: xp.astype(val, m.dtype) if key == "mask" and val is not None
+              and xp.isdtype(val.dtype, "real floating") else val for key, val in fwd_kwargs.items()}
+        out = m.forward(q, k, v, **kw)
+        return out, (m, m._cache)
 
     def backward(dout, cache):
-        mha._cache = cache
-        dq, dk, dv = mha.backward(dout)
-        g = [mha.grads[n] for n in names]
+        m, m._cache = cache
+        dq, dk, dv = m.backward(dout)
+        g = [m.grads[n] for n in names]
         return ((dq + dk + dv,) if self_attention else (dq, dk, dv)) + tuple(g)
 
     return forward, backward, names
