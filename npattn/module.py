@@ -99,12 +99,6 @@ class MultiHeadAttention:
 
     Attributes
     ----------
-    params : dict
-        ``w_q`` (D, Dq), ``w_k`` (Dkv, Dk), ``w_v`` (Dkv, Dv), ``w_o`` (D, D)
-        in PyTorch's (out, in) layout; ``b_q`` (D,), ``b_k b_v`` (Dkv,) with
-        ``qkv_bias``; ``b_o`` (D,) with ``out_bias``; ``bias_k bias_v`` (Dkv,)
-        with ``add_bias_kv``. Dkv = D unless ``n_kv_head`` is set. Assigning
-        an array to a key replaces that parameter.
     grads : dict
         Filled by ``backward`` with the same keys as ``params``.
     dmask : array or None
@@ -193,7 +187,14 @@ class MultiHeadAttention:
 
     @property
     def params(self) -> dict:
-        """The parameters: a dict whose assignments are checked (``validation.ParameterDict``)."""
+        """The parameters, a dict whose assignments are checked (``validation.ParameterDict``).
+
+        ``w_q`` (D, Dq), ``w_k`` (Dkv, Dk), ``w_v`` (Dkv, Dv), ``w_o`` (D, D)
+        in PyTorch's (out, in) layout; ``b_q`` (D,), ``b_k b_v`` (Dkv,) with
+        ``qkv_bias``; ``b_o`` (D,) with ``out_bias``; ``bias_k bias_v`` (Dkv,)
+        with ``add_bias_kv``. Dkv = D unless ``n_kv_head`` is set. Assigning
+        an array to a key replaces that parameter.
+        """
         return self._params
 
     @params.setter
