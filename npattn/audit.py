@@ -97,6 +97,12 @@ class Row:
 
 @dataclass
 class AuditResult:
+    """A whole audit: its settings, one ``Row`` per (configuration, tensor), and the time taken.
+
+    ``ok`` is True when at least one row was checked and none failed;
+    ``to_dict()`` is what ``npattn check --json`` prints.
+    """
+
     backend: str
     dtype: str
     rtol: float
@@ -354,7 +360,7 @@ def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_
 
 
 def panel() -> list:
-    """The fixed list of ``Check``s that ``npattn check`` runs."""
+    """The fixed list of ``Check`` configurations that ``npattn check`` runs."""
     P, M = "primitive", "module"
     return [
         Check("linear, bias", P, _linear(True)),

@@ -97,3 +97,26 @@ def test_default_scale_is_inverse_sqrt_head_width():
     a, _ = F.sdpa_forward(q, k, v)
     b, _ = F.sdpa_forward(q, k, v, scale=1.0 / math.sqrt(9))
     np.testing.assert_array_equal(a, b)
+
+
+def test_npattn_parameter_shapes_in_the_table():
+    # D=8, H=4 so Dh=2; n_kv_head=2 so Dkv=4; Dq=5, Dk=3, Dv=7
+    mha = MultiHeadAttention(8, 4, n_kv_head=2, qdim=5, kdim=3, vdim=7, add_bias_kv=True, seed=0)
+    shapes = {k: tuple(v.shape) for k, v in mha.params.items()}
+    assert list(shapes.items()) == [
+        ("w_q", (8, 5)), ("w_k", (4, 3)), ("w_v", (4, 7)), ("w_o", (8, 8)),
+        ("b_q", (8,)), ("b_k", (4,)), ("b_v", (4,)), ("b_o", (8,)),
+        ("bias_k", (4,)), ("bias_v", (4,)),
+    ]
+    # qkv_bias and out_bias separately: only the parameters that exist
+    gpt = MultiHeadAttention(8, 2, qkv_bias=False, out_bias=True, seed=0)
+    assert list(gpt.params) == ["w_q", "w_k", "w_v", "w_o", "b_o"]
+
+
+@pytest.mark.parametrize("kwargs,setting", [({"qdim": 5}, "qdim"), ({"n_kv_head": 1}, "n_kv_head"),
+                                            ({"qkv_bias": False, "out_bias": True}, "qkv_bias")])
+def test_npattn_only_options_have_no_torch_state_dict(kwargs, setting):
+    from npattn.torch_interop import torch_state_dict_shapes
+
+    with pytest.raises(ValueError, match=setting):
+        torch_state_dict_shapes(MultiHeadAttention(8, 2, **kwargs))
