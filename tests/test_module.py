@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from _strategies import MASK_FORMS, make_mask
@@ -19,9 +19,9 @@ RTOL = 1e-6
 def module_cases(draw):
     B = draw(st.integers(1, 3))
     H = draw(st.integers(1, 4))
-    Dh = draw(st.integers(1, 4))
-    Lq = draw(st.integers(1, 5))
-    Lk = draw(st.integers(1, 5))
+    Dh = draw(st.integers(1, 8))
+    Lq = draw(st.integers(1, 7))
+    Lk = draw(st.integers(1, 7))
     cross = draw(st.booleans())
     kdim = draw(st.integers(1, 6)) if cross and draw(st.booleans()) else None
     vdim = draw(st.integers(1, 6)) if cross and draw(st.booleans()) else None
@@ -55,7 +55,16 @@ def _make(xp_name, c):
     return mha, query, key, value, mask, keep
 
 
+# Always run, whatever hypothesis draws: every size >= 2, Lq != Lk, kdim/vdim,
+# an additive mask with -inf and a fully masked row, causal, dropout p > 0.
+EXPLICIT = dict(
+    B=2, H=2, Dh=3, Lq=3, Lk=5, cross=True, kdim=4, vdim=2, bias=True, kind="float_inf",
+    form="B1LqLk", masked_row=True, causal=True, dropout=0.25, seed=5,
+)
+
+
 @given(c=module_cases())
+@example(c=EXPLICIT)
 def test_module_gradients_inputs_and_parameters(backend, to_xp, c):
     mha, query, key, value, mask, keep = _make(backend, c)
     fk = dict(mask=to_xp(mask), is_causal=c["causal"], dropout_mask=to_xp(keep))
@@ -67,6 +76,7 @@ def test_module_gradients_inputs_and_parameters(backend, to_xp, c):
 
 
 @given(c=module_cases())
+@example(c=EXPLICIT)
 def test_module_gradients_random_direction_check(backend, to_xp, c):
     """The same gradients through the cheap random-direction (vjp) check."""
     mha, query, key, value, mask, keep = _make(backend, c)
