@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import blocked
 from . import functional as F
 from .backend import from_numpy, resolve_backend
 
@@ -27,7 +28,7 @@ class MHACache(NamedTuple):
     k_proj: F.LinearCache
     v_proj: F.LinearCache
     split: F.HeadsCache
-    sdpa: F.SDPACache
+    sdpa: Any  # F.SDPACache (dense) or blocked.BlockedSDPACache
     merge: F.HeadsCache
     out_proj: F.LinearCache
     out_shape: tuple
@@ -65,6 +66,11 @@ class MultiHeadAttention:
         Seeds the Xavier-uniform initialisation and the dropout generator.
     backend : str or namespace module
         "numpy", "cupy", "array_api_strict", "torch", or an Array API namespace.
+    impl : {"auto", "dense", "blocked"}
+        Attention path of step 5 (see ``npattn.blocked``): "dense" forms the
+        (B, H, Lq, Lk) weights; "blocked" never does (memory linear in L, no
+        weights); "auto" takes "blocked" when ``Lq * Lk >=
+        blocked.AUTO_BLOCKED_MIN_SCORES`` and weights are not requested.
 
     Attributes
     ----------
@@ -90,8 +96,11 @@ class MultiHeadAttention:
         dtype: str = "float32",
         seed=None,
         backend="numpy",
+        impl: str = "auto",
     ):
         self.xp = xp = resolve_backend(backend)
+        blocked.select_impl(impl, 0, 0)  # validates impl
+        self.impl = impl
         self.d_model = d_model
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -153,6 +162,7 @@ class MultiHeadAttention:
         is_causal: bool = False,
         dropout_mask=None,
         need_weights: bool = False,
+        impl=None,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -173,6 +183,10 @@ class MultiHeadAttention:
             mask, acts only in training mode with ``dropout > 0``.
         need_weights : bool
             Also return the attention weights (B, H, Lq, Lk), before dropout.
+            Not available with ``impl="blocked"`` (ValueError); "auto" then
+            uses the dense path.
+        impl : {"auto", "dense", "blocked"}, optional
+            Overrides the module's ``impl`` for this call.
 
         Returns
         -------
@@ -188,10 +202,12 @@ class MultiHeadAttention:
         qh, split_c = F.split_heads_forward(q, H)  # 4.                  [B, H, Lq, Dh]
         kh, _ = F.split_heads_forward(k, H)  # [B, H, Lk, Dh]
         vh, _ = F.split_heads_forward(v, H)  # [B, H, Lk, Dh]
-        oh, sdpa_c = F.sdpa_forward(  # 5.                               [B, H, Lq, Dh]
+        oh, sdpa_c = blocked.attention_forward(  # 5.                    [B, H, Lq, Dh]
             qh,
             kh,
             vh,
+            impl=self.impl if impl is None else impl,
+            need_weights=need_weights,
             mask=mask,
             is_causal=is_causal,
             dropout_p=self.dropout if use_dropout else 0.0,
@@ -222,7 +238,7 @@ class MultiHeadAttention:
         # 6. o = merge_heads(oh)
         doh = F.merge_heads_backward(do, c.merge)  # [B, H, Lq, Dh]
         # 5. oh = sdpa(qh, kh, vh, mask)
-        dqh, dkh, dvh, _ = F.sdpa_backward(doh, c.sdpa)
+        dqh, dkh, dvh, _ = blocked.attention_backward(doh, c.sdpa)
         # 4. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
         dq = F.split_heads_backward(dqh, c.split)  # [B, Lq, D]
         dk = F.split_heads_backward(dkh, c.split)  # [B, Lk, D]
