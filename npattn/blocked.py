@@ -62,9 +62,10 @@ __all__ = [
     "attention_backward",
 ]
 
-#: Default query / key block lengths. A block of scores holds B*H*bq*bk
-#: entries (8 heads: 4 MiB in float32), small enough to stay near the cache.
-DEFAULT_BLOCK_Q = 256
+#: Default query / key block lengths, read at call time (assigning new values
+#: here tunes every caller, the module included). A block of scores holds
+#: B*H*bq*bk entries (8 heads, 128 x 512: 2 MiB in float32).
+DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 512
 
 #: ``impl="auto"`` takes the blocked path when ``Lq * Lk`` reaches this
@@ -209,8 +210,8 @@ def sdpa_blocked_forward(
     dropout_p: float = 0.0,
     dropout_mask=None,
     rng=None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
 ):
     """Scaled dot-product attention by blocks, ``softmax(q k^T * scale + mask) v``.
 
@@ -256,8 +257,9 @@ def sdpa_blocked_forward(
         With ``dropout_p > 0`` and no ``dropout_mask``: one integer key is
         drawn from it, and block ``[i0:, j0:]`` draws its keep-mask from a
         generator seeded with ``(key, i0, j0)`` (see the module docstring).
-    block_q, block_k : int
+    block_q, block_k : int, optional
         Query and key block lengths; need not divide ``Lq`` / ``Lk``.
+        Default ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``.
 
     Returns
     -------
@@ -271,6 +273,8 @@ def sdpa_blocked_forward(
     """
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dh] -> [..., Lq, Dh]
     xp = namespace(q, k, v, mask, dropout_mask)
+    block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
+    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
@@ -515,8 +519,8 @@ def attention_forward(
     *,
     impl: str = "auto",
     need_weights: bool = False,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
     **kwargs,
 ):
     """Scaled dot-product attention on the path ``select_impl`` chooses.
