@@ -169,8 +169,8 @@ class BlockedSDPACache(NamedTuple):
 def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
     """Steps 2.-3. of the forward for one block: masked scores ``z`` of ``[i0:i1, j0:j1]``.
 
-    ``c`` carries ``mask`` and ``is_causal`` (the cache, or the forward's
-    arguments); entries that may not be attended are ``-inf``.
+    ``c`` is the cache (it carries ``mask`` and ``is_causal``); entries that
+    may not be attended are ``-inf``.
     """
     z = qs_i @ xp.matrix_transpose(k_j)  # 2. s = (q * scale) @ k^T      [..., bq, bk]
     allowed = None
