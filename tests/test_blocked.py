@@ -321,3 +321,13 @@ def test_bad_arguments_name_themselves():
         Bk.sdpa_blocked_forward(q, k, k, dropout_p=1.0)
     with pytest.raises(ValueError, match="q, k, v"):
         Bk.sdpa_blocked_forward(q, k[..., :2], k)
+
+
+def test_blocked_bench_smoke():
+    """The long-sequence benchmark runs a child process and reports its peak memory (no timing asserted)."""
+    from npattn.blocked_bench import machine_info, measure
+
+    r = measure(1, 40, 16, 2, impl="blocked", runs=1, block_q=16, block_k=24, gemm=False)
+    assert r["shape"] == [1, 40, 16, 2] and r["impl"] == "blocked" and (r["block_q"], r["block_k"]) == (16, 24)
+    assert r["ms_median"] > 0 and r["peak_rss_mib"] >= r["rss_before_mib"] > 0
+    assert machine_info()["cores"] >= 1
