@@ -94,9 +94,7 @@ def _check_mask_shape(name: str, a, target: tuple):
         s == 1 or s == t for s, t in zip(reversed(shape), reversed(target))
     )
     if not ok:
-        raise ValueError(
-            f"{name}: expected a shape broadcastable to {target}, got {shape}"
-        )
+        raise ValueError(f"{name}: expected a shape broadcastable to {target}, got {shape}")
 
 
 def _blocks(n: int, size: int):
@@ -282,8 +280,10 @@ def sdpa_blocked_forward(
             f"q, k, v: expected arrays of one rank >= 2, got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if tuple(k.shape) != tuple(v.shape) or tuple(k.shape[:-2]) != tuple(q.shape[:-2]) or (
-        k.shape[-1] != q.shape[-1]
+    if (
+        tuple(k.shape) != tuple(v.shape)
+        or tuple(k.shape[:-2]) != tuple(q.shape[:-2])
+        or (k.shape[-1] != q.shape[-1])
     ):
         raise ValueError(
             f"q, k, v: expected shapes (..., Lq, Dh), (..., Lk, Dh), (..., Lk, Dh) with the "
@@ -324,8 +324,21 @@ def sdpa_blocked_forward(
 
     qs = q * scale  # 1.                                              [..., Lq, Dh]
     c = BlockedSDPACache(
-        qs, k, v, None, None, mask, bool(is_causal), keep_all, key, float(dropout_p),
-        scale, mask_shape, block_q, block_k, in_dtype,
+        qs,
+        k,
+        v,
+        None,
+        None,
+        mask,
+        bool(is_causal),
+        keep_all,
+        key,
+        float(dropout_p),
+        scale,
+        mask_shape,
+        block_q,
+        block_k,
+        in_dtype,
     )
 
     outs, lses = [], []

@@ -98,7 +98,10 @@ def _child(args):
     if args.impl == "blocked":
         from npattn import blocked
 
-        blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K = args.block_q, args.block_k  # read per call
+        blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K = (
+            args.block_q,
+            args.block_k,
+        )  # read per call
     x = rng.standard_normal((B, L, D), dtype=np.float32)  # [B, L, D]
     dout = rng.standard_normal((B, L, D), dtype=np.float32)  # [B, L, D]
     rss_before, _ = _rss_mib()
@@ -114,13 +117,20 @@ def _child(args):
     gemm = _gemm_gflops() if args.gemm else None
     ms = 1e3 * statistics.median(times)
     res = dict(
-        shape=[B, L, D, H], causal=args.causal, impl=args.impl, runs=args.runs,
-        warmup=args.warmup, blas_threads=args.blas_threads or "default",
+        shape=[B, L, D, H],
+        causal=args.causal,
+        impl=args.impl,
+        runs=args.runs,
+        warmup=args.warmup,
+        blas_threads=args.blas_threads or "default",
         block_q=args.block_q if args.impl == "blocked" else None,
         block_k=args.block_k if args.impl == "blocked" else None,
-        ms_median=ms, ms_all=[1e3 * t for t in times],
+        ms_median=ms,
+        ms_all=[1e3 * t for t in times],
         gflops=_model_flops(B, L, D, args.causal) / (ms / 1e3) / 1e9,
-        gemm_gflops=gemm, rss_before_mib=rss_before, peak_rss_mib=peak,
+        gemm_gflops=gemm,
+        rss_before_mib=rss_before,
+        peak_rss_mib=peak,
         loadavg=os.getloadavg(),
     )
     if limits is not None:
@@ -128,8 +138,22 @@ def _child(args):
     print(json.dumps(res))
 
 
-def measure(B, L, D, H, *, impl="blocked", causal=False, runs=1, warmup=False,
-            block_q=None, block_k=None, blas_threads=None, gemm=True, timeout=3600):
+def measure(
+    B,
+    L,
+    D,
+    H,
+    *,
+    impl="blocked",
+    causal=False,
+    runs=1,
+    warmup=False,
+    block_q=None,
+    block_k=None,
+    blas_threads=None,
+    gemm=True,
+    timeout=3600,
+):
     """Time forward+backward of one shape in a fresh subprocess; returns a dict.
 
     Keys: ``ms_median`` (ms), ``gflops`` (model FLOPs, see the module
@@ -141,10 +165,20 @@ def measure(B, L, D, H, *, impl="blocked", causal=False, runs=1, warmup=False,
     from npattn import blocked
 
     cmd = [
-        sys.executable, "-m", "npattn.blocked_bench", "--child",
-        "--shapes", f"{B},{L},{D},{H}", "--impl", impl, "--runs", str(runs),
-        "--block-q", str(block_q or blocked.DEFAULT_BLOCK_Q),
-        "--block-k", str(block_k or blocked.DEFAULT_BLOCK_K),
+        sys.executable,
+        "-m",
+        "npattn.blocked_bench",
+        "--child",
+        "--shapes",
+        f"{B},{L},{D},{H}",
+        "--impl",
+        impl,
+        "--runs",
+        str(runs),
+        "--block-q",
+        str(block_q or blocked.DEFAULT_BLOCK_Q),
+        "--block-k",
+        str(block_k or blocked.DEFAULT_BLOCK_K),
     ]
     if causal:
         cmd.append("--causal")
@@ -181,8 +215,10 @@ def machine_info():
         from threadpoolctl import threadpool_info
 
         for p in threadpool_info():
-            blas.append(f"{p.get('internal_api')} {p.get('version')} ({p.get('threading_layer')}, "
-                        f"{p.get('architecture')}, {p.get('num_threads')} threads)")
+            blas.append(
+                f"{p.get('internal_api')} {p.get('version')} ({p.get('threading_layer')}, "
+                f"{p.get('architecture')}, {p.get('num_threads')} threads)"
+            )
     except ImportError:
         blas.append("unknown (threadpoolctl not installed)")
     mem = None
@@ -191,8 +227,14 @@ def machine_info():
             mem = f"{int(f.readline().split()[1]) / 2**20:.1f} GiB"
     except OSError:
         pass
-    return dict(cpu=cpu, cores=os.cpu_count(), memory=mem, blas="; ".join(blas),
-                numpy=np.__version__, python=platform.python_version())
+    return dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        memory=mem,
+        blas="; ".join(blas),
+        numpy=np.__version__,
+        python=platform.python_version(),
+    )
 
 
 def _markdown(info, results):
@@ -216,7 +258,9 @@ def _markdown(info, results):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m npattn.blocked_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m npattn.blocked_bench", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--shapes", help="B,L,D,H[;B,L,D,H...]; default: the built-in plan")
     ap.add_argument("--impl", default="blocked", choices=["auto", "dense", "blocked"])
     ap.add_argument("--runs", type=int, default=1)
@@ -224,8 +268,12 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--block-q", type=int, default=None)
     ap.add_argument("--block-k", type=int, default=None)
-    ap.add_argument("--blas-threads", type=int, default=None,
-                    help="limit BLAS threads with threadpoolctl (default: BLAS's own setting)")
+    ap.add_argument(
+        "--blas-threads",
+        type=int,
+        default=None,
+        help="limit BLAS threads with threadpoolctl (default: BLAS's own setting)",
+    )
     ap.add_argument("--no-gemm", dest="gemm", action="store_false")
     ap.add_argument("--markdown", help="append a results table to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -237,17 +285,30 @@ def main(argv=None):
         return
 
     if args.shapes:
-        plan = [tuple(int(s) for s in sh.split(",")) + (args.impl, args.runs)
-                for sh in args.shapes.split(";")]
+        plan = [
+            tuple(int(s) for s in sh.split(",")) + (args.impl, args.runs)
+            for sh in args.shapes.split(";")
+        ]
     else:
         plan = DEFAULT_PLAN
     info = machine_info()
     print(json.dumps(info))
     results = []
     for B, L, D, H, impl, runs in plan:
-        r = measure(B, L, D, H, impl=impl, causal=args.causal, runs=runs, warmup=args.warmup,
-                    block_q=args.block_q, block_k=args.block_k,
-                    blas_threads=args.blas_threads, gemm=args.gemm)
+        r = measure(
+            B,
+            L,
+            D,
+            H,
+            impl=impl,
+            causal=args.causal,
+            runs=runs,
+            warmup=args.warmup,
+            block_q=args.block_q,
+            block_k=args.block_k,
+            blas_threads=args.blas_threads,
+            gemm=args.gemm,
+        )
         print(json.dumps(r), flush=True)
         results.append(r)
     table = _markdown(info, results)

@@ -122,8 +122,21 @@ def test_blocked_matches_dense(case, xp, to_xp, to_np):
 @pytest.mark.parametrize("mask_shape", sorted(MASK_SHAPES))
 def test_every_mask_shape(mask_shape, mask_kind, xp, to_xp, to_np):
     """Each broadcast form, with several blocks along every axis (dmask summed across blocks)."""
-    case = dict(B=2, H=2, Lq=7, Lk=8, Dh=3, block_q=3, block_k=3, mask_kind=mask_kind,
-                mask_shape=mask_shape, empty_row=True, is_causal=True, dropout="full", seed=10)
+    case = dict(
+        B=2,
+        H=2,
+        Lq=7,
+        Lk=8,
+        Dh=3,
+        block_q=3,
+        block_k=3,
+        mask_kind=mask_kind,
+        mask_shape=mask_shape,
+        empty_row=True,
+        is_causal=True,
+        dropout="full",
+        seed=10,
+    )
     q, k, v, dout, kw = build(case, to_xp)
     out_d, cache_d = F.sdpa_forward(q, k, v, **kw)
     out_b, cache_b = Bk.sdpa_blocked_forward(q, k, v, block_q=3, block_k=3, **kw)
@@ -142,13 +155,16 @@ def test_fully_masked_rows_are_zero_without_nan(is_causal, xp, to_xp, to_np):
     rng = np.random.default_rng(3)
     B, H, Lq, Lk, Dh = 2, 2, 7, 5, 3
     q, k, v, dout = (
-        to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
+        to_xp(rng.standard_normal(s))
+        for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
     )
     mask = np.where(rng.random((B, 1, Lq, Lk)) > 0.3, 0.5, -np.inf)
     mask[:, :, 1, :] = -np.inf  # row 1 attends nothing
     mask[1, :, 4:, :] = -np.inf  # rows 4.. of batch 1 (a whole block of 3) attend nothing
     with np.errstate(all="raise"):  # no transient inf - inf, 0 / 0 or log(0) on NumPy
-        out, cache = Bk.sdpa_blocked_forward(q, k, v, mask=to_xp(mask), is_causal=is_causal, block_q=3, block_k=2)
+        out, cache = Bk.sdpa_blocked_forward(
+            q, k, v, mask=to_xp(mask), is_causal=is_causal, block_q=3, block_k=2
+        )
         dq, dk, dv, dmask = Bk.sdpa_blocked_backward(dout, cache)
     out, dq, dmask = to_np(out), to_np(dq), to_np(dmask)
     for a in (out, dq, to_np(dk), to_np(dv), dmask, to_np(cache.lse)):
@@ -186,7 +202,9 @@ def test_log_sum_exp_is_saved(xp, to_xp, to_np):
 def test_blocked_gradcheck(mask_kind, xp, to_xp, to_np):
     rng = np.random.default_rng(5)
     B, H, Lq, Lk, Dh = 2, 2, 5, 4, 3
-    q, k, v = (to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)])
+    q, k, v = (
+        to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)]
+    )
     allowed = rng.random((B, 1, Lq, Lk)) > 0.3
     allowed[0, 0, 3] = False  # a row with nothing to attend
     if mask_kind == "float":
@@ -197,12 +215,30 @@ def test_blocked_gradcheck(mask_kind, xp, to_xp, to_np):
 
     def forward(q, k, v, mask):
         return Bk.sdpa_blocked_forward(
-            q, k, v, mask=mask, is_causal=True, dropout_p=0.25, dropout_mask=keep, block_q=2, block_k=3
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=True,
+            dropout_p=0.25,
+            dropout_mask=keep,
+            block_q=2,
+            block_k=3,
         )
 
-    report = gradcheck(forward, Bk.sdpa_blocked_backward, [q, k, v, mask], names=["q", "k", "v", "mask"], mode="full", rtol=1e-6, atol=1e-9)
+    report = gradcheck(
+        forward,
+        Bk.sdpa_blocked_backward,
+        [q, k, v, mask],
+        names=["q", "k", "v", "mask"],
+        mode="full",
+        rtol=1e-6,
+        atol=1e-9,
+    )
     assert report.ok, str(report)
-    assert {r.name for r in report.inputs} == ({"q", "k", "v", "mask"} if mask_kind == "float" else {"q", "k", "v"})
+    assert {r.name for r in report.inputs} == (
+        {"q", "k", "v", "mask"} if mask_kind == "float" else {"q", "k", "v"}
+    )
 
 
 # --------------------------------------------------------------------------
@@ -213,7 +249,8 @@ def test_generator_dropout_is_deterministic_and_matches_dense_with_its_mask(xp, 
     rng = np.random.default_rng(6)
     B, H, Lq, Lk, Dh = 2, 2, 7, 5, 3
     q, k, v, dout = (
-        to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
+        to_xp(rng.standard_normal(s))
+        for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
     )
     kw = dict(is_causal=True, dropout_p=0.4, block_q=3, block_k=2)
     out1, cache1 = Bk.sdpa_blocked_forward(q, k, v, rng=11, **kw)
@@ -224,7 +261,9 @@ def test_generator_dropout_is_deterministic_and_matches_dense_with_its_mask(xp, 
     assert kept.shape == (B, H, Lq, Lk) and 0 < kept.mean() < 1  # some kept, some dropped
     out_d, cache_d = F.sdpa_forward(q, k, v, is_causal=True, dropout_p=0.4, dropout_mask=keep)
     assert_close(out1, out_d, to_np, "out")
-    for name, gb, gd in zip("qkv", Bk.sdpa_blocked_backward(dout, cache1), F.sdpa_backward(dout, cache_d)):
+    for name, gb, gd in zip(
+        "qkv", Bk.sdpa_blocked_backward(dout, cache1), F.sdpa_backward(dout, cache_d)
+    ):
         assert_close(gb, gd, to_np, "d" + name)
     out3, _ = Bk.sdpa_blocked_forward(q, k, v, rng=12, **kw)
     assert not np.allclose(to_np(out3), to_np(out1))  # another seed, another mask
@@ -248,16 +287,23 @@ def test_float16_is_computed_in_float32(xp, to_xp, to_np, backend):
         pytest.skip(f"{backend} has no float16")
     rng = np.random.default_rng(7)
     B, H, Lq, Lk, Dh = 2, 2, 9, 6, 4
-    arrays = [rng.standard_normal(s) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]]
+    arrays = [
+        rng.standard_normal(s)
+        for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
+    ]
     q, k, v, dout = (to_xp(a.astype(np.float16)) for a in arrays)
     mask = to_xp(np.where(rng.random((Lq, Lk)) > 0.3, 0.25, -np.inf).astype(np.float16))
     out_b, cb = Bk.sdpa_blocked_forward(q, k, v, mask=mask, is_causal=True, block_q=4, block_k=4)
     out_d, cd = F.sdpa_forward(q, k, v, mask=mask, is_causal=True)
     assert out_b.dtype == xp.float16 and cb.lse.dtype == xp.float32
-    np.testing.assert_allclose(to_np(out_b).astype(np.float64), to_np(out_d).astype(np.float64), atol=2e-3)
+    np.testing.assert_allclose(
+        to_np(out_b).astype(np.float64), to_np(out_d).astype(np.float64), atol=2e-3
+    )
     for gb, gd in zip(Bk.sdpa_blocked_backward(dout, cb), F.sdpa_backward(dout, cd)):
         assert gb.dtype == xp.float16
-        np.testing.assert_allclose(to_np(gb).astype(np.float64), to_np(gd).astype(np.float64), atol=5e-3)
+        np.testing.assert_allclose(
+            to_np(gb).astype(np.float64), to_np(gd).astype(np.float64), atol=5e-3
+        )
 
 
 # --------------------------------------------------------------------------
@@ -328,7 +374,11 @@ def test_blocked_bench_smoke():
     from npattn.blocked_bench import machine_info, measure
 
     r = measure(1, 40, 16, 2, impl="blocked", runs=1, block_q=16, block_k=24, gemm=False)
-    assert r["shape"] == [1, 40, 16, 2] and r["impl"] == "blocked" and (r["block_q"], r["block_k"]) == (16, 24)
+    assert (
+        r["shape"] == [1, 40, 16, 2]
+        and r["impl"] == "blocked"
+        and (r["block_q"], r["block_k"]) == (16, 24)
+    )
     assert r["ms_median"] > 0 and r["peak_rss_mib"] >= r["rss_before_mib"] > 0
     assert machine_info()["cores"] >= 1
 
@@ -349,13 +399,19 @@ def test_memory_is_linear_in_length(is_causal):
     mask = np.where(rng.random((B, 1, 1, L)) > 0.1, 0.0, -np.inf)  # [B, 1, 1, Lk]
     score_bytes = B * H * L * L * 8
     # once untraced and small, so that first-call imports are not counted
-    Bk.sdpa_blocked_backward(dout[..., :3, :], Bk.sdpa_blocked_forward(q[..., :3, :], k, v, mask=mask)[1])
+    Bk.sdpa_blocked_backward(
+        dout[..., :3, :], Bk.sdpa_blocked_forward(q[..., :3, :], k, v, mask=mask)[1]
+    )
     tracemalloc.start()
     try:
-        out, cache = Bk.sdpa_blocked_forward(q, k, v, mask=mask, is_causal=is_causal, block_q=64, block_k=256)
+        out, cache = Bk.sdpa_blocked_forward(
+            q, k, v, mask=mask, is_causal=is_causal, block_q=64, block_k=256
+        )
         grads = Bk.sdpa_blocked_backward(dout, cache)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert grads[3].shape == mask.shape
-    assert peak < score_bytes / 8, f"peak {peak / 2**20:.1f} MiB against {score_bytes / 2**20:.0f} MiB of scores"
+    assert (
+        peak < score_bytes / 8
+    ), f"peak {peak / 2**20:.1f} MiB against {score_bytes / 2**20:.0f} MiB of scores"
