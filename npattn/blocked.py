@@ -323,23 +323,11 @@ def sdpa_blocked_forward(
     drop_scale = 1.0 / (1.0 - dropout_p)
 
     qs = q * scale  # 1.                                              [..., Lq, Dh]
-    c = BlockedSDPACache(
-        qs,
-        k,
-        v,
-        None,
-        None,
-        mask,
-        bool(is_causal),
-        keep_all,
-        key,
-        float(dropout_p),
-        scale,
-        mask_shape,
-        block_q,
-        block_k,
-        in_dtype,
-    )
+    c = BlockedSDPACache(  # out and lse are filled in after the loops
+        q=qs, k=k, v=v, out=None, lse=None, mask=mask, is_causal=bool(is_causal),
+        dropout_mask=keep_all, dropout_key=key, dropout_p=float(dropout_p), scale=scale,
+        mask_shape=mask_shape, block_q=block_q, block_k=block_k, in_dtype=in_dtype,
+    )  # fmt: skip
 
     outs, lses = [], []
     for i0, i1 in _blocks(Lq, block_q):
