@@ -41,18 +41,28 @@ block. All code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from . import functional as F
-from .backend import device_of, is_bool, is_floating, keep_mask, make_rng, namespace
+from .backend import (
+    device_of,
+    is_bool,
+    is_floating,
+    keep_mask,
+    limit_blas_threads,
+    make_rng,
+    namespace,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_BLOCK_K",
     "AUTO_BLOCKED_MIN_SCORES",
+    "BLAS_THREADS",
     "BlockedSDPACache",
     "sdpa_blocked_forward",
     "sdpa_blocked_backward",
@@ -72,6 +82,13 @@ DEFAULT_BLOCK_K = 512
 #: (2**25 = 33.5 M scores per head, e.g. 8192 x 4096; one float32 score
 #: tensor of 8 heads is then 1 GiB). Below it the dense path is used.
 AUTO_BLOCKED_MIN_SCORES = 2**25
+
+#: BLAS threads while the blocked forward and backward run (None: leave BLAS
+#: as it is). Their matmuls are small ([bq, Dh] x [Dh, bk]); on a 2-core
+#: machine shared with other work, OpenBLAS with 2 threads ran them 4-15x
+#: slower than with 1 (docs/performance-blocked.md). Needs threadpoolctl; a
+#: no-op without it.
+BLAS_THREADS = 1
 
 IMPLS = ("auto", "dense", "blocked")
 
@@ -107,6 +124,17 @@ def _slice_qk(a, i0: int, i1: int, j0: int, j1: int):
     rows = slice(None) if a.shape[-2] == 1 else slice(i0, i1)
     cols = slice(None) if a.shape[-1] == 1 else slice(j0, j1)
     return a[..., rows, cols]
+
+
+def _with_blas_threads(f):
+    """Run ``f`` with host BLAS held to ``BLAS_THREADS`` threads."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        with limit_blas_threads(BLAS_THREADS):
+            return f(*args, **kwargs)
+
+    return wrapper
 
 
 def _check_block(name: str, size):
@@ -197,6 +225,7 @@ def _block_dropout(xp, c, batch, i0, i1, j0, j1, device):
     return None
 
 
+@_with_blas_threads
 def sdpa_blocked_forward(
     q,
     k,
@@ -367,6 +396,7 @@ def sdpa_blocked_forward(
     return out, cache
 
 
+@_with_blas_threads
 def sdpa_blocked_backward(dout, cache: BlockedSDPACache):
     """Gradients of blocked scaled dot-product attention, recomputing each block.
 

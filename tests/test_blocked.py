@@ -415,3 +415,18 @@ def test_memory_is_linear_in_length(is_causal):
     assert (
         peak < score_bytes / 8
     ), f"peak {peak / 2**20:.1f} MiB against {score_bytes / 2**20:.0f} MiB of scores"
+
+
+def test_limit_blas_threads():
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="limit_blas_threads needs threadpoolctl")
+    from npattn.backend import limit_blas_threads
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"}
+
+    before = blas_threads()
+    with limit_blas_threads(1):
+        assert blas_threads() <= {1}
+    with limit_blas_threads(None):
+        assert blas_threads() == before
+    assert blas_threads() == before
