@@ -10,13 +10,16 @@ Everything backend-specific lives here, each piece with a standard fallback:
 * ``to_numpy`` / ``from_numpy``: host copies, used by the gradient checker
   and by the dropout generator;
 * ``keep_mask``: draws a dropout keep-mask from a seeded NumPy generator, on
-  the host, so that one seed gives one mask on every backend.
+  the host, so that one seed gives one mask on every backend;
+* ``limit_blas_threads``: holds host BLAS to n threads (threadpoolctl), or
+  does nothing when it is not installed.
 
 CuPy and torch are imported only when asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 
@@ -36,6 +39,7 @@ __all__ = [
     "is_bool",
     "keep_mask",
     "make_rng",
+    "limit_blas_threads",
 ]
 
 #: Names accepted by ``backend=``, and the module that provides each namespace.
@@ -160,3 +164,28 @@ def keep_mask(rng: np.random.Generator, shape, p: float, xp, device=None):
     """
     keep = rng.random(tuple(int(s) for s in shape)) >= p  # [*shape] bool
     return from_numpy(keep, xp, device)
+
+
+_blas_controller = None
+
+
+def limit_blas_threads(n):
+    """Context manager: host BLAS libraries (NumPy's, torch's) use at most ``n`` threads inside.
+
+    Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
+    it changes nothing. Many small matmuls (the blocked attention path) run
+    far slower when BLAS threads spin against other work for the cores.
+    """
+    global _blas_controller
+    if n is None:
+        return contextlib.nullcontext()
+    if _blas_controller is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas_controller = ThreadpoolController()
+        except ImportError:
+            _blas_controller = False
+    if not _blas_controller:
+        return contextlib.nullcontext()
+    return _blas_controller.limit(limits=int(n), user_api="blas")

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from . import blocked
 from . import functional as F
 from . import validation as V
 from .backend import from_numpy, resolve_backend
@@ -32,7 +33,7 @@ class MHACache(NamedTuple):
     v_extra: F.AppendKVCache
     mask_pad: Optional[F.PadMaskCache]  # None when no extra keys were appended
     split: F.HeadsCache
-    sdpa: F.SDPACache
+    sdpa: Any  # F.SDPACache (dense) or blocked.BlockedSDPACache
     merge: F.HeadsCache
     out_proj: F.LinearCache
     out_shape: tuple
@@ -96,6 +97,11 @@ class MultiHeadAttention:
         Seeds the Xavier-uniform initialisation and the dropout generator.
     backend : str or namespace module
         "numpy", "cupy", "array_api_strict", "torch", or an Array API namespace.
+    impl : {"auto", "dense", "blocked"}
+        Attention path of step 5 (see ``npattn.blocked``): "dense" forms the
+        (B, H, Lq, Lk) weights; "blocked" never does (memory linear in L, no
+        weights); "auto" takes "blocked" when ``Lq * Lk >=
+        blocked.AUTO_BLOCKED_MIN_SCORES`` and weights are not requested.
 
     Attributes
     ----------
@@ -126,6 +132,7 @@ class MultiHeadAttention:
         dtype: str = "float32",
         seed=None,
         backend="numpy",
+        impl: str = "auto",
     ):
         self.xp = xp = resolve_backend(backend)
         dtype = V.check_module_args(
@@ -133,6 +140,8 @@ class MultiHeadAttention:
             dtype=dtype, seed=seed, qdim=qdim, n_kv_head=n_kv_head, qkv_bias=qkv_bias,
             out_bias=out_bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
         )
+        blocked.select_impl(impl, 0, 0)  # validates impl
+        self.impl = impl
         self.d_model = d_model
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -230,6 +239,7 @@ class MultiHeadAttention:
         dropout_mask=None,
         need_weights: bool = False,
         check_finite: bool = False,
+        impl=None,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -253,10 +263,13 @@ class MultiHeadAttention:
             with ``dropout > 0``.
         need_weights : bool
             Also return the attention weights (B, H, Lq, Lk + n), before
-            dropout, the extra keys last.
+            dropout, the extra keys last. Not available with
+            ``impl="blocked"`` (ValueError); "auto" then uses the dense path.
         check_finite : bool
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
+        impl : {"auto", "dense", "blocked"}, optional
+            Overrides the module's ``impl`` for this call.
 
         Returns
         -------
@@ -272,6 +285,7 @@ class MultiHeadAttention:
         V.check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
                                is_causal=is_causal, need_weights=need_weights,
                                check_finite=check_finite)
+        blocked.select_impl(self.impl if impl is None else impl, 0, 0, need_weights=need_weights)
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
@@ -291,10 +305,12 @@ class MultiHeadAttention:
         qh, split_c = F.split_heads_forward(q, H)  # 5.                  [B, H, Lq, Dh]
         kh, _ = F.split_heads_forward(k, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
         vh, _ = F.split_heads_forward(v, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
-        oh, sdpa_c = F.sdpa_forward(  # 6.                               [B, H, Lq, Dh]
+        oh, sdpa_c = blocked.attention_forward(  # 6.                    [B, H, Lq, Dh]
             qh,
             kh,
             vh,
+            impl=self.impl if impl is None else impl,
+            need_weights=need_weights,
             mask=mask,
             is_causal=is_causal,
             dropout_p=self.dropout if use_dropout else 0.0,
@@ -341,7 +357,7 @@ class MultiHeadAttention:
         # 7. o = merge_heads(oh)
         doh = F.merge_heads_backward(do, c.merge)  # [B, H, Lq, Dh]
         # 6. oh = sdpa(qh, kh, vh, mask); dk, dv summed over each query group under GQA
-        dqh, dkh, dvh, dmask = F.sdpa_backward(doh, c.sdpa)
+        dqh, dkh, dvh, dmask = blocked.attention_backward(doh, c.sdpa)
         # 5. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
         dq = F.split_heads_backward(dqh, c.split)  # [B, Lq, D]
         dk = F.split_heads_backward(dkh, c.split)  # [B, Lk + n, Dkv]

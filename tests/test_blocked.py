@@ -1,0 +1,467 @@
+"""The blocked (FlashAttention-2 style) path against the dense path and finite differences.
+
+Every test runs on every backend fixture. Inputs are float64 unless a test
+says otherwise; block sizes are drawn smaller than, and not dividing, Lq / Lk.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import npattn
+from npattn import blocked as Bk
+from npattn import functional as F
+from npattn import MultiHeadAttention
+from npattn.gradcheck import gradcheck
+
+fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+# mask shapes, relative to (B, H, Lq, Lk); each broadcasts to it
+MASK_SHAPES = {
+    "full": lambda B, H, Lq, Lk: (B, H, Lq, Lk),
+    "2d": lambda B, H, Lq, Lk: (Lq, Lk),
+    "1,1,Lq,Lk": lambda B, H, Lq, Lk: (1, 1, Lq, Lk),
+    "B,1,Lq,Lk": lambda B, H, Lq, Lk: (B, 1, Lq, Lk),
+    "B,1,1,Lk": lambda B, H, Lq, Lk: (B, 1, 1, Lk),
+    "H,Lq,1": lambda B, H, Lq, Lk: (H, Lq, 1),
+    "Lk": lambda B, H, Lq, Lk: (Lk,),
+}
+
+
+def make_mask(rng, kind, shape, empty_row):
+    """A boolean or floating (-inf) mask of ``shape``; ``empty_row`` masks all of query row 0."""
+    if kind == "none":
+        return None
+    allowed = rng.random(shape) > 0.3  # [shape] bool
+    if empty_row and len(shape) >= 2 and shape[-2] > 1:
+        allowed[..., 0, :] = False  # query row 0 attends nothing
+    if kind == "bool":
+        return allowed
+    return np.where(allowed, rng.standard_normal(shape), -np.inf)  # [shape] float, -inf = masked
+
+
+@st.composite
+def cases(draw):
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(2, 3))
+    Lq = draw(st.integers(2, 9))
+    Lk = draw(st.integers(2, 9).filter(lambda n: n != Lq))
+    Dh = draw(st.integers(2, 4))
+    return dict(
+        B=B,
+        H=H,
+        Lq=Lq,
+        Lk=Lk,
+        Dh=Dh,
+        block_q=draw(st.integers(1, max(1, Lq - 1))),
+        block_k=draw(st.integers(1, max(1, Lk - 1))),
+        mask_kind=draw(st.sampled_from(["none", "bool", "float"])),
+        mask_shape=draw(st.sampled_from(sorted(MASK_SHAPES))),
+        empty_row=draw(st.booleans()),
+        is_causal=draw(st.booleans()),
+        dropout=draw(st.sampled_from(["none", "full", "1,H,Lq,Lk"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def build(case, to_xp, dtype=np.float64):
+    """q, k, v, dout and the keyword arguments of one case, on the backend under test."""
+    rng = np.random.default_rng(case["seed"])
+    B, H, Lq, Lk, Dh = (case[n] for n in ("B", "H", "Lq", "Lk", "Dh"))
+    q = rng.standard_normal((B, H, Lq, Dh)).astype(dtype)
+    k = rng.standard_normal((B, H, Lk, Dh)).astype(dtype)
+    v = rng.standard_normal((B, H, Lk, Dh)).astype(dtype)
+    dout = rng.standard_normal((B, H, Lq, Dh)).astype(dtype)
+    mask_shape = MASK_SHAPES[case["mask_shape"]](B, H, Lq, Lk)
+    mask = make_mask(rng, case["mask_kind"], mask_shape, case["empty_row"])
+    kw = dict(is_causal=case["is_causal"])
+    if mask is not None:
+        kw["mask"] = to_xp(mask if mask.dtype == bool else mask.astype(dtype))
+    if case["dropout"] != "none":
+        shape = (B, H, Lq, Lk) if case["dropout"] == "full" else (1, H, Lq, Lk)
+        kw["dropout_p"] = 0.3
+        kw["dropout_mask"] = to_xp(rng.random(shape) >= 0.3)
+    return to_xp(q), to_xp(k), to_xp(v), to_xp(dout), kw
+
+
+def assert_close(a, b, to_np, what, rtol=1e-10, atol=1e-12):
+    a, b = to_np(a), to_np(b)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    assert np.all(np.isfinite(a)), f"{what}: not finite"
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=what)
+
+
+# --------------------------------------------------------------------------
+# blocked == dense
+
+
+@fixture_ok
+@given(case=cases())
+def test_blocked_matches_dense(case, xp, to_xp, to_np):
+    q, k, v, dout, kw = build(case, to_xp)
+    out_d, cache_d = F.sdpa_forward(q, k, v, **kw)
+    out_b, cache_b = Bk.sdpa_blocked_forward(
+        q, k, v, block_q=case["block_q"], block_k=case["block_k"], **kw
+    )
+    assert_close(out_b, out_d, to_np, "out")
+    grads_d = F.sdpa_backward(dout, cache_d)
+    grads_b = Bk.sdpa_blocked_backward(dout, cache_b)
+    for name, gb, gd in zip(("dq", "dk", "dv", "dmask"), grads_b, grads_d):
+        if gd is None:
+            assert gb is None, f"{name}: expected None"
+        else:
+            assert_close(gb, gd, to_np, name)
+    # a float mask gets a gradient of its own shape; the dense path says so too
+    if "mask" in kw and case["mask_kind"] == "float":
+        assert tuple(grads_b[3].shape) == tuple(kw["mask"].shape)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("mask_shape", sorted(MASK_SHAPES))
+def test_every_mask_shape(mask_shape, mask_kind, xp, to_xp, to_np):
+    """Each broadcast form, with several blocks along every axis (dmask summed across blocks)."""
+    case = dict(
+        B=2,
+        H=2,
+        Lq=7,
+        Lk=8,
+        Dh=3,
+        block_q=3,
+        block_k=3,
+        mask_kind=mask_kind,
+        mask_shape=mask_shape,
+        empty_row=True,
+        is_causal=True,
+        dropout="full",
+        seed=10,
+    )
+    q, k, v, dout, kw = build(case, to_xp)
+    out_d, cache_d = F.sdpa_forward(q, k, v, **kw)
+    out_b, cache_b = Bk.sdpa_blocked_forward(q, k, v, block_q=3, block_k=3, **kw)
+    assert_close(out_b, out_d, to_np, "out")
+    grads_b = Bk.sdpa_blocked_backward(dout, cache_b)
+    grads_d = F.sdpa_backward(dout, cache_d)
+    for name, gb, gd in zip(("dq", "dk", "dv", "dmask"), grads_b, grads_d):
+        if mask_kind == "bool" and name == "dmask":
+            assert gb is None and gd is None
+        else:
+            assert_close(gb, gd, to_np, name)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fully_masked_rows_are_zero_without_nan(is_causal, xp, to_xp, to_np):
+    rng = np.random.default_rng(3)
+    B, H, Lq, Lk, Dh = 2, 2, 7, 5, 3
+    q, k, v, dout = (
+        to_xp(rng.standard_normal(s))
+        for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
+    )
+    mask = np.where(rng.random((B, 1, Lq, Lk)) > 0.3, 0.5, -np.inf)
+    mask[:, :, 1, :] = -np.inf  # row 1 attends nothing
+    mask[1, :, 4:, :] = -np.inf  # rows 4.. of batch 1 (a whole block of 3) attend nothing
+    with np.errstate(all="raise"):  # no transient inf - inf, 0 / 0 or log(0) on NumPy
+        out, cache = Bk.sdpa_blocked_forward(
+            q, k, v, mask=to_xp(mask), is_causal=is_causal, block_q=3, block_k=2
+        )
+        dq, dk, dv, dmask = Bk.sdpa_blocked_backward(dout, cache)
+    out, dq, dmask = to_np(out), to_np(dq), to_np(dmask)
+    for a in (out, dq, to_np(dk), to_np(dv), dmask, to_np(cache.lse)):
+        assert np.all(np.isfinite(a))
+    assert np.all(out[:, :, 1] == 0.0) and np.all(dq[:, :, 1] == 0.0)
+    assert np.all(out[1, :, 4:] == 0.0) and np.all(dq[1, :, 4:] == 0.0)
+    assert np.all(dmask[:, :, 1] == 0.0)
+    assert np.any(out[0, :, 0] != 0.0)  # the others are not all zero
+    ref = F.sdpa_forward(q, k, v, mask=to_xp(mask), is_causal=is_causal)[0]
+    assert_close(out, ref, to_np, "out")
+
+
+def test_log_sum_exp_is_saved(xp, to_xp, to_np):
+    """The documented step 9: lse = log(sum_j exp(z_j)) per row, 0 for a row with nothing to attend."""
+    rng = np.random.default_rng(4)
+    B, H, Lq, Lk, Dh = 2, 2, 6, 9, 3
+    q, k, v = (rng.standard_normal(s) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)])
+    mask = rng.random((Lq, Lk)) > 0.4
+    mask[2] = False
+    _, cache = Bk.sdpa_blocked_forward(
+        to_xp(q), to_xp(k), to_xp(v), mask=to_xp(mask), scale=0.7, block_q=4, block_k=2
+    )
+    z = np.where(mask, q @ np.swapaxes(k, -1, -2) * 0.7, -np.inf)  # [B, H, Lq, Lk]
+    with np.errstate(divide="ignore"):
+        expected = np.log(np.sum(np.exp(z), axis=-1, keepdims=True))  # [B, H, Lq, 1]
+    expected[:, :, 2] = 0.0
+    np.testing.assert_allclose(to_np(cache.lse), expected, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# finite differences on the blocked pair itself
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+def test_blocked_gradcheck(mask_kind, xp, to_xp, to_np):
+    rng = np.random.default_rng(5)
+    B, H, Lq, Lk, Dh = 2, 2, 5, 4, 3
+    q, k, v = (
+        to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)]
+    )
+    allowed = rng.random((B, 1, Lq, Lk)) > 0.3
+    allowed[0, 0, 3] = False  # a row with nothing to attend
+    if mask_kind == "float":
+        mask = to_xp(np.where(allowed, rng.standard_normal((B, 1, Lq, Lk)), -np.inf))
+    else:
+        mask = to_xp(allowed)
+    keep = to_xp(rng.random((B, H, Lq, Lk)) >= 0.25)
+
+    def forward(q, k, v, mask):
+        return Bk.sdpa_blocked_forward(
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=True,
+            dropout_p=0.25,
+            dropout_mask=keep,
+            block_q=2,
+            block_k=3,
+        )
+
+    report = gradcheck(
+        forward,
+        Bk.sdpa_blocked_backward,
+        [q, k, v, mask],
+        names=["q", "k", "v", "mask"],
+        mode="full",
+        rtol=1e-6,
+        atol=1e-9,
+    )
+    assert report.ok, str(report)
+    assert {r.name for r in report.inputs} == (
+        {"q", "k", "v", "mask"} if mask_kind == "float" else {"q", "k", "v"}
+    )
+
+
+# --------------------------------------------------------------------------
+# dropout drawn from a generator, block by block
+
+
+def test_generator_dropout_is_deterministic_and_matches_dense_with_its_mask(xp, to_xp, to_np):
+    rng = np.random.default_rng(6)
+    B, H, Lq, Lk, Dh = 2, 2, 7, 5, 3
+    q, k, v, dout = (
+        to_xp(rng.standard_normal(s))
+        for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
+    )
+    kw = dict(is_causal=True, dropout_p=0.4, block_q=3, block_k=2)
+    out1, cache1 = Bk.sdpa_blocked_forward(q, k, v, rng=11, **kw)
+    out2, _ = Bk.sdpa_blocked_forward(q, k, v, rng=np.random.default_rng(11), **kw)
+    assert_close(out1, out2, to_np, "same seed", rtol=0, atol=0)
+    keep = Bk.blocked_keep_mask(cache1)
+    kept = to_np(keep)
+    assert kept.shape == (B, H, Lq, Lk) and 0 < kept.mean() < 1  # some kept, some dropped
+    out_d, cache_d = F.sdpa_forward(q, k, v, is_causal=True, dropout_p=0.4, dropout_mask=keep)
+    assert_close(out1, out_d, to_np, "out")
+    for name, gb, gd in zip(
+        "qkv", Bk.sdpa_blocked_backward(dout, cache1), F.sdpa_backward(dout, cache_d)
+    ):
+        assert_close(gb, gd, to_np, "d" + name)
+    out3, _ = Bk.sdpa_blocked_forward(q, k, v, rng=12, **kw)
+    assert not np.allclose(to_np(out3), to_np(out1))  # another seed, another mask
+
+    # the gradient of the generator path, by finite differences (an int seed redraws the same mask)
+    report = gradcheck(
+        lambda q, k, v: Bk.sdpa_blocked_forward(q, k, v, rng=11, **kw),
+        lambda d, c: Bk.sdpa_blocked_backward(d, c)[:3],
+        [q, k, v],
+        mode="vjp",
+    )
+    assert report.ok, str(report)
+
+
+# --------------------------------------------------------------------------
+# half precision
+
+
+def test_float16_is_computed_in_float32(xp, to_xp, to_np, backend):
+    if not hasattr(xp, "float16"):
+        pytest.skip(f"{backend} has no float16")
+    rng = np.random.default_rng(7)
+    B, H, Lq, Lk, Dh = 2, 2, 9, 6, 4
+    arrays = [
+        rng.standard_normal(s)
+        for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)]
+    ]
+    q, k, v, dout = (to_xp(a.astype(np.float16)) for a in arrays)
+    mask = to_xp(np.where(rng.random((Lq, Lk)) > 0.3, 0.25, -np.inf).astype(np.float16))
+    out_b, cb = Bk.sdpa_blocked_forward(q, k, v, mask=mask, is_causal=True, block_q=4, block_k=4)
+    out_d, cd = F.sdpa_forward(q, k, v, mask=mask, is_causal=True)
+    assert out_b.dtype == xp.float16 and cb.lse.dtype == xp.float32
+    np.testing.assert_allclose(
+        to_np(out_b).astype(np.float64), to_np(out_d).astype(np.float64), atol=2e-3
+    )
+    for gb, gd in zip(Bk.sdpa_blocked_backward(dout, cb), F.sdpa_backward(dout, cd)):
+        assert gb.dtype == xp.float16
+        np.testing.assert_allclose(
+            to_np(gb).astype(np.float64), to_np(gd).astype(np.float64), atol=5e-3
+        )
+
+
+# --------------------------------------------------------------------------
+# choosing the path, and the module
+
+
+def test_select_impl():
+    big = math.isqrt(Bk.AUTO_BLOCKED_MIN_SCORES) + 1
+    assert Bk.select_impl("auto", 512, 512) == "dense"
+    assert Bk.select_impl("auto", big, big) == "blocked"
+    assert Bk.select_impl("auto", big, big, need_weights=True) == "dense"
+    assert Bk.select_impl("dense", big, big) == "dense"
+    assert Bk.select_impl("blocked", 2, 3) == "blocked"
+    with pytest.raises(ValueError, match="impl"):
+        Bk.select_impl("flash", 2, 3)
+    with pytest.raises(ValueError, match="weights"):
+        Bk.select_impl("blocked", 2, 3, need_weights=True)
+
+
+def test_module_blocked_matches_dense(xp, backend, to_xp, to_np):
+    rng = np.random.default_rng(8)
+    mha = npattn.MultiHeadAttention(12, 3, dtype="float64", seed=1, backend=backend, impl="blocked")
+    x = to_xp(rng.standard_normal((2, 7, 12)))
+    kv = to_xp(rng.standard_normal((2, 5, 12)))
+    dout = to_xp(rng.standard_normal((2, 7, 12)))
+    mask = to_xp(np.where(rng.random((2, 1, 7, 5)) > 0.3, 0.0, -np.inf))
+    out_b = mha(x, kv, kv, mask=mask, is_causal=True)
+    assert isinstance(mha._cache.sdpa, Bk.BlockedSDPACache)
+    grads_b = mha.backward(dout)
+    params_b = dict(mha.grads)
+    out_d = mha(x, kv, kv, mask=mask, is_causal=True, impl="dense")
+    assert isinstance(mha._cache.sdpa, F.SDPACache)
+    grads_d = mha.backward(dout)
+    assert_close(out_b, out_d, to_np, "out")
+    for gb, gd in zip(grads_b, grads_d):
+        assert_close(gb, gd, to_np, "input grad")
+    for name in params_b:
+        assert_close(params_b[name], mha.grads[name], to_np, name)
+    with pytest.raises(ValueError, match="weights"):
+        mha(x, kv, kv, need_weights=True)
+    out_w, w = mha(x, kv, kv, need_weights=True, impl="auto")  # auto falls back to dense
+    assert tuple(w.shape) == (2, 3, 7, 5)
+    with pytest.raises(ValueError, match="impl"):
+        npattn.MultiHeadAttention(12, 3, impl="fast")
+
+
+def test_bad_arguments_name_themselves():
+    rng = np.random.default_rng(9)
+    q, k = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 5, 3))
+    with pytest.raises(ValueError, match="block_q"):
+        Bk.sdpa_blocked_forward(q, k, k, block_q=0)
+    with pytest.raises(ValueError, match="block_k"):
+        Bk.sdpa_blocked_forward(q, k, k, block_k=2.5)
+    with pytest.raises(ValueError, match="mask"):
+        Bk.sdpa_blocked_forward(q, k, k, mask=np.ones((4, 4), dtype=bool))
+    with pytest.raises(ValueError, match="dropout_mask"):
+        Bk.sdpa_blocked_forward(q, k, k, dropout_p=0.1, dropout_mask=np.ones((3, 4, 5), dtype=bool))
+    with pytest.raises(TypeError, match="dropout_mask"):
+        Bk.sdpa_blocked_forward(q, k, k, dropout_p=0.1, dropout_mask=np.ones((4, 5)))
+    with pytest.raises(ValueError, match="dropout_p"):
+        Bk.sdpa_blocked_forward(q, k, k, dropout_p=1.0)
+    with pytest.raises(ValueError, match="k: expected last axis"):
+        Bk.sdpa_blocked_forward(q, k[..., :2], k)
+
+
+def test_blocked_bench_smoke():
+    """The long-sequence benchmark runs a child process and reports its peak memory (no timing asserted)."""
+    from npattn.blocked_bench import machine_info, measure
+
+    r = measure(1, 40, 16, 2, impl="blocked", runs=1, block_q=16, block_k=24, gemm=False)
+    assert (
+        r["shape"] == [1, 40, 16, 2]
+        and r["impl"] == "blocked"
+        and (r["block_q"], r["block_k"]) == (16, 24)
+    )
+    assert r["ms_median"] > 0 and r["peak_rss_mib"] >= r["rss_before_mib"] > 0
+    assert machine_info()["cores"] >= 1
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_memory_is_linear_in_length(is_causal):
+    """No [B, H, Lq, Lk] array: NumPy reports its allocations to tracemalloc.
+
+    With L = 2048 one float64 score tensor of 2 heads is 64 MiB; the blocked
+    forward+backward (64 x 256 blocks, a floating (B, 1, 1, Lk) mask) must
+    peak far below it. NumPy only: other libraries do not report to tracemalloc.
+    """
+    import tracemalloc
+
+    rng = np.random.default_rng(12)
+    B, H, L, Dh = 1, 2, 2048, 8
+    q, k, v, dout = (rng.standard_normal((B, H, L, Dh)) for _ in range(4))
+    mask = np.where(rng.random((B, 1, 1, L)) > 0.1, 0.0, -np.inf)  # [B, 1, 1, Lk]
+    score_bytes = B * H * L * L * 8
+    # once untraced and small, so that first-call imports are not counted
+    Bk.sdpa_blocked_backward(
+        dout[..., :3, :], Bk.sdpa_blocked_forward(q[..., :3, :], k, v, mask=mask)[1]
+    )
+    tracemalloc.start()
+    try:
+        out, cache = Bk.sdpa_blocked_forward(
+            q, k, v, mask=mask, is_causal=is_causal, block_q=64, block_k=256
+        )
+        grads = Bk.sdpa_blocked_backward(dout, cache)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert grads[3].shape == mask.shape
+    assert (
+        peak < score_bytes / 8
+    ), f"peak {peak / 2**20:.1f} MiB against {score_bytes / 2**20:.0f} MiB of scores"
+
+
+def test_limit_blas_threads():
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="limit_blas_threads needs threadpoolctl")
+    from npattn.backend import limit_blas_threads
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"}
+
+    before = blas_threads()
+    with limit_blas_threads(1):
+        assert blas_threads() <= {1}
+    with limit_blas_threads(None):
+        assert blas_threads() == before
+    assert blas_threads() == before
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_module_blocked_matches_dense_with_gqa_and_extra_keys(backend, to_xp, to_np, n_kv_head):
+    """GQA (K/V heads repeated on the blocked path), bias_k/bias_v, a zero key,
+    causal and an additive mask with -inf: blocked and dense agree in every gradient."""
+    rng = np.random.default_rng(n_kv_head)
+    B, Lq, Lk, D, H = 2, 5, 7, 8, 4
+    kw = dict(n_kv_head=n_kv_head, add_bias_kv=True, add_zero_attn=True, kdim=3, vdim=5,
+              dtype="float64", seed=n_kv_head, backend=backend)
+    dense, blk = MultiHeadAttention(D, H, impl="dense", **kw), MultiHeadAttention(D, H, impl="blocked", **kw)
+    query = to_xp(rng.standard_normal((B, Lq, D)))
+    key, value = to_xp(rng.standard_normal((B, Lk, 3))), to_xp(rng.standard_normal((B, Lk, 5)))
+    mask_host = np.where(rng.random((B, 1, Lq, Lk)) > 0.3, rng.standard_normal((B, 1, Lq, Lk)), -np.inf)
+    mask = to_xp(mask_host)
+    dout = to_xp(rng.standard_normal((B, Lq, D)))
+    results = []
+    for mha in (dense, blk):
+        out = mha(query, key, value, mask=mask, is_causal=True)
+        grads = mha.backward(dout)
+        results.append([out, *grads, mha.dmask, *(mha.grads[n] for n in sorted(mha.grads))])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(to_np(b), to_np(a), rtol=1e-10, atol=1e-12)
+
+
+def test_blocked_gqa_module_passes_finite_differences(backend, to_xp):
+    from npattn.gradcheck import gradcheck_module
+
+    rng = np.random.default_rng(0)
+    mha = MultiHeadAttention(8, 4, n_kv_head=2, dtype="float64", seed=0, backend=backend, impl="blocked")
+    x = to_xp(rng.standard_normal((2, 3, 8)))
+    y = to_xp(rng.standard_normal((2, 5, 8)))
+    report = gradcheck_module(mha, x, y, y, forward_kwargs=dict(is_causal=True), mode="vjp")
+    assert report.ok, str(report)
