@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional
 
+from . import _fast
 from .backend import device_of, is_bool, is_floating, keep_mask, make_rng, namespace
 
 __all__ = [
@@ -387,6 +388,13 @@ def sdpa_forward(
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     Lq, Lk = q.shape[-2], k.shape[-2]
 
+    if _fast.applies(q, k, v, mask, dropout_mask):
+        # The one hook to the fast path: for NumPy arrays the same steps 1.-5. run
+        # tiled, in place and on a thread pool (npattn/_fast.py; off: NPATTN_FAST=0).
+        return _fast.sdpa_forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                  dropout_p=dropout_p, dropout_mask=dropout_mask,
+                                  rng=rng, in_dtype=in_dtype)
+
     s = (q @ xp.matrix_transpose(k)) * scale  # 1.                 [B, H, Lq, Lk]
 
     a_mask = mask  # 2.
@@ -425,6 +433,8 @@ def sdpa_backward(dout, cache: SDPACache):
         mask, summed over the axes the mask was broadcast along.
     """
     # [B, H, Lq, Dh] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh], mask shape
+    if isinstance(cache, _fast.FastSDPACache):  # the forward took the fast path
+        return _fast.sdpa_backward(dout, cache)
     xp = namespace(dout, cache.q)
     q, k, v, a = cache.q, cache.k, cache.v, cache.attn
     if dout.dtype != q.dtype:
