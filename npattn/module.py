@@ -182,9 +182,12 @@ class MultiHeadAttention:
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
 
-        q, q_c = F.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
-        k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, D]
-        v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, D]
+        if query is key and key is value:  # self-attention: 1.-3. as one GEMM
+            q, k, v, q_c, k_c, v_c = self._project_self(query)
+        else:
+            q, q_c = F.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
+            k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, D]
+            v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, D]
         qh, split_c = F.split_heads_forward(q, H)  # 4.                  [B, H, Lq, Dh]
         kh, _ = F.split_heads_forward(k, H)  # [B, H, Lk, Dh]
         vh, _ = F.split_heads_forward(v, H)  # [B, H, Lk, Dh]
@@ -207,6 +210,21 @@ class MultiHeadAttention:
         if need_weights:
             return out, self.xp.astype(sdpa_c.probs, out.dtype)  # [B, H, Lq, Lk]
         return out
+
+    def _project_self(self, x):
+        """Steps 1.-3. for query = key = value = x, with one (3D, D) weight.
+
+        ``[q | k | v] = x @ [w_q; w_k; w_v].T + [b_q | b_k | b_v]`` is one GEMM
+        instead of three. The caches are those of the three separate
+        projections (same input, own weight), so the backward is unchanged.
+        """
+        xp, P, D = self.xp, self.params, self.d_model
+        w = xp.concat([P["w_q"], P["w_k"], P["w_v"]], axis=0)  # [3D, D]
+        b = xp.concat([P["b_q"], P["b_k"], P["b_v"]]) if self.bias else None  # [3D]
+        qkv, _ = F.linear_forward(x, w, b)  # [B, L, 3D]
+        q, k, v = qkv[..., :D], qkv[..., D : 2 * D], qkv[..., 2 * D :]  # [B, L, D] views
+        caches = (F.LinearCache(x, P[n], self.bias) for n in ("w_q", "w_k", "w_v"))
+        return (q, k, v, *caches)
 
     # --------------------------------------------------------------- backward
 
