@@ -19,7 +19,8 @@ runs after warm-up, and prints:
 * with torch installed: ``torch ms``, ``torch.nn.MultiheadAttention``
   (``batch_first=True``, same weights, same input, ``need_weights=False``)
   forward+backward, timed alternately with npattn in the same loop, and
-  ``ratio`` = npattn / torch.
+  ``ratio`` = npattn / torch of the medians; ``ratio(min)`` the same of the
+  fastest runs, which a machine shared with other work disturbs least.
 
 Shapes are written ``BxLxDxH`` with a trailing ``c`` for causal, e.g.
 ``--shapes 32x128x256x8,4x1024x768x12c``.
@@ -346,7 +347,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
     gemm = gemm_gflops(xp, dtype, gemm_n, repeat, sync)
     print(f"GEMM {gemm_n}^3 {dtype}: {gemm:.1f} GFLOP/s", file=out)
     header = (f"{'shape':>18} {'ms':>9} {'GFLOP/s':>8} {'%GEMM':>6} {'peak MiB':>9} "
-              f"{'RSS MiB':>8} {'torch ms':>9} {'ratio':>6}")
+              f"{'RSS MiB':>8} {'torch ms':>9} {'ratio':>6} {'ratio(min)':>10}")
     print(header, file=out)
 
     rows = []
@@ -384,12 +385,15 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             "rss_mib": rss, "torch_ms": torch_ms,
             "torch_ms_all": [t * 1e3 for t in tt],
             "ratio": ms / torch_ms if torch_ms else None,
+            "ms_min": min(ts) * 1e3,
+            "torch_ms_min": min(tt) * 1e3 if tt else None,
+            "ratio_min": min(ts) / min(tt) if tt else None,
             "torch_note": None if tstep else why_not,
         }
         rows.append(row)
         print(f"{str(shape):>18} {ms:9.2f} {rate:8.1f} {row['pct_gemm']:6.1f} "
               f"{_fmt(peak, '9.1f')} {_fmt(rss, '8.1f')} {_fmt(torch_ms, '9.2f')} "
-              f"{_fmt(row['ratio'], '6.2f')}", file=out)
+              f"{_fmt(row['ratio'], '6.2f')} {_fmt(row['ratio_min'], '10.2f')}", file=out)
         if not tstep and torch_compare:
             print(f"{'':>18} (torch: {why_not})", file=out)
         del m, x, dout, step, tstep
@@ -412,6 +416,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=7, help="timed runs per shape (>= 5)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gemm", type=int, default=2048, help="size n of the n^3 reference GEMM")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads of npattn's tile pool (sets NPATTN_NUM_THREADS; "
+                             "default: the usable CPUs)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
@@ -422,11 +429,18 @@ def main(argv=None) -> int:
         shapes = parse_shapes(args.shapes)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.impl != "dense" and not _module_supports_impl():
+    if args.impl == "auto" and not _module_supports_impl():
+        print("npattn bench: MultiHeadAttention has no impl argument; --impl auto runs "
+              "the dense path", file=sys.stderr)
+    elif args.impl != "dense" and not _module_supports_impl():
         print(f"npattn bench: --impl {args.impl} is not available in this npattn "
               "(MultiHeadAttention has no impl argument; only the dense path exists)",
               file=sys.stderr)
         return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads: expected a positive integer, got {args.threads}")
+        os.environ["NPATTN_NUM_THREADS"] = str(args.threads)
     try:
         resolve_backend(args.backend)
     except ImportError as exc:
