@@ -8,8 +8,9 @@ runs after warm-up, and prints:
 * ``ms``: median wall time of forward+backward;
 * ``GFLOP/s``: achieved rate, counting the matmul FLOPs of forward+backward
   (see ``flops``), causal attention matmuls at half;
-* ``%GEMM``: that rate as a percentage of a square ``--gemm``-sized matmul
-  of the same dtype, timed in the same run;
+* ``GEMM``, ``%GEMM``: the GFLOP/s of a square ``--gemm``-sized matmul of
+  the same dtype, timed in the same rounds as the shape (one GEMM per
+  round), and the shape's rate as a percentage of it;
 * ``peak MiB``: peak traced allocation during one forward+backward, above
   what was live before it (``tracemalloc``, which traces NumPy's array
   allocations; for CuPy the memory pool's bytes in use after the run, an
@@ -122,22 +123,34 @@ def _sync_for(xp):
     return lambda: None
 
 
+_PAUSE = 0.0
+
+
 def _timed(fn, sync):
     sync()
+    if _PAUSE:
+        # let the previous step's BLAS/OpenMP threads stop spinning before timing
+        time.sleep(_PAUSE)
     t0 = time.perf_counter()
     fn()
     sync()
     return time.perf_counter() - t0
 
 
-def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync) -> float:
-    """Median GFLOP/s of an (n, n) @ (n, n) matmul in ``dtype`` on ``xp``."""
+def _gemm_step(xp, dtype: str, n: int):
+    """A step that runs one (n, n) @ (n, n) matmul in ``dtype`` on ``xp``; its FLOPs."""
     rng = np.random.default_rng(1)
     a = xp.astype(from_numpy(rng.standard_normal((n, n)), xp), getattr(xp, dtype))
     b = xp.astype(from_numpy(rng.standard_normal((n, n)), xp), getattr(xp, dtype))
-    a @ b  # warm-up
-    times = [_timed(lambda: a @ b, sync) for _ in range(max(repeat, 3))]
-    return 2.0 * n**3 / statistics.median(times) / 1e9
+    return (lambda: a @ b), 2.0 * n**3
+
+
+def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync) -> float:
+    """Median GFLOP/s of an (n, n) @ (n, n) matmul in ``dtype`` on ``xp``."""
+    step, fl = _gemm_step(xp, dtype, n)
+    step()  # warm-up
+    times = [_timed(step, sync) for _ in range(max(repeat, 3))]
+    return fl / statistics.median(times) / 1e9
 
 
 def _module_supports_impl() -> bool:
@@ -324,14 +337,16 @@ def _fmt(v, spec):
 
 
 def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, warmup=2,
-        gemm_n=2048, torch_compare=True, memory=True, out=sys.stdout):
+        gemm_n=2048, torch_compare=True, memory=True, pause=0.1, out=sys.stdout):
     """Run the benchmark and return a dict of results (also printed to ``out``)."""
+    global _PAUSE
+    _PAUSE = pause
     xp = resolve_backend(backend)
     sync = _sync_for(xp)
     env = environment_info(xp)
     env["impl"] = impl
     print(f"npattn bench: backend={env['backend']} dtype={dtype} impl={impl} "
-          f"repeat={repeat} warmup={warmup}", file=out)
+          f"repeat={repeat} warmup={warmup} pause={pause}s", file=out)
     print(f"cpu: {env['cpu']} ({env['cpu_count']} logical cpus)", file=out)
     if isinstance(env["threadpools"], list):
         for p in env["threadpools"]:
@@ -345,8 +360,10 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         print(f"npattn elementwise pool threads: {env['npattn_pool_threads']}", file=out)
 
     gemm = gemm_gflops(xp, dtype, gemm_n, repeat, sync)
-    print(f"GEMM {gemm_n}^3 {dtype}: {gemm:.1f} GFLOP/s", file=out)
-    header = (f"{'shape':>18} {'ms':>9} {'GFLOP/s':>8} {'%GEMM':>6} {'peak MiB':>9} "
+    print(f"GEMM {gemm_n}^3 {dtype}: {gemm:.1f} GFLOP/s at the start; %GEMM uses the GEMM "
+          "timed in the same rounds as each shape (column GEMM)", file=out)
+    gemm_step, gemm_flops = _gemm_step(xp, dtype, gemm_n)
+    header = (f"{'shape':>18} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} {'%GEMM':>6} {'peak MiB':>9} "
               f"{'RSS MiB':>8} {'torch ms':>9} {'ratio':>6} {'ratio(min)':>10}")
     print(header, file=out)
 
@@ -363,14 +380,16 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             step()
             if tstep:
                 tstep()
-        ts, tt = [], []
-        for _ in range(repeat):  # alternate, so that machine noise hits both alike
+        ts, tt, tg = [], [], []
+        for _ in range(repeat):  # alternate, so that machine noise hits all alike
             ts.append(_timed(step, sync))
             if tstep:
                 tt.append(_timed(tstep, sync))
+            tg.append(_timed(gemm_step, sync))
         ms = statistics.median(ts) * 1e3
         torch_ms = statistics.median(tt) * 1e3 if tt else None
         rate = flops(shape) / (ms * 1e-3) / 1e9
+        gemm_here = gemm_flops / statistics.median(tg) / 1e9
         peak = rss = None
         if memory:
             if backend_name(xp) == "cupy":
@@ -381,7 +400,8 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         row = {
             "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
             "causal": shape.causal, "ms": ms, "ms_all": [t * 1e3 for t in ts],
-            "gflops": rate, "pct_gemm": 100.0 * rate / gemm, "peak_mib": peak,
+            "gflops": rate, "gemm_gflops": gemm_here, "pct_gemm": 100.0 * rate / gemm_here,
+            "peak_mib": peak,
             "rss_mib": rss, "torch_ms": torch_ms,
             "torch_ms_all": [t * 1e3 for t in tt],
             "ratio": ms / torch_ms if torch_ms else None,
@@ -391,7 +411,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             "torch_note": None if tstep else why_not,
         }
         rows.append(row)
-        print(f"{str(shape):>18} {ms:9.2f} {rate:8.1f} {row['pct_gemm']:6.1f} "
+        print(f"{str(shape):>18} {ms:9.2f} {rate:8.1f} {gemm_here:6.1f} {row['pct_gemm']:6.1f} "
               f"{_fmt(peak, '9.1f')} {_fmt(rss, '8.1f')} {_fmt(torch_ms, '9.2f')} "
               f"{_fmt(row['ratio'], '6.2f')} {_fmt(row['ratio_min'], '10.2f')}", file=out)
         if not tstep and torch_compare:
@@ -419,6 +439,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads of npattn's tile pool (sets NPATTN_NUM_THREADS; "
                              "default: the usable CPUs)")
+    parser.add_argument("--pause", type=float, default=0.1, metavar="S",
+                        help="seconds of rest before each timed step, so that one library's "
+                             "spinning worker threads do not slow the next (default: %(default)s)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
@@ -448,7 +471,8 @@ def main(argv=None) -> int:
         return 2
     result = run(shapes, dtype=args.dtype, backend=args.backend, impl=args.impl,
                  repeat=args.repeat, warmup=args.warmup, gemm_n=args.gemm,
-                 torch_compare=not args.no_torch, memory=not args.no_memory)
+                 torch_compare=not args.no_torch, memory=not args.no_memory,
+                 pause=args.pause)
     if args.json:
         text = json.dumps(result, indent=1, default=str)
         if args.json == "-":
