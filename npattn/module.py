@@ -181,6 +181,7 @@ class MultiHeadAttention:
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
+        self._cache = None  # free the last forward's cache before this one builds its own
 
         if query is key and key is value:  # self-attention: 1.-3. as one GEMM
             q, k, v, q_c, k_c, v_c = self._project_self(query)
