@@ -253,7 +253,7 @@ def sdpa_forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rn
             np.exp(p, out=p)  # 4.
             s = np.sum(p, axis=-1, keepdims=True)  # 5.         [hg, r, 1]
             s[s == 0.0] = 1.0  # rows with nothing to attend stay 0
-            np.divide(p, s, out=p)
+            np.multiply(p, np.reciprocal(s, out=s), out=p)  # one divide per row, not per entry
             a = p
             if keep_b is not None:  # 4. a = where(keep, p / (1 - p_drop), 0)
                 a = np.multiply(p, keep_b[b, h0:h1, i0:i1, :c])
