@@ -2,7 +2,8 @@
 
 ``npattn.functional.sdpa_forward`` / ``sdpa_backward`` are the readable
 reference. For NumPy arrays they hand the work to this module through one
-hook (``use_fast`` in ``functional``); every other backend, and NumPy with the
+hook (``_fast.applies`` at the top of ``functional.sdpa_forward``; the backward
+follows its cache type); every other backend, and NumPy with the
 fast path switched off (``fast_path(False)`` or ``NPATTN_FAST=0``), runs the
 reference. Both give the same numbers up to rounding; ``tests/test_fast.py``
 checks that in float64.

@@ -17,6 +17,9 @@ runs after warm-up, and prints:
   upper bound of the cache and gradients). ``RSS MiB`` is the rise of the
   process's peak resident memory (Linux ``VmHWM``, reset through
   ``/proc/self/clear_refs`` before the run), shown when the kernel allows it;
+  memory the allocator reuses without asking the kernel does not show there.
+  Both are measured in a separate, untimed step that starts without the
+  module's previous cache;
 * with torch installed: ``torch ms``, ``torch.nn.MultiheadAttention``
   (``batch_first=True``, same weights, same input, ``need_weights=False``)
   forward+backward, timed alternately with npattn in the same loop, and
@@ -392,10 +395,12 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         gemm_here = gemm_flops / statistics.median(tg) / 1e9
         peak = rss = None
         if memory:
+            m._cache = None  # the last timed step's cache: not part of the next step's peak
             if backend_name(xp) == "cupy":
                 peak = _cupy_pool_mib(step, sync)
             else:
                 peak = _peak_traced_mib(step, sync)
+                m._cache = None
                 rss = _rss_rise_mib(step, sync)
         row = {
             "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,

@@ -375,6 +375,11 @@ def sdpa_forward(
     float16 and bfloat16 inputs are computed in float32 throughout and the
     output is cast back to the input dtype. A query row with nothing to attend
     gets an all-zero row of weights and zero output.
+
+    For NumPy arrays the same steps run tiled and in place in
+    ``npattn/_fast.py`` (cache: ``FastSDPACache``, with the same ``probs``);
+    ``with npattn._fast.fast_path(False):`` or ``NPATTN_FAST=0`` runs the code
+    below instead.
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
     xp = namespace(q, k, v, mask, dropout_mask)

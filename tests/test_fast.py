@@ -183,3 +183,24 @@ def test_module_self_attention_fused_projection(xp, to_xp, to_np):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     for name, g in m.grads.items():
         np.testing.assert_allclose(g_fused[name], to_np(g), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_module_fast_matches_reference_with_dropout_and_mask(causal):
+    """Whole module, seeded dropout drawn by the generator, boolean mask, weights."""
+    r = np.random.default_rng(9)
+    x = r.standard_normal((2, 6, 12))
+    mem = r.standard_normal((2, 5, 12))
+    mask = r.random((2, 1, 6, 5)) > 0.3
+    mask[1, 0, 2] = False  # a fully masked row
+    dout = r.standard_normal((2, 6, 12))
+    results = []
+    for fast in (True, False):
+        m = MultiHeadAttention(12, 3, dropout=0.3, dtype="float64", seed=4)
+        with _fast.fast_path(fast):
+            out, w = m(x, mem, mem, mask=mask, is_causal=causal, need_weights=True)
+            grads = m.backward(dout)
+        results.append((out, w, *grads, *(m.grads[k] for k in sorted(m.grads))))
+    for a, b in zip(*results):
+        assert not np.isnan(a).any()
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
