@@ -340,10 +340,11 @@ def _fmt(v, spec):
 
 
 def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, warmup=2,
-        gemm_n=2048, torch_compare=True, memory=True, pause=0.1, out=sys.stdout):
+        gemm_n=2048, torch_compare=True, memory=True, pause=0.1, out=None):
     """Run the benchmark and return a dict of results (also printed to ``out``)."""
     global _PAUSE
     _PAUSE = pause
+    out = sys.stdout if out is None else out
     xp = resolve_backend(backend)
     sync = _sync_for(xp)
     env = environment_info(xp)
