@@ -42,7 +42,7 @@ import contextlib
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -159,8 +159,9 @@ def _run_tiles(fn, tasks):
     ctl = _blas_controller()
     with ctl.limit(limits=1, user_api="blas"):
         futures = [pool.submit(fn, *t) for t in tasks]
-        for f in futures:
-            f.result()
+        wait(futures)  # all of them, even when one fails, before BLAS threads come back
+    for f in futures:
+        f.result()  # raises a tile's exception
 
 
 def _tiling(B, H, Lq, Lk, causal):
