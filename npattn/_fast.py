@@ -21,6 +21,9 @@ What is different from the reference, and why it is faster:
   it in place: no temporaries of shape (B, H, Lq, Lk).
 * **Scale folded into q.** ``s = (q * scale) @ k^T``: one pass over (Lq, Dh)
   instead of one over (Lq, Lk).
+* **dv in one GEMM.** Without dropout and causal mask, ``dv = p^T dout`` is one
+  GEMM over all query rows of a tile (inner size Lq) instead of a sum of
+  per-block GEMMs of inner size r.
 * **Causal blocks skipped.** A block of query rows ``i0:i1`` only meets keys
   ``0:i1``; the blocks above the diagonal are never computed.
 * **Lean cache.** Only the probabilities (before dropout), the keep-mask and
@@ -299,7 +302,11 @@ def sdpa_backward(dout, cache: FastSDPACache):
         # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
         delta = np.sum(do * cache.out[b, h0:h1], axis=-1, keepdims=True)  # [hg, Lq, 1]
         dk_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)  # [hg, Lk, Dh]
-        dv_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)
+        whole_dv = keep_b is None and not cache.causal
+        if whole_dv:  # 5. dv = p^T dout in one GEMM over all query rows
+            np.matmul(np.swapaxes(probs[b, h0:h1], -1, -2), do, out=dv[b, h0:h1])
+        else:  # accumulated block by block below
+            dv_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)
         for i0, i1, c in _blocks(Lq, Lk, r, cache.causal):
             p = probs[b, h0:h1, i0:i1, :c]  # [hg, r, c]
             do_blk = do[:, i0:i1]  # [hg, r, Dh]
@@ -308,7 +315,9 @@ def sdpa_backward(dout, cache: FastSDPACache):
                 np.matmul(do_blk, vT[b, h0:h1, :, :c], out=da)  # 5. da = dout v^T
             else:
                 da = np.matmul(do_blk, vT[b, h0:h1, :, :c])  # [hg, r, c]
-            if keep_b is None:
+            if whole_dv:
+                pass
+            elif keep_b is None:
                 dv_acc[:, :c] += np.matmul(np.swapaxes(p, -1, -2), do_blk)  # 5. dv = a^T dout
             else:
                 kp = keep_b[b, h0:h1, i0:i1, :c]
@@ -324,7 +333,8 @@ def sdpa_backward(dout, cache: FastSDPACache):
             dk_acc[:, :c] += np.matmul(np.swapaxes(da, -1, -2), q[b, h0:h1, i0:i1])
         dk_acc *= scale  # 1. dk = ds^T q * scale
         dk[b, h0:h1] = dk_acc
-        dv[b, h0:h1] = dv_acc
+        if not whole_dv:
+            dv[b, h0:h1] = dv_acc
 
     _run_tiles(tile, tasks)
 
