@@ -169,16 +169,9 @@ def keep_mask(rng: np.random.Generator, shape, p: float, xp, device=None):
 _blas_controller = None
 
 
-def limit_blas_threads(n):
-    """Context manager: host BLAS libraries (NumPy's, torch's) use at most ``n`` threads inside.
-
-    Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
-    it changes nothing. Many small matmuls (the blocked attention path) run
-    far slower when BLAS threads spin against other work for the cores.
-    """
+def blas_controller():
+    """threadpoolctl's ``ThreadpoolController`` (made once), or None when it is not installed."""
     global _blas_controller
-    if n is None:
-        return contextlib.nullcontext()
     if _blas_controller is None:
         try:
             from threadpoolctl import ThreadpoolController
@@ -186,6 +179,17 @@ def limit_blas_threads(n):
             _blas_controller = ThreadpoolController()
         except ImportError:
             _blas_controller = False
-    if not _blas_controller:
+    return _blas_controller or None
+
+
+def limit_blas_threads(n):
+    """Context manager: host BLAS libraries (NumPy's, torch's) use at most ``n`` threads inside.
+
+    Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
+    it changes nothing. Many small matmuls (the blocked attention path) run
+    far slower when BLAS threads spin against other work for the cores.
+    """
+    ctl = blas_controller()
+    if n is None or ctl is None:
         return contextlib.nullcontext()
-    return _blas_controller.limit(limits=int(n), user_api="blas")
+    return ctl.limit(limits=int(n), user_api="blas")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional
 
+from . import _fast
 from . import validation as V
 from .backend import check_same_device, device_of, is_bool, is_floating, keep_mask, make_rng, namespace
 
@@ -541,6 +542,11 @@ def sdpa_forward(
     float16 and bfloat16 inputs are computed in float32 throughout and the
     output is cast back to the input dtype. A query row with nothing to attend
     gets an all-zero row of weights and zero output.
+
+    For NumPy arrays the same steps run tiled and in place in
+    ``npattn/_fast.py`` (cache: ``FastSDPACache``, with the same ``probs``);
+    ``with npattn._fast.fast_path(False):`` or ``NPATTN_FAST=0`` runs the code
+    below instead.
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
@@ -556,6 +562,13 @@ def sdpa_forward(
     Dh = q.shape[-1]
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     Lq, Lk = q.shape[-2], k.shape[-2]
+
+    if G == 1 and _fast.applies(q, k, v, mask, dropout_mask):
+        # The one hook to the fast path: for NumPy arrays the same steps 1.-5. run
+        # tiled, in place and on a thread pool (npattn/_fast.py; off: NPATTN_FAST=0).
+        return _fast.sdpa_forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                  dropout_p=dropout_p, dropout_mask=dropout_mask,
+                                  rng=rng, in_dtype=in_dtype)
 
     qg = _group_heads(xp, q, G)  # 0.                              [B, Hkv, G*Lq, Dh]
     s = _ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
@@ -601,6 +614,8 @@ def sdpa_backward(dout, cache: SDPACache):
         mask, summed over the axes the mask was broadcast along.
     """
     # [B, H, Lq, Dh] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh], mask shape
+    if isinstance(cache, _fast.FastSDPACache):  # the forward took the fast path
+        return _fast.sdpa_backward(dout, cache)
     xp = namespace(dout, cache.q)
     check_same_device(q=cache.q, dout=dout)
     q, k, v, a = cache.q, cache.k, cache.v, cache.attn

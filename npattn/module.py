@@ -289,10 +289,14 @@ class MultiHeadAttention:
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
+        self._cache = None  # free the last forward's cache before this one builds its own
 
-        q, q_c = F.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
-        k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, Dkv]
-        v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, Dkv]
+        if query is key and key is value:  # self-attention: 1.-3. as one GEMM
+            q, k, v, q_c, k_c, v_c = self._project_self(query)
+        else:
+            q, q_c = F.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
+            k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, Dkv]
+            v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, Dkv]
         Lq, Lk = q.shape[1], k.shape[1]
         zero = self.add_zero_attn
         k, k_extra_c = F.append_kv_forward(k, P.get("bias_k"), add_zero_attn=zero)  # 4. [B, Lk + n, Dkv]
@@ -328,6 +332,24 @@ class MultiHeadAttention:
         if need_weights:
             return out, self.xp.astype(sdpa_c.probs, out.dtype)  # [B, H, Lq, Lk]
         return out
+
+    def _project_self(self, x):
+        """Steps 1.-3. for query = key = value = x, with one (D + 2 Dkv, D) weight.
+
+        ``[q | k | v] = x @ [w_q; w_k; w_v].T + [b_q | b_k | b_v]`` is one GEMM
+        instead of three. The caches are those of the three separate
+        projections (same input, own weight), so the backward is unchanged.
+        """
+        xp, P, D = self.xp, self.params, self.d_model
+        Dkv = P["w_k"].shape[0]
+        w = xp.concat([P["w_q"], P["w_k"], P["w_v"]], axis=0)  # [D + 2 Dkv, D]
+        b = xp.concat([P["b_q"], P["b_k"], P["b_v"]]) if self.qkv_bias else None  # [D + 2 Dkv]
+        qkv, _ = F.linear_forward(x, w, b)  # [B, L, D + 2 Dkv]
+        q = qkv[..., :D]  # [B, L, D] view
+        k = qkv[..., D : D + Dkv]  # [B, L, Dkv] view
+        v = qkv[..., D + Dkv :]  # [B, L, Dkv] view
+        caches = (F.LinearCache(x, P[n], self.qkv_bias) for n in ("w_q", "w_k", "w_v"))
+        return (q, k, v, *caches)
 
     # --------------------------------------------------------------- backward
 
