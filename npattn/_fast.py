@@ -97,7 +97,7 @@ def applies(q, k, v, mask=None, dropout_mask=None) -> bool:
         return False
     if not (q.ndim == k.ndim == v.ndim == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]):
         return False
-    if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1] or k.shape[-2] == 0:
+    if k.shape[-2] != v.shape[-2] or not q.shape[-1] == k.shape[-1] == v.shape[-1] or k.shape[-2] == 0:
         return False
     full = q.shape[:3] + (k.shape[-2],)
     for m in (mask, dropout_mask):

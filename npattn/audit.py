@@ -47,6 +47,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from . import _fast
 from . import functional as F
 from .backend import from_numpy, resolve_backend, to_numpy
 from .gradcheck import numerical_vjp
@@ -81,6 +82,7 @@ class Check:
     name: str
     kind: str  # "primitive" or "module"
     build: Callable
+    fast: bool = False  # run with the NumPy fast path of sdpa on (npattn/_fast.py)
 
 
 @dataclass
@@ -359,8 +361,22 @@ def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_
     return build
 
 
-def panel() -> list:
-    """The fixed list of ``Check`` configurations that ``npattn check`` runs."""
+def panel(backend: Optional[str] = None) -> list:
+    """The fixed list of ``Check`` configurations that ``npattn check`` runs.
+
+    Every configuration runs the reference code of ``npattn.functional``. On
+    NumPy, sdpa also has a fast implementation (``npattn/_fast.py``), which the
+    module uses by default: for ``backend="numpy"`` each sdpa and module
+    configuration is audited a second time on it, marked "[fast path]".
+    """
+    checks = _reference_panel()
+    if backend == "numpy":
+        checks += [Check(c.name + " [fast path]", c.kind, c.build, fast=True)
+                   for c in checks if c.name.startswith(("sdpa", "mha"))]
+    return checks
+
+
+def _reference_panel() -> list:
     P, M = "primitive", "module"
     return [
         Check("linear, bias", P, _linear(True)),
@@ -409,6 +425,11 @@ def _compare(g, n, floor, rtol, atol):
 
 def run_check(check: Check, xp, dtype: str, *, seed: int = 0) -> list:
     """Rows for one configuration: one per differentiable input (masks with a float dtype included)."""
+    with _fast.fast_path(check.fast):
+        return _run_check(check, xp, dtype, seed)
+
+
+def _run_check(check: Check, xp, dtype: str, seed: int) -> list:
     rtol, atol = TOLERANCES[dtype]
     rng = np.random.default_rng(seed)
     try:
@@ -462,7 +483,7 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype: expected one of {sorted(TOLERANCES)}, got {dtype!r}")
     xp = resolve_backend(backend)
-    checks = panel() if checks is None else checks
+    checks = panel(backend) if checks is None else checks
     rtol, atol = TOLERANCES[dtype]
     start = time.perf_counter()
     rows = []

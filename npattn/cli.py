@@ -166,7 +166,7 @@ def _check(args) -> int:
 
     if _backend_or_exit(args.backend) is None:
         return 2
-    checks = panel()
+    checks = panel(args.backend)
     bar = ProgressBar(len(checks), "check", enabled=not args.no_progress)
 
     def progress(i, n, name):

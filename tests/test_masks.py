@@ -241,8 +241,11 @@ def test_from_torch_mha_matches_torch_module(attn_kind, kpm_kind, L, S, seed):
     dq, dk, dv = mha.backward(dout)
     assert _rel(out, t_out.detach().numpy()) < 1e-12
     assert _rel(w, t_w.detach().numpy()) < 1e-12
+    # relative to the largest input gradient: dquery is exactly 0 when every
+    # row has one key to attend, and rounding then leaves ~1e-16 in its place
+    scale = max(float(np.max(np.abs(t.grad.numpy()))) for t in t_in)
     for g, t in zip((dq, dk, dv), t_in):
-        assert _rel(g, t.grad.numpy()) < 1e-10
+        assert float(np.max(np.abs(g - t.grad.numpy()))) <= 1e-10 * scale
 
     # the same mask converted from torch tensors stays a torch tensor, equal values
     mt = masks.from_torch_mha(
