@@ -131,7 +131,10 @@ def linear_forward(x, w, b=None):
     """
     # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
     xp = namespace(x, w, b)
-    y = x @ xp.matrix_transpose(w)  # [..., Dout]
+    # one (N, Din) x (Din, Dout) GEMM over all leading axes: NumPy's matmul
+    # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower)
+    x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
+    y = xp.reshape(x2 @ xp.matrix_transpose(w), (*x.shape[:-1], w.shape[0]))  # [..., Dout]
     if b is not None:
         y = y + b  # [..., Dout]
     return y, LinearCache(x, w, b is not None)
@@ -158,9 +161,9 @@ def linear_backward(dy, cache: LinearCache):
     xp = namespace(dy, cache.x)
     x, w = cache.x, cache.w
     # forward: y = x @ w.T + b
-    dx = dy @ w  # [..., Din]
     dy2 = xp.reshape(dy, (-1, dy.shape[-1]))  # [N, Dout]
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
+    dx = xp.reshape(dy2 @ w, x.shape)  # [..., Din]
     dw = xp.matrix_transpose(dy2) @ x2  # [Dout, Din]
     db = xp.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
     return dx, dw, db
