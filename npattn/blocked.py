@@ -15,7 +15,11 @@ arguments, same gradients, same conventions) but never form a
   the dense softmax backward.
 
 Both loops run in a fixed order, so results are deterministic; the block
-sizes are arguments. ``attention_forward`` / ``attention_backward`` choose
+sizes are arguments. For NumPy arrays, independent slices of the leading
+(batch, head) axes run on the tile pool of ``npattn._fast`` (BLAS held to one
+thread there), each with the same loops, so the numbers do not depend on the
+number of threads; dropout drawn from the generator and a floating mask run
+in one piece (``_pool_split``). ``attention_forward`` / ``attention_backward`` choose
 between this path and the dense one (``impl="auto" | "dense" | "blocked"``).
 
 What the blocked path does not do
@@ -47,6 +51,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from . import _fast
 from . import functional as F
 from . import validation as V
 from .backend import (
@@ -63,6 +68,7 @@ __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_BLOCK_K",
     "AUTO_BLOCKED_MIN_SCORES",
+    "AUTO_BLOCKED_MAX_DENSE_SCORES",
     "BLAS_THREADS",
     "BlockedSDPACache",
     "sdpa_blocked_forward",
@@ -81,9 +87,17 @@ DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 512
 
 #: ``impl="auto"`` takes the blocked path when ``Lq * Lk`` reaches this
-#: (2**25 = 33.5 M scores per head, e.g. 8192 x 4096; one float32 score
-#: tensor of 8 heads is then 1 GiB). Below it the dense path is used.
+#: (2**25 = 33.5 M scores per head, e.g. 8192 x 4096). Measured with both
+#: paths on the pool (docs/performance-blocked.md): at 1x8192x512x8 (2**26 per
+#: head) the blocked path was as fast as the dense one (3.5 against 3.6 s)
+#: in a sixth of the memory; at 1x4096x512x8 and below the dense path was
+#: 1.1-1.3x faster.
 AUTO_BLOCKED_MIN_SCORES = 2**25
+
+#: ``impl="auto"`` also takes the blocked path when the dense probabilities,
+#: ``B * H * Lq * Lk`` entries, would reach this (2**28: 1 GiB in float32),
+#: whatever the length: then memory, not speed, decides.
+AUTO_BLOCKED_MAX_DENSE_SCORES = 2**28
 
 #: BLAS threads while the blocked forward and backward run (None: leave BLAS
 #: as it is). Their matmuls are small ([bq, Dh] x [Dh, bk]); on a 2-core
@@ -227,6 +241,88 @@ def _block_dropout(xp, c, batch, i0, i1, j0, j1, device):
     return None
 
 
+def _pool_split(xp, c: BlockedSDPACache):
+    """Tasks for the tile pool, or None to run the loops once over every slice.
+
+    The (batch, head) slices of the leading axes are independent: each task
+    takes a contiguous range of the longest leading axis and writes only its
+    own slices of the outputs, so the result does not depend on the number of
+    threads or their order (every matmul and row reduction acts per slice).
+    Used for NumPy arrays only (``npattn._fast``, BLAS held to one thread in
+    the pool), and not with dropout drawn from the generator (a block's
+    keep-mask is drawn for all slices at once) or a floating mask (its
+    gradient sums over broadcast axes across slices): those run in one piece.
+    """
+    if not (_fast._enabled and type(c.q) is np.ndarray and c.q.ndim > 2):
+        return None
+    if c.dropout_key is not None or c.mask_shape is not None:
+        return None
+    n = _fast.pool_threads()
+    lead = c.q.shape[:-2]
+    axis = max(range(len(lead)), key=lambda a: lead[a])
+    size = lead[axis]
+    if n <= 1 or size < 2:
+        return None
+    n = min(n, size)
+    bounds = [size * t // n for t in range(n + 1)]
+    pre = (slice(None),) * axis
+    return [(pre + (slice(a, b),),) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _slice_cache(c: BlockedSDPACache, index: tuple):
+    """Cache ``c`` restricted to ``index`` (slices of the leading axes); broadcast (size-1) mask axes stay."""
+
+    def cut(a):
+        if a is None:
+            return None
+        return a[tuple(s if a.shape[ax] != 1 else slice(None) for ax, s in enumerate(index))]
+
+    return c._replace(q=c.q[index], k=c.k[index], v=c.v[index], mask=cut(c.mask),
+                      dropout_mask=cut(c.dropout_mask), out=cut(c.out), lse=cut(c.lse))
+
+
+def _forward_loops(xp, c):
+    """Steps 2.-9. of ``sdpa_blocked_forward`` on the arrays of cache ``c``: ``(out, lse)``."""
+    qs, k, v = c.q, c.k, c.v
+    work, dev = qs.dtype, device_of(qs)
+    batch, Lq, Dh = tuple(qs.shape[:-2]), qs.shape[-2], qs.shape[-1]
+    Lk = k.shape[-2]
+    block_q, block_k, is_causal = c.block_q, c.block_k, c.is_causal
+    drop_scale = 1.0 / (1.0 - c.dropout_p)
+    outs, lses = [], []
+    for i0, i1 in _blocks(Lq, block_q):
+        qs_i = qs[..., i0:i1, :]  # [..., bq, Dh]
+        m = xp.full(batch + (i1 - i0, 1), -math.inf, dtype=work, device=dev)  # [..., bq, 1]
+        l = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev)  # [..., bq, 1]
+        acc = xp.zeros(batch + (i1 - i0, Dh), dtype=work, device=dev)  # [..., bq, Dh]
+        for j0, j1 in _blocks(Lk, block_k):
+            if is_causal and j0 > i1 - 1:
+                break  # causal: this block and every later one lie above the diagonal
+            z = _block_scores(xp, c, qs_i, k[..., j0:j1, :], i0, i1, j0, j1)  # 2.-3. [.., bq, bk]
+            m_new = xp.maximum(m, xp.max(z, axis=-1, keepdims=True))  # 4.     [..., bq, 1]
+            shift = xp.where(m_new == -math.inf, 0.0, m_new)  # no -inf - -inf on empty rows
+            e = xp.exp(z - shift)  # 5.                                   [..., bq, bk]
+            alpha = xp.exp(m - shift)  # 0 on the first block (m = -inf)  [..., bq, 1]
+            l = alpha * l + xp.sum(e, axis=-1, keepdims=True)  # 6.       [..., bq, 1]
+            keep = _block_dropout(xp, c, batch, i0, i1, j0, j1, dev)
+            if keep is not None:
+                e = xp.where(keep, e * drop_scale, 0.0)  # 7. dropout(e)   [..., bq, bk]
+            acc = alpha * acc + e @ v[..., j0:j1, :]  # 7.                  [..., bq, Dh]
+            m = m_new
+        empty = l == 0.0  # a row with nothing to attend                  [..., bq, 1]
+        safe_l = xp.where(empty, 1.0, l)
+        outs.append(acc / safe_l)  # 8.                                    [..., bq, Dh]
+        shift = xp.where(empty, 0.0, m)
+        lses.append(xp.where(empty, 0.0, shift + xp.log(safe_l)))  # 9.  [..., bq, 1]
+    if Lq == 0:
+        out = xp.zeros(batch + (0, Dh), dtype=work, device=dev)
+        lse = xp.zeros(batch + (0, 1), dtype=work, device=dev)
+    else:
+        out = xp.concat(outs, axis=-2)  # [..., Lq, Dh]
+        lse = xp.concat(lses, axis=-2)  # [..., Lq, 1]
+    return out, lse
+
+
 @_with_blas_threads
 def sdpa_blocked_forward(
     q,
@@ -344,7 +440,6 @@ def sdpa_blocked_forward(
     mask_shape = tuple(mask.shape) if mask is not None and is_floating(xp, mask) else None
     if mask is not None:
         mask = _pad_to(xp, mask, q.ndim)  # [..., Lq or 1, Lk or 1]
-    dev = device_of(q)
 
     # dropout: the caller's keep-mask, or a key for per-block generators
     keep_all, key = None, None
@@ -353,7 +448,6 @@ def sdpa_blocked_forward(
             keep_all = _pad_to(xp, dropout_mask, q.ndim)
         else:
             key = int(make_rng(rng).integers(0, 2**63))
-    drop_scale = 1.0 / (1.0 - dropout_p)
 
     qs = q * scale  # 1.                                              [..., Lq, Dh]
     c = BlockedSDPACache(  # out and lse are filled in after the loops
@@ -362,37 +456,17 @@ def sdpa_blocked_forward(
         mask_shape=mask_shape, block_q=block_q, block_k=block_k, in_dtype=in_dtype,
     )  # fmt: skip
 
-    outs, lses = [], []
-    for i0, i1 in _blocks(Lq, block_q):
-        qs_i = qs[..., i0:i1, :]  # [..., bq, Dh]
-        m = xp.full(batch + (i1 - i0, 1), -math.inf, dtype=work, device=dev)  # [..., bq, 1]
-        l = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev)  # [..., bq, 1]
-        acc = xp.zeros(batch + (i1 - i0, Dh), dtype=work, device=dev)  # [..., bq, Dh]
-        for j0, j1 in _blocks(Lk, block_k):
-            if is_causal and j0 > i1 - 1:
-                break  # causal: this block and every later one lie above the diagonal
-            z = _block_scores(xp, c, qs_i, k[..., j0:j1, :], i0, i1, j0, j1)  # 2.-3. [.., bq, bk]
-            m_new = xp.maximum(m, xp.max(z, axis=-1, keepdims=True))  # 4.     [..., bq, 1]
-            shift = xp.where(m_new == -math.inf, 0.0, m_new)  # no -inf - -inf on empty rows
-            e = xp.exp(z - shift)  # 5.                                   [..., bq, bk]
-            alpha = xp.exp(m - shift)  # 0 on the first block (m = -inf)  [..., bq, 1]
-            l = alpha * l + xp.sum(e, axis=-1, keepdims=True)  # 6.       [..., bq, 1]
-            keep = _block_dropout(xp, c, batch, i0, i1, j0, j1, dev)
-            if keep is not None:
-                e = xp.where(keep, e * drop_scale, 0.0)  # 7. dropout(e)   [..., bq, bk]
-            acc = alpha * acc + e @ v[..., j0:j1, :]  # 7.                  [..., bq, Dh]
-            m = m_new
-        empty = l == 0.0  # a row with nothing to attend                  [..., bq, 1]
-        safe_l = xp.where(empty, 1.0, l)
-        outs.append(acc / safe_l)  # 8.                                    [..., bq, Dh]
-        shift = xp.where(empty, 0.0, m)
-        lses.append(xp.where(empty, 0.0, shift + xp.log(safe_l)))  # 9.  [..., bq, 1]
-    if Lq == 0:
-        out = xp.zeros(batch + (0, Dh), dtype=work, device=dev)
-        lse = xp.zeros(batch + (0, 1), dtype=work, device=dev)
-    else:
-        out = xp.concat(outs, axis=-2)  # [..., Lq, Dh]
-        lse = xp.concat(lses, axis=-2)  # [..., Lq, 1]
+    split = _pool_split(xp, c)
+    if split is None:
+        out, lse = _forward_loops(xp, c)
+    else:  # NumPy: independent slices of the leading axes on the tile pool
+        out = np.empty(batch + (Lq, Dh), dtype=work)  # [..., Lq, Dh]
+        lse = np.empty(batch + (Lq, 1), dtype=work)  # [..., Lq, 1]
+
+        def task(index):
+            out[index], lse[index] = _forward_loops(xp, _slice_cache(c, index))
+
+        _fast._run_tiles(task, split)
 
     cache = c._replace(out=out, lse=lse)
     if work != in_dtype:
@@ -424,6 +498,23 @@ def sdpa_blocked_backward(dout, cache: BlockedSDPACache):
         no mask.
     """
     # [..., Lq, Dh] -> [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dh], mask shape
+    c = cache
+    xp = namespace(dout, c.q)
+    split = _pool_split(xp, c)
+    if split is None:
+        return _backward_loops(dout, c)
+    # NumPy: independent slices of the leading axes on the tile pool
+    dq, dk, dv = (np.empty(a.shape, dtype=c.in_dtype) for a in (c.q, c.k, c.v))
+
+    def task(index):
+        dq[index], dk[index], dv[index], _ = _backward_loops(dout[index], _slice_cache(c, index))
+
+    _fast._run_tiles(task, split)
+    return dq, dk, dv, None  # split only without a floating mask: no dmask
+
+
+def _backward_loops(dout, cache: BlockedSDPACache):
+    """The body of ``sdpa_blocked_backward`` on the arrays of ``cache``."""
     c = cache
     xp = namespace(dout, c.q)
     qs, k, v = c.q, c.k, c.v
@@ -527,11 +618,15 @@ def _assemble_dmask(xp, parts, shape, q_blocks, k_blocks, dtype, device):
 # choosing a path
 
 
-def select_impl(impl: str, Lq: int, Lk: int, *, need_weights: bool = False) -> str:
+def select_impl(impl: str, Lq: int, Lk: int, *, need_weights: bool = False,
+                n_slices: int = 1) -> str:
     """``"dense"`` or ``"blocked"`` for ``impl`` in ``"auto" | "dense" | "blocked"``.
 
-    ``"auto"`` picks ``"blocked"`` when ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES``
-    and no weights are needed, else ``"dense"``. ``"blocked"`` with
+    ``"auto"`` picks ``"blocked"`` when no weights are needed and either
+    ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` (long sequences, where it is as
+    fast) or ``n_slices * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES`` (the
+    dense probabilities of all ``n_slices = B * H`` heads would be large),
+    else ``"dense"``. ``"blocked"`` with
     ``need_weights`` raises ``ValueError`` (the blocked path has no weights).
     """
     if impl not in IMPLS:
@@ -543,6 +638,7 @@ def select_impl(impl: str, Lq: int, Lk: int, *, need_weights: bool = False) -> s
         )
     if impl == "auto":
         long = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES
+        long = long or n_slices * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES
         return "blocked" if long and not need_weights else "dense"
     return impl
 
@@ -578,7 +674,8 @@ def attention_forward(
     SDPA; memory linear in Lk) and the backward sums dk, dv over each group.
     """
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dh] -> [..., Lq, Dh]
-    path = select_impl(impl, q.shape[-2], k.shape[-2], need_weights=need_weights)
+    path = select_impl(impl, q.shape[-2], k.shape[-2], need_weights=need_weights,
+                       n_slices=math.prod(q.shape[:-2]))
     if path == "dense":
         return F.sdpa_forward(q, k, v, enable_gqa=enable_gqa, **kwargs)
     G = F._gqa_groups(q, k, v, enable_gqa)

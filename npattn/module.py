@@ -100,8 +100,9 @@ class MultiHeadAttention:
     impl : {"auto", "dense", "blocked"}
         Attention path of step 5 (see ``npattn.blocked``): "dense" forms the
         (B, H, Lq, Lk) weights; "blocked" never does (memory linear in L, no
-        weights); "auto" takes "blocked" when ``Lq * Lk >=
-        blocked.AUTO_BLOCKED_MIN_SCORES`` and weights are not requested.
+        weights); "auto" takes "blocked" when weights are not requested and
+        ``Lq * Lk >= blocked.AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
+        blocked.AUTO_BLOCKED_MAX_DENSE_SCORES`` (see ``blocked.select_impl``).
 
     Attributes
     ----------

@@ -316,6 +316,10 @@ def test_select_impl():
     assert Bk.select_impl("auto", 512, 512) == "dense"
     assert Bk.select_impl("auto", big, big) == "blocked"
     assert Bk.select_impl("auto", big, big, need_weights=True) == "dense"
+    many = Bk.AUTO_BLOCKED_MAX_DENSE_SCORES // (512 * 512)  # heads of 512 x 512 scores
+    assert Bk.select_impl("auto", 512, 512, n_slices=many - 1) == "dense"
+    assert Bk.select_impl("auto", 512, 512, n_slices=many) == "blocked"
+    assert Bk.select_impl("auto", 512, 512, n_slices=many, need_weights=True) == "dense"
     assert Bk.select_impl("dense", big, big) == "dense"
     assert Bk.select_impl("blocked", 2, 3) == "blocked"
     with pytest.raises(ValueError, match="impl"):
