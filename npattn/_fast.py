@@ -87,8 +87,9 @@ def fast_path(enabled: bool = True):
     """Context manager: switch the NumPy fast path on or off inside the block.
 
     ``with fast_path(False): ...`` runs the reference code of
-    ``npattn.functional``; the environment variable ``NPATTN_FAST=0`` does the
-    same for a whole process.
+    ``npattn.functional`` (and the blocked path of ``npattn.blocked`` in one
+    piece, without the tile pool); the environment variable ``NPATTN_FAST=0``
+    does the same for a whole process.
     """
     global _enabled
     old, _enabled = _enabled, bool(enabled)
