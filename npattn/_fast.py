@@ -131,6 +131,11 @@ _pool = None
 _pool_lock = threading.Lock()
 
 
+def pools(x) -> bool:
+    """Whether the tile pool may run work on array ``x``: the fast path is on and ``x`` is NumPy's."""
+    return _enabled and type(x) is np.ndarray
+
+
 def pool_threads() -> int:
     """Threads of the tile pool: ``NPATTN_NUM_THREADS``, else the usable CPUs.
 

@@ -49,8 +49,6 @@ import functools
 import math
 from typing import Any, NamedTuple, Optional
 
-import numpy as np
-
 from . import _fast
 from . import functional as F
 from . import validation as V
@@ -160,7 +158,7 @@ def _check_block(name: str, size):
 
 def _block_keep(key: int, batch: tuple, i0, i1, j0, j1, p: float, xp, device):
     """Keep-mask of block ``[i0:i1, j0:j1]``, from the generator keyed by ``(key, i0, j0)``."""
-    rng = np.random.default_rng([key, i0, j0])
+    rng = make_rng([key, i0, j0])
     return keep_mask(rng, batch + (i1 - i0, j1 - j0), p, xp, device)  # [..., bq, bk] bool
 
 
@@ -253,7 +251,7 @@ def _pool_split(xp, c: BlockedSDPACache):
     keep-mask is drawn for all slices at once) or a floating mask (its
     gradient sums over broadcast axes across slices): those run in one piece.
     """
-    if not (_fast._enabled and type(c.q) is np.ndarray and c.q.ndim > 2):
+    if not (_fast.pools(c.q) and c.q.ndim > 2):
         return None
     if c.dropout_key is not None or c.mask_shape is not None:
         return None
@@ -460,8 +458,8 @@ def sdpa_blocked_forward(
     if split is None:
         out, lse = _forward_loops(xp, c)
     else:  # NumPy: independent slices of the leading axes on the tile pool
-        out = np.empty(batch + (Lq, Dh), dtype=work)  # [..., Lq, Dh]
-        lse = np.empty(batch + (Lq, 1), dtype=work)  # [..., Lq, 1]
+        out = xp.empty(batch + (Lq, Dh), dtype=work, device=device_of(q))  # [..., Lq, Dh]
+        lse = xp.empty(batch + (Lq, 1), dtype=work, device=device_of(q))  # [..., Lq, 1]
 
         def task(index):
             out[index], lse[index] = _forward_loops(xp, _slice_cache(c, index))
@@ -504,7 +502,7 @@ def sdpa_blocked_backward(dout, cache: BlockedSDPACache):
     if split is None:
         return _backward_loops(dout, c)
     # NumPy: independent slices of the leading axes on the tile pool
-    dq, dk, dv = (np.empty(a.shape, dtype=c.in_dtype) for a in (c.q, c.k, c.v))
+    dq, dk, dv = (xp.empty(a.shape, dtype=c.in_dtype, device=device_of(a)) for a in (c.q, c.k, c.v))
 
     def task(index):
         dq[index], dk[index], dv[index], _ = _backward_loops(dout[index], _slice_cache(c, index))
