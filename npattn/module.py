@@ -305,6 +305,22 @@ class MultiHeadAttention:
             return out, self.xp.astype(A.weights(cache.sdpa), out.dtype)  # [B, H, Lq, Lk]
         return out
 
+    @property
+    def cache(self):
+        """The cache of the last successful forward (an ``MHACache``), or None.
+
+        Assigning a cache that an earlier forward of this module returned
+        makes ``backward`` differentiate that forward (the gradient checker
+        does this); anything else is a ``TypeError``.
+        """
+        return self._cache
+
+    @cache.setter
+    def cache(self, value):
+        if value is not None and not isinstance(value, MHACache):
+            raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
+        self._cache = value
+
     def clear_cache(self):
         """Drop the cache of the last forward (its arrays are freed); ``backward`` then needs a new forward.
 
