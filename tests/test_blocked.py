@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npattn
+from npattn import attention as A
 from npattn import blocked as Bk
 from npattn import functional as F
 from npattn import MultiHeadAttention
@@ -168,8 +169,9 @@ def test_fully_masked_rows_are_zero_without_nan(is_causal, xp, to_xp, to_np):
         )
         dq, dk, dv, dmask = Bk.sdpa_blocked_backward(dout, cache)
     out, dq, dmask = to_np(out), to_np(dq), to_np(dmask)
-    for a in (out, dq, to_np(dk), to_np(dv), dmask, to_np(cache.lse)):
+    for a in (out, dq, to_np(dk), to_np(dv), dmask, to_np(cache.m), to_np(cache.l)):
         assert np.all(np.isfinite(a))
+    assert np.all(to_np(cache.l)[:, :, 1] == 0.0) and np.all(to_np(cache.m)[:, :, 1] == 0.0)
     assert np.all(out[:, :, 1] == 0.0) and np.all(dq[:, :, 1] == 0.0)
     assert np.all(out[1, :, 4:] == 0.0) and np.all(dq[1, :, 4:] == 0.0)
     assert np.all(dmask[:, :, 1] == 0.0)
@@ -178,8 +180,9 @@ def test_fully_masked_rows_are_zero_without_nan(is_causal, xp, to_xp, to_np):
     assert_close(out, ref, to_np, "out")
 
 
-def test_log_sum_exp_is_saved(xp, to_xp, to_np):
-    """The documented step 9: lse = log(sum_j exp(z_j)) per row, 0 for a row with nothing to attend."""
+def test_row_max_and_row_sum_are_saved(xp, to_xp, to_np):
+    """The documented step 9: per row m = max_j z_j and l = sum_j exp(z_j - m), kept apart
+    (m + log(l) is the log-sum-exp); both 0 for a row with nothing to attend."""
     rng = np.random.default_rng(4)
     B, H, Lq, Lk, Dh = 2, 2, 6, 9, 3
     q, k, v = (rng.standard_normal(s) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)])
@@ -189,10 +192,17 @@ def test_log_sum_exp_is_saved(xp, to_xp, to_np):
         to_xp(q), to_xp(k), to_xp(v), mask=to_xp(mask), scale=0.7, block_q=4, block_k=2
     )
     z = np.where(mask, q @ np.swapaxes(k, -1, -2) * 0.7, -np.inf)  # [B, H, Lq, Lk]
+    m = np.max(z, axis=-1, keepdims=True)  # [B, H, Lq, 1]
+    m[:, :, 2] = 0.0
+    l = np.sum(np.exp(z - m), axis=-1, keepdims=True)  # [B, H, Lq, 1]; 0 for row 2
+    assert np.all(l[:, :, 2] == 0.0)
+    np.testing.assert_allclose(to_np(cache.m), m, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(to_np(cache.l), l, rtol=1e-12, atol=1e-12)
     with np.errstate(divide="ignore"):
-        expected = np.log(np.sum(np.exp(z), axis=-1, keepdims=True))  # [B, H, Lq, 1]
-    expected[:, :, 2] = 0.0
-    np.testing.assert_allclose(to_np(cache.lse), expected, rtol=1e-12, atol=1e-12)
+        lse = np.log(np.sum(np.exp(z), axis=-1, keepdims=True))  # [B, H, Lq, 1]
+    ok = l > 0
+    np.testing.assert_allclose((to_np(cache.m) + np.log(np.where(ok, to_np(cache.l), 1.0)))[ok],
+                               lse[ok], rtol=1e-12, atol=1e-12)
 
 
 # --------------------------------------------------------------------------
@@ -260,6 +270,13 @@ def test_generator_dropout_is_deterministic_and_matches_dense_with_its_mask(xp, 
     keep = Bk.blocked_keep_mask(cache1)
     kept = to_np(keep)
     assert kept.shape == (B, H, Lq, Lk) and 0 < kept.mean() < 1  # some kept, some dropped
+    # the reference draws the same mask from the same seed, whatever the block sizes
+    out_r, cache_r = F.sdpa_forward(q, k, v, is_causal=True, dropout_p=0.4, rng=11)
+    np.testing.assert_array_equal(to_np(A.dropout_keep_mask(cache_r)), kept)
+    np.testing.assert_array_equal(to_np(A.dropout_keep_mask(cache1)), kept)
+    assert_close(out1, out_r, to_np, "out, reference from the seed")
+    _, cache4 = Bk.sdpa_blocked_forward(q, k, v, rng=11, **{**kw, "block_q": 7, "block_k": 1})
+    np.testing.assert_array_equal(to_np(Bk.blocked_keep_mask(cache4)), kept)
     out_d, cache_d = F.sdpa_forward(q, k, v, is_causal=True, dropout_p=0.4, dropout_mask=keep)
     assert_close(out1, out_d, to_np, "out")
     for name, gb, gd in zip(
@@ -296,7 +313,8 @@ def test_float16_is_computed_in_float32(xp, to_xp, to_np, backend):
     mask = to_xp(np.where(rng.random((Lq, Lk)) > 0.3, 0.25, -np.inf).astype(np.float16))
     out_b, cb = Bk.sdpa_blocked_forward(q, k, v, mask=mask, is_causal=True, block_q=4, block_k=4)
     out_d, cd = F.sdpa_forward(q, k, v, mask=mask, is_causal=True)
-    assert out_b.dtype == xp.float16 and cb.lse.dtype == xp.float32
+    assert out_b.dtype == xp.float16 and cb.m.dtype == xp.float32 and cb.l.dtype == xp.float32
+    assert cb.q.dtype == xp.float32 and cb.out.dtype == xp.float32
     np.testing.assert_allclose(
         to_np(out_b).astype(np.float64), to_np(out_d).astype(np.float64), atol=2e-3
     )
@@ -312,20 +330,29 @@ def test_float16_is_computed_in_float32(xp, to_xp, to_np, backend):
 
 
 def test_select_impl():
-    big = math.isqrt(Bk.AUTO_BLOCKED_MIN_SCORES) + 1
-    assert Bk.select_impl("auto", 512, 512) == "dense"
-    assert Bk.select_impl("auto", big, big) == "blocked"
-    assert Bk.select_impl("auto", big, big, need_weights=True) == "dense"
-    many = Bk.AUTO_BLOCKED_MAX_DENSE_SCORES // (512 * 512)  # heads of 512 x 512 scores
-    assert Bk.select_impl("auto", 512, 512, n_slices=many - 1) == "dense"
-    assert Bk.select_impl("auto", 512, 512, n_slices=many) == "blocked"
-    assert Bk.select_impl("auto", 512, 512, n_slices=many, need_weights=True) == "dense"
-    assert Bk.select_impl("dense", big, big) == "dense"
-    assert Bk.select_impl("blocked", 2, 3) == "blocked"
+    """The rule of ``impl="auto"``, on arrays that hold no memory (broadcast views)."""
+
+    def big(*shape):
+        return np.broadcast_to(np.zeros((), dtype=np.float32), shape)
+
+    def select(impl, shape, **kw):
+        return A.select_impl(impl, big(*shape), big(*shape), big(*shape), **kw)
+
+    n = math.isqrt(A.AUTO_BLOCKED_MIN_SCORES) + 1
+    assert select("auto", (1, 1, 512, 8)) == "numpy"  # dense: the NumPy kernel for NumPy arrays
+    assert select("auto", (1, 1, n, 8)) == "blocked"
+    assert select("auto", (1, 1, n, 8), need_weights=True) == "numpy"
+    many = A.AUTO_BLOCKED_MAX_DENSE_SCORES // (512 * 512)  # heads of 512 x 512 scores
+    assert select("auto", (1, many - 1, 512, 8)) == "numpy"
+    assert select("auto", (1, many, 512, 8)) == "blocked"
+    assert select("auto", (1, many, 512, 8), need_weights=True) == "numpy"
+    assert select("dense", (1, 1, n, 8)) == "numpy"
+    assert select("auto", (1, 512, 8)) == "reference"  # 3-D: not the kernel's layout
+    assert select("blocked", (2, 3)) == "blocked"
     with pytest.raises(ValueError, match="impl"):
-        Bk.select_impl("flash", 2, 3)
+        select("flash", (2, 3))
     with pytest.raises(ValueError, match="weights"):
-        Bk.select_impl("blocked", 2, 3, need_weights=True)
+        select("blocked", (2, 3), need_weights=True)
 
 
 def test_module_blocked_matches_dense(xp, backend, to_xp, to_np):
@@ -337,6 +364,8 @@ def test_module_blocked_matches_dense(xp, backend, to_xp, to_np):
     mask = to_xp(np.where(rng.random((2, 1, 7, 5)) > 0.3, 0.0, -np.inf))
     out_b = mha(x, kv, kv, mask=mask, is_causal=True)
     assert isinstance(mha._cache.sdpa, Bk.BlockedSDPACache)
+    with pytest.raises(ValueError, match="no attention weights"):
+        A.weights(mha._cache.sdpa)
     grads_b = mha.backward(dout)
     params_b = dict(mha.grads)
     out_d = mha(x, kv, kv, mask=mask, is_causal=True, impl="dense")
@@ -439,8 +468,8 @@ def test_limit_blas_threads():
 
 @pytest.mark.parametrize("n_kv_head", [1, 2, 4])
 def test_module_blocked_matches_dense_with_gqa_and_extra_keys(backend, to_xp, to_np, n_kv_head):
-    """GQA (K/V heads repeated on the blocked path), bias_k/bias_v, a zero key,
-    causal and an additive mask with -inf: blocked and dense agree in every gradient."""
+    """GQA (K/V heads broadcast over their query heads, never repeated), bias_k/bias_v, a zero
+    key, causal and an additive mask with -inf: blocked and dense agree in every gradient."""
     rng = np.random.default_rng(n_kv_head)
     B, Lq, Lk, D, H = 2, 5, 7, 8, 4
     kw = dict(n_kv_head=n_kv_head, add_bias_kv=True, add_zero_attn=True, kdim=3, vdim=5,

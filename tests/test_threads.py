@@ -1,0 +1,518 @@
+"""Threads, the tile pool and fork: the thread count never changes a number.
+
+The NumPy kernel and the blocked path run independent tiles on a pool of
+``npattn.backend`` with BLAS held to one thread, under one process-wide lock
+(``backend.exclusive``). Here: the same results, bit for bit, for 1, 2 or 3
+pool threads; two Python threads running their own modules at once get what
+each would get alone; BLAS's thread count is restored afterwards; a forked
+child makes its own pool and finishes; a bad ``NPATTN_NUM_THREADS`` is refused
+before anything is computed; and a module whose forward or backward fails
+keeps its cache, gradients and dropout generator as they were.
+"""
+
+import os
+import pickle
+import select
+import signal
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npattn.attention
+from npattn import MultiHeadAttention, blocked, numpy_kernel
+from npattn import attention as A
+from npattn import functional as F
+
+P_DROP = 0.3
+
+
+def _inputs(seed, B, Hkv, G, Lq, Lk, Dh, Dv, mask_kind="none", dropout="none", causal=False,
+            dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * G
+    q = rng.standard_normal((B, Hq, Lq, Dh)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Lk, Dh)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Lk, Dv)).astype(dtype)
+    dout = rng.standard_normal((B, Hq, Lq, Dv)).astype(dtype)
+    kw = dict(is_causal=causal, enable_gqa=G > 1)
+    if mask_kind != "none":
+        allowed = rng.random((B, 1, Lq, Lk)) > 0.3  # [B, 1, Lq, Lk]: broadcast over heads
+        allowed[0, 0, 1] = False  # a fully masked row
+        kw["mask"] = allowed if mask_kind == "bool" else np.where(
+            allowed, rng.standard_normal(allowed.shape), -np.inf).astype(dtype)
+    if dropout == "seed":
+        kw.update(dropout_p=P_DROP, rng=seed)
+    elif dropout == "mask":
+        kw.update(dropout_p=P_DROP, dropout_mask=rng.random((B, Hq, Lq, Lk)) >= P_DROP)
+    return q, k, v, dout, kw
+
+
+class PoolRecorder:
+    """Wraps ``run_tasks`` where the kernel and the blocked path call it: records
+    ``(number of tasks, threads)`` per call and the threads that ran a task."""
+
+    def __init__(self, mp, probe_blas=False):
+        from npattn import backend
+
+        self.calls, self.idents, self.blas_in_tasks = [], set(), set()
+        self.where = {"numpy": [], "blocked": []}  # the calls of each caller
+        real = backend.run_tasks
+
+        def recorded(fn, tasks, threads, where):
+            self.calls.append((len(tasks), threads))
+            self.where[where].append((len(tasks), threads))
+
+            def task(*a):
+                self.idents.add(threading.get_ident())
+                if probe_blas:  # BLAS threads as a tile sees them
+                    import threadpoolctl
+
+                    self.blas_in_tasks.update(p["num_threads"] for p in
+                                              threadpoolctl.threadpool_info()
+                                              if p["user_api"] == "blas")
+                return fn(*a)
+
+            return real(task, tasks, threads)
+
+        mp.setattr(numpy_kernel, "run_tasks", lambda *a: recorded(*a, "numpy"))
+        mp.setattr(blocked, "run_tasks", lambda *a: recorded(*a, "blocked"))
+
+    def split(self, where=None):
+        """Whether some call (of ``where``, or any) handed several tasks to several threads."""
+        calls = self.calls if where is None else self.where[where]
+        return any(n >= 2 and t >= 2 for n, t in calls)
+
+
+def _run(impl, q, k, v, dout, kw, **extra):
+    out, cache = A.sdpa_forward(q, k, v, impl=impl, **kw, **extra)
+    return (out, *A.sdpa_backward(dout, cache))
+
+
+# --------------------------------------------------------------------------
+# the thread count changes nothing
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    B=st.integers(1, 3),
+    Hkv=st.integers(1, 3),
+    G=st.integers(1, 2),
+    Lq=st.integers(2, 11),
+    Lk=st.integers(2, 11),
+    Dv=st.integers(2, 4),
+    mask_kind=st.sampled_from(["none", "bool", "float"]),
+    causal=st.booleans(),
+    dropout=st.sampled_from(["none", "seed", "mask"]),
+)
+def test_pool_threads_never_change_the_numbers(seed, B, Hkv, G, Lq, Lk, Dv, mask_kind, causal,
+                                               dropout):
+    """1, 2 and 3 pool threads give bitwise the results of 1; both equal the reference."""
+    args = _inputs(seed, B, Hkv, G, Lq, Lk, 3, Dv, mask_kind, dropout, causal)
+    q, k, v, dout, kw = args
+    ref_out, ref_c = F.sdpa_forward(q, k, v, **kw)
+    ref = (ref_out, *F.sdpa_backward(dout, ref_c))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(numpy_kernel, "TILE_ELEMS", 1)  # one K/V head per tile
+        mp.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)  # the pool even for tiny shapes
+        for impl, extra in (("numpy", {}), ("blocked", dict(block_q=3, block_k=4))):
+            results = {}
+            for threads in ("1", "2", "3"):
+                mp.setenv("NPATTN_NUM_THREADS", threads)
+                rec = PoolRecorder(mp)
+                results[threads] = _run(impl, *args, **extra)
+                if threads != "1" and B * Hkv >= 2 and not (impl == "blocked" and
+                                                            mask_kind == "float"):
+                    assert rec.split(), f"{impl}: the pool did not split the work ({rec.calls})"
+                if impl == "blocked" and mask_kind == "float":
+                    assert not rec.split()  # dmask sums over every slice: one piece
+            for threads, res in results.items():
+                for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), res, results["1"]):
+                    if b is None:
+                        assert a is None
+                        continue
+                    np.testing.assert_array_equal(a, b, err_msg=f"{impl} {name}, {threads} threads")
+            for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), results["1"], ref):
+                if b is not None:
+                    scale = max(np.max(np.abs(b), initial=0.0), 1.0)
+                    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12 * scale,
+                                               err_msg=f"{impl} {name}")
+
+
+# --------------------------------------------------------------------------
+# fork
+
+
+def _in_forked_child(fn, timeout=60.0):
+    """Run ``fn()`` in a forked child; its pickled result comes back through a pipe.
+
+    Fails the test when the child does not finish within ``timeout`` seconds
+    (it is killed), dies, or raises (its traceback is shown).
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 1
+        try:
+            os.close(r)
+            try:
+                payload = ("ok", fn())
+            except BaseException:
+                payload = ("error", traceback.format_exc())
+            data = pickle.dumps(payload)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+            os.close(w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    chunks = []
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the forked child did not finish within {timeout:.0f} s (killed)")
+            ready, _, _ = select.select([r], [], [], left)
+            if ready:
+                chunk = os.read(r, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(r)
+    while True:  # the pipe is closed: the child is exiting
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child closed its pipe but did not exit (killed)")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    kind, value = pickle.loads(b"".join(chunks))
+    assert kind == "ok", f"the forked child raised:\n{value}"
+    return value
+
+
+def test_a_forked_child_runs_the_pool_and_gets_the_same_numbers(monkeypatch):
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    rec = PoolRecorder(monkeypatch)
+    args = _inputs(1, 2, 2, 2, 40, 33, 8, 4, "bool", "seed", causal=True, dtype=np.float32)
+
+    def work():
+        rec.calls.clear()
+        rec.idents.clear()
+        res = [_run("numpy", *args), _run("blocked", *args, block_q=16, block_k=8)]
+        pool_used = (rec.split("numpy") and rec.split("blocked")
+                     and bool(rec.idents - {threading.get_ident()}))
+        return res, pool_used, os.getpid()
+
+    parent, used, pid = work()  # the pool and its threads now exist in the parent
+    assert used, "the parent did not run tiles on the pool"
+    child, used_in_child, child_pid = _in_forked_child(work)
+    assert child_pid != pid
+    assert used_in_child, "the child did not run tiles on a pool of its own"
+    for res_p, res_c in zip(parent, child):
+        for a, b in zip(res_p, res_c):
+            if a is None:
+                assert b is None
+            else:
+                np.testing.assert_array_equal(a, b)
+    again, _, _ = work()  # and the parent's pool still works after the fork
+    for a, b in zip(again[0], parent[0]):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_fork_while_another_thread_is_inside_npattn(monkeypatch):
+    """A thread holds npattn's lock (it is computing) when the process forks: the child has no
+    such thread, so it must not inherit the lock held; its forward finishes."""
+    from npattn.backend import exclusive
+
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    args = _inputs(4, 2, 2, 1, 24, 20, 4, 4, dropout="seed")
+    expected = _run("numpy", *args)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with exclusive():
+            inside.set()
+            release.wait(120)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert inside.wait(30)
+        child = _in_forked_child(lambda: _run("numpy", *args), timeout=60)
+    finally:
+        release.set()
+        t.join(30)
+    for a, b in zip(child, expected):
+        if b is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# two Python threads at once
+
+
+def _module_steps(impl, seed, steps=4):
+    """A module's forward + backward on ``steps`` inputs: every output and gradient, in order."""
+    m = MultiHeadAttention(32, 4, n_kv_head=2, dropout=0.2, seed=seed, impl=impl)  # float32
+    rng = np.random.default_rng(seed + 100)
+    mask = rng.random((2, 1, 24, 20)) > 0.2  # [B, 1, Lq, Lk] bool: the blocked path splits
+    results = []
+    for _ in range(steps):
+        x = rng.standard_normal((2, 24, 32)).astype(np.float32)
+        mem = rng.standard_normal((2, 20, 32)).astype(np.float32)
+        dout = rng.standard_normal((2, 24, 32)).astype(np.float32)
+        out = m(x, mem, mem, mask=mask, is_causal=True)
+        results.append([out, *m.backward(dout), *(m.grads[n] for n in sorted(m.grads))])
+    return results
+
+
+def _blas_info():
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    return sorted((p["filepath"], p["num_threads"]) for p in threadpoolctl.threadpool_info()
+                  if p["user_api"] == "blas")
+
+
+#: BLAS thread counts when this file is imported (at collection, before any test has run)
+BLAS_AT_IMPORT = _blas_info()
+
+
+def _blas_threads():
+    """BLAS thread counts now; they must be those at import (npattn restores what it holds)."""
+    pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    assert BLAS_AT_IMPORT, "threadpoolctl saw no BLAS library at import"
+    now = dict(_blas_info())  # libraries loaded since (torch's) are not compared
+    found = [(path, now.get(path)) for path, _ in BLAS_AT_IMPORT]
+    assert found == BLAS_AT_IMPORT, f"BLAS threads {found}, {BLAS_AT_IMPORT} at import"
+    return found
+
+
+def test_two_threads_get_what_each_gets_alone(monkeypatch):
+    """Four threads each run their own module (two on the NumPy kernel, two on the blocked
+    path, all on the pool) at the same time, repeatedly: bitwise the single-threaded
+    results. BLAS's thread count is the same afterwards as before."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 256)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    blas_before = _blas_threads()
+    jobs = [("numpy", 1), ("blocked", 2), ("numpy", 3), ("blocked", 4)]
+    rec = PoolRecorder(monkeypatch, probe_blas=True)
+    alone = {job: _module_steps(*job) for job in jobs}
+    assert rec.split("numpy") and rec.split("blocked"), f"not on the pool: {rec.where}"
+    assert rec.blas_in_tasks == {1}, "tiles ran without BLAS held to one thread"
+    assert _blas_threads() == blas_before
+    for _ in range(2):
+        together, errors = {}, []
+        barrier = threading.Barrier(len(jobs))
+
+        def worker(job):
+            try:
+                barrier.wait()
+                together[job] = _module_steps(*job)
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [threading.Thread(target=worker, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a thread did not finish"
+        assert not errors, "\n".join(errors)
+        for job in jobs:
+            for step, (a_step, b_step) in enumerate(zip(together[job], alone[job])):
+                for i, (a, b) in enumerate(zip(a_step, b_step)):
+                    np.testing.assert_array_equal(a, b, err_msg=f"{job}, step {step}, #{i}")
+        assert _blas_threads() == blas_before
+
+
+def test_a_failing_tile_releases_the_pool_blas_and_the_lock(monkeypatch):
+    """A tile that raises: the error comes out, BLAS's thread count is restored, and another
+    thread can then compute (the lock was released)."""
+    blas_before = _blas_threads()
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 16)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    args = _inputs(2, 2, 2, 1, 6, 5, 3, 3, dropout="seed")
+    expected = _run("numpy", *args)
+    calls = []
+
+    def failing(key, p, lead, rows, cols):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("a tile failed")
+        return real(key, p, lead, rows, cols)
+
+    real = numpy_kernel.keyed_keep_mask
+    monkeypatch.setattr(numpy_kernel, "keyed_keep_mask", failing)
+    with pytest.raises(MemoryError, match="a tile failed"):
+        _run("numpy", *args)
+    assert _blas_threads() == blas_before
+    monkeypatch.setattr(numpy_kernel, "keyed_keep_mask", real)
+    result = []
+    t = threading.Thread(target=lambda: result.append(_run("numpy", *args)))
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the lock was not released"
+    for a, b in zip(result[0], expected):
+        if b is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# NPATTN_NUM_THREADS
+
+
+@pytest.mark.parametrize("value", ["0", "x", "-2", "1.5"])
+def test_bad_num_threads_is_refused_before_computing(value, monkeypatch):
+    q, k, v, dout, kw = _inputs(3, 2, 2, 2, 5, 6, 3, 2, "float", "none", causal=True)
+    gen = np.random.default_rng(0)
+    state = gen.bit_generator.state
+    monkeypatch.setenv("NPATTN_NUM_THREADS", value)
+    for impl in ("auto", "dense", "reference", "numpy", "blocked"):
+        with pytest.raises(ValueError, match=f"NPATTN_NUM_THREADS.*{value!r}"):
+            A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.5, rng=gen, **kw)
+    assert gen.bit_generator.state == state  # no dropout key was drawn
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "")  # empty: the default
+    A.sdpa_forward(q, k, v, impl="numpy", **kw)
+
+
+def _module_pair(impl, **kw):
+    """Two modules alike (same seed, parameters and generator)."""
+    return [MultiHeadAttention(12, 4, n_kv_head=2, dropout=0.3, dtype="float64", seed=5,
+                               impl=impl, **kw) for _ in range(2)]
+
+
+def _module_data(n=3):
+    rng = np.random.default_rng(21)
+    mask = np.where(rng.random((2, 1, 6, 5)) > 0.3, rng.standard_normal((2, 1, 6, 5)), -np.inf)
+    return mask, [(rng.standard_normal((2, 6, 12)), rng.standard_normal((2, 5, 12)),
+                   rng.standard_normal((2, 6, 12))) for _ in range(n)]
+
+
+def _step(m, x, mem, mask):
+    return m(x, mem, mem, mask=mask, is_causal=True)
+
+
+def _grads(m, dout):
+    dinputs = m.backward(dout)
+    return [*dinputs, m.dmask, *(m.grads[n] for n in sorted(m.grads))]
+
+
+def _assert_all_equal(a, b, what):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        np.testing.assert_array_equal(x, y, err_msg=f"{what} #{i}")
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+@pytest.mark.parametrize("value", ["0", "x", "-2"])
+def test_bad_num_threads_in_the_module_keeps_its_state(value, impl, monkeypatch):
+    """The module refuses a bad NPATTN_NUM_THREADS (ValueError naming it); its previous
+    cache still gives the previous backward and its generator has not moved."""
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    mask, data = _module_data()
+    m, twin = _module_pair(impl)
+    (x1, mem1, d1), (x2, mem2, _), (x3, mem3, d3) = data
+    _step(m, x1, mem1, mask)
+    _step(twin, x1, mem1, mask)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", value)
+    with pytest.raises(ValueError, match="NPATTN_NUM_THREADS"):
+        _step(m, x2, mem2, mask)
+    if impl == "numpy":  # the kernel's backward reads it too (pool): if it fails, atomically
+        try:
+            m.backward(d1)
+        except ValueError as exc:
+            assert "NPATTN_NUM_THREADS" in str(exc)
+            assert m.grads == {} and m.dmask is None  # nothing assigned
+    monkeypatch.delenv("NPATTN_NUM_THREADS")
+    _assert_all_equal(_grads(m, d1), _grads(twin, d1), "backward of the previous forward")
+    _assert_all_equal([_step(m, x3, mem3, mask)], [_step(twin, x3, mem3, mask)],
+                      "next forward (same dropout mask)")
+    _assert_all_equal(_grads(m, d3), _grads(twin, d3), "next backward")
+
+
+# --------------------------------------------------------------------------
+# a failed forward or backward changes nothing
+
+
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+def test_a_failed_forward_keeps_cache_grads_and_generator(impl, when, error, monkeypatch):
+    """sdpa fails (before, or after it drew its dropout key): the module's backward still
+    gives the previous forward's gradients, its grads are untouched, and the next forward
+    draws the mask it would have drawn without the failed call."""
+    mask, data = _module_data()
+    m, twin = _module_pair(impl)
+    (x1, mem1, d1), (x2, mem2, d2), (x3, mem3, d3) = data
+    out1 = _step(m, x1, mem1, mask)
+    _step(twin, x1, mem1, mask)
+    g1 = _grads(m, d1)
+    grads_before, dmask_before = dict(m.grads), m.dmask
+    real = npattn.attention.sdpa_forward
+
+    def failing(*a, **kw):
+        if when == "after":
+            real(*a, **kw)  # the dropout key is drawn, then the call fails
+        raise error("out of memory in sdpa")
+
+    monkeypatch.setattr(npattn.attention, "sdpa_forward", failing)
+    with pytest.raises(error, match="out of memory in sdpa"):
+        _step(m, x2, mem2, mask)
+    monkeypatch.setattr(npattn.attention, "sdpa_forward", real)
+    assert m.grads.keys() == grads_before.keys() and m.dmask is dmask_before
+    assert all(m.grads[n] is grads_before[n] for n in grads_before)
+    _assert_all_equal(_grads(m, d2), _grads(twin, d2),
+                      "backward after the failed forward = backward of the previous forward")
+    _assert_all_equal(_grads(m, d1), g1, "the same as before the failed forward")
+    _assert_all_equal([_step(m, x3, mem3, mask)], [_step(twin, x3, mem3, mask)],
+                      "next forward: the generator was not advanced by the failed call")
+    _assert_all_equal(_grads(m, d3), _grads(twin, d3), "next backward")
+    assert not np.array_equal(out1, _step(twin, x1, mem1, mask))  # another mask: dropout acts
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+def test_a_failed_backward_keeps_grads(impl, monkeypatch):
+    mask, data = _module_data(2)
+    m, twin = _module_pair(impl)
+    (x1, mem1, d1), (x2, mem2, d2) = data
+    _step(m, x1, mem1, mask)
+    _grads(m, d1)
+    grads_before, dmask_before = dict(m.grads), m.dmask
+    _step(m, x2, mem2, mask)
+    real = npattn.attention.sdpa_backward
+
+    def failing(dout, cache):
+        real(dout, cache)
+        raise MemoryError("out of memory in the backward")
+
+    monkeypatch.setattr(npattn.attention, "sdpa_backward", failing)
+    with pytest.raises(MemoryError):
+        m.backward(d2)
+    monkeypatch.setattr(npattn.attention, "sdpa_backward", real)
+    assert all(m.grads[n] is grads_before[n] for n in grads_before) and m.dmask is dmask_before
+    for x, mem, d in data:
+        _step(twin, x, mem, mask)
+    _assert_all_equal(_grads(m, d2), _grads(twin, d2), "the backward, once it succeeds")
