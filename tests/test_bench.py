@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from npattn import bench
+from npattn.tools import bench
 
 
 def test_parse_shapes():

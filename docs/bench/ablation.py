@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from npattn import _fast, bench
+from npattn import _fast
+from npattn.tools import bench
 
 
 def main():

@@ -47,11 +47,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import _fast
-from . import functional as F
-from .backend import from_numpy, resolve_backend, to_numpy
-from .gradcheck import numerical_vjp
-from .module import PARAM_NAMES, MultiHeadAttention
+from .. import _fast
+from .. import functional as F
+from ..backend import from_numpy, resolve_backend, to_numpy
+from ..gradcheck import numerical_vjp
+from ..module import PARAM_NAMES, MultiHeadAttention
 
 __all__ = [
     "TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit",

@@ -1,6 +1,6 @@
 """Benchmark: ``MultiHeadAttention`` forward+backward against PyTorch.
 
-Run ``python -m npattn.bench`` (or ``npattn bench``). For each shape
+Run ``npattn bench`` (or ``python -m npattn.tools.bench``). For each shape
 (B, L, d_model, H, causal) it times one self-attention forward+backward of
 the module (``out = m(x, x, x); m.backward(dout)``), median of ``--repeat``
 runs after warm-up, and prints:
@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .backend import resolve_backend, backend_name, from_numpy
+from ..backend import resolve_backend, backend_name, from_numpy
 
 __all__ = ["main", "Shape", "parse_shapes", "flops", "DEFAULT_SHAPES"]
 
@@ -157,13 +157,13 @@ def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync) -> float:
 
 
 def _module_supports_impl() -> bool:
-    from .module import MultiHeadAttention
+    from ..module import MultiHeadAttention
 
     return "impl" in inspect.signature(MultiHeadAttention.__init__).parameters
 
 
 def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str):
-    from .module import MultiHeadAttention
+    from ..module import MultiHeadAttention
 
     kwargs = {"seed": 0, "dtype": dtype, "backend": backend}
     if _module_supports_impl():
@@ -187,7 +187,7 @@ def _make_torch(shape: Shape, dtype: str, m, x, dout):
         import torch
     except ImportError:
         return None, "torch not installed"
-    from .backend import to_numpy
+    from ..backend import to_numpy
 
     name = backend_name(m.xp)
     device = "cpu"
@@ -316,7 +316,7 @@ def environment_info(xp) -> dict:
     except ImportError:
         info["torch"] = None
     try:
-        from . import _fast
+        from .. import _fast
 
         info["npattn_pool_threads"] = _fast.pool_threads()
     except (ImportError, AttributeError):
