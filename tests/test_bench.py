@@ -40,8 +40,26 @@ def test_main_runs_and_writes_json(tmp_path, capsys):
     assert "2x8x8x2" in printed and "GEMM" in printed
 
 
+def test_isolated_mode_measures_each_case_in_a_child(tmp_path, capsys):
+    path, md = tmp_path / "iso.json", tmp_path / "iso.md"
+    rc = bench.main(["--isolated", "--shapes", "1x16x8x2", "--impl", "blocked", "--repeat", "2",
+                     "--gemm", "16", "--json", str(path), "--markdown", str(md)])
+    assert rc == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["shape"] == "1x16x8x2" and row["impl"] == "blocked" and len(row["ms_all"]) == 2
+    assert row["ms"] > 0 and row["gflops"] > 0 and row["gemm_gflops"] > 0
+    assert row["peak_rss_mib"] >= row["rss_before_mib"] > 0
+    assert "peak RSS" in capsys.readouterr().out
+    assert "| 1x16x8x2 | blocked |" in md.read_text()
+
+
 def test_main_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--repeat", "3"])
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "1x2x3"])
+    for isolated_only in (["--block-q", "16"], ["--markdown", "x.md"]):
+        with pytest.raises(SystemExit):
+            bench.main(isolated_only)
+    with pytest.raises(SystemExit):
+        bench.main(["--isolated", "--impl", "dense"])  # the default plan sets its own impl

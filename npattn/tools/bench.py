@@ -28,28 +28,52 @@ runs after warm-up, and prints:
 
 Shapes are written ``BxLxDxH`` with a trailing ``c`` for causal, e.g.
 ``--shapes 32x128x256x8,4x1024x768x12c``.
+
+Isolated mode (``--isolated``) runs each case in a fresh Python process
+(``python -m npattn.tools.bench --child SPEC``, which prints one JSON line),
+so that the peak resident memory it reports belongs to that one shape and
+path alone: ``peak RSS`` is the child's Linux ``VmHWM`` (``ru_maxrss``
+elsewhere), which includes the interpreter, NumPy, the parameters and the
+inputs; ``RSS before`` is the same number just before the first forward.
+It times ``--repeat`` runs (default 1) after ``--warmup`` (default 0), with
+no torch comparison and no traced-memory step, and takes ``--block-q`` /
+``--block-k`` for the blocked path and ``--markdown PATH`` to append a table.
+Without ``--shapes`` it runs ``ISOLATED_PLAN``. For example::
+
+    npattn bench --isolated --shapes 1x16384x512x8 --impl blocked
+    npattn bench --isolated --shapes 1x4096x512x8 --impl dense --repeat 3 --warmup 1
+
+GFLOP/s counts model FLOPs (``flops``); the blocked backward's recomputation
+of the scores is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib.util
 import inspect
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from ..backend import resolve_backend, backend_name, from_numpy
 
-__all__ = ["main", "Shape", "parse_shapes", "flops", "DEFAULT_SHAPES"]
+__all__ = [
+    "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
+    "environment_info", "Shape", "parse_shapes", "flops", "DEFAULT_SHAPES", "ISOLATED_PLAN",
+]
 
 
 class Shape(NamedTuple):
@@ -68,6 +92,15 @@ DEFAULT_SHAPES = (
     Shape(8, 512, 768, 12, False),
     Shape(4, 1024, 768, 12, True),
     Shape(1, 4096, 512, 8, False),
+)
+
+#: ``--isolated`` without ``--shapes``: (shape, impl) cases; a shorter sequence on
+#: both paths, to compare their speed where dense still fits, and a long one on
+#: the blocked path.
+ISOLATED_PLAN = (
+    (Shape(1, 4096, 512, 8, False), "dense"),
+    (Shape(1, 4096, 512, 8, False), "blocked"),
+    (Shape(1, 16384, 512, 8, False), "blocked"),
 )
 
 
@@ -298,6 +331,11 @@ def environment_info(xp) -> dict:
     except AttributeError:
         pass
     try:
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = int(f.readline().split()[1]) / 2**20  # MemTotal, KiB
+    except (OSError, ValueError, IndexError):
+        info["memory_gib"] = None
+    try:
         import threadpoolctl
 
         info["threadpools"] = [
@@ -335,8 +373,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _print_env(env, settings, dtype, out):
+    print(f"npattn bench: backend={env['backend']} dtype={dtype} {settings}", file=out)
+    print(f"cpu: {env['cpu']} ({env['cpu_count']} logical cpus)", file=out)
+    if isinstance(env["threadpools"], list):
+        for p in env["threadpools"]:
+            print(f"threadpool: {p['internal_api']} {p['version']} arch={p['architecture']} "
+                  f"threads={p['num_threads']} ({p['prefix']})", file=out)
+    else:
+        print(f"threadpool: {env['threadpools']}", file=out)
+    if env.get("torch"):
+        print(f"torch {env['torch']} threads={env['torch_threads']}", file=out)
+    if "npattn_pool_threads" in env:
+        print(f"npattn elementwise pool threads: {env['npattn_pool_threads']}", file=out)
+
+
 def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+    return format("-", ">" + spec.split(".")[0]) if v is None else format(v, spec)
 
 
 def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, warmup=2,
@@ -349,19 +402,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
     sync = _sync_for(xp)
     env = environment_info(xp)
     env["impl"] = impl
-    print(f"npattn bench: backend={env['backend']} dtype={dtype} impl={impl} "
-          f"repeat={repeat} warmup={warmup} pause={pause}s", file=out)
-    print(f"cpu: {env['cpu']} ({env['cpu_count']} logical cpus)", file=out)
-    if isinstance(env["threadpools"], list):
-        for p in env["threadpools"]:
-            print(f"threadpool: {p['internal_api']} {p['version']} arch={p['architecture']} "
-                  f"threads={p['num_threads']} ({p['prefix']})", file=out)
-    else:
-        print(f"threadpool: {env['threadpools']}", file=out)
-    if env.get("torch"):
-        print(f"torch {env['torch']} threads={env['torch_threads']}", file=out)
-    if "npattn_pool_threads" in env:
-        print(f"npattn elementwise pool threads: {env['npattn_pool_threads']}", file=out)
+    _print_env(env, f"impl={impl} repeat={repeat} warmup={warmup} pause={pause}s", dtype, out)
 
     gemm = gemm_gflops(xp, dtype, gemm_n, repeat, sync)
     print(f"GEMM {gemm_n}^3 {dtype}: {gemm:.1f} GFLOP/s at the start; %GEMM uses the GEMM "
@@ -427,58 +468,241 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
     return {"env": env, "gemm_gflops": gemm, "gemm_n": gemm_n, "dtype": dtype, "rows": rows}
 
 
+# ---------------------------------------------------------------- isolated mode
+
+
+def _blas_limit(n):
+    """Hold BLAS to ``n`` threads inside the block (threadpoolctl); None: BLAS's own setting."""
+    if n is None:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB.
+
+    Linux ``VmHWM``, else ``ru_maxrss`` (KiB on Linux, bytes on macOS). On
+    Linux ``ru_maxrss`` is no substitute: it keeps the parent's resident size
+    at the fork that started this process.
+    """
+    kib = _hwm_kib()
+    if kib is None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kib = peak / 1024 if sys.platform == "darwin" else peak
+    return kib / 1024
+
+
+def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy", repeat=1,
+                 warmup=0, gemm_n=2048, block_q=None, block_k=None, blas_threads=None) -> dict:
+    """Time one case in this process and read its peak RSS: the body of an isolated child.
+
+    Meant for a process that runs this one case: the block sizes are set as
+    ``npattn.blocked``'s defaults, which the module reads per call, and the
+    peak RSS is that of the whole process.
+    """
+    if impl != "dense":
+        from .. import blocked
+
+        blocked.DEFAULT_BLOCK_Q = block_q or blocked.DEFAULT_BLOCK_Q
+        blocked.DEFAULT_BLOCK_K = block_k or blocked.DEFAULT_BLOCK_K
+        block_q, block_k = blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K
+    else:
+        block_q = block_k = None
+    with _blas_limit(blas_threads):
+        m, x, dout, step = _make_npattn(shape, dtype, backend, impl)
+        sync = _sync_for(m.xp)
+        rss_before = _peak_rss_mib()  # interpreter, libraries, parameters and inputs
+        for _ in range(warmup):
+            step()
+        ts = [_timed(step, sync) for _ in range(repeat)]
+        peak = _peak_rss_mib()
+        gemm = gemm_gflops(m.xp, dtype, gemm_n, 3, sync) if gemm_n else None
+    ms = statistics.median(ts) * 1e3
+    rate = flops(shape) / (ms * 1e-3) / 1e9
+    return {
+        "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
+        "causal": shape.causal, "impl": impl, "dtype": dtype, "backend": backend_name(m.xp),
+        "block_q": block_q, "block_k": block_k, "blas_threads": blas_threads,
+        "repeat": repeat, "warmup": warmup,
+        "ms": ms, "ms_all": [t * 1e3 for t in ts], "ms_min": min(ts) * 1e3, "gflops": rate,
+        "gemm_gflops": gemm, "pct_gemm": 100.0 * rate / gemm if gemm else None,
+        "rss_before_mib": rss_before, "peak_rss_mib": peak, "loadavg": list(os.getloadavg()),
+    }
+
+
+def measure_isolated(shape: Shape, *, timeout=3600, **case) -> dict:
+    """``measure_here(shape, **case)`` in a fresh Python process, so that its peak RSS is its own."""
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this npattn
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    spec = json.dumps(dict(case, shape=str(shape)))
+    proc = subprocess.run([sys.executable, "-m", "npattn.tools.bench", "--child", spec],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"npattn bench: the child for {shape} ({case.get('impl')}) failed "
+                           f"with status {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, gemm_n=2048,
+                 block_q=None, block_k=None, blas_threads=None, out=None) -> dict:
+    """Run each ``(shape, impl)`` of ``plan`` in its own process; a dict of results (also printed)."""
+    out = sys.stdout if out is None else out
+    env = environment_info(resolve_backend(backend))
+    _print_env(env, f"isolated repeat={repeat} warmup={warmup} blas_threads={blas_threads}",
+               dtype, out)
+    print(f"{'shape':>18} {'impl':>7} {'blocks':>9} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} "
+          f"{'%GEMM':>6} {'RSS before':>10} {'peak RSS':>9} {'load':>5}", file=out)
+    rows = []
+    for shape, impl in plan:
+        r = measure_isolated(shape, impl=impl, dtype=dtype, backend=backend, repeat=repeat,
+                             warmup=warmup, gemm_n=gemm_n, block_q=block_q, block_k=block_k,
+                             blas_threads=blas_threads)
+        rows.append(r)
+        blocks = f"{r['block_q']},{r['block_k']}" if r["block_q"] else "-"
+        print(f"{r['shape']:>18} {impl:>7} {blocks:>9} {r['ms']:9.2f} {r['gflops']:8.1f} "
+              f"{_fmt(r['gemm_gflops'], '6.1f')} {_fmt(r['pct_gemm'], '6.1f')} "
+              f"{r['rss_before_mib']:10.1f} {r['peak_rss_mib']:9.1f} {r['loadavg'][0]:5.1f}",
+              file=out, flush=True)
+    return {"env": env, "dtype": dtype, "gemm_n": gemm_n, "rows": rows}
+
+
+def markdown_table(result) -> str:
+    """The machine and the rows of ``run_isolated``'s result as Markdown (RSS in MiB)."""
+    env = result["env"]
+    pools = env["threadpools"]
+    if isinstance(pools, list):
+        pools = "; ".join(f"{p['internal_api']} {p['version']} ({p['threading_layer']}, "
+                          f"{p['architecture']}, {p['num_threads']} threads)" for p in pools)
+    lines = [
+        f"- CPU: {env['cpu']}, {env['cpu_count']} logical cpus, "
+        f"{_fmt(env.get('memory_gib'), '.1f')} GiB RAM",
+        f"- BLAS: {pools}",
+        f"- NumPy {env['numpy']}, Python {env['python']}, backend {env['backend']}, "
+        f"{result['dtype']}",
+        "",
+        "| shape | impl | blocks (q, k) | BLAS threads | runs | ms (median) | GFLOP/s "
+        "| GEMM GFLOP/s | peak RSS MiB | RSS before fwd MiB | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        blocks = f"{r['block_q']}, {r['block_k']}" if r["block_q"] else "-"
+        runs = f"{r['repeat']}" + (f" (+{r['warmup']} warm-up)" if r["warmup"] else "")
+        lines.append(
+            f"| {r['shape']} | {r['impl']} | {blocks} | {r['blas_threads'] or 'default'} "
+            f"| {runs} | {r['ms']:.0f} | {r['gflops']:.1f} | {_fmt(r['gemm_gflops'], '.0f')} "
+            f"| {r['peak_rss_mib']:.0f} | {r['rss_before_mib']:.0f} | {r['loadavg'][0]:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="npattn bench",
-        description="Time MultiHeadAttention forward+backward (self-attention) against torch.",
+        description="Time MultiHeadAttention forward+backward (self-attention) against torch, "
+                    "or each case alone in a fresh process with its peak RSS (--isolated).",
     )
-    parser.add_argument("--shapes", default=",".join(str(s) for s in DEFAULT_SHAPES),
-                        help="comma-separated BxLxDxH[c] (c = causal); default: %(default)s")
+    parser.add_argument("--shapes",
+                        help="comma-separated BxLxDxH[c] (c = causal); default: "
+                             f"{','.join(str(s) for s in DEFAULT_SHAPES)} (--isolated: "
+                             "ISOLATED_PLAN)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     parser.add_argument("--backend", default="numpy",
                         choices=["numpy", "cupy", "torch", "array_api_strict"])
-    parser.add_argument("--impl", default="dense", choices=["auto", "dense", "blocked"],
+    parser.add_argument("--impl", choices=["auto", "dense", "blocked"],
                         help="attention implementation passed to the module (default: dense)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed runs per shape (>= 5)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--gemm", type=int, default=2048, help="size n of the n^3 reference GEMM")
+    parser.add_argument("--repeat", type=int,
+                        help="timed runs per shape (default 7, at least 5; --isolated: default 1)")
+    parser.add_argument("--warmup", type=int, help="untimed runs first (default 2; --isolated: 0)")
+    parser.add_argument("--gemm", type=int, default=2048,
+                        help="size n of the n^3 reference GEMM (--isolated: 0 = none)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads of npattn's tile pool (sets NPATTN_NUM_THREADS; "
                              "default: the usable CPUs)")
+    parser.add_argument("--blas-threads", type=int, metavar="N",
+                        help="hold BLAS to N threads (threadpoolctl; default: BLAS's own setting)")
     parser.add_argument("--pause", type=float, default=0.1, metavar="S",
                         help="seconds of rest before each timed step, so that one library's "
                              "spinning worker threads do not slow the next (default: %(default)s)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
+    iso = parser.add_argument_group("isolated mode")
+    iso.add_argument("--isolated", action="store_true",
+                     help="run each case in a fresh process and report its peak RSS "
+                          "(no torch, no traced memory)")
+    iso.add_argument("--block-q", type=int, metavar="N", help="query block of the blocked path")
+    iso.add_argument("--block-k", type=int, metavar="N", help="key block of the blocked path")
+    iso.add_argument("--markdown", metavar="PATH", help="append the results as a Markdown table")
+    iso.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.repeat < 5:
-        parser.error(f"--repeat: expected at least 5, got {args.repeat}")
+    if args.child:  # one isolated case, in the process the parent started for it
+        spec = json.loads(args.child)
+        spec["shape"] = parse_shapes(spec["shape"])[0]
+        print(json.dumps(measure_here(**spec)))
+        return 0
+    isolated = args.isolated
+    repeat = (1 if isolated else 7) if args.repeat is None else args.repeat
+    warmup = (0 if isolated else 2) if args.warmup is None else args.warmup
+    if repeat < (1 if isolated else 5):
+        parser.error(f"--repeat: expected at least {1 if isolated else 5}, got {repeat}")
+    if warmup < 0:
+        parser.error(f"--warmup: expected a non-negative integer, got {warmup}")
+    if args.gemm < (0 if isolated else 1):
+        parser.error(f"--gemm: expected {'0 or ' if isolated else ''}a positive size, got {args.gemm}")
+    for name in ("threads", "blas_threads", "block_q", "block_k"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, "
+                         f"got {getattr(args, name)}")
+    if not isolated:
+        for name in ("block_q", "block_k", "markdown"):
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')}: needs --isolated")
+    if isolated and args.shapes is None and args.impl is not None:
+        parser.error("--impl: with --isolated, give --shapes too (ISOLATED_PLAN sets the impl "
+                     "of each of its cases)")
+    impl = args.impl or "dense"
     try:
-        shapes = parse_shapes(args.shapes)
+        shapes = parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES
     except ValueError as exc:
         parser.error(str(exc))
-    if args.impl == "auto" and not _module_supports_impl():
+    if impl == "auto" and not _module_supports_impl():
         print("npattn bench: MultiHeadAttention has no impl argument; --impl auto runs "
               "the dense path", file=sys.stderr)
-    elif args.impl != "dense" and not _module_supports_impl():
-        print(f"npattn bench: --impl {args.impl} is not available in this npattn "
+    elif impl != "dense" and not _module_supports_impl():
+        print(f"npattn bench: --impl {impl} is not available in this npattn "
               "(MultiHeadAttention has no impl argument; only the dense path exists)",
               file=sys.stderr)
         return 2
+    if args.blas_threads is not None and importlib.util.find_spec("threadpoolctl") is None:
+        print("npattn bench: --blas-threads needs threadpoolctl (pip install 'npattn[bench]')",
+              file=sys.stderr)
+        return 2
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads: expected a positive integer, got {args.threads}")
         os.environ["NPATTN_NUM_THREADS"] = str(args.threads)
     try:
         resolve_backend(args.backend)
     except ImportError as exc:
         print(f"npattn bench: {exc}", file=sys.stderr)
         return 2
-    result = run(shapes, dtype=args.dtype, backend=args.backend, impl=args.impl,
-                 repeat=args.repeat, warmup=args.warmup, gemm_n=args.gemm,
-                 torch_compare=not args.no_torch, memory=not args.no_memory,
-                 pause=args.pause)
+    if isolated:
+        plan = ISOLATED_PLAN if args.shapes is None else [(s, impl) for s in shapes]
+        result = run_isolated(plan, dtype=args.dtype, backend=args.backend, repeat=repeat,
+                              warmup=warmup, gemm_n=args.gemm, block_q=args.block_q,
+                              block_k=args.block_k, blas_threads=args.blas_threads)
+        if args.markdown:
+            with open(args.markdown, "a") as f:
+                f.write(markdown_table(result) + "\n")
+    else:
+        with _blas_limit(args.blas_threads):
+            result = run(shapes, dtype=args.dtype, backend=args.backend, impl=impl,
+                         repeat=repeat, warmup=warmup, gemm_n=args.gemm,
+                         torch_compare=not args.no_torch, memory=not args.no_memory,
+                         pause=args.pause)
     if args.json:
         text = json.dumps(result, indent=1, default=str)
         if args.json == "-":
