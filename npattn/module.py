@@ -422,14 +422,23 @@ class MultiHeadAttention:
 
     @classmethod
     def from_torch(cls, module, *, backend="numpy"):
-        """A copy of a ``torch.nn.MultiheadAttention`` (its weights, dtype and mode).
+        """A copy of a ``torch.nn.MultiheadAttention``: its layout, weights, dtype, dropout and mode.
 
         Only the weights are converted: npattn takes (B, L, D) inputs, torch
         takes (L, B, D) unless ``batch_first=True``. See ``npattn.torch_interop``.
-        """
-        from .torch_interop import from_torch
 
-        return from_torch(module, backend=backend)
+        Parameters
+        ----------
+        module : torch.nn.MultiheadAttention
+        backend : str or namespace module
+            npattn backend of the copy. A bfloat16 module needs a backend with
+            bfloat16 (torch).
+        """
+        from . import torch_interop
+
+        mha = cls(**torch_interop.config_from_torch(module), backend=backend)
+        torch_interop.load_torch_state_dict(mha, module.state_dict())
+        return mha.train(module.training)
 
     def load_torch_state_dict(self, state_dict):
         """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self."""
