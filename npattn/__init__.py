@@ -2,16 +2,18 @@
 
 * ``npattn.functional``: stateless ``*_forward -> (out, cache)`` /
   ``*_backward(dout, cache) -> grads`` pairs for every step;
-* ``npattn.blocked``: the blockwise (FlashAttention-2 style) attention path;
+* ``npattn.attention``: the one dispatcher, ``sdpa_forward(..., impl=)``
+  over the reference, the blocked (FlashAttention-2 style) algorithm
+  (``npattn.blocked``) and the NumPy kernel (``npattn.numpy_kernel``);
 * ``npattn.MultiHeadAttention``: the module, a thin composition of them;
 * ``npattn.gradcheck``: central finite-difference checks for your own code;
 * ``npattn.masks``: causal and padding masks, and torch MHA's masks converted;
 * ``npattn.backend``: the one seam between npattn and array libraries.
 """
 
-from . import backend, blocked, functional, gradcheck, masks
+from . import attention, backend, blocked, functional, gradcheck, masks
 from .module import MultiHeadAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiHeadAttention", "backend", "blocked", "functional", "gradcheck", "masks", "__version__"]
+__all__ = ["MultiHeadAttention", "attention", "backend", "blocked", "functional", "gradcheck", "masks", "__version__"]

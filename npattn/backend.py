@@ -9,19 +9,42 @@ Everything backend-specific lives here, each piece with a standard fallback:
 * ``resolve_backend``: the module's ``backend=`` argument -> a namespace;
 * ``to_numpy`` / ``from_numpy``: host copies, used by the gradient checker
   and by the dropout generator;
-* ``keep_mask``: draws a dropout keep-mask from a seeded NumPy generator, on
-  the host, so that one seed gives one mask on every backend;
-* ``limit_blas_threads``: holds host BLAS to n threads (threadpoolctl), or
-  does nothing when it is not installed.
+* ``dropout_key`` / ``keep_mask``: dropout keep-masks from a counter-based
+  draw. One 64-bit key is drawn from the caller's generator per forward, and
+  the keep decision of entry ``(b, h, i, j)`` is a hash of the key and those
+  coordinates alone, computed on the host. So the reference, the blocked path
+  at any block size, the NumPy kernel at any tile size or thread count, and
+  every backend draw the same mask from one seed;
+* ``exclusive`` / ``limit_blas_threads`` / ``run_tasks``: the NumPy kernel's
+  tile pool and the BLAS thread count it holds (see "Threads and fork" below).
 
 CuPy and torch are imported only when asked for.
+
+Threads and fork
+----------------
+OpenBLAS keeps one thread count for the whole process, and its results
+change in the last bits with that count. The NumPy kernel and the blocked
+path hold BLAS to one thread while their tiles run on the pool, so npattn's
+computations take one process-wide lock (``exclusive``): two threads that
+run npattn at once run one after the other, each exactly as it would run
+alone, and the BLAS thread count is restored before the lock is released.
+The pool is created in the process that uses it and dropped in a forked
+child (``os.register_at_fork``), so a child makes its own.
+
+Safe to share between threads: the functions, read-only input arrays.
+Not safe: one ``MultiHeadAttention`` used by two threads at once (its cache
+and generator are its state), and your own BLAS work in another thread
+while npattn holds BLAS at one thread (it runs, with one BLAS thread).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import array_api_compat
 import numpy as np
@@ -37,9 +60,16 @@ __all__ = [
     "from_numpy",
     "is_floating",
     "is_bool",
-    "keep_mask",
     "make_rng",
+    "dropout_key",
+    "keep_mask",
+    "keyed_keep_mask",
+    "blas_controller",
     "limit_blas_threads",
+    "exclusive",
+    "pool_threads",
+    "run_tasks",
+    "is_numpy_array",
 ]
 
 #: Names accepted by ``backend=``, and the module that provides each namespace.
@@ -156,14 +186,89 @@ def make_rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def keep_mask(rng: np.random.Generator, shape, p: float, xp, device=None):
-    """Boolean keep-mask of ``shape``: each entry True with probability ``1 - p``.
+def dropout_key(rng) -> int:
+    """One 64-bit dropout key drawn from ``rng`` (a seed, ``SeedSequence``, ``Generator`` or None).
 
-    Drawn on the host from ``rng`` (float64 uniforms, ``u >= p``), then moved to
-    ``xp`` on ``device``, so the same seed gives the same mask on every backend.
+    Every implementation draws exactly one key per forward, in the same way,
+    so one generator state gives one key, and one key one mask.
     """
-    keep = rng.random(tuple(int(s) for s in shape)) >= p  # [*shape] bool
-    return from_numpy(keep, xp, device)
+    return int(make_rng(rng).integers(0, 2**63))
+
+
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, odd: spreads consecutive coordinates
+
+
+def _mix32(x):
+    """lowbias32 (C. Wellons): a bijective 32-bit integer hash, in place on a uint32 array."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+def keyed_keep_mask(key: int, p: float, lead, rows, cols) -> np.ndarray:
+    """Host keep-mask of entries ``(*lead, i, j)`` for ``i in rows``, ``j in cols``.
+
+    The keep decision of one entry is a function of ``key`` and its
+    coordinates only (a counter-based draw)::
+
+        r = hash(... hash(hash(key_lo + c_0 G) + c_1 G) ... + i G)   per row
+        u = hash(r ^ hash(key_hi + j G))                             per entry
+        keep = u >= round(p * 2^32)
+
+    with ``hash`` a 32-bit mixing bijection and ``G`` an odd constant. So
+    ``P(keep) = 1 - round(p * 2^32) / 2^32`` (within 2^-33 of ``1 - p``).
+
+    Parameters
+    ----------
+    key : int
+        From ``dropout_key``.
+    p : float
+        Drop probability, in [0, 1).
+    lead : sequence of int arrays
+        Coordinates of the leading axes (e.g. b and h), broadcastable to the
+        leading shape of the block.
+    rows, cols : 1-D int arrays
+        Query rows i and key columns j of the block.
+
+    Returns
+    -------
+    numpy bool array, shape ``(*broadcast(lead), len(rows), len(cols))``
+    """
+    lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+    r = np.full((), lo, dtype=np.uint32)
+    coords = [np.asarray(c)[..., None, None] for c in lead] + [np.asarray(rows)[:, None]]
+    for c in coords:
+        c = c.astype(np.uint32)  # coordinates wrap at 2^32, as everything here
+        r = _mix32(r + c * np.uint32(_GOLDEN))  # [..., 1] per row: cheap
+    col = _mix32(np.uint32(hi) + np.asarray(cols).astype(np.uint32) * np.uint32(_GOLDEN))  # [bk]
+    u = np.bitwise_xor(r, col)  # [..., bq, bk]
+    _mix32(u)
+    threshold = min(int(round(p * 2.0**32)), 2**32 - 1)
+    return u >= np.uint32(threshold)
+
+
+def keep_mask(key: int, p: float, shape, xp, device=None):
+    """The keep-mask of every entry of an array of ``shape`` (coordinates ``0..n-1`` per axis).
+
+    ``keyed_keep_mask`` over the whole grid, moved to ``xp`` on ``device``:
+    entry ``(..., i, j)`` is kept with probability ``1 - p``.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:  # a vector: its entries are the columns of one row
+        keep = keyed_keep_mask(key, p, [], np.arange(1), np.arange(shape[0] if shape else 1))
+        return from_numpy(keep.reshape(shape), xp, device)
+    lead = [np.arange(n).reshape((n,) + (1,) * (len(shape) - 3 - a))
+            for a, n in enumerate(shape[:-2])]  # one coordinate array per leading axis
+    keep = keyed_keep_mask(key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]))
+    return from_numpy(np.broadcast_to(keep, shape), xp, device)
+
+
+def is_numpy_array(x) -> bool:
+    """Whether ``x`` is a plain ``numpy.ndarray`` (not a subclass: masked arrays, matrices)."""
+    return type(x) is np.ndarray
 
 
 _blas_controller = None
@@ -186,10 +291,94 @@ def limit_blas_threads(n):
     """Context manager: host BLAS libraries (NumPy's, torch's) use at most ``n`` threads inside.
 
     Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
-    it changes nothing. Many small matmuls (the blocked attention path) run
-    far slower when BLAS threads spin against other work for the cores.
+    it changes nothing. The count is process-wide: npattn calls it only
+    inside ``exclusive()``, and restores it before leaving.
     """
     ctl = blas_controller()
     if n is None or ctl is None:
         return contextlib.nullcontext()
     return ctl.limit(limits=int(n), user_api="blas")
+
+
+# --------------------------------------------------------------------------
+# the tile pool: per process, behind one lock
+
+_lock = threading.RLock()
+_pool = None  # (pid, n, ThreadPoolExecutor) of this process, made on first use
+
+
+def _after_fork_in_child():
+    """A forked child inherits the parent's pool object without its threads: forget it."""
+    global _lock, _pool
+    _lock = threading.RLock()
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def exclusive():
+    """Context manager: npattn's computations in this process run one at a time inside.
+
+    Re-entrant. The NumPy kernel and the blocked path change the process-wide
+    BLAS thread count while their tiles run; under this lock no other npattn
+    computation sees that change, and the count is restored before release.
+    """
+    lock = _lock
+    with lock:
+        yield
+
+
+def pool_threads() -> int:
+    """Threads of the tile pool: ``NPATTN_NUM_THREADS``, else the usable CPUs (at most 8).
+
+    The number changes the speed, never the numbers: every tile is computed
+    the same way whichever thread runs it. Without ``threadpoolctl`` BLAS
+    cannot be held to one thread, so tiles then run one after another (1).
+    Raises ``ValueError`` for a ``NPATTN_NUM_THREADS`` that is not a positive
+    integer.
+    """
+    env = os.environ.get("NPATTN_NUM_THREADS")
+    if env is not None and env.strip() != "":
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(
+                f"NPATTN_NUM_THREADS: expected a positive integer (threads of npattn's tile pool), "
+                f"got {env!r}"
+            )
+        return n
+    if blas_controller() is None:
+        return 1
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def run_tasks(fn, tasks, threads: int):
+    """``fn(*task)`` for every task, on the tile pool with BLAS held to one thread.
+
+    With ``threads <= 1`` or one task they run in order, BLAS still held to
+    one thread, so the numbers are the same for every thread count. Each task
+    must write only its own output slices. Call inside ``exclusive()``.
+    """
+    global _pool
+    with limit_blas_threads(1):
+        if threads <= 1 or len(tasks) <= 1:
+            for t in tasks:
+                fn(*t)
+            return
+        pid = os.getpid()
+        if _pool is None or _pool[0] != pid or _pool[1] != threads:
+            if _pool is not None and _pool[0] == pid:
+                _pool[2].shutdown(wait=False)
+            _pool = (pid, threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="npattn"))
+        futures = [_pool[2].submit(fn, *t) for t in tasks]
+        wait(futures)  # every one, even when one fails, before BLAS threads come back
+    for f in futures:
+        f.result()  # raises a tile's exception

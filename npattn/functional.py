@@ -27,9 +27,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional
 
-from . import _fast
 from . import validation as V
-from .backend import check_same_device, device_of, is_bool, is_floating, keep_mask, make_rng, namespace
+from .backend import check_same_device, device_of, dropout_key, is_bool, is_floating, keep_mask, namespace
 
 __all__ = [
     "linear_forward",
@@ -50,6 +49,11 @@ __all__ = [
     "pad_mask_backward",
     "causal_mask",
     "sum_to_shape",
+    "compute_dtype",
+    "gqa_groups",
+    "group_heads",
+    "ungroup_heads",
+    "sdpa_forward_core",
 ]
 
 
@@ -96,7 +100,7 @@ def causal_mask(xp, Lq: int, Lk: int, device=None):
     return xp.expand_dims(i, axis=1) >= xp.expand_dims(j, axis=0)  # [Lq, Lk]
 
 
-def _compute_dtype(xp, dtype):
+def compute_dtype(xp, dtype):
     """Scores and softmax of half-precision inputs are computed in float32."""
     for half in ("float16", "bfloat16"):
         # compare only with dtypes the namespace has: NumPy reads dtype == None as float64
@@ -293,7 +297,7 @@ def masked_softmax_forward(x, mask=None):
     # [..., Lk], mask broadcastable -> [..., Lk]
     xp = namespace(x, mask)
     in_dtype = x.dtype
-    work = _compute_dtype(xp, in_dtype)  # float16 / bfloat16: work in float32
+    work = compute_dtype(xp, in_dtype)  # float16 / bfloat16: work in float32
     if work != in_dtype:
         x = xp.astype(x, work)
         if mask is not None and is_floating(xp, mask):
@@ -357,16 +361,18 @@ def masked_softmax_backward(dp, cache: SoftmaxCache):
 class DropoutCache(NamedTuple):
     keep: Any  # bool keep-mask broadcastable to x, or None when dropout is off
     scale: float  # 1 / (1 - p)
+    key: Optional[int] = None  # the dropout key when the mask was drawn, else None
 
 
 def dropout_forward(x, p: float, *, mask=None, rng=None):
     """Inverted dropout: ``y = where(keep, x / (1 - p), 0)``.
 
     ``p`` is the drop probability. ``mask`` is a boolean keep-mask (True =
-    keep) broadcastable to ``x.shape``; without one, a mask with
-    ``P(keep) = 1 - p`` is drawn from ``rng`` (a seed or a NumPy
-    ``Generator``; see ``npattn.backend.keep_mask``). With ``p == 0`` and no
-    mask this is the identity.
+    keep) broadcastable to ``x.shape``; without one, one key is drawn from
+    ``rng`` (a seed or a NumPy ``Generator``) and entry ``(..., i, j)`` is
+    kept with probability ``1 - p`` by a hash of the key and its coordinates
+    (``npattn.backend.keep_mask``), the draw every implementation of
+    attention makes. With ``p == 0`` and no mask this is the identity.
 
     Parameters
     ----------
@@ -386,12 +392,13 @@ def dropout_forward(x, p: float, *, mask=None, rng=None):
     xp = namespace(x, mask)
     if mask is None and p == 0.0:
         return x, DropoutCache(None, 1.0)
-    keep = mask
+    keep, key = mask, None
     if keep is None:
-        keep = keep_mask(make_rng(rng), x.shape, p, xp, device_of(x))  # [...] bool
+        key = dropout_key(rng)
+        keep = keep_mask(key, p, x.shape, xp, device_of(x))  # [...] bool
     scale = 1.0 / (1.0 - p)
     y = xp.where(keep, x * scale, 0.0)  # [...]
-    return y, DropoutCache(keep, scale)
+    return y, DropoutCache(keep, scale, key)
 
 
 def dropout_backward(dy, cache: DropoutCache):
@@ -431,7 +438,7 @@ class SDPACache(NamedTuple):
     groups: int = 1  # G = Hq // Hkv query heads per K/V head (grouped-query attention)
 
 
-def _group_heads(xp, x, G: int):
+def group_heads(xp, x, G: int):
     """View query-head rows as rows of their K/V head: ``[..., Hq, L, X] -> [..., Hkv, G*L, X]``.
 
     Query head ``h = hkv * G + g`` lands in K/V head ``hkv = h // G``, at rows
@@ -443,15 +450,15 @@ def _group_heads(xp, x, G: int):
     return xp.reshape(x, (*lead, Hq // G, G * L, X))  # [..., Hkv, G*L, X]
 
 
-def _ungroup_heads(xp, x, G: int):
-    """Inverse of ``_group_heads``: ``[..., Hkv, G*L, X] -> [..., Hq, L, X]``."""
+def ungroup_heads(xp, x, G: int):
+    """Inverse of ``group_heads``: ``[..., Hkv, G*L, X] -> [..., Hq, L, X]``."""
     if G == 1:
         return x
     *lead, Hkv, GL, X = x.shape
     return xp.reshape(x, (*lead, Hkv * G, GL // G, X))  # [..., Hq, L, X]
 
 
-def _gqa_groups(q, k, v, enable_gqa: bool) -> int:
+def gqa_groups(q, k, v, enable_gqa: bool) -> int:
     """Number of query heads per K/V head, with the shape checks of grouped-query attention."""
     if not enable_gqa:
         return 1
@@ -546,18 +553,25 @@ def sdpa_forward(
     output is cast back to the input dtype. A query row with nothing to attend
     gets an all-zero row of weights and zero output.
 
-    For NumPy arrays the same steps run tiled and in place in
-    ``npattn/_fast.py`` (cache: ``FastSDPACache``, with the same ``probs``);
-    ``with npattn._fast.fast_path(False):`` or ``NPATTN_FAST=0`` runs the code
-    below instead.
+    This is the readable reference: it runs as written on every backend.
+    ``npattn.attention.sdpa_forward(..., impl=)`` chooses between it, the
+    blocked algorithm and the NumPy kernel, which compute the same function.
     """
-    # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh] -> [B, H, Lq, Dh]
+    # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+    G = gqa_groups(q, k, v, enable_gqa)
+    return sdpa_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                             dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, groups=G)
+
+
+def sdpa_forward_core(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups):
+    """``sdpa_forward`` on arguments that are already checked (``groups`` = G); for the dispatcher."""
+    # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
     xp = namespace(q, k, v, mask, dropout_mask)
-    G = _gqa_groups(q, k, v, enable_gqa)
+    G = groups
     in_dtype = q.dtype
-    work = _compute_dtype(xp, in_dtype)
+    work = compute_dtype(xp, in_dtype)
     if work != in_dtype:
         q, k, v = (xp.astype(t, work) for t in (q, k, v))
         if mask is not None and is_floating(xp, mask):
@@ -566,15 +580,8 @@ def sdpa_forward(
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     Lq, Lk = q.shape[-2], k.shape[-2]
 
-    if G == 1 and _fast.applies(q, k, v, mask, dropout_mask):
-        # The one hook to the fast path: for NumPy arrays the same steps 1.-5. run
-        # tiled, in place and on a thread pool (npattn/_fast.py; off: NPATTN_FAST=0).
-        return _fast.sdpa_forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
-                                  dropout_p=dropout_p, dropout_mask=dropout_mask,
-                                  rng=rng, in_dtype=in_dtype)
-
-    qg = _group_heads(xp, q, G)  # 0.                              [B, Hkv, G*Lq, Dh]
-    s = _ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
+    qg = group_heads(xp, q, G)  # 0.                              [B, Hkv, G*Lq, Dh]
+    s = ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
 
     a_mask = mask  # 2.
     mask_shape = None
@@ -591,7 +598,7 @@ def sdpa_forward(
 
     p, sm_cache = masked_softmax_forward(s, a_mask)  # 3.          [B, H, Lq, Lk]
     a, do_cache = dropout_forward(p, dropout_p, mask=dropout_mask, rng=rng)  # 4.
-    out = _ungroup_heads(xp, _group_heads(xp, a, G) @ v, G)  # 5.   [B, H, Lq, Dh]
+    out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 5.   [B, H, Lq, Dh]
 
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
@@ -616,9 +623,7 @@ def sdpa_backward(dout, cache: SDPACache):
         no mask. It is the gradient of the output with respect to the additive
         mask, summed over the axes the mask was broadcast along.
     """
-    # [B, H, Lq, Dh] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dh], mask shape
-    if isinstance(cache, _fast.FastSDPACache):  # the forward took the fast path
-        return _fast.sdpa_backward(dout, cache)
+    # [B, H, Lq, Dv] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv], mask shape
     xp = namespace(dout, cache.q)
     check_same_device(q=cache.q, dout=dout)
     q, k, v, a = cache.q, cache.k, cache.v, cache.attn
@@ -629,9 +634,9 @@ def sdpa_backward(dout, cache: SDPACache):
     # 5. out = ungroup(group(a) @ v): the grouped view is a plain matmul, so
     #    da = dout @ v^T and dv = a^T @ dout in that view; the contraction over
     #    the G*Lq rows of dv sums each K/V head's gradient over its G query heads
-    dout_g = _group_heads(xp, dout, G)  # [B, Hkv, G*Lq, Dh]
-    da = _ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
-    dv = xp.matrix_transpose(_group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
+    dout_g = group_heads(xp, dout, G)  # [B, Hkv, G*Lq, Dh]
+    da = ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
+    dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
     # 4. a = dropout(p)
     dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
     # 3. p = masked_softmax(s, a_mask)
@@ -643,11 +648,11 @@ def sdpa_backward(dout, cache: SDPACache):
         dmask = sum_to_shape(xp, da_mask, cache.mask_shape)
     # 1. s = ungroup(qg @ k^T) * scale: dqg = ds_g @ k * scale, and
     #    dk = ds_g^T @ qg * scale, again summed over the G query heads of a group
-    ds_g = _group_heads(xp, ds, G)  # [B, Hkv, G*Lq, Lk]
+    ds_g = group_heads(xp, ds, G)  # [B, Hkv, G*Lq, Lk]
     dqg = (ds_g @ k) * cache.scale  # [B, Hkv, G*Lq, Dh]
-    dk = (xp.matrix_transpose(ds_g) @ _group_heads(xp, q, G)) * cache.scale  # [B, Hkv, Lk, Dh]
+    dk = (xp.matrix_transpose(ds_g) @ group_heads(xp, q, G)) * cache.scale  # [B, Hkv, Lk, Dh]
     # 0. qg = group_heads(q): a reshape, undone
-    dq = _ungroup_heads(xp, dqg, G)  # [B, H, Lq, Dh]
+    dq = ungroup_heads(xp, dqg, G)  # [B, H, Lq, Dh]
 
     if cache.in_dtype != q.dtype:
         dq, dk, dv = (xp.astype(t, cache.in_dtype) for t in (dq, dk, dv))

@@ -15,10 +15,10 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from . import blocked
+from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import backend_name, device_of, from_numpy, resolve_backend
+from .backend import backend_name, device_of, exclusive, from_numpy, resolve_backend
 
 __all__ = [
     "MultiHeadAttention", "ParameterDict", "check_module_args", "check_forward_inputs",
@@ -36,7 +36,7 @@ class MHACache(NamedTuple):
     v_extra: F.AppendKVCache
     mask_pad: Optional[F.PadMaskCache]  # None when no extra keys were appended
     split: F.HeadsCache
-    sdpa: Any  # F.SDPACache (dense) or blocked.BlockedSDPACache
+    sdpa: Any  # the cache of attention.sdpa_forward (that implementation's own)
     merge: F.HeadsCache
     out_proj: F.LinearCache
     out_shape: tuple
@@ -100,12 +100,17 @@ class MultiHeadAttention:
         Seeds the Xavier-uniform initialisation and the dropout generator.
     backend : str or namespace module
         "numpy", "cupy", "array_api_strict", "torch", or an Array API namespace.
-    impl : {"auto", "dense", "blocked"}
-        Attention path of step 5 (see ``npattn.blocked``): "dense" forms the
-        (B, H, Lq, Lk) weights; "blocked" never does (memory linear in L, no
-        weights); "auto" takes "blocked" when weights are not requested and
-        ``Lq * Lk >= blocked.AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
-        blocked.AUTO_BLOCKED_MAX_DENSE_SCORES`` (see ``blocked.select_impl``).
+    impl : {"auto", "dense", "reference", "numpy", "blocked"}
+        Implementation of step 6, chosen per call by ``npattn.attention``:
+        "reference" runs ``npattn.functional`` as written; "numpy" the NumPy
+        kernel; "dense" the faster of those two for the arrays; "blocked" the
+        FlashAttention-2 style algorithm (memory linear in L, no weights);
+        "auto" takes "blocked" when weights are not requested and the dense
+        probabilities would be large (``attention.select_impl``), else
+        "dense". All give the same numbers to rounding, dropout included.
+    block_q, block_k : int, optional
+        Query / key block lengths of the blocked implementation (default
+        ``blocked.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``).
 
     Attributes
     ----------
@@ -137,6 +142,8 @@ class MultiHeadAttention:
         seed=None,
         backend="numpy",
         impl: str = "auto",
+        block_q=None,
+        block_k=None,
     ):
         self.xp = xp = resolve_backend(backend)
         dtype = check_module_args(
@@ -144,8 +151,12 @@ class MultiHeadAttention:
             dtype=dtype, seed=seed, qdim=qdim, n_kv_head=n_kv_head, qkv_bias=qkv_bias,
             out_bias=out_bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
         )
-        blocked.select_impl(impl, 0, 0)  # validates impl
+        A.check_impl(impl)
+        for name, size in (("block_q", block_q), ("block_k", block_k)):
+            if size is not None:
+                V.check_positive_int(name, size)
         self.impl = impl
+        self.block_q, self.block_k = block_q, block_k
         self.d_model = d_model
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -272,7 +283,7 @@ class MultiHeadAttention:
         check_finite : bool
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
-        impl : {"auto", "dense", "blocked"}, optional
+        impl : {"auto", "dense", "reference", "numpy", "blocked"}, optional
             Overrides the module's ``impl`` for this call.
 
         Returns
@@ -289,11 +300,52 @@ class MultiHeadAttention:
         check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
                              is_causal=is_causal, need_weights=need_weights,
                              check_finite=check_finite)
-        blocked.select_impl(self.impl if impl is None else impl, 0, 0, need_weights=need_weights)
+        impl = self.impl if impl is None else impl
+        A.check_impl(impl, need_weights=need_weights)
+        # The generator is advanced only when the whole forward succeeds, and
+        # the previous cache stays until then: a failed call changes nothing.
+        rng_state = self._rng.bit_generator.state
+        try:
+            with exclusive():
+                out, cache = self._forward(query, key, value, mask, is_causal, dropout_mask,
+                                           impl, need_weights)
+        except BaseException:
+            self._rng.bit_generator.state = rng_state
+            raise
+        self._cache = cache
+        if need_weights:
+            return out, self.xp.astype(A.weights(cache.sdpa), out.dtype)  # [B, H, Lq, Lk]
+        return out
+
+    @property
+    def cache(self):
+        """The cache of the last successful forward (an ``MHACache``), or None.
+
+        Assigning a cache that an earlier forward of this module returned
+        makes ``backward`` differentiate that forward (the gradient checker
+        does this); anything else is a ``TypeError``.
+        """
+        return self._cache
+
+    @cache.setter
+    def cache(self, value):
+        if value is not None and not isinstance(value, MHACache):
+            raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
+        self._cache = value
+
+    def clear_cache(self):
+        """Drop the cache of the last forward (its arrays are freed); ``backward`` then needs a new forward.
+
+        A forward keeps the previous cache until it has succeeded, so two
+        caches are alive while it runs; call this first where memory is tight.
+        """
+        self._cache = None
+
+    def _forward(self, query, key, value, mask, is_causal, dropout_mask, impl, need_weights):
+        """Steps 1.-8. on checked arguments: ``(out, MHACache)``; changes no state but the generator."""
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
-        self._cache = None  # free the last forward's cache before this one builds its own
 
         if query is key and key is value:  # self-attention: 1.-3. as one GEMM
             q, k, v, q_c, k_c, v_c = self._project_self(query)
@@ -313,12 +365,14 @@ class MultiHeadAttention:
         qh, split_c = F.split_heads_forward(q, H)  # 5.                  [B, H, Lq, Dh]
         kh, _ = F.split_heads_forward(k, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
         vh, _ = F.split_heads_forward(v, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
-        oh, sdpa_c = blocked.attention_forward(  # 6.                    [B, H, Lq, Dh]
+        oh, sdpa_c = A.sdpa_forward(  # 6.                             [B, H, Lq, Dh]
             qh,
             kh,
             vh,
-            impl=self.impl if impl is None else impl,
+            impl=impl,
             need_weights=need_weights,
+            block_q=self.block_q,
+            block_k=self.block_k,
             mask=mask,
             is_causal=is_causal,
             dropout_p=self.dropout if use_dropout else 0.0,
@@ -329,13 +383,11 @@ class MultiHeadAttention:
         o, merge_c = F.merge_heads_forward(oh)  # 7.                     [B, Lq, D]
         out, o_c = F.linear_forward(o, P["w_o"], P.get("b_o"))  # 8.     [B, Lq, D]
 
-        self._cache = MHACache(
+        cache = MHACache(
             q_c, k_c, v_c, k_extra_c, v_extra_c, mask_c, split_c, sdpa_c, merge_c, o_c,
             tuple(out.shape), out.dtype,
         )
-        if need_weights:
-            return out, self.xp.astype(sdpa_c.probs, out.dtype)  # [B, H, Lq, Lk]
-        return out
+        return out, cache
 
     def _project_self(self, x):
         """Steps 1.-3. for query = key = value = x, with one (D + 2 Dkv, D) weight.
@@ -377,13 +429,20 @@ class MultiHeadAttention:
         dvalue : array, shape (B, Lk, Dv)
         """
         check_backward_inputs(self, dout)
-        c = self._cache
+        with exclusive():
+            grads, dmask, dinputs = self._backward(dout, self._cache)
+        self.grads = grads  # assigned only once the whole backward has succeeded
+        self.dmask = dmask
+        return dinputs
+
+    def _backward(self, dout, c):
+        """The backward of the forward that made ``c``: ``(grads, dmask, (dquery, dkey, dvalue))``."""
         # 8. out = o @ w_o.T + b_o
         do, dw_o, db_o = F.linear_backward(dout, c.out_proj)  # [B, Lq, D]
         # 7. o = merge_heads(oh)
         doh = F.merge_heads_backward(do, c.merge)  # [B, H, Lq, Dh]
         # 6. oh = sdpa(qh, kh, vh, mask); dk, dv summed over each query group under GQA
-        dqh, dkh, dvh, dmask = blocked.attention_backward(doh, c.sdpa)
+        dqh, dkh, dvh, dmask = A.sdpa_backward(doh, c.sdpa)
         # 5. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
         dq = F.split_heads_backward(dqh, c.split)  # [B, Lq, D]
         dk = F.split_heads_backward(dkh, c.split)  # [B, Lk + n, Dkv]
@@ -405,9 +464,8 @@ class MultiHeadAttention:
             grads["b_o"] = db_o
         if self.add_bias_kv:
             grads.update(bias_k=dbias_k, bias_v=dbias_v)
-        self.grads = {name: grads[name] for name in PARAM_NAMES if name in grads}
-        self.dmask = dmask
-        return dquery, dkey, dvalue
+        grads = {name: grads[name] for name in PARAM_NAMES if name in grads}
+        return grads, dmask, (dquery, dkey, dvalue)
 
     def __repr__(self):
         return (

@@ -53,11 +53,11 @@ import argparse
 import contextlib
 import gc
 import importlib.util
-import inspect
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -82,9 +82,11 @@ class Shape(NamedTuple):
     D: int
     H: int
     causal: bool
+    dropout: float = 0.0  # drop probability of the attention weights, both libraries in training
 
     def __str__(self):
-        return f"{self.B}x{self.L}x{self.D}x{self.H}" + ("c" if self.causal else "")
+        drop = f"d{self.dropout:g}" if self.dropout else ""
+        return f"{self.B}x{self.L}x{self.D}x{self.H}" + ("c" if self.causal else "") + drop
 
 
 DEFAULT_SHAPES = (
@@ -92,6 +94,7 @@ DEFAULT_SHAPES = (
     Shape(8, 512, 768, 12, False),
     Shape(4, 1024, 768, 12, True),
     Shape(1, 4096, 512, 8, False),
+    Shape(8, 512, 768, 12, False, 0.1),  # the cost of dropout: against the second row
 )
 
 #: ``--isolated`` without ``--shapes``: (shape, impl) cases; a shorter sequence on
@@ -105,23 +108,31 @@ ISOLATED_PLAN = (
 
 
 def parse_shapes(text: str):
-    """``"32x128x256x8,4x1024x768x12c"`` -> tuple of ``Shape``."""
+    """``"32x128x256x8,4x1024x768x12c,8x512x768x12d0.1"`` -> tuple of ``Shape``.
+
+    A trailing ``c`` means causal, ``dP`` dropout with drop probability P.
+    """
     shapes = []
     for item in text.split(","):
         item = item.strip().lower()
         if not item:
             continue
-        causal = item.endswith("c")
-        parts = item.rstrip("c").split("x")
-        try:
-            B, L, D, H = (int(p) for p in parts)
-        except ValueError:
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)(?:d([0-9.]+))?", item)
+        if match is None:
             raise ValueError(
-                f"--shapes: expected items like 32x128x256x8 or 4x1024x768x12c, got {item!r}"
-            ) from None
+                f"--shapes: expected items like 32x128x256x8, 4x1024x768x12c or "
+                f"8x512x768x12d0.1, got {item!r}"
+            )
+        B, L, D, H = (int(g) for g in match.groups()[:4])
+        try:
+            p = float(match.group(6)) if match.group(6) else 0.0
+        except ValueError:
+            p = -1.0
         if min(B, L, D, H) < 1 or D % H:
             raise ValueError(f"--shapes: {item!r} needs positive sizes and D divisible by H")
-        shapes.append(Shape(B, L, D, H, causal))
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"--shapes: {item!r}: the dropout after d must be in [0, 1)")
+        shapes.append(Shape(B, L, D, H, bool(match.group(5)), p))
     if not shapes:
         raise ValueError(f"--shapes: no shape in {text!r}")
     return tuple(shapes)
@@ -189,19 +200,11 @@ def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync) -> float:
     return fl / statistics.median(times) / 1e9
 
 
-def _module_supports_impl() -> bool:
+def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None, block_k=None):
     from ..module import MultiHeadAttention
 
-    return "impl" in inspect.signature(MultiHeadAttention.__init__).parameters
-
-
-def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str):
-    from ..module import MultiHeadAttention
-
-    kwargs = {"seed": 0, "dtype": dtype, "backend": backend}
-    if _module_supports_impl():
-        kwargs["impl"] = impl
-    m = MultiHeadAttention(shape.D, shape.H, **kwargs)
+    m = MultiHeadAttention(shape.D, shape.H, seed=0, dtype=dtype, backend=backend, impl=impl,
+                           dropout=shape.dropout, block_q=block_q, block_k=block_k)
     xp = m.xp
     rng = np.random.default_rng(2)
     x = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
@@ -230,7 +233,8 @@ def _make_torch(shape: Shape, dtype: str, m, x, dout):
         device = "cuda"
     tdtype = getattr(torch, dtype)
     D, H = shape.D, shape.H
-    mha = torch.nn.MultiheadAttention(D, H, batch_first=True, device=device, dtype=tdtype)
+    mha = torch.nn.MultiheadAttention(D, H, batch_first=True, device=device, dtype=tdtype,
+                                      dropout=shape.dropout)
     P = {k: to_numpy(v) for k, v in m.params.items()}
     with torch.no_grad():
         w_in = np.concatenate([P["w_q"], P["w_k"], P["w_v"]], axis=0)
@@ -353,12 +357,9 @@ def environment_info(xp) -> dict:
         info["torch_threads"] = torch.get_num_threads()
     except ImportError:
         info["torch"] = None
-    try:
-        from .. import _fast
+    from ..backend import pool_threads
 
-        info["npattn_pool_threads"] = _fast.pool_threads()
-    except (ImportError, AttributeError):
-        pass
+    info["npattn_pool_threads"] = pool_threads()
     return info
 
 
@@ -437,12 +438,12 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         gemm_here = gemm_flops / statistics.median(tg) / 1e9
         peak = rss = None
         if memory:
-            m._cache = None  # the last timed step's cache: not part of the next step's peak
+            m.clear_cache()  # the last timed step's cache: not part of the next step's peak
             if backend_name(xp) == "cupy":
                 peak = _cupy_pool_mib(step, sync)
             else:
                 peak = _peak_traced_mib(step, sync)
-                m._cache = None
+                m.clear_cache()
                 rss = _rss_rise_mib(step, sync)
         row = {
             "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
@@ -500,20 +501,17 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
                  warmup=0, gemm_n=2048, block_q=None, block_k=None, blas_threads=None) -> dict:
     """Time one case in this process and read its peak RSS: the body of an isolated child.
 
-    Meant for a process that runs this one case: the block sizes are set as
-    ``npattn.blocked``'s defaults, which the module reads per call, and the
-    peak RSS is that of the whole process.
+    Meant for a process that runs this one case: the peak RSS is that of the
+    whole process. The block sizes go to the module (blocked implementation).
     """
-    if impl != "dense":
+    if impl in ("blocked", "auto"):
         from .. import blocked
 
-        blocked.DEFAULT_BLOCK_Q = block_q or blocked.DEFAULT_BLOCK_Q
-        blocked.DEFAULT_BLOCK_K = block_k or blocked.DEFAULT_BLOCK_K
-        block_q, block_k = blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K
+        block_q, block_k = block_q or blocked.DEFAULT_BLOCK_Q, block_k or blocked.DEFAULT_BLOCK_K
     else:
         block_q = block_k = None
     with _blas_limit(blas_threads):
-        m, x, dout, step = _make_npattn(shape, dtype, backend, impl)
+        m, x, dout, step = _make_npattn(shape, dtype, backend, impl, block_q, block_k)
         sync = _sync_for(m.xp)
         rss_before = _peak_rss_mib()  # interpreter, libraries, parameters and inputs
         for _ in range(warmup):
@@ -613,7 +611,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     parser.add_argument("--backend", default="numpy",
                         choices=["numpy", "cupy", "torch", "array_api_strict"])
-    parser.add_argument("--impl", choices=["auto", "dense", "blocked"],
+    parser.add_argument("--impl", choices=["auto", "dense", "reference", "numpy", "blocked"],
                         help="attention implementation passed to the module (default: dense)")
     parser.add_argument("--repeat", type=int,
                         help="timed runs per shape (default 7, at least 5; --isolated: default 1)")
@@ -670,14 +668,6 @@ def main(argv=None) -> int:
         shapes = parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES
     except ValueError as exc:
         parser.error(str(exc))
-    if impl == "auto" and not _module_supports_impl():
-        print("npattn bench: MultiHeadAttention has no impl argument; --impl auto runs "
-              "the dense path", file=sys.stderr)
-    elif impl != "dense" and not _module_supports_impl():
-        print(f"npattn bench: --impl {impl} is not available in this npattn "
-              "(MultiHeadAttention has no impl argument; only the dense path exists)",
-              file=sys.stderr)
-        return 2
     if args.blas_threads is not None and importlib.util.find_spec("threadpoolctl") is None:
         print("npattn bench: --blas-threads needs threadpoolctl (pip install 'npattn[bench]')",
               file=sys.stderr)

@@ -1,0 +1,209 @@
+"""The one attention dispatcher: one checked call, one implementation chosen per call.
+
+``sdpa_forward(q, k, v, ..., impl=)`` / ``sdpa_backward(dout, cache)`` take the
+arguments of ``npattn.functional.sdpa_forward`` and compute the same
+function with the implementation ``impl`` names:
+
+``"reference"``
+    ``npattn.functional``, the readable reference, as written, on any backend.
+``"blocked"``
+    ``npattn.blocked``, the FlashAttention-2 style algorithm on any backend:
+    online softmax, no (Lq, Lk) array, causal blocks skipped. No weights.
+``"numpy"``
+    ``npattn.numpy_kernel``, the reference's dense steps tiled and in place
+    for NumPy arrays (the fast dense path on the CPU). NumPy arrays only.
+``"dense"``
+    The fastest dense implementation for the arrays: ``"numpy"`` for NumPy
+    arrays of the kernel's layout, else ``"reference"``.
+``"auto"`` (default)
+    ``"blocked"`` when no weights are needed and the dense probabilities
+    would be large (``select_impl``), else ``"dense"``.
+
+Every implementation takes the same arguments (masks, causal, scale,
+dropout, GQA, a value width unlike the key width) and gives the same outputs
+and gradients to rounding; a dropout generator draws one key per forward and
+every implementation derives the same keep-mask from it
+(``dropout_keep_mask`` returns it). The arguments are checked once, here,
+before anything is computed; then the implementation's unchecked core runs
+under ``npattn.backend.exclusive()`` (see "Threads and fork" there).
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
+lengths, Dh key width, Dv value width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from . import blocked
+from . import functional as F
+from . import numpy_kernel
+from . import validation as V
+from .backend import exclusive, namespace, pool_threads
+
+__all__ = [
+    "IMPLS",
+    "AUTO_BLOCKED_MIN_SCORES",
+    "AUTO_BLOCKED_MAX_DENSE_SCORES",
+    "select_impl",
+    "check_impl",
+    "sdpa_forward",
+    "sdpa_backward",
+    "dropout_keep_mask",
+    "weights",
+]
+
+IMPLS = ("auto", "dense", "reference", "numpy", "blocked")
+
+#: ``impl="auto"`` takes the blocked path when one head has this many scores
+#: (``Lq * Lk``; 2**25 = 33.5 M, e.g. 8192 x 4096): there it is as fast as the
+#: dense one in a fraction of the memory (docs/performance.md).
+AUTO_BLOCKED_MIN_SCORES = 2**25
+
+#: ``impl="auto"`` also takes the blocked path when the dense probabilities of
+#: all heads, ``B * H * Lq * Lk`` entries, would reach this (1 GiB in float32).
+AUTO_BLOCKED_MAX_DENSE_SCORES = 2**28
+
+
+def check_impl(impl, *, need_weights: bool = False) -> None:
+    """Raise ``ValueError`` for an unknown ``impl``, or ``"blocked"`` with weights requested."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl == "blocked" and need_weights:
+        raise ValueError(
+            "impl='blocked' cannot return attention weights (it never forms them); "
+            "use need_weights=False, or impl='dense', 'reference', 'numpy' or 'auto'"
+        )
+
+
+def select_impl(impl: str, q, k, v, *, mask=None, dropout_mask=None,
+                need_weights: bool = False) -> str:
+    """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"`` or ``"blocked"``.
+
+    ``"auto"`` picks ``"blocked"`` when no weights are needed and either
+    ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
+    AUTO_BLOCKED_MAX_DENSE_SCORES``; otherwise, like ``"dense"``, the NumPy
+    kernel when it takes the arrays, else the reference. ``"numpy"`` on
+    arrays the kernel does not take is a ``ValueError``.
+    """
+    check_impl(impl, need_weights=need_weights)
+    if impl == "auto":
+        Lq, Lk = q.shape[-2], k.shape[-2]
+        n = math.prod(q.shape[:-2]) * Lq * Lk
+        large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
+        impl = "blocked" if large and not need_weights else "dense"
+    kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
+    if impl == "dense":
+        return "numpy" if kernel else "reference"
+    if impl == "numpy" and not kernel:
+        raise ValueError(
+            "impl='numpy': the NumPy kernel takes NumPy arrays q (B, Hq, Lq, Dh), "
+            "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) and masks broadcastable to (B, Hq, Lq, Lk); "
+            f"got {type(q).__module__}.{type(q).__name__} of shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}; use impl='reference' or 'blocked'"
+        )
+    return impl
+
+
+def sdpa_forward(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    dropout_mask=None,
+    rng=None,
+    enable_gqa: bool = False,
+    impl: str = "auto",
+    need_weights: bool = False,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+):
+    """Scaled dot-product attention on the implementation ``impl`` (see the module docstring).
+
+    Parameters
+    ----------
+    q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, rng, enable_gqa
+        As ``npattn.functional.sdpa_forward``.
+    impl : {"auto", "dense", "reference", "numpy", "blocked"}
+    need_weights : bool
+        The weights will be read from the cache (``weights(cache)``): a dense
+        implementation is used.
+    block_q, block_k : int, optional
+        Block lengths of the blocked implementation.
+
+    Returns
+    -------
+    out : array, shape (B, Hq, Lq, Dv)
+    cache : the implementation's cache; pass it to ``sdpa_backward``.
+    """
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
+    V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
+                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+    G = F.gqa_groups(q, k, v, enable_gqa)
+    path = select_impl(impl, q, k, v, mask=mask, dropout_mask=dropout_mask,
+                       need_weights=need_weights)
+    pool_threads()  # a bad NPATTN_NUM_THREADS fails here, before anything is computed
+    args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                dropout_mask=dropout_mask, rng=rng, groups=G)
+    with exclusive():
+        if path == "reference":
+            return F.sdpa_forward_core(q, k, v, **args)
+        if path == "numpy":
+            return numpy_kernel.sdpa_forward(q, k, v, **args)
+        return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k, **args)
+
+
+def sdpa_backward(dout, cache):
+    """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward``, by the implementation that made ``cache``.
+
+    ``dk`` and ``dv`` have the K/V heads' shape under GQA; ``dmask`` is None
+    unless the mask was floating.
+    """
+    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
+    with exclusive():
+        if isinstance(cache, numpy_kernel.NumpySDPACache):
+            return numpy_kernel.sdpa_backward(dout, cache)
+        if isinstance(cache, blocked.BlockedSDPACache):
+            return blocked.sdpa_blocked_backward(dout, cache)
+        if isinstance(cache, F.SDPACache):
+            return F.sdpa_backward(dout, cache)
+    raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+
+
+def weights(cache):
+    """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache."""
+    if isinstance(cache, blocked.BlockedSDPACache):
+        raise ValueError("cache: the blocked implementation keeps no attention weights")
+    return cache.probs
+
+
+def dropout_keep_mask(cache):
+    """The bool keep-mask (B, Hq, Lq, Lk) that the forward of ``cache`` used, or None without dropout.
+
+    The same array for every implementation given the same generator state:
+    entry ``(b, h, i, j)`` depends only on the drawn key and its coordinates.
+    A caller's ``dropout_mask`` is returned as it was broadcast.
+    """
+    if isinstance(cache, numpy_kernel.NumpySDPACache):
+        return numpy_kernel.keep_mask_of(cache)
+    if isinstance(cache, blocked.BlockedSDPACache):
+        if cache.dropout_key is not None:
+            return blocked.blocked_keep_mask(cache)
+        if cache.dropout_mask is None:
+            return None
+        xp = namespace(cache.q)
+        shape = tuple(cache.q_shape[:-2]) + (cache.q.shape[-2], cache.k.shape[-2])
+        full = xp.broadcast_to(cache.dropout_mask, tuple(cache.q.shape[:-2]) + shape[-2:])
+        return xp.reshape(full, shape)
+    if isinstance(cache, F.SDPACache):
+        keep = cache.dropout.keep
+        if keep is None:
+            return None
+        xp = namespace(cache.probs)
+        return xp.broadcast_to(keep, tuple(cache.probs.shape))
+    raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")

@@ -1,0 +1,346 @@
+"""The NumPy kernel of dense attention: the reference's steps, tiled and in place.
+
+``npattn.functional.sdpa_forward`` / ``sdpa_backward`` are the readable
+reference. This module computes the same function for NumPy arrays, faster;
+it is one of the implementations that ``npattn.attention`` dispatches to
+(``impl="numpy"``, and ``"auto"``/``"dense"`` on NumPy arrays), and nothing
+in ``functional`` calls it. ``tests/test_attention.py`` checks that every
+implementation gives the same numbers in float64.
+
+What is different from the reference, and why it is faster:
+
+* **Tiles.** The work is split into independent tiles of one batch entry, a
+  group of K/V heads (with their G query heads) and a block of query rows,
+  sized so that one tile of scores (about ``TILE_ELEMS`` entries) stays in
+  cache while the softmax passes over it. When one head's score matrix has
+  at least ``POOL_MIN_SCORES`` entries, tiles run on the tile pool of
+  ``npattn.backend`` with BLAS held to one thread (NumPy releases the GIL in
+  ufuncs and BLAS); the numbers do not depend on the number of threads.
+* **Row sums by BLAS.** The softmax denominator is ``e @ ones``, a
+  matrix-vector product, instead of ``sum(e, axis=-1)`` (NumPy reduces one
+  short row at a time).
+* **In place.** The scores are computed straight into the probability array
+  that the cache keeps (``matmul(..., out=)``) and every softmax step updates
+  it in place: no temporaries of shape (B, H, Lq, Lk).
+* **Scale folded into q.** ``s = (q * scale) @ k^T``: one pass over (Lq, Dh)
+  instead of one over (Lq, Lk).
+* **dv in one GEMM.** Without dropout and causal mask, ``dv = p^T dout`` is one
+  GEMM over all query rows of a tile instead of a sum of per-block GEMMs.
+* **Causal blocks skipped.** A block of query rows ``i0:i1`` only meets keys
+  ``0:i1``; the blocks above the diagonal are never computed.
+* **Lean cache.** Only the probabilities (before dropout), the keep-mask and
+  a copy of the output are kept. The dropped probabilities are recomputed in
+  the backward, tile by tile, and the softmax backward uses
+  ``delta = rowsum(dp * p) = rowsum(dout * out)`` (true with or without
+  dropout, since ``out = a @ v``), a pass over (Lq, Dv) instead of (Lq, Lk).
+* **Grouped heads as a broadcast.** Under grouped-query attention the G query
+  heads of one K/V head are an axis of their own, ``q[b, hkv, g]``, and
+  ``k[b, hkv]`` is broadcast over it: K and V are never repeated.
+* **No head copies.** Outputs and gradients are written in the merged
+  (B, L, H, D) layout, so ``merge_heads`` is a reshape and not a copy;
+  inputs are read through strided views that BLAS takes as they are.
+
+Dropout draws its keep-mask tile by tile from the counter-based generator of
+``npattn.backend.keyed_keep_mask``: the same mask as every other
+implementation, at any tile size.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv,
+Lq/Lk query/key lengths, Dh key width, Dv value width, hk K/V heads in a
+tile, r query rows in a block, c keys a block meets.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, keep_mask, pool_threads, run_tasks
+from .functional import sum_to_shape
+
+__all__ = ["NumpySDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of",
+           "TILE_ELEMS", "POOL_MIN_SCORES"]
+
+#: Target number of score entries in one tile (float32: 1 MiB).
+TILE_ELEMS = 1 << 18
+
+#: Tiles run on the pool only when one head's score matrix has at least this
+#: many entries (``Lq * Lk``); below it they run in order with BLAS as it is
+#: (docs/performance.md has the measurements behind the number).
+POOL_MIN_SCORES = 1 << 20
+
+
+def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
+    """Whether the kernel takes these arguments: NumPy arrays q (B, Hq, Lq, Dh),
+    k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with one B, and masks that broadcast
+    to (B, Hq, Lq, Lk) without growing it."""
+    arrays = (q, k, v, mask, dropout_mask)
+    if not all(a is None or is_numpy_array(a) for a in arrays):
+        return False
+    if not (q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
+        return False
+    if k.shape[1:3] != v.shape[1:3] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        return False
+    full = q.shape[:3] + (k.shape[2],)
+    for m in (mask, dropout_mask):
+        if m is not None:
+            try:
+                if np.broadcast_shapes(m.shape, full) != full:
+                    return False
+            except ValueError:
+                return False
+    return True
+
+
+# ------------------------------------------------------------------ layout
+
+
+def _grouped(a, Hkv, G):
+    """View ``[B, Hq, ...]`` as ``[B, Hkv, G, ...]`` (query head h = hkv * G + g); no copy."""
+    return a.reshape(a.shape[0], Hkv, G, *a.shape[2:])
+
+
+def _merged(B, L, Hkv, G, X, dtype):
+    """A (B, L, Hkv*G*X) array and its (B, Hkv, G, L, X) head view (no copy between them)."""
+    m = np.empty((B, L, Hkv * G * X), dtype=dtype)
+    return m, m.reshape(B, L, Hkv, G, X).transpose(0, 2, 3, 1, 4)
+
+
+def _tiling(B, Hkv, G, Lq, Lk, causal):
+    """Tasks (b, h0, h1) over K/V heads, and the query-block height r."""
+    per_head = G * Lq * Lk
+    hk = max(1, min(Hkv, TILE_ELEMS // max(per_head, 1)))
+    r = max(16, TILE_ELEMS // (hk * G * Lk))
+    if causal:
+        r = min(r, max(64, Lq // 8))  # finer blocks skip more of the upper triangle
+    r = min(r, Lq)
+    tasks = [(b, h0, min(h0 + hk, Hkv)) for b in range(B) for h0 in range(0, Hkv, hk)]
+    return tasks, r
+
+
+def _blocks(Lq, Lk, r, causal):
+    """(i0, i1, c): query rows i0:i1 meet keys 0:c (c < Lk only when causal)."""
+    for i0 in range(0, Lq, r):
+        i1 = min(i0 + r, Lq)
+        yield i0, i1, (min(i1, Lk) if causal else Lk)
+
+
+def _threads(Lq, Lk):
+    """Pool threads for a head of Lq x Lk scores: 0 means in order, BLAS untouched."""
+    return pool_threads() if Lq * Lk >= POOL_MIN_SCORES else 0
+
+
+def _run(tile, tasks, threads):
+    """The tiles in order with BLAS as it is (``threads == 0``), else on the pool."""
+    if threads == 0:
+        for t in tasks:
+            tile(*t)
+    else:
+        with exclusive():  # BLAS is held to one thread inside (npattn.backend: threads)
+            run_tasks(tile, tasks, threads)
+
+
+def _tile_keep(key, p, b, h0, h1, G, i0, i1, c):
+    """Keep-mask of one tile, [hk, G, r, c]: entries (b, hkv * G + g, i, j) of the one mask."""
+    heads = np.arange(h0, h1)[:, None] * G + np.arange(G)[None, :]  # [hk, G]
+    return keyed_keep_mask(key, p, [np.array(b), heads], np.arange(i0, i1), np.arange(c))
+
+
+# ------------------------------------------------------------------ forward
+
+
+class NumpySDPACache(NamedTuple):
+    q: Any  # [B, Hq, Lq, Dh]  compute dtype
+    k: Any  # [B, Hkv, Lk, Dh]
+    v: Any  # [B, Hkv, Lk, Dv]
+    probs: Any  # [B, Hq, Lq, Lk] softmax output before dropout (the returned weights)
+    out: Any  # [B, Hq, Lq, Dv] output in the compute dtype (a copy), for delta = rowsum(dout * out)
+    keep: Any  # [B, Hkv, G, Lq, Lk] bool keep-mask (broadcast view of a caller's), or None
+    dropout_key: Optional[int]  # the key the mask was drawn from, or None
+    dropout_p: float
+    causal: bool
+    scale: float
+    groups: int  # G
+    mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
+    in_dtype: Any
+
+
+def sdpa_forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups):
+    """Tiled ``softmax(q k^T * scale + mask) v`` on checked NumPy arguments (``accepts``).
+
+    The arguments are those of ``functional.sdpa_forward_core``. Returns
+    ``(out, NumpySDPACache)``; ``cache.probs`` are the weights before dropout.
+    """
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
+    in_dtype = q.dtype
+    work = np.float32 if in_dtype == np.float16 else in_dtype
+    if work != in_dtype:
+        q, k, v = (t.astype(work) for t in (q, k, v))
+        if mask is not None and mask.dtype != np.bool_:
+            mask = mask.astype(work)
+    G = groups
+    B, Hq, Lq, Dh = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
+    full = (B, Hq, Lq, Lk)
+    full5 = (B, Hkv, G, Lq, Lk)
+    key = None
+    keep = None
+    if dropout_mask is not None:
+        keep = _grouped(np.broadcast_to(dropout_mask, full), Hkv, G)  # [B, Hkv, G, Lq, Lk] view
+    elif dropout_p != 0.0:
+        key = dropout_key(rng)  # the one draw of every implementation
+        keep = (np.zeros if is_causal else np.empty)(full5, dtype=np.bool_)  # filled per tile
+    fmask = bmask = None
+    mask_shape = None
+    if mask is not None:
+        if mask.dtype == np.bool_:
+            bmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
+        else:
+            mask_shape = tuple(mask.shape)
+            fmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
+    drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
+
+    probs = (np.zeros if is_causal else np.empty)(full5, dtype=work)  # [B, Hkv, G, Lq, Lk]
+    out_m, out = _merged(B, Lq, Hkv, G, Dv, work)  # [B, Lq, Hq*Dv], [B, Hkv, G, Lq, Dv] view
+    q5 = _grouped(q, Hkv, G)  # [B, Hkv, G, Lq, Dh] view
+    kT = np.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, 1, Dh, Lk] view, broadcast over G
+    v5 = v[:, :, None]  # [B, Hkv, 1, Lk, Dv] view
+    ones = np.ones((Lk, 1), dtype=work)  # [Lk, 1]: row sums as a matrix-vector product
+    tasks, r = _tiling(B, Hkv, G, Lq, Lk, is_causal)
+    neg_inf = -math.inf
+
+    def tile(b, h0, h1):
+        qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
+        for i0, i1, c in _blocks(Lq, Lk, r, is_causal):
+            p = probs[b, h0:h1, :, i0:i1, :c]  # [hk, G, r, c] view, filled in place
+            np.matmul(qs[:, :, i0:i1], kT[b, h0:h1, :, :, :c], out=p)  # 1. s = q k^T * scale
+            if fmask is not None:  # 2. floating mask: s + mask
+                np.add(p, fmask[b, h0:h1, :, i0:i1, :c], out=p)
+            if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
+                np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, :c])
+            if is_causal and c - 1 > i0:  # 2. the block meets the diagonal
+                i = np.arange(i0, i1)[:, None]
+                np.copyto(p, neg_inf, where=np.arange(c)[None, :] > i)
+            m = np.max(p, axis=-1, keepdims=True)  # 3.            [hk, G, r, 1]
+            m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
+            np.subtract(p, m, out=p)
+            np.exp(p, out=p)  # 4.
+            s = np.matmul(p, ones[:c])  # 5. rowsum(e), by BLAS    [hk, G, r, 1]
+            s[s == 0.0] = 1.0  # rows with nothing to attend stay 0
+            np.multiply(p, np.reciprocal(s, out=s), out=p)  # one divide per row, not per entry
+            a = p
+            if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0)
+                kp = keep[b, h0:h1, :, i0:i1, :c]
+                if key is not None:
+                    kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c)
+                a = np.multiply(p, kp)
+                a *= drop_scale
+            np.matmul(a, v5[b, h0:h1, :, :c], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
+
+    _run(tile, tasks, _threads(Lq, Lk))
+
+    heads = out_m.reshape(B, Lq, Hq, Dv).transpose(0, 2, 1, 3)  # [B, Hq, Lq, Dv] view
+    result = heads if work == in_dtype else heads.astype(in_dtype)
+    saved = heads.copy() if work == in_dtype else heads
+    cache = NumpySDPACache(q, k, v, probs.reshape(full), saved, keep, key, float(dropout_p),
+                           bool(is_causal), scale, G, mask_shape, in_dtype)
+    return result, cache
+
+
+def keep_mask_of(cache: NumpySDPACache):
+    """The keep-mask (B, Hq, Lq, Lk) a forward used, or None without dropout."""
+    if cache.keep is None:
+        return None
+    B, Hq, Lq, Lk = cache.probs.shape
+    if cache.dropout_key is None or not cache.causal:
+        return cache.keep.reshape(B, Hq, Lq, Lk)
+    # causal forwards skip the blocks above the diagonal: draw the whole mask again
+    return keep_mask(cache.dropout_key, cache.dropout_p, (B, Hq, Lq, Lk), np)
+
+
+# ------------------------------------------------------------------ backward
+
+
+def sdpa_backward(dout, cache: NumpySDPACache):
+    """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward``, tile by tile."""
+    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
+    q, k, v = cache.q, cache.k, cache.v
+    work = q.dtype
+    if dout.dtype != work:
+        dout = dout.astype(work)
+    G = cache.groups
+    B, Hq, Lq, Dh = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    probs = _grouped(cache.probs, Hkv, G)  # [B, Hkv, G, Lq, Lk]
+    keep = cache.keep
+    causal = cache.causal
+    ds_full = None
+    if cache.mask_shape is not None:  # dmask needs every ds; keep them
+        ds_full = (np.zeros if causal else np.empty)((B, Hkv, G, Lq, Lk), dtype=work)
+    dq_m, dq = _merged(B, Lq, Hkv, G, Dh, work)  # [B, Hkv, G, Lq, Dh] view
+    dk_m, dk = _merged(B, Lk, Hkv, 1, Dh, work)  # [B, Hkv, 1, Lk, Dh] view
+    dv_m, dv = _merged(B, Lk, Hkv, 1, Dv, work)  # [B, Hkv, 1, Lk, Dv] view
+    q5, do5, out5 = (_grouped(t, Hkv, G) for t in (q, dout, cache.out))
+    vT = np.swapaxes(v, -1, -2)[:, :, None]  # [B, Hkv, 1, Dv, Lk] view
+    k5 = k[:, :, None]  # [B, Hkv, 1, Lk, Dh]
+    tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal)
+    scale, drop_scale = cache.scale, 1.0 / (1.0 - cache.dropout_p)
+
+    def kv_sum(x):  # [hk, G, c, X] -> [hk, c, X]: a K/V head's gradient sums its G query heads
+        return x[:, 0] if G == 1 else np.sum(x, axis=1)
+
+    def tile(b, h0, h1):
+        do = do5[b, h0:h1]  # [hk, G, Lq, Dv]
+        # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
+        delta = np.sum(do * out5[b, h0:h1], axis=-1, keepdims=True)  # [hk, G, Lq, 1]
+        dk_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)  # [hk, Lk, Dh]
+        whole_dv = keep is None and not causal
+        if whole_dv:  # 5. dv = p^T dout in one GEMM over all query rows of the G heads
+            pT = np.swapaxes(probs[b, h0:h1].reshape(h1 - h0, G * Lq, Lk), -1, -2)
+            np.matmul(pT, do.reshape(h1 - h0, G * Lq, Dv), out=dv[b, h0:h1, 0])
+        else:  # accumulated block by block below
+            dv_acc = np.zeros((h1 - h0, Lk, Dv), dtype=work)
+        for i0, i1, c in _blocks(Lq, Lk, r, causal):
+            p = probs[b, h0:h1, :, i0:i1, :c]  # [hk, G, r, c]
+            do_blk = do[:, :, i0:i1]  # [hk, G, r, Dv]
+            if ds_full is not None:
+                da = ds_full[b, h0:h1, :, i0:i1, :c]
+                np.matmul(do_blk, vT[b, h0:h1, :, :, :c], out=da)  # 5. da = dout v^T
+            else:
+                da = np.matmul(do_blk, vT[b, h0:h1, :, :, :c])  # [hk, G, r, c]
+            if whole_dv:
+                pass
+            elif keep is None:
+                dv_acc[:, :c] += kv_sum(np.matmul(np.swapaxes(p, -1, -2), do_blk))  # 5. dv = a^T dout
+            else:
+                kp = keep[b, h0:h1, :, i0:i1, :c]
+                a = np.multiply(p, kp)  # recompute a = dropout(p)
+                a *= drop_scale
+                dv_acc[:, :c] += kv_sum(np.matmul(np.swapaxes(a, -1, -2), do_blk))
+                np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0)
+                da *= drop_scale
+            np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. ds = p * (dp - delta)
+            np.multiply(da, p, out=da)
+            np.matmul(da, k5[b, h0:h1, :, :c], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
+            dq[b, h0:h1, :, i0:i1] *= scale
+            dk_acc[:, :c] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), q5[b, h0:h1, :, i0:i1]))
+        dk_acc *= scale  # 1. dk = ds^T q * scale
+        dk[b, h0:h1, 0] = dk_acc
+        if not whole_dv:
+            dv[b, h0:h1, 0] = dv_acc
+
+    _run(tile, tasks, _threads(Lq, Lk))
+
+    dq = dq_m.reshape(B, Lq, Hq, Dh).transpose(0, 2, 1, 3)  # [B, Hq, Lq, Dh] view
+    dk = dk_m.reshape(B, Lk, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, Lk, Dh] view
+    dv = dv_m.reshape(B, Lk, Hkv, Dv).transpose(0, 2, 1, 3)  # [B, Hkv, Lk, Dv] view
+    dmask = None
+    if ds_full is not None:
+        dmask = sum_to_shape(np, ds_full.reshape(B, Hq, Lq, Lk), cache.mask_shape)
+    if cache.in_dtype != work:
+        dq, dk, dv = (t.astype(cache.in_dtype) for t in (dq, dk, dv))
+        if dmask is not None:
+            dmask = dmask.astype(cache.in_dtype)
+    return dq, dk, dv, dmask
