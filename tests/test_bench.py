@@ -12,7 +12,12 @@ def test_parse_shapes():
         bench.Shape(32, 128, 256, 8, False),
         bench.Shape(4, 1024, 768, 12, True),
     )
-    for bad in ("2x3", "2x4x6x4", "axbxcxd", "0x4x8x2", ""):
+    assert bench.parse_shapes("8x512x768x12d0.1,2x4x4x2cd0.25") == (
+        bench.Shape(8, 512, 768, 12, False, 0.1),
+        bench.Shape(2, 4, 4, 2, True, 0.25),
+    )
+    assert str(bench.Shape(2, 4, 4, 2, True, 0.25)) == "2x4x4x2cd0.25"  # what the child parses
+    for bad in ("2x3", "2x4x6x4", "axbxcxd", "0x4x8x2", "", "2x4x4x2d1.5", "2x4x4x2d"):
         with pytest.raises(ValueError, match="--shapes"):
             bench.parse_shapes(bad)
 
@@ -28,11 +33,11 @@ def test_flops_counts_projections_and_half_causal_attention():
 
 def test_main_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out.json"
-    rc = bench.main(["--shapes", "2x8x8x2,1x8x8x2c", "--repeat", "5", "--warmup", "1",
+    rc = bench.main(["--shapes", "2x8x8x2,1x8x8x2c,2x8x8x2d0.2", "--repeat", "5", "--warmup", "1",
                      "--gemm", "32", "--pause", "0", "--json", str(path)])
     assert rc == 0
     result = json.loads(path.read_text())
-    assert [r["shape"] for r in result["rows"]] == ["2x8x8x2", "1x8x8x2c"]
+    assert [r["shape"] for r in result["rows"]] == ["2x8x8x2", "1x8x8x2c", "2x8x8x2d0.2"]
     for row in result["rows"]:
         assert len(row["ms_all"]) == 5 and row["ms"] > 0 and row["gflops"] > 0
         assert row["peak_mib"] is not None and row["peak_mib"] >= 0

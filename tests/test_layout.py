@@ -56,13 +56,15 @@ GRAPH = {name: sorted({t for t, _ in _imports(name, path) if t != name and t in 
 
 def test_the_graph_was_read():
     assert "npattn.validation" in GRAPH["npattn.module"]
+    assert "npattn.attention" in GRAPH["npattn.module"]  # the module goes through the dispatcher
+    assert "npattn.numpy_kernel" in GRAPH["npattn.attention"]
+    assert not any(t in GRAPH["npattn.functional"]
+                   for t in ("npattn.attention", "npattn.blocked", "npattn.numpy_kernel"))
     assert "npattn.torch_interop" in GRAPH["npattn.module"]  # lazy, inside from_torch
     assert "npattn.tools.audit" in GRAPH["npattn.tools.cli"]
 
 
-# Known, owned by the rewrite of the attention core: _fast's lazy import of
-# functional.sum_to_shape closes the circle functional -> _fast -> functional.
-KNOWN_BACK_EDGES = {("npattn._fast", "npattn.functional")}
+KNOWN_BACK_EDGES: set = set()  # none: every import runs one way
 
 
 def test_imports_run_one_way():
@@ -98,12 +100,11 @@ def test_torch_interop_is_a_leaf():
 
 
 def test_no_private_name_is_imported_from_another_file():
-    # npattn._fast is the core rewrite's to rename; it is the one private module imported
     private = [
         (name, target, n)
         for name, path in MODULES.items()
         for target, names in _imports(name, path)
-        for n in names + ((target.rsplit(".", 1)[-1],) if target != "npattn._fast" else ())
+        for n in names + (target.rsplit(".", 1)[-1],)
         if n.startswith("_") and not n.startswith("__")
     ]
     assert private == []

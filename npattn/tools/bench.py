@@ -147,7 +147,7 @@ def flops(shape: Shape) -> float:
     ``da``, ``dq``, ``dk`` = 8 B L^2 D; counted at half when causal.
     Elementwise work (softmax, bias, scaling) is not counted.
     """
-    B, L, D, H, causal = shape
+    B, L, D, H, causal = shape[:5]
     proj = 24.0 * B * L * D * D
     attn = 12.0 * B * L * L * D * (0.5 if causal else 1.0)
     return proj + attn
