@@ -18,9 +18,12 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import exclusive, from_numpy, resolve_backend
+from .backend import backend_name, device_of, exclusive, from_numpy, resolve_backend
 
-__all__ = ["MultiHeadAttention"]
+__all__ = [
+    "MultiHeadAttention", "ParameterDict", "check_module_args", "check_forward_inputs",
+    "check_backward_inputs", "check_param",
+]
 
 PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
 
@@ -105,6 +108,9 @@ class MultiHeadAttention:
         "auto" takes "blocked" when weights are not requested and the dense
         probabilities would be large (``attention.select_impl``), else
         "dense". All give the same numbers to rounding, dropout included.
+    block_q, block_k : int, optional
+        Query / key block lengths of the blocked implementation (default
+        ``blocked.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``).
 
     Attributes
     ----------
@@ -136,15 +142,21 @@ class MultiHeadAttention:
         seed=None,
         backend="numpy",
         impl: str = "auto",
+        block_q=None,
+        block_k=None,
     ):
         self.xp = xp = resolve_backend(backend)
-        dtype = V.check_module_args(
+        dtype = check_module_args(
             xp, d_model=d_model, n_head=n_head, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             dtype=dtype, seed=seed, qdim=qdim, n_kv_head=n_kv_head, qkv_bias=qkv_bias,
             out_bias=out_bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
         )
         A.check_impl(impl)
+        for name, size in (("block_q", block_q), ("block_k", block_k)):
+            if size is not None:
+                V.check_positive_int(name, size)
         self.impl = impl
+        self.block_q, self.block_k = block_q, block_k
         self.d_model = d_model
         self.n_head = n_head
         self.head_dim = d_model // n_head
@@ -162,7 +174,7 @@ class MultiHeadAttention:
         self.training = True
         init_seq, dropout_seq = np.random.SeedSequence(seed).spawn(2)
         self._rng = np.random.default_rng(dropout_seq)
-        self._params = V.ParameterDict(self._init_params(np.random.default_rng(init_seq)), xp=xp)
+        self._params = ParameterDict(self._init_params(np.random.default_rng(init_seq)), xp=xp)
         self.grads: dict = {}
         self.dmask = None
         self._cache = None
@@ -199,7 +211,7 @@ class MultiHeadAttention:
 
     @property
     def params(self) -> dict:
-        """The parameters, a dict whose assignments are checked (``validation.ParameterDict``).
+        """The parameters, a dict whose assignments are checked (``ParameterDict``).
 
         ``w_q`` (D, Dq), ``w_k`` (Dkv, Dk), ``w_v`` (Dkv, Dv), ``w_o`` (D, D)
         in PyTorch's (out, in) layout; ``b_q`` (D,), ``b_k b_v`` (Dkv,) with
@@ -285,9 +297,9 @@ class MultiHeadAttention:
             device, dtype or shape (see ``npattn.validation``); the module is
             left as it was.
         """
-        V.check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
-                               is_causal=is_causal, need_weights=need_weights,
-                               check_finite=check_finite)
+        check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
+                             is_causal=is_causal, need_weights=need_weights,
+                             check_finite=check_finite)
         impl = self.impl if impl is None else impl
         A.check_impl(impl, need_weights=need_weights)
         # The generator is advanced only when the whole forward succeeds, and
@@ -359,6 +371,8 @@ class MultiHeadAttention:
             vh,
             impl=impl,
             need_weights=need_weights,
+            block_q=self.block_q,
+            block_k=self.block_k,
             mask=mask,
             is_causal=is_causal,
             dropout_p=self.dropout if use_dropout else 0.0,
@@ -414,7 +428,7 @@ class MultiHeadAttention:
         dkey : array, shape (B, Lk, Dk)
         dvalue : array, shape (B, Lk, Dv)
         """
-        V.check_backward_inputs(self, dout)
+        check_backward_inputs(self, dout)
         with exclusive():
             grads, dmask, dinputs = self._backward(dout, self._cache)
         self.grads = grads  # assigned only once the whole backward has succeeded
@@ -466,14 +480,23 @@ class MultiHeadAttention:
 
     @classmethod
     def from_torch(cls, module, *, backend="numpy"):
-        """A copy of a ``torch.nn.MultiheadAttention`` (its weights, dtype and mode).
+        """A copy of a ``torch.nn.MultiheadAttention``: its layout, weights, dtype, dropout and mode.
 
         Only the weights are converted: npattn takes (B, L, D) inputs, torch
         takes (L, B, D) unless ``batch_first=True``. See ``npattn.torch_interop``.
-        """
-        from .torch_interop import from_torch
 
-        return from_torch(module, backend=backend)
+        Parameters
+        ----------
+        module : torch.nn.MultiheadAttention
+        backend : str or namespace module
+            npattn backend of the copy. A bfloat16 module needs a backend with
+            bfloat16 (torch).
+        """
+        from . import torch_interop
+
+        mha = cls(**torch_interop.config_from_torch(module), backend=backend)
+        torch_interop.load_torch_state_dict(mha, module.state_dict())
+        return mha.train(module.training)
 
     def load_torch_state_dict(self, state_dict):
         """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self."""
@@ -487,3 +510,251 @@ class MultiHeadAttention:
         from .torch_interop import torch_state_dict
 
         return torch_state_dict(self)
+
+
+# --------------------------------------------------------------------------
+# checks of the module's own arguments, in the vocabulary of npattn.validation:
+# construction
+
+
+def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, seed,
+                      **layer_args) -> str:
+    """Check the arguments of ``MultiHeadAttention(...)``; ``backend`` was resolved to ``xp``.
+
+    ``layer_args`` may hold the optional layer-shape arguments ``qdim`` and
+    ``n_kv_head`` (None or a positive int; ``n_kv_head`` divides ``n_head``)
+    and the flags ``qkv_bias``, ``out_bias`` (None or bool), ``add_bias_kv``,
+    ``add_zero_attn`` (bool).
+
+    Returns the name of the parameter dtype ("float32", ...), which may be
+    given as a string or as a dtype object of any library.
+    """
+    V.check_positive_int("d_model", d_model)
+    V.check_positive_int("n_head", n_head)
+    if d_model % n_head != 0:
+        raise ValueError(
+            f"d_model: expected a multiple of n_head={n_head}, got d_model={d_model} "
+            f"(d_model % n_head = {d_model % n_head})"
+        )
+    V.check_probability("dropout", dropout)
+    V.check_bool("bias", bias)
+    V.check_positive_int("kdim", kdim, allow_none=True)
+    V.check_positive_int("vdim", vdim, allow_none=True)
+    for name, value in layer_args.items():
+        if name in ("qdim", "n_kv_head"):
+            V.check_positive_int(name, value, allow_none=True)
+        elif name in ("qkv_bias", "out_bias", "add_bias_kv", "add_zero_attn"):
+            if value is not None:
+                V.check_bool(name, value)
+        else:
+            raise TypeError(f"check_module_args: unexpected argument {name!r}")
+    n_kv_head = layer_args.get("n_kv_head")
+    if n_kv_head is not None and n_head % n_kv_head != 0:
+        raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
+    if seed is not None:
+        if isinstance(seed, (bool, np.bool_)):
+            raise TypeError(f"seed: expected None or a non-negative int, got bool {seed!r}")
+        try:
+            np.random.SeedSequence(seed)
+        except TypeError:
+            raise TypeError(
+                f"seed: expected None or a non-negative int, got {V.type_name(seed)} {seed!r}"
+            ) from None
+        except ValueError:
+            raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}") from None
+    return _dtype_arg(xp, dtype)
+
+
+def _dtype_arg(xp, dtype) -> str:
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name  # NumPy dtypes and scalar types
+        except TypeError:
+            name = V.dtype_name(dtype)  # torch.float32, array_api_strict.float32
+    available = [n for n in V.FLOAT_DTYPES if hasattr(xp, n)]
+    if name not in available:
+        if not isinstance(dtype, str) and name not in V.FLOAT_DTYPES:
+            raise TypeError(
+                f"dtype: expected one of {available} (a name or a dtype), got {V.type_name(dtype)} {dtype!r}"
+            )
+        raise ValueError(
+            f"dtype: expected one of {available} for backend {backend_name(xp)!r}, got {dtype!r}"
+        )
+    return name
+
+
+# --------------------------------------------------------------------------
+# parameters
+
+
+def check_param(name, value, *, like, xp):
+    """Check ``value`` as a replacement for parameter ``name`` currently holding ``like``.
+
+    Same library, device, dtype and shape as the array it replaces.
+    """
+    label = f"params[{name!r}]"
+    V.check_array(label, value, xp, device_of(like))
+    if value.dtype != like.dtype:
+        raise TypeError(
+            f"{label}: expected dtype {V.dtype_name(like.dtype)} (the module's dtype), "
+            f"got {V.dtype_name(value.dtype)}; cast it first (no silent promotion)"
+        )
+    if V.shape_of(value) != V.shape_of(like):
+        raise ValueError(f"{label}: expected shape {V.shape_of(like)}, got {V.shape_of(value)}")
+
+
+class ParameterDict(dict):
+    """The module's ``params``: a ``dict`` whose keys are fixed and whose values are checked.
+
+    Assigning ``params[name] = array`` goes through ``check_param``: the array
+    must have the library, device, dtype and shape of the one it replaces, or
+    ``TypeError``/``ValueError`` is raised and nothing changes. Unknown names
+    raise ``ValueError``; parameters cannot be deleted (``TypeError``).
+    ``update`` checks every value before assigning any. Copies
+    (``copy.copy``, ``copy.deepcopy``, ``pickle``, ``.copy()``) are plain
+    dicts, ready to be assigned back with ``module.params = saved``.
+    """
+
+    def __init__(self, params, *, xp):
+        super().__init__(params)
+        self._xp = xp
+
+    def _check_item(self, name, value):
+        if name not in self:
+            raise ValueError(
+                f"params: expected one of the names {sorted(self)}, got {name!r}"
+            )
+        check_param(name, value, like=dict.__getitem__(self, name), xp=self._xp)
+
+    def __setitem__(self, name, value):
+        self._check_item(name, value)
+        super().__setitem__(name, value)
+
+    def update(self, *args, **kwargs):
+        new = dict(*args, **kwargs)
+        for name, value in new.items():
+            self._check_item(name, value)
+        for name, value in new.items():
+            super().__setitem__(name, value)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def setdefault(self, name, default=None):
+        if name in self:
+            return self[name]
+        self._check_item(name, default)  # raises: the names are fixed
+
+    def _fixed(self, *args, **kwargs):
+        raise TypeError("params: parameters cannot be removed; assign a new array instead")
+
+    __delitem__ = pop = popitem = clear = _fixed
+
+    def replace_all(self, new):
+        """``module.params = new``: ``new`` must hold exactly the same names; all checked first."""
+        if not isinstance(new, dict):
+            raise TypeError(f"params: expected a dict of arrays, got {V.type_name(new)}")
+        if set(new) != set(self):
+            raise ValueError(
+                f"params: expected exactly the names {sorted(self)}, got {sorted(map(str, new))}"
+            )
+        self.update(new)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+# --------------------------------------------------------------------------
+# forward / backward
+
+
+def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_causal,
+                         need_weights, check_finite: bool = False):
+    """Check the arguments of ``MultiHeadAttention.forward`` against ``module``.
+
+    query (B, Lq, D), key (B, Lk, Dk), value (B, Lk, Dv): arrays of the
+    module's backend and device, of the parameters' dtype exactly; masks of
+    2 or 4 axes broadcasting to (B, H, Lq, Lk).
+    """
+    V.check_bool("is_causal", is_causal)
+    V.check_bool("need_weights", need_weights)
+    V.check_bool("check_finite", check_finite)
+    xp = module.xp
+    device = device_of(module.params["w_q"])
+    dtype = module.dtype
+    # input widths are those of the weights (PyTorch layout: (out, in))
+    widths = {n: int(module.params[w].shape[1]) for n, w in
+              (("query", "w_q"), ("key", "w_k"), ("value", "w_v"))}
+    inputs = {"query": query, "key": key, "value": value}
+    for name, x in inputs.items():
+        V.check_array(name, x, xp, device)
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name}: expected a 3-D array (B, L, {widths[name]}), got shape {V.shape_of(x)}"
+            )
+    for name, x in inputs.items():
+        if x.dtype != dtype:
+            raise TypeError(
+                f"{name}: expected dtype {V.dtype_name(dtype)} (the parameters' dtype), got "
+                f"{V.dtype_name(x.dtype)}; cast the input or build the module with "
+                f"dtype={V.dtype_name(x.dtype)!r} (no silent promotion)"
+            )
+    B, Lq, _ = V.shape_of(query)
+    for name, x in inputs.items():
+        if x.shape[0] != B:
+            raise ValueError(
+                f"{name}: expected batch size {B} (that of query), got shape {V.shape_of(x)}"
+            )
+        if x.shape[-1] != widths[name]:
+            w = {"query": "w_q", "key": "w_k", "value": "w_v"}[name]
+            raise ValueError(
+                f"{name}: expected last axis {widths[name]} (the input width of {w}), "
+                f"got shape {V.shape_of(x)}"
+            )
+    Lk = int(key.shape[1])
+    if value.shape[1] != Lk:
+        raise ValueError(
+            f"value: expected length {Lk} (that of key), got shape {V.shape_of(value)}"
+        )
+    for name, n in (("batch size of query", B), ("query length", Lq), ("key length", Lk)):
+        if n == 0:
+            raise ValueError(f"{name}: expected at least 1, got 0")
+    target = (B, module.n_head, Lq, Lk)
+    V.check_mask("mask", mask, xp, target=target, target_text="(B, H, Lq, Lk)", dtype=dtype,
+               device=device, ndims=(2, 4))
+    # the keep-mask also covers the extra keys of add_bias_kv / add_zero_attn, if any
+    n_extra = int(bool(getattr(module, "add_bias_kv", False))) + int(
+        bool(getattr(module, "add_zero_attn", False)))
+    V.check_mask("dropout_mask", dropout_mask, xp, target=(B, module.n_head, Lq, Lk + n_extra),
+               target_text="(B, H, Lq, Lk + n)" if n_extra else "(B, H, Lq, Lk)",
+               dtype=dtype, device=device, ndims=(2, 4), bool_only=True)
+    if check_finite:
+        for name, x in inputs.items():
+            V.check_finite_values(name, x, xp)
+        V.check_finite_values("mask", mask, xp, allow_neg_inf=True)
+        for name, p in module.params.items():
+            V.check_finite_values(f"params[{name!r}]", p, xp)
+
+
+def check_backward_inputs(module, dout):
+    """Check ``MultiHeadAttention.backward(dout)``: a forward ran, ``dout`` matches its output."""
+    cache = module._cache
+    if cache is None:
+        raise RuntimeError(
+            "backward: expected a forward call first (there is no cached forward to "
+            "differentiate); call module(query, key, value) and then backward(dout)"
+        )
+    V.check_array("dout", dout, module.xp, device_of(cache.out_proj.w))
+    if V.shape_of(dout) != tuple(cache.out_shape):
+        raise ValueError(
+            f"dout: expected shape {tuple(cache.out_shape)} (that of the last forward's "
+            f"output), got {V.shape_of(dout)}"
+        )
+    if dout.dtype != cache.out_dtype:
+        raise TypeError(
+            f"dout: expected dtype {V.dtype_name(cache.out_dtype)} (that of the last forward's "
+            f"output), got {V.dtype_name(dout.dtype)}"
+        )

@@ -8,6 +8,11 @@ Only weights are converted, never data layout: npattn's inputs are
 ``batch_first=True``. Transpose your inputs, or use ``batch_first=True``.
 torch's ``True = ignore`` masks are converted by ``npattn.masks``, not here.
 
+This module never imports ``npattn.module``: it reads a module's layout from
+its attributes (``d_model``, ``kdim``, ...) and its ``params``, and
+``MultiHeadAttention.from_torch`` builds the module from ``config_from_torch``
+and ``load_torch_state_dict``.
+
 Name mapping (Dkv = D for every torch layer)::
 
     torch state dict                       npattn params
@@ -32,9 +37,16 @@ from collections import OrderedDict
 import array_api_compat
 import numpy as np
 
-from .backend import to_numpy
+from . import validation as V
+from .backend import from_numpy, to_numpy
 
-__all__ = ["from_torch", "load_torch_state_dict", "torch_state_dict", "torch_state_dict_shapes"]
+__all__ = [
+    "config_from_torch",
+    "params_from_torch_state_dict",
+    "load_torch_state_dict",
+    "torch_state_dict",
+    "torch_state_dict_shapes",
+]
 
 
 def _torch():
@@ -98,12 +110,15 @@ def _host(x) -> np.ndarray:
     return np.asarray(to_numpy(x))
 
 
-def load_torch_state_dict(mha, state_dict) -> None:
-    """Set ``mha.params`` from a ``torch.nn.MultiheadAttention`` state dict.
+def params_from_torch_state_dict(mha, state_dict) -> dict:
+    """A ``torch.nn.MultiheadAttention`` state dict as npattn parameters: host NumPy arrays.
 
-    Values may be torch tensors or arrays of any backend; they are cast to
-    ``mha.dtype`` on ``mha``'s backend. All keys are checked (missing,
-    unexpected, shape) before anything is assigned.
+    ``mha`` gives the layout (the attributes ``torch_state_dict_shapes``
+    reads). Values may be torch tensors or arrays of any backend; they keep
+    their dtype (bfloat16 widened to float32, exactly). All keys are checked
+    (missing, unexpected, shape) first. Returns ``{name: array}``, e.g.
+    ``w_q`` (D, D), ``b_q`` (D,), ``bias_k`` (D,), in ``mha.params``' order
+    where it has them.
     """
     expected = torch_state_dict_shapes(mha)
     got = set(state_dict.keys())
@@ -140,7 +155,18 @@ def load_torch_state_dict(mha, state_dict) -> None:
         params["bias_k"] = host["bias_k"].reshape(D)  # [1, 1, D] -> [D]
         params["bias_v"] = host["bias_v"].reshape(D)
     order = [n for n in mha.params] + [n for n in params if n not in mha.params]
-    mha.params = {n: mha._asparam(np.array(params[n])) for n in order if n in params}
+    return {n: np.array(params[n]) for n in order if n in params}  # copies, not views
+
+
+def load_torch_state_dict(mha, state_dict) -> None:
+    """Set ``mha.params`` from a ``torch.nn.MultiheadAttention`` state dict.
+
+    Values may be torch tensors or arrays of any backend; they are cast to
+    ``mha.dtype`` on ``mha``'s backend. All keys are checked (missing,
+    unexpected, shape) before anything is assigned.
+    """
+    host = params_from_torch_state_dict(mha, state_dict)
+    mha.params = {n: mha.xp.astype(from_numpy(a, mha.xp), mha.dtype) for n, a in host.items()}
 
 
 def torch_state_dict(mha) -> "OrderedDict":
@@ -153,7 +179,7 @@ def torch_state_dict(mha) -> "OrderedDict":
     torch = _torch()
     shapes = torch_state_dict_shapes(mha)
     P = mha.params
-    dtype = getattr(torch, _dtype_name(mha.dtype))
+    dtype = getattr(torch, V.dtype_name(mha.dtype))
 
     def t(name):
         x = P[name]
@@ -176,62 +202,37 @@ def torch_state_dict(mha) -> "OrderedDict":
     return sd
 
 
-def _dtype_name(dtype) -> str:
-    """'float32' and so on, for a dtype of any backend (NumPy, torch, array-api-strict)."""
-    for name in ("bfloat16", "float64", "float32", "float16"):
-        if name in str(dtype):
-            return name
-    raise ValueError(f"dtype: expected a floating dtype, got {dtype!r}")
-
-
-def from_torch(module, *, backend="numpy"):
-    """A ``npattn.MultiHeadAttention`` with the layout, weights, dtype, dropout and mode of ``module``.
+def config_from_torch(module) -> dict:
+    """The ``MultiHeadAttention`` keyword arguments that copy the layout of a torch module.
 
     Parameters
     ----------
     module : torch.nn.MultiheadAttention
-    backend : str or namespace module
-        npattn backend of the copy. A bfloat16 module needs a backend with
-        bfloat16 (torch).
 
-    Notes
-    -----
-    ``module.batch_first`` is not carried over: npattn always takes
-    (B, L, D) inputs.
+    Returns
+    -------
+    dict
+        ``d_model``, ``n_head``, ``dropout``, ``bias``, ``qkv_bias``,
+        ``out_bias``, ``kdim``, ``vdim``, ``add_bias_kv``, ``add_zero_attn``
+        and ``dtype`` (a name: "float32", ...). ``module.batch_first`` is not
+        among them: npattn always takes (B, L, D) inputs.
     """
     torch = _torch()
-    from .module import MultiHeadAttention
-
     if not isinstance(module, torch.nn.MultiheadAttention):
         raise TypeError(
             f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}"
         )
-    dtype = _dtype_name(module.out_proj.weight.dtype)
-    mha = MultiHeadAttention(
-        module.embed_dim,
-        module.num_heads,
+    bias = module.in_proj_bias is not None
+    return dict(
+        d_model=module.embed_dim,
+        n_head=module.num_heads,
         dropout=module.dropout,
-        bias=module.in_proj_bias is not None,
-        qkv_bias=module.in_proj_bias is not None,
+        bias=bias,
+        qkv_bias=bias,
         out_bias=module.out_proj.bias is not None,
         kdim=module.kdim,
         vdim=module.vdim,
         add_bias_kv=module.bias_k is not None,
         add_zero_attn=bool(module.add_zero_attn),
-        dtype=_checked_dtype(dtype, backend),
-        backend=backend,
+        dtype=V.dtype_name(module.out_proj.weight.dtype),
     )
-    load_torch_state_dict(mha, module.state_dict())
-    return mha.train(module.training)
-
-
-def _checked_dtype(dtype: str, backend) -> str:
-    from .backend import backend_name, resolve_backend
-
-    xp = resolve_backend(backend)
-    if not hasattr(xp, dtype):
-        raise ValueError(
-            f"module: its dtype {dtype} is not available on backend {backend_name(xp)!r}; "
-            "use backend='torch' or convert the module first"
-        )
-    return dtype

@@ -403,18 +403,15 @@ def test_bad_arguments_name_themselves():
         Bk.sdpa_blocked_forward(q, k[..., :2], k)
 
 
-def test_blocked_bench_smoke():
-    """The long-sequence benchmark runs a child process and reports its peak memory (no timing asserted)."""
-    from npattn.blocked_bench import machine_info, measure
+def test_isolated_bench_smoke():
+    """``npattn bench --isolated`` runs a blocked case in a child process with the block sizes asked for."""
+    from npattn.tools.bench import Shape, measure_isolated
 
-    r = measure(1, 40, 16, 2, impl="blocked", runs=1, block_q=16, block_k=24, gemm=False)
-    assert (
-        r["shape"] == [1, 40, 16, 2]
-        and r["impl"] == "blocked"
-        and (r["block_q"], r["block_k"]) == (16, 24)
-    )
-    assert r["ms_median"] > 0 and r["peak_rss_mib"] >= r["rss_before_mib"] > 0
-    assert machine_info()["cores"] >= 1
+    r = measure_isolated(Shape(1, 40, 16, 2, True), impl="blocked", block_q=16, block_k=24,
+                         gemm_n=0)
+    assert (r["shape"], r["impl"], r["block_q"], r["block_k"]) == ("1x40x16x2c", "blocked", 16, 24)
+    assert r["ms"] > 0 and r["peak_rss_mib"] >= r["rss_before_mib"] > 0
+    assert r["gemm_gflops"] is None
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -10,7 +10,7 @@ import types
 import pytest
 
 import npattn
-from npattn import audit, cli
+from npattn.tools import audit, cli
 from npattn import functional as F
 from npattn.backend import namespace
 
@@ -202,16 +202,16 @@ def test_demo_rejects_bad_heads(heads, tmp_path):
 
 
 def test_bench_missing_module_exits_2(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "npattn.bench", None)
+    monkeypatch.setitem(sys.modules, "npattn.tools.bench", None)
     assert cli.main(["bench", "--anything"]) == 2
-    assert "npattn.bench" in capsys.readouterr().err
+    assert "npattn.tools.bench" in capsys.readouterr().err
 
 
 def test_bench_passes_the_remaining_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("npattn.bench")
+    fake = types.ModuleType("npattn.tools.bench")
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "npattn.bench", fake)
+    monkeypatch.setitem(sys.modules, "npattn.tools.bench", fake)
     assert cli.main(["bench", "--sizes", "small", "--json"]) == 3
     assert seen == [["--sizes", "small", "--json"]]
 

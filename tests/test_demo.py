@@ -5,7 +5,7 @@ import pytest
 
 from npattn import nn
 from npattn.backend import from_numpy, resolve_backend
-from npattn.demo import DemoConfig, ReverseModel, make_batch, train
+from npattn.tools.demo import DemoConfig, ReverseModel, make_batch, train
 from npattn.gradcheck import check_vjp
 
 

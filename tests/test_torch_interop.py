@@ -118,3 +118,25 @@ def test_layers_torch_cannot_express(kwargs, words):
         mha.torch_state_dict()
     with pytest.raises(ValueError, match=words):
         mha.load_torch_state_dict(torch.nn.MultiheadAttention(4, 2).state_dict())
+
+
+def test_config_and_host_params_build_the_module_without_it():
+    """torch_interop hands over constructor arguments and host arrays; the module builds itself."""
+    from npattn import torch_interop
+
+    tm = _randomized(torch.nn.MultiheadAttention(6, 3, dropout=0.1, kdim=4, vdim=5,
+                                                 add_bias_kv=True, dtype=torch.float64))
+    config = torch_interop.config_from_torch(tm)
+    assert config == dict(d_model=6, n_head=3, dropout=0.1, bias=True, qkv_bias=True,
+                          out_bias=True, kdim=4, vdim=5, add_bias_kv=True, add_zero_attn=False,
+                          dtype="float64")
+    mha = MultiHeadAttention(**config)
+    host = torch_interop.params_from_torch_state_dict(mha, tm.state_dict())
+    assert list(host) == list(mha.params)
+    assert all(type(a) is np.ndarray and a.dtype == np.float64 for a in host.values())
+    np.testing.assert_array_equal(host["w_k"], tm.k_proj_weight.detach().numpy())
+    np.testing.assert_array_equal(host["bias_v"], tm.bias_v.detach().numpy().reshape(6))
+    host["w_o"][...] = 0.0  # copies: the torch module is untouched
+    assert torch.count_nonzero(tm.out_proj.weight) > 0
+    with pytest.raises(TypeError, match="module"):
+        torch_interop.config_from_torch(torch.nn.Linear(4, 4))

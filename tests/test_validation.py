@@ -1,5 +1,6 @@
 """Every misuse is caught before any computation with a message that names the
-argument, what was expected and what was received (``npattn.validation``)."""
+argument, what was expected and what was received (``npattn.validation`` and
+the module's own checks in ``npattn.module``)."""
 
 import math
 
@@ -381,15 +382,15 @@ def test_sdpa_rejects(backend, xp):
 )
 def test_layer_shape_arguments(kwargs, exc, fragments):
     """The optional layer-shape arguments a module may pass on (qdim, n_kv_head, flags)."""
-    from npattn import validation as V
     from npattn.backend import resolve_backend
+    from npattn.module import check_module_args
 
     args = dict(d_model=8, n_head=4, dropout=0.0, bias=True, kdim=None, vdim=None,
                 dtype="float32", seed=None)
-    assert V.check_module_args(resolve_backend("numpy"), **args, qdim=None, n_kv_head=2,
-                               add_bias_kv=True, qkv_bias=None) == "float32"
+    assert check_module_args(resolve_backend("numpy"), **args, qdim=None, n_kv_head=2,
+                             add_bias_kv=True, qkv_bias=None) == "float32"
     with raises(exc, *fragments):
-        V.check_module_args(resolve_backend("numpy"), **args, **kwargs)
+        check_module_args(resolve_backend("numpy"), **args, **kwargs)
 
 
 def test_params_snapshot_and_restore(backend, xp):

@@ -29,10 +29,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import functional as F
-from . import nn
-from .backend import from_numpy, resolve_backend, to_numpy
-from .module import MultiHeadAttention
+from .. import functional as F
+from .. import nn
+from ..backend import from_numpy, resolve_backend, to_numpy
+from ..module import MultiHeadAttention
 from .progress import ProgressBar
 
 __all__ = ["DemoConfig", "ReverseModel", "TrainResult", "make_batch", "train", "save_heatmaps"]

@@ -2,7 +2,7 @@
 
 * ``npattn check``: audit every hand-derived gradient against finite differences;
 * ``npattn demo``: train a small attention model on digit reversal, save heatmaps;
-* ``npattn bench``: timings (provided by ``npattn.bench`` when installed).
+* ``npattn bench``: timings (provided by ``npattn.tools.bench`` when installed).
 
 ``main(argv)`` returns the exit status: 0 success, 1 a failed check, 2 a usage
 error or a missing dependency.
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from . import __version__
+from .. import __version__
 
 __all__ = ["main", "build_parser"]
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _threads_option(demo)
 
-    sub.add_parser("bench", add_help=False, help="time forward/backward (npattn.bench)")
+    sub.add_parser("bench", add_help=False, help="time forward/backward (npattn.tools.bench)")
     return parser
 
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":  # everything after "bench" belongs to npattn.bench
+    if argv and argv[0] == "bench":  # everything after "bench" belongs to npattn.tools.bench
         return _bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -146,7 +146,7 @@ def _main(argv) -> int:
 
 def _backend_or_exit(name):
     """Resolve backend ``name``; on failure print why and return None."""
-    from .backend import resolve_backend
+    from ..backend import resolve_backend
 
     try:
         xp = resolve_backend(name)
@@ -242,11 +242,11 @@ def _demo(args, parser) -> int:
 
 def _bench(rest) -> int:
     try:
-        bench = importlib.import_module("npattn.bench")
+        bench = importlib.import_module("npattn.tools.bench")
     except ModuleNotFoundError as exc:
-        if exc.name not in ("npattn.bench",):
+        if exc.name not in ("npattn.tools.bench",):
             raise
-        print("npattn bench: the benchmark module npattn.bench is not part of this "
+        print("npattn bench: the benchmark module npattn.tools.bench is not part of this "
               "installation", file=sys.stderr)
         return 2
     status = bench.main(rest)

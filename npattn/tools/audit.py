@@ -47,11 +47,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import _fast
-from . import functional as F
-from .backend import from_numpy, resolve_backend, to_numpy
-from .gradcheck import numerical_vjp
-from .module import PARAM_NAMES, MultiHeadAttention
+from .. import attention as A
+from .. import functional as F
+from ..backend import from_numpy, resolve_backend, to_numpy
+from ..gradcheck import numerical_vjp
+from ..module import PARAM_NAMES, MultiHeadAttention
 
 __all__ = [
     "TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit",
@@ -82,7 +82,7 @@ class Check:
     name: str
     kind: str  # "primitive" or "module"
     build: Callable
-    fast: bool = False  # run with the NumPy fast path of sdpa on (npattn/_fast.py)
+    impl: Optional[str] = None  # sdpa/module: the implementation audited (None: the reference)
 
 
 @dataclass
@@ -197,7 +197,21 @@ def _pair(forward_name, backward_name, **kwargs):
     return forward, backward
 
 
-def _sdpa_pair(**kwargs):
+#: Block sizes of the audited blocked implementation: small and dividing
+#: nothing, so every configuration crosses several blocks.
+AUDIT_BLOCKS = {"block_q": 2, "block_k": 3}
+
+
+def _sdpa_pair(impl=None, **kwargs):
+    """``functional``'s sdpa pair (``impl`` None), or the dispatcher's with ``impl``."""
+    if impl is not None:
+        blocks = AUDIT_BLOCKS if impl == "blocked" else {}
+
+        def forward(q, k, v, mask=None):
+            return A.sdpa_forward(q, k, v, mask=mask, impl=impl, **blocks, **kwargs)
+
+        return forward, A.sdpa_backward
+
     def forward(q, k, v, mask=None):
         return F.sdpa_forward(q, k, v, mask=mask, **kwargs)
 
@@ -223,7 +237,8 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
         if dtype not in modules:
             modules[dtype] = MultiHeadAttention(
                 mha.d_model, mha.n_head, bias=mha.bias, kdim=mha.kdim, vdim=mha.vdim,
-                dropout=mha.dropout, backend=xp, dtype=dtype).train(mha.training)
+                dropout=mha.dropout, backend=xp, dtype=dtype, impl=mha.impl,
+                block_q=mha.block_q, block_k=mha.block_k).train(mha.training)
         return modules[dtype]
 
     def forward(*args):
@@ -236,10 +251,10 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
         kw = {key: xp.astype(val, m.dtype) if key == "mask" and val is not None
               and xp.isdtype(val.dtype, "real floating") else val for key, val in fwd_kwargs.items()}
         out = m.forward(q, k, v, **kw)
-        return out, (m, m._cache)
+        return out, (m, m.cache)
 
     def backward(dout, cache):
-        m, m._cache = cache
+        m, m.cache = cache
         dq, dk, dv = m.backward(dout)
         g = [m.grads[n] for n in names]
         return ((dq + dk + dv,) if self_attention else (dq, dk, dv)) + tuple(g)
@@ -302,15 +317,15 @@ def _dropout(xp, dtype, rng):
     return (*_pair("dropout_forward", "dropout_backward", p=0.3, mask=keep), [x], ["x"])
 
 
-def _sdpa(Lq, Lk, mask_kind=None, is_causal=False, dropout_p=0.0):
-    def build(xp, dtype, rng):
+def _sdpa(Lq, Lk, mask_kind=None, is_causal=False, dropout_p=0.0, gqa=False, Dv=3):
+    def build(xp, dtype, rng, impl=None):
         m = _Maker(xp, dtype, rng)
-        B, H, Dh = 2, 2, 3
-        q, k, v = m.normal(B, H, Lq, Dh), m.normal(B, H, Lk, Dh), m.normal(B, H, Lk, Dh)
-        kwargs = {"is_causal": is_causal}
+        B, H, Hkv, Dh = 2, (4 if gqa else 2), 2, 3
+        q, k, v = m.normal(B, H, Lq, Dh), m.normal(B, Hkv, Lk, Dh), m.normal(B, Hkv, Lk, Dv)
+        kwargs = {"is_causal": is_causal, "enable_gqa": H != Hkv}
         if dropout_p:
             kwargs.update(dropout_p=dropout_p, dropout_mask=m.keep((B, H, Lq, Lk), dropout_p))
-        fwd, bwd = _sdpa_pair(**kwargs)
+        fwd, bwd = _sdpa_pair(impl, **kwargs)
         inputs, names = [q, k, v], ["q", "k", "v"]
         if mask_kind == "bool_padding":  # (B, 1, 1, Lk), True = real key
             inputs.append(m.bool(_padding_keep(B, Lk, [Lk - 2, Lk])[:, None, None, :]))
@@ -332,11 +347,12 @@ def _sdpa(Lq, Lk, mask_kind=None, is_causal=False, dropout_p=0.0):
 
 def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_causal=False,
          dropout_p=0.0):
-    def build(xp, dtype, rng):
+    def build(xp, dtype, rng, impl=None):
         m = _Maker(xp, dtype, rng)
         B, Lq, Lk, D, H = 2, 4, (4 if self_attention else 5), 8, 2
+        blocks = AUDIT_BLOCKS if impl == "blocked" else {}
         mha = MultiHeadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout_p,
-                                 backend=xp, dtype="float64")
+                                 backend=xp, dtype="float64", impl=impl or "reference", **blocks)
         kwargs = {"is_causal": is_causal}
         if mask_kind == "bool_padding":
             kwargs["mask"] = m.bool(_padding_keep(B, Lk, [Lk - 1, 2])[:, None, None, :])
@@ -364,15 +380,18 @@ def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_
 def panel(backend: Optional[str] = None) -> list:
     """The fixed list of ``Check`` configurations that ``npattn check`` runs.
 
-    Every configuration runs the reference code of ``npattn.functional``. On
-    NumPy, sdpa also has a fast implementation (``npattn/_fast.py``), which the
-    module uses by default: for ``backend="numpy"`` each sdpa and module
-    configuration is audited a second time on it, marked "[fast path]".
+    Every configuration runs the reference code of ``npattn.functional``
+    (the module with ``impl="reference"``). Then each sdpa and module
+    configuration runs again on every other implementation of attention
+    (``npattn.attention``): the blocked one, with blocks of 2 x 3 so that every
+    case crosses blocks, marked "[blocked]", on every backend; and for
+    ``backend="numpy"`` the NumPy kernel, marked "[numpy kernel]".
     """
     checks = _reference_panel()
-    if backend == "numpy":
-        checks += [Check(c.name + " [fast path]", c.kind, c.build, fast=True)
-                   for c in checks if c.name.startswith(("sdpa", "mha"))]
+    impls = [("blocked", "blocked")] + ([("numpy", "numpy kernel")] if backend == "numpy" else [])
+    for impl, label in impls:
+        checks += [Check(f"{c.name} [{label}]", c.kind, c.build, impl=impl)
+                   for c in _reference_panel() if c.name.startswith(("sdpa", "mha"))]
     return checks
 
 
@@ -395,6 +414,8 @@ def _reference_panel() -> list:
         Check("sdpa, causal + float mask", P, _sdpa(4, 4, "float", is_causal=True)),
         Check("sdpa, bool mask, fully masked rows, dropout p=0.25", P,
               _sdpa(3, 5, "bool_full_rows", dropout_p=0.25)),
+        Check("sdpa, GQA Hq=4 Hkv=2, Dv=5 != Dh, causal + float mask", P,
+              _sdpa(4, 6, "float", is_causal=True, gqa=True, Dv=5)),
         Check("mha self, bias, no mask", M, _mha(True)),
         Check("mha self, no bias, causal", M, _mha(True, bias=False, is_causal=True)),
         Check("mha cross, kdim=5 vdim=3, bool padding mask", M,
@@ -425,15 +446,17 @@ def _compare(g, n, floor, rtol, atol):
 
 def run_check(check: Check, xp, dtype: str, *, seed: int = 0) -> list:
     """Rows for one configuration: one per differentiable input (masks with a float dtype included)."""
-    with _fast.fast_path(check.fast):
-        return _run_check(check, xp, dtype, seed)
+    return _run_check(check, xp, dtype, seed)
 
 
 def _run_check(check: Check, xp, dtype: str, seed: int) -> list:
     rtol, atol = TOLERANCES[dtype]
     rng = np.random.default_rng(seed)
     try:
-        fwd, bwd, inputs, names = check.build(xp, getattr(xp, dtype), rng)
+        build_args = (xp, getattr(xp, dtype), rng)
+        built = check.build(*build_args) if check.impl is None else check.build(*build_args,
+                                                                                 impl=check.impl)
+        fwd, bwd, inputs, names = built
         wrt = [i for i, x in enumerate(inputs) if xp.isdtype(x.dtype, "real floating")]
         out, cache = fwd(*inputs)
         dout = xp.astype(from_numpy(rng.standard_normal(tuple(out.shape)), xp), out.dtype)

@@ -1,0 +1,707 @@
+"""Benchmark: ``MultiHeadAttention`` forward+backward against PyTorch.
+
+Run ``npattn bench`` (or ``python -m npattn.tools.bench``). For each shape
+(B, L, d_model, H, causal) it times one self-attention forward+backward of
+the module (``out = m(x, x, x); m.backward(dout)``), median of ``--repeat``
+runs after warm-up, and prints:
+
+* ``ms``: median wall time of forward+backward;
+* ``GFLOP/s``: achieved rate, counting the matmul FLOPs of forward+backward
+  (see ``flops``), causal attention matmuls at half;
+* ``GEMM``, ``%GEMM``: the GFLOP/s of a square ``--gemm``-sized matmul of
+  the same dtype, timed in the same rounds as the shape (one GEMM per
+  round), and the shape's rate as a percentage of it;
+* ``peak MiB``: peak traced allocation during one forward+backward, above
+  what was live before it (``tracemalloc``, which traces NumPy's array
+  allocations; for CuPy the memory pool's bytes in use after the run, an
+  upper bound of the cache and gradients). ``RSS MiB`` is the rise of the
+  process's peak resident memory (Linux ``VmHWM``, reset through
+  ``/proc/self/clear_refs`` before the run), shown when the kernel allows it;
+  memory the allocator reuses without asking the kernel does not show there.
+  Both are measured in a separate, untimed step that starts without the
+  module's previous cache;
+* with torch installed: ``torch ms``, ``torch.nn.MultiheadAttention``
+  (``batch_first=True``, same weights, same input, ``need_weights=False``)
+  forward+backward, timed alternately with npattn in the same loop, and
+  ``ratio`` = npattn / torch of the medians; ``ratio(min)`` the same of the
+  fastest runs, which a machine shared with other work disturbs least.
+
+Shapes are written ``BxLxDxH`` with a trailing ``c`` for causal, e.g.
+``--shapes 32x128x256x8,4x1024x768x12c``.
+
+Isolated mode (``--isolated``) runs each case in a fresh Python process
+(``python -m npattn.tools.bench --child SPEC``, which prints one JSON line),
+so that the peak resident memory it reports belongs to that one shape and
+path alone: ``peak RSS`` is the child's Linux ``VmHWM`` (``ru_maxrss``
+elsewhere), which includes the interpreter, NumPy, the parameters and the
+inputs; ``RSS before`` is the same number just before the first forward.
+It times ``--repeat`` runs (default 1) after ``--warmup`` (default 0), with
+no torch comparison and no traced-memory step, and takes ``--block-q`` /
+``--block-k`` for the blocked path and ``--markdown PATH`` to append a table.
+Without ``--shapes`` it runs ``ISOLATED_PLAN``. For example::
+
+    npattn bench --isolated --shapes 1x16384x512x8 --impl blocked
+    npattn bench --isolated --shapes 1x4096x512x8 --impl dense --repeat 3 --warmup 1
+
+GFLOP/s counts model FLOPs (``flops``); the blocked backward's recomputation
+of the scores is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..backend import resolve_backend, backend_name, from_numpy
+
+__all__ = [
+    "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
+    "environment_info", "Shape", "parse_shapes", "flops", "DEFAULT_SHAPES", "ISOLATED_PLAN",
+]
+
+
+class Shape(NamedTuple):
+    B: int
+    L: int
+    D: int
+    H: int
+    causal: bool
+    dropout: float = 0.0  # drop probability of the attention weights, both libraries in training
+
+    def __str__(self):
+        drop = f"d{self.dropout:g}" if self.dropout else ""
+        return f"{self.B}x{self.L}x{self.D}x{self.H}" + ("c" if self.causal else "") + drop
+
+
+DEFAULT_SHAPES = (
+    Shape(32, 128, 256, 8, False),
+    Shape(8, 512, 768, 12, False),
+    Shape(4, 1024, 768, 12, True),
+    Shape(1, 4096, 512, 8, False),
+    Shape(8, 512, 768, 12, False, 0.1),  # the cost of dropout: against the second row
+)
+
+#: ``--isolated`` without ``--shapes``: (shape, impl) cases; a shorter sequence on
+#: both paths, to compare their speed where dense still fits, and a long one on
+#: the blocked path.
+ISOLATED_PLAN = (
+    (Shape(1, 4096, 512, 8, False), "dense"),
+    (Shape(1, 4096, 512, 8, False), "blocked"),
+    (Shape(1, 16384, 512, 8, False), "blocked"),
+)
+
+
+def parse_shapes(text: str):
+    """``"32x128x256x8,4x1024x768x12c,8x512x768x12d0.1"`` -> tuple of ``Shape``.
+
+    A trailing ``c`` means causal, ``dP`` dropout with drop probability P.
+    """
+    shapes = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)(?:d([0-9.]+))?", item)
+        if match is None:
+            raise ValueError(
+                f"--shapes: expected items like 32x128x256x8, 4x1024x768x12c or "
+                f"8x512x768x12d0.1, got {item!r}"
+            )
+        B, L, D, H = (int(g) for g in match.groups()[:4])
+        try:
+            p = float(match.group(6)) if match.group(6) else 0.0
+        except ValueError:
+            p = -1.0
+        if min(B, L, D, H) < 1 or D % H:
+            raise ValueError(f"--shapes: {item!r} needs positive sizes and D divisible by H")
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"--shapes: {item!r}: the dropout after d must be in [0, 1)")
+        shapes.append(Shape(B, L, D, H, bool(match.group(5)), p))
+    if not shapes:
+        raise ValueError(f"--shapes: no shape in {text!r}")
+    return tuple(shapes)
+
+
+def flops(shape: Shape) -> float:
+    """Matmul FLOPs of one self-attention forward+backward (2 per multiply-add).
+
+    Projections: forward 4 GEMMs of (B*L, D) x (D, D) = 8 B L D^2; backward
+    needs two per forward GEMM (input and weight gradient) = 16 B L D^2.
+    Attention: forward ``q k^T`` and ``a v`` = 4 B L^2 D; backward ``dv``,
+    ``da``, ``dq``, ``dk`` = 8 B L^2 D; counted at half when causal.
+    Elementwise work (softmax, bias, scaling) is not counted.
+    """
+    B, L, D, H, causal = shape[:5]
+    proj = 24.0 * B * L * D * D
+    attn = 12.0 * B * L * L * D * (0.5 if causal else 1.0)
+    return proj + attn
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _sync_for(xp):
+    name = backend_name(xp)
+    if name == "cupy":
+        import cupy
+
+        return lambda: cupy.cuda.Device().synchronize()
+    if name == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.synchronize
+    return lambda: None
+
+
+_PAUSE = 0.0
+
+
+def _timed(fn, sync):
+    sync()
+    if _PAUSE:
+        # let the previous step's BLAS/OpenMP threads stop spinning before timing
+        time.sleep(_PAUSE)
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def _gemm_step(xp, dtype: str, n: int):
+    """A step that runs one (n, n) @ (n, n) matmul in ``dtype`` on ``xp``; its FLOPs."""
+    rng = np.random.default_rng(1)
+    a = xp.astype(from_numpy(rng.standard_normal((n, n)), xp), getattr(xp, dtype))
+    b = xp.astype(from_numpy(rng.standard_normal((n, n)), xp), getattr(xp, dtype))
+    return (lambda: a @ b), 2.0 * n**3
+
+
+def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync) -> float:
+    """Median GFLOP/s of an (n, n) @ (n, n) matmul in ``dtype`` on ``xp``."""
+    step, fl = _gemm_step(xp, dtype, n)
+    step()  # warm-up
+    times = [_timed(step, sync) for _ in range(max(repeat, 3))]
+    return fl / statistics.median(times) / 1e9
+
+
+def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None, block_k=None):
+    from ..module import MultiHeadAttention
+
+    m = MultiHeadAttention(shape.D, shape.H, seed=0, dtype=dtype, backend=backend, impl=impl,
+                           dropout=shape.dropout, block_q=block_q, block_k=block_k)
+    xp = m.xp
+    rng = np.random.default_rng(2)
+    x = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
+    dout = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
+
+    def step():
+        m(x, x, x, is_causal=shape.causal)
+        m.backward(dout)
+
+    return m, x, dout, step
+
+
+def _make_torch(shape: Shape, dtype: str, m, x, dout):
+    """torch.nn.MultiheadAttention with m's weights on the same data, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch not installed"
+    from ..backend import to_numpy
+
+    name = backend_name(m.xp)
+    device = "cpu"
+    if name == "cupy":
+        if not torch.cuda.is_available():
+            return None, "torch has no CUDA here (backend cupy)"
+        device = "cuda"
+    tdtype = getattr(torch, dtype)
+    D, H = shape.D, shape.H
+    mha = torch.nn.MultiheadAttention(D, H, batch_first=True, device=device, dtype=tdtype,
+                                      dropout=shape.dropout)
+    P = {k: to_numpy(v) for k, v in m.params.items()}
+    with torch.no_grad():
+        w_in = np.concatenate([P["w_q"], P["w_k"], P["w_v"]], axis=0)
+        mha.in_proj_weight.copy_(torch.from_numpy(w_in))
+        mha.out_proj.weight.copy_(torch.from_numpy(P["w_o"]))
+        if m.bias:
+            b_in = np.concatenate([P["b_q"], P["b_k"], P["b_v"]])
+            mha.in_proj_bias.copy_(torch.from_numpy(b_in))
+            mha.out_proj.bias.copy_(torch.from_numpy(P["b_o"]))
+    tx = torch.from_numpy(to_numpy(x)).to(device=device, dtype=tdtype).requires_grad_(True)
+    tdout = torch.from_numpy(to_numpy(dout)).to(device=device, dtype=tdtype)
+    attn_mask = None
+    if shape.causal:
+        # torch's float mask: -inf above the diagonal (top-left causal), with the hint
+        attn_mask = torch.nn.Transformer.generate_square_subsequent_mask(
+            shape.L, device=device, dtype=tdtype
+        )
+
+    def step():
+        mha.zero_grad(set_to_none=True)
+        tx.grad = None
+        out, _ = mha(
+            tx, tx, tx, need_weights=False, attn_mask=attn_mask, is_causal=shape.causal
+        )
+        out.backward(tdout)
+
+    return step, None
+
+
+def _peak_traced_mib(step, sync) -> float:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        step()
+        sync()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return (peak - base) / 2**20
+
+
+def _hwm_kib():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _rss_rise_mib(step, sync):
+    """Rise of peak RSS over one step (Linux, with a resettable VmHWM), else None."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    before = _hwm_kib()
+    step()
+    sync()
+    after = _hwm_kib()
+    if before is None or after is None:
+        return None
+    return (after - before) / 1024.0
+
+
+def _cupy_pool_mib(step, sync):
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    gc.collect()
+    pool.free_all_blocks()
+    before = pool.used_bytes()
+    step()
+    sync()
+    return (pool.used_bytes() - before) / 2**20
+
+
+# ---------------------------------------------------------------- report
+
+
+def environment_info(xp) -> dict:
+    info = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "backend": backend_name(xp),
+    }
+    try:
+        info["sched_affinity"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = int(f.readline().split()[1]) / 2**20  # MemTotal, KiB
+    except (OSError, ValueError, IndexError):
+        info["memory_gib"] = None
+    try:
+        import threadpoolctl
+
+        info["threadpools"] = [
+            {k: p.get(k) for k in ("user_api", "internal_api", "version", "num_threads",
+                                   "architecture", "threading_layer", "prefix")}
+            for p in threadpoolctl.threadpool_info()
+        ]
+    except ImportError:
+        info["threadpools"] = "threadpoolctl not installed (pip install npattn[bench])"
+    info["OPENBLAS_CORETYPE"] = os.environ.get("OPENBLAS_CORETYPE")
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        info["torch"] = None
+    from ..backend import pool_threads
+
+    info["npattn_pool_threads"] = pool_threads()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _print_env(env, settings, dtype, out):
+    print(f"npattn bench: backend={env['backend']} dtype={dtype} {settings}", file=out)
+    print(f"cpu: {env['cpu']} ({env['cpu_count']} logical cpus)", file=out)
+    if isinstance(env["threadpools"], list):
+        for p in env["threadpools"]:
+            print(f"threadpool: {p['internal_api']} {p['version']} arch={p['architecture']} "
+                  f"threads={p['num_threads']} ({p['prefix']})", file=out)
+    else:
+        print(f"threadpool: {env['threadpools']}", file=out)
+    if env.get("torch"):
+        print(f"torch {env['torch']} threads={env['torch_threads']}", file=out)
+    if "npattn_pool_threads" in env:
+        print(f"npattn elementwise pool threads: {env['npattn_pool_threads']}", file=out)
+
+
+def _fmt(v, spec):
+    return format("-", ">" + spec.split(".")[0]) if v is None else format(v, spec)
+
+
+def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, warmup=2,
+        gemm_n=2048, torch_compare=True, memory=True, pause=0.1, out=None):
+    """Run the benchmark and return a dict of results (also printed to ``out``)."""
+    global _PAUSE
+    _PAUSE = pause
+    out = sys.stdout if out is None else out
+    xp = resolve_backend(backend)
+    sync = _sync_for(xp)
+    env = environment_info(xp)
+    env["impl"] = impl
+    _print_env(env, f"impl={impl} repeat={repeat} warmup={warmup} pause={pause}s", dtype, out)
+
+    gemm = gemm_gflops(xp, dtype, gemm_n, repeat, sync)
+    print(f"GEMM {gemm_n}^3 {dtype}: {gemm:.1f} GFLOP/s at the start; %GEMM uses the GEMM "
+          "timed in the same rounds as each shape (column GEMM)", file=out)
+    gemm_step, gemm_flops = _gemm_step(xp, dtype, gemm_n)
+    header = (f"{'shape':>18} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} {'%GEMM':>6} {'peak MiB':>9} "
+              f"{'RSS MiB':>8} {'torch ms':>9} {'ratio':>6} {'ratio(min)':>10}")
+    print(header, file=out)
+
+    rows = []
+    for shape in shapes:
+        m, x, dout, step = _make_npattn(shape, dtype, backend, impl)
+        tstep, why_not = (None, "disabled")
+        if torch_compare:
+            try:
+                tstep, why_not = _make_torch(shape, dtype, m, x, dout)
+            except Exception as exc:  # torch may lack a kernel for this dtype/device
+                tstep, why_not = None, f"{type(exc).__name__}: {exc}"
+        for _ in range(warmup):
+            step()
+            if tstep:
+                tstep()
+        ts, tt, tg = [], [], []
+        for _ in range(repeat):  # alternate, so that machine noise hits all alike
+            ts.append(_timed(step, sync))
+            if tstep:
+                tt.append(_timed(tstep, sync))
+            tg.append(_timed(gemm_step, sync))
+        ms = statistics.median(ts) * 1e3
+        torch_ms = statistics.median(tt) * 1e3 if tt else None
+        rate = flops(shape) / (ms * 1e-3) / 1e9
+        gemm_here = gemm_flops / statistics.median(tg) / 1e9
+        peak = rss = None
+        if memory:
+            m.clear_cache()  # the last timed step's cache: not part of the next step's peak
+            if backend_name(xp) == "cupy":
+                peak = _cupy_pool_mib(step, sync)
+            else:
+                peak = _peak_traced_mib(step, sync)
+                m.clear_cache()
+                rss = _rss_rise_mib(step, sync)
+        row = {
+            "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
+            "causal": shape.causal, "ms": ms, "ms_all": [t * 1e3 for t in ts],
+            "gflops": rate, "gemm_gflops": gemm_here, "pct_gemm": 100.0 * rate / gemm_here,
+            "peak_mib": peak,
+            "rss_mib": rss, "torch_ms": torch_ms,
+            "torch_ms_all": [t * 1e3 for t in tt],
+            "ratio": ms / torch_ms if torch_ms else None,
+            "ms_min": min(ts) * 1e3,
+            "torch_ms_min": min(tt) * 1e3 if tt else None,
+            "ratio_min": min(ts) / min(tt) if tt else None,
+            "torch_note": None if tstep else why_not,
+        }
+        rows.append(row)
+        print(f"{str(shape):>18} {ms:9.2f} {rate:8.1f} {gemm_here:6.1f} {row['pct_gemm']:6.1f} "
+              f"{_fmt(peak, '9.1f')} {_fmt(rss, '8.1f')} {_fmt(torch_ms, '9.2f')} "
+              f"{_fmt(row['ratio'], '6.2f')} {_fmt(row['ratio_min'], '10.2f')}", file=out)
+        if not tstep and torch_compare:
+            print(f"{'':>18} (torch: {why_not})", file=out)
+        del m, x, dout, step, tstep
+        gc.collect()
+    return {"env": env, "gemm_gflops": gemm, "gemm_n": gemm_n, "dtype": dtype, "rows": rows}
+
+
+# ---------------------------------------------------------------- isolated mode
+
+
+def _blas_limit(n):
+    """Hold BLAS to ``n`` threads inside the block (threadpoolctl); None: BLAS's own setting."""
+    if n is None:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB.
+
+    Linux ``VmHWM``, else ``ru_maxrss`` (KiB on Linux, bytes on macOS). On
+    Linux ``ru_maxrss`` is no substitute: it keeps the parent's resident size
+    at the fork that started this process.
+    """
+    kib = _hwm_kib()
+    if kib is None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kib = peak / 1024 if sys.platform == "darwin" else peak
+    return kib / 1024
+
+
+def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy", repeat=1,
+                 warmup=0, gemm_n=2048, block_q=None, block_k=None, blas_threads=None) -> dict:
+    """Time one case in this process and read its peak RSS: the body of an isolated child.
+
+    Meant for a process that runs this one case: the peak RSS is that of the
+    whole process. The block sizes go to the module (blocked implementation).
+    """
+    if impl in ("blocked", "auto"):
+        from .. import blocked
+
+        block_q, block_k = block_q or blocked.DEFAULT_BLOCK_Q, block_k or blocked.DEFAULT_BLOCK_K
+    else:
+        block_q = block_k = None
+    with _blas_limit(blas_threads):
+        m, x, dout, step = _make_npattn(shape, dtype, backend, impl, block_q, block_k)
+        sync = _sync_for(m.xp)
+        rss_before = _peak_rss_mib()  # interpreter, libraries, parameters and inputs
+        for _ in range(warmup):
+            step()
+        ts = [_timed(step, sync) for _ in range(repeat)]
+        peak = _peak_rss_mib()
+        gemm = gemm_gflops(m.xp, dtype, gemm_n, 3, sync) if gemm_n else None
+    ms = statistics.median(ts) * 1e3
+    rate = flops(shape) / (ms * 1e-3) / 1e9
+    return {
+        "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
+        "causal": shape.causal, "impl": impl, "dtype": dtype, "backend": backend_name(m.xp),
+        "block_q": block_q, "block_k": block_k, "blas_threads": blas_threads,
+        "repeat": repeat, "warmup": warmup,
+        "ms": ms, "ms_all": [t * 1e3 for t in ts], "ms_min": min(ts) * 1e3, "gflops": rate,
+        "gemm_gflops": gemm, "pct_gemm": 100.0 * rate / gemm if gemm else None,
+        "rss_before_mib": rss_before, "peak_rss_mib": peak, "loadavg": list(os.getloadavg()),
+    }
+
+
+def measure_isolated(shape: Shape, *, timeout=3600, **case) -> dict:
+    """``measure_here(shape, **case)`` in a fresh Python process, so that its peak RSS is its own."""
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this npattn
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    spec = json.dumps(dict(case, shape=str(shape)))
+    proc = subprocess.run([sys.executable, "-m", "npattn.tools.bench", "--child", spec],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"npattn bench: the child for {shape} ({case.get('impl')}) failed "
+                           f"with status {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, gemm_n=2048,
+                 block_q=None, block_k=None, blas_threads=None, out=None) -> dict:
+    """Run each ``(shape, impl)`` of ``plan`` in its own process; a dict of results (also printed)."""
+    out = sys.stdout if out is None else out
+    env = environment_info(resolve_backend(backend))
+    _print_env(env, f"isolated repeat={repeat} warmup={warmup} blas_threads={blas_threads}",
+               dtype, out)
+    print(f"{'shape':>18} {'impl':>7} {'blocks':>9} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} "
+          f"{'%GEMM':>6} {'RSS before':>10} {'peak RSS':>9} {'load':>5}", file=out)
+    rows = []
+    for shape, impl in plan:
+        r = measure_isolated(shape, impl=impl, dtype=dtype, backend=backend, repeat=repeat,
+                             warmup=warmup, gemm_n=gemm_n, block_q=block_q, block_k=block_k,
+                             blas_threads=blas_threads)
+        rows.append(r)
+        blocks = f"{r['block_q']},{r['block_k']}" if r["block_q"] else "-"
+        print(f"{r['shape']:>18} {impl:>7} {blocks:>9} {r['ms']:9.2f} {r['gflops']:8.1f} "
+              f"{_fmt(r['gemm_gflops'], '6.1f')} {_fmt(r['pct_gemm'], '6.1f')} "
+              f"{r['rss_before_mib']:10.1f} {r['peak_rss_mib']:9.1f} {r['loadavg'][0]:5.1f}",
+              file=out, flush=True)
+    return {"env": env, "dtype": dtype, "gemm_n": gemm_n, "rows": rows}
+
+
+def markdown_table(result) -> str:
+    """The machine and the rows of ``run_isolated``'s result as Markdown (RSS in MiB)."""
+    env = result["env"]
+    pools = env["threadpools"]
+    if isinstance(pools, list):
+        pools = "; ".join(f"{p['internal_api']} {p['version']} ({p['threading_layer']}, "
+                          f"{p['architecture']}, {p['num_threads']} threads)" for p in pools)
+    lines = [
+        f"- CPU: {env['cpu']}, {env['cpu_count']} logical cpus, "
+        f"{_fmt(env.get('memory_gib'), '.1f')} GiB RAM",
+        f"- BLAS: {pools}",
+        f"- NumPy {env['numpy']}, Python {env['python']}, backend {env['backend']}, "
+        f"{result['dtype']}",
+        "",
+        "| shape | impl | blocks (q, k) | BLAS threads | runs | ms (median) | GFLOP/s "
+        "| GEMM GFLOP/s | peak RSS MiB | RSS before fwd MiB | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        blocks = f"{r['block_q']}, {r['block_k']}" if r["block_q"] else "-"
+        runs = f"{r['repeat']}" + (f" (+{r['warmup']} warm-up)" if r["warmup"] else "")
+        lines.append(
+            f"| {r['shape']} | {r['impl']} | {blocks} | {r['blas_threads'] or 'default'} "
+            f"| {runs} | {r['ms']:.0f} | {r['gflops']:.1f} | {_fmt(r['gemm_gflops'], '.0f')} "
+            f"| {r['peak_rss_mib']:.0f} | {r['rss_before_mib']:.0f} | {r['loadavg'][0]:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="npattn bench",
+        description="Time MultiHeadAttention forward+backward (self-attention) against torch, "
+                    "or each case alone in a fresh process with its peak RSS (--isolated).",
+    )
+    parser.add_argument("--shapes",
+                        help="comma-separated BxLxDxH[c] (c = causal); default: "
+                             f"{','.join(str(s) for s in DEFAULT_SHAPES)} (--isolated: "
+                             "ISOLATED_PLAN)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
+    parser.add_argument("--backend", default="numpy",
+                        choices=["numpy", "cupy", "torch", "array_api_strict"])
+    parser.add_argument("--impl", choices=["auto", "dense", "reference", "numpy", "blocked"],
+                        help="attention implementation passed to the module (default: dense)")
+    parser.add_argument("--repeat", type=int,
+                        help="timed runs per shape (default 7, at least 5; --isolated: default 1)")
+    parser.add_argument("--warmup", type=int, help="untimed runs first (default 2; --isolated: 0)")
+    parser.add_argument("--gemm", type=int, default=2048,
+                        help="size n of the n^3 reference GEMM (--isolated: 0 = none)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads of npattn's tile pool (sets NPATTN_NUM_THREADS; "
+                             "default: the usable CPUs)")
+    parser.add_argument("--blas-threads", type=int, metavar="N",
+                        help="hold BLAS to N threads (threadpoolctl; default: BLAS's own setting)")
+    parser.add_argument("--pause", type=float, default=0.1, metavar="S",
+                        help="seconds of rest before each timed step, so that one library's "
+                             "spinning worker threads do not slow the next (default: %(default)s)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
+    iso = parser.add_argument_group("isolated mode")
+    iso.add_argument("--isolated", action="store_true",
+                     help="run each case in a fresh process and report its peak RSS "
+                          "(no torch, no traced memory)")
+    iso.add_argument("--block-q", type=int, metavar="N", help="query block of the blocked path")
+    iso.add_argument("--block-k", type=int, metavar="N", help="key block of the blocked path")
+    iso.add_argument("--markdown", metavar="PATH", help="append the results as a Markdown table")
+    iso.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:  # one isolated case, in the process the parent started for it
+        spec = json.loads(args.child)
+        spec["shape"] = parse_shapes(spec["shape"])[0]
+        print(json.dumps(measure_here(**spec)))
+        return 0
+    isolated = args.isolated
+    repeat = (1 if isolated else 7) if args.repeat is None else args.repeat
+    warmup = (0 if isolated else 2) if args.warmup is None else args.warmup
+    if repeat < (1 if isolated else 5):
+        parser.error(f"--repeat: expected at least {1 if isolated else 5}, got {repeat}")
+    if warmup < 0:
+        parser.error(f"--warmup: expected a non-negative integer, got {warmup}")
+    if args.gemm < (0 if isolated else 1):
+        parser.error(f"--gemm: expected {'0 or ' if isolated else ''}a positive size, got {args.gemm}")
+    for name in ("threads", "blas_threads", "block_q", "block_k"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, "
+                         f"got {getattr(args, name)}")
+    if not isolated:
+        for name in ("block_q", "block_k", "markdown"):
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')}: needs --isolated")
+    if isolated and args.shapes is None and args.impl is not None:
+        parser.error("--impl: with --isolated, give --shapes too (ISOLATED_PLAN sets the impl "
+                     "of each of its cases)")
+    impl = args.impl or "dense"
+    try:
+        shapes = parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.blas_threads is not None and importlib.util.find_spec("threadpoolctl") is None:
+        print("npattn bench: --blas-threads needs threadpoolctl (pip install 'npattn[bench]')",
+              file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        os.environ["NPATTN_NUM_THREADS"] = str(args.threads)
+    try:
+        resolve_backend(args.backend)
+    except ImportError as exc:
+        print(f"npattn bench: {exc}", file=sys.stderr)
+        return 2
+    if isolated:
+        plan = ISOLATED_PLAN if args.shapes is None else [(s, impl) for s in shapes]
+        result = run_isolated(plan, dtype=args.dtype, backend=args.backend, repeat=repeat,
+                              warmup=warmup, gemm_n=args.gemm, block_q=args.block_q,
+                              block_k=args.block_k, blas_threads=args.blas_threads)
+        if args.markdown:
+            with open(args.markdown, "a") as f:
+                f.write(markdown_table(result) + "\n")
+    else:
+        with _blas_limit(args.blas_threads):
+            result = run(shapes, dtype=args.dtype, backend=args.backend, impl=impl,
+                         repeat=repeat, warmup=warmup, gemm_n=args.gemm,
+                         torch_compare=not args.no_torch, memory=not args.no_memory,
+                         pause=args.pause)
+    if args.json:
+        text = json.dumps(result, indent=1, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
