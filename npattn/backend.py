@@ -263,7 +263,7 @@ def keep_mask(key: int, p: float, shape, xp, device=None):
     lead = [np.arange(n).reshape((n,) + (1,) * (len(shape) - 3 - a))
             for a, n in enumerate(shape[:-2])]  # one coordinate array per leading axis
     keep = keyed_keep_mask(key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]))
-    return from_numpy(np.broadcast_to(keep, shape), xp, device)
+    return from_numpy(np.array(np.broadcast_to(keep, shape)), xp, device)  # a writable copy
 
 
 def is_numpy_array(x) -> bool:

@@ -199,8 +199,8 @@ def blocked_keep_mask(cache: BlockedSDPACache, xp=None):
     Lq, Lk = c.q.shape[-2], c.k.shape[-2]
     keep = keyed_keep_mask(c.dropout_key, c.dropout_p, c.coords, np.arange(Lq), np.arange(Lk))
     shape = tuple(c.q_shape[:-2]) + (Lq, Lk)
-    return from_numpy(np.broadcast_to(keep, c.q.shape[:-2] + (Lq, Lk)).reshape(shape), xp,
-                      device_of(c.q))
+    full = np.array(np.broadcast_to(keep, c.q.shape[:-2] + (Lq, Lk)).reshape(shape))  # writable
+    return from_numpy(full, xp, device_of(c.q))
 
 
 def _pool_split(xp, c: BlockedSDPACache):
@@ -404,7 +404,8 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
         run_tasks(task, split, len(split))
 
     cache = c._replace(out=out, m=m, l=l)
-    out = xp.reshape(out, q_shape[:-1] + (v_shape[-1],))  # the caller's layout
+    # the caller's layout, as a copy: the cache's out must not change if the caller writes into it
+    out = xp.reshape(xp.asarray(out, copy=True), q_shape[:-1] + (v_shape[-1],))
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
     return out, cache
