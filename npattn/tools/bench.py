@@ -213,6 +213,10 @@ def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None
     def step():
         m(x, x, x, is_causal=shape.causal)
         m.backward(dout)
+        # drop the cache as torch drops its graph after backward: otherwise the next
+        # forward runs while this one's probabilities are still held (the module
+        # keeps a cache until a new forward has succeeded)
+        m.clear_cache()
 
     return m, x, dout, step
 
