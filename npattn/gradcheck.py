@@ -313,6 +313,14 @@ def gradcheck(
         ``report.ok``, and per input ``max_abs_err`` and ``max_rel_err``;
         ``print(report)`` shows a table.
 
+    Raises
+    ------
+    TypeError
+        ``forward`` did not return a pair ``(out, cache)`` with ``out`` an array.
+    ValueError
+        ``backward`` returned fewer gradients than the inputs it must cover, or
+        None for a checked input.
+
     Examples
     --------
     >>> import numpy as np
@@ -329,7 +337,7 @@ def gradcheck(
     wrt = _default_wrt(inputs) if wrt is None else list(wrt)
     # the inputs in float64, on their own backend and device
     ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])
-    out, cache = forward(*ev_inputs)
+    out, cache = _forward_pair(forward(*ev_inputs))
     rng = np.random.default_rng(seed)
     if dout is None:
         dout_host = rng.standard_normal(tuple(out.shape))  # [*out.shape]
@@ -337,6 +345,14 @@ def gradcheck(
     grads = backward(dout, cache)
     if not isinstance(grads, (tuple, list)):
         grads = (grads,)
+    missing = [i for i in wrt if i >= len(grads)]
+    if missing:
+        got = f"{len(grads)} gradient{'s' if len(grads) != 1 else ''}"
+        raise ValueError(
+            f"backward: expected one gradient per input ({len(inputs)}: "
+            f"{', '.join(names)}; None for those not differentiated), returned {got} for "
+            f"{len(inputs)} inputs, so {', '.join(names[i] for i in missing)} has none"
+        )
     grads = list(grads) + [None] * (len(inputs) - len(grads))
 
     def f(*a):
@@ -367,6 +383,29 @@ def gradcheck(
         rel = _relative(err, scale, atol)
         report.inputs.append(InputReport(names[i], err, rel, scale, err <= atol + rtol * scale))
     return report
+
+
+def _forward_pair(result):
+    """``(out, cache)`` from what a forward returned; a TypeError saying what was expected."""
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        if isinstance(result, (tuple, list)):
+            n = len(result)
+            got = f"a {type(result).__name__} of {n} item{'s' if n != 1 else ''}"
+        else:
+            got = type(result).__name__
+            shape = getattr(result, "shape", None)
+            if shape is not None:
+                got += f" of shape {tuple(shape)}"
+        raise TypeError(
+            "forward: expected a function returning a pair (out, cache), the npattn "
+            f"contract (out the output array, cache what backward needs), got {got}"
+        )
+    out, cache = result
+    if not hasattr(out, "shape"):
+        raise TypeError(
+            f"forward: expected (out, cache) with out an array, got out of type {type(out).__name__}"
+        )
+    return out, cache
 
 
 def gradcheck_module(module, query, key, value, *, forward_kwargs=None, **check_kwargs):

@@ -1,7 +1,10 @@
 """The benchmark's parsing, FLOP count and command line (no timing assertions)."""
 
+import io
 import json
+import sys
 
+import numpy as np
 import pytest
 
 from npattn.tools import bench
@@ -34,13 +37,17 @@ def test_flops_counts_projections_and_half_causal_attention():
 def test_main_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out.json"
     rc = bench.main(["--shapes", "2x8x8x2,1x8x8x2c,2x8x8x2d0.2", "--repeat", "5", "--warmup", "1",
-                     "--gemm", "32", "--pause", "0", "--json", str(path)])
+                     "--gemm", "32", "--pause", "0", "--min-sample", "0.005",
+                     "--json", str(path)])
     assert rc == 0
     result = json.loads(path.read_text())
     assert [r["shape"] for r in result["rows"]] == ["2x8x8x2", "1x8x8x2c", "2x8x8x2d0.2"]
+    assert result["min_sample_s"] == 0.005
     for row in result["rows"]:
         assert len(row["ms_all"]) == 5 and row["ms"] > 0 and row["gflops"] > 0
         assert row["peak_mib"] is not None and row["peak_mib"] >= 0
+        assert row["number"] >= 1 and row["gemm_number"] >= 1  # steps per sample
+        assert (row["torch_number"] is None) == (row["torch_ms"] is None)
     printed = capsys.readouterr().out
     assert "2x8x8x2" in printed and "GEMM" in printed
 
@@ -68,3 +75,109 @@ def test_main_rejects_bad_options(capsys):
             bench.main(isolated_only)
     with pytest.raises(SystemExit):
         bench.main(["--isolated", "--impl", "dense"])  # the default plan sets its own impl
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_json_dash_prints_only_json_on_stdout(capsys, monkeypatch):
+    term = _FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    rc = bench.main(["--shapes", "2x8x8x2", "--repeat", "5", "--warmup", "0", "--gemm", "16",
+                     "--pause", "0", "--min-sample", "0.001", "--no-torch", "--json", "-"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)  # nothing but the JSON
+    assert [r["shape"] for r in result["rows"]] == ["2x8x8x2"]
+    err = term.getvalue()
+    assert bench.format_header() in err and "2x8x8x2" in err  # the table went to stderr
+    assert "bench:" in err and "5/5" in err  # and the progress bar, on a terminal
+
+
+def test_autorange_repeats_a_step_until_a_sample_lasts_long_enough(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def step_of(seconds):
+        def step():
+            clock[0] += seconds
+        return step
+
+    sync = lambda: None  # noqa: E731
+    assert bench.autorange(step_of(0.03), sync, 0.2) == 10  # 5 steps: 0.15 s, 10: 0.3 s
+    assert bench.autorange(step_of(0.05), sync, 0.2) == 5
+    assert bench.autorange(step_of(0.5), sync, 0.2) == 1  # a long step: one per sample
+    assert bench.autorange(step_of(3e-5), sync, 0.2) == 10000
+    assert bench._timed(step_of(0.03), sync, 10) == pytest.approx(0.03)  # seconds per step
+
+
+def _row(**values):
+    row = {"shape": "2x64x64x4", "ms": 1.2345, "number": 200, "gflops": 3.21,
+           "gemm_gflops": 50.0, "pct_gemm": 6.4, "peak_mib": 0.5, "rss_mib": 1.26,
+           "torch_ms": 0.66, "ratio": 1.87, "ratio_min": 1.5, "torch_note": None}
+    row.update(values)
+    return row
+
+
+def _column_ends():
+    ends, start = [], 0
+    for _, _, width, _ in bench.COLUMNS:
+        ends.append(start + width - 1)  # the last character of the column
+        start += width + 1  # one space between columns
+    return ends
+
+
+def test_missing_values_are_dashes_at_the_right_edge_of_their_column():
+    header = bench.format_header()
+    missing = ("peak_mib", "rss_mib", "torch_ms", "ratio", "ratio_min")
+    full, gaps = bench.format_row(_row()), bench.format_row(_row(**dict.fromkeys(missing)))
+    assert len(full) == len(gaps) == len(header)
+    for (title, key, _, _), end in zip(bench.COLUMNS, _column_ends()):
+        assert header[end] != " " and header[end + 1:end + 2] in ("", " "), title
+        assert full[end] != " ", title
+        if key in missing:
+            assert gaps[end] == "-" and gaps[end - 1] == " ", (title, gaps)
+    assert gaps.split()[-5:] == ["-"] * 5
+
+
+def test_rss_that_did_not_rise_is_shown_below_a_tenth_and_explained():
+    assert bench.format_mib(0.0) == "<0.1" and bench.format_mib(0.04) == "<0.1"
+    assert bench.format_mib(0.26) == "0.3" and bench.format_mib(None) == "-"
+    table = bench.format_table([_row(rss_mib=0.0), _row(shape="8x512x768x12", rss_mib=0.0)])
+    lines = table.splitlines()
+    assert lines[1].split()[7] == "<0.1"
+    assert " 0.0 " not in lines[1]
+    assert table.count("allocator reused memory") == 1 and lines[-1].startswith("note: RSS")
+    assert "allocator" not in bench.format_table([_row()])
+    assert bench.RSS_NOTE in bench.row_notes(_row(rss_mib=0.0))
+
+
+def test_pct_gemm_above_100_is_warned_under_its_row():
+    assert bench.row_notes(_row(pct_gemm=99.9)) == []
+    (note,) = bench.row_notes(_row(pct_gemm=332.9))
+    assert note.startswith("%GEMM > 100: the reference GEMM was slowed by load") and "rerun" in note
+    lines = bench.format_table([_row(pct_gemm=332.9), _row(shape="1x8x8x2")]).splitlines()
+    assert "332.9" in lines[1] and lines[2].strip() == f"({note})" and "1x8x8x2" in lines[3]
+
+
+def test_torch_notes_go_under_the_row():
+    lines = bench.format_table([_row(torch_ms=None, ratio=None, ratio_min=None,
+                                     torch_note="torch not installed")]).splitlines()
+    assert lines[2].strip() == "(torch: torch not installed)"
+
+
+def test_float16_without_such_a_dtype_is_a_value_error():
+    import array_api_strict
+
+    with pytest.raises(ValueError, match="--dtype float16: the array_api_strict backend has no"):
+        bench.check_dtype(array_api_strict, "float16")
+    assert bench.check_dtype(np, "float16") is np.float16
+
+
+@pytest.mark.parametrize("option", [["--pause", "-1"], ["--pause", "nan"], ["--min-sample", "-0.1"]])
+def test_bad_timing_options_are_usage_errors(option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(option)
+    assert exc.value.code == 2
+    assert f"{option[0]}: expected a finite number of seconds" in capsys.readouterr().err

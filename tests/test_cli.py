@@ -1,6 +1,7 @@
 """The npattn command: check (the gradient audit), demo, bench."""
 
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 import npattn
 from npattn.tools import audit, cli
+from npattn.tools import demo as demo_mod
 from npattn import functional as F
 from npattn.backend import namespace
 
@@ -47,7 +49,7 @@ def test_python_m_npattn_check_passes_and_prints_table():
         assert c.name in out
     assert f"passed over {len(checks)} configurations (numpy, float64" in out
     assert "FAIL" not in out
-    assert "check [" in proc.stderr  # the progress bar
+    assert "%|" not in proc.stderr  # no progress bar into a pipe
 
 
 def test_check_rows_cover_the_panel(capsys):
@@ -184,21 +186,99 @@ def test_demo_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_demo_progress_bar_shows_loss_and_accuracy(tmp_path, capsys):
+class _FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_demo_progress_bar_shows_the_training_batch_loss(tmp_path, capsys, monkeypatch):
+    term = _FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
     args = [a for a in _demo_args(tmp_path, "--no-plots") if a != "--no-progress"]
     assert cli.main(args) == 0
-    err = capsys.readouterr().err
-    assert "loss" in err and "acc" in err and "3/3" in err
+    err = term.getvalue()
+    assert "batch loss" in err and "batch acc" in err and "3/3" in err
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("heads=")]
+    assert len(summary) == 1 and "held-out token accuracy" in summary[0]
+    assert "held-out loss" in summary[0]
+
+
+def test_demo_progress_bar_is_silent_into_a_pipe(tmp_path, capsys):
+    args = [a for a in _demo_args(tmp_path, "--no-plots") if a != "--no-progress"]
+    assert cli.main(args) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("heads", ["3", "0", "a,b"])
-def test_demo_rejects_bad_heads(heads, tmp_path):
+def test_demo_rejects_bad_heads(heads, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(_demo_args(tmp_path, "--heads", heads))
     assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: npattn demo" in err and "--heads" in err  # the demo's usage, not npattn's
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--lr", "-1"), ("--lr", "0"), ("--lr", "nan"), ("--lr", "inf"), ("--lr", "x"),
+     ("--steps", "0"), ("--steps", "-3"), ("--seq-len", "0"), ("--d-model", "-8"),
+     ("--batch", "0"), ("--seed", "-1"), ("--threads", "0")],
+)
+def test_demo_rejects_non_positive_or_non_finite_numbers(option, value, tmp_path, capsys,
+                                                         monkeypatch):
+    monkeypatch.setattr(demo_mod, "train", _must_not_train)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(_demo_args(tmp_path) + [option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: npattn demo" in err
+    assert f"argument {option}" in err and repr(value) in err
+
+
+def test_check_option_errors_print_the_check_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--threads", "-2"])
+    assert exc.value.code == 2
+    assert "usage: npattn check" in capsys.readouterr().err
+
+
+def _must_not_train(*args, **kwargs):
+    raise AssertionError("the demo trained before its arguments were checked")
+
+
+def _unwritable_outs(tmp_path):
+    a_file = tmp_path / "a_file.png"
+    a_file.write_bytes(b"not a folder")
+    outs = [str(a_file), str(a_file / "sub")]
+    if os.path.isdir("/proc/self"):
+        outs.append("/proc/x")
+    return outs
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="--out is used only with matplotlib")
+def test_demo_checks_out_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(demo_mod, "train", _must_not_train)
+    for out in _unwritable_outs(tmp_path):
+        args = _demo_args(tmp_path)
+        args[args.index("--out") + 1] = out
+        assert cli.main(args) == 2, out
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err  # one line
+        assert err.startswith("npattn demo: --out ") and repr(out) in err, err
+    assert (tmp_path / "a_file.png").read_bytes() == b"not a folder"
 
 
 # ------------------------------------------------------------------ bench
+
+
+def test_bench_float16_on_array_api_strict_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--dtype", "float16", "--backend", "array_api_strict",
+                  "--shapes", "1x4x4x2", "--no-torch"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: npattn bench" in err and "Traceback" not in err
+    assert "--dtype float16: the array_api_strict backend has no float16" in err
 
 
 def test_bench_missing_module_exits_2(monkeypatch, capsys):

@@ -61,3 +61,51 @@ def test_make_batch_reverses():
 def test_bad_pos_is_rejected():
     with pytest.raises(ValueError, match="pos: expected 'learned' or 'sinusoidal'"):
         ReverseModel(DemoConfig(pos="rotary"))
+
+
+@pytest.mark.parametrize("H, grid", [(1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (2, 4)),
+                                     (12, (3, 4))])
+def test_heads_are_laid_out_in_rows_of_four(H, grid):
+    from npattn.tools.demo import grid_shape
+
+    assert grid_shape(H) == grid
+
+
+def test_combined_heatmap_has_a_grid_a_colorbar_and_position_ticks():
+    pytest.importorskip("matplotlib")
+    from npattn.tools.demo import heatmap_figure
+
+    L = 6
+    w = np.random.default_rng(0).dirichlet(np.ones(L), size=(8, L))  # [H, L, L]
+    fig = heatmap_figure(w, [3, 1, 4, 1, 5, 9])
+    width, height = fig.get_size_inches()
+    assert 1.0 <= width / height <= 2.5  # a 2 x 4 grid, not one long row
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert len(images) == 8
+    assert sum(im.colorbar is not None for im in images) == 1  # one colorbar for all heads
+    assert len(fig.axes) == 8 + 1  # the heads and the colorbar's axis
+    heads = [ax for ax in fig.axes if ax.get_images()]
+    for ax in heads:
+        ticks = [t.get_text() for t in ax.get_xticklabels()]
+        assert ticks == [str(i) for i in range(L)]  # positions, as the axis labels say
+    assert {ax.get_xlabel() for ax in heads} <= {"key position", ""}
+    assert {ax.get_ylabel() for ax in heads} <= {"query position", ""}
+    assert "3 1 4 1 5 9" in fig.get_suptitle()  # the digits, by position
+
+
+def test_saved_heatmaps_of_eight_heads_are_a_grid(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    import matplotlib.image
+
+    from npattn.tools.demo import save_heatmaps
+
+    backend = matplotlib.get_backend()
+    model = ReverseModel(DemoConfig(seq_len=12, d_model=16, n_head=8))
+    paths = save_heatmaps(model, str(tmp_path))
+    assert len(paths) == 9 and paths[-1].endswith("attention_heads.png")
+    height, width = matplotlib.image.imread(paths[-1]).shape[:2]
+    assert 1.0 <= width / height <= 2.5, (width, height)  # was 2710 x 431
+    h0, w0 = matplotlib.image.imread(paths[0]).shape[:2]
+    assert 0.7 <= w0 / h0 <= 1.5, (w0, h0)
+    assert matplotlib.get_backend() == backend

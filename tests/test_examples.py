@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import npattn
@@ -72,3 +73,10 @@ def test_plot_attention(tmp_path):
     out = run_example("plot_attention.py", "--out", str(target))
     assert str(target) in out
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the masked cells are drawn grey (hatched), a colour viridis never takes, so that
+    # masked zeros do not look like small weights: the upper triangle of 4 heads is grey
+    import matplotlib.image
+
+    rgb = matplotlib.image.imread(str(target))[..., :3]
+    grey = (np.abs(rgb - 0.85) < 0.02).all(axis=-1)
+    assert grey.sum() > 0.1 * rgb.shape[0] * rgb.shape[1]

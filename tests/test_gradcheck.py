@@ -79,3 +79,36 @@ def test_the_module_is_callable_as_gradcheck(to_xp):
 
     report = npattn.gradcheck(F.linear_forward, F.linear_backward, list(_case(to_xp)))
     assert report.ok and report.mode == "full"
+
+
+@pytest.mark.parametrize(
+    "forward, got",
+    [
+        (lambda x, w: x @ w.T, "ndarray of shape (3, 2)"),  # unpacking would split its rows
+        (lambda x, w: (x @ w.T,), "a tuple of 1 item"),
+        (lambda x, w: (x @ w.T, None, None), "a tuple of 3 items"),
+        (lambda x, w: ("out", None), "out of type str"),
+    ],
+)
+def test_forward_that_breaks_the_out_cache_contract_is_a_type_error(forward, got):
+    x, w = np.ones((3, 4)), np.ones((2, 4))
+    with pytest.raises(TypeError, match=r"forward: expected .*\(out, cache\)") as exc:
+        gradcheck(forward, F.linear_backward, [x, w])
+    assert got in str(exc.value)
+
+
+def test_backward_with_too_few_gradients_says_how_many():
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+
+    def forward(x, w):
+        return x * w, (x, w)
+
+    with pytest.raises(ValueError, match="returned 1 gradient for 2 inputs, so w has none"):
+        gradcheck(forward, lambda d, c: d * c[1], [x, w], names=["x", "w"])
+    with pytest.raises(ValueError, match="returned 1 gradient for 2 inputs"):
+        gradcheck(forward, lambda d, c: (d * c[1],), [x, w], mode="vjp")
+    # a trailing None, and more entries than inputs, are still fine (linear's db for no bias)
+    assert gradcheck(forward, lambda d, c: (d * c[1], d * c[0], None), [x, w]).ok
+    with pytest.raises(ValueError, match="backward returned None for w"):
+        gradcheck(forward, lambda d, c: (d * c[1], None), [x, w], names=["x", "w"])

@@ -2,29 +2,41 @@
 
 Run ``npattn bench`` (or ``python -m npattn.tools.bench``). For each shape
 (B, L, d_model, H, causal) it times one self-attention forward+backward of
-the module (``out = m(x, x, x); m.backward(dout)``), median of ``--repeat``
-runs after warm-up, and prints:
+the module (``out = m(x, x, x); m.backward(dout)``) and prints:
 
-* ``ms``: median wall time of forward+backward;
+* ``ms``: median over ``--repeat`` samples (after warm-up) of the mean wall
+  time of one forward+backward. A sample runs the step ``n`` times back to
+  back, ``n`` the least of 1, 2, 5, 10, 20, ... that makes it last at least
+  ``--min-sample`` seconds (0.2; the autorange of ``timeit`` and
+  ``torch.utils.benchmark``), so that a small shape is not timed one
+  cold call at a time; torch and the GEMM are timed the same way, and
+  ``--pause`` rests before each sample, not each step;
+* ``n``: npattn's steps per sample (torch's and the GEMM's are in the JSON);
 * ``GFLOP/s``: achieved rate, counting the matmul FLOPs of forward+backward
   (see ``flops``), causal attention matmuls at half;
 * ``GEMM``, ``%GEMM``: the GFLOP/s of a square ``--gemm``-sized matmul of
-  the same dtype, timed in the same rounds as the shape (one GEMM per
-  round), and the shape's rate as a percentage of it;
+  the same dtype, timed in the same rounds as the shape (one GEMM sample
+  per round), and the shape's rate as a percentage of it; above 100 the
+  GEMM was slowed by other load, and the row says so;
 * ``peak MiB``: peak traced allocation during one forward+backward, above
   what was live before it (``tracemalloc``, which traces NumPy's array
   allocations; for CuPy the memory pool's bytes in use after the run, an
   upper bound of the cache and gradients). ``RSS MiB`` is the rise of the
   process's peak resident memory (Linux ``VmHWM``, reset through
   ``/proc/self/clear_refs`` before the run), shown when the kernel allows it;
-  memory the allocator reuses without asking the kernel does not show there.
-  Both are measured in a separate, untimed step that starts without the
+  memory the allocator reuses without asking the kernel does not show there,
+  and a rise below 0.05 MiB is printed ``<0.1`` with a note saying so; a
+  missing value is a ``-``. Both are measured in a separate, untimed step that starts without the
   module's previous cache;
 * with torch installed: ``torch ms``, ``torch.nn.MultiheadAttention``
   (``batch_first=True``, same weights, same input, ``need_weights=False``)
   forward+backward, timed alternately with npattn in the same loop, and
   ``ratio`` = npattn / torch of the medians; ``ratio(min)`` the same of the
-  fastest runs, which a machine shared with other work disturbs least.
+  fastest samples, which a machine shared with other work disturbs least.
+
+``--json PATH`` writes the results as JSON; ``--json -`` prints the JSON
+alone on stdout and the table on stderr. A progress bar runs on stderr when
+it is a terminal.
 
 Shapes are written ``BxLxDxH`` with a trailing ``c`` for causal, e.g.
 ``--shapes 32x128x256x8,4x1024x768x12c``.
@@ -170,18 +182,38 @@ def _sync_for(xp):
     return lambda: None
 
 
-_PAUSE = 0.0
+#: Shortest sample: each timed sample runs a step back to back as many times
+#: (1, 2, 5, 10, 20, 50, ...) as it takes to last this long, the autorange of
+#: ``timeit`` and ``torch.utils.benchmark``.
+MIN_SAMPLE_S = 0.2
 
 
-def _timed(fn, sync):
+def _timed(fn, sync, number=1, pause=0.0):
+    """Seconds per call of one sample: ``number`` back-to-back calls of ``fn``, after ``pause``."""
     sync()
-    if _PAUSE:
+    if pause:
         # let the previous step's BLAS/OpenMP threads stop spinning before timing
-        time.sleep(_PAUSE)
+        time.sleep(pause)
     t0 = time.perf_counter()
-    fn()
+    for _ in range(number):
+        fn()
     sync()
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / number
+
+
+def autorange(fn, sync, min_time=MIN_SAMPLE_S, max_number=10**6) -> int:
+    """Calls of ``fn`` per sample so that one sample lasts at least ``min_time`` seconds.
+
+    Tries 1, 2, 5, 10, 20, 50, ... back-to-back calls, as ``timeit.Timer.autorange``
+    does; a step that alone takes ``min_time`` or more gets 1.
+    """
+    i = 1
+    while True:
+        for j in (1, 2, 5):
+            number = i * j
+            if number >= max_number or _timed(fn, sync, number) * number >= min_time:
+                return number
+        i *= 10
 
 
 def _gemm_step(xp, dtype: str, n: int):
@@ -192,12 +224,28 @@ def _gemm_step(xp, dtype: str, n: int):
     return (lambda: a @ b), 2.0 * n**3
 
 
-def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync) -> float:
-    """Median GFLOP/s of an (n, n) @ (n, n) matmul in ``dtype`` on ``xp``."""
+def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync, min_time=0.0) -> float:
+    """Median GFLOP/s of an (n, n) @ (n, n) matmul in ``dtype`` on ``xp``.
+
+    Each of ``max(repeat, 3)`` samples lasts at least ``min_time`` seconds (``autorange``).
+    """
     step, fl = _gemm_step(xp, dtype, n)
     step()  # warm-up
-    times = [_timed(step, sync) for _ in range(max(repeat, 3))]
+    number = autorange(step, sync, min_time) if min_time else 1
+    times = [_timed(step, sync, number) for _ in range(max(repeat, 3))]
     return fl / statistics.median(times) / 1e9
+
+
+def check_dtype(xp, dtype: str):
+    """The dtype object ``dtype`` of namespace ``xp``; a ValueError naming both when it has none."""
+    value = getattr(xp, dtype, None)
+    if value is None:
+        name = backend_name(xp)
+        extra = (" (the Array API standard defines float32 and float64, not float16)"
+                 if name == "array_api_strict" else "")
+        raise ValueError(f"--dtype {dtype}: the {name} backend has no {dtype}{extra}; "
+                         "choose float32 or float64")
+    return value
 
 
 def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None, block_k=None):
@@ -394,31 +442,124 @@ def _print_env(env, settings, dtype, out):
 
 
 def _fmt(v, spec):
+    """``format(v, spec)``, or a ``-`` right-aligned to the spec's width when ``v`` is None."""
     return format("-", ">" + spec.split(".")[0]) if v is None else format(v, spec)
 
 
+def format_mib(v) -> str:
+    """Megabytes with one decimal; ``<0.1`` for a rise that rounds to 0.0; ``-`` for None."""
+    if v is None:
+        return "-"
+    return "<0.1" if v < 0.05 else f"{v:.1f}"
+
+
+#: The table of ``run``: (header, row key, width, format spec or function of the value).
+COLUMNS = (
+    ("shape", "shape", 18, "s"),
+    ("ms", "ms", 9, ".2f"),
+    ("n", "number", 6, "d"),
+    ("GFLOP/s", "gflops", 8, ".1f"),
+    ("GEMM", "gemm_gflops", 6, ".1f"),
+    ("%GEMM", "pct_gemm", 6, ".1f"),
+    ("peak MiB", "peak_mib", 9, ".1f"),
+    ("RSS MiB", "rss_mib", 8, format_mib),
+    ("torch ms", "torch_ms", 9, ".2f"),
+    ("ratio", "ratio", 6, ".2f"),
+    ("ratio(min)", "ratio_min", 10, ".2f"),
+)
+
+GEMM_WARNING = ("%GEMM > 100: the reference GEMM was slowed by load (it cannot be slower "
+                "than attention's own matmuls); rerun")
+RSS_NOTE = ("RSS MiB <0.1: the peak resident memory did not rise, because the allocator "
+            "reused memory the process already held; peak MiB is what the step allocated")
+
+
+def _cell(value, width, spec) -> str:
+    if callable(spec):
+        text = spec(value)
+    else:
+        text = "-" if value is None else format(value, spec)
+    return text.rjust(width)
+
+
+def format_header(columns=COLUMNS) -> str:
+    """The table's header line; every cell right-aligned in its column."""
+    return " ".join(title.rjust(width) for title, _, width, _ in columns)
+
+
+def format_row(row: dict, columns=COLUMNS) -> str:
+    """One result row as a table line; a missing value (None) is a ``-`` at its column's right edge."""
+    return " ".join(_cell(row.get(key), width, spec) for _, key, width, spec in columns)
+
+
+def row_notes(row: dict) -> list:
+    """Warnings and explanations that belong under a row of the table."""
+    notes = []
+    if row.get("pct_gemm") is not None and row["pct_gemm"] > 100.0:
+        notes.append(GEMM_WARNING)
+    if row.get("rss_mib") is not None and row["rss_mib"] < 0.05:
+        notes.append(RSS_NOTE)
+    if row.get("torch_note"):
+        notes.append(f"torch: {row['torch_note']}")
+    return notes
+
+
+def _row_lines(row: dict, columns=COLUMNS) -> list:
+    """A row's line and its notes under it (the RSS note, the same for every row, is left out)."""
+    indent = " " * columns[0][2]
+    return [format_row(row, columns)] + [f"{indent} ({note})" for note in row_notes(row)
+                                          if note != RSS_NOTE]
+
+
+def _footnotes(rows) -> list:
+    return [f"note: {RSS_NOTE}"] if any(RSS_NOTE in row_notes(r) for r in rows) else []
+
+
+def format_table(rows, columns=COLUMNS) -> str:
+    """Header, a line per row with its notes under it, and the RSS note once at the end."""
+    lines = [format_header(columns)]
+    for row in rows:
+        lines += _row_lines(row, columns)
+    return "\n".join(lines + _footnotes(rows))
+
+
 def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, warmup=2,
-        gemm_n=2048, torch_compare=True, memory=True, pause=0.1, out=None):
-    """Run the benchmark and return a dict of results (also printed to ``out``)."""
-    global _PAUSE
-    _PAUSE = pause
+        gemm_n=2048, torch_compare=True, memory=True, pause=0.1, min_sample=MIN_SAMPLE_S,
+        out=None, progress=True):
+    """Run the benchmark and return a dict of results (also printed to ``out``).
+
+    Each of the ``repeat`` samples of a library runs its step back to back
+    ``n`` times (``autorange``: the least of 1, 2, 5, 10, ... that lasts
+    ``min_sample`` seconds, found per library and shape) and records the mean
+    time per step; npattn, torch and the reference GEMM are timed alike and
+    alternately, sample by sample, after ``pause`` seconds of rest each. The
+    table goes to ``out`` (default stdout), a progress bar to stderr when it
+    is a terminal.
+    """
+    from .progress import ProgressBar
+
     out = sys.stdout if out is None else out
     xp = resolve_backend(backend)
+    check_dtype(xp, dtype)
     sync = _sync_for(xp)
     env = environment_info(xp)
     env["impl"] = impl
-    _print_env(env, f"impl={impl} repeat={repeat} warmup={warmup} pause={pause}s", dtype, out)
+    _print_env(env, f"impl={impl} repeat={repeat} warmup={warmup} pause={pause}s "
+               f"min_sample={min_sample}s", dtype, out)
 
-    gemm = gemm_gflops(xp, dtype, gemm_n, repeat, sync)
+    gemm = gemm_gflops(xp, dtype, gemm_n, repeat, sync, min_sample)
     print(f"GEMM {gemm_n}^3 {dtype}: {gemm:.1f} GFLOP/s at the start; %GEMM uses the GEMM "
           "timed in the same rounds as each shape (column GEMM)", file=out)
+    print(f"ms: median over {repeat} samples of the mean time per step; each sample runs "
+          f"n steps back to back (n chosen so that it lasts >= {min_sample:g} s, torch's "
+          "and the GEMM's likewise)", file=out)
     gemm_step, gemm_flops = _gemm_step(xp, dtype, gemm_n)
-    header = (f"{'shape':>18} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} {'%GEMM':>6} {'peak MiB':>9} "
-              f"{'RSS MiB':>8} {'torch ms':>9} {'ratio':>6} {'ratio(min)':>10}")
-    print(header, file=out)
+    print(format_header(), file=out, flush=True)
 
     rows = []
+    bar = ProgressBar(len(shapes) * repeat, "bench", enabled=progress, unit="sample")
     for shape in shapes:
+        bar.update(0, f"{shape}: warm-up")
         m, x, dout, step = _make_npattn(shape, dtype, backend, impl)
         tstep, why_not = (None, "disabled")
         if torch_compare:
@@ -430,18 +571,23 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             step()
             if tstep:
                 tstep()
+        number = autorange(step, sync, min_sample)
+        tnumber = autorange(tstep, sync, min_sample) if tstep else None
+        gnumber = autorange(gemm_step, sync, min_sample)
         ts, tt, tg = [], [], []
-        for _ in range(repeat):  # alternate, so that machine noise hits all alike
-            ts.append(_timed(step, sync))
+        for i in range(repeat):  # alternate, so that machine noise hits all alike
+            ts.append(_timed(step, sync, number, pause))
             if tstep:
-                tt.append(_timed(tstep, sync))
-            tg.append(_timed(gemm_step, sync))
+                tt.append(_timed(tstep, sync, tnumber, pause))
+            tg.append(_timed(gemm_step, sync, gnumber, pause))
+            bar.update(1, f"{shape}: sample {i + 1}/{repeat}")
         ms = statistics.median(ts) * 1e3
         torch_ms = statistics.median(tt) * 1e3 if tt else None
         rate = flops(shape) / (ms * 1e-3) / 1e9
         gemm_here = gemm_flops / statistics.median(tg) / 1e9
         peak = rss = None
         if memory:
+            bar.update(0, f"{shape}: memory")
             m.clear_cache()  # the last timed step's cache: not part of the next step's peak
             if backend_name(xp) == "cupy":
                 peak = _cupy_pool_mib(step, sync)
@@ -452,6 +598,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         row = {
             "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
             "causal": shape.causal, "ms": ms, "ms_all": [t * 1e3 for t in ts],
+            "number": number, "torch_number": tnumber, "gemm_number": gnumber,
             "gflops": rate, "gemm_gflops": gemm_here, "pct_gemm": 100.0 * rate / gemm_here,
             "peak_mib": peak,
             "rss_mib": rss, "torch_ms": torch_ms,
@@ -460,17 +607,19 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             "ms_min": min(ts) * 1e3,
             "torch_ms_min": min(tt) * 1e3 if tt else None,
             "ratio_min": min(ts) / min(tt) if tt else None,
-            "torch_note": None if tstep else why_not,
+            "torch_note": None if (tstep or not torch_compare) else why_not,
         }
+        row["notes"] = row_notes(row)
         rows.append(row)
-        print(f"{str(shape):>18} {ms:9.2f} {rate:8.1f} {gemm_here:6.1f} {row['pct_gemm']:6.1f} "
-              f"{_fmt(peak, '9.1f')} {_fmt(rss, '8.1f')} {_fmt(torch_ms, '9.2f')} "
-              f"{_fmt(row['ratio'], '6.2f')} {_fmt(row['ratio_min'], '10.2f')}", file=out)
-        if not tstep and torch_compare:
-            print(f"{'':>18} (torch: {why_not})", file=out)
+        for line in _row_lines(row):
+            bar.write(line, file=out)
         del m, x, dout, step, tstep
         gc.collect()
-    return {"env": env, "gemm_gflops": gemm, "gemm_n": gemm_n, "dtype": dtype, "rows": rows}
+    bar.close()
+    for line in _footnotes(rows):
+        print(line, file=out)
+    return {"env": env, "gemm_gflops": gemm, "gemm_n": gemm_n, "dtype": dtype,
+            "min_sample_s": min_sample, "pause_s": pause, "rows": rows}
 
 
 # ---------------------------------------------------------------- isolated mode
@@ -628,11 +777,19 @@ def main(argv=None) -> int:
     parser.add_argument("--blas-threads", type=int, metavar="N",
                         help="hold BLAS to N threads (threadpoolctl; default: BLAS's own setting)")
     parser.add_argument("--pause", type=float, default=0.1, metavar="S",
-                        help="seconds of rest before each timed step, so that one library's "
+                        help="seconds of rest before each timed sample, so that one library's "
                              "spinning worker threads do not slow the next (default: %(default)s)")
+    parser.add_argument("--min-sample", type=float, default=MIN_SAMPLE_S, metavar="S",
+                        help="shortest timed sample: each runs a step back to back as often as "
+                             "it takes to last S seconds, npattn, torch and the GEMM alike "
+                             "(default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (it is shown only when stderr is a terminal)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results as JSON; '-': the JSON alone on stdout, "
+                             "the table on stderr")
     iso = parser.add_argument_group("isolated mode")
     iso.add_argument("--isolated", action="store_true",
                      help="run each case in a fresh process and report its peak RSS "
@@ -654,6 +811,11 @@ def main(argv=None) -> int:
         parser.error(f"--repeat: expected at least {1 if isolated else 5}, got {repeat}")
     if warmup < 0:
         parser.error(f"--warmup: expected a non-negative integer, got {warmup}")
+    for name in ("pause", "min_sample"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0.0):
+            parser.error(f"--{name.replace('_', '-')}: expected a finite number of seconds "
+                         f">= 0, got {value}")
     if args.gemm < (0 if isolated else 1):
         parser.error(f"--gemm: expected {'0 or ' if isolated else ''}a positive size, got {args.gemm}")
     for name in ("threads", "blas_threads", "block_q", "block_k"):
@@ -679,15 +841,21 @@ def main(argv=None) -> int:
     if args.threads is not None:
         os.environ["NPATTN_NUM_THREADS"] = str(args.threads)
     try:
-        resolve_backend(args.backend)
+        xp = resolve_backend(args.backend)
     except ImportError as exc:
         print(f"npattn bench: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_dtype(xp, args.dtype)
+    except ValueError as exc:
+        parser.error(str(exc))
+    table_out = sys.stderr if args.json == "-" else sys.stdout  # stdout: the JSON alone
     if isolated:
         plan = ISOLATED_PLAN if args.shapes is None else [(s, impl) for s in shapes]
         result = run_isolated(plan, dtype=args.dtype, backend=args.backend, repeat=repeat,
                               warmup=warmup, gemm_n=args.gemm, block_q=args.block_q,
-                              block_k=args.block_k, blas_threads=args.blas_threads)
+                              block_k=args.block_k, blas_threads=args.blas_threads,
+                              out=table_out)
         if args.markdown:
             with open(args.markdown, "a") as f:
                 f.write(markdown_table(result) + "\n")
@@ -696,7 +864,8 @@ def main(argv=None) -> int:
             result = run(shapes, dtype=args.dtype, backend=args.backend, impl=impl,
                          repeat=repeat, warmup=warmup, gemm_n=args.gemm,
                          torch_compare=not args.no_torch, memory=not args.no_memory,
-                         pause=args.pause)
+                         pause=args.pause, min_sample=args.min_sample, out=table_out,
+                         progress=not args.no_progress)
     if args.json:
         text = json.dumps(result, indent=1, default=str)
         if args.json == "-":

@@ -14,8 +14,10 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import sys
+import tempfile
 
 from .. import __version__
 
@@ -48,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         "are always float64); default float64",
     )
     check.add_argument("--json", action="store_true", help="print machine-readable results")
-    check.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    check.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (it is shown only when stderr is a terminal)")
     _threads_option(check)
+    check.set_defaults(command_parser=check)
 
     demo = sub.add_parser(
         "demo",
@@ -62,29 +66,67 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--heads", default="4",
                       help="number of heads, or a comma list such as 1,2,4,8 to compare "
                       "them at the same d_model (default 4)")
-    demo.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
-    demo.add_argument("--seq-len", type=int, default=12, help="digits per sequence (default 12)")
-    demo.add_argument("--d-model", type=int, default=32, help="model width (default 32)")
-    demo.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
-    demo.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
+    demo.add_argument("--steps", type=positive_int, default=400,
+                      help="training steps (default 400)")
+    demo.add_argument("--seq-len", type=positive_int, default=12,
+                      help="digits per sequence (default 12)")
+    demo.add_argument("--d-model", type=positive_int, default=32,
+                      help="model width (default 32)")
+    demo.add_argument("--batch", type=positive_int, default=64,
+                      help="sequences per step (default 64)")
+    demo.add_argument("--lr", type=positive_float, default=1e-2,
+                      help="Adam learning rate, a positive finite number (default 1e-2)")
     demo.add_argument("--pos", choices=["sinusoidal", "learned"], default="sinusoidal",
                       help="positional encoding (default sinusoidal)")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=non_negative_int, default=0)
     demo.add_argument("--out", default="npattn-demo",
                       help="folder for the heatmaps (default ./npattn-demo)")
     demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (it is shown only when stderr is a terminal)")
     _threads_option(demo)
+    demo.set_defaults(command_parser=demo)
 
     sub.add_parser("bench", add_help=False, help="time forward/backward (npattn.tools.bench)")
     return parser
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _integer(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _integer(text, 0, "a non-negative integer")
+
+
+def _integer(text, low, what):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (not nan, not inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
 def _threads_option(parser):
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads", type=positive_int, default=1,
         help="BLAS threads while it runs (default 1: the arrays are tiny, and extra threads "
         "only contend); needs threadpoolctl, else the library's own setting is kept",
     )
@@ -133,10 +175,10 @@ def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("check", "demo"):
-        if args.threads < 1:
-            parser.error(f"--threads: expected a positive integer, got {args.threads}")
+        if args.command == "demo":
+            _check_demo_args(args, args.command_parser)
         with blas_threads(args.threads, args.backend):
-            return _check(args) if args.command == "check" else _demo(args, parser)
+            return _check(args) if args.command == "check" else _demo(args)
     parser.print_help()
     return 2
 
@@ -198,14 +240,29 @@ def _parse_heads(text, d_model, parser):
     return heads
 
 
-def _demo(args, parser) -> int:
+def _check_demo_args(args, parser):
+    """The demo's checks that need several options; errors print ``npattn demo``'s usage."""
+    args.heads = _parse_heads(args.heads, args.d_model, parser)
+
+
+def _output_folder_error(path) -> str | None:
+    """Why the heatmaps cannot be written into folder ``path`` (created if missing), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--out {path!r}: expected a folder for the heatmaps, got an existing file"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return (f"--out {path!r}: cannot write the heatmaps there "
+                f"({exc.strerror or type(exc).__name__})")
+    return None
+
+
+def _demo(args) -> int:
     from .demo import DemoConfig, format_table, have_matplotlib, save_heatmaps, train
 
-    heads = _parse_heads(args.heads, args.d_model, parser)
-    for name in ("steps", "seq_len", "d_model", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, "
-                         f"got {getattr(args, name)}")
+    heads = args.heads
     if _backend_or_exit(args.backend) is None:
         return 2
     plots = not args.no_plots
@@ -213,6 +270,11 @@ def _demo(args, parser) -> int:
         print("npattn demo: matplotlib is not installed, so no heatmaps are saved "
               "(pip install 'npattn[plot]')", file=sys.stderr)
         plots = False
+    if plots:  # before training, not after minutes of it
+        why = _output_folder_error(args.out)
+        if why is not None:
+            print(f"npattn demo: {why}", file=sys.stderr)
+            return 2
 
     print(f"Reversing {args.seq_len}-digit sequences; d_model={args.d_model}, "
           f"{args.pos} positions, {args.steps} Adam steps of {args.batch}, lr={args.lr}, "
@@ -228,7 +290,7 @@ def _demo(args, parser) -> int:
         results.append((r, args.d_model))
         reached = "reached" if r.accuracy >= 0.95 else "below"
         print(f"heads={H}: held-out token accuracy {r.accuracy:.4f} ({reached} 95 %), "
-              f"loss {r.final_loss:.4f}, {r.seconds:.1f}s, {r.n_params} parameters")
+              f"held-out loss {r.final_loss:.4f}, {r.seconds:.1f}s, {r.n_params} parameters")
         if plots:
             out = args.out if len(heads) == 1 else os.path.join(args.out, f"heads{H}")
             paths = save_heatmaps(model, out, seed=args.seed)

@@ -35,7 +35,8 @@ from ..backend import from_numpy, resolve_backend, to_numpy
 from ..module import MultiHeadAttention
 from .progress import ProgressBar
 
-__all__ = ["DemoConfig", "ReverseModel", "TrainResult", "make_batch", "train", "save_heatmaps"]
+__all__ = ["DemoConfig", "ReverseModel", "TrainResult", "make_batch", "train", "save_heatmaps",
+           "heatmap_figure", "grid_shape"]
 
 
 @dataclass
@@ -173,16 +174,16 @@ def _accuracy(xp, logits, targets) -> float:
 def train(cfg: DemoConfig, *, progress: bool = True, stream=None):
     """Train a ``ReverseModel`` with Adam; returns ``(model, TrainResult)``.
 
-    The progress bar shows the training loss and token accuracy of the last
-    batch; the result is measured on a fresh held-out batch of
-    ``cfg.eval_size`` sequences.
+    The progress bar (on a terminal) shows the loss and token accuracy of the
+    last training batch ("batch loss", "batch acc"); the result is measured
+    on a fresh held-out batch of ``cfg.eval_size`` sequences.
     """
     model = ReverseModel(cfg)
     xp = model.xp
     data_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[2])
     params = model.all_params()
     state = nn.adam_init(params)
-    bar = ProgressBar(cfg.steps, f"demo H={cfg.n_head}", stream=stream, enabled=progress)
+    bar = ProgressBar(cfg.steps, f"demo H={cfg.n_head}", stream=stream, enabled=progress)  # on a tty
     start = time.perf_counter()
     for step in range(cfg.steps):
         ids_h, tgt_h = make_batch(data_rng, cfg.batch, cfg.seq_len, cfg.vocab)
@@ -197,7 +198,7 @@ def train(cfg: DemoConfig, *, progress: bool = True, stream=None):
         model.set_params(params)
         if step % 10 == 0 or step == cfg.steps - 1:
             acc = _accuracy(xp, logits, tgt)
-            bar.update(0, f"loss {float(loss):.4f}  acc {acc:.3f}")
+            bar.update(0, f"batch loss {float(loss):.4f}  batch acc {acc:.3f}")
         bar.update(1)
     seconds = time.perf_counter() - start
     bar.close()
@@ -220,55 +221,73 @@ def have_matplotlib() -> bool:
     return True
 
 
+def grid_shape(n_head: int) -> tuple:
+    """(rows, columns) of the per-head grid: one row up to 4 heads, then rows of 4."""
+    cols = min(n_head, 4)
+    return -(-n_head // cols), cols
+
+
+def heatmap_figure(weights, digits, *, title=None):
+    """One matplotlib ``Figure`` with a heatmap per head, in a grid, and one colorbar.
+
+    ``weights`` (H, L, L) are the attention weights of one sequence whose
+    tokens are ``digits`` (L,). Rows are query positions, columns key
+    positions, both ticked with the position ``0 .. L-1``; the digits are in
+    the title. Built without pyplot, so the caller's matplotlib backend is
+    left alone.
+    """
+    from matplotlib.figure import Figure
+
+    H, L = weights.shape[0], weights.shape[-1]  # [H, L, L]
+    rows, cols = grid_shape(H)
+    fig = Figure(figsize=(2.6 * cols + 1.0, 2.6 * rows + 0.8), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    ticks = range(0, L, 1 if L <= 12 else 2)
+    for h, ax in enumerate(axes.flat):
+        if h >= H:
+            ax.set_axis_off()
+            continue
+        im = ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
+        ax.set_title(f"head {h}")
+        ax.set_xticks(ticks)
+        ax.set_yticks(ticks)
+        ax.tick_params(labelsize=8)
+        if h // cols == rows - 1 or h + cols >= H:
+            ax.set_xlabel("key position")
+        if h % cols == 0:
+            ax.set_ylabel("query position")
+    fig.colorbar(im, ax=axes, shrink=0.9 if rows > 1 else 0.8, label="attention weight")
+    sequence = " ".join(str(d) for d in digits)
+    fig.suptitle(title or f"Attention weights per head; input digits by position: {sequence}")
+    return fig
+
+
 def save_heatmaps(model: ReverseModel, out_dir: str, *, seed: int = 0) -> list:
     """Per-head attention heatmaps of one held-out sequence, as PNG files in ``out_dir``.
 
     Writes ``attention_head{h}.png`` for each head and ``attention_heads.png``
-    with all heads side by side. Returns the paths. Needs matplotlib (the
-    ``plot`` extra).
+    with all heads in a grid (rows of at most 4) and one colorbar. Axes are
+    ticked with positions; the sequence's digits are in the titles. Returns
+    the paths. Needs matplotlib (the ``plot`` extra); does not touch pyplot
+    or the matplotlib backend.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cfg = model.cfg
     ids_h, _ = make_batch(np.random.default_rng(seed), 1, cfg.seq_len, cfg.vocab)
     _, w = model.forward(from_numpy(ids_h, model.xp), need_weights=True)
     w = to_numpy(w)[0]  # [H, L, L]
-    labels = [str(t) for t in ids_h[0]]
+    digits = [int(t) for t in ids_h[0]]
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-
-    def draw(ax, weights, title):
-        im = ax.imshow(weights, vmin=0.0, vmax=1.0, cmap="viridis")
-        ax.set_title(title)
-        ax.set_xticks(range(len(labels)), labels)
-        ax.set_yticks(range(len(labels)), labels)
-        ax.set_xlabel("key position 0..L-1 (its digit)")
-        ax.set_ylabel("query position 0..L-1 (its digit)")
-        return im
-
     H = w.shape[0]
+    sequence = " ".join(str(d) for d in digits)
     for h in range(H):
-        fig, ax = plt.subplots(figsize=(4, 4))
-        im = draw(ax, w[h], f"head {h} of {H}")
-        fig.colorbar(im, ax=ax, fraction=0.046)
-        fig.tight_layout()
+        fig = heatmap_figure(w[h:h + 1], digits, title=f"head {h} of {H}; digits {sequence}")
+        fig.axes[0].set_title("")
         path = os.path.join(out_dir, f"attention_head{h}.png")
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        fig.savefig(path, dpi=100)
         paths.append(path)
-    fig, axes = plt.subplots(1, H, figsize=(3.4 * H, 4.0), squeeze=False)
-    for h in range(H):
-        im = draw(axes[0, h], w[h], f"head {h}")
-        if h:
-            axes[0, h].set_ylabel("")
-    fig.suptitle(f"Attention weights per head, reversing {''.join(labels)}")
-    fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.95))
     path = os.path.join(out_dir, "attention_heads.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    heatmap_figure(w, digits).savefig(path, dpi=100)
     paths.append(path)
     return paths
 

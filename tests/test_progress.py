@@ -1,0 +1,106 @@
+"""The command's progress bar (tqdm on stderr): clean redraws on a terminal, silence elsewhere."""
+
+import io
+import os
+
+import pytest
+
+from npattn.tools.progress import ProgressBar, is_terminal
+
+
+class FakeTerminal(io.StringIO):
+    """A text stream that says it is a terminal, and keeps what was written."""
+
+    def isatty(self):
+        return True
+
+
+def screen(text):
+    """What a terminal shows after ``text``: ``\\r`` returns to column 0 and overwrites."""
+    assert "\x1b" not in text  # no cursor movement beyond \r and \n
+    lines, col = [[]], 0
+    for ch in text:
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            lines.append([])
+            col = 0
+        else:
+            line = lines[-1]
+            if col < len(line):
+                line[col] = ch
+            else:
+                line.append(ch)
+            col += 1
+    return ["".join(line).rstrip() for line in lines]
+
+
+def test_a_short_note_after_a_long_one_leaves_no_stale_characters():
+    term = FakeTerminal()
+    bar = ProgressBar(10, "demo", stream=term)
+    bar.update(0, "batch loss 2.3026  batch acc 0.100  a long note indeed")
+    bar.update(0, "short")
+    visible = screen(term.getvalue())[-1]
+    assert visible.endswith("short]"), visible
+    assert "indeed" not in visible and "acc" not in visible
+    bar.update(10, "done")
+    bar.close()
+    lines = screen(term.getvalue())
+    assert lines[-1] == ""  # the bar ends its line
+    assert lines[-2].startswith("demo: 100%") and lines[-2].endswith("done]"), lines[-2]
+    assert "10/10" in lines[-2]
+
+
+def test_the_note_can_be_set_as_an_attribute():
+    term = FakeTerminal()
+    with ProgressBar(3, "check", stream=term) as bar:
+        bar.note = "linear, bias"
+        bar.update(1)
+        assert bar.n == 1 and bar.note == "linear, bias"
+    assert "check:" in term.getvalue() and "linear, bias" in term.getvalue()
+
+
+def test_nothing_is_written_when_the_stream_is_not_a_terminal(tmp_path):
+    plain = io.StringIO()
+    with open(tmp_path / "log.txt", "w") as f:
+        for stream in (plain, f):
+            assert not is_terminal(stream)
+            with ProgressBar(4, "check", stream=stream) as bar:
+                bar.update(2, "note")
+                bar.update(2)
+    assert plain.getvalue() == ""
+    assert (tmp_path / "log.txt").read_text() == ""
+
+
+def test_disabled_writes_nothing_even_on_a_terminal():
+    term = FakeTerminal()
+    with ProgressBar(4, "check", stream=term, enabled=False) as bar:
+        bar.update(4, "note")
+    assert term.getvalue() == ""
+
+
+def test_write_prints_a_line_past_the_bar():
+    term, out = FakeTerminal(), io.StringIO()
+    with ProgressBar(2, "bench", stream=term) as bar:
+        bar.update(1, "2x8x8x2")
+        bar.write("a table row", file=out)
+    assert out.getvalue() == "a table row\n"
+    quiet = io.StringIO()
+    with ProgressBar(2, "bench", stream=quiet) as bar:  # not a terminal: plain print
+        bar.write("a table row", file=out)
+    assert out.getvalue() == "a table row\na table row\n" and quiet.getvalue() == ""
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_a_real_terminal_that_reports_no_size_still_shows_the_bar():
+    master, slave = os.openpty()  # a fresh pty reports 0 rows and 0 columns
+    try:
+        with os.fdopen(os.dup(slave), "w") as stream:
+            with ProgressBar(5, "check", stream=stream) as bar:
+                bar.update(5, "done")
+        os.set_blocking(master, False)
+        written = os.read(master, 65536).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "check: 100%" in written and "5/5" in written, repr(written)
