@@ -6,14 +6,19 @@
   over the reference, the blocked (FlashAttention-2 style) algorithm
   (``npattn.blocked``) and the NumPy kernel (``npattn.numpy_kernel``);
 * ``npattn.MultiHeadAttention``: the module, a thin composition of them;
-* ``npattn.gradcheck``: central finite-difference checks for your own code;
+* ``npattn.gradcheck``: central finite-difference checks for your own code
+  (the module; its ``gradcheck`` function is also ``npattn.check_gradients``);
 * ``npattn.masks``: causal and padding masks, and torch MHA's masks converted;
 * ``npattn.backend``: the one seam between npattn and array libraries.
 """
 
 from . import attention, backend, blocked, functional, gradcheck, masks
+from .gradcheck import gradcheck as check_gradients
 from .module import MultiHeadAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiHeadAttention", "attention", "backend", "blocked", "functional", "gradcheck", "masks", "__version__"]
+__all__ = [
+    "MultiHeadAttention", "attention", "backend", "blocked", "check_gradients", "functional",
+    "gradcheck", "masks", "__version__",
+]

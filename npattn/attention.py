@@ -34,7 +34,7 @@ lengths, Dh key width, Dv value width.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from . import blocked
 from . import functional as F
@@ -77,8 +77,8 @@ def check_impl(impl, *, need_weights: bool = False) -> None:
         )
 
 
-def select_impl(impl: str, q, k, v, *, mask=None, dropout_mask=None,
-                need_weights: bool = False) -> str:
+def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
+                dropout_mask: Any = None, need_weights: bool = False) -> str:
     """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"`` or ``"blocked"``.
 
     ``"auto"`` picks ``"blocked"`` when no weights are needed and either
@@ -107,22 +107,22 @@ def select_impl(impl: str, q, k, v, *, mask=None, dropout_mask=None,
 
 
 def sdpa_forward(
-    q,
-    k,
-    v,
+    q: Any,
+    k: Any,
+    v: Any,
     *,
-    mask=None,
+    mask: Any = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    dropout_mask=None,
-    rng=None,
+    dropout_mask: Any = None,
+    rng: Any = None,
     enable_gqa: bool = False,
     impl: str = "auto",
     need_weights: bool = False,
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
-):
+) -> tuple[Any, Any]:
     """Scaled dot-product attention on the implementation ``impl`` (see the module docstring).
 
     Parameters
@@ -158,7 +158,7 @@ def sdpa_forward(
         return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k, **args)
 
 
-def sdpa_backward(dout, cache):
+def sdpa_backward(dout: Any, cache: Any) -> tuple[Any, Any, Any, Any]:
     """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward``, by the implementation that made ``cache``.
 
     ``dk`` and ``dv`` have the K/V heads' shape under GQA; ``dmask`` is None
@@ -175,14 +175,14 @@ def sdpa_backward(dout, cache):
     raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
 
 
-def weights(cache):
+def weights(cache: Any) -> Any:
     """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache."""
     if isinstance(cache, blocked.BlockedSDPACache):
         raise ValueError("cache: the blocked implementation keeps no attention weights")
     return cache.probs
 
 
-def dropout_keep_mask(cache):
+def dropout_keep_mask(cache: Any) -> Any:
     """The bool keep-mask (B, Hq, Lq, Lk) that the forward of ``cache`` used, or None without dropout.
 
     The same array for every implementation given the same generator state:

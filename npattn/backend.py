@@ -45,6 +45,7 @@ import os
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import array_api_compat
 import numpy as np
@@ -78,10 +79,11 @@ BACKENDS = {
     "cupy": "array_api_compat.cupy",
     "torch": "array_api_compat.torch",
     "array_api_strict": "array_api_strict",
+    "jax": "jax.numpy",
 }
 
 
-def namespace(*arrays):
+def namespace(*arrays: Any) -> Any:
     """The Array API namespace shared by ``arrays`` (``None`` entries ignored).
 
     Raises ``TypeError`` when the arrays come from different libraries.
@@ -97,7 +99,7 @@ def namespace(*arrays):
         ) from exc
 
 
-def resolve_backend(backend):
+def resolve_backend(backend: Any) -> Any:
     """Turn ``backend=`` (a name in ``BACKENDS`` or a namespace module) into a namespace."""
     if isinstance(backend, types.ModuleType):
         if backend.__name__ in ("numpy", "cupy", "torch"):
@@ -122,7 +124,7 @@ def resolve_backend(backend):
         ) from exc
 
 
-def backend_name(xp) -> str:
+def backend_name(xp: Any) -> str:
     """A short name for a namespace: 'numpy', 'cupy', 'torch', 'array_api_strict' or its module name."""
     name = xp.__name__
     for short, module in BACKENDS.items():
@@ -131,12 +133,12 @@ def backend_name(xp) -> str:
     return name
 
 
-def device_of(x):
+def device_of(x: Any) -> Any:
     """The device of array ``x``, as the Array API ``device=`` arguments take it."""
     return array_api_compat.device(x)
 
 
-def check_same_device(**arrays):
+def check_same_device(**arrays: Any) -> None:
     """Raise ``ValueError`` naming the first array that is not on the device of the first one.
 
     ``None`` entries are ignored. Libraries disagree on what mixing devices
@@ -153,17 +155,17 @@ def check_same_device(**arrays):
             raise ValueError(f"{name}: expected an array on device {d0!r} like {first}, got device {d!r}")
 
 
-def is_floating(xp, x) -> bool:
+def is_floating(xp: Any, x: Any) -> bool:
     """Whether array ``x`` (any shape) has a real floating dtype."""
     return xp.isdtype(x.dtype, "real floating")
 
 
-def is_bool(xp, x) -> bool:
+def is_bool(xp: Any, x: Any) -> bool:
     """Whether array ``x`` (any shape) is boolean."""
     return xp.isdtype(x.dtype, "bool")
 
 
-def to_numpy(x) -> np.ndarray:
+def to_numpy(x: Any) -> np.ndarray:
     """A host NumPy copy of ``x`` (any supported backend), of the same shape and dtype."""
     if isinstance(x, np.ndarray):
         return np.array(x, copy=True)
@@ -174,19 +176,19 @@ def to_numpy(x) -> np.ndarray:
     return np.array(np.from_dlpack(x), copy=True)
 
 
-def from_numpy(a: np.ndarray, xp, device=None):
+def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:
     """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype."""
     return xp.asarray(np.ascontiguousarray(a), device=device)
 
 
-def make_rng(seed) -> np.random.Generator:
+def make_rng(seed: Any) -> np.random.Generator:
     """A NumPy ``Generator`` from ``seed`` (int, ``SeedSequence``, ``Generator`` or None)."""
     if isinstance(seed, np.random.Generator):
         return seed
     return np.random.default_rng(seed)
 
 
-def dropout_key(rng) -> int:
+def dropout_key(rng: Any) -> int:
     """One 64-bit dropout key drawn from ``rng`` (a seed, ``SeedSequence``, ``Generator`` or None).
 
     Every implementation draws exactly one key per forward, in the same way,
@@ -208,7 +210,7 @@ def _mix32(x):
     return x
 
 
-def keyed_keep_mask(key: int, p: float, lead, rows, cols) -> np.ndarray:
+def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any) -> np.ndarray:
     """Host keep-mask of entries ``(*lead, i, j)`` for ``i in rows``, ``j in cols``.
 
     The keep decision of one entry is a function of ``key`` and its
@@ -250,7 +252,7 @@ def keyed_keep_mask(key: int, p: float, lead, rows, cols) -> np.ndarray:
     return u >= np.uint32(threshold)
 
 
-def keep_mask(key: int, p: float, shape, xp, device=None):
+def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = None) -> Any:
     """The keep-mask of every entry of an array of ``shape`` (coordinates ``0..n-1`` per axis).
 
     ``keyed_keep_mask`` over the whole grid, moved to ``xp`` on ``device``:
@@ -266,7 +268,7 @@ def keep_mask(key: int, p: float, shape, xp, device=None):
     return from_numpy(np.array(np.broadcast_to(keep, shape)), xp, device)  # a writable copy
 
 
-def is_numpy_array(x) -> bool:
+def is_numpy_array(x: Any) -> bool:
     """Whether ``x`` is a plain ``numpy.ndarray`` (not a subclass: masked arrays, matrices)."""
     return type(x) is np.ndarray
 
@@ -274,7 +276,7 @@ def is_numpy_array(x) -> bool:
 _blas_controller = None
 
 
-def blas_controller():
+def blas_controller() -> Any:
     """threadpoolctl's ``ThreadpoolController`` (made once), or None when it is not installed."""
     global _blas_controller
     if _blas_controller is None:
@@ -287,7 +289,7 @@ def blas_controller():
     return _blas_controller or None
 
 
-def limit_blas_threads(n):
+def limit_blas_threads(n: Optional[int]) -> Any:
     """Context manager: host BLAS libraries (NumPy's, torch's) use at most ``n`` threads inside.
 
     Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
@@ -318,7 +320,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
-def exclusive():
+def exclusive() -> Iterator[None]:
     """Context manager: npattn's computations in this process run one at a time inside.
 
     Re-entrant. The NumPy kernel and the blocked path change the process-wide
@@ -360,7 +362,7 @@ def pool_threads() -> int:
     return max(1, min(n, 8))
 
 
-def run_tasks(fn, tasks, threads: int):
+def run_tasks(fn: Callable, tasks: Sequence[tuple], threads: int) -> None:
     """``fn(*task)`` for every task, on the tile pool with BLAS held to one thread.
 
     With ``threads <= 1`` or one task they run in order, BLAS still held to

@@ -185,7 +185,7 @@ def _block_keep(xp, c, i0, i1, j0, j1, device):
     return None
 
 
-def blocked_keep_mask(cache: BlockedSDPACache, xp=None):
+def blocked_keep_mask(cache: BlockedSDPACache, xp: Any = None) -> Any:
     """The full keep-mask (in the caller's (..., Lq, Lk) layout) that a blocked forward drew.
 
     For checking against the other implementations on small inputs: this
@@ -281,10 +281,11 @@ def _forward_loops(xp, c):
     return out, xp.concat(ms, axis=-2), xp.concat(ls, axis=-2)  # [..., Lq, 1] each
 
 
-def sdpa_blocked_forward(q, k, v, *, mask=None, is_causal: bool = False,
+def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
                          scale: Optional[float] = None, dropout_p: float = 0.0,
-                         dropout_mask=None, rng=None, enable_gqa: bool = False,
-                         block_q: Optional[int] = None, block_k: Optional[int] = None):
+                         dropout_mask: Any = None, rng: Any = None, enable_gqa: bool = False,
+                         block_q: Optional[int] = None, block_k: Optional[int] = None
+                         ) -> tuple[Any, BlockedSDPACache]:
     """Scaled dot-product attention by blocks, ``softmax(q k^T * scale + mask) v``.
 
     The same function as ``npattn.functional.sdpa_forward``, with the same
@@ -339,8 +340,10 @@ def sdpa_blocked_forward(q, k, v, *, mask=None, is_causal: bool = False,
                                      groups=G, block_q=block_q, block_k=block_k)
 
 
-def sdpa_blocked_forward_core(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng,
-                              groups, block_q=None, block_k=None):
+def sdpa_blocked_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool,
+                              scale: Optional[float], dropout_p: float, dropout_mask: Any, rng: Any,
+                              groups: int, block_q: Optional[int] = None,
+                              block_k: Optional[int] = None) -> tuple[Any, BlockedSDPACache]:
     """``sdpa_blocked_forward`` on arguments that are already checked; for the dispatcher."""
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> [..., Lq, Dv]
     with exclusive():  # BLAS is held to one thread inside (npattn.backend: threads)
@@ -411,7 +414,7 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
     return out, cache
 
 
-def sdpa_blocked_backward(dout, cache: BlockedSDPACache):
+def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache) -> tuple[Any, Any, Any, Any]:
     """Gradients of blocked scaled dot-product attention, recomputing each block.
 
     With ``delta = rowsum(dout * out)``  [..., Lq, 1], for each key block

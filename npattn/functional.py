@@ -20,12 +20,20 @@ Dh head width (D = H * Dh), Din / Dout the two sides of a linear layer.
 
 All code below uses only the Python Array API standard through ``xp``, the
 namespace of the inputs; what is backend-specific lives in ``npattn.backend``.
+
+Every ``*_forward`` / ``*_backward`` pair checks its arguments on its first
+line (``npattn.validation``): a ``TypeError`` or ``ValueError`` that names
+the argument, what was expected and what was received. The helpers that take
+``xp`` first (``sum_to_shape``, ``causal_mask``, ``compute_dtype``,
+``group_heads``, ``ungroup_heads``) and ``sdpa_forward_core`` are the
+unchecked building blocks of the other implementations, called on arguments
+checked already.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
 from .backend import check_same_device, device_of, dropout_key, is_bool, is_floating, keep_mask, namespace
@@ -61,7 +69,7 @@ __all__ = [
 # helpers
 
 
-def sum_to_shape(xp, g, shape):
+def sum_to_shape(xp: Any, g: Any, shape: Sequence[int]) -> Any:
     """Sum ``g`` over the axes that broadcasting added or stretched to reach ``g.shape``.
 
     The adjoint of broadcasting ``shape`` up to ``g.shape``: the gradient of an
@@ -86,7 +94,7 @@ def sum_to_shape(xp, g, shape):
     return g
 
 
-def causal_mask(xp, Lq: int, Lk: int, device=None):
+def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
     """Top-left aligned causal mask, True = may attend: query i sees keys j <= i.
 
     This is SDPA's ``is_causal`` convention.
@@ -100,7 +108,7 @@ def causal_mask(xp, Lq: int, Lk: int, device=None):
     return xp.expand_dims(i, axis=1) >= xp.expand_dims(j, axis=0)  # [Lq, Lk]
 
 
-def compute_dtype(xp, dtype):
+def compute_dtype(xp: Any, dtype: Any) -> Any:
     """Scores and softmax of half-precision inputs are computed in float32."""
     for half in ("float16", "bfloat16"):
         # compare only with dtypes the namespace has: NumPy reads dtype == None as float64
@@ -119,7 +127,7 @@ class LinearCache(NamedTuple):
     has_bias: bool
 
 
-def linear_forward(x, w, b=None):
+def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, LinearCache]:
     """Affine map in PyTorch's layout: ``y = x @ w.T + b``.
 
     Parameters
@@ -134,6 +142,22 @@ def linear_forward(x, w, b=None):
     cache : LinearCache
     """
     # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
+    V.check_floating_array("x", x)
+    V.check_floating_array("w", w, namespace(x), device_of(x), dtype=x.dtype, like="x")
+    if w.ndim != 2:
+        raise ValueError(f"w: expected a 2-D weight (Dout, Din), got shape {V.shape_of(w)}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"x: expected shape (..., {w.shape[1]}) (Din, the input width of w), "
+            f"got shape {V.shape_of(x)}"
+        )
+    if b is not None:
+        V.check_floating_array("b", b, namespace(x), device_of(x), dtype=x.dtype, like="x")
+        if V.shape_of(b) != (int(w.shape[0]),):
+            raise ValueError(
+                f"b: expected shape ({w.shape[0]},) (Dout, the output width of w), "
+                f"got shape {V.shape_of(b)}"
+            )
     xp = namespace(x, w, b)
     # one (N, Din) x (Din, Dout) GEMM over all leading axes: NumPy's matmul
     # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower)
@@ -144,7 +168,7 @@ def linear_forward(x, w, b=None):
     return y, LinearCache(x, w, b is not None)
 
 
-def linear_backward(dy, cache: LinearCache):
+def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
     """Gradients of ``y = x @ w.T + b``.
 
     ``dx = dy @ w``, ``dw = dy^T x`` summed over every leading axis,
@@ -162,6 +186,9 @@ def linear_backward(dy, cache: LinearCache):
     db : array, shape (Dout,) or None
     """
     # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
+    V.check_cache("cache", cache, LinearCache, "linear_forward")
+    V.check_grad("dy", dy, shape=(*cache.x.shape[:-1], cache.w.shape[0]), dtype=cache.x.dtype,
+                 xp=namespace(cache.x), device=device_of(cache.x), of="the forward's y")
     xp = namespace(dy, cache.x)
     x, w = cache.x, cache.w
     # forward: y = x @ w.T + b
@@ -182,7 +209,7 @@ class HeadsCache(NamedTuple):
     n_head: int
 
 
-def split_heads_forward(x, n_head: int):
+def split_heads_forward(x: Any, n_head: int) -> tuple[Any, HeadsCache]:
     """Split the feature axis into heads: ``[B, L, H*Dh] -> [B, H, L, Dh]``.
 
     Head ``h`` owns features ``h*Dh : (h+1)*Dh``, as in PyTorch.
@@ -199,13 +226,27 @@ def split_heads_forward(x, n_head: int):
     cache : HeadsCache
     """
     # [B, L, D] -> [B, H, L, Dh]
+    V.check_array("x", x)
+    if x.ndim != 3:
+        raise ValueError(f"x: expected a 3-D array (B, L, D), got shape {V.shape_of(x)}")
+    V.check_positive_int("n_head", n_head)
+    if x.shape[-1] % n_head != 0:
+        raise ValueError(
+            f"n_head: expected a divisor of the last axis D={x.shape[-1]} of x, got {n_head}"
+        )
+    return _split_heads(x, n_head)
+
+
+def _split_heads(x, n_head):
+    """``split_heads_forward`` on checked arguments."""
+    # [B, L, D] -> [B, H, L, Dh]
     xp = namespace(x)
     B, L, D = x.shape
     x = xp.reshape(x, (B, L, n_head, D // n_head))  # [B, L, H, Dh]
     return xp.permute_dims(x, (0, 2, 1, 3)), HeadsCache(n_head)  # [B, H, L, Dh]
 
 
-def split_heads_backward(dout, cache: HeadsCache):
+def split_heads_backward(dout: Any, cache: HeadsCache) -> Any:
     """Gradient of ``split_heads``: merge the heads of ``dout`` back.
 
     Parameters
@@ -218,10 +259,17 @@ def split_heads_backward(dout, cache: HeadsCache):
     dx : array, shape (B, L, D)
     """
     # [B, H, L, Dh] -> [B, L, D]
-    return merge_heads_forward(dout)[0]
+    V.check_cache("cache", cache, HeadsCache, "split_heads_forward")
+    V.check_array("dout", dout)
+    if dout.ndim != 4 or dout.shape[1] != cache.n_head:
+        raise ValueError(
+            f"dout: expected a 4-D array (B, {cache.n_head}, L, Dh) (the forward's heads), "
+            f"got shape {V.shape_of(dout)}"
+        )
+    return _merge_heads(dout)[0]
 
 
-def merge_heads_forward(x):
+def merge_heads_forward(x: Any) -> tuple[Any, HeadsCache]:
     """Concatenate the heads: ``[B, H, L, Dh] -> [B, L, H*Dh]``.
 
     Parameters
@@ -234,13 +282,22 @@ def merge_heads_forward(x):
     cache : HeadsCache
     """
     # [B, H, L, Dh] -> [B, L, D]
+    V.check_array("x", x)
+    if x.ndim != 4:
+        raise ValueError(f"x: expected a 4-D array (B, H, L, Dh), got shape {V.shape_of(x)}")
+    return _merge_heads(x)
+
+
+def _merge_heads(x):
+    """``merge_heads_forward`` on checked arguments."""
+    # [B, H, L, Dh] -> [B, L, D]
     xp = namespace(x)
     B, H, L, Dh = x.shape
     x = xp.permute_dims(x, (0, 2, 1, 3))  # [B, L, H, Dh]
     return xp.reshape(x, (B, L, H * Dh)), HeadsCache(H)  # [B, L, D]
 
 
-def merge_heads_backward(dout, cache: HeadsCache):
+def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
     """Gradient of ``merge_heads``: split ``dout`` into heads again.
 
     Parameters
@@ -253,7 +310,14 @@ def merge_heads_backward(dout, cache: HeadsCache):
     dx : array, shape (B, H, L, Dh)
     """
     # [B, L, D] -> [B, H, L, Dh]
-    return split_heads_forward(dout, cache.n_head)[0]
+    V.check_cache("cache", cache, HeadsCache, "merge_heads_forward")
+    V.check_array("dout", dout)
+    if dout.ndim != 3 or dout.shape[-1] % cache.n_head != 0:
+        raise ValueError(
+            f"dout: expected a 3-D array (B, L, D) with D a multiple of the forward's "
+            f"{cache.n_head} heads, got shape {V.shape_of(dout)}"
+        )
+    return _split_heads(dout, cache.n_head)[0]
 
 
 # --------------------------------------------------------------------------
@@ -266,7 +330,7 @@ class SoftmaxCache(NamedTuple):
     in_dtype: Any = None  # dtype of x when it differs from p's (float16 -> float32)
 
 
-def masked_softmax_forward(x, mask=None):
+def masked_softmax_forward(x: Any, mask: Any = None) -> tuple[Any, SoftmaxCache]:
     """Numerically stable softmax over the last axis, with masking.
 
     ``mask`` is either boolean (True = may attend; False entries get
@@ -295,6 +359,16 @@ def masked_softmax_forward(x, mask=None):
     cache : SoftmaxCache
     """
     # [..., Lk], mask broadcastable -> [..., Lk]
+    V.check_floating_array("x", x)
+    V.check_mask("mask", mask, namespace(x), target=V.shape_of(x), target_text="x",
+                 dtype=x.dtype, device=device_of(x), where="like x", library="that of x",
+                 dtype_source="that of x")
+    return _masked_softmax(x, mask)
+
+
+def _masked_softmax(x, mask):
+    """``masked_softmax_forward`` on checked arguments."""
+    # [..., Lk], mask broadcastable -> [..., Lk]
     xp = namespace(x, mask)
     in_dtype = x.dtype
     work = compute_dtype(xp, in_dtype)  # float16 / bfloat16: work in float32
@@ -319,7 +393,7 @@ def masked_softmax_forward(x, mask=None):
     return p, SoftmaxCache(p, mask_shape)
 
 
-def masked_softmax_backward(dp, cache: SoftmaxCache):
+def masked_softmax_backward(dp: Any, cache: SoftmaxCache) -> tuple[Any, Any]:
     """Gradient of the masked softmax, without forming a Jacobian.
 
     ``dx = p * (dp - sum(dp * p))``, summed over the last axis inside the
@@ -337,6 +411,16 @@ def masked_softmax_backward(dp, cache: SoftmaxCache):
     dx : array, shape of ``p``
     dmask : array of the mask's shape, or None
     """
+    # [..., Lk] -> [..., Lk], mask shape
+    V.check_cache("cache", cache, SoftmaxCache, "masked_softmax_forward")
+    V.check_grad("dp", dp, shape=V.shape_of(cache.p),
+                 dtype=cache.p.dtype if cache.in_dtype is None else cache.in_dtype,
+                 xp=namespace(cache.p), device=device_of(cache.p), of="the forward's p")
+    return _masked_softmax_backward(dp, cache)
+
+
+def _masked_softmax_backward(dp, cache):
+    """``masked_softmax_backward`` on checked arguments."""
     # [..., Lk] -> [..., Lk], mask shape
     xp = namespace(dp, cache.p)
     p = cache.p
@@ -364,7 +448,7 @@ class DropoutCache(NamedTuple):
     key: Optional[int] = None  # the dropout key when the mask was drawn, else None
 
 
-def dropout_forward(x, p: float, *, mask=None, rng=None):
+def dropout_forward(x: Any, p: float, *, mask: Any = None, rng: Any = None) -> tuple[Any, DropoutCache]:
     """Inverted dropout: ``y = where(keep, x / (1 - p), 0)``.
 
     ``p`` is the drop probability. ``mask`` is a boolean keep-mask (True =
@@ -389,6 +473,18 @@ def dropout_forward(x, p: float, *, mask=None, rng=None):
         Holds the keep-mask, so the backward reuses it.
     """
     # [...] -> [...]
+    V.check_floating_array("x", x)
+    V.check_probability("p", p)
+    V.check_mask("mask", mask, namespace(x), target=V.shape_of(x), target_text="x",
+                 dtype=x.dtype, device=device_of(x), bool_only=True, where="like x",
+                 library="that of x")
+    V.check_rng("rng", rng)
+    return _dropout(x, p, mask, rng)
+
+
+def _dropout(x, p, mask, rng):
+    """``dropout_forward`` on checked arguments."""
+    # [...] -> [...]
     xp = namespace(x, mask)
     if mask is None and p == 0.0:
         return x, DropoutCache(None, 1.0)
@@ -401,7 +497,7 @@ def dropout_forward(x, p: float, *, mask=None, rng=None):
     return y, DropoutCache(keep, scale, key)
 
 
-def dropout_backward(dy, cache: DropoutCache):
+def dropout_backward(dy: Any, cache: DropoutCache) -> Any:
     """Gradient of inverted dropout with the forward's keep-mask: ``dx = where(keep, dy / (1 - p), 0)``.
 
     Parameters
@@ -413,6 +509,19 @@ def dropout_backward(dy, cache: DropoutCache):
     -------
     dx : array, shape of ``dy``
     """
+    # [...] -> [...]
+    V.check_cache("cache", cache, DropoutCache, "dropout_forward")
+    V.check_floating_array("dy", dy)
+    if cache.keep is not None:
+        V.check_array("dy", dy, namespace(cache.keep), device_of(cache.keep),
+                      where="that of the keep-mask", library="that of the keep-mask")
+        V.check_broadcasts_to("cache.keep", V.shape_of(cache.keep), V.shape_of(dy),
+                              "dy (the forward's x)")
+    return _dropout_backward(dy, cache)
+
+
+def _dropout_backward(dy, cache):
+    """``dropout_backward`` on checked arguments."""
     # [...] -> [...]
     if cache.keep is None:
         return dy
@@ -438,7 +547,7 @@ class SDPACache(NamedTuple):
     groups: int = 1  # G = Hq // Hkv query heads per K/V head (grouped-query attention)
 
 
-def group_heads(xp, x, G: int):
+def group_heads(xp: Any, x: Any, G: int) -> Any:
     """View query-head rows as rows of their K/V head: ``[..., Hq, L, X] -> [..., Hkv, G*L, X]``.
 
     Query head ``h = hkv * G + g`` lands in K/V head ``hkv = h // G``, at rows
@@ -450,7 +559,7 @@ def group_heads(xp, x, G: int):
     return xp.reshape(x, (*lead, Hq // G, G * L, X))  # [..., Hkv, G*L, X]
 
 
-def ungroup_heads(xp, x, G: int):
+def ungroup_heads(xp: Any, x: Any, G: int) -> Any:
     """Inverse of ``group_heads``: ``[..., Hkv, G*L, X] -> [..., Hq, L, X]``."""
     if G == 1:
         return x
@@ -458,7 +567,7 @@ def ungroup_heads(xp, x, G: int):
     return xp.reshape(x, (*lead, Hkv * G, GL // G, X))  # [..., Hq, L, X]
 
 
-def gqa_groups(q, k, v, enable_gqa: bool) -> int:
+def gqa_groups(q: Any, k: Any, v: Any, enable_gqa: bool) -> int:
     """Number of query heads per K/V head, with the shape checks of grouped-query attention."""
     if not enable_gqa:
         return 1
@@ -486,18 +595,18 @@ def gqa_groups(q, k, v, enable_gqa: bool) -> int:
 
 
 def sdpa_forward(
-    q,
-    k,
-    v,
+    q: Any,
+    k: Any,
+    v: Any,
     *,
-    mask=None,
+    mask: Any = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    dropout_mask=None,
-    rng=None,
+    dropout_mask: Any = None,
+    rng: Any = None,
     enable_gqa: bool = False,
-):
+) -> tuple[Any, SDPACache]:
     """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
 
     Steps (the backward walks them in reverse):
@@ -565,7 +674,9 @@ def sdpa_forward(
                              dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, groups=G)
 
 
-def sdpa_forward_core(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups):
+def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
+                      dropout_p: float, dropout_mask: Any, rng: Any, groups: int
+                      ) -> tuple[Any, SDPACache]:
     """``sdpa_forward`` on arguments that are already checked (``groups`` = G); for the dispatcher."""
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
     xp = namespace(q, k, v, mask, dropout_mask)
@@ -596,8 +707,8 @@ def sdpa_forward_core(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mas
         else:
             a_mask = xp.where(causal, mask, -math.inf)
 
-    p, sm_cache = masked_softmax_forward(s, a_mask)  # 3.          [B, H, Lq, Lk]
-    a, do_cache = dropout_forward(p, dropout_p, mask=dropout_mask, rng=rng)  # 4.
+    p, sm_cache = _masked_softmax(s, a_mask)  # 3.                 [B, H, Lq, Lk]
+    a, do_cache = _dropout(p, dropout_p, dropout_mask, rng)  # 4.
     out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 5.   [B, H, Lq, Dh]
 
     if work != in_dtype:
@@ -606,7 +717,7 @@ def sdpa_forward_core(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mas
     return out, cache
 
 
-def sdpa_backward(dout, cache: SDPACache):
+def sdpa_backward(dout: Any, cache: SDPACache) -> tuple[Any, Any, Any, Any]:
     """Gradients of scaled dot-product attention.
 
     Parameters
@@ -624,6 +735,10 @@ def sdpa_backward(dout, cache: SDPACache):
         mask, summed over the axes the mask was broadcast along.
     """
     # [B, H, Lq, Dv] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv], mask shape
+    V.check_cache("cache", cache, SDPACache, "sdpa_forward")
+    V.check_grad("dout", dout, shape=(*cache.probs.shape[:-1], cache.v.shape[-1]),
+                 dtype=cache.in_dtype, xp=namespace(cache.q), device=device_of(cache.q),
+                 of="the forward's out")
     xp = namespace(dout, cache.q)
     check_same_device(q=cache.q, dout=dout)
     q, k, v, a = cache.q, cache.k, cache.v, cache.attn
@@ -638,9 +753,9 @@ def sdpa_backward(dout, cache: SDPACache):
     da = ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
     dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
     # 4. a = dropout(p)
-    dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
+    dp = _dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
     # 3. p = masked_softmax(s, a_mask)
-    ds, da_mask = masked_softmax_backward(dp, cache.softmax)  # [B, H, Lq, Lk]
+    ds, da_mask = _masked_softmax_backward(dp, cache.softmax)  # [B, H, Lq, Lk]
     # 2. a_mask = where(causal, mask, -inf): dmask = da_mask where causal allows,
     #    and da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
     dmask = None
@@ -670,7 +785,8 @@ class AppendKVCache(NamedTuple):
     has_bias: bool  # whether row Lk is the learned bias
 
 
-def append_kv_forward(x, bias=None, *, add_zero_attn: bool = False):
+def append_kv_forward(x: Any, bias: Any = None, *, add_zero_attn: bool = False
+                      ) -> tuple[Any, AppendKVCache]:
     """Append torch's extra key (or value) positions after the given ones.
 
     Applied alike to the projected keys (with ``bias_k``) and values (with
@@ -693,6 +809,17 @@ def append_kv_forward(x, bias=None, *, add_zero_attn: bool = False):
     cache : AppendKVCache
     """
     # [..., Lk, D], [D] -> [..., Lk + n, D]
+    V.check_floating_array("x", x)
+    if x.ndim < 2:
+        raise ValueError(f"x: expected at least 2 axes (..., Lk, D), got shape {V.shape_of(x)}")
+    if bias is not None:
+        V.check_floating_array("bias", bias, namespace(x), device_of(x), dtype=x.dtype, like="x")
+        if V.shape_of(bias) != (int(x.shape[-1]),):
+            raise ValueError(
+                f"bias: expected shape ({x.shape[-1]},) (the last axis of x), got shape "
+                f"{V.shape_of(bias)}"
+            )
+    V.check_bool("add_zero_attn", add_zero_attn)
     xp = namespace(x, bias)
     row_shape = tuple(x.shape[:-2]) + (1, x.shape[-1])
     parts = [x]
@@ -704,7 +831,7 @@ def append_kv_forward(x, bias=None, *, add_zero_attn: bool = False):
     return y, AppendKVCache(x.shape[-2], bias is not None)
 
 
-def append_kv_backward(dy, cache: AppendKVCache):
+def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
     """Gradients of ``append_kv``: ``dx`` is the first Lk positions of ``dy``.
 
     The zero position has no inputs and its gradient is dropped; ``dbias`` is
@@ -717,6 +844,14 @@ def append_kv_backward(dy, cache: AppendKVCache):
     dbias : array, shape (D,) or None
     """
     # [..., Lk + n, D] -> [..., Lk, D], [D]
+    V.check_cache("cache", cache, AppendKVCache, "append_kv_forward")
+    V.check_floating_array("dy", dy)
+    n_min = cache.n_given + int(cache.has_bias)
+    if dy.ndim < 2 or dy.shape[-2] < n_min:
+        raise ValueError(
+            f"dy: expected shape (..., Lk + n, D) with Lk + n >= {n_min} (the forward's "
+            f"output), got shape {V.shape_of(dy)}"
+        )
     xp = namespace(dy)
     Lk = cache.n_given
     # 2. x = concat([x, 0]): the zero row is a constant, its gradient goes nowhere
@@ -735,7 +870,8 @@ class PadMaskCache(NamedTuple):
     mask_shape: Optional[tuple]  # shape of a floating mask, for dmask; else None
 
 
-def pad_mask_forward(mask, Lq: int, Lk: int, n_extra: int, *, is_causal: bool = False, like=None):
+def pad_mask_forward(mask: Any, Lq: int, Lk: int, n_extra: int, *, is_causal: bool = False,
+                     like: Any = None) -> tuple[Any, PadMaskCache]:
     """Extend a mask over the Lk given keys to ``n_extra`` appended keys, which are always attendable.
 
     This is how torch pads its masks for ``add_bias_kv`` and ``add_zero_attn``
@@ -765,6 +901,22 @@ def pad_mask_forward(mask, Lq: int, Lk: int, n_extra: int, *, is_causal: bool = 
     cache : PadMaskCache
     """
     # [..., Lk] -> [..., Lk + n]
+    V.check_size("Lq", Lq, minimum=1)
+    V.check_size("Lk", Lk, minimum=1)
+    V.check_size("n_extra", n_extra)
+    V.check_bool("is_causal", is_causal)
+    if like is not None:
+        V.check_array("like", like)
+    if mask is not None:
+        V.check_array("mask", mask)
+        mxp = namespace(mask)
+        if not (is_bool(mxp, mask) or is_floating(mxp, mask)):
+            raise TypeError(
+                f"mask: expected dtype bool (True = may attend) or a real floating dtype (added "
+                f"to the scores), got {V.dtype_name(mask.dtype)}; integer masks are ambiguous"
+            )
+        shape = V.shape_of(mask)
+        V.check_broadcasts_to("mask", shape, (*shape[:-2], Lq, Lk), "(..., Lq, Lk)")
     if mask is None and not is_causal:
         return None, PadMaskCache(Lk, None, None)
     floating = mask is not None and is_floating(namespace(mask), mask)
@@ -796,14 +948,21 @@ def pad_mask_forward(mask, Lq: int, Lk: int, n_extra: int, *, is_causal: bool = 
     return m, PadMaskCache(Lk, causal, mask_shape)
 
 
-def pad_mask_backward(dm, cache: PadMaskCache):
+def pad_mask_backward(dm: Any, cache: PadMaskCache) -> Any:
     """Gradient of ``pad_mask`` for a floating mask: ``dmask`` of the mask's own shape.
 
     None for a boolean or no mask (``dm`` may then be None too).
     """
     # [..., Lk + n] -> mask shape
+    V.check_cache("cache", cache, PadMaskCache, "pad_mask_forward")
     if cache.mask_shape is None:
         return None
+    V.check_floating_array("dm", dm)
+    if dm.ndim < 1 or dm.shape[-1] < cache.n_given:
+        raise ValueError(
+            f"dm: expected shape (..., Lk + n) with Lk + n >= {cache.n_given} (the forward's "
+            f"padded mask), got shape {V.shape_of(dm)}"
+        )
     xp = namespace(dm)
     # 3. m = concat([m, 0]): keep the given keys' columns
     d = dm[..., : cache.n_given]  # [..., Lk]

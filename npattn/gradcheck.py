@@ -31,10 +31,8 @@ device, cast to float64; the arithmetic of the differences is done on the host.
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -124,7 +122,8 @@ def _host64(x) -> np.ndarray:
     return np.asarray(to_numpy(x), dtype=np.float64)
 
 
-def numerical_vjp(f: Callable, inputs: Sequence, dout, *, eps: float = 1e-6, wrt=None):
+def numerical_vjp(f: Callable, inputs: Sequence, dout: Any, *, eps: float = 1e-6,
+                  wrt: Optional[Sequence[int]] = None) -> list:
     """Central-difference estimate of ``J_i^T dout`` for each input in ``wrt``.
 
     Parameters
@@ -172,15 +171,15 @@ def check_vjp(
     f: Callable,
     inputs: Sequence,
     grads: Sequence,
-    dout,
+    dout: Any,
     *,
-    names=None,
+    names: Optional[Sequence[str]] = None,
     eps: float = 1e-6,
     n_directions: int = 3,
     rtol: float = 1e-6,
     atol: Optional[float] = None,
-    seed=0,
-    wrt=None,
+    seed: Any = 0,
+    wrt: Optional[Sequence[int]] = None,
 ) -> GradcheckReport:
     """Random-direction check of analytic gradients ``grads`` of ``<f(*inputs), dout>``.
 
@@ -268,16 +267,16 @@ def gradcheck(
     backward: Callable,
     inputs: Sequence,
     *,
-    dout=None,
-    names=None,
+    dout: Any = None,
+    names: Optional[Sequence[str]] = None,
     mode: str = "auto",
     eps: float = 1e-6,
     rtol: float = 1e-6,
     atol: Optional[float] = None,
     n_directions: int = 3,
     max_full_size: int = 4096,
-    seed=0,
-    wrt=None,
+    seed: Any = 0,
+    wrt: Optional[Sequence[int]] = None,
 ) -> GradcheckReport:
     """Check a ``(forward, backward)`` pair against central finite differences.
 
@@ -408,7 +407,8 @@ def _forward_pair(result):
     return out, cache
 
 
-def gradcheck_module(module, query, key, value, *, forward_kwargs=None, **check_kwargs):
+def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
+                     forward_kwargs: Optional[dict] = None, **check_kwargs: Any) -> GradcheckReport:
     """Check a ``MultiHeadAttention``'s backward: the three inputs and every parameter.
 
     The module must hold float64 parameters (``dtype="float64"``): finite
@@ -456,13 +456,3 @@ def gradcheck_module(module, query, key, value, *, forward_kwargs=None, **check_
         )
     finally:
         module.params.update(saved)
-
-
-class _CallableModule(types.ModuleType):
-    """Lets ``npattn.gradcheck(...)`` be called directly as :func:`gradcheck`."""
-
-    def __call__(self, *args, **kwargs):
-        return gradcheck(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -18,6 +18,8 @@ Lk key length (torch's S).
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any, Optional
 
 from .backend import (
     device_of,
@@ -39,12 +41,15 @@ def _namespace_or(xp):
     return resolve_backend("numpy" if xp is None else xp)
 
 
-def _check_length(name, n):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+def _check_length(name: str, n: Any) -> None:
+    """A length: an int (Python or NumPy, not a bool) >= 0; ``TypeError`` / ``ValueError`` otherwise."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # NumPy bools are not Integral
+        raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__} {n!r}")
+    if n < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
 
 
-def causal(Lq: int, Lk: int, align: str = "top_left", *, xp=None, device=None):
+def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device: Any = None) -> Any:
     """Causal mask, True = may attend.  # -> [Lq, Lk] bool
 
     * ``align="top_left"`` (SDPA's ``is_causal``, npattn's ``is_causal``):
@@ -83,7 +88,7 @@ def causal(Lq: int, Lk: int, align: str = "top_left", *, xp=None, device=None):
     return xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) <= offset  # [Lq, Lk]
 
 
-def padding(lengths, Lk: int, *, xp=None, device=None):
+def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any:
     """Key padding mask from sequence lengths, True = may attend.  # [B] -> [B, 1, 1, Lk] bool
 
     Key ``j`` of batch entry ``b`` may be attended when ``j < lengths[b]``;
@@ -109,8 +114,9 @@ def padding(lengths, Lk: int, *, xp=None, device=None):
         lxp = None
     if lxp is None:
         seq = list(lengths)
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in seq):
+        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in seq):
             raise TypeError(f"lengths: expected ints, got {seq!r}")
+        seq = [int(n) for n in seq]
         xp = _namespace_or(xp)
         lengths = xp.asarray(seq, dtype=xp.int64, device=device)  # [B]
     else:
@@ -134,15 +140,15 @@ def _check_mask_dtype(xp, name, m):
 
 
 def from_torch_mha(
-    attn_mask=None,
-    key_padding_mask=None,
+    attn_mask: Any = None,
+    key_padding_mask: Any = None,
     *,
-    n_head=None,
-    batch_size=None,
-    dtype=None,
-    xp=None,
-    device=None,
-):
+    n_head: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    dtype: Any = None,
+    xp: Any = None,
+    device: Any = None,
+) -> Any:
     """Convert the masks of ``torch.nn.MultiheadAttention`` into one npattn mask.
 
     torch's conventions, as ``nn.MultiheadAttention.forward`` reads them:

@@ -11,6 +11,7 @@ Dh = D // H, Dkv = Hkv * Dh, Dq = qdim, Dk = kdim, Dv = vdim.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -99,7 +100,7 @@ class MultiHeadAttention:
     seed : int, optional
         Seeds the Xavier-uniform initialisation and the dropout generator.
     backend : str or namespace module
-        "numpy", "cupy", "array_api_strict", "torch", or an Array API namespace.
+        "numpy", "cupy", "array_api_strict", "torch", "jax", or an Array API namespace.
     impl : {"auto", "dense", "reference", "numpy", "blocked"}
         Implementation of step 6, chosen per call by ``npattn.attention``:
         "reference" runs ``npattn.functional`` as written; "numpy" the NumPy
@@ -229,12 +230,17 @@ class MultiHeadAttention:
     def _asparam(self, a: np.ndarray):
         return self.xp.astype(from_numpy(a, self.xp), self.dtype)
 
-    def train(self, mode: bool = True):
-        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
+    def train(self, mode: bool = True) -> "MultiHeadAttention":
+        """Training mode: dropout acts (when ``dropout > 0``). Returns self.
+
+        ``mode`` must be a bool (``TypeError`` otherwise: ``train("no")``
+        would otherwise mean training).
+        """
+        V.check_bool("mode", mode)
         self.training = bool(mode)
         return self
 
-    def eval(self):
+    def eval(self) -> "MultiHeadAttention":
         """Evaluation mode: dropout is off. Returns self."""
         return self.train(False)
 
@@ -333,7 +339,7 @@ class MultiHeadAttention:
             raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
         self._cache = value
 
-    def clear_cache(self):
+    def clear_cache(self) -> None:
         """Drop the cache of the last forward (its arrays are freed); ``backward`` then needs a new forward.
 
         A forward keeps the previous cache until it has succeeded, so two
@@ -409,7 +415,7 @@ class MultiHeadAttention:
 
     # --------------------------------------------------------------- backward
 
-    def backward(self, dout):
+    def backward(self, dout: Any) -> tuple[Any, Any, Any]:
         """Backpropagate ``dout`` (B, Lq, D) through the last forward.
 
         Fills ``self.grads`` (same keys and shapes as ``params``) and
@@ -479,7 +485,7 @@ class MultiHeadAttention:
     # ----------------------------------------------------------- torch interop
 
     @classmethod
-    def from_torch(cls, module, *, backend="numpy"):
+    def from_torch(cls, module: Any, *, backend: Any = "numpy") -> "MultiHeadAttention":
         """A copy of a ``torch.nn.MultiheadAttention``: its layout, weights, dtype, dropout and mode.
 
         Only the weights are converted: npattn takes (B, L, D) inputs, torch
@@ -498,14 +504,14 @@ class MultiHeadAttention:
         torch_interop.load_torch_state_dict(mha, module.state_dict())
         return mha.train(module.training)
 
-    def load_torch_state_dict(self, state_dict):
+    def load_torch_state_dict(self, state_dict: Any) -> "MultiHeadAttention":
         """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self."""
         from .torch_interop import load_torch_state_dict
 
         load_torch_state_dict(self, state_dict)
         return self
 
-    def torch_state_dict(self):
+    def torch_state_dict(self) -> Any:
         """``params`` as a ``torch.nn.MultiheadAttention`` state dict of CPU tensors."""
         from .torch_interop import torch_state_dict
 
@@ -517,8 +523,8 @@ class MultiHeadAttention:
 # construction
 
 
-def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, seed,
-                      **layer_args) -> str:
+def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias: Any, kdim: Any,
+                      vdim: Any, dtype: Any, seed: Any, **layer_args: Any) -> str:
     """Check the arguments of ``MultiHeadAttention(...)``; ``backend`` was resolved to ``xp``.
 
     ``layer_args`` may hold the optional layer-shape arguments ``qdim`` and
@@ -543,9 +549,11 @@ def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, 
     for name, value in layer_args.items():
         if name in ("qdim", "n_kv_head"):
             V.check_positive_int(name, value, allow_none=True)
-        elif name in ("qkv_bias", "out_bias", "add_bias_kv", "add_zero_attn"):
+        elif name in ("qkv_bias", "out_bias"):  # None: follow bias
             if value is not None:
                 V.check_bool(name, value)
+        elif name in ("add_bias_kv", "add_zero_attn"):
+            V.check_bool(name, value)
         else:
             raise TypeError(f"check_module_args: unexpected argument {name!r}")
     n_kv_head = layer_args.get("n_kv_head")
@@ -565,7 +573,10 @@ def check_module_args(xp, *, d_model, n_head, dropout, bias, kdim, vdim, dtype, 
     return _dtype_arg(xp, dtype)
 
 
-def _dtype_arg(xp, dtype) -> str:
+def _dtype_arg(xp: Any, dtype: Any) -> str:
+    available = [n for n in V.FLOAT_DTYPES if hasattr(xp, n)]
+    if dtype is None:  # np.dtype(None) would be float64: say so instead of guessing
+        raise TypeError(f"dtype: expected one of {available} (a name or a dtype), got None")
     if isinstance(dtype, str):
         name = dtype
     else:
@@ -573,7 +584,12 @@ def _dtype_arg(xp, dtype) -> str:
             name = np.dtype(dtype).name  # NumPy dtypes and scalar types
         except TypeError:
             name = V.dtype_name(dtype)  # torch.float32, array_api_strict.float32
-    available = [n for n in V.FLOAT_DTYPES if hasattr(xp, n)]
+    if name in available and not _keeps_dtype(xp, getattr(xp, name)):
+        raise ValueError(
+            f"dtype: expected one of {available} that backend {backend_name(xp)!r} keeps, got "
+            f"{name!r}, which it turns into another dtype (JAX: float64 needs "
+            "jax.config.update('jax_enable_x64', True) first)"
+        )
     if name not in available:
         if not isinstance(dtype, str) and name not in V.FLOAT_DTYPES:
             raise TypeError(
@@ -585,11 +601,18 @@ def _dtype_arg(xp, dtype) -> str:
     return name
 
 
+def _keeps_dtype(xp: Any, dtype: Any) -> bool:
+    """Whether ``xp`` makes arrays of ``dtype`` (JAX without x64 makes float64 requests float32)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX warns that it truncates
+        return xp.zeros((1,), dtype=dtype).dtype == dtype
+
+
 # --------------------------------------------------------------------------
 # parameters
 
 
-def check_param(name, value, *, like, xp):
+def check_param(name: str, value: Any, *, like: Any, xp: Any) -> None:
     """Check ``value`` as a replacement for parameter ``name`` currently holding ``like``.
 
     Same library, device, dtype and shape as the array it replaces.
@@ -653,7 +676,7 @@ class ParameterDict(dict):
 
     __delitem__ = pop = popitem = clear = _fixed
 
-    def replace_all(self, new):
+    def replace_all(self, new: Any) -> None:
         """``module.params = new``: ``new`` must hold exactly the same names; all checked first."""
         if not isinstance(new, dict):
             raise TypeError(f"params: expected a dict of arrays, got {V.type_name(new)}")
@@ -671,8 +694,9 @@ class ParameterDict(dict):
 # forward / backward
 
 
-def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_causal,
-                         need_weights, check_finite: bool = False):
+def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask: Any,
+                         dropout_mask: Any, is_causal: Any, need_weights: Any,
+                         check_finite: Any = False) -> None:
     """Check the arguments of ``MultiHeadAttention.forward`` against ``module``.
 
     query (B, Lq, D), key (B, Lk, Dk), value (B, Lk, Dv): arrays of the
@@ -697,10 +721,14 @@ def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_ca
             )
     for name, x in inputs.items():
         if x.dtype != dtype:
+            got = V.dtype_name(x.dtype)
+            # suggest a module dtype only when there is one: never dtype='int64' or 'object'
+            hint = (f"cast the input or build the module with dtype={got!r}"
+                    if got in V.FLOAT_DTYPES and hasattr(xp, got) else
+                    f"cast the input to {V.dtype_name(dtype)}")
             raise TypeError(
                 f"{name}: expected dtype {V.dtype_name(dtype)} (the parameters' dtype), got "
-                f"{V.dtype_name(x.dtype)}; cast the input or build the module with "
-                f"dtype={V.dtype_name(x.dtype)!r} (no silent promotion)"
+                f"{got}; {hint} (no silent promotion)"
             )
     B, Lq, _ = V.shape_of(query)
     for name, x in inputs.items():
@@ -739,7 +767,7 @@ def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_ca
             V.check_finite_values(f"params[{name!r}]", p, xp)
 
 
-def check_backward_inputs(module, dout):
+def check_backward_inputs(module: Any, dout: Any) -> None:
     """Check ``MultiHeadAttention.backward(dout)``: a forward ran, ``dout`` matches its output."""
     cache = module._cache
     if cache is None:

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-def one_hot(xp, ids, n: int, dtype):
+def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]"""
     classes = xp.arange(n, device=device_of(ids))  # [n]
     hit = xp.expand_dims(ids, axis=-1) == classes  # [..., n] bool
@@ -52,7 +52,7 @@ class EmbeddingCache(NamedTuple):
     onehot: Any  # [..., V] one-hot rows of ids, for dtable
 
 
-def embedding_forward(ids, table):
+def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     """Look up rows of ``table``: ``out[..., :] = table[ids[...], :]``.
 
     Written as ``out = one_hot(ids) @ table`` so that the backward is the
@@ -77,7 +77,7 @@ def embedding_forward(ids, table):
     return out, EmbeddingCache(onehot)
 
 
-def embedding_backward(dout, cache: EmbeddingCache):
+def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
     """Gradient of the lookup: ``dtable = one_hot(ids)^T @ dout``, summed over all positions.
 
     Row ``v`` of ``dtable`` is the sum of ``dout`` over the positions that
@@ -105,7 +105,7 @@ class PositionsCache(NamedTuple):
     pos_shape: tuple  # shape of the positional table, for dpos
 
 
-def add_positions_forward(x, pos):
+def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
     """Add a positional table: ``out[b, i, :] = x[b, i, :] + pos[i, :]``.
 
     ``pos`` is a learned parameter, or a fixed table such as
@@ -129,14 +129,14 @@ def add_positions_forward(x, pos):
     return x + pos, PositionsCache(tuple(pos.shape))  # [B, L, D]
 
 
-def add_positions_backward(dout, cache: PositionsCache):
+def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
     """``dx = dout``; ``dpos = sum_b dout[b]`` (the adjoint of broadcasting over the batch)."""
     # [B, L, D] -> [B, L, D], [L, D]
     xp = namespace(dout)
     return dout, sum_to_shape(xp, dout, cache.pos_shape)
 
 
-def sinusoidal_positions(xp, L: int, D: int, dtype=None, device=None):
+def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any = None) -> Any:
     """The fixed encoding of "Attention Is All You Need".
 
     ``pe[i, 2k] = sin(i / 10000^(2k/D))``, ``pe[i, 2k+1] = cos(i / 10000^(2k/D))``.
@@ -161,7 +161,7 @@ class CrossEntropyCache(NamedTuple):
     n: int  # number of positions averaged over
 
 
-def cross_entropy_forward(logits, targets):
+def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyCache]:
     """Mean softmax cross-entropy, ``loss = -mean_n log softmax(logits_n)[t_n]``.
 
     Steps:
@@ -194,7 +194,7 @@ def cross_entropy_forward(logits, targets):
     return loss, CrossEntropyCache(xp.exp(logp), onehot, n)
 
 
-def cross_entropy_backward(dloss, cache: CrossEntropyCache):
+def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, None]:
     """Gradient of the mean cross-entropy: ``dlogits = dloss * (softmax(logits) - one_hot(t)) / N``.
 
     From 4. and 3.: ``dlogp = -dloss * one_hot / N``, and through
@@ -227,8 +227,9 @@ def adam_init(params: dict) -> AdamState:
     return AdamState(zeros, dict(zeros), 0)
 
 
-def adam_step(params: dict, grads: dict, state: AdamState, *, lr=1e-3, betas=(0.9, 0.999),
-              eps=1e-8, weight_decay=0.0):
+def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
+              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+              weight_decay: float = 0.0) -> tuple[dict, AdamState]:
     """One Adam step; returns ``(new_params, new_state)`` and writes into nothing.
 
     For each parameter ``w`` with gradient ``g``, at step ``t = state.t + 1``::

@@ -166,7 +166,9 @@ class NumpySDPACache(NamedTuple):
     in_dtype: Any
 
 
-def sdpa_forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups):
+def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
+                 dropout_p: float, dropout_mask: Any, rng: Any, groups: int
+                 ) -> tuple[Any, NumpySDPACache]:
     """Tiled ``softmax(q k^T * scale + mask) v`` on checked NumPy arguments (``accepts``).
 
     The arguments are those of ``functional.sdpa_forward_core``. Returns
@@ -249,7 +251,7 @@ def sdpa_forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rn
     return result, cache
 
 
-def keep_mask_of(cache: NumpySDPACache):
+def keep_mask_of(cache: NumpySDPACache) -> Any:
     """The keep-mask (B, Hq, Lq, Lk) a forward used, or None without dropout."""
     if cache.keep is None:
         return None
@@ -263,7 +265,7 @@ def keep_mask_of(cache: NumpySDPACache):
 # ------------------------------------------------------------------ backward
 
 
-def sdpa_backward(dout, cache: NumpySDPACache):
+def sdpa_backward(dout: Any, cache: NumpySDPACache) -> tuple[Any, Any, Any, Any]:
     """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward``, tile by tile."""
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
     q, k, v = cache.q, cache.k, cache.v

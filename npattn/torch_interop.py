@@ -33,6 +33,7 @@ torch has one ``bias`` flag for both projections and no ``qdim`` or
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import array_api_compat
 import numpy as np
@@ -77,11 +78,11 @@ def _check_torch_compatible(mha) -> None:
         )
 
 
-def torch_state_dict_shapes(mha) -> "OrderedDict[str, tuple]":
+def torch_state_dict_shapes(mha: Any) -> "OrderedDict[str, tuple]":
     """The keys and shapes of the torch state dict of ``mha``, in torch's order."""
     _check_torch_compatible(mha)
     D = mha.d_model
-    shapes = OrderedDict()
+    shapes: "OrderedDict[str, tuple]" = OrderedDict()
     if mha.kdim == D and mha.vdim == D:
         shapes["in_proj_weight"] = (3 * D, D)
     else:
@@ -110,7 +111,7 @@ def _host(x) -> np.ndarray:
     return np.asarray(to_numpy(x))
 
 
-def params_from_torch_state_dict(mha, state_dict) -> dict:
+def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     """A ``torch.nn.MultiheadAttention`` state dict as npattn parameters: host NumPy arrays.
 
     ``mha`` gives the layout (the attributes ``torch_state_dict_shapes``
@@ -158,7 +159,7 @@ def params_from_torch_state_dict(mha, state_dict) -> dict:
     return {n: np.array(params[n]) for n in order if n in params}  # copies, not views
 
 
-def load_torch_state_dict(mha, state_dict) -> None:
+def load_torch_state_dict(mha: Any, state_dict: Any) -> None:
     """Set ``mha.params`` from a ``torch.nn.MultiheadAttention`` state dict.
 
     Values may be torch tensors or arrays of any backend; they are cast to
@@ -169,7 +170,7 @@ def load_torch_state_dict(mha, state_dict) -> None:
     mha.params = {n: mha.xp.astype(from_numpy(a, mha.xp), mha.dtype) for n, a in host.items()}
 
 
-def torch_state_dict(mha) -> "OrderedDict":
+def torch_state_dict(mha: Any) -> "OrderedDict":
     """``mha.params`` as a ``torch.nn.MultiheadAttention`` state dict.
 
     CPU tensors of the torch dtype matching ``mha.dtype``, copies (not views
@@ -202,7 +203,7 @@ def torch_state_dict(mha) -> "OrderedDict":
     return sd
 
 
-def config_from_torch(module) -> dict:
+def config_from_torch(module: Any) -> dict:
     """The ``MultiHeadAttention`` keyword arguments that copy the layout of a torch module.
 
     Parameters

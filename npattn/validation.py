@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, Optional, Sequence
 
 import array_api_compat
 import numpy as np
@@ -43,6 +44,13 @@ __all__ = [
     "check_bool",
     "check_positive_int",
     "check_probability",
+    "check_size",
+    "check_scale",
+    "check_floating_array",
+    "check_cache",
+    "check_grad",
+    "check_rng",
+    "check_broadcasts_to",
     "type_name",
     "dtype_name",
     "shape_of",
@@ -56,7 +64,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # small pieces
 
 
-def type_name(x) -> str:
+def type_name(x: Any) -> str:
     """How to call ``x`` in a message: 'numpy.ndarray', 'list', 'None'..."""
     if x is None:
         return "None"
@@ -66,7 +74,7 @@ def type_name(x) -> str:
     return f"{t.__module__.split('.')[0]}.{t.__name__}"
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: Any) -> str:
     """'float32' for numpy, torch and array_api_strict dtypes alike."""
     if isinstance(dtype, np.dtype):
         return dtype.name
@@ -75,22 +83,22 @@ def dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def shape_of(x) -> tuple:
+def shape_of(x: Any) -> tuple:
     """The shape of ``x`` as a tuple of Python ints, for messages and comparisons."""
     return tuple(int(n) for n in x.shape)
 
 
-def _same_namespace(xp_a, xp_b) -> bool:
+def _same_namespace(xp_a: Any, xp_b: Any) -> bool:
     return xp_a is xp_b or backend_name(xp_a) == backend_name(xp_b)
 
 
-def check_bool(name, value):
+def check_bool(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a bool (Python or NumPy)."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type_name(value)} {value!r}")
 
 
-def check_positive_int(name, value, *, allow_none=False):
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
     """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is > 0."""
     if value is None and allow_none:
         return
@@ -100,28 +108,105 @@ def check_positive_int(name, value, *, allow_none=False):
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
-def check_probability(name, value):
+def check_size(name: str, value: Any, *, minimum: int = 0) -> None:
+    """``TypeError`` unless ``value`` is an int (Python or NumPy, not a bool), ``ValueError`` below ``minimum``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+
+
+def check_scale(name: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` is None or a real number, ``ValueError`` unless it is a finite float."""
+    if value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected None or a float, got {type_name(value)} {value!r}")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 2**1100
+        raise ValueError(
+            f"{name}: expected a finite float, got an int too large for a float "
+            f"({int(value).bit_length()} bits)"
+        ) from None
+    if not math.isfinite(as_float):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
+
+
+def check_rng(name: str, value: Any) -> None:
+    """A seed for ``numpy.random.default_rng``: None, an int >= 0, a ``Generator``, ``SeedSequence`` or ``BitGenerator``."""
+    if value is None or isinstance(value, (np.random.Generator, np.random.SeedSequence,
+                                           np.random.BitGenerator)):
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name}: expected None, a non-negative int seed or a numpy.random.Generator, "
+            f"got {type_name(value)} {value!r}"
+        )
+    if value < 0:
+        raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
+
+
+def check_broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int],
+                        target_text: str) -> None:
+    """``ValueError`` unless ``shape`` broadcasts to ``target`` without changing it."""
+    shape, target = tuple(int(n) for n in shape), tuple(int(n) for n in target)
+    if len(shape) > len(target) or any(
+            n != 1 and n != t for n, t in zip(reversed(shape), reversed(target))):
+        raise _broadcast_error(name, shape, target, target_text)
+
+
+def check_probability(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a real number, ``ValueError`` unless it is in [0, 1)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name}: expected a float drop probability in [0, 1), got {type_name(value)} {value!r}"
         )
-    if not (0.0 <= float(value) < 1.0):  # also False for NaN
+    if not (0.0 <= value < 1.0):  # also False for NaN; no float(): an int may overflow it
         raise ValueError(f"{name}: expected a drop probability in [0, 1), got {value!r}")
 
 
-def check_array(name, x, xp=None, device=None, where="where the parameters live"):
-    """``x`` is an array of namespace ``xp`` on ``device`` (each when given)."""
+#: The module's arrays come from its backend; functional code takes that of q (or x).
+MODULE_LIBRARY = "the module's backend"
+
+
+def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
+                where: str = "where the parameters live", library: str = MODULE_LIBRARY) -> None:
+    """``x`` is an array of namespace ``xp`` on ``device`` (each when given).
+
+    ``where`` says where ``device`` comes from and ``library`` where ``xp``
+    comes from, for the messages ("the module's backend", "that of q").
+    NumPy masked arrays and matrices are refused (npattn would ignore the
+    mask, and a matrix is 2-D only), and so are NumPy arrays of non-native
+    byte order (a big-endian float64 is not the float64 the computation
+    uses; convert it first).
+    """
     if not array_api_compat.is_array_api_obj(x):
         expected = f"a {backend_name(xp)} array" if xp is not None else "an array"
         raise TypeError(f"{name}: expected {expected}, got {type_name(x)}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name}: expected a plain numpy.ndarray, got numpy.ma.MaskedArray (npattn would "
+            "ignore its mask); pass its data, np.ma.getdata(a), and express the masked entries "
+            "as an attention mask"
+        )
+    if isinstance(x, np.matrix):
+        raise TypeError(f"{name}: expected a plain numpy.ndarray, got numpy.matrix; use np.asarray(a)")
+    dt = getattr(x, "dtype", None)
+    if isinstance(dt, np.dtype) and not dt.isnative:
+        raise TypeError(
+            f"{name}: expected an array of native byte order, got dtype {dt.name} of "
+            f"non-native byte order ({dt.str!r}); convert it with "
+            "a.astype(a.dtype.newbyteorder('='))"
+        )
     if xp is not None:
         got = array_api_compat.array_namespace(x)
         if not _same_namespace(got, xp):
+            hint = ("convert it first, or build the module with that backend"
+                    if library == MODULE_LIBRARY else "pass every array from one library")
             raise TypeError(
-                f"{name}: expected a {backend_name(xp)} array (the module's backend), "
-                f"got a {backend_name(got)} array ({type_name(x)}); convert it first, "
-                "or build the module with that backend"
+                f"{name}: expected a {backend_name(xp)} array ({library}), "
+                f"got a {backend_name(got)} array ({type_name(x)}); {hint}"
             )
     if device is not None and device_of(x) != device:
         raise ValueError(
@@ -130,15 +215,55 @@ def check_array(name, x, xp=None, device=None, where="where the parameters live"
         )
 
 
-def _is_floating(xp, dtype) -> bool:
+def check_floating_array(name: str, x: Any, xp: Any = None, device: Any = None, *,
+                         dtype: Any = None, like: str = "") -> None:
+    """``check_array``, then a real floating dtype (``dtype`` exactly, when given; ``like`` names it)."""
+    library = f"that of {like}" if like else MODULE_LIBRARY
+    check_array(name, x, xp, device, where=f"like {like}" if like else "where the parameters live",
+                library=library)
+    ns = array_api_compat.array_namespace(x)
+    if not _is_floating(ns, x.dtype):
+        raise TypeError(f"{name}: expected a real floating dtype, got {dtype_name(x.dtype)}")
+    if dtype is not None and x.dtype != dtype:
+        source = f" (that of {like})" if like else ""
+        raise TypeError(
+            f"{name}: expected dtype {dtype_name(dtype)}{source}, got {dtype_name(x.dtype)} "
+            "(no silent promotion)"
+        )
+
+
+def check_cache(name: str, cache: Any, cls: type, producer: str) -> None:
+    """``TypeError`` unless ``cache`` is a ``cls`` (the cache that ``producer`` returns)."""
+    if not isinstance(cache, cls):
+        raise TypeError(
+            f"{name}: expected a {cls.__name__} (the cache {producer} returns), "
+            f"got {type_name(cache)}"
+        )
+
+
+def check_grad(name: str, g: Any, *, shape: Sequence[int], dtype: Any, xp: Any, device: Any,
+               of: str) -> None:
+    """An upstream gradient: an array of ``xp`` on ``device`` with exactly ``shape`` and ``dtype`` (those of ``of``)."""
+    check_array(name, g, xp, device, where=f"that of {of}", library=f"that of {of}")
+    expected = tuple(int(n) for n in shape)
+    if shape_of(g) != expected:
+        raise ValueError(f"{name}: expected shape {expected} (that of {of}), got {shape_of(g)}")
+    if g.dtype != dtype:
+        raise TypeError(
+            f"{name}: expected dtype {dtype_name(dtype)} (that of {of}), got {dtype_name(g.dtype)} "
+            "(no silent promotion)"
+        )
+
+
+def _is_floating(xp: Any, dtype: Any) -> bool:
     return xp.isdtype(dtype, "real floating")
 
 
-def _is_bool(xp, dtype) -> bool:
+def _is_bool(xp: Any, dtype: Any) -> bool:
     return xp.isdtype(dtype, "bool")
 
 
-def _broadcast_error(name, shape, target, target_text):
+def _broadcast_error(name: str, shape: tuple, target: tuple, target_text: str) -> ValueError:
     return ValueError(
         f"{name}: expected a shape that broadcasts to {target_text} = {target} "
         f"(each axis 1 or equal to it), got shape {shape}"
@@ -149,8 +274,10 @@ def _broadcast_error(name, shape, target, target_text):
 # masks
 
 
-def check_mask(name, mask, xp, *, target, target_text, dtype, device=None, ndims=None,
-               bool_only=False, where="where the parameters live"):
+def check_mask(name: str, mask: Any, xp: Any, *, target: tuple, target_text: str, dtype: Any,
+               device: Any = None, ndims: Optional[Sequence[int]] = None, bool_only: bool = False,
+               where: str = "where the parameters live", library: str = MODULE_LIBRARY,
+               dtype_source: str = "the inputs' dtype") -> None:
     """Check a mask against the score shape ``target``.
 
     ``mask`` must be an array of ``xp`` (on ``device``), boolean or, unless
@@ -161,7 +288,7 @@ def check_mask(name, mask, xp, *, target, target_text, dtype, device=None, ndims
     """
     if mask is None:
         return
-    check_array(name, mask, xp, device, where)
+    check_array(name, mask, xp, device, where, library)
     if _is_bool(xp, mask.dtype):
         pass
     elif bool_only:
@@ -171,8 +298,8 @@ def check_mask(name, mask, xp, *, target, target_text, dtype, device=None, ndims
     elif _is_floating(xp, mask.dtype):
         if mask.dtype != dtype:
             raise TypeError(
-                f"{name}: expected a floating mask of dtype {dtype_name(dtype)} (the inputs' "
-                f"dtype), got {dtype_name(mask.dtype)}; cast it first (no silent promotion)"
+                f"{name}: expected a floating mask of dtype {dtype_name(dtype)} ({dtype_source}), "
+                f"got {dtype_name(mask.dtype)}; cast it first (no silent promotion)"
             )
     else:
         raise TypeError(
@@ -203,7 +330,7 @@ def check_mask(name, mask, xp, *, target, target_text, dtype, device=None, ndims
 # finite check (opt-in: reads the data)
 
 
-def check_finite_values(name, x, xp, *, allow_neg_inf=False):
+def check_finite_values(name: str, x: Any, xp: Any, *, allow_neg_inf: bool = False) -> None:
     """``ValueError`` when ``x`` holds NaN or an infinity (``-inf`` allowed when asked)."""
     if x is None or not _is_floating(xp, x.dtype):
         return
@@ -222,8 +349,8 @@ def check_finite_values(name, x, xp, *, allow_neg_inf=False):
 # functional.sdpa_forward
 
 
-def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causal,
-                      enable_gqa=False):
+def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, dropout_p: Any,
+                      scale: Any, is_causal: Any, enable_gqa: Any = False) -> None:
     """Check the arguments of ``functional.sdpa_forward``.
 
     q (..., Lq, Dh), k (..., Lk, Dh), v (..., Lk, Dv): arrays of one library
@@ -237,7 +364,7 @@ def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causa
     xp = array_api_compat.array_namespace(q)
     device = device_of(q)
     for name, x in (("k", k), ("v", v)):
-        check_array(name, x, xp, device, where="like q")
+        check_array(name, x, xp, device, where="like q", library="that of q")
     if not _is_floating(xp, q.dtype):
         raise TypeError(f"q: expected a real floating dtype, got {dtype_name(q.dtype)}")
     for name, x in (("k", k), ("v", v)):
@@ -263,16 +390,21 @@ def check_sdpa_inputs(q, k, v, *, mask, dropout_mask, dropout_p, scale, is_causa
         )
     if v.shape[-2] != k.shape[-2]:
         raise ValueError(f"v: expected length {k.shape[-2]} (that of k), got shape {shape_of(v)}")
+    # empty axes: nothing to attend from, to, or with (an empty batch axis is fine)
+    for name, x, axis, what in (("q", q, -1, "head width Dh"), ("q", q, -2, "query length Lq"),
+                                ("k", k, -2, "key length Lk")):
+        if x.shape[axis] == 0:
+            raise ValueError(
+                f"{name}: expected a {what} (axis {axis}) of at least 1, got shape {shape_of(x)}"
+            )
     target = lead + (int(q.shape[-2]), int(k.shape[-2]))
     check_mask("mask", mask, xp, target=target, target_text="the scores (..., Lq, Lk)",
-               dtype=q.dtype, device=device, where="like q")
+               dtype=q.dtype, device=device, where="like q", library="that of q",
+               dtype_source="that of q")
     check_mask("dropout_mask", dropout_mask, xp, target=target,
                target_text="the scores (..., Lq, Lk)", dtype=q.dtype, device=device,
-               bool_only=True, where="like q")
+               bool_only=True, where="like q", library="that of q")
     check_probability("dropout_p", dropout_p)
     check_bool("is_causal", is_causal)
-    if scale is not None:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale: expected None or a float, got {type_name(scale)} {scale!r}")
-        if not math.isfinite(float(scale)):
-            raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    check_bool("enable_gqa", enable_gqa)
+    check_scale("scale", scale)

@@ -74,10 +74,15 @@ def test_bad_arguments_are_reported():
         gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], names=["x"])
 
 
-def test_the_module_is_callable_as_gradcheck(to_xp):
-    import npattn
+def test_check_gradients_is_the_plain_function_and_gradcheck_the_module(to_xp):
+    import types
 
-    report = npattn.gradcheck(F.linear_forward, F.linear_backward, list(_case(to_xp)))
+    import npattn
+    import npattn.gradcheck as module
+
+    assert npattn.check_gradients is module.gradcheck
+    assert type(npattn.gradcheck) is types.ModuleType and not callable(npattn.gradcheck)
+    report = npattn.check_gradients(F.linear_forward, F.linear_backward, list(_case(to_xp)))
     assert report.ok and report.mode == "full"
 
 

@@ -406,3 +406,286 @@ def test_params_snapshot_and_restore(backend, xp):
     assert not np.array_equal(to_numpy(m(q, k, v)), out)
     m.params = saved
     np.testing.assert_array_equal(to_numpy(m(q, k, v)), out)
+
+
+# --------------------------------------------------------------------------
+# inputs the validation used to miss (issue 13, item 8): NumPy-specific
+# arrays, empty axes, huge ints, non-bool flags, and the functional primitives
+
+
+def _big_endian(a):
+    return a.astype(a.dtype.newbyteorder(">"))
+
+
+def _np_inputs():
+    return host_inputs(2, 3, 5, 8)
+
+
+def _module_call(arg):
+    """A forward of a float64 module with one argument replaced (via ``arg(q, k, v) -> kwargs``)."""
+    def run():
+        m = make_mha("numpy")
+        q, k, v = _np_inputs()
+        call = dict(query=q, key=k, value=v)
+        call.update(arg(q, k, v))
+        m(call.pop("query"), call.pop("key"), call.pop("value"), **call)
+    return run
+
+
+def _set_param():
+    m = make_mha("numpy")
+    m.params["w_q"] = _big_endian(np.zeros((8, 8)))
+
+
+def _sdpa(**replace):
+    def run():
+        rng = np.random.default_rng(0)
+        args = dict(q=rng.standard_normal((2, 2, 3, 4)), k=rng.standard_normal((2, 2, 5, 4)),
+                    v=rng.standard_normal((2, 2, 5, 6)))
+        args.update(replace)
+        F.sdpa_forward(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    return run
+
+
+@pytest.mark.parametrize(
+    "call, exc, fragments",
+    [
+        (_module_call(lambda q, k, v: dict(query=_big_endian(q))), TypeError,
+         ("query", "byte order", "float64")),
+        (_module_call(lambda q, k, v: dict(mask=_big_endian(np.zeros((3, 5))))), TypeError,
+         ("mask", "byte order")),
+        (_set_param, TypeError, ("params['w_q']", "byte order")),
+        (_sdpa(k=_big_endian(np.ones((2, 2, 5, 4)))), TypeError, ("k", "byte order")),
+        (_module_call(lambda q, k, v: dict(query=np.ma.array(q))), TypeError,
+         ("query", "MaskedArray")),
+        (_module_call(lambda q, k, v: dict(mask=np.ma.array(np.ones((3, 5), bool)))), TypeError,
+         ("mask", "MaskedArray")),
+        (_sdpa(q=np.ma.array(np.ones((2, 2, 3, 4)), mask=np.zeros((2, 2, 3, 4), bool))), TypeError,
+         ("q", "MaskedArray")),
+        (_sdpa(q=np.ones((2, 2, 3, 0)), k=np.ones((2, 2, 5, 0))), ValueError, ("q", "Dh", "(2, 2, 3, 0)")),
+        (_sdpa(q=np.ones((2, 2, 0, 4))), ValueError, ("q", "Lq", "(2, 2, 0, 4)")),
+        (_sdpa(k=np.ones((2, 2, 0, 4)), v=np.ones((2, 2, 0, 6))), ValueError, ("k", "Lk", "(2, 2, 0, 4)")),
+        (_sdpa(scale=2**1100), ValueError, ("scale", "finite")),
+        (_sdpa(dropout_p=2**1100), ValueError, ("dropout_p", "[0, 1)")),
+        (_sdpa(enable_gqa=None), TypeError, ("enable_gqa", "bool")),
+    ],
+    ids=["big-endian query", "big-endian mask", "big-endian param", "big-endian k",
+         "masked query", "masked mask", "masked q", "Dh=0", "Lq=0", "Lk=0", "scale=2**1100",
+         "dropout_p=2**1100", "enable_gqa=None"],
+)
+def test_numpy_special_arrays_and_empty_axes_are_rejected(call, exc, fragments):
+    with raises(exc, *fragments):
+        call()
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked", "auto"])
+@pytest.mark.parametrize(
+    "shapes, fragments",
+    [
+        (((1, 1, 3, 0), (1, 1, 5, 0), (1, 1, 5, 2)), ("q", "Dh")),
+        (((1, 1, 0, 2), (1, 1, 5, 2), (1, 1, 5, 2)), ("q", "Lq")),
+        (((1, 1, 3, 2), (1, 1, 0, 2), (1, 1, 0, 2)), ("k", "Lk")),
+    ],
+    ids=["Dh=0", "Lq=0", "Lk=0"],
+)
+def test_dispatcher_rejects_empty_axes_on_every_impl(impl, shapes, fragments):
+    from npattn import attention as A
+
+    q, k, v = (np.ones(s) for s in shapes)
+    with raises(ValueError, *fragments):
+        A.sdpa_forward(q, k, v, impl=impl)
+
+
+def test_a_big_endian_array_converted_to_native_works():
+    q, k, v = _np_inputs()
+    m = make_mha("numpy")
+    native = _big_endian(q).astype(_big_endian(q).dtype.newbyteorder("="))
+    np.testing.assert_array_equal(m(native, k, v), m(q, k, v))
+
+
+def test_sdpa_errors_do_not_speak_of_a_module():
+    xps = pytest.importorskip("array_api_strict")
+    q = np.ones((1, 1, 2, 2))
+    with pytest.raises(TypeError) as info:
+        F.sdpa_forward(q, xps.ones((1, 1, 2, 2), dtype=xps.float64), q)
+    message = str(info.value)
+    assert "k:" in message and "that of q" in message, message
+    assert "module" not in message, message
+    with pytest.raises(TypeError) as info:
+        F.sdpa_forward(q, q, q, mask=xps.ones((2, 2), dtype=xps.bool))
+    assert "mask:" in str(info.value) and "module" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "object", "str"])
+def test_the_dtype_hint_never_suggests_a_non_floating_module_dtype(dtype):
+    m = make_mha("numpy")
+    q, k, v = _np_inputs()
+    bad = q.astype(dtype)
+    with raises(TypeError, "query", "float64") as info:
+        m(bad, k, v)
+    assert "build the module with" not in str(info.value), str(info.value)
+    assert "cast the input to float64" in str(info.value)
+
+
+def test_the_dtype_hint_suggests_a_floating_module_dtype():
+    m = make_mha("numpy")
+    q, k, v = _np_inputs()
+    with raises(TypeError, "query", "dtype='float32'"):
+        m(q.astype(np.float32), k, v)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        (dict(dtype=None), ("dtype", "None")),
+        (dict(add_bias_kv=None), ("add_bias_kv", "bool", "None")),
+        (dict(add_zero_attn=None), ("add_zero_attn", "bool", "None")),
+    ],
+)
+def test_none_is_not_a_default_where_the_signature_has_none(kwargs, fragments):
+    with raises(TypeError, *fragments):
+        MultiHeadAttention(8, 2, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["no", 0.0, None, 1, "True"])
+def test_train_takes_a_bool_only(mode):
+    m = MultiHeadAttention(8, 2, dropout=0.1)
+    m.eval()
+    with raises(TypeError, "mode", "bool"):
+        m.train(mode)
+    assert m.training is False  # unchanged
+    assert m.train(np.True_).training is True
+    assert m.train(False).training is False
+
+
+def test_numpy_integer_sizes_are_accepted_everywhere():
+    from npattn import attention as A
+    from npattn import masks
+
+    n = np.int64
+    np.testing.assert_array_equal(masks.causal(n(3), n(4)), masks.causal(3, 4))
+    np.testing.assert_array_equal(masks.padding([n(1), n(2)], n(3)), masks.padding([1, 2], 3))
+    np.testing.assert_array_equal(masks.padding(np.array([1, 2]), n(3)), masks.padding([1, 2], 3))
+    q = np.random.default_rng(0).standard_normal((1, 1, 5, 2))
+    out, _ = A.sdpa_forward(q, q, q, impl="blocked", block_q=n(2), block_k=np.int32(3))
+    np.testing.assert_allclose(out, A.sdpa_forward(q, q, q, impl="reference")[0], rtol=1e-12)
+    m = MultiHeadAttention(n(8), n(2), block_q=n(2), kdim=n(8), impl="blocked")
+    x = np.ones((1, 3, 8), np.float32)
+    assert m(x, x, x).shape == (1, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "call, exc, fragments",
+    [
+        (lambda: __import__("npattn").masks.causal(2.0, 3), TypeError, ("Lq", "int", "float")),
+        (lambda: __import__("npattn").masks.causal(2, True), TypeError, ("Lk", "int", "bool")),
+        (lambda: __import__("npattn").masks.padding([1.5], 3), TypeError, ("lengths", "ints")),
+    ],
+)
+def test_mask_builders_reject_non_int_sizes(call, exc, fragments):
+    with raises(exc, *fragments):
+        call()
+
+
+# the functional primitives: each public pair checks its arguments
+
+
+def _x(*shape, dtype=np.float64, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _cache(fwd):
+    return fwd()[1]
+
+
+FUNCTIONAL_CASES = [
+    # linear
+    ("linear x list", lambda: F.linear_forward([[1.0]], _x(2, 1)), TypeError, ("x", "list")),
+    ("linear x int", lambda: F.linear_forward(np.ones((2, 3), np.int64), _x(4, 3)), TypeError,
+     ("x", "floating", "int64")),
+    ("linear w dtype", lambda: F.linear_forward(_x(2, 3), _x(4, 3, dtype=np.float32)), TypeError,
+     ("w", "float64", "float32")),
+    ("linear w 1-D", lambda: F.linear_forward(_x(2, 3), _x(3)), ValueError, ("w", "2-D", "(3,)")),
+    ("linear x width", lambda: F.linear_forward(_x(2, 3), _x(4, 5)), ValueError,
+     ("x", "(..., 5)", "(2, 3)")),
+    ("linear b shape", lambda: F.linear_forward(_x(2, 3), _x(4, 3), _x(3)), ValueError,
+     ("b", "(4,)", "(3,)")),
+    ("linear dy shape", lambda: F.linear_backward(_x(2, 5), _cache(lambda: F.linear_forward(_x(2, 3), _x(4, 3)))),
+     ValueError, ("dy", "(2, 4)", "(2, 5)")),
+    ("linear dy dtype", lambda: F.linear_backward(_x(2, 4, dtype=np.float32),
+                                                  _cache(lambda: F.linear_forward(_x(2, 3), _x(4, 3)))),
+     TypeError, ("dy", "float64", "float32")),
+    ("linear cache", lambda: F.linear_backward(_x(2, 4), None), TypeError, ("cache", "LinearCache", "None")),
+    # heads
+    ("split 2-D", lambda: F.split_heads_forward(_x(3, 4), 2), ValueError, ("x", "3-D", "(3, 4)")),
+    ("split n_head", lambda: F.split_heads_forward(_x(1, 3, 4), 3), ValueError, ("n_head", "divisor", "3")),
+    ("split n_head 0", lambda: F.split_heads_forward(_x(1, 3, 4), 0), ValueError, ("n_head", "positive")),
+    ("split n_head float", lambda: F.split_heads_forward(_x(1, 3, 4), 2.0), TypeError, ("n_head", "float")),
+    ("split dout", lambda: F.split_heads_backward(_x(1, 3, 2, 2), F.HeadsCache(2)), ValueError,
+     ("dout", "(B, 2, L, Dh)", "(1, 3, 2, 2)")),
+    ("merge 3-D", lambda: F.merge_heads_forward(_x(1, 3, 4)), ValueError, ("x", "4-D", "(1, 3, 4)")),
+    ("merge dout", lambda: F.merge_heads_backward(_x(1, 3, 5), F.HeadsCache(2)), ValueError,
+     ("dout", "2 heads", "(1, 3, 5)")),
+    ("merge cache", lambda: F.merge_heads_backward(_x(1, 3, 4), 2), TypeError, ("cache", "HeadsCache", "int")),
+    # softmax
+    ("softmax int mask", lambda: F.masked_softmax_forward(_x(2, 3), np.ones((2, 3), np.int64)), TypeError,
+     ("mask", "bool", "int64", "ambiguous")),
+    ("softmax mask dtype", lambda: F.masked_softmax_forward(_x(2, 3), _x(2, 3, dtype=np.float32)), TypeError,
+     ("mask", "float64", "float32")),
+    ("softmax mask shape", lambda: F.masked_softmax_forward(_x(2, 3), np.ones((2, 4), bool)), ValueError,
+     ("mask", "(2, 4)")),
+    ("softmax x int", lambda: F.masked_softmax_forward(np.ones((2, 3), np.int32)), TypeError,
+     ("x", "floating", "int32")),
+    ("softmax dp shape", lambda: F.masked_softmax_backward(_x(2, 4), _cache(lambda: F.masked_softmax_forward(_x(2, 3)))),
+     ValueError, ("dp", "(2, 3)", "(2, 4)")),
+    # dropout
+    ("dropout p=1", lambda: F.dropout_forward(_x(2, 3), 1), ValueError, ("p", "[0, 1)", "1")),
+    ("dropout p=1.5", lambda: F.dropout_forward(_x(2, 3), 1.5), ValueError, ("p", "[0, 1)", "1.5")),
+    ("dropout p str", lambda: F.dropout_forward(_x(2, 3), "0.1"), TypeError, ("p", "str")),
+    ("dropout float mask", lambda: F.dropout_forward(_x(2, 3), 0.5, mask=_x(2, 3)), TypeError,
+     ("mask", "bool", "float64")),
+    ("dropout mask shape", lambda: F.dropout_forward(_x(2, 3), 0.5, mask=np.ones((3,), bool).reshape(3, 1)),
+     ValueError, ("mask", "(3, 1)")),
+    ("dropout rng", lambda: F.dropout_forward(_x(2, 3), 0.5, rng="seed"), TypeError, ("rng", "str")),
+    ("dropout rng < 0", lambda: F.dropout_forward(_x(2, 3), 0.5, rng=-1), ValueError, ("rng", "-1")),
+    ("dropout cache", lambda: F.dropout_backward(_x(2, 3), F.SoftmaxCache(None, None)), TypeError,
+     ("cache", "DropoutCache", "SoftmaxCache")),
+    ("dropout dy shape", lambda: F.dropout_backward(_x(2, 2), _cache(lambda: F.dropout_forward(_x(2, 3), 0.5, rng=0))),
+     ValueError, ("cache.keep", "(2, 3)", "(2, 2)")),
+    # sdpa backward
+    ("sdpa dout shape", lambda: F.sdpa_backward(_x(1, 1, 3, 4), _cache(lambda: F.sdpa_forward(_x(1, 1, 3, 2), _x(1, 1, 5, 2), _x(1, 1, 5, 6)))),
+     ValueError, ("dout", "(1, 1, 3, 6)", "(1, 1, 3, 4)")),
+    ("sdpa dout dtype", lambda: F.sdpa_backward(_x(1, 1, 3, 2, dtype=np.float32), _cache(lambda: F.sdpa_forward(_x(1, 1, 3, 2), _x(1, 1, 5, 2), _x(1, 1, 5, 2)))),
+     TypeError, ("dout", "float64", "float32")),
+    ("sdpa cache", lambda: F.sdpa_backward(_x(1, 1, 3, 2), {}), TypeError, ("cache", "SDPACache", "dict")),
+    # extra keys
+    ("append bias shape", lambda: F.append_kv_forward(_x(1, 3, 4), _x(3)), ValueError, ("bias", "(4,)", "(3,)")),
+    ("append zero_attn", lambda: F.append_kv_forward(_x(1, 3, 4), add_zero_attn=1), TypeError,
+     ("add_zero_attn", "bool", "int")),
+    ("append x 1-D", lambda: F.append_kv_forward(_x(4)), ValueError, ("x", "2 axes", "(4,)")),
+    ("append dy short", lambda: F.append_kv_backward(_x(1, 3, 4), F.AppendKVCache(3, True)), ValueError,
+     ("dy", ">= 4", "(1, 3, 4)")),
+    ("pad Lq 0", lambda: F.pad_mask_forward(None, 0, 3, 1, is_causal=True, like=_x(1, 1, 2)), ValueError,
+     ("Lq", ">= 1", "0")),
+    ("pad n_extra float", lambda: F.pad_mask_forward(np.ones((2, 3), bool), 2, 3, 1.0), TypeError,
+     ("n_extra", "int", "float")),
+    ("pad int mask", lambda: F.pad_mask_forward(np.ones((2, 3), np.int8), 2, 3, 1), TypeError,
+     ("mask", "bool", "int8")),
+    ("pad mask shape", lambda: F.pad_mask_forward(np.ones((2, 4), bool), 2, 3, 1), ValueError,
+     ("mask", "(2, 4)")),
+    ("pad is_causal", lambda: F.pad_mask_forward(np.ones((2, 3), bool), 2, 3, 1, is_causal="yes"), TypeError,
+     ("is_causal", "bool", "str")),
+    ("pad dm cache", lambda: F.pad_mask_backward(_x(2, 4), None), TypeError, ("cache", "PadMaskCache", "None")),
+]
+
+
+@pytest.mark.parametrize("call, exc, fragments", [c[1:] for c in FUNCTIONAL_CASES],
+                         ids=[c[0] for c in FUNCTIONAL_CASES])
+def test_functional_primitives_check_their_arguments(call, exc, fragments):
+    with raises(exc, *fragments):
+        call()
+
+
+def test_dropout_p_just_below_one_still_works():
+    y, cache = F.dropout_forward(_x(4, 4), 0.999, rng=0)
+    assert y.shape == (4, 4) and F.dropout_backward(_x(4, 4), cache).shape == (4, 4)

@@ -76,7 +76,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -278,7 +278,7 @@ def _make_torch(shape: Shape, dtype: str, m, x, dout):
     from ..backend import to_numpy
 
     name = backend_name(m.xp)
-    device = "cpu"
+    device: Any = "cpu"  # a str or a torch.device
     if name == "cupy":
         if not torch.cuda.is_available():
             return None, "torch has no CUDA here (backend cupy)"
@@ -374,7 +374,7 @@ def _cupy_pool_mib(step, sync):
 
 
 def environment_info(xp) -> dict:
-    info = {
+    info: dict = {
         "python": platform.python_version(),
         "numpy": np.__version__,
         "platform": platform.platform(),

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class ReverseModel:
             self.fixed_pos = nn.sinusoidal_positions(xp, L, D, dtype=self.dtype)  # [L, D]
         else:
             raise ValueError(f"pos: expected 'learned' or 'sinusoidal', got {cfg.pos!r}")
-        self._cache = None
+        self._cache: Any = None  # the ModelCache of the last forward
 
     def _cast(self, a):
         return self.xp.astype(from_numpy(a, self.xp), self.dtype)

@@ -1,0 +1,97 @@
+"""``backend="jax"``: the name is accepted and the reference and blocked paths run on JAX.
+
+JAX arrays are immutable, so this checks that nothing writes into an array
+(the NumPy kernel, which does, takes NumPy arrays only). JAX is optional
+(``pip install '.[jax]'``); without it every test here is skipped with the
+reason. JAX is not in the ``xp`` fixture of ``conftest.py``: these focused
+tests cover it without running the whole suite a fifth time.
+float64 needs JAX's x64 mode, switched on for this module's tests only.
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="the jax backend needs JAX: pip install '.[jax]'")
+jnp = pytest.importorskip("jax.numpy")
+
+import npattn  # noqa: E402
+from npattn import attention as A  # noqa: E402
+from npattn import functional as F  # noqa: E402
+from npattn.backend import BACKENDS, backend_name, resolve_backend  # noqa: E402
+from npattn.gradcheck import gradcheck  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    """float64 on JAX for the duration of one test (JAX's default is float32 only)."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+def test_the_name_resolves_to_jax_numpy():
+    assert "jax" in BACKENDS
+    xp = resolve_backend("jax")
+    assert xp is resolve_backend(jnp)
+    assert backend_name(xp) == "jax"
+
+
+@pytest.mark.parametrize("backend", ["jax", jnp])
+def test_module_forward_backward_matches_numpy(backend):
+    rng = np.random.default_rng(0)
+    ref = npattn.MultiHeadAttention(8, 2, dtype="float64", seed=3)
+    mha = npattn.MultiHeadAttention(8, 2, dtype="float64", seed=3, backend=backend)
+    x = rng.standard_normal((2, 4, 8))
+    dout = rng.standard_normal((2, 4, 8))
+    out_ref = ref(x, x, x, is_causal=True)
+    dx_ref = ref.backward(dout)
+    xj = jnp.asarray(x)
+    out = mha(xj, xj, xj, is_causal=True)
+    assert isinstance(out, jax.Array)
+    np.testing.assert_allclose(np.asarray(out), out_ref, rtol=1e-12, atol=1e-12)
+    dx = mha.backward(jnp.asarray(dout))
+    for a, b in zip(dx, dx_ref):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-12, atol=1e-12)
+    for name, g in ref.grads.items():
+        np.testing.assert_allclose(np.asarray(mha.grads[name]), g, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked", "auto", "dense"])
+def test_sdpa_on_jax_with_dropout_and_mask(impl):
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in ((2, 2, 5, 3), (2, 2, 7, 3), (2, 2, 7, 4)))
+    mask = jnp.asarray(rng.random((5, 7)) > 0.3)
+    args = dict(mask=mask, is_causal=True, dropout_p=0.25, rng=7)
+    out_ref, c_ref = A.sdpa_forward(*(np.asarray(t) for t in (q, k, v)), impl="reference",
+                                    **{**args, "mask": np.asarray(mask)})
+    out, cache = A.sdpa_forward(q, k, v, impl=impl, block_q=2, block_k=3, **args)
+    np.testing.assert_allclose(np.asarray(out), out_ref, rtol=1e-12, atol=1e-12)
+    dout = rng.standard_normal(out_ref.shape)
+    grads_ref = A.sdpa_backward(dout, c_ref)
+    grads = A.sdpa_backward(jnp.asarray(dout), cache)
+    for a, b in zip(grads[:3], grads_ref[:3]):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-10, atol=1e-12)
+
+
+def test_numpy_kernel_refuses_jax_with_a_clear_error():
+    q = jnp.ones((1, 1, 2, 2))
+    with pytest.raises(ValueError, match="impl='numpy'"):
+        A.sdpa_forward(q, q, q, impl="numpy")
+
+
+def test_functional_gradients_on_jax():
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in ((1, 2, 3, 2), (1, 2, 4, 2), (1, 2, 4, 2)))
+    mask = jnp.asarray(rng.standard_normal((3, 4)))
+    report = gradcheck(lambda *a: F.sdpa_forward(*a), F.sdpa_backward, [q, k, v, mask],
+                       names=["q", "k", "v", "mask"], seed=0)
+    assert report.ok, str(report)
+
+
+def test_float64_without_x64_is_a_clear_error():
+    jax.config.update("jax_enable_x64", False)
+    with pytest.raises(ValueError, match="dtype.*jax_enable_x64"):
+        npattn.MultiHeadAttention(8, 2, dtype="float64", backend="jax")
+    m = npattn.MultiHeadAttention(8, 2, dtype="float32", backend="jax")
+    assert m.params["w_q"].dtype == jnp.float32
