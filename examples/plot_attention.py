@@ -1,6 +1,7 @@
 """Plot the attention weights of every head as heatmaps.
 
-Uses ``need_weights=True`` (weights before dropout, shape (B, H, Lq, Lk)) with
+Uses ``need_weights=True, average_attn_weights=False`` (weights per head, before
+dropout, shape (B, H, Lq, Lk)) with
 a causal mask and a padding mask, so the masked entries show as exact zeros.
 Needs matplotlib (``pip install 'npattn[plot]'``); without it, says so and
 exits 0::
@@ -36,7 +37,8 @@ def main(argv=None):
     x = rng.standard_normal((1, L, D)) * 0.5 + sinusoidal_positions(np, L, D)[None]  # [1, L, D]
     mha = MultiHeadAttention(D, H, dtype="float64", seed=1)
     padding = (np.arange(L) < 8)[None, None, None, :]  # [1, 1, 1, L]: the last 2 are padding
-    _, w = mha(x, x, x, mask=padding, is_causal=True, need_weights=True)  # w: [1, H, L, L]
+    _, w = mha(x, x, x, mask=padding, is_causal=True, need_weights=True,
+               average_attn_weights=False)  # w: [1, H, L, L]
 
     fig, axes = plt.subplots(1, H, figsize=(3.2 * H, 3.4))
     for h, ax in enumerate(axes):

@@ -255,6 +255,7 @@ class MultiHeadAttention:
         need_weights: bool = False,
         check_finite: bool = False,
         impl=None,
+        average_attn_weights: bool = True,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -277,18 +278,25 @@ class MultiHeadAttention:
             keys too. Dropout, and so this mask, acts only in training mode
             with ``dropout > 0``.
         need_weights : bool
-            Also return the attention weights (B, H, Lq, Lk + n), before
-            dropout, the extra keys last. Not available with
+            Also return the attention weights, before dropout, the extra keys
+            last; otherwise ``weights`` is None. Not available with
             ``impl="blocked"`` (ValueError); "auto" then uses the dense path.
         check_finite : bool
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
         impl : {"auto", "dense", "reference", "numpy", "blocked"}, optional
             Overrides the module's ``impl`` for this call.
+        average_attn_weights : bool
+            With ``need_weights``: the weights averaged over the heads,
+            (B, Lq, Lk + n), as torch's default; False gives them per head,
+            (B, H, Lq, Lk + n). Ignored without ``need_weights``.
 
         Returns
         -------
-        out : array, shape (B, Lq, D), or ``(out, weights)`` with ``need_weights``.
+        out : array, shape (B, Lq, D)
+        weights : array or None
+            None unless ``need_weights``. Always a pair, as torch's
+            ``MultiheadAttention``: write ``out, _ = mha(x, x, x)``.
 
         Raises
         ------
@@ -299,7 +307,7 @@ class MultiHeadAttention:
         """
         check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
                              is_causal=is_causal, need_weights=need_weights,
-                             check_finite=check_finite)
+                             check_finite=check_finite, average_attn_weights=average_attn_weights)
         impl = self.impl if impl is None else impl
         A.check_impl(impl, need_weights=need_weights)
         # The generator is advanced only when the whole forward succeeds, and
@@ -313,9 +321,12 @@ class MultiHeadAttention:
             self._rng.bit_generator.state = rng_state
             raise
         self._cache = cache
-        if need_weights:
-            return out, self.xp.astype(A.weights(cache.sdpa), out.dtype)  # [B, H, Lq, Lk]
-        return out
+        if not need_weights:
+            return out, None
+        w = A.weights(cache.sdpa)  # [B, H, Lq, Lk + n]
+        if average_attn_weights:
+            w = self.xp.mean(w, axis=1)  # [B, Lq, Lk + n], in the weights' own precision
+        return out, self.xp.astype(w, out.dtype)
 
     @property
     def cache(self):
@@ -672,7 +683,7 @@ class ParameterDict(dict):
 
 
 def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_causal,
-                         need_weights, check_finite: bool = False):
+                         need_weights, check_finite: bool = False, average_attn_weights=True):
     """Check the arguments of ``MultiHeadAttention.forward`` against ``module``.
 
     query (B, Lq, D), key (B, Lk, Dk), value (B, Lk, Dv): arrays of the
@@ -682,6 +693,7 @@ def check_forward_inputs(module, query, key, value, *, mask, dropout_mask, is_ca
     V.check_bool("is_causal", is_causal)
     V.check_bool("need_weights", need_weights)
     V.check_bool("check_finite", check_finite)
+    V.check_bool("average_attn_weights", average_attn_weights)
     xp = module.xp
     device = device_of(module.params["w_q"])
     dtype = module.dtype
