@@ -60,7 +60,7 @@ def main():
 
     # npattn: True = may attend, broadcast over heads and queries
     mask = ~ignore_key[:, None, None, :]  # [B, 1, 1, Lk]
-    out, w = ours(query, key, value, mask=mask, need_weights=True)
+    out, w = ours(query, key, value, mask=mask, need_weights=True, average_attn_weights=False)
     dquery, dkey, dvalue = ours.backward(dout)
 
     g = ours.grads

@@ -26,7 +26,7 @@ def main():
     real = np.arange(Lk)[None, :] < np.array([5, 3])[:, None]  # [B, Lk]
     mask = real[:, None, None, :]  # [B, 1, 1, Lk], broadcast over heads and queries
 
-    out, weights = mha(query, key, value, mask=mask, need_weights=True)
+    out, weights = mha(query, key, value, mask=mask, need_weights=True, average_attn_weights=False)
     print(f"out {out.shape}, attention weights {weights.shape}")
     print("weights of batch 1, head 0 (padded keys 3 and 4 get exactly 0):")
     print(np.round(weights[1, 0], 3))

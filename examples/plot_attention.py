@@ -1,9 +1,10 @@
 """Plot the attention weights of every head as heatmaps.
 
-Uses ``need_weights=True`` (weights before dropout, shape (B, H, Lq, Lk)) with
-a causal mask and a padding mask. The masked entries are exact zeros; they are
-drawn hatched in grey (not in the colormap's dark end), so they do not look
-like small weights. Needs matplotlib (``pip install 'npattn[plot]'``); without it, says so and
+Uses ``need_weights=True, average_attn_weights=False`` (weights per head, before
+dropout, shape (B, H, Lq, Lk)) with a causal mask and a padding mask. The
+masked entries are exact zeros; they are drawn hatched in grey (not in the
+colormap's dark end), so they do not look like small weights. Needs matplotlib
+(``pip install 'npattn[plot]'``); without it, says so and
 exits 0::
 
     python examples/plot_attention.py [--out attention.png]
@@ -35,7 +36,8 @@ def main(argv=None):
     x = rng.standard_normal((1, L, D)) * 0.5 + sinusoidal_positions(np, L, D)[None]  # [1, L, D]
     mha = MultiHeadAttention(D, H, dtype="float64", seed=1)
     padding = (np.arange(L) < 8)[None, None, None, :]  # [1, 1, 1, L]: the last 2 are padding
-    _, w = mha(x, x, x, mask=padding, is_causal=True, need_weights=True)  # w: [1, H, L, L]
+    _, w = mha(x, x, x, mask=padding, is_causal=True, need_weights=True,
+               average_attn_weights=False)  # w: [1, H, L, L]
     allowed = np.tril(np.ones((L, L), dtype=bool)) & padding[0, 0]  # [L, L]: may attend
     assert np.all(w[0][:, ~allowed] == 0.0)  # masked weights are exact zeros
 

@@ -440,7 +440,8 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     def forward(q, k, v, *params):
         for name, p in zip(pnames, params):
             module.params[name] = p
-        return module.forward(q, k, v, **fk), None
+        out, _ = module.forward(q, k, v, **fk)
+        return out, None
 
     def backward(dout, _cache):
         dq, dk, dv = module.backward(dout)

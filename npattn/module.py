@@ -10,8 +10,12 @@ Dh = D // H, Dkv = Hkv * Dh, Dq = qdim, Dk = kdim, Dv = vdim.
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
+import os
 import warnings
+import zipfile
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -19,7 +23,7 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import backend_name, device_of, exclusive, from_numpy, resolve_backend
+from .backend import BACKENDS, backend_name, device_of, exclusive, from_numpy, resolve_backend, to_numpy
 
 __all__ = [
     "MultiHeadAttention", "ParameterDict", "check_module_args", "check_forward_inputs",
@@ -261,6 +265,7 @@ class MultiHeadAttention:
         need_weights: bool = False,
         check_finite: bool = False,
         impl=None,
+        average_attn_weights: bool = True,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -283,18 +288,25 @@ class MultiHeadAttention:
             keys too. Dropout, and so this mask, acts only in training mode
             with ``dropout > 0``.
         need_weights : bool
-            Also return the attention weights (B, H, Lq, Lk + n), before
-            dropout, the extra keys last. Not available with
+            Also return the attention weights, before dropout, the extra keys
+            last; otherwise ``weights`` is None. Not available with
             ``impl="blocked"`` (ValueError); "auto" then uses the dense path.
         check_finite : bool
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
         impl : {"auto", "dense", "reference", "numpy", "blocked"}, optional
             Overrides the module's ``impl`` for this call.
+        average_attn_weights : bool
+            With ``need_weights``: the weights averaged over the heads,
+            (B, Lq, Lk + n), as torch's default; False gives them per head,
+            (B, H, Lq, Lk + n). Ignored without ``need_weights``.
 
         Returns
         -------
-        out : array, shape (B, Lq, D), or ``(out, weights)`` with ``need_weights``.
+        out : array, shape (B, Lq, D)
+        weights : array or None
+            None unless ``need_weights``. Always a pair, as torch's
+            ``MultiheadAttention``: write ``out, _ = mha(x, x, x)``.
 
         Raises
         ------
@@ -305,7 +317,7 @@ class MultiHeadAttention:
         """
         check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
                              is_causal=is_causal, need_weights=need_weights,
-                             check_finite=check_finite)
+                             check_finite=check_finite, average_attn_weights=average_attn_weights)
         impl = self.impl if impl is None else impl
         A.check_impl(impl, need_weights=need_weights)
         # The generator is advanced only when the whole forward succeeds, and
@@ -319,9 +331,12 @@ class MultiHeadAttention:
             self._rng.bit_generator.state = rng_state
             raise
         self._cache = cache
-        if need_weights:
-            return out, self.xp.astype(A.weights(cache.sdpa), out.dtype)  # [B, H, Lq, Lk]
-        return out
+        if not need_weights:
+            return out, None
+        w = A.weights(cache.sdpa)  # [B, H, Lq, Lk + n]
+        if average_attn_weights:
+            w = self.xp.mean(w, axis=1)  # [B, Lq, Lk + n], in the weights' own precision
+        return out, self.xp.astype(w, out.dtype)
 
     @property
     def cache(self):
@@ -517,6 +532,123 @@ class MultiHeadAttention:
 
         return torch_state_dict(self)
 
+    # ------------------------------------------------------ copy, pickle, save
+
+    def __getstate__(self) -> dict:
+        """What ``pickle`` and ``copy.deepcopy`` keep: everything but the namespace and the cache.
+
+        The backend travels by name (``"numpy"``, ``"torch"``, ... or the
+        importable name of a namespace module, such as ``"jax.numpy"``) and is
+        resolved again on load. Parameters, ``grads``, ``dmask``, the mode,
+        the configuration and the dropout generator's state are kept, so a
+        copy draws the same next dropout mask as the original. The cache of
+        the last forward is dropped: it holds that forward's activations, up
+        to a (B, H, Lq, Lk) array, so ``backward`` on a copy needs a forward
+        first.
+        """
+        state = dict(self.__dict__)
+        state["xp"] = _backend_ref(self.xp)
+        state["dtype"] = V.dtype_name(self.dtype)
+        state["_params"] = dict(self._params)
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        xp = _backend_from_ref(state["xp"])
+        state["xp"] = xp
+        state["dtype"] = getattr(xp, state["dtype"])
+        state["_params"] = ParameterDict(state["_params"], xp=xp)
+        self.__dict__.update(state)
+
+    def save(self, path) -> None:
+        """Write the parameters and the configuration to ``path``, a portable ``.npz`` file.
+
+        One array per parameter (``param/w_q``, ...; bfloat16 stored as
+        float32) and an entry ``config`` holding a JSON string: the format
+        name and version (``SAVE_FORMAT``, ``SAVE_VERSION``), the constructor
+        arguments, the mode and the dropout generator's state. Nothing is
+        pickled. The file is written at ``path`` exactly (NumPy's ``savez``
+        would append ``.npz`` to a name without it); ``path`` may also be a
+        binary file object. Read it back with ``MultiHeadAttention.load``.
+        """
+        _check_path(path)
+        bf16 = V.dtype_name(self.dtype) == "bfloat16"  # NumPy has none: float32 holds it exactly
+        arrays = {SAVE_PARAM_PREFIX + name: to_numpy(self.xp.astype(p, self.xp.float32) if bf16 else p)
+                  for name, p in self.params.items()}
+        header = {
+            "format": SAVE_FORMAT,
+            "format_version": SAVE_VERSION,
+            "config": self._config(),
+            "training": self.training,
+            "rng_state": self._rng.bit_generator.state,
+            "saved_from_backend": backend_name(self.xp),
+        }
+        arrays["config"] = np.array(json.dumps(header))
+        if isinstance(path, (str, os.PathLike)):
+            with open(path, "wb") as f:
+                np.savez(f, **arrays)
+        else:
+            np.savez(path, **arrays)
+
+    @classmethod
+    def load(cls, path, *, backend="numpy"):
+        """A module rebuilt from a file of ``save``, on ``backend`` (any backend, not only the saving one).
+
+        Reads with ``np.load(..., allow_pickle=False)``. Raises ``ValueError``
+        naming what is wrong when the file is not such a file: no or a
+        malformed ``config`` entry, another format or an unknown format
+        version, a configuration the constructor rejects, a parameter
+        missing, unexpected, of the wrong shape or not floating point.
+        """
+        _check_path(path)
+        label = f"load: {os.fspath(path)!r}" if isinstance(path, (str, os.PathLike)) else "load"
+        entries = _read_npz(label, path)
+        header = _read_save_header(label, entries.get("config"))
+        try:
+            mha = cls(**header["config"], backend=backend)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+        saved = {k[len(SAVE_PARAM_PREFIX):]: a for k, a in entries.items()
+                 if k.startswith(SAVE_PARAM_PREFIX)}
+        unknown = sorted(set(entries) - {"config"} - {SAVE_PARAM_PREFIX + n for n in saved})
+        missing = [n for n in mha.params if n not in saved]
+        extra = sorted(set(saved) - set(mha.params))
+        if missing or extra or unknown:
+            raise ValueError(
+                f"{label}: expected the parameters {list(mha.params)} of the saved configuration, "
+                f"missing {missing}, unexpected {extra + unknown}"
+            )
+        new = {}
+        stored = "float32" if header["config"]["dtype"] == "bfloat16" else header["config"]["dtype"]
+        for name, like in mha.params.items():
+            a = saved[name]
+            if a.dtype != np.dtype(stored):
+                raise ValueError(f"{label}: parameter {name!r}: expected dtype {stored} (that of "
+                                 f"the saved configuration), got {a.dtype}")
+            if a.shape != V.shape_of(like):
+                raise ValueError(f"{label}: parameter {name!r}: expected shape {V.shape_of(like)}, "
+                                 f"got {a.shape}")
+            new[name] = mha.xp.astype(from_numpy(a, mha.xp, device_of(like)), mha.dtype)
+        mha.params = new
+        mha.train(header["training"])
+        if header["rng_state"] is not None:
+            try:
+                mha._rng.bit_generator.state = header["rng_state"]
+            except (TypeError, ValueError, KeyError) as exc:
+                raise ValueError(f"{label}: the saved dropout generator state is not valid ({exc})") from exc
+        return mha
+
+    def _config(self) -> dict:
+        """The constructor arguments that rebuild this module's layout (not its parameters or backend)."""
+        return dict(
+            d_model=self.d_model, n_head=self.n_head, dropout=self.dropout, bias=self.bias,
+            kdim=self.kdim, vdim=self.vdim, qdim=self.qdim, qkv_bias=self.qkv_bias,
+            out_bias=self.out_bias, add_bias_kv=self.add_bias_kv, add_zero_attn=self.add_zero_attn,
+            n_kv_head=self.n_kv_head, dtype=V.dtype_name(self.dtype), impl=self.impl,
+            block_q=self.block_q, block_k=self.block_k,
+        )
+
 
 # --------------------------------------------------------------------------
 # checks of the module's own arguments, in the vocabulary of npattn.validation:
@@ -696,7 +828,7 @@ class ParameterDict(dict):
 
 def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask: Any,
                          dropout_mask: Any, is_causal: Any, need_weights: Any,
-                         check_finite: Any = False) -> None:
+                         check_finite: Any = False, average_attn_weights: Any = True) -> None:
     """Check the arguments of ``MultiHeadAttention.forward`` against ``module``.
 
     query (B, Lq, D), key (B, Lk, Dk), value (B, Lk, Dv): arrays of the
@@ -706,6 +838,7 @@ def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask:
     V.check_bool("is_causal", is_causal)
     V.check_bool("need_weights", need_weights)
     V.check_bool("check_finite", check_finite)
+    V.check_bool("average_attn_weights", average_attn_weights)
     xp = module.xp
     device = device_of(module.params["w_q"])
     dtype = module.dtype
@@ -786,3 +919,88 @@ def check_backward_inputs(module: Any, dout: Any) -> None:
             f"dout: expected dtype {V.dtype_name(cache.out_dtype)} (that of the last forward's "
             f"output), got {V.dtype_name(dout.dtype)}"
         )
+
+
+# --------------------------------------------------------------------------
+# copy, pickle, save: the backend by name, and the .npz format of save / load
+
+#: ``MultiHeadAttention.save`` files: the ``format`` and ``format_version`` of
+#: their ``config`` entry, and the prefix of their parameter entries.
+SAVE_FORMAT = "npattn.MultiHeadAttention"
+SAVE_VERSION = 1
+SAVE_PARAM_PREFIX = "param/"
+
+
+def _backend_ref(xp) -> str:
+    """The name that ``_backend_from_ref`` turns back into ``xp``; TypeError if there is none."""
+    name = backend_name(xp)
+    if name in BACKENDS:
+        return name
+    try:
+        if importlib.import_module(name) is xp:
+            return name  # a namespace module importable by its name, e.g. "jax.numpy"
+    except ImportError:
+        pass
+    raise TypeError(
+        f"backend: expected a backend that can be named, to copy or pickle the module: one of "
+        f"{sorted(BACKENDS)} or an importable namespace module, got the namespace {name!r}, "
+        f"which cannot be imported by that name"
+    )
+
+
+def _backend_from_ref(ref: str):
+    if ref in BACKENDS:
+        return resolve_backend(ref)
+    return resolve_backend(importlib.import_module(ref))
+
+
+def _check_path(path) -> None:
+    if isinstance(path, (str, os.PathLike)) or hasattr(path, "read") or hasattr(path, "write"):
+        return
+    raise TypeError(f"path: expected a file name (str or os.PathLike) or a binary file object, "
+                    f"got {V.type_name(path)}")
+
+
+def _read_npz(label: str, path) -> dict:
+    """Every entry of the .npz file at ``path`` as a NumPy array, read without pickle."""
+    expected = "expected an .npz file written by MultiHeadAttention.save"
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{label}: {expected}, could not read it ({exc})") from exc
+    if not hasattr(npz, "files"):
+        raise ValueError(f"{label}: {expected}, got a single .npy array")
+    with npz:
+        try:
+            return {name: npz[name] for name in npz.files}
+        except (ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+            raise ValueError(f"{label}: {expected}, could not read its entries ({exc})") from exc
+
+
+def _read_save_header(label: str, entry) -> dict:
+    """The checked JSON header of a save file: format, version, config, training, rng_state."""
+    if entry is None:
+        raise ValueError(f"{label}: expected a 'config' entry (a file of MultiHeadAttention.save), "
+                         f"found none")
+    if entry.ndim != 0 or entry.dtype.kind != "U":
+        raise ValueError(f"{label}: expected the 'config' entry to be one JSON string, got an "
+                         f"array of dtype {entry.dtype} and shape {entry.shape}")
+    try:
+        header = json.loads(str(entry))
+    except ValueError as exc:
+        raise ValueError(f"{label}: expected the 'config' entry to be JSON, could not parse it "
+                         f"({exc})") from exc
+    if not isinstance(header, dict) or header.get("format") != SAVE_FORMAT:
+        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise ValueError(f"{label}: expected format {SAVE_FORMAT!r}, got {got!r}")
+    version = header.get("format_version")
+    if version != SAVE_VERSION or isinstance(version, bool):
+        raise ValueError(
+            f"{label}: expected format_version {SAVE_VERSION} (the one this npattn reads), got "
+            f"{version!r}; a newer npattn may have written it"
+        )
+    for key, kind in (("config", dict), ("training", bool), ("rng_state", (dict, type(None)))):
+        if not isinstance(header.get(key), kind):
+            raise ValueError(f"{label}: expected {key!r} in the header to be "
+                             f"{getattr(kind, '__name__', 'a dict or null')}, got {header.get(key)!r}")
+    return header

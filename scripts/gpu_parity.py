@@ -50,7 +50,7 @@ def run_module(backend: str, dtype: str, shape, seed: int):
     x = xp.astype(from_numpy(rng.standard_normal((B, L, D)), xp), getattr(xp, dtype))  # [B, L, D]
     dout = xp.astype(from_numpy(rng.standard_normal((B, L, D)), xp), getattr(xp, dtype))  # [B, L, D]
     t0 = time.perf_counter()
-    out = m(x, x, x, is_causal=causal)
+    out, _ = m(x, x, x, is_causal=causal)
     dq, dk, dv = m.backward(dout)
     dx = dq + dk + dv  # self-attention: query, key and value are the same array
     res = {"out": out, "dx": dx, **m.grads}

@@ -123,7 +123,7 @@ def module_pair(m, wrt_params=(), **kwargs):
     def forward(query, key, value, *params):
         for name, p in zip(wrt_params, params):
             m.params[name] = p
-        return m(query, key, value, **kwargs), None
+        return m(query, key, value, **kwargs)[0], None
 
     def backward(dout, cache):
         return (*m.backward(dout), *(m.grads[n] for n in wrt_params))

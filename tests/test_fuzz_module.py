@@ -80,10 +80,10 @@ class ModuleMachine(RuleBasedStateMachine):
         mask_kind=st.sampled_from(["none", "bool", "additive"]),
         mask_shape=st.sampled_from(["LqLk", "11LqLk", "B1LqLk", "B11Lk", "BHLqLk"]),
         is_causal=st.booleans(), need_weights=st.booleans(), keep=st.booleans(),
-        check_finite=st.booleans(),
+        check_finite=st.booleans(), average=st.booleans(),
     )
     def forward_valid(self, B, Lq, Lk, mask_kind, mask_shape, is_causal, need_weights, keep,
-                      check_finite):
+                      check_finite, average):
         H = self.m.n_head
         shape = {"LqLk": (Lq, Lk), "11LqLk": (1, 1, Lq, Lk), "B1LqLk": (B, 1, Lq, Lk),
                  "B11Lk": (B, 1, 1, Lk), "BHLqLk": (B, H, Lq, Lk)}[mask_shape]
@@ -96,17 +96,21 @@ class ModuleMachine(RuleBasedStateMachine):
                 add = np.where(allowed, self.rng.standard_normal(shape), -np.inf)
                 mask = from_numpy(add.astype(self.np_dtype), self.xp)
         dropout_mask = from_numpy(self.rng.random((B, H, Lq, Lk)) > 0.3, self.xp) if keep else None
-        res = self.m(*self._inputs(B, Lq, Lk), mask=mask, is_causal=is_causal,
-                     dropout_mask=dropout_mask, need_weights=need_weights,
-                     check_finite=check_finite)
-        out, w = res if need_weights else (res, None)
+        out, w = self.m(*self._inputs(B, Lq, Lk), mask=mask, is_causal=is_causal,
+                        dropout_mask=dropout_mask, need_weights=need_weights,
+                        check_finite=check_finite, average_attn_weights=average)
         assert tuple(out.shape) == (B, Lq, self.m.d_model)
         assert out.dtype == self.m.dtype
         assert _finite(out)
-        if w is not None:
+        assert (w is not None) == need_weights
+        if w is not None and not average:
             assert tuple(w.shape) == (B, H, Lq, Lk) and _finite(w)
             sums = to_numpy(w).astype(np.float64).sum(-1)
             assert np.all((np.abs(sums - 1.0) < 1e-4) | (sums == 0.0))
+        elif w is not None:  # the mean over heads: rows sum to (heads with a key to attend) / H
+            assert tuple(w.shape) == (B, Lq, Lk) and _finite(w)
+            sums = to_numpy(w).astype(np.float64).sum(-1) * H
+            assert np.all(np.abs(sums - np.round(sums)) < 1e-4 * H)
         self.out_shape = (B, Lq, self.m.d_model)
 
     @rule(corruption=st.sampled_from([

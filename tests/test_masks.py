@@ -237,7 +237,7 @@ def test_from_torch_mha_matches_torch_module(attn_kind, kpm_kind, L, S, seed):
 
     mask = masks.from_torch_mha(attn, kpm, n_head=H)
     mha = _npattn_from_torch(tm, D, H)
-    out, w = mha(query, key, value, mask=mask, need_weights=True)
+    out, w = mha(query, key, value, mask=mask, need_weights=True, average_attn_weights=False)
     dq, dk, dv = mha.backward(dout)
     assert _rel(out, t_out.detach().numpy()) < 1e-12
     assert _rel(w, t_w.detach().numpy()) < 1e-12

@@ -104,7 +104,7 @@ def module_pair(mha, names, **kw):
     def forward(query, key, value, mask, *params):
         for n, p in zip(names, params):
             mha.params[n] = p
-        return mha(query, key, value, mask=mask, **kw), None
+        return mha(query, key, value, mask=mask, **kw)[0], None
 
     def backward(dout, cache):
         dq, dk, dv = mha.backward(dout)
@@ -216,7 +216,8 @@ def test_zero_attn_row_with_no_given_key(xp, to_xp, to_np):
     mask[1, 0, 2, :] = False  # batch 1, query 2: no given key
     m = MultiHeadAttention(D, H, add_zero_attn=True, dtype="float64", seed=0, backend=xp)
     m.params["b_o"] = to_xp(rng.standard_normal(D))
-    out, w = m(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(mask), need_weights=True)
+    out, w = m(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(mask), need_weights=True,
+               average_attn_weights=False)
     out, w = to_np(out), to_np(w)
     assert w.shape == (B, H, Lq, Lk + 1)
     np.testing.assert_allclose(w[1, :, 2, -1], 1.0, rtol=0, atol=1e-15)
@@ -225,7 +226,7 @@ def test_zero_attn_row_with_no_given_key(xp, to_xp, to_np):
 
     m2 = MultiHeadAttention(D, H, add_bias_kv=True, dtype="float64", seed=1, backend=xp)
     m2.params["b_o"] = to_xp(rng.standard_normal(D))
-    out2 = to_np(m2(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(mask)))
+    out2 = to_np(m2(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(mask))[0])
     P = {n: to_np(a) for n, a in m2.params.items()}
     np.testing.assert_allclose(out2[1, 2], P["bias_v"] @ P["w_o"].T + P["b_o"], rtol=1e-12, atol=1e-13)
 
@@ -235,7 +236,7 @@ def test_causal_never_hides_the_extra_keys(xp, to_xp, to_np):
     B, L, D, H = 2, 3, 4, 2
     x = to_xp(rng.standard_normal((B, L, D)))
     m = MultiHeadAttention(D, H, add_bias_kv=True, add_zero_attn=True, dtype="float64", seed=0, backend=xp)
-    _, w = m(x, x, x, is_causal=True, need_weights=True)
+    _, w = m(x, x, x, is_causal=True, need_weights=True, average_attn_weights=False)
     w = to_np(w)  # [B, H, L, L + 2]
     forbid = np.triu(np.ones((L, L), dtype=bool), 1)
     assert np.all(w[..., :L][..., forbid] == 0.0)

@@ -91,7 +91,7 @@ def test_outputs_and_gradients_stay_in_their_namespace(xp, backend, to_xp):
     q = to_xp(rng.standard_normal((2, 3, 8)).astype(np.float32))
     k = to_xp(rng.standard_normal((2, 4, 3)).astype(np.float32))
     v = to_xp(rng.standard_normal((2, 4, 5)).astype(np.float32))
-    out, w = mha(q, k, v, need_weights=True)
+    out, w = mha(q, k, v, need_weights=True, average_attn_weights=False)
     assert tuple(out.shape) == (2, 3, 8) and tuple(w.shape) == (2, 2, 3, 4)
     grads = mha.backward(to_xp(rng.standard_normal((2, 3, 8)).astype(np.float32)))
     for a in (out, w, *grads, *mha.grads.values(), *mha.params.values()):
@@ -123,7 +123,7 @@ def test_assigning_a_parameter_replaces_it(backend, to_xp, to_np):
     mha = MultiHeadAttention(4, 2, dtype="float64", seed=0, backend=backend)
     mha.params["w_o"] = to_xp(np.zeros((4, 4)))
     mha.params["b_o"] = to_xp(np.arange(4.0))
-    out = mha(*(to_xp(np.ones((2, 3, 4))),) * 3)
+    out, _ = mha(*(to_xp(np.ones((2, 3, 4))),) * 3)
     np.testing.assert_array_equal(to_np(out), np.broadcast_to(np.arange(4.0), (2, 3, 4)))
 
 
@@ -133,7 +133,8 @@ def test_need_weights_matches_direct_recomputation(backend, to_xp, to_np):
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((2, 3, D)), rng.standard_normal((2, 5, D))
     m = rng.random((3, 5)) > 0.3
-    _, w = mha(to_xp(x), to_xp(y), to_xp(y), mask=to_xp(m), need_weights=True)
+    _, w = mha(to_xp(x), to_xp(y), to_xp(y), mask=to_xp(m), need_weights=True,
+               average_attn_weights=False)
     P = {k: to_np(v) for k, v in mha.params.items()}
     q = (x @ P["w_q"].T + P["b_q"]).reshape(2, 3, H, D // H).transpose(0, 2, 1, 3)
     k = (y @ P["w_k"].T + P["b_k"]).reshape(2, 5, H, D // H).transpose(0, 2, 1, 3)
@@ -149,8 +150,8 @@ def test_self_attention_is_permutation_equivariant(backend, to_xp, to_np, seed, 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((B, L, 6))
     perm = rng.permutation(L)
-    out = to_np(mha(*(to_xp(x),) * 3))
-    out_perm = to_np(mha(*(to_xp(x[:, perm]),) * 3))
+    out = to_np(mha(*(to_xp(x),) * 3)[0])
+    out_perm = to_np(mha(*(to_xp(x[:, perm]),) * 3)[0])
     np.testing.assert_allclose(out_perm, out[:, perm], rtol=1e-10, atol=1e-12)
 
 
@@ -163,7 +164,7 @@ def test_fully_masked_rows_give_output_bias_and_zero_gradients(backend, to_xp, t
     mask[0, 0, 1] = False  # one query row has nothing to attend
     mask[1] = False  # nor any row of the second batch entry
     y = to_xp(rng.standard_normal((2, 4, 6)))
-    out = to_np(mha(x, y, y, mask=to_xp(mask)))
+    out = to_np(mha(x, y, y, mask=to_xp(mask))[0])
     b_o = to_np(mha.params["b_o"])
     np.testing.assert_array_equal(out[0, 1], b_o)
     np.testing.assert_array_equal(out[1], np.broadcast_to(b_o, (3, 6)))
@@ -181,14 +182,14 @@ def test_train_eval_and_seeded_dropout(backend, to_xp, to_np):
     a = MultiHeadAttention(8, 2, dropout=0.5, dtype="float64", seed=11, backend=backend)
     b = MultiHeadAttention(8, 2, dropout=0.5, dtype="float64", seed=11, backend=backend)
     assert a.training
-    out_a, w_a = a(x, x, x, need_weights=True)
-    out_b = b(x, x, x)
+    out_a, w_a = a(x, x, x, need_weights=True, average_attn_weights=False)
+    out_b, _ = b(x, x, x)
     np.testing.assert_array_equal(to_np(out_a), to_np(out_b))  # same seed, same masks
-    out_a2 = a(x, x, x)
+    out_a2, _ = a(x, x, x)
     assert not np.array_equal(to_np(out_a), to_np(out_a2))  # a fresh mask each call
     a.eval()
-    e1, w_e = a(x, x, x, need_weights=True)
-    e2 = a(x, x, x)
+    e1, w_e = a(x, x, x, need_weights=True, average_attn_weights=False)
+    e2, _ = a(x, x, x)
     np.testing.assert_array_equal(to_np(e1), to_np(e2))  # no dropout in eval
     np.testing.assert_allclose(to_np(w_a), to_np(w_e), rtol=1e-14)  # weights are before dropout
     assert a.train() is a and a.training
@@ -201,4 +202,44 @@ def test_given_keep_mask_replaces_the_generator(backend, to_xp, to_np):
     a = MultiHeadAttention(6, 3, dropout=0.4, dtype="float64", seed=1, backend=backend)
     b = MultiHeadAttention(6, 3, dropout=0.4, dtype="float64", seed=2, backend=backend)
     b.params.update(a.params)
-    np.testing.assert_array_equal(to_np(a(x, x, x, dropout_mask=keep)), to_np(b(x, x, x, dropout_mask=keep)))
+    np.testing.assert_array_equal(to_np(a(x, x, x, dropout_mask=keep)[0]),
+                                  to_np(b(x, x, x, dropout_mask=keep)[0]))
+
+
+def test_forward_always_returns_out_and_weights(backend, to_xp, to_np):
+    """torch's habit ``out, _ = mha(x, x, x)`` gives the output, not a split batch axis."""
+    B, L, D, H = 2, 5, 16, 4
+    mha = MultiHeadAttention(D, H, dtype="float64", seed=0, backend=backend)
+    x = to_xp(np.random.default_rng(0).standard_normal((B, L, D)))
+    res = mha(x, x, x)
+    assert isinstance(res, tuple) and len(res) == 2
+    out, weights = res
+    assert tuple(out.shape) == (B, L, D) and weights is None
+    out_f, w_f = mha.forward(x, x, x, is_causal=True, impl="blocked")  # forward, too; no weights
+    assert tuple(out_f.shape) == (B, L, D) and w_f is None
+    _, w = mha(x, x, x, need_weights=True)
+    assert tuple(w.shape) == (B, L, L)  # averaged over the heads by default, as torch
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_average_attn_weights_is_the_mean_over_heads(backend, to_xp, to_np, dtype):
+    """``average_attn_weights`` (default True) is the mean over heads of the per-head weights,
+    extra keys of add_bias_kv / add_zero_attn included; the output does not depend on it."""
+    B, Lq, Lk, D, H = 2, 3, 4, 8, 4
+    mha = MultiHeadAttention(D, H, add_bias_kv=True, add_zero_attn=True, dtype=dtype, seed=2,
+                             backend=backend)
+    rng = np.random.default_rng(2)
+    q = to_xp(rng.standard_normal((B, Lq, D)).astype(dtype))
+    kv = to_xp(rng.standard_normal((B, Lk, D)).astype(dtype))
+    mask = rng.random((B, H, Lq, Lk)) > 0.4  # per-head masks: the heads' weights differ
+    out_h, w_h = mha(q, kv, kv, mask=to_xp(mask), need_weights=True, average_attn_weights=False)
+    out_a, w_a = mha(q, kv, kv, mask=to_xp(mask), need_weights=True)
+    assert tuple(w_h.shape) == (B, H, Lq, Lk + 2) and tuple(w_a.shape) == (B, Lq, Lk + 2)
+    assert w_a.dtype == w_h.dtype == mha.dtype
+    w_h, w_a = to_np(w_h), to_np(w_a)
+    assert not np.allclose(w_h[:, 0], w_h[:, 1])  # a mean over equal heads would prove nothing
+    tol = 1e-15 if dtype == "float64" else 1e-7
+    np.testing.assert_allclose(w_a, w_h.mean(axis=1), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(to_np(out_a), to_np(out_h))
+    _, w_none = mha(q, kv, kv, average_attn_weights=False)
+    assert w_none is None

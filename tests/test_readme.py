@@ -14,7 +14,7 @@ def _blocks(lang):
 def test_quickstart_runs(capsys):
     (quickstart,) = [b for b in _blocks("python") if "npattn.MultiHeadAttention" in b][:1]
     exec(compile(quickstart, "README quickstart", "exec"), {})
-    assert capsys.readouterr().out.strip() == "(2, 5, 16) (2, 4, 5, 5) (16, 16)"
+    assert capsys.readouterr().out.strip() == "(2, 5, 16) (2, 5, 5) (16, 16)"
 
 
 def test_ci_runs_the_readme_test_command():

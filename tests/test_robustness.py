@@ -143,7 +143,8 @@ def _run(backend, xp, seed, steps=2, dropout_mask=None):
     for step in range(steps):
         query, key, value = inputs(xp, 2, 3, 5, 8, 6, seed=step)
         mask = from_numpy(_all_masks(rng)["additive"], xp)
-        out, w = m(query, key, value, mask=mask, need_weights=True, dropout_mask=dropout_mask)
+        out, w = m(query, key, value, mask=mask, need_weights=True, dropout_mask=dropout_mask,
+                   average_attn_weights=False)
         dout = from_numpy(rng.standard_normal((2, 3, 8)), xp)
         grads = m.backward(dout)
         results.append({"out": out, "weights": w, **dict(zip(("dq", "dk", "dv"), grads)),
@@ -173,7 +174,7 @@ def test_given_keep_mask_same_bits(backend, xp):
     dout = from_numpy(np.random.default_rng(5).standard_normal((2, 3, 8)), xp)
 
     def once(**kwargs):
-        out = m(query, key, value, **kwargs)
+        out, _ = m(query, key, value, **kwargs)
         return snapshot({"out": out, **dict(zip(("dq", "dk", "dv"), m.backward(dout))),
                          **m.grads})
 

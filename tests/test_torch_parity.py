@@ -125,6 +125,7 @@ def mha_configs(draw):
         )),
         causal=draw(st.booleans()),
         need_weights=draw(st.booleans()),
+        average=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -168,19 +169,20 @@ def test_module_matches_torch_mha(backend, cfg):
     t_kpm = None if kpm is None else torch.tensor(kpm)
     t_out, t_w = tm(
         tq, tk, tv, attn_mask=am_in, key_padding_mask=t_kpm,
-        need_weights=c["need_weights"], average_attn_weights=False,
+        need_weights=c["need_weights"], average_attn_weights=c["average"],
     )
     dout = rng.standard_normal(t_out.shape)
     t_out.backward(torch.tensor(dout))
 
-    res = mha(
+    out, w = mha(
         on(backend, query), on(backend, key), on(backend, value), mask=on(backend, mask),
-        is_causal=c["causal"], need_weights=c["need_weights"],
+        is_causal=c["causal"], need_weights=c["need_weights"], average_attn_weights=c["average"],
     )
-    out, w = res if c["need_weights"] else (res, None)
     assert_close(out, t_out, "out")
     if c["need_weights"]:
         assert_close(w, t_w, "weights")
+    else:
+        assert w is None and t_w is None
     dq, dk, dv = mha.backward(on(backend, dout))
     t_grads = {k: p.grad for k, p in tm.named_parameters()}
     floor = grad_floor(tq.grad, tk.grad, tv.grad, *t_grads.values())
@@ -205,6 +207,29 @@ def test_module_matches_torch_mha(backend, cfg):
         assert_close(dmask, t_am.grad, "dmask", floor)
     else:
         assert mha.dmask is None
+
+
+def test_averaged_weights_match_torch_default(backend):
+    """torch's defaults (``need_weights=True, average_attn_weights=True``) against npattn's
+    ``need_weights=True`` (averaged by default), with extra keys and a padding mask; and
+    ``need_weights=False`` gives None on both sides."""
+    rng = np.random.default_rng(7)
+    B, L, S, D, H = 2, 3, 5, 6, 3
+    torch.manual_seed(7)
+    tm = torch.nn.MultiheadAttention(D, H, add_bias_kv=True, add_zero_attn=True,
+                                     batch_first=True, dtype=torch.float64).eval()
+    mha = MultiHeadAttention.from_torch(tm, backend=backend)
+    query, key = rng.standard_normal((B, L, D)), rng.standard_normal((B, S, D))
+    kpm = np.arange(S)[None, :] >= np.array([5, 2])[:, None]  # [B, S] True = padding
+    t_out, t_w = tm(t64(query), t64(key), t64(key), key_padding_mask=torch.tensor(kpm))
+    assert tuple(t_w.shape) == (B, L, S + 2)
+    out, w = mha(on(backend, query), on(backend, key), on(backend, key),
+                 mask=on(backend, ~kpm[:, None, None, :]), need_weights=True)
+    assert_close(out, t_out, "out")
+    assert_close(w, t_w, "averaged weights")
+    _, t_none = tm(t64(query), t64(key), t64(key), need_weights=False)
+    _, none = mha(on(backend, query), on(backend, key), on(backend, key))
+    assert t_none is None and none is None
 
 
 def _with_params(mha, params):
@@ -326,7 +351,7 @@ def test_module_matches_torch_by_hand(backend, cfg):
     dout = rng.standard_normal(tuple(t_out.shape))
     t_out.backward(torch.tensor(dout))
 
-    out = mha(
+    out, _ = mha(
         on(backend, query), on(backend, key), on(backend, value), mask=on(backend, mask),
         is_causal=c["causal"], dropout_mask=on(backend, keep),
     )

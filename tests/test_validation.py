@@ -118,6 +118,8 @@ def _bad_forward_cases(xp):
         ("is_causal", (q, k, v), dict(is_causal="yes"), TypeError, ("is_causal", "bool", "str")),
         ("need_weights", (q, k, v), dict(need_weights=1), TypeError, ("need_weights", "bool", "int")),
         ("check_finite", (q, k, v), dict(check_finite=None), TypeError, ("check_finite", "None")),
+        ("average_attn_weights", (q, k, v), dict(need_weights=True, average_attn_weights="no"),
+         TypeError, ("average_attn_weights", "bool", "str")),
         ("dtype", (xp.astype(q, xp.float32), k, v), {}, TypeError, ("query", "float64", "float32")),
         ("key dtype", (q, xp.astype(k, xp.float32), v), {}, TypeError, ("key", "float64", "float32")),
     ]
@@ -139,10 +141,10 @@ def test_forward_accepts_documented_mask_shapes(backend, xp):
               (1, 2, 1, 1)]
     for shape in shapes:
         mask = from_numpy(np.ones(shape, dtype=bool), xp)
-        out = m(q, k, v, mask=mask)
+        out, _ = m(q, k, v, mask=mask)
         assert tuple(out.shape) == (2, 3, 8)
         fmask = from_numpy(np.zeros(shape), xp)
-        np.testing.assert_array_equal(to_numpy(m(q, k, v, mask=fmask)), to_numpy(out))
+        np.testing.assert_array_equal(to_numpy(m(q, k, v, mask=fmask)[0]), to_numpy(out))
 
 
 # --------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
         m(*mine, dropout_mask=mask)
     with raises(TypeError, "params['w_k']", module_backend, input_backend):
         m.params["w_k"] = from_numpy(to_numpy(m.params["w_k"]), other)
-    out = m(*mine)
+    out, _ = m(*mine)
     with raises(TypeError, "dout", module_backend, input_backend):
         m.backward(from_numpy(to_numpy(out), other))
     with raises(TypeError, "v", module_backend, input_backend):
@@ -196,7 +198,7 @@ def test_mixing_devices_is_a_value_error():
         m(q, k, v, mask=aas.ones((3, 5), dtype=aas.bool, device=dev))
     with raises(ValueError, "params['w_q']", "device1"):
         m.params["w_q"] = aas.asarray(m.params["w_q"], device=dev)
-    out = m(q, k, v)
+    out, _ = m(q, k, v)
     with raises(ValueError, "dout", "device1"):
         m.backward(aas.asarray(out, device=dev))
     with raises(ValueError, "k", "device1"):
@@ -252,7 +254,7 @@ def test_backward_before_forward(backend, xp):
 
 def test_backward_rejects_bad_dout(backend, xp):
     m = make_mha(backend)
-    out = m(*inputs(xp, 2, 3, 5, 8))
+    out, _ = m(*inputs(xp, 2, 3, 5, 8))
     d = np.random.default_rng(0).standard_normal((2, 3, 8))
     with raises(ValueError, "dout", "(2, 3, 8)", "(2, 4, 8)"):
         m.backward(from_numpy(np.ones((2, 4, 8)), xp))
@@ -284,7 +286,7 @@ def test_failed_forward_leaves_module_as_it_was(backend, xp):
     for name in g1:
         np.testing.assert_array_equal(g1[name], g2[name])
     # the next forward draws the same dropout mask in both
-    np.testing.assert_array_equal(to_numpy(m(q, k, v)), to_numpy(twin(q, k, v)))
+    np.testing.assert_array_equal(to_numpy(m(q, k, v)[0]), to_numpy(twin(q, k, v)[0]))
 
 
 # --------------------------------------------------------------------------
@@ -401,11 +403,11 @@ def test_params_snapshot_and_restore(backend, xp):
     q, k, v = inputs(xp, 2, 3, 5, 8)
     saved = copy.deepcopy(m.params)
     assert type(saved) is dict
-    out = to_numpy(m(q, k, v))
+    out = to_numpy(m(q, k, v)[0])
     m.params["w_o"] = from_numpy(np.zeros((8, 8)), xp)
-    assert not np.array_equal(to_numpy(m(q, k, v)), out)
+    assert not np.array_equal(to_numpy(m(q, k, v)[0]), out)
     m.params = saved
-    np.testing.assert_array_equal(to_numpy(m(q, k, v)), out)
+    np.testing.assert_array_equal(to_numpy(m(q, k, v)[0]), out)
 
 
 # --------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
         q, k, v = (acts[0],) * 3 if self_attention else acts
         kw = {key: xp.astype(val, m.dtype) if key == "mask" and val is not None
               and xp.isdtype(val.dtype, "real floating") else val for key, val in fwd_kwargs.items()}
-        out = m.forward(q, k, v, **kw)
+        out, _ = m.forward(q, k, v, **kw)
         return out, (m, m.cache)
 
     def backward(dout, cache):

@@ -2,7 +2,8 @@
 
 Run ``npattn bench`` (or ``python -m npattn.tools.bench``). For each shape
 (B, L, d_model, H, causal) it times one self-attention forward+backward of
-the module (``out = m(x, x, x); m.backward(dout)``) and prints:
+the module (``out, _ = m(x, x, x); m.backward(dout)``), median of ``--repeat``
+runs after warm-up, and prints:
 
 * ``ms``: median over ``--repeat`` samples (after warm-up) of the mean wall
   time of one forward+backward. A sample runs the step ``n`` times back to

@@ -128,8 +128,8 @@ class ReverseModel:
         e, e_c = nn.embedding_forward(ids, P["embed"])  # 1.               [B, L, D]
         pos = P["pos"] if self.fixed_pos is None else self.fixed_pos
         x, p_c = nn.add_positions_forward(e, pos)  # 2.                    [B, L, D]
-        res = self.attn.forward(x, x, x, need_weights=need_weights)  # 3.  [B, L, D]
-        h, w = res if need_weights else (res, None)
+        h, w = self.attn.forward(x, x, x, need_weights=need_weights,  # 3.  [B, L, D]
+                                 average_attn_weights=False)  # w: per head, or None
         logits, o_c = F.linear_forward(h, P["out.w"], P["out.b"])  # 4.    [B, L, V]
         self._cache = ModelCache(e_c, p_c, o_c)
         return (logits, w) if need_weights else logits

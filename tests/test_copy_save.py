@@ -1,0 +1,228 @@
+"""Copying, pickling, saving and loading a ``MultiHeadAttention``.
+
+``copy.deepcopy`` and ``pickle`` keep the backend by name, the parameters,
+gradients, mode and the dropout generator's state, and drop the cache of
+the last forward. ``save`` / ``load`` write and read a portable ``.npz``
+(parameters plus a JSON header), never pickle.
+"""
+
+import copy
+import json
+import pickle
+import types
+
+import numpy as np
+import pytest
+
+from npattn import MultiHeadAttention
+from npattn.module import SAVE_PARAM_PREFIX, SAVE_VERSION, ParameterDict
+from npattn.validation import dtype_name
+
+B, LQ, LK = 2, 3, 4
+
+
+def _module(backend, **kw):
+    kw = dict(dict(kdim=5, vdim=3, n_kv_head=2, add_bias_kv=True, add_zero_attn=True,
+                   dropout=0.3, dtype="float64", seed=4, backend=backend), **kw)
+    return MultiHeadAttention(8, 4, **kw)
+
+
+def _inputs(m, to_xp, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, LQ, m.qdim))
+    k = rng.standard_normal((B, LK, m.kdim))
+    v = rng.standard_normal((B, LK, m.vdim))
+    mask = np.where(rng.random((B, 1, LQ, LK)) > 0.3, rng.standard_normal((B, 1, LQ, LK)), -np.inf)
+    dout = rng.standard_normal((B, LQ, m.d_model))
+    return [to_xp(a.astype(dtype_name(m.dtype))) for a in (q, k, v, mask, dout)]
+
+
+def _step(m, arrays, to_np):
+    """One forward + backward in training mode: everything it returns or fills, on the host."""
+    q, k, v, mask, dout = arrays
+    out, w = m(q, k, v, mask=mask, need_weights=True, average_attn_weights=False)
+    grads = m.backward(dout)
+    res = {"out": out, "weights": w, "dmask": m.dmask, **dict(zip(("dq", "dk", "dv"), grads)),
+           **{"grad " + n: g for n, g in m.grads.items()}}
+    return {n: to_np(a) for n, a in res.items()}
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def _copies():
+    return {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m))}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_is_identical_and_independent(backend, to_xp, to_np, how):
+    m = _module(backend)
+    arrays = _inputs(m, to_xp)
+    _step(m, arrays, to_np)  # grads, dmask and a cache exist; the generator has advanced
+    c = _copies()[how](m)
+
+    assert c.xp is m.xp and c.dtype == m.dtype and repr(c) == repr(m)
+    assert type(c.params) is ParameterDict and list(c.params) == list(m.params)
+    assert c.cache is None and m.cache is not None  # the cache is dropped, not copied
+    with pytest.raises(RuntimeError, match="forward"):
+        c.backward(arrays[4])
+    for name in m.params:
+        np.testing.assert_array_equal(to_np(c.params[name]), to_np(m.params[name]))
+        np.testing.assert_array_equal(to_np(c.grads[name]), to_np(m.grads[name]))
+    np.testing.assert_array_equal(to_np(c.dmask), to_np(m.dmask))
+
+    # the same dropout stream: the next two steps are bit for bit the same on both ...
+    first_m, first_c = _step(m, arrays, to_np), _step(c, arrays, to_np)
+    _assert_same(first_m, first_c)
+    # ... and the copy's generator is its own: c draws twice, then m catches up
+    second_c = _step(c, arrays, to_np)
+    assert not np.array_equal(second_c["out"], first_c["out"])  # dropout acts
+    _step(c, arrays, to_np)
+    _assert_same(_step(m, arrays, to_np), second_c)
+
+    # the parameters are copies, and assignments to the copy are still checked
+    before = to_np(m.params["w_o"])
+    c.params["w_o"] = to_xp(np.zeros((8, 8)))
+    np.testing.assert_array_equal(to_np(m.params["w_o"]), before)
+    with pytest.raises(ValueError, match="w_o"):
+        c.params["w_o"] = to_xp(np.zeros((8, 7)))
+
+
+def test_copy_keeps_the_mode_and_a_backend_given_as_a_namespace_module():
+    import array_api_compat.numpy as compat_np
+
+    for backend in (np, compat_np):
+        m = MultiHeadAttention(4, 2, backend=backend, seed=0).eval()
+        c = pickle.loads(pickle.dumps(m))
+        assert c.xp is m.xp and not c.training
+        x = np.ones((1, 2, 4), dtype=np.float32)
+        np.testing.assert_array_equal(c(x, x, x)[0], m(x, x, x)[0])
+
+
+def test_copy_of_an_unnamed_namespace_is_a_type_error():
+    import array_api_compat.numpy as compat_np
+
+    ns = types.ModuleType("npattn_test_unimportable_namespace")
+    ns.__dict__.update({k: v for k, v in vars(compat_np).items() if not k.startswith("__")})
+    m = MultiHeadAttention(4, 2, backend=ns, seed=0)
+    assert m.xp is ns
+    for how, copier in _copies().items():
+        with pytest.raises(TypeError, match="backend.*npattn_test_unimportable_namespace"):
+            copier(m)
+
+
+# --------------------------------------------------------------------------
+# save / load
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_save_load_round_trip(backend, to_xp, to_np, tmp_path, dtype):
+    m = _module(backend, dtype=dtype, impl="reference", block_q=3)
+    arrays = _inputs(m, to_xp)
+    _step(m, arrays, to_np)  # the generator has advanced: load restores that state
+    path = tmp_path / "mha"  # no .npz suffix: written at exactly this name
+    m.save(path)
+    assert path.exists() and not (tmp_path / "mha.npz").exists()
+    with np.load(path, allow_pickle=False) as npz:  # plain arrays and one JSON string
+        header = json.loads(str(npz["config"]))
+        assert sorted(npz.files) == sorted(["config", *(SAVE_PARAM_PREFIX + n for n in m.params)])
+    assert header["format_version"] == SAVE_VERSION and header["config"]["dtype"] == dtype
+
+    r = MultiHeadAttention.load(path, backend=backend)
+    assert repr(r) == repr(m) and r.training == m.training
+    assert (r.impl, r.block_q, r.block_k) == ("reference", 3, None)
+    for name in m.params:
+        assert r.params[name].dtype == m.params[name].dtype
+        np.testing.assert_array_equal(to_np(r.params[name]), to_np(m.params[name]))
+    _assert_same(_step(r, arrays, to_np), _step(m, arrays, to_np))  # same next dropout draw
+
+    m.eval().save(path)  # overwrites; eval mode is kept
+    assert not MultiHeadAttention.load(path, backend=backend).training
+
+
+def test_save_load_across_backends_and_file_objects(tmp_path, to_np):
+    import io
+
+    m = _module("numpy")
+    buf = io.BytesIO()
+    m.save(buf)
+    for backend in ("numpy", "array_api_strict", "torch"):
+        pytest.importorskip(backend)
+        buf.seek(0)
+        r = MultiHeadAttention.load(buf, backend=backend)
+        assert r.xp.__name__.endswith(backend)
+        for name in m.params:
+            np.testing.assert_array_equal(to_np(r.params[name]), m.params[name])
+
+
+def test_save_load_bfloat16_on_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    m = MultiHeadAttention(4, 2, dtype="bfloat16", backend="torch", seed=1)
+    m.save(tmp_path / "bf16.npz")
+    r = MultiHeadAttention.load(tmp_path / "bf16.npz", backend="torch")
+    for name in m.params:
+        assert r.params[name].dtype == torch.bfloat16
+        assert torch.equal(r.params[name], m.params[name])
+    with pytest.raises(ValueError, match="bfloat16"):  # NumPy has no bfloat16: the constructor says so
+        MultiHeadAttention.load(tmp_path / "bf16.npz", backend="numpy")
+
+
+def _rewrite(src, dst, edit):
+    """Copy the save file ``src`` to ``dst`` with ``edit(entries)`` applied to its entries."""
+    with np.load(src, allow_pickle=False) as npz:
+        entries = {n: npz[n] for n in npz.files}
+    edit(entries)
+    with open(dst, "wb") as f:
+        np.savez(f, **entries)
+    return dst
+
+
+def _edit_header(**changes):
+    def edit(entries):
+        header = json.loads(str(entries["config"]))
+        header.update(changes)
+        entries["config"] = np.array(json.dumps(header))
+
+    return edit
+
+
+def test_load_rejects_foreign_and_corrupt_files(tmp_path):
+    m = _module("numpy")
+    good = tmp_path / "good.npz"
+    m.save(good)
+    cases = {
+        "missing parameter": (lambda e: e.pop("param/w_k"), ("w_k", "missing")),
+        "unexpected parameter": (lambda e: e.update({"param/w_x": np.zeros(2)}), ("w_x", "unexpected")),
+        "wrong shape": (lambda e: e.update({"param/w_o": np.zeros((8, 7))}), ("w_o", "(8, 8)", "(8, 7)")),
+        "wrong dtype": (lambda e: e.update({"param/b_q": np.zeros(8, np.int64)}), ("b_q", "float64", "int64")),
+        "unknown version": (_edit_header(format_version=SAVE_VERSION + 1), ("format_version", str(SAVE_VERSION + 1))),
+        "other format": (_edit_header(format="something.else"), ("format", "something.else")),
+        "bad config": (_edit_header(config={"d_model": 8, "n_head": 3}), ("configuration", "n_head")),
+        "no config": (lambda e: e.pop("config"), ("'config'",)),
+        "config not JSON": (lambda e: e.update(config=np.array("{not json")), ("JSON",)),
+        "bad training flag": (_edit_header(training="yes"), ("training",)),
+    }
+    for name, (edit, fragments) in cases.items():
+        path = _rewrite(good, tmp_path / f"{name}.npz", edit)
+        with pytest.raises(ValueError) as info:
+            MultiHeadAttention.load(path)
+        for fragment in fragments:
+            assert fragment in str(info.value), f"{name}: {fragment!r} not in {info.value}"
+        assert str(path) in str(info.value), name
+
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    with pytest.raises(ValueError, match="expected an .npz file"):
+        MultiHeadAttention.load(junk)
+    one = tmp_path / "one.npy"
+    np.save(one, np.zeros(3))
+    with pytest.raises(ValueError, match="single .npy array"):
+        MultiHeadAttention.load(one)
+    with pytest.raises(TypeError, match="path"):
+        m.save(3)
+    with pytest.raises(TypeError, match="path"):
+        MultiHeadAttention.load(None)
+    np.testing.assert_array_equal(MultiHeadAttention.load(good).params["w_k"], m.params["w_k"])
