@@ -2,8 +2,8 @@
 
 Uses ``need_weights=True`` (weights before dropout, shape (B, H, Lq, Lk)) with
 a causal mask and a padding mask, so the masked entries show as exact zeros.
-Needs matplotlib (``pip install 'npattn[plot]'``); without it, says so and
-exits 0::
+Needs matplotlib (from the repository root, ``pip install '.[plot]'``);
+without it, says so and exits 0::
 
     python examples/plot_attention.py [--out attention.png]
 """
@@ -27,7 +27,8 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot_attention: skipped, matplotlib is not installed (pip install 'npattn[plot]')")
+        print("plot_attention: skipped, matplotlib is not installed "
+              "(from the npattn checkout: pip install '.[plot]')")
         return 0
 
     L, D, H = 10, 16, 4
