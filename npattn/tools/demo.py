@@ -226,11 +226,11 @@ def save_heatmaps(model: ReverseModel, out_dir: str, *, seed: int = 0) -> list:
     Writes ``attention_head{h}.png`` for each head and ``attention_heads.png``
     with all heads side by side. Returns the paths. Needs matplotlib (the
     ``plot`` extra).
-    """
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    The figures are ``matplotlib.figure.Figure`` objects drawn without pyplot,
+    so the caller's matplotlib backend and open figures are left as they were.
+    """
+    from matplotlib.figure import Figure
 
     cfg = model.cfg
     ids_h, _ = make_batch(np.random.default_rng(seed), 1, cfg.seq_len, cfg.vocab)
@@ -251,15 +251,16 @@ def save_heatmaps(model: ReverseModel, out_dir: str, *, seed: int = 0) -> list:
 
     H = w.shape[0]
     for h in range(H):
-        fig, ax = plt.subplots(figsize=(4, 4))
+        fig = Figure(figsize=(4, 4))
+        ax = fig.subplots()
         im = draw(ax, w[h], f"head {h} of {H}")
         fig.colorbar(im, ax=ax, fraction=0.046)
         fig.tight_layout()
         path = os.path.join(out_dir, f"attention_head{h}.png")
         fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
         paths.append(path)
-    fig, axes = plt.subplots(1, H, figsize=(3.4 * H, 4.0), squeeze=False)
+    fig = Figure(figsize=(3.4 * H, 4.0))
+    axes = fig.subplots(1, H, squeeze=False)
     for h in range(H):
         im = draw(axes[0, h], w[h], f"head {h}")
         if h:
@@ -268,7 +269,6 @@ def save_heatmaps(model: ReverseModel, out_dir: str, *, seed: int = 0) -> list:
     fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.95))
     path = os.path.join(out_dir, "attention_heads.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
     paths.append(path)
     return paths
 
