@@ -24,6 +24,10 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax is copied into the build (_static/mathjax) and loaded from there,
+    # so the derivations render offline; tests/test_docs.py checks that no page
+    # loads a remote script.
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
 ]
 
@@ -47,8 +51,7 @@ napoleon_use_rtype = False
 napoleon_custom_sections = ["Shape legend"]
 
 # -- HTML --------------------------------------------------------------------
-html_theme = "alabaster"
-html_theme_options = {"page_width": "1120px", "sidebar_width": "230px"}
+html_theme = "furo"  # the theme of many scientific Python projects' docs
 html_title = f"npattn {release}"
 html_static_path = []
 

@@ -1,7 +1,7 @@
 """The NumPy example on the GPU with CuPy, compared with NumPy.
 
-Needs CuPy and a CUDA GPU (``pip install 'npattn[cupy]'``); without them it
-says so and exits with status 0::
+Needs CuPy and a CUDA GPU (from the repository root, ``pip install '.[cupy]'``);
+without them it says so and exits with status 0::
 
     python examples/cupy_forward_backward.py
 """

@@ -1,7 +1,7 @@
 """Forward and backward of multi-head attention on NumPy, checked by finite differences.
 
-Run from anywhere after ``pip install npattn`` (or with the repository on
-``PYTHONPATH``)::
+Run from anywhere after ``pip install .`` in the repository root (or with the
+repository on ``PYTHONPATH``)::
 
     python examples/numpy_forward_backward.py
 """

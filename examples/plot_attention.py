@@ -4,7 +4,7 @@ Uses ``need_weights=True, average_attn_weights=False`` (weights per head, before
 dropout, shape (B, H, Lq, Lk)) with a causal mask and a padding mask. The
 masked entries are exact zeros; they are drawn hatched in grey (not in the
 colormap's dark end), so they do not look like small weights. Needs matplotlib
-(``pip install 'npattn[plot]'``); without it, says so and
+(from the repository root, ``pip install '.[plot]'``); without it, says so and
 exits 0::
 
     python examples/plot_attention.py [--out attention.png]
@@ -27,7 +27,8 @@ def main(argv=None):
         from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
         from matplotlib.patches import Patch, Rectangle
     except ImportError:
-        print("plot_attention: skipped, matplotlib is not installed (pip install 'npattn[plot]')")
+        print("plot_attention: skipped, matplotlib is not installed "
+              "(from the npattn checkout: pip install '.[plot]')")
         return 0
 
     L, D, H = 10, 16, 4

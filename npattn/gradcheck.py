@@ -289,7 +289,10 @@ def gradcheck(
         or a single array for a single input); ``None`` for inputs that are
         not differentiated (boolean masks, ``None``).
     inputs : sequence
-        Arrays of any supported backend; floating ones are checked in float64.
+        Arrays of any supported backend. Floating ones of any dtype (float32
+        and float16 included) are cast to float64, on their own backend and
+        device, and ``forward`` and ``backward`` are called with those: the
+        check is of the float64 computation, never of float32 rounding.
     dout : array, optional
         Upstream gradient; by default random normal from ``seed``.
     mode : {"auto", "full", "vjp"}

@@ -1,7 +1,9 @@
 """Weights between ``npattn.MultiHeadAttention`` and ``torch.nn.MultiheadAttention``.
 
 torch is imported inside the functions only, so ``import npattn`` never
-imports it and torch stays an optional extra (``pip install npattn[torch]``).
+imports it and torch stays an optional extra: ``pip install torch==2.13.0``
+(the CPU build; a plain ``pip install torch`` pulls a multi-GB CUDA build),
+then ``pip install '.[torch]'`` from the repository root.
 
 Only weights are converted, never data layout: npattn's inputs are
 (B, L, D); torch's are (L, B, D) unless the torch module was built with
@@ -55,7 +57,9 @@ def _torch():
         import torch
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "npattn.torch_interop needs PyTorch: pip install 'npattn[torch]'"
+            "npattn.torch_interop needs PyTorch: pip install torch==2.13.0 for the CPU "
+            "build (a plain 'pip install torch' pulls a multi-GB CUDA build), then "
+            "pip install '.[torch]' from the npattn checkout"
         ) from exc
     return torch
 

@@ -1,5 +1,12 @@
 """The demo model: its composed backward against finite differences, and that it learns."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -7,6 +14,8 @@ from npattn import nn
 from npattn.backend import from_numpy, resolve_backend
 from npattn.tools.demo import DemoConfig, ReverseModel, make_batch, train
 from npattn.gradcheck import check_vjp
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
@@ -109,3 +118,27 @@ def test_saved_heatmaps_of_eight_heads_are_a_grid(tmp_path):
     h0, w0 = matplotlib.image.imread(paths[0]).shape[:2]
     assert 0.7 <= w0 / h0 <= 1.5, (w0, h0)
     assert matplotlib.get_backend() == backend
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_save_heatmaps_leaves_the_callers_matplotlib_backend(tmp_path):
+    """The figures are drawn without pyplot: the caller's backend and figures stay as they were."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        import matplotlib
+        matplotlib.use("pdf")  # the caller's choice, not Agg
+        import matplotlib.pyplot as plt
+        plt.figure()  # a figure of the caller's, open
+        from npattn.tools.demo import DemoConfig, ReverseModel, save_heatmaps
+        model = ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=2, seed=0))
+        paths = save_heatmaps(model, sys.argv[1])
+        assert all(os.path.getsize(p) > 0 for p in paths), paths
+        print(matplotlib.get_backend(), plt.get_fignums(), len(paths))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "maps")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["pdf", "[1]", "3"], run.stdout

@@ -12,17 +12,23 @@
   block may only use names from earlier blocks that need no more than it does.
 * Every ``{py:...}`` cross-reference in the docs names an object that exists.
 * The docstring examples of the package run (doctest).
-* The Sphinx build is warning-free (skipped when Sphinx is not installed).
+* The Sphinx build is warning-free (skipped when Sphinx is not installed),
+  its pages load no remote script (MathJax is served from the build, so the
+  math renders offline), and, where Chromium is installed, a headless
+  browser typesets the math of ``derivations.html``: MathJax's output
+  elements are there and no raw TeX is left in the rendered text.
 """
 
 from __future__ import annotations
 
 import doctest
 import functools
+import html.parser
 import importlib
 import importlib.util
 import pkgutil
 import re
+import shutil
 import subprocess
 import sys
 import traceback
@@ -339,13 +345,110 @@ def test_docstring_examples(name):
 # the Sphinx build
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None,
-    reason="building the docs needs the docs extra (sphinx, myst-parser)",
-)
-def test_sphinx_build_is_warning_free(tmp_path):
+@pytest.fixture(scope="module")
+def built_docs(tmp_path_factory):
+    """One warning-free HTML build of the docs, shared by the tests below: ``(run, html_dir)``."""
+    if importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None:
+        pytest.skip("building the docs needs the docs extra (sphinx, myst-parser)")
+    out = tmp_path_factory.mktemp("docs")
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-           "-d", str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")]
+           "-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run, out / "html"
+
+
+def test_sphinx_build_is_warning_free(built_docs):
+    run, html_dir = built_docs
     assert run.returncode == 0, f"sphinx build failed:\n{run.stdout}\n{run.stderr}"
-    assert (tmp_path / "html" / "derivations.html").exists()
+    assert (html_dir / "derivations.html").exists()
+
+
+_SCRIPT_SRC = re.compile(r"<script\b[^>]*\bsrc=[\"']?([^\"'\s>]+)", re.I)
+_REMOTE = re.compile(r"^(?:[a-z][a-z0-9+.-]*:)?//", re.I)  # http://, https://, //cdn...
+
+
+def test_remote_script_detector():
+    srcs = _SCRIPT_SRC.findall('<script defer src="https://cdn.jsdelivr.net/npm/mathjax@4/tex.js">'
+                               "<script src='_static/doctools.js?v=1'><script src=//x.org/a.js>")
+    assert [bool(_REMOTE.match(s)) for s in srcs] == [True, False, True]
+
+
+def test_built_pages_load_no_remote_script(built_docs):
+    """Offline, every page works: scripts come from the build, MathJax included."""
+    run, html_dir = built_docs
+    assert run.returncode == 0, run.stderr
+    pages = sorted(html_dir.rglob("*.html"))
+    assert len(pages) > 10
+    remote = [f"{p.relative_to(html_dir)}: {src}" for p in pages
+              for src in _SCRIPT_SRC.findall(p.read_text(encoding="utf-8")) if _REMOTE.match(src)]
+    assert not remote, "pages load remote scripts:\n" + "\n".join(remote)
+    derivations = (html_dir / "derivations.html").read_text(encoding="utf-8")
+    mathjax = [s for s in _SCRIPT_SRC.findall(derivations) if "mathjax" in s.lower()]
+    assert mathjax, "derivations.html loads no MathJax"
+    for src in mathjax:  # a path inside the build, and the file is there
+        assert (html_dir / src.split("?")[0]).is_file(), src
+
+
+class _RenderedText(html.parser.HTMLParser):
+    """The text a reader sees (no script, style or MathJax's hidden MathML) and the tags seen."""
+
+    _HIDDEN = {"script", "style", "mjx-assistive-mml", "math", "template", "noscript"}
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.tags, self._hidden = [], [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag in self._HIDDEN:
+            self._hidden += 1
+
+    def handle_endtag(self, tag):
+        if tag in self._HIDDEN and self._hidden:
+            self._hidden -= 1
+
+    def handle_data(self, data):
+        if not self._hidden:
+            self.text.append(data)
+
+
+def rendered(dom: str):
+    parser = _RenderedText()
+    parser.feed(dom)
+    return "".join(parser.text), parser.tags
+
+
+def test_rendered_text_reader():
+    text, tags = rendered("<p>a <script>var s = '$$';</script><mjx-container><math>x</math>"
+                          "<mjx-c>y</mjx-c></mjx-container> $$\\frac{1}{2}$$</p>")
+    assert "mjx-container" in tags and "$$" in text and "\\frac" in text and "var s" not in text
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None,
+                    reason="the browser check needs Chromium (Debian: apt-get install -y chromium)")
+def test_math_is_typeset_in_a_headless_browser(built_docs):
+    """derivations.html in headless Chromium, offline: MathJax typesets every formula."""
+    run, html_dir = built_docs
+    assert run.returncode == 0, run.stderr
+    page = html_dir / "derivations.html"
+    source = page.read_text(encoding="utf-8")
+    n_math = len(re.findall(r'class="math\b', source))  # Sphinx's math spans and divs
+    assert n_math > 20
+    assert "\\frac" in rendered(source)[0]  # untypeset, the page is raw TeX: the check can fail
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+           "--virtual-time-budget=30000", "--dump-dom", page.as_uri()]
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+    text, tags = rendered(dom)
+    assert "article" in tags, "Chromium returned no page:\n" + dom[:500]
+    assert tags.count("mjx-container") >= n_math, (tags.count("mjx-container"), n_math)
+    assert "mjx-merror" not in tags, "MathJax reported a TeX error"
+    for raw in ("$$", "\\frac", "\\mathrm", "\\sum", "\\begin{", "\\(", "\\["):
+        assert raw not in text, f"raw TeX {raw!r} left in the rendered derivations"

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train embedding + positional encoding + multi-head self-attention + "
         "output projection with softmax cross-entropy and Adam, all with hand-derived "
         "gradients, to reverse digit sequences. Saves per-head attention heatmaps (PNG, "
-        "needs matplotlib: pip install 'npattn[plot]').",
+        "needs matplotlib: pip install '.[plot]' from the repository root).",
     )
     demo.add_argument("--heads", default="4",
                       help="number of heads, or a comma list such as 1,2,4,8 to compare "
@@ -268,7 +268,7 @@ def _demo(args) -> int:
     plots = not args.no_plots
     if plots and not have_matplotlib():
         print("npattn demo: matplotlib is not installed, so no heatmaps are saved "
-              "(pip install 'npattn[plot]')", file=sys.stderr)
+              "(pip install '.[plot]' from the repository root)", file=sys.stderr)
         plots = False
     if plots:  # before training, not after minutes of it
         why = _output_folder_error(args.out)
