@@ -466,8 +466,9 @@ class MultiHeadAttention:
         dqh, dkh, dvh, dmask = A.sdpa_backward(doh, c.sdpa)
         # 5. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
         dq = F.split_heads_backward(dqh, c.split)  # [B, Lq, D]
-        dk = F.split_heads_backward(dkh, c.split)  # [B, Lk + n, Dkv]
-        dv = F.split_heads_backward(dvh, c.split)  # [B, Lk + n, Dkv]
+        kv_split = F.HeadsCache(self.n_kv_head)  # k and v were split into Hkv heads
+        dk = F.split_heads_backward(dkh, kv_split)  # [B, Lk + n, Dkv]
+        dv = F.split_heads_backward(dvh, kv_split)  # [B, Lk + n, Dkv]
         # 4. k = append_kv(k, bias_k), v = append_kv(v, bias_v), mask = pad_mask(mask)
         dk, dbias_k = F.append_kv_backward(dk, c.k_extra)  # [B, Lk, Dkv], [Dkv]
         dv, dbias_v = F.append_kv_backward(dv, c.v_extra)  # [B, Lk, Dkv], [Dkv]

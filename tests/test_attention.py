@@ -663,8 +663,8 @@ def test_module_every_impl_matches_reference(mask_kind, backend, xp, to_xp, to_n
         res = []
         for step, dout in enumerate(douts):
             weights = impl != "blocked"
-            out = m(x, mem, mem, mask=mask, is_causal=step == 0, need_weights=weights)
-            out, w = out if weights else (out, None)
+            out, w = m(x, mem, mem, mask=mask, is_causal=step == 0, need_weights=weights,
+                       average_attn_weights=False)
             dinputs = m.backward(dout)
             res.append(dict(out=out, w=w, dmask=m.dmask, **dict(zip(("dq", "dk", "dv"), dinputs)),
                             **{"d" + n: g for n, g in m.grads.items()}))
@@ -694,10 +694,10 @@ def test_module_self_attention_fused_projection(impl, backend, xp, to_xp, to_np)
     x_np = r.standard_normal((2, 5, 12))
     dout = to_xp(r.standard_normal((2, 5, 12)))
     x = to_xp(x_np)
-    out_fused = to_np(m(x, x, x, is_causal=True))
+    out_fused = to_np(m(x, x, x, is_causal=True)[0])
     d_fused = [to_np(g) for g in m.backward(dout)]
     g_fused = {k: to_np(g) for k, g in m.grads.items()}
-    out_sep = to_np(m(x, to_xp(x_np), to_xp(x_np), is_causal=True))  # three projections
+    out_sep = to_np(m(x, to_xp(x_np), to_xp(x_np), is_causal=True)[0])  # three projections
     d_sep = [to_np(g) for g in m.backward(dout)]
     assert_close(out_fused, out_sep, np.asarray, "out")
     for a, b in zip(d_fused, d_sep):
