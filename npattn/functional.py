@@ -753,9 +753,9 @@ def sdpa_backward(dout: Any, cache: SDPACache) -> tuple[Any, Any, Any, Any]:
     da = ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
     dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
     # 4. a = dropout(p)
-    dp = _dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
+    dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
     # 3. p = masked_softmax(s, a_mask)
-    ds, da_mask = _masked_softmax_backward(dp, cache.softmax)  # [B, H, Lq, Lk]
+    ds, da_mask = masked_softmax_backward(dp, cache.softmax)  # [B, H, Lq, Lk]
     # 2. a_mask = where(causal, mask, -inf): dmask = da_mask where causal allows,
     #    and da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
     dmask = None
