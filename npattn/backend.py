@@ -88,11 +88,11 @@ def namespace(*arrays: Any) -> Any:
 
     Raises ``TypeError`` when the arrays come from different libraries.
     """
-    arrays = [a for a in arrays if a is not None]
+    present = [a for a in arrays if a is not None]
     try:
-        return array_api_compat.array_namespace(*arrays)
+        return array_api_compat.array_namespace(*present)
     except TypeError as exc:
-        kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in arrays})
+        kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in present})
         raise TypeError(
             f"arrays from different array libraries were mixed: {', '.join(kinds)}; "
             "pass every array from one backend"

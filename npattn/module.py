@@ -588,9 +588,9 @@ class MultiHeadAttention:
         arrays["config"] = np.array(json.dumps(header))
         if isinstance(path, (str, os.PathLike)):
             with open(path, "wb") as f:
-                np.savez(f, **arrays)
+                np.savez(f, **arrays)  # type: ignore[arg-type]
         else:
-            np.savez(path, **arrays)
+            np.savez(path, **arrays)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls, path, *, backend="numpy"):
@@ -795,7 +795,7 @@ class ParameterDict(dict):
         for name, value in new.items():
             super().__setitem__(name, value)
 
-    def __ior__(self, other):
+    def __ior__(self, other):  # type: ignore[misc]
         self.update(other)
         return self
 

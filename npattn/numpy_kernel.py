@@ -340,7 +340,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache) -> tuple[Any, Any, Any, Any]
     dv = dv_m.reshape(B, Lk, Hkv, Dv).transpose(0, 2, 1, 3)  # [B, Hkv, Lk, Dv] view
     dmask = None
     if ds_full is not None:
-        dmask = sum_to_shape(np, ds_full.reshape(B, Hq, Lq, Lk), cache.mask_shape)
+        dmask = sum_to_shape(np, ds_full.reshape(B, Hq, Lq, Lk), cache.mask_shape or ())
     if cache.in_dtype != work:
         dq, dk, dv = (t.astype(cache.in_dtype) for t in (dq, dk, dv))
         if dmask is not None:

@@ -127,7 +127,7 @@ def check_scale(name: str, value: Any) -> None:
     except OverflowError:  # an int beyond the float range, e.g. 2**1100
         raise ValueError(
             f"{name}: expected a finite float, got an int too large for a float "
-            f"({int(value).bit_length()} bits)"
+            f"({int(value).bit_length()} bits)"  # type: ignore[call-overload]
         ) from None
     if not math.isfinite(as_float):
         raise ValueError(f"{name}: expected a finite float, got {value!r}")
@@ -162,7 +162,7 @@ def check_probability(name: str, value: Any) -> None:
         raise TypeError(
             f"{name}: expected a float drop probability in [0, 1), got {type_name(value)} {value!r}"
         )
-    if not (0.0 <= value < 1.0):  # also False for NaN; no float(): an int may overflow it
+    if not (0.0 <= value < 1.0):  # type: ignore[operator]  # False for NaN; an int may overflow float()
         raise ValueError(f"{name}: expected a drop probability in [0, 1), got {value!r}")
 
 

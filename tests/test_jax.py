@@ -44,10 +44,10 @@ def test_module_forward_backward_matches_numpy(backend):
     mha = npattn.MultiHeadAttention(8, 2, dtype="float64", seed=3, backend=backend)
     x = rng.standard_normal((2, 4, 8))
     dout = rng.standard_normal((2, 4, 8))
-    out_ref = ref(x, x, x, is_causal=True)
+    out_ref, _ = ref(x, x, x, is_causal=True)
     dx_ref = ref.backward(dout)
     xj = jnp.asarray(x)
-    out = mha(xj, xj, xj, is_causal=True)
+    out, _ = mha(xj, xj, xj, is_causal=True)
     assert isinstance(out, jax.Array)
     np.testing.assert_allclose(np.asarray(out), out_ref, rtol=1e-12, atol=1e-12)
     dx = mha.backward(jnp.asarray(dout))
@@ -84,7 +84,8 @@ def test_functional_gradients_on_jax():
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in ((1, 2, 3, 2), (1, 2, 4, 2), (1, 2, 4, 2)))
     mask = jnp.asarray(rng.standard_normal((3, 4)))
-    report = gradcheck(lambda *a: F.sdpa_forward(*a), F.sdpa_backward, [q, k, v, mask],
+    report = gradcheck(lambda q, k, v, mask: F.sdpa_forward(q, k, v, mask=mask), F.sdpa_backward,
+                       [q, k, v, mask],
                        names=["q", "k", "v", "mask"], seed=0)
     assert report.ok, str(report)
 
