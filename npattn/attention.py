@@ -12,10 +12,15 @@ function with the implementation ``impl`` names:
 ``"numpy"``
     ``npattn.numpy_kernel``, the reference's dense steps tiled and in place
     for NumPy arrays (the fast dense path on the CPU). NumPy arrays only.
+``"chunked"``
+    ``npattn.chunked``, for dask arrays: one task per pair of (batch, head,
+    query, key) chunks, the blocked algorithm inside each task and its
+    merge across key chunks; dask arrays in, dask arrays out. No weights.
 ``"dense"``
     The fastest dense implementation for the arrays: ``"numpy"`` for NumPy
     arrays of the kernel's layout, else ``"reference"``.
 ``"auto"`` (default)
+    On dask arrays ``"chunked"`` unless weights are needed; otherwise
     ``"blocked"`` when no weights are needed and the dense probabilities
     would be large (``select_impl``), else ``"dense"``.
 
@@ -36,11 +41,11 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from . import blocked
+from . import blocked, chunked
 from . import functional as F
 from . import numpy_kernel
 from . import validation as V
-from .backend import exclusive, namespace, pool_threads
+from .backend import exclusive, is_dask_array, namespace, pool_threads
 
 __all__ = [
     "IMPLS",
@@ -54,7 +59,7 @@ __all__ = [
     "weights",
 ]
 
-IMPLS = ("auto", "dense", "reference", "numpy", "blocked")
+IMPLS = ("auto", "dense", "reference", "numpy", "blocked", "chunked")
 
 #: ``impl="auto"`` takes the blocked path when one head has this many scores
 #: (``Lq * Lk``; 2**25 = 33.5 M, e.g. 8192 x 4096): there it is as fast as the
@@ -67,28 +72,44 @@ AUTO_BLOCKED_MAX_DENSE_SCORES = 2**28
 
 
 def check_impl(impl, *, need_weights: bool = False) -> None:
-    """Raise ``ValueError`` for an unknown ``impl``, or ``"blocked"`` with weights requested."""
+    """Raise ``ValueError`` for an unknown ``impl``, or ``"blocked"``/``"chunked"`` with weights requested."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if impl == "blocked" and need_weights:
+    if impl in ("blocked", "chunked") and need_weights:
         raise ValueError(
-            "impl='blocked' cannot return attention weights (it never forms them); "
+            f"impl={impl!r} cannot return attention weights (it never forms them); "
             "use need_weights=False, or impl='dense', 'reference', 'numpy' or 'auto'"
         )
 
 
 def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
                 dropout_mask: Any = None, need_weights: bool = False) -> str:
-    """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"`` or ``"blocked"``.
+    """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"``,
+    ``"blocked"`` or ``"chunked"``.
 
-    ``"auto"`` picks ``"blocked"`` when no weights are needed and either
+    ``"auto"`` picks ``"chunked"`` for dask arrays that it takes when no
+    weights are needed. Otherwise it picks ``"blocked"`` when no weights are needed and either
     ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
     AUTO_BLOCKED_MAX_DENSE_SCORES``; otherwise, like ``"dense"``, the NumPy
     kernel when it takes the arrays, else the reference. ``"numpy"`` on
     arrays the kernel does not take is a ``ValueError``.
     """
     check_impl(impl, need_weights=need_weights)
-    if impl == "auto":
+    takes_chunks = chunked.accepts(q, k, v, mask, dropout_mask)
+    if impl == "auto" and takes_chunks and not need_weights:
+        return "chunked"
+    if impl == "chunked" and not takes_chunks:
+        raise ValueError(
+            "impl='chunked': the chunked implementation takes dask arrays q (B, Hq, Lq, Dh), "
+            "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with known chunk sizes, and dask masks "
+            f"broadcastable to (B, Hq, Lq, Lk); got {type(q).__module__}.{type(q).__name__} of "
+            f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; "
+            "use impl='reference' or 'blocked'"
+        )
+    if impl == "chunked":
+        return impl
+    if impl == "auto" and is_dask_array(q):
+        impl = "dense"  # weights, or a layout the chunked path does not take: the reference
         Lq, Lk = q.shape[-2], k.shape[-2]
         n = math.prod(q.shape[:-2]) * Lq * Lk
         large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
@@ -129,7 +150,7 @@ def sdpa_forward(
     ----------
     q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, rng, enable_gqa
         As ``npattn.functional.sdpa_forward``.
-    impl : {"auto", "dense", "reference", "numpy", "blocked"}
+    impl : {"auto", "dense", "reference", "numpy", "blocked", "chunked"}
     need_weights : bool
         The weights will be read from the cache (``weights(cache)``): a dense
         implementation is used.
@@ -155,6 +176,8 @@ def sdpa_forward(
             return F.sdpa_forward_core(q, k, v, **args)
         if path == "numpy":
             return numpy_kernel.sdpa_forward(q, k, v, **args)
+        if path == "chunked":
+            return chunked.sdpa_forward(q, k, v, block_q=block_q, block_k=block_k, **args)
         return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k, **args)
 
 
@@ -170,6 +193,8 @@ def sdpa_backward(dout: Any, cache: Any) -> tuple[Any, Any, Any, Any]:
             return numpy_kernel.sdpa_backward(dout, cache)
         if isinstance(cache, blocked.BlockedSDPACache):
             return blocked.sdpa_blocked_backward(dout, cache)
+        if isinstance(cache, chunked.ChunkedSDPACache):
+            return chunked.sdpa_backward(dout, cache)
         if isinstance(cache, F.SDPACache):
             return F.sdpa_backward(dout, cache)
     raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
@@ -177,8 +202,8 @@ def sdpa_backward(dout: Any, cache: Any) -> tuple[Any, Any, Any, Any]:
 
 def weights(cache: Any) -> Any:
     """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache."""
-    if isinstance(cache, blocked.BlockedSDPACache):
-        raise ValueError("cache: the blocked implementation keeps no attention weights")
+    if isinstance(cache, (blocked.BlockedSDPACache, chunked.ChunkedSDPACache)):
+        raise ValueError("cache: the blocked and chunked implementations keep no attention weights")
     return cache.probs
 
 
@@ -191,6 +216,8 @@ def dropout_keep_mask(cache: Any) -> Any:
     """
     if isinstance(cache, numpy_kernel.NumpySDPACache):
         return numpy_kernel.keep_mask_of(cache)
+    if isinstance(cache, chunked.ChunkedSDPACache):
+        return chunked.keep_mask_of(cache)
     if isinstance(cache, blocked.BlockedSDPACache):
         if cache.dropout_key is not None:
             return blocked.blocked_keep_mask(cache)

@@ -71,6 +71,7 @@ __all__ = [
     "pool_threads",
     "run_tasks",
     "is_numpy_array",
+    "is_dask_array",
 ]
 
 #: Names accepted by ``backend=``, and the module that provides each namespace.
@@ -80,6 +81,7 @@ BACKENDS = {
     "torch": "array_api_compat.torch",
     "array_api_strict": "array_api_strict",
     "jax": "jax.numpy",
+    "dask": "array_api_compat.dask.array",
 }
 
 
@@ -173,6 +175,8 @@ def to_numpy(x: Any) -> np.ndarray:
         return x.get()
     if array_api_compat.is_torch_array(x):
         return x.detach().cpu().numpy().copy()
+    if array_api_compat.is_dask_array(x):
+        return np.array(x.compute(), copy=True)
     return np.array(np.from_dlpack(x), copy=True)
 
 
@@ -271,6 +275,11 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
 def is_numpy_array(x: Any) -> bool:
     """Whether ``x`` is a plain ``numpy.ndarray`` (not a subclass: masked arrays, matrices)."""
     return type(x) is np.ndarray
+
+
+def is_dask_array(x: Any) -> bool:
+    """Whether ``x`` is a ``dask.array.Array`` (dask is not imported for the answer)."""
+    return array_api_compat.is_dask_array(x)
 
 
 _blas_controller = None

@@ -69,6 +69,9 @@ __all__ = [
     "sdpa_blocked_backward",
     "sdpa_blocked_forward_core",
     "blocked_keep_mask",
+    "blocked_cache",
+    "with_rows",
+    "rows_of",
 ]
 
 #: Default query / key block lengths. A block of scores holds B*H*bq*bk
@@ -352,8 +355,18 @@ def sdpa_blocked_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: b
                         block_k=block_k)
 
 
-def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups, block_q,
-             block_k):
+def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
+                  dropout_p: float, dropout_mask: Any, groups: int, key: Optional[int] = None,
+                  block_q: Optional[int] = None, block_k: Optional[int] = None) -> BlockedSDPACache:
+    """The cache of a blocked forward before its loops run: inputs in the compute dtype and
+    the grouped layout, ``out``, ``m`` and ``l`` still None (``with_rows`` fills them).
+
+    For implementations that run the blocked steps on pieces of a larger problem
+    (``npattn.chunked``): they compute the row statistics of the whole problem and
+    hand each piece's back with ``with_rows`` before calling ``sdpa_blocked_backward``.
+    Arguments as ``sdpa_blocked_forward_core``, checked already; ``key`` is
+    the key drawn for a generated keep-mask (None: ``dropout_mask`` or no dropout).
+    """
     xp = namespace(q, k, v, mask, dropout_mask)
     block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
     block_k = DEFAULT_BLOCK_K if block_k is None else block_k
@@ -378,11 +391,7 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
     if dropout_mask is not None:
         dropout_mask = (_grouped_mask(xp, dropout_mask, ndim, G) if G > 1
                         else _pad_to(xp, dropout_mask, ndim))
-    key = None
-    if dropout_p > 0.0 and dropout_mask is None:
-        key = dropout_key(rng)  # the one draw of every implementation
-
-    c = BlockedSDPACache(  # out, m and l are filled in after the loops
+    return BlockedSDPACache(  # out, m and l are filled in after the loops
         q=q, k=k, v=v, out=None, m=None, l=None, mask=mask, is_causal=bool(is_causal),
         dropout_mask=dropout_mask, dropout_key=key,
         coords=_coords(tuple(q.shape[:-2]), G) if key is not None else None,
@@ -391,13 +400,42 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
         in_dtype=in_dtype,
     )  # fmt: skip
 
+
+def with_rows(cache: BlockedSDPACache, out: Any, m: Any, l: Any) -> BlockedSDPACache:
+    """``cache`` with the output ``out`` (..., Lq, Dv) and row statistics ``m``, ``l``
+    (..., Lq, 1) given in the caller's layout, in the compute dtype."""
+    xp = namespace(cache.q)
+    rows = tuple(cache.q.shape[:-1])
+    return cache._replace(out=xp.reshape(out, rows + (cache.v.shape[-1],)),
+                          m=xp.reshape(m, rows + (1,)), l=xp.reshape(l, rows + (1,)))
+
+
+def rows_of(cache: BlockedSDPACache) -> tuple[Any, Any, Any]:
+    """The output and row statistics ``(out, m, l)`` of a blocked forward, in the caller's
+    layout ((..., Lq, Dv), (..., Lq, 1), (..., Lq, 1)) and the compute dtype."""
+    xp = namespace(cache.q)
+    rows = tuple(cache.q_shape[:-1])
+    return (xp.reshape(cache.out, rows + (cache.v.shape[-1],)), xp.reshape(cache.m, rows + (1,)),
+            xp.reshape(cache.l, rows + (1,)))
+
+
+def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups, block_q,
+             block_k):
+    key = None
+    if dropout_p > 0.0 and dropout_mask is None:
+        key = dropout_key(rng)  # the one draw of every implementation
+    c = blocked_cache(q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                      dropout_mask=dropout_mask, groups=groups, key=key,
+                      block_q=block_q, block_k=block_k)
+    xp = namespace(c.q, c.k, c.v, c.mask, c.dropout_mask)
+    q, work, in_dtype, q_shape, v_shape = c.q, c.q.dtype, c.in_dtype, c.q_shape, c.v_shape
     split = _pool_split(xp, c)
     if split is None:
         with limit_blas_threads(1 if is_numpy_array(q) else None):  # small GEMMs: one thread
             out, m, l = _forward_loops(xp, c)
     else:  # NumPy: independent slices of the leading axes on the tile pool
         batch = tuple(q.shape[:-2])
-        out = xp.empty(batch + (q.shape[-2], v.shape[-1]), dtype=work, device=device_of(q))
+        out = xp.empty(batch + (q.shape[-2], c.v.shape[-1]), dtype=work, device=device_of(q))
         m = xp.empty(batch + (q.shape[-2], 1), dtype=work, device=device_of(q))
         l = xp.empty(batch + (q.shape[-2], 1), dtype=work, device=device_of(q))
 

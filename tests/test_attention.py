@@ -26,91 +26,19 @@ from npattn import attention as A
 from npattn import functional as F
 from npattn.gradcheck import gradcheck
 
+from _attention_cases import MASK_FORMS, P_DROP, assert_close, make_inputs, make_mask, on
+
 fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-P_DROP = 0.3
 SMALL_TILES = 16  # score entries per kernel tile: one head (or less) per tile
 BLOCKS = [(1, 1), (2, 3), (3, 2), (16, 16)]  # (block_q, block_k); 16 is larger than any L here
 CACHES = {"reference": F.SDPACache, "blocked": blocked.BlockedSDPACache,
           "numpy": numpy_kernel.NumpySDPACache}  # the cache type tells which implementation ran
 
-# mask shapes, relative to the scores (B, Hq, Lq, Lk); each broadcasts to them
-MASK_FORMS = {
-    "full": lambda B, H, Lq, Lk: (B, H, Lq, Lk),
-    "LqLk": lambda B, H, Lq, Lk: (Lq, Lk),
-    "B1LqLk": lambda B, H, Lq, Lk: (B, 1, Lq, Lk),
-    "1HLqLk": lambda B, H, Lq, Lk: (1, H, Lq, Lk),
-    "B11Lk": lambda B, H, Lq, Lk: (B, 1, 1, Lk),
-    "HLq1": lambda B, H, Lq, Lk: (H, Lq, 1),
-    "Lk": lambda B, H, Lq, Lk: (Lk,),
-}
-
-
-def make_mask(rng, kind, shape, empty_row=True):
-    """A bool mask, or a float mask with -inf where not allowed; ``empty_row`` blanks query row 0.
-
-    For a shape without a query axis, ``empty_row`` blanks batch entry 0
-    (every row of it) where the shape has a batch axis.
-    """
-    if kind == "none":
-        return None
-    allowed = rng.random(shape) > 0.3  # [shape]
-    if empty_row and len(shape) >= 2 and shape[-2] > 1:
-        allowed[..., 0, :] = False  # query row 0 attends nothing
-    elif empty_row and len(shape) == 4 and shape[0] > 1:
-        allowed[0] = False  # batch entry 0 attends nothing
-    if kind == "bool":
-        return allowed
-    return np.where(allowed, rng.standard_normal(shape), -np.inf)  # [shape] float, -inf = masked
-
-
-def make_inputs(seed, B, Hkv, G, Lq, Lk, Dh, Dv, *, mask_kind="none", mask_form="full",
-                dropout="none", causal=False, dtype=np.float64, empty_row=True):
-    """Host arrays q, k, v, dout and the keyword arguments of ``attention.sdpa_forward``."""
-    rng = np.random.default_rng(seed)
-    Hq = G * Hkv
-    q = rng.standard_normal((B, Hq, Lq, Dh)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Lk, Dh)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Lk, Dv)).astype(dtype)
-    dout = rng.standard_normal((B, Hq, Lq, Dv)).astype(dtype)
-    kw = dict(is_causal=causal, enable_gqa=G > 1)
-    mask = make_mask(rng, mask_kind, MASK_FORMS[mask_form](B, Hq, Lq, Lk), empty_row)
-    if mask is not None:
-        kw["mask"] = mask if mask.dtype == bool else mask.astype(dtype)
-    if dropout == "seed":
-        kw.update(dropout_p=P_DROP, rng=seed)
-    elif dropout == "mask":
-        kw.update(dropout_p=P_DROP, dropout_mask=rng.random((1, Hq, Lq, Lk)) >= P_DROP)
-    return q, k, v, dout, kw
-
-
-def on(to_xp, kw):
-    """``kw`` with its arrays moved to the backend under test."""
-    return {n: (to_xp(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
-
-
 def run(impl, q, k, v, dout, kw, **extra):
     """Forward and backward of one implementation: ``(out, cache, (dq, dk, dv, dmask))``."""
     out, cache = A.sdpa_forward(q, k, v, impl=impl, **kw, **extra)
     return out, cache, A.sdpa_backward(dout, cache)
-
-
-def assert_close(a, ref, to_np, what, rtol=1e-12):
-    """``a`` equals ``ref`` to ``rtol`` of each entry plus ``rtol * max|ref|`` (the tensor's scale).
-
-    The scale is at least 1, the size of the unit-normal inputs: a gradient
-    that is exactly 0 in the reference (one attendable key: ``ds = dp - dp``)
-    is a difference of O(1) terms elsewhere, and rounds to ~1e-16 there.
-    """
-    if ref is None:
-        assert a is None, f"{what}: expected None"
-        return
-    a, ref = to_np(a), to_np(ref)
-    assert a.shape == ref.shape, f"{what}: shapes {a.shape} vs {ref.shape}"
-    assert a.dtype == ref.dtype, f"{what}: dtypes {a.dtype} vs {ref.dtype}"
-    assert np.all(np.isfinite(a)), f"{what}: not finite"
-    atol = rtol * max(float(np.max(np.abs(ref), initial=0.0)), 1.0)
-    np.testing.assert_allclose(a, ref, rtol=rtol, atol=atol, err_msg=what)
 
 
 def assert_same_results(got, ref, to_np, what):

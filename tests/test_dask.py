@@ -1,0 +1,339 @@
+"""npattn on dask arrays: the chunk-parallel implementation against the NumPy one.
+
+``impl="chunked"`` (what ``"auto"`` picks for dask arrays) runs one task per
+pair of (batch, head, query, key) chunks with the blocked algorithm inside
+and merges across key chunks. In float64 its outputs and gradients equal the
+NumPy kernel's to 1e-12 for every chunking, and the dropout keep-mask drawn
+from a seed is the same, bit for bit. Most tests use dask's synchronous and
+threaded schedulers; ``client`` starts a ``dask.distributed`` LocalCluster of
+two worker processes for the tests that must see real workers.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array", reason="the dask tests need the dask extra")
+dask = pytest.importorskip("dask")
+distributed = pytest.importorskip("distributed")
+
+from npattn import MultiHeadAttention, chunked  # noqa: E402
+from npattn import attention as A  # noqa: E402
+from npattn.backend import backend_name, resolve_backend, to_numpy  # noqa: E402
+from npattn.gradcheck import gradcheck  # noqa: E402
+
+from _attention_cases import assert_close, make_inputs  # noqa: E402
+
+# (batch, query heads, query rows, keys) chunk lengths; K/V heads are chunked as the
+# query heads divided by G. Lengths 7 and 9: chunks of 2, 3, 4 leave short last chunks.
+CHUNKINGS = {
+    "one chunk": (8, 8, 99, 99),
+    "batch": (1, 8, 99, 99),
+    "batch+heads": (1, 1, 99, 99),
+    "queries": (8, 8, 3, 99),
+    "keys": (8, 8, 99, 2),
+    "everything": (1, 1, 2, 4),
+}
+
+
+def chunk(q, k, v, mask, keep, dout, sizes, G):
+    """Host arrays as dask arrays with the chunk lengths ``sizes`` (clipped to each axis)."""
+    cb, ch, cq, ck = sizes
+    hk = max(1, ch // G)
+
+    def arr(a, chunks):
+        return None if a is None else da.from_array(a, chunks=tuple(min(c, n) for c, n in zip(chunks, a.shape)))
+
+    def mask_chunks(a):  # a mask of up to 4 axes, chunked like the scores it broadcasts to
+        return tuple((cb, ch, cq, ck)[4 - a.ndim:])
+
+    return (arr(q, (cb, ch, cq, 99)), arr(k, (cb, hk, ck, 99)), arr(v, (cb, hk, ck, 99)),
+            None if mask is None else arr(mask, mask_chunks(mask)),
+            None if keep is None else arr(keep, mask_chunks(keep)), arr(dout, (cb, ch, cq, 99)))
+
+
+def host(x):
+    return None if x is None else to_numpy(x)
+
+
+def run_both(q, k, v, dout, kw, sizes, G, scheduler="sync"):
+    """(out, grads, keep) on NumPy (the kernel) and on dask (chunked), computed."""
+    out0, c0 = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    grads0 = A.sdpa_backward(dout, c0)
+    keep0 = A.dropout_keep_mask(c0)
+    dq, dk, dv, dmask, dkeep, ddout = chunk(q, k, v, kw.get("mask"), kw.get("dropout_mask"), dout, sizes, G)
+    dkw = dict(kw, mask=dmask, dropout_mask=dkeep)
+    out, c = A.sdpa_forward(dq, dk, dv, **dkw)
+    assert isinstance(c, chunked.ChunkedSDPACache), "auto on dask arrays takes the chunked path"
+    grads = A.sdpa_backward(ddout, c)
+    assert all(isinstance(g, da.Array) for g in (out, *grads) if g is not None)
+    keep = A.dropout_keep_mask(c)
+    computed = dask.compute(out, grads, keep, scheduler=scheduler)
+    return (out0, grads0, keep0), computed
+
+
+def assert_same(ref, got, what):
+    (out0, grads0, keep0), (out, grads, keep) = ref, got
+    assert_close(out, out0, host, f"{what}: out")
+    for name, g, g0 in zip(("dq", "dk", "dv", "dmask"), grads, grads0):
+        assert_close(g, g0, host, f"{what}: {name}")
+    if keep0 is None:
+        assert keep is None
+    else:
+        assert np.array_equal(np.broadcast_to(keep0, keep.shape), keep), f"{what}: keep-mask differs"
+
+
+# --------------------------------------------------------------------------
+# the same numbers as NumPy
+
+
+@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
+@pytest.mark.parametrize("case", [
+    dict(mask_kind="none", causal=False, dropout="none"),
+    dict(mask_kind="bool", mask_form="B11Lk", causal=False, dropout="seed"),  # padding
+    dict(mask_kind="float", mask_form="LqLk", causal=True, dropout="none"),  # -inf, an empty row
+    dict(mask_kind="bool", mask_form="full", causal=True, dropout="mask"),
+    dict(mask_kind="float", mask_form="B1LqLk", causal=False, dropout="seed"),
+], ids=["plain", "padding+seed", "float+causal", "bool+causal+keep", "float+seed"])
+@pytest.mark.parametrize("G", [1, 2])
+def test_chunked_equals_numpy(chunking, case, G):
+    q, k, v, dout, kw = make_inputs(7, 2, 2, G, 7, 9, 4, 3, **case)
+    ref, got = run_both(q, k, v, dout, kw, CHUNKINGS[chunking], G)
+    assert_same(ref, got, f"{chunking} {case} G={G}")
+
+
+@pytest.mark.parametrize("Lq,Lk", [(9, 7), (7, 9)])
+def test_causal_chunks_above_the_diagonal_are_left_out(Lq, Lk):
+    """Top-left causal: a key chunk wholly above a query chunk's rows has no task, and the
+    key chunks that no query row reaches (Lk > Lq) get zero gradients."""
+    q, k, v, dout, kw = make_inputs(3, 1, 2, 1, Lq, Lk, 4, 4, causal=True)
+    ref, got = run_both(q, k, v, dout, kw, (1, 2, 2, 2), 1)
+    assert_same(ref, got, "causal")
+    dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 2, 2, 2), 1)
+    out, c = A.sdpa_forward(dq, dk, dv, is_causal=True)
+    pairs = [key for key in dict(out.__dask_graph__()) if isinstance(key, tuple)
+             and key[0].startswith("npattn-pair-forward")]
+    starts_i, starts_j = range(0, Lq, 2), range(0, Lk, 2)
+    expected = sum(1 for i0 in starts_i for j0 in starts_j if j0 <= min(i0 + 2, Lq) - 1)
+    assert len(pairs) == expected < len(starts_i) * len(starts_j)
+
+
+def test_large_scores_stay_exact_across_key_chunks():
+    """Scores of 1e17 (float64) on two equal keys in two key chunks: p = [0.5, 0.5].
+    A merged log-sum-exp m + log(l) would round log(2) away against 1e17."""
+    q = np.full((1, 1, 1, 1), 1e9)
+    k = np.full((1, 1, 2, 1), 1e8)
+    v = np.array([[[[1.0], [3.0]]]])
+    dout = np.ones((1, 1, 1, 1))
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 1, 1, 1), 1)
+    out, c = A.sdpa_forward(dq, dk, dv, scale=1.0)
+    grads = A.sdpa_backward(ddout, c)
+    out, (_, _, gv, _) = dask.compute(out, grads, scheduler="sync")
+    assert out[0, 0, 0, 0] == 2.0
+    np.testing.assert_array_equal(gv[0, 0, :, 0], [0.5, 0.5])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_low_precision_dtypes(dtype):
+    """float32 stays float32; float16 is computed in float32 and cast back, like the kernel."""
+    q, k, v, dout, kw = make_inputs(5, 2, 2, 1, 7, 9, 4, 3, mask_kind="float", mask_form="LqLk",
+                                    causal=True, dtype=dtype)
+    (out0, grads0, _), (out, grads, _) = run_both(q, k, v, dout, kw, CHUNKINGS["everything"], 1)
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    for a, b in zip((out, *grads), (out0, *grads0)):
+        if b is None:
+            continue
+        assert a.dtype == b.dtype == dtype
+        scale = max(float(np.max(np.abs(b.astype(np.float64)))), 1.0)
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), atol=tol * scale)
+
+
+# --------------------------------------------------------------------------
+# finite differences through the chunked graph
+
+
+@pytest.mark.parametrize("dropout", ["mask", "seed"])
+def test_gradcheck_chunked(dropout):
+    """GQA, Dv != Dh, float mask with -inf and an empty row, causal, dropout, Lq != Lk,
+    every axis split into chunks; random upstream gradient and random directions (each
+    evaluation builds and runs a graph: the "full" mode would take a minute)."""
+    q, k, v, _, kw = make_inputs(9, 2, 2, 2, 5, 6, 3, 2, mask_kind="float", mask_form="B1LqLk",
+                                 dropout=dropout, causal=True)
+    mask = kw.pop("mask")
+    keep = kw.pop("dropout_mask", None)
+    sizes = (1, 2, 2, 4)
+
+    def forward(q, k, v, mask):
+        dq, dk, dv, dm, dkeep, _ = chunk(host(q), host(k), host(v), host(mask), keep, None, sizes, 2)
+        out, c = A.sdpa_forward(dq, dk, dv, mask=dm, dropout_mask=dkeep, impl="chunked", **kw)
+        assert isinstance(c, chunked.ChunkedSDPACache)
+        return out, c
+
+    report = gradcheck(forward, A.sdpa_backward, [da.from_array(a) for a in (q, k, v, mask)],
+                       names=["q", "k", "v", "mask"], mode="vjp", n_directions=6, rtol=1e-6,
+                       seed=3)
+    assert report.ok, str(report)
+    assert all(r.scale > 0 for r in report.inputs)  # nothing vanished
+
+
+# --------------------------------------------------------------------------
+# the graph: one task per pair of chunks
+
+
+def graph_of(*arrays):
+    """The tasks of the dask arrays ``arrays``, merged."""
+    graph = {}
+    for a in arrays:
+        graph.update(dict(a.__dask_graph__()))
+    return graph
+
+
+def test_graph_grows_with_chunks_not_with_array_operations():
+    q, k, v, dout, kw = make_inputs(1, 4, 2, 1, 8, 8, 4, 4, mask_kind="bool", mask_form="B11Lk",
+                                    dropout="seed")
+    sizes_tasks = []
+    for sizes in [(4, 2, 8, 8), (2, 2, 4, 8), (1, 1, 4, 4), (1, 1, 2, 2)]:
+        dq, dk, dv, dm, _, ddout = chunk(q, k, v, kw["mask"], None, dout, sizes, 1)
+        out, c = A.sdpa_forward(dq, dk, dv, mask=dm, dropout_p=kw["dropout_p"], rng=kw["rng"])
+        grads = A.sdpa_backward(ddout, c)
+        graph = graph_of(out, *grads[:3])
+        inputs = graph_of(dq, dk, dv, dm, ddout)
+        ours = [key for key in graph if key not in inputs]
+        npairs = math.prod(math.ceil(n / s) for n, s in zip((4, 2, 8, 8), sizes))
+        pair_tasks = [key for key in ours if key[0].startswith("npattn-pair-")]
+        assert len(pair_tasks) == 2 * npairs  # one forward and one backward task per pair
+        assert len(ours) <= 10 * npairs + 20  # rechunks, merges, sums: a few per chunk
+        sizes_tasks.append(len(ours))
+    assert sizes_tasks == sorted(sizes_tasks)
+
+
+def test_dropout_draws_no_full_size_mask():
+    """The generated keep-mask is drawn inside each pair's task: the graph holds no
+    array of the scores' shape, and the mask the cache reports is built lazily."""
+    q, k, v, dout, kw = make_inputs(2, 2, 2, 1, 6, 6, 4, 4, dropout="seed")
+    dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 1, 3, 3), 1)
+    out, c = A.sdpa_forward(dq, dk, dv, dropout_p=kw["dropout_p"], rng=kw["rng"])
+    assert c.keep is None and c.dropout_key is not None
+    for task in dict(out.__dask_graph__()).values():
+        arrays = [a for a in getattr(task, "args", ()) if isinstance(a, np.ndarray)]
+        assert all(a.size < 2 * 2 * 6 * 6 for a in arrays)
+    keep = A.dropout_keep_mask(c)
+    assert isinstance(keep, da.Array) and keep.shape == (2, 2, 6, 6)
+
+
+# --------------------------------------------------------------------------
+# choosing the implementation, bad input
+
+
+def test_backend_name_and_impl_choice():
+    xp = resolve_backend("dask")
+    assert backend_name(xp) == "dask"
+    q, k, v, dout, kw = make_inputs(1, 2, 2, 1, 4, 5, 3, 3)
+    dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 1, 2, 2), 1)
+    assert A.select_impl("auto", dq, dk, dv) == "chunked"
+    assert A.select_impl("auto", dq, dk, dv, need_weights=True) == "reference"
+    assert A.select_impl("dense", dq, dk, dv) == "reference"
+    assert A.select_impl("blocked", dq, dk, dv) == "blocked"
+    with pytest.raises(ValueError, match=r"impl='chunked': the chunked implementation takes dask arrays.*numpy"):
+        A.sdpa_forward(q, k, v, impl="chunked")
+    with pytest.raises(ValueError, match=r"impl='chunked' cannot return attention weights"):
+        A.sdpa_forward(dq, dk, dv, impl="chunked", need_weights=True)
+    # weights on dask arrays come from the reference, lazily
+    out, c = A.sdpa_forward(dq, dk, dv, need_weights=True)
+    w = A.weights(c)
+    assert isinstance(w, da.Array)
+    np.testing.assert_allclose(w.compute(), A.weights(A.sdpa_forward(q, k, v, impl="numpy")[1]),
+                               atol=1e-15)
+
+
+def test_mixing_dask_and_numpy_is_refused_before_anything_runs():
+    q, k, v, dout, kw = make_inputs(1, 2, 2, 1, 4, 5, 3, 3, mask_kind="bool")
+    dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 1, 2, 2), 1)
+    with pytest.raises(TypeError, match=r"mask: expected a dask array \(that of q\), got a numpy array"):
+        A.sdpa_forward(dq, dk, dv, mask=kw["mask"])
+
+
+# --------------------------------------------------------------------------
+# the module on dask inputs
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_module_on_dask_equals_numpy(cross):
+    """Forward and backward of MultiHeadAttention(backend="dask") give dask arrays; the
+    parameter gradients (reduced over batch chunks) equal the NumPy module's."""
+    rng = np.random.default_rng(0)
+    B, Lq, Lk, E = 4, 6, 9 if cross else 6, 8
+    x = rng.standard_normal((B, Lq, E))
+    y = rng.standard_normal((B, Lk, E)) if cross else x
+    dout = rng.standard_normal((B, Lq, E))
+    pad = rng.random((B, Lk)) > 0.2
+    pad[0] = False  # batch entry 0 attends nothing
+    kwargs = dict(seed=1, dtype="float64", n_kv_head=2, dropout=0.2)
+    m0 = MultiHeadAttention(E, 4, **kwargs)
+    out0, _ = m0(x, y, y, mask=pad[:, None, None, :], is_causal=not cross)
+    g0 = m0.backward(dout)
+    m = MultiHeadAttention(E, 4, backend="dask", **kwargs)
+    dx = da.from_array(x, chunks=(1, Lq, E))
+    dy = dx if not cross else da.from_array(y, chunks=(2, 3, E))  # key chunks from the sequence
+    dpad = da.from_array(pad[:, None, None, :], chunks=(1, 1, 1, 3))
+    out, _ = m(dx, dy, dy, mask=dpad, is_causal=not cross)
+    assert isinstance(m.cache.sdpa, chunked.ChunkedSDPACache)
+    grads = m.backward(da.from_array(dout, chunks=(1, Lq, E)))
+    assert isinstance(out, da.Array) and all(isinstance(g, da.Array) for g in grads)
+    assert all(isinstance(g, da.Array) for g in m.grads.values())
+    out, grads, pgrads = dask.compute(out, grads, dict(m.grads))
+    assert_close(out, out0, host, "out")
+    for name, g, gr in zip(("dquery", "dkey", "dvalue"), grads, g0):
+        assert_close(g, gr, host, name)
+    for name in m0.grads:
+        assert_close(pgrads[name], m0.grads[name], host, name)
+
+
+# --------------------------------------------------------------------------
+# a real scheduler: a LocalCluster of two worker processes
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, memory_limit="2GiB")
+    c = distributed.Client(cluster)
+    try:
+        yield c
+    finally:
+        c.close()
+        cluster.close()
+
+
+@pytest.mark.parametrize("case", [
+    dict(mask_kind="float", mask_form="LqLk", causal=True, dropout="seed"),
+    dict(mask_kind="bool", mask_form="B11Lk", causal=False, dropout="mask"),
+], ids=["float+causal+seed", "padding+keep"])
+def test_on_a_local_cluster(client, case):
+    """The same numbers on two worker processes, and both workers ran pair tasks."""
+    q, k, v, dout, kw = make_inputs(11, 4, 2, 2, 7, 9, 4, 3, **case)
+    with distributed.get_task_stream(client) as stream:
+        ref, got = run_both(q, k, v, dout, kw, (1, 2, 3, 4), 2, scheduler=None)
+    assert_same(ref, got, f"cluster {case}")
+    workers = {t["worker"] for t in stream.data if "npattn-pair" in str(t["key"])}
+    assert len(workers) == 2, workers
+
+
+def test_module_on_a_local_cluster(client):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 8, 8))
+    dout = rng.standard_normal((4, 8, 8))
+    m0 = MultiHeadAttention(8, 2, seed=3, dtype="float64", dropout=0.1)
+    m = MultiHeadAttention(8, 2, seed=3, dtype="float64", dropout=0.1, backend="dask")
+    out0, _ = m0(x, x, x, is_causal=True)
+    g0 = m0.backward(dout)
+    dx = da.from_array(x, chunks=(1, 8, 8))
+    out, _ = m(dx, dx, dx, is_causal=True)
+    grads = m.backward(da.from_array(dout, chunks=(1, 8, 8)))
+    out, grads, pgrads = client.compute([out, grads, dict(m.grads)], sync=True)
+    assert_close(out, out0, host, "out")
+    for g, gr in zip(grads, g0):
+        assert_close(g, gr, host, "grad")
+    for name in m0.grads:
+        assert_close(pgrads[name], m0.grads[name], host, name)
