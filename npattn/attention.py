@@ -110,6 +110,7 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
         return impl
     if impl == "auto" and is_dask_array(q):
         impl = "dense"  # weights, or a layout the chunked path does not take: the reference
+    if impl == "auto":
         Lq, Lk = q.shape[-2], k.shape[-2]
         n = math.prod(q.shape[:-2]) * Lq * Lk
         large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
@@ -202,8 +203,9 @@ def sdpa_backward(dout: Any, cache: Any) -> tuple[Any, Any, Any, Any]:
 
 def weights(cache: Any) -> Any:
     """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache."""
-    if isinstance(cache, (blocked.BlockedSDPACache, chunked.ChunkedSDPACache)):
-        raise ValueError("cache: the blocked and chunked implementations keep no attention weights")
+    for kind, name in ((blocked.BlockedSDPACache, "blocked"), (chunked.ChunkedSDPACache, "chunked")):
+        if isinstance(cache, kind):
+            raise ValueError(f"cache: the {name} implementation keeps no attention weights")
     return cache.probs
 
 

@@ -69,7 +69,7 @@ from . import blocked
 from .backend import dropout_key, is_dask_array, keyed_keep_mask
 from .functional import sum_to_shape
 
-__all__ = ["ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of"]
+__all__ = ["ChunkPlan", "ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of"]
 
 
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
@@ -101,7 +101,7 @@ def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
 # ------------------------------------------------------------------ the plan
 
 
-class _Plan(NamedTuple):
+class ChunkPlan(NamedTuple):
     """Chunk boundaries along (B, Hkv, Lq, Lk) and the group size G."""
 
     b: tuple  # chunk lengths along the batch
@@ -115,12 +115,12 @@ class _Plan(NamedTuple):
         return [0, *np.cumsum(sizes).tolist()]
 
 
-def _plan(q, k, G) -> _Plan:
-    return _Plan(b=tuple(q.chunks[0]), h=tuple(k.chunks[1]), i=tuple(q.chunks[2]),
+def _plan(q, k, G) -> ChunkPlan:
+    return ChunkPlan(b=tuple(q.chunks[0]), h=tuple(k.chunks[1]), i=tuple(q.chunks[2]),
                  j=tuple(k.chunks[2]), G=G)
 
 
-def _rechunk(a, plan: _Plan, kinds: tuple):
+def _rechunk(a, plan: ChunkPlan, kinds: tuple):
     """``a`` (4-D) rechunked to the plan: ``kinds[axis]`` is ``"b"``, ``"hq"`` (query
     heads), ``"hk"`` (K/V heads), ``"i"`` or ``"j"``, or None for one chunk; an axis of
     size 1 (a broadcast mask axis) stays one chunk."""
@@ -255,7 +255,7 @@ class ChunkedSDPACache(NamedTuple):
     out: Any  # [B, Hq, Lq, Dv] dask, compute dtype: the merged output
     m: Any  # [B, Hq, Lq, 1] merged row maximum
     l: Any  # [B, Hq, Lq, 1] merged row sum
-    plan: _Plan
+    plan: ChunkPlan
     is_causal: bool
     scale: float
     dropout_p: float
@@ -266,7 +266,7 @@ class ChunkedSDPACache(NamedTuple):
     block_k: Optional[int]
 
 
-def _pairs(plan: _Plan, is_causal: bool):
+def _pairs(plan: ChunkPlan, is_causal: bool):
     """``(b, h, i, j)`` of every pair of chunks in the graph, in order."""
     si, sj = plan.starts("i"), plan.starts("j")
     for b in range(len(plan.b)):

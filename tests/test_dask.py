@@ -9,6 +9,7 @@ threaded schedulers; ``client`` starts a ``dask.distributed`` LocalCluster of
 two worker processes for the tests that must see real workers.
 """
 
+import json
 import math
 
 import numpy as np
@@ -296,14 +297,23 @@ def test_module_on_dask_equals_numpy(cross):
 
 @pytest.fixture(scope="module")
 def client():
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, memory_limit="2GiB")
+    """Two worker processes of one thread, without distributed's MALLOC_TRIM_THRESHOLD_
+    (docs/dask.md); this process's environment is restored afterwards (a nanny writes
+    its pre-spawn variables into it)."""
+    import os
+
+    environ = dict(os.environ)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                           dashboard_address=":0", scheduler_kwargs={"dashboard": False}, memory_limit="2GiB")
     c = distributed.Client(cluster)
     try:
         yield c
     finally:
         c.close()
         cluster.close()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.mark.parametrize("case", [
@@ -337,3 +347,51 @@ def test_module_on_a_local_cluster(client):
         assert_close(g, gr, host, "grad")
     for name in m0.grads:
         assert_close(pgrads[name], m0.grads[name], host, name)
+
+
+# --------------------------------------------------------------------------
+# the benchmark (no timing assertions)
+
+
+def test_bench_counts_one_forward_and_one_backward_task_per_pair(tmp_path, capsys):
+    from npattn.tools import bench
+
+    path = tmp_path / "dask.json"
+    assert bench.main(["--backend", "dask", "--shape", "3x64x16x2c", "--q-chunk", "16",
+                       "--k-chunk", "32", "--graph-only", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    rows = {(r["q_chunk"], r["k_chunk"]): r for r in result["graph"]}
+    # causal, top-left: query chunk i (16 rows) meets key chunk j (32 keys) when 32 j <= 16 i + 15
+    pairs = sum(1 for i in range(4) for j in range(2) if 32 * j <= 16 * i + 15)
+    assert rows[(16, 32)]["pairs"] == 3 * pairs and rows[(16, 32)]["pair_tasks"] == 6 * pairs
+    assert rows[(64, 64)]["pairs"] == 3
+    assert "pairs" in capsys.readouterr().out
+
+
+def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
+    from npattn.tools import bench_dask
+
+    path = tmp_path / "dask.json"
+    assert bench_dask.main(["--shape", "2x32x8x2", "--q-chunk", "16", "--k-chunk", "16",
+                            "--no-local", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert [r["workers"] for r in result["workers"]] == [1, 2]
+    assert all(len(r["peak_mib"]) == r["workers"] for r in result["workers"])
+    assert all("MALLOC_TRIM_THRESHOLD_" not in r["malloc_env"] for r in result["workers"])
+    # the sums of out, dq, dk, dv agree between the two clusters
+    np.testing.assert_allclose(result["workers"][0]["checks"], result["workers"][1]["checks"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers", "0"], "--workers: expected a positive integer, got 0"),
+    (["--workers", "a,b"], "--workers: expected comma-separated positive integers"),
+    (["--shape", "2x4x6x4"], "--shape: expected positive sizes with H dividing D"),
+    (["--q-chunk", "0"], "--q-chunk: expected a positive integer, got 0"),
+])
+def test_bench_rejects_bad_options(args, message, capsys):
+    from npattn.tools import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--backend", "dask", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

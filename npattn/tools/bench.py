@@ -753,6 +753,13 @@ def markdown_table(result) -> str:
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend")
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.backend == "dask":  # a benchmark of its own: graph, workers, memory per worker
+        from . import bench_dask
+
+        return bench_dask.main(argv)
     parser = argparse.ArgumentParser(
         prog="npattn bench",
         description="Time MultiHeadAttention forward+backward (self-attention) against torch, "
@@ -764,7 +771,9 @@ def main(argv=None) -> int:
                              "ISOLATED_PLAN)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     parser.add_argument("--backend", default="numpy",
-                        choices=["numpy", "cupy", "torch", "array_api_strict"])
+                        choices=["numpy", "cupy", "torch", "array_api_strict", "dask"],
+                        help="array library (default: numpy); dask runs the dask benchmark "
+                             "(npattn bench --backend dask --help)")
     parser.add_argument("--impl", choices=["auto", "dense", "reference", "numpy", "blocked"],
                         help="attention implementation passed to the module (default: dense)")
     parser.add_argument("--repeat", type=int,

@@ -1,0 +1,291 @@
+"""Benchmark of attention on dask: graph size, time on 1 and 2 workers, peak memory per worker.
+
+Run ``npattn bench --backend dask`` (or ``python -m npattn.tools.bench_dask``).
+It measures ``attention.sdpa_forward`` + ``sdpa_backward`` (``impl="chunked"``)
+on dask arrays of q, k, v (B, H, L, Dh), drawn on the workers, chunked by one
+batch entry, ``--q-chunk`` query rows and ``--k-chunk`` keys:
+
+* **graph**: for several chunkings of the same shape (no computing), the
+  number of chunk pairs, the tasks of the forward+backward graph beyond its
+  inputs, and how many of them are pair tasks;
+* **workers**: for each count in ``--workers``, a fresh ``LocalCluster`` of
+  that many worker processes with one thread each (npattn's tile pool and
+  BLAS at one thread, ``NPATTN_NUM_THREADS=1``, so that a worker is one
+  core), the wall time of computing the forward+backward (the sums of out,
+  dq, dk and dv are brought back, not the arrays), its speed-up over the
+  first count, and each worker's peak resident memory (``VmHWM``) against
+  its resident memory before the run;
+* **in one process**: the same attention on NumPy arrays in this process,
+  ``impl="blocked"`` on the tile pool of all usable CPUs (``--no-local``
+  leaves it out).
+
+For scale it prints the size of one (Lq, Lk) score matrix of one head and of
+one batch entry's heads: a worker never holds either (the blocked algorithm
+inside each task works on blocks of ``block_q x block_k``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local"]
+
+DEFAULT_SHAPE = "8x4096x512x8"  # B x L x d_model x H, as npattn bench
+ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}
+
+
+def parse_shape(text: str) -> tuple:
+    """``BxLxDxH`` with an optional trailing ``c`` (causal) -> (B, L, D, H, causal)."""
+    causal = text.endswith("c")
+    parts = text[:-1].split("x") if causal else text.split("x")
+    try:
+        B, L, D, H = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--shape: expected BxLxDxH[c] with positive integers, got {text!r}") from None
+    if min(B, L, D, H) < 1 or D % H:
+        raise ValueError(f"--shape: expected positive sizes with H dividing D, got {text!r}")
+    return B, L, D, H, causal
+
+
+def _inputs(shape, dtype, q_chunk, k_chunk, seed=0):
+    """q, k, v, dout as dask arrays drawn chunk by chunk (on the workers when there is a client)."""
+    import dask.array as da
+
+    B, L, D, H, _ = shape
+    Dh = D // H
+    rng = da.random.default_rng(seed)
+    q_chunks = (1, H, min(q_chunk, L), Dh)
+    k_chunks = (1, H, min(k_chunk, L), Dh)
+    q = rng.standard_normal((B, H, L, Dh), chunks=q_chunks, dtype=dtype)
+    k = rng.standard_normal((B, H, L, Dh), chunks=k_chunks, dtype=dtype)
+    v = rng.standard_normal((B, H, L, Dh), chunks=k_chunks, dtype=dtype)
+    dout = rng.standard_normal((B, H, L, Dh), chunks=q_chunks, dtype=dtype)
+    return q, k, v, dout
+
+
+def _graph(shape, dtype, q_chunk, k_chunk):
+    """The forward+backward of the chunked attention, as dask arrays (nothing computed)."""
+    from .. import attention as A
+
+    q, k, v, dout = _inputs(shape, dtype, q_chunk, k_chunk)
+    out, cache = A.sdpa_forward(q, k, v, is_causal=shape[4], impl="chunked")
+    dq, dk, dv, _ = A.sdpa_backward(dout, cache)
+    return (q, k, v, dout), (out, dq, dk, dv)
+
+
+def _tasks(*arrays) -> dict:
+    graph: dict = {}
+    for a in arrays:
+        graph.update(dict(a.__dask_graph__()))
+    return graph
+
+
+def graph_sizes(shape, dtype, chunkings) -> list:
+    """Rows (q_chunk, k_chunk, pairs, tasks, pair tasks) for each (q_chunk, k_chunk)."""
+    rows = []
+    for qc, kc in chunkings:
+        inputs, results = _graph(shape, dtype, qc, kc)
+        ours = set(_tasks(*results)) - set(_tasks(*inputs))
+        pair = [key for key in ours if isinstance(key, tuple) and str(key[0]).startswith("npattn-pair-")]
+        rows.append(dict(q_chunk=qc, k_chunk=kc, pairs=len(pair) // 2, tasks=len(ours),
+                         pair_tasks=len(pair)))
+    return rows
+
+
+def _worker_rss_mib() -> dict:
+    """Current and peak resident memory of this process (Linux /proc), MiB."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line.split(":")[0]] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def _warm_up():
+    """Import npattn and run a tiny attention on the worker, so its baseline includes them."""
+    from .. import attention as A
+
+    x = np.ones((1, 1, 2, 2))
+    out, c = A.sdpa_forward(x, x, x, impl="blocked")
+    A.sdpa_backward(out, c)
+    return True
+
+
+def _compute(results, client):
+    sums = [r.sum() for r in results]
+    t0 = time.perf_counter()
+    values = client.compute(sums, sync=True)
+    return time.perf_counter() - t0, [float(v) for v in values]
+
+
+def _malloc_env() -> dict:
+    """glibc's malloc settings of this process's environment (a worker's, when run there)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
+
+@contextlib.contextmanager
+def _environ_without(names):
+    """This process's environment without ``names`` while workers are spawned, then as it was.
+
+    A nanny copies its pre-spawn variables into the environment of the process
+    that runs it, so an earlier cluster in this process would otherwise pass them on."""
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=False,
+                out=None) -> list:
+    """One fresh LocalCluster per worker count: time and peak memory per worker."""
+    import dask
+
+    out = sys.stdout if out is None else out
+    from distributed import Client, LocalCluster
+
+    spawn = {} if malloc_trim else {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+    rows = []
+    for n in workers:
+        with dask.config.set(spawn), _environ_without(() if malloc_trim else ("MALLOC_TRIM_THRESHOLD_",)), \
+                LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                             dashboard_address=":0", scheduler_kwargs={"dashboard": False}, env=ONE_CORE,
+                             memory_limit=0) as cluster, \
+                Client(cluster) as client:
+            malloc = next(iter(client.run(_malloc_env).values()))
+            client.run(_warm_up)
+            before = client.run(_worker_rss_mib)
+            _, results = _graph(shape, dtype, q_chunk, k_chunk)
+            times = []
+            for _ in range(repeat):
+                seconds, checks = _compute(results, client)
+                times.append(seconds)
+            after = client.run(_worker_rss_mib)
+        peaks = [after[w].get("VmHWM", math.nan) for w in sorted(after)]
+        bases = [before[w].get("VmRSS", math.nan) for w in sorted(after)]
+        row = dict(workers=n, seconds=statistics.median(times), times=times,
+                   peak_mib=peaks, base_mib=bases, checks=checks, malloc_env=malloc)
+        rows.append(row)
+        print(f"  {n} worker(s): {row['seconds']:.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}); "
+              f"peak RSS per worker {', '.join(f'{p:.0f}' for p in peaks)} MiB "
+              f"(before the run {', '.join(f'{b:.0f}' for b in bases)} MiB)", file=out, flush=True)
+    if rows:
+        for r in rows:
+            r["speedup"] = rows[0]["seconds"] / r["seconds"]
+    return rows
+
+
+def run_local(shape, dtype, repeat) -> dict:
+    """The same attention on NumPy arrays in this process (impl="blocked", the tile pool)."""
+    from .. import attention as A
+    from ..backend import pool_threads
+
+    B, L, D, H, causal = shape
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((B, H, L, D // H), dtype=np.float32).astype(dtype)
+                     for _ in range(4))
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        o, c = A.sdpa_forward(q, k, v, is_causal=causal, impl="blocked")
+        A.sdpa_backward(dout, c)
+        times.append(time.perf_counter() - t0)
+        del o, c
+    return dict(seconds=statistics.median(times), times=times, threads=pool_threads())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="npattn bench --backend dask",
+        description="Attention on dask (impl='chunked'): graph size against chunk count, time on "
+                    "LocalClusters of 1 and 2 single-threaded worker processes, peak memory per worker.")
+    parser.add_argument("--backend", choices=["dask"], default="dask", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, help="BxLxDxH[c] (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--q-chunk", type=int, default=1024, metavar="N",
+                        help="query rows per chunk (default: %(default)s)")
+    parser.add_argument("--k-chunk", type=int, default=1024, metavar="N",
+                        help="keys per chunk (key chunking; default: %(default)s)")
+    parser.add_argument("--workers", default="1,2", help="worker counts (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per cluster (default: 1)")
+    parser.add_argument("--graph-only", action="store_true", help="only the graph sizes")
+    parser.add_argument("--no-local", action="store_true", help="leave out the in-process run")
+    parser.add_argument("--dask-malloc-trim", action="store_true",
+                        help="keep distributed's MALLOC_TRIM_THRESHOLD_=65536 in the workers "
+                             "(default: unset, glibc's own trimming)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    try:
+        shape = parse_shape(args.shape)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        parser.error(f"--workers: expected comma-separated positive integers, got {args.workers!r}")
+    for name, value in (("q-chunk", args.q_chunk), ("k-chunk", args.k_chunk),
+                        ("repeat", args.repeat), *(("workers", w) for w in workers)):
+        if value < 1:
+            parser.error(f"--{name}: expected a positive integer, got {value}")
+    try:
+        import dask
+        import distributed
+    except ImportError as exc:
+        print(f"npattn bench --backend dask: needs the dask extra (pip install 'npattn[dask]'): {exc}",
+              file=sys.stderr)
+        return 2
+    B, L, D, H, causal = shape
+    itemsize = np.dtype(args.dtype).itemsize
+    result: dict[str, Any] = dict(
+        shape=args.shape, dtype=args.dtype, q_chunk=args.q_chunk, k_chunk=args.k_chunk,
+        dask=dask.__version__, distributed=distributed.__version__, cpus=os.cpu_count(),
+        scores_one_head_mib=L * L * itemsize / 2**20, scores_one_entry_mib=H * L * L * itemsize / 2**20)
+    print(f"npattn bench --backend dask: shape {args.shape} ({'causal, ' if causal else ''}{args.dtype}), "
+          f"chunks: 1 batch entry x {H} heads x {args.q_chunk} queries x {args.k_chunk} keys; "
+          f"dask {dask.__version__}, {os.cpu_count()} CPUs")
+    print(f"one head's (Lq, Lk) scores: {result['scores_one_head_mib']:.0f} MiB; one batch entry's "
+          f"heads: {result['scores_one_entry_mib']:.0f} MiB")
+    chunkings = sorted({(L, L), (L, min(args.k_chunk, L)), (min(args.q_chunk, L), min(args.k_chunk, L)),
+                        (max(L // 8, 1), max(L // 8, 1))}, reverse=True)
+    result["graph"] = graph_sizes(shape, np.dtype(args.dtype), chunkings)
+    print("graph of forward+backward (tasks beyond the inputs):")
+    print(f"  {'q chunk':>8} {'k chunk':>8} {'pairs':>6} {'tasks':>7} {'pair tasks':>11}")
+    for r in result["graph"]:
+        print(f"  {r['q_chunk']:>8} {r['k_chunk']:>8} {r['pairs']:>6} {r['tasks']:>7} {r['pair_tasks']:>11}")
+    if not args.graph_only:
+        print("LocalCluster, worker processes of one thread each"
+              + (" (MALLOC_TRIM_THRESHOLD_=65536, distributed's default):" if args.dask_malloc_trim
+                 else " (MALLOC_TRIM_THRESHOLD_ unset):"))
+        result["malloc_trim"] = bool(args.dask_malloc_trim)
+        result["workers"] = run_workers(shape, np.dtype(args.dtype), args.q_chunk, args.k_chunk,
+                                        workers, args.repeat, malloc_trim=args.dask_malloc_trim)
+        if len(result["workers"]) > 1:
+            print("  speed-up over " + f"{workers[0]} worker(s): "
+                  + ", ".join(f"{r['workers']}: {r['speedup']:.2f}x" for r in result["workers"]))
+        if not args.no_local:
+            result["local"] = run_local(shape, np.dtype(args.dtype), args.repeat)
+            print(f"in this process (NumPy, impl='blocked', {result['local']['threads']} pool threads): "
+                  f"{result['local']['seconds']:.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(result, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
