@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         import dask
         import distributed
     except ImportError as exc:
-        print(f"npattn bench --backend dask: needs the dask extra (pip install 'npattn[dask]'): {exc}",
+        print(f"npattn bench --backend dask: needs the dask extra (pip install '.[dask]' from the repository root): {exc}",
               file=sys.stderr)
         return 2
     B, L, D, H, causal = shape
