@@ -395,3 +395,26 @@ def test_bench_rejects_bad_options(args, message, capsys):
         bench.main(["--backend", "dask", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# npattn check --backend dask
+
+
+def test_the_audit_covers_the_chunked_implementation():
+    from npattn.tools import audit
+
+    xp = resolve_backend("dask")
+    checks = audit.panel("dask")
+    names = [c.name for c in checks]
+    assert any(n.endswith("[chunked]") and n.startswith("sdpa") for n in names)
+    assert any(n.endswith("[chunked]") and n.startswith("mha") for n in names)
+    assert not any("[blocked]" in n for n in names)
+    wanted = ("sdpa, Lq!=Lk, causal [chunked]",
+              "mha self, no bias, causal [chunked]")
+    with dask.config.set(scheduler="sync"):
+        for check in (c for c in checks if c.name in wanted):
+            rows = audit.run_check(check, xp, "float64")
+            assert rows and all(r.passed for r in rows), [str(r) for r in rows]
+            assert {r.tensor for r in rows} >= ({"q", "k", "v", "mask"} if check.name.startswith("sdpa")
+                                                else {"x (q=k=v)", "w_q"})

@@ -40,6 +40,7 @@ Dh head width.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -202,12 +203,28 @@ def _pair(forward_name, backward_name, **kwargs):
 AUDIT_BLOCKS = {"block_q": 2, "block_k": 3}
 
 
+#: Chunk lengths of the audited chunked implementation (dask arrays), along
+#: (batch, heads, query rows, keys): every configuration splits into several
+#: pairs of query and key chunks.
+AUDIT_CHUNKS = (1, 1, 2, 3)
+
+
+def _chunked(a, sizes):
+    """Dask array ``a`` with the chunk lengths ``sizes`` on its trailing axes (-1: one chunk)."""
+    return None if a is None else a.rechunk(tuple(sizes[len(sizes) - a.ndim:]))
+
+
 def _sdpa_pair(impl=None, **kwargs):
     """``functional``'s sdpa pair (``impl`` None), or the dispatcher's with ``impl``."""
     if impl is not None:
         blocks = AUDIT_BLOCKS if impl == "blocked" else {}
 
         def forward(q, k, v, mask=None):
+            if impl == "chunked":
+                b, h, i, j = AUDIT_CHUNKS
+                q, k, v = (_chunked(q, (b, h, i, -1)), _chunked(k, (b, h, j, -1)),
+                           _chunked(v, (b, h, j, -1)))
+                mask = _chunked(mask, AUDIT_CHUNKS)
             return A.sdpa_forward(q, k, v, mask=mask, impl=impl, **blocks, **kwargs)
 
         return forward, A.sdpa_backward
@@ -247,6 +264,8 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
         m = module_for(acts[0].dtype)
         for n, p in zip(names, ps):
             m.params[n] = p
+        if m.impl == "chunked":  # dask: batch entries and key/value positions in chunks
+            acts = [_chunked(acts[0], (1, -1, -1))] + [_chunked(a, (1, 3, -1)) for a in acts[1:]]
         q, k, v = (acts[0],) * 3 if self_attention else acts
         kw = {key: xp.astype(val, m.dtype) if key == "mask" and val is not None
               and xp.isdtype(val.dtype, "real floating") else val for key, val in fwd_kwargs.items()}
@@ -384,11 +403,18 @@ def panel(backend: Optional[str] = None) -> list:
     (the module with ``impl="reference"``). Then each sdpa and module
     configuration runs again on every other implementation of attention
     (``npattn.attention``): the blocked one, with blocks of 2 x 3 so that every
-    case crosses blocks, marked "[blocked]", on every backend; and for
-    ``backend="numpy"`` the NumPy kernel, marked "[numpy kernel]".
+    case crosses blocks, marked "[blocked]", on every backend but dask; for
+    ``backend="numpy"`` the NumPy kernel, marked "[numpy kernel]"; and for
+    ``backend="dask"`` the chunked implementation with chunks ``AUDIT_CHUNKS``,
+    marked "[chunked]", in place of the blocked one (the blocked loops run on
+    dask arrays as written, but their graph is so large that each row takes
+    minutes; the chunked implementation runs the blocked steps inside its tasks).
     """
     checks = _reference_panel()
-    impls = [("blocked", "blocked")] + ([("numpy", "numpy kernel")] if backend == "numpy" else [])
+    if backend == "dask":  # blocked's loops on dask arrays build huge graphs (minutes per row)
+        impls = [("chunked", "chunked")]
+    else:
+        impls = [("blocked", "blocked")] + ([("numpy", "numpy kernel")] if backend == "numpy" else [])
     for impl, label in impls:
         checks += [Check(f"{c.name} [{label}]", c.kind, c.build, impl=impl)
                    for c in _reference_panel() if c.name.startswith(("sdpa", "mha"))]
@@ -485,6 +511,15 @@ def _run_check(check: Check, xp, dtype: str, seed: int) -> list:
     return [rows[i] for i in wrt]
 
 
+def _scheduler(backend: str):
+    """dask's synchronous scheduler for a dask audit (thousands of tiny graphs: no thread pool)."""
+    if backend != "dask":
+        return contextlib.nullcontext()
+    import dask
+
+    return dask.config.set(scheduler="synchronous")
+
+
 def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
               checks=None) -> AuditResult:
     """Run the panel on ``backend`` in ``dtype``.
@@ -492,7 +527,7 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
     Parameters
     ----------
     backend : str
-        "numpy", "array_api_strict", "torch" or "cupy".
+        "numpy", "array_api_strict", "torch", "cupy" or "dask".
     dtype : {"float64", "float32"}
     progress : callable, optional
         Called as ``progress(i, n, check_name)`` before each configuration.
@@ -510,10 +545,11 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
     rtol, atol = TOLERANCES[dtype]
     start = time.perf_counter()
     rows = []
-    for i, check in enumerate(checks):
-        if progress is not None:
-            progress(i, len(checks), check.name)
-        rows.extend(run_check(check, xp, dtype, seed=i))
+    with _scheduler(backend):
+        for i, check in enumerate(checks):
+            if progress is not None:
+                progress(i, len(checks), check.name)
+            rows.extend(run_check(check, xp, dtype, seed=i))
     if progress is not None:
         progress(len(checks), len(checks), "")
     return AuditResult(backend, dtype, rtol, atol, rows, time.perf_counter() - start)

@@ -23,7 +23,7 @@ from .. import __version__
 
 __all__ = ["main", "build_parser"]
 
-BACKEND_CHOICES = ["numpy", "array_api_strict", "cupy", "torch"]
+BACKEND_CHOICES = ["numpy", "array_api_strict", "cupy", "torch", "dask"]
 
 
 def build_parser() -> argparse.ArgumentParser:
