@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 da = pytest.importorskip("dask.array", reason="the dask tests need the dask extra")
 dask = pytest.importorskip("dask")
@@ -24,7 +26,7 @@ from npattn import attention as A  # noqa: E402
 from npattn.backend import backend_name, resolve_backend, to_numpy  # noqa: E402
 from npattn.gradcheck import gradcheck  # noqa: E402
 
-from _attention_cases import assert_close, make_inputs  # noqa: E402
+from _attention_cases import MASK_FORMS, assert_close, make_inputs  # noqa: E402
 
 # (batch, query heads, query rows, keys) chunk lengths; K/V heads are chunked as the
 # query heads divided by G. Lengths 7 and 9: chunks of 2, 3, 4 leave short last chunks.
@@ -102,6 +104,33 @@ def test_chunked_equals_numpy(chunking, case, G):
     q, k, v, dout, kw = make_inputs(7, 2, 2, G, 7, 9, 4, 3, **case)
     ref, got = run_both(q, k, v, dout, kw, CHUNKINGS[chunking], G)
     assert_same(ref, got, f"{chunking} {case} G={G}")
+
+
+@st.composite
+def chunked_cases(draw):
+    Lq = draw(st.integers(2, 9))
+    G = draw(st.integers(1, 2))
+    return dict(
+        seed=draw(st.integers(0, 2**16)), B=draw(st.integers(1, 3)), Hkv=draw(st.integers(1, 2)),
+        G=G, Lq=Lq, Lk=draw(st.integers(2, 9).filter(lambda n: n != Lq)),
+        Dh=draw(st.integers(2, 4)), Dv=draw(st.integers(2, 4)),
+        mask_kind=draw(st.sampled_from(["none", "bool", "float"])),
+        mask_form=draw(st.sampled_from(sorted(MASK_FORMS))),
+        causal=draw(st.booleans()), dropout=draw(st.sampled_from(["none", "seed", "mask"])),
+        sizes=(draw(st.integers(1, 3)), G * draw(st.integers(1, 2)), draw(st.integers(1, 9)),
+               draw(st.integers(1, 9))),
+    )
+
+
+@given(case=chunked_cases())
+def test_chunked_equals_numpy_for_drawn_cases(case):
+    """Shapes, chunk lengths, mask kinds and forms, causal, GQA and dropout drawn together."""
+    case = dict(case)
+    sizes, G = case.pop("sizes"), case["G"]
+    seed, dims = case.pop("seed"), [case.pop(n) for n in ("B", "Hkv", "G", "Lq", "Lk", "Dh", "Dv")]
+    q, k, v, dout, kw = make_inputs(seed, *dims, **case)
+    ref, got = run_both(q, k, v, dout, kw, sizes, G)
+    assert_same(ref, got, f"{case} dims={dims} chunks={sizes}")
 
 
 @pytest.mark.parametrize("Lq,Lk", [(9, 7), (7, 9)])
