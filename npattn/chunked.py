@@ -66,6 +66,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import blocked
+from . import validation as V
 from .backend import dropout_key, is_dask_array, keyed_keep_mask
 from .functional import sum_to_shape
 
@@ -79,23 +80,9 @@ def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
     arrays = (q, k, v, mask, dropout_mask)
     if not all(a is None or is_dask_array(a) for a in arrays):
         return False
-    if not (q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
-        return False
-    if k.shape[1:3] != v.shape[1:3] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        return False
     if any(math.isnan(n) for a in arrays if a is not None for n in a.shape):
-        return False
-    full = tuple(q.shape[:3]) + (k.shape[2],)
-    for m in (mask, dropout_mask):
-        if m is not None:
-            if m.ndim > 4:
-                return False
-            try:
-                if np.broadcast_shapes(tuple(m.shape), full) != full:
-                    return False
-            except ValueError:
-                return False
-    return True
+        return False  # unknown chunk sizes
+    return V.heads_layout(q, k, v, mask, dropout_mask)
 
 
 # ------------------------------------------------------------------ the plan

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from . import validation as V
 from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, keep_mask, pool_threads, run_tasks
 from .functional import sum_to_shape
 
@@ -76,21 +77,8 @@ def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
     k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with one B, and masks that broadcast
     to (B, Hq, Lq, Lk) without growing it."""
     arrays = (q, k, v, mask, dropout_mask)
-    if not all(a is None or is_numpy_array(a) for a in arrays):
-        return False
-    if not (q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
-        return False
-    if k.shape[1:3] != v.shape[1:3] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        return False
-    full = q.shape[:3] + (k.shape[2],)
-    for m in (mask, dropout_mask):
-        if m is not None:
-            try:
-                if np.broadcast_shapes(m.shape, full) != full:
-                    return False
-            except ValueError:
-                return False
-    return True
+    return all(a is None or is_numpy_array(a) for a in arrays) and V.heads_layout(q, k, v, mask,
+                                                                                  dropout_mask)
 
 
 # ------------------------------------------------------------------ layout

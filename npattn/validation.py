@@ -326,6 +326,25 @@ def check_mask(name: str, mask: Any, xp: Any, *, target: tuple, target_text: str
             raise _broadcast_error(name, shape, target, target_text)
 
 
+def heads_layout(q: Any, k: Any, v: Any, *masks: Any) -> bool:
+    """Whether q (B, Hq, Lq, Dh), k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) share one B,
+    Hkv divides Hq, and every mask (None skipped) broadcasts to (B, Hq, Lq, Lk) without
+    growing it: the layout the NumPy kernel and the chunked implementation take."""
+    if not (q.ndim == k.ndim == v.ndim == 4 and q.shape[0] == k.shape[0] == v.shape[0]):
+        return False
+    if k.shape[1:3] != v.shape[1:3] or k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        return False
+    full = tuple(q.shape[:3]) + (k.shape[2],)
+    for m in masks:
+        if m is not None:
+            try:
+                if m.ndim > 4 or np.broadcast_shapes(tuple(m.shape), full) != full:
+                    return False
+            except ValueError:
+                return False
+    return True
+
+
 # --------------------------------------------------------------------------
 # finite check (opt-in: reads the data)
 
