@@ -12,8 +12,11 @@ dask arrays). The arrays' own chunks are the plan:
 The other inputs are rechunked to that plan (nothing happens when they match
 already) and the head widths are one chunk each. A task sees one chunk of
 queries against one chunk of keys, as NumPy arrays, and runs
-``npattn.blocked`` on them: memory per task is that of the blocked
-algorithm, ``O(bq bk)`` per head, whatever the chunk lengths.
+``npattn.blocked`` on them: its scores are formed one block of ``bq x bk``
+per head at a time, whatever the chunk lengths. What a task forms whole is
+boolean: the causal diagonal of a pair that crosses it (``ri x ck``) and its
+part of a drawn dropout mask (``Bc x Hc x ri x ck``), a quarter of the pair's
+float32 scores; a floating mask arrives as a chunk of that size.
 
 Forward. For every chunk ``(b, h, i)`` of the output and every key chunk
 ``j`` it meets (with ``is_causal``, the key chunks wholly above the diagonal
@@ -67,7 +70,7 @@ import numpy as np
 
 from . import blocked
 from . import validation as V
-from .backend import dropout_key, is_dask_array, keyed_keep_mask
+from .backend import device_of, dropout_key, is_dask_array, keyed_keep_mask, namespace
 from .functional import sum_to_shape
 
 __all__ = ["ChunkPlan", "ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of"]
@@ -102,9 +105,15 @@ class ChunkPlan(NamedTuple):
         return [0, *np.cumsum(sizes).tolist()]
 
 
+def _nonempty(chunks) -> tuple:
+    """Chunk lengths without empty chunks (dask allows them; a pair of them has no rows)."""
+    kept = tuple(int(n) for n in chunks if n)
+    return kept or tuple(int(n) for n in chunks[:1])
+
+
 def _plan(q, k, G) -> ChunkPlan:
-    return ChunkPlan(b=tuple(q.chunks[0]), h=tuple(k.chunks[1]), i=tuple(q.chunks[2]),
-                 j=tuple(k.chunks[2]), G=G)
+    return ChunkPlan(b=_nonempty(q.chunks[0]), h=_nonempty(k.chunks[1]), i=_nonempty(q.chunks[2]),
+                     j=_nonempty(k.chunks[2]), G=G)
 
 
 def _rechunk(a, plan: ChunkPlan, kinds: tuple):
@@ -371,13 +380,14 @@ def keep_mask_of(cache: ChunkedSDPACache) -> Any:
 def sdpa_backward(dout: Any, cache: ChunkedSDPACache) -> tuple[Any, Any, Any, Any]:
     """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward`` as dask arrays, pair by pair."""
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
-    import dask.array as da
     from dask.base import tokenize
 
     c = cache
+    V.check_grad("dout", dout, shape=tuple(c.out.shape), dtype=c.in_dtype, xp=namespace(c.q),
+                 device=device_of(c.q), of="the forward's out")
     plan = c.plan
     work = c.q.dtype
-    dout = da.asarray(dout).astype(work).rechunk(c.out.chunks)  # [B, Hq, Lq, Dv]
+    dout = dout.astype(work).rechunk(c.out.chunks)  # [B, Hq, Lq, Dv]
     token = tokenize(dout, c.out, c.q, c.k, c.v, c.mask, c.keep, c.dropout_key)
     part = "npattn-pair-backward-" + token
     names = {x: f"npattn-{x}-" + token for x in ("dq", "dk", "dv", "dmask")}

@@ -447,3 +447,24 @@ def test_the_audit_covers_the_chunked_implementation():
             assert rows and all(r.passed for r in rows), [str(r) for r in rows]
             assert {r.tensor for r in rows} >= ({"q", "k", "v"} if check.name.startswith("sdpa")
                                                 else {"x (q=k=v)", "w_q"})
+
+
+def test_empty_chunks_and_a_bad_dout():
+    """dask allows chunks of length 0: they are left out of the plan. A dout of the wrong
+    dtype or shape is refused before a graph is built, as by the reference."""
+    q, k, v, dout, kw = make_inputs(6, 2, 2, 1, 5, 7, 3, 4, causal=True)
+    for causal in (False, True):
+        out0, c0 = A.sdpa_forward(q, k, v, is_causal=causal, impl="numpy")
+        dq = da.from_array(q, chunks=((2,), (2,), (0, 3, 2), (3,)))
+        dk = da.from_array(k, chunks=((2,), (2,), (0, 3, 4), (3,)))
+        dv = da.from_array(v, chunks=(1, 1, 3, 4))
+        out, c = A.sdpa_forward(dq, dk, dv, is_causal=causal)
+        grads = A.sdpa_backward(da.from_array(dout, chunks=2), c)
+        out, grads = dask.compute(out, grads, scheduler="sync")
+        assert_close(out, out0, host, "out")
+        for g, g0 in zip(grads, A.sdpa_backward(dout, c0)):
+            assert_close(g, g0, host, "grad")
+    with pytest.raises(TypeError, match=r"dout: expected dtype float64 .*got float32"):
+        A.sdpa_backward(da.from_array(dout.astype(np.float32)), c)
+    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 2, 5, 4\)"):
+        A.sdpa_backward(da.from_array(dout[:, :, :4]), c)
