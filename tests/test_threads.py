@@ -28,28 +28,13 @@ from npattn import MultiHeadAttention, blocked, numpy_kernel
 from npattn import attention as A
 from npattn import functional as F
 
-P_DROP = 0.3
-
+from _attention_cases import make_inputs
 
 def _inputs(seed, B, Hkv, G, Lq, Lk, Dh, Dv, mask_kind="none", dropout="none", causal=False,
             dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    Hq = Hkv * G
-    q = rng.standard_normal((B, Hq, Lq, Dh)).astype(dtype)
-    k = rng.standard_normal((B, Hkv, Lk, Dh)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, Lk, Dv)).astype(dtype)
-    dout = rng.standard_normal((B, Hq, Lq, Dv)).astype(dtype)
-    kw = dict(is_causal=causal, enable_gqa=G > 1)
-    if mask_kind != "none":
-        allowed = rng.random((B, 1, Lq, Lk)) > 0.3  # [B, 1, Lq, Lk]: broadcast over heads
-        allowed[0, 0, 1] = False  # a fully masked row
-        kw["mask"] = allowed if mask_kind == "bool" else np.where(
-            allowed, rng.standard_normal(allowed.shape), -np.inf).astype(dtype)
-    if dropout == "seed":
-        kw.update(dropout_p=P_DROP, rng=seed)
-    elif dropout == "mask":
-        kw.update(dropout_p=P_DROP, dropout_mask=rng.random((B, Hq, Lq, Lk)) >= P_DROP)
-    return q, k, v, dout, kw
+    """The shared cases, with a (B, 1, Lq, Lk) mask (broadcast over heads) that blanks a row."""
+    return make_inputs(seed, B, Hkv, G, Lq, Lk, Dh, Dv, mask_kind=mask_kind, mask_form="B1LqLk",
+                       dropout=dropout, causal=causal, dtype=dtype)
 
 
 class PoolRecorder:
