@@ -25,8 +25,12 @@ function with the implementation ``impl`` names:
     would be large (``select_impl``), else ``"dense"``.
 
 Every implementation takes the same arguments (masks, causal, scale,
-dropout, GQA, a value width unlike the key width) and gives the same outputs
-and gradients to rounding; a dropout generator draws one key per forward and
+dropout, GQA, a value width unlike the key width) and gives the same outputs,
+``cache.lse`` and gradients to rounding. The kernel options (``align``,
+``window``, ``softcap``, ``alibi_slopes``, ``sinks``, segments) and
+broadcast leading axes run on the reference and the blocked path: with any
+of them ``"dense"`` is the reference and ``"numpy"`` / ``"chunked"`` are a
+``ValueError``; a dropout generator draws one key per forward and
 every implementation derives the same keep-mask from it
 (``dropout_keep_mask`` returns it). The arguments are checked once, here,
 before anything is computed; then the implementation's unchecked core runs
@@ -45,7 +49,7 @@ from . import blocked, chunked
 from . import functional as F
 from . import numpy_kernel
 from . import validation as V
-from .backend import exclusive, is_dask_array, namespace, pool_threads
+from .backend import device_of, exclusive, is_dask_array, namespace, pool_threads
 
 __all__ = [
     "IMPLS",
@@ -83,7 +87,7 @@ def check_impl(impl, *, need_weights: bool = False) -> None:
 
 
 def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
-                dropout_mask: Any = None, need_weights: bool = False) -> str:
+                dropout_mask: Any = None, need_weights: bool = False, plain: bool = True) -> str:
     """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"``,
     ``"blocked"`` or ``"chunked"``.
 
@@ -92,10 +96,18 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
     AUTO_BLOCKED_MAX_DENSE_SCORES``; otherwise, like ``"dense"``, the NumPy
     kernel when it takes the arrays, else the reference. ``"numpy"`` on
-    arrays the kernel does not take is a ``ValueError``.
+    arrays the kernel does not take is a ``ValueError``; so are ``"numpy"`` and
+    ``"chunked"`` for a call that is not ``plain`` (kernel options, or leading axes
+    that broadcast: ``functional.is_plain``).
     """
     check_impl(impl, need_weights=need_weights)
-    takes_chunks = chunked.accepts(q, k, v, mask, dropout_mask)
+    if not plain and impl in ("numpy", "chunked"):
+        raise ValueError(
+            f"impl={impl!r}: the kernel options (align='bottom_right' with is_causal, window, "
+            "softcap, alibi_slopes, sinks, q_segments/k_segments) and leading axes that "
+            "broadcast run on impl='reference' or 'blocked'"
+        )
+    takes_chunks = plain and chunked.accepts(q, k, v, mask, dropout_mask)
     if impl == "auto" and takes_chunks and not need_weights:
         return "chunked"
     if impl == "chunked" and not takes_chunks:
@@ -115,7 +127,7 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
         n = math.prod(q.shape[:-2]) * Lq * Lk
         large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
         impl = "blocked" if large and not need_weights else "dense"
-    kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
+    kernel = plain and numpy_kernel.accepts(q, k, v, mask, dropout_mask)
     if impl == "dense":
         return "numpy" if kernel else "reference"
     if impl == "numpy" and not kernel:
@@ -140,6 +152,13 @@ def sdpa_forward(
     dropout_mask: Any = None,
     rng: Any = None,
     enable_gqa: bool = False,
+    align: str = "top_left",
+    window: Any = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    q_segments: Any = None,
+    k_segments: Any = None,
     impl: str = "auto",
     need_weights: bool = False,
     block_q: Optional[int] = None,
@@ -151,6 +170,8 @@ def sdpa_forward(
     ----------
     q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, rng, enable_gqa
         As ``npattn.functional.sdpa_forward``.
+    align, window, softcap, alibi_slopes, sinks, q_segments, k_segments
+        The kernel options of ``npattn.functional.sdpa_forward``.
     impl : {"auto", "dense", "reference", "numpy", "blocked", "chunked"}
     need_weights : bool
         The weights will be read from the cache (``weights(cache)``): a dense
@@ -162,43 +183,69 @@ def sdpa_forward(
     -------
     out : array, shape (B, Hq, Lq, Dv)
     cache : the implementation's cache; pass it to ``sdpa_backward``.
+        ``cache.lse`` (B, Hq, Lq) is the log-sum-exp of each row on every
+        implementation.
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     G = F.gqa_groups(q, k, v, enable_gqa)
+    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
+    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                           k_segments=k_segments)
+    options = F.score_options(q, k, align=align, window=window, softcap=softcap,
+                              alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                              k_segments=k_segments)
+    cut = -3 if G > 1 else -2  # the axes that broadcast: all leading ones, or the batch under GQA
+    same_lead = tuple(q.shape[:cut]) == tuple(k.shape[:cut]) == tuple(v.shape[:cut])
+    plain = same_lead and F.is_plain(options, is_causal)
     path = select_impl(impl, q, k, v, mask=mask, dropout_mask=dropout_mask,
-                       need_weights=need_weights)
+                       need_weights=need_weights, plain=plain)
     pool_threads()  # a bad NPATTN_NUM_THREADS fails here, before anything is computed
     args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                 dropout_mask=dropout_mask, rng=rng, groups=G)
     with exclusive():
         if path == "reference":
-            return F.sdpa_forward_core(q, k, v, **args)
+            return F.sdpa_forward_core(q, k, v, options=options, **args)
         if path == "numpy":
             return numpy_kernel.sdpa_forward(q, k, v, **args)
         if path == "chunked":
             return chunked.sdpa_forward(q, k, v, block_q=block_q, block_k=block_k, **args)
-        return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k, **args)
+        return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k,
+                                                 options=options, **args)
 
 
-def sdpa_backward(dout: Any, cache: Any) -> tuple[Any, Any, Any, Any]:
-    """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward``, by the implementation that made ``cache``.
+def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
+    """Gradients ``SDPAGrads(dq, dk, dv, dmask, dsinks)`` of ``sdpa_forward``, by the
+    implementation that made ``cache``.
 
     ``dk`` and ``dv`` have the K/V heads' shape under GQA; ``dmask`` is None
-    unless the mask was floating.
+    unless the mask was floating; ``dsinks`` None without sinks. ``dlse``
+    (B, Hq, Lq), in the dtype of ``cache.lse``, is an upstream gradient of
+    ``cache.lse``.
     """
-    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
+    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape, [H]
+    kinds = (numpy_kernel.NumpySDPACache, blocked.BlockedSDPACache, chunked.ChunkedSDPACache,
+             F.SDPACache)
+    if not isinstance(cache, kinds):
+        raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+    if isinstance(cache, F.SDPACache):  # the reference checks its own arguments
+        with exclusive():
+            return F.sdpa_backward(dout, cache, dlse=dlse)
+    lse = cache.lse
+    V.check_grad("dout", dout, shape=tuple(lse.shape) + (cache.v.shape[-1],),
+                 dtype=cache.in_dtype, xp=namespace(cache.q), device=device_of(cache.q),
+                 of="the forward's out")
+    if dlse is not None:
+        V.check_grad("dlse", dlse, shape=tuple(lse.shape), dtype=lse.dtype,
+                     xp=namespace(cache.q), device=device_of(cache.q), of="cache.lse")
     with exclusive():
         if isinstance(cache, numpy_kernel.NumpySDPACache):
-            return numpy_kernel.sdpa_backward(dout, cache)
+            return numpy_kernel.sdpa_backward(dout, cache, dlse=dlse)
         if isinstance(cache, blocked.BlockedSDPACache):
-            return blocked.sdpa_blocked_backward(dout, cache)
-        if isinstance(cache, chunked.ChunkedSDPACache):
-            return chunked.sdpa_backward(dout, cache)
-        if isinstance(cache, F.SDPACache):
-            return F.sdpa_backward(dout, cache)
-    raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+            return blocked.sdpa_blocked_backward(dout, cache, dlse=dlse)
+        return chunked.sdpa_backward(dout, cache, dlse=dlse)
 
 
 def weights(cache: Any) -> Any:
@@ -226,7 +273,7 @@ def dropout_keep_mask(cache: Any) -> Any:
         if cache.dropout_mask is None:
             return None
         xp = namespace(cache.q)
-        shape = tuple(cache.q_shape[:-2]) + (cache.q.shape[-2], cache.k.shape[-2])
+        shape = tuple(cache.lead_shape) + (cache.q.shape[-2], cache.k.shape[-2])
         full = xp.broadcast_to(cache.dropout_mask, tuple(cache.q.shape[:-2]) + shape[-2:])
         return xp.reshape(full, shape)
     if isinstance(cache, F.SDPACache):

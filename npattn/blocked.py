@@ -155,11 +155,35 @@ class BlockedSDPACache(NamedTuple):
     k_shape: tuple  # shape of k as given
     v_shape: tuple
     in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
+    options: Any = None  # F.ScoreOptions, causal folded in, arrays in the layout of q
+    lead_shape: tuple = ()  # leading axes of the scores (q, k, v broadcast), for lse and dlse
+    shapes_b: tuple = ()  # shapes of q, k, v broadcast to lead_shape, before the grouped view
+    sinks_shape: Optional[tuple] = None  # (H,) with sinks, for dsinks
+
+    @property
+    def lse(self) -> Any:
+        """(..., Lq) natural log-sum-exp of each row's final scores (sink included),
+        ``m + log(l)``; -inf for a row with nothing to attend."""
+        xp = namespace(self.q)
+        lse = xp.where(self.l == 0.0, -math.inf, self.m + xp.log(xp.where(self.l == 0.0, 1.0, self.l)))
+        return xp.reshape(lse, tuple(self.lead_shape) + (self.q.shape[-2],))
 
 
 def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
-    """Steps 2.-3. of the forward for one block: masked scores ``z`` of ``[i0:i1, j0:j1]``."""
+    """Steps 2.-3. of the forward for one block: the scores ``z`` of ``[i0:i1, j0:j1]``
+    with every option applied, and ``tanh(s / softcap)`` for the backward (None without)."""
+    o = c.options
     z = qs_i @ xp.matrix_transpose(k_j)  # 2. s = (q * scale) @ k^T      [..., bq, bk]
+    t = None
+    if o.softcap is not None:
+        t = xp.tanh(z / o.softcap)  # 2. c = softcap * tanh(s / softcap)
+        z = o.softcap * t
+    cut = F.block_cut(o, i0, i1, j0, j1)  # the window crosses this block
+    if o.alibi is not None or cut:
+        rows = xp.arange(i0, i1, device=device_of(z))  # [bq]
+        cols = xp.arange(j0, j1, device=device_of(z))  # [bk]
+    if o.alibi is not None:
+        z = z + F.alibi_bias(xp, o.alibi, rows, cols, o.offset)  # 2. z = c + alibi
     allowed = None
     if c.mask is not None:
         m_blk = _slice_qk(c.mask, i0, i1, j0, j1)
@@ -167,14 +191,26 @@ def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
             allowed = m_blk
         else:
             z = z + m_blk  # 3. z = s + mask                            [..., bq, bk]
-    if c.is_causal and j1 - 1 > i0:  # the block crosses the diagonal
-        i = xp.arange(i0, i1, device=device_of(z))  # [bq]
-        j = xp.arange(j0, j1, device=device_of(z))  # [bk]
-        causal = xp.expand_dims(i, axis=1) >= xp.expand_dims(j, axis=0)  # [bq, bk]
-        allowed = causal if allowed is None else xp.logical_and(allowed, causal)
+    if cut:
+        allowed = F.combine_allowed(xp, allowed, F.positions_allowed(xp, rows, cols, o))
+    if o.q_segments is not None:
+        same = o.q_segments[..., i0:i1, :] == o.k_segments[..., j0:j1]  # [..., bq, bk]
+        allowed = F.combine_allowed(xp, allowed, same)
     if allowed is not None:
         z = xp.where(allowed, z, -math.inf)  # 3. z = where(allowed, z, -inf)
-    return z
+    return z, t
+
+
+def _block_skipped(xp, c, i0, i1, j0, j1) -> bool:
+    """Whether block ``[i0:i1, j0:j1]`` has nothing to attend by the window (causal
+    included) or the segments: the forward and the backward skip it (its ``p`` is 0)."""
+    o = c.options
+    if not F.block_visible(o, i0, i1, j0, j1):
+        return True
+    if o.q_segments is not None:
+        same = o.q_segments[..., i0:i1, :] == o.k_segments[..., j0:j1]  # [..., bq, bk]
+        return not bool(xp.any(same))
+    return False
 
 
 def _block_keep(xp, c, i0, i1, j0, j1, device):
@@ -201,7 +237,7 @@ def blocked_keep_mask(cache: BlockedSDPACache, xp: Any = None) -> Any:
     xp = namespace(c.q) if xp is None else xp
     Lq, Lk = c.q.shape[-2], c.k.shape[-2]
     keep = keyed_keep_mask(c.dropout_key, c.dropout_p, c.coords, np.arange(Lq), np.arange(Lk))
-    shape = tuple(c.q_shape[:-2]) + (Lq, Lk)
+    shape = tuple(c.lead_shape) + (Lq, Lk)
     full = np.array(np.broadcast_to(keep, c.q.shape[:-2] + (Lq, Lk)).reshape(shape))  # writable
     return from_numpy(full, xp, device_of(c.q))
 
@@ -243,9 +279,12 @@ def _slice_cache(c: BlockedSDPACache, index: tuple):
 
     coords = [cut(np.broadcast_to(a, (1,) * (len(c.q.shape) - 2 - a.ndim) + a.shape))
               for a in c.coords] if c.coords is not None else None
+    o = c.options
+    o = o._replace(alibi=cut(o.alibi), sinks=cut(o.sinks), q_segments=cut(o.q_segments),
+                   k_segments=cut(o.k_segments))
     return c._replace(q=cut(c.q), k=cut(c.k), v=cut(c.v), mask=cut(c.mask),
                       dropout_mask=cut(c.dropout_mask), out=cut(c.out), m=cut(c.m),
-                      l=cut(c.l), coords=coords)
+                      l=cut(c.l), coords=coords, options=o)
 
 
 def _forward_loops(xp, c):
@@ -257,15 +296,19 @@ def _forward_loops(xp, c):
     drop_scale = 1.0 / (1.0 - c.dropout_p)
     qs = q * c.scale  # 1.                                          [..., Lq, Dh]
     outs, ms, ls = [], [], []
+    sinks = c.options.sinks  # [..., 1, 1] or None
     for i0, i1 in _blocks(Lq, c.block_q):
         qs_i = qs[..., i0:i1, :]  # [..., bq, Dh]
         m = xp.full(batch + (i1 - i0, 1), -math.inf, dtype=work, device=dev)  # [..., bq, 1]
         l = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev)  # [..., bq, 1]
+        if sinks is not None:  # the sink is a first key with score `sink` and no value
+            m = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev) + sinks  # m = sink
+            l = l + 1.0  # l = exp(sink - m) = 1
         acc = xp.zeros(batch + (i1 - i0, Dv), dtype=work, device=dev)  # [..., bq, Dv]
         for j0, j1 in _blocks(Lk, c.block_k):
-            if c.is_causal and j0 > i1 - 1:
-                break  # causal: this block and every later one lie above the diagonal
-            z = _block_scores(xp, c, qs_i, k[..., j0:j1, :], i0, i1, j0, j1)  # 2.-3. [.., bq, bk]
+            if _block_skipped(xp, c, i0, i1, j0, j1):
+                continue  # window, causal or segments: nothing in this block is attended
+            z, _ = _block_scores(xp, c, qs_i, k[..., j0:j1, :], i0, i1, j0, j1)  # 2.-3.
             m_new = xp.maximum(m, xp.max(z, axis=-1, keepdims=True))  # 4.     [..., bq, 1]
             shift = xp.where(m_new == -math.inf, 0.0, m_new)  # no -inf - -inf on empty rows
             e = xp.exp(z - shift)  # 5.                                   [..., bq, bk]
@@ -287,6 +330,9 @@ def _forward_loops(xp, c):
 def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
                          scale: Optional[float] = None, dropout_p: float = 0.0,
                          dropout_mask: Any = None, rng: Any = None, enable_gqa: bool = False,
+                         align: str = "top_left", window: Any = None,
+                         softcap: Optional[float] = None, alibi_slopes: Any = None,
+                         sinks: Any = None, q_segments: Any = None, k_segments: Any = None,
                          block_q: Optional[int] = None, block_k: Optional[int] = None
                          ) -> tuple[Any, BlockedSDPACache]:
     """Scaled dot-product attention by blocks, ``softmax(q k^T * scale + mask) v``.
@@ -295,12 +341,14 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     arguments, computed one ``[bq, bk]`` block of scores at a time with an
     online softmax. For each query block ``i`` (rows ``i0:i1``), starting
     from ``m = -inf``, ``l = 0``, ``acc = 0``, and for each key block ``j``
-    (columns ``j0:j1``; with ``is_causal``, blocks wholly above the diagonal
-    are skipped):
+    (columns ``j0:j1``; blocks that the window, ``is_causal`` or the segments
+    leave wholly unattended are skipped), with ``m = sink``, ``l = 1`` in
+    place of ``-inf``, 0 under attention sinks:
 
     1. ``qs = q * scale``                               (once, [..., Lq, Dh])
-    2. ``s = qs_i @ k_j^T``                              [..., bq, bk]
-    3. ``z = s + mask`` or ``where(allowed, s, -inf)``   (mask, causal)
+    2. ``s = qs_i @ k_j^T``, then ``softcap * tanh(s / softcap)`` and ALiBi's
+       ``- slope * |i + o - j|``                         [..., bq, bk]
+    3. ``z = s + mask`` or ``where(allowed, s, -inf)``   (mask, window, segments)
     4. ``m' = max(m, rowmax(z))``, shifted by ``m* = m'`` or 0 where ``m' = -inf``
     5. ``e = exp(z - m*)``, ``alpha = exp(m - m*)``     [..., bq, bk], [..., bq, 1]
     6. ``l = alpha * l + rowsum(e)``                      [..., bq, 1]
@@ -309,7 +357,8 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     and after the last key block
 
     8. ``out_i = acc / l`` (0 for a row with ``l = 0``: nothing to attend)
-    9. ``m_i``, ``l_i`` saved for the backward (``m = 0`` for such a row).
+    9. ``m_i``, ``l_i`` saved for the backward (``m = 0`` for such a row);
+       ``cache.lse = m + log(l)``.
 
     ``acc / l`` equals ``dropout(p) @ v`` with ``p = e_all / l``: every
     ``e`` and ``acc`` is scaled by ``exp(m_old - m_new)`` when the maximum
@@ -320,6 +369,8 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, rng, enable_gqa
         As ``npattn.functional.sdpa_forward``. Dropout from ``rng`` draws the
         same keep-mask as the reference, whatever the block sizes.
+    align, window, softcap, alibi_slopes, sinks, q_segments, k_segments
+        The kernel options of ``npattn.functional.sdpa_forward``.
     block_q, block_k : int, optional
         Query and key block lengths; need not divide ``Lq`` / ``Lk``.
         Default ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``.
@@ -338,26 +389,37 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     G = F.gqa_groups(q, k, v, enable_gqa)
+    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
+    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                           k_segments=k_segments)
+    options = F.score_options(q, k, align=align, window=window, softcap=softcap,
+                              alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                              k_segments=k_segments)
     return sdpa_blocked_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                                      dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng,
-                                     groups=G, block_q=block_q, block_k=block_k)
+                                     groups=G, block_q=block_q, block_k=block_k, options=options)
 
 
 def sdpa_blocked_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool,
                               scale: Optional[float], dropout_p: float, dropout_mask: Any, rng: Any,
                               groups: int, block_q: Optional[int] = None,
-                              block_k: Optional[int] = None) -> tuple[Any, BlockedSDPACache]:
-    """``sdpa_blocked_forward`` on arguments that are already checked; for the dispatcher."""
+                              block_k: Optional[int] = None,
+                              options: Optional[F.ScoreOptions] = None
+                              ) -> tuple[Any, BlockedSDPACache]:
+    """``sdpa_blocked_forward`` on arguments that are already checked (``options`` from
+    ``functional.score_options``); for the dispatcher."""
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> [..., Lq, Dv]
     with exclusive():  # BLAS is held to one thread inside (npattn.backend: threads)
         return _forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                         dropout_mask=dropout_mask, rng=rng, groups=groups, block_q=block_q,
-                        block_k=block_k)
+                        block_k=block_k, options=options)
 
 
 def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
                   dropout_p: float, dropout_mask: Any, groups: int, key: Optional[int] = None,
-                  block_q: Optional[int] = None, block_k: Optional[int] = None) -> BlockedSDPACache:
+                  block_q: Optional[int] = None, block_k: Optional[int] = None,
+                  options: Optional[F.ScoreOptions] = None) -> BlockedSDPACache:
     """The cache of a blocked forward before its loops run: inputs in the compute dtype and
     the grouped layout, ``out``, ``m`` and ``l`` still None (``with_rows`` fills them).
 
@@ -374,6 +436,13 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     _check_block("block_k", block_k)
     G = groups
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    o = F.causal_options(is_causal, options)
+    sinks_shape = None if o.sinks is None else (int(o.sinks.shape[-3]),)
+    lead = V.scores_lead(q, k, v, enable_gqa=G > 1)
+    # leading axes that broadcast (torch's SDPA) become equal, as views; backward sums them back
+    batch = lead[:-1] if G > 1 else lead
+    q, k, v = (xp.broadcast_to(t, batch + tuple(t.shape[-3 if G > 1 else -2:])) for t in (q, k, v))
+    shapes_b = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     in_dtype = q.dtype
     work = F.compute_dtype(xp, in_dtype)
     if work != in_dtype:
@@ -384,20 +453,29 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     mask_shape = tuple(mask.shape) if mask is not None and is_floating(xp, mask) else None
     ndim = q.ndim
     if G > 1:  # grouped view: q (..., Hkv, G, Lq, Dh); k, v (..., Hkv, 1, Lk, D) broadcast over G
-        q = xp.reshape(q, (*q_shape[:-3], q_shape[-3] // G, G, *q_shape[-2:]))
+        qb = shapes_b[0]
+        q = xp.reshape(q, (*qb[:-3], qb[-3] // G, G, *qb[-2:]))
         k, v = xp.expand_dims(k, axis=-3), xp.expand_dims(v, axis=-3)
     if mask is not None:
         mask = _grouped_mask(xp, mask, ndim, G) if G > 1 else _pad_to(xp, mask, ndim)
     if dropout_mask is not None:
         dropout_mask = (_grouped_mask(xp, dropout_mask, ndim, G) if G > 1
                         else _pad_to(xp, dropout_mask, ndim))
+
+    def layout(a):  # an option array over the scores (..., H|1, Lq|1, Lk|1) in q's layout
+        if a is None:
+            return None
+        return _grouped_mask(xp, a, ndim, G) if G > 1 else _pad_to(xp, a, ndim)
+
+    o = o._replace(alibi=layout(o.alibi), sinks=layout(o.sinks), q_segments=layout(o.q_segments),
+                   k_segments=layout(o.k_segments))
     return BlockedSDPACache(  # out, m and l are filled in after the loops
         q=q, k=k, v=v, out=None, m=None, l=None, mask=mask, is_causal=bool(is_causal),
         dropout_mask=dropout_mask, dropout_key=key,
         coords=_coords(tuple(q.shape[:-2]), G) if key is not None else None,
         dropout_p=float(dropout_p), scale=scale, mask_shape=mask_shape, block_q=int(block_q),
         block_k=int(block_k), groups=G, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
-        in_dtype=in_dtype,
+        in_dtype=in_dtype, options=o, lead_shape=lead, shapes_b=shapes_b, sinks_shape=sinks_shape,
     )  # fmt: skip
 
 
@@ -414,19 +492,19 @@ def rows_of(cache: BlockedSDPACache) -> tuple[Any, Any, Any]:
     """The output and row statistics ``(out, m, l)`` of a blocked forward, in the caller's
     layout ((..., Lq, Dv), (..., Lq, 1), (..., Lq, 1)) and the compute dtype."""
     xp = namespace(cache.q)
-    rows = tuple(cache.q_shape[:-1])
+    rows = tuple(cache.lead_shape) + (cache.q.shape[-2],)
     return (xp.reshape(cache.out, rows + (cache.v.shape[-1],)), xp.reshape(cache.m, rows + (1,)),
             xp.reshape(cache.l, rows + (1,)))
 
 
 def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, groups, block_q,
-             block_k):
+             block_k, options):
     key = None
     if dropout_p > 0.0 and dropout_mask is None:
         key = dropout_key(rng)  # the one draw of every implementation
     c = blocked_cache(q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                       dropout_mask=dropout_mask, groups=groups, key=key,
-                      block_q=block_q, block_k=block_k)
+                      block_q=block_q, block_k=block_k, options=options)
     xp = namespace(c.q, c.k, c.v, c.mask, c.dropout_mask)
     q, work, in_dtype, q_shape, v_shape = c.q, c.q.dtype, c.in_dtype, c.q_shape, c.v_shape
     split = _pool_split(xp, c)
@@ -446,77 +524,101 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
 
     cache = c._replace(out=out, m=m, l=l)
     # the caller's layout, as a copy: the cache's out must not change if the caller writes into it
-    out = xp.reshape(xp.asarray(out, copy=True), q_shape[:-1] + (v_shape[-1],))
+    out = xp.reshape(xp.asarray(out, copy=True), c.lead_shape + (q.shape[-2], v_shape[-1]))
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
     return out, cache
 
 
-def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache) -> tuple[Any, Any, Any, Any]:
+def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache, *, dlse: Any = None) -> F.SDPAGrads:
     """Gradients of blocked scaled dot-product attention, recomputing each block.
 
-    With ``delta = rowsum(dout * out)``  [..., Lq, 1], for each key block
-    ``j`` and, inside it, each query block ``i`` (the forward's blocks):
+    With ``delta = rowsum(dout * out) - dlse``  [..., Lq, 1], for each key block
+    ``j`` and, inside it, each query block ``i`` (the forward's blocks, the
+    same ones skipped):
 
     * ``p = exp(z - m) / l``: the softmax block, from steps 2.-3. and 9.
     * ``a = dropout(p)``;  ``dv_j += a^T @ dout_i``
     * ``da = dout_i @ v_j^T``;  ``dp = dropout_backward(da)``
-    * ``ds = p * (dp - delta_i)``  (the dense ``p * (dp - rowsum(dp * p))``:
+    * ``dz = p * (dp - delta_i)``  (the dense ``p * (dp - rowsum(dp * p) + dlse)``:
       ``rowsum(dp * p) = rowsum(da * a) = dout . (a @ v) = rowsum(dout * out)``)
-    * ``dq_i += ds @ k_j * scale``;  ``dk_j += ds^T @ qs_i``;
-      ``dmask += ds`` summed to the mask's shape.
+    * ``dmask += dz`` summed to the mask's shape; ``ds = dz * (1 - tanh^2)``
+      under a softcap, else ``ds = dz``
+    * ``dq_i += ds @ k_j * scale``;  ``dk_j += ds^T @ qs_i``
+
+    and, per row, ``dsink = p_sink * (-delta)`` with ``p_sink = exp(sink - m) / l``,
+    summed over the batch and the rows of each head.
 
     Under grouped-query attention ``dk_j`` and ``dv_j`` are summed over the G
     query heads that share a K/V head (the broadcast axis).
 
+    Parameters
+    ----------
+    dout : array, shape of the output (..., Lq, Dv)
+    cache : BlockedSDPACache
+    dlse : array, shape (..., Lq), optional
+        Upstream gradient of ``cache.lse``, in its dtype.
+
     Returns
     -------
-    dq : array, shape of q (..., Lq, Dh)
-    dk : array, shape of k (..., Lk, Dh)
-    dv : array, shape of v (..., Lk, Dv)
-    dmask : array of the floating mask's own shape, or None for a boolean or
-        no mask.
+    F.SDPAGrads
+        ``dq``, ``dk``, ``dv`` in the shapes of q, k, v; ``dmask`` of the
+        floating mask's own shape, None for a boolean or no mask; ``dsinks``
+        (H,) with sinks, else None.
     """
-    # [..., Lq, Dv] -> [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv], mask shape
+    # [..., Lq, Dv] -> [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv], mask shape, [H]
     with exclusive():  # BLAS is held to one thread inside (npattn.backend: threads)
-        return _backward(dout, cache)
+        return _backward(dout, cache, dlse)
 
 
-def _backward(dout, cache: BlockedSDPACache):
+def _backward(dout, cache: BlockedSDPACache, dlse=None):
     c = cache
     xp = namespace(dout, c.q)
-    dout = xp.reshape(dout, tuple(c.q.shape[:-1]) + (c.v.shape[-1],))  # grouped under GQA
+    rows = tuple(c.q.shape[:-1])  # grouped under GQA
+    dout = xp.reshape(dout, rows + (c.v.shape[-1],))
+    work = c.q.dtype
+    if dout.dtype != work:
+        dout = xp.astype(dout, work)
+    # 8. out = acc / l = a @ v row by row, so sum_j dp_j p_j = rowsum(dout * out);
+    #    lse = m + log(l) adds d lse / dz_j = p_j: delta = rowsum(dout * out) - dlse
+    delta = xp.sum(dout * c.out, axis=-1, keepdims=True)  # [..., Lq, 1]
+    if dlse is not None:
+        delta = delta - xp.reshape(xp.astype(dlse, work), rows + (1,))
     split = _pool_split(xp, c)
     if split is None:
         with limit_blas_threads(1 if is_numpy_array(c.q) else None):
-            dq, dk, dv, dmask = _backward_loops(dout, c)
+            dq, dk, dv, dmask = _backward_loops(dout, delta, c)
     else:  # NumPy: independent slices of the leading axes on the tile pool
-        work = c.q.dtype
         dq, dk, dv = (xp.empty(a.shape, dtype=work, device=device_of(a)) for a in (c.q, c.k, c.v))
 
         def task(index):
-            dq[index], dk[index], dv[index], _ = _backward_loops(dout[index], _slice_cache(c, index))
+            dq[index], dk[index], dv[index], _ = _backward_loops(dout[index], delta[index],
+                                                                 _slice_cache(c, index))
 
         run_tasks(task, split, len(split))
         dmask = None  # split only without a floating mask
-    dq = xp.reshape(dq, c.q_shape)
-    dk = xp.reshape(dk, c.k_shape)
-    dv = xp.reshape(dv, c.v_shape)
+    dsinks = None
+    if c.options.sinks is not None:  # the sink: a logit with no value, dp_sink = 0
+        p_sink = xp.exp(c.options.sinks - c.m) / c.l  # [..., Lq, 1]  (l >= exp(sink - m) > 0)
+        dsink = -(p_sink * delta)  # dz_sink = p_sink * (0 - delta)
+        dsinks = xp.reshape(F.sum_to_shape(xp, dsink, tuple(c.options.sinks.shape)), c.sinks_shape)
+    qb, kb, vb = c.shapes_b
+    dq = F.sum_to_shape(xp, xp.reshape(dq, qb), c.q_shape)  # broadcast leading axes summed back
+    dk = F.sum_to_shape(xp, xp.reshape(dk, kb), c.k_shape)
+    dv = F.sum_to_shape(xp, xp.reshape(dv, vb), c.v_shape)
     if c.in_dtype != dq.dtype:
         dq, dk, dv = (xp.astype(t, c.in_dtype) for t in (dq, dk, dv))
         if dmask is not None:
             dmask = xp.astype(dmask, c.in_dtype)
-    return dq, dk, dv, dmask
+    return F.SDPAGrads(dq, dk, dv, dmask, dsinks)
 
 
-def _backward_loops(dout, cache: BlockedSDPACache):
+def _backward_loops(dout, delta, cache: BlockedSDPACache):
     """The body of ``sdpa_blocked_backward`` on the arrays of ``cache`` (compute dtype)."""
     c = cache
     xp = namespace(dout, c.q)
     q, k, v = c.q, c.k, c.v
     work = q.dtype
-    if dout.dtype != work:
-        dout = xp.astype(dout, work)
     Lq, Dh = q.shape[-2], q.shape[-1]
     Lk, Dv = k.shape[-2], v.shape[-1]
     q_lead, k_lead = tuple(q.shape[:-2]), tuple(k.shape[:-2])
@@ -525,9 +627,6 @@ def _backward_loops(dout, cache: BlockedSDPACache):
     q_blocks, k_blocks = _blocks(Lq, c.block_q), _blocks(Lk, c.block_k)
     qs = q * c.scale  # 1.                                           [..., Lq, Dh]
     l_safe = xp.where(c.l == 0.0, 1.0, c.l)  # rows with nothing to attend: p = 0 anyway
-
-    # 8. out = acc / l = a @ v row by row, so sum_j dp_j p_j = rowsum(dout * out)
-    delta = xp.sum(dout * c.out, axis=-1, keepdims=True)  # [..., Lq, 1]
 
     fmask = None if c.mask_shape is None else c.mask  # floating mask, in q's layout
     dmask_parts: dict = {}  # (row block, column block) -> dmask block
@@ -538,11 +637,11 @@ def _backward_loops(dout, cache: BlockedSDPACache):
         dk_j = xp.zeros(k_lead + (j1 - j0, Dh), dtype=work, device=dev)  # [..., bk, Dh]
         dv_j = xp.zeros(k_lead + (j1 - j0, Dv), dtype=work, device=dev)  # [..., bk, Dv]
         for ib, (i0, i1) in enumerate(q_blocks):
-            if c.is_causal and j0 > i1 - 1:
+            if _block_skipped(xp, c, i0, i1, j0, j1):
                 continue  # the forward skipped this block: p = 0 there
             qs_i, do_i = qs[..., i0:i1, :], dout[..., i0:i1, :]  # [..., bq, Dh], [..., bq, Dv]
             # 2.-3. and 9.: z as in the forward; p = exp(z - m) / l, 0 where masked
-            z = _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1)  # [..., bq, bk]
+            z, t = _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1)  # [..., bq, bk]
             p = xp.exp(z - c.m[..., i0:i1, :]) / l_safe[..., i0:i1, :]  # [..., bq, bk]
             # 7. acc += dropout(p) @ v_j: dv_j += a^T @ dout_i, da = dout_i @ v_j^T
             keep = _block_keep(xp, c, i0, i1, j0, j1, dev)
@@ -551,7 +650,7 @@ def _backward_loops(dout, cache: BlockedSDPACache):
             dp = do_i @ xp.matrix_transpose(v_j)  # [..., bq, bk]
             if keep is not None:
                 dp = xp.where(keep, dp * drop_scale, 0.0)  # dropout backward
-            # 4.-6. p = softmax(z): dz = p * (dp - sum_j dp_j p_j) = p * (dp - delta)
+            # 4.-6. p = softmax(z): dz = p * (dp - sum_j dp_j p_j + dlse) = p * (dp - delta)
             ds = p * (dp - delta[..., i0:i1, :])  # [..., bq, bk]
             # 3. z = s + mask: dmask = dz, summed to the mask's shape (0 where masked: p = 0)
             if fmask is not None:
@@ -561,6 +660,9 @@ def _backward_loops(dout, cache: BlockedSDPACache):
                 where_ = (ib if mq else 0, jb if mk else 0)
                 prev = dmask_parts.get(where_)
                 dmask_parts[where_] = g if prev is None else prev + g
+            # 2. z = softcap * tanh(s / softcap) + alibi: ds = dz * (1 - tanh^2)
+            if t is not None:
+                ds = ds * (1.0 - t * t)
             # 2. s = qs_i @ k_j^T: dqs_i = ds @ k_j, dk_j = ds^T @ qs_i; 1. qs = q * scale
             dq_i = (ds @ k_j) * c.scale  # [..., bq, Dh]
             dq_parts[ib] = dq_i if dq_parts[ib] is None else dq_parts[ib] + dq_i

@@ -71,7 +71,7 @@ import numpy as np
 from . import blocked
 from . import validation as V
 from .backend import device_of, dropout_key, is_dask_array, keyed_keep_mask, namespace
-from .functional import sum_to_shape
+from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["ChunkPlan", "ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of"]
 
@@ -217,10 +217,11 @@ def _merge(parts):
     return out.astype(parts[0][0].dtype), m, l.astype(parts[0][2].dtype)
 
 
-def _pair_backward(pair: _Pair, q, k, v, mask, keep, dout, out, m, l, mask_shape):
-    """3. The pair's shares ``(dq_ij, dk_ij, dv_ij, dmask_ij)`` from the merged row statistics."""
+def _pair_backward(pair: _Pair, q, k, v, mask, keep, dout, out, m, l, dlse, mask_shape):
+    """3. The pair's shares ``(dq_ij, dk_ij, dv_ij, dmask_ij)`` from the merged row statistics
+    (and the rows' ``dlse``, [Bc, Hc, ri, 1], or None)."""
     c = blocked.with_rows(_pair_cache(pair, q, k, v, mask, keep), out, m, l)
-    dq, dk, dv, dmask = blocked.sdpa_blocked_backward(dout, c)
+    dq, dk, dv, dmask, _ = blocked.sdpa_blocked_backward(dout, c, dlse=dlse)
     if dmask is not None:  # the causal diagonal may have broadcast the caller's mask chunk
         dmask = sum_to_shape(np, dmask, mask_shape)
     return dq, dk, dv, dmask
@@ -260,6 +261,15 @@ class ChunkedSDPACache(NamedTuple):
     in_dtype: Any
     block_q: Optional[int]
     block_k: Optional[int]
+
+    @property
+    def lse(self) -> Any:
+        """[B, Hq, Lq] dask: natural log-sum-exp of each row, ``m + log(l)``; -inf for a row
+        with nothing to attend."""
+        xp = namespace(self.m)
+        empty = self.l == 0.0
+        lse = xp.where(empty, -math.inf, self.m + xp.log(xp.where(empty, 1.0, self.l)))
+        return xp.reshape(lse, tuple(self.m.shape[:-1]))
 
 
 def _pairs(plan: ChunkPlan, is_causal: bool):
@@ -377,8 +387,9 @@ def keep_mask_of(cache: ChunkedSDPACache) -> Any:
 # ------------------------------------------------------------------ backward
 
 
-def sdpa_backward(dout: Any, cache: ChunkedSDPACache) -> tuple[Any, Any, Any, Any]:
-    """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward`` as dask arrays, pair by pair."""
+def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SDPAGrads:
+    """Gradients ``SDPAGrads(dq, dk, dv, dmask, None)`` of ``sdpa_forward`` as dask arrays,
+    pair by pair; ``dlse`` [B, Hq, Lq] is an upstream gradient of ``cache.lse``."""
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
     from dask.base import tokenize
 
@@ -388,7 +399,9 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache) -> tuple[Any, Any, Any, An
     plan = c.plan
     work = c.q.dtype
     dout = dout.astype(work).rechunk(c.out.chunks)  # [B, Hq, Lq, Dv]
-    token = tokenize(dout, c.out, c.q, c.k, c.v, c.mask, c.keep, c.dropout_key)
+    if dlse is not None:
+        dlse = dlse.astype(work).reshape(tuple(c.m.shape)).rechunk(c.m.chunks)  # [B, Hq, Lq, 1]
+    token = tokenize(dout, c.out, c.q, c.k, c.v, c.mask, c.keep, c.dropout_key, dlse)
     part = "npattn-pair-backward-" + token
     names = {x: f"npattn-{x}-" + token for x in ("dq", "dk", "dv", "dmask")}
     graph: dict = {}
@@ -401,7 +414,7 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache) -> tuple[Any, Any, Any, An
         if c.mask_shape is not None:
             mask_chunk = tuple(c.mask.chunks[a][mk[1 + a]] for a in range(4))
         row = ((dout.name, b, h, i, 0), (c.out.name, b, h, i, 0), (c.m.name, b, h, i, 0),
-               (c.l.name, b, h, i, 0))
+               (c.l.name, b, h, i, 0), None if dlse is None else (dlse.name, b, h, i, 0))
         graph[(part, b, h, i, j)] = (
             functools.partial(_pair_backward, _pair_of(c, b, h, i, j), mask_shape=mask_chunk),
             qk, kk, vk, mk, kp, *row)
@@ -420,7 +433,7 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache) -> tuple[Any, Any, Any, An
                 kv = to_dkv.get((b, h, j), [])
                 graph[(names["dk"], b, h, j, 0)] = (_sum, kv, 1, (plan.b[b], plan.h[h], plan.j[j], Dh), work)
                 graph[(names["dv"], b, h, j, 0)] = (_sum, kv, 2, (plan.b[b], plan.h[h], plan.j[j], Dv), work)
-    deps = [dout, c.out, c.m, c.l, c.q, c.k, c.v, c.mask, c.keep]
+    deps = [dout, c.out, c.m, c.l, c.q, c.k, c.v, c.mask, c.keep, dlse]
     dq = _array(graph, names["dq"], deps, (plan.b, hq, plan.i, (Dh,)), work)
     dk = _array(graph, names["dk"], deps, (plan.b, plan.h, plan.j, (Dh,)), work)
     dv = _array(graph, names["dv"], deps, (plan.b, plan.h, plan.j, (Dv,)), work)
@@ -434,4 +447,4 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache) -> tuple[Any, Any, Any, An
     grads = [dq, dk, dv, dmask]
     if c.in_dtype != work:
         grads = [None if g is None else g.astype(c.in_dtype) for g in grads]
-    return grads[0], grads[1], grads[2], grads[3]
+    return SDPAGrads(grads[0], grads[1], grads[2], grads[3], None)

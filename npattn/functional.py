@@ -62,6 +62,17 @@ __all__ = [
     "group_heads",
     "ungroup_heads",
     "sdpa_forward_core",
+    "SDPAGrads",
+    "ScoreOptions",
+    "PLAIN",
+    "score_options",
+    "causal_options",
+    "is_plain",
+    "positions_allowed",
+    "block_visible",
+    "block_cut",
+    "alibi_bias",
+    "combine_allowed",
 ]
 
 
@@ -328,9 +339,11 @@ class SoftmaxCache(NamedTuple):
     p: Any  # [..., Lk] probabilities, the only array the backward needs (compute dtype)
     mask_shape: Optional[tuple]  # shape of an additive mask, for dmask; else None
     in_dtype: Any = None  # dtype of x when it differs from p's (float16 -> float32)
+    p_sink: Any = None  # [..., 1] the sink's share of each row (attention sinks), else None
+    lse: Any = None  # [..., 1] log(exp(sink) + sum_j exp(z_j)), -inf for an empty row
 
 
-def masked_softmax_forward(x: Any, mask: Any = None) -> tuple[Any, SoftmaxCache]:
+def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tuple[Any, SoftmaxCache]:
     """Numerically stable softmax over the last axis, with masking.
 
     ``mask`` is either boolean (True = may attend; False entries get
@@ -348,27 +361,41 @@ def masked_softmax_forward(x: Any, mask: Any = None) -> tuple[Any, SoftmaxCache]
     4. ``e = exp(z - m)``                     (exactly 0 where masked)
     5. ``p = e / sum(e)``, and 0 for a fully masked row (divide by 1)
 
+    With ``sink`` (attention sinks) each row's denominator gains
+    ``exp(sink)``, a logit that carries no value: ``p = e / (exp(sink - m) + sum(e))``,
+    and ``cache.p_sink`` is the sink's share. ``cache.lse`` is each row's
+    ``log(exp(sink) + sum(exp(z)))``, -inf for a row with nothing to attend.
+
     Parameters
     ----------
     x : array, shape (..., Lk), real floating
     mask : array broadcastable to ``x.shape``, bool or real floating, optional
+    sink : array, shape (..., 1) (that of ``x`` with the last axis 1), optional
 
     Returns
     -------
     p : array, shape of ``x`` broadcast with ``mask``
     cache : SoftmaxCache
     """
-    # [..., Lk], mask broadcastable -> [..., Lk]
+    # [..., Lk], mask broadcastable, [..., 1] -> [..., Lk]
     V.check_floating_array("x", x)
     V.check_mask("mask", mask, namespace(x), target=V.shape_of(x), target_text="x",
                  dtype=x.dtype, device=device_of(x), where="like x", library="that of x",
                  dtype_source="that of x")
-    return _masked_softmax(x, mask)
+    if sink is not None:
+        V.check_floating_array("sink", sink, namespace(x), device_of(x), dtype=x.dtype, like="x")
+        if V.shape_of(sink) != V.shape_of(x)[:-1] + (1,):
+            raise ValueError(
+                f"sink: expected shape {V.shape_of(x)[:-1] + (1,)} (that of x with the last "
+                f"axis 1), got {V.shape_of(sink)}"
+            )
+    return _masked_softmax(x, mask, sink)
 
 
-def _masked_softmax(x, mask):
-    """``masked_softmax_forward`` on checked arguments."""
-    # [..., Lk], mask broadcastable -> [..., Lk]
+def _masked_softmax(x, mask, sink=None):
+    """``masked_softmax_forward`` on checked arguments; ``sink`` [..., 1] joins each row's
+    denominator as a logit that carries no value (attention sinks)."""
+    # [..., Lk], mask broadcastable, sink [..., 1] -> [..., Lk]
     xp = namespace(x, mask)
     in_dtype = x.dtype
     work = compute_dtype(xp, in_dtype)  # float16 / bfloat16: work in float32
@@ -384,27 +411,41 @@ def _masked_softmax(x, mask):
     elif mask is not None:
         z = xp.where(mask, z, -math.inf)  # 2.                 [..., Lk]
     m = xp.max(z, axis=-1, keepdims=True)  # 3.                [..., 1]
+    if sink is not None:
+        m = xp.maximum(m, sink)  # the sink is one more logit of the row
     m = xp.where(m == -math.inf, 0.0, m)  # fully masked row: no -inf - -inf
     e = xp.exp(z - m)  # 4.                                    [..., Lk]
     s = xp.sum(e, axis=-1, keepdims=True)  # 5.                [..., 1]
-    p = e / xp.where(s == 0.0, 1.0, s)  # rows with nothing to attend stay 0
+    p_sink = None
+    if sink is not None:
+        e_sink = xp.exp(sink - m)  # [..., 1]
+        s = s + e_sink
+    s_safe = xp.where(s == 0.0, 1.0, s)
+    p = e / s_safe  # rows with nothing to attend stay 0
+    if sink is not None:
+        p_sink = e_sink / s_safe  # [..., 1]
+    lse = xp.where(s == 0.0, -math.inf, m + xp.log(s_safe))  # [..., 1]
     if work != in_dtype:
-        return xp.astype(p, in_dtype), SoftmaxCache(p, mask_shape, in_dtype)
-    return p, SoftmaxCache(p, mask_shape)
+        return xp.astype(p, in_dtype), SoftmaxCache(p, mask_shape, in_dtype, p_sink, lse)
+    return p, SoftmaxCache(p, mask_shape, None, p_sink, lse)
 
 
-def masked_softmax_backward(dp: Any, cache: SoftmaxCache) -> tuple[Any, Any]:
+def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -> tuple[Any, Any]:
     """Gradient of the masked softmax, without forming a Jacobian.
 
     ``dx = p * (dp - sum(dp * p))``, summed over the last axis inside the
     bracket. Masked entries have ``p = 0`` and so ``dx = 0``; a fully masked
     row has ``dx = 0`` everywhere. An additive mask gets ``dmask = dx`` summed
     back to the mask's own shape; ``dmask`` is None for a boolean or no mask.
+    An upstream gradient ``dlse`` of ``cache.lse`` adds ``p * dlse``
+    (``d lse / dx_j = p_j``): ``dx = p * (dp - sum(dp * p) + dlse)``.
 
     Parameters
     ----------
     dp : array, shape of ``p`` (..., Lk)
     cache : SoftmaxCache
+    dlse : array, shape (..., 1), optional
+        Gradient of ``cache.lse``, in its dtype.
 
     Returns
     -------
@@ -416,19 +457,26 @@ def masked_softmax_backward(dp: Any, cache: SoftmaxCache) -> tuple[Any, Any]:
     V.check_grad("dp", dp, shape=V.shape_of(cache.p),
                  dtype=cache.p.dtype if cache.in_dtype is None else cache.in_dtype,
                  xp=namespace(cache.p), device=device_of(cache.p), of="the forward's p")
-    return _masked_softmax_backward(dp, cache)
+    if dlse is not None:
+        V.check_grad("dlse", dlse, shape=V.shape_of(cache.lse), dtype=cache.lse.dtype,
+                     xp=namespace(cache.p), device=device_of(cache.p), of="the forward's lse")
+    return _masked_softmax_backward(dp, cache, dlse)
 
 
-def _masked_softmax_backward(dp, cache):
+def _masked_softmax_backward(dp, cache, dlse=None):
     """``masked_softmax_backward`` on checked arguments."""
-    # [..., Lk] -> [..., Lk], mask shape
+    # [..., Lk], [..., 1] -> [..., Lk], mask shape
     xp = namespace(dp, cache.p)
     p = cache.p
     if dp.dtype != p.dtype:  # half-precision input: the sums run in float32 too
         dp = xp.astype(dp, p.dtype)
     # 5.-3. p = softmax(z) on the attended entries:
-    #       dz = p * (dp - sum_j dp_j p_j); the shift m cancels (p does not depend on it)
-    dz = p * (dp - xp.sum(dp * p, axis=-1, keepdims=True))  # [..., Lk]
+    #       dz = p * (dp - sum_j dp_j p_j); the shift m cancels (p does not depend on it).
+    #       lse = log(sum_j exp(z_j)) adds d lse / dz_j = p_j: dz = p * (dp - delta + dlse)
+    delta = xp.sum(dp * p, axis=-1, keepdims=True)  # [..., 1]
+    if dlse is not None:
+        delta = delta - dlse  # [..., 1]
+    dz = p * (dp - delta)  # [..., Lk]
     # 2. z = where(mask, x, -inf): dx = where(mask, dz, 0), already 0 since p = 0 there
     # 1. z = x + mask: dx = dz, dmask = dz summed to the mask's shape
     dmask = None if cache.mask_shape is None else sum_to_shape(xp, dz, cache.mask_shape)
@@ -545,6 +593,131 @@ class SDPACache(NamedTuple):
     mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
     in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
     groups: int = 1  # G = Hq // Hkv query heads per K/V head (grouped-query attention)
+    options: Any = None  # ScoreOptions of the call (window, softcap, ALiBi, sinks, segments)
+    capped: Any = None  # [B, H, Lq, Lk] tanh(s / softcap) with a softcap, for its derivative
+    shapes: tuple = ()  # (q, k, v, sinks) shapes as given, for gradients of broadcast inputs
+
+    @property
+    def lse(self) -> Any:
+        """[B, H, Lq] natural log-sum-exp of each row's final scores (sink included); -inf
+        for a row with nothing to attend."""
+        xp = namespace(self.probs)
+        return xp.reshape(self.softmax.lse, tuple(self.probs.shape[:-1]))
+
+
+class SDPAGrads(NamedTuple):
+    """Gradients of ``sdpa_forward``, in the order of its array inputs."""
+    dq: Any  # [B, Hq, Lq, Dh], shape of q
+    dk: Any  # [B, Hkv, Lk, Dh], shape of k
+    dv: Any  # [B, Hkv, Lk, Dv], shape of v
+    dmask: Any  # floating mask's own shape, or None for a boolean or no mask
+    dsinks: Any  # (H,) with sinks, else None
+
+
+class ScoreOptions(NamedTuple):
+    """The kernel options of one call, checked, in the layout of the scores [B, H, Lq, Lk].
+
+    Query ``i`` sits at key position ``i + offset``; it may attend key ``j``
+    when ``-left <= j - (i + offset) <= right`` (None: unbounded) and, with
+    segments, when their ids are equal. ``is_causal`` is ``right = 0``
+    (``causal_options``).
+    """
+    offset: int = 0  # 0 top-left, Lk - Lq bottom-right (align)
+    left: Optional[int] = None
+    right: Optional[int] = None
+    softcap: Optional[float] = None
+    alibi: Any = None  # [B or 1, H, 1, 1] slopes, compute dtype
+    sinks: Any = None  # [1, H, 1, 1] sink logits, compute dtype
+    q_segments: Any = None  # [B, 1, Lq, 1] segment ids of the queries
+    k_segments: Any = None  # [B, 1, 1, Lk] segment ids of the keys
+
+
+#: No option: the plain ``softmax(q k^T * scale + mask) v``.
+PLAIN = ScoreOptions()
+
+
+def score_options(q: Any, k: Any, *, align: str = "top_left", window: Any = None,
+                  softcap: Optional[float] = None, alibi_slopes: Any = None, sinks: Any = None,
+                  q_segments: Any = None, k_segments: Any = None) -> ScoreOptions:
+    """The ``ScoreOptions`` of checked arguments (``validation.check_kernel_options``),
+    their arrays in the compute dtype and the layout of the scores [B, H, Lq, Lk]."""
+    xp = namespace(q)
+    work = compute_dtype(xp, q.dtype)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    n_lead = max(q.ndim, k.ndim) - 2  # leading axes of the scores; the last is H
+    left, right = (None, None) if window is None else (window[0], window[1])
+    alibi = None
+    if alibi_slopes is not None:
+        a = xp.astype(alibi_slopes, work)
+        alibi = xp.reshape(a, (1,) * (n_lead - a.ndim) + tuple(a.shape) + (1, 1))  # [B|1, H, 1, 1]
+    sink = None
+    if sinks is not None:
+        sink = xp.reshape(xp.astype(sinks, work), (1,) * (n_lead - 1) + (sinks.shape[0], 1, 1))
+    qs = ks = None
+    if q_segments is not None:
+        qs = xp.reshape(q_segments, (q_segments.shape[0], 1, Lq, 1))  # [B, 1, Lq, 1]
+        ks = xp.reshape(k_segments, (k_segments.shape[0], 1, 1, Lk))  # [B, 1, 1, Lk]
+    return ScoreOptions(offset=0 if align == "top_left" else int(Lk - Lq),
+                        left=None if left is None else int(left),
+                        right=None if right is None else int(right),
+                        softcap=None if softcap is None else float(softcap),
+                        alibi=alibi, sinks=sink, q_segments=qs, k_segments=ks)
+
+
+def is_plain(options: ScoreOptions, is_causal: bool) -> bool:
+    """Whether ``options`` compute the plain attention (with ``is_causal`` top-left): no
+    window, softcap, ALiBi, sinks or segments, and an alignment that changes nothing."""
+    o = options
+    arrays = (o.alibi, o.sinks, o.q_segments, o.k_segments)
+    return (o.left is None and o.right is None and o.softcap is None
+            and all(a is None for a in arrays) and (o.offset == 0 or not is_causal))
+
+
+def causal_options(is_causal: bool, options: Optional[ScoreOptions]) -> ScoreOptions:
+    """``options`` with ``is_causal`` folded in: causal is the window's ``right = 0``."""
+    o = PLAIN if options is None else options
+    if is_causal and (o.right is None or o.right > 0):
+        o = o._replace(right=0)
+    return o
+
+
+def positions_allowed(xp: Any, rows: Any, cols: Any, o: ScoreOptions) -> Any:
+    """Bool [bq, bk]: query rows ``rows`` [bq] may attend key columns ``cols`` [bk] by the
+    window about the diagonal ``j = i + offset``; None when the window is unbounded."""
+    if o.left is None and o.right is None:
+        return None
+    d = xp.expand_dims(cols, axis=0) - (xp.expand_dims(rows, axis=1) + o.offset)  # j - (i + o)
+    allowed = None if o.right is None else d <= o.right  # [bq, bk]
+    if o.left is not None:
+        after = d >= -o.left
+        allowed = after if allowed is None else xp.logical_and(allowed, after)
+    return allowed
+
+
+def block_visible(o: ScoreOptions, i0: int, i1: int, j0: int, j1: int) -> bool:
+    """Whether some query of rows ``i0:i1`` may attend some key of ``j0:j1`` by the window."""
+    lo, hi = j0 - (i1 - 1 + o.offset), (j1 - 1) - (i0 + o.offset)  # extremes of j - (i + o)
+    return (o.right is None or lo <= o.right) and (o.left is None or hi >= -o.left)
+
+
+def block_cut(o: ScoreOptions, i0: int, i1: int, j0: int, j1: int) -> bool:
+    """Whether the window forbids some pair of rows ``i0:i1`` and keys ``j0:j1``."""
+    lo, hi = j0 - (i1 - 1 + o.offset), (j1 - 1) - (i0 + o.offset)
+    return (o.right is not None and hi > o.right) or (o.left is not None and lo < -o.left)
+
+
+def alibi_bias(xp: Any, slopes: Any, rows: Any, cols: Any, offset: int) -> Any:
+    """ALiBi's ``-slope * |i + offset - j|`` for rows [bq] and columns [bk]: [..., bq, bk]
+    with the leading axes of ``slopes`` [..., 1, 1]."""
+    d = xp.expand_dims(cols, axis=0) - (xp.expand_dims(rows, axis=1) + offset)  # [bq, bk]
+    return slopes * (-xp.astype(xp.abs(d), slopes.dtype))  # [..., bq, bk]
+
+
+def combine_allowed(xp: Any, a: Any, b: Any) -> Any:
+    """``a AND b`` for bool masks where None means everything is allowed."""
+    if a is None:
+        return b
+    return a if b is None else xp.logical_and(a, b)
 
 
 def group_heads(xp: Any, x: Any, G: int) -> Any:
@@ -586,11 +759,7 @@ def gqa_groups(q: Any, k: Any, v: Any, enable_gqa: bool) -> int:
             f"k: with enable_gqa the query heads Hq={Hq} must be a multiple of the "
             f"key/value heads, got Hkv={Hkv}"
         )
-    if tuple(q.shape[:-3]) != tuple(k.shape[:-3]) or tuple(k.shape[:-3]) != tuple(v.shape[:-3]):
-        raise ValueError(
-            "q, k, v: with enable_gqa the batch axes must be equal, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    V.scores_lead(q, k, v, enable_gqa=True)  # the batch axes broadcast
     return Hq // Hkv
 
 
@@ -606,35 +775,49 @@ def sdpa_forward(
     dropout_mask: Any = None,
     rng: Any = None,
     enable_gqa: bool = False,
+    align: str = "top_left",
+    window: Any = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    q_segments: Any = None,
+    k_segments: Any = None,
 ) -> tuple[Any, SDPACache]:
-    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``.
+    """Scaled dot-product attention, ``softmax(q k^T * scale + mask) v``, with the options
+    of attention kernels (windows, softcap, ALiBi, sinks, packed sequences).
 
     Steps (the backward walks them in reverse):
 
     0. ``qg = group_heads(q)``  (grouped-query attention only: the G query
        heads of one K/V head become G blocks of rows, ``[B, Hkv, G*Lq, Dh]``)
     1. ``s = (q @ k^T) * scale``                          [B, H, Lq, Lk]
-    2. ``a_mask = mask`` combined with the causal mask    (boolean: AND;
-       floating: ``-inf`` where causal forbids)
-    3. ``p = masked_softmax(s, a_mask)``                   [B, H, Lq, Lk]
-    4. ``a = dropout(p)``                                  [B, H, Lq, Lk]
-    5. ``out = a @ v``                                     [B, H, Lq, Dh]
+    2. ``c = softcap * tanh(s / softcap)``                (``softcap`` only)
+    3. ``z = c - slope * |i + o - j|``                    (``alibi_slopes`` only)
+    4. ``a_mask = mask`` AND causal AND window AND segments (boolean: AND;
+       floating: added to ``z``, ``-inf`` where the others forbid)
+    5. ``p = softmax(z, a_mask, sink)``                    [B, H, Lq, Lk]:
+       ``p_j = exp(z_j) / (exp(sink) + sum_k exp(z_k))``, no sink: ``exp(sink) = 0``;
+       ``lse = log(exp(sink) + sum_k exp(z_k))``           [B, H, Lq]
+    6. ``a = dropout(p)``                                  [B, H, Lq, Lk]
+    7. ``out = a @ v``                                     [B, H, Lq, Dh]
 
-    With ``enable_gqa``, steps 1 and 5 multiply in the grouped view,
+    With ``enable_gqa``, steps 1 and 7 multiply in the grouped view,
     ``s = ungroup(qg @ k^T) * scale`` and ``out = ungroup(group(a) @ v)``;
-    steps 2-4 act on ``[B, Hq, Lq, Lk]`` as usual, so masks keep their shapes.
+    steps 2-6 act on ``[B, Hq, Lq, Lk]`` as usual, so masks keep their shapes.
 
     Parameters
     ----------
     q : array, shape (B, H, Lq, Dh)   (H = Hq with ``enable_gqa``)
     k : array, shape (B, H, Lk, Dh)   (H = Hkv with ``enable_gqa``)
     v : array, shape (B, H, Lk, Dh)   (H = Hkv with ``enable_gqa``)
+        The leading (batch) axes of q, k and v broadcast against each other
+        as in torch's SDPA; each gradient is summed back to its input's shape.
     mask : array broadcastable to (B, H, Lq, Lk), optional
-        Boolean (True = may attend) or floating (added to the scaled scores,
-        ``-inf`` allowed).
+        Boolean (True = may attend) or floating (added to the scores after the
+        softcap and ALiBi, ``-inf`` allowed).
     is_causal : bool
-        Query ``i`` attends keys ``j <= i`` (top-left aligned, as SDPA); ANDed
-        with ``mask``.
+        Query ``i`` attends keys ``j <= i + o`` (``o`` from ``align``); ANDed
+        with ``mask``. The same as ``window=(None, 0)``.
     scale : float, optional
         Defaults to ``1 / sqrt(Dh)``.
     dropout_p : float
@@ -649,12 +832,31 @@ def sdpa_forward(
         are not repeated: each K/V head multiplies the stacked rows of its
         ``G = Hq // Hkv`` query heads. Masks and ``dropout_mask`` broadcast
         to (B, Hq, Lq, Lk).
+    align : {"top_left", "bottom_right"}
+        Where the diagonal of ``is_causal``, ``window`` and ALiBi lies: query
+        ``i`` sits at key position ``i + o``, ``o = 0`` (top-left, SDPA's) or
+        ``o = Lk - Lq`` (bottom-right, flash-attn's, the one a KV cache needs).
+    window : (left, right), optional
+        Query ``i`` may attend key ``j`` only if ``i + o - left <= j <= i + o + right``;
+        each side an int >= 0 or None (unbounded).
+    softcap : float > 0, optional
+        The scaled scores become ``softcap * tanh(s / softcap)`` (flash-attn, Gemma 2).
+    alibi_slopes : array, shape (H,) or (B, H), optional
+        Adds ``-slope * |i + o - j|`` after the softcap (flash-attn's ALiBi).
+    sinks : array, shape (H,), optional
+        A per-head logit in every row's softmax denominator that carries no
+        value (gpt-oss's attention sinks). A row with every key masked gives zeros.
+    q_segments, k_segments : integer arrays (B, Lq) and (B, Lk), optional
+        Packed sequences: query ``i`` attends key ``j`` only when their ids are equal.
 
     Returns
     -------
     out : array, shape (B, H, Lq, Dh)
     cache : SDPACache
-        ``cache.probs`` (B, H, Lq, Lk) are the attention weights before dropout.
+        ``cache.probs`` (B, H, Lq, Lk) are the attention weights before
+        dropout; ``cache.lse`` (B, H, Lq) the log-sum-exp of each row's
+        scores, ``-inf`` for a row with nothing to attend (flash-attn writes
+        ``+inf`` there; ``docs/conventions.md``).
 
     Notes
     -----
@@ -670,17 +872,29 @@ def sdpa_forward(
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     G = gqa_groups(q, k, v, enable_gqa)
+    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
+    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                           k_segments=k_segments)
+    options = score_options(q, k, align=align, window=window, softcap=softcap,
+                            alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                            k_segments=k_segments)
     return sdpa_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
-                             dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, groups=G)
+                             dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, groups=G,
+                             options=options)
 
 
 def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
-                      dropout_p: float, dropout_mask: Any, rng: Any, groups: int
-                      ) -> tuple[Any, SDPACache]:
-    """``sdpa_forward`` on arguments that are already checked (``groups`` = G); for the dispatcher."""
+                      dropout_p: float, dropout_mask: Any, rng: Any, groups: int,
+                      options: Optional[ScoreOptions] = None) -> tuple[Any, SDPACache]:
+    """``sdpa_forward`` on arguments that are already checked (``groups`` = G, ``options``
+    from ``score_options``); for the dispatcher."""
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
     xp = namespace(q, k, v, mask, dropout_mask)
     G = groups
+    o = causal_options(is_causal, options)
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape),
+              None if o.sinks is None else (o.sinks.shape[-3],))
     in_dtype = q.dtype
     work = compute_dtype(xp, in_dtype)
     if work != in_dtype:
@@ -690,77 +904,109 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
     Dh = q.shape[-1]
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     Lq, Lk = q.shape[-2], k.shape[-2]
+    rows = xp.arange(Lq, device=device_of(q))  # [Lq] query positions
+    cols = xp.arange(Lk, device=device_of(q))  # [Lk] key positions
 
     qg = group_heads(xp, q, G)  # 0.                              [B, Hkv, G*Lq, Dh]
     s = ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
+    capped = None
+    if o.softcap is not None:
+        capped = xp.tanh(s / o.softcap)  # 2.                      [B, H, Lq, Lk]
+        s = o.softcap * capped  # c = softcap * tanh(s / softcap)
+    if o.alibi is not None:
+        s = s + alibi_bias(xp, o.alibi, rows, cols, o.offset)  # 3. [B, H, Lq, Lk]
 
-    a_mask = mask  # 2.
+    # 4. what may be attended: the window (causal included) AND the segments, then the mask
+    allowed = positions_allowed(xp, rows, cols, o)  # [Lq, Lk] or None
+    if o.q_segments is not None:
+        allowed = combine_allowed(xp, allowed, o.q_segments == o.k_segments)  # [B, 1, Lq, Lk]
     mask_shape = None
+    a_mask = mask
     if mask is not None and is_floating(xp, mask):
         mask_shape = tuple(mask.shape)
-    if is_causal:
-        causal = causal_mask(xp, Lq, Lk, device_of(q))  # [Lq, Lk]
-        if mask is None:
-            a_mask = causal
-        elif is_bool(xp, mask):
-            a_mask = xp.logical_and(mask, causal)
-        else:
-            a_mask = xp.where(causal, mask, -math.inf)
+        if allowed is not None:
+            a_mask = xp.where(allowed, mask, -math.inf)
+    elif allowed is not None:
+        a_mask = combine_allowed(xp, mask, allowed)
 
-    p, sm_cache = _masked_softmax(s, a_mask)  # 3.                 [B, H, Lq, Lk]
-    a, do_cache = _dropout(p, dropout_p, dropout_mask, rng)  # 4.
-    out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 5.   [B, H, Lq, Dh]
+    sink = None if o.sinks is None else o.sinks  # [1, H, 1, 1], broadcast over rows
+    if sink is not None:
+        sink = xp.broadcast_to(sink, tuple(s.shape[:-1]) + (1,))  # [B, H, Lq, 1]
+    p, sm_cache = _masked_softmax(s, a_mask, sink)  # 5.           [B, H, Lq, Lk]
+    a, do_cache = _dropout(p, dropout_p, dropout_mask, rng)  # 6.
+    out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 7.   [B, H, Lq, Dh]
 
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
-    cache = SDPACache(q, k, v, p, a, sm_cache, do_cache, scale, mask_shape, in_dtype, G)
+    cache = SDPACache(q, k, v, p, a, sm_cache, do_cache, scale, mask_shape, in_dtype, G,
+                      o, capped, shapes)
     return out, cache
 
 
-def sdpa_backward(dout: Any, cache: SDPACache) -> tuple[Any, Any, Any, Any]:
+def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads:
     """Gradients of scaled dot-product attention.
 
     Parameters
     ----------
     dout : array, shape (B, H, Lq, Dh)
     cache : SDPACache
+    dlse : array, shape (B, H, Lq), optional
+        Upstream gradient of ``cache.lse`` (ring and split-KV attention merge
+        partial results through it), in the dtype of ``cache.lse``.
 
     Returns
     -------
-    dq : array, shape (B, H, Lq, Dh)
-    dk : array, shape (B, H, Lk, Dh)   (B, Hkv, Lk, Dh) with ``enable_gqa``
-    dv : array, shape (B, H, Lk, Dh)   (B, Hkv, Lk, Dh) with ``enable_gqa``
-    dmask : array of the floating mask's own shape, or None for a boolean or
-        no mask. It is the gradient of the output with respect to the additive
-        mask, summed over the axes the mask was broadcast along.
+    SDPAGrads
+        ``dq`` (B, H, Lq, Dh); ``dk``, ``dv`` (B, H, Lk, Dh), with the K/V
+        heads' shape under ``enable_gqa``; ``dmask`` of the floating mask's
+        own shape (the gradient with respect to the additive mask, summed over
+        the axes it was broadcast along), None for a boolean or no mask;
+        ``dsinks`` (H,) with sinks, else None. Each in the shape of its input.
     """
-    # [B, H, Lq, Dv] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv], mask shape
+    # [B, H, Lq, Dv] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv], mask shape, [H]
     V.check_cache("cache", cache, SDPACache, "sdpa_forward")
+    xp_c, dev = namespace(cache.q), device_of(cache.q)
     V.check_grad("dout", dout, shape=(*cache.probs.shape[:-1], cache.v.shape[-1]),
-                 dtype=cache.in_dtype, xp=namespace(cache.q), device=device_of(cache.q),
-                 of="the forward's out")
+                 dtype=cache.in_dtype, xp=xp_c, device=dev, of="the forward's out")
+    if dlse is not None:
+        V.check_grad("dlse", dlse, shape=tuple(cache.probs.shape[:-1]),
+                     dtype=cache.softmax.lse.dtype, xp=xp_c, device=dev, of="cache.lse")
     xp = namespace(dout, cache.q)
     check_same_device(q=cache.q, dout=dout)
     q, k, v, a = cache.q, cache.k, cache.v, cache.attn
+    o = PLAIN if cache.options is None else cache.options
     if dout.dtype != q.dtype:
         dout = xp.astype(dout, q.dtype)
 
     G = cache.groups
-    # 5. out = ungroup(group(a) @ v): the grouped view is a plain matmul, so
+    # 7. out = ungroup(group(a) @ v): the grouped view is a plain matmul, so
     #    da = dout @ v^T and dv = a^T @ dout in that view; the contraction over
     #    the G*Lq rows of dv sums each K/V head's gradient over its G query heads
     dout_g = group_heads(xp, dout, G)  # [B, Hkv, G*Lq, Dh]
     da = ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
     dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
-    # 4. a = dropout(p)
+    # 6. a = dropout(p)
     dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
-    # 3. p = masked_softmax(s, a_mask)
-    ds, da_mask = masked_softmax_backward(dp, cache.softmax)  # [B, H, Lq, Lk]
-    # 2. a_mask = where(causal, mask, -inf): dmask = da_mask where causal allows,
-    #    and da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
+    # 5. p = softmax(z, a_mask, sink): ds = p * (dp - delta + dlse), delta = rowsum(dp * p)
+    dlse_rows = None if dlse is None else xp.expand_dims(dlse, axis=-1)  # [B, H, Lq, 1]
+    ds, da_mask = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
+    # 4. a_mask = where(allowed, mask, -inf): dmask = da_mask where allowed, and
+    #    da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
     dmask = None
     if cache.mask_shape is not None:
         dmask = sum_to_shape(xp, da_mask, cache.mask_shape)
+    dsinks = None
+    if o.sinks is not None:  # the sink: one more logit of every row (b, h, i), with dp = 0,
+        #                      so dsink = p_sink * (0 - delta + dlse)
+        delta = xp.sum(dp * cache.softmax.p, axis=-1, keepdims=True)  # [B, H, Lq, 1]
+        if dlse_rows is not None:
+            delta = delta - dlse_rows
+        dsink = -(cache.softmax.p_sink * delta)  # [B, H, Lq, 1]
+        dsinks = xp.reshape(sum_to_shape(xp, dsink, tuple(o.sinks.shape)), cache.shapes[3])
+    # 3. z = c + alibi: dc = dz (the bias is a constant)
+    # 2. c = softcap * tanh(s / softcap): ds = dc * (1 - tanh^2)
+    if cache.capped is not None:
+        ds = ds * (1.0 - cache.capped * cache.capped)  # [B, H, Lq, Lk]
     # 1. s = ungroup(qg @ k^T) * scale: dqg = ds_g @ k * scale, and
     #    dk = ds_g^T @ qg * scale, again summed over the G query heads of a group
     ds_g = group_heads(xp, ds, G)  # [B, Hkv, G*Lq, Lk]
@@ -768,12 +1014,14 @@ def sdpa_backward(dout: Any, cache: SDPACache) -> tuple[Any, Any, Any, Any]:
     dk = (xp.matrix_transpose(ds_g) @ group_heads(xp, q, G)) * cache.scale  # [B, Hkv, Lk, Dh]
     # 0. qg = group_heads(q): a reshape, undone
     dq = ungroup_heads(xp, dqg, G)  # [B, H, Lq, Dh]
+    if cache.shapes:  # leading axes that broadcast in the forward: sum back to each input
+        dq, dk, dv = (sum_to_shape(xp, g, shp) for g, shp in zip((dq, dk, dv), cache.shapes))
 
     if cache.in_dtype != q.dtype:
         dq, dk, dv = (xp.astype(t, cache.in_dtype) for t in (dq, dk, dv))
         if dmask is not None:
             dmask = xp.astype(dmask, cache.in_dtype)
-    return dq, dk, dv, dmask
+    return SDPAGrads(dq, dk, dv, dmask, dsinks)
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,8 @@ npattn's masks (see ``docs/conventions.md``):
 * **floating**: added to the scaled scores; ``-inf`` forbids a key;
 * any shape that broadcasts to (B, H, Lq, Lk).
 
-This module builds such masks (``causal``, ``padding``) and converts the
+This module builds such masks (``causal``, ``window``, ``segments``,
+``padding``) and converts the
 masks of ``torch.nn.MultiheadAttention``, whose booleans mean the opposite
 (True = ignore), with ``from_torch_mha``. Nothing here imports torch: torch
 tensors are handled through array-api-compat like any other backend.
@@ -31,7 +32,7 @@ from .backend import (
     to_numpy,
 )
 
-__all__ = ["causal", "padding", "from_torch_mha"]
+__all__ = ["causal", "window", "segments", "padding", "from_torch_mha"]
 
 _ALIGNS = ("top_left", "bottom_right")
 
@@ -86,6 +87,62 @@ def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device:
     j = xp.arange(Lk, device=device)  # [Lk]
     # j <= i + offset, written j - i <= offset so that no index goes negative
     return xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) <= offset  # [Lq, Lk]
+
+
+def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
+           align: str = "top_left", *, xp: Any = None, device: Any = None) -> Any:
+    """Sliding-window mask, True = may attend.  # -> [Lq, Lk] bool
+
+    Query ``i`` sits at key position ``i + o`` (``o = 0`` top-left,
+    ``o = Lk - Lq`` bottom-right) and may attend key ``j`` when
+    ``i + o - left <= j <= i + o + right``; a side that is None is unbounded.
+    The mask that ``sdpa_forward(..., window=(left, right), align=align)``
+    applies (``window=(None, 0)`` is ``causal``).
+
+    Returns
+    -------
+    mask : bool array, shape (Lq, Lk); broadcasts to (B, H, Lq, Lk).
+    """
+    _check_length("Lq", Lq)
+    _check_length("Lk", Lk)
+    for name, side in (("left", left), ("right", right)):
+        if side is not None:
+            _check_length(name, side)
+    if align not in _ALIGNS:
+        raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")
+    xp = _namespace_or(xp)
+    offset = 0 if align == "top_left" else Lk - Lq
+    i = xp.arange(Lq, device=device)  # [Lq]
+    j = xp.arange(Lk, device=device)  # [Lk]
+    d = xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) - offset  # [Lq, Lk]: j - (i + o)
+    allowed = xp.ones((Lq, Lk), dtype=xp.bool, device=device)
+    if right is not None:
+        allowed = xp.logical_and(allowed, d <= right)
+    if left is not None:
+        allowed = xp.logical_and(allowed, d >= -left)
+    return allowed  # [Lq, Lk]
+
+
+def segments(q_segments: Any, k_segments: Any) -> Any:
+    """Packed-sequence mask, True = may attend.  # [B, Lq], [B, Lk] -> [B, 1, Lq, Lk] bool
+
+    Query ``i`` of batch entry ``b`` may attend key ``j`` when
+    ``q_segments[b, i] == k_segments[b, j]`` (the same document): the mask that
+    ``sdpa_forward(..., q_segments=, k_segments=)`` applies.
+    """
+    xp = namespace(q_segments, k_segments)
+    for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
+        if not xp.isdtype(a.dtype, "integral"):
+            raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
+        if a.ndim != 2:
+            raise ValueError(f"{name}: expected shape (B, L), got shape {tuple(a.shape)}")
+    if q_segments.shape[0] != k_segments.shape[0]:
+        raise ValueError(
+            f"k_segments: expected {q_segments.shape[0]} batch entries like q_segments, got "
+            f"shape {tuple(k_segments.shape)}"
+        )
+    same = xp.expand_dims(q_segments, axis=2) == xp.expand_dims(k_segments, axis=1)  # [B, Lq, Lk]
+    return xp.expand_dims(same, axis=1)  # [B, 1, Lq, Lk]
 
 
 def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any:

@@ -58,7 +58,7 @@ import numpy as np
 
 from . import validation as V
 from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, keep_mask, pool_threads, run_tasks
-from .functional import sum_to_shape
+from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["NumpySDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of",
            "TILE_ELEMS", "POOL_MIN_SCORES"]
@@ -152,6 +152,12 @@ class NumpySDPACache(NamedTuple):
     groups: int  # G
     mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
     in_dtype: Any
+    lse_rows: Any = None  # [B, Hkv, G, Lq] log-sum-exp of each row, -inf for an empty row
+
+    @property
+    def lse(self) -> Any:
+        """[B, Hq, Lq] natural log-sum-exp of each row's scores; -inf for a row with nothing to attend."""
+        return self.lse_rows.reshape(self.probs.shape[:-1])
 
 
 def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
@@ -193,6 +199,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
 
     probs = (np.zeros if is_causal else np.empty)(full5, dtype=work)  # [B, Hkv, G, Lq, Lk]
+    lse = np.empty((B, Hkv, G, Lq), dtype=work)  # [B, Hkv, G, Lq]
     out_m, out = _merged(B, Lq, Hkv, G, Dv, work)  # [B, Lq, Hq*Dv], [B, Hkv, G, Lq, Dv] view
     q5 = _grouped(q, Hkv, G)  # [B, Hkv, G, Lq, Dh] view
     kT = np.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, 1, Dh, Lk] view, broadcast over G
@@ -218,7 +225,11 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             np.subtract(p, m, out=p)
             np.exp(p, out=p)  # 4.
             s = np.matmul(p, ones[:c])  # 5. rowsum(e), by BLAS    [hk, G, r, 1]
-            s[s == 0.0] = 1.0  # rows with nothing to attend stay 0
+            empty = s == 0.0
+            s[empty] = 1.0  # rows with nothing to attend stay 0
+            lse_blk = m + np.log(s)  # lse = m + log(rowsum(e)), -inf for an empty row
+            lse_blk[empty] = neg_inf
+            lse[b, h0:h1, :, i0:i1] = lse_blk[..., 0]
             np.multiply(p, np.reciprocal(s, out=s), out=p)  # one divide per row, not per entry
             a = p
             if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0)
@@ -235,7 +246,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     result = heads if work == in_dtype else heads.astype(in_dtype)
     saved = heads.copy() if work == in_dtype else heads
     cache = NumpySDPACache(q, k, v, probs.reshape(full), saved, keep, key, float(dropout_p),
-                           bool(is_causal), scale, G, mask_shape, in_dtype)
+                           bool(is_causal), scale, G, mask_shape, in_dtype, lse)
     return result, cache
 
 
@@ -253,8 +264,9 @@ def keep_mask_of(cache: NumpySDPACache) -> Any:
 # ------------------------------------------------------------------ backward
 
 
-def sdpa_backward(dout: Any, cache: NumpySDPACache) -> tuple[Any, Any, Any, Any]:
-    """Gradients ``(dq, dk, dv, dmask)`` of ``sdpa_forward``, tile by tile."""
+def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPAGrads:
+    """Gradients ``SDPAGrads(dq, dk, dv, dmask, None)`` of ``sdpa_forward``, tile by tile;
+    ``dlse`` [B, Hq, Lq] is an upstream gradient of ``cache.lse`` (checked by the dispatcher)."""
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
     q, k, v = cache.q, cache.k, cache.v
     work = q.dtype
@@ -273,6 +285,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache) -> tuple[Any, Any, Any, Any]
     dk_m, dk = _merged(B, Lk, Hkv, 1, Dh, work)  # [B, Hkv, 1, Lk, Dh] view
     dv_m, dv = _merged(B, Lk, Hkv, 1, Dv, work)  # [B, Hkv, 1, Lk, Dv] view
     q5, do5, out5 = (_grouped(t, Hkv, G) for t in (q, dout, cache.out))
+    dlse5 = None if dlse is None else _grouped(dlse[..., None].astype(work), Hkv, G)
     vT = np.swapaxes(v, -1, -2)[:, :, None]  # [B, Hkv, 1, Dv, Lk] view
     k5 = k[:, :, None]  # [B, Hkv, 1, Lk, Dh]
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal)
@@ -285,6 +298,8 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache) -> tuple[Any, Any, Any, Any]
         do = do5[b, h0:h1]  # [hk, G, Lq, Dv]
         # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
         delta = np.sum(do * out5[b, h0:h1], axis=-1, keepdims=True)  # [hk, G, Lq, 1]
+        if dlse5 is not None:  # lse adds d lse / ds_j = p_j: ds = p * (dp - delta + dlse)
+            delta -= dlse5[b, h0:h1]
         dk_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)  # [hk, Lk, Dh]
         whole_dv = keep is None and not causal
         if whole_dv:  # 5. dv = p^T dout in one GEMM over all query rows of the G heads
@@ -333,4 +348,4 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache) -> tuple[Any, Any, Any, Any]
         dq, dk, dv = (t.astype(cache.in_dtype) for t in (dq, dk, dv))
         if dmask is not None:
             dmask = dmask.astype(cache.in_dtype)
-    return dq, dk, dv, dmask
+    return SDPAGrads(dq, dk, dv, dmask, None)

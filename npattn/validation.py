@@ -38,6 +38,8 @@ from .backend import backend_name, device_of
 __all__ = [
     "FLOAT_DTYPES",
     "check_sdpa_inputs",
+    "check_kernel_options",
+    "scores_lead",
     "check_finite_values",
     "check_mask",
     "check_array",
@@ -373,10 +375,11 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
     """Check the arguments of ``functional.sdpa_forward``.
 
     q (..., Lq, Dh), k (..., Lk, Dh), v (..., Lk, Dv): arrays of one library
-    and device with the same leading axes and one real floating dtype; masks
-    broadcast to the scores (..., Lq, Lk) without changing their shape. With
-    ``enable_gqa`` the head axes of k and v may differ from q's; that rule is
-    checked by sdpa's grouped-query code.
+    and device whose leading axes broadcast against each other (as in torch's
+    SDPA) and one real floating dtype; masks broadcast to the scores
+    (..., Lq, Lk) without changing their shape. With ``enable_gqa`` the head
+    axes of k and v may differ from q's; that rule is checked by sdpa's
+    grouped-query code.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
@@ -398,11 +401,15 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
     for name, x in (("k", k), ("v", v)):
         if enable_gqa:
             break
-        if x.ndim != q.ndim or shape_of(x)[:-2] != lead:
+        try:  # leading (batch) axes broadcast against each other, as in torch's SDPA
+            lead = tuple(np.broadcast_shapes(lead, shape_of(x)[:-2]))
+        except ValueError:
             raise ValueError(
-                f"{name}: expected shape ({', '.join(map(str, lead + ('L', 'D')))}) with the "
-                f"leading axes of q {shape_of(q)}, got {shape_of(x)}"
-            )
+                f"{name}: expected leading axes that broadcast with those of q "
+                f"{shape_of(q)[:-2]} (and k), got shape {shape_of(x)}"
+            ) from None
+    if enable_gqa:
+        lead = scores_lead(q, k, v, enable_gqa=True)
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"k: expected last axis {q.shape[-1]} (that of q), got shape {shape_of(k)}"
@@ -427,3 +434,93 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     check_scale("scale", scale)
+
+
+def scores_lead(q: Any, k: Any, v: Any, *, enable_gqa: bool = False) -> tuple:
+    """The leading axes of the scores: those of q, k and v broadcast together.
+
+    Under grouped-query attention the head axis is q's (Hq) and the batch
+    axes before it broadcast. Raises ``ValueError`` when they do not.
+    """
+    if not enable_gqa:
+        try:
+            return tuple(np.broadcast_shapes(shape_of(q)[:-2], shape_of(k)[:-2], shape_of(v)[:-2]))
+        except ValueError:
+            raise ValueError(
+                "q, k, v: expected leading axes that broadcast against each other, got shapes "
+                f"{shape_of(q)}, {shape_of(k)}, {shape_of(v)}"
+            ) from None
+    if min(q.ndim, k.ndim, v.ndim) < 3:
+        return shape_of(q)[:-2]  # sdpa's grouped-query check names the missing head axis
+    try:
+        batch = np.broadcast_shapes(shape_of(q)[:-3], shape_of(k)[:-3], shape_of(v)[:-3])
+    except ValueError:
+        raise ValueError(
+            "q, k, v: with enable_gqa the batch axes (before the head axis) must broadcast "
+            f"against each other, got shapes {shape_of(q)}, {shape_of(k)}, {shape_of(v)}"
+        ) from None
+    return tuple(batch) + (int(q.shape[-3]),)
+
+
+ALIGNS = ("top_left", "bottom_right")
+
+
+def _check_window_side(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected None or an int >= 0, got {type_name(value)} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: expected None or an int >= 0, got {value!r}")
+
+
+def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left",
+                         window: Any = None, softcap: Any = None, alibi_slopes: Any = None,
+                         sinks: Any = None, q_segments: Any = None,
+                         k_segments: Any = None) -> None:
+    """Check the kernel options of ``functional.sdpa_forward`` (see there).
+
+    ``lead`` is the leading shape of the scores (``scores_lead``): the last
+    entry is the head count H, the one before it the batch B.
+    """
+    xp = array_api_compat.array_namespace(q)
+    device = device_of(q)
+    if not isinstance(align, str) or align not in ALIGNS:
+        raise ValueError(f"align: expected one of {ALIGNS}, got {align!r}")
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(
+                f"window: expected None or a pair (left, right) of ints >= 0 or None, got "
+                f"{type_name(window)} {window!r}"
+            )
+        _check_window_side("window[0] (left)", window[0])
+        _check_window_side("window[1] (right)", window[1])
+    if softcap is not None:
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap: expected None or a float > 0, got {type_name(softcap)} {softcap!r}")
+        if not (math.isfinite(float(softcap)) and softcap > 0):
+            raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
+    H = lead[-1] if len(lead) >= 1 else None
+    B = lead[-2] if len(lead) >= 2 else None
+    Lq, Lk = int(q.shape[-2]), int(k.shape[-2])
+    for name, a, shapes in (("alibi_slopes", alibi_slopes, ((H,), (B, H))), ("sinks", sinks, ((H,),))):
+        if a is None:
+            continue
+        check_floating_array(name, a, xp, device, like="q")
+        if len(lead) < len(shapes[-1]) or shape_of(a) not in shapes:
+            want = " or ".join(str(s_) for s_ in shapes) if len(lead) >= len(shapes[-1]) else \
+                f"(H,) with q of at least 3 axes (..., H, Lq, Dh) (q has shape {shape_of(q)})"
+            raise ValueError(f"{name}: expected shape {want} (H heads of q), got {shape_of(a)}")
+    if (q_segments is None) != (k_segments is None):
+        given = "q_segments" if k_segments is None else "k_segments"
+        raise ValueError(f"{given}: packed sequences need both q_segments and k_segments, got only {given}")
+    for name, a, L in (("q_segments", q_segments, Lq), ("k_segments", k_segments, Lk)):
+        if a is None:
+            continue
+        check_array(name, a, xp, device, where="like q", library="that of q")
+        if not xp.isdtype(a.dtype, "integral"):
+            raise TypeError(f"{name}: expected an integer array of segment ids, got dtype {dtype_name(a.dtype)}")
+        if len(lead) != 2 or shape_of(a) != (B, L):
+            want = f"(B, {L}) = {(B, L)}" if len(lead) == 2 else \
+                f"(B, L) with q, k, v of 4 axes (B, H, L, Dh) (scores lead {lead})"
+            raise ValueError(f"{name}: expected shape {want}, got {shape_of(a)}")

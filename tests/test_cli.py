@@ -84,7 +84,7 @@ def test_audit_on_every_backend(backend):
     assert result.ok, audit.format_table(result)
 
 
-def _zeros_softmax_backward(dp, cache):
+def _zeros_softmax_backward(dp, cache, *, dlse=None):
     return dp * 0.0, None
 
 
@@ -99,9 +99,9 @@ def _dropout_backward_without_scale(dy, cache):
     return namespace(dy).where(cache.keep, dy, 0.0)
 
 
-def _sdpa_backward_wrong_dmask(dout, cache):
-    dq, dk, dv, dmask = _ORIG["sdpa_backward"](dout, cache)
-    return dq, dk, dv, (None if dmask is None else -dmask)
+def _sdpa_backward_wrong_dmask(dout, cache, *, dlse=None):
+    g = _ORIG["sdpa_backward"](dout, cache, dlse=dlse)
+    return g._replace(dmask=None if g.dmask is None else -g.dmask)
 
 
 _ORIG = {name: getattr(F, name) for name in ("linear_backward", "sdpa_backward")}

@@ -159,7 +159,7 @@ def test_large_scores_stay_exact_across_key_chunks():
     dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 1, 1, 1), 1)
     out, c = A.sdpa_forward(dq, dk, dv, scale=1.0)
     grads = A.sdpa_backward(ddout, c)
-    out, (_, _, gv, _) = dask.compute(out, grads, scheduler="sync")
+    out, (_, _, gv, _, _) = dask.compute(out, grads, scheduler="sync")
     assert out[0, 0, 0, 0] == 2.0
     np.testing.assert_array_equal(gv[0, 0, :, 0], [0.5, 0.5])
 

@@ -206,7 +206,7 @@ def test_sdpa_gradients(xp, to_xp, to_np, dims, kind, form, masked_row, causal, 
         return F.sdpa_forward(q, k, v, mask=mask[0] if mask else m, **kw)
 
     def bwd(dout, cache):
-        dq, dk, dv, dmask = F.sdpa_backward(dout, cache)
+        dq, dk, dv, dmask, _ = F.sdpa_backward(dout, cache)
         assert_same_namespace(xp, dq, dk, dv, dmask)
         assert (dmask is None) == (not is_float)
         for g in (dq, dk, dv, dmask):
@@ -261,7 +261,7 @@ def test_fully_masked_batch_gives_zeros_and_zero_gradients(xp, to_xp, to_np):
     q, k, v = (to_xp(rng.standard_normal((2, 2, L, 4))) for L in (3, 5, 5))
     m = to_xp(np.full((2, 1, 3, 5), -np.inf))
     out, cache = F.sdpa_forward(q, k, v, mask=m)
-    dq, dk, dv, dmask = F.sdpa_backward(to_xp(rng.standard_normal((2, 2, 3, 4))), cache)
+    dq, dk, dv, dmask, _ = F.sdpa_backward(to_xp(rng.standard_normal((2, 2, 3, 4))), cache)
     for a in (out, cache.probs, dq, dk, dv, dmask):
         a = to_np(a)
         assert np.all(a == 0.0) and np.all(np.isfinite(a))

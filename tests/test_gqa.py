@@ -58,7 +58,7 @@ def test_gqa_gradcheck_every_backend(xp, to_xp, to_np, mask_kind):
         )
 
     def bwd(dout, cache):
-        dq, dk, dv, dmask = F.sdpa_backward(dout, cache)
+        dq, dk, dv, dmask, _ = F.sdpa_backward(dout, cache)
         return (dq, dk, dv, dmask) if float_mask else (dq, dk, dv)
 
     inputs = [to_xp(q), to_xp(k), to_xp(v)] + ([mask_x] if float_mask else [])
@@ -72,7 +72,7 @@ def test_gqa_gradcheck_every_backend(xp, to_xp, to_np, mask_kind):
     out, cache = fwd(*inputs)
     assert tuple(out.shape) == (B, Hq, Lq, 3)
     assert tuple(cache.probs.shape) == (B, Hq, Lq, Lk)
-    dq, dk, dv, _ = F.sdpa_backward(to_xp(rng.standard_normal((B, Hq, Lq, 3))), cache)
+    dq, dk, dv, _, _ = F.sdpa_backward(to_xp(rng.standard_normal((B, Hq, Lq, 3))), cache)
     assert tuple(dk.shape) == (B, Hkv, Lk, 3) and tuple(dv.shape) == (B, Hkv, Lk, 3)
     if mask_kind == "bool_per_qhead":
         # a query with nothing to attend: zero weights, zero output, zero dq
@@ -114,8 +114,8 @@ def test_gqa_equals_repeated_kv(Hkv, G, Lq, Lk, Dh, Dv, causal, seed):
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(cache.probs, ref_cache.probs, rtol=1e-12, atol=1e-14)
     dout = rng.standard_normal(out.shape)
-    dq, dk, dv, _ = F.sdpa_backward(dout, cache)
-    rq, rk, rv, _ = F.sdpa_backward(dout, ref_cache)
+    dq, dk, dv, _, _ = F.sdpa_backward(dout, cache)
+    rq, rk, rv, _, _ = F.sdpa_backward(dout, ref_cache)
     np.testing.assert_allclose(dq, rq, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(dk, rk.reshape(2, Hkv, G, Lk, Dh).sum(axis=2), rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(dv, rv.reshape(2, Hkv, G, Lk, Dv).sum(axis=2), rtol=1e-12, atol=1e-13)
@@ -129,8 +129,8 @@ def test_gqa_bad_head_counts():
     q, k, v = _inputs(rng, Hq=4, Hkv=2)
     with pytest.raises(ValueError, match="v: expected 2 heads"):
         F.sdpa_forward(q, k, v[:, :1], enable_gqa=True)
-    with pytest.raises(ValueError, match="batch axes"):
-        F.sdpa_forward(q, k[:1], v[:1], enable_gqa=True)
+    with pytest.raises(ValueError, match="batch axes"):  # 3 and 2 do not broadcast
+        F.sdpa_forward(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), enable_gqa=True)
 
 
 # --------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_gqa_torch_parity(Hkv, G, Lq, Lk, mask_kind, use_scale, seed):
     scale = 0.37 if use_scale else None
     out, cache = F.sdpa_forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
     dout = rng.standard_normal(out.shape)
-    dq, dk, dv, dmask = F.sdpa_backward(dout, cache)
+    dq, dk, dv, dmask, _ = F.sdpa_backward(dout, cache)
 
     tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
     tm = None if mask is None else torch.tensor(mask, requires_grad=mask.dtype != bool)

@@ -344,10 +344,10 @@ def test_sdpa_rejects(backend, xp):
     F.sdpa_forward(q, k, v)  # valid, and v may have its own width
     cases = [
         ((q, a(2, 2, 5, 4, dtype=np.float32), v), {}, TypeError, ("k", "float64", "float32")),
-        ((q, a(1, 2, 5, 4), a(1, 2, 5, 6)), {}, ValueError, ("k", "leading axes", "(1, 2, 5, 4)")),
+        ((q, a(3, 2, 5, 4), a(3, 2, 5, 6)), {}, ValueError, ("k", "leading axes", "(3, 2, 5, 4)")),
         ((q, a(2, 2, 5, 3), v), {}, ValueError, ("k", "last axis 4", "(2, 2, 5, 3)")),
         ((q, k, a(2, 2, 4, 6)), {}, ValueError, ("v", "length 5", "(2, 2, 4, 6)")),
-        ((q, k, a(2, 5, 6)), {}, ValueError, ("v", "(2, 5, 6)")),
+        ((q, k, a(3, 5, 6)), {}, ValueError, ("v", "(3, 5, 6)")),  # (3,) does not broadcast with (2, 2)
         ((a(4), a(4), a(4)), {}, ValueError, ("q", "at least 2 axes", "(4,)")),
         ((from_numpy(np.ones((2, 3), dtype=np.int64), xp),) * 3, {}, TypeError, ("q", "floating", "int64")),
         (([[1.0]], k, v), {}, TypeError, ("q", "list")),

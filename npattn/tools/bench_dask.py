@@ -80,7 +80,7 @@ def _graph(shape, dtype, q_chunk, k_chunk):
 
     q, k, v, dout = _inputs(shape, dtype, q_chunk, k_chunk)
     out, cache = A.sdpa_forward(q, k, v, is_causal=shape[4], impl="chunked")
-    dq, dk, dv, _ = A.sdpa_backward(dout, cache)
+    dq, dk, dv, _, _ = A.sdpa_backward(dout, cache)
     return (q, k, v, dout), (out, dq, dk, dv)
 
 

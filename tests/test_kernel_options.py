@@ -1,0 +1,407 @@
+"""The kernel options of the attention core: align, window, softcap, ALiBi, sinks,
+segments, broadcast leading axes, cache.lse and its gradient dlse.
+
+Each case is checked three ways on every backend and on the reference and the
+blocked implementation:
+
+* the forward (out and lse) against ``oracle`` below, written here from the
+  documented semantics (flash-attn's window, softcap and ALiBi, gpt-oss's
+  sinks), not from npattn's code;
+* every gradient (q, k, v, a floating mask, sinks) against central finite
+  differences of the loss ``<out, dout> + <lse, dlse>`` along a random
+  direction, in float64, with random upstream gradients;
+* blocked against the reference to 1e-12.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npattn
+from npattn import attention as A
+from npattn import functional as F
+from npattn import masks
+
+# --------------------------------------------------------------------------
+# the oracle: the documented semantics, written out on NumPy float64
+
+
+def oracle(q, k, v, *, mask=None, is_causal=False, scale=None, dropout_p=0.0, dropout_mask=None,
+           enable_gqa=False, align="top_left", window=None, softcap=None, alibi_slopes=None,
+           sinks=None, q_segments=None, k_segments=None):
+    """``(out, lse)`` of attention with the kernel options, from their definitions."""
+    G = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    k, v = np.repeat(k, G, axis=-3), np.repeat(v, G, axis=-3)  # K/V head h // G for query head h
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ np.swapaxes(k, -1, -2)) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    o = 0 if align == "top_left" else Lk - Lq
+    i = np.arange(Lq)[:, None]
+    j = np.arange(Lk)[None, :]
+    if alibi_slopes is not None:  # flash-attn: -slope * |i + Lk - Lq - j| bottom-right
+        slopes = alibi_slopes[..., None, None] if alibi_slopes.ndim == 2 else alibi_slopes[:, None, None]
+        s = s - slopes * np.abs(i + o - j)
+    allowed = np.ones(s.shape, dtype=bool)
+    if is_causal:
+        allowed &= j <= i + o
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed &= j >= i + o - left
+        if right is not None:
+            allowed &= j <= i + o + right
+    if q_segments is not None:
+        allowed &= q_segments[:, None, :, None] == k_segments[:, None, None, :]
+    if mask is not None:
+        if mask.dtype == bool:
+            allowed &= mask
+        else:
+            s = s + mask
+    s = np.where(allowed, s, -np.inf)
+    if sinks is not None:  # one more logit per row, with no value
+        s = np.concatenate([s, np.broadcast_to(sinks[:, None, None], s.shape[:-1] + (1,))], axis=-1)
+    top = np.max(s, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.exp(s - top)
+    Z = np.sum(e, axis=-1, keepdims=True)
+    p = np.where(Z > 0, e / np.where(Z > 0, Z, 1.0), 0.0)
+    lse = np.where(Z[..., 0] > 0, np.log(np.where(Z > 0, Z, 1.0))[..., 0] + top[..., 0], -np.inf)
+    if sinks is not None:
+        p = p[..., :-1]
+    if dropout_mask is not None:
+        p = np.where(dropout_mask, p / (1.0 - dropout_p), 0.0)
+    return p @ v, lse
+
+
+# --------------------------------------------------------------------------
+# cases
+
+
+def make_case(name, Lq, Lk, seed=0):
+    """Host q, k, v, dout, dlse and the keyword arguments of one case."""
+    rng = np.random.default_rng(seed)
+    B, H, Dh, Dv = 2, 4, 3, 2
+    Hkv = H // 2 if name == "all" else H
+    q_lead, k_lead = (B, H), (B, Hkv)
+    if name == "broadcast":  # leading axes broadcast: q over the batch, k and v over heads
+        q_lead, k_lead = (1, H), (B, 1)
+    q = rng.standard_normal(q_lead + (Lq, Dh))
+    k = rng.standard_normal(k_lead + (Lk, Dh))
+    v = rng.standard_normal(k_lead + (Lk, Dv))
+    out_lead = (B, H)
+    dout = rng.standard_normal(out_lead + (Lq, Dv))
+    dlse = rng.standard_normal(out_lead + (Lq,))
+    qseg = np.stack([np.repeat([0, 1], [2, Lq - 2]), np.repeat([3, 5], [Lq - 1, 1])])  # [B, Lq]
+    kseg = np.stack([np.repeat([0, 1], [Lk - 2, 2]), np.repeat([3, 4], [Lk - 1, 1])])  # [B, Lk]
+    # batch 1's last query (segment 5) has no key: a row with nothing to attend
+    kw = {
+        "window": dict(window=(2, 1)),
+        "window_left": dict(window=(1, None), align="bottom_right"),
+        "causal_bottom_right": dict(is_causal=True, align="bottom_right"),
+        "softcap": dict(softcap=1.5, scale=2.0),
+        "alibi": dict(alibi_slopes=rng.random(H)),
+        "alibi_bh": dict(alibi_slopes=rng.random((B, H)), align="bottom_right"),
+        "sinks": dict(sinks=rng.standard_normal(H),
+                      mask=np.where(rng.random((B, 1, Lq, Lk)) > 0.3, 0.0, -np.inf)),
+        "segments": dict(q_segments=qseg, k_segments=kseg),
+        "broadcast": dict(is_causal=True),
+        "all": dict(window=(3, 1), align="bottom_right", is_causal=True, softcap=2.0,
+                    alibi_slopes=rng.random(H), sinks=rng.standard_normal(H),
+                    q_segments=qseg, k_segments=kseg, enable_gqa=True, dropout_p=0.25,
+                    dropout_mask=rng.random((B, H, Lq, Lk)) >= 0.25,
+                    mask=np.where(rng.random((B, H, Lq, Lk)) > 0.2,
+                                  rng.standard_normal((B, H, Lq, Lk)), -np.inf)),
+    }[name]
+    if "mask" in kw:
+        kw["mask"][0, :, 1, :] = -np.inf  # query row 1 of batch 0 attends nothing
+    return q, k, v, dout, dlse, kw
+
+
+CASES = ["window", "window_left", "causal_bottom_right", "softcap", "alibi", "alibi_bh", "sinks",
+         "segments", "broadcast", "all"]
+SHAPES = [(5, 7), (6, 4)]  # Lq < Lk and Lq > Lk
+IMPLS = ["reference", "blocked"]
+BLOCKS = dict(block_q=2, block_k=3)  # blocks cross every boundary of these small shapes
+
+
+def run(xp_kw, impl, q, k, v, kw):
+    extra = BLOCKS if impl == "blocked" else {}
+    return A.sdpa_forward(q, k, v, impl=impl, **extra, **xp_kw(kw))
+
+
+@pytest.fixture
+def on_backend(to_xp):
+    def convert(kw):
+        return {n: (to_xp(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
+    return convert
+
+
+def loss(to_np, out, lse, dout, dlse):
+    lse = to_np(lse)
+    return float(np.sum(to_np(out) * dout) + np.sum(np.where(np.isfinite(lse), lse, 0.0) * dlse))
+
+
+# --------------------------------------------------------------------------
+# the forward against the oracle
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("Lq,Lk", SHAPES)
+@pytest.mark.parametrize("name", CASES)
+def test_forward_and_lse_match_the_oracle(xp, to_xp, to_np, on_backend, name, Lq, Lk, impl):
+    q, k, v, _, _, kw = make_case(name, Lq, Lk)
+    out, cache = run(on_backend, impl, to_xp(q), to_xp(k), to_xp(v), kw)
+    want_out, want_lse = oracle(q, k, v, **kw)
+    np.testing.assert_allclose(to_np(out), want_out, rtol=1e-12, atol=1e-12)
+    lse = to_np(cache.lse)
+    assert lse.shape == want_lse.shape
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-12, atol=1e-12)
+    if name in ("segments", "all") or (name == "causal_bottom_right" and Lq > Lk):
+        empty = ~np.any(np.abs(want_out) > 0, axis=-1)
+        assert empty.any(), "the case should leave some row with nothing to attend"
+        np.testing.assert_array_equal(to_np(out)[empty], 0.0)
+        if "sinks" not in kw:
+            assert np.isneginf(lse[empty]).all()
+
+
+# --------------------------------------------------------------------------
+# gradients: central finite differences of <out, dout> + <lse, dlse>
+
+
+def _inputs(q, k, v, kw):
+    """The differentiable inputs: name -> host array (the mask only when floating)."""
+    d = {"q": q, "k": k, "v": v}
+    if kw.get("mask") is not None and kw["mask"].dtype != bool:
+        d["mask"] = kw["mask"]
+    if kw.get("sinks") is not None:
+        d["sinks"] = kw["sinks"]
+    return d
+
+
+@pytest.mark.parametrize("with_dlse", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("Lq,Lk", SHAPES)
+@pytest.mark.parametrize("name", CASES)
+def test_gradients_match_finite_differences(xp, to_xp, to_np, on_backend, name, Lq, Lk, impl,
+                                            with_dlse):
+    q, k, v, dout, dlse, kw = make_case(name, Lq, Lk, seed=1)
+    if not with_dlse:
+        dlse = np.zeros_like(dlse)
+    x0 = _inputs(q, k, v, kw)
+
+    def f(x):
+        kw2 = dict(kw, **{n: a for n, a in x.items() if n in ("mask", "sinks")})
+        out, cache = run(on_backend, impl, to_xp(x["q"]), to_xp(x["k"]), to_xp(x["v"]), kw2)
+        return out, cache
+
+    out, cache = f(x0)
+    grads = A.sdpa_backward(to_xp(dout), cache, dlse=to_xp(dlse) if with_dlse else None)
+    assert isinstance(grads, F.SDPAGrads)
+    got = {"q": grads.dq, "k": grads.dk, "v": grads.dv, "mask": grads.dmask, "sinks": grads.dsinks}
+    if "sinks" not in kw:
+        assert grads.dsinks is None
+    rng = np.random.default_rng(2)
+    eps = 1e-6
+    for n, a in x0.items():
+        g = to_np(got[n])
+        assert g.shape == a.shape, n
+        assert np.all(np.isfinite(g)), n
+        t = rng.standard_normal(a.shape)
+        t = np.where(np.isfinite(a), t, 0.0)  # -inf mask entries stay -inf
+        plus = loss(to_np, *_out_lse(f, dict(x0, **{n: a + eps * t})), dout, dlse)
+        minus = loss(to_np, *_out_lse(f, dict(x0, **{n: a - eps * t})), dout, dlse)
+        numeric = (plus - minus) / (2 * eps)
+        analytic = float(np.sum(np.where(np.isfinite(a), g * t, 0.0)))
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (n, numeric, analytic)
+        assert abs(analytic) > 1e-8, f"{n}: a zero gradient would pass this check"
+
+
+def _out_lse(f, x):
+    out, cache = f(x)
+    return out, cache.lse
+
+
+# --------------------------------------------------------------------------
+# blocked == reference
+
+
+@pytest.mark.parametrize("Lq,Lk", SHAPES)
+@pytest.mark.parametrize("name", CASES)
+def test_blocked_equals_reference(xp, to_xp, to_np, on_backend, name, Lq, Lk):
+    q, k, v, dout, dlse, kw = make_case(name, Lq, Lk, seed=3)
+    res = {}
+    for impl in IMPLS:
+        out, cache = run(on_backend, impl, to_xp(q), to_xp(k), to_xp(v), kw)
+        grads = A.sdpa_backward(to_xp(dout), cache, dlse=to_xp(dlse))
+        res[impl] = [to_np(out), to_np(cache.lse)] + [None if g is None else to_np(g) for g in grads]
+    for a, b in zip(res["reference"], res["blocked"]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+
+
+@given(Lq=st.integers(2, 9), Lk=st.integers(2, 9), left=st.one_of(st.none(), st.integers(0, 4)),
+       right=st.one_of(st.none(), st.integers(0, 4)), align=st.sampled_from(["top_left", "bottom_right"]),
+       softcap=st.one_of(st.none(), st.floats(0.5, 5.0)), use_alibi=st.booleans(),
+       use_sinks=st.booleans(), causal=st.booleans(), bq=st.integers(1, 4), bk=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_blocked_equals_reference_property(Lq, Lk, left, right, align, softcap, use_alibi, use_sinks,
+                                           causal, bq, bk, seed):
+    rng = np.random.default_rng(seed)
+    B, H = 2, 2
+    q, k = rng.standard_normal((B, H, Lq, 3)), rng.standard_normal((B, H, Lk, 3))
+    v, dout = rng.standard_normal((B, H, Lk, 2)), rng.standard_normal((B, H, Lq, 2))
+    dlse = rng.standard_normal((B, H, Lq))
+    kw = dict(window=(left, right), align=align, softcap=softcap, is_causal=causal,
+              alibi_slopes=rng.random(H) if use_alibi else None,
+              sinks=rng.standard_normal(H) if use_sinks else None)
+    out_r, c_r = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    out_b, c_b = A.sdpa_forward(q, k, v, impl="blocked", block_q=bq, block_k=bk, **kw)
+    want, want_lse = oracle(q, k, v, **kw)
+    np.testing.assert_allclose(out_r, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out_b, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(c_b.lse, want_lse, rtol=1e-12, atol=1e-12)
+    for g_r, g_b in zip(A.sdpa_backward(dout, c_r, dlse=dlse), A.sdpa_backward(dout, c_b, dlse=dlse)):
+        assert (g_r is None) == (g_b is None)
+        if g_r is not None:
+            np.testing.assert_allclose(g_b, g_r, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# lse and dlse on the implementations without options (the NumPy kernel, plain calls)
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+def test_lse_and_dlse_on_plain_calls(impl):
+    rng = np.random.default_rng(4)
+    q, k = rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 7, 3))
+    v, dout = rng.standard_normal((2, 2, 7, 2)), rng.standard_normal((2, 4, 5, 2))
+    dlse = rng.standard_normal((2, 4, 5))
+    mask = np.where(rng.random((2, 1, 5, 7)) > 0.3, 0.5, -np.inf)
+    mask[0, :, 2] = -np.inf  # an empty row
+    kw = dict(mask=mask, is_causal=True, enable_gqa=True)
+    out, cache = A.sdpa_forward(q, k, v, impl=impl, **kw)
+    _, want_lse = oracle(q, k, v, **kw)
+    np.testing.assert_allclose(cache.lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert np.isneginf(cache.lse[0, :, 2]).all()
+    g = A.sdpa_backward(dout, cache, dlse=dlse)
+    g0 = A.sdpa_backward(dout, cache)
+    ref = A.sdpa_backward(dout, A.sdpa_forward(q, k, v, impl="reference", **kw)[1], dlse=dlse)
+    for a, b in zip(g, ref):
+        if a is not None:
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(g.dq, g0.dq), "dlse must change dq"
+
+
+# --------------------------------------------------------------------------
+# options of the public API: masks builders, dispatcher, errors
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("left,right", [(2, 1), (None, 0), (0, None), (1, 3)])
+def test_window_mask_builder_equals_the_option(left, right, align):
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in [(2, 2, 6, 3), (2, 2, 4, 3), (2, 2, 4, 3)])
+    built = masks.window(6, 4, left, right, align)
+    i, j = np.arange(6)[:, None], np.arange(4)[None, :]
+    o = 0 if align == "top_left" else 4 - 6
+    want = np.ones((6, 4), bool)
+    if left is not None:
+        want &= j >= i + o - left
+    if right is not None:
+        want &= j <= i + o + right
+    np.testing.assert_array_equal(built, want)
+    a, _ = F.sdpa_forward(q, k, v, window=(left, right), align=align)
+    b, _ = F.sdpa_forward(q, k, v, mask=built)
+    np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)
+
+
+def test_segments_mask_builder_equals_the_option():
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal(s) for s in [(2, 2, 5, 3), (2, 2, 7, 3), (2, 2, 7, 3)])
+    _, _, _, _, _, kw = make_case("segments", 5, 7)
+    built = masks.segments(kw["q_segments"], kw["k_segments"])
+    assert built.shape == (2, 1, 5, 7)
+    assert built[0, 0, 0, 0] and not built[0, 0, 0, 6] and not built[1, 0, 4].any()
+    a, _ = F.sdpa_forward(q, k, v, **kw)
+    b, _ = F.sdpa_forward(q, k, v, mask=built)
+    np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)
+
+
+def test_dispatcher_runs_options_on_reference_and_blocked():
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
+    _, c = A.sdpa_forward(q, k, v, window=(1, 0))
+    assert isinstance(c, F.SDPACache)  # the NumPy kernel takes no options
+    _, c = A.sdpa_forward(q, k, v)
+    assert not isinstance(c, F.SDPACache)  # ... but plain calls still go there
+    for impl in ("numpy",):
+        with pytest.raises(ValueError, match="impl='numpy'.*reference.*blocked"):
+            A.sdpa_forward(q, k, v, softcap=3.0, impl=impl)
+    # need_weights with options: the reference returns them
+    _, c = A.sdpa_forward(q, k, v, sinks=np.zeros(2), need_weights=True)
+    w = A.weights(c)
+    assert np.all(np.sum(w, axis=-1) < 1.0)  # the sink takes its share of every row
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(align="bottom"), ValueError, "align: expected one of"),
+    (dict(window=3), TypeError, "window: expected None or a pair"),
+    (dict(window=(-1, 0)), ValueError, r"window\[0\] \(left\): expected None or an int >= 0"),
+    (dict(window=(0, 1.5)), TypeError, r"window\[1\] \(right\)"),
+    (dict(softcap=0.0), ValueError, "softcap: expected a finite float > 0"),
+    (dict(softcap="1"), TypeError, "softcap: expected None or a float"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, r"alibi_slopes: expected shape \(2,\) or \(2, 2\)"),
+    (dict(alibi_slopes=np.ones(2, dtype=np.int64)), TypeError, "alibi_slopes: expected a real floating"),
+    (dict(sinks=np.ones((2, 2))), ValueError, r"sinks: expected shape \(2,\)"),
+    (dict(q_segments=np.zeros((2, 4), dtype=np.int64)), ValueError, "packed sequences need both"),
+    (dict(q_segments=np.zeros((2, 4)), k_segments=np.zeros((2, 5))), TypeError, "q_segments: expected an integer"),
+    (dict(q_segments=np.zeros((2, 3), dtype=np.int64), k_segments=np.zeros((2, 5), dtype=np.int64)),
+     ValueError, r"q_segments: expected shape \(B, 4\)"),
+])
+@pytest.mark.parametrize("entry", ["functional", "attention", "blocked"])
+def test_bad_options_are_named_before_any_computation(kw, err, match, entry):
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 5, 3)), rng.standard_normal((2, 2, 5, 3))
+    before = [a.copy() for a in (q, k, v)]
+    fn = {"functional": F.sdpa_forward, "attention": A.sdpa_forward,
+          "blocked": npattn.blocked.sdpa_blocked_forward}[entry]
+    with pytest.raises(err, match=match):
+        fn(q, k, v, **kw)
+    for a, b in zip((q, k, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dlse_is_checked():
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
+    for impl in ("reference", "numpy", "blocked"):
+        out, c = A.sdpa_forward(q, k, v, impl=impl)
+        with pytest.raises(ValueError, match="dlse"):
+            A.sdpa_backward(np.ones_like(out), c, dlse=np.ones((2, 2, 3)))
+        with pytest.raises(TypeError, match="dlse"):
+            A.sdpa_backward(np.ones_like(out), c, dlse=np.ones((2, 2, 4), dtype=np.float32))
+
+
+def test_broadcast_leading_axes_match_explicit_broadcast():
+    """q (1, H, ...) against k, v (B, 1, ...): the same as broadcasting them by hand,
+    with each gradient summed back to its input's shape."""
+    q, k, v, dout, dlse, kw = make_case("broadcast", 5, 7, seed=10)
+    full = [np.broadcast_to(a, (2, 4) + a.shape[2:]).copy() for a in (q, k, v)]
+    for impl in IMPLS:
+        out, c = run(lambda d: d, impl, q, k, v, kw)
+        out_f, c_f = run(lambda d: d, impl, *full, kw)
+        np.testing.assert_allclose(out, out_f, rtol=1e-13, atol=1e-13)
+        g = A.sdpa_backward(dout, c, dlse=dlse)
+        g_f = A.sdpa_backward(dout, c_f, dlse=dlse)
+        for a, b, x in zip(g[:3], g_f[:3], (q, k, v)):
+            assert a.shape == x.shape
+            axes = tuple(i for i, n in enumerate(x.shape) if n == 1)
+            np.testing.assert_allclose(a, np.sum(b, axis=axes, keepdims=True), rtol=1e-12, atol=1e-12)
