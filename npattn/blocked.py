@@ -64,6 +64,7 @@ from .backend import (
 __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_BLOCK_K",
+    "WINDOW_BLOCK_K",
     "BlockedSDPACache",
     "sdpa_blocked_forward",
     "sdpa_blocked_backward",
@@ -78,6 +79,11 @@ __all__ = [
 #: entries (8 heads, 128 x 512: 2 MiB in float32).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 512
+
+#: Default key block length under a window bounded on the left (``window=(left, .)``):
+#: a query block then meets about ``(bq + left + right) / bk`` key blocks, so shorter
+#: key blocks waste less of each on keys outside the window.
+WINDOW_BLOCK_K = 128
 
 
 # --------------------------------------------------------------------------
@@ -430,13 +436,14 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     the key drawn for a generated keep-mask (None: ``dropout_mask`` or no dropout).
     """
     xp = namespace(q, k, v, mask, dropout_mask)
+    o = F.causal_options(is_causal, options)
     block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
-    block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    if block_k is None:  # a window bounded on the left: key blocks as short as query blocks
+        block_k = DEFAULT_BLOCK_K if o.left is None else WINDOW_BLOCK_K
     _check_block("block_q", block_q)
     _check_block("block_k", block_k)
     G = groups
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
-    o = F.causal_options(is_causal, options)
     sinks_shape = None if o.sinks is None else (int(o.sinks.shape[-3]),)
     lead = V.scores_lead(q, k, v, enable_gqa=G > 1)
     # leading axes that broadcast (torch's SDPA) become equal, as views; backward sums them back

@@ -215,22 +215,26 @@ def _chunked(a, sizes):
 
 
 def _sdpa_pair(impl=None, **kwargs):
-    """``functional``'s sdpa pair (``impl`` None), or the dispatcher's with ``impl``."""
+    """``functional``'s sdpa pair (``impl`` None), or the dispatcher's with ``impl``.
+
+    The forward takes ``(q, k, v, mask=None, sinks=None)``: the arrays whose
+    gradients are audited.
+    """
     if impl is not None:
         blocks = AUDIT_BLOCKS if impl == "blocked" else {}
 
-        def forward(q, k, v, mask=None):
+        def forward(q, k, v, mask=None, sinks=None):
             if impl == "chunked":
                 b, h, i, j = AUDIT_CHUNKS
                 q, k, v = (_chunked(q, (b, h, i, -1)), _chunked(k, (b, h, j, -1)),
                            _chunked(v, (b, h, j, -1)))
                 mask = _chunked(mask, AUDIT_CHUNKS)
-            return A.sdpa_forward(q, k, v, mask=mask, impl=impl, **blocks, **kwargs)
+            return A.sdpa_forward(q, k, v, mask=mask, sinks=sinks, impl=impl, **blocks, **kwargs)
 
         return forward, A.sdpa_backward
 
-    def forward(q, k, v, mask=None):
-        return F.sdpa_forward(q, k, v, mask=mask, **kwargs)
+    def forward(q, k, v, mask=None, sinks=None):
+        return F.sdpa_forward(q, k, v, mask=mask, sinks=sinks, **kwargs)
 
     def backward(dout, cache):
         return F.sdpa_backward(dout, cache)
@@ -364,6 +368,33 @@ def _sdpa(Lq, Lk, mask_kind=None, is_causal=False, dropout_p=0.0, gqa=False, Dv=
     return build
 
 
+def _sdpa_options(Lq, Lk, *, align, sinks):
+    """Every kernel option at once: window, softcap, ALiBi (B, H), segments with a query that
+    has no key of its own, GQA, a fixed dropout keep-mask, a float mask with -inf, and sinks."""
+    def build(xp, dtype, rng, impl=None):
+        m = _Maker(xp, dtype, rng)
+        B, H, Hkv, Dh, Dv = 2, 4, 2, 3, 2
+        q, k, v = m.normal(B, H, Lq, Dh), m.normal(B, Hkv, Lk, Dh), m.normal(B, Hkv, Lk, Dv)
+        seg_q = np.repeat([[0, 1]], B, axis=0).repeat([2, Lq - 2], axis=1)  # [B, Lq]
+        seg_k = np.repeat([[0, 1]], B, axis=0).repeat([Lk - 2, 2], axis=1)  # [B, Lk]
+        seg_q[1, -1] = 7  # a query whose segment has no key
+        ints = xp.int64
+        kwargs = dict(window=(2, 1), align=align, is_causal=True, softcap=1.5,
+                      alibi_slopes=m.put(rng.random((B, H))), enable_gqa=True,
+                      q_segments=xp.asarray(from_numpy(seg_q, xp), dtype=ints),
+                      k_segments=xp.asarray(from_numpy(seg_k, xp), dtype=ints),
+                      dropout_p=0.25, dropout_mask=m.keep((B, H, Lq, Lk), 0.25))
+        fwd, bwd = _sdpa_pair(impl, **kwargs)
+        inputs = [q, k, v, m.put(_float_mask(rng, (B, 1, Lq, Lk), full_rows=[(0, 0, 1)]))]
+        names = ["q", "k", "v", "mask"]
+        if sinks:
+            inputs.append(m.normal(H))
+            names.append("sinks")
+        return fwd, bwd, inputs, names
+
+    return build
+
+
 def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_causal=False,
          dropout_p=0.0):
     def build(xp, dtype, rng, impl=None):
@@ -416,8 +447,10 @@ def panel(backend: Optional[str] = None) -> list:
     else:
         impls = [("blocked", "blocked")] + ([("numpy", "numpy kernel")] if backend == "numpy" else [])
     for impl, label in impls:
+        takes_options = impl == "blocked"  # the NumPy kernel and chunked take plain calls only
         checks += [Check(f"{c.name} [{label}]", c.kind, c.build, impl=impl)
-                   for c in _reference_panel() if c.name.startswith(("sdpa", "mha"))]
+                   for c in _reference_panel() if c.name.startswith(("sdpa", "mha"))
+                   and (takes_options or not c.name.startswith("sdpa options"))]
     return checks
 
 
@@ -442,6 +475,10 @@ def _reference_panel() -> list:
               _sdpa(3, 5, "bool_full_rows", dropout_p=0.25)),
         Check("sdpa, GQA Hq=4 Hkv=2, Dv=5 != Dh, causal + float mask", P,
               _sdpa(4, 6, "float", is_causal=True, gqa=True, Dv=5)),
+        Check("sdpa options: window, softcap, ALiBi, segments, GQA, dropout, float mask", P,
+              _sdpa_options(5, 7, align="top_left", sinks=False)),
+        Check("sdpa options, bottom-right, Lq > Lk, + sinks", P,
+              _sdpa_options(6, 4, align="bottom_right", sinks=True)),
         Check("mha self, bias, no mask", M, _mha(True)),
         Check("mha self, no bias, causal", M, _mha(True, bias=False, is_causal=True)),
         Check("mha cross, kdim=5 vdim=3, bool padding mask", M,

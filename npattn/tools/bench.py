@@ -77,7 +77,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -96,10 +96,12 @@ class Shape(NamedTuple):
     H: int
     causal: bool
     dropout: float = 0.0  # drop probability of the attention weights, both libraries in training
+    window: Optional[int] = None  # sliding window: query i attends keys i - window .. i
 
     def __str__(self):
         drop = f"d{self.dropout:g}" if self.dropout else ""
-        return f"{self.B}x{self.L}x{self.D}x{self.H}" + ("c" if self.causal else "") + drop
+        win = f"w{self.window}" if self.window is not None else ""
+        return f"{self.B}x{self.L}x{self.D}x{self.H}" + ("c" if self.causal else "") + win + drop
 
 
 DEFAULT_SHAPES = (
@@ -117,35 +119,40 @@ ISOLATED_PLAN = (
     (Shape(1, 4096, 512, 8, False), "dense"),
     (Shape(1, 4096, 512, 8, False), "blocked"),
     (Shape(1, 16384, 512, 8, False), "blocked"),
+    (Shape(1, 16384, 512, 8, True), "blocked"),
+    (Shape(1, 16384, 512, 8, False, window=256), "blocked"),
 )
 
 
 def parse_shapes(text: str):
-    """``"32x128x256x8,4x1024x768x12c,8x512x768x12d0.1"`` -> tuple of ``Shape``.
+    """``"32x128x256x8,4x1024x768x12c,8x512x768x12d0.1,1x16384x512x8w256"`` -> tuple of ``Shape``.
 
-    A trailing ``c`` means causal, ``dP`` dropout with drop probability P.
+    A trailing ``c`` means causal, ``wN`` a sliding window of N keys back
+    (``window=(N, 0)``: query i attends keys i - N .. i), ``dP`` dropout with
+    drop probability P.
     """
     shapes = []
     for item in text.split(","):
         item = item.strip().lower()
         if not item:
             continue
-        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)(?:d([0-9.]+))?", item)
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)(?:w(\d+))?(?:d([0-9.]+))?", item)
         if match is None:
             raise ValueError(
-                f"--shapes: expected items like 32x128x256x8, 4x1024x768x12c or "
-                f"8x512x768x12d0.1, got {item!r}"
+                f"--shapes: expected items like 32x128x256x8, 4x1024x768x12c, "
+                f"1x16384x512x8w256 or 8x512x768x12d0.1, got {item!r}"
             )
         B, L, D, H = (int(g) for g in match.groups()[:4])
         try:
-            p = float(match.group(6)) if match.group(6) else 0.0
+            p = float(match.group(7)) if match.group(7) else 0.0
         except ValueError:
             p = -1.0
         if min(B, L, D, H) < 1 or D % H:
             raise ValueError(f"--shapes: {item!r} needs positive sizes and D divisible by H")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"--shapes: {item!r}: the dropout after d must be in [0, 1)")
-        shapes.append(Shape(B, L, D, H, bool(match.group(5)), p))
+        window = int(match.group(6)) if match.group(6) else None
+        shapes.append(Shape(B, L, D, H, bool(match.group(5)), p, window))
     if not shapes:
         raise ValueError(f"--shapes: no shape in {text!r}")
     return tuple(shapes)
@@ -157,12 +164,17 @@ def flops(shape: Shape) -> float:
     Projections: forward 4 GEMMs of (B*L, D) x (D, D) = 8 B L D^2; backward
     needs two per forward GEMM (input and weight gradient) = 16 B L D^2.
     Attention: forward ``q k^T`` and ``a v`` = 4 B L^2 D; backward ``dv``,
-    ``da``, ``dq``, ``dk`` = 8 B L^2 D; counted at half when causal.
+    ``da``, ``dq``, ``dk`` = 8 B L^2 D; counted at half when causal, and for a
+    window of w keys back over the ``L (w + 1) - w (w + 1) / 2`` attended pairs.
     Elementwise work (softmax, bias, scaling) is not counted.
     """
     B, L, D, H, causal = shape[:5]
     proj = 24.0 * B * L * D * D
-    attn = 12.0 * B * L * L * D * (0.5 if causal else 1.0)
+    pairs = L * L * (0.5 if causal else 1.0)
+    if shape.window is not None:
+        w = min(shape.window, L - 1)
+        pairs = L * (w + 1) - w * (w + 1) / 2
+    attn = 12.0 * B * pairs * D
     return proj + attn
 
 
@@ -259,8 +271,10 @@ def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None
     x = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
     dout = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
 
+    extra = {} if shape.window is None else {"window": (shape.window, 0)}
+
     def step():
-        m(x, x, x, is_causal=shape.causal)
+        m(x, x, x, is_causal=shape.causal, **extra)
         m.backward(dout)
         # drop the cache as torch drops its graph after backward: otherwise the next
         # forward runs while this one's probabilities are still held (the module
@@ -300,7 +314,12 @@ def _make_torch(shape: Shape, dtype: str, m, x, dout):
     tx = torch.from_numpy(to_numpy(x)).to(device=device, dtype=tdtype).requires_grad_(True)
     tdout = torch.from_numpy(to_numpy(dout)).to(device=device, dtype=tdtype)
     attn_mask = None
-    if shape.causal:
+    if shape.window is not None:  # torch has no window: an explicit float mask, -inf outside
+        i = torch.arange(shape.L, device=device)
+        d = i[None, :] - i[:, None]  # j - i
+        attn_mask = torch.zeros((shape.L, shape.L), device=device, dtype=tdtype)
+        attn_mask.masked_fill_((d > 0) | (d < -shape.window), float("-inf"))
+    elif shape.causal:
         # torch's float mask: -inf above the diagonal (top-left causal), with the hint
         attn_mask = torch.nn.Transformer.generate_square_subsequent_mask(
             shape.L, device=device, dtype=tdtype
@@ -310,7 +329,8 @@ def _make_torch(shape: Shape, dtype: str, m, x, dout):
         mha.zero_grad(set_to_none=True)
         tx.grad = None
         out, _ = mha(
-            tx, tx, tx, need_weights=False, attn_mask=attn_mask, is_causal=shape.causal
+            tx, tx, tx, need_weights=False, attn_mask=attn_mask,
+            is_causal=shape.causal and shape.window is None
         )
         out.backward(tdout)
 
@@ -598,7 +618,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
                 rss = _rss_rise_mib(step, sync)
         row = {
             "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
-            "causal": shape.causal, "ms": ms, "ms_all": [t * 1e3 for t in ts],
+            "causal": shape.causal, "window": shape.window, "ms": ms, "ms_all": [t * 1e3 for t in ts],
             "number": number, "torch_number": tnumber, "gemm_number": gnumber,
             "gflops": rate, "gemm_gflops": gemm_here, "pct_gemm": 100.0 * rate / gemm_here,
             "peak_mib": peak,
@@ -661,7 +681,8 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     if impl in ("blocked", "auto"):
         from .. import blocked
 
-        block_q, block_k = block_q or blocked.DEFAULT_BLOCK_Q, block_k or blocked.DEFAULT_BLOCK_K
+        default_k = blocked.DEFAULT_BLOCK_K if shape.window is None else blocked.WINDOW_BLOCK_K
+        block_q, block_k = block_q or blocked.DEFAULT_BLOCK_Q, block_k or default_k
     else:
         block_q = block_k = None
     with _blas_limit(blas_threads):
@@ -677,7 +698,7 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     rate = flops(shape) / (ms * 1e-3) / 1e9
     return {
         "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
-        "causal": shape.causal, "impl": impl, "dtype": dtype, "backend": backend_name(m.xp),
+        "causal": shape.causal, "window": shape.window, "impl": impl, "dtype": dtype, "backend": backend_name(m.xp),
         "block_q": block_q, "block_k": block_k, "blas_threads": blas_threads,
         "repeat": repeat, "warmup": warmup,
         "ms": ms, "ms_all": [t * 1e3 for t in ts], "ms_min": min(ts) * 1e3, "gflops": rate,
