@@ -12,7 +12,7 @@
 * ``npattn.backend``: the one seam between npattn and array libraries.
 """
 
-from . import attention, backend, blocked, functional, gradcheck, masks
+from . import attention, backend, blocked, compat, functional, gradcheck, masks
 from .gradcheck import gradcheck as check_gradients
 from .module import MultiHeadAttention
 
@@ -20,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiHeadAttention", "attention", "backend", "blocked", "check_gradients", "functional",
-    "gradcheck", "masks", "__version__",
+    "compat", "gradcheck", "masks", "__version__",
 ]

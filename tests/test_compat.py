@@ -1,0 +1,769 @@
+"""npattn.compat: flash-attn's, torch SDPA's and JAX's entry points on npattn.
+
+Each function is checked against ``ref`` below, a dense float64 NumPy
+attention written here from the documented semantics of the original (not
+from npattn's code): flash-attn's bottom-right causal mask and window, its
+softcap and ALiBi, packed sequences, the in-place KV-cache append; torch's
+and JAX's top-left masks, JAX's sequence lengths. Where the original is
+installed, the forward and gradients are compared with it too
+(``torch.nn.functional.scaled_dot_product_attention`` in float64,
+``jax.nn.dot_product_attention`` in float32). Gradients through ``vjp`` are
+checked against central finite differences in float64 along a random
+direction with a random upstream gradient, with Lq != Lk, dropout p > 0 on
+a fixed keep-mask, and rows with nothing to attend.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from npattn import compat as C
+
+RNG = np.random.default_rng(20240611)
+
+
+def randn(*shape):
+    return RNG.standard_normal(shape)
+
+
+# --------------------------------------------------------------------------
+# the reference: documented semantics on NumPy float64, layout (B, H, L, D)
+
+
+def ref(q, k, v, *, scale=None, offset=0, causal=False, window=(None, None), softcap=None,
+        alibi=None, bias=None, allowed=None, keep=None, p=0.0):
+    """``(out, lse, probs)`` of attention; query ``i`` sits at key position ``i + offset``.
+
+    ``window = (left, right)``: key ``j`` is visible when ``i + offset - left <= j <=
+    i + offset + right`` (None unbounded); ``causal`` is ``right = 0``. ``alibi``
+    (H,) or (B, H) adds ``-slope * |i + offset - j|`` after the softcap; ``bias`` is
+    added; ``allowed`` (bool) is ANDed. A row with nothing visible gives zero
+    probabilities, zero output and ``lse = -inf``. ``keep`` with ``p`` is inverted dropout.
+    """
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # query head h uses K/V head h // G
+    Lq, Lk = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    i = np.arange(Lq)[:, None] + offset
+    j = np.arange(Lk)[None, :]
+    if alibi is not None:
+        slopes = alibi.reshape((1,) * (2 - alibi.ndim) + alibi.shape + (1, 1))
+        s = s - slopes * np.abs(i - j)
+    if bias is not None:
+        s = s + bias
+    ok = np.ones(s.shape, dtype=bool)
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None:
+        ok &= j >= i - left
+    if right is not None:
+        ok &= j <= i + right
+    if allowed is not None:
+        ok &= allowed
+    s = np.where(ok, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    z = e.sum(axis=-1, keepdims=True)
+    probs = np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(z[..., 0] > 0, np.log(z[..., 0]) + m[..., 0], -np.inf)
+    a = probs if keep is None else np.where(keep, probs / (1.0 - p), 0.0)
+    return a @ v, lse, probs
+
+
+def to_bhld(x):
+    return np.swapaxes(x, 1, 2)
+
+
+def flash_ref(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi=None, keep=None,
+              p=0.0, scale=None):
+    """flash-attn's documented semantics on (B, L, H, D): bottom-right, -1 unbounded, 0.0 off."""
+    left, right = (None if w < 0 else w for w in window_size)
+    o, lse, probs = ref(to_bhld(q), to_bhld(k), to_bhld(v), scale=scale,
+                        offset=k.shape[1] - q.shape[1], causal=causal, window=(left, right),
+                        softcap=softcap if softcap > 0 else None, alibi=alibi, keep=keep, p=p)
+    return to_bhld(o), np.where(np.isneginf(lse), np.inf, lse), probs  # flash-attn: +inf
+
+
+# --------------------------------------------------------------------------
+# gradients: <J^T ct, t> against <(f(x + e t) - f(x - e t)) / 2e, ct>
+
+
+def check_vjp(f, xs, grads, ct, *, ct_lse=None, eps=1e-6, rtol=1e-6, atol=1e-9):
+    """``f(*xs)`` returns ``out`` (or ``(out, lse)`` with ``ct_lse``); ``grads`` are the
+    pullback's gradients of ``xs`` for the upstream gradients ``ct`` (and ``ct_lse``)."""
+    def loss(*args):
+        r = f(*args)
+        if ct_lse is None:
+            return float(np.sum(np.asarray(r) * ct))
+        out, lse = r
+        return float(np.sum(out * ct) + np.sum(np.where(np.isfinite(lse), lse, 0.0) * ct_lse))
+
+    assert len(xs) == len(grads)
+    for n, (x, g) in enumerate(zip(xs, grads)):
+        assert g is not None and g.shape == x.shape, f"argument {n}: gradient shape"
+        t = RNG.standard_normal(x.shape)
+        plus = [a if m != n else a + eps * t for m, a in enumerate(xs)]
+        minus = [a if m != n else a - eps * t for m, a in enumerate(xs)]
+        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
+        an = float(np.sum(g * t))
+        assert abs(an) > 1e-3, f"argument {n}: a vanishing directional derivative tests nothing"
+        assert abs(fd - an) <= rtol * abs(an) + atol + 1e-4 * eps, (n, fd, an)
+
+
+# --------------------------------------------------------------------------
+# flash_attn_func
+
+FLASH_CASES = {
+    "gqa_dv": dict(shape=(2, 3, 4, 5, 2, 5, 3)),
+    "causal_lq_lt_lk": dict(shape=(2, 3, 2, 4, 2, 5, 4), causal=True),
+    "causal_lq_gt_lk_empty_rows": dict(shape=(2, 5, 2, 4, 2, 3, 4), causal=True),
+    "window_softcap_alibi": dict(shape=(2, 4, 4, 4, 2, 6, 3), window_size=(1, 2), softcap=2.0,
+                                 alibi="h"),
+    "left_window_alibi_bh": dict(shape=(2, 4, 2, 4, 1, 6, 4), window_size=(2, -1), alibi="bh"),
+    "causal_window_dropout": dict(shape=(2, 4, 2, 4, 2, 6, 4), causal=True, window_size=(3, 5),
+                                  p=0.3),
+}
+
+
+def flash_inputs(shape, alibi=None, p=0.0, **_):
+    B, Lq, Hq, Dh, Hkv, Lk, Dv = shape
+    q, k, v = randn(B, Lq, Hq, Dh), randn(B, Lk, Hkv, Dh), randn(B, Lk, Hkv, Dv)
+    slopes = None
+    if alibi == "h":
+        slopes = RNG.uniform(0.1, 1.0, Hq)
+    elif alibi == "bh":
+        slopes = RNG.uniform(0.1, 1.0, (B, Hq))
+    keep = RNG.random((B, Hq, Lq, Lk)) >= p if p else None
+    return q, k, v, slopes, keep
+
+
+def flash_kwargs(case):
+    return {n: case[n] for n in ("causal", "window_size", "softcap") if n in case}
+
+
+@pytest.mark.parametrize("name", FLASH_CASES)
+def test_flash_attn_func_forward_lse_and_probs(name):
+    case = FLASH_CASES[name]
+    q, k, v, slopes, keep = flash_inputs(**case)
+    p = case.get("p", 0.0)
+    out, lse, S = C.flash_attn_func(q, k, v, p, None, alibi_slopes=slopes, return_attn_probs=True,
+                                    dropout_mask=keep, **flash_kwargs(case))
+    r_out, r_lse, r_probs = flash_ref(q, k, v, alibi=slopes, keep=keep, p=p, **flash_kwargs(case))
+    np.testing.assert_allclose(out, r_out, rtol=1e-12, atol=1e-12)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(r_lse))
+    np.testing.assert_allclose(lse[np.isfinite(r_lse)], r_lse[np.isfinite(r_lse)], rtol=1e-12)
+    # S_dmask: the probabilities before dropout, negated where dropped
+    np.testing.assert_allclose(np.abs(S), r_probs, rtol=1e-12, atol=1e-15)
+    dropped = np.zeros(S.shape, bool) if keep is None else ~keep
+    np.testing.assert_array_equal(np.signbit(S), dropped)
+    if name == "causal_lq_gt_lk_empty_rows":  # Lq - Lk = 2 rows see no key
+        assert np.all(np.isposinf(lse[:, :, :2])) and np.all(out[:, :2] == 0) and np.all(S[:, :, :2] == 0)
+
+
+@pytest.mark.parametrize("name", ["gqa_dv", "causal_lq_gt_lk_empty_rows", "window_softcap_alibi",
+                                  "left_window_alibi_bh", "causal_window_dropout"])
+def test_flash_attn_func_gradients_match_finite_differences(name):
+    case = FLASH_CASES[name]
+    q, k, v, slopes, keep = flash_inputs(**case)
+    p = case.get("p", 0.0)
+    kw = dict(alibi_slopes=slopes, dropout_mask=keep, **flash_kwargs(case))
+    out, pullback = C.vjp(C.flash_attn_func, q, k, v, p, **kw)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == 4 and grads[3] is None  # dropout_p, passed positionally, has none
+    check_vjp(lambda a, b, c: C.flash_attn_func(a, b, c, p, **kw), [q, k, v], grads[:3], ct)
+
+
+def test_flash_attn_func_dlse_gradient():
+    case = FLASH_CASES["causal_lq_gt_lk_empty_rows"]
+    q, k, v, slopes, _ = flash_inputs(**case)
+    kw = dict(causal=True, softcap=1.5, return_attn_probs=True)
+    (out, lse, _), pullback = C.vjp(C.flash_attn_func, q, k, v, **kw)
+    ct, ct_lse = randn(*out.shape), randn(*lse.shape)
+    grads = pullback(ct, dlse=ct_lse)
+
+    def f(a, b, c):
+        o, l_, _ = C.flash_attn_func(a, b, c, **kw)
+        return o, l_
+
+    check_vjp(f, [q, k, v], grads, ct, ct_lse=ct_lse)
+
+
+def test_flash_attn_func_dropout_replays_and_draws():
+    q, k, v, _, keep = flash_inputs((2, 4, 2, 4, 2, 6, 4), p=0.4)
+    # a kernel's S_dmask is rounded up to multiples of 128: the leading block is used
+    big = np.ones((2, 2, 128, 128), bool)
+    big[:, :, :4, :6] = keep
+    a = C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=big)
+    b = C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=keep)
+    np.testing.assert_array_equal(a, b)
+    # drawn: a seed gives one mask, and S_dmask's sign is the mask that was applied
+    out, _, S = C.flash_attn_func(q, k, v, 0.4, causal=True, return_attn_probs=True, rng=7)
+    again = C.flash_attn_func(q, k, v, 0.4, causal=True, rng=7)
+    np.testing.assert_array_equal(out, again)
+    drawn = ~np.signbit(S)
+    assert 0 < drawn.mean() < 1
+    np.testing.assert_allclose(out, flash_ref(q, k, v, causal=True, keep=drawn, p=0.4)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_flash_attn_func_half_precision_dtypes():
+    q, k, v, _, _ = flash_inputs((2, 3, 2, 8, 2, 5, 8))
+    out, lse, S = C.flash_attn_func(*(t.astype(np.float16) for t in (q, k, v)), causal=True,
+                                    return_attn_probs=True)
+    assert out.dtype == np.float16 and S.dtype == np.float16 and lse.dtype == np.float32
+    np.testing.assert_allclose(out, flash_ref(q, k, v, causal=True)[0], atol=5e-3)
+
+
+def test_flash_attn_func_deterministic_and_scale():
+    q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
+    a = C.flash_attn_func(q, k, v, softmax_scale=0.3, deterministic=True)
+    np.testing.assert_allclose(a, flash_ref(q, k, v, scale=0.3)[0], rtol=1e-12)
+    np.testing.assert_array_equal(a, C.flash_attn_func(q, k, v, 0.0, 0.3))
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(window_size=(1,)), TypeError, "window_size"),
+    (dict(window_size="local"), TypeError, "window_size"),
+    (dict(window_size=(1.5, 2)), TypeError, "window_size"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap="on"), TypeError, "softcap"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(dropout_p=1.5), ValueError, "dropout_p"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
+    (dict(return_attn_probs="yes"), TypeError, "return_attn_probs"),
+])
+def test_flash_attn_func_bad_options_name_the_argument(kwargs, exc, name):
+    q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
+    with pytest.raises(exc, match=name):
+        C.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_flash_attn_func_bad_shapes_name_the_argument():
+    q, k, v, _, _ = flash_inputs((2, 3, 4, 4, 2, 5, 4))
+    with pytest.raises(ValueError, match=r"^q: expected 4 axes \(batch, seqlen, nheads, headdim\)"):
+        C.flash_attn_func(q[0], k, v)
+    with pytest.raises(ValueError, match=r"^k: the query heads \(3\) must be a multiple"):
+        C.flash_attn_func(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match=r"^k: expected the batch of q = 2"):
+        C.flash_attn_func(q, k[:1], v)
+    with pytest.raises(ValueError, match=r"^v: expected the key length of k = 5"):
+        C.flash_attn_func(q, k, v[:, :4])
+    with pytest.raises(TypeError, match=r"^q: expected an array"):
+        C.flash_attn_func(q.tolist(), k, v)
+
+
+# --------------------------------------------------------------------------
+# flash_attn_varlen_func
+
+# sequences: Lq < Lk; Lq > Lk with causal (empty rows); Lk = 0 (zero output); Lq = 0
+LENS_Q, LENS_K = [2, 4, 1, 0], [3, 2, 0, 2]
+
+
+def varlen_inputs(Hq=4, Hkv=2, Dh=4, Dv=3, p=0.0, maxq=5, maxk=4):
+    cq, ck = np.cumsum([0] + LENS_Q), np.cumsum([0] + LENS_K)
+    q, k, v = randn(cq[-1], Hq, Dh), randn(ck[-1], Hkv, Dh), randn(ck[-1], Hkv, Dv)
+    keep = RNG.random((len(LENS_Q), Hq, maxq, maxk)) >= p if p else None
+    return q, k, v, cq.astype(np.int32), ck.astype(np.int32), keep
+
+
+def varlen_ref(q, k, v, cq, ck, *, alibi=None, keep=None, p=0.0, **kw):
+    """Each sequence on its own by ``flash_ref``: (out, lse (H, total_q), probs per sequence)."""
+    outs, lses, probs = [], [], []
+    for b in range(len(cq) - 1):
+        qb, kb, vb = q[cq[b]:cq[b + 1]][None], k[ck[b]:ck[b + 1]][None], v[ck[b]:ck[b + 1]][None]
+        lq, lk = qb.shape[1], kb.shape[1]
+        if lk == 0:  # nothing to attend
+            outs.append(np.zeros((lq, q.shape[1], v.shape[2])))
+            lses.append(np.full((q.shape[1], lq), np.inf))
+            probs.append(np.zeros((q.shape[1], lq, 0)))
+            continue
+        a = None if alibi is None else alibi[b]
+        kb_keep = None if keep is None else keep[b:b + 1, :, :lq, :lk]
+        o, l_, pr = flash_ref(qb, kb, vb, alibi=a, keep=kb_keep, p=p, **kw)
+        outs.append(o[0])
+        lses.append(l_[0])
+        probs.append(pr[0])
+    return np.concatenate(outs), np.concatenate(lses, axis=1), probs
+
+
+def test_flash_attn_varlen_func_forward_each_sequence_attends_itself():
+    q, k, v, cq, ck, keep = varlen_inputs(p=0.25)
+    slopes = RNG.uniform(0.1, 1.0, (4, 4))
+    kw = dict(causal=True, softcap=3.0)
+    out, lse, S = C.flash_attn_varlen_func(q, k, v, cq, ck, 5, 4, 0.25, alibi_slopes=slopes,
+                                           return_attn_probs=True, dropout_mask=keep, **kw)
+    r_out, r_lse, r_probs = varlen_ref(q, k, v, cq, ck, alibi=slopes, keep=keep, p=0.25, **kw)
+    np.testing.assert_allclose(out, r_out, rtol=1e-12, atol=1e-12)
+    assert lse.shape == (4, q.shape[0]) and S.shape == (4, 4, 5, 4)
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(r_lse))
+    fin = np.isfinite(r_lse)
+    np.testing.assert_allclose(lse[fin], r_lse[fin], rtol=1e-12)
+    assert np.isposinf(lse[:, 2:4]).all()  # sequence 1 (Lq 4, Lk 2), causal: first 2 rows empty
+    for b, (lq, lk) in enumerate(zip(LENS_Q, LENS_K)):
+        np.testing.assert_allclose(np.abs(S[b, :, :lq, :lk]), r_probs[b], rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(np.signbit(S[b, :, :lq, :lk]), ~keep[b, :, :lq, :lk])
+        assert not S[b, :, lq:].any() and not S[b, :, :, lk:].any()
+    assert not out[cq[2]:cq[3]].any()  # the sequence without keys
+
+
+def test_flash_attn_varlen_func_gradients_match_finite_differences():
+    q, k, v, cq, ck, keep = varlen_inputs(p=0.3)
+    kw = dict(causal=True, window_size=(1, -1), alibi_slopes=RNG.uniform(0.1, 1.0, 4),
+              dropout_mask=keep)
+    out, pullback = C.vjp(C.flash_attn_varlen_func, q, k, v, cq, ck, 5, 4, 0.3, **kw)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == 8 and all(g is None for g in grads[3:])  # cu_seqlens, lengths, p
+    check_vjp(lambda a, b, c: C.flash_attn_varlen_func(a, b, c, cq, ck, 5, 4, 0.3, **kw),
+              [q, k, v], grads[:3], ct)
+    assert not grads[0][cq[2]:cq[3]].any()  # no keys: no gradient
+
+
+def test_flash_attn_varlen_func_dlse_gradient():
+    q, k, v, cq, ck, _ = varlen_inputs()
+    kw = dict(causal=True, return_attn_probs=True)
+    (out, lse, _), pullback = C.vjp(C.flash_attn_varlen_func, q, k, v, cq, ck, 4, 3, **kw)
+    ct, ct_lse = randn(*out.shape), randn(*lse.shape)
+    grads = pullback(ct, dlse=ct_lse)[:3]
+
+    def f(a, b, c):
+        o, l_, _ = C.flash_attn_varlen_func(a, b, c, cq, ck, 4, 3, **kw)
+        return o, l_
+
+    check_vjp(f, [q, k, v], grads, ct, ct_lse=ct_lse)
+
+
+def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
+    q, k, v = randn(3, 4, 2, 4), randn(3, 6, 2, 4), randn(3, 6, 2, 4)
+    dense = C.flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
+    packed = C.flash_attn_varlen_func(q.reshape(12, 2, 4), k.reshape(18, 2, 4), v.reshape(18, 2, 4),
+                                      np.arange(0, 13, 4), np.arange(0, 19, 6), 4, 6, causal=True,
+                                      window_size=(2, 0))
+    np.testing.assert_allclose(packed.reshape(3, 4, 2, 4), dense, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(cu_seqlens_q=np.array([1, 3, 7, 8, 8])), ValueError, r"^cu_seqlens_q: expected cumulative"),
+    (dict(cu_seqlens_q=np.array([0, 3, 2, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
+    (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 6])), ValueError, r"^cu_seqlens_k: expected cumulative.*to 7"),
+    (dict(cu_seqlens_k=np.array([0, 7])), ValueError, r"^cu_seqlens_k: expected B \+ 1 = 5"),
+    (dict(cu_seqlens_q=np.array([0.0, 2, 6, 7, 7])), TypeError, r"^cu_seqlens_q: expected an integer"),
+    (dict(max_seqlen_q=3), ValueError, r"^max_seqlen_q: expected at least the longest sequence, 4"),
+    (dict(max_seqlen_k=2.0), TypeError, r"^max_seqlen_k"),
+    (dict(block_table=np.zeros((4, 1), np.int32)), NotImplementedError, r"^block_table"),
+    (dict(alibi_slopes=np.ones((3, 4))), ValueError, r"^alibi_slopes: expected the number of sequences"),
+])
+def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match):
+    q, k, v, cq, ck, _ = varlen_inputs()
+    args = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=4, max_seqlen_k=3)
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        C.flash_attn_varlen_func(q, k, v, **args)
+
+
+# --------------------------------------------------------------------------
+# flash_attn_with_kvcache
+
+
+def kvcache_inputs(B=2, Lq=3, Hq=4, Hkv=2, Dh=4, Dv=3, Lc=8, Lnew=2):
+    q = randn(B, Lq, Hq, Dh)
+    k_cache, v_cache = randn(B + 1, Lc, Hkv, Dh), randn(B + 1, Lc, Hkv, Dv)  # one spare row
+    k_new = None if Lnew == 0 else randn(B, Lnew, Hkv, Dh)
+    v_new = None if Lnew == 0 else randn(B, Lnew, Hkv, Dv)
+    return q, k_cache, v_cache, k_new, v_new
+
+
+def kvcache_ref(q, k_cache, v_cache, k_new, seqlens, **kw):
+    """Attention of batch b over the first seqlens[b] + Lnew keys of the cache after the append."""
+    Lnew = 0 if k_new is None else k_new.shape[1]
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        L = seqlens[b] + Lnew
+        o, l_, _ = flash_ref(q[b:b + 1], k_cache[b:b + 1, :L], v_cache[b:b + 1, :L], **kw)
+        outs.append(o)
+        lses.append(l_)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def appended(cache, new, seqlens):
+    after = cache.copy()
+    for b, s in enumerate(seqlens):
+        after[b, s:s + new.shape[1]] = new[b]
+    return after
+
+
+@pytest.mark.parametrize("seqlens, causal, extra", [
+    ([2, 5], True, {}),
+    ([0, 3], True, dict(softcap=2.0)),  # batch 0: Lk = 2 < Lq = 3, its first row sees nothing
+    ([4, 1], False, dict(window_size=(1, 1))),
+])
+def test_flash_attn_with_kvcache_appends_in_place_then_attends(seqlens, causal, extra):
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    k_before, v_before = k_cache.copy(), v_cache.copy()
+    out, lse = C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                         cache_seqlens=np.array(seqlens, np.int32), causal=causal,
+                                         return_softmax_lse=True, **extra)
+    np.testing.assert_array_equal(k_cache, appended(k_before, k_new, seqlens))
+    np.testing.assert_array_equal(v_cache, appended(v_before, v_new, seqlens))
+    r_out, r_lse = kvcache_ref(q, k_cache, v_cache, k_new, seqlens, causal=causal, **extra)
+    np.testing.assert_allclose(out, r_out, rtol=1e-12, atol=1e-12)
+    assert lse.shape == (2, 4, 3)
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(r_lse))
+    fin = np.isfinite(r_lse)
+    np.testing.assert_allclose(lse[fin], r_lse[fin], rtol=1e-12)
+    if seqlens[0] == 0:
+        assert np.isposinf(lse[0, :, 0]).all() and not out[0, 0].any()
+
+
+def test_flash_attn_with_kvcache_without_new_keys_and_int_seqlens():
+    q, k_cache, v_cache, _, _ = kvcache_inputs(Lnew=0)
+    before = k_cache.copy()
+    slopes = RNG.uniform(0.1, 1.0, 4)
+    out = C.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, alibi_slopes=slopes)
+    np.testing.assert_array_equal(k_cache, before)
+    r = flash_ref(q, k_cache[:2, :5], v_cache[:2, :5], alibi=slopes)[0]
+    np.testing.assert_allclose(out, r, rtol=1e-12, atol=1e-12)
+    full = C.flash_attn_with_kvcache(q, k_cache[:2], v_cache[:2])  # no seqlens: the whole cache
+    np.testing.assert_allclose(full, flash_ref(q, k_cache[:2], v_cache[:2])[0], rtol=1e-12)
+    empty, lse = C.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=0,
+                                           return_softmax_lse=True)
+    assert not empty.any() and np.isposinf(lse).all()
+
+
+def test_flash_attn_with_kvcache_gradients_match_finite_differences():
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    seqlens = np.array([2, 4], np.int32)
+    kw = dict(cache_seqlens=seqlens, causal=True, window_size=(3, -1), return_softmax_lse=True)
+
+    def f(a, kc, vc, kn, vn):  # a fresh copy of the caches each time: the call writes into them
+        return C.flash_attn_with_kvcache(a, kc.copy(), vc.copy(), kn, vn, **kw)
+
+    k0, v0 = k_cache.copy(), v_cache.copy()
+    (out, lse), pullback = C.vjp(C.flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new, **kw)
+    ct, ct_lse = randn(*out.shape), randn(*lse.shape)
+    grads = pullback(ct, dlse=ct_lse)
+    assert len(grads) == 5
+    check_vjp(f, [q, k0, v0, k_new, v_new], grads, ct, ct_lse=ct_lse)
+    # what was overwritten, never read, or in the spare row has no gradient
+    for b, s in enumerate(seqlens):
+        assert not grads[1][b, s:].any() and not grads[2][b, s:].any()
+    assert not grads[1][2].any()
+
+
+@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
+                                  "block_table"])
+def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    before = k_cache.copy()
+    with pytest.raises(NotImplementedError, match=f"^{name}: .* not implemented"):
+        C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=1,
+                                  **{name: np.zeros(2, np.int32)})
+    np.testing.assert_array_equal(k_cache, before)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(cache_seqlens=np.array([2, 7], np.int32)), ValueError, r"^cache_seqlens: expected 0 <="),
+    (dict(cache_seqlens=np.array([2], np.int32)), ValueError, r"^cache_seqlens: expected B = 2"),
+    (dict(cache_seqlens=None), ValueError, r"^cache_seqlens: needed with k and v"),
+    (dict(v=None), ValueError, r"^k: new keys and values come together"),
+    (dict(k=np.zeros((2, 2, 2, 5))), ValueError, r"^k: expected the head width of q = 4"),
+    (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError, r"^k_cache: expected at least the batch of q"),
+    (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError, r"^k: expected the dtype of q"),
+    (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
+])
+def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, match):
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new,
+                cache_seqlens=np.array([2, 3], np.int32))
+    args.update(change)
+    before = k_cache.copy()
+    with pytest.raises(exc, match=match):
+        C.flash_attn_with_kvcache(**args)
+    np.testing.assert_array_equal(k_cache, before)
+
+
+def test_flash_attn_with_kvcache_needs_a_writable_cache():
+    jnp = pytest.importorskip("jax.numpy", reason="an immutable array library: JAX")
+    q, k_cache, v_cache, k_new, v_new = (jnp.asarray(t, dtype=jnp.float32) for t in kvcache_inputs())
+    with pytest.raises(TypeError, match=r"^k_cache: expected an array that can be written in place"):
+        C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=1)
+
+
+# --------------------------------------------------------------------------
+# scaled_dot_product_attention
+
+
+def sdpa_case(name):
+    """(query, key, value, attn_mask, kwargs) in torch's (B, H, L, E) layout."""
+    q, k, v = randn(2, 4, 3, 5), randn(2, 4, 6, 5), randn(2, 4, 6, 4)
+    if name == "bool_mask_empty_row":
+        m = RNG.random((2, 1, 3, 6)) > 0.4
+        m[0, 0, 1] = False  # a row with nothing to attend
+        return q, k, v, m, {}
+    if name == "float_mask":
+        m = randn(1, 4, 3, 6)
+        m[..., 0, 0] = -np.inf
+        return q, k, v, m, {}
+    if name == "bool_mask_and_causal":  # ANDed: torch's fused CPU path (Dv = Dh) takes both
+        return q, k, randn(2, 4, 6, 5), RNG.random((3, 6)) > 0.3, dict(is_causal=True)
+    if name == "gqa_scale":
+        return q, k[:, :2], v[:, :2], None, dict(enable_gqa=True, scale=0.4)
+    raise KeyError(name)
+
+
+SDPA_CASES = ["bool_mask_empty_row", "float_mask", "bool_mask_and_causal", "gqa_scale"]
+
+
+def sdpa_ref(q, k, v, m, *, is_causal=False, scale=None, enable_gqa=False, keep=None, p=0.0):
+    """torch's documented semantics: bool True = attend, float added, is_causal top-left."""
+    bias = m if m is not None and m.dtype != bool else None
+    allowed = m if m is not None and m.dtype == bool else None
+    return ref(q, k, v, scale=scale, causal=is_causal, bias=bias, allowed=allowed, keep=keep, p=p)[0]
+
+
+@pytest.mark.parametrize("name", SDPA_CASES)
+def test_scaled_dot_product_attention_matches_the_reference(name):
+    q, k, v, m, kw = sdpa_case(name)
+    out = C.scaled_dot_product_attention(q, k, v, m, **kw)
+    np.testing.assert_allclose(out, sdpa_ref(q, k, v, m, **kw), rtol=1e-12, atol=1e-12)
+    if name == "bool_mask_empty_row":
+        assert not out[0, :, 1].any()
+
+
+@pytest.mark.parametrize("name", SDPA_CASES)
+def test_scaled_dot_product_attention_matches_torch(name):
+    torch = pytest.importorskip("torch", reason="comparing with torch's SDPA needs torch")
+    q, k, v, m, kw = sdpa_case(name)
+    tq, tk, tv = (torch.tensor(t, requires_grad=True) for t in (q, k, v))
+    tm = None if m is None else torch.tensor(m, requires_grad=m.dtype != bool)
+    t_out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, tm, **kw)
+    ct = randn(*t_out.shape)
+    t_out.backward(torch.tensor(ct))
+    args = [t.detach() for t in (tq, tk, tv)] + [None if tm is None else tm.detach()]
+    out, pullback = C.vjp(C.scaled_dot_product_attention, *args, **kw)
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_allclose(out.numpy(), t_out.detach().numpy(), rtol=1e-10, atol=1e-12)
+    grads = pullback(torch.tensor(ct))
+    expected = [tq.grad, tk.grad, tv.grad, None if tm is None or m.dtype == bool else tm.grad]
+    assert len(grads) == 4
+    for g, e in zip(grads, expected):
+        if e is None:
+            assert g is None
+        else:
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-9, atol=1e-11)
+
+
+def test_scaled_dot_product_attention_dropout_gradients_match_finite_differences():
+    q, k, v, m, _ = sdpa_case("float_mask")  # m (1, 4, 3, 6), broadcast over the batch
+    k, v = k[:, :2], v[:, :2]
+    keep = RNG.random((2, 4, 3, 6)) > 0.3
+    kw = dict(is_causal=True, enable_gqa=True, dropout_mask=keep)
+    out, pullback = C.vjp(C.scaled_dot_product_attention, q, k, v, m, 0.3, **kw)
+    np.testing.assert_allclose(out, sdpa_ref(q, k, v, m, is_causal=True, keep=keep, p=0.3),
+                               rtol=1e-12, atol=1e-12)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == 5 and grads[4] is None
+    check_vjp(lambda a, b, c, d: C.scaled_dot_product_attention(a, b, c, d, 0.3, **kw),
+              [q, k, v, m], grads[:4], ct)
+
+
+def test_scaled_dot_product_attention_bad_input_names_the_argument():
+    q, k, v, m, _ = sdpa_case("bool_mask_empty_row")
+    with pytest.raises(TypeError, match=r"^attn_mask: expected a bool or real floating dtype"):
+        C.scaled_dot_product_attention(q, k, v, m.astype(np.int8))
+    with pytest.raises(ValueError, match=r"attn_mask|mask"):
+        C.scaled_dot_product_attention(q, k, v, m[..., :5])
+    with pytest.raises(TypeError, match=r"^query: expected an array"):
+        C.scaled_dot_product_attention(None, k, v)
+    out, pullback = C.vjp(C.scaled_dot_product_attention, q, k, v, m)
+    with pytest.raises(ValueError, match=r"^dlse: scaled_dot_product_attention returns no"):
+        pullback(out, dlse=out[..., 0])
+
+
+# --------------------------------------------------------------------------
+# dot_product_attention (JAX)
+
+
+def jax_case(name):
+    """(query, key, value, bias, mask, kwargs) in JAX's (B, T, N, H) layout; T = 4, S = 6."""
+    q, k, v = randn(2, 4, 4, 5), randn(2, 6, 2, 5), randn(2, 6, 2, 5)
+    if name == "bias_mask_gqa":
+        mask = RNG.random((2, 1, 4, 6)) > 0.3
+        mask[..., 0] = True  # every row sees a key (JAX's fill differs on empty rows)
+        return q, k, v, randn(1, 4, 4, 6), mask, {}
+    if name == "causal_window_lengths":
+        kw = dict(is_causal=True, local_window_size=(2, 1),
+                  query_seq_lengths=np.array([4, 2], np.int32),
+                  key_value_seq_lengths=np.array([6, 5], np.int32))
+        return q, k, v, randn(4, 6), None, kw
+    if name == "symmetric_window_scale":
+        return q, k, v, None, None, dict(local_window_size=1, scale=0.3)
+    raise KeyError(name)
+
+
+JAX_CASES = ["bias_mask_gqa", "causal_window_lengths", "symmetric_window_scale"]
+
+
+def jax_ref(q, k, v, bias, mask, *, scale=None, is_causal=False, query_seq_lengths=None,
+            key_value_seq_lengths=None, local_window_size=None, keep=None, p=0.0):
+    """JAX's documented semantics on (B, T, N, H): top-left, padded queries give 0."""
+    T, S = q.shape[1], k.shape[1]
+    allowed = np.ones((q.shape[0], 1, T, S), bool) if mask is None else mask
+    if key_value_seq_lengths is not None:
+        allowed = allowed & (np.arange(S) < key_value_seq_lengths[:, None])[:, None, None, :]
+    w = local_window_size
+    window = (None, None) if w is None else (w, w) if isinstance(w, int) else w
+    out = ref(to_bhld(q), to_bhld(k), to_bhld(v), scale=scale, causal=is_causal, window=window,
+              bias=bias, allowed=allowed, keep=keep, p=p)[0]
+    out = to_bhld(out)
+    if query_seq_lengths is not None:
+        out = out * (np.arange(T) < query_seq_lengths[:, None])[:, :, None, None]
+    return out
+
+
+@pytest.mark.parametrize("name", JAX_CASES)
+def test_dot_product_attention_matches_the_reference_and_finite_differences(name):
+    q, k, v, bias, mask, kw = jax_case(name)
+    out, pullback = C.vjp(C.dot_product_attention, q, k, v, bias, mask, **kw)
+    np.testing.assert_allclose(out, jax_ref(q, k, v, bias, mask, **kw), rtol=1e-12, atol=1e-12)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == 5 and grads[4] is None  # the bool mask has none
+    xs = [q, k, v] + ([] if bias is None else [bias])
+    assert (grads[3] is None) == (bias is None)
+
+    def f(a, b, c, *d):
+        return C.dot_product_attention(a, b, c, d[0] if d else None, mask, **kw)
+
+    check_vjp(f, xs, grads[:len(xs)], ct)
+    if "query_seq_lengths" in kw:  # padded query rows: zero output, zero gradient
+        assert not out[1, 2:].any() and not grads[0][1, 2:].any()
+
+
+@pytest.mark.parametrize("name", JAX_CASES)
+def test_dot_product_attention_matches_jax(name):
+    jax = pytest.importorskip("jax", reason="comparing with jax.nn.dot_product_attention needs JAX")
+    jnp = jax.numpy
+    q, k, v, bias, mask, kw = jax_case(name)
+    f32 = [None if t is None else jnp.asarray(np.asarray(t, np.float32)) for t in (q, k, v, bias)]
+    jkw = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+    jmask = None if mask is None else jnp.asarray(mask)
+
+    def jf(*xs):
+        return jax.nn.dot_product_attention(*xs[:3], xs[3] if len(xs) > 3 else None, jmask, **jkw)
+
+    primals = f32[:3] + ([] if bias is None else [f32[3]])
+    j_out, j_vjp = jax.vjp(jf, *primals)
+    ct = randn(*j_out.shape)
+    j_grads = j_vjp(jnp.asarray(ct, jnp.float32))
+    out, pullback = C.vjp(C.dot_product_attention, q, k, v, bias, mask, **kw)
+    np.testing.assert_allclose(out, np.asarray(j_out), rtol=2e-5, atol=2e-5)
+    grads = pullback(ct)
+    for g, e in zip(grads, j_grads):
+        np.testing.assert_allclose(g, np.asarray(e), rtol=1e-4, atol=1e-4)
+
+
+def test_dot_product_attention_empty_rows_differ_from_jax_as_documented():
+    q, k, v, _, mask, _ = jax_case("bias_mask_gqa")
+    mask = mask.copy()
+    mask[1, 0, 2] = False  # row 2 of batch 1 sees no key: npattn zeros, JAX the mean of V
+    out = C.dot_product_attention(q, k, v, mask=mask)
+    assert not out[1, 2].any()
+    np.testing.assert_allclose(out, jax_ref(q, k, v, None, mask), rtol=1e-12, atol=1e-12)
+    jax = pytest.importorskip("jax", reason="the JAX side of the difference needs JAX")
+    j = np.asarray(jax.nn.dot_product_attention(*(np.float32(t) for t in (q, k, v)),
+                                                mask=jax.numpy.asarray(mask)))
+    mean_v = np.repeat(v[1].mean(axis=0), 2, axis=0)  # query head n uses K/V head n // 2
+    np.testing.assert_allclose(j[1, 2], mean_v, atol=1e-5)
+
+
+def test_dot_product_attention_residual_unbatched_and_dropout():
+    q, k, v, bias, _, kw = jax_case("causal_window_lengths")
+    out, lse = C.dot_product_attention(q, k, v, bias, return_residual=True, **kw)
+    assert out.shape == (2, 4, 4, 5) and lse.shape == (2, 4, 4)
+    assert np.isneginf(lse[1, 2:]).all() and np.isfinite(lse[0]).all()  # padded queries: -inf
+    single = C.dot_product_attention(q[0], k[0], v[0], bias, is_causal=True)
+    np.testing.assert_allclose(single, jax_ref(q[:1], k[:1], v[:1], bias, None, is_causal=True)[0],
+                               rtol=1e-12, atol=1e-12)
+    keep = RNG.random((2, 4, 4, 6)) > 0.25
+    dropped = C.dot_product_attention(q, k, v, bias, dropout_p=0.25, dropout_mask=keep, **kw)
+    np.testing.assert_allclose(dropped, jax_ref(q, k, v, bias, None, keep=keep, p=0.25, **kw),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(mask=np.ones((1, 1, 4, 6))), TypeError, r"^mask: expected a bool array"),
+    (dict(bias=np.ones((1, 1, 1, 4, 6))), ValueError, r"^bias: expected at most 4 axes"),
+    (dict(bias=np.ones((4, 5))), ValueError, r"^bias"),
+    (dict(implementation="flash"), ValueError, r"^implementation: expected None, 'xla' or 'cudnn'"),
+    (dict(local_window_size=-1), ValueError, r"^local_window_size: expected sides >= 0"),
+    (dict(local_window_size="wide"), TypeError, r"^local_window_size"),
+    (dict(query_seq_lengths=np.array([4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
+    (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError, r"^key_value_seq_lengths"),
+])
+def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
+    q, k, v, _, _, _ = jax_case("bias_mask_gqa")
+    with pytest.raises(exc, match=match):
+        C.dot_product_attention(q, k, v, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# vjp itself, and every backend
+
+
+def test_vjp_contract():
+    q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
+    with pytest.raises(TypeError, match=r"^fn: expected one of npattn.compat's functions"):
+        C.vjp(np.add, q, k)
+    out, pullback = C.vjp(C.flash_attn_func, q, k, v, causal=True)
+    with pytest.raises(ValueError, match=r"^dout: expected the shape of the output"):
+        pullback(out[:, :2])
+    with pytest.raises(ValueError, match=r"^dlse: expected the shape"):
+        pullback(out, dlse=np.zeros((2, 3)))
+    ct = randn(*out.shape)
+    first, second = pullback(ct), pullback(ct)  # the forward's cache is not consumed
+    assert len(first) == 3
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(out, C.flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("fn_name", ["flash_attn_func", "flash_attn_varlen_func",
+                                     "flash_attn_with_kvcache", "scaled_dot_product_attention",
+                                     "dot_product_attention"])
+def test_every_backend_gets_its_own_arrays_back(xp, to_xp, to_np, fn_name):
+    q, k, v, _, _ = flash_inputs((2, 3, 4, 4, 2, 5, 4))
+    fn = getattr(C, fn_name)
+    if fn_name == "flash_attn_varlen_func":
+        args = [q.reshape(6, 4, 4), k.reshape(10, 2, 4), v.reshape(10, 2, 4),
+                np.array([0, 3, 6], np.int32), np.array([0, 5, 10], np.int32)]
+        extra, kw = [3, 5], dict(causal=True)
+    elif fn_name == "flash_attn_with_kvcache":
+        args = [q, np.concatenate([k, np.zeros((2, 2, 2, 4))], axis=1),
+                np.concatenate([v, np.zeros((2, 2, 2, 4))], axis=1), k[:, :1], v[:, :1]]
+        extra, kw = [], dict(cache_seqlens=np.array([2, 4], np.int32), causal=True)
+    elif fn_name == "scaled_dot_product_attention":
+        args = [to_bhld(q), to_bhld(k), to_bhld(v), RNG.random((1, 1, 3, 5)) > 0.2]
+        extra, kw = [], dict(enable_gqa=True)
+    else:
+        args, extra, kw = [q, k, v], [], dict(causal=True) if fn_name == "flash_attn_func" else {}
+    expected = fn(*[a.copy() for a in args], *extra, **kw)
+    moved = [to_xp(a) for a in args]
+    kw = {n: to_xp(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+    out, pullback = C.vjp(fn, *moved, *extra, **kw)
+    assert type(out) is type(moved[0])
+    np.testing.assert_allclose(to_np(out), expected, rtol=1e-12, atol=1e-12)
+    grads = pullback(to_xp(randn(*expected.shape)))
+    assert type(grads[0]) is type(moved[0]) and grads[0].shape == moved[0].shape
+    if fn_name == "flash_attn_with_kvcache":  # appended in place on every backend
+        np.testing.assert_array_equal(to_np(moved[1])[0, 2], k[0, 0])
