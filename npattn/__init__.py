@@ -6,6 +6,8 @@
   over the reference, the blocked (FlashAttention-2 style) algorithm
   (``npattn.blocked``) and the NumPy kernel (``npattn.numpy_kernel``);
 * ``npattn.MultiHeadAttention``: the module, a thin composition of them;
+* ``npattn.KVCache``: preallocated keys and values for incremental decoding
+  with the module (``forward(..., kv_cache=)``);
 * ``npattn.gradcheck``: central finite-difference checks for your own code
   (the module; its ``gradcheck`` function is also ``npattn.check_gradients``);
 * ``npattn.masks``: causal and padding masks, and torch MHA's masks converted;
@@ -14,11 +16,12 @@
 
 from . import attention, backend, blocked, compat, functional, gradcheck, masks
 from .gradcheck import gradcheck as check_gradients
+from .kvcache import KVCache
 from .module import MultiHeadAttention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MultiHeadAttention", "attention", "backend", "blocked", "check_gradients", "functional",
-    "compat", "gradcheck", "masks", "__version__",
+    "KVCache", "MultiHeadAttention", "attention", "backend", "blocked", "check_gradients",
+    "functional", "compat", "gradcheck", "masks", "__version__",
 ]

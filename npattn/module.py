@@ -5,7 +5,8 @@ its last forward; every computation is a call into the functional pairs.
 
 Shape legend: B batch, H heads, Hkv key/value heads, Lq query length,
 Lk key length, n extra keys (add_bias_kv, add_zero_attn), D = d_model,
-Dh = D // H, Dkv = Hkv * Dh, Dq = qdim, Dk = kdim, Dv = vdim.
+Dh = D // H, Dkv = Hkv * Dh, Dq = qdim, Dk = kdim, Dv = vdim; with a KV
+cache, Lt keys attended (``kvcache.AlignedKV``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import numbers
 import os
 import warnings
 import zipfile
@@ -24,13 +26,19 @@ from . import attention as A
 from . import functional as F
 from . import validation as V
 from .backend import BACKENDS, backend_name, device_of, exclusive, from_numpy, resolve_backend, to_numpy
+from .kvcache import KVCache, unalign_columns
 
 __all__ = [
     "MultiHeadAttention", "ParameterDict", "check_module_args", "check_forward_inputs",
-    "check_backward_inputs", "check_param",
+    "check_backward_inputs", "check_param", "check_kv_cache", "check_softcap",
 ]
 
-PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v")
+PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "sinks")
+
+#: The per-call options that place queries and keys on positions; the extra keys of
+#: add_bias_kv / add_zero_attn have none, so they are refused together.
+POSITIONAL_OPTIONS = ("window", "align='bottom_right'", "alibi_slopes", "q_segments",
+                      "k_segments", "kv_cache")
 
 
 class MHACache(NamedTuple):
@@ -61,6 +69,8 @@ class MultiHeadAttention:
            with attendable columns, see below)
         5. qh, kh, vh = split_heads(q, k, v)         [B, H, Lq, Dh], [B, Hkv, Lk + n, Dh]
         6. oh = sdpa(qh, kh, vh, mask)               [B, H, Lq, Dh]
+           (scale, softcap and the learned sinks of the constructor, the
+           window, align, alibi_slopes and segments of the call)
         7. o  = merge_heads(oh)                      [B, Lq, D]
         8. out = o @ w_o.T + b_o                     [B, Lq, D]
 
@@ -71,6 +81,11 @@ class MultiHeadAttention:
     attendable (a boolean mask is padded with True, a floating one with 0.0),
     as torch pads its own masks. With ``n_kv_head < n_head`` (grouped-query
     attention) query head h uses key/value head ``h // (n_head // n_kv_head)``.
+
+    With ``forward(..., kv_cache=cache)`` (incremental decoding, forward
+    only) steps 2.-3. project the new tokens only, step 6. attends over the
+    cache's keys followed by them, and they are appended to the cache (see
+    ``forward`` and ``npattn.KVCache``).
 
     Parameters
     ----------
@@ -116,6 +131,17 @@ class MultiHeadAttention:
     block_q, block_k : int, optional
         Query / key block lengths of the blocked implementation (default
         ``blocked.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``).
+    scale : float, optional
+        The score scale of step 6., ``s = (q @ k^T) * scale``; default
+        ``1 / sqrt(Dh)``.
+    softcap : float > 0, optional
+        Step 6. caps the scaled scores, ``softcap * tanh(s / softcap)``
+        (Gemma 2, flash-attn's ``softcap``).
+    sinks : bool
+        A learned parameter ``sinks`` (H,), initialised to zeros: head h adds
+        ``exp(sinks[h])`` to every row's softmax denominator, a key that
+        carries no value (gpt-oss's attention sinks). Its gradient is
+        ``grads["sinks"]``.
 
     Attributes
     ----------
@@ -149,12 +175,16 @@ class MultiHeadAttention:
         impl: str = "auto",
         block_q=None,
         block_k=None,
+        scale=None,
+        softcap=None,
+        sinks: bool = False,
     ):
         self.xp = xp = resolve_backend(backend)
         dtype = check_module_args(
             xp, d_model=d_model, n_head=n_head, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
             dtype=dtype, seed=seed, qdim=qdim, n_kv_head=n_kv_head, qkv_bias=qkv_bias,
             out_bias=out_bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
+            scale=scale, softcap=softcap, sinks=sinks,
         )
         A.check_impl(impl)
         for name, size in (("block_q", block_q), ("block_k", block_k)):
@@ -175,6 +205,9 @@ class MultiHeadAttention:
         self.out_bias = self.bias if out_bias is None else bool(out_bias)
         self.add_bias_kv = bool(add_bias_kv)
         self.add_zero_attn = bool(add_zero_attn)
+        self.scale = None if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.sinks = bool(sinks)
         self.dtype = getattr(xp, dtype)
         self.training = True
         init_seq, dropout_seq = np.random.SeedSequence(seed).spawn(2)
@@ -183,6 +216,7 @@ class MultiHeadAttention:
         self.grads: dict = {}
         self.dmask = None
         self._cache = None
+        self._decoded = False  # the last forward used a kv_cache: it has nothing to differentiate
 
     # ------------------------------------------------------------------ setup
 
@@ -212,6 +246,8 @@ class MultiHeadAttention:
         if self.add_bias_kv:  # drawn last, so the weights above do not depend on it
             params["bias_k"] = self._asparam(rng.normal(0.0, 1.0 / math.sqrt(Dkv), size=Dkv))
             params["bias_v"] = self._asparam(rng.normal(0.0, 1.0 / math.sqrt(Dkv), size=Dkv))
+        if self.sinks:  # zeros: no draw, so the seed gives the same weights with or without
+            params["sinks"] = self._asparam(np.zeros(self.n_head))
         return {name: params[name] for name in PARAM_NAMES if name in params}
 
     @property
@@ -221,7 +257,8 @@ class MultiHeadAttention:
         ``w_q`` (D, Dq), ``w_k`` (Dkv, Dk), ``w_v`` (Dkv, Dv), ``w_o`` (D, D)
         in PyTorch's (out, in) layout; ``b_q`` (D,), ``b_k b_v`` (Dkv,) with
         ``qkv_bias``; ``b_o`` (D,) with ``out_bias``; ``bias_k bias_v`` (Dkv,)
-        with ``add_bias_kv``. Dkv = D unless ``n_kv_head`` is set. Assigning
+        with ``add_bias_kv``; ``sinks`` (H,) with ``sinks=True``. Dkv = D
+        unless ``n_kv_head`` is set. Assigning
         an array to a key replaces that parameter.
         """
         return self._params
@@ -266,6 +303,12 @@ class MultiHeadAttention:
         check_finite: bool = False,
         impl=None,
         average_attn_weights: bool = True,
+        window=None,
+        align=None,
+        alibi_slopes=None,
+        q_segments=None,
+        k_segments=None,
+        kv_cache=None,
     ):
         """Attend from ``query`` to ``key``/``value``.
 
@@ -282,7 +325,8 @@ class MultiHeadAttention:
             only; the extra keys of ``add_bias_kv``/``add_zero_attn`` are
             always attendable.
         is_causal : bool
-            Query i attends given keys j <= i (top-left); ANDed with ``mask``.
+            Query i attends given keys j <= i + o (``o`` from ``align``);
+            ANDed with ``mask``.
         dropout_mask : bool array broadcastable to (B, H, Lq, Lk + n), optional
             Keep-mask used instead of the generator; it covers the n extra
             keys too. Dropout, and so this mask, acts only in training mode
@@ -295,56 +339,108 @@ class MultiHeadAttention:
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
         impl : {"auto", "dense", "reference", "numpy", "blocked"}, optional
-            Overrides the module's ``impl`` for this call.
+            Overrides the module's ``impl`` for this call. The options below,
+            ``softcap`` and ``sinks`` run on "reference" and "blocked"
+            ("dense" is then the reference; "numpy" is a ValueError).
         average_attn_weights : bool
             With ``need_weights``: the weights averaged over the heads,
             (B, Lq, Lk + n), as torch's default; False gives them per head,
             (B, H, Lq, Lk + n). Ignored without ``need_weights``.
+        window : (left, right), optional
+            Query i attends key j only if ``i + o - left <= j <= i + o + right``
+            (each side an int >= 0 or None, unbounded).
+        align : {"top_left", "bottom_right"}, optional
+            Where query i sits among the keys: at ``i + o``, ``o = 0``
+            (top-left, the default) or ``o = Lk - Lq`` (bottom-right). With
+            ``kv_cache`` it is bottom-right (None or "bottom_right").
+        alibi_slopes : array, shape (H,) or (B, H), optional
+            Adds ``-slope * |i + o - j|`` to the scores (ALiBi).
+        q_segments, k_segments : integer arrays (B, Lq) and (B, Lk), optional
+            Packed sequences: query i attends key j only when their ids are equal.
+        kv_cache : KVCache, optional
+            Incremental decoding (self-attention), forward only. ``key`` and
+            ``value`` hold the n new tokens (``query`` usually the same ones);
+            they are projected, and entry b's queries attend its
+            ``cache_seqlens[b]`` cached keys followed by the n new ones,
+            bottom-right: query i sits at position ``cache_seqlens[b] + n -
+            Lq + i`` of entry b, for causal, ``window`` and ALiBi alike, even
+            when the entries' lengths differ (``KVCache.right_aligned``).
+            Once the forward has succeeded the new keys and values are
+            appended to the cache. The cache must match the module
+            (``new_cache``); no ``mask``, ``dropout_mask`` or segments.
+            ``backward`` after such a forward is a ``RuntimeError``.
+
+        With ``add_bias_kv`` or ``add_zero_attn`` the positional options
+        (``window``, ``align="bottom_right"``, ``alibi_slopes``, the
+        segments, ``kv_cache``) are a ``ValueError``: the extra keys have no
+        position among the given ones.
 
         Returns
         -------
         out : array, shape (B, Lq, D)
         weights : array or None
             None unless ``need_weights``. Always a pair, as torch's
-            ``MultiheadAttention``: write ``out, _ = mha(x, x, x)``.
+            ``MultiheadAttention``: write ``out, _ = mha(x, x, x)``. With
+            ``kv_cache``, (B, [H,] Lq, Lt): column j is position j of each
+            entry, Lt = max_b(cache_seqlens[b] + n), zeros past an entry's end.
 
         Raises
         ------
         TypeError, ValueError
             Before any computation, for inputs of the wrong kind, library,
-            device, dtype or shape (see ``npattn.validation``); the module is
-            left as it was.
+            device, dtype or shape (see ``npattn.validation``), or a full
+            ``kv_cache``; the module and the cache are left as they were.
         """
         check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
                              is_causal=is_causal, need_weights=need_weights,
-                             check_finite=check_finite, average_attn_weights=average_attn_weights)
+                             check_finite=check_finite, average_attn_weights=average_attn_weights,
+                             window=window, align=align, alibi_slopes=alibi_slopes,
+                             q_segments=q_segments, k_segments=k_segments, kv_cache=kv_cache)
         impl = self.impl if impl is None else impl
         A.check_impl(impl, need_weights=need_weights)
-        # The generator is advanced only when the whole forward succeeds, and
-        # the previous cache stays until then: a failed call changes nothing.
+        if align is None:
+            align = "top_left" if kv_cache is None else "bottom_right"
+        options = dict(window=window, align=align, alibi_slopes=alibi_slopes,
+                       q_segments=q_segments, k_segments=k_segments)
+        # The generator is advanced, the KV cache appended to and the cache of
+        # this forward kept only when the whole forward succeeds: a failed call
+        # changes nothing.
         rng_state = self._rng.bit_generator.state
         try:
             with exclusive():
-                out, cache = self._forward(query, key, value, mask, is_causal, dropout_mask,
-                                           impl, need_weights)
+                out, cache, aligned, new_kv = self._forward(
+                    query, key, value, mask, is_causal, dropout_mask, impl, need_weights,
+                    options, kv_cache)
+            if kv_cache is not None:
+                kv_cache.append(*new_kv)  # checked before the forward: it does not fail
         except BaseException:
             self._rng.bit_generator.state = rng_state
             raise
-        self._cache = cache
+        self._cache = None if kv_cache is not None else cache
+        self._decoded = kv_cache is not None
         if not need_weights:
             return out, None
-        w = A.weights(cache.sdpa)  # [B, H, Lq, Lk + n]
+        w = A.weights(cache.sdpa)  # [B, H, Lq, Lk + n] ([B, H, Lq, Lt] with a KV cache)
+        if aligned is not None:
+            w = unalign_columns(w, aligned.shift)  # column j: position j of each entry
         if average_attn_weights:
             w = self.xp.mean(w, axis=1)  # [B, Lq, Lk + n], in the weights' own precision
         return out, self.xp.astype(w, out.dtype)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty ``KVCache`` for this module: ``batch_size`` sequences of up to ``capacity``
+        positions, ``n_kv_head`` heads of width ``head_dim``, the module's dtype, backend and device."""
+        return KVCache(batch_size, capacity, self.n_kv_head, self.head_dim, dtype=self.dtype,
+                       backend=self.xp, device=device_of(self.params["w_q"]))
 
     @property
     def cache(self):
         """The cache of the last successful forward (an ``MHACache``), or None.
 
-        Assigning a cache that an earlier forward of this module returned
-        makes ``backward`` differentiate that forward (the gradient checker
-        does this); anything else is a ``TypeError``.
+        None after a forward with ``kv_cache`` (decoding keeps nothing to
+        differentiate). Assigning a cache that an earlier forward of this
+        module returned makes ``backward`` differentiate that forward (the
+        gradient checker does this); anything else is a ``TypeError``.
         """
         return self._cache
 
@@ -353,6 +449,7 @@ class MultiHeadAttention:
         if value is not None and not isinstance(value, MHACache):
             raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
         self._cache = value
+        self._decoded = False
 
     def clear_cache(self) -> None:
         """Drop the cache of the last forward (its arrays are freed); ``backward`` then needs a new forward.
@@ -361,9 +458,16 @@ class MultiHeadAttention:
         caches are alive while it runs; call this first where memory is tight.
         """
         self._cache = None
+        self._decoded = False
 
-    def _forward(self, query, key, value, mask, is_causal, dropout_mask, impl, need_weights):
-        """Steps 1.-8. on checked arguments: ``(out, MHACache)``; changes no state but the generator."""
+    def _forward(self, query, key, value, mask, is_causal, dropout_mask, impl, need_weights,
+                 options, kv_cache):
+        """Steps 1.-8. on checked arguments: ``(out, MHACache, aligned, new_kv)``; changes no
+        state but the generator.
+
+        With ``kv_cache``, ``aligned`` is the ``AlignedKV`` that step 6. attended and
+        ``new_kv`` the new heads ``(kh, vh)`` to append; both None without one.
+        """
         P = self.params
         H = self.n_head
         use_dropout = self.training and self.dropout > 0.0
@@ -386,6 +490,11 @@ class MultiHeadAttention:
         qh, split_c = F.split_heads_forward(q, H)  # 5.                  [B, H, Lq, Dh]
         kh, _ = F.split_heads_forward(k, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
         vh, _ = F.split_heads_forward(v, self.n_kv_head)  # [B, Hkv, Lk + n, Dh]
+        aligned = new_kv = None
+        if kv_cache is not None:  # the cached keys, then the new ones, each entry right-aligned
+            new_kv = (kh, vh)  # [B, Hkv, Lk, Dh] each, appended once the forward succeeded
+            aligned = kv_cache.right_aligned(kh, vh)
+            kh, vh, mask = aligned.k, aligned.v, aligned.key_mask  # [B, Hkv, Lt, Dh], [B, 1, 1, Lt]
         oh, sdpa_c = A.sdpa_forward(  # 6.                             [B, H, Lq, Dh]
             qh,
             kh,
@@ -396,10 +505,14 @@ class MultiHeadAttention:
             block_k=self.block_k,
             mask=mask,
             is_causal=is_causal,
+            scale=self.scale,
             dropout_p=self.dropout if use_dropout else 0.0,
             dropout_mask=dropout_mask if use_dropout else None,
             rng=self._rng,
             enable_gqa=self.n_kv_head != H,
+            softcap=self.softcap,
+            sinks=P.get("sinks"),
+            **options,
         )
         o, merge_c = F.merge_heads_forward(oh)  # 7.                     [B, Lq, D]
         out, o_c = F.linear_forward(o, P["w_o"], P.get("b_o"))  # 8.     [B, Lq, D]
@@ -408,7 +521,7 @@ class MultiHeadAttention:
             q_c, k_c, v_c, k_extra_c, v_extra_c, mask_c, split_c, sdpa_c, merge_c, o_c,
             tuple(out.shape), out.dtype,
         )
-        return out, cache
+        return out, cache, aligned, new_kv
 
     def _project_self(self, x):
         """Steps 1.-3. for query = key = value = x, with one (D + 2 Dkv, D) weight.
@@ -436,7 +549,8 @@ class MultiHeadAttention:
         Fills ``self.grads`` (same keys and shapes as ``params``) and
         ``self.dmask`` (floating mask only), and returns
         ``(dquery, dkey, dvalue)``. In self-attention the caller sums the three.
-        Raises ``RuntimeError`` before any forward, and ``ValueError`` /
+        Raises ``RuntimeError`` before any forward or after a forward with
+        ``kv_cache`` (decoding is forward only), and ``ValueError`` /
         ``TypeError`` when ``dout`` does not match the output's shape / dtype.
 
         Parameters
@@ -462,8 +576,8 @@ class MultiHeadAttention:
         do, dw_o, db_o = F.linear_backward(dout, c.out_proj)  # [B, Lq, D]
         # 7. o = merge_heads(oh)
         doh = F.merge_heads_backward(do, c.merge)  # [B, H, Lq, Dh]
-        # 6. oh = sdpa(qh, kh, vh, mask); dk, dv summed over each query group under GQA
-        dqh, dkh, dvh, dmask = A.sdpa_backward(doh, c.sdpa)
+        # 6. oh = sdpa(qh, kh, vh, mask, sinks); dk, dv summed over each query group under GQA
+        dqh, dkh, dvh, dmask, dsinks = A.sdpa_backward(doh, c.sdpa)  # ..., dsinks [H] or None
         # 5. qh, kh, vh = split_heads(q), split_heads(k), split_heads(v)
         dq = F.split_heads_backward(dqh, c.split)  # [B, Lq, D]
         kv_split = F.HeadsCache(self.n_kv_head)  # k and v were split into Hkv heads
@@ -486,6 +600,8 @@ class MultiHeadAttention:
             grads["b_o"] = db_o
         if self.add_bias_kv:
             grads.update(bias_k=dbias_k, bias_v=dbias_v)
+        if self.sinks:  # in the compute dtype (float32 for half precision): cast to the parameter's
+            grads["sinks"] = dsinks if dsinks.dtype == self.dtype else self.xp.astype(dsinks, self.dtype)
         grads = {name: grads[name] for name in PARAM_NAMES if name in grads}
         return grads, dmask, (dquery, dkey, dvalue)
 
@@ -495,7 +611,8 @@ class MultiHeadAttention:
             f"dropout={self.dropout}, bias={self.bias}, kdim={self.kdim}, vdim={self.vdim}, "
             f"qdim={self.qdim}, qkv_bias={self.qkv_bias}, out_bias={self.out_bias}, "
             f"add_bias_kv={self.add_bias_kv}, add_zero_attn={self.add_zero_attn}, "
-            f"n_kv_head={self.n_kv_head}, dtype={self.dtype}, backend={self.xp.__name__!r})"
+            f"n_kv_head={self.n_kv_head}, scale={self.scale}, softcap={self.softcap}, "
+            f"sinks={self.sinks}, dtype={self.dtype}, backend={self.xp.__name__!r})"
         )
 
     # ----------------------------------------------------------- torch interop
@@ -556,6 +673,8 @@ class MultiHeadAttention:
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
+        for name, default in _LATER_ATTRIBUTES.items():  # a pickle of an older npattn
+            state.setdefault(name, default)
         xp = _backend_from_ref(state["xp"])
         state["xp"] = xp
         state["dtype"] = getattr(xp, state["dtype"])
@@ -569,7 +688,11 @@ class MultiHeadAttention:
         float32) and an entry ``config`` holding a JSON string: the format
         name and version (``SAVE_FORMAT``, ``SAVE_VERSION``), the constructor
         arguments, the mode and the dropout generator's state. Nothing is
-        pickled. The file is written at ``path`` exactly (NumPy's ``savez``
+        pickled. ``scale``, ``softcap`` and ``sinks`` are in the
+        configuration only when set (``SAVE_LATER_OPTIONS``), so files that do
+        not use them stay readable by older npattn, and older files load
+        with their defaults; ``sinks=True`` adds ``param/sinks``. The file is
+        written at ``path`` exactly (NumPy's ``savez``
         would append ``.npz`` to a name without it); ``path`` may also be a
         binary file object. Read it back with ``MultiHeadAttention.load``.
         """
@@ -641,14 +764,24 @@ class MultiHeadAttention:
         return mha
 
     def _config(self) -> dict:
-        """The constructor arguments that rebuild this module's layout (not its parameters or backend)."""
-        return dict(
+        """The constructor arguments that rebuild this module's layout (not its parameters or backend).
+
+        The arguments added after format version 1 was defined (``SAVE_LATER_OPTIONS``) are
+        written only when they differ from their defaults: a file that does not use them
+        is read by an npattn that does not know them, and a file without them loads with
+        the defaults.
+        """
+        config = dict(
             d_model=self.d_model, n_head=self.n_head, dropout=self.dropout, bias=self.bias,
             kdim=self.kdim, vdim=self.vdim, qdim=self.qdim, qkv_bias=self.qkv_bias,
             out_bias=self.out_bias, add_bias_kv=self.add_bias_kv, add_zero_attn=self.add_zero_attn,
             n_kv_head=self.n_kv_head, dtype=V.dtype_name(self.dtype), impl=self.impl,
             block_q=self.block_q, block_k=self.block_k,
         )
+        for name, default in SAVE_LATER_OPTIONS.items():
+            if getattr(self, name) != default:
+                config[name] = getattr(self, name)
+        return config
 
 
 # --------------------------------------------------------------------------
@@ -663,7 +796,8 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
     ``layer_args`` may hold the optional layer-shape arguments ``qdim`` and
     ``n_kv_head`` (None or a positive int; ``n_kv_head`` divides ``n_head``)
     and the flags ``qkv_bias``, ``out_bias`` (None or bool), ``add_bias_kv``,
-    ``add_zero_attn`` (bool).
+    ``add_zero_attn`` (bool); and the attention options ``scale`` (None or a
+    finite float), ``softcap`` (None or a finite float > 0) and ``sinks`` (bool).
 
     Returns the name of the parameter dtype ("float32", ...), which may be
     given as a string or as a dtype object of any library.
@@ -685,8 +819,12 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
         elif name in ("qkv_bias", "out_bias"):  # None: follow bias
             if value is not None:
                 V.check_bool(name, value)
-        elif name in ("add_bias_kv", "add_zero_attn"):
+        elif name in ("add_bias_kv", "add_zero_attn", "sinks"):
             V.check_bool(name, value)
+        elif name == "scale":
+            V.check_scale(name, value)
+        elif name == "softcap":
+            check_softcap(value)
         else:
             raise TypeError(f"check_module_args: unexpected argument {name!r}")
     n_kv_head = layer_args.get("n_kv_head")
@@ -704,6 +842,20 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
         except ValueError:
             raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}") from None
     return _dtype_arg(xp, dtype)
+
+
+def check_softcap(softcap: Any) -> None:
+    """``softcap``: None or a finite float > 0 (``TypeError`` for a non-number or a bool)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected None or a float > 0, got {V.type_name(softcap)} {softcap!r}")
+    try:
+        ok = math.isfinite(float(softcap)) and float(softcap) > 0.0
+    except OverflowError:  # an int beyond the float range
+        ok = False
+    if not ok:
+        raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
 
 
 def _dtype_arg(xp: Any, dtype: Any) -> str:
@@ -829,12 +981,18 @@ class ParameterDict(dict):
 
 def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask: Any,
                          dropout_mask: Any, is_causal: Any, need_weights: Any,
-                         check_finite: Any = False, average_attn_weights: Any = True) -> None:
+                         check_finite: Any = False, average_attn_weights: Any = True,
+                         window: Any = None, align: Any = None, alibi_slopes: Any = None,
+                         q_segments: Any = None, k_segments: Any = None,
+                         kv_cache: Any = None) -> None:
     """Check the arguments of ``MultiHeadAttention.forward`` against ``module``.
 
     query (B, Lq, D), key (B, Lk, Dk), value (B, Lk, Dv): arrays of the
     module's backend and device, of the parameters' dtype exactly; masks of
-    2 or 4 axes broadcasting to (B, H, Lq, Lk).
+    2 or 4 axes broadcasting to (B, H, Lq, Lk). The kernel options (``window``,
+    ``align``, ``alibi_slopes``, segments) in the vocabulary of
+    ``validation.check_kernel_options``; no positional option with extra keys
+    (``POSITIONAL_OPTIONS``); ``kv_cache`` by ``check_kv_cache``.
     """
     V.check_bool("is_causal", is_causal)
     V.check_bool("need_weights", need_weights)
@@ -893,17 +1051,92 @@ def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask:
     V.check_mask("dropout_mask", dropout_mask, xp, target=(B, module.n_head, Lq, Lk + n_extra),
                target_text="(B, H, Lq, Lk + n)" if n_extra else "(B, H, Lq, Lk)",
                dtype=dtype, device=device, ndims=(2, 4), bool_only=True)
+    _check_forward_options(module, query, key, n_extra=n_extra, mask=mask,
+                           dropout_mask=dropout_mask, window=window, align=align,
+                           alibi_slopes=alibi_slopes, q_segments=q_segments,
+                           k_segments=k_segments, kv_cache=kv_cache)
     if check_finite:
         for name, x in inputs.items():
             V.check_finite_values(name, x, xp)
         V.check_finite_values("mask", mask, xp, allow_neg_inf=True)
+        if alibi_slopes is not None:
+            V.check_finite_values("alibi_slopes", alibi_slopes, xp)
         for name, p in module.params.items():
             V.check_finite_values(f"params[{name!r}]", p, xp)
+
+
+def _check_forward_options(module: Any, query: Any, key: Any, *, n_extra: int, mask: Any,
+                           dropout_mask: Any, window: Any, align: Any, alibi_slopes: Any,
+                           q_segments: Any, k_segments: Any, kv_cache: Any) -> None:
+    """The per-call kernel options and ``kv_cache`` of ``forward`` (see ``check_forward_inputs``)."""
+    B, Lk = int(query.shape[0]), int(key.shape[1])
+    resolved = align
+    if align is None:
+        resolved = "top_left" if kv_cache is None else "bottom_right"
+    # query (B, Lq, Dq) and key (B, Lk, Dk) have the lengths and the library of the heads
+    V.check_kernel_options(query, key, lead=(B, module.n_head), align=resolved, window=window,
+                           alibi_slopes=alibi_slopes, q_segments=q_segments,
+                           k_segments=k_segments)
+    if n_extra:
+        given = {"window": window is not None, "align='bottom_right'": align == "bottom_right",
+                 "alibi_slopes": alibi_slopes is not None, "q_segments": q_segments is not None,
+                 "k_segments": k_segments is not None, "kv_cache": kv_cache is not None}
+        used = [name for name in POSITIONAL_OPTIONS if given[name]]
+        if used:
+            raise ValueError(
+                f"{used[0].split('=')[0]}: expected none of the positional options "
+                f"({', '.join(POSITIONAL_OPTIONS)}) with add_bias_kv / add_zero_attn, whose "
+                f"extra keys have no position among the given keys; got {', '.join(used)}"
+            )
+    if kv_cache is None:
+        return
+    check_kv_cache(module, kv_cache, batch_size=B, n_new=Lk)
+    for name, a in (("mask", mask), ("dropout_mask", dropout_mask), ("q_segments", q_segments),
+                    ("k_segments", k_segments)):
+        if a is not None:
+            raise ValueError(
+                f"{name}: expected None with kv_cache (entry b attends its cache_seqlens[b] "
+                f"cached keys and the new ones), got {V.type_name(a)}"
+            )
+    if align == "top_left":
+        raise ValueError("align: expected None or 'bottom_right' with kv_cache (the new queries "
+                         "are the last positions of each entry), got 'top_left'")
+
+
+def check_kv_cache(module: Any, kv_cache: Any, *, batch_size: int, n_new: int) -> None:
+    """``kv_cache`` for ``module.forward``: a ``KVCache`` of the module's backend, device,
+    dtype and heads, of the query's batch size, with room for ``n_new`` positions per entry."""
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"kv_cache: expected an npattn.KVCache (module.new_cache(batch_size, "
+                        f"capacity)), got {V.type_name(kv_cache)}")
+    if backend_name(kv_cache.xp) != backend_name(module.xp):
+        raise TypeError(f"kv_cache: expected a cache of the module's backend "
+                        f"{backend_name(module.xp)!r}, got one of {backend_name(kv_cache.xp)!r}")
+    device = device_of(module.params["w_q"])
+    if kv_cache.device != device:
+        raise ValueError(f"kv_cache: expected a cache on device {device!r} (where the parameters "
+                         f"live), got one on device {kv_cache.device!r}")
+    if kv_cache.dtype != module.dtype:
+        raise TypeError(f"kv_cache: expected dtype {V.dtype_name(module.dtype)} (the parameters' "
+                        f"dtype), got {V.dtype_name(kv_cache.dtype)}")
+    want = dict(batch_size=batch_size, num_kv_heads=module.n_kv_head,
+                head_dim=module.head_dim, value_dim=module.head_dim)
+    got = {name: getattr(kv_cache, name) for name in want}
+    if got != want:
+        text = ", ".join(f"{n}={v}" for n, v in want.items())
+        raise ValueError(f"kv_cache: expected {text} (the query's batch size and the module's "
+                         f"heads), got {kv_cache!r}")
+    kv_cache.check_room(n_new)
 
 
 def check_backward_inputs(module: Any, dout: Any) -> None:
     """Check ``MultiHeadAttention.backward(dout)``: a forward ran, ``dout`` matches its output."""
     cache = module._cache
+    if cache is None and getattr(module, "_decoded", False):
+        raise RuntimeError(
+            "backward: the last forward used kv_cache, and decoding is forward only (it keeps "
+            "nothing to differentiate); run a forward without kv_cache before backward"
+        )
     if cache is None:
         raise RuntimeError(
             "backward: expected a forward call first (there is no cached forward to "
@@ -930,6 +1163,13 @@ def check_backward_inputs(module: Any, dout: Any) -> None:
 SAVE_FORMAT = "npattn.MultiHeadAttention"
 SAVE_VERSION = 1
 SAVE_PARAM_PREFIX = "param/"
+
+#: Constructor arguments added within format version 1, with their defaults: written to
+#: the ``config`` only when set, and defaulted when a file has none.
+SAVE_LATER_OPTIONS = {"scale": None, "softcap": None, "sinks": False}
+
+#: Attributes a pickle of an older npattn lacks, with the values that keep its behaviour.
+_LATER_ATTRIBUTES = {**SAVE_LATER_OPTIONS, "_decoded": False}
 
 
 def _backend_ref(xp) -> str:

@@ -27,9 +27,12 @@ Name mapping (Dkv = D for every torch layer)::
     out_proj.weight     (D, D)             w_o
     out_proj.bias       (D,)               b_o                        (bias=True)
 
-torch has one ``bias`` flag for both projections and no ``qdim`` or
-``n_kv_head``; npattn layers that use them have no torch state dict and get a
-``ValueError`` naming the setting.
+torch has one ``bias`` flag for both projections and no ``qdim``,
+``n_kv_head`` or ``sinks`` parameter; npattn layers that use them have no
+torch state dict and get a ``ValueError`` naming the setting. ``scale`` and
+``softcap`` change no parameter: their weights convert, but torch's module
+computes without them (its scale is always ``1 / sqrt(Dh)``, with no cap).
+A module built by ``from_torch`` has the defaults (``sinks=False``).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _torch():
 
 
 def _check_torch_compatible(mha) -> None:
-    """torch's MultiheadAttention has no qdim, no GQA and one bias flag."""
+    """torch's MultiheadAttention has no qdim, no GQA, no sinks and one bias flag."""
     if mha.qdim != mha.d_model:
         raise ValueError(
             f"qdim: torch.nn.MultiheadAttention needs qdim == d_model={mha.d_model}, got {mha.qdim}"
@@ -74,6 +77,11 @@ def _check_torch_compatible(mha) -> None:
         raise ValueError(
             f"n_kv_head: torch.nn.MultiheadAttention needs n_kv_head == n_head={mha.n_head}, "
             f"got {mha.n_kv_head}"
+        )
+    if getattr(mha, "sinks", False):
+        raise ValueError(
+            "sinks: torch.nn.MultiheadAttention has no attention sinks (no place for the "
+            "parameter 'sinks'), got sinks=True"
         )
     if mha.qkv_bias != mha.out_bias:
         raise ValueError(

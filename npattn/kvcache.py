@@ -1,0 +1,323 @@
+"""``KVCache``: the keys and values a decoder has already seen, in preallocated buffers.
+
+Incremental decoding attends each new query to every earlier key. A
+``KVCache`` keeps the projected keys and values of each batch entry, so a
+step projects only its new tokens (``MultiHeadAttention.forward(...,
+kv_cache=cache)`` appends them and attends over the whole cache).
+
+Layout (flash-attn's ``cache_seqlens`` convention): two buffers ``k``
+(B, Hkv, C, Dh) and ``v`` (B, Hkv, C, Dv) and one length per batch entry,
+``cache_seqlens`` (B,). Entry ``b``'s keys are its own prefix
+``k[b, :, :cache_seqlens[b]]``; what lies beyond an entry's length is not
+part of the cache (``truncate`` only lowers the lengths).
+
+Shape legend: B batch, Hkv key/value heads, C capacity (the most positions
+an entry can hold), Dh key width, Dv value width, n new positions,
+Lt = max_b(cache_seqlens[b] + n) the keys one step attends.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import validation as V
+from .backend import backend_name, device_of, namespace, resolve_backend
+
+__all__ = ["KVCache", "AlignedKV", "unalign_columns"]
+
+
+class AlignedKV(NamedTuple):
+    """The keys one decoding step attends, every entry's last key in the last column.
+
+    ``k`` (B, Hkv, Lt, Dh) and ``v`` (B, Hkv, Lt, Dv) hold, for entry ``b``,
+    ``shift[b]`` zero rows, then its ``cache_seqlens[b]`` cached keys, then
+    the n new ones. ``key_mask`` (B, 1, 1, Lt) is True on the real keys and
+    False on the zero rows (None when no entry is shifted). Column ``j``
+    holds the key at position ``j - shift[b]`` of entry ``b``, so the
+    distance from a query to a key is the same as in the entry's own
+    sequence: ``align="bottom_right"`` with one offset ``Lt - Lq`` is right
+    for every entry (causal, windows and ALiBi included), whatever its length.
+    """
+    k: Any  # [B, Hkv, Lt, Dh]
+    v: Any  # [B, Hkv, Lt, Dv]
+    key_mask: Any  # [B, 1, 1, Lt] bool, or None when every shift is 0
+    shift: tuple  # (B,) Python ints: the zero rows in front of entry b
+
+
+class KVCache:
+    """Preallocated keys and values of B sequences, each with its own length.
+
+    Parameters
+    ----------
+    batch_size : int
+        B, the number of sequences.
+    capacity : int
+        C, the most positions each sequence can hold.
+    num_kv_heads : int
+        Hkv, key/value heads (``MultiHeadAttention.n_kv_head``).
+    head_dim : int
+        Dh, the width of one key head.
+    value_dim : int, optional
+        Dv, the width of one value head; default ``head_dim``.
+    dtype : str or dtype
+        "float16", "bfloat16", "float32" or "float64" (a name or a dtype of
+        any library); the keys and values written must have it exactly.
+    backend : str or namespace module
+        As ``MultiHeadAttention(backend=)``. The buffers are written in place
+        (Array API slice assignment), so a backend of immutable arrays
+        (JAX) is a ``TypeError``.
+    device : optional
+        Device of the buffers; default the backend's default device.
+
+    The buffers ``k`` (B, Hkv, C, Dh) and ``v`` (B, Hkv, C, Dv) are zeros
+    where nothing was written; read them, write through ``append`` only.
+    ``cache_seqlens`` is a host copy of the lengths.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import KVCache
+    >>> cache = KVCache(2, 8, 1, 4, dtype="float64")
+    >>> cache.append(np.ones((2, 1, 3, 4)), np.ones((2, 1, 3, 4)))
+    >>> cache.cache_seqlens.tolist()
+    [3, 3]
+    >>> cache.truncate([1, 3])
+    >>> cache.cache_seqlens.tolist()
+    [1, 3]
+    """
+
+    def __init__(self, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
+                 value_dim: Optional[int] = None, *, dtype: Any, backend: Any = "numpy",
+                 device: Any = None):
+        xp = resolve_backend(backend)
+        for name, n in (("batch_size", batch_size), ("capacity", capacity),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            V.check_positive_int(name, n)
+        V.check_positive_int("value_dim", value_dim, allow_none=True)
+        name = _dtype_name(xp, dtype)
+        self.xp = xp
+        self.dtype = getattr(xp, name)
+        self.batch_size, self.capacity = int(batch_size), int(capacity)
+        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
+        self.value_dim = self.head_dim if value_dim is None else int(value_dim)
+        B, Hkv, C = self.batch_size, self.num_kv_heads, self.capacity
+        self._k = xp.zeros((B, Hkv, C, self.head_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dh]
+        self._v = xp.zeros((B, Hkv, C, self.value_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dv]
+        if not _writes_in_place(self._k[0, 0, 0, :1]):
+            raise TypeError(
+                f"backend: expected a backend whose arrays can be written in place (KVCache "
+                f"appends into preallocated buffers), got {backend_name(xp)!r}, whose arrays are "
+                "immutable"
+            )
+        self.device = device_of(self._k)
+        self._lens = (0,) * B  # Python ints: entry b holds keys [0, _lens[b])
+
+    # ------------------------------------------------------------ reading
+
+    @property
+    def k(self) -> Any:
+        """The key buffer (B, Hkv, C, Dh); entry ``b``'s keys are ``k[b, :, :cache_seqlens[b]]``."""
+        return self._k
+
+    @property
+    def v(self) -> Any:
+        """The value buffer (B, Hkv, C, Dv); entry ``b``'s values are ``v[b, :, :cache_seqlens[b]]``."""
+        return self._v
+
+    @property
+    def cache_seqlens(self) -> np.ndarray:
+        """(B,) int64 NumPy array, a copy: how many positions each entry holds.
+
+        The lengths decide slices and shapes, so they live on the host as
+        Python ints, like an array's shape.
+        """
+        return np.array(self._lens, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(batch_size={self.batch_size}, capacity={self.capacity}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"value_dim={self.value_dim}, dtype={V.dtype_name(self.dtype)}, "
+            f"backend={backend_name(self.xp)!r}, cache_seqlens={list(self._lens)})"
+        )
+
+    # ------------------------------------------------------------ checks
+
+    def check_room(self, n: int, *, name: str = "kv_cache") -> None:
+        """``ValueError`` (naming ``name``) unless every entry has room for ``n`` more positions."""
+        for b, L in enumerate(self._lens):
+            if L + n > self.capacity:
+                raise ValueError(
+                    f"{name}: expected room for {n} new position{'s' if n != 1 else ''} in every "
+                    f"batch entry, but entry {b} holds {L} of capacity {self.capacity} "
+                    f"({L} + {n} = {L + n} > {self.capacity}); nothing was written"
+                )
+
+    def check_new(self, k_new: Any, v_new: Any) -> None:
+        """Check new keys (B, Hkv, n, Dh) and values (B, Hkv, n, Dv) for ``append``: the
+        cache's backend, device and dtype, its layout, n >= 1, and room for them."""
+        want = {"k_new": (self.batch_size, self.num_kv_heads, None, self.head_dim),
+                "v_new": (self.batch_size, self.num_kv_heads, None, self.value_dim)}
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            V.check_floating_array(name, x, self.xp, self.device, dtype=self.dtype,
+                                   like="the cache")
+            B, Hkv, _, D = want[name]
+            text = f"(B, Hkv, n, {'Dh' if name == 'k_new' else 'Dv'}) = ({B}, {Hkv}, n, {D})"
+            shape = V.shape_of(x)
+            if len(shape) != 4 or shape[:2] != (B, Hkv) or shape[3] != D:
+                raise ValueError(f"{name}: expected shape {text}, got {shape}")
+        n = int(k_new.shape[2])
+        if n == 0:
+            raise ValueError("k_new: expected at least 1 new position, got 0")
+        if int(v_new.shape[2]) != n:
+            raise ValueError(f"v_new: expected {n} positions (those of k_new), got shape "
+                             f"{V.shape_of(v_new)}")
+        self.check_room(n)
+
+    # ------------------------------------------------------------ writing
+
+    def append(self, k_new: Any, v_new: Any) -> None:
+        """Write ``k_new`` (B, Hkv, n, Dh) and ``v_new`` (B, Hkv, n, Dv) at each entry's length.
+
+        Entry ``b``'s new keys land in ``k[b, :, L_b : L_b + n]`` with
+        ``L_b = cache_seqlens[b]``, and its length becomes ``L_b + n``.
+        Everything is checked first (``check_new``: a full entry is a
+        ``ValueError`` naming ``kv_cache``); a failed call writes nothing.
+        """
+        # [B, Hkv, n, Dh], [B, Hkv, n, Dv] -> k[b, :, L_b : L_b + n], v[b, :, L_b : L_b + n]
+        self.check_new(k_new, v_new)
+        n = int(k_new.shape[2])
+        lens = self._lens
+        if len(set(lens)) == 1:  # one slice for the whole batch
+            L = lens[0]
+            self._k[:, :, L : L + n, :] = k_new  # [B, Hkv, n, Dh]
+            self._v[:, :, L : L + n, :] = v_new  # [B, Hkv, n, Dv]
+        else:
+            for b, L in enumerate(lens):
+                self._k[b, :, L : L + n, :] = k_new[b, ...]  # [Hkv, n, Dh]
+                self._v[b, :, L : L + n, :] = v_new[b, ...]  # [Hkv, n, Dv]
+        self._lens = tuple(L + n for L in lens)
+
+    def truncate(self, seqlens: Any) -> None:
+        """Shorten the entries to ``seqlens``: one int for all, or B ints (a sequence or a
+        NumPy array), each between 0 and the entry's current length.
+
+        Ragged prompts: prefill them right-padded to one length, then
+        ``truncate(prompt_lengths)``; each entry's next token is written
+        after its own prompt. Checked before anything changes.
+        """
+        B = self.batch_size
+        if isinstance(seqlens, numbers.Integral) and not isinstance(seqlens, (bool, np.bool_)):
+            new = [seqlens] * B
+        elif isinstance(seqlens, (list, tuple)) or (isinstance(seqlens, np.ndarray)
+                                                     and seqlens.ndim == 1):
+            new = list(seqlens)
+        else:
+            raise TypeError(f"seqlens: expected an int or {B} ints (a sequence or a 1-D NumPy "
+                            f"array), got {V.type_name(seqlens)}")
+        if len(new) != B:
+            raise ValueError(f"seqlens: expected {B} lengths (one per batch entry), got {len(new)}")
+        for b, (s, L) in enumerate(zip(new, self._lens)):
+            V.check_size(f"seqlens[{b}]", s)
+            if int(s) > L:
+                raise ValueError(f"seqlens[{b}]: expected at most {L} (entry {b}'s length; "
+                                 f"truncate cannot lengthen), got {int(s)}")
+        self._lens = tuple(int(s) for s in new)
+
+    def reset(self) -> None:
+        """Empty every entry (``truncate(0)``)."""
+        self.truncate(0)
+
+    # ------------------------------------------------------------ attending
+
+    def right_aligned(self, k_new: Any, v_new: Any) -> AlignedKV:
+        """The cached keys and values of every entry followed by ``k_new`` / ``v_new``,
+        right-aligned (``AlignedKV``); the cache is not changed.
+
+        With equal lengths this is ``concat([k[:, :, :L], k_new])``; otherwise
+        entry ``b`` gets ``shift[b] = Lt - (cache_seqlens[b] + n)`` zero rows in
+        front, which ``key_mask`` hides.
+        """
+        # [B, Hkv, n, Dh], [B, Hkv, n, Dv] -> [B, Hkv, Lt, Dh], [B, Hkv, Lt, Dv], [B, 1, 1, Lt]
+        self.check_new(k_new, v_new)
+        xp = self.xp
+        n = int(k_new.shape[2])
+        total = [L + n for L in self._lens]
+        Lt = max(total)
+        shift = tuple(Lt - t for t in total)
+        if not any(shift):
+            L = self._lens[0]
+            if L == 0:
+                return AlignedKV(k_new, v_new, None, shift)
+            k = xp.concat([self._k[:, :, :L, :], k_new], axis=2)  # [B, Hkv, Lt, Dh]
+            v = xp.concat([self._v[:, :, :L, :], v_new], axis=2)  # [B, Hkv, Lt, Dv]
+            return AlignedKV(k, v, None, shift)
+        k = xp.concat([self._entry(self._k, k_new, b, s) for b, s in enumerate(shift)], axis=0)
+        v = xp.concat([self._entry(self._v, v_new, b, s) for b, s in enumerate(shift)], axis=0)
+        cols = xp.arange(Lt, device=self.device)  # [Lt]
+        first = xp.asarray(list(shift), device=self.device)  # [B] first real column of entry b
+        key_mask = xp.expand_dims(cols, axis=0) >= xp.expand_dims(first, axis=1)  # [B, Lt]
+        key_mask = xp.reshape(key_mask, (self.batch_size, 1, 1, Lt))  # [B, 1, 1, Lt]
+        return AlignedKV(k, v, key_mask, shift)
+
+    def _entry(self, buf: Any, new: Any, b: int, shift: int) -> Any:
+        """Entry ``b`` of ``right_aligned``: [1, Hkv, shift + L_b + n, X]."""
+        xp, L = self.xp, self._lens[b]
+        parts = []
+        if shift:
+            parts.append(xp.zeros((1, buf.shape[1], shift, buf.shape[3]), dtype=self.dtype,
+                                  device=self.device))  # [1, Hkv, shift, X]
+        if L:
+            parts.append(buf[b : b + 1, :, :L, :])  # [1, Hkv, L_b, X]
+        parts.append(new[b : b + 1, ...])  # [1, Hkv, n, X]
+        return xp.concat(parts, axis=2) if len(parts) > 1 else parts[0]
+
+
+def unalign_columns(x: Any, shift: Sequence[int]) -> Any:
+    """Undo ``right_aligned`` on the last axis: column ``j`` of the result is position
+    ``j`` of entry ``b``; the ``shift[b]`` columns freed at the end are zeros.
+
+    ``x`` has shape (B, ..., Lt), e.g. attention weights (B, H, Lq, Lt).
+    """
+    # [B, ..., Lt] -> [B, ..., Lt]
+    if not any(shift):
+        return x
+    xp = namespace(x)
+    rows = []
+    for b, s in enumerate(shift):
+        row = x[b : b + 1, ..., s:]  # [1, ..., Lt - s]
+        if s:
+            pad = xp.zeros(tuple(row.shape[:-1]) + (s,), dtype=x.dtype, device=device_of(x))
+            row = xp.concat([row, pad], axis=-1)  # [1, ..., Lt]
+        rows.append(row)
+    return xp.concat(rows, axis=0)
+
+
+def _dtype_name(xp: Any, dtype: Any) -> str:
+    """The float dtype name ``dtype`` stands for ("float32", ...), checked against ``xp``."""
+    available = [n for n in V.FLOAT_DTYPES if hasattr(xp, n)]
+    if isinstance(dtype, str):
+        name = dtype
+    elif dtype is None:
+        raise TypeError(f"dtype: expected one of {available} (a name or a dtype), got None")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = V.dtype_name(dtype)
+    if name not in available:
+        raise ValueError(f"dtype: expected one of {available} for backend {backend_name(xp)!r}, "
+                         f"got {dtype!r}")
+    return name
+
+
+def _writes_in_place(x: Any) -> bool:
+    """Whether ``x`` (one element) takes a slice assignment, as the Array API allows."""
+    try:
+        x[0:1] = x[0:1]
+    except (TypeError, ValueError, NotImplementedError):
+        return False
+    return True

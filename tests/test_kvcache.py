@@ -1,0 +1,399 @@
+"""KV-cache decoding: ``MultiHeadAttention.forward(..., kv_cache=)`` and ``npattn.KVCache``.
+
+Decoding a sequence token by token, or in chunks of 2-3 tokens, gives the
+outputs of one causal forward over the whole sequence (to 1e-12 in float64),
+with grouped-query attention, sinks, softcap, windows and ALiBi, and with
+batch entries of different lengths (compared with a forward of each entry
+alone). What is written into the cache is the projected keys and values.
+Then the failures: a full cache, a cache that does not fit the module, the
+options a cache does not take, a backward after decoding; each is named and
+changes neither the module nor the cache.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+import npattn
+from npattn import KVCache, MultiHeadAttention
+from npattn.kvcache import unalign_columns
+
+D, H, HKV = 8, 4, 2
+DH = D // H
+RTOL = ATOL = 1e-12
+
+
+def _decoder(backend, **kw):
+    kw = dict(dict(n_kv_head=HKV, dtype="float64", seed=11, backend=backend), **kw)
+    return MultiHeadAttention(D, H, **kw)
+
+
+def _with_sinks(m, to_xp, seed=0):
+    if m.sinks:
+        m.params["sinks"] = to_xp(np.random.default_rng(seed).standard_normal(H))
+    return m
+
+
+def _kv_heads(m, x, to_np):
+    """The projected keys and values of ``x`` (B, L, D), split into heads: [B, Hkv, L, Dh] each."""
+    P = {n: to_np(a) for n, a in m.params.items()}
+    B, L, _ = x.shape
+
+    def heads(y):
+        return y.reshape(B, L, HKV, DH).transpose(0, 2, 1, 3)
+
+    return heads(x @ P["w_k"].T + P["b_k"]), heads(x @ P["w_v"].T + P["b_v"])
+
+
+def _state(cache, to_np):
+    """Everything a failed call must leave as it was: the lengths and both buffers."""
+    return cache.cache_seqlens.tolist(), to_np(cache.k), to_np(cache.v)
+
+
+def _assert_state(cache, state, to_np):
+    lens, k, v = state
+    assert cache.cache_seqlens.tolist() == lens
+    np.testing.assert_array_equal(to_np(cache.k), k)
+    np.testing.assert_array_equal(to_np(cache.v), v)
+
+
+OPTIONS = {
+    "plain": ({}, {}),
+    "sinks and softcap": (dict(sinks=True, softcap=1.5), {}),
+    "window": ({}, dict(window=(2, 0))),
+    "alibi": (dict(sinks=True), "alibi"),
+}
+
+
+def _call_options(name, to_xp, B):
+    ctor, call = OPTIONS[name]
+    slopes = None
+    if call == "alibi":
+        slopes = np.random.default_rng(1).uniform(0.2, 1.0, (B, H))
+        call = {}
+    return ctor, call, slopes
+
+
+# --------------------------------------------------------------------------
+# equal lengths: one causal forward over the whole sequence
+
+
+@pytest.mark.parametrize("chunks", [[1] * 6, [2, 3, 1], [3, 3]], ids=["1x6", "2-3-1", "3-3"])
+@pytest.mark.parametrize("opt", list(OPTIONS))
+def test_decoding_matches_one_causal_forward(backend, to_xp, to_np, chunks, opt):
+    B, L = 2, sum(chunks)
+    ctor, call, slopes = _call_options(opt, to_xp, B)
+    if slopes is not None:
+        call = dict(alibi_slopes=to_xp(slopes))
+    m = _with_sinks(_decoder(backend, **ctor).eval(), to_xp)
+    x = np.random.default_rng(2).standard_normal((B, L, D))
+    xa = to_xp(x)
+    full, _ = m(xa, xa, xa, is_causal=True, **call)
+    cache = m.new_cache(B, 8)
+    outs, t = [], 0
+    for n in chunks:
+        xt = to_xp(x[:, t : t + n])
+        out, w = m(xt, xt, xt, kv_cache=cache, is_causal=True, **call)
+        assert w is None and m.cache is None
+        outs.append(to_np(out))
+        t += n
+        assert cache.cache_seqlens.tolist() == [t] * B
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), to_np(full), rtol=RTOL, atol=ATOL)
+    k, v = _kv_heads(m, x, to_np)  # what was written: the projected keys and values, in order
+    np.testing.assert_allclose(to_np(cache.k)[:, :, :L], k, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(to_np(cache.v)[:, :, :L], v, rtol=1e-14, atol=1e-14)
+    np.testing.assert_array_equal(to_np(cache.k)[:, :, L:], 0.0)  # nothing past the end
+
+
+def test_one_token_steps_need_no_causal_flag(backend, to_xp, to_np):
+    """A single new query sits after every cached key: causal or not, the same output."""
+    m = _decoder(backend, sinks=True)
+    x = np.random.default_rng(3).standard_normal((2, 4, D))
+    full, _ = m(to_xp(x), to_xp(x), to_xp(x), is_causal=True)
+    cache = m.new_cache(2, 4)
+    outs = [to_np(m(*(to_xp(x[:, t : t + 1]),) * 3, kv_cache=cache)[0]) for t in range(4)]
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), to_np(full), rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------
+# per-batch lengths: each entry compared with a forward of that entry alone
+
+
+@pytest.mark.parametrize("chunks", [[1, 1, 1, 1], [2, 1, 3]], ids=["1x4", "2-1-3"])
+@pytest.mark.parametrize("opt", list(OPTIONS))
+def test_ragged_lengths_match_each_entry_alone(backend, to_xp, to_np, chunks, opt):
+    """Prompts of lengths 2, 5 and 3, prefilled right-padded to 5 and truncated, then
+    decoded together: entry b's outputs are those of a causal forward of its own sequence."""
+    prompts = [2, 5, 3]
+    B, P, S = len(prompts), max(prompts), sum(chunks)
+    ctor, call, slopes = _call_options(opt, to_xp, B)
+    m = _with_sinks(_decoder(backend, **ctor), to_xp)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((B, P, D))  # prompts, entry b's beyond prompts[b] is padding
+    y = rng.standard_normal((B, S, D))  # the tokens decoded afterwards
+    alibi = {} if slopes is None else dict(alibi_slopes=to_xp(slopes))
+
+    cache = m.new_cache(B, P + S)
+    out, _ = m(to_xp(x), to_xp(x), to_xp(x), kv_cache=cache, is_causal=True, **call, **alibi)
+    prefill = to_np(out)
+    cache.truncate(prompts)  # each entry's next token goes after its own prompt
+    steps, weights, t = [], [], 0
+    for n in chunks:
+        yt = to_xp(y[:, t : t + n])
+        out, w = m(yt, yt, yt, kv_cache=cache, is_causal=True, need_weights=True,
+                   average_attn_weights=False, **call, **alibi)
+        steps.append(to_np(out))
+        weights.append((t, to_np(w)))
+        t += n
+    assert cache.cache_seqlens.tolist() == [p + S for p in prompts]
+    decoded = np.concatenate(steps, axis=1)  # [B, S, D]
+
+    for b, p in enumerate(prompts):
+        seq = np.concatenate([x[b, :p], y[b]])[None]  # [1, p + S, D]
+        alibi_b = {} if slopes is None else dict(alibi_slopes=to_xp(slopes[b : b + 1]))
+        full, w_full = m(to_xp(seq), to_xp(seq), to_xp(seq), is_causal=True, need_weights=True,
+                         average_attn_weights=False, **call, **alibi_b)
+        full, w_full = to_np(full)[0], to_np(w_full)[0]  # [p + S, D], [H, p + S, p + S]
+        np.testing.assert_allclose(prefill[b, :p], full[:p], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(decoded[b], full[p:], rtol=RTOL, atol=ATOL, err_msg=f"entry {b}")
+        for t0, w in weights:  # column j of the weights is position j of the entry
+            n = w.shape[2]
+            rows = w_full[:, p + t0 : p + t0 + n]  # [H, n, p + S]
+            end = p + t0 + n
+            np.testing.assert_allclose(w[b, :, :, :end], rows[:, :, :end], rtol=RTOL, atol=1e-14)
+            assert np.all(w[b, :, :, end:] == 0.0)  # past the entry's end
+        k, v = _kv_heads(m, seq, to_np)
+        np.testing.assert_allclose(to_np(cache.k)[b, :, : p + S], k[0], rtol=1e-14, atol=1e-14)
+        np.testing.assert_allclose(to_np(cache.v)[b, :, : p + S], v[0], rtol=1e-14, atol=1e-14)
+
+
+def test_ragged_view_is_right_aligned(backend, xp, to_xp, to_np):
+    """``right_aligned``: every entry's newest key in the last column, zero rows in front hidden
+    by the key mask; ``unalign_columns`` puts columns back at the entries' positions."""
+    cache = KVCache(3, 6, 1, 2, dtype="float64", backend=backend)
+    rng = np.random.default_rng(5)
+    first = rng.standard_normal((3, 1, 4, 2))
+    cache.append(to_xp(first), to_xp(first))
+    cache.truncate([1, 4, 0])
+    new = rng.standard_normal((3, 1, 2, 2))
+    view = cache.right_aligned(to_xp(new), to_xp(new))
+    assert view.shift == (3, 0, 4)  # Lt = 4 + 2
+    k, mask = to_np(view.k), to_np(view.key_mask)
+    assert k.shape == (3, 1, 6, 2) and mask.shape == (3, 1, 1, 6)
+    np.testing.assert_array_equal(mask[:, 0, 0], np.arange(6)[None] >= np.array([[3], [0], [4]]))
+    np.testing.assert_array_equal(k[0, 0], np.concatenate([np.zeros((3, 2)), first[0, 0, :1], new[0, 0]]))
+    np.testing.assert_array_equal(k[1, 0], np.concatenate([first[1, 0], new[1, 0]]))
+    np.testing.assert_array_equal(k[2, 0], np.concatenate([np.zeros((4, 2)), new[2, 0]]))
+    assert cache.cache_seqlens.tolist() == [1, 4, 0]  # the view changes nothing
+    cols = to_xp(np.broadcast_to(np.arange(6.0), (3, 2, 6)).copy())
+    back = to_np(unalign_columns(cols, view.shift))
+    np.testing.assert_array_equal(back[0, 0], [3, 4, 5, 0, 0, 0])
+    np.testing.assert_array_equal(back[1, 0], np.arange(6.0))
+    np.testing.assert_array_equal(back[2, 0], [4, 5, 0, 0, 0, 0])
+
+
+# --------------------------------------------------------------------------
+# failures: named, and nothing changes
+
+
+def _decoding_setup(backend, to_xp, lens=(3, 1), capacity=4):
+    m = _decoder(backend, dropout=0.2)  # training mode: the generator state must be kept too
+    cache = m.new_cache(len(lens), capacity)
+    rng = np.random.default_rng(6)
+    x = to_xp(rng.standard_normal((len(lens), max(lens), D)))
+    m(x, x, x, kv_cache=cache, is_causal=True)
+    cache.truncate(list(lens))
+    return m, cache, rng
+
+
+def _expect_unchanged(m, cache, call, exc, match, to_np):
+    state = _state(cache, to_np)
+    module_cache, rng_state, decoded = m.cache, m._rng.bit_generator.state, m._decoded
+    with pytest.raises(exc, match=match):
+        call()
+    _assert_state(cache, state, to_np)
+    assert m.cache is module_cache and m._rng.bit_generator.state == rng_state
+    assert m._decoded == decoded
+
+
+def test_a_full_cache_is_refused_before_anything_is_written(backend, to_xp, to_np):
+    m, cache, rng = _decoding_setup(backend, to_xp)
+    x2 = to_xp(rng.standard_normal((2, 2, D)))
+    _expect_unchanged(m, cache, lambda: m(x2, x2, x2, kv_cache=cache, is_causal=True),
+                      ValueError, r"kv_cache: .*entry 0 holds 3 of capacity 4", to_np)
+    x1 = to_xp(rng.standard_normal((2, 1, D)))
+    m(x1, x1, x1, kv_cache=cache)  # one more fits
+    assert cache.cache_seqlens.tolist() == [4, 2]
+    _expect_unchanged(m, cache, lambda: m(x1, x1, x1, kv_cache=cache), ValueError,
+                      "capacity", to_np)
+    k = to_xp(rng.standard_normal((2, HKV, 1, DH)))
+    with pytest.raises(ValueError, match="kv_cache"):  # append itself checks first too
+        cache.append(k, k)
+    assert cache.cache_seqlens.tolist() == [4, 2]
+
+
+def test_a_failure_inside_the_forward_leaves_the_cache():
+    """The cache is written only once the forward has succeeded: the NumPy kernel refuses the
+    bottom-right causal call inside the dispatcher, after every module check passed."""
+    m, cache, rng = _decoding_setup("numpy", np.asarray, lens=(1, 1), capacity=6)
+    x = rng.standard_normal((2, 2, D))
+    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy"),
+                      ValueError, "impl='numpy'", np.asarray)
+
+
+def test_backward_after_decoding_is_an_error(backend, to_xp):
+    m = _decoder(backend)
+    x = to_xp(np.random.default_rng(7).standard_normal((2, 3, D)))
+    dout = to_xp(np.random.default_rng(8).standard_normal((2, 3, D)))
+    m(x, x, x)
+    m.backward(dout)  # a plain forward differentiates
+    m(x, x, x, kv_cache=m.new_cache(2, 3))
+    assert m.cache is None
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        m.backward(dout)
+    m(x, x, x)
+    m.backward(dout)  # and again after a plain forward
+
+
+def test_caches_that_do_not_fit_the_module(backend, xp, to_xp, to_np):
+    m, cache, rng = _decoding_setup(backend, to_xp, lens=(1, 1), capacity=6)
+    x = to_xp(rng.standard_normal((2, 1, D)))
+    other = "numpy" if backend != "numpy" else "array_api_strict"
+    cases = [
+        ("not a cache", TypeError, "kv_cache: expected an npattn.KVCache"),
+        (KVCache(2, 6, HKV, DH, dtype="float32", backend=backend), TypeError,
+         "kv_cache: expected dtype float64"),
+        (KVCache(2, 6, H, DH, dtype="float64", backend=backend), ValueError,
+         "kv_cache: expected batch_size=2, num_kv_heads=2"),
+        (KVCache(3, 6, HKV, DH, dtype="float64", backend=backend), ValueError, "batch_size=2"),
+        (KVCache(2, 6, HKV, DH, 3, dtype="float64", backend=backend), ValueError, "value_dim=2"),
+        (KVCache(2, 6, HKV, DH, dtype="float64", backend=other), TypeError,
+         "kv_cache: expected a cache of the module's backend"),
+    ]
+    for bad, exc, match in cases:
+        _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=bad), exc, match, to_np)
+
+
+def test_options_a_cache_does_not_take(backend, to_xp, to_np):
+    m, cache, rng = _decoding_setup(backend, to_xp, lens=(1, 1), capacity=6)
+    x = to_xp(rng.standard_normal((2, 2, D)))
+    seg = to_xp(np.zeros((2, 2), dtype=np.int64))
+    cases = [
+        (dict(mask=to_xp(np.ones((2, 2), dtype=bool))), "mask"),
+        (dict(dropout_mask=to_xp(np.ones((2, H, 2, 2), dtype=bool))), "dropout_mask"),
+        (dict(q_segments=seg, k_segments=seg), "q_segments"),
+        (dict(align="top_left"), "align"),
+        (dict(window=(-1, 0)), r"window\[0\]"),
+    ]
+    for kwargs, name in cases:
+        _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, **kwargs), ValueError,
+                          f"^{name}", to_np)
+    out, _ = m(x, x, x, kv_cache=cache, align="bottom_right", is_causal=True)  # said explicitly
+    assert cache.cache_seqlens.tolist() == [3, 3]
+    m2 = _decoder(backend, add_zero_attn=True)
+    with pytest.raises(ValueError, match="^kv_cache: .*add_zero_attn"):
+        m2(x, x, x, kv_cache=m2.new_cache(2, 4))
+
+
+# --------------------------------------------------------------------------
+# KVCache on its own
+
+
+def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
+    cache = KVCache(2, 5, 3, 4, value_dim=2, dtype="float64", backend=backend)
+    assert npattn.KVCache is KVCache
+    assert tuple(cache.k.shape) == (2, 3, 5, 4) and tuple(cache.v.shape) == (2, 3, 5, 2)
+    assert cache.k.dtype == xp.float64 and cache.cache_seqlens.dtype == np.int64
+    assert cache.cache_seqlens.tolist() == [0, 0]
+    rng = np.random.default_rng(9)
+    k1, v1 = rng.standard_normal((2, 3, 2, 4)), rng.standard_normal((2, 3, 2, 2))
+    cache.append(to_xp(k1), to_xp(v1))
+    cache.truncate([1, 2])
+    k2, v2 = rng.standard_normal((2, 3, 2, 4)), rng.standard_normal((2, 3, 2, 2))
+    cache.append(to_xp(k2), to_xp(v2))  # each entry at its own length
+    assert cache.cache_seqlens.tolist() == [3, 4]
+    K, Vv = to_np(cache.k), to_np(cache.v)
+    np.testing.assert_array_equal(K[0, :, :3], np.concatenate([k1[0, :, :1], k2[0]], axis=1))
+    np.testing.assert_array_equal(K[1, :, :4], np.concatenate([k1[1], k2[1]], axis=1))
+    np.testing.assert_array_equal(Vv[1, :, :4], np.concatenate([v1[1], v2[1]], axis=1))
+    lens = cache.cache_seqlens
+    lens[0] = 0  # a copy
+    assert cache.cache_seqlens.tolist() == [3, 4]
+    assert repr(cache) == (f"KVCache(batch_size=2, capacity=5, num_kv_heads=3, head_dim=4, "
+                           f"value_dim=2, dtype=float64, backend={backend!r}, cache_seqlens=[3, 4])")
+    cache.truncate(np.array([2, 4]))
+    assert cache.cache_seqlens.tolist() == [2, 4]
+    cache.reset()
+    assert cache.cache_seqlens.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("args, kwargs, exc, match", [
+    ((0, 4, 1, 2), {}, ValueError, "batch_size"),
+    ((1, True, 1, 2), {}, TypeError, "capacity"),
+    ((1, 4, 1.0, 2), {}, TypeError, "num_kv_heads"),
+    ((1, 4, 1, -2), {}, ValueError, "head_dim"),
+    ((1, 4, 1, 2, 0), {}, ValueError, "value_dim"),
+    ((1, 4, 1, 2), dict(dtype="int32"), ValueError, "dtype"),
+    ((1, 4, 1, 2), dict(dtype=None), TypeError, "dtype"),
+    ((1, 4, 1, 2), dict(backend="nope"), ValueError, "backend"),
+])
+def test_kvcache_bad_construction(args, kwargs, exc, match):
+    kwargs = dict(dict(dtype="float32"), **kwargs)
+    with pytest.raises(exc, match=match):
+        KVCache(*args, **kwargs)
+
+
+def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
+    cache = KVCache(2, 4, 1, 2, dtype="float64", backend=backend)
+    cache.append(to_xp(np.ones((2, 1, 2, 2))), to_xp(np.ones((2, 1, 2, 2))))
+    good = np.zeros((2, 1, 1, 2))
+    bad_appends = [
+        ((np.zeros((2, 1, 1, 3)), good), ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\)"),
+        ((good, np.zeros((2, 2, 1, 2))), ValueError, "v_new: expected shape"),
+        ((np.zeros((2, 1, 0, 2)), np.zeros((2, 1, 0, 2))), ValueError, "k_new: expected at least 1"),
+        ((good, np.zeros((2, 1, 2, 2))), ValueError, "v_new: expected 1 positions"),
+        ((good.astype(np.float32), good), TypeError, "k_new: expected dtype float64"),
+        ((np.zeros((2, 1, 3, 2)),) * 2, ValueError, "kv_cache: .*capacity 4"),
+    ]
+    for (k, v), exc, match in bad_appends:
+        state = _state(cache, to_np)
+        with pytest.raises(exc, match=match):
+            cache.append(to_xp(k), to_xp(v))
+        _assert_state(cache, state, to_np)
+    with pytest.raises(TypeError, match="k_new"):
+        cache.append(good.tolist(), good)
+    bad_truncates = [
+        ([1, 3], ValueError, r"seqlens\[1\]: expected at most 2"),
+        ([1], ValueError, "expected 2 lengths"),
+        ([-1, 0], ValueError, r"seqlens\[0\]"),
+        ([1.0, 0], TypeError, r"seqlens\[0\]"),
+        (True, TypeError, "seqlens"),
+        ("1", TypeError, "seqlens"),
+        (np.zeros((2, 1), dtype=int), TypeError, "seqlens"),
+    ]
+    for seqlens, exc, match in bad_truncates:
+        with pytest.raises(exc, match=match):
+            cache.truncate(seqlens)
+        assert cache.cache_seqlens.tolist() == [2, 2]
+
+
+def test_kvcache_refuses_immutable_arrays():
+    """The buffers are written in place; a backend whose arrays refuse slice assignment (JAX)
+    is named at construction. Shown with a namespace of read-only NumPy arrays."""
+    import array_api_compat.numpy as compat_np
+
+    ns = types.ModuleType("readonly_numpy")
+    ns.__dict__.update({k: v for k, v in vars(compat_np).items() if not k.startswith("__")})
+
+    def zeros(shape, dtype=None, device=None):
+        a = compat_np.zeros(shape, dtype=dtype, device=device)
+        a.flags.writeable = False
+        return a
+
+    ns.zeros = zeros
+    with pytest.raises(TypeError, match="backend: .*immutable"):
+        KVCache(1, 4, 1, 2, dtype="float32", backend=ns)
+    pytest.importorskip("jax")
+    with pytest.raises(TypeError, match="backend"):
+        KVCache(1, 4, 1, 2, dtype="float32", backend="jax")
