@@ -165,9 +165,10 @@ def test_module_gradcheck(backend, to_xp, cfg):
     fwd, bwd = module_pair(mha, names, is_causal=c["causal"], dropout_mask=keep)
     inputs = [to_xp(query), to_xp(key), to_xp(value), to_xp(mask), *params]
     # atol: b_k's gradient is 0 in exact arithmetic without extra keys (softmax ignores a
-    # shift shared by a row), so only the differences' rounding (~1e-9 here) is compared
+    # shift shared by a row), so only the differences' rounding is compared: ~1e-9 for most
+    # draws, 1.4e-8 for seed 0 with Hkv=2, H=4, Lq=3, Lk=2, p=0.4 (a wrong db_k is O(1))
     rep = gradcheck(
-        fwd, bwd, inputs, names=["query", "key", "value", "mask", *names], mode="vjp", atol=1e-8
+        fwd, bwd, inputs, names=["query", "key", "value", "mask", *names], mode="vjp", atol=5e-8
     )
     assert rep.ok, str(rep)
     assert set(mha.grads) == set(mha.params)
