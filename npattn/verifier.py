@@ -1,0 +1,1161 @@
+"""``npattn.verify``: check an attention kernel against npattn over a panel of cases.
+
+``verify(fn, layout=, dtype=, supports=, ...)`` calls your attention
+``fn(q, k, v, **options)`` on every case of a panel drawn from the options it
+declares (``npattn.verify_cases``), compares its output, its log-sum-exp and
+its gradients with npattn's, and returns a ``VerifyReport``: a table per
+tensor and option, JSON, a picture, and for each failing case a hint at the
+first step that went wrong and a one-line reproducer.
+
+How a tensor passes
+-------------------
+For each case the inputs are drawn in float64, rounded to the kernel's
+``dtype``, and handed to three computations:
+
+* **truth**: npattn's reference (``impl="reference"``) in float64 on the
+  rounded inputs;
+* **npattn in the kernel's dtype**: the same reference on the same inputs in
+  ``dtype`` (float16 and bfloat16 are computed in float32 and the results
+  rounded back, as npattn does);
+* **the kernel**.
+
+With ``e_npattn = max|npattn_dtype - truth|`` and ``e = max|kernel - truth|``
+(over all entries), a tensor passes when::
+
+    e <= budget = budget_factor * e_npattn + floor
+    floor = FLOORS[dtype of npattn's tensor] * terms
+
+so a kernel may be ``budget_factor`` times less accurate than npattn's own
+computation in its dtype, plus a few units of rounding (``FLOORS``: 2**-40
+for float64, where npattn's error is 0 by construction; 2**-20 for float32;
+2**-10 for float16; 2**-7 for bfloat16; ``lse`` is float32 for
+half-precision inputs, and so is its floor). ``terms`` is the size of what
+the tensor sums, the largest entry of the same sums over absolute values,
+as in the rounding bound of a dot product ``|fl(x.y) - x.y| <= n eps |x|.|y|``:
+``|A| @ |v|`` for out, ``|A|^T @ |dout|`` for dv, ``p (|dp| + |delta|) @ |k| * scale``
+for dq (and ``^T @ |q|`` for dk), ``sum p_sink |delta|`` for dsinks,
+``max(|lse|, 1)`` for lse (A the weights after dropout, p before). A
+gradient that cancels to nearly zero (dq of a row with one key is exactly
+zero) is still measured against the rounding of its terms.
+
+A tensor that passes is reported **degenerate** instead when the check could
+not have told a wrong kernel from a right one:
+
+* its truth is smaller than ``DEGENERATE_RATIO`` (10) budgets, so even a zero
+  tensor would come close to passing; or
+* (``dq``, ``dk``, ``dsinks``) the softmax is saturated: in more than half
+  the attended rows one key takes more than 0.999 of the weight, and the
+  softmax gradient that these tensors go through vanishes.
+
+The tensors are ``out``, ``lse`` (with ``returns_lse=True``), ``dq``, ``dk``,
+``dv`` and ``dsinks`` (with sinks), the last four when gradients are given
+(``backward=`` or ``autograd=``). ``lse`` is not compared on rows with
+nothing to attend: npattn writes ``-inf`` there, flash-attn ``+inf``.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
+lengths, Dh key width, Dv value width.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+from . import attention as A
+from .backend import to_numpy
+from .verify_cases import Case, CaseInputs, case_inputs, check_supports, panel
+
+__all__ = [
+    "verify",
+    "VerifyReport",
+    "CaseResult",
+    "TensorResult",
+    "FLOORS",
+    "DTYPES",
+    "LAYOUTS",
+    "TENSORS",
+    "DEGENERATE_RATIO",
+    "FLOOR_SCALE",
+    "plan",
+    "term_scales",
+    "plot_report",
+]
+
+#: Relative rounding floor of a tensor, by the dtype of npattn's tensor in the kernel's dtype.
+FLOORS = {"float64": 2.0**-40, "float32": 2.0**-20, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+DTYPES = tuple(FLOORS)
+#: "bhsd": (B, H, L, D), torch's; "bshd": (B, L, H, D), flash-attn's, lse (B, H, Lq);
+#: "bthd": JAX's (B, T, N, H), the same axes as "bshd", lse (B, T, N).
+LAYOUTS = ("bhsd", "bshd", "bthd")
+TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
+GRADS = ("dq", "dk", "dv", "dsinks")
+#: The smallest ``terms`` a floor is relative to (an all-zero tensor still has a floor).
+FLOOR_SCALE = 1e-6
+#: A tensor whose largest truth entry is below this many budgets is degenerate.
+DEGENERATE_RATIO = 10.0
+#: The softmax is saturated when more than SATURATED_ROWS of the attended rows put more
+#: than SATURATED_WEIGHT on one key.
+SATURATED_WEIGHT = 0.999
+SATURATED_ROWS = 0.5
+AUTOGRADS = (None, "torch", "jax")
+LIBRARIES = ("numpy", "torch", "cupy", "jax")
+
+
+# --------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class TensorResult:
+    """One tensor of one case.
+
+    ``error`` is ``max|kernel - truth|`` (inf for a NaN, a wrong shape or a
+    missing tensor), ``npattn_error`` npattn's own in the kernel's dtype,
+    ``floor`` and ``budget`` as in the module docstring, ``magnitude`` is
+    ``max|truth|``; ``status`` is "pass", "fail" or "degenerate", ``note``
+    why (a wrong shape, NaN, a saturated softmax...).
+    """
+
+    name: str
+    error: float
+    budget: float
+    npattn_error: float
+    floor: float
+    magnitude: float
+    status: str
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """``error / budget``: at most 1 passes."""
+        if self.budget > 0.0:
+            return self.error / self.budget
+        return 0.0 if self.error == 0.0 else math.inf
+
+    def to_dict(self) -> dict:
+        return {"error": _num(self.error), "budget": _num(self.budget), "ratio": _num(self.ratio),
+                "npattn_error": _num(self.npattn_error), "floor": _num(self.floor),
+                "magnitude": _num(self.magnitude), "status": self.status, "note": self.note}
+
+
+@dataclass
+class CaseResult:
+    """One case: its tensors, or the exception ``fn`` raised; the hint and the reproducer."""
+
+    case: Case
+    tensors: dict = field(default_factory=dict)
+    error: Optional[str] = None
+    hint: str = ""
+    reproducer: str = ""
+    seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        """"fail" (an exception or a failing tensor), "degenerate" (one tensor is), or "pass"."""
+        if self.error is not None or any(t.status == "fail" for t in self.tensors.values()):
+            return "fail"
+        if any(t.status == "degenerate" for t in self.tensors.values()):
+            return "degenerate"
+        return "pass"
+
+    @property
+    def failing(self) -> list:
+        """Names of the failing tensors (all of them when ``fn`` raised)."""
+        return [n for n, t in self.tensors.items() if t.status == "fail"]
+
+    def to_dict(self) -> dict:
+        c = self.case
+        return {"name": c.name, "options": list(c.options), "description": c.describe(),
+                "shapes": {"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv, "Lq": c.Lq, "Lk": c.Lk,
+                           "Dh": c.Dh, "Dv": c.Dv},
+                "status": self.status, "error": self.error, "hint": self.hint,
+                "reproducer": self.reproducer, "seconds": round(self.seconds, 4),
+                "tensors": {n: t.to_dict() for n, t in self.tensors.items()}}
+
+
+def _num(x: float) -> Any:
+    """A float for JSON: finite as is, else the string 'inf', '-inf' or 'nan'."""
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found. ``ok``: no case failed (degenerate ones do not fail).
+
+    ``str(report)`` is the table, the failing cases with their hints and
+    reproducers, and a summary line; ``to_dict()`` / ``to_json()`` the same for
+    CI; ``plot(path)`` the picture (needs matplotlib).
+    """
+
+    config: dict
+    results: list
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status != "fail" for r in self.results)
+
+    @property
+    def failures(self) -> list:
+        """The failing ``CaseResult``s."""
+        return [r for r in self.results if r.status == "fail"]
+
+    def table_rows(self) -> list:
+        """One row per option (cases holding it; "(none)" for none) and tensor: cases,
+        failures, degenerate ones, and the worst ratio with its error and budget."""
+        groups: dict = {}
+        for r in self.results:
+            for opt in (r.case.options or ("(none)",)):
+                groups.setdefault(opt, []).append(r)
+        rows = []
+        for opt in sorted(groups, key=lambda o: (o != "(none)", o)):
+            for t in TENSORS:
+                items = [(r, r.tensors[t]) for r in groups[opt] if t in r.tensors]
+                if not items:
+                    continue
+                worst_r, worst = max(items, key=lambda it: (it[1].ratio, it[1].error))
+                n_fail = sum(1 for _, x in items if x.status == "fail")
+                n_deg = sum(1 for _, x in items if x.status == "degenerate")
+                rows.append({"option": opt, "tensor": t, "cases": len(items), "failed": n_fail,
+                             "degenerate": n_deg, "worst_case": worst_r.case.name,
+                             "error": worst.error, "budget": worst.budget, "ratio": worst.ratio,
+                             "status": "FAIL" if n_fail else "pass"})
+        return rows
+
+    def table(self) -> str:
+        """The table per option and tensor, as text."""
+        head = (f"{'option':<20} {'tensor':<7} {'cases':>5} {'worst err':>10} {'budget':>10} "
+                f"{'ratio':>8}  status")
+        lines = [head, "-" * len(head)]
+        for row in self.table_rows():
+            status = f"FAIL {row['failed']}/{row['cases']}" if row["failed"] else "pass"
+            if row["degenerate"]:
+                status += f" ({row['degenerate']} degenerate)"
+            lines.append(f"{row['option']:<20} {row['tensor']:<7} {row['cases']:>5} "
+                         f"{row['error']:>10.2e} {row['budget']:>10.2e} {row['ratio']:>8.3g}  {status}")
+        return "\n".join(lines)
+
+    def hints(self) -> list:
+        """Hints across the panel: the option every failing case holds, the commonest case hint."""
+        return panel_hints(self.results, self.config.get("gradients", False))
+
+    def summary(self) -> str:
+        """One line: cases passed, failed and degenerate."""
+        n = len(self.results)
+        n_fail = len(self.failures)
+        n_deg = sum(1 for r in self.results if r.status == "degenerate")
+        c = self.config
+        what = "out" + (", lse" if c.get("returns_lse") else "") + \
+            (", gradients" if c.get("gradients") else " (no gradients: give backward= or autograd=)")
+        verdict = "FAILED" if n_fail else "passed"
+        return (f"{c.get('target', 'fn')}: {verdict}: {n - n_fail}/{n} cases pass ({n_deg} with a "
+                f"degenerate tensor), {what}; {c.get('layout')} {c.get('dtype')} on "
+                f"{c.get('backend')}, seed {c.get('seed')}, budget {c.get('budget_factor')} x npattn "
+                f"+ floor")
+
+    def format(self, *, max_failures: int = 20) -> str:
+        """The table, the failing cases (hint and reproducer each) and the summary."""
+        parts = [self.table()]
+        fails = self.failures
+        if fails:
+            parts.append("")
+            parts.append(f"failing cases ({len(fails)}):")
+            for r in fails[:max_failures]:
+                bad = ", ".join(f"{n} {r.tensors[n].ratio:.3g}x" for n in r.failing) or "raised"
+                parts.append(f"  {r.case.describe()}: {bad}")
+                if r.error:
+                    parts.append(f"    error: {r.error}")
+                parts.append(f"    hint: {r.hint}")
+                parts.append(f"    rerun: {r.reproducer}")
+            if len(fails) > max_failures:
+                parts.append(f"  ... and {len(fails) - max_failures} more (see the JSON)")
+            hints = self.hints()
+            if hints:
+                parts.append("")
+                parts.extend(f"hint: {h}" for h in hints)
+        deg = [r for r in self.results if r.status == "degenerate"]
+        if deg:
+            parts.append("")
+            parts.append("degenerate (passed, but could not tell right from wrong):")
+            for r in deg:
+                d = [f"{n} ({t.note})" for n, t in r.tensors.items() if t.status == "degenerate"]
+                parts.append(f"  {r.case.name}: {', '.join(d)}")
+        parts.append("")
+        parts.append(self.summary())
+        return "\n".join(parts)
+
+    __str__ = format
+
+    def to_dict(self) -> dict:
+        rows = [{**row, "error": _num(row["error"]), "budget": _num(row["budget"]),
+                 "ratio": _num(row["ratio"])} for row in self.table_rows()]
+        return {"ok": self.ok, "config": self.config, "floors": dict(FLOORS),
+                "degenerate_ratio": DEGENERATE_RATIO, "summary": self.summary(),
+                "n_cases": len(self.results), "n_failed": len(self.failures),
+                "n_degenerate": sum(1 for r in self.results if r.status == "degenerate"),
+                "hints": self.hints() if not self.ok else [], "table": rows,
+                "cases": [r.to_dict() for r in self.results]}
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
+
+    def plot(self, path: str) -> str:
+        """Save the error/budget picture to ``path`` (PNG); see ``plot_report``."""
+        return plot_report(self, path)
+
+
+# --------------------------------------------------------------------------
+# hints: the first step that went wrong
+
+
+def _constant_factor(got: np.ndarray, truth: np.ndarray) -> Optional[float]:
+    """``c`` when ``got`` is ``c * truth`` to 1 % of its size and ``c`` is not 1, else None."""
+    tt = float(np.sum(truth * truth))
+    if not (np.all(np.isfinite(got)) and tt > 0.0):
+        return None
+    c = float(np.sum(got * truth)) / tt
+    resid = float(np.max(np.abs(got - c * truth)))
+    if abs(c - 1.0) > 1e-3 and resid <= 1e-2 * max(float(np.max(np.abs(got))), 1e-300):
+        return c
+    return None
+
+
+def case_hint(case: Case, tensors: dict, factors: dict, notes: dict) -> str:
+    """The likeliest first failing step of one case, from which of its tensors fail.
+
+    ``factors`` maps a failing tensor to the constant it is off by, when it is
+    (``_constant_factor``); ``notes`` to what went wrong with it (NaN, shape).
+    """
+    bad = {n for n, t in tensors.items() if t.status == "fail"}
+    opts = set(case.options)
+    for n in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+        note = notes.get(n, "")
+        if n in bad and "NaN" in note and "empty" in note:
+            return (f"{n} has NaN on rows with nothing to attend, where npattn gives zeros: guard "
+                    "fully masked rows (or declare the kernel without 'empty_rows')")
+        if n in bad and ("shape" in note or "missing" in note):
+            return f"{n}: {note}"
+    if "out" in bad or "lse" in bad:
+        where = "the scores or the softmax"
+        if "out" in bad and "lse" in bad:
+            return f"out and lse wrong: {where}"
+        if "lse" in bad:
+            return ("lse wrong, out right: the log-sum-exp itself (natural log, the row max added "
+                    "back, the sink's term) or its precision (a row sum accumulated in low "
+                    "precision shows in lse first)")
+        if "lse" in tensors:
+            return ("lse right, out wrong: after the softmax: the dropout keep-mask or its 1/(1-p), "
+                    "or P @ V")
+        return f"out wrong: the forward ({where}, or P @ V)"
+    grads = [n for n in ("dq", "dk", "dv") if n in bad]
+    scaled = [n for n in grads if n in factors]
+    if scaled and set(scaled) == set(grads):
+        f = ", ".join(f"{n} x {factors[n]:.4g}" for n in scaled)
+        return f"a constant factor ({f}): the scale (applied twice, or missing) or 1/(1-p)"
+    if grads == ["dsinks"] or (not grads and "dsinks" in bad):
+        return "dsinks wrong, the rest right: dsink = -sum over rows of p_sink * delta"
+    if "dv" in bad:
+        if "gqa" in opts and "dq" not in bad:
+            return ("dk and dv wrong, dq right, under GQA: each K/V head's gradient is the sum over "
+                    "its group of query heads" if "dk" in bad else
+                    "dv wrong under GQA: the sum over each K/V head's group of query heads")
+        if "dropout_mask" in opts:
+            return ("dv wrong with dropout: dv = A^T @ dout with A the weights after dropout "
+                    "(the keep-mask and 1/(1-p) belong in the backward too)")
+        return "dv wrong: dv = A^T @ dout, A the attention weights after dropout"
+    if "dq" in bad or "dk" in bad:
+        extra = ", softcap's derivative 1 - tanh^2" if "softcap" in opts else ""
+        if "dq" in bad and "dk" in bad:
+            return ("dv right, dq/dk wrong: below the softmax: ds = p * (dp - delta) with "
+                    f"delta = rowsum(dout * out){extra}, then dq = ds @ k * scale, dk = ds^T @ q * scale")
+        if "dk" in bad:
+            return "dq right, dk wrong: dk = ds^T @ q * scale (a transpose, or the GQA sum)"
+        return "dk right, dq wrong: dq = ds @ k * scale"
+    return "; ".join(f"{n}: {notes[n]}" for n in bad if notes.get(n)) or "see the table"
+
+
+def panel_hints(results: list, gradients: bool) -> list:
+    """Hints across the panel: options that every failing case holds and no passing case
+    of the same tensor does, and how many cases share each case hint."""
+    fails = [r for r in results if r.status == "fail"]
+    if not fails:
+        return []
+    hints = []
+    raised = [r for r in fails if r.error is not None]
+    if raised and len(raised) == len(fails):
+        hints.append(f"fn raised in every failing case ({raised[0].error.splitlines()[0]})")
+    common = set.intersection(*(set(r.case.options) for r in fails))
+    for opt in sorted(common):
+        passing = [r for r in results if opt in r.case.options and r.status != "fail"]
+        note = "" if not passing else f" (and {len(passing)} case(s) with it pass)"
+        hints.append(f"every failing case holds {opt!r}{note}: look at how {opt} is applied")
+    if not common:
+        held = sorted(set().union(*(set(r.case.options) for r in fails)))
+        for a, b in ((a, b) for i, a in enumerate(held) for b in held[i + 1:]):
+            if all(a in r.case.options or b in r.case.options for r in fails):
+                hints.append(f"every failing case holds {a!r} or {b!r}: look at what they share")
+                break
+        else:
+            if any(not r.case.options for r in fails):
+                hints.append("cases without options fail too: the core (scores, softmax, "
+                             "P @ V) or its gradient")
+    counts: dict = {}
+    for r in fails:
+        counts[r.hint] = counts.get(r.hint, 0) + 1
+    for h, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3]:
+        hints.append(f"{n} case(s): {h}")
+    return hints
+
+
+# --------------------------------------------------------------------------
+# arrays: rounding to the kernel's dtype, the kernel's library and layout
+
+
+def _round_bfloat16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bfloat16 (round to nearest even), held in float32."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    u = x32.view(np.uint32).astype(np.uint64)
+    finite = np.isfinite(x32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    out = u.astype(np.uint32).view(np.float32)
+    return np.where(finite, out, x32)
+
+
+def _round(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype``, as float64 values (exact in ``dtype``)."""
+    if dtype == "bfloat16":
+        return _round_bfloat16(x).astype(np.float64)
+    return np.asarray(x, dtype=dtype).astype(np.float64)
+
+
+def _host_dtype(dtype: str) -> Any:
+    """The NumPy dtype that npattn's run in ``dtype`` computes in (bfloat16: float32)."""
+    return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _to_layout(x: np.ndarray, layout: str) -> np.ndarray:
+    """(B, H, L, D) -> the kernel's layout."""
+    return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
+
+
+def _from_layout(x: np.ndarray, layout: str) -> np.ndarray:
+    """The kernel's layout -> (B, H, L, D)."""
+    return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
+
+
+class _Library:
+    """The kernel's array library: host NumPy arrays in, its arrays out, and back."""
+
+    def __init__(self, name: str, device: Any):
+        self.name = name
+        self.device = device
+        if name == "torch":
+            import torch
+
+            self.mod = torch
+        elif name == "cupy":
+            import cupy
+
+            self.mod = cupy
+        elif name == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            self.mod, self.jax = jnp, jax
+        else:
+            self.mod = np
+
+    def dtype(self, dtype: str) -> Any:
+        if self.name == "torch":
+            return getattr(self.mod, dtype)
+        if self.name == "jax":
+            return getattr(self.mod, dtype)
+        if dtype == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                raise ValueError(f"dtype: bfloat16 on backend {self.name!r} needs ml_dtypes "
+                                 "(or use backend='torch' or 'jax')") from None
+            return ml_dtypes.bfloat16
+        return np.dtype(dtype)
+
+    def array(self, a: np.ndarray, dtype: Optional[str] = None, grad: bool = False) -> Any:
+        """Host ``a`` as the library's array, floats in ``dtype`` (exact: ``a`` is rounded)."""
+        a = np.ascontiguousarray(a)
+        if dtype is not None:
+            a = a.astype(np.float32 if dtype in ("bfloat16", "float16") else np.dtype(dtype))
+        if self.name == "torch":
+            t = self.mod.from_numpy(a)
+            t = t.to(device=self.device or "cpu",
+                     dtype=None if dtype is None else self.dtype(dtype))
+            return t.requires_grad_(True) if grad else t
+        if self.name == "jax":
+            x = self.mod.asarray(a, dtype=None if dtype is None else self.dtype(dtype))
+            return x if self.device is None else self.jax.device_put(x, self.device)
+        if self.name == "cupy":
+            if dtype is not None:
+                a = a.astype(self.dtype(dtype))
+            if self.device is None:
+                return self.mod.asarray(a)
+            with self.mod.cuda.Device(self.device):
+                return self.mod.asarray(a)
+        return a if dtype is None else a.astype(self.dtype(dtype))
+
+    def host(self, x: Any) -> np.ndarray:
+        """A float64 host copy of the kernel's array ``x`` (any library it may return)."""
+        mod = type(x).__module__
+        if mod.startswith("torch"):
+            x = x.detach()
+            if x.is_floating_point():
+                x = x.to(dtype=self.mod.float64) if self.name == "torch" else x.double()
+            return x.cpu().numpy().astype(np.float64)
+        if mod.startswith("cupy"):
+            return x.get().astype(np.float64)
+        if isinstance(x, np.ndarray) or np.isscalar(x):
+            return np.asarray(x).astype(np.float64)
+        try:
+            return np.asarray(x).astype(np.float64)
+        except Exception:
+            return to_numpy(x).astype(np.float64)
+
+
+def _library_name(backend: Any) -> str:
+    """"numpy", "torch", "cupy" or "jax" from ``backend=`` (a name or the module)."""
+    name = getattr(backend, "__name__", backend)
+    if isinstance(name, str):
+        name = name.split(".")[-1] if name.startswith("array_api_compat.") else name
+        name = "jax" if name in ("jax.numpy", "jax") else name
+    if name not in LIBRARIES:
+        raise ValueError(f"backend: expected one of {LIBRARIES} (or the module), got {backend!r}")
+    return name
+
+
+# --------------------------------------------------------------------------
+# the three computations of a case
+
+
+def _npattn(inp: CaseInputs, dtype: str, *, grads: bool, weights: bool = False) -> dict:
+    """npattn's reference on host arrays in ``dtype`` (float16 / bfloat16 as npattn computes
+    them: in float32, the results rounded back): host float64 copies of its tensors."""
+    work = _host_dtype(dtype)
+    opts = dict(inp.options)
+    if "mask" in opts and opts["mask"].dtype != bool:
+        opts["mask"] = opts["mask"].astype(work)
+    if "sinks" in opts:
+        opts["sinks"] = opts["sinks"].astype(work)
+    if "alibi_slopes" in opts:
+        opts["alibi_slopes"] = opts["alibi_slopes"].astype(np.float64 if dtype == "float64"
+                                                           else np.float32)
+    q, k, v, dout = (t.astype(work) for t in (inp.q, inp.k, inp.v, inp.dout))
+    out, cache = A.sdpa_forward(q, k, v, impl="reference", need_weights=weights, **opts)
+    res = {"out": out, "lse": cache.lse}
+    if grads:
+        g = A.sdpa_backward(dout, cache)
+        res.update(dq=g.dq, dk=g.dk, dv=g.dv)
+        if g.dsinks is not None:
+            res["dsinks"] = g.dsinks
+    dtypes = {n: str(np.asarray(t).dtype) for n, t in res.items()}
+    res = {n: np.asarray(t, dtype=np.float64) for n, t in res.items()}
+    if dtype == "bfloat16":  # npattn casts these back to the input dtype; lse, dsinks stay float32
+        for n in ("out", "dq", "dk", "dv"):
+            if n in res:
+                res[n] = _round(res[n], "bfloat16")
+                dtypes[n] = "bfloat16"
+    if weights:
+        res["weights"] = np.asarray(A.weights(cache), dtype=np.float64)
+    res["dtypes"] = dtypes
+    return res
+
+
+def _rounded_inputs(inp: CaseInputs, dtype: str) -> CaseInputs:
+    """``inp`` with q, k, v, dout, a float mask and sinks rounded to ``dtype`` (ALiBi slopes
+    to float32 unless float64): the values the kernel receives exactly."""
+    opts = dict(inp.options)
+    if "mask" in opts and opts["mask"].dtype != bool:
+        opts["mask"] = _round(opts["mask"], dtype)
+    if "sinks" in opts:
+        opts["sinks"] = _round(opts["sinks"], dtype)
+    if "alibi_slopes" in opts and dtype != "float64":
+        opts["alibi_slopes"] = _round(opts["alibi_slopes"], "float32")
+    return CaseInputs(*(_round(t, dtype) for t in (inp.q, inp.k, inp.v, inp.dout)), opts)
+
+
+@dataclass
+class _Config:
+    fn: Callable
+    layout: str
+    dtype: str
+    backward: Optional[Callable]
+    autograd: Optional[str]
+    returns_lse: bool
+    lib: _Library
+    align: str
+    adapter: Any
+    seed: int
+    budget_factor: float
+    floors: dict
+    supports: tuple = ()
+
+    @property
+    def gradients(self) -> bool:
+        return self.backward is not None or self.autograd is not None
+
+
+def _kernel_options(inp: CaseInputs, cfg: _Config, sinks: Any) -> dict:
+    """The case's npattn keywords with arrays of the kernel's library, then the adapter."""
+    lib, dtype = cfg.lib, cfg.dtype
+    kw: dict = {}
+    for name, val in inp.options.items():
+        if name == "mask":
+            kw[name] = lib.array(val, None if val.dtype == bool else dtype)
+        elif name == "sinks":
+            kw[name] = sinks
+        elif name == "alibi_slopes":
+            kw[name] = lib.array(val, "float64" if dtype == "float64" else "float32")
+        elif name in ("q_segments", "k_segments", "dropout_mask"):
+            kw[name] = lib.array(val)
+        else:
+            kw[name] = val
+    adapter = cfg.adapter
+    if adapter is None:
+        return kw
+    if callable(adapter):
+        out = adapter(kw)
+        if not isinstance(out, Mapping):
+            raise TypeError(f"adapter: expected it to return a mapping of keywords, got "
+                            f"{type(out).__name__}")
+        return dict(out)
+    renamed = {}
+    for name, val in kw.items():
+        new = adapter.get(name, name)
+        if new is not None:
+            renamed[new] = val
+    return renamed
+
+
+def _split_result(result: Any, cfg: _Config) -> tuple:
+    """(out, lse or None, saved) from what ``fn`` returned."""
+    n_head = 2 if cfg.returns_lse else 1
+    if cfg.backward is None and not cfg.returns_lse:
+        return result, None, ()
+    if not isinstance(result, (tuple, list)) or len(result) < n_head:
+        want = "(out, lse" if cfg.returns_lse else "(out"
+        want += ", *saved)" if cfg.backward is not None else ")"
+        raise TypeError(f"fn: expected it to return {want}, got {type(result).__name__}")
+    saved = tuple(result[n_head:])
+    if cfg.backward is None and saved:
+        raise TypeError(f"fn: expected it to return (out, lse) with returns_lse=True, got a "
+                        f"tuple of {len(result)}")
+    return result[0], (result[1] if cfg.returns_lse else None), saved
+
+
+def _grads_of(g: Any) -> dict:
+    """{dq, dk, dv[, dsinks]} from a backward's return: a tuple (dq, dk, dv[, dsinks]), a
+    mapping, or an object with those attributes (npattn's ``SDPAGrads``)."""
+    names = ("dq", "dk", "dv", "dsinks")
+    if isinstance(g, Mapping):
+        return {n: g.get(n) for n in names}
+    if all(hasattr(g, n) for n in names[:3]):
+        return {n: getattr(g, n, None) for n in names}
+    if isinstance(g, (tuple, list)) and len(g) in (3, 4):
+        return dict(zip(names, g))
+    raise TypeError("backward: expected (dq, dk, dv), (dq, dk, dv, dsinks), a mapping or an "
+                    f"object with attributes dq, dk, dv, got {type(g).__name__}")
+
+
+def _run_kernel(inp: CaseInputs, cfg: _Config) -> dict:
+    """Call the kernel on the case; host float64 (B, H, L, D) copies of what it gives."""
+    lib, L = cfg.lib, cfg.layout
+    grad = cfg.autograd == "torch"
+    q, k, v = (lib.array(_to_layout(t, L), cfg.dtype, grad=grad) for t in (inp.q, inp.k, inp.v))
+    sinks = None
+    if "sinks" in inp.options:
+        sinks = lib.array(inp.options["sinks"], cfg.dtype, grad=grad)
+    kw = _kernel_options(inp, cfg, sinks)
+    dout = lib.array(_to_layout(inp.dout, L), cfg.dtype)
+    res: dict = {}
+    grads: dict = {}
+    if cfg.autograd == "jax":
+        jax = lib.jax
+        prims = [q, k, v] + ([sinks] if sinks is not None else [])
+        names = [n for n in kw if kw[n] is sinks] if sinks is not None else []
+
+        def f(*p):
+            extra = dict(kw)
+            if names:
+                extra[names[0]] = p[3]
+            return cfg.fn(p[0], p[1], p[2], **extra)
+
+        if cfg.returns_lse:
+            out, pull, lse = jax.vjp(lambda *p: tuple(f(*p)), *prims, has_aux=True)
+        else:
+            out, pull = jax.vjp(f, *prims)
+            lse = None
+        g = pull(dout)
+        grads = dict(zip(("dq", "dk", "dv", "dsinks"), g))
+    else:
+        result = cfg.fn(q, k, v, **kw)
+        out, lse, saved = _split_result(result, cfg)
+        if cfg.autograd == "torch":
+            torch = lib.mod
+            prims = [q, k, v] + ([sinks] if sinks is not None else [])
+            g = torch.autograd.grad(out, prims, grad_outputs=dout, allow_unused=True)
+            grads = dict(zip(("dq", "dk", "dv", "dsinks"), g))
+        elif cfg.backward is not None:
+            grads = _grads_of(cfg.backward(dout, *saved))
+    res["out"] = _from_layout(lib.host(out), L)
+    if cfg.returns_lse:
+        h = lib.host(lse)
+        res["lse"] = np.swapaxes(h, 1, 2) if L == "bthd" and h.ndim == 3 else h
+    for n, t in grads.items():
+        if n == "dsinks" and sinks is None:
+            continue
+        if t is None:
+            res[n] = None
+        elif n == "dsinks":
+            res[n] = lib.host(t)
+        else:
+            res[n] = _from_layout(lib.host(t), L)
+    return res
+
+
+def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtype: str,
+             terms: float, cfg: _Config, rows: Optional[np.ndarray],
+             saturated: Optional[str]) -> tuple:
+    """The ``TensorResult`` of one tensor, and its constant factor (or None) and note."""
+    keep = np.ones(truth.shape, dtype=bool) if rows is None else ~rows
+    t = np.where(keep, truth, 0.0)
+    magnitude = float(np.max(np.abs(t))) if t.size else 0.0
+    npattn_err = float(np.max(np.abs(np.where(keep, ref, 0.0) - t))) if t.size else 0.0
+    floor = cfg.floors[floor_dtype] * max(terms, FLOOR_SCALE)
+    budget = cfg.budget_factor * npattn_err + floor
+    note = ""
+    factor = None
+    if got is None:
+        err, note = math.inf, f"missing: no {name} was returned"
+    elif tuple(got.shape) != tuple(truth.shape):
+        err, note = math.inf, f"shape: expected {tuple(truth.shape)}, got {tuple(got.shape)}"
+    else:
+        g = np.where(keep, got, 0.0)
+        bad = ~np.isfinite(g)
+        if bad.any():
+            err = math.inf
+            note = f"{int(bad.sum())} NaN/inf entries"
+        else:
+            err = float(np.max(np.abs(g - t))) if g.size else 0.0
+            factor = _constant_factor(g, t)
+    if err <= budget:
+        status = "pass"
+        if magnitude < DEGENERATE_RATIO * budget:
+            status, note = "degenerate", (f"max|{name}| {magnitude:.2g} < {DEGENERATE_RATIO:g} "
+                                          f"budgets: a zero {name} would nearly pass")
+        elif saturated and name in ("dq", "dk", "dsinks"):
+            status, note = "degenerate", saturated
+    else:
+        status = "fail"
+    return TensorResult(name, err, budget, npattn_err, floor, magnitude, status, note), factor
+
+
+def _group_sum(x: np.ndarray, G: int) -> np.ndarray:
+    """[B, Hq, L, X] -> [B, Hkv, L, X]: the sum over each K/V head's G query heads."""
+    B, Hq = x.shape[:2]
+    return x.reshape((B, Hq // G, G) + x.shape[2:]).sum(axis=2)
+
+
+def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray) -> dict:
+    """The ``terms`` of each tensor (module docstring): the largest entry of its sums taken
+    over absolute values, from the float64 truth of the case."""
+    # host float64: q [B, Hq, Lq, Dh], k [B, Hkv, Lk, Dh], v [B, Hkv, Lk, Dv], weights [B, Hq, Lq, Lk]
+    q, k, v, dout, opts = inp.q, inp.k, inp.v, inp.dout, inp.options
+    G = q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # [B, Hq, Lk, *]
+    p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
+    scale = opts.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+    keep = 1.0
+    if "dropout_mask" in opts:
+        keep = opts["dropout_mask"] / (1.0 - opts["dropout_p"])  # [B, Hq, Lq, Lk]
+    a = np.abs(p * keep)  # [B, Hq, Lq, Lk]
+    dp = np.abs((dout @ np.swapaxes(vr, -1, -2)) * keep)  # [B, Hq, Lq, Lk]
+    delta = np.abs(np.sum(dout * truth["out"], axis=-1, keepdims=True))  # [B, Hq, Lq, 1]
+    ds = p * (dp + delta)  # [B, Hq, Lq, Lk]
+    lse = truth["lse"][~empty]
+    res = {"out": float(np.max(a @ np.abs(vr), initial=0.0)),
+           "lse": max(float(np.max(np.abs(lse), initial=0.0)), 1.0),
+           "dv": float(np.max(_group_sum(np.swapaxes(a, -1, -2) @ np.abs(dout), G), initial=0.0)),
+           "dq": float(np.max(ds @ np.abs(kr), initial=0.0)) * scale,
+           "dk": float(np.max(_group_sum(np.swapaxes(ds, -1, -2) @ np.abs(q), G), initial=0.0)) * scale}
+    if "sinks" in opts:
+        p_sink = np.exp(opts["sinks"][None, :, None] - truth["lse"])  # [B, Hq, Lq]
+        res["dsinks"] = float(np.max(np.sum(p_sink * delta[..., 0], axis=(0, 2)), initial=0.0))
+    return res
+
+
+def _empty_rows(weights: np.ndarray) -> np.ndarray:
+    """Bool (B, Hq, Lq): rows with nothing to attend (all weights zero)."""
+    return ~np.any(weights != 0.0, axis=-1)
+
+
+def _saturation(weights: np.ndarray, empty: np.ndarray) -> Optional[str]:
+    """A note when the softmax is saturated (see ``SATURATED_ROWS``), else None."""
+    rows = ~empty
+    if not rows.any():
+        return None
+    top = np.max(weights, axis=-1)[rows]
+    frac = float(np.mean(top > SATURATED_WEIGHT))
+    if frac > SATURATED_ROWS:
+        return (f"saturated softmax: {frac:.0%} of rows put > {SATURATED_WEIGHT} on one key, "
+                "so the softmax gradient vanishes")
+    return None
+
+
+def _nan_note(name: str, got: Any, empty: np.ndarray) -> str:
+    """"NaN on empty rows" when every non-finite entry of ``got`` (out or dq, (B, Hq, Lq, D))
+    lies on a row with nothing to attend, else ""."""
+    if got is None or name not in ("out", "dq") or not empty.any():
+        return ""
+    bad = ~np.isfinite(got)
+    if bad.ndim == 4:
+        bad = bad.any(axis=-1)
+    if bad.shape == empty.shape and bad.any() and not (bad & ~empty).any():
+        return "NaN on empty rows"
+    return ""
+
+
+def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
+    start = time.perf_counter()
+    raw = case_inputs(case, cfg.seed, cfg.align)
+    inp = _rounded_inputs(raw, cfg.dtype)
+    truth = _npattn(inp, "float64", grads=cfg.gradients, weights=True)
+    ref = _npattn(inp, cfg.dtype, grads=cfg.gradients)
+    empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
+    if empty.any() and "empty_rows" not in cfg.supports:
+        raise RuntimeError(f"case {case.name} leaves rows with nothing to attend, but the "
+                           "kernel does not declare 'empty_rows' (a defect of the case's maker)")
+    result = CaseResult(case, reproducer=reproducer)
+    try:
+        got = _run_kernel(inp, cfg)
+    except Exception as exc:  # the kernel's failure is this case's result
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.hint = _raise_hint(exc)
+        result.tensors = {n: TensorResult(n, math.inf, 0.0, 0.0, 0.0, 0.0, "fail", "raised")
+                          for n in _checked(cfg, case)}
+        result.seconds = time.perf_counter() - start
+        return result
+    saturated = _saturation(truth["weights"], empty)
+    terms = term_scales(inp, truth, empty)
+    factors, notes = {}, {}
+    for n in _checked(cfg, case):
+        rows = empty if n == "lse" else None
+        floor_dtype = ref["dtypes"][n] if ref["dtypes"][n] in FLOORS else cfg.dtype
+        tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, rows,
+                              saturated)
+        nan = _nan_note(n, got.get(n), empty)
+        if nan and tr.status == "fail":
+            tr.note = nan
+        result.tensors[n] = tr
+        notes[n] = tr.note
+        if factor is not None:
+            factors[n] = factor
+    result.hint = case_hint(case, result.tensors, factors, notes) if result.failing else ""
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _checked(cfg: _Config, case: Case) -> list:
+    """The tensors checked in ``case``."""
+    names = ["out"] + (["lse"] if cfg.returns_lse else [])
+    if cfg.gradients:
+        names += ["dq", "dk", "dv"] + (["dsinks"] if "sinks" in case.options else [])
+    return names
+
+
+def _raise_hint(exc: Exception) -> str:
+    text = str(exc)
+    if isinstance(exc, TypeError) and "keyword" in text:
+        return ("fn does not take a keyword of this case: rename or drop it with adapter= "
+                "(e.g. adapter={'is_causal': 'causal', 'align': None})")
+    return "fn raised: run the reproducer to see the traceback"
+
+
+# --------------------------------------------------------------------------
+# the entry point
+
+
+def _describe_callable(f: Any) -> str:
+    """``module:qualname`` of ``f``, or its repr."""
+    mod, qual = getattr(f, "__module__", None), getattr(f, "__qualname__", None)
+    if mod and qual and "<" not in qual:
+        return f"{mod}:{qual}"
+    return repr(f)
+
+
+def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_factor: Any,
+                align: Any, adapter: Any, floors: Any) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    if autograd not in AUTOGRADS:
+        raise ValueError(f"autograd: expected one of {AUTOGRADS}, got {autograd!r}")
+    if backward is not None and not callable(backward):
+        raise TypeError(f"backward: expected a callable backward(dout, *saved), got "
+                        f"{type(backward).__name__}")
+    if backward is not None and autograd is not None:
+        raise ValueError(f"backward, autograd: expected one source of gradients, got both "
+                         f"(backward={_describe_callable(backward)}, autograd={autograd!r})")
+    if isinstance(budget_factor, bool) or not isinstance(budget_factor, (int, float)) \
+            or not (math.isfinite(budget_factor) and budget_factor >= 1.0):
+        raise ValueError(f"budget_factor: expected a finite number >= 1, got {budget_factor!r}")
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align: expected 'top_left' or 'bottom_right', got {align!r}")
+    if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
+        raise TypeError(f"adapter: expected None, a mapping {{npattn name: kernel name or None}} "
+                        f"or a callable(options) -> keywords, got {type(adapter).__name__}")
+    if floors is not None:
+        if not isinstance(floors, Mapping) or any(k not in FLOORS for k in floors):
+            raise ValueError(f"floors: expected a mapping with keys from {DTYPES}, got {floors!r}")
+
+
+def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any = True,
+         cases: Any = None) -> list:
+    """The cases ``verify`` runs: the panel of ``supports`` (``npattn.verify_cases.panel``),
+    or the ``cases`` chosen from it by name, or ``Case`` objects as given.
+
+    ``ValueError`` for a name the panel does not hold, or a ``Case`` with an
+    option that ``supports`` does not declare.
+    """
+    supports = check_supports(supports)
+    full = panel(supports, align, combos=combos)
+    if cases is None:
+        return full
+    if isinstance(cases, (str, Case)):
+        cases = [cases]
+    by_name = {c.name: c for c in full}
+    chosen = []
+    for c in cases:
+        if isinstance(c, Case):
+            extra = sorted(set(c.options) - set(supports))
+            if extra:
+                raise ValueError(f"cases: case {c.name!r} turns on {extra}, which supports "
+                                 f"does not declare (supports={list(supports)})")
+            chosen.append(c)
+        elif isinstance(c, str) and c in by_name:
+            chosen.append(by_name[c])
+        else:
+            near = ", ".join(sorted(by_name)[:6])
+            raise ValueError(f"cases: expected names of the panel's cases or Case objects, got "
+                             f"{c!r} (the panel has {len(by_name)}: {near}, ...; list them with "
+                             "npattn verify ... --list)")
+    return chosen
+
+
+def verify(
+    fn: Callable,
+    *,
+    layout: str = "bhsd",
+    dtype: str = "float32",
+    supports: Iterable[str] = (),
+    backward: Optional[Callable] = None,
+    autograd: Optional[str] = None,
+    returns_lse: bool = False,
+    backend: Any = "numpy",
+    device: Any = None,
+    align: str = "top_left",
+    adapter: Any = None,
+    seed: int = 0,
+    budget_factor: float = 2.0,
+    floors: Optional[Mapping] = None,
+    combos: Any = True,
+    cases: Any = None,
+    progress: Optional[Callable] = None,
+    command: Optional[str] = None,
+    target: Optional[str] = None,
+) -> VerifyReport:
+    """Check the attention ``fn`` against npattn over a panel of cases.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(q, k, v, **options)``, your attention. q (B, Hq, Lq, Dh),
+        k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) in ``layout``, arrays of
+        ``backend`` in ``dtype``. ``options`` are npattn's keywords for what
+        the case turns on (``npattn.verify_cases.SUPPORTS``): ``is_causal``,
+        ``align`` (only when "bottom_right"), ``window``, ``softcap``,
+        ``alibi_slopes``, ``sinks``, ``enable_gqa``, ``q_segments`` /
+        ``k_segments``, ``dropout_p`` with ``dropout_mask`` (True = keep),
+        ``mask`` (B, 1 or Hq, Lq, Lk) in every layout, ``scale``. Returns
+        ``out`` in ``layout``, or ``(out, lse)`` with ``returns_lse``; with
+        ``backward`` a tuple ``(out, *saved)`` / ``(out, lse, *saved)``.
+    layout : {"bhsd", "bshd", "bthd"}
+        (B, H, L, D); (B, L, H, D) with lse (B, H, Lq) (flash-attn); JAX's
+        (B, T, N, H) with lse (B, T, N).
+    dtype : {"float64", "float32", "float16", "bfloat16"}
+        Of q, k, v, dout, a float mask and sinks (ALiBi slopes are float32,
+        float64 for float64).
+    supports : iterable of str, or a comma-separated string
+        The options ``fn`` implements; the panel is drawn from them ("all":
+        every one). "empty_rows" declares that rows with nothing to attend
+        give zeros (and zero gradients).
+    backward : callable, optional
+        ``backward(dout, *saved) -> (dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``
+        (or a mapping, or an object with those attributes such as npattn's
+        ``SDPAGrads``), where ``saved`` is what ``fn`` returned after ``out``
+        (and ``lse``). ``dout`` is random normal, in ``layout`` and ``dtype``.
+    autograd : {None, "torch", "jax"}
+        Gradients by ``torch.autograd.grad`` or ``jax.vjp`` instead.
+    returns_lse : bool
+        ``fn`` returns the natural log-sum-exp of each row too.
+    backend : {"numpy", "torch", "cupy", "jax"} or the module
+        The array library of ``fn``'s arrays.
+    device : optional
+        Where the arrays live (torch: "cpu" by default, e.g. "cuda"; cupy: a
+        device id; jax: a ``jax.Device``).
+    align : {"top_left", "bottom_right"}
+        Where the window's and ALiBi's diagonal lies in their cases (passed as
+        ``align`` when "bottom_right"); causal cases carry their own.
+    adapter : mapping or callable, optional
+        ``{npattn name: your name, or None to drop it}``, or
+        ``adapter(options) -> keywords`` for any other conversion.
+    seed : int
+        Seeds every case's inputs (with the case's name).
+    budget_factor : float >= 1
+        The kernel may be this many times less accurate than npattn in ``dtype``.
+    floors : mapping, optional
+        Overrides of ``FLOORS`` (by dtype).
+    combos : bool or iterable of tuples
+        Option combinations of the panel (``npattn.verify_cases.panel``).
+    cases : optional
+        Names of panel cases, or ``Case`` objects (e.g. from
+        ``npattn.testing.strategies.attention_cases()``), instead of the panel.
+    progress : callable, optional
+        ``progress(done, total, case_name)`` after each case.
+    command : str, optional
+        A reproducer template holding ``{case}`` (the CLI gives its own
+        command line); else a Python call is printed.
+    target : str, optional
+        How to name ``fn`` in the report (default ``module:qualname``).
+
+    Returns
+    -------
+    VerifyReport
+        ``report.ok``; ``print(report)``; ``report.to_json()``; ``report.plot(path)``.
+    """
+    _check_args(layout, dtype, backward, autograd, budget_factor, align, adapter, floors)
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type(fn).__name__}")
+    supports = check_supports(supports)
+    lib_name = _library_name(backend)
+    if autograd == "torch" and lib_name != "torch":
+        raise ValueError(f"autograd: 'torch' needs backend='torch', got backend={lib_name!r}")
+    if autograd == "jax" and lib_name != "jax":
+        raise ValueError(f"autograd: 'jax' needs backend='jax', got backend={lib_name!r}")
+    lib = _Library(lib_name, device)
+    lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
+    chosen = plan(supports, align=align, combos=combos, cases=cases)
+    cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
+                  int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports)
+    name = target or _describe_callable(fn)
+    config = {"target": name, "layout": layout, "dtype": dtype, "supports": list(supports),
+              "backend": lib_name, "device": None if device is None else str(device),
+              "align": align, "autograd": autograd,
+              "backward": None if backward is None else _describe_callable(backward),
+              "returns_lse": bool(returns_lse), "gradients": cfg.gradients, "seed": int(seed),
+              "budget_factor": float(budget_factor), "floors": cfg.floors}
+    results = []
+    for i, case in enumerate(chosen):
+        rep = _reproducer(command, case, name, config)
+        results.append(_run_case(case, cfg, rep))
+        if progress is not None:
+            progress(i + 1, len(chosen), case.name)
+    return VerifyReport(config, results)
+
+
+def _reproducer(command: Optional[str], case: Case, name: str, config: dict) -> str:
+    """One line that reruns ``case``: the command with ``{case}``, or a Python call."""
+    if command is not None:
+        return command.replace("{case}", case.name)
+    args = [f"layout={config['layout']!r}", f"dtype={config['dtype']!r}"]
+    if config["supports"]:
+        args.append(f"supports={','.join(config['supports'])!r}")
+    for key in ("backend", "align", "autograd", "returns_lse"):
+        default = {"backend": "numpy", "align": "top_left", "autograd": None, "returns_lse": False}
+        if config[key] != default[key]:
+            args.append(f"{key}={config[key]!r}")
+    if config["backward"]:
+        args.append(f"backward={config['backward'].replace(':', '.')}")
+    args += [f"seed={config['seed']}", f"cases=[{case.name!r}]"]
+    fn = name.replace(":", ".")
+    return f"print(npattn.verify({fn}, {', '.join(args)}))"
+
+
+# --------------------------------------------------------------------------
+# the picture
+
+
+def plot_report(report: VerifyReport, path: str) -> str:
+    """Save a PNG of error / budget for every tensor of every case, failing ones marked.
+
+    One column per case (in panel order), the ratio on a log axis, a line at 1
+    (the budget); a red cross is a failing tensor, a hollow grey marker a
+    degenerate one. Needs matplotlib (``pip install 'npattn[plot]'``).
+    Returns ``path``.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plot_report needs matplotlib: pip install 'npattn[plot]' (or "
+                          "pip install matplotlib)") from None
+    res = report.results
+    markers = {"out": "o", "lse": "s", "dq": "^", "dk": "v", "dv": "D", "dsinks": "P"}
+    finite = [t.ratio for r in res for t in r.tensors.values() if math.isfinite(t.ratio)]
+    lo = 1e-4
+    hi = min(1e4, max(10.0, 2.0 * max(finite, default=1.0)))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.22 * len(res) + 3.0), 4.8))
+    for t, m in markers.items():
+        xs, ys, fx, fy, dx, dy = [], [], [], [], [], []
+        for i, r in enumerate(res):
+            tr = r.tensors.get(t)
+            if tr is None:
+                continue
+            y = min(max(tr.ratio, lo), hi) if math.isfinite(tr.ratio) else hi
+            (fx if tr.status == "fail" else dx if tr.status == "degenerate" else xs).append(i)
+            (fy if tr.status == "fail" else dy if tr.status == "degenerate" else ys).append(y)
+        if xs:
+            ax.scatter(xs, ys, marker=m, s=22, label=t, alpha=0.85)
+        if dx:
+            ax.scatter(dx, dy, marker=m, s=30, facecolors="none", edgecolors="0.5")
+        if fx:
+            ax.scatter(fx, fy, marker="x", s=60, color="red", linewidths=2)
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.text(len(res) - 0.5, 1.15, "budget", ha="right", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylim(lo / 2, hi * 2)
+    ax.set_xticks(range(len(res)))
+    ax.set_xticklabels([r.case.name for r in res], rotation=90, fontsize=6)
+    for i, r in enumerate(res):
+        if r.status == "fail":
+            ax.get_xticklabels()[i].set_color("red")
+    ax.set_ylabel("error / budget")
+    c = report.config
+    n_fail = len(report.failures)
+    ax.set_title(f"{c.get('target')} ({c.get('layout')}, {c.get('dtype')}): "
+                 f"{len(res) - n_fail}/{len(res)} cases pass", fontsize=10)
+    from matplotlib.lines import Line2D
+
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], marker="x", color="red", lw=0, markersize=7, mew=2),
+                Line2D([], [], marker="o", color="0.5", lw=0, markerfacecolor="none")]
+    labels += ["fail", "degenerate"]
+    ax.legend(handles, labels, fontsize=7, ncol=4, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,476 @@
+"""The cases of ``npattn.verify``: what the panel holds, and each case's inputs.
+
+A ``Case`` is a specification (shapes, the options it turns on, the score
+magnitude); ``case_inputs(case, seed)`` makes its arrays, as host NumPy
+float64 / bool / int32 arrays in npattn's (B, H, L, D) layout. The same
+``(case, seed)`` gives the same arrays on every machine: the generator is
+seeded with ``seed`` and the case's name, so one case of a panel can be
+rerun alone (``npattn verify ... --case NAME``).
+
+``panel(supports, align)`` draws the default panel from the options a kernel
+declares (``SUPPORTS``): cases without options over lengths that are not
+multiples of the usual block sizes (1, 64, 65, 127, 128, 129, 257) with
+``Lq != Lk``; each declared option alone, twice; pairs of options; and all of
+them together. Tens of cases, each small enough for a NumPy kernel on a CPU.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
+lengths, Dh key width, Dv value width.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+__all__ = [
+    "SUPPORTS",
+    "OPTION_KEYWORDS",
+    "EXCLUSIVE",
+    "Case",
+    "CaseInputs",
+    "check_supports",
+    "panel",
+    "case_inputs",
+    "conflicts",
+    "fit_lengths",
+    "case_align",
+    "offset",
+    "STRUCTURAL",
+    "PERMISSIONS",
+]
+
+#: Option tokens a kernel may declare in ``supports=``, and what each turns on.
+SUPPORTS = {
+    "causal": "is_causal=True, top-left: query i attends keys j <= i",
+    "causal_bottom_right": "is_causal=True, align='bottom_right': keys j <= i + Lk - Lq",
+    "window": "window=(left, right), a side None when unbounded (align as verify's align=)",
+    "softcap": "softcap=c > 0: scores c * tanh(s / c)",
+    "alibi": "alibi_slopes, (Hq,) or (B, Hq) float32 (float64 for float64): -slope * |i + o - j|",
+    "sinks": "sinks, (Hq,) in the kernel's dtype: one more logit in each row's denominator",
+    "gqa": "enable_gqa=True; k and v have Hkv < Hq heads, query head h uses h // (Hq // Hkv)",
+    "segments": "q_segments (B, Lq), k_segments (B, Lk) int32: attend only equal ids",
+    "dropout_mask": "dropout_p=p > 0 and dropout_mask (B, Hq, Lq, Lk) bool, True = keep",
+    "dv_ne_dk": "no keyword: v's head width Dv differs from Dh",
+    "mask_bool": "mask (B, 1 or Hq, Lq, Lk) bool, True = may attend",
+    "mask_float": "mask (B, 1 or Hq, Lq, Lk) in the kernel's dtype, added to the scores, -inf allowed",
+    "scale": "scale=float, not 1/sqrt(Dh) (without it no scale is passed)",
+    "empty_rows": "no keyword: some rows have nothing to attend; zeros expected there",
+}
+
+#: The keywords each option passes to ``fn`` (npattn's names). ``align`` is
+#: passed only when it is ``"bottom_right"`` (npattn's default is top-left).
+OPTION_KEYWORDS = {
+    "causal": ("is_causal",),
+    "causal_bottom_right": ("is_causal", "align"),
+    "window": ("window", "align"),
+    "softcap": ("softcap",),
+    "alibi": ("alibi_slopes", "align"),
+    "sinks": ("sinks",),
+    "gqa": ("enable_gqa",),
+    "segments": ("q_segments", "k_segments"),
+    "dropout_mask": ("dropout_p", "dropout_mask"),
+    "dv_ne_dk": (),
+    "mask_bool": ("mask",),
+    "mask_float": ("mask",),
+    "scale": ("scale",),
+    "empty_rows": (),
+}
+
+#: Options that one call cannot hold together (one mask; one causal alignment).
+EXCLUSIVE = (("mask_bool", "mask_float"), ("causal", "causal_bottom_right"))
+
+#: Options that follow the alignment of verify's ``align=``.
+ALIGNED = ("window", "alibi")
+
+#: Options whose structure (not a mask) can leave a row with nothing to attend
+#: when Lq > Lk; without "empty_rows" their cases keep Lq <= Lk.
+STRUCTURAL = ("causal_bottom_right", "window", "segments")
+
+#: Options that are permissions, not calls: they never make a case of their own.
+PERMISSIONS = ("empty_rows",)
+
+
+def check_supports(supports: Any) -> tuple:
+    """``supports`` (an iterable of tokens, or a comma-separated string) as a sorted tuple;
+    ``ValueError`` naming an unknown token."""
+    if isinstance(supports, str):
+        supports = [s.strip() for s in supports.split(",") if s.strip()]
+        if supports == ["all"]:
+            supports = list(SUPPORTS)
+    try:
+        items = list(supports)
+    except TypeError:
+        raise TypeError(f"supports: expected an iterable of option names, got "
+                        f"{type(supports).__name__}") from None
+    for s in items:
+        if not isinstance(s, str) or s not in SUPPORTS:
+            raise ValueError(f"supports: expected names from {sorted(SUPPORTS)}, got {s!r}")
+    return tuple(sorted(set(items)))
+
+
+def conflicts(options: Iterable[str], align: str = "top_left") -> bool:
+    """Whether ``options`` cannot be one call: an ``EXCLUSIVE`` pair, or a causal alignment
+    unlike ``align`` next to a window or ALiBi (one call has one ``align``)."""
+    opts = set(options)
+    for group in EXCLUSIVE:
+        if len(opts & set(group)) > 1:
+            return True
+    if opts & set(ALIGNED):
+        if "causal" in opts and align != "top_left":
+            return True
+        if "causal_bottom_right" in opts and align != "bottom_right":
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case of the panel: shapes, the options turned on, and how the inputs are drawn.
+
+    Attributes
+    ----------
+    name : str
+        Unique within a panel; ``cases=[name]`` / ``--case NAME`` reruns it.
+    B, Hq, Hkv, Lq, Lk, Dh, Dv : int
+        q (B, Hq, Lq, Dh), k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv).
+    options : tuple of str
+        Tokens of ``SUPPORTS`` this case turns on.
+    score_std : float
+        Standard deviation of the scaled scores ``q k^T * scale`` (q and k are
+        drawn normal with the std that gives it).
+    window : (left, right) or None
+        With "window".
+    softcap, scale, dropout_p : float or None
+        With "softcap", "scale", "dropout_mask".
+    full_heads : bool
+        Masks of shape (B, Hq, Lq, Lk) rather than (B, 1, Lq, Lk); ALiBi slopes
+        (B, Hq) rather than (Hq,).
+    empty_rows : bool
+        Blank some rows of the mask, or give some queries a segment no key has.
+    seed : int or None
+        Overrides verify's ``seed`` for this case (hypothesis draws one).
+    """
+
+    name: str
+    B: int = 2
+    Hq: int = 2
+    Hkv: int = 2
+    Lq: int = 65
+    Lk: int = 129
+    Dh: int = 16
+    Dv: int = 16
+    options: tuple = ()
+    score_std: float = 1.0
+    window: Optional[tuple] = None
+    softcap: Optional[float] = None
+    scale: Optional[float] = None
+    dropout_p: Optional[float] = None
+    full_heads: bool = False
+    empty_rows: bool = False
+    seed: Optional[int] = None
+    tags: tuple = field(default=(), compare=False)
+
+    @property
+    def shapes(self) -> str:
+        """``"B=2 Hq=4 Hkv=2 Lq=65 Lk=129 Dh=16 Dv=16"``."""
+        return (f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Lq={self.Lq} Lk={self.Lk} "
+                f"Dh={self.Dh} Dv={self.Dv}")
+
+    def describe(self) -> str:
+        """One line: the name, the shapes and the option values."""
+        extra = []
+        if self.window is not None:
+            extra.append(f"window={self.window}")
+        for name in ("softcap", "scale", "dropout_p"):
+            if getattr(self, name) is not None:
+                extra.append(f"{name}={getattr(self, name)}")
+        if self.score_std != 1.0:
+            extra.append(f"score_std={self.score_std}")
+        if self.empty_rows:
+            extra.append("empty rows")
+        return " ".join([self.name, self.shapes] + extra)
+
+
+@dataclass
+class CaseInputs:
+    """The arrays of one case, host NumPy, npattn's layout.
+
+    ``q`` (B, Hq, Lq, Dh), ``k`` (B, Hkv, Lk, Dh), ``v`` (B, Hkv, Lk, Dv) and
+    ``dout`` (B, Hq, Lq, Dv) are float64; ``options`` holds the keywords of
+    npattn's ``sdpa_forward`` that the case turns on (arrays as host NumPy).
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray
+    options: dict
+
+
+# --------------------------------------------------------------------------
+# the panel
+
+
+#: (Lq, Lk, Dh) of the cases without options.
+BASE_SHAPES = ((1, 65, 16), (64, 129, 32), (65, 128, 16), (127, 64, 8), (129, 257, 16),
+               (257, 127, 64))
+#: (Lq, Lk, Dh) of an option alone: the first and the second case.
+ALONE_SHAPES = ((65, 129, 16), (128, 65, 8))
+#: (Lq, Lk, Dh) cycled through by the pairs and the all-options cases.
+PAIR_SHAPES = ((64, 127, 16), (129, 65, 8), (1, 128, 16), (127, 257, 8), (65, 1, 16),
+               (128, 129, 32))
+ALL_SHAPES = ((65, 128, 16), (257, 129, 8))
+#: Windows (left, right) cycled through by the window cases.
+WINDOWS = ((13, 4), (None, 7), (20, 0), (5, None))
+#: At most this many pairs of options (each option in one at least, when possible).
+MAX_PAIRS = 10
+
+
+def fit_lengths(Lq: int, Lk: int, options: Iterable[str], empty_ok: bool) -> tuple:
+    """(Lq, Lk), swapped when the options would leave rows empty by structure (Lq > Lk
+    under bottom-right causal, a window or segments) and ``empty_ok`` is False: with
+    Lq <= Lk every query's diagonal key exists, and the structure always allows it."""
+    if not empty_ok and Lq > Lk and set(options) & set(STRUCTURAL):
+        return Lk, Lq
+    return Lq, Lk
+
+
+def _make_case(name: str, options: tuple, Lq: int, Lk: int, Dh: int, *, index: int,
+               empty_ok: bool, **extra: Any) -> Case:
+    """A case with the option values of its ``index``-th use (windows, softcaps... cycle)."""
+    opts = tuple(sorted(options))
+    Lq, Lk = fit_lengths(Lq, Lk, opts, empty_ok)
+    Hq, Hkv = 2, 2
+    if "gqa" in opts:
+        Hq, Hkv = (4, 2) if index % 2 == 0 else (4, 1)
+    Dv = Dh
+    if "dv_ne_dk" in opts:
+        Dv = Dh + 8 if index % 2 == 0 else max(Dh // 2 + 1, 1)
+    kw: dict = dict(extra)
+    if "window" in opts:
+        kw["window"] = WINDOWS[index % len(WINDOWS)]
+    if "softcap" in opts:
+        kw["softcap"] = (2.0, 5.0)[index % 2]
+        kw.setdefault("score_std", (3.0, 6.0)[index % 2])
+    if "scale" in opts:
+        kw["scale"] = (0.5, 1.7)[index % 2] / math.sqrt(Dh)
+    if "dropout_mask" in opts:
+        kw["dropout_p"] = (0.2, 0.5)[index % 2]
+    masky = {"mask_bool", "mask_float", "segments"} & set(opts)
+    kw["empty_rows"] = bool(empty_ok and masky)
+    kw["full_heads"] = index % 2 == 1
+    return Case(name=name, Hq=Hq, Hkv=Hkv, Lq=Lq, Lk=Lk, Dh=Dh, Dv=Dv, options=opts, **kw)
+
+
+def _pairs(options: tuple, align: str) -> list:
+    """Up to ``MAX_PAIRS`` compatible pairs, each option in one at least where it can be.
+
+    The pairs are taken in a fixed pseudo-random order (a hash of their names),
+    first those that bring an option not yet covered: the panel depends on the
+    declared options only, not on the seed.
+    """
+    pairs = [p for p in itertools.combinations(options, 2) if not conflicts(p, align)]
+    pairs.sort(key=lambda p: zlib.crc32("+".join(p).encode()))
+    chosen: list = []
+    covered: set = set()
+    for p in pairs:
+        if not set(p) <= covered:
+            chosen.append(p)
+            covered |= set(p)
+    n_cover = len(chosen)
+    chosen += [p for p in pairs if p not in chosen]
+    return chosen[:max(MAX_PAIRS, n_cover)]
+
+
+def _all_sets(options: tuple, align: str) -> list:
+    """Two option sets holding every declared option, one side of each exclusive group in
+    each (the second set takes the other side), minus what conflicts with ``align``."""
+    sets = []
+    for side in (0, 1):
+        chosen = []
+        for o in options:
+            group = next((g for g in EXCLUSIVE if o in g), None)
+            if group is not None:
+                present = [g for g in group if g in options]
+                if o != present[side % len(present)]:
+                    continue
+            chosen.append(o)
+        while conflicts(chosen, align):  # an alignment conflict: the causal side yields
+            chosen = [o for o in chosen if o not in ("causal", "causal_bottom_right")]
+        if tuple(chosen) not in sets and len(chosen) >= 2:
+            sets.append(tuple(chosen))
+    return sets
+
+
+def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any = True) -> list:
+    """The default panel for a kernel that declares ``supports``.
+
+    Parameters
+    ----------
+    supports : iterable of str
+        Tokens of ``SUPPORTS``.
+    align : {"top_left", "bottom_right"}
+        The alignment of the window and ALiBi cases.
+    combos : bool or iterable of tuples
+        True: pairs of options and all options together; False: each option
+        alone only; an iterable of option tuples: exactly those combinations
+        (each must be declared and compatible).
+
+    Returns
+    -------
+    list of Case, names unique.
+    """
+    supports = check_supports(supports)
+    empty_ok = "empty_rows" in supports
+    options = tuple(s for s in supports if s not in PERMISSIONS)
+    cases: list = []
+    for i, (Lq, Lk, Dh) in enumerate(BASE_SHAPES):
+        cases.append(Case(name=f"base-{Lq}x{Lk}", Lq=Lq, Lk=Lk, Dh=Dh, Dv=Dh))
+    cases.append(Case(name="base-scores8-65x127", Lq=65, Lk=127, Dh=16, Dv=16, score_std=8.0))
+    for o in options:
+        for i, (Lq, Lk, Dh) in enumerate(ALONE_SHAPES):
+            c = _make_case("", (o,), Lq, Lk, Dh, index=i, empty_ok=empty_ok)
+            cases.append(replace(c, name=f"{o}-{c.Lq}x{c.Lk}"))
+    if combos is True:
+        combo_sets = _pairs(options, align) + _all_sets(options, align)
+    elif combos is False or combos is None:
+        combo_sets = []
+    else:
+        combo_sets = []
+        for t in combos:
+            t = tuple(sorted(set(t)))
+            for o in t:
+                if o not in options:
+                    raise ValueError(f"combos: {t} holds {o!r}, which supports does not declare")
+            if conflicts(t, align):
+                raise ValueError(f"combos: {t} cannot be one call (exclusive options, or a "
+                                 f"causal alignment unlike align={align!r})")
+            combo_sets.append(t)
+    for i, opts in enumerate(combo_sets):
+        shapes = PAIR_SHAPES if len(opts) == 2 else ALL_SHAPES
+        Lq, Lk, Dh = shapes[i % len(shapes)]
+        c = _make_case("", opts, Lq, Lk, Dh, index=i, empty_ok=empty_ok)
+        label = "+".join(opts) if len(opts) <= 3 else f"all{len(opts)}"
+        cases.append(replace(c, name=f"{label}-{c.Lq}x{c.Lk}"))
+    return _unique(cases)
+
+
+def _unique(cases: list) -> list:
+    """``cases`` with repeated names suffixed ``.2``, ``.3``..."""
+    seen: dict = {}
+    out = []
+    for c in cases:
+        n = seen.get(c.name, 0) + 1
+        seen[c.name] = n
+        out.append(c if n == 1 else replace(c, name=f"{c.name}.{n}"))
+    return out
+
+
+# --------------------------------------------------------------------------
+# one case's arrays
+
+
+def _rng(case: Case, seed: int) -> np.random.Generator:
+    """The generator of ``case``: its own seed, or ``seed`` with the case's name."""
+    if case.seed is not None:
+        return np.random.default_rng(case.seed)
+    return np.random.default_rng([int(seed), zlib.crc32(case.name.encode())])
+
+
+def offset(case: Case, align: str) -> int:
+    """Key position of query 0 on the diagonal: 0 top-left, Lk - Lq bottom-right."""
+    return case.Lk - case.Lq if align == "bottom_right" else 0
+
+
+def case_align(case: Case, align: str) -> str:
+    """The ``align`` of the call: bottom-right causal forces it, top-left causal too."""
+    if "causal_bottom_right" in case.options:
+        return "bottom_right"
+    if "causal" in case.options:
+        return "top_left"
+    return align if set(case.options) & set(ALIGNED) else "top_left"
+
+
+def _diagonal(case: Case, o: int) -> np.ndarray:
+    """Key index on each query's diagonal, clipped into the keys: [Lq]."""
+    return np.clip(np.arange(case.Lq) + o, 0, case.Lk - 1)
+
+
+def _blank_rows(case: Case) -> list:
+    """(batch, query row) pairs that a case with empty rows blanks."""
+    rows = [(case.B - 1, case.Lq // 2)]
+    if case.Lq > 2:
+        rows.append((case.B - 1, 0))
+    return rows
+
+
+def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInputs:
+    """The arrays of ``case`` for verify's ``seed`` and ``align``.
+
+    q and k are normal with std ``sqrt(score_std / (scale * sqrt(Dh)))``, so
+    that the scaled scores have std ``score_std``; v and the upstream gradient
+    ``dout`` are standard normal (never all ones). Masks keep about 3/4 of the
+    entries; without ``case.empty_rows`` every row keeps its diagonal key
+    (which the causal, window and segment structure always allows), with it
+    a few rows are blanked.
+    """
+    # -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [B, Hq, Lq, Dv], options
+    rng = _rng(case, seed)
+    B, Hq, Hkv, Lq, Lk, Dh, Dv = case.B, case.Hq, case.Hkv, case.Lq, case.Lk, case.Dh, case.Dv
+    scale = 1.0 / math.sqrt(Dh) if case.scale is None else case.scale
+    std = math.sqrt(case.score_std / (scale * math.sqrt(Dh)))
+    q = rng.standard_normal((B, Hq, Lq, Dh)) * std  # [B, Hq, Lq, Dh]
+    k = rng.standard_normal((B, Hkv, Lk, Dh)) * std  # [B, Hkv, Lk, Dh]
+    v = rng.standard_normal((B, Hkv, Lk, Dv))  # [B, Hkv, Lk, Dv]
+    dout = rng.standard_normal((B, Hq, Lq, Dv))  # [B, Hq, Lq, Dv]
+    opts: dict = {}
+    a = case_align(case, align)
+    o = offset(case, a)
+    if "causal" in case.options or "causal_bottom_right" in case.options:
+        opts["is_causal"] = True
+    if a == "bottom_right":
+        opts["align"] = "bottom_right"
+    if "window" in case.options:
+        opts["window"] = tuple(case.window)
+    if "softcap" in case.options:
+        opts["softcap"] = float(case.softcap)
+    if "scale" in case.options:
+        opts["scale"] = float(case.scale)
+    if "gqa" in case.options:
+        opts["enable_gqa"] = True
+    if "alibi" in case.options:
+        slopes = 2.0 ** (-8.0 * np.arange(1, Hq + 1) / Hq)  # ALiBi's geometric slopes, [Hq]
+        if case.full_heads:
+            slopes = slopes[None, :] * np.array([1.0, 0.5] * B)[:B, None]  # [B, Hq]
+        opts["alibi_slopes"] = slopes
+    if "sinks" in case.options:
+        opts["sinks"] = rng.standard_normal(Hq) + 1.0  # [Hq]
+    diag = _diagonal(case, o)  # [Lq]
+    if "segments" in case.options:
+        n_seg = 3 if Lq >= 3 else 1
+        qs = np.sort(rng.integers(0, n_seg, size=(B, Lq)), axis=-1)  # [B, Lq]
+        ks = qs[:, np.clip(np.arange(Lk) - o, 0, Lq - 1)]  # [B, Lk]: each diagonal key shares its id
+        if case.empty_rows:
+            for b, i in _blank_rows(case):
+                qs[b, i] = n_seg + 1  # an id no key has
+        opts["q_segments"], opts["k_segments"] = qs.astype(np.int32), ks.astype(np.int32)
+    if "mask_bool" in case.options or "mask_float" in case.options:
+        shape = (B, Hq if case.full_heads else 1, Lq, Lk)
+        keep = rng.random(shape) < 0.75  # [B, 1|Hq, Lq, Lk]
+        keep[..., np.arange(Lq), diag] = True
+        if case.empty_rows:
+            for b, i in _blank_rows(case):
+                keep[b, :, i, :] = False
+        if "mask_bool" in case.options:
+            opts["mask"] = keep
+        else:
+            opts["mask"] = np.where(keep, rng.standard_normal(shape), -np.inf)
+    if "dropout_mask" in case.options:
+        opts["dropout_p"] = float(case.dropout_p)
+        opts["dropout_mask"] = rng.random((B, Hq, Lq, Lk)) >= case.dropout_p  # True = keep
+    return CaseInputs(q, k, v, dout, opts)
