@@ -1,0 +1,317 @@
+"""User-style attention kernels for ``npattn verify``: one right, ten wrong.
+
+``attention`` is a blocked (FlashAttention-2 style) NumPy kernel: the keys
+are visited in tiles of ``BLOCK`` with an online softmax, and the backward
+(``attention_backward``) recomputes each tile's probabilities from the saved
+log-sum-exp. It takes every option of ``npattn.verify``'s panel (causal
+top-left and bottom-right, windows, softcap, ALiBi, sinks, GQA, packed
+segments, a dropout keep-mask, Dv != Dh, bool and float masks, a scale,
+rows with nothing to attend) on (B, H, L, D) arrays, and returns
+``(out, lse, saved)``: the verify protocol with ``returns_lse=True`` and
+``backward=attention_backward``. float16 inputs are computed in float32.
+
+Check it::
+
+    npattn verify examples/verify/kernels.py:attention --backward attention_backward \\
+        --returns-lse --supports all
+
+Each ``bug_*`` function is the same kernel with one seeded mistake (see
+``MUTANTS``); ``npattn verify`` names the tensor it breaks. They share
+``attention_backward``: the mistake travels in ``saved``.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
+lengths, Dh key width, Dv value width; bq/bk the rows/columns of a tile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+BLOCK = 64
+
+#: The seeded mistakes, by function name: what each one does.
+MUTANTS = {
+    "bug_softmax_no_rowsum": "softmax backward without the row-sum term: ds = p * dp",
+    "bug_transposed_scores": "each score tile transposed (k q^T read as q k^T)",
+    "bug_scale_twice": "the scale applied twice in dq and dk",
+    "bug_window_off_by_one": "the window's left edge one key short",
+    "bug_causal_swapped": "causal alignment swapped: bottom-right for top-left and back",
+    "bug_dropout_forward_only": "the dropout keep-mask applied in the forward, not the backward",
+    "bug_alibi_sign": "ALiBi's bias added with the wrong sign",
+    "bug_sink_dropped": "the sink left out of the softmax denominator",
+    "bug_gqa_no_sum": "dk and dv of a K/V head taken from its first query head, not summed",
+    "bug_float16_sum": "the softmax row sum accumulated in float16",
+}
+
+
+class Options(NamedTuple):
+    """What the tiles need to know of the call, and the seeded mistake (None: right)."""
+
+    scale: float
+    offset: int  # key position of query 0's diagonal: 0 top-left, Lk - Lq bottom-right
+    causal_offset: int
+    causal: bool
+    left: Optional[int]
+    right: Optional[int]
+    softcap: Optional[float]
+    alibi: Any  # [B|1, Hq, 1, 1] or None
+    q_segments: Any  # [B, nq] padded with -1, or None
+    k_segments: Any  # [B, nk] padded with -2, or None
+    mask: Any  # [B|1, Hq|1, nq, nk] bool or float, or None
+    keep: Any  # [B, Hq, nq, nk] bool dropout keep-mask, or None
+    dropout_p: float
+    Lq: int
+    Lk: int
+    bug: Optional[str]
+
+
+class Saved(NamedTuple):
+    """What the backward needs: the inputs in the work dtype, out, lse, the options."""
+
+    q: Any  # [B, Hq, Lq, Dh]
+    k: Any  # [B, Hkv, Lk, Dh]
+    v: Any  # [B, Hkv, Lk, Dv]
+    out: Any  # [B, Hq, Lq, Dv] in the work dtype
+    lse: Any  # [B, Hq, Lq]
+    sinks: Any  # [Hq] or None
+    opts: Options
+    in_dtype: Any
+
+
+def _pad(x: np.ndarray, axes: tuple, sizes: tuple, value: Any) -> np.ndarray:
+    """``x`` padded at the end of ``axes`` up to ``sizes`` with ``value``."""
+    widths = [(0, 0)] * x.ndim
+    for a, n in zip(axes, sizes):
+        widths[a] = (0, n - x.shape[a])
+    return np.pad(x, widths, constant_values=value)
+
+
+def _up(n: int) -> int:
+    return max(BLOCK, -(-n // BLOCK) * BLOCK)
+
+
+def _tile(q_t, k_t, rows, cols, o: Options):
+    """Scores of one tile, with what may be attended: (s, allowed, tanh or None).
+
+    s [B, Hq, bq, bk] (-inf where not allowed), allowed bool of the same shape.
+    """
+    # [B, Hq, bq, Dh], [B, Hq, bk, Dh] -> [B, Hq, bq, bk]
+    s = (q_t @ np.swapaxes(k_t, -1, -2)) * o.scale  # [B, Hq, bq, bk]
+    if o.bug == "transposed":
+        s = np.swapaxes(s, -1, -2)  # square tiles: the shapes still agree
+    capped = None
+    if o.softcap is not None:
+        capped = np.tanh(s / o.softcap)
+        s = o.softcap * capped
+    d = cols[None, :] - (rows[:, None] + o.offset)  # [bq, bk] j - (i + o)
+    if o.alibi is not None:
+        sign = 1.0 if o.bug == "alibi_sign" else -1.0
+        s = s + sign * o.alibi * np.abs(d).astype(s.dtype)
+    allowed = (rows[:, None] < o.Lq) & (cols[None, :] < o.Lk)  # [bq, bk] padding
+    if o.causal:
+        allowed = allowed & (cols[None, :] - (rows[:, None] + o.causal_offset) <= 0)
+    if o.right is not None:
+        allowed = allowed & (d <= o.right)
+    if o.left is not None:
+        allowed = allowed & (d >= -o.left + (1 if o.bug == "window" else 0))
+    allowed = np.broadcast_to(allowed, s.shape)
+    if o.q_segments is not None:
+        same = o.q_segments[:, None, rows, None] == o.k_segments[:, None, None, cols]
+        allowed = allowed & same  # [B, 1, bq, bk]
+    if o.mask is not None:
+        m = o.mask[..., rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
+        if m.dtype == bool:
+            allowed = allowed & m
+        else:
+            s = s + m
+            allowed = allowed & (m > -np.inf)
+    s = np.where(allowed, s, -np.inf)
+    return s, allowed, capped
+
+
+def _options(q, k, *, mask, is_causal, align, window, scale, softcap, alibi_slopes,
+             q_segments, k_segments, dropout_p, dropout_mask, bug, work) -> Options:
+    B, Hq, Lq, Dh = q.shape
+    Lk = k.shape[2]
+    nq, nk = _up(Lq), _up(Lk)
+    o = Lk - Lq if align == "bottom_right" else 0
+    co = o
+    if bug == "causal_swapped":
+        co = 0 if align == "bottom_right" else Lk - Lq
+    left, right = (None, None) if window is None else window
+    alibi = None
+    if alibi_slopes is not None:
+        a = np.asarray(alibi_slopes, dtype=work)
+        alibi = a.reshape((1,) * (2 - a.ndim) + a.shape + (1, 1))  # [B|1, Hq, 1, 1]
+    qs = ks = None
+    if q_segments is not None:
+        qs = _pad(np.asarray(q_segments), (1,), (nq,), -1)
+        ks = _pad(np.asarray(k_segments), (1,), (nk,), -2)
+    m = None
+    if mask is not None:
+        m = np.asarray(mask)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        m = m if m.dtype == bool else m.astype(work)
+        m = _pad(np.broadcast_to(m, m.shape[:2] + (Lq, Lk)), (2, 3), (nq, nk),
+                 False if m.dtype == bool else -np.inf)
+    keep = None
+    if dropout_mask is not None and dropout_p > 0:
+        keep = _pad(np.broadcast_to(np.asarray(dropout_mask), (B, Hq, Lq, Lk)), (2, 3), (nq, nk), False)
+    return Options(1.0 / math.sqrt(Dh) if scale is None else float(scale), o, co, bool(is_causal),
+                   left, right, softcap, alibi, qs, ks, m, keep, float(dropout_p), Lq, Lk, bug)
+
+
+def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=None, scale=None,
+             softcap=None, alibi_slopes=None, sinks=None, q_segments=None, k_segments=None,
+             dropout_p=0.0, dropout_mask=None, enable_gqa=False, bug=None):
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv], [B, Hq, Lq], Saved
+    in_dtype = q.dtype
+    work = np.float32 if in_dtype == np.float16 else in_dtype
+    q, k, v = (np.asarray(t, dtype=work) for t in (q, k, v))
+    B, Hq, Lq, Dh = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    o = _options(q, k, mask=mask, is_causal=is_causal, align=align, window=window, scale=scale,
+                 softcap=softcap, alibi_slopes=alibi_slopes, q_segments=q_segments,
+                 k_segments=k_segments, dropout_p=dropout_p, dropout_mask=dropout_mask, bug=bug,
+                 work=work)
+    nq, nk = _up(Lq), _up(Lk)
+    qp = _pad(q, (2,), (nq,), 0.0)  # [B, Hq, nq, Dh]
+    kp = _pad(np.repeat(k, G, axis=1), (2,), (nk,), 0.0)  # [B, Hq, nk, Dh]
+    vp = _pad(np.repeat(v, G, axis=1), (2,), (nk,), 0.0)  # [B, Hq, nk, Dv]
+    out = np.zeros((B, Hq, nq, Dv), dtype=work)  # [B, Hq, nq, Dv]
+    lse = np.zeros((B, Hq, nq), dtype=work)  # [B, Hq, nq]
+    half = bug == "float16_sum"
+    for i0 in range(0, nq, BLOCK):
+        rows = np.arange(i0, i0 + BLOCK)
+        q_t = qp[:, :, i0:i0 + BLOCK]
+        m = np.full((B, Hq, BLOCK), -np.inf, dtype=work)  # running row max
+        l = np.zeros((B, Hq, BLOCK), dtype=np.float16 if half else work)  # running row sum
+        acc = np.zeros((B, Hq, BLOCK, Dv), dtype=work)
+        for j0 in range(0, nk, BLOCK):
+            cols = np.arange(j0, j0 + BLOCK)
+            s, allowed, _ = _tile(q_t, kp[:, :, j0:j0 + BLOCK], rows, cols, o)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_safe = np.where(m_new == -np.inf, 0.0, m_new)  # no -inf - -inf
+            p = np.where(allowed, np.exp(s - m_safe[..., None]), 0.0)  # [B, Hq, bq, bk]
+            alpha = np.exp(m - m_safe)  # rescales what was summed under the old max
+            if half:
+                l = (l * alpha.astype(np.float16)).astype(np.float16)
+                l = (l + np.cumsum(p.astype(np.float16), axis=-1, dtype=np.float16)[..., -1])
+            else:
+                l = l * alpha + p.sum(axis=-1)
+            a = p
+            if o.keep is not None:
+                a = p * o.keep[:, :, i0:i0 + BLOCK, j0:j0 + BLOCK] / (1.0 - o.dropout_p)
+            acc = acc * alpha[..., None] + a @ vp[:, :, j0:j0 + BLOCK]
+            m = m_new
+        l = l.astype(work)
+        m_safe = np.where(m == -np.inf, 0.0, m)
+        if sinks is not None and bug != "sink_dropped":  # one more logit, carrying no value
+            sink = np.asarray(sinks, dtype=work)[None, :, None]  # [1, Hq, 1]
+            m_tot = np.maximum(m, sink)
+            shift = np.exp(m - m_tot)  # 0 for a row with nothing attended
+            l = l * shift + np.exp(sink - m_tot)
+            acc = acc * shift[..., None]
+            m_safe = m_tot
+        out[:, :, i0:i0 + BLOCK] = acc / np.where(l > 0, l, 1.0)[..., None]
+        lse[:, :, i0:i0 + BLOCK] = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+    out, lse = out[:, :, :Lq], lse[:, :, :Lq]
+    sinks_w = None if sinks is None else np.asarray(sinks, dtype=work)
+    saved = Saved(q, k, v, out, lse, sinks_w, o, in_dtype)
+    return out.astype(in_dtype), lse, saved
+
+
+def attention_backward(dout, saved: Saved):
+    """(dq, dk, dv, dsinks) of ``attention`` (or of a ``bug_*``), FlashAttention-2 style.
+
+    delta = rowsum(dout * out); for each tile p = exp(s - lse) is recomputed,
+    dv += a^T dout, dp = dout v^T (times the keep-mask / (1 - p)),
+    ds = p * (dp - delta) (times 1 - tanh^2 under softcap), dq += ds k * scale,
+    dk += ds^T q * scale; GQA sums dk and dv over each K/V head's query heads;
+    dsinks = -sum over rows of p_sink * delta.
+    """
+    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [Hq]
+    q, k, v, out, lse, sinks, o, in_dtype = saved
+    work = q.dtype
+    dout = np.asarray(dout, dtype=work)
+    B, Hq, Lq, Dh = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    nq, nk = _up(Lq), _up(Lk)
+    delta = np.sum(dout * out, axis=-1)  # [B, Hq, Lq]
+    if o.bug == "no_rowsum":
+        delta = np.zeros_like(delta)
+    qp = _pad(q, (2,), (nq,), 0.0)
+    kp = _pad(np.repeat(k, G, axis=1), (2,), (nk,), 0.0)
+    vp = _pad(np.repeat(v, G, axis=1), (2,), (nk,), 0.0)
+    dop = _pad(dout, (2,), (nq,), 0.0)
+    lse_p = _pad(np.where(lse == -np.inf, np.inf, lse), (2,), (nq,), np.inf)  # exp(s - inf) = 0
+    delta_p = _pad(delta, (2,), (nq,), 0.0)
+    dq = np.zeros_like(qp)
+    dkh = np.zeros_like(kp)
+    dvh = np.zeros_like(vp)
+    factor = o.scale * (o.scale if o.bug == "scale_twice" else 1.0)
+    for i0 in range(0, nq, BLOCK):
+        rows = np.arange(i0, i0 + BLOCK)
+        q_t, do_t = qp[:, :, i0:i0 + BLOCK], dop[:, :, i0:i0 + BLOCK]
+        for j0 in range(0, nk, BLOCK):
+            cols = np.arange(j0, j0 + BLOCK)
+            k_t, v_t = kp[:, :, j0:j0 + BLOCK], vp[:, :, j0:j0 + BLOCK]
+            s, allowed, capped = _tile(q_t, k_t, rows, cols, o)
+            p = np.where(allowed, np.exp(s - lse_p[:, :, i0:i0 + BLOCK, None]), 0.0)
+            a = p
+            dp = do_t @ np.swapaxes(v_t, -1, -2)  # [B, Hq, bq, bk]
+            if o.keep is not None and o.bug != "dropout_forward_only":
+                kd = o.keep[:, :, i0:i0 + BLOCK, j0:j0 + BLOCK] / (1.0 - o.dropout_p)
+                a = p * kd
+                dp = dp * kd
+            dvh[:, :, j0:j0 + BLOCK] += np.swapaxes(a, -1, -2) @ do_t
+            ds = p * (dp - delta_p[:, :, i0:i0 + BLOCK, None])
+            if capped is not None:
+                ds = ds * (1.0 - capped * capped)
+            if o.bug == "transposed":
+                ds = np.swapaxes(ds, -1, -2)
+            dq[:, :, i0:i0 + BLOCK] += (ds @ k_t) * factor
+            dkh[:, :, j0:j0 + BLOCK] += (np.swapaxes(ds, -1, -2) @ q_t) * factor
+    dq, dkh, dvh = dq[:, :, :Lq], dkh[:, :, :Lk], dvh[:, :, :Lk]
+    if o.bug == "gqa_no_sum":
+        dk, dv = dkh[:, ::G], dvh[:, ::G]  # one query head per group: the others are lost
+    else:
+        dk = dkh.reshape(B, Hkv, G, Lk, Dh).sum(axis=2)
+        dv = dvh.reshape(B, Hkv, G, Lk, Dv).sum(axis=2)
+    dsinks = None
+    if sinks is not None:
+        p_sink = np.exp(sinks[None, :, None] - np.where(lse == -np.inf, np.inf, lse))  # [B, Hq, Lq]
+        dsinks = -np.sum(p_sink * delta, axis=(0, 2))  # [Hq]
+    return dq.astype(in_dtype), dk.astype(in_dtype), dv.astype(in_dtype), dsinks
+
+
+def attention(q, k, v, **options):
+    """Blocked attention with an online softmax: ``(out, lse, saved)`` (see the module)."""
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv], [B, Hq, Lq], Saved
+    return _forward(q, k, v, **options)
+
+
+def _mutant(bug: str, name: str):
+    def fn(q, k, v, **options):
+        return _forward(q, k, v, bug=bug, **options)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"``attention`` with a seeded mistake: {MUTANTS[name]}."
+    return fn
+
+
+bug_softmax_no_rowsum = _mutant("no_rowsum", "bug_softmax_no_rowsum")
+bug_transposed_scores = _mutant("transposed", "bug_transposed_scores")
+bug_scale_twice = _mutant("scale_twice", "bug_scale_twice")
+bug_window_off_by_one = _mutant("window", "bug_window_off_by_one")
+bug_causal_swapped = _mutant("causal_swapped", "bug_causal_swapped")
+bug_dropout_forward_only = _mutant("dropout_forward_only", "bug_dropout_forward_only")
+bug_alibi_sign = _mutant("alibi_sign", "bug_alibi_sign")
+bug_sink_dropped = _mutant("sink_dropped", "bug_sink_dropped")
+bug_gqa_no_sum = _mutant("gqa_no_sum", "bug_gqa_no_sum")
+bug_float16_sum = _mutant("float16_sum", "bug_float16_sum")
