@@ -2,7 +2,8 @@
 
 * ``npattn check``: audit every hand-derived gradient against finite differences;
 * ``npattn demo``: train a small attention model on digit reversal, save heatmaps;
-* ``npattn bench``: timings (provided by ``npattn.tools.bench`` when installed).
+* ``npattn bench``: timings (provided by ``npattn.tools.bench`` when installed);
+* ``npattn verify``: check your attention kernel against npattn (``npattn.tools.verify``).
 
 ``main(argv)`` returns the exit status: 0 success, 1 a failed check, 2 a usage
 error or a missing dependency.
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         "them train a model.",
     )
     parser.add_argument("--version", action="version", version=f"npattn {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench,verify}")
 
     check = sub.add_parser(
         "check",
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(command_parser=demo)
 
     sub.add_parser("bench", add_help=False, help="time forward/backward (npattn.tools.bench)")
+    sub.add_parser("verify", add_help=False,
+                   help="check your attention kernel against npattn (npattn.tools.verify)")
     return parser
 
 
@@ -172,6 +175,10 @@ def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after "bench" belongs to npattn.tools.bench
         return _bench(argv[1:])
+    if argv and argv[0] == "verify":  # and after "verify" to npattn.tools.verify
+        from .verify import main as verify_main
+
+        return verify_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("check", "demo"):

@@ -1,0 +1,247 @@
+"""``npattn verify``: check your attention kernel against npattn from the command line.
+
+::
+
+    npattn verify package.module:function --layout bshd --dtype float16 \\
+        --supports causal,window,gqa [--backward NAME | --autograd torch] \\
+        [--returns-lse] [--json out.json] [--plot out.png] [--case NAME]
+
+The target is ``module:attribute`` (an importable module) or
+``path/to/file.py:attribute``; ``--backward`` and ``--adapter`` take the same
+forms, or a bare attribute of the target's module (``--adapter`` also takes a
+JSON mapping such as ``'{"mask": "attn_mask"}'``). It prints the table per
+option and tensor, the failing cases with a hint and a command that reruns
+each, and a summary line; ``--json`` writes the report for CI (``-``: to
+stdout, the table then goes to stderr), ``--plot`` the picture. A progress bar
+is drawn on stderr when it is a terminal.
+
+Exit status: 0 every case passes (degenerate ones included), 1 a case fails,
+2 a usage error (a target that does not load, an unknown option...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from typing import Any, Optional
+
+from .. import verifier as VF
+from ..verify_cases import SUPPORTS, check_supports
+from .progress import ProgressBar
+
+__all__ = ["main", "build_parser", "load_object"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    tokens = ", ".join(SUPPORTS)
+    p = argparse.ArgumentParser(
+        prog="npattn verify",
+        description="Check an attention kernel fn(q, k, v, **options) against npattn over a "
+        "seeded panel of cases: out, lse and gradients against npattn's float64 reference, "
+        "each within budget_factor x npattn's own error in the kernel's dtype plus a floor. "
+        "Exit status 1 if a case fails, 2 on a usage error.",
+    )
+    p.add_argument("target", help="the kernel: module:function or path/to/file.py:function")
+    p.add_argument("--layout", choices=VF.LAYOUTS, default="bhsd",
+                   help="bhsd (B, H, L, D), bshd (B, L, H, D, flash-attn), bthd (JAX's B, T, N, H)")
+    p.add_argument("--dtype", choices=VF.DTYPES, default="float32")
+    p.add_argument("--supports", default="",
+                   help=f"comma-separated options the kernel implements, or 'all': {tokens}")
+    p.add_argument("--backend", choices=VF.LIBRARIES, default="numpy",
+                   help="the array library of the kernel's arrays (default numpy)")
+    p.add_argument("--device", default=None, help="torch device (cpu, cuda), cupy device id")
+    p.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
+                   help="the diagonal of the window and ALiBi cases (flash-attn: bottom_right)")
+    grads = p.add_mutually_exclusive_group()
+    grads.add_argument("--backward", default=None,
+                       help="backward(dout, *saved) -> (dq, dk, dv[, dsinks]); fn then returns "
+                       "(out[, lse], *saved)")
+    grads.add_argument("--autograd", choices=("torch", "jax"), default=None,
+                       help="gradients by torch.autograd.grad or jax.vjp")
+    p.add_argument("--returns-lse", action="store_true",
+                   help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd)")
+    p.add_argument("--adapter", default=None,
+                   help="rename/drop npattn's keywords: a JSON mapping, or module:object (a "
+                   "mapping or a callable(options) -> keywords)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-factor", type=float, default=2.0,
+                   help="how many times npattn's own error in the dtype the kernel may make "
+                   "(default 2)")
+    p.add_argument("--combos", choices=("pairs", "none"), default="pairs",
+                   help="option combinations: pairs and all together (default), or none")
+    p.add_argument("--case", action="append", default=None, metavar="NAME",
+                   help="run only this case (repeatable); the reproducer of a failure")
+    p.add_argument("--list", action="store_true", help="list the panel's cases and exit")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the JSON report ('-': stdout)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG of error/budget per case (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+class UsageError(Exception):
+    """A problem with the command line: exit status 2."""
+
+
+def _load_file(path: str) -> Any:
+    """The module of the Python file ``path`` (its folder joins ``sys.path`` first, so that
+    its own imports resolve)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"target: no such file {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = "npattn_verify_target_" + os.path.splitext(os.path.basename(path))[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"target: cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise UsageError(f"target: importing {path!r} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
+    """``module:attr``, ``path/file.py:attr`` or (with ``base``, a module) a bare ``attr``."""
+    if ":" not in spec:
+        if base is None:
+            raise UsageError(f"{what}: expected module:attribute or path/to/file.py:attribute, "
+                             f"got {spec!r}")
+        module, attr = base, spec
+    else:
+        mod_name, attr = spec.rsplit(":", 1)
+        if mod_name.endswith(".py") or os.sep in mod_name or "/" in mod_name:
+            module = _load_file(mod_name)
+        else:
+            try:
+                module = importlib.import_module(mod_name)
+            except Exception as exc:
+                raise UsageError(f"{what}: cannot import {mod_name!r}: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise UsageError(f"{what}: {getattr(module, '__name__', module)!r} has no attribute "
+                             f"{attr!r}") from None
+    return obj
+
+
+def _module_of(spec: str) -> Any:
+    """The module that the target ``spec`` names."""
+    mod_name = spec.rsplit(":", 1)[0]
+    if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
+        return _load_file(mod_name)
+    return importlib.import_module(mod_name)
+
+
+def _adapter(text: Optional[str], base: Any) -> Any:
+    if text is None:
+        return None
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--adapter: expected a JSON mapping, got {text!r} ({exc})") from None
+        return value
+    return load_object(text, base=base, what="--adapter")
+
+
+def _command(args) -> str:
+    """The command line that reruns one case, with ``{case}`` for its name."""
+    parts = ["npattn", "verify", args.target, "--layout", args.layout, "--dtype", args.dtype]
+    if args.supports:
+        parts += ["--supports", args.supports]
+    for flag, value, default in (("--backend", args.backend, "numpy"),
+                                 ("--device", args.device, None),
+                                 ("--align", args.align, "top_left"),
+                                 ("--backward", args.backward, None),
+                                 ("--autograd", args.autograd, None),
+                                 ("--adapter", args.adapter, None),
+                                 ("--budget-factor", args.budget_factor, 2.0),
+                                 ("--combos", args.combos, "pairs")):
+        if value != default:
+            parts += [flag, str(value)]
+    if args.returns_lse:
+        parts.append("--returns-lse")
+    parts += ["--seed", str(args.seed)]
+    return " ".join(shlex.quote(p) for p in parts) + " --case {case}"
+
+
+def main(argv=None) -> int:
+    """Run ``npattn verify`` with ``argv``; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse's own usage errors exit 2, --help 0
+        return int(exc.code or 0)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"npattn verify: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    try:
+        supports = check_supports(args.supports)
+    except ValueError as exc:
+        raise UsageError(f"--supports: {exc}") from None
+    combos = args.combos == "pairs"
+    try:
+        cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.list:
+        for c in cases:
+            print(c.describe())
+        return 0
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'npattn[plot]'")
+    fn = load_object(args.target)
+    base = _module_of(args.target)
+    backward = None if args.backward is None else load_object(args.backward, base=base,
+                                                                what="--backward")
+    adapter = _adapter(args.adapter, base)
+    bar = ProgressBar(len(cases), "verify", enabled=not args.no_progress, unit="case")
+
+    def progress(done, total, name):
+        bar.update(1, name)
+
+    try:
+        report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
+                           backward=backward, autograd=args.autograd,
+                           returns_lse=args.returns_lse, backend=args.backend, device=args.device,
+                           align=args.align, adapter=adapter, seed=args.seed,
+                           budget_factor=args.budget_factor, combos=combos, cases=args.case,
+                           progress=progress, command=_command(args), target=args.target)
+    except (ValueError, TypeError, ImportError) as exc:
+        raise UsageError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        bar.close()
+    text = report.format()
+    if args.json == "-":
+        print(report.to_json())
+        print(text, file=sys.stderr)
+    else:
+        print(text)
+        if args.json is not None:
+            with open(args.json, "w") as f:
+                f.write(report.to_json())
+                f.write("\n")
+    if args.plot is not None:
+        report.plot(args.plot)
+        print(f"plot: {os.path.abspath(args.plot)}", file=sys.stderr)
+    return 0 if report.ok else 1
