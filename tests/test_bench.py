@@ -65,6 +65,26 @@ def test_isolated_mode_measures_each_case_in_a_child(tmp_path, capsys):
     assert "| 1x16x8x2 | blocked |" in md.read_text()
 
 
+def test_window_shapes_and_the_attention_scope(tmp_path):
+    """A window shape parses, counts only its attended pairs, and runs on the module and
+    on the attention core alone (--scope attention) in an isolated child."""
+    (w,) = bench.parse_shapes("1x32x8x2w4")
+    assert w.window == 4 and str(w) == "1x32x8x2w4"
+    full = bench.parse_shapes("1x32x8x2")[0]
+    pairs = 32 * 5 - 4 * 5 / 2  # query i attends min(i, 4) + 1 keys
+    assert bench.flops(w) == 24.0 * 32 * 64 + 12.0 * pairs * 8
+    assert bench.flops(w) < bench.flops(full)
+    for scope in ("module", "attention"):
+        path = tmp_path / f"{scope}.json"
+        assert bench.main(["--isolated", "--shapes", "1x32x8x2w4", "--impl", "blocked", "--gemm", "0",
+                           "--scope", scope, "--json", str(path)]) == 0
+        (row,) = json.loads(path.read_text())["rows"]
+        assert row["scope"] == scope and row["window"] == 4 and row["ms"] > 0
+        assert row["block_k"] == 128  # the window's key blocks
+    with pytest.raises(SystemExit):
+        bench.main(["--scope", "attention"])  # needs --isolated
+
+
 def test_main_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--repeat", "3"])

@@ -284,6 +284,27 @@ def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None
     return m, x, dout, step
 
 
+def _make_core(shape: Shape, dtype: str, backend: str, impl: str, block_q=None, block_k=None):
+    """One step of the attention core alone (``attention.sdpa_forward`` + ``sdpa_backward``) on
+    q, k, v of shape (B, H, L, D / H): the projections of the module left out."""
+    from .. import attention as A
+
+    xp = resolve_backend(backend)
+    rng = np.random.default_rng(2)
+    Dh = shape.D // shape.H
+    q, k, v, dout = (xp.astype(from_numpy(rng.standard_normal((shape.B, shape.H, shape.L, Dh)), xp),
+                               getattr(xp, dtype)) for _ in range(4))
+    extra = {} if shape.window is None else {"window": (shape.window, 0)}
+    blocks = {"block_q": block_q, "block_k": block_k} if impl in ("blocked", "auto") else {}
+
+    def step():
+        _, cache = A.sdpa_forward(q, k, v, is_causal=shape.causal, impl=impl, dropout_p=shape.dropout,
+                                  rng=0 if shape.dropout else None, **extra, **blocks)
+        A.sdpa_backward(dout, cache)
+
+    return xp, step
+
+
 def _make_torch(shape: Shape, dtype: str, m, x, dout):
     """torch.nn.MultiheadAttention with m's weights on the same data, or None."""
     try:
@@ -672,11 +693,13 @@ def _peak_rss_mib() -> float:
 
 
 def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy", repeat=1,
-                 warmup=0, gemm_n=2048, block_q=None, block_k=None, blas_threads=None) -> dict:
+                 warmup=0, gemm_n=2048, block_q=None, block_k=None, blas_threads=None,
+                 scope="module") -> dict:
     """Time one case in this process and read its peak RSS: the body of an isolated child.
 
     Meant for a process that runs this one case: the peak RSS is that of the
     whole process. The block sizes go to the module (blocked implementation).
+    ``scope="attention"`` times the attention core alone (no projections).
     """
     if impl in ("blocked", "auto"):
         from .. import blocked
@@ -686,19 +709,25 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     else:
         block_q = block_k = None
     with _blas_limit(blas_threads):
-        m, x, dout, step = _make_npattn(shape, dtype, backend, impl, block_q, block_k)
-        sync = _sync_for(m.xp)
+        if scope == "attention":
+            xp, step = _make_core(shape, dtype, backend, impl, block_q, block_k)
+        else:
+            m, x, dout, step = _make_npattn(shape, dtype, backend, impl, block_q, block_k)
+            xp = m.xp
+        sync = _sync_for(xp)
         rss_before = _peak_rss_mib()  # interpreter, libraries, parameters and inputs
         for _ in range(warmup):
             step()
         ts = [_timed(step, sync) for _ in range(repeat)]
         peak = _peak_rss_mib()
-        gemm = gemm_gflops(m.xp, dtype, gemm_n, 3, sync) if gemm_n else None
+        gemm = gemm_gflops(xp, dtype, gemm_n, 3, sync) if gemm_n else None
     ms = statistics.median(ts) * 1e3
-    rate = flops(shape) / (ms * 1e-3) / 1e9
+    rate = (flops(shape) - (24.0 * shape.B * shape.L * shape.D**2 if scope == "attention" else 0.0)
+            ) / (ms * 1e-3) / 1e9
     return {
         "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
-        "causal": shape.causal, "window": shape.window, "impl": impl, "dtype": dtype, "backend": backend_name(m.xp),
+        "causal": shape.causal, "window": shape.window, "impl": impl, "dtype": dtype,
+        "backend": backend_name(xp), "scope": scope,
         "block_q": block_q, "block_k": block_k, "blas_threads": blas_threads,
         "repeat": repeat, "warmup": warmup,
         "ms": ms, "ms_all": [t * 1e3 for t in ts], "ms_min": min(ts) * 1e3, "gflops": rate,
@@ -722,19 +751,22 @@ def measure_isolated(shape: Shape, *, timeout=3600, **case) -> dict:
 
 
 def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, gemm_n=2048,
-                 block_q=None, block_k=None, blas_threads=None, out=None) -> dict:
-    """Run each ``(shape, impl)`` of ``plan`` in its own process; a dict of results (also printed)."""
+                 block_q=None, block_k=None, blas_threads=None, scope="module", out=None) -> dict:
+    """Run each ``(shape, impl)`` of ``plan`` in its own process; a dict of results (also printed).
+
+    ``scope="attention"``: the attention core's forward and backward alone on
+    (B, H, L, D / H), without the module's projections."""
     out = sys.stdout if out is None else out
     env = environment_info(resolve_backend(backend))
-    _print_env(env, f"isolated repeat={repeat} warmup={warmup} blas_threads={blas_threads}",
-               dtype, out)
+    _print_env(env, f"isolated repeat={repeat} warmup={warmup} blas_threads={blas_threads} "
+               f"scope={scope}", dtype, out)
     print(f"{'shape':>18} {'impl':>7} {'blocks':>9} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} "
           f"{'%GEMM':>6} {'RSS before':>10} {'peak RSS':>9} {'load':>5}", file=out)
     rows = []
     for shape, impl in plan:
         r = measure_isolated(shape, impl=impl, dtype=dtype, backend=backend, repeat=repeat,
                              warmup=warmup, gemm_n=gemm_n, block_q=block_q, block_k=block_k,
-                             blas_threads=blas_threads)
+                             blas_threads=blas_threads, scope=scope)
         rows.append(r)
         blocks = f"{r['block_q']},{r['block_k']}" if r["block_q"] else "-"
         print(f"{r['shape']:>18} {impl:>7} {blocks:>9} {r['ms']:9.2f} {r['gflops']:8.1f} "
@@ -828,6 +860,9 @@ def main(argv=None) -> int:
     iso.add_argument("--block-q", type=int, metavar="N", help="query block of the blocked path")
     iso.add_argument("--block-k", type=int, metavar="N", help="key block of the blocked path")
     iso.add_argument("--markdown", metavar="PATH", help="append the results as a Markdown table")
+    iso.add_argument("--scope", choices=("module", "attention"), default="module",
+                     help="what one step times: the module's forward+backward (default), or the "
+                          "attention core's alone on (B, H, L, D/H), without the projections")
     iso.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:  # one isolated case, in the process the parent started for it
@@ -854,6 +889,8 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, "
                          f"got {getattr(args, name)}")
     if not isolated:
+        if args.scope != "module":
+            parser.error("--scope: needs --isolated")
         for name in ("block_q", "block_k", "markdown"):
             if getattr(args, name) is not None:
                 parser.error(f"--{name.replace('_', '-')}: needs --isolated")
@@ -886,7 +923,7 @@ def main(argv=None) -> int:
         result = run_isolated(plan, dtype=args.dtype, backend=args.backend, repeat=repeat,
                               warmup=warmup, gemm_n=args.gemm, block_q=args.block_q,
                               block_k=args.block_k, blas_threads=args.blas_threads,
-                              out=table_out)
+                              scope=args.scope, out=table_out)
         if args.markdown:
             with open(args.markdown, "a") as f:
                 f.write(markdown_table(result) + "\n")
