@@ -419,11 +419,10 @@ def panel_hints(results: list, gradients: bool) -> list:
 def _round_bfloat16(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to bfloat16 (round to nearest even), held in float32."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
-    u = x32.view(np.uint32).astype(np.uint64)
-    finite = np.isfinite(x32)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    out = u.astype(np.uint32).view(np.float32)
-    return np.where(finite, out, x32)
+    u = x32.view(np.uint32).astype(np.uint64)  # room for the carry
+    rounded = (u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFF0000)
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isfinite(x32), out, x32)
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -450,6 +449,9 @@ def _from_layout(x: np.ndarray, layout: str) -> np.ndarray:
 
 class _Library:
     """The kernel's array library: host NumPy arrays in, its arrays out, and back."""
+
+    mod: Any
+    jax: Any
 
     def __init__(self, name: str, device: Any):
         self.name = name
@@ -582,7 +584,8 @@ def _rounded_inputs(inp: CaseInputs, dtype: str) -> CaseInputs:
         opts["sinks"] = _round(opts["sinks"], dtype)
     if "alibi_slopes" in opts and dtype != "float64":
         opts["alibi_slopes"] = _round(opts["alibi_slopes"], "float32")
-    return CaseInputs(*(_round(t, dtype) for t in (inp.q, inp.k, inp.v, inp.dout)), opts)
+    return CaseInputs(_round(inp.q, dtype), _round(inp.k, dtype), _round(inp.v, dtype),
+                      _round(inp.dout, dtype), opts)
 
 
 @dataclass
@@ -1120,7 +1123,12 @@ def plot_report(report: VerifyReport, path: str) -> str:
     hi = min(1e4, max(10.0, 2.0 * max(finite, default=1.0)))
     fig, ax = plt.subplots(figsize=(max(8.0, 0.22 * len(res) + 3.0), 4.8))
     for t, m in markers.items():
-        xs, ys, fx, fy, dx, dy = [], [], [], [], [], []
+        xs: list = []
+        ys: list = []
+        fx: list = []
+        fy: list = []
+        dx: list = []
+        dy: list = []
         for i, r in enumerate(res):
             tr = r.tensors.get(t)
             if tr is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -144,9 +144,9 @@ class Case:
         Standard deviation of the scaled scores ``q k^T * scale`` (q and k are
         drawn normal with the std that gives it).
     window : (left, right) or None
-        With "window".
+        With "window" (None: ``WINDOWS[0]``).
     softcap, scale, dropout_p : float or None
-        With "softcap", "scale", "dropout_mask".
+        With "softcap", "scale", "dropout_mask" (None: 2.0, 1/sqrt(Dh), 0.2).
     full_heads : bool
         Masks of shape (B, Hq, Lq, Lk) rather than (B, 1, Lq, Lk); ALiBi slopes
         (B, Hq) rather than (Hq,).
@@ -173,7 +173,6 @@ class Case:
     full_heads: bool = False
     empty_rows: bool = False
     seed: Optional[int] = None
-    tags: tuple = field(default=(), compare=False)
 
     @property
     def shapes(self) -> str:
@@ -422,7 +421,7 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
     # -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [B, Hq, Lq, Dv], options
     rng = _rng(case, seed)
     B, Hq, Hkv, Lq, Lk, Dh, Dv = case.B, case.Hq, case.Hkv, case.Lq, case.Lk, case.Dh, case.Dv
-    scale = 1.0 / math.sqrt(Dh) if case.scale is None else case.scale
+    scale = 1.0 / math.sqrt(Dh) if case.scale is None or "scale" not in case.options else case.scale
     std = math.sqrt(case.score_std / (scale * math.sqrt(Dh)))
     q = rng.standard_normal((B, Hq, Lq, Dh)) * std  # [B, Hq, Lq, Dh]
     k = rng.standard_normal((B, Hkv, Lk, Dh)) * std  # [B, Hkv, Lk, Dh]
@@ -436,11 +435,11 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
     if a == "bottom_right":
         opts["align"] = "bottom_right"
     if "window" in case.options:
-        opts["window"] = tuple(case.window)
+        opts["window"] = tuple(WINDOWS[0] if case.window is None else case.window)
     if "softcap" in case.options:
-        opts["softcap"] = float(case.softcap)
+        opts["softcap"] = float(2.0 if case.softcap is None else case.softcap)
     if "scale" in case.options:
-        opts["scale"] = float(case.scale)
+        opts["scale"] = scale
     if "gqa" in case.options:
         opts["enable_gqa"] = True
     if "alibi" in case.options:
@@ -471,6 +470,7 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
         else:
             opts["mask"] = np.where(keep, rng.standard_normal(shape), -np.inf)
     if "dropout_mask" in case.options:
-        opts["dropout_p"] = float(case.dropout_p)
-        opts["dropout_mask"] = rng.random((B, Hq, Lq, Lk)) >= case.dropout_p  # True = keep
+        p = float(0.2 if case.dropout_p is None else case.dropout_p)
+        opts["dropout_p"] = p
+        opts["dropout_mask"] = rng.random((B, Hq, Lq, Lk)) >= p  # True = keep
     return CaseInputs(q, k, v, dout, opts)

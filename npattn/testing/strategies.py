@@ -1,0 +1,88 @@
+"""Hypothesis strategies for attention cases: shapes, masks and options.
+
+``attention_cases(supports=...)`` draws ``npattn.verify_cases.Case`` objects
+that ``npattn.verify`` (or ``npattn.testing.assert_attention_close``) runs
+with ``cases=[case]``; every array of a case comes from its own drawn seed,
+so a failing example is reproduced by the case hypothesis prints. The
+options of a case are a subset of ``supports`` that one call can hold, and,
+unless "empty_rows" is declared, no row is left with nothing to attend.
+
+Needs hypothesis (``pip install 'npattn[test]'``).
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
+lengths, Dh key width, Dv value width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Iterable
+
+from hypothesis import strategies as st
+
+from ..verify_cases import (PERMISSIONS, Case, check_supports, conflicts, fit_lengths)
+
+__all__ = ["attention_cases", "option_sets"]
+
+
+def option_sets(supports: Iterable[str] = (), align: str = "top_left") -> st.SearchStrategy:
+    """Sorted tuples of options of ``supports`` that one call can hold (maybe empty)."""
+    opts = [s for s in check_supports(supports) if s not in PERMISSIONS]
+    if not opts:
+        return st.just(())
+    return st.lists(st.sampled_from(opts), unique=True, max_size=len(opts)).map(
+        lambda xs: tuple(sorted(xs))).filter(lambda t: not conflicts(t, align))
+
+
+@st.composite
+def attention_cases(draw, supports: Iterable[str] = (), *, align: str = "top_left",
+                    max_batch: int = 2, max_heads: int = 4, max_len: int = 70,
+                    max_dim: int = 16, options=None) -> Case:
+    """A ``Case`` for a kernel that declares ``supports``.
+
+    Parameters
+    ----------
+    supports : iterable of str
+        As ``npattn.verify``'s; "empty_rows" lets masks and segments blank rows.
+    align : {"top_left", "bottom_right"}
+        verify's ``align`` (the case's window and ALiBi follow it).
+    max_batch, max_heads, max_len, max_dim : int
+        Upper bounds of B, Hq, Lq and Lk, Dh (lower bounds are 1).
+    options : strategy of option tuples, optional
+        Default ``option_sets(supports, align)``.
+    """
+    supports = check_supports(supports)
+    empty_ok = "empty_rows" in supports
+    opts = draw(option_sets(supports, align) if options is None else options)
+    B = draw(st.integers(1, max_batch))
+    Hkv = draw(st.integers(1, max_heads))
+    Hq = Hkv
+    if "gqa" in opts:
+        Hkv = draw(st.integers(1, max(1, max_heads // 2)))
+        Hq = Hkv * draw(st.integers(2, max(2, max_heads // Hkv)))
+    Lq, Lk = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    Lq, Lk = fit_lengths(Lq, Lk, opts, empty_ok)
+    Dh = draw(st.integers(1, max_dim))
+    Dv = Dh
+    if "dv_ne_dk" in opts:
+        Dv = draw(st.integers(1, max_dim).filter(lambda d: d != Dh)) if max_dim > 1 else Dh + 1
+    kw: dict = {}
+    side = st.one_of(st.none(), st.integers(0, max_len))
+    if "window" in opts:
+        kw["window"] = (draw(side), draw(side))
+    if "softcap" in opts:
+        kw["softcap"] = draw(st.sampled_from([1.0, 2.0, 5.0, 20.0]))
+    if "scale" in opts:
+        kw["scale"] = draw(st.sampled_from([0.3, 0.5, 1.7])) / math.sqrt(Dh)
+    if "dropout_mask" in opts:
+        kw["dropout_p"] = draw(st.sampled_from([0.1, 0.3, 0.6]))
+    masky = bool({"mask_bool", "mask_float", "segments"} & set(opts))
+    case = Case(
+        name="drawn", B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lk=Lk, Dh=Dh, Dv=Dv, options=opts,
+        score_std=draw(st.sampled_from([0.3, 1.0, 3.0])),
+        full_heads=draw(st.booleans()),
+        empty_rows=bool(empty_ok and masky and draw(st.booleans())),
+        seed=draw(st.integers(0, 2**32 - 1)), **kw)
+    tag = "+".join(opts) or "base"
+    return replace(case, name=f"drawn-{tag}-{Lq}x{Lk}-s{case.seed}")
