@@ -1,0 +1,474 @@
+"""npattn.verify: the panel, the budgets, the degenerate rule, the report, and the proof.
+
+The proof is examples/verify/kernels.py: its blocked NumPy kernel passes at
+float64, float32 and float16, and each of its ten seeded mistakes fails,
+with the tensor that the mistake breaks named and only in the cases that
+hold the option it is about. torch's SDPA (autograd) and npattn.compat's
+flash_attn_func pass with the options they declare.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+import npattn
+from npattn import compat
+from npattn import functional as F
+from npattn import verifier as VF
+from npattn import verify_cases as VC
+from npattn.testing import assert_attention_close
+from npattn.testing import strategies as S
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+KERNELS = os.path.join(ROOT, "examples", "verify", "kernels.py")
+ALL = tuple(VC.SUPPORTS)
+
+
+def _load_kernels():
+    spec = importlib.util.spec_from_file_location("verify_example_kernels", KERNELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+K = _load_kernels()
+
+
+def run_kernel(fn, dtype="float64", **kw):
+    kw.setdefault("supports", ALL)
+    kw.setdefault("backward", K.attention_backward)
+    return VF.verify(fn, dtype=dtype, returns_lse=True, **kw)
+
+
+def failing(report, tensor):
+    """Names of the cases where ``tensor`` fails."""
+    return [r.case.name for r in report.results if r.tensors.get(tensor) is not None
+            and r.tensors[tensor].status == "fail"]
+
+
+def npattn_kernel(q, k, v, **options):
+    """npattn itself, as a user kernel on (B, H, L, D) arrays: (out, lse, cache)."""
+    out, cache = F.sdpa_forward(q, k, v, **options)
+    return out, cache.lse, cache
+
+
+def npattn_backward(dout, cache):
+    return F.sdpa_backward(dout, cache)  # SDPAGrads: dq, dk, dv, dmask, dsinks
+
+
+# --------------------------------------------------------------------------
+# the panel
+
+
+def test_panel_covers_lengths_shapes_and_each_option():
+    cases = VC.panel(ALL)
+    assert 30 <= len(cases) <= 60 and len({c.name for c in cases}) == len(cases)
+    lengths = {c.Lq for c in cases} | {c.Lk for c in cases}
+    assert {1, 64, 65, 127, 128, 129, 257} <= lengths
+    for c in cases:
+        assert c.Lq != c.Lk and c.B >= 2 and c.Hq >= 2
+        assert c.Lq * c.Lk <= 257 * 257 and c.Dh <= 64
+    for opt in ALL:
+        if opt in VC.PERMISSIONS:
+            continue
+        alone = [c for c in cases if c.options == (opt,)]
+        assert len(alone) == 2, opt
+        assert any(opt in c.options and len(c.options) > 1 for c in cases), opt
+    assert any(len(c.options) >= 10 for c in cases)  # all together
+    assert any(c.Hkv == 1 for c in cases) and any(c.Dv != c.Dh for c in cases)
+    # no option declared: the cases without options only
+    assert all(not c.options for c in VC.panel(()))
+
+
+def test_panel_draws_only_declared_options_and_respects_exclusions():
+    cases = VC.panel("causal,mask_bool,mask_float,gqa", combos=True)
+    for c in cases:
+        assert set(c.options) <= {"causal", "mask_bool", "mask_float", "gqa"}
+        assert not {"mask_bool", "mask_float"} <= set(c.options)
+    only = VC.panel("causal,gqa", combos=[("causal", "gqa")])
+    assert [c.options for c in only if len(c.options) > 1] == [("causal", "gqa")]
+    assert all(len(c.options) <= 1 for c in VC.panel("causal,gqa", combos=False))
+    with pytest.raises(ValueError, match="combos: .* 'window', which supports does not declare"):
+        VC.panel("causal", combos=[("causal", "window")])
+    with pytest.raises(ValueError, match="supports: expected names from"):
+        VC.panel("causal,sliding")
+
+
+def test_case_inputs_are_seeded_controlled_and_never_all_ones():
+    case = next(c for c in VC.panel(ALL) if c.options == ("mask_bool",))
+    a, b = VC.case_inputs(case, seed=3), VC.case_inputs(case, seed=3)
+    assert np.array_equal(a.q, b.q) and np.array_equal(a.options["mask"], b.options["mask"])
+    assert not np.array_equal(a.q, VC.case_inputs(case, seed=4).q)
+    assert 0.8 < a.dout.std() < 1.2 and np.unique(a.dout).size == a.dout.size
+    s = (a.q @ np.swapaxes(a.k, -1, -2)) / math.sqrt(case.Dh)
+    assert 0.8 < s.std() < 1.25  # the scores have the case's std (1)
+    big = replace(case, score_std=8.0)
+    s8 = VC.case_inputs(big).q @ np.swapaxes(VC.case_inputs(big).k, -1, -2) / math.sqrt(case.Dh)
+    assert 6.0 < s8.std() < 10.0
+    m = a.options["mask"]
+    assert m.any(axis=-1).sum() < m.shape[0] * m.shape[1] * m.shape[2]  # fully masked rows
+    assert 0.6 < m.mean() < 0.85  # and partly masked ones
+
+
+def test_without_empty_rows_every_row_attends_something():
+    supports = tuple(s for s in ALL if s != "empty_rows")
+    for c in VC.panel(supports):
+        inp = VC.case_inputs(c)
+        out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+        assert np.all(cache.probs.sum(axis=-1) > 0), c.name
+
+
+# --------------------------------------------------------------------------
+# the proof: the example kernel and its mutants
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_the_example_kernel_passes(dtype):
+    report = run_kernel(K.attention, dtype)
+    assert report.ok, report.format()
+    assert len(report.results) == len(VC.panel(ALL))
+    for t in VF.TENSORS:  # every tensor is tested, not only degenerate, somewhere
+        assert any(r.tensors[t].status == "pass" for r in report.results if t in r.tensors), t
+    worst = max(t.ratio for r in report.results for t in r.tensors.values())
+    assert worst < 0.7, worst
+
+
+# mutant -> (dtype, tensors it must break, tensors it must not, the option every catch holds,
+#            a phrase of the hint)
+MUTANTS = {
+    "bug_softmax_no_rowsum": ("float64", {"dq", "dk"}, {"out", "lse", "dv"}, None, "below the softmax"),
+    "bug_transposed_scores": ("float64", {"out", "lse"}, set(), None, "the scores or the softmax"),
+    "bug_scale_twice": ("float64", {"dq", "dk"}, {"out", "lse", "dv"}, None, "a constant factor"),
+    "bug_window_off_by_one": ("float64", {"out", "lse"}, set(), "window", "scores or the softmax"),
+    "bug_causal_swapped": ("float64", {"out", "lse"}, set(), "causal*", "scores or the softmax"),
+    "bug_dropout_forward_only": ("float64", {"dv"}, {"out", "lse"}, "dropout_mask", "dropout"),
+    "bug_alibi_sign": ("float64", {"out", "lse"}, set(), "alibi", "scores or the softmax"),
+    "bug_sink_dropped": ("float64", {"out", "lse", "dsinks"}, set(), "sinks", "scores or the softmax"),
+    "bug_gqa_no_sum": ("float64", {"dk", "dv"}, {"out", "lse", "dq"}, "gqa", "group of query heads"),
+    "bug_float16_sum": ("float16", {"lse"}, set(), None, "precision"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_each_mutant_is_caught_with_its_tensor_named(name):
+    dtype, broken, intact, option, phrase = MUTANTS[name]
+    report = run_kernel(getattr(K, name), dtype)
+    assert not report.ok
+    caught = {t: failing(report, t) for t in VF.TENSORS}
+    print(f"{name} ({dtype}) caught by: " + "; ".join(
+        f"{t} in {len(c)} case(s) ({', '.join(c[:4])}{', ...' if len(c) > 4 else ''})"
+        for t, c in caught.items() if c))
+    for t in broken:
+        assert caught[t], f"{name}: {t} never fails"
+    for t in intact:
+        assert not caught[t], f"{name}: {t} fails in {caught[t]}"
+    for r in report.failures:
+        if option == "causal*":
+            assert {"causal", "causal_bottom_right"} & set(r.case.options), r.case.name
+        elif option is not None:
+            assert option in r.case.options, r.case.name
+    if option == "causal*":  # both alignments catch the swap
+        assert any("causal" in r.case.options for r in report.failures)
+        assert any("causal_bottom_right" in r.case.options for r in report.failures)
+    assert any(phrase in r.hint for r in report.failures), [r.hint for r in report.failures]
+    text = report.format()
+    assert "FAIL" in text and "rerun: print(npattn.verify(" in text
+
+
+def test_float16_sum_is_caught_by_out_alone_without_lse():
+    def out_only(q, k, v, **options):
+        out, lse, saved = K.bug_float16_sum(q, k, v, **options)
+        return (out, saved)
+
+    report = VF.verify(out_only, dtype="float16", supports=ALL, backward=K.attention_backward)
+    assert failing(report, "out") and not report.ok
+
+
+def test_a_backward_of_zeros_fails_everywhere_it_could():
+    def zeros(dout, saved):
+        dq, dk, dv, dsinks = K.attention_backward(dout, saved)
+        return np.zeros_like(dq), np.zeros_like(dk), np.zeros_like(dv), dsinks
+
+    report = run_kernel(K.attention, "float32", backward=zeros)
+    for r in report.results:
+        for t in ("dq", "dk", "dv"):
+            # a zero gradient passes only where the check says it cannot tell
+            assert r.tensors[t].status in ("fail", "degenerate"), (r.case.name, t)
+    assert len(failing(report, "dq")) >= len(report.results) - 4
+
+
+# --------------------------------------------------------------------------
+# budgets, floors and the degenerate rule
+
+
+def test_budget_is_factor_times_npattn_error_plus_floor():
+    report = VF.verify(npattn_kernel, dtype="float32", supports=ALL, backward=npattn_backward,
+                       returns_lse=True, budget_factor=3.0)
+    assert report.ok, report.format()
+    for r in report.results:
+        for t in r.tensors.values():
+            assert t.budget == pytest.approx(3.0 * t.npattn_error + t.floor, rel=1e-12)
+            floor_dtype = "float32"
+            assert t.floor >= VF.FLOORS[floor_dtype] * VF.FLOOR_SCALE
+            # npattn in float32 is the kernel: its error is exactly npattn's, under 1/3 budget
+            assert t.error <= t.budget / 3.0 + 1e-300
+    # at float64 npattn's error is zero by construction: the budget is the floor
+    r64 = VF.verify(npattn_kernel, dtype="float64", backward=npattn_backward, returns_lse=True,
+                    cases=["base-65x128"])
+    t = r64.results[0].tensors["out"]
+    assert t.npattn_error == 0.0 and t.budget == t.floor and t.error == 0.0
+
+
+def test_floor_follows_the_terms_of_the_tensor():
+    case = VC.Case("one-key", Lq=5, Lk=1, Dh=8, Dv=8)  # a row with one key: dq = dk = 0
+    inp = VC.case_inputs(case)
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v)
+    truth = {"out": out, "lse": cache.lse, "weights": cache.probs}
+    terms = VF.term_scales(inp, truth, np.zeros(cache.lse.shape, dtype=bool))
+    assert terms["out"] == pytest.approx(np.abs(inp.v).max(axis=(2, 3)).max(), rel=1e-12)
+    assert terms["dq"] > 0.1 and terms["lse"] >= 1.0
+    report = run_kernel(K.attention, "float32", cases=[case], supports=())
+    r = report.results[0]
+    assert r.tensors["dq"].magnitude == 0.0 and r.tensors["dq"].status == "degenerate"
+    assert r.tensors["dv"].status == "pass"
+
+
+def test_a_saturated_softmax_makes_dq_and_dk_degenerate():
+    case = VC.Case("saturated", Lq=33, Lk=47, Dh=16, Dv=16, score_std=200.0)
+    report = run_kernel(K.attention, "float64", cases=[case], supports=())
+    r = report.results[0]
+    assert r.status == "degenerate" and report.ok
+    assert r.tensors["dq"].status == r.tensors["dk"].status == "degenerate"
+    assert "saturated softmax" in r.tensors["dq"].note
+    assert r.tensors["out"].status == r.tensors["dv"].status == "pass"
+    with pytest.raises(AssertionError, match="allow_degenerate=False"):
+        assert_attention_close(K.attention, backward=K.attention_backward, returns_lse=True,
+                               dtype="float64", cases=[case], allow_degenerate=False)
+
+
+def test_bfloat16_rounding_is_round_to_nearest_even():
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-3, 3.0e38, np.inf, -np.inf])
+    got = VF._round_bfloat16(x)
+    import ml_dtypes
+
+    want = x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------
+# other kernels: torch's SDPA, npattn.compat.flash_attn_func, layouts
+
+
+TORCH_COMBOS = [("causal", "gqa"), ("gqa", "mask_bool"), ("gqa", "mask_float"),
+                ("causal", "dv_ne_dk"), ("dv_ne_dk", "mask_float"), ("dv_ne_dk", "gqa", "mask_bool"),
+                ("mask_float", "scale"), ("causal", "scale")]
+
+
+def torch_sdpa(q, k, v, mask=None, is_causal=False, scale=None, enable_gqa=False):
+    import torch
+
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_sdpa_passes_with_its_options(dtype):
+    pytest.importorskip("torch")
+    report = VF.verify(torch_sdpa, dtype=dtype, backend="torch", autograd="torch",
+                       supports="causal,gqa,mask_bool,mask_float,dv_ne_dk,scale,empty_rows",
+                       combos=TORCH_COMBOS)
+    assert report.ok, report.format()
+    assert report.config["gradients"] and len(report.results) >= 25
+
+
+def test_torch_sdpa_fails_where_it_does_not_implement_the_option():
+    pytest.importorskip("torch")
+
+    def ignores_window(q, k, v, window=None, **kw):
+        return torch_sdpa(q, k, v, **kw)
+
+    report = VF.verify(ignores_window, dtype="float32", backend="torch", autograd="torch",
+                       supports="window", combos=False)
+    assert {r.case.name for r in report.failures} <= {c.name for c in VC.panel("window")
+                                                      if "window" in c.options}
+    assert report.failures and "every failing case holds 'window'" in report.format()
+
+
+def flash(q, k, v, *, is_causal=False, align=None, window=None, softcap=None, alibi_slopes=None,
+          dropout_p=0.0, dropout_mask=None, scale=None, enable_gqa=False):
+    """npattn.compat.flash_attn_func in verify's terms: (out, lse, pullback)."""
+    ws = (-1, -1) if window is None else tuple(-1 if w is None else w for w in window)
+    (out, lse, _), pullback = compat.vjp(
+        compat.flash_attn_func, q, k, v, dropout_p=dropout_p, softmax_scale=scale,
+        causal=is_causal, window_size=ws, softcap=softcap or 0.0, alibi_slopes=alibi_slopes,
+        return_attn_probs=True, dropout_mask=dropout_mask)
+    return out, lse, pullback
+
+
+def flash_backward(dout, pullback):
+    return pullback(dout)[:3]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_compat_flash_attn_func_passes(dtype):
+    report = VF.verify(flash, layout="bshd", dtype=dtype, backward=flash_backward,
+                       returns_lse=True, align="bottom_right",
+                       supports="causal_bottom_right,window,softcap,alibi,gqa,dv_ne_dk,"
+                                "dropout_mask,scale,empty_rows")
+    assert report.ok, report.format()
+    # rows with nothing to attend (bottom-right causal, Lq > Lk): flash-attn's lse is +inf there
+    assert any("causal_bottom_right" in r.case.options and r.case.Lq > r.case.Lk
+               for r in report.results)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bthd"])
+def test_layouts(layout):
+    def kernel(q, k, v, **options):
+        out, lse, cache = npattn_kernel(*(np.swapaxes(t, 1, 2) for t in (q, k, v)), **options)
+        lse = np.swapaxes(lse, 1, 2) if layout == "bthd" else lse  # JAX's (B, T, N)
+        return np.swapaxes(out, 1, 2), lse, cache
+
+    def backward(dout, cache):
+        g = F.sdpa_backward(np.swapaxes(dout, 1, 2), cache)
+        return tuple(np.swapaxes(t, 1, 2) for t in (g.dq, g.dk, g.dv)) + (g.dsinks,)
+
+    report = VF.verify(kernel, layout=layout, dtype="float32", backward=backward,
+                       returns_lse=True, supports="gqa,dv_ne_dk,sinks", combos=False)
+    assert report.ok, report.format()
+    # the same kernel read in the wrong layout fails
+    wrong = VF.verify(kernel, layout="bhsd", dtype="float32", returns_lse=True,
+                      cases=["base-65x128"])
+    assert not wrong.ok and wrong.results[0].error is not None  # npattn refuses the shapes
+
+
+def test_jax_dot_product_attention_passes():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    def jattn(q, k, v, mask=None, is_causal=False, enable_gqa=False):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+
+    report = VF.verify(jattn, layout="bthd", dtype="float32", backend="jax", autograd="jax",
+                       supports="causal,gqa,mask_bool", cases=["causal-128x65", "gqa-65x129"])
+    assert report.ok, report.format()
+    assert isinstance(jnp.zeros(1), jax.Array)
+
+
+# --------------------------------------------------------------------------
+# adapters, errors, hints
+
+
+def test_adapter_mapping_and_callable():
+    def renamed(q, k, v, causal=False, **kw):
+        return npattn_kernel(q, k, v, is_causal=causal, **kw)[0]
+
+    ok = VF.verify(renamed, dtype="float64", supports="causal", combos=False,
+                   adapter={"is_causal": "causal"})
+    assert ok.ok
+    raised = VF.verify(renamed, dtype="float64", supports="causal", combos=False,
+                       cases=["causal-65x129"])
+    r = raised.results[0]
+    assert r.status == "fail" and r.error.startswith("TypeError") and "adapter=" in r.hint
+    dropped = VF.verify(lambda q, k, v: npattn_kernel(q, k, v, is_causal=True)[0],
+                        dtype="float64", supports="causal", adapter=lambda opts: {},
+                        cases=["causal-65x129", "base-65x128"])
+    assert [r.status for r in dropped.results] == ["pass", "fail"]
+
+
+def test_nan_on_empty_rows_is_named():
+    def no_guard(q, k, v, mask=None):
+        s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+        s = s if mask is None else np.where(mask, s, -np.inf)
+        with np.errstate(invalid="ignore"):
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            return (p / p.sum(axis=-1, keepdims=True)) @ v
+
+    report = VF.verify(no_guard, dtype="float64", supports="mask_bool,empty_rows", combos=False,
+                       cases=["mask_bool-65x129"])
+    r = report.results[0]
+    assert r.status == "fail" and "NaN on rows with nothing to attend" in r.hint
+    ok = VF.verify(no_guard, dtype="float64", supports="mask_bool", combos=False)
+    assert ok.ok, ok.format()  # declared without empty_rows, it is not given any
+
+
+def test_argument_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"layout: expected one of .*got 'bhds'"):
+        VF.verify(npattn_kernel, layout="bhds")
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        VF.verify(npattn_kernel, dtype="half")
+    with pytest.raises(ValueError, match="backward, autograd: expected one source"):
+        VF.verify(npattn_kernel, backward=npattn_backward, autograd="torch")
+    with pytest.raises(ValueError, match="autograd: 'torch' needs backend='torch'"):
+        VF.verify(npattn_kernel, autograd="torch")
+    with pytest.raises(ValueError, match="budget_factor: expected a finite number >= 1"):
+        VF.verify(npattn_kernel, budget_factor=0.5)
+    with pytest.raises(ValueError, match="cases: expected names of the panel's cases"):
+        VF.verify(npattn_kernel, cases=["no-such-case"])
+    with pytest.raises(ValueError, match=r"cases: case 'x' turns on \['window'\]"):
+        VF.verify(npattn_kernel, cases=[VC.Case("x", options=("window",))])
+    with pytest.raises(TypeError, match="fn: expected a callable"):
+        VF.verify("attention")
+
+
+def test_report_json_and_table_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = run_kernel(K.bug_gqa_no_sum, "float64", supports="gqa,causal", combos=False)
+    data = json.loads(report.to_json())
+    assert data["ok"] is False and data["n_failed"] == len(report.failures) > 0
+    assert {"option", "tensor", "cases", "error", "budget", "ratio", "status"} <= set(data["table"][0])
+    rows = {(r["option"], r["tensor"]): r for r in data["table"]}
+    assert rows[("gqa", "dk")]["status"] == "FAIL" and rows[("gqa", "dq")]["status"] == "pass"
+    assert rows[("causal", "dk")]["status"] == "pass"
+    case = next(c for c in data["cases"] if c["status"] == "fail")
+    assert case["tensors"]["dk"]["status"] == "fail" and case["reproducer"] and case["hint"]
+    assert data["hints"] and "gqa" in data["hints"][0]
+    path = report.plot(str(tmp_path / "r.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_python_reproducer_reruns_the_case():
+    report = run_kernel(K.bug_scale_twice, "float64", supports="causal", combos=False)
+    r = report.failures[0]
+    # the reproducer names the kernel by its module, here loaded as verify_example_kernels
+    call = r.reproducer.replace("verify_example_kernels.", "kernels.").replace(
+        "print(npattn.verify(", "npattn.verify(")[:-1]
+    again = eval(call, {"npattn": npattn, "kernels": K})
+    assert [x.case.name for x in again.results] == [r.case.name]
+    assert again.results[0].tensors["dq"].error == r.tensors["dq"].error
+
+
+# --------------------------------------------------------------------------
+# npattn.testing
+
+
+@given(case=S.attention_cases(supports=ALL, max_len=40))
+def test_hypothesis_cases_pass_the_example_kernel(case):
+    assert set(case.options) <= set(ALL)
+    report = assert_attention_close(K.attention, backward=K.attention_backward, returns_lse=True,
+                                    supports=ALL, dtype="float64", cases=[case])
+    assert report.results[0].case == case
+
+
+@given(case=S.attention_cases(supports="causal,window,segments,mask_float,causal_bottom_right",
+                              max_len=40))
+def test_hypothesis_cases_leave_no_empty_row_unless_declared(case):
+    inp = VC.case_inputs(case)
+    opts = dict(inp.options)
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **opts)
+    assert np.all(cache.probs.sum(axis=-1) > 0)
+
+
+def test_assert_attention_close_raises_with_the_table():
+    with pytest.raises(AssertionError) as info:
+        assert_attention_close(K.bug_softmax_no_rowsum, backward=K.attention_backward,
+                               returns_lse=True, dtype="float64", cases=["base-65x128"])
+    text = str(info.value)
+    assert "disagrees with npattn" in text and "worst err" in text and "below the softmax" in text

@@ -1,0 +1,108 @@
+"""The ``npattn verify`` command: exit status, JSON, picture, reproducers, usage errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import npattn
+from npattn.tools import cli
+from npattn.tools import verify as V
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+KERNELS = os.path.join(ROOT, "examples", "verify", "kernels.py")
+GOOD = [f"{KERNELS}:attention", "--backward", "attention_backward", "--returns-lse"]
+
+
+def test_correct_kernel_exits_0_with_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    js, png = tmp_path / "r.json", tmp_path / "r.png"
+    status = cli.main(["verify", *GOOD, "--supports", "all", "--dtype", "float16",
+                       "--json", str(js), "--plot", str(png), "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "passed: 45/45 cases pass" in out and "worst err" in out and "FAIL" not in out
+    data = json.loads(js.read_text())
+    assert data["ok"] and data["n_cases"] == 45 and data["config"]["dtype"] == "float16"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mutant_exits_1_and_its_reproducer_reruns_the_case(capsys):
+    target = f"{KERNELS}:bug_window_off_by_one"
+    status = cli.main(["verify", target, "--backward", "attention_backward", "--returns-lse",
+                       "--supports", "window,causal", "--dtype", "float64", "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 1
+    reruns = [line.split("rerun: ", 1)[1] for line in out.splitlines() if "rerun: " in line]
+    assert reruns and all("--case" in r for r in reruns)
+    argv = shlex.split(reruns[0])
+    assert argv[:2] == ["npattn", "verify"]
+    assert cli.main(argv[1:] + ["--no-progress"]) == 1
+    again = capsys.readouterr().out
+    case = argv[argv.index("--case") + 1]
+    assert "0/1 cases pass" in again and case in again and "window" in case
+
+
+def test_json_to_stdout_and_list(capsys):
+    assert cli.main(["verify", *GOOD, "--supports", "gqa", "--json", "-", "--no-progress",
+                     "--case", "gqa-65x129"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert [c["name"] for c in data["cases"]] == ["gqa-65x129"]
+    assert "worst err" in captured.err
+    assert cli.main(["verify", *GOOD, "--supports", "gqa,causal", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("causal+gqa-") for line in listed) and len(listed) > 10
+
+
+def test_module_target(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_kernels.py").write_text(
+        "from npattn import functional as F\n"
+        "def attn(q, k, v, **kw):\n"
+        "    return F.sdpa_forward(q, k, v, **kw)[0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["verify", "my_kernels:attn", "--dtype", "float64", "--supports", "causal",
+                     "--combos", "none", "--no-progress"]) == 0
+    assert "(no gradients" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([f"{KERNELS}:nope"], "has no attribute 'nope'"),
+    (["no_such_module_xyz:attn"], "cannot import 'no_such_module_xyz'"),
+    (["attention"], "expected module:attribute"),
+    ([f"{KERNELS}:attention", "--supports", "causal,sliding"], "--supports"),
+    ([f"{KERNELS}:attention", "--case", "nope"], "cases: expected names"),
+    ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"], "autograd: 'jax' needs"),
+    ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
+])
+def test_usage_errors_exit_2(argv, message, capsys):
+    assert cli.main(["verify", *argv, "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_argparse_errors_exit_2(capsys):
+    assert V.main([f"{KERNELS}:attention", "--layout", "bhds"]) == 2
+    assert V.main([f"{KERNELS}:attention", "--backward", "x", "--autograd", "torch"]) == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_python_m_npattn_verify_in_a_pipe():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "npattn", "verify", f"{KERNELS}:bug_gqa_no_sum",
+                           "--backward", "attention_backward", "--returns-lse", "--supports",
+                           "gqa", "--dtype", "float64", "--combos", "none"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "group of query heads" in proc.stdout and "FAILED" in proc.stdout
+    assert "%|" not in proc.stderr  # no progress bar into a pipe
+
+
+def test_npattn_help_lists_verify(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "verify" in capsys.readouterr().out
