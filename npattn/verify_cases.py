@@ -336,7 +336,8 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
             c = _make_case("", (o,), Lq, Lk, Dh, index=i, empty_ok=empty_ok)
             cases.append(replace(c, name=f"{o}-{c.Lq}x{c.Lk}"))
     if combos is True:
-        combo_sets = _pairs(options, align) + _all_sets(options, align)
+        pairs = _pairs(options, align)
+        combo_sets = pairs + [t for t in _all_sets(options, align) if t not in pairs]
     elif combos is False or combos is None:
         combo_sets = []
     else:
