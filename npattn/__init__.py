@@ -18,6 +18,7 @@ from . import attention, backend, blocked, compat, functional, gradcheck, masks
 from .gradcheck import gradcheck as check_gradients
 from .kvcache import KVCache
 from .module import MultiHeadAttention
+from .verifier import verify  # npattn.verify(fn, ...): check an attention kernel (docs/verify.md)
 
 __version__ = "0.1.0"
 
