@@ -81,6 +81,9 @@ __all__ = [
     "FLOOR_SCALE",
     "plan",
     "term_scales",
+    "round_to_bfloat16",
+    "case_hint",
+    "panel_hints",
     "plot_report",
 ]
 
@@ -240,7 +243,7 @@ class VerifyReport:
 
     def hints(self) -> list:
         """Hints across the panel: the option every failing case holds, the commonest case hint."""
-        return panel_hints(self.results, self.config.get("gradients", False))
+        return panel_hints(self.results)
 
     def summary(self) -> str:
         """One line: cases passed, failed and degenerate."""
@@ -377,9 +380,10 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict) -> str:
     return "; ".join(f"{n}: {notes[n]}" for n in bad if notes.get(n)) or "see the table"
 
 
-def panel_hints(results: list, gradients: bool) -> list:
-    """Hints across the panel: options that every failing case holds and no passing case
-    of the same tensor does, and how many cases share each case hint."""
+def panel_hints(results: list) -> list:
+    """Hints across the panel: the options that every failing case holds (or a pair of
+    options one of which each holds), whether cases without options fail, and the three
+    commonest case hints with their counts."""
     fails = [r for r in results if r.status == "fail"]
     if not fails:
         return []
@@ -414,7 +418,7 @@ def panel_hints(results: list, gradients: bool) -> list:
 # arrays: rounding to the kernel's dtype, the kernel's library and layout
 
 
-def _round_bfloat16(x: np.ndarray) -> np.ndarray:
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to bfloat16 (round to nearest even), held in float32."""
     x32 = np.ascontiguousarray(x, dtype=np.float32)
     u = x32.view(np.uint32).astype(np.uint64)  # room for the carry
@@ -426,7 +430,7 @@ def _round_bfloat16(x: np.ndarray) -> np.ndarray:
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
     """``x`` rounded to ``dtype``, as float64 values (exact in ``dtype``)."""
     if dtype == "bfloat16":
-        return _round_bfloat16(x).astype(np.float64)
+        return round_to_bfloat16(x).astype(np.float64)
     return np.asarray(x, dtype=dtype).astype(np.float64)
 
 
@@ -512,7 +516,7 @@ class _Library:
         if mod.startswith("torch"):
             x = x.detach()
             if x.is_floating_point():
-                x = x.to(dtype=self.mod.float64) if self.name == "torch" else x.double()
+                x = x.double()  # bfloat16 has no NumPy dtype
             return x.cpu().numpy().astype(np.float64)
         if mod.startswith("cupy"):
             return x.get().astype(np.float64)

@@ -256,7 +256,7 @@ def test_a_saturated_softmax_makes_dq_and_dk_degenerate():
 
 def test_bfloat16_rounding_is_round_to_nearest_even():
     x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-3, 3.0e38, np.inf, -np.inf])
-    got = VF._round_bfloat16(x)
+    got = VF.round_to_bfloat16(x)
     import ml_dtypes
 
     want = x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
