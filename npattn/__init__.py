@@ -10,7 +10,12 @@
   with the module (``forward(..., kv_cache=)``);
 * ``npattn.gradcheck``: central finite-difference checks for your own code
   (the module; its ``gradcheck`` function is also ``npattn.check_gradients``);
-* ``npattn.masks``: causal and padding masks, and torch MHA's masks converted;
+* ``npattn.masks``: causal, window, segment and padding masks, and torch MHA's
+  masks converted;
+* ``npattn.compat``: flash-attn's, torch SDPA's and JAX's attention entry
+  points with their signatures, and ``vjp`` for their gradients;
+* ``npattn.verify``: check someone else's attention kernel against npattn
+  with error budgets (``npattn.testing`` for test suites);
 * ``npattn.backend``: the one seam between npattn and array libraries.
 """
 
@@ -18,11 +23,11 @@ from . import attention, backend, blocked, compat, functional, gradcheck, masks
 from .gradcheck import gradcheck as check_gradients
 from .kvcache import KVCache
 from .module import MultiHeadAttention
-from .verifier import verify  # npattn.verify(fn, ...): check an attention kernel (docs/verify.md)
+from .verifier import verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KVCache", "MultiHeadAttention", "attention", "backend", "blocked", "check_gradients",
-    "functional", "compat", "gradcheck", "masks", "__version__",
+    "functional", "compat", "gradcheck", "masks", "verify", "__version__",
 ]

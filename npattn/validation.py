@@ -498,7 +498,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
     if softcap is not None:
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap: expected None or a float > 0, got {type_name(softcap)} {softcap!r}")
-        if not (math.isfinite(float(softcap)) and softcap > 0):
+        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
             raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
     H = lead[-1] if len(lead) >= 1 else None
     B = lead[-2] if len(lead) >= 2 else None
