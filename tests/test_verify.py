@@ -317,9 +317,12 @@ def flash_backward(dout, pullback):
     return pullback(dout)[:3]
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
-def test_compat_flash_attn_func_passes(dtype):
-    report = VF.verify(flash, layout="bshd", dtype=dtype, backward=flash_backward,
+@pytest.mark.parametrize("dtype,backend", [("float64", "numpy"), ("float32", "numpy"),
+                                           ("float16", "numpy"), ("bfloat16", "torch")])
+def test_compat_flash_attn_func_passes(dtype, backend):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    report = VF.verify(flash, layout="bshd", dtype=dtype, backend=backend, backward=flash_backward,
                        returns_lse=True, align="bottom_right",
                        supports="causal_bottom_right,window,softcap,alibi,gqa,dv_ne_dk,"
                                 "dropout_mask,scale,empty_rows")
