@@ -28,9 +28,10 @@ Every implementation takes the same arguments (masks, causal, scale,
 dropout, GQA, a value width unlike the key width) and gives the same outputs,
 ``cache.lse`` and gradients to rounding. The kernel options (``align``,
 ``window``, ``softcap``, ``alibi_slopes``, ``sinks``, segments) and
-broadcast leading axes run on the reference and the blocked path: with any
-of them ``"dense"`` is the reference and ``"numpy"`` / ``"chunked"`` are a
-``ValueError``; a dropout generator draws one key per forward and
+broadcast leading axes run on the reference and the blocked path; the NumPy
+kernel also takes ``window`` and ``align`` (its tiles meet only the keys the
+window leaves). With the others ``"dense"`` is the reference and ``"numpy"`` /
+``"chunked"`` are a ``ValueError``; a dropout generator draws one key per forward and
 every implementation derives the same keep-mask from it
 (``dropout_keep_mask`` returns it). The arguments are checked once, here,
 before anything is computed; then the implementation's unchecked core runs
@@ -87,7 +88,8 @@ def check_impl(impl, *, need_weights: bool = False) -> None:
 
 
 def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
-                dropout_mask: Any = None, need_weights: bool = False, plain: bool = True) -> str:
+                dropout_mask: Any = None, need_weights: bool = False, plain: bool = True,
+                positional: Optional[bool] = None) -> str:
     """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"``,
     ``"blocked"`` or ``"chunked"``.
 
@@ -98,13 +100,17 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     kernel when it takes the arrays, else the reference. ``"numpy"`` on
     arrays the kernel does not take is a ``ValueError``; so are ``"numpy"`` and
     ``"chunked"`` for a call that is not ``plain`` (kernel options, or leading axes
-    that broadcast: ``functional.is_plain``).
+    that broadcast: ``functional.is_plain``), except that the NumPy kernel takes a
+    window and ``align`` (``positional``: ``functional.is_positional``; default ``plain``).
     """
+    positional = plain if positional is None else positional
     check_impl(impl, need_weights=need_weights)
-    if not plain and impl in ("numpy", "chunked"):
+    if (impl == "chunked" and not plain) or (impl == "numpy" and not positional):
         raise ValueError(
-            f"impl={impl!r}: the kernel options (align='bottom_right' with is_causal, window, "
-            "softcap, alibi_slopes, sinks, q_segments/k_segments) and leading axes that "
+            f"impl={impl!r}: "
+            + ("the kernel options (align='bottom_right' with is_causal, window, "
+               if impl == "chunked" else "the kernel options ")
+            + "softcap, alibi_slopes, sinks, q_segments/k_segments and leading axes that "
             "broadcast run on impl='reference' or 'blocked'"
         )
     takes_chunks = plain and chunked.accepts(q, k, v, mask, dropout_mask)
@@ -127,7 +133,7 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
         n = math.prod(q.shape[:-2]) * Lq * Lk
         large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
         impl = "blocked" if large and not need_weights else "dense"
-    kernel = plain and numpy_kernel.accepts(q, k, v, mask, dropout_mask)
+    kernel = positional and numpy_kernel.accepts(q, k, v, mask, dropout_mask)
     if impl == "dense":
         return "numpy" if kernel else "reference"
     if impl == "numpy" and not kernel:
@@ -200,8 +206,9 @@ def sdpa_forward(
     cut = -3 if G > 1 else -2  # the axes that broadcast: all leading ones, or the batch under GQA
     same_lead = tuple(q.shape[:cut]) == tuple(k.shape[:cut]) == tuple(v.shape[:cut])
     plain = same_lead and F.is_plain(options, is_causal)
+    positional = same_lead and F.is_positional(options)
     path = select_impl(impl, q, k, v, mask=mask, dropout_mask=dropout_mask,
-                       need_weights=need_weights, plain=plain)
+                       need_weights=need_weights, plain=plain, positional=positional)
     pool_threads()  # a bad NPATTN_NUM_THREADS fails here, before anything is computed
     args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                 dropout_mask=dropout_mask, rng=rng, groups=G)
@@ -209,7 +216,7 @@ def sdpa_forward(
         if path == "reference":
             return F.sdpa_forward_core(q, k, v, options=options, **args)
         if path == "numpy":
-            return numpy_kernel.sdpa_forward(q, k, v, **args)
+            return numpy_kernel.sdpa_forward(q, k, v, options=options, **args)
         if path == "chunked":
             return chunked.sdpa_forward(q, k, v, block_q=block_q, block_k=block_k, **args)
         return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k,

@@ -68,6 +68,7 @@ __all__ = [
     "score_options",
     "causal_options",
     "is_plain",
+    "is_positional",
     "positions_allowed",
     "block_visible",
     "block_cut",
@@ -671,6 +672,14 @@ def is_plain(options: ScoreOptions, is_causal: bool) -> bool:
     arrays = (o.alibi, o.sinks, o.q_segments, o.k_segments)
     return (o.left is None and o.right is None and o.softcap is None
             and all(a is None for a in arrays) and (o.offset == 0 or not is_causal))
+
+
+def is_positional(options: ScoreOptions) -> bool:
+    """Whether ``options`` hold at most a window and an alignment: no softcap, ALiBi, sinks
+    or segments (what the NumPy kernel takes)."""
+    o = options
+    return o.softcap is None and all(a is None for a in (o.alibi, o.sinks, o.q_segments,
+                                                         o.k_segments))
 
 
 def causal_options(is_causal: bool, options: Optional[ScoreOptions]) -> ScoreOptions:

@@ -58,6 +58,7 @@ import numpy as np
 
 from . import validation as V
 from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, keep_mask, pool_threads, run_tasks
+from . import functional as F
 from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["NumpySDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of",
@@ -95,23 +96,28 @@ def _merged(B, L, Hkv, G, X, dtype):
     return m, m.reshape(B, L, Hkv, G, X).transpose(0, 2, 3, 1, 4)
 
 
-def _tiling(B, Hkv, G, Lq, Lk, causal):
-    """Tasks (b, h0, h1) over K/V heads, and the query-block height r."""
+def _tiling(B, Hkv, G, Lq, Lk, cut):
+    """Tasks (b, h0, h1) over K/V heads, and the query-block height r (``cut``: a window,
+    causal included, leaves some keys of some rows out)."""
     per_head = G * Lq * Lk
     hk = max(1, min(Hkv, TILE_ELEMS // max(per_head, 1)))
     r = max(16, TILE_ELEMS // (hk * G * Lk))
-    if causal:
-        r = min(r, max(64, Lq // 8))  # finer blocks skip more of the upper triangle
+    if cut:
+        r = min(r, max(64, Lq // 8))  # finer blocks skip more of what the window leaves out
     r = min(r, Lq)
     tasks = [(b, h0, min(h0 + hk, Hkv)) for b in range(B) for h0 in range(0, Hkv, hk)]
     return tasks, r
 
 
-def _blocks(Lq, Lk, r, causal):
-    """(i0, i1, c): query rows i0:i1 meet keys 0:c (c < Lk only when causal)."""
+def _blocks(Lq, Lk, r, o):
+    """(i0, i1, c0, c1): query rows i0:i1 meet keys c0:c1, the columns that the window of
+    ``o`` (a ``functional.ScoreOptions``; causal is ``right = 0``) leaves to some of them;
+    ``c0 == c1`` when it leaves none."""
     for i0 in range(0, Lq, r):
         i1 = min(i0 + r, Lq)
-        yield i0, i1, (min(i1, Lk) if causal else Lk)
+        c0 = 0 if o.left is None else min(Lk, max(0, i0 + o.offset - o.left))
+        c1 = Lk if o.right is None else min(Lk, max(0, i1 + o.offset + o.right))
+        yield i0, i1, c0, max(c0, c1)
 
 
 def _threads(Lq, Lk):
@@ -129,10 +135,10 @@ def _run(tile, tasks, threads):
             run_tasks(tile, tasks, threads)
 
 
-def _tile_keep(key, p, b, h0, h1, G, i0, i1, c):
+def _tile_keep(key, p, b, h0, h1, G, i0, i1, c0, c1):
     """Keep-mask of one tile, [hk, G, r, c]: entries (b, hkv * G + g, i, j) of the one mask."""
     heads = np.arange(h0, h1)[:, None] * G + np.arange(G)[None, :]  # [hk, G]
-    return keyed_keep_mask(key, p, [np.array(b), heads], np.arange(i0, i1), np.arange(c))
+    return keyed_keep_mask(key, p, [np.array(b), heads], np.arange(i0, i1), np.arange(c0, c1))
 
 
 # ------------------------------------------------------------------ forward
@@ -147,12 +153,13 @@ class NumpySDPACache(NamedTuple):
     keep: Any  # [B, Hkv, G, Lq, Lk] bool keep-mask (broadcast view of a caller's), or None
     dropout_key: Optional[int]  # the key the mask was drawn from, or None
     dropout_p: float
-    causal: bool
+    causal: bool  # the window (causal included) leaves some keys out: tiles are cut
     scale: float
     groups: int  # G
     mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
     in_dtype: Any
     lse_rows: Any = None  # [B, Hkv, G, Lq] log-sum-exp of each row, -inf for an empty row
+    options: Any = None  # functional.ScoreOptions: the window (offset, left, right), causal folded in
 
     @property
     def lse(self) -> Any:
@@ -161,12 +168,16 @@ class NumpySDPACache(NamedTuple):
 
 
 def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
-                 dropout_p: float, dropout_mask: Any, rng: Any, groups: int
-                 ) -> tuple[Any, NumpySDPACache]:
+                 dropout_p: float, dropout_mask: Any, rng: Any, groups: int,
+                 options: Optional[F.ScoreOptions] = None) -> tuple[Any, NumpySDPACache]:
     """Tiled ``softmax(q k^T * scale + mask) v`` on checked NumPy arguments (``accepts``).
 
-    The arguments are those of ``functional.sdpa_forward_core``. Returns
-    ``(out, NumpySDPACache)``; ``cache.probs`` are the weights before dropout.
+    The arguments are those of ``functional.sdpa_forward_core``; of the kernel
+    ``options`` only the window (``align``'s offset, ``left``, ``right``) is
+    taken (``functional.is_positional``): a tile meets only the key columns
+    that the window leaves to some of its rows, the rest of its probabilities
+    stay 0. Returns ``(out, NumpySDPACache)``; ``cache.probs`` are the weights
+    before dropout.
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     in_dtype = q.dtype
@@ -176,6 +187,8 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         if mask is not None and mask.dtype != np.bool_:
             mask = mask.astype(work)
     G = groups
+    o = F.causal_options(is_causal, options)
+    cut = o.left is not None or o.right is not None  # some rows leave some keys out
     B, Hq, Lq, Dh = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
@@ -187,7 +200,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         keep = _grouped(np.broadcast_to(dropout_mask, full), Hkv, G)  # [B, Hkv, G, Lq, Lk] view
     elif dropout_p != 0.0:
         key = dropout_key(rng)  # the one draw of every implementation
-        keep = (np.zeros if is_causal else np.empty)(full5, dtype=np.bool_)  # filled per tile
+        keep = (np.zeros if cut else np.empty)(full5, dtype=np.bool_)  # filled per tile
     fmask = bmask = None
     mask_shape = None
     if mask is not None:
@@ -198,28 +211,33 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             fmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
     drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
 
-    probs = (np.zeros if is_causal else np.empty)(full5, dtype=work)  # [B, Hkv, G, Lq, Lk]
+    probs = (np.zeros if cut else np.empty)(full5, dtype=work)  # [B, Hkv, G, Lq, Lk]
     lse = np.empty((B, Hkv, G, Lq), dtype=work)  # [B, Hkv, G, Lq]
     out_m, out = _merged(B, Lq, Hkv, G, Dv, work)  # [B, Lq, Hq*Dv], [B, Hkv, G, Lq, Dv] view
     q5 = _grouped(q, Hkv, G)  # [B, Hkv, G, Lq, Dh] view
     kT = np.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, 1, Dh, Lk] view, broadcast over G
     v5 = v[:, :, None]  # [B, Hkv, 1, Lk, Dv] view
     ones = np.ones((Lk, 1), dtype=work)  # [Lk, 1]: row sums as a matrix-vector product
-    tasks, r = _tiling(B, Hkv, G, Lq, Lk, is_causal)
+    tasks, r = _tiling(B, Hkv, G, Lq, Lk, cut)
     neg_inf = -math.inf
 
     def tile(b, h0, h1):
         qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
-        for i0, i1, c in _blocks(Lq, Lk, r, is_causal):
-            p = probs[b, h0:h1, :, i0:i1, :c]  # [hk, G, r, c] view, filled in place
-            np.matmul(qs[:, :, i0:i1], kT[b, h0:h1, :, :, :c], out=p)  # 1. s = q k^T * scale
+        for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
+            if c1 == c0:  # the window leaves these rows nothing: zero output, lse = -inf
+                out[b, h0:h1, :, i0:i1] = 0.0
+                lse[b, h0:h1, :, i0:i1] = neg_inf
+                continue
+            c = c1 - c0
+            p = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view, filled in place
+            np.matmul(qs[:, :, i0:i1], kT[b, h0:h1, :, :, c0:c1], out=p)  # 1. s = q k^T * scale
             if fmask is not None:  # 2. floating mask: s + mask
-                np.add(p, fmask[b, h0:h1, :, i0:i1, :c], out=p)
+                np.add(p, fmask[b, h0:h1, :, i0:i1, c0:c1], out=p)
             if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
-                np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, :c])
-            if is_causal and c - 1 > i0:  # 2. the block meets the diagonal
-                i = np.arange(i0, i1)[:, None]
-                np.copyto(p, neg_inf, where=np.arange(c)[None, :] > i)
+                np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, c0:c1])
+            if F.block_cut(o, i0, i1, c0, c1):  # 2. the window's edge crosses the block
+                allowed = F.positions_allowed(np, np.arange(i0, i1), np.arange(c0, c1), o)
+                np.copyto(p, neg_inf, where=~allowed)
             m = np.max(p, axis=-1, keepdims=True)  # 3.            [hk, G, r, 1]
             m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
             np.subtract(p, m, out=p)
@@ -233,12 +251,12 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             np.multiply(p, np.reciprocal(s, out=s), out=p)  # one divide per row, not per entry
             a = p
             if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0)
-                kp = keep[b, h0:h1, :, i0:i1, :c]
+                kp = keep[b, h0:h1, :, i0:i1, c0:c1]
                 if key is not None:
-                    kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c)
+                    kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c0, c1)
                 a = np.multiply(p, kp)
                 a *= drop_scale
-            np.matmul(a, v5[b, h0:h1, :, :c], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
+            np.matmul(a, v5[b, h0:h1, :, c0:c1], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
 
     _run(tile, tasks, _threads(Lq, Lk))
 
@@ -246,7 +264,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     result = heads if work == in_dtype else heads.astype(in_dtype)
     saved = heads.copy() if work == in_dtype else heads
     cache = NumpySDPACache(q, k, v, probs.reshape(full), saved, keep, key, float(dropout_p),
-                           bool(is_causal), scale, G, mask_shape, in_dtype, lse)
+                           cut, scale, G, mask_shape, in_dtype, lse, o)
     return result, cache
 
 
@@ -277,7 +295,8 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     probs = _grouped(cache.probs, Hkv, G)  # [B, Hkv, G, Lq, Lk]
     keep = cache.keep
-    causal = cache.causal
+    causal = cache.causal  # tiles cut by the window (causal included)
+    o = F.PLAIN if cache.options is None else cache.options
     ds_full = None
     if cache.mask_shape is not None:  # dmask needs every ds; keep them
         ds_full = (np.zeros if causal else np.empty)((B, Hkv, G, Lq, Lk), dtype=work)
@@ -307,30 +326,33 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
             np.matmul(pT, do.reshape(h1 - h0, G * Lq, Dv), out=dv[b, h0:h1, 0])
         else:  # accumulated block by block below
             dv_acc = np.zeros((h1 - h0, Lk, Dv), dtype=work)
-        for i0, i1, c in _blocks(Lq, Lk, r, causal):
-            p = probs[b, h0:h1, :, i0:i1, :c]  # [hk, G, r, c]
+        for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
+            if c1 == c0:  # rows the window leaves nothing: p = 0, so dq = 0
+                dq[b, h0:h1, :, i0:i1] = 0.0
+                continue
+            p = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c]
             do_blk = do[:, :, i0:i1]  # [hk, G, r, Dv]
             if ds_full is not None:
-                da = ds_full[b, h0:h1, :, i0:i1, :c]
-                np.matmul(do_blk, vT[b, h0:h1, :, :, :c], out=da)  # 5. da = dout v^T
+                da = ds_full[b, h0:h1, :, i0:i1, c0:c1]
+                np.matmul(do_blk, vT[b, h0:h1, :, :, c0:c1], out=da)  # 5. da = dout v^T
             else:
-                da = np.matmul(do_blk, vT[b, h0:h1, :, :, :c])  # [hk, G, r, c]
+                da = np.matmul(do_blk, vT[b, h0:h1, :, :, c0:c1])  # [hk, G, r, c]
             if whole_dv:
                 pass
-            elif keep is None:
-                dv_acc[:, :c] += kv_sum(np.matmul(np.swapaxes(p, -1, -2), do_blk))  # 5. dv = a^T dout
+            elif keep is None:  # 5. dv = a^T dout
+                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(p, -1, -2), do_blk))
             else:
-                kp = keep[b, h0:h1, :, i0:i1, :c]
+                kp = keep[b, h0:h1, :, i0:i1, c0:c1]
                 a = np.multiply(p, kp)  # recompute a = dropout(p)
                 a *= drop_scale
-                dv_acc[:, :c] += kv_sum(np.matmul(np.swapaxes(a, -1, -2), do_blk))
+                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(a, -1, -2), do_blk))
                 np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0)
                 da *= drop_scale
             np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. ds = p * (dp - delta)
             np.multiply(da, p, out=da)
-            np.matmul(da, k5[b, h0:h1, :, :c], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
+            np.matmul(da, k5[b, h0:h1, :, c0:c1], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
             dq[b, h0:h1, :, i0:i1] *= scale
-            dk_acc[:, :c] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), q5[b, h0:h1, :, i0:i1]))
+            dk_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), q5[b, h0:h1, :, i0:i1]))
         dk_acc *= scale  # 1. dk = ds^T q * scale
         dk[b, h0:h1, 0] = dk_acc
         if not whole_dv:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import npattn
 from npattn import attention as A
 from npattn import functional as F
-from npattn import masks
+from npattn import masks, numpy_kernel
 
 # --------------------------------------------------------------------------
 # the oracle: the documented semantics, written out on NumPy float64
@@ -275,6 +275,55 @@ def test_blocked_equals_reference_property(Lq, Lk, left, right, align, softcap, 
 
 
 # --------------------------------------------------------------------------
+# the NumPy kernel's window: tiles that meet only the keys the window leaves
+
+POSITIONAL = ["window", "window_left", "causal_bottom_right"]
+
+
+@pytest.mark.parametrize("dropout", [None, "mask", "seed"])
+@pytest.mark.parametrize("Lq,Lk", SHAPES + [(300, 280)])  # 300 rows: several tiles per head
+@pytest.mark.parametrize("name", POSITIONAL)
+def test_numpy_kernel_window_matches_oracle_and_reference(name, Lq, Lk, dropout):
+    q, k, v, dout, dlse, kw = make_case(name, Lq, Lk, seed=11)
+    rng = np.random.default_rng(12)
+    if dropout == "mask":
+        kw.update(dropout_p=0.25, dropout_mask=rng.random((2, 4, Lq, Lk)) >= 0.25)
+    elif dropout == "seed":
+        kw.update(dropout_p=0.25, rng=5)
+    out, c = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    assert isinstance(c, numpy_kernel.NumpySDPACache)
+    ref_out, ref_c = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    np.testing.assert_array_equal(A.dropout_keep_mask(c), A.dropout_keep_mask(ref_c))
+    if dropout != "seed":
+        want, want_lse = oracle(q, k, v, **kw)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(c.lse, want_lse, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(A.weights(c), A.weights(ref_c), rtol=1e-12, atol=1e-14)
+    for g, g_ref in zip(A.sdpa_backward(dout, c, dlse=dlse), A.sdpa_backward(dout, ref_c, dlse=dlse)):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_numpy_kernel_window_with_a_float_mask_and_empty_rows():
+    """Bottom-right window with Lq > Lk: the first rows see no key (their tiles are
+    skipped); a floating mask's gradient is summed in the tiles the window leaves."""
+    rng = np.random.default_rng(13)
+    Lq, Lk = 300, 100  # tiles of 64 rows: the first three see no key at all
+    q, k, v, dout = (rng.standard_normal(s) for s in [(2, 2, Lq, 3), (2, 2, Lk, 3), (2, 2, Lk, 2),
+                                                       (2, 2, Lq, 2)])
+    mask = np.where(rng.random((2, 1, Lq, Lk)) > 0.2, rng.standard_normal((2, 1, Lq, Lk)), -np.inf)
+    kw = dict(mask=mask, window=(1, 0), align="bottom_right")
+    out, c = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    ref_out, ref_c = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    assert np.all(out[:, :, :Lq - Lk] == 0) and np.isneginf(c.lse[:, :, :Lq - Lk]).all()
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-13)
+    for g, g_ref in zip(A.sdpa_backward(dout, c)[:4], A.sdpa_backward(dout, ref_c)[:4]):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-13)
+
+
+# --------------------------------------------------------------------------
 # lse and dlse on the implementations without options (the NumPy kernel, plain calls)
 
 
@@ -338,10 +387,12 @@ def test_segments_mask_builder_equals_the_option():
 def test_dispatcher_runs_options_on_reference_and_blocked():
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
-    _, c = A.sdpa_forward(q, k, v, window=(1, 0))
-    assert isinstance(c, F.SDPACache)  # the NumPy kernel takes no options
+    _, c = A.sdpa_forward(q, k, v, softcap=2.0)
+    assert isinstance(c, F.SDPACache)  # the NumPy kernel takes no softcap
+    _, c = A.sdpa_forward(q, k, v, window=(1, 0), align="bottom_right")
+    assert isinstance(c, numpy_kernel.NumpySDPACache)  # ... but a window, and plain calls
     _, c = A.sdpa_forward(q, k, v)
-    assert not isinstance(c, F.SDPACache)  # ... but plain calls still go there
+    assert isinstance(c, numpy_kernel.NumpySDPACache)
     for impl in ("numpy",):
         with pytest.raises(ValueError, match="impl='numpy'.*reference.*blocked"):
             A.sdpa_forward(q, k, v, softcap=3.0, impl=impl)

@@ -368,9 +368,10 @@ def _sdpa(Lq, Lk, mask_kind=None, is_causal=False, dropout_p=0.0, gqa=False, Dv=
     return build
 
 
-def _sdpa_options(Lq, Lk, *, align, sinks):
+def _sdpa_options(Lq, Lk, *, align, sinks, window_only=False):
     """Every kernel option at once: window, softcap, ALiBi (B, H), segments with a query that
-    has no key of its own, GQA, a fixed dropout keep-mask, a float mask with -inf, and sinks."""
+    has no key of its own, GQA, a fixed dropout keep-mask, a float mask with -inf, and sinks;
+    ``window_only``: of the options only the window and the alignment (the NumPy kernel's)."""
     def build(xp, dtype, rng, impl=None):
         m = _Maker(xp, dtype, rng)
         B, H, Hkv, Dh, Dv = 2, 4, 2, 3, 2
@@ -384,6 +385,9 @@ def _sdpa_options(Lq, Lk, *, align, sinks):
                       q_segments=xp.asarray(from_numpy(seg_q, xp), dtype=ints),
                       k_segments=xp.asarray(from_numpy(seg_k, xp), dtype=ints),
                       dropout_p=0.25, dropout_mask=m.keep((B, H, Lq, Lk), 0.25))
+        if window_only:
+            for name in ("softcap", "alibi_slopes", "q_segments", "k_segments"):
+                del kwargs[name]
         fwd, bwd = _sdpa_pair(impl, **kwargs)
         inputs = [q, k, v, m.put(_float_mask(rng, (B, 1, Lq, Lk), full_rows=[(0, 0, 1)]))]
         names = ["q", "k", "v", "mask"]
@@ -447,10 +451,12 @@ def panel(backend: Optional[str] = None) -> list:
     else:
         impls = [("blocked", "blocked")] + ([("numpy", "numpy kernel")] if backend == "numpy" else [])
     for impl, label in impls:
-        takes_options = impl == "blocked"  # the NumPy kernel and chunked take plain calls only
+        takes_options = impl == "blocked"  # the NumPy kernel takes windows, chunked plain calls
+        takes_window = impl in ("blocked", "numpy")
         checks += [Check(f"{c.name} [{label}]", c.kind, c.build, impl=impl)
                    for c in _reference_panel() if c.name.startswith(("sdpa", "mha"))
-                   and (takes_options or not c.name.startswith("sdpa options"))]
+                   and (takes_options or not c.name.startswith("sdpa options"))
+                   and (takes_window or not c.name.startswith("sdpa window"))]
     return checks
 
 
@@ -479,6 +485,8 @@ def _reference_panel() -> list:
               _sdpa_options(5, 7, align="top_left", sinks=False)),
         Check("sdpa options, bottom-right, Lq > Lk, + sinks", P,
               _sdpa_options(6, 4, align="bottom_right", sinks=True)),
+        Check("sdpa window (2, 1) + causal, bottom-right, Lq > Lk, GQA, dropout, float mask", P,
+              _sdpa_options(6, 4, align="bottom_right", sinks=False, window_only=True)),
         Check("mha self, bias, no mask", M, _mha(True)),
         Check("mha self, no bias, causal", M, _mha(True, bias=False, is_causal=True)),
         Check("mha cross, kdim=5 vdim=3, bool padding mask", M,
