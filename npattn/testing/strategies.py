@@ -7,7 +7,7 @@ so a failing example is reproduced by the case hypothesis prints. The
 options of a case are a subset of ``supports`` that one call can hold, and,
 unless "empty_rows" is declared, no row is left with nothing to attend.
 
-Needs hypothesis (``pip install 'npattn[test]'``).
+Needs hypothesis (``pip install '.[test]' from the repository root``).
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
 lengths, Dh key width, Dv value width.

@@ -209,7 +209,7 @@ def _run(args) -> int:
             print(c.describe())
         return 0
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install 'npattn[plot]'")
+        raise UsageError("--plot needs matplotlib: pip install '.[plot]' from the repository root")
     fn = load_object(args.target)
     base = _module_of(args.target)
     backward = None if args.backward is None else load_object(args.backward, base=base,
