@@ -31,24 +31,44 @@ half-precision inputs, and so is its floor). ``terms`` is the size of what
 the tensor sums, the largest entry of the same sums over absolute values,
 as in the rounding bound of a dot product ``|fl(x.y) - x.y| <= n eps |x|.|y|``:
 ``|A| @ |v|`` for out, ``|A|^T @ |dout|`` for dv, ``p (|dp| + |delta|) @ |k| * scale``
-for dq (and ``^T @ |q|`` for dk), ``sum p_sink |delta|`` for dsinks,
-``max(|lse|, 1)`` for lse (A the weights after dropout, p before). A
-gradient that cancels to nearly zero (dq of a row with one key is exactly
-zero) is still measured against the rounding of its terms.
+for dq (and ``^T @ |q|`` for dk), ``p (|dp| + |delta|)`` summed over the
+mask's broadcast axes for dmask, ``sum p_sink |delta|`` for dsinks,
+``max(|lse|, 1)`` for lse (A the weights after dropout, p before; with
+``lse_grad`` ``|delta|`` becomes ``|delta| + |dlse|``). A gradient that
+cancels to nearly zero (dq of a row with one key is exactly zero) is still
+measured against the rounding of its terms.
 
 A tensor that passes is reported **degenerate** instead when the check could
 not have told a wrong kernel from a right one:
 
 * its truth is smaller than ``DEGENERATE_RATIO`` (10) budgets, so even a zero
   tensor would come close to passing; or
-* (``dq``, ``dk``, ``dsinks``) the softmax is saturated: in more than half
-  the attended rows one key takes more than 0.999 of the weight, and the
-  softmax gradient that these tensors go through vanishes.
+* (``dq``, ``dk``, ``dmask``, ``dsinks``) the softmax is saturated: in more
+  than half the attended rows one key takes more than 0.999 of the weight,
+  and the softmax gradient that these tensors go through vanishes.
 
 The tensors are ``out``, ``lse`` (with ``returns_lse=True``), ``dq``, ``dk``,
-``dv`` and ``dsinks`` (with sinks), the last four when gradients are given
-(``backward=`` or ``autograd=``). ``lse`` is not compared on rows with
-nothing to attend: npattn writes ``-inf`` there, flash-attn ``+inf``.
+``dv``, ``dmask`` (with a float mask) and ``dsinks`` (with sinks), the last
+five when gradients are given (``backward=`` or ``autograd=``). ``lse`` is
+not compared on rows with nothing to attend: npattn writes ``-inf`` there,
+flash-attn ``+inf``.
+
+**dmask** is the gradient with respect to the additive float mask, in the
+mask's shape as given (summed over the axes it was broadcast along), npattn's
+``SDPAGrads.dmask``. It is compared on the mask's finite entries only (both
+sides are zero where the mask is ``-inf``; what a kernel writes there is
+ignored). With ``mask_grad=None`` (the default) it is compared where the
+backward returns one and skipped where it returns none; ``mask_grad=True``
+requires it (``autograd=``: the mask is then a leaf that requires grad);
+``False`` never compares it.
+
+**dlse.** With ``lse_grad=True`` (and ``returns_lse=True``) the gradients are
+those of ``sum(out * dout) + sum(lse * dlse)``: a random normal ``dlse``
+(B, Hq, Lq) in the layout of lse, zero on the rows whose lse is not finite,
+is passed as ``backward(dout, *saved, dlse=dlse)``, as the cotangent of lse
+under autograd, and to npattn's ``sdpa_backward(dout, cache, dlse=dlse)``.
+Its values are exact in ``dtype``; it is float32 for float16 and bfloat16
+(the dtype of their lse), else ``dtype``.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
 lengths, Dh key width, Dv value width.
@@ -93,8 +113,11 @@ DTYPES = tuple(FLOORS)
 #: "bhsd": (B, H, L, D), torch's; "bshd": (B, L, H, D), flash-attn's, lse (B, H, Lq);
 #: "bthd": JAX's (B, T, N, H), the same axes as "bshd", lse (B, T, N).
 LAYOUTS = ("bhsd", "bshd", "bthd")
-TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
-GRADS = ("dq", "dk", "dv", "dsinks")
+TENSORS = ("out", "lse", "dq", "dk", "dv", "dmask", "dsinks")
+#: The gradients, in the order of npattn's ``SDPAGrads`` (the forward's inputs).
+GRADS = ("dq", "dk", "dv", "dmask", "dsinks")
+#: The tensors that go through the softmax's gradient (degenerate when it is saturated).
+SOFTMAX_GRADS = ("dq", "dk", "dmask", "dsinks")
 #: The smallest ``terms`` a floor is relative to (an all-zero tensor still has a floor).
 FLOOR_SCALE = 1e-6
 #: A tensor whose largest truth entry is below this many budgets is degenerate.
@@ -253,6 +276,17 @@ class VerifyReport:
         c = self.config
         what = "out" + (", lse" if c.get("returns_lse") else "") + \
             (", gradients" if c.get("gradients") else " (no gradients: give backward= or autograd=)")
+        if c.get("lse_grad"):
+            what += " with dlse"
+        n_mask = sum(1 for r in self.results if "mask_float" in r.case.options)
+        if c.get("gradients") and n_mask:
+            n_dmask = sum(1 for r in self.results if "dmask" in r.tensors)
+            if n_dmask:
+                what += f", dmask in {n_dmask}/{n_mask} float-mask cases"
+            elif c.get("mask_grad") is False:
+                what += ", no dmask (mask_grad=False)"
+            else:
+                what += ", no dmask (none given; mask_grad=True requires it)"
         verdict = "FAILED" if n_fail else "passed"
         return (f"{c.get('target', 'fn')}: {verdict}: {n - n_fail}/{n} cases pass ({n_deg} with a "
                 f"degenerate tensor), {what}; {c.get('layout')} {c.get('dtype')} on "
@@ -326,15 +360,19 @@ def _constant_factor(got: np.ndarray, truth: np.ndarray) -> Optional[float]:
     return None
 
 
-def case_hint(case: Case, tensors: dict, factors: dict, notes: dict) -> str:
+def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
+              lse_grad: bool = False) -> str:
     """The likeliest first failing step of one case, from which of its tensors fail.
 
     ``factors`` maps a failing tensor to the constant it is off by, when it is
-    (``_constant_factor``); ``notes`` to what went wrong with it (NaN, shape).
+    (``_constant_factor``); ``notes`` to what went wrong with it (NaN, shape);
+    ``lse_grad``: the backward was given a ``dlse``.
     """
     bad = {n for n, t in tensors.items() if t.status == "fail"}
     opts = set(case.options)
-    for n in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+    # ds = p * (dp - delta), plus dlse with lse_grad
+    ds = "p * (dp - delta + dlse)" if lse_grad else "p * (dp - delta)"
+    for n in TENSORS:
         note = notes.get(n, "")
         if n in bad and "NaN" in note and "empty" in note:
             return (f"{n} has NaN on rows with nothing to attend, where npattn gives zeros: guard "
@@ -358,7 +396,16 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict) -> str:
     if scaled and set(scaled) == set(grads):
         f = ", ".join(f"{n} x {factors[n]:.4g}" for n in scaled)
         return f"a constant factor ({f}): the scale (applied twice, or missing) or 1/(1-p)"
-    if grads == ["dsinks"] or (not grads and "dsinks" in bad):
+    if not grads and "dmask" in bad:
+        if factors.get("dmask") is not None and abs(factors["dmask"] + 1.0) < 1e-2:
+            return ("dmask has the wrong sign (dmask = -1 x npattn's): the mask is added to the "
+                    f"scores, so dmask = +ds = {ds}")
+        return (f"dmask wrong, the rest right: dmask = ds = {ds} (before softcap's "
+                "derivative), summed over the axes the mask was broadcast along")
+    if not grads and "dsinks" in bad:
+        if lse_grad:
+            return ("dsinks wrong, the rest right: dsink = sum over rows of p_sink * "
+                    "(dlse - delta)")
         return "dsinks wrong, the rest right: dsink = -sum over rows of p_sink * delta"
     if "dv" in bad:
         if "gqa" in opts and "dq" not in bad:
@@ -372,8 +419,10 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict) -> str:
     if "dq" in bad or "dk" in bad:
         extra = ", softcap's derivative 1 - tanh^2" if "softcap" in opts else ""
         if "dq" in bad and "dk" in bad:
-            return ("dv right, dq/dk wrong: below the softmax: ds = p * (dp - delta) with "
-                    f"delta = rowsum(dout * out){extra}, then dq = ds @ k * scale, dk = ds^T @ q * scale")
+            lse = " (dlse: the upstream gradient of lse, lse_grad=True)" if lse_grad else ""
+            return (f"dv right, dq/dk wrong: below the softmax: ds = {ds} with "
+                    f"delta = rowsum(dout * out){lse}{extra}, then dq = ds @ k * scale, "
+                    "dk = ds^T @ q * scale")
         if "dk" in bad:
             return "dq right, dk wrong: dk = ds^T @ q * scale (a transpose, or the GQA sum)"
         return "dk right, dq wrong: dq = ds @ k * scale"
@@ -543,9 +592,13 @@ def _library_name(backend: Any) -> str:
 # the three computations of a case
 
 
-def _npattn(inp: CaseInputs, dtype: str, *, grads: bool, weights: bool = False) -> dict:
+def _npattn(inp: CaseInputs, dtype: str, *, grads: bool, weights: bool = False,
+            dlse: Optional[np.ndarray] = None) -> dict:
     """npattn's reference on host arrays in ``dtype`` (float16 / bfloat16 as npattn computes
-    them: in float32, the results rounded back): host float64 copies of its tensors."""
+    them: in float32, the results rounded back): host float64 copies of its tensors.
+
+    ``dlse`` (B, Hq, Lq), the upstream gradient of lse, goes to the backward with its rows
+    of non-finite lse zeroed; ``res["dlse"]`` is what it got."""
     work = _host_dtype(dtype)
     opts = dict(inp.options)
     if "mask" in opts and opts["mask"].dtype != bool:
@@ -559,14 +612,21 @@ def _npattn(inp: CaseInputs, dtype: str, *, grads: bool, weights: bool = False) 
     out, cache = A.sdpa_forward(q, k, v, impl="reference", need_weights=weights, **opts)
     res = {"out": out, "lse": cache.lse}
     if grads:
-        g = A.sdpa_backward(dout, cache)
+        d = None
+        if dlse is not None:
+            lse = np.asarray(cache.lse)  # [B, Hq, Lq]
+            d = np.where(np.isfinite(lse), dlse, 0.0).astype(lse.dtype)  # [B, Hq, Lq]
+            res["dlse"] = d
+        g = A.sdpa_backward(dout, cache, dlse=d)
         res.update(dq=g.dq, dk=g.dk, dv=g.dv)
+        if g.dmask is not None:
+            res["dmask"] = g.dmask
         if g.dsinks is not None:
             res["dsinks"] = g.dsinks
     dtypes = {n: str(np.asarray(t).dtype) for n, t in res.items()}
     res = {n: np.asarray(t, dtype=np.float64) for n, t in res.items()}
     if dtype == "bfloat16":  # npattn casts these back to the input dtype; lse, dsinks stay float32
-        for n in ("out", "dq", "dk", "dv"):
+        for n in ("out", "dq", "dk", "dv", "dmask"):
             if n in res:
                 res[n] = _round(res[n], "bfloat16")
                 dtypes[n] = "bfloat16"
@@ -577,8 +637,8 @@ def _npattn(inp: CaseInputs, dtype: str, *, grads: bool, weights: bool = False) 
 
 
 def _rounded_inputs(inp: CaseInputs, dtype: str) -> CaseInputs:
-    """``inp`` with q, k, v, dout, a float mask and sinks rounded to ``dtype`` (ALiBi slopes
-    to float32 unless float64): the values the kernel receives exactly."""
+    """``inp`` with q, k, v, dout, dlse, a float mask and sinks rounded to ``dtype`` (ALiBi
+    slopes to float32 unless float64): the values the kernel receives exactly."""
     opts = dict(inp.options)
     if "mask" in opts and opts["mask"].dtype != bool:
         opts["mask"] = _round(opts["mask"], dtype)
@@ -586,8 +646,9 @@ def _rounded_inputs(inp: CaseInputs, dtype: str) -> CaseInputs:
         opts["sinks"] = _round(opts["sinks"], dtype)
     if "alibi_slopes" in opts and dtype != "float64":
         opts["alibi_slopes"] = _round(opts["alibi_slopes"], "float32")
+    dlse = None if inp.dlse is None else _round(inp.dlse, dtype)
     return CaseInputs(_round(inp.q, dtype), _round(inp.k, dtype), _round(inp.v, dtype),
-                      _round(inp.dout, dtype), opts)
+                      _round(inp.dout, dtype), opts, dlse)
 
 
 @dataclass
@@ -605,18 +666,28 @@ class _Config:
     budget_factor: float
     floors: dict
     supports: tuple = ()
+    mask_grad: Optional[bool] = None
+    lse_grad: bool = False
 
     @property
     def gradients(self) -> bool:
         return self.backward is not None or self.autograd is not None
 
+    @property
+    def lse_dtype(self) -> str:
+        """The dtype of the dlse passed to the kernel: float32 for half precision (as lse)."""
+        return "float32" if self.dtype in ("float16", "bfloat16") else self.dtype
 
-def _kernel_options(inp: CaseInputs, cfg: _Config, sinks: Any) -> dict:
-    """The case's npattn keywords with arrays of the kernel's library, then the adapter."""
+
+def _kernel_options(inp: CaseInputs, cfg: _Config, sinks: Any, mask: Any = None) -> dict:
+    """The case's npattn keywords with arrays of the kernel's library, then the adapter;
+    ``sinks`` and a float ``mask`` (when not None) are the arrays made for autograd."""
     lib, dtype = cfg.lib, cfg.dtype
     kw: dict = {}
     for name, val in inp.options.items():
-        if name == "mask":
+        if name == "mask" and mask is not None:
+            kw[name] = mask
+        elif name == "mask":
             kw[name] = lib.array(val, None if val.dtype == bool else dtype)
         elif name == "sinks":
             kw[name] = sinks
@@ -660,69 +731,96 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
 
 
 def _grads_of(g: Any) -> dict:
-    """{dq, dk, dv[, dsinks]} from a backward's return: a tuple (dq, dk, dv[, dsinks]), a
+    """{dq, dk, dv, dmask, dsinks} (None where not given) from a backward's return: a tuple
+    (dq, dk, dv), (dq, dk, dv, dsinks) or (dq, dk, dv, dmask, dsinks) (npattn's order), a
     mapping, or an object with those attributes (npattn's ``SDPAGrads``)."""
-    names = ("dq", "dk", "dv", "dsinks")
     if isinstance(g, Mapping):
-        return {n: g.get(n) for n in names}
-    if all(hasattr(g, n) for n in names[:3]):
-        return {n: getattr(g, n, None) for n in names}
-    if isinstance(g, (tuple, list)) and len(g) in (3, 4):
-        return dict(zip(names, g))
-    raise TypeError("backward: expected (dq, dk, dv), (dq, dk, dv, dsinks), a mapping or an "
-                    f"object with attributes dq, dk, dv, got {type(g).__name__}")
+        return {n: g.get(n) for n in GRADS}
+    if all(hasattr(g, n) for n in GRADS[:3]):
+        return {n: getattr(g, n, None) for n in GRADS}
+    if isinstance(g, (tuple, list)) and len(g) in (3, 4, 5):
+        names = {3: GRADS[:3], 4: ("dq", "dk", "dv", "dsinks"), 5: GRADS}[len(g)]
+        return {**dict.fromkeys(GRADS), **dict(zip(names, g))}
+    raise TypeError("backward: expected (dq, dk, dv), (dq, dk, dv, dsinks), (dq, dk, dv, dmask, "
+                    "dsinks), a mapping or an object with attributes dq, dk, dv, got "
+                    f"{type(g).__name__}")
 
 
-def _run_kernel(inp: CaseInputs, cfg: _Config) -> dict:
-    """Call the kernel on the case; host float64 (B, H, L, D) copies of what it gives."""
+def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None) -> dict:
+    """Call the kernel on the case; host float64 (B, H, L, D) copies of what it gives.
+
+    ``dlse`` (B, Hq, Lq), with ``lse_grad``, is the upstream gradient of lse (zero on rows
+    whose lse is not finite)."""
     lib, L = cfg.lib, cfg.layout
     grad = cfg.autograd == "torch"
     q, k, v = (lib.array(_to_layout(t, L), cfg.dtype, grad=grad) for t in (inp.q, inp.k, inp.v))
     sinks = None
     if "sinks" in inp.options:
         sinks = lib.array(inp.options["sinks"], cfg.dtype, grad=grad)
-    kw = _kernel_options(inp, cfg, sinks)
+    float_mask = "mask" in inp.options and inp.options["mask"].dtype != bool
+    mask = None  # a float mask as a leaf of autograd, with mask_grad=True
+    if float_mask and cfg.autograd is not None and cfg.mask_grad is True:
+        mask = lib.array(inp.options["mask"], cfg.dtype, grad=grad)
+    kw = _kernel_options(inp, cfg, sinks, mask)
     dout = lib.array(_to_layout(inp.dout, L), cfg.dtype)
+    dlse_k: Any = None
+    if dlse is not None:  # lse's layout: (B, H, Lq), JAX's (B, T, N)
+        dlse_k = lib.array(np.swapaxes(dlse, 1, 2) if L == "bthd" else dlse, cfg.lse_dtype)
+    # what autograd differentiates with respect to, beyond q, k, v: [(name, array)]
+    leaves = [("dsinks", sinks)] if sinks is not None else []
+    leaves += [("dmask", mask)] if mask is not None else []
     res: dict = {}
     grads: dict = {}
     if cfg.autograd == "jax":
         jax = lib.jax
-        prims = [q, k, v] + ([sinks] if sinks is not None else [])
-        names = [n for n in kw if kw[n] is sinks] if sinks is not None else []
+        prims = [q, k, v] + [x for _, x in leaves]
+        # the keyword that holds each leaf (found by identity, after the adapter)
+        keys = {i: next((n for n in kw if kw[n] is x), None) for i, (_, x) in enumerate(leaves, 3)}
 
         def f(*p):
             extra = dict(kw)
-            if names:
-                extra[names[0]] = p[3]
+            for i, name in keys.items():
+                if name is not None:
+                    extra[name] = p[i]
             return cfg.fn(p[0], p[1], p[2], **extra)
 
-        if cfg.returns_lse:
+        if cfg.lse_grad:  # the cotangent of (out, lse) is (dout, dlse)
+            (out, lse), pull = jax.vjp(lambda *p: tuple(f(*p)), *prims)
+            g = pull((dout, dlse_k.astype(lse.dtype)))
+        elif cfg.returns_lse:
             out, pull, lse = jax.vjp(lambda *p: tuple(f(*p)), *prims, has_aux=True)
+            g = pull(dout)
         else:
             out, pull = jax.vjp(f, *prims)
             lse = None
-        g = pull(dout)
-        grads = dict(zip(("dq", "dk", "dv", "dsinks"), g))
+            g = pull(dout)
+        grads = dict(zip(["dq", "dk", "dv"] + [n for n, _ in leaves], g))
     else:
         result = cfg.fn(q, k, v, **kw)
         out, lse, saved = _split_result(result, cfg)
         if cfg.autograd == "torch":
             torch = lib.mod
-            prims = [q, k, v] + ([sinks] if sinks is not None else [])
-            g = torch.autograd.grad(out, prims, grad_outputs=dout, allow_unused=True)
-            grads = dict(zip(("dq", "dk", "dv", "dsinks"), g))
+            outs, cots = [out], [dout]
+            if cfg.lse_grad:  # d/d(inputs) of sum(out * dout) + sum(lse * dlse)
+                outs.append(lse)
+                cots.append(dlse_k.to(lse.dtype))
+            prims = [q, k, v] + [x for _, x in leaves]
+            g = torch.autograd.grad(outs, prims, grad_outputs=cots, allow_unused=True)
+            grads = dict(zip(["dq", "dk", "dv"] + [n for n, _ in leaves], g))
         elif cfg.backward is not None:
-            grads = _grads_of(cfg.backward(dout, *saved))
+            extra = {"dlse": dlse_k} if cfg.lse_grad else {}
+            grads = _grads_of(cfg.backward(dout, *saved, **extra))
     res["out"] = _from_layout(lib.host(out), L)
     if cfg.returns_lse:
         h = lib.host(lse)
         res["lse"] = np.swapaxes(h, 1, 2) if L == "bthd" and h.ndim == 3 else h
     for n, t in grads.items():
-        if n == "dsinks" and sinks is None:
+        if (n == "dsinks" and sinks is None) or (n == "dmask" and not float_mask) or \
+                (n == "dmask" and cfg.mask_grad is False):
             continue
         if t is None:
             res[n] = None
-        elif n == "dsinks":
+        elif n in ("dsinks", "dmask"):  # (Hq,); the mask's own shape, in every layout
             res[n] = lib.host(t)
         else:
             res[n] = _from_layout(lib.host(t), L)
@@ -730,10 +828,13 @@ def _run_kernel(inp: CaseInputs, cfg: _Config) -> dict:
 
 
 def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtype: str,
-             terms: float, cfg: _Config, rows: Optional[np.ndarray],
+             terms: float, cfg: _Config, skip: Optional[np.ndarray],
              saturated: Optional[str]) -> tuple:
-    """The ``TensorResult`` of one tensor, and its constant factor (or None) and note."""
-    keep = np.ones(truth.shape, dtype=bool) if rows is None else ~rows
+    """The ``TensorResult`` of one tensor, and its constant factor (or None) and note.
+
+    ``skip`` (bool, ``truth``'s shape) marks the entries not compared (lse on rows with
+    nothing to attend, dmask where the mask is -inf)."""
+    keep = np.ones(truth.shape, dtype=bool) if skip is None else ~skip
     t = np.where(keep, truth, 0.0)
     magnitude = float(np.max(np.abs(t))) if t.size else 0.0
     npattn_err = float(np.max(np.abs(np.where(keep, ref, 0.0) - t))) if t.size else 0.0
@@ -759,7 +860,7 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
         if magnitude < DEGENERATE_RATIO * budget:
             status, note = "degenerate", (f"max|{name}| {magnitude:.2g} < {DEGENERATE_RATIO:g} "
                                           f"budgets: a zero {name} would nearly pass")
-        elif saturated and name in ("dq", "dk", "dsinks"):
+        elif saturated and name in SOFTMAX_GRADS:
             status, note = "degenerate", saturated
     else:
         status = "fail"
@@ -772,9 +873,19 @@ def _group_sum(x: np.ndarray, G: int) -> np.ndarray:
     return x.reshape((B, Hq // G, G) + x.shape[2:]).sum(axis=2)
 
 
-def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray) -> dict:
+def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """``x`` summed over the axes along which an array of ``shape`` was broadcast to it."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + i] != 1)
+    return np.sum(x, axis=axes, keepdims=True).reshape(shape)
+
+
+def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray,
+                dlse: Optional[np.ndarray] = None) -> dict:
     """The ``terms`` of each tensor (module docstring): the largest entry of its sums taken
-    over absolute values, from the float64 truth of the case."""
+    over absolute values, from the float64 truth of the case; ``dlse`` (B, Hq, Lq), the
+    upstream gradient of lse with ``lse_grad``, adds to ``|delta|``."""
     # host float64: q [B, Hq, Lq, Dh], k [B, Hkv, Lk, Dh], v [B, Hkv, Lk, Dv], weights [B, Hq, Lq, Lk]
     q, k, v, dout, opts = inp.q, inp.k, inp.v, inp.dout, inp.options
     G = q.shape[1] // k.shape[1]
@@ -787,6 +898,8 @@ def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray) -> dict:
     a = np.abs(p * keep)  # [B, Hq, Lq, Lk]
     dp = np.abs((dout @ np.swapaxes(vr, -1, -2)) * keep)  # [B, Hq, Lq, Lk]
     delta = np.abs(np.sum(dout * truth["out"], axis=-1, keepdims=True))  # [B, Hq, Lq, 1]
+    if dlse is not None:  # ds = p * (dp - delta + dlse)
+        delta = delta + np.abs(dlse)[..., None]  # [B, Hq, Lq, 1]
     ds = p * (dp + delta)  # [B, Hq, Lq, Lk]
     lse = truth["lse"][~empty]
     res = {"out": float(np.max(a @ np.abs(vr), initial=0.0)),
@@ -794,6 +907,9 @@ def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray) -> dict:
            "dv": float(np.max(_group_sum(np.swapaxes(a, -1, -2) @ np.abs(dout), G), initial=0.0)),
            "dq": float(np.max(ds @ np.abs(kr), initial=0.0)) * scale,
            "dk": float(np.max(_group_sum(np.swapaxes(ds, -1, -2) @ np.abs(q), G), initial=0.0)) * scale}
+    mask = opts.get("mask")
+    if mask is not None and mask.dtype != bool:  # dmask = ds summed to the mask's shape
+        res["dmask"] = float(np.max(_sum_to(ds, mask.shape), initial=0.0))
     if "sinks" in opts:
         p_sink = np.exp(opts["sinks"][None, :, None] - truth["lse"])  # [B, Hq, Lq]
         res["dsinks"] = float(np.max(np.sum(p_sink * delta[..., 0], axis=(0, 2)), initial=0.0))
@@ -835,15 +951,17 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     start = time.perf_counter()
     raw = case_inputs(case, cfg.seed, cfg.align)
     inp = _rounded_inputs(raw, cfg.dtype)
-    truth = _npattn(inp, "float64", grads=cfg.gradients, weights=True)
-    ref = _npattn(inp, cfg.dtype, grads=cfg.gradients)
+    dlse = inp.dlse if cfg.lse_grad else None
+    truth = _npattn(inp, "float64", grads=cfg.gradients, weights=True, dlse=dlse)
+    dlse = truth.get("dlse")  # zero on rows whose lse is not finite
+    ref = _npattn(inp, cfg.dtype, grads=cfg.gradients, dlse=dlse)
     empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
     if empty.any() and "empty_rows" not in cfg.supports:
         raise RuntimeError(f"case {case.name} leaves rows with nothing to attend, but the "
                            "kernel does not declare 'empty_rows' (a defect of the case's maker)")
     result = CaseResult(case, reproducer=reproducer)
     try:
-        got = _run_kernel(inp, cfg)
+        got = _run_kernel(inp, cfg, dlse)
     except Exception as exc:  # the kernel's failure is this case's result
         result.error = f"{type(exc).__name__}: {exc}"
         result.hint = _raise_hint(exc)
@@ -852,12 +970,16 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         result.seconds = time.perf_counter() - start
         return result
     saturated = _saturation(truth["weights"], empty)
-    terms = term_scales(inp, truth, empty)
+    terms = term_scales(inp, truth, empty, dlse)
     factors, notes = {}, {}
-    for n in _checked(cfg, case):
-        rows = empty if n == "lse" else None
+    for n in _checked(cfg, case, got):
+        skip = None
+        if n == "lse":
+            skip = empty
+        elif n == "dmask":  # -inf entries: zero gradient on both sides, not compared
+            skip = ~np.isfinite(inp.options["mask"])
         floor_dtype = ref["dtypes"][n] if ref["dtypes"][n] in FLOORS else cfg.dtype
-        tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, rows,
+        tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, skip,
                               saturated)
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
@@ -866,21 +988,30 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         notes[n] = tr.note
         if factor is not None:
             factors[n] = factor
-    result.hint = case_hint(case, result.tensors, factors, notes) if result.failing else ""
+    result.hint = (case_hint(case, result.tensors, factors, notes, lse_grad=cfg.lse_grad)
+                   if result.failing else "")
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _checked(cfg: _Config, case: Case) -> list:
-    """The tensors checked in ``case``."""
+def _checked(cfg: _Config, case: Case, got: Optional[dict] = None) -> list:
+    """The tensors checked in ``case``, given what the kernel returned (``got``; None when it
+    raised): dmask with a float mask when ``mask_grad`` is True, or None and one was given."""
     names = ["out"] + (["lse"] if cfg.returns_lse else [])
     if cfg.gradients:
-        names += ["dq", "dk", "dv"] + (["dsinks"] if "sinks" in case.options else [])
+        names += ["dq", "dk", "dv"]
+        if "mask_float" in case.options and (cfg.mask_grad is True or (
+                cfg.mask_grad is None and got is not None and got.get("dmask") is not None)):
+            names.append("dmask")
+        names += ["dsinks"] if "sinks" in case.options else []
     return names
 
 
 def _raise_hint(exc: Exception) -> str:
     text = str(exc)
+    if isinstance(exc, TypeError) and "'dlse'" in text:
+        return ("backward does not take dlse=: with lse_grad=True it is called as "
+                "backward(dout, *saved, dlse=dlse)")
     if isinstance(exc, TypeError) and "keyword" in text:
         return ("fn does not take a keyword of this case: rename or drop it with adapter= "
                 "(e.g. adapter={'is_causal': 'causal', 'align': None})")
@@ -926,6 +1057,26 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
             raise ValueError(f"floors: expected a mapping with keys from {DTYPES}, got {floors!r}")
 
 
+def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: bool, gradients: bool,
+                     supports: tuple) -> None:
+    if not (mask_grad is None or isinstance(mask_grad, bool)):
+        raise ValueError(f"mask_grad: expected None, True or False, got {mask_grad!r}")
+    if not isinstance(lse_grad, bool):
+        raise ValueError(f"lse_grad: expected True or False, got {lse_grad!r}")
+    if mask_grad is True and not gradients:
+        raise ValueError("mask_grad: True checks the gradient of the mask, which needs "
+                         "gradients (give backward= or autograd=)")
+    if mask_grad is True and "mask_float" not in supports:
+        raise ValueError(f"mask_grad: True checks the dmask of float masks, but supports does "
+                         f"not declare 'mask_float' (supports={list(supports)})")
+    if lse_grad and not gradients:
+        raise ValueError("lse_grad: True passes dlse to the gradients, which needs backward= or "
+                         "autograd=")
+    if lse_grad and not returns_lse:
+        raise ValueError("lse_grad: True needs returns_lse=True (dlse is the gradient of the "
+                         "lse your function returns)")
+
+
 def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any = True,
          cases: Any = None) -> list:
     """The cases ``verify`` runs: the panel of ``supports`` (``npattn.verify_cases.panel``),
@@ -968,6 +1119,8 @@ def verify(
     backward: Optional[Callable] = None,
     autograd: Optional[str] = None,
     returns_lse: bool = False,
+    mask_grad: Optional[bool] = None,
+    lse_grad: bool = False,
     backend: Any = "numpy",
     device: Any = None,
     align: str = "top_left",
@@ -1007,14 +1160,28 @@ def verify(
         every one). "empty_rows" declares that rows with nothing to attend
         give zeros (and zero gradients).
     backward : callable, optional
-        ``backward(dout, *saved) -> (dq, dk, dv)`` or ``(dq, dk, dv, dsinks)``
-        (or a mapping, or an object with those attributes such as npattn's
-        ``SDPAGrads``), where ``saved`` is what ``fn`` returned after ``out``
-        (and ``lse``). ``dout`` is random normal, in ``layout`` and ``dtype``.
+        ``backward(dout, *saved) -> (dq, dk, dv)``, ``(dq, dk, dv, dsinks)`` or
+        ``(dq, dk, dv, dmask, dsinks)`` (npattn's order; or a mapping, or an
+        object with those attributes such as npattn's ``SDPAGrads``), where
+        ``saved`` is what ``fn`` returned after ``out`` (and ``lse``). ``dout``
+        is random normal, in ``layout`` and ``dtype``. With ``lse_grad`` it is
+        called ``backward(dout, *saved, dlse=dlse)``.
     autograd : {None, "torch", "jax"}
         Gradients by ``torch.autograd.grad`` or ``jax.vjp`` instead.
     returns_lse : bool
         ``fn`` returns the natural log-sum-exp of each row too.
+    mask_grad : {None, True, False}
+        Check ``dmask``, the gradient of a float mask, in the mask's shape
+        (compared where the mask is finite). None: where the backward returns
+        one (a kernel that returns none is not failed); True: required (with
+        ``autograd`` the mask requires grad); False: never.
+    lse_grad : bool
+        The backward takes an upstream gradient of lse too (ring / split-KV
+        attention): a random normal ``dlse`` (B, Hq, Lq) in lse's layout, zero
+        on rows whose lse is not finite, float32 for half precision, goes to
+        ``backward(dout, *saved, dlse=dlse)`` or is lse's cotangent under
+        autograd; npattn's gradients are ``sdpa_backward(dout, cache,
+        dlse=dlse)``'s. Needs ``returns_lse``.
     backend : {"numpy", "torch", "cupy", "jax"} or the module
         The array library of ``fn``'s arrays.
     device : optional
@@ -1054,6 +1221,8 @@ def verify(
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type(fn).__name__}")
     supports = check_supports(supports)
+    _check_grad_args(mask_grad, lse_grad, bool(returns_lse),
+                     backward is not None or autograd is not None, supports)
     lib_name = _library_name(backend)
     if autograd == "torch" and lib_name != "torch":
         raise ValueError(f"autograd: 'torch' needs backend='torch', got backend={lib_name!r}")
@@ -1063,13 +1232,15 @@ def verify(
     lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
     chosen = plan(supports, align=align, combos=combos, cases=cases)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
-                  int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports)
+                  int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports,
+                  mask_grad, lse_grad)
     name = target or _describe_callable(fn)
     config = {"target": name, "layout": layout, "dtype": dtype, "supports": list(supports),
               "backend": lib_name, "device": None if device is None else str(device),
               "align": align, "autograd": autograd,
               "backward": None if backward is None else _describe_callable(backward),
-              "returns_lse": bool(returns_lse), "gradients": cfg.gradients, "seed": int(seed),
+              "returns_lse": bool(returns_lse), "gradients": cfg.gradients,
+              "mask_grad": mask_grad, "lse_grad": lse_grad, "seed": int(seed),
               "budget_factor": float(budget_factor), "floors": cfg.floors}
     results = []
     for i, case in enumerate(chosen):
@@ -1087,8 +1258,9 @@ def _reproducer(command: Optional[str], case: Case, name: str, config: dict) -> 
     args = [f"layout={config['layout']!r}", f"dtype={config['dtype']!r}"]
     if config["supports"]:
         args.append(f"supports={','.join(config['supports'])!r}")
-    for key in ("backend", "align", "autograd", "returns_lse"):
-        default = {"backend": "numpy", "align": "top_left", "autograd": None, "returns_lse": False}
+    default = {"backend": "numpy", "align": "top_left", "autograd": None, "returns_lse": False,
+               "mask_grad": None, "lse_grad": False}
+    for key in default:
         if config[key] != default[key]:
             args.append(f"{key}={config[key]!r}")
     if config["backward"]:
@@ -1107,7 +1279,7 @@ def plot_report(report: VerifyReport, path: str) -> str:
 
     One column per case (in panel order), the ratio on a log axis, a line at 1
     (the budget); a red cross is a failing tensor (drawn at the top beyond
-    1e8), a hollow grey marker a degenerate one, an exact match sits at 1e-4. Needs matplotlib (``pip install 'npattn[plot]'``).
+    1e8), a hollow grey marker a degenerate one, an exact match sits at 1e-4. Needs matplotlib (``pip install '.[plot]' from the repository root``).
     Returns ``path``.
     """
     try:
@@ -1116,10 +1288,10 @@ def plot_report(report: VerifyReport, path: str) -> str:
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("plot_report needs matplotlib: pip install 'npattn[plot]' (or "
+        raise ImportError("plot_report needs matplotlib: pip install '.[plot]' from the repository root (or "
                           "pip install matplotlib)") from None
     res = report.results
-    markers = {"out": "o", "lse": "s", "dq": "^", "dk": "v", "dv": "D", "dsinks": "P"}
+    markers = {"out": "o", "lse": "s", "dq": "^", "dk": "v", "dv": "D", "dmask": "*", "dsinks": "P"}
     finite = [t.ratio for r in res for t in r.tensors.values() if math.isfinite(t.ratio)]
     lo = 1e-4
     hi = min(1e8, max(10.0, 2.0 * max(finite, default=1.0)))  # beyond 1e8: at the top

@@ -201,7 +201,9 @@ class CaseInputs:
 
     ``q`` (B, Hq, Lq, Dh), ``k`` (B, Hkv, Lk, Dh), ``v`` (B, Hkv, Lk, Dv) and
     ``dout`` (B, Hq, Lq, Dv) are float64; ``options`` holds the keywords of
-    npattn's ``sdpa_forward`` that the case turns on (arrays as host NumPy).
+    npattn's ``sdpa_forward`` that the case turns on (arrays as host NumPy);
+    ``dlse`` (B, Hq, Lq) float64 is the upstream gradient of lse that verify
+    passes with ``lse_grad=True``.
     """
 
     q: np.ndarray
@@ -209,6 +211,7 @@ class CaseInputs:
     v: np.ndarray
     dout: np.ndarray
     options: dict
+    dlse: Optional[np.ndarray] = None
 
 
 # --------------------------------------------------------------------------
@@ -413,13 +416,14 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
     """The arrays of ``case`` for verify's ``seed`` and ``align``.
 
     q and k are normal with std ``sqrt(score_std / (scale * sqrt(Dh)))``, so
-    that the scaled scores have std ``score_std``; v and the upstream gradient
-    ``dout`` are standard normal (never all ones). Masks keep about 3/4 of the
+    that the scaled scores have std ``score_std``; v and the upstream gradients
+    ``dout`` and ``dlse`` are standard normal (never all ones; ``dlse`` is drawn
+    last, so the other arrays do not depend on whether it is used). Masks keep about 3/4 of the
     entries; without ``case.empty_rows`` every row keeps its diagonal key
     (which the causal, window and segment structure always allows), with it
     a few rows are blanked.
     """
-    # -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [B, Hq, Lq, Dv], options
+    # -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [B, Hq, Lq, Dv], options, [B, Hq, Lq]
     rng = _rng(case, seed)
     B, Hq, Hkv, Lq, Lk, Dh, Dv = case.B, case.Hq, case.Hkv, case.Lq, case.Lk, case.Dh, case.Dv
     scale = 1.0 / math.sqrt(Dh) if case.scale is None or "scale" not in case.options else case.scale
@@ -474,4 +478,5 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
         p = float(0.2 if case.dropout_p is None else case.dropout_p)
         opts["dropout_p"] = p
         opts["dropout_mask"] = rng.random((B, Hq, Lq, Lk)) >= p  # True = keep
-    return CaseInputs(q, k, v, dout, opts)
+    dlse = rng.standard_normal((B, Hq, Lq))  # [B, Hq, Lq]
+    return CaseInputs(q, k, v, dout, opts, dlse)

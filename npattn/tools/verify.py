@@ -59,12 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the diagonal of the window and ALiBi cases (flash-attn: bottom_right)")
     grads = p.add_mutually_exclusive_group()
     grads.add_argument("--backward", default=None,
-                       help="backward(dout, *saved) -> (dq, dk, dv[, dsinks]); fn then returns "
-                       "(out[, lse], *saved)")
+                       help="backward(dout, *saved) -> (dq, dk, dv[, dsinks]) or (dq, dk, dv, "
+                       "dmask, dsinks); fn then returns (out[, lse], *saved)")
     grads.add_argument("--autograd", choices=("torch", "jax"), default=None,
                        help="gradients by torch.autograd.grad or jax.vjp")
     p.add_argument("--returns-lse", action="store_true",
                    help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd)")
+    p.add_argument("--mask-grad", action="store_true", default=None,
+                   help="require and check dmask, the gradient of a float mask (with --autograd "
+                   "the mask requires grad); without it dmask is checked where the backward "
+                   "returns one")
+    p.add_argument("--lse-grad", action="store_true",
+                   help="the backward takes an upstream gradient of lse: backward(dout, *saved, "
+                   "dlse=...), or lse's cotangent under --autograd (needs --returns-lse)")
     p.add_argument("--adapter", default=None,
                    help="rename/drop npattn's keywords: a JSON mapping, or module:object (a "
                    "mapping or a callable(options) -> keywords)")
@@ -174,8 +181,10 @@ def _command(args) -> str:
                                  ("--combos", args.combos, "pairs")):
         if value != default:
             parts += [flag, str(value)]
-    if args.returns_lse:
-        parts.append("--returns-lse")
+    for flag, on in (("--returns-lse", args.returns_lse), ("--mask-grad", args.mask_grad),
+                     ("--lse-grad", args.lse_grad)):
+        if on:
+            parts.append(flag)
     parts += ["--seed", str(args.seed)]
     return " ".join(shlex.quote(p) for p in parts) + " --case {case}"
 
@@ -223,7 +232,8 @@ def _run(args) -> int:
     try:
         report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
                            backward=backward, autograd=args.autograd,
-                           returns_lse=args.returns_lse, backend=args.backend, device=args.device,
+                           returns_lse=args.returns_lse, mask_grad=args.mask_grad,
+                           lse_grad=args.lse_grad, backend=args.backend, device=args.device,
                            align=args.align, adapter=adapter, seed=args.seed,
                            budget_factor=args.budget_factor, combos=combos, cases=args.case,
                            progress=progress, command=_command(args), target=args.target)
