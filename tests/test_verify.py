@@ -1,10 +1,12 @@
 """npattn.verify: the panel, the budgets, the degenerate rule, the report, and the proof.
 
 The proof is examples/verify/kernels.py: its blocked NumPy kernel passes at
-float64, float32 and float16, and each of its ten seeded mistakes fails,
-with the tensor that the mistake breaks named and only in the cases that
-hold the option it is about. torch's SDPA (autograd) and npattn.compat's
-flash_attn_func pass with the options they declare.
+float64, float32 and float16 (with dmask and dlse), and each of its twelve
+seeded mistakes fails, with the tensor that the mistake breaks named and
+only in the cases that hold the option it is about (the dlse one only with
+lse_grad, the dmask one only with a float mask). torch's SDPA (autograd,
+with mask gradients too) and npattn.compat's flash_attn_func pass with the
+options they declare.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def npattn_kernel(q, k, v, **options):
     return out, cache.lse, cache
 
 
-def npattn_backward(dout, cache):
-    return F.sdpa_backward(dout, cache)  # SDPAGrads: dq, dk, dv, dmask, dsinks
+def npattn_backward(dout, cache, dlse=None):
+    return F.sdpa_backward(dout, cache, dlse=dlse)  # SDPAGrads: dq, dk, dv, dmask, dsinks
 
 
 # --------------------------------------------------------------------------
@@ -132,17 +134,21 @@ def test_without_empty_rows_every_row_attends_something():
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 def test_the_example_kernel_passes(dtype):
-    report = run_kernel(K.attention, dtype)
+    report = run_kernel(K.attention, dtype, mask_grad=True, lse_grad=True)
     assert report.ok, report.format()
     assert len(report.results) == len(VC.panel(ALL))
     for t in VF.TENSORS:  # every tensor is tested, not only degenerate, somewhere
         assert any(r.tensors[t].status == "pass" for r in report.results if t in r.tensors), t
+    float_mask = [r for r in report.results if "mask_float" in r.case.options]
+    assert float_mask and all("dmask" in r.tensors for r in float_mask)
+    assert not any("dmask" in r.tensors for r in report.results if r not in float_mask)
+    assert "with dlse, dmask in 5/5 float-mask cases" in report.summary()
     worst = max(t.ratio for r in report.results for t in r.tensors.values())
     assert worst < 0.7, worst
 
 
 # mutant -> (dtype, tensors it must break, tensors it must not, the option every catch holds,
-#            a phrase of the hint)
+#            a phrase of the hint[, verify's keywords])
 MUTANTS = {
     "bug_softmax_no_rowsum": ("float64", {"dq", "dk"}, {"out", "lse", "dv"}, None, "below the softmax"),
     "bug_transposed_scores": ("float64", {"out", "lse"}, set(), None, "the scores or the softmax"),
@@ -154,13 +160,18 @@ MUTANTS = {
     "bug_sink_dropped": ("float64", {"out", "lse", "dsinks"}, set(), "sinks", "scores or the softmax"),
     "bug_gqa_no_sum": ("float64", {"dk", "dv"}, {"out", "lse", "dq"}, "gqa", "group of query heads"),
     "bug_float16_sum": ("float16", {"lse"}, set(), None, "precision"),
+    "bug_dlse_ignored": ("float64", {"dq", "dk", "dmask", "dsinks"}, {"out", "lse", "dv"}, None,
+                         "+ dlse", {"lse_grad": True}),
+    "bug_dmask_sign": ("float64", {"dmask"}, {"out", "lse", "dq", "dk", "dv", "dsinks"},
+                       "mask_float", "dmask has the wrong sign"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_each_mutant_is_caught_with_its_tensor_named(name):
-    dtype, broken, intact, option, phrase = MUTANTS[name]
-    report = run_kernel(getattr(K, name), dtype)
+    dtype, broken, intact, option, phrase = MUTANTS[name][:5]
+    kw = MUTANTS[name][5] if len(MUTANTS[name]) > 5 else {}
+    report = run_kernel(getattr(K, name), dtype, **kw)
     assert not report.ok
     caught = {t: failing(report, t) for t in VF.TENSORS}
     print(f"{name} ({dtype}) caught by: " + "; ".join(
@@ -183,6 +194,18 @@ def test_each_mutant_is_caught_with_its_tensor_named(name):
     assert "FAIL" in text and "rerun: print(npattn.verify(" in text
 
 
+@pytest.mark.parametrize("name, off", [("bug_dlse_ignored", {}),
+                                       ("bug_dmask_sign", {"mask_grad": False}),
+                                       ("bug_dmask_sign", {"supports": "mask_bool,gqa,sinks"})])
+def test_the_dlse_and_dmask_mutants_hide_without_their_check(name, off):
+    """Ignoring dlse is right when no dlse is given; a wrong dmask is seen only when dmask is
+    compared, in the cases with a float mask."""
+    report = run_kernel(getattr(K, name), "float64", **off)
+    assert report.ok, report.format()
+    if name == "bug_dmask_sign":
+        assert not any("dmask" in r.tensors for r in report.results)
+
+
 def test_float16_sum_is_caught_by_out_alone_without_lse():
     def out_only(q, k, v, **options):
         out, lse, saved = K.bug_float16_sum(q, k, v, **options)
@@ -193,13 +216,14 @@ def test_float16_sum_is_caught_by_out_alone_without_lse():
 
 
 def test_a_backward_of_zeros_fails_everywhere_it_could():
-    def zeros(dout, saved):
-        dq, dk, dv, dsinks = K.attention_backward(dout, saved)
-        return np.zeros_like(dq), np.zeros_like(dk), np.zeros_like(dv), dsinks
+    def zeros(dout, saved, dlse=None):
+        g = K.attention_backward(dout, saved, dlse=dlse)
+        return g._replace(dq=np.zeros_like(g.dq), dk=np.zeros_like(g.dk), dv=np.zeros_like(g.dv),
+                          dmask=None if g.dmask is None else np.zeros_like(g.dmask))
 
-    report = run_kernel(K.attention, "float32", backward=zeros)
+    report = run_kernel(K.attention, "float32", backward=zeros, lse_grad=True)
     for r in report.results:
-        for t in ("dq", "dk", "dv"):
+        for t in ("dq", "dk", "dv") + (("dmask",) if "mask_float" in r.case.options else ()):
             # a zero gradient passes only where the check says it cannot tell
             assert r.tensors[t].status in ("fail", "degenerate"), (r.case.name, t)
     assert len(failing(report, "dq")) >= len(report.results) - 4
@@ -211,8 +235,9 @@ def test_a_backward_of_zeros_fails_everywhere_it_could():
 
 def test_budget_is_factor_times_npattn_error_plus_floor():
     report = VF.verify(npattn_kernel, dtype="float32", supports=ALL, backward=npattn_backward,
-                       returns_lse=True, budget_factor=3.0)
+                       returns_lse=True, budget_factor=3.0, mask_grad=True, lse_grad=True)
     assert report.ok, report.format()
+    assert sum("dmask" in r.tensors for r in report.results) == 5
     for r in report.results:
         for t in r.tensors.values():
             assert t.budget == pytest.approx(3.0 * t.npattn_error + t.floor, rel=1e-12)
@@ -239,6 +264,30 @@ def test_floor_follows_the_terms_of_the_tensor():
     r = report.results[0]
     assert r.tensors["dq"].magnitude == 0.0 and r.tensors["dq"].status == "degenerate"
     assert r.tensors["dv"].status == "pass"
+
+
+def test_dmask_and_dlse_floors_follow_ds():
+    """dmask's terms are p (|dp| + |delta|) summed over the heads a (B, 1, Lq, Lk) mask was
+    broadcast along; dlse adds |dlse| to |delta| (in dq, dk, dmask and dsinks)."""
+    case = next(c for c in VC.panel("mask_float") if c.options == ("mask_float",))
+    inp = VC.case_inputs(case)
+    assert inp.options["mask"].shape == (case.B, 1, case.Lq, case.Lk) and case.Hq == 2
+    assert inp.dlse.shape == (case.B, case.Hq, case.Lq) and 0.8 < inp.dlse.std() < 1.2
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+    truth = {"out": out, "lse": cache.lse, "weights": cache.probs}
+    empty = np.zeros(cache.lse.shape, dtype=bool)
+    p = cache.probs
+    dp = np.abs(inp.dout @ np.swapaxes(inp.v, -1, -2))
+    delta = np.abs(np.sum(inp.dout * out, axis=-1, keepdims=True))
+    plain = VF.term_scales(inp, truth, empty)
+    want = (p * (dp + delta)).sum(axis=1, keepdims=True).max()
+    assert plain["dmask"] == pytest.approx(want, rel=1e-12)
+    with_dlse = VF.term_scales(inp, truth, empty, inp.dlse)
+    want = (p * (dp + delta + np.abs(inp.dlse)[..., None])).sum(axis=1, keepdims=True).max()
+    assert with_dlse["dmask"] == pytest.approx(want, rel=1e-12)
+    assert with_dlse["dq"] > plain["dq"] and with_dlse["out"] == plain["out"]
+    # the other arrays of a case do not depend on dlse being drawn last
+    assert np.array_equal(VC.case_inputs(case).dout, inp.dout)
 
 
 def test_a_saturated_softmax_makes_dq_and_dk_degenerate():
@@ -287,6 +336,59 @@ def test_torch_sdpa_passes_with_its_options(dtype):
                        combos=TORCH_COMBOS)
     assert report.ok, report.format()
     assert report.config["gradients"] and len(report.results) >= 25
+
+
+def test_torch_sdpa_passes_with_mask_grads():
+    """A float mask that requires grad: torch's SDPA gives dmask, within npattn's budget."""
+    pytest.importorskip("torch")
+    report = VF.verify(torch_sdpa, dtype="float32", backend="torch", autograd="torch",
+                       mask_grad=True, supports="gqa,mask_float,dv_ne_dk,scale,empty_rows",
+                       combos=[("gqa", "mask_float"), ("dv_ne_dk", "mask_float"),
+                               ("mask_float", "scale")])
+    assert report.ok, report.format()
+    masked = [r for r in report.results if "mask_float" in r.case.options]
+    assert len(masked) == 5 and all("dmask" in r.tensors for r in masked)
+    assert sum(r.tensors["dmask"].status == "pass" for r in masked) >= 4
+    assert any(r.case.empty_rows for r in masked)  # fully masked rows: -inf entries skipped
+    # the same kernel with its mask detached gives no dmask: required, it fails as missing
+    def detached(q, k, v, mask=None, **kw):
+        return torch_sdpa(q, k, v, mask=None if mask is None else mask.detach(), **kw)
+
+    bad = VF.verify(detached, dtype="float32", backend="torch", autograd="torch",
+                    mask_grad=True, supports="mask_float", cases=["mask_float-65x129"])
+    assert not bad.ok and "missing" in bad.results[0].tensors["dmask"].note
+
+
+def torch_dense(q, k, v, mask=None, is_causal=False, scale=None):
+    """Dense attention in torch ops that returns (out, lse), for autograd with dlse."""
+    import torch
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    if mask is not None:
+        s = s + mask
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def test_torch_autograd_with_dlse_and_dmask():
+    pytest.importorskip("torch")
+    kw = dict(dtype="float32", backend="torch", autograd="torch", returns_lse=True,
+              supports="causal,mask_float,scale", combos=[("mask_float", "scale")])
+    report = VF.verify(torch_dense, lse_grad=True, mask_grad=True, **kw)
+    assert report.ok, report.format()
+    assert report.config["lse_grad"] and all("dmask" in r.tensors for r in report.results
+                                             if "mask_float" in r.case.options)
+
+    def lse_detached(q, k, v, **options):  # lse carries no gradient: dlse is lost
+        out, lse = torch_dense(q, k, v, **options)
+        return out, lse.detach() * 1.0 + 0.0 * q.sum()
+
+    lost = VF.verify(lse_detached, lse_grad=True, **kw)
+    assert not lost.ok and "+ dlse" in lost.failures[0].hint
+    assert VF.verify(lse_detached, **kw).ok  # without lse_grad it cannot be seen
 
 
 def test_torch_sdpa_fails_where_it_does_not_implement_the_option():
@@ -339,13 +441,22 @@ def test_layouts(layout):
         lse = np.swapaxes(lse, 1, 2) if layout == "bthd" else lse  # JAX's (B, T, N)
         return np.swapaxes(out, 1, 2), lse, cache
 
-    def backward(dout, cache):
-        g = F.sdpa_backward(np.swapaxes(dout, 1, 2), cache)
-        return tuple(np.swapaxes(t, 1, 2) for t in (g.dq, g.dk, g.dv)) + (g.dsinks,)
+    seen = []
+
+    def backward(dout, cache, dlse):
+        seen.append(dlse.shape)
+        dlse = np.swapaxes(dlse, 1, 2) if layout == "bthd" else dlse  # lse's layout
+        g = F.sdpa_backward(np.swapaxes(dout, 1, 2), cache, dlse=dlse)
+        # a 5-tuple in npattn's order; dmask keeps the mask's (B, H, Lq, Lk) in every layout
+        return tuple(np.swapaxes(t, 1, 2) for t in (g.dq, g.dk, g.dv)) + (g.dmask, g.dsinks)
 
     report = VF.verify(kernel, layout=layout, dtype="float32", backward=backward,
-                       returns_lse=True, supports="gqa,dv_ne_dk,sinks", combos=False)
+                       returns_lse=True, lse_grad=True, supports="gqa,dv_ne_dk,sinks,mask_float",
+                       combos=False)
     assert report.ok, report.format()
+    assert sum("dmask" in r.tensors for r in report.results) == 2
+    c = report.results[0].case
+    assert seen[0] == ((c.B, c.Lq, c.Hq) if layout == "bthd" else (c.B, c.Hq, c.Lq))
     # the same kernel read in the wrong layout fails
     wrong = VF.verify(kernel, layout="bhsd", dtype="float32", returns_lse=True,
                       cases=["base-65x128"])
@@ -363,6 +474,32 @@ def test_jax_dot_product_attention_passes():
                        supports="causal,gqa,mask_bool", cases=["causal-128x65", "gqa-65x129"])
     assert report.ok, report.format()
     assert isinstance(jnp.zeros(1), jax.Array)
+
+
+def test_jax_vjp_with_dlse_and_dmask():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    def dense(q, k, v, mask=None):
+        # [B, T, N, H] -> [B, T, N, H], [B, T, N]
+        s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])  # [B, N, T, S]
+        s = s if mask is None else s + mask
+        out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+        return out, jnp.swapaxes(jax.nn.logsumexp(s, axis=-1), 1, 2)
+
+    kw = dict(layout="bthd", dtype="float32", backend="jax", autograd="jax", returns_lse=True,
+              supports="mask_float", cases=["mask_float-65x129", "mask_float-128x65"])
+    report = VF.verify(dense, lse_grad=True, mask_grad=True, **kw)
+    assert report.ok, report.format()
+    assert all(r.tensors["dmask"].status == "pass" for r in report.results)
+
+    def wrong_sign(q, k, v, mask=None):
+        m = jax.lax.stop_gradient(mask)  # the same values, the gradient negated
+        return dense(q, k, v, mask=jnp.where(jnp.isfinite(m), 2.0 * m - mask, m))
+
+    bad = VF.verify(wrong_sign, mask_grad=True, **kw)
+    assert [r.failing for r in bad.results] == [["dmask"], ["dmask"]]
+    assert "wrong sign" in bad.results[0].hint
 
 
 # --------------------------------------------------------------------------
@@ -402,6 +539,66 @@ def test_nan_on_empty_rows_is_named():
     assert ok.ok, ok.format()  # declared without empty_rows, it is not given any
 
 
+def test_dmask_is_compared_when_given_required_with_mask_grad_and_finite_entries_only():
+    def kernel(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return out, lse, cache, options.get("mask")
+
+    def no_dmask(dout, cache, mask):
+        return F.sdpa_backward(dout, cache)[:3]
+
+    def noisy_dmask(dout, cache, mask):  # garbage where the mask is -inf: not compared
+        g = F.sdpa_backward(dout, cache)
+        if mask is None or mask.dtype == bool:
+            return g
+        return {"dq": g.dq, "dk": g.dk, "dv": g.dv,
+                "dmask": np.where(np.isfinite(mask), g.dmask, np.nan)}
+
+    kw = dict(dtype="float64", returns_lse=True, supports="mask_float,empty_rows", combos=False)
+    quiet = VF.verify(kernel, backward=no_dmask, **kw)
+    assert quiet.ok and not any("dmask" in r.tensors for r in quiet.results)
+    assert "no dmask (none given; mask_grad=True requires it)" in quiet.summary()
+    required = VF.verify(kernel, backward=no_dmask, mask_grad=True, **kw)
+    masked = [r for r in required.results if "mask_float" in r.case.options]
+    assert not required.ok and {r.case.name for r in required.failures} == {r.case.name for r in masked}
+    assert all(r.hint == "dmask: missing: no dmask was returned" for r in masked)
+    noisy = VF.verify(kernel, backward=noisy_dmask, **kw)
+    assert noisy.ok, noisy.format()
+    assert any(r.case.empty_rows for r in masked)
+    assert all(r.tensors["dmask"].status == "pass" for r in noisy.results if "dmask" in r.tensors)
+    off = VF.verify(kernel, backward=noisy_dmask, mask_grad=False, **kw)
+    assert off.ok and "no dmask (mask_grad=False)" in off.summary()
+
+
+def test_dlse_is_zero_on_rows_with_nothing_to_attend_and_float32_for_half():
+    got = []
+
+    def backward(dout, cache, dlse):
+        got.append(dlse)
+        return F.sdpa_backward(dout, cache, dlse=dlse)
+
+    for dtype, want in (("float64", np.float64), ("float16", np.float32)):
+        got.clear()
+        report = VF.verify(npattn_kernel, backward=backward, returns_lse=True, lse_grad=True,
+                           dtype=dtype, supports="mask_bool,empty_rows", cases=["mask_bool-65x129"])
+        assert report.ok, report.format()
+        case = report.results[0].case
+        inp = VC.case_inputs(case)
+        empty = ~inp.options["mask"].any(axis=-1)  # [B, 1, Lq]
+        empty = np.broadcast_to(empty, (case.B, case.Hq, case.Lq))
+        (dlse,) = got
+        assert dlse.dtype == want and dlse.shape == (case.B, case.Hq, case.Lq)
+        assert empty.any() and np.all(dlse[empty] == 0.0) and np.all(dlse[~empty] != 0.0)
+        assert np.allclose(dlse[~empty], inp.dlse[~empty], rtol=1e-3)
+
+
+def test_a_backward_without_dlse_is_told_how_it_is_called():
+    report = VF.verify(npattn_kernel, backward=lambda dout, cache: F.sdpa_backward(dout, cache),
+                       returns_lse=True, lse_grad=True, dtype="float64", cases=["base-65x128"])
+    r = report.results[0]
+    assert r.error is not None and "backward(dout, *saved, dlse=dlse)" in r.hint
+
+
 def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"layout: expected one of .*got 'bhds'"):
         VF.verify(npattn_kernel, layout="bhds")
@@ -419,6 +616,16 @@ def test_argument_errors_name_the_argument():
         VF.verify(npattn_kernel, cases=[VC.Case("x", options=("window",))])
     with pytest.raises(TypeError, match="fn: expected a callable"):
         VF.verify("attention")
+    with pytest.raises(ValueError, match="lse_grad: True needs returns_lse=True"):
+        VF.verify(npattn_kernel, backward=npattn_backward, lse_grad=True)
+    with pytest.raises(ValueError, match="lse_grad: True passes dlse to the gradients"):
+        VF.verify(npattn_kernel, returns_lse=True, lse_grad=True)
+    with pytest.raises(ValueError, match="mask_grad: True checks the dmask of float masks"):
+        VF.verify(npattn_kernel, backward=npattn_backward, mask_grad=True, supports="mask_bool")
+    with pytest.raises(ValueError, match="mask_grad: True checks the gradient of the mask"):
+        VF.verify(npattn_kernel, mask_grad=True, supports="mask_float")
+    with pytest.raises(ValueError, match="mask_grad: expected None, True or False"):
+        VF.verify(npattn_kernel, mask_grad="yes")
 
 
 def test_report_json_and_table_and_plot(tmp_path):

@@ -48,6 +48,27 @@ def test_mutant_exits_1_and_its_reproducer_reruns_the_case(capsys):
     assert "0/1 cases pass" in again and case in again and "window" in case
 
 
+def test_mask_grad_and_lse_grad_flags_reach_the_check_and_the_reproducer(capsys):
+    flags = ["--supports", "mask_float,sinks", "--combos", "none", "--dtype", "float64",
+             "--mask-grad", "--lse-grad", "--no-progress", "--json", "-"]
+    assert cli.main(["verify", *GOOD, *flags]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["mask_grad"] is True and data["config"]["lse_grad"] is True
+    assert all("dmask" in c["tensors"] for c in data["cases"] if "mask_float" in c["options"])
+    target = f"{KERNELS}:bug_dlse_ignored"
+    argv = ["verify", target, "--backward", "attention_backward", "--returns-lse", *flags[:-2]]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    rerun = next(line.split("rerun: ", 1)[1] for line in out.splitlines() if "rerun: " in line)
+    assert "--mask-grad --lse-grad" in rerun and "+ dlse" in out
+    assert cli.main(shlex.split(rerun)[1:] + ["--no-progress"]) == 1
+    # without --lse-grad the mistake cannot be seen
+    assert cli.main([a for a in argv if a != "--lse-grad"]) == 0
+    capsys.readouterr()
+    assert V.main([f"{KERNELS}:attention", "--lse-grad"]) == 2  # no --returns-lse, no backward
+    assert "lse_grad: True" in capsys.readouterr().err
+
+
 def test_json_to_stdout_and_list(capsys):
     assert cli.main(["verify", *GOOD, "--supports", "gqa", "--json", "-", "--no-progress",
                      "--case", "gqa-65x129"]) == 0

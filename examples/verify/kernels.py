@@ -1,4 +1,4 @@
-"""User-style attention kernels for ``npattn verify``: one right, ten wrong.
+"""User-style attention kernels for ``npattn verify``: one right, twelve wrong.
 
 ``attention`` is a blocked (FlashAttention-2 style) NumPy kernel: the keys
 are visited in tiles of ``BLOCK`` with an online softmax, and the backward
@@ -8,16 +8,21 @@ top-left and bottom-right, windows, softcap, ALiBi, sinks, GQA, packed
 segments, a dropout keep-mask, Dv != Dh, bool and float masks, a scale,
 rows with nothing to attend) on (B, H, L, D) arrays, and returns
 ``(out, lse, saved)``: the verify protocol with ``returns_lse=True`` and
-``backward=attention_backward``. float16 inputs are computed in float32.
+``backward=attention_backward``. The backward also gives the gradient of a
+float mask (``dmask``) and takes an upstream gradient of lse (``dlse=``), so
+it passes with ``mask_grad=True`` and ``lse_grad=True``. float16 inputs are
+computed in float32.
 
 Check it::
 
     npattn verify examples/verify/kernels.py:attention --backward attention_backward \\
-        --returns-lse --supports all
+        --returns-lse --supports all --mask-grad --lse-grad
 
 Each ``bug_*`` function is the same kernel with one seeded mistake (see
 ``MUTANTS``); ``npattn verify`` names the tensor it breaks. They share
-``attention_backward``: the mistake travels in ``saved``.
+``attention_backward``: the mistake travels in ``saved``. ``bug_dlse_ignored``
+is caught only with ``lse_grad=True``, ``bug_dmask_sign`` only in the cases
+with a float mask (and ``mask_grad`` not False).
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
 lengths, Dh key width, Dv value width; bq/bk the rows/columns of a tile.
@@ -44,6 +49,8 @@ MUTANTS = {
     "bug_sink_dropped": "the sink left out of the softmax denominator",
     "bug_gqa_no_sum": "dk and dv of a K/V head taken from its first query head, not summed",
     "bug_float16_sum": "the softmax row sum accumulated in float16",
+    "bug_dlse_ignored": "the backward drops dlse, the upstream gradient of lse",
+    "bug_dmask_sign": "dmask, the float mask's gradient, returned with the wrong sign",
 }
 
 
@@ -61,6 +68,7 @@ class Options(NamedTuple):
     q_segments: Any  # [B, nq] padded with -1, or None
     k_segments: Any  # [B, nk] padded with -2, or None
     mask: Any  # [B|1, Hq|1, nq, nk] bool or float, or None
+    mask_shape: Optional[tuple]  # a float mask's shape as given, for dmask; else None
     keep: Any  # [B, Hq, nq, nk] bool dropout keep-mask, or None
     dropout_p: float
     Lq: int
@@ -150,9 +158,10 @@ def _options(q, k, *, mask, is_causal, align, window, scale, softcap, alibi_slop
     if q_segments is not None:
         qs = _pad(np.asarray(q_segments), (1,), (nq,), -1)
         ks = _pad(np.asarray(k_segments), (1,), (nk,), -2)
-    m = None
+    m = mask_shape = None
     if mask is not None:
         m = np.asarray(mask)
+        mask_shape = None if m.dtype == bool else m.shape
         m = m.reshape((1,) * (4 - m.ndim) + m.shape)
         m = m if m.dtype == bool else m.astype(work)
         m = _pad(np.broadcast_to(m, m.shape[:2] + (Lq, Lk)), (2, 3), (nq, nk),
@@ -161,7 +170,8 @@ def _options(q, k, *, mask, is_causal, align, window, scale, softcap, alibi_slop
     if dropout_mask is not None and dropout_p > 0:
         keep = _pad(np.broadcast_to(np.asarray(dropout_mask), (B, Hq, Lq, Lk)), (2, 3), (nq, nk), False)
     return Options(1.0 / math.sqrt(Dh) if scale is None else float(scale), o, co, bool(is_causal),
-                   left, right, softcap, alibi, qs, ks, m, keep, float(dropout_p), Lq, Lk, bug)
+                   left, right, softcap, alibi, qs, ks, m, mask_shape, keep, float(dropout_p),
+                   Lq, Lk, bug)
 
 
 def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=None, scale=None,
@@ -225,16 +235,31 @@ def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=No
     return out.astype(in_dtype), lse, saved
 
 
-def attention_backward(dout, saved: Saved):
-    """(dq, dk, dv, dsinks) of ``attention`` (or of a ``bug_*``), FlashAttention-2 style.
+class Grads(NamedTuple):
+    """The gradients of ``attention``, in the order of its inputs (npattn's ``SDPAGrads``)."""
+
+    dq: Any  # [B, Hq, Lq, Dh]
+    dk: Any  # [B, Hkv, Lk, Dh]
+    dv: Any  # [B, Hkv, Lk, Dv]
+    dmask: Any  # a float mask's shape, or None
+    dsinks: Any  # [Hq] or None
+
+
+def attention_backward(dout, saved: Saved, dlse=None) -> Grads:
+    """``Grads(dq, dk, dv, dmask, dsinks)`` of ``attention`` (or of a ``bug_*``),
+    FlashAttention-2 style.
 
     delta = rowsum(dout * out); for each tile p = exp(s - lse) is recomputed,
     dv += a^T dout, dp = dout v^T (times the keep-mask / (1 - p)),
-    ds = p * (dp - delta) (times 1 - tanh^2 under softcap), dq += ds k * scale,
-    dk += ds^T q * scale; GQA sums dk and dv over each K/V head's query heads;
-    dsinks = -sum over rows of p_sink * delta.
+    ds = p * (dp - delta + dlse), where ``dlse`` (B, Hq, Lq) is an upstream
+    gradient of lse (d lse / d s_j = p_j; zero when not given); dmask = ds
+    (the mask is added to the scores after the softcap), summed over the axes
+    the mask was broadcast along; then ds times 1 - tanh^2 under softcap,
+    dq += ds k * scale, dk += ds^T q * scale; GQA sums dk and dv over each
+    K/V head's query heads; dsinks = sum over rows of p_sink * (dlse - delta).
     """
-    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [Hq]
+    # [B, Hq, Lq, Dv], Saved, [B, Hq, Lq] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv],
+    #                                        mask shape, [Hq]
     q, k, v, out, lse, sinks, o, in_dtype = saved
     work = q.dtype
     dout = np.asarray(dout, dtype=work)
@@ -245,6 +270,9 @@ def attention_backward(dout, saved: Saved):
     delta = np.sum(dout * out, axis=-1)  # [B, Hq, Lq]
     if o.bug == "no_rowsum":
         delta = np.zeros_like(delta)
+    if dlse is not None and o.bug != "dlse_ignored":
+        # lse = log(sum_j exp(s_j)) adds d lse / d s_j = p_j: ds = p * (dp - (delta - dlse))
+        delta = delta - np.asarray(dlse, dtype=work)  # [B, Hq, Lq]
     qp = _pad(q, (2,), (nq,), 0.0)
     kp = _pad(np.repeat(k, G, axis=1), (2,), (nk,), 0.0)
     vp = _pad(np.repeat(v, G, axis=1), (2,), (nk,), 0.0)
@@ -254,6 +282,7 @@ def attention_backward(dout, saved: Saved):
     dq = np.zeros_like(qp)
     dkh = np.zeros_like(kp)
     dvh = np.zeros_like(vp)
+    dsm = None if o.mask_shape is None else np.zeros((B, Hq, nq, nk), dtype=work)  # ds, for dmask
     factor = o.scale * (o.scale if o.bug == "scale_twice" else 1.0)
     for i0 in range(0, nq, BLOCK):
         rows = np.arange(i0, i0 + BLOCK)
@@ -271,6 +300,8 @@ def attention_backward(dout, saved: Saved):
                 dp = dp * kd
             dvh[:, :, j0:j0 + BLOCK] += np.swapaxes(a, -1, -2) @ do_t
             ds = p * (dp - delta_p[:, :, i0:i0 + BLOCK, None])
+            if dsm is not None:  # in the forward: s = s + mask, so dmask = ds
+                dsm[:, :, i0:i0 + BLOCK, j0:j0 + BLOCK] = ds
             if capped is not None:
                 ds = ds * (1.0 - capped * capped)
             if o.bug == "transposed":
@@ -283,11 +314,19 @@ def attention_backward(dout, saved: Saved):
     else:
         dk = dkh.reshape(B, Hkv, G, Lk, Dh).sum(axis=2)
         dv = dvh.reshape(B, Hkv, G, Lk, Dv).sum(axis=2)
+    dmask = None
+    if dsm is not None:  # summed over the axes the mask was broadcast along
+        shape4 = (1,) * (4 - len(o.mask_shape)) + tuple(o.mask_shape)
+        axes = tuple(i for i in range(4) if shape4[i] == 1)
+        dmask = dsm[:, :, :Lq, :Lk].sum(axis=axes, keepdims=True).reshape(o.mask_shape)
+        if o.bug == "dmask_sign":
+            dmask = -dmask
+        dmask = dmask.astype(in_dtype)
     dsinks = None
     if sinks is not None:
         p_sink = np.exp(sinks[None, :, None] - np.where(lse == -np.inf, np.inf, lse))  # [B, Hq, Lq]
         dsinks = -np.sum(p_sink * delta, axis=(0, 2))  # [Hq]
-    return dq.astype(in_dtype), dk.astype(in_dtype), dv.astype(in_dtype), dsinks
+    return Grads(dq.astype(in_dtype), dk.astype(in_dtype), dv.astype(in_dtype), dmask, dsinks)
 
 
 def attention(q, k, v, **options):
@@ -315,3 +354,5 @@ bug_alibi_sign = _mutant("alibi_sign", "bug_alibi_sign")
 bug_sink_dropped = _mutant("sink_dropped", "bug_sink_dropped")
 bug_gqa_no_sum = _mutant("gqa_no_sum", "bug_gqa_no_sum")
 bug_float16_sum = _mutant("float16_sum", "bug_float16_sum")
+bug_dlse_ignored = _mutant("dlse_ignored", "bug_dlse_ignored")
+bug_dmask_sign = _mutant("dmask_sign", "bug_dmask_sign")
