@@ -32,7 +32,7 @@ def assert_attention_close(fn: Callable, *, allow_degenerate: bool = True,
         case tests what it should.
     **verify_kwargs
         ``layout``, ``dtype``, ``supports``, ``backward``, ``autograd``,
-        ``returns_lse``, ``cases``, ... as ``npattn.verify``.
+        ``returns_lse``, ``mask_grad``, ``lse_grad``, ``cases``, ... as ``npattn.verify``.
 
     Returns
     -------
