@@ -513,7 +513,7 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
                       dropout_mask=dropout_mask, groups=groups, key=key,
                       block_q=block_q, block_k=block_k, options=options)
     xp = namespace(c.q, c.k, c.v, c.mask, c.dropout_mask)
-    q, work, in_dtype, q_shape, v_shape = c.q, c.q.dtype, c.in_dtype, c.q_shape, c.v_shape
+    q, work, in_dtype, v_shape = c.q, c.q.dtype, c.in_dtype, c.v_shape
     split = _pool_split(xp, c)
     if split is None:
         with limit_blas_threads(1 if is_numpy_array(q) else None):  # small GEMMs: one thread

@@ -226,7 +226,7 @@ class VerifyReport:
 
     @property
     def failures(self) -> list:
-        """The failing ``CaseResult``s."""
+        """The failing case results (``CaseResult`` objects)."""
         return [r for r in self.results if r.status == "fail"]
 
     def table_rows(self) -> list:
