@@ -1078,7 +1078,7 @@ def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: bool, gradients
 
 
 def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any = True,
-         cases: Any = None) -> list:
+         cases: Any = None, head_dims: Optional[Iterable[int]] = None) -> list:
     """The cases ``verify`` runs: the panel of ``supports`` (``npattn.verify_cases.panel``),
     or the ``cases`` chosen from it by name, or ``Case`` objects as given.
 
@@ -1086,7 +1086,7 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
     option that ``supports`` does not declare.
     """
     supports = check_supports(supports)
-    full = panel(supports, align, combos=combos)
+    full = panel(supports, align, combos=combos, head_dims=head_dims)
     if cases is None:
         return full
     if isinstance(cases, (str, Case)):
@@ -1129,6 +1129,7 @@ def verify(
     budget_factor: float = 2.0,
     floors: Optional[Mapping] = None,
     combos: Any = True,
+    head_dims: Optional[Iterable[int]] = None,
     cases: Any = None,
     progress: Optional[Callable] = None,
     command: Optional[str] = None,
@@ -1201,6 +1202,9 @@ def verify(
         Overrides of ``FLOORS`` (by dtype).
     combos : bool or iterable of tuples
         Option combinations of the panel (``npattn.verify_cases.panel``).
+    head_dims : iterable of int, optional
+        The head widths the kernel takes, e.g. ``(64, 128)``: the panel's
+        cases use them in turn (``npattn.verify_cases.panel``).
     cases : optional
         Names of panel cases, or ``Case`` objects (e.g. from
         ``npattn.testing.strategies.attention_cases()``), instead of the panel.
@@ -1230,7 +1234,7 @@ def verify(
         raise ValueError(f"autograd: 'jax' needs backend='jax', got backend={lib_name!r}")
     lib = _Library(lib_name, device)
     lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
-    chosen = plan(supports, align=align, combos=combos, cases=cases)
+    chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
                   int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports,
                   mask_grad, lse_grad)
@@ -1241,7 +1245,8 @@ def verify(
               "backward": None if backward is None else _describe_callable(backward),
               "returns_lse": bool(returns_lse), "gradients": cfg.gradients,
               "mask_grad": mask_grad, "lse_grad": lse_grad, "seed": int(seed),
-              "budget_factor": float(budget_factor), "floors": cfg.floors}
+              "budget_factor": float(budget_factor), "floors": cfg.floors,
+              "head_dims": None if head_dims is None else list(head_dims)}
     results = []
     for i, case in enumerate(chosen):
         rep = _reproducer(command, case, name, config)
@@ -1259,7 +1264,7 @@ def _reproducer(command: Optional[str], case: Case, name: str, config: dict) -> 
     if config["supports"]:
         args.append(f"supports={','.join(config['supports'])!r}")
     default = {"backend": "numpy", "align": "top_left", "autograd": None, "returns_lse": False,
-               "mask_grad": None, "lse_grad": False}
+               "mask_grad": None, "lse_grad": False, "head_dims": None}
     for key in default:
         if config[key] != default[key]:
             args.append(f"{key}={config[key]!r}")

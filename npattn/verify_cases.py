@@ -309,7 +309,8 @@ def _all_sets(options: tuple, align: str) -> list:
     return sets
 
 
-def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any = True) -> list:
+def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any = True,
+          head_dims: Optional[Iterable[int]] = None) -> list:
     """The default panel for a kernel that declares ``supports``.
 
     Parameters
@@ -322,12 +323,18 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
         True: pairs of options and all options together; False: each option
         alone only; an iterable of option tuples: exactly those combinations
         (each must be declared and compatible).
+    head_dims : iterable of int, optional
+        The head widths the kernel takes (e.g. ``(64, 128)``): the cases use
+        them in turn as Dh in place of the panel's own (8, 16, 32, 64). Dv is
+        Dh too, except under "dv_ne_dk" where it is the next width in
+        ``head_dims`` (Dh + 8 when only one is given).
 
     Returns
     -------
     list of Case, names unique.
     """
     supports = check_supports(supports)
+    dims = check_head_dims(head_dims)
     empty_ok = "empty_rows" in supports
     options = tuple(s for s in supports if s not in PERMISSIONS)
     cases: list = []
@@ -360,7 +367,33 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
         c = _make_case("", opts, Lq, Lk, Dh, index=i, empty_ok=empty_ok)
         label = "+".join(opts) if len(opts) <= 3 else f"all{len(opts)}"
         cases.append(replace(c, name=f"{label}-{c.Lq}x{c.Lk}"))
+    if dims is not None:
+        cases = [_with_head_dim(c, dims, i) for i, c in enumerate(cases)]
     return _unique(cases)
+
+
+def check_head_dims(head_dims: Optional[Iterable[int]]) -> Optional[tuple]:
+    """``head_dims`` as a tuple of ints >= 1 (None stays None); ``ValueError``/``TypeError``."""
+    if head_dims is None:
+        return None
+    if isinstance(head_dims, (str, bytes)) or not hasattr(head_dims, "__iter__"):
+        raise TypeError(f"head_dims: expected an iterable of ints >= 1, got {head_dims!r}")
+    dims = tuple(head_dims)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+        raise ValueError(f"head_dims: expected ints >= 1, at least one, got {dims!r}")
+    return dims
+
+
+def _with_head_dim(case: Case, dims: tuple, index: int) -> Case:
+    """``case`` with Dh = ``dims[index % len(dims)]`` (Dv, and a given scale, follow)."""
+    Dh = dims[index % len(dims)]
+    Dv = Dh
+    if case.Dv != case.Dh:  # dv_ne_dk: another width the kernel takes
+        Dv = dims[(index + 1) % len(dims)] if len(dims) > 1 else Dh + 8
+    scale = case.scale
+    if scale is not None:  # the same multiple of 1/sqrt(Dh)
+        scale = scale * math.sqrt(case.Dh) / math.sqrt(Dh)
+    return replace(case, Dh=Dh, Dv=Dv, scale=scale)
 
 
 def _unique(cases: list) -> list:

@@ -682,3 +682,28 @@ def test_assert_attention_close_raises_with_the_table():
                                returns_lse=True, dtype="float64", cases=["base-65x128"])
     text = str(info.value)
     assert "disagrees with npattn" in text and "worst err" in text and "below the softmax" in text
+
+
+def test_head_dims_draw_the_panel_at_the_widths_a_kernel_takes():
+    """A kernel that takes only Dh in {32, 64} fails the default panel (its Dh of 8 and 16)
+    and passes with head_dims=(32, 64); Dv follows, dv_ne_dk takes the other width."""
+    def only_32_64(q, k, v, **options):
+        if q.shape[-1] not in (32, 64) or v.shape[-1] not in (32, 64):
+            raise ValueError(f"head width {q.shape[-1]}/{v.shape[-1]} not supported")
+        return npattn_kernel(q, k, v, **options)
+
+    supports = "causal,dv_ne_dk,scale"
+    cases = VF.plan(supports, head_dims=(32, 64))
+    assert {c.Dh for c in cases} == {32, 64} and all(c.Dv in (32, 64) for c in cases)
+    assert any(c.Dv != c.Dh for c in cases if "dv_ne_dk" in c.options)
+    for c in cases:
+        if "scale" in c.options:  # the same multiple of 1/sqrt(Dh) as the panel's own
+            assert any(math.isclose(c.scale * math.sqrt(c.Dh), f) for f in (0.5, 1.7))
+    report = VF.verify(only_32_64, supports=supports, backward=npattn_backward, returns_lse=True,
+                       head_dims=(32, 64))
+    assert report.ok, report.format()
+    assert report.config["head_dims"] == [32, 64]
+    default = VF.verify(only_32_64, supports=supports, backward=npattn_backward, returns_lse=True)
+    assert not default.ok and "head width" in default.format()
+    with pytest.raises(ValueError, match="head_dims"):
+        VF.plan(supports, head_dims=(0,))

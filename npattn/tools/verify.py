@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rename/drop npattn's keywords: a JSON mapping, or module:object (a "
                    "mapping or a callable(options) -> keywords)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-dims", metavar="D[,D...]",
+                   help="the head widths the kernel takes, e.g. 64,128: the panel's cases use "
+                        "them in turn as Dh (default: the panel's own 8, 16, 32, 64)")
     p.add_argument("--budget-factor", type=float, default=2.0,
                    help="how many times npattn's own error in the dtype the kernel may make "
                    "(default 2)")
@@ -178,7 +181,8 @@ def _command(args) -> str:
                                  ("--autograd", args.autograd, None),
                                  ("--adapter", args.adapter, None),
                                  ("--budget-factor", args.budget_factor, 2.0),
-                                 ("--combos", args.combos, "pairs")):
+                                 ("--combos", args.combos, "pairs"),
+                                 ("--head-dims", args.head_dims, None)):
         if value != default:
             parts += [flag, str(value)]
     for flag, on in (("--returns-lse", args.returns_lse), ("--mask-grad", args.mask_grad),
@@ -209,9 +213,16 @@ def _run(args) -> int:
     except ValueError as exc:
         raise UsageError(f"--supports: {exc}") from None
     combos = args.combos == "pairs"
+    head_dims = None
+    if args.head_dims is not None:
+        try:
+            head_dims = tuple(int(d) for d in args.head_dims.split(","))
+        except ValueError:
+            raise UsageError(f"--head-dims: expected ints like 64,128, got {args.head_dims!r}") from None
     try:
-        cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case)
-    except ValueError as exc:
+        cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case,
+                        head_dims=head_dims)
+    except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     if args.list:
         for c in cases:
@@ -235,7 +246,8 @@ def _run(args) -> int:
                            returns_lse=args.returns_lse, mask_grad=args.mask_grad,
                            lse_grad=args.lse_grad, backend=args.backend, device=args.device,
                            align=args.align, adapter=adapter, seed=args.seed,
-                           budget_factor=args.budget_factor, combos=combos, cases=args.case,
+                           budget_factor=args.budget_factor, combos=combos, head_dims=head_dims,
+                           cases=args.case,
                            progress=progress, command=_command(args), target=args.target)
     except (ValueError, TypeError, ImportError) as exc:
         raise UsageError(f"{type(exc).__name__}: {exc}") from None
