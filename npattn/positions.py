@@ -1,0 +1,671 @@
+"""Positions inside attention: rotary embeddings and relative positions, each with a hand-derived backward.
+
+Three ways of telling attention where a token is, as forward/backward pairs
+with the contract of ``npattn.functional``::
+
+    out, cache = op_forward(*inputs, ...)
+    grads      = op_backward(dout, cache)
+
+* **RoPE** (Su et al., RoFormer): ``rope_forward`` rotates pairs of
+  coordinates of ``q`` or ``k`` by an angle proportional to the position, so
+  that ``q_i . k_j`` depends on positions only through ``i - j``. Both pairings
+  in use: half-split (GPT-NeoX, HF LLaMA's ``rotate_half``: ``(c, c + Dh/2)``)
+  and interleaved (GPT-J, RoFormer: ``(2c, 2c + 1)``).
+* **Shaw et al.'s relative embeddings**: a table ``R`` of ``2 M - 1`` rows,
+  looked up at the clipped distance ``j - i`` (``relative_embedding_forward``),
+  and the score term ``q_i . r_{j-i}`` (``relative_scores_forward``), a
+  ``[B, H, Lq, Lk]`` bias to pass as the floating ``mask=`` of
+  ``sdpa_forward``; ``sdpa_backward``'s ``dmask`` flows into
+  ``relative_scores_backward``.
+* **T5's bucketed bias**: ``t5_bucket`` (T5's ``_relative_position_bucket``)
+  and ``relative_bias_forward``, a learned scalar per bucket and head.
+
+A table lookup is a gather, and its backward a scatter-add, which the Array
+API standard lacks. Here every table is looked up through the ``Lq + Lk - 1``
+distances ``j - i`` that occur: (1) one row per distance, ``C @ table`` with
+``C`` one-hot (it does the clipping or bucketing), then (2) each distance's row
+spread along its diagonal of the ``[Lq, Lk]`` grid. The backward of (2) sums
+``dout`` along the diagonals, with a pad-and-reshape that turns diagonals into
+columns (``diagonal_sums``); that of (1) is ``C^T @ ...``. ``docs/positions.md``
+derives each step.
+
+Shape legend
+------------
+B batch, H heads, Lq query length, Lk key length, Dh head width, L length
+(RoPE), E width of a relative embedding, M = max_len (Shaw's table has
+N = 2 M - 1 rows), NB number of buckets, T = Lq + Lk - 1 distances.
+
+Code uses only the Python Array API standard through ``xp``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from . import validation as V
+from .backend import check_same_device, device_of, is_floating, namespace
+from .functional import compute_dtype, sum_to_shape
+
+__all__ = [
+    "rope_angles",
+    "rope_forward",
+    "rope_backward",
+    "relative_distances",
+    "diagonal_spread",
+    "diagonal_sums",
+    "relative_embedding_forward",
+    "relative_embedding_backward",
+    "relative_scores_forward",
+    "relative_scores_backward",
+    "t5_bucket",
+    "relative_bias_forward",
+    "relative_bias_backward",
+    "RopeCache",
+    "RelativeEmbeddingCache",
+    "RelativeScoresCache",
+    "RelativeBiasCache",
+]
+
+
+# --------------------------------------------------------------------------
+# argument checks of this module (the shared vocabulary is npattn.validation)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {V.type_name(value)} {value!r}")
+
+
+def _check_base(value: Any) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"base: expected a float > 1, got {V.type_name(value)} {value!r}")
+    if not (math.isfinite(float(value)) and float(value) > 1.0):
+        raise ValueError(f"base: expected a finite float > 1, got {value!r}")
+
+
+def _check_table(name: str, table: Any, *, odd_rows: bool = False) -> None:
+    V.check_floating_array(name, table, like=name)
+    if table.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D array, got shape {V.shape_of(table)}")
+    n = int(table.shape[0])
+    if odd_rows and n % 2 != 1:
+        raise ValueError(
+            f"{name}: expected an odd number of rows, 2 * max_len - 1, got shape {V.shape_of(table)}"
+        )
+
+
+def _check_positions(positions: Any, x: Any) -> None:
+    if positions is None:
+        return
+    if isinstance(positions, numbers.Integral) and not isinstance(positions, (bool, np.bool_)):
+        return
+    xp = namespace(x)
+    V.check_array("positions", positions, xp, device_of(x), where="that of x", library="that of x")
+    if not (xp.isdtype(positions.dtype, "integral") or is_floating(xp, positions)):
+        raise TypeError(
+            f"positions: expected integer or real floating positions, got {V.dtype_name(positions.dtype)}"
+        )
+    V.check_broadcasts_to("positions", V.shape_of(positions), tuple(x.shape[:-1]),
+                          "x.shape[:-1] = (..., L)")
+
+
+# --------------------------------------------------------------------------
+# rotary position embeddings
+
+
+class RopeCache(NamedTuple):
+    cos: Any  # [..., L, Dh/2] cos(theta), compute dtype
+    sin: Any  # [..., L, Dh/2] sin(theta)
+    interleaved: bool  # pairs (2c, 2c+1) instead of (c, c + Dh/2)
+    in_dtype: Any  # dtype of x; dx is cast back to it
+
+
+def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: Any = None) -> Any:
+    """The rotation angles ``theta[..., l, c] = positions[..., l] * base^(-2c/Dh)``, c < Dh/2.
+
+    Computed in float64 (``positions`` may be large), returned in ``dtype``
+    (default float64). # [..., L] -> [..., L, Dh/2]
+    """
+    dev = device_of(positions)
+    pos = xp.astype(positions, xp.float64)  # [..., L]
+    c = xp.astype(xp.arange(Dh // 2, device=dev), xp.float64)  # [Dh/2]
+    inv_freq = xp.exp(c * (-2.0 * math.log(float(base)) / Dh))  # [Dh/2] base^(-2c/Dh)
+    theta = xp.expand_dims(pos, axis=-1) * inv_freq  # [..., L, Dh/2]
+    return xp.astype(theta, xp.float64 if dtype is None else dtype)
+
+
+def _rope_split(xp: Any, x: Any, interleaved: bool) -> tuple[Any, Any]:
+    """The two coordinates of each pair. # [..., Dh] -> [..., Dh/2], [..., Dh/2]"""
+    if interleaved:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _rope_merge(xp: Any, a: Any, b: Any, interleaved: bool) -> Any:
+    """The inverse of ``_rope_split``. # [..., Dh/2], [..., Dh/2] -> [..., Dh]"""
+    if interleaved:
+        pairs = xp.stack([a, b], axis=-1)  # [..., Dh/2, 2]
+        return xp.reshape(pairs, (*a.shape[:-1], 2 * a.shape[-1]))
+    return xp.concat([a, b], axis=-1)
+
+
+def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
+                 interleaved: bool = False) -> tuple[Any, RopeCache]:
+    """Rotary position embedding: rotate each pair of coordinates of ``x`` by ``theta``.
+
+    For a pair ``(x1, x2)`` of frequency ``c`` at position ``p``,
+    ``theta = p * base^(-2c/Dh)`` and
+
+    .. math::
+
+        y_1 = x_1 \\cos\\theta - x_2 \\sin\\theta, \\qquad
+        y_2 = x_2 \\cos\\theta + x_1 \\sin\\theta,
+
+    which is ``out = x * cos + rotate_half(x) * sin`` of HF LLaMA in the
+    half-split pairing. Steps (the backward walks them in reverse):
+
+    1. ``theta = positions * inv_freq``          [..., L, Dh/2]
+    2. ``cos, sin = cos(theta), sin(theta)``
+    3. ``x1, x2 = split(x)``                     half-split or interleaved
+    4. ``y1 = x1 cos - x2 sin``; ``y2 = x2 cos + x1 sin``
+    5. ``out = merge(y1, y2)``                   [..., L, Dh]
+
+    Parameters
+    ----------
+    x : array, shape (..., L, Dh), Dh even
+        Queries or keys, e.g. (B, H, L, Dh).
+    positions : None, int, or array broadcastable to (..., L)
+        None: ``arange(L)``; an int ``start``: ``start + arange(L)`` (decoding
+        with a KV cache); an array: the positions themselves (integers or
+        floats), e.g. (B, 1, L) for per-sequence offsets.
+    base : float > 1
+        The frequency base (10000 in RoFormer and LLaMA).
+    interleaved : bool
+        False: pairs ``(c, c + Dh/2)`` (GPT-NeoX, HF ``rotate_half``);
+        True: pairs ``(2c, 2c + 1)`` (GPT-J, RoFormer).
+
+    Returns
+    -------
+    out : array, shape (..., L, Dh), dtype of x
+    cache : RopeCache
+
+    Notes
+    -----
+    The angles are computed in float64 and the rotation in the compute dtype
+    (float32 for float16/bfloat16 inputs). ``q_i . k_j`` after rotation
+    depends on the positions only through ``p_i - p_j``.
+    """
+    # [..., L, Dh] -> [..., L, Dh]
+    V.check_floating_array("x", x, like="x")
+    if x.ndim < 2:
+        raise ValueError(f"x: expected an array of shape (..., L, Dh), got shape {V.shape_of(x)}")
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(f"x: expected an even last axis Dh (pairs of coordinates), got shape {V.shape_of(x)}")
+    _check_positions(positions, x)
+    _check_base(base)
+    V.check_bool("interleaved", interleaved)
+    xp = namespace(x)
+    L, Dh = x.shape[-2], x.shape[-1]
+    if positions is None or isinstance(positions, numbers.Integral):
+        start = 0 if positions is None else int(positions)
+        positions = xp.arange(start, start + L, device=device_of(x))  # [L]
+    in_dtype = x.dtype
+    work = compute_dtype(xp, in_dtype)
+    xw = x if work == in_dtype else xp.astype(x, work)
+
+    theta = rope_angles(xp, positions, Dh, base)  # 1.      [..., L, Dh/2] float64
+    cos, sin = xp.astype(xp.cos(theta), work), xp.astype(xp.sin(theta), work)  # 2.
+    x1, x2 = _rope_split(xp, xw, interleaved)  # 3.          [..., L, Dh/2] each
+    y1 = x1 * cos - x2 * sin  # 4.                           [..., L, Dh/2]
+    y2 = x2 * cos + x1 * sin
+    out = _rope_merge(xp, y1, y2, interleaved)  # 5.         [..., L, Dh]
+    if work != in_dtype:
+        out = xp.astype(out, in_dtype)
+    return out, RopeCache(cos, sin, bool(interleaved), in_dtype)
+
+
+def rope_backward(dout: Any, cache: RopeCache) -> tuple[Any, None]:
+    """Gradient of the rotation: the rotation by ``-theta`` (its transpose).
+
+    ``dx1 = dy1 cos + dy2 sin``, ``dx2 = -dy1 sin + dy2 cos``. Positions get
+    no gradient (None).
+
+    Returns
+    -------
+    dx : array, shape (..., L, Dh)
+    dpositions : None
+    """
+    # [..., L, Dh] -> [..., L, Dh], None
+    V.check_cache("cache", cache, RopeCache, "rope_forward")
+    xp = namespace(cache.cos)
+    V.check_floating_array("dout", dout, xp, device_of(cache.cos), dtype=cache.in_dtype,
+                           like="the forward's out")
+    if dout.shape[-1] % 2 != 0 or dout.ndim < 2:
+        raise ValueError(f"dout: expected the shape of the forward's out (..., L, Dh), got {V.shape_of(dout)}")
+    cos, sin = cache.cos, cache.sin
+    if dout.dtype != cos.dtype:
+        dout = xp.astype(dout, cos.dtype)
+    # 5. out = merge(y1, y2): split the gradient the same way
+    dy1, dy2 = _rope_split(xp, dout, cache.interleaved)  # [..., L, Dh/2] each
+    # 4. y1 = x1 cos - x2 sin; y2 = x2 cos + x1 sin: the transposed rotation
+    dx1 = dy1 * cos + dy2 * sin  # [..., L, Dh/2]
+    dx2 = dy2 * cos - dy1 * sin
+    # 3. x1, x2 = split(x)
+    dx = _rope_merge(xp, dx1, dx2, cache.interleaved)  # [..., L, Dh]
+    # 2., 1.: the angles depend on the positions only, which get no gradient
+    if dx.dtype != cache.in_dtype:
+        dx = xp.astype(dx, cache.in_dtype)
+    return dx, None
+
+
+# --------------------------------------------------------------------------
+# the diagonals of the [Lq, Lk] grid: a lookup by distance and its adjoint
+
+
+def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any = None) -> Any:
+    """The ``T = Lq + Lk - 1`` relative positions that occur, ``rel[t] = t - (Lq - 1) - offset``.
+
+    Diagonal ``t`` of the grid holds the pairs with ``j - i = t - (Lq - 1)``;
+    query ``i`` sits at key position ``i + offset``, so their relative
+    position is ``j - (i + offset)``. # -> [T] int64
+    """
+    return xp.arange(Lq + Lk - 1, dtype=xp.int64, device=device) - (Lq - 1 + offset)  # [T]
+
+
+def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
+    """``out[i, j, :] = rows[j - i + Lq - 1, :]``: row ``t`` along diagonal ``t``. # [T, E] -> [Lq, Lk, E]
+
+    A gather with ``xp.take``; its adjoint is ``diagonal_sums``.
+    """
+    dev = device_of(rows)
+    i = xp.arange(Lq, dtype=xp.int64, device=dev)  # [Lq]
+    j = xp.arange(Lk, dtype=xp.int64, device=dev)  # [Lk]
+    t = xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) + (Lq - 1)  # [Lq, Lk] in [0, T)
+    out = xp.take(rows, xp.reshape(t, (-1,)), axis=0)  # [Lq * Lk, E]
+    return xp.reshape(out, (Lq, Lk, rows.shape[-1]))  # [Lq, Lk, E]
+
+
+def diagonal_sums(xp: Any, a: Any) -> Any:
+    """``sums[..., t] = sum over j - i = t - (Lq - 1) of a[..., i, j]``. # [..., Lq, Lk] -> [..., T]
+
+    The adjoint of ``diagonal_spread`` (a scatter-add), with reshapes only:
+
+    1. flip the rows, so ``(i', j)`` with ``i' = Lq - 1 - i`` lies on
+       anti-diagonal ``i' + j = j - i + Lq - 1 = t``;
+    2. pad each row with ``Lq`` zeros, ``[..., Lq, Lk + Lq]``, and flatten;
+    3. keep the first ``Lq (Lk + Lq - 1)`` entries and read them as rows of
+       width ``Lk + Lq - 1``: entry ``(i', j)`` was at flat index
+       ``i' (Lk + Lq) + j = i' (Lk + Lq - 1) + (i' + j)``, so it lands in column
+       ``i' + j = t``; every other entry of the new rows is a pad zero;
+    4. sum over the rows.
+    """
+    Lq, Lk = a.shape[-2], a.shape[-1]
+    lead = tuple(a.shape[:-2])
+    flipped = xp.flip(a, axis=-2)  # 1.                                        [..., Lq, Lk]
+    zeros = xp.zeros((*lead, Lq, Lq), dtype=a.dtype, device=device_of(a))  # [..., Lq, Lq]
+    padded = xp.reshape(xp.concat([flipped, zeros], axis=-1), (*lead, Lq * (Lk + Lq)))  # 2.
+    skewed = xp.reshape(padded[..., :Lq * (Lk + Lq - 1)], (*lead, Lq, Lk + Lq - 1))  # 3.
+    return xp.sum(skewed, axis=-2)  # 4.                                      [..., T]
+
+
+def _one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
+    """``[ids[t] == r]`` as ``dtype``. # [T] -> [T, n]"""
+    classes = xp.arange(n, dtype=ids.dtype, device=device_of(ids))  # [n]
+    return xp.astype(xp.expand_dims(ids, axis=-1) == classes, dtype)  # [T, n]
+
+
+def _check_lengths(Lq: Any, Lk: Any, offset: Any) -> None:
+    V.check_positive_int("Lq", Lq)
+    V.check_positive_int("Lk", Lk)
+    _check_int("offset", offset)
+
+
+# --------------------------------------------------------------------------
+# Shaw et al.: a table of relative embeddings, looked up at the clipped distance
+
+
+class RelativeEmbeddingCache(NamedTuple):
+    onehot: Any  # [T, N] C[t, r] = [row of distance t == r], for dtable
+    Lq: int
+    Lk: int
+
+
+def relative_embedding_forward(table: Any, Lq: int, Lk: int, *, offset: int = 0
+                               ) -> tuple[Any, RelativeEmbeddingCache]:
+    """Shaw et al.'s relative embeddings: ``out[i, j, :] = table[clip(j - i - offset, -K, K) + K, :]``.
+
+    ``table`` has ``N = 2 M - 1`` rows, ``K = M - 1``; within ``M`` positions
+    of each other that is the lookup at ``j - i + M - 1``, farther ones share
+    the end rows (Shaw et al.'s clipping). Steps:
+
+    1. ``rel = relative_distances(Lq, Lk, offset)``     [T], ``T = Lq + Lk - 1``
+    2. ``C[t, r] = [clip(rel[t], -K, K) + K == r]``     [T, N] one-hot
+    3. ``rows = C @ table``                             [T, E], one row per distance
+    4. ``out = diagonal_spread(rows)``                  [Lq, Lk, E]
+
+    Parameters
+    ----------
+    table : array, shape (2 M - 1, E)
+    Lq, Lk : int > 0
+    offset : int
+        Query ``i`` sits at key position ``i + offset`` (``Lk - Lq`` when
+        decoding the last ``Lq`` positions of ``Lk``).
+
+    Returns
+    -------
+    out : array, shape (Lq, Lk, E)
+    cache : RelativeEmbeddingCache
+    """
+    # [N, E] -> [Lq, Lk, E]
+    _check_table("table", table, odd_rows=True)
+    _check_lengths(Lq, Lk, offset)
+    return _relative_embedding(table, Lq, Lk, offset)
+
+
+def _relative_embedding(table, Lq, Lk, offset):
+    xp = namespace(table)
+    N = table.shape[0]
+    K = (N - 1) // 2
+    rel = relative_distances(xp, Lq, Lk, offset, device_of(table))  # 1.      [T]
+    row = xp.clip(rel, -K, K) + K  # row of the table for each distance        [T]
+    C = _one_hot(xp, row, N, table.dtype)  # 2.                                [T, N]
+    rows = C @ table  # 3.                                                      [T, E]
+    out = diagonal_spread(xp, rows, Lq, Lk)  # 4.                               [Lq, Lk, E]
+    return out, RelativeEmbeddingCache(C, int(Lq), int(Lk))
+
+
+def relative_embedding_backward(dout: Any, cache: RelativeEmbeddingCache) -> tuple[Any, None, None]:
+    """Gradient into the table: ``dtable[r] = sum of dout[i, j]`` over the pairs that read row ``r``.
+
+    ``drows = diagonal_sums(dout)`` (the adjoint of the spread), then
+    ``dtable = C^T @ drows``. The lengths get None.
+
+    Returns
+    -------
+    dtable : array, shape (2 M - 1, E)
+    dLq, dLk : None
+    """
+    # [Lq, Lk, E] -> [N, E], None, None
+    V.check_cache("cache", cache, RelativeEmbeddingCache, "relative_embedding_forward")
+    C = cache.onehot
+    xp = namespace(C)
+    V.check_floating_array("dout", dout, xp, device_of(C), dtype=C.dtype, like="the forward's out")
+    if dout.ndim != 3 or tuple(dout.shape[:2]) != (cache.Lq, cache.Lk):
+        raise ValueError(
+            f"dout: expected shape ({cache.Lq}, {cache.Lk}, E) (that of the forward's out), "
+            f"got {V.shape_of(dout)}"
+        )
+    return _relative_embedding_backward(xp, dout, C), None, None
+
+
+def _relative_embedding_backward(xp, dout, C):
+    # 4. out = diagonal_spread(rows): sum each diagonal of dout (per column e)
+    d_e = xp.permute_dims(dout, (2, 0, 1))  # [E, Lq, Lk]
+    drows = xp.matrix_transpose(diagonal_sums(xp, d_e))  # [T, E]
+    # 3. rows = C @ table: the weight gradient of a product
+    # (2., 1.: C and rel are functions of integers; no gradient)
+    return xp.matrix_transpose(C) @ drows  # [N, E]
+
+
+class RelativeScoresCache(NamedTuple):
+    q: Any  # [..., Lq, E] (compute dtype), for drel
+    rel: Any  # [Lq, Lk, E] relative embeddings, for dq
+    embedding: RelativeEmbeddingCache
+    scale: float
+    in_dtype: Any  # dtype of q and table; gradients are cast back to it
+    q_shape: tuple
+
+
+def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, offset: int = 0,
+                            scale: Optional[float] = None) -> tuple[Any, RelativeScoresCache]:
+    """Shaw et al.'s relative term of the scores, ``bias[..., i, j] = scale * q_i . r_{j-i}``.
+
+    Add it to the scores with ``sdpa_forward(q, k, v, mask=bias)``: with the
+    default scale that is Shaw's ``e_ij = q_i . (k_j + r_{j-i}) / sqrt(Dh)``.
+    Steps:
+
+    1.-4. ``rel = relative_embedding_forward(table, Lq, Lk)``   [Lq, Lk, E]
+    5. ``bias[..., i, :] = (rel[i] @ q[..., i, :]) * scale``     [..., Lq, Lk]
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq, E), e.g. (B, H, Lq, Dh)
+    table : array, shape (2 M - 1, E), dtype of q
+    Lk : int, optional
+        Key length; default Lq.
+    offset : int
+        Query ``i`` sits at key position ``i + offset``.
+    scale : float, optional
+        Default ``1 / sqrt(E)``, sdpa's; ``1.0`` gives the plain ``q_i . r_{j-i}``.
+
+    Returns
+    -------
+    bias : array, shape (..., Lq, Lk)
+    cache : RelativeScoresCache
+    """
+    # [..., Lq, E], [N, E] -> [..., Lq, Lk]
+    V.check_floating_array("q", q, like="q")
+    if q.ndim < 2:
+        raise ValueError(f"q: expected shape (..., Lq, E), got {V.shape_of(q)}")
+    _check_table("table", table, odd_rows=True)
+    V.check_floating_array("table", table, namespace(q), device_of(q), dtype=q.dtype, like="q")
+    if table.shape[1] != q.shape[-1]:
+        raise ValueError(
+            f"table: expected {q.shape[-1]} columns (E, the last axis of q), got shape {V.shape_of(table)}"
+        )
+    Lq = q.shape[-2]
+    Lk = Lq if Lk is None else Lk
+    _check_lengths(Lq, Lk, offset)
+    V.check_scale("scale", scale)
+    xp = namespace(q, table)
+    in_dtype = q.dtype
+    work = compute_dtype(xp, in_dtype)
+    if work != in_dtype:
+        q, table = xp.astype(q, work), xp.astype(table, work)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+    rel, emb = _relative_embedding(table, Lq, Lk, offset)  # 1.-4.   [Lq, Lk, E]
+    col = xp.expand_dims(q, axis=-1)  # [..., Lq, E, 1]
+    bias = (rel @ col)[..., 0] * scale  # 5.       [Lq, Lk, E] @ [..., Lq, E, 1] -> [..., Lq, Lk]
+    if work != in_dtype:
+        bias = xp.astype(bias, in_dtype)
+    return bias, RelativeScoresCache(q, rel, emb, scale, in_dtype, tuple(q.shape))
+
+
+def relative_scores_backward(dbias: Any, cache: RelativeScoresCache) -> tuple[Any, Any, None]:
+    """Gradients of the relative term: ``dq_i = scale * rel[i]^T dbias_i`` and ``dtable``.
+
+    ``drel[i] = scale * sum over the leading axes of dbias[..., i, :]^T q[..., i, :]``,
+    then ``dtable = relative_embedding_backward(drel)``.
+
+    Returns
+    -------
+    dq : array, shape of q
+    dtable : array, shape (2 M - 1, E)
+    dLk : None
+    """
+    # [..., Lq, Lk] -> [..., Lq, E], [N, E], None
+    V.check_cache("cache", cache, RelativeScoresCache, "relative_scores_forward")
+    q, rel = cache.q, cache.rel
+    xp = namespace(q)
+    Lq, Lk = cache.embedding.Lq, cache.embedding.Lk
+    V.check_floating_array("dbias", dbias, xp, device_of(q), dtype=cache.in_dtype, like="the forward's bias")
+    expected = (*cache.q_shape[:-1], Lk)
+    if V.shape_of(dbias) != expected:
+        raise ValueError(f"dbias: expected shape {expected} (that of the forward's bias), got {V.shape_of(dbias)}")
+    check_same_device(q=q, dbias=dbias)
+    if dbias.dtype != q.dtype:
+        dbias = xp.astype(dbias, q.dtype)
+    # 5. bias[..., i, :] = (rel[i] @ q[..., i, :]) * scale
+    g = dbias * cache.scale  # [..., Lq, Lk]
+    dq = (xp.matrix_transpose(rel) @ xp.expand_dims(g, axis=-1))[..., 0]  # [Lq, E, Lk] @ [..., Lq, Lk, 1]
+    E = q.shape[-1]
+    g_i = xp.permute_dims(xp.reshape(g, (-1, Lq, Lk)), (1, 2, 0))  # [Lq, Lk, n] n = prod(leading)
+    q_i = xp.permute_dims(xp.reshape(q, (-1, Lq, E)), (1, 0, 2))  # [Lq, n, E]
+    drel = g_i @ q_i  # [Lq, Lk, E]: the sum over the leading axes is the contraction over n
+    # 1.-4. rel = relative_embedding(table)
+    dtable = _relative_embedding_backward(xp, drel, cache.embedding.onehot)  # [N, E]
+    if cache.in_dtype != q.dtype:
+        dq, dtable = xp.astype(dq, cache.in_dtype), xp.astype(dtable, cache.in_dtype)
+    return dq, dtable, None
+
+
+# --------------------------------------------------------------------------
+# T5: a learned scalar per bucket of relative positions and per head
+
+
+def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: int = 32,
+              max_distance: int = 128) -> Any:
+    """T5's bucket of each relative position ``memory_position - query_position``.
+
+    Exactly HF transformers' ``T5Attention._relative_position_bucket``
+    (Raffel et al.; the log step in float32, as there). With
+    ``bidirectional`` half the buckets are for positive positions, offset by
+    ``nb = num_buckets // 2``, else ``nb = num_buckets`` and positive positions
+    fall in bucket 0 of the negative side. For ``n = |rel|`` (or
+    ``max(-rel, 0)``) and ``max_exact = nb // 2``:
+
+    .. math::
+
+        b(n) = n \\text{ if } n < \\text{max\\_exact, else }
+        \\min\\left(nb - 1,\\ \\text{max\\_exact} + \\left\\lfloor
+        \\frac{\\log(n / \\text{max\\_exact})}{\\log(\\text{max\\_distance} / \\text{max\\_exact})}
+        (nb - \\text{max\\_exact}) \\right\\rfloor\\right).
+
+    Parameters
+    ----------
+    relative_position : integer array, any shape
+    bidirectional : bool
+    num_buckets : int > 0
+    max_distance : int, greater than max_exact
+
+    Returns
+    -------
+    integer array, the shape and dtype of ``relative_position``, values in [0, num_buckets)
+    """
+    # [...] -> [...]
+    V.check_array("relative_position", relative_position)
+    xp = namespace(relative_position)
+    if not xp.isdtype(relative_position.dtype, "signed integer"):
+        raise TypeError(
+            f"relative_position: expected a signed integer array, got {V.dtype_name(relative_position.dtype)}"
+        )
+    V.check_bool("bidirectional", bidirectional)
+    V.check_positive_int("num_buckets", num_buckets)
+    V.check_positive_int("max_distance", max_distance)
+    nb = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = nb // 2
+    if max_exact < 1:
+        raise ValueError(
+            f"num_buckets: expected at least {4 if bidirectional else 2} (max_exact = num_buckets"
+            f"{' // 2' if bidirectional else ''} // 2 >= 1), got {num_buckets}"
+        )
+    if max_distance <= max_exact:
+        raise ValueError(f"max_distance: expected an int > max_exact = {max_exact}, got {max_distance}")
+    rp = relative_position
+    zero = xp.zeros_like(rp)
+    buckets = zero
+    if bidirectional:
+        buckets = buckets + xp.astype(rp > 0, rp.dtype) * nb
+        n = xp.abs(rp)
+    else:
+        n = -xp.minimum(rp, zero)
+    is_small = n < max_exact
+    safe = xp.where(is_small, xp.full_like(n, max_exact), n)  # the log of large ones only (double where)
+    ratio = xp.astype(safe, xp.float32) / float(max_exact)
+    large = max_exact + xp.astype(
+        xp.log(ratio) / math.log(max_distance / max_exact) * float(nb - max_exact), rp.dtype)
+    large = xp.minimum(large, xp.full_like(large, nb - 1))
+    return buckets + xp.where(is_small, n, large)
+
+
+class RelativeBiasCache(NamedTuple):
+    onehot: Any  # [T, NB] C[t, b] = [bucket of distance t == b], for dtable
+    Lq: int
+    Lk: int
+    H: int
+
+
+def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool = True,
+                          max_distance: int = 128, offset: int = 0) -> tuple[Any, RelativeBiasCache]:
+    """T5's relative attention bias: ``out[0, h, i, j] = table[t5_bucket(j - i - offset), h]``.
+
+    ``num_buckets`` is ``table.shape[0]``. Add it to the scores as
+    ``sdpa_forward(..., mask=out)`` (T5 uses ``scale=1.0``); its ``dmask``
+    is this backward's ``dout``. Steps:
+
+    1. ``rel = relative_distances(Lq, Lk, offset)``   [T], ``T = Lq + Lk - 1``
+    2. ``C[t, b] = [t5_bucket(rel[t]) == b]``         [T, NB] one-hot
+    3. ``rows = C @ table``                           [T, H]
+    4. ``out = diagonal_spread(rows)``, heads first   [1, H, Lq, Lk]
+
+    Parameters
+    ----------
+    table : array, shape (num_buckets, H)
+    Lq, Lk : int > 0
+    bidirectional, max_distance : as in ``t5_bucket``
+    offset : int
+        Query ``i`` sits at key position ``i + offset``.
+
+    Returns
+    -------
+    out : array, shape (1, H, Lq, Lk)
+    cache : RelativeBiasCache
+    """
+    # [NB, H] -> [1, H, Lq, Lk]
+    _check_table("table", table)
+    _check_lengths(Lq, Lk, offset)
+    V.check_bool("bidirectional", bidirectional)
+    V.check_positive_int("max_distance", max_distance)
+    xp = namespace(table)
+    NB = table.shape[0]
+    nb = NB // 2 if bidirectional else NB
+    if nb // 2 < 1 or max_distance <= nb // 2:
+        raise ValueError(
+            f"table: expected enough rows (num_buckets) for max_exact = {'num_buckets // 4' if bidirectional else 'num_buckets // 2'}"
+            f" >= 1 and < max_distance = {max_distance}, got shape {V.shape_of(table)}"
+        )
+    rel = relative_distances(xp, Lq, Lk, offset, device_of(table))  # 1.         [T]
+    bucket = t5_bucket(rel, bidirectional, NB, max_distance)  # [T]
+    C = _one_hot(xp, bucket, NB, table.dtype)  # 2.                                [T, NB]
+    rows = C @ table  # 3.                                                          [T, H]
+    spread = diagonal_spread(xp, rows, Lq, Lk)  # 4.                                [Lq, Lk, H]
+    out = xp.expand_dims(xp.permute_dims(spread, (2, 0, 1)), axis=0)  # [1, H, Lq, Lk]
+    return out, RelativeBiasCache(C, int(Lq), int(Lk), int(table.shape[1]))
+
+
+def relative_bias_backward(dout: Any, cache: RelativeBiasCache) -> tuple[Any, None, None]:
+    """Gradient into the bucket table: ``dtable = C^T @ diagonal_sums(dout)``.
+
+    ``dtable[b, h]`` is the sum of ``dout[..., h, i, j]`` over the pairs whose
+    relative position falls in bucket ``b`` (and over a leading batch axis,
+    if ``dout`` has one, e.g. a ``dmask`` of shape (B, H, Lq, Lk)).
+
+    Returns
+    -------
+    dtable : array, shape (num_buckets, H)
+    dLq, dLk : None
+    """
+    # [1, H, Lq, Lk] -> [NB, H], None, None
+    V.check_cache("cache", cache, RelativeBiasCache, "relative_bias_forward")
+    C = cache.onehot
+    xp = namespace(C)
+    V.check_floating_array("dout", dout, xp, device_of(C), dtype=C.dtype, like="the forward's out")
+    if dout.ndim != 4 or tuple(dout.shape[1:]) != (cache.H, cache.Lq, cache.Lk):
+        raise ValueError(
+            f"dout: expected shape (1, {cache.H}, {cache.Lq}, {cache.Lk}) or (B, {cache.H}, "
+            f"{cache.Lq}, {cache.Lk}) (that of the forward's out, or of a dmask), "
+            f"got {V.shape_of(dout)}"
+        )
+    # 4. out = diagonal_spread(rows), heads first: sum the batch, then each diagonal
+    d = sum_to_shape(xp, dout, (1, *dout.shape[1:]))[0, ...]  # [H, Lq, Lk]
+    drows = xp.matrix_transpose(diagonal_sums(xp, d))  # [T, H]
+    # 3. rows = C @ table
+    dtable = xp.matrix_transpose(C) @ drows  # [NB, H]
+    # 2., 1.: buckets of integers; no gradient
+    return dtable, None, None
