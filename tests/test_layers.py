@@ -1,0 +1,361 @@
+"""The Transformer pieces of ``npattn.layers`` against finite differences, torch, and their invariants.
+
+Every gradient is checked in float64 by central differences with a random
+upstream gradient (``gradcheck`` never uses all ones), on every backend
+fixture, for inputs and parameters alike; dropout runs at p > 0 with a fixed
+keep-mask.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npattn import layers as L
+from npattn.backend import namespace
+from npattn.gradcheck import gradcheck
+
+RTOL = 1e-6
+
+
+def assert_ok(report):
+    assert report.ok, "\n" + str(report)
+    for r in report.inputs:
+        assert r.max_rel_err <= RTOL, str(report)
+        assert r.scale > 0.0, f"{r.name}: a zero gradient checks nothing\n{report}"
+
+
+def assert_same_namespace(xp, *arrays):
+    for a in arrays:
+        if a is not None:
+            assert namespace(a) is xp, f"output left its namespace: {type(a)}"
+
+
+# ------------------------------------------------------------------ erf
+
+
+def test_erf_accuracy_float64_against_math_erf(xp, to_xp, to_np):
+    xs = np.linspace(-10.0, 10.0, 100_001)
+    ref = np.array([math.erf(v) for v in xs])
+    got = to_np(L.erf(to_xp(xs)))
+    abs_err = np.abs(got - ref)
+    assert abs_err.max() <= 2e-15, abs_err.max()
+    rel = abs_err / np.maximum(np.abs(ref), np.finfo(np.float64).tiny)
+    assert rel.max() <= 2e-15, rel.max()
+
+
+def test_erf_special_values_and_oddness(xp, to_xp, to_np):
+    x = np.array([0.0, 1e-300, 2.5, 2.5 - 1e-12, 30.0, np.inf, -np.inf, np.nan])
+    got = to_np(L.erf(to_xp(x)))
+    np.testing.assert_allclose(got[:7], [math.erf(v) for v in x[:7]], rtol=2e-15, atol=0.0)
+    assert np.isnan(got[7])
+    rng = np.random.default_rng(0)
+    y = 4.0 * rng.standard_normal(1000)
+    np.testing.assert_array_equal(to_np(L.erf(to_xp(-y))), -to_np(L.erf(to_xp(y))))
+
+
+def test_erf_float32_keeps_dtype(xp, to_xp, to_np):
+    xs = np.linspace(-6.0, 6.0, 2001)
+    e = L.erf(to_xp(xs.astype(np.float32)))
+    assert e.dtype == xp.float32
+    ref = np.array([math.erf(float(v)) for v in xs.astype(np.float32)])
+    np.testing.assert_allclose(to_np(e), ref, atol=1e-6)
+
+
+# ----------------------------------------------------------- layer norm
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_gradients(xp, to_xp, affine):
+    rng = np.random.default_rng(1)
+    x = to_xp(1.5 * rng.standard_normal((2, 3, 5)) + 0.7)
+    w = to_xp(rng.standard_normal(5))
+    b = to_xp(rng.standard_normal(5))
+    if affine:
+        report = gradcheck(lambda x, w, b: L.layer_norm_forward(x, w, b, eps=1e-5), L.layer_norm_backward,
+                           [x, w, b], names=["x", "weight", "bias"], seed=1)
+    else:
+        report = gradcheck(lambda x: L.layer_norm_forward(x, None, None),
+                           lambda d, c: L.layer_norm_backward(d, c)[0], [x], names=["x"], seed=2)
+    assert_ok(report)
+
+
+def test_layer_norm_backward_formula_sizes(xp, to_xp):
+    rng = np.random.default_rng(2)
+    x, w, b = to_xp(rng.standard_normal((4, 6))), to_xp(rng.standard_normal(6)), to_xp(rng.standard_normal(6))
+    y, cache = L.layer_norm_forward(x, w, b)
+    dx, dw, db = L.layer_norm_backward(to_xp(rng.standard_normal((4, 6))), cache)
+    assert_same_namespace(xp, y, dx, dw, db)
+    assert tuple(dx.shape) == (4, 6) and tuple(dw.shape) == (6,) and tuple(db.shape) == (6,)
+    _, cache = L.layer_norm_forward(x)
+    dx, dw, db = L.layer_norm_backward(to_xp(rng.standard_normal((4, 6))), cache)
+    assert dw is None and db is None
+
+
+def test_layer_norm_against_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 7))).requires_grad_()
+    w = torch.from_numpy(rng.standard_normal(7)).requires_grad_()
+    b = torch.from_numpy(rng.standard_normal(7)).requires_grad_()
+    dout = torch.from_numpy(rng.standard_normal((3, 4, 7)))
+    ref = torch.nn.functional.layer_norm(x, (7,), w, b, eps=1e-5)
+    ref.backward(dout)
+    y, cache = L.layer_norm_forward(x.detach(), w.detach(), b.detach(), eps=1e-5)
+    dx, dw, db = L.layer_norm_backward(dout, cache)
+    torch.testing.assert_close(y, ref.detach(), rtol=1e-12, atol=1e-12)
+    for got, want in ((dx, x.grad), (dw, w.grad), (db, b.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@given(rows=st.integers(1, 4), D=st.integers(2, 9), shift=st.floats(-100.0, 100.0),
+       scale=st.floats(0.1, 10.0), seed=st.integers(0, 2**16))
+def test_layer_norm_rows_have_zero_mean_unit_variance(xp, to_xp, to_np, rows, D, shift, scale, seed):
+    rng = np.random.default_rng(seed)
+    x = scale * rng.standard_normal((rows, D)) + shift
+    y, cache = L.layer_norm_forward(to_xp(x), None, None, eps=1e-12)
+    y = to_np(y)
+    np.testing.assert_allclose(y.mean(axis=-1), 0.0, atol=1e-9)
+    np.testing.assert_allclose(y.var(axis=-1), 1.0, rtol=1e-6)
+    # the compact backward is orthogonal to 1: dx sums to 0; and sum(dx * xhat) =
+    # rstd * sum(g * xhat) * (1 - mean(xhat^2)), which eps alone keeps from 0
+    g = rng.standard_normal((rows, D))
+    dx, _, _ = L.layer_norm_backward(to_xp(g), cache)
+    dx, rstd = to_np(dx), to_np(cache.rstd)[:, 0]
+    tol = 1e-9 * (1.0 + np.abs(dx).sum(axis=-1))
+    assert np.all(np.abs(dx.sum(axis=-1)) <= tol)
+    expected = rstd * (g * y).sum(axis=-1) * (1.0 - (y * y).mean(axis=-1))
+    assert np.all(np.abs((dx * y).sum(axis=-1) - expected) <= tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_layer_norm_low_precision(xp, to_xp, to_np, backend, dtype):
+    if not hasattr(xp, dtype):
+        pytest.skip(f"{backend} has no {dtype}")
+    dt = getattr(xp, dtype)
+    rng = np.random.default_rng(4)
+    x64, w64 = rng.standard_normal((3, 8)) + 3.0, rng.standard_normal(8)
+    x, w = xp.astype(to_xp(x64), dt), xp.astype(to_xp(w64), dt)
+    y, cache = L.layer_norm_forward(x, w, None)
+    assert y.dtype == dt
+    dx, dw, db = L.layer_norm_backward(xp.astype(to_xp(np.ones((3, 8)) * 0.5 + x64 * 0.1), dt), cache)
+    assert dx.dtype == dt and dw.dtype == dt and db is None
+    ref, _ = L.layer_norm_forward(to_xp(to_np(xp.astype(x, xp.float64))), to_xp(to_np(xp.astype(w, xp.float64))))
+    tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}[dtype]
+    np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), to_np(ref), atol=tol * 4, rtol=tol)
+
+
+# ---------------------------------------------------------- activations
+
+
+def test_relu_gradients_and_values(xp, to_xp, to_np):
+    rng = np.random.default_rng(5)
+    x_host = rng.standard_normal((3, 4))
+    x = to_xp(x_host)
+    y, _ = L.relu_forward(x)
+    np.testing.assert_array_equal(to_np(y), np.maximum(x_host, 0.0))
+    assert_ok(gradcheck(L.relu_forward, L.relu_backward, [x], seed=5))
+    y, _ = L.relu_forward(to_xp(np.array([np.nan, -1.0])))
+    assert np.isnan(to_np(y)[0])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_gradients(xp, to_xp, approximate):
+    rng = np.random.default_rng(6)
+    x = to_xp(2.5 * rng.standard_normal((3, 5)))  # reaches both sides of erf's split
+    report = gradcheck(lambda t: L.gelu_forward(t, approximate), L.gelu_backward, [x], seed=6)
+    assert_ok(report)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_against_torch(approximate):
+    torch = pytest.importorskip("torch")
+    x = torch.linspace(-12.0, 12.0, 20_001, dtype=torch.float64).requires_grad_()
+    dout = torch.from_numpy(np.random.default_rng(7).standard_normal(20_001))
+    ref = torch.nn.functional.gelu(x, approximate=approximate)
+    ref.backward(dout)
+    y, cache = L.gelu_forward(x.detach(), approximate)
+    dx = L.gelu_backward(dout, cache)
+    torch.testing.assert_close(y, ref.detach(), rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(dx, x.grad, rtol=1e-13, atol=1e-14)
+
+
+@given(approximate=st.sampled_from(["none", "tanh"]),
+       x=st.lists(st.floats(-50.0, 50.0, allow_nan=False), min_size=1, max_size=20))
+def test_gelu_odd_part_is_identity(xp, to_xp, to_np, approximate, x):
+    # x Phi(x) - (-x) Phi(-x) = x (Phi(x) + Phi(-x)) = x, and likewise with tanh (an odd function)
+    a = np.asarray(x, dtype=np.float64)
+    y_pos, _ = L.gelu_forward(to_xp(a), approximate)
+    y_neg, _ = L.gelu_forward(to_xp(-a), approximate)
+    np.testing.assert_allclose(to_np(y_pos) - to_np(y_neg), a, rtol=1e-14, atol=1e-300)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_half_precision_computes_in_float32(xp, to_xp, to_np, backend, approximate):
+    if not hasattr(xp, "float16"):
+        pytest.skip(f"{backend} has no float16")
+    x = xp.astype(to_xp(np.linspace(-4.0, 4.0, 41)), xp.float16)
+    y, cache = L.gelu_forward(x, approximate)
+    assert y.dtype == xp.float16
+    dx = L.gelu_backward(xp.astype(to_xp(np.full(41, 0.5)), xp.float16), cache)
+    assert dx.dtype == xp.float16
+    ref, _ = L.gelu_forward(xp.astype(x, xp.float64), approximate)
+    np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), to_np(ref), rtol=1e-3, atol=1e-3)
+
+
+# -------------------------------------------------------- feed-forward
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_feed_forward_gradients_with_dropout(xp, to_xp, activation, bias):
+    rng = np.random.default_rng(8)
+    B, Lq, D, Fw = 2, 3, 4, 6
+    x = to_xp(rng.standard_normal((B, Lq, D)))
+    w1, w2 = to_xp(0.5 * rng.standard_normal((Fw, D))), to_xp(0.5 * rng.standard_normal((D, Fw)))
+    b1, b2 = to_xp(rng.standard_normal(Fw)), to_xp(rng.standard_normal(D))
+    keep_host = rng.random((B, Lq, Fw)) >= 0.3
+    assert keep_host.any() and not keep_host.all()
+    keep = to_xp(keep_host)
+
+    if bias:
+        def fwd(x, w1, b1, w2, b2):
+            return L.feed_forward_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=0.3,
+                                          dropout_mask=keep)
+
+        report = gradcheck(fwd, L.feed_forward_backward, [x, w1, b1, w2, b2],
+                           names=["x", "w1", "b1", "w2", "b2"], seed=8)
+    else:
+        def fwd(x, w1, w2):
+            return L.feed_forward_forward(x, w1, None, w2, None, activation=activation, dropout_p=0.3,
+                                          dropout_mask=keep)
+
+        def bwd(dout, cache):
+            dx, dw1, db1, dw2, db2 = L.feed_forward_backward(dout, cache)
+            assert db1 is None and db2 is None
+            return dx, dw1, dw2
+
+        report = gradcheck(fwd, bwd, [x, w1, w2], names=["x", "w1", "w2"], seed=8)
+    assert_ok(report)
+
+
+def test_feed_forward_matches_torch_sequential():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 4))).requires_grad_()
+    w1 = torch.from_numpy(rng.standard_normal((8, 4))).requires_grad_()
+    b1 = torch.from_numpy(rng.standard_normal(8)).requires_grad_()
+    w2 = torch.from_numpy(rng.standard_normal((4, 8))).requires_grad_()
+    b2 = torch.from_numpy(rng.standard_normal(4)).requires_grad_()
+    keep = torch.from_numpy(rng.random((2, 3, 8)) >= 0.25)
+    dout = torch.from_numpy(rng.standard_normal((2, 3, 4)))
+    tF = torch.nn.functional
+    h = tF.gelu(tF.linear(x, w1, b1), approximate="tanh")
+    ref = tF.linear(torch.where(keep, h / 0.75, 0.0), w2, b2)
+    ref.backward(dout)
+    y, cache = L.feed_forward_forward(*(t.detach() for t in (x, w1, b1, w2, b2)), activation="gelu_tanh",
+                                      dropout_p=0.25, dropout_mask=keep)
+    torch.testing.assert_close(y, ref.detach(), rtol=1e-12, atol=1e-12)
+    for got, t in zip(L.feed_forward_backward(dout, cache), (x, w1, b1, w2, b2)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_feed_forward_dropout_from_rng_is_reused(xp, to_xp, to_np):
+    rng = np.random.default_rng(10)
+    x = to_xp(rng.standard_normal((2, 5, 4)))
+    w1, w2 = to_xp(rng.standard_normal((6, 4))), to_xp(rng.standard_normal((4, 6)))
+    y1, c1 = L.feed_forward_forward(x, w1, None, w2, None, dropout_p=0.5, rng=3)
+    y2, _ = L.feed_forward_forward(x, w1, None, w2, None, dropout_p=0.5, rng=3)
+    np.testing.assert_array_equal(to_np(y1), to_np(y2))
+    keep = c1.drop.keep
+    y3, _ = L.feed_forward_forward(x, w1, None, w2, None, dropout_p=0.5, dropout_mask=keep)
+    np.testing.assert_array_equal(to_np(y1), to_np(y3))
+    assert 0 < int(to_np(keep).sum()) < 60
+
+
+# ------------------------------------------------------------- residual
+
+
+@pytest.mark.parametrize("y_shape", [(2, 3, 4), (4,), (1, 3, 1)])
+def test_residual_gradients_with_broadcasting(xp, to_xp, y_shape):
+    rng = np.random.default_rng(11)
+    x, y = to_xp(rng.standard_normal((2, 3, 4))), to_xp(rng.standard_normal(y_shape))
+    assert_ok(gradcheck(L.residual_forward, L.residual_backward, [x, y], names=["x", "y"], seed=11))
+    assert_ok(gradcheck(L.residual_forward, L.residual_backward, [y, x], names=["x", "y"], seed=12))
+
+
+# --------------------------------------------------------- bad arguments
+
+
+def test_bad_arguments_name_the_argument(xp, to_xp):
+    rng = np.random.default_rng(12)
+    x = to_xp(rng.standard_normal((2, 3, 4)))
+    w4 = to_xp(rng.standard_normal(4))
+    w5 = to_xp(rng.standard_normal(5))
+    with pytest.raises(ValueError, match=r"^weight: expected shape \(4,\)"):
+        L.layer_norm_forward(x, w5, None)
+    with pytest.raises(ValueError, match=r"^bias: expected shape \(4,\)"):
+        L.layer_norm_forward(x, w4, w5)
+    with pytest.raises(ValueError, match=r"^eps: expected a positive"):
+        L.layer_norm_forward(x, w4, w4, eps=0.0)
+    with pytest.raises(TypeError, match=r"^eps: expected a positive float"):
+        L.layer_norm_forward(x, w4, w4, eps="1e-5")
+    with pytest.raises(TypeError, match=r"^x: expected a real floating dtype"):
+        L.layer_norm_forward(to_xp(np.arange(4)), None, None)
+    with pytest.raises(TypeError, match=r"^weight: expected dtype float32"):
+        L.layer_norm_forward(xp.astype(x, xp.float32), w4, None)
+    with pytest.raises(ValueError, match=r"^approximate: expected 'none' or 'tanh', got 'exact'"):
+        L.gelu_forward(x, "exact")
+    with pytest.raises(TypeError, match=r"^x: expected an array"):
+        L.relu_forward([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"^x: expected an array"):
+        L.erf(1.0)
+    w1, w2 = to_xp(rng.standard_normal((6, 4))), to_xp(rng.standard_normal((4, 6)))
+    with pytest.raises(ValueError, match=r"^w1: expected shape \(n, 4\)"):
+        L.feed_forward_forward(x, w2, None, w2, None)
+    with pytest.raises(ValueError, match=r"^w2: expected shape \(n, 6\)"):
+        L.feed_forward_forward(x, w1, None, w1, None)
+    with pytest.raises(ValueError, match=r"^b1: expected shape \(6,\)"):
+        L.feed_forward_forward(x, w1, w4, w2, None)
+    with pytest.raises(ValueError, match=r"^b2: expected shape \(4,\)"):
+        L.feed_forward_forward(x, w1, None, w2, w5)
+    with pytest.raises(ValueError, match=r"^activation: expected 'relu' or 'gelu' or 'gelu_tanh'"):
+        L.feed_forward_forward(x, w1, None, w2, None, activation="swish")
+    with pytest.raises(ValueError, match=r"^dropout_p: expected a drop probability"):
+        L.feed_forward_forward(x, w1, None, w2, None, dropout_p=1.0)
+    with pytest.raises(TypeError, match=r"^dropout_mask: expected a bool keep-mask"):
+        L.feed_forward_forward(x, w1, None, w2, None, dropout_p=0.5, dropout_mask=to_xp(np.ones((2, 3, 6))))
+    with pytest.raises(ValueError, match=r"^dropout_mask"):
+        L.feed_forward_forward(x, w1, None, w2, None, dropout_p=0.5,
+                               dropout_mask=to_xp(np.ones((2, 3, 5), dtype=bool)))
+    with pytest.raises(ValueError, match=r"^y: expected a shape that broadcasts with x's \(2, 3, 4\)"):
+        L.residual_forward(x, w5)
+    with pytest.raises(TypeError, match=r"^y: expected dtype float64"):
+        L.residual_forward(x, xp.astype(w4, xp.float32))
+    _, cache = L.layer_norm_forward(x, w4, w4)
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3, 4\)"):
+        L.layer_norm_backward(w4, cache)
+    with pytest.raises(TypeError, match=r"^cache: expected a LayerNormCache"):
+        L.layer_norm_backward(x, L.relu_forward(x)[1])
+    _, cache = L.gelu_forward(x)
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3, 4\)"):
+        L.gelu_backward(w4, cache)
+    _, cache = L.residual_forward(x, w4)
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3, 4\)"):
+        L.residual_backward(w4, cache)
+
+
+def test_backward_leaves_inputs_alone(xp, to_xp, to_np):
+    rng = np.random.default_rng(13)
+    x_host, d_host = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    x, d = to_xp(x_host), to_xp(d_host)
+    w = to_xp(np.ones(4) * 1.5)
+    for fwd, bwd in ((lambda t: L.layer_norm_forward(t, w, w), L.layer_norm_backward),
+                     (L.relu_forward, L.relu_backward), (L.gelu_forward, L.gelu_backward),
+                     (lambda t: L.residual_forward(t, t), L.residual_backward)):
+        _, cache = fwd(x)
+        bwd(d, cache)
+        np.testing.assert_array_equal(to_np(x), x_host)
+        np.testing.assert_array_equal(to_np(d), d_host)
