@@ -1,0 +1,418 @@
+"""npattn.positions: RoPE, Shaw's relative embeddings and T5's bucketed bias.
+
+Every pair is checked against central finite differences in float64 with a
+random upstream gradient, on every backend fixture, with Lq != Lk where the
+op has two lengths; forwards against references written here from the
+formulas (and against torch code for ``rotate_half`` and T5's buckets).
+"""
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npattn import functional as F
+from npattn import positions as P
+from npattn.backend import namespace
+from npattn.gradcheck import gradcheck
+
+RTOL = 1e-6
+
+
+def assert_ok(report):
+    assert report.ok, "\n" + str(report)
+    for r in report.inputs:
+        assert r.max_rel_err <= RTOL, str(report)
+
+
+# --------------------------------------------------------------------------
+# references written from the formulas, in NumPy float64
+
+
+def rope_reference(x, pos, base=10000.0, interleaved=False):
+    """Loop over pairs: (a, b) -> (a cos - b sin, b cos + a sin), theta = p * base^(-2c/Dh)."""
+    x = np.asarray(x, dtype=np.float64)
+    Dh = x.shape[-1]
+    pos = np.broadcast_to(np.asarray(pos, dtype=np.float64), x.shape[:-1])
+    out = np.empty_like(x)
+    for c in range(Dh // 2):
+        a, b = (2 * c, 2 * c + 1) if interleaved else (c, c + Dh // 2)
+        theta = pos * base ** (-2.0 * c / Dh)
+        out[..., a] = x[..., a] * np.cos(theta) - x[..., b] * np.sin(theta)
+        out[..., b] = x[..., b] * np.cos(theta) + x[..., a] * np.sin(theta)
+    return out
+
+
+def shaw_reference(table, Lq, Lk, offset=0):
+    K = (table.shape[0] - 1) // 2
+    out = np.empty((Lq, Lk, table.shape[1]))
+    for i in range(Lq):
+        for j in range(Lk):
+            out[i, j] = table[min(max(j - i - offset, -K), K) + K]
+    return out
+
+
+def t5_bucket_reference(n_rel, bidirectional=True, num_buckets=32, max_distance=128):
+    """T5's formula for one relative position, its log step in float32 as T5 and HF do."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if n_rel > 0 else 0
+        n = abs(n_rel)
+    else:
+        n = max(-n_rel, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return bucket + n
+    ratio = np.float32(n) / np.float32(max_exact)
+    val = np.float32(np.log(ratio)) / np.float32(math.log(max_distance / max_exact))
+    large = max_exact + int(np.float32(val * np.float32(num_buckets - max_exact)))
+    return bucket + min(large, num_buckets - 1)
+
+
+# --------------------------------------------------------------------------
+# RoPE
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("positions", [None, 5, "array"])
+def test_rope_gradcheck(xp, to_xp, interleaved, positions):
+    rng = np.random.default_rng(1)
+    x = to_xp(rng.standard_normal((2, 3, 4, 6)))
+    if positions == "array":  # per-sequence offsets, (B, 1, L), and not integers
+        positions = to_xp(np.array([[[0.0, 1.0, 2.0, 3.0]], [[7.5, 8.5, 9.5, 10.5]]]))
+    report = gradcheck(lambda t: P.rope_forward(t, positions, interleaved=interleaved),
+                       lambda d, c: P.rope_backward(d, c)[0], [x], names=["x"], mode="full")
+    assert_ok(report)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_matches_the_formula(xp, to_xp, to_np, interleaved):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 5, 8))
+    for positions, pos in [(None, np.arange(5)), (3, 3 + np.arange(5)),
+                           (to_xp(np.array([4, 0, 9, 2, 2])), np.array([4, 0, 9, 2, 2]))]:
+        out, _ = P.rope_forward(to_xp(x), positions, base=500.0, interleaved=interleaved)
+        assert namespace(out) is xp
+        np.testing.assert_allclose(to_np(out), rope_reference(x, pos, 500.0, interleaved),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_rope_offset_equals_the_slice_of_a_longer_sequence(xp, to_xp, to_np):
+    """Decoding with a KV cache: the last 2 positions of 7, rotated with positions=5."""
+    x = np.random.default_rng(3).standard_normal((1, 2, 7, 4))
+    full, _ = P.rope_forward(to_xp(x))
+    tail, _ = P.rope_forward(to_xp(x[:, :, 5:]), 5)
+    np.testing.assert_allclose(to_np(tail), to_np(full)[:, :, 5:], rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_backward_is_the_rotation_by_minus_theta(xp, to_xp, to_np, interleaved):
+    rng = np.random.default_rng(4)
+    pos = np.array([0, 3, 1, 8])
+    dout = rng.standard_normal((3, 4, 6))
+    _, cache = P.rope_forward(to_xp(rng.standard_normal((3, 4, 6))), to_xp(pos), interleaved=interleaved)
+    dx, dpos = P.rope_backward(to_xp(dout), cache)
+    assert dpos is None
+    back, _ = P.rope_forward(to_xp(dout), to_xp(-pos), interleaved=interleaved)
+    np.testing.assert_allclose(to_np(dx), to_np(back), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_matches_torch_rotate_half(interleaved):
+    """HF LLaMA's rotate_half (half-split) and GPT-J's rotate_every_two (interleaved), in torch."""
+    torch = pytest.importorskip("torch")
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.models.llama.modeling_llama import rotate_half  # the library's own
+    else:
+        def rotate_half(x):
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+            return torch.cat((-x2, x1), dim=-1)
+
+    def rotate_every_two(x):
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+    B, H, L, Dh, base, start = 2, 3, 5, 8, 10000.0, 4
+    q = torch.randn(B, H, L, Dh, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, dtype=torch.float64) / Dh))
+    t = torch.arange(start, start + L, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)  # [L, Dh/2]
+    if interleaved:
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        expected = q * emb.cos() + rotate_every_two(q) * emb.sin()
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+        expected = q * emb.cos() + rotate_half(q) * emb.sin()
+    out, _ = P.rope_forward(q, start, base=base, interleaved=interleaved)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_float32_stays_float32(xp, to_xp):
+    x = to_xp(np.random.default_rng(5).standard_normal((2, 3, 4)).astype(np.float32))
+    out, cache = P.rope_forward(x, 1000)
+    assert out.dtype == xp.float32
+    assert P.rope_backward(out, cache)[0].dtype == xp.float32
+
+
+@given(seed=st.integers(0, 2**16), interleaved=st.booleans(), half=st.integers(1, 6),
+       i=st.integers(-50, 500), j=st.integers(-50, 500), shift=st.integers(-1000, 1000))
+def test_rope_preserves_norms_and_scores_depend_on_the_difference(seed, interleaved, half, i, j, shift):
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((1, 2 * half)), rng.standard_normal((1, 2 * half))
+
+    def rot(x, p):
+        return P.rope_forward(x, np.array([float(p)]), interleaved=interleaved)[0]
+
+    qi, kj = rot(q, i), rot(k, j)
+    assert np.linalg.norm(qi) == pytest.approx(np.linalg.norm(q), rel=1e-12)
+    assert np.linalg.norm(kj) == pytest.approx(np.linalg.norm(k), rel=1e-12)
+    moved = float(np.sum(rot(q, i + shift) * rot(k, j + shift)))
+    assert moved == pytest.approx(float(np.sum(qi * kj)), rel=1e-9, abs=1e-9)
+    # and only through i - j: q at i - j, k at 0
+    assert float(np.sum(rot(q, i - j) * k)) == pytest.approx(float(np.sum(qi * kj)), rel=1e-9, abs=1e-9)
+
+
+# --------------------------------------------------------------------------
+# the diagonals
+
+
+@pytest.mark.parametrize("Lq,Lk", [(1, 4), (3, 5), (5, 2), (4, 4)])
+def test_diagonal_sums_and_spread(xp, to_xp, to_np, Lq, Lk):
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((2, Lq, Lk))
+    sums = to_np(P.diagonal_sums(xp, to_xp(a)))
+    expected = np.zeros((2, Lq + Lk - 1))
+    for i in range(Lq):
+        for j in range(Lk):
+            expected[:, j - i + Lq - 1] += a[:, i, j]
+    np.testing.assert_allclose(sums, expected, rtol=1e-13, atol=1e-13)
+    rows = rng.standard_normal((Lq + Lk - 1, 3))
+    spread = to_np(P.diagonal_spread(xp, to_xp(rows), Lq, Lk))
+    for i in range(Lq):
+        for j in range(Lk):
+            np.testing.assert_array_equal(spread[i, j], rows[j - i + Lq - 1])
+
+
+# --------------------------------------------------------------------------
+# Shaw et al.
+
+
+@pytest.mark.parametrize("Lq,Lk,offset", [(3, 5, 0), (5, 3, 0), (2, 6, 4), (4, 4, -1)])
+def test_relative_embedding_forward_and_gradcheck(xp, to_xp, to_np, Lq, Lk, offset):
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((7, 3))  # M = 4: the distances beyond +-3 are clipped
+    out, _ = P.relative_embedding_forward(to_xp(table), Lq, Lk, offset=offset)
+    np.testing.assert_array_equal(to_np(out), shaw_reference(table, Lq, Lk, offset))
+    report = gradcheck(lambda t: P.relative_embedding_forward(t, Lq, Lk, offset=offset),
+                       lambda d, c: P.relative_embedding_backward(d, c)[0], [to_xp(table)],
+                       names=["table"], mode="full")
+    assert_ok(report)
+
+
+def test_relative_embedding_backward_is_a_scatter_add(xp, to_xp, to_np):
+    rng = np.random.default_rng(8)
+    Lq, Lk, M = 4, 6, 3
+    table = rng.standard_normal((2 * M - 1, 2))
+    dout = rng.standard_normal((Lq, Lk, 2))
+    _, cache = P.relative_embedding_forward(to_xp(table), Lq, Lk)
+    dtable = to_np(P.relative_embedding_backward(to_xp(dout), cache)[0])
+    expected = np.zeros_like(table)
+    rows = np.clip(np.arange(Lk)[None, :] - np.arange(Lq)[:, None], -(M - 1), M - 1) + M - 1
+    np.add.at(expected, rows, dout)
+    np.testing.assert_allclose(dtable, expected, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(3, 5), (5, 3)])
+def test_relative_scores_forward_and_gradcheck(xp, to_xp, to_np, Lq, Lk):
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 3, Lq, 4))
+    table = rng.standard_normal((9, 4))
+    bias, _ = P.relative_scores_forward(to_xp(q), to_xp(table), Lk)
+    rel = shaw_reference(table, Lq, Lk)
+    expected = np.einsum("bhie,ije->bhij", q, rel) / math.sqrt(4)
+    np.testing.assert_allclose(to_np(bias), expected, rtol=1e-12, atol=1e-12)
+    report = gradcheck(lambda a, t: P.relative_scores_forward(a, t, Lk, offset=1, scale=0.7),
+                       lambda d, c: P.relative_scores_backward(d, c)[:2],
+                       [to_xp(q), to_xp(table)], names=["q", "table"], mode="full")
+    assert_ok(report)
+
+
+def _relative_sdpa(q, k, v, table):
+    """Shaw's attention: sdpa with the relative term as its floating mask (a composition of pairs)."""
+    bias, rel_cache = P.relative_scores_forward(q, table, k.shape[-2])  # [B, H, Lq, Lk]
+    out, sdpa_cache = F.sdpa_forward(q, k, v, mask=bias)  # [B, H, Lq, Dh]
+    return out, (rel_cache, sdpa_cache)
+
+
+def _relative_sdpa_backward(dout, cache):
+    rel_cache, sdpa_cache = cache
+    dq, dk, dv, dmask, _ = F.sdpa_backward(dout, sdpa_cache)  # dmask: [B, H, Lq, Lk]
+    dq_rel, dtable, _ = P.relative_scores_backward(dmask, rel_cache)
+    return dq + dq_rel, dk, dv, dtable  # q is used twice: its gradients add
+
+
+def test_relative_scores_through_sdpa_mask(xp, to_xp, to_np):
+    rng = np.random.default_rng(10)
+    B, H, Lq, Lk, Dh = 2, 2, 3, 5, 4
+    q, k, v = (to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)])
+    table = to_xp(rng.standard_normal((2 * 4 - 1, Dh)))
+    report = gradcheck(_relative_sdpa, _relative_sdpa_backward, [q, k, v, table],
+                       names=["q", "k", "v", "table"], mode="full")
+    assert_ok(report)
+    # Shaw's formula, written out: e_ij = q_i . (k_j + r_{j-i}) / sqrt(Dh)
+    qn, kn, vn, tn = (to_np(a) for a in (q, k, v, table))
+    e = (qn @ np.swapaxes(kn, -1, -2) + np.einsum("bhie,ije->bhij", qn, shaw_reference(tn, Lq, Lk))) / 2.0
+    p = np.exp(e - e.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(to_np(_relative_sdpa(q, k, v, table)[0]), p @ vn, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# T5
+
+
+T5_CONFIGS = [(True, 32, 128), (False, 32, 128), (True, 8, 20), (False, 6, 9), (True, 64, 256)]
+
+
+@pytest.mark.parametrize("bidirectional,num_buckets,max_distance", T5_CONFIGS)
+def test_t5_bucket_matches_the_formula(xp, to_xp, to_np, bidirectional, num_buckets, max_distance):
+    rel = np.arange(-400, 401)
+    got = to_np(P.t5_bucket(to_xp(rel), bidirectional, num_buckets, max_distance))
+    expected = [t5_bucket_reference(int(n), bidirectional, num_buckets, max_distance) for n in rel]
+    np.testing.assert_array_equal(got, expected)
+    assert got.min() >= 0 and got.max() < num_buckets
+
+
+@pytest.mark.parametrize("bidirectional,num_buckets,max_distance", T5_CONFIGS)
+def test_t5_bucket_matches_hf_code_in_torch(bidirectional, num_buckets, max_distance):
+    """HF transformers' T5Attention._relative_position_bucket, as written there."""
+    torch = pytest.importorskip("torch")
+
+    def _relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+        relative_buckets = 0
+        if bidirectional:
+            num_buckets //= 2
+            relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+            relative_position = torch.abs(relative_position)
+        else:
+            relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+        max_exact = num_buckets // 2
+        is_small = relative_position < max_exact
+        relative_position_if_large = max_exact + (
+            torch.log(relative_position.float() / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).to(torch.long)
+        relative_position_if_large = torch.min(
+            relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1)
+        )
+        relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
+        return relative_buckets
+
+    memory = torch.arange(300)[None, :]
+    query = torch.arange(200)[:, None]
+    rel = memory - query  # [200, 300], as T5's compute_bias
+    expected = _relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    got = P.t5_bucket(rel, bidirectional, num_buckets, max_distance)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("Lq,Lk,offset,bidirectional", [(3, 5, 0, True), (5, 3, 0, False), (2, 7, 5, False),
+                                                        (4, 6, 0, True)])
+def test_relative_bias_forward_and_gradcheck(xp, to_xp, to_np, Lq, Lk, offset, bidirectional):
+    rng = np.random.default_rng(11)
+    NB, H, maxd = 8, 3, 6  # small buckets so that several distances share one
+    table = rng.standard_normal((NB, H))
+    out, _ = P.relative_bias_forward(to_xp(table), Lq, Lk, bidirectional=bidirectional,
+                                     max_distance=maxd, offset=offset)
+    expected = np.empty((1, H, Lq, Lk))
+    for i in range(Lq):
+        for j in range(Lk):
+            expected[0, :, i, j] = table[t5_bucket_reference(j - i - offset, bidirectional, NB, maxd)]
+    np.testing.assert_array_equal(to_np(out), expected)
+    report = gradcheck(lambda t: P.relative_bias_forward(t, Lq, Lk, bidirectional=bidirectional,
+                                                         max_distance=maxd, offset=offset),
+                       lambda d, c: P.relative_bias_backward(d, c)[0], [to_xp(table)],
+                       names=["table"], mode="full")
+    assert_ok(report)
+
+
+def test_relative_bias_backward_sums_a_batched_dmask(xp, to_xp, to_np):
+    rng = np.random.default_rng(12)
+    table = rng.standard_normal((8, 2))
+    _, cache = P.relative_bias_forward(to_xp(table), 3, 4, max_distance=6)
+    dmask = rng.standard_normal((3, 2, 3, 4))
+    got = to_np(P.relative_bias_backward(to_xp(dmask), cache)[0])
+    summed = to_np(P.relative_bias_backward(to_xp(dmask.sum(0, keepdims=True)), cache)[0])
+    np.testing.assert_allclose(got, summed, rtol=1e-13, atol=1e-13)
+    expected = np.zeros_like(table)
+    for i in range(3):
+        for j in range(4):
+            expected[t5_bucket_reference(j - i, True, 8, 6)] += dmask[:, :, i, j].sum(0)
+    np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-13)
+
+
+def test_t5_bias_through_sdpa_mask(xp, to_xp):
+    rng = np.random.default_rng(13)
+    B, H, Lq, Lk, Dh = 2, 2, 4, 6, 3
+    q, k, v = (to_xp(rng.standard_normal(s)) for s in [(B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh)])
+    table = to_xp(rng.standard_normal((8, H)))
+
+    def fwd(q, k, v, table):
+        bias, bias_cache = P.relative_bias_forward(table, Lq, Lk, max_distance=6)  # [1, H, Lq, Lk]
+        out, cache = F.sdpa_forward(q, k, v, mask=bias, scale=1.0)  # T5 does not scale
+        return out, (bias_cache, cache)
+
+    def bwd(dout, caches):
+        dq, dk, dv, dmask, _ = F.sdpa_backward(dout, caches[1])  # dmask: [1, H, Lq, Lk]
+        return dq, dk, dv, P.relative_bias_backward(dmask, caches[0])[0]
+
+    assert_ok(gradcheck(fwd, bwd, [q, k, v, table], names=["q", "k", "v", "table"], mode="full"))
+
+
+# --------------------------------------------------------------------------
+# bad input: the message names the argument
+
+
+def test_errors_name_the_argument():
+    x = np.zeros((2, 3, 4))
+    cases = [
+        (lambda: P.rope_forward(np.zeros((2, 3, 5))), ValueError, "x: expected an even"),
+        (lambda: P.rope_forward(np.zeros((2, 3, 4), dtype=np.int64)), TypeError, "x: expected a real floating"),
+        (lambda: P.rope_forward(x, np.zeros(4)), ValueError, "positions"),
+        (lambda: P.rope_forward(x, np.zeros(3, dtype=bool)), TypeError, "positions: expected integer"),
+        (lambda: P.rope_forward(x, 1.5), TypeError, "positions"),
+        (lambda: P.rope_forward(x, base=0.5), ValueError, "base: expected"),
+        (lambda: P.rope_forward(x, interleaved=1), TypeError, "interleaved: expected a bool"),
+        (lambda: P.rope_backward(x, None), TypeError, "cache: expected a RopeCache"),
+        (lambda: P.rope_backward(x.astype(np.float32), P.rope_forward(x)[1]), TypeError, "dout: expected dtype"),
+        (lambda: P.relative_embedding_forward(np.zeros((6, 2)), 3, 3), ValueError, "table: expected an odd"),
+        (lambda: P.relative_embedding_forward(np.zeros(5), 3, 3), ValueError, "table: expected a 2-D"),
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 0, 3), ValueError, "Lq: expected a positive"),
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2.0), TypeError, "Lk: expected a positive"),
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=0.5), TypeError, "offset"),
+        (lambda: P.relative_embedding_backward(np.zeros((3, 4, 2)),
+                                               P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
+         ValueError, "dout: expected shape"),
+        (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 3))), ValueError, "table: expected 4"),
+        (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 4), np.float32)), TypeError,
+         "table: expected dtype"),
+        (lambda: P.relative_scores_backward(np.zeros((2, 3, 3)),
+                                            P.relative_scores_forward(x, np.zeros((5, 4)), 4)[1]),
+         ValueError, "dbias: expected shape"),
+        (lambda: P.t5_bucket(np.zeros(3)), TypeError, "relative_position: expected a signed integer"),
+        (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError, "num_buckets"),
+        (lambda: P.t5_bucket(np.arange(3), max_distance=8), ValueError, "max_distance"),
+        (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError, "bidirectional"),
+        (lambda: P.relative_bias_forward(np.zeros((2, 3)), 3, 3), ValueError, "table: expected enough rows"),
+        (lambda: P.relative_bias_backward(np.zeros((1, 2, 3, 3)),
+                                          P.relative_bias_forward(np.zeros((8, 3)), 3, 3, max_distance=6)[1]),
+         ValueError, "dout: expected shape"),
+    ]
+    for call, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            call()
