@@ -48,11 +48,6 @@ __all__ = [
     "feed_forward_backward",
     "residual_forward",
     "residual_backward",
-    "LayerNormCache",
-    "ReluCache",
-    "GeluCache",
-    "FeedForwardCache",
-    "ResidualCache",
 ]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
