@@ -64,10 +64,6 @@ __all__ = [
     "t5_bucket",
     "relative_bias_forward",
     "relative_bias_backward",
-    "RopeCache",
-    "RelativeEmbeddingCache",
-    "RelativeScoresCache",
-    "RelativeBiasCache",
 ]
 
 
@@ -191,7 +187,8 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
 
     Returns
     -------
-    out : array, shape (..., L, Dh), dtype of x
+    out : array, shape (..., L, Dh)
+        In the dtype of ``x``.
     cache : RopeCache
 
     Notes
@@ -435,7 +432,8 @@ def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, off
     Parameters
     ----------
     q : array, shape (..., Lq, E), e.g. (B, H, Lq, Dh)
-    table : array, shape (2 M - 1, E), dtype of q
+    table : array, shape (2 M - 1, E)
+        In the dtype of ``q``.
     Lk : int, optional
         Key length; default Lq.
     offset : int
@@ -485,7 +483,7 @@ def relative_scores_backward(dbias: Any, cache: RelativeScoresCache) -> tuple[An
 
     Returns
     -------
-    dq : array, shape of q
+    dq : array, shape (..., Lq, E)
     dtable : array, shape (2 M - 1, E)
     dLk : None
     """
