@@ -31,3 +31,4 @@ __all__ = [
     "KVCache", "MultiHeadAttention", "attention", "backend", "blocked", "check_gradients",
     "functional", "compat", "gradcheck", "masks", "verify", "__version__",
 ]
+from . import positions; __all__ += ["positions"]  # noqa: E402,E702  RoPE and relative positions
