@@ -118,6 +118,7 @@ class RopeCache(NamedTuple):
     sin: Any  # [..., L, Dh/2] sin(theta)
     interleaved: bool  # pairs (2c, 2c+1) instead of (c, c + Dh/2)
     in_dtype: Any  # dtype of x; dx is cast back to it
+    x_shape: tuple = ()  # shape of x, for checking dout
 
 
 def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: Any = None) -> Any:
@@ -223,7 +224,7 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
     out = _rope_merge(xp, y1, y2, interleaved)  # 5.         [..., L, Dh]
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
-    return out, RopeCache(cos, sin, bool(interleaved), in_dtype)
+    return out, RopeCache(cos, sin, bool(interleaved), in_dtype, tuple(x.shape))
 
 
 def rope_backward(dout: Any, cache: RopeCache) -> tuple[Any, None]:
@@ -242,8 +243,8 @@ def rope_backward(dout: Any, cache: RopeCache) -> tuple[Any, None]:
     xp = namespace(cache.cos)
     V.check_floating_array("dout", dout, xp, device_of(cache.cos), dtype=cache.in_dtype,
                            like="the forward's out")
-    if dout.shape[-1] % 2 != 0 or dout.ndim < 2:
-        raise ValueError(f"dout: expected the shape of the forward's out (..., L, Dh), got {V.shape_of(dout)}")
+    if V.shape_of(dout) != cache.x_shape:
+        raise ValueError(f"dout: expected shape {cache.x_shape} (that of the forward's out), got {V.shape_of(dout)}")
     cos, sin = cache.cos, cache.sin
     if dout.dtype != cos.dtype:
         dout = xp.astype(dout, cos.dtype)

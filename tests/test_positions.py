@@ -158,6 +158,18 @@ def test_rope_float32_stays_float32(xp, to_xp):
     assert P.rope_backward(out, cache)[0].dtype == xp.float32
 
 
+def test_relative_forms_keep_float32(xp, to_xp):
+    rng = np.random.default_rng(14)
+    q = to_xp(rng.standard_normal((2, 3, 4)).astype(np.float32))
+    table = to_xp(rng.standard_normal((5, 4)).astype(np.float32))
+    bias, cache = P.relative_scores_forward(q, table, 6)
+    dq, dtable, _ = P.relative_scores_backward(bias, cache)
+    assert bias.dtype == dq.dtype == dtable.dtype == xp.float32
+    out, cache = P.relative_bias_forward(to_xp(rng.standard_normal((8, 2)).astype(np.float32)), 3, 5,
+                                         max_distance=6)
+    assert out.dtype == P.relative_bias_backward(out, cache)[0].dtype == xp.float32
+
+
 @given(seed=st.integers(0, 2**16), interleaved=st.booleans(), half=st.integers(1, 6),
        i=st.integers(-50, 500), j=st.integers(-50, 500), shift=st.integers(-1000, 1000))
 def test_rope_preserves_norms_and_scores_depend_on_the_difference(seed, interleaved, half, i, j, shift):
@@ -390,6 +402,7 @@ def test_errors_name_the_argument():
         (lambda: P.rope_forward(x, interleaved=1), TypeError, "interleaved: expected a bool"),
         (lambda: P.rope_backward(x, None), TypeError, "cache: expected a RopeCache"),
         (lambda: P.rope_backward(x.astype(np.float32), P.rope_forward(x)[1]), TypeError, "dout: expected dtype"),
+        (lambda: P.rope_backward(np.zeros((2, 3, 2)), P.rope_forward(x)[1]), ValueError, "dout: expected shape"),
         (lambda: P.relative_embedding_forward(np.zeros((6, 2)), 3, 3), ValueError, "table: expected an odd"),
         (lambda: P.relative_embedding_forward(np.zeros(5), 3, 3), ValueError, "table: expected a 2-D"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 0, 3), ValueError, "Lq: expected a positive"),
