@@ -256,6 +256,7 @@ def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any
 
 class ReluCache(NamedTuple):
     off: Any  # [...] bool, x <= 0 (the entries ReLU zeroes)
+    dtype: Any  # dtype of x (and of dx)
 
 
 def relu_forward(x: Any) -> tuple[Any, ReluCache]:
@@ -275,7 +276,7 @@ def relu_forward(x: Any) -> tuple[Any, ReluCache]:
     xp = namespace(x)
     off = x <= 0.0  # 1.            [...] bool
     y = xp.where(off, 0.0, x)  # 2.  [...]
-    return y, ReluCache(off)
+    return y, ReluCache(off, x.dtype)
 
 
 def relu_backward(dout: Any, cache: ReluCache) -> Any:
@@ -292,10 +293,8 @@ def relu_backward(dout: Any, cache: ReluCache) -> Any:
     """
     # [...] -> [...]
     V.check_cache("cache", cache, ReluCache, "relu_forward")
-    V.check_floating_array("dout", dout, namespace(cache.off), device_of(cache.off), like="x")
-    if V.shape_of(dout) != V.shape_of(cache.off):
-        raise ValueError(f"dout: expected shape {V.shape_of(cache.off)} (that of the forward's y), "
-                         f"got {V.shape_of(dout)}")
+    V.check_grad("dout", dout, shape=V.shape_of(cache.off), dtype=cache.dtype,
+                 xp=namespace(cache.off), device=device_of(cache.off), of="the forward's y")
     xp = namespace(dout, cache.off)
     # 2. y = where(off, 0, x)
     return xp.where(cache.off, 0.0, dout)  # [...]
