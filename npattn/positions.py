@@ -531,10 +531,11 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
 
     .. math::
 
-        b(n) = n \\text{ if } n < \\text{max\\_exact, else }
-        \\min\\left(nb - 1,\\ \\text{max\\_exact} + \\left\\lfloor
-        \\frac{\\log(n / \\text{max\\_exact})}{\\log(\\text{max\\_distance} / \\text{max\\_exact})}
-        (nb - \\text{max\\_exact}) \\right\\rfloor\\right).
+        b(n) = n \\quad (n < m), \\qquad
+        b(n) = \\min\\left(n_b - 1,\\ m + \\left\\lfloor
+        \\frac{\\log(n / m)}{\\log(d_{max} / m)} (n_b - m) \\right\\rfloor\\right) \\quad (n \\ge m),
+
+    with ``m = max_exact``, ``n_b = nb`` and ``d_max = max_distance``.
 
     Parameters
     ----------
