@@ -32,3 +32,4 @@ __all__ = [
     "functional", "compat", "gradcheck", "masks", "verify", "__version__",
 ]
 from . import positions; __all__ += ["positions"]  # noqa: E402,E702  RoPE and relative positions
+from . import layers; __all__ += ["layers"]  # noqa: E402,E702  layer norm, GELU/ReLU, feed-forward, residual
