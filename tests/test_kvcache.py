@@ -234,11 +234,13 @@ def test_a_full_cache_is_refused_before_anything_is_written(backend, to_xp, to_n
 
 
 def test_a_failure_inside_the_forward_leaves_the_cache():
-    """The cache is written only once the forward has succeeded: the NumPy kernel refuses the
-    bottom-right causal call inside the dispatcher, after every module check passed."""
+    """The cache is written only once the forward has succeeded: the NumPy kernel refuses
+    ALiBi inside the dispatcher, after every module check passed."""
     m, cache, rng = _decoding_setup("numpy", np.asarray, lens=(1, 1), capacity=6)
     x = rng.standard_normal((2, 2, D))
-    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy"),
+    slopes = np.ones(m.n_head)
+    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy",
+                                          alibi_slopes=slopes),
                       ValueError, "impl='numpy'", np.asarray)
 
 

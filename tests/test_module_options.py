@@ -333,7 +333,8 @@ def _bad_calls(to_xp):
         (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK)))), TypeError, "k_segments"),
         (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK + 1), dtype=np.int64))),
          ValueError, "k_segments"),
-        (dict(window=(1, 1), impl="numpy"), ValueError, "impl"),
+        # the NumPy kernel takes windows but no ALiBi: refused inside the dispatcher
+        (dict(alibi_slopes=to_xp(np.ones(H)), impl="numpy"), ValueError, "impl"),
     ]
 
 
