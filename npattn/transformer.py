@@ -1,0 +1,714 @@
+"""The Transformer's encoder and decoder blocks, composed of npattn's pairs.
+
+``TransformerBlock`` computes what ``torch.nn.TransformerEncoderLayer(batch_first=True)``
+computes and ``TransformerDecoderBlock`` what ``torch.nn.TransformerDecoderLayer(batch_first=True)``
+does, each with a hand-derived backward. A block is a stack of *sublayers*; each is
+
+* post-norm (``norm_first=False``, the original Transformer's):
+  ``out = layer_norm(x + dropout(core(x)))``
+* pre-norm (``norm_first=True``): ``out = x + dropout(core(layer_norm(x)))``
+
+where ``core`` is self-attention (``MultiHeadAttention``), cross-attention over
+``memory`` or the feed-forward network (``layers.feed_forward_forward``). The
+pure pair ``sublayer_forward`` / ``sublayer_backward`` does the norm, the
+dropout and the residual around any core; the blocks are thin stateful
+compositions of it (docs/transformer.md derives the backward).
+
+Shape legend
+------------
+B batch, L target length, Lm memory length, D = d_model, H heads,
+F = d_ff (the feed-forward width).
+
+Code uses only the Python Array API standard through ``xp``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+
+from . import functional as F
+from . import layers as Ly
+from . import validation as V
+from .backend import device_of, dropout_key, from_numpy, keep_mask, to_numpy
+from .module import MultiHeadAttention, check_forward_inputs, check_param
+
+__all__ = [
+    "TransformerBlock",
+    "TransformerDecoderBlock",
+    "SublayerCache",
+    "sublayer_forward",
+    "sublayer_backward",
+    "ENCODER_DROPOUT_SITES",
+    "DECODER_DROPOUT_SITES",
+]
+
+#: The dropout sites of ``TransformerBlock``, named as the torch layer's modules:
+#: ``self_attn`` the attention probabilities (B, H, L, L); ``dropout1`` after the
+#: attention (B, L, D); ``dropout`` inside the feed-forward (B, L, F); ``dropout2``
+#: after the feed-forward (B, L, D).
+ENCODER_DROPOUT_SITES = ("self_attn", "dropout1", "dropout", "dropout2")
+
+#: The dropout sites of ``TransformerDecoderBlock``: ``self_attn`` (B, H, L, L) and
+#: ``multihead_attn`` (B, H, L, Lm) the attention probabilities; ``dropout1``,
+#: ``dropout2``, ``dropout3`` after self-attention, cross-attention and the
+#: feed-forward (B, L, D); ``dropout`` inside the feed-forward (B, L, F).
+DECODER_DROPOUT_SITES = ("self_attn", "multihead_attn", "dropout1", "dropout2", "dropout3", "dropout")
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+# --------------------------------------------------------------------------
+# the pure pair: norm, core, dropout and residual around any core
+
+
+class SublayerCache(NamedTuple):
+    norm: Ly.LayerNormCache  # the sublayer's layer norm (of x pre-norm, of the sum post-norm)
+    core: Any  # the core's own cache (MHACache, FeedForwardCache, ...)
+    drop: F.DropoutCache  # holds the keep-mask of the dropout after the core
+    res: Ly.ResidualCache  # s = x + y
+    norm_first: bool
+
+
+def sublayer_forward(x: Any, core: Callable, *, norm_weight: Any, norm_bias: Any, eps: float,
+                     norm_first: bool, dropout_p: float, dropout_mask: Any = None,
+                     rng: Any = None) -> tuple[Any, SublayerCache]:
+    """One residual sublayer around ``core``, post-norm or pre-norm.
+
+    Post-norm (``norm_first=False``):
+
+    1. ``c = core(x)``                          [B, L, D]
+    2. ``y = dropout(c)``                       [B, L, D]
+    3. ``s = x + y``                            (``layers.residual_forward``)
+    4. ``out = layer_norm(s)``                  [B, L, D]
+
+    Pre-norm (``norm_first=True``):
+
+    1. ``n = layer_norm(x)``                    [B, L, D]
+    2. ``c = core(n)``                          [B, L, D]
+    3. ``y = dropout(c)``                       [B, L, D]
+    4. ``out = x + y``                          (``layers.residual_forward``)
+
+    Parameters
+    ----------
+    x : array, shape (B, L, D)
+    core : callable
+        ``core(n) -> (c, core_cache)`` with ``c`` of ``n``'s shape.
+    norm_weight, norm_bias : array, shape (D,), or None
+    eps : float
+    norm_first : bool
+    dropout_p : float
+        Drop probability after the core (0 turns it off).
+    dropout_mask : bool array broadcastable to (B, L, D), optional
+        Keep-mask; otherwise drawn from ``rng`` when ``dropout_p > 0``.
+    rng : numpy.random.Generator, optional
+
+    Returns
+    -------
+    out : array, shape (B, L, D)
+    cache : SublayerCache
+    """
+    # [B, L, D] -> [B, L, D]
+    if norm_first:
+        n, norm_c = Ly.layer_norm_forward(x, norm_weight, norm_bias, eps)  # 1. [B, L, D]
+        c, core_c = core(n)  # 2.                                              [B, L, D]
+        y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 3. [B, L, D]
+        out, res_c = Ly.residual_forward(x, y)  # 4.                           [B, L, D]
+    else:
+        c, core_c = core(x)  # 1.                                              [B, L, D]
+        y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 2. [B, L, D]
+        s, res_c = Ly.residual_forward(x, y)  # 3.                             [B, L, D]
+        out, norm_c = Ly.layer_norm_forward(s, norm_weight, norm_bias, eps)  # 4. [B, L, D]
+    return out, SublayerCache(norm_c, core_c, drop_c, res_c, bool(norm_first))
+
+
+def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
+                      ) -> tuple[Any, Any, Any]:
+    """Gradients of ``sublayer_forward``: its steps' backwards in reverse.
+
+    The input ``x`` reaches the output twice, through the residual and through
+    the core, so ``dx`` is the sum of the two paths' gradients.
+
+    Parameters
+    ----------
+    dout : array, shape (B, L, D)
+    cache : SublayerCache
+    core_backward : callable
+        ``core_backward(dc, core_cache) -> dn``, the gradient with respect to
+        the core's input (the core's own parameter gradients are its business).
+
+    Returns
+    -------
+    dx : array, shape (B, L, D)
+    dnorm_weight, dnorm_bias : array, shape (D,), or None
+    """
+    # [B, L, D] -> [B, L, D], [D], [D]
+    V.check_cache("cache", cache, SublayerCache, "sublayer_forward")
+    if cache.norm_first:
+        # 4. out = x + y
+        dx_res, dy = Ly.residual_backward(dout, cache.res)  # [B, L, D] each
+        # 3. y = dropout(c), with the forward's keep-mask
+        dc = F.dropout_backward(dy, cache.drop)  # [B, L, D]
+        # 2. c = core(n)
+        dn = core_backward(dc, cache.core)  # [B, L, D]
+        # 1. n = layer_norm(x)
+        dx_norm, dw, db = Ly.layer_norm_backward(dn, cache.norm)  # [B, L, D], [D], [D]
+        return dx_res + dx_norm, dw, db  # x fed the residual and the norm
+    # 4. out = layer_norm(s)
+    ds, dw, db = Ly.layer_norm_backward(dout, cache.norm)  # [B, L, D], [D], [D]
+    # 3. s = x + y
+    dx_res, dy = Ly.residual_backward(ds, cache.res)  # [B, L, D] each
+    # 2. y = dropout(c)
+    dc = F.dropout_backward(dy, cache.drop)  # [B, L, D]
+    # 1. c = core(x)
+    dx_core = core_backward(dc, cache.core)  # [B, L, D]
+    return dx_res + dx_core, dw, db  # x fed the residual and the core
+
+
+# --------------------------------------------------------------------------
+# the stateful blocks
+
+
+class EncoderBlockCache(NamedTuple):
+    attn: SublayerCache  # core cache: the MHACache of self_attn
+    ff: SublayerCache  # core cache: layers.FeedForwardCache
+    out_shape: tuple
+    out_dtype: Any
+
+
+class DecoderBlockCache(NamedTuple):
+    self_attn: SublayerCache  # core cache: the MHACache of self_attn
+    cross_attn: SublayerCache  # core cache: the MHACache of multihead_attn
+    ff: SublayerCache  # core cache: layers.FeedForwardCache
+    memory_shape: tuple
+    out_shape: tuple
+    out_dtype: Any
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
+
+
+class _Block:
+    """What both blocks share: parameters, modes, dropout masks, torch state dicts."""
+
+    _ATTNS: tuple = ()  # names of the MultiHeadAttention submodules
+    _NORMS: tuple = ()  # names of the layer norms
+    _SITES: tuple = ()  # dropout sites
+
+    def __init__(self, d_model: int, n_head: int, d_ff: Optional[int] = None, *,
+                 dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
+                 layer_norm_eps: float = 1e-5, bias: bool = True, dtype: str = "float32",
+                 backend: Any = "numpy", seed: Any = None) -> None:
+        V.check_positive_int("d_ff", d_ff, allow_none=True)
+        _check_choice("activation", activation, ACTIVATIONS)
+        V.check_bool("norm_first", norm_first)
+        V.check_bool("bias", bias)
+        V.check_scale("layer_norm_eps", layer_norm_eps)
+        if layer_norm_eps is None or not float(layer_norm_eps) > 0.0:
+            raise ValueError(f"layer_norm_eps: expected a float > 0, got {layer_norm_eps!r}")
+        seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)
+        attn_seeds = [int(s.generate_state(1)[0]) for s in seqs[: len(self._ATTNS)]]
+        # the attention modules check d_model, n_head, dropout, dtype and backend
+        self._attn = {
+            name: MultiHeadAttention(d_model, n_head, dropout=dropout, bias=bias, dtype=dtype,
+                                     backend=backend, seed=s)
+            for name, s in zip(self._ATTNS, attn_seeds)
+        }
+        first = self._attn[self._ATTNS[0]]
+        self.xp, self.dtype = first.xp, first.dtype
+        self.d_model, self.n_head = int(d_model), int(n_head)
+        self.d_ff = 4 * self.d_model if d_ff is None else int(d_ff)
+        self.dropout = float(dropout)
+        self.activation = activation
+        self.norm_first = bool(norm_first)
+        self.layer_norm_eps = float(layer_norm_eps)
+        self.bias = bool(bias)
+        self.training = True
+        self._own = self._init_own(np.random.default_rng(seqs[-2]))
+        self._rng = np.random.default_rng(seqs[-1])  # every dropout site draws from it
+        self.grads: dict = {}
+        self._cache: Any = None
+
+    def _init_own(self, rng: np.random.Generator) -> dict:
+        """torch's ``nn.Linear`` init: weight and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in)); norms 1 and 0.
+
+        Drawn in float64 on the host, then cast, so one seed gives the same
+        parameters on every backend.
+        """
+        D, Fd = self.d_model, self.d_ff
+        own = {}
+        for name, (fan_out, fan_in) in (("linear1", (Fd, D)), ("linear2", (D, Fd))):
+            a = 1.0 / math.sqrt(fan_in)
+            own[f"{name}.weight"] = rng.uniform(-a, a, size=(fan_out, fan_in))
+            if self.bias:
+                own[f"{name}.bias"] = rng.uniform(-a, a, size=fan_out)
+        for name in self._NORMS:
+            own[f"{name}.weight"] = np.ones(D)
+            if self.bias:
+                own[f"{name}.bias"] = np.zeros(D)
+        return {k: self.xp.astype(from_numpy(v, self.xp), self.dtype) for k, v in own.items()}
+
+    # ------------------------------------------------------------ parameters
+
+    @property
+    def params(self) -> dict:
+        """A new dict of the parameters, named as the torch layer's state dict.
+
+        ``self_attn.w_q`` ... (the ``MultiHeadAttention`` names, prefixed by
+        the submodule: ``self_attn.``, and ``multihead_attn.`` in the decoder),
+        ``linear1.weight`` (F, D), ``linear1.bias`` (F,), ``linear2.weight``
+        (D, F), ``linear2.bias`` (D,), ``norm1.weight`` (D,), ``norm1.bias``
+        (D,), ... (no biases with ``bias=False``). Assign a whole dict to
+        ``params`` to replace them (every array checked first); writing into
+        the returned dict changes nothing.
+        """
+        out = {f"{a}.{k}": v for a in self._ATTNS for k, v in self._attn[a].params.items()}
+        out.update(self._own)
+        return out
+
+    @params.setter
+    def params(self, new: dict):
+        current = self.params
+        if not isinstance(new, dict) or set(new) != set(current):
+            got = sorted(new) if isinstance(new, dict) else type(new).__name__
+            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
+        for name, like in current.items():
+            check_param(name, new[name], like=like, xp=self.xp)
+        for a in self._ATTNS:  # all checked: nothing below fails
+            sub = {k.split(".", 1)[1]: v for k, v in new.items() if k.startswith(a + ".")}
+            self._attn[a].params = sub
+        self._own = {k: new[k] for k in self._own}
+
+    @property
+    def self_attn(self) -> MultiHeadAttention:
+        """The self-attention module (its ``params`` are this block's ``self_attn.*``)."""
+        return self._attn["self_attn"]
+
+    def train(self, mode: bool = True):
+        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
+        V.check_bool("mode", mode)
+        self.training = bool(mode)
+        for m in self._attn.values():
+            m.train(mode)
+        return self
+
+    def eval(self):
+        """Evaluation mode: dropout is off. Returns self."""
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    # ---------------------------------------------------------------- dropout
+
+    def _check_dropout_masks(self, dropout_masks: Any, shapes: dict) -> None:
+        if dropout_masks is None:
+            return
+        if not isinstance(dropout_masks, dict):
+            raise TypeError(f"dropout_masks: expected a dict or None, got {type(dropout_masks).__name__}")
+        unknown = sorted(set(dropout_masks) - set(self._SITES))
+        if unknown:
+            raise ValueError(f"dropout_masks: expected keys among {list(self._SITES)}, got {unknown}")
+        device = device_of(self.params["linear1.weight"])
+        for site, m in dropout_masks.items():
+            V.check_mask(f"dropout_masks[{site!r}]", m, self.xp, target=shapes[site],
+                         target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
+                         bool_only=True)
+
+    def _masks(self, dropout_masks: Optional[dict]) -> tuple[float, dict]:
+        """The drop probability this forward uses and the keep-masks given (none outside training)."""
+        if not (self.training and self.dropout > 0.0):
+            return 0.0, {}
+        return self.dropout, dict(dropout_masks or {})
+
+    def _attention_keep(self, masks: dict, site: str, shape: tuple, p: float) -> Any:
+        """The attention-probability keep-mask: the one given, else drawn from the block's generator."""
+        if p == 0.0:
+            return None
+        if masks.get(site) is not None:
+            return masks[site]
+        return keep_mask(dropout_key(self._rng), p, shape, self.xp,
+                         device_of(self.params["linear1.weight"]))  # [B, H, L, Lk] bool
+
+    # ---------------------------------------------------------------- cores
+
+    def _attn_core(self, name: str, *, memory: Any, mask: Any, is_causal: bool, keep: Any) -> Callable:
+        mha = self._attn[name]
+
+        def core(n):  # [B, L, D] -> [B, L, D]
+            kv = n if memory is None else memory
+            out, _ = mha.forward(n, kv, kv, mask=mask, is_causal=is_causal, dropout_mask=keep)
+            return out, mha.cache
+
+        return core
+
+    def _attn_core_backward(self, name: str, grads: dict, dmemory: list) -> Callable:
+        mha = self._attn[name]
+
+        def core_backward(dc, core_cache):  # [B, L, D] -> [B, L, D]
+            mha.cache = core_cache
+            dq, dk, dv = mha.backward(dc)
+            grads.update({f"{name}.{k}": v for k, v in mha.grads.items()})
+            if name == "self_attn":
+                return dq + dk + dv  # query = key = value = n
+            dmemory.append(dk + dv)  # key = value = memory
+            return dq
+
+        return core_backward
+
+    def _ff_core(self, p: float, keep: Any) -> Callable:
+        P = self._own
+
+        def core(n):  # [B, L, D] -> [B, L, D]
+            return Ly.feed_forward_forward(n, P["linear1.weight"], P.get("linear1.bias"),
+                                           P["linear2.weight"], P.get("linear2.bias"),
+                                           activation=self.activation, dropout_p=p,
+                                           dropout_mask=keep, rng=self._rng)
+
+        return core
+
+    def _ff_core_backward(self, grads: dict) -> Callable:
+        def core_backward(dc, core_cache):  # [B, L, D] -> [B, L, D]
+            dn, dw1, db1, dw2, db2 = Ly.feed_forward_backward(dc, core_cache)
+            grads.update({"linear1.weight": dw1, "linear2.weight": dw2})
+            if self.bias:
+                grads.update({"linear1.bias": db1, "linear2.bias": db2})
+            return dn
+
+        return core_backward
+
+    def _sublayer(self, x, core, norm: str, p: float, keep: Any):
+        P = self._own
+        return sublayer_forward(x, core, norm_weight=P[f"{norm}.weight"], norm_bias=P.get(f"{norm}.bias"),
+                                eps=self.layer_norm_eps, norm_first=self.norm_first, dropout_p=p,
+                                dropout_mask=keep, rng=self._rng)
+
+    def _sublayer_backward(self, dout, cache, core_backward, norm: str, grads: dict):
+        dx, dw, db = sublayer_backward(dout, cache, core_backward)
+        grads[f"{norm}.weight"] = dw
+        if self.bias:
+            grads[f"{norm}.bias"] = db
+        return dx
+
+    def _run(self, fn):
+        """Run a forward; on failure put back the generator and the attention modules' caches."""
+        state = self._rng.bit_generator.state
+        saved = {a: m.cache for a, m in self._attn.items()}
+        try:
+            return fn()
+        except BaseException:
+            self._rng.bit_generator.state = state
+            for a, m in self._attn.items():
+                m.cache = saved[a]
+            raise
+
+    def _check_dout(self, dout: Any) -> None:
+        c = self._cache
+        if c is None:
+            raise RuntimeError("backward: expected a forward call first (there is no cached forward)")
+        V.check_array("dout", dout, self.xp, device_of(self.params["linear1.weight"]))
+        if V.shape_of(dout) != tuple(c.out_shape):
+            raise ValueError(f"dout: expected shape {tuple(c.out_shape)} (that of the last forward's "
+                             f"output), got {V.shape_of(dout)}")
+        if dout.dtype != c.out_dtype:
+            raise TypeError(f"dout: expected dtype {V.dtype_name(c.out_dtype)} (that of the last "
+                            f"forward's output), got {V.dtype_name(dout.dtype)}")
+
+    def _ordered(self, grads: dict) -> dict:
+        return {k: grads[k] for k in self.params}
+
+    # ----------------------------------------------------------- torch interop
+
+    def torch_state_dict(self) -> Any:
+        """``params`` as the torch layer's state dict: CPU tensors, copies, torch's key order."""
+        import torch
+
+        dtype = getattr(torch, V.dtype_name(self.dtype))
+        sd = OrderedDict()
+        for a in self._ATTNS:
+            for k, v in self._attn[a].torch_state_dict().items():
+                sd[f"{a}.{k}"] = v
+        for k, v in self._own.items():
+            sd[k] = torch.from_numpy(np.array(to_numpy(v))).to(dtype)
+        return sd
+
+    def load_torch_state_dict(self, state_dict: Any):
+        """Set ``params`` from the torch layer's state dict (all keys and shapes checked first). Returns self."""
+        from .torch_interop import params_from_torch_state_dict, torch_state_dict_shapes
+
+        expected = [f"{a}.{k}" for a in self._ATTNS for k in torch_state_dict_shapes(self._attn[a])]
+        expected += list(self._own)
+        got = set(state_dict.keys())
+        missing = [k for k in expected if k not in got]
+        unexpected = sorted(got - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state_dict: expected keys {expected}, got {sorted(got)} "
+                             f"(missing {missing}, unexpected {unexpected})")
+        new = {}
+        for a in self._ATTNS:
+            sub = {k.split(".", 1)[1]: v for k, v in state_dict.items() if k.startswith(a + ".")}
+            for k, v in params_from_torch_state_dict(self._attn[a], sub).items():
+                new[f"{a}.{k}"] = v
+        for k in self._own:
+            v = state_dict[k]
+            new[k] = v.detach().cpu().numpy() if hasattr(v, "detach") else to_numpy(v)
+        arrays = {}
+        for k, like in self.params.items():
+            a = np.asarray(new[k])
+            if a.shape != V.shape_of(like):
+                raise ValueError(f"state_dict[{k!r}]: expected shape {V.shape_of(like)}, got {a.shape}")
+            arrays[k] = self.xp.astype(from_numpy(a, self.xp, device_of(like)), self.dtype)
+        self.params = arrays
+        return self
+
+    @classmethod
+    def _config_from_torch(cls, layer: Any, torch_cls: Any) -> dict:
+        if not isinstance(layer, torch_cls):
+            raise TypeError(f"layer: expected a {torch_cls.__module__}.{torch_cls.__name__}, "
+                            f"got {type(layer).__name__}")
+        if not layer.self_attn.batch_first:
+            raise ValueError("layer: expected batch_first=True (npattn takes (B, L, D) inputs), "
+                             "got batch_first=False")
+        code = getattr(layer, "activation_relu_or_gelu", 0)
+        if code not in (1, 2):
+            raise ValueError(f"layer: expected activation 'relu' or 'gelu', got {layer.activation!r}")
+        return dict(
+            d_model=layer.self_attn.embed_dim, n_head=layer.self_attn.num_heads,
+            d_ff=layer.linear1.out_features, dropout=float(layer.dropout.p),
+            activation="relu" if code == 1 else "gelu", norm_first=bool(layer.norm_first),
+            layer_norm_eps=float(layer.norm1.eps), bias=layer.linear1.bias is not None,
+            dtype=V.dtype_name(layer.linear1.weight.dtype),
+        )
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(d_model={self.d_model}, n_head={self.n_head}, d_ff={self.d_ff}, "
+                f"dropout={self.dropout}, activation={self.activation!r}, norm_first={self.norm_first}, "
+                f"layer_norm_eps={self.layer_norm_eps}, bias={self.bias}, dtype={self.dtype}, "
+                f"backend={self.xp.__name__!r})")
+
+
+class TransformerBlock(_Block):
+    """The Transformer encoder layer, as ``torch.nn.TransformerEncoderLayer(batch_first=True)``.
+
+    Post-norm (``norm_first=False``, the default, as torch)::
+
+        x = norm1(x + dropout1(self_attn(x)))
+        x = norm2(x + dropout2(ff(x)))
+
+    pre-norm (``norm_first=True``)::
+
+        x = x + dropout1(self_attn(norm1(x)))
+        x = x + dropout2(ff(norm2(x)))
+
+    with ``ff(x) = linear2(dropout(activation(linear1(x))))``. Each line is
+    one ``sublayer_forward``; ``backward`` calls their backwards in reverse.
+
+    Parameters
+    ----------
+    d_model, n_head : int
+        Model width D and heads H (D divisible by H).
+    d_ff : int, optional
+        Feed-forward width F; default ``4 * d_model`` (torch's default is 2048).
+    dropout : float
+        Drop probability at every site (``ENCODER_DROPOUT_SITES``), in [0, 1).
+    activation : {"relu", "gelu"}
+        "gelu" is the exact (erf) form, as torch's "gelu".
+    norm_first : bool
+    layer_norm_eps : float
+    bias : bool
+        Biases in the attention, the linear layers and the layer norms (torch's ``bias``).
+    dtype : str
+    backend : str or namespace
+    seed : int, optional
+        Seeds the weights and the dropout generator.
+
+    Attributes
+    ----------
+    params : dict
+        See the property; names follow the torch layer's state dict.
+    grads : dict
+        Filled by ``backward``: same keys and shapes as ``params``.
+    """
+
+    _ATTNS = ("self_attn",)
+    _NORMS = ("norm1", "norm2")
+    _SITES = ENCODER_DROPOUT_SITES
+
+    def forward(self, x: Any, mask: Any = None, is_causal: bool = False,
+                dropout_masks: Optional[dict] = None) -> Any:
+        """The block's output for ``x``.
+
+        Parameters
+        ----------
+        x : array, shape (B, L, D)
+        mask : array, optional
+            Self-attention mask, npattn's convention: bool True = may attend,
+            or floating (added to the scores); broadcastable to (B, H, L, L),
+            e.g. (B, 1, 1, L) for padding.
+        is_causal : bool
+            Position i attends j <= i (ANDed with ``mask``).
+        dropout_masks : dict, optional
+            Keep-masks (bool, True = keep) by site, ``ENCODER_DROPOUT_SITES``:
+            ``self_attn`` (B, H, L, L), ``dropout1`` (B, L, D), ``dropout``
+            (B, L, F), ``dropout2`` (B, L, D), each broadcastable. Sites not
+            given draw from the block's generator. Used only in training
+            mode with ``dropout > 0``.
+
+        Returns
+        -------
+        out : array, shape (B, L, D)
+        """
+        check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
+                             is_causal=is_causal, need_weights=False)
+        B, L, D = x.shape
+        shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, D),
+                  "dropout": (B, L, self.d_ff), "dropout2": (B, L, D)}
+        self._check_dropout_masks(dropout_masks, shapes)
+        p, masks = self._masks(dropout_masks)
+
+        def run():
+            keep = self._attention_keep(masks, "self_attn", shapes["self_attn"], p)
+            h, attn_c = self._sublayer(  # 1. x = norm1(x + dropout1(self_attn(x))), or pre-norm
+                x, self._attn_core("self_attn", memory=None, mask=mask, is_causal=is_causal, keep=keep),
+                "norm1", p, masks.get("dropout1"))  # [B, L, D]
+            out, ff_c = self._sublayer(  # 2. x = norm2(x + dropout2(ff(x))), or pre-norm
+                h, self._ff_core(p, masks.get("dropout")), "norm2", p, masks.get("dropout2"))  # [B, L, D]
+            return out, EncoderBlockCache(attn_c, ff_c, tuple(out.shape), out.dtype)
+
+        out, cache = self._run(run)
+        self._cache = cache
+        return out
+
+    def backward(self, dout: Any) -> Any:
+        """Backpropagate ``dout`` (B, L, D) through the last forward; fills ``grads``, returns ``dx`` (B, L, D)."""
+        self._check_dout(dout)
+        c = self._cache
+        grads: dict = {}
+        # 2. x = sublayer(h; ff, norm2)
+        dh = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm2", grads)
+        # 1. h = sublayer(x; self_attn, norm1)
+        dx = self._sublayer_backward(dh, c.attn, self._attn_core_backward("self_attn", grads, []),
+                                     "norm1", grads)
+        self.grads = self._ordered(grads)
+        return dx
+
+    @classmethod
+    def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerBlock":
+        """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, mode."""
+        import torch
+
+        block = cls(**cls._config_from_torch(layer, torch.nn.TransformerEncoderLayer), backend=backend)
+        block.load_torch_state_dict(layer.state_dict())
+        return block.train(layer.training)
+
+
+class TransformerDecoderBlock(_Block):
+    """The Transformer decoder layer, as ``torch.nn.TransformerDecoderLayer(batch_first=True)``.
+
+    Post-norm (``norm_first=False``)::
+
+        x = norm1(x + dropout1(self_attn(x)))
+        x = norm2(x + dropout2(multihead_attn(x, memory)))
+        x = norm3(x + dropout3(ff(x)))
+
+    pre-norm (``norm_first=True``) ``x = x + dropoutk(core(normk(x)))`` for each.
+    Parameters as ``TransformerBlock``; ``params`` adds ``multihead_attn.*``
+    and ``norm3.*``; the dropout sites are ``DECODER_DROPOUT_SITES``.
+    """
+
+    _ATTNS = ("self_attn", "multihead_attn")
+    _NORMS = ("norm1", "norm2", "norm3")
+    _SITES = DECODER_DROPOUT_SITES
+
+    @property
+    def multihead_attn(self) -> MultiHeadAttention:
+        """The cross-attention module (its ``params`` are this block's ``multihead_attn.*``)."""
+        return self._attn["multihead_attn"]
+
+    def forward(self, x: Any, memory: Any, mask: Any = None, memory_mask: Any = None,
+                is_causal: bool = False, dropout_masks: Optional[dict] = None) -> Any:
+        """The block's output for target ``x`` attending to ``memory``.
+
+        Parameters
+        ----------
+        x : array, shape (B, L, D)
+        memory : array, shape (B, Lm, D)
+            The encoder's output.
+        mask : array, optional
+            Self-attention mask (True = may attend, or floating), broadcastable to (B, H, L, L).
+        memory_mask : array, optional
+            Cross-attention mask, broadcastable to (B, H, L, Lm), e.g. (B, 1, 1, Lm) for padding.
+        is_causal : bool
+            Causal self-attention (ANDed with ``mask``).
+        dropout_masks : dict, optional
+            Keep-masks by site (``DECODER_DROPOUT_SITES``): ``self_attn`` (B, H, L, L),
+            ``multihead_attn`` (B, H, L, Lm), ``dropout1``/``dropout2``/``dropout3``
+            (B, L, D), ``dropout`` (B, L, F).
+
+        Returns
+        -------
+        out : array, shape (B, L, D)
+        """
+        check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
+                             is_causal=is_causal, need_weights=False)
+        check_forward_inputs(self.multihead_attn, x, memory, memory, mask=memory_mask,
+                             dropout_mask=None, is_causal=False, need_weights=False)
+        B, L, D = x.shape
+        Lm = memory.shape[1]
+        shapes = {"self_attn": (B, self.n_head, L, L), "multihead_attn": (B, self.n_head, L, Lm),
+                  "dropout1": (B, L, D), "dropout2": (B, L, D), "dropout3": (B, L, D),
+                  "dropout": (B, L, self.d_ff)}
+        self._check_dropout_masks(dropout_masks, shapes)
+        p, masks = self._masks(dropout_masks)
+
+        def run():
+            keep = self._attention_keep(masks, "self_attn", shapes["self_attn"], p)
+            h1, sa_c = self._sublayer(  # 1. x = norm1(x + dropout1(self_attn(x)))
+                x, self._attn_core("self_attn", memory=None, mask=mask, is_causal=is_causal, keep=keep),
+                "norm1", p, masks.get("dropout1"))  # [B, L, D]
+            keep = self._attention_keep(masks, "multihead_attn", shapes["multihead_attn"], p)
+            h2, ca_c = self._sublayer(  # 2. x = norm2(x + dropout2(multihead_attn(x, memory)))
+                h1, self._attn_core("multihead_attn", memory=memory, mask=memory_mask, is_causal=False,
+                                    keep=keep),
+                "norm2", p, masks.get("dropout2"))  # [B, L, D]
+            out, ff_c = self._sublayer(  # 3. x = norm3(x + dropout3(ff(x)))
+                h2, self._ff_core(p, masks.get("dropout")), "norm3", p, masks.get("dropout3"))  # [B, L, D]
+            return out, DecoderBlockCache(sa_c, ca_c, ff_c, tuple(memory.shape), tuple(out.shape),
+                                          out.dtype)
+
+        out, cache = self._run(run)
+        self._cache = cache
+        return out
+
+    def backward(self, dout: Any) -> tuple[Any, Any]:
+        """Backpropagate ``dout`` (B, L, D); fills ``grads``, returns ``(dx, dmemory)``, (B, L, D) and (B, Lm, D)."""
+        self._check_dout(dout)
+        c = self._cache
+        grads: dict = {}
+        dmemory: list = []
+        # 3. x = sublayer(h2; ff, norm3)
+        dh2 = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm3", grads)
+        # 2. h2 = sublayer(h1; multihead_attn over memory, norm2); memory's gradient is collected
+        dh1 = self._sublayer_backward(dh2, c.cross_attn,
+                                      self._attn_core_backward("multihead_attn", grads, dmemory),
+                                      "norm2", grads)
+        # 1. h1 = sublayer(x; self_attn, norm1)
+        dx = self._sublayer_backward(dh1, c.self_attn,
+                                     self._attn_core_backward("self_attn", grads, []), "norm1", grads)
+        self.grads = self._ordered(grads)
+        return dx, dmemory[0]
+
+    @classmethod
+    def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerDecoderBlock":
+        """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, mode."""
+        import torch
+
+        block = cls(**cls._config_from_torch(layer, torch.nn.TransformerDecoderLayer), backend=backend)
+        block.load_torch_state_dict(layer.state_dict())
+        return block.train(layer.training)
+
