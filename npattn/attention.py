@@ -196,13 +196,9 @@ def sdpa_forward(
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     G = F.gqa_groups(q, k, v, enable_gqa)
-    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
-    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
-                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-                           k_segments=k_segments)
-    options = F.score_options(q, k, align=align, window=window, softcap=softcap,
-                              alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-                              k_segments=k_segments)
+    options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                q_segments=q_segments, k_segments=k_segments)
     cut = -3 if G > 1 else -2  # the axes that broadcast: all leading ones, or the batch under GQA
     same_lead = tuple(q.shape[:cut]) == tuple(k.shape[:cut]) == tuple(v.shape[:cut])
     plain = same_lead and F.is_plain(options, is_causal)

@@ -395,13 +395,9 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     G = F.gqa_groups(q, k, v, enable_gqa)
-    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
-    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
-                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-                           k_segments=k_segments)
-    options = F.score_options(q, k, align=align, window=window, softcap=softcap,
-                              alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-                              k_segments=k_segments)
+    options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                q_segments=q_segments, k_segments=k_segments)
     return sdpa_blocked_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                                      dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng,
                                      groups=G, block_q=block_q, block_k=block_k, options=options)

@@ -66,6 +66,7 @@ __all__ = [
     "ScoreOptions",
     "PLAIN",
     "score_options",
+    "checked_options",
     "causal_options",
     "is_plain",
     "is_positional",
@@ -665,6 +666,21 @@ def score_options(q: Any, k: Any, *, align: str = "top_left", window: Any = None
                         alibi=alibi, sinks=sink, q_segments=qs, k_segments=ks)
 
 
+def checked_options(q: Any, k: Any, v: Any, *, enable_gqa: bool = False, align: str = "top_left",
+                    window: Any = None, softcap: Optional[float] = None, alibi_slopes: Any = None,
+                    sinks: Any = None, q_segments: Any = None,
+                    k_segments: Any = None) -> ScoreOptions:
+    """The kernel options of an ``sdpa_forward`` call, checked (``validation.check_kernel_options``
+    against the scores' leading axes) and as ``score_options`` (q, k, v checked already)."""
+    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
+    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                           k_segments=k_segments)
+    return score_options(q, k, align=align, window=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+                         k_segments=k_segments)
+
+
 def is_plain(options: ScoreOptions, is_causal: bool) -> bool:
     """Whether ``options`` compute the plain attention (with ``is_causal`` top-left): no
     window, softcap, ALiBi, sinks or segments, and an alignment that changes nothing."""
@@ -881,13 +897,9 @@ def sdpa_forward(
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
     G = gqa_groups(q, k, v, enable_gqa)
-    lead = V.scores_lead(q, k, v, enable_gqa=enable_gqa)
-    V.check_kernel_options(q, k, lead=lead, align=align, window=window, softcap=softcap,
-                           alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-                           k_segments=k_segments)
-    options = score_options(q, k, align=align, window=window, softcap=softcap,
-                            alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-                            k_segments=k_segments)
+    options = checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
+                              softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                              q_segments=q_segments, k_segments=k_segments)
     return sdpa_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                              dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, groups=G,
                              options=options)
