@@ -474,13 +474,19 @@ class _Block:
         if not layer.self_attn.batch_first:
             raise ValueError("layer: expected batch_first=True (npattn takes (B, L, D) inputs), "
                              "got batch_first=False")
-        code = getattr(layer, "activation_relu_or_gelu", 0)
-        if code not in (1, 2):
-            raise ValueError(f"layer: expected activation 'relu' or 'gelu', got {layer.activation!r}")
+        import torch
+
+        act = layer.activation
+        if act is torch.nn.functional.relu or isinstance(act, torch.nn.ReLU):
+            activation = "relu"
+        elif act is torch.nn.functional.gelu or (isinstance(act, torch.nn.GELU) and act.approximate == "none"):
+            activation = "gelu"
+        else:
+            raise ValueError(f"layer: expected activation 'relu' or 'gelu' (exact), got {act!r}")
         return dict(
             d_model=layer.self_attn.embed_dim, n_head=layer.self_attn.num_heads,
             d_ff=layer.linear1.out_features, dropout=float(layer.dropout.p),
-            activation="relu" if code == 1 else "gelu", norm_first=bool(layer.norm_first),
+            activation=activation, norm_first=bool(layer.norm_first),
             layer_norm_eps=float(layer.norm1.eps), bias=layer.linear1.bias is not None,
             dtype=V.dtype_name(layer.linear1.weight.dtype),
         )

@@ -1,0 +1,387 @@
+"""npattn.transformer: the encoder and decoder blocks against torch and finite differences.
+
+Torch parity (float64, 1e-10): outputs, input gradients and every parameter
+gradient by torch autograd, for post-norm and pre-norm, ReLU and GELU, a
+padding mask and causal attention. With dropout p > 0 torch's layer runs with
+its own dropout modules replaced by ones that apply npattn's keep-masks, and
+its self-attention by a re-statement in torch ops (projections, softmax,
+keep-mask / (1 - p), output projection) whose autograd differentiates it:
+torch's ``MultiheadAttention`` cannot replay a given keep-mask on the
+probabilities. Finite differences (float64, random dout, every parameter,
+masks, fixed keep-masks at p = 0.3) run on every backend.
+"""
+
+import numpy as np
+import pytest
+
+from npattn.gradcheck import check_vjp
+from npattn.transformer import (
+    DECODER_DROPOUT_SITES,
+    ENCODER_DROPOUT_SITES,
+    TransformerBlock,
+    TransformerDecoderBlock,
+    sublayer_forward,
+)
+from npattn import layers as Ly
+
+B, L, LM, D, H, FF = 2, 5, 4, 8, 2, 12
+
+
+def assert_ok(report):
+    assert report.ok, str(report)
+
+
+def torch_named(grads, attns):
+    """npattn block gradients under the torch layer's parameter names (in_proj packed)."""
+    out = {}
+    for a in attns:
+        g = {k.split(".", 1)[1]: np.asarray(v) for k, v in grads.items() if k.startswith(a + ".")}
+        out[f"{a}.in_proj_weight"] = np.concatenate([g["w_q"], g["w_k"], g["w_v"]])
+        out[f"{a}.out_proj.weight"] = g["w_o"]
+        if "b_q" in g:
+            out[f"{a}.in_proj_bias"] = np.concatenate([g["b_q"], g["b_k"], g["b_v"]])
+            out[f"{a}.out_proj.bias"] = g["b_o"]
+    for k, v in grads.items():
+        if not k.startswith(tuple(a + "." for a in attns)):
+            out[k] = np.asarray(v)
+    return out
+
+
+def assert_torch_grads(layer, block, attns, tol=1e-10):
+    ours = torch_named({k: np.asarray(v) for k, v in block.grads.items()}, attns)
+    theirs = {k: p.grad.numpy() for k, p in layer.named_parameters()}
+    assert set(ours) == set(theirs)
+    for k, g in theirs.items():
+        np.testing.assert_allclose(ours[k], g, rtol=0, atol=tol, err_msg=k)
+
+
+def masks_for(kind, rng):
+    """(npattn mask, torch key-padding mask, torch attn_mask, is_causal) for self-attention."""
+    import torch
+
+    if kind == "padding":
+        pad = np.zeros((B, L), dtype=bool)
+        pad[1, 3:] = True
+        return ~pad[:, None, None, :], torch.from_numpy(pad), None, False
+    causal = np.triu(np.ones((L, L), dtype=bool), 1)  # torch: True = may not attend
+    return None, None, torch.from_numpy(causal), True
+
+
+# ------------------------------------------------------------- torch parity, p = 0
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+def test_encoder_matches_torch(norm_first, activation, kind):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=activation,
+                                             norm_first=norm_first, batch_first=True,
+                                             dtype=torch.float64)
+    with torch.no_grad():  # non-trivial norms
+        for n in (layer.norm1, layer.norm2):
+            n.weight.add_(0.3 * torch.randn(D, dtype=torch.float64))
+            n.bias.add_(0.3 * torch.randn(D, dtype=torch.float64))
+    block = TransformerBlock.from_torch(layer)
+    rng = np.random.default_rng(1)
+    mask, kpm, attn_mask, causal = masks_for(kind, rng)
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    y = layer(x, src_mask=attn_mask, src_key_padding_mask=kpm, is_causal=causal)
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), mask=mask, is_causal=causal)
+    dx = block.backward(dout.numpy())
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    assert_torch_grads(layer, block, ("self_attn",))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_decoder_matches_torch(norm_first, activation):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(2)
+    layer = torch.nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, activation=activation,
+                                             norm_first=norm_first, batch_first=True,
+                                             dtype=torch.float64)
+    block = TransformerDecoderBlock.from_torch(layer)
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(B, LM, D, dtype=torch.float64, requires_grad=True)
+    mpad = np.zeros((B, LM), dtype=bool)
+    mpad[0, 2:] = True  # memory padding
+    causal = torch.from_numpy(np.triu(np.ones((L, L), dtype=bool), 1))
+    y = layer(x, memory, tgt_mask=causal, memory_key_padding_mask=torch.from_numpy(mpad),
+              tgt_is_causal=True)
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), memory.detach().numpy(), is_causal=True,
+                        memory_mask=~mpad[:, None, None, :])
+    dx, dmemory = block.backward(dout.numpy())
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dmemory, memory.grad.numpy(), rtol=0, atol=1e-10)
+    assert_torch_grads(layer, block, ("self_attn", "multihead_attn"))
+
+
+# ------------------------------------------------ torch parity with dropout p > 0
+
+
+def _replay_modules(torch):
+    class Replay(torch.nn.Module):
+        """nn.Dropout with a fixed keep-mask: where(keep, x / (1 - p), 0)."""
+
+        def __init__(self, keep, p):
+            super().__init__()
+            self.keep, self.p = torch.from_numpy(keep), p
+
+        def forward(self, x):
+            return torch.where(self.keep, x / (1.0 - self.p), torch.zeros_like(x))
+
+    class ReplayAttention(torch.nn.Module):
+        """torch MHA's math in torch ops, its weights, a fixed keep-mask on the probabilities."""
+
+        def __init__(self, mha, keep, p, mask):
+            super().__init__()
+            self.mha, self.p = mha, p
+            self.keep = torch.from_numpy(keep)
+            self.mask = None if mask is None else torch.from_numpy(mask)  # npattn: True = may attend
+            self.batch_first = True
+
+        def forward(self, q, k, v, **_ignored):  # the layer's masks: self.mask replaces them
+            m = self.mha
+            E, Hh = m.embed_dim, m.num_heads
+            wq, wk, wv = m.in_proj_weight.split(E)
+            bq, bk, bv = m.in_proj_bias.split(E)
+
+            def heads(t):
+                return t.reshape(t.shape[0], t.shape[1], Hh, E // Hh).transpose(1, 2)
+
+            qh, kh, vh = heads(q @ wq.T + bq), heads(k @ wk.T + bk), heads(v @ wv.T + bv)
+            s = qh @ kh.transpose(-1, -2) / (E // Hh) ** 0.5
+            if self.mask is not None:
+                s = s.masked_fill(~self.mask, float("-inf"))
+            pr = torch.softmax(s, dim=-1)
+            pr = torch.where(self.keep, pr / (1.0 - self.p), torch.zeros_like(pr))
+            o = (pr @ vh).transpose(1, 2).reshape(q.shape[0], q.shape[1], E)
+            return m.out_proj(o), None
+
+    return Replay, ReplayAttention
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_dropout_matches_torch_with_replayed_masks(norm_first):
+    torch = pytest.importorskip("torch")
+    Replay, ReplayAttention = _replay_modules(torch)
+    p = 0.3
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=p, activation="gelu",
+                                             norm_first=norm_first, batch_first=True,
+                                             dtype=torch.float64)
+    block = TransformerBlock.from_torch(layer)
+    rng = np.random.default_rng(4)
+    keeps = {"self_attn": rng.random((B, H, L, L)) > p, "dropout1": rng.random((B, L, D)) > p,
+             "dropout": rng.random((B, L, FF)) > p, "dropout2": rng.random((B, L, D)) > p}
+    mask = np.tril(np.ones((L, L), dtype=bool))  # causal, as a bool mask
+    layer.self_attn = ReplayAttention(layer.self_attn, keeps["self_attn"], p, mask)
+    layer.dropout1, layer.dropout = Replay(keeps["dropout1"], p), Replay(keeps["dropout"], p)
+    layer.dropout2 = Replay(keeps["dropout2"], p)
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), mask=mask, dropout_masks=keeps)
+    dx = block.backward(dout.numpy())
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    layer.self_attn = layer.self_attn.mha  # the original names for the gradient comparison
+    assert_torch_grads(layer, block, ("self_attn",))
+
+
+def test_decoder_dropout_matches_torch_with_replayed_masks():
+    torch = pytest.importorskip("torch")
+    Replay, ReplayAttention = _replay_modules(torch)
+    p = 0.25
+    torch.manual_seed(5)
+    layer = torch.nn.TransformerDecoderLayer(D, H, FF, dropout=p, batch_first=True, dtype=torch.float64)
+    block = TransformerDecoderBlock.from_torch(layer)
+    rng = np.random.default_rng(6)
+    keeps = {"self_attn": rng.random((B, H, L, L)) > p, "multihead_attn": rng.random((B, H, L, LM)) > p,
+             "dropout1": rng.random((B, L, D)) > p, "dropout2": rng.random((B, L, D)) > p,
+             "dropout3": rng.random((B, L, D)) > p, "dropout": rng.random((B, L, FF)) > p}
+    mem_mask = np.ones((B, 1, 1, LM), dtype=bool)
+    mem_mask[1, ..., 3:] = False
+    layer.self_attn = ReplayAttention(layer.self_attn, keeps["self_attn"], p, None)
+    layer.multihead_attn = ReplayAttention(layer.multihead_attn, keeps["multihead_attn"], p, mem_mask)
+    for site in ("dropout1", "dropout2", "dropout3", "dropout"):
+        setattr(layer, site, Replay(keeps[site], p))
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(B, LM, D, dtype=torch.float64, requires_grad=True)
+    y = layer(x, memory)
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), memory.detach().numpy(), memory_mask=mem_mask,
+                        dropout_masks=keeps)
+    dx, dmemory = block.backward(dout.numpy())
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dmemory, memory.grad.numpy(), rtol=0, atol=1e-10)
+    layer.self_attn, layer.multihead_attn = layer.self_attn.mha, layer.multihead_attn.mha
+    assert_torch_grads(layer, block, ("self_attn", "multihead_attn"))
+
+
+# ------------------------------------------------------- finite differences
+
+
+def _fd_check(block, f_out, backward, inputs_np, to_xp, names, seed):
+    """check_vjp over the block's inputs and every parameter, with a random dout."""
+    pnames = list(block.params)
+    inputs = [to_xp(a) for a in inputs_np] + [block.params[k] for k in pnames]
+    n_in = len(inputs_np)
+
+    def f(*a):
+        block.params = dict(zip(pnames, a[n_in:]))
+        return f_out(*a[:n_in])
+
+    out = f(*inputs)
+    dout = to_xp(np.random.default_rng(seed).standard_normal(tuple(out.shape)))
+    dinputs = backward(dout)
+    dinputs = dinputs if isinstance(dinputs, tuple) else (dinputs,)
+    grads = list(dinputs) + [block.grads[k] for k in pnames]
+    report = check_vjp(f, inputs, grads, dout, names=list(names) + pnames, n_directions=2, seed=seed)
+    assert_ok(report)
+    for g in grads:  # a backward that returns zeros fails here too
+        assert float(np.max(np.abs(np.asarray(_host(g))))) > 0.0
+
+
+def _host(a):
+    from npattn.backend import to_numpy
+
+    return to_numpy(a)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first):
+    p = 0.3
+    block = TransformerBlock(D, H, FF, dropout=p, activation="gelu" if norm_first else "relu",
+                             norm_first=norm_first, dtype="float64", backend=backend, seed=7)
+    rng = np.random.default_rng(8)
+    block.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape))) for k, v in block.params.items()}
+    keeps = {"self_attn": rng.random((B, H, L, L)) > p, "dropout1": rng.random((B, L, D)) > p,
+             "dropout": rng.random((B, L, FF)) > p, "dropout2": rng.random((B, L, D)) > p}
+    keeps = {k: to_xp(v) for k, v in keeps.items()}
+    mask = to_xp(rng.standard_normal((B, 1, L, L)))  # a float additive mask, with causal on top
+    x = rng.standard_normal((B, L, D))
+    _fd_check(block, lambda x: block.forward(x, mask=mask, is_causal=True, dropout_masks=keeps),
+              block.backward, [x], to_xp, ["x"], seed=9)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first):
+    p = 0.3
+    block = TransformerDecoderBlock(D, H, FF, dropout=p, activation="relu" if norm_first else "gelu",
+                                    norm_first=norm_first, dtype="float64", backend=backend, seed=10)
+    rng = np.random.default_rng(11)
+    block.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape))) for k, v in block.params.items()}
+    shapes = {"self_attn": (B, H, L, L), "multihead_attn": (B, H, L, LM), "dropout1": (B, L, D),
+              "dropout2": (B, L, D), "dropout3": (B, L, D), "dropout": (B, L, FF)}
+    keeps = {k: to_xp(rng.random(s) > p) for k, s in shapes.items()}
+    mem_mask = np.ones((B, 1, 1, LM), dtype=bool)
+    mem_mask[0, ..., 1:] = False  # entry 0 sees one memory position
+    mem_mask = to_xp(mem_mask)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    _fd_check(block, lambda x, m: block.forward(x, m, memory_mask=mem_mask, is_causal=True,
+                                                dropout_masks=keeps),
+              block.backward, [x, memory], to_xp, ["x", "memory"], seed=12)
+
+
+# ------------------------------------------------------------ behaviour
+
+
+def test_sublayer_forward_is_the_documented_formula(xp, to_xp, to_np):
+    rng = np.random.default_rng(13)
+    x = to_xp(rng.standard_normal((B, L, D)))
+    w, b = to_xp(rng.standard_normal(D)), to_xp(rng.standard_normal(D))
+
+    def core(n):
+        return 2.0 * n * n, None
+
+    post, _ = sublayer_forward(x, core, norm_weight=w, norm_bias=b, eps=1e-5, norm_first=False, dropout_p=0.0)
+    pre, _ = sublayer_forward(x, core, norm_weight=w, norm_bias=b, eps=1e-5, norm_first=True, dropout_p=0.0)
+    ln = lambda t: Ly.layer_norm_forward(t, w, b, 1e-5)[0]  # noqa: E731
+    np.testing.assert_allclose(to_np(post), to_np(ln(x + core(x)[0])), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(to_np(pre), to_np(x + core(ln(x))[0]), rtol=1e-12, atol=1e-12)
+
+
+def test_dropout_from_the_seed_is_replayable_and_off_in_eval(xp, to_xp, to_np, backend):
+    x = to_xp(np.random.default_rng(14).standard_normal((B, L, D)))
+    a = TransformerBlock(D, H, FF, dropout=0.4, dtype="float64", backend=backend, seed=15)
+    b = TransformerBlock(D, H, FF, dropout=0.4, dtype="float64", backend=backend, seed=15)
+    ya, yb = to_np(a(x)), to_np(b(x))
+    np.testing.assert_array_equal(ya, yb)
+    assert not np.allclose(ya, to_np(a(x)))  # the generator moved on
+    e1, e2 = to_np(a.eval()(x)), to_np(a(x))
+    np.testing.assert_array_equal(e1, e2)
+    assert not np.allclose(e1, ya)
+    # the masks drawn are kept for backward: a second backward gives the same gradients
+    a.train()
+    a(x)
+    d = to_xp(np.ones((B, L, D)))
+    g1 = to_np(a.backward(d))
+    np.testing.assert_array_equal(g1, to_np(a.backward(d)))
+
+
+def test_params_names_mirror_torch_and_state_dict_round_trips():
+    torch = pytest.importorskip("torch")
+    dec = TransformerDecoderBlock(D, H, FF, dtype="float64", seed=16)
+    layer = torch.nn.TransformerDecoderLayer(D, H, FF, batch_first=True, dtype=torch.float64)
+    sd = dec.torch_state_dict()
+    assert list(sd) == list(layer.state_dict())
+    layer.load_state_dict(sd)
+    again = TransformerDecoderBlock.from_torch(layer)
+    for k, v in dec.params.items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(again.params[k]))
+    enc = TransformerBlock(D, H, bias=False, seed=17)
+    assert enc.d_ff == 4 * D
+    assert sorted(enc.params) == sorted(["self_attn.w_q", "self_attn.w_k", "self_attn.w_v", "self_attn.w_o",
+                                         "linear1.weight", "linear2.weight", "norm1.weight", "norm2.weight"])
+    tl = torch.nn.TransformerEncoderLayer(D, H, 4 * D, bias=False, batch_first=True)
+    tl.load_state_dict(enc.torch_state_dict())
+    with pytest.raises(ValueError, match="batch_first"):
+        TransformerBlock.from_torch(torch.nn.TransformerEncoderLayer(D, H, FF))
+
+
+def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
+    block = TransformerBlock(D, H, FF, dropout=0.2, dtype="float64", backend=backend, seed=18)
+    x = to_xp(np.random.default_rng(19).standard_normal((B, L, D)))
+    block(x)
+    d = to_xp(np.random.default_rng(20).standard_normal((B, L, D)))
+    dx = to_np(block.backward(d))
+    twin = TransformerBlock(D, H, FF, dropout=0.2, dtype="float64", backend=backend, seed=18)
+    twin(x)  # the same successful history, none of the failures below
+    with pytest.raises(ValueError, match="dropout_masks"):
+        block(x, dropout_masks={"dropout7": None})
+    with pytest.raises(ValueError, match=r"dropout_masks\['dropout1'\]"):
+        block(x, dropout_masks={"dropout1": to_xp(np.ones((B, L, D + 1), dtype=bool))})
+    with pytest.raises((ValueError, TypeError), match="mask"):
+        block(x, mask=to_xp(np.ones((3, 3), dtype=bool)))
+    with pytest.raises(ValueError, match="dout"):
+        block.backward(to_xp(np.ones((B, L + 1, D))))
+    np.testing.assert_array_equal(dx, to_np(block.backward(d)))  # the cache is the last success's
+    np.testing.assert_array_equal(to_np(block(x)), to_np(twin(x)))  # the generator did not move
+    with pytest.raises(ValueError, match="activation"):
+        TransformerBlock(D, H, activation="swish")
+    with pytest.raises(ValueError, match="layer_norm_eps"):
+        TransformerBlock(D, H, layer_norm_eps=0.0)
+    with pytest.raises(ValueError, match="params"):
+        block.params = {"linear1.weight": block.params["linear1.weight"]}
+
+
+def test_dropout_sites_are_torchs_module_names():
+    torch = pytest.importorskip("torch")
+    enc = torch.nn.TransformerEncoderLayer(D, H, FF, batch_first=True)
+    dec = torch.nn.TransformerDecoderLayer(D, H, FF, batch_first=True)
+    for sites, layer in ((ENCODER_DROPOUT_SITES, enc), (DECODER_DROPOUT_SITES, dec)):
+        for s in sites:
+            m = getattr(layer, s)
+            assert isinstance(m, (torch.nn.Dropout, torch.nn.MultiheadAttention)), s
