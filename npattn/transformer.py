@@ -591,7 +591,13 @@ class TransformerBlock(_Block):
         return out
 
     def backward(self, dout: Any) -> Any:
-        """Backpropagate ``dout`` (B, L, D) through the last forward; fills ``grads``, returns ``dx`` (B, L, D)."""
+        """Backpropagate ``dout`` (B, L, D) through the last forward; fills ``grads``, returns ``dx`` (B, L, D).
+
+        Raises ``RuntimeError`` before any forward and ``ValueError`` /
+        ``TypeError`` for a ``dout`` of another shape / dtype than the
+        output's. Afterwards the attention modules' ``cache`` and ``grads`` are
+        those of this block's last forward and backward.
+        """
         self._check_dout(dout)
         c = self._cache
         grads: dict = {}
@@ -692,7 +698,10 @@ class TransformerDecoderBlock(_Block):
         return out
 
     def backward(self, dout: Any) -> tuple[Any, Any]:
-        """Backpropagate ``dout`` (B, L, D); fills ``grads``, returns ``(dx, dmemory)``, (B, L, D) and (B, Lm, D)."""
+        """Backpropagate ``dout`` (B, L, D); fills ``grads``, returns ``(dx, dmemory)``, (B, L, D) and (B, Lm, D).
+
+        Errors and the attention modules' state as ``TransformerBlock.backward``.
+        """
         self._check_dout(dout)
         c = self._cache
         grads: dict = {}

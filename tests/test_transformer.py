@@ -385,3 +385,25 @@ def test_dropout_sites_are_torchs_module_names():
         for s in sites:
             m = getattr(layer, s)
             assert isinstance(m, (torch.nn.Dropout, torch.nn.MultiheadAttention)), s
+
+
+def test_decoder_memory_fully_masked_entry_gives_zeros_not_nan(xp, to_xp, to_np, backend):
+    """Entry 1 may attend no memory position: cross-attention gives zeros there, and zero dmemory."""
+    block = TransformerDecoderBlock(D, H, FF, dtype="float64", backend=backend, seed=21)
+    rng = np.random.default_rng(22)
+    mem_mask = np.ones((B, 1, 1, LM), dtype=bool)
+    mem_mask[1] = False
+    mem_mask = to_xp(mem_mask)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+
+    def f(x, m):
+        return block.forward(x, m, memory_mask=mem_mask, is_causal=True)
+
+    out = f(to_xp(x), to_xp(memory))
+    dout = to_xp(rng.standard_normal((B, L, D)))
+    dx, dmemory = block.backward(dout)
+    assert np.all(np.isfinite(to_np(out))) and np.all(np.isfinite(to_np(dx)))
+    np.testing.assert_array_equal(to_np(dmemory)[1], 0.0)
+    assert np.max(np.abs(to_np(dmemory)[0])) > 0.0
+    assert_ok(check_vjp(f, [to_xp(x), to_xp(memory)], [dx, dmemory], dout, names=["x", "memory"],
+                        n_directions=2, seed=23))
