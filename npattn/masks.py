@@ -77,16 +77,7 @@ def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device:
     -------
     mask : bool array, shape (Lq, Lk); broadcasts to (B, H, Lq, Lk).
     """
-    _check_length("Lq", Lq)
-    _check_length("Lk", Lk)
-    if align not in _ALIGNS:
-        raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")
-    xp = _namespace_or(xp)
-    offset = 0 if align == "top_left" else Lk - Lq
-    i = xp.arange(Lq, device=device)  # [Lq]
-    j = xp.arange(Lk, device=device)  # [Lk]
-    # j <= i + offset, written j - i <= offset so that no index goes negative
-    return xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) <= offset  # [Lq, Lk]
+    return window(Lq, Lk, None, 0, align, xp=xp, device=device)  # j <= i + offset  [Lq, Lk]
 
 
 def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
