@@ -34,6 +34,7 @@ __all__ = [
     "AdamState",
     "adam_init",
     "adam_step",
+    "clip_grad_norm",
 ]
 
 
@@ -257,3 +258,33 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
         new_p[name] = w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps))
         new_m[name], new_v[name] = m, v
     return new_p, AdamState(new_m, new_v, t)
+
+
+# --------------------------------------------------------------------------
+# gradient clipping by the global norm
+
+
+def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[dict, float]:
+    """Scale every gradient by one factor so that their joint 2-norm is at most ``max_norm``.
+
+    ``total = sqrt(sum_k sum(g_k^2))`` over all entries of ``grads``; with
+    ``c = max_norm / (total + eps)``, each gradient becomes ``g * min(c, 1)``
+    (as ``torch.nn.utils.clip_grad_norm_``, same ``eps``). Returns
+    ``(new_grads, total)``: a new dict (the arrays given are not written)
+    and the norm before clipping as a Python float. ``None`` entries are
+    kept as they are.
+    """
+    if not isinstance(grads, dict):
+        raise TypeError(f"grads: expected a dict of arrays, got {type(grads).__name__}")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a number > 0, got {max_norm!r}")
+    sq = 0.0
+    for g in grads.values():
+        if g is not None:
+            xp = namespace(g)
+            sq += float(xp.sum(g * g))
+    total = math.sqrt(sq)
+    scale = min(float(max_norm) / (total + float(eps)), 1.0)
+    if scale == 1.0:
+        return dict(grads), total
+    return {k: (None if g is None else g * scale) for k, g in grads.items()}, total

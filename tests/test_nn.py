@@ -154,3 +154,39 @@ def test_adam_minimises_a_quadratic():
     for _ in range(500):
         params, state = nn.adam_step(params, {"w": 2.0 * (params["w"] - target)}, state, lr=0.05)
     np.testing.assert_allclose(params["w"], target, atol=1e-3)
+
+
+def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, to_np):
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((3, 4)), rng.standard_normal(5)
+    total = float(np.sqrt(np.sum(a * a) + np.sum(b * b)))  # computed here, independently
+    grads = {"a": to_xp(a), "b": to_xp(b), "none": None}
+    clipped, norm = nn.clip_grad_norm(grads, 0.5 * total)
+    assert abs(norm - total) < 1e-12 * total
+    got = math.sqrt(sum(float(np.sum(to_np(clipped[k]) ** 2)) for k in ("a", "b")))
+    assert abs(got - 0.5 * total) < 1e-6 * total  # eps = 1e-6 in the denominator
+    np.testing.assert_allclose(to_np(clipped["a"]) / a, (to_np(clipped["b"]) / b)[0])  # one factor
+    assert clipped["none"] is None
+    np.testing.assert_array_equal(to_np(grads["a"]), a)  # the input dict's arrays are not written
+    kept, _ = nn.clip_grad_norm(grads, 2.0 * total)
+    np.testing.assert_array_equal(to_np(kept["a"]), a)
+
+
+def test_clip_grad_norm_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal((4, 3)), rng.standard_normal(7)]
+    ts = [torch.zeros(x.shape, dtype=torch.float64, requires_grad=True) for x in arrays]
+    for t, x in zip(ts, arrays):
+        t.grad = torch.from_numpy(x.copy())
+    norm_t = torch.nn.utils.clip_grad_norm_(ts, 1.5)
+    clipped, norm = nn.clip_grad_norm({"a": arrays[0], "b": arrays[1]}, 1.5)
+    assert abs(norm - float(norm_t)) < 1e-12
+    for t, k in zip(ts, ("a", "b")):
+        np.testing.assert_allclose(clipped[k], t.grad.numpy(), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "1", None])
+def test_clip_grad_norm_rejects_bad_max_norm(bad):
+    with pytest.raises(ValueError, match="max_norm"):
+        nn.clip_grad_norm({"a": np.ones(2)}, bad)
