@@ -58,7 +58,7 @@ ENCODER_DROPOUT_SITES = ("self_attn", "dropout1", "dropout", "dropout2")
 #: feed-forward (B, L, D); ``dropout`` inside the feed-forward (B, L, F).
 DECODER_DROPOUT_SITES = ("self_attn", "multihead_attn", "dropout1", "dropout2", "dropout3", "dropout")
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 # --------------------------------------------------------------------------
@@ -177,6 +177,7 @@ class EncoderBlockCache(NamedTuple):
     ff: SublayerCache  # core cache: layers.FeedForwardCache
     out_shape: tuple
     out_dtype: Any
+    decoding: bool = False  # the forward appended to a KV cache: nothing to differentiate
 
 
 class DecoderBlockCache(NamedTuple):
@@ -337,12 +338,14 @@ class _Block:
 
     # ---------------------------------------------------------------- cores
 
-    def _attn_core(self, name: str, *, memory: Any, mask: Any, is_causal: bool, keep: Any) -> Callable:
+    def _attn_core(self, name: str, *, memory: Any, mask: Any, is_causal: bool, keep: Any,
+                   kv_cache: Any = None) -> Callable:
         mha = self._attn[name]
 
         def core(n):  # [B, L, D] -> [B, L, D]
             kv = n if memory is None else memory
-            out, _ = mha.forward(n, kv, kv, mask=mask, is_causal=is_causal, dropout_mask=keep)
+            out, _ = mha.forward(n, kv, kv, mask=mask, is_causal=is_causal, dropout_mask=keep,
+                                 kv_cache=kv_cache)
             return out, mha.cache
 
         return core
@@ -481,8 +484,11 @@ class _Block:
             activation = "relu"
         elif act is torch.nn.functional.gelu or (isinstance(act, torch.nn.GELU) and act.approximate == "none"):
             activation = "gelu"
+        elif isinstance(act, torch.nn.GELU) and act.approximate == "tanh":
+            activation = "gelu_tanh"
         else:
-            raise ValueError(f"layer: expected activation 'relu' or 'gelu' (exact), got {act!r}")
+            raise ValueError("layer: expected activation relu, gelu or torch.nn.GELU(approximate='tanh'), "
+                             f"got {act!r}")
         return dict(
             d_model=layer.self_attn.embed_dim, n_head=layer.self_attn.num_heads,
             d_ff=layer.linear1.out_features, dropout=float(layer.dropout.p),
@@ -522,8 +528,9 @@ class TransformerBlock(_Block):
         Feed-forward width F; default ``4 * d_model`` (torch's default is 2048).
     dropout : float
         Drop probability at every site (``ENCODER_DROPOUT_SITES``), in [0, 1).
-    activation : {"relu", "gelu"}
-        "gelu" is the exact (erf) form, as torch's "gelu".
+    activation : {"relu", "gelu", "gelu_tanh"}
+        "gelu" is the exact (erf) form, as torch's "gelu"; "gelu_tanh" the tanh
+        approximation (GPT-2's; torch's ``nn.GELU(approximate="tanh")``).
     norm_first : bool
     layer_norm_eps : float
     bias : bool
@@ -546,7 +553,7 @@ class TransformerBlock(_Block):
     _SITES = ENCODER_DROPOUT_SITES
 
     def forward(self, x: Any, mask: Any = None, is_causal: bool = False,
-                dropout_masks: Optional[dict] = None) -> Any:
+                dropout_masks: Optional[dict] = None, kv_cache: Any = None) -> Any:
         """The block's output for ``x``.
 
         Parameters
@@ -564,13 +571,21 @@ class TransformerBlock(_Block):
             (B, L, F), ``dropout2`` (B, L, D), each broadcastable. Sites not
             given draw from the block's generator. Used only in training
             mode with ``dropout > 0``.
+        kv_cache : KVCache, optional
+            Incremental decoding, forward only: ``x`` holds the n new tokens
+            of each entry; self-attention appends their keys and values to
+            the cache and attends the cached ones followed by them,
+            bottom-right aligned (``MultiHeadAttention.forward``'s
+            ``kv_cache``). ``mask`` then covers the cached keys too (its last
+            axis is ``cache_seqlens + n``). ``backward`` after such a forward
+            is a ``RuntimeError``.
 
         Returns
         -------
         out : array, shape (B, L, D)
         """
         check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
-                             is_causal=is_causal, need_weights=False)
+                             is_causal=is_causal, need_weights=False, kv_cache=kv_cache)
         B, L, D = x.shape
         shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, D),
                   "dropout": (B, L, self.d_ff), "dropout2": (B, L, D)}
@@ -580,11 +595,12 @@ class TransformerBlock(_Block):
         def run():
             keep = self._attention_keep(masks, "self_attn", shapes["self_attn"], p)
             h, attn_c = self._sublayer(  # 1. x = norm1(x + dropout1(self_attn(x))), or pre-norm
-                x, self._attn_core("self_attn", memory=None, mask=mask, is_causal=is_causal, keep=keep),
+                x, self._attn_core("self_attn", memory=None, mask=mask, is_causal=is_causal, keep=keep,
+                                   kv_cache=kv_cache),
                 "norm1", p, masks.get("dropout1"))  # [B, L, D]
             out, ff_c = self._sublayer(  # 2. x = norm2(x + dropout2(ff(x))), or pre-norm
                 h, self._ff_core(p, masks.get("dropout")), "norm2", p, masks.get("dropout2"))  # [B, L, D]
-            return out, EncoderBlockCache(attn_c, ff_c, tuple(out.shape), out.dtype)
+            return out, EncoderBlockCache(attn_c, ff_c, tuple(out.shape), out.dtype, kv_cache is not None)
 
         out, cache = self._run(run)
         self._cache = cache
@@ -600,6 +616,10 @@ class TransformerBlock(_Block):
         """
         self._check_dout(dout)
         c = self._cache
+        if c.decoding:
+            raise RuntimeError("backward: the last forward used kv_cache, and decoding is forward only "
+                               "(it keeps nothing to differentiate); run a forward without kv_cache "
+                               "before backward")
         grads: dict = {}
         # 2. x = sublayer(h; ff, norm2)
         dh = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm2", grads)

@@ -71,12 +71,13 @@ def masks_for(kind, rng):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("kind", ["padding", "causal"])
 def test_encoder_matches_torch(norm_first, activation, kind):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=activation,
+    act = torch.nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
+    layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=act,
                                              norm_first=norm_first, batch_first=True,
                                              dtype=torch.float64)
     with torch.no_grad():  # non-trivial norms
@@ -84,6 +85,7 @@ def test_encoder_matches_torch(norm_first, activation, kind):
             n.weight.add_(0.3 * torch.randn(D, dtype=torch.float64))
             n.bias.add_(0.3 * torch.randn(D, dtype=torch.float64))
     block = TransformerBlock.from_torch(layer)
+    assert block.activation == activation
     rng = np.random.default_rng(1)
     mask, kpm, attn_mask, causal = masks_for(kind, rng)
     x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)

@@ -1,0 +1,46 @@
+"""TransformerBlock.forward(kv_cache=): decoding token by token equals one causal forward."""
+
+import numpy as np
+import pytest
+
+from npattn import KVCache
+from npattn.transformer import TransformerBlock
+
+B, L, D, H = 2, 7, 12, 3
+
+
+def _block(xp, **kw):
+    return TransformerBlock(D, H, 20, norm_first=True, activation="gelu_tanh", dtype="float64",
+                            backend=xp, seed=5, **kw).eval()
+
+
+def test_decoding_with_a_kv_cache_equals_the_causal_forward(xp, to_xp, to_np):
+    block = _block(xp)
+    x = np.random.default_rng(0).standard_normal((B, L, D))
+    full = to_np(block.forward(to_xp(x), is_causal=True))
+    cache = KVCache(B, L + 2, H, D // H, dtype="float64", backend=xp)
+    pieces = [to_np(block.forward(to_xp(x[:, :3]), is_causal=True, kv_cache=cache))]  # a prompt of 3
+    for t in range(3, L):  # then one token at a time
+        pieces.append(to_np(block.forward(to_xp(x[:, t:t + 1]), is_causal=True, kv_cache=cache)))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=0, atol=1e-12)
+    assert list(cache.cache_seqlens) == [L, L]
+
+
+def test_backward_after_a_decoding_forward_is_a_runtime_error(xp, to_xp):
+    block = _block(xp)
+    x = to_xp(np.random.default_rng(1).standard_normal((B, 2, D)))
+    cache = KVCache(B, 4, H, D // H, dtype="float64", backend=xp)
+    out = block.forward(x, is_causal=True, kv_cache=cache)
+    before = dict(block.grads)
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        block.backward(out * 0.5)
+    assert block.grads == before
+
+
+def test_a_full_cache_is_a_value_error_and_changes_nothing(xp, to_xp, to_np):
+    block = _block(xp)
+    x = to_xp(np.random.default_rng(2).standard_normal((B, 3, D)))
+    cache = KVCache(B, 2, H, D // H, dtype="float64", backend=xp)
+    with pytest.raises(ValueError, match="kv_cache"):
+        block.forward(x, is_causal=True, kv_cache=cache)
+    assert list(cache.cache_seqlens) == [0, 0]
