@@ -1,7 +1,8 @@
 """The pieces of a Transformer block around attention, each with a hand-derived backward.
 
 Layer normalisation, ReLU, GELU (exact and tanh), the position-wise feed-forward
-network and the residual connection. Same contract as ``npattn.functional``::
+network, the residual connection and mean pooling over the sequence (a
+classifier's readout). Same contract as ``npattn.functional``::
 
     out, cache = op_forward(*inputs, ...)
     grads      = op_backward(dout, cache)
@@ -15,7 +16,8 @@ differentiates; ``docs/layers.md`` derives the same steps with the same names.
 Shape legend
 ------------
 ``...`` any leading axes (B, L in a Transformer), D model width,
-F the feed-forward width (4 D in GPT-2).
+F the feed-forward width (4 D in GPT-2), L the sequence axis that mean pooling
+averages over.
 
 Half precision: layer norm and the activations compute in float32 for
 float16/bfloat16 inputs (``functional.compute_dtype``) and return the input's
@@ -48,6 +50,8 @@ __all__ = [
     "feed_forward_backward",
     "residual_forward",
     "residual_backward",
+    "mean_pool_forward",
+    "mean_pool_backward",
 ]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -571,3 +575,99 @@ def residual_backward(dout: Any, cache: ResidualCache) -> tuple[Any, Any]:
     dx = F.sum_to_shape(xp, dout, cache.x_shape)  # [x_shape]
     dy = F.sum_to_shape(xp, dout, cache.y_shape)  # [y_shape]
     return dx, dy
+
+
+# --------------------------------------------------------------------------
+# mean pooling over the sequence: out = sum_i w_i x_i, w_i = m_i / count
+
+
+class MeanPoolCache(NamedTuple):
+    weights: Any  # [..., L, 1] m_i / max(count, 1) in the compute dtype, or None without a mask
+    x_shape: tuple  # (..., L, D)
+    dtype: Any  # dtype of x (and of dx)
+
+
+def mean_pool_forward(x: Any, mask: Any = None) -> tuple[Any, MeanPoolCache]:
+    """The mean over the sequence axis, of the tokens that ``mask`` keeps.
+
+    Without a mask every token counts: ``out = sum_i x[..., i, :] / L``.
+    With one (True = a token, False = padding):
+
+    1. ``count = sum_i m_i``                                [..., 1]
+    2. ``w_i = m_i / max(count, 1)``                        [..., L, 1]
+    3. ``out = sum_i w_i x[..., i, :]``                     [..., D]
+
+    A row whose mask is all False gets ``out = 0`` and, in the backward,
+    ``dx = 0``: its weights are all zero (``max(count, 1)`` keeps the
+    division finite), never NaN.
+
+    Parameters
+    ----------
+    x : array, shape (..., L, D), real floating
+    mask : bool array, shape (..., L), optional
+        Of ``x``'s namespace and device; True where a token is averaged.
+
+    Returns
+    -------
+    out : array, shape (..., D), dtype of ``x``
+    cache : MeanPoolCache
+    """
+    # [..., L, D], [..., L] -> [..., D]
+    V.check_floating_array("x", x)
+    xs = V.shape_of(x)
+    if len(xs) < 2 or xs[-2] < 1:
+        raise ValueError(f"x: expected shape (..., L, D) with L >= 1, got shape {xs}")
+    xp = namespace(x)
+    xc = _compute(xp, x)  # [..., L, D]
+    if mask is None:
+        out = xp.sum(xc, axis=-2) / float(xs[-2])  # 3. with w_i = 1 / L   [..., D]
+        weights = None
+    else:
+        V.check_array("mask", mask, xp, device_of(x), where="like x", library="that of x")
+        if mask.dtype != xp.bool:
+            raise TypeError(f"mask: expected a bool mask (True = a token, False = padding), "
+                            f"got dtype {V.dtype_name(mask.dtype)}")
+        if V.shape_of(mask) != xs[:-1]:
+            raise ValueError(f"mask: expected shape {xs[:-1]} (x's shape without D), "
+                             f"got shape {V.shape_of(mask)}")
+        m = xp.astype(xp.expand_dims(mask, axis=-1), xc.dtype)  # [..., L, 1]
+        count = xp.sum(m, axis=-2, keepdims=True)  # 1.                  [..., 1, 1]
+        weights = m / xp.maximum(count, 1.0)  # 2.                        [..., L, 1]
+        out = xp.sum(weights * xc, axis=-2)  # 3.                         [..., D]
+    out = out if out.dtype == x.dtype else xp.astype(out, x.dtype)
+    return out, MeanPoolCache(weights, xs, x.dtype)
+
+
+def mean_pool_backward(dout: Any, cache: MeanPoolCache) -> Any:
+    """``dx[..., i, :] = w_i * dout``: each token gets its share of the mean's gradient.
+
+    ``w_i = 1 / L`` without a mask, ``m_i / max(count, 1)`` with one (zero
+    on padding, and on every token of a row with nothing to average).
+
+    Parameters
+    ----------
+    dout : array, shape (..., D), dtype of the forward's ``x``
+    cache : MeanPoolCache
+
+    Returns
+    -------
+    dx : array, shape (..., L, D)
+    """
+    # [..., D] -> [..., L, D]
+    V.check_cache("cache", cache, MeanPoolCache, "mean_pool_forward")
+    xs = cache.x_shape
+    V.check_floating_array("dout", dout)
+    if V.shape_of(dout) != xs[:-2] + xs[-1:]:
+        raise ValueError(f"dout: expected shape {xs[:-2] + xs[-1:]} (that of the forward's out), "
+                         f"got shape {V.shape_of(dout)}")
+    if dout.dtype != cache.dtype:
+        raise TypeError(f"dout: expected dtype {V.dtype_name(cache.dtype)} (that of the forward's "
+                        f"out), got {V.dtype_name(dout.dtype)} (no silent promotion)")
+    xp = namespace(dout)
+    d = xp.expand_dims(_compute(xp, dout), axis=-2)  # [..., 1, D]
+    # 3. out = sum_i w_i x_i
+    if cache.weights is None:
+        dx = xp.broadcast_to(d / float(xs[-2]), xs)  # w_i = 1 / L   [..., L, D]
+    else:
+        dx = cache.weights * d  # [..., L, D]
+    return dx if dx.dtype == cache.dtype else xp.astype(dx, cache.dtype)

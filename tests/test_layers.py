@@ -307,6 +307,80 @@ def test_residual_gradients_with_broadcasting(xp, to_xp, y_shape):
     assert_ok(gradcheck(L.residual_forward, L.residual_backward, [y, x], names=["x", "y"], seed=12))
 
 
+# ---------------------------------------------------------- mean pooling
+
+
+def _padding_mask(rng, shape):
+    """A bool (..., L) mask with a padded tail per row; row 0 keeps one token, the last row none."""
+    lengths = rng.integers(1, shape[-1] + 1, size=shape[:-1])
+    flat = lengths.reshape(-1)
+    flat[0], flat[-1] = 1, 0
+    return np.arange(shape[-1]) < lengths[..., None]  # [..., L]
+
+
+@pytest.mark.parametrize("shape, masked", [((2, 5, 4), False), ((2, 3, 5, 4), False),
+                                           ((3, 5, 4), True), ((2, 2, 6, 3), True)])
+def test_mean_pool_gradients(xp, to_xp, shape, masked):
+    rng = np.random.default_rng(15)
+    x = to_xp(rng.standard_normal(shape))
+    mask = to_xp(_padding_mask(rng, shape[:-1])) if masked else None
+    report = gradcheck(lambda x: L.mean_pool_forward(x, mask), L.mean_pool_backward, [x],
+                       names=["x"], seed=15)
+    assert_ok(report)
+
+
+def test_mean_pool_is_the_masked_mean_and_an_empty_row_gives_zeros(xp, to_xp, to_np):
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((4, 6, 3))
+    m = _padding_mask(rng, (4, 6))
+    out, cache = L.mean_pool_forward(to_xp(x), to_xp(m))
+    out = to_np(out)
+    for b in range(3):
+        np.testing.assert_allclose(out[b], x[b][m[b]].mean(axis=0), rtol=1e-14, atol=1e-15)
+    np.testing.assert_array_equal(out[3], 0.0)  # nothing to average: zeros, not NaN
+    dout = rng.standard_normal((4, 3))
+    dx = to_np(L.mean_pool_backward(to_xp(dout), cache))
+    np.testing.assert_array_equal(dx[3], 0.0)
+    np.testing.assert_array_equal(dx[~m], 0.0)  # padding gets no gradient
+    np.testing.assert_allclose(dx.sum(axis=1)[:3], dout[:3], rtol=1e-14)  # the shares add up to dout
+    plain, _ = L.mean_pool_forward(to_xp(x))
+    np.testing.assert_allclose(to_np(plain), x.mean(axis=1), rtol=1e-14, atol=1e-15)
+
+
+def test_mean_pool_float32_stays_float32(xp, to_xp, to_np):
+    rng = np.random.default_rng(17)
+    x = xp.astype(to_xp(rng.standard_normal((2, 5, 3))), xp.float32)
+    mask = to_xp(_padding_mask(rng, (2, 5)))
+    out, cache = L.mean_pool_forward(x, mask)
+    dx = L.mean_pool_backward(xp.astype(to_xp(rng.standard_normal((2, 3))), xp.float32), cache)
+    assert out.dtype == xp.float32 and dx.dtype == xp.float32
+    assert tuple(dx.shape) == (2, 5, 3)
+    assert_same_namespace(xp, out, dx)
+
+
+def test_mean_pool_bad_arguments_name_the_argument(xp, to_xp):
+    x = to_xp(np.random.default_rng(18).standard_normal((2, 5, 3)))
+    with pytest.raises(TypeError, match=r"^x: expected an array"):
+        L.mean_pool_forward([[1.0]])
+    with pytest.raises(TypeError, match=r"^x: expected a real floating dtype"):
+        L.mean_pool_forward(to_xp(np.arange(6).reshape(2, 3)))
+    with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., L, D\)"):
+        L.mean_pool_forward(to_xp(np.ones(3)))
+    with pytest.raises(TypeError, match=r"^mask: expected a bool mask"):
+        L.mean_pool_forward(x, to_xp(np.ones((2, 5))))
+    with pytest.raises(ValueError, match=r"^mask: expected shape \(2, 5\)"):
+        L.mean_pool_forward(x, to_xp(np.ones((2, 3), dtype=bool)))
+    with pytest.raises(TypeError, match=r"^mask: expected a"):
+        L.mean_pool_forward(x, [[True] * 5] * 2)
+    _, cache = L.mean_pool_forward(x)
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3\)"):
+        L.mean_pool_backward(to_xp(np.ones((2, 5))), cache)
+    with pytest.raises(TypeError, match=r"^dout: expected dtype float64"):
+        L.mean_pool_backward(xp.astype(to_xp(np.ones((2, 3))), xp.float32), cache)
+    with pytest.raises(TypeError, match=r"^cache: expected a MeanPoolCache"):
+        L.mean_pool_backward(to_xp(np.ones((2, 3))), L.relu_forward(x)[1])
+
+
 # --------------------------------------------------------- bad arguments
 
 
@@ -376,9 +450,11 @@ def test_backward_leaves_inputs_alone(xp, to_xp, to_np):
     x_host, d_host = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     x, d = to_xp(x_host), to_xp(d_host)
     w = to_xp(np.ones(4) * 1.5)
+    mask1 = to_xp(np.ones((3, 1), dtype=bool))
     for fwd, bwd in ((lambda t: L.layer_norm_forward(t, w, w), L.layer_norm_backward),
                      (L.relu_forward, L.relu_backward), (L.gelu_forward, L.gelu_backward),
-                     (lambda t: L.residual_forward(t, t), L.residual_backward)):
+                     (lambda t: L.residual_forward(t, t), L.residual_backward),
+                     (lambda t: L.mean_pool_forward(xp.reshape(t, (3, 1, 4)), mask1), L.mean_pool_backward)):
         _, cache = fwd(x)
         bwd(d, cache)
         np.testing.assert_array_equal(to_np(x), x_host)
