@@ -665,7 +665,7 @@ class MultiHeadAttention:
         first.
         """
         state = dict(self.__dict__)
-        state["xp"] = _backend_ref(self.xp)
+        state["xp"] = backend_ref(self.xp)
         state["dtype"] = V.dtype_name(self.dtype)
         state["_params"] = dict(self._params)
         state["_cache"] = None
@@ -675,7 +675,7 @@ class MultiHeadAttention:
         state = dict(state)
         for name, default in _LATER_ATTRIBUTES.items():  # a pickle of an older npattn
             state.setdefault(name, default)
-        xp = _backend_from_ref(state["xp"])
+        xp = backend_from_ref(state["xp"])
         state["xp"] = xp
         state["dtype"] = getattr(xp, state["dtype"])
         state["_params"] = ParameterDict(state["_params"], xp=xp)
@@ -696,10 +696,7 @@ class MultiHeadAttention:
         would append ``.npz`` to a name without it); ``path`` may also be a
         binary file object. Read it back with ``MultiHeadAttention.load``.
         """
-        _check_path(path)
-        bf16 = V.dtype_name(self.dtype) == "bfloat16"  # NumPy has none: float32 holds it exactly
-        arrays = {SAVE_PARAM_PREFIX + name: to_numpy(self.xp.astype(p, self.xp.float32) if bf16 else p)
-                  for name, p in self.params.items()}
+        check_path(path)
         header = {
             "format": SAVE_FORMAT,
             "format_version": SAVE_VERSION,
@@ -708,12 +705,7 @@ class MultiHeadAttention:
             "rng_state": self._rng.bit_generator.state,
             "saved_from_backend": backend_name(self.xp),
         }
-        arrays["config"] = np.array(json.dumps(header))
-        if isinstance(path, (str, os.PathLike)):
-            with open(path, "wb") as f:
-                np.savez(f, **arrays)  # type: ignore[arg-type]
-        else:
-            np.savez(path, **arrays)  # type: ignore[arg-type]
+        write_save_file(path, header, self.params, xp=self.xp, dtype=self.dtype)
 
     @classmethod
     def load(cls, path, *, backend="numpy"):
@@ -725,42 +717,18 @@ class MultiHeadAttention:
         version, a configuration the constructor rejects, a parameter
         missing, unexpected, of the wrong shape or not floating point.
         """
-        _check_path(path)
-        label = f"load: {os.fspath(path)!r}" if isinstance(path, (str, os.PathLike)) else "load"
-        entries = _read_npz(label, path)
-        header = _read_save_header(label, entries.get("config"))
+        check_path(path)
+        label = save_file_label(path)
+        entries = read_npz(label, path)
+        header = read_save_header(label, entries.get("config"))
         try:
             mha = cls(**header["config"], backend=backend)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
-        saved = {k[len(SAVE_PARAM_PREFIX):]: a for k, a in entries.items()
-                 if k.startswith(SAVE_PARAM_PREFIX)}
-        unknown = sorted(set(entries) - {"config"} - {SAVE_PARAM_PREFIX + n for n in saved})
-        missing = [n for n in mha.params if n not in saved]
-        extra = sorted(set(saved) - set(mha.params))
-        if missing or extra or unknown:
-            raise ValueError(
-                f"{label}: expected the parameters {list(mha.params)} of the saved configuration, "
-                f"missing {missing}, unexpected {extra + unknown}"
-            )
-        new = {}
-        stored = "float32" if header["config"]["dtype"] == "bfloat16" else header["config"]["dtype"]
-        for name, like in mha.params.items():
-            a = saved[name]
-            if a.dtype != np.dtype(stored):
-                raise ValueError(f"{label}: parameter {name!r}: expected dtype {stored} (that of "
-                                 f"the saved configuration), got {a.dtype}")
-            if a.shape != V.shape_of(like):
-                raise ValueError(f"{label}: parameter {name!r}: expected shape {V.shape_of(like)}, "
-                                 f"got {a.shape}")
-            new[name] = mha.xp.astype(from_numpy(a, mha.xp, device_of(like)), mha.dtype)
-        mha.params = new
+        mha.params = params_from_save_file(label, entries, mha.params, xp=mha.xp, dtype=mha.dtype,
+                                           saved_dtype=header["config"]["dtype"])
         mha.train(header["training"])
-        if header["rng_state"] is not None:
-            try:
-                mha._rng.bit_generator.state = header["rng_state"]
-            except (TypeError, ValueError, KeyError) as exc:
-                raise ValueError(f"{label}: the saved dropout generator state is not valid ({exc})") from exc
+        set_rng_state(label, mha._rng, header["rng_state"])
         return mha
 
     def _config(self) -> dict:
@@ -1172,8 +1140,11 @@ SAVE_LATER_OPTIONS = {"scale": None, "softcap": None, "sinks": False}
 _LATER_ATTRIBUTES = {**SAVE_LATER_OPTIONS, "_decoded": False}
 
 
-def _backend_ref(xp) -> str:
-    """The name that ``_backend_from_ref`` turns back into ``xp``; TypeError if there is none."""
+def backend_ref(xp: Any) -> str:
+    """The name that ``backend_from_ref`` turns back into ``xp``; TypeError if there is none.
+
+    How ``pickle`` and ``copy.deepcopy`` carry a backend: by name, resolved again on load.
+    """
     name = backend_name(xp)
     if name in BACKENDS:
         return name
@@ -1189,22 +1160,48 @@ def _backend_ref(xp) -> str:
     )
 
 
-def _backend_from_ref(ref: str):
+def backend_from_ref(ref: str) -> Any:
+    """The namespace named by ``backend_ref``."""
     if ref in BACKENDS:
         return resolve_backend(ref)
     return resolve_backend(importlib.import_module(ref))
 
 
-def _check_path(path) -> None:
+def check_path(path: Any) -> None:
+    """``TypeError`` unless ``path`` is a file name or a binary file object."""
     if isinstance(path, (str, os.PathLike)) or hasattr(path, "read") or hasattr(path, "write"):
         return
     raise TypeError(f"path: expected a file name (str or os.PathLike) or a binary file object, "
                     f"got {V.type_name(path)}")
 
 
-def _read_npz(label: str, path) -> dict:
+def save_file_label(path: Any) -> str:
+    """The prefix of ``load``'s error messages: the file's name when it has one."""
+    return f"load: {os.fspath(path)!r}" if isinstance(path, (str, os.PathLike)) else "load"
+
+
+def write_save_file(path: Any, header: dict, params: dict, *, xp: Any, dtype: Any) -> None:
+    """Write ``params`` (entries ``param/<name>``) and ``header`` (entry ``config``, JSON) to ``path``.
+
+    bfloat16 parameters are stored as float32, which holds them exactly
+    (NumPy has no bfloat16). The file is written at ``path`` exactly (NumPy's
+    ``savez`` would append ``.npz`` to a name without it), or into a binary
+    file object.
+    """
+    bf16 = V.dtype_name(dtype) == "bfloat16"
+    arrays = {SAVE_PARAM_PREFIX + name: to_numpy(xp.astype(p, xp.float32) if bf16 else p)
+              for name, p in params.items()}
+    arrays["config"] = np.array(json.dumps(header))
+    if isinstance(path, (str, os.PathLike)):
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+    else:
+        np.savez(path, **arrays)  # type: ignore[arg-type]
+
+
+def read_npz(label: str, path: Any, *, writer: str = "MultiHeadAttention.save") -> dict:
     """Every entry of the .npz file at ``path`` as a NumPy array, read without pickle."""
-    expected = "expected an .npz file written by MultiHeadAttention.save"
+    expected = f"expected an .npz file written by {writer}"
     try:
         npz = np.load(path, allow_pickle=False)
     except (ValueError, EOFError, zipfile.BadZipFile) as exc:
@@ -1218,11 +1215,11 @@ def _read_npz(label: str, path) -> dict:
             raise ValueError(f"{label}: {expected}, could not read its entries ({exc})") from exc
 
 
-def _read_save_header(label: str, entry) -> dict:
-    """The checked JSON header of a save file: format, version, config, training, rng_state."""
+def read_save_header(label: str, entry: Any, *, fmt: str = SAVE_FORMAT, version: int = SAVE_VERSION,
+                     writer: str = "MultiHeadAttention.save") -> dict:
+    """The checked JSON header of a save file: format ``fmt``, version ``version``, config, training, rng_state."""
     if entry is None:
-        raise ValueError(f"{label}: expected a 'config' entry (a file of MultiHeadAttention.save), "
-                         f"found none")
+        raise ValueError(f"{label}: expected a 'config' entry (a file of {writer}), found none")
     if entry.ndim != 0 or entry.dtype.kind != "U":
         raise ValueError(f"{label}: expected the 'config' entry to be one JSON string, got an "
                          f"array of dtype {entry.dtype} and shape {entry.shape}")
@@ -1231,17 +1228,58 @@ def _read_save_header(label: str, entry) -> dict:
     except ValueError as exc:
         raise ValueError(f"{label}: expected the 'config' entry to be JSON, could not parse it "
                          f"({exc})") from exc
-    if not isinstance(header, dict) or header.get("format") != SAVE_FORMAT:
+    if not isinstance(header, dict) or header.get("format") != fmt:
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
-        raise ValueError(f"{label}: expected format {SAVE_FORMAT!r}, got {got!r}")
-    version = header.get("format_version")
-    if version != SAVE_VERSION or isinstance(version, bool):
+        raise ValueError(f"{label}: expected format {fmt!r} (a file of {writer}), got {got!r}")
+    got_version = header.get("format_version")
+    if got_version != version or isinstance(got_version, bool):
         raise ValueError(
-            f"{label}: expected format_version {SAVE_VERSION} (the one this npattn reads), got "
-            f"{version!r}; a newer npattn may have written it"
+            f"{label}: expected format_version {version} (the one this npattn reads), got "
+            f"{got_version!r}; a newer npattn may have written it"
         )
     for key, kind in (("config", dict), ("training", bool), ("rng_state", (dict, type(None)))):
         if not isinstance(header.get(key), kind):
             raise ValueError(f"{label}: expected {key!r} in the header to be "
                              f"{getattr(kind, '__name__', 'a dict or null')}, got {header.get(key)!r}")
     return header
+
+
+def params_from_save_file(label: str, entries: dict, current: dict, *, xp: Any, dtype: Any,
+                          saved_dtype: str) -> dict:
+    """The ``param/<name>`` entries of a save file as new parameters like ``current`` (all checked first).
+
+    Every name of ``current`` must be there and no other entry but ``config``; each array
+    must have the dtype the file stores for ``saved_dtype`` (float32 for bfloat16) and its
+    parameter's shape. Returns arrays of ``xp`` in ``dtype`` on the parameters' device.
+    """
+    saved = {k[len(SAVE_PARAM_PREFIX):]: a for k, a in entries.items() if k.startswith(SAVE_PARAM_PREFIX)}
+    unknown = sorted(set(entries) - {"config"} - {SAVE_PARAM_PREFIX + n for n in saved})
+    missing = [n for n in current if n not in saved]
+    extra = sorted(set(saved) - set(current))
+    if missing or extra or unknown:
+        raise ValueError(
+            f"{label}: expected the parameters {list(current)} of the saved configuration, "
+            f"missing {missing}, unexpected {extra + unknown}"
+        )
+    stored = "float32" if saved_dtype == "bfloat16" else saved_dtype
+    new = {}
+    for name, like in current.items():
+        a = saved[name]
+        if a.dtype != np.dtype(stored):
+            raise ValueError(f"{label}: parameter {name!r}: expected dtype {stored} (that of "
+                             f"the saved configuration), got {a.dtype}")
+        if a.shape != V.shape_of(like):
+            raise ValueError(f"{label}: parameter {name!r}: expected shape {V.shape_of(like)}, "
+                             f"got {a.shape}")
+        new[name] = xp.astype(from_numpy(a, xp, device_of(like)), dtype)
+    return new
+
+
+def set_rng_state(label: str, rng: np.random.Generator, state: Any) -> None:
+    """Restore a saved dropout generator state (None: leave ``rng`` as it is); ``ValueError`` if invalid."""
+    if state is None:
+        return
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"{label}: the saved dropout generator state is not valid ({exc})") from exc
