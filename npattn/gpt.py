@@ -1,0 +1,570 @@
+"""A GPT (decoder-only Transformer) built from npattn's pairs, with a hand-derived backward.
+
+GPT-2's layout (Radford et al., 2019) at any size; every step is a
+forward/backward pair of npattn::
+
+    1. e      = embedding(ids, wte)              [B, L, D]   nn.embedding_forward
+    2. x      = e + wpe[s : s + L]               [B, L, D]   nn.add_positions_forward (learned)
+    3. x      = block_n(x, is_causal=True)       [B, L, D]   transformer.TransformerBlock, n = 0 .. N-1
+                pre-norm: x + attn(ln1(x)), then x + ff(ln2(x)), GELU (tanh form)
+    4. h      = layer_norm(x; ln_f)              [B, L, D]   layers.layer_norm_forward
+    5. logits = h @ wte.T                        [B, L, V]   functional.linear_forward (tied head)
+    6. loss   = cross_entropy(logits, targets)   []          nn.cross_entropy_forward
+
+The head is *tied*: the output projection is the token table ``wte`` itself,
+so its gradient is the sum of two terms, one from step 5 (``dlogits^T h``)
+and one from step 1 (``one_hot(ids)^T de``). ``s`` is the position of the
+first token: 0 for a whole sequence, the cached length while decoding.
+
+``generate`` decodes with one ``npattn.KVCache`` per block: the prompt runs
+once, then each new token attends the cached keys and values only; the
+logits equal a full forward over the same tokens (tests: 1e-10 in float64).
+Sampling (greedy, temperature, top-k) is done on the host from a seeded
+``numpy.random.Generator``, so one seed gives the same tokens on every backend
+(up to a logit difference at a sampling boundary).
+
+``training_step`` is one step of the whole loop: forward, loss, backward,
+gradient clipping by the global norm (``nn.clip_grad_norm``), Adam
+(``nn.adam_step``).
+
+Shape legend
+------------
+B batch, L sequence length, V vocabulary size, D = d_model, H heads,
+F = d_ff, N layers, T = block_size (the longest sequence).
+
+Code uses only the Python Array API standard through ``xp``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import functional as F
+from . import layers as Ly
+from . import nn
+from . import validation as V
+from .backend import device_of, dropout_key, from_numpy, keep_mask, to_numpy
+from .kvcache import KVCache
+from .module import check_param
+from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
+
+__all__ = ["GPT", "GPTCache", "training_step", "sample_next"]
+
+
+class GPTCache(NamedTuple):
+    embed: nn.EmbeddingCache  # 1.
+    pos: nn.PositionsCache  # 2.
+    start: int  # 2. the position of the first token
+    ln_f: Ly.LayerNormCache  # 4.
+    head: F.LinearCache  # 5.
+    decoding: bool  # the forward appended to KV caches: nothing to differentiate
+
+
+def _check_int(name: str, value: Any, *, low: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+
+
+class GPT:
+    """A GPT-2-style language model with hand-derived gradients.
+
+    Parameters
+    ----------
+    vocab_size : int
+        V, the number of token ids.
+    block_size : int
+        T, the longest sequence (rows of the learned position table).
+    d_model, n_layer, n_head : int
+        Width D, number of blocks N, heads H (D divisible by H).
+    d_ff : int, optional
+        Feed-forward width F; default ``4 * d_model``.
+    dropout : float
+        Drop probability at every site of every block (``ENCODER_DROPOUT_SITES``:
+        attention probabilities, after attention, inside and after the
+        feed-forward), in training mode. There is no dropout on the embeddings.
+    layer_norm_eps : float
+    bias : bool
+        Biases in the attention, feed-forward and layer norms.
+    dtype : str
+        "float32" (default) or "float64".
+    backend : str or namespace
+    seed : int, optional
+        Seeds the weights and the dropout generator.
+
+    Attributes
+    ----------
+    blocks : list of TransformerBlock
+        ``norm_first=True``, ``activation="gelu_tanh"``; run causal.
+    params : dict
+        ``wte`` (V, D), ``wpe`` (T, D), ``blocks.{n}.{name}`` (the block's
+        names: ``self_attn.w_q`` ..., ``linear1.weight`` ..., ``norm1.weight``
+        ...), ``ln_f.weight`` (D,), ``ln_f.bias`` (D,). Assign a whole dict
+        to replace them (every array checked first).
+    grads : dict
+        Filled by ``backward``: same keys and shapes as ``params``.
+    """
+
+    def __init__(self, vocab_size: int, block_size: int, d_model: int, n_layer: int, n_head: int,
+                 d_ff: Optional[int] = None, *, dropout: float = 0.0, layer_norm_eps: float = 1e-5,
+                 bias: bool = True, dtype: str = "float32", backend: Any = "numpy",
+                 seed: Any = None) -> None:
+        _check_int("vocab_size", vocab_size, low=1)
+        _check_int("block_size", block_size, low=1)
+        _check_int("n_layer", n_layer, low=1)
+        seqs = np.random.SeedSequence(seed).spawn(int(n_layer) + 2)
+        # the blocks check d_model, n_head, d_ff, dropout, layer_norm_eps, bias, dtype and backend
+        self.blocks = [
+            TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation="gelu_tanh",
+                             norm_first=True, layer_norm_eps=layer_norm_eps, bias=bias, dtype=dtype,
+                             backend=backend, seed=int(s.generate_state(1)[0]))
+            for s in seqs[:n_layer]
+        ]
+        b0 = self.blocks[0]
+        self.xp, self.dtype = b0.xp, b0.dtype
+        self.vocab_size, self.block_size = int(vocab_size), int(block_size)
+        self.d_model, self.n_layer, self.n_head = b0.d_model, int(n_layer), b0.n_head
+        self.d_ff, self.dropout, self.bias = b0.d_ff, b0.dropout, b0.bias
+        self.layer_norm_eps = b0.layer_norm_eps
+        rng = np.random.default_rng(seqs[-2])
+        own = {"wte": rng.normal(0.0, 0.02, size=(self.vocab_size, self.d_model)),  # GPT-2's init
+               "wpe": rng.normal(0.0, 0.02, size=(self.block_size, self.d_model)),
+               "ln_f.weight": np.ones(self.d_model)}
+        if self.bias:
+            own["ln_f.bias"] = np.zeros(self.d_model)
+        self._own = {k: self.xp.astype(from_numpy(v, self.xp), self.dtype) for k, v in own.items()}
+        self._rng = np.random.default_rng(seqs[-1])  # the dropout masks of every block
+        self.training = True
+        self.grads: dict = {}
+        self._cache: Any = None
+
+    # ------------------------------------------------------------ parameters
+
+    @property
+    def params(self) -> dict:
+        """A new dict of every parameter (see the class docstring for the names)."""
+        out = {"wte": self._own["wte"], "wpe": self._own["wpe"]}
+        for n, block in enumerate(self.blocks):
+            out.update({f"blocks.{n}.{k}": v for k, v in block.params.items()})
+        out.update({k: v for k, v in self._own.items() if k.startswith("ln_f.")})
+        return out
+
+    @params.setter
+    def params(self, new: dict):
+        current = self.params
+        if not isinstance(new, dict) or set(new) != set(current):
+            got = sorted(new) if isinstance(new, dict) else type(new).__name__
+            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
+        for name, like in current.items():
+            check_param(name, new[name], like=like, xp=self.xp)
+        for n, block in enumerate(self.blocks):  # all checked: nothing below fails
+            prefix = f"blocks.{n}."
+            block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
+        self._own = {k: new[k] for k in self._own}
+
+    def n_params(self) -> int:
+        """The number of parameters (the tied head counted once)."""
+        return sum(math.prod(p.shape) for p in self.params.values())
+
+    def train(self, mode: bool = True):
+        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
+        V.check_bool("mode", mode)
+        self.training = bool(mode)
+        for block in self.blocks:
+            block.train(mode)
+        return self
+
+    def eval(self):
+        """Evaluation mode: dropout is off. Returns self."""
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __repr__(self):
+        return (f"GPT(vocab_size={self.vocab_size}, block_size={self.block_size}, "
+                f"d_model={self.d_model}, n_layer={self.n_layer}, n_head={self.n_head}, "
+                f"d_ff={self.d_ff}, dropout={self.dropout}, dtype={V.dtype_name(self.dtype)}, "
+                f"backend={self.xp.__name__!r})")
+
+    # ---------------------------------------------------------------- checks
+
+    def _device(self) -> Any:
+        return device_of(self._own["wte"])
+
+    def _check_ids(self, name: str, ids: Any, start: int) -> None:
+        V.check_array(name, ids, self.xp, self._device())
+        if not self.xp.isdtype(ids.dtype, "integral"):
+            raise TypeError(f"{name}: expected an integer array of token ids, got dtype "
+                            f"{V.dtype_name(ids.dtype)}")
+        if ids.ndim != 2 or ids.shape[1] < 1:
+            raise ValueError(f"{name}: expected shape (B, L) with L >= 1, got {V.shape_of(ids)}")
+        if start + ids.shape[1] > self.block_size:
+            raise ValueError(f"{name}: expected at most {self.block_size - start} positions (block_size "
+                             f"{self.block_size}, {start} already cached), got {ids.shape[1]}")
+        h = to_numpy(ids)
+        if h.size and (h.min() < 0 or h.max() >= self.vocab_size):
+            raise ValueError(f"{name}: expected token ids in [0, {self.vocab_size}), got values in "
+                             f"[{h.min()}, {h.max()}]")
+
+    def _check_dropout_masks(self, dropout_masks: Any, B: int, L: int) -> None:
+        if dropout_masks is None:
+            return
+        if not isinstance(dropout_masks, (list, tuple)) or len(dropout_masks) != self.n_layer:
+            raise ValueError(f"dropout_masks: expected a list of {self.n_layer} dicts (one per block) "
+                             f"or None, got {type(dropout_masks).__name__}"
+                             f"{'' if not isinstance(dropout_masks, (list, tuple)) else f' of length {len(dropout_masks)}'}")
+        shapes = self._site_shapes(B, L)
+        for n, masks in enumerate(dropout_masks):
+            if masks is None:
+                continue
+            if not isinstance(masks, dict) or not set(masks) <= set(shapes):
+                got = sorted(masks) if isinstance(masks, dict) else type(masks).__name__
+                raise ValueError(f"dropout_masks[{n}]: expected a dict with keys among "
+                                 f"{list(shapes)}, got {got}")
+            for site, m in masks.items():
+                V.check_mask(f"dropout_masks[{n}][{site!r}]", m, self.xp, target=shapes[site],
+                             target_text=f"{shapes[site]}", dtype=self.dtype, device=self._device(),
+                             bool_only=True)
+
+    def _site_shapes(self, B: int, L: int) -> dict:
+        shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, self.d_model),
+                  "dropout": (B, L, self.d_ff), "dropout2": (B, L, self.d_model)}
+        assert tuple(shapes) == ENCODER_DROPOUT_SITES
+        return shapes
+
+    def _block_masks(self, dropout_masks: Any, B: int, L: int) -> list:
+        """Every block's keep-masks: the ones given, the others drawn from the model's generator."""
+        if not (self.training and self.dropout > 0.0):
+            return [None] * self.n_layer
+        given = list(dropout_masks or [None] * self.n_layer)
+        out = []
+        for n in range(self.n_layer):
+            masks = dict(given[n] or {})
+            for site, shape in self._site_shapes(B, L).items():
+                if masks.get(site) is None:
+                    masks[site] = keep_mask(dropout_key(self._rng), self.dropout, shape, self.xp,
+                                            self._device())
+            out.append(masks)
+        return out
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, ids: Any, *, dropout_masks: Optional[Sequence] = None,
+                kv_caches: Optional[Sequence[KVCache]] = None) -> Any:
+        """Logits (B, L, V) of the next token at every position of ``ids`` (B, L).
+
+        Parameters
+        ----------
+        ids : integer array, shape (B, L), values in [0, V)
+        dropout_masks : list of N dicts, optional
+            Keep-masks by site for each block (``TransformerBlock.forward``'s
+            ``dropout_masks``); sites not given draw from the model's
+            generator. Used only in training mode with ``dropout > 0``.
+        kv_caches : list of N KVCache, optional
+            Decoding, forward only: ``ids`` are the next L tokens after the
+            ``cache_seqlens`` cached ones (equal for every entry); their
+            positions start there, each block appends its keys and values to
+            its cache. ``backward`` after it is a ``RuntimeError``.
+
+        Returns
+        -------
+        logits : array, shape (B, L, V), the model's dtype
+        """
+        start = 0 if kv_caches is None else self._check_kv_caches(kv_caches)
+        self._check_ids("ids", ids, start)
+        B, L = ids.shape
+        self._check_dropout_masks(dropout_masks, B, L)
+        if kv_caches is not None:
+            for cache in kv_caches:
+                cache.check_room(L, name="kv_caches")
+        P = self._own
+        state = self._rng.bit_generator.state
+        try:
+            block_masks = self._block_masks(dropout_masks, B, L)
+            e, e_c = nn.embedding_forward(ids, P["wte"])  # 1.                       [B, L, D]
+            x, p_c = nn.add_positions_forward(e, P["wpe"][start:start + L, :])  # 2.  [B, L, D]
+            for n, block in enumerate(self.blocks):  # 3.                            [B, L, D]
+                x = block.forward(x, is_causal=True, dropout_masks=block_masks[n],
+                                  kv_cache=None if kv_caches is None else kv_caches[n])
+            h, ln_c = Ly.layer_norm_forward(x, P["ln_f.weight"], P.get("ln_f.bias"),
+                                            self.layer_norm_eps)  # 4.               [B, L, D]
+            logits, head_c = F.linear_forward(h, P["wte"])  # 5.                     [B, L, V]
+        except BaseException:
+            # the checks above leave nothing that fails here; should something (memory) fail,
+            # the generator is put back and no backward runs on the blocks' mixed caches
+            self._rng.bit_generator.state = state
+            self._cache = None
+            raise
+        self._cache = GPTCache(e_c, p_c, start, ln_c, head_c, kv_caches is not None)
+        return logits
+
+    def _check_kv_caches(self, kv_caches: Any) -> int:
+        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != self.n_layer or not all(
+                isinstance(c, KVCache) for c in kv_caches):
+            raise TypeError(f"kv_caches: expected a list of {self.n_layer} npattn.KVCache (one per "
+                            f"block, e.g. from new_caches), got {type(kv_caches).__name__}")
+        lens = {tuple(int(n) for n in c.cache_seqlens) for c in kv_caches}
+        if len(lens) != 1 or len(set(next(iter(lens)))) != 1:
+            raise ValueError("kv_caches: expected the same cached length for every entry and block "
+                             f"(positions are shared), got cache_seqlens {sorted(lens)}")
+        return next(iter(lens))[0]
+
+    def new_caches(self, batch_size: int, capacity: Optional[int] = None) -> list:
+        """One empty ``KVCache`` per block for ``batch_size`` sequences of up to ``capacity`` (T) tokens."""
+        capacity = self.block_size if capacity is None else capacity
+        _check_int("capacity", capacity, low=1)
+        if capacity > self.block_size:
+            raise ValueError(f"capacity: expected at most block_size = {self.block_size}, got {capacity}")
+        Dh = self.d_model // self.n_head
+        return [KVCache(batch_size, int(capacity), self.n_head, Dh, dtype=V.dtype_name(self.dtype),
+                        backend=self.xp, device=self._device()) for _ in self.blocks]
+
+    # --------------------------------------------------------------- backward
+
+    def backward(self, dlogits: Any) -> dict:
+        """Backpropagate ``dlogits`` (B, L, V) through the last forward; fills and returns ``grads``.
+
+        ``RuntimeError`` before any forward or after a decoding forward;
+        ``ValueError`` / ``TypeError`` for ``dlogits`` of another shape / dtype
+        than the logits'.
+        """
+        c = self._cache
+        if c is None:
+            raise RuntimeError("backward: expected a forward call first (there is no cached forward)")
+        if c.decoding:
+            raise RuntimeError("backward: the last forward used kv_caches, and decoding is forward only; "
+                               "run a forward without kv_caches before backward")
+        V.check_array("dlogits", dlogits, self.xp, self._device())
+        B, L = c.embed.onehot.shape[:2]
+        if V.shape_of(dlogits) != (B, L, self.vocab_size):
+            raise ValueError(f"dlogits: expected shape {(B, L, self.vocab_size)} (that of the last "
+                             f"forward's logits), got {V.shape_of(dlogits)}")
+        if dlogits.dtype != self.dtype:
+            raise TypeError(f"dlogits: expected dtype {V.dtype_name(self.dtype)}, got "
+                            f"{V.dtype_name(dlogits.dtype)}")
+        xp = self.xp
+        grads: dict = {}
+        # 5. logits = h @ wte.T
+        dh, dwte_head, _ = F.linear_backward(dlogits, c.head)  # [B, L, D], [V, D]
+        # 4. h = layer_norm(x; ln_f)
+        dx, grads["ln_f.weight"], db = Ly.layer_norm_backward(dh, c.ln_f)  # [B, L, D]
+        if self.bias:
+            grads["ln_f.bias"] = db
+        # 3. x = block_n(x), in reverse
+        for n in reversed(range(self.n_layer)):
+            dx = self.blocks[n].backward(dx)  # [B, L, D]
+            grads.update({f"blocks.{n}.{k}": g for k, g in self.blocks[n].grads.items()})
+        # 2. x = e + wpe[s:s+L]: the rows that were read get the gradient, the others zero
+        de, dpos = nn.add_positions_backward(dx, c.pos)  # [B, L, D], [L, D]
+        T, D = self.block_size, self.d_model
+        dev = self._device()
+        rows = [xp.zeros((c.start, D), dtype=self.dtype, device=dev), dpos,
+                xp.zeros((T - c.start - L, D), dtype=self.dtype, device=dev)]
+        grads["wpe"] = xp.concat(rows, axis=0)  # [T, D]
+        # 1. e = embedding(ids, wte); the tied head's term adds
+        _, dwte_embed = nn.embedding_backward(de, c.embed)  # [V, D]
+        grads["wte"] = dwte_embed + dwte_head
+        self.grads = {k: grads[k] for k in self.params}
+        return self.grads
+
+    def loss(self, ids: Any, targets: Any, **kwargs) -> tuple[float, Any]:
+        """Forward and mean cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``."""
+        self._check_ids("ids", ids, 0)
+        self._check_targets(targets, V.shape_of(ids))  # before the forward: a failed call changes nothing
+        logits = self.forward(ids, **kwargs)
+        loss, ce_c = nn.cross_entropy_forward(logits, targets)  # 6.
+        dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
+        return float(loss), dlogits
+
+    def _check_targets(self, targets: Any, shape: tuple) -> None:
+        V.check_array("targets", targets, self.xp, self._device())
+        if not self.xp.isdtype(targets.dtype, "integral") or V.shape_of(targets) != tuple(shape):
+            raise ValueError(f"targets: expected integer token ids of shape {tuple(shape)} (that of "
+                             f"ids), got dtype {V.dtype_name(targets.dtype)} and shape "
+                             f"{V.shape_of(targets)}")
+        h = to_numpy(targets)
+        if h.min() < 0 or h.max() >= self.vocab_size:
+            raise ValueError(f"targets: expected token ids in [0, {self.vocab_size}), got values in "
+                             f"[{h.min()}, {h.max()}]")
+
+    # ----------------------------------------------------------- torch interop
+
+    def to_torch(self) -> Any:
+        """The same model in torch (CPU, the model's dtype, a copy of the weights): a ``torch.nn.Module``.
+
+        ``module(ids)`` (a LongTensor (B, L)) returns the logits (B, L, V),
+        computed by torch's own layers: ``nn.Embedding`` for ``wte`` and
+        ``wpe``, ``nn.TransformerEncoderLayer(norm_first=True, batch_first=True,
+        activation=nn.GELU(approximate="tanh"))`` per block with a causal
+        mask, ``nn.LayerNorm``, and the head tied to ``wte``. For checking
+        npattn against torch's autograd, or the other way round. Needs torch.
+        """
+        import torch
+
+        dtype = getattr(torch, V.dtype_name(self.dtype))
+        cfg = self
+
+        class TorchGPT(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                D = cfg.d_model
+                self.wte = torch.nn.Embedding(cfg.vocab_size, D, dtype=dtype)
+                self.wpe = torch.nn.Embedding(cfg.block_size, D, dtype=dtype)
+                self.blocks = torch.nn.ModuleList(
+                    torch.nn.TransformerEncoderLayer(
+                        D, cfg.n_head, cfg.d_ff, dropout=cfg.dropout,
+                        activation=torch.nn.GELU(approximate="tanh"), layer_norm_eps=cfg.layer_norm_eps,
+                        batch_first=True, norm_first=True, bias=cfg.bias, dtype=dtype)
+                    for _ in range(cfg.n_layer))
+                self.ln_f = torch.nn.LayerNorm(D, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=dtype)
+
+            def forward(self, ids):  # [B, L] -> [B, L, V]
+                L = ids.shape[1]
+                x = self.wte(ids) + self.wpe(torch.arange(L, device=ids.device))
+                causal = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=x.dtype,
+                                                                               device=x.device)
+                for block in self.blocks:
+                    x = block(x, src_mask=causal, is_causal=True)
+                return torch.nn.functional.linear(self.ln_f(x), self.wte.weight)
+
+        module = TorchGPT()
+        with torch.no_grad():
+            for name in ("wte", "wpe"):
+                getattr(module, name).weight.copy_(torch.from_numpy(np.array(to_numpy(self._own[name]))))
+            for block, layer in zip(self.blocks, module.blocks):
+                layer.load_state_dict(block.torch_state_dict())
+            module.ln_f.weight.copy_(torch.from_numpy(np.array(to_numpy(self._own["ln_f.weight"]))))
+            if self.bias:
+                module.ln_f.bias.copy_(torch.from_numpy(np.array(to_numpy(self._own["ln_f.bias"]))))
+        return module.train(self.training)
+
+    # --------------------------------------------------------------- generate
+
+    def generate(self, ids: Any, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: Optional[int] = None, greedy: bool = False, seed: Any = None,
+                 return_logits: bool = False) -> Any:
+        """Continue each prompt in ``ids`` (B, L0) by ``max_new_tokens`` tokens, with KV caches.
+
+        The prompt runs through the model once (filling one ``KVCache`` per
+        block); then each step feeds only the token just chosen, at position
+        ``L0 + t``, and reads the logits of the next one. Dropout is off
+        during generation (the mode is restored afterwards).
+
+        Parameters
+        ----------
+        ids : integer array, shape (B, L0), L0 >= 1
+        max_new_tokens : int >= 0
+            ``L0 + max_new_tokens <= block_size`` (a KV cache does not slide).
+        temperature : float > 0
+            Logits are divided by it before sampling.
+        top_k : int, optional
+            Sample among the ``top_k`` largest logits only (ties at the k-th
+            value are kept).
+        greedy : bool
+            Take the largest logit (the first on ties); ``temperature``,
+            ``top_k`` and ``seed`` are then unused.
+        seed : int, Generator or None
+            The host ``numpy.random`` generator (or its seed) sampling draws from.
+        return_logits : bool
+            Also return the logits each new token was chosen from, (B, n, V).
+
+        Returns
+        -------
+        ids : integer array, shape (B, L0 + max_new_tokens), the backend's int64
+        logits : array, shape (B, max_new_tokens, V), only with ``return_logits``
+        """
+        _check_int("max_new_tokens", max_new_tokens, low=0)
+        self._check_ids("ids", ids, 0)
+        B, L0 = ids.shape
+        if L0 + max_new_tokens > self.block_size:
+            raise ValueError(f"max_new_tokens: expected at most block_size - L0 = "
+                             f"{self.block_size - L0}, got {max_new_tokens}")
+        check_sampling(temperature, top_k, self.vocab_size)
+        V.check_bool("greedy", greedy)
+        V.check_bool("return_logits", return_logits)
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        mode = self.training
+        self.eval()
+        try:
+            caches = self.new_caches(B, L0 + max_new_tokens)
+            tokens = [to_numpy(ids).astype(np.int64)]  # host [B, L0]
+            steps = []
+            feed = self.xp.astype(ids, self.xp.int64)
+            for _ in range(max_new_tokens):
+                last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
+                steps.append(last)
+                nxt = sample_next(to_numpy(last), rng, temperature=temperature, top_k=top_k,
+                                  greedy=greedy)  # host [B]
+                tokens.append(nxt[:, None])
+                feed = from_numpy(nxt[:, None], self.xp, self._device())  # [B, 1]
+        finally:
+            self.train(mode)
+            self._cache = None
+        out = from_numpy(np.concatenate(tokens, axis=1), self.xp, self._device())
+        if not return_logits:
+            return out
+        if steps:
+            logits = self.xp.stack(steps, axis=1)  # [B, n, V]
+        else:
+            logits = self.xp.zeros((B, 0, self.vocab_size), dtype=self.dtype, device=self._device())
+        return out, logits
+
+
+def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:
+    """The sampling options' checks (``GPT.generate``, ``sample_next``)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+    _check_int("top_k", top_k, low=1, allow_none=True)
+    if top_k is not None and top_k > vocab_size:
+        raise ValueError(f"top_k: expected at most vocab_size = {vocab_size}, got {top_k}")
+
+
+def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: float = 1.0,
+                top_k: Optional[int] = None, greedy: bool = False) -> np.ndarray:
+    """One token per row of host ``logits`` (B, V): greedy, or sampled with temperature and top-k.
+
+    1. ``z = logits / temperature`` in float64
+    2. top-k: entries below the k-th largest of their row -> -inf
+    3. ``p = softmax(z)``; ``u ~ U[0, 1)`` from ``rng``, one per row
+    4. the token is the first ``v`` with ``cumsum(p)[v] > u * sum(p)`` (inverse CDF)
+    # [B, V] -> [B] int64
+    """
+    z = np.asarray(logits, dtype=np.float64)
+    if greedy:
+        return np.argmax(z, axis=-1).astype(np.int64)
+    check_sampling(temperature, top_k, z.shape[-1])
+    z = z / float(temperature)  # 1.
+    if top_k is not None:  # 2.
+        kth = np.sort(z, axis=-1)[:, -int(top_k)][:, None]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - np.max(z, axis=-1, keepdims=True))  # 3.
+    cdf = np.cumsum(p, axis=-1)
+    u = rng.random(z.shape[0]) * cdf[:, -1]
+    return np.minimum((cdf <= u[:, None]).sum(axis=-1), z.shape[-1] - 1).astype(np.int64)  # 4.
+
+
+def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr: float,
+                  max_grad_norm: Optional[float] = 1.0, betas: tuple[float, float] = (0.9, 0.999),
+                  eps: float = 1e-8, weight_decay: float = 0.0,
+                  dropout_masks: Optional[Sequence] = None) -> tuple[float, float, nn.AdamState]:
+    """One training step: forward, loss, backward, clipping, Adam; returns ``(loss, grad_norm, state)``.
+
+    ``state`` from ``nn.adam_init(model.params)``; the model's ``params`` are
+    replaced by the updated ones. ``grad_norm`` is the global norm before
+    clipping (``max_grad_norm=None``: no clipping).
+    """
+    loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks)
+    grads = model.backward(dlogits)
+    if max_grad_norm is not None:
+        grads, norm = nn.clip_grad_norm(grads, max_grad_norm)
+    else:
+        norm = math.sqrt(sum(float(model.xp.sum(g * g)) for g in grads.values()))
+    new, state = nn.adam_step(model.params, grads, state, lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay)
+    model.params = new
+    return loss, norm, state

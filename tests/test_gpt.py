@@ -1,0 +1,238 @@
+"""npattn.gpt: finite differences, torch parity (a whole training step), KV-cache decoding, sampling."""
+
+import math
+
+import numpy as np
+import pytest
+
+from npattn import nn
+from npattn.backend import to_numpy
+from npattn.gpt import GPT, sample_next, training_step
+from npattn.gradcheck import check_vjp
+
+VOCAB, T, D, N, H, FF = 11, 9, 8, 2, 2, 12
+B, L = 2, 6  # L < T: the rows of wpe past L get no gradient
+
+
+def make(backend="numpy", dtype="float64", **kw):
+    return GPT(VOCAB, T, D, N, H, FF, dtype=dtype, backend=backend, seed=3, **kw)
+
+
+def perturbed(model, to_xp, scale=0.3, seed=1):
+    """Non-trivial norms and biases (they start at 1 and 0)."""
+    rng = np.random.default_rng(seed)
+    model.params = {k: v + to_xp(scale * rng.standard_normal(tuple(v.shape)))
+                    for k, v in model.params.items()}
+    return model
+
+
+def ids_of(seed, shape=(B, L)):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=shape)
+
+
+# ------------------------------------------------------------- finite differences
+
+
+def _check_model_vjp(model, to_xp, ids, seed, **forward_kw):
+    names = list(model.params)
+    inputs = [model.params[k] for k in names]
+
+    def f(*arrays):
+        model.params = dict(zip(names, arrays))
+        return model.forward(ids, **forward_kw)
+
+    out = f(*inputs)
+    dout = to_xp(np.random.default_rng(seed).standard_normal(tuple(out.shape)))  # never all ones
+    grads = model.backward(dout)
+    report = check_vjp(f, inputs, [grads[k] for k in names], dout, names=names, n_directions=2,
+                       seed=seed)
+    assert report.ok, str(report)
+    return grads
+
+
+def test_finite_differences_every_parameter(xp, to_xp):
+    model = perturbed(make(xp), to_xp)
+    grads = _check_model_vjp(model, to_xp, to_xp(ids_of(0)), seed=5)
+    for k, g in grads.items():  # a backward that returns zeros fails here too
+        assert float(np.max(np.abs(to_numpy(g)))) > 0.0, k
+    # positions past L were not read: their gradient is exactly zero
+    assert np.all(to_numpy(grads["wpe"])[L:] == 0.0)
+
+
+def test_finite_differences_with_dropout_from_fixed_masks(xp, to_xp):
+    p = 0.3
+    model = perturbed(make(xp, dropout=p), to_xp, seed=2)
+    rng = np.random.default_rng(9)
+    shapes = {"self_attn": (B, H, L, L), "dropout1": (B, L, D), "dropout": (B, L, FF),
+              "dropout2": (B, L, D)}
+    masks = [{s: to_xp(rng.random(shape) > p) for s, shape in shapes.items()} for _ in range(N)]
+    _check_model_vjp(model, to_xp, to_xp(ids_of(1)), seed=6, dropout_masks=masks)
+    # the masks act: another set of masks gives other logits
+    other = [{s: to_xp(rng.random(shape) > p) for s, shape in shapes.items()} for _ in range(N)]
+    a = to_numpy(model.forward(to_xp(ids_of(1)), dropout_masks=masks))
+    b = to_numpy(model.forward(to_xp(ids_of(1)), dropout_masks=other))
+    assert np.max(np.abs(a - b)) > 1e-3
+
+
+def test_loss_gradient_is_the_cross_entropy_of_the_logits(xp, to_xp):
+    model = perturbed(make(xp), to_xp)
+    ids, tgt = ids_of(2), ids_of(3)
+    loss, dlogits = model.loss(to_xp(ids), to_xp(tgt))
+    logits = to_numpy(model.forward(to_xp(ids)))
+    # independent: log-softmax in float64 on the host
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    expected = -np.mean(np.take_along_axis(logp, tgt[..., None], -1))
+    assert abs(loss - expected) < 1e-12
+    p = np.exp(logp)
+    p[np.arange(B)[:, None], np.arange(L)[None, :], tgt] -= 1.0
+    np.testing.assert_allclose(to_numpy(dlogits), p / (B * L), rtol=0, atol=1e-15)
+
+
+# ------------------------------------------------------------------ torch parity
+
+
+def test_forward_backward_and_three_training_steps_match_torch():
+    torch = pytest.importorskip("torch")
+    model = perturbed(make(), lambda a: a)
+    tmodel = model.to_torch()
+    opt = torch.optim.Adam(tmodel.parameters(), lr=0.01)
+    state = nn.adam_init(model.params)
+    named = {"wte": tmodel.wte.weight, "wpe": tmodel.wpe.weight, "ln_f.weight": tmodel.ln_f.weight,
+             "ln_f.bias": tmodel.ln_f.bias}
+    for step in range(3):
+        ids, tgt = ids_of(10 + step), ids_of(20 + step)
+        opt.zero_grad()
+        logits_t = tmodel(torch.from_numpy(ids))
+        loss_t = torch.nn.functional.cross_entropy(logits_t.reshape(-1, VOCAB),
+                                                   torch.from_numpy(tgt).reshape(-1))
+        loss_t.backward()
+        norm_t = torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 0.5)  # clips: the norm is larger
+        grads_t = {k: v.grad.detach().clone().numpy() for k, v in named.items()}  # clipped
+        opt.step()
+        np.testing.assert_allclose(model.forward(ids), logits_t.detach().numpy(), rtol=0, atol=1e-10)
+        loss, norm, state = training_step(model, state, ids, tgt, lr=0.01, max_grad_norm=0.5)
+        assert abs(loss - float(loss_t.detach())) < 1e-10
+        assert abs(norm - float(norm_t)) < 1e-10 and norm > 0.5
+        clipped = nn.clip_grad_norm(model.grads, 0.5)[0]
+        for k, g in grads_t.items():
+            np.testing.assert_allclose(clipped[k], g, rtol=0, atol=1e-10, err_msg=k)
+    for k, v in named.items():  # after three Adam steps, the same parameters
+        np.testing.assert_allclose(model.params[k], v.detach().numpy(), rtol=0, atol=1e-10, err_msg=k)
+    for n, layer in enumerate(tmodel.blocks):
+        w = layer.linear1.weight.detach().numpy()
+        np.testing.assert_allclose(model.params[f"blocks.{n}.linear1.weight"], w, rtol=0, atol=1e-10)
+
+
+# -------------------------------------------------------------- KV-cache decoding
+
+
+def test_generate_logits_equal_a_full_forward(xp, to_xp):
+    model = perturbed(make(xp, dropout=0.2), to_xp)  # generate runs with dropout off
+    prompt = to_xp(ids_of(4, (B, 3)))
+    out, logits = model.generate(prompt, T - 3, seed=0, return_logits=True, temperature=0.7, top_k=5)
+    out_h = to_numpy(out)
+    assert out_h.shape == (B, T) and np.array_equal(out_h[:, :3], ids_of(4, (B, 3)))
+    assert model.training  # the mode is restored
+    full = to_numpy(model.eval().forward(out[:, :-1]))  # [B, T-1, V]: position t predicts t+1
+    np.testing.assert_allclose(to_numpy(logits), full[:, 2:], rtol=0, atol=1e-10)
+    # each sampled token is among the 5 largest logits of its step
+    lg = to_numpy(logits)
+    kth = np.sort(lg, axis=-1)[..., -5]
+    chosen = np.take_along_axis(lg, out_h[:, 3:, None], -1)[..., 0]
+    assert np.all(chosen >= kth)
+
+
+def test_greedy_generation_is_the_argmax_chain_of_full_forwards(xp, to_xp):
+    model = perturbed(make(xp), to_xp, seed=4).eval()
+    seq = ids_of(5, (B, 2))
+    got = to_numpy(model.generate(to_xp(seq), 4, greedy=True))
+    for _ in range(4):  # no cache: the whole sequence each time
+        logits = to_numpy(model.forward(to_xp(seq)))
+        seq = np.concatenate([seq, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(got, seq)
+
+
+def test_sampling_is_reproducible_from_a_seed_and_top_1_is_greedy(xp, to_xp):
+    model = perturbed(make(xp), to_xp, seed=5)
+    prompt = to_xp(ids_of(6, (B, 2)))
+    a = to_numpy(model.generate(prompt, 5, seed=42))
+    b = to_numpy(model.generate(prompt, 5, seed=42))
+    np.testing.assert_array_equal(a, b)
+    c = to_numpy(model.generate(prompt, 5, seed=np.random.default_rng(42)))
+    np.testing.assert_array_equal(a, c)
+    g = to_numpy(model.generate(prompt, 5, greedy=True))
+    np.testing.assert_array_equal(to_numpy(model.generate(prompt, 5, top_k=1, seed=7)), g)
+
+
+def test_sample_next_frequencies_follow_the_tempered_softmax():
+    logits = np.array([[1.0, 0.0, -1.0, 2.0, 0.5]])
+    rng = np.random.default_rng(0)
+    n = 20000
+    for temperature, top_k in ((1.0, None), (0.5, None), (2.0, 3)):
+        draws = np.array([sample_next(logits, rng, temperature=temperature, top_k=top_k)[0]
+                          for _ in range(n)])
+        z = logits[0] / temperature
+        if top_k is not None:
+            z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        freq = np.bincount(draws, minlength=5) / n
+        sigma = np.sqrt(p * (1 - p) / n)
+        assert np.all(np.abs(freq - p) <= 5 * sigma + 1e-12), (temperature, top_k, freq, p)
+
+
+def test_training_reduces_the_loss_on_a_repeated_batch():
+    model = make(dtype="float32")
+    ids, tgt = ids_of(7), ids_of(8)
+    state = nn.adam_init(model.params)
+    first, _, state = training_step(model, state, ids, tgt, lr=0.02)
+    for _ in range(40):
+        loss, _, state = training_step(model, state, ids, tgt, lr=0.02)
+    assert math.log(VOCAB) - 0.1 < first < math.log(VOCAB) + 0.3  # about uniform at the start
+    assert loss < 0.5 * first
+
+
+# --------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_name_the_argument_and_change_nothing(xp, to_xp):
+    model, twin = make(xp, dropout=0.1), make(xp, dropout=0.1)
+    ids = to_xp(ids_of(0))
+    model.forward(ids)
+    twin.forward(ids)
+    params = {k: to_numpy(v) for k, v in model.params.items()}
+    cases = [
+        (lambda: model.forward(to_xp(ids_of(0).astype(np.float64))), TypeError, "ids"),
+        (lambda: model.forward(to_xp(ids_of(0) + VOCAB)), ValueError, r"ids: expected token ids in \[0, 11\)"),
+        (lambda: model.forward(to_xp(ids_of(0, (B, T + 1)))), ValueError, "block_size"),
+        (lambda: model.forward(to_xp(ids_of(0)[0])), ValueError, r"ids: expected shape \(B, L\)"),
+        (lambda: model.forward(ids, dropout_masks=[{}]), ValueError, "dropout_masks"),
+        (lambda: model.forward(ids, dropout_masks=[{"dropout9": None}, None]), ValueError, "dropout_masks"),
+        (lambda: model.backward(to_xp(np.zeros((B, L + 1, VOCAB)))), ValueError, "dlogits"),
+        (lambda: model.generate(ids, T), ValueError, "max_new_tokens"),
+        (lambda: model.generate(ids, 1, temperature=0.0), ValueError, "temperature"),
+        (lambda: model.generate(ids, 1, top_k=VOCAB + 1), ValueError, "top_k"),
+        (lambda: model.forward(ids, kv_caches=[None, None]), TypeError, "kv_caches"),
+        (lambda: model.loss(ids, to_xp(ids_of(0)[:, :3])), ValueError, "targets"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    # the dropout generator did not move: the next draw is the twin's, which saw no failed call
+    np.testing.assert_array_equal(to_numpy(model.forward(ids)), to_numpy(twin.forward(ids)))
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(to_numpy(v), params[k])
+
+
+def test_backward_before_forward_and_after_decoding_are_runtime_errors(xp, to_xp):
+    model = make(xp)
+    with pytest.raises(RuntimeError, match="forward"):
+        model.backward(to_xp(np.zeros((B, L, VOCAB))))
+    caches = model.new_caches(B)
+    model.forward(to_xp(ids_of(0)), kv_caches=caches)
+    with pytest.raises(RuntimeError, match="kv_caches"):
+        model.backward(to_xp(np.zeros((B, L, VOCAB))))
+    with pytest.raises(ValueError, match="block_size"):  # 6 cached + 4 new > 9
+        model.forward(to_xp(ids_of(0, (B, 4))), kv_caches=caches)
+    assert [list(c.cache_seqlens) for c in caches] == [[L, L]] * N
