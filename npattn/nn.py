@@ -74,7 +74,10 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     xp = namespace(ids, table)
     V = table.shape[0]
     onehot = one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
-    out = onehot @ table  # 2.                        [..., D]
+    # 2. out = onehot @ table, as one (N, V) x (V, D) GEMM: NumPy's matmul would
+    # otherwise run one small GEMM per batch entry (8x slower at (32, 64, 94))
+    oh2 = xp.reshape(onehot, (-1, V))  # [N, V]
+    out = xp.reshape(oh2 @ table, (*ids.shape, table.shape[1]))  # [..., D]
     return out, EmbeddingCache(onehot)
 
 
