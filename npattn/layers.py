@@ -314,9 +314,10 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 class GeluCache(NamedTuple):
-    x: Any  # [...] the input, in the compute dtype; the derivative is recomputed from it
+    x: Any  # [...] the input, in the compute dtype
     approximate: str
     dtype: Any  # dtype of x (and of dx)
+    g: Any  # [...] Phi(x) (exact) or t = tanh(u) (tanh form), from the forward
 
 
 def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
@@ -344,8 +345,9 @@ def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
     -------
     y : array, shape and dtype of ``x``
     cache : GeluCache
-        Holds ``x``: the backward recomputes ``Phi`` (or ``t``) from it,
-        one array kept instead of two.
+        Holds ``x`` and ``Phi(x)`` (or ``t``): the backward reuses them
+        instead of computing erf (or tanh) a second time, the dearest part of
+        GELU (two arrays kept instead of one).
     """
     # [...] -> [...]
     V.check_floating_array("x", x)
@@ -353,14 +355,14 @@ def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
     xp = namespace(x)
     xc = _compute(xp, x)  # [...]
     if approximate == "none":
-        phi_cdf = 0.5 * (1.0 + _erf(xp, xc / math.sqrt(2.0)))  # 1. [...]
-        y = xc * phi_cdf  # 2.                                       [...]
+        g = 0.5 * (1.0 + _erf(xp, xc / math.sqrt(2.0)))  # 1. phi_cdf [...]
+        y = xc * g  # 2.                                               [...]
     else:
         u = SQRT_2_OVER_PI * (xc + GELU_TANH_C * (xc * xc * xc))  # 1. [...]
-        t = xp.tanh(u)  # 2.                                            [...]
-        y = 0.5 * xc * (1.0 + t)  # 3.                                  [...]
+        g = xp.tanh(u)  # 2. t                                          [...]
+        y = 0.5 * xc * (1.0 + g)  # 3.                                  [...]
     y = y if y.dtype == x.dtype else xp.astype(y, x.dtype)
-    return y, GeluCache(xc, approximate, x.dtype)
+    return y, GeluCache(xc, approximate, x.dtype, g)
 
 
 def gelu_backward(dout: Any, cache: GeluCache) -> Any:
@@ -387,13 +389,12 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
     x = cache.x
     d = _compute(xp, dout)  # [...]
     if cache.approximate == "none":
-        phi_cdf = 0.5 * (1.0 + _erf(xp, x / math.sqrt(2.0)))  # recompute 1. [...]
+        phi_cdf = cache.g  # 1. [...]
         # 2. y = x * phi_cdf, and d phi_cdf / dx = phi(x), the normal density
         pdf = xp.exp(-0.5 * (x * x)) / math.sqrt(2.0 * math.pi)  # [...]
         dx = d * (phi_cdf + x * pdf)  # [...]
     else:
-        u = SQRT_2_OVER_PI * (x + GELU_TANH_C * (x * x * x))  # recompute 1. [...]
-        t = xp.tanh(u)  # recompute 2.                                         [...]
+        t = cache.g  # 2. [...]
         # 3. y = 0.5 * x * (1 + t)
         dt = d * (0.5 * x)  # [...]
         # 2. t = tanh(u)
