@@ -35,3 +35,4 @@ from . import positions; __all__ += ["positions"]  # noqa: E402,E702  RoPE and r
 from . import layers; __all__ += ["layers"]  # noqa: E402,E702  layer norm, GELU/ReLU, feed-forward, residual
 from . import transformer; __all__ += ["transformer"]  # noqa: E402,E702  encoder and decoder blocks
 from . import gpt; __all__ += ["gpt"]  # noqa: E402,E702  a GPT: training step, generation with KV caches
+from . import classifier; __all__ += ["classifier"]  # noqa: E402,E702  TransformerClassifier: blocks, mean pooling, a head

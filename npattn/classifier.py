@@ -1,0 +1,319 @@
+"""A sequence classifier built of npattn's pairs: Transformer encoder blocks, mean pooling, a linear head.
+
+``TransformerClassifier`` maps a sequence of feature vectors (the patches of an
+image, say) to class logits::
+
+    1. e      = x @ embed.weight.T + embed.bias    [B, L, D]   functional.linear
+    2. h      = e + pos                            [B, L, D]   nn.add_positions (learned)
+    3. h      = block_n(h),  n = 0 .. N-1          [B, L, D]   transformer.TransformerBlock
+    4. h      = layer_norm(h)   (pre-norm only)    [B, L, D]   layers.layer_norm
+    5. z      = mean_pool(h, mask)                 [B, D]      layers.mean_pool
+    6. logits = z @ head.weight.T + head.bias      [B, C]      functional.linear
+
+and ``backward`` walks the six steps in reverse. The blocks are npattn's
+``TransformerBlock`` as they are; the classifier only composes them.
+``npattn demo --task digits`` trains it on scikit-learn's handwritten digits
+(``docs/digits.md``).
+
+Shape legend
+------------
+B batch, L sequence length (tokens), P features per token, D = d_model,
+H heads, C classes, N blocks.
+
+Code uses only the Python Array API standard through ``xp``; NumPy draws the
+initial parameters on the host, so one seed gives the same numbers on every
+backend.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import attention as A
+from . import functional as F
+from . import layers as Ly
+from . import nn
+from . import validation as V
+from .backend import device_of, from_numpy
+from .module import check_param
+from .transformer import TransformerBlock
+
+__all__ = ["TransformerClassifier", "ClassifierCache"]
+
+
+class ClassifierCache(NamedTuple):
+    embed: F.LinearCache  # 1.
+    pos: nn.PositionsCache  # 2.
+    norm: Optional[Ly.LayerNormCache]  # 4., None post-norm
+    pool: Ly.MeanPoolCache  # 5.
+    head: F.LinearCache  # 6.
+    batch: int  # B, for dlogits' shape
+    # the blocks (3.) keep their own caches, as TransformerBlock does
+
+
+class TransformerClassifier:
+    """Patch embedding, learned positions, ``n_layers`` Transformer encoder blocks, mean pooling, a linear head.
+
+    Parameters
+    ----------
+    n_features : int
+        P, the features of one token (4 for 2x2 pixel patches).
+    seq_len : int
+        L, tokens per sequence (the learned position table is (L, D)).
+    n_classes : int
+        C, the logits per sequence.
+    d_model, n_head : int
+        Width D and heads H of every block (D divisible by H).
+    n_layers : int
+        N, the number of ``TransformerBlock``s.
+    d_ff : int, optional
+        The blocks' feed-forward width; default ``4 * d_model``.
+    dropout : float
+        Drop probability at every site of every block (the blocks' own
+        ``ENCODER_DROPOUT_SITES``), in [0, 1).
+    activation : {"relu", "gelu", "gelu_tanh"}
+        As ``TransformerBlock``'s (the values it takes).
+    norm_first : bool
+        Pre-norm blocks, then one more layer norm (``norm.*``) before the
+        pooling, as ViT; post-norm blocks already end in one.
+    layer_norm_eps : float
+    dtype : str
+    backend : str or namespace
+    seed : int >= 0, optional
+        Seeds every parameter and the blocks' dropout generators (None: fresh
+        entropy).
+
+    Attributes
+    ----------
+    params : dict
+        See the property. Names: ``embed.weight`` (D, P), ``embed.bias``
+        (D,), ``pos`` (L, D), ``blocks.{n}.`` + the block's own names
+        (``blocks.0.self_attn.w_q``, ``blocks.0.linear1.weight``, ...),
+        ``norm.weight`` and ``norm.bias`` (D,) with ``norm_first``,
+        ``head.weight`` (C, D), ``head.bias`` (C,).
+    grads : dict
+        Filled by ``backward``: the keys and shapes of ``params``.
+    dx : array or None
+        Filled by ``backward``: the gradient with respect to the input ``x``,
+        (B, L, P).
+    blocks : list of TransformerBlock
+    """
+
+    def __init__(self, n_features: int, seq_len: int, n_classes: int, d_model: int = 32,
+                 n_head: int = 4, n_layers: int = 1, d_ff: Optional[int] = None, *,
+                 dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
+                 layer_norm_eps: float = 1e-5, dtype: str = "float32", backend: Any = "numpy",
+                 seed: Any = None) -> None:
+        for name, value in (("n_features", n_features), ("seq_len", seq_len),
+                            ("n_classes", n_classes), ("n_layers", n_layers)):
+            V.check_positive_int(name, value)
+        if seed is not None:
+            V.check_size("seed", seed)
+        own_seq, *block_seqs = np.random.SeedSequence(seed).spawn(int(n_layers) + 1)
+        # the blocks check d_model, n_head, d_ff, dropout, activation, norm_first, eps, dtype, backend
+        self.blocks = [
+            TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation=activation,
+                             norm_first=norm_first, layer_norm_eps=layer_norm_eps, dtype=dtype,
+                             backend=backend, seed=int(s.generate_state(1)[0]))
+            for s in block_seqs
+        ]
+        first = self.blocks[0]
+        self.xp, self.dtype = first.xp, first.dtype
+        self.n_features, self.seq_len, self.n_classes = int(n_features), int(seq_len), int(n_classes)
+        self.d_model, self.n_head, self.n_layers = first.d_model, first.n_head, int(n_layers)
+        self.d_ff, self.dropout, self.activation = first.d_ff, first.dropout, first.activation
+        self.norm_first, self.layer_norm_eps = first.norm_first, first.layer_norm_eps
+        self.training = True
+        self._own = self._init_own(np.random.default_rng(own_seq))
+        self.grads: dict = {}
+        self.dx: Any = None
+        self._cache: Optional[ClassifierCache] = None
+
+    def _init_own(self, rng: np.random.Generator) -> dict:
+        """torch's ``nn.Linear`` init for the embedding and the head (the head's bias 0), positions N(0, 0.02^2).
+
+        Drawn in float64 on the host, then cast.
+        """
+        P, L, C, D = self.n_features, self.seq_len, self.n_classes, self.d_model
+        a_in, a_out = 1.0 / math.sqrt(P), 1.0 / math.sqrt(D)
+        own = {
+            "embed.weight": rng.uniform(-a_in, a_in, size=(D, P)),  # [D, P]
+            "embed.bias": rng.uniform(-a_in, a_in, size=D),  # [D]
+            "pos": rng.normal(0.0, 0.02, size=(L, D)),  # [L, D]
+        }
+        if self.norm_first:
+            own["norm.weight"], own["norm.bias"] = np.ones(D), np.zeros(D)  # [D] each
+        own["head.weight"] = rng.uniform(-a_out, a_out, size=(C, D))  # [C, D]
+        own["head.bias"] = np.zeros(C)  # [C]
+        return {k: self.xp.astype(from_numpy(v, self.xp), self.dtype) for k, v in own.items()}
+
+    # ------------------------------------------------------------ parameters
+
+    @property
+    def params(self) -> dict:
+        """A new dict of every parameter, in the order of the forward's steps.
+
+        Assign a whole dict with the same keys to replace them (every array
+        is checked first, so a failed assignment changes nothing); writing
+        into the returned dict changes nothing.
+        """
+        own = self._own
+        out = {k: own[k] for k in ("embed.weight", "embed.bias", "pos")}
+        for n, block in enumerate(self.blocks):
+            out.update({f"blocks.{n}.{k}": v for k, v in block.params.items()})
+        out.update({k: v for k, v in own.items() if k.startswith(("norm.", "head."))})
+        return out
+
+    @params.setter
+    def params(self, new: dict):
+        current = self.params
+        if not isinstance(new, dict) or set(new) != set(current):
+            got = sorted(new) if isinstance(new, dict) else type(new).__name__
+            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
+        for name, like in current.items():
+            check_param(name, new[name], like=like, xp=self.xp)
+        for n, block in enumerate(self.blocks):  # all checked: nothing below fails
+            prefix = f"blocks.{n}."
+            block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
+        self._own = {k: new[k] for k in self._own}
+
+    def n_params(self) -> int:
+        """The number of scalar parameters."""
+        return sum(math.prod(p.shape) for p in self.params.values())
+
+    def train(self, mode: bool = True) -> "TransformerClassifier":
+        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
+        V.check_bool("mode", mode)
+        self.training = bool(mode)
+        for block in self.blocks:
+            block.train(mode)
+        return self
+
+    def eval(self) -> "TransformerClassifier":
+        """Evaluation mode: dropout is off. Returns self."""
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    # ---------------------------------------------------------------- forward
+
+    def _check_forward(self, x: Any, mask: Any, need_weights: Any, dropout_masks: Any) -> None:
+        device = device_of(self._own["pos"])
+        V.check_floating_array("x", x, self.xp, device, dtype=self.dtype)
+        L, P = self.seq_len, self.n_features
+        if x.ndim != 3 or V.shape_of(x)[1:] != (L, P) or x.shape[0] < 1:
+            raise ValueError(f"x: expected shape (B, {L}, {P}) (batch, seq_len, n_features), "
+                             f"got shape {V.shape_of(x)}")
+        if mask is not None:
+            V.check_array("mask", mask, self.xp, device)
+            if mask.dtype != self.xp.bool:
+                raise TypeError(f"mask: expected a bool padding mask (True = a token), got dtype "
+                                f"{V.dtype_name(mask.dtype)}")
+            if V.shape_of(mask) != V.shape_of(x)[:2]:
+                raise ValueError(f"mask: expected shape {V.shape_of(x)[:2]} (B, L), got shape "
+                                 f"{V.shape_of(mask)}")
+        V.check_bool("need_weights", need_weights)
+        if dropout_masks is not None:
+            if not isinstance(dropout_masks, (list, tuple)) or len(dropout_masks) != self.n_layers:
+                got = (f"a {type(dropout_masks).__name__} of length {len(dropout_masks)}"
+                       if isinstance(dropout_masks, (list, tuple)) else V.type_name(dropout_masks))
+                raise TypeError(f"dropout_masks: expected a list of {self.n_layers} dicts or None "
+                                f"(one per block), got {got}")
+            for n, m in enumerate(dropout_masks):
+                if m is not None and not isinstance(m, dict):
+                    raise TypeError(f"dropout_masks[{n}]: expected a dict or None, got "
+                                    f"{V.type_name(m)}")
+
+    def forward(self, x: Any, mask: Any = None, *, need_weights: bool = False,
+                dropout_masks: Optional[Sequence[Optional[dict]]] = None) -> Any:
+        """Class logits for ``x``; with ``need_weights`` also every block's attention weights per head.
+
+        Parameters
+        ----------
+        x : array, shape (B, L, P), the model's dtype
+        mask : bool array, shape (B, L), optional
+            True = a token, False = padding: padding is neither attended to
+            (the blocks get it as a (B, 1, 1, L) mask) nor averaged.
+        need_weights : bool
+            Also return the blocks' attention weights.
+        dropout_masks : list of dict or None, optional
+            One entry per block: that block's keep-masks by site
+            (``TransformerBlock.forward``'s ``dropout_masks``).
+
+        Returns
+        -------
+        logits : array, shape (B, C)
+        weights : list of arrays, shape (B, H, L, L), one per block
+            Only with ``need_weights``: each block's self-attention
+            probabilities, before dropout, read from its attention module's
+            cache (``attention.weights``).
+        """
+        # [B, L, P], [B, L] -> [B, C]
+        self._check_forward(x, mask, need_weights, dropout_masks)
+        xp, P = self.xp, self._own
+        attn_mask = None if mask is None else xp.expand_dims(xp.expand_dims(mask, axis=1), axis=1)  # [B, 1, 1, L]
+        e, embed_c = F.linear_forward(x, P["embed.weight"], P["embed.bias"])  # 1.  [B, L, D]
+        h, pos_c = nn.add_positions_forward(e, P["pos"])  # 2.                      [B, L, D]
+        weights = []
+        for n, block in enumerate(self.blocks):
+            keeps = None if dropout_masks is None else dropout_masks[n]
+            h = block.forward(h, mask=attn_mask, dropout_masks=keeps)  # 3.          [B, L, D]
+            if need_weights:
+                w = A.weights(block.self_attn.cache.sdpa)  # [B, H, L, L]
+                weights.append(xp.astype(w, self.dtype))
+        norm_c = None
+        if self.norm_first:
+            h, norm_c = Ly.layer_norm_forward(h, P["norm.weight"], P["norm.bias"],  # 4. [B, L, D]
+                                              self.layer_norm_eps)
+        z, pool_c = Ly.mean_pool_forward(h, mask)  # 5.                              [B, D]
+        logits, head_c = F.linear_forward(z, P["head.weight"], P["head.bias"])  # 6. [B, C]
+        self._cache = ClassifierCache(embed_c, pos_c, norm_c, pool_c, head_c, int(x.shape[0]))
+        return (logits, weights) if need_weights else logits
+
+    # --------------------------------------------------------------- backward
+
+    def backward(self, dlogits: Any) -> dict:
+        """Backpropagate ``dlogits`` (B, C) through the last forward; returns (and keeps) ``grads``.
+
+        Also sets ``dx``, the gradient with respect to the forward's ``x``
+        (B, L, P). Raises ``RuntimeError`` before any forward, ``ValueError``
+        / ``TypeError`` for a ``dlogits`` of another shape / dtype than the
+        logits'.
+        """
+        # [B, C] -> {name: [shape of the parameter]}
+        c = self._cache
+        if c is None:
+            raise RuntimeError("backward: expected a forward call first (there is no cached forward)")
+        V.check_grad("dlogits", dlogits, shape=(c.batch, self.n_classes), dtype=self.dtype,
+                     xp=self.xp, device=device_of(self._own["pos"]), of="the last forward's logits")
+        grads: dict = {}
+        # 6. logits = z @ head.weight.T + head.bias
+        dz, grads["head.weight"], grads["head.bias"] = F.linear_backward(dlogits, c.head)  # [B, D]
+        # 5. z = mean_pool(h, mask)
+        dh = Ly.mean_pool_backward(dz, c.pool)  # [B, L, D]
+        # 4. h = layer_norm(h)
+        if c.norm is not None:
+            dh, grads["norm.weight"], grads["norm.bias"] = Ly.layer_norm_backward(dh, c.norm)
+        # 3. h = block_n(h), last block first
+        for n in reversed(range(self.n_layers)):
+            block = self.blocks[n]
+            dh = block.backward(dh)  # [B, L, D]
+            grads.update({f"blocks.{n}.{k}": g for k, g in block.grads.items()})
+        # 2. h = e + pos
+        de, grads["pos"] = nn.add_positions_backward(dh, c.pos)  # [B, L, D], [L, D]
+        # 1. e = x @ embed.weight.T + embed.bias
+        dx, grads["embed.weight"], grads["embed.bias"] = F.linear_backward(de, c.embed)  # [B, L, P]
+        self.grads = {k: grads[k] for k in self.params}
+        self.dx = dx
+        return self.grads
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(n_features={self.n_features}, seq_len={self.seq_len}, "
+                f"n_classes={self.n_classes}, d_model={self.d_model}, n_head={self.n_head}, "
+                f"n_layers={self.n_layers}, d_ff={self.d_ff}, dropout={self.dropout}, "
+                f"activation={self.activation!r}, norm_first={self.norm_first}, "
+                f"dtype={self.dtype}, backend={self.xp.__name__!r})")

@@ -1,0 +1,198 @@
+"""npattn.classifier: the TransformerClassifier's gradient against finite differences, its weights, seeds and errors.
+
+Finite differences run in float64 with a random upstream gradient on every
+backend fixture, over the input and every parameter, at B = 2, H = 2, two
+blocks, a padding mask and dropout p = 0.3 from fixed keep-masks at every
+site of every block.
+"""
+
+import numpy as np
+import pytest
+
+from npattn.classifier import TransformerClassifier
+from npattn.gradcheck import check_vjp
+from npattn.transformer import ENCODER_DROPOUT_SITES
+
+B, L, P, C, D, H, FF = 2, 5, 3, 4, 8, 2, 12
+
+
+def small(backend, **kw):
+    args = dict(d_model=D, n_head=H, n_layers=2, d_ff=FF, dtype="float64", backend=backend, seed=3)
+    args.update(kw)
+    return TransformerClassifier(P, L, C, **args)
+
+
+def keep_masks(rng, to_xp, p, n_layers=2):
+    shapes = {"self_attn": (B, H, L, L), "dropout1": (B, L, D), "dropout": (B, L, FF),
+              "dropout2": (B, L, D)}
+    assert set(shapes) == set(ENCODER_DROPOUT_SITES)
+    return [{k: to_xp(rng.random(s) > p) for k, s in shapes.items()} for _ in range(n_layers)]
+
+
+def padding_mask(to_xp):
+    m = np.ones((B, L), dtype=bool)
+    m[0, 3:] = False  # entry 0: three tokens, two padding
+    return to_xp(m)
+
+
+@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
+def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_first, activation):
+    """check_vjp over x and every parameter, random dlogits, mask, dropout p = 0.3 with fixed keep-masks."""
+    p = 0.3
+    model = small(backend, dropout=p, norm_first=norm_first, activation=activation)
+    rng = np.random.default_rng(4)
+    # move the parameters off their init (norms at 1 and 0, the head's bias at 0)
+    model.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape)))
+                    for k, v in model.params.items()}
+    keeps = keep_masks(rng, to_xp, p)
+    mask = padding_mask(to_xp)
+    x = to_xp(rng.standard_normal((B, L, P)))
+    names = list(model.params)
+
+    def f(x, *params):
+        model.params = dict(zip(names, params))
+        return model.forward(x, mask, dropout_masks=keeps)
+
+    inputs = [x] + [model.params[k] for k in names]
+    logits = f(*inputs)
+    assert tuple(logits.shape) == (B, C)
+    dlogits = to_xp(rng.standard_normal((B, C)))  # random, never all ones
+    grads = model.backward(dlogits)
+    assert list(grads) == names
+    report = check_vjp(f, inputs, [model.dx] + [grads[k] for k in names], dlogits,
+                       names=["x"] + names, n_directions=2, seed=5)
+    assert report.ok, str(report)
+    for name, g in zip(["x"] + names, [model.dx] + [grads[k] for k in names]):
+        if name.endswith("self_attn.b_k"):
+            continue  # softmax ignores a shift of every key's score: zero up to rounding
+        assert np.max(np.abs(to_np(g))) > 0.0, f"{name}: a zero gradient checks nothing"
+    dx = to_np(model.dx)
+    np.testing.assert_array_equal(dx[0, 3:], 0.0)  # padding reaches neither pooling nor attention
+
+
+def test_parameter_names_and_shapes(backend):
+    model = small(backend, norm_first=True)
+    shapes = {k: tuple(v.shape) for k, v in model.params.items()}
+    names = list(shapes)
+    assert names[:3] == ["embed.weight", "embed.bias", "pos"]
+    assert names[-4:] == ["norm.weight", "norm.bias", "head.weight", "head.bias"]
+    assert shapes["embed.weight"] == (D, P) and shapes["pos"] == (L, D)
+    assert shapes["head.weight"] == (C, D) and shapes["head.bias"] == (C,)
+    block = model.blocks[1].params
+    assert all(f"blocks.1.{k}" in shapes for k in block)
+    assert model.n_params() == sum(int(np.prod(s)) for s in shapes.values())
+    post = small(backend)  # post-norm: no final norm
+    assert not any(k.startswith("norm.") for k in post.params)
+
+
+def test_attention_weights_per_head_are_the_blocks(xp, to_xp, to_np, backend):
+    """need_weights gives each block's (B, H, L, L) probabilities: those its attention module computes."""
+    model = small(backend).eval()
+    rng = np.random.default_rng(6)
+    x, mask = to_xp(rng.standard_normal((B, L, P))), padding_mask(to_xp)
+    logits, weights = model.forward(x, mask, need_weights=True)
+    assert len(weights) == 2 and all(tuple(w.shape) == (B, H, L, L) for w in weights)
+    np.testing.assert_allclose(to_np(model.forward(x, mask)), to_np(logits), rtol=0, atol=0)
+    w0 = to_np(weights[0])
+    np.testing.assert_allclose(w0.sum(axis=-1), 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(w0[0, :, :, 3:], 0.0)  # padded keys get no attention
+    # recompute block 0's weights from its input, e + pos (post-norm: attention sees it as is)
+    P_ = model.params
+    h0 = x @ xp.matrix_transpose(P_["embed.weight"]) + P_["embed.bias"] + P_["pos"]
+    m4 = xp.reshape(mask, (B, 1, 1, L))
+    _, ref = model.blocks[0].self_attn.forward(h0, h0, h0, mask=m4, need_weights=True,
+                                               average_attn_weights=False)
+    np.testing.assert_allclose(w0, to_np(ref), rtol=1e-12, atol=1e-14)
+
+
+def test_one_seed_gives_the_same_numbers_on_every_backend(xp, to_xp, to_np, backend):
+    ref = small("numpy")
+    model = small(backend)
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(to_np(model.params[k]), np.asarray(v), err_msg=k)
+    x = np.random.default_rng(7).standard_normal((B, L, P))
+    np.testing.assert_allclose(to_np(model.eval().forward(to_xp(x))), ref.eval().forward(x),
+                               rtol=1e-12, atol=1e-12)
+    other = small("numpy", seed=4)
+    assert not np.array_equal(other.params["pos"], ref.params["pos"])
+
+
+def test_dropout_acts_in_training_and_not_in_eval(xp, to_xp, to_np, backend):
+    model = small(backend, dropout=0.5)
+    x = to_xp(np.random.default_rng(8).standard_normal((B, L, P)))
+    a, b = to_np(model.forward(x)), to_np(model.forward(x))
+    assert not np.allclose(a, b)  # fresh keep-masks each call
+    model.eval()
+    np.testing.assert_array_equal(to_np(model.forward(x)), to_np(model.forward(x)))
+    assert model.train().training and all(blk.training for blk in model.blocks)
+
+
+def test_float32_stays_float32(xp, to_xp, backend):
+    model = small(backend, dtype="float32", n_layers=1)
+    x = xp.astype(to_xp(np.random.default_rng(9).standard_normal((B, L, P))), xp.float32)
+    logits, (w,) = model.forward(x, need_weights=True)
+    assert logits.dtype == xp.float32 and w.dtype == xp.float32
+    grads = model.backward(xp.astype(to_xp(np.ones((B, C)) * 0.1), xp.float32))
+    assert all(g.dtype == xp.float32 for g in grads.values()) and model.dx.dtype == xp.float32
+
+
+def test_bad_arguments_name_the_argument(xp, to_xp, backend):
+    model = small(backend, n_layers=1)
+    x = to_xp(np.zeros((B, L, P)))
+    with pytest.raises(RuntimeError, match=r"^backward: expected a forward call first"):
+        model.backward(to_xp(np.zeros((B, C))))
+    with pytest.raises(TypeError, match=r"^x: expected a"):
+        model.forward(np.zeros((B, L, P)).tolist())
+    with pytest.raises(TypeError, match=r"^x: expected dtype float64"):
+        model.forward(xp.astype(x, xp.float32))
+    with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\)"):
+        model.forward(to_xp(np.zeros((B, L + 1, P))))
+    with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\)"):
+        model.forward(to_xp(np.zeros((L, P))))
+    with pytest.raises(TypeError, match=r"^mask: expected a bool padding mask"):
+        model.forward(x, to_xp(np.ones((B, L))))
+    with pytest.raises(ValueError, match=r"^mask: expected shape \(2, 5\)"):
+        model.forward(x, to_xp(np.ones((B, 1, 1, L), dtype=bool)))
+    with pytest.raises(TypeError, match=r"^need_weights: expected a bool"):
+        model.forward(x, need_weights=1)
+    with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 dicts or None"):
+        model.forward(x, dropout_masks={"dropout1": None})
+    with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 .* length 2"):
+        model.forward(x, dropout_masks=[None, None])
+    with pytest.raises(TypeError, match=r"^dropout_masks\[0\]: expected a dict or None"):
+        model.forward(x, dropout_masks=["self_attn"])
+    model.forward(x)
+    with pytest.raises(ValueError, match=r"^dlogits: expected shape \(2, 4\)"):
+        model.backward(to_xp(np.zeros((B, C + 1))))
+    with pytest.raises(TypeError, match=r"^dlogits: expected dtype float64"):
+        model.backward(xp.astype(to_xp(np.zeros((B, C))), xp.float32))
+
+
+def test_a_failed_params_assignment_changes_nothing(xp, to_xp, to_np, backend):
+    model = small(backend, n_layers=1)
+    before = {k: to_np(v).copy() for k, v in model.params.items()}
+    bad = {k: v * 2.0 for k, v in model.params.items()}
+    bad["head.bias"] = to_xp(np.zeros(C + 1))
+    with pytest.raises(ValueError, match=r"^params\['head.bias'\]: expected shape \(4,\)"):
+        model.params = bad
+    with pytest.raises(ValueError, match=r"^params: expected the keys"):
+        model.params = {"pos": model.params["pos"]}
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(to_np(v), before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    ({"n_features": 0}, ValueError, r"^n_features: expected a positive int"),
+    ({"seq_len": 2.0}, TypeError, r"^seq_len: expected a positive int"),
+    ({"n_classes": -1}, ValueError, r"^n_classes: expected a positive int"),
+    ({"n_layers": 0}, ValueError, r"^n_layers: expected a positive int"),
+    ({"seed": -1}, ValueError, r"^seed: expected an int >= 0"),
+    ({"n_head": 3}, ValueError, r"n_head"),
+    ({"dropout": 1.0}, ValueError, r"dropout"),
+    ({"activation": "swish"}, ValueError, r"^activation"),
+])
+def test_bad_constructor_arguments(kw, err, match):
+    args = dict(n_features=P, seq_len=L, n_classes=C, d_model=D, n_head=H)
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        TransformerClassifier(**args)
