@@ -33,8 +33,10 @@ import numpy as np
 from . import functional as F
 from . import layers as Ly
 from . import validation as V
-from .backend import device_of, dropout_key, from_numpy, keep_mask, to_numpy
-from .module import MultiHeadAttention, check_forward_inputs, check_param
+from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
+from .module import (MultiHeadAttention, backend_from_ref, backend_ref, check_forward_inputs, check_param,
+                     check_path, params_from_save_file, read_npz, read_save_header, save_file_label,
+                     set_rng_state, write_save_file)
 
 __all__ = [
     "TransformerBlock",
@@ -59,6 +61,14 @@ ENCODER_DROPOUT_SITES = ("self_attn", "dropout1", "dropout", "dropout2")
 DECODER_DROPOUT_SITES = ("self_attn", "multihead_attn", "dropout1", "dropout2", "dropout3", "dropout")
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+#: The ``format_version`` of the blocks' ``save`` files (their ``format`` is the
+#: class's ``SAVE_FORMAT``: ``"npattn.TransformerBlock"``, ``"npattn.TransformerDecoderBlock"``).
+SAVE_VERSION = 1
+
+#: The constructor arguments a save file's ``config`` holds, all of them (format version 1).
+CONFIG_KEYS = ("d_model", "n_head", "d_ff", "dropout", "activation", "norm_first", "layer_norm_eps",
+               "bias", "dtype")
 
 
 # --------------------------------------------------------------------------
@@ -189,6 +199,14 @@ class DecoderBlockCache(NamedTuple):
     out_dtype: Any
 
 
+def _host(v: Any) -> np.ndarray:
+    """A host NumPy copy of a torch tensor or any backend's array; bfloat16 widened to float32 (exactly)."""
+    if hasattr(v, "detach"):  # a torch tensor
+        v = v.detach().cpu()
+        return (v.float() if V.dtype_name(v.dtype) == "bfloat16" else v).numpy().copy()
+    return to_numpy(v)
+
+
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
@@ -200,6 +218,7 @@ class _Block:
     _ATTNS: tuple = ()  # names of the MultiHeadAttention submodules
     _NORMS: tuple = ()  # names of the layer norms
     _SITES: tuple = ()  # dropout sites
+    SAVE_FORMAT: str = ""  # the ``format`` of the class's save files
 
     def __init__(self, d_model: int, n_head: int, d_ff: Optional[int] = None, *,
                  dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
@@ -437,7 +456,10 @@ class _Block:
             for k, v in self._attn[a].torch_state_dict().items():
                 sd[f"{a}.{k}"] = v
         for k, v in self._own.items():
-            sd[k] = torch.from_numpy(np.array(to_numpy(v))).to(dtype)
+            if isinstance(v, torch.Tensor):  # bfloat16 has no NumPy form: stay in torch
+                sd[k] = v.detach().to(device="cpu", dtype=dtype, copy=True)
+            else:
+                sd[k] = torch.from_numpy(np.array(to_numpy(v))).to(dtype)
         return sd
 
     def load_torch_state_dict(self, state_dict: Any):
@@ -459,7 +481,7 @@ class _Block:
                 new[f"{a}.{k}"] = v
         for k in self._own:
             v = state_dict[k]
-            new[k] = v.detach().cpu().numpy() if hasattr(v, "detach") else to_numpy(v)
+            new[k] = _host(v)
         arrays = {}
         for k, like in self.params.items():
             a = np.asarray(new[k])
@@ -496,6 +518,102 @@ class _Block:
             layer_norm_eps=float(layer.norm1.eps), bias=layer.linear1.bias is not None,
             dtype=V.dtype_name(layer.linear1.weight.dtype),
         )
+
+    # ------------------------------------------------------ copy, pickle, save
+
+    def __getstate__(self) -> dict:
+        """What ``pickle`` and ``copy.deepcopy`` keep: everything but the namespace and the cache.
+
+        As ``MultiHeadAttention``'s: the backend travels by name and is
+        resolved again; parameters, ``grads``, the mode, the configuration and
+        the dropout generators' states are kept (the attention modules pickle
+        themselves), so a copy draws the same next dropout masks as the
+        original and then goes its own way. The last forward's cache (its
+        activations) is dropped: ``backward`` on a copy needs a forward first.
+        """
+        state = dict(self.__dict__)
+        state["xp"] = backend_ref(self.xp)
+        state["dtype"] = V.dtype_name(self.dtype)
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        xp = backend_from_ref(state["xp"])
+        state["xp"] = xp
+        state["dtype"] = getattr(xp, state["dtype"])
+        self.__dict__.update(state)
+
+    def save(self, path: Any) -> None:
+        """Write the block to ``path``, a portable ``.npz`` file (``MultiHeadAttention.save``'s layout).
+
+        One array per parameter, named as ``params`` with the prefix
+        ``param/`` (``param/self_attn.w_q``, ``param/linear1.weight``, ...;
+        bfloat16 stored as float32, exactly), and an entry ``config`` holding
+        one JSON string: ``format`` (the class's ``SAVE_FORMAT``),
+        ``format_version`` (``SAVE_VERSION``), the constructor arguments
+        (``config``, the keys ``CONFIG_KEYS``), the mode (``training``) and the
+        state of the block's dropout generator (``rng_state``). Every dropout
+        site draws from that one generator (the attention modules get their
+        keep-masks from it and never draw from their own), so it is the only
+        one saved. Nothing is pickled. Written at ``path`` exactly, or into a
+        binary file object; read it back with ``load``. Settings changed on
+        the attention modules after construction (such as ``self_attn.impl``)
+        are not the block's configuration and are not saved.
+        """
+        check_path(path)
+        header = {
+            "format": self.SAVE_FORMAT,
+            "format_version": SAVE_VERSION,
+            "config": self._config(),
+            "training": self.training,
+            "rng_state": self._rng.bit_generator.state,
+            "saved_from_backend": backend_name(self.xp),
+        }
+        write_save_file(path, header, self.params, xp=self.xp, dtype=self.dtype)
+
+    @classmethod
+    def load(cls, path: Any, *, backend: Any = "numpy") -> Any:
+        """A block rebuilt from a file of ``save``, on ``backend`` (any backend, not only the saving one).
+
+        Parameters bit for bit, the configuration, the mode and the dropout
+        generator's state: the next forward in training mode draws the
+        dropout masks the saved block would have drawn. Reads with
+        ``np.load(..., allow_pickle=False)``. Raises ``ValueError`` naming
+        what was expected and what the file holds when it is not such a file:
+        another format (a ``MultiHeadAttention`` file, the other block's
+        file), an unknown ``format_version``, configuration keys missing or
+        unexpected, a configuration the constructor rejects (bfloat16 on a
+        backend without it), a parameter missing, unexpected, of another shape
+        or dtype, a malformed generator state.
+        """
+        check_path(path)
+        label = save_file_label(path)
+        writer = f"{cls.__name__}.save"
+        entries = read_npz(label, path, writer=writer)
+        header = read_save_header(label, entries.get("config"), fmt=cls.SAVE_FORMAT,
+                                  version=SAVE_VERSION, writer=writer)
+        config = header["config"]
+        missing = [k for k in CONFIG_KEYS if k not in config]
+        unexpected = sorted(set(config) - set(CONFIG_KEYS))
+        if missing or unexpected:
+            raise ValueError(f"{label}: expected the configuration keys {list(CONFIG_KEYS)}, "
+                             f"missing {missing}, unexpected {unexpected}")
+        try:
+            block = cls(**config, backend=backend)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+        block.params = params_from_save_file(label, entries, block.params, xp=block.xp,
+                                             dtype=block.dtype, saved_dtype=config["dtype"])
+        block.train(header["training"])
+        set_rng_state(label, block._rng, header["rng_state"])
+        return block
+
+    def _config(self) -> dict:
+        """The constructor arguments that rebuild this block's layout (not its parameters or backend)."""
+        config = {k: getattr(self, k) for k in CONFIG_KEYS}
+        config["dtype"] = V.dtype_name(self.dtype)
+        return config
 
     def __repr__(self):
         return (f"{type(self).__name__}(d_model={self.d_model}, n_head={self.n_head}, d_ff={self.d_ff}, "
@@ -536,6 +654,8 @@ class TransformerBlock(_Block):
     bias : bool
         Biases in the attention, the linear layers and the layer norms (torch's ``bias``).
     dtype : str
+        Parameter dtype: "float32" (default), "float64", "float16", or
+        "bfloat16" on a backend that has it (torch). See Notes.
     backend : str or namespace
     seed : int, optional
         Seeds the weights and the dropout generator.
@@ -546,11 +666,35 @@ class TransformerBlock(_Block):
         See the property; names follow the torch layer's state dict.
     grads : dict
         Filled by ``backward``: same keys and shapes as ``params``.
+
+    Notes
+    -----
+    *Dtypes.* Inputs, outputs, parameters and gradients are all in
+    ``dtype``. With float16 or bfloat16 the parts that lose most in half
+    precision run in float32 and round their result to ``dtype``: the
+    attention scores,
+    softmax, probability dropout and the probabilities' product with the
+    values (``MultiHeadAttention``), layer norm (mean, variance,
+    normalisation and its backward, weight and bias gradients summed in
+    float32) and GELU, both forms, forward and backward (ReLU is exact in any
+    dtype). The linear layers multiply in ``dtype`` (NumPy and torch on the
+    CPU accumulate half-precision products in float32 and round once); the
+    bias adds, the dropout after each core and the residual sums are in
+    ``dtype``. ``tests/test_transformer_io.py`` bounds the result against
+    float64: outputs within ``K u`` and gradients within ``2 K u`` in norm
+    (``u = eps / 2``, K = 17 roundings in the encoder, 25 in the decoder).
+
+    *Copies and files.* ``copy.deepcopy`` and ``pickle`` keep everything
+    but the last forward's cache, the backend by name (``__getstate__``);
+    ``save`` / ``load`` write and read a portable ``.npz`` file (format
+    ``SAVE_FORMAT``), onto any backend.
     """
 
     _ATTNS = ("self_attn",)
     _NORMS = ("norm1", "norm2")
     _SITES = ENCODER_DROPOUT_SITES
+    #: The ``format`` of this class's ``save`` files.
+    SAVE_FORMAT = "npattn.TransformerBlock"
 
     def forward(self, x: Any, mask: Any = None, is_causal: bool = False,
                 dropout_masks: Optional[dict] = None, kv_cache: Any = None) -> Any:
@@ -651,11 +795,19 @@ class TransformerDecoderBlock(_Block):
     pre-norm (``norm_first=True``) ``x = x + dropoutk(core(normk(x)))`` for each.
     Parameters as ``TransformerBlock``; ``params`` adds ``multihead_attn.*``
     and ``norm3.*``; the dropout sites are ``DECODER_DROPOUT_SITES``.
+
+    Dtypes, copies and files as ``TransformerBlock``: with float16 or
+    bfloat16 the attention scores and softmax (both attentions), layer norm
+    and GELU compute in float32 and round to ``dtype``; everything returned
+    is in ``dtype``. ``save`` writes the format ``SAVE_FORMAT``, which
+    ``TransformerBlock.load`` refuses, and the other way round.
     """
 
     _ATTNS = ("self_attn", "multihead_attn")
     _NORMS = ("norm1", "norm2", "norm3")
     _SITES = DECODER_DROPOUT_SITES
+    #: The ``format`` of this class's ``save`` files.
+    SAVE_FORMAT = "npattn.TransformerDecoderBlock"
 
     @property
     def multihead_attn(self) -> MultiHeadAttention:
