@@ -532,8 +532,10 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
     2. top-k: entries below the k-th largest of their row -> -inf
     3. ``p = softmax(z)``; ``u ~ U[0, 1)`` from ``rng``, one per row
     4. the token is the first ``v`` with ``cumsum(p)[v] > u * sum(p)`` (inverse CDF)
-    # [B, V] -> [B] int64
+
+    Shapes: ``logits`` (B, V) -> tokens (B,) int64.
     """
+    # [B, V] -> [B]
     z = np.asarray(logits, dtype=np.float64)
     if greedy:
         return np.argmax(z, axis=-1).astype(np.int64)

@@ -808,12 +808,7 @@ def markdown_table(result) -> str:
 def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--backend")
-    pre.add_argument("--model")
     known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.model is not None:  # a training step of a whole model (npattn bench --model gpt --help)
-        from . import bench_gpt
-
-        return bench_gpt.main(argv)
     if known.backend == "dask":  # a benchmark of its own: graph, workers, memory per worker
         from . import bench_dask
 
@@ -822,6 +817,8 @@ def main(argv=None) -> int:
         prog="npattn bench",
         description="Time MultiHeadAttention forward+backward (self-attention) against torch, "
                     "or each case alone in a fresh process with its peak RSS (--isolated).",
+        epilog="A whole model's training step: npattn bench --model gpt (npattn.tools.bench_gpt; "
+               "npattn bench --model gpt --help).",
     )
     parser.add_argument("--shapes",
                         help="comma-separated BxLxDxH[c] (c = causal); default: "
