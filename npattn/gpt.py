@@ -100,11 +100,6 @@ class GPT:
     ----------
     blocks : list of TransformerBlock
         ``norm_first=True``, ``activation="gelu_tanh"``; run causal.
-    params : dict
-        ``wte`` (V, D), ``wpe`` (T, D), ``blocks.{n}.{name}`` (the block's
-        names: ``self_attn.w_q`` ..., ``linear1.weight`` ..., ``norm1.weight``
-        ...), ``ln_f.weight`` (D,), ``ln_f.bias`` (D,). Assign a whole dict
-        to replace them (every array checked first).
     grads : dict
         Filled by ``backward``: same keys and shapes as ``params``.
     """
@@ -146,7 +141,14 @@ class GPT:
 
     @property
     def params(self) -> dict:
-        """A new dict of every parameter (see the class docstring for the names)."""
+        """A new dict of every parameter.
+
+        ``wte`` (V, D), ``wpe`` (T, D), ``blocks.{n}.{name}`` (the block's
+        names: ``self_attn.w_q`` ..., ``linear1.weight`` ..., ``norm1.weight``
+        ...), ``ln_f.weight`` (D,), ``ln_f.bias`` (D,). Assign a whole dict
+        to replace them (every array checked first); writing into the
+        returned dict changes nothing.
+        """
         out = {"wte": self._own["wte"], "wpe": self._own["wpe"]}
         for n, block in enumerate(self.blocks):
             out.update({f"blocks.{n}.{k}": v for k, v in block.params.items()})
