@@ -1,7 +1,9 @@
 """The ``npattn`` command (also ``python -m npattn``).
 
 * ``npattn check``: audit every hand-derived gradient against finite differences;
-* ``npattn demo``: train a small attention model on digit reversal, save heatmaps;
+* ``npattn demo``: train a small attention model with hand-derived gradients and save
+  attention heatmaps: ``--task reverse`` (digit reversal, the default) or
+  ``--task digits`` (a Transformer classifier on scikit-learn's handwritten digits);
 * ``npattn bench``: timings (provided by ``npattn.tools.bench`` when installed);
 * ``npattn verify``: check your attention kernel against npattn (``npattn.tools.verify``).
 
@@ -25,6 +27,17 @@ from .. import __version__
 __all__ = ["main", "build_parser"]
 
 BACKEND_CHOICES = ["numpy", "array_api_strict", "cupy", "torch", "dask"]
+
+#: ``npattn demo --task``: each task's own options (argparse dests) with their defaults.
+#: An option that is some task's own but not the chosen one's is a usage error; a
+#: shared option with a per-task default (``batch``, ``lr``, ``out``) is listed by
+#: every task. A new task is one more entry here and one more branch in ``_demo``.
+DEMO_TASKS = {
+    "reverse": {"steps": 400, "seq_len": 12, "pos": "sinusoidal", "batch": 64, "lr": 1e-2,
+                "out": "npattn-demo"},
+    "digits": {"epochs": 20, "layers": 1, "patch": 2, "dropout": 0.1, "batch": 32, "lr": 1e-2,
+               "out": "npattn-digits"},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,32 +71,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="train a small attention model on digit reversal, save attention heatmaps",
-        description="Train embedding + positional encoding + multi-head self-attention + "
-        "output projection with softmax cross-entropy and Adam, all with hand-derived "
-        "gradients, to reverse digit sequences. Saves per-head attention heatmaps (PNG, "
-        "needs matplotlib: pip install '.[plot]' from the repository root).",
+        help="train a small attention model (digit reversal, or handwritten digits), save "
+        "attention heatmaps",
+        description="Train a small model whose every gradient is derived by hand, and save "
+        "per-head attention heatmaps (PNG, needs matplotlib: pip install '.[plot]' from the "
+        "repository root). --task reverse (the default): embedding + positional encoding + "
+        "multi-head self-attention + output projection, with softmax cross-entropy and Adam, "
+        "learns to reverse digit sequences. --task digits: a TransformerClassifier (patch "
+        "embedding, learned positions, Transformer blocks, mean pooling, a linear head) "
+        "learns scikit-learn's handwritten digits (pip install '.[demo]': scikit-learn ships "
+        "them, nothing is downloaded). Options marked (reverse) or (digits) belong to that "
+        "task only; giving one to the other task is a usage error.",
     )
+    demo.add_argument("--task", choices=list(DEMO_TASKS), default="reverse",
+                      help="what to train: reverse (digit reversal, default) or digits "
+                      "(classify handwritten digits)")
     demo.add_argument("--heads", default="4",
                       help="number of heads, or a comma list such as 1,2,4,8 to compare "
                       "them at the same d_model (default 4)")
-    demo.add_argument("--steps", type=positive_int, default=400,
-                      help="training steps (default 400)")
-    demo.add_argument("--seq-len", type=positive_int, default=12,
-                      help="digits per sequence (default 12)")
+    demo.add_argument("--steps", type=positive_int, default=None,
+                      help="(reverse) training steps (default 400)")
+    demo.add_argument("--seq-len", type=positive_int, default=None,
+                      help="(reverse) digits per sequence (default 12)")
+    demo.add_argument("--pos", choices=["sinusoidal", "learned"], default=None,
+                      help="(reverse) positional encoding (default sinusoidal)")
+    demo.add_argument("--epochs", type=positive_int, default=None,
+                      help="(digits) passes over the training images (default 20)")
+    demo.add_argument("--layers", type=positive_int, default=None,
+                      help="(digits) Transformer blocks (default 1)")
+    demo.add_argument("--patch", type=int, choices=[1, 2, 4], default=None,
+                      help="(digits) side of the square pixel patches that are the tokens: "
+                      "2 gives 16 tokens of 4 pixels (default 2)")
+    demo.add_argument("--dropout", type=probability, default=None,
+                      help="(digits) drop probability at every dropout site of the blocks, "
+                      "in [0, 1) (default 0.1)")
     demo.add_argument("--d-model", type=positive_int, default=32,
                       help="model width (default 32)")
-    demo.add_argument("--batch", type=positive_int, default=64,
-                      help="sequences per step (default 64)")
-    demo.add_argument("--lr", type=positive_float, default=1e-2,
+    demo.add_argument("--batch", type=positive_int, default=None,
+                      help="sequences per step (default 64; digits: 32 images)")
+    demo.add_argument("--lr", type=positive_float, default=None,
                       help="Adam learning rate, a positive finite number (default 1e-2)")
-    demo.add_argument("--pos", choices=["sinusoidal", "learned"], default="sinusoidal",
-                      help="positional encoding (default sinusoidal)")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     demo.add_argument("--seed", type=non_negative_int, default=0)
-    demo.add_argument("--out", default="npattn-demo",
-                      help="folder for the heatmaps (default ./npattn-demo)")
+    demo.add_argument("--out", default=None,
+                      help="folder for the heatmaps (default ./npattn-demo; digits: "
+                      "./npattn-digits)")
     demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
     demo.add_argument("--no-progress", action="store_true",
                       help="no progress bar (it is shown only when stderr is a terminal)")
@@ -113,6 +146,17 @@ def _integer(text, low, what):
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
     if value < low:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a drop probability, a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
     return value
 
 
@@ -248,7 +292,20 @@ def _parse_heads(text, d_model, parser):
 
 
 def _check_demo_args(args, parser):
-    """The demo's checks that need several options; errors print ``npattn demo``'s usage."""
+    """The demo's checks that need several options; errors print ``npattn demo``'s usage.
+
+    Refuses an option of another task than ``--task``, then fills in the
+    task's defaults (``DEMO_TASKS``).
+    """
+    own = DEMO_TASKS[args.task]
+    for task, options in DEMO_TASKS.items():
+        for dest in options:
+            if dest not in own and getattr(args, dest) is not None:
+                flag = "--" + dest.replace("_", "-")
+                parser.error(f"{flag}: an option of --task {task}, not of --task {args.task}")
+    for dest, default in own.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     args.heads = _parse_heads(args.heads, args.d_model, parser)
 
 
@@ -267,22 +324,37 @@ def _output_folder_error(path) -> str | None:
 
 
 def _demo(args) -> int:
-    from .demo import DemoConfig, format_table, have_matplotlib, save_heatmaps, train
-
-    heads = args.heads
     if _backend_or_exit(args.backend) is None:
         return 2
-    plots = not args.no_plots
-    if plots and not have_matplotlib():
+    plots = _demo_plots(args)
+    if plots is None:
+        return 2
+    if args.task == "digits":
+        return _demo_digits(args, plots)
+    return _demo_reverse(args, plots)
+
+
+def _demo_plots(args) -> bool | None:
+    """Whether the demo draws its pictures; None (after saying why) when ``--out`` is unusable."""
+    from .demo import have_matplotlib
+
+    if args.no_plots:
+        return False
+    if not have_matplotlib():
         print("npattn demo: matplotlib is not installed, so no heatmaps are saved "
               "(pip install '.[plot]' from the repository root)", file=sys.stderr)
-        plots = False
-    if plots:  # before training, not after minutes of it
-        why = _output_folder_error(args.out)
-        if why is not None:
-            print(f"npattn demo: {why}", file=sys.stderr)
-            return 2
+        return False
+    why = _output_folder_error(args.out)  # before training, not after minutes of it
+    if why is not None:
+        print(f"npattn demo: {why}", file=sys.stderr)
+        return None
+    return True
 
+
+def _demo_reverse(args, plots: bool) -> int:
+    from .demo import DemoConfig, format_table, save_heatmaps, train
+
+    heads = args.heads
     print(f"Reversing {args.seq_len}-digit sequences; d_model={args.d_model}, "
           f"{args.pos} positions, {args.steps} Adam steps of {args.batch}, lr={args.lr}, "
           f"{args.backend} {args.dtype}, seed {args.seed}")
@@ -306,6 +378,46 @@ def _demo(args) -> int:
     if len(heads) > 1:
         print()
         print(format_table(results))
+    return 0
+
+
+def _demo_digits(args, plots: bool) -> int:
+    from . import demo_digits as dd
+
+    try:
+        data = dd.load_digits_data(args.patch, 0.2, args.seed)
+    except ImportError as exc:  # no scikit-learn
+        print(f"npattn demo: {exc}", file=sys.stderr)
+        return 2
+    n_train, L, P = data.x_train.shape
+    print(f"Handwritten digits (scikit-learn, {n_train + data.x_val.shape[0]} images of 8x8): "
+          f"{n_train} training / {data.x_val.shape[0]} validation images, {L} tokens of "
+          f"{args.patch}x{args.patch} pixels; d_model={args.d_model}, {args.layers} pre-norm "
+          f"block(s), dropout {args.dropout}, {args.epochs} epochs of batches of {args.batch}, "
+          f"Adam lr={args.lr}, {args.backend} {args.dtype}, seed {args.seed}")
+    results = []
+    for H in args.heads:
+        cfg = dd.DigitsConfig(
+            n_head=H, d_model=args.d_model, n_layers=args.layers, patch=args.patch,
+            epochs=args.epochs, batch=args.batch, lr=args.lr, dropout=args.dropout,
+            dtype=args.dtype, backend=args.backend, seed=args.seed,
+        )
+        model, r = dd.train(cfg, data, progress=not args.no_progress)
+        results.append(r)
+        print(f"heads={H}: validation accuracy {r.val_accuracy:.4f}, training loss "
+              f"{r.train_loss:.4f}, {r.seconds_per_epoch:.2f} s/epoch, {r.n_params} parameters")
+        if plots:
+            out = args.out if len(args.heads) == 1 else os.path.join(args.out, f"heads{H}")
+            paths = dd.save_attention_figures(model, data, out)
+            print(f"  attention pictures ({len(paths)} PNG) in {os.path.abspath(out)}: "
+                  + ", ".join(os.path.basename(p) for p in paths))
+    if plots:
+        path = os.path.join(args.out, "training_curves.png")
+        dd.curves_figure(results).savefig(path, dpi=80)
+        print(f"training loss and validation accuracy per epoch: {os.path.abspath(path)}")
+    if len(args.heads) > 1:
+        print()
+        print(dd.format_table(results))
     return 0
 
 
