@@ -68,7 +68,7 @@ class TransformerClassifier:
     d_model, n_head : int
         Width D and heads H of every block (D divisible by H).
     n_layers : int
-        N, the number of ``TransformerBlock``s.
+        N, the number of blocks (``TransformerBlock``).
     d_ff : int, optional
         The blocks' feed-forward width; default ``4 * d_model``.
     dropout : float
@@ -88,12 +88,6 @@ class TransformerClassifier:
 
     Attributes
     ----------
-    params : dict
-        See the property. Names: ``embed.weight`` (D, P), ``embed.bias``
-        (D,), ``pos`` (L, D), ``blocks.{n}.`` + the block's own names
-        (``blocks.0.self_attn.w_q``, ``blocks.0.linear1.weight``, ...),
-        ``norm.weight`` and ``norm.bias`` (D,) with ``norm_first``,
-        ``head.weight`` (C, D), ``head.bias`` (C,).
     grads : dict
         Filled by ``backward``: the keys and shapes of ``params``.
     dx : array or None
@@ -156,6 +150,10 @@ class TransformerClassifier:
     def params(self) -> dict:
         """A new dict of every parameter, in the order of the forward's steps.
 
+        Names: ``embed.weight`` (D, P), ``embed.bias`` (D,), ``pos`` (L, D),
+        ``blocks.{n}.`` + the block's own names (``blocks.0.self_attn.w_q``,
+        ``blocks.0.linear1.weight``, ...), ``norm.weight`` and ``norm.bias``
+        (D,) with ``norm_first``, ``head.weight`` (C, D), ``head.bias`` (C,).
         Assign a whole dict with the same keys to replace them (every array
         is checked first, so a failed assignment changes nothing); writing
         into the returned dict changes nothing.
