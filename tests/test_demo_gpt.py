@@ -44,9 +44,9 @@ def test_a_short_run_learns_the_character_statistics(tmp_path):
     assert abs(hist.train_loss[0] - uniform) < 0.3  # starts about uniform
     # unigram entropy of the text is about 3.3 nats below uniform 4.5; 80 steps get well below uniform
     assert hist.val_loss[-1] < uniform - 1.0, hist.val_loss
-    samples = generate_samples(model, codec, prompts=("The ",), length=10, seed=0)
-    assert samples[0][1].startswith("The ") and len(samples[0][1]) == 14
-    again = generate_samples(model, codec, prompts=("The ",), length=10, seed=0)
+    samples = generate_samples(model, codec, prompts=("The ",), length=40, seed=0)  # > block_size
+    assert samples[0][1].startswith("The ") and len(samples[0][1]) == 44
+    again = generate_samples(model, codec, prompts=("The ",), length=40, seed=0)
     assert again == samples  # seeded
     pytest.importorskip("matplotlib")
     path = save_loss_plot(hist, str(tmp_path / "loss.png"))
@@ -61,3 +61,35 @@ def test_the_same_seed_gives_the_same_run():
     b = train(cfg, progress=False)[2]
     np.testing.assert_array_equal(a.train_loss, b.train_loss)
     assert a.val_loss == b.val_loss
+
+
+def test_the_command_trains_and_writes_the_samples_and_the_loss_curve(tmp_path, capsys):
+    from npattn.tools import cli
+
+    out = tmp_path / "gpt"
+    status = cli.main(["demo", "--task", "gpt", "--steps", "12", "--seq-len", "16", "--d-model", "16",
+                       "--layers", "1", "--heads", "2", "--batch", "8", "--no-progress",
+                       "--out", str(out)])
+    assert status == 0
+    text = capsys.readouterr().out
+    assert "Character-level GPT on npattn's docstrings" in text and "12 steps in" in text
+    samples = (out / "samples.txt").read_text(encoding="utf-8")
+    assert samples.count("--- prompt") == 3 and "Returns the " in samples
+    if (out / "loss.png").exists() or pytest.importorskip("matplotlib"):
+        assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--epochs", "2"], "--epochs: an option of --task digits, not of --task gpt"),
+    (["--pos", "learned"], "--pos: an option of --task reverse, not of --task gpt"),
+    (["--heads", "1,2"], "--heads: --task gpt trains one model"),
+    (["--heads", "5"], "--heads: each must divide --d-model 96"),
+])
+def test_the_command_refuses_options_of_other_tasks(extra, named, tmp_path, capsys):
+    from npattn.tools import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--task", "gpt", "--out", str(tmp_path)] + extra)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err, err

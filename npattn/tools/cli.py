@@ -33,10 +33,12 @@ BACKEND_CHOICES = ["numpy", "array_api_strict", "cupy", "torch", "dask"]
 #: shared option with a per-task default (``batch``, ``lr``, ``out``) is listed by
 #: every task. A new task is one more entry here and one more branch in ``_demo``.
 DEMO_TASKS = {
-    "reverse": {"steps": 400, "seq_len": 12, "pos": "sinusoidal", "batch": 64, "lr": 1e-2,
-                "out": "npattn-demo"},
-    "digits": {"epochs": 20, "layers": 1, "patch": 2, "dropout": 0.1, "batch": 32, "lr": 1e-2,
-               "out": "npattn-digits"},
+    "reverse": {"steps": 400, "seq_len": 12, "pos": "sinusoidal", "d_model": 32, "batch": 64,
+                "lr": 1e-2, "out": "npattn-demo"},
+    "digits": {"epochs": 20, "layers": 1, "patch": 2, "dropout": 0.1, "d_model": 32, "batch": 32,
+               "lr": 1e-2, "out": "npattn-digits"},
+    "gpt": {"steps": 1500, "seq_len": 64, "layers": 3, "dropout": 0.0, "d_model": 96, "batch": 32,
+            "lr": 3e-3, "out": "npattn-gpt"},
 }
 
 
@@ -71,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="train a small attention model (digit reversal, or handwritten digits), save "
-        "attention heatmaps",
+        help="train a small attention model (digit reversal, handwritten digits, or a "
+        "character-level GPT), save its pictures",
         description="Train a small model whose every gradient is derived by hand, and save "
         "per-head attention heatmaps (PNG, needs matplotlib: pip install '.[plot]' from the "
         "repository root). --task reverse (the default): embedding + positional encoding + "
@@ -80,33 +82,36 @@ def build_parser() -> argparse.ArgumentParser:
         "learns to reverse digit sequences. --task digits: a TransformerClassifier (patch "
         "embedding, learned positions, Transformer blocks, mean pooling, a linear head) "
         "learns scikit-learn's handwritten digits (pip install '.[demo]': scikit-learn ships "
-        "them, nothing is downloaded). Options marked (reverse) or (digits) belong to that "
-        "task only; giving one to the other task is a usage error.",
+        "them, nothing is downloaded). --task gpt: a character-level GPT (npattn.gpt) "
+        "trained on npattn's own docstrings, with a loss curve and generated samples. Options "
+        "marked with tasks belong to those tasks only; giving one to another task is a usage "
+        "error.",
     )
     demo.add_argument("--task", choices=list(DEMO_TASKS), default="reverse",
-                      help="what to train: reverse (digit reversal, default) or digits "
-                      "(classify handwritten digits)")
+                      help="what to train: reverse (digit reversal, default), digits "
+                      "(classify handwritten digits) or gpt (a character-level language model)")
     demo.add_argument("--heads", default="4",
                       help="number of heads, or a comma list such as 1,2,4,8 to compare "
                       "them at the same d_model (default 4)")
     demo.add_argument("--steps", type=positive_int, default=None,
-                      help="(reverse) training steps (default 400)")
+                      help="(reverse, gpt) training steps (default 400; gpt: 1500)")
     demo.add_argument("--seq-len", type=positive_int, default=None,
-                      help="(reverse) digits per sequence (default 12)")
+                      help="(reverse, gpt) digits per sequence (default 12); gpt: the context "
+                      "length, block_size (default 64)")
     demo.add_argument("--pos", choices=["sinusoidal", "learned"], default=None,
                       help="(reverse) positional encoding (default sinusoidal)")
     demo.add_argument("--epochs", type=positive_int, default=None,
                       help="(digits) passes over the training images (default 20)")
     demo.add_argument("--layers", type=positive_int, default=None,
-                      help="(digits) Transformer blocks (default 1)")
+                      help="(digits, gpt) Transformer blocks (default 1; gpt: 3)")
     demo.add_argument("--patch", type=int, choices=[1, 2, 4], default=None,
                       help="(digits) side of the square pixel patches that are the tokens: "
                       "2 gives 16 tokens of 4 pixels (default 2)")
     demo.add_argument("--dropout", type=probability, default=None,
-                      help="(digits) drop probability at every dropout site of the blocks, "
-                      "in [0, 1) (default 0.1)")
-    demo.add_argument("--d-model", type=positive_int, default=32,
-                      help="model width (default 32)")
+                      help="(digits, gpt) drop probability at every dropout site of the "
+                      "blocks, in [0, 1) (default 0.1; gpt: 0)")
+    demo.add_argument("--d-model", type=positive_int, default=None,
+                      help="model width (default 32; gpt: 96)")
     demo.add_argument("--batch", type=positive_int, default=None,
                       help="sequences per step (default 64; digits: 32 images)")
     demo.add_argument("--lr", type=positive_float, default=None,
@@ -115,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     demo.add_argument("--seed", type=non_negative_int, default=0)
     demo.add_argument("--out", default=None,
-                      help="folder for the heatmaps (default ./npattn-demo; digits: "
-                      "./npattn-digits)")
+                      help="folder for the pictures (default ./npattn-demo; digits: "
+                      "./npattn-digits; gpt: ./npattn-gpt)")
     demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
     demo.add_argument("--no-progress", action="store_true",
                       help="no progress bar (it is shown only when stderr is a terminal)")
@@ -298,15 +303,19 @@ def _check_demo_args(args, parser):
     task's defaults (``DEMO_TASKS``).
     """
     own = DEMO_TASKS[args.task]
-    for task, options in DEMO_TASKS.items():
+    for options in DEMO_TASKS.values():
         for dest in options:
             if dest not in own and getattr(args, dest) is not None:
                 flag = "--" + dest.replace("_", "-")
-                parser.error(f"{flag}: an option of --task {task}, not of --task {args.task}")
+                owners = " and ".join(f"--task {t}" for t, o in DEMO_TASKS.items() if dest in o)
+                parser.error(f"{flag}: an option of {owners}, not of --task {args.task}")
     for dest, default in own.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
     args.heads = _parse_heads(args.heads, args.d_model, parser)
+    if args.task == "gpt" and len(args.heads) != 1:
+        parser.error(f"--heads: --task gpt trains one model, expected one head count, got "
+                     f"{','.join(str(h) for h in args.heads)}")
 
 
 def _output_folder_error(path) -> str | None:
@@ -331,6 +340,8 @@ def _demo(args) -> int:
         return 2
     if args.task == "digits":
         return _demo_digits(args, plots)
+    if args.task == "gpt":
+        return _demo_gpt(args, plots)
     return _demo_reverse(args, plots)
 
 
@@ -421,7 +432,39 @@ def _demo_digits(args, plots: bool) -> int:
     return 0
 
 
+def _demo_gpt(args, plots: bool) -> int:
+    from . import demo_gpt as dg
+
+    cfg = dg.GPTDemoConfig(block_size=args.seq_len, d_model=args.d_model, n_layer=args.layers,
+                           n_head=args.heads[0], batch=args.batch, steps=args.steps, lr=args.lr,
+                           dropout=args.dropout, dtype=args.dtype, backend=args.backend,
+                           seed=args.seed)
+    text = dg.corpus()
+    print(f"Character-level GPT on npattn's docstrings ({len(text)} characters, "
+          f"{len(set(text))} distinct; the last 10 % held out): block_size={cfg.block_size}, "
+          f"d_model={cfg.d_model}, {cfg.n_layer} blocks of {cfg.n_head} heads, dropout "
+          f"{cfg.dropout}, {cfg.steps} Adam steps of {cfg.batch} windows, lr={cfg.lr} (warm-up, "
+          f"cosine), clipping at {cfg.max_grad_norm}, {args.backend} {args.dtype}, seed {args.seed}")
+    model, codec, hist = dg.train(cfg, text=text, progress=not args.no_progress)
+    print(dg.format_summary(cfg, hist))
+    samples = dg.generate_samples(model, codec, seed=args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "samples.txt"), "w", encoding="utf-8") as f:
+        for prompt, sample in samples:
+            print(f"--- prompt {prompt!r} (temperature 0.8, top-k 10):\n{sample}\n")
+            f.write(f"--- prompt {prompt!r} (temperature 0.8, top-k 10):\n{sample}\n\n")
+    print(f"samples: {os.path.abspath(os.path.join(args.out, 'samples.txt'))}")
+    if plots:
+        path = dg.save_loss_plot(hist, os.path.join(args.out, "loss.png"))
+        print(f"loss curve: {os.path.abspath(path)}")
+    return 0
+
+
 def _bench(rest) -> int:
+    if "--model" in rest or any(a.startswith("--model=") for a in rest):
+        from . import bench_gpt  # one training step of a whole model
+
+        return int(bench_gpt.main(rest) or 0)
     try:
         bench = importlib.import_module("npattn.tools.bench")
     except ModuleNotFoundError as exc:

@@ -179,16 +179,31 @@ def evaluate(model: GPT, batches) -> float:
     return float(np.mean(losses))
 
 
-def generate_samples(model: GPT, codec: CharCodec, *, prompts=PROMPTS, length: int = 200,
+def generate_samples(model: GPT, codec: CharCodec, *, prompts=PROMPTS, length: int = 300,
                      temperature: float = 0.8, top_k: Optional[int] = 10, seed: int = 0) -> list:
-    """``(prompt, text)`` pairs: each prompt continued by ``length`` characters (at most the context)."""
+    """``(prompt, text)`` pairs: each prompt continued by ``length`` characters.
+
+    ``GPT.generate`` fills the context (``block_size``) with its KV caches;
+    a longer sample goes on from its last ``block_size // 2`` characters as a
+    new prompt (fresh caches: the learned positions start at 0 again), and so
+    on until ``length`` characters are generated.
+    """
     out = []
     rng = np.random.default_rng(seed)
+    T = model.block_size
     for prompt in prompts:
-        ids = from_numpy(codec.encode(prompt)[None, :], model.xp)  # [1, L0]
-        n = min(length, model.block_size - ids.shape[1])
-        gen = model.generate(ids, n, temperature=temperature, top_k=top_k, seed=rng)
-        out.append((prompt, codec.decode(to_numpy(gen)[0])))
+        ids = codec.encode(prompt)[-(T // 2):]  # host [L0]
+        text = prompt
+        left = length
+        while left > 0:
+            n = min(left, T - len(ids))
+            gen = model.generate(from_numpy(ids[None, :], model.xp), n, temperature=temperature,
+                                 top_k=top_k, seed=rng)
+            new = to_numpy(gen)[0, len(ids):]
+            text += codec.decode(new)
+            left -= n
+            ids = np.concatenate([ids, new])[-(T // 2):]
+        out.append((prompt, text))
     return out
 
 
