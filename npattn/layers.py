@@ -395,12 +395,23 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
         dx = d * (phi_cdf + x * pdf)  # [...]
     else:
         t = cache.g  # 2. [...]
-        # 3. y = 0.5 * x * (1 + t)
-        dt = d * (0.5 * x)  # [...]
-        # 2. t = tanh(u)
-        du = dt * (1.0 - t * t)  # [...]
-        # 1. u = sqrt(2/pi) * (x + 0.044715 x^3)
-        dx = d * (0.5 * (1.0 + t)) + du * (SQRT_2_OVER_PI * (1.0 + (3.0 * GELU_TANH_C) * (x * x)))  # [...]
+        # 3. y = 0.5 * x * (1 + t):  dy/dx = 0.5 (1 + t) + 0.5 x dt/dx
+        # 2. t = tanh(u):            dt/du = 1 - t^2
+        # 1. u = sqrt(2/pi) (x + 0.044715 x^3):  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+        # dx = d * (0.5 (1 + t) + (1 - t^2) * 0.5 x du/dx), built in place in two
+        # new arrays: a fresh array per operation made this 4x slower at (16, 128, 512)
+        k = x * x  # [...]
+        k *= 3.0 * GELU_TANH_C
+        k += 1.0
+        k *= x
+        k *= 0.5 * SQRT_2_OVER_PI  # 0.5 x du/dx
+        dx = t * t  # [...]
+        dx *= -1.0
+        dx += 1.0  # dt/du = 1 - t^2
+        dx *= k  # 0.5 x dt/dx
+        dx += 0.5 * t
+        dx += 0.5  # dy/dx
+        dx *= d
     return dx if dx.dtype == cache.dtype else xp.astype(dx, cache.dtype)
 
 
