@@ -236,3 +236,56 @@ def test_backward_before_forward_and_after_decoding_are_runtime_errors(xp, to_xp
     with pytest.raises(ValueError, match="block_size"):  # 6 cached + 4 new > 9
         model.forward(to_xp(ids_of(0, (B, 4))), kv_caches=caches)
     assert [list(c.cache_seqlens) for c in caches] == [[L, L]] * N
+
+
+# ----------------------------------------------------------------- copies, files
+
+
+def test_pickle_and_deepcopy_keep_parameters_mode_and_the_dropout_generator(xp, to_xp):
+    import copy
+    import pickle
+
+    model = perturbed(make(xp, dropout=0.3), to_xp)
+    ids = to_xp(ids_of(0))
+    model.forward(ids)
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        for k, v in model.params.items():
+            np.testing.assert_array_equal(to_numpy(twin.params[k]), to_numpy(v))
+        # the next two forwards draw the same dropout masks as the original's next two
+        a = [to_numpy(twin.forward(ids)) for _ in range(2)]
+        np.testing.assert_array_equal(a[0], to_numpy(copy.deepcopy(model).forward(ids)))
+        assert np.max(np.abs(a[0] - a[1])) > 1e-3  # the generator moved on
+    fresh = pickle.loads(pickle.dumps(model))  # after model's forward: its activations are not copied
+    with pytest.raises(RuntimeError, match="forward"):
+        fresh.backward(to_xp(np.zeros((B, L, VOCAB))))
+    twin = copy.deepcopy(model)
+    twin.params = {k: v * 0.0 for k, v in twin.params.items()}
+    assert float(np.max(np.abs(to_numpy(model.params["wte"])))) > 0.0  # independent
+
+
+def test_save_and_load_on_another_backend(tmp_path, xp, to_xp):
+    model = perturbed(make(xp, dropout=0.2), to_xp).eval()
+    path = tmp_path / "gpt.npz"
+    model.save(str(path))
+    raw = np.load(path, allow_pickle=False)  # read independently: the parameters are there as saved
+    np.testing.assert_array_equal(raw["param/wte"], to_numpy(model.params["wte"]))
+    loaded = GPT.load(str(path), backend="numpy")
+    assert not loaded.training and loaded.n_params() == model.n_params()
+    ids = ids_of(1)
+    np.testing.assert_allclose(loaded.forward(ids), to_numpy(model.forward(to_xp(ids))), rtol=0,
+                               atol=1e-13)
+    model.train()
+    loaded.train()
+    np.testing.assert_allclose(loaded.forward(ids), to_numpy(model.forward(to_xp(ids))), rtol=0,
+                               atol=1e-13)  # the same dropout masks: the generator was saved
+
+
+def test_loading_another_kind_of_file_is_a_value_error(tmp_path):
+    from npattn.transformer import TransformerBlock
+
+    path = tmp_path / "block.npz"
+    TransformerBlock(D, H, FF).save(str(path))
+    with pytest.raises(ValueError, match="npattn.gpt.GPT"):
+        GPT.load(str(path))
+    with pytest.raises(TypeError, match="path"):
+        make().save(3)
