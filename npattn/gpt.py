@@ -361,8 +361,18 @@ class GPT:
         B, L = ids.shape
         self._check_dropout_masks(dropout_masks, B, L)
         if kv_caches is not None:
-            for cache in kv_caches:
-                cache.check_room(L, name="kv_caches")
+            if self.training and self.dropout > 0.0:
+                raise ValueError("kv_caches: decoding is forward only, without dropout; call eval() "
+                                 f"first (the model is in training mode with dropout {self.dropout})")
+            Dh = self.d_model // self.n_head
+            for n, cache in enumerate(kv_caches):  # every block's cache, before any is written
+                layout = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim)
+                if layout != (B, self.n_head, Dh, Dh) or cache.dtype != self.dtype:
+                    raise ValueError(f"kv_caches[{n}]: expected a cache of batch {B}, {self.n_head} "
+                                     f"heads of {Dh}, dtype {V.dtype_name(self.dtype)} (new_caches), "
+                                     f"got batch {cache.batch_size}, {cache.num_kv_heads} heads of "
+                                     f"{cache.head_dim}, dtype {V.dtype_name(cache.dtype)}")
+                cache.check_room(L, name=f"kv_caches[{n}]")
         P = self._own
         state = self._rng.bit_generator.state
         try:

@@ -236,6 +236,14 @@ def test_backward_before_forward_and_after_decoding_are_runtime_errors(xp, to_xp
     with pytest.raises(ValueError, match="block_size"):  # 6 cached + 4 new > 9
         model.forward(to_xp(ids_of(0, (B, 4))), kv_caches=caches)
     assert [list(c.cache_seqlens) for c in caches] == [[L, L]] * N
+    # a cache of another layout in the last block: refused before the first block's cache is written
+    mixed = model.new_caches(B)[:-1] + [make(xp, dtype="float32").new_caches(B)[0]]
+    with pytest.raises(ValueError, match=r"kv_caches\[1\]: expected .* dtype float64"):
+        model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=mixed)
+    assert [list(c.cache_seqlens) for c in mixed] == [[0, 0], [0, 0]]
+    dropping = make(xp, dropout=0.2)  # training mode with dropout: decoding is refused
+    with pytest.raises(ValueError, match="eval"):
+        dropping.forward(to_xp(ids_of(0, (B, 2))), kv_caches=dropping.new_caches(B))
 
 
 # ----------------------------------------------------------------- copies, files
