@@ -38,8 +38,8 @@ from . import layers as Ly
 from . import nn
 from . import validation as V
 from .backend import device_of, from_numpy
-from .module import check_param
-from .transformer import TransformerBlock
+from .module import backend_from_ref, backend_ref, check_param
+from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
 
 __all__ = ["TransformerClassifier", "ClassifierCache"]
 
@@ -197,6 +197,31 @@ class TransformerClassifier:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    # ------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict:
+        """What ``pickle`` and ``copy.deepcopy`` keep: everything but the namespace and the cache.
+
+        As ``TransformerBlock``'s and ``GPT``'s: the backend travels by name
+        and is resolved again; parameters, ``grads``, ``dx``, the mode and the
+        blocks (with their dropout generators, which pickle themselves) are
+        kept, so a copy draws the same next dropout masks as the original and
+        then goes its own way. The last forward's activations are dropped:
+        ``backward`` on a copy needs a forward first.
+        """
+        state = dict(self.__dict__)
+        state["xp"] = backend_ref(self.xp)
+        state["dtype"] = V.dtype_name(self.dtype)
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        xp = backend_from_ref(state["xp"])
+        state["xp"] = xp
+        state["dtype"] = getattr(xp, state["dtype"])
+        self.__dict__.update(state)
+
     # ---------------------------------------------------------------- forward
 
     def _check_forward(self, x: Any, mask: Any, need_weights: Any, dropout_masks: Any) -> None:
@@ -221,10 +246,25 @@ class TransformerClassifier:
                        if isinstance(dropout_masks, (list, tuple)) else V.type_name(dropout_masks))
                 raise TypeError(f"dropout_masks: expected a list of {self.n_layers} dicts or None "
                                 f"(one per block), got {got}")
+            # every block's masks, before block 0 runs (a block checks only its own)
+            B = int(x.shape[0])
+            shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, self.d_model),
+                      "dropout": (B, L, self.d_ff), "dropout2": (B, L, self.d_model)}
+            assert tuple(shapes) == ENCODER_DROPOUT_SITES
             for n, m in enumerate(dropout_masks):
-                if m is not None and not isinstance(m, dict):
+                if m is None:
+                    continue
+                if not isinstance(m, dict):
                     raise TypeError(f"dropout_masks[{n}]: expected a dict or None, got "
                                     f"{V.type_name(m)}")
+                unknown = sorted(set(m) - set(shapes), key=str)
+                if unknown:
+                    raise ValueError(f"dropout_masks[{n}]: expected keys among {list(shapes)}, "
+                                     f"got {unknown}")
+                for site, keep in m.items():
+                    V.check_mask(f"dropout_masks[{n}][{site!r}]", keep, self.xp, target=shapes[site],
+                                 target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
+                                 bool_only=True)
 
     def forward(self, x: Any, mask: Any = None, *, need_weights: bool = False,
                 dropout_masks: Optional[Sequence[Optional[dict]]] = None) -> Any:
@@ -240,7 +280,9 @@ class TransformerClassifier:
             Also return the blocks' attention weights.
         dropout_masks : list of dict or None, optional
             One entry per block: that block's keep-masks by site
-            (``TransformerBlock.forward``'s ``dropout_masks``).
+            (``TransformerBlock.forward``'s ``dropout_masks``: keys among
+            ``ENCODER_DROPOUT_SITES``, bool masks broadcastable to the site's
+            shape). Every block's are checked before any block runs.
 
         Returns
         -------
@@ -249,26 +291,39 @@ class TransformerClassifier:
             Only with ``need_weights``: each block's self-attention
             probabilities, before dropout, read from its attention module's
             cache (``attention.weights``).
+
+        Raises ``TypeError`` / ``ValueError`` naming the argument before
+        anything runs: a refused call changes nothing (the cached forward,
+        the blocks' generators). Should a call fail after the checks (out of
+        memory), the cached forward is dropped and ``backward`` is a
+        ``RuntimeError`` until the next forward.
         """
         # [B, L, P], [B, L] -> [B, C]
         self._check_forward(x, mask, need_weights, dropout_masks)
         xp, P = self.xp, self._own
         attn_mask = None if mask is None else xp.expand_dims(xp.expand_dims(mask, axis=1), axis=1)  # [B, 1, 1, L]
-        e, embed_c = F.linear_forward(x, P["embed.weight"], P["embed.bias"])  # 1.  [B, L, D]
-        h, pos_c = nn.add_positions_forward(e, P["pos"])  # 2.                      [B, L, D]
-        weights = []
-        for n, block in enumerate(self.blocks):
-            keeps = None if dropout_masks is None else dropout_masks[n]
-            h = block.forward(h, mask=attn_mask, dropout_masks=keeps)  # 3.          [B, L, D]
-            if need_weights:
-                w = A.weights(block.self_attn.cache.sdpa)  # [B, H, L, L]
-                weights.append(xp.astype(w, self.dtype))
-        norm_c = None
-        if self.norm_first:
-            h, norm_c = Ly.layer_norm_forward(h, P["norm.weight"], P["norm.bias"],  # 4. [B, L, D]
-                                              self.layer_norm_eps)
-        z, pool_c = Ly.mean_pool_forward(h, mask)  # 5.                              [B, D]
-        logits, head_c = F.linear_forward(z, P["head.weight"], P["head.bias"])  # 6. [B, C]
+        try:
+            e, embed_c = F.linear_forward(x, P["embed.weight"], P["embed.bias"])  # 1.  [B, L, D]
+            h, pos_c = nn.add_positions_forward(e, P["pos"])  # 2.                      [B, L, D]
+            weights = []
+            for n, block in enumerate(self.blocks):
+                keeps = None if dropout_masks is None else dropout_masks[n]
+                h = block.forward(h, mask=attn_mask, dropout_masks=keeps)  # 3.          [B, L, D]
+                if need_weights:
+                    w = A.weights(block.self_attn.cache.sdpa)  # [B, H, L, L]
+                    weights.append(xp.astype(w, self.dtype))
+            norm_c = None
+            if self.norm_first:
+                h, norm_c = Ly.layer_norm_forward(h, P["norm.weight"], P["norm.bias"],  # 4. [B, L, D]
+                                                  self.layer_norm_eps)
+            z, pool_c = Ly.mean_pool_forward(h, mask)  # 5.                              [B, D]
+            logits, head_c = F.linear_forward(z, P["head.weight"], P["head.bias"])  # 6. [B, C]
+        except BaseException:
+            # the checks above leave nothing that fails here; should something (memory) fail,
+            # the blocks that ran hold this call's caches (and their generators moved), so no
+            # backward may run on them with the previous forward's cache: there is none now
+            self._cache = None
+            raise
         self._cache = ClassifierCache(embed_c, pos_c, norm_c, pool_c, head_c, int(x.shape[0]))
         return (logits, weights) if need_weights else logits
 

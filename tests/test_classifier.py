@@ -6,6 +6,9 @@ blocks, a padding mask and dropout p = 0.3 from fixed keep-masks at every
 site of every block.
 """
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -196,3 +199,103 @@ def test_bad_constructor_arguments(kw, err, match):
     args.update(kw)
     with pytest.raises(err, match=match):
         TransformerClassifier(**args)
+
+
+# ------------------------------------------------ a failed forward changes nothing
+
+
+def _state_after(model, to_xp, to_np, x, dl):
+    """(the backward of the last forward, or None for a RuntimeError; the next dropout forward)."""
+    try:
+        grads = {k: to_np(v).copy() for k, v in model.backward(dl).items()}
+    except RuntimeError:
+        grads = None
+    return grads, to_np(model.forward(x))
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    ([None, {"dropout9": None}], ValueError,
+     r"^dropout_masks\[1\]: expected keys among \['self_attn', 'dropout1', 'dropout', 'dropout2'\], "
+     r"got \['dropout9'\]"),
+    ([None, {"dropout1": "shape"}], ValueError, r"^dropout_masks\[1\]\['dropout1'\]"),
+    ([None, {"dropout": "float"}], TypeError, r"^dropout_masks\[1\]\['dropout'\]: expected a bool"),
+    ([None, {"self_attn": "list"}], TypeError, r"^dropout_masks\[1\]\['self_attn'\]"),
+])
+def test_a_forward_refused_for_block_1s_masks_changes_nothing(xp, to_xp, to_np, backend, bad, err,
+                                                                match):
+    """Block 0 must not run (its generator and cache) before block 1's masks are refused."""
+    model, twin = (small(backend, dropout=0.3, seed=0) for _ in range(2))
+    rng = np.random.default_rng(11)
+    x = to_xp(rng.standard_normal((B, L, P)))
+    dl = to_xp(rng.standard_normal((B, C)))
+    model.forward(x)
+    twin.forward(x)
+    bad = [None if m is None else {k: {"shape": to_xp(np.ones((B, L, D + 1), dtype=bool)),
+                                       "float": to_xp(np.ones((B, L, FF))),
+                                       "list": [[True]], None: None}[v] for k, v in m.items()}
+           for m in bad]
+    with pytest.raises(err, match=match):
+        model.forward(5.0 * x, dropout_masks=bad)
+    grads, nxt = _state_after(model, to_xp, to_np, x, dl)
+    ref_grads, ref_nxt = _state_after(twin, to_xp, to_np, x, dl)
+    assert grads is not None  # refused up front: the previous forward is still the one cached
+    for k in ref_grads:
+        np.testing.assert_array_equal(grads[k], ref_grads[k], err_msg=k)
+    np.testing.assert_array_equal(nxt, ref_nxt)  # the generators did not move
+
+
+def test_a_forward_that_fails_inside_a_block_leaves_no_backward(xp, to_xp, to_np, backend,
+                                                                monkeypatch):
+    """A failure after the checks (memory, say) drops the cached forward: backward is a RuntimeError."""
+    model = small(backend, dropout=0.3, seed=0)
+    rng = np.random.default_rng(12)
+    x = to_xp(rng.standard_normal((B, L, P)))
+    dl = to_xp(rng.standard_normal((B, C)))
+    model.forward(x)
+
+    def fail(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(model.blocks[1], "forward", fail)
+    with pytest.raises(MemoryError):
+        model.forward(5.0 * x)
+    with pytest.raises(RuntimeError, match=r"^backward: expected a forward call first"):
+        model.backward(dl)
+    monkeypatch.undo()
+    model.forward(x)
+    assert set(model.backward(dl)) == set(model.params)
+
+
+# ------------------------------------------------------------ copies and pickles
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_everything_but_the_last_forward(xp, to_xp, to_np, backend, how):
+    model = small(backend, dropout=0.3, norm_first=True)
+    rng = np.random.default_rng(13)
+    x = to_xp(rng.standard_normal((B, L, P)))
+    dl = to_xp(rng.standard_normal((B, C)))
+    model.forward(x)
+    model.backward(dl)
+    model.forward(x)  # a cached forward that the copy does not take
+    dup = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    assert type(dup) is TransformerClassifier and dup.xp is model.xp and dup.dtype == model.dtype
+    assert repr(dup) == repr(model) and dup.training and all(b.training for b in dup.blocks)
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(to_np(dup.params[k]), to_np(v), err_msg=k)
+    for k, v in model.grads.items():
+        np.testing.assert_array_equal(to_np(dup.grads[k]), to_np(v), err_msg=k)
+    with pytest.raises(RuntimeError, match=r"^backward: expected a forward call first"):
+        dup.backward(dl)
+    model.backward(dl)  # the original's cache is its own
+    # the generators travel: the next dropout forward is the original's next
+    a, b = to_np(model.forward(x)), to_np(dup.forward(x))
+    np.testing.assert_array_equal(b, a)
+    # and then each goes its own way: a change to the copy leaves the original alone
+    before = {k: to_np(v).copy() for k, v in model.params.items()}
+    dup.params = {k: v * 2.0 for k, v in dup.params.items()}
+    dup.eval()
+    dup.backward(dl)
+    assert model.training and all(blk.training for blk in model.blocks)
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(to_np(v), before[k], err_msg=k)
