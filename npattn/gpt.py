@@ -37,7 +37,9 @@ Code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -52,7 +54,7 @@ from .module import (backend_from_ref, backend_ref, check_param, check_path, par
                      read_npz, read_save_header, save_file_label, set_rng_state, write_save_file)
 from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
 
-__all__ = ["GPT", "GPTCache", "training_step", "sample_next", "SAVE_FORMAT", "SAVE_VERSION",
+__all__ = ["GPT", "GPTCache", "training_step", "sample_next", "check_sampling", "check_training_options", "SAVE_FORMAT", "SAVE_VERSION",
            "CONFIG_KEYS"]
 
 #: The ``format`` of a ``GPT.save`` file and its version.
@@ -73,10 +75,34 @@ class GPTCache(NamedTuple):
 
 
 def _check_int(name: str, value: Any, *, low: int, allow_none: bool = False) -> None:
+    """``validation.check_size`` (TypeError for a non-integer, ValueError below ``low``), None allowed on request."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
-        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    V.check_size(name, value, minimum=low)
+
+
+def _check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> None:
+    """``TypeError`` unless a real number (not a bool), ``ValueError`` unless finite and > 0 (>= 0)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {V.type_name(value)} {value!r}")
+    bound = ">= 0" if allow_zero else "> 0"
+    if not (math.isfinite(float(value)) and (float(value) >= 0.0 if allow_zero else float(value) > 0.0)):
+        raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
+
+
+def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
+    """None, an int >= 0 (or a ``SeedSequence``), and with ``generator`` a ``numpy.random.Generator``."""
+    if seed is None or isinstance(seed, np.random.SeedSequence):
+        return
+    if generator and isinstance(seed, np.random.Generator):
+        return
+    kinds = "None, an int >= 0" + (" or a numpy.random.Generator" if generator else " or a SeedSequence")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name}: expected {kinds}, got {V.type_name(seed)} {seed!r}")
+    if seed < 0:
+        raise ValueError(f"{name}: expected {kinds}, got {seed!r}")
 
 
 class GPT:
@@ -120,6 +146,10 @@ class GPT:
         _check_int("vocab_size", vocab_size, low=1)
         _check_int("block_size", block_size, low=1)
         _check_int("n_layer", n_layer, low=1)
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
+                             f"written for them; the blocks alone take half precision), got {dtype!r}")
+        _check_seed("seed", seed)
         seqs = np.random.SeedSequence(seed).spawn(int(n_layer) + 2)
         # the blocks check d_model, n_head, d_ff, dropout, layer_norm_eps, bias, dtype and backend
         self.blocks = [
@@ -282,8 +312,8 @@ class GPT:
         if not self.xp.isdtype(ids.dtype, "integral"):
             raise TypeError(f"{name}: expected an integer array of token ids, got dtype "
                             f"{V.dtype_name(ids.dtype)}")
-        if ids.ndim != 2 or ids.shape[1] < 1:
-            raise ValueError(f"{name}: expected shape (B, L) with L >= 1, got {V.shape_of(ids)}")
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ValueError(f"{name}: expected shape (B, L) with B >= 1 and L >= 1, got {V.shape_of(ids)}")
         if start + ids.shape[1] > self.block_size:
             raise ValueError(f"{name}: expected at most {self.block_size - start} positions (block_size "
                              f"{self.block_size}, {start} already cached), got {ids.shape[1]}")
@@ -367,11 +397,14 @@ class GPT:
             Dh = self.d_model // self.n_head
             for n, cache in enumerate(kv_caches):  # every block's cache, before any is written
                 layout = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim)
-                if layout != (B, self.n_head, Dh, Dh) or cache.dtype != self.dtype:
-                    raise ValueError(f"kv_caches[{n}]: expected a cache of batch {B}, {self.n_head} "
-                                     f"heads of {Dh}, dtype {V.dtype_name(self.dtype)} (new_caches), "
-                                     f"got batch {cache.batch_size}, {cache.num_kv_heads} heads of "
-                                     f"{cache.head_dim}, dtype {V.dtype_name(cache.dtype)}")
+                if (layout != (B, self.n_head, Dh, Dh) or cache.dtype != self.dtype
+                        or backend_name(cache.xp) != backend_name(self.xp)):
+                    raise ValueError(f"kv_caches[{n}]: expected a {backend_name(self.xp)} cache of batch "
+                                     f"{B}, {self.n_head} heads of {Dh}, dtype "
+                                     f"{V.dtype_name(self.dtype)} (new_caches), got a "
+                                     f"{backend_name(cache.xp)} cache of batch {cache.batch_size}, "
+                                     f"{cache.num_kv_heads} heads of {cache.head_dim}, dtype "
+                                     f"{V.dtype_name(cache.dtype)}")
                 cache.check_room(L, name=f"kv_caches[{n}]")
         P = self._own
         state = self._rng.bit_generator.state
@@ -395,10 +428,13 @@ class GPT:
         return logits
 
     def _check_kv_caches(self, kv_caches: Any) -> int:
-        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != self.n_layer or not all(
-                isinstance(c, KVCache) for c in kv_caches):
+        if not isinstance(kv_caches, (list, tuple)) or not all(isinstance(c, KVCache) for c in kv_caches):
             raise TypeError(f"kv_caches: expected a list of {self.n_layer} npattn.KVCache (one per "
-                            f"block, e.g. from new_caches), got {type(kv_caches).__name__}")
+                            f"block, e.g. from new_caches), got {V.type_name(kv_caches)}")
+        if len(kv_caches) != self.n_layer or len({id(c) for c in kv_caches}) != self.n_layer:
+            raise ValueError(f"kv_caches: expected {self.n_layer} distinct KVCache objects, one per block "
+                             f"(new_caches), got {len(kv_caches)} with {len({id(c) for c in kv_caches})} "
+                             "distinct (a list like [cache] * n_layer shares one cache)")
         lens = {tuple(int(n) for n in c.cache_seqlens) for c in kv_caches}
         if len(lens) != 1 or len(set(next(iter(lens)))) != 1:
             raise ValueError("kv_caches: expected the same cached length for every entry and block "
@@ -474,9 +510,11 @@ class GPT:
 
     def _check_targets(self, targets: Any, shape: tuple) -> None:
         V.check_array("targets", targets, self.xp, self._device())
-        if not self.xp.isdtype(targets.dtype, "integral") or V.shape_of(targets) != tuple(shape):
-            raise ValueError(f"targets: expected integer token ids of shape {tuple(shape)} (that of "
-                             f"ids), got dtype {V.dtype_name(targets.dtype)} and shape "
+        if not self.xp.isdtype(targets.dtype, "integral"):
+            raise TypeError(f"targets: expected an integer array of token ids, got dtype "
+                            f"{V.dtype_name(targets.dtype)}")
+        if V.shape_of(targets) != tuple(shape):
+            raise ValueError(f"targets: expected shape {tuple(shape)} (that of ids), got "
                              f"{V.shape_of(targets)}")
         h = to_numpy(targets)
         if h.min() < 0 or h.max() >= self.vocab_size:
@@ -491,7 +529,7 @@ class GPT:
         ``module(ids)`` (a LongTensor (B, L)) returns the logits (B, L, V),
         computed by torch's own layers: ``nn.Embedding`` for ``wte`` and
         ``wpe``, ``nn.TransformerEncoderLayer(norm_first=True, batch_first=True,
-        activation=nn.GELU(approximate="tanh"))`` per block with a causal
+        activation=partial(F.gelu, approximate="tanh"))`` per block with a causal
         mask, ``nn.LayerNorm``, and the head tied to ``wte``. For checking
         npattn against torch's autograd, or the other way round. Needs torch.
         """
@@ -509,7 +547,10 @@ class GPT:
                 self.blocks = torch.nn.ModuleList(
                     torch.nn.TransformerEncoderLayer(
                         D, cfg.n_head, cfg.d_ff, dropout=cfg.dropout,
-                        activation=torch.nn.GELU(approximate="tanh"), layer_norm_eps=cfg.layer_norm_eps,
+                        # a function, not nn.GELU: torch's fast inference path (eval + no_grad)
+                        # takes any nn.GELU for the exact form and ignores approximate="tanh"
+                        activation=functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+                        layer_norm_eps=cfg.layer_norm_eps,
                         batch_first=True, norm_first=True, bias=cfg.bias, dtype=dtype)
                     for _ in range(cfg.n_layer))
                 self.ln_f = torch.nn.LayerNorm(D, eps=cfg.layer_norm_eps, bias=cfg.bias, dtype=dtype)
@@ -544,13 +585,15 @@ class GPT:
         The prompt runs through the model once (filling one ``KVCache`` per
         block); then each step feeds only the token just chosen, at position
         ``L0 + t``, and reads the logits of the next one. Dropout is off
-        during generation (the mode is restored afterwards).
+        during generation (the mode is restored afterwards). The model's
+        cached forward is dropped: ``backward`` needs a new forward after it.
 
         Parameters
         ----------
-        ids : integer array, shape (B, L0), L0 >= 1
+        ids : integer array, shape (B, L0), 1 <= L0 <= block_size
         max_new_tokens : int >= 0
-            ``L0 + max_new_tokens <= block_size`` (a KV cache does not slide).
+            ``L0 + max_new_tokens - 1 <= block_size``: the last token chosen is
+            not fed back, and a KV cache does not slide.
         temperature : float > 0
             Logits are divided by it before sampling.
         top_k : int, optional
@@ -572,27 +615,29 @@ class GPT:
         _check_int("max_new_tokens", max_new_tokens, low=0)
         self._check_ids("ids", ids, 0)
         B, L0 = ids.shape
-        if L0 + max_new_tokens > self.block_size:
-            raise ValueError(f"max_new_tokens: expected at most block_size - L0 = "
-                             f"{self.block_size - L0}, got {max_new_tokens}")
+        if L0 + max_new_tokens - 1 > self.block_size:
+            raise ValueError(f"max_new_tokens: expected at most block_size - L0 + 1 = "
+                             f"{self.block_size - L0 + 1}, got {max_new_tokens}")
         check_sampling(temperature, top_k, self.vocab_size)
         V.check_bool("greedy", greedy)
         V.check_bool("return_logits", return_logits)
+        _check_seed("seed", seed, generator=True)
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         mode = self.training
         self.eval()
         try:
-            caches = self.new_caches(B, L0 + max_new_tokens)
+            caches = self.new_caches(B, L0 + max(max_new_tokens - 1, 0))
             tokens = [to_numpy(ids).astype(np.int64)]  # host [B, L0]
             steps = []
             feed = self.xp.astype(ids, self.xp.int64)
-            for _ in range(max_new_tokens):
+            for t in range(max_new_tokens):
                 last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
                 steps.append(last)
                 nxt = sample_next(to_numpy(last), rng, temperature=temperature, top_k=top_k,
                                   greedy=greedy)  # host [B]
                 tokens.append(nxt[:, None])
-                feed = from_numpy(nxt[:, None], self.xp, self._device())  # [B, 1]
+                if t < max_new_tokens - 1:
+                    feed = from_numpy(nxt[:, None], self.xp, self._device())  # [B, 1]
         finally:
             self.train(mode)
             self._cache = None
@@ -608,8 +653,7 @@ class GPT:
 
 def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:
     """The sampling options' checks (``GPT.generate``, ``sample_next``)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+    _check_number("temperature", temperature)
     _check_int("top_k", top_k, low=1, allow_none=True)
     if top_k is not None and top_k > vocab_size:
         raise ValueError(f"top_k: expected at most vocab_size = {vocab_size}, got {top_k}")
@@ -619,26 +663,60 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
                 top_k: Optional[int] = None, greedy: bool = False) -> np.ndarray:
     """One token per row of host ``logits`` (B, V): greedy, or sampled with temperature and top-k.
 
-    1. ``z = logits / temperature`` in float64
+    1. ``z = (logits - max(logits)) / temperature`` in float64 (the shift
+       first: no overflow however small the temperature, which tends to greedy)
     2. top-k: entries below the k-th largest of their row -> -inf
-    3. ``p = softmax(z)``; ``u ~ U[0, 1)`` from ``rng``, one per row
+    3. ``p = exp(z)`` (unnormalised softmax); ``u ~ U[0, 1)`` from ``rng``, one per row
     4. the token is the first ``v`` with ``cumsum(p)[v] > u * sum(p)`` (inverse CDF)
 
-    Shapes: ``logits`` (B, V) -> tokens (B,) int64.
+    Shapes: ``logits`` (B, V) -> tokens (B,) int64. Each row needs a finite
+    largest logit (entries may be -inf, none NaN or +inf).
     """
     # [B, V] -> [B]
     z = np.asarray(logits, dtype=np.float64)
+    if z.ndim != 2 or z.shape[0] < 1 or z.shape[1] < 1:
+        raise ValueError(f"logits: expected shape (B, V) with B, V >= 1, got {z.shape}")
+    if np.isnan(z).any() or np.isposinf(z).any() or not np.isfinite(z.max(axis=-1)).all():
+        raise ValueError("logits: expected no NaN or +inf and a finite largest entry in every row")
+    V.check_bool("greedy", greedy)
     if greedy:
         return np.argmax(z, axis=-1).astype(np.int64)
     check_sampling(temperature, top_k, z.shape[-1])
-    z = z / float(temperature)  # 1.
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator, got {V.type_name(rng)}")
+    with np.errstate(over="ignore"):  # a tiny temperature sends the others to -inf, as intended
+        z = (z - np.max(z, axis=-1, keepdims=True)) / float(temperature)  # 1.  [B, V], max 0
     if top_k is not None:  # 2.
         kth = np.sort(z, axis=-1)[:, -int(top_k)][:, None]
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - np.max(z, axis=-1, keepdims=True))  # 3.
+    p = np.exp(z)  # 3.                                                      [B, V]
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(z.shape[0]) * cdf[:, -1]
     return np.minimum((cdf <= u[:, None]).sum(axis=-1), z.shape[-1] - 1).astype(np.int64)  # 4.
+
+
+def check_training_options(model: GPT, state: Any, *, lr: Any, max_grad_norm: Any, betas: Any,
+                           eps: Any, weight_decay: Any) -> None:
+    """``training_step``'s own arguments, checked before the forward (a failed step changes nothing)."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"model: expected an npattn.gpt.GPT, got {V.type_name(model)}")
+    _check_number("lr", lr)
+    _check_number("max_grad_norm", max_grad_norm, allow_none=True)
+    _check_number("eps", eps)
+    _check_number("weight_decay", weight_decay, allow_zero=True)
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= float(b) < 1.0
+                       for b in betas)):
+        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+    if not isinstance(state, nn.AdamState):
+        raise TypeError(f"state: expected an npattn.nn.AdamState (nn.adam_init(model.params)), got "
+                        f"{V.type_name(state)}")
+    params = model.params
+    for moments in (state.m, state.v):
+        if set(moments) != set(params) or any(V.shape_of(moments[k]) != V.shape_of(p)
+                                             for k, p in params.items()):
+            raise ValueError("state: expected the Adam moments of this model's parameters "
+                             "(nn.adam_init(model.params)), got moments of other names or shapes")
 
 
 def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr: float,
@@ -649,12 +727,15 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
 
     ``state`` from ``nn.adam_init(model.params)``; the model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
-    clipping (``max_grad_norm=None``: no clipping).
+    clipping (``max_grad_norm=None``: no clipping). Every argument is checked
+    before the forward.
     """
+    check_training_options(model, state, lr=lr, max_grad_norm=max_grad_norm, betas=betas, eps=eps,
+                           weight_decay=weight_decay)
     loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks)
     grads = model.backward(dlogits)
     if max_grad_norm is not None:
-        grads, norm = nn.clip_grad_norm(grads, max_grad_norm)
+        grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))
     else:
         norm = math.sqrt(sum(float(model.xp.sum(g * g)) for g in grads.values()))
     new, state = nn.adam_step(model.params, grads, state, lr=lr, betas=betas, eps=eps,

@@ -297,3 +297,100 @@ def test_loading_another_kind_of_file_is_a_value_error(tmp_path):
         GPT.load(str(path))
     with pytest.raises(TypeError, match="path"):
         make().save(3)
+
+
+# ------------------------------------------------------------ review findings
+
+
+def test_one_cache_shared_by_every_block_is_refused(xp, to_xp):
+    from npattn import KVCache
+
+    model = make(xp).eval()
+    cache = KVCache(B, T, H, D // H, dtype="float64", backend=xp)
+    with pytest.raises(ValueError, match="distinct"):
+        model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=[cache] * N)
+    assert list(cache.cache_seqlens) == [0, 0]
+    with pytest.raises(ValueError, match="distinct"):
+        model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=model.new_caches(B)[:1])
+
+
+def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its_input():
+    rng = np.random.default_rng(0)
+    logits = np.array([[0.0, 1.0, 5.0, 2.0]] * 50)
+    for tau in (1e-3, 1e-307, 5e-324):  # (logits - max) / tau: no overflow, the largest wins
+        assert np.all(sample_next(logits, rng, temperature=tau) == 2)
+    with_neg_inf = np.array([[-np.inf, 0.0, -np.inf]])
+    assert sample_next(with_neg_inf, rng)[0] == 1
+    bad = [
+        (np.array([[0.0, np.nan]]), {}, ValueError, "logits"),
+        (np.array([[0.0, np.inf]]), {}, ValueError, "logits"),
+        (np.array([[-np.inf, -np.inf]]), {}, ValueError, "logits"),
+        (np.array([0.0, 1.0]), {}, ValueError, "logits"),
+        (np.zeros((2, 3, 4)), {}, ValueError, "logits"),
+        (logits, {"greedy": "no"}, TypeError, "greedy"),
+        (logits, {"temperature": 0.0}, ValueError, "temperature"),
+        (logits, {"top_k": 5}, ValueError, "top_k"),
+    ]
+    for z, kw, error, match in bad:
+        with pytest.raises(error, match=match):
+            sample_next(z, rng, **kw)
+    with pytest.raises(TypeError, match="rng"):
+        sample_next(logits, 0)
+    assert sample_next(logits, rng, temperature=np.float32(0.5)).shape == (50,)
+
+
+def test_to_torch_matches_in_eval_mode_under_no_grad():
+    torch = pytest.importorskip("torch")
+    model = perturbed(make(), lambda a: a).eval()
+    tmodel = model.to_torch()
+    ids = ids_of(3)
+    with torch.no_grad():  # torch's fast inference path of the encoder layers
+        got = tmodel(torch.from_numpy(ids)).numpy()
+    np.testing.assert_allclose(got, model.forward(ids), rtol=0, atol=1e-10)
+
+
+def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
+    model, twin = make(xp, dropout=0.2), make(xp, dropout=0.2)
+    ids, tgt = to_xp(ids_of(0)), to_xp(ids_of(1))
+    state = nn.adam_init(model.params)
+    other = nn.adam_init(GPT(VOCAB, T, D, 1, H, FF, dtype="float64", backend=xp).params)  # one block
+    cases = [
+        (dict(lr=-1.0), ValueError, "lr"), (dict(lr="a"), TypeError, "lr"),
+        (dict(lr=0.1, max_grad_norm=0), ValueError, "max_grad_norm"),
+        (dict(lr=0.1, betas=(0.9,)), ValueError, "betas"),
+        (dict(lr=0.1, eps=0.0), ValueError, "eps"),
+        (dict(lr=0.1, weight_decay=-1.0), ValueError, "weight_decay"),
+    ]
+    for kw, error, match in cases:
+        with pytest.raises(error, match=match):
+            training_step(model, state, ids, tgt, **kw)
+    with pytest.raises(ValueError, match="state"):
+        training_step(model, other, ids, tgt, lr=0.1)
+    with pytest.raises(TypeError, match="state"):
+        training_step(model, None, ids, tgt, lr=0.1)
+    assert model.grads == {}  # nothing ran
+    np.testing.assert_array_equal(to_numpy(model.forward(ids)), to_numpy(twin.forward(ids)))
+    training_step(model, state, ids, tgt, lr=0.1, max_grad_norm=np.float32(1.0))  # NumPy scalars are numbers
+
+
+def test_constructor_and_generate_checks(xp, to_xp):
+    with pytest.raises(ValueError, match="dtype"):
+        make(xp, dtype="float16")
+    with pytest.raises(TypeError, match="seed"):
+        GPT(VOCAB, T, D, N, H, seed=1.5)
+    with pytest.raises(ValueError, match="seed"):
+        GPT(VOCAB, T, D, N, H, seed=-1)
+    with pytest.raises(TypeError, match="vocab_size"):
+        GPT(2.0, T, D, N, H)
+    model = make(xp)
+    with pytest.raises(ValueError, match="B >= 1"):
+        model.forward(to_xp(np.zeros((0, 3), dtype=np.int64)))
+    with pytest.raises(TypeError, match="seed"):
+        model.generate(to_xp(ids_of(0, (B, 2))), 2, seed="x")
+    # a prompt of the whole context still gets one token: the last one chosen is never fed back
+    out, logits = model.eval().generate(to_xp(ids_of(2, (B, T))), 1, greedy=True, return_logits=True)
+    assert tuple(out.shape) == (B, T + 1)
+    np.testing.assert_allclose(to_numpy(logits)[:, 0], to_numpy(model.forward(to_xp(ids_of(2, (B, T)))))[:, -1],
+                               rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(to_xp(ids_of(2, (B, T))), 2)
