@@ -47,6 +47,45 @@ def test_image_patches_are_row_by_row():
     assert dd.image_patches(img, 4).shape == (1, 4, 16)
     with pytest.raises(ValueError, match=r"^images: expected shape \(N, S, S\)"):
         dd.image_patches(img, 3)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match=r"^patch: expected an int >= 1, got " + repr(bad)):
+            dd.image_patches(img, bad)
+
+
+def test_the_docstring_lists_the_default_models_final_layer_norm():
+    """The default model is pre-norm (ViT): a layer norm between the blocks and the pooling."""
+    assert dd.DigitsConfig().norm_first
+    steps = [ln.strip() for ln in dd.__doc__.splitlines() if ln.strip()[:2] in {f"{i}." for i in range(10)}]
+    assert [s.split()[0] for s in steps] == [f"{i}." for i in range(1, len(steps) + 1)]
+    blocks = next(i for i, s in enumerate(steps) if "TransformerBlock" in s)
+    pool = next(i for i, s in enumerate(steps) if "mean over the L tokens" in s)
+    assert pool == blocks + 2 and "layer_norm" in steps[blocks + 1], steps
+
+
+def _fake_data(n=4, patch=2):
+    rng = np.random.default_rng(0)
+    images = rng.random((n, 8, 8))
+    x = dd.image_patches(images, patch)
+    y = np.arange(n, dtype=np.int64) % dd.N_CLASSES
+    return dd.DigitsData(x, y, x, y, images, patch)
+
+
+@pytest.mark.parametrize("call", ["evaluate", "save_attention_figures"])
+def test_a_failure_puts_the_training_mode_back(call, tmp_path, monkeypatch):
+    data = _fake_data()
+    model = dd.build_model(dd.DigitsConfig(d_model=8, n_head=2), data)
+    assert model.training
+
+    def fail(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(model, "forward", fail)
+    with pytest.raises(MemoryError):
+        if call == "evaluate":
+            dd.evaluate(model, data.x_val, data.y_val)
+        else:
+            dd.save_attention_figures(model, data, str(tmp_path))
+    assert model.training and all(b.training for b in model.blocks)
 
 
 def test_stratified_split_is_seeded_disjoint_and_keeps_the_class_shares():

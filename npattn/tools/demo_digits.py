@@ -9,10 +9,11 @@ classifies the sequence::
 
     1. e      = patches @ embed.weight.T + embed.bias   [B, L, D]
     2. h      = e + pos                                 [B, L, D]   learned positions
-    3. h      = TransformerBlock(h)  (n_layers of them)  [B, L, D]
-    4. z      = mean over the L tokens of h             [B, D]
-    5. logits = z @ head.weight.T + head.bias           [B, 10]
-    6. loss   = cross_entropy(logits, labels)           []
+    3. h      = TransformerBlock(h)  (n_layers of them)  [B, L, D]   pre-norm by default
+    4. h      = layer_norm(h)                           [B, L, D]   pre-norm only (the default, as ViT)
+    5. z      = mean over the L tokens of h             [B, D]
+    6. logits = z @ head.weight.T + head.bias           [B, 10]
+    7. loss   = cross_entropy(logits, labels)           []
 
 trained with Adam (``npattn.nn.adam_step``), the gradients clipped to a global
 norm (``npattn.nn.clip_grad_norm``) and the learning rate decayed by a cosine.
@@ -93,6 +94,8 @@ def image_patches(images: np.ndarray, patch: int) -> np.ndarray:
     patch column ``c``, themselves row by row: ``L = (S / patch)^2``,
     ``P = patch^2``.
     """
+    if isinstance(patch, bool) or not isinstance(patch, (int, np.integer)) or patch < 1:
+        raise ValueError(f"patch: expected an int >= 1, got {patch!r}")
     N, S = images.shape[0], images.shape[-1]
     if images.ndim != 3 or images.shape[1] != S or S % patch:
         raise ValueError(f"images: expected shape (N, S, S) with S divisible by patch {patch}, "
@@ -175,14 +178,16 @@ def evaluate(model: TransformerClassifier, x: np.ndarray, y: np.ndarray, *, batc
     xp, was_training = model.xp, model.training
     model.eval()
     total, correct = 0.0, 0
-    for i in range(0, x.shape[0], batch):
-        xb = xp.astype(from_numpy(x[i:i + batch], xp), model.dtype)  # [b, L, P]
-        yb = from_numpy(y[i:i + batch], xp)  # [b]
-        logits = model.forward(xb)  # [b, C]
-        loss, _ = nn.cross_entropy_forward(logits, yb)
-        total += float(loss) * yb.shape[0]
-        correct += int(np.sum(to_numpy(xp.argmax(logits, axis=-1)) == y[i:i + batch]))
-    model.train(was_training)
+    try:
+        for i in range(0, x.shape[0], batch):
+            xb = xp.astype(from_numpy(x[i:i + batch], xp), model.dtype)  # [b, L, P]
+            yb = from_numpy(y[i:i + batch], xp)  # [b]
+            logits = model.forward(xb)  # [b, C]
+            loss, _ = nn.cross_entropy_forward(logits, yb)
+            total += float(loss) * yb.shape[0]
+            correct += int(np.sum(to_numpy(xp.argmax(logits, axis=-1)) == y[i:i + batch]))
+    finally:
+        model.train(was_training)
     return total / x.shape[0], correct / x.shape[0]
 
 
@@ -314,8 +319,10 @@ def save_attention_figures(model: TransformerClassifier, data: DigitsData, out_d
     x = xp.astype(from_numpy(data.x_val[index:index + 1], xp), model.dtype)  # [1, L, P]
     was_training = model.training
     model.eval()
-    logits, weights = model.forward(x, need_weights=True)
-    model.train(was_training)
+    try:
+        logits, weights = model.forward(x, need_weights=True)
+    finally:
+        model.train(was_training)
     w = np.asarray(to_numpy(weights[0]), dtype=np.float64)[0]  # [H, L, L]
     label, pred = int(data.y_val[index]), int(np.argmax(to_numpy(logits)[0]))
     H, L = w.shape[0], w.shape[-1]
