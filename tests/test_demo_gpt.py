@@ -93,3 +93,28 @@ def test_the_command_refuses_options_of_other_tasks(extra, named, tmp_path, caps
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert named in err, err
+
+
+def test_edge_settings_do_not_fail_after_training(tmp_path, capsys):
+    from npattn.tools import cli
+
+    # a context of 2 and samples longer than it: each continuation is at least one character
+    model, codec, _ = train(GPTDemoConfig(**{**SMALL, "block_size": 2, "steps": 3, "eval_every": 3}),
+                            progress=False)
+    (prompt, text), = generate_samples(model, codec, prompts=("The ",), length=7, seed=0)
+    assert len(text) == len(prompt) + 7
+    few = CharCodec("abcab")  # a vocabulary smaller than the default top-k of 10
+    tiny = train(GPTDemoConfig(**{**SMALL, "block_size": 2, "steps": 2, "eval_every": 2}),
+                 text="abcab" * 40, progress=False)[0]
+    assert len(generate_samples(tiny, few, prompts=("ab",), length=5)[0][1]) == 7
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    status = cli.main(["demo", "--task", "gpt", "--no-plots", "--out", str(afile), "--steps", "1"])
+    assert status == 2 and "--out" in capsys.readouterr().err  # refused before training
+    status = cli.main(["demo", "--task", "gpt", "--seq-len", "150000", "--steps", "1",
+                       "--out", str(tmp_path / "g"), "--no-progress", "--no-plots"])
+    assert status == 2 and "at least" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--task", "gpt", "--seq-len", "1", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="steps"):
+        train(GPTDemoConfig(**{**SMALL, "steps": 0}), progress=False)

@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     if args.warmup < 0:
         parser.error(f"--warmup: expected a non-negative integer, got {args.warmup}")
     if args.d_model % args.n_head:
-        parser.error(f"--heads: expected a divisor of --d-model {args.d_model}, got {args.n_head}")
+        parser.error(f"--n-head: expected a divisor of --d-model {args.d_model}, got {args.n_head}")
     torch_compare = not args.no_torch
     if torch_compare:
         try:

@@ -2,8 +2,9 @@
 
 * ``npattn check``: audit every hand-derived gradient against finite differences;
 * ``npattn demo``: train a small attention model with hand-derived gradients and save
-  attention heatmaps: ``--task reverse`` (digit reversal, the default) or
-  ``--task digits`` (a Transformer classifier on scikit-learn's handwritten digits);
+  its pictures: ``--task reverse`` (digit reversal, the default; attention heatmaps),
+  ``--task digits`` (a Transformer classifier on scikit-learn's handwritten digits) or
+  ``--task gpt`` (a character-level GPT on npattn's docstrings; loss curve, samples);
 * ``npattn bench``: timings (provided by ``npattn.tools.bench`` when installed);
 * ``npattn verify``: check your attention kernel against npattn (``npattn.tools.verify``).
 
@@ -76,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small attention model (digit reversal, handwritten digits, or a "
         "character-level GPT), save its pictures",
         description="Train a small model whose every gradient is derived by hand, and save "
-        "per-head attention heatmaps (PNG, needs matplotlib: pip install '.[plot]' from the "
-        "repository root). --task reverse (the default): embedding + positional encoding + "
+        "its pictures (PNG, needs matplotlib: pip install '.[plot]' from the repository root): "
+        "attention heatmaps, or gpt's loss curve. --task reverse (the default): embedding + positional encoding + "
         "multi-head self-attention + output projection, with softmax cross-entropy and Adam, "
         "learns to reverse digit sequences. --task digits: a TransformerClassifier (patch "
         "embedding, learned positions, Transformer blocks, mean pooling, a linear head) "
@@ -113,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--d-model", type=positive_int, default=None,
                       help="model width (default 32; gpt: 96)")
     demo.add_argument("--batch", type=positive_int, default=None,
-                      help="sequences per step (default 64; digits: 32 images)")
+                      help="sequences per step (default 64; digits: 32 images; gpt: 32 windows)")
     demo.add_argument("--lr", type=positive_float, default=None,
-                      help="Adam learning rate, a positive finite number (default 1e-2)")
+                      help="Adam learning rate, a positive finite number (default 1e-2; gpt: 3e-3)")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     demo.add_argument("--seed", type=non_negative_int, default=0)
@@ -316,6 +317,8 @@ def _check_demo_args(args, parser):
     if args.task == "gpt" and len(args.heads) != 1:
         parser.error(f"--heads: --task gpt trains one model, expected one head count, got "
                      f"{','.join(str(h) for h in args.heads)}")
+    if args.task == "gpt" and args.seq_len < 2:
+        parser.error(f"--seq-len: --task gpt needs a context of at least 2 characters, got {args.seq_len}")
 
 
 def _output_folder_error(path) -> str | None:
@@ -352,7 +355,7 @@ def _demo_plots(args) -> bool | None:
     if args.no_plots:
         return False
     if not have_matplotlib():
-        print("npattn demo: matplotlib is not installed, so no heatmaps are saved "
+        print("npattn demo: matplotlib is not installed, so no pictures are saved "
               "(pip install '.[plot]' from the repository root)", file=sys.stderr)
         return False
     why = _output_folder_error(args.out)  # before training, not after minutes of it
@@ -435,6 +438,10 @@ def _demo_digits(args, plots: bool) -> int:
 def _demo_gpt(args, plots: bool) -> int:
     from . import demo_gpt as dg
 
+    why = _output_folder_error(args.out)  # samples.txt is written even without plots
+    if why is not None:
+        print(f"npattn demo: {why}", file=sys.stderr)
+        return 2
     cfg = dg.GPTDemoConfig(block_size=args.seq_len, d_model=args.d_model, n_layer=args.layers,
                            n_head=args.heads[0], batch=args.batch, steps=args.steps, lr=args.lr,
                            dropout=args.dropout, dtype=args.dtype, backend=args.backend,
@@ -445,7 +452,11 @@ def _demo_gpt(args, plots: bool) -> int:
           f"d_model={cfg.d_model}, {cfg.n_layer} blocks of {cfg.n_head} heads, dropout "
           f"{cfg.dropout}, {cfg.steps} Adam steps of {cfg.batch} windows, lr={cfg.lr} (warm-up, "
           f"cosine), clipping at {cfg.max_grad_norm}, {args.backend} {args.dtype}, seed {args.seed}")
-    model, codec, hist = dg.train(cfg, text=text, progress=not args.no_progress)
+    try:
+        model, codec, hist = dg.train(cfg, text=text, progress=not args.no_progress)
+    except ValueError as exc:  # a context longer than the text allows
+        print(f"npattn demo: --seq-len {cfg.block_size}: {exc}", file=sys.stderr)
+        return 2
     print(dg.format_summary(cfg, hist))
     samples = dg.generate_samples(model, codec, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)

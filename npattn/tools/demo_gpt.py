@@ -114,7 +114,7 @@ class CharCodec:
 
 def _windows(data: np.ndarray, rng: np.random.Generator, batch: int, L: int):
     """``batch`` windows of ``L`` tokens at random offsets and the same shifted by one. # -> [B, L] x 2"""
-    starts = rng.integers(0, len(data) - L - 1, size=batch)
+    starts = rng.integers(0, len(data) - L, size=batch)  # the last target is data[-1]
     idx = starts[:, None] + np.arange(L)[None, :]  # [B, L]
     return data[idx], data[idx + 1]
 
@@ -129,14 +129,18 @@ def _lr(cfg: GPTDemoConfig, step: int) -> float:
 
 def train(cfg: GPTDemoConfig, *, text: Optional[str] = None, progress: bool = True, stream=None):
     """Train a character GPT on ``text`` (default: ``corpus()``); returns ``(model, codec, history)``."""
+    for name in ("block_size", "steps", "eval_every", "eval_batches", "batch"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"cfg.{name}: expected an int >= 1, got {getattr(cfg, name)!r}")
     text = corpus() if text is None else text
     codec = CharCodec(text)
     data = codec.encode(text)
-    n_val = max(len(data) // 10, cfg.block_size + 2)
+    n_val = max(len(data) // 10, cfg.block_size + 1)
     train_data, val_data = data[:-n_val], data[-n_val:]
-    if len(train_data) < cfg.block_size + 2:
-        raise ValueError(f"text: expected more than {cfg.block_size + 2 + n_val} characters for "
-                         f"block_size {cfg.block_size}, got {len(data)}")
+    if len(train_data) < cfg.block_size + 1:
+        raise ValueError(f"text: expected at least {cfg.block_size + 1 + n_val} characters for "
+                         f"block_size {cfg.block_size} (a window and its shifted targets in each "
+                         f"part), got {len(data)}")
     xp = resolve_backend(cfg.backend)
     init_seq, data_seq, val_seq = np.random.SeedSequence(cfg.seed).spawn(3)
     model = GPT(codec.vocab_size, cfg.block_size, cfg.d_model, cfg.n_layer, cfg.n_head,
@@ -184,25 +188,28 @@ def generate_samples(model: GPT, codec: CharCodec, *, prompts=PROMPTS, length: i
     """``(prompt, text)`` pairs: each prompt continued by ``length`` characters.
 
     ``GPT.generate`` fills the context (``block_size``) with its KV caches;
-    a longer sample goes on from its last ``block_size // 2`` characters as a
-    new prompt (fresh caches: the learned positions start at 0 again), and so
-    on until ``length`` characters are generated.
+    a longer sample goes on from its last ``max(1, block_size // 2)``
+    characters as a new prompt (fresh caches: the learned positions start at
+    0 again), and so on until ``length`` characters are generated. ``top_k``
+    is capped at the vocabulary.
     """
     out = []
     rng = np.random.default_rng(seed)
     T = model.block_size
+    keep = max(1, T // 2)
+    top_k = None if top_k is None else min(top_k, codec.vocab_size)
     for prompt in prompts:
-        ids = codec.encode(prompt)[-(T // 2):]  # host [L0]
+        ids = codec.encode(prompt)[-keep:]  # host [L0], L0 <= T // 2 or 1
         text = prompt
         left = length
         while left > 0:
-            n = min(left, T - len(ids))
+            n = min(left, T - len(ids) + 1)  # >= 1: generate feeds L0 + n - 1 <= T tokens
             gen = model.generate(from_numpy(ids[None, :], model.xp), n, temperature=temperature,
                                  top_k=top_k, seed=rng)
             new = to_numpy(gen)[0, len(ids):]
             text += codec.decode(new)
             left -= n
-            ids = np.concatenate([ids, new])[-(T // 2):]
+            ids = np.concatenate([ids, new])[-keep:]
         out.append((prompt, text))
     return out
 
