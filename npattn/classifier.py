@@ -38,7 +38,7 @@ from . import layers as Ly
 from . import nn
 from . import validation as V
 from .backend import device_of, from_numpy
-from .module import backend_from_ref, backend_ref, check_param
+from .stack import BlockStack
 from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
 
 __all__ = ["TransformerClassifier", "ClassifierCache"]
@@ -54,7 +54,7 @@ class ClassifierCache(NamedTuple):
     # the blocks (3.) keep their own caches, as TransformerBlock does
 
 
-class TransformerClassifier:
+class TransformerClassifier(BlockStack):
     """Patch embedding, learned positions, ``n_layers`` Transformer encoder blocks, mean pooling, a linear head.
 
     Parameters
@@ -88,6 +88,15 @@ class TransformerClassifier:
 
     Attributes
     ----------
+    params : dict
+        A new dict of every parameter, in the order of the forward's steps
+        (``BlockStack.params``): ``embed.weight`` (D, P), ``embed.bias`` (D,),
+        ``pos`` (L, D), ``blocks.{n}.`` + the block's own names
+        (``blocks.0.self_attn.w_q``, ``blocks.0.linear1.weight``, ...),
+        ``norm.weight`` and ``norm.bias`` (D,) with ``norm_first``,
+        ``head.weight`` (C, D), ``head.bias`` (C,). Assign a whole dict with the
+        same keys to replace them (every array is checked first, so a failed
+        assignment changes nothing).
     grads : dict
         Filled by ``backward``: the keys and shapes of ``params``.
     dx : array or None
@@ -95,6 +104,8 @@ class TransformerClassifier:
         (B, L, P).
     blocks : list of TransformerBlock
     """
+
+    LEADING = ("embed.weight", "embed.bias", "pos")
 
     def __init__(self, n_features: int, seq_len: int, n_classes: int, d_model: int = 32,
                  n_head: int = 4, n_layers: int = 1, d_ff: Optional[int] = None, *,
@@ -143,84 +154,6 @@ class TransformerClassifier:
         own["head.weight"] = rng.uniform(-a_out, a_out, size=(C, D))  # [C, D]
         own["head.bias"] = np.zeros(C)  # [C]
         return {k: self.xp.astype(from_numpy(v, self.xp), self.dtype) for k, v in own.items()}
-
-    # ------------------------------------------------------------ parameters
-
-    @property
-    def params(self) -> dict:
-        """A new dict of every parameter, in the order of the forward's steps.
-
-        Names: ``embed.weight`` (D, P), ``embed.bias`` (D,), ``pos`` (L, D),
-        ``blocks.{n}.`` + the block's own names (``blocks.0.self_attn.w_q``,
-        ``blocks.0.linear1.weight``, ...), ``norm.weight`` and ``norm.bias``
-        (D,) with ``norm_first``, ``head.weight`` (C, D), ``head.bias`` (C,).
-        Assign a whole dict with the same keys to replace them (every array
-        is checked first, so a failed assignment changes nothing); writing
-        into the returned dict changes nothing.
-        """
-        own = self._own
-        out = {k: own[k] for k in ("embed.weight", "embed.bias", "pos")}
-        for n, block in enumerate(self.blocks):
-            out.update({f"blocks.{n}.{k}": v for k, v in block.params.items()})
-        out.update({k: v for k, v in own.items() if k.startswith(("norm.", "head."))})
-        return out
-
-    @params.setter
-    def params(self, new: dict):
-        current = self.params
-        if not isinstance(new, dict) or set(new) != set(current):
-            got = sorted(new) if isinstance(new, dict) else type(new).__name__
-            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
-        for name, like in current.items():
-            check_param(name, new[name], like=like, xp=self.xp)
-        for n, block in enumerate(self.blocks):  # all checked: nothing below fails
-            prefix = f"blocks.{n}."
-            block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
-        self._own = {k: new[k] for k in self._own}
-
-    def n_params(self) -> int:
-        """The number of scalar parameters."""
-        return sum(math.prod(p.shape) for p in self.params.values())
-
-    def train(self, mode: bool = True) -> "TransformerClassifier":
-        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
-        V.check_bool("mode", mode)
-        self.training = bool(mode)
-        for block in self.blocks:
-            block.train(mode)
-        return self
-
-    def eval(self) -> "TransformerClassifier":
-        """Evaluation mode: dropout is off. Returns self."""
-        return self.train(False)
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-    # ------------------------------------------------------------ copies
-
-    def __getstate__(self) -> dict:
-        """What ``pickle`` and ``copy.deepcopy`` keep: everything but the namespace and the cache.
-
-        As ``TransformerBlock``'s and ``GPT``'s: the backend travels by name
-        and is resolved again; parameters, ``grads``, ``dx``, the mode and the
-        blocks (with their dropout generators, which pickle themselves) are
-        kept, so a copy draws the same next dropout masks as the original and
-        then goes its own way. The last forward's activations are dropped:
-        ``backward`` on a copy needs a forward first.
-        """
-        state = dict(self.__dict__)
-        state["xp"] = backend_ref(self.xp)
-        state["dtype"] = V.dtype_name(self.dtype)
-        state["_cache"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        xp = backend_from_ref(state["xp"])
-        state["xp"] = xp
-        state["dtype"] = getattr(xp, state["dtype"])
-        self.__dict__.update(state)
 
     # ---------------------------------------------------------------- forward
 

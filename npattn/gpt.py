@@ -50,8 +50,9 @@ from . import nn
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
 from .kvcache import KVCache
-from .module import (backend_from_ref, backend_ref, check_param, check_path, params_from_save_file,
-                     read_npz, read_save_header, save_file_label, set_rng_state, write_save_file)
+from .module import (check_path, params_from_save_file, read_npz, read_save_header, save_file_label,
+                     set_rng_state, write_save_file)
+from .stack import BlockStack
 from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
 
 __all__ = ["GPT", "GPTCache", "training_step", "sample_next", "check_sampling", "check_training_options", "SAVE_FORMAT", "SAVE_VERSION",
@@ -105,7 +106,7 @@ def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
         raise ValueError(f"{name}: expected {kinds}, got {seed!r}")
 
 
-class GPT:
+class GPT(BlockStack):
     """A GPT-2-style language model with hand-derived gradients.
 
     Parameters
@@ -135,9 +136,17 @@ class GPT:
     ----------
     blocks : list of TransformerBlock
         ``norm_first=True``, ``activation="gelu_tanh"``; run causal.
+    params : dict
+        A new dict of every parameter (``BlockStack.params``): ``wte`` (V, D),
+        ``wpe`` (T, D), ``blocks.{n}.{name}`` (the block's names:
+        ``self_attn.w_q`` ..., ``linear1.weight`` ..., ``norm1.weight`` ...),
+        ``ln_f.weight`` (D,), ``ln_f.bias`` (D,). Assign a whole dict to
+        replace them (every array checked first).
     grads : dict
         Filled by ``backward``: same keys and shapes as ``params``.
     """
+
+    LEADING = ("wte", "wpe")
 
     def __init__(self, vocab_size: int, block_size: int, d_model: int, n_layer: int, n_head: int,
                  d_ff: Optional[int] = None, *, dropout: float = 0.0, layer_norm_eps: float = 1e-5,
@@ -176,77 +185,7 @@ class GPT:
         self.grads: dict = {}
         self._cache: Any = None
 
-    # ------------------------------------------------------------ parameters
-
-    @property
-    def params(self) -> dict:
-        """A new dict of every parameter.
-
-        ``wte`` (V, D), ``wpe`` (T, D), ``blocks.{n}.{name}`` (the block's
-        names: ``self_attn.w_q`` ..., ``linear1.weight`` ..., ``norm1.weight``
-        ...), ``ln_f.weight`` (D,), ``ln_f.bias`` (D,). Assign a whole dict
-        to replace them (every array checked first); writing into the
-        returned dict changes nothing.
-        """
-        out = {"wte": self._own["wte"], "wpe": self._own["wpe"]}
-        for n, block in enumerate(self.blocks):
-            out.update({f"blocks.{n}.{k}": v for k, v in block.params.items()})
-        out.update({k: v for k, v in self._own.items() if k.startswith("ln_f.")})
-        return out
-
-    @params.setter
-    def params(self, new: dict):
-        current = self.params
-        if not isinstance(new, dict) or set(new) != set(current):
-            got = sorted(new) if isinstance(new, dict) else type(new).__name__
-            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
-        for name, like in current.items():
-            check_param(name, new[name], like=like, xp=self.xp)
-        for n, block in enumerate(self.blocks):  # all checked: nothing below fails
-            prefix = f"blocks.{n}."
-            block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
-        self._own = {k: new[k] for k in self._own}
-
-    def n_params(self) -> int:
-        """The number of parameters (the tied head counted once)."""
-        return sum(math.prod(p.shape) for p in self.params.values())
-
-    def train(self, mode: bool = True):
-        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
-        V.check_bool("mode", mode)
-        self.training = bool(mode)
-        for block in self.blocks:
-            block.train(mode)
-        return self
-
-    def eval(self):
-        """Evaluation mode: dropout is off. Returns self."""
-        return self.train(False)
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
     # ------------------------------------------------------------ copies, files
-
-    def __getstate__(self) -> dict:
-        """What ``pickle`` and ``copy.deepcopy`` keep: everything but the namespace and the cache.
-
-        As the blocks': the backend travels by name; parameters, ``grads``,
-        the mode and the dropout generator's state are kept, the last
-        forward's activations are not (``backward`` on a copy needs a forward).
-        """
-        state = dict(self.__dict__)
-        state["xp"] = backend_ref(self.xp)
-        state["dtype"] = V.dtype_name(self.dtype)
-        state["_cache"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        xp = backend_from_ref(state["xp"])
-        state["xp"] = xp
-        state["dtype"] = getattr(xp, state["dtype"])
-        self.__dict__.update(state)
 
     def save(self, path: Any) -> None:
         """Write the model to ``path``, a portable ``.npz`` file (``MultiHeadAttention.save``'s layout).

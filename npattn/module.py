@@ -1175,6 +1175,28 @@ def check_path(path: Any) -> None:
                     f"got {V.type_name(path)}")
 
 
+def picklable_state(obj: Any) -> dict:
+    """``obj.__dict__`` for ``pickle`` and ``copy.deepcopy``: the namespace ``xp`` and ``dtype`` by name, no ``_cache``.
+
+    The ``__getstate__`` of npattn's stateful models (the blocks, GPT, the
+    classifier); ``restore_state`` is its ``__setstate__``.
+    """
+    state = dict(obj.__dict__)
+    state["xp"] = backend_ref(state["xp"])
+    state["dtype"] = V.dtype_name(state["dtype"])
+    state["_cache"] = None
+    return state
+
+
+def restore_state(obj: Any, state: dict) -> None:
+    """Set ``obj.__dict__`` from ``picklable_state``'s dict, resolving the namespace and the dtype again."""
+    state = dict(state)
+    xp = backend_from_ref(state["xp"])
+    state["xp"] = xp
+    state["dtype"] = getattr(xp, state["dtype"])
+    obj.__dict__.update(state)
+
+
 def save_file_label(path: Any) -> str:
     """The prefix of ``load``'s error messages: the file's name when it has one."""
     return f"load: {os.fspath(path)!r}" if isinstance(path, (str, os.PathLike)) else "load"

@@ -34,9 +34,9 @@ from . import functional as F
 from . import layers as Ly
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
-from .module import (MultiHeadAttention, backend_from_ref, backend_ref, check_forward_inputs, check_param,
-                     check_path, params_from_save_file, read_npz, read_save_header, save_file_label,
-                     set_rng_state, write_save_file)
+from .module import (MultiHeadAttention, check_forward_inputs, check_param, check_path,
+                     params_from_save_file, picklable_state, read_npz, read_save_header, restore_state,
+                     save_file_label, set_rng_state, write_save_file)
 
 __all__ = [
     "TransformerBlock",
@@ -531,18 +531,10 @@ class _Block:
         original and then goes its own way. The last forward's cache (its
         activations) is dropped: ``backward`` on a copy needs a forward first.
         """
-        state = dict(self.__dict__)
-        state["xp"] = backend_ref(self.xp)
-        state["dtype"] = V.dtype_name(self.dtype)
-        state["_cache"] = None
-        return state
+        return picklable_state(self)
 
     def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        xp = backend_from_ref(state["xp"])
-        state["xp"] = xp
-        state["dtype"] = getattr(xp, state["dtype"])
-        self.__dict__.update(state)
+        restore_state(self, state)
 
     def save(self, path: Any) -> None:
         """Write the block to ``path``, a portable ``.npz`` file (``MultiHeadAttention.save``'s layout).
