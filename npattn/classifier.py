@@ -106,6 +106,9 @@ class TransformerClassifier(BlockStack):
     """
 
     LEADING = ("embed.weight", "embed.bias", "pos")
+    SAVE_FORMAT = "npattn.classifier.TransformerClassifier"
+    CONFIG_KEYS = ("n_features", "seq_len", "n_classes", "d_model", "n_head", "n_layers", "d_ff",
+                   "dropout", "activation", "norm_first", "layer_norm_eps")
 
     def __init__(self, n_features: int, seq_len: int, n_classes: int, d_model: int = 32,
                  n_head: int = 4, n_layers: int = 1, d_ff: Optional[int] = None, *,

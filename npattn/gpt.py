@@ -50,8 +50,6 @@ from . import nn
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
 from .kvcache import KVCache
-from .module import (check_path, params_from_save_file, read_npz, read_save_header, save_file_label,
-                     set_rng_state, write_save_file)
 from .stack import BlockStack
 from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
 
@@ -147,6 +145,9 @@ class GPT(BlockStack):
     """
 
     LEADING = ("wte", "wpe")
+    SAVE_FORMAT = SAVE_FORMAT
+    SAVE_VERSION = SAVE_VERSION
+    CONFIG_KEYS = CONFIG_KEYS
 
     def __init__(self, vocab_size: int, block_size: int, d_model: int, n_layer: int, n_head: int,
                  d_ff: Optional[int] = None, *, dropout: float = 0.0, layer_norm_eps: float = 1e-5,
@@ -184,56 +185,6 @@ class GPT(BlockStack):
         self.training = True
         self.grads: dict = {}
         self._cache: Any = None
-
-    # ------------------------------------------------------------ copies, files
-
-    def save(self, path: Any) -> None:
-        """Write the model to ``path``, a portable ``.npz`` file (``MultiHeadAttention.save``'s layout).
-
-        One array per parameter (``param/wte``, ``param/blocks.0.self_attn.w_q``,
-        ...) and an entry ``config`` holding one JSON string: ``format``
-        (``SAVE_FORMAT``), ``format_version``, the constructor arguments
-        (``CONFIG_KEYS`` and ``dtype``), the mode and the state of the model's
-        dropout generator (every block's keep-masks are drawn from it). Nothing
-        is pickled; read it back with ``GPT.load``.
-        """
-        check_path(path)
-        config = {k: getattr(self, k) for k in CONFIG_KEYS}
-        config["dtype"] = V.dtype_name(self.dtype)
-        header = {"format": SAVE_FORMAT, "format_version": SAVE_VERSION, "config": config,
-                  "training": self.training, "rng_state": self._rng.bit_generator.state,
-                  "saved_from_backend": backend_name(self.xp)}
-        write_save_file(path, header, self.params, xp=self.xp, dtype=self.dtype)
-
-    @classmethod
-    def load(cls, path: Any, *, backend: Any = "numpy") -> "GPT":
-        """A model rebuilt from a file of ``save`` on ``backend``: parameters bit for bit, mode, generator.
-
-        ``ValueError`` naming what was expected and what the file holds for
-        another kind of file (a block's, a ``MultiHeadAttention``'s), another
-        version, missing or unexpected configuration keys or parameters.
-        """
-        check_path(path)
-        label = save_file_label(path)
-        entries = read_npz(label, path, writer="GPT.save")
-        header = read_save_header(label, entries.get("config"), fmt=SAVE_FORMAT, version=SAVE_VERSION,
-                                  writer="GPT.save")
-        config = header["config"]
-        expected = (*CONFIG_KEYS, "dtype")
-        missing = [k for k in expected if k not in config]
-        unexpected = sorted(set(config) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{label}: expected the configuration keys {list(expected)}, "
-                             f"missing {missing}, unexpected {unexpected}")
-        try:
-            model = cls(**config, backend=backend)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
-        model.params = params_from_save_file(label, entries, model.params, xp=model.xp,
-                                             dtype=model.dtype, saved_dtype=config["dtype"])
-        model.train(header["training"])
-        set_rng_state(label, model._rng, header["rng_state"])
-        return model
 
     def __repr__(self):
         return (f"GPT(vocab_size={self.vocab_size}, block_size={self.block_size}, "

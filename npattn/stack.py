@@ -4,8 +4,8 @@
 are each a list of ``TransformerBlock``s between parameters of their own
 (embeddings, a final norm, a head). ``BlockStack`` holds what is the same
 in both: the flat ``params`` dict (the model's own names, then
-``blocks.{n}.{name}``), its checked assignment, the training mode, copies.
-The forward and backward are the models' own.
+``blocks.{n}.{name}``), its checked assignment, the training mode, copies
+and files. The forward and backward are the models' own.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import math
 from typing import Any
 
 from . import validation as V
-from .module import check_param, picklable_state, restore_state
+from .backend import backend_name
+from .module import (check_param, check_path, params_from_save_file, picklable_state, read_npz,
+                     read_save_header, restore_state, save_file_label, set_rng_state, write_save_file)
 
 __all__ = ["BlockStack"]
 
@@ -28,6 +30,11 @@ class BlockStack:
     """
 
     LEADING: tuple = ()
+    #: The ``format`` of the subclass's save files, their version, and the constructor
+    #: arguments a file holds (with ``dtype``): set by each subclass.
+    SAVE_FORMAT: str = ""
+    SAVE_VERSION: int = 1
+    CONFIG_KEYS: tuple = ()
     blocks: list
     _own: dict
     xp: Any
@@ -94,3 +101,71 @@ class BlockStack:
 
     def __setstate__(self, state: dict) -> None:
         restore_state(self, state)
+
+    # --------------------------------------------------------------- files
+
+    def save(self, path: Any) -> None:
+        """Write the model to ``path``, a portable ``.npz`` file (``MultiHeadAttention.save``'s layout).
+
+        One array per parameter (``param/`` + the ``params`` names; bfloat16
+        stored as float32) and an entry ``config`` holding one JSON string:
+        ``format`` (the class's ``SAVE_FORMAT``), ``format_version``, the
+        constructor arguments (``CONFIG_KEYS`` and ``dtype``), the mode and
+        the states of the dropout generators (the model's own, ``rng_state``,
+        and each block's, ``block_rng_states``), so the next training forward
+        after ``load`` draws the masks this model would. Nothing is pickled.
+        """
+        check_path(path)
+        config = {k: getattr(self, k) for k in self.CONFIG_KEYS}
+        config["dtype"] = V.dtype_name(self.dtype)
+        own_rng = getattr(self, "_rng", None)
+        header = {"format": self.SAVE_FORMAT, "format_version": self.SAVE_VERSION, "config": config,
+                  "training": self.training,
+                  "rng_state": None if own_rng is None else own_rng.bit_generator.state,
+                  "block_rng_states": [block.rng_state for block in self.blocks],
+                  "saved_from_backend": backend_name(self.xp)}
+        write_save_file(path, header, self.params, xp=self.xp, dtype=self.dtype)
+
+    @classmethod
+    def load(cls, path: Any, *, backend: Any = "numpy") -> Any:
+        """A model rebuilt from a file of ``save`` on ``backend``: parameters bit for bit, mode, generators.
+
+        ``ValueError`` naming what was expected and what the file holds for
+        another kind of file (another model's, a block's, a
+        ``MultiHeadAttention``'s), another version, configuration keys or
+        parameters missing or unexpected, malformed generator states.
+        """
+        check_path(path)
+        label = save_file_label(path)
+        writer = f"{cls.__name__}.save"
+        entries = read_npz(label, path, writer=writer)
+        header = read_save_header(label, entries.get("config"), fmt=cls.SAVE_FORMAT,
+                                  version=cls.SAVE_VERSION, writer=writer)
+        config = header["config"]
+        expected = (*cls.CONFIG_KEYS, "dtype")
+        missing = [k for k in expected if k not in config]
+        unexpected = sorted(set(config) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{label}: expected the configuration keys {list(expected)}, "
+                             f"missing {missing}, unexpected {unexpected}")
+        try:
+            model = cls(**config, backend=backend)  # type: ignore[call-arg]  # a subclass's constructor
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+        model.params = params_from_save_file(label, entries, model.params, xp=model.xp,
+                                             dtype=model.dtype, saved_dtype=config["dtype"])
+        model.train(bool(header.get("training", True)))
+        own_rng = getattr(model, "_rng", None)
+        if own_rng is not None:
+            set_rng_state(label, own_rng, header.get("rng_state"))
+        states = header.get("block_rng_states")
+        if states is not None:
+            if not isinstance(states, list) or len(states) != len(model.blocks):
+                raise ValueError(f"{label}: expected {len(model.blocks)} block generator states, got "
+                                 f"{len(states) if isinstance(states, list) else type(states).__name__}")
+            for block, state in zip(model.blocks, states):
+                try:
+                    block.rng_state = state
+                except ValueError as exc:
+                    raise ValueError(f"{label}: {exc}") from exc
+        return model

@@ -24,6 +24,7 @@ Code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Optional
@@ -303,6 +304,19 @@ class _Block:
             sub = {k.split(".", 1)[1]: v for k, v in new.items() if k.startswith(a + ".")}
             self._attn[a].params = sub
         self._own = {k: new[k] for k in self._own}
+
+    @property
+    def rng_state(self) -> dict:
+        """The state of the block's dropout generator (every site draws from it), a copy.
+
+        Assign a state read here to restore it (a ``ValueError`` if it is not
+        one); models made of blocks save and load it (``npattn.stack``).
+        """
+        return copy.deepcopy(dict(self._rng.bit_generator.state))
+
+    @rng_state.setter
+    def rng_state(self, state: dict):
+        set_rng_state("rng_state", self._rng, state)
 
     @property
     def self_attn(self) -> MultiHeadAttention:

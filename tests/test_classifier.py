@@ -299,3 +299,31 @@ def test_copies_keep_everything_but_the_last_forward(xp, to_xp, to_np, backend, 
     assert model.training and all(blk.training for blk in model.blocks)
     for k, v in model.params.items():
         np.testing.assert_array_equal(to_np(v), before[k], err_msg=k)
+
+
+def test_save_and_load_on_another_backend_keep_parameters_mode_and_generators(tmp_path, xp, to_xp,
+                                                                              to_np, backend):
+    model = small(backend, dropout=0.3)
+    x = to_xp(np.random.default_rng(5).standard_normal((2, model.seq_len, model.n_features)))
+    model.forward(x)  # the generators move on from their seeded start
+    path = tmp_path / "clf.npz"
+    model.save(str(path))
+    raw = np.load(path, allow_pickle=False)  # read independently of load
+    np.testing.assert_array_equal(raw["param/pos"], to_np(model.params["pos"]))
+    loaded = TransformerClassifier.load(str(path), backend="numpy")
+    assert loaded.training and loaded.n_params() == model.n_params()
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(to_np(loaded.params[k]), to_np(v), err_msg=k)
+    # the next training forward draws the masks the saved model would draw
+    np.testing.assert_allclose(loaded.forward(to_np(x)), to_np(model.forward(x)), rtol=0, atol=1e-12)
+    model.eval().save(str(path))
+    assert not TransformerClassifier.load(str(path)).training
+
+
+def test_loading_another_models_file_is_a_value_error(tmp_path):
+    from npattn.gpt import GPT
+
+    path = tmp_path / "gpt.npz"
+    GPT(7, 5, 8, 1, 2).save(str(path))
+    with pytest.raises(ValueError, match="npattn.classifier.TransformerClassifier"):
+        TransformerClassifier.load(str(path))

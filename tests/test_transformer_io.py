@@ -501,3 +501,16 @@ def test_blocks_dtype_docs_name_the_compute_precision():
         doc = " ".join(cls.__doc__.split())
         for phrase in ("float32", "float16", "bfloat16", "layer norm", "softmax"):
             assert phrase in doc, f"{cls.__name__}: {phrase!r}"
+
+
+def test_rng_state_reads_a_copy_and_restores_the_next_masks(xp, to_xp, to_np):
+    block = TransformerBlock(8, 2, 12, dropout=0.3, dtype="float64", backend=xp, seed=1)
+    x = to_xp(np.random.default_rng(2).standard_normal((2, 4, 8)))
+    state = block.rng_state
+    first = to_np(block.forward(x))
+    state_copy = block.rng_state
+    state_copy["state"]["state"] += 1  # writing the copy does not move the block's generator
+    block.rng_state = state
+    np.testing.assert_array_equal(to_np(block.forward(x)), first)
+    with pytest.raises(ValueError, match="rng_state"):
+        block.rng_state = {"bit_generator": "nope"}
