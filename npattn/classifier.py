@@ -39,7 +39,7 @@ from . import nn
 from . import validation as V
 from .backend import device_of, from_numpy
 from .stack import BlockStack
-from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
+from .transformer import TransformerBlock
 
 __all__ = ["TransformerClassifier", "ClassifierCache"]
 
@@ -176,31 +176,7 @@ class TransformerClassifier(BlockStack):
                 raise ValueError(f"mask: expected shape {V.shape_of(x)[:2]} (B, L), got shape "
                                  f"{V.shape_of(mask)}")
         V.check_bool("need_weights", need_weights)
-        if dropout_masks is not None:
-            if not isinstance(dropout_masks, (list, tuple)) or len(dropout_masks) != self.n_layers:
-                got = (f"a {type(dropout_masks).__name__} of length {len(dropout_masks)}"
-                       if isinstance(dropout_masks, (list, tuple)) else V.type_name(dropout_masks))
-                raise TypeError(f"dropout_masks: expected a list of {self.n_layers} dicts or None "
-                                f"(one per block), got {got}")
-            # every block's masks, before block 0 runs (a block checks only its own)
-            B = int(x.shape[0])
-            shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, self.d_model),
-                      "dropout": (B, L, self.d_ff), "dropout2": (B, L, self.d_model)}
-            assert tuple(shapes) == ENCODER_DROPOUT_SITES
-            for n, m in enumerate(dropout_masks):
-                if m is None:
-                    continue
-                if not isinstance(m, dict):
-                    raise TypeError(f"dropout_masks[{n}]: expected a dict or None, got "
-                                    f"{V.type_name(m)}")
-                unknown = sorted(set(m) - set(shapes), key=str)
-                if unknown:
-                    raise ValueError(f"dropout_masks[{n}]: expected keys among {list(shapes)}, "
-                                     f"got {unknown}")
-                for site, keep in m.items():
-                    V.check_mask(f"dropout_masks[{n}][{site!r}]", keep, self.xp, target=shapes[site],
-                                 target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
-                                 bool_only=True)
+        self.check_dropout_masks(dropout_masks, int(x.shape[0]), L)  # every block's, before block 0 runs
 
     def forward(self, x: Any, mask: Any = None, *, need_weights: bool = False,
                 dropout_masks: Optional[Sequence[Optional[dict]]] = None) -> Any:

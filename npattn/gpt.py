@@ -51,7 +51,7 @@ from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
 from .kvcache import KVCache
 from .stack import BlockStack
-from .transformer import ENCODER_DROPOUT_SITES, TransformerBlock
+from .transformer import TransformerBlock
 
 __all__ = ["GPT", "GPTCache", "training_step", "sample_next", "check_sampling", "check_training_options", "SAVE_FORMAT", "SAVE_VERSION",
            "CONFIG_KEYS"]
@@ -212,32 +212,6 @@ class GPT(BlockStack):
             raise ValueError(f"{name}: expected token ids in [0, {self.vocab_size}), got values in "
                              f"[{h.min()}, {h.max()}]")
 
-    def _check_dropout_masks(self, dropout_masks: Any, B: int, L: int) -> None:
-        if dropout_masks is None:
-            return
-        if not isinstance(dropout_masks, (list, tuple)) or len(dropout_masks) != self.n_layer:
-            raise ValueError(f"dropout_masks: expected a list of {self.n_layer} dicts (one per block) "
-                             f"or None, got {type(dropout_masks).__name__}"
-                             f"{'' if not isinstance(dropout_masks, (list, tuple)) else f' of length {len(dropout_masks)}'}")
-        shapes = self._site_shapes(B, L)
-        for n, masks in enumerate(dropout_masks):
-            if masks is None:
-                continue
-            if not isinstance(masks, dict) or not set(masks) <= set(shapes):
-                got = sorted(masks) if isinstance(masks, dict) else type(masks).__name__
-                raise ValueError(f"dropout_masks[{n}]: expected a dict with keys among "
-                                 f"{list(shapes)}, got {got}")
-            for site, m in masks.items():
-                V.check_mask(f"dropout_masks[{n}][{site!r}]", m, self.xp, target=shapes[site],
-                             target_text=f"{shapes[site]}", dtype=self.dtype, device=self._device(),
-                             bool_only=True)
-
-    def _site_shapes(self, B: int, L: int) -> dict:
-        shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, self.d_model),
-                  "dropout": (B, L, self.d_ff), "dropout2": (B, L, self.d_model)}
-        assert tuple(shapes) == ENCODER_DROPOUT_SITES
-        return shapes
-
     def _block_masks(self, dropout_masks: Any, B: int, L: int) -> list:
         """Every block's keep-masks: the ones given, the others drawn from the model's generator."""
         if not (self.training and self.dropout > 0.0):
@@ -246,7 +220,7 @@ class GPT(BlockStack):
         out = []
         for n in range(self.n_layer):
             masks = dict(given[n] or {})
-            for site, shape in self._site_shapes(B, L).items():
+            for site, shape in self.site_shapes(B, L).items():
                 if masks.get(site) is None:
                     masks[site] = keep_mask(dropout_key(self._rng), self.dropout, shape, self.xp,
                                             self._device())
@@ -279,7 +253,7 @@ class GPT(BlockStack):
         start = 0 if kv_caches is None else self._check_kv_caches(kv_caches)
         self._check_ids("ids", ids, start)
         B, L = ids.shape
-        self._check_dropout_masks(dropout_masks, B, L)
+        self.check_dropout_masks(dropout_masks, B, L)
         if kv_caches is not None:
             if self.training and self.dropout > 0.0:
                 raise ValueError("kv_caches: decoding is forward only, without dropout; call eval() "

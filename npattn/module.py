@@ -18,7 +18,7 @@ import numbers
 import os
 import warnings
 import zipfile
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -1195,6 +1195,50 @@ def restore_state(obj: Any, state: dict) -> None:
     state["xp"] = xp
     state["dtype"] = getattr(xp, state["dtype"])
     obj.__dict__.update(state)
+
+
+def check_params_assignment(new: Any, current: dict, xp: Any) -> None:
+    """A whole ``params`` dict ``new`` checked against ``current``: the same keys, each array like its own.
+
+    ``check_param`` for every entry (library, device, dtype, shape), all before
+    any is assigned, so a failed assignment changes nothing.
+    """
+    if not isinstance(new, dict) or set(new) != set(current):
+        got = sorted(new) if isinstance(new, dict) else type(new).__name__
+        raise ValueError(f"params: expected the keys {list(current)}, got {got}")
+    for name, like in current.items():
+        check_param(name, new[name], like=like, xp=xp)
+
+
+def model_from_save_file(cls: Any, path: Any, *, backend: Any, fmt: str, version: int,
+                         config_keys: Sequence[str]) -> tuple[Any, dict, str]:
+    """Rebuild a ``cls`` from a save file: ``(model, header, label)``, its generators left to the caller.
+
+    The file read without pickle, its header checked (format ``fmt``,
+    ``version``), the configuration's keys exactly ``config_keys``, the
+    constructor called with them and ``backend`` (its error becomes a
+    ``ValueError`` about the file), the parameters set from the file and the
+    mode from the header. ``label`` starts the caller's own error messages.
+    """
+    check_path(path)
+    label = save_file_label(path)
+    writer = f"{cls.__name__}.save"
+    entries = read_npz(label, path, writer=writer)
+    header = read_save_header(label, entries.get("config"), fmt=fmt, version=version, writer=writer)
+    config = header["config"]
+    missing = [k for k in config_keys if k not in config]
+    unexpected = sorted(set(config) - set(config_keys))
+    if missing or unexpected:
+        raise ValueError(f"{label}: expected the configuration keys {list(config_keys)}, "
+                         f"missing {missing}, unexpected {unexpected}")
+    try:
+        model = cls(**config, backend=backend)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+    model.params = params_from_save_file(label, entries, model.params, xp=model.xp, dtype=model.dtype,
+                                         saved_dtype=config["dtype"])
+    model.train(bool(header.get("training", True)))
+    return model, header, label
 
 
 def save_file_label(path: Any) -> str:

@@ -14,9 +14,10 @@ import math
 from typing import Any
 
 from . import validation as V
-from .backend import backend_name
-from .module import (check_param, check_path, params_from_save_file, picklable_state, read_npz,
-                     read_save_header, restore_state, save_file_label, set_rng_state, write_save_file)
+from .backend import backend_name, device_of
+from .transformer import ENCODER_DROPOUT_SITES
+from .module import (check_params_assignment, check_path, model_from_save_file, picklable_state,
+                     restore_state, set_rng_state, write_save_file)
 
 __all__ = ["BlockStack"]
 
@@ -58,16 +59,53 @@ class BlockStack:
 
     @params.setter
     def params(self, new: dict):
-        current = self.params
-        if not isinstance(new, dict) or set(new) != set(current):
-            got = sorted(new) if isinstance(new, dict) else type(new).__name__
-            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
-        for name, like in current.items():
-            check_param(name, new[name], like=like, xp=self.xp)
+        check_params_assignment(new, self.params, self.xp)
         for n, block in enumerate(self.blocks):  # all checked: nothing below fails
             prefix = f"blocks.{n}."
             block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
         self._own = {k: new[k] for k in self._own}
+
+    # ---------------------------------------------------------------- dropout
+
+    def site_shapes(self, B: int, L: int) -> dict:
+        """The shape of each block's dropout site (``ENCODER_DROPOUT_SITES``) for a batch of B sequences of L."""
+        b = self.blocks[0]
+        shapes = {"self_attn": (B, b.n_head, L, L), "dropout1": (B, L, b.d_model),
+                  "dropout": (B, L, b.d_ff), "dropout2": (B, L, b.d_model)}
+        assert tuple(shapes) == ENCODER_DROPOUT_SITES
+        return shapes
+
+    def check_dropout_masks(self, dropout_masks: Any, B: int, L: int) -> None:
+        """Every block's keep-masks, before block 0 runs (a block checks only its own).
+
+        None, or a list with one dict (or None) per block whose keys are among
+        ``ENCODER_DROPOUT_SITES`` and whose values are bool masks broadcastable
+        to ``site_shapes(B, L)``: ``TypeError`` for another kind, ``ValueError``
+        for another length, key or shape.
+        """
+        if dropout_masks is None:
+            return
+        n_layers = len(self.blocks)
+        if not isinstance(dropout_masks, (list, tuple)):
+            raise TypeError(f"dropout_masks: expected a list of {n_layers} dicts or None (one per "
+                            f"block), got {V.type_name(dropout_masks)}")
+        if len(dropout_masks) != n_layers:
+            raise ValueError(f"dropout_masks: expected a list of {n_layers} dicts or None (one per "
+                             f"block), got a {type(dropout_masks).__name__} of length {len(dropout_masks)}")
+        shapes = self.site_shapes(B, L)
+        device = device_of(next(iter(self._own.values())))
+        for n, masks in enumerate(dropout_masks):
+            if masks is None:
+                continue
+            if not isinstance(masks, dict):
+                raise TypeError(f"dropout_masks[{n}]: expected a dict or None, got {V.type_name(masks)}")
+            unknown = sorted(set(masks) - set(shapes), key=str)
+            if unknown:
+                raise ValueError(f"dropout_masks[{n}]: expected keys among {list(shapes)}, got {unknown}")
+            for site, keep in masks.items():
+                V.check_mask(f"dropout_masks[{n}][{site!r}]", keep, self.xp, target=shapes[site],
+                             target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
+                             bool_only=True)
 
     def n_params(self) -> int:
         """The number of scalar parameters (a tied weight counted once)."""
@@ -135,26 +173,9 @@ class BlockStack:
         ``MultiHeadAttention``'s), another version, configuration keys or
         parameters missing or unexpected, malformed generator states.
         """
-        check_path(path)
-        label = save_file_label(path)
-        writer = f"{cls.__name__}.save"
-        entries = read_npz(label, path, writer=writer)
-        header = read_save_header(label, entries.get("config"), fmt=cls.SAVE_FORMAT,
-                                  version=cls.SAVE_VERSION, writer=writer)
-        config = header["config"]
-        expected = (*cls.CONFIG_KEYS, "dtype")
-        missing = [k for k in expected if k not in config]
-        unexpected = sorted(set(config) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{label}: expected the configuration keys {list(expected)}, "
-                             f"missing {missing}, unexpected {unexpected}")
-        try:
-            model = cls(**config, backend=backend)  # type: ignore[call-arg]  # a subclass's constructor
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
-        model.params = params_from_save_file(label, entries, model.params, xp=model.xp,
-                                             dtype=model.dtype, saved_dtype=config["dtype"])
-        model.train(bool(header.get("training", True)))
+        model, header, label = model_from_save_file(cls, path, backend=backend, fmt=cls.SAVE_FORMAT,
+                                                    version=cls.SAVE_VERSION,
+                                                    config_keys=(*cls.CONFIG_KEYS, "dtype"))
         own_rng = getattr(model, "_rng", None)
         if own_rng is not None:
             set_rng_state(label, own_rng, header.get("rng_state"))

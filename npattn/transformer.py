@@ -35,9 +35,9 @@ from . import functional as F
 from . import layers as Ly
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
-from .module import (MultiHeadAttention, check_forward_inputs, check_param, check_path,
-                     params_from_save_file, picklable_state, read_npz, read_save_header, restore_state,
-                     save_file_label, set_rng_state, write_save_file)
+from .module import (MultiHeadAttention, check_forward_inputs, check_params_assignment, check_path,
+                     model_from_save_file, picklable_state, restore_state, set_rng_state,
+                     write_save_file)
 
 __all__ = [
     "TransformerBlock",
@@ -294,12 +294,7 @@ class _Block:
 
     @params.setter
     def params(self, new: dict):
-        current = self.params
-        if not isinstance(new, dict) or set(new) != set(current):
-            got = sorted(new) if isinstance(new, dict) else type(new).__name__
-            raise ValueError(f"params: expected the keys {list(current)}, got {got}")
-        for name, like in current.items():
-            check_param(name, new[name], like=like, xp=self.xp)
+        check_params_assignment(new, self.params, self.xp)
         for a in self._ATTNS:  # all checked: nothing below fails
             sub = {k.split(".", 1)[1]: v for k, v in new.items() if k.startswith(a + ".")}
             self._attn[a].params = sub
@@ -593,26 +588,9 @@ class _Block:
         backend without it), a parameter missing, unexpected, of another shape
         or dtype, a malformed generator state.
         """
-        check_path(path)
-        label = save_file_label(path)
-        writer = f"{cls.__name__}.save"
-        entries = read_npz(label, path, writer=writer)
-        header = read_save_header(label, entries.get("config"), fmt=cls.SAVE_FORMAT,
-                                  version=SAVE_VERSION, writer=writer)
-        config = header["config"]
-        missing = [k for k in CONFIG_KEYS if k not in config]
-        unexpected = sorted(set(config) - set(CONFIG_KEYS))
-        if missing or unexpected:
-            raise ValueError(f"{label}: expected the configuration keys {list(CONFIG_KEYS)}, "
-                             f"missing {missing}, unexpected {unexpected}")
-        try:
-            block = cls(**config, backend=backend)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
-        block.params = params_from_save_file(label, entries, block.params, xp=block.xp,
-                                             dtype=block.dtype, saved_dtype=config["dtype"])
-        block.train(header["training"])
-        set_rng_state(label, block._rng, header["rng_state"])
+        block, header, label = model_from_save_file(cls, path, backend=backend, fmt=cls.SAVE_FORMAT,
+                                                    version=SAVE_VERSION, config_keys=CONFIG_KEYS)
+        set_rng_state(label, block._rng, header.get("rng_state"))
         return block
 
     def _config(self) -> dict:

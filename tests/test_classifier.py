@@ -160,7 +160,7 @@ def test_bad_arguments_name_the_argument(xp, to_xp, backend):
         model.forward(x, need_weights=1)
     with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 dicts or None"):
         model.forward(x, dropout_masks={"dropout1": None})
-    with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 .* length 2"):
+    with pytest.raises(ValueError, match=r"^dropout_masks: expected a list of 1 .* length 2"):
         model.forward(x, dropout_masks=[None, None])
     with pytest.raises(TypeError, match=r"^dropout_masks\[0\]: expected a dict or None"):
         model.forward(x, dropout_masks=["self_attn"])
