@@ -62,7 +62,10 @@ __all__ = [
     "sdpa_backward",
     "dropout_keep_mask",
     "weights",
+    "Workspace",
 ]
+
+Workspace = numpy_kernel.Workspace
 
 IMPLS = ("auto", "dense", "reference", "numpy", "blocked", "chunked")
 
@@ -169,6 +172,7 @@ def sdpa_forward(
     need_weights: bool = False,
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
+    workspace: Optional[numpy_kernel.Workspace] = None,
 ) -> tuple[Any, Any]:
     """Scaled dot-product attention on the implementation ``impl`` (see the module docstring).
 
@@ -184,6 +188,10 @@ def sdpa_forward(
         implementation is used.
     block_q, block_k : int, optional
         Block lengths of the blocked implementation.
+    workspace : Workspace, optional
+        Arrays of finished forwards that the NumPy kernel may reuse instead
+        of allocating (``numpy_kernel.Workspace``); the other implementations
+        ignore it. The numbers do not depend on it.
 
     Returns
     -------
@@ -195,6 +203,9 @@ def sdpa_forward(
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+    if workspace is not None and not isinstance(workspace, numpy_kernel.Workspace):
+        raise TypeError(f"workspace: expected an npattn.attention.Workspace or None, "
+                        f"got {type(workspace).__name__}")
     G = F.gqa_groups(q, k, v, enable_gqa)
     options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -212,7 +223,7 @@ def sdpa_forward(
         if path == "reference":
             return F.sdpa_forward_core(q, k, v, options=options, **args)
         if path == "numpy":
-            return numpy_kernel.sdpa_forward(q, k, v, options=options, **args)
+            return numpy_kernel.sdpa_forward(q, k, v, options=options, workspace=workspace, **args)
         if path == "chunked":
             return chunked.sdpa_forward(q, k, v, block_q=block_q, block_k=block_k, **args)
         return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k,

@@ -217,6 +217,8 @@ class MultiHeadAttention:
         self.dmask = None
         self._cache = None
         self._decoded = False  # the last forward used a kv_cache: it has nothing to differentiate
+        self._cache_lent = False  # the cache was read through .cache: never given back
+        self._workspace = A.Workspace()  # arrays of finished forwards, for the next ones
 
     # ------------------------------------------------------------------ setup
 
@@ -416,8 +418,12 @@ class MultiHeadAttention:
         except BaseException:
             self._rng.bit_generator.state = rng_state
             raise
+        old, lent = self._cache, self._cache_lent
         self._cache = None if kv_cache is not None else cache
         self._decoded = kv_cache is not None
+        self._cache_lent = False
+        if old is not None and not lent:  # nothing reads the previous cache again: lend its arrays
+            self._workspace.give(old.sdpa)
         if not need_weights:
             return out, None
         w = A.weights(cache.sdpa)  # [B, H, Lq, Lk + n] ([B, H, Lq, Lt] with a KV cache)
@@ -441,7 +447,10 @@ class MultiHeadAttention:
         differentiate). Assigning a cache that an earlier forward of this
         module returned makes ``backward`` differentiate that forward (the
         gradient checker does this); anything else is a ``TypeError``.
+        A cache read here is never reused for a later forward's arrays (see
+        ``clear_cache``), so it stays valid for as long as it is held.
         """
+        self._cache_lent = True
         return self._cache
 
     @cache.setter
@@ -450,15 +459,24 @@ class MultiHeadAttention:
             raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
         self._cache = value
         self._decoded = False
+        self._cache_lent = True
 
     def clear_cache(self) -> None:
         """Drop the cache of the last forward (its arrays are freed); ``backward`` then needs a new forward.
 
         A forward keeps the previous cache until it has succeeded, so two
-        caches are alive while it runs; call this first where memory is tight.
+        caches are alive while it runs. On NumPy the module then keeps the
+        previous forward's probabilities (and a dropout keep-mask it drew)
+        for the next forward of the same size to write into
+        (``npattn.attention.Workspace``; fresh memory costs page faults),
+        unless that cache was read through ``cache``. So the module holds up
+        to two forwards' (B, H, Lq, Lk) arrays between calls; this frees
+        them too. Call it first where memory is tight.
         """
         self._cache = None
         self._decoded = False
+        self._cache_lent = False
+        self._workspace.clear()
 
     def _forward(self, query, key, value, mask, is_causal, dropout_mask, impl, need_weights,
                  options, kv_cache):
@@ -512,6 +530,7 @@ class MultiHeadAttention:
             enable_gqa=self.n_kv_head != H,
             softcap=self.softcap,
             sinks=P.get("sinks"),
+            workspace=self._workspace,
             **options,
         )
         o, merge_c = F.merge_heads_forward(oh)  # 7.                     [B, Lq, D]
@@ -669,6 +688,8 @@ class MultiHeadAttention:
         state["dtype"] = V.dtype_name(self.dtype)
         state["_params"] = dict(self._params)
         state["_cache"] = None
+        state["_cache_lent"] = False
+        state["_workspace"] = None  # made again on load
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -679,6 +700,7 @@ class MultiHeadAttention:
         state["xp"] = xp
         state["dtype"] = getattr(xp, state["dtype"])
         state["_params"] = ParameterDict(state["_params"], xp=xp)
+        state["_workspace"] = A.Workspace()
         self.__dict__.update(state)
 
     def save(self, path) -> None:
@@ -1137,7 +1159,7 @@ SAVE_PARAM_PREFIX = "param/"
 SAVE_LATER_OPTIONS = {"scale": None, "softcap": None, "sinks": False}
 
 #: Attributes a pickle of an older npattn lacks, with the values that keep its behaviour.
-_LATER_ATTRIBUTES = {**SAVE_LATER_OPTIONS, "_decoded": False}
+_LATER_ATTRIBUTES = {**SAVE_LATER_OPTIONS, "_decoded": False, "_cache_lent": False}
 
 
 def backend_ref(xp: Any) -> str:

@@ -61,11 +61,16 @@ from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, ke
 from . import functional as F
 from .functional import SDPAGrads, sum_to_shape
 
-__all__ = ["NumpySDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of",
-           "TILE_ELEMS", "POOL_MIN_SCORES"]
+__all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of",
+           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES"]
 
 #: Target number of score entries in one tile (float32: 1 MiB).
 TILE_ELEMS = 1 << 18
+
+#: Tiles of the backward hold this many times ``TILE_ELEMS`` scores (float32:
+#: 4 MiB): its per-block GEMMs (da, dq, dk) run faster on taller blocks, while
+#: the forward's softmax passes want its tile in cache.
+BACKWARD_TILE_FACTOR = 4
 
 #: Tiles run on the pool only when one head's score matrix has at least this
 #: many entries (``Lq * Lk``); below it they run in order with BLAS as it is
@@ -96,12 +101,12 @@ def _merged(B, L, Hkv, G, X, dtype):
     return m, m.reshape(B, L, Hkv, G, X).transpose(0, 2, 3, 1, 4)
 
 
-def _tiling(B, Hkv, G, Lq, Lk, cut):
-    """Tasks (b, h0, h1) over K/V heads, and the query-block height r (``cut``: a window,
-    causal included, leaves some keys of some rows out)."""
+def _tiling(B, Hkv, G, Lq, Lk, cut, elems):
+    """Tasks (b, h0, h1) over K/V heads, and the query-block height r for tiles of about
+    ``elems`` scores (``cut``: a window, causal included, leaves some keys of some rows out)."""
     per_head = G * Lq * Lk
-    hk = max(1, min(Hkv, TILE_ELEMS // max(per_head, 1)))
-    r = max(16, TILE_ELEMS // (hk * G * Lk))
+    hk = max(1, min(Hkv, elems // max(per_head, 1)))
+    r = max(16, elems // (hk * G * Lk))
     if cut:
         r = min(r, max(64, Lq // 8))  # finer blocks skip more of what the window leaves out
     r = min(r, Lq)
@@ -141,6 +146,66 @@ def _tile_keep(key, p, b, h0, h1, G, i0, i1, c0, c1):
     return keyed_keep_mask(key, p, [np.array(b), heads], np.arange(i0, i1), np.arange(c0, c1))
 
 
+# ------------------------------------------------------------------ memory
+
+
+class Workspace:
+    """The (B, Hq, Lq, Lk) arrays of finished forwards, for the next forwards to reuse.
+
+    A forward's probabilities (and a dropout keep-mask it drew) are the one
+    large allocation of the kernel, 512 MiB at one head of 4096 x 4096 x 8
+    heads in float32; memory that is fresh to the process costs page faults
+    to touch (about 20 ms per 512 MiB, and on some virtual machines half a
+    second). A caller that owns its caches gives a cache back with
+    ``give(cache)`` once nothing can read that cache again, and passes the
+    workspace to the next forwards (``workspace=``): one of the same size
+    and dtype takes the arrays instead of allocating. What a forward writes
+    does not depend on whether its arrays were reused.
+
+    ``MultiHeadAttention`` keeps one per module: it gives back the previous
+    forward's cache when a new forward succeeds, unless the cache was read
+    through ``module.cache`` (it may be assigned back). At most ``SPARES``
+    arrays are kept; ``clear()`` frees them. Not for sharing between threads.
+    """
+
+    #: Most arrays kept: the probabilities and a keep-mask of one forward.
+    SPARES = 2
+
+    def __init__(self) -> None:
+        self.spares: list = []
+
+    def give(self, cache: Any) -> None:
+        """Keep the arrays of ``cache`` that the kernel allocated (a NumpySDPACache; anything
+        else is ignored). The cache must not be read afterwards."""
+        if not isinstance(cache, NumpySDPACache):
+            return
+        arrays = [cache.probs]
+        if cache.dropout_key is not None:  # drawn by the kernel; a caller's mask stays theirs
+            arrays.append(cache.keep)
+        self.spares = (arrays + self.spares)[: self.SPARES]
+
+    def take(self, shape: tuple, dtype: Any) -> Optional[np.ndarray]:
+        """A kept array of ``shape`` and ``dtype`` (reshaped; it holds stale numbers), or None."""
+        size = math.prod(shape)
+        for i, a in enumerate(self.spares):
+            if a.size == size and a.dtype == dtype:
+                return self.spares.pop(i).reshape(shape)
+        return None
+
+    def clear(self) -> None:
+        """Free the kept arrays."""
+        self.spares = []
+
+
+def _allocate(workspace, shape, dtype, zeroed):
+    """``(array, stale)``: an array of ``shape`` from ``workspace`` (stale: its numbers are
+    old and the caller zeroes what it does not write) or a new one (zeros if ``zeroed``)."""
+    a = None if workspace is None else workspace.take(shape, dtype)
+    if a is not None:
+        return a, zeroed
+    return (np.zeros if zeroed else np.empty)(shape, dtype=dtype), False
+
+
 # ------------------------------------------------------------------ forward
 
 
@@ -169,15 +234,17 @@ class NumpySDPACache(NamedTuple):
 
 def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
                  dropout_p: float, dropout_mask: Any, rng: Any, groups: int,
-                 options: Optional[F.ScoreOptions] = None) -> tuple[Any, NumpySDPACache]:
+                 options: Optional[F.ScoreOptions] = None,
+                 workspace: Optional[Workspace] = None) -> tuple[Any, NumpySDPACache]:
     """Tiled ``softmax(q k^T * scale + mask) v`` on checked NumPy arguments (``accepts``).
 
     The arguments are those of ``functional.sdpa_forward_core``; of the kernel
     ``options`` only the window (``align``'s offset, ``left``, ``right``) is
     taken (``functional.is_positional``): a tile meets only the key columns
     that the window leaves to some of its rows, the rest of its probabilities
-    stay 0. Returns ``(out, NumpySDPACache)``; ``cache.probs`` are the weights
-    before dropout.
+    stay 0. ``workspace`` (a ``Workspace``) lends arrays instead of new ones.
+    Returns ``(out, NumpySDPACache)``; ``cache.probs`` are the weights before
+    dropout.
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     in_dtype = q.dtype
@@ -196,11 +263,12 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     full5 = (B, Hkv, G, Lq, Lk)
     key = None
     keep = None
+    stale_keep = False
     if dropout_mask is not None:
         keep = _grouped(np.broadcast_to(dropout_mask, full), Hkv, G)  # [B, Hkv, G, Lq, Lk] view
     elif dropout_p != 0.0:
         key = dropout_key(rng)  # the one draw of every implementation
-        keep = (np.zeros if cut else np.empty)(full5, dtype=np.bool_)  # filled per tile
+        keep, stale_keep = _allocate(workspace, full5, np.bool_, cut)  # filled per tile
     fmask = bmask = None
     mask_shape = None
     if mask is not None:
@@ -211,26 +279,34 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             fmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
     drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
 
-    probs = (np.zeros if cut else np.empty)(full5, dtype=work)  # [B, Hkv, G, Lq, Lk]
+    probs, stale = _allocate(workspace, full5, work, cut)  # [B, Hkv, G, Lq, Lk]
     lse = np.empty((B, Hkv, G, Lq), dtype=work)  # [B, Hkv, G, Lq]
     out_m, out = _merged(B, Lq, Hkv, G, Dv, work)  # [B, Lq, Hq*Dv], [B, Hkv, G, Lq, Dv] view
     q5 = _grouped(q, Hkv, G)  # [B, Hkv, G, Lq, Dh] view
     kT = np.swapaxes(k, -1, -2)[:, :, None]  # [B, Hkv, 1, Dh, Lk] view, broadcast over G
     v5 = v[:, :, None]  # [B, Hkv, 1, Lk, Dv] view
     ones = np.ones((Lk, 1), dtype=work)  # [Lk, 1]: row sums as a matrix-vector product
-    tasks, r = _tiling(B, Hkv, G, Lq, Lk, cut)
+    tasks, r = _tiling(B, Hkv, G, Lq, Lk, cut, TILE_ELEMS)
     neg_inf = -math.inf
 
     def tile(b, h0, h1):
+        # the tile's operands as contiguous copies (BLAS is faster on them than on the
+        # strided head views), scale folded into q
         qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
+        kTt = np.ascontiguousarray(kT[b, h0:h1])  # [hk, 1, Dh, Lk]
+        vt = np.ascontiguousarray(v5[b, h0:h1])  # [hk, 1, Lk, Dv]
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
+            for a, old in ((probs, stale), (keep, stale_keep)):
+                if old:  # a reused array: the columns the window leaves out are zero
+                    a[b, h0:h1, :, i0:i1, :c0] = 0
+                    a[b, h0:h1, :, i0:i1, c1:] = 0
             if c1 == c0:  # the window leaves these rows nothing: zero output, lse = -inf
                 out[b, h0:h1, :, i0:i1] = 0.0
                 lse[b, h0:h1, :, i0:i1] = neg_inf
                 continue
             c = c1 - c0
             p = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view, filled in place
-            np.matmul(qs[:, :, i0:i1], kT[b, h0:h1, :, :, c0:c1], out=p)  # 1. s = q k^T * scale
+            np.matmul(qs[:, :, i0:i1], kTt[:, :, :, c0:c1], out=p)  # 1. s = q k^T * scale
             if fmask is not None:  # 2. floating mask: s + mask
                 np.add(p, fmask[b, h0:h1, :, i0:i1, c0:c1], out=p)
             if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
@@ -256,7 +332,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                     kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c0, c1)
                 a = np.multiply(p, kp)
                 a *= drop_scale
-            np.matmul(a, v5[b, h0:h1, :, c0:c1], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
+            np.matmul(a, vt[:, :, c0:c1], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
 
     _run(tile, tasks, _threads(Lq, Lk))
 
@@ -307,23 +383,30 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     dlse5 = None if dlse is None else _grouped(dlse[..., None].astype(work), Hkv, G)
     vT = np.swapaxes(v, -1, -2)[:, :, None]  # [B, Hkv, 1, Dv, Lk] view
     k5 = k[:, :, None]  # [B, Hkv, 1, Lk, Dh]
-    tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal)
+    tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal, BACKWARD_TILE_FACTOR * TILE_ELEMS)
     scale, drop_scale = cache.scale, 1.0 / (1.0 - cache.dropout_p)
 
     def kv_sum(x):  # [hk, G, c, X] -> [hk, c, X]: a K/V head's gradient sums its G query heads
         return x[:, 0] if G == 1 else np.sum(x, axis=1)
 
     def tile(b, h0, h1):
-        do = do5[b, h0:h1]  # [hk, G, Lq, Dv]
+        # the tile's operands as contiguous copies, scale folded into q and k
+        # (BLAS is faster on them than on the strided head views)
+        do = np.ascontiguousarray(do5[b, h0:h1])  # [hk, G, Lq, Dv]
+        qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
+        ks = k5[b, h0:h1] * scale  # [hk, 1, Lk, Dh]
+        vTt = np.ascontiguousarray(vT[b, h0:h1])  # [hk, 1, Dv, Lk]
         # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
         delta = np.sum(do * out5[b, h0:h1], axis=-1, keepdims=True)  # [hk, G, Lq, 1]
         if dlse5 is not None:  # lse adds d lse / ds_j = p_j: ds = p * (dp - delta + dlse)
             delta -= dlse5[b, h0:h1]
         dk_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)  # [hk, Lk, Dh]
         whole_dv = keep is None and not causal
-        if whole_dv:  # 5. dv = p^T dout in one GEMM over all query rows of the G heads
-            pT = np.swapaxes(probs[b, h0:h1].reshape(h1 - h0, G * Lq, Lk), -1, -2)
-            np.matmul(pT, do.reshape(h1 - h0, G * Lq, Dv), out=dv[b, h0:h1, 0])
+        if whole_dv:  # 5. dv = p^T dout in one GEMM over all query rows of the G heads,
+            # as dv^T = dout^T p (BLAS reads p row by row)
+            doT = np.swapaxes(do.reshape(h1 - h0, G * Lq, Dv), -1, -2).copy()  # [hk, Dv, G Lq]
+            dvT = np.matmul(doT, probs[b, h0:h1].reshape(h1 - h0, G * Lq, Lk))  # [hk, Dv, Lk]
+            dv[b, h0:h1, 0] = np.swapaxes(dvT, -1, -2)
         else:  # accumulated block by block below
             dv_acc = np.zeros((h1 - h0, Lk, Dv), dtype=work)
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
@@ -334,9 +417,9 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
             do_blk = do[:, :, i0:i1]  # [hk, G, r, Dv]
             if ds_full is not None:
                 da = ds_full[b, h0:h1, :, i0:i1, c0:c1]
-                np.matmul(do_blk, vT[b, h0:h1, :, :, c0:c1], out=da)  # 5. da = dout v^T
+                np.matmul(do_blk, vTt[:, :, :, c0:c1], out=da)  # 5. da = dout v^T
             else:
-                da = np.matmul(do_blk, vT[b, h0:h1, :, :, c0:c1])  # [hk, G, r, c]
+                da = np.matmul(do_blk, vTt[:, :, :, c0:c1])  # [hk, G, r, c]
             if whole_dv:
                 pass
             elif keep is None:  # 5. dv = a^T dout
@@ -350,11 +433,9 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
                 da *= drop_scale
             np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. ds = p * (dp - delta)
             np.multiply(da, p, out=da)
-            np.matmul(da, k5[b, h0:h1, :, c0:c1], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
-            dq[b, h0:h1, :, i0:i1] *= scale
-            dk_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), q5[b, h0:h1, :, i0:i1]))
-        dk_acc *= scale  # 1. dk = ds^T q * scale
-        dk[b, h0:h1, 0] = dk_acc
+            np.matmul(da, ks[:, :, c0:c1], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
+            dk_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[:, :, i0:i1]))
+        dk[b, h0:h1, 0] = dk_acc  # 1. dk = ds^T q * scale
         if not whole_dv:
             dv[b, h0:h1, 0] = dv_acc
 

@@ -1,0 +1,153 @@
+"""Reused arrays (``npattn.attention.Workspace``): the same numbers as fresh ones, and never
+an array that somebody can still read."""
+
+import copy
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from _attention_cases import make_inputs
+from npattn import MultiHeadAttention
+from npattn import attention as A
+from npattn import numpy_kernel
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "bool mask, empty row, dropout": dict(mask_kind="bool", dropout="seed"),
+    "causal, dropout": dict(causal=True, dropout="seed"),
+}
+
+
+def _forward_backward(q, k, v, dout, kw, **extra):
+    out, cache = A.sdpa_forward(q, k, v, impl="numpy", **kw, **extra)
+    grads = A.sdpa_backward(dout, cache)
+    return out, cache, grads
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [None, (3, 1)])
+def test_a_reused_array_gives_the_numbers_of_a_fresh_one(case, window, monkeypatch):
+    """The second forward writes into the first one's arrays (filled with NaN and True to
+    show anything it leaves unwritten) and gives, bit for bit, the first forward's
+    results on the same inputs: weights (zero where the window or causal mask leaves keys
+    out), keep-mask, lse, output and gradients."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)  # several row blocks
+    q, k, v, dout, kw = make_inputs(3, 2, 2, 1, 19, 23, 3, 4, **CASES[case])
+    if window is not None:
+        kw["window"] = window
+    ref_out, ref_c, ref_g = _forward_backward(q, k, v, dout, kw)
+    ws = A.Workspace()
+    first_out, first_c, _ = _forward_backward(q, k, v, dout, kw, workspace=ws)
+    probs, keep = first_c.probs, A.dropout_keep_mask(first_c)
+    ws.give(first_c)
+    assert len(ws.spares) == (2 if kw.get("rng") is not None else 1)
+    probs[...] = np.nan  # what a reused array holds is stale
+    if keep is not None and first_c.dropout_key is not None and not first_c.causal:
+        keep[...] = True
+    out, c, g = _forward_backward(q, k, v, dout, kw, workspace=ws)
+    assert np.shares_memory(c.probs, probs) and not ws.spares
+    np.testing.assert_array_equal(A.weights(c), A.weights(ref_c))
+    np.testing.assert_array_equal(A.dropout_keep_mask(c), A.dropout_keep_mask(ref_c))
+    np.testing.assert_array_equal(c.lse, ref_c.lse)
+    np.testing.assert_array_equal(out, ref_out)
+    for got, want in zip(g[:3], ref_g[:3]):
+        np.testing.assert_array_equal(got, want)
+    if kw.get("is_causal") or window is not None:  # keys left out have weight 0, not NaN
+        assert np.any(A.weights(c) == 0.0) and not np.any(np.isnan(A.weights(c)))
+
+
+def test_give_keeps_only_the_kernels_own_arrays():
+    """A caller's dropout mask is never handed out again; other implementations' caches are
+    ignored; a different size or dtype allocates anew; at most ``SPARES`` are kept."""
+    q, k, v, dout, kw = make_inputs(4, 1, 2, 1, 5, 6, 3, 3, dropout="mask")
+    ws = A.Workspace()
+    _, c = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw)
+    ws.give(c)
+    assert len(ws.spares) == 1 and np.shares_memory(ws.spares[0], c.probs)
+    assert not any(np.shares_memory(a, kw["dropout_mask"]) for a in ws.spares)
+    _, c_ref = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    _, c_blk = A.sdpa_forward(q, k, v, impl="blocked", **kw)
+    ws.give(c_ref)
+    ws.give(c_blk)
+    assert len(ws.spares) == 1
+    assert ws.take((2, 5, 6), np.float32) is None and ws.take((2, 5, 7), np.float64) is None
+    for _ in range(3):
+        _, cc = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+        ws.give(cc)
+    assert len(ws.spares) == A.Workspace.SPARES
+    ws.clear()
+    assert ws.spares == []
+    with pytest.raises(TypeError, match="workspace: expected an npattn.attention.Workspace"):
+        A.sdpa_forward(q, k, v, impl="numpy", workspace=[], **kw)
+
+
+def _step(m, x, dout, **kw):
+    out, w = m(x, x, x, need_weights=True, average_attn_weights=False, **kw)
+    return out, w, m.backward(dout)[0], dict(m.grads)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True)], ids=["plain", "causal"])
+def test_module_steps_reuse_arrays_and_match_a_fresh_module(kw):
+    """Steps of one module (which lends each finished forward's arrays to the next) equal,
+    bit for bit, the same steps on a fresh copy (which allocates everything), dropout
+    included; the weights a step returned are not overwritten by later steps."""
+    m = MultiHeadAttention(8, 2, dropout=0.3, dtype="float64", seed=1)
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((2, 37, 8)) for _ in range(3)]
+    dout = rng.standard_normal((2, 37, 8))
+    returned = []
+    for x in xs + xs[:1]:
+        twin = copy.deepcopy(m)  # a copy has an empty workspace
+        got, want = _step(m, x, dout, **kw), _step(twin, x, dout, **kw)
+        for a, b in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(a, b)
+        for name in want[3]:
+            np.testing.assert_array_equal(got[3][name], want[3][name])
+        returned.append((got[1], got[1].copy()))
+    for w, saved in returned:
+        np.testing.assert_array_equal(w, saved)
+
+
+def test_module_second_forward_allocates_no_new_probabilities():
+    """The reuse is real: the previous cache is lent once a new forward has succeeded, so
+    from the third forward on each one allocates less than one (B, H, Lq, Lk) array
+    (it writes into the forward before last's); after ``clear_cache`` it allocates again."""
+    B, H, L, D = 1, 2, 256, 16
+    probs_bytes = B * H * L * L * 8
+    m = MultiHeadAttention(D, H, dtype="float64", impl="numpy")
+    x = np.random.default_rng(3).standard_normal((B, L, D))
+
+    def peak_of_forward():
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            m(x, x, x)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    assert peak_of_forward() >= probs_bytes
+    assert peak_of_forward() >= probs_bytes  # the first forward's cache is still the cache
+    assert peak_of_forward() < probs_bytes / 2
+    assert peak_of_forward() < probs_bytes / 2
+    m.clear_cache()
+    assert peak_of_forward() >= probs_bytes
+
+
+def test_a_cache_read_through_the_module_is_never_reused():
+    """``module.cache`` hands out the cache: its arrays stay its own after later forwards, and
+    assigning it back makes backward differentiate that forward (the gradient checker's use)."""
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=4)
+    rng = np.random.default_rng(5)
+    x1, x2, dout = (rng.standard_normal((2, 9, 8)) for _ in range(3))
+    m(x1, x1, x1)
+    want = m.backward(dout)[0]
+    held = m.cache
+    probs = A.weights(held.sdpa).copy()
+    for x in (x2, x2, x1 + 1.0):
+        m(x, x, x)
+    np.testing.assert_array_equal(A.weights(held.sdpa), probs)
+    m.cache = held
+    np.testing.assert_array_equal(m.backward(dout)[0], want)
