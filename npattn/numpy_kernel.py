@@ -12,8 +12,8 @@ What is different from the reference, and why it is faster:
 * **Tiles.** The work is split into independent tiles of one batch entry, a
   group of K/V heads (with their G query heads) and a block of query rows,
   sized so that one tile of scores (about ``TILE_ELEMS`` entries) stays in
-  cache while the softmax passes over it. When one head's score matrix has
-  at least ``POOL_MIN_SCORES`` entries, tiles run on the tile pool of
+  cache while the softmax passes over it. When the call has at least
+  ``POOL_MIN_SCORES`` scores in all (and more than one tile), tiles run on the tile pool of
   ``npattn.backend`` with BLAS held to one thread (NumPy releases the GIL in
   ufuncs and BLAS); the numbers do not depend on the number of threads.
 * **Row sums by BLAS.** The softmax denominator is ``e @ ones``, a
@@ -72,10 +72,11 @@ TILE_ELEMS = 1 << 18
 #: the forward's softmax passes want its tile in cache.
 BACKWARD_TILE_FACTOR = 4
 
-#: Tiles run on the pool only when one head's score matrix has at least this
-#: many entries (``Lq * Lk``); below it they run in order with BLAS as it is
-#: (docs/performance.md has the measurements behind the number).
-POOL_MIN_SCORES = 1 << 20
+#: Tiles run on the pool only when the call has at least this many scores in
+#: all (``B * Hq * Lq * Lk``); below it the pool's hand-offs cost more than
+#: they save, and tiles run in order with BLAS as it is (docs/performance.md
+#: has the measurements behind the number).
+POOL_MIN_SCORES = 1 << 19
 
 
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
@@ -125,9 +126,21 @@ def _blocks(Lq, Lk, r, o):
         yield i0, i1, c0, max(c0, c1)
 
 
-def _threads(Lq, Lk):
-    """Pool threads for a head of Lq x Lk scores: 0 means in order, BLAS untouched."""
-    return pool_threads() if Lq * Lk >= POOL_MIN_SCORES else 0
+def _cut_columns(o, i0, i1, c0, c1):
+    """The key ranges ``(j0, j1)`` within ``c0:c1`` where the window of ``o`` leaves out
+    some of the rows ``i0:i1``: right of ``i0 + offset + right``, left of
+    ``i1 - 1 + offset - left`` (a causal block: its last ``i1 - i0`` columns)."""
+    ranges = []
+    if o.right is not None and max(c0, i0 + o.offset + o.right + 1) < c1:
+        ranges.append((max(c0, i0 + o.offset + o.right + 1), c1))
+    if o.left is not None and min(c1, i1 - 1 + o.offset - o.left) > c0:
+        ranges.append((c0, min(c1, i1 - 1 + o.offset - o.left)))
+    return ranges
+
+
+def _threads(tasks, scores):
+    """Pool threads for ``tasks`` of ``scores`` in all: 0 means in order, BLAS untouched."""
+    return pool_threads() if len(tasks) > 1 and scores >= POOL_MIN_SCORES else 0
 
 
 def _run(tile, tasks, threads):
@@ -311,9 +324,9 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 np.add(p, fmask[b, h0:h1, :, i0:i1, c0:c1], out=p)
             if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
                 np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, c0:c1])
-            if F.block_cut(o, i0, i1, c0, c1):  # 2. the window's edge crosses the block
-                allowed = F.positions_allowed(np, np.arange(i0, i1), np.arange(c0, c1), o)
-                np.copyto(p, neg_inf, where=~allowed)
+            for j0, j1 in _cut_columns(o, i0, i1, c0, c1):  # 2. where the window's edges cross
+                allowed = F.positions_allowed(np, np.arange(i0, i1), np.arange(j0, j1), o)
+                np.copyto(p[..., j0 - c0 : j1 - c0], neg_inf, where=~allowed)
             m = np.max(p, axis=-1, keepdims=True)  # 3.            [hk, G, r, 1]
             m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
             np.subtract(p, m, out=p)
@@ -334,7 +347,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 a *= drop_scale
             np.matmul(a, vt[:, :, c0:c1], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
 
-    _run(tile, tasks, _threads(Lq, Lk))
+    _run(tile, tasks, _threads(tasks, B * Hq * Lq * Lk))
 
     heads = out_m.reshape(B, Lq, Hq, Dv).transpose(0, 2, 1, 3)  # [B, Hq, Lq, Dv] view
     result = heads if work == in_dtype else heads.astype(in_dtype)
@@ -439,7 +452,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         if not whole_dv:
             dv[b, h0:h1, 0] = dv_acc
 
-    _run(tile, tasks, _threads(Lq, Lk))
+    _run(tile, tasks, _threads(tasks, B * Hq * Lq * Lk))
 
     dq = dq_m.reshape(B, Lq, Hq, Dh).transpose(0, 2, 1, 3)  # [B, Hq, Lq, Dh] view
     dk = dk_m.reshape(B, Lk, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, Lk, Dh] view
