@@ -63,6 +63,8 @@ __all__ = [
     "dropout_keep_mask",
     "weights",
     "Workspace",
+    "linear_forward",
+    "linear_backward",
 ]
 
 Workspace = numpy_kernel.Workspace
@@ -297,3 +299,22 @@ def dropout_keep_mask(cache: Any) -> Any:
         xp = namespace(cache.probs)
         return xp.broadcast_to(keep, tuple(cache.probs.shape))
     raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+
+
+def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, F.LinearCache]:
+    """``functional.linear_forward`` (``y = x @ w.T + b``), checked; a large GEMM on NumPy
+    arrays runs on the tile pool (``numpy_kernel.linear_forward``), the same numbers to
+    rounding. The module's projections go through here."""
+    if not numpy_kernel.linear_applies(x, w):
+        return F.linear_forward(x, w, b)
+    F.check_linear_inputs(x, w, b)
+    return numpy_kernel.linear_forward(x, w, b)
+
+
+def linear_backward(dy: Any, cache: F.LinearCache) -> tuple[Any, Any, Any]:
+    """``functional.linear_backward``: ``(dx, dw, db)``, on the tile pool where
+    ``linear_forward`` would run there."""
+    if not (isinstance(cache, F.LinearCache) and numpy_kernel.linear_applies(cache.x, cache.w)):
+        return F.linear_backward(dy, cache)
+    F.check_linear_grad(dy, cache)
+    return numpy_kernel.linear_backward(dy, cache)

@@ -41,6 +41,8 @@ from .backend import check_same_device, device_of, dropout_key, is_bool, is_floa
 __all__ = [
     "linear_forward",
     "linear_backward",
+    "check_linear_inputs",
+    "check_linear_grad",
     "split_heads_forward",
     "split_heads_backward",
     "merge_heads_forward",
@@ -155,6 +157,19 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, LinearCache]:
     cache : LinearCache
     """
     # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
+    check_linear_inputs(x, w, b)
+    xp = namespace(x, w, b)
+    # one (N, Din) x (Din, Dout) GEMM over all leading axes: NumPy's matmul
+    # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower)
+    x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
+    y = xp.reshape(x2 @ xp.matrix_transpose(w), (*x.shape[:-1], w.shape[0]))  # [..., Dout]
+    if b is not None:
+        y = y + b  # [..., Dout]
+    return y, LinearCache(x, w, b is not None)
+
+
+def check_linear_inputs(x: Any, w: Any, b: Any = None) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``linear_forward`` takes ``(x, w, b)``."""
     V.check_floating_array("x", x)
     V.check_floating_array("w", w, namespace(x), device_of(x), dtype=x.dtype, like="x")
     if w.ndim != 2:
@@ -171,14 +186,6 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, LinearCache]:
                 f"b: expected shape ({w.shape[0]},) (Dout, the output width of w), "
                 f"got shape {V.shape_of(b)}"
             )
-    xp = namespace(x, w, b)
-    # one (N, Din) x (Din, Dout) GEMM over all leading axes: NumPy's matmul
-    # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower)
-    x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
-    y = xp.reshape(x2 @ xp.matrix_transpose(w), (*x.shape[:-1], w.shape[0]))  # [..., Dout]
-    if b is not None:
-        y = y + b  # [..., Dout]
-    return y, LinearCache(x, w, b is not None)
 
 
 def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
@@ -199,9 +206,7 @@ def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
     db : array, shape (Dout,) or None
     """
     # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
-    V.check_cache("cache", cache, LinearCache, "linear_forward")
-    V.check_grad("dy", dy, shape=(*cache.x.shape[:-1], cache.w.shape[0]), dtype=cache.x.dtype,
-                 xp=namespace(cache.x), device=device_of(cache.x), of="the forward's y")
+    check_linear_grad(dy, cache)
     xp = namespace(dy, cache.x)
     x, w = cache.x, cache.w
     # forward: y = x @ w.T + b
@@ -211,6 +216,13 @@ def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
     dw = xp.matrix_transpose(dy2) @ x2  # [Dout, Din]
     db = xp.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
     return dx, dw, db
+
+
+def check_linear_grad(dy: Any, cache: Any) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``linear_backward`` takes ``(dy, cache)``."""
+    V.check_cache("cache", cache, LinearCache, "linear_forward")
+    V.check_grad("dy", dy, shape=(*cache.x.shape[:-1], cache.w.shape[0]), dtype=cache.x.dtype,
+                 xp=namespace(cache.x), device=device_of(cache.x), of="the forward's y")
 
 
 # --------------------------------------------------------------------------

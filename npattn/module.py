@@ -493,9 +493,9 @@ class MultiHeadAttention:
         if query is key and key is value:  # self-attention: 1.-3. as one GEMM
             q, k, v, q_c, k_c, v_c = self._project_self(query)
         else:
-            q, q_c = F.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
-            k, k_c = F.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, Dkv]
-            v, v_c = F.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, Dkv]
+            q, q_c = A.linear_forward(query, P["w_q"], P.get("b_q"))  # 1.   [B, Lq, D]
+            k, k_c = A.linear_forward(key, P["w_k"], P.get("b_k"))  # 2.     [B, Lk, Dkv]
+            v, v_c = A.linear_forward(value, P["w_v"], P.get("b_v"))  # 3.   [B, Lk, Dkv]
         Lq, Lk = q.shape[1], k.shape[1]
         zero = self.add_zero_attn
         k, k_extra_c = F.append_kv_forward(k, P.get("bias_k"), add_zero_attn=zero)  # 4. [B, Lk + n, Dkv]
@@ -534,7 +534,7 @@ class MultiHeadAttention:
             **options,
         )
         o, merge_c = F.merge_heads_forward(oh)  # 7.                     [B, Lq, D]
-        out, o_c = F.linear_forward(o, P["w_o"], P.get("b_o"))  # 8.     [B, Lq, D]
+        out, o_c = A.linear_forward(o, P["w_o"], P.get("b_o"))  # 8.     [B, Lq, D]
 
         cache = MHACache(
             q_c, k_c, v_c, k_extra_c, v_extra_c, mask_c, split_c, sdpa_c, merge_c, o_c,
@@ -553,7 +553,7 @@ class MultiHeadAttention:
         Dkv = P["w_k"].shape[0]
         w = xp.concat([P["w_q"], P["w_k"], P["w_v"]], axis=0)  # [D + 2 Dkv, D]
         b = xp.concat([P["b_q"], P["b_k"], P["b_v"]]) if self.qkv_bias else None  # [D + 2 Dkv]
-        qkv, _ = F.linear_forward(x, w, b)  # [B, L, D + 2 Dkv]
+        qkv, _ = A.linear_forward(x, w, b)  # [B, L, D + 2 Dkv]
         q = qkv[..., :D]  # [B, L, D] view
         k = qkv[..., D : D + Dkv]  # [B, L, Dkv] view
         v = qkv[..., D + Dkv :]  # [B, L, Dkv] view
@@ -592,7 +592,7 @@ class MultiHeadAttention:
     def _backward(self, dout, c):
         """The backward of the forward that made ``c``: ``(grads, dmask, (dquery, dkey, dvalue))``."""
         # 8. out = o @ w_o.T + b_o
-        do, dw_o, db_o = F.linear_backward(dout, c.out_proj)  # [B, Lq, D]
+        do, dw_o, db_o = A.linear_backward(dout, c.out_proj)  # [B, Lq, D]
         # 7. o = merge_heads(oh)
         doh = F.merge_heads_backward(do, c.merge)  # [B, H, Lq, Dh]
         # 6. oh = sdpa(qh, kh, vh, mask, sinks); dk, dv summed over each query group under GQA
@@ -608,9 +608,9 @@ class MultiHeadAttention:
         if c.mask_pad is not None:
             dmask = F.pad_mask_backward(dmask, c.mask_pad)  # mask's own shape
         # 3.-1. v = value @ w_v.T + b_v, and so on
-        dvalue, dw_v, db_v = F.linear_backward(dv, c.v_proj)  # [B, Lk, Dv]
-        dkey, dw_k, db_k = F.linear_backward(dk, c.k_proj)  # [B, Lk, Dk]
-        dquery, dw_q, db_q = F.linear_backward(dq, c.q_proj)  # [B, Lq, Dq]
+        dvalue, dw_v, db_v = A.linear_backward(dv, c.v_proj)  # [B, Lk, Dv]
+        dkey, dw_k, db_k = A.linear_backward(dk, c.k_proj)  # [B, Lk, Dk]
+        dquery, dw_q, db_q = A.linear_backward(dq, c.q_proj)  # [B, Lq, Dq]
 
         grads = {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
         if self.qkv_bias:

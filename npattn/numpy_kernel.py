@@ -37,8 +37,20 @@ What is different from the reference, and why it is faster:
   heads of one K/V head are an axis of their own, ``q[b, hkv, g]``, and
   ``k[b, hkv]`` is broadcast over it: K and V are never repeated.
 * **No head copies.** Outputs and gradients are written in the merged
-  (B, L, H, D) layout, so ``merge_heads`` is a reshape and not a copy;
-  inputs are read through strided views that BLAS takes as they are.
+  (B, L, H, D) layout, so ``merge_heads`` is a reshape and not a copy. A
+  tile copies only its own heads' K and V (and in the backward q and dout)
+  into contiguous arrays, scale folded into q and k: (L, Dh) each, against
+  the (r, Lk) scores, and BLAS runs faster on them than on strided views.
+* **Taller backward blocks.** The backward's blocks hold
+  ``BACKWARD_TILE_FACTOR`` times the forward's scores: its GEMMs (da, dq,
+  dk) gain more from taller blocks than its two passes lose out of cache.
+* **Arrays lent by the caller.** With a ``Workspace`` a forward writes its
+  probabilities (and a drawn keep-mask) into a finished forward's arrays
+  instead of fresh memory (see ``Workspace``).
+* **Projections on the pool.** ``linear_forward`` / ``linear_backward``
+  run the module's projections in ``LINEAR_PARTS`` row blocks on the same
+  pool, BLAS at one thread: BLAS's own threads, left spinning after a
+  two-thread GEMM, would take the cores from the attention tiles that follow.
 
 Dropout draws its keep-mask tile by tile from the counter-based generator of
 ``npattn.backend.keyed_keep_mask``: the same mask as every other
@@ -61,7 +73,8 @@ from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, ke
 from . import functional as F
 from .functional import SDPAGrads, sum_to_shape
 
-__all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of",
+__all__ = ["NumpySDPACache", "Workspace", "accepts", "linear_applies", "linear_forward",
+           "linear_backward", "POOL_MIN_LINEAR", "LINEAR_PARTS", "sdpa_forward", "sdpa_backward", "keep_mask_of",
            "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES"]
 
 #: Target number of score entries in one tile (float32: 1 MiB).
@@ -465,3 +478,79 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         if dmask is not None:
             dmask = dmask.astype(cache.in_dtype)
     return SDPAGrads(dq, dk, dv, dmask, None)
+
+
+# ------------------------------------------------------------------ projections
+
+#: A projection runs on the tile pool when its GEMM has at least this many
+#: multiply-adds (rows x Din x Dout).
+POOL_MIN_LINEAR = 1 << 24
+
+#: A projection on the pool is cut into this many tasks by rows (of ``y`` and
+#: ``dx``; ``dw`` into as many more by its output rows): large GEMMs, whose
+#: number does not depend on the pool's threads (nor do the numbers).
+LINEAR_PARTS = 4
+
+
+def linear_applies(x: Any, w: Any) -> bool:
+    """Whether ``linear_forward`` runs ``x @ w.T`` on the tile pool: NumPy arrays of matching
+    widths, a GEMM of at least ``POOL_MIN_LINEAR`` multiply-adds, a pool of several threads."""
+    if not (is_numpy_array(x) and is_numpy_array(w) and x.ndim >= 1 and w.ndim == 2):
+        return False
+    if x.shape[-1] != w.shape[1] or x.size * w.shape[0] < POOL_MIN_LINEAR:
+        return False
+    return pool_threads() > 1
+
+
+def _on_pool(tasks, fn):
+    with exclusive():  # BLAS held to one thread inside (npattn.backend: threads)
+        run_tasks(fn, tasks, pool_threads())
+
+
+def _row_blocks(kind, n):
+    cuts = [n * i // LINEAR_PARTS for i in range(LINEAR_PARTS + 1)]
+    return [(kind, i0, i1) for i0, i1 in zip(cuts[:-1], cuts[1:]) if i1 > i0]
+
+
+def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, Any]:
+    """``functional.linear_forward`` (``y = x @ w.T + b``) on checked NumPy arrays, its GEMM
+    in ``LINEAR_PARTS`` blocks of rows on the tile pool with BLAS at one thread.
+
+    BLAS's own threads would otherwise keep spinning after the GEMM and take
+    the cores from the attention tiles that follow. Returns
+    ``(y, functional.LinearCache)``.
+    """
+    # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
+    x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
+    y2 = np.empty((x2.shape[0], w.shape[0]), dtype=x.dtype)  # [N, Dout]
+    wT = w.T  # [Din, Dout] view
+
+    def task(_, i0, i1):
+        np.matmul(x2[i0:i1], wT, out=y2[i0:i1])
+        if b is not None:
+            y2[i0:i1] += b
+
+    _on_pool(_row_blocks("y", x2.shape[0]), task)
+    return y2.reshape(*x.shape[:-1], w.shape[0]), F.LinearCache(x, w, b is not None)
+
+
+def linear_backward(dy: Any, cache: Any) -> tuple[Any, Any, Any]:
+    """``functional.linear_backward`` on checked NumPy arrays: ``dx = dy @ w`` in blocks of
+    rows, ``dw = dy^T x`` in blocks of its output rows, on the tile pool; ``db = sum(dy)``."""
+    # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
+    x, w = cache.x, cache.w
+    dy2 = dy.reshape(-1, dy.shape[-1])  # [N, Dout]
+    x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
+    dx2 = np.empty(x2.shape, dtype=x.dtype)  # [N, Din]
+    dw = np.empty(w.shape, dtype=x.dtype)  # [Dout, Din]
+    dyT = dy2.T  # [Dout, N] view
+
+    def task(kind, i0, i1):
+        if kind == "dx":
+            np.matmul(dy2[i0:i1], w, out=dx2[i0:i1])
+        else:
+            np.matmul(dyT[i0:i1], x2, out=dw[i0:i1])
+
+    _on_pool(_row_blocks("dx", x2.shape[0]) + _row_blocks("dw", w.shape[0]), task)
+    db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
+    return dx2.reshape(x.shape), dw, db

@@ -1,0 +1,104 @@
+"""The module's projections through ``attention.linear_forward/backward``: on NumPy a large
+GEMM runs on the tile pool (``numpy_kernel.linear_forward``); the reference
+``functional.linear_*`` elsewhere. Same numbers, same checks."""
+
+import numpy as np
+import pytest
+
+from npattn import MultiHeadAttention
+from npattn import attention as A
+from npattn import functional as F
+from npattn import numpy_kernel
+from npattn.gradcheck import gradcheck
+
+
+@pytest.fixture
+def pooled(monkeypatch):
+    """Every projection of the tests' small sizes on the pool, with two threads."""
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+
+
+def _case(seed, lead, din, dout, bias=True, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, din)).astype(dtype)
+    w = rng.standard_normal((dout, din)).astype(dtype)
+    b = rng.standard_normal(dout).astype(dtype) if bias else None
+    dy = rng.standard_normal((*lead, dout)).astype(dtype)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("lead", [(2, 9), (7,), (3, 2, 5)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pooled_projection_matches_the_reference(lead, bias, pooled):
+    x, w, b, dy = _case(1, lead, 6, 5, bias)
+    assert numpy_kernel.linear_applies(x, w)
+    y, c = A.linear_forward(x, w, b)
+    y_ref, c_ref = F.linear_forward(x, w, b)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
+    assert isinstance(c, F.LinearCache) and y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    for got, want in zip(A.linear_backward(dy, c), F.linear_backward(dy, c_ref)):
+        if want is None:
+            assert got is None
+        else:
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_pooled_projection_finite_differences(pooled):
+    x, w, b, dy = _case(2, (3, 4), 5, 6)
+    dout = np.random.default_rng(3).standard_normal((3, 4, 6))
+    report = gradcheck(A.linear_forward, A.linear_backward, [x, w, b], dout=dout)
+    assert report.ok, report
+
+
+def test_pooled_projection_does_not_depend_on_the_thread_count(monkeypatch):
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 0)
+    x, w, b, dy = _case(4, (37, 3), 11, 13, dtype=np.float32)
+    runs = []
+    for threads in ("2", "3", "1"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        y, c = A.linear_forward(x, w, b)
+        runs.append((y, *A.linear_backward(dy, c)))
+    for other in runs[1:]:
+        for a, b_ in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b_)
+
+
+def test_pooled_projection_checks_like_the_reference(pooled):
+    """Bad input gets the reference's error, naming the argument, and changes nothing."""
+    x, w, b, dy = _case(5, (2, 3), 4, 5)
+    x0 = x.copy()
+    with pytest.raises(TypeError, match="b"):
+        A.linear_forward(x, w, b.astype(np.float32))
+    with pytest.raises(ValueError, match="b: expected shape"):
+        A.linear_forward(x, w, b[:2])
+    with pytest.raises(ValueError, match="x: expected shape"):
+        A.linear_forward(x, w[:, :3], b)
+    np.testing.assert_array_equal(x, x0)
+    _, c = A.linear_forward(x, w, b)
+    with pytest.raises(ValueError, match="dy"):
+        A.linear_backward(dy[:, :2], c)
+    with pytest.raises(TypeError, match="cache"):
+        A.linear_backward(dy, (x, w, True))
+
+
+def test_module_on_the_pool_matches_the_reference_module(monkeypatch):
+    """A module whose projections run on the pool gives the reference module's output and
+    gradients (self- and cross-attention), to rounding in float64."""
+    rng = np.random.default_rng(6)
+    q_in, kv_in = rng.standard_normal((2, 7, 8)), rng.standard_normal((2, 5, 8))
+    dout = rng.standard_normal((2, 7, 8))
+    results = []
+    for pool_min in (0, 1 << 62):
+        monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", pool_min)
+        monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+        m = MultiHeadAttention(8, 2, dtype="float64", seed=7)
+        per = []
+        for key in (q_in, kv_in):
+            out, _ = m(q_in, key, key)
+            per.append((out, *m.backward(dout), *m.grads.values()))
+        results.append(per)
+    for got, want in zip(*results):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
