@@ -314,6 +314,13 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     ones = np.ones((Lk, 1), dtype=work)  # [Lk, 1]: row sums as a matrix-vector product
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, cut, TILE_ELEMS)
     neg_inf = -math.inf
+    edges: dict = {}  # the window's pattern on a block depends on its shape and j0 - i0 alone
+
+    def left_out(i0, i1, j0, j1):  # [r, j1 - j0] bool: True where the window leaves a key out
+        shape = (i1 - i0, j1 - j0, j0 - i0)
+        if shape not in edges:
+            edges[shape] = ~F.positions_allowed(np, np.arange(i0, i1), np.arange(j0, j1), o)
+        return edges[shape]
 
     def tile(b, h0, h1):
         # the tile's operands as contiguous copies (BLAS is faster on them than on the
@@ -331,15 +338,17 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 lse[b, h0:h1, :, i0:i1] = neg_inf
                 continue
             c = c1 - c0
-            p = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view, filled in place
+            dst = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view of the weights
+            # rows shorter than Lk are strided, and NumPy's passes over them run at half
+            # speed: such a block is computed in a contiguous scratch array, then copied
+            p = dst if c == Lk else np.empty(dst.shape, dtype=work)  # [hk, G, r, c]
             np.matmul(qs[:, :, i0:i1], kTt[:, :, :, c0:c1], out=p)  # 1. s = q k^T * scale
             if fmask is not None:  # 2. floating mask: s + mask
                 np.add(p, fmask[b, h0:h1, :, i0:i1, c0:c1], out=p)
             if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
                 np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, c0:c1])
             for j0, j1 in _cut_columns(o, i0, i1, c0, c1):  # 2. where the window's edges cross
-                allowed = F.positions_allowed(np, np.arange(i0, i1), np.arange(j0, j1), o)
-                np.copyto(p[..., j0 - c0 : j1 - c0], neg_inf, where=~allowed)
+                np.copyto(p[..., j0 - c0 : j1 - c0], neg_inf, where=left_out(i0, i1, j0, j1))
             m = np.max(p, axis=-1, keepdims=True)  # 3.            [hk, G, r, 1]
             m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
             np.subtract(p, m, out=p)
@@ -351,6 +360,8 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             lse_blk[empty] = neg_inf
             lse[b, h0:h1, :, i0:i1] = lse_blk[..., 0]
             np.multiply(p, np.reciprocal(s, out=s), out=p)  # one divide per row, not per entry
+            if p is not dst:
+                dst[...] = p
             a = p
             if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0)
                 kp = keep[b, h0:h1, :, i0:i1, c0:c1]
