@@ -505,12 +505,11 @@ LINEAR_PARTS = 4
 
 def linear_applies(x: Any, w: Any) -> bool:
     """Whether ``linear_forward`` runs ``x @ w.T`` on the tile pool: NumPy arrays of matching
-    widths, a GEMM of at least ``POOL_MIN_LINEAR`` multiply-adds, a pool of several threads."""
+    widths and a GEMM of at least ``POOL_MIN_LINEAR`` multiply-adds. (With one pool thread
+    the blocks run in order, BLAS still at one thread: the same numbers as on more.)"""
     if not (is_numpy_array(x) and is_numpy_array(w) and x.ndim >= 1 and w.ndim == 2):
         return False
-    if x.shape[-1] != w.shape[1] or x.size * w.shape[0] < POOL_MIN_LINEAR:
-        return False
-    return pool_threads() > 1
+    return x.shape[-1] == w.shape[1] and x.size * w.shape[0] >= POOL_MIN_LINEAR
 
 
 def _on_pool(tasks, fn):

@@ -52,9 +52,12 @@ def test_pooled_projection_finite_differences(pooled):
     assert report.ok, report
 
 
-def test_pooled_projection_does_not_depend_on_the_thread_count(monkeypatch):
+@pytest.mark.parametrize("size", [(37, 3, 11, 13), (3, 200, 300, 190)], ids=["small", "multithreaded BLAS"])
+def test_pooled_projection_does_not_depend_on_the_thread_count(size, monkeypatch):
+    """NPATTN_NUM_THREADS=1 runs the same blocks in order, BLAS held to one thread: bit for bit
+    the numbers of 2 and 3 threads, also at a size where BLAS itself would use threads."""
     monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 0)
-    x, w, b, dy = _case(4, (37, 3), 11, 13, dtype=np.float32)
+    x, w, b, dy = _case(4, size[:2], size[2], size[3], dtype=np.float32)
     runs = []
     for threads in ("2", "3", "1"):
         monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
