@@ -89,7 +89,7 @@ BACKWARD_TILE_FACTOR = 4
 #: all (``B * Hq * Lq * Lk``); below it the pool's hand-offs cost more than
 #: they save, and tiles run in order with BLAS as it is (docs/performance.md
 #: has the measurements behind the number).
-POOL_MIN_SCORES = 1 << 19
+POOL_MIN_SCORES = 1 << 21
 
 
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
@@ -495,7 +495,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
 
 #: A projection runs on the tile pool when its GEMM has at least this many
 #: multiply-adds (rows x Din x Dout).
-POOL_MIN_LINEAR = 1 << 24
+POOL_MIN_LINEAR = 1 << 28
 
 #: A projection on the pool is cut into this many tasks by rows (of ``y`` and
 #: ``dx``; ``dw`` into as many more by its output rows): large GEMMs, whose
