@@ -73,9 +73,10 @@ from .backend import dropout_key, exclusive, is_numpy_array, keyed_keep_mask, ke
 from . import functional as F
 from .functional import SDPAGrads, sum_to_shape
 
-__all__ = ["NumpySDPACache", "Workspace", "accepts", "linear_applies", "linear_forward",
-           "linear_backward", "POOL_MIN_LINEAR", "LINEAR_PARTS", "sdpa_forward", "sdpa_backward", "keep_mask_of",
-           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES"]
+__all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward",
+           "keep_mask_of", "linear_applies", "linear_forward", "linear_backward",
+           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES", "POOL_MIN_LINEAR",
+           "LINEAR_PARTS"]
 
 #: Target number of score entries in one tile (float32: 1 MiB).
 TILE_ELEMS = 1 << 18
@@ -144,10 +145,14 @@ def _cut_columns(o, i0, i1, c0, c1):
     some of the rows ``i0:i1``: right of ``i0 + offset + right``, left of
     ``i1 - 1 + offset - left`` (a causal block: its last ``i1 - i0`` columns)."""
     ranges = []
-    if o.right is not None and max(c0, i0 + o.offset + o.right + 1) < c1:
-        ranges.append((max(c0, i0 + o.offset + o.right + 1), c1))
-    if o.left is not None and min(c1, i1 - 1 + o.offset - o.left) > c0:
-        ranges.append((c0, min(c1, i1 - 1 + o.offset - o.left)))
+    if o.right is not None:
+        j0 = max(c0, i0 + o.offset + o.right + 1)  # row i0 sees keys up to i0 + offset + right
+        if j0 < c1:
+            ranges.append((j0, c1))
+    if o.left is not None:
+        j1 = min(c1, i1 - 1 + o.offset - o.left)  # row i1 - 1 sees keys from its own left edge
+        if j1 > c0:
+            ranges.append((c0, j1))
     return ranges
 
 
@@ -179,8 +184,8 @@ class Workspace:
     """The (B, Hq, Lq, Lk) arrays of finished forwards, for the next forwards to reuse.
 
     A forward's probabilities (and a dropout keep-mask it drew) are the one
-    large allocation of the kernel, 512 MiB at one head of 4096 x 4096 x 8
-    heads in float32; memory that is fresh to the process costs page faults
+    large allocation of the kernel, 512 MiB for 8 heads of 4096 x 4096
+    scores in float32; memory that is fresh to the process costs page faults
     to touch (about 20 ms per 512 MiB, and on some virtual machines half a
     second). A caller that owns its caches gives a cache back with
     ``give(cache)`` once nothing can read that cache again, and passes the
@@ -314,7 +319,9 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     ones = np.ones((Lk, 1), dtype=work)  # [Lk, 1]: row sums as a matrix-vector product
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, cut, TILE_ELEMS)
     neg_inf = -math.inf
-    edges: dict = {}  # the window's pattern on a block depends on its shape and j0 - i0 alone
+    # the window's pattern on a block depends on its shape and j0 - i0 alone; tiles on
+    # the pool may both fill an entry, with the same array
+    edges: dict = {}
 
     def left_out(i0, i1, j0, j1):  # [r, j1 - j0] bool: True where the window leaves a key out
         shape = (i1 - i0, j1 - j0, j0 - i0)
@@ -512,11 +519,6 @@ def linear_applies(x: Any, w: Any) -> bool:
     return x.shape[-1] == w.shape[1] and x.size * w.shape[0] >= POOL_MIN_LINEAR
 
 
-def _on_pool(tasks, fn):
-    with exclusive():  # BLAS held to one thread inside (npattn.backend: threads)
-        run_tasks(fn, tasks, pool_threads())
-
-
 def _row_blocks(kind, n):
     cuts = [n * i // LINEAR_PARTS for i in range(LINEAR_PARTS + 1)]
     return [(kind, i0, i1) for i0, i1 in zip(cuts[:-1], cuts[1:]) if i1 > i0]
@@ -540,7 +542,7 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, Any]:
         if b is not None:
             y2[i0:i1] += b
 
-    _on_pool(_row_blocks("y", x2.shape[0]), task)
+    _run(task, _row_blocks("y", x2.shape[0]), pool_threads())  # BLAS at one thread
     return y2.reshape(*x.shape[:-1], w.shape[0]), F.LinearCache(x, w, b is not None)
 
 
@@ -561,6 +563,6 @@ def linear_backward(dy: Any, cache: Any) -> tuple[Any, Any, Any]:
         else:
             np.matmul(dyT[i0:i1], x2, out=dw[i0:i1])
 
-    _on_pool(_row_blocks("dx", x2.shape[0]) + _row_blocks("dw", w.shape[0]), task)
+    _run(task, _row_blocks("dx", x2.shape[0]) + _row_blocks("dw", w.shape[0]), pool_threads())
     db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
     return dx2.reshape(x.shape), dw, db
