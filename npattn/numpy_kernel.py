@@ -19,18 +19,32 @@ What is different from the reference, and why it is faster:
 * **Row sums by BLAS.** The softmax denominator is ``e @ ones``, a
   matrix-vector product, instead of ``sum(e, axis=-1)`` (NumPy reduces one
   short row at a time).
-* **In place.** The scores are computed straight into the probability array
-  that the cache keeps (``matmul(..., out=)``) and every softmax step updates
-  it in place: no temporaries of shape (B, H, Lq, Lk).
+* **In place.** The scores are computed straight into the array that the
+  cache keeps (``matmul(..., out=)``) and every softmax step updates it in
+  place: no temporaries of shape (B, H, Lq, Lk).
+* **No max shift where the scores are bounded.** By Cauchy-Schwarz
+  ``|s_ij| <= |q_i * scale| max_j |k_j|``. A block whose rows all have a
+  bound of at most ``EXP_BOUND`` (and no floating mask) takes ``e = exp(s)``:
+  the softmax does not change with the shift (docs/derivations.md), and
+  without it ``exp`` cannot overflow or underflow there either. Other blocks
+  subtract each row's maximum as the reference does.
+* **Normalised on the small side.** The cache keeps ``e`` and the row factors
+  ``ps = 1 / rowsum(e)`` (``p = e * ps``, formed only when the weights are
+  asked for: ``NumpySDPACache.probs``). ``out = (e v) * ps`` scales (r, Dv)
+  rows instead of (r, Lk); the backward moves ``ps`` (and the dropout's
+  ``1 / (1 - p_drop)``) onto the rows of dout, ``do' = dout * ps / (1 - p_drop)``:
+  ``dv = (e * keep)^T do'`` and ``ds = e * (keep * (do' v^T) - delta * ps)``.
+  Without dropout ``- delta * ps`` is one more column of the GEMM,
+  ``[do', -delta ps] @ [v, 1]^T``, and ``ds`` is one multiply by ``e``.
 * **Scale folded into q.** ``s = (q * scale) @ k^T``: one pass over (Lq, Dh)
   instead of one over (Lq, Lk).
-* **dv in one GEMM.** Without dropout and causal mask, ``dv = p^T dout`` is one
+* **dv in one GEMM.** Without dropout and causal mask, ``dv = e^T do'`` is one
   GEMM over all query rows of a tile instead of a sum of per-block GEMMs.
 * **Causal blocks skipped.** A block of query rows ``i0:i1`` only meets keys
   ``0:i1``; the blocks above the diagonal are never computed.
-* **Lean cache.** Only the probabilities (before dropout), the keep-mask and
-  a copy of the output are kept. The dropped probabilities are recomputed in
-  the backward, tile by tile, and the softmax backward uses
+* **Lean cache.** Only ``e`` and its row factors (the probabilities before
+  dropout), the keep-mask and a copy of the output are kept. The dropped
+  probabilities are recomputed in the backward, tile by tile, and the softmax backward uses
   ``delta = rowsum(dp * p) = rowsum(dout * out)`` (true with or without
   dropout, since ``out = a @ v``), a pass over (Lq, Dv) instead of (Lq, Lk).
 * **Grouped heads as a broadcast.** Under grouped-query attention the G query
@@ -45,7 +59,7 @@ What is different from the reference, and why it is faster:
   ``BACKWARD_TILE_FACTOR`` times the forward's scores: its GEMMs (da, dq,
   dk) gain more from taller blocks than its two passes lose out of cache.
 * **Arrays lent by the caller.** With a ``Workspace`` a forward writes its
-  probabilities (and a drawn keep-mask) into a finished forward's arrays
+  ``e`` (and a drawn keep-mask) into a finished forward's arrays
   instead of fresh memory (see ``Workspace``).
 * **Projections on the pool.** ``linear_forward`` / ``linear_backward``
   run the module's projections in ``LINEAR_PARTS`` row blocks on the same
@@ -75,7 +89,7 @@ from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward",
            "keep_mask_of", "linear_applies", "linear_forward", "linear_backward",
-           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES", "POOL_MIN_LINEAR",
+           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES", "EXP_BOUND", "POOL_MIN_LINEAR",
            "LINEAR_PARTS"]
 
 #: Target number of score entries in one tile (float32: 1 MiB).
@@ -91,6 +105,12 @@ BACKWARD_TILE_FACTOR = 4
 #: they save, and tiles run in order with BLAS as it is (docs/performance.md
 #: has the measurements behind the number).
 POOL_MIN_SCORES = 1 << 21
+
+#: A block of rows whose scores are all at most this large in magnitude, by
+#: Cauchy-Schwarz ``|s_ij| <= |q_i| |k_j|``, takes ``exp(s)`` without subtracting
+#: each row's maximum: ``exp`` of ``[-16, 16]`` neither overflows nor underflows
+#: (float32 included), and a row's sum stays far from the largest float.
+EXP_BOUND = 16.0
 
 
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
@@ -183,11 +203,11 @@ def _tile_keep(key, p, b, h0, h1, G, i0, i1, c0, c1):
 class Workspace:
     """The (B, Hq, Lq, Lk) arrays of finished forwards, for the next forwards to reuse.
 
-    A forward's probabilities (and a dropout keep-mask it drew) are the one
-    large allocation of the kernel, 512 MiB for 8 heads of 4096 x 4096
-    scores in float32; memory that is fresh to the process costs page faults
-    to touch (about 20 ms per 512 MiB, and on some virtual machines half a
-    second). A caller that owns its caches gives a cache back with
+    A forward's ``e`` (its probabilities before normalisation) and a dropout
+    keep-mask it drew are the one large allocation of the kernel, 512 MiB
+    for 8 heads of 4096 x 4096 scores in float32; memory that is fresh to
+    the process costs page faults to touch (about 20 ms per 512 MiB, and on
+    some virtual machines half a second). A caller that owns its caches gives a cache back with
     ``give(cache)`` once nothing can read that cache again, and passes the
     workspace to the next forwards (``workspace=``): one of the same size
     and dtype takes the arrays instead of allocating. What a forward writes
@@ -199,7 +219,7 @@ class Workspace:
     arrays are kept; ``clear()`` frees them. Not for sharing between threads.
     """
 
-    #: Most arrays kept: the probabilities and a keep-mask of one forward.
+    #: Most arrays kept: the ``e`` and a keep-mask of one forward.
     SPARES = 2
 
     def __init__(self) -> None:
@@ -210,7 +230,7 @@ class Workspace:
         else is ignored). The cache must not be read afterwards."""
         if not isinstance(cache, NumpySDPACache):
             return
-        arrays = [cache.probs]
+        arrays = [cache.exps]
         if cache.dropout_key is not None:  # drawn by the kernel; a caller's mask stays theirs
             arrays.append(cache.keep)
         self.spares = (arrays + self.spares)[: self.SPARES]
@@ -244,7 +264,8 @@ class NumpySDPACache(NamedTuple):
     q: Any  # [B, Hq, Lq, Dh]  compute dtype
     k: Any  # [B, Hkv, Lk, Dh]
     v: Any  # [B, Hkv, Lk, Dv]
-    probs: Any  # [B, Hq, Lq, Lk] softmax output before dropout (the returned weights)
+    exps: Any  # [B, Hq, Lq, Lk] e = exp(s - m), the softmax before its normalisation
+    row_scale: Any  # [B, Hkv, G, Lq, 1] 1 / rowsum(e) (1 for an empty row): p = e * row_scale
     out: Any  # [B, Hq, Lq, Dv] output in the compute dtype (a copy), for delta = rowsum(dout * out)
     keep: Any  # [B, Hkv, G, Lq, Lk] bool keep-mask (broadcast view of a caller's), or None
     dropout_key: Optional[int]  # the key the mask was drawn from, or None
@@ -260,7 +281,13 @@ class NumpySDPACache(NamedTuple):
     @property
     def lse(self) -> Any:
         """[B, Hq, Lq] natural log-sum-exp of each row's scores; -inf for a row with nothing to attend."""
-        return self.lse_rows.reshape(self.probs.shape[:-1])
+        return self.lse_rows.reshape(self.exps.shape[:-1])
+
+    @property
+    def probs(self) -> Any:
+        """[B, Hq, Lq, Lk] the softmax before dropout (the attention weights), a new array."""
+        B, Hq, Lq, _ = self.exps.shape
+        return self.exps * self.row_scale.reshape(B, Hq, Lq, 1)
 
 
 def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
@@ -272,10 +299,10 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     The arguments are those of ``functional.sdpa_forward_core``; of the kernel
     ``options`` only the window (``align``'s offset, ``left``, ``right``) is
     taken (``functional.is_positional``): a tile meets only the key columns
-    that the window leaves to some of its rows, the rest of its probabilities
-    stay 0. ``workspace`` (a ``Workspace``) lends arrays instead of new ones.
-    Returns ``(out, NumpySDPACache)``; ``cache.probs`` are the weights before
-    dropout.
+    that the window leaves to some of its rows, the rest of its ``e`` stay 0.
+    ``workspace`` (a ``Workspace``) lends arrays instead of new ones.
+    Returns ``(out, NumpySDPACache)``; ``cache.probs`` forms the weights
+    before dropout, ``cache.exps * cache.row_scale``.
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     in_dtype = q.dtype
@@ -310,7 +337,8 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             fmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
     drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
 
-    probs, stale = _allocate(workspace, full5, work, cut)  # [B, Hkv, G, Lq, Lk]
+    exps, stale = _allocate(workspace, full5, work, cut)  # [B, Hkv, G, Lq, Lk]
+    row_scale = np.empty((B, Hkv, G, Lq, 1), dtype=work)  # [B, Hkv, G, Lq, 1]
     lse = np.empty((B, Hkv, G, Lq), dtype=work)  # [B, Hkv, G, Lq]
     out_m, out = _merged(B, Lq, Hkv, G, Dv, work)  # [B, Lq, Hq*Dv], [B, Hkv, G, Lq, Dv] view
     q5 = _grouped(q, Hkv, G)  # [B, Hkv, G, Lq, Dh] view
@@ -335,17 +363,24 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
         kTt = np.ascontiguousarray(kT[b, h0:h1])  # [hk, 1, Dh, Lk]
         vt = np.ascontiguousarray(v5[b, h0:h1])  # [hk, 1, Lk, Dv]
+        # |s_ij| <= |q_i * scale| |k_j| (Cauchy-Schwarz): the rows' bounds on their scores
+        bound = None
+        if fmask is None:  # a floating mask may add anything
+            with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN: the max is taken
+                k_norm = np.sqrt(np.max(np.sum(kTt * kTt, axis=-2)))  # largest |k_j| of the tile
+                bound = np.sqrt(np.sum(qs * qs, axis=-1)) * k_norm  # [hk, G, Lq]
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
-            for a, old in ((probs, stale), (keep, stale_keep)):
+            for a, old in ((exps, stale), (keep, stale_keep)):
                 if old:  # a reused array: the columns the window leaves out are zero
                     a[b, h0:h1, :, i0:i1, :c0] = 0
                     a[b, h0:h1, :, i0:i1, c1:] = 0
             if c1 == c0:  # the window leaves these rows nothing: zero output, lse = -inf
                 out[b, h0:h1, :, i0:i1] = 0.0
                 lse[b, h0:h1, :, i0:i1] = neg_inf
+                row_scale[b, h0:h1, :, i0:i1] = 1.0
                 continue
             c = c1 - c0
-            dst = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view of the weights
+            dst = exps[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view of the cache's e
             # rows shorter than Lk are strided, and NumPy's passes over them run at half
             # speed: such a block is computed in a contiguous scratch array, then copied
             p = dst if c == Lk else np.empty(dst.shape, dtype=work)  # [hk, G, r, c]
@@ -356,34 +391,39 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, c0:c1])
             for j0, j1 in _cut_columns(o, i0, i1, c0, c1):  # 2. where the window's edges cross
                 np.copyto(p[..., j0 - c0 : j1 - c0], neg_inf, where=left_out(i0, i1, j0, j1))
-            m = np.max(p, axis=-1, keepdims=True)  # 3.            [hk, G, r, 1]
-            m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
-            np.subtract(p, m, out=p)
-            np.exp(p, out=p)  # 4.
+            m = None  # 3. every |s| <= EXP_BOUND: exp(s) neither overflows nor underflows, m = 0
+            if bound is None or not np.max(bound[..., i0:i1]) <= EXP_BOUND:  # (NaN: shift)
+                m = np.max(p, axis=-1, keepdims=True)  # 3.        [hk, G, r, 1]
+                m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
+                np.subtract(p, m, out=p)
+            np.exp(p, out=p)  # 4. e = exp(s - m)
             s = np.matmul(p, ones[:c])  # 5. rowsum(e), by BLAS    [hk, G, r, 1]
             empty = s == 0.0
             s[empty] = 1.0  # rows with nothing to attend stay 0
-            lse_blk = m + np.log(s)  # lse = m + log(rowsum(e)), -inf for an empty row
-            lse_blk[empty] = neg_inf
+            lse_blk = np.log(s) if m is None else m + np.log(s)  # lse = m + log(rowsum(e))
+            lse_blk[empty] = neg_inf  # -inf for an empty row
             lse[b, h0:h1, :, i0:i1] = lse_blk[..., 0]
-            np.multiply(p, np.reciprocal(s, out=s), out=p)  # one divide per row, not per entry
+            ps = np.reciprocal(s, out=s)  # 5. p = e * ps, ps = 1 / rowsum(e): kept, not applied
+            row_scale[b, h0:h1, :, i0:i1] = ps
             if p is not dst:
                 dst[...] = p
             a = p
-            if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0)
+            if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0) = where(keep, e, 0) * ps'
                 kp = keep[b, h0:h1, :, i0:i1, c0:c1]
                 if key is not None:
                     kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c0, c1)
                 a = np.multiply(p, kp)
-                a *= drop_scale
-            np.matmul(a, vt[:, :, c0:c1], out=out[b, h0:h1, :, i0:i1])  # 5. out = a v
+                ps = ps * drop_scale  # ps' = ps / (1 - p_drop)
+            o_blk = out[b, h0:h1, :, i0:i1]  # [hk, G, r, Dv] view
+            np.matmul(a, vt[:, :, c0:c1], out=o_blk)  # 5. out = a v = (e v) * ps: rows scaled
+            np.multiply(o_blk, ps, out=o_blk)
 
     _run(tile, tasks, _threads(tasks, B * Hq * Lq * Lk))
 
     heads = out_m.reshape(B, Lq, Hq, Dv).transpose(0, 2, 1, 3)  # [B, Hq, Lq, Dv] view
     result = heads if work == in_dtype else heads.astype(in_dtype)
     saved = heads.copy() if work == in_dtype else heads
-    cache = NumpySDPACache(q, k, v, probs.reshape(full), saved, keep, key, float(dropout_p),
+    cache = NumpySDPACache(q, k, v, exps.reshape(full), row_scale, saved, keep, key, float(dropout_p),
                            cut, scale, G, mask_shape, in_dtype, lse, o)
     return result, cache
 
@@ -392,7 +432,7 @@ def keep_mask_of(cache: NumpySDPACache) -> Any:
     """The keep-mask (B, Hq, Lq, Lk) a forward used, or None without dropout."""
     if cache.keep is None:
         return None
-    B, Hq, Lq, Lk = cache.probs.shape
+    B, Hq, Lq, Lk = cache.exps.shape
     if cache.dropout_key is None or not cache.causal:
         return cache.keep.reshape(B, Hq, Lq, Lk)
     # causal forwards skip the blocks above the diagonal: draw the whole mask again
@@ -413,7 +453,8 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     G = cache.groups
     B, Hq, Lq, Dh = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    probs = _grouped(cache.probs, Hkv, G)  # [B, Hkv, G, Lq, Lk]
+    exps = _grouped(cache.exps, Hkv, G)  # [B, Hkv, G, Lq, Lk] e, with p = e * row_scale
+    row_scale = cache.row_scale  # [B, Hkv, G, Lq, 1]
     keep = cache.keep
     causal = cache.causal  # tiles cut by the window (causal included)
     o = F.PLAIN if cache.options is None else cache.options
@@ -434,49 +475,63 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         return x[:, 0] if G == 1 else np.sum(x, axis=1)
 
     def tile(b, h0, h1):
-        # the tile's operands as contiguous copies, scale folded into q and k
-        # (BLAS is faster on them than on the strided head views)
-        do = np.ascontiguousarray(do5[b, h0:h1])  # [hk, G, Lq, Dv]
+        # The cache keeps e and ps = 1 / rowsum(e), p = e * ps, and a = p * keep * c with
+        # c = 1 / (1 - p_drop). The row factors move onto dout's rows, do' = dout * ps * c:
+        #   dv = a^T dout = (e * keep)^T do'
+        #   ds = p * (dp - delta) = e * (keep * (do' v^T) - delta * ps)
+        # and without dropout delta * ps joins the GEMM as one more column:
+        #   do' v^T - delta ps = [do', -delta ps] [v, 1]^T
+        # The tile's operands are contiguous copies, scale folded into q and k (BLAS is
+        # faster on them than on the strided head views).
+        hk = h1 - h0
+        ps = row_scale[b, h0:h1]  # [hk, G, Lq, 1]
         qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
         ks = k5[b, h0:h1] * scale  # [hk, 1, Lk, Dh]
-        vTt = np.ascontiguousarray(vT[b, h0:h1])  # [hk, 1, Dv, Lk]
         # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
-        delta = np.sum(do * out5[b, h0:h1], axis=-1, keepdims=True)  # [hk, G, Lq, 1]
+        delta = np.sum(do5[b, h0:h1] * out5[b, h0:h1], axis=-1, keepdims=True)  # [hk, G, Lq, 1]
         if dlse5 is not None:  # lse adds d lse / ds_j = p_j: ds = p * (dp - delta + dlse)
             delta -= dlse5[b, h0:h1]
-        dk_acc = np.zeros((h1 - h0, Lk, Dh), dtype=work)  # [hk, Lk, Dh]
+        fold = keep is None  # delta joins the da GEMM
+        W = Dv + 1 if fold else Dv
+        doa = np.empty((hk, G, Lq, W), dtype=work)  # [hk, G, Lq, W]: do' (and -delta ps)
+        np.multiply(do5[b, h0:h1], ps * drop_scale, out=doa[..., :Dv])
+        dop = doa[..., :Dv]  # [hk, G, Lq, Dv] view: do'
+        vTa = np.empty((hk, 1, W, Lk), dtype=work)  # [hk, 1, W, Lk]: v^T (and a row of ones)
+        vTa[:, :, :Dv] = vT[b, h0:h1]
+        if fold:
+            doa[..., Dv:] = -(delta * ps)  # (NumPy 2.4's in-place float32 negative of this
+            # strided column gives wrong numbers: not used)
+            vTa[:, :, Dv] = 1.0
+        else:
+            delta *= ps  # delta ps
+        dk_acc = np.zeros((hk, Lk, Dh), dtype=work)  # [hk, Lk, Dh]
         whole_dv = keep is None and not causal
-        if whole_dv:  # 5. dv = p^T dout in one GEMM over all query rows of the G heads,
-            # as dv^T = dout^T p (BLAS reads p row by row)
-            doT = np.swapaxes(do.reshape(h1 - h0, G * Lq, Dv), -1, -2).copy()  # [hk, Dv, G Lq]
-            dvT = np.matmul(doT, probs[b, h0:h1].reshape(h1 - h0, G * Lq, Lk))  # [hk, Dv, Lk]
+        if whole_dv:  # 5. dv = e^T do' in one GEMM over all query rows of the G heads,
+            # as dv^T = do'^T e (BLAS reads e row by row)
+            doT = np.swapaxes(dop.reshape(hk, G * Lq, Dv), -1, -2).copy()  # [hk, Dv, G Lq]
+            dvT = np.matmul(doT, exps[b, h0:h1].reshape(hk, G * Lq, Lk))  # [hk, Dv, Lk]
             dv[b, h0:h1, 0] = np.swapaxes(dvT, -1, -2)
         else:  # accumulated block by block below
-            dv_acc = np.zeros((h1 - h0, Lk, Dv), dtype=work)
+            dv_acc = np.zeros((hk, Lk, Dv), dtype=work)
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
             if c1 == c0:  # rows the window leaves nothing: p = 0, so dq = 0
                 dq[b, h0:h1, :, i0:i1] = 0.0
                 continue
-            p = probs[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c]
-            do_blk = do[:, :, i0:i1]  # [hk, G, r, Dv]
-            if ds_full is not None:
-                da = ds_full[b, h0:h1, :, i0:i1, c0:c1]
-                np.matmul(do_blk, vTt[:, :, :, c0:c1], out=da)  # 5. da = dout v^T
-            else:
-                da = np.matmul(do_blk, vTt[:, :, :, c0:c1])  # [hk, G, r, c]
+            e = exps[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c]
+            da = None if ds_full is None else ds_full[b, h0:h1, :, i0:i1, c0:c1]  # dmask: kept
+            # 5. da = do' v^T (fold: minus delta ps)
+            da = np.matmul(doa[:, :, i0:i1], vTa[:, :, :, c0:c1], out=da)  # [hk, G, r, c]
             if whole_dv:
                 pass
-            elif keep is None:  # 5. dv = a^T dout
-                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(p, -1, -2), do_blk))
+            elif keep is None:  # 5. dv = e^T do'
+                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(e, -1, -2), dop[:, :, i0:i1]))
             else:
                 kp = keep[b, h0:h1, :, i0:i1, c0:c1]
-                a = np.multiply(p, kp)  # recompute a = dropout(p)
-                a *= drop_scale
-                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(a, -1, -2), do_blk))
-                np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0)
-                da *= drop_scale
-            np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. ds = p * (dp - delta)
-            np.multiply(da, p, out=da)
+                ek = np.multiply(e, kp)  # 5. dv = (e * keep)^T do'
+                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(ek, -1, -2), dop[:, :, i0:i1]))
+                np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0), c in do'
+                np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. dp - delta, in units of ps
+            np.multiply(da, e, out=da)  # 3. ds = p * (dp - delta) = e * (...) ps
             np.matmul(da, ks[:, :, c0:c1], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
             dk_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[:, :, i0:i1]))
         dk[b, h0:h1, 0] = dk_acc  # 1. dk = ds^T q * scale

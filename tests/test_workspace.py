@@ -40,14 +40,14 @@ def test_a_reused_array_gives_the_numbers_of_a_fresh_one(case, window, monkeypat
     ref_out, ref_c, ref_g = _forward_backward(q, k, v, dout, kw)
     ws = A.Workspace()
     first_out, first_c, _ = _forward_backward(q, k, v, dout, kw, workspace=ws)
-    probs, keep = first_c.probs, A.dropout_keep_mask(first_c)
+    exps, keep = first_c.exps, A.dropout_keep_mask(first_c)  # e: the weights before 1 / rowsum
     ws.give(first_c)
     assert len(ws.spares) == (2 if kw.get("rng") is not None else 1)
-    probs[...] = np.nan  # what a reused array holds is stale
+    exps[...] = np.nan  # what a reused array holds is stale
     if keep is not None and first_c.dropout_key is not None and not first_c.causal:
         keep[...] = True
     out, c, g = _forward_backward(q, k, v, dout, kw, workspace=ws)
-    assert np.shares_memory(c.probs, probs) and not ws.spares
+    assert np.shares_memory(c.exps, exps) and not ws.spares
     np.testing.assert_array_equal(A.weights(c), A.weights(ref_c))
     np.testing.assert_array_equal(A.dropout_keep_mask(c), A.dropout_keep_mask(ref_c))
     np.testing.assert_array_equal(c.lse, ref_c.lse)
@@ -65,7 +65,7 @@ def test_give_keeps_only_the_kernels_own_arrays():
     ws = A.Workspace()
     _, c = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw)
     ws.give(c)
-    assert len(ws.spares) == 1 and np.shares_memory(ws.spares[0], c.probs)
+    assert len(ws.spares) == 1 and np.shares_memory(ws.spares[0], c.exps)
     assert not any(np.shares_memory(a, kw["dropout_mask"]) for a in ws.spares)
     _, c_ref = A.sdpa_forward(q, k, v, impl="reference", **kw)
     _, c_blk = A.sdpa_forward(q, k, v, impl="blocked", **kw)
