@@ -93,12 +93,12 @@ __all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backw
            "LINEAR_PARTS"]
 
 #: Target number of score entries in one tile (float32: 1 MiB).
-TILE_ELEMS = 1 << 18
+TILE_ELEMS = 1 << 20
 
 #: Tiles of the backward hold this many times ``TILE_ELEMS`` scores (float32:
 #: 4 MiB): its per-block GEMMs (da, dq, dk) run faster on taller blocks, while
 #: the forward's softmax passes want its tile in cache.
-BACKWARD_TILE_FACTOR = 4
+BACKWARD_TILE_FACTOR = 1
 
 #: Tiles run on the pool only when the call has at least this many scores in
 #: all (``B * Hq * Lq * Lk``); below it the pool's hand-offs cost more than
@@ -248,13 +248,11 @@ class Workspace:
         self.spares = []
 
 
-def _allocate(workspace, shape, dtype, zeroed):
-    """``(array, stale)``: an array of ``shape`` from ``workspace`` (stale: its numbers are
-    old and the caller zeroes what it does not write) or a new one (zeros if ``zeroed``)."""
+def _allocate(workspace, shape, dtype):
+    """An array of ``shape`` from ``workspace`` or a new one; either holds old numbers until
+    written."""
     a = None if workspace is None else workspace.take(shape, dtype)
-    if a is not None:
-        return a, zeroed
-    return (np.zeros if zeroed else np.empty)(shape, dtype=dtype), False
+    return np.empty(shape, dtype=dtype) if a is None else a
 
 
 # ------------------------------------------------------------------ forward
@@ -285,9 +283,16 @@ class NumpySDPACache(NamedTuple):
 
     @property
     def probs(self) -> Any:
-        """[B, Hq, Lq, Lk] the softmax before dropout (the attention weights), a new array."""
-        B, Hq, Lq, _ = self.exps.shape
-        return self.exps * self.row_scale.reshape(B, Hq, Lq, 1)
+        """[B, Hq, Lq, Lk] the softmax before dropout (the attention weights), a new array:
+        ``exps * row_scale``, 0 where the window leaves a key out (the forward writes
+        ``exps`` only in the columns of its blocks)."""
+        B, Hq, Lq, Lk = self.exps.shape
+        ps = self.row_scale.reshape(B, Hq, Lq, 1)
+        if not self.causal:
+            return self.exps * ps
+        allowed = F.positions_allowed(np, np.arange(Lq), np.arange(Lk), self.options)  # [Lq, Lk]
+        p = np.zeros(self.exps.shape, dtype=self.exps.dtype)
+        return np.multiply(self.exps, ps, out=p, where=allowed)
 
 
 def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
@@ -321,12 +326,11 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     full5 = (B, Hkv, G, Lq, Lk)
     key = None
     keep = None
-    stale_keep = False
     if dropout_mask is not None:
         keep = _grouped(np.broadcast_to(dropout_mask, full), Hkv, G)  # [B, Hkv, G, Lq, Lk] view
     elif dropout_p != 0.0:
         key = dropout_key(rng)  # the one draw of every implementation
-        keep, stale_keep = _allocate(workspace, full5, np.bool_, cut)  # filled per tile
+        keep = _allocate(workspace, full5, np.bool_)  # filled per tile (the blocks' columns)
     fmask = bmask = None
     mask_shape = None
     if mask is not None:
@@ -337,7 +341,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             fmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
     drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
 
-    exps, stale = _allocate(workspace, full5, work, cut)  # [B, Hkv, G, Lq, Lk]
+    exps = _allocate(workspace, full5, work)  # [B, Hkv, G, Lq, Lk]: only blocks' columns written
     row_scale = np.empty((B, Hkv, G, Lq, 1), dtype=work)  # [B, Hkv, G, Lq, 1]
     lse = np.empty((B, Hkv, G, Lq), dtype=work)  # [B, Hkv, G, Lq]
     out_m, out = _merged(B, Lq, Hkv, G, Dv, work)  # [B, Lq, Hq*Dv], [B, Hkv, G, Lq, Dv] view
@@ -363,6 +367,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
         kTt = np.ascontiguousarray(kT[b, h0:h1])  # [hk, 1, Dh, Lk]
         vt = np.ascontiguousarray(v5[b, h0:h1])  # [hk, 1, Lk, Dv]
+        scratch = np.empty((h1 - h0) * G * min(r, Lq) * Lk, dtype=work)  # one block's scores
         # |s_ij| <= |q_i * scale| |k_j| (Cauchy-Schwarz): the rows' bounds on their scores
         bound = None
         if fmask is None:  # a floating mask may add anything
@@ -370,10 +375,6 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 k_norm = np.sqrt(np.max(np.sum(kTt * kTt, axis=-2)))  # largest |k_j| of the tile
                 bound = np.sqrt(np.sum(qs * qs, axis=-1)) * k_norm  # [hk, G, Lq]
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
-            for a, old in ((exps, stale), (keep, stale_keep)):
-                if old:  # a reused array: the columns the window leaves out are zero
-                    a[b, h0:h1, :, i0:i1, :c0] = 0
-                    a[b, h0:h1, :, i0:i1, c1:] = 0
             if c1 == c0:  # the window leaves these rows nothing: zero output, lse = -inf
                 out[b, h0:h1, :, i0:i1] = 0.0
                 lse[b, h0:h1, :, i0:i1] = neg_inf
@@ -381,9 +382,11 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 continue
             c = c1 - c0
             dst = exps[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view of the cache's e
-            # rows shorter than Lk are strided, and NumPy's passes over them run at half
-            # speed: such a block is computed in a contiguous scratch array, then copied
-            p = dst if c == Lk else np.empty(dst.shape, dtype=work)  # [hk, G, r, c]
+            # the scores in a contiguous scratch array that stays in cache (BLAS writes the
+            # cache's large array more slowly); exp writes e into the cache's array when
+            # rows are whole, else (rows shorter than Lk are strided, and NumPy's passes
+            # over them run at half speed) in the scratch array, copied once done
+            p = scratch[: dst.size].reshape(dst.shape)  # [hk, G, r, c]
             np.matmul(qs[:, :, i0:i1], kTt[:, :, :, c0:c1], out=p)  # 1. s = q k^T * scale
             if fmask is not None:  # 2. floating mask: s + mask
                 np.add(p, fmask[b, h0:h1, :, i0:i1, c0:c1], out=p)
@@ -396,8 +399,8 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
                 m = np.max(p, axis=-1, keepdims=True)  # 3.        [hk, G, r, 1]
                 m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
                 np.subtract(p, m, out=p)
-            np.exp(p, out=p)  # 4. e = exp(s - m)
-            s = np.matmul(p, ones[:c])  # 5. rowsum(e), by BLAS    [hk, G, r, 1]
+            e = np.exp(p, out=dst if c == Lk else p)  # 4. e = exp(s - m)
+            s = np.matmul(e, ones[:c])  # 5. rowsum(e), by BLAS    [hk, G, r, 1]
             empty = s == 0.0
             s[empty] = 1.0  # rows with nothing to attend stay 0
             lse_blk = np.log(s) if m is None else m + np.log(s)  # lse = m + log(rowsum(e))
@@ -405,24 +408,27 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             lse[b, h0:h1, :, i0:i1] = lse_blk[..., 0]
             ps = np.reciprocal(s, out=s)  # 5. p = e * ps, ps = 1 / rowsum(e): kept, not applied
             row_scale[b, h0:h1, :, i0:i1] = ps
-            if p is not dst:
-                dst[...] = p
-            a = p
+            if e is not dst:
+                dst[...] = e
+            a = e
             if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0) = where(keep, e, 0) * ps'
                 kp = keep[b, h0:h1, :, i0:i1, c0:c1]
                 if key is not None:
                     kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c0, c1)
-                a = np.multiply(p, kp)
+                a = np.multiply(e, kp)
                 ps = ps * drop_scale  # ps' = ps / (1 - p_drop)
-            o_blk = out[b, h0:h1, :, i0:i1]  # [hk, G, r, Dv] view
-            np.matmul(a, vt[:, :, c0:c1], out=o_blk)  # 5. out = a v = (e v) * ps: rows scaled
-            np.multiply(o_blk, ps, out=o_blk)
+            # 5. out = a v = (e v) * ps: rows scaled on the way into the merged layout
+            # (BLAS writes a contiguous array faster than the strided head view)
+            ev = np.matmul(a, vt[:, :, c0:c1])  # [hk, G, r, Dv]
+            np.multiply(ev, ps, out=out[b, h0:h1, :, i0:i1])
 
     _run(tile, tasks, _threads(tasks, B * Hq * Lq * Lk))
 
     heads = out_m.reshape(B, Lq, Hq, Dv).transpose(0, 2, 1, 3)  # [B, Hq, Lq, Dv] view
     result = heads if work == in_dtype else heads.astype(in_dtype)
-    saved = heads.copy() if work == in_dtype else heads
+    saved = heads
+    if work == in_dtype:  # a copy in the merged layout (one contiguous copy), as a head view
+        saved = out_m.copy().reshape(B, Lq, Hq, Dv).transpose(0, 2, 1, 3)
     cache = NumpySDPACache(q, k, v, exps.reshape(full), row_scale, saved, keep, key, float(dropout_p),
                            cut, scale, G, mask_shape, in_dtype, lse, o)
     return result, cache
@@ -532,7 +538,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
                 np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0), c in do'
                 np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. dp - delta, in units of ps
             np.multiply(da, e, out=da)  # 3. ds = p * (dp - delta) = e * (...) ps
-            np.matmul(da, ks[:, :, c0:c1], out=dq[b, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
+            dq[b, h0:h1, :, i0:i1] = np.matmul(da, ks[:, :, c0:c1])  # 1. dq = ds k * scale
             dk_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[:, :, i0:i1]))
         dk[b, h0:h1, 0] = dk_acc  # 1. dk = ds^T q * scale
         if not whole_dv:

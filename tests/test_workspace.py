@@ -110,10 +110,12 @@ def test_module_steps_reuse_arrays_and_match_a_fresh_module(kw):
         np.testing.assert_array_equal(w, saved)
 
 
-def test_module_second_forward_allocates_no_new_probabilities():
+def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
     """The reuse is real: the previous cache is lent once a new forward has succeeded, so
     from the third forward on each one allocates less than one (B, H, Lq, Lk) array
-    (it writes into the forward before last's); after ``clear_cache`` it allocates again."""
+    (it writes into the forward before last's); after ``clear_cache`` it allocates again.
+    (Tiles of 2**14 scores: each tile's scratch array is small next to the weights.)"""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 1 << 14)
     B, H, L, D = 1, 2, 256, 16
     probs_bytes = B * H * L * L * 8
     m = MultiHeadAttention(D, H, dtype="float64", impl="numpy")
