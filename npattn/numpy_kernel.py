@@ -89,7 +89,7 @@ from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward",
            "keep_mask_of", "linear_applies", "linear_forward", "linear_backward",
-           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "POOL_MIN_SCORES", "EXP_BOUND", "POOL_MIN_LINEAR",
+           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "TILE_MIN_TASKS", "POOL_MIN_SCORES", "EXP_BOUND", "POOL_MIN_LINEAR",
            "LINEAR_PARTS"]
 
 #: Target number of score entries in one tile (float32: 1 MiB).
@@ -99,6 +99,11 @@ TILE_ELEMS = 1 << 20
 #: 4 MiB): its per-block GEMMs (da, dq, dk) run faster on taller blocks, while
 #: the forward's softmax passes want its tile in cache.
 BACKWARD_TILE_FACTOR = 1
+
+#: Heads that share a tile span several batch entries only while the call
+#: keeps at least this many tiles (``B // TILE_MIN_TASKS`` entries at most):
+#: enough to keep the pool's threads busy to the end.
+TILE_MIN_TASKS = 4
 
 #: Tiles run on the pool only when the call has at least this many scores in
 #: all (``B * Hq * Lq * Lk``); below it the pool's hand-offs cost more than
@@ -137,15 +142,21 @@ def _merged(B, L, Hkv, G, X, dtype):
 
 
 def _tiling(B, Hkv, G, Lq, Lk, cut, elems):
-    """Tasks (b, h0, h1) over K/V heads, and the query-block height r for tiles of about
-    ``elems`` scores (``cut``: a window, causal included, leaves some keys of some rows out)."""
+    """Tasks (b0, b1, h0, h1) over batch entries and K/V heads, and the query-block height r,
+    for tiles of about ``elems`` scores (``cut``: a window, causal included, leaves some keys
+    of some rows out). Small heads share a tile: all heads of one batch entry, then several
+    batch entries (while there are at least ``TILE_MIN_TASKS`` tasks)."""
     per_head = G * Lq * Lk
     hk = max(1, min(Hkv, elems // max(per_head, 1)))
-    r = max(16, elems // (hk * G * Lk))
+    nb = 1
+    if hk == Hkv:
+        nb = max(1, min(B // TILE_MIN_TASKS, elems // max(Hkv * per_head, 1)))
+    r = max(16, elems // (nb * hk * G * Lk))
     if cut:
         r = min(r, max(64, Lq // 8))  # finer blocks skip more of what the window leaves out
     r = min(r, Lq)
-    tasks = [(b, h0, min(h0 + hk, Hkv)) for b in range(B) for h0 in range(0, Hkv, hk)]
+    tasks = [(b0, min(b0 + nb, B), h0, min(h0 + hk, Hkv))
+             for b0 in range(0, B, nb) for h0 in range(0, Hkv, hk)]
     return tasks, r
 
 
@@ -191,10 +202,11 @@ def _run(tile, tasks, threads):
             run_tasks(tile, tasks, threads)
 
 
-def _tile_keep(key, p, b, h0, h1, G, i0, i1, c0, c1):
-    """Keep-mask of one tile, [hk, G, r, c]: entries (b, hkv * G + g, i, j) of the one mask."""
+def _tile_keep(key, p, b0, b1, h0, h1, G, i0, i1, c0, c1):
+    """Keep-mask of one tile, [nb, hk, G, r, c]: entries (b, hkv * G + g, i, j) of the one mask."""
+    batch = np.arange(b0, b1)[:, None, None]  # [nb, 1, 1]
     heads = np.arange(h0, h1)[:, None] * G + np.arange(G)[None, :]  # [hk, G]
-    return keyed_keep_mask(key, p, [np.array(b), heads], np.arange(i0, i1), np.arange(c0, c1))
+    return keyed_keep_mask(key, p, [batch, heads], np.arange(i0, i1), np.arange(c0, c1))
 
 
 # ------------------------------------------------------------------ memory
@@ -361,66 +373,66 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             edges[shape] = ~F.positions_allowed(np, np.arange(i0, i1), np.arange(j0, j1), o)
         return edges[shape]
 
-    def tile(b, h0, h1):
+    def tile(b0, b1, h0, h1):  # batch entries b0:b1, K/V heads h0:h1
         # the tile's operands as contiguous copies (BLAS is faster on them than on the
         # strided head views), scale folded into q
-        qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
-        kTt = np.ascontiguousarray(kT[b, h0:h1])  # [hk, 1, Dh, Lk]
-        vt = np.ascontiguousarray(v5[b, h0:h1])  # [hk, 1, Lk, Dv]
-        scratch = np.empty((h1 - h0) * G * min(r, Lq) * Lk, dtype=work)  # one block's scores
+        qs = q5[b0:b1, h0:h1] * scale  # [nb, hk, G, Lq, Dh]
+        kTt = np.ascontiguousarray(kT[b0:b1, h0:h1])  # [nb, hk, 1, Dh, Lk]
+        vt = np.ascontiguousarray(v5[b0:b1, h0:h1])  # [nb, hk, 1, Lk, Dv]
+        scratch = np.empty((b1 - b0) * (h1 - h0) * G * r * Lk, dtype=work)  # one block's scores
         # |s_ij| <= |q_i * scale| |k_j| (Cauchy-Schwarz): the rows' bounds on their scores
         bound = None
         if fmask is None:  # a floating mask may add anything
             with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN: the max is taken
                 k_norm = np.sqrt(np.max(np.sum(kTt * kTt, axis=-2)))  # largest |k_j| of the tile
-                bound = np.sqrt(np.sum(qs * qs, axis=-1)) * k_norm  # [hk, G, Lq]
+                bound = np.sqrt(np.sum(qs * qs, axis=-1)) * k_norm  # [nb, hk, G, Lq]
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
             if c1 == c0:  # the window leaves these rows nothing: zero output, lse = -inf
-                out[b, h0:h1, :, i0:i1] = 0.0
-                lse[b, h0:h1, :, i0:i1] = neg_inf
-                row_scale[b, h0:h1, :, i0:i1] = 1.0
+                out[b0:b1, h0:h1, :, i0:i1] = 0.0
+                lse[b0:b1, h0:h1, :, i0:i1] = neg_inf
+                row_scale[b0:b1, h0:h1, :, i0:i1] = 1.0
                 continue
             c = c1 - c0
-            dst = exps[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c] view of the cache's e
+            dst = exps[b0:b1, h0:h1, :, i0:i1, c0:c1]  # [nb, hk, G, r, c] view of the cache's e
             # the scores in a contiguous scratch array that stays in cache (BLAS writes the
             # cache's large array more slowly); exp writes e into the cache's array when
             # rows are whole, else (rows shorter than Lk are strided, and NumPy's passes
             # over them run at half speed) in the scratch array, copied once done
-            p = scratch[: dst.size].reshape(dst.shape)  # [hk, G, r, c]
-            np.matmul(qs[:, :, i0:i1], kTt[:, :, :, c0:c1], out=p)  # 1. s = q k^T * scale
+            p = scratch[: dst.size].reshape(dst.shape)  # [nb, hk, G, r, c]
+            np.matmul(qs[..., i0:i1, :], kTt[..., c0:c1], out=p)  # 1. s = q k^T * scale
             if fmask is not None:  # 2. floating mask: s + mask
-                np.add(p, fmask[b, h0:h1, :, i0:i1, c0:c1], out=p)
+                np.add(p, fmask[b0:b1, h0:h1, :, i0:i1, c0:c1], out=p)
             if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
-                np.copyto(p, neg_inf, where=~bmask[b, h0:h1, :, i0:i1, c0:c1])
+                np.copyto(p, neg_inf, where=~bmask[b0:b1, h0:h1, :, i0:i1, c0:c1])
             for j0, j1 in _cut_columns(o, i0, i1, c0, c1):  # 2. where the window's edges cross
                 np.copyto(p[..., j0 - c0 : j1 - c0], neg_inf, where=left_out(i0, i1, j0, j1))
             m = None  # 3. every |s| <= EXP_BOUND: exp(s) neither overflows nor underflows, m = 0
             if bound is None or not np.max(bound[..., i0:i1]) <= EXP_BOUND:  # (NaN: shift)
-                m = np.max(p, axis=-1, keepdims=True)  # 3.        [hk, G, r, 1]
+                m = np.max(p, axis=-1, keepdims=True)  # 3.    [nb, hk, G, r, 1]
                 m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
                 np.subtract(p, m, out=p)
             e = np.exp(p, out=dst if c == Lk else p)  # 4. e = exp(s - m)
-            s = np.matmul(e, ones[:c])  # 5. rowsum(e), by BLAS    [hk, G, r, 1]
+            s = np.matmul(e, ones[:c])  # 5. rowsum(e), by BLAS [nb, hk, G, r, 1]
             empty = s == 0.0
             s[empty] = 1.0  # rows with nothing to attend stay 0
             lse_blk = np.log(s) if m is None else m + np.log(s)  # lse = m + log(rowsum(e))
             lse_blk[empty] = neg_inf  # -inf for an empty row
-            lse[b, h0:h1, :, i0:i1] = lse_blk[..., 0]
+            lse[b0:b1, h0:h1, :, i0:i1] = lse_blk[..., 0]
             ps = np.reciprocal(s, out=s)  # 5. p = e * ps, ps = 1 / rowsum(e): kept, not applied
-            row_scale[b, h0:h1, :, i0:i1] = ps
+            row_scale[b0:b1, h0:h1, :, i0:i1] = ps
             if e is not dst:
                 dst[...] = e
             a = e
             if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0) = where(keep, e, 0) * ps'
-                kp = keep[b, h0:h1, :, i0:i1, c0:c1]
+                kp = keep[b0:b1, h0:h1, :, i0:i1, c0:c1]
                 if key is not None:
-                    kp[...] = _tile_keep(key, dropout_p, b, h0, h1, G, i0, i1, c0, c1)
+                    kp[...] = _tile_keep(key, dropout_p, b0, b1, h0, h1, G, i0, i1, c0, c1)
                 a = np.multiply(e, kp)
                 ps = ps * drop_scale  # ps' = ps / (1 - p_drop)
             # 5. out = a v = (e v) * ps: rows scaled on the way into the merged layout
             # (BLAS writes a contiguous array faster than the strided head view)
-            ev = np.matmul(a, vt[:, :, c0:c1])  # [hk, G, r, Dv]
-            np.multiply(ev, ps, out=out[b, h0:h1, :, i0:i1])
+            ev = np.matmul(a, vt[..., c0:c1, :])  # [nb, hk, G, r, Dv]
+            np.multiply(ev, ps, out=out[b0:b1, h0:h1, :, i0:i1])
 
     _run(tile, tasks, _threads(tasks, B * Hq * Lq * Lk))
 
@@ -477,10 +489,10 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal, BACKWARD_TILE_FACTOR * TILE_ELEMS)
     scale, drop_scale = cache.scale, 1.0 / (1.0 - cache.dropout_p)
 
-    def kv_sum(x):  # [hk, G, c, X] -> [hk, c, X]: a K/V head's gradient sums its G query heads
-        return x[:, 0] if G == 1 else np.sum(x, axis=1)
+    def kv_sum(x):  # [nb, hk, G, c, X] -> [nb, hk, c, X]: a K/V head sums its G query heads
+        return x[:, :, 0] if G == 1 else np.sum(x, axis=2)
 
-    def tile(b, h0, h1):
+    def tile(b0, b1, h0, h1):  # batch entries b0:b1, K/V heads h0:h1
         # The cache keeps e and ps = 1 / rowsum(e), p = e * ps, and a = p * keep * c with
         # c = 1 / (1 - p_drop). The row factors move onto dout's rows, do' = dout * ps * c:
         #   dv = a^T dout = (e * keep)^T do'
@@ -489,60 +501,60 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         #   do' v^T - delta ps = [do', -delta ps] [v, 1]^T
         # The tile's operands are contiguous copies, scale folded into q and k (BLAS is
         # faster on them than on the strided head views).
-        hk = h1 - h0
-        ps = row_scale[b, h0:h1]  # [hk, G, Lq, 1]
-        qs = q5[b, h0:h1] * scale  # [hk, G, Lq, Dh]
-        ks = k5[b, h0:h1] * scale  # [hk, 1, Lk, Dh]
+        nb, hk = b1 - b0, h1 - h0
+        ps = row_scale[b0:b1, h0:h1]  # [nb, hk, G, Lq, 1]
+        qs = q5[b0:b1, h0:h1] * scale  # [nb, hk, G, Lq, Dh]
+        ks = k5[b0:b1, h0:h1] * scale  # [nb, hk, 1, Lk, Dh]
         # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
-        delta = np.sum(do5[b, h0:h1] * out5[b, h0:h1], axis=-1, keepdims=True)  # [hk, G, Lq, 1]
+        delta = np.sum(do5[b0:b1, h0:h1] * out5[b0:b1, h0:h1], axis=-1, keepdims=True)  # [nb, hk, G, Lq, 1]
         if dlse5 is not None:  # lse adds d lse / ds_j = p_j: ds = p * (dp - delta + dlse)
-            delta -= dlse5[b, h0:h1]
+            delta -= dlse5[b0:b1, h0:h1]
         fold = keep is None  # delta joins the da GEMM
         W = Dv + 1 if fold else Dv
-        doa = np.empty((hk, G, Lq, W), dtype=work)  # [hk, G, Lq, W]: do' (and -delta ps)
-        np.multiply(do5[b, h0:h1], ps * drop_scale, out=doa[..., :Dv])
-        dop = doa[..., :Dv]  # [hk, G, Lq, Dv] view: do'
-        vTa = np.empty((hk, 1, W, Lk), dtype=work)  # [hk, 1, W, Lk]: v^T (and a row of ones)
-        vTa[:, :, :Dv] = vT[b, h0:h1]
+        doa = np.empty((nb, hk, G, Lq, W), dtype=work)  # [nb, hk, G, Lq, W]: do' (and -delta ps)
+        np.multiply(do5[b0:b1, h0:h1], ps * drop_scale, out=doa[..., :Dv])
+        dop = doa[..., :Dv]  # [nb, hk, G, Lq, Dv] view: do'
+        vTa = np.empty((nb, hk, 1, W, Lk), dtype=work)  # [nb, hk, 1, W, Lk]: v^T (and a row of ones)
+        vTa[..., :Dv, :] = vT[b0:b1, h0:h1]
         if fold:
             doa[..., Dv:] = -(delta * ps)  # (NumPy 2.4's in-place float32 negative of this
             # strided column gives wrong numbers: not used)
-            vTa[:, :, Dv] = 1.0
+            vTa[..., Dv, :] = 1.0
         else:
             delta *= ps  # delta ps
-        dk_acc = np.zeros((hk, Lk, Dh), dtype=work)  # [hk, Lk, Dh]
+        dk_acc = np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
         whole_dv = keep is None and not causal
         if whole_dv:  # 5. dv = e^T do' in one GEMM over all query rows of the G heads,
             # as dv^T = do'^T e (BLAS reads e row by row)
-            doT = np.swapaxes(dop.reshape(hk, G * Lq, Dv), -1, -2).copy()  # [hk, Dv, G Lq]
-            dvT = np.matmul(doT, exps[b, h0:h1].reshape(hk, G * Lq, Lk))  # [hk, Dv, Lk]
-            dv[b, h0:h1, 0] = np.swapaxes(dvT, -1, -2)
+            doT = np.swapaxes(dop.reshape(nb, hk, G * Lq, Dv), -1, -2).copy()  # [nb, hk, Dv, G Lq]
+            dvT = np.matmul(doT, exps[b0:b1, h0:h1].reshape(nb, hk, G * Lq, Lk))  # [nb, hk, Dv, Lk]
+            dv[b0:b1, h0:h1, 0] = np.swapaxes(dvT, -1, -2)
         else:  # accumulated block by block below
-            dv_acc = np.zeros((hk, Lk, Dv), dtype=work)
+            dv_acc = np.zeros((nb, hk, Lk, Dv), dtype=work)
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
             if c1 == c0:  # rows the window leaves nothing: p = 0, so dq = 0
-                dq[b, h0:h1, :, i0:i1] = 0.0
+                dq[b0:b1, h0:h1, :, i0:i1] = 0.0
                 continue
-            e = exps[b, h0:h1, :, i0:i1, c0:c1]  # [hk, G, r, c]
-            da = None if ds_full is None else ds_full[b, h0:h1, :, i0:i1, c0:c1]  # dmask: kept
+            e = exps[b0:b1, h0:h1, :, i0:i1, c0:c1]  # [nb, hk, G, r, c]
+            da = None if ds_full is None else ds_full[b0:b1, h0:h1, :, i0:i1, c0:c1]  # dmask: kept
             # 5. da = do' v^T (fold: minus delta ps)
-            da = np.matmul(doa[:, :, i0:i1], vTa[:, :, :, c0:c1], out=da)  # [hk, G, r, c]
+            da = np.matmul(doa[..., i0:i1, :], vTa[..., c0:c1], out=da)  # [nb, hk, G, r, c]
             if whole_dv:
                 pass
             elif keep is None:  # 5. dv = e^T do'
-                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(e, -1, -2), dop[:, :, i0:i1]))
+                dv_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(e, -1, -2), dop[..., i0:i1, :]))
             else:
-                kp = keep[b, h0:h1, :, i0:i1, c0:c1]
+                kp = keep[b0:b1, h0:h1, :, i0:i1, c0:c1]
                 ek = np.multiply(e, kp)  # 5. dv = (e * keep)^T do'
-                dv_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(ek, -1, -2), dop[:, :, i0:i1]))
+                dv_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(ek, -1, -2), dop[..., i0:i1, :]))
                 np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0), c in do'
-                np.subtract(da, delta[:, :, i0:i1], out=da)  # 3. dp - delta, in units of ps
+                np.subtract(da, delta[..., i0:i1, :], out=da)  # 3. dp - delta, in units of ps
             np.multiply(da, e, out=da)  # 3. ds = p * (dp - delta) = e * (...) ps
-            dq[b, h0:h1, :, i0:i1] = np.matmul(da, ks[:, :, c0:c1])  # 1. dq = ds k * scale
-            dk_acc[:, c0:c1] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[:, :, i0:i1]))
-        dk[b, h0:h1, 0] = dk_acc  # 1. dk = ds^T q * scale
+            dq[b0:b1, h0:h1, :, i0:i1] = np.matmul(da, ks[..., c0:c1, :])  # 1. dq = ds k * scale
+            dk_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[..., i0:i1, :]))
+        dk[b0:b1, h0:h1, 0] = dk_acc  # 1. dk = ds^T q * scale
         if not whole_dv:
-            dv[b, h0:h1, 0] = dv_acc
+            dv[b0:b1, h0:h1, 0] = dv_acc
 
     _run(tile, tasks, _threads(tasks, B * Hq * Lq * Lk))
 
