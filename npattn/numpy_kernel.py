@@ -9,11 +9,13 @@ implementation gives the same numbers in float64.
 
 What is different from the reference, and why it is faster:
 
-* **Tiles.** The work is split into independent tiles of one batch entry, a
-  group of K/V heads (with their G query heads) and a block of query rows,
-  sized so that one tile of scores (about ``TILE_ELEMS`` entries) stays in
-  cache while the softmax passes over it. When the call has at least
-  ``POOL_MIN_SCORES`` scores in all (and more than one tile), tiles run on the tile pool of
+* **Tiles.** The work is split into independent tiles of one batch entry
+  (several, when all its heads fit in one tile and the call keeps at least
+  ``TILE_MIN_TASKS`` tiles), a group of K/V heads (with their G query heads)
+  and a block of query rows, of about ``TILE_ELEMS`` scores. A block's
+  scores go into a per-tile scratch array, and ``exp`` writes ``e`` from it
+  into the cache's array. When the call has at least ``POOL_MIN_SCORES``
+  scores in all (and more than one tile), tiles run on the tile pool of
   ``npattn.backend`` with BLAS held to one thread (NumPy releases the GIL in
   ufuncs and BLAS); the numbers do not depend on the number of threads.
 * **Row sums by BLAS.** The softmax denominator is ``e @ ones``, a
@@ -55,9 +57,9 @@ What is different from the reference, and why it is faster:
   tile copies only its own heads' K and V (and in the backward q and dout)
   into contiguous arrays, scale folded into q and k: (L, Dh) each, against
   the (r, Lk) scores, and BLAS runs faster on them than on strided views.
-* **Taller backward blocks.** The backward's blocks hold
-  ``BACKWARD_TILE_FACTOR`` times the forward's scores: its GEMMs (da, dq,
-  dk) gain more from taller blocks than its two passes lose out of cache.
+* **Backward blocks of their own size.** The backward's blocks hold
+  ``BACKWARD_TILE_FACTOR`` times the forward's scores (1 on the machine of
+  docs/performance.md, where both are best at 2**20).
 * **Arrays lent by the caller.** With a ``Workspace`` a forward writes its
   ``e`` (and a drawn keep-mask) into a finished forward's arrays
   instead of fresh memory (see ``Workspace``).
@@ -89,15 +91,14 @@ from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward",
            "keep_mask_of", "linear_applies", "linear_forward", "linear_backward",
-           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "TILE_MIN_TASKS", "POOL_MIN_SCORES", "EXP_BOUND", "POOL_MIN_LINEAR",
-           "LINEAR_PARTS"]
+           "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "TILE_MIN_TASKS", "POOL_MIN_SCORES", "EXP_BOUND",
+           "POOL_MIN_LINEAR", "LINEAR_PARTS"]
 
-#: Target number of score entries in one tile (float32: 1 MiB).
+#: Target number of score entries in one tile (float32: 4 MiB).
 TILE_ELEMS = 1 << 20
 
-#: Tiles of the backward hold this many times ``TILE_ELEMS`` scores (float32:
-#: 4 MiB): its per-block GEMMs (da, dq, dk) run faster on taller blocks, while
-#: the forward's softmax passes want its tile in cache.
+#: Tiles of the backward hold this many times ``TILE_ELEMS`` scores: its
+#: per-block GEMMs (da, dq, dk) may want taller blocks than the forward.
 BACKWARD_TILE_FACTOR = 1
 
 #: Heads that share a tile span several batch entries only while the call
