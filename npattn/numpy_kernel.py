@@ -21,9 +21,10 @@ What is different from the reference, and why it is faster:
 * **Row sums by BLAS.** The softmax denominator is ``e @ ones``, a
   matrix-vector product, instead of ``sum(e, axis=-1)`` (NumPy reduces one
   short row at a time).
-* **In place.** The scores are computed straight into the array that the
-  cache keeps (``matmul(..., out=)``) and every softmax step updates it in
-  place: no temporaries of shape (B, H, Lq, Lk).
+* **In place.** The scores are computed into the tile's scratch array
+  (``matmul(..., out=)``), the softmax steps update it in place and ``exp``
+  writes ``e`` into the array the cache keeps: no temporaries of shape
+  (B, H, Lq, Lk).
 * **No max shift where the scores are bounded.** By Cauchy-Schwarz
   ``|s_ij| <= |q_i * scale| max_j |k_j|``. A block whose rows all have a
   bound of at most ``EXP_BOUND`` (and no floating mask) takes ``e = exp(s)``:
@@ -46,7 +47,8 @@ What is different from the reference, and why it is faster:
   ``0:i1``; the blocks above the diagonal are never computed.
 * **Lean cache.** Only ``e`` and its row factors (the probabilities before
   dropout), the keep-mask and a copy of the output are kept. The dropped
-  probabilities are recomputed in the backward, tile by tile, and the softmax backward uses
+  probabilities are recomputed in the backward, tile by tile, and the
+  softmax backward uses
   ``delta = rowsum(dp * p) = rowsum(dout * out)`` (true with or without
   dropout, since ``out = a @ v``), a pass over (Lq, Dv) instead of (Lq, Lk).
 * **Grouped heads as a broadcast.** Under grouped-query attention the G query
@@ -220,8 +222,8 @@ class Workspace:
     keep-mask it drew are the one large allocation of the kernel, 512 MiB
     for 8 heads of 4096 x 4096 scores in float32; memory that is fresh to
     the process costs page faults to touch (about 20 ms per 512 MiB, and on
-    some virtual machines half a second). A caller that owns its caches gives a cache back with
-    ``give(cache)`` once nothing can read that cache again, and passes the
+    some virtual machines half a second). A caller that owns its caches gives
+    a cache back with ``give(cache)`` once nothing can read that cache again, and passes the
     workspace to the next forwards (``workspace=``): one of the same size
     and dtype takes the arrays instead of allocating. What a forward writes
     does not depend on whether its arrays were reused.
@@ -317,7 +319,8 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     The arguments are those of ``functional.sdpa_forward_core``; of the kernel
     ``options`` only the window (``align``'s offset, ``left``, ``right``) is
     taken (``functional.is_positional``): a tile meets only the key columns
-    that the window leaves to some of its rows, the rest of its ``e`` stay 0.
+    that the window leaves to some of its rows; the rest of ``e`` is never written
+    (``cache.probs`` is 0 there).
     ``workspace`` (a ``Workspace``) lends arrays instead of new ones.
     Returns ``(out, NumpySDPACache)``; ``cache.probs`` forms the weights
     before dropout, ``cache.exps * cache.row_scale``.
