@@ -65,6 +65,7 @@ __all__ = [
     "Workspace",
     "linear_forward",
     "linear_backward",
+    "linear_backwards",
 ]
 
 Workspace = numpy_kernel.Workspace
@@ -314,7 +315,26 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, F.LinearCache]:
 def linear_backward(dy: Any, cache: F.LinearCache) -> tuple[Any, Any, Any]:
     """``functional.linear_backward``: ``(dx, dw, db)``, on the tile pool where
     ``linear_forward`` would run there."""
-    if not (isinstance(cache, F.LinearCache) and numpy_kernel.linear_applies(cache.x, cache.w)):
-        return F.linear_backward(dy, cache)
-    F.check_linear_grad(dy, cache)
-    return numpy_kernel.linear_backward(dy, cache)
+    return linear_backwards([(dy, cache)])[0]
+
+
+def linear_backwards(pairs: Any) -> list:
+    """``linear_backward`` of several projections, ``[(dy, cache), ...]``: a list of
+    ``(dx, dw, db)``, each the numbers ``linear_backward`` gives for its pair.
+
+    Every pair is checked before anything is computed. The pairs whose GEMMs
+    run on the tile pool run there together, in one run (the module's q, k and
+    v projections: one hand-off to the pool instead of three); the others run
+    ``functional.linear_backward``.
+    """
+    pairs = list(pairs)
+    for dy, cache in pairs:  # the reference's own checks, all before anything is computed
+        F.check_linear_grad(dy, cache)
+    pooled = [i for i, (_, c) in enumerate(pairs) if numpy_kernel.linear_applies(c.x, c.w)]
+    results: list = [None] * len(pairs)
+    for i, grads in zip(pooled, numpy_kernel.linear_backwards([pairs[i] for i in pooled])):
+        results[i] = grads
+    for i, (dy, cache) in enumerate(pairs):
+        if results[i] is None:
+            results[i] = F.linear_backward(dy, cache)
+    return results

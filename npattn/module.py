@@ -608,9 +608,9 @@ class MultiHeadAttention:
         if c.mask_pad is not None:
             dmask = F.pad_mask_backward(dmask, c.mask_pad)  # mask's own shape
         # 3.-1. v = value @ w_v.T + b_v, and so on
-        dvalue, dw_v, db_v = A.linear_backward(dv, c.v_proj)  # [B, Lk, Dv]
-        dkey, dw_k, db_k = A.linear_backward(dk, c.k_proj)  # [B, Lk, Dk]
-        dquery, dw_q, db_q = A.linear_backward(dq, c.q_proj)  # [B, Lq, Dq]
+        (dvalue, dw_v, db_v), (dkey, dw_k, db_k), (dquery, dw_q, db_q) = A.linear_backwards(
+            [(dv, c.v_proj), (dk, c.k_proj), (dq, c.q_proj)]
+        )  # [B, Lk, Dv], [B, Lk, Dk], [B, Lq, Dq]: one run of the tile pool for the three
 
         grads = {"w_q": dw_q, "w_k": dw_k, "w_v": dw_v, "w_o": dw_o}
         if self.qkv_bias:

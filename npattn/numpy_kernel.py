@@ -55,7 +55,9 @@ What is different from the reference, and why it is faster:
   heads of one K/V head are an axis of their own, ``q[b, hkv, g]``, and
   ``k[b, hkv]`` is broadcast over it: K and V are never repeated.
 * **No head copies.** Outputs and gradients are written in the merged
-  (B, L, H, D) layout, so ``merge_heads`` is a reshape and not a copy. A
+  (B, L, H, D) layout, so ``merge_heads`` is a reshape and not a copy; the
+  backward's GEMMs write dq, dv (and dk when one block meets every row and
+  key) there directly, BLAS taking the layout's row stride (``out=``). A
   tile copies only its own heads' K and V (and in the backward q and dout)
   into contiguous arrays, scale folded into q and k: (L, Dh) each, against
   the (r, Lk) scores, and BLAS runs faster on them than on strided views.
@@ -69,6 +71,9 @@ What is different from the reference, and why it is faster:
   run the module's projections in ``LINEAR_PARTS`` row blocks on the same
   pool, BLAS at one thread: BLAS's own threads, left spinning after a
   two-thread GEMM, would take the cores from the attention tiles that follow.
+  ``dw`` is the sum of the row blocks' ``dy^T x`` (square GEMMs, where blocks
+  of dw's own rows were thin), and ``linear_backwards`` runs several
+  projections in one hand-off (the module's q, k and v).
 
 Dropout draws its keep-mask tile by tile from the counter-based generator of
 ``npattn.backend.keyed_keep_mask``: the same mask as every other
@@ -92,7 +97,7 @@ from . import functional as F
 from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["NumpySDPACache", "Workspace", "accepts", "sdpa_forward", "sdpa_backward",
-           "keep_mask_of", "linear_applies", "linear_forward", "linear_backward",
+           "keep_mask_of", "linear_applies", "linear_forward", "linear_backward", "linear_backwards",
            "TILE_ELEMS", "BACKWARD_TILE_FACTOR", "TILE_MIN_TASKS", "POOL_MIN_SCORES", "EXP_BOUND",
            "POOL_MIN_LINEAR", "LINEAR_PARTS"]
 
@@ -388,8 +393,9 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         bound = None
         if fmask is None:  # a floating mask may add anything
             with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN: the max is taken
-                k_norm = np.sqrt(np.max(np.sum(kTt * kTt, axis=-2)))  # largest |k_j| of the tile
-                bound = np.sqrt(np.sum(qs * qs, axis=-1)) * k_norm  # [nb, hk, G, Lq]
+                # (einsum: NumPy's sum over a short last axis runs row by row)
+                k_norm = np.sqrt(np.max(np.einsum("...ij,...ij->...j", kTt, kTt)))  # largest |k_j|
+                bound = np.sqrt(np.einsum("...i,...i->...", qs, qs)) * k_norm  # [nb, hk, G, Lq]
         for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
             if c1 == c0:  # the window leaves these rows nothing: zero output, lse = -inf
                 out[b0:b1, h0:h1, :, i0:i1] = 0.0
@@ -510,7 +516,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         qs = q5[b0:b1, h0:h1] * scale  # [nb, hk, G, Lq, Dh]
         ks = k5[b0:b1, h0:h1] * scale  # [nb, hk, 1, Lk, Dh]
         # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
-        delta = np.sum(do5[b0:b1, h0:h1] * out5[b0:b1, h0:h1], axis=-1, keepdims=True)  # [nb, hk, G, Lq, 1]
+        delta = np.einsum("...i,...i->...", do5[b0:b1, h0:h1], out5[b0:b1, h0:h1])[..., None]  # [nb, hk, G, Lq, 1]
         if dlse5 is not None:  # lse adds d lse / ds_j = p_j: ds = p * (dp - delta + dlse)
             delta -= dlse5[b0:b1, h0:h1]
         fold = keep is None  # delta joins the da GEMM
@@ -526,16 +532,19 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
             vTa[..., Dv, :] = 1.0
         else:
             delta *= ps  # delta ps
-        dk_acc = np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
+        blocks = list(_blocks(Lq, Lk, r, o))
+        # GEMMs write the merged layout of dq, dk, dv directly (``out=``: BLAS takes its row
+        # stride); dk does when one block meets all keys and rows, else it is accumulated
+        whole_dk = G == 1 and len(blocks) == 1 and blocks[0][2:] == (0, Lk)
+        if not whole_dk:
+            dk_acc = np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
         whole_dv = keep is None and not causal
-        if whole_dv:  # 5. dv = e^T do' in one GEMM over all query rows of the G heads,
-            # as dv^T = do'^T e (BLAS reads e row by row)
-            doT = np.swapaxes(dop.reshape(nb, hk, G * Lq, Dv), -1, -2).copy()  # [nb, hk, Dv, G Lq]
-            dvT = np.matmul(doT, exps[b0:b1, h0:h1].reshape(nb, hk, G * Lq, Lk))  # [nb, hk, Dv, Lk]
-            dv[b0:b1, h0:h1, 0] = np.swapaxes(dvT, -1, -2)
+        if whole_dv:  # 5. dv = e^T do' in one GEMM over all query rows of the G heads
+            eT = np.swapaxes(exps[b0:b1, h0:h1].reshape(nb, hk, G * Lq, Lk), -1, -2)  # [nb, hk, Lk, G Lq]
+            np.matmul(eT, dop.reshape(nb, hk, G * Lq, Dv), out=dv[b0:b1, h0:h1, 0])
         else:  # accumulated block by block below
             dv_acc = np.zeros((nb, hk, Lk, Dv), dtype=work)
-        for i0, i1, c0, c1 in _blocks(Lq, Lk, r, o):
+        for i0, i1, c0, c1 in blocks:
             if c1 == c0:  # rows the window leaves nothing: p = 0, so dq = 0
                 dq[b0:b1, h0:h1, :, i0:i1] = 0.0
                 continue
@@ -554,9 +563,13 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
                 np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0), c in do'
                 np.subtract(da, delta[..., i0:i1, :], out=da)  # 3. dp - delta, in units of ps
             np.multiply(da, e, out=da)  # 3. ds = p * (dp - delta) = e * (...) ps
-            dq[b0:b1, h0:h1, :, i0:i1] = np.matmul(da, ks[..., c0:c1, :])  # 1. dq = ds k * scale
-            dk_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[..., i0:i1, :]))
-        dk[b0:b1, h0:h1, 0] = dk_acc  # 1. dk = ds^T q * scale
+            np.matmul(da, ks[..., c0:c1, :], out=dq[b0:b1, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
+            if whole_dk:  # 1. dk = ds^T q * scale
+                np.matmul(np.swapaxes(da, -1, -2), qs, out=dk[b0:b1, h0:h1])
+            else:
+                dk_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[..., i0:i1, :]))
+        if not whole_dk:
+            dk[b0:b1, h0:h1, 0] = dk_acc
         if not whole_dv:
             dv[b0:b1, h0:h1, 0] = dv_acc
 
@@ -582,8 +595,8 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
 POOL_MIN_LINEAR = 1 << 28
 
 #: A projection on the pool is cut into this many tasks by rows (of ``y`` and
-#: ``dx``; ``dw`` into as many more by its output rows): large GEMMs, whose
-#: number does not depend on the pool's threads (nor do the numbers).
+#: ``dx``; ``dw`` into as many more, partial sums over the same rows): large
+#: GEMMs, whose number does not depend on the pool's threads (nor do the numbers).
 LINEAR_PARTS = 4
 
 
@@ -624,22 +637,49 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, Any]:
 
 
 def linear_backward(dy: Any, cache: Any) -> tuple[Any, Any, Any]:
-    """``functional.linear_backward`` on checked NumPy arrays: ``dx = dy @ w`` in blocks of
-    rows, ``dw = dy^T x`` in blocks of its output rows, on the tile pool; ``db = sum(dy)``."""
+    """``functional.linear_backward`` on checked NumPy arrays: ``dx = dy @ w`` and
+    ``dw = dy^T x`` in ``LINEAR_PARTS`` blocks of rows on the tile pool; ``db = sum(dy)``.
+    One projection of ``linear_backwards``."""
     # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
-    x, w = cache.x, cache.w
-    dy2 = dy.reshape(-1, dy.shape[-1])  # [N, Dout]
-    x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
-    dx2 = np.empty(x2.shape, dtype=x.dtype)  # [N, Din]
-    dw = np.empty(w.shape, dtype=x.dtype)  # [Dout, Din]
-    dyT = dy2.T  # [Dout, N] view
+    return linear_backwards([(dy, cache)])[0]
 
-    def task(kind, i0, i1):
+
+def linear_backwards(pairs: Any) -> list:
+    """``functional.linear_backward`` of several projections ``[(dy, cache), ...]`` on
+    checked NumPy arrays, all their GEMMs in one run of the tile pool (BLAS at one thread).
+
+    For each: ``dx = dy @ w`` by blocks of rows; ``dw = dy^T x`` as the sum of the
+    blocks' ``dy[i0:i1]^T x[i0:i1]``, added in block order (fixed blocks: the numbers
+    do not depend on the pool's threads); ``db = sum(dy)``. Returns a list of
+    ``(dx, dw, db)``, one per pair, each what ``linear_backward`` returns for it.
+    """
+    # [(..., Dout), LinearCache] -> [(..., Din), (Dout, Din), (Dout)]
+    jobs = []  # per pair: dy2 [N, Dout], x2 [N, Din], w, dx2 [N, Din], dw [Dout, Din], parts
+    tasks = []
+    for n, (dy, cache) in enumerate(pairs):
+        x, w = cache.x, cache.w
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [N, Dout]
+        x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
+        blocks = _row_blocks("rows", x2.shape[0])
+        dx2 = np.empty(x2.shape, dtype=x.dtype)  # [N, Din]
+        dw = np.zeros(w.shape, dtype=x.dtype)  # [Dout, Din]: block 0's term (0 without rows)
+        parts = np.empty((max(len(blocks) - 1, 0), *w.shape), dtype=x.dtype)  # the other blocks'
+        jobs.append((dy2, x2, w, dx2, dw, parts))
+        tasks += [(n, "dx", i0, i1, p) for p, (_, i0, i1) in enumerate(blocks)]
+        tasks += [(n, "dw", i0, i1, p) for p, (_, i0, i1) in enumerate(blocks)]
+
+    def task(n, kind, i0, i1, p):
+        dy2, x2, w, dx2, dw, parts = jobs[n]
         if kind == "dx":
             np.matmul(dy2[i0:i1], w, out=dx2[i0:i1])
         else:
-            np.matmul(dyT[i0:i1], x2, out=dw[i0:i1])
+            np.matmul(dy2[i0:i1].T, x2[i0:i1], out=dw if p == 0 else parts[p - 1])
 
-    _run(task, _row_blocks("dx", x2.shape[0]) + _row_blocks("dw", w.shape[0]), pool_threads())
-    db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
-    return dx2.reshape(x.shape), dw, db
+    _run(task, tasks, pool_threads())  # BLAS at one thread
+    results = []
+    for (dy, cache), (dy2, x2, w, dx2, dw, parts) in zip(pairs, jobs):
+        for part in parts:  # dw = block 0's + block 1's + ..., in block order
+            dw += part
+        db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
+        results.append((dx2.reshape(cache.x.shape), dw, db))
+    return results

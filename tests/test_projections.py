@@ -105,3 +105,44 @@ def test_module_on_the_pool_matches_the_reference_module(monkeypatch):
     for got, want in zip(*results):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_several_projections_in_one_run_match_one_at_a_time(monkeypatch):
+    """``linear_backwards`` (the module's q, k, v projections in one run of the pool) gives,
+    for each pair, bit for bit what ``linear_backward`` gives for it alone, pooled or not,
+    and the reference's numbers to rounding."""
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 50)  # the (7, 3) x (3, 2) pair stays off
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    cases = [_case(10, (2, 9), 6, 5), _case(11, (7,), 3, 2, bias=False), _case(12, (3, 2, 5), 6, 4)]
+    pairs = []
+    for x, w, b, dy in cases:
+        _, c = A.linear_forward(x, w, b)
+        pairs.append((dy, c))
+    pooled = [numpy_kernel.linear_applies(c.x, c.w) for _, c in pairs]
+    assert pooled == [True, False, True]
+    together = A.linear_backwards(pairs)
+    assert len(together) == len(pairs)
+    for (dy, c), got in zip(pairs, together):
+        alone = A.linear_backward(dy, c)
+        ref = F.linear_backward(dy, c)
+        for g, a, r in zip(got, alone, ref):
+            if r is None:
+                assert g is None and a is None
+                continue
+            np.testing.assert_array_equal(g, a)
+            np.testing.assert_allclose(g, r, rtol=1e-13, atol=1e-13)
+
+
+def test_several_projections_are_all_checked_before_any_runs(pooled, monkeypatch):
+    """A bad second pair is the reference's error naming ``dy``, raised before the pool runs."""
+    x, w, b, dy = _case(13, (2, 3), 4, 5)
+    _, c = A.linear_forward(x, w, b)
+    ran = []
+    real = numpy_kernel.linear_backwards
+    monkeypatch.setattr(numpy_kernel, "linear_backwards", lambda p: ran.append(p) or real(p))
+    with pytest.raises(ValueError, match="dy: expected shape"):
+        A.linear_backwards([(dy, c), (dy[:, :2], c)])
+    with pytest.raises(TypeError, match="cache"):
+        A.linear_backwards([(dy, c), (dy, (x, w, True))])
+    assert ran == []
+    assert len(A.linear_backwards([(dy, c), (dy, c)])) == 2 and len(ran) == 1
