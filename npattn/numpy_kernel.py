@@ -499,8 +499,10 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal, BACKWARD_TILE_FACTOR * TILE_ELEMS)
     scale, drop_scale = cache.scale, 1.0 / (1.0 - cache.dropout_p)
 
-    def kv_sum(x):  # [nb, hk, G, c, X] -> [nb, hk, c, X]: a K/V head sums its G query heads
-        return x[:, :, 0] if G == 1 else np.sum(x, axis=2)
+    def kv_add(acc, a, b):  # acc [nb, hk, c, X] += sum_g a[:, :, g]^T b[:, :, g]: a K/V head
+        # sums its G query heads' terms one by one (no [nb, hk, G, c, X] temporary)
+        for g in range(G):  # a [nb, hk, G, r, c], b [nb, hk, G, r, X]
+            acc += np.matmul(np.swapaxes(a[:, :, g], -1, -2), b[:, :, g])
 
     def tile(b0, b1, h0, h1):  # batch entries b0:b1, K/V heads h0:h1
         # The cache keeps e and ps = 1 / rowsum(e), p = e * ps, and a = p * keep * c with
@@ -555,11 +557,11 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
             if whole_dv:
                 pass
             elif keep is None:  # 5. dv = e^T do'
-                dv_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(e, -1, -2), dop[..., i0:i1, :]))
+                kv_add(dv_acc[..., c0:c1, :], e, dop[..., i0:i1, :])
             else:
                 kp = keep[b0:b1, h0:h1, :, i0:i1, c0:c1]
                 ek = np.multiply(e, kp)  # 5. dv = (e * keep)^T do'
-                dv_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(ek, -1, -2), dop[..., i0:i1, :]))
+                kv_add(dv_acc[..., c0:c1, :], ek, dop[..., i0:i1, :])
                 np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0), c in do'
                 np.subtract(da, delta[..., i0:i1, :], out=da)  # 3. dp - delta, in units of ps
             np.multiply(da, e, out=da)  # 3. ds = p * (dp - delta) = e * (...) ps
@@ -567,7 +569,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
             if whole_dk:  # 1. dk = ds^T q * scale
                 np.matmul(np.swapaxes(da, -1, -2), qs, out=dk[b0:b1, h0:h1])
             else:
-                dk_acc[..., c0:c1, :] += kv_sum(np.matmul(np.swapaxes(da, -1, -2), qs[..., i0:i1, :]))
+                kv_add(dk_acc[..., c0:c1, :], da, qs[..., i0:i1, :])
         if not whole_dk:
             dk[b0:b1, h0:h1, 0] = dk_acc
         if not whole_dv:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import npattn
@@ -124,6 +125,34 @@ def test_broken_backward_fails_the_audit(monkeypatch, capsys, name, broken, must
     failed = [line for line in out.splitlines() if line.rstrip().endswith("FAIL")]
     for key in must_fail:
         assert any(key in line for line in failed), (key, out)
+
+
+def test_a_tensor_the_configuration_does_not_exercise_fails_the_audit():
+    """A mask that leaves each row one key makes the softmax constant: its gradient is 0 on
+    both sides, which a backward returning zeros would match; the row fails and says why."""
+    from npattn.backend import resolve_backend
+    from npattn.tools import audit
+
+    def build(xp, dtype, rng):
+        x = xp.asarray(rng.standard_normal((2, 3, 4)), dtype=dtype)  # [B, Lq, Lk]
+        keep = np.zeros((2, 3, 4), dtype=bool)
+        keep[..., 1] = True  # one key per row
+        return (F.masked_softmax_forward, F.masked_softmax_backward, [x, xp.asarray(keep)],
+                ["x", "mask"])
+
+    xp = resolve_backend("numpy")
+    (row,) = audit.run_check(audit.Check("one key per row", "primitive", build), xp, "float64")
+    assert row.tensor == "x" and not row.passed
+    assert "0 both ways" in row.error
+    # the same mask with two keys per row is a real check, and passes
+    def build2(xp, dtype, rng):
+        fwd, bwd, (x, _), names = build(xp, dtype, rng)
+        keep = np.zeros((2, 3, 4), dtype=bool)
+        keep[..., 1:3] = True
+        return fwd, bwd, [x, xp.asarray(keep)], names
+
+    (row2,) = audit.run_check(audit.Check("two keys per row", "primitive", build2), xp, "float64")
+    assert row2.passed and row2.error is None and row2.max_abs_err < 1e-8
 
 
 def test_crashing_backward_is_reported_not_raised(monkeypatch, capsys):

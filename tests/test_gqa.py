@@ -179,3 +179,32 @@ def test_gqa_torch_parity(Hkv, G, Lq, Lk, mask_kind, use_scale, seed):
     assert _rel(dv, tv.grad.numpy()) < 1e-9
     if mask_kind == "float":
         assert _rel(dmask, tm.grad.numpy()) < 1e-9
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_kernel_gqa_backward_keeps_no_per_query_head_copy_of_dk(causal):
+    """The kernel sums a K/V head's G query heads' dk (and dv) terms one at a time: its
+    backward never holds a G-fold, (G, Lk, Dh)-sized temporary, whose size here would be
+    16 K-sized tensors. Its equality with the reference is checked elsewhere; here, memory."""
+    import tracemalloc
+
+    from npattn import attention as A
+
+    B, Hq, Hkv, Lq, Lk, Dh = 1, 16, 1, 2, 2048, 64
+    rng = np.random.default_rng(0)
+    q, k, v = _inputs(rng, B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lk=Lk, Dh=Dh)
+    dout = rng.standard_normal(q.shape)
+    _, cache = A.sdpa_forward(q, k, v, enable_gqa=True, impl="numpy", is_causal=causal,
+                              align="bottom_right")
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        dq, dk, dv, _, _ = A.sdpa_backward(dout, cache)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    k_sized = k.nbytes
+    assert (peak - base) < Hq // Hkv * k_sized, (peak - base) / k_sized
+    ref = F.sdpa_backward(dout, F.sdpa_forward(q, k, v, enable_gqa=True, is_causal=causal,
+                                               align="bottom_right")[1])
+    np.testing.assert_allclose(dk, ref.dk, rtol=1e-12, atol=1e-12 * np.abs(ref.dk).max())

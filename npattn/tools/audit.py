@@ -28,6 +28,9 @@ How one check works
    which softmax ignores, so ``d b_k = 0`` and both sides are pure round-off
    that no relative error can judge. A wrong ``d b_k`` would be of the size
    of the other gradients and still fail.
+5. A tensor whose gradient is exactly 0 everywhere on both sides fails: the
+   configuration does not exercise it (say every row attends one key, so the
+   softmax is constant), and a backward that returned zeros would pass it.
 
 So in float32 mode the audit checks that the backward computed *in float32*
 agrees with the exact derivative (float64 differences) up to float32
@@ -377,7 +380,7 @@ def _sdpa_options(Lq, Lk, *, align, sinks, window_only=False):
         B, H, Hkv, Dh, Dv = 2, 4, 2, 3, 2
         q, k, v = m.normal(B, H, Lq, Dh), m.normal(B, Hkv, Lk, Dh), m.normal(B, Hkv, Lk, Dv)
         seg_q = np.repeat([[0, 1]], B, axis=0).repeat([2, Lq - 2], axis=1)  # [B, Lq]
-        seg_k = np.repeat([[0, 1]], B, axis=0).repeat([Lk - 2, 2], axis=1)  # [B, Lk]
+        seg_k = np.repeat([[0, 1]], B, axis=0).repeat([2, Lk - 2], axis=1)  # [B, Lk]
         seg_q[1, -1] = 7  # a query whose segment has no key
         ints = xp.int64
         kwargs = dict(window=(2, 1), align=align, is_causal=True, softcap=1.5,
@@ -552,7 +555,11 @@ def _run_check(check: Check, xp, dtype: str, seed: int) -> list:
     S = max((_scale(g, n) for g, n in pairs.values()), default=0.0)
     floor = FLOOR * S if math.isfinite(S) else 0.0
     for i, (g, n) in pairs.items():
-        rows[i] = Row(check.name, names[i], *_compare(g, n, floor, rtol, atol))
+        if _scale(g, n) == 0.0:  # nothing to compare: the configuration does not test it
+            rows[i] = Row(check.name, names[i], 0.0, math.nan, False,
+                          "the gradient is 0 both ways: this configuration does not exercise it")
+        else:
+            rows[i] = Row(check.name, names[i], *_compare(g, n, floor, rtol, atol))
     return [rows[i] for i in wrt]
 
 
