@@ -346,11 +346,13 @@ def pool_threads() -> int:
 
     The number changes the speed, never the numbers: every tile is computed
     the same way whichever thread runs it. Without ``threadpoolctl`` BLAS
-    cannot be held to one thread, so tiles then run one after another (1).
+    cannot be held to one thread, so tiles then run one after another (1),
+    whatever ``NPATTN_NUM_THREADS`` says.
     Raises ``ValueError`` for a ``NPATTN_NUM_THREADS`` that is not a positive
     integer.
     """
     env = os.environ.get("NPATTN_NUM_THREADS")
+    n = None
     if env is not None and env.strip() != "":
         try:
             n = int(env)
@@ -361,9 +363,10 @@ def pool_threads() -> int:
                 f"NPATTN_NUM_THREADS: expected a positive integer (threads of npattn's tile pool), "
                 f"got {env!r}"
             )
-        return n
     if blas_controller() is None:
         return 1
+    if n is not None:
+        return n
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux

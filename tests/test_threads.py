@@ -501,3 +501,20 @@ def test_a_failed_backward_keeps_grads(impl, monkeypatch):
     for x, mem, d in data:
         _step(twin, x, mem, mask)
     _assert_all_equal(_grads(m, d2), _grads(twin, d2), "the backward, once it succeeds")
+
+
+def test_without_threadpoolctl_tiles_run_in_order_whatever_the_variable_says(monkeypatch):
+    """BLAS cannot be held to one thread without threadpoolctl: one pool thread, even with
+    NPATTN_NUM_THREADS=2; a bad value is still refused, naming the variable."""
+    from npattn import backend
+
+    monkeypatch.setattr(backend, "blas_controller", lambda: None)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    assert backend.pool_threads() == 1
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="NPATTN_NUM_THREADS"):
+        backend.pool_threads()
+    monkeypatch.undo()
+    if backend.blas_controller() is not None:  # with threadpoolctl the variable is obeyed
+        monkeypatch.setenv("NPATTN_NUM_THREADS", "3")
+        assert backend.pool_threads() == 3
