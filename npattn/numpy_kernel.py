@@ -679,7 +679,7 @@ def linear_backwards(pairs: Any) -> list:
 
     _run(task, tasks, pool_threads())  # BLAS at one thread
     results = []
-    for (dy, cache), (dy2, x2, w, dx2, dw, parts) in zip(pairs, jobs):
+    for (_, cache), (dy2, x2, w, dx2, dw, parts) in zip(pairs, jobs):
         for part in parts:  # dw = block 0's + block 1's + ..., in block order
             dw += part
         db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
