@@ -63,7 +63,9 @@ What is different from the reference, and why it is faster:
   the (r, Lk) scores, and BLAS runs faster on them than on strided views.
 * **Backward blocks of their own size.** The backward's blocks hold
   ``BACKWARD_TILE_FACTOR`` times the forward's scores (1 on the machine of
-  docs/performance.md, where both are best at 2**20).
+  docs/performance.md, where both are best at 2**20), except where a window
+  (causal included) cuts the blocks: the forward wrote ``e`` only in the
+  columns of its own blocks, and the backward takes those blocks.
 * **Arrays lent by the caller.** With a ``Workspace`` a forward writes its
   ``e`` (and a drawn keep-mask) into a finished forward's arrays
   instead of fresh memory (see ``Workspace``).
@@ -106,6 +108,7 @@ TILE_ELEMS = 1 << 20
 
 #: Tiles of the backward hold this many times ``TILE_ELEMS`` scores: its
 #: per-block GEMMs (da, dq, dk) may want taller blocks than the forward.
+#: Calls whose window (causal included) cuts the blocks keep the forward's.
 BACKWARD_TILE_FACTOR = 1
 
 #: Heads that share a tile span several batch entries only while the call
@@ -295,6 +298,7 @@ class NumpySDPACache(NamedTuple):
     in_dtype: Any
     lse_rows: Any = None  # [B, Hkv, G, Lq] log-sum-exp of each row, -inf for an empty row
     options: Any = None  # functional.ScoreOptions: the window (offset, left, right), causal folded in
+    rows: int = 0  # r, the forward's query-block height: a cut backward must take its blocks
 
     @property
     def lse(self) -> Any:
@@ -452,7 +456,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     if work == in_dtype:  # a copy in the merged layout (one contiguous copy), as a head view
         saved = out_m.copy().reshape(B, Lq, Hq, Dv).transpose(0, 2, 1, 3)
     cache = NumpySDPACache(q, k, v, exps.reshape(full), row_scale, saved, keep, key, float(dropout_p),
-                           cut, scale, G, mask_shape, in_dtype, lse, o)
+                           cut, scale, G, mask_shape, in_dtype, lse, o, r)
     return result, cache
 
 
@@ -497,6 +501,8 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     vT = np.swapaxes(v, -1, -2)[:, :, None]  # [B, Hkv, 1, Dv, Lk] view
     k5 = k[:, :, None]  # [B, Hkv, 1, Lk, Dh]
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal, BACKWARD_TILE_FACTOR * TILE_ELEMS)
+    if causal:  # the forward wrote e (and a drawn keep-mask) only in the columns of its own
+        r = cache.rows  # blocks: a taller block here would read columns it left unwritten
     scale, drop_scale = cache.scale, 1.0 / (1.0 - cache.dropout_p)
 
     def kv_add(acc, a, b):  # acc [nb, hk, c, X] += sum_g a[:, :, g]^T b[:, :, g]: a K/V head

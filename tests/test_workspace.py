@@ -58,6 +58,39 @@ def test_a_reused_array_gives_the_numbers_of_a_fresh_one(case, window, monkeypat
         assert np.any(A.weights(c) == 0.0) and not np.any(np.isnan(A.weights(c)))
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [None, (3, 1)])
+@pytest.mark.parametrize("change", ["factor 2", "factor 4", "tiles grown after the forward"])
+def test_backward_blocks_unlike_the_forwards_read_only_what_it_wrote(case, window, change,
+                                                                     monkeypatch):
+    """The backward's own block size (``BACKWARD_TILE_FACTOR``, or ``TILE_ELEMS`` changed
+    between the calls) on a forward that wrote into stale arrays (NaN, and True for a
+    drawn keep-mask): where a window or causal mask cuts the blocks, columns the forward
+    left unwritten are never read; the gradients are the reference's."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 16 * 23)  # blocks of 16 of the 40 rows
+    q, k, v, dout, kw = make_inputs(5, 2, 2, 1, 40, 23, 3, 4, **CASES[case])
+    if window is not None:
+        kw["window"] = window
+    _, ref_c = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    ref_g = A.sdpa_backward(dout, ref_c)
+    ws = A.Workspace()
+    _, stale = A.sdpa_forward(q, k, v, impl="numpy", **{**kw, "is_causal": False, "window": None})
+    stale.exps[...] = np.nan
+    if stale.keep is not None and stale.dropout_key is not None:
+        stale.keep[...] = True
+    ws.give(stale)
+    _, c = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw)
+    assert np.shares_memory(c.exps, stale.exps)
+    if change.startswith("factor"):
+        monkeypatch.setattr(numpy_kernel, "BACKWARD_TILE_FACTOR", int(change.split()[1]))
+    else:
+        monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64 * 23)
+    g = A.sdpa_backward(dout, c)
+    for name, got, want in zip(("dq", "dk", "dv"), g[:3], ref_g[:3]):
+        assert not np.any(np.isnan(got)), name
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 def test_give_keeps_only_the_kernels_own_arrays():
     """A caller's dropout mask is never handed out again; other implementations' caches are
     ignored; a different size or dtype allocates anew; at most ``SPARES`` are kept."""
