@@ -72,6 +72,7 @@ __all__ = [
     "run_tasks",
     "is_numpy_array",
     "is_dask_array",
+    "row_major",
 ]
 
 #: Names accepted by ``backend=``, and the module that provides each namespace.
@@ -183,6 +184,27 @@ def to_numpy(x: Any) -> np.ndarray:
 def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:
     """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype."""
     return xp.asarray(np.ascontiguousarray(a), device=device)
+
+
+def row_major(a: Any) -> Any:
+    """``a``, or a C-ordered copy of a NumPy array whose matrices (last two axes) are not
+    row-major: unit stride along the last axis, rows apart and in order.
+
+    NumPy's ``matmul`` hands a transposed, reversed or Fortran-ordered matrix
+    to another BLAS routine, or to its own loop, and ``einsum`` to another
+    inner loop, each adding in its own order: with this, the same values give
+    the same bits whatever their layout, and a computation that cuts the
+    arrays into slices (the tile pool's) gets the bits of one that does not.
+    The copy is of the inputs, (L, D) per head, never of the scores. Other
+    namespaces, and leading axes of any strides (a broadcast batch included),
+    are left as they are.
+    """
+    if not isinstance(a, np.ndarray) or a.ndim < 2 or a.flags.c_contiguous:
+        return a
+    item = a.itemsize
+    if a.strides[-1] == item and a.strides[-2] >= a.shape[-1] * item:
+        return a
+    return np.ascontiguousarray(a)
 
 
 def make_rng(seed: Any) -> np.random.Generator:

@@ -47,6 +47,7 @@ import numpy as np
 from . import functional as F
 from . import validation as V
 from .backend import (
+    row_major,
     device_of,
     dropout_key,
     exclusive,
@@ -442,6 +443,8 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     sinks_shape = None if o.sinks is None else (int(o.sinks.shape[-3]),)
     lead = V.scores_lead(q, k, v, enable_gqa=G > 1)
+    # NumPy operands BLAS takes as they are, so that slices on the pool add as the whole does
+    q, k, v = (row_major(t) for t in (q, k, v))
     # leading axes that broadcast (torch's SDPA) become equal, as views; backward sums them back
     batch = lead[:-1] if G > 1 else lead
     q, k, v = (xp.broadcast_to(t, batch + tuple(t.shape[-3 if G > 1 else -2:])) for t in (q, k, v))
@@ -578,7 +581,7 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
     c = cache
     xp = namespace(dout, c.q)
     rows = tuple(c.q.shape[:-1])  # grouped under GQA
-    dout = xp.reshape(dout, rows + (c.v.shape[-1],))
+    dout = row_major(xp.reshape(dout, rows + (c.v.shape[-1],)))
     work = c.q.dtype
     if dout.dtype != work:
         dout = xp.astype(dout, work)

@@ -128,6 +128,55 @@ def test_pool_threads_never_change_the_numbers(seed, B, Hkv, G, Lq, Lk, Dv, mask
                                                err_msg=f"{impl} {name}")
 
 
+def _in_layout(a, layout):
+    """``a`` (B, H, L, D) with the same values in another memory layout (a view)."""
+    if layout == "fortran":  # batch fastest: no unit stride in the last two axes
+        return np.asfortranarray(a)
+    if layout == "transposed":  # each matrix stored column by column
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2)
+    if layout == "reversed":  # rows in reverse order (negative row stride)
+        return np.ascontiguousarray(a[..., ::-1, :])[..., ::-1, :]
+    if layout == "strided":  # every other element of a wider array
+        wide = np.zeros(a.shape[:-1] + (2 * a.shape[-1],))
+        wide[..., ::2] = a
+        return wide[..., ::2]
+    if layout == "heads_first":  # (H, B, L, D) in memory: leading axes only
+        return np.ascontiguousarray(a.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("layout", ["fortran", "transposed", "reversed", "strided", "heads_first"])
+@pytest.mark.parametrize("Dh", [1, 4])
+@pytest.mark.parametrize("impl", ["numpy", "blocked"])
+def test_any_memory_layout_gets_the_bits_of_c_order_on_any_pool(impl, Dh, layout, monkeypatch):
+    """The same values in another memory layout (which NumPy's matmul would hand to another
+    BLAS routine or its own loop, adding in another order) give bitwise the results of
+    C-ordered inputs, on 1 and 2 pool threads, causal and not."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 1)  # one K/V head per tile
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    extra = dict(block_q=5, block_k=7) if impl == "blocked" else {}
+    rng = np.random.default_rng(2)
+    B, H, Lq, Lk, Dv = 3, 2, 33, 11, 3
+    c_args = (rng.standard_normal((B, H, Lq, Dh)), rng.standard_normal((B, H, Lk, Dh)),
+              rng.standard_normal((B, H, Lk, Dv)), rng.standard_normal((B, H, Lq, Dv)))
+    args = tuple(_in_layout(a, layout) for a in c_args)
+    assert all(np.array_equal(a, c) for a, c in zip(args, c_args))
+    assert not any(a.flags.c_contiguous for a in args[2:])  # (Dh = 1: q, k may still be)
+    for causal in (False, True):
+        kw = dict(is_causal=causal)
+        monkeypatch.setenv("NPATTN_NUM_THREADS", "1")
+        want = _run(impl, *c_args, kw, **extra)
+        for threads in ("1", "2"):
+            monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+            rec = PoolRecorder(monkeypatch)
+            got = _run(impl, *args, kw, **extra)
+            if threads == "2":
+                assert rec.split(), f"{impl}: the pool did not split the work ({rec.calls})"
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                np.testing.assert_array_equal(a, b, err_msg=f"{impl} {name}, causal={causal}, "
+                                                            f"{threads} threads")
+
+
 # --------------------------------------------------------------------------
 # fork
 
