@@ -928,6 +928,11 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
     o = causal_options(is_causal, options)
     shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape),
               None if o.sinks is None else (o.sinks.shape[-3],))
+    # leading (batch) axes that broadcast become equal, as views, so that the scores, the
+    # weights and lse have the output's leading axes; the backward sums each gradient back
+    lead = V.scores_lead(q, k, v, enable_gqa=G > 1)
+    batch, own = (lead[:-1], 3) if G > 1 else (lead, 2)  # under GQA the head axes differ
+    q, k, v = (xp.broadcast_to(t, batch + tuple(t.shape[-own:])) for t in (q, k, v))
     in_dtype = q.dtype
     work = compute_dtype(xp, in_dtype)
     if work != in_dtype:
