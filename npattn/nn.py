@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from . import validation as Vd
 from .backend import device_of, namespace
 from .functional import sum_to_shape
 
@@ -36,6 +37,16 @@ __all__ = [
     "adam_step",
     "clip_grad_norm",
 ]
+
+
+def _check_ids(name: str, ids: Any, n: int, xp: Any, device: Any, like: str) -> None:
+    """``ids``: an integer array of ``xp`` on ``device``, every value in [0, n)."""
+    Vd.check_array(name, ids, xp, device, where=f"that of {like}", library=f"that of {like}")
+    if not xp.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"{name}: expected an integer dtype, got {Vd.dtype_name(ids.dtype)}")
+    if math.prod(ids.shape) and (int(xp.min(ids)) < 0 or int(xp.max(ids)) >= n):
+        raise ValueError(f"{name}: expected values in [0, {n}), got values from "
+                         f"{int(xp.min(ids))} to {int(xp.max(ids))}")
 
 
 def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
@@ -71,7 +82,11 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     cache : EmbeddingCache
     """
     # [...], [V, D] -> [..., D]
-    xp = namespace(ids, table)
+    Vd.check_floating_array("table", table)
+    if table.ndim != 2:
+        raise ValueError(f"table: expected shape (V, D), got {Vd.shape_of(table)}")
+    xp = namespace(table)
+    _check_ids("ids", ids, table.shape[0], xp, device_of(table), "table")
     V = table.shape[0]
     onehot = one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
     # 2. out = onehot @ table, as one (N, V) x (V, D) GEMM: NumPy's matmul would
@@ -186,7 +201,14 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     cache : CrossEntropyCache
     """
     # [..., V], [...] -> []
-    xp = namespace(logits, targets)
+    Vd.check_floating_array("logits", logits)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {Vd.shape_of(logits)}")
+    xp = namespace(logits)
+    _check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), "logits")
+    if Vd.shape_of(targets) != Vd.shape_of(logits)[:-1]:
+        raise ValueError(f"targets: expected shape {Vd.shape_of(logits)[:-1]} (that of logits "
+                         f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
     m = xp.max(logits, axis=-1, keepdims=True)  # 1.                    [..., 1]
     lse = m + xp.log(xp.sum(xp.exp(logits - m), axis=-1, keepdims=True))  # 2. [..., 1]
@@ -206,12 +228,20 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - one_hot) / N``
     (each row of ``one_hot`` sums to 1). ``targets`` get None.
 
+    ``dloss`` is a Python number, or an array of shape () or (1,) in the loss's dtype.
+
     Returns
     -------
     dlogits : array, shape (..., V)
     dtargets : None
     """
     # [] -> [..., V], None
+    Vd.check_cache("cache", cache, CrossEntropyCache, "cross_entropy_forward")
+    if isinstance(dloss, bool) or not isinstance(dloss, (int, float)):  # a number, or the loss's like
+        Vd.check_array("dloss", dloss)
+        shape = Vd.shape_of(dloss) if Vd.shape_of(dloss) == (1,) else ()  # (1,): gradcheck's
+        Vd.check_grad("dloss", dloss, shape=shape, dtype=cache.p.dtype, xp=namespace(cache.p),
+                      device=device_of(cache.p), of="the loss")
     return dloss * (cache.p - cache.onehot) / float(cache.n), None
 
 

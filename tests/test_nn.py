@@ -190,3 +190,33 @@ def test_clip_grad_norm_matches_torch():
 def test_clip_grad_norm_rejects_bad_max_norm(bad):
     with pytest.raises(ValueError, match="max_norm"):
         nn.clip_grad_norm({"a": np.ones(2)}, bad)
+
+
+def test_ids_targets_and_dloss_are_checked_before_computing():
+    """Out-of-range or non-integer ids and targets, a targets shape unlike the logits', and a
+    dloss of another shape or dtype: a ValueError / TypeError naming the argument (they
+    were silently a zero row, a missing loss term or a broadcast)."""
+    rng = np.random.default_rng(0)
+    table, logits = rng.standard_normal((5, 2)), rng.standard_normal((2, 3, 5))
+    good = np.array([[0, 4, 1], [2, 3, 0]])
+    for ids, err, match in ((np.array([[0, 5, 1]]), ValueError, r"ids: expected values in \[0, 5\)"),
+                            (np.array([-1]), ValueError, r"ids: expected values in \[0, 5\)"),
+                            (good.astype(np.float64), TypeError, "ids: expected an integer dtype")):
+        with pytest.raises(err, match=match):
+            nn.embedding_forward(ids, table)
+    for tgt, err, match in ((np.where(good == 4, 5, good), ValueError, r"targets: expected values"),
+                            (np.where(good == 4, -1, good), ValueError, r"targets: expected values"),
+                            (good > 0, TypeError, "targets: expected an integer dtype"),
+                            (good[:, :2], ValueError, r"targets: expected shape \(2, 3\)")):
+        before = tgt.copy()
+        with pytest.raises(err, match=match):
+            nn.cross_entropy_forward(logits, tgt)
+        np.testing.assert_array_equal(tgt, before)
+    loss, cache = nn.cross_entropy_forward(logits, good)
+    with pytest.raises(ValueError, match=r"dloss: expected shape \(\)"):
+        nn.cross_entropy_backward(np.ones(3), cache)
+    with pytest.raises(TypeError, match="dloss: expected dtype float64"):
+        nn.cross_entropy_backward(np.ones((), dtype=np.float32), cache)
+    d1, _ = nn.cross_entropy_backward(1.0, cache)  # a number, or the loss's own like
+    d2, _ = nn.cross_entropy_backward(np.ones_like(loss), cache)
+    np.testing.assert_array_equal(d1, d2)
