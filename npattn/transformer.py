@@ -704,9 +704,9 @@ class TransformerBlock(_Block):
             of each entry; self-attention appends their keys and values to
             the cache and attends the cached ones followed by them,
             bottom-right aligned (``MultiHeadAttention.forward``'s
-            ``kv_cache``). ``mask`` then covers the cached keys too (its last
-            axis is ``cache_seqlens + n``). ``backward`` after such a forward
-            is a ``RuntimeError``.
+            ``kv_cache``), in eval mode (or without dropout). ``mask`` must
+            be None: the cache's own lengths say which keys each entry has.
+            ``backward`` after such a forward is a ``RuntimeError``.
 
         Returns
         -------
@@ -714,6 +714,9 @@ class TransformerBlock(_Block):
         """
         check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
                              is_causal=is_causal, need_weights=False, kv_cache=kv_cache)
+        if kv_cache is not None and self.training and self.dropout > 0.0:
+            raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
+                             f"first (the block is in training mode with dropout {self.dropout})")
         B, L, D = x.shape
         shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, D),
                   "dropout": (B, L, self.d_ff), "dropout2": (B, L, D)}

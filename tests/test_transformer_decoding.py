@@ -44,3 +44,21 @@ def test_a_full_cache_is_a_value_error_and_changes_nothing(xp, to_xp, to_np):
     with pytest.raises(ValueError, match="kv_cache"):
         block.forward(x, is_causal=True, kv_cache=cache)
     assert list(cache.cache_seqlens) == [0, 0]
+
+
+def test_decoding_in_training_mode_with_dropout_says_call_eval_and_changes_nothing():
+    """A block in training mode with dropout > 0 and a kv_cache: a ValueError that says to
+    call eval() (not one about a dropout mask the caller never gave); the cache's lengths
+    and the block's generator are unchanged."""
+    from npattn.transformer import TransformerBlock
+
+    blk = TransformerBlock(8, 2, 16, dropout=0.1, dtype="float64", seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    cache = blk.self_attn.new_cache(2, 10)
+    state = blk.rng_state
+    with pytest.raises(ValueError, match=r"kv_cache: decoding is forward only.*call eval\(\)"):
+        blk(x, is_causal=True, kv_cache=cache)
+    assert list(cache.cache_seqlens) == [0, 0] and blk.rng_state == state
+    blk.eval()
+    out = blk(x, is_causal=True, kv_cache=cache)
+    assert out.shape == x.shape and list(cache.cache_seqlens) == [3, 3]
