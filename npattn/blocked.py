@@ -443,7 +443,7 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     sinks_shape = None if o.sinks is None else (int(o.sinks.shape[-3]),)
     lead = V.scores_lead(q, k, v, enable_gqa=G > 1)
-    # NumPy operands BLAS takes as they are, so that slices on the pool add as the whole does
+    # row-major NumPy matrices: the same bits in any layout, on the pool's slices as on the whole
     q, k, v = (row_major(t) for t in (q, k, v))
     # leading axes that broadcast (torch's SDPA) become equal, as views; backward sums them back
     batch = lead[:-1] if G > 1 else lead

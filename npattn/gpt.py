@@ -198,19 +198,12 @@ class GPT(BlockStack):
         return device_of(self._own["wte"])
 
     def _check_ids(self, name: str, ids: Any, start: int) -> None:
-        V.check_array(name, ids, self.xp, self._device())
-        if not self.xp.isdtype(ids.dtype, "integral"):
-            raise TypeError(f"{name}: expected an integer array of token ids, got dtype "
-                            f"{V.dtype_name(ids.dtype)}")
+        V.check_ids(name, ids, self.vocab_size, self.xp, self._device(), what="token ids")
         if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise ValueError(f"{name}: expected shape (B, L) with B >= 1 and L >= 1, got {V.shape_of(ids)}")
         if start + ids.shape[1] > self.block_size:
             raise ValueError(f"{name}: expected at most {self.block_size - start} positions (block_size "
                              f"{self.block_size}, {start} already cached), got {ids.shape[1]}")
-        h = to_numpy(ids)
-        if h.size and (h.min() < 0 or h.max() >= self.vocab_size):
-            raise ValueError(f"{name}: expected token ids in [0, {self.vocab_size}), got values in "
-                             f"[{h.min()}, {h.max()}]")
 
     def _block_masks(self, dropout_masks: Any, B: int, L: int) -> list:
         """Every block's keep-masks: the ones given, the others drawn from the model's generator."""
@@ -373,17 +366,10 @@ class GPT(BlockStack):
         return float(loss), dlogits
 
     def _check_targets(self, targets: Any, shape: tuple) -> None:
-        V.check_array("targets", targets, self.xp, self._device())
-        if not self.xp.isdtype(targets.dtype, "integral"):
-            raise TypeError(f"targets: expected an integer array of token ids, got dtype "
-                            f"{V.dtype_name(targets.dtype)}")
+        V.check_ids("targets", targets, self.vocab_size, self.xp, self._device(), what="token ids")
         if V.shape_of(targets) != tuple(shape):
             raise ValueError(f"targets: expected shape {tuple(shape)} (that of ids), got "
                              f"{V.shape_of(targets)}")
-        h = to_numpy(targets)
-        if h.min() < 0 or h.max() >= self.vocab_size:
-            raise ValueError(f"targets: expected token ids in [0, {self.vocab_size}), got values in "
-                             f"[{h.min()}, {h.max()}]")
 
     # ----------------------------------------------------------- torch interop
 

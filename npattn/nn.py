@@ -39,16 +39,6 @@ __all__ = [
 ]
 
 
-def _check_ids(name: str, ids: Any, n: int, xp: Any, device: Any, like: str) -> None:
-    """``ids``: an integer array of ``xp`` on ``device``, every value in [0, n)."""
-    Vd.check_array(name, ids, xp, device, where=f"that of {like}", library=f"that of {like}")
-    if not xp.isdtype(ids.dtype, "integral"):
-        raise TypeError(f"{name}: expected an integer dtype, got {Vd.dtype_name(ids.dtype)}")
-    if math.prod(ids.shape) and (int(xp.min(ids)) < 0 or int(xp.max(ids)) >= n):
-        raise ValueError(f"{name}: expected values in [0, {n}), got values from "
-                         f"{int(xp.min(ids))} to {int(xp.max(ids))}")
-
-
 def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]"""
     classes = xp.arange(n, device=device_of(ids))  # [n]
@@ -86,7 +76,7 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     if table.ndim != 2:
         raise ValueError(f"table: expected shape (V, D), got {Vd.shape_of(table)}")
     xp = namespace(table)
-    _check_ids("ids", ids, table.shape[0], xp, device_of(table), "table")
+    Vd.check_ids("ids", ids, table.shape[0], xp, device_of(table), what="token ids", like="table")
     V = table.shape[0]
     onehot = one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
     # 2. out = onehot @ table, as one (N, V) x (V, D) GEMM: NumPy's matmul would
@@ -205,7 +195,8 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {Vd.shape_of(logits)}")
     xp = namespace(logits)
-    _check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), "logits")
+    Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
+                 like="logits")
     if Vd.shape_of(targets) != Vd.shape_of(logits)[:-1]:
         raise ValueError(f"targets: expected shape {Vd.shape_of(logits)[:-1]} (that of logits "
                          f"without its last axis), got {Vd.shape_of(targets)}")

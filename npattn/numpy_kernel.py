@@ -94,8 +94,8 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import validation as V
-from .backend import (row_major, dropout_key, exclusive, is_numpy_array, keyed_keep_mask, keep_mask,
-                      pool_threads, run_tasks)
+from .backend import (dropout_key, exclusive, is_numpy_array, keep_mask, keyed_keep_mask, pool_threads,
+                      row_major, run_tasks)
 from . import functional as F
 from .functional import SDPAGrads, sum_to_shape
 
@@ -342,7 +342,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         q, k, v = (t.astype(work) for t in (q, k, v))
         if mask is not None and mask.dtype != np.bool_:
             mask = mask.astype(work)
-    q, k, v = (row_major(t) for t in (q, k, v))  # a layout BLAS takes: the same bits in any
+    q, k, v = (row_major(t) for t in (q, k, v))  # row-major matrices: the same bits in any layout
     G = groups
     o = F.causal_options(is_causal, options)
     cut = o.left is not None or o.right is not None  # some rows leave some keys out

@@ -50,6 +50,7 @@ __all__ = [
     "check_scale",
     "check_floating_array",
     "check_cache",
+    "check_ids",
     "check_grad",
     "check_rng",
     "check_broadcasts_to",
@@ -232,6 +233,21 @@ def check_floating_array(name: str, x: Any, xp: Any = None, device: Any = None, 
             f"{name}: expected dtype {dtype_name(dtype)}{source}, got {dtype_name(x.dtype)} "
             "(no silent promotion)"
         )
+
+
+def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *,
+              what: str = "ids", like: str = "") -> None:
+    """``ids``: an integer array (of ``xp`` on ``device``, like ``like``) of ``what``, each
+    in [0, n): a ``TypeError`` / ``ValueError`` naming ``name`` otherwise."""
+    check_array(name, ids, xp, device, where=f"that of {like}" if like else "where the parameters live",
+                library=f"that of {like}" if like else MODULE_LIBRARY)
+    ns = array_api_compat.array_namespace(ids)
+    if not ns.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"{name}: expected an integer array of {what}, got dtype {dtype_name(ids.dtype)}")
+    if math.prod(shape_of(ids)):
+        lo, hi = int(ns.min(ids)), int(ns.max(ids))
+        if lo < 0 or hi >= n:
+            raise ValueError(f"{name}: expected {what} in [0, {n}), got values in [{lo}, {hi}]")
 
 
 def check_cache(name: str, cache: Any, cls: type, producer: str) -> None:

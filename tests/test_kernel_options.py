@@ -460,10 +460,10 @@ def test_broadcast_leading_axes_match_explicit_broadcast():
 
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("wide", ["q", "k", "v"])
-def test_one_input_alone_carries_the_batch(wide, gqa):
+def test_one_input_alone_carries_the_batch(xp, to_xp, to_np, wide, gqa):
     """One of q, k, v has B = 2 where the other two have 1: the output, lse and weights
     have the batch, a dout of the output's shape is taken, and each gradient is summed
-    back to its input's shape (the same as broadcasting by hand), on every impl."""
+    back to its input's shape (the same as broadcasting by hand), on every impl and backend."""
     rng = np.random.default_rng(11)
     Hq, Hkv = (4, 2) if gqa else (2, 2)
     shapes = {"q": (1, Hq, 5, 3), "k": (1, Hkv, 6, 3), "v": (1, Hkv, 6, 2)}
@@ -473,16 +473,18 @@ def test_one_input_alone_carries_the_batch(wide, gqa):
     full = [np.broadcast_to(a, (2,) + a.shape[1:]).copy() for a in (q, k, v)]
     kw = dict(enable_gqa=gqa, is_causal=True)
     for impl in IMPLS:
-        out, c = run(lambda d: d, impl, q, k, v, kw)
-        out_f, c_f = run(lambda d: d, impl, *full, kw)
+        out, c = run(lambda d: d, impl, to_xp(q), to_xp(k), to_xp(v), kw)
+        out_f, c_f = run(lambda d: d, impl, *(to_xp(a) for a in full), kw)
+        out, out_f = to_np(out), to_np(out_f)
         assert out.shape == (2, Hq, 5, 2) and c.lse.shape == (2, Hq, 5)
         np.testing.assert_allclose(out, out_f, rtol=1e-13, atol=1e-13)
-        np.testing.assert_allclose(c.lse, c_f.lse, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(to_np(c.lse), to_np(c_f.lse), rtol=1e-13, atol=1e-13)
         if impl == "reference":  # (blocked keeps no weights)
-            assert A.weights(c).shape == (2, Hq, 5, 6)
-            np.testing.assert_allclose(A.weights(c), A.weights(c_f), rtol=1e-13, atol=1e-13)
-        g, g_f = A.sdpa_backward(dout, c), A.sdpa_backward(dout, c_f)
-        for a, b, x in zip(g[:3], g_f[:3], (q, k, v)):
+            assert tuple(A.weights(c).shape) == (2, Hq, 5, 6)
+            np.testing.assert_allclose(to_np(A.weights(c)), to_np(A.weights(c_f)), rtol=1e-13,
+                                       atol=1e-13)
+        g, g_f = A.sdpa_backward(to_xp(dout), c), A.sdpa_backward(to_xp(dout), c_f)
+        for a, b, x in zip(map(to_np, g[:3]), map(to_np, g_f[:3]), (q, k, v)):
             assert a.shape == x.shape
             want = b if x.shape[0] == 2 else np.sum(b, axis=0, keepdims=True)
             np.testing.assert_allclose(a, want, rtol=1e-12, atol=1e-12)

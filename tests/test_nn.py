@@ -199,14 +199,14 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
     rng = np.random.default_rng(0)
     table, logits = rng.standard_normal((5, 2)), rng.standard_normal((2, 3, 5))
     good = np.array([[0, 4, 1], [2, 3, 0]])
-    for ids, err, match in ((np.array([[0, 5, 1]]), ValueError, r"ids: expected values in \[0, 5\)"),
-                            (np.array([-1]), ValueError, r"ids: expected values in \[0, 5\)"),
-                            (good.astype(np.float64), TypeError, "ids: expected an integer dtype")):
+    for ids, err, match in ((np.array([[0, 5, 1]]), ValueError, r"ids: expected token ids in \[0, 5\)"),
+                            (np.array([-1]), ValueError, r"ids: expected token ids in \[0, 5\)"),
+                            (good.astype(np.float64), TypeError, "ids: expected an integer array of token ids")):
         with pytest.raises(err, match=match):
             nn.embedding_forward(ids, table)
-    for tgt, err, match in ((np.where(good == 4, 5, good), ValueError, r"targets: expected values"),
-                            (np.where(good == 4, -1, good), ValueError, r"targets: expected values"),
-                            (good > 0, TypeError, "targets: expected an integer dtype"),
+    for tgt, err, match in ((np.where(good == 4, 5, good), ValueError, r"targets: expected class indices in \[0, 5\)"),
+                            (np.where(good == 4, -1, good), ValueError, r"targets: expected class indices in \[0, 5\)"),
+                            (good > 0, TypeError, "targets: expected an integer array of class indices"),
                             (good[:, :2], ValueError, r"targets: expected shape \(2, 3\)")):
         before = tgt.copy()
         with pytest.raises(err, match=match):
