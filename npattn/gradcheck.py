@@ -54,10 +54,16 @@ class InputReport:
 
 @dataclass
 class GradcheckReport:
-    """Per-input results of a gradient check; ``ok`` is True when all passed."""
+    """Per-input results of a gradient check; ``ok`` is True when all passed.
+
+    ``rtol`` and ``atol`` are the tolerances the check ran with: an input
+    passed when its ``max_abs_err <= atol + rtol * scale``.
+    """
 
     mode: str
     inputs: list = field(default_factory=list)
+    rtol: float = 0.0
+    atol: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -73,7 +79,8 @@ class GradcheckReport:
         raise KeyError(name)
 
     def __str__(self) -> str:
-        lines = [f"{'input':<12} {'max abs err':>12} {'max rel err':>12}  result   ({self.mode})"]
+        lines = [f"{'input':<12} {'max abs err':>12} {'max rel err':>12}  result   ({self.mode}: "
+                 f"err <= {self.atol:.3g} + {self.rtol:.3g} * scale)"]
         for r in self.inputs:
             verdict = "pass" if r.passed else "FAIL"
             lines.append(f"{r.name:<12} {r.max_abs_err:12.3e} {r.max_rel_err:12.3e}  {verdict}")
@@ -211,7 +218,7 @@ def check_vjp(
     names = _names(names, len(inputs))
     if atol is None:
         atol = _rounding_floor(f(*_on_backend(ev.like, ev.host)), ev.dout, eps)
-    report = GradcheckReport("vjp")
+    report = GradcheckReport("vjp", rtol=rtol, atol=atol)
     for i in wrt:
         if grads[i] is None:
             raise ValueError(f"grads[{i}] ({names[i]}) is None but input {i} is checked")
@@ -372,7 +379,7 @@ def gradcheck(
     numeric = numerical_vjp(f, ev_inputs, dout, eps=eps, wrt=wrt)
     if atol is None:
         atol = _rounding_floor(out, dout, eps)
-    report = GradcheckReport("full")
+    report = GradcheckReport("full", rtol=rtol, atol=atol)
     for i in wrt:
         if grads[i] is None:
             raise ValueError(f"backward returned None for {names[i]}, which is checked")

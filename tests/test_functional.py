@@ -26,9 +26,10 @@ def assert_same_namespace(xp, *arrays):
 
 
 def assert_ok(report):
-    assert report.ok, "\n" + str(report)
-    for r in report.inputs:
-        assert r.max_rel_err <= RTOL, str(report)
+    # every input within atol + rtol * scale, rtol = RTOL and atol float64's rounding floor
+    # of a central difference (a bound on max_rel_err alone fails gradients of scale 1e-3
+    # whose error is that rounding)
+    assert report.ok and report.rtol <= RTOL, "\n" + str(report)
 
 
 # ----------------------------------------------------------------- linear

@@ -21,9 +21,11 @@ RTOL = 1e-6
 
 
 def assert_ok(report):
-    assert report.ok, "\n" + str(report)
+    # every input within atol + rtol * scale, rtol = RTOL and atol float64's rounding floor
+    # of a central difference (a bound on max_rel_err alone fails gradients of scale 1e-3
+    # whose error is that rounding)
+    assert report.ok and report.rtol <= RTOL, "\n" + str(report)
     for r in report.inputs:
-        assert r.max_rel_err <= RTOL, str(report)
         assert r.scale > 0.0, f"{r.name}: a zero gradient checks nothing\n{report}"
 
 
@@ -118,7 +120,8 @@ def test_layer_norm_rows_have_zero_mean_unit_variance(xp, to_xp, to_np, rows, D,
     y, cache = L.layer_norm_forward(to_xp(x), None, None, eps=1e-12)
     y = to_np(y)
     np.testing.assert_allclose(y.mean(axis=-1), 0.0, atol=1e-9)
-    np.testing.assert_allclose(y.var(axis=-1), 1.0, rtol=1e-6)
+    var = x.var(axis=-1)  # y's variance is var / (var + eps): 1 but for rows of near-equal values
+    np.testing.assert_allclose(y.var(axis=-1), var / (var + 1e-12), rtol=1e-6)
     # the compact backward is orthogonal to 1: dx sums to 0; and sum(dx * xhat) =
     # rstd * sum(g * xhat) * (1 - mean(xhat^2)), which eps alone keeps from 0
     g = rng.standard_normal((rows, D))

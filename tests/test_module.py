@@ -69,10 +69,11 @@ def test_module_gradients_inputs_and_parameters(backend, to_xp, c):
     mha, query, key, value, mask, keep = _make(backend, c)
     fk = dict(mask=to_xp(mask), is_causal=c["causal"], dropout_mask=to_xp(keep))
     report = gradcheck_module(mha, to_xp(query), to_xp(key), to_xp(value), forward_kwargs=fk, seed=c["seed"])
-    assert report.ok, "\n" + str(report)
+    # every input within atol + rtol * scale, rtol = RTOL and atol float64's rounding floor
+    # of a central difference (a bound on max_rel_err alone fails gradients of scale 1e-3
+    # whose error is that rounding)
+    assert report.ok and report.rtol <= RTOL, "\n" + str(report)
     assert {r.name for r in report.inputs} >= {"query", "key", "value", "w_q", "w_k", "w_v", "w_o"}
-    for r in report.inputs:
-        assert r.max_rel_err <= RTOL, str(report)
 
 
 @given(c=module_cases())

