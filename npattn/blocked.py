@@ -616,6 +616,8 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
         dq, dk, dv = (xp.astype(t, c.in_dtype) for t in (dq, dk, dv))
         if dmask is not None:
             dmask = xp.astype(dmask, c.in_dtype)
+        if dsinks is not None:  # sinks are of q's dtype (validation.check_kernel_options)
+            dsinks = xp.astype(dsinks, c.in_dtype)
     return F.SDPAGrads(dq, dk, dv, dmask, dsinks)
 
 

@@ -880,9 +880,11 @@ def sdpa_forward(
         The scaled scores become ``softcap * tanh(s / softcap)`` (flash-attn, Gemma 2).
     alibi_slopes : array, shape (H,) or (B, H), optional
         Adds ``-slope * |i + o - j|`` after the softcap (flash-attn's ALiBi).
+        Of q's dtype, or float32 where q is float16 or bfloat16 (flash-attn's).
     sinks : array, shape (H,), optional
         A per-head logit in every row's softmax denominator that carries no
-        value (gpt-oss's attention sinks). A row with every key masked gives zeros.
+        value (gpt-oss's attention sinks); -inf is no sink. Of q's dtype, and so
+        is ``dsinks``. A row with every key masked gives zeros.
     q_segments, k_segments : integer arrays (B, Lq) and (B, Lk), optional
         Packed sequences: query ``i`` attends key ``j`` only when their ids are equal.
 
@@ -1059,6 +1061,8 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
         dq, dk, dv = (xp.astype(t, cache.in_dtype) for t in (dq, dk, dv))
         if dmask is not None:
             dmask = xp.astype(dmask, cache.in_dtype)
+        if dsinks is not None:  # sinks are of q's dtype (validation.check_kernel_options)
+            dsinks = xp.astype(dsinks, cache.in_dtype)
     return SDPAGrads(dq, dk, dv, dmask, dsinks)
 
 

@@ -402,6 +402,29 @@ def test_dispatcher_runs_options_on_reference_and_blocked():
     assert np.all(np.sum(w, axis=-1) < 1.0)  # the sink takes its share of every row
 
 
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_half_precision_sinks_and_slopes(impl):
+    """Sinks are of q's dtype and so is dsinks; float16 q also takes float32 slopes
+    (flash-attn's), computed in float32 like the scores: the float64 computation of the
+    float16-rounded values, within float16's rounding."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 2, 4 + i, 8)).astype(np.float16) for i in (0, 1, 1))
+    sinks = rng.standard_normal(2).astype(np.float16)
+    slopes = rng.uniform(0.1, 1.0, 2).astype(np.float32)
+    dout = rng.standard_normal((2, 2, 4, 8)).astype(np.float16)
+    kw = dict(sinks=sinks, alibi_slopes=slopes, is_causal=True)
+    o, c = A.sdpa_forward(q, k, v, impl=impl, **kw)
+    g = A.sdpa_backward(dout, c)
+    assert o.dtype == g.dq.dtype == g.dsinks.dtype == np.float16
+    o64, c64 = F.sdpa_forward(*(t.astype(np.float64) for t in (q, k, v)), sinks=sinks.astype(np.float64),
+                              alibi_slopes=slopes.astype(np.float64), is_causal=True)
+    g64 = F.sdpa_backward(dout.astype(np.float64), c64)
+    np.testing.assert_allclose(o.astype(np.float64), o64, rtol=0, atol=4e-3)
+    np.testing.assert_allclose(g.dsinks.astype(np.float64), g64.dsinks, rtol=1e-2, atol=4e-3)
+    with pytest.raises(TypeError, match=r"sinks: expected dtype float16 \(that of q\), got float32"):
+        A.sdpa_forward(q, k, v, impl=impl, sinks=sinks.astype(np.float32))
+
+
 @pytest.mark.parametrize("kw,err,match", [
     (dict(align="bottom"), ValueError, "align: expected one of"),
     (dict(window=3), TypeError, "window: expected None or a pair"),
@@ -412,6 +435,9 @@ def test_dispatcher_runs_options_on_reference_and_blocked():
     (dict(alibi_slopes=np.ones(3)), ValueError, r"alibi_slopes: expected shape \(2,\) or \(2, 2\)"),
     (dict(alibi_slopes=np.ones(2, dtype=np.int64)), TypeError, "alibi_slopes: expected a real floating"),
     (dict(sinks=np.ones((2, 2))), ValueError, r"sinks: expected shape \(2,\)"),
+    (dict(sinks=np.ones(2, dtype=np.float32)), TypeError, r"sinks: expected dtype float64 \(that of q\)"),
+    (dict(alibi_slopes=np.ones(2, dtype=np.float32)), TypeError,
+     r"alibi_slopes: expected dtype float64 \(that of q\), got float32 \(no silent promotion\)"),
     (dict(q_segments=np.zeros((2, 4), dtype=np.int64)), ValueError, "packed sequences need both"),
     (dict(q_segments=np.zeros((2, 4)), k_segments=np.zeros((2, 5))), TypeError, "q_segments: expected an integer"),
     (dict(q_segments=np.zeros((2, 3), dtype=np.int64), k_segments=np.zeros((2, 5), dtype=np.int64)),
