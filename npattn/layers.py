@@ -679,7 +679,8 @@ def mean_pool_backward(dout: Any, cache: MeanPoolCache) -> Any:
     d = xp.expand_dims(_compute(xp, dout), axis=-2)  # [..., 1, D]
     # 3. out = sum_i w_i x_i
     if cache.weights is None:
-        dx = xp.broadcast_to(d / float(xs[-2]), xs)  # w_i = 1 / L   [..., L, D]
+        # w_i = 1 / L, a new array (not a read-only view whose rows share memory)
+        dx = xp.asarray(xp.broadcast_to(d / float(xs[-2]), xs), copy=True)  # [..., L, D]
     else:
         dx = cache.weights * d  # [..., L, D]
     return dx if dx.dtype == cache.dtype else xp.astype(dx, cache.dtype)

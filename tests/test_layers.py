@@ -350,6 +350,17 @@ def test_mean_pool_is_the_masked_mean_and_an_empty_row_gives_zeros(xp, to_xp, to
     np.testing.assert_allclose(to_np(plain), x.mean(axis=1), rtol=1e-14, atol=1e-15)
 
 
+def test_mean_pool_gradient_is_a_new_writable_array(xp, to_xp, to_np):
+    rng = np.random.default_rng(12)
+    _, cache = L.mean_pool_forward(to_xp(rng.standard_normal((2, 3, 4))))
+    dout = rng.standard_normal((2, 4))
+    dx = L.mean_pool_backward(to_xp(dout), cache)
+    dx[0, 0, 0] = 5.0  # one entry: a broadcast view would refuse it or change every row
+    got = to_np(dx)
+    assert got[0, 0, 0] == 5.0
+    np.testing.assert_allclose(got[0, 1:, 0], np.full(2, dout[0, 0] / 3), rtol=1e-15)
+
+
 def test_mean_pool_float32_stays_float32(xp, to_xp, to_np):
     rng = np.random.default_rng(17)
     x = xp.astype(to_xp(rng.standard_normal((2, 5, 3))), xp.float32)
