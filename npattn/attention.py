@@ -58,6 +58,7 @@ __all__ = [
     "AUTO_BLOCKED_MAX_DENSE_SCORES",
     "select_impl",
     "check_impl",
+    "check_forward",
     "sdpa_forward",
     "sdpa_backward",
     "dropout_keep_mask",
@@ -152,6 +153,41 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     return impl
 
 
+def check_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,
+                  scale: Optional[float] = None, dropout_p: float = 0.0, dropout_mask: Any = None,
+                  rng: Any = None, enable_gqa: bool = False, align: str = "top_left",
+                  window: Any = None, softcap: Optional[float] = None, alibi_slopes: Any = None,
+                  sinks: Any = None, q_segments: Any = None, k_segments: Any = None,
+                  impl: str = "auto", need_weights: bool = False,
+                  workspace: Optional[numpy_kernel.Workspace] = None) -> tuple[int, Any, str]:
+    """The checks of ``sdpa_forward`` on the same arguments (all but the block lengths, which
+    the blocked and chunked paths check), with nothing computed and nothing drawn from
+    ``rng``: a ``TypeError`` / ``ValueError`` naming the argument.
+
+    For callers that must refuse a call before they change anything (``npattn.compat``'s
+    in-place KV cache). Returns ``(G, options, impl)``: the query heads per K/V head, the
+    checked ``functional.ScoreOptions`` and the implementation the call takes.
+    """
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv]
+    V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
+                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, rng=rng)
+    if workspace is not None and not isinstance(workspace, numpy_kernel.Workspace):
+        raise TypeError(f"workspace: expected an npattn.attention.Workspace or None, "
+                        f"got {type(workspace).__name__}")
+    G = F.gqa_groups(q, k, v, enable_gqa)
+    options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                q_segments=q_segments, k_segments=k_segments)
+    cut = -3 if G > 1 else -2  # the axes that broadcast: all leading ones, or the batch under GQA
+    same_lead = tuple(q.shape[:cut]) == tuple(k.shape[:cut]) == tuple(v.shape[:cut])
+    plain = same_lead and F.is_plain(options, is_causal)
+    positional = same_lead and F.is_positional(options)
+    path = select_impl(impl, q, k, v, mask=mask, dropout_mask=dropout_mask,
+                       need_weights=need_weights, plain=plain, positional=positional)
+    pool_threads()  # a bad NPATTN_NUM_THREADS fails here, before anything is computed
+    return G, options, path
+
+
 def sdpa_forward(
     q: Any,
     k: Any,
@@ -204,22 +240,11 @@ def sdpa_forward(
         implementation.
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
-    V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
-                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
-    if workspace is not None and not isinstance(workspace, numpy_kernel.Workspace):
-        raise TypeError(f"workspace: expected an npattn.attention.Workspace or None, "
-                        f"got {type(workspace).__name__}")
-    G = F.gqa_groups(q, k, v, enable_gqa)
-    options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
-                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                q_segments=q_segments, k_segments=k_segments)
-    cut = -3 if G > 1 else -2  # the axes that broadcast: all leading ones, or the batch under GQA
-    same_lead = tuple(q.shape[:cut]) == tuple(k.shape[:cut]) == tuple(v.shape[:cut])
-    plain = same_lead and F.is_plain(options, is_causal)
-    positional = same_lead and F.is_positional(options)
-    path = select_impl(impl, q, k, v, mask=mask, dropout_mask=dropout_mask,
-                       need_weights=need_weights, plain=plain, positional=positional)
-    pool_threads()  # a bad NPATTN_NUM_THREADS fails here, before anything is computed
+    G, options, path = check_forward(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+        dropout_mask=dropout_mask, rng=rng, enable_gqa=enable_gqa, align=align, window=window,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
+        k_segments=k_segments, impl=impl, need_weights=need_weights, workspace=workspace)
     args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                 dropout_mask=dropout_mask, rng=rng, groups=G)
     with exclusive():

@@ -394,7 +394,7 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     """
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> [..., Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
-                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, rng=rng)
     G = F.gqa_groups(q, k, v, enable_gqa)
     options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,

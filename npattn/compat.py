@@ -85,6 +85,35 @@ def _check_axis(name: str, x: Any, axis: int, size: int, what: str) -> None:
         raise ValueError(f"{name}: expected {what} = {size} on axis {axis}, got shape {V.shape_of(x)}")
 
 
+def _check_sizes(name: str, x: Any, axes: tuple) -> None:
+    """``ValueError`` unless each ``(axis, what)`` of ``axes`` has at least one entry, named in
+    the function's own layout."""
+    for axis, what in axes:
+        if int(x.shape[axis]) < 1:
+            raise ValueError(f"{name}: expected a {what} (axis {axis}) of at least 1, got shape "
+                             f"{V.shape_of(x)}")
+
+
+def _check_call(xp: Any, q: Any, k: Any, v: Any, *, batch: int, alibi_slopes: Any,
+                **options: Any) -> None:
+    """The dispatcher's checks of a call (``attention.check_forward``) on one-token
+    stand-ins of q, k and v (their dtypes, device and heads), with ``softmax_scale`` named as
+    the caller knows it: a call is refused before anything is written or computed, also when
+    no sequence has both queries and keys."""
+    V.check_scale("softmax_scale", options.get("scale"))
+    (Hq, Dh), (Hkv, Dv) = (int(n) for n in q.shape[-2:]), (int(n) for n in v.shape[-2:])
+    one = (lambda t, H, D: xp.zeros((1, H, 1, D), dtype=t.dtype, device=device_of(t)))
+    slopes = alibi_slopes
+    if slopes is not None and hasattr(slopes, "shape"):
+        if V.shape_of(slopes) not in ((Hq,), (batch, Hq)):
+            raise ValueError(f"alibi_slopes: expected shape {(Hq,)} or {(batch, Hq)} (nheads of q, "
+                             f"or batch and nheads), got {V.shape_of(slopes)}")
+        if len(slopes.shape) == 2:
+            slopes = slopes[0, ...]  # [Hq]: its dtype and library checked like the call's
+    A.check_forward(one(q, Hq, Dh), one(k, Hkv, Dh), one(v, Hkv, Dv), alibi_slopes=slopes,
+                    align="bottom_right", **options)
+
+
 def _gqa(q_heads: int, kv_heads: int, name: str = "k") -> bool:
     """Whether the K/V heads are fewer (grouped-query attention); ``ValueError`` unless they divide."""
     if kv_heads == 0 or q_heads % kv_heads != 0:
@@ -206,6 +235,8 @@ def _check_flash_bshd(q: Any, k: Any, v: Any) -> bool:
     for axis, size, what in ((0, B, "the batch of q"), (1, Lk, "the key length of k"),
                              (2, Hkv, "the heads of k")):
         _check_axis("v", v, axis, size, what)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_sizes(name, t, ((1, "seqlen"), (3, "headdim")))
     return _gqa(int(Hq), int(Hkv))
 
 
@@ -307,6 +338,8 @@ def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
     is_causal, window = _flash_window(window_size, causal)
     cap = _flash_softcap(softcap)
     V.check_bool("return_attn_probs", return_attn_probs)
+    V.check_scale("softmax_scale", softmax_scale)
+    V.check_rng("rng", rng)
     xp = namespace(q, k, v)
     Lq, Lk = int(q.shape[1]), int(k.shape[1])
     out, cache = A.sdpa_forward(
@@ -434,6 +467,8 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
     layout = "(total_tokens, nheads, headdim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, t, 3, layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_sizes(name, t, ((1, "nheads"), (2, "headdim")))
     total_q, Hq, Dh = (int(n) for n in q.shape)
     total_k, Hkv = int(k.shape[0]), int(k.shape[1])
     _check_axis("k", k, 2, Dh, "the head width of q")
@@ -468,6 +503,8 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
         V.check_broadcasts_to("dropout_mask", V.shape_of(keep), full,
                               "(B, Hq, max_seqlen_q, max_seqlen_k)")
         keep = xp.broadcast_to(keep, full)  # [B, Hq, max_q, max_k]
+    _check_call(xp, q, k, v, batch=B, alibi_slopes=alibi_slopes, scale=softmax_scale,
+                dropout_p=dropout_p, rng=rng, enable_gqa=gqa, is_causal=is_causal, window=window, softcap=cap)
     gen = make_rng(rng) if dropout_p and dropout_mask is None else rng  # one stream for all
 
     caches: list = []
@@ -645,6 +682,7 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
     _check_rank("q", q, 4, layout)
     _check_rank("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_rank("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _check_sizes("q", q, ((1, "seqlen"), (2, "nheads"), (3, "headdim")))
     B, Lq, Hq, Dh = (int(n) for n in q.shape)
     Bc, Lc, Hkv = (int(n) for n in k_cache.shape[:3])
     Dv = int(v_cache.shape[3])
@@ -696,6 +734,13 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
     V.check_bool("return_softmax_lse", return_softmax_lse)
     if alibi_slopes is not None and hasattr(alibi_slopes, "shape") and len(alibi_slopes.shape) == 2:
         _check_axis("alibi_slopes", alibi_slopes, 0, B, "the batch of q")
+    _check_call(xp, q, k_cache, v_cache, batch=B, alibi_slopes=alibi_slopes, scale=softmax_scale,
+                enable_gqa=gqa, is_causal=is_causal, window=window, softcap=cap)
+    if k is not None:  # a read-only cache fails here, not after a partial write
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not getattr(getattr(a, "flags", None), "writeable", True):
+                raise TypeError(f"{name}: expected an array that can be written in place (the new "
+                                f"keys/values are appended into it), got a read-only {V.type_name(a)}")
 
     if k is not None:  # 1. the in-place append
         for b in range(B):

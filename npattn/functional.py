@@ -909,7 +909,7 @@ def sdpa_forward(
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
-                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+                        scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, rng=rng)
     G = gqa_groups(q, k, v, enable_gqa)
     options = checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,

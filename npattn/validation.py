@@ -387,7 +387,7 @@ def check_finite_values(name: str, x: Any, xp: Any, *, allow_neg_inf: bool = Fal
 
 
 def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, dropout_p: Any,
-                      scale: Any, is_causal: Any, enable_gqa: Any = False) -> None:
+                      scale: Any, is_causal: Any, enable_gqa: Any = False, rng: Any = None) -> None:
     """Check the arguments of ``functional.sdpa_forward``.
 
     q (..., Lq, Dh), k (..., Lk, Dh), v (..., Lk, Dv): arrays of one library
@@ -447,6 +447,7 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
                target_text="the scores (..., Lq, Lk)", dtype=q.dtype, device=device,
                bool_only=True, where="like q", library="that of q")
     check_probability("dropout_p", dropout_p)
+    check_rng("rng", rng)
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
     check_scale("scale", scale)

@@ -240,6 +240,9 @@ def test_flash_attn_func_deterministic_and_scale():
     (dict(dropout_p=1.5), ValueError, "dropout_p"),
     (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
     (dict(return_attn_probs="yes"), TypeError, "return_attn_probs"),
+    (dict(softmax_scale="x"), TypeError, "^softmax_scale: expected None or a float"),
+    (dict(softmax_scale=float("nan")), ValueError, "^softmax_scale: expected a finite float"),
+    (dict(dropout_p=0.1, rng="x"), TypeError, "^rng: expected None, a non-negative int seed"),
 ])
 def test_flash_attn_func_bad_options_name_the_argument(kwargs, exc, name):
     q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
@@ -259,6 +262,11 @@ def test_flash_attn_func_bad_shapes_name_the_argument():
         C.flash_attn_func(q, k, v[:, :4])
     with pytest.raises(TypeError, match=r"^q: expected an array"):
         C.flash_attn_func(q.tolist(), k, v)
+    # sizes named in the function's own layout (batch, seqlen, nheads, headdim)
+    with pytest.raises(ValueError, match=r"^k: expected a seqlen \(axis 1\) of at least 1, got shape \(2, 0, 2, 4\)"):
+        C.flash_attn_func(q, k[:, :0], v[:, :0])
+    with pytest.raises(ValueError, match=r"^q: expected a seqlen \(axis 1\)"):
+        C.flash_attn_func(q[:, :0], k, v)
 
 
 # --------------------------------------------------------------------------
@@ -361,6 +369,9 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
     (dict(max_seqlen_k=2.0), TypeError, r"^max_seqlen_k"),
     (dict(block_table=np.zeros((4, 1), np.int32)), NotImplementedError, r"^block_table"),
     (dict(alibi_slopes=np.ones((3, 4))), ValueError, r"^alibi_slopes: expected the number of sequences"),
+    (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(4, 4\)"),
+    (dict(softmax_scale="x"), TypeError, r"^softmax_scale: expected None or a float"),
+    (dict(dropout_p=1.5), ValueError, r"^dropout_p"),
 ])
 def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match):
     q, k, v, cq, ck, _ = varlen_inputs()
@@ -368,6 +379,25 @@ def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match)
     args.update(change)
     with pytest.raises(exc, match=match):
         C.flash_attn_varlen_func(q, k, v, **args)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(q=np.ones((2, 2, 3), np.int64)), TypeError, r"^q: expected a real floating"),
+    (dict(k=np.ones((2, 2, 3), np.float32)), TypeError, r"^k: "),
+    (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale: expected a finite float"),
+    (dict(dropout_p=7.0), ValueError, r"^dropout_p"),
+    (dict(alibi_slopes=np.ones(2, np.float32)), TypeError, r"^alibi_slopes: expected dtype float64"),
+])
+def test_flash_attn_varlen_func_checks_without_any_sequence_to_compute(change, exc, match):
+    # sequence 0 has no queries and sequence 1 no keys: nothing is computed, all is checked
+    args = dict(q=np.ones((2, 2, 3)), k=np.ones((2, 2, 3)), v=np.ones((2, 2, 3)),
+                cu_seqlens_q=np.array([0, 0, 2]), cu_seqlens_k=np.array([0, 2, 2]),
+                max_seqlen_q=2, max_seqlen_k=2)
+    out = C.flash_attn_varlen_func(**args)
+    np.testing.assert_array_equal(out, np.zeros((2, 2, 3)))  # rows with no keys: zeros
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        C.flash_attn_varlen_func(**args)
 
 
 # --------------------------------------------------------------------------
@@ -479,16 +509,26 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError, r"^k_cache: expected at least the batch of q"),
     (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError, r"^k: expected the dtype of q"),
     (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
+    # checked by the dispatcher: before the append, not after it
+    (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
+    (dict(alibi_slopes=np.ones(4, np.float32)), TypeError, r"^alibi_slopes: expected dtype float64"),
+    (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float"),
+    (dict(softmax_scale="x"), TypeError, r"^softmax_scale"),
+    (dict(v_cache="read-only"), TypeError, r"^v_cache: expected an array that can be written in place"),
 ])
 def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, match):
     q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    if change.get("v_cache") == "read-only":
+        v_cache.flags.writeable = False
+        change = {}
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new,
                 cache_seqlens=np.array([2, 3], np.int32))
     args.update(change)
-    before = k_cache.copy()
+    before = k_cache.copy(), v_cache.copy()
     with pytest.raises(exc, match=match):
         C.flash_attn_with_kvcache(**args)
-    np.testing.assert_array_equal(k_cache, before)
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
 
 
 def test_flash_attn_with_kvcache_needs_a_writable_cache():
