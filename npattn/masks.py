@@ -22,7 +22,9 @@ import math
 import numbers
 from typing import Any, Optional
 
+from . import validation as V
 from .backend import (
+    backend_name,
     device_of,
     from_numpy,
     is_bool,
@@ -161,7 +163,11 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     except TypeError:
         lxp = None
     if lxp is None:
-        seq = list(lengths)
+        try:
+            seq = list(lengths)
+        except TypeError:
+            raise TypeError(f"lengths: expected an integer array of shape (B,) or a sequence of "
+                            f"ints, got {type(lengths).__name__} {lengths!r}") from None
         if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in seq):
             raise TypeError(f"lengths: expected ints, got {seq!r}")
         seq = [int(n) for n in seq]
@@ -228,7 +234,7 @@ def from_torch_mha(
         H; needed to split a 3-D ``attn_mask`` unless ``batch_size`` is given.
     batch_size : int, optional
         N; checked against the masks when given.
-    dtype : floating dtype, optional
+    dtype : floating dtype of the masks' library, or its name, optional
         Force a floating additive mask of this dtype (torch itself always
         works with a float mask of the query's dtype).
     xp : namespace or backend name, optional
@@ -253,8 +259,20 @@ def from_torch_mha(
         if m is not None:
             _check_mask_dtype(src, name, m)
     for name, n in (("n_head", n_head), ("batch_size", batch_size)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        V.check_positive_int(name, n, allow_none=True)
+    n_head = None if n_head is None else int(n_head)
+    batch_size = None if batch_size is None else int(batch_size)
+    if dtype is not None:  # a dtype of the masks' library: where(ignore, -inf, 0) must hold -inf
+        given = dtype
+        if isinstance(dtype, str):  # a name, as npattn's modules take: "float32"
+            dtype = getattr(src, dtype, given)
+        try:
+            floating = bool(src.isdtype(dtype, "real floating"))
+        except (TypeError, ValueError, AttributeError):
+            floating = False
+        if not floating:
+            raise TypeError(f"dtype: expected None or a real floating dtype of the masks' library "
+                            f"({backend_name(src)}) or its name, got {given!r}")
 
     parts = []  # (array in 4-D npattn shape, torch's polarity)
     if attn_mask is not None:

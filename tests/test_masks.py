@@ -99,6 +99,9 @@ def test_padding_bad_arguments():
         masks.padding(np.array([[1, 2]]), 3)
     with pytest.raises(TypeError, match="lengths"):
         masks.padding(np.array([1.0, 2.0]), 3)
+    for lengths in (3, None):
+        with pytest.raises(TypeError, match="^lengths: expected an integer array of shape"):
+            masks.padding(lengths, 3)
 
 
 def test_masks_on_strict_second_device():
@@ -165,6 +168,21 @@ def test_from_torch_mha_bad_arguments():
         masks.from_torch_mha(np.zeros((2, 3), dtype=np.int64))
     with pytest.raises(ValueError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((1, 1, 2, 3), bool))
+    # dtype must be floating (an int or bool additive mask cannot hold -inf)
+    additive = np.array([[0.0, -np.inf], [1.5, 0.0]])
+    for dtype in (np.bool_, np.int64, np.complex128, "int8", "half-precision"):
+        with pytest.raises(TypeError, match="^dtype: expected None or a real floating dtype"):
+            masks.from_torch_mha(additive, dtype=dtype)
+    with pytest.raises(TypeError, match="^dtype"):
+        masks.from_torch_mha(np.zeros((2, 3), bool), dtype=np.int32)
+    with pytest.raises(TypeError, match="^n_head: expected a positive int, got float"):
+        masks.from_torch_mha(a3, n_head=2.0)
+    with pytest.raises(ValueError, match="^batch_size: expected a positive int, got 0"):
+        masks.from_torch_mha(a3, batch_size=0)
+    assert masks.from_torch_mha(additive, dtype="float32").dtype == np.float32
+    # NumPy ints are ints
+    np.testing.assert_array_equal(masks.from_torch_mha(a3, n_head=np.int64(2)),
+                                  masks.from_torch_mha(a3, n_head=2))
 
 
 # --------------------------------------------------------------------------
