@@ -202,8 +202,8 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
     V.check_floating_array("x", x, like="x")
     if x.ndim < 2:
         raise ValueError(f"x: expected an array of shape (..., L, Dh), got shape {V.shape_of(x)}")
-    if x.shape[-1] % 2 != 0:
-        raise ValueError(f"x: expected an even last axis Dh (pairs of coordinates), got shape {V.shape_of(x)}")
+    if x.shape[-1] % 2 != 0 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected an even last axis Dh >= 2 (pairs of coordinates), got shape {V.shape_of(x)}")
     _check_positions(positions, x)
     _check_base(base)
     V.check_bool("interleaved", interleaved)
@@ -331,6 +331,7 @@ class RelativeEmbeddingCache(NamedTuple):
     onehot: Any  # [T, N] C[t, r] = [row of distance t == r], for dtable
     Lq: int
     Lk: int
+    E: int  # the table's width, for dout's shape
 
 
 def relative_embedding_forward(table: Any, Lq: int, Lk: int, *, offset: int = 0
@@ -374,7 +375,7 @@ def _relative_embedding(table, Lq, Lk, offset):
     C = _one_hot(xp, row, N, table.dtype)  # 2.                                [T, N]
     rows = C @ table  # 3.                                                      [T, E]
     out = diagonal_spread(xp, rows, Lq, Lk)  # 4.                               [Lq, Lk, E]
-    return out, RelativeEmbeddingCache(C, int(Lq), int(Lk))
+    return out, RelativeEmbeddingCache(C, int(Lq), int(Lk), int(table.shape[1]))
 
 
 def relative_embedding_backward(dout: Any, cache: RelativeEmbeddingCache) -> tuple[Any, None, None]:
@@ -393,9 +394,9 @@ def relative_embedding_backward(dout: Any, cache: RelativeEmbeddingCache) -> tup
     C = cache.onehot
     xp = namespace(C)
     V.check_floating_array("dout", dout, xp, device_of(C), dtype=C.dtype, like="the forward's out")
-    if dout.ndim != 3 or tuple(dout.shape[:2]) != (cache.Lq, cache.Lk):
+    if V.shape_of(dout) != (cache.Lq, cache.Lk, cache.E):
         raise ValueError(
-            f"dout: expected shape ({cache.Lq}, {cache.Lk}, E) (that of the forward's out), "
+            f"dout: expected shape {(cache.Lq, cache.Lk, cache.E)} (that of the forward's out), "
             f"got {V.shape_of(dout)}"
         )
     return _relative_embedding_backward(xp, dout, C), None, None
@@ -567,7 +568,11 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
         )
     if max_distance <= max_exact:
         raise ValueError(f"max_distance: expected an int > max_exact = {max_exact}, got {max_distance}")
-    rp = relative_position
+    top = int(xp.iinfo(relative_position.dtype).max)
+    if num_buckets - 1 > top:
+        raise ValueError(f"num_buckets: expected at most {top + 1}, the buckets of a "
+                         f"{V.dtype_name(relative_position.dtype)} relative_position, got {num_buckets}")
+    rp = xp.astype(relative_position, xp.int64)  # abs of the type's minimum does not overflow
     zero = xp.zeros_like(rp)
     buckets = zero
     if bidirectional:
@@ -581,7 +586,7 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
     large = max_exact + xp.astype(
         xp.log(ratio) / math.log(max_distance / max_exact) * float(nb - max_exact), rp.dtype)
     large = xp.minimum(large, xp.full_like(large, nb - 1))
-    return buckets + xp.where(is_small, n, large)
+    return xp.astype(buckets + xp.where(is_small, n, large), relative_position.dtype)
 
 
 class RelativeBiasCache(NamedTuple):

@@ -391,10 +391,30 @@ def test_t5_bias_through_sdpa_mask(xp, to_xp):
 # bad input: the message names the argument
 
 
+def test_t5_bucket_at_the_ends_of_small_integer_types():
+    """|position| of the type's minimum does not overflow: its bucket is that of the same
+    distance in int64, in range, in the input's dtype."""
+    for dtype in (np.int8, np.int16, np.int32):
+        lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
+        rp = np.array([lo, lo + 1, -1, 0, 1, hi], dtype=dtype)
+        for bidirectional in (True, False):
+            got = P.t5_bucket(rp, bidirectional=bidirectional)
+            want = P.t5_bucket(rp.astype(np.int64), bidirectional=bidirectional)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got, want)
+            assert np.all((got >= 0) & (got < 32))
+
+
 def test_errors_name_the_argument():
     x = np.zeros((2, 3, 4))
     cases = [
         (lambda: P.rope_forward(np.zeros((2, 3, 5))), ValueError, "x: expected an even"),
+        (lambda: P.rope_forward(np.zeros((3, 0))), ValueError, r"x: expected an even last axis Dh >= 2"),
+        (lambda: P.relative_embedding_backward(np.zeros((3, 3, 5)),
+                                               P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
+         ValueError, r"dout: expected shape \(3, 3, 2\)"),
+        (lambda: P.t5_bucket(np.arange(3, dtype=np.int8), num_buckets=300), ValueError,
+         "num_buckets: expected at most 128"),
         (lambda: P.rope_forward(np.zeros((2, 3, 4), dtype=np.int64)), TypeError, "x: expected a real floating"),
         (lambda: P.rope_forward(x, np.zeros(4)), ValueError, "positions"),
         (lambda: P.rope_forward(x, np.zeros(3, dtype=bool)), TypeError, "positions: expected integer"),
