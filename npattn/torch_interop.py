@@ -38,6 +38,7 @@ A module built by ``from_torch`` has the defaults (``sinks=False``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import array_api_compat
@@ -67,8 +68,17 @@ def _torch():
     return torch
 
 
+#: What the conversions read of ``mha`` (an npattn ``MultiHeadAttention``).
+_LAYOUT = ("d_model", "n_head", "n_kv_head", "qdim", "kdim", "vdim", "qkv_bias", "out_bias",
+           "add_bias_kv", "params")
+
+
 def _check_torch_compatible(mha) -> None:
     """torch's MultiheadAttention has no qdim, no GQA, no sinks and one bias flag."""
+    lacking = [a for a in _LAYOUT if not hasattr(mha, a)]
+    if lacking:
+        raise TypeError(f"mha: expected an npattn MultiHeadAttention, got {type(mha).__name__} "
+                        f"(without {', '.join(lacking)})")
     if mha.qdim != mha.d_model:
         raise ValueError(
             f"qdim: torch.nn.MultiheadAttention needs qdim == d_model={mha.d_model}, got {mha.qdim}"
@@ -134,6 +144,9 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     where it has them.
     """
     expected = torch_state_dict_shapes(mha)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors (a torch "
+                        f"state_dict), got {type(state_dict).__name__}")
     got = set(state_dict.keys())
     missing = [k for k in expected if k not in got]
     unexpected = sorted(got - set(expected))
@@ -144,7 +157,13 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
         )
     host = {}
     for name, shape in expected.items():
-        a = _host(state_dict[name])
+        value = state_dict[name]
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got "
+                            f"{type(value).__name__}")
+        a = _host(value)
+        if not np.issubdtype(a.dtype, np.floating):
+            raise TypeError(f"state_dict[{name!r}]: expected a floating tensor, got dtype {value.dtype}")
         if tuple(a.shape) != shape:
             raise ValueError(f"state_dict[{name!r}]: expected shape {shape}, got {tuple(a.shape)}")
         host[name] = a

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from npattn import MultiHeadAttention  # noqa: E402
+from npattn import MultiHeadAttention, torch_interop  # noqa: E402
 from npattn.backend import to_numpy  # noqa: E402
 
 LAYOUTS = [
@@ -106,6 +106,16 @@ def test_bad_state_dicts_are_named():
         np.testing.assert_array_equal(mha.params[k], before[k])
     with pytest.raises(TypeError, match="module"):
         MultiHeadAttention.from_torch(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="^state_dict: expected a mapping"):
+        mha.load_torch_state_dict(None)
+    with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a tensor or array, got list"):
+        mha.load_torch_state_dict({k: v.tolist() for k, v in sd.items()})
+    with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a floating tensor"):
+        mha.load_torch_state_dict({k: v.to(torch.int64) for k, v in sd.items()})
+    with pytest.raises(TypeError, match="^mha: expected an npattn MultiHeadAttention, got object"):
+        torch_interop.params_from_torch_state_dict(object(), sd)
+    for k in before:
+        np.testing.assert_array_equal(mha.params[k], before[k])
 
 
 @pytest.mark.parametrize(
