@@ -159,10 +159,10 @@ def check_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool =
                   window: Any = None, softcap: Optional[float] = None, alibi_slopes: Any = None,
                   sinks: Any = None, q_segments: Any = None, k_segments: Any = None,
                   impl: str = "auto", need_weights: bool = False,
+                  block_q: Optional[int] = None, block_k: Optional[int] = None,
                   workspace: Optional[numpy_kernel.Workspace] = None) -> tuple[int, Any, str]:
-    """The checks of ``sdpa_forward`` on the same arguments (all but the block lengths, which
-    the blocked and chunked paths check), with nothing computed and nothing drawn from
-    ``rng``: a ``TypeError`` / ``ValueError`` naming the argument.
+    """The checks of ``sdpa_forward`` on the same arguments, with nothing computed and nothing
+    drawn from ``rng``: a ``TypeError`` / ``ValueError`` naming the argument.
 
     For callers that must refuse a call before they change anything (``npattn.compat``'s
     in-place KV cache). Returns ``(G, options, impl)``: the query heads per K/V head, the
@@ -174,6 +174,8 @@ def check_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool =
     if workspace is not None and not isinstance(workspace, numpy_kernel.Workspace):
         raise TypeError(f"workspace: expected an npattn.attention.Workspace or None, "
                         f"got {type(workspace).__name__}")
+    V.check_positive_int("block_q", block_q, allow_none=True)  # the blocked and chunked paths';
+    V.check_positive_int("block_k", block_k, allow_none=True)  # chunked's tasks run them later
     G = F.gqa_groups(q, k, v, enable_gqa)
     options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -244,7 +246,8 @@ def sdpa_forward(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         dropout_mask=dropout_mask, rng=rng, enable_gqa=enable_gqa, align=align, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
-        k_segments=k_segments, impl=impl, need_weights=need_weights, workspace=workspace)
+        k_segments=k_segments, impl=impl, need_weights=need_weights, block_q=block_q,
+        block_k=block_k, workspace=workspace)
     args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                 dropout_mask=dropout_mask, rng=rng, groups=G)
     with exclusive():

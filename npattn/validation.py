@@ -53,6 +53,7 @@ __all__ = [
     "check_ids",
     "check_grad",
     "check_rng",
+    "check_number",
     "check_broadcasts_to",
     "type_name",
     "dtype_name",
@@ -117,6 +118,18 @@ def check_size(name: str, value: Any, *, minimum: int = 0) -> None:
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+
+
+def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> None:
+    """``TypeError`` unless a real number (Python or NumPy, not a bool), ``ValueError`` unless
+    finite and > 0 (>= 0 with ``allow_zero``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type_name(value)} {value!r}")
+    bound = ">= 0" if allow_zero else "> 0"
+    if not (math.isfinite(float(value)) and (float(value) >= 0.0 if allow_zero else float(value) > 0.0)):
+        raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
 
 
 def check_scale(name: str, value: Any) -> None:
@@ -195,6 +208,11 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
         )
     if isinstance(x, np.matrix):
         raise TypeError(f"{name}: expected a plain numpy.ndarray, got numpy.matrix; use np.asarray(a)")
+    if any(n is None or (isinstance(n, float) and math.isnan(n)) for n in x.shape):
+        raise ValueError(
+            f"{name}: expected an array of known shape, got shape {tuple(x.shape)} (a dask array "
+            f"of unknown chunk sizes: call its compute_chunk_sizes() first)"
+        )
     dt = getattr(x, "dtype", None)
     if isinstance(dt, np.dtype) and not dt.isnative:
         raise TypeError(

@@ -284,6 +284,21 @@ def test_mixing_dask_and_numpy_is_refused_before_anything_runs():
         A.sdpa_forward(dq, dk, dv, mask=kw["mask"])
 
 
+def test_unknown_chunk_sizes_and_bad_block_lengths_are_refused_at_the_call():
+    """Both were accepted into the graph and failed in a task (an unnamed int(nan) error, or
+    the block check on a worker)."""
+    q = da.from_array(np.ones((2, 1, 5, 3)), chunks=(1, 1, 2, 3))
+    unknown = q[da.from_array(np.array([True, True]))]  # shape (nan, 1, 5, 3)
+    for impl in ("chunked", "auto", "reference"):
+        with pytest.raises(ValueError, match=r"^q: expected an array of known shape.*compute_chunk_sizes"):
+            A.sdpa_forward(unknown, q, q, impl=impl)
+    for bad, exc in ((0, ValueError), (-1, ValueError), (2.5, TypeError), ("x", TypeError)):
+        with pytest.raises(exc, match="^block_q: expected a positive int"):
+            A.sdpa_forward(q, q, q, block_q=bad)
+        with pytest.raises(exc, match="^block_k: expected a positive int"):
+            A.sdpa_forward(q, q, q, impl="chunked", block_k=bad)
+
+
 # --------------------------------------------------------------------------
 # the module on dask inputs
 
