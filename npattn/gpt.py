@@ -80,17 +80,6 @@ def _check_int(name: str, value: Any, *, low: int, allow_none: bool = False) -> 
     V.check_size(name, value, minimum=low)
 
 
-def _check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> None:
-    """``TypeError`` unless a real number (not a bool), ``ValueError`` unless finite and > 0 (>= 0)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {V.type_name(value)} {value!r}")
-    bound = ">= 0" if allow_zero else "> 0"
-    if not (math.isfinite(float(value)) and (float(value) >= 0.0 if allow_zero else float(value) > 0.0)):
-        raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
-
-
 def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
     """None, an int >= 0 (or a ``SeedSequence``), and with ``generator`` a ``numpy.random.Generator``."""
     if seed is None or isinstance(seed, np.random.SeedSequence):
@@ -503,7 +492,7 @@ class GPT(BlockStack):
 
 def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:
     """The sampling options' checks (``GPT.generate``, ``sample_next``)."""
-    _check_number("temperature", temperature)
+    V.check_number("temperature", temperature)
     _check_int("top_k", top_k, low=1, allow_none=True)
     if top_k is not None and top_k > vocab_size:
         raise ValueError(f"top_k: expected at most vocab_size = {vocab_size}, got {top_k}")
@@ -550,23 +539,9 @@ def check_training_options(model: GPT, state: Any, *, lr: Any, max_grad_norm: An
     """``training_step``'s own arguments, checked before the forward (a failed step changes nothing)."""
     if not isinstance(model, GPT):
         raise TypeError(f"model: expected an npattn.gpt.GPT, got {V.type_name(model)}")
-    _check_number("lr", lr)
-    _check_number("max_grad_norm", max_grad_norm, allow_none=True)
-    _check_number("eps", eps)
-    _check_number("weight_decay", weight_decay, allow_zero=True)
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= float(b) < 1.0
-                       for b in betas)):
-        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
-    if not isinstance(state, nn.AdamState):
-        raise TypeError(f"state: expected an npattn.nn.AdamState (nn.adam_init(model.params)), got "
-                        f"{V.type_name(state)}")
-    params = model.params
-    for moments in (state.m, state.v):
-        if set(moments) != set(params) or any(V.shape_of(moments[k]) != V.shape_of(p)
-                                             for k, p in params.items()):
-            raise ValueError("state: expected the Adam moments of this model's parameters "
-                             "(nn.adam_init(model.params)), got moments of other names or shapes")
+    V.check_number("max_grad_norm", max_grad_norm, allow_none=True)
+    nn.check_adam(model.params, model.params, state, lr=lr, betas=betas, eps=eps,
+                  weight_decay=weight_decay)
 
 
 def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr: float,

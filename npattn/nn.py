@@ -17,7 +17,10 @@ Code uses only the Python Array API standard through ``xp``.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from . import validation as Vd
 from .backend import device_of, namespace
@@ -35,6 +38,7 @@ __all__ = [
     "AdamState",
     "adam_init",
     "adam_step",
+    "check_adam",
     "clip_grad_norm",
 ]
 
@@ -252,6 +256,45 @@ def adam_init(params: dict) -> AdamState:
     return AdamState(zeros, dict(zeros), 0)
 
 
+def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps: Any,
+               weight_decay: Any) -> None:
+    """The arguments of ``adam_step``: a ``TypeError`` / ``ValueError`` naming the argument.
+
+    ``params`` and ``grads`` dicts of arrays, every gradient's name a parameter's and of its
+    shape (or None); ``state`` an ``AdamState`` whose moments have the parameters' names and
+    shapes and whose ``t`` is an int >= 0; ``lr``, ``eps`` and ``weight_decay`` finite and
+    >= 0 (as torch.optim.Adam's), ``betas`` two numbers in [0, 1).
+    """
+    for name, d in (("params", params), ("grads", grads)):
+        if not isinstance(d, dict):
+            raise TypeError(f"{name}: expected a dict of arrays, got {Vd.type_name(d)}")
+    unknown = sorted(set(grads) - set(params), key=str)
+    if unknown:
+        raise ValueError(f"grads: expected names of params {sorted(params, key=str)}, got {unknown} too")
+    for name, g in grads.items():
+        if g is not None and Vd.shape_of(g) != Vd.shape_of(params[name]):
+            raise ValueError(f"grads[{name!r}]: expected shape {Vd.shape_of(params[name])} (that of "
+                             f"params[{name!r}]), got {Vd.shape_of(g)}")
+    if not isinstance(state, AdamState):
+        raise TypeError(f"state: expected an npattn.nn.AdamState (nn.adam_init(params)), got "
+                        f"{Vd.type_name(state)}")
+    for moments in (state.m, state.v):
+        if (not isinstance(moments, dict) or set(moments) != set(params)
+                or any(Vd.shape_of(moments[k]) != Vd.shape_of(p) for k, p in params.items())):
+            raise ValueError("state: expected the Adam moments of these parameters "
+                             "(nn.adam_init(params)), got moments of other names or shapes")
+    t = state.t
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or t < 0:
+        raise TypeError(f"state.t: expected an int >= 0 (the steps taken), got {Vd.type_name(t)} {t!r}")
+    Vd.check_number("lr", lr, allow_zero=True)  # >= 0, as torch.optim.Adam's
+    Vd.check_number("eps", eps, allow_zero=True)
+    Vd.check_number("weight_decay", weight_decay, allow_zero=True)
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, numbers.Real) and not isinstance(b, (bool, np.bool_))
+                       and 0.0 <= float(b) < 1.0 for b in betas)):
+        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+
+
 def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
               weight_decay: float = 0.0) -> tuple[dict, AdamState]:
@@ -264,8 +307,10 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
         v = b2 v + (1 - b2) g^2
         w = w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 
-    Parameters missing from ``grads`` are left unchanged.
+    Parameters missing from ``grads`` are left unchanged. The arguments are
+    checked first (``check_adam``).
     """
+    check_adam(params, grads, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
     t = state.t + 1
     c1, c2 = 1.0 - b1**t, 1.0 - b2**t
@@ -300,8 +345,8 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     """
     if not isinstance(grads, dict):
         raise TypeError(f"grads: expected a dict of arrays, got {type(grads).__name__}")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm: expected a number > 0, got {max_norm!r}")
+    Vd.check_number("max_norm", max_norm)
+    Vd.check_number("eps", eps, allow_zero=True)
     sq = 0.0
     for g in grads.values():
         if g is not None:

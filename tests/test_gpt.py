@@ -358,12 +358,14 @@ def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
         (dict(lr=-1.0), ValueError, "lr"), (dict(lr="a"), TypeError, "lr"),
         (dict(lr=0.1, max_grad_norm=0), ValueError, "max_grad_norm"),
         (dict(lr=0.1, betas=(0.9,)), ValueError, "betas"),
-        (dict(lr=0.1, eps=0.0), ValueError, "eps"),
+        (dict(lr=0.1, eps=-1e-8), ValueError, "eps"),
         (dict(lr=0.1, weight_decay=-1.0), ValueError, "weight_decay"),
+        (dict(lr=0.1, state=nn.AdamState(state.m, state.v, "x")), TypeError, r"^state\.t: expected an int"),
     ]
     for kw, error, match in cases:
+        kw = dict(kw)
         with pytest.raises(error, match=match):
-            training_step(model, state, ids, tgt, **kw)
+            training_step(model, kw.pop("state", state), ids, tgt, **kw)
     with pytest.raises(ValueError, match="state"):
         training_step(model, other, ids, tgt, lr=0.1)
     with pytest.raises(TypeError, match="state"):

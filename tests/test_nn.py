@@ -186,10 +186,40 @@ def test_clip_grad_norm_matches_torch():
         np.testing.assert_allclose(clipped[k], t.grad.numpy(), rtol=1e-14, atol=0)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, True, "1", None])
-def test_clip_grad_norm_rejects_bad_max_norm(bad):
-    with pytest.raises(ValueError, match="max_norm"):
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                      (True, TypeError), ("1", TypeError), (None, TypeError)])
+def test_clip_grad_norm_rejects_bad_max_norm(bad, exc):
+    with pytest.raises(exc, match="^max_norm"):
         nn.clip_grad_norm({"a": np.ones(2)}, bad)
+
+
+def test_clip_grad_norm_takes_numpy_numbers():
+    for max_norm in (np.float32(1.0), np.int64(1)):
+        clipped, total = nn.clip_grad_norm({"a": np.full(4, 1.0)}, max_norm)
+        assert total == 2.0
+        np.testing.assert_allclose(clipped["a"], np.full(4, 0.5), rtol=1e-6)
+
+
+def test_adam_checks_its_arguments_before_writing_anything():
+    params = {"w": np.ones(2)}
+    state = nn.adam_init(params)
+    cases = [
+        (dict(grads={"b": np.ones(2)}), ValueError, r"^grads: expected names of params \['w'\], got \['b'\]"),
+        (dict(grads={"w": np.ones(3)}), ValueError, r"^grads\['w'\]: expected shape \(2,\)"),
+        (dict(grads=[np.ones(2)]), TypeError, "^grads: expected a dict"),
+        (dict(state=nn.AdamState(state.m, state.v, "x")), TypeError, r"^state\.t: expected an int >= 0"),
+        (dict(state=nn.AdamState(state.m, state.v, -1)), TypeError, r"^state\.t"),
+        (dict(state=nn.adam_init({"v": np.ones(2)})), ValueError, "^state: expected the Adam moments"),
+        (dict(lr=-0.1), ValueError, "^lr"), (dict(eps=float("inf")), ValueError, "^eps"),
+        (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
+    ]
+    for change, exc, match in cases:
+        args = dict(params=params, grads={"w": np.ones(2)}, state=state)
+        args.update(change)
+        with pytest.raises(exc, match=match):
+            nn.adam_step(args.pop("params"), args.pop("grads"), args.pop("state"), **args)
+    np.testing.assert_array_equal(params["w"], 1.0)
+    assert state.t == 0
 
 
 def test_ids_targets_and_dloss_are_checked_before_computing():
