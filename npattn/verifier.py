@@ -625,8 +625,8 @@ def _npattn(inp: CaseInputs, dtype: str, *, grads: bool, weights: bool = False,
             res["dsinks"] = g.dsinks
     dtypes = {n: str(np.asarray(t).dtype) for n, t in res.items()}
     res = {n: np.asarray(t, dtype=np.float64) for n, t in res.items()}
-    if dtype == "bfloat16":  # npattn casts these back to the input dtype; lse, dsinks stay float32
-        for n in ("out", "dq", "dk", "dv", "dmask"):
+    if dtype == "bfloat16":  # npattn casts these back to the input dtype; lse stays float32
+        for n in ("out", "dq", "dk", "dv", "dmask", "dsinks"):
             if n in res:
                 res[n] = _round(res[n], "bfloat16")
                 dtypes[n] = "bfloat16"
@@ -718,7 +718,10 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     """(out, lse or None, saved) from what ``fn`` returned."""
     n_head = 2 if cfg.returns_lse else 1
     if cfg.backward is None and not cfg.returns_lse:
-        return result, None, ()
+        if isinstance(result, (tuple, list)):
+            raise TypeError(f"fn: expected it to return out, an array, got a tuple of {len(result)}; "
+                            "a kernel that returns (out, lse) needs returns_lse=True")
+        return _checked_out(result), None, ()
     if not isinstance(result, (tuple, list)) or len(result) < n_head:
         want = "(out, lse" if cfg.returns_lse else "(out"
         want += ", *saved)" if cfg.backward is not None else ")"
@@ -727,7 +730,14 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     if cfg.backward is None and saved:
         raise TypeError(f"fn: expected it to return (out, lse) with returns_lse=True, got a "
                         f"tuple of {len(result)}")
-    return result[0], (result[1] if cfg.returns_lse else None), saved
+    return _checked_out(result[0]), (result[1] if cfg.returns_lse else None), saved
+
+
+def _checked_out(out: Any) -> Any:
+    """``out`` when it is an array, else a ``TypeError`` that says what ``fn`` returned."""
+    if not (hasattr(out, "shape") and hasattr(out, "dtype")):
+        raise TypeError(f"fn: expected out to be an array, got {type(out).__name__}")
+    return out
 
 
 def _grads_of(g: Any) -> dict:
@@ -809,7 +819,15 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
             grads = dict(zip(["dq", "dk", "dv"] + [n for n, _ in leaves], g))
         elif cfg.backward is not None:
             extra = {"dlse": dlse_k} if cfg.lse_grad else {}
-            grads = _grads_of(cfg.backward(dout, *saved, **extra))
+            raw = cfg.backward(dout, *saved, **extra)
+            if isinstance(raw, (tuple, list)) and len(raw) == 4 and sinks is None and raw[3] is not None:
+                raise TypeError("backward: returned 4 gradients in a case without sinks; four are "
+                                "read as (dq, dk, dv, dsinks): return (dq, dk, dv, dmask, None) for dmask")
+            grads = _grads_of(raw)
+    # q, k, v and dout as the kernel holds them after its calls: the case's values still
+    res["written"] = [n for n, x, want in (("q", q, inp.q), ("k", k, inp.k), ("v", v, inp.v),
+                                           ("dout", dout, inp.dout))
+                      if not np.array_equal(_from_layout(lib.host(x), L), want, equal_nan=True)]
     res["out"] = _from_layout(lib.host(out), L)
     if cfg.returns_lse:
         h = lib.host(lse)
@@ -947,6 +965,22 @@ def _nan_note(name: str, got: Any, empty: np.ndarray) -> str:
     return ""
 
 
+def _copied(inp: CaseInputs) -> CaseInputs:
+    """``inp`` with every array copied."""
+    copy = (lambda a: a.copy() if isinstance(a, np.ndarray) else a)
+    return CaseInputs(copy(inp.q), copy(inp.k), copy(inp.v), copy(inp.dout),
+                      {n: copy(a) for n, a in inp.options.items()}, copy(inp.dlse))
+
+
+def _written(inp: CaseInputs, given: CaseInputs) -> list:
+    """The names of the arrays of ``given`` (copies of ``inp``'s) that are no longer equal."""
+    pairs = [("q", inp.q, given.q), ("k", inp.k, given.k), ("v", inp.v, given.v),
+             ("dout", inp.dout, given.dout), ("dlse", inp.dlse, given.dlse)]
+    pairs += [(n, a, given.options[n]) for n, a in inp.options.items()]
+    return [n for n, a, b in pairs if isinstance(a, np.ndarray)
+            and not np.array_equal(a, b, equal_nan=a.dtype.kind == "f")]
+
+
 def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     start = time.perf_counter()
     raw = case_inputs(case, cfg.seed, cfg.align)
@@ -960,8 +994,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         raise RuntimeError(f"case {case.name} leaves rows with nothing to attend, but the "
                            "kernel does not declare 'empty_rows' (a defect of the case's maker)")
     result = CaseResult(case, reproducer=reproducer)
+    given = _copied(inp)  # the kernel's own arrays: what it writes cannot change the budgets
     try:
-        got = _run_kernel(inp, cfg, dlse)
+        got = _run_kernel(given, cfg, dlse)
     except Exception as exc:  # the kernel's failure is this case's result
         result.error = f"{type(exc).__name__}: {exc}"
         result.hint = _raise_hint(exc)
@@ -969,6 +1004,10 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
                           for n in _checked(cfg, case)}
         result.seconds = time.perf_counter() - start
         return result
+    written = got.pop("written") + [n for n in _written(inp, given) if n not in ("q", "k", "v", "dout")]
+    if written:  # the masks and segments: seen where the kernel's share the host's memory
+        result.error = (f"fn wrote into its inputs {', '.join(written)}: a kernel must leave them "
+                        "as they were (the numbers below are of its outputs all the same)")
     saturated = _saturation(truth["weights"], empty)
     terms = term_scales(inp, truth, empty, dlse)
     factors, notes = {}, {}
@@ -1015,6 +1054,8 @@ def _raise_hint(exc: Exception) -> str:
     if isinstance(exc, TypeError) and "keyword" in text:
         return ("fn does not take a keyword of this case: rename or drop it with adapter= "
                 "(e.g. adapter={'is_causal': 'causal', 'align': None})")
+    if isinstance(exc, TypeError) and text.startswith(("fn: expected", "backward: ")):
+        return "what fn or backward returned is not what verify reads: see the error"
     return "fn raised: run the reproducer to see the traceback"
 
 

@@ -228,7 +228,7 @@ PAIR_SHAPES = ((64, 127, 16), (129, 65, 8), (1, 128, 16), (127, 257, 8), (65, 1,
                (128, 129, 32))
 ALL_SHAPES = ((65, 128, 16), (257, 129, 8))
 #: Windows (left, right) cycled through by the window cases.
-WINDOWS = ((13, 4), (None, 7), (20, 0), (5, None))
+WINDOWS = ((None, 7), (5, None), (13, 4), (20, 0))
 #: At most this many pairs of options (each option in one at least, when possible).
 MAX_PAIRS = 10
 

@@ -602,6 +602,86 @@ def test_a_backward_without_dlse_is_told_how_it_is_called():
     assert r.error is not None and "backward(dout, *saved, dlse=dlse)" in r.hint
 
 
+def test_window_cases_alone_cover_each_unbounded_side():
+    """With 'window' declared alone, a kernel that reads an unbounded side as 0 fails: the
+    two window cases hold (None, right) and (left, None)."""
+    windows = {c.window for c in VC.panel("window") if "window" in c.options}
+    assert any(w[0] is None for w in windows) and any(w[1] is None for w in windows)
+    for side in (0, 1):
+        def bounded(q, k, v, window=None, **kw):
+            if window is not None and window[side] is None:
+                window = (0, window[1]) if side == 0 else (window[0], 0)
+            return npattn_kernel(q, k, v, window=window, **kw)
+
+        report = VF.verify(bounded, backward=npattn_backward, returns_lse=True, dtype="float64",
+                           supports="window")
+        assert not report.ok
+        assert all(r.case.window[side] is None for r in report.failures)
+
+
+def test_npattn_itself_passes_sinks_in_bfloat16():
+    """dsinks comes back in the input dtype: the budget's floor is bfloat16's (it was
+    float32's, and a correct kernel failed its sinks cases)."""
+    pytest.importorskip("torch")
+    from npattn import attention as A
+
+    def fwd(q, k, v, **kw):
+        out, cache = A.sdpa_forward(q, k, v, impl="reference", **kw)
+        return out, cache.lse, cache
+
+    report = VF.verify(fwd, backward=lambda dout, cache: A.sdpa_backward(dout, cache),
+                       returns_lse=True, backend="torch", dtype="bfloat16", supports="sinks",
+                       combos=False)
+    assert report.ok, report.format()
+    assert any("dsinks" in r.tensors for r in report.results)
+
+
+def test_malformed_returns_are_named():
+    def pair(q, k, v, **kw):  # (out, lse) without returns_lse
+        return npattn_kernel(q, k, v, **kw)[:2]
+
+    def nothing(q, k, v, **kw):
+        return None
+
+    def four(dout, cache):  # (dq, dk, dv, dmask): four are read as (dq, dk, dv, dsinks)
+        return tuple(npattn_backward(dout, cache))[:4]
+
+    for fn, kw, text in ((pair, {}, "got a tuple of 2; a kernel that returns (out, lse) needs returns_lse=True"),
+                         (nothing, {}, "fn: expected out to be an array, got NoneType"),
+                         (npattn_kernel, dict(backward=four, returns_lse=True, supports="mask_float",
+                                              cases=["mask_float-65x129"]),
+                          "backward: returned 4 gradients in a case without sinks")):
+        kw.setdefault("cases", ["base-65x128"])
+        r = VF.verify(fn, dtype="float64", **kw).results[0]
+        assert r.status == "fail" and text in r.error, r.error
+        assert "not what verify reads" in r.hint
+
+
+def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
+    """A kernel that overwrites q and the dropout keep-mask after computing: the case fails
+    naming them, and its outputs are still compared (the budgets come from the case's own
+    arrays: the same ratios as a kernel that writes nothing)."""
+    def writes(q, k, v, **options):
+        keep = options.get("dropout_mask")
+        if keep is not None:
+            options["dropout_mask"] = keep.copy()
+        out = npattn_kernel(q.copy(), k, v, **options)  # copies: its cache keeps the values
+        q *= 2.0
+        if keep is not None:
+            keep[...] = True
+        return out
+
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64", supports="dropout_mask",
+              combos=False)
+    clean, dirty = VF.verify(npattn_kernel, **kw), VF.verify(writes, **kw)
+    assert clean.ok and not dirty.ok
+    for a, b in zip(clean.results, dirty.results):
+        assert b.error is not None and b.error.startswith("fn wrote into its inputs q")
+        assert ("dropout_mask" in b.error) == ("dropout_mask" in b.case.options)
+        assert {n: t.budget for n, t in a.tensors.items()} == {n: t.budget for n, t in b.tensors.items()}
+        assert all(t.status != "fail" for t in b.tensors.values())
+
+
 def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"layout: expected one of .*got 'bhds'"):
         VF.verify(npattn_kernel, layout="bhds")
