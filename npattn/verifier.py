@@ -974,8 +974,8 @@ def _copied(inp: CaseInputs) -> CaseInputs:
 
 def _written(inp: CaseInputs, given: CaseInputs) -> list:
     """The names of the arrays of ``given`` (copies of ``inp``'s) that are no longer equal."""
-    pairs = [("q", inp.q, given.q), ("k", inp.k, given.k), ("v", inp.v, given.v),
-             ("dout", inp.dout, given.dout), ("dlse", inp.dlse, given.dlse)]
+    pairs: list = [("q", inp.q, given.q), ("k", inp.k, given.k), ("v", inp.v, given.v),
+                   ("dout", inp.dout, given.dout), ("dlse", inp.dlse, given.dlse)]
     pairs += [(n, a, given.options[n]) for n, a in inp.options.items()]
     return [n for n, a, b in pairs if isinstance(a, np.ndarray)
             and not np.array_equal(a, b, equal_nan=a.dtype.kind == "f")]
