@@ -880,7 +880,7 @@ def sdpa_forward(
         The scaled scores become ``softcap * tanh(s / softcap)`` (flash-attn, Gemma 2).
     alibi_slopes : array, shape (H,) or (B, H), optional
         Adds ``-slope * |i + o - j|`` after the softcap (flash-attn's ALiBi).
-        Of q's dtype, or float32 where q is float16 or bfloat16 (flash-attn's).
+        Constants of any real floating dtype, used in the dtype of the scores.
     sinks : array, shape (H,), optional
         A per-head logit in every row's softmax denominator that carries no
         value (gpt-oss's attention sinks); -inf is no sink. Of q's dtype, and so

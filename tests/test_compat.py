@@ -386,7 +386,6 @@ def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match)
     (dict(k=np.ones((2, 2, 3), np.float32)), TypeError, r"^k: "),
     (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale: expected a finite float"),
     (dict(dropout_p=7.0), ValueError, r"^dropout_p"),
-    (dict(alibi_slopes=np.ones(2, np.float32)), TypeError, r"^alibi_slopes: expected dtype float64"),
 ])
 def test_flash_attn_varlen_func_checks_without_any_sequence_to_compute(change, exc, match):
     # sequence 0 has no queries and sequence 1 no keys: nothing is computed, all is checked
@@ -511,7 +510,6 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
     # checked by the dispatcher: before the append, not after it
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
-    (dict(alibi_slopes=np.ones(4, np.float32)), TypeError, r"^alibi_slopes: expected dtype float64"),
     (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float"),
     (dict(softmax_scale="x"), TypeError, r"^softmax_scale"),
     (dict(v_cache="read-only"), TypeError, r"^v_cache: expected an array that can be written in place"),
