@@ -991,8 +991,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     ref = _npattn(inp, cfg.dtype, grads=cfg.gradients, dlse=dlse)
     empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
     if empty.any() and "empty_rows" not in cfg.supports:
-        raise RuntimeError(f"case {case.name} leaves rows with nothing to attend, but the "
-                           "kernel does not declare 'empty_rows' (a defect of the case's maker)")
+        raise ValueError(f"cases: case {case.name!r} leaves rows with nothing to attend, but "
+                         "supports does not declare 'empty_rows' (the kernel is not asked to "
+                         "handle them): declare it, or change the case")
     result = CaseResult(case, reproducer=reproducer)
     given = _copied(inp)  # the kernel's own arrays: what it writes cannot change the budgets
     try:
@@ -1289,29 +1290,42 @@ def verify(
               "budget_factor": float(budget_factor), "floors": cfg.floors,
               "head_dims": None if head_dims is None else list(head_dims)}
     results = []
+    by_name = {c.name: c for c in plan(supports, align=align, combos=combos, head_dims=head_dims)}
     for i, case in enumerate(chosen):
-        rep = _reproducer(command, case, name, config)
+        rep = _reproducer(command, case, name, config, combos=combos, adapter=adapter,
+                          in_panel=by_name.get(case.name) == case)
         results.append(_run_case(case, cfg, rep))
         if progress is not None:
             progress(i + 1, len(chosen), case.name)
     return VerifyReport(config, results)
 
 
-def _reproducer(command: Optional[str], case: Case, name: str, config: dict) -> str:
-    """One line that reruns ``case``: the command with ``{case}``, or a Python call."""
+def _reproducer(command: Optional[str], case: Case, name: str, config: dict, *, combos: Any = True,
+                adapter: Any = None, in_panel: bool = True) -> str:
+    """One line that reruns ``case``: the command with ``{case}``, or a Python call (the case
+    by name when the panel holds it, else the ``Case`` itself)."""
     if command is not None:
         return command.replace("{case}", case.name)
     args = [f"layout={config['layout']!r}", f"dtype={config['dtype']!r}"]
     if config["supports"]:
         args.append(f"supports={','.join(config['supports'])!r}")
-    default = {"backend": "numpy", "align": "top_left", "autograd": None, "returns_lse": False,
-               "mask_grad": None, "lse_grad": False, "head_dims": None}
+    default = {"backend": "numpy", "device": None, "align": "top_left", "autograd": None,
+               "returns_lse": False, "mask_grad": None, "lse_grad": False, "head_dims": None,
+               "budget_factor": 2.0}
     for key in default:
         if config[key] != default[key]:
             args.append(f"{key}={config[key]!r}")
+    if config["floors"] != FLOORS:
+        args.append(f"floors={config['floors']!r}")
     if config["backward"]:
         args.append(f"backward={config['backward'].replace(':', '.')}")
-    args += [f"seed={config['seed']}", f"cases=[{case.name!r}]"]
+    if adapter is not None:
+        args.append("adapter=" + (repr(dict(adapter)) if isinstance(adapter, Mapping)
+                                  else _describe_callable(adapter).replace(":", ".")))
+    if combos is not True:
+        args.append(f"combos={combos!r}")
+    chosen = repr(case.name) if in_panel else f"npattn.verify_cases.{case!r}"
+    args += [f"seed={config['seed']}", f"cases=[{chosen}]"]
     fn = name.replace(":", ".")
     return f"print(npattn.verify({fn}, {', '.join(args)}))"
 

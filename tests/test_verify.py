@@ -636,6 +636,29 @@ def test_npattn_itself_passes_sinks_in_bfloat16():
     assert any("dsinks" in r.tensors for r in report.results)
 
 
+def test_the_python_reproducer_reruns_a_case_of_ones_own():
+    """A user's Case is written out whole (its name is not in the panel), and the adapter and
+    budget factor come along: the line evaluates to the same case and budgets."""
+    import npattn
+
+    def kernel(q, k, v, **kw):
+        return F.sdpa_forward(q, k, v, **kw)[0]
+
+    case = VC.Case("mine", Lq=3, Lk=5, options=("window",), window=(1, 1))
+    report = VF.verify(kernel, dtype="float64", supports="window", cases=[case],
+                       adapter={"align": "align"}, budget_factor=3.0)
+    line = report.results[0].reproducer
+    assert "npattn.verify_cases.Case(name='mine'" in line and "budget_factor=3.0" in line
+    assert "adapter={'align': 'align'}" in line
+    again = eval(line[len("print("):-1].split(", ", 1)[1].join(["npattn.verify(kernel, ", ""]),
+                 {"npattn": npattn, "kernel": kernel})
+    assert again.results[0].case == case
+    assert again.results[0].tensors["out"].budget == report.results[0].tensors["out"].budget
+    with pytest.raises(ValueError, match="^cases: case 'e' leaves rows with nothing to attend"):
+        VF.verify(kernel, dtype="float64", supports="window",
+                  cases=[VC.Case("e", Lq=129, Lk=65, options=("window",), window=(5, 0))])
+
+
 def test_malformed_returns_are_named():
     def pair(q, k, v, **kw):  # (out, lse) without returns_lse
         return npattn_kernel(q, k, v, **kw)[:2]
