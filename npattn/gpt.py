@@ -254,6 +254,7 @@ class GPT(BlockStack):
                 cache.check_room(L, name=f"kv_caches[{n}]")
         P = self._own
         state = self._rng.bit_generator.state
+        lens = None if kv_caches is None else [[int(n) for n in c.cache_seqlens] for c in kv_caches]
         try:
             block_masks = self._block_masks(dropout_masks, B, L)
             e, e_c = nn.embedding_forward(ids, P["wte"])  # 1.                       [B, L, D]
@@ -266,9 +267,12 @@ class GPT(BlockStack):
             logits, head_c = F.linear_forward(h, P["wte"])  # 5.                     [B, L, V]
         except BaseException:
             # the checks above leave nothing that fails here; should something (memory) fail,
-            # the generator is put back and no backward runs on the blocks' mixed caches
+            # the generator and the caches' lengths are put back, and no backward runs on the
+            # blocks' mixed caches
             self._rng.bit_generator.state = state
             self._cache = None
+            for cache, n in zip(kv_caches or [], lens or []):  # blocks before the failure appended
+                cache.truncate(n)
             raise
         self._cache = GPTCache(e_c, p_c, start, ln_c, head_c, kv_caches is not None)
         return logits

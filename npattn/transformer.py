@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
@@ -232,6 +233,8 @@ class _Block:
         V.check_scale("layer_norm_eps", layer_norm_eps)
         if layer_norm_eps is None or not float(layer_norm_eps) > 0.0:
             raise ValueError(f"layer_norm_eps: expected a float > 0, got {layer_norm_eps!r}")
+        if seed is not None:
+            V.check_size("seed", seed)
         seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)
         attn_seeds = [int(s.generate_state(1)[0]) for s in seqs[: len(self._ATTNS)]]
         # the attention modules check d_model, n_head, dropout, dtype and backend
@@ -311,6 +314,8 @@ class _Block:
 
     @rng_state.setter
     def rng_state(self, state: dict):
+        if state is None:  # (a save file without one leaves the generator: not this setter)
+            raise ValueError("rng_state: expected a state read from rng_state, got None")
         set_rng_state("rng_state", self._rng, state)
 
     @property
@@ -426,16 +431,20 @@ class _Block:
             grads[f"{norm}.bias"] = db
         return dx
 
-    def _run(self, fn):
-        """Run a forward; on failure put back the generator and the attention modules' caches."""
+    def _run(self, fn, kv_cache=None):
+        """Run a forward; on failure put back the generator, the attention modules' caches
+        and the lengths of ``kv_cache`` (self-attention appended to it before the failure)."""
         state = self._rng.bit_generator.state
         saved = {a: m.cache for a, m in self._attn.items()}
+        lens = None if kv_cache is None else [int(n) for n in kv_cache.cache_seqlens]
         try:
             return fn()
         except BaseException:
             self._rng.bit_generator.state = state
             for a, m in self._attn.items():
                 m.cache = saved[a]
+            if lens is not None:  # what lies past an entry's length is never read
+                kv_cache.truncate(lens)
             raise
 
     def _check_dout(self, dout: Any) -> None:
@@ -477,6 +486,9 @@ class _Block:
 
         expected = [f"{a}.{k}" for a in self._ATTNS for k in torch_state_dict_shapes(self._attn[a])]
         expected += list(self._own)
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to tensors (a torch "
+                            f"state_dict), got {type(state_dict).__name__}")
         got = set(state_dict.keys())
         missing = [k for k in expected if k not in got]
         unexpected = sorted(got - set(expected))
@@ -490,7 +502,11 @@ class _Block:
                 new[f"{a}.{k}"] = v
         for k in self._own:
             v = state_dict[k]
+            if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+                raise TypeError(f"state_dict[{k!r}]: expected a tensor or array, got {type(v).__name__}")
             new[k] = _host(v)
+            if not np.issubdtype(new[k].dtype, np.floating):
+                raise TypeError(f"state_dict[{k!r}]: expected a floating tensor, got dtype {v.dtype}")
         arrays = {}
         for k, like in self.params.items():
             a = np.asarray(new[k])
@@ -733,7 +749,7 @@ class TransformerBlock(_Block):
                 h, self._ff_core(p, masks.get("dropout")), "norm2", p, masks.get("dropout2"))  # [B, L, D]
             return out, EncoderBlockCache(attn_c, ff_c, tuple(out.shape), out.dtype, kv_cache is not None)
 
-        out, cache = self._run(run)
+        out, cache = self._run(run, kv_cache)
         self._cache = cache
         return out
 

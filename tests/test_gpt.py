@@ -396,3 +396,31 @@ def test_constructor_and_generate_checks(xp, to_xp):
                                rtol=0, atol=1e-10)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(to_xp(ids_of(2, (B, T))), 2)
+
+
+def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
+    """A failure past the checks in the last block's feed-forward (a MemoryError), after the
+    first block and the last one's self-attention appended: every cache keeps its length,
+    and decoding on gives the same logits as a model that never failed."""
+    import npattn.layers as Ly
+
+    model, twin = make().eval(), make().eval()
+    caches, twin_caches = model.new_caches(B), twin.new_caches(B)
+    ids = ids_of(0, (B, 3))
+    model.forward(ids[:, :2], kv_caches=caches)
+    twin.forward(ids[:, :2], kv_caches=twin_caches)
+    real, calls = Ly.feed_forward_forward, []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == N:
+            raise MemoryError("no memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Ly, "feed_forward_forward", fails_second)
+    with pytest.raises(MemoryError):
+        model.forward(ids[:, 2:], kv_caches=caches)
+    monkeypatch.setattr(Ly, "feed_forward_forward", real)
+    assert [list(c.cache_seqlens) for c in caches] == [[2, 2]] * N
+    np.testing.assert_array_equal(model.forward(ids[:, 2:], kv_caches=caches),
+                                  twin.forward(ids[:, 2:], kv_caches=twin_caches))

@@ -62,3 +62,51 @@ def test_decoding_in_training_mode_with_dropout_says_call_eval_and_changes_nothi
     blk.eval()
     out = blk(x, is_causal=True, kv_cache=cache)
     assert out.shape == x.shape and list(cache.cache_seqlens) == [3, 3]
+
+
+def test_a_forward_that_fails_after_self_attention_leaves_the_cache(monkeypatch):
+    """A failure past every check (here a MemoryError in the feed-forward network, after
+    self-attention appended the new keys): the cache keeps its lengths, and the next
+    decoding step gives what it gives without the failed one."""
+    import npattn.layers as Ly
+
+    x = np.random.default_rng(3).standard_normal((B, 3, D))
+    blocks = [_block(np) for _ in range(2)]
+    caches = [KVCache(B, 6, H, D // H, dtype="float64") for _ in range(2)]
+    for blk, cache in zip(blocks, caches):
+        blk.forward(x[:, :2], is_causal=True, kv_cache=cache)
+    real = Ly.feed_forward_forward
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(Ly, "feed_forward_forward", fails)
+    with pytest.raises(MemoryError):
+        blocks[0].forward(x[:, 2:], is_causal=True, kv_cache=caches[0])
+    monkeypatch.setattr(Ly, "feed_forward_forward", real)
+    assert list(caches[0].cache_seqlens) == [2, 2]
+    a = blocks[0].forward(x[:, 2:], is_causal=True, kv_cache=caches[0])
+    b = blocks[1].forward(x[:, 2:], is_causal=True, kv_cache=caches[1])
+    np.testing.assert_array_equal(a, b)
+
+
+def test_block_argument_errors_name_the_argument():
+    torch = pytest.importorskip("torch")
+    for seed, exc in ((-1, ValueError), (1.5, TypeError), ("s", TypeError)):
+        with pytest.raises(exc, match="^seed: expected an int >= 0"):
+            TransformerBlock(4, 2, seed=seed)
+    blk = TransformerBlock(4, 2, dtype="float64", seed=0)
+    before = {k: np.array(v) for k, v in blk.params.items()}
+    sd = blk.torch_state_dict()
+    with pytest.raises(TypeError, match="^state_dict: expected a mapping"):
+        blk.load_torch_state_dict(5)
+    with pytest.raises(TypeError, match=r"^state_dict\['norm1.weight'\]: expected a tensor or array, got str"):
+        blk.load_torch_state_dict({**sd, "norm1.weight": "abc"})
+    with pytest.raises(TypeError, match=r"^state_dict\['norm1.weight'\]: expected a floating tensor"):
+        blk.load_torch_state_dict({**sd, "norm1.weight": torch.ones(4, dtype=torch.int64)})
+    state = blk.rng_state
+    with pytest.raises(ValueError, match="^rng_state: expected a state read from rng_state, got None"):
+        blk.rng_state = None
+    assert blk.rng_state == state
+    for k, v in blk.params.items():
+        np.testing.assert_array_equal(v, before[k])
