@@ -271,8 +271,8 @@ class GPT(BlockStack):
             # blocks' mixed caches
             self._rng.bit_generator.state = state
             self._cache = None
-            for cache, n in zip(kv_caches or [], lens or []):  # blocks before the failure appended
-                cache.truncate(n)
+            for cache, held in zip(kv_caches or [], lens or []):  # blocks before the failure appended
+                cache.truncate(held)
             raise
         self._cache = GPTCache(e_c, p_c, start, ln_c, head_c, kv_caches is not None)
         return logits
