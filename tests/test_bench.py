@@ -97,6 +97,29 @@ def test_main_rejects_bad_options(capsys):
         bench.main(["--isolated", "--impl", "dense"])  # the default plan sets its own impl
 
 
+SMALL = ["--shapes", "1x8x8x2", "--repeat", "5", "--warmup", "0", "--no-torch", "--no-memory",
+         "--gemm", "64", "--no-progress"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (SMALL + ["--json", "/nonexistent-npattn/b.json"], "--json: the directory"),
+    (SMALL + ["--json", "."], "--json: expected a file path, got the directory"),
+    (SMALL + ["--isolated", "--markdown", "/nonexistent-npattn/m.md"], "--markdown: the directory"),
+    (SMALL + ["--impl", "numpy", "--backend", "array_api_strict"],
+     "--impl numpy: the NumPy kernel needs --backend numpy"),
+    (["--model", "gpt", "--json", "/nonexistent-npattn/g.json"], "--json: the directory"),
+])
+def test_unusable_outputs_and_impls_are_refused_before_any_timing(argv, message, capsys):
+    """Each was found out after the whole run, in a traceback that lost the timings."""
+    from npattn.tools import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 class _FakeTerminal(io.StringIO):
     def isatty(self):
         return True

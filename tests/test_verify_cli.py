@@ -100,6 +100,11 @@ def test_module_target(tmp_path, monkeypatch, capsys):
     ([f"{KERNELS}:attention", "--case", "nope"], "cases: expected names"),
     ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"], "autograd: 'jax' needs"),
     ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
+    ([f"{KERNELS}:attention", "--seed", "-1"], "--seed: expected an int >= 0, got -1"),
+    # output paths are checked before the panel runs (not after it, in a traceback)
+    ([f"{KERNELS}:attention", "--json", "/nonexistent-npattn/x.json"], "--json: the directory"),
+    ([f"{KERNELS}:attention", "--json", "."], "--json: expected a file path, got the directory"),
+    ([f"{KERNELS}:attention", "--plot", "/nonexistent-npattn/x.png"], "--plot: the directory"),
 ])
 def test_usage_errors_exit_2(argv, message, capsys):
     assert cli.main(["verify", *argv, "--no-progress"]) == 2

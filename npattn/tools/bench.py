@@ -82,6 +82,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..backend import resolve_backend, backend_name, from_numpy
+from .outputs import output_error
 
 __all__ = [
     "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
@@ -817,9 +818,11 @@ def main(argv=None) -> int:
                "npattn bench --model gpt --help).",
     )
     parser.add_argument("--shapes",
-                        help="comma-separated BxLxDxH[c] (c = causal); default: "
-                             f"{','.join(str(s) for s in DEFAULT_SHAPES)} (--isolated: "
-                             "ISOLATED_PLAN)")
+                        help="comma-separated BxLxDxH with optional suffixes: c causal, wN a "
+                             "window of N keys back, dP dropout with drop probability P (e.g. "
+                             "4x1024x768x12c, 8x512x768x12d0.1); default: "
+                             f"{','.join(str(s) for s in DEFAULT_SHAPES)} (--isolated: its own "
+                             "plan of cases, each with its impl)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     parser.add_argument("--backend", default="numpy",
                         choices=["numpy", "cupy", "torch", "array_api_strict", "dask"],
@@ -896,6 +899,8 @@ def main(argv=None) -> int:
         parser.error("--impl: with --isolated, give --shapes too (ISOLATED_PLAN sets the impl "
                      "of each of its cases)")
     impl = args.impl or "dense"
+    if impl == "numpy" and args.backend != "numpy":
+        parser.error(f"--impl numpy: the NumPy kernel needs --backend numpy, got --backend {args.backend}")
     try:
         shapes = parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES
     except ValueError as exc:
@@ -915,6 +920,10 @@ def main(argv=None) -> int:
         check_dtype(xp, args.dtype)
     except ValueError as exc:
         parser.error(str(exc))
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        why = output_error(option, path)
+        if why:
+            parser.error(why)
     table_out = sys.stderr if args.json == "-" else sys.stdout  # stdout: the JSON alone
     if isolated:
         plan = ISOLATED_PLAN if args.shapes is None else [(s, impl) for s in shapes]

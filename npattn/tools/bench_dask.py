@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from .outputs import output_error
+
 __all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local"]
 
 DEFAULT_SHAPE = "8x4096x512x8"  # B x L x d_model x H, as npattn bench
@@ -230,6 +232,9 @@ def main(argv=None) -> int:
                              "(default: unset, glibc's own trimming)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    why = output_error("--json", args.json)
+    if why:
+        parser.error(why)
     try:
         shape = parse_shape(args.shape)
     except ValueError as exc:

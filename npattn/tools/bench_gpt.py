@@ -26,6 +26,7 @@ from .. import nn
 from ..backend import from_numpy, resolve_backend
 from ..gpt import GPT, training_step
 from .bench import autorange, environment_info
+from .outputs import output_error
 
 __all__ = ["GPTBenchConfig", "make_steps", "run", "main"]
 
@@ -157,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip the torch side")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
+    why = output_error("--json", args.json)
+    if why:
+        parser.error(why)
     for name in ("batch", "seq_len", "d_model", "n_layer", "n_head", "vocab", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")

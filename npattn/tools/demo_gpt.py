@@ -243,5 +243,5 @@ def format_summary(cfg: GPTDemoConfig, hist: GPTHistory) -> str:
     steps = len(hist.train_loss)
     return (f"{steps} steps in {hist.seconds:.1f}s ({1e3 * hist.seconds / max(steps, 1):.0f} ms/step), "
             f"{hist.n_params} parameters; final validation loss {hist.val_loss[-1]:.3f} nats/char "
-            f"(uniform {math.log(hist.vocab):.3f}), training loss (last 50 steps) "
+            f"(uniform {math.log(hist.vocab):.3f}), training loss (last {min(steps, 50)} steps) "
             f"{np.mean(hist.train_loss[-50:]):.3f}")

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .. import verifier as VF
 from ..verify_cases import SUPPORTS, check_supports
+from .outputs import output_error
 from .progress import ProgressBar
 
 __all__ = ["main", "build_parser", "load_object"]
@@ -208,6 +209,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    if args.seed < 0:
+        raise UsageError(f"--seed: expected an int >= 0, got {args.seed}")
     try:
         supports = check_supports(args.supports)
     except ValueError as exc:
@@ -230,6 +233,10 @@ def _run(args) -> int:
         return 0
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install '.[plot]' from the repository root")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        why = output_error(option, path)
+        if why:
+            raise UsageError(why)
     fn = load_object(args.target)
     base = _module_of(args.target)
     backward = None if args.backward is None else load_object(args.backward, base=base,

@@ -1,0 +1,28 @@
+"""Output paths of the ``npattn`` commands, checked before a run that may take minutes.
+
+``--json``, ``--plot`` and ``--markdown`` used to be opened only once the
+work was done; an unwritable path then lost the results in a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+__all__ = ["output_error"]
+
+
+def output_error(option: str, path: Optional[str]) -> Optional[str]:
+    """Why ``path`` cannot be written as a file, as a message naming ``option``; None when it
+    can (or is None, or ``-``: standard output)."""
+    if path is None or path == "-":
+        return None
+    if os.path.isdir(path):
+        return f"{option}: expected a file path, got the directory {path!r}"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{option}: the directory {parent!r} does not exist (path {path!r})"
+    target = path if os.path.exists(path) else parent
+    if not os.access(target, os.W_OK):
+        return f"{option}: {path!r} cannot be written (no permission)"
+    return None
