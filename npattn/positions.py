@@ -203,7 +203,8 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
     if x.ndim < 2:
         raise ValueError(f"x: expected an array of shape (..., L, Dh), got shape {V.shape_of(x)}")
     if x.shape[-1] % 2 != 0 or x.shape[-1] == 0:
-        raise ValueError(f"x: expected an even last axis Dh >= 2 (pairs of coordinates), got shape {V.shape_of(x)}")
+        raise ValueError(f"x: expected an even last axis Dh >= 2 (pairs of coordinates), got shape "
+                         f"{V.shape_of(x)}")
     _check_positions(positions, x)
     _check_base(base)
     V.check_bool("interleaved", interleaved)
