@@ -283,9 +283,7 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
                 or any(Vd.shape_of(moments[k]) != Vd.shape_of(p) for k, p in params.items())):
             raise ValueError("state: expected the Adam moments of these parameters "
                              "(nn.adam_init(params)), got moments of other names or shapes")
-    t = state.t
-    if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral) or t < 0:
-        raise TypeError(f"state.t: expected an int >= 0 (the steps taken), got {Vd.type_name(t)} {t!r}")
+    Vd.check_size("state.t", state.t)  # the steps taken
     Vd.check_number("lr", lr, allow_zero=True)  # >= 0, as torch.optim.Adam's
     Vd.check_number("eps", eps, allow_zero=True)
     Vd.check_number("weight_decay", weight_decay, allow_zero=True)

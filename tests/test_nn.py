@@ -208,7 +208,7 @@ def test_adam_checks_its_arguments_before_writing_anything():
         (dict(grads={"w": np.ones(3)}), ValueError, r"^grads\['w'\]: expected shape \(2,\)"),
         (dict(grads=[np.ones(2)]), TypeError, "^grads: expected a dict"),
         (dict(state=nn.AdamState(state.m, state.v, "x")), TypeError, r"^state\.t: expected an int >= 0"),
-        (dict(state=nn.AdamState(state.m, state.v, -1)), TypeError, r"^state\.t"),
+        (dict(state=nn.AdamState(state.m, state.v, -1)), ValueError, r"^state\.t: expected an int >= 0, got -1"),
         (dict(state=nn.adam_init({"v": np.ones(2)})), ValueError, "^state: expected the Adam moments"),
         (dict(lr=-0.1), ValueError, "^lr"), (dict(eps=float("inf")), ValueError, "^eps"),
         (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
