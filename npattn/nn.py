@@ -20,8 +20,6 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from . import validation as Vd
 from .backend import device_of, namespace
 from .functional import sum_to_shape
@@ -288,7 +286,7 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
     Vd.check_number("eps", eps, allow_zero=True)
     Vd.check_number("weight_decay", weight_decay, allow_zero=True)
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, numbers.Real) and not isinstance(b, (bool, np.bool_))
+            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool)  # (np.bool_ is no Real)
                        and 0.0 <= float(b) < 1.0 for b in betas)):
         raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
 
