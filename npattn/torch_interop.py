@@ -48,6 +48,8 @@ from . import validation as V
 from .backend import from_numpy, to_numpy
 
 __all__ = [
+    "check_state_dict",
+    "host_tensor",
     "config_from_torch",
     "params_from_torch_state_dict",
     "load_torch_state_dict",
@@ -133,6 +135,24 @@ def _host(x) -> np.ndarray:
     return np.asarray(to_numpy(x))
 
 
+def check_state_dict(state_dict: Any) -> None:
+    """``TypeError`` unless ``state_dict`` is a mapping (of names to tensors)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors (a torch "
+                        f"state_dict), got {type(state_dict).__name__}")
+
+
+def host_tensor(name: str, value: Any) -> np.ndarray:
+    """``state_dict[name]`` as a host NumPy copy (bfloat16 widened to float32, exactly); a
+    ``TypeError`` naming it unless it is a floating tensor or array."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {type(value).__name__}")
+    a = _host(value)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise TypeError(f"state_dict[{name!r}]: expected a floating tensor, got dtype {value.dtype}")
+    return a
+
+
 def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     """A ``torch.nn.MultiheadAttention`` state dict as npattn parameters: host NumPy arrays.
 
@@ -144,9 +164,7 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     where it has them.
     """
     expected = torch_state_dict_shapes(mha)
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict: expected a mapping of names to tensors (a torch "
-                        f"state_dict), got {type(state_dict).__name__}")
+    check_state_dict(state_dict)
     got = set(state_dict.keys())
     missing = [k for k in expected if k not in got]
     unexpected = sorted(got - set(expected))
@@ -157,13 +175,7 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
         )
     host = {}
     for name, shape in expected.items():
-        value = state_dict[name]
-        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got "
-                            f"{type(value).__name__}")
-        a = _host(value)
-        if not np.issubdtype(a.dtype, np.floating):
-            raise TypeError(f"state_dict[{name!r}]: expected a floating tensor, got dtype {value.dtype}")
+        a = host_tensor(name, state_dict[name])
         if tuple(a.shape) != shape:
             raise ValueError(f"state_dict[{name!r}]: expected shape {shape}, got {tuple(a.shape)}")
         host[name] = a

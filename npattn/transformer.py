@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
@@ -199,14 +198,6 @@ class DecoderBlockCache(NamedTuple):
     memory_shape: tuple
     out_shape: tuple
     out_dtype: Any
-
-
-def _host(v: Any) -> np.ndarray:
-    """A host NumPy copy of a torch tensor or any backend's array; bfloat16 widened to float32 (exactly)."""
-    if hasattr(v, "detach"):  # a torch tensor
-        v = v.detach().cpu()
-        return (v.float() if V.dtype_name(v.dtype) == "bfloat16" else v).numpy().copy()
-    return to_numpy(v)
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -482,13 +473,12 @@ class _Block:
 
     def load_torch_state_dict(self, state_dict: Any):
         """Set ``params`` from the torch layer's state dict (all keys and shapes checked first). Returns self."""
-        from .torch_interop import params_from_torch_state_dict, torch_state_dict_shapes
+        from .torch_interop import (check_state_dict, host_tensor, params_from_torch_state_dict,
+                                    torch_state_dict_shapes)
 
         expected = [f"{a}.{k}" for a in self._ATTNS for k in torch_state_dict_shapes(self._attn[a])]
         expected += list(self._own)
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict: expected a mapping of names to tensors (a torch "
-                            f"state_dict), got {type(state_dict).__name__}")
+        check_state_dict(state_dict)
         got = set(state_dict.keys())
         missing = [k for k in expected if k not in got]
         unexpected = sorted(got - set(expected))
@@ -501,12 +491,7 @@ class _Block:
             for k, v in params_from_torch_state_dict(self._attn[a], sub).items():
                 new[f"{a}.{k}"] = v
         for k in self._own:
-            v = state_dict[k]
-            if not (hasattr(v, "shape") and hasattr(v, "dtype")):
-                raise TypeError(f"state_dict[{k!r}]: expected a tensor or array, got {type(v).__name__}")
-            new[k] = _host(v)
-            if not np.issubdtype(new[k].dtype, np.floating):
-                raise TypeError(f"state_dict[{k!r}]: expected a floating tensor, got dtype {v.dtype}")
+            new[k] = host_tensor(k, state_dict[k])
         arrays = {}
         for k, like in self.params.items():
             a = np.asarray(new[k])
