@@ -86,7 +86,7 @@ import numpy as np
 
 from . import attention as A
 from .backend import to_numpy
-from .verify_cases import Case, CaseInputs, case_inputs, check_supports, panel
+from .verify_cases import OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_supports, panel
 
 __all__ = [
     "verify",
@@ -377,7 +377,7 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
         if n in bad and "NaN" in note and "empty" in note:
             return (f"{n} has NaN on rows with nothing to attend, where npattn gives zeros: guard "
                     "fully masked rows (or declare the kernel without 'empty_rows')")
-        if n in bad and ("shape" in note or "missing" in note):
+        if n in bad and note.startswith(("shape", "missing", "dtype")):
             return f"{n}: {note}"
     if "out" in bad or "lse" in bad:
         where = "the scores or the softmax"
@@ -733,6 +733,12 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     return _checked_out(result[0]), (result[1] if cfg.returns_lse else None), saved
 
 
+def _dtype_name(x: Any) -> str:
+    """The name of ``x``'s dtype in any library ("float16"; torch's "torch.float16" too)."""
+    name = str(getattr(x, "dtype", type(x).__name__))
+    return name[len("torch."):] if name.startswith("torch.") else name
+
+
 def _checked_out(out: Any) -> Any:
     """``out`` when it is an array, else a ``TypeError`` that says what ``fn`` returned."""
     if not (hasattr(out, "shape") and hasattr(out, "dtype")):
@@ -828,6 +834,11 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     res["written"] = [n for n, x, want in (("q", q, inp.q), ("k", k, inp.k), ("v", v, inp.v),
                                            ("dout", dout, inp.dout))
                       if not np.array_equal(_from_layout(lib.host(x), L), want, equal_nan=True)]
+    # out and dq, dk, dv in the dtype of q (k, v) as the kernel got them
+    res["dtypes"] = {n: (_dtype_name(t), _dtype_name(x))
+                     for n, t, x in (("out", out, q), ("dq", grads.get("dq"), q),
+                                     ("dk", grads.get("dk"), k), ("dv", grads.get("dv"), v))
+                     if t is not None and _dtype_name(t) != _dtype_name(x)}
     res["out"] = _from_layout(lib.host(out), L)
     if cfg.returns_lse:
         h = lib.host(lse)
@@ -1005,6 +1016,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
                           for n in _checked(cfg, case)}
         result.seconds = time.perf_counter() - start
         return result
+    dtypes = got.pop("dtypes")
     written = got.pop("written") + [n for n in _written(inp, given) if n not in ("q", "k", "v", "dout")]
     if written:  # the masks and segments: seen where the kernel's share the host's memory
         result.error = (f"fn wrote into its inputs {', '.join(written)}: a kernel must leave them "
@@ -1024,6 +1036,10 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
             tr.note = nan
+        if n in dtypes:  # the right numbers in another dtype are still not the kernel's contract
+            tr.status = "fail"
+            tr.note = (f"dtype: expected {dtypes[n][1]} (as {'q' if n in ('out', 'dq') else n[1]}), "
+                       f"got {dtypes[n][0]}")
         result.tensors[n] = tr
         notes[n] = tr.note
         if factor is not None:
@@ -1094,9 +1110,31 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
     if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
         raise TypeError(f"adapter: expected None, a mapping {{npattn name: kernel name or None}} "
                         f"or a callable(options) -> keywords, got {type(adapter).__name__}")
+    if isinstance(adapter, Mapping):
+        _check_adapter_mapping(adapter)
     if floors is not None:
         if not isinstance(floors, Mapping) or any(k not in FLOORS for k in floors):
             raise ValueError(f"floors: expected a mapping with keys from {DTYPES}, got {floors!r}")
+
+
+def _check_adapter_mapping(adapter: Mapping) -> None:
+    """A mapping adapter renames npattn's keywords (the panel's, ``OPTION_KEYWORDS``) to names
+    that are strings, or drops them (None); no two keep one name. A misspelt key would
+    otherwise rename nothing, silently."""
+    names = sorted({n for kws in OPTION_KEYWORDS.values() for n in kws})
+    unknown = [k for k in adapter if k not in names]
+    if unknown:
+        raise ValueError(f"adapter: expected keys from npattn's keywords {names}, got "
+                         f"{', '.join(map(repr, unknown))}")
+    bad = {k: v for k, v in adapter.items() if v is not None and not isinstance(v, str)}
+    if bad:
+        raise TypeError(f"adapter: expected each value to be a keyword name (str) or None, got "
+                        f"{bad!r}")
+    targets = [adapter.get(n, n) for n in names if adapter.get(n, n) is not None]
+    twice = sorted({t for t in targets if targets.count(t) > 1})
+    if twice:
+        raise ValueError(f"adapter: expected each keyword to keep a name of its own, got "
+                         f"{', '.join(map(repr, twice))} for two of them")
 
 
 def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: bool, gradients: bool,
@@ -1143,7 +1181,8 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
                                  f"does not declare (supports={list(supports)})")
             chosen.append(c)
         elif isinstance(c, str) and c in by_name:
-            chosen.append(by_name[c])
+            if by_name[c] not in chosen:  # a name given twice runs once
+                chosen.append(by_name[c])
         else:
             near = ", ".join(sorted(by_name)[:6])
             raise ValueError(f"cases: expected names of the panel's cases or Case objects, got "
@@ -1229,7 +1268,7 @@ def verify(
         The array library of ``fn``'s arrays.
     device : optional
         Where the arrays live (torch: "cpu" by default, e.g. "cuda"; cupy: a
-        device id; jax: a ``jax.Device``).
+        device id; jax: a ``jax.Device``; numpy: None).
     align : {"top_left", "bottom_right"}
         Where the window's and ALiBi's diagonal lies in their cases (passed as
         ``align`` when "bottom_right"); causal cases carry their own.
@@ -1274,6 +1313,9 @@ def verify(
         raise ValueError(f"autograd: 'torch' needs backend='torch', got backend={lib_name!r}")
     if autograd == "jax" and lib_name != "jax":
         raise ValueError(f"autograd: 'jax' needs backend='jax', got backend={lib_name!r}")
+    if device is not None and lib_name == "numpy":
+        raise ValueError(f"device: expected None with backend='numpy' (NumPy arrays live on the "
+                         f"host), got {device!r}")
     lib = _Library(lib_name, device)
     lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
     chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)

@@ -732,6 +732,48 @@ def test_argument_errors_name_the_argument():
         VF.verify(npattn_kernel, mask_grad=True, supports="mask_float")
     with pytest.raises(ValueError, match="mask_grad: expected None, True or False"):
         VF.verify(npattn_kernel, mask_grad="yes")
+    with pytest.raises(ValueError, match="device: expected None with backend='numpy'"):
+        VF.verify(npattn_kernel, device="cuda")
+
+
+@pytest.mark.parametrize("adapter, error, message", [
+    ({"is_casual": "causal"}, ValueError, r"adapter: expected keys from npattn's keywords .*'is_casual'"),
+    ({"is_causal": 1}, TypeError, r"adapter: expected each value to be a keyword name \(str\) or None"),
+    ({"is_causal": "mask"}, ValueError, "adapter: expected each keyword to keep a name of its own, got 'mask'"),
+])
+def test_adapter_mapping_is_checked(adapter, error, message):
+    """A misspelt key would rename nothing and the kernel would see its default (not causal)."""
+    with pytest.raises(error, match=message):
+        VF.verify(npattn_kernel, supports="causal", adapter=adapter)
+    # dropping two keywords (None) is not a clash
+    assert VF.plan("causal") and VF.verify(
+        lambda q, k, v, **kw: npattn_kernel(q, k, v)[0], dtype="float64", supports="causal",
+        adapter={"is_causal": None, "align": None}, cases=["base-65x128"]).ok
+
+
+def test_a_name_given_twice_runs_once():
+    names = [c.name for c in VF.plan("causal", cases=["base-65x128", "base-65x128"])]
+    assert names == ["base-65x128"]
+
+
+@pytest.mark.parametrize("wrong", ["out", "dq", "dv"])
+def test_outputs_in_another_dtype_fail(wrong):
+    """The right numbers in float64 for float32 inputs are not the kernel's contract."""
+    def kernel(q, k, v, **kw):
+        out, cache = F.sdpa_forward(q, k, v, **kw)
+        return (out.astype(np.float64) if wrong == "out" else out), cache
+
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        return tuple(x.astype(np.float64) if n == wrong else x
+                     for n, x in zip(("dq", "dk", "dv"), (g.dq, g.dk, g.dv)))
+
+    report = VF.verify(kernel, backward=backward, dtype="float32", cases=["base-65x128"])
+    r = report.results[0]
+    assert r.failing == [wrong]
+    assert r.tensors[wrong].note == f"dtype: expected float32 (as {'v' if wrong == 'dv' else 'q'}), got float64"
+    assert r.hint == f"{wrong}: {r.tensors[wrong].note}"
+    assert r.tensors[wrong].error <= r.tensors[wrong].budget  # the numbers themselves are right
 
 
 def test_report_json_and_table_and_plot(tmp_path):
