@@ -554,7 +554,7 @@ def _dropout(x, p, mask, rng):
     if keep is None:
         key = dropout_key(rng)
         keep = keep_mask(key, p, x.shape, xp, device_of(x))  # [...] bool
-    scale = 1.0 / (1.0 - p)
+    scale = 1.0 / (1.0 - float(p))  # a Python float: a NumPy float64 p would upcast x
     y = xp.where(keep, x * scale, 0.0)  # [...]
     return y, DropoutCache(keep, scale, key)
 

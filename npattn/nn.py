@@ -235,6 +235,8 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
         shape = Vd.shape_of(dloss) if Vd.shape_of(dloss) == (1,) else ()  # (1,): gradcheck's
         Vd.check_grad("dloss", dloss, shape=shape, dtype=cache.p.dtype, xp=namespace(cache.p),
                       device=device_of(cache.p), of="the loss")
+    else:
+        dloss = float(dloss)  # a NumPy float64 (a float subclass) would upcast float32 logits
     return dloss * (cache.p - cache.onehot) / float(cache.n), None
 
 

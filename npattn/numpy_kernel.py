@@ -366,7 +366,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         else:
             mask_shape = tuple(mask.shape)
             fmask = _grouped(np.broadcast_to(mask, full), Hkv, G)
-    drop_scale = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0
+    drop_scale = 1.0 / (1.0 - float(dropout_p)) if keep is not None else 1.0
 
     exps = _allocate(workspace, full5, work)  # [B, Hkv, G, Lq, Lk]: only blocks' columns written
     row_scale = np.empty((B, Hkv, G, Lq, 1), dtype=work)  # [B, Hkv, G, Lq, 1]

@@ -255,3 +255,34 @@ def test_mixing_devices_raises(strict_device1):
     with pytest.raises(ValueError):
         m(x1, x1, x1)
     assert device_of(m.params["w_q"]) != dev
+
+
+@pytest.mark.parametrize("p", [np.float64(0.25), np.float32(0.25)], ids=["np.float64", "np.float32"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_numpy_scalar_dropout_p_keeps_the_dtype(p, dtype):
+    """Under NumPy 2 a NumPy float64 scalar upcasts a float32 array: the dropout scale
+    1/(1-p) is taken as a Python float, and the results are those of p = 0.25."""
+    from npattn import attention as A
+    from npattn import compat
+
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal(s).astype(dtype)
+                     for s in ((2, 2, 5, 4), (2, 2, 7, 4), (2, 2, 7, 4), (2, 2, 5, 4)))
+    y, c = F.dropout_forward(q, p, rng=3)
+    y0, _ = F.dropout_forward(q, 0.25, rng=3)
+    assert y.dtype == dtype and F.dropout_backward(dout, c).dtype == dtype
+    np.testing.assert_array_equal(y, y0)
+    for impl in ("reference", "blocked", "numpy"):
+        out, cache = A.sdpa_forward(q, k, v, impl=impl, dropout_p=p, rng=3, softcap=5.0
+                                    if impl == "reference" else None)
+        out0, cache0 = A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.25, rng=3, softcap=5.0
+                                      if impl == "reference" else None)
+        grads, grads0 = A.sdpa_backward(dout, cache), A.sdpa_backward(dout, cache0)
+        assert out.dtype == dtype, impl
+        np.testing.assert_array_equal(out, out0)
+        for n in ("dq", "dk", "dv"):
+            assert getattr(grads, n).dtype == dtype, (impl, n)
+            np.testing.assert_array_equal(getattr(grads, n), getattr(grads0, n))
+    b = np.swapaxes(q, 1, 2).copy()
+    kb, vb = np.swapaxes(k, 1, 2).copy(), np.swapaxes(v, 1, 2).copy()
+    assert compat.flash_attn_func(b, kb, vb, dropout_p=p, softcap=5.0, rng=3).dtype == dtype

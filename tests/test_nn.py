@@ -250,3 +250,13 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
     d1, _ = nn.cross_entropy_backward(1.0, cache)  # a number, or the loss's own like
     d2, _ = nn.cross_entropy_backward(np.ones_like(loss), cache)
     np.testing.assert_array_equal(d1, d2)
+
+
+def test_a_numpy_float64_dloss_keeps_float32_logits_float32():
+    """np.float64 is a float subclass, and under NumPy 2 it upcasts a float32 array."""
+    logits = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    _, cache = nn.cross_entropy_forward(logits, np.array([1, 2, 0]))
+    d_py, _ = nn.cross_entropy_backward(0.5, cache)
+    d_np, _ = nn.cross_entropy_backward(np.float64(0.5), cache)
+    assert d_np.dtype == np.float32
+    np.testing.assert_array_equal(d_np, d_py)
