@@ -179,6 +179,38 @@ def test_low_precision_dtypes(dtype):
         np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), atol=tol * scale)
 
 
+@pytest.mark.parametrize("impl", ["reference", "blocked", "chunked"])
+def test_float16_on_dask_is_computed_in_float32(impl):
+    """Every implementation on dask float16 computes its scores and softmax in float32, as on
+    NumPy: the same numbers as NumPy's float16 call to float32 rounding, and an lse in float32.
+    (dask's namespace has no float16 attribute; the check compared with one.)"""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float16) * 3
+                     for s in ((1, 2, 64, 16), (1, 2, 48, 16), (1, 2, 48, 16), (1, 2, 64, 16)))
+    out0, c0 = A.sdpa_forward(q, k, v, impl="reference")  # NumPy: float32 inside
+    grads0 = A.sdpa_backward(dout, c0)
+    chunks = (1, 1, 32, 16)
+    out, c = A.sdpa_forward(*(da.from_array(t, chunks=chunks) for t in (q, k, v)), impl=impl)
+    grads = A.sdpa_backward(da.from_array(dout, chunks=chunks), c)
+    out, dq, dk, dv, lse = dask.compute(out, grads.dq, grads.dk, grads.dv, c.lse, scheduler="sync")
+    assert lse.dtype == np.float32
+    for got, want in zip((out, dq, dk, dv), (out0, grads0.dq, grads0.dk, grads0.dv)):
+        assert got.dtype == np.float16
+        err = np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
+        # float16 compute is off by ~2e-2 here; float32 compute by float16's last bits
+        assert err <= 4e-3 * max(float(np.max(np.abs(want.astype(np.float64)))), 1.0)
+
+
+def test_layer_norm_of_float16_on_dask_is_computed_in_float32():
+    from npattn import layers
+    x = (np.random.default_rng(4).standard_normal((2, 4, 64)) * 50 + 300).astype(np.float16)
+    y0, _ = layers.layer_norm_forward(x)
+    y, _ = layers.layer_norm_forward(da.from_array(x, chunks=(1, 4, 64)))
+    y = y.compute(scheduler="sync")
+    assert y.dtype == np.float16
+    np.testing.assert_array_equal(y, y0)  # a float16 mean of values near 300 overflows its sum
+
+
 # --------------------------------------------------------------------------
 # finite differences through the chunked graph
 
