@@ -763,6 +763,8 @@ def group_heads(xp: Any, x: Any, G: int) -> Any:
     if G == 1:
         return x
     *lead, Hq, L, X = x.shape
+    # two steps, each only splitting or merging axes: dask reshapes chunked arrays only so
+    x = xp.reshape(x, (*lead, Hq // G, G, L, X))  # [..., Hkv, G, L, X]
     return xp.reshape(x, (*lead, Hq // G, G * L, X))  # [..., Hkv, G*L, X]
 
 
@@ -771,6 +773,7 @@ def ungroup_heads(xp: Any, x: Any, G: int) -> Any:
     if G == 1:
         return x
     *lead, Hkv, GL, X = x.shape
+    x = xp.reshape(x, (*lead, Hkv, G, GL // G, X))  # [..., Hkv, G, L, X]
     return xp.reshape(x, (*lead, Hkv * G, GL // G, X))  # [..., Hq, L, X]
 
 

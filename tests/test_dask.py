@@ -201,6 +201,44 @@ def test_float16_on_dask_is_computed_in_float32(impl):
         assert err <= 4e-3 * max(float(np.max(np.abs(want.astype(np.float64)))), 1.0)
 
 
+@pytest.mark.parametrize("chunks", [(1, 4, 6, 4), (2, 2, 3, 4), (1, 1, 2, 4)],
+                         ids=["batch", "heads-rows", "all"])
+@pytest.mark.parametrize("impl", ["reference", "auto-weights"])
+def test_grouped_heads_on_the_reference_path_with_chunked_q(chunks, impl):
+    """GQA on the reference path reshapes query heads into their K/V heads' rows; dask
+    reshapes a chunked array only one split or merge at a time (it refused before)."""
+    rng = np.random.default_rng(5)
+    q, dout = rng.standard_normal((2, 4, 6, 4)), rng.standard_normal((2, 4, 6, 3))
+    k, v = rng.standard_normal((2, 2, 7, 4)), rng.standard_normal((2, 2, 7, 3))
+    kw = dict(enable_gqa=True, is_causal=True)
+    if impl == "reference":
+        kw["impl"] = "reference"
+    else:  # "auto" takes the reference for the weights
+        kw["need_weights"] = True
+    out0, c0 = A.sdpa_forward(q, k, v, **kw)
+    g0 = A.sdpa_backward(dout, c0)
+    kv_chunks = (chunks[0], max(1, chunks[1] // 2), 7, 4)
+    out, c = A.sdpa_forward(da.from_array(q, chunks=chunks), da.from_array(k, chunks=kv_chunks),
+                            da.from_array(v, chunks=kv_chunks[:3] + (3,)), **kw)
+    g = A.sdpa_backward(da.from_array(dout, chunks=chunks[:3] + (3,)), c)
+    got = dask.compute(out, g.dq, g.dk, g.dv, scheduler="sync")
+    for a, b in zip(got, (out0, g0.dq, g0.dk, g0.dv)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_grouped_query_module_with_weights_on_batch_chunks():
+    """docs/dask.md's usage (batch chunks) with n_kv_head between 1 and n_head and weights."""
+    x = np.random.default_rng(6).standard_normal((2, 6, 8))
+    ref = MultiHeadAttention(8, 4, n_kv_head=2, dtype="float64", seed=0)
+    m = MultiHeadAttention(8, 4, n_kv_head=2, dtype="float64", seed=0, backend="dask")
+    out0, w0 = ref(x, x, x, need_weights=True)
+    xd = da.from_array(x, chunks=(1, 6, 8))
+    out, w = m(xd, xd, xd, need_weights=True)
+    out, w = dask.compute(out, w, scheduler="sync")
+    np.testing.assert_allclose(out, out0, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, w0, rtol=1e-12, atol=1e-13)
+
+
 def test_layer_norm_of_float16_on_dask_is_computed_in_float32():
     from npattn import layers
     x = (np.random.default_rng(4).standard_normal((2, 4, 64)) * 50 + 300).astype(np.float16)
