@@ -86,6 +86,7 @@ import numpy as np
 
 from . import attention as A
 from .backend import to_numpy
+from .validation import dtype_name
 from .verify_cases import OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_supports, panel
 
 __all__ = [
@@ -733,12 +734,6 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     return _checked_out(result[0]), (result[1] if cfg.returns_lse else None), saved
 
 
-def _dtype_name(x: Any) -> str:
-    """The name of ``x``'s dtype in any library ("float16"; torch's "torch.float16" too)."""
-    name = str(getattr(x, "dtype", type(x).__name__))
-    return name[len("torch."):] if name.startswith("torch.") else name
-
-
 def _checked_out(out: Any) -> Any:
     """``out`` when it is an array, else a ``TypeError`` that says what ``fn`` returned."""
     if not (hasattr(out, "shape") and hasattr(out, "dtype")):
@@ -834,11 +829,13 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     res["written"] = [n for n, x, want in (("q", q, inp.q), ("k", k, inp.k), ("v", v, inp.v),
                                            ("dout", dout, inp.dout))
                       if not np.array_equal(_from_layout(lib.host(x), L), want, equal_nan=True)]
-    # out and dq, dk, dv in the dtype of q (k, v) as the kernel got them
-    res["dtypes"] = {n: (_dtype_name(t), _dtype_name(x))
-                     for n, t, x in (("out", out, q), ("dq", grads.get("dq"), q),
-                                     ("dk", grads.get("dk"), k), ("dv", grads.get("dv"), v))
-                     if t is not None and _dtype_name(t) != _dtype_name(x)}
+    # out and dq, dk, dv in the dtype of q (k, v) as the kernel got them: {name: (got, want, of)}
+    res["dtypes"] = {}
+    for n, t, x, of in (("out", out, q, "q"), ("dq", grads.get("dq"), q, "q"),
+                        ("dk", grads.get("dk"), k, "k"), ("dv", grads.get("dv"), v, "v")):
+        got_dtype = getattr(t, "dtype", None)
+        if got_dtype is not None and dtype_name(got_dtype) != dtype_name(x.dtype):
+            res["dtypes"][n] = (dtype_name(got_dtype), dtype_name(x.dtype), of)
     res["out"] = _from_layout(lib.host(out), L)
     if cfg.returns_lse:
         h = lib.host(lse)
@@ -1038,8 +1035,8 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
             tr.note = nan
         if n in dtypes:  # the right numbers in another dtype are still not the kernel's contract
             tr.status = "fail"
-            tr.note = (f"dtype: expected {dtypes[n][1]} (as {'q' if n in ('out', 'dq') else n[1]}), "
-                       f"got {dtypes[n][0]}")
+            got_dtype, want, of = dtypes[n]
+            tr.note = f"dtype: expected {want} (as {of}), got {got_dtype}"
         result.tensors[n] = tr
         notes[n] = tr.note
         if factor is not None:

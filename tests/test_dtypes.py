@@ -273,10 +273,9 @@ def test_a_numpy_scalar_dropout_p_keeps_the_dtype(p, dtype):
     assert y.dtype == dtype and F.dropout_backward(dout, c).dtype == dtype
     np.testing.assert_array_equal(y, y0)
     for impl in ("reference", "blocked", "numpy"):
-        out, cache = A.sdpa_forward(q, k, v, impl=impl, dropout_p=p, rng=3, softcap=5.0
-                                    if impl == "reference" else None)
-        out0, cache0 = A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.25, rng=3, softcap=5.0
-                                      if impl == "reference" else None)
+        cap = 5.0 if impl == "reference" else None  # the kernel options' path too
+        out, cache = A.sdpa_forward(q, k, v, impl=impl, dropout_p=p, rng=3, softcap=cap)
+        out0, cache0 = A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.25, rng=3, softcap=cap)
         grads, grads0 = A.sdpa_backward(dout, cache), A.sdpa_backward(dout, cache0)
         assert out.dtype == dtype, impl
         np.testing.assert_array_equal(out, out0)
