@@ -563,7 +563,8 @@ def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache, *, dlse: Any = Non
     dout : array, shape of the output (..., Lq, Dv)
     cache : BlockedSDPACache
     dlse : array, shape (..., Lq), optional
-        Upstream gradient of ``cache.lse``, in its dtype.
+        Upstream gradient of ``cache.lse``, in its dtype; entries on rows with
+        nothing to attend (lse = -inf) do not matter.
 
     Returns
     -------
@@ -588,8 +589,9 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
     # 8. out = acc / l = a @ v row by row, so sum_j dp_j p_j = rowsum(dout * out);
     #    lse = m + log(l) adds d lse / dz_j = p_j: delta = rowsum(dout * out) - dlse
     delta = xp.sum(dout * c.out, axis=-1, keepdims=True)  # [..., Lq, 1]
-    if dlse is not None:
-        delta = delta - xp.reshape(xp.astype(dlse, work), rows + (1,))
+    if dlse is not None:  # a row with nothing to attend (l = 0) has lse = -inf whatever its
+        #                   scores: its dlse does not matter, and an inf there would give 0 * inf
+        delta = delta - xp.where(c.l == 0.0, 0.0, xp.reshape(xp.astype(dlse, work), rows + (1,)))
     split = _pool_split(xp, c)
     if split is None:
         with limit_blas_threads(1 if is_numpy_array(c.q) else None):
@@ -605,7 +607,8 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
         dmask = None  # split only without a floating mask
     dsinks = None
     if c.options.sinks is not None:  # the sink: a logit with no value, dp_sink = 0
-        p_sink = xp.exp(c.options.sinks - c.m) / c.l  # [..., Lq, 1]  (l >= exp(sink - m) > 0)
+        # l >= exp(sink - m) > 0, except under a sink of -inf on a row with nothing to attend
+        p_sink = xp.exp(c.options.sinks - c.m) / xp.where(c.l == 0.0, 1.0, c.l)  # [..., Lq, 1]
         dsink = -(p_sink * delta)  # dz_sink = p_sink * (0 - delta)
         dsinks = xp.reshape(F.sum_to_shape(xp, dsink, tuple(c.options.sinks.shape)), c.sinks_shape)
     qb, kb, vb = c.shapes_b

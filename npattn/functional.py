@@ -456,7 +456,8 @@ def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -
     dp : array, shape of ``p`` (..., Lk)
     cache : SoftmaxCache
     dlse : array, shape (..., 1), optional
-        Gradient of ``cache.lse``, in its dtype.
+        Gradient of ``cache.lse``, in its dtype; entries on rows with nothing to
+        attend (lse = -inf) do not matter.
 
     Returns
     -------
@@ -485,8 +486,9 @@ def _masked_softmax_backward(dp, cache, dlse=None):
     #       dz = p * (dp - sum_j dp_j p_j); the shift m cancels (p does not depend on it).
     #       lse = log(sum_j exp(z_j)) adds d lse / dz_j = p_j: dz = p * (dp - delta + dlse)
     delta = xp.sum(dp * p, axis=-1, keepdims=True)  # [..., 1]
-    if dlse is not None:
-        delta = delta - dlse  # [..., 1]
+    if dlse is not None:  # a row with nothing to attend has lse = -inf whatever its scores
+        #                   (p = 0): its dlse does not matter, and an inf there would give 0 * inf
+        delta = delta - xp.where(cache.lse == -math.inf, 0.0, dlse)  # [..., 1]
     dz = p * (dp - delta)  # [..., Lk]
     # 2. z = where(mask, x, -inf): dx = where(mask, dz, 0), already 0 since p = 0 there
     # 1. z = x + mask: dx = dz, dmask = dz summed to the mask's shape
@@ -992,7 +994,8 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     cache : SDPACache
     dlse : array, shape (B, H, Lq), optional
         Upstream gradient of ``cache.lse`` (ring and split-KV attention merge
-        partial results through it), in the dtype of ``cache.lse``.
+        partial results through it), in the dtype of ``cache.lse``. Entries on
+        rows with nothing to attend (lse = -inf) do not matter, inf and NaN included.
 
     Returns
     -------
@@ -1028,7 +1031,9 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     # 6. a = dropout(p)
     dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
     # 5. p = softmax(z, a_mask, sink): ds = p * (dp - delta + dlse), delta = rowsum(dp * p)
-    dlse_rows = None if dlse is None else xp.expand_dims(dlse, axis=-1)  # [B, H, Lq, 1]
+    dlse_rows = None  # [B, H, Lq, 1]; 0 on rows with nothing to attend (lse = -inf, p = 0)
+    if dlse is not None:
+        dlse_rows = xp.where(cache.softmax.lse == -math.inf, 0.0, xp.expand_dims(dlse, axis=-1))
     ds, da_mask = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
     # 4. a_mask = where(allowed, mask, -inf): dmask = da_mask where allowed, and
     #    da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape

@@ -500,7 +500,10 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
     dk_m, dk = _merged(B, Lk, Hkv, 1, Dh, work)  # [B, Hkv, 1, Lk, Dh] view
     dv_m, dv = _merged(B, Lk, Hkv, 1, Dv, work)  # [B, Hkv, 1, Lk, Dv] view
     q5, do5, out5 = (_grouped(t, Hkv, G) for t in (q, dout, cache.out))
-    dlse5 = None if dlse is None else _grouped(dlse[..., None].astype(work), Hkv, G)
+    dlse5 = None  # [B, Hkv, G, Lq, 1]; 0 on rows with nothing to attend (lse = -inf, p = 0):
+    if dlse is not None:  # their dlse does not matter, and an inf there would give 0 * inf
+        empty = cache.lse_rows[..., None] == -math.inf
+        dlse5 = np.where(empty, 0.0, _grouped(dlse[..., None], Hkv, G)).astype(work)
     vT = np.swapaxes(v, -1, -2)[:, :, None]  # [B, Hkv, 1, Dv, Lk] view
     k5 = k[:, :, None]  # [B, Hkv, 1, Lk, Dh]
     tasks, r = _tiling(B, Hkv, G, Lq, Lk, causal, BACKWARD_TILE_FACTOR * TILE_ELEMS)

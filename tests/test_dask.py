@@ -226,6 +226,30 @@ def test_grouped_heads_on_the_reference_path_with_chunked_q(chunks, impl):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("impl", ["reference", "blocked", "chunked"])
+def test_dlse_on_rows_with_nothing_to_attend_does_not_matter_on_dask(impl):
+    """An empty row's lse is -inf whatever its scores: +inf or NaN as its dlse gives the
+    gradients of 0 there (flash-attn's lse holds +inf on such rows), on every dask path."""
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (rng.standard_normal(s) for s in ((2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 3),
+                                                      (2, 2, 6, 3)))
+    mask = rng.random((2, 1, 6, 7)) > 0.3
+    mask[0, :, 1] = False  # an empty row
+    empty = np.zeros((2, 2, 6), bool)
+    empty[0, :, 1] = True
+    dlse = np.where(empty, 0.0, rng.standard_normal((2, 2, 6)))
+    g0 = A.sdpa_backward(dout, A.sdpa_forward(q, k, v, mask=mask, impl="reference")[1], dlse=dlse)
+    chunks = (1, 2, 3, 4)
+    out, c = A.sdpa_forward(*(da.from_array(t, chunks=chunks) for t in (q, k, v)),
+                            mask=da.from_array(mask, chunks=(1, 1, 3, 7)), impl=impl)
+    for bad in (np.inf, np.nan):
+        g = A.sdpa_backward(da.from_array(dout, chunks=chunks), c,
+                            dlse=da.from_array(np.where(empty, bad, dlse), chunks=(1, 2, 3)))
+        for got, want in zip(dask.compute(g.dq, g.dk, g.dv, scheduler="sync"), g0[:3]):
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+
+
 def test_grouped_query_module_with_weights_on_batch_chunks():
     """docs/dask.md's usage (batch chunks) with n_kv_head between 1 and n_head and weights."""
     x = np.random.default_rng(6).standard_normal((2, 6, 8))

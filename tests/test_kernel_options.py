@@ -349,6 +349,48 @@ def test_lse_and_dlse_on_plain_calls(impl):
     assert not np.allclose(g.dq, g0.dq), "dlse must change dq"
 
 
+@pytest.mark.parametrize("impl", ["reference", "blocked", "numpy"])
+def test_dlse_on_rows_with_nothing_to_attend_does_not_matter(backend, xp, to_xp, to_np, on_backend,
+                                                            impl):
+    """A row with nothing to attend has lse = -inf whatever its scores (p = 0 there), so its
+    dlse entry moves no gradient: +inf (what flash-attn's lse holds there), -inf or NaN give
+    the same finite gradients as 0, and the row's dq is 0. With sinks a head whose sink is
+    -inf ("no sink") has such rows too, and dsinks stays finite."""
+    if impl == "numpy" and backend != "numpy":
+        pytest.skip("the NumPy kernel takes NumPy arrays")
+    rng = np.random.default_rng(12)
+    q, k = rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 7, 3))
+    v, dout = rng.standard_normal((2, 2, 7, 2)), rng.standard_normal((2, 4, 5, 2))
+    mask = rng.random((2, 1, 5, 7)) > 0.3
+    mask[0, :, 2] = False  # empty rows, in a block with other rows (blocked skips no block)
+    mask[1, :, 4] = False
+    cases = [dict(mask=mask, is_causal=True, enable_gqa=True)]
+    if impl != "numpy":  # the kernel takes no sinks
+        cases.append(dict(mask=mask, enable_gqa=True, sinks=np.array([-np.inf, 0.3, -np.inf, -1.0])))
+    for kw in cases:
+        _, cache = run(on_backend, impl, to_xp(q), to_xp(k), to_xp(v), kw)
+        _, ref_cache = A.sdpa_forward(q, k, v, impl="reference", **kw)
+        empty = np.isneginf(to_np(cache.lse))  # [B, Hq, Lq]
+        assert empty[0, :, 2].all() or "sinks" in kw
+        assert empty[0, 0, 2] and empty[1, 2, 4] and not empty.all()
+        dlse = np.where(empty, 0.0, rng.standard_normal(empty.shape))
+        base = A.sdpa_backward(to_xp(dout), cache, dlse=to_xp(dlse))
+        ref = A.sdpa_backward(dout, ref_cache, dlse=dlse)
+        for name in ("dq", "dk", "dv", "dsinks"):
+            g, g_ref = to_np(getattr(base, name)), getattr(ref, name)
+            if g_ref is None:
+                continue
+            assert np.isfinite(g).all(), name
+            np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12, err_msg=name)
+        assert np.all(to_np(base.dq)[empty] == 0.0)
+        for bad in (np.inf, -np.inf, np.nan):
+            g = A.sdpa_backward(to_xp(dout), cache, dlse=to_xp(np.where(empty, bad, dlse)))
+            for name in ("dq", "dk", "dv", "dsinks"):
+                if getattr(base, name) is not None:
+                    np.testing.assert_array_equal(to_np(getattr(g, name)), to_np(getattr(base, name)),
+                                                  err_msg=f"{name}, dlse = {bad} on empty rows")
+
+
 # --------------------------------------------------------------------------
 # options of the public API: masks builders, dispatcher, errors
 
