@@ -25,6 +25,7 @@ Code uses only the Python Array API standard through ``xp``.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Optional
@@ -512,15 +513,21 @@ class _Block:
         import torch
 
         act = layer.activation
+        gelu_form = None  # "none" or "tanh": F.gelu, nn.GELU or functools.partial(F.gelu, approximate=)
+        if act is torch.nn.functional.gelu:
+            gelu_form = "none"
+        elif isinstance(act, torch.nn.GELU):
+            gelu_form = act.approximate
+        elif (isinstance(act, functools.partial) and act.func is torch.nn.functional.gelu and not act.args
+              and set(act.keywords) <= {"approximate"}):
+            gelu_form = act.keywords.get("approximate", "none")  # what GPT.to_torch builds
         if act is torch.nn.functional.relu or isinstance(act, torch.nn.ReLU):
             activation = "relu"
-        elif act is torch.nn.functional.gelu or (isinstance(act, torch.nn.GELU) and act.approximate == "none"):
-            activation = "gelu"
-        elif isinstance(act, torch.nn.GELU) and act.approximate == "tanh":
-            activation = "gelu_tanh"
+        elif gelu_form in ("none", "tanh"):
+            activation = "gelu" if gelu_form == "none" else "gelu_tanh"
         else:
-            raise ValueError("layer: expected activation relu, gelu or torch.nn.GELU(approximate='tanh'), "
-                             f"got {act!r}")
+            raise ValueError("layer: expected activation relu, gelu, torch.nn.GELU(approximate='tanh') or "
+                             f"functools.partial(torch.nn.functional.gelu, approximate='tanh'), got {act!r}")
         return dict(
             d_model=layer.self_attn.embed_dim, n_head=layer.self_attn.num_heads,
             d_ff=layer.linear1.out_features, dropout=float(layer.dropout.p),
