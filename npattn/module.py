@@ -1369,5 +1369,5 @@ def set_rng_state(label: str, rng: np.random.Generator, state: Any) -> None:
         return
     try:
         rng.bit_generator.state = state
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:  # integers out of range: OverflowError
         raise ValueError(f"{label}: the saved dropout generator state is not valid ({exc})") from exc

@@ -321,6 +321,10 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
                              ("configuration is not valid", "activation", "'tanh'")),
         "bad training flag": (_edit_header(training="yes"), ("training", "'yes'")),
         "bad generator state": (_edit_header(rng_state={"bit_generator": "nope"}), ("generator state",)),
+        "generator state out of range": (_edit_header(rng_state={"bit_generator": "PCG64", "has_uint32": 0,
+                                                                 "uinteger": 0,
+                                                                 "state": {"state": 2**200, "inc": 1}}),
+                                         ("generator state",)),
         "no config": (lambda e: e.pop("config"), ("'config'", "TransformerDecoderBlock.save")),
         "parameter missing": (lambda e: e.pop("param/norm3.bias"), ("norm3.bias", "missing")),
         "parameter unexpected": (lambda e: e.update({"param/norm4.weight": np.ones(D)}),
@@ -512,5 +516,9 @@ def test_rng_state_reads_a_copy_and_restores_the_next_masks(xp, to_xp, to_np):
     state_copy["state"]["state"] += 1  # writing the copy does not move the block's generator
     block.rng_state = state
     np.testing.assert_array_equal(to_np(block.forward(x)), first)
-    with pytest.raises(ValueError, match="rng_state"):
-        block.rng_state = {"bit_generator": "nope"}
+    before = block.rng_state
+    for bad in ({"bit_generator": "nope"},
+                {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0, "state": {"state": -5, "inc": 1}}):
+        with pytest.raises(ValueError, match="rng_state"):  # out of range: was an OverflowError
+            block.rng_state = bad
+    assert block.rng_state == before  # a failed assignment moves nothing
