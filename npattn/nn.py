@@ -262,12 +262,15 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
 
     ``params`` and ``grads`` dicts of arrays, every gradient's name a parameter's and of its
     shape (or None); ``state`` an ``AdamState`` whose moments have the parameters' names and
-    shapes and whose ``t`` is an int >= 0; ``lr``, ``eps`` and ``weight_decay`` finite and
-    >= 0 (as torch.optim.Adam's), ``betas`` two numbers in [0, 1).
+    shapes, each an array of its parameter's library, device and dtype (nothing is promoted),
+    and whose ``t`` is an int >= 0; ``lr``, ``eps`` and ``weight_decay`` finite and >= 0 (as
+    torch.optim.Adam's), ``betas`` two numbers in [0, 1).
     """
     for name, d in (("params", params), ("grads", grads)):
         if not isinstance(d, dict):
             raise TypeError(f"{name}: expected a dict of arrays, got {Vd.type_name(d)}")
+    for name, p in params.items():
+        Vd.check_array(f"params[{name!r}]", p)
     unknown = sorted(set(grads) - set(params), key=str)
     if unknown:
         raise ValueError(f"grads: expected names of params {sorted(params, key=str)}, got {unknown} too")
@@ -279,10 +282,13 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
         raise TypeError(f"state: expected an npattn.nn.AdamState (nn.adam_init(params)), got "
                         f"{Vd.type_name(state)}")
     for moments in (state.m, state.v):
-        if (not isinstance(moments, dict) or set(moments) != set(params)
-                or any(Vd.shape_of(moments[k]) != Vd.shape_of(p) for k, p in params.items())):
+        if not isinstance(moments, dict) or set(moments) != set(params):
             raise ValueError("state: expected the Adam moments of these parameters "
-                             "(nn.adam_init(params)), got moments of other names or shapes")
+                             "(nn.adam_init(params)), got moments of other names")
+    for label, moments in (("state.m", state.m), ("state.v", state.v)):
+        for k, p in params.items():
+            Vd.check_grad(f"{label}[{k!r}]", moments[k], shape=Vd.shape_of(p), dtype=p.dtype,
+                          xp=namespace(p), device=device_of(p), of=f"params[{k!r}]")
     Vd.check_size("state.t", state.t)  # the steps taken
     Vd.check_number("lr", lr, allow_zero=True)  # >= 0, as torch.optim.Adam's
     Vd.check_number("eps", eps, allow_zero=True)

@@ -368,6 +368,10 @@ def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
             training_step(model, kw.pop("state", state), ids, tgt, **kw)
     with pytest.raises(ValueError, match="state"):
         training_step(model, other, ids, tgt, lr=0.1)
+    lower = nn.adam_init({k: v[...] * 0.0 for k, v in model.params.items()})  # a float32 Adam state
+    lower = lower._replace(m={k: xp.astype(v, xp.float32) for k, v in lower.m.items()})
+    with pytest.raises(TypeError, match=r"state\.m\['wte'\]: expected dtype float64"):
+        training_step(model, lower, ids, tgt, lr=0.1)  # refused before the forward, not by Adam after it
     with pytest.raises(TypeError, match="state"):
         training_step(model, None, ids, tgt, lr=0.1)
     assert model.grads == {}  # nothing ran

@@ -210,6 +210,11 @@ def test_adam_checks_its_arguments_before_writing_anything():
         (dict(state=nn.AdamState(state.m, state.v, "x")), TypeError, r"^state\.t: expected an int >= 0"),
         (dict(state=nn.AdamState(state.m, state.v, -1)), ValueError, r"^state\.t: expected an int >= 0, got -1"),
         (dict(state=nn.adam_init({"v": np.ones(2)})), ValueError, "^state: expected the Adam moments"),
+        (dict(state=nn.adam_init({"w": np.ones(3)})), ValueError, r"^state\.m\['w'\]: expected shape \(2,\)"),
+        (dict(state=nn.adam_init({"w": np.ones(2, np.float32)})), TypeError,
+         r"^state\.m\['w'\]: expected dtype float64 \(that of params\['w'\]\)"),
+        (dict(state=state._replace(v={"w": [0.0, 0.0]})), TypeError, r"^state\.v\['w'\]: expected a numpy array"),
+        (dict(params={"w": [1.0, 1.0]}), TypeError, r"^params\['w'\]: expected an array, got list"),
         (dict(lr=-0.1), ValueError, "^lr"), (dict(eps=float("inf")), ValueError, "^eps"),
         (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
     ]
