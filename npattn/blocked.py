@@ -310,7 +310,7 @@ def _forward_loops(xp, c):
         l = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev)  # [..., bq, 1]
         if sinks is not None:  # the sink is a first key with score `sink` and no value
             m = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev) + sinks  # m = sink
-            l = l + 1.0  # l = exp(sink - m) = 1
+            l = xp.where(sinks == -math.inf, l, l + 1.0)  # l = exp(sink - m) = 1; 0 for no sink
         acc = xp.zeros(batch + (i1 - i0, Dv), dtype=work, device=dev)  # [..., bq, Dv]
         for j0, j1 in _blocks(Lk, c.block_k):
             if _block_skipped(xp, c, i0, i1, j0, j1):

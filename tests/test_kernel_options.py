@@ -349,6 +349,27 @@ def test_lse_and_dlse_on_plain_calls(impl):
     assert not np.allclose(g.dq, g0.dq), "dlse must change dq"
 
 
+@pytest.mark.parametrize("block_q", [1, 2, 5])
+def test_no_sink_on_rows_whose_blocks_are_all_skipped(xp, to_xp, to_np, block_q):
+    """A sink of -inf is no sink: a row that a bottom-right causal call (Lq > Lk) leaves
+    nothing, and whose key blocks the blocked path skips, is empty as on the reference
+    (zero output, lse -inf, finite dsinks); it kept the sink's l = 1 and gave NaN."""
+    rng = np.random.default_rng(13)
+    q, k, v = rng.standard_normal((2, 2, 5, 3)), rng.standard_normal((2, 2, 3, 3)), rng.standard_normal((2, 2, 3, 2))
+    dout, dlse = rng.standard_normal((2, 2, 5, 2)), rng.standard_normal((2, 2, 5))
+    kw = dict(is_causal=True, align="bottom_right", sinks=np.array([-np.inf, 0.4]))
+    _, ref = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    g_ref = A.sdpa_backward(dout, ref, dlse=dlse)
+    out, c = A.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), impl="blocked", block_q=block_q, block_k=2,
+                            **{**kw, "sinks": to_xp(kw["sinks"])})
+    g = A.sdpa_backward(to_xp(dout), c, dlse=to_xp(dlse))
+    assert np.isneginf(to_np(c.lse)[:, 0, :2]).all() and np.all(to_np(out)[:, 0, :2] == 0)
+    np.testing.assert_array_equal(to_np(c.lse) == -np.inf, ref.lse == -np.inf)
+    for name in ("dq", "dk", "dv", "dsinks"):
+        np.testing.assert_allclose(to_np(getattr(g, name)), getattr(g_ref, name), rtol=1e-12, atol=1e-12,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("impl", ["reference", "blocked", "numpy"])
 def test_dlse_on_rows_with_nothing_to_attend_does_not_matter(backend, xp, to_xp, to_np, on_backend,
                                                             impl):
