@@ -178,13 +178,13 @@ class BlockedSDPACache(NamedTuple):
 
 def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
     """Steps 2.-3. of the forward for one block: the scores ``z`` of ``[i0:i1, j0:j1]``
-    with every option applied, and ``tanh(s / softcap)`` for the backward (None without)."""
+    with every option applied, and ``s / softcap`` for the backward (None without)."""
     o = c.options
     z = qs_i @ xp.matrix_transpose(k_j)  # 2. s = (q * scale) @ k^T      [..., bq, bk]
-    t = None
+    u = None
     if o.softcap is not None:
-        t = xp.tanh(z / o.softcap)  # 2. c = softcap * tanh(s / softcap)
-        z = o.softcap * t
+        u = z / o.softcap
+        z = o.softcap * xp.tanh(u)  # 2. c = softcap * tanh(s / softcap)
     cut = F.block_cut(o, i0, i1, j0, j1)  # the window crosses this block
     if o.alibi is not None or cut:
         rows = xp.arange(i0, i1, device=device_of(z))  # [bq]
@@ -205,7 +205,7 @@ def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
         allowed = F.combine_allowed(xp, allowed, same)
     if allowed is not None:
         z = xp.where(allowed, z, -math.inf)  # 3. z = where(allowed, z, -inf)
-    return z, t
+    return z, u
 
 
 def _block_skipped(xp, c, i0, i1, j0, j1) -> bool:
@@ -548,7 +548,7 @@ def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache, *, dlse: Any = Non
     * ``da = dout_i @ v_j^T``;  ``dp = dropout_backward(da)``
     * ``dz = p * (dp - delta_i)``  (the dense ``p * (dp - rowsum(dp * p) + dlse)``:
       ``rowsum(dp * p) = rowsum(da * a) = dout . (a @ v) = rowsum(dout * out)``)
-    * ``dmask += dz`` summed to the mask's shape; ``ds = dz * (1 - tanh^2)``
+    * ``dmask += dz`` summed to the mask's shape; ``ds = dz * sech^2(s / softcap)``
       under a softcap, else ``ds = dz``
     * ``dq_i += ds @ k_j * scale``;  ``dk_j += ds^T @ qs_i``
 
@@ -652,7 +652,7 @@ def _backward_loops(dout, delta, cache: BlockedSDPACache):
                 continue  # the forward skipped this block: p = 0 there
             qs_i, do_i = qs[..., i0:i1, :], dout[..., i0:i1, :]  # [..., bq, Dh], [..., bq, Dv]
             # 2.-3. and 9.: z as in the forward; p = exp(z - m) / l, 0 where masked
-            z, t = _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1)  # [..., bq, bk]
+            z, u = _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1)  # [..., bq, bk]
             p = xp.exp(z - c.m[..., i0:i1, :]) / l_safe[..., i0:i1, :]  # [..., bq, bk]
             # 7. acc += dropout(p) @ v_j: dv_j += a^T @ dout_i, da = dout_i @ v_j^T
             keep = _block_keep(xp, c, i0, i1, j0, j1, dev)
@@ -671,9 +671,9 @@ def _backward_loops(dout, delta, cache: BlockedSDPACache):
                 where_ = (ib if mq else 0, jb if mk else 0)
                 prev = dmask_parts.get(where_)
                 dmask_parts[where_] = g if prev is None else prev + g
-            # 2. z = softcap * tanh(s / softcap) + alibi: ds = dz * (1 - tanh^2)
-            if t is not None:
-                ds = ds * (1.0 - t * t)
+            # 2. z = softcap * tanh(u) + alibi, u = s / softcap: ds = dz * sech^2(u) (= 1 - tanh^2)
+            if u is not None:
+                ds = ds * F.sech_squared(xp, u)
             # 2. s = qs_i @ k_j^T: dqs_i = ds @ k_j, dk_j = ds^T @ qs_i; 1. qs = q * scale
             dq_i = (ds @ k_j) * c.scale  # [..., bq, Dh]
             dq_parts[ib] = dq_i if dq_parts[ib] is None else dq_parts[ib] + dq_i

@@ -76,6 +76,7 @@ __all__ = [
     "block_visible",
     "block_cut",
     "alibi_bias",
+    "sech_squared",
     "combine_allowed",
 ]
 
@@ -607,7 +608,7 @@ class SDPACache(NamedTuple):
     in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
     groups: int = 1  # G = Hq // Hkv query heads per K/V head (grouped-query attention)
     options: Any = None  # ScoreOptions of the call (window, softcap, ALiBi, sinks, segments)
-    capped: Any = None  # [B, H, Lq, Lk] tanh(s / softcap) with a softcap, for its derivative
+    capped: Any = None  # [B, H, Lq, Lk] s / softcap with a softcap, for its derivative sech^2
     shapes: tuple = ()  # (q, k, v, sinks) shapes as given, for gradients of broadcast inputs
 
     @property
@@ -747,6 +748,15 @@ def alibi_bias(xp: Any, slopes: Any, rows: Any, cols: Any, offset: int) -> Any:
     with the leading axes of ``slopes`` [..., 1, 1]."""
     d = xp.expand_dims(cols, axis=0) - (xp.expand_dims(rows, axis=1) + offset)  # [bq, bk]
     return slopes * (-xp.astype(xp.abs(d), slopes.dtype))  # [..., bq, bk]
+
+
+def sech_squared(xp: Any, u: Any) -> Any:
+    """``sech^2(u) = 1 - tanh^2(u)``, the derivative of ``tanh``, as ``4 a / (1 + a)^2`` with
+    ``a = exp(-2 abs(u))``: where ``tanh(u)`` rounds towards +-1, ``1 - tanh^2`` computed from it
+    cancels (to 0 from ``abs(u) > 9`` in float32), and ``1 / cosh^2`` overflows; this form does
+    neither."""
+    a = xp.exp(-2.0 * xp.abs(u))
+    return 4.0 * a / ((1.0 + a) * (1.0 + a))
 
 
 def combine_allowed(xp: Any, a: Any, b: Any) -> Any:
@@ -953,8 +963,8 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
     s = ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
     capped = None
     if o.softcap is not None:
-        capped = xp.tanh(s / o.softcap)  # 2.                      [B, H, Lq, Lk]
-        s = o.softcap * capped  # c = softcap * tanh(s / softcap)
+        capped = s / o.softcap  # 2.                                [B, H, Lq, Lk]
+        s = o.softcap * xp.tanh(capped)  # c = softcap * tanh(s / softcap)
     if o.alibi is not None:
         s = s + alibi_bias(xp, o.alibi, rows, cols, o.offset)  # 3. [B, H, Lq, Lk]
 
@@ -1049,9 +1059,10 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
         dsink = -(cache.softmax.p_sink * delta)  # [B, H, Lq, 1]
         dsinks = xp.reshape(sum_to_shape(xp, dsink, tuple(o.sinks.shape)), cache.shapes[3])
     # 3. z = c + alibi: dc = dz (the bias is a constant)
-    # 2. c = softcap * tanh(s / softcap): ds = dc * (1 - tanh^2)
+    # 2. c = softcap * tanh(s / softcap): ds = dc * (1 - tanh^2(s / softcap)) = dc * sech^2(...)
+    #    (sech^2 from s / softcap: 1 - tanh^2 cancels where tanh rounds to 1)
     if cache.capped is not None:
-        ds = ds * (1.0 - cache.capped * cache.capped)  # [B, H, Lq, Lk]
+        ds = ds * sech_squared(xp, cache.capped)  # [B, H, Lq, Lk]
     # 1. s = ungroup(qg @ k^T) * scale: dqg = ds_g @ k * scale, and
     #    dk = ds_g^T @ qg * scale, again summed over the G query heads of a group
     ds_g = group_heads(xp, ds, G)  # [B, Hkv, G*Lq, Lk]

@@ -349,6 +349,42 @@ def test_lse_and_dlse_on_plain_calls(impl):
     assert not np.allclose(g.dq, g0.dq), "dlse must change dq"
 
 
+def test_sech_squared_is_the_derivative_of_tanh_without_cancelling():
+    u = np.array([-1e4, -30.0, -8.0, -1.0, 0.0, 0.5, 3.0, 8.0, 30.0, 1e4, np.inf])
+    with np.errstate(all="raise"):  # no overflow on the way, underflow to 0 allowed below
+        with np.errstate(under="ignore"):
+            got = F.sech_squared(np, u)
+    want = (1.0 / np.cosh(np.clip(u, -700, 700))) ** 2  # float64: cosh(700) is finite
+    np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(F.sech_squared(np, u[3:8]), 1.0 - np.tanh(u[3:8]) ** 2, rtol=1e-9)
+    u32 = np.float32([6.0, 8.0, 9.5])  # tanh rounds to 1 in float32 from about 9
+    exact = 1.0 / np.cosh(u32.astype(np.float64)) ** 2
+    np.testing.assert_allclose(F.sech_squared(np, u32), exact, rtol=1e-6)
+    assert np.max(np.abs(1.0 - np.tanh(u32) ** 2 - exact) / exact) > 0.1  # what it avoids
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+@pytest.mark.parametrize("lo", [4.0, 7.0])
+def test_softcap_gradients_in_float32_where_tanh_saturates(xp, to_xp, to_np, impl, lo):
+    """Scores of ``lo`` to ``lo + 2.3`` softcaps: 1 - tanh^2 in float32 lost dq and dk
+    (relative errors of 6e-4 at 4 softcaps, 0.4 at 7); sech^2 of s / softcap keeps them to
+    float32's rounding of the float64 computation on the same inputs."""
+    rng = np.random.default_rng(14)
+    B, H, L, D, cap = 1, 2, 16, 1, 30.0
+    q = rng.uniform(lo, lo + 2, (B, H, L, D)) * rng.choice([-1, 1], (B, H, L, D))
+    k = cap * rng.uniform(1.0, 1.1, (B, H, L, D))  # D = 1, scale 1: s = q k
+    v, dout = rng.standard_normal((B, H, L, D)), rng.standard_normal((B, H, L, D))
+    q, k, v, dout = (a.astype(np.float32) for a in (q, k, v, dout))
+    _, c64 = A.sdpa_forward(*(a.astype(np.float64) for a in (q, k, v)), softcap=cap, impl="reference")
+    want = A.sdpa_backward(dout.astype(np.float64), c64)
+    extra = BLOCKS if impl == "blocked" else {}
+    _, c = A.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), softcap=cap, impl=impl, **extra)
+    got = A.sdpa_backward(to_xp(dout), c)
+    for name in ("dq", "dk", "dv"):
+        g, w = to_np(getattr(got, name)).astype(np.float64), getattr(want, name)
+        assert np.max(np.abs(g - w)) <= 2e-5 * np.max(np.abs(w)), name
+
+
 @pytest.mark.parametrize("block_q", [1, 2, 5])
 def test_no_sink_on_rows_whose_blocks_are_all_skipped(xp, to_xp, to_np, block_q):
     """A sink of -inf is no sink: a row that a bottom-right causal call (Lq > Lk) leaves
