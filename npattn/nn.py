@@ -287,8 +287,11 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
                              "(nn.adam_init(params)), got moments of other names")
     for label, moments in (("state.m", state.m), ("state.v", state.v)):
         for k, p in params.items():
-            Vd.check_grad(f"{label}[{k!r}]", moments[k], shape=Vd.shape_of(p), dtype=p.dtype,
-                          xp=namespace(p), device=device_of(p), of=f"params[{k!r}]")
+            mk = moments[k]
+            if (type(mk) is not type(p) or getattr(mk, "dtype", None) != p.dtype  # else as p: fast
+                    or Vd.shape_of(mk) != Vd.shape_of(p) or device_of(mk) != device_of(p)):
+                Vd.check_grad(f"{label}[{k!r}]", mk, shape=Vd.shape_of(p), dtype=p.dtype,
+                              xp=namespace(p), device=device_of(p), of=f"params[{k!r}]")
     Vd.check_size("state.t", state.t)  # the steps taken
     Vd.check_number("lr", lr, allow_zero=True)  # >= 0, as torch.optim.Adam's
     Vd.check_number("eps", eps, allow_zero=True)
