@@ -124,6 +124,24 @@ def test_softmax_backward_matches_documented_formula(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(ds), np.einsum("...ij,...i->...j", jac, dp), rtol=1e-12, atol=1e-14)
 
 
+def test_softmax_dlse_on_a_row_with_nothing_to_attend_does_not_matter(xp, to_xp, to_np):
+    """lse = -inf on a fully masked row whatever its scores: an inf or NaN dlse there
+    gives the gradient of 0 (not 0 * inf), and dlse moves the other rows by p * dlse."""
+    rng = np.random.default_rng(3)
+    x, dp = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    mask = np.ones((3, 4), dtype=bool)
+    mask[1] = False  # row 1 attends nothing
+    p, cache = F.masked_softmax_forward(to_xp(x), to_xp(mask))
+    base, _ = F.masked_softmax_backward(to_xp(dp), cache)
+    dlse = np.array([[0.5], [0.0], [-0.2]])
+    want, _ = F.masked_softmax_backward(to_xp(dp), cache, dlse=to_xp(dlse))
+    np.testing.assert_allclose(to_np(want) - to_np(base), to_np(p) * dlse, rtol=1e-12, atol=1e-14)
+    for bad in (np.inf, -np.inf, np.nan):
+        dlse[1] = bad
+        got, _ = F.masked_softmax_backward(to_xp(dp), cache, dlse=to_xp(dlse))
+        np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
 def test_softmax_large_scores_stable(xp, to_xp, to_np):
     x = to_xp(np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]]))
     p, cache = F.masked_softmax_forward(x)
