@@ -751,12 +751,17 @@ def alibi_bias(xp: Any, slopes: Any, rows: Any, cols: Any, offset: int) -> Any:
 
 
 def sech_squared(xp: Any, u: Any) -> Any:
-    """``sech^2(u) = 1 - tanh^2(u)``, the derivative of ``tanh``, as ``4 a / (1 + a)^2`` with
-    ``a = exp(-2 abs(u))``: where ``tanh(u)`` rounds towards +-1, ``1 - tanh^2`` computed from it
-    cancels (to 0 from ``abs(u) > 9`` in float32), and ``1 / cosh^2`` overflows; this form does
-    neither."""
-    a = xp.exp(-2.0 * xp.abs(u))
-    return 4.0 * a / ((1.0 + a) * (1.0 + a))
+    """``sech^2(u) = 1 - tanh^2(u)``, the derivative of ``tanh``, as ``(1 / cosh(u))^2``.
+
+    Where ``tanh(u)`` rounds towards +-1, ``1 - tanh^2`` computed from it cancels
+    (to 0 from ``abs(u) > 9`` in float32); this form does not. ``abs(u)`` is
+    clamped at ``C = -log(tiny) / 2`` (``tiny`` the dtype's smallest normal
+    number; C = 43.7 in float32, 354 in float64), where ``cosh`` is still
+    finite: beyond it the result is ``4 tiny`` instead of a smaller number.
+    """
+    clamp = -0.5 * math.log(float(xp.finfo(u.dtype).smallest_normal))
+    r = 1.0 / xp.cosh(xp.minimum(xp.abs(u), clamp))
+    return r * r
 
 
 def combine_allowed(xp: Any, a: Any, b: Any) -> Any:
