@@ -170,7 +170,7 @@ def is_bool(xp: Any, x: Any) -> bool:
 
 def to_numpy(x: Any) -> np.ndarray:
     """A host NumPy copy of ``x`` (any supported backend), of the same shape and dtype."""
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.ndarray, np.generic)):  # a NumPy scalar too, np.sum's result
         return np.array(x, copy=True)
     if array_api_compat.is_cupy_array(x):
         return x.get()
@@ -183,7 +183,8 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:
     """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype."""
-    return xp.asarray(np.ascontiguousarray(a), device=device)
+    a = np.asarray(a)
+    return xp.asarray(a if a.flags.c_contiguous else a.copy(order="C"), device=device)  # 0-d stays 0-d
 
 
 def row_major(a: Any) -> Any:

@@ -27,6 +27,16 @@ make of a gradient that is exactly zero.
 
 The function under test is called with arrays of the inputs' own backend and
 device, cast to float64; the arithmetic of the differences is done on the host.
+
+``eps`` is an absolute step, the same for every entry. Near 1 it leaves
+the differences accurate to about 1e-9 relative; for inputs of size ``s``
+far from 1 pass an ``eps`` of about ``1e-6 * s`` (layer norm of inputs near
+1e5 fails the default ``rtol`` at ``eps = 1e-6``: the step is rounded away),
+or check on rescaled inputs. At a kink (``relu`` at 0) the central
+difference averages the two sides and the check fails there.
+
+The arguments are checked before anything runs, and a check of nothing (no
+floating input, ``wrt=[]``) is refused rather than passed.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from . import validation as V
 from .backend import device_of, from_numpy, is_floating, namespace, to_numpy
 
 __all__ = ["GradcheckReport", "InputReport", "gradcheck", "gradcheck_module", "numerical_vjp", "check_vjp"]
@@ -98,6 +109,9 @@ class _Float64Evaluator:
 
     def loss(self, host) -> float:
         out = _host64(self.f(*_on_backend(self.like, host)))
+        if out.shape != self.dout.shape:  # no broadcast: dout is the output's gradient
+            raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
+                             f"got {self.dout.shape}")
         return float(np.sum(out * self.dout))
 
 
@@ -149,8 +163,8 @@ def numerical_vjp(f: Callable, inputs: Sequence, dout: Any, *, eps: float = 1e-6
     list of NumPy float64 arrays (None for inputs not in ``wrt``), each of its
     input's shape. Costs two evaluations of ``f`` per entry.
     """
+    wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=0.0, atol=None, wrt=wrt)
     ev = _Float64Evaluator(f, inputs, _host64(dout))
-    wrt = _default_wrt(inputs) if wrt is None else list(wrt)
     grads = [None] * len(inputs)
     for i in wrt:
         base = ev.host[i]
@@ -172,6 +186,40 @@ def numerical_vjp(f: Callable, inputs: Sequence, dout: Any, *, eps: float = 1e-6
 
 def _default_wrt(inputs):
     return [i for i, x in enumerate(inputs) if x is not None and _is_float_array(x)]
+
+
+def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any,
+                 n_directions: Any = 1, seed: Any = 0, wrt: Any = None) -> list:
+    """The arguments shared by the checks, before anything runs: a ``TypeError`` /
+    ``ValueError`` naming the argument. Returns the indices of the inputs to check, at
+    least one (a check of nothing would pass whatever the gradients)."""
+    for name, fn in functions.items():
+        if not callable(fn):
+            raise TypeError(f"{name}: expected a callable, got {V.type_name(fn)}")
+    if not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs: expected a list or tuple of the function's arguments, got "
+                        f"{V.type_name(inputs)}")
+    V.check_number("eps", eps)  # the step: finite, > 0
+    V.check_number("rtol", rtol, allow_zero=True)
+    V.check_number("atol", atol, allow_zero=True, allow_none=True)
+    V.check_positive_int("n_directions", n_directions)
+    V.check_rng("seed", seed)
+    floating = _default_wrt(inputs)
+    if wrt is None:
+        if not floating:
+            raise ValueError("inputs: expected at least one floating array to check, got none "
+                             f"among {len(inputs)} input{'s' if len(inputs) != 1 else ''}")
+        return floating
+    if isinstance(wrt, (str, bytes)) or not hasattr(wrt, "__iter__"):
+        raise TypeError(f"wrt: expected a sequence of input indices, got {V.type_name(wrt)}")
+    wrt = list(wrt)
+    if not wrt:
+        raise ValueError("wrt: expected at least one input index to check, got none")
+    for i in wrt:
+        V.check_size("wrt entry", i)
+        if i >= len(inputs) or i not in floating:
+            raise ValueError(f"wrt: expected indices of floating array inputs {floating}, got {i}")
+    return wrt
 
 
 def check_vjp(
@@ -212,10 +260,11 @@ def check_vjp(
     -------
     GradcheckReport
     """
+    wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=rtol, atol=atol, n_directions=n_directions,
+                       seed=seed, wrt=wrt)
+    names = _names(names, len(inputs))
     rng = np.random.default_rng(seed)
     ev = _Float64Evaluator(f, inputs, _host64(dout))
-    wrt = _default_wrt(inputs) if wrt is None else list(wrt)
-    names = _names(names, len(inputs))
     if atol is None:
         atol = _rounding_floor(f(*_on_backend(ev.like, ev.host)), ev.dout, eps)
     report = GradcheckReport("vjp", rtol=rtol, atol=atol)
@@ -254,8 +303,9 @@ def _rounding_floor(out, dout, eps: float) -> float:
 
 
 def _relative(err: float, scale: float, atol: float) -> float:
-    """``err / scale``; a gradient of scale <= atol counts as zero (0 when err <= atol too)."""
-    if scale <= atol:
+    """``err / scale``; a gradient of scale <= atol counts as zero (0 when err <= atol too).
+    A NaN scale or atol (a NaN output) gives inf unless ``err <= atol``."""
+    if not scale > atol:
         return 0.0 if err <= atol else np.inf
     return err / scale
 
@@ -342,8 +392,10 @@ def gradcheck(
     """
     if mode not in ("auto", "full", "vjp"):
         raise ValueError(f"mode: expected 'auto', 'full' or 'vjp', got {mode!r}")
+    wrt = _checked_wrt({"forward": forward, "backward": backward}, inputs, eps=eps, rtol=rtol,
+                       atol=atol, n_directions=n_directions, seed=seed, wrt=wrt)
+    V.check_size("max_full_size", max_full_size)
     names = _names(names, len(inputs))
-    wrt = _default_wrt(inputs) if wrt is None else list(wrt)
     # the inputs in float64, on their own backend and device
     ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])
     out, cache = _forward_pair(forward(*ev_inputs))
@@ -351,6 +403,12 @@ def gradcheck(
     if dout is None:
         dout_host = rng.standard_normal(tuple(out.shape))  # [*out.shape]
         dout = from_numpy(dout_host, namespace(out), device_of(out))
+    else:  # the caller's: an array of out's library and shape (its dtype may differ)
+        V.check_array("dout", dout, namespace(out), device_of(out), where="that of the forward's out",
+                      library="that of the forward's out")
+        if V.shape_of(dout) != V.shape_of(out):
+            raise ValueError(f"dout: expected shape {V.shape_of(out)} (that of the forward's out), "
+                             f"got {V.shape_of(dout)}")
     grads = backward(dout, cache)
     if not isinstance(grads, (tuple, list)):
         grads = (grads,)

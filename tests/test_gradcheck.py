@@ -117,3 +117,57 @@ def test_backward_with_too_few_gradients_says_how_many():
     assert gradcheck(forward, lambda d, c: (d * c[1], d * c[0], None), [x, w]).ok
     with pytest.raises(ValueError, match="backward returned None for w"):
         gradcheck(forward, lambda d, c: (d * c[1], None), [x, w], names=["x", "w"])
+
+
+def _square(x):  # out = x^2 summed to a NumPy scalar (np.sum's result): the pair's forward
+    return np.sum(x * x), x
+
+
+def test_numpy_scalars_as_outputs_inputs_and_gradients():
+    """np.sum returns a NumPy scalar, and a 0-d input stays 0-d on its way to the function
+    (it became shape (1,)); a wrong factor is still caught."""
+    x = np.random.default_rng(0).standard_normal(3)
+    assert gradcheck(_square, lambda d, x: 2.0 * d * x, [x]).ok
+    assert not gradcheck(_square, lambda d, x: 3.0 * d * x, [x]).ok
+    t = np.float64(0.7)  # a NumPy scalar input, and a 0-d array
+    for scalar in (t, np.asarray(t)):
+        r = gradcheck(lambda a, s: (a * s, s), lambda d, s: (None, np.sum(d * x)), [x, scalar], wrt=[1])
+        assert r.ok, r
+
+
+def test_a_check_of_nothing_or_with_bad_settings_is_refused_before_any_call():
+    calls = []
+
+    def forward(x):
+        calls.append(1)
+        return 2.0 * x, None
+
+    x = np.ones((2, 3))
+    backward = lambda d, c: 2.0 * d  # noqa: E731
+    cases = [
+        (dict(n_directions=0, mode="vjp"), ValueError, "n_directions"),
+        (dict(wrt=[]), ValueError, "wrt: expected at least one"),
+        (dict(wrt=[3]), ValueError, r"wrt: expected indices of floating array inputs \[0\], got 3"),
+        (dict(eps=0.0), ValueError, "eps"), (dict(eps=float("nan")), ValueError, "eps"),
+        (dict(rtol=-1.0), ValueError, "rtol"), (dict(atol=float("nan")), ValueError, "atol"),
+        (dict(seed="abc"), TypeError, "seed"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            gradcheck(forward, backward, [x], **kw)
+    with pytest.raises(ValueError, match="at least one floating array"):  # complex: nothing checked
+        gradcheck(forward, backward, [x + 1j])
+    with pytest.raises(TypeError, match="inputs: expected a list or tuple"):
+        gradcheck(forward, backward, x)
+    with pytest.raises(TypeError, match="backward: expected a callable"):
+        gradcheck(forward, None, [x])
+    assert not calls
+    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 3\)"):  # it broadcast
+        gradcheck(forward, backward, [x], dout=np.ones(3))
+    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 3\)"):
+        check_vjp(lambda a: 2.0 * a, [x], [2.0 * x], np.ones(3))
+
+
+def test_an_all_nan_output_fails_without_dividing_by_zero():
+    r = gradcheck(lambda x: (x * np.nan, None), lambda d, c: 0.0 * d, [np.ones(3)])
+    assert not r.ok
