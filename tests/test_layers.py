@@ -310,6 +310,34 @@ def test_residual_gradients_with_broadcasting(xp, to_xp, y_shape):
     assert_ok(gradcheck(L.residual_forward, L.residual_backward, [y, x], names=["x", "y"], seed=12))
 
 
+def test_residual_gradients_are_new_arrays_of_dout_s_kind(xp, to_xp, to_np):
+    """dx and dy are not dout itself (adding into one changed the other and the caller's
+    dout), and dout must be of out's library and dtype (a float32 one came back float32)."""
+    rng = np.random.default_rng(13)
+    x, y = to_xp(rng.standard_normal((2, 3))), to_xp(rng.standard_normal((2, 3)))
+    dout_host = rng.standard_normal((2, 3))
+    dout = to_xp(dout_host)
+    _, cache = L.residual_forward(x, y)
+    dx, dy = L.residual_backward(dout, cache)
+    dx[0, 0] = 100.0
+    np.testing.assert_array_equal(to_np(dy), dout_host)
+    np.testing.assert_array_equal(to_np(dout), dout_host)
+    with pytest.raises(TypeError, match=r"^dout: expected dtype float64 \(that of the forward's out\)"):
+        L.residual_backward(xp.astype(dout, xp.float32), cache)
+    with pytest.raises(TypeError, match=r"^dout: expected a"):
+        L.residual_backward(dout_host.tolist(), cache)
+
+
+def test_backwards_name_dout_s_library():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(14).standard_normal((2, 5, 3))
+    for forward, backward, dout in ((L.mean_pool_forward, L.mean_pool_backward, np.ones((2, 3))),
+                                    (lambda a: L.residual_forward(a, a), L.residual_backward, np.ones(x.shape))):
+        _, cache = forward(x)
+        with pytest.raises(TypeError, match=r"^dout: expected a numpy array .*got a torch array"):
+            backward(torch.from_numpy(dout), cache)
+
+
 # ---------------------------------------------------------- mean pooling
 
 
