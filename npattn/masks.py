@@ -44,12 +44,14 @@ def _namespace_or(xp):
     return resolve_backend("numpy" if xp is None else xp)
 
 
-def _check_length(name: str, n: Any) -> None:
-    """A length: an int (Python or NumPy, not a bool) >= 0; ``TypeError`` / ``ValueError`` otherwise."""
+def _check_length(name: str, n: Any) -> int:
+    """A length: an int (Python or NumPy, not a bool) >= 0, returned as a Python int (NumPy's
+    unsigned ones would wrap in ``Lk - Lq``); ``TypeError`` / ``ValueError`` otherwise."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # NumPy bools are not Integral
         raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__} {n!r}")
     if n < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
+    return int(n)
 
 
 def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device: Any = None) -> Any:
@@ -96,11 +98,11 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     -------
     mask : bool array, shape (Lq, Lk); broadcasts to (B, H, Lq, Lk).
     """
-    _check_length("Lq", Lq)
-    _check_length("Lk", Lk)
-    for name, side in (("left", left), ("right", right)):
-        if side is not None:
-            _check_length(name, side)
+    Lq, Lk = _check_length("Lq", Lq), _check_length("Lk", Lk)
+    # a side of Lq + Lk or more leaves nothing out: capped there, so that the comparison
+    # below stays within the index dtype on every library
+    left, right = (None if side is None else min(_check_length(name, side), Lq + Lk)
+                   for name, side in (("left", left), ("right", right)))
     if align not in _ALIGNS:
         raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")
     xp = _namespace_or(xp)
@@ -123,6 +125,8 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
     ``q_segments[b, i] == k_segments[b, j]`` (the same document): the mask that
     ``sdpa_forward(..., q_segments=, k_segments=)`` applies.
     """
+    for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
+        V.check_array(name, a)
     xp = namespace(q_segments, k_segments)
     for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
         if not xp.isdtype(a.dtype, "integral"):
@@ -157,7 +161,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     -------
     mask : bool array, shape (B, 1, 1, Lk)
     """
-    _check_length("Lk", Lk)
+    Lk = _check_length("Lk", Lk)
     try:
         lxp = namespace(lengths)
     except TypeError:
@@ -183,7 +187,8 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     host = to_numpy(lengths)
     if host.size and (host.min() < 0 or host.max() > Lk):
         raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {host.tolist()}")
-    j = xp.arange(Lk, dtype=lengths.dtype, device=device)  # [Lk]
+    lengths = xp.astype(lengths, xp.int64)  # a small integer dtype would wrap in arange(Lk)
+    j = xp.arange(Lk, dtype=xp.int64, device=device)  # [Lk]
     keep = xp.expand_dims(j, axis=0) < xp.expand_dims(lengths, axis=1)  # [B, Lk]
     return xp.reshape(keep, (lengths.shape[0], 1, 1, Lk))  # [B, 1, 1, Lk]
 

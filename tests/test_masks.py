@@ -92,6 +92,27 @@ def test_padding_on_backend_keeps_device(xp, to_xp, to_np):
     assert np.all(out[1] == 0.0) and np.all(np.isfinite(out))
 
 
+def test_sizes_beyond_the_index_dtype_and_unsigned_sizes(backend, xp, to_np):
+    """A window side of 2**63 or more is unbounded on every library (torch wrapped it to a
+    negative bound, array_api_strict refused it), NumPy unsigned sizes are ints (uint64(1)
+    negated wrapped), and lengths of a small integer dtype count keys past its range."""
+    i, j = np.arange(3)[:, None], np.arange(4)[None, :]
+    for left, right, want in ((None, 2**63, np.ones((3, 4), bool)), (2**64, 0, j <= i),
+                              (np.uint64(1), np.uint8(0), (j <= i) & (j >= i - 1))):
+        np.testing.assert_array_equal(to_np(masks.window(3, 4, left, right, xp=backend)), want)
+    want = np.array([[False, False], [True, False], [True, True]])  # bottom-right, Lq > Lk
+    np.testing.assert_array_equal(to_np(masks.causal(np.uint8(3), np.uint8(2), "bottom_right", xp=backend)),
+                                  want)
+    lengths = xp.asarray(np.array([5, 0], dtype=np.uint8))
+    m = to_np(masks.padding(lengths, 300))  # arange(300) in uint8 wrapped at 256
+    np.testing.assert_array_equal(m.sum(axis=-1).ravel(), [5, 0])
+
+
+def test_segments_name_a_missing_array():
+    with pytest.raises(TypeError, match="^q_segments: expected an array, got None"):
+        masks.segments(None, np.zeros((1, 2), dtype=np.int64))
+
+
 def test_padding_bad_arguments():
     with pytest.raises(ValueError, match="lengths"):
         masks.padding([1, 4], 3)
