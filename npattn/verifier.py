@@ -773,6 +773,9 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     if float_mask and cfg.autograd is not None and cfg.mask_grad is True:
         mask = lib.array(inp.options["mask"], cfg.dtype, grad=grad)
     kw = _kernel_options(inp, cfg, sinks, mask)
+    # the kernel's own copies of the option arrays (a float mask, sinks, slopes), as they were:
+    # a write into them shares no memory with the case's arrays, so it is seen only here
+    before = {n: (x, lib.host(x)) for n, x in kw.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
     dout = lib.array(_to_layout(inp.dout, L), cfg.dtype)
     dlse_k: Any = None
     if dlse is not None:  # lse's layout: (B, H, Lq), JAX's (B, T, N)
@@ -829,13 +832,22 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     res["written"] = [n for n, x, want in (("q", q, inp.q), ("k", k, inp.k), ("v", v, inp.v),
                                            ("dout", dout, inp.dout))
                       if not np.array_equal(_from_layout(lib.host(x), L), want, equal_nan=True)]
+    res["written"] += [n for n, (x, was) in before.items()
+                       if not np.array_equal(lib.host(x), was, equal_nan=True)]
     # out and dq, dk, dv in the dtype of q (k, v) as the kernel got them: {name: (got, want, of)}
+    # {name: note}: of another library or dtype than the input it belongs to
     res["dtypes"] = {}
     for n, t, x, of in (("out", out, q, "q"), ("dq", grads.get("dq"), q, "q"),
                         ("dk", grads.get("dk"), k, "k"), ("dv", grads.get("dv"), v, "v")):
         got_dtype = getattr(t, "dtype", None)
-        if got_dtype is not None and dtype_name(got_dtype) != dtype_name(x.dtype):
-            res["dtypes"][n] = (dtype_name(got_dtype), dtype_name(x.dtype), of)
+        if got_dtype is None:
+            continue
+        got_lib, want_lib = (type(a).__module__.split(".")[0].replace("jaxlib", "jax") for a in (t, x))
+        if got_lib != want_lib:  # the right numbers in another library: not the kernel's contract
+            res["dtypes"][n] = (f"library: expected a {want_lib} array (as {of}), got "
+                                f"{type(t).__module__}.{type(t).__name__}")
+        elif dtype_name(got_dtype) != dtype_name(x.dtype):
+            res["dtypes"][n] = f"dtype: expected {dtype_name(x.dtype)} (as {of}), got {dtype_name(got_dtype)}"
     res["out"] = _from_layout(lib.host(out), L)
     if cfg.returns_lse:
         h = lib.host(lse)
@@ -1014,7 +1026,8 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         result.seconds = time.perf_counter() - start
         return result
     dtypes = got.pop("dtypes")
-    written = got.pop("written") + [n for n in _written(inp, given) if n not in ("q", "k", "v", "dout")]
+    written = got.pop("written")
+    written += [n for n in _written(inp, given) if n not in written]
     if written:  # the masks and segments: seen where the kernel's share the host's memory
         result.error = (f"fn wrote into its inputs {', '.join(written)}: a kernel must leave them "
                         "as they were (the numbers below are of its outputs all the same)")
@@ -1033,10 +1046,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
             tr.note = nan
-        if n in dtypes:  # the right numbers in another dtype are still not the kernel's contract
+        if n in dtypes:  # the right numbers in another dtype or library are still not the contract
             tr.status = "fail"
-            got_dtype, want, of = dtypes[n]
-            tr.note = f"dtype: expected {want} (as {of}), got {got_dtype}"
+            tr.note = dtypes[n]
         result.tensors[n] = tr
         notes[n] = tr.note
         if factor is not None:

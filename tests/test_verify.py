@@ -705,6 +705,36 @@ def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
         assert all(t.status != "fail" for t in b.tensors.values())
 
 
+def test_a_write_into_the_kernel_s_own_float_mask_or_out_of_another_library_fails():
+    """A float mask reaches the kernel as a copy in its dtype, which shares no memory with the
+    case's: a write into it passed unseen (the docs promise it fails). The right numbers as
+    an array of another library than q's passed too."""
+    def clamps_mask(q, k, v, **options):
+        out = npattn_kernel(q, k, v, **options)
+        mask = options.get("mask")
+        if mask is not None and mask.dtype != bool:
+            mask[mask == -np.inf] = -1e4  # after use: the outputs stay right
+        return out
+
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64", combos=False)
+    r = VF.verify(clamps_mask, supports="mask_float", **kw)
+    assert not r.ok
+    for c in r.results:  # the cases with a float mask fail, the others pass
+        assert (c.error is not None and c.error.startswith("fn wrote into its inputs mask")) == \
+            ("mask_float" in c.case.options), c.case.name
+    assert any("mask_float" in c.case.options for c in r.results)
+    torch = pytest.importorskip("torch")
+    def as_torch(q, k, v, **options):
+        out, *rest = npattn_kernel(q, k, v, **options)
+        return (torch.from_numpy(out), *rest)
+
+    r = VF.verify(as_torch, **kw)
+    assert not r.ok
+    for c in r.results:
+        assert c.tensors["out"].status == "fail"
+        assert c.tensors["out"].note.startswith("library: expected a numpy array (as q), got torch.Tensor")
+
+
 def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"layout: expected one of .*got 'bhds'"):
         VF.verify(npattn_kernel, layout="bhds")
