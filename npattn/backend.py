@@ -105,7 +105,7 @@ def namespace(*arrays: Any) -> Any:
 def resolve_backend(backend: Any) -> Any:
     """Turn ``backend=`` (a name in ``BACKENDS`` or a namespace module) into a namespace."""
     if isinstance(backend, types.ModuleType):
-        if backend.__name__ in ("numpy", "cupy", "torch"):
+        if backend.__name__ in ("numpy", "cupy", "torch", "dask.array"):  # their compat namespaces
             return importlib.import_module("array_api_compat." + backend.__name__)
         if not hasattr(backend, "asarray") or not hasattr(backend, "matmul"):
             raise TypeError(

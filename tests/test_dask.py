@@ -577,3 +577,13 @@ def test_empty_chunks_and_a_bad_dout():
         A.sdpa_backward(da.from_array(dout.astype(np.float32)), c)
     with pytest.raises(ValueError, match=r"dout: expected shape \(2, 2, 5, 4\)"):
         A.sdpa_backward(da.from_array(dout[:, :, :4]), c)
+
+
+def test_the_dask_array_module_is_a_backend_like_its_name():
+    """``xp=dask.array`` (the module) is the namespace of ``"dask"``: the array API's
+    ``arange(..., device=)`` of the compat layer (dask's own has no ``device``)."""
+    assert resolve_backend(da) is resolve_backend("dask")
+    from npattn import masks
+    m = masks.causal(3, 2, xp=da)
+    assert isinstance(m, da.Array)
+    np.testing.assert_array_equal(m.compute(), np.tril(np.ones((3, 2), bool)))
