@@ -834,8 +834,7 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
                       if not np.array_equal(_from_layout(lib.host(x), L), want, equal_nan=True)]
     res["written"] += [n for n, (x, was) in before.items()
                        if not np.array_equal(lib.host(x), was, equal_nan=True)]
-    # out and dq, dk, dv in the dtype of q (k, v) as the kernel got them: {name: (got, want, of)}
-    # {name: note}: of another library or dtype than the input it belongs to
+    # {name: note} for out, dq, dk, dv of another library or dtype than q (k, v) as the kernel got them
     res["dtypes"] = {}
     for n, t, x, of in (("out", out, q, "q"), ("dq", grads.get("dq"), q, "q"),
                         ("dk", grads.get("dk"), k, "k"), ("dv", grads.get("dv"), v, "v")):
@@ -1028,7 +1027,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     dtypes = got.pop("dtypes")
     written = got.pop("written")
     written += [n for n in _written(inp, given) if n not in written]
-    if written:  # the masks and segments: seen where the kernel's share the host's memory
+    if written:  # options: the kernel's own copies, and the case's arrays where they share memory
         result.error = (f"fn wrote into its inputs {', '.join(written)}: a kernel must leave them "
                         "as they were (the numbers below are of its outputs all the same)")
     saturated = _saturation(truth["weights"], empty)
