@@ -102,7 +102,7 @@ def _up(n: int) -> int:
 
 
 def _tile(q_t, k_t, rows, cols, o: Options):
-    """Scores of one tile, with what may be attended: (s, allowed, tanh or None).
+    """Scores of one tile, with what may be attended: (s, allowed, s / softcap or None).
 
     s [B, Hq, bq, bk] (-inf where not allowed), allowed bool of the same shape.
     """
@@ -110,10 +110,10 @@ def _tile(q_t, k_t, rows, cols, o: Options):
     s = (q_t @ np.swapaxes(k_t, -1, -2)) * o.scale  # [B, Hq, bq, bk]
     if o.bug == "transposed":
         s = np.swapaxes(s, -1, -2)  # square tiles: the shapes still agree
-    capped = None
+    u = None
     if o.softcap is not None:
-        capped = np.tanh(s / o.softcap)
-        s = o.softcap * capped
+        u = s / o.softcap
+        s = o.softcap * np.tanh(u)
     d = cols[None, :] - (rows[:, None] + o.offset)  # [bq, bk] j - (i + o)
     if o.alibi is not None:
         sign = 1.0 if o.bug == "alibi_sign" else -1.0
@@ -137,7 +137,7 @@ def _tile(q_t, k_t, rows, cols, o: Options):
             s = s + m
             allowed = allowed & (m > -np.inf)
     s = np.where(allowed, s, -np.inf)
-    return s, allowed, capped
+    return s, allowed, u
 
 
 def _options(q, k, *, mask, is_causal, align, window, scale, softcap, alibi_slopes,
@@ -254,7 +254,8 @@ def attention_backward(dout, saved: Saved, dlse=None) -> Grads:
     ds = p * (dp - delta + dlse), where ``dlse`` (B, Hq, Lq) is an upstream
     gradient of lse (d lse / d s_j = p_j; zero when not given); dmask = ds
     (the mask is added to the scores after the softcap), summed over the axes
-    the mask was broadcast along; then ds times 1 - tanh^2 under softcap,
+    the mask was broadcast along; then ds times tanh'(u) = 1 / cosh(u)^2 under
+    softcap (u = s / softcap; 1 - tanh(u)^2 would cancel where tanh rounds to 1),
     dq += ds k * scale, dk += ds^T q * scale; GQA sums dk and dv over each
     K/V head's query heads; dsinks = sum over rows of p_sink * (dlse - delta).
     """
@@ -272,7 +273,9 @@ def attention_backward(dout, saved: Saved, dlse=None) -> Grads:
         delta = np.zeros_like(delta)
     if dlse is not None and o.bug != "dlse_ignored":
         # lse = log(sum_j exp(s_j)) adds d lse / d s_j = p_j: ds = p * (dp - (delta - dlse))
-        delta = delta - np.asarray(dlse, dtype=work)  # [B, Hq, Lq]
+        # (a row with nothing to attend has lse = -inf whatever its scores: its dlse does
+        # not matter, and an inf there would give 0 * inf)
+        delta = delta - np.where(lse == -np.inf, 0.0, np.asarray(dlse, dtype=work))  # [B, Hq, Lq]
     qp = _pad(q, (2,), (nq,), 0.0)
     kp = _pad(np.repeat(k, G, axis=1), (2,), (nk,), 0.0)
     vp = _pad(np.repeat(v, G, axis=1), (2,), (nk,), 0.0)
@@ -290,7 +293,7 @@ def attention_backward(dout, saved: Saved, dlse=None) -> Grads:
         for j0 in range(0, nk, BLOCK):
             cols = np.arange(j0, j0 + BLOCK)
             k_t, v_t = kp[:, :, j0:j0 + BLOCK], vp[:, :, j0:j0 + BLOCK]
-            s, allowed, capped = _tile(q_t, k_t, rows, cols, o)
+            s, allowed, u = _tile(q_t, k_t, rows, cols, o)
             p = np.where(allowed, np.exp(s - lse_p[:, :, i0:i0 + BLOCK, None]), 0.0)
             a = p
             dp = do_t @ np.swapaxes(v_t, -1, -2)  # [B, Hq, bq, bk]
@@ -302,8 +305,8 @@ def attention_backward(dout, saved: Saved, dlse=None) -> Grads:
             ds = p * (dp - delta_p[:, :, i0:i0 + BLOCK, None])
             if dsm is not None:  # in the forward: s = s + mask, so dmask = ds
                 dsm[:, :, i0:i0 + BLOCK, j0:j0 + BLOCK] = ds
-            if capped is not None:
-                ds = ds * (1.0 - capped * capped)
+            if u is not None:  # cosh stays finite up to |u| = 88 in float32
+                ds = ds * (1.0 / np.cosh(np.minimum(np.abs(u), 80.0))) ** 2
             if o.bug == "transposed":
                 ds = np.swapaxes(ds, -1, -2)
             dq[:, :, i0:i0 + BLOCK] += (ds @ k_t) * factor
