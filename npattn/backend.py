@@ -102,28 +102,29 @@ def namespace(*arrays: Any) -> Any:
         ) from exc
 
 
-def resolve_backend(backend: Any) -> Any:
-    """Turn ``backend=`` (a name in ``BACKENDS`` or a namespace module) into a namespace."""
+def resolve_backend(backend: Any, name: str = "backend") -> Any:
+    """Turn ``backend=`` (a name in ``BACKENDS`` or a namespace module) into a namespace;
+    ``name`` is the argument the messages name (``xp`` where a function calls it so)."""
     if isinstance(backend, types.ModuleType):
         if backend.__name__ in ("numpy", "cupy", "torch", "dask.array"):  # their compat namespaces
             return importlib.import_module("array_api_compat." + backend.__name__)
         if not hasattr(backend, "asarray") or not hasattr(backend, "matmul"):
             raise TypeError(
-                f"backend: expected an Array API namespace module, got module {backend.__name__!r}"
+                f"{name}: expected an Array API namespace module, got module {backend.__name__!r}"
             )
         return backend
     if not isinstance(backend, str):
         raise TypeError(
-            f"backend: expected one of {sorted(BACKENDS)} or a namespace module, "
+            f"{name}: expected one of {sorted(BACKENDS)} or a namespace module, "
             f"got {type(backend).__name__}"
         )
     if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {backend!r}")
+        raise ValueError(f"{name}: expected one of {sorted(BACKENDS)}, got {backend!r}")
     try:
         return importlib.import_module(BACKENDS[backend])
     except ImportError as exc:
         raise ImportError(
-            f"backend {backend!r} needs a package that is not installed ({exc})"
+            f"{name} {backend!r} needs a package that is not installed ({exc})"
         ) from exc
 
 

@@ -41,7 +41,7 @@ _ALIGNS = ("top_left", "bottom_right")
 
 def _namespace_or(xp):
     """``xp=`` as a namespace: None means NumPy, a string is a backend name."""
-    return resolve_backend("numpy" if xp is None else xp)
+    return resolve_backend("numpy" if xp is None else xp, "xp")
 
 
 def _check_length(name: str, n: Any) -> int:
@@ -259,7 +259,11 @@ def from_torch_mha(
     """
     if attn_mask is None and key_padding_mask is None:
         return None
+    for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if m is not None:
+            V.check_array(name, m)
     src = namespace(attn_mask, key_padding_mask)
+    target = None if xp is None else resolve_backend(xp, "xp")
     for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if m is not None:
             _check_mask_dtype(src, name, m)
@@ -314,8 +318,8 @@ def from_torch_mha(
                 add = src.astype(m, dtype)
             out = add if out is None else out + add  # broadcast [B, H, Lq, Lk]
 
-    if xp is not None:
-        out = from_numpy(to_numpy(out), resolve_backend(xp), device)
+    if target is not None:
+        out = from_numpy(to_numpy(out), target, device)
     return out
 
 

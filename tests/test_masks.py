@@ -62,6 +62,11 @@ def test_causal_bad_arguments():
         masks.causal(2, 3, align="top-left")
     with pytest.raises(ValueError, match="Lk"):
         masks.causal(2, -1)
+    # a bad xp= is named as the argument it was given as
+    with pytest.raises(ValueError, match="^xp: expected one of"):
+        masks.causal(2, 3, xp="nope")
+    with pytest.raises(TypeError, match="^xp: expected one of .* or a namespace module, got int"):
+        masks.window(2, 3, 1, 1, xp=5)
 
 
 # --------------------------------------------------------------------------
@@ -187,6 +192,13 @@ def test_from_torch_mha_bad_arguments():
         masks.from_torch_mha(key_padding_mask=np.zeros((2, 4), bool), batch_size=3)
     with pytest.raises(TypeError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((2, 3), dtype=np.int64))
+    # not arrays: named, not "libraries mixed"
+    with pytest.raises(TypeError, match="^attn_mask: expected an array, got list"):
+        masks.from_torch_mha([[True, False]])
+    with pytest.raises(TypeError, match="^key_padding_mask: expected an array, got list"):
+        masks.from_torch_mha(np.zeros((2, 3), bool), [[True, False, True]])
+    with pytest.raises(ValueError, match="^xp: expected one of"):
+        masks.from_torch_mha(np.zeros((2, 3), bool), xp="nope")
     with pytest.raises(ValueError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((1, 1, 2, 3), bool))
     # dtype must be floating (an int or bool additive mask cannot hold -inf)
