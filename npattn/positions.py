@@ -98,6 +98,10 @@ def _check_positions(positions: Any, x: Any) -> None:
     if positions is None:
         return
     if isinstance(positions, numbers.Integral) and not isinstance(positions, (bool, np.bool_)):
+        L = x.shape[-2] if x.ndim >= 2 else 0
+        if not -(2**63) <= int(positions) <= 2**63 - 1 - L:  # arange(start, start + L) in int64
+            raise ValueError(f"positions: expected an int start with start + L within int64 "
+                             f"(L = {L}), got {int(positions)}")
         return
     xp = namespace(x)
     V.check_array("positions", positions, xp, device_of(x), where="that of x", library="that of x")
@@ -178,7 +182,7 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
         Queries or keys, e.g. (B, H, L, Dh).
     positions : None, int, or array broadcastable to (..., L)
         None: ``arange(L)``; an int ``start``: ``start + arange(L)`` (decoding
-        with a KV cache); an array: the positions themselves (integers or
+        with a KV cache; ``start + L`` within int64); an array: the positions themselves (integers or
         floats), e.g. (B, 1, L) for per-sequence offsets.
     base : float > 1
         The frequency base (10000 in RoFormer and LLaMA).

@@ -110,6 +110,20 @@ def test_rope_offset_equals_the_slice_of_a_longer_sequence(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(tail), to_np(full)[:, :, 5:], rtol=1e-13, atol=1e-13)
 
 
+def test_rope_int_start_at_the_ends_of_int64(xp, to_xp, to_np):
+    """An int start works while start + L fits int64, on every library, and past it is a
+    ValueError naming positions (torch raised OverflowError or RuntimeError, NumPy made an
+    object array)."""
+    x = to_xp(np.random.default_rng(4).standard_normal((1, 1, 3, 4)))
+    for start in (2**63 - 4, -(2**63)):
+        out, _ = P.rope_forward(x, start)
+        assert np.all(np.isfinite(to_np(out)))
+    for start in (2**63 - 3, 2**70, -(2**63) - 1, np.uint64(2**63)):
+        with pytest.raises(ValueError, match="^positions: expected an int start with start \\+ L "
+                                             "within int64 \\(L = 3\\)"):
+            P.rope_forward(x, start)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_backward_is_the_rotation_by_minus_theta(xp, to_xp, to_np, interleaved):
     rng = np.random.default_rng(4)
