@@ -817,7 +817,15 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
             outs, cots = [out], [dout]
             if cfg.lse_grad:  # d/d(inputs) of sum(out * dout) + sum(lse * dlse)
                 outs.append(lse)
-                cots.append(dlse_k.to(lse.dtype))
+                cots.append(dlse_k.to(lse.dtype) if isinstance(lse, torch.Tensor) else dlse_k)
+            for name, t in zip(("out", "lse"), outs):  # what torch.autograd.grad can follow
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"fn: expected {name} as a torch.Tensor with autograd='torch', "
+                                    f"got {type(t).__module__}.{type(t).__name__}")
+                if not t.requires_grad:
+                    raise TypeError(f"fn: expected {name} computed from q, k, v by torch's autograd "
+                                    "(autograd='torch'), got a tensor that does not require grad "
+                                    "(detached, or computed outside autograd)")
             prims = [q, k, v] + [x for _, x in leaves]
             g = torch.autograd.grad(outs, prims, grad_outputs=cots, allow_unused=True)
             grads = dict(zip(["dq", "dk", "dv"] + [n for n, _ in leaves], g))
@@ -1343,19 +1351,39 @@ def verify(
     by_name = {c.name: c for c in plan(supports, align=align, combos=combos, head_dims=head_dims)}
     for i, case in enumerate(chosen):
         rep = _reproducer(command, case, name, config, combos=combos, adapter=adapter,
-                          in_panel=by_name.get(case.name) == case)
+                          in_panel=by_name.get(case.name) == case,
+                          callables={"fn": None if target else fn, "backward": backward})
         results.append(_run_case(case, cfg, rep))
         if progress is not None:
             progress(i + 1, len(chosen), case.name)
     return VerifyReport(config, results)
 
 
+def _python_ref(desc: str, f: Any, default: str, unbound: list) -> str:
+    """How a Python rerun line names the callable ``f`` described by ``desc``: its dotted
+    ``module.qualname`` when it has one (its ``qualname`` in ``__main__``); else (a lambda, a local function, a callable object)
+    a bare name for the caller to bind, its description added to ``unbound``."""
+    if f is None or "<" not in desc:
+        if f is not None and desc.startswith("__main__:"):  # a script's or notebook's own
+            return desc[len("__main__:"):]  # function: bound there by its name
+        return desc.replace(":", ".")
+    ref = getattr(f, "__name__", "")
+    ref = ref if ref.isidentifier() and ref not in unbound else default
+    unbound.append(f"{ref}: {desc}")
+    return ref
+
+
 def _reproducer(command: Optional[str], case: Case, name: str, config: dict, *, combos: Any = True,
-                adapter: Any = None, in_panel: bool = True) -> str:
+                adapter: Any = None, in_panel: bool = True, callables: Optional[dict] = None) -> str:
     """One line that reruns ``case``: the command with ``{case}``, or a Python call (the case
-    by name when the panel holds it, else the ``Case`` itself)."""
+    by name when the panel holds it, else the ``Case`` itself). ``callables`` holds ``fn`` and
+    ``backward`` (the objects; None for one named by ``target``): a callable without an
+    importable name (a lambda, a local function) is called by a bare name, and a comment at the
+    end of the line says which object each such name stands for."""
     if command is not None:
         return command.replace("{case}", case.name)
+    callables = callables or {}
+    unbound: list = []
     args = [f"layout={config['layout']!r}", f"dtype={config['dtype']!r}"]
     if config["supports"]:
         args.append(f"supports={','.join(config['supports'])!r}")
@@ -1368,16 +1396,19 @@ def _reproducer(command: Optional[str], case: Case, name: str, config: dict, *, 
     if config["floors"] != FLOORS:
         args.append(f"floors={config['floors']!r}")
     if config["backward"]:
-        args.append(f"backward={config['backward'].replace(':', '.')}")
+        args.append("backward=" + _python_ref(config["backward"], callables.get("backward"),
+                                              "backward", unbound))
     if adapter is not None:
         args.append("adapter=" + (repr(dict(adapter)) if isinstance(adapter, Mapping)
-                                  else _describe_callable(adapter).replace(":", ".")))
+                                  else _python_ref(_describe_callable(adapter), adapter, "adapter",
+                                                   unbound)))
     if combos is not True:
         args.append(f"combos={combos!r}")
     chosen = repr(case.name) if in_panel else f"npattn.verify_cases.{case!r}"
     args += [f"seed={config['seed']}", f"cases=[{chosen}]"]
-    fn = name.replace(":", ".")
-    return f"print(npattn.verify({fn}, {', '.join(args)}))"
+    fn = _python_ref(name, callables.get("fn"), "fn", unbound)
+    line = f"print(npattn.verify({fn}, {', '.join(args)}))"
+    return line + ("  # " + "; ".join(unbound) if unbound else "")
 
 
 # --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -360,6 +361,21 @@ def test_torch_sdpa_passes_with_mask_grads():
     bad = VF.verify(detached, dtype="float32", backend="torch", autograd="torch",
                     mask_grad=True, supports="mask_float", cases=["mask_float-65x129"])
     assert not bad.ok and "missing" in bad.results[0].tensors["dmask"].note
+    # with autograd="torch", out as a NumPy array or a tensor outside autograd is named as
+    # what fn returned (torch's own AssertionError / RuntimeError came through as "fn raised")
+    def as_numpy(q, k, v, **kw):
+        return torch_sdpa(q, k, v, **kw).detach().numpy()
+
+    def no_graph(q, k, v, **kw):
+        return torch_sdpa(q.detach(), k.detach(), v.detach(), **kw)
+
+    for fn, text in ((as_numpy, "fn: expected out as a torch.Tensor with autograd='torch', got "
+                                "numpy.ndarray"),
+                     (no_graph, "fn: expected out computed from q, k, v by torch's autograd")):
+        r = VF.verify(fn, dtype="float32", backend="torch", autograd="torch",
+                      cases=["base-65x128"]).results[0]
+        assert r.status == "fail" and text in r.error, r.error
+        assert "not what verify reads" in r.hint
 
 
 def torch_dense(q, k, v, mask=None, is_causal=False, scale=None):
@@ -650,13 +666,40 @@ def test_the_python_reproducer_reruns_a_case_of_ones_own():
     line = report.results[0].reproducer
     assert "npattn.verify_cases.Case(name='mine'" in line and "budget_factor=3.0" in line
     assert "adapter={'align': 'align'}" in line
-    again = eval(line[len("print("):-1].split(", ", 1)[1].join(["npattn.verify(kernel, ", ""]),
-                 {"npattn": npattn, "kernel": kernel})
+    # a local function has no importable name: the line calls it by its own name, and a
+    # comment says which object that is; with the name bound, the line runs as printed
+    call, comment = line.split("  # ")
+    assert call.startswith("print(npattn.verify(kernel, ") and comment.startswith("kernel: <function")
+    again = eval(call[len("print("):-1], {"npattn": npattn, "kernel": kernel})
     assert again.results[0].case == case
     assert again.results[0].tensors["out"].budget == report.results[0].tensors["out"].budget
     with pytest.raises(ValueError, match="^cases: case 'e' leaves rows with nothing to attend"):
         VF.verify(kernel, dtype="float64", supports="window",
                   cases=[VC.Case("e", Lq=129, Lk=65, options=("window",), window=(5, 0))])
+
+
+def test_the_python_reproducer_names_lambdas_for_the_caller_to_bind():
+    """A lambda kernel and a lambda backward get the names fn and backward, which the line's
+    comment explains; with them bound, the line reruns the same failing case."""
+    import npattn
+
+    fn = lambda q, k, v, **kw: F.sdpa_forward(q, k, v, **kw)  # noqa: E731
+    wrong = lambda dout, cache: F.sdpa_backward(2.0 * dout, cache)  # noqa: E731
+    report = VF.verify(fn, backward=wrong, dtype="float64", combos=False, cases=["base-1x65"])
+    assert not report.ok
+    call, comment = report.results[0].reproducer.split("  # ")
+    assert call.startswith("print(npattn.verify(fn, ") and "backward=backward" in call
+    assert re.fullmatch(r"backward: <function .*<lambda> at 0x\w+>; fn: <function .*<lambda> at 0x\w+>",
+                        comment)
+    again = eval(call[len("print("):-1], {"npattn": npattn, "fn": fn, "backward": wrong})
+    assert again.results[0].case == report.results[0].case
+    assert again.results[0].failing == report.results[0].failing == ["dq", "dk", "dv"]
+    # a function of the user's own script (module __main__) is bound there by its name
+    main_backward = lambda dout, cache: F.sdpa_backward(2.0 * dout, cache)  # noqa: E731
+    main_backward.__module__, main_backward.__qualname__ = "__main__", "main_backward"
+    line = VF.verify(fn, backward=main_backward, dtype="float64", combos=False,
+                     cases=["base-1x65"]).results[0].reproducer
+    assert "backward=main_backward," in line and line.endswith("  # fn: " + comment.split("; fn: ")[1])
 
 
 def test_malformed_returns_are_named():
