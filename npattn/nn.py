@@ -180,7 +180,8 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     1. ``m = max(logits)``                  (a shift for stability; cancels)
     2. ``lse = m + log(sum(exp(logits - m)))``   log-sum-exp, [..., 1]
     3. ``logp = logits - lse``               log-probabilities, [..., V]
-    4. ``loss = -sum(one_hot(t) * logp) / N``
+    4. ``loss = -sum(one_hot(t) * logp) / N``  (the targets' entries picked by a ``where``:
+       a ``-inf`` logit elsewhere in the row would make the product ``0 * -inf``)
 
     Parameters
     ----------
@@ -208,7 +209,8 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     logp = logits - lse  # 3.                                           [..., V]
     onehot = one_hot(xp, targets, V, logits.dtype)  # [..., V]
     n = math.prod(targets.shape)
-    loss = -xp.sum(onehot * logp) / float(n)  # 4.                      []
+    picked = xp.where(onehot == 1.0, logp, xp.zeros_like(logp))  # 4. logp[t], 0 elsewhere
+    loss = -xp.sum(picked) / float(n)  # 4.                             []
     loss = xp.asarray(loss)  # NumPy reduces to a scalar type; keep a 0-d array
     return loss, CrossEntropyCache(xp.exp(logp), onehot, n)
 

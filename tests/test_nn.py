@@ -106,6 +106,22 @@ def test_cross_entropy_matches_direct_formula(n, V, shift, seed):
     np.testing.assert_allclose(np.sum(dlogits, axis=-1), 0.0, atol=1e-12)  # rows sum to 0
 
 
+def test_cross_entropy_with_minus_inf_logits(xp, to_xp, to_np):
+    """A -inf logit (a class masked out) away from the target adds nothing to the loss and gets
+    zero gradient; on the target the loss is +inf. (0 * -inf made the loss NaN.)"""
+    z = np.array([[0.0, -np.inf, 1.0], [0.5, 0.2, -0.3], [-np.inf, 2.0, -np.inf]])
+    t = np.array([0, 1, 1])
+    loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t))
+    expected = np.mean([math.log(1.0 + math.e) - 0.0,
+                        math.log(sum(math.exp(x) for x in (0.5, 0.2, -0.3))) - 0.2,
+                        0.0])
+    assert float(loss) == pytest.approx(expected, rel=1e-14)
+    dz = to_np(nn.cross_entropy_backward(1.0, cache)[0])
+    assert np.all(np.isfinite(dz)) and dz[0, 1] == 0.0 and np.all(dz[2] == 0.0)
+    loss, _ = nn.cross_entropy_forward(to_xp(z), to_xp(np.array([1, 1, 1])))
+    assert float(loss) == math.inf
+
+
 def _adam_reference(w, grads, lr, b1, b2, eps):
     """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1."""
     w = [float(v) for v in w]
