@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
 from .backend import device_of, namespace
@@ -250,6 +250,10 @@ class AdamState(NamedTuple):
     m: dict  # first-moment estimates, keyed like the parameters
     v: dict  # second-moment estimates
     t: int  # number of steps taken
+    # updates each parameter has received, keyed like the parameters, once they differ from t
+    # (a parameter without a gradient in a step keeps its moments and its count, as in
+    # torch.optim.Adam); None: every parameter has received t
+    steps: Optional[dict] = None
 
 
 def adam_init(params: dict) -> AdamState:
@@ -262,8 +266,8 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
                weight_decay: Any) -> None:
     """The arguments of ``adam_step``: a ``TypeError`` / ``ValueError`` naming the argument.
 
-    ``params`` and ``grads`` dicts of arrays, every gradient's name a parameter's and of its
-    shape (or None); ``state`` an ``AdamState`` whose moments have the parameters' names and
+    ``params`` and ``grads`` dicts of arrays, every gradient's name a parameter's, an array of
+    its library, device, dtype and shape (or None); ``state`` an ``AdamState`` whose moments have the parameters' names and
     shapes, each an array of its parameter's library, device and dtype (nothing is promoted),
     and whose ``t`` is an int >= 0; ``lr``, ``eps`` and ``weight_decay`` finite and >= 0 (as
     torch.optim.Adam's), ``betas`` two numbers in [0, 1).
@@ -277,8 +281,16 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
     if unknown:
         raise ValueError(f"grads: expected names of params {sorted(params, key=str)}, got {unknown} too")
     for name, g in grads.items():
-        if g is not None and Vd.shape_of(g) != Vd.shape_of(params[name]):
-            raise ValueError(f"grads[{name!r}]: expected shape {Vd.shape_of(params[name])} (that of "
+        if g is None:
+            continue
+        p = params[name]
+        if type(g) is not type(p) or getattr(g, "dtype", None) != p.dtype or device_of(g) != device_of(p):
+            # (else as p: the fast path) an array of p's library, device and dtype: a float64
+            # gradient would promote a float32 parameter and its moments
+            Vd.check_grad(f"grads[{name!r}]", g, shape=Vd.shape_of(p), dtype=p.dtype,
+                          xp=namespace(p), device=device_of(p), of=f"params[{name!r}]")
+        if Vd.shape_of(g) != Vd.shape_of(p):
+            raise ValueError(f"grads[{name!r}]: expected shape {Vd.shape_of(p)} (that of "
                              f"params[{name!r}]), got {Vd.shape_of(g)}")
     if not isinstance(state, AdamState):
         raise TypeError(f"state: expected an npattn.nn.AdamState (nn.adam_init(params)), got "
@@ -295,6 +307,14 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
                 Vd.check_grad(f"{label}[{k!r}]", mk, shape=Vd.shape_of(p), dtype=p.dtype,
                               xp=namespace(p), device=device_of(p), of=f"params[{k!r}]")
     Vd.check_size("state.t", state.t)  # the steps taken
+    if state.steps is not None:
+        if not isinstance(state.steps, dict) or set(state.steps) != set(params):
+            raise ValueError("state.steps: expected None or a dict of the updates of each of these "
+                             "parameters, got " + (f"names {sorted(state.steps, key=str)}"
+                                                   if isinstance(state.steps, dict)
+                                                   else Vd.type_name(state.steps)))
+        for k, n in state.steps.items():
+            Vd.check_size(f"state.steps[{k!r}]", n)
     Vd.check_number("lr", lr, allow_zero=True)  # >= 0, as torch.optim.Adam's
     Vd.check_number("eps", eps, allow_zero=True)
     Vd.check_number("weight_decay", weight_decay, allow_zero=True)
@@ -309,33 +329,40 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
               weight_decay: float = 0.0) -> tuple[dict, AdamState]:
     """One Adam step; returns ``(new_params, new_state)`` and writes into nothing.
 
-    For each parameter ``w`` with gradient ``g``, at step ``t = state.t + 1``::
+    For each parameter ``w`` with gradient ``g``, at its step ``t`` (the updates it has
+    received, this one included: ``state.t + 1`` while every step gave every parameter a
+    gradient)::
 
         g = g + weight_decay * w                (L2 penalty, off by default)
         m = b1 m + (1 - b1) g
         v = b2 v + (1 - b2) g^2
         w = w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 
-    Parameters missing from ``grads`` are left unchanged. The arguments are
-    checked first (``check_adam``).
+    Parameters missing from ``grads`` (or given None) are left unchanged, and so are their
+    moments and their count of updates (``state.steps``), as in ``torch.optim.Adam``.
+    The arguments are checked first (``check_adam``).
     """
     check_adam(params, grads, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
     t = state.t + 1
-    c1, c2 = 1.0 - b1**t, 1.0 - b2**t
+    before = state.steps if state.steps is not None else dict.fromkeys(params, state.t)
+    steps = dict(before)
     new_p, new_m, new_v = dict(params), dict(state.m), dict(state.v)
     for name, g in grads.items():
         if g is None:
             continue
         xp = namespace(g)
         w = params[name]
+        steps[name] = tk = before[name] + 1  # this parameter's step
+        c1, c2 = 1.0 - b1**tk, 1.0 - b2**tk
         if weight_decay:
             g = g + float(weight_decay) * w
         m = b1 * state.m[name] + (1.0 - b1) * g
         v = b2 * state.v[name] + (1.0 - b2) * (g * g)
         new_p[name] = w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps))
         new_m[name], new_v[name] = m, v
-    return new_p, AdamState(new_m, new_v, t)
+    same = all(n == t for n in steps.values())
+    return new_p, AdamState(new_m, new_v, t, None if same else steps)
 
 
 # --------------------------------------------------------------------------

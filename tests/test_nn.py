@@ -162,6 +162,42 @@ def test_adam_first_step_is_lr_times_sign_and_writes_nothing():
     np.testing.assert_array_equal(state.m["w"], 0.0)
 
 
+def test_adam_counts_each_parameters_own_updates():
+    """A parameter without a gradient in a step keeps its moments and its count: its first update
+    is a first step, lr times the gradient's sign (bias-corrected with its own t = 1, not the
+    step count), as torch.optim.Adam's per-parameter state does."""
+    params = {"a": np.array([1.0, 2.0]), "b": np.array([3.0, 4.0])}
+    state = nn.adam_init(params)
+    ga, gb = np.array([0.5, -2.0]), np.array([-0.3, 7.0])
+    params, state = nn.adam_step(params, {"a": ga, "b": None}, state, lr=0.1, eps=0.0)
+    assert state.t == 1 and state.steps == {"a": 1, "b": 0}
+    params, state = nn.adam_step(params, {"a": ga}, state, lr=0.1, eps=0.0)  # b left out
+    np.testing.assert_array_equal(params["b"], [3.0, 4.0])
+    np.testing.assert_array_equal(state.m["b"], 0.0)
+    params, state = nn.adam_step(params, {"a": ga, "b": gb}, state, lr=0.1, eps=0.0)
+    np.testing.assert_allclose(params["b"], [3.0 + 0.1, 4.0 - 0.1], rtol=1e-14)
+    np.testing.assert_allclose(params["a"], [1.0 - 0.3, 2.0 + 0.3], rtol=1e-14)  # 3 equal steps
+    assert state.t == 3 and state.steps == {"a": 3, "b": 1}
+
+
+def test_adam_matches_torch_with_gradients_left_out():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    params = {"a": rng.standard_normal(3), "b": rng.standard_normal((2, 2))}
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    opt = torch.optim.Adam(list(tp.values()), lr=0.1, betas=(0.8, 0.95), weight_decay=0.01)
+    state = nn.adam_init(params)
+    for step in range(5):
+        grads = {"a": rng.standard_normal(3), "b": None if step in (0, 2) else rng.standard_normal((2, 2))}
+        for k in tp:
+            tp[k].grad = None if grads[k] is None else torch.tensor(grads[k])
+        opt.step()
+        params, state = nn.adam_step(params, grads, state, lr=0.1, betas=(0.8, 0.95), weight_decay=0.01)
+    assert state.steps == {"a": 5, "b": 3}
+    for k in params:
+        np.testing.assert_allclose(params[k], tp[k].detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
 def test_adam_minimises_a_quadratic():
     rng = np.random.default_rng(7)
     target = rng.standard_normal(4)
@@ -231,6 +267,14 @@ def test_adam_checks_its_arguments_before_writing_anything():
          r"^state\.m\['w'\]: expected dtype float64 \(that of params\['w'\]\)"),
         (dict(state=state._replace(v={"w": [0.0, 0.0]})), TypeError, r"^state\.v\['w'\]: expected a numpy array"),
         (dict(params={"w": [1.0, 1.0]}), TypeError, r"^params\['w'\]: expected an array, got list"),
+        # gradients of the parameter's library and dtype (a float32 one promoted nothing, but a
+        # float64 one for a float32 parameter did; a list raised AttributeError)
+        (dict(grads={"w": [1.0, 1.0]}), TypeError, r"^grads\['w'\]: expected a numpy array"),
+        (dict(grads={"w": np.ones(2, np.float32)}), TypeError,
+         r"^grads\['w'\]: expected dtype float64 \(that of params\['w'\]\), got float32"),
+        (dict(grads={"w": np.ones(2, np.int64)}), TypeError, r"^grads\['w'\]: expected dtype float64"),
+        (dict(state=state._replace(steps={"w": -1})), ValueError, r"^state\.steps\['w'\]: expected an int >= 0"),
+        (dict(state=state._replace(steps={"v": 1})), ValueError, r"^state\.steps: expected None or a dict"),
         (dict(lr=-0.1), ValueError, "^lr"), (dict(eps=float("inf")), ValueError, "^eps"),
         (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
     ]
