@@ -53,7 +53,8 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
 
 
 class EmbeddingCache(NamedTuple):
-    onehot: Any  # [..., V] one-hot rows of ids, for dtable
+    onehot: Any  # [..., V] one-hot rows of ids, for dtable (in the table's dtype)
+    width: Optional[int] = None  # D, the table's width: dout is (..., D)
 
 
 def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
@@ -85,7 +86,7 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     # otherwise run one small GEMM per batch entry (8x slower at (32, 64, 94))
     oh2 = xp.reshape(onehot, (-1, V))  # [N, V]
     out = xp.reshape(oh2 @ table, (*ids.shape, table.shape[1]))  # [..., D]
-    return out, EmbeddingCache(onehot)
+    return out, EmbeddingCache(onehot, int(table.shape[1]))
 
 
 def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
@@ -100,6 +101,11 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
     dtable : array, shape (V, D)
     """
     # [..., D] -> None, [V, D]
+    Vd.check_cache("cache", cache, EmbeddingCache, "embedding_forward")
+    oh = cache.onehot
+    if cache.width is not None:  # of the table's library, device and dtype, the out's shape
+        Vd.check_grad("dout", dout, shape=(*Vd.shape_of(oh)[:-1], cache.width), dtype=oh.dtype,
+                      xp=namespace(oh), device=device_of(oh), of="the forward's out")
     xp = namespace(dout, cache.onehot)
     # 2. out = onehot @ table
     oh2 = xp.reshape(cache.onehot, (-1, cache.onehot.shape[-1]))  # [N, V]
@@ -114,6 +120,7 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
 
 class PositionsCache(NamedTuple):
     pos_shape: tuple  # shape of the positional table, for dpos
+    like: Any = None  # x (not copied): dout has its shape, library, device and dtype
 
 
 def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
@@ -133,16 +140,25 @@ def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
     cache : PositionsCache
     """
     # [B, L, D], [L, D] -> [B, L, D]
+    Vd.check_floating_array("x", x)
+    if x.ndim < 2:
+        raise ValueError(f"x: expected shape (B, L, D), got {Vd.shape_of(x)}")
+    Vd.check_floating_array("pos", pos, namespace(x), device_of(x), dtype=x.dtype, like="x")
     if tuple(pos.shape) != tuple(x.shape[-2:]):
         raise ValueError(
             f"pos: expected shape {tuple(x.shape[-2:])} (L, D) to match x, got {tuple(pos.shape)}"
         )
-    return x + pos, PositionsCache(tuple(pos.shape))  # [B, L, D]
+    return x + pos, PositionsCache(tuple(pos.shape), x)  # [B, L, D]
 
 
 def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
     """``dx = dout``; ``dpos = sum_b dout[b]`` (the adjoint of broadcasting over the batch)."""
     # [B, L, D] -> [B, L, D], [L, D]
+    Vd.check_cache("cache", cache, PositionsCache, "add_positions_forward")
+    like = cache.like
+    if like is not None:
+        Vd.check_grad("dout", dout, shape=Vd.shape_of(like), dtype=like.dtype, xp=namespace(like),
+                      device=device_of(like), of="the forward's out")
     xp = namespace(dout)
     return dout, sum_to_shape(xp, dout, cache.pos_shape)
 
@@ -151,8 +167,11 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     """The fixed encoding of "Attention Is All You Need".
 
     ``pe[i, 2k] = sin(i / 10000^(2k/D))``, ``pe[i, 2k+1] = cos(i / 10000^(2k/D))``.
+    ``L`` an int >= 0, ``D`` an int >= 1.
     # -> [L, D]
     """
+    Vd.check_size("L", L)
+    Vd.check_positive_int("D", D)
     dtype = xp.float64 if dtype is None else dtype
     i = xp.astype(xp.arange(L, device=device), xp.float64)  # [L]
     k = xp.astype(xp.arange(D, device=device) // 2, xp.float64)  # [D]

@@ -287,6 +287,46 @@ def test_adam_checks_its_arguments_before_writing_anything():
     assert state.t == 0
 
 
+def test_embedding_positions_and_tables_check_their_arguments():
+    """dout of the forward's shape, library and dtype; pos an array of x's library and dtype;
+    sinusoidal sizes ints. Before, a float64 dout or pos promoted a float32 model silently, a
+    dout of another shape was reshaped or summed, a list raised AttributeError and D=0
+    ZeroDivisionError."""
+    x = np.ones((2, 3, 4), np.float32)
+    pos = np.zeros((3, 4), np.float32)
+    _, pc = nn.add_positions_forward(x, pos)
+    table = np.ones((5, 4), np.float32)
+    _, ec = nn.embedding_forward(np.array([[0, 1]]), table)
+    cases = [
+        (lambda: nn.add_positions_forward(x, pos.astype(np.float64)), TypeError,
+         r"^pos: expected dtype float32 \(that of x\), got float64"),
+        (lambda: nn.add_positions_forward(x, [[0.0] * 4] * 3), TypeError, "^pos: expected a numpy array"),
+        (lambda: nn.add_positions_forward(np.ones((2, 3, 4), np.int64), pos), TypeError,
+         "^x: expected a real floating dtype"),
+        (lambda: nn.add_positions_backward(np.ones((7, 3, 4), np.float32), pc), ValueError,
+         r"^dout: expected shape \(2, 3, 4\)"),
+        (lambda: nn.add_positions_backward(np.ones((2, 3, 4)), pc), TypeError,
+         "^dout: expected dtype float32"),
+        (lambda: nn.embedding_backward(np.ones((2, 4), np.float32), ec), ValueError,
+         r"^dout: expected shape \(1, 2, 4\)"),
+        (lambda: nn.embedding_backward(np.ones((1, 2, 4)), ec), TypeError, "^dout: expected dtype float32"),
+        (lambda: nn.embedding_backward(np.ones((1, 2, 4), np.float32), pc), TypeError,
+         "^cache: expected a EmbeddingCache"),
+        (lambda: nn.sinusoidal_positions(np, 4, 0), ValueError, "^D: expected a positive int, got 0"),
+        (lambda: nn.sinusoidal_positions(np, -1, 4), ValueError, "^L: expected an int >= 0, got -1"),
+        (lambda: nn.sinusoidal_positions(np, 2.5, 4), TypeError, "^L: expected an int >= 0"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    # the right arguments still work, with the numbers the definitions give
+    dx, dpos = nn.add_positions_backward(np.full((2, 3, 4), 0.5, np.float32), pc)
+    assert dpos.dtype == np.float32 and np.all(dpos == 1.0)
+    _, dtable = nn.embedding_backward(np.ones((1, 2, 4), np.float32), ec)
+    np.testing.assert_array_equal(dtable, [[1.0] * 4, [1.0] * 4] + [[0.0] * 4] * 3)
+    assert nn.sinusoidal_positions(np, 0, 4).shape == (0, 4)
+
+
 def test_ids_targets_and_dloss_are_checked_before_computing():
     """Out-of-range or non-integer ids and targets, a targets shape unlike the logits', and a
     dloss of another shape or dtype: a ValueError / TypeError naming the argument (they
