@@ -251,6 +251,9 @@ class GPT(BlockStack):
                                      f"{backend_name(cache.xp)} cache of batch {cache.batch_size}, "
                                      f"{cache.num_kv_heads} heads of {cache.head_dim}, dtype "
                                      f"{V.dtype_name(cache.dtype)}")
+                if cache.device != self._device():
+                    raise ValueError(f"kv_caches[{n}]: expected a cache on device {self._device()!r} "
+                                     f"(that of the model's parameters), got one on {cache.device!r}")
                 cache.check_room(L, name=f"kv_caches[{n}]")
         P = self._own
         state = self._rng.bit_generator.state

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from npattn import nn
-from npattn.backend import to_numpy
+from npattn import KVCache, nn
+from npattn.backend import backend_name, to_numpy
 from npattn.gpt import GPT, sample_next, training_step
 from npattn.gradcheck import check_vjp
 
@@ -241,6 +241,19 @@ def test_backward_before_forward_and_after_decoding_are_runtime_errors(xp, to_xp
     with pytest.raises(ValueError, match=r"kv_caches\[1\]: expected .* dtype float64"):
         model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=mixed)
     assert [list(c.cache_seqlens) for c in mixed] == [[0, 0], [0, 0]]
+    # a cache on another device (torch's meta device stands for a GPU's): refused before any
+    # block runs, and the training forward before it can still be differentiated (the device was
+    # checked inside the last block only, after the first had replaced its cache)
+    if backend_name(xp) == "torch":
+        import torch
+
+        logits = model.forward(to_xp(ids_of(0)))
+        elsewhere = model.new_caches(B)[:-1] + [KVCache(B, T, H, D // H, dtype="float64",
+                                                        backend="torch", device="meta")]
+        with pytest.raises(ValueError, match=r"^kv_caches\[1\]: expected a cache on device"):
+            model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=elsewhere)
+        assert [list(c.cache_seqlens) for c in elsewhere[:-1]] == [[0, 0]]
+        model.backward(torch.ones_like(logits) / logits.numel())
     dropping = make(xp, dropout=0.2)  # training mode with dropout: decoding is refused
     with pytest.raises(ValueError, match="eval"):
         dropping.forward(to_xp(ids_of(0, (B, 2))), kv_caches=dropping.new_caches(B))
