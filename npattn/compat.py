@@ -72,9 +72,12 @@ def _zeros(xp: Any, shape: tuple, like: Any, dtype: Any = None) -> Any:
 
 
 def _check_rank(name: str, x: Any, ndim: int, layout: str) -> None:
-    """``TypeError`` unless ``x`` is an array, ``ValueError`` unless it has ``ndim`` axes."""
+    """``TypeError`` unless ``x`` is an array (``validation.check_array``), ``ValueError`` unless it
+    has ``ndim`` axes."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name}: expected an array of shape {layout}, got {V.type_name(x)}")
+    V.check_array(name, x)  # a masked array, a matrix, another byte order: refused here, before
+    # anything runs (flash_attn_with_kvcache writes into its caches next)
     if len(x.shape) != ndim:
         raise ValueError(f"{name}: expected {ndim} axes {layout}, got shape {V.shape_of(x)}")
 
@@ -650,6 +653,24 @@ def flash_attn_with_kvcache(
                                     return_softmax_lse)[0]
 
 
+def _strides(a: Any) -> Optional[tuple]:
+    """The strides of ``a`` (NumPy's in bytes, torch's in elements), or None where the library
+    has none to show."""
+    st = getattr(a, "strides", None)
+    if st is None and callable(getattr(a, "stride", None)):
+        try:
+            st = a.stride()
+        except (TypeError, RuntimeError):  # pragma: no cover - a layout without strides
+            st = None
+    return None if st is None else tuple(int(x) for x in st)
+
+
+def _overlaps_itself(a: Any) -> bool:
+    """Whether an axis of more than one entry has stride 0 (an expanded or broadcast view)."""
+    st = _strides(a)
+    return st is not None and any(x == 0 and int(n) > 1 for x, n in zip(st, a.shape))
+
+
 def _write_in_place(name: str, cache: Any, b: int, start: int, new: Any) -> None:
     """``cache[b, start:start + Lnew] = new[b]``: flash-attn's in-place append."""
     try:
@@ -737,11 +758,18 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
         _check_axis("alibi_slopes", alibi_slopes, 0, B, "the batch of q")
     _check_call(xp, q, k_cache, v_cache, batch=B, alibi_slopes=alibi_slopes, scale=softmax_scale,
                 enable_gqa=gqa, is_causal=is_causal, window=window, softcap=cap)
-    if k is not None:  # a read-only cache fails here, not after a partial write
-        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+    if k is not None:  # a cache that cannot take the write fails here, not after a partial write
+        for name, a, new in (("k_cache", k_cache, k), ("v_cache", v_cache, v)):
             if not getattr(getattr(a, "flags", None), "writeable", True):
                 raise TypeError(f"{name}: expected an array that can be written in place (the new "
                                 f"keys/values are appended into it), got a read-only {V.type_name(a)}")
+            if _overlaps_itself(a):  # an expanded view: one entry's write would land in another's
+                raise TypeError(f"{name}: expected an array whose entries have memory of their own "
+                                f"(the new keys/values are appended into it), got a "
+                                f"{V.type_name(a)} of strides {_strides(a)} for shape "
+                                f"{V.shape_of(a)} (an expanded or broadcast view); pass a copy")
+            _write_in_place(name, a, 0, 0, new[:, :0, ...])  # an empty write: torch refuses a leaf
+            # that requires grad here, as a library without in-place writes does
 
     if k is not None:  # 1. the in-place append
         for b in range(B):

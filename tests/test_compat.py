@@ -513,12 +513,25 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float"),
     (dict(softmax_scale="x"), TypeError, r"^softmax_scale"),
     (dict(v_cache="read-only"), TypeError, r"^v_cache: expected an array that can be written in place"),
+    # the arrays themselves: checked before the append, not by the attention after it
+    (dict(q="masked"), TypeError, r"^q: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
+    (dict(v="masked"), TypeError, r"^v: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
+    # a writable view whose batch entries share memory: entry 1's append would land in entry 0's
+    (dict(v_cache="expanded"), TypeError, r"^v_cache: expected an array whose entries have memory "
+                                          r"of their own .* strides \(0, "),
 ])
 def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, match):
     q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
     if change.get("v_cache") == "read-only":
         v_cache.flags.writeable = False
         change = {}
+    if change.get("v_cache") == "expanded":
+        v_cache = np.lib.stride_tricks.as_strided(v_cache[:1], v_cache.shape,
+                                                  (0,) + v_cache.strides[1:], writeable=True)
+        change = {}
+    for name in ("q", "v"):
+        if change.get(name) == "masked":
+            change = {name: np.ma.masked_array(dict(q=q, v=v_new)[name])}
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new,
                 cache_seqlens=np.array([2, 3], np.int32))
     args.update(change)
@@ -527,6 +540,22 @@ def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, m
         C.flash_attn_with_kvcache(**args)
     np.testing.assert_array_equal(k_cache, before[0])
     np.testing.assert_array_equal(v_cache, before[1])
+
+
+def test_flash_attn_with_kvcache_on_torch_refuses_before_writing():
+    """A leaf that requires grad (torch refuses in-place writes into it) or an expanded cache:
+    a TypeError before either cache is written. (k_cache was written, then v_cache failed; an
+    expanded v_cache was written through, entry 1's values landing in entry 0's.)"""
+    torch = pytest.importorskip("torch")
+    q, k_cache, v_cache, k_new, v_new = (torch.from_numpy(t) for t in kvcache_inputs())
+    grad_leaf = v_cache.clone().requires_grad_(True)
+    expanded = v_cache[:1].clone().expand(*v_cache.shape)
+    for bad, match in ((grad_leaf, r"^v_cache: expected an array that can be written in place"),
+                       (expanded, r"^v_cache: expected an array whose entries have memory of their own")):
+        before = k_cache.clone()
+        with pytest.raises(TypeError, match=match):
+            C.flash_attn_with_kvcache(q, k_cache, bad, k_new, v_new, cache_seqlens=1)
+        assert torch.equal(k_cache, before)
 
 
 def test_flash_attn_with_kvcache_needs_a_writable_cache():
