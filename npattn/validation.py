@@ -429,8 +429,10 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
                 f"{name}: expected dtype {dtype_name(q.dtype)} (that of q), got "
                 f"{dtype_name(x.dtype)} (no silent promotion)"
             )
-    if q.ndim < 2:
-        raise ValueError(f"q: expected at least 2 axes (..., Lq, Dh), got shape {shape_of(q)}")
+    for name, x, layout in (("q", q, "(..., Lq, Dh)"), ("k", k, "(..., Lk, Dh)"),
+                            ("v", v, "(..., Lk, Dv)")):
+        if x.ndim < 2:
+            raise ValueError(f"{name}: expected at least 2 axes {layout}, got shape {shape_of(x)}")
     lead = shape_of(q)[:-2]
     for name, x in (("k", k), ("v", v)):
         if enable_gqa:

@@ -499,6 +499,12 @@ def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
             A.dropout_keep_mask(bad)
     _, c = A.sdpa_forward(q, k, v, impl="blocked")
     assert A.dropout_keep_mask(c) is None
+    # k or v of fewer than 2 axes: named (k.shape[-1] and v.shape[-2] raised IndexError)
+    for impl in ("reference", "blocked", "auto"):
+        with pytest.raises(ValueError, match=r"^k: expected at least 2 axes \(\.\.\., Lk, Dh\), got shape \(2,\)"):
+            A.sdpa_forward(q, k[0, 0, 0, ...], v, impl=impl)
+        with pytest.raises(ValueError, match=r"^v: expected at least 2 axes \(\.\.\., Lk, Dv\), got shape \(\)"):
+            A.sdpa_forward(q, k, v[0, 0, 0, 0], impl=impl)
 
 
 # --------------------------------------------------------------------------
