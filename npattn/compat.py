@@ -171,7 +171,7 @@ def _flash_softcap(softcap: Any) -> Optional[float]:
     """flash-attn's ``softcap`` (0.0 = off) as npattn's (None = off)."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, 0.0 for off, got {V.type_name(softcap)} {softcap!r}")
-    s = float(softcap)
+    s = V.real_value(softcap)
     if not (math.isfinite(s) and s >= 0.0):
         raise ValueError(f"softcap: expected 0.0 (off) or a finite float > 0, got {softcap!r}")
     return s if s > 0.0 else None

@@ -69,7 +69,7 @@ def _check_eps(value: Any) -> None:
     """``TypeError`` unless ``eps`` is a real number, ``ValueError`` unless it is finite and > 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"eps: expected a positive float, got {V.type_name(value)} {value!r}")
-    if not (0.0 < float(value) < math.inf):
+    if not (0.0 < V.real_value(value) < math.inf):
         raise ValueError(f"eps: expected a positive finite float, got {value!r}")
 
 

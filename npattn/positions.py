@@ -72,14 +72,18 @@ __all__ = [
 
 
 def _check_int(name: str, value: Any) -> None:
+    """An int (Python or NumPy, not a bool) of at most 62 bits: positions and offsets are summed
+    in int64."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {V.type_name(value)} {value!r}")
+    if not -(2**62) <= int(value) <= 2**62:
+        raise ValueError(f"{name}: expected an int within +-2**62 (positions are int64), got {int(value)}")
 
 
 def _check_base(value: Any) -> None:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"base: expected a float > 1, got {V.type_name(value)} {value!r}")
-    if not (math.isfinite(float(value)) and float(value) > 1.0):
+    if not (math.isfinite(V.real_value(value)) and V.real_value(value) > 1.0):
         raise ValueError(f"base: expected a finite float > 1, got {value!r}")
 
 
@@ -277,6 +281,9 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     query ``i`` sits at key position ``i + offset``, so their relative
     position is ``j - (i + offset)``. # -> [T] int64
     """
+    V.check_positive_int("Lq", Lq)
+    V.check_positive_int("Lk", Lk)
+    _check_int("offset", offset)
     return xp.arange(Lq + Lk - 1, dtype=xp.int64, device=device) - (Lq - 1 + offset)  # [T]
 
 

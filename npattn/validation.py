@@ -54,6 +54,7 @@ __all__ = [
     "check_grad",
     "check_rng",
     "check_number",
+    "real_value",
     "check_broadcasts_to",
     "type_name",
     "dtype_name",
@@ -120,6 +121,15 @@ def check_size(name: str, value: Any, *, minimum: int = 0) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
+def real_value(value: Any) -> float:
+    """``float(value)`` for a real number, ``+-inf`` for an int beyond the float range (``float``
+    raises ``OverflowError`` there): for range checks, which then fail as for any infinite value."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> None:
     """``TypeError`` unless a real number (Python or NumPy, not a bool), ``ValueError`` unless
     finite and > 0 (>= 0 with ``allow_zero``)."""
@@ -128,7 +138,8 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type_name(value)} {value!r}")
     bound = ">= 0" if allow_zero else "> 0"
-    if not (math.isfinite(float(value)) and (float(value) >= 0.0 if allow_zero else float(value) > 0.0)):
+    x = real_value(value)
+    if not (math.isfinite(x) and (x >= 0.0 if allow_zero else x > 0.0)):
         raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
 
 
@@ -535,7 +546,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
     if softcap is not None:
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap: expected None or a float > 0, got {type_name(softcap)} {softcap!r}")
-        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        if not (math.isfinite(real_value(softcap)) and real_value(softcap) > 0):
             raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
     H = lead[-1] if len(lead) >= 1 else None
     B = lead[-2] if len(lead) >= 2 else None

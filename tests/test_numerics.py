@@ -335,3 +335,28 @@ def test_one_query_many_keys(backend, xp, dtype):
         report = check_vjp(lambda *a: f(*a)[0], [query, key, value], grads, dout,
                            names=["query", "key", "value"], rtol=1e-6)
         assert report.ok, str(report)
+
+
+def test_ints_beyond_the_float_range_are_value_errors():
+    """An int such as 2**1100 where a finite float is expected: a ValueError naming the
+    argument (float() raised OverflowError out of the checks)."""
+    from npattn import attention as A, compat as C, gradcheck as G, layers as Ly, nn
+    from npattn import positions as P
+
+    huge = 2**1100
+    x = np.ones((1, 1, 2, 4))
+    calls = [
+        ("softcap", lambda: A.sdpa_forward(x, x, x, softcap=huge)),
+        ("softcap", lambda: C.flash_attn_func(x, x, x, softcap=huge)),
+        ("eps", lambda: Ly.layer_norm_forward(np.ones((2, 4)), np.ones(4), np.zeros(4), eps=huge)),
+        ("base", lambda: P.rope_forward(np.ones((2, 4)), base=huge)),
+        ("offset", lambda: P.relative_embedding_forward(np.ones((5, 2)), 2, 2, offset=2**70)),
+        ("max_norm", lambda: nn.clip_grad_norm({"a": np.ones(2)}, huge)),
+        ("lr", lambda: nn.adam_step({"a": np.ones(2)}, {"a": np.ones(2)}, nn.adam_init({"a": np.ones(2)}),
+                                    lr=huge)),
+        ("eps", lambda: G.gradcheck(lambda a: (a * 2.0, None), lambda d, c: (2.0 * d,), [np.ones(2)],
+                                    eps=huge)),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            call()
