@@ -230,6 +230,8 @@ def check_linear_grad(dy: Any, cache: Any) -> None:
 
 class HeadsCache(NamedTuple):
     n_head: int
+    like: Any = None  # the forward's x (not copied): dout has the shape, dtype, library and
+    # device of its output; None: only the head count is checked
 
 
 def split_heads_forward(x: Any, n_head: int) -> tuple[Any, HeadsCache]:
@@ -265,8 +267,15 @@ def _split_heads(x, n_head):
     # [B, L, D] -> [B, H, L, Dh]
     xp = namespace(x)
     B, L, D = x.shape
-    x = xp.reshape(x, (B, L, n_head, D // n_head))  # [B, L, H, Dh]
-    return xp.permute_dims(x, (0, 2, 1, 3)), HeadsCache(n_head)  # [B, H, L, Dh]
+    x4 = xp.reshape(x, (B, L, n_head, D // n_head))  # [B, L, H, Dh]
+    return xp.permute_dims(x4, (0, 2, 1, 3)), HeadsCache(n_head, x)  # [B, H, L, Dh]
+
+
+def _check_dout_like(name: str, g: Any, like: Any, shape: tuple) -> None:
+    """An upstream gradient of the forward's output: ``shape``, and the dtype, library and
+    device of the forward's input ``like`` (a permutation or a copy keeps them)."""
+    V.check_grad(name, g, shape=shape, dtype=like.dtype, xp=namespace(like), device=device_of(like),
+                 of="the forward's output")
 
 
 def split_heads_backward(dout: Any, cache: HeadsCache) -> Any:
@@ -284,6 +293,9 @@ def split_heads_backward(dout: Any, cache: HeadsCache) -> Any:
     # [B, H, L, Dh] -> [B, L, D]
     V.check_cache("cache", cache, HeadsCache, "split_heads_forward")
     V.check_array("dout", dout)
+    if cache.like is not None:  # the forward's output: [B, H, L, Dh]
+        B, L, D = cache.like.shape
+        _check_dout_like("dout", dout, cache.like, (B, cache.n_head, L, D // cache.n_head))
     if dout.ndim != 4 or dout.shape[1] != cache.n_head:
         raise ValueError(
             f"dout: expected a 4-D array (B, {cache.n_head}, L, Dh) (the forward's heads), "
@@ -316,8 +328,8 @@ def _merge_heads(x):
     # [B, H, L, Dh] -> [B, L, D]
     xp = namespace(x)
     B, H, L, Dh = x.shape
-    x = xp.permute_dims(x, (0, 2, 1, 3))  # [B, L, H, Dh]
-    return xp.reshape(x, (B, L, H * Dh)), HeadsCache(H)  # [B, L, D]
+    xt = xp.permute_dims(x, (0, 2, 1, 3))  # [B, L, H, Dh]
+    return xp.reshape(xt, (B, L, H * Dh)), HeadsCache(H, x)  # [B, L, D]
 
 
 def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
@@ -335,6 +347,9 @@ def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
     # [B, L, D] -> [B, H, L, Dh]
     V.check_cache("cache", cache, HeadsCache, "merge_heads_forward")
     V.check_array("dout", dout)
+    if cache.like is not None:  # the forward's output: [B, L, H*Dh]
+        B, H, L, Dh = cache.like.shape
+        _check_dout_like("dout", dout, cache.like, (B, L, H * Dh))
     if dout.ndim != 3 or dout.shape[-1] % cache.n_head != 0:
         raise ValueError(
             f"dout: expected a 3-D array (B, L, D) with D a multiple of the forward's "
@@ -508,6 +523,7 @@ class DropoutCache(NamedTuple):
     keep: Any  # bool keep-mask broadcastable to x, or None when dropout is off
     scale: float  # 1 / (1 - p)
     key: Optional[int] = None  # the dropout key when the mask was drawn, else None
+    like: Any = None  # x (not copied): dy has its shape, dtype, library and device
 
 
 def dropout_forward(x: Any, p: float, *, mask: Any = None, rng: Any = None) -> tuple[Any, DropoutCache]:
@@ -549,14 +565,14 @@ def _dropout(x, p, mask, rng):
     # [...] -> [...]
     xp = namespace(x, mask)
     if mask is None and p == 0.0:
-        return x, DropoutCache(None, 1.0)
+        return x, DropoutCache(None, 1.0, None, x)
     keep, key = mask, None
     if keep is None:
         key = dropout_key(rng)
         keep = keep_mask(key, p, x.shape, xp, device_of(x))  # [...] bool
     scale = 1.0 / (1.0 - float(p))  # a Python float: a NumPy float64 p would upcast x
     y = xp.where(keep, x * scale, 0.0)  # [...]
-    return y, DropoutCache(keep, scale, key)
+    return y, DropoutCache(keep, scale, key, x)
 
 
 def dropout_backward(dy: Any, cache: DropoutCache) -> Any:
@@ -574,6 +590,8 @@ def dropout_backward(dy: Any, cache: DropoutCache) -> Any:
     # [...] -> [...]
     V.check_cache("cache", cache, DropoutCache, "dropout_forward")
     V.check_floating_array("dy", dy)
+    if cache.like is not None:
+        _check_dout_like("dy", dy, cache.like, V.shape_of(cache.like))
     if cache.keep is not None:
         V.check_array("dy", dy, namespace(cache.keep), device_of(cache.keep),
                       where="that of the keep-mask", library="that of the keep-mask")
@@ -1094,6 +1112,8 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
 class AppendKVCache(NamedTuple):
     n_given: int  # Lk, the number of keys the caller gave
     has_bias: bool  # whether row Lk is the learned bias
+    out_shape: Optional[tuple] = None  # y's shape: dy has it (and like's dtype, library, device)
+    like: Any = None  # x (not copied)
 
 
 def append_kv_forward(x: Any, bias: Any = None, *, add_zero_attn: bool = False
@@ -1139,7 +1159,7 @@ def append_kv_forward(x: Any, bias: Any = None, *, add_zero_attn: bool = False
     if add_zero_attn:
         parts.append(xp.zeros(row_shape, dtype=x.dtype, device=device_of(x)))  # 2. [..., 1, D]
     y = xp.concat(parts, axis=-2) if len(parts) > 1 else x  # [..., Lk + n, D]
-    return y, AppendKVCache(x.shape[-2], bias is not None)
+    return y, AppendKVCache(x.shape[-2], bias is not None, V.shape_of(y), x)
 
 
 def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
@@ -1157,6 +1177,8 @@ def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
     # [..., Lk + n, D] -> [..., Lk, D], [D]
     V.check_cache("cache", cache, AppendKVCache, "append_kv_forward")
     V.check_floating_array("dy", dy)
+    if cache.like is not None and cache.out_shape is not None:
+        _check_dout_like("dy", dy, cache.like, cache.out_shape)
     n_min = cache.n_given + int(cache.has_bias)
     if dy.ndim < 2 or dy.shape[-2] < n_min:
         raise ValueError(
