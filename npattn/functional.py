@@ -1242,6 +1242,11 @@ def pad_mask_forward(mask: Any, Lq: int, Lk: int, n_extra: int, *, is_causal: bo
         V.check_array("like", like)
     if mask is not None:
         V.check_array("mask", mask)
+        if like is not None:  # the mask joins like's computation: its library and device
+            V.check_array("mask", mask, namespace(like), device_of(like), where="like like",
+                          library="that of like")
+        if mask.ndim < 1:
+            raise ValueError(f"mask: expected shape (..., Lk) or (..., Lq, Lk), got shape {V.shape_of(mask)}")
         mxp = namespace(mask)
         if not (is_bool(mxp, mask) or is_floating(mxp, mask)):
             raise TypeError(

@@ -687,6 +687,8 @@ FUNCTIONAL_CASES = [
      ("dy", ">= 4", "(1, 3, 4)")),
     ("pad Lq 0", lambda: F.pad_mask_forward(None, 0, 3, 1, is_causal=True, like=_x(1, 1, 2)), ValueError,
      ("Lq", ">= 1", "0")),
+    ("pad mask 0-d", lambda: F.pad_mask_forward(np.array(True), 3, 5, 1), ValueError,
+     ("mask", "(..., Lk)", "()")),
     ("pad n_extra float", lambda: F.pad_mask_forward(np.ones((2, 3), bool), 2, 3, 1.0), TypeError,
      ("n_extra", "int", "float")),
     ("pad int mask", lambda: F.pad_mask_forward(np.ones((2, 3), np.int8), 2, 3, 1), TypeError,
