@@ -87,6 +87,7 @@ def check_impl(impl, *, need_weights: bool = False) -> None:
     """Raise ``ValueError`` for an unknown ``impl``, or ``"blocked"``/``"chunked"`` with weights requested."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    V.check_bool("need_weights", need_weights)
     if impl in ("blocked", "chunked") and need_weights:
         raise ValueError(
             f"impl={impl!r} cannot return attention weights (it never forms them); "

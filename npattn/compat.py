@@ -701,6 +701,8 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
         if a is not None:
             raise NotImplementedError(f"{name}: {what} not implemented in npattn.compat; pass None")
     layout = "(batch, seqlen, nheads, headdim)"
+    V.check_bool("rotary_interleaved", rotary_interleaved)  # (no rotary embeddings: unused)
+    V.check_size("num_splits", num_splits)  # (a kernel's work split: nothing to split here)
     _check_rank("q", q, 4, layout)
     _check_rank("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_rank("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -1037,6 +1039,8 @@ def _seq_valid(xp: Any, name: str, lengths: Any, B: int, L: int, device: Any) ->
     n = _int_list(name, lengths, "sequence lengths (B,)")
     if len(n) != B:
         raise ValueError(f"{name}: expected shape (B,) = ({B},), got {len(n)} entries")
+    if any(x < 0 for x in n):
+        raise ValueError(f"{name}: expected lengths >= 0, got {n}")
     pos = xp.arange(L, device=device)  # [L]
     lens = xp.asarray(n, device=device)  # [B]
     return xp.expand_dims(pos, axis=0) < xp.expand_dims(lens, axis=1)  # [B, L]

@@ -499,6 +499,8 @@ def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
             A.dropout_keep_mask(bad)
     _, c = A.sdpa_forward(q, k, v, impl="blocked")
     assert A.dropout_keep_mask(c) is None
+    with pytest.raises(TypeError, match="^need_weights: expected a bool, got str 'no'"):
+        A.sdpa_forward(q, k, v, need_weights="no")  # (taken as True where impl="auto" chose)
     # k or v of fewer than 2 axes: named (k.shape[-1] and v.shape[-2] raised IndexError)
     for impl in ("reference", "blocked", "auto"):
         with pytest.raises(ValueError, match=r"^k: expected at least 2 axes \(\.\.\., Lk, Dh\), got shape \(2,\)"):

@@ -512,6 +512,8 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
     (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float"),
     (dict(softmax_scale="x"), TypeError, r"^softmax_scale"),
+    (dict(num_splits="x"), TypeError, r"^num_splits: expected an int >= 0"),
+    (dict(rotary_interleaved="x"), TypeError, r"^rotary_interleaved: expected a bool"),
     (dict(v_cache="read-only"), TypeError, r"^v_cache: expected an array that can be written in place"),
     # the arrays themselves: checked before the append, not by the attention after it
     (dict(q="masked"), TypeError, r"^q: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
@@ -777,6 +779,10 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(local_window_size="wide"), TypeError, r"^local_window_size"),
     (dict(query_seq_lengths=np.array([4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
     (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError, r"^key_value_seq_lengths"),
+    # a negative length: refused (it was taken as 0, rows with nothing to attend)
+    (dict(query_seq_lengths=np.array([-1, 3], np.int32)), ValueError,
+     r"^query_seq_lengths: expected lengths >= 0, got \[-1, 3\]"),
+    (dict(key_value_seq_lengths=[-5, 3]), ValueError, r"^key_value_seq_lengths: expected lengths >= 0"),
 ])
 def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
     q, k, v, _, _, _ = jax_case("bias_mask_gqa")
