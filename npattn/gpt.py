@@ -479,7 +479,8 @@ class GPT(BlockStack):
             for t in range(max_new_tokens):
                 last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
                 steps.append(last)
-                nxt = sample_next(to_numpy(last), rng, temperature=temperature, top_k=top_k,
+                host = np.asarray(to_numpy(last), dtype=np.float64)  # (bfloat16 included)
+                nxt = sample_next(host, rng, temperature=temperature, top_k=top_k,
                                   greedy=greedy)  # host [B]
                 tokens.append(nxt[:, None])
                 if t < max_new_tokens - 1:
@@ -519,6 +520,11 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
     largest logit (entries may be -inf, none NaN or +inf).
     """
     # [B, V] -> [B]
+    if not isinstance(logits, np.ndarray) or logits.dtype.kind != "f":  # (complex, object, bool,
+        # strings and other libraries' arrays were converted, or failed in the conversion)
+        raise TypeError(f"logits: expected a real floating NumPy array (B, V) on the host, got "
+                        f"{V.type_name(logits)}"
+                        + (f" of dtype {logits.dtype}" if isinstance(logits, np.ndarray) else ""))
     z = np.asarray(logits, dtype=np.float64)
     if z.ndim != 2 or z.shape[0] < 1 or z.shape[1] < 1:
         raise ValueError(f"logits: expected shape (B, V) with B, V >= 1, got {z.shape}")

@@ -343,6 +343,11 @@ def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its
         (logits, {"greedy": "no"}, TypeError, "greedy"),
         (logits, {"temperature": 0.0}, ValueError, "temperature"),
         (logits, {"top_k": 5}, ValueError, "top_k"),
+        # host real floating arrays only (complex lost its imaginary part, bool and object and
+        # other libraries' arrays were converted)
+        (logits.astype(np.complex128), {}, TypeError, "^logits: expected a real floating NumPy array"),
+        (logits > 0, {}, TypeError, "^logits: expected a real floating NumPy array"),
+        (logits.tolist(), {}, TypeError, "^logits: expected a real floating NumPy array .* got list"),
     ]
     for z, kw, error, match in bad:
         with pytest.raises(error, match=match):
