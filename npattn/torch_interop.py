@@ -147,7 +147,12 @@ def host_tensor(name: str, value: Any) -> np.ndarray:
     ``TypeError`` naming it unless it is a floating tensor or array."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {type(value).__name__}")
-    a = _host(value)
+    try:
+        a = _host(value)
+    except (NotImplementedError, RuntimeError, TypeError, ValueError) as exc:  # e.g. torch's meta
+        # tensors, which hold no numbers to copy
+        raise TypeError(f"state_dict[{name!r}]: expected a tensor whose numbers can be copied to "
+                        f"the host, got one that cannot be ({type(exc).__name__}: {exc})") from exc
     if not np.issubdtype(a.dtype, np.floating):
         raise TypeError(f"state_dict[{name!r}]: expected a floating tensor, got dtype {value.dtype}")
     return a

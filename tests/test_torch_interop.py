@@ -112,6 +112,10 @@ def test_bad_state_dicts_are_named():
         mha.load_torch_state_dict({k: v.tolist() for k, v in sd.items()})
     with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a floating tensor"):
         mha.load_torch_state_dict({k: v.to(torch.int64) for k, v in sd.items()})
+    # meta tensors hold no numbers: named (torch's NotImplementedError came through)
+    with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a tensor whose "
+                                        r"numbers can be copied to the host"):
+        mha.load_torch_state_dict({k: torch.empty_like(v, device="meta") for k, v in sd.items()})
     with pytest.raises(TypeError, match="^mha: expected an npattn MultiHeadAttention, got object"):
         torch_interop.params_from_torch_state_dict(object(), sd)
     for k in before:
