@@ -413,3 +413,22 @@ def test_decoder_memory_fully_masked_entry_gives_zeros_not_nan(xp, to_xp, to_np,
     assert np.max(np.abs(to_np(dmemory)[0])) > 0.0
     assert_ok(check_vjp(f, [to_xp(x), to_xp(memory)], [dx, dmemory], dout, names=["x", "memory"],
                         n_directions=2, seed=23))
+
+
+def test_block_errors_name_the_blocks_arguments():
+    """A block's argument errors name x, memory and memory_mask, not the attention module's
+    query, key and mask (a float32 memory was reported as 'key', a bad memory_mask as 'mask')."""
+    x = np.ones((2, 3, 8))
+    enc = TransformerBlock(8, 2, 16, dtype="float64", seed=0)
+    with pytest.raises(TypeError, match="^x: expected dtype float64"):
+        enc.forward(x.astype(np.float32))
+    dec = TransformerDecoderBlock(8, 2, 16, dtype="float64", seed=0)
+    memory = np.ones((2, 4, 8))
+    with pytest.raises(TypeError, match="^memory: expected dtype float64"):
+        dec.forward(x, memory.astype(np.float32))
+    with pytest.raises(ValueError, match=r"^memory_mask: expected a shape that broadcasts to .* \(2, 2, 3, 4\)"):
+        dec.forward(x, memory, memory_mask=np.ones((5, 5), bool))
+    with pytest.raises(ValueError, match=r"^mask: expected a shape that broadcasts to .* \(2, 2, 3, 3\)"):
+        dec.forward(x, memory, mask=np.ones((5, 5), bool))
+    with pytest.raises(ValueError, match=r"^memory: expected a 3-D array"):
+        dec.forward(x, memory[0])
