@@ -911,9 +911,10 @@ def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: A
         if not (attn_mask.dtype == xp.bool or xp.isdtype(attn_mask.dtype, "real floating")):
             raise TypeError(f"attn_mask: expected a bool or real floating dtype, got "
                             f"{V.dtype_name(attn_mask.dtype)}")
-    out, cache = A.sdpa_forward(query, key, value, mask=attn_mask, is_causal=is_causal, scale=scale,
-                                dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng,
-                                enable_gqa=enable_gqa)  # [..., Hq, Lq, Dv]
+    with V.argument_names({"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}):
+        out, cache = A.sdpa_forward(query, key, value, mask=attn_mask, is_causal=is_causal,
+                                    scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask,
+                                    rng=rng, enable_gqa=enable_gqa)  # [..., Hq, Lq, Dv]
 
     def grads_of(dout: Any, dlse: Any) -> dict:
         # [..., Hq, Lq, Dv] -> query, key, value and a floating attn_mask's shapes

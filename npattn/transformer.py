@@ -620,18 +620,6 @@ _SELF_NAMES = {"query": "x", "key": "x", "value": "x"}
 _CROSS_NAMES = {"query": "x", "key": "memory", "value": "memory", "mask": "memory_mask"}
 
 
-def _as_block_arguments(names: dict, check: Callable) -> None:
-    """Run an attention module's argument ``check``; its error, if any, names the block's own
-    argument (``names``: the module's name -> the block's) instead of the module's."""
-    try:
-        check()
-    except (TypeError, ValueError) as exc:
-        head, sep, rest = str(exc).partition(": ")
-        if sep and head in names:
-            raise type(exc)(f"{names[head]}: {rest}") from None
-        raise
-
-
 class TransformerBlock(_Block):
     """The Transformer encoder layer, as ``torch.nn.TransformerEncoderLayer(batch_first=True)``.
 
@@ -738,9 +726,9 @@ class TransformerBlock(_Block):
         -------
         out : array, shape (B, L, D)
         """
-        _as_block_arguments(_SELF_NAMES, lambda: check_forward_inputs(
-            self.self_attn, x, x, x, mask=mask, dropout_mask=None, is_causal=is_causal,
-            need_weights=False, kv_cache=kv_cache))
+        with V.argument_names(_SELF_NAMES):
+            check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
+                                 is_causal=is_causal, need_weights=False, kv_cache=kv_cache)
         if kv_cache is not None and self.training and self.dropout > 0.0:
             raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
                              f"first (the block is in training mode with dropout {self.dropout})")
@@ -852,12 +840,12 @@ class TransformerDecoderBlock(_Block):
         -------
         out : array, shape (B, L, D)
         """
-        _as_block_arguments(_SELF_NAMES, lambda: check_forward_inputs(
-            self.self_attn, x, x, x, mask=mask, dropout_mask=None, is_causal=is_causal,
-            need_weights=False))
-        _as_block_arguments(_CROSS_NAMES, lambda: check_forward_inputs(
-            self.multihead_attn, x, memory, memory, mask=memory_mask, dropout_mask=None,
-            is_causal=False, need_weights=False))
+        with V.argument_names(_SELF_NAMES):
+            check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
+                                 is_causal=is_causal, need_weights=False)
+        with V.argument_names(_CROSS_NAMES):
+            check_forward_inputs(self.multihead_attn, x, memory, memory, mask=memory_mask,
+                                 dropout_mask=None, is_causal=False, need_weights=False)
         B, L, D = x.shape
         Lm = memory.shape[1]
         shapes = {"self_attn": (B, self.n_head, L, L), "multihead_attn": (B, self.n_head, L, Lm),

@@ -26,9 +26,10 @@ D = d_model, Dk = kdim, Dv = vdim, Dh head width.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import array_api_compat
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = [
     "check_rng",
     "check_number",
     "real_value",
+    "argument_names",
     "check_broadcasts_to",
     "type_name",
     "dtype_name",
@@ -119,6 +121,20 @@ def check_size(name: str, value: Any, *, minimum: int = 0) -> None:
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+
+
+@contextlib.contextmanager
+def argument_names(names: dict) -> Iterator[None]:
+    """Inside, a ``TypeError`` / ``ValueError`` whose message starts with ``"name: "`` for a key
+    of ``names`` is raised again with ``names[name]`` there: the argument as the caller of a
+    wrapper calls it (``{"q": "query"}`` for torch's names)."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        head, sep, rest = str(exc).partition(": ")
+        if sep and head in names:
+            raise type(exc)(f"{names[head]}: {rest}") from None
+        raise
 
 
 def real_value(value: Any) -> float:

@@ -650,10 +650,17 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
     q, k, v, m, _ = sdpa_case("bool_mask_empty_row")
     with pytest.raises(TypeError, match=r"^attn_mask: expected a bool or real floating dtype"):
         C.scaled_dot_product_attention(q, k, v, m.astype(np.int8))
-    with pytest.raises(ValueError, match=r"attn_mask|mask"):
+    with pytest.raises(ValueError, match=r"^attn_mask: expected a shape that broadcasts"):
         C.scaled_dot_product_attention(q, k, v, m[..., :5])
     with pytest.raises(TypeError, match=r"^query: expected an array"):
         C.scaled_dot_product_attention(None, k, v)
+    # torch's names, not npattn's q, k, v (the dispatcher's checks named them so)
+    with pytest.raises(TypeError, match=r"^query: expected a real floating dtype, got int64"):
+        C.scaled_dot_product_attention(q.astype(np.int64), k, v)
+    with pytest.raises(TypeError, match=r"^key: expected dtype float64 \(that of q\), got float32"):
+        C.scaled_dot_product_attention(q, k.astype(np.float32), v)
+    with pytest.raises(ValueError, match=r"^value: expected length"):
+        C.scaled_dot_product_attention(q, k, v[..., :1, :])
     out, pullback = C.vjp(C.scaled_dot_product_attention, q, k, v, m)
     with pytest.raises(ValueError, match=r"^dlse: scaled_dot_product_attention returns no"):
         pullback(out, dlse=out[..., 0])
