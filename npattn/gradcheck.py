@@ -139,6 +139,16 @@ def _is_float_array(x) -> bool:
     return is_floating(xp, x)
 
 
+def _real_dout(dout: Any) -> Any:
+    """``dout``, checked: an array (or NumPy scalar) of a real dtype (a complex one's imaginary
+    part would be dropped by the float64 copy)."""
+    V.check_array("dout", dout)
+    if namespace(dout).isdtype(dout.dtype, "complex floating"):
+        raise TypeError(f"dout: expected a real array (the gradient of a real output), got dtype "
+                        f"{V.dtype_name(dout.dtype)}")
+    return dout
+
+
 def _host64(x) -> np.ndarray:
     return np.asarray(to_numpy(x), dtype=np.float64)
 
@@ -164,7 +174,7 @@ def numerical_vjp(f: Callable, inputs: Sequence, dout: Any, *, eps: float = 1e-6
     input's shape. Costs two evaluations of ``f`` per entry.
     """
     wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=0.0, atol=None, wrt=wrt)
-    ev = _Float64Evaluator(f, inputs, _host64(dout))
+    ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
     grads = [None] * len(inputs)
     for i in wrt:
         base = ev.host[i]
@@ -263,10 +273,21 @@ def check_vjp(
     wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=rtol, atol=atol, n_directions=n_directions,
                        seed=seed, wrt=wrt)
     names = _names(names, len(inputs))
+    if not isinstance(grads, (list, tuple)) or len(grads) != len(inputs):
+        raise ValueError(f"grads: expected a list or tuple of one gradient per input ({len(inputs)}; "
+                         f"None for those not checked), got "
+                         + (f"{len(grads)}" if isinstance(grads, (list, tuple)) else V.type_name(grads)))
+    for i in wrt:
+        if grads[i] is not None:
+            V.check_array(f"grads[{i}]", grads[i])
     rng = np.random.default_rng(seed)
-    ev = _Float64Evaluator(f, inputs, _host64(dout))
+    ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
     if atol is None:
-        atol = _rounding_floor(f(*_on_backend(ev.like, ev.host)), ev.dout, eps)
+        out = _host64(f(*_on_backend(ev.like, ev.host)))
+        if out.shape != ev.dout.shape:  # no broadcast: dout is the output's gradient
+            raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
+                             f"got {ev.dout.shape}")
+        atol = _rounding_floor(out, ev.dout, eps)
     report = GradcheckReport("vjp", rtol=rtol, atol=atol)
     for i in wrt:
         if grads[i] is None:
@@ -406,6 +427,7 @@ def gradcheck(
     else:  # the caller's: an array of out's library and shape (its dtype may differ)
         V.check_array("dout", dout, namespace(out), device_of(out), where="that of the forward's out",
                       library="that of the forward's out")
+        _real_dout(dout)
         if V.shape_of(dout) != V.shape_of(out):
             raise ValueError(f"dout: expected shape {V.shape_of(out)} (that of the forward's out), "
                              f"got {V.shape_of(dout)}")
@@ -490,7 +512,15 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     GradcheckReport with entries ``query``, ``key``, ``value`` and one per
     parameter name.
     """
+    params = getattr(module, "params", None)
+    if not (callable(getattr(module, "backward", None)) and callable(module)
+            and hasattr(params, "keys") and "w_q" in params):
+        raise TypeError(f"module: expected an npattn MultiHeadAttention, got {V.type_name(module)}")
+    if forward_kwargs is not None and not isinstance(forward_kwargs, dict):
+        raise TypeError(f"forward_kwargs: expected None or a dict of forward's keywords, got "
+                        f"{V.type_name(forward_kwargs)}")
     fk = dict(forward_kwargs or {})
+    V.check_array("query", query)
     xp = namespace(query)
     if module.params["w_q"].dtype != xp.float64:
         raise ValueError(

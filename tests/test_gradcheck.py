@@ -166,6 +166,26 @@ def test_a_check_of_nothing_or_with_bad_settings_is_refused_before_any_call():
         gradcheck(forward, backward, [x], dout=np.ones(3))
     with pytest.raises(ValueError, match=r"dout: expected shape \(2, 3\)"):
         check_vjp(lambda a: 2.0 * a, [x], [2.0 * x], np.ones(3))
+    # the other public checks name their arguments too (AttributeError, IndexError, NumPy's
+    # broadcast error, or a complex dout's imaginary part dropped, before)
+    from npattn.gradcheck import gradcheck_module, numerical_vjp
+
+    f = lambda a: 2.0 * a  # noqa: E731
+    more = [
+        (lambda: numerical_vjp(f, [x], None), TypeError, "^dout: expected an array, got None"),
+        (lambda: check_vjp(f, [x], [2.0 * x], np.ones(4)), ValueError,
+         r"^dout: expected shape \(2, 3\) \(that of the function's output\), got \(4,\)"),
+        (lambda: check_vjp(lambda a, b: a + b, [x, x], [x], x), ValueError,
+         r"^grads: expected a list or tuple of one gradient per input \(2"),
+        (lambda: check_vjp(f, [x], [(2.0 * x).tolist()], x), TypeError, r"^grads\[0\]: expected an array"),
+        (lambda: check_vjp(f, [x], [2.0 * x], x + 0j), TypeError, "^dout: expected a real array"),
+        (lambda: gradcheck(lambda a: (2.0 * a, None), lambda d, c: 2.0 * d, [x], dout=x + 0j), TypeError,
+         "^dout: expected a real array"),
+        (lambda: gradcheck_module(None, x, x, x), TypeError, "^module: expected an npattn MultiHeadAttention"),
+    ]
+    for call, exc, match in more:
+        with pytest.raises(exc, match=match):
+            call()
 
 
 def test_an_all_nan_output_fails_without_dividing_by_zero():
