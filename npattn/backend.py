@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import numbers
 import os
 import threading
 import types
@@ -238,6 +239,19 @@ def _mix32(x):
     return x
 
 
+def _check_draw(key: Any, p: Any) -> None:
+    """``key`` an int in [0, 2**64), ``p`` a real number in [0, 1): a ``TypeError`` /
+    ``ValueError`` naming them (a p of 1.5 overflowed the threshold's uint32)."""
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, numbers.Integral):
+        raise TypeError(f"key: expected an int (from dropout_key), got {type(key).__name__} {key!r}")
+    if not 0 <= int(key) < 2**64:
+        raise ValueError(f"key: expected an int in [0, 2**64) (from dropout_key), got {int(key)}")
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p: expected a drop probability in [0, 1), got {type(p).__name__} {p!r}")
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"p: expected a drop probability in [0, 1), got {p!r}")
+
+
 def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any) -> np.ndarray:
     """Host keep-mask of entries ``(*lead, i, j)`` for ``i in rows``, ``j in cols``.
 
@@ -267,6 +281,7 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     -------
     numpy bool array, shape ``(*broadcast(lead), len(rows), len(cols))``
     """
+    _check_draw(key, p)
     lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
     r = np.full((), lo, dtype=np.uint32)
     coords = [np.asarray(c)[..., None, None] for c in lead] + [np.asarray(rows)[:, None]]
@@ -286,6 +301,11 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
     ``keyed_keep_mask`` over the whole grid, moved to ``xp`` on ``device``:
     entry ``(..., i, j)`` is kept with probability ``1 - p``.
     """
+    _check_draw(key, p)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or not all(
+            isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_)) and n >= 0
+            for n in shape):
+        raise ValueError(f"shape: expected a sequence of ints >= 0, got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:  # a vector: its entries are the columns of one row
         keep = keyed_keep_mask(key, p, [], np.arange(1), np.arange(shape[0] if shape else 1))
@@ -329,6 +349,10 @@ def limit_blas_threads(n: Optional[int]) -> Any:
     it changes nothing. The count is process-wide: npattn calls it only
     inside ``exclusive()``, and restores it before leaving.
     """
+    if n is not None and (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral)):
+        raise TypeError(f"n: expected None or an int >= 1 (BLAS threads), got {type(n).__name__} {n!r}")
+    if n is not None and n < 1:
+        raise ValueError(f"n: expected None or an int >= 1 (BLAS threads), got {n!r}")
     ctl = blas_controller()
     if n is None or ctl is None:
         return contextlib.nullcontext()

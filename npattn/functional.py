@@ -119,6 +119,8 @@ def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
     -------
     array, shape (Lq, Lk), bool
     """
+    V.check_size("Lq", Lq)
+    V.check_size("Lk", Lk)
     i = xp.arange(Lq, device=device)  # [Lq]
     j = xp.arange(Lk, device=device)  # [Lk]
     return xp.expand_dims(i, axis=1) >= xp.expand_dims(j, axis=0)  # [Lq, Lk]

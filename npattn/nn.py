@@ -43,6 +43,7 @@ __all__ = [
 
 def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]"""
+    Vd.check_positive_int("n", n)
     classes = xp.arange(n, device=device_of(ids))  # [n]
     hit = xp.expand_dims(ids, axis=-1) == classes  # [..., n] bool
     return xp.astype(hit, dtype)  # [..., n]

@@ -135,6 +135,8 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     Computed in float64 (``positions`` may be large), returned in ``dtype``
     (default float64). # [..., L] -> [..., L, Dh/2]
     """
+    V.check_positive_int("Dh", Dh)
+    _check_base(base)
     dev = device_of(positions)
     pos = xp.astype(positions, xp.float64)  # [..., L]
     c = xp.astype(xp.arange(Dh // 2, device=dev), xp.float64)  # [Dh/2]

@@ -711,3 +711,33 @@ def test_functional_primitives_check_their_arguments(call, exc, fragments):
 def test_dropout_p_just_below_one_still_works():
     y, cache = F.dropout_forward(_x(4, 4), 0.999, rng=0)
     assert y.shape == (4, 4) and F.dropout_backward(_x(4, 4), cache).shape == (4, 4)
+
+
+def test_public_helpers_check_their_arguments():
+    """The helpers in the modules' __all__ name a bad argument (a p of 1.5 overflowed keep_mask's
+    uint32 threshold, Dh=0 divided by zero in rope_angles, a negative size made an empty mask
+    or one-hot, and limit_blas_threads took a string)."""
+    from npattn import backend as B
+    from npattn import nn
+    from npattn import positions as P
+
+    cases = [
+        (lambda: B.keep_mask(1, 1.5, (2, 3), np), ValueError, r"^p: expected a drop probability in \[0, 1\), got 1.5"),
+        (lambda: B.keep_mask(1, -0.1, (2, 3), np), ValueError, "^p: expected a drop probability"),
+        (lambda: B.keep_mask(-1, 0.1, (2, 3), np), ValueError, r"^key: expected an int in \[0, 2\*\*64\)"),
+        (lambda: B.keep_mask("k", 0.1, (2, 3), np), TypeError, "^key: expected an int"),
+        (lambda: B.keep_mask(1, 0.1, (2, -3), np), ValueError, "^shape: expected a sequence of ints >= 0"),
+        (lambda: B.keyed_keep_mask(1, 2.0, [], np.arange(2), np.arange(3)), ValueError, "^p: expected"),
+        (lambda: B.limit_blas_threads("x"), TypeError, "^n: expected None or an int >= 1"),
+        (lambda: B.limit_blas_threads(0), ValueError, "^n: expected None or an int >= 1"),
+        (lambda: F.causal_mask(np, -2, 3), ValueError, "^Lq: expected an int >= 0, got -2"),
+        (lambda: P.rope_angles(np, np.arange(3), 0), ValueError, "^Dh: expected a positive int, got 0"),
+        (lambda: P.rope_angles(np, np.arange(3), 4, base="x"), TypeError, "^base: expected a float > 1"),
+        (lambda: nn.one_hot(np, np.arange(2), -3, np.float64), ValueError, "^n: expected a positive int"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    # the right arguments still give the one mask: the same entries whatever the key's type
+    np.testing.assert_array_equal(B.keep_mask(np.uint64(5), np.float32(0.25), (2, 3), np),
+                                  B.keep_mask(5, 0.25, (2, 3), np))
