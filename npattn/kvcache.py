@@ -104,8 +104,19 @@ class KVCache:
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.value_dim = self.head_dim if value_dim is None else int(value_dim)
         B, Hkv, C = self.batch_size, self.num_kv_heads, self.capacity
-        self._k = xp.zeros((B, Hkv, C, self.head_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dh]
-        self._v = xp.zeros((B, Hkv, C, self.value_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dv]
+        entries = B * Hkv * C * max(self.head_dim, self.value_dim)
+        if entries >= 2**62:  # beyond what any library indexes (NumPy's own message names nothing)
+            raise ValueError(f"capacity: expected buffers of fewer than 2**62 entries, got batch_size "
+                             f"{B} x num_kv_heads {Hkv} x capacity {C} x head width "
+                             f"{max(self.head_dim, self.value_dim)}")
+        try:
+            self._k = xp.zeros((B, Hkv, C, self.head_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dh]
+            self._v = xp.zeros((B, Hkv, C, self.value_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dv]
+        except (TypeError, ValueError, RuntimeError) as exc:  # a device the backend does not have
+            if device is None:
+                raise
+            raise ValueError(f"device: expected a device of the {backend_name(xp)} backend, got "
+                             f"{device!r} ({exc})") from exc
         if not _writes_in_place(self._k[0, 0, 0, :1]):
             raise TypeError(
                 f"backend: expected a backend whose arrays can be written in place (KVCache "

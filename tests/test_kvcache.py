@@ -339,6 +339,9 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     ((1, 4, 1, 2), dict(dtype="int32"), ValueError, "dtype"),
     ((1, 4, 1, 2), dict(dtype=None), TypeError, "dtype"),
     ((1, 4, 1, 2), dict(backend="nope"), ValueError, "backend"),
+    # NumPy's own messages named nothing
+    ((1, 2**70, 1, 2), {}, ValueError, r"^capacity: expected buffers of fewer than 2\*\*62 entries"),
+    ((1, 4, 1, 2), dict(device="cuda"), ValueError, r"^device: expected a device of the numpy backend, got 'cuda'"),
 ])
 def test_kvcache_bad_construction(args, kwargs, exc, match):
     kwargs = dict(dict(dtype="float32"), **kwargs)
