@@ -494,6 +494,11 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
     cap = _flash_softcap(softcap)
     V.check_bool("return_attn_probs", return_attn_probs)
     V.check_rng("rng", rng)
+    if (return_attn_probs or dropout_mask is not None) and \
+            B * Hq * int(max_seqlen_q) * int(max_seqlen_k) >= 2**62:  # S_dmask / the keep-mask grid
+        raise ValueError(f"max_seqlen_q, max_seqlen_k: expected a (B, Hq, max_seqlen_q, max_seqlen_k) "
+                         f"grid of fewer than 2**62 entries (S_dmask, dropout_mask), got "
+                         f"{(B, Hq, int(max_seqlen_q), int(max_seqlen_k))}")
     xp = namespace(q, k, v)
     if alibi_slopes is not None and hasattr(alibi_slopes, "shape") and len(alibi_slopes.shape) == 2:
         _check_axis("alibi_slopes", alibi_slopes, 0, B, "the number of sequences B")

@@ -372,6 +372,9 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(4, 4\)"),
     (dict(softmax_scale="x"), TypeError, r"^softmax_scale: expected None or a float"),
     (dict(dropout_p=1.5), ValueError, r"^dropout_p"),
+    # a grid no library indexes, before any sequence is computed (NumPy's message came after)
+    (dict(max_seqlen_q=10**30, return_attn_probs=True), ValueError,
+     r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer"),
 ])
 def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match):
     q, k, v, cq, ck, _ = varlen_inputs()
