@@ -513,9 +513,9 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     GradcheckReport with entries ``query``, ``key``, ``value`` and one per
     parameter name.
     """
-    params = getattr(module, "params", None)
+    params: Any = getattr(module, "params", None)
     if not (callable(getattr(module, "backward", None)) and callable(module)
-            and hasattr(params, "keys") and "w_q" in params):
+            and params is not None and hasattr(params, "keys") and "w_q" in params):
         raise TypeError(f"module: expected an npattn MultiHeadAttention, got {V.type_name(module)}")
     if forward_kwargs is not None and not isinstance(forward_kwargs, dict):
         raise TypeError(f"forward_kwargs: expected None or a dict of forward's keywords, got "
