@@ -92,6 +92,18 @@ def test_module_target(tmp_path, monkeypatch, capsys):
     assert "(no gradients" in capsys.readouterr().out
 
 
+def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys):
+    """--backward from another file named kernels.py: that file's function runs (the first file's
+    module was reused by name, and a backward that raises passed)."""
+    (tmp_path / "kernels.py").write_text("def attention_backward(dout, saved, dlse=None):\n"
+                                         "    raise RuntimeError('the other file')\n")
+    argv = ["verify", f"{KERNELS}:attention", "--returns-lse", "--supports", "causal", "--combos",
+            "none", "--dtype", "float64", "--no-progress",
+            "--backward", f"{tmp_path / 'kernels.py'}:attention_backward"]
+    assert cli.main(argv) == 1
+    assert "RuntimeError: the other file" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     ([f"{KERNELS}:nope"], "has no attribute 'nope'"),
     (["no_such_module_xyz:attn"], "cannot import 'no_such_module_xyz'"),

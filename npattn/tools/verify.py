@@ -22,6 +22,7 @@ Exit status: 0 every case passes (degenerate ones included), 1 a case fails,
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -107,7 +108,10 @@ def _load_file(path: str) -> Any:
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    name = "npattn_verify_target_" + os.path.splitext(os.path.basename(path))[0]
+    # one module per file: two files of one name (a kernel's and a backward's) are two modules
+    stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(path))[0])
+    digest = hashlib.sha1(os.path.realpath(path).encode()).hexdigest()[:12]
+    name = f"npattn_verify_target_{stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
