@@ -123,6 +123,20 @@ def test_usage_errors_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_device_the_backend_cannot_use_is_a_usage_error(tmp_path, capsys):
+    """--device nonsense with torch: exit 2 naming device, before any case (every case failed as
+    'fn raised', exit 1)."""
+    pytest.importorskip("torch")
+    (tmp_path / "tk.py").write_text("import torch\n"
+                                    "def sdpa(q, k, v, mask=None, is_causal=False):\n"
+                                    "    return torch.nn.functional.scaled_dot_product_attention(\n"
+                                    "        q, k, v, attn_mask=mask, is_causal=is_causal)\n")
+    assert cli.main(["verify", f"{tmp_path / 'tk.py'}:sdpa", "--backend", "torch", "--autograd",
+                     "torch", "--supports", "causal", "--device", "nonsense", "--no-progress"]) == 2
+    assert "device: expected a device that backend='torch' can use, got 'nonsense'" in \
+        capsys.readouterr().err
+
+
 def test_argparse_errors_exit_2(capsys):
     assert V.main([f"{KERNELS}:attention", "--layout", "bhds"]) == 2
     assert V.main([f"{KERNELS}:attention", "--backward", "x", "--autograd", "torch"]) == 2
