@@ -138,6 +138,25 @@ def test_json_dash_prints_only_json_on_stdout(capsys, monkeypatch):
     assert "bench:" in err and "5/5" in err  # and the progress bar, on a terminal
 
 
+def test_json_dash_of_the_gpt_and_dask_benchmarks(tmp_path, monkeypatch, capsys):
+    """--json - prints the JSON alone on stdout for --model gpt and --backend dask too (they wrote
+    a file named '-', the table on stdout)."""
+    from npattn.tools import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--model", "gpt", "--batch", "1", "--seq-len", "4", "--d-model", "8",
+                       "--n-layer", "1", "--n-head", "2", "--vocab", "5", "--repeat", "1",
+                       "--warmup", "0", "--no-torch", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["n_params"] > 0 and "median: npattn" in captured.err
+    pytest.importorskip("distributed")
+    assert cli.main(["bench", "--backend", "dask", "--shape", "1x8x16x2", "--q-chunk", "4",
+                     "--k-chunk", "4", "--graph-only", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["graph"] and "pairs" in captured.err
+    assert not (tmp_path / "-").exists()
+
+
 def test_autorange_repeats_a_step_until_a_sample_lasts_long_enough(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from typing import Any
 
 import numpy as np
 
-from .outputs import output_error
+from .outputs import json_output, output_error
 
 __all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local"]
 
@@ -254,41 +252,39 @@ def main(argv=None) -> int:
         print(f"npattn bench --backend dask: needs the dask extra (pip install '.[dask]' from the repository root): {exc}",
               file=sys.stderr)
         return 2
-    B, L, D, H, causal = shape
-    itemsize = np.dtype(args.dtype).itemsize
-    result: dict[str, Any] = dict(
-        shape=args.shape, dtype=args.dtype, q_chunk=args.q_chunk, k_chunk=args.k_chunk,
-        dask=dask.__version__, distributed=distributed.__version__, cpus=os.cpu_count(),
-        scores_one_head_mib=L * L * itemsize / 2**20, scores_one_entry_mib=H * L * L * itemsize / 2**20)
-    print(f"npattn bench --backend dask: shape {args.shape} ({'causal, ' if causal else ''}{args.dtype}), "
-          f"chunks: 1 batch entry x {H} heads x {args.q_chunk} queries x {args.k_chunk} keys; "
-          f"dask {dask.__version__}, {os.cpu_count()} CPUs")
-    print(f"one head's (Lq, Lk) scores: {result['scores_one_head_mib']:.0f} MiB; one batch entry's "
-          f"heads: {result['scores_one_entry_mib']:.0f} MiB")
-    chunkings = sorted({(L, L), (L, min(args.k_chunk, L)), (min(args.q_chunk, L), min(args.k_chunk, L)),
-                        (max(L // 8, 1), max(L // 8, 1))}, reverse=True)
-    result["graph"] = graph_sizes(shape, np.dtype(args.dtype), chunkings)
-    print("graph of forward+backward (tasks beyond the inputs):")
-    print(f"  {'q chunk':>8} {'k chunk':>8} {'pairs':>6} {'tasks':>7} {'pair tasks':>11}")
-    for r in result["graph"]:
-        print(f"  {r['q_chunk']:>8} {r['k_chunk']:>8} {r['pairs']:>6} {r['tasks']:>7} {r['pair_tasks']:>11}")
-    if not args.graph_only:
-        print("LocalCluster, worker processes of one thread each"
-              + (" (MALLOC_TRIM_THRESHOLD_=65536, distributed's default):" if args.dask_malloc_trim
-                 else " (MALLOC_TRIM_THRESHOLD_ unset):"))
-        result["malloc_trim"] = bool(args.dask_malloc_trim)
-        result["workers"] = run_workers(shape, np.dtype(args.dtype), args.q_chunk, args.k_chunk,
-                                        workers, args.repeat, malloc_trim=args.dask_malloc_trim)
-        if len(result["workers"]) > 1:
-            print("  speed-up over " + f"{workers[0]} worker(s): "
-                  + ", ".join(f"{r['workers']}: {r['speedup']:.2f}x" for r in result["workers"]))
-        if not args.no_local:
-            result["local"] = run_local(shape, np.dtype(args.dtype), args.repeat)
-            print(f"in this process (NumPy, impl='blocked', {result['local']['threads']} pool threads): "
-                  f"{result['local']['seconds']:.2f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(result, indent=1, default=str) + "\n")
+    with json_output(args.json) as result:  # --json -: the JSON alone on stdout
+        B, L, D, H, causal = shape
+        itemsize = np.dtype(args.dtype).itemsize
+        result.update(
+            shape=args.shape, dtype=args.dtype, q_chunk=args.q_chunk, k_chunk=args.k_chunk,
+            dask=dask.__version__, distributed=distributed.__version__, cpus=os.cpu_count(),
+            scores_one_head_mib=L * L * itemsize / 2**20, scores_one_entry_mib=H * L * L * itemsize / 2**20)
+        print(f"npattn bench --backend dask: shape {args.shape} ({'causal, ' if causal else ''}{args.dtype}), "
+              f"chunks: 1 batch entry x {H} heads x {args.q_chunk} queries x {args.k_chunk} keys; "
+              f"dask {dask.__version__}, {os.cpu_count()} CPUs")
+        print(f"one head's (Lq, Lk) scores: {result['scores_one_head_mib']:.0f} MiB; one batch entry's "
+              f"heads: {result['scores_one_entry_mib']:.0f} MiB")
+        chunkings = sorted({(L, L), (L, min(args.k_chunk, L)), (min(args.q_chunk, L), min(args.k_chunk, L)),
+                            (max(L // 8, 1), max(L // 8, 1))}, reverse=True)
+        result["graph"] = graph_sizes(shape, np.dtype(args.dtype), chunkings)
+        print("graph of forward+backward (tasks beyond the inputs):")
+        print(f"  {'q chunk':>8} {'k chunk':>8} {'pairs':>6} {'tasks':>7} {'pair tasks':>11}")
+        for r in result["graph"]:
+            print(f"  {r['q_chunk']:>8} {r['k_chunk']:>8} {r['pairs']:>6} {r['tasks']:>7} {r['pair_tasks']:>11}")
+        if not args.graph_only:
+            print("LocalCluster, worker processes of one thread each"
+                  + (" (MALLOC_TRIM_THRESHOLD_=65536, distributed's default):" if args.dask_malloc_trim
+                     else " (MALLOC_TRIM_THRESHOLD_ unset):"))
+            result["malloc_trim"] = bool(args.dask_malloc_trim)
+            result["workers"] = run_workers(shape, np.dtype(args.dtype), args.q_chunk, args.k_chunk,
+                                            workers, args.repeat, malloc_trim=args.dask_malloc_trim)
+            if len(result["workers"]) > 1:
+                print("  speed-up over " + f"{workers[0]} worker(s): "
+                      + ", ".join(f"{r['workers']}: {r['speedup']:.2f}x" for r in result["workers"]))
+            if not args.no_local:
+                result["local"] = run_local(shape, np.dtype(args.dtype), args.repeat)
+                print(f"in this process (NumPy, impl='blocked', {result['local']['threads']} pool threads): "
+                      f"{result['local']['seconds']:.2f} s")
     return 0
 
 

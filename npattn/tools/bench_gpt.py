@@ -14,7 +14,6 @@ ratio listed too.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from .. import nn
 from ..backend import from_numpy, resolve_backend
 from ..gpt import GPT, training_step
 from .bench import autorange, environment_info
-from .outputs import output_error
+from .outputs import json_output, output_error
 
 __all__ = ["GPTBenchConfig", "make_steps", "run", "main"]
 
@@ -89,8 +88,10 @@ def _sample(step, number: int) -> float:
 
 
 def run(cfg: GPTBenchConfig, *, repeat: int = 7, warmup: int = 2, torch_compare: bool = True,
-        out=sys.stdout) -> dict:
-    """Time both steps in alternation; returns the samples (ms per step) and the ratio of medians."""
+        out=None) -> dict:
+    """Time both steps in alternation; returns the samples (ms per step) and the ratio of medians.
+    The lines go to ``out`` (default: ``sys.stdout`` at the call)."""
+    out = sys.stdout if out is None else out
     env = environment_info(resolve_backend("numpy"))
     print(f"npattn bench --model gpt: {cfg}; {env['cpu']}, {env.get('sched_affinity')} CPUs, "
           f"numpy {env['numpy']}, torch {env.get('torch')} ({env.get('torch_threads')} threads)",
@@ -178,8 +179,6 @@ def main(argv=None) -> int:
             return 2
     cfg = GPTBenchConfig(args.batch, args.seq_len, args.d_model, args.n_layer, args.n_head,
                          args.vocab, args.dtype)
-    result = run(cfg, repeat=args.repeat, warmup=args.warmup, torch_compare=torch_compare)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    with json_output(args.json) as result:  # --json -: the JSON alone on stdout
+        result.update(run(cfg, repeat=args.repeat, warmup=args.warmup, torch_compare=torch_compare))
     return 0

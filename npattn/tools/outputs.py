@@ -6,10 +6,13 @@ work was done; an unwritable path then lost the results in a traceback.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from typing import Optional
+import sys
+from typing import Any, Iterator, Optional
 
-__all__ = ["output_error"]
+__all__ = ["output_error", "json_output"]
 
 
 def output_error(option: str, path: Optional[str]) -> Optional[str]:
@@ -26,3 +29,20 @@ def output_error(option: str, path: Optional[str]) -> Optional[str]:
     if not os.access(target, os.W_OK):
         return f"{option}: {path!r} cannot be written (no permission)"
     return None
+
+
+@contextlib.contextmanager
+def json_output(path: Optional[str]) -> Iterator[dict]:
+    """Run a command's body inside; it fills the dict yielded, written as JSON to ``path`` at the
+    end (nothing for None). With ``-`` the JSON goes alone to standard output and what the body
+    prints to standard output goes to standard error."""
+    result: dict[str, Any] = {}
+    if path == "-":
+        with contextlib.redirect_stdout(sys.stderr):
+            yield result
+        sys.stdout.write(json.dumps(result, indent=1, default=str) + "\n")
+    else:
+        yield result
+        if path:
+            with open(path, "w") as f:
+                f.write(json.dumps(result, indent=1, default=str) + "\n")
