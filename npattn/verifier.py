@@ -1485,6 +1485,6 @@ def plot_report(report: VerifyReport, path: str) -> str:
     labels += ["fail", "degenerate"]
     ax.legend(handles, labels, fontsize=7, ncol=4, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # a PNG at exactly path, whatever its suffix
     plt.close(fig)
     return path

@@ -30,6 +30,13 @@ def test_correct_kernel_exits_0_with_json_and_plot(tmp_path, capsys):
     data = json.loads(js.read_text())
     assert data["ok"] and data["n_cases"] == 45 and data["config"]["dtype"] == "float16"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a path without .png: the PNG is written there, the path the command prints (matplotlib
+    # appended .png to it)
+    bare = tmp_path / "picture"
+    assert cli.main(["verify", *GOOD, "--supports", "causal", "--combos", "none", "--plot",
+                     str(bare), "--no-progress"]) == 0
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "picture.png").exists()
+    assert f"plot: {bare}" in capsys.readouterr().err
 
 
 def test_mutant_exits_1_and_its_reproducer_reruns_the_case(capsys):
@@ -117,6 +124,7 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
     ([f"{KERNELS}:attention", "--json", "/nonexistent-npattn/x.json"], "--json: the directory"),
     ([f"{KERNELS}:attention", "--json", "."], "--json: expected a file path, got the directory"),
     ([f"{KERNELS}:attention", "--plot", "/nonexistent-npattn/x.png"], "--plot: the directory"),
+    ([f"{KERNELS}:attention", "--plot", "-"], "--plot: expected a file path for the PNG, got '-'"),
 ])
 def test_usage_errors_exit_2(argv, message, capsys):
     assert cli.main(["verify", *argv, "--no-progress"]) == 2

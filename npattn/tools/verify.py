@@ -237,6 +237,9 @@ def _run(args) -> int:
         return 0
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install '.[plot]' from the repository root")
+    if args.plot == "-":
+        raise UsageError("--plot: expected a file path for the PNG, got '-' (standard output takes "
+                         "the text or --json)")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         why = output_error(option, path)
         if why:
