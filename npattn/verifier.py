@@ -79,6 +79,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -178,6 +179,20 @@ class CaseResult:
     hint: str = ""
     reproducer: str = ""
     seconds: float = 0.0
+    traceback: str = ""  # where fn (or backward) raised: the traceback, as Python prints it
+
+    @property
+    def raised_at(self) -> str:
+        """The innermost frame of ``traceback`` (``file:line in function``), or ''."""
+        frames = [line.strip() for line in self.traceback.splitlines()
+                  if line.strip().startswith("File ")]
+        if not frames:
+            return ""
+        # 'File "path", line N, in name' -> 'path:N in name'
+        head = frames[-1][len("File "):]
+        path, _, rest = head.partition(", line ")
+        line_no, _, func = rest.partition(", in ")
+        return f"{path.strip(chr(34))}:{line_no} in {func}"
 
     @property
     def status(self) -> str:
@@ -199,6 +214,7 @@ class CaseResult:
                 "shapes": {"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv, "Lq": c.Lq, "Lk": c.Lk,
                            "Dh": c.Dh, "Dv": c.Dv},
                 "status": self.status, "error": self.error, "hint": self.hint,
+                "traceback": self.traceback or None,
                 "reproducer": self.reproducer, "seconds": round(self.seconds, 4),
                 "tensors": {n: t.to_dict() for n, t in self.tensors.items()}}
 
@@ -306,6 +322,8 @@ class VerifyReport:
                 parts.append(f"  {r.case.describe()}: {bad}")
                 if r.error:
                     parts.append(f"    error: {r.error}")
+                if r.raised_at:
+                    parts.append(f"    at: {r.raised_at}")
                 parts.append(f"    hint: {r.hint}")
                 parts.append(f"    rerun: {r.reproducer}")
             if len(fails) > max_failures:
@@ -1027,6 +1045,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         got = _run_kernel(given, cfg, dlse)
     except Exception as exc:  # the kernel's failure is this case's result
         result.error = f"{type(exc).__name__}: {exc}"
+        result.traceback = "".join(traceback.format_exception(exc))
         result.hint = _raise_hint(exc)
         result.tensors = {n: TensorResult(n, math.inf, 0.0, 0.0, 0.0, 0.0, "fail", "raised")
                           for n in _checked(cfg, case)}
@@ -1089,7 +1108,8 @@ def _raise_hint(exc: Exception) -> str:
                 "(e.g. adapter={'is_causal': 'causal', 'align': None})")
     if isinstance(exc, TypeError) and text.startswith(("fn: expected", "backward: ")):
         return "what fn or backward returned is not what verify reads: see the error"
-    return "fn raised: run the reproducer to see the traceback"
+    return ("fn raised: 'at' is the innermost frame; the whole traceback is the case's "
+            "traceback (report.failures[i].traceback, and in the JSON)")
 
 
 # --------------------------------------------------------------------------

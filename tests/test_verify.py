@@ -928,3 +928,21 @@ def test_head_dims_draw_the_panel_at_the_widths_a_kernel_takes():
     assert not default.ok and "head width" in default.format()
     with pytest.raises(ValueError, match="head_dims"):
         VF.plan(supports, head_dims=(0,))
+
+
+def test_a_kernel_that_raises_shows_where():
+    """The report says where fn raised (its innermost frame) and keeps the whole traceback in
+    the case and the JSON; the hint sent the reader to a rerun that printed no traceback."""
+    def helper(q):
+        raise RuntimeError("boom")
+
+    def raises(q, k, v, **kw):
+        return helper(q)
+
+    report = VF.verify(raises, dtype="float64", combos=False, cases=["base-1x65"])
+    r = report.failures[0]
+    assert r.error == "RuntimeError: boom"
+    assert "in helper" in r.traceback and 'raise RuntimeError("boom")' in r.traceback
+    assert r.raised_at.endswith(" in helper") and r.raised_at.split(":")[0].endswith("test_verify.py")
+    assert f"    at: {r.raised_at}" in report.format() and "traceback" in r.hint
+    assert json.loads(report.to_json())["cases"][0]["traceback"] == r.traceback
