@@ -73,7 +73,7 @@ def test_mask_grad_and_lse_grad_flags_reach_the_check_and_the_reproducer(capsys)
     assert cli.main([a for a in argv if a != "--lse-grad"]) == 0
     capsys.readouterr()
     assert V.main([f"{KERNELS}:attention", "--lse-grad"]) == 2  # no --returns-lse, no backward
-    assert "lse_grad: True" in capsys.readouterr().err
+    assert "--lse-grad: True" in capsys.readouterr().err
 
 
 def test_json_to_stdout_and_list(capsys):
@@ -116,7 +116,9 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
     (["no_such_module_xyz:attn"], "cannot import 'no_such_module_xyz'"),
     (["attention"], "expected module:attribute"),
     ([f"{KERNELS}:attention", "--supports", "causal,sliding"], "--supports"),
-    ([f"{KERNELS}:attention", "--case", "nope"], "cases: expected names"),
+    ([f"{KERNELS}:attention", "--case", "nope"], "--case: expected names"),  # the flag, not the keyword
+    ([f"{KERNELS}:attention", "--budget-factor", "-1"], "--budget-factor: expected a finite number >= 1"),
+    ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints >= 1"),
     ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"], "autograd: 'jax' needs"),
     ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
     ([f"{KERNELS}:attention", "--seed", "-1"], "--seed: expected an int >= 0, got -1"),

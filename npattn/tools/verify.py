@@ -32,6 +32,7 @@ import sys
 from typing import Any, Optional
 
 from .. import verifier as VF
+from ..validation import argument_names
 from ..verify_cases import SUPPORTS, check_supports
 from .outputs import output_error
 from .progress import ProgressBar
@@ -212,6 +213,13 @@ def main(argv=None) -> int:
         return 2
 
 
+#: The keywords of ``verify`` as the command's flags: its errors name the flags.
+FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "layout", "dtype", "supports", "backward", "autograd", "returns_lse", "mask_grad", "lse_grad",
+    "backend", "device", "align", "adapter", "seed", "budget_factor", "combos", "head_dims")}
+FLAGS["cases"] = "--case"
+
+
 def _run(args) -> int:
     if args.seed < 0:
         raise UsageError(f"--seed: expected an int >= 0, got {args.seed}")
@@ -227,8 +235,9 @@ def _run(args) -> int:
         except ValueError:
             raise UsageError(f"--head-dims: expected ints like 64,128, got {args.head_dims!r}") from None
     try:
-        cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case,
-                        head_dims=head_dims)
+        with argument_names(FLAGS):
+            cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case,
+                            head_dims=head_dims)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     if args.list:
@@ -255,14 +264,15 @@ def _run(args) -> int:
         bar.update(1, name)
 
     try:
-        report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
-                           backward=backward, autograd=args.autograd,
-                           returns_lse=args.returns_lse, mask_grad=args.mask_grad,
-                           lse_grad=args.lse_grad, backend=args.backend, device=args.device,
-                           align=args.align, adapter=adapter, seed=args.seed,
-                           budget_factor=args.budget_factor, combos=combos, head_dims=head_dims,
-                           cases=args.case,
-                           progress=progress, command=_command(args), target=args.target)
+        with argument_names(FLAGS):
+            report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
+                               backward=backward, autograd=args.autograd,
+                               returns_lse=args.returns_lse, mask_grad=args.mask_grad,
+                               lse_grad=args.lse_grad, backend=args.backend, device=args.device,
+                               align=args.align, adapter=adapter, seed=args.seed,
+                               budget_factor=args.budget_factor, combos=combos,
+                               head_dims=head_dims, cases=args.case, progress=progress,
+                               command=_command(args), target=args.target)
     except (ValueError, TypeError, ImportError) as exc:
         raise UsageError(f"{type(exc).__name__}: {exc}") from None
     finally:
