@@ -340,3 +340,20 @@ def test_threads_must_be_positive():
     with pytest.raises(SystemExit) as exc:
         cli.main(["check", "--threads", "0"])
     assert exc.value.code == 2
+
+
+def test_a_reader_that_goes_away_gives_the_status_of_a_broken_pipe(monkeypatch):
+    """`npattn ... | head`: when the pipe's reader is gone the command stops quietly with 141 (a
+    process that SIGPIPE ends), not 1, which says a check failed."""
+    import os
+
+    from npattn.tools import cli
+
+    kernels = os.path.join(os.path.dirname(__file__), "..", "examples", "verify", "kernels.py")
+    r, w = os.pipe()
+    os.close(r)  # the reader went away: every write raises BrokenPipeError
+    gone = os.fdopen(w, "w", buffering=1)  # line-buffered: the first line's write fails
+    monkeypatch.setattr("sys.stdout", gone)
+    status = cli.main(["verify", f"{kernels}:attention", "--supports", "all", "--list"])
+    assert status == 141
+    gone.close()  # its file descriptor now writes to os.devnull

@@ -215,10 +215,11 @@ def main(argv=None) -> int:
     """Run the ``npattn`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     try:
         return _main(argv)
-    except BrokenPipeError:  # e.g. `npattn check | head`: stop quietly
+    except BrokenPipeError:  # e.g. `npattn check | head`: stop quietly, with the status of a
+        # process that SIGPIPE ended (128 + 13), not 1, which says a check failed
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 141
 
 
 def _main(argv) -> int:
