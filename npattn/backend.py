@@ -140,6 +140,8 @@ def backend_name(xp: Any) -> str:
 
 def device_of(x: Any) -> Any:
     """The device of array ``x``, as the Array API ``device=`` arguments take it."""
+    if not array_api_compat.is_array_api_obj(x):
+        raise TypeError(f"x: expected an array, got {type(x).__name__}")
     return array_api_compat.device(x)
 
 
@@ -180,6 +182,8 @@ def to_numpy(x: Any) -> np.ndarray:
         return x.detach().cpu().numpy().copy()
     if array_api_compat.is_dask_array(x):
         return np.array(x.compute(), copy=True)
+    if not array_api_compat.is_array_api_obj(x):
+        raise TypeError(f"x: expected an array, got {type(x).__name__}")
     return np.array(np.from_dlpack(x), copy=True)
 
 

@@ -741,3 +741,11 @@ def test_public_helpers_check_their_arguments():
     # the right arguments still give the one mask: the same entries whatever the key's type
     np.testing.assert_array_equal(B.keep_mask(np.uint64(5), np.float32(0.25), (2, 3), np),
                                   B.keep_mask(5, 0.25, (2, 3), np))
+
+
+def test_to_numpy_and_device_of_name_a_non_array():
+    from npattn.backend import device_of, to_numpy
+
+    for call in (lambda: to_numpy(None), lambda: to_numpy([1.0, 2.0]), lambda: device_of(None)):
+        with pytest.raises(TypeError, match="^x: expected an array, got"):
+            call()
