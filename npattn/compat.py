@@ -36,6 +36,7 @@ import math
 import numbers
 from typing import Any, Callable, Optional
 
+import array_api_compat
 import numpy as np
 
 from . import attention as A
@@ -775,8 +776,8 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                                 f"(the new keys/values are appended into it), got a "
                                 f"{V.type_name(a)} of strides {_strides(a)} for shape "
                                 f"{V.shape_of(a)} (an expanded or broadcast view); pass a copy")
-            _write_in_place(name, a, 0, 0, new[:, :0, ...])  # an empty write: torch refuses a leaf
-            # that requires grad here, as a library without in-place writes does
+            if array_api_compat.is_torch_array(a):  # an empty write: torch refuses a leaf
+                _write_in_place(name, a, 0, 0, new[:, :0, ...])  # that requires grad here
 
     if k is not None:  # 1. the in-place append
         for b in range(B):

@@ -563,6 +563,19 @@ def test_flash_attn_with_kvcache_on_torch_refuses_before_writing():
         assert torch.equal(k_cache, before)
 
 
+def test_flash_attn_with_kvcache_appends_into_dask_caches():
+    """dask arrays take the in-place append (item assignment); the checks before it must not
+    refuse them (an empty test write did: dask refuses an empty slice's assignment)."""
+    da = pytest.importorskip("dask.array")
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    want = C.flash_attn_with_kvcache(q, k_cache.copy(), v_cache.copy(), k_new, v_new, cache_seqlens=1)
+    kc, vc = da.from_array(k_cache.copy()), da.from_array(v_cache.copy())
+    out = C.flash_attn_with_kvcache(*(da.from_array(t) for t in (q,)), kc, vc,
+                                    da.from_array(k_new), da.from_array(v_new), cache_seqlens=1)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.asarray(kc)[:2, 1:1 + k_new.shape[1]], k_new)
+
+
 def test_flash_attn_with_kvcache_needs_a_writable_cache():
     jnp = pytest.importorskip("jax.numpy", reason="an immutable array library: JAX")
     q, k_cache, v_cache, k_new, v_new = (jnp.asarray(t, dtype=jnp.float32) for t in kvcache_inputs())
