@@ -232,8 +232,8 @@ def check_linear_grad(dy: Any, cache: Any) -> None:
 
 class HeadsCache(NamedTuple):
     n_head: int
-    like: Any = None  # the forward's x (not copied): dout has the shape, dtype, library and
-    # device of its output; None: only the head count is checked
+    like: Any = None  # validation.ArraySpec of the forward's x: dout has the shape, dtype,
+    # library and device of its output; None: only the head count is checked
 
 
 def split_heads_forward(x: Any, n_head: int) -> tuple[Any, HeadsCache]:
@@ -270,13 +270,13 @@ def _split_heads(x, n_head):
     xp = namespace(x)
     B, L, D = x.shape
     x4 = xp.reshape(x, (B, L, n_head, D // n_head))  # [B, L, H, Dh]
-    return xp.permute_dims(x4, (0, 2, 1, 3)), HeadsCache(n_head, x)  # [B, H, L, Dh]
+    return xp.permute_dims(x4, (0, 2, 1, 3)), HeadsCache(n_head, V.spec_of(x))  # [B, H, L, Dh]
 
 
-def _check_dout_like(name: str, g: Any, like: Any, shape: tuple) -> None:
+def _check_dout_like(name: str, g: Any, like: V.ArraySpec, shape: tuple) -> None:
     """An upstream gradient of the forward's output: ``shape``, and the dtype, library and
-    device of the forward's input ``like`` (a permutation or a copy keeps them)."""
-    V.check_grad(name, g, shape=shape, dtype=like.dtype, xp=namespace(like), device=device_of(like),
+    device of the forward's input (``like``, its spec: a permutation or a copy keeps them)."""
+    V.check_grad(name, g, shape=shape, dtype=like.dtype, xp=like.xp, device=like.device,
                  of="the forward's output")
 
 
@@ -331,7 +331,7 @@ def _merge_heads(x):
     xp = namespace(x)
     B, H, L, Dh = x.shape
     xt = xp.permute_dims(x, (0, 2, 1, 3))  # [B, L, H, Dh]
-    return xp.reshape(xt, (B, L, H * Dh)), HeadsCache(H, x)  # [B, L, D]
+    return xp.reshape(xt, (B, L, H * Dh)), HeadsCache(H, V.spec_of(x))  # [B, L, D]
 
 
 def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
@@ -525,7 +525,7 @@ class DropoutCache(NamedTuple):
     keep: Any  # bool keep-mask broadcastable to x, or None when dropout is off
     scale: float  # 1 / (1 - p)
     key: Optional[int] = None  # the dropout key when the mask was drawn, else None
-    like: Any = None  # x (not copied): dy has its shape, dtype, library and device
+    like: Any = None  # validation.ArraySpec of x: dy has its shape, dtype, library and device
 
 
 def dropout_forward(x: Any, p: float, *, mask: Any = None, rng: Any = None) -> tuple[Any, DropoutCache]:
@@ -567,14 +567,14 @@ def _dropout(x, p, mask, rng):
     # [...] -> [...]
     xp = namespace(x, mask)
     if mask is None and p == 0.0:
-        return x, DropoutCache(None, 1.0, None, x)
+        return x, DropoutCache(None, 1.0, None, V.spec_of(x))
     keep, key = mask, None
     if keep is None:
         key = dropout_key(rng)
         keep = keep_mask(key, p, x.shape, xp, device_of(x))  # [...] bool
     scale = 1.0 / (1.0 - float(p))  # a Python float: a NumPy float64 p would upcast x
     y = xp.where(keep, x * scale, 0.0)  # [...]
-    return y, DropoutCache(keep, scale, key, x)
+    return y, DropoutCache(keep, scale, key, V.spec_of(x))
 
 
 def dropout_backward(dy: Any, cache: DropoutCache) -> Any:
@@ -593,7 +593,7 @@ def dropout_backward(dy: Any, cache: DropoutCache) -> Any:
     V.check_cache("cache", cache, DropoutCache, "dropout_forward")
     V.check_floating_array("dy", dy)
     if cache.like is not None:
-        _check_dout_like("dy", dy, cache.like, V.shape_of(cache.like))
+        _check_dout_like("dy", dy, cache.like, cache.like.shape)
     if cache.keep is not None:
         V.check_array("dy", dy, namespace(cache.keep), device_of(cache.keep),
                       where="that of the keep-mask", library="that of the keep-mask")
@@ -1115,7 +1115,7 @@ class AppendKVCache(NamedTuple):
     n_given: int  # Lk, the number of keys the caller gave
     has_bias: bool  # whether row Lk is the learned bias
     out_shape: Optional[tuple] = None  # y's shape: dy has it (and like's dtype, library, device)
-    like: Any = None  # x (not copied)
+    like: Any = None  # validation.ArraySpec of x
 
 
 def append_kv_forward(x: Any, bias: Any = None, *, add_zero_attn: bool = False
@@ -1161,7 +1161,7 @@ def append_kv_forward(x: Any, bias: Any = None, *, add_zero_attn: bool = False
     if add_zero_attn:
         parts.append(xp.zeros(row_shape, dtype=x.dtype, device=device_of(x)))  # 2. [..., 1, D]
     y = xp.concat(parts, axis=-2) if len(parts) > 1 else x  # [..., Lk + n, D]
-    return y, AppendKVCache(x.shape[-2], bias is not None, V.shape_of(y), x)
+    return y, AppendKVCache(x.shape[-2], bias is not None, V.shape_of(y), V.spec_of(x))
 
 
 def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:

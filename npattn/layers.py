@@ -527,7 +527,7 @@ def feed_forward_backward(dout: Any, cache: FeedForwardCache) -> tuple[Any, Any,
 class ResidualCache(NamedTuple):
     x_shape: tuple
     y_shape: tuple
-    like: Any = None  # x itself (a reference): the library, device and dtype dout must have
+    like: Any = None  # validation.ArraySpec of x: the library, device and dtype dout must have
 
 
 def _broadcast_shape(a: tuple, b: tuple) -> Optional[tuple]:
@@ -561,7 +561,7 @@ def residual_forward(x: Any, y: Any) -> tuple[Any, ResidualCache]:
     xs, ys = V.shape_of(x), V.shape_of(y)
     if _broadcast_shape(xs, ys) is None:
         raise ValueError(f"y: expected a shape that broadcasts with x's {xs}, got shape {ys}")
-    return x + y, ResidualCache(xs, ys, x)  # 1. [...]
+    return x + y, ResidualCache(xs, ys, V.spec_of(x))  # 1. [...]
 
 
 def residual_backward(dout: Any, cache: ResidualCache) -> tuple[Any, Any]:
@@ -581,8 +581,8 @@ def residual_backward(dout: Any, cache: ResidualCache) -> tuple[Any, Any]:
     V.check_cache("cache", cache, ResidualCache, "residual_forward")
     expected = _broadcast_shape(cache.x_shape, cache.y_shape) or ()  # the forward checked they broadcast
     like = cache.like
-    V.check_grad("dout", dout, shape=expected, dtype=like.dtype, xp=namespace(like),
-                 device=device_of(like), of="the forward's out")
+    V.check_grad("dout", dout, shape=expected, dtype=like.dtype, xp=like.xp, device=like.device,
+                 of="the forward's out")
     xp = namespace(dout)
     # 1. out = x + y
     dx = F.sum_to_shape(xp, dout, cache.x_shape)  # [x_shape]
@@ -600,7 +600,7 @@ class MeanPoolCache(NamedTuple):
     weights: Any  # [..., L, 1] m_i / max(count, 1) in the compute dtype, or None without a mask
     x_shape: tuple  # (..., L, D)
     dtype: Any  # dtype of x (and of dx)
-    like: Any = None  # x itself (a reference): the library and device dout must have
+    like: Any = None  # validation.ArraySpec of x: the library and device dout must have
 
 
 def mean_pool_forward(x: Any, mask: Any = None) -> tuple[Any, MeanPoolCache]:
@@ -651,7 +651,7 @@ def mean_pool_forward(x: Any, mask: Any = None) -> tuple[Any, MeanPoolCache]:
         weights = m / xp.maximum(count, 1.0)  # 2.                        [..., L, 1]
         out = xp.sum(weights * xc, axis=-2)  # 3.                         [..., D]
     out = out if out.dtype == x.dtype else xp.astype(out, x.dtype)
-    return out, MeanPoolCache(weights, xs, x.dtype, x)
+    return out, MeanPoolCache(weights, xs, x.dtype, V.spec_of(x))
 
 
 def mean_pool_backward(dout: Any, cache: MeanPoolCache) -> Any:
@@ -672,8 +672,8 @@ def mean_pool_backward(dout: Any, cache: MeanPoolCache) -> Any:
     # [..., D] -> [..., L, D]
     V.check_cache("cache", cache, MeanPoolCache, "mean_pool_forward")
     xs = cache.x_shape
-    V.check_grad("dout", dout, shape=xs[:-2] + xs[-1:], dtype=cache.dtype, xp=namespace(cache.like),
-                 device=device_of(cache.like), of="the forward's out")
+    V.check_grad("dout", dout, shape=xs[:-2] + xs[-1:], dtype=cache.dtype, xp=cache.like.xp,
+                 device=cache.like.device, of="the forward's out")
     xp = namespace(dout)
     d = xp.expand_dims(_compute(xp, dout), axis=-2)  # [..., 1, D]
     # 3. out = sum_i w_i x_i

@@ -121,7 +121,7 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
 
 class PositionsCache(NamedTuple):
     pos_shape: tuple  # shape of the positional table, for dpos
-    like: Any = None  # x (not copied): dout has its shape, library, device and dtype
+    like: Any = None  # validation.ArraySpec of x: dout has its shape, library, device and dtype
 
 
 def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
@@ -149,7 +149,7 @@ def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
         raise ValueError(
             f"pos: expected shape {tuple(x.shape[-2:])} (L, D) to match x, got {tuple(pos.shape)}"
         )
-    return x + pos, PositionsCache(tuple(pos.shape), x)  # [B, L, D]
+    return x + pos, PositionsCache(tuple(pos.shape), Vd.spec_of(x))  # [B, L, D]
 
 
 def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
@@ -158,8 +158,8 @@ def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
     Vd.check_cache("cache", cache, PositionsCache, "add_positions_forward")
     like = cache.like
     if like is not None:
-        Vd.check_grad("dout", dout, shape=Vd.shape_of(like), dtype=like.dtype, xp=namespace(like),
-                      device=device_of(like), of="the forward's out")
+        Vd.check_grad("dout", dout, shape=like.shape, dtype=like.dtype, xp=like.xp,
+                      device=like.device, of="the forward's out")
     xp = namespace(dout)
     return dout, sum_to_shape(xp, dout, cache.pos_shape)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import array_api_compat
 import numpy as np
@@ -53,6 +53,8 @@ __all__ = [
     "check_cache",
     "check_ids",
     "check_grad",
+    "ArraySpec",
+    "spec_of",
     "check_rng",
     "check_number",
     "real_value",
@@ -302,6 +304,21 @@ def check_cache(name: str, cache: Any, cls: type, producer: str) -> None:
             f"{name}: expected a {cls.__name__} (the cache {producer} returns), "
             f"got {type_name(cache)}"
         )
+
+
+class ArraySpec(NamedTuple):
+    """What an array was, kept by a cache instead of the array itself (which would stay alive
+    until the backward): the upstream gradient of an output must match it."""
+
+    shape: tuple
+    dtype: Any
+    xp: Any  # its Array API namespace
+    device: Any
+
+
+def spec_of(x: Any) -> ArraySpec:
+    """The ``ArraySpec`` of array ``x``: shape, dtype, namespace and device."""
+    return ArraySpec(shape_of(x), x.dtype, array_api_compat.array_namespace(x), device_of(x))
 
 
 def check_grad(name: str, g: Any, *, shape: Sequence[int], dtype: Any, xp: Any, device: Any,

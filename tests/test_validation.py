@@ -749,3 +749,31 @@ def test_to_numpy_and_device_of_name_a_non_array():
     for call in (lambda: to_numpy(None), lambda: to_numpy([1.0, 2.0]), lambda: device_of(None)):
         with pytest.raises(TypeError, match="^x: expected an array, got"):
             call()
+
+
+def test_caches_do_not_keep_the_forward_input_alive():
+    """The caches that check an upstream gradient keep the input's spec (shape, dtype, library,
+    device), not the input: an activation the caller drops is freed before the backward."""
+    import gc
+    import weakref
+
+    from npattn import layers as Ly
+    from npattn import nn
+
+    forwards = [
+        lambda x: F.dropout_forward(x, 0.5, rng=0),
+        lambda x: F.dropout_forward(x, 0.0),
+        lambda x: F.append_kv_forward(x, np.ones(4), add_zero_attn=True),
+        lambda x: Ly.residual_forward(x, np.ones(4)),
+        lambda x: Ly.mean_pool_forward(x),
+        lambda x: nn.add_positions_forward(x, np.zeros((3, 4))),
+    ]
+    for fwd in forwards:
+        x = np.ones((2, 3, 4))
+        ref = weakref.ref(x)
+        out, cache = fwd(x)
+        if out is x:  # dropout with p = 0 returns x itself
+            del out
+        del x
+        gc.collect()
+        assert ref() is None, fwd
