@@ -54,6 +54,7 @@ class MHACache(NamedTuple):
     out_proj: F.LinearCache
     out_shape: tuple
     out_dtype: Any
+    owner: Any = None  # the token of the module whose forward made it (``cache =`` checks it)
 
 
 class MultiHeadAttention:
@@ -219,6 +220,7 @@ class MultiHeadAttention:
         self._decoded = False  # the last forward used a kv_cache: it has nothing to differentiate
         self._cache_lent = False  # the cache was read through .cache: never given back
         self._workspace = A.Workspace()  # arrays of finished forwards, for the next ones
+        self._token = object()  # this module's, in the caches its forwards make (a copy's is new)
 
     # ------------------------------------------------------------------ setup
 
@@ -457,6 +459,10 @@ class MultiHeadAttention:
     def cache(self, value):
         if value is not None and not isinstance(value, MHACache):
             raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
+        if value is not None and value.owner is not self._token:
+            raise TypeError("cache: expected a cache of this module's own forwards (or None), got "
+                            "one another module made (its backward would differentiate that "
+                            "module's forward with this module's parameters)")
         self._cache = value
         self._decoded = False
         self._cache_lent = True
@@ -538,7 +544,7 @@ class MultiHeadAttention:
 
         cache = MHACache(
             q_c, k_c, v_c, k_extra_c, v_extra_c, mask_c, split_c, sdpa_c, merge_c, o_c,
-            tuple(out.shape), out.dtype,
+            tuple(out.shape), out.dtype, self._token,
         )
         return out, cache, aligned, new_kv
 
@@ -701,6 +707,7 @@ class MultiHeadAttention:
         state["dtype"] = getattr(xp, state["dtype"])
         state["_params"] = ParameterDict(state["_params"], xp=xp)
         state["_workspace"] = A.Workspace()
+        state.setdefault("_token", object())  # a pickle of an older npattn
         self.__dict__.update(state)
 
     def save(self, path) -> None:

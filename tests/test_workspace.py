@@ -186,3 +186,23 @@ def test_a_cache_read_through_the_module_is_never_reused():
     np.testing.assert_array_equal(A.weights(held.sdpa), probs)
     m.cache = held
     np.testing.assert_array_equal(m.backward(dout)[0], want)
+
+
+def test_a_cache_of_another_module_is_refused():
+    """``cache =`` takes this module's caches only, as its docstring says: another module's
+    (even one of the same shapes, or this module's copy) would have its backward differentiate
+    that forward with this module's parameters, or fail deep inside."""
+    import copy
+
+    a = MultiHeadAttention(8, 2, dtype="float64", seed=0)
+    twin = MultiHeadAttention(8, 2, dtype="float64", seed=1)
+    other = MultiHeadAttention(4, 1, dtype="float64", seed=1)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    a(x, x, x)
+    held = a.cache
+    for m in (twin, other, copy.deepcopy(a)):
+        with pytest.raises(TypeError, match="^cache: expected a cache of this module's own forwards"):
+            m.cache = held
+        assert m.cache is None
+    a.cache = held  # its own: taken
+    assert a.backward(np.ones((2, 3, 8)))[0].shape == (2, 3, 8)
