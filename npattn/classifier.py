@@ -176,6 +176,9 @@ class TransformerClassifier(BlockStack):
                 raise ValueError(f"mask: expected shape {V.shape_of(x)[:2]} (B, L), got shape "
                                  f"{V.shape_of(mask)}")
         V.check_bool("need_weights", need_weights)
+        if need_weights:  # every block's attention can form its weights, before block 0 runs
+            for block in self.blocks:
+                A.check_impl(block.self_attn.impl, need_weights=True)
         self.check_dropout_masks(dropout_masks, int(x.shape[0]), L)  # every block's, before block 0 runs
 
     def forward(self, x: Any, mask: Any = None, *, need_weights: bool = False,
@@ -220,7 +223,8 @@ class TransformerClassifier(BlockStack):
             weights = []
             for n, block in enumerate(self.blocks):
                 keeps = None if dropout_masks is None else dropout_masks[n]
-                h = block.forward(h, mask=attn_mask, dropout_masks=keeps)  # 3.          [B, L, D]
+                h = block.forward(h, mask=attn_mask, dropout_masks=keeps,  # 3.          [B, L, D]
+                                  need_weights=need_weights)  # (auto then keeps the weights)
                 if need_weights:
                     w = A.weights(block.self_attn.cache.sdpa)  # [B, H, L, L]
                     weights.append(xp.astype(w, self.dtype))

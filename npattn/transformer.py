@@ -34,6 +34,7 @@ import numpy as np
 
 from . import functional as F
 from . import layers as Ly
+from .attention import check_impl
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
 from .module import (MultiHeadAttention, check_forward_inputs, check_params_assignment, check_path,
@@ -364,13 +365,14 @@ class _Block:
     # ---------------------------------------------------------------- cores
 
     def _attn_core(self, name: str, *, memory: Any, mask: Any, is_causal: bool, keep: Any,
-                   kv_cache: Any = None) -> Callable:
+                   kv_cache: Any = None, need_weights: bool = False) -> Callable:
         mha = self._attn[name]
 
         def core(n):  # [B, L, D] -> [B, L, D]
             kv = n if memory is None else memory
             out, _ = mha.forward(n, kv, kv, mask=mask, is_causal=is_causal, dropout_mask=keep,
-                                 kv_cache=kv_cache)
+                                 kv_cache=kv_cache, need_weights=need_weights,
+                                 average_attn_weights=False)
             return out, mha.cache
 
         return core
@@ -695,7 +697,8 @@ class TransformerBlock(_Block):
     SAVE_FORMAT = "npattn.TransformerBlock"
 
     def forward(self, x: Any, mask: Any = None, is_causal: bool = False,
-                dropout_masks: Optional[dict] = None, kv_cache: Any = None) -> Any:
+                dropout_masks: Optional[dict] = None, kv_cache: Any = None, *,
+                need_weights: bool = False) -> Any:
         """The block's output for ``x``.
 
         Parameters
@@ -721,6 +724,12 @@ class TransformerBlock(_Block):
             ``kv_cache``), in eval mode (or without dropout). ``mask`` must
             be None: the cache's own lengths say which keys each entry has.
             ``backward`` after such a forward is a ``RuntimeError``.
+        need_weights : bool
+            Keep the self-attention's weights (B, H, L, L) in its cache, read
+            by ``attention.weights(block.self_attn.cache.sdpa)``: its
+            ``impl="auto"`` then takes an implementation that forms them
+            (the blocked one, which it takes for long sequences otherwise,
+            does not); ``self_attn.impl = "blocked"`` is then a ``ValueError``.
 
         Returns
         -------
@@ -728,7 +737,9 @@ class TransformerBlock(_Block):
         """
         with V.argument_names(_SELF_NAMES):
             check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
-                                 is_causal=is_causal, need_weights=False, kv_cache=kv_cache)
+                                 is_causal=is_causal, need_weights=need_weights,
+                                 kv_cache=kv_cache)
+        check_impl(self.self_attn.impl, need_weights=bool(need_weights))
         if kv_cache is not None and self.training and self.dropout > 0.0:
             raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
                              f"first (the block is in training mode with dropout {self.dropout})")
@@ -742,7 +753,7 @@ class TransformerBlock(_Block):
             keep = self._attention_keep(masks, "self_attn", shapes["self_attn"], p)
             h, attn_c = self._sublayer(  # 1. x = norm1(x + dropout1(self_attn(x))), or pre-norm
                 x, self._attn_core("self_attn", memory=None, mask=mask, is_causal=is_causal, keep=keep,
-                                   kv_cache=kv_cache),
+                                   kv_cache=kv_cache, need_weights=need_weights),
                 "norm1", p, masks.get("dropout1"))  # [B, L, D]
             out, ff_c = self._sublayer(  # 2. x = norm2(x + dropout2(ff(x))), or pre-norm
                 h, self._ff_core(p, masks.get("dropout")), "norm2", p, masks.get("dropout2"))  # [B, L, D]
