@@ -295,7 +295,7 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     col = _mix32(np.uint32(hi) + np.asarray(cols).astype(np.uint32) * np.uint32(_GOLDEN))  # [bk]
     u = np.bitwise_xor(r, col)  # [..., bq, bk]
     _mix32(u)
-    threshold = min(int(round(p * 2.0**32)), 2**32 - 1)
+    threshold = min(int(round(float(p) * 2.0**32)), 2**32 - 1)  # (a float16 p overflows)
     return u >= np.uint32(threshold)
 
 

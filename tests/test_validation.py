@@ -717,6 +717,7 @@ def test_public_helpers_check_their_arguments():
     """The helpers in the modules' __all__ name a bad argument (a p of 1.5 overflowed keep_mask's
     uint32 threshold, Dh=0 divided by zero in rope_angles, a negative size made an empty mask
     or one-hot, and limit_blas_threads took a string)."""
+    from npattn import attention as A
     from npattn import backend as B
     from npattn import nn
     from npattn import positions as P
@@ -741,6 +742,14 @@ def test_public_helpers_check_their_arguments():
     # the right arguments still give the one mask: the same entries whatever the key's type
     np.testing.assert_array_equal(B.keep_mask(np.uint64(5), np.float32(0.25), (2, 3), np),
                                   B.keep_mask(5, 0.25, (2, 3), np))
+    # a float16 p (p * 2**32 overflowed float16: OverflowError on the reference and numpy paths)
+    np.testing.assert_array_equal(B.keep_mask(5, np.float16(0.25), (2, 3), np),
+                                  B.keep_mask(5, 0.25, (2, 3), np))
+    q = np.ones((1, 1, 3, 4))
+    for impl in ("reference", "numpy", "blocked"):
+        want = A.sdpa_forward(q, q, q, dropout_p=0.25, rng=0, impl=impl)[0]
+        got = A.sdpa_forward(q, q, q, dropout_p=np.float16(0.25), rng=0, impl=impl)[0]
+        np.testing.assert_array_equal(got, want)
 
 
 def test_to_numpy_and_device_of_name_a_non_array():
