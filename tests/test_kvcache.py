@@ -402,3 +402,12 @@ def test_kvcache_refuses_immutable_arrays():
     pytest.importorskip("jax")
     with pytest.raises(TypeError, match="backend"):
         KVCache(1, 4, 1, 2, dtype="float32", backend="jax")
+
+
+def test_kvcache_on_a_device_torch_lacks():
+    """torch without CUDA raises AssertionError for device='cuda': named as device."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    with pytest.raises(ValueError, match="^device: expected a device of the torch backend, got 'cuda'"):
+        KVCache(1, 4, 1, 4, dtype="float32", backend="torch", device="cuda")
