@@ -1393,8 +1393,11 @@ def _python_ref(desc: str, f: Any, default: str, unbound: list) -> str:
         if f is not None and desc.startswith("__main__:"):  # a script's or notebook's own
             return desc[len("__main__:"):]  # function: bound there by its name
         return desc.replace(":", ".")
+    taken = {entry.split(": ", 1)[0] for entry in unbound}  # names given to other callables
     ref = getattr(f, "__name__", "")
-    ref = ref if ref.isidentifier() and ref not in unbound else default
+    ref = ref if ref.isidentifier() and ref not in taken else default
+    while ref in taken:  # two callables of one name (or one named like the default)
+        ref += "_"
     unbound.append(f"{ref}: {desc}")
     return ref
 

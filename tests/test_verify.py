@@ -946,3 +946,25 @@ def test_a_kernel_that_raises_shows_where():
     assert r.raised_at.endswith(" in helper") and r.raised_at.split(":")[0].endswith("test_verify.py")
     assert f"    at: {r.raised_at}" in report.format() and "traceback" in r.hint
     assert json.loads(report.to_json())["cases"][0]["traceback"] == r.traceback
+
+
+def test_the_python_reproducer_gives_two_local_functions_of_one_name_two_names():
+    import npattn
+
+    def make_fn():
+        def f(q, k, v, **kw):
+            return F.sdpa_forward(q, k, v, **kw)
+        return f
+
+    def make_bwd():
+        def f(dout, cache):
+            return F.sdpa_backward(2.0 * dout, cache)
+        return f
+
+    fn, bwd = make_fn(), make_bwd()
+    report = VF.verify(fn, backward=bwd, dtype="float64", combos=False, cases=["base-1x65"])
+    call, comment = report.results[0].reproducer.split("  # ")
+    assert call.startswith("print(npattn.verify(fn, ") and "backward=f," in call
+    assert comment.startswith("f: <function") and "; fn: <function" in comment
+    again = eval(call[len("print("):-1], {"npattn": npattn, "fn": fn, "f": bwd})
+    assert again.results[0].failing == report.results[0].failing == ["dq", "dk", "dv"]
