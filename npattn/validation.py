@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import re
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import array_api_compat
@@ -128,13 +129,16 @@ def check_size(name: str, value: Any, *, minimum: int = 0) -> None:
 @contextlib.contextmanager
 def argument_names(names: dict) -> Iterator[None]:
     """Inside, a ``TypeError`` / ``ValueError`` whose message starts with ``"name: "`` for a key
-    of ``names`` is raised again with ``names[name]`` there: the argument as the caller of a
-    wrapper calls it (``{"q": "query"}`` for torch's names)."""
+    of ``names`` is raised again with ``names[name]`` there, and in its "(that of name)"
+    references: the arguments as the caller of a wrapper calls them (``{"q": "query"}`` for
+    torch's names)."""
     try:
         yield
     except (TypeError, ValueError) as exc:
         head, sep, rest = str(exc).partition(": ")
         if sep and head in names:
+            rest = re.sub(r"\bthat of (\w+)\b",
+                          lambda m: f"that of {names.get(m.group(1), m.group(1))}", rest)
             raise type(exc)(f"{names[head]}: {rest}") from None
         raise
 

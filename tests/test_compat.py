@@ -673,9 +673,9 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
     # torch's names, not npattn's q, k, v (the dispatcher's checks named them so)
     with pytest.raises(TypeError, match=r"^query: expected a real floating dtype, got int64"):
         C.scaled_dot_product_attention(q.astype(np.int64), k, v)
-    with pytest.raises(TypeError, match=r"^key: expected dtype float64 \(that of q\), got float32"):
+    with pytest.raises(TypeError, match=r"^key: expected dtype float64 \(that of query\), got float32"):
         C.scaled_dot_product_attention(q, k.astype(np.float32), v)
-    with pytest.raises(ValueError, match=r"^value: expected length"):
+    with pytest.raises(ValueError, match=r"^value: expected length 6 \(that of key\)"):
         C.scaled_dot_product_attention(q, k, v[..., :1, :])
     out, pullback = C.vjp(C.scaled_dot_product_attention, q, k, v, m)
     with pytest.raises(ValueError, match=r"^dlse: scaled_dot_product_attention returns no"):

@@ -432,3 +432,5 @@ def test_block_errors_name_the_blocks_arguments():
         dec.forward(x, memory, mask=np.ones((5, 5), bool))
     with pytest.raises(ValueError, match=r"^memory: expected a 3-D array"):
         dec.forward(x, memory[0])
+    with pytest.raises(ValueError, match=r"^memory: expected batch size 2 \(that of x\)"):
+        dec.forward(x, np.ones((3, 4, 8)))
