@@ -307,8 +307,9 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
     """
     _check_draw(key, p)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or not all(
-            isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_)) and n >= 0
-            for n in shape):
+            isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_)) for n in shape):
+        raise TypeError(f"shape: expected a sequence of ints >= 0, got {shape!r}")
+    if any(n < 0 for n in shape):
         raise ValueError(f"shape: expected a sequence of ints >= 0, got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:  # a vector: its entries are the columns of one row

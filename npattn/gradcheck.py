@@ -273,11 +273,12 @@ def check_vjp(
     wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=rtol, atol=atol, n_directions=n_directions,
                        seed=seed, wrt=wrt)
     names = _names(names, len(inputs))
-    if not isinstance(grads, (list, tuple)) or len(grads) < len(inputs):  # (more are ignored:
-        # SDPAGrads has dsinks)
+    if not isinstance(grads, (list, tuple)):
+        raise TypeError(f"grads: expected a list or tuple of one gradient per input ({len(inputs)}; "
+                        f"None for those not checked), got {V.type_name(grads)}")
+    if len(grads) < len(inputs):  # (more are ignored: SDPAGrads has dsinks)
         raise ValueError(f"grads: expected a list or tuple of one gradient per input ({len(inputs)}; "
-                         f"None for those not checked), got "
-                         + (f"{len(grads)}" if isinstance(grads, (list, tuple)) else V.type_name(grads)))
+                         f"None for those not checked), got {len(grads)}")
     for i in wrt:
         if grads[i] is not None:
             V.check_array(f"grads[{i}]", grads[i])

@@ -178,6 +178,7 @@ def test_a_check_of_nothing_or_with_bad_settings_is_refused_before_any_call():
         (lambda: check_vjp(lambda a, b: a + b, [x, x], [x], x), ValueError,
          r"^grads: expected a list or tuple of one gradient per input \(2"),
         (lambda: check_vjp(f, [x], [(2.0 * x).tolist()], x), TypeError, r"^grads\[0\]: expected an array"),
+        (lambda: check_vjp(f, [x], {"x": 2.0 * x}, x), TypeError, r"^grads: expected a list or tuple"),
         (lambda: check_vjp(f, [x], [2.0 * x], x + 0j), TypeError, "^dout: expected a real array"),
         (lambda: gradcheck(lambda a: (2.0 * a, None), lambda d, c: 2.0 * d, [x], dout=x + 0j), TypeError,
          "^dout: expected a real array"),

@@ -728,6 +728,7 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keep_mask(-1, 0.1, (2, 3), np), ValueError, r"^key: expected an int in \[0, 2\*\*64\)"),
         (lambda: B.keep_mask("k", 0.1, (2, 3), np), TypeError, "^key: expected an int"),
         (lambda: B.keep_mask(1, 0.1, (2, -3), np), ValueError, "^shape: expected a sequence of ints >= 0"),
+        (lambda: B.keep_mask(1, 0.1, 5, np), TypeError, "^shape: expected a sequence of ints >= 0"),
         (lambda: B.keyed_keep_mask(1, 2.0, [], np.arange(2), np.arange(3)), ValueError, "^p: expected"),
         (lambda: B.limit_blas_threads("x"), TypeError, "^n: expected None or an int >= 1"),
         (lambda: B.limit_blas_threads(0), ValueError, "^n: expected None or an int >= 1"),
