@@ -968,3 +968,40 @@ def test_the_python_reproducer_gives_two_local_functions_of_one_name_two_names()
     assert comment.startswith("f: <function") and "; fn: <function" in comment
     again = eval(call[len("print("):-1], {"npattn": npattn, "fn": fn, "f": bwd})
     assert again.results[0].failing == report.results[0].failing == ["dq", "dk", "dv"]
+
+
+def test_the_example_kernel_backward_at_saturated_softcaps_and_with_inf_dlse_on_empty_rows():
+    """The example kernel's softcap derivative is 1/cosh(u)^2, which does not cancel where
+    tanh(u) rounds to 1 (1 - tanh^2 gave float32 dq off by 0.4 of its scale at 7-9 softcaps), and a
+    dlse of inf on a row with nothing to attend changes nothing (0 * inf gave NaN)."""
+    from npattn import attention as A
+
+    rng = np.random.default_rng(3)
+    # every score between 7 and 9 softcaps: q = (a_i, 0), k = (b_j, 0), a and b in [2.65, 3]
+    q = np.zeros((1, 2, 5, 2))
+    k = np.zeros((1, 2, 6, 2))
+    q[..., 0] = rng.uniform(2.65, 3.0, (1, 2, 5))
+    k[..., 0] = rng.uniform(2.65, 3.0, (1, 2, 6))
+    v = rng.standard_normal((1, 2, 6, 2))
+    dout = rng.standard_normal((1, 2, 5, 2))
+    f32 = [t.astype(np.float32) for t in (q, k, v)]
+    q64, k64, v64 = (t.astype(np.float64) for t in f32)  # the float32 inputs, exactly
+    _, c = A.sdpa_forward(q64, k64, v64, softcap=1.0, scale=1.0, impl="reference")
+    want = A.sdpa_backward(dout.astype(np.float32).astype(np.float64), c)
+    _, _, saved = K.attention(*f32, softcap=1.0, scale=1.0)
+    got = K.attention_backward(dout.astype(np.float32), saved)
+    for g, w in ((got.dq, want.dq), (got.dk, want.dk)):
+        assert np.abs(g - w).max() <= 1e-3 * np.abs(w).max()
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    dout = rng.standard_normal((1, 2, 5, 4))
+    mask = np.ones((5, 5), bool)
+    mask[1] = False  # row 1 attends nothing
+    out, lse, saved = K.attention(q, k, v, mask=mask)
+    dlse = rng.standard_normal(lse.shape)
+    dlse[..., 1] = np.inf
+    g = K.attention_backward(dout, saved, dlse=dlse)
+    dlse[..., 1] = 0.0
+    g0 = K.attention_backward(dout, saved, dlse=dlse)
+    for a, b in zip(g[:3], g0[:3]):
+        np.testing.assert_array_equal(a, b)
