@@ -787,3 +787,21 @@ def test_caches_do_not_keep_the_forward_input_alive():
         del x
         gc.collect()
         assert ref() is None, fwd
+
+
+def test_upstream_gradients_and_masks_of_another_library_are_refused():
+    """A torch dy for a NumPy dropout forward, a torch dout for NumPy heads, a torch mask with a
+    NumPy like in pad_mask_forward: TypeErrors naming them (they were taken)."""
+    torch = pytest.importorskip("torch")
+    x = _x(2, 3, 4)
+    _, dc = F.dropout_forward(x, 0.5, rng=0)
+    with pytest.raises(TypeError, match="^dy: expected a numpy array"):
+        F.dropout_backward(torch.from_numpy(x), dc)
+    _, hc = F.split_heads_forward(x, 2)
+    with pytest.raises(TypeError, match="^dout: expected a numpy array"):
+        F.split_heads_backward(torch.zeros(2, 2, 3, 2, dtype=torch.float64), hc)
+    _, ac = F.append_kv_forward(x, _x(4))
+    with pytest.raises(TypeError, match="^dy: expected a numpy array"):
+        F.append_kv_backward(torch.zeros(2, 4, 4, dtype=torch.float64), ac)
+    with pytest.raises(TypeError, match="^mask: expected a numpy array \\(that of like\\)"):
+        F.pad_mask_forward(torch.ones(3, 5, dtype=torch.bool), 3, 5, 1, like=_x(1, 3, 4))
