@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import array_api_compat
 import numpy as np
 import pytest
 
@@ -43,14 +44,14 @@ def cache_arrays(obj, prefix="cache"):
     """(path, array) for every array inside a (nested) NamedTuple cache."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return []
-    if isinstance(obj, tuple) and not hasattr(obj, "shape"):
+    if array_api_compat.is_array_api_obj(obj):  # (not an ArraySpec: a tuple with shape, dtype)
+        return [(prefix, obj)]
+    if isinstance(obj, tuple):
         fields = getattr(obj, "_fields", None) or [str(i) for i in range(len(obj))]
         out = []
         for name, item in zip(fields, obj):
             out += cache_arrays(item, f"{prefix}.{name}")
         return out
-    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
-        return [(prefix, obj)]
     return []  # dtypes and other scalars
 
 
