@@ -157,6 +157,21 @@ def test_json_dash_of_the_gpt_and_dask_benchmarks(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "-").exists()
 
 
+def test_no_progress_is_taken_by_every_benchmark_mode(tmp_path, capsys):
+    """--no-progress, the main benchmark's flag, is accepted by --model gpt and --backend dask
+    too (they drew no bar and refused it as an unknown argument)."""
+    from npattn.tools import cli
+
+    assert cli.main(["bench", "--model", "gpt", "--batch", "1", "--seq-len", "4", "--d-model", "8",
+                     "--n-layer", "1", "--n-head", "2", "--vocab", "5", "--repeat", "1",
+                     "--warmup", "0", "--no-torch", "--no-progress"]) == 0
+    assert "median: npattn" in capsys.readouterr().out
+    pytest.importorskip("distributed")
+    assert cli.main(["bench", "--backend", "dask", "--shape", "1x8x16x2", "--q-chunk", "4",
+                     "--k-chunk", "4", "--graph-only", "--no-progress"]) == 0
+    assert "pairs" in capsys.readouterr().out
+
+
 def test_autorange_repeats_a_step_until_a_sample_lasts_long_enough(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])

@@ -229,6 +229,9 @@ def main(argv=None) -> int:
                         help="keep distributed's MALLOC_TRIM_THRESHOLD_=65536 in the workers "
                              "(default: unset, glibc's own trimming)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    # taken as `npattn bench` takes it, so one command line serves every mode
+    parser.add_argument("--no-progress", action="store_true",
+                        help="accepted as in npattn bench; this mode draws no progress bar")
     args = parser.parse_args(argv)
     why = output_error("--json", args.json)
     if why:

@@ -158,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default 2)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch side")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    # taken as `npattn bench` takes it, so one command line serves every mode
+    parser.add_argument("--no-progress", action="store_true",
+                        help="accepted as in npattn bench; this mode draws no progress bar")
     args = parser.parse_args(argv)
     why = output_error("--json", args.json)
     if why:
