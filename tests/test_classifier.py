@@ -118,17 +118,13 @@ def test_weights_of_shapes_where_auto_would_take_the_blocked_path(monkeypatch):
     model = small("numpy").eval()
     x = np.random.default_rng(7).standard_normal((B, L, P))
     logits, weights = model.forward(x, need_weights=True)
-    np.testing.assert_allclose(to_numpy_sum(weights[0]), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(weights[0]).sum(axis=-1), 1.0, rtol=1e-12)
     np.testing.assert_allclose(model.forward(x), logits, rtol=1e-12, atol=1e-14)
     model.forward(x)  # a forward to keep
     model.blocks[1].self_attn.impl = "blocked"  # asked for weights it cannot give: before any block
     with pytest.raises(ValueError, match="impl='blocked' cannot return attention weights"):
         model.forward(x, need_weights=True)
     model.backward(np.ones((B, model.params["head.weight"].shape[0])))  # the kept forward's
-
-
-def to_numpy_sum(w):
-    return np.asarray(w).sum(axis=-1)
 
 
 def test_one_seed_gives_the_same_numbers_on_every_backend(xp, to_xp, to_np, backend):
