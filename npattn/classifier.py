@@ -209,14 +209,16 @@ class TransformerClassifier(BlockStack):
 
         Raises ``TypeError`` / ``ValueError`` naming the argument before
         anything runs: a refused call changes nothing (the cached forward,
-        the blocks' generators). Should a call fail after the checks (out of
-        memory), the cached forward is dropped and ``backward`` is a
-        ``RuntimeError`` until the next forward.
+        the blocks' generators). Neither does a call that fails after the
+        checks (out of memory): the blocks that ran are put back
+        (``TransformerBlock.forward_state``), and ``backward`` differentiates
+        the previous forward.
         """
         # [B, L, P], [B, L] -> [B, C]
         self._check_forward(x, mask, need_weights, dropout_masks)
         xp, P = self.xp, self._own
         attn_mask = None if mask is None else xp.expand_dims(xp.expand_dims(mask, axis=1), axis=1)  # [B, 1, 1, L]
+        blocks_before = [block.forward_state() for block in self.blocks]
         try:
             e, embed_c = F.linear_forward(x, P["embed.weight"], P["embed.bias"])  # 1.  [B, L, D]
             h, pos_c = nn.add_positions_forward(e, P["pos"])  # 2.                      [B, L, D]
@@ -236,9 +238,10 @@ class TransformerClassifier(BlockStack):
             logits, head_c = F.linear_forward(z, P["head.weight"], P["head.bias"])  # 6. [B, C]
         except BaseException:
             # the checks above leave nothing that fails here; should something (memory) fail,
-            # the blocks that ran hold this call's caches (and their generators moved), so no
-            # backward may run on them with the previous forward's cache: there is none now
-            self._cache = None
+            # the blocks that ran are put back (caches, generators): the previous forward stays
+            # the one cached, and backward differentiates it
+            for block, before in zip(self.blocks, blocks_before):
+                block.restore_forward_state(before)
             raise
         self._cache = ClassifierCache(embed_c, pos_c, norm_c, pool_c, head_c, int(x.shape[0]))
         return (logits, weights) if need_weights else logits

@@ -258,6 +258,7 @@ class GPT(BlockStack):
         P = self._own
         state = self._rng.bit_generator.state
         lens = None if kv_caches is None else [[int(n) for n in c.cache_seqlens] for c in kv_caches]
+        blocks_before = [block.forward_state() for block in self.blocks]
         try:
             block_masks = self._block_masks(dropout_masks, B, L)
             e, e_c = nn.embedding_forward(ids, P["wte"])  # 1.                       [B, L, D]
@@ -270,10 +271,11 @@ class GPT(BlockStack):
             logits, head_c = F.linear_forward(h, P["wte"])  # 5.                     [B, L, V]
         except BaseException:
             # the checks above leave nothing that fails here; should something (memory) fail,
-            # the generator and the caches' lengths are put back, and no backward runs on the
-            # blocks' mixed caches
+            # the generator, the blocks that ran and the KV caches' lengths are put back: the
+            # previous forward stays the one cached, and backward differentiates it
             self._rng.bit_generator.state = state
-            self._cache = None
+            for block, before in zip(self.blocks, blocks_before):
+                block.restore_forward_state(before)
             for cache, held in zip(kv_caches or [], lens or []):  # blocks before the failure appended
                 cache.truncate(held)
             raise

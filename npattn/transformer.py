@@ -28,7 +28,7 @@ import copy
 import functools
 import math
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -45,6 +45,7 @@ __all__ = [
     "TransformerBlock",
     "TransformerDecoderBlock",
     "SublayerCache",
+    "BlockState",
     "sublayer_forward",
     "sublayer_backward",
     "ENCODER_DROPOUT_SITES",
@@ -200,6 +201,16 @@ class DecoderBlockCache(NamedTuple):
     memory_shape: tuple
     out_shape: tuple
     out_dtype: Any
+
+
+class BlockState(NamedTuple):
+    """What a block's forward changes, read by ``forward_state`` and put back by
+    ``restore_forward_state``."""
+
+    owner: Any  # the block it was read from
+    cache: Any  # its cache (EncoderBlockCache, DecoderBlockCache) or None
+    attn_caches: dict  # its attention modules' caches (MHACache or None), by name
+    rng_state: Mapping[str, Any]  # its dropout generator's state
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
@@ -426,20 +437,40 @@ class _Block:
         return dx
 
     def _run(self, fn, kv_cache=None):
-        """Run a forward; on failure put back the generator, the attention modules' caches
-        and the lengths of ``kv_cache`` (self-attention appended to it before the failure)."""
-        state = self._rng.bit_generator.state
-        saved = {a: m.cache for a, m in self._attn.items()}
+        """Run a forward; on failure put back what it changed (``forward_state``) and the
+        lengths of ``kv_cache`` (self-attention appended to it before the failure)."""
+        saved = self.forward_state()
         lens = None if kv_cache is None else [int(n) for n in kv_cache.cache_seqlens]
         try:
             return fn()
         except BaseException:
-            self._rng.bit_generator.state = state
-            for a, m in self._attn.items():
-                m.cache = saved[a]
+            self.restore_forward_state(saved)
             if lens is not None:  # what lies past an entry's length is never read
                 kv_cache.truncate(lens)
             raise
+
+    def forward_state(self) -> BlockState:
+        """What a forward of this block changes, as it is now: the block's cache, its
+        attention modules' caches and its dropout generator's state.
+
+        ``restore_forward_state`` puts it back. A model made of blocks reads it
+        from each block before its forward, so that a forward failing in a later
+        step (out of memory) leaves the blocks that ran as they were: a failed
+        call changes nothing. (The KV caches a decoding forward appended to are
+        the caller's to truncate.)
+        """
+        return BlockState(self, self._cache, {a: m.cache for a, m in self._attn.items()},
+                          self._rng.bit_generator.state)
+
+    def restore_forward_state(self, state: BlockState) -> None:
+        """Put back a ``forward_state`` of this block; a ``TypeError`` for anything else."""
+        if not isinstance(state, BlockState) or state.owner is not self:
+            raise TypeError(f"state: expected a BlockState read from this block's forward_state(), "
+                            f"got {'one of another block' if isinstance(state, BlockState) else V.type_name(state)}")
+        self._rng.bit_generator.state = state.rng_state
+        for a, m in self._attn.items():
+            m.cache = state.attn_caches[a]
+        self._cache = state.cache
 
     def _check_dout(self, dout: Any) -> None:
         c = self._cache

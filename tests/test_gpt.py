@@ -420,6 +420,43 @@ def test_constructor_and_generate_checks(xp, to_xp):
         model.generate(to_xp(ids_of(2, (B, T))), 2)
 
 
+@pytest.mark.parametrize("where", ["block 1", "final norm"])
+def test_a_training_forward_that_fails_after_the_checks_changes_nothing(monkeypatch, where):
+    """A failure past the checks (a MemoryError) in block 1, or in the final layer norm after
+    every block ran: the blocks are put back, so backward differentiates the previous forward,
+    and the next dropout forward draws what it would have drawn."""
+    import npattn.layers as Ly
+
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    ids = ids_of(0)
+    model.forward(ids)
+    twin.forward(ids)
+    dlogits = np.random.default_rng(7).standard_normal((B, L, VOCAB))
+    real, calls = Ly.layer_norm_forward, []
+
+    def fails_last(*args, **kwargs):  # norm1 and norm2 of each block, then the final one
+        calls.append(1)
+        if len(calls) == 2 * N + 1:
+            raise MemoryError("no memory")
+        return real(*args, **kwargs)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    if where == "block 1":
+        monkeypatch.setattr(model.blocks[1], "forward", fails)
+    else:
+        monkeypatch.setattr(Ly, "layer_norm_forward", fails_last)
+    with pytest.raises(MemoryError):
+        model.forward(ids_of(1, (B, 4)))
+    monkeypatch.undo()
+    assert where == "block 1" or len(calls) == 2 * N + 1  # it failed where it was meant to
+    grads, ref = model.backward(dlogits), twin.backward(dlogits)
+    for k in ref:
+        np.testing.assert_array_equal(grads[k], ref[k], err_msg=k)
+    np.testing.assert_array_equal(model.forward(ids), twin.forward(ids))  # the same masks drawn
+
+
 def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
     """A failure past the checks in the last block's feed-forward (a MemoryError), after the
     first block and the last one's self-attention appended: every cache keeps its length,

@@ -383,6 +383,30 @@ def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
         block.params = {"linear1.weight": block.params["linear1.weight"]}
 
 
+def test_a_forward_state_put_back_undoes_a_forward(xp, to_xp, to_np, backend):
+    """restore_forward_state puts back the cache (backward differentiates the earlier forward),
+    the attention modules' caches and the generator; it takes only this block's own states."""
+    block = TransformerDecoderBlock(D, H, FF, dropout=0.2, dtype="float64", backend=backend, seed=24)
+    twin = TransformerDecoderBlock(D, H, FF, dropout=0.2, dtype="float64", backend=backend, seed=24)
+    rng = np.random.default_rng(25)
+    x, memory = to_xp(rng.standard_normal((B, L, D))), to_xp(rng.standard_normal((B, LM, D)))
+    d = to_xp(rng.standard_normal((B, L, D)))
+    block(x, memory)
+    twin(x, memory)
+    state = block.forward_state()
+    block(2.0 * x, memory)  # a forward undone below
+    block.restore_forward_state(state)
+    assert block.self_attn.cache is state.attn_caches["self_attn"]
+    assert block.multihead_attn.cache is state.attn_caches["multihead_attn"]
+    for a, b in zip(block.backward(d), twin.backward(d)):
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    np.testing.assert_array_equal(to_np(block(x, memory)), to_np(twin(x, memory)))  # same draw
+    with pytest.raises(TypeError, match=r"^state: expected a BlockState .* got one of another block"):
+        block.restore_forward_state(twin.forward_state())
+    with pytest.raises(TypeError, match=r"^state: expected a BlockState .* got dict"):
+        block.restore_forward_state({})
+
+
 def test_dropout_sites_are_torchs_module_names():
     torch = pytest.importorskip("torch")
     enc = torch.nn.TransformerEncoderLayer(D, H, FF, batch_first=True)
