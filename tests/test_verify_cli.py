@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -131,6 +132,27 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
 def test_usage_errors_exit_2(argv, message, capsys):
     assert cli.main(["verify", *argv, "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_a_path_the_file_system_refuses_is_a_usage_error(option, capsys):
+    """No file can be made in /proc, though os.access says yes to root: exit 2 before the panel
+    (it ran the panel, printed the table, then ended in a FileNotFoundError traceback, exit 1)."""
+    path = "/proc/npattn-verify-output.x"
+    assert cli.main(["verify", f"{KERNELS}:attention", option, path, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{option}: {path!r} cannot be written" in err and "Traceback" not in err
+
+
+def test_the_path_check_leaves_files_as_they_were(tmp_path):
+    from npattn.tools.outputs import output_error
+
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    new = tmp_path / "new.json"
+    assert output_error("--json", str(old)) is None and output_error("--json", str(new)) is None
+    assert old.read_text() == "kept" and not new.exists()
 
 
 def test_a_device_the_backend_cannot_use_is_a_usage_error(tmp_path, capsys):

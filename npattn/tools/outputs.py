@@ -28,6 +28,16 @@ def output_error(option: str, path: Optional[str]) -> Optional[str]:
     target = path if os.path.exists(path) else parent
     if not os.access(target, os.W_OK):
         return f"{option}: {path!r} cannot be written (no permission)"
+    # os.access answers yes to root whatever the file system: open the path itself (appending
+    # writes nothing to a file that exists; a new one is removed again)
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a" if existed else "x"):
+            pass
+    except OSError as e:
+        return f"{option}: {path!r} cannot be written ({e.strerror or type(e).__name__})"
+    if not existed:
+        os.remove(path)
     return None
 
 
