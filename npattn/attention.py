@@ -269,8 +269,9 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
     ``dk`` and ``dv`` have the K/V heads' shape under GQA; ``dmask`` is None
     unless the mask was floating; ``dsinks`` None without sinks. ``dlse``
     (B, Hq, Lq), in the dtype of ``cache.lse``, is an upstream gradient of
-    ``cache.lse``; its entries on rows with nothing to attend (lse = -inf, a
-    constant there) do not matter, inf and NaN included.
+    ``cache.lse``; its entries on rows with nothing to attend and no sink (lse =
+    -inf, a constant there) do not matter, inf and NaN included (with ``sinks``
+    such a row's lse is its sink's, and its dlse reaches ``dsinks``).
     """
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape, [H]
     kinds = (numpy_kernel.NumpySDPACache, blocked.BlockedSDPACache, chunked.ChunkedSDPACache,

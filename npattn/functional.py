@@ -634,7 +634,7 @@ class SDPACache(NamedTuple):
     @property
     def lse(self) -> Any:
         """[B, H, Lq] natural log-sum-exp of each row's final scores (sink included); -inf
-        for a row with nothing to attend."""
+        for a row with nothing to attend (and no sink)."""
         xp = namespace(self.probs)
         return xp.reshape(self.softmax.lse, tuple(self.probs.shape[:-1]))
 
@@ -883,7 +883,7 @@ def sdpa_forward(
     ----------
     q : array, shape (B, H, Lq, Dh)   (H = Hq with ``enable_gqa``)
     k : array, shape (B, H, Lk, Dh)   (H = Hkv with ``enable_gqa``)
-    v : array, shape (B, H, Lk, Dh)   (H = Hkv with ``enable_gqa``)
+    v : array, shape (B, H, Lk, Dv)   (H = Hkv with ``enable_gqa``; Dv may differ from Dh)
         The leading (batch) axes of q, k and v broadcast against each other
         as in torch's SDPA; each gradient is summed back to its input's shape.
     mask : array broadcastable to (B, H, Lq, Lk), optional
@@ -927,7 +927,7 @@ def sdpa_forward(
 
     Returns
     -------
-    out : array, shape (B, H, Lq, Dh)
+    out : array, shape (B, H, Lq, Dv)
     cache : SDPACache
         ``cache.probs`` (B, H, Lq, Lk) are the attention weights before
         dropout; ``cache.lse`` (B, H, Lq) the log-sum-exp of each row's
@@ -1025,17 +1025,19 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
 
     Parameters
     ----------
-    dout : array, shape (B, H, Lq, Dh)
+    dout : array, shape (B, H, Lq, Dv)
     cache : SDPACache
     dlse : array, shape (B, H, Lq), optional
         Upstream gradient of ``cache.lse`` (ring and split-KV attention merge
         partial results through it), in the dtype of ``cache.lse``. Entries on
-        rows with nothing to attend (lse = -inf) do not matter, inf and NaN included.
+        rows with nothing to attend and no sink (lse = -inf) do not matter, inf and
+        NaN included; with ``sinks`` such a row's lse is its sink's, and its dlse
+        reaches ``dsinks``.
 
     Returns
     -------
     SDPAGrads
-        ``dq`` (B, H, Lq, Dh); ``dk``, ``dv`` (B, H, Lk, Dh), with the K/V
+        ``dq`` (B, H, Lq, Dh); ``dk`` (B, H, Lk, Dh), ``dv`` (B, H, Lk, Dv), with the K/V
         heads' shape under ``enable_gqa``; ``dmask`` of the floating mask's
         own shape (the gradient with respect to the additive mask, summed over
         the axes it was broadcast along), None for a boolean or no mask;

@@ -343,9 +343,10 @@ class MultiHeadAttention:
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
         impl : {"auto", "dense", "reference", "numpy", "blocked"}, optional
-            Overrides the module's ``impl`` for this call. The options below,
-            ``softcap`` and ``sinks`` run on "reference" and "blocked"
-            ("dense" is then the reference; "numpy" is a ValueError).
+            Overrides the module's ``impl`` for this call. The options below
+            run on "reference" and "blocked"; ``window`` and ``align`` on
+            "numpy" too. With ``alibi_slopes``, segments, ``softcap`` or
+            ``sinks``, "dense" is the reference and "numpy" a ValueError.
         average_attn_weights : bool
             With ``need_weights``: the weights averaged over the heads,
             (B, Lq, Lk + n), as torch's default; False gives them per head,
