@@ -396,6 +396,11 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
         if n in bad and "NaN" in note and "empty" in note:
             return (f"{n} has NaN on rows with nothing to attend, where npattn gives zeros: guard "
                     "fully masked rows (or declare the kernel without 'empty_rows')")
+        if n in bad and note == "not zero on empty rows":
+            return (f"{n} is not zero on rows with nothing to attend, where npattn gives zeros, "
+                    "and right elsewhere: guard fully masked rows (a large negative number in "
+                    "place of -inf gives each masked key the same weight there), or declare the "
+                    "kernel without 'empty_rows'")
         if n in bad and note.startswith(("shape", "missing", "dtype")):
             return f"{n}: {note}"
     if "out" in bad or "lse" in bad:
@@ -412,6 +417,14 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
         return f"out wrong: the forward ({where}, or P @ V)"
     grads = [n for n in ("dq", "dk", "dv") if n in bad]
     scaled = [n for n in grads if n in factors]
+    gqa = "dv" in bad and "gqa" in opts and "dq" not in bad
+    G = case.Hq // max(case.Hkv, 1)
+    if gqa and (not scaled or all(abs(factors[n] * G - 1.0) < 1e-2 for n in scaled)):
+        why = (f" ({', '.join(f'{n} x 1/{G}' for n in scaled)}: a mean over the group, not the "
+               "sum)" if scaled else "")
+        return ("dk and dv wrong, dq right, under GQA: each K/V head's gradient is the sum over "
+                f"its group of query heads{why}" if "dk" in bad else
+                f"dv wrong under GQA: the sum over each K/V head's group of query heads{why}")
     if scaled and set(scaled) == set(grads):
         f = ", ".join(f"{n} x {factors[n]:.4g}" for n in scaled)
         return f"a constant factor ({f}): the scale (applied twice, or missing) or 1/(1-p)"
@@ -427,10 +440,6 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
                     "(dlse - delta)")
         return "dsinks wrong, the rest right: dsink = -sum over rows of p_sink * delta"
     if "dv" in bad:
-        if "gqa" in opts and "dq" not in bad:
-            return ("dk and dv wrong, dq right, under GQA: each K/V head's gradient is the sum over "
-                    "its group of query heads" if "dk" in bad else
-                    "dv wrong under GQA: the sum over each K/V head's group of query heads")
         if "dropout_mask" in opts:
             return ("dv wrong with dropout: dv = A^T @ dout with A the weights after dropout "
                     "(the keep-mask and 1/(1-p) belong in the backward too)")
@@ -1072,6 +1081,13 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
             tr.note = nan
+        elif tr.status == "fail" and n in ("out", "dq") and empty.any() and not tr.note:
+            # right but for the rows with nothing to attend (where npattn gives zeros)?
+            rows = np.broadcast_to(empty[..., None], truth[n].shape)
+            rest, _ = _compare(n, got[n], truth[n], ref[n], floor_dtype, terms[n], cfg, rows,
+                               saturated)
+            if rest.status != "fail":
+                tr.note = "not zero on empty rows"
         if n in dtypes:  # the right numbers in another dtype or library are still not the contract
             tr.status = "fail"
             tr.note = dtypes[n]

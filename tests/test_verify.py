@@ -160,6 +160,9 @@ MUTANTS = {
     "bug_alibi_sign": ("float64", {"out", "lse"}, set(), "alibi", "scores or the softmax"),
     "bug_sink_dropped": ("float64", {"out", "lse", "dsinks"}, set(), "sinks", "scores or the softmax"),
     "bug_gqa_no_sum": ("float64", {"dk", "dv"}, {"out", "lse", "dq"}, "gqa", "group of query heads"),
+    "bug_gqa_mean": ("float64", {"dk", "dv"}, {"out", "lse", "dq"}, "gqa", "a mean over the group"),
+    "bug_empty_rows_uniform": ("float64", {"out"}, {"lse"}, None,  # (masks, causal, windows)
+                               "out is not zero on rows with nothing to attend"),
     "bug_float16_sum": ("float16", {"lse"}, set(), None, "precision"),
     "bug_dlse_ignored": ("float64", {"dq", "dk", "dmask", "dsinks"}, {"out", "lse", "dv"}, None,
                          "+ dlse", {"lse_grad": True}),

@@ -1,4 +1,4 @@
-"""User-style attention kernels for ``npattn verify``: one right, twelve wrong.
+"""User-style attention kernels for ``npattn verify``: one right, fourteen wrong.
 
 ``attention`` is a blocked (FlashAttention-2 style) NumPy kernel: the keys
 are visited in tiles of ``BLOCK`` with an online softmax, and the backward
@@ -48,6 +48,9 @@ MUTANTS = {
     "bug_alibi_sign": "ALiBi's bias added with the wrong sign",
     "bug_sink_dropped": "the sink left out of the softmax denominator",
     "bug_gqa_no_sum": "dk and dv of a K/V head taken from its first query head, not summed",
+    "bug_gqa_mean": "dk and dv of a K/V head the mean over its query heads, not the sum",
+    "bug_empty_rows_uniform": "a row with nothing to attend gets the mean of v (uniform weights, as "
+                              "a large negative number in place of -inf gives), not zeros",
     "bug_float16_sum": "the softmax row sum accumulated in float16",
     "bug_dlse_ignored": "the backward drops dlse, the upstream gradient of lse",
     "bug_dmask_sign": "dmask, the float mask's gradient, returned with the wrong sign",
@@ -230,6 +233,8 @@ def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=No
         out[:, :, i0:i0 + BLOCK] = acc / np.where(l > 0, l, 1.0)[..., None]
         lse[:, :, i0:i0 + BLOCK] = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)
     out, lse = out[:, :, :Lq], lse[:, :, :Lq]
+    if bug == "empty_rows_uniform":  # every key the same weight on a row with none to attend
+        out = np.where((lse == -np.inf)[..., None], vp[:, :, :Lk].mean(axis=2, keepdims=True), out)
     sinks_w = None if sinks is None else np.asarray(sinks, dtype=work)
     saved = Saved(q, k, v, out, lse, sinks_w, o, in_dtype)
     return out.astype(in_dtype), lse, saved
@@ -314,6 +319,9 @@ def attention_backward(dout, saved: Saved, dlse=None) -> Grads:
     dq, dkh, dvh = dq[:, :, :Lq], dkh[:, :, :Lk], dvh[:, :, :Lk]
     if o.bug == "gqa_no_sum":
         dk, dv = dkh[:, ::G], dvh[:, ::G]  # one query head per group: the others are lost
+    elif o.bug == "gqa_mean":
+        dk = dkh.reshape(B, Hkv, G, Lk, Dh).mean(axis=2)
+        dv = dvh.reshape(B, Hkv, G, Lk, Dv).mean(axis=2)
     else:
         dk = dkh.reshape(B, Hkv, G, Lk, Dh).sum(axis=2)
         dv = dvh.reshape(B, Hkv, G, Lk, Dv).sum(axis=2)
@@ -356,6 +364,8 @@ bug_dropout_forward_only = _mutant("dropout_forward_only", "bug_dropout_forward_
 bug_alibi_sign = _mutant("alibi_sign", "bug_alibi_sign")
 bug_sink_dropped = _mutant("sink_dropped", "bug_sink_dropped")
 bug_gqa_no_sum = _mutant("gqa_no_sum", "bug_gqa_no_sum")
+bug_gqa_mean = _mutant("gqa_mean", "bug_gqa_mean")
+bug_empty_rows_uniform = _mutant("empty_rows_uniform", "bug_empty_rows_uniform")
 bug_float16_sum = _mutant("float16_sum", "bug_float16_sum")
 bug_dlse_ignored = _mutant("dlse_ignored", "bug_dlse_ignored")
 bug_dmask_sign = _mutant("dmask_sign", "bug_dmask_sign")
