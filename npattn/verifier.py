@@ -396,6 +396,10 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
         if n in bad and "NaN" in note and "empty" in note:
             return (f"{n} has NaN on rows with nothing to attend, where npattn gives zeros: guard "
                     "fully masked rows (or declare the kernel without 'empty_rows')")
+        if n in bad and "NaN/inf" in note and n in ("out", "lse") and case.score_shift:
+            return (f"{n} has inf or NaN where the scores are large (each row shifted by an "
+                    f"offset of std {case.score_shift:g}, which the softmax does not see): exp "
+                    "overflows or underflows; subtract each row's maximum before exp")
         if n in bad and note == "not zero on empty rows":
             return (f"{n} is not zero on rows with nothing to attend, where npattn gives zeros, "
                     "and right elsewhere: guard fully masked rows (a large negative number in "

@@ -143,6 +143,10 @@ class Case:
     score_std : float
         Standard deviation of the scaled scores ``q k^T * scale`` (q and k are
         drawn normal with the std that gives it).
+    score_shift : float
+        Standard deviation of an offset added to all scores of a row (one
+        vector added to every key of a head), which the softmax ignores and
+        ``exp`` does not (``SCORE_SHIFT``); 0: none.
     window : (left, right) or None
         With "window" (None: ``WINDOWS[0]``).
     softcap, scale, dropout_p : float or None
@@ -166,6 +170,7 @@ class Case:
     Dv: int = 16
     options: tuple = ()
     score_std: float = 1.0
+    score_shift: float = 0.0
     window: Optional[tuple] = None
     softcap: Optional[float] = None
     scale: Optional[float] = None
@@ -190,6 +195,8 @@ class Case:
                 extra.append(f"{name}={getattr(self, name)}")
         if self.score_std != 1.0:
             extra.append(f"score_std={self.score_std}")
+        if self.score_shift:
+            extra.append(f"score_shift={self.score_shift}")
         if self.empty_rows:
             extra.append("empty rows")
         return " ".join([self.name, self.shapes] + extra)
@@ -219,6 +226,12 @@ class CaseInputs:
 
 
 #: (Lq, Lk, Dh) of the cases without options.
+#: The std of the per-row offset that the base case with large scores adds to each row's
+#: scores (the same for every key of the row: the softmax does not see it, lse does). At
+#: 100, about a third of its rows lie beyond exp's float32 range (|s| > 88): a kernel that
+#: takes exp of the scores without subtracting each row's maximum gives inf or NaN there.
+SCORE_SHIFT = 100.0
+
 BASE_SHAPES = ((1, 65, 16), (64, 129, 32), (65, 128, 16), (127, 64, 8), (129, 257, 16),
                (257, 127, 64))
 #: (Lq, Lk, Dh) of an option alone: the first and the second case.
@@ -340,7 +353,8 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     cases: list = []
     for i, (Lq, Lk, Dh) in enumerate(BASE_SHAPES):
         cases.append(Case(name=f"base-{Lq}x{Lk}", Lq=Lq, Lk=Lk, Dh=Dh, Dv=Dh))
-    cases.append(Case(name="base-scores8-65x127", Lq=65, Lk=127, Dh=16, Dv=16, score_std=8.0))
+    cases.append(Case(name="base-scores8-shift-65x127", Lq=65, Lk=127, Dh=16, Dv=16, score_std=8.0,
+                      score_shift=SCORE_SHIFT))
     for o in options:
         for i, (Lq, Lk, Dh) in enumerate(ALONE_SHAPES):
             c = _make_case("", (o,), Lq, Lk, Dh, index=i, empty_ok=empty_ok)
@@ -465,6 +479,11 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
     k = rng.standard_normal((B, Hkv, Lk, Dh)) * std  # [B, Hkv, Lk, Dh]
     v = rng.standard_normal((B, Hkv, Lk, Dv))  # [B, Hkv, Lk, Dv]
     dout = rng.standard_normal((B, Hq, Lq, Dv))  # [B, Hq, Lq, Dv]
+    if case.score_shift:  # one vector c added to every key of a head: row i's scores move by
+        # q_i . c * scale (std score_shift), which the softmax does not see
+        c = rng.standard_normal((B, Hkv, 1, Dh))
+        c *= case.score_shift / (std * scale * np.linalg.norm(c, axis=-1, keepdims=True))
+        k = k + c  # [B, Hkv, Lk, Dh]
     opts: dict = {}
     a = case_align(case, align)
     o = offset(case, a)

@@ -1,4 +1,4 @@
-"""User-style attention kernels for ``npattn verify``: one right, fourteen wrong.
+"""User-style attention kernels for ``npattn verify``: one right, fifteen wrong.
 
 ``attention`` is a blocked (FlashAttention-2 style) NumPy kernel: the keys
 are visited in tiles of ``BLOCK`` with an online softmax, and the backward
@@ -52,6 +52,7 @@ MUTANTS = {
     "bug_empty_rows_uniform": "a row with nothing to attend gets the mean of v (uniform weights, as "
                               "a large negative number in place of -inf gives), not zeros",
     "bug_float16_sum": "the softmax row sum accumulated in float16",
+    "bug_no_row_max": "exp of the scores without subtracting each row's maximum",
     "bug_dlse_ignored": "the backward drops dlse, the upstream gradient of lse",
     "bug_dmask_sign": "dmask, the float mask's gradient, returned with the wrong sign",
 }
@@ -208,6 +209,8 @@ def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=No
             cols = np.arange(j0, j0 + BLOCK)
             s, allowed, _ = _tile(q_t, kp[:, :, j0:j0 + BLOCK], rows, cols, o)
             m_new = np.maximum(m, s.max(axis=-1))
+            if bug == "no_row_max":  # exp of the scores themselves
+                m_new = np.zeros_like(m_new)
             m_safe = np.where(m_new == -np.inf, 0.0, m_new)  # no -inf - -inf
             p = np.where(allowed, np.exp(s - m_safe[..., None]), 0.0)  # [B, Hq, bq, bk]
             alpha = np.exp(m - m_safe)  # rescales what was summed under the old max
@@ -367,5 +370,6 @@ bug_gqa_no_sum = _mutant("gqa_no_sum", "bug_gqa_no_sum")
 bug_gqa_mean = _mutant("gqa_mean", "bug_gqa_mean")
 bug_empty_rows_uniform = _mutant("empty_rows_uniform", "bug_empty_rows_uniform")
 bug_float16_sum = _mutant("float16_sum", "bug_float16_sum")
+bug_no_row_max = _mutant("no_row_max", "bug_no_row_max")
 bug_dlse_ignored = _mutant("dlse_ignored", "bug_dlse_ignored")
 bug_dmask_sign = _mutant("dmask_sign", "bug_dmask_sign")
