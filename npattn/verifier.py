@@ -318,7 +318,8 @@ class VerifyReport:
             parts.append("")
             parts.append(f"failing cases ({len(fails)}):")
             for r in fails[:max_failures]:
-                bad = ", ".join(f"{n} {r.tensors[n].ratio:.3g}x" for n in r.failing) or "raised"
+                bad = (", ".join(f"{n} {r.tensors[n].ratio:.3g}x" for n in r.failing)
+                       or ("raised" if r.traceback else "its numbers pass"))
                 parts.append(f"  {r.case.describe()}: {bad}")
                 if r.error:
                     parts.append(f"    error: {r.error}")
@@ -469,9 +470,12 @@ def panel_hints(results: list) -> list:
     if not fails:
         return []
     hints = []
-    raised = [r for r in fails if r.error is not None]
+    raised = [r for r in fails if r.traceback]
     if raised and len(raised) == len(fails):
         hints.append(f"fn raised in every failing case ({raised[0].error.splitlines()[0]})")
+    if all(r.error is not None and not r.traceback and not r.failing for r in fails):
+        return [f"fn wrote into its inputs in every failing case, its numbers right: a kernel "
+                f"must leave q, k, v, dout and the options as they were ({len(fails)} case(s))"]
     common = set.intersection(*(set(r.case.options) for r in fails))
     for opt in sorted(common):
         passing = [r for r in results if opt in r.case.options and r.status != "fail"]
@@ -1101,6 +1105,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
             factors[n] = factor
     result.hint = (case_hint(case, result.tensors, factors, notes, lse_grad=cfg.lse_grad)
                    if result.failing else "")
+    if written and not result.failing:  # right numbers, but the caller's arrays changed
+        result.hint = (f"fn wrote into {', '.join(written)}: compute on new arrays (or copies) "
+                       "and leave the inputs as they were")
     result.seconds = time.perf_counter() - start
     return result
 

@@ -751,6 +751,11 @@ def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
         assert ("dropout_mask" in b.error) == ("dropout_mask" in b.case.options)
         assert {n: t.budget for n, t in a.tensors.items()} == {n: t.budget for n, t in b.tensors.items()}
         assert all(t.status != "fail" for t in b.tensors.values())
+        assert b.hint.startswith("fn wrote into q") and not b.traceback
+    # told as a write, not as an exception (it was 'raised', with an empty hint)
+    text = dirty.format()
+    assert ": its numbers pass" in text and "fn raised" not in text and "hint: \n" not in text + "\n"
+    assert dirty.hints() and dirty.hints()[0].startswith("fn wrote into its inputs in every failing case")
 
 
 def test_a_write_into_the_kernel_s_own_float_mask_or_out_of_another_library_fails():

@@ -113,7 +113,8 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([f"{KERNELS}:nope"], "has no attribute 'nope'"),
+    ([f"{KERNELS}:nope"], f"target: {os.path.relpath(KERNELS)!r} has no attribute 'nope'"),
+    ([f"{KERNELS}:attention", "--backward", "nope"], f"--backward: {os.path.relpath(KERNELS)!r} has no"),
     (["no_such_module_xyz:attn"], "cannot import 'no_such_module_xyz'"),
     (["attention"], "expected module:attribute"),
     ([f"{KERNELS}:attention", "--supports", "causal,sliding"], "--supports"),
@@ -143,6 +144,15 @@ def test_a_path_the_file_system_refuses_is_a_usage_error(option, capsys):
     assert cli.main(["verify", f"{KERNELS}:attention", option, path, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"{option}: {path!r} cannot be written" in err and "Traceback" not in err
+
+
+def test_a_backend_that_is_not_installed_names_the_flag(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is not None:
+        pytest.skip("jax is installed")
+    assert cli.main(["verify", f"{KERNELS}:attention", "--backend", "jax", "--no-progress"]) == 2
+    assert "--backend jax: ModuleNotFoundError" in capsys.readouterr().err
 
 
 def test_the_path_check_leaves_files_as_they_were(tmp_path):

@@ -128,6 +128,14 @@ def _load_file(path: str) -> Any:
     return module
 
 
+def _label(module: Any) -> str:
+    """How the user named ``module``: its file for one ``_load_file`` loaded, else its name."""
+    name = getattr(module, "__name__", str(module))
+    if name.startswith("npattn_verify_target_") and getattr(module, "__file__", None):
+        return os.path.relpath(module.__file__)
+    return name
+
+
 def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
     """``module:attr``, ``path/file.py:attr`` or (with ``base``, a module) a bare ``attr``."""
     if ":" not in spec:
@@ -150,8 +158,7 @@ def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise UsageError(f"{what}: {getattr(module, '__name__', module)!r} has no attribute "
-                             f"{attr!r}") from None
+            raise UsageError(f"{what}: {_label(module)!r} has no attribute {attr!r}") from None
     return obj
 
 
@@ -273,7 +280,10 @@ def _run(args) -> int:
                                budget_factor=args.budget_factor, combos=combos,
                                head_dims=head_dims, cases=args.case, progress=progress,
                                command=_command(args), target=args.target)
-    except (ValueError, TypeError, ImportError) as exc:
+    except ImportError as exc:  # the library of --backend (or of --autograd) is missing
+        needs = f"--backend {args.backend}" + (f", --autograd {args.autograd}" if args.autograd else "")
+        raise UsageError(f"{needs}: {type(exc).__name__}: {exc}") from None
+    except (ValueError, TypeError) as exc:
         raise UsageError(f"{type(exc).__name__}: {exc}") from None
     finally:
         bar.close()
