@@ -423,7 +423,7 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
     grads = [n for n in ("dq", "dk", "dv") if n in bad]
     scaled = [n for n in grads if n in factors]
     gqa = "dv" in bad and "gqa" in opts and "dq" not in bad
-    G = case.Hq // max(case.Hkv, 1)
+    G = case.Hq // case.Hkv
     if gqa and (not scaled or all(abs(factors[n] * G - 1.0) < 1e-2 for n in scaled)):
         why = (f" ({', '.join(f'{n} x 1/{G}' for n in scaled)}: a mean over the group, not the "
                "sum)" if scaled else "")

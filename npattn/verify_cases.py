@@ -225,13 +225,13 @@ class CaseInputs:
 # the panel
 
 
-#: (Lq, Lk, Dh) of the cases without options.
 #: The std of the per-row offset that the base case with large scores adds to each row's
 #: scores (the same for every key of the row: the softmax does not see it, lse does). At
 #: 100, about a third of its rows lie beyond exp's float32 range (|s| > 88): a kernel that
 #: takes exp of the scores without subtracting each row's maximum gives inf or NaN there.
 SCORE_SHIFT = 100.0
 
+#: (Lq, Lk, Dh) of the cases without options.
 BASE_SHAPES = ((1, 65, 16), (64, 129, 32), (65, 128, 16), (127, 64, 8), (129, 257, 16),
                (257, 127, 64))
 #: (Lq, Lk, Dh) of an option alone: the first and the second case.
