@@ -21,8 +21,8 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import device_of, namespace
-from .functional import sum_to_shape
+from .backend import device_of, namespace, resolve_backend
+from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
     "one_hot",
@@ -42,8 +42,20 @@ __all__ = [
 
 
 def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
-    """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]"""
+    """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]
+
+    ``xp`` a backend (a name or a namespace, as ``backend=``), ``ids`` an integer
+    array of it with values in [0, n) (a ``ValueError`` otherwise, as
+    ``torch.nn.functional.one_hot``), ``dtype`` a dtype of ``xp``.
+    """
+    xp = resolve_backend(xp, "xp")
     Vd.check_positive_int("n", n)
+    Vd.check_ids("ids", ids, n, xp, what="class indices", like="xp")
+    return _one_hot(xp, ids, n, dtype)
+
+
+def _one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
+    """``one_hot`` on checked arguments. # [...] -> [..., n]"""
     classes = xp.arange(n, device=device_of(ids))  # [n]
     hit = xp.expand_dims(ids, axis=-1) == classes  # [..., n] bool
     return xp.astype(hit, dtype)  # [..., n]
@@ -82,7 +94,7 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     xp = namespace(table)
     Vd.check_ids("ids", ids, table.shape[0], xp, device_of(table), what="token ids", like="table")
     V = table.shape[0]
-    onehot = one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
+    onehot = _one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
     # 2. out = onehot @ table, as one (N, V) x (V, D) GEMM: NumPy's matmul would
     # otherwise run one small GEMM per batch entry (8x slower at (32, 64, 94))
     oh2 = xp.reshape(onehot, (-1, V))  # [N, V]
@@ -153,7 +165,10 @@ def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
 
 
 def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
-    """``dx = dout``; ``dpos = sum_b dout[b]`` (the adjoint of broadcasting over the batch)."""
+    """``dx = dout``; ``dpos = sum_b dout[b]`` (the adjoint of broadcasting over the batch).
+
+    Both are new arrays (never ``dout`` itself): a caller that adds into one changes
+    neither the other nor ``dout``."""
     # [B, L, D] -> [B, L, D], [L, D]
     Vd.check_cache("cache", cache, PositionsCache, "add_positions_forward")
     like = cache.like
@@ -161,16 +176,21 @@ def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
         Vd.check_grad("dout", dout, shape=like.shape, dtype=like.dtype, xp=like.xp,
                       device=like.device, of="the forward's out")
     xp = namespace(dout)
-    return dout, sum_to_shape(xp, dout, cache.pos_shape)
+    dpos = sum_to_shape(xp, dout, cache.pos_shape)  # dout itself when x is (L, D)
+    if dpos is dout:
+        dpos = xp.asarray(dout, copy=True)
+    return xp.asarray(dout, copy=True), dpos
 
 
 def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any = None) -> Any:
     """The fixed encoding of "Attention Is All You Need".
 
     ``pe[i, 2k] = sin(i / 10000^(2k/D))``, ``pe[i, 2k+1] = cos(i / 10000^(2k/D))``.
-    ``L`` an int >= 0, ``D`` an int >= 1.
+    ``xp`` a backend (a name or a namespace, as ``backend=``), ``L`` an int >= 0,
+    ``D`` an int >= 1; computed in float64, returned in ``dtype`` (default float64).
     # -> [L, D]
     """
+    xp = resolve_backend(xp, "xp")
     Vd.check_size("L", L)
     Vd.check_positive_int("D", D)
     dtype = xp.float64 if dtype is None else dtype
@@ -187,9 +207,10 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
 
 
 class CrossEntropyCache(NamedTuple):
-    p: Any  # [..., V] softmax of the logits
-    onehot: Any  # [..., V] one-hot targets
+    p: Any  # [..., V] softmax of the logits, in the compute dtype
+    onehot: Any  # [..., V] one-hot targets, in the compute dtype
     n: int  # number of positions averaged over
+    dtype: Any = None  # the logits' dtype (that of the loss and of dlogits); None: p's
 
 
 def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyCache]:
@@ -202,6 +223,10 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     3. ``logp = logits - lse``               log-probabilities, [..., V]
     4. ``loss = -sum(one_hot(t) * logp) / N``  (the targets' entries picked by a ``where``:
        a ``-inf`` logit elsewhere in the row would make the product ``0 * -inf``)
+
+    Half-precision logits are computed in float32 (a float16 sum of ``exp`` overflows
+    past 65504, at a vocabulary of 65505 equal logits), and the loss is rounded to
+    their dtype.
 
     Parameters
     ----------
@@ -224,15 +249,17 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
         raise ValueError(f"targets: expected shape {Vd.shape_of(logits)[:-1]} (that of logits "
                          f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
-    m = xp.max(logits, axis=-1, keepdims=True)  # 1.                    [..., 1]
-    lse = m + xp.log(xp.sum(xp.exp(logits - m), axis=-1, keepdims=True))  # 2. [..., 1]
-    logp = logits - lse  # 3.                                           [..., V]
-    onehot = one_hot(xp, targets, V, logits.dtype)  # [..., V]
+    ct = compute_dtype(xp, logits.dtype)
+    z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
+    m = xp.max(z, axis=-1, keepdims=True)  # 1.                         [..., 1]
+    lse = m + xp.log(xp.sum(xp.exp(z - m), axis=-1, keepdims=True))  # 2. [..., 1]
+    logp = z - lse  # 3.                                                [..., V]
+    onehot = _one_hot(xp, targets, V, ct)  # [..., V]
     n = math.prod(targets.shape)
     picked = xp.where(onehot == 1.0, logp, xp.zeros_like(logp))  # 4. logp[t], 0 elsewhere
     loss = -xp.sum(picked) / float(n)  # 4.                             []
-    loss = xp.asarray(loss)  # NumPy reduces to a scalar type; keep a 0-d array
-    return loss, CrossEntropyCache(xp.exp(logp), onehot, n)
+    loss = xp.astype(xp.asarray(loss), logits.dtype)  # a 0-d array (NumPy reduces to a scalar)
+    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype)
 
 
 def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, None]:
@@ -244,6 +271,7 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     (each row of ``one_hot`` sums to 1). ``targets`` get None.
 
     ``dloss`` is a Python number, or an array of shape () or (1,) in the loss's dtype.
+    Computed in the forward's compute dtype, returned in the logits' dtype.
 
     Returns
     -------
@@ -252,14 +280,18 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     """
     # [] -> [..., V], None
     Vd.check_cache("cache", cache, CrossEntropyCache, "cross_entropy_forward")
+    xp = namespace(cache.p)
+    dtype = cache.p.dtype if cache.dtype is None else cache.dtype  # the loss's
     if isinstance(dloss, bool) or not isinstance(dloss, (int, float)):  # a number, or the loss's like
         Vd.check_array("dloss", dloss)
         shape = Vd.shape_of(dloss) if Vd.shape_of(dloss) == (1,) else ()  # (1,): gradcheck's
-        Vd.check_grad("dloss", dloss, shape=shape, dtype=cache.p.dtype, xp=namespace(cache.p),
+        Vd.check_grad("dloss", dloss, shape=shape, dtype=dtype, xp=xp,
                       device=device_of(cache.p), of="the loss")
+        dloss = xp.astype(dloss, cache.p.dtype)
     else:
         dloss = float(dloss)  # a NumPy float64 (a float subclass) would upcast float32 logits
-    return dloss * (cache.p - cache.onehot) / float(cache.n), None
+    dlogits = dloss * (cache.p - cache.onehot) / float(cache.n)  # [..., V]
+    return (dlogits if dlogits.dtype == dtype else xp.astype(dlogits, dtype)), None
 
 
 # --------------------------------------------------------------------------
@@ -277,8 +309,12 @@ class AdamState(NamedTuple):
 
 
 def adam_init(params: dict) -> AdamState:
-    """Zero moments for every parameter in ``params``."""
-    zeros = {k: p * 0.0 for k, p in params.items()}
+    """Zero moments for every parameter in ``params`` (a dict of floating arrays)."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict of arrays, got {Vd.type_name(params)}")
+    for k, p in params.items():
+        Vd.check_floating_array(f"params[{k!r}]", p)
+    zeros = {k: namespace(p).zeros_like(p) for k, p in params.items()}
     return AdamState(zeros, dict(zeros), 0)
 
 
@@ -361,6 +397,11 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
     Parameters missing from ``grads`` (or given None) are left unchanged, and so are their
     moments and their count of updates (``state.steps``), as in ``torch.optim.Adam``.
     The arguments are checked first (``check_adam``).
+
+    The update is computed in the parameters' dtype, as ``torch.optim.Adam`` does. In
+    float16 the default ``eps=1e-8`` rounds to 0, so an entry whose gradient and second
+    moment are 0 (or underflow) gets ``0 / 0 = NaN``, in torch as here: pass an ``eps``
+    float16 can hold (1e-4, say) or keep float32 parameters.
     """
     check_adam(params, grads, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
@@ -397,16 +438,22 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     (as ``torch.nn.utils.clip_grad_norm_``, same ``eps``). Returns
     ``(new_grads, total)``: a new dict (the arrays given are not written)
     and the norm before clipping as a Python float. ``None`` entries are
-    kept as they are.
+    kept as they are. Half-precision gradients are squared and summed in float32 (as
+    torch does; 300 squared overflows float16), then scaled in their own dtype.
     """
     if not isinstance(grads, dict):
         raise TypeError(f"grads: expected a dict of arrays, got {type(grads).__name__}")
+    for k, g in grads.items():
+        if g is not None:
+            Vd.check_floating_array(f"grads[{k!r}]", g)
     Vd.check_number("max_norm", max_norm)
     Vd.check_number("eps", eps, allow_zero=True)
     sq = 0.0
     for g in grads.values():
         if g is not None:
             xp = namespace(g)
+            ct = compute_dtype(xp, g.dtype)
+            g = g if ct == g.dtype else xp.astype(g, ct)
             sq += float(xp.sum(g * g))
     total = math.sqrt(sq)
     scale = min(float(max_norm) / (total + float(eps)), 1.0)

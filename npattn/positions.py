@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import validation as V
-from .backend import check_same_device, device_of, is_floating, namespace
+from .backend import check_same_device, device_of, is_floating, namespace, resolve_backend
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -133,8 +133,14 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     """The rotation angles ``theta[..., l, c] = positions[..., l] * base^(-2c/Dh)``, c < Dh/2.
 
     Computed in float64 (``positions`` may be large), returned in ``dtype``
-    (default float64). # [..., L] -> [..., L, Dh/2]
+    (default float64). ``xp`` a backend (a name or a namespace, as ``backend=``),
+    ``positions`` a real array of it. # [..., L] -> [..., L, Dh/2]
     """
+    xp = resolve_backend(xp, "xp")
+    V.check_array("positions", positions, xp, where="that of positions", library="xp")
+    if not xp.isdtype(positions.dtype, ("integral", "real floating")):
+        raise TypeError(f"positions: expected an integer or real floating array, got dtype "
+                        f"{V.dtype_name(positions.dtype)}")
     V.check_positive_int("Dh", Dh)
     _check_base(base)
     dev = device_of(positions)
@@ -283,6 +289,7 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     query ``i`` sits at key position ``i + offset``, so their relative
     position is ``j - (i + offset)``. # -> [T] int64
     """
+    xp = resolve_backend(xp, "xp")
     V.check_positive_int("Lq", Lq)
     V.check_positive_int("Lk", Lk)
     _check_int("offset", offset)
@@ -294,6 +301,13 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
 
     A gather with ``xp.take``; its adjoint is ``diagonal_sums``.
     """
+    xp = resolve_backend(xp, "xp")
+    V.check_positive_int("Lq", Lq)
+    V.check_positive_int("Lk", Lk)
+    V.check_array("rows", rows, xp, where="that of rows", library="xp")
+    if V.shape_of(rows)[:1] != (Lq + Lk - 1,) or len(V.shape_of(rows)) != 2:
+        raise ValueError(f"rows: expected shape (Lq + Lk - 1, E) = ({Lq + Lk - 1}, E), got "
+                         f"{V.shape_of(rows)}")
     dev = device_of(rows)
     i = xp.arange(Lq, dtype=xp.int64, device=dev)  # [Lq]
     j = xp.arange(Lk, dtype=xp.int64, device=dev)  # [Lk]
@@ -316,6 +330,10 @@ def diagonal_sums(xp: Any, a: Any) -> Any:
        ``i' + j = t``; every other entry of the new rows is a pad zero;
     4. sum over the rows.
     """
+    xp = resolve_backend(xp, "xp")
+    V.check_array("a", a, xp, where="that of a", library="xp")
+    if len(V.shape_of(a)) < 2 or 0 in V.shape_of(a)[-2:]:
+        raise ValueError(f"a: expected shape (..., Lq, Lk) with Lq, Lk >= 1, got {V.shape_of(a)}")
     Lq, Lk = a.shape[-2], a.shape[-1]
     lead = tuple(a.shape[:-2])
     flipped = xp.flip(a, axis=-2)  # 1.                                        [..., Lq, Lk]
@@ -586,7 +604,9 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
     if num_buckets - 1 > top:
         raise ValueError(f"num_buckets: expected at most {top + 1}, the buckets of a "
                          f"{V.dtype_name(relative_position.dtype)} relative_position, got {num_buckets}")
-    rp = xp.astype(relative_position, xp.int64)  # abs of the type's minimum does not overflow
+    rp = xp.astype(relative_position, xp.int64)  # [...]
+    # -2**63 has no int64 abs; -(2**63 - 1) lands in the same bucket (both far past max_distance)
+    rp = xp.where(rp == -(2**63), xp.full_like(rp, -(2**63 - 1)), rp)
     zero = xp.zeros_like(rp)
     buckets = zero
     if bidirectional:

@@ -315,6 +315,14 @@ def test_embedding_positions_and_tables_check_their_arguments():
         (lambda: nn.sinusoidal_positions(np, 4, 0), ValueError, "^D: expected a positive int, got 0"),
         (lambda: nn.sinusoidal_positions(np, -1, 4), ValueError, "^L: expected an int >= 0, got -1"),
         (lambda: nn.sinusoidal_positions(np, 2.5, 4), TypeError, "^L: expected an int >= 0"),
+        (lambda: nn.sinusoidal_positions("nump", 2, 4), ValueError, "^xp: expected one of"),
+        (lambda: nn.one_hot(np, np.array([7]), 3, np.float64), ValueError,
+         r"^ids: expected class indices in \[0, 3\), got values in \[7, 7\]"),
+        (lambda: nn.one_hot(np, [1], 3, np.float64), TypeError, "^ids: expected a numpy array"),
+        (lambda: nn.adam_init(None), TypeError, "^params: expected a dict of arrays, got None"),
+        (lambda: nn.adam_init({"w": [1.0]}), TypeError, r"^params\['w'\]: expected an array, got list"),
+        (lambda: nn.clip_grad_norm({"w": [3.0, 4.0]}, 1.0), TypeError,
+         r"^grads\['w'\]: expected an array, got list"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -365,3 +373,54 @@ def test_a_numpy_float64_dloss_keeps_float32_logits_float32():
     d_np, _ = nn.cross_entropy_backward(np.float64(0.5), cache)
     assert d_np.dtype == np.float32
     np.testing.assert_array_equal(d_np, d_py)
+
+
+def test_add_positions_backward_returns_new_arrays():
+    """dx and dpos are never dout itself: adding into one changed dout and, for an x of
+    shape (L, D), the other (all three were one array)."""
+    for shape in ((3, 4), (2, 3, 4)):
+        _, c = nn.add_positions_forward(np.zeros(shape), np.zeros((3, 4)))
+        dout = np.random.default_rng(0).standard_normal(shape)
+        keep = dout.copy()
+        dx, dpos = nn.add_positions_backward(dout, c)
+        dx += 1.0
+        dpos += 1.0
+        np.testing.assert_array_equal(dout, keep)
+        np.testing.assert_array_equal(dx, keep + 1.0)
+        np.testing.assert_array_equal(dpos, keep.reshape(-1, 3, 4).sum(0) + 1.0)
+
+
+def test_half_precision_clip_norm_and_cross_entropy_sum_in_float32():
+    """A float16 sum of squares (300**2) or of exp (65505 equal logits) overflows: both
+    run in float32, as the attention softmax does, and give torch's float32 numbers."""
+    torch = pytest.importorskip("torch")
+    clipped, total = nn.clip_grad_norm({"w": np.array([300.0, 0.0], np.float16)}, 1000.0)
+    assert total == 300.0
+    np.testing.assert_array_equal(clipped["w"], [300.0, 0.0])
+    g = np.ones(70000, np.float16)
+    clipped, total = nn.clip_grad_norm({"w": g}, 1.0)
+    assert abs(total - math.sqrt(70000)) < 1e-9
+    assert clipped["w"].dtype == np.float16 and abs(float(clipped["w"][0]) - 1 / math.sqrt(70000)) < 1e-5
+
+    logits = np.random.default_rng(1).standard_normal((3, 70000)).astype(np.float16) * 0.01
+    targets = np.array([0, 5, 69999])
+    loss, cache = nn.cross_entropy_forward(logits, targets)
+    lt = torch.from_numpy(logits.astype(np.float32)).requires_grad_()
+    ref = torch.nn.functional.cross_entropy(lt, torch.from_numpy(targets))
+    ref.backward()
+    assert loss.dtype == np.float16 and np.isfinite(loss)
+    assert abs(float(loss) - ref.item()) <= 2e-3 * ref.item()  # float16 rounding of the loss
+    dlogits, _ = nn.cross_entropy_backward(np.asarray(1.0, np.float16), cache)
+    assert dlogits.dtype == np.float16
+    # most entries (1/70000 / 3) are float16 subnormals, spaced 2**-24 apart
+    np.testing.assert_allclose(dlogits.astype(np.float32), lt.grad.numpy(), rtol=2e-3, atol=2.0**-24)
+
+
+def test_adam_init_keeps_an_infinite_parameter_infinite():
+    """Zero moments from zeros_like: inf * 0.0 made a NaN moment, and the step a NaN weight
+    (torch.optim.Adam keeps inf)."""
+    params = {"w": np.array([np.inf, 1.0])}
+    state = nn.adam_init(params)
+    np.testing.assert_array_equal(state.m["w"], 0.0)
+    new, _ = nn.adam_step(params, {"w": np.array([0.0, 1.0])}, state, lr=1e-3)
+    assert new["w"][0] == np.inf and abs(new["w"][1] - 0.999) < 1e-10  # eps: 1e-11

@@ -408,13 +408,16 @@ def test_t5_bias_through_sdpa_mask(xp, to_xp):
 def test_t5_bucket_at_the_ends_of_small_integer_types():
     """|position| of the type's minimum does not overflow: its bucket is that of the same
     distance in int64, in range, in the input's dtype."""
-    for dtype in (np.int8, np.int16, np.int32):
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
         lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
         rp = np.array([lo, lo + 1, -1, 0, 1, hi], dtype=dtype)
         for bidirectional in (True, False):
             got = P.t5_bucket(rp, bidirectional=bidirectional)
             want = P.t5_bucket(rp.astype(np.int64), bidirectional=bidirectional)
             assert got.dtype == dtype
+            # int64's minimum (whose abs overflowed to a negative bucket) is past max_distance
+            # like its neighbour: the last bucket of its side
+            assert got[0] == got[1] == (15 if bidirectional else 31)
             np.testing.assert_array_equal(got, want)
             assert np.all((got >= 0) & (got < 32))
 
@@ -456,6 +459,16 @@ def test_errors_name_the_argument():
         (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError, "num_buckets"),
         (lambda: P.t5_bucket(np.arange(3), max_distance=8), ValueError, "max_distance"),
         (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError, "bidirectional"),
+        # the helpers that take a backend check it and their arrays (an AttributeError or an
+        # IndexError from inside, or an error naming x, before)
+        (lambda: P.rope_angles("nump", np.arange(3), 4), ValueError, "^xp: expected one of"),
+        (lambda: P.rope_angles(np, [0, 1, 2], 4), TypeError, "^positions: expected a numpy array, got list"),
+        (lambda: P.rope_angles(np, np.zeros(3, bool), 4), TypeError, "^positions: expected an integer or real"),
+        (lambda: P.relative_distances(3, 3, 1), TypeError, "^xp: expected one of"),
+        (lambda: P.diagonal_sums(np, np.zeros(3)), ValueError, r"^a: expected shape \(\.\.\., Lq, Lk\)"),
+        (lambda: P.diagonal_sums(np, [[1.0]]), TypeError, "^a: expected a numpy array"),
+        (lambda: P.diagonal_spread(np, np.zeros((3, 2)), 2, 3), ValueError,
+         r"^rows: expected shape \(Lq \+ Lk - 1, E\) = \(4, E\), got \(3, 2\)"),
         (lambda: P.relative_bias_forward(np.zeros((2, 3)), 3, 3), ValueError, "table: expected enough rows"),
         (lambda: P.relative_bias_backward(np.zeros((1, 2, 3, 3)),
                                           P.relative_bias_forward(np.zeros((8, 3)), 3, 3, max_distance=6)[1]),
@@ -464,3 +477,15 @@ def test_errors_name_the_argument():
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
             call()
+
+
+def test_helpers_take_a_backend_by_name_or_module():
+    """``xp`` as ``backend=`` takes it: a name or a namespace module, with the same numbers."""
+    torch = pytest.importorskip("torch")
+    pos = np.arange(5)
+    for xp in ("numpy", np):
+        np.testing.assert_array_equal(P.rope_angles(xp, pos, 4), P.rope_angles(np, pos, 4))
+        np.testing.assert_array_equal(P.relative_distances(xp, 2, 3), [-1, 0, 1, 2])
+    got = P.rope_angles(torch, torch.arange(5), 4)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_array_equal(got.numpy(), P.rope_angles(np, pos, 4))
