@@ -755,7 +755,8 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     n_head = 2 if cfg.returns_lse else 1
     if cfg.backward is None and not cfg.returns_lse:
         if isinstance(result, (tuple, list)):
-            raise TypeError(f"fn: expected it to return out, an array, got a tuple of {len(result)}; "
+            raise TypeError(f"fn: expected it to return out, an array, got a "
+                            f"{type(result).__name__} of {len(result)}; "
                             "a kernel that returns (out, lse) needs returns_lse=True")
         return _checked_out(result), None, ()
     if not isinstance(result, (tuple, list)) or len(result) < n_head:
@@ -765,7 +766,7 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     saved = tuple(result[n_head:])
     if cfg.backward is None and saved:
         raise TypeError(f"fn: expected it to return (out, lse) with returns_lse=True, got a "
-                        f"tuple of {len(result)}")
+                        f"{type(result).__name__} of {len(result)}")
     return _checked_out(result[0]), (result[1] if cfg.returns_lse else None), saved
 
 
@@ -1060,7 +1061,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     given = _copied(inp)  # the kernel's own arrays: what it writes cannot change the budgets
     try:
         got = _run_kernel(given, cfg, dlse)
-    except Exception as exc:  # the kernel's failure is this case's result
+    except (Exception, SystemExit) as exc:  # the kernel's failure (sys.exit too) is this case's result
         result.error = f"{type(exc).__name__}: {exc}"
         result.traceback = "".join(traceback.format_exception(exc))
         result.hint = _raise_hint(exc)
@@ -1135,6 +1136,12 @@ def _raise_hint(exc: Exception) -> str:
                 "(e.g. adapter={'is_causal': 'causal', 'align': None})")
     if isinstance(exc, TypeError) and text.startswith(("fn: expected", "backward: ")):
         return "what fn or backward returned is not what verify reads: see the error"
+    if isinstance(exc, TypeError) and "positional argument" in text:
+        return ("fn's signature does not take the call verify makes, fn(q, k, v, **options), "
+                "or backward's, backward(dout, *saved) (docs/verify.md, 'What your "
+                "function receives and returns'); 'at' is verify's call")
+    if isinstance(exc, SystemExit):
+        return "fn called sys.exit (SystemExit): a kernel must return or raise, not exit"
     return ("fn raised: 'at' is the innermost frame; the whole traceback is the case's "
             "traceback (report.failures[i].traceback, and in the JSON)")
 

@@ -386,8 +386,13 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     return _unique(cases)
 
 
+#: The widest head a case takes (flash-attn's kernels go to 256; a case of 2**16 is 0.5 GiB).
+MAX_HEAD_DIM = 2**14
+
+
 def check_head_dims(head_dims: Optional[Iterable[int]]) -> Optional[tuple]:
-    """``head_dims`` as a tuple of ints >= 1 (None stays None); ``ValueError``/``TypeError``."""
+    """``head_dims`` as a tuple of ints in [1, MAX_HEAD_DIM] (None stays None);
+    ``ValueError``/``TypeError``."""
     if head_dims is None:
         return None
     if isinstance(head_dims, (str, bytes)) or not hasattr(head_dims, "__iter__"):
@@ -395,6 +400,8 @@ def check_head_dims(head_dims: Optional[Iterable[int]]) -> Optional[tuple]:
     dims = tuple(head_dims)
     if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
         raise ValueError(f"head_dims: expected ints >= 1, at least one, got {dims!r}")
+    if max(dims) > MAX_HEAD_DIM:  # the float64 truth of a case grows with Dh
+        raise ValueError(f"head_dims: expected ints of at most {MAX_HEAD_DIM}, got {max(dims)}")
     return dims
 
 

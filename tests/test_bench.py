@@ -65,6 +65,20 @@ def test_isolated_mode_measures_each_case_in_a_child(tmp_path, capsys):
     assert "| 1x16x8x2 | blocked |" in md.read_text()
 
 
+def test_an_isolated_case_that_fails_keeps_the_others(tmp_path, capsys):
+    """A child that fails (here out of memory) ended the parent in a traceback that lost the
+    cases already measured: they are written, the failure is reported, the status is 1."""
+    path, md = tmp_path / "iso.json", tmp_path / "iso.md"
+    rc = bench.main(["--isolated", "--shapes", "1x16x8x2,99999999x99999x4x2", "--impl", "dense",
+                     "--gemm", "0", "--json", str(path), "--markdown", str(md)])
+    assert rc == 1
+    data = json.loads(path.read_text())
+    assert [r["shape"] for r in data["rows"]] == ["1x16x8x2"]
+    assert [f["shape"] for f in data["failed"]] == ["99999999x99999x4x2"]
+    assert "| 1x16x8x2 | dense |" in md.read_text()
+    assert "1 of the cases failed: 99999999x99999x4x2 (dense)" in capsys.readouterr().err
+
+
 def test_window_shapes_and_the_attention_scope(tmp_path):
     """A window shape parses, counts only its attended pairs, and runs on the module and
     on the attention core alone (--scope attention) in an isolated child."""
@@ -108,6 +122,16 @@ SMALL = ["--shapes", "1x8x8x2", "--repeat", "5", "--warmup", "0", "--no-torch", 
     (SMALL + ["--impl", "numpy", "--backend", "array_api_strict"],
      "--impl numpy: the NumPy kernel needs --backend numpy"),
     (["--model", "gpt", "--json", "/nonexistent-npattn/g.json"], "--json: the directory"),
+    # two outputs on one file (the later overwrote the earlier), '-' for a file-only output
+    # (a file named '-'), an empty --shapes (the whole default benchmark ran), sizes past
+    # BLAS's 32 bits and thread counts past a C int (tracebacks)
+    (SMALL + ["--isolated", "--json", "same.out", "--markdown", "same.out"],
+     "--json and --markdown: expected two different outputs, got 'same.out' for both"),
+    (SMALL + ["--isolated", "--markdown", "-"], "--markdown: expected a file path, got '-'"),
+    (["--shapes", "", "--no-torch"], "--shapes: no shape in ''"),
+    (["--shapes", "99999999999x99999999999x4x2"], "needs sizes of at most 2147483647"),
+    (SMALL + ["--gemm", "99999999999"], "--gemm: expected a positive size of at most"),
+    (SMALL + ["--blas-threads", "99999999999999999999"], "--blas-threads: expected an integer in [1, 4096]"),
 ])
 def test_unusable_outputs_and_impls_are_refused_before_any_timing(argv, message, capsys):
     """Each was found out after the whole run, in a traceback that lost the timings."""

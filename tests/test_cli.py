@@ -342,6 +342,37 @@ def test_threads_must_be_positive():
     assert exc.value.code == 2
 
 
+def test_threads_past_a_c_int_are_a_usage_error(capsys):
+    """--threads 99999999999999999999 reached the BLAS call and ended in a ctypes traceback."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--threads", "99999999999999999999"])
+    assert exc.value.code == 2
+    assert "--threads: expected a number of threads in [1, 4096]" in capsys.readouterr().err
+
+
+def test_sizes_past_the_memory_are_a_usage_error_without_a_traceback(monkeypatch, capsys):
+    def too_big(argv):
+        raise MemoryError("Unable to allocate 93.1 TiB")
+
+    monkeypatch.setattr(cli, "_main", too_big)
+    assert cli.main(["demo", "--seq-len", "99999999999"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npattn demo: not enough memory for the sizes asked for") and "93.1 TiB" in err
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflow that makes the NaN
+def test_a_gpt_demo_that_diverges_says_so_and_leaves_no_folder(tmp_path, capsys):
+    """An lr of 1e300 made NaN weights, and sampling from them ended in a traceback after
+    the folder had been made."""
+    out = tmp_path / "new" / "gpt"
+    assert cli.main(["demo", "--task", "gpt", "--steps", "2", "--lr", "1e300", "--seq-len", "4",
+                     "--d-model", "8", "--heads", "1", "--layers", "1", "--batch", "2",
+                     "--no-plots", "--no-progress", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged" in err and "smaller --lr" in err and "Traceback" not in err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_reader_that_goes_away_gives_the_status_of_a_broken_pipe(monkeypatch):
     """`npattn ... | head`: when the pipe's reader is gone the command stops quietly with 141 (a
     process that SIGPIPE ends), not 1, which says a check failed."""

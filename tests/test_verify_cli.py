@@ -128,7 +128,12 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
     ([f"{KERNELS}:attention", "--json", "/nonexistent-npattn/x.json"], "--json: the directory"),
     ([f"{KERNELS}:attention", "--json", "."], "--json: expected a file path, got the directory"),
     ([f"{KERNELS}:attention", "--plot", "/nonexistent-npattn/x.png"], "--plot: the directory"),
-    ([f"{KERNELS}:attention", "--plot", "-"], "--plot: expected a file path for the PNG, got '-'"),
+    ([f"{KERNELS}:attention", "--plot", "-"], "--plot: expected a file path, got '-'"),
+    # one path for two outputs: the PNG overwrote the JSON
+    ([f"{KERNELS}:attention", "--json", "same.out", "--plot", "same.out"],
+     "--json and --plot: expected two different outputs, got 'same.out' for both"),
+    # a head width whose float64 truth does not fit (a MemoryError traceback)
+    ([f"{KERNELS}:attention", "--head-dims", "100000000"], "--head-dims: expected ints of at most"),
 ])
 def test_usage_errors_exit_2(argv, message, capsys):
     assert cli.main(["verify", *argv, "--no-progress"]) == 2
@@ -200,3 +205,56 @@ def test_npattn_help_lists_verify(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "verify" in capsys.readouterr().out
+
+
+def test_a_target_that_exits_never_passes(tmp_path, capsys):
+    """sys.exit at the file's import or inside the kernel ended verify with status 0 and no
+    report: a usage error (2) at import, a failing case (1) with a hint in a call."""
+    at_import = tmp_path / "exits_at_import.py"
+    at_import.write_text("import sys\ndef f(q, k, v, **kw):\n    return q\nsys.exit(0)\n")
+    assert cli.main(["verify", f"{at_import}:f", "--no-progress"]) == 2
+    assert "importing" in capsys.readouterr().err
+    in_call = tmp_path / "exits_in_call.py"
+    in_call.write_text("import sys\ndef f(q, k, v, **kw):\n    sys.exit(0)\n")
+    assert cli.main(["verify", f"{in_call}:f", "--case", "base-1x65", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "SystemExit" in out and "a kernel must return or raise, not exit" in out
+
+
+def test_a_kernel_of_the_wrong_signature_is_told_so(tmp_path, capsys):
+    (tmp_path / "two_args.py").write_text("def f(q, k):\n    return q\n")
+    assert cli.main(["verify", f"{tmp_path / 'two_args.py'}:f", "--case", "base-1x65",
+                     "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "takes 2 positional arguments" in out and "fn's signature does not take the call" in out
+
+
+def test_json_dash_holds_the_json_alone_when_the_kernel_prints(tmp_path, capsys):
+    """What the kernel's file prints (at import, in each call) went to standard output before
+    the JSON, which then did not parse."""
+    (tmp_path / "noisy.py").write_text(
+        "print('loading the noisy kernel')\n"
+        "from npattn import functional as F\n"
+        "def attn(q, k, v, **kw):\n"
+        "    print('called with', q.shape)\n"
+        "    return F.sdpa_forward(q, k, v, **kw)[0]\n")
+    assert cli.main(["verify", f"{tmp_path / 'noisy.py'}:attn", "--case", "base-1x65",
+                     "--dtype", "float64", "--json", "-", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ok"] is True
+    assert "loading the noisy kernel" in captured.err and "called with" in captured.err
+
+
+def test_a_module_target_in_the_current_folder_without_it_on_sys_path(tmp_path, monkeypatch,
+                                                                       capsys):
+    """The installed npattn script has its own folder on sys.path, not the current one
+    (python -m has ''): module:function of a module in the current folder did not import."""
+    (tmp_path / "cwd_kernels.py").write_text(
+        "from npattn import functional as F\n"
+        "def attn(q, k, v, **kw):\n"
+        "    return F.sdpa_forward(q, k, v, **kw)[0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert cli.main(["verify", "cwd_kernels:attn", "--case", "base-1x65", "--dtype", "float64",
+                     "--no-progress"]) == 0
+    assert "passed" in capsys.readouterr().out

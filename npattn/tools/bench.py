@@ -51,6 +51,8 @@ inputs; ``RSS before`` is the same number just before the first forward.
 It times ``--repeat`` runs (default 1) after ``--warmup`` (default 0), with
 no torch comparison and no traced-memory step, and takes ``--block-q`` /
 ``--block-k`` for the blocked path and ``--markdown PATH`` to append a table.
+A case whose child fails (out of memory, say) is reported on standard error;
+the others still run and are written, and the exit status is then 1.
 Without ``--shapes`` it runs ``ISOLATED_PLAN``. For example::
 
     npattn bench --isolated --shapes 1x16384x512x8 --impl blocked
@@ -82,7 +84,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..backend import resolve_backend, backend_name, from_numpy
-from .outputs import output_error
+from .outputs import outputs_error
 
 __all__ = [
     "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
@@ -125,6 +127,12 @@ ISOLATED_PLAN = (
 )
 
 
+#: The largest size of a shape or of --gemm: BLAS takes 32-bit sizes.
+MAX_SIZE = 2**31 - 1
+#: The most threads a flag takes (a larger count overflowed the C int of the BLAS call).
+MAX_THREADS = 4096
+
+
 def parse_shapes(text: str):
     """``"32x128x256x8,4x1024x768x12c,8x512x768x12d0.1,1x16384x512x8w256"`` -> tuple of ``Shape``.
 
@@ -150,6 +158,9 @@ def parse_shapes(text: str):
             p = -1.0
         if min(B, L, D, H) < 1 or D % H:
             raise ValueError(f"--shapes: {item!r} needs positive sizes and D divisible by H")
+        if max(B, L, D, H) > MAX_SIZE:
+            raise ValueError(f"--shapes: {item!r} needs sizes of at most {MAX_SIZE} (BLAS "
+                             f"takes 32-bit sizes), got {max(B, L, D, H)}")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"--shapes: {item!r}: the dropout after d must be in [0, 1)")
         window = int(match.group(6)) if match.group(6) else None
@@ -759,18 +770,23 @@ def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, 
                f"scope={scope}", dtype, out)
     print(f"{'shape':>18} {'impl':>7} {'blocks':>9} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} "
           f"{'%GEMM':>6} {'RSS before':>10} {'peak RSS':>9} {'load':>5}", file=out)
-    rows = []
+    rows, failed = [], []
     for shape, impl in plan:
-        r = measure_isolated(shape, impl=impl, dtype=dtype, backend=backend, repeat=repeat,
-                             warmup=warmup, gemm_n=gemm_n, block_q=block_q, block_k=block_k,
-                             blas_threads=blas_threads, scope=scope)
+        try:
+            r = measure_isolated(shape, impl=impl, dtype=dtype, backend=backend, repeat=repeat,
+                                 warmup=warmup, gemm_n=gemm_n, block_q=block_q, block_k=block_k,
+                                 blas_threads=blas_threads, scope=scope)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # this case only: go on
+            print(str(exc).rstrip(), file=sys.stderr, flush=True)
+            failed.append({"shape": str(shape), "impl": impl, "error": str(exc)})
+            continue
         rows.append(r)
         blocks = f"{r['block_q']},{r['block_k']}" if r["block_q"] else "-"
         print(f"{r['shape']:>18} {impl:>7} {blocks:>9} {r['ms']:9.2f} {r['gflops']:8.1f} "
               f"{_fmt(r['gemm_gflops'], '6.1f')} {_fmt(r['pct_gemm'], '6.1f')} "
               f"{r['rss_before_mib']:10.1f} {r['peak_rss_mib']:9.1f} {r['loadavg'][0]:5.1f}",
               file=out, flush=True)
-    return {"env": env, "dtype": dtype, "gemm_n": gemm_n, "rows": rows}
+    return {"env": env, "dtype": dtype, "gemm_n": gemm_n, "rows": rows, "failed": failed}
 
 
 def markdown_table(result) -> str:
@@ -883,11 +899,13 @@ def main(argv=None) -> int:
         if not (math.isfinite(value) and value >= 0.0):
             parser.error(f"--{name.replace('_', '-')}: expected a finite number of seconds "
                          f">= 0, got {value}")
-    if args.gemm < (0 if isolated else 1):
-        parser.error(f"--gemm: expected {'0 or ' if isolated else ''}a positive size, got {args.gemm}")
-    for name in ("threads", "blas_threads", "block_q", "block_k"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, "
+    if args.gemm < (0 if isolated else 1) or args.gemm > MAX_SIZE:
+        parser.error(f"--gemm: expected {'0 or ' if isolated else ''}a positive size of at most "
+                     f"{MAX_SIZE}, got {args.gemm}")
+    for name, top in (("threads", MAX_THREADS), ("blas_threads", MAX_THREADS),
+                      ("block_q", MAX_SIZE), ("block_k", MAX_SIZE)):
+        if getattr(args, name) is not None and not 1 <= getattr(args, name) <= top:
+            parser.error(f"--{name.replace('_', '-')}: expected an integer in [1, {top}], "
                          f"got {getattr(args, name)}")
     if not isolated:
         if args.scope != "module":
@@ -902,7 +920,7 @@ def main(argv=None) -> int:
     if impl == "numpy" and args.backend != "numpy":
         parser.error(f"--impl numpy: the NumPy kernel needs --backend numpy, got --backend {args.backend}")
     try:
-        shapes = parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES
+        shapes = parse_shapes(args.shapes) if args.shapes is not None else DEFAULT_SHAPES
     except ValueError as exc:
         parser.error(str(exc))
     if args.blas_threads is not None and importlib.util.find_spec("threadpoolctl") is None:
@@ -920,10 +938,9 @@ def main(argv=None) -> int:
         check_dtype(xp, args.dtype)
     except ValueError as exc:
         parser.error(str(exc))
-    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
-        why = output_error(option, path)
-        if why:
-            parser.error(why)
+    why = outputs_error(("--json", args.json), ("--markdown", args.markdown))
+    if why:
+        parser.error(why)
     table_out = sys.stderr if args.json == "-" else sys.stdout  # stdout: the JSON alone
     if isolated:
         plan = ISOLATED_PLAN if args.shapes is None else [(s, impl) for s in shapes]
@@ -948,6 +965,10 @@ def main(argv=None) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
+    if result.get("failed"):  # the cases that ran are written above; the failures are in stderr
+        print(f"npattn bench: {len(result['failed'])} of the cases failed: "
+              + ", ".join(f"{f['shape']} ({f['impl']})" for f in result["failed"]), file=sys.stderr)
+        return 1
     return 0
 
 

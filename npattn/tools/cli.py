@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 from .. import __version__
+from .bench import MAX_THREADS
 
 __all__ = ["main", "build_parser"]
 
@@ -140,6 +141,15 @@ def positive_int(text: str) -> int:
     return _integer(text, 1, "a positive integer")
 
 
+def thread_count(text: str) -> int:
+    """argparse type: a number of threads, 1 .. MAX_THREADS."""
+    value = _integer(text, 1, f"a number of threads in [1, {MAX_THREADS}]")
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected a number of threads in [1, {MAX_THREADS}], "
+                                         f"got {text!r}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _integer(text, 0, "a non-negative integer")
@@ -179,7 +189,7 @@ def positive_float(text: str) -> float:
 
 def _threads_option(parser):
     parser.add_argument(
-        "--threads", type=positive_int, default=1,
+        "--threads", type=thread_count, default=1,
         help="BLAS threads while it runs (default 1: the arrays are tiny, and extra threads "
         "only contend); needs threadpoolctl, else the library's own setting is kept",
     )
@@ -215,6 +225,12 @@ def main(argv=None) -> int:
     """Run the ``npattn`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     try:
         return _main(argv)
+    except MemoryError as exc:  # sizes past this machine's memory: say so, without a traceback
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")),
+                       "")
+        print(f"npattn {command}: not enough memory for the sizes asked for "
+              f"({type(exc).__name__}: {exc}); choose smaller ones", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # e.g. `npattn check | head`: stop quietly, with the status of a
         # process that SIGPIPE ended (128 + 13), not 1, which says a check failed
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -323,9 +339,16 @@ def _check_demo_args(args, parser):
 
 
 def _output_folder_error(path) -> str | None:
-    """Why the heatmaps cannot be written into folder ``path`` (created if missing), or None."""
+    """Why the heatmaps cannot be written into folder ``path``, or None. A folder that is
+    missing is made for the probe and removed again (the demo makes it when it writes: a
+    failed run leaves no empty folder behind)."""
     if os.path.exists(path) and not os.path.isdir(path):
         return f"--out {path!r}: expected a folder for the heatmaps, got an existing file"
+    missing = []  # the folders the probe makes, deepest first
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        missing.append(folder)
+        folder = os.path.dirname(folder)
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -333,6 +356,12 @@ def _output_folder_error(path) -> str | None:
     except OSError as exc:
         return (f"--out {path!r}: cannot write the heatmaps there "
                 f"({exc.strerror or type(exc).__name__})")
+    finally:
+        for made in missing:
+            try:
+                os.rmdir(made)
+            except OSError:
+                break
     return None
 
 
@@ -459,6 +488,13 @@ def _demo_gpt(args, plots: bool) -> int:
         print(f"npattn demo: --seq-len {cfg.block_size}: {exc}", file=sys.stderr)
         return 2
     print(dg.format_summary(cfg, hist))
+    params_finite = all(math.isfinite(float(model.xp.sum(p))) for p in model.params.values())
+    if not (params_finite and math.isfinite(hist.train_loss[-1])):
+        # NaN weights give NaN logits, which nothing can sample from
+        print(f"npattn demo: training diverged (last training loss {hist.train_loss[-1]}, "
+              f"{'finite' if params_finite else 'non-finite'} parameters): no samples; try a "
+              f"smaller --lr than {cfg.lr}", file=sys.stderr)
+        return 1
     samples = dg.generate_samples(model, codec, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "samples.txt"), "w", encoding="utf-8") as f:

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Iterator, Optional
 
-__all__ = ["output_error", "json_output"]
+__all__ = ["output_error", "outputs_error", "json_output"]
 
 
 def output_error(option: str, path: Optional[str]) -> Optional[str]:
@@ -38,6 +38,26 @@ def output_error(option: str, path: Optional[str]) -> Optional[str]:
         return f"{option}: {path!r} cannot be written ({e.strerror or type(e).__name__})"
     if not existed:
         os.remove(path)
+    return None
+
+
+def outputs_error(*pairs: tuple, stdout: tuple = ("--json",)) -> Optional[str]:
+    """``output_error`` of each ``(option, path)``, and then: ``-`` only for the options in
+    ``stdout`` and for one of them, and no file named twice (the later would overwrite the
+    earlier one's output). A message naming the options, or None."""
+    given = [(option, path) for option, path in pairs if path is not None]
+    for option, path in given:
+        if path == "-" and option not in stdout:
+            return f"{option}: expected a file path, got '-' (standard output takes the text or --json -)"
+        why = output_error(option, path)
+        if why:
+            return why
+    for i, (a, path_a) in enumerate(given):
+        for b, path_b in given[i + 1:]:
+            if path_a == path_b == "-" or (path_a != "-" and path_b != "-" and
+                                            os.path.realpath(path_a) == os.path.realpath(path_b)):
+                return (f"{a} and {b}: expected two different outputs, got {path_a!r} for both "
+                        "(one would overwrite the other)")
     return None
 
 

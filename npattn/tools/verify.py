@@ -22,6 +22,7 @@ Exit status: 0 every case passes (degenerate ones included), 1 a case fails,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -34,7 +35,7 @@ from typing import Any, Optional
 from .. import verifier as VF
 from ..validation import argument_names
 from ..verify_cases import SUPPORTS, check_supports
-from .outputs import output_error
+from .outputs import outputs_error
 from .progress import ProgressBar
 
 __all__ = ["main", "build_parser", "load_object"]
@@ -122,7 +123,7 @@ def _load_file(path: str) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit at import ended verify with status 0
         del sys.modules[name]
         raise UsageError(f"target: importing {path!r} failed: {type(exc).__name__}: {exc}") from exc
     return module
@@ -149,8 +150,8 @@ def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
             module = _load_file(mod_name)
         else:
             try:
-                module = importlib.import_module(mod_name)
-            except Exception as exc:
+                module = _import(mod_name)
+            except (Exception, SystemExit) as exc:
                 raise UsageError(f"{what}: cannot import {mod_name!r}: {type(exc).__name__}: "
                                  f"{exc}") from exc
     obj = module
@@ -162,12 +163,21 @@ def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
     return obj
 
 
+def _import(mod_name: str) -> Any:
+    """``importlib.import_module``, with the current directory on ``sys.path`` as ``python -m``
+    has it (the installed ``npattn`` script has its own folder there instead)."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(mod_name)
+
+
 def _module_of(spec: str) -> Any:
     """The module that the target ``spec`` names."""
     mod_name = spec.rsplit(":", 1)[0]
     if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
         return _load_file(mod_name)
-    return importlib.import_module(mod_name)
+    return _import(mod_name)
 
 
 def _adapter(text: Optional[str], base: Any) -> Any:
@@ -253,40 +263,40 @@ def _run(args) -> int:
         return 0
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install '.[plot]' from the repository root")
-    if args.plot == "-":
-        raise UsageError("--plot: expected a file path for the PNG, got '-' (standard output takes "
-                         "the text or --json)")
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        why = output_error(option, path)
-        if why:
-            raise UsageError(why)
-    fn = load_object(args.target)
-    base = _module_of(args.target)
-    backward = None if args.backward is None else load_object(args.backward, base=base,
-                                                                what="--backward")
-    adapter = _adapter(args.adapter, base)
-    bar = ProgressBar(len(cases), "verify", enabled=not args.no_progress, unit="case")
+    why = outputs_error(("--json", args.json), ("--plot", args.plot))
+    if why:
+        raise UsageError(why)
+    # with --json - standard output holds the JSON alone: what the kernel's file prints, at
+    # its import or in a case, goes to standard error
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext()
+    with quiet:
+        fn = load_object(args.target)
+        base = _module_of(args.target)
+        backward = None if args.backward is None else load_object(args.backward, base=base,
+                                                                    what="--backward")
+        adapter = _adapter(args.adapter, base)
+        bar = ProgressBar(len(cases), "verify", enabled=not args.no_progress, unit="case")
 
-    def progress(done, total, name):
-        bar.update(1, name)
+        def progress(done, total, name):
+            bar.update(1, name)
 
-    try:
-        with argument_names(FLAGS):
-            report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
-                               backward=backward, autograd=args.autograd,
-                               returns_lse=args.returns_lse, mask_grad=args.mask_grad,
-                               lse_grad=args.lse_grad, backend=args.backend, device=args.device,
-                               align=args.align, adapter=adapter, seed=args.seed,
-                               budget_factor=args.budget_factor, combos=combos,
-                               head_dims=head_dims, cases=args.case, progress=progress,
-                               command=_command(args), target=args.target)
-    except ImportError as exc:  # the library of --backend (or of --autograd) is missing
-        needs = f"--backend {args.backend}" + (f", --autograd {args.autograd}" if args.autograd else "")
-        raise UsageError(f"{needs}: {type(exc).__name__}: {exc}") from None
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"{type(exc).__name__}: {exc}") from None
-    finally:
-        bar.close()
+        try:
+            with argument_names(FLAGS):
+                report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
+                                   backward=backward, autograd=args.autograd,
+                                   returns_lse=args.returns_lse, mask_grad=args.mask_grad,
+                                   lse_grad=args.lse_grad, backend=args.backend, device=args.device,
+                                   align=args.align, adapter=adapter, seed=args.seed,
+                                   budget_factor=args.budget_factor, combos=combos,
+                                   head_dims=head_dims, cases=args.case, progress=progress,
+                                   command=_command(args), target=args.target)
+        except ImportError as exc:  # the library of --backend (or of --autograd) is missing
+            needs = f"--backend {args.backend}" + (f", --autograd {args.autograd}" if args.autograd else "")
+            raise UsageError(f"{needs}: {type(exc).__name__}: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            bar.close()
     text = report.format()
     if args.json == "-":
         print(report.to_json())
