@@ -1126,7 +1126,7 @@ def _checked(cfg: _Config, case: Case, got: Optional[dict] = None) -> list:
     return names
 
 
-def _raise_hint(exc: Exception) -> str:
+def _raise_hint(exc: BaseException) -> str:
     text = str(exc)
     if isinstance(exc, TypeError) and "'dlse'" in text:
         return ("backward does not take dlse=: with lse_grad=True it is called as "
