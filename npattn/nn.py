@@ -45,8 +45,8 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     """``one_hot(ids)[..., c] = 1.0 if ids[...] == c else 0.0``. # [...] -> [..., n]
 
     ``xp`` a backend (a name or a namespace, as ``backend=``), ``ids`` an integer
-    array of it with values in [0, n) (a ``ValueError`` otherwise, as
-    ``torch.nn.functional.one_hot``), ``dtype`` a dtype of ``xp``.
+    array of it with values in [0, n) (a ``ValueError`` otherwise, where
+    ``torch.nn.functional.one_hot`` raises too), ``dtype`` a dtype of ``xp``.
     """
     xp = resolve_backend(xp, "xp")
     Vd.check_positive_int("n", n)

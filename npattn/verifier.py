@@ -1136,7 +1136,9 @@ def _raise_hint(exc: BaseException) -> str:
                 "(e.g. adapter={'is_causal': 'causal', 'align': None})")
     if isinstance(exc, TypeError) and text.startswith(("fn: expected", "backward: ")):
         return "what fn or backward returned is not what verify reads: see the error"
-    if isinstance(exc, TypeError) and "positional argument" in text:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, TypeError) and "positional argument" in text and frames and \
+            frames[-1].filename == __file__:  # the call itself failed, not a call in fn's code
         return ("fn's signature does not take the call verify makes, fn(q, k, v, **options), "
                 "or backward's, backward(dout, *saved) (docs/verify.md, 'What your "
                 "function receives and returns'); 'at' is verify's call")

@@ -351,13 +351,28 @@ def test_threads_past_a_c_int_are_a_usage_error(capsys):
 
 
 def test_sizes_past_the_memory_are_a_usage_error_without_a_traceback(monkeypatch, capsys):
+    """A MemoryError (here from the GPT step's benchmark, as --seq-len 99999999999 gives) is one
+    line and exit 2, not a traceback and exit 1 (which says a check failed)."""
+    from npattn.tools import bench_gpt
+
     def too_big(argv):
         raise MemoryError("Unable to allocate 93.1 TiB")
 
-    monkeypatch.setattr(cli, "_main", too_big)
-    assert cli.main(["demo", "--seq-len", "99999999999"]) == 2
+    monkeypatch.setattr(bench_gpt, "main", too_big)
+    assert cli.main(["bench", "--model", "gpt", "--seq-len", "99999999999"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("npattn demo: not enough memory for the sizes asked for") and "93.1 TiB" in err
+    assert err.startswith("npattn bench: not enough memory for the sizes asked for") and "93.1 TiB" in err
+
+
+def test_the_command_starts_without_the_benchmark_module():
+    """check, demo and verify run where npattn.tools.bench is missing (its flags' limits
+    once came from there, and every command died at import)."""
+    code = ("import sys; sys.modules['npattn.tools.bench'] = None\n"
+            "from npattn.tools import cli\n"
+            "sys.exit(cli.main(['bench', '--shapes', '1x8x8x2']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "npattn.tools.bench" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflow that makes the NaN

@@ -227,6 +227,13 @@ def test_a_kernel_of_the_wrong_signature_is_told_so(tmp_path, capsys):
                      "--no-progress"]) == 1
     out = capsys.readouterr().out
     assert "takes 2 positional arguments" in out and "fn's signature does not take the call" in out
+    # the same TypeError raised inside the kernel's own code is the kernel's, not its signature's
+    (tmp_path / "inner.py").write_text("def helper(a):\n    return a\n"
+                                       "def f(q, k, v, **kw):\n    return helper(q, k)\n")
+    assert cli.main(["verify", f"{tmp_path / 'inner.py'}:f", "--case", "base-1x65",
+                     "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "helper() takes 1 positional argument" in out and "fn's signature" not in out
 
 
 def test_json_dash_holds_the_json_alone_when_the_kernel_prints(tmp_path, capsys):
@@ -255,6 +262,8 @@ def test_a_module_target_in_the_current_folder_without_it_on_sys_path(tmp_path, 
         "    return F.sdpa_forward(q, k, v, **kw)[0]\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
     assert cli.main(["verify", "cwd_kernels:attn", "--case", "base-1x65", "--dtype", "float64",
                      "--no-progress"]) == 0
     assert "passed" in capsys.readouterr().out
+    assert sys.path == before  # the folder was on it while the command ran, not after

@@ -84,6 +84,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..backend import resolve_backend, backend_name, from_numpy
+from .limits import MAX_SIZE, MAX_THREADS
 from .outputs import outputs_error
 
 __all__ = [
@@ -125,12 +126,6 @@ ISOLATED_PLAN = (
     (Shape(1, 16384, 512, 8, True), "blocked"),
     (Shape(1, 16384, 512, 8, False, window=256), "blocked"),
 )
-
-
-#: The largest size of a shape or of --gemm: BLAS takes 32-bit sizes.
-MAX_SIZE = 2**31 - 1
-#: The most threads a flag takes (a larger count overflowed the C int of the BLAS call).
-MAX_THREADS = 4096
 
 
 def parse_shapes(text: str):

@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 from .. import __version__
-from .bench import MAX_THREADS
+from .limits import MAX_THREADS
 
 __all__ = ["main", "build_parser"]
 

@@ -150,7 +150,7 @@ def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
             module = _load_file(mod_name)
         else:
             try:
-                module = _import(mod_name)
+                module = importlib.import_module(mod_name)
             except (Exception, SystemExit) as exc:
                 raise UsageError(f"{what}: cannot import {mod_name!r}: {type(exc).__name__}: "
                                  f"{exc}") from exc
@@ -163,21 +163,12 @@ def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
     return obj
 
 
-def _import(mod_name: str) -> Any:
-    """``importlib.import_module``, with the current directory on ``sys.path`` as ``python -m``
-    has it (the installed ``npattn`` script has its own folder there instead)."""
-    here = os.getcwd()
-    if "" not in sys.path and here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module(mod_name)
-
-
 def _module_of(spec: str) -> Any:
     """The module that the target ``spec`` names."""
     mod_name = spec.rsplit(":", 1)[0]
     if mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name:
         return _load_file(mod_name)
-    return _import(mod_name)
+    return importlib.import_module(mod_name)
 
 
 def _adapter(text: Optional[str], base: Any) -> Any:
@@ -223,11 +214,21 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse's own usage errors exit 2, --help 0
         return int(exc.code or 0)
+    # the current folder on sys.path while the command runs, as ``python -m`` has it (the
+    # installed ``npattn`` script has its own folder there instead): module:function of a
+    # module here imports either way
+    here = os.getcwd()
+    added = "" not in sys.path and here not in sys.path
+    if added:
+        sys.path.insert(0, here)
     try:
         return _run(args)
     except UsageError as exc:
         print(f"npattn verify: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
 
 
 #: The keywords of ``verify`` as the command's flags: its errors name the flags.
