@@ -222,9 +222,14 @@ def _check_dout(dout: Any, out: Any) -> None:
 
 
 def _check_dlse(dlse: Any, shape: tuple) -> None:
-    if dlse is not None and (not hasattr(dlse, "shape") or V.shape_of(dlse) != tuple(shape)):
-        got = V.shape_of(dlse) if hasattr(dlse, "shape") else V.type_name(dlse)
-        raise ValueError(f"dlse: expected the shape of the returned log-sum-exp, {tuple(shape)}, got {got}")
+    if dlse is None:
+        return
+    if not hasattr(dlse, "shape"):
+        raise TypeError(f"dlse: expected an array of the shape of the returned log-sum-exp, "
+                        f"{tuple(shape)}, got {V.type_name(dlse)}")
+    if V.shape_of(dlse) != tuple(shape):
+        raise ValueError(f"dlse: expected the shape of the returned log-sum-exp, {tuple(shape)}, "
+                         f"got {V.shape_of(dlse)}")
 
 
 def _check_flash_bshd(q: Any, k: Any, v: Any) -> bool:

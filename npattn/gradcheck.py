@@ -465,6 +465,7 @@ def gradcheck(
     for i in wrt:
         if grads[i] is None:
             raise ValueError(f"backward returned None for {names[i]}, which is checked")
+        V.check_array(f"gradient of {names[i]} (what backward returned)", grads[i])
         g = _host64(grads[i])
         n = numeric[i]
         if g.shape != n.shape:

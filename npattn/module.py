@@ -1233,9 +1233,11 @@ def check_params_assignment(new: Any, current: dict, xp: Any) -> None:
     ``check_param`` for every entry (library, device, dtype, shape), all before
     any is assigned, so a failed assignment changes nothing.
     """
-    if not isinstance(new, dict) or set(new) != set(current):
-        got = sorted(new) if isinstance(new, dict) else type(new).__name__
-        raise ValueError(f"params: expected the keys {list(current)}, got {got}")
+    if not isinstance(new, dict):
+        raise TypeError(f"params: expected a dict of arrays with the keys {list(current)}, got "
+                        f"{type(new).__name__}")
+    if set(new) != set(current):
+        raise ValueError(f"params: expected the keys {list(current)}, got {sorted(new)}")
     for name, like in current.items():
         check_param(name, new[name], like=like, xp=xp)
 

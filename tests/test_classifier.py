@@ -199,6 +199,8 @@ def test_a_failed_params_assignment_changes_nothing(xp, to_xp, to_np, backend):
         model.params = bad
     with pytest.raises(ValueError, match=r"^params: expected the keys"):
         model.params = {"pos": model.params["pos"]}
+    with pytest.raises(TypeError, match=r"^params: expected a dict of arrays .* got list"):
+        model.params = list(model.params.items())  # a ValueError listing the keys before
     for k, v in model.params.items():
         np.testing.assert_array_equal(to_np(v), before[k], err_msg=k)
 

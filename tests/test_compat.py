@@ -826,6 +826,8 @@ def test_vjp_contract():
         pullback(out[:, :2])
     with pytest.raises(ValueError, match=r"^dlse: expected the shape"):
         pullback(out, dlse=np.zeros((2, 3)))
+    with pytest.raises(TypeError, match=r"^dlse: expected an array .* got list"):
+        pullback(out, dlse=[0.0])  # a ValueError before: a wrong kind of value is a TypeError
     ct = randn(*out.shape)
     first, second = pullback(ct), pullback(ct)  # the forward's cache is not consumed
     assert len(first) == 3

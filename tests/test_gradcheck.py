@@ -117,6 +117,9 @@ def test_backward_with_too_few_gradients_says_how_many():
     assert gradcheck(forward, lambda d, c: (d * c[1], d * c[0], None), [x, w]).ok
     with pytest.raises(ValueError, match="backward returned None for w"):
         gradcheck(forward, lambda d, c: (d * c[1], None), [x, w], names=["x", "w"])
+    # a gradient that is no array is named as such (the message named an internal 'x')
+    with pytest.raises(TypeError, match=r"^gradient of w \(what backward returned\): expected an array, got list"):
+        gradcheck(forward, lambda d, c: (d * c[1], [1.0]), [x, w], names=["x", "w"])
 
 
 def _square(x):  # out = x^2 summed to a NumPy scalar (np.sum's result): the pair's forward
