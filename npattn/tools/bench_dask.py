@@ -32,6 +32,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -162,7 +163,11 @@ def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=Fal
     spawn = {} if malloc_trim else {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
     rows = []
     for n in workers:
-        with dask.config.set(spawn), _environ_without(() if malloc_trim else ("MALLOC_TRIM_THRESHOLD_",)), \
+        # dask's scratch space (workers, scheduler) in a folder of its own, removed afterwards
+        # (the default left its lock files in the system's temporary folder)
+        with tempfile.TemporaryDirectory(prefix="npattn-dask-") as scratch, \
+                dask.config.set({**spawn, "temporary-directory": scratch}), \
+                _environ_without(() if malloc_trim else ("MALLOC_TRIM_THRESHOLD_",)), \
                 LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
                              dashboard_address=":0", scheduler_kwargs={"dashboard": False}, env=ONE_CORE,
                              memory_limit=0) as cluster, \
