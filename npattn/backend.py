@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import numbers
 import os
 import threading
@@ -256,7 +257,13 @@ def _check_draw(key: Any, p: Any) -> None:
         raise ValueError(f"p: expected a drop probability in [0, 1), got {p!r}")
 
 
-def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any) -> np.ndarray:
+#: Entries of the 32-bit hashes ``keyed_keep_mask`` works on at a time (1 MiB in cache): its
+#: temporaries stay this size whatever the block, and only the bool mask is block-sized.
+KEEP_SLAB = 1 << 18
+
+
+def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any, *,
+                    out: Optional[np.ndarray] = None) -> np.ndarray:
     """Host keep-mask of entries ``(*lead, i, j)`` for ``i in rows``, ``j in cols``.
 
     The keep decision of one entry is a function of ``key`` and its
@@ -281,9 +288,15 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     rows, cols : 1-D int arrays
         Query rows i and key columns j of the block.
 
+    out : numpy bool array of that shape, optional
+        Written and returned instead of a new array (a view is fine).
+
     Returns
     -------
     numpy bool array, shape ``(*broadcast(lead), len(rows), len(cols))``
+
+    The hashes are taken ``KEEP_SLAB`` entries at a time (rows of the block), so
+    the memory beyond the mask itself stays small; the mask does not depend on it.
     """
     _check_draw(key, p)
     lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
@@ -291,12 +304,23 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     coords = [np.asarray(c)[..., None, None] for c in lead] + [np.asarray(rows)[:, None]]
     for c in coords:
         c = c.astype(np.uint32)  # coordinates wrap at 2^32, as everything here
-        r = _mix32(r + c * np.uint32(_GOLDEN))  # [..., 1] per row: cheap
+        r = _mix32(r + c * np.uint32(_GOLDEN))  # [..., bq, 1] per row: cheap
     col = _mix32(np.uint32(hi) + np.asarray(cols).astype(np.uint32) * np.uint32(_GOLDEN))  # [bk]
-    u = np.bitwise_xor(r, col)  # [..., bq, bk]
-    _mix32(u)
-    threshold = min(int(round(float(p) * 2.0**32)), 2**32 - 1)  # (a float16 p overflows)
-    return u >= np.uint32(threshold)
+    threshold = np.uint32(min(int(round(float(p) * 2.0**32)), 2**32 - 1))  # (a float16 p overflows)
+    shape = (*r.shape[:-1], col.shape[0])  # [..., bq, bk]
+    if out is None:
+        out = np.empty(shape, dtype=np.bool_)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == shape):
+        raise ValueError(f"out: expected a numpy bool array of shape {shape}, got "
+                         f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
+    bq = shape[-2]
+    per_row = max(1, math.prod(shape) // max(bq, 1))  # entries of one row across the leading axes
+    step = max(1, KEEP_SLAB // per_row)
+    for i0 in range(0, bq, step):  # [..., step, bk] at a time
+        u = np.bitwise_xor(r[..., i0:i0 + step, :], col)
+        _mix32(u)
+        np.greater_equal(u, threshold, out=out[..., i0:i0 + step, :])
+    return out
 
 
 def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = None) -> Any:

@@ -54,6 +54,7 @@ from .backend import (
     exclusive,
     from_numpy,
     is_bool,
+    is_dask_array,
     is_floating,
     is_numpy_array,
     keyed_keep_mask,
@@ -215,7 +216,8 @@ def _block_skipped(xp, c, i0, i1, j0, j1) -> bool:
     o = c.options
     if not F.block_visible(o, i0, i1, j0, j1):
         return True
-    if o.q_segments is not None:
+    if o.q_segments is not None and not is_dask_array(o.q_segments):  # (a lazy array's
+        # answer would be computed here, one compute per block: its blocks are not skipped)
         same = o.q_segments[..., i0:i1, :] == o.k_segments[..., j0:j1]  # [..., bq, bk]
         return not bool(xp.any(same))
     return False

@@ -15,8 +15,10 @@ queries against one chunk of keys, as NumPy arrays, and runs
 ``npattn.blocked`` on them: its scores are formed one block of ``bq x bk``
 per head at a time, whatever the chunk lengths. What a task forms whole is
 boolean: the causal diagonal of a pair that crosses it (``ri x ck``) and its
-part of a drawn dropout mask (``Bc x Hc x ri x ck``), a quarter of the pair's
-float32 scores; a floating mask arrives as a chunk of that size.
+part of a drawn dropout mask (``Bc x Hc x ri x ck``, hashed a slab of rows at
+a time), a quarter of the pair's float32 scores; a floating mask arrives as a
+chunk of that size (and with ``is_causal`` is combined with the diagonal into
+one more array of the pair's size).
 
 Forward. For every chunk ``(b, h, i)`` of the output and every key chunk
 ``j`` it meets (with ``is_causal``, the key chunks wholly above the diagonal
@@ -31,7 +33,8 @@ are left out of the graph):
    ``out = sum_j w_ij o_ij / l`` (0 for a row with nothing to attend).
 
 ``m`` and ``l`` are kept apart, as in ``npattn.blocked`` (exact at large
-scores). Without key chunking step 2 is left out.
+scores). Without key chunking step 2 has one pair and passes it on as it is
+(the task stays in the graph).
 
 Backward. With the merged ``out``, ``m``, ``l`` of query chunk ``i``:
 
@@ -174,7 +177,7 @@ def _pair_masks(pair: _Pair, q, k, mask, keep):
         elif mask.dtype == np.bool_:
             mask = np.logical_and(mask, allowed)
         else:
-            mask = np.where(allowed, mask, -math.inf).astype(mask.dtype)
+            mask = np.where(allowed, mask, -math.inf).astype(mask.dtype, copy=False)  # [.., ri, ck]
     if pair.key is not None:  # this pair's part of the one mask: global coordinates
         Bc, Hc = q.shape[0], q.shape[1]
         lead = [np.arange(pair.b0, pair.b0 + Bc)[:, None], np.arange(pair.h0, pair.h0 + Hc)[None, :]]

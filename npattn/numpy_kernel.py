@@ -214,11 +214,12 @@ def _run(tile, tasks, threads):
             run_tasks(tile, tasks, threads)
 
 
-def _tile_keep(key, p, b0, b1, h0, h1, G, i0, i1, c0, c1):
-    """Keep-mask of one tile, [nb, hk, G, r, c]: entries (b, hkv * G + g, i, j) of the one mask."""
+def _tile_keep(key, p, b0, b1, h0, h1, G, i0, i1, c0, c1, out):
+    """Keep-mask of one tile, [nb, hk, G, r, c], written into ``out``: entries
+    (b, hkv * G + g, i, j) of the one mask."""
     batch = np.arange(b0, b1)[:, None, None]  # [nb, 1, 1]
     heads = np.arange(h0, h1)[:, None] * G + np.arange(G)[None, :]  # [hk, G]
-    return keyed_keep_mask(key, p, [batch, heads], np.arange(i0, i1), np.arange(c0, c1))
+    return keyed_keep_mask(key, p, [batch, heads], np.arange(i0, i1), np.arange(c0, c1), out=out)
 
 
 # ------------------------------------------------------------------ memory
@@ -442,7 +443,7 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0) = where(keep, e, 0) * ps'
                 kp = keep[b0:b1, h0:h1, :, i0:i1, c0:c1]
                 if key is not None:
-                    kp[...] = _tile_keep(key, dropout_p, b0, b1, h0, h1, G, i0, i1, c0, c1)
+                    _tile_keep(key, dropout_p, b0, b1, h0, h1, G, i0, i1, c0, c1, out=kp)
                 a = np.multiply(e, kp)
                 ps = ps * drop_scale  # ps' = ps / (1 - p_drop)
             # 5. out = a v = (e v) * ps: rows scaled on the way into the merged layout

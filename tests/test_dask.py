@@ -346,6 +346,53 @@ def test_dropout_draws_no_full_size_mask():
     assert isinstance(keep, da.Array) and keep.shape == (2, 2, 6, 6)
 
 
+def test_a_pairs_dropout_mask_costs_its_bytes_not_its_hashes():
+    """A task's part of a drawn mask is one byte per entry: the 32-bit hashes behind it are
+    taken a slab of rows at a time (they made a task's peak 8x the mask, twice the pair's
+    float32 scores). One pair of 2048 x 2048, one head: the mask is 4 MiB."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    q, k, v = (da.from_array(rng.standard_normal((1, 1, 2048, 8)).astype(np.float32),
+                             chunks=(1, 1, 2048, 8)) for _ in range(3))
+    out, _ = A.sdpa_forward(q, k, v, dropout_p=0.2, rng=1)
+    tracemalloc.start()
+    try:
+        got = out.compute(scheduler="sync")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert np.isfinite(got).all()
+    mask_bytes = 2048 * 2048
+    assert peak < 2.5 * mask_bytes, peak / mask_bytes  # the mask, one block's scores, small arrays
+
+
+def test_blocked_with_segments_on_dask_stays_lazy():
+    """Skipping blocks whose segments never meet asked the lazy segment ids, one compute per
+    block pair inside the call: on dask no block is skipped, and nothing is computed."""
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal((1, 2, 8, 4)) for _ in range(3)]
+    seg = np.array([[0, 0, 0, 0, 1, 1, 1, 1]])
+    q, k, v = (da.from_array(a, chunks=(1, 1, 4, 4)) for a in arrays)
+    computes = []
+
+    def counting(dsk, keys, **kw):
+        computes.append(1)
+        return dask.get(dsk, keys, **kw)
+
+    with dask.config.set(scheduler=counting):
+        dseg = da.from_array(seg, chunks=(1, 4))
+        out, c = A.sdpa_forward(q, k, v, q_segments=dseg, k_segments=dseg, impl="blocked",
+                                block_q=2, block_k=2)
+        grads = A.sdpa_backward(da.ones_like(out), c)
+        assert computes == []
+    want, c0 = A.sdpa_forward(*arrays, q_segments=seg, k_segments=seg, impl="reference")
+    want_grads = A.sdpa_backward(np.ones_like(want), c0)
+    got, gq, gk, gv = dask.compute(out, grads.dq, grads.dk, grads.dv, scheduler="sync")
+    for a, b in ((got, want), (gq, want_grads.dq), (gk, want_grads.dk), (gv, want_grads.dv)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------
 # choosing the implementation, bad input
 
@@ -504,6 +551,12 @@ def test_bench_counts_one_forward_and_one_backward_task_per_pair(tmp_path, capsy
     assert rows[(16, 32)]["pairs"] == 3 * pairs and rows[(16, 32)]["pair_tasks"] == 6 * pairs
     assert rows[(64, 64)]["pairs"] == 3
     assert "pairs" in capsys.readouterr().out
+    # chunks longer than the sequence: the header and the JSON give the chunks used (64)
+    assert bench.main(["--backend", "dask", "--shape", "2x64x16x2", "--graph-only",
+                       "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert (result["q_chunk"], result["k_chunk"]) == (64, 64)
+    assert "2 heads x 64 queries x 64 keys" in capsys.readouterr().out
 
 
 def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):

@@ -179,6 +179,48 @@ def test_dropout_generator_is_seeded_and_unbiased(xp, to_xp, to_np):
     assert abs(y1.mean() - 1.0) < 0.02  # inverted scaling keeps the expectation
 
 
+def _lowbias32(x):
+    """The documented 32-bit hash, on Python ints."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+def _keep_entry(key, p, coords, i, j):
+    """keyed_keep_mask's docstring formula for one entry, written out on Python ints."""
+    golden = 0x9E3779B9
+    r = key & 0xFFFFFFFF
+    for c in (*coords, i):
+        r = _lowbias32(r + c * golden)
+    u = _lowbias32(r ^ _lowbias32((key >> 32) + j * golden))
+    return u >= min(round(p * 2**32), 2**32 - 1)
+
+
+@pytest.mark.parametrize("slab", [1, 3, 1 << 18])
+def test_keyed_keep_mask_is_the_documented_hash_at_any_slab(slab, monkeypatch):
+    """Entry by entry the formula of the docstring, whatever the slab of rows its hashes are
+    taken in (KEEP_SLAB bounds its temporaries) and whether it writes into ``out=``."""
+    from npattn import backend as npb
+
+    monkeypatch.setattr(npb, "KEEP_SLAB", slab)
+    key, p = (0x1234_5678 << 32) | 0x9ABC_DEF0, 0.3
+    lead = [np.array([3, 5])[:, None], np.array([0, 7, 2])[None, :]]  # b [2, 1], h [1, 3]
+    rows, cols = np.array([0, 1, 9, 4]), np.array([2, 0, 11, 5, 6])
+    got = npb.keyed_keep_mask(key, p, lead, rows, cols)
+    assert got.shape == (2, 3, 4, 5) and got.dtype == np.bool_
+    out = np.zeros((2, 3, 4, 5), dtype=bool)
+    assert npb.keyed_keep_mask(key, p, lead, rows, cols, out=out) is out
+    for b, h, ii, jj in np.ndindex(got.shape):
+        want = _keep_entry(key, p, (int(lead[0][b, 0]), int(lead[1][0, h])), int(rows[ii]), int(cols[jj]))
+        assert got[b, h, ii, jj] == want and out[b, h, ii, jj] == want
+    with pytest.raises(ValueError, match=r"^out: expected a numpy bool array of shape \(2, 3, 4, 5\)"):
+        npb.keyed_keep_mask(key, p, lead, rows, cols, out=np.zeros((2, 3, 4, 4), dtype=bool))
+
+
 def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
     x = to_xp(np.ones((6, 7)))
     y, cache = F.dropout_forward(x, 0.5, rng=3)

@@ -263,16 +263,17 @@ def main(argv=None) -> int:
     with json_output(args.json) as result:  # --json -: the JSON alone on stdout
         B, L, D, H, causal = shape
         itemsize = np.dtype(args.dtype).itemsize
+        q_chunk, k_chunk = min(args.q_chunk, L), min(args.k_chunk, L)  # as the inputs are chunked
         result.update(
-            shape=args.shape, dtype=args.dtype, q_chunk=args.q_chunk, k_chunk=args.k_chunk,
+            shape=args.shape, dtype=args.dtype, q_chunk=q_chunk, k_chunk=k_chunk,
             dask=dask.__version__, distributed=distributed.__version__, cpus=os.cpu_count(),
             scores_one_head_mib=L * L * itemsize / 2**20, scores_one_entry_mib=H * L * L * itemsize / 2**20)
         print(f"npattn bench --backend dask: shape {args.shape} ({'causal, ' if causal else ''}{args.dtype}), "
-              f"chunks: 1 batch entry x {H} heads x {args.q_chunk} queries x {args.k_chunk} keys; "
+              f"chunks: 1 batch entry x {H} heads x {q_chunk} queries x {k_chunk} keys; "
               f"dask {dask.__version__}, {os.cpu_count()} CPUs")
         print(f"one head's (Lq, Lk) scores: {result['scores_one_head_mib']:.0f} MiB; one batch entry's "
               f"heads: {result['scores_one_entry_mib']:.0f} MiB")
-        chunkings = sorted({(L, L), (L, min(args.k_chunk, L)), (min(args.q_chunk, L), min(args.k_chunk, L)),
+        chunkings = sorted({(L, L), (L, k_chunk), (q_chunk, k_chunk),
                             (max(L // 8, 1), max(L // 8, 1))}, reverse=True)
         result["graph"] = graph_sizes(shape, np.dtype(args.dtype), chunkings)
         print("graph of forward+backward (tasks beyond the inputs):")
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
                   + (" (MALLOC_TRIM_THRESHOLD_=65536, distributed's default):" if args.dask_malloc_trim
                      else " (MALLOC_TRIM_THRESHOLD_ unset):"))
             result["malloc_trim"] = bool(args.dask_malloc_trim)
-            result["workers"] = run_workers(shape, np.dtype(args.dtype), args.q_chunk, args.k_chunk,
+            result["workers"] = run_workers(shape, np.dtype(args.dtype), q_chunk, k_chunk,
                                             workers, args.repeat, malloc_trim=args.dask_malloc_trim)
             if len(result["workers"]) > 1:
                 print("  speed-up over " + f"{workers[0]} worker(s): "
