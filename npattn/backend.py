@@ -307,7 +307,7 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
         r = _mix32(r + c * np.uint32(_GOLDEN))  # [..., bq, 1] per row: cheap
     col = _mix32(np.uint32(hi) + np.asarray(cols).astype(np.uint32) * np.uint32(_GOLDEN))  # [bk]
     threshold = np.uint32(min(int(round(float(p) * 2.0**32)), 2**32 - 1))  # (a float16 p overflows)
-    shape = (*r.shape[:-1], col.shape[0])  # [..., bq, bk]
+    shape: tuple[int, ...] = (*r.shape[:-1], col.shape[0])  # [..., bq, bk]
     if out is None:
         out = np.empty(shape, dtype=np.bool_)
     elif not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == shape):
