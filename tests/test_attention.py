@@ -298,6 +298,109 @@ def test_large_scores_float64(magnitude, block_k, backend, xp, to_xp, to_np):
         assert np.all(np.isfinite(to_np(dq))), impl
 
 
+def _numpy_equals_reference(q, k, v, mask=None, scale=None):
+    """The NumPy kernel's out and lse against the reference's on the same float32 call."""
+    ref_out, ref_c = A.sdpa_forward(q, k, v, mask=mask, scale=scale, impl="reference")
+    out, c = A.sdpa_forward(q, k, v, mask=mask, scale=scale, impl="numpy")
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(c.lse))
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(c.lse, ref_c.lse, rtol=1e-6)
+    return c
+
+
+def test_the_kernels_shortcut_past_the_row_maximum_holds_only_where_exp_is_safe():
+    """The kernel skips subtracting a row's maximum where Cauchy-Schwarz bounds every score by
+    EXP_BOUND: scores of 90 (past float32's exp), a row of 16384 scores of 79.9 (each exp
+    fits, their sum does not), one key of norm 100 among small ones (the bound needs the
+    largest |k|, not a typical one) and a float mask of -1000 on a whole row (the mask, not
+    q and k, sets the scores) must all take the shift and equal the reference."""
+    f32 = np.float32
+    # scores of 90: q k^T * scale with scale 1/sqrt(2)
+    q = np.array([[[[90.0 * math.sqrt(2.0), 0.0]]]], f32)
+    k = np.array([[[[1.0, 0.0], [0.5, 0.0]]]], f32)
+    v = np.array([[[[1.0], [2.0]]]], f32)
+    assert abs(float(_numpy_equals_reference(q, k, v).lse[0, 0, 0]) - 90.0 - math.log1p(math.exp(-45))) < 1e-3
+    # 16384 equal scores of 79.9 in one row: the row sum of exp(79.9) overflows float32
+    L = 16384
+    q = np.array([[[[79.9, 0.0]]]], f32)
+    k = np.broadcast_to(np.array([1.0, 0.0], f32), (1, 1, L, 2))
+    v = np.broadcast_to(np.arange(L, dtype=f32)[:, None] / L, (1, 1, L, 1))
+    c = _numpy_equals_reference(q, k, v, scale=1.0)
+    assert abs(float(c.lse[0, 0, 0]) - (79.9 + math.log(L))) < 1e-3
+    # one outlier key: 63 keys of norm 0.01 and one of 100, |q * scale| = 1
+    k = np.zeros((1, 1, 64, 2), f32)
+    k[..., 0] = 0.01
+    k[0, 0, 17, 0] = 100.0
+    q = np.array([[[[1.0, 0.0]]]], f32)
+    v = np.random.default_rng(0).standard_normal((1, 1, 64, 3)).astype(f32)
+    _numpy_equals_reference(q, k, v, scale=1.0)
+    # a float mask that moves a whole row by -1000 (float64: exp(-1000) underflows to 0)
+    r = np.random.default_rng(1)
+    q, k, v = (r.standard_normal(s) for s in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4)))
+    mask = np.zeros((3, 5))
+    mask[1] = -1000.0
+    mask[2, :2] = 95.0  # float32 would overflow here; float64 does not, and must match
+    ref_out, ref_c = A.sdpa_forward(q, k, v, mask=mask, impl="reference")
+    out, c = A.sdpa_forward(q, k, v, mask=mask, impl="numpy")
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(c.lse, ref_c.lse, rtol=1e-12)
+    assert np.all(np.abs(out[0, :, 1]) > 0)  # the row moved by -1000 still attends
+    _numpy_equals_reference(*(a.astype(f32) for a in (q, k, v)), mask=np.where(mask == 95.0, 95.0, 0.0).astype(f32))
+
+
+def test_lse_is_float32_for_half_inputs_on_every_implementation():
+    """The saved log-sum-exp is in the compute dtype (float32) whatever the implementation, so
+    one float32 dlse serves them all."""
+    r = np.random.default_rng(2)
+    q, k, v = (r.standard_normal((2, 2, 5, 4)).astype(np.float16) for _ in range(3))
+    for impl in ("reference", "blocked", "numpy"):
+        out, c = A.sdpa_forward(q, k, v, impl=impl)
+        assert out.dtype == np.float16 and c.lse.dtype == np.float32, impl
+        A.sdpa_backward(np.ones_like(out), c, dlse=np.ones((2, 2, 5), np.float32))
+
+
+def test_auto_picks_blocked_exactly_at_its_thresholds_and_keeps_block_sizes():
+    """select_impl's thresholds count the query heads (under GQA K/V have fewer) and are
+    inclusive; blocked keeps the block sizes it was given (q's first)."""
+    small = np.broadcast_to(np.zeros((), np.float32), (1, 1, 8, 8))
+    n = A.AUTO_BLOCKED_MIN_SCORES
+    q = np.broadcast_to(np.zeros((), np.float32), (1, 1, 2 * 4096, 8))
+    kv = np.broadcast_to(np.zeros((), np.float32), (1, 1, n // (2 * 4096), 8))
+    assert A.select_impl("auto", q, kv, kv) == "blocked"  # Lq Lk == the threshold
+    kv1 = np.broadcast_to(np.zeros((), np.float32), (1, 1, n // (2 * 4096) - 1, 8))
+    assert A.select_impl("auto", q, kv1, kv1) == "numpy"
+    # 16 query heads on 2 K/V heads: B Hq Lq Lk = 2**28 dense scores, whatever Hkv
+    Lq = int(math.isqrt(A.AUTO_BLOCKED_MAX_DENSE_SCORES // 16))
+    assert Lq * Lq < n  # below the per-head threshold: only the total counts here
+    q = np.broadcast_to(np.zeros((), np.float32), (1, 16, Lq, 8))
+    kv = np.broadcast_to(np.zeros((), np.float32), (1, 2, Lq, 8))
+    assert A.select_impl("auto", q, kv, kv) == "blocked"
+    assert A.select_impl("auto", small, small, small) == "numpy"
+    r = np.random.default_rng(3)
+    q, k, v = (r.standard_normal((1, 1, 7, 4)) for _ in range(3))
+    _, c = A.sdpa_forward(q, k, v, impl="blocked", block_q=2, block_k=5)
+    assert (c.block_q, c.block_k) == (2, 5)
+
+
+def test_a_large_sink_is_exact_on_the_reference_and_blocked():
+    """A sink logit of 100 in float32 (800 in float64) sets the row maximum: exp of the sink
+    taken without it overflows (lse inf, p_sink NaN)."""
+    r = np.random.default_rng(4)
+    for dtype, big in ((np.float32, 100.0), (np.float64, 800.0)):
+        q, k, v = (r.standard_normal((1, 2, 3, 4)).astype(dtype) for _ in range(3))
+        sinks = np.array([big, 0.0], dtype)
+        results = {}
+        for impl in ("reference", "blocked"):
+            out, c = A.sdpa_forward(q, k, v, sinks=sinks, impl=impl)
+            g = A.sdpa_backward(np.ones_like(out), c, dlse=np.ones((1, 2, 3), dtype))
+            assert np.all(np.isfinite(c.lse)) and np.all(np.isfinite(g.dsinks)), (impl, dtype)
+            results[impl] = (out, c.lse, g.dsinks)
+            # head 0: the sink takes (almost) all the mass: lse = big, out = 0
+            np.testing.assert_allclose(c.lse[0, 0], big, rtol=1e-6)
+        for a, b in zip(results["reference"], results["blocked"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _large_score_inputs(seed, B=2, H=2, Lq=6, Lk=9, Dh=4, Dv=3):
     """float32 inputs whose scores are about 1e4 and exact in float32, spread by O(1) in a row.
 

@@ -392,11 +392,11 @@ def test_a_failing_tile_releases_the_pool_blas_and_the_lock(monkeypatch):
     expected = _run("numpy", *args)
     calls = []
 
-    def failing(key, p, lead, rows, cols):
+    def failing(key, p, lead, rows, cols, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise MemoryError("a tile failed")
-        return real(key, p, lead, rows, cols)
+        return real(key, p, lead, rows, cols, **kw)
 
     real = numpy_kernel.keyed_keep_mask
     monkeypatch.setattr(numpy_kernel, "keyed_keep_mask", failing)
