@@ -299,6 +299,9 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     the memory beyond the mask itself stays small; the mask does not depend on it.
     """
     _check_draw(key, p)
+    for name, c in (("rows", rows), ("cols", cols)):
+        if np.ndim(c) != 1:
+            raise ValueError(f"{name}: expected a 1-D array of coordinates, got {np.ndim(c)} axes")
     lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
     r = np.full((), lo, dtype=np.uint32)
     coords = [np.asarray(c)[..., None, None] for c in lead] + [np.asarray(rows)[:, None]]

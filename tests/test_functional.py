@@ -219,6 +219,8 @@ def test_keyed_keep_mask_is_the_documented_hash_at_any_slab(slab, monkeypatch):
         assert got[b, h, ii, jj] == want and out[b, h, ii, jj] == want
     with pytest.raises(ValueError, match=r"^out: expected a numpy bool array of shape \(2, 3, 4, 5\)"):
         npb.keyed_keep_mask(key, p, lead, rows, cols, out=np.zeros((2, 3, 4, 4), dtype=bool))
+    with pytest.raises(ValueError, match="^cols: expected a 1-D array of coordinates, got 0 axes"):
+        npb.keyed_keep_mask(key, p, lead, rows, np.int64(3))
 
 
 def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
