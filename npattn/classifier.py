@@ -38,7 +38,7 @@ from . import layers as Ly
 from . import nn
 from . import validation as V
 from .backend import device_of, from_numpy
-from .stack import BlockStack
+from .stack import BlockStack, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
 __all__ = ["TransformerClassifier", "ClassifierCache"]
@@ -218,8 +218,10 @@ class TransformerClassifier(BlockStack):
         self._check_forward(x, mask, need_weights, dropout_masks)
         xp, P = self.xp, self._own
         attn_mask = None if mask is None else xp.expand_dims(xp.expand_dims(mask, axis=1), axis=1)  # [B, 1, 1, L]
-        blocks_before = [block.forward_state() for block in self.blocks]
-        try:
+        # the checks above leave nothing that fails here; should something (memory) fail,
+        # the blocks that ran are put back (caches, generators): the previous forward stays
+        # the one cached, and backward differentiates it
+        with blocks_put_back_on_failure(self.blocks):
             e, embed_c = F.linear_forward(x, P["embed.weight"], P["embed.bias"])  # 1.  [B, L, D]
             h, pos_c = nn.add_positions_forward(e, P["pos"])  # 2.                      [B, L, D]
             weights = []
@@ -236,13 +238,6 @@ class TransformerClassifier(BlockStack):
                                                   self.layer_norm_eps)
             z, pool_c = Ly.mean_pool_forward(h, mask)  # 5.                              [B, D]
             logits, head_c = F.linear_forward(z, P["head.weight"], P["head.bias"])  # 6. [B, C]
-        except BaseException:
-            # the checks above leave nothing that fails here; should something (memory) fail,
-            # the blocks that ran are put back (caches, generators): the previous forward stays
-            # the one cached, and backward differentiates it
-            for block, before in zip(self.blocks, blocks_before):
-                block.restore_forward_state(before)
-            raise
         self._cache = ClassifierCache(embed_c, pos_c, norm_c, pool_c, head_c, int(x.shape[0]))
         return (logits, weights) if need_weights else logits
 

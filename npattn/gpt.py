@@ -50,7 +50,7 @@ from . import nn
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
 from .kvcache import KVCache
-from .stack import BlockStack
+from .stack import BlockStack, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
 __all__ = ["GPT", "GPTCache", "training_step", "sample_next", "check_sampling", "check_training_options", "SAVE_FORMAT", "SAVE_VERSION",
@@ -258,27 +258,26 @@ class GPT(BlockStack):
         P = self._own
         state = self._rng.bit_generator.state
         lens = None if kv_caches is None else [[int(n) for n in c.cache_seqlens] for c in kv_caches]
-        blocks_before = [block.forward_state() for block in self.blocks]
-        try:
-            block_masks = self._block_masks(dropout_masks, B, L)
-            e, e_c = nn.embedding_forward(ids, P["wte"])  # 1.                       [B, L, D]
-            x, p_c = nn.add_positions_forward(e, P["wpe"][start:start + L, :])  # 2.  [B, L, D]
-            for n, block in enumerate(self.blocks):  # 3.                            [B, L, D]
-                x = block.forward(x, is_causal=True, dropout_masks=block_masks[n],
-                                  kv_cache=None if kv_caches is None else kv_caches[n])
-            h, ln_c = Ly.layer_norm_forward(x, P["ln_f.weight"], P.get("ln_f.bias"),
-                                            self.layer_norm_eps)  # 4.               [B, L, D]
-            logits, head_c = F.linear_forward(h, P["wte"])  # 5.                     [B, L, V]
-        except BaseException:
-            # the checks above leave nothing that fails here; should something (memory) fail,
-            # the generator, the blocks that ran and the KV caches' lengths are put back: the
-            # previous forward stays the one cached, and backward differentiates it
-            self._rng.bit_generator.state = state
-            for block, before in zip(self.blocks, blocks_before):
-                block.restore_forward_state(before)
-            for cache, held in zip(kv_caches or [], lens or []):  # blocks before the failure appended
-                cache.truncate(held)
-            raise
+        with blocks_put_back_on_failure(self.blocks):
+            try:
+                block_masks = self._block_masks(dropout_masks, B, L)
+                e, e_c = nn.embedding_forward(ids, P["wte"])  # 1.                       [B, L, D]
+                x, p_c = nn.add_positions_forward(e, P["wpe"][start:start + L, :])  # 2.  [B, L, D]
+                for n, block in enumerate(self.blocks):  # 3.                            [B, L, D]
+                    x = block.forward(x, is_causal=True, dropout_masks=block_masks[n],
+                                      kv_cache=None if kv_caches is None else kv_caches[n])
+                h, ln_c = Ly.layer_norm_forward(x, P["ln_f.weight"], P.get("ln_f.bias"),
+                                                self.layer_norm_eps)  # 4.               [B, L, D]
+                logits, head_c = F.linear_forward(h, P["wte"])  # 5.                     [B, L, V]
+            except BaseException:
+                # the checks above leave nothing that fails here; should something (memory) fail,
+                # the generator, the blocks that ran (blocks_put_back_on_failure) and the KV
+                # caches' lengths are put back: the previous forward stays the one cached, and
+                # backward differentiates it
+                self._rng.bit_generator.state = state
+                for cache, held in zip(kv_caches or [], lens or []):  # (the blocks that ran appended)
+                    cache.truncate(held)
+                raise
         self._cache = GPTCache(e_c, p_c, start, ln_c, head_c, kv_caches is not None)
         return logits
 

@@ -10,8 +10,9 @@ and files. The forward and backward are the models' own.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 from . import validation as V
 from .backend import backend_name, device_of
@@ -19,7 +20,21 @@ from .transformer import ENCODER_DROPOUT_SITES
 from .module import (check_params_assignment, check_path, model_from_save_file, picklable_state,
                      restore_state, set_rng_state, write_save_file)
 
-__all__ = ["BlockStack"]
+__all__ = ["BlockStack", "blocks_put_back_on_failure"]
+
+
+@contextlib.contextmanager
+def blocks_put_back_on_failure(blocks: Any) -> Iterator[None]:
+    """Run a model's forward inside; should it raise (memory, say), every block is put back as
+    it was before (``TransformerBlock.forward_state``: its caches and generators), then the
+    error goes on: the blocks that ran keep the previous forward for ``backward``."""
+    before = [block.forward_state() for block in blocks]
+    try:
+        yield
+    except BaseException:
+        for block, state in zip(blocks, before):
+            block.restore_forward_state(state)
+        raise
 
 
 class BlockStack:
