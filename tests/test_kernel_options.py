@@ -453,6 +453,30 @@ def test_dlse_on_rows_with_nothing_to_attend_does_not_matter(backend, xp, to_xp,
 # options of the public API: masks builders, dispatcher, errors
 
 
+@pytest.mark.parametrize("impl", ["reference", "blocked", "numpy"])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_windows_wider_than_any_distance_are_unbounded_on_every_backend(backend, to_xp, to_np,
+                                                                          impl, align):
+    """A window side of 10**30 (past int64) allows what no bound allows: (10**30, 0) is the
+    causal mask and (10**30, 10**30) no window, on every backend (torch compared its int64
+    positions with -10**30 and raised OverflowError)."""
+    if impl == "numpy" and backend != "numpy":
+        pytest.skip("the NumPy kernel takes NumPy arrays")
+    rng = np.random.default_rng(31)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 2)))
+    dout = rng.standard_normal((2, 3, 5, 2))
+    huge = 10**30
+    for window, same in (((huge, 0), dict(is_causal=True)), ((huge, huge), {}),
+                         ((2**70, 1), dict(window=(None, 1)))):
+        out, cache = run(lambda kw: kw, impl, to_xp(q), to_xp(k), to_xp(v),
+                         dict(window=window, align=align))
+        ref, ref_cache = A.sdpa_forward(q, k, v, impl="reference", align=align, **same)
+        np.testing.assert_allclose(to_np(out), ref, rtol=1e-12, atol=1e-12, err_msg=str(window))
+        grads = A.sdpa_backward(to_xp(dout), cache)
+        for g, g_ref in zip(grads[:3], A.sdpa_backward(dout, ref_cache)[:3]):
+            np.testing.assert_allclose(to_np(g), g_ref, rtol=1e-12, atol=1e-12, err_msg=str(window))
+
+
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("left,right", [(2, 1), (None, 0), (0, None), (1, 3)])
 def test_window_mask_builder_equals_the_option(left, right, align):
