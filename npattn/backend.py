@@ -46,6 +46,7 @@ import numbers
 import os
 import threading
 import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -53,6 +54,10 @@ import array_api_compat
 import numpy as np
 
 __all__ = [
+    "keeps_dtype",
+    "float64_namespace",
+    "float64_result",
+    "widest_int",
     "BACKENDS",
     "namespace",
     "resolve_backend",
@@ -192,6 +197,34 @@ def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:
     """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype."""
     a = np.asarray(a)
     return xp.asarray(a if a.flags.c_contiguous else a.copy(order="C"), device=device)  # 0-d stays 0-d
+
+
+def keeps_dtype(xp: Any, dtype: Any) -> bool:
+    """Whether ``xp`` makes arrays of ``dtype`` (JAX without x64 makes float64 requests float32)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX warns that it truncates
+        return xp.zeros((1,), dtype=dtype).dtype == dtype
+
+
+def widest_int(xp: Any) -> Any:
+    """int64, or int32 where ``xp`` makes no int64 arrays (JAX without x64): the dtype of
+    positions, lengths and token ids."""
+    return xp.int64 if keeps_dtype(xp, xp.int64) else xp.int32
+
+
+def float64_namespace(xp: Any) -> Any:
+    """The namespace in which a step that must run in float64 runs: ``xp`` where it makes
+    float64 arrays, else NumPy's on the host (JAX without x64). The step's inputs go there
+    with ``to_numpy`` and its result comes back with ``from_numpy``."""
+    return xp if keeps_dtype(xp, xp.float64) else resolve_backend("numpy")
+
+
+def float64_result(a: Any, xp: Any, dtype: Any = None, device: Any = None) -> Any:
+    """A float64 array ``a`` of ``float64_namespace(xp)`` as an ``xp`` array on ``device``,
+    in ``dtype`` (default: float64, or float32 where ``xp`` has no float64)."""
+    if namespace(a) is not xp:  # computed on the host: xp's widest float is float32
+        a = from_numpy(np.asarray(a, dtype=np.float32), xp, device)
+    return a if dtype is None else xp.astype(a, dtype)
 
 
 def row_major(a: Any) -> Any:

@@ -48,7 +48,8 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
+from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy,
+                      widest_int)
 from .kvcache import KVCache
 from .stack import BlockStack, blocks_put_back_on_failure
 from .transformer import TransformerBlock
@@ -456,7 +457,8 @@ class GPT(BlockStack):
 
         Returns
         -------
-        ids : integer array, shape (B, L0 + max_new_tokens), the backend's int64
+        ids : integer array, shape (B, L0 + max_new_tokens), the backend's int64 (int32 on
+            JAX without x64)
         logits : array, shape (B, max_new_tokens, V), only with ``return_logits``
         """
         _check_int("max_new_tokens", max_new_tokens, low=0)
@@ -476,7 +478,7 @@ class GPT(BlockStack):
             caches = self.new_caches(B, L0 + max(max_new_tokens - 1, 0))
             tokens = [to_numpy(ids).astype(np.int64)]  # host [B, L0]
             steps = []
-            feed = self.xp.astype(ids, self.xp.int64)
+            feed = self.xp.astype(ids, widest_int(self.xp))
             for t in range(max_new_tokens):
                 last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
                 steps.append(last)

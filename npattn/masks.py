@@ -32,6 +32,7 @@ from .backend import (
     namespace,
     resolve_backend,
     to_numpy,
+    widest_int,
 )
 
 __all__ = ["causal", "window", "segments", "padding", "from_torch_mha"]
@@ -176,7 +177,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
             raise TypeError(f"lengths: expected ints, got {seq!r}")
         seq = [int(n) for n in seq]
         xp = _namespace_or(xp)
-        lengths = xp.asarray(seq, dtype=xp.int64, device=device)  # [B]
+        lengths = xp.asarray(seq, dtype=widest_int(xp), device=device)  # [B]
     else:
         xp = lxp
         if not xp.isdtype(lengths.dtype, "integral"):
@@ -187,8 +188,8 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     host = to_numpy(lengths)
     if host.size and (host.min() < 0 or host.max() > Lk):
         raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {host.tolist()}")
-    lengths = xp.astype(lengths, xp.int64)  # a small integer dtype would wrap in arange(Lk)
-    j = xp.arange(Lk, dtype=xp.int64, device=device)  # [Lk]
+    lengths = xp.astype(lengths, widest_int(xp))  # a small integer dtype would wrap in arange(Lk)
+    j = xp.arange(Lk, dtype=widest_int(xp), device=device)  # [Lk]
     keep = xp.expand_dims(j, axis=0) < xp.expand_dims(lengths, axis=1)  # [B, Lk]
     return xp.reshape(keep, (lengths.shape[0], 1, 1, Lk))  # [B, 1, 1, Lk]
 

@@ -16,7 +16,6 @@ import json
 import math
 import numbers
 import os
-import warnings
 import zipfile
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -25,7 +24,8 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import BACKENDS, backend_name, device_of, exclusive, from_numpy, resolve_backend, to_numpy
+from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, keeps_dtype,
+                      resolve_backend, to_numpy)
 from .kvcache import KVCache, unalign_columns
 
 __all__ = [
@@ -867,7 +867,7 @@ def _dtype_arg(xp: Any, dtype: Any) -> str:
             name = np.dtype(dtype).name  # NumPy dtypes and scalar types
         except TypeError:
             name = V.dtype_name(dtype)  # torch.float32, array_api_strict.float32
-    if name in available and not _keeps_dtype(xp, getattr(xp, name)):
+    if name in available and not keeps_dtype(xp, getattr(xp, name)):
         raise ValueError(
             f"dtype: expected one of {available} that backend {backend_name(xp)!r} keeps, got "
             f"{name!r}, which it turns into another dtype (JAX: float64 needs "
@@ -882,13 +882,6 @@ def _dtype_arg(xp: Any, dtype: Any) -> str:
             f"dtype: expected one of {available} for backend {backend_name(xp)!r}, got {dtype!r}"
         )
     return name
-
-
-def _keeps_dtype(xp: Any, dtype: Any) -> bool:
-    """Whether ``xp`` makes arrays of ``dtype`` (JAX without x64 makes float64 requests float32)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # JAX warns that it truncates
-        return xp.zeros((1,), dtype=dtype).dtype == dtype
 
 
 # --------------------------------------------------------------------------

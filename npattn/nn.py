@@ -21,7 +21,7 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import device_of, namespace, resolve_backend
+from .backend import device_of, float64_namespace, float64_result, namespace, resolve_backend
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -187,19 +187,21 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
 
     ``pe[i, 2k] = sin(i / 10000^(2k/D))``, ``pe[i, 2k+1] = cos(i / 10000^(2k/D))``.
     ``xp`` a backend (a name or a namespace, as ``backend=``), ``L`` an int >= 0,
-    ``D`` an int >= 1; computed in float64, returned in ``dtype`` (default float64).
-    # -> [L, D]
+    ``D`` an int >= 1; computed in float64 (on the host where the backend has
+    no float64, as JAX without x64), returned in ``dtype`` (default float64, or
+    float32 where the backend has no float64). # -> [L, D]
     """
     xp = resolve_backend(xp, "xp")
     Vd.check_size("L", L)
     Vd.check_positive_int("D", D)
-    dtype = xp.float64 if dtype is None else dtype
-    i = xp.astype(xp.arange(L, device=device), xp.float64)  # [L]
-    k = xp.astype(xp.arange(D, device=device) // 2, xp.float64)  # [D]
-    rate = xp.exp(k * (-2.0 * math.log(10000.0) / D))  # [D]
-    angle = xp.expand_dims(i, axis=1) * rate  # [L, D]
-    even = (xp.arange(D, device=device) % 2) == 0  # [D]
-    return xp.astype(xp.where(even, xp.sin(angle), xp.cos(angle)), dtype)  # [L, D]
+    fx = float64_namespace(xp)  # xp, or NumPy on the host
+    dev = device if fx is xp else None
+    i = fx.astype(fx.arange(L, device=dev), fx.float64)  # [L]
+    k = fx.astype(fx.arange(D, device=dev) // 2, fx.float64)  # [D]
+    rate = fx.exp(k * (-2.0 * math.log(10000.0) / D))  # [D]
+    angle = fx.expand_dims(i, axis=1) * rate  # [L, D]
+    even = (fx.arange(D, device=dev) % 2) == 0  # [D]
+    return float64_result(fx.where(even, fx.sin(angle), fx.cos(angle)), xp, dtype, device)  # [L, D]
 
 
 # --------------------------------------------------------------------------

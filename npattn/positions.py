@@ -47,7 +47,8 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import validation as V
-from .backend import check_same_device, device_of, is_floating, namespace, resolve_backend
+from .backend import (check_same_device, device_of, float64_namespace, float64_result, is_floating,
+                      namespace, resolve_backend, to_numpy, widest_int)
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -132,9 +133,11 @@ class RopeCache(NamedTuple):
 def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: Any = None) -> Any:
     """The rotation angles ``theta[..., l, c] = positions[..., l] * base^(-2c/Dh)``, c < Dh/2.
 
-    Computed in float64 (``positions`` may be large), returned in ``dtype``
-    (default float64). ``xp`` a backend (a name or a namespace, as ``backend=``),
-    ``positions`` a real array of it. # [..., L] -> [..., L, Dh/2]
+    Computed in float64 (``positions`` may be large; on the host where the
+    backend has no float64, as JAX without x64), returned in ``dtype``
+    (default float64, or float32 where the backend has no float64). ``xp`` a
+    backend (a name or a namespace, as ``backend=``), ``positions`` a real
+    array of it. # [..., L] -> [..., L, Dh/2]
     """
     xp = resolve_backend(xp, "xp")
     V.check_array("positions", positions, xp, where="that of positions", library="xp")
@@ -143,12 +146,19 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
                         f"{V.dtype_name(positions.dtype)}")
     V.check_positive_int("Dh", Dh)
     _check_base(base)
-    dev = device_of(positions)
-    pos = xp.astype(positions, xp.float64)  # [..., L]
-    c = xp.astype(xp.arange(Dh // 2, device=dev), xp.float64)  # [Dh/2]
-    inv_freq = xp.exp(c * (-2.0 * math.log(float(base)) / Dh))  # [Dh/2] base^(-2c/Dh)
-    theta = xp.expand_dims(pos, axis=-1) * inv_freq  # [..., L, Dh/2]
-    return xp.astype(theta, xp.float64 if dtype is None else dtype)
+    fx = float64_namespace(xp)
+    return float64_result(_angles(fx, positions, Dh, base), xp, dtype, device_of(positions))
+
+
+def _angles(fx: Any, positions: Any, Dh: int, base: float) -> Any:
+    """``rope_angles`` in float64 in namespace ``fx`` (``float64_namespace``); ``positions``
+    an array of fx or of the backend. # [..., L] -> [..., L, Dh/2]"""
+    if namespace(positions) is not fx:  # the backend has no float64: on the host
+        positions = fx.asarray(to_numpy(positions))
+    pos = fx.astype(positions, fx.float64)  # [..., L]
+    c = fx.astype(fx.arange(Dh // 2, device=device_of(pos)), fx.float64)  # [Dh/2]
+    inv_freq = fx.exp(c * (-2.0 * math.log(float(base)) / Dh))  # [Dh/2] base^(-2c/Dh)
+    return fx.expand_dims(pos, axis=-1) * inv_freq  # [..., L, Dh/2]
 
 
 def _rope_split(xp: Any, x: Any, interleaved: bool) -> tuple[Any, Any]:
@@ -226,15 +236,17 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
     V.check_bool("interleaved", interleaved)
     xp = namespace(x)
     L, Dh = x.shape[-2], x.shape[-1]
+    fx = float64_namespace(xp)  # xp, or NumPy on the host where xp has no float64
     if positions is None or isinstance(positions, numbers.Integral):
         start = 0 if positions is None else int(positions)
-        positions = xp.arange(start, start + L, device=device_of(x))  # [L]
+        dev = device_of(x) if fx is xp else None
+        positions = fx.arange(start, start + L, dtype=fx.int64, device=dev)  # [L]
     in_dtype = x.dtype
     work = compute_dtype(xp, in_dtype)
     xw = x if work == in_dtype else xp.astype(x, work)
 
-    theta = rope_angles(xp, positions, Dh, base)  # 1.      [..., L, Dh/2] float64
-    cos, sin = xp.astype(xp.cos(theta), work), xp.astype(xp.sin(theta), work)  # 2.
+    theta = _angles(fx, positions, Dh, base)  # 1.           [..., L, Dh/2] float64
+    cos, sin = (float64_result(t, xp, work, device_of(x)) for t in (fx.cos(theta), fx.sin(theta)))  # 2.
     x1, x2 = _rope_split(xp, xw, interleaved)  # 3.          [..., L, Dh/2] each
     y1 = x1 * cos - x2 * sin  # 4.                           [..., L, Dh/2]
     y2 = x2 * cos + x1 * sin
@@ -293,7 +305,7 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     V.check_positive_int("Lq", Lq)
     V.check_positive_int("Lk", Lk)
     _check_int("offset", offset)
-    return xp.arange(Lq + Lk - 1, dtype=xp.int64, device=device) - (Lq - 1 + offset)  # [T]
+    return xp.arange(Lq + Lk - 1, dtype=widest_int(xp), device=device) - (Lq - 1 + offset)  # [T]
 
 
 def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
@@ -309,8 +321,8 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
         raise ValueError(f"rows: expected shape (Lq + Lk - 1, E) = ({Lq + Lk - 1}, E), got "
                          f"{V.shape_of(rows)}")
     dev = device_of(rows)
-    i = xp.arange(Lq, dtype=xp.int64, device=dev)  # [Lq]
-    j = xp.arange(Lk, dtype=xp.int64, device=dev)  # [Lk]
+    i = xp.arange(Lq, dtype=widest_int(xp), device=dev)  # [Lq]
+    j = xp.arange(Lk, dtype=widest_int(xp), device=dev)  # [Lk]
     t = xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) + (Lq - 1)  # [Lq, Lk] in [0, T)
     out = xp.take(rows, xp.reshape(t, (-1,)), axis=0)  # [Lq * Lk, E]
     return xp.reshape(out, (Lq, Lk, rows.shape[-1]))  # [Lq, Lk, E]
@@ -604,9 +616,10 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
     if num_buckets - 1 > top:
         raise ValueError(f"num_buckets: expected at most {top + 1}, the buckets of a "
                          f"{V.dtype_name(relative_position.dtype)} relative_position, got {num_buckets}")
-    rp = xp.astype(relative_position, xp.int64)  # [...]
-    # -2**63 has no int64 abs; -(2**63 - 1) lands in the same bucket (both far past max_distance)
-    rp = xp.where(rp == -(2**63), xp.full_like(rp, -(2**63 - 1)), rp)
+    rp = xp.astype(relative_position, widest_int(xp))  # [...] (int32 on JAX without x64)
+    # the minimum has no abs; one more lands in the same bucket (both far past max_distance)
+    lo = int(xp.iinfo(rp.dtype).min)
+    rp = xp.where(rp == lo, xp.full_like(rp, lo + 1), rp)
     zero = xp.zeros_like(rp)
     buckets = zero
     if bidirectional:
