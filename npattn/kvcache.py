@@ -67,8 +67,9 @@ class KVCache:
         any library); the keys and values written must have it exactly.
     backend : str or namespace module
         As ``MultiHeadAttention(backend=)``. The buffers are written in place
-        (Array API slice assignment), so a backend of immutable arrays
-        (JAX) is a ``TypeError``.
+        (Array API slice assignment); on a backend of immutable arrays (JAX)
+        ``append`` makes new buffers with the new keys in place instead, so
+        ``k`` and ``v`` read before an ``append`` keep their old contents.
     device : optional
         Device of the buffers; default the backend's default device.
 
@@ -117,12 +118,7 @@ class KVCache:
                                  f"got {device!r} ({type(exc).__name__}: {exc})") from exc
         self._k = xp.zeros((B, Hkv, C, self.head_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dh]
         self._v = xp.zeros((B, Hkv, C, self.value_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dv]
-        if not _writes_in_place(self._k[0, 0, 0, :1]):
-            raise TypeError(
-                f"backend: expected a backend whose arrays can be written in place (KVCache "
-                f"appends into preallocated buffers), got {backend_name(xp)!r}, whose arrays are "
-                "immutable"
-            )
+        self._in_place = _writes_in_place(self._k[0, 0, 0, :1])  # False: JAX's immutable arrays
         self.device = device_of(self._k)
         self._lens = (0,) * B  # Python ints: entry b holds keys [0, _lens[b])
 
@@ -202,7 +198,10 @@ class KVCache:
         self.check_new(k_new, v_new)
         n = int(k_new.shape[2])
         lens = self._lens
-        if len(set(lens)) == 1:  # one slice for the whole batch
+        if not self._in_place:
+            self._k, self._v = (_written(self.xp, buf, new, lens)
+                                for buf, new in ((self._k, k_new), (self._v, v_new)))
+        elif len(set(lens)) == 1:  # one slice for the whole batch
             L = lens[0]
             self._k[:, :, L : L + n, :] = k_new  # [B, Hkv, n, Dh]
             self._v[:, :, L : L + n, :] = v_new  # [B, Hkv, n, Dv]
@@ -323,6 +322,18 @@ def _dtype_name(xp: Any, dtype: Any) -> str:
         raise ValueError(f"dtype: expected one of {available} for backend {backend_name(xp)!r}, "
                          f"got {dtype!r}")
     return name
+
+
+def _written(xp: Any, buf: Any, new: Any, lens: Sequence[int]) -> Any:
+    """A copy of ``buf`` with ``new`` written at each entry's length, for immutable arrays.
+    # [B, Hkv, C, D], [B, Hkv, n, D] -> [B, Hkv, C, D]: buf[b, :, L_b : L_b + n] = new[b]"""
+    n = new.shape[2]
+    if len(set(lens)) == 1:  # one concatenation for the whole batch
+        L = lens[0]
+        return xp.concat([buf[:, :, :L, :], new, buf[:, :, L + n:, :]], axis=2)
+    rows = [xp.concat([buf[b:b + 1, :, :L, :], new[b:b + 1, ...], buf[b:b + 1, :, L + n:, :]], axis=2)
+            for b, L in enumerate(lens)]  # [1, Hkv, C, D] each
+    return xp.concat(rows, axis=0)
 
 
 def _writes_in_place(x: Any) -> bool:
