@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from . import validation as V
-from .backend import device_of, from_numpy, is_floating, namespace, to_numpy
+from .backend import backend_name, device_of, from_numpy, is_floating, keeps_dtype, namespace, to_numpy
 
 __all__ = ["GradcheckReport", "InputReport", "gradcheck", "gradcheck_module", "numerical_vjp", "check_vjp"]
 
@@ -215,6 +215,14 @@ def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any
     V.check_positive_int("n_directions", n_directions)
     V.check_rng("seed", seed)
     floating = _default_wrt(inputs)
+    for i in floating:  # every floating input is evaluated in float64, checked or not
+        xp = namespace(inputs[i])
+        if not keeps_dtype(xp, xp.float64):
+            raise ValueError(
+                f"inputs[{i}]: expected an array of a backend that makes float64 arrays (the "
+                f"differences are taken in float64), got one of {backend_name(xp)!r}, which makes "
+                "float32 instead (JAX: jax.config.update('jax_enable_x64', True) first)"
+            )
     if wrt is None:
         if not floating:
             raise ValueError("inputs: expected at least one floating array to check, got none "
