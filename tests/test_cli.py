@@ -167,6 +167,29 @@ def test_crashing_backward_is_reported_not_raised(monkeypatch, capsys):
     assert all(r["max_abs_err"] is None for r in bad if r["error"])
 
 
+def test_check_on_jax_runs_in_x64_and_puts_it_back(monkeypatch, capsys):
+    """`npattn check --backend jax`: the finite differences need float64, so the audit runs
+    with JAX's x64 mode on (float64 inputs stay float64) and puts the mode back. A part of
+    the panel, the reference and the blocked implementation."""
+    jax = pytest.importorskip("jax", reason="the jax backend needs JAX: pip install '.[jax]'")
+    from npattn.tools import audit
+
+    full = audit.panel("jax")
+    part = [c for c in full if c.name.startswith("sdpa, float mask")]
+    assert any("[blocked]" in c.name for c in part) and len(part) >= 2
+    monkeypatch.setattr(audit, "panel", lambda backend=None: part)
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        assert cli.main(["check", "--backend", "jax", "--json", "--no-progress"]) == 0
+        assert jax.config.jax_enable_x64 is False
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    res = json.loads(capsys.readouterr().out)
+    assert res["backend"] == "jax" and res["rows"] and all(r["passed"] for r in res["rows"])
+    assert {r["config"] for r in res["rows"]} == {c.name for c in part}
+
+
 def test_unavailable_backend_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     assert cli.main(["check", "--backend", "cupy", "--no-progress"]) == 2

@@ -2,8 +2,8 @@
 
 JAX arrays are immutable, so this checks that nothing writes into an array
 (the NumPy kernel, which does, takes NumPy arrays only). JAX is optional
-(``pip install '.[jax]'``); without it every test here is skipped with the
-reason. JAX is not in the ``xp`` fixture of ``conftest.py``: these focused
+(``pip install '.[jax]'``; ``.ci/run`` installs it); without it every test here is
+skipped with the reason. JAX is not in the ``xp`` fixture of ``conftest.py``: these focused
 tests cover it without running the whole suite a fifth time.
 float64 needs JAX's x64 mode, switched on for this module's tests only.
 """
@@ -96,3 +96,51 @@ def test_float64_without_x64_is_a_clear_error():
         npattn.MultiHeadAttention(8, 2, dtype="float64", backend="jax")
     m = npattn.MultiHeadAttention(8, 2, dtype="float32", backend="jax")
     assert m.params["w_q"].dtype == jnp.float32
+
+
+def test_positions_without_x64_take_their_angles_in_float64():
+    """JAX without x64 has no float64: rope's and the sinusoidal encoding's angles are taken
+    on the host in float64, so float32 results are as close as NumPy's float32 ones (in
+    float32 the angle of position 100000 is off by about 4e-3 rad)."""
+    from npattn import nn
+    from npattn import positions as P
+
+    jax.config.update("jax_enable_x64", False)
+    x = np.random.default_rng(4).standard_normal((1, 2, 16, 64)).astype(np.float32)
+    for start in (None, 100_000):
+        exact, _ = P.rope_forward(x.astype(np.float64), start)
+        out, cache = P.rope_forward(jnp.asarray(x), start)
+        assert out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), exact, rtol=0, atol=1e-5)
+        dx, _ = P.rope_backward(out, cache)  # the rotation back by -theta
+        np.testing.assert_allclose(np.asarray(dx), x, rtol=0, atol=1e-5)
+    theta = P.rope_angles("jax", jnp.arange(100_000, 100_004), 8)
+    assert theta.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(theta), P.rope_angles("numpy", np.arange(100_000, 100_004), 8),
+                               rtol=1e-7)
+    pe = nn.sinusoidal_positions("jax", 4096, 32)
+    assert pe.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(pe), nn.sinusoidal_positions("numpy", 4096, 32), rtol=0, atol=1e-7)
+
+
+def test_t5_buckets_without_x64():
+    """Without x64 JAX's widest integer is int32: its minimum gets a bucket (it raised an
+    OverflowError comparing with -2**63), and the buckets equal NumPy's."""
+    from npattn import positions as P
+
+    jax.config.update("jax_enable_x64", False)
+    r = np.array([-2**31, -300, -5, 0, 7, 129, 2**31 - 1])
+    np.testing.assert_array_equal(np.asarray(P.t5_bucket(jnp.asarray(r, dtype=jnp.int32))), P.t5_bucket(r))
+    out, _ = P.relative_bias_forward(jnp.zeros((32, 2), jnp.float32), 4, 6)
+    assert out.shape == (1, 2, 4, 6)
+
+
+def test_gradient_checks_without_x64_are_refused():
+    """The differences are taken in float64; without x64 JAX would run them in float32 and
+    report correct gradients wrong: a ValueError naming the input and the switch."""
+    from npattn import layers as Ly
+
+    jax.config.update("jax_enable_x64", False)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3)), dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"inputs\[0\]: .*float64.*jax_enable_x64"):
+        npattn.check_gradients(Ly.gelu_forward, Ly.gelu_backward, [x])

@@ -564,12 +564,27 @@ def _run_check(check: Check, xp, dtype: str, seed: int) -> list:
 
 
 def _scheduler(backend: str):
-    """dask's synchronous scheduler for a dask audit (thousands of tiny graphs: no thread pool)."""
+    """dask's synchronous scheduler for a dask audit (thousands of tiny graphs: no thread pool);
+    JAX's x64 mode for a JAX audit (the finite differences run in float64), restored after."""
+    if backend == "jax":
+        return _jax_x64()
     if backend != "dask":
         return contextlib.nullcontext()
     import dask
 
     return dask.config.set(scheduler="synchronous")
+
+
+@contextlib.contextmanager
+def _jax_x64():
+    import jax
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
 
 
 def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
@@ -579,7 +594,8 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
     Parameters
     ----------
     backend : str
-        "numpy", "array_api_strict", "torch", "cupy" or "dask".
+        "numpy", "array_api_strict", "torch", "cupy", "dask" or "jax" (JAX's
+        ``jax_enable_x64`` is switched on while the audit runs, then put back).
     dtype : {"float64", "float32"}
     progress : callable, optional
         Called as ``progress(i, n, check_name)`` before each configuration.

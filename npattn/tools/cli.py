@@ -29,6 +29,7 @@ from .limits import MAX_THREADS
 __all__ = ["main", "build_parser"]
 
 BACKEND_CHOICES = ["numpy", "array_api_strict", "cupy", "torch", "dask"]
+CHECK_BACKENDS = BACKEND_CHOICES + ["jax"]  # check runs JAX in x64 mode (tools.audit.run_audit)
 
 #: ``npattn demo --task``: each task's own options (argparse dests) with their defaults.
 #: An option that is some task's own but not the chosen one's is a usage error; a
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "parameter) against central finite differences in float64, over a fixed panel of "
         "configurations. Exit status 1 if any check fails.",
     )
-    check.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
+    check.add_argument("--backend", choices=CHECK_BACKENDS, default="numpy",
+                       help="the arrays' library; jax runs with jax_enable_x64 switched on")
     check.add_argument(
         "--dtype", choices=["float64", "float32"], default="float64",
         help="dtype of inputs, parameters and the analytic backward (finite differences "
