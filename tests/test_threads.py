@@ -181,6 +181,12 @@ def test_any_memory_layout_gets_the_bits_of_c_order_on_any_pool(impl, Dh, layout
 # fork
 
 
+# JAX, once an earlier test has used it, warns at every fork that its threads could deadlock
+# the child; the children here use neither JAX nor its threads, and _in_forked_child kills a
+# child that does not finish, failing the test rather than hanging it.
+FORK_UNDER_JAX = "ignore:os.fork\\(\\) was called.*JAX:RuntimeWarning"
+
+
 def _in_forked_child(fn, timeout=60.0):
     """Run ``fn()`` in a forked child; its pickled result comes back through a pipe.
 
@@ -238,6 +244,7 @@ def _in_forked_child(fn, timeout=60.0):
     return value
 
 
+@pytest.mark.filterwarnings(FORK_UNDER_JAX)
 def test_a_forked_child_runs_the_pool_and_gets_the_same_numbers(monkeypatch):
     monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)
     monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
@@ -270,6 +277,7 @@ def test_a_forked_child_runs_the_pool_and_gets_the_same_numbers(monkeypatch):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.filterwarnings(FORK_UNDER_JAX)
 def test_fork_while_another_thread_is_inside_npattn(monkeypatch):
     """A thread holds npattn's lock (it is computing) when the process forks: the child has no
     such thread, so it must not inherit the lock held; its forward finishes."""
