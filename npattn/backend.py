@@ -215,15 +215,18 @@ def widest_int(xp: Any) -> Any:
 def float64_namespace(xp: Any) -> Any:
     """The namespace in which a step that must run in float64 runs: ``xp`` where it makes
     float64 arrays, else NumPy's on the host (JAX without x64). The step's inputs go there
-    with ``to_numpy`` and its result comes back with ``from_numpy``."""
+    with ``to_numpy`` and its result comes back with ``float64_result``."""
     return xp if keeps_dtype(xp, xp.float64) else resolve_backend("numpy")
 
 
 def float64_result(a: Any, xp: Any, dtype: Any = None, device: Any = None) -> Any:
     """A float64 array ``a`` of ``float64_namespace(xp)`` as an ``xp`` array on ``device``,
     in ``dtype`` (default: float64, or float32 where ``xp`` has no float64)."""
-    if namespace(a) is not xp:  # computed on the host: xp's widest float is float32
-        a = from_numpy(np.asarray(a, dtype=np.float32), xp, device)
+    if namespace(a) is not xp:  # computed on the host (or with another handle on xp)
+        host = to_numpy(a)
+        if not keeps_dtype(xp, xp.float64):
+            host = host.astype(np.float32)  # xp's widest float: no truncation warning
+        a = from_numpy(host, xp, device)
     return a if dtype is None else xp.astype(a, dtype)
 
 

@@ -489,3 +489,15 @@ def test_helpers_take_a_backend_by_name_or_module():
     got = P.rope_angles(torch, torch.arange(5), 4)
     assert isinstance(got, torch.Tensor)
     np.testing.assert_array_equal(got.numpy(), P.rope_angles(np, pos, 4))
+
+
+def test_float64_result_keeps_float64_where_the_backend_has_it(xp, to_np):
+    """A float64 step's result on the host goes to a backend with float64 as float64: only a
+    backend without it (JAX without x64) gets float32."""
+    from npattn.backend import float64_result
+
+    host = np.array([1.0 + 2.0**-40, 3.0])
+    got = float64_result(host, xp)
+    assert got.dtype == xp.float64
+    np.testing.assert_array_equal(to_np(got), host)
+    assert float64_result(host, xp, xp.float32).dtype == xp.float32
