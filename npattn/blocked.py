@@ -16,8 +16,9 @@ sequence length.
   the dense softmax backward. It keeps ``m`` and ``l`` apart rather than one
   log-sum-exp ``m + log(l)``: at large scores ``m + log(l)`` rounds to the
   spacing of the numbers near ``m``, and the recomputed probabilities carry
-  that error (2e-4 of ``p`` at scores of 1e4 in float32); from 1.7e7 in
-  float32 (1e17 in float64) ``log(l)`` rounds away entirely.
+  that error (2e-4 of ``p`` at scores of 1e4 in float32); once half the
+  spacing near ``m`` exceeds ``log(l)`` it rounds away entirely (for ``l = 2``
+  from 1.7e7 in float32, 9e15 in float64).
 
 Everything is Python Array API code on ``xp``. Both loops run in a fixed
 order, so results are deterministic; the block sizes are arguments and do

@@ -5,7 +5,10 @@ reference. This module computes the same function for NumPy arrays, faster;
 it is one of the implementations that ``npattn.attention`` dispatches to
 (``impl="numpy"``, and ``"auto"``/``"dense"`` on NumPy arrays), and nothing
 in ``functional`` calls it. ``tests/test_attention.py`` checks that every
-implementation gives the same numbers in float64.
+implementation gives the same numbers in float64. The comments number the
+steps as the reference's ``sdpa_forward`` does: 1. scores, 4. the mask and the
+window, 5. softmax, 6. dropout, 7. ``out = a v`` (the kernel options 2.-3. are
+not taken here).
 
 What is different from the reference, and why it is faster:
 
@@ -417,18 +420,18 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             # over them run at half speed) in the scratch array, copied once done
             p = scratch[: dst.size].reshape(dst.shape)  # [nb, hk, G, r, c]
             np.matmul(qs[..., i0:i1, :], kTt[..., c0:c1], out=p)  # 1. s = q k^T * scale
-            if fmask is not None:  # 2. floating mask: s + mask
+            if fmask is not None:  # 4. floating mask: z = s + mask
                 np.add(p, fmask[b0:b1, h0:h1, :, i0:i1, c0:c1], out=p)
-            if bmask is not None:  # 2. boolean mask: where(mask, s, -inf)
+            if bmask is not None:  # 4. boolean mask: z = where(mask, s, -inf)
                 np.copyto(p, neg_inf, where=~bmask[b0:b1, h0:h1, :, i0:i1, c0:c1])
-            for j0, j1 in _cut_columns(o, i0, i1, c0, c1):  # 2. where the window's edges cross
+            for j0, j1 in _cut_columns(o, i0, i1, c0, c1):  # 4. the window, where its edges cross
                 np.copyto(p[..., j0 - c0 : j1 - c0], neg_inf, where=left_out(i0, i1, j0, j1))
-            m = None  # 3. every |s| <= EXP_BOUND: exp(s) neither overflows nor underflows, m = 0
+            m = None  # 5. softmax; every |s| <= EXP_BOUND: exp(s) neither overflows nor underflows, m = 0
             if bound is None or not np.max(bound[..., i0:i1]) <= EXP_BOUND:  # (NaN: shift)
-                m = np.max(p, axis=-1, keepdims=True)  # 3.    [nb, hk, G, r, 1]
+                m = np.max(p, axis=-1, keepdims=True)  # 5. m  [nb, hk, G, r, 1]
                 m[m == neg_inf] = 0.0  # fully masked row: no -inf - -inf
                 np.subtract(p, m, out=p)
-            e = np.exp(p, out=dst if c == Lk else p)  # 4. e = exp(s - m)
+            e = np.exp(p, out=dst if c == Lk else p)  # 5. e = exp(z - m)
             s = np.matmul(e, ones[:c])  # 5. rowsum(e), by BLAS [nb, hk, G, r, 1]
             empty = s == 0.0
             s[empty] = 1.0  # rows with nothing to attend stay 0
@@ -440,13 +443,13 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
             if e is not dst:
                 dst[...] = e
             a = e
-            if keep is not None:  # 4. a = where(keep, p / (1 - p_drop), 0) = where(keep, e, 0) * ps'
+            if keep is not None:  # 6. a = where(keep, p / (1 - p_drop), 0) = where(keep, e, 0) * ps'
                 kp = keep[b0:b1, h0:h1, :, i0:i1, c0:c1]
                 if key is not None:
                     _tile_keep(key, dropout_p, b0, b1, h0, h1, G, i0, i1, c0, c1, out=kp)
                 a = np.multiply(e, kp)
                 ps = ps * drop_scale  # ps' = ps / (1 - p_drop)
-            # 5. out = a v = (e v) * ps: rows scaled on the way into the merged layout
+            # 7. out = a v = (e v) * ps: rows scaled on the way into the merged layout
             # (BLAS writes a contiguous array faster than the strided head view)
             ev = np.matmul(a, vt[..., c0:c1, :])  # [nb, hk, G, r, Dv]
             np.multiply(ev, ps, out=out[b0:b1, h0:h1, :, i0:i1])
@@ -530,7 +533,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         ps = row_scale[b0:b1, h0:h1]  # [nb, hk, G, Lq, 1]
         qs = q5[b0:b1, h0:h1] * scale  # [nb, hk, G, Lq, Dh]
         ks = k5[b0:b1, h0:h1] * scale  # [nb, hk, 1, Lk, Dh]
-        # 3. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
+        # 5. softmax backward: rowsum(dp * p) = rowsum(dout * out), as out = a v
         delta = np.einsum("...i,...i->...", do5[b0:b1, h0:h1], out5[b0:b1, h0:h1])[..., None]  # [nb, hk, G, Lq, 1]
         if dlse5 is not None:  # lse adds d lse / ds_j = p_j: ds = p * (dp - delta + dlse)
             delta -= dlse5[b0:b1, h0:h1]
@@ -554,7 +557,7 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         if not whole_dk:
             dk_acc = np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
         whole_dv = keep is None and not causal
-        if whole_dv:  # 5. dv = e^T do' in one GEMM over all query rows of the G heads
+        if whole_dv:  # 7. dv = e^T do' in one GEMM over all query rows of the G heads
             eT = np.swapaxes(exps[b0:b1, h0:h1].reshape(nb, hk, G * Lq, Lk), -1, -2)  # [nb, hk, Lk, G Lq]
             np.matmul(eT, dop.reshape(nb, hk, G * Lq, Dv), out=dv[b0:b1, h0:h1, 0])
         else:  # accumulated block by block below
@@ -565,19 +568,19 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
                 continue
             e = exps[b0:b1, h0:h1, :, i0:i1, c0:c1]  # [nb, hk, G, r, c]
             da = None if ds_full is None else ds_full[b0:b1, h0:h1, :, i0:i1, c0:c1]  # dmask: kept
-            # 5. da = do' v^T (fold: minus delta ps)
+            # 7. da = do' v^T (fold: minus delta ps)
             da = np.matmul(doa[..., i0:i1, :], vTa[..., c0:c1], out=da)  # [nb, hk, G, r, c]
             if whole_dv:
                 pass
-            elif keep is None:  # 5. dv = e^T do'
+            elif keep is None:  # 7. dv = e^T do'
                 kv_add(dv_acc[..., c0:c1, :], e, dop[..., i0:i1, :])
             else:
                 kp = keep[b0:b1, h0:h1, :, i0:i1, c0:c1]
-                ek = np.multiply(e, kp)  # 5. dv = (e * keep)^T do'
+                ek = np.multiply(e, kp)  # 7. dv = (e * keep)^T do'
                 kv_add(dv_acc[..., c0:c1, :], ek, dop[..., i0:i1, :])
-                np.multiply(da, kp, out=da)  # 4. dp = where(keep, da / (1 - p), 0), c in do'
-                np.subtract(da, delta[..., i0:i1, :], out=da)  # 3. dp - delta, in units of ps
-            np.multiply(da, e, out=da)  # 3. ds = p * (dp - delta) = e * (...) ps
+                np.multiply(da, kp, out=da)  # 6. dp = where(keep, da / (1 - p), 0), c in do'
+                np.subtract(da, delta[..., i0:i1, :], out=da)  # 5. dp - delta, in units of ps
+            np.multiply(da, e, out=da)  # 5. ds = p * (dp - delta) = e * (...) ps
             np.matmul(da, ks[..., c0:c1, :], out=dq[b0:b1, h0:h1, :, i0:i1])  # 1. dq = ds k * scale
             if whole_dk:  # 1. dk = ds^T q * scale
                 np.matmul(np.swapaxes(da, -1, -2), qs, out=dk[b0:b1, h0:h1])
