@@ -25,11 +25,16 @@ Threads and fork
 OpenBLAS keeps one thread count for the whole process, and its results
 change in the last bits with that count. The NumPy kernel and the blocked
 path hold BLAS to one thread while their tiles run on the pool, so npattn's
-computations take one process-wide lock (``exclusive``): two threads that
-run npattn at once run one after the other, each exactly as it would run
-alone, and the BLAS thread count is restored before the lock is released.
+attention calls (``npattn.attention``, ``npattn.blocked``, the module) take
+one process-wide lock (``exclusive``): two threads that run them at once run
+one after the other, each exactly as it would run alone, and the BLAS thread count is restored before the lock is released.
 The pool is created in the process that uses it and dropped in a forked
-child (``os.register_at_fork``), so a child makes its own.
+child (``os.register_at_fork``), so a child makes its own; a BLAS hold of a
+parent's thread that was inside npattn at the fork (and is not in the child)
+is undone there. Code outside the lock (``functional``, the layers) runs
+beside it, its BLAS calls held to one thread while a lock holder holds BLAS.
+Forking while another thread is inside a multi-threaded OpenBLAS call can
+hang in OpenBLAS's own fork handler (plain NumPy too).
 
 Safe to share between threads: the functions, read-only input arrays.
 Not safe: one ``MultiHeadAttention`` used by two threads at once (its cache
@@ -46,7 +51,6 @@ import numbers
 import os
 import threading
 import types
-import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -201,9 +205,13 @@ def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:
 
 def keeps_dtype(xp: Any, dtype: Any) -> bool:
     """Whether ``xp`` makes arrays of ``dtype`` (JAX without x64 makes float64 requests float32)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # JAX warns that it truncates
-        return xp.zeros((1,), dtype=dtype).dtype == dtype
+    if array_api_compat.is_jax_namespace(xp):  # asked without making an array: JAX would warn
+        # that it truncates, and silencing that (warnings.catch_warnings) changes the process's
+        # warning filters, which another thread may be reading or changing
+        import jax
+
+        return jax.dtypes.canonicalize_dtype(dtype) == dtype
+    return xp.zeros((1,), dtype=dtype).dtype == dtype
 
 
 def widest_int(xp: Any) -> Any:
@@ -411,10 +419,13 @@ def blas_controller() -> Any:
 
 
 def limit_blas_threads(n: Optional[int]) -> Any:
-    """Context manager: host BLAS libraries (NumPy's, torch's) use at most ``n`` threads inside.
+    """Context manager: host BLAS libraries use at most ``n`` threads inside.
 
     Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
-    it changes nothing. The count is process-wide: npattn calls it only
+    it changes nothing. It holds the BLAS libraries that were loaded when
+    npattn first held BLAS (``blas_controller``), NumPy's among them, which is
+    the one npattn's NumPy code calls; one loaded later (SciPy's own OpenBLAS,
+    say) keeps its count. The count is process-wide: npattn calls it only
     inside ``exclusive()``, and restores it before leaving.
     """
     if n is not None and (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral)):
@@ -424,7 +435,19 @@ def limit_blas_threads(n: Optional[int]) -> Any:
     ctl = blas_controller()
     if n is None or ctl is None:
         return contextlib.nullcontext()
-    return ctl.limit(limits=int(n), user_api="blas")
+    return _blas_hold(ctl, int(n))
+
+
+@contextlib.contextmanager
+def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
+    limiter = ctl.limit(limits=n, user_api="blas")  # held from here
+    hold = (threading.get_ident(), limiter)
+    _blas_holds.append(hold)
+    try:
+        yield
+    finally:
+        _blas_holds.remove(hold)
+        limiter.restore_original_limits()
 
 
 # --------------------------------------------------------------------------
@@ -434,11 +457,24 @@ _lock = threading.RLock()
 _pool = None  # (pid, n, ThreadPoolExecutor) of this process, made on first use
 
 
+#: The BLAS holds of ``limit_blas_threads`` that have not ended, outermost first, as
+#: ``(thread ident, threadpoolctl limiter)``: a forked child undoes those of the threads it
+#: does not have.
+_blas_holds: list = []
+
+
 def _after_fork_in_child():
-    """A forked child inherits the parent's pool object without its threads: forget it."""
+    """A forked child inherits the parent's pool object without its threads: forget it. A
+    thread of the parent that was inside npattn, holding BLAS to one thread, is not in the
+    child and will never give the count back: restore it."""
     global _lock, _pool
     _lock = threading.RLock()
     _pool = None
+    me = threading.get_ident()
+    foreign = [h for h in _blas_holds if h[0] != me]
+    if foreign:
+        foreign[0][1].restore_original_limits()  # the outermost: the counts before any hold
+    _blas_holds[:] = [h for h in _blas_holds if h[0] == me]
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -144,3 +144,27 @@ def test_gradient_checks_without_x64_are_refused():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3)), dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"inputs\[0\]: .*float64.*jax_enable_x64"):
         npattn.check_gradients(Ly.gelu_forward, Ly.gelu_backward, [x])
+
+
+def test_dtype_probes_leave_the_warning_filters_alone(monkeypatch):
+    """Whether JAX keeps a dtype is asked of JAX without making an array (which warns when
+    x64 is off): npattn never changes the process's warning filters to silence it
+    (``warnings.catch_warnings`` is not thread-safe; a thread's "ignore" could stay for
+    good, and other threads' warnings are lost meanwhile)."""
+    import warnings
+
+    from npattn import backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("npattn changed the process's warning filters")
+
+    for x64 in (False, True):
+        jax.config.update("jax_enable_x64", x64)
+        with monkeypatch.context() as m:
+            m.setattr(warnings, "catch_warnings", refuse)
+            m.setattr(warnings, "simplefilter", refuse)
+            m.setattr(warnings, "filterwarnings", refuse)
+            kept = [backend.keeps_dtype(jnp, t) for t in (jnp.float64, jnp.int64, jnp.float32)]
+            widest = backend.widest_int(jnp)
+        assert kept == [x64, x64, True]
+        assert widest == (jnp.int64 if x64 else jnp.int32)

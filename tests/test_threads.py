@@ -54,12 +54,17 @@ class PoolRecorder:
 
             def task(*a):
                 self.idents.add(threading.get_ident())
-                if probe_blas:  # BLAS threads as a tile sees them
+                if probe_blas:  # BLAS threads as a tile sees them, of the libraries that
+                    # npattn holds (NumPy's among them: checked below); one loaded after
+                    # npattn first held BLAS (SciPy's own OpenBLAS, by another test) keeps its count
                     import threadpoolctl
 
+                    held = {lc.filepath for lc in backend.blas_controller().lib_controllers
+                            if lc.user_api == "blas"}
+                    assert {path for path, _ in BLAS_AT_IMPORT} <= held, "NumPy's BLAS not held"
                     self.blas_in_tasks.update(p["num_threads"] for p in
                                               threadpoolctl.threadpool_info()
-                                              if p["user_api"] == "blas")
+                                              if p["filepath"] in held)
                 return fn(*a)
 
             return real(task, tasks, threads)
@@ -306,6 +311,46 @@ def test_fork_while_another_thread_is_inside_npattn(monkeypatch):
     for a, b in zip(child, expected):
         if b is not None:
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.filterwarnings(FORK_UNDER_JAX)
+def test_fork_while_another_thread_holds_blas_gives_the_child_its_blas_threads(monkeypatch):
+    """A thread inside npattn holds BLAS to one thread when the process forks: that thread is
+    not in the child and never gives the count back, so the child restores it; its BLAS
+    runs with the parent's threads (the count may change the last bits of BLAS's results)."""
+    from npattn.backend import exclusive, limit_blas_threads
+
+    pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    before = _blas_threads()
+    args = _inputs(2, 2, 2, 1, 24, 20, 4, 4, dropout="seed")
+    expected = _run("numpy", *args)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with exclusive(), limit_blas_threads(1):
+            inside.set()
+            release.wait(120)
+
+    def child():
+        out = _run("numpy", *args)
+        return out, dict(_blas_info())
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert inside.wait(30)
+        out, blas = _in_forked_child(child, timeout=60)
+    finally:
+        release.set()
+        t.join(30)
+    assert [(path, blas.get(path)) for path, _ in before] == before
+    for a, b in zip(out, expected):
+        if b is not None:
+            np.testing.assert_array_equal(a, b)
+    assert _blas_threads() == before
 
 
 # --------------------------------------------------------------------------
