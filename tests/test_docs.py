@@ -357,6 +357,7 @@ def built_docs(tmp_path_factory):
     return run, out / "html"
 
 
+@pytest.mark.slow  # one Sphinx build, shared
 def test_sphinx_build_is_warning_free(built_docs):
     run, html_dir = built_docs
     assert run.returncode == 0, f"sphinx build failed:\n{run.stdout}\n{run.stderr}"
@@ -373,6 +374,7 @@ def test_remote_script_detector():
     assert [bool(_REMOTE.match(s)) for s in srcs] == [True, False, True]
 
 
+@pytest.mark.slow  # one Sphinx build, shared
 def test_built_pages_load_no_remote_script(built_docs):
     """Offline, every page works: scripts come from the build, MathJax included."""
     run, html_dir = built_docs
@@ -432,6 +434,7 @@ def _chromium():
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_chromium() is None,
                     reason="the browser check needs Chromium (Debian: apt-get install -y chromium)")
 def test_math_is_typeset_in_a_headless_browser(built_docs):
