@@ -384,7 +384,8 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
         The kernel options of ``npattn.functional.sdpa_forward``.
     block_q, block_k : int, optional
         Query and key block lengths; need not divide ``Lq`` / ``Lk``.
-        Default ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``.
+        Default ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K`` (``WINDOW_BLOCK_K``
+        when ``window`` bounds the left side).
 
     Returns
     -------

@@ -777,7 +777,8 @@ def sech_squared(xp: Any, u: Any) -> Any:
     """``sech^2(u) = 1 - tanh^2(u)``, the derivative of ``tanh``, as ``(1 / cosh(u))^2``.
 
     Where ``tanh(u)`` rounds towards +-1, ``1 - tanh^2`` computed from it cancels
-    (to 0 from ``abs(u) > 9`` in float32); this form does not. ``abs(u)`` is
+    (to 0 from ``abs(u)`` of about 9 to 10 in float32, depending on the library's
+    ``tanh``); this form does not. ``abs(u)`` is
     clamped at ``C = -log(tiny) / 2`` (``tiny`` the dtype's smallest normal
     number; C = 43.7 in float32, 354 in float64), where ``cosh`` is still
     finite: beyond it the result is ``4 tiny`` instead of a smaller number.

@@ -355,7 +355,9 @@ class GPT(BlockStack):
         return self.grads
 
     def loss(self, ids: Any, targets: Any, **kwargs) -> tuple[float, Any]:
-        """Forward and mean cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``."""
+        """Forward and mean cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``.
+
+        ``kwargs`` go to ``forward`` (``dropout_masks``, ``kv_caches``)."""
         self._check_ids("ids", ids, 0)
         self._check_targets(targets, V.shape_of(ids))  # before the forward: a failed call changes nothing
         logits = self.forward(ids, **kwargs)
@@ -566,10 +568,13 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
                   dropout_masks: Optional[Sequence] = None) -> tuple[float, float, nn.AdamState]:
     """One training step: forward, loss, backward, clipping, Adam; returns ``(loss, grad_norm, state)``.
 
-    ``state`` from ``nn.adam_init(model.params)``; the model's ``params`` are
+    ``ids`` and ``targets`` (B, L) are token ids and the next tokens
+    (``GPT.loss``); ``dropout_masks`` as ``GPT.forward``'s. ``state`` from
+    ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
-    clipping (``max_grad_norm=None``: no clipping). Every argument is checked
-    before the forward.
+    clipping to ``max_grad_norm`` (None: no clipping). Every argument is
+    checked before the forward.
     """
     check_training_options(model, state, lr=lr, max_grad_norm=max_grad_norm, betas=betas, eps=eps,
                            weight_decay=weight_decay)

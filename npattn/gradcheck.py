@@ -383,6 +383,8 @@ def gradcheck(
         check is of the float64 computation, never of float32 rounding.
     dout : array, optional
         Upstream gradient; by default random normal from ``seed``.
+    names : sequence of str, optional
+        One name per input, for the report; default ``input0``, ``input1``, ...
     mode : {"auto", "full", "vjp"}
         "auto" uses "full" when the checked inputs hold at most
         ``max_full_size`` entries together, else "vjp".

@@ -115,23 +115,28 @@ class MultiHeadAttention:
     n_kv_head : int, optional
         Number of key/value heads Hkv for grouped-query attention; must divide
         ``n_head``. Default ``n_head`` (standard multi-head attention).
-    dtype : str
-        Parameter dtype, "float32" (default), "float64" or "float16".
+    dtype : str or dtype
+        Parameter dtype, a name or a dtype object: "float32" (default),
+        "float64", "float16", or "bfloat16" on a backend that has it (torch, JAX).
     seed : int, optional
         Seeds the Xavier-uniform initialisation and the dropout generator.
     backend : str or namespace module
-        "numpy", "cupy", "array_api_strict", "torch", "jax", or an Array API namespace.
-    impl : {"auto", "dense", "reference", "numpy", "blocked"}
+        "numpy", "cupy", "array_api_strict", "torch", "jax", "dask"
+        (``backend.BACKENDS``), or an Array API namespace.
+    impl : {"auto", "dense", "reference", "numpy", "blocked", "chunked"}
         Implementation of step 6, chosen per call by ``npattn.attention``:
         "reference" runs ``npattn.functional`` as written; "numpy" the NumPy
         kernel; "dense" the faster of those two for the arrays; "blocked" the
         FlashAttention-2 style algorithm (memory linear in L, no weights);
-        "auto" takes "blocked" when weights are not requested and the dense
-        probabilities would be large (``attention.select_impl``), else
-        "dense". All give the same numbers to rounding, dropout included.
+        "chunked" its dask form (dask arrays, no weights); "auto" takes
+        "chunked" for dask arrays and "blocked" for others when weights are
+        not requested and the dense probabilities would be large
+        (``attention.select_impl``), else "dense". All give the same numbers
+        to rounding, dropout included.
     block_q, block_k : int, optional
-        Query / key block lengths of the blocked implementation (default
-        ``blocked.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``).
+        Query / key block lengths of the blocked and chunked implementations
+        (default ``blocked.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``, and
+        ``WINDOW_BLOCK_K`` keys when a ``window`` bounds the left side).
     scale : float, optional
         The score scale of step 6., ``s = (q @ k^T) * scale``; default
         ``1 / sqrt(Dh)``.
@@ -342,7 +347,7 @@ class MultiHeadAttention:
         check_finite : bool
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
-        impl : {"auto", "dense", "reference", "numpy", "blocked"}, optional
+        impl : {"auto", "dense", "reference", "numpy", "blocked", "chunked"}, optional
             Overrides the module's ``impl`` for this call. The options below
             run on "reference" and "blocked"; ``window`` and ``align`` on
             "numpy" too. With ``alibi_slopes``, segments, ``softcap`` or
