@@ -10,7 +10,7 @@ Everything backend-specific lives here, each piece with a standard fallback:
 * ``to_numpy`` / ``from_numpy``: host copies, used by the gradient checker
   and by the dropout generator;
 * ``dropout_key`` / ``keep_mask``: dropout keep-masks from a counter-based
-  draw. One 64-bit key is drawn from the caller's generator per forward, and
+  draw. One 63-bit key is drawn from the caller's generator per forward, and
   the keep decision of entry ``(b, h, i, j)`` is a hash of the key and those
   coordinates alone, computed on the host. So the reference, the blocked path
   at any block size, the NumPy kernel at any tile size or thread count, and
@@ -267,7 +267,8 @@ def make_rng(seed: Any) -> np.random.Generator:
 
 
 def dropout_key(rng: Any) -> int:
-    """One 64-bit dropout key drawn from ``rng`` (a seed, ``SeedSequence``, ``Generator`` or None).
+    """One 63-bit dropout key, in ``[0, 2**63)``, drawn from ``rng`` (a seed, ``SeedSequence``,
+    ``Generator`` or None).
 
     Every implementation draws exactly one key per forward, in the same way,
     so one generator state gives one key, and one key one mask.

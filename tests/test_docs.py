@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import doctest
+import os
 import functools
 import html.parser
 import importlib
@@ -302,6 +303,8 @@ def test_every_run_marker_has_a_python_block(page):
 def test_runnable_snippet(page, index):
     status, detail = run_page(page)[index]
     if status == "skip":
+        if "CuPy and a CUDA GPU" in detail and os.environ.get("NPATTN_REQUIRE_GPU") == "1":
+            pytest.fail(detail + " (NPATTN_REQUIRE_GPU=1)")  # a GPU run must not pass by skipping
         pytest.skip(detail)
     assert status == "ok", f"the block at {page.name}:{runnable_blocks(page)[index][0]} failed:\n{detail}"
 
