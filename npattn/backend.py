@@ -27,9 +27,10 @@ change in the last bits with that count. The NumPy kernel and the blocked
 path hold BLAS to one thread while their tiles run on the pool, so npattn's
 attention calls (``npattn.attention``, ``npattn.blocked``, the module) take
 one process-wide lock (``exclusive``): two threads that run them at once run
-one after the other, each exactly as it would run alone, and the BLAS thread count is restored before the lock is released.
-The pool is created in the process that uses it and dropped in a forked
-child (``os.register_at_fork``), so a child makes its own; a BLAS hold of a
+one after the other, each exactly as it would run alone, and the BLAS thread
+count is restored before the lock is released. The pool is created in the
+process that uses it and dropped in a forked child
+(``os.register_at_fork``), so a child makes its own; a BLAS hold of a
 parent's thread that was inside npattn at the fork (and is not in the child)
 is undone there. Code outside the lock (``functional``, the layers) runs
 beside it, its BLAS calls held to one thread while a lock holder holds BLAS.
