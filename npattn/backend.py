@@ -446,10 +446,14 @@ def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
     hold = (threading.get_ident(), limiter)
     _blas_holds.append(hold)
     try:
-        yield
+        # entered and left as threadpoolctl's context manager: leaving restores the counts and
+        # gives up this thread's control of OpenBLAS's count (threadpoolctl lets one Python
+        # thread at a time change it; a thread that kept it would turn every other thread's
+        # hold into nothing)
+        with limiter:
+            yield
     finally:
         _blas_holds.remove(hold)
-        limiter.restore_original_limits()
 
 
 # --------------------------------------------------------------------------
@@ -474,8 +478,8 @@ def _after_fork_in_child():
     _pool = None
     me = threading.get_ident()
     foreign = [h for h in _blas_holds if h[0] != me]
-    if foreign:
-        foreign[0][1].restore_original_limits()  # the outermost: the counts before any hold
+    for _, limiter in reversed(foreign):  # left as their thread would have left them, innermost
+        limiter.__exit__(None, None, None)  # first: the outermost's counts are the last set
     _blas_holds[:] = [h for h in _blas_holds if h[0] == me]
 
 

@@ -353,6 +353,35 @@ def test_fork_while_another_thread_holds_blas_gives_the_child_its_blas_threads(m
     assert _blas_threads() == before
 
 
+def test_a_thread_that_held_blas_leaves_the_hold_to_others():
+    """A thread that held BLAS and lives on (a dask worker, say) must not keep threadpoolctl's
+    control of OpenBLAS's count: another thread's hold afterwards holds."""
+    from npattn.backend import limit_blas_threads
+
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    before = _blas_threads()
+    held, done = threading.Event(), threading.Event()
+
+    def hold_once_and_live_on():
+        with limit_blas_threads(1):
+            pass
+        held.set()
+        done.wait(60)
+
+    t = threading.Thread(target=hold_once_and_live_on)
+    t.start()
+    try:
+        assert held.wait(30)
+        with limit_blas_threads(1):
+            counts = {p["num_threads"] for p in threadpoolctl.threadpool_info()
+                      if p["filepath"] in {path for path, _ in before}}
+    finally:
+        done.set()
+        t.join(30)
+    assert counts == {1}
+    assert _blas_threads() == before
+
+
 # --------------------------------------------------------------------------
 # two Python threads at once
 
