@@ -32,8 +32,10 @@ count is restored before the lock is released. The pool is created in the
 process that uses it and dropped in a forked child
 (``os.register_at_fork``), so a child makes its own; a BLAS hold of a
 parent's thread that was inside npattn at the fork (and is not in the child)
-is undone there. Code outside the lock (``functional``, the layers) runs
-beside it, its BLAS calls held to one thread while a lock holder holds BLAS.
+is undone there (unless the forking thread is itself inside a hold: its hold
+ends as it began). Code outside the lock (``functional``, the layers) runs
+beside it, its BLAS calls held to one thread while a lock holder holds BLAS,
+which can change their last bits.
 Forking while another thread is inside a multi-threaded OpenBLAS call can
 hang in OpenBLAS's own fork handler (plain NumPy too).
 
@@ -50,6 +52,7 @@ import importlib
 import math
 import numbers
 import os
+import sys
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -425,9 +428,9 @@ def limit_blas_threads(n: Optional[int]) -> Any:
 
     Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
     it changes nothing. It holds the BLAS libraries that were loaded when
-    npattn first held BLAS (``blas_controller``), NumPy's among them, which is
-    the one npattn's NumPy code calls; one loaded later (SciPy's own OpenBLAS,
-    say) keeps its count. The count is process-wide: npattn calls it only
+    npattn first made its controller (``blas_controller``), NumPy's among them,
+    which is the one npattn's NumPy code calls; one loaded later (SciPy's own
+    OpenBLAS, say) keeps its count. The count is process-wide: npattn calls it only
     inside ``exclusive()``, and restores it before leaving.
     """
     if n is not None and (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral)):
@@ -464,9 +467,31 @@ _pool = None  # (pid, n, ThreadPoolExecutor) of this process, made on first use
 
 
 #: The BLAS holds of ``limit_blas_threads`` that have not ended, outermost first, as
-#: ``(thread ident, threadpoolctl limiter)``: a forked child undoes those of the threads it
-#: does not have.
+#: ``(thread ident, threadpoolctl limiter)``: a forked child restores the counts that the
+#: threads it does not have were holding.
 _blas_holds: list = []
+
+
+def _openblas_control_lock() -> Any:
+    """threadpoolctl's lock over which Python thread may change OpenBLAS's count (from 3.8 on;
+    None before, or when threadpoolctl is not in use)."""
+    state = getattr(getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None),
+                    "_SHARED_STATE", None)
+    return getattr(state, "lock", None)
+
+
+def _before_fork():
+    # a fork while another thread holds threadpoolctl's lock would leave the child's copy
+    # locked for good: the child's restore below would wait on it forever
+    lock = _openblas_control_lock()
+    if lock is not None:
+        lock.acquire()
+
+
+def _after_fork_in_parent():
+    lock = _openblas_control_lock()
+    if lock is not None:
+        lock.release()
 
 
 def _after_fork_in_child():
@@ -474,16 +499,22 @@ def _after_fork_in_child():
     thread of the parent that was inside npattn, holding BLAS to one thread, is not in the
     child and will never give the count back: restore it."""
     global _lock, _pool
+    _after_fork_in_parent()  # the child's copy of threadpoolctl's lock, taken before the fork
     _lock = threading.RLock()
     _pool = None
     me = threading.get_ident()
     foreign = [h for h in _blas_holds if h[0] != me]
-    for _, limiter in reversed(foreign):  # left as their thread would have left them, innermost
-        limiter.__exit__(None, None, None)  # first: the outermost's counts are the last set
     _blas_holds[:] = [h for h in _blas_holds if h[0] == me]
+    if foreign and not _blas_holds:  # (a fork from inside a hold of its own: the hold is
+        # left as it stands, and restores what it found when it ends)
+        foreign[0][1].restore_original_limits()  # the outermost's: the counts before any hold
+        openblas = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
+        if hasattr(openblas, "clear_controlling_thread"):  # setting the counts made this
+            openblas.clear_controlling_thread()  # thread threadpoolctl's controller: give it up
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
