@@ -113,7 +113,7 @@ def sum_to_shape(xp: Any, g: Any, shape: Sequence[int]) -> Any:
 def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
     """Top-left aligned causal mask, True = may attend: query i sees keys j <= i.
 
-    This is SDPA's ``is_causal`` convention.
+    This is SDPA's ``is_causal`` convention. Made by namespace ``xp`` on ``device``.
 
     Returns
     -------

@@ -513,7 +513,8 @@ def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:
 
 def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: float = 1.0,
                 top_k: Optional[int] = None, greedy: bool = False) -> np.ndarray:
-    """One token per row of host ``logits`` (B, V): greedy, or sampled with temperature and top-k.
+    """One token per row of host ``logits`` (B, V): greedy (``greedy=True``: the first largest
+    logit), or sampled with ``temperature`` and, with ``top_k``, among the k largest.
 
     1. ``z = (logits - max(logits)) / temperature`` in float64 (the shift
        first: no overflow however small the temperature, which tends to greedy)

@@ -93,7 +93,8 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     ``o = Lk - Lq`` bottom-right) and may attend key ``j`` when
     ``i + o - left <= j <= i + o + right``; a side that is None is unbounded.
     The mask that ``sdpa_forward(..., window=(left, right), align=align)``
-    applies (``window=(None, 0)`` is ``causal``).
+    applies (``window=(None, 0)`` is ``causal``). ``xp`` and ``device``: where
+    to create the mask, as ``causal``'s (default NumPy).
 
     Returns
     -------

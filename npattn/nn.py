@@ -189,7 +189,7 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     ``xp`` a backend (a name or a namespace, as ``backend=``), ``L`` an int >= 0,
     ``D`` an int >= 1; computed in float64 (on the host where the backend has
     no float64, as JAX without x64), returned in ``dtype`` (default float64, or
-    float32 where the backend has no float64). # -> [L, D]
+    float32 where the backend has no float64), on ``device``. # -> [L, D]
     """
     xp = resolve_backend(xp, "xp")
     Vd.check_size("L", L)
@@ -389,7 +389,7 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
 
     For each parameter ``w`` with gradient ``g``, at its step ``t`` (the updates it has
     received, this one included: ``state.t + 1`` while every step gave every parameter a
-    gradient)::
+    gradient), with ``(b1, b2) = betas``::
 
         g = g + weight_decay * w                (L2 penalty, off by default)
         m = b1 m + (1 - b1) g

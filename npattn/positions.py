@@ -299,7 +299,8 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
 
     Diagonal ``t`` of the grid holds the pairs with ``j - i = t - (Lq - 1)``;
     query ``i`` sits at key position ``i + offset``, so their relative
-    position is ``j - (i + offset)``. # -> [T] int64
+    position is ``j - (i + offset)``. Made by ``xp`` (a backend name or
+    namespace) on ``device``. # -> [T] int64 (int32 where ``xp`` has no int64)
     """
     xp = resolve_backend(xp, "xp")
     V.check_positive_int("Lq", Lq)

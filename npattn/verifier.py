@@ -1234,6 +1234,9 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
     """The cases ``verify`` runs: the panel of ``supports`` (``npattn.verify_cases.panel``),
     or the ``cases`` chosen from it by name, or ``Case`` objects as given.
 
+    ``align``, ``combos`` and ``head_dims`` shape the panel as ``verify``'s
+    arguments of those names do.
+
     ``ValueError`` for a name the panel does not hold, or a ``Case`` with an
     option that ``supports`` does not declare.
     """
