@@ -480,15 +480,16 @@ def _openblas_control_lock() -> Any:
     return getattr(state, "lock", None)
 
 
-def _before_fork():
-    # a fork while another thread holds threadpoolctl's lock would leave the child's copy
-    # locked for good: the child's restore below would wait on it forever
+def _take_control_lock():
+    """Before a fork: a fork while another thread holds threadpoolctl's lock would leave the
+    child's copy locked for good, and the child's restore below would wait on it forever."""
     lock = _openblas_control_lock()
     if lock is not None:
         lock.acquire()
 
 
-def _after_fork_in_parent():
+def _release_control_lock():
+    """After a fork, in the parent and in the child (each has its own copy of the lock)."""
     lock = _openblas_control_lock()
     if lock is not None:
         lock.release()
@@ -499,7 +500,7 @@ def _after_fork_in_child():
     thread of the parent that was inside npattn, holding BLAS to one thread, is not in the
     child and will never give the count back: restore it."""
     global _lock, _pool
-    _after_fork_in_parent()  # the child's copy of threadpoolctl's lock, taken before the fork
+    _release_control_lock()
     _lock = threading.RLock()
     _pool = None
     me = threading.get_ident()
@@ -513,7 +514,7 @@ def _after_fork_in_child():
             openblas.clear_controlling_thread()  # thread threadpoolctl's controller: give it up
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+os.register_at_fork(before=_take_control_lock, after_in_parent=_release_control_lock,
                     after_in_child=_after_fork_in_child)
 
 
