@@ -72,5 +72,36 @@ def _unresolved_npattn_reference(app, env, node, contnode):
     return None
 
 
+# -- NamedTuple fields: a list in the class's docstring, not attributes ---------
+# A field documented as an attribute becomes a link target, and Sphinx links
+# every word of a docstring's type that matches one ("shape" in "array of
+# shape (B, L)" went to ArraySpec.shape, "Lq" to a cache's field). The fields'
+# ``#:`` comments are listed in their class's docstring instead.
+from sphinx.pycode import ModuleAnalyzer  # noqa: E402
+
+
+def _is_field(obj):
+    return type(obj).__name__ == "_tuplegetter"  # a NamedTuple's field descriptor
+
+
+def _skip_fields(app, what, name, obj, skip, options):
+    return True if _is_field(obj) else None
+
+
+def _list_fields(app, what, name, obj, options, lines):
+    if what != "class" or not (isinstance(obj, type) and issubclass(obj, tuple)
+                               and hasattr(obj, "_fields") and name.startswith("npattn.")):
+        return
+    analyzer = ModuleAnalyzer.for_module(obj.__module__)
+    analyzer.analyze()
+    lines += ["", ".. rubric:: Fields", ""]
+    for field in obj._fields:
+        doc = " ".join(line.strip() for line in analyzer.attr_docs.get((obj.__qualname__, field), []))
+        lines.append(f"- ``{field}``: {doc}".rstrip(": ") if doc else f"- ``{field}``")
+    lines.append("")
+
+
 def setup(app):
     app.connect("missing-reference", _unresolved_npattn_reference)
+    app.connect("autodoc-skip-member", _skip_fields)
+    app.connect("autodoc-process-docstring", _list_fields)

@@ -144,31 +144,33 @@ def _coords(lead: tuple, G: int):
 
 
 class BlockedSDPACache(NamedTuple):
-    q: Any  # [..., Lq, Dh] q (compute dtype); grouped (..., Hkv, G, Lq, Dh) under GQA
-    k: Any  # [..., Lk, Dh]; (..., Hkv, 1, Lk, Dh) under GQA
-    v: Any  # [..., Lk, Dv]
-    out: Any  # [..., Lq, Dv] output in the compute dtype, for delta = rowsum(dout * out)
-    m: Any  # [..., Lq, 1] row maximum of the scores (0 for a row with nothing to attend)
-    l: Any  # [..., Lq, 1] row sum of exp(z - m) (0 for a row with nothing to attend)
-    mask: Any  # the caller's mask in the layout of q (leading axes padded), or None
-    is_causal: bool
-    dropout_mask: Any  # caller's keep-mask in the layout of q, or None
-    dropout_key: Optional[int]  # key of the drawn mask, or None
-    coords: Any  # host coordinates of the leading axes, for the drawn mask
-    dropout_p: float
-    scale: float
-    mask_shape: Optional[tuple]  # shape of a floating mask as given, for dmask
-    block_q: int
-    block_k: int
-    groups: int  # G; the caller's shapes are restored from q_shape / k_shape
-    q_shape: tuple  # shape of q as given
-    k_shape: tuple  # shape of k as given
-    v_shape: tuple
-    in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
-    options: Any = None  # F.ScoreOptions, causal folded in, arrays in the layout of q
-    lead_shape: tuple = ()  # leading axes of the scores (q, k, v broadcast), for lse and dlse
-    shapes_b: tuple = ()  # shapes of q, k, v broadcast to lead_shape, before the grouped view
-    sinks_shape: Optional[tuple] = None  # (H,) with sinks, for dsinks
+    """What ``sdpa_blocked_backward`` needs from ``sdpa_blocked_forward``: the inputs, the
+    output and each row's ``m`` and ``l`` (the probabilities are recomputed block by block)."""
+    q: Any  #: [..., Lq, Dh] q (compute dtype); grouped (..., Hkv, G, Lq, Dh) under GQA
+    k: Any  #: [..., Lk, Dh]; (..., Hkv, 1, Lk, Dh) under GQA
+    v: Any  #: [..., Lk, Dv]
+    out: Any  #: [..., Lq, Dv] output in the compute dtype, for delta = rowsum(dout * out)
+    m: Any  #: [..., Lq, 1] row maximum of the scores (0 for a row with nothing to attend)
+    l: Any  #: [..., Lq, 1] row sum of exp(z - m) (0 for a row with nothing to attend)
+    mask: Any  #: the caller's mask in the layout of q (leading axes padded), or None
+    is_causal: bool  #: whether the forward was causal (also folded into ``options``)
+    dropout_mask: Any  #: caller's keep-mask in the layout of q, or None
+    dropout_key: Optional[int]  #: key of the drawn mask, or None
+    coords: Any  #: host coordinates of the leading axes, for the drawn mask
+    dropout_p: float  #: the drop probability
+    scale: float  #: the factor of the scores
+    mask_shape: Optional[tuple]  #: shape of a floating mask as given, for dmask
+    block_q: int  #: query rows per block
+    block_k: int  #: keys per block
+    groups: int  #: G; the caller's shapes are restored from q_shape / k_shape
+    q_shape: tuple  #: shape of q as given
+    k_shape: tuple  #: shape of k as given
+    v_shape: tuple  #: shape of v as given
+    in_dtype: Any  #: dtype of q, k, v; gradients are cast back to it
+    options: Any = None  #: F.ScoreOptions, causal folded in, arrays in the layout of q
+    lead_shape: tuple = ()  #: leading axes of the scores (q, k, v broadcast), for lse and dlse
+    shapes_b: tuple = ()  #: shapes of q, k, v broadcast to lead_shape, before the grouped view
+    sinks_shape: Optional[tuple] = None  #: (H,) with sinks, for dsinks
 
     @property
     def lse(self) -> Any:

@@ -97,13 +97,14 @@ def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
 class ChunkPlan(NamedTuple):
     """Chunk boundaries along (B, Hkv, Lq, Lk) and the group size G."""
 
-    b: tuple  # chunk lengths along the batch
-    h: tuple  # along the K/V heads
-    i: tuple  # along the query rows
-    j: tuple  # along the keys
-    G: int
+    b: tuple  #: chunk lengths along the batch
+    h: tuple  #: along the K/V heads
+    i: tuple  #: along the query rows
+    j: tuple  #: along the keys
+    G: int  #: query heads per K/V head
 
     def starts(self, axis: str) -> list:
+        """Where the chunks along ``axis`` ("b", "h", "i" or "j") start, and the end."""
         sizes = getattr(self, axis)
         return [0, *np.cumsum(sizes).tolist()]
 
@@ -154,17 +155,17 @@ def _mask_key(mask4, b, h, i, j):
 class _Pair(NamedTuple):
     """What a task needs beyond its arrays: where its chunks lie and the options."""
 
-    b0: int  # first batch entry
-    h0: int  # first query head
-    i0: int  # first query row
-    j0: int  # first key
-    is_causal: bool
-    scale: float
-    dropout_p: float
-    key: Optional[int]  # dropout key (a generated keep-mask), or None
-    G: int
-    block_q: Optional[int]
-    block_k: Optional[int]
+    b0: int  #: first batch entry
+    h0: int  #: first query head
+    i0: int  #: first query row
+    j0: int  #: first key
+    is_causal: bool  #: causal attention (top-left)
+    scale: float  #: the factor of the scores
+    dropout_p: float  #: the drop probability
+    key: Optional[int]  #: dropout key (a generated keep-mask), or None
+    G: int  #: query heads per K/V head
+    block_q: Optional[int]  #: the blocked algorithm's block sizes inside the task, or None
+    block_k: Optional[int]  #: (its defaults)
 
 
 def _pair_masks(pair: _Pair, q, k, mask, keep):
@@ -247,23 +248,25 @@ def _keep_chunk(key, p, b0, h0, i0, j0, shape):
 
 
 class ChunkedSDPACache(NamedTuple):
-    q: Any  # [B, Hq, Lq, Dh] dask, compute dtype, rechunked to the plan
-    k: Any  # [B, Hkv, Lk, Dh]
-    v: Any  # [B, Hkv, Lk, Dv]
-    mask: Any  # [B|1, Hq|1, Lq|1, Lk|1] dask, chunked to the plan, or None
-    keep: Any  # the caller's keep-mask likewise, or None
-    out: Any  # [B, Hq, Lq, Dv] dask, compute dtype: the merged output
-    m: Any  # [B, Hq, Lq, 1] merged row maximum
-    l: Any  # [B, Hq, Lq, 1] merged row sum
-    plan: ChunkPlan
-    is_causal: bool
-    scale: float
-    dropout_p: float
-    dropout_key: Optional[int]
-    mask_shape: Optional[tuple]  # shape of a floating mask as given, for dmask
-    in_dtype: Any
-    block_q: Optional[int]
-    block_k: Optional[int]
+    """What the chunked ``sdpa_backward`` needs from ``sdpa_forward``: dask arrays of the
+    inputs, the merged output and row statistics, and the plan of chunk pairs."""
+    q: Any  #: [B, Hq, Lq, Dh] dask, compute dtype, rechunked to the plan
+    k: Any  #: [B, Hkv, Lk, Dh]
+    v: Any  #: [B, Hkv, Lk, Dv]
+    mask: Any  #: [B|1, Hq|1, Lq|1, Lk|1] dask, chunked to the plan, or None
+    keep: Any  #: the caller's keep-mask likewise, or None
+    out: Any  #: [B, Hq, Lq, Dv] dask, compute dtype: the merged output
+    m: Any  #: [B, Hq, Lq, 1] merged row maximum
+    l: Any  #: [B, Hq, Lq, 1] merged row sum
+    plan: ChunkPlan  #: the chunks of the forward, which the backward takes again
+    is_causal: bool  #: causal attention (top-left)
+    scale: float  #: the factor of the scores
+    dropout_p: float  #: the drop probability
+    dropout_key: Optional[int]  #: key of the drawn keep-mask, or None
+    mask_shape: Optional[tuple]  #: shape of a floating mask as given, for dmask
+    in_dtype: Any  #: dtype of q, k, v; gradients are cast back to it
+    block_q: Optional[int]  #: the blocked algorithm's block sizes inside each task, or None
+    block_k: Optional[int]  #: (its defaults)
 
     @property
     def lse(self) -> Any:

@@ -45,12 +45,14 @@ __all__ = ["TransformerClassifier", "ClassifierCache"]
 
 
 class ClassifierCache(NamedTuple):
-    embed: F.LinearCache  # 1.
-    pos: nn.PositionsCache  # 2.
-    norm: Optional[Ly.LayerNormCache]  # 4., None post-norm
-    pool: Ly.MeanPoolCache  # 5.
-    head: F.LinearCache  # 6.
-    batch: int  # B, for dlogits' shape
+    """What ``TransformerClassifier.backward`` needs from ``forward``, by the forward's step
+    numbers (the blocks keep their own caches)."""
+    embed: F.LinearCache  #: 1. e = x @ embed.weight.T + embed.bias
+    pos: nn.PositionsCache  #: 2. h = e + pos
+    norm: Optional[Ly.LayerNormCache]  #: 4. h = layer_norm(h); None post-norm
+    pool: Ly.MeanPoolCache  #: 5. z = mean_pool(h, mask)
+    head: F.LinearCache  #: 6. logits = z @ head.weight.T + head.bias
+    batch: int  #: B, for dlogits' shape
     # the blocks (3.) keep their own caches, as TransformerBlock does
 
 

@@ -137,9 +137,10 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
 
 
 class LinearCache(NamedTuple):
-    x: Any  # [..., Din]  input, for dw
-    w: Any  # [Dout, Din] weight, for dx
-    has_bias: bool
+    """What ``linear_backward`` needs from ``linear_forward``."""
+    x: Any  #: [..., Din]  input, for dw
+    w: Any  #: [Dout, Din] weight, for dx
+    has_bias: bool  #: whether the forward added a bias (``db`` is None without one)
 
 
 def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, LinearCache]:
@@ -231,9 +232,11 @@ def check_linear_grad(dy: Any, cache: Any) -> None:
 
 
 class HeadsCache(NamedTuple):
-    n_head: int
-    like: Any = None  # validation.ArraySpec of the forward's x: dout has the shape, dtype,
-    # library and device of its output; None: only the head count is checked
+    """What the backward of ``split_heads_forward`` or ``merge_heads_forward`` needs."""
+    n_head: int  #: H
+    #: validation.ArraySpec of the forward's x: dout has the shape, dtype, library and
+    #: device of its output; None: only the head count is checked
+    like: Any = None
 
 
 def split_heads_forward(x: Any, n_head: int) -> tuple[Any, HeadsCache]:
@@ -365,11 +368,12 @@ def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
 
 
 class SoftmaxCache(NamedTuple):
-    p: Any  # [..., Lk] probabilities, the only array the backward needs (compute dtype)
-    mask_shape: Optional[tuple]  # shape of an additive mask, for dmask; else None
-    in_dtype: Any = None  # dtype of x when it differs from p's (float16 -> float32)
-    p_sink: Any = None  # [..., 1] the sink's share of each row (attention sinks), else None
-    lse: Any = None  # [..., 1] log(exp(sink) + sum_j exp(z_j)), -inf for an empty row
+    """What ``masked_softmax_backward`` needs from ``masked_softmax_forward``."""
+    p: Any  #: [..., Lk] probabilities, the only array the backward needs (compute dtype)
+    mask_shape: Optional[tuple]  #: shape of an additive mask, for dmask; else None
+    in_dtype: Any = None  #: dtype of x when it differs from p's (float16 -> float32)
+    p_sink: Any = None  #: [..., 1] the sink's share of each row (attention sinks), else None
+    lse: Any = None  #: [..., 1] log(exp(sink) + sum_j exp(z_j)), -inf for an empty row
 
 
 def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tuple[Any, SoftmaxCache]:
@@ -522,10 +526,11 @@ def _masked_softmax_backward(dp, cache, dlse=None):
 
 
 class DropoutCache(NamedTuple):
-    keep: Any  # bool keep-mask broadcastable to x, or None when dropout is off
-    scale: float  # 1 / (1 - p)
-    key: Optional[int] = None  # the dropout key when the mask was drawn, else None
-    like: Any = None  # validation.ArraySpec of x: dy has its shape, dtype, library and device
+    """What ``dropout_backward`` needs from ``dropout_forward``."""
+    keep: Any  #: bool keep-mask broadcastable to x, or None when dropout is off
+    scale: float  #: 1 / (1 - p)
+    key: Optional[int] = None  #: the dropout key when the mask was drawn, else None
+    like: Any = None  #: validation.ArraySpec of x: dy has its shape, dtype, library and device
 
 
 def dropout_forward(x: Any, p: float, *, mask: Any = None, rng: Any = None) -> tuple[Any, DropoutCache]:
@@ -616,20 +621,21 @@ def _dropout_backward(dy, cache):
 
 
 class SDPACache(NamedTuple):
-    q: Any  # [B, H, Lq, Dh]  (compute dtype)
-    k: Any  # [B, H, Lk, Dh]
-    v: Any  # [B, H, Lk, Dh]
-    probs: Any  # [B, H, Lq, Lk] softmax output, before dropout (the returned weights)
-    attn: Any  # [B, H, Lq, Lk] after dropout; the same array as probs without dropout
-    softmax: SoftmaxCache
-    dropout: DropoutCache
-    scale: float
-    mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
-    in_dtype: Any  # dtype of q, k, v; gradients are cast back to it
-    groups: int = 1  # G = Hq // Hkv query heads per K/V head (grouped-query attention)
-    options: Any = None  # ScoreOptions of the call (window, softcap, ALiBi, sinks, segments)
-    capped: Any = None  # [B, H, Lq, Lk] s / softcap with a softcap, for its derivative sech^2
-    shapes: tuple = ()  # (q, k, v, sinks) shapes as given, for gradients of broadcast inputs
+    """What ``sdpa_backward`` needs from ``sdpa_forward`` (the reference's steps' caches)."""
+    q: Any  #: [B, Hq, Lq, Dh]  (compute dtype)
+    k: Any  #: [B, Hkv, Lk, Dh]
+    v: Any  #: [B, Hkv, Lk, Dv]
+    probs: Any  #: [B, H, Lq, Lk] softmax output, before dropout (the returned weights)
+    attn: Any  #: [B, H, Lq, Lk] after dropout; the same array as probs without dropout
+    softmax: SoftmaxCache  #: step 5's cache
+    dropout: DropoutCache  #: step 6's cache
+    scale: float  #: the factor of the scores (``1 / sqrt(Dh)`` unless given)
+    mask_shape: Optional[tuple]  #: shape of a floating mask, for dmask
+    in_dtype: Any  #: dtype of q, k, v; gradients are cast back to it
+    groups: int = 1  #: G = Hq // Hkv query heads per K/V head (grouped-query attention)
+    options: Any = None  #: ScoreOptions of the call (window, softcap, ALiBi, sinks, segments)
+    capped: Any = None  #: [B, H, Lq, Lk] s / softcap with a softcap, for its derivative sech^2
+    shapes: tuple = ()  #: (q, k, v, sinks) shapes as given, for gradients of broadcast inputs
 
     @property
     def lse(self) -> Any:
@@ -641,11 +647,11 @@ class SDPACache(NamedTuple):
 
 class SDPAGrads(NamedTuple):
     """Gradients of ``sdpa_forward``, in the order of its array inputs."""
-    dq: Any  # [B, Hq, Lq, Dh], shape of q
-    dk: Any  # [B, Hkv, Lk, Dh], shape of k
-    dv: Any  # [B, Hkv, Lk, Dv], shape of v
-    dmask: Any  # floating mask's own shape, or None for a boolean or no mask
-    dsinks: Any  # (H,) with sinks, else None
+    dq: Any  #: [B, Hq, Lq, Dh], shape of q
+    dk: Any  #: [B, Hkv, Lk, Dh], shape of k
+    dv: Any  #: [B, Hkv, Lk, Dv], shape of v
+    dmask: Any  #: floating mask's own shape, or None for a boolean or no mask
+    dsinks: Any  #: (H,) with sinks, else None
 
 
 class ScoreOptions(NamedTuple):
@@ -656,14 +662,14 @@ class ScoreOptions(NamedTuple):
     segments, when their ids are equal. ``is_causal`` is ``right = 0``
     (``causal_options``).
     """
-    offset: int = 0  # 0 top-left, Lk - Lq bottom-right (align)
-    left: Optional[int] = None
-    right: Optional[int] = None
-    softcap: Optional[float] = None
-    alibi: Any = None  # [B or 1, H, 1, 1] slopes, compute dtype
-    sinks: Any = None  # [1, H, 1, 1] sink logits, compute dtype
-    q_segments: Any = None  # [B, 1, Lq, 1] segment ids of the queries
-    k_segments: Any = None  # [B, 1, 1, Lk] segment ids of the keys
+    offset: int = 0  #: 0 top-left, Lk - Lq bottom-right (align)
+    left: Optional[int] = None  #: keys before the query's position it may attend; None: all
+    right: Optional[int] = None  #: keys after the query's position it may attend; None: all
+    softcap: Optional[float] = None  #: ``softcap * tanh(s / softcap)`` of the scores; None: off
+    alibi: Any = None  #: [B or 1, H, 1, 1] slopes, compute dtype
+    sinks: Any = None  #: [1, H, 1, 1] sink logits, compute dtype
+    q_segments: Any = None  #: [B, 1, Lq, 1] segment ids of the queries
+    k_segments: Any = None  #: [B, 1, 1, Lk] segment ids of the keys
 
 
 #: No option: the plain ``softmax(q k^T * scale + mask) v``.
@@ -1118,10 +1124,11 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
 
 
 class AppendKVCache(NamedTuple):
-    n_given: int  # Lk, the number of keys the caller gave
-    has_bias: bool  # whether row Lk is the learned bias
-    out_shape: Optional[tuple] = None  # y's shape: dy has it (and like's dtype, library, device)
-    like: Any = None  # validation.ArraySpec of x
+    """What ``append_kv_backward`` needs from ``append_kv_forward``."""
+    n_given: int  #: Lk, the number of keys the caller gave
+    has_bias: bool  #: whether row Lk is the learned bias
+    out_shape: Optional[tuple] = None  #: y's shape: dy has it (and like's dtype, library, device)
+    like: Any = None  #: validation.ArraySpec of x
 
 
 def append_kv_forward(x: Any, bias: Any = None, *, add_zero_attn: bool = False
@@ -1206,9 +1213,10 @@ def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
 
 
 class PadMaskCache(NamedTuple):
-    n_given: int  # Lk
-    causal: Any  # [Lq, Lk] bool causal mask that was applied to a floating mask, else None
-    mask_shape: Optional[tuple]  # shape of a floating mask, for dmask; else None
+    """What ``pad_mask_backward`` needs from ``pad_mask_forward``."""
+    n_given: int  #: Lk
+    causal: Any  #: [Lq, Lk] bool causal mask that was applied to a floating mask, else None
+    mask_shape: Optional[tuple]  #: shape of a floating mask, for dmask; else None
 
 
 def pad_mask_forward(mask: Any, Lq: int, Lk: int, n_extra: int, *, is_causal: bool = False,

@@ -66,12 +66,14 @@ CONFIG_KEYS = ("vocab_size", "block_size", "d_model", "n_layer", "n_head", "d_ff
 
 
 class GPTCache(NamedTuple):
-    embed: nn.EmbeddingCache  # 1.
-    pos: nn.PositionsCache  # 2.
-    start: int  # 2. the position of the first token
-    ln_f: Ly.LayerNormCache  # 4.
-    head: F.LinearCache  # 5.
-    decoding: bool  # the forward appended to KV caches: nothing to differentiate
+    """What ``GPT.backward`` needs from ``forward``, by the forward's step numbers (the
+    blocks keep their own caches)."""
+    embed: nn.EmbeddingCache  #: 1. e = embedding(ids, wte)
+    pos: nn.PositionsCache  #: 2. x = e + wpe[s : s + L]
+    start: int  #: 2. s, the position of the first token
+    ln_f: Ly.LayerNormCache  #: 4. h = layer_norm(x; ln_f)
+    head: F.LinearCache  #: 5. logits = h @ wte.T
+    decoding: bool  #: the forward appended to KV caches: nothing to differentiate
 
 
 def _check_int(name: str, value: Any, *, low: int, allow_none: bool = False) -> None:

@@ -41,10 +41,10 @@ class AlignedKV(NamedTuple):
     sequence: ``align="bottom_right"`` with one offset ``Lt - Lq`` is right
     for every entry (causal, windows and ALiBi included), whatever its length.
     """
-    k: Any  # [B, Hkv, Lt, Dh]
-    v: Any  # [B, Hkv, Lt, Dv]
-    key_mask: Any  # [B, 1, 1, Lt] bool, or None when every shift is 0
-    shift: tuple  # (B,) Python ints: the zero rows in front of entry b
+    k: Any  #: [B, Hkv, Lt, Dh]
+    v: Any  #: [B, Hkv, Lt, Dv]
+    key_mask: Any  #: [B, 1, 1, Lt] bool, or None when every shift is 0
+    shift: tuple  #: (B,) Python ints: the zero rows in front of entry b
 
 
 class KVCache:

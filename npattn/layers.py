@@ -153,11 +153,12 @@ def _erf(xp, x):
 
 
 class LayerNormCache(NamedTuple):
-    xhat: Any  # [..., D] normalised x, in the compute dtype
-    rstd: Any  # [..., 1] 1 / sqrt(var + eps), in the compute dtype
-    weight: Any  # [D] or None
-    has_bias: bool
-    dtype: Any  # dtype of x (and of dx)
+    """What ``layer_norm_backward`` needs from ``layer_norm_forward``."""
+    xhat: Any  #: [..., D] normalised x, in the compute dtype
+    rstd: Any  #: [..., 1] 1 / sqrt(var + eps), in the compute dtype
+    weight: Any  #: [D] or None
+    has_bias: bool  #: whether the forward added a bias (``dbias`` is None without one)
+    dtype: Any  #: dtype of x (and of dx)
 
 
 def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
@@ -259,8 +260,9 @@ def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any
 
 
 class ReluCache(NamedTuple):
-    off: Any  # [...] bool, x <= 0 (the entries ReLU zeroes)
-    dtype: Any  # dtype of x (and of dx)
+    """What ``relu_backward`` needs from ``relu_forward``."""
+    off: Any  #: [...] bool, x <= 0 (the entries ReLU zeroes)
+    dtype: Any  #: dtype of x (and of dx)
 
 
 def relu_forward(x: Any) -> tuple[Any, ReluCache]:
@@ -314,10 +316,11 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 class GeluCache(NamedTuple):
-    x: Any  # [...] the input, in the compute dtype
-    approximate: str
-    dtype: Any  # dtype of x (and of dx)
-    g: Any  # [...] Phi(x) (exact) or t = tanh(u) (tanh form), from the forward
+    """What ``gelu_backward`` needs from ``gelu_forward``."""
+    x: Any  #: [...] the input, in the compute dtype
+    approximate: str  #: "none" (the exact GELU) or "tanh"
+    dtype: Any  #: dtype of x (and of dx)
+    g: Any  #: [...] Phi(x) (exact) or t = tanh(u) (tanh form), from the forward
 
 
 def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
@@ -420,10 +423,11 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
 
 
 class FeedForwardCache(NamedTuple):
-    lin1: Any  # functional.LinearCache of h = x @ w1.T + b1
-    act: Any  # ReluCache or GeluCache of a = act(h)
-    drop: Any  # functional.DropoutCache of d = dropout(a); holds the keep-mask
-    lin2: Any  # functional.LinearCache of y = d @ w2.T + b2
+    """What ``feed_forward_backward`` needs from ``feed_forward_forward``: its steps' caches."""
+    lin1: Any  #: functional.LinearCache of h = x @ w1.T + b1
+    act: Any  #: ReluCache or GeluCache of a = act(h)
+    drop: Any  #: functional.DropoutCache of d = dropout(a); holds the keep-mask
+    lin2: Any  #: functional.LinearCache of y = d @ w2.T + b2
 
 
 def _check_linear(name_w: str, w: Any, name_b: str, b: Any, x: Any, din: int, din_text: str) -> None:
@@ -525,9 +529,10 @@ def feed_forward_backward(dout: Any, cache: FeedForwardCache) -> tuple[Any, Any,
 
 
 class ResidualCache(NamedTuple):
-    x_shape: tuple
-    y_shape: tuple
-    like: Any = None  # validation.ArraySpec of x: the library, device and dtype dout must have
+    """What ``residual_backward`` needs from ``residual_forward``."""
+    x_shape: tuple  #: shape of x: dx is dout summed to it
+    y_shape: tuple  #: shape of y: dy likewise
+    like: Any = None  #: validation.ArraySpec of x: the library, device and dtype dout must have
 
 
 def _broadcast_shape(a: tuple, b: tuple) -> Optional[tuple]:
@@ -597,10 +602,11 @@ def residual_backward(dout: Any, cache: ResidualCache) -> tuple[Any, Any]:
 
 
 class MeanPoolCache(NamedTuple):
-    weights: Any  # [..., L, 1] m_i / max(count, 1) in the compute dtype, or None without a mask
-    x_shape: tuple  # (..., L, D)
-    dtype: Any  # dtype of x (and of dx)
-    like: Any = None  # validation.ArraySpec of x: the library and device dout must have
+    """What ``mean_pool_backward`` needs from ``mean_pool_forward``."""
+    weights: Any  #: [..., L, 1] m_i / max(count, 1) in the compute dtype, or None without a mask
+    x_shape: tuple  #: (..., L, D)
+    dtype: Any  #: dtype of x (and of dx)
+    like: Any = None  #: validation.ArraySpec of x: the library and device dout must have
 
 
 def mean_pool_forward(x: Any, mask: Any = None) -> tuple[Any, MeanPoolCache]:

@@ -42,19 +42,21 @@ POSITIONAL_OPTIONS = ("window", "align='bottom_right'", "alibi_slopes", "q_segme
 
 
 class MHACache(NamedTuple):
-    q_proj: F.LinearCache
-    k_proj: F.LinearCache
-    v_proj: F.LinearCache
-    k_extra: F.AppendKVCache
-    v_extra: F.AppendKVCache
-    mask_pad: Optional[F.PadMaskCache]  # None when no extra keys were appended
-    split: F.HeadsCache
-    sdpa: Any  # the cache of attention.sdpa_forward (that implementation's own)
-    merge: F.HeadsCache
-    out_proj: F.LinearCache
-    out_shape: tuple
-    out_dtype: Any
-    owner: Any = None  # the token of the module whose forward made it (``cache =`` checks it)
+    """What ``MultiHeadAttention.backward`` needs from ``forward``: the caches of its steps
+    (numbered as in the class's docstring)."""
+    q_proj: F.LinearCache  #: 1. q = query @ w_q.T + b_q
+    k_proj: F.LinearCache  #: 2. k = key @ w_k.T + b_k
+    v_proj: F.LinearCache  #: 3. v = value @ w_v.T + b_v
+    k_extra: F.AppendKVCache  #: 4. k = append_kv(k, bias_k, add_zero_attn)
+    v_extra: F.AppendKVCache  #: 4. v = append_kv(v, bias_v, add_zero_attn)
+    mask_pad: Optional[F.PadMaskCache]  #: 4. the mask padded; None when no extra keys were appended
+    split: F.HeadsCache  #: 5. split_heads
+    sdpa: Any  #: 6. the cache of attention.sdpa_forward (that implementation's own)
+    merge: F.HeadsCache  #: 7. merge_heads
+    out_proj: F.LinearCache  #: 8. out = o @ w_o.T + b_o
+    out_shape: tuple  #: the output's shape: dout must have it
+    out_dtype: Any  #: the output's dtype
+    owner: Any = None  #: the token of the module whose forward made it (``cache =`` checks it)
 
 
 class MultiHeadAttention:

@@ -66,8 +66,9 @@ def _one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
 
 
 class EmbeddingCache(NamedTuple):
-    onehot: Any  # [..., V] one-hot rows of ids, for dtable (in the table's dtype)
-    width: Optional[int] = None  # D, the table's width: dout is (..., D)
+    """What ``embedding_backward`` needs from ``embedding_forward``."""
+    onehot: Any  #: [..., V] one-hot rows of ids, for dtable (in the table's dtype)
+    width: Optional[int] = None  #: D, the table's width: dout is (..., D)
 
 
 def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
@@ -132,8 +133,9 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
 
 
 class PositionsCache(NamedTuple):
-    pos_shape: tuple  # shape of the positional table, for dpos
-    like: Any = None  # validation.ArraySpec of x: dout has its shape, library, device and dtype
+    """What ``add_positions_backward`` needs from ``add_positions_forward``."""
+    pos_shape: tuple  #: shape of the positional table, for dpos
+    like: Any = None  #: validation.ArraySpec of x: dout has its shape, library, device and dtype
 
 
 def add_positions_forward(x: Any, pos: Any) -> tuple[Any, PositionsCache]:
@@ -209,10 +211,11 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
 
 
 class CrossEntropyCache(NamedTuple):
-    p: Any  # [..., V] softmax of the logits, in the compute dtype
-    onehot: Any  # [..., V] one-hot targets, in the compute dtype
-    n: int  # number of positions averaged over
-    dtype: Any = None  # the logits' dtype (that of the loss and of dlogits); None: p's
+    """What ``cross_entropy_backward`` needs from ``cross_entropy_forward``."""
+    p: Any  #: [..., V] softmax of the logits, in the compute dtype
+    onehot: Any  #: [..., V] one-hot targets, in the compute dtype
+    n: int  #: number of positions averaged over
+    dtype: Any = None  #: the logits' dtype (that of the loss and of dlogits); None: p's
 
 
 def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyCache]:
@@ -301,12 +304,13 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
 
 
 class AdamState(NamedTuple):
-    m: dict  # first-moment estimates, keyed like the parameters
-    v: dict  # second-moment estimates
-    t: int  # number of steps taken
-    # updates each parameter has received, keyed like the parameters, once they differ from t
-    # (a parameter without a gradient in a step keeps its moments and its count, as in
-    # torch.optim.Adam); None: every parameter has received t
+    """Adam's state between steps: ``adam_init`` makes it, ``adam_step`` returns the next one."""
+    m: dict  #: first-moment estimates, keyed like the parameters
+    v: dict  #: second-moment estimates
+    t: int  #: number of steps taken
+    #: updates each parameter has received, keyed like the parameters, once they differ from t
+    #: (a parameter without a gradient in a step keeps its moments and its count, as in
+    #: torch.optim.Adam); None: every parameter has received t
     steps: Optional[dict] = None
 
 

@@ -287,23 +287,24 @@ def _allocate(workspace, shape, dtype):
 
 
 class NumpySDPACache(NamedTuple):
-    q: Any  # [B, Hq, Lq, Dh]  compute dtype
-    k: Any  # [B, Hkv, Lk, Dh]
-    v: Any  # [B, Hkv, Lk, Dv]
-    exps: Any  # [B, Hq, Lq, Lk] e = exp(s - m), the softmax before its normalisation
-    row_scale: Any  # [B, Hkv, G, Lq, 1] 1 / rowsum(e) (1 for an empty row): p = e * row_scale
-    out: Any  # [B, Hq, Lq, Dv] output in the compute dtype (a copy), for delta = rowsum(dout * out)
-    keep: Any  # [B, Hkv, G, Lq, Lk] bool keep-mask (broadcast view of a caller's), or None
-    dropout_key: Optional[int]  # the key the mask was drawn from, or None
-    dropout_p: float
-    causal: bool  # the window (causal included) leaves some keys out: tiles are cut
-    scale: float
-    groups: int  # G
-    mask_shape: Optional[tuple]  # shape of a floating mask, for dmask
-    in_dtype: Any
-    lse_rows: Any = None  # [B, Hkv, G, Lq] log-sum-exp of each row, -inf for an empty row
-    options: Any = None  # functional.ScoreOptions: the window (offset, left, right), causal folded in
-    rows: int = 0  # r, the forward's query-block height: a cut backward must take its blocks
+    """What the kernel's ``sdpa_backward`` needs from its ``sdpa_forward``."""
+    q: Any  #: [B, Hq, Lq, Dh]  compute dtype
+    k: Any  #: [B, Hkv, Lk, Dh]
+    v: Any  #: [B, Hkv, Lk, Dv]
+    exps: Any  #: [B, Hq, Lq, Lk] e = exp(s - m), the softmax before its normalisation
+    row_scale: Any  #: [B, Hkv, G, Lq, 1] 1 / rowsum(e) (1 for an empty row): p = e * row_scale
+    out: Any  #: [B, Hq, Lq, Dv] output in the compute dtype (a copy), for delta = rowsum(dout * out)
+    keep: Any  #: [B, Hkv, G, Lq, Lk] bool keep-mask (broadcast view of a caller's), or None
+    dropout_key: Optional[int]  #: the key the mask was drawn from, or None
+    dropout_p: float  #: the drop probability
+    causal: bool  #: the window (causal included) leaves some keys out: tiles are cut
+    scale: float  #: the factor of the scores
+    groups: int  #: G
+    mask_shape: Optional[tuple]  #: shape of a floating mask, for dmask
+    in_dtype: Any  #: dtype of q, k, v; gradients are cast back to it
+    lse_rows: Any = None  #: [B, Hkv, G, Lq] log-sum-exp of each row, -inf for an empty row
+    options: Any = None  #: functional.ScoreOptions: the window (offset, left, right), causal folded in
+    rows: int = 0  #: r, the forward's query-block height: a cut backward must take its blocks
 
     @property
     def lse(self) -> Any:

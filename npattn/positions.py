@@ -123,11 +123,12 @@ def _check_positions(positions: Any, x: Any) -> None:
 
 
 class RopeCache(NamedTuple):
-    cos: Any  # [..., L, Dh/2] cos(theta), compute dtype
-    sin: Any  # [..., L, Dh/2] sin(theta)
-    interleaved: bool  # pairs (2c, 2c+1) instead of (c, c + Dh/2)
-    in_dtype: Any  # dtype of x; dx is cast back to it
-    x_shape: tuple = ()  # shape of x, for checking dout
+    """What ``rope_backward`` needs from ``rope_forward``."""
+    cos: Any  #: [..., L, Dh/2] cos(theta), compute dtype
+    sin: Any  #: [..., L, Dh/2] sin(theta)
+    interleaved: bool  #: pairs (2c, 2c+1) instead of (c, c + Dh/2)
+    in_dtype: Any  #: dtype of x; dx is cast back to it
+    x_shape: tuple = ()  #: shape of x, for checking dout
 
 
 def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: Any = None) -> Any:
@@ -373,10 +374,11 @@ def _check_lengths(Lq: Any, Lk: Any, offset: Any) -> None:
 
 
 class RelativeEmbeddingCache(NamedTuple):
-    onehot: Any  # [T, N] C[t, r] = [row of distance t == r], for dtable
-    Lq: int
-    Lk: int
-    E: int  # the table's width, for dout's shape
+    """What ``relative_embedding_backward`` needs from ``relative_embedding_forward``."""
+    onehot: Any  #: [T, N] C[t, r] = [row of distance t == r], for dtable
+    Lq: int  #: query length
+    Lk: int  #: key length
+    E: int  #: the table's width, for dout's shape
 
 
 def relative_embedding_forward(table: Any, Lq: int, Lk: int, *, offset: int = 0
@@ -457,12 +459,13 @@ def _relative_embedding_backward(xp, dout, C):
 
 
 class RelativeScoresCache(NamedTuple):
-    q: Any  # [..., Lq, E] (compute dtype), for drel
-    rel: Any  # [Lq, Lk, E] relative embeddings, for dq
-    embedding: RelativeEmbeddingCache
-    scale: float
-    in_dtype: Any  # dtype of q and table; gradients are cast back to it
-    q_shape: tuple
+    """What ``relative_scores_backward`` needs from ``relative_scores_forward``."""
+    q: Any  #: [..., Lq, E] (compute dtype), for drel
+    rel: Any  #: [Lq, Lk, E] relative embeddings, for dq
+    embedding: RelativeEmbeddingCache  #: the cache of the embeddings' lookup
+    scale: float  #: the factor of the scores
+    in_dtype: Any  #: dtype of q and table; gradients are cast back to it
+    q_shape: tuple  #: shape of q, for checking dout
 
 
 def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, offset: int = 0,
@@ -638,10 +641,11 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
 
 
 class RelativeBiasCache(NamedTuple):
-    onehot: Any  # [T, NB] C[t, b] = [bucket of distance t == b], for dtable
-    Lq: int
-    Lk: int
-    H: int
+    """What ``relative_bias_backward`` needs from ``relative_bias_forward``."""
+    onehot: Any  #: [T, NB] C[t, b] = [bucket of distance t == b], for dtable
+    Lq: int  #: query length
+    Lk: int  #: key length
+    H: int  #: heads, the table's width
 
 
 def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool = True,

@@ -80,11 +80,12 @@ CONFIG_KEYS = ("d_model", "n_head", "d_ff", "dropout", "activation", "norm_first
 
 
 class SublayerCache(NamedTuple):
-    norm: Ly.LayerNormCache  # the sublayer's layer norm (of x pre-norm, of the sum post-norm)
-    core: Any  # the core's own cache (MHACache, FeedForwardCache, ...)
-    drop: F.DropoutCache  # holds the keep-mask of the dropout after the core
-    res: Ly.ResidualCache  # s = x + y
-    norm_first: bool
+    """What ``sublayer_backward`` needs from ``sublayer_forward``."""
+    norm: Ly.LayerNormCache  #: the sublayer's layer norm (of x pre-norm, of the sum post-norm)
+    core: Any  #: the core's own cache (MHACache, FeedForwardCache, ...)
+    drop: F.DropoutCache  #: holds the keep-mask of the dropout after the core
+    res: Ly.ResidualCache  #: s = x + y
+    norm_first: bool  #: pre-norm (True) or post-norm
 
 
 def sublayer_forward(x: Any, core: Callable, *, norm_weight: Any, norm_bias: Any, eps: float,
@@ -187,30 +188,32 @@ def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
 
 
 class EncoderBlockCache(NamedTuple):
-    attn: SublayerCache  # core cache: the MHACache of self_attn
-    ff: SublayerCache  # core cache: layers.FeedForwardCache
-    out_shape: tuple
-    out_dtype: Any
-    decoding: bool = False  # the forward appended to a KV cache: nothing to differentiate
+    """What ``TransformerBlock.backward`` needs from its ``forward``."""
+    attn: SublayerCache  #: core cache: the MHACache of self_attn
+    ff: SublayerCache  #: core cache: layers.FeedForwardCache
+    out_shape: tuple  #: the output's shape: dout must have it
+    out_dtype: Any  #: the output's dtype
+    decoding: bool = False  #: the forward appended to a KV cache: nothing to differentiate
 
 
 class DecoderBlockCache(NamedTuple):
-    self_attn: SublayerCache  # core cache: the MHACache of self_attn
-    cross_attn: SublayerCache  # core cache: the MHACache of multihead_attn
-    ff: SublayerCache  # core cache: layers.FeedForwardCache
-    memory_shape: tuple
-    out_shape: tuple
-    out_dtype: Any
+    """What ``TransformerDecoderBlock.backward`` needs from its ``forward``."""
+    self_attn: SublayerCache  #: core cache: the MHACache of self_attn
+    cross_attn: SublayerCache  #: core cache: the MHACache of multihead_attn
+    ff: SublayerCache  #: core cache: layers.FeedForwardCache
+    memory_shape: tuple  #: shape of the memory: dmemory has it
+    out_shape: tuple  #: the output's shape: dout must have it
+    out_dtype: Any  #: the output's dtype
 
 
 class BlockState(NamedTuple):
     """What a block's forward changes, read by ``forward_state`` and put back by
     ``restore_forward_state``."""
 
-    owner: Any  # the block it was read from
-    cache: Any  # its cache (EncoderBlockCache, DecoderBlockCache) or None
-    attn_caches: dict  # its attention modules' caches (MHACache or None), by name
-    rng_state: Mapping[str, Any]  # its dropout generator's state
+    owner: Any  #: the block it was read from
+    cache: Any  #: its cache (EncoderBlockCache, DecoderBlockCache) or None
+    attn_caches: dict  #: its attention modules' caches (MHACache or None), by name
+    rng_state: Mapping[str, Any]  #: its dropout generator's state
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -314,10 +314,10 @@ class ArraySpec(NamedTuple):
     """What an array was, kept by a cache instead of the array itself (which would stay alive
     until the backward): the upstream gradient of an output must match it."""
 
-    shape: tuple
-    dtype: Any
-    xp: Any  # its Array API namespace
-    device: Any
+    shape: tuple  #: the array's shape
+    dtype: Any  #: its dtype
+    xp: Any  #: its Array API namespace
+    device: Any  #: its device
 
 
 def spec_of(x: Any) -> ArraySpec:
