@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import os
 import functools
@@ -323,6 +324,40 @@ def test_cross_references_name_existing_objects():
 
 
 # --------------------------------------------------------------------------
+# the caches' fields
+
+
+def _named_tuples():
+    """(file, class node, source lines) of every NamedTuple class of the library (not the tools)."""
+    for path in sorted((ROOT / "npattn").rglob("*.py")):
+        if "tools" in path.parts:
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "NamedTuple"
+                                                      for b in node.bases):
+                yield path, node, lines
+
+
+def test_every_named_tuple_documents_its_fields():
+    # the API reference lists each field with its ``#:`` comment (docs/conf.py): a cache
+    # says what it is, and each field what it holds
+    found, missing_doc, missing_fields = 0, [], []
+    for path, node, lines in _named_tuples():
+        found += 1
+        where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        if ast.get_docstring(node) is None:
+            missing_doc.append(where)
+        for f in node.body:
+            if isinstance(f, ast.AnnAssign) and "#:" not in lines[f.lineno - 1] \
+                    and not lines[f.lineno - 2].strip().startswith("#:"):
+                missing_fields.append(f"{where}.{f.target.id}")
+    assert found >= 30, f"only {found} NamedTuple classes found: is the reader broken?"
+    assert not missing_doc, f"NamedTuple classes without a docstring: {missing_doc}"
+    assert not missing_fields, f"fields without a #: comment: {missing_fields}"
+
+
+# --------------------------------------------------------------------------
 # docstring examples
 
 
@@ -365,6 +400,20 @@ def test_sphinx_build_is_warning_free(built_docs):
     run, html_dir = built_docs
     assert run.returncode == 0, f"sphinx build failed:\n{run.stdout}\n{run.stderr}"
     assert (html_dir / "derivations.html").exists()
+
+
+@pytest.mark.slow  # the shared Sphinx build
+def test_named_tuple_fields_are_listed_and_are_no_link_targets(built_docs):
+    run, html_dir = built_docs
+    assert run.returncode == 0, f"sphinx build failed:\n{run.stdout}\n{run.stderr}"
+    api = {p.name: p.read_text() for p in (html_dir / "api").glob("*.html")}
+    text = re.sub(r"<[^>]+>", "", api["functional.html"])
+    cache = text[text.index("npattn.functional.SDPACache("):]
+    assert "Fields" in cache[:3000] and "[B, Hkv, Lk, Dv]" in cache[:3000], cache[:3000]
+    for name, page in api.items():
+        assert "Alias for field number" not in page, name
+        # a word of a docstring's type ("array, shape (B, L)") linked to a field
+        assert "ArraySpec.shape" not in page, name
 
 
 _SCRIPT_SRC = re.compile(r"<script\b[^>]*\bsrc=[\"']?([^\"'\s>]+)", re.I)
