@@ -299,6 +299,7 @@ class MultiHeadAttention:
     # ---------------------------------------------------------------- forward
 
     def __call__(self, query, key, value, **kwargs):
+        """``forward(query, key, value, **kwargs)``, as a torch module is called."""
         return self.forward(query, key, value, **kwargs)
 
     def forward(

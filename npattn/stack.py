@@ -139,6 +139,7 @@ class BlockStack:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
+        """``forward(*args, **kwargs)``, as a torch module is called."""
         return getattr(self, "forward")(*args, **kwargs)
 
     def __getstate__(self) -> dict:

@@ -343,6 +343,7 @@ class _Block:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
+        """``forward(*args, **kwargs)``, as a torch module is called."""
         return self.forward(*args, **kwargs)
 
     # ---------------------------------------------------------------- dropout
@@ -691,6 +692,9 @@ class TransformerBlock(_Block):
         Parameter dtype: "float32" (default), "float64", "float16", or
         "bfloat16" on a backend that has it (torch). See Notes.
     backend : str or namespace
+        "numpy", "cupy", "array_api_strict", "torch", "jax", "dask"
+        (``backend.BACKENDS``), or an Array API namespace, as
+        ``MultiHeadAttention``'s.
     seed : int, optional
         Seeds the weights and the dropout generator.
 
@@ -822,7 +826,8 @@ class TransformerBlock(_Block):
 
     @classmethod
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerBlock":
-        """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, mode."""
+        """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, mode,
+        on ``backend`` (the constructor's ``backend``)."""
         import torch
 
         block = cls(**cls._config_from_torch(layer, torch.nn.TransformerEncoderLayer), backend=backend)
@@ -941,7 +946,8 @@ class TransformerDecoderBlock(_Block):
 
     @classmethod
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerDecoderBlock":
-        """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, mode."""
+        """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, mode,
+        on ``backend`` (the constructor's ``backend``)."""
         import torch
 
         block = cls(**cls._config_from_torch(layer, torch.nn.TransformerDecoderLayer), backend=backend)
