@@ -62,6 +62,7 @@ import array_api_compat
 import numpy as np
 
 __all__ = [
+    "isdtype",
     "keeps_dtype",
     "float64_namespace",
     "float64_result",
@@ -176,14 +177,24 @@ def check_same_device(**arrays: Any) -> None:
             raise ValueError(f"{name}: expected an array on device {d0!r} like {first}, got device {d!r}")
 
 
+def isdtype(xp: Any, dtype: Any, kind: Any) -> bool:
+    """``xp.isdtype(dtype, kind)``, and False for a dtype outside the standard's that the
+    library's ``isdtype`` refuses (NumPy raises TypeError for extension dtypes such as
+    ml_dtypes' bfloat16): such a dtype is none of the standard's kinds."""
+    try:
+        return bool(xp.isdtype(dtype, kind))
+    except TypeError:
+        return False
+
+
 def is_floating(xp: Any, x: Any) -> bool:
     """Whether array ``x`` (any shape) has a real floating dtype."""
-    return xp.isdtype(x.dtype, "real floating")
+    return isdtype(xp, x.dtype, "real floating")
 
 
 def is_bool(xp: Any, x: Any) -> bool:
     """Whether array ``x`` (any shape) is boolean."""
-    return xp.isdtype(x.dtype, "bool")
+    return isdtype(xp, x.dtype, "bool")
 
 
 def to_numpy(x: Any) -> np.ndarray:

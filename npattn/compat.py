@@ -42,7 +42,7 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import device_of, make_rng, namespace
+from .backend import device_of, isdtype, make_rng, namespace
 
 __all__ = [
     "flash_attn_func",
@@ -142,7 +142,7 @@ def _int_list(name: str, x: Any, what: str) -> list:
         raise TypeError(f"{name}: expected {what}, a 1-D integer array, got {V.type_name(x)}")
     if len(x.shape) != 1:
         raise ValueError(f"{name}: expected {what}, a 1-D integer array, got shape {V.shape_of(x)}")
-    if not namespace(x).isdtype(x.dtype, "integral"):
+    if not isdtype(namespace(x), x.dtype, "integral"):
         raise TypeError(f"{name}: expected an integer dtype ({what}), got {V.dtype_name(x.dtype)}")
     return [int(x[i]) for i in range(int(x.shape[0]))]
 
@@ -919,7 +919,7 @@ def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: A
         xp = namespace(query)
         V.check_array("attn_mask", attn_mask, xp, device_of(query), where="like query",
                       library="that of query")
-        if not (attn_mask.dtype == xp.bool or xp.isdtype(attn_mask.dtype, "real floating")):
+        if not (attn_mask.dtype == xp.bool or isdtype(xp, attn_mask.dtype, "real floating")):
             raise TypeError(f"attn_mask: expected a bool or real floating dtype, got "
                             f"{V.dtype_name(attn_mask.dtype)}")
     with V.argument_names({"q": "query", "k": "key", "v": "value", "mask": "attn_mask"}):

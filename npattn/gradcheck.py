@@ -47,7 +47,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from . import validation as V
-from .backend import backend_name, device_of, from_numpy, is_floating, keeps_dtype, namespace, to_numpy
+from .backend import (backend_name, device_of, from_numpy, is_floating, isdtype, keeps_dtype, namespace,
+                      to_numpy)
 
 __all__ = ["GradcheckReport", "InputReport", "gradcheck", "gradcheck_module", "numerical_vjp", "check_vjp"]
 
@@ -143,7 +144,7 @@ def _real_dout(dout: Any) -> Any:
     """``dout``, checked: an array (or NumPy scalar) of a real dtype (a complex one's imaginary
     part would be dropped by the float64 copy)."""
     V.check_array("dout", dout)
-    if namespace(dout).isdtype(dout.dtype, "complex floating"):
+    if isdtype(namespace(dout), dout.dtype, "complex floating"):
         raise TypeError(f"dout: expected a real array (the gradient of a real output), got dtype "
                         f"{V.dtype_name(dout.dtype)}")
     return dout

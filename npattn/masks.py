@@ -29,6 +29,7 @@ from .backend import (
     from_numpy,
     is_bool,
     is_floating,
+    isdtype,
     namespace,
     resolve_backend,
     to_numpy,
@@ -131,7 +132,7 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
         V.check_array(name, a)
     xp = namespace(q_segments, k_segments)
     for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
-        if not xp.isdtype(a.dtype, "integral"):
+        if not isdtype(xp, a.dtype, "integral"):
             raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
         if a.ndim != 2:
             raise ValueError(f"{name}: expected shape (B, L), got shape {tuple(a.shape)}")
@@ -181,7 +182,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
         lengths = xp.asarray(seq, dtype=widest_int(xp), device=device)  # [B]
     else:
         xp = lxp
-        if not xp.isdtype(lengths.dtype, "integral"):
+        if not isdtype(xp, lengths.dtype, "integral"):
             raise TypeError(f"lengths: expected an integer array, got dtype {lengths.dtype}")
         device = device_of(lengths)
     if lengths.ndim != 1:
@@ -278,7 +279,7 @@ def from_torch_mha(
         if isinstance(dtype, str):  # a name, as npattn's modules take: "float32"
             dtype = getattr(src, dtype, given)
         try:
-            floating = bool(src.isdtype(dtype, "real floating"))
+            floating = bool(isdtype(src, dtype, "real floating"))
         except (TypeError, ValueError, AttributeError):
             floating = False
         if not floating:

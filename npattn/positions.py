@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import validation as V
-from .backend import (check_same_device, device_of, float64_namespace, float64_result, is_floating,
+from .backend import (check_same_device, device_of, float64_namespace, float64_result, is_floating, isdtype,
                       namespace, resolve_backend, to_numpy, widest_int)
 from .functional import compute_dtype, sum_to_shape
 
@@ -110,7 +110,7 @@ def _check_positions(positions: Any, x: Any) -> None:
         return
     xp = namespace(x)
     V.check_array("positions", positions, xp, device_of(x), where="that of x", library="that of x")
-    if not (xp.isdtype(positions.dtype, "integral") or is_floating(xp, positions)):
+    if not (isdtype(xp, positions.dtype, "integral") or is_floating(xp, positions)):
         raise TypeError(
             f"positions: expected integer or real floating positions, got {V.dtype_name(positions.dtype)}"
         )
@@ -142,7 +142,7 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     """
     xp = resolve_backend(xp, "xp")
     V.check_array("positions", positions, xp, where="that of positions", library="xp")
-    if not xp.isdtype(positions.dtype, ("integral", "real floating")):
+    if not isdtype(xp, positions.dtype, ("integral", "real floating")):
         raise TypeError(f"positions: expected an integer or real floating array, got dtype "
                         f"{V.dtype_name(positions.dtype)}")
     V.check_positive_int("Dh", Dh)
@@ -600,7 +600,7 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
     # [...] -> [...]
     V.check_array("relative_position", relative_position)
     xp = namespace(relative_position)
-    if not xp.isdtype(relative_position.dtype, "signed integer"):
+    if not isdtype(xp, relative_position.dtype, "signed integer"):
         raise TypeError(
             f"relative_position: expected a signed integer array, got {V.dtype_name(relative_position.dtype)}"
         )

@@ -35,7 +35,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence
 import array_api_compat
 import numpy as np
 
-from .backend import backend_name, device_of
+from .backend import backend_name, device_of, isdtype
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -293,7 +293,7 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
     check_array(name, ids, xp, device, where=f"that of {like}" if like else "where the parameters live",
                 library=f"that of {like}" if like else MODULE_LIBRARY)
     ns = array_api_compat.array_namespace(ids)
-    if not ns.isdtype(ids.dtype, "integral"):
+    if not isdtype(ns, ids.dtype, "integral"):
         raise TypeError(f"{name}: expected an integer array of {what}, got dtype {dtype_name(ids.dtype)}")
     if math.prod(shape_of(ids)):
         lo, hi = int(ns.min(ids)), int(ns.max(ids))
@@ -340,11 +340,11 @@ def check_grad(name: str, g: Any, *, shape: Sequence[int], dtype: Any, xp: Any, 
 
 
 def _is_floating(xp: Any, dtype: Any) -> bool:
-    return xp.isdtype(dtype, "real floating")
+    return isdtype(xp, dtype, "real floating")
 
 
 def _is_bool(xp: Any, dtype: Any) -> bool:
-    return xp.isdtype(dtype, "bool")
+    return isdtype(xp, dtype, "bool")
 
 
 def _broadcast_error(name: str, shape: tuple, target: tuple, target_text: str) -> ValueError:
@@ -610,7 +610,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
         if a is None:
             continue
         check_array(name, a, xp, device, where="like q", library="that of q")
-        if not xp.isdtype(a.dtype, "integral"):
+        if not isdtype(xp, a.dtype, "integral"):
             raise TypeError(f"{name}: expected an integer array of segment ids, got dtype {dtype_name(a.dtype)}")
         if len(lead) != 2 or shape_of(a) != (B, L):
             want = f"(B, {L}) = {(B, L)}" if len(lead) == 2 else \

@@ -805,3 +805,24 @@ def test_upstream_gradients_and_masks_of_another_library_are_refused():
         F.append_kv_backward(torch.zeros(2, 4, 4, dtype=torch.float64), ac)
     with pytest.raises(TypeError, match="^mask: expected a numpy array \\(that of like\\)"):
         F.pad_mask_forward(torch.ones(3, 5, dtype=torch.bool), 3, 5, 1, like=_x(1, 3, 4))
+
+
+def test_numpy_extension_dtypes_are_named_not_crashed_on():
+    # NumPy's isdtype raises its own TypeError for a dtype outside the standard's (ml_dtypes'
+    # bfloat16, which JAX brings): npattn says which argument and what it expected
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from npattn import attention as A, compat, masks
+
+    bf = np.zeros((2, 2, 3, 4), dtype=ml_dtypes.bfloat16)
+    x = np.ones((2, 2, 3, 4))
+    with raises(TypeError, "q", "real floating", "bfloat16"):
+        A.sdpa_forward(bf, x, x, impl="auto")
+    with raises(TypeError, "q", "real floating", "bfloat16"):
+        compat.flash_attn_func(bf.transpose(0, 2, 1, 3), x.transpose(0, 2, 1, 3), x.transpose(0, 2, 1, 3))
+    with raises(TypeError, "mask", "bfloat16"):
+        F.sdpa_forward(x, x, x, mask=np.zeros((3, 3), dtype=ml_dtypes.bfloat16))
+    with raises(TypeError, "lengths"):
+        masks.padding(np.array([1, 2], dtype=ml_dtypes.bfloat16), 3)
+    m = make_mha("numpy")
+    with raises(TypeError, "query", "bfloat16"):
+        m(np.zeros((2, 3, 8), dtype=ml_dtypes.bfloat16), np.ones((2, 3, 8)), np.ones((2, 3, 8)))
