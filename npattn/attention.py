@@ -309,7 +309,8 @@ def dropout_keep_mask(cache: Any) -> Any:
 
     The same array for every implementation given the same generator state:
     entry ``(b, h, i, j)`` depends only on the drawn key and its coordinates.
-    A caller's ``dropout_mask`` is returned as it was broadcast.
+    A caller's ``dropout_mask`` is returned as it was broadcast; a drawn mask
+    is an array of its own, which a later forward does not change.
     """
     if isinstance(cache, numpy_kernel.NumpySDPACache):
         return numpy_kernel.keep_mask_of(cache)

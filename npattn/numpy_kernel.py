@@ -468,12 +468,16 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
 
 
 def keep_mask_of(cache: NumpySDPACache) -> Any:
-    """The keep-mask (B, Hq, Lq, Lk) a forward used, or None without dropout."""
+    """The keep-mask (B, Hq, Lq, Lk) a forward used, or None without dropout. A mask the
+    kernel drew is a new array (the cache's may go back to a ``Workspace`` and be drawn
+    over); a caller's is returned as it was broadcast."""
     if cache.keep is None:
         return None
     B, Hq, Lq, Lk = cache.exps.shape
-    if cache.dropout_key is None or not cache.causal:
+    if cache.dropout_key is None:
         return cache.keep.reshape(B, Hq, Lq, Lk)
+    if not cache.causal:
+        return cache.keep.reshape(B, Hq, Lq, Lk).copy()
     # causal forwards skip the blocks above the diagonal: draw the whole mask again
     return keep_mask(cache.dropout_key, cache.dropout_p, (B, Hq, Lq, Lk), np)
 

@@ -116,6 +116,23 @@ def test_give_keeps_only_the_kernels_own_arrays():
         A.sdpa_forward(q, k, v, impl="numpy", workspace=[], **kw)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_a_drawn_keep_mask_outlives_its_cache_given_back(causal):
+    """``dropout_keep_mask`` of a cache stays the mask that forward used after the cache goes
+    back to a workspace and a later forward draws another mask into its arrays."""
+    q, k, v, _, kw = make_inputs(4, 2, 2, 2, 64, 64, 8, 8, dropout="seed", causal=causal)
+    ws = A.Workspace()
+    _, c1 = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw)
+    mask1 = A.dropout_keep_mask(c1)
+    saved = mask1.copy()
+    ws.give(c1)
+    kw2 = dict(kw, rng=np.random.default_rng(12345))
+    _, c2 = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw2)
+    assert np.shares_memory(c2.keep, c1.keep)  # the arrays were reused ...
+    assert not np.array_equal(A.dropout_keep_mask(c2), saved)  # ... for another mask
+    np.testing.assert_array_equal(mask1, saved)
+
+
 def _step(m, x, dout, **kw):
     out, w = m(x, x, x, need_weights=True, average_attn_weights=False, **kw)
     return out, w, m.backward(dout)[0], dict(m.grads)
