@@ -410,6 +410,9 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
             return f"{n}: {note}"
     if "out" in bad or "lse" in bad:
         where = "the scores or the softmax"
+        if "softcap" in opts and opts & {"mask_float", "alibi"}:
+            where += (" (the order: softcap * tanh(s / softcap) of the scaled scores first, "
+                      "then the float mask and ALiBi added)")
         if "out" in bad and "lse" in bad:
             return f"out and lse wrong: {where}"
         if "lse" in bad:
@@ -477,9 +480,16 @@ def panel_hints(results: list) -> list:
         return [f"fn wrote into its inputs in every failing case, its numbers right: a kernel "
                 f"must leave q, k, v, dout and the options as they were ({len(fails)} case(s))"]
     common = set.intersection(*(set(r.case.options) for r in fails))
-    for opt in sorted(common):
-        passing = [r for r in results if opt in r.case.options and r.status != "fail"]
-        note = "" if not passing else f" (and {len(passing)} case(s) with it pass)"
+    n_pass = {opt: sum(1 for r in results if opt in r.case.options and r.status != "fail")
+              for opt in common}
+    if len(common) > 3:  # all-options cases alone: a line per option would say nothing
+        least = sorted(common, key=lambda o: (n_pass[o], o))[:3]
+        hints.append(f"only cases holding {len(common)} options together fail: two options "
+                     "meet wrongly (an order of steps), or a step they share; the options least "
+                     "often passing elsewhere: "
+                     + ", ".join(f"{o!r} ({n_pass[o]} case(s) pass)" for o in least))
+    for opt in sorted(common) if len(common) <= 3 else ():
+        note = "" if not n_pass[opt] else f" (and {n_pass[opt]} case(s) with it pass)"
         hints.append(f"every failing case holds {opt!r}{note}: look at how {opt} is applied")
     if not common:
         held = sorted(set().union(*(set(r.case.options) for r in fails)))

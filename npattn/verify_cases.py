@@ -245,6 +245,10 @@ WINDOWS = ((None, 7), (5, None), (13, 4), (20, 0))
 #: At most this many pairs of options (each option in one at least, when possible).
 MAX_PAIRS = 10
 
+#: Pairs whose order is a convention (softcap before the additive mask and ALiBi, as
+#: flash-attn and Gemma 2): kept whenever both are declared, beyond ``MAX_PAIRS``.
+ORDER_PAIRS = (("mask_float", "softcap"), ("alibi", "softcap"))
+
 
 def fit_lengths(Lq: int, Lk: int, options: Iterable[str], empty_ok: bool) -> tuple:
     """(Lq, Lk), swapped when the options would leave rows empty by structure (Lq > Lk
@@ -302,6 +306,12 @@ def _pairs(options: tuple, align: str) -> list:
     return chosen[:max(MAX_PAIRS, n_cover)]
 
 
+def _order_pairs(options: tuple, align: str, taken: list) -> list:
+    """The ``ORDER_PAIRS`` of ``options`` that ``taken`` lacks."""
+    return [p for p in ORDER_PAIRS if set(p) <= set(options) and p not in taken
+            and not conflicts(p, align)]
+
+
 def _all_sets(options: tuple, align: str) -> list:
     """Two option sets holding every declared option, one side of each exclusive group in
     each (the second set takes the other side), minus what conflicts with ``align``."""
@@ -340,7 +350,7 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
         The head widths the kernel takes (e.g. ``(64, 128)``): the cases use
         them in turn as Dh in place of the panel's own (8, 16, 32, 64). Dv is
         Dh too, except under "dv_ne_dk" where it is the next width in
-        ``head_dims`` (Dh + 8 when only one is given).
+        ``head_dims``, which must then hold two different widths.
 
     Returns
     -------
@@ -348,6 +358,9 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     """
     supports = check_supports(supports)
     dims = check_head_dims(head_dims)
+    if dims is not None and "dv_ne_dk" in supports and len(set(dims)) < 2:
+        raise ValueError(f"head_dims: expected two different widths or more under dv_ne_dk "
+                         f"(its cases take Dv unlike Dh, both of head_dims), got {dims}")
     empty_ok = "empty_rows" in supports
     options = tuple(s for s in supports if s not in PERMISSIONS)
     cases: list = []
@@ -362,6 +375,8 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     if combos is True:
         pairs = _pairs(options, align)
         combo_sets = pairs + [t for t in _all_sets(options, align) if t not in pairs]
+        combo_sets += _order_pairs(options, align, combo_sets)  # last: the cases before keep
+        # their index, and the window, masks and shapes it draws
     elif combos is False or combos is None:
         combo_sets = []
     else:
@@ -378,6 +393,9 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     for i, opts in enumerate(combo_sets):
         shapes = PAIR_SHAPES if len(opts) == 2 else ALL_SHAPES
         Lq, Lk, Dh = shapes[i % len(shapes)]
+        if tuple(sorted(opts)) in ORDER_PAIRS and min(Lq, Lk) == 1:  # an order shows in the
+            # softmax across several keys (one key gets weight 1 either way)
+            Lq, Lk, Dh = next(s for s in shapes[i % len(shapes):] + shapes if min(s[:2]) > 1)
         c = _make_case("", opts, Lq, Lk, Dh, index=i, empty_ok=empty_ok)
         label = "+".join(opts) if len(opts) <= 3 else f"all{len(opts)}"
         cases.append(replace(c, name=f"{label}-{c.Lq}x{c.Lk}"))
@@ -409,8 +427,8 @@ def _with_head_dim(case: Case, dims: tuple, index: int) -> Case:
     """``case`` with Dh = ``dims[index % len(dims)]`` (Dv, and a given scale, follow)."""
     Dh = dims[index % len(dims)]
     Dv = Dh
-    if case.Dv != case.Dh:  # dv_ne_dk: another width the kernel takes
-        Dv = dims[(index + 1) % len(dims)] if len(dims) > 1 else Dh + 8
+    if case.Dv != case.Dh:  # dv_ne_dk: another width the kernel takes (panel checks there is one)
+        Dv = next(d for d in dims[index % len(dims) + 1:] + dims if d != Dh)
     scale = case.scale
     if scale is not None:  # the same multiple of 1/sqrt(Dh)
         scale = scale * math.sqrt(case.Dh) / math.sqrt(Dh)

@@ -143,7 +143,7 @@ def test_the_example_kernel_passes(dtype):
     float_mask = [r for r in report.results if "mask_float" in r.case.options]
     assert float_mask and all("dmask" in r.tensors for r in float_mask)
     assert not any("dmask" in r.tensors for r in report.results if r not in float_mask)
-    assert "with dlse, dmask in 5/5 float-mask cases" in report.summary()
+    assert "with dlse, dmask in 6/6 float-mask cases" in report.summary()
     worst = max(t.ratio for r in report.results for t in r.tensors.values())
     assert worst < 0.7, worst
 
@@ -169,6 +169,8 @@ MUTANTS = {
                          "+ dlse", {"lse_grad": True}),
     "bug_dmask_sign": ("float64", {"dmask"}, {"out", "lse", "dq", "dk", "dv", "dsinks"},
                        "mask_float", "dmask has the wrong sign"),
+    "bug_softcap_last": ("float64", {"out", "lse", "dq", "dk", "dv"}, set(), "softcap",
+                         "the order: softcap"),
 }
 
 
@@ -243,7 +245,7 @@ def test_budget_is_factor_times_npattn_error_plus_floor():
     report = VF.verify(npattn_kernel, dtype="float32", supports=ALL, backward=npattn_backward,
                        returns_lse=True, budget_factor=3.0, mask_grad=True, lse_grad=True)
     assert report.ok, report.format()
-    assert sum("dmask" in r.tensors for r in report.results) == 5
+    assert sum("dmask" in r.tensors for r in report.results) == 6  # the float-mask cases of the panel
     for r in report.results:
         for t in r.tensors.values():
             assert t.budget == pytest.approx(3.0 * t.npattn_error + t.floor, rel=1e-12)
@@ -413,6 +415,37 @@ def test_torch_autograd_with_dlse_and_dmask():
     lost = VF.verify(lse_detached, lse_grad=True, **kw)
     assert not lost.ok and "+ dlse" in lost.failures[0].hint
     assert VF.verify(lse_detached, **kw).ok  # without lse_grad it cannot be seen
+
+
+@pytest.mark.parametrize("supports", [ALL, ("softcap", "mask_float"), ("alibi", "softcap", "causal")])
+def test_the_order_of_softcap_and_the_additive_terms_has_its_own_pairs(supports, monkeypatch):
+    """softcap before the float mask and ALiBi is a convention: its pairs are in every panel
+    that declares both options, over several keys and rows (one key has weight 1 either way),
+    and they come after the other combinations, which keep their cases."""
+    cases = VC.panel(supports)
+    for pair in VC.ORDER_PAIRS:
+        held = [c for c in cases if set(c.options) == set(pair)]
+        assert bool(held) == (set(pair) <= set(supports)), (pair, [c.name for c in cases])
+        assert all(c.Lq > 1 and c.Lk > 1 for c in held)
+    monkeypatch.setattr(VC, "ORDER_PAIRS", ())
+    without = VC.panel(supports)
+    if supports == ALL:  # the pairs are added after the panel's own cases, which stay as they were
+        assert len(cases) == len(without) + 2 and cases[:len(without)] == without
+
+
+def test_failures_in_the_all_options_cases_alone_give_one_hint_not_one_per_option():
+    def wrong_with_many_options(q, k, v, **options):
+        out, lse, saved = K.attention(q, k, v, **options)
+        many = {"sinks", "window", "softcap"} <= set(options)  # no pair holds all three
+        return (out * 1.01 if many else out), lse, saved
+
+    report = VF.verify(wrong_with_many_options, supports=ALL, returns_lse=True,
+                       backward=K.attention_backward)
+    assert {r.case.name for r in report.failures} == {c.name for c in VC.panel(ALL)
+                                                      if c.name.startswith("all")}
+    hints = report.hints()
+    assert not any(h.startswith("every failing case holds") for h in hints), hints
+    assert any(h.startswith("only cases holding") and "options together fail" in h for h in hints)
 
 
 def test_torch_sdpa_fails_where_it_does_not_implement_the_option():
@@ -938,6 +971,14 @@ def test_head_dims_draw_the_panel_at_the_widths_a_kernel_takes():
     assert not default.ok and "head width" in default.format()
     with pytest.raises(ValueError, match="head_dims"):
         VF.plan(supports, head_dims=(0,))
+    # dv_ne_dk needs a second width: one alone gave Dv = Dh + 8, a width the kernel never named
+    for one in ((64,), (64, 64)):
+        with pytest.raises(ValueError, match="head_dims: expected two different widths"):
+            VF.plan(supports, head_dims=one)
+    assert VF.plan("causal,scale", head_dims=(64,))  # one width is enough without dv_ne_dk
+    cases = VF.plan(supports, head_dims=(32, 32, 64))
+    dv_cases = [c for c in cases if "dv_ne_dk" in c.options]
+    assert dv_cases and all(c.Dv != c.Dh and {c.Dh, c.Dv} == {32, 64} for c in dv_cases)
 
 
 def test_a_kernel_that_raises_shows_where():

@@ -27,9 +27,9 @@ def test_correct_kernel_exits_0_with_json_and_plot(tmp_path, capsys):
                        "--json", str(js), "--plot", str(png), "--no-progress"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "passed: 45/45 cases pass" in out and "worst err" in out and "FAIL" not in out
+    assert "passed: 47/47 cases pass" in out and "worst err" in out and "FAIL" not in out
     data = json.loads(js.read_text())
-    assert data["ok"] and data["n_cases"] == 45 and data["config"]["dtype"] == "float16"
+    assert data["ok"] and data["n_cases"] == 47 and data["config"]["dtype"] == "float16"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a path without .png: the PNG is written there, the path the command prints (matplotlib
     # appended .png to it)
@@ -121,6 +121,8 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
     ([f"{KERNELS}:attention", "--case", "nope"], "--case: expected names"),  # the flag, not the keyword
     ([f"{KERNELS}:attention", "--budget-factor", "-1"], "--budget-factor: expected a finite number >= 1"),
     ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints >= 1"),
+    ([f"{KERNELS}:attention", "--supports", "dv_ne_dk", "--head-dims", "64"],
+     "--head-dims: expected two different widths or more under dv_ne_dk"),
     ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"], "autograd: 'jax' needs"),
     ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
     ([f"{KERNELS}:attention", "--seed", "-1"], "--seed: expected an int >= 0, got -1"),

@@ -1,4 +1,4 @@
-"""User-style attention kernels for ``npattn verify``: one right, fifteen wrong.
+"""User-style attention kernels for ``npattn verify``: one right, sixteen wrong.
 
 ``attention`` is a blocked (FlashAttention-2 style) NumPy kernel: the keys
 are visited in tiles of ``BLOCK`` with an online softmax, and the backward
@@ -55,6 +55,7 @@ MUTANTS = {
     "bug_no_row_max": "exp of the scores without subtracting each row's maximum",
     "bug_dlse_ignored": "the backward drops dlse, the upstream gradient of lse",
     "bug_dmask_sign": "dmask, the float mask's gradient, returned with the wrong sign",
+    "bug_softcap_last": "the softcap taken after the float mask and ALiBi are added, not before",
 }
 
 
@@ -115,7 +116,7 @@ def _tile(q_t, k_t, rows, cols, o: Options):
     if o.bug == "transposed":
         s = np.swapaxes(s, -1, -2)  # square tiles: the shapes still agree
     u = None
-    if o.softcap is not None:
+    if o.softcap is not None and o.bug != "softcap_last":
         u = s / o.softcap
         s = o.softcap * np.tanh(u)
     d = cols[None, :] - (rows[:, None] + o.offset)  # [bq, bk] j - (i + o)
@@ -140,6 +141,9 @@ def _tile(q_t, k_t, rows, cols, o: Options):
         else:
             s = s + m
             allowed = allowed & (m > -np.inf)
+    if o.softcap is not None and o.bug == "softcap_last":
+        u = np.where(allowed, s, 0.0) / o.softcap
+        s = o.softcap * np.tanh(u)
     s = np.where(allowed, s, -np.inf)
     return s, allowed, u
 
@@ -373,3 +377,4 @@ bug_float16_sum = _mutant("float16_sum", "bug_float16_sum")
 bug_no_row_max = _mutant("no_row_max", "bug_no_row_max")
 bug_dlse_ignored = _mutant("dlse_ignored", "bug_dlse_ignored")
 bug_dmask_sign = _mutant("dmask_sign", "bug_dmask_sign")
+bug_softcap_last = _mutant("softcap_last", "bug_softcap_last")

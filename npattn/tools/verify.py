@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="the kernel: module:function or path/to/file.py:function")
     p.add_argument("--layout", choices=VF.LAYOUTS, default="bhsd",
                    help="bhsd (B, H, L, D), bshd (B, L, H, D, flash-attn), bthd (JAX's B, T, N, H)")
-    p.add_argument("--dtype", choices=VF.DTYPES, default="float32")
+    p.add_argument("--dtype", choices=VF.DTYPES, default="float32",
+                   help="dtype of the kernel's inputs (default float32); npattn's truth is "
+                        "float64 whatever it is")
     p.add_argument("--supports", default="",
                    help=f"comma-separated options the kernel implements, or 'all': {tokens}")
     p.add_argument("--backend", choices=VF.LIBRARIES, default="numpy",
