@@ -528,6 +528,9 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
     largest logit (entries may be -inf, none NaN or +inf).
     """
     # [B, V] -> [B]
+    if isinstance(logits, (np.ma.MaskedArray, np.matrix)):  # a mask would be ignored
+        raise TypeError(f"logits: expected a plain numpy.ndarray, got {V.type_name(logits)} "
+                        "(to leave tokens out, set their logits to -inf)")
     if not isinstance(logits, np.ndarray) or logits.dtype.kind != "f":  # (complex, object, bool,
         # strings and other libraries' arrays were converted, or failed in the conversion)
         raise TypeError(f"logits: expected a real floating NumPy array (B, V) on the host, got "

@@ -155,8 +155,9 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     Parameters
     ----------
     lengths : integer array of shape (B,), or a sequence of ints
-        An array keeps its own backend and device; a sequence is created with
-        ``xp`` on ``device``.
+        An array keeps its own backend and device (``xp`` and ``device``, when
+        given, must be its own); a sequence (a list, a tuple, a range) is
+        created with ``xp`` on ``device``.
     Lk : int
         Key length; every length must lie in ``[0, Lk]``.
 
@@ -165,22 +166,31 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     mask : bool array, shape (B, 1, 1, Lk)
     """
     Lk = _check_length("Lk", Lk)
+    given_xp = None if xp is None else _namespace_or(xp)
     try:
         lxp = namespace(lengths)
     except TypeError:
         lxp = None
     if lxp is None:
-        try:
-            seq = list(lengths)
-        except TypeError:
+        if not isinstance(lengths, (list, tuple, range)):  # a set or a dict has no order
             raise TypeError(f"lengths: expected an integer array of shape (B,) or a sequence of "
-                            f"ints, got {type(lengths).__name__} {lengths!r}") from None
+                            f"ints (list, tuple, range), got {type(lengths).__name__} {lengths!r}")
+        seq = list(lengths)
         if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in seq):
             raise TypeError(f"lengths: expected ints, got {seq!r}")
         seq = [int(n) for n in seq]
-        xp = _namespace_or(xp)
+        if any(n < 0 or n > Lk for n in seq):  # (before asarray: 10**30 would overflow it)
+            raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {seq}")
+        xp = _namespace_or(given_xp)
         lengths = xp.asarray(seq, dtype=widest_int(xp), device=device)  # [B]
     else:
+        V.check_array("lengths", lengths)  # (a masked array's mask would be ignored)
+        if given_xp is not None and backend_name(given_xp) != backend_name(lxp):
+            raise TypeError(f"xp: expected None or the library of lengths "
+                            f"({backend_name(lxp)}), got {backend_name(given_xp)}")
+        if device is not None and device != device_of(lengths):
+            raise ValueError(f"device: expected None or the device of lengths "
+                             f"({device_of(lengths)!r}), got {device!r}")
         xp = lxp
         if not isdtype(xp, lengths.dtype, "integral"):
             raise TypeError(f"lengths: expected an integer array, got dtype {lengths.dtype}")

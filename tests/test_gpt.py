@@ -348,6 +348,9 @@ def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its
         (logits.astype(np.complex128), {}, TypeError, "^logits: expected a real floating NumPy array"),
         (logits > 0, {}, TypeError, "^logits: expected a real floating NumPy array"),
         (logits.tolist(), {}, TypeError, "^logits: expected a real floating NumPy array .* got list"),
+        # a masked array's mask was ignored: masked tokens were drawn
+        (np.ma.array(logits, mask=logits > 4), {}, TypeError,
+         "^logits: expected a plain numpy.ndarray, got numpy.MaskedArray"),
     ]
     for z, kw, error, match in bad:
         with pytest.raises(error, match=match):

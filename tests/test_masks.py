@@ -125,9 +125,21 @@ def test_padding_bad_arguments():
         masks.padding(np.array([[1, 2]]), 3)
     with pytest.raises(TypeError, match="lengths"):
         masks.padding(np.array([1.0, 2.0]), 3)
-    for lengths in (3, None):
+    for lengths in (3, None, {1, 2}, {0: 1, 1: 2}):  # a set or a dict has no order
         with pytest.raises(TypeError, match="^lengths: expected an integer array of shape"):
             masks.padding(lengths, 3)
+    with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=4\], got"):
+        masks.padding([10**30, 1], 4)  # (an OverflowError in asarray before)
+    with pytest.raises(TypeError, match="^lengths: expected a plain numpy.ndarray, got numpy.ma"):
+        masks.padding(np.ma.array([1, 2], mask=[False, True]), 3)  # the mask would be ignored
+    with pytest.raises(TypeError, match=r"^xp: expected None or the library of lengths \(numpy\)"):
+        masks.padding(np.array([1, 2]), 3, xp="array_api_strict")
+    with pytest.raises(ValueError, match="^xp: expected one of"):
+        masks.padding(np.array([1, 2]), 3, xp="nope")
+    with pytest.raises(ValueError, match="^device: expected None or the device of lengths"):
+        masks.padding(np.array([1, 2]), 3, device="elsewhere")
+    np.testing.assert_array_equal(masks.padding(np.array([1, 2]), 3, xp="numpy", device="cpu"),
+                                  masks.padding((1, 2), 3))
 
 
 def test_masks_on_strict_second_device():
