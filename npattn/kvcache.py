@@ -107,7 +107,8 @@ class KVCache:
         B, Hkv, C = self.batch_size, self.num_kv_heads, self.capacity
         entries = B * Hkv * C * max(self.head_dim, self.value_dim)
         if entries >= 2**62:  # beyond what any library indexes (NumPy's own message names nothing)
-            raise ValueError(f"capacity: expected buffers of fewer than 2**62 entries, got batch_size "
+            raise ValueError(f"batch_size, num_kv_heads, capacity, head_dim and value_dim: expected "
+                             f"buffers of fewer than 2**62 entries, got batch_size "
                              f"{B} x num_kv_heads {Hkv} x capacity {C} x head width "
                              f"{max(self.head_dim, self.value_dim)}")
         if device is not None:  # a device the backend lacks: named, before the buffers are made
@@ -154,7 +155,9 @@ class KVCache:
     # ------------------------------------------------------------ checks
 
     def check_room(self, n: int, *, name: str = "kv_cache") -> None:
-        """``ValueError`` (naming ``name``) unless every entry has room for ``n`` more positions."""
+        """``ValueError`` (naming ``name``) unless every entry has room for ``n`` more positions
+        (``TypeError``/``ValueError`` naming ``n`` unless it is an int >= 0)."""
+        V.check_size("n", n)
         for b, L in enumerate(self._lens):
             if L + n > self.capacity:
                 raise ValueError(
@@ -290,9 +293,24 @@ def unalign_columns(x: Any, shift: Sequence[int]) -> Any:
     """Undo ``right_aligned`` on the last axis: column ``j`` of the result is position
     ``j`` of entry ``b``; the ``shift[b]`` columns freed at the end are zeros.
 
-    ``x`` has shape (B, ..., Lt), e.g. attention weights (B, H, Lq, Lt).
+    ``x`` has shape (B, ..., Lt), e.g. attention weights (B, H, Lq, Lt);
+    ``shift`` holds B ints in [0, Lt] (``AlignedKV.shift``).
     """
     # [B, ..., Lt] -> [B, ..., Lt]
+    V.check_array("x", x)
+    if x.ndim < 2:
+        raise ValueError(f"x: expected shape (B, ..., Lt), at least 2-D, got shape {tuple(x.shape)}")
+    B, Lt = x.shape[0], x.shape[-1]
+    if isinstance(shift, np.ndarray) and shift.ndim == 1:  # NumPy ints on the host
+        shift = shift.tolist()
+    if isinstance(shift, (str, bytes)) or not isinstance(shift, Sequence):
+        raise TypeError(f"shift: expected a sequence of {B} ints, got {V.type_name(shift)}")
+    if len(shift) != B:
+        raise ValueError(f"shift: expected {B} ints (x's batch), got {len(shift)}")
+    for b, n in enumerate(shift):
+        V.check_size(f"shift[{b}]", n)
+        if n > Lt:
+            raise ValueError(f"shift[{b}]: expected an int in [0, Lt={Lt}], got {n}")
     if not any(shift):
         return x
     xp = namespace(x)

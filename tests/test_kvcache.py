@@ -339,13 +339,36 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     ((1, 4, 1, 2), dict(dtype=None), TypeError, "dtype"),
     ((1, 4, 1, 2), dict(backend="nope"), ValueError, "backend"),
     # NumPy's own messages named nothing
-    ((1, 2**70, 1, 2), {}, ValueError, r"^capacity: expected buffers of fewer than 2\*\*62 entries"),
+    ((1, 2**70, 1, 2), {}, ValueError, r"^batch_size, num_kv_heads, capacity, head_dim and "
+     r"value_dim: expected buffers of fewer than 2\*\*62 entries"),
+    ((1, 4, 1, 2**70), {}, ValueError, r"head width 1180591620717411303424$"),  # (not "capacity:")
     ((1, 4, 1, 2), dict(device="cuda"), ValueError, r"^device: expected a device of the numpy backend, got 'cuda'"),
 ])
 def test_kvcache_bad_construction(args, kwargs, exc, match):
     kwargs = dict(dict(dtype="float32"), **kwargs)
     with pytest.raises(exc, match=match):
         KVCache(*args, **kwargs)
+
+
+def test_check_room_and_unalign_columns_check_their_arguments():
+    cache = KVCache(2, 5, 1, 2, dtype="float32")
+    for n, exc in ((None, TypeError), (1.5, TypeError), (True, TypeError), (-5, ValueError)):
+        with pytest.raises(exc, match=r"^n: expected an int >= 0, got"):  # (-5 was accepted)
+            cache.check_room(n)
+    cache.check_room(5)
+    x = np.arange(12.0).reshape(2, 1, 6)
+    bad = [((1,), ValueError, r"^shift: expected 2 ints \(x's batch\), got 1"),  # a batch of 1 came back
+           (None, TypeError, r"^shift: expected a sequence of 2 ints, got None"),
+           ("ab", TypeError, r"^shift: expected a sequence of 2 ints, got str"),
+           ((1, -1), ValueError, r"^shift\[1\]: expected an int >= 0, got -1"),
+           ((1, 7), ValueError, r"^shift\[1\]: expected an int in \[0, Lt=6\], got 7")]
+    for shift, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            unalign_columns(x, shift)
+    with pytest.raises(ValueError, match=r"^x: expected shape \(B, ..., Lt\), at least 2-D"):
+        unalign_columns(np.ones(3), (1, 0, 0))  # (an IndexError from inside)
+    np.testing.assert_array_equal(unalign_columns(x, np.array([2, 0])),
+                                  [[[2.0, 3, 4, 5, 0, 0]], [[6.0, 7, 8, 9, 10, 11]]])
 
 
 def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
