@@ -806,11 +806,18 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(query_seq_lengths=np.array([-1, 3], np.int32)), ValueError,
      r"^query_seq_lengths: expected lengths >= 0, got \[-1, 3\]"),
     (dict(key_value_seq_lengths=[-5, 3]), ValueError, r"^key_value_seq_lengths: expected lengths >= 0"),
+    # the attention core's checks, named as this function's arguments (q, k, v, mask before)
+    (dict(bias=np.ones((1, 1, 4, 6), np.float32)), TypeError,
+     r"^bias: expected a floating mask of dtype float64 \(that of query\), got float32"),
+    (dict(value=np.float32), TypeError, r"^value: expected dtype float64 \(that of query\), got float32"),
 ])
 def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
     q, k, v, _, _, _ = jax_case("bias_mask_gqa")
+    args = dict(query=q, key=k, value=v)
+    if kwargs.get("value") is np.float32:
+        kwargs = dict(value=v.astype(np.float32))
     with pytest.raises(exc, match=match):
-        C.dot_product_attention(q, k, v, **kwargs)
+        C.dot_product_attention(**{**args, **kwargs})
 
 
 # --------------------------------------------------------------------------
