@@ -41,6 +41,7 @@ from .backend import device_of, namespace
 __all__ = [
     "erf",
     "layer_norm_forward",
+    "check_layer_norm_inputs",
     "layer_norm_backward",
     "relu_forward",
     "relu_backward",
@@ -188,16 +189,7 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     cache : LayerNormCache
     """
     # [..., D], [D], [D] -> [..., D]
-    V.check_floating_array("x", x)
-    if x.ndim < 1 or x.shape[-1] < 1:
-        raise ValueError(f"x: expected shape (..., D) with D >= 1, got shape {V.shape_of(x)}")
-    D = int(x.shape[-1])
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            V.check_floating_array(name, p, namespace(x), device_of(x), dtype=x.dtype, like="x")
-            if V.shape_of(p) != (D,):
-                raise ValueError(f"{name}: expected shape ({D},) (D, the last axis of x), got shape {V.shape_of(p)}")
-    _check_eps(eps)
+    check_layer_norm_inputs(x, weight, bias, eps)
     xp = namespace(x)
     xc32 = _compute(xp, x)  # [..., D]
     mu = xp.mean(xc32, axis=-1, keepdims=True)  # 1.  [..., 1]
@@ -212,6 +204,20 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
         y = y + _compute(xp, bias)
     y = y if y.dtype == x.dtype else xp.astype(y, x.dtype)
     return y, LayerNormCache(xhat, rstd, weight, bias is not None, x.dtype)
+
+
+def check_layer_norm_inputs(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``layer_norm_forward`` takes ``(x, weight, bias, eps)``."""
+    V.check_floating_array("x", x)
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x: expected shape (..., D) with D >= 1, got shape {V.shape_of(x)}")
+    D = int(x.shape[-1])
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            V.check_floating_array(name, p, namespace(x), device_of(x), dtype=x.dtype, like="x")
+            if V.shape_of(p) != (D,):
+                raise ValueError(f"{name}: expected shape ({D},) (D, the last axis of x), got shape {V.shape_of(p)}")
+    _check_eps(eps)
 
 
 def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any]:
@@ -510,6 +516,8 @@ def feed_forward_backward(dout: Any, cache: FeedForwardCache) -> tuple[Any, Any,
     """
     # [..., D] -> [..., D], [F, D], [F], [D, F], [D]
     V.check_cache("cache", cache, FeedForwardCache, "feed_forward_forward")
+    with V.argument_names({"dy": "dout"}):  # linear_backward's dy is this function's dout
+        F.check_linear_grad(dout, cache.lin2)
     # 4. y = d @ w2.T + b2
     dd, dw2, db2 = F.linear_backward(dout, cache.lin2)  # [..., F], [D, F], [D]
     # 3. d = dropout(a, dropout_p), with the forward's keep-mask

@@ -1238,7 +1238,10 @@ def check_params_assignment(new: Any, current: dict, xp: Any) -> None:
         raise TypeError(f"params: expected a dict of arrays with the keys {list(current)}, got "
                         f"{type(new).__name__}")
     if set(new) != set(current):
-        raise ValueError(f"params: expected the keys {list(current)}, got {sorted(new)}")
+        missing = [k for k in current if k not in new]
+        unexpected = sorted(set(new) - set(current), key=str)  # key=str: a key may be no string
+        raise ValueError(f"params: expected the keys {list(current)}, got {sorted(new, key=str)} "
+                         f"(missing {missing}, unexpected {unexpected})")
     for name, like in current.items():
         check_param(name, new[name], like=like, xp=xp)
 

@@ -172,10 +172,10 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     check_state_dict(state_dict)
     got = set(state_dict.keys())
     missing = [k for k in expected if k not in got]
-    unexpected = sorted(got - set(expected))
+    unexpected = sorted(got - set(expected), key=str)  # key=str: a key may be no string
     if missing or unexpected:
         raise ValueError(
-            f"state_dict: expected keys {list(expected)}, got {sorted(got)} "
+            f"state_dict: expected keys {list(expected)}, got {sorted(got, key=str)} "
             f"(missing {missing}, unexpected {unexpected})"
         )
     host = {}

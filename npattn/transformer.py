@@ -36,7 +36,8 @@ from . import functional as F
 from . import layers as Ly
 from .attention import check_impl
 from . import validation as V
-from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy
+from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace,
+                      to_numpy)
 from .module import (MultiHeadAttention, check_forward_inputs, check_params_assignment, check_path,
                      model_from_save_file, picklable_state, restore_state, set_rng_state,
                      write_save_file)
@@ -111,7 +112,9 @@ def sublayer_forward(x: Any, core: Callable, *, norm_weight: Any, norm_bias: Any
     ----------
     x : array, shape (B, L, D)
     core : callable
-        ``core(n) -> (c, core_cache)`` with ``c`` of ``n``'s shape.
+        ``core(n) -> (c, core_cache)``, a tuple, with ``c`` of the library,
+        device, shape and dtype of ``x`` (anything else is a ``TypeError`` or
+        ``ValueError`` naming ``core``: never broadcast into the residual).
     norm_weight, norm_bias : array, shape (D,), or None
     eps : float
     norm_first : bool
@@ -127,17 +130,61 @@ def sublayer_forward(x: Any, core: Callable, *, norm_weight: Any, norm_bias: Any
     cache : SublayerCache
     """
     # [B, L, D] -> [B, L, D]
+    _check_sublayer_inputs(x, core, norm_weight, norm_bias, eps, norm_first, dropout_p,
+                           dropout_mask, rng)
+    like = V.spec_of(x)
     if norm_first:
         n, norm_c = Ly.layer_norm_forward(x, norm_weight, norm_bias, eps)  # 1. [B, L, D]
-        c, core_c = core(n)  # 2.                                              [B, L, D]
+        c, core_c = _core_pair(core(n), like)  # 2.                            [B, L, D]
         y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 3. [B, L, D]
         out, res_c = Ly.residual_forward(x, y)  # 4.                           [B, L, D]
     else:
-        c, core_c = core(x)  # 1.                                              [B, L, D]
+        c, core_c = _core_pair(core(x), like)  # 1.                            [B, L, D]
         y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 2. [B, L, D]
         s, res_c = Ly.residual_forward(x, y)  # 3.                             [B, L, D]
         out, norm_c = Ly.layer_norm_forward(s, norm_weight, norm_bias, eps)  # 4. [B, L, D]
     return out, SublayerCache(norm_c, core_c, drop_c, res_c, bool(norm_first))
+
+
+def _check_sublayer_inputs(x: Any, core: Any, norm_weight: Any, norm_bias: Any, eps: Any,
+                           norm_first: Any, dropout_p: Any, dropout_mask: Any, rng: Any) -> None:
+    """``sublayer_forward``'s arguments, by its names, before the core runs (the layer norm
+    and the dropout check their own again under their names, which then pass)."""
+    with V.argument_names({"weight": "norm_weight", "bias": "norm_bias"}):
+        Ly.check_layer_norm_inputs(x, norm_weight, norm_bias, eps)
+    if not callable(core):
+        raise TypeError(f"core: expected a callable core(n) -> (out, cache), got {V.type_name(core)}")
+    V.check_bool("norm_first", norm_first)
+    V.check_probability("dropout_p", dropout_p)
+    V.check_mask("dropout_mask", dropout_mask, namespace(x), target=V.shape_of(x),
+                 target_text="x", dtype=x.dtype, device=device_of(x), bool_only=True,
+                 where="like x", library="that of x")
+    V.check_rng("rng", rng)
+
+
+def _check_like_x(name: str, what: str, a: Any, like: V.ArraySpec) -> None:
+    """``a``, the ``what`` that the callable ``name`` returned, has x's library, device,
+    shape and dtype: nothing is broadcast into the residual or promoted."""
+    V.check_array(name, a, like.xp, like.device, where="like x", library="that of x")
+    if V.shape_of(a) != tuple(like.shape):
+        raise ValueError(f"{name}: expected {what} of shape {tuple(like.shape)} (that of x), "
+                         f"got shape {V.shape_of(a)}")
+    if a.dtype != like.dtype:
+        raise TypeError(f"{name}: expected {what} of dtype {V.dtype_name(like.dtype)} (that of x), "
+                        f"got {V.dtype_name(a.dtype)} (no silent promotion)")
+
+
+def _core_pair(result: Any, like: V.ArraySpec) -> tuple[Any, Any]:
+    """``(out, cache)`` from what ``core`` returned, ``out`` like x."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        got = V.type_name(result)
+        if isinstance(result, tuple):
+            got = f"a tuple of {len(result)} items"
+        elif hasattr(result, "shape"):
+            got += f" of shape {V.shape_of(result)}"
+        raise TypeError(f"core: expected a pair (out, cache), out of x's shape, got {got}")
+    _check_like_x("core", "out", result[0], like)
+    return result[0], result[1]
 
 
 def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
@@ -153,7 +200,9 @@ def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
     cache : SublayerCache
     core_backward : callable
         ``core_backward(dc, core_cache) -> dn``, the gradient with respect to
-        the core's input (the core's own parameter gradients are its business).
+        the core's input, of the library, device, shape and dtype of ``x``
+        (checked, as ``core``'s output; the core's own parameter gradients
+        are its business).
 
     Returns
     -------
@@ -169,6 +218,7 @@ def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
         dc = F.dropout_backward(dy, cache.drop)  # [B, L, D]
         # 2. c = core(n)
         dn = core_backward(dc, cache.core)  # [B, L, D]
+        _check_like_x("core_backward", "the gradient of the core's input", dn, cache.res.like)
         # 1. n = layer_norm(x)
         dx_norm, dw, db = Ly.layer_norm_backward(dn, cache.norm)  # [B, L, D], [D], [D]
         return dx_res + dx_norm, dw, db  # x fed the residual and the norm
@@ -180,6 +230,7 @@ def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
     dc = F.dropout_backward(dy, cache.drop)  # [B, L, D]
     # 1. c = core(x)
     dx_core = core_backward(dc, cache.core)  # [B, L, D]
+    _check_like_x("core_backward", "the gradient of the core's input", dx_core, cache.res.like)
     return dx_res + dx_core, dw, db  # x fed the residual and the core
 
 
@@ -353,7 +404,7 @@ class _Block:
             return
         if not isinstance(dropout_masks, dict):
             raise TypeError(f"dropout_masks: expected a dict or None, got {type(dropout_masks).__name__}")
-        unknown = sorted(set(dropout_masks) - set(self._SITES))
+        unknown = sorted(set(dropout_masks) - set(self._SITES), key=str)  # a key may be no string
         if unknown:
             raise ValueError(f"dropout_masks: expected keys among {list(self._SITES)}, got {unknown}")
         device = device_of(self.params["linear1.weight"])
@@ -519,15 +570,18 @@ class _Block:
         check_state_dict(state_dict)
         got = set(state_dict.keys())
         missing = [k for k in expected if k not in got]
-        unexpected = sorted(got - set(expected))
+        unexpected = sorted(got - set(expected), key=str)  # key=str: a key may be no string
         if missing or unexpected:
-            raise ValueError(f"state_dict: expected keys {expected}, got {sorted(got)} "
+            raise ValueError(f"state_dict: expected keys {expected}, got {sorted(got, key=str)} "
                              f"(missing {missing}, unexpected {unexpected})")
         new = {}
         for a in self._ATTNS:
             sub = {k.split(".", 1)[1]: v for k, v in state_dict.items() if k.startswith(a + ".")}
-            for k, v in params_from_torch_state_dict(self._attn[a], sub).items():
-                new[f"{a}.{k}"] = v
+            # its errors name the key as given: state_dict['self_attn.in_proj_weight']
+            full = {f"state_dict[{k!r}]": f"state_dict[{f'{a}.{k}'!r}]" for k in sub}
+            with V.argument_names(full):
+                for k, v in params_from_torch_state_dict(self._attn[a], sub).items():
+                    new[f"{a}.{k}"] = v
         for k in self._own:
             new[k] = host_tensor(k, state_dict[k])
         arrays = {}
@@ -544,9 +598,11 @@ class _Block:
         if not isinstance(layer, torch_cls):
             raise TypeError(f"layer: expected a {torch_cls.__module__}.{torch_cls.__name__}, "
                             f"got {type(layer).__name__}")
-        if not layer.self_attn.batch_first:
-            raise ValueError("layer: expected batch_first=True (npattn takes (B, L, D) inputs), "
-                             "got batch_first=False")
+        for a in cls._ATTNS:
+            if not getattr(layer, a).batch_first:  # torch sets both from one argument
+                where = "" if a == "self_attn" else f" in {a}"
+                raise ValueError("layer: expected batch_first=True (npattn takes (B, L, D) inputs), "
+                                 f"got batch_first=False{where}")
         import torch
 
         act = layer.activation
@@ -565,11 +621,25 @@ class _Block:
         else:
             raise ValueError("layer: expected activation relu, gelu, torch.nn.GELU(approximate='tanh') or "
                              f"functools.partial(torch.nn.functional.gelu, approximate='tanh'), got {act!r}")
+        # npattn's block has one of each: a layer whose modules differ would copy into other numbers
+        heads = {a: getattr(layer, a).num_heads for a in cls._ATTNS}
+        eps = {n: float(getattr(layer, n).eps) for n in cls._NORMS}
+        drops = {}
+        for site in cls._SITES:  # an attention module's drop probability is its float dropout
+            if site in cls._ATTNS:
+                drops[f"{site}.dropout"] = float(getattr(layer, site).dropout)
+            else:
+                drops[site] = float(getattr(layer, site).p)
+        for what, values, config in (("num_heads", heads, "n_head"), ("eps", eps, "layer_norm_eps"),
+                                     ("drop probability", drops, "dropout")):
+            if len(set(values.values())) > 1:
+                raise ValueError(f"layer: expected one {what} for {', '.join(values)} (npattn's blocks "
+                                 f"have one {config}), got {', '.join(map(str, values.values()))}")
         return dict(
             d_model=layer.self_attn.embed_dim, n_head=layer.self_attn.num_heads,
-            d_ff=layer.linear1.out_features, dropout=float(layer.dropout.p),
+            d_ff=layer.linear1.out_features, dropout=drops["dropout"],
             activation=activation, norm_first=bool(layer.norm_first),
-            layer_norm_eps=float(layer.norm1.eps), bias=layer.linear1.bias is not None,
+            layer_norm_eps=eps["norm1"], bias=layer.linear1.bias is not None,
             dtype=V.dtype_name(layer.linear1.weight.dtype),
         )
 

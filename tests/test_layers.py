@@ -485,6 +485,11 @@ def test_bad_arguments_name_the_argument(xp, to_xp):
     _, cache = L.residual_forward(x, w4)
     with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3, 4\)"):
         L.residual_backward(w4, cache)
+    _, cache = L.feed_forward_forward(x, w1, None, w2, None)  # its dout was named dy, linear_backward's
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3, 4\) .*got \(2, 3, 6\)"):
+        L.feed_forward_backward(to_xp(np.ones((2, 3, 6))), cache)
+    with pytest.raises(TypeError, match=r"^dout: expected dtype float64 .*got float32"):
+        L.feed_forward_backward(xp.astype(x, xp.float32), cache)
 
 
 def test_backward_leaves_inputs_alone(xp, to_xp, to_np):

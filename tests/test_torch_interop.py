@@ -118,6 +118,9 @@ def test_bad_state_dicts_are_named():
         mha.load_torch_state_dict({k: torch.empty_like(v, device="meta") for k, v in sd.items()})
     with pytest.raises(TypeError, match="^mha: expected an npattn MultiHeadAttention, got object"):
         torch_interop.params_from_torch_state_dict(object(), sd)
+    # a key that is no string (sorted() stopped on it: "'<' not supported between ...")
+    with pytest.raises(ValueError, match=r"^state_dict: expected keys .*got \[0, .*unexpected \[0\]"):
+        mha.load_torch_state_dict({**sd, 0: torch.zeros(1)})
     for k in before:
         np.testing.assert_array_equal(mha.params[k], before[k])
 

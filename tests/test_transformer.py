@@ -16,12 +16,15 @@ import functools
 import numpy as np
 import pytest
 
+from reliability_helpers import raises
+
 from npattn.gradcheck import check_vjp
 from npattn.transformer import (
     DECODER_DROPOUT_SITES,
     ENCODER_DROPOUT_SITES,
     TransformerBlock,
     TransformerDecoderBlock,
+    sublayer_backward,
     sublayer_forward,
 )
 from npattn import layers as Ly
@@ -319,6 +322,63 @@ def test_sublayer_forward_is_the_documented_formula(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(pre), to_np(x + core(ln(x))[0]), rtol=1e-12, atol=1e-12)
 
 
+def test_sublayer_pair_checks_its_core_and_names_its_own_arguments(xp, to_xp, to_np):
+    """A core's output of another shape was broadcast into the residual, a bare array unpacked
+    along axis 0, norm_first="no" taken as True and a core_backward of another shape broadcast
+    into dx; a bad norm_weight, dropout_p or dropout_mask was named weight, p or mask."""
+    rng = np.random.default_rng(30)
+    x = to_xp(rng.standard_normal((B, L, D)))
+    w = to_xp(rng.standard_normal(D))
+    calls = []
+
+    def core(n):
+        calls.append(1)
+        return 2.0 * n, None
+
+    def sub(c=core, **kw):
+        args = {"norm_weight": w, "norm_bias": w, "eps": 1e-5, "norm_first": False, "dropout_p": 0.0, **kw}
+        return sublayer_forward(x, c, **args)
+
+    for norm_first in (False, True):
+        with raises(ValueError, "core", f"shape {(B, L, D)} (that of x)", f"shape {(B, 1, D)}"):
+            sub(lambda n: (n[:, :1, :], None), norm_first=norm_first)
+        with raises(TypeError, "core", "pair (out, cache)", f"of shape {(B, L, D)}"):
+            sub(lambda n: 2.0 * n, norm_first=norm_first)
+        with raises(TypeError, "core", "pair (out, cache)", "a tuple of 3 items"):
+            sub(lambda n: (n, None, None), norm_first=norm_first)
+        with raises(TypeError, "core", "dtype float64 (that of x)", "float32"):
+            sub(lambda n: (xp.astype(n, xp.float32), None), norm_first=norm_first)
+        with raises(TypeError, "core", "array", "float"):
+            sub(lambda n: (1.0, None), norm_first=norm_first)
+    calls.clear()
+    bad = [({"norm_first": "no"}, TypeError, "norm_first", "bool", "str 'no'"),
+           ({"norm_weight": to_xp(np.ones(D + 1))}, ValueError, "norm_weight", f"({D},)", f"({D + 1},)"),
+           ({"norm_bias": xp.astype(w, xp.float32)}, TypeError, "norm_bias", "float64", "float32"),
+           ({"dropout_p": 1.5}, ValueError, "dropout_p", "[0, 1)", "1.5"),
+           ({"dropout_p": 0.5, "dropout_mask": to_xp(np.ones((L + 1, D), bool))}, ValueError,
+            "dropout_mask", f"{(B, L, D)}", f"{(L + 1, D)}"),
+           ({"dropout_p": 0.5, "rng": "seed"}, TypeError, "rng", "Generator", "str")]
+    for kw, exc, *fragments in bad:
+        for norm_first in (False, True):
+            with raises(exc, *fragments) as info:
+                sub(**{"norm_first": norm_first, **kw})
+            for internal in ("weight", "bias", "p", "mask"):
+                assert not str(info.value).startswith(internal + ":"), str(info.value)
+    with raises(TypeError, "core", "callable", "str"):
+        sub("core")
+    assert not calls  # every argument was checked before the core ran
+    # core_backward's gradient is x's shape and dtype, as the core's output
+    d = to_xp(rng.standard_normal((B, L, D)))
+    for norm_first in (False, True):
+        _, cache = sub(norm_first=norm_first)
+        with raises(ValueError, "core_backward", f"shape {(B, L, D)} (that of x)", f"shape {(B, 1, D)}"):
+            sublayer_backward(d, cache, lambda dc, c: dc[:, :1, :])
+        with raises(TypeError, "core_backward", "dtype float64 (that of x)", "float32"):
+            sublayer_backward(d, cache, lambda dc, c: xp.astype(dc, xp.float32))
+        dx, _, _ = sublayer_backward(d, cache, lambda dc, c: 2.0 * dc)  # a good core still works
+        assert tuple(dx.shape) == (B, L, D)
+
+
 def test_dropout_from_the_seed_is_replayable_and_off_in_eval(xp, to_xp, to_np, backend):
     x = to_xp(np.random.default_rng(14).standard_normal((B, L, D)))
     a = TransformerBlock(D, H, FF, dropout=0.4, dtype="float64", backend=backend, seed=15)
@@ -355,6 +415,72 @@ def test_params_names_mirror_torch_and_state_dict_round_trips():
     tl.load_state_dict(enc.torch_state_dict())
     with pytest.raises(ValueError, match="batch_first"):
         TransformerBlock.from_torch(torch.nn.TransformerEncoderLayer(D, H, FF))
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_refuses_a_layer_whose_modules_differ(kind):
+    """npattn's block has one layer_norm_eps, one dropout and one n_head: a torch layer whose
+    norm2.eps, dropout2.p (or an attention's dropout, num_heads, batch_first) differ from the
+    first one's was copied from norm1 / dropout alone and computed other numbers."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    norms = "norm1, norm2" if kind == "encoder" else "norm1, norm2, norm3"
+
+    def layer(**changes):
+        t = torch_cls(D, H, FF, dropout=0.1, batch_first=True, dtype=torch.float64)
+        for path, value in changes.items():
+            module, attr = path.rsplit("__", 1)
+            setattr(getattr(t, module), attr, value)
+        return t
+
+    last = "norm2" if kind == "encoder" else "norm3"
+    with raises(ValueError, "layer", f"one eps for {norms}", "layer_norm_eps", "1e-05", "0.5"):
+        cls.from_torch(layer(**{f"{last}__eps": 0.5}))
+    sites = ("dropout", "dropout2", "self_attn") + (("dropout3", "multihead_attn") if kind == "decoder" else ())
+    for site in sites:
+        attr = "dropout" if site in ("self_attn", "multihead_attn") else "p"
+        with raises(ValueError, "layer", "one drop probability for", "dropout", "0.1", "0.3"):
+            cls.from_torch(layer(**{f"{site}__{attr}": 0.3}))
+    if kind == "decoder":
+        with raises(ValueError, "layer", "one num_heads for self_attn, multihead_attn", "n_head", "2, 4"):
+            cls.from_torch(layer(multihead_attn__num_heads=4))
+        with raises(ValueError, "layer", "batch_first=True", "batch_first=False in multihead_attn"):
+            cls.from_torch(layer(multihead_attn__batch_first=False))
+    block = cls.from_torch(layer())  # one value everywhere: copied
+    assert block.dropout == 0.1 and block.layer_norm_eps == 1e-5 and block.n_head == H
+
+
+def test_load_torch_state_dict_names_the_key_as_given():
+    """An attention entry's error named the key without its module (state_dict['in_proj_weight'],
+    for self_attn's and for multihead_attn's alike)."""
+    torch = pytest.importorskip("torch")
+    for block, attns in ((TransformerBlock(D, H, FF, dtype="float64", seed=31), ("self_attn",)),
+                         (TransformerDecoderBlock(D, H, FF, dtype="float64", seed=31),
+                          ("self_attn", "multihead_attn"))):
+        before = {k: np.array(v) for k, v in block.params.items()}
+        sd = block.torch_state_dict()
+        for a in attns:
+            with raises(ValueError, f"state_dict['{a}.in_proj_weight']", f"({3 * D}, {D})", "(3, 3)"):
+                block.load_torch_state_dict({**sd, f"{a}.in_proj_weight": torch.zeros(3, 3)})
+            with raises(TypeError, f"state_dict['{a}.out_proj.bias']", "tensor or array", "str"):
+                block.load_torch_state_dict({**sd, f"{a}.out_proj.bias": "abc"})
+        for k, v in block.params.items():  # nothing was assigned
+            np.testing.assert_array_equal(np.asarray(v), before[k])
+
+
+def test_a_key_that_is_no_string_is_named():
+    """A key such as 0 in a state dict, a params dict or dropout_masks stopped sorted() with
+    "'<' not supported between instances of 'str' and 'int'"."""
+    torch = pytest.importorskip("torch")
+    block = TransformerDecoderBlock(D, H, FF, dtype="float64", seed=32)
+    x, memory = np.ones((B, L, D)), np.ones((B, LM, D))
+    with raises(ValueError, "state_dict", "unexpected [0]"):
+        block.load_torch_state_dict({**block.torch_state_dict(), 0: torch.zeros(1)})
+    with raises(ValueError, "params", "unexpected [0]"):
+        block.params = {**block.params, 0: np.zeros(1)}
+    with raises(ValueError, "dropout_masks", "keys among", "[0, 'a']"):
+        block(x, memory, dropout_masks={0: None, "a": None})
 
 
 def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
