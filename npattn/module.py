@@ -24,8 +24,8 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, keeps_dtype,
-                      resolve_backend, to_numpy)
+from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, resolve_backend,
+                      to_numpy)
 from .kvcache import KVCache, unalign_columns
 
 __all__ = [
@@ -847,7 +847,7 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
             ) from None
         except ValueError:
             raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}") from None
-    return _dtype_arg(xp, dtype)
+    return V.float_dtype_name(xp, dtype)
 
 
 def check_softcap(softcap: Any) -> None:
@@ -862,34 +862,6 @@ def check_softcap(softcap: Any) -> None:
         ok = False
     if not ok:
         raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
-
-
-def _dtype_arg(xp: Any, dtype: Any) -> str:
-    available = [n for n in V.FLOAT_DTYPES if hasattr(xp, n)]
-    if dtype is None:  # np.dtype(None) would be float64: say so instead of guessing
-        raise TypeError(f"dtype: expected one of {available} (a name or a dtype), got None")
-    if isinstance(dtype, str):
-        name = dtype
-    else:
-        try:
-            name = np.dtype(dtype).name  # NumPy dtypes and scalar types
-        except TypeError:
-            name = V.dtype_name(dtype)  # torch.float32, array_api_strict.float32
-    if name in available and not keeps_dtype(xp, getattr(xp, name)):
-        raise ValueError(
-            f"dtype: expected one of {available} that backend {backend_name(xp)!r} keeps, got "
-            f"{name!r}, which it turns into another dtype (JAX: float64 needs "
-            "jax.config.update('jax_enable_x64', True) first)"
-        )
-    if name not in available:
-        if not isinstance(dtype, str) and name not in V.FLOAT_DTYPES:
-            raise TypeError(
-                f"dtype: expected one of {available} (a name or a dtype), got {V.type_name(dtype)} {dtype!r}"
-            )
-        raise ValueError(
-            f"dtype: expected one of {available} for backend {backend_name(xp)!r}, got {dtype!r}"
-        )
-    return name
 
 
 # --------------------------------------------------------------------------

@@ -46,11 +46,14 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
 
     ``xp`` a backend (a name or a namespace, as ``backend=``), ``ids`` an integer
     array of it with values in [0, n) (a ``ValueError`` otherwise, where
-    ``torch.nn.functional.one_hot`` raises too), ``dtype`` a dtype of ``xp``.
+    ``torch.nn.functional.one_hot`` raises too), ``dtype`` a floating dtype of ``xp``
+    or its name, as the constructors' ``dtype=`` (the rows multiply floating tables, as
+    in ``embedding_forward``; torch's integer one-hot is ``one_hot(...) == 1.0``).
     """
     xp = resolve_backend(xp, "xp")
     Vd.check_positive_int("n", n)
     Vd.check_ids("ids", ids, n, xp, what="class indices", like="xp")
+    dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
     return _one_hot(xp, ids, n, dtype)
 
 
@@ -190,12 +193,15 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     ``pe[i, 2k] = sin(i / 10000^(2k/D))``, ``pe[i, 2k+1] = cos(i / 10000^(2k/D))``.
     ``xp`` a backend (a name or a namespace, as ``backend=``), ``L`` an int >= 0,
     ``D`` an int >= 1; computed in float64 (on the host where the backend has
-    no float64, as JAX without x64), returned in ``dtype`` (default float64, or
+    no float64, as JAX without x64), returned in ``dtype`` (a floating dtype of
+    ``xp`` or its name, as the constructors' ``dtype=``; default float64, or
     float32 where the backend has no float64), on ``device``. # -> [L, D]
     """
     xp = resolve_backend(xp, "xp")
     Vd.check_size("L", L)
     Vd.check_positive_int("D", D)
+    if dtype is not None:  # an integer dtype would truncate the sines to 0 and 1
+        dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
     fx = float64_namespace(xp)  # xp, or NumPy on the host
     dev = device if fx is xp else None
     i = fx.astype(fx.arange(L, device=dev), fx.float64)  # [L]

@@ -135,8 +135,9 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     """The rotation angles ``theta[..., l, c] = positions[..., l] * base^(-2c/Dh)``, c < Dh/2.
 
     Computed in float64 (``positions`` may be large; on the host where the
-    backend has no float64, as JAX without x64), returned in ``dtype``
-    (default float64, or float32 where the backend has no float64). ``xp`` a
+    backend has no float64, as JAX without x64), returned in ``dtype`` (a
+    floating dtype of ``xp`` or its name, as the constructors' ``dtype=``;
+    default float64, or float32 where the backend has no float64). ``xp`` a
     backend (a name or a namespace, as ``backend=``), ``positions`` a real
     array of it. # [..., L] -> [..., L, Dh/2]
     """
@@ -147,6 +148,8 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
                         f"{V.dtype_name(positions.dtype)}")
     V.check_positive_int("Dh", Dh)
     _check_base(base)
+    if dtype is not None:  # an integer dtype would truncate the angles
+        dtype = getattr(xp, V.float_dtype_name(xp, dtype))
     fx = float64_namespace(xp)
     return float64_result(_angles(fx, positions, Dh, base), xp, dtype, device_of(positions))
 

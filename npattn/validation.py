@@ -35,7 +35,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence
 import array_api_compat
 import numpy as np
 
-from .backend import backend_name, device_of, isdtype
+from .backend import backend_name, device_of, isdtype, keeps_dtype
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -58,6 +58,7 @@ __all__ = [
     "spec_of",
     "check_rng",
     "check_number",
+    "float_dtype_name",
     "real_value",
     "argument_names",
     "check_broadcasts_to",
@@ -163,6 +164,41 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none:
     x = real_value(value)
     if not (math.isfinite(x) and (x >= 0.0 if allow_zero else x > 0.0)):
         raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
+
+
+def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype") -> str:
+    """The name ("float32", ...) of ``dtype``, one of ``FLOAT_DTYPES`` that ``xp`` has and keeps,
+    given as a name or as a dtype object of any library; the dtype itself is ``getattr(xp, name)``.
+
+    ``TypeError`` for None or a dtype of another kind (an integer dtype would truncate),
+    ``ValueError`` for a name ``xp`` has no float dtype of, or one it turns into another (JAX
+    without x64 makes float32 of float64). How every ``dtype=`` argument is read.
+    """
+    available = [n for n in FLOAT_DTYPES if hasattr(xp, n)]
+    if dtype is None:  # np.dtype(None) would be float64: say so instead of guessing
+        raise TypeError(f"{name}: expected one of {available} (a name or a dtype), got None")
+    if isinstance(dtype, str):
+        given = dtype
+    else:
+        try:
+            given = np.dtype(dtype).name  # NumPy dtypes and scalar types
+        except TypeError:
+            given = dtype_name(dtype)  # torch.float32, array_api_strict.float32
+    if given in available and not keeps_dtype(xp, getattr(xp, given)):
+        raise ValueError(
+            f"{name}: expected one of {available} that backend {backend_name(xp)!r} keeps, got "
+            f"{given!r}, which it turns into another dtype (JAX: float64 needs "
+            "jax.config.update('jax_enable_x64', True) first)"
+        )
+    if given not in available:
+        if not isinstance(dtype, str) and given not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{name}: expected one of {available} (a name or a dtype), got {type_name(dtype)} {dtype!r}"
+            )
+        raise ValueError(
+            f"{name}: expected one of {available} for backend {backend_name(xp)!r}, got {dtype!r}"
+        )
+    return given
 
 
 def check_scale(name: str, value: Any) -> None:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from npattn import nn
 from npattn.gradcheck import gradcheck
 
+from reliability_helpers import raises
+
 
 def _ids(rng, shape, V):
     ids = rng.integers(0, V, size=shape)
@@ -333,6 +335,32 @@ def test_embedding_positions_and_tables_check_their_arguments():
     _, dtable = nn.embedding_backward(np.ones((1, 2, 4), np.float32), ec)
     np.testing.assert_array_equal(dtable, [[1.0] * 4, [1.0] * 4] + [[0.0] * 4] * 3)
     assert nn.sinusoidal_positions(np, 0, 4).shape == (0, 4)
+
+
+@pytest.mark.parametrize("call", [
+    lambda dtype: nn.sinusoidal_positions("numpy", 3, 4, dtype=dtype),
+    lambda dtype: nn.one_hot("numpy", np.arange(3), 4, dtype),
+], ids=["sinusoidal_positions", "one_hot"])
+def test_dtype_arguments_are_float_dtypes_of_the_backend(call):
+    """As the constructors' dtype=: a float dtype of the backend or its name. Before, an integer
+    dtype truncated the sines to 0 and 1, and an unknown name raised NumPy's "data type 'nope'
+    not understood", naming no argument."""
+    for bad, exc in ((np.int32, TypeError), (np.dtype(np.int8), TypeError), (np.bool_, TypeError),
+                     ("int32", ValueError), ("nope", ValueError), ("bfloat16", ValueError)):
+        with raises(exc, "dtype", "float32"):
+            call(bad)
+    for good in ("float32", np.float32, np.dtype(np.float32)):
+        assert call(good).dtype == np.float32
+    with raises(TypeError, "dtype", "None"):  # one_hot's dtype is not optional
+        nn.one_hot("numpy", np.arange(3), 4, None)
+    assert nn.sinusoidal_positions("numpy", 3, 4, dtype=None).dtype == np.float64
+
+
+def test_dtype_names_work_on_every_backend(xp, to_np):
+    """A name is resolved in the backend, where its astype may take no strings."""
+    pe = nn.sinusoidal_positions(xp, 3, 4, dtype="float32")
+    assert pe.dtype == xp.float32
+    np.testing.assert_allclose(to_np(pe), nn.sinusoidal_positions(np, 3, 4), rtol=1e-6)
 
 
 def test_ids_targets_and_dloss_are_checked_before_computing():

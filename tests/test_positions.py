@@ -19,6 +19,8 @@ from npattn import positions as P
 from npattn.backend import namespace
 from npattn.gradcheck import gradcheck
 
+from reliability_helpers import raises
+
 RTOL = 1e-6
 
 
@@ -477,6 +479,19 @@ def test_errors_name_the_argument():
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
             call()
+
+
+def test_rope_angles_dtype_is_a_float_dtype_of_the_backend(xp, to_xp, to_np):
+    """As the constructors' dtype=. Before, an integer dtype truncated the angles and an unknown
+    name raised NumPy's "data type 'nope' not understood", naming no argument."""
+    pos = to_xp(np.arange(3))
+    for bad, exc in ((np.int8, TypeError), (np.dtype(np.int64), TypeError), ("int8", ValueError),
+                     ("nope", ValueError)):
+        with raises(exc, "dtype", "float32"):
+            P.rope_angles(xp, pos, 4, dtype=bad)
+    got = P.rope_angles(xp, pos, 4, dtype="float32")  # a name, resolved in the backend
+    assert got.dtype == xp.float32
+    np.testing.assert_allclose(to_np(got), P.rope_angles(np, np.arange(3), 4), rtol=1e-6)
 
 
 def test_helpers_take_a_backend_by_name_or_module():
