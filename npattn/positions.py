@@ -88,6 +88,14 @@ def _check_base(value: Any) -> None:
         raise ValueError(f"base: expected a finite float > 1, got {value!r}")
 
 
+def _check_max_distance(value: Any) -> None:
+    """A positive int that a float holds: T5's log step divides it in floating point."""
+    V.check_positive_int("max_distance", value)
+    if not math.isfinite(V.real_value(value)):  # (10**400 / 8: OverflowError)
+        raise ValueError(f"max_distance: expected a positive int that a float holds, got an int "
+                         f"too large for a float ({int(value).bit_length()} bits)")
+
+
 def _check_table(name: str, table: Any, *, odd_rows: bool = False) -> None:
     V.check_floating_array(name, table, like=name)
     if table.ndim != 2:
@@ -609,7 +617,7 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
         )
     V.check_bool("bidirectional", bidirectional)
     V.check_positive_int("num_buckets", num_buckets)
-    V.check_positive_int("max_distance", max_distance)
+    _check_max_distance(max_distance)
     nb = num_buckets // 2 if bidirectional else num_buckets
     max_exact = nb // 2
     if max_exact < 1:
@@ -681,7 +689,7 @@ def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool =
     _check_table("table", table)
     _check_lengths(Lq, Lk, offset)
     V.check_bool("bidirectional", bidirectional)
-    V.check_positive_int("max_distance", max_distance)
+    _check_max_distance(max_distance)
     xp = namespace(table)
     NB = table.shape[0]
     nb = NB // 2 if bidirectional else NB

@@ -461,6 +461,11 @@ def test_errors_name_the_argument():
         (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError, "num_buckets"),
         (lambda: P.t5_bucket(np.arange(3), max_distance=8), ValueError, "max_distance"),
         (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError, "bidirectional"),
+        # an int beyond the float range (OverflowError from the log step, before)
+        (lambda: P.t5_bucket(np.arange(3), max_distance=10**400), ValueError,
+         r"^max_distance: expected a positive int that a float holds, got an int too large"),
+        (lambda: P.relative_bias_forward(np.zeros((32, 2)), 3, 3, max_distance=10**400), ValueError,
+         r"^max_distance: expected a positive int that a float holds, got an int too large"),
         # the helpers that take a backend check it and their arrays (an AttributeError or an
         # IndexError from inside, or an error naming x, before)
         (lambda: P.rope_angles("nump", np.arange(3), 4), ValueError, "^xp: expected one of"),
