@@ -241,7 +241,8 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
 
     Parameters
     ----------
-    logits : array, shape (..., V)
+    logits : array, shape (..., V), at least one position (a ``ValueError`` for none, where
+        torch's mean gives NaN)
     targets : integer array, shape (...), values in [0, V)
 
     Returns
@@ -253,6 +254,9 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     Vd.check_floating_array("logits", logits)
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {Vd.shape_of(logits)}")
+    if math.prod(Vd.shape_of(logits)[:-1]) == 0:  # a mean over no positions is 0 / 0 (torch: NaN)
+        raise ValueError(f"logits: expected at least one position (leading axes of nonzero "
+                         f"length), got shape {Vd.shape_of(logits)}")
     xp = namespace(logits)
     Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
                  like="logits")
@@ -281,7 +285,7 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - one_hot) / N``
     (each row of ``one_hot`` sums to 1). ``targets`` get None.
 
-    ``dloss`` is a Python number, or an array of shape () or (1,) in the loss's dtype.
+    ``dloss`` is a finite Python number, or an array of shape () or (1,) in the loss's dtype.
     Computed in the forward's compute dtype, returned in the logits' dtype.
 
     Returns
@@ -299,8 +303,12 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
         Vd.check_grad("dloss", dloss, shape=shape, dtype=dtype, xp=xp,
                       device=device_of(cache.p), of="the loss")
         dloss = xp.astype(dloss, cache.p.dtype)
-    else:
-        dloss = float(dloss)  # a NumPy float64 (a float subclass) would upcast float32 logits
+    else:  # a Python float (a NumPy float64, a float subclass, would upcast float32 logits)
+        if not math.isfinite(Vd.real_value(dloss)):  # (10**400 has no float: OverflowError)
+            got = (f"an int too large for a float ({dloss.bit_length()} bits)"
+                   if isinstance(dloss, int) else repr(dloss))
+            raise ValueError(f"dloss: expected a finite number, got {got}")
+        dloss = float(dloss)
     dlogits = dloss * (cache.p - cache.onehot) / float(cache.n)  # [..., V]
     return (dlogits if dlogits.dtype == dtype else xp.astype(dlogits, dtype)), None
 
@@ -343,8 +351,8 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
     for name, d in (("params", params), ("grads", grads)):
         if not isinstance(d, dict):
             raise TypeError(f"{name}: expected a dict of arrays, got {Vd.type_name(d)}")
-    for name, p in params.items():
-        Vd.check_array(f"params[{name!r}]", p)
+    for name, p in params.items():  # floating, as adam_init's: an int one came back float64
+        Vd.check_floating_array(f"params[{name!r}]", p)
     unknown = sorted(set(grads) - set(params), key=str)
     if unknown:
         raise ValueError(f"grads: expected names of params {sorted(params, key=str)}, got {unknown} too")
@@ -388,7 +396,7 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
     Vd.check_number("weight_decay", weight_decay, allow_zero=True)
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
             or not all(isinstance(b, numbers.Real) and not isinstance(b, bool)  # (np.bool_ is no Real)
-                       and 0.0 <= float(b) < 1.0 for b in betas)):
+                       and 0.0 <= Vd.real_value(b) < 1.0 for b in betas)):  # (10**400: no float)
         raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
 
 

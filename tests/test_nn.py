@@ -279,6 +279,8 @@ def test_adam_checks_its_arguments_before_writing_anything():
         (dict(state=state._replace(steps={"v": 1})), ValueError, r"^state\.steps: expected None or a dict"),
         (dict(lr=-0.1), ValueError, "^lr"), (dict(eps=float("inf")), ValueError, "^eps"),
         (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
+        # an int beyond the float range is out of [0, 1) too (it raised OverflowError)
+        (dict(betas=(10**400, 0.9)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(1000"),
     ]
     for change, exc, match in cases:
         args = dict(params=params, grads={"w": np.ones(2)}, state=state)
@@ -287,6 +289,18 @@ def test_adam_checks_its_arguments_before_writing_anything():
             nn.adam_step(args.pop("params"), args.pop("grads"), args.pop("state"), **args)
     np.testing.assert_array_equal(params["w"], 1.0)
     assert state.t == 0
+
+
+def test_adam_step_refuses_integer_parameters_as_adam_init_does():
+    """Before, integer parameters, gradients and moments came back as float64 parameters."""
+    params, grads = {"w": np.arange(3)}, {"w": np.ones(3, np.int64)}
+    state = nn.AdamState({"w": np.zeros(3, np.int64)}, {"w": np.zeros(3, np.int64)}, 0)
+    with raises(TypeError, "params['w']", "real floating", "int64"):
+        nn.adam_step(params, grads, state)
+    with raises(TypeError, "params['w']", "real floating", "int64"):
+        nn.adam_init(params)
+    np.testing.assert_array_equal(params["w"], [0, 1, 2])
+    assert state.t == 0 and np.all(state.m["w"] == 0) and np.all(state.v["w"] == 0)
 
 
 def test_embedding_positions_and_tables_check_their_arguments():
@@ -388,9 +402,24 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
         nn.cross_entropy_backward(np.ones(3), cache)
     with pytest.raises(TypeError, match="dloss: expected dtype float64"):
         nn.cross_entropy_backward(np.ones((), dtype=np.float32), cache)
+    # a number a float holds, and finite (10**400 raised OverflowError; inf and NaN gave NaN)
+    for bad, text in ((10**400, "an int too large for a float (1329 bits)"), (math.inf, "inf"),
+                      (math.nan, "nan")):
+        with raises(ValueError, "dloss", "finite number", text):
+            nn.cross_entropy_backward(bad, cache)
     d1, _ = nn.cross_entropy_backward(1.0, cache)  # a number, or the loss's own like
     d2, _ = nn.cross_entropy_backward(np.ones_like(loss), cache)
     np.testing.assert_array_equal(d1, d2)
+
+
+def test_cross_entropy_over_no_positions_is_refused(xp, to_xp):
+    """A mean over no positions is 0 / 0: torch returns NaN; npattn refuses it rather than give
+    NaN from input it accepted (it returned NaN too)."""
+    for shape in ((0, 5), (2, 0, 5)):
+        with raises(ValueError, "logits", "at least one position", str(shape)):
+            nn.cross_entropy_forward(to_xp(np.zeros(shape)), to_xp(np.zeros(shape[:-1], np.int64)))
+    loss, _ = nn.cross_entropy_forward(to_xp(np.zeros(5)), to_xp(np.zeros((), np.int64)))  # one position
+    assert float(loss) == pytest.approx(math.log(5.0))
 
 
 def test_a_numpy_float64_dloss_keeps_float32_logits_float32():
