@@ -518,8 +518,12 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     The module must hold float64 parameters (``dtype="float64"``): finite
     differences need them. With dropout active, pass a fixed keep-mask in
     ``forward_kwargs["dropout_mask"]`` so every evaluation drops the same
-    entries. ``check_kwargs`` go to :func:`gradcheck` (``mode``, ``rtol``, ...).
-    The module's parameters are restored afterwards.
+    entries; a ``kv_cache`` there is refused (decoding appends to the cache
+    and has no backward). ``check_kwargs`` go to :func:`gradcheck` (``mode``,
+    ``rtol``, ...). The arguments are checked before the first forward, and
+    the module is left as it was, whether the check ran or failed: its
+    parameters, the cache of its last forward, ``grads``, ``dmask`` and its
+    dropout generator (``MultiHeadAttention.preserve_state``).
 
     Returns
     -------
@@ -528,12 +532,16 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     """
     params: Any = getattr(module, "params", None)
     if not (callable(getattr(module, "backward", None)) and callable(module)
+            and callable(getattr(module, "preserve_state", None))
             and params is not None and hasattr(params, "keys") and "w_q" in params):
         raise TypeError(f"module: expected an npattn MultiHeadAttention, got {V.type_name(module)}")
     if forward_kwargs is not None and not isinstance(forward_kwargs, dict):
         raise TypeError(f"forward_kwargs: expected None or a dict of forward's keywords, got "
                         f"{V.type_name(forward_kwargs)}")
     fk = dict(forward_kwargs or {})
+    if fk.get("kv_cache") is not None:  # every evaluation would append to the caller's cache
+        raise ValueError("forward_kwargs: expected the keywords of a forward that has a backward, "
+                         "got 'kv_cache' (decoding appends to the cache and is forward only)")
     V.check_array("query", query)
     xp = namespace(query)
     if module.params["w_q"].dtype != xp.float64:
@@ -546,8 +554,16 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
             "forward_kwargs: dropout is active, so a fixed 'dropout_mask' is needed "
             "(or call module.eval())"
         )
+    dout = check_kwargs.get("dout")
+    if dout is not None:  # out is (B, Lq, D), of query's library and device
+        V.check_array("dout", dout, xp, device_of(query), where="that of query", library="that of query")
+        _real_dout(dout)
+        want = (*V.shape_of(query)[:-1], int(module.d_model))
+        if query.ndim == 3 and V.shape_of(dout) != want:  # (a query of other axes: forward says so)
+            raise ValueError(f"dout: expected shape {want} (that of the module's output (B, Lq, D)), "
+                             f"got {V.shape_of(dout)}")
     pnames = list(module.params)
-    saved = dict(module.params)
+    start = dict(module.params)
 
     def forward(q, k, v, *params):
         for name, p in zip(pnames, params):
@@ -559,13 +575,11 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
         dq, dk, dv = module.backward(dout)
         return (dq, dk, dv, *[module.grads[name] for name in pnames])
 
-    try:
+    with module.preserve_state():
         return gradcheck(
             forward,
             backward,
-            [query, key, value, *[saved[n] for n in pnames]],
+            [query, key, value, *[start[n] for n in pnames]],
             names=["query", "key", "value", *pnames],
             **check_kwargs,
         )
-    finally:
-        module.params.update(saved)

@@ -11,13 +11,14 @@ cache, Lt keys attended (``kvcache.AlignedKV``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
 import numbers
 import os
 import zipfile
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -295,6 +296,30 @@ class MultiHeadAttention:
     def eval(self) -> "MultiHeadAttention":
         """Evaluation mode: dropout is off. Returns self."""
         return self.train(False)
+
+    @contextlib.contextmanager
+    def preserve_state(self) -> Iterator["MultiHeadAttention"]:
+        """Forwards and backwards on the side: on leaving (by an exception too) the module is
+        as it was on entering.
+
+        Kept and put back: the arrays ``params`` holds (an array assigned inside is dropped),
+        the cache of the last forward (what ``backward`` differentiates), ``grads``,
+        ``dmask``, the mode and the dropout generator's state. A ``KVCache`` passed to a
+        forward inside is the caller's, not the module's: what is appended to it stays. The
+        gradient checker runs in one (``gradcheck.gradcheck_module``).
+        """
+        params = dict(self._params)
+        cache, decoded, lent = self._cache, self._decoded, self._cache_lent
+        grads, dmask, training = self.grads, self.dmask, self.training
+        rng_state = self._rng.bit_generator.state
+        self._cache_lent = True  # the forwards inside must not reuse the kept cache's arrays
+        try:
+            yield self
+        finally:
+            self._params.update(params)  # the arrays it held: their checks pass
+            self._cache, self._decoded, self._cache_lent = cache, decoded, lent
+            self.grads, self.dmask, self.training = grads, dmask, training
+            self._rng.bit_generator.state = rng_state
 
     # ---------------------------------------------------------------- forward
 

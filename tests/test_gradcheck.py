@@ -3,8 +3,11 @@
 import numpy as np
 import pytest
 
+from npattn import MultiHeadAttention
 from npattn import functional as F
-from npattn.gradcheck import check_vjp, gradcheck, numerical_vjp
+from npattn.gradcheck import check_vjp, gradcheck, gradcheck_module, numerical_vjp
+
+from reliability_helpers import raises
 
 
 def _case(to_xp):
@@ -195,3 +198,70 @@ def test_a_check_of_nothing_or_with_bad_settings_is_refused_before_any_call():
 def test_an_all_nan_output_fails_without_dividing_by_zero():
     r = gradcheck(lambda x: (x * np.nan, None), lambda d, c: 0.0 * d, [np.ones(3)])
     assert not r.ok
+
+
+def _module_state(m):
+    """What a call may change in a MultiHeadAttention: the arrays its params hold, the cache of
+    its last forward, grads, dmask and mode (the dropout generator: by the next mask drawn)."""
+    return dict(m.params), m.cache, m.grads, m.dmask, m.training
+
+
+def _assert_same_state(m, before):
+    params, cache, grads, dmask, training = _module_state(m)
+    assert params.keys() == before[0].keys()
+    assert all(params[n] is before[0][n] for n in params), "params changed"
+    assert cache is before[1], "the cache of the last forward changed"
+    assert grads is before[2] and dmask is before[3] and training == before[4]
+
+
+def test_gradcheck_module_leaves_the_module_as_it_was():
+    """Before, the check left the cache of its last evaluation (a later backward differentiated
+    that forward), and its grads; a bad dout was found only after a forward had run."""
+    rng = np.random.default_rng(0)
+    q, kv = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 5, 4))
+    keep = rng.random((2, 2, 3, 5)) > 0.3
+    m = MultiHeadAttention(4, 2, dtype="float64", dropout=0.3, seed=0, impl="numpy")
+    m(q, kv, kv, dropout_mask=keep)
+    m.backward(rng.standard_normal((2, 3, 4)))
+    before = _module_state(m)
+    fk = dict(dropout_mask=keep)
+    for bad, exc, text in ((np.ones(3), ValueError, "(2, 3, 4)"), ([1.0], TypeError, "list"),
+                           (np.ones((2, 3, 4)) + 0j, TypeError, "complex128")):
+        with raises(exc, "dout", text):
+            gradcheck_module(m, q, kv, kv, forward_kwargs=fk, dout=bad)
+        _assert_same_state(m, before)
+    assert gradcheck_module(m, q, kv, kv, forward_kwargs=fk, mode="vjp").ok
+    _assert_same_state(m, before)
+    with pytest.raises(ValueError, match="^mask"):  # a forward that fails inside the check
+        gradcheck_module(m, q, kv, kv, forward_kwargs=dict(fk, mask=np.ones((7, 7), bool)))
+    _assert_same_state(m, before)
+    twin = MultiHeadAttention(4, 2, dtype="float64", dropout=0.3, seed=0, impl="numpy")
+    np.testing.assert_array_equal(m(q, kv, kv)[0], twin(q, kv, kv)[0])  # the same mask drawn
+
+
+def test_gradcheck_module_keeps_the_last_forward_differentiable():
+    """The forwards of the check reuse the arrays of the forwards they replace (the module's
+    workspace): never those of the forward the module holds, whose backward still follows."""
+    rng = np.random.default_rng(1)
+    q, kv, d = (rng.standard_normal(s) for s in ((2, 3, 4), (2, 5, 4), (2, 3, 4)))
+    m, twin = (MultiHeadAttention(4, 2, dtype="float64", seed=0, impl="numpy") for _ in range(2))
+    m(q, kv, kv)
+    twin(q, kv, kv)
+    for _ in range(2):  # inputs of the same shapes, other numbers: arrays the kernel may reuse
+        gradcheck_module(m, q + 1.0, 0.5 * kv, 0.5 * kv, mode="vjp")
+    for got, want in zip(m.backward(d), twin.backward(d)):
+        np.testing.assert_array_equal(got, want)
+    for name in m.grads:
+        np.testing.assert_array_equal(m.grads[name], twin.grads[name])
+
+
+def test_gradcheck_module_refuses_a_kv_cache():
+    """Decoding appends to the cache and has no backward: before, every evaluation appended to
+    the caller's cache and the check failed inside with a RuntimeError."""
+    m = MultiHeadAttention(4, 2, dtype="float64", seed=0)
+    x = np.random.default_rng(0).standard_normal((1, 2, 4))
+    kv = m.new_cache(1, 16)
+    with raises(ValueError, "forward_kwargs", "kv_cache"):
+        gradcheck_module(m, x, x, x, forward_kwargs={"kv_cache": kv})
+    assert list(kv.cache_seqlens) == [0] and m.cache is None
+    assert gradcheck_module(m, x, x, x, forward_kwargs={"kv_cache": None}).ok  # the default

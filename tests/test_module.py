@@ -207,6 +207,33 @@ def test_given_keep_mask_replaces_the_generator(backend, to_xp, to_np):
                                   to_np(b(x, x, x, dropout_mask=keep)[0]))
 
 
+def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
+    """What runs inside (the gradient checker's forwards and backwards) leaves no trace: the
+    params' arrays, the last forward's cache, grads, dmask, the mode and the generator."""
+    rng = np.random.default_rng(0)
+    x, d = to_xp(rng.standard_normal((2, 4, 6))), to_xp(rng.standard_normal((2, 4, 6)))
+    a, b = (MultiHeadAttention(6, 3, dropout=0.4, dtype="float64", seed=1, backend=backend)
+            for _ in range(2))
+    for m in (a, b):
+        m(x, x, x)
+        m.backward(d)
+    params, cache, grads = dict(a.params), a.cache, a.grads
+    with pytest.raises(RuntimeError, match="inside"):
+        with a.preserve_state() as same:
+            assert same is a
+            a.params["w_q"] = a.params["w_q"] * 2.0
+            for _ in range(2):  # draws two masks; the first forward's arrays are reused
+                a(x, x, x)
+                a.backward(d)
+            a.eval()
+            raise RuntimeError("inside")
+    assert all(a.params[n] is params[n] for n in params)
+    assert a.cache is cache and a.grads is grads and a.dmask is None and a.training
+    np.testing.assert_array_equal(to_np(a(x, x, x)[0]), to_np(b(x, x, x)[0]))  # the same next mask
+    for got, want in zip(a.backward(d), b.backward(d)):
+        np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
 def test_forward_always_returns_out_and_weights(backend, to_xp, to_np):
     """torch's habit ``out, _ = mha(x, x, x)`` gives the output, not a split batch axis."""
     B, L, D, H = 2, 5, 16, 4
