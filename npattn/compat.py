@@ -1115,8 +1115,8 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
         bias4 = _to_4d("bias", bias, xp)
         V.check_broadcasts_to("bias", V.shape_of(bias4), target, "(B, N, T, S)")
         a_mask = bias4 if allowed is None else xp.where(allowed, bias4, -math.inf)
-    names = {"q": "query", "k": "key", "v": "value", "mask": "bias" if bias is not None else "mask"}
-    with V.argument_names(names):
+    renames = {"q": "query", "k": "key", "v": "value", "mask": "bias" if bias is not None else "mask"}
+    with V.argument_names(renames):
         out, cache = A.sdpa_forward(
             _swap_lh(xp, q), _swap_lh(xp, k), _swap_lh(xp, v), mask=a_mask, is_causal=is_causal,
             scale=scale, dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, enable_gqa=gqa,
