@@ -162,16 +162,10 @@ def _check_sublayer_inputs(x: Any, core: Any, norm_weight: Any, norm_bias: Any, 
     V.check_rng("rng", rng)
 
 
-def _check_like_x(name: str, what: str, a: Any, like: V.ArraySpec) -> None:
-    """``a``, the ``what`` that the callable ``name`` returned, has x's library, device,
-    shape and dtype: nothing is broadcast into the residual or promoted."""
-    V.check_array(name, a, like.xp, like.device, where="like x", library="that of x")
-    if V.shape_of(a) != tuple(like.shape):
-        raise ValueError(f"{name}: expected {what} of shape {tuple(like.shape)} (that of x), "
-                         f"got shape {V.shape_of(a)}")
-    if a.dtype != like.dtype:
-        raise TypeError(f"{name}: expected {what} of dtype {V.dtype_name(like.dtype)} (that of x), "
-                        f"got {V.dtype_name(a.dtype)} (no silent promotion)")
+def _check_like_x(name: str, a: Any, like: V.ArraySpec) -> None:
+    """``a``, returned by the callable ``name``, has x's library, device, shape and dtype:
+    nothing is broadcast into the residual or promoted."""
+    V.check_grad(name, a, shape=like.shape, dtype=like.dtype, xp=like.xp, device=like.device, of="x")
 
 
 def _core_pair(result: Any, like: V.ArraySpec) -> tuple[Any, Any]:
@@ -183,7 +177,7 @@ def _core_pair(result: Any, like: V.ArraySpec) -> tuple[Any, Any]:
         elif hasattr(result, "shape"):
             got += f" of shape {V.shape_of(result)}"
         raise TypeError(f"core: expected a pair (out, cache), out of x's shape, got {got}")
-    _check_like_x("core", "out", result[0], like)
+    _check_like_x("core", result[0], like)
     return result[0], result[1]
 
 
@@ -218,7 +212,7 @@ def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
         dc = F.dropout_backward(dy, cache.drop)  # [B, L, D]
         # 2. c = core(n)
         dn = core_backward(dc, cache.core)  # [B, L, D]
-        _check_like_x("core_backward", "the gradient of the core's input", dn, cache.res.like)
+        _check_like_x("core_backward", dn, cache.res.like)
         # 1. n = layer_norm(x)
         dx_norm, dw, db = Ly.layer_norm_backward(dn, cache.norm)  # [B, L, D], [D], [D]
         return dx_res + dx_norm, dw, db  # x fed the residual and the norm
@@ -230,7 +224,7 @@ def sublayer_backward(dout: Any, cache: SublayerCache, core_backward: Callable
     dc = F.dropout_backward(dy, cache.drop)  # [B, L, D]
     # 1. c = core(x)
     dx_core = core_backward(dc, cache.core)  # [B, L, D]
-    _check_like_x("core_backward", "the gradient of the core's input", dx_core, cache.res.like)
+    _check_like_x("core_backward", dx_core, cache.res.like)
     return dx_res + dx_core, dw, db  # x fed the residual and the core
 
 

@@ -340,7 +340,7 @@ def test_sublayer_pair_checks_its_core_and_names_its_own_arguments(xp, to_xp, to
         return sublayer_forward(x, c, **args)
 
     for norm_first in (False, True):
-        with raises(ValueError, "core", f"shape {(B, L, D)} (that of x)", f"shape {(B, 1, D)}"):
+        with raises(ValueError, "core", f"shape {(B, L, D)} (that of x)", f"got {(B, 1, D)}"):
             sub(lambda n: (n[:, :1, :], None), norm_first=norm_first)
         with raises(TypeError, "core", "pair (out, cache)", f"of shape {(B, L, D)}"):
             sub(lambda n: 2.0 * n, norm_first=norm_first)
@@ -371,7 +371,7 @@ def test_sublayer_pair_checks_its_core_and_names_its_own_arguments(xp, to_xp, to
     d = to_xp(rng.standard_normal((B, L, D)))
     for norm_first in (False, True):
         _, cache = sub(norm_first=norm_first)
-        with raises(ValueError, "core_backward", f"shape {(B, L, D)} (that of x)", f"shape {(B, 1, D)}"):
+        with raises(ValueError, "core_backward", f"shape {(B, L, D)} (that of x)", f"got {(B, 1, D)}"):
             sublayer_backward(d, cache, lambda dc, c: dc[:, :1, :])
         with raises(TypeError, "core_backward", "dtype float64 (that of x)", "float32"):
             sublayer_backward(d, cache, lambda dc, c: xp.astype(dc, xp.float32))
