@@ -102,16 +102,29 @@ BACKENDS = {
 }
 
 
-def namespace(*arrays: Any) -> Any:
+def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
     """The Array API namespace shared by ``arrays`` (``None`` entries ignored).
 
-    Raises ``TypeError`` when the arrays come from different libraries.
+    Raises ``TypeError`` when the arrays come from different libraries; with
+    ``names`` (the arguments' names, one per array) it names the first array
+    that is not of the first one's library.
     """
-    present = [a for a in arrays if a is not None]
+    present = [(i, a) for i, a in enumerate(arrays) if a is not None]
     try:
-        return array_api_compat.array_namespace(*present)
+        return array_api_compat.array_namespace(*(a for _, a in present))
     except TypeError as exc:
-        kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in present})
+        def kind(a: Any) -> str:
+            return type(a).__module__ + "." + type(a).__name__
+
+        if names is not None:
+            i0, a0 = present[0]
+            for i, a in present[1:]:
+                try:
+                    array_api_compat.array_namespace(a0, a)
+                except TypeError:
+                    raise TypeError(f"{names[i]}: expected an array of the library of {names[i0]} "
+                                    f"({kind(a0)}), got {kind(a)}") from exc
+        kinds = sorted({kind(a) for _, a in present})
         raise TypeError(
             f"arrays from different array libraries were mixed: {', '.join(kinds)}; "
             "pass every array from one backend"

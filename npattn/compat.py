@@ -349,7 +349,7 @@ def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
     V.check_bool("return_attn_probs", return_attn_probs)
     V.check_scale("softmax_scale", softmax_scale)
     V.check_rng("rng", rng)
-    xp = namespace(q, k, v)
+    xp = namespace(q, k, v, names=("q", "k", "v"))
     Lq, Lk = int(q.shape[1]), int(k.shape[1])
     out, cache = A.sdpa_forward(
         _swap_lh(xp, q), _swap_lh(xp, k), _swap_lh(xp, v), scale=softmax_scale,
@@ -505,7 +505,7 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
         raise ValueError(f"max_seqlen_q, max_seqlen_k: expected a (B, Hq, max_seqlen_q, max_seqlen_k) "
                          f"grid of fewer than 2**62 entries (S_dmask, dropout_mask), got "
                          f"{(B, Hq, int(max_seqlen_q), int(max_seqlen_k))}")
-    xp = namespace(q, k, v)
+    xp = namespace(q, k, v, names=("q", "k", "v"))
     if alibi_slopes is not None and hasattr(alibi_slopes, "shape") and len(alibi_slopes.shape) == 2:
         _check_axis("alibi_slopes", alibi_slopes, 0, B, "the number of sequences B")
     keep = None
@@ -743,7 +743,7 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
         for axis, size, what in ((0, B, "the batch of q"), (1, Lnew, "the new length of k"),
                                  (2, Hkv, "the heads of k_cache"), (3, Dv, "the value width of v_cache")):
             _check_axis("v", v, axis, size, what)
-    xp = namespace(q, k_cache, v_cache, k, v)
+    xp = namespace(q, k_cache, v_cache, k, v, names=("q", "k_cache", "v_cache", "k", "v"))
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if a is not None and a.dtype != q.dtype:
             raise TypeError(f"{name}: expected the dtype of q, {V.dtype_name(q.dtype)}, "
@@ -1076,7 +1076,7 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     batched = len(query.shape) == 4
     for name, t, layout in names:
         _check_rank(name, t, 4 if batched else 3, layout if batched else layout.replace("B, ", ""))
-    xp = namespace(query, key, value)
+    xp = namespace(query, key, value, names=("query", "key", "value"))
     q, k, v = (t if batched else xp.expand_dims(t, axis=0) for t in (query, key, value))
     B, T, N, H = (int(n) for n in q.shape)
     _, S, K, _ = (int(n) for n in k.shape)

@@ -130,7 +130,7 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
     """
     for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
         V.check_array(name, a)
-    xp = namespace(q_segments, k_segments)
+    xp = namespace(q_segments, k_segments, names=("q_segments", "k_segments"))
     for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
         if not isdtype(xp, a.dtype, "integral"):
             raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
@@ -275,7 +275,7 @@ def from_torch_mha(
     for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if m is not None:
             V.check_array(name, m)
-    src = namespace(attn_mask, key_padding_mask)
+    src = namespace(attn_mask, key_padding_mask, names=("attn_mask", "key_padding_mask"))
     target = None if xp is None else resolve_backend(xp, "xp")
     for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if m is not None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from npattn import compat as C
+from npattn import masks
 
 RNG = np.random.default_rng(20240611)
 
@@ -248,6 +249,23 @@ def test_flash_attn_func_bad_options_name_the_argument(kwargs, exc, name):
     q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
     with pytest.raises(exc, match=name):
         C.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_arrays_of_two_libraries_name_the_argument():
+    """A K of another library is named (the message named no argument: "arrays from different
+    array libraries were mixed")."""
+    xps = pytest.importorskip("array_api_strict")
+    q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
+    ks = xps.asarray(k)
+    with pytest.raises(TypeError, match=r"^k: expected an array of the library of q \(numpy.ndarray\), got"):
+        C.flash_attn_func(q, ks, v)
+    with pytest.raises(TypeError, match=r"^v: expected an array of the library of q"):
+        C.flash_attn_varlen_func(q[0], k[0], xps.asarray(v[0]), np.array([0, 3], np.int32),
+                                 np.array([0, 5], np.int32), 3, 5)
+    with pytest.raises(TypeError, match=r"^key: expected an array of the library of query"):
+        C.dot_product_attention(q, ks, v)
+    with pytest.raises(TypeError, match=r"^k_segments: expected an array of the library of q_segments"):
+        masks.segments(np.zeros((2, 3), np.int64), xps.zeros((2, 5), dtype=xps.int64))
 
 
 def test_flash_attn_func_bad_shapes_name_the_argument():
