@@ -916,6 +916,7 @@ def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: A
         if not (hasattr(t, "shape") and hasattr(t, "dtype")):
             raise TypeError(f"{name}: expected an array (..., L, E), got {V.type_name(t)}")
     if attn_mask is not None:
+        V.check_array("query", query)
         xp = namespace(query)
         V.check_array("attn_mask", attn_mask, xp, device_of(query), where="like query",
                       library="that of query")
