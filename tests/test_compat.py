@@ -680,6 +680,7 @@ def test_scaled_dot_product_attention_dropout_gradients_match_finite_differences
               [q, k, v, m], grads[:4], ct)
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_scaled_dot_product_attention_bad_input_names_the_argument():
     q, k, v, m, _ = sdpa_case("bool_mask_empty_row")
     with pytest.raises(TypeError, match=r"^attn_mask: expected a bool or real floating dtype"):
