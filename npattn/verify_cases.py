@@ -307,9 +307,9 @@ def _pairs(options: tuple, align: str) -> list:
 
 
 def _order_pairs(options: tuple, align: str, taken: list) -> list:
-    """The ``ORDER_PAIRS`` of ``options`` that ``taken`` lacks."""
-    return [p for p in ORDER_PAIRS if set(p) <= set(options) and p not in taken
-            and not conflicts(p, align)]
+    """The ``ORDER_PAIRS`` of ``options`` that ``taken`` lacks, in the order of ``options``."""
+    pairs = [tuple(o for o in options if o in p) for p in ORDER_PAIRS if set(p) <= set(options)]
+    return [p for p in pairs if not any(set(p) == set(t) for t in taken) and not conflicts(p, align)]
 
 
 def _all_sets(options: tuple, align: str) -> list:
