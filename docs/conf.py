@@ -97,7 +97,7 @@ def _list_fields(app, what, name, obj, options, lines):
     lines += ["", ".. rubric:: Fields", ""]
     for field in obj._fields:
         doc = " ".join(line.strip() for line in analyzer.attr_docs.get((obj.__qualname__, field), []))
-        lines.append(f"- ``{field}``: {doc}".rstrip(": ") if doc else f"- ``{field}``")
+        lines.append(f"- ``{field}``: {doc}" if doc else f"- ``{field}``")
     lines.append("")
 
 

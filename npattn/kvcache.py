@@ -98,7 +98,7 @@ class KVCache:
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             V.check_positive_int(name, n)
         V.check_positive_int("value_dim", value_dim, allow_none=True)
-        name = _dtype_name(xp, dtype)
+        name = V.float_dtype_name(xp, dtype)  # a float dtype xp has and keeps
         self.xp = xp
         self.dtype = getattr(xp, name)
         self.batch_size, self.capacity = int(batch_size), int(capacity)
@@ -322,24 +322,6 @@ def unalign_columns(x: Any, shift: Sequence[int]) -> Any:
             row = xp.concat([row, pad], axis=-1)  # [1, ..., Lt]
         rows.append(row)
     return xp.concat(rows, axis=0)
-
-
-def _dtype_name(xp: Any, dtype: Any) -> str:
-    """The float dtype name ``dtype`` stands for ("float32", ...), checked against ``xp``."""
-    available = [n for n in V.FLOAT_DTYPES if hasattr(xp, n)]
-    if isinstance(dtype, str):
-        name = dtype
-    elif dtype is None:
-        raise TypeError(f"dtype: expected one of {available} (a name or a dtype), got None")
-    else:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = V.dtype_name(dtype)
-    if name not in available:
-        raise ValueError(f"dtype: expected one of {available} for backend {backend_name(xp)!r}, "
-                         f"got {dtype!r}")
-    return name
 
 
 def _written(xp: Any, buf: Any, new: Any, lens: Sequence[int]) -> Any:
