@@ -883,7 +883,7 @@ def sdpa_forward(
        ``p_j = exp(z_j) / (exp(sink) + sum_k exp(z_k))``, no sink: ``exp(sink) = 0``;
        ``lse = log(exp(sink) + sum_k exp(z_k))``           [B, H, Lq]
     6. ``a = dropout(p)``                                  [B, H, Lq, Lk]
-    7. ``out = a @ v``                                     [B, H, Lq, Dh]
+    7. ``out = a @ v``                                     [B, H, Lq, Dv]
 
     With ``enable_gqa``, steps 1 and 7 multiply in the grouped view,
     ``s = ungroup(qg @ k^T) * scale`` and ``out = ungroup(group(a) @ v)``;
@@ -1021,7 +1021,7 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
         sink = xp.broadcast_to(sink, tuple(s.shape[:-1]) + (1,))  # [B, H, Lq, 1]
     p, sm_cache = _masked_softmax(s, a_mask, sink)  # 5.           [B, H, Lq, Lk]
     a, do_cache = _dropout(p, dropout_p, dropout_mask, rng)  # 6.
-    out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 7.   [B, H, Lq, Dh]
+    out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 7.   [B, H, Lq, Dv]
 
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
@@ -1072,9 +1072,9 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     # 7. out = ungroup(group(a) @ v): the grouped view is a plain matmul, so
     #    da = dout @ v^T and dv = a^T @ dout in that view; the contraction over
     #    the G*Lq rows of dv sums each K/V head's gradient over its G query heads
-    dout_g = group_heads(xp, dout, G)  # [B, Hkv, G*Lq, Dh]
+    dout_g = group_heads(xp, dout, G)  # [B, Hkv, G*Lq, Dv]
     da = ungroup_heads(xp, dout_g @ xp.matrix_transpose(v), G)  # [B, H, Lq, Lk]
-    dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dh]
+    dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dv]
     # 6. a = dropout(p)
     dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
     # 5. p = softmax(z, a_mask, sink): ds = p * (dp - delta + dlse), delta = rowsum(dp * p)
