@@ -221,9 +221,18 @@ def _check_dout(dout: Any, out: Any) -> None:
                          f"{V.shape_of(out)}, got {V.shape_of(dout)}")
 
 
-def _check_dlse(dlse: Any, shape: tuple) -> None:
+def _check_dlse(dlse: Any, shape: tuple, *, returned: bool, fn: str, flag: str) -> None:
+    """``dlse`` for a pullback: None, or an array of the shape of the log-sum-exp ``fn`` returned.
+
+    Without ``flag`` the function returned no log-sum-exp, and a ``dlse`` would add the
+    gradient of an output the caller never received: refused, as
+    ``scaled_dot_product_attention``'s pullback refuses it.
+    """
     if dlse is None:
         return
+    if not returned:
+        raise ValueError(f"dlse: {fn} returned no log-sum-exp (it returns one with {flag}); "
+                         f"pass None, or call it with {flag}")
     if not hasattr(dlse, "shape"):
         raise TypeError(f"dlse: expected an array of the shape of the returned log-sum-exp, "
                         f"{tuple(shape)}, got {V.type_name(dlse)}")
@@ -365,7 +374,8 @@ def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
     def grads_of(dout: Any, dlse: Any) -> dict:
         # [B, Lq, Hq, Dv], [B, Hq, Lq] -> [B, Lq, Hq, Dh], [B, Lk, Hkv, Dh], [B, Lk, Hkv, Dv]
         _check_dout(dout, out)
-        _check_dlse(dlse, V.shape_of(cache.lse))
+        _check_dlse(dlse, V.shape_of(cache.lse), returned=bool(return_attn_probs),
+                    fn="flash_attn_func", flag="return_attn_probs=True")
         g = A.sdpa_backward(_swap_lh(xp, dout), cache, dlse=dlse)
         return {"q": _swap_lh(xp, g.dq), "k": _swap_lh(xp, g.dk), "v": _swap_lh(xp, g.dv)}
 
@@ -564,7 +574,8 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
     def grads_of(dout: Any, dlse: Any) -> dict:
         # [total_q, Hq, Dv], [Hq, total_q] -> [total_q, Hq, Dh], [total_k, Hkv, Dh], [total_k, Hkv, Dv]
         _check_dout(dout, out)
-        _check_dlse(dlse, (Hq, total_q))
+        _check_dlse(dlse, (Hq, total_q), returned=bool(return_attn_probs),
+                    fn="flash_attn_varlen_func", flag="return_attn_probs=True")
         dqs, dks, dvs = [], [], []
         for b, cache in enumerate(caches):
             if cache is None:
@@ -819,7 +830,8 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
     def grads_of(dout: Any, dlse: Any) -> dict:
         # [B, Lq, Hq, Dv], [B, Hq, Lq] -> q, k_cache, v_cache, k, v shapes
         _check_dout(dout, out)
-        _check_dlse(dlse, (B, Hq, Lq))
+        _check_dlse(dlse, (B, Hq, Lq), returned=bool(return_softmax_lse),
+                    fn="flash_attn_with_kvcache", flag="return_softmax_lse=True")
         dq, dkc, dvc, dkn, dvn = [], [], [], [], []
         for b, cache in enumerate(caches):
             s = seqlens[b]
@@ -1134,7 +1146,8 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     def grads_of(dout: Any, dlse: Any) -> dict:
         # [B, T, N, Dv], [B, T, N] -> query, key, value, bias shapes
         _check_dout(dout, out)
-        _check_dlse(dlse, (B, T, N) if batched else (T, N))
+        _check_dlse(dlse, (B, T, N) if batched else (T, N), returned=bool(return_residual),
+                    fn="dot_product_attention", flag="return_residual=True")
         d4 = dout if batched else xp.expand_dims(dout, axis=0)
         dl = None
         if dlse is not None:
@@ -1197,7 +1210,10 @@ def vjp(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Callable[..., tup
         (B, Hq, Lq) for ``flash_attn_func`` and ``flash_attn_with_kvcache``,
         (Hq, total_q) for ``flash_attn_varlen_func``, (B, T, N) for
         ``dot_product_attention``; its entries in rows with nothing to
-        attend do not matter. The tuple has one entry per positional
+        attend do not matter. A ``dlse`` for a call that returned no
+        log-sum-exp (``scaled_dot_product_attention``, or one without
+        ``return_attn_probs`` / ``return_softmax_lse`` / ``return_residual``)
+        is a ``ValueError``. The tuple has one entry per positional
         argument (``len(args)``), in order: the gradient of ``q``/``query``,
         ``k``, ``v``, ``k_cache``, ``v_cache``, a floating ``attn_mask`` or
         ``bias``; None for every other (``cu_seqlens_*``, a bool mask,

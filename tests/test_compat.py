@@ -852,16 +852,43 @@ def test_vjp_contract():
     out, pullback = C.vjp(C.flash_attn_func, q, k, v, causal=True)
     with pytest.raises(ValueError, match=r"^dout: expected the shape of the output"):
         pullback(out[:, :2])
+    (_, lse, _), with_lse = C.vjp(C.flash_attn_func, q, k, v, causal=True, return_attn_probs=True)
     with pytest.raises(ValueError, match=r"^dlse: expected the shape"):
-        pullback(out, dlse=np.zeros((2, 3)))
+        with_lse(out, dlse=np.zeros((2, 3)))
     with pytest.raises(TypeError, match=r"^dlse: expected an array .* got list"):
-        pullback(out, dlse=[0.0])  # a ValueError before: a wrong kind of value is a TypeError
+        with_lse(out, dlse=[0.0])  # a ValueError before: a wrong kind of value is a TypeError
     ct = randn(*out.shape)
     first, second = pullback(ct), pullback(ct)  # the forward's cache is not consumed
     assert len(first) == 3
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(out, C.flash_attn_func(q, k, v, causal=True))
+
+
+def test_vjp_refuses_dlse_when_no_lse_was_returned():
+    """A dlse for a call that returned no log-sum-exp was added to the gradients of
+    flash_attn_func, the varlen and kvcache functions and dot_product_attention (the
+    gradient of an output the caller never received); scaled_dot_product_attention
+    refused it. Now each refuses it and names the flag that returns the lse."""
+    q, k, v, _, _ = flash_inputs((2, 3, 4, 4, 2, 5, 4))
+    kc = np.concatenate([k, np.zeros((2, 2, 2, 4))], axis=1)
+    vc = np.concatenate([v, np.zeros((2, 2, 2, 4))], axis=1)
+    cases = [
+        (C.flash_attn_func, (q, k, v), {}, "return_attn_probs=True", (2, 4, 3)),
+        (C.flash_attn_varlen_func, (q.reshape(6, 4, 4), k.reshape(10, 2, 4), v.reshape(10, 2, 4),
+                                    np.array([0, 3, 6], np.int32), np.array([0, 5, 10], np.int32),
+                                    3, 5), {}, "return_attn_probs=True", (4, 6)),
+        (C.flash_attn_with_kvcache, (q, kc, vc, k[:, :1], v[:, :1]),
+         dict(cache_seqlens=np.array([2, 4], np.int32)), "return_softmax_lse=True", (2, 4, 3)),
+        (C.dot_product_attention, (q, k, v), {}, "return_residual=True", (2, 3, 4)),
+    ]
+    for fn, args, kw, flag, lse_shape in cases:
+        out, pullback = C.vjp(fn, *args, **kw)
+        with pytest.raises(ValueError, match=rf"^dlse: {fn.__name__} returned no log-sum-exp .*{flag}"):
+            pullback(out, dlse=np.ones(lse_shape))
+        (out, lse, *_), with_lse = C.vjp(fn, *args, **kw, **{flag.split("=")[0]: True})
+        assert lse.shape == lse_shape
+        assert len(with_lse(out, dlse=np.ones(lse_shape))) == len(args)
 
 
 @pytest.mark.parametrize("fn_name", ["flash_attn_func", "flash_attn_varlen_func",
