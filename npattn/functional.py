@@ -407,7 +407,7 @@ def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tup
 
     Returns
     -------
-    p : array, shape of ``x`` broadcast with ``mask``
+    p : array, shape of ``x`` (``mask`` broadcasts to it)
     cache : SoftmaxCache
     """
     # [..., Lk], mask broadcastable, [..., 1] -> [..., Lk]
