@@ -49,6 +49,7 @@ __all__ = [
     "merge_heads_backward",
     "masked_softmax_forward",
     "masked_softmax_backward",
+    "SoftmaxGrads",
     "dropout_forward",
     "dropout_backward",
     "sdpa_forward",
@@ -376,6 +377,13 @@ class SoftmaxCache(NamedTuple):
     lse: Any = None  #: [..., 1] log(exp(sink) + sum_j exp(z_j)), -inf for an empty row
 
 
+class SoftmaxGrads(NamedTuple):
+    """Gradients of ``masked_softmax_forward``, in the order of its array inputs."""
+    dx: Any  #: [..., Lk], shape of x
+    dmask: Any  #: floating mask's own shape, or None for a boolean or no mask
+    dsink: Any  #: [..., 1], shape of sink, with a sink; else None
+
+
 def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tuple[Any, SoftmaxCache]:
     """Numerically stable softmax over the last axis, with masking.
 
@@ -463,7 +471,7 @@ def _masked_softmax(x, mask, sink=None):
     return p, SoftmaxCache(p, mask_shape, None, p_sink, lse)
 
 
-def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -> tuple[Any, Any]:
+def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -> SoftmaxGrads:
     """Gradient of the masked softmax, without forming a Jacobian.
 
     ``dx = p * (dp - sum(dp * p))``, summed over the last axis inside the
@@ -472,6 +480,8 @@ def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -
     back to the mask's own shape; ``dmask`` is None for a boolean or no mask.
     An upstream gradient ``dlse`` of ``cache.lse`` adds ``p * dlse``
     (``d lse / dx_j = p_j``): ``dx = p * (dp - sum(dp * p) + dlse)``.
+    A sink is one more logit of the row that carries no value (its ``dp`` is
+    0): ``dsink = p_sink * (0 - sum(dp * p) + dlse)``.
 
     Parameters
     ----------
@@ -483,10 +493,12 @@ def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -
 
     Returns
     -------
-    dx : array, shape of ``p``
-    dmask : array of the mask's shape, or None
+    SoftmaxGrads
+        ``(dx, dmask, dsink)``: ``dx`` of the shape of ``p``; ``dmask`` of the
+        mask's shape, or None; ``dsink`` of the sink's shape (..., 1), or None
+        without a sink.
     """
-    # [..., Lk] -> [..., Lk], mask shape
+    # [..., Lk] -> [..., Lk], mask shape, [..., 1]
     V.check_cache("cache", cache, SoftmaxCache, "masked_softmax_forward")
     V.check_grad("dp", dp, shape=V.shape_of(cache.p),
                  dtype=cache.p.dtype if cache.in_dtype is None else cache.in_dtype,
@@ -515,10 +527,13 @@ def _masked_softmax_backward(dp, cache, dlse=None):
     # 2. z = where(mask, x, -inf): dx = where(mask, dz, 0), already 0 since p = 0 there
     # 1. z = x + mask: dx = dz, dmask = dz summed to the mask's shape
     dmask = None if cache.mask_shape is None else sum_to_shape(xp, dz, cache.mask_shape)
+    # the sink: one more logit of the row, whose dp is 0: dsink = p_sink * (0 - delta)
+    dsink = None if cache.p_sink is None else -(cache.p_sink * delta)  # [..., 1]
     if cache.in_dtype is not None:
         dz = xp.astype(dz, cache.in_dtype)
         dmask = None if dmask is None else xp.astype(dmask, cache.in_dtype)
-    return dz, dmask
+        dsink = None if dsink is None else xp.astype(dsink, cache.in_dtype)
+    return SoftmaxGrads(dz, dmask, dsink)
 
 
 # --------------------------------------------------------------------------
@@ -1081,7 +1096,7 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     dlse_rows = None  # [B, H, Lq, 1]; 0 on rows with nothing to attend (lse = -inf, p = 0)
     if dlse is not None:
         dlse_rows = xp.where(cache.softmax.lse == -math.inf, 0.0, xp.expand_dims(dlse, axis=-1))
-    ds, da_mask = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
+    ds, da_mask, dsink = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
     # 4. a_mask = where(allowed, mask, -inf): dmask = da_mask where allowed, and
     #    da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
     dmask = None
@@ -1089,11 +1104,7 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
         dmask = sum_to_shape(xp, da_mask, cache.mask_shape)
     dsinks = None
     if o.sinks is not None:  # the sink: one more logit of every row (b, h, i), with dp = 0,
-        #                      so dsink = p_sink * (0 - delta + dlse)
-        delta = xp.sum(dp * cache.softmax.p, axis=-1, keepdims=True)  # [B, H, Lq, 1]
-        if dlse_rows is not None:
-            delta = delta - dlse_rows
-        dsink = -(cache.softmax.p_sink * delta)  # [B, H, Lq, 1]
+        #                      so dsink = p_sink * (0 - delta + dlse), [B, H, Lq, 1]; summed to (H,)
         dsinks = xp.reshape(sum_to_shape(xp, dsink, tuple(o.sinks.shape)), cache.shapes[3])
     # 3. z = c + alibi: dc = dz (the bias is a constant)
     # 2. c = softcap * tanh(s / softcap): ds = dc * (1 - tanh^2(s / softcap)) = dc * sech^2(...)

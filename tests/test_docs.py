@@ -187,7 +187,7 @@ def test_documented_softmax_backward_matches_code(softmax_backward_as_documented
         mask[rng.random(shape[-2:]) < 0.3] = -np.inf
         mask[-1] = -np.inf  # a fully masked row
     p, cache = F.masked_softmax_forward(to_xp(x), to_xp(mask))
-    dx, _ = F.masked_softmax_backward(to_xp(dp), cache)
+    dx, _, _ = F.masked_softmax_backward(to_xp(dp), cache)
     documented = eval(softmax_backward_as_documented, {"xp": xp, "p": p, "dp": to_xp(dp)})
     np.testing.assert_allclose(to_np(dx), to_np(documented), rtol=1e-12, atol=1e-12)
     assert np.all(np.isfinite(to_np(dx)))
@@ -198,7 +198,7 @@ def test_a_wrong_formula_would_fail(softmax_backward_as_documented):
     rng = np.random.default_rng(0)
     x, dp = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
     p, cache = F.masked_softmax_forward(x)
-    dx, _ = F.masked_softmax_backward(dp, cache)
+    dx, _, _ = F.masked_softmax_backward(dp, cache)
     _, wrong = latex_to_python(r"\mathrm{d}z_j = \mathrm{d}p_j - \sum_k \mathrm{d}p_k \, p_k", SOFTMAX_NAMES)
     assert not np.allclose(dx, eval(wrong, {"xp": np, "p": p, "dp": dp}))
     assert np.allclose(dx, eval(softmax_backward_as_documented, {"xp": np, "p": p, "dp": dp}))

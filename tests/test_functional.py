@@ -105,7 +105,7 @@ def test_masked_softmax_gradients_and_invariants(xp, to_xp, to_np, dims, kind, f
         return F.masked_softmax_forward(x, mask[0] if mask else m)
 
     def bwd(dp, cache):
-        dx, dmask = F.masked_softmax_backward(dp, cache)
+        dx, dmask, _ = F.masked_softmax_backward(dp, cache)
         assert np.all(np.isfinite(to_np(dx)))
         return (dx, dmask) if is_float else dx
 
@@ -117,7 +117,7 @@ def test_softmax_backward_matches_documented_formula(xp, to_xp, to_np):
     rng = np.random.default_rng(0)
     x, dp = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 3, 5))
     p, cache = F.masked_softmax_forward(to_xp(x))
-    ds, _ = F.masked_softmax_backward(to_xp(dp), cache)
+    ds, _, _ = F.masked_softmax_backward(to_xp(dp), cache)
     p = to_np(p)
     # the Jacobian written out entry by entry: dp_i/dx_j = p_i (delta_ij - p_j)
     jac = np.einsum("...i,ij->...ij", p, np.eye(5)) - np.einsum("...i,...j->...ij", p, p)
@@ -132,20 +132,47 @@ def test_softmax_dlse_on_a_row_with_nothing_to_attend_does_not_matter(xp, to_xp,
     mask = np.ones((3, 4), dtype=bool)
     mask[1] = False  # row 1 attends nothing
     p, cache = F.masked_softmax_forward(to_xp(x), to_xp(mask))
-    base, _ = F.masked_softmax_backward(to_xp(dp), cache)
+    base, _, _ = F.masked_softmax_backward(to_xp(dp), cache)
     dlse = np.array([[0.5], [0.0], [-0.2]])
-    want, _ = F.masked_softmax_backward(to_xp(dp), cache, dlse=to_xp(dlse))
+    want, _, _ = F.masked_softmax_backward(to_xp(dp), cache, dlse=to_xp(dlse))
     np.testing.assert_allclose(to_np(want) - to_np(base), to_np(p) * dlse, rtol=1e-12, atol=1e-14)
     for bad in (np.inf, -np.inf, np.nan):
         dlse[1] = bad
-        got, _ = F.masked_softmax_backward(to_xp(dp), cache, dlse=to_xp(dlse))
+        got, _, _ = F.masked_softmax_backward(to_xp(dp), cache, dlse=to_xp(dlse))
         np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
+def test_softmax_sink_gradient_matches_finite_differences(xp, to_xp, to_np):
+    """The sink is an input of the pair: its gradient comes back third, in the order of the
+    forward's inputs, for p and for the log-sum-exp together; a row whose keys are all masked
+    belongs to the sink alone (p = 0, finite gradients)."""
+    rng = np.random.default_rng(5)
+    x = to_xp(rng.standard_normal((2, 3, 5)))  # [..., Lk]
+    sink = to_xp(rng.standard_normal((2, 3, 1)))  # [..., 1]
+    keep = rng.random((2, 3, 5)) < 0.7
+    keep[1, 2] = False  # row (1, 2) attends no key
+    mask = to_xp(keep)
+
+    def fwd(x, sink):  # [..., Lk], [..., 1] -> [..., Lk + 1]: p and lse side by side
+        p, cache = F.masked_softmax_forward(x, mask, sink=sink)
+        return xp.concat([p, cache.lse], axis=-1), cache
+
+    def bwd(dout, cache):
+        dx, dmask, dsink = F.masked_softmax_backward(dout[..., :-1], cache, dlse=dout[..., -1:])
+        assert dmask is None and tuple(dsink.shape) == (2, 3, 1)
+        assert np.all(np.isfinite(to_np(dx))) and np.all(np.isfinite(to_np(dsink)))
+        return dx, dsink
+
+    assert_ok(gradcheck(fwd, bwd, [x, sink], names=["x", "sink"], seed=5))
+    # without a sink there is none to differentiate
+    _, cache = F.masked_softmax_forward(x, mask)
+    assert F.masked_softmax_backward(to_xp(rng.standard_normal((2, 3, 5))), cache).dsink is None
 
 
 def test_softmax_large_scores_stable(xp, to_xp, to_np):
     x = to_xp(np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]]))
     p, cache = F.masked_softmax_forward(x)
-    ds, _ = F.masked_softmax_backward(to_xp(np.array([[1.0, -2.0, 0.5], [0.3, 0.1, -0.2]])), cache)
+    ds, _, _ = F.masked_softmax_backward(to_xp(np.array([[1.0, -2.0, 0.5], [0.3, 0.1, -0.2]])), cache)
     p, ds = to_np(p), to_np(ds)
     np.testing.assert_allclose(p[0], [1.0, 0.0, 0.0])
     np.testing.assert_allclose(p[1], [1 / 3] * 3)

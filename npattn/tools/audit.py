@@ -336,6 +336,26 @@ def _softmax(mask_kind):
     return build
 
 
+def _softmax_sink(xp, dtype, rng):
+    """The softmax with a sink (one more logit per row, carrying no value) and a boolean
+    mask with a fully masked row, which the sink then takes alone: gradients of x and sink."""
+    m = _Maker(xp, dtype, rng)
+    x, sink = m.normal(2, 3, 5), m.normal(2, 3, 1)  # [B, Lq, Lk], [B, Lq, 1]
+    keep = rng.random((2, 3, 5)) < 0.6
+    keep[..., 0] = True
+    keep[1, 2, :] = False  # a fully masked row
+    mask = m.bool(keep)
+
+    def forward(x, sink):
+        return F.masked_softmax_forward(x, mask, sink=sink)
+
+    def backward(dp, cache):
+        dx, _, dsink = F.masked_softmax_backward(dp, cache)  # looked up at call time
+        return dx, dsink
+
+    return forward, backward, [x, sink], ["x", "sink"]
+
+
 def _dropout(xp, dtype, rng):
     m = _Maker(xp, dtype, rng)
     x = m.normal(2, 3, 4)
@@ -474,6 +494,7 @@ def _reference_panel() -> list:
         Check("masked_softmax, bool mask, fully masked row", P, _softmax("bool")),
         Check("masked_softmax, float mask -inf, fully masked row", P, _softmax("float")),
         Check("masked_softmax, float padding mask, empty sequence", P, _softmax("padding")),
+        Check("masked_softmax, sink, fully masked row", P, _softmax_sink),
         Check("dropout p=0.3, fixed keep-mask", P, _dropout),
         Check("sdpa, Lq=Lk, no mask", P, _sdpa(4, 4)),
         Check("sdpa, Lq!=Lk, bool padding mask", P, _sdpa(3, 5, "bool_padding")),
