@@ -405,7 +405,9 @@ class MultiHeadAttention:
             when the entries' lengths differ (``KVCache.right_aligned``).
             Once the forward has succeeded the new keys and values are
             appended to the cache. The cache must match the module
-            (``new_cache``); no ``mask``, ``dropout_mask`` or segments.
+            (``new_cache``); no ``mask``, ``dropout_mask`` or segments, and
+            no dropout: a module in training mode with ``dropout > 0`` is a
+            ``ValueError`` (call ``eval()`` first).
             ``backward`` after such a forward is a ``RuntimeError``.
 
         With ``add_bias_kv`` or ``add_zero_attn`` the positional options
@@ -434,6 +436,11 @@ class MultiHeadAttention:
                              check_finite=check_finite, average_attn_weights=average_attn_weights,
                              window=window, align=align, alibi_slopes=alibi_slopes,
                              q_segments=q_segments, k_segments=k_segments, kv_cache=kv_cache)
+        if kv_cache is not None and self.training and self.dropout > 0.0:
+            # as the blocks and GPT: a decoded token would otherwise be dropped from a mask
+            # drawn for its chunk, unlike the one a full forward draws for its position
+            raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
+                             f"first (the module is in training mode with dropout {self.dropout})")
         impl = self.impl if impl is None else impl
         A.check_impl(impl, need_weights=need_weights)
         if align is None:

@@ -197,7 +197,9 @@ def test_ragged_view_is_right_aligned(backend, xp, to_xp, to_np):
 
 
 def _decoding_setup(backend, to_xp, lens=(3, 1), capacity=4):
-    m = _decoder(backend, dropout=0.2)  # training mode: the generator state must be kept too
+    # dropout 0.2 in eval mode (decoding runs without dropout): a failed call must keep the
+    # generator's state as well as the cache's
+    m = _decoder(backend, dropout=0.2).eval()
     cache = m.new_cache(len(lens), capacity)
     rng = np.random.default_rng(6)
     x = to_xp(rng.standard_normal((len(lens), max(lens), D)))
@@ -241,6 +243,19 @@ def test_a_failure_inside_the_forward_leaves_the_cache():
     _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy",
                                           alibi_slopes=slopes),
                       ValueError, "impl='numpy'", np.asarray)
+
+
+def test_decoding_in_training_mode_with_dropout_says_call_eval(backend, to_xp, to_np):
+    """As the blocks and GPT refuse it: decoding is forward only, without dropout. The module,
+    its generator and the cache are unchanged; after eval() the same call decodes."""
+    m = _decoder(backend, dropout=0.5)
+    cache = m.new_cache(2, 4)
+    x = to_xp(np.random.default_rng(9).standard_normal((2, 1, D)))
+    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache), ValueError,
+                      r"kv_cache: decoding is forward only.*call eval\(\).*dropout 0.5", to_np)
+    m.eval()
+    m(x, x, x, kv_cache=cache)
+    assert to_np(cache.cache_seqlens).tolist() == [1, 1]
 
 
 def test_backward_after_decoding_is_an_error(backend, to_xp):
