@@ -220,6 +220,8 @@ def to_numpy(x: Any) -> np.ndarray:
         return x.detach().cpu().numpy().copy()
     if array_api_compat.is_dask_array(x):
         return np.array(x.compute(), copy=True)
+    if array_api_compat.is_jax_array(x):  # not DLPack, which carries no bfloat16: JAX's own
+        return np.array(x, copy=True)  # host copy (bfloat16 as ml_dtypes' bfloat16)
     if not array_api_compat.is_array_api_obj(x):
         raise TypeError(f"x: expected an array, got {type(x).__name__}")
     return np.array(np.from_dlpack(x), copy=True)

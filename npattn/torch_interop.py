@@ -132,7 +132,8 @@ def _host(x) -> np.ndarray:
         if x.dtype == torch.bfloat16:
             x = x.to(torch.float32)
         return x.numpy().copy()
-    return np.asarray(to_numpy(x))
+    a = np.asarray(to_numpy(x))
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a  # JAX's (ml_dtypes')
 
 
 def check_state_dict(state_dict: Any) -> None:
@@ -234,7 +235,7 @@ def torch_state_dict(mha: Any) -> "OrderedDict":
         x = P[name]
         if array_api_compat.is_torch_array(x):
             return x.detach().to(device="cpu", dtype=dtype, copy=True)
-        return torch.from_numpy(np.array(to_numpy(x))).to(dtype)
+        return torch.from_numpy(_host(x)).to(dtype)
 
     sd = OrderedDict()
     for name in shapes:

@@ -36,8 +36,7 @@ from . import functional as F
 from . import layers as Ly
 from .attention import check_impl
 from . import validation as V
-from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace,
-                      to_numpy)
+from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace
 from .module import (MultiHeadAttention, check_forward_inputs, check_params_assignment, check_path,
                      model_from_save_file, picklable_state, restore_state, set_rng_state,
                      write_save_file)
@@ -542,6 +541,8 @@ class _Block:
         """``params`` as the torch layer's state dict: CPU tensors, copies, torch's key order."""
         import torch
 
+        from .torch_interop import host_tensor
+
         dtype = getattr(torch, V.dtype_name(self.dtype))
         sd = OrderedDict()
         for a in self._ATTNS:
@@ -551,7 +552,7 @@ class _Block:
             if isinstance(v, torch.Tensor):  # bfloat16 has no NumPy form: stay in torch
                 sd[k] = v.detach().to(device="cpu", dtype=dtype, copy=True)
             else:
-                sd[k] = torch.from_numpy(np.array(to_numpy(v))).to(dtype)
+                sd[k] = torch.from_numpy(host_tensor(k, v)).to(dtype)  # (JAX's bfloat16 widened)
         return sd
 
     def load_torch_state_dict(self, state_dict: Any):

@@ -168,3 +168,41 @@ def test_dtype_probes_leave_the_warning_filters_alone(monkeypatch):
             widest = backend.widest_int(jnp)
         assert kept == [x64, x64, True]
         assert widest == (jnp.int64 if x64 else jnp.int32)
+
+
+def test_bfloat16_arrays_reach_the_host_and_torch():
+    """DLPack carries no bfloat16: a JAX bfloat16 array is copied to the host by JAX itself
+    (as ml_dtypes' bfloat16), so the torch state dicts of bfloat16 layers on JAX, a state
+    dict of JAX bfloat16 arrays and bfloat16 rope positions without x64 work (each raised
+    RuntimeError 'Unsupported dtype in DLTensor')."""
+    torch = pytest.importorskip("torch", reason="torch state dicts need torch")
+    from npattn import positions as P
+    from npattn.backend import to_numpy
+    from npattn.transformer import TransformerBlock
+
+    x = jnp.asarray([1.5, -2.0, 3.0], dtype=jnp.bfloat16)
+    host = to_numpy(x)
+    assert host.dtype == x.dtype and host.tolist() == [1.5, -2.0, 3.0]
+
+    mha = npattn.MultiHeadAttention(8, 2, dtype="bfloat16", backend="jax", seed=0)
+    sd = mha.torch_state_dict()
+    assert sd["in_proj_weight"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(sd["out_proj.weight"].float().numpy(),
+                                  np.asarray(mha.params["w_o"], dtype=np.float32))
+    as_jax = {k: jnp.asarray(v.float().numpy(), dtype=jnp.bfloat16) for k, v in sd.items()}
+    back = npattn.MultiHeadAttention(8, 2, dtype="bfloat16", backend="jax", seed=1)
+    back.load_torch_state_dict(as_jax)
+    for name, p in mha.params.items():
+        assert back.params[name].dtype == jnp.bfloat16 and bool((back.params[name] == p).all()), name
+    block = TransformerBlock(8, 2, 16, dtype="bfloat16", backend="jax", seed=0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dtype=torch.bfloat16)
+    layer.load_state_dict(block.torch_state_dict())
+    np.testing.assert_array_equal(layer.norm1.weight.detach().float().numpy(),
+                                  np.asarray(block.params["norm1.weight"], dtype=np.float32))
+
+    jax.config.update("jax_enable_x64", False)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, 4, 8)), dtype=jnp.bfloat16)
+    out, _ = P.rope_forward(q, jnp.arange(4, dtype=jnp.bfloat16))
+    ref, _ = P.rope_forward(q, jnp.arange(4))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, dtype=np.float32), np.asarray(ref, dtype=np.float32))
