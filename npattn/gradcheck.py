@@ -151,6 +151,12 @@ def _real_dout(dout: Any) -> Any:
 
 
 def _host64(x) -> np.ndarray:
+    """A host float64 copy of ``x``, cast on its own backend first where it has float64 (NumPy
+    has no bfloat16 to copy torch's into)."""
+    if _is_float_array(x):
+        xp = namespace(x)
+        if keeps_dtype(xp, xp.float64):
+            x = xp.astype(x, xp.float64)
     return np.asarray(to_numpy(x), dtype=np.float64)
 
 

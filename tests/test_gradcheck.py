@@ -265,3 +265,15 @@ def test_gradcheck_module_refuses_a_kv_cache():
         gradcheck_module(m, x, x, x, forward_kwargs={"kv_cache": kv})
     assert list(kv.cache_seqlens) == [0] and m.cache is None
     assert gradcheck_module(m, x, x, x, forward_kwargs={"kv_cache": None}).ok  # the default
+
+
+def test_bfloat16_torch_inputs_are_checked_in_float64():
+    """A torch bfloat16 input is cast to float64 on torch, as every floating input: NumPy has no
+    bfloat16 to copy it into first (it raised torch's 'Got unsupported ScalarType BFloat16')."""
+    torch = pytest.importorskip("torch", reason="bfloat16 tensors need torch")
+    from npattn import attention as A
+
+    q = torch.tensor(np.random.default_rng(0).standard_normal((1, 2, 3, 4)), dtype=torch.bfloat16)
+    report = gradcheck(A.sdpa_forward, A.sdpa_backward, [q, q, q], mode="full")
+    assert report.ok, report
+    assert q.dtype == torch.bfloat16
