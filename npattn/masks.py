@@ -257,7 +257,8 @@ def from_torch_mha(
         works with a float mask of the query's dtype).
     xp : namespace or backend name, optional
         Move the result to this backend (through the host); default: the
-        backend of the inputs.
+        backend of the inputs. A bfloat16 result needs a backend with
+        bfloat16 (torch, JAX): a ``TypeError`` otherwise.
     device : optional
         Device for the result when ``xp`` is given.
 
@@ -322,6 +323,9 @@ def from_torch_mha(
     else:
         if dtype is None:
             dtype = src.result_type(*[m.dtype for m in parts if is_floating(src, m)])
+        if target is not None and V.dtype_name(dtype) == "bfloat16" and not hasattr(target, "bfloat16"):
+            raise TypeError(f"xp: expected a backend with bfloat16 for a bfloat16 mask, got "
+                            f"{backend_name(target)}; pass dtype= a dtype it has (float32)")
         out = None
         for m in parts:
             if is_bool(src, m):
@@ -332,8 +336,17 @@ def from_torch_mha(
             out = add if out is None else out + add  # broadcast [B, H, Lq, Lk]
 
     if target is not None:
-        out = from_numpy(to_numpy(out), target, device)
+        out = _moved(src, out, target, device)
     return out
+
+
+def _moved(src, out, target, device):
+    """``out`` as an array of ``target`` on ``device``, through the host; bfloat16 through
+    float32, which holds it exactly (NumPy has no bfloat16)."""
+    if V.dtype_name(out.dtype) != "bfloat16":
+        return from_numpy(to_numpy(out), target, device)
+    host = to_numpy(src.astype(out, src.float32))
+    return target.astype(from_numpy(host, target, device), target.bfloat16)
 
 
 def _attn_mask_4d(xp, m, n_head, batch_size):

@@ -230,6 +230,26 @@ def test_from_torch_mha_bad_arguments():
                                   masks.from_torch_mha(a3, n_head=2))
 
 
+def test_from_torch_mha_moves_bfloat16_between_backends():
+    """``xp=`` moves the mask through the host, where NumPy has no bfloat16: a bfloat16 mask
+    goes through float32, which holds it exactly, to a backend with bfloat16, and one without
+    is a TypeError naming ``xp`` before anything is computed (torch raised 'Got unsupported
+    ScalarType BFloat16', JAX 'Unsupported dtype in DLTensor')."""
+    torch = pytest.importorskip("torch")
+    am = torch.tensor([[True, False, False]])
+    kpm = torch.tensor([[False, False, True]])
+    expected = [-math.inf, 0.0, -math.inf]
+    out = masks.from_torch_mha(am, kpm, dtype=torch.bfloat16, xp="torch")
+    assert out.dtype == torch.bfloat16 and out.reshape(-1).tolist() == expected
+    with pytest.raises(TypeError, match="^xp: expected a backend with bfloat16.*got numpy"):
+        masks.from_torch_mha(am, kpm, dtype=torch.bfloat16, xp="numpy")
+    jnp = pytest.importorskip("jax.numpy")
+    out = masks.from_torch_mha(am, kpm, dtype=torch.bfloat16, xp="jax")
+    assert out.dtype == jnp.bfloat16 and out.reshape(-1).tolist() == expected
+    back = masks.from_torch_mha(out.reshape(1, 3), xp="torch")  # a floating (L, S) JAX mask
+    assert back.dtype == torch.bfloat16 and back.reshape(-1).tolist() == expected
+
+
 # --------------------------------------------------------------------------
 # from_torch_mha against torch.nn.MultiheadAttention
 
