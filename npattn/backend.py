@@ -211,12 +211,19 @@ def is_bool(xp: Any, x: Any) -> bool:
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """A host NumPy copy of ``x`` (any supported backend), of the same shape and dtype."""
+    """A host NumPy copy of ``x`` (any supported backend), of the same shape and dtype.
+
+    A JAX bfloat16 array comes back as ml_dtypes' bfloat16 (JAX's own host type); a torch
+    bfloat16 tensor, which NumPy cannot hold, is a ``TypeError``: cast it first.
+    """
     if isinstance(x, (np.ndarray, np.generic)):  # a NumPy scalar too, np.sum's result
         return np.array(x, copy=True)
     if array_api_compat.is_cupy_array(x):
         return x.get()
     if array_api_compat.is_torch_array(x):
+        if str(x.dtype) == "torch.bfloat16":
+            raise TypeError("x: expected a tensor of a dtype NumPy has, got torch.bfloat16 "
+                            "(cast it first: x.float() holds it exactly)")
         return x.detach().cpu().numpy().copy()
     if array_api_compat.is_dask_array(x):
         return np.array(x.compute(), copy=True)

@@ -80,6 +80,13 @@ def test_bfloat16_needs_a_backend_with_it():
         MultiHeadAttention.from_torch(tm, backend="numpy")
 
 
+def test_to_numpy_of_a_bfloat16_tensor_names_x():
+    """NumPy has no bfloat16: ``to_numpy`` says so, naming its argument and the way out (it
+    raised torch's own 'Got unsupported ScalarType BFloat16')."""
+    with pytest.raises(TypeError, match=r"^x: expected a tensor of a dtype NumPy has, got torch\.bfloat16"):
+        to_numpy(torch.ones(2, dtype=torch.bfloat16))
+
+
 def test_load_casts_to_module_dtype_and_takes_numpy():
     tm = _randomized(torch.nn.MultiheadAttention(4, 2, dtype=torch.float64))
     mha = MultiHeadAttention(4, 2, dtype="float32")
