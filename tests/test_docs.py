@@ -11,6 +11,8 @@
   means CuPy and a GPU). A block whose requirement is missing is skipped, so a
   block may only use names from earlier blocks that need no more than it does.
 * Every ``{py:...}`` cross-reference in the docs names an object that exists.
+* The API reference (``docs/api/*.md``) renders every name of the library's
+  ``__all__`` lists, under one of the names it is exported as.
 * The docstring examples of the package run (doctest).
 * The Sphinx build is warning-free (skipped when Sphinx is not installed),
   its pages load no remote script (MathJax is served from the build, so the
@@ -321,6 +323,51 @@ def test_cross_references_name_existing_objects():
     assert targets, "the docs link no API object"
     broken = sorted(t for t in targets if missing(t))
     assert not broken, f"docs link objects that do not exist: {broken}"
+
+
+# --------------------------------------------------------------------------
+# the API reference covers every public name
+
+_DIRECTIVE = re.compile(r"^\.\. (?P<kind>auto\w+):: (?P<target>\S+)\n(?P<options>(?:   .*\n)*)", re.M)
+
+
+def _api_documented() -> set:
+    """The dotted names that docs/api/*.md renders: the targets of its autodoc directives,
+    the ``:members:`` each lists, and the ``__all__`` of a module rendered with its members."""
+    documented = set()
+    for page in sorted((DOCS / "api").glob("*.md")):
+        for m in _DIRECTIVE.finditer(page.read_text()):
+            target, options = m.group("target"), m.group("options")
+            documented.add(target)
+            listed = re.search(r":members:(.*(?:\n      .*)*)", options)
+            if listed and listed.group(1).strip():
+                names = [n.strip() for n in listed.group(1).replace("\n", " ").split(",")]
+            elif m.group("kind") == "automodule" and ":no-members:" not in options:
+                names = getattr(importlib.import_module(target), "__all__", [])
+            else:
+                names = []
+            documented.update(f"{target}.{n}" for n in names)
+    return documented
+
+
+def test_the_api_reference_renders_every_public_name():
+    # each name of a library module's __all__ (the tools' modules are the commands', but
+    # for the audit; the hypothesis strategies need hypothesis, docs/api/verify.md names
+    # them) is rendered under one of the names it is exported as
+    documented = _api_documented()
+    modules = [n for n in _package_modules() if n == "npattn.tools.audit"
+               or not n.startswith(("npattn.tools", "npattn.testing.strategies"))]
+    exported: dict = {}
+    for name in modules:
+        module = importlib.import_module(name)
+        for public in getattr(module, "__all__", []):
+            obj = getattr(module, public)
+            key = id(obj) if isinstance(obj, type) or callable(obj) else f"{name}.{public}"
+            exported.setdefault(key, set()).add(f"{name}.{public}")
+    undocumented = sorted(min(names) for names in exported.values()
+                          if not names & documented and not min(names).rsplit(".", 1)[1].startswith("__"))
+    assert len(documented) >= 100, f"only {len(documented)} names found: is the reader broken?"
+    assert not undocumented, f"public names missing from docs/api: {undocumented}"
 
 
 # --------------------------------------------------------------------------
