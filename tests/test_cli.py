@@ -71,6 +71,37 @@ def test_check_rows_cover_the_panel(capsys):
         assert r["max_rel_err"] <= res["rtol"]
 
 
+def _panel_counts(backend, impl):
+    """(configurations, rows) of the panel of ``backend`` that run ``impl`` (None: the reference)."""
+    xp = namespace(np.zeros(1))
+    checks = [c for c in audit.panel(backend) if c.impl == impl]
+    rows = 0
+    for c in checks:
+        args = (xp, xp.float64, np.random.default_rng(0))
+        inputs = (c.build(*args) if c.impl is None else c.build(*args, impl=c.impl))[2]
+        rows += sum(xp.isdtype(x.dtype, "real floating") for x in inputs)
+    return len(checks), rows
+
+
+def test_the_counts_of_docs_check_md_are_the_panels():
+    text = " ".join(open(os.path.join(ROOT, "docs", "check.md")).read().split())
+    n_ref, rows_ref = _panel_counts("numpy", None)
+    n_blocked, rows_blocked = _panel_counts("numpy", "blocked")
+    n_kernel, rows_kernel = _panel_counts("numpy", "numpy")
+    n_chunked = _panel_counts("dask", "chunked")[0]
+    n_sdpa = sum(c.name.startswith("sdpa") for c in audit.panel("numpy") if c.impl is None)
+    n_mha = sum(c.name.startswith("mha") for c in audit.panel("numpy") if c.impl is None)
+    n_total, rows_total = n_ref + n_blocked + n_kernel, rows_ref + rows_blocked + rows_kernel
+    for phrase in (f"whose first {n_ref} configurations, {rows_ref} rows",
+                   f"the {n_sdpa} sdpa and {n_mha} module configurations run again on the blocked",
+                   f"({n_ref + n_blocked} configurations, {rows_ref + rows_blocked} rows)",
+                   f"and window ones ({n_kernel}) run a third time",
+                   f"({n_total} configurations, {rows_total} rows)",
+                   f"the {n_chunked - n_mha} plain sdpa and {n_mha} module configurations run on the chunked",
+                   f"{rows_total}/{rows_total} passed over {n_total} configurations (numpy, float64"):
+        assert phrase in text, phrase
+
+
 def test_check_float32(capsys):
     assert cli.main(["check", "--dtype", "float32", "--no-progress"]) == 0
     out = capsys.readouterr().out
