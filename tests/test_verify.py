@@ -1,7 +1,7 @@
 """npattn.verify: the panel, the budgets, the degenerate rule, the report, and the proof.
 
 The proof is examples/verify/kernels.py: its blocked NumPy kernel passes at
-float64, float32 and float16 (with dmask and dlse), and each of its twelve
+float64, float32 and float16 (with dmask and dlse), and each of its sixteen
 seeded mistakes fails, with the tensor that the mistake breaks named and
 only in the cases that hold the option it is about (the dlse one only with
 lse_grad, the dmask one only with a float mask). torch's SDPA (autograd,
