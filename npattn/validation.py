@@ -635,8 +635,10 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
                 f"{name}: expected dtype {dtype_name(q.dtype)} (that of q), got "
                 f"{dtype_name(a.dtype)} (no silent promotion)"
             )
-        if len(lead) < len(shapes[-1]) or shape_of(a) not in shapes:
-            want = " or ".join(str(s_) for s_ in shapes) if len(lead) >= len(shapes[-1]) else \
+        # the shapes the scores' leading axes can hold: (B, H) needs a batch axis
+        fits = tuple(s_ for s_ in shapes if len(s_) <= len(lead))
+        if shape_of(a) not in fits:
+            want = " or ".join(str(s_) for s_ in fits) if fits else \
                 f"(H,) with q of at least 3 axes (..., H, Lq, Dh) (q has shape {shape_of(q)})"
             raise ValueError(f"{name}: expected shape {want} (H heads of q), got {shape_of(a)}")
     if (q_segments is None) != (k_segments is None):

@@ -636,3 +636,30 @@ def test_one_input_alone_carries_the_batch(xp, to_xp, to_np, wide, gqa):
             assert a.shape == x.shape
             want = b if x.shape[0] == 2 else np.sum(b, axis=0, keepdims=True)
             np.testing.assert_allclose(a, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_slopes_and_sinks_of_shape_h_without_a_batch_axis(xp, to_xp, to_np, impl):
+    """q, k, v of 3 axes (H, L, Dh) take alibi_slopes and sinks of shape (H,), as with
+    a batch axis: the forward matches the oracle and the gradients those of the same
+    call with a batch of one (a (B, H) slope needs the batch axis and is refused)."""
+    rng = np.random.default_rng(12)
+    H, Lq, Lk = 2, 5, 7
+    q, k, v = rng.standard_normal((H, Lq, 3)), rng.standard_normal((H, Lk, 3)), rng.standard_normal((H, Lk, 2))
+    slopes, sinks = rng.random(H), rng.standard_normal(H)
+    dout, dlse = rng.standard_normal((H, Lq, 2)), rng.standard_normal((H, Lq))
+    kw = dict(alibi_slopes=slopes, sinks=sinks, is_causal=True, align="bottom_right")
+    want_out, want_lse = oracle(q, k, v, **kw)
+    xkw = {n: to_xp(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+    out, c = run(lambda d: d, impl, to_xp(q), to_xp(k), to_xp(v), xkw)
+    np.testing.assert_allclose(to_np(out), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(to_np(c.lse), want_lse, rtol=1e-12, atol=1e-12)
+    out_b, c_b = run(lambda d: d, impl, to_xp(q[None]), to_xp(k[None]), to_xp(v[None]), xkw)
+    g = A.sdpa_backward(to_xp(dout), c, dlse=to_xp(dlse))
+    g_b = A.sdpa_backward(to_xp(dout[None]), c_b, dlse=to_xp(dlse[None]))
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(to_np(getattr(g, name)), to_np(getattr(g_b, name))[0],
+                                   rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(to_np(g.dsinks), to_np(g_b.dsinks), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(2,\) \(H heads of q\), got \(1, 2\)"):
+        run(lambda d: d, impl, to_xp(q), to_xp(k), to_xp(v), dict(alibi_slopes=to_xp(slopes[None])))
