@@ -331,6 +331,12 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
     ns = array_api_compat.array_namespace(ids)
     if not isdtype(ns, ids.dtype, "integral"):
         raise TypeError(f"{name}: expected an integer array of {what}, got dtype {dtype_name(ids.dtype)}")
+    info = getattr(ns, "__array_namespace_info__", None)
+    supported = None if info is None else list(info().dtypes(kind="integral").values())
+    if supported is not None and ids.dtype not in supported:  # torch's uint16/32/64: no min, ==, ...
+        raise TypeError(f"{name}: expected an integer array of {what} of a dtype its library computes "
+                        f"with ({', '.join(dtype_name(d) for d in supported)}), got dtype "
+                        f"{dtype_name(ids.dtype)}; cast it to int64 first")
     if math.prod(shape_of(ids)):
         lo, hi = int(ns.min(ids)), int(ns.max(ids))
         if lo < 0 or hi >= n:

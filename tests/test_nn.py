@@ -412,6 +412,32 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
     np.testing.assert_array_equal(d1, d2)
 
 
+def test_torch_unsigned_ids_without_arithmetic_are_a_type_error():
+    """torch's uint16, uint32 and uint64 have no min, max, comparison or promotion (its
+    namespace info lists them as no integral dtype): ids, targets or a GPT's tokens of those
+    dtypes raised torch's NotImplementedError from inside the range check; now a TypeError
+    naming the argument, and the ones torch computes with still pass."""
+    torch = pytest.importorskip("torch")
+    from npattn.gpt import GPT
+
+    table = torch.ones((5, 3), dtype=torch.float64)
+    logits = torch.zeros((1, 2, 5), dtype=torch.float64)
+    model = GPT(5, 4, 4, 1, 2, dtype="float64", seed=0, backend="torch")
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):
+        ids = torch.tensor([[1, 2]], dtype=dtype)
+        with raises(TypeError, "ids", "uint", "int64"):
+            nn.embedding_forward(ids, table)
+        with raises(TypeError, "targets", "uint", "int64"):
+            nn.cross_entropy_forward(logits, ids)
+        with raises(TypeError, "ids", "uint", "int64"):
+            model.forward(ids)
+    for dtype in (torch.uint8, torch.int32):
+        ids = torch.tensor([[1, 2]], dtype=dtype)
+        out, _ = nn.embedding_forward(ids, table)
+        assert tuple(out.shape) == (1, 2, 3)
+        assert tuple(model.forward(ids).shape) == (1, 2, 5)
+
+
 def test_cross_entropy_over_no_positions_is_refused(xp, to_xp):
     """A mean over no positions is 0 / 0: torch returns NaN; npattn refuses it rather than give
     NaN from input it accepted (it returned NaN too)."""
