@@ -89,6 +89,7 @@ __all__ = [
     "is_numpy_array",
     "is_dask_array",
     "row_major",
+    "row_max",
 ]
 
 #: Names accepted by ``backend=``, and the module that provides each namespace.
@@ -294,6 +295,19 @@ def row_major(a: Any) -> Any:
     if a.strides[-1] == item and a.strides[-2] >= a.shape[-1] * item:
         return a
     return np.ascontiguousarray(a)
+
+
+def row_max(xp: Any, x: Any) -> Any:
+    """``max(x)`` over the last axis, kept as an axis of 1: ``[..., L] -> [..., 1]``.
+
+    ``xp.max`` on every backend, but for an array without entries (an empty
+    batch): dask's max of a zero-size array fails at compute even over a
+    non-empty axis (each chunk's reduction has no identity), so the result,
+    which has no entries either, is taken as the slice ``x[..., :1]``.
+    """
+    if math.prod(x.shape) == 0 and x.shape[-1] > 0:
+        return x[..., :1]
+    return xp.max(x, axis=-1, keepdims=True)
 
 
 def make_rng(seed: Any) -> np.random.Generator:

@@ -50,6 +50,7 @@ from . import functional as F
 from . import validation as V
 from .backend import (
     row_major,
+    row_max,
     device_of,
     dropout_key,
     exclusive,
@@ -322,7 +323,7 @@ def _forward_loops(xp, c):
             if _block_skipped(xp, c, i0, i1, j0, j1):
                 continue  # window, causal or segments: nothing in this block is attended
             z, _ = _block_scores(xp, c, qs_i, k[..., j0:j1, :], i0, i1, j0, j1)  # 2.-3.
-            m_new = xp.maximum(m, xp.max(z, axis=-1, keepdims=True))  # 4.     [..., bq, 1]
+            m_new = xp.maximum(m, row_max(xp, z))  # 4.                       [..., bq, 1]
             shift = xp.where(m_new == -math.inf, 0.0, m_new)  # no -inf - -inf on empty rows
             e = xp.exp(z - shift)  # 5.                                   [..., bq, bk]
             alpha = xp.exp(m - shift)  # 0 on the first block (m = -inf)  [..., bq, 1]

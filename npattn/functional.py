@@ -36,7 +36,8 @@ import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
-from .backend import check_same_device, device_of, dropout_key, is_bool, is_floating, keep_mask, namespace
+from .backend import (check_same_device, device_of, dropout_key, is_bool, is_floating, keep_mask,
+                      namespace, row_max)
 
 __all__ = [
     "linear_forward",
@@ -451,7 +452,7 @@ def _masked_softmax(x, mask, sink=None):
         mask_shape = tuple(mask.shape)
     elif mask is not None:
         z = xp.where(mask, z, -math.inf)  # 2.                 [..., Lk]
-    m = xp.max(z, axis=-1, keepdims=True)  # 3.                [..., 1]
+    m = row_max(xp, z)  # 3.                                   [..., 1]
     if sink is not None:
         m = xp.maximum(m, sink)  # the sink is one more logit of the row
     m = xp.where(m == -math.inf, 0.0, m)  # fully masked row: no -inf - -inf

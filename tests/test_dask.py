@@ -250,6 +250,27 @@ def test_dlse_on_rows_with_nothing_to_attend_does_not_matter_on_dask(impl):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
 
 
+
+@pytest.mark.parametrize("lead", [(0, 2), (2, 0)])
+@pytest.mark.parametrize("impl", ["reference", "blocked", "auto"])
+def test_an_empty_batch_or_head_axis_on_dask_is_empty_results(impl, lead):
+    """q, k, v with no batch entries (or no heads) give empty outputs, lse and gradients of
+    their inputs' shapes on dask, as on NumPy: dask's max of a zero-size array fails at
+    compute, even over the non-empty key axis."""
+    rng = np.random.default_rng(8)
+    shapes = [lead + s for s in ((3, 4), (5, 4), (5, 2))]
+    q, k, v = (rng.standard_normal(s) for s in shapes)
+    mask = rng.random(lead[:1] + (1, 3, 5)) > 0.3
+    want_out, want_c = A.sdpa_forward(q, k, v, mask=mask, dropout_p=0.2, rng=3, impl="reference")
+    out, c = A.sdpa_forward(*(da.from_array(t) for t in (q, k, v)), mask=da.from_array(mask),
+                            dropout_p=0.2, rng=3, impl=impl)
+    dout = np.zeros(lead + (3, 2))
+    g = A.sdpa_backward(da.from_array(dout), c)
+    got = dask.compute(out, c.lse, g.dq, g.dk, g.dv, scheduler="sync")
+    want = (want_out, want_c.lse) + tuple(A.sdpa_backward(dout, want_c)[:3])
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.shape[:2] == lead and a.dtype == b.dtype
+
 def test_grouped_query_module_with_weights_on_batch_chunks():
     """docs/dask.md's usage (batch chunks) with n_kv_head between 1 and n_head and weights."""
     x = np.random.default_rng(6).standard_normal((2, 6, 8))
