@@ -355,6 +355,7 @@ def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
     gqa = _check_flash_bshd(q, k, v)
     is_causal, window = _flash_window(window_size, causal)
     cap = _flash_softcap(softcap)
+    V.check_bool("deterministic", deterministic)  # (npattn's backward is always deterministic)
     V.check_bool("return_attn_probs", return_attn_probs)
     V.check_scale("softmax_scale", softmax_scale)
     V.check_rng("rng", rng)
@@ -508,6 +509,7 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
             raise ValueError(f"{name}: expected at least the longest sequence, {max(lens)}, got {m}")
     is_causal, window = _flash_window(window_size, causal)
     cap = _flash_softcap(softcap)
+    V.check_bool("deterministic", deterministic)  # (npattn's backward is always deterministic)
     V.check_bool("return_attn_probs", return_attn_probs)
     V.check_rng("rng", rng)
     if (return_attn_probs or dropout_mask is not None) and \

@@ -244,6 +244,8 @@ def test_flash_attn_func_deterministic_and_scale():
     (dict(softmax_scale="x"), TypeError, "^softmax_scale: expected None or a float"),
     (dict(softmax_scale=float("nan")), ValueError, "^softmax_scale: expected a finite float"),
     (dict(dropout_p=0.1, rng="x"), TypeError, "^rng: expected None, a non-negative int seed"),
+    (dict(deterministic="yes"), TypeError, "^deterministic: expected a bool"),
+    (dict(deterministic=None), TypeError, "^deterministic: expected a bool"),
 ])
 def test_flash_attn_func_bad_options_name_the_argument(kwargs, exc, name):
     q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
@@ -390,6 +392,7 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(4, 4\)"),
     (dict(softmax_scale="x"), TypeError, r"^softmax_scale: expected None or a float"),
     (dict(dropout_p=1.5), ValueError, r"^dropout_p"),
+    (dict(deterministic="yes"), TypeError, r"^deterministic: expected a bool"),
     # a grid no library indexes, before any sequence is computed (NumPy's message came after)
     (dict(max_seqlen_q=10**30, return_attn_probs=True), ValueError,
      r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer"),
