@@ -260,7 +260,8 @@ def from_torch_mha(
         backend of the inputs. A bfloat16 result needs a backend with
         bfloat16 (torch, JAX): a ``TypeError`` otherwise.
     device : optional
-        Device for the result when ``xp`` is given.
+        Device for the result, on ``xp``'s backend or, without ``xp``, on that of
+        the inputs.
 
     Returns
     -------
@@ -278,6 +279,8 @@ def from_torch_mha(
             V.check_array(name, m)
     src = namespace(attn_mask, key_padding_mask, names=("attn_mask", "key_padding_mask"))
     target = None if xp is None else resolve_backend(xp, "xp")
+    if target is None and device is not None:  # a device alone: the masks' own backend, there
+        target = src
     for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if m is not None:
             _check_mask_dtype(src, name, m)

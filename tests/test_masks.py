@@ -151,6 +151,13 @@ def test_masks_on_strict_second_device():
     assert p.device == dev
     kpm = xps.asarray(np.array([[False, True]]), device=dev)
     assert masks.from_torch_mha(key_padding_mask=kpm).device == dev
+    # device= without xp= moves the result on the masks' own backend (it was ignored: the
+    # mask stayed where it was)
+    here = xps.asarray(np.array([[False, True]]))
+    moved = masks.from_torch_mha(key_padding_mask=here, device=dev)
+    assert moved.device == dev
+    np.testing.assert_array_equal(np.asarray(xps.asarray(moved, device=here.device)),
+                                  [[[[True, False]]]])
 
 
 # --------------------------------------------------------------------------
