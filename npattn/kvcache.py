@@ -111,12 +111,7 @@ class KVCache:
                              f"buffers of fewer than 2**62 entries, got batch_size "
                              f"{B} x num_kv_heads {Hkv} x capacity {C} x head width "
                              f"{max(self.head_dim, self.value_dim)}")
-        if device is not None:  # a device the backend lacks: named, before the buffers are made
-            try:
-                xp.zeros((1,), dtype=self.dtype, device=device)
-            except Exception as exc:  # (torch without CUDA raises AssertionError)
-                raise ValueError(f"device: expected a device of the {backend_name(xp)} backend, "
-                                 f"got {device!r} ({type(exc).__name__}: {exc})") from exc
+        V.check_device(xp, device)  # a device the backend lacks: named, before the buffers are made
         self._k = xp.zeros((B, Hkv, C, self.head_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dh]
         self._v = xp.zeros((B, Hkv, C, self.value_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dv]
         self._in_place = _writes_in_place(self._k[0, 0, 0, :1])  # False: JAX's immutable arrays

@@ -109,6 +109,7 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     if align not in _ALIGNS:
         raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")
     xp = _namespace_or(xp)
+    V.check_device(xp, device)
     offset = 0 if align == "top_left" else Lk - Lq
     i = xp.arange(Lq, device=device)  # [Lq]
     j = xp.arange(Lk, device=device)  # [Lk]
@@ -182,6 +183,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
         if any(n < 0 or n > Lk for n in seq):  # (before asarray: 10**30 would overflow it)
             raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {seq}")
         xp = _namespace_or(given_xp)
+        V.check_device(xp, device)
         lengths = xp.asarray(seq, dtype=widest_int(xp), device=device)  # [B]
     else:
         V.check_array("lengths", lengths)  # (a masked array's mask would be ignored)
@@ -281,6 +283,8 @@ def from_torch_mha(
     target = None if xp is None else resolve_backend(xp, "xp")
     if target is None and device is not None:  # a device alone: the masks' own backend, there
         target = src
+    if target is not None:
+        V.check_device(target, device)
     for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if m is not None:
             _check_mask_dtype(src, name, m)

@@ -200,6 +200,7 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     xp = resolve_backend(xp, "xp")
     Vd.check_size("L", L)
     Vd.check_positive_int("D", D)
+    Vd.check_device(xp, device)
     if dtype is not None:  # an integer dtype would truncate the sines to 0 and 1
         dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
     fx = float64_namespace(xp)  # xp, or NumPy on the host

@@ -318,6 +318,7 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     V.check_positive_int("Lq", Lq)
     V.check_positive_int("Lk", Lk)
     _check_int("offset", offset)
+    V.check_device(xp, device)
     return xp.arange(Lq + Lk - 1, dtype=widest_int(xp), device=device) - (Lq - 1 + offset)  # [T]
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "check_finite_values",
     "check_mask",
     "check_array",
+    "check_device",
     "check_bool",
     "check_positive_int",
     "check_probability",
@@ -253,6 +254,22 @@ def check_probability(name: str, value: Any) -> None:
 
 #: The module's arrays come from its backend; functional code takes that of q (or x).
 MODULE_LIBRARY = "the module's backend"
+
+
+def check_device(xp: Any, device: Any, name: str = "device") -> None:
+    """``device`` (not None) is one that the backend ``xp`` can make arrays on.
+
+    Each library says so in its own words (NumPy's and array_api_strict's
+    ValueError, torch's RuntimeError, or AssertionError without CUDA), none of
+    which names the argument: a one-entry array is made there first.
+    """
+    if device is None:
+        return
+    try:
+        xp.zeros((1,), device=device)
+    except Exception as exc:
+        raise ValueError(f"{name}: expected a device of the {backend_name(xp)} backend, got "
+                         f"{device!r} ({type(exc).__name__}: {exc})") from exc
 
 
 def check_array(name: str, x: Any, xp: Any = None, device: Any = None,

@@ -826,3 +826,36 @@ def test_numpy_extension_dtypes_are_named_not_crashed_on():
     m = make_mha("numpy")
     with raises(TypeError, "query", "bfloat16"):
         m(np.zeros((2, 3, 8), dtype=ml_dtypes.bfloat16), np.ones((2, 3, 8)), np.ones((2, 3, 8)))
+
+
+# --------------------------------------------------------------------------
+# device= of the array builders
+
+
+def _builders(xp_name):
+    from npattn import masks, nn, positions
+
+    return {
+        "masks.causal": lambda d: masks.causal(3, 4, xp=xp_name, device=d),
+        "masks.window": lambda d: masks.window(3, 4, 1, 1, xp=xp_name, device=d),
+        "masks.padding": lambda d: masks.padding([1, 2], 4, xp=xp_name, device=d),
+        "masks.from_torch_mha": lambda d: masks.from_torch_mha(
+            key_padding_mask=np.zeros((2, 4), bool), xp=xp_name, device=d),
+        "nn.sinusoidal_positions": lambda d: nn.sinusoidal_positions(xp_name, 3, 4, device=d),
+        "positions.relative_distances": lambda d: positions.relative_distances(xp_name, 3, 4, device=d),
+    }
+
+
+@pytest.mark.parametrize("device", ["gpu9", "cuda:7"])
+def test_a_device_the_backend_lacks_is_named(backend, xp, device):
+    """Each library refuses a device it lacks in its own words (torch with a RuntimeError,
+    or an AssertionError without CUDA), none of which names the argument; a device the
+    backend has is taken (that of an array it made)."""
+    if backend == "cupy":
+        pytest.skip("a CUDA device name is one CuPy may have")
+    here = getattr(xp.zeros(1), "device", None)
+    for name, build in _builders(backend).items():
+        with pytest.raises(ValueError, match=rf"^device: expected a device of the {backend} backend, "
+                                             rf"got '{device}'"):
+            build(device)
+        assert getattr(build(here), "device", None) == here, name
