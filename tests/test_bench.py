@@ -52,6 +52,22 @@ def test_main_runs_and_writes_json(tmp_path, capsys):
     assert "2x8x8x2" in printed and "GEMM" in printed
 
 
+def test_json_rows_carry_every_field_of_their_shape(tmp_path):
+    """A row's B, L, D, H, causal and window left out its dropout: the rows of 2x8x8x2 and
+    2x8x8x2d0.2 read alike but for the shape string. Each row's fields rebuild its Shape."""
+    path, iso = tmp_path / "out.json", tmp_path / "iso.json"
+    assert bench.main(["--shapes", "2x8x8x2,2x8x8x2cd0.2", "--repeat", "5", "--warmup", "0",
+                       "--gemm", "8", "--pause", "0", "--min-sample", "0", "--no-torch",
+                       "--no-memory", "--no-progress", "--json", str(path)]) == 0
+    assert bench.main(["--isolated", "--shapes", "1x8x8x2w2d0.5", "--impl", "blocked", "--gemm", "0",
+                       "--json", str(iso)]) == 0
+    rows = json.loads(path.read_text())["rows"] + json.loads(iso.read_text())["rows"]
+    for row in rows:
+        shape = bench.Shape(*(row[f] for f in bench.Shape._fields))
+        assert str(shape) == row["shape"]
+    assert [row["dropout"] for row in rows] == [0.0, 0.2, 0.5]
+
+
 def test_isolated_mode_measures_each_case_in_a_child(tmp_path, capsys):
     path, md = tmp_path / "iso.json", tmp_path / "iso.md"
     rc = bench.main(["--isolated", "--shapes", "1x16x8x2", "--impl", "blocked", "--repeat", "2",

@@ -642,7 +642,8 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
                 rss = _rss_rise_mib(step, sync)
         row = {
             "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
-            "causal": shape.causal, "window": shape.window, "ms": ms, "ms_all": [t * 1e3 for t in ts],
+            "causal": shape.causal, "window": shape.window, "dropout": shape.dropout, "ms": ms,
+            "ms_all": [t * 1e3 for t in ts],
             "number": number, "torch_number": tnumber, "gemm_number": gnumber,
             "gflops": rate, "gemm_gflops": gemm_here, "pct_gemm": 100.0 * rate / gemm_here,
             "peak_mib": peak,
@@ -729,7 +730,8 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
             ) / (ms * 1e-3) / 1e9
     return {
         "shape": str(shape), "B": shape.B, "L": shape.L, "D": shape.D, "H": shape.H,
-        "causal": shape.causal, "window": shape.window, "impl": impl, "dtype": dtype,
+        "causal": shape.causal, "window": shape.window, "dropout": shape.dropout, "impl": impl,
+        "dtype": dtype,
         "backend": backend_name(xp), "scope": scope,
         "block_q": block_q, "block_k": block_k, "blas_threads": blas_threads,
         "repeat": repeat, "warmup": warmup,
