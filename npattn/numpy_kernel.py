@@ -685,8 +685,11 @@ def linear_backwards(pairs: Any) -> list:
         x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
         blocks = _row_blocks("rows", x2.shape[0])
         dx2 = np.empty(x2.shape, dtype=x.dtype)  # [N, Din]
-        dw = np.zeros(w.shape, dtype=x.dtype)  # [Dout, Din]: block 0's term (0 without rows)
-        parts = np.empty((max(len(blocks) - 1, 0), *w.shape), dtype=x.dtype)  # the other blocks'
+        # the blocks' terms of dw are summed in float32 for float16 and dw rounded once, as
+        # the reference's single GEMM (NumPy's float16 matmul accumulates in float32)
+        work = np.float32 if x.dtype == np.float16 else x.dtype
+        dw = np.zeros(w.shape, dtype=work)  # [Dout, Din]: block 0's term (0 without rows)
+        parts = np.empty((max(len(blocks) - 1, 0), *w.shape), dtype=work)  # the other blocks'
         jobs.append((dy2, x2, w, dx2, dw, parts))
         tasks += [(n, "dx", i0, i1, p) for p, (_, i0, i1) in enumerate(blocks)]
         tasks += [(n, "dw", i0, i1, p) for p, (_, i0, i1) in enumerate(blocks)]
@@ -696,13 +699,15 @@ def linear_backwards(pairs: Any) -> list:
         if kind == "dx":
             np.matmul(dy2[i0:i1], w, out=dx2[i0:i1])
         else:
-            np.matmul(dy2[i0:i1].T, x2[i0:i1], out=dw if p == 0 else parts[p - 1])
+            out = dw if p == 0 else parts[p - 1]
+            np.matmul(dy2[i0:i1].T, x2[i0:i1], out=out, dtype=out.dtype)
 
     _run(task, tasks, pool_threads())  # BLAS at one thread
     results = []
     for (_, cache), (dy2, x2, w, dx2, dw, parts) in zip(pairs, jobs):
         for part in parts:  # dw = block 0's + block 1's + ..., in block order
             dw += part
+        dw = dw if dw.dtype == x2.dtype else dw.astype(x2.dtype)
         db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
         results.append((dx2.reshape(cache.x.shape), dw, db))
     return results

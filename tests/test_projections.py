@@ -45,6 +45,20 @@ def test_pooled_projection_matches_the_reference(lead, bias, pooled):
             np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("lead", [(2, 9), (4, 256), (64, 64)])
+def test_pooled_half_precision_dw_is_rounded_once(lead, pooled):
+    """In float16 the pool's dw sums its blocks' terms in float32 and rounds once, as the
+    reference's single GEMM does: within one float16 ulp of the reference's dw (rounding each
+    block's term to float16 and adding them in float16 put it many ulps off)."""
+    x, w, _, dy = _case(2, lead, 6, 5, bias=False, dtype=np.float16)
+    _, c = A.linear_forward(x, w)
+    got = A.linear_backward(dy, c)[1]
+    want = F.linear_backward(dy, c)[1]
+    assert got.dtype == want.dtype == np.float16
+    ulp = np.spacing(np.abs(want)).astype(np.float64)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= ulp)
+
+
 def test_pooled_projection_finite_differences(pooled):
     x, w, b, dy = _case(2, (3, 4), 5, 6)
     dout = np.random.default_rng(3).standard_normal((3, 4, 6))
