@@ -24,7 +24,7 @@ namespace of the inputs; what is backend-specific lives in ``npattn.backend``.
 Every ``*_forward`` / ``*_backward`` pair checks its arguments on its first
 line (``npattn.validation``): a ``TypeError`` or ``ValueError`` that names
 the argument, what was expected and what was received. The helpers that take
-``xp`` first (``sum_to_shape``, ``causal_mask``, ``compute_dtype``,
+``xp`` first (``sum_to_shape``, ``causal_mask``, ``compute_dtype``, ``half_sum``,
 ``group_heads``, ``ungroup_heads``) and ``sdpa_forward_core`` are the
 unchecked building blocks of the other implementations, called on arguments
 checked already.
@@ -62,6 +62,7 @@ __all__ = [
     "causal_mask",
     "sum_to_shape",
     "compute_dtype",
+    "half_sum",
     "gqa_groups",
     "group_heads",
     "ungroup_heads",
@@ -103,13 +104,15 @@ def sum_to_shape(xp: Any, g: Any, shape: Sequence[int]) -> Any:
     -------
     array, shape ``shape``
     """
+    in_dtype = g.dtype
+    work = compute_dtype(xp, in_dtype)  # float16 / bfloat16 summed in float32 (see half_sum)
     lead = g.ndim - len(shape)
     if lead > 0:
-        g = xp.sum(g, axis=tuple(range(lead)))
+        g = xp.sum(g, axis=tuple(range(lead)), dtype=work)
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
     if stretched:
-        g = xp.sum(g, axis=stretched, keepdims=True)
-    return g
+        g = xp.sum(g, axis=stretched, keepdims=True, dtype=work)
+    return g if g.dtype == in_dtype else xp.astype(g, in_dtype)
 
 
 def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
@@ -132,6 +135,15 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
     """Scores and softmax of half-precision inputs are computed in float32."""
     # by name: dask's namespace (array_api_compat.dask.array) has no float16 to compare with
     return xp.float32 if V.dtype_name(dtype) in ("float16", "bfloat16") else dtype
+
+
+def half_sum(xp: Any, x: Any, axis: Any) -> Any:
+    """``xp.sum(x, axis=axis)`` in ``x``'s dtype, summed in ``compute_dtype`` (float32 for
+    float16 / bfloat16) and rounded once: NumPy adds float16 along an axis in float16, where
+    a sum of ones stops growing at 2048."""
+    work = compute_dtype(xp, x.dtype)
+    total = xp.sum(x, axis=axis, dtype=work)
+    return total if work == x.dtype else xp.astype(total, x.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -217,7 +229,7 @@ def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
     dx = xp.reshape(dy2 @ w, x.shape)  # [..., Din]
     dw = xp.matrix_transpose(dy2) @ x2  # [Dout, Din]
-    db = xp.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
+    db = half_sum(xp, dy2, axis=0) if cache.has_bias else None  # [Dout]
     return dx, dw, db
 
 
@@ -1219,7 +1231,7 @@ def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
     dbias = None
     if cache.has_bias:
         db = dy[..., Lk, :]  # [..., D]
-        dbias = xp.sum(xp.reshape(db, (-1, db.shape[-1])), axis=0)  # [D]
+        dbias = half_sum(xp, xp.reshape(db, (-1, db.shape[-1])), axis=0)  # [D]
     dx = dy[..., :Lk, :]  # [..., Lk, D]
     return dx, dbias
 

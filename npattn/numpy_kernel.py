@@ -708,6 +708,6 @@ def linear_backwards(pairs: Any) -> list:
         for part in parts:  # dw = block 0's + block 1's + ..., in block order
             dw += part
         dw = dw if dw.dtype == x2.dtype else dw.astype(x2.dtype)
-        db = np.sum(dy2, axis=0) if cache.has_bias else None  # [Dout]
+        db = F.half_sum(np, dy2, axis=0) if cache.has_bias else None  # [Dout]
         results.append((dx2.reshape(cache.x.shape), dw, db))
     return results

@@ -285,3 +285,43 @@ def test_a_numpy_scalar_dropout_p_keeps_the_dtype(p, dtype):
     b = np.swapaxes(q, 1, 2).copy()
     kb, vb = np.swapaxes(k, 1, 2).copy(), np.swapaxes(v, 1, 2).copy()
     assert compat.flash_attn_func(b, kb, vb, dropout_p=p, softcap=5.0, rng=3).dtype == dtype
+
+
+@pytest.mark.parametrize("backend_name,dtype_name", HALF_CASES, ids=[f"{b}-{d}" for b, d in HALF_CASES])
+def test_half_precision_sums_over_rows_run_in_float32(backend_name, dtype_name, monkeypatch):
+    """A bias gradient and a gradient summed back over broadcast axes add thousands of rows:
+    in float32, rounded once (NumPy adds float16 along an axis in float16, where a sum of
+    ones stops at 2048). 4096 rows of ones give 4096, which float16 and bfloat16 hold; the
+    module's bias gradients over B * L = 5000 rows stay within the module bound."""
+    from npattn import attention as A
+    from npattn import layers as Ly
+    from npattn import nn, numpy_kernel
+
+    xp = backend_or_skip(backend_name)
+    dtype = _dtype_or_skip(xp, backend_name, dtype_name)
+    ones = xp.ones((4096, 3), dtype=dtype)
+    _, c = F.linear_forward(ones, xp.ones((3, 3), dtype=dtype), xp.zeros(3, dtype=dtype))
+    sums = [F.linear_backward(ones, c)[2],
+            nn.add_positions_backward(xp.reshape(ones, (4096, 1, 3)),
+                                      nn.add_positions_forward(xp.reshape(ones, (4096, 1, 3)),
+                                                               ones[:1])[1])[1][0],
+            Ly.residual_backward(ones, Ly.residual_forward(ones, ones[:1])[1])[1][0]]
+    if backend_name == "numpy":
+        monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 0)
+        sums.append(A.linear_backward(ones, c)[2])  # the pool's
+        monkeypatch.undo()
+    for s in sums:
+        assert s.dtype == dtype
+        np.testing.assert_array_equal(_host64(xp, s), [4096.0] * 3)
+    rng = np.random.default_rng(0)
+    m = MultiHeadAttention(8, 2, dtype=dtype_name, backend=backend_name, seed=0)
+    ref = MultiHeadAttention(8, 2, dtype="float64", backend="numpy")
+    ref.params = {k: _host64(xp, v) for k, v in m.params.items()}
+    x = xp.astype(from_numpy(rng.standard_normal((2, 2500, 8)), xp), dtype)
+    dout = xp.astype(from_numpy(1.0 + 0.1 * rng.standard_normal((2, 2500, 8)), xp), dtype)
+    m(x, x, x)
+    m.backward(dout)
+    ref(_host64(xp, x), _host64(xp, x), _host64(xp, x))
+    ref.backward(_host64(xp, dout))
+    for n in ("b_q", "b_v", "b_o"):
+        assert _rel(_host64(xp, m.grads[n]), ref.grads[n]) <= MODULE_BOUND[dtype_name], n
