@@ -106,12 +106,13 @@ def sum_to_shape(xp: Any, g: Any, shape: Sequence[int]) -> Any:
     """
     in_dtype = g.dtype
     work = compute_dtype(xp, in_dtype)  # float16 / bfloat16 summed in float32 (see half_sum)
+    kw = {} if work == in_dtype else {"dtype": work}
     lead = g.ndim - len(shape)
     if lead > 0:
-        g = xp.sum(g, axis=tuple(range(lead)), dtype=work)
+        g = xp.sum(g, axis=tuple(range(lead)), **kw)
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
     if stretched:
-        g = xp.sum(g, axis=stretched, keepdims=True, dtype=work)
+        g = xp.sum(g, axis=stretched, keepdims=True, **kw)
     return g if g.dtype == in_dtype else xp.astype(g, in_dtype)
 
 
@@ -142,8 +143,9 @@ def half_sum(xp: Any, x: Any, axis: Any) -> Any:
     float16 / bfloat16) and rounded once: NumPy adds float16 along an axis in float16, where
     a sum of ones stops growing at 2048."""
     work = compute_dtype(xp, x.dtype)
-    total = xp.sum(x, axis=axis, dtype=work)
-    return total if work == x.dtype else xp.astype(total, x.dtype)
+    if work == x.dtype:
+        return xp.sum(x, axis=axis)
+    return xp.astype(xp.sum(x, axis=axis, dtype=work), x.dtype)
 
 
 # --------------------------------------------------------------------------

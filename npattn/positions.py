@@ -49,7 +49,7 @@ import numpy as np
 from . import validation as V
 from .backend import (check_same_device, device_of, float64_namespace, float64_result, is_floating, isdtype,
                       namespace, resolve_backend, to_numpy, widest_int)
-from .functional import compute_dtype, sum_to_shape
+from .functional import compute_dtype, half_sum, sum_to_shape
 
 __all__ = [
     "rope_angles",
@@ -366,7 +366,7 @@ def diagonal_sums(xp: Any, a: Any) -> Any:
     zeros = xp.zeros((*lead, Lq, Lq), dtype=a.dtype, device=device_of(a))  # [..., Lq, Lq]
     padded = xp.reshape(xp.concat([flipped, zeros], axis=-1), (*lead, Lq * (Lk + Lq)))  # 2.
     skewed = xp.reshape(padded[..., :Lq * (Lk + Lq - 1)], (*lead, Lq, Lk + Lq - 1))  # 3.
-    return xp.sum(skewed, axis=-2)  # 4.                                      [..., T]
+    return half_sum(xp, skewed, axis=-2)  # 4.                                 [..., T]
 
 
 def _one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:

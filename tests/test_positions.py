@@ -226,6 +226,20 @@ def test_diagonal_sums_and_spread(xp, to_xp, to_np, Lq, Lk):
             np.testing.assert_array_equal(spread[i, j], rows[j - i + Lq - 1])
 
 
+def test_half_precision_diagonal_sums_run_in_float32():
+    """The diagonals of a float16 array are summed in float32 and rounded once (NumPy adds
+    float16 along an axis in float16, where a sum of ones stops at 2048): the relative
+    biases' and embeddings' table gradients over long sequences."""
+    L = 2100
+    sums = P.diagonal_sums(np, np.ones((L, L), dtype=np.float16))
+    assert sums.dtype == np.float16
+    expected = L - np.abs(np.arange(2 * L - 1) - (L - 1))  # diagonal t has L - |t - (L - 1)| ones
+    np.testing.assert_array_equal(sums, expected.astype(np.float16))
+    _, cache = P.relative_bias_forward(np.zeros((32, 1), dtype=np.float16), L, L)
+    dtable = P.relative_bias_backward(np.ones((1, 1, L, L), dtype=np.float16), cache)[0]
+    assert float(dtable[0, 0]) == L  # bucket 0: the L positions with j = i
+
+
 # --------------------------------------------------------------------------
 # Shaw et al.
 
