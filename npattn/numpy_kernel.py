@@ -687,7 +687,7 @@ def linear_backwards(pairs: Any) -> list:
         dx2 = np.empty(x2.shape, dtype=x.dtype)  # [N, Din]
         # the blocks' terms of dw are summed in float32 for float16 and dw rounded once, as
         # the reference's single GEMM (NumPy's float16 matmul accumulates in float32)
-        work = np.float32 if x.dtype == np.float16 else x.dtype
+        work = F.compute_dtype(np, x.dtype)  # float32 for float16, else x's dtype
         dw = np.zeros(w.shape, dtype=work)  # [Dout, Din]: block 0's term (0 without rows)
         parts = np.empty((max(len(blocks) - 1, 0), *w.shape), dtype=work)  # the other blocks'
         jobs.append((dy2, x2, w, dx2, dw, parts))
