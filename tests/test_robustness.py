@@ -210,7 +210,13 @@ def _nbytes(arrays):
 @pytest.mark.parametrize("backend_name", ["numpy", "array_api_strict"])
 def test_repeated_steps_do_not_grow_memory(backend_name):
     """The cache of the previous step is replaced, not accumulated (tracemalloc
-    sees NumPy's allocations, and so array_api_strict's; torch's are invisible to it)."""
+    sees NumPy's allocations, and so array_api_strict's; torch's are invisible to it).
+
+    The interpreter and NumPy keep caches of their own (freed small buffers, strings)
+    that tracemalloc counts as live: they grow by up to about 35 kB over the first
+    thousand steps and then stop. The bound is two caches over 300 steps, above that
+    noise, while one cache kept per step would be 300 of them and a leak of 250 bytes
+    a step would already cross it."""
     pytest.importorskip(backend_name)
     m = make_mha(backend_name, dropout=0.2)
     xp = m.xp
@@ -226,6 +232,7 @@ def test_repeated_steps_do_not_grow_memory(backend_name):
         step()
     per_step = _nbytes(cache_arrays(m._cache))
     assert per_step > 20_000  # big enough that an accumulated cache would show
+    steps = 300
     gc.collect()
     tracemalloc.start()
     try:
@@ -233,11 +240,11 @@ def test_repeated_steps_do_not_grow_memory(backend_name):
             step()
         gc.collect()
         start, _ = tracemalloc.get_traced_memory()
-        for _ in range(40):
+        for _ in range(steps):
             step()
         gc.collect()
         end, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     growth = end - start
-    assert growth < per_step / 2, f"memory grew by {growth} bytes over 40 steps (one cache: {per_step})"
+    assert growth < 2 * per_step, f"memory grew by {growth} bytes over {steps} steps (one cache: {per_step})"
