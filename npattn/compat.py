@@ -627,10 +627,17 @@ def flash_attn_with_kvcache(
     into ``k_cache`` and ``v_cache`` at positions ``cache_seqlens[b] ...
     cache_seqlens[b] + Lnew - 1`` of batch ``b`` (the one npattn function
     that writes into its inputs, as the original does). Then the queries of
-    batch ``b`` attend its first ``Lk_b = cache_seqlens[b] + Lnew`` keys,
-    with ``causal``, ``window_size`` and ALiBi bottom-right aligned on
-    ``(Lq, Lk_b)``: one ``sdpa_forward`` per batch entry. No dropout, as in
-    flash-attn.
+    batch ``b`` attend its first ``Lk_b = cache_seqlens[b] + Lnew`` keys (the
+    cache after the append), with ``causal``, ``window_size`` and ALiBi
+    bottom-right aligned on ``(Lq, Lk_b)``: one ``sdpa_forward`` per batch
+    entry. Query ``i`` stands at key position ``p = cache_seqlens[b] + Lnew -
+    Lq + i`` (``cache_seqlens[b] + i`` when ``Lq = Lnew``) and attends key ``j``
+    exactly when ``max(0, p - left) <= j <= min(Lk_b - 1, p + right)`` (a side
+    of -1 unbounded; ``causal`` sets ``right = 0``): the cache's free space is
+    never attended, and a query with no such key gets zeros. This is
+    flash-attn's rule (its kernel's per-row ``actual_seqlen_k``); its kernel
+    departs from it only when ``Lq > Lc + 1`` (docs/compat.md). No dropout, as
+    in flash-attn.
 
     Parameters
     ----------
@@ -1022,14 +1029,19 @@ def dot_product_attention(
       npattn's float64 one by 3e-7 to 7e-7 in our measurements). npattn
       computes float64 in float64 and float16/bfloat16 in float32.
     * **A row with nothing to attend that is not query padding** (every key
-      masked by ``mask``, ``key_value_seq_lengths[b] = 0``, a window or
-      ``is_causal`` with ``T > S``...): JAX fills masked logits with a finite
-      ``-0.7 * finfo.max``, so such a row gets uniform weights over all ``S``
-      keys and outputs the mean of the values; npattn gives zeros and zero
-      gradients. Padded query rows (``query_seq_lengths``) are 0 in both.
-    * **The residual** of such a row: JAX's is the log-sum-exp of its fill
-      values (a huge finite negative), npattn's ``-inf``; JAX's is in the
-      key dtype, npattn's in the compute dtype.
+      masked by ``mask``, ``key_value_seq_lengths[b] = 0``, or a window that
+      leaves it no key): JAX fills masked logits with the finite
+      ``F = -0.7 * finfo(float32).max`` (-2.3819763e38), so such a row gets
+      uniform weights over all ``S`` keys and outputs the mean of the values,
+      and its upstream gradient reaches ``value`` only (``dout / S`` to every
+      key); npattn gives zeros and zero gradients. Padded query rows
+      (``query_seq_lengths``) are 0 in both, with zero gradients.
+    * **The residual** of either kind of row: JAX's is the log-sum-exp of
+      ``S`` fill values, which rounds to ``F`` in float32, cast to the key
+      dtype (``-inf`` for float16); npattn's is ``-inf`` in the compute
+      dtype.
+    * **The residual's gradient**: JAX stops it (``stop_gradient``); npattn's
+      ``vjp`` pullback takes ``dlse=`` and differentiates it.
     """
     # [B, T, N, H], [B, S, K, H], [B, S, K, Dv] -> [B, T, N, Dv]
     return _dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,

@@ -477,6 +477,57 @@ def test_flash_attn_with_kvcache_appends_in_place_then_attends(seqlens, causal, 
         assert np.isposinf(lse[0, :, 0]).all() and not out[0, 0].any()
 
 
+def kvcache_visible_keys(p, Lk_b, left, right):
+    """The keys a query at key position ``p`` attends among ``Lk_b``, as docs/compat.md states
+    flash-attn's rule (a side of -1 unbounded), written as a loop."""
+    return [j for j in range(Lk_b)
+            if (left < 0 or j >= p - left) and (right < 0 or j <= p + right)]
+
+
+@pytest.mark.parametrize("seqlens, Lq, Lnew, causal, window_size", [
+    ([3, 0, 6], 1, 1, True, (2, -1)),  # one decoding step with a window of 3 keys
+    ([3, 0, 5], 2, 2, False, (1, 0)),  # Lq = Lnew: query i at cache_seqlens[b] + i
+    ([4, 1, 2], 3, 2, False, (1, 1)),  # Lq != Lnew: query i at cache_seqlens[b] + Lnew - Lq + i
+    ([5, 3, 1], 2, 1, False, (0, 2)),  # the right side reaches past the keys: not the free space
+    ([2, 6, 0], 3, 0, True, (1, -1)),  # no new keys; batch 2 holds no key at all
+    ([0, 2, 5], 4, 1, True, (-1, -1)),  # Lq > Lk_b: the top rows see nothing
+])
+def test_flash_attn_with_kvcache_window_counts_from_the_cache_after_the_append(
+        seqlens, Lq, Lnew, causal, window_size):
+    """Batch b's query i stands at key position p = cache_seqlens[b] + Lnew - Lq + i and attends
+    the keys j < Lk_b = cache_seqlens[b] + Lnew with p - left <= j <= p + right (causal: right = 0),
+    flash-attn's rule (its kernel's actual_seqlen_k). With q = 0 every key scores 0, so the
+    weights are uniform over the keys seen; value j is the one-hot e_j (the cache's free space
+    and what the append overwrites hold -e_j), so each output row names the keys it saw."""
+    B, Lc, Hq, Hkv = 3, 8, 4, 2
+    q = np.zeros((B, Lq, Hq, 4))
+    k_cache, k_new = randn(B, Lc, Hkv, 4), randn(B, Lnew, Hkv, 4)
+    eye = np.eye(Lc)  # [position, Dv = Lc]
+    v_cache = -np.repeat(eye[None, :, None, :], Hkv, axis=2).repeat(B, axis=0)  # [B, Lc, Hkv, Lc]
+    for b, s in enumerate(seqlens):
+        v_cache[b, :s] *= -1.0  # the keys already in the cache: +e_j
+    v_new = np.stack([np.repeat(eye[s:s + Lnew, None, :], Hkv, axis=1) for s in seqlens])
+    kw = dict(k=k_new, v=v_new) if Lnew else {}
+    out, lse = C.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array(seqlens, np.int32),
+                                         causal=causal, window_size=window_size,
+                                         return_softmax_lse=True, **kw)
+    left, right = window_size
+    if causal:
+        right = 0
+    for b, s in enumerate(seqlens):
+        Lk_b = s + Lnew
+        for i in range(Lq):
+            seen = kvcache_visible_keys(s + Lnew - Lq + i, Lk_b, left, right)
+            want = np.zeros(Lc)
+            want[seen] = 1.0 / max(len(seen), 1)
+            for h in range(Hq):
+                np.testing.assert_allclose(out[b, i, h], want, rtol=1e-14, atol=1e-15,
+                                           err_msg=f"batch {b}, query {i}, head {h}")
+            # log-sum-exp of len(seen) scores of 0; +inf (flash-attn's) where nothing is seen
+            np.testing.assert_allclose(lse[b, :, i], np.log(len(seen)) if seen else np.inf,
+                                       rtol=1e-14)
+
+
 def test_flash_attn_with_kvcache_without_new_keys_and_int_seqlens():
     q, k_cache, v_cache, _, _ = kvcache_inputs(Lnew=0)
     before = k_cache.copy()
@@ -789,18 +840,88 @@ def test_dot_product_attention_matches_jax(name):
         np.testing.assert_allclose(g, np.asarray(e), rtol=1e-4, atol=1e-4)
 
 
-def test_dot_product_attention_empty_rows_differ_from_jax_as_documented():
-    q, k, v, _, mask, _ = jax_case("bias_mask_gqa")
-    mask = mask.copy()
-    mask[1, 0, 2] = False  # row 2 of batch 1 sees no key: npattn zeros, JAX the mean of V
-    out = C.dot_product_attention(q, k, v, mask=mask)
-    assert not out[1, 2].any()
-    np.testing.assert_allclose(out, jax_ref(q, k, v, None, mask), rtol=1e-12, atol=1e-12)
+#: JAX's value for masked logits: -0.7 * finfo.max of the logits' dtype, capped at float32's
+#: range, and its softmax runs in float32
+JAX_FILL = np.float32(-0.7 * float(np.finfo(np.float32).max))
+
+
+def empty_rows_case():
+    """(q, k, v, bias, mask, query_seq_lengths), B = 2, T = 4, S = 5, N = 4, K = 2: batch 1's
+    query 2 has every key masked by ``mask``, its query 3 is padding; every other row attends."""
+    q, k, v = randn(2, 4, 4, 3), randn(2, 5, 2, 3), randn(2, 5, 2, 3)
+    mask = RNG.random((2, 1, 4, 5)) > 0.3
+    mask[..., 0] = True
+    mask[1, 0, 2] = False
+    return q, k, v, randn(2, 4, 4, 5), mask, np.array([4, 3], np.int32)
+
+
+def test_dot_product_attention_rows_with_nothing_to_attend():
+    """npattn's side of docs/compat.md's "Rows with nothing to attend": a row whose keys are all
+    masked and a padded query row both give zeros, a residual of -inf and zero gradients, and
+    the residual's gradient flows (d lse / d bias is the row's softmax)."""
+    q, k, v, bias, mask, qlen = empty_rows_case()
+    (out, lse), pullback = C.vjp(C.dot_product_attention, q, k, v, bias, mask,
+                                 query_seq_lengths=qlen, return_residual=True)
+    _, r_lse, r_probs = ref(to_bhld(q), to_bhld(k), to_bhld(v), bias=bias, allowed=mask)
+    assert not out[1, 2:].any() and np.isneginf(lse[1, 2:]).all()
+    assert lse.dtype == np.float64 and np.isfinite(lse[0]).all() and np.isfinite(lse[1, :2]).all()
+    np.testing.assert_allclose(out, jax_ref(q, k, v, bias, mask, query_seq_lengths=qlen),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse[1, :2], r_lse.transpose(0, 2, 1)[1, :2], rtol=1e-12)
+    ct = np.zeros(out.shape)
+    ct[1, 2:] = randn(2, 4, 3)  # an upstream gradient on the two rows only
+    dq, dk, dv, dbias, _ = pullback(ct)
+    assert not dq.any() and not dk.any() and not dv.any() and not dbias.any()
+    # the residual is differentiable: d lse[b, t, n] / d bias[b, n, t, s] = probs[b, n, t, s]
+    dbias = pullback(np.zeros(out.shape), dlse=np.ones(lse.shape))[3]
+    want = r_probs.copy()
+    want[1, :, 3] = 0.0  # the padded query: no gradient
+    np.testing.assert_allclose(dbias, want, rtol=1e-12, atol=1e-14)
+    assert not dbias[1, :, 2:].any()
+
+
+def test_dot_product_attention_rows_with_nothing_to_attend_in_jax():
+    """JAX's side, as docs/compat.md states it: the row whose keys are all masked gets the mean of
+    all S values, the padded query 0; the residual of both is the log-sum-exp of S fill values,
+    which in float32 is the fill itself (-inf in float16, bfloat16's rounding in bfloat16); the
+    masked row's gradient reaches v only (dout / S to every key), and the residual has no
+    gradient (JAX stops it)."""
     jax = pytest.importorskip("jax", reason="the JAX side of the difference needs JAX")
-    j = np.asarray(jax.nn.dot_product_attention(*(np.float32(t) for t in (q, k, v)),
-                                                mask=jax.numpy.asarray(mask)))
-    mean_v = np.repeat(v[1].mean(axis=0), 2, axis=0)  # query head n uses K/V head n // 2
-    np.testing.assert_allclose(j[1, 2], mean_v, atol=1e-5)
+    jnp = jax.numpy
+    q, k, v, bias, mask, qlen = empty_rows_case()
+    args = [jnp.asarray(np.float32(t)) for t in (q, k, v, bias)]
+    jkw = dict(mask=jnp.asarray(mask), query_seq_lengths=jnp.asarray(qlen), return_residual=True)
+
+    def jf(a, b, c, d):
+        return jax.nn.dot_product_attention(a, b, c, d, **jkw)
+
+    (j_out, j_lse), j_vjp = jax.vjp(jf, *args)
+    j_out, j_lse = np.asarray(j_out), np.asarray(j_lse)
+    mean_v = np.repeat(v[1].mean(axis=0), 2, axis=0)  # [N, H]: query head n uses K/V head n // 2
+    np.testing.assert_allclose(j_out[1, 2], mean_v, rtol=1e-5, atol=1e-6)
+    assert not j_out[1, 3].any()
+    assert j_lse.dtype == np.float32
+    np.testing.assert_array_equal(j_lse[1, 2:], np.full((2, 4), JAX_FILL))  # + log(5), lost
+    out, lse = C.dot_product_attention(q, k, v, bias, mask, query_seq_lengths=qlen,
+                                       return_residual=True)
+    np.testing.assert_allclose(j_out[0], out[0], rtol=1e-4, atol=1e-5)  # elsewhere they agree
+    np.testing.assert_allclose(j_lse[:, :2], lse[:, :2], rtol=1e-5)
+
+    ct = np.zeros(j_out.shape, np.float32)
+    ct[1, 2:] = randn(2, 4, 3)
+    dq, dk, dv, dbias = (np.asarray(g) for g in j_vjp((jnp.asarray(ct), jnp.zeros(j_lse.shape))))
+    assert not dq.any() and not dk.any() and not dbias.any()
+    want_dv = np.zeros(v.shape, np.float32)
+    want_dv[1] = ct[1, 2].reshape(2, 2, 3).sum(axis=1) / 5  # [K, H]: the masked row's, per key
+    np.testing.assert_allclose(dv, want_dv, rtol=1e-5, atol=1e-7)
+    no_grad = j_vjp((jnp.zeros(j_out.shape), jnp.ones(j_lse.shape)))
+    assert not any(np.asarray(g).any() for g in no_grad)
+
+    for dtype, want in ((jnp.float16, -np.inf), (jnp.bfloat16, float(jnp.bfloat16(JAX_FILL)))):
+        low = jax.nn.dot_product_attention(*(a.astype(dtype) for a in args), **jkw)[1]
+        assert low.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(low, np.float32)[1, 2:], want)
+        assert np.isfinite(np.asarray(low, np.float32)[:, :2]).all()
 
 
 def test_dot_product_attention_residual_unbatched_and_dropout():
