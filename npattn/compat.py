@@ -1096,7 +1096,7 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"implementation: expected None, 'xla' or 'cudnn', got {implementation!r}")
     names = (("query", query, "(B, T, N, H)"), ("key", key, "(B, S, K, H)"),
-             ("value", value, "(B, S, K, H)"))
+             ("value", value, "(B, S, K, Dv)"))
     for name, t, layout in names:
         if not (hasattr(t, "shape") and hasattr(t, "dtype")):
             raise TypeError(f"{name}: expected an array {layout} or without B, got {V.type_name(t)}")

@@ -955,6 +955,10 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(bias=np.ones((1, 1, 4, 6), np.float32)), TypeError,
      r"^bias: expected a floating mask of dtype float64 \(that of query\), got float32"),
     (dict(value=np.float32), TypeError, r"^value: expected dtype float64 \(that of query\), got float32"),
+    # value's layout ends in its own width Dv, which may differ from H (it said (B, S, K, H))
+    (dict(value=np.ones((2, 6, 2))), ValueError,
+     r"^value: expected 4 axes \(B, S, K, Dv\), got shape \(2, 6, 2\)"),
+    (dict(value="v"), TypeError, r"^value: expected an array \(B, S, K, Dv\) or without B, got str"),
 ])
 def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
     q, k, v, _, _, _ = jax_case("bias_mask_gqa")
