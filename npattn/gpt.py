@@ -542,11 +542,12 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
     if np.isnan(z).any() or np.isposinf(z).any() or not np.isfinite(z.max(axis=-1)).all():
         raise ValueError("logits: expected no NaN or +inf and a finite largest entry in every row")
     V.check_bool("greedy", greedy)
-    if greedy:
-        return np.argmax(z, axis=-1).astype(np.int64)
+    # checked with greedy too, as generate checks them: a bad option is an error, not ignored
     check_sampling(temperature, top_k, z.shape[-1])
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng: expected a numpy.random.Generator, got {V.type_name(rng)}")
+    if greedy:
+        return np.argmax(z, axis=-1).astype(np.int64)
     with np.errstate(over="ignore"):  # a tiny temperature sends the others to -inf, as intended
         z = (z - np.max(z, axis=-1, keepdims=True)) / float(temperature)  # 1.  [B, V], max 0
     if top_k is not None:  # 2.

@@ -357,6 +357,18 @@ def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its
             sample_next(z, rng, **kw)
     with pytest.raises(TypeError, match="rng"):
         sample_next(logits, 0)
+    # greedy checks the sampling options too, as generate does (they were ignored: a NaN
+    # temperature, top_k = 0 and a non-generator rng returned the argmax)
+    for kw, error, match in [({"temperature": float("nan")}, ValueError, "^temperature: .* got nan"),
+                             ({"top_k": 0}, ValueError, "^top_k: expected an int >= 1, got 0"),
+                             ({"top_k": 5}, ValueError, "^top_k: expected at most vocab_size = 4")]:
+        with pytest.raises(error, match=match):
+            sample_next(logits, rng, greedy=True, **kw)
+    with pytest.raises(TypeError, match="^rng: expected a numpy.random.Generator, got None$"):
+        sample_next(logits, None, greedy=True)
+    state = rng.bit_generator.state
+    assert np.all(sample_next(logits, rng, greedy=True, temperature=0.5, top_k=2) == 2)
+    assert rng.bit_generator.state == state  # greedy draws nothing
     assert sample_next(logits, rng, temperature=np.float32(0.5)).shape == (50,)
 
 
