@@ -764,6 +764,7 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                                  (2, Hkv, "the heads of k_cache"), (3, Dv, "the value width of v_cache")):
             _check_axis("v", v, axis, size, what)
     xp = namespace(q, k_cache, v_cache, k, v, names=("q", "k_cache", "v_cache", "k", "v"))
+    V.check_floating_array("q", q, xp)  # q's own dtype first: the others are compared with it
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if a is not None and a.dtype != q.dtype:
             raise TypeError(f"{name}: expected the dtype of q, {V.dtype_name(q.dtype)}, "

@@ -582,6 +582,8 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(k=np.zeros((2, 2, 2, 5))), ValueError, r"^k: expected the head width of q = 4"),
     (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError, r"^k_cache: expected at least the batch of q"),
     (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError, r"^k: expected the dtype of q"),
+    # an integer q is q's error (it was blamed on k_cache: "expected the dtype of q, int64")
+    (dict(q=np.zeros((2, 3, 4, 4), np.int64)), TypeError, r"^q: expected a real floating dtype, got int64"),
     (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
     # checked by the dispatcher: before the append, not after it
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
@@ -607,7 +609,7 @@ def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, m
                                                   (0,) + v_cache.strides[1:], writeable=True)
         change = {}
     for name in ("q", "v"):
-        if change.get(name) == "masked":
+        if isinstance(change.get(name), str) and change[name] == "masked":
             change = {name: np.ma.masked_array(dict(q=q, v=v_new)[name])}
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new,
                 cache_seqlens=np.array([2, 3], np.int32))
