@@ -153,6 +153,7 @@ class KVCache:
         """``ValueError`` (naming ``name``) unless every entry has room for ``n`` more positions
         (``TypeError``/``ValueError`` naming ``n`` unless it is an int >= 0)."""
         V.check_size("n", n)
+        n = int(n)  # a NumPy int would wrap in L + n (np.uint8(255) + 2 is 1)
         for b, L in enumerate(self._lens):
             if L + n > self.capacity:
                 raise ValueError(

@@ -371,6 +371,13 @@ def test_check_room_and_unalign_columns_check_their_arguments():
         with pytest.raises(exc, match=r"^n: expected an int >= 0, got"):  # (-5 was accepted)
             cache.check_room(n)
     cache.check_room(5)
+    # NumPy ints are counted as ints: 3 + np.uint8(255) wrapped to 2 in uint8 and passed
+    cache.append(np.ones((2, 1, 3, 2), np.float32), np.ones((2, 1, 3, 2), np.float32))
+    for n in (np.uint8(255), np.int64(2**63 - 1), np.uint64(2**64 - 1)):
+        with pytest.raises(ValueError, match=rf"^kv_cache: .* entry 0 holds 3 of capacity 5 "
+                                             rf"\(3 \+ {int(n)} = {3 + int(n)} > 5\)"):
+            cache.check_room(n)
+    cache.check_room(np.uint8(2))
     x = np.arange(12.0).reshape(2, 1, 6)
     bad = [((1,), ValueError, r"^shift: expected 2 ints \(x's batch\), got 1"),  # a batch of 1 came back
            (None, TypeError, r"^shift: expected a sequence of 2 ints, got None"),
