@@ -466,6 +466,7 @@ class GPT(BlockStack):
         logits : array, shape (B, max_new_tokens, V), only with ``return_logits``
         """
         _check_int("max_new_tokens", max_new_tokens, low=0)
+        max_new_tokens = int(max_new_tokens)  # a NumPy int would wrap in L0 + max_new_tokens
         self._check_ids("ids", ids, 0)
         B, L0 = ids.shape
         if L0 + max_new_tokens - 1 > self.block_size:

@@ -433,6 +433,14 @@ def test_constructor_and_generate_checks(xp, to_xp):
                                rtol=0, atol=1e-10)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(to_xp(ids_of(2, (B, T))), 2)
+    # a NumPy int is counted as an int: np.uint8(255) wrapped in L0 + 255, passed the check, and
+    # failed later naming capacity (an argument generate has not), after the cached forward was dropped
+    logits = model.forward(to_xp(ids_of(0)))
+    for n in (np.uint8(255), np.int64(2**63 - 1)):
+        with pytest.raises(ValueError, match=rf"^max_new_tokens: expected at most .* got {int(n)}$"):
+            model.generate(to_xp(ids_of(0, (B, 2))), n)
+    model.backward(logits * 0.0)  # the forward before the failed calls is still the one cached
+    assert tuple(model.generate(to_xp(ids_of(0, (B, 2))), np.uint8(3), greedy=True).shape) == (B, 5)
 
 
 @pytest.mark.parametrize("where", ["block 1", "final norm"])
