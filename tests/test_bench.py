@@ -81,9 +81,10 @@ def test_isolated_mode_measures_each_case_in_a_child(tmp_path, capsys):
     assert "| 1x16x8x2 | blocked |" in md.read_text()
 
 
-def test_an_isolated_case_that_fails_keeps_the_others(tmp_path, capsys):
+def test_an_isolated_case_that_fails_keeps_the_others(tmp_path, capsys, monkeypatch):
     """A child that fails (here out of memory) ended the parent in a traceback that lost the
     cases already measured: they are written, the failure is reported, the status is 1."""
+    monkeypatch.setattr(bench, "memory_refusal", lambda *a, **k: None)  # let the child fail
     path, md = tmp_path / "iso.json", tmp_path / "iso.md"
     rc = bench.main(["--isolated", "--shapes", "1x16x8x2,99999999x99999x4x2", "--impl", "dense",
                      "--gemm", "0", "--json", str(path), "--markdown", str(md)])
@@ -298,3 +299,50 @@ def test_bad_timing_options_are_usage_errors(option, capsys):
         bench.main(option)
     assert exc.value.code == 2
     assert f"{option[0]}: expected a finite number of seconds" in capsys.readouterr().err
+
+
+def _needed_gib(err):
+    return float(err.split("needs at least ")[1].split(" GiB")[0])
+
+
+@pytest.mark.parametrize("argv, option, received, lowest", [
+    # the dask graph of (1e11 / 1024)**2 chunk pairs was being built for minutes
+    (["--backend", "dask", "--shape", "1x100000000000x16x2"], "--shape", "1x100000000000x16x2",
+     (1e11 / 1024) ** 2 * 1024 / 2**30),
+    # a GPT step over 16 windows of 1e8 tokens: its position embedding alone is 1e8 x 128 floats
+    (["--model", "gpt", "--seq-len", "100000000"], "--seq-len", "100000000", 1e8 * 128 * 4 / 2**30),
+    # the dense probabilities of 8 heads of 100000 x 100000
+    (["--shapes", "1x100000x512x8", "--impl", "dense", "--no-torch"], "--shapes", "1x100000x512x8",
+     8 * 1e5**2 * 4 / 2**30),
+])
+def test_sizes_past_the_memory_are_usage_errors(argv, option, received, lowest, capsys):
+    """Each started computing and ran for minutes; now refused before anything is computed,
+    with an estimate of what it needs (at least the arrays named in `lowest`)."""
+    from npattn.tools import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert option in err and received in err and "of memory available here" in err, err
+    assert _needed_gib(err) >= lowest
+
+
+def test_the_documented_shapes_pass_the_memory_check():
+    """The default shapes, the isolated plan and the shapes of docs/performance.md fit in 4 GiB
+    (their estimates are lower bounds: nothing runs here)."""
+    from npattn.tools import bench_dask, limits
+
+    docs = bench.parse_shapes("32x128x256x8,4x1024x768x12c,8x512x768x12d0.1,1x4096x512x8w256,"
+                              "1x8192x512x8,1x16384x512x8c,1x16384x512x8w256")
+    cases = ([(s, "dense") for s in bench.DEFAULT_SHAPES] + list(bench.ISOLATED_PLAN)
+             + [(s, "blocked") for s in docs] + [(s, "auto") for s in docs])
+    assert bench.memory_refusal(cases, available=4 * 2**30) is None
+    assert bench.memory_refusal(cases, scope="attention", available=4 * 2**30) is None
+    assert bench.memory_refusal(cases) is None  # and here
+    dask = bench_dask.parse_shape(bench_dask.DEFAULT_SHAPE)
+    assert bench_dask.run_bytes(dask, 4, 1024, 1024)[0] < 4 * 2**30
+    assert limits.gpt_training_bytes(16, 128, 128, 128, 4, 4, 96, 4) < 4 * 2**30  # --model gpt
+    # and the same dense shape is refused where it cannot fit
+    big = bench.parse_shapes("1x16384x512x8")[0]
+    assert "--shapes: expected sizes" in bench.memory_refusal([(big, "dense")], available=4 * 2**30)

@@ -111,10 +111,39 @@ def test_edge_settings_do_not_fail_after_training(tmp_path, capsys):
     afile.write_text("x")
     status = cli.main(["demo", "--task", "gpt", "--no-plots", "--out", str(afile), "--steps", "1"])
     assert status == 2 and "--out" in capsys.readouterr().err  # refused before training
-    status = cli.main(["demo", "--task", "gpt", "--seq-len", "150000", "--steps", "1",
-                       "--out", str(tmp_path / "g"), "--no-progress", "--no-plots"])
-    assert status == 2 and "at least" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a usage error, before any training
+        cli.main(["demo", "--task", "gpt", "--seq-len", "150000", "--steps", "1",
+                  "--out", str(tmp_path / "g"), "--no-progress", "--no-plots"])
+    assert exc.value.code == 2 and "--seq-len" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["demo", "--task", "gpt", "--seq-len", "1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="steps"):
         train(GPTDemoConfig(**{**SMALL, "steps": 0}), progress=False)
+
+
+def test_a_context_or_a_step_too_large_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    """--seq-len 100000 trained for minutes and took 12 GB: its windows do not fit in the held-out
+    tenth of the text. A step past the memory available is refused too, with its estimate."""
+    from npattn.tools import cli, limits
+
+    n = len(corpus())
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--task", "gpt", "--seq-len", "100000", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--seq-len" in err and f"at most {n // 10 - 1}, got 100000" in err, err
+    # the memory: a context that the text takes, on a machine of 1 GiB
+    monkeypatch.setattr(limits, "available_memory", lambda: 2**30)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--task", "gpt", "--seq-len", "20000", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--seq-len" in err and "20000" in err
+    assert "1.0 GiB of memory available" in err and "needs at least" in err
+    # 32 windows of 20000 characters: their logits alone (94 characters, float32) pass 1 GiB
+    needed = float(err.split("needs at least ")[1].split(" GiB")[0])
+    assert needed >= 32 * 20000 * len(set(corpus())) * 4 / 2**30
+    # the defaults fit in 1 GiB, and in the held-out text
+    d = cli.DEMO_TASKS["gpt"]
+    assert d["seq_len"] <= n // 10 - 1
+    assert limits.gpt_training_bytes(d["batch"], d["seq_len"], d["seq_len"], d["d_model"], d["layers"],
+                                     4, len(set(corpus())), 4) < 2**30

@@ -84,12 +84,13 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..backend import resolve_backend, backend_name, from_numpy
-from .limits import MAX_SIZE, MAX_THREADS
+from .limits import MAX_SIZE, MAX_THREADS, dense_probabilities, memory_error
 from .outputs import outputs_error
 
 __all__ = [
     "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
-    "environment_info", "Shape", "parse_shapes", "flops", "DEFAULT_SHAPES", "ISOLATED_PLAN",
+    "environment_info", "Shape", "parse_shapes", "flops", "step_bytes", "memory_refusal",
+    "DEFAULT_SHAPES", "ISOLATED_PLAN",
 ]
 
 
@@ -183,6 +184,41 @@ def flops(shape: Shape) -> float:
         pairs = L * (w + 1) - w * (w + 1) / 2
     attn = 12.0 * B * pairs * D
     return proj + attn
+
+
+def step_bytes(shape: Shape, impl: str = "dense", dtype: str = "float32",
+               scope: str = "module") -> tuple[int, str]:
+    """A lower bound of the bytes one benchmarked step holds at its peak, and what it counts.
+
+    The module's step (``scope="module"``) holds its input ``x`` and ``dout``, the
+    projected ``q``, ``k``, ``v`` and the attention output kept for the backward
+    (``6 B L D``) and the four ``D x D`` weights; the core alone
+    (``scope="attention"``) its ``q``, ``k``, ``v``, ``dout`` and output
+    (``5 B L D``). The dense paths (``impl`` dense, reference, numpy, and auto
+    where it stays dense) keep the attention probabilities, ``B H L L``.
+    Temporaries, gradients and the torch side are not counted.
+    """
+    B, L, D, H = shape.B, shape.L, shape.D, shape.H
+    itemsize = np.dtype(dtype).itemsize
+    probs = dense_probabilities(B, H, L, L, impl)
+    acts, weights = (6 * B * L * D, 4 * D * D) if scope == "module" else (5 * B * L * D, 0)
+    what = (f"{'6' if scope == 'module' else '5'} B*L*D activations"
+            + (" and 4 D*D weights" if weights else "")
+            + (f" and {B}*{H}*{L}*{L} attention probabilities of impl {impl}" if probs else "")
+            + f", {dtype}")
+    return itemsize * (acts + weights + probs), what
+
+
+def memory_refusal(cases, dtype: str = "float32", scope: str = "module",
+                   available: Optional[int] = None) -> Optional[str]:
+    """The usage error for the first ``(shape, impl)`` case whose step cannot fit in memory
+    (``step_bytes`` against ``limits.available_memory()``), or None."""
+    for shape, impl in cases:
+        need, what = step_bytes(shape, impl, dtype, scope)
+        why = memory_error("--shapes", f"{shape} (--impl {impl})", need, what, available)
+        if why:
+            return why
+    return None
 
 
 # ---------------------------------------------------------------- timing
@@ -938,9 +974,13 @@ def main(argv=None) -> int:
     why = outputs_error(("--json", args.json), ("--markdown", args.markdown))
     if why:
         parser.error(why)
+    plan = (ISOLATED_PLAN if isolated and args.shapes is None else [(s, impl) for s in shapes])
+    if args.backend != "cupy":  # the device's memory is its own
+        why = memory_refusal(plan, args.dtype, args.scope)
+        if why:
+            parser.error(why)
     table_out = sys.stderr if args.json == "-" else sys.stdout  # stdout: the JSON alone
     if isolated:
-        plan = ISOLATED_PLAN if args.shapes is None else [(s, impl) for s in shapes]
         result = run_isolated(plan, dtype=args.dtype, backend=args.backend, repeat=repeat,
                               warmup=warmup, gemm_n=args.gemm, block_q=args.block_q,
                               block_k=args.block_k, blas_threads=args.blas_threads,

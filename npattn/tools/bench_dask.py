@@ -37,9 +37,10 @@ import time
 
 import numpy as np
 
+from .limits import memory_error
 from .outputs import json_output, output_error
 
-__all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local"]
+__all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local", "run_bytes"]
 
 DEFAULT_SHAPE = "8x4096x512x8"  # B x L x d_model x H, as npattn bench
 ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
@@ -57,6 +58,35 @@ def parse_shape(text: str) -> tuple:
     if min(B, L, D, H) < 1 or D % H:
         raise ValueError(f"--shape: expected positive sizes with H dividing D, got {text!r}")
     return B, L, D, H, causal
+
+
+#: Bytes of graph per chunk pair, at least: each pair is two tasks (forward and backward),
+#: and a task of dask's graph takes more than 1 KiB (about 3.3 KiB a pair measured at
+#: 8x4096x512x8 in chunks of 256, dask 2024-2026).
+GRAPH_BYTES_PER_PAIR = 2048
+
+
+def _chunkings(L, q_chunk, k_chunk):
+    """The (q_chunk, k_chunk) chunkings whose graphs ``main`` builds, coarsest first."""
+    return sorted({(L, L), (L, k_chunk), (q_chunk, k_chunk), (max(L // 8, 1), max(L // 8, 1))},
+                  reverse=True)
+
+
+def run_bytes(shape, itemsize, q_chunk, k_chunk, local=True) -> tuple[int, str]:
+    """A lower bound of the bytes ``main`` holds at once in this process, and what it counts.
+
+    The largest graph it builds (``GRAPH_BYTES_PER_PAIR`` for each of its
+    ``B * ceil(L / q_chunk) * ceil(L / k_chunk)`` chunk pairs) and, with the
+    in-process run (``local``), that run's NumPy arrays: q, k, v, dout, out,
+    dq, dk, dv, ``8 B L D`` values. The workers' memory is not counted.
+    """
+    B, L, D, _, _ = shape
+    pairs = max(B * -(-L // qc) * -(-L // kc) for qc, kc in _chunkings(L, q_chunk, k_chunk))
+    graph = GRAPH_BYTES_PER_PAIR * pairs
+    arrays = 8 * B * L * D * itemsize if local else 0
+    what = (f"a graph of {pairs} chunk pairs at {GRAPH_BYTES_PER_PAIR} bytes each"
+            + (", or the in-process run's 8 B*L*D arrays" if local else ""))
+    return max(graph, arrays), what
 
 
 def _inputs(shape, dtype, q_chunk, k_chunk, seed=0):
@@ -253,6 +283,11 @@ def main(argv=None) -> int:
                         ("repeat", args.repeat), *(("workers", w) for w in workers)):
         if value < 1:
             parser.error(f"--{name}: expected a positive integer, got {value}")
+    need, what = run_bytes(shape, np.dtype(args.dtype).itemsize, min(args.q_chunk, shape[1]),
+                           min(args.k_chunk, shape[1]), local=not (args.no_local or args.graph_only))
+    why = memory_error("--shape", args.shape, need, what)
+    if why:
+        parser.error(why)
     try:
         import dask
         import distributed
@@ -273,8 +308,7 @@ def main(argv=None) -> int:
               f"dask {dask.__version__}, {os.cpu_count()} CPUs")
         print(f"one head's (Lq, Lk) scores: {result['scores_one_head_mib']:.0f} MiB; one batch entry's "
               f"heads: {result['scores_one_entry_mib']:.0f} MiB")
-        chunkings = sorted({(L, L), (L, k_chunk), (q_chunk, k_chunk),
-                            (max(L // 8, 1), max(L // 8, 1))}, reverse=True)
+        chunkings = _chunkings(L, q_chunk, k_chunk)
         result["graph"] = graph_sizes(shape, np.dtype(args.dtype), chunkings)
         print("graph of forward+backward (tasks beyond the inputs):")
         print(f"  {'q chunk':>8} {'k chunk':>8} {'pairs':>6} {'tasks':>7} {'pair tasks':>11}")

@@ -25,6 +25,7 @@ from .. import nn
 from ..backend import from_numpy, resolve_backend
 from ..gpt import GPT, training_step
 from .bench import autorange, environment_info
+from .limits import gpt_training_bytes, memory_error
 from .outputs import json_output, output_error
 
 __all__ = ["GPTBenchConfig", "make_steps", "run", "main"]
@@ -172,6 +173,16 @@ def main(argv=None) -> int:
         parser.error(f"--warmup: expected a non-negative integer, got {args.warmup}")
     if args.d_model % args.n_head:
         parser.error(f"--n-head: expected a divisor of --d-model {args.d_model}, got {args.n_head}")
+    need = gpt_training_bytes(args.batch, args.seq_len, args.seq_len, args.d_model, args.n_layer,
+                              args.n_head, args.vocab, np.dtype(args.dtype).itemsize)
+    names = ("batch", "seq_len", "d_model", "n_layer", "n_head", "vocab")
+    flags = [f"--{n.replace('_', '-')}" for n in names]
+    why = memory_error(", ".join(flags),
+                       " ".join(f"{f} {getattr(args, n)}" for f, n in zip(flags, names)), need,
+                       "npattn's training step: the weights with their gradients and Adam's "
+                       "moments, the logits and the activations; the torch side not counted")
+    if why:
+        parser.error(why)
     torch_compare = not args.no_torch
     if torch_compare:
         try:

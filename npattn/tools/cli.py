@@ -338,6 +338,31 @@ def _check_demo_args(args, parser):
                      f"{','.join(str(h) for h in args.heads)}")
     if args.task == "gpt" and args.seq_len < 2:
         parser.error(f"--seq-len: --task gpt needs a context of at least 2 characters, got {args.seq_len}")
+    if args.task == "gpt":
+        _check_gpt_demo_sizes(args, parser)
+
+
+def _check_gpt_demo_sizes(args, parser):
+    """``--task gpt``: a context that fits in the held-out tenth of the text, and a training step
+    that fits in memory (``limits.gpt_training_bytes``)."""
+    from . import demo_gpt as dg
+    from .limits import gpt_training_bytes, memory_error
+
+    text = dg.corpus()
+    longest = dg.longest_context(len(text))
+    if args.seq_len > longest:
+        parser.error(f"--seq-len: --task gpt validates on the last 10 % of its {len(text)}-character "
+                     f"text, which must hold a window and its shifted targets; expected at most "
+                     f"{longest}, got {args.seq_len}")
+    need = gpt_training_bytes(args.batch, args.seq_len, args.seq_len, args.d_model, args.layers,
+                              args.heads[0], len(set(text)), 4 if args.dtype == "float32" else 8)
+    why = memory_error("--batch, --seq-len, --d-model, --layers",
+                       f"--batch {args.batch} --seq-len {args.seq_len} --d-model {args.d_model} "
+                       f"--layers {args.layers}", need,
+                       "the training step's weights with their gradients and Adam's moments, "
+                       "the logits and the activations")
+    if why:
+        parser.error(why)
 
 
 def _output_folder_error(path) -> str | None:

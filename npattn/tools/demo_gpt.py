@@ -32,7 +32,8 @@ from ..backend import from_numpy, resolve_backend, to_numpy
 from ..gpt import GPT, training_step
 from .progress import ProgressBar
 
-__all__ = ["GPTDemoConfig", "GPTHistory", "CharCodec", "corpus", "train", "generate_samples",
+__all__ = ["GPTDemoConfig", "GPTHistory", "CharCodec", "corpus", "longest_context", "train",
+           "generate_samples",
            "save_loss_plot", "format_summary", "PROMPTS"]
 
 #: Prompts the samples start from.
@@ -89,6 +90,13 @@ def corpus() -> str:
                 if doc:
                     parts.append(doc)
     return "\n\n".join(parts) + "\n"
+
+
+def longest_context(n_chars: int) -> int:
+    """The longest ``block_size`` whose windows the held-out 10 % of an ``n_chars`` text holds:
+    a window of ``block_size`` characters and its targets, shifted by one. (``train`` takes a
+    longer one by holding out more than 10 %; the ``npattn demo`` command does not.)"""
+    return n_chars // 10 - 1
 
 
 class CharCodec:

@@ -1,10 +1,131 @@
-"""The largest numbers the ``npattn`` command's flags take (a larger one is a usage error)."""
+"""The largest numbers the ``npattn`` command's flags take (a larger one is a usage error).
+
+Besides the fixed limits below, a run whose arrays cannot fit in this machine's
+memory is refused before it starts (``memory_error``): each command estimates
+a *lower bound* of the bytes its run holds at its peak (the arrays it must
+allocate, such as the ``B * H * L * L`` attention probabilities that the dense
+paths keep for the backward) and compares it with the memory available to
+this process (``available_memory``). A lower bound refuses only runs that
+could not finish here (they would be killed, or swap for hours), never one
+that fits, and the message quotes the estimate.
+"""
 
 from __future__ import annotations
 
-__all__ = ["MAX_SIZE", "MAX_THREADS"]
+import os
+from typing import Optional
+
+from ..attention import AUTO_BLOCKED_MAX_DENSE_SCORES, AUTO_BLOCKED_MIN_SCORES
+
+__all__ = ["MAX_SIZE", "MAX_THREADS", "available_memory", "memory_error", "format_bytes",
+           "dense_probabilities", "gpt_training_bytes"]
 
 #: The largest size of a shape or of ``--gemm``: BLAS takes 32-bit sizes.
 MAX_SIZE = 2**31 - 1
 #: The most threads a flag takes (a larger count overflowed the C int of the BLAS call).
 MAX_THREADS = 4096
+
+
+def _meminfo_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> Optional[int]:
+    """What this process's cgroup still allows (its limit less its use), or None without a limit."""
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                text = f.read().strip()
+            if text == "max":
+                return None
+            limit = int(text)
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= 2**60:  # cgroup v1's "no limit"
+            return None
+        return max(limit - usage, 0)
+    return None
+
+
+def available_memory() -> Optional[int]:
+    """Bytes this process can allocate without swapping, or None where that cannot be read.
+
+    Linux's ``MemAvailable`` (``/proc/meminfo``), lowered to what the process's
+    cgroup still allows when it sets a limit; elsewhere the physical memory
+    (``os.sysconf``).
+    """
+    room = [b for b in (_meminfo_available(), _cgroup_room()) if b is not None]
+    if room:
+        return min(room)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in GiB (or MiB below one GiB), one decimal; huge numbers in powers of ten."""
+    if n >= 2**30 * 1e6:
+        return f"{n / 2**30:.3g} GiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def memory_error(option: str, received: str, need: float, what: str,
+                 available: Optional[int] = None) -> Optional[str]:
+    """The usage error of a run that needs at least ``need`` bytes, or None when it fits.
+
+    ``option`` and ``received`` name the flag and the value given, ``what`` says
+    which arrays the estimate counts; ``available`` defaults to ``available_memory()``
+    (None there: no check).
+    """
+    available = available_memory() if available is None else available
+    if available is None or need <= available:
+        return None
+    return (f"{option}: expected sizes whose arrays fit in the {format_bytes(available)} of memory "
+            f"available here, got {received}, which needs at least {format_bytes(need)} ({what}); "
+            f"choose smaller sizes")
+
+
+def dense_probabilities(B: int, H: int, Lq: int, Lk: int, impl: str = "auto") -> int:
+    """Entries of the attention probabilities a dense path keeps for the backward: ``B * H * Lq * Lk``,
+    or 0 on the blocked path. ``impl="auto"`` resolves as ``attention.select_impl`` does for
+    NumPy arrays without weights requested."""
+    n = B * H * Lq * Lk
+    if impl == "blocked":
+        return 0
+    if impl == "auto" and (Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES):
+        return 0
+    return n
+
+
+def gpt_training_bytes(batch: int, seq_len: int, block_size: int, d_model: int, n_layer: int,
+                       n_head: int, vocab: int, itemsize: int, d_ff: Optional[int] = None) -> int:
+    """A lower bound of the bytes of one ``npattn.gpt`` training step (``training_step``).
+
+    Counts the weight matrices (token and position embeddings, and per block
+    the four ``D x D`` projections and the two ``D x F`` of the feed-forward)
+    four times (values, gradients, Adam's two moments), the logits and their
+    gradient (``2 B L V``), and per block the activations its backward needs at
+    least: its input, the attention output and the feed-forward hidden layer
+    (``B L (2 D + F)``), with the attention probabilities on the dense path
+    (``B H L L``, ``dense_probabilities``). Biases, norms and temporaries are left out.
+    """
+    D, F = d_model, 4 * d_model if d_ff is None else d_ff
+    B, L = batch, seq_len
+    weights = vocab * D + block_size * D + n_layer * (4 * D * D + 2 * D * F)
+    per_block = B * L * (2 * D + F) + dense_probabilities(B, n_head, L, L)
+    return itemsize * (4 * weights + 2 * B * L * vocab + n_layer * per_block)
+
