@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import sys
 
 import numpy as np
@@ -346,3 +347,33 @@ def test_the_documented_shapes_pass_the_memory_check():
     # and the same dense shape is refused where it cannot fit
     big = bench.parse_shapes("1x16384x512x8")[0]
     assert "--shapes: expected sizes" in bench.memory_refusal([(big, "dense")], available=4 * 2**30)
+
+
+def test_the_isolated_table_columns_fit_their_longest_entry(monkeypatch):
+    """The impl column was 7 characters wide (and shape 18, blocks 9): `reference`, a long shape
+    or large blocks pushed the rest of their row out of line with the header."""
+    def fake_child(shape, *, impl, block_q, block_k, **case):  # no benchmark: a made-up result
+        bq, bk = (block_q, block_k) if impl == "blocked" else (None, None)
+        return {"shape": str(shape), "impl": impl, "block_q": bq, "block_k": bk, "ms": 12345.678,
+                "gflops": 1.5, "gemm_gflops": None, "pct_gemm": None, "rss_before_mib": 100.0,
+                "peak_rss_mib": 2000.0, "loadavg": [0.5, 0.5, 0.5]}
+
+    monkeypatch.setattr(bench, "measure_isolated", fake_child)
+    plan = [(bench.Shape(1, 8, 8, 2, False), "reference"),
+            (bench.Shape(123, 45678, 4096, 32, True, 0.25, 1024), "blocked"),
+            (bench.Shape(1, 8, 8, 2, False), "dense")]
+    out = io.StringIO()
+    bench.run_isolated(plan, gemm_n=0, block_q=65536, block_k=65536, out=out)
+    lines = out.getvalue().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("shape"))
+    table = lines[header:]
+    assert len(table) == 4
+
+    def right_edges(line):  # where each column's text ends (right-aligned: the column's edge)
+        return [m.end() for m in re.finditer(r"\S+", line)]
+
+    rows = [right_edges(line) for line in table[1:]]
+    assert rows[0] == rows[1] == rows[2], table
+    head = right_edges(table[0].replace("RSS before", "RSS_before").replace("peak RSS", "peak_RSS"))
+    assert head == rows[0], table
+    assert "reference" in table[1] and "65536,65536" in table[2]

@@ -89,6 +89,7 @@ from .outputs import outputs_error
 
 __all__ = [
     "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
+    "case_blocks", "isolated_widths", "format_isolated_header", "format_isolated_row",
     "environment_info", "Shape", "parse_shapes", "flops", "step_bytes", "memory_refusal",
     "DEFAULT_SHAPES", "ISOLATED_PLAN",
 ]
@@ -741,13 +742,7 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     whole process. The block sizes go to the module (blocked implementation).
     ``scope="attention"`` times the attention core alone (no projections).
     """
-    if impl in ("blocked", "auto"):
-        from .. import blocked
-
-        default_k = blocked.DEFAULT_BLOCK_K if shape.window is None else blocked.WINDOW_BLOCK_K
-        block_q, block_k = block_q or blocked.DEFAULT_BLOCK_Q, block_k or default_k
-    else:
-        block_q = block_k = None
+    block_q, block_k = case_blocks(shape, impl, block_q, block_k)
     with _blas_limit(blas_threads):
         if scope == "attention":
             xp, step = _make_core(shape, dtype, backend, impl, block_q, block_k)
@@ -777,6 +772,47 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     }
 
 
+def case_blocks(shape: Shape, impl: str, block_q=None, block_k=None) -> tuple:
+    """The (block_q, block_k) a case runs with: those given, else the blocked path's defaults
+    for the blocked and auto impls; (None, None) for the dense ones."""
+    if impl not in ("blocked", "auto"):
+        return None, None
+    from .. import blocked
+
+    default_k = blocked.DEFAULT_BLOCK_K if shape.window is None else blocked.WINDOW_BLOCK_K
+    return block_q or blocked.DEFAULT_BLOCK_Q, block_k or default_k
+
+
+def _blocks_text(block_q, block_k) -> str:
+    return f"{block_q},{block_k}" if block_q else "-"
+
+
+def isolated_widths(plan, block_q=None, block_k=None) -> dict:
+    """Widths of the isolated table's text columns (shape, impl, blocks): each fits its header
+    and the longest entry of ``plan``'s ``(shape, impl)`` cases."""
+    return {
+        "shape": max([len("shape")] + [len(str(s)) for s, _ in plan]),
+        "impl": max([len("impl")] + [len(impl) for _, impl in plan]),
+        "blocks": max([len("blocks")] + [len(_blocks_text(*case_blocks(s, impl, block_q, block_k)))
+                                         for s, impl in plan]),
+    }
+
+
+def format_isolated_header(widths: dict) -> str:
+    """The header line of ``run_isolated``'s table (``isolated_widths``)."""
+    return (f"{'shape':>{widths['shape']}} {'impl':>{widths['impl']}} "
+            f"{'blocks':>{widths['blocks']}} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} {'%GEMM':>6} "
+            f"{'RSS before':>10} {'peak RSS':>9} {'load':>5}")
+
+
+def format_isolated_row(r: dict, widths: dict) -> str:
+    """One case of ``run_isolated``'s table, a result of ``measure_here``, under its header."""
+    return (f"{r['shape']:>{widths['shape']}} {r['impl']:>{widths['impl']}} "
+            f"{_blocks_text(r['block_q'], r['block_k']):>{widths['blocks']}} {r['ms']:9.2f} "
+            f"{r['gflops']:8.1f} {_fmt(r['gemm_gflops'], '6.1f')} {_fmt(r['pct_gemm'], '6.1f')} "
+            f"{r['rss_before_mib']:10.1f} {r['peak_rss_mib']:9.1f} {r['loadavg'][0]:5.1f}")
+
+
 def measure_isolated(shape: Shape, *, timeout=3600, **case) -> dict:
     """``measure_here(shape, **case)`` in a fresh Python process, so that its peak RSS is its own."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding this npattn
@@ -797,12 +833,13 @@ def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, 
 
     ``scope="attention"``: the attention core's forward and backward alone on
     (B, H, L, D / H), without the module's projections."""
+    plan = list(plan)
     out = sys.stdout if out is None else out
     env = environment_info(resolve_backend(backend))
     _print_env(env, f"isolated repeat={repeat} warmup={warmup} blas_threads={blas_threads} "
                f"scope={scope}", dtype, out)
-    print(f"{'shape':>18} {'impl':>7} {'blocks':>9} {'ms':>9} {'GFLOP/s':>8} {'GEMM':>6} "
-          f"{'%GEMM':>6} {'RSS before':>10} {'peak RSS':>9} {'load':>5}", file=out)
+    widths = isolated_widths(plan, block_q, block_k)
+    print(format_isolated_header(widths), file=out)
     rows, failed = [], []
     for shape, impl in plan:
         try:
@@ -814,11 +851,7 @@ def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, 
             failed.append({"shape": str(shape), "impl": impl, "error": str(exc)})
             continue
         rows.append(r)
-        blocks = f"{r['block_q']},{r['block_k']}" if r["block_q"] else "-"
-        print(f"{r['shape']:>18} {impl:>7} {blocks:>9} {r['ms']:9.2f} {r['gflops']:8.1f} "
-              f"{_fmt(r['gemm_gflops'], '6.1f')} {_fmt(r['pct_gemm'], '6.1f')} "
-              f"{r['rss_before_mib']:10.1f} {r['peak_rss_mib']:9.1f} {r['loadavg'][0]:5.1f}",
-              file=out, flush=True)
+        print(format_isolated_row(r, widths), file=out, flush=True)
     return {"env": env, "dtype": dtype, "gemm_n": gemm_n, "rows": rows, "failed": failed}
 
 
