@@ -329,6 +329,16 @@ def test_sizes_past_the_memory_are_usage_errors(argv, option, received, lowest, 
     assert _needed_gib(err) >= lowest
 
 
+def test_a_repeated_worker_count_is_a_usage_error(capsys):
+    """--workers 1,1 ran a second cluster of one worker, its "speed-up" 1.0."""
+    from npattn.tools import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--backend", "dask", "--shape", "1x8x16x2", "--workers", "1,2,1"])
+    assert exc.value.code == 2
+    assert "--workers: expected each worker count once, got 1 more than once" in capsys.readouterr().err
+
+
 def test_the_documented_shapes_pass_the_memory_check():
     """The default shapes, the isolated plan and the shapes of docs/performance.md fit in 4 GiB
     (their estimates are lower bounds: nothing runs here)."""

@@ -292,13 +292,15 @@ def test_demo_progress_bar_is_silent_into_a_pipe(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("heads", ["3", "0", "a,b"])
+@pytest.mark.parametrize("heads", ["3", "0", "a,b", "2,1,2"])
 def test_demo_rejects_bad_heads(heads, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(_demo_args(tmp_path, "--heads", heads))
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage: npattn demo" in err and "--heads" in err  # the demo's usage, not npattn's
+    if heads == "2,1,2":  # trained twice, the second writing over the first's heads2 pictures
+        assert "got 2 more than once" in err
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,11 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
     (["no_such_module_xyz:attn"], "cannot import 'no_such_module_xyz'"),
     (["attention"], "expected module:attribute"),
     ([f"{KERNELS}:attention", "--supports", "causal,sliding"], "--supports"),
+    # a repeated entry was taken silently
+    ([f"{KERNELS}:attention", "--supports", "causal,window, causal"],
+     "--supports: expected each entry once, got 'causal' more than once"),
+    ([f"{KERNELS}:attention", "--head-dims", "64,32,64"],
+     "--head-dims: expected each entry once, got 64 more than once"),
     ([f"{KERNELS}:attention", "--case", "nope"], "--case: expected names"),  # the flag, not the keyword
     ([f"{KERNELS}:attention", "--budget-factor", "-1"], "--budget-factor: expected a finite number >= 1"),
     ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints >= 1"),

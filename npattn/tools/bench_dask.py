@@ -279,6 +279,10 @@ def main(argv=None) -> int:
         workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
         parser.error(f"--workers: expected comma-separated positive integers, got {args.workers!r}")
+    repeated = next((w for i, w in enumerate(workers) if w in workers[:i]), None)
+    if repeated is not None:
+        parser.error(f"--workers: expected each worker count once, got {repeated} more than once "
+                     f"in {args.workers!r}")
     for name, value in (("q-chunk", args.q_chunk), ("k-chunk", args.k_chunk),
                         ("repeat", args.repeat), *(("workers", w) for w in workers)):
         if value < 1:

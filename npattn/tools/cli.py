@@ -310,6 +310,9 @@ def _parse_heads(text, d_model, parser):
         parser.error(f"--heads: expected integers separated by commas, got {text!r}")
     if not heads or any(h < 1 for h in heads):
         parser.error(f"--heads: expected positive integers, got {text!r}")
+    repeated = next((h for i, h in enumerate(heads) if h in heads[:i]), None)
+    if repeated is not None:  # the second run wrote over the first's heads{H} pictures
+        parser.error(f"--heads: expected each head count once, got {repeated} more than once in {text!r}")
     bad = [h for h in heads if d_model % h]
     if bad:
         parser.error(f"--heads: each must divide --d-model {d_model}; {bad} do not")

@@ -240,9 +240,21 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in (
 FLAGS["cases"] = "--case"
 
 
+def _once(flag: str, text: str, items) -> None:
+    """A ``UsageError`` naming ``flag`` and the first entry that ``items`` (the entries of the
+    comma-separated ``text``) repeats."""
+    seen: set = set()
+    for item in items:
+        if item in seen:
+            raise UsageError(f"{flag}: expected each entry once, got {item!r} more than once "
+                             f"in {text!r}")
+        seen.add(item)
+
+
 def _run(args) -> int:
     if args.seed < 0:
         raise UsageError(f"--seed: expected an int >= 0, got {args.seed}")
+    _once("--supports", args.supports, [t.strip() for t in args.supports.split(",") if t.strip()])
     try:
         supports = check_supports(args.supports)
     except ValueError as exc:
@@ -254,6 +266,7 @@ def _run(args) -> int:
             head_dims = tuple(int(d) for d in args.head_dims.split(","))
         except ValueError:
             raise UsageError(f"--head-dims: expected ints like 64,128, got {args.head_dims!r}") from None
+        _once("--head-dims", args.head_dims, head_dims)
     try:
         with argument_names(FLAGS):
             cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case,
