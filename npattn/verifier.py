@@ -1300,6 +1300,8 @@ def verify(
     progress: Optional[Callable] = None,
     command: Optional[str] = None,
     target: Optional[str] = None,
+    backward_target: Optional[str] = None,
+    adapter_target: Optional[str] = None,
 ) -> VerifyReport:
     """Check the attention ``fn`` against npattn over a panel of cases.
 
@@ -1381,6 +1383,10 @@ def verify(
         command line); else a Python call is printed.
     target : str, optional
         How to name ``fn`` in the report (default ``module:qualname``).
+    backward_target, adapter_target : str, optional
+        How to name ``backward`` and a callable ``adapter`` in the report
+        (default ``module:qualname``; the CLI gives them as its user wrote them,
+        a file's path included). A mapping adapter is reported as the mapping.
 
     Returns
     -------
@@ -1417,7 +1423,10 @@ def verify(
     config = {"target": name, "layout": layout, "dtype": dtype, "supports": list(supports),
               "backend": lib_name, "device": None if device is None else str(device),
               "align": align, "autograd": autograd,
-              "backward": None if backward is None else _describe_callable(backward),
+              "backward": None if backward is None else (backward_target
+                                                          or _describe_callable(backward)),
+              "adapter": (dict(adapter) if isinstance(adapter, Mapping) else None
+                          if adapter is None else adapter_target or _describe_callable(adapter)),
               "returns_lse": bool(returns_lse), "gradients": cfg.gradients,
               "mask_grad": mask_grad, "lse_grad": lse_grad, "seed": int(seed),
               "budget_factor": float(budget_factor), "floors": cfg.floors,

@@ -112,6 +112,28 @@ def test_a_backward_from_a_file_of_the_same_name_is_that_files(tmp_path, capsys)
     assert "RuntimeError: the other file" in capsys.readouterr().out
 
 
+def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeypatch):
+    """config.backward of a file target was the name the file is loaded under
+    (npattn_verify_target_kernels_<hash>:attention_backward), and the adapter was not reported."""
+    (tmp_path / "adapters.py").write_text("def same(options):\n    return dict(options)\n")
+    monkeypatch.chdir(ROOT)
+    target = os.path.join("examples", "verify", "kernels.py") + ":attention"
+    common = ["verify", target, "--backward", "attention_backward", "--returns-lse",
+              "--supports", "causal", "--combos", "none", "--dtype", "float64", "--no-progress"]
+    js = tmp_path / "r.json"
+    assert cli.main([*common, "--adapter", f"{tmp_path / 'adapters.py'}:same",
+                     "--json", str(js)]) == 0
+    config = json.loads(js.read_text())["config"]
+    assert config["target"] == target
+    assert config["backward"] == os.path.join("examples", "verify", "kernels.py") + ":attention_backward"
+    assert config["adapter"] == f"{tmp_path / 'adapters.py'}:same"
+    # a JSON mapping is reported as the mapping; no adapter as null
+    assert cli.main([*common, "--adapter", '{"is_causal": "is_causal"}', "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["config"]["adapter"] == {"is_causal": "is_causal"}
+    assert cli.main([*common, "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["config"]["adapter"] is None
+
+
 @pytest.mark.parametrize("argv, message", [
     ([f"{KERNELS}:nope"], f"target: {os.path.relpath(KERNELS)!r} has no attribute 'nope'"),
     ([f"{KERNELS}:attention", "--backward", "nope"], f"--backward: {os.path.relpath(KERNELS)!r} has no"),

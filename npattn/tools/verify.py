@@ -185,6 +185,15 @@ def _adapter(text: Optional[str], base: Any) -> Any:
     return load_object(text, base=base, what="--adapter")
 
 
+def _named(spec: Optional[str], target: str) -> Optional[str]:
+    """How the report names ``--backward`` / ``--adapter`` ``spec``: as the user gave it, a bare
+    attribute of the target's module with that module's part of ``target`` in front (a
+    file target's path, not the name it is loaded under)."""
+    if spec is None:
+        return None
+    return spec if ":" in spec else f"{target.rsplit(':', 1)[0]}:{spec}"
+
+
 def _command(args) -> str:
     """The command line that reruns one case, with ``{case}`` for its name."""
     parts = ["npattn", "verify", args.target, "--layout", args.layout, "--dtype", args.dtype]
@@ -305,7 +314,10 @@ def _run(args) -> int:
                                    align=args.align, adapter=adapter, seed=args.seed,
                                    budget_factor=args.budget_factor, combos=combos,
                                    head_dims=head_dims, cases=args.case, progress=progress,
-                                   command=_command(args), target=args.target)
+                                   command=_command(args), target=args.target,
+                                   backward_target=_named(args.backward, args.target),
+                                   adapter_target=None if isinstance(adapter, dict)
+                                   else _named(args.adapter, args.target))
         except ImportError as exc:  # the library of --backend (or of --autograd) is missing
             needs = f"--backend {args.backend}" + (f", --autograd {args.autograd}" if args.autograd else "")
             raise UsageError(f"{needs}: {type(exc).__name__}: {exc}") from None
