@@ -38,6 +38,38 @@ mask's broadcast axes for dmask, ``sum p_sink |delta|`` for dsinks,
 cancels to nearly zero (dq of a row with one key is exactly zero) is still
 measured against the rounding of its terms.
 
+**The rounding of lse.** The gradients add to their floor::
+
+    floor = FLOORS[dtype] * terms + u_lse * terms_lse
+
+``u_lse`` the unit roundoff of lse's dtype (``lse_unit``: 2**-24 for float32,
+lse's dtype for float16 and bfloat16 too; 2**-53 for float64) and
+``terms_lse`` the largest entry of ``sum_i |lse_i| |g_i|``, ``g_i`` the part
+of the gradient that row i's probabilities give (``lse_scales``). Why: a
+FlashAttention backward saves one log-sum-exp per row, in lse's dtype, and
+rebuilds ``p_ij = exp(s_ij - lse_i)`` from it. Rounding lse to its dtype
+moves it by ``d_i``, ``|d_i| <= u_lse |lse_i|``, and so every rebuilt
+probability of row i by the same factor ``exp(-d_i) = 1 - d_i + O(d_i^2)``;
+what the backward computes from them moves with it: ``ds_ij = p_ij (dp_ij -
+delta_i + dlse_i)`` by ``-d_i ds_ij``, so ``dq_i`` by exactly ``-d_i dq_i``,
+``dv_j = sum_i a_ij dout_i`` by ``-sum_i d_i a_ij dout_i``, ``dk_j`` by
+``-sum_i d_i ds_ij q_i * scale``, dmask by ``-d_i ds_ij`` (summed over its
+broadcast axes) and ``dsinks`` by ``sum_i d_i p_sink_i (delta_i - dlse_i)``:
+at most ``u_lse * terms_lse``. npattn keeps its probabilities (``p = e /
+sum(e)``, a relative rounding of a few ``u`` whatever lse is) and does not
+make this error, so ``budget_factor * e_npattn`` does not hold it, and the
+FLOORS term (16 ``u`` of sums of the same kind, for float32) holds it only while
+``|lse|`` stays under about 16: in the panel's case of scores shifted by an
+offset of std 100 (``SCORE_SHIFT``; ``|lse|`` up to ~400, ``|d_i|`` up to 2.4e-5) a
+correct FlashAttention kernel's dv or dq was up to 1.37x over the budget
+without it. The bound takes every ``|d_i|`` at its largest and with the
+worst signs, as the floor takes the rounding of a dot product, so no factor
+multiplies it; ``floors=`` does not change it. It matters for float32 alone
+(below 2**-40 of the terms for float64 at ``|lse| < 1e3``, far below 2**-10
+for half precision). out has none: a FlashAttention forward divides by its
+running row sum and never rounds lse on the way, nor does npattn; lse's own
+rounding is in its floor already (``FLOORS * max(|lse|, 1)``).
+
 A tensor that passes is reported **degenerate** instead when the check could
 not have told a wrong kernel from a right one:
 
@@ -103,6 +135,8 @@ __all__ = [
     "FLOOR_SCALE",
     "plan",
     "term_scales",
+    "lse_scales",
+    "lse_unit",
     "round_to_bfloat16",
     "case_hint",
     "panel_hints",
@@ -122,6 +156,9 @@ GRADS = ("dq", "dk", "dv", "dmask", "dsinks")
 SOFTMAX_GRADS = ("dq", "dk", "dmask", "dsinks")
 #: The smallest ``terms`` a floor is relative to (an all-zero tensor still has a floor).
 FLOOR_SCALE = 1e-6
+#: The tensors whose floor holds the rounding of lse (module docstring): the gradients, which
+#: a FlashAttention backward computes from probabilities rebuilt from the saved lse.
+LSE_ROUNDED = GRADS
 #: A tensor whose largest truth entry is below this many budgets is degenerate.
 DEGENERATE_RATIO = 10.0
 #: The softmax is saturated when more than SATURATED_ROWS of the attended rows put more
@@ -920,16 +957,17 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
 
 def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtype: str,
              terms: float, cfg: _Config, skip: Optional[np.ndarray],
-             saturated: Optional[str]) -> tuple:
+             saturated: Optional[str], lse_floor: float = 0.0) -> tuple:
     """The ``TensorResult`` of one tensor, and its constant factor (or None) and note.
 
     ``skip`` (bool, ``truth``'s shape) marks the entries not compared (lse on rows with
-    nothing to attend, dmask where the mask is -inf)."""
+    nothing to attend, dmask where the mask is -inf); ``lse_floor`` is ``u_lse *
+    terms_lse``, what the rounding of lse may move the tensor by (module docstring)."""
     keep = np.ones(truth.shape, dtype=bool) if skip is None else ~skip
     t = np.where(keep, truth, 0.0)
     magnitude = float(np.max(np.abs(t))) if t.size else 0.0
     npattn_err = float(np.max(np.abs(np.where(keep, ref, 0.0) - t))) if t.size else 0.0
-    floor = cfg.floors[floor_dtype] * max(terms, FLOOR_SCALE)
+    floor = cfg.floors[floor_dtype] * max(terms, FLOOR_SCALE) + lse_floor
     budget = cfg.budget_factor * npattn_err + floor
     note = ""
     factor = None
@@ -1005,6 +1043,57 @@ def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray,
         p_sink = np.exp(opts["sinks"][None, :, None] - truth["lse"])  # [B, Hq, Lq]
         res["dsinks"] = float(np.max(np.sum(p_sink * delta[..., 0], axis=(0, 2)), initial=0.0))
     return res
+
+
+def lse_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) -> dict:
+    """The ``terms_lse`` of each gradient (module docstring): the largest entry of
+    ``sum_i |lse_i| |g_i|``, ``g_i`` the part of the gradient that row i's probabilities
+    give, from the float64 truth of the case and its gradients.
+
+    Rebuilding row i's probabilities from an lse off by ``d_i`` scales them, and so ``g_i``,
+    by ``1 - d_i``: ``|d_i| <= u_lse |lse_i|`` bounds the change by ``u_lse * terms_lse``.
+    ``g_i`` is ``dq_i`` for dq, ``a_ij dout_i`` for dv_j,
+    ``ds_ij q_i * scale`` for dk_j (``ds = p (dp - delta + dlse)``; under softcap its
+    factor ``tanh' <= 1`` is left out, an upper bound), ``ds_ij`` for dmask and
+    ``p_sink_i (dlse_i - delta_i)`` for dsinks; dv, dk and dmask sum theirs over the
+    rows of a K/V head's group and the mask's broadcast axes.
+    """
+    # host float64: q [B, Hq, Lq, Dh], k [B, Hkv, Lk, Dh], v [B, Hkv, Lk, Dv], weights [B, Hq, Lq, Lk]
+    q, v, dout, opts = inp.q, inp.v, inp.dout, inp.options
+    G = q.shape[1] // v.shape[1]
+    vr = np.repeat(v, G, axis=1)  # [B, Hq, Lk, Dv]
+    lse = truth["lse"]  # [B, Hq, Lq], -inf on rows with nothing to attend
+    w = np.where(np.isfinite(lse), np.abs(lse), 0.0)[..., None]  # [B, Hq, Lq, 1] |lse_i|
+    p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
+    scale = opts.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+    keep = 1.0
+    if "dropout_mask" in opts:
+        keep = opts["dropout_mask"] / (1.0 - opts["dropout_p"])  # [B, Hq, Lq, Lk]
+    delta = np.sum(dout * truth["out"], axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
+    if dlse is not None:  # ds = p * (dp - delta + dlse)
+        delta = delta - dlse[..., None]  # [B, Hq, Lq, 1]
+    ds = np.abs(p * ((dout @ np.swapaxes(vr, -1, -2)) * keep - delta)) * w  # [B, Hq, Lq, Lk]
+    a = np.abs(p * keep) * w  # [B, Hq, Lq, Lk]
+    dv = _group_sum(np.swapaxes(a, -1, -2) @ np.abs(dout), G)  # [B, Hkv, Lk, Dv]
+    dk = _group_sum(np.swapaxes(ds, -1, -2) @ np.abs(q), G) * scale  # [B, Hkv, Lk, Dh]
+    res = {"dq": float(np.max(w * np.abs(truth["dq"]), initial=0.0)),
+           "dv": float(np.max(dv, initial=0.0)), "dk": float(np.max(dk, initial=0.0))}
+    mask = opts.get("mask")
+    if mask is not None and mask.dtype != bool:
+        res["dmask"] = float(np.max(_sum_to(ds, mask.shape), initial=0.0))
+    if "sinks" in opts:
+        finite = np.isfinite(lse)
+        p_sink = np.exp(opts["sinks"][None, :, None] - np.where(finite, lse, 0.0))  # [B, Hq, Lq]
+        g = np.where(finite, p_sink * np.abs(delta[..., 0]) * w[..., 0], 0.0)  # [B, Hq, Lq]
+        res["dsinks"] = float(np.max(np.sum(g, axis=(0, 2)), initial=0.0))
+    return res
+
+
+def lse_unit(dtype: str) -> float:
+    """The unit roundoff of lse's dtype (``"float32"`` or ``"float64"``; float16 and bfloat16
+    give lse in float32): half the spacing of the numbers at 1, so that rounding lse to it
+    moves it by at most ``lse_unit * |lse|`` (2**-24 for float32, 2**-53 for float64)."""
+    return float(np.finfo("float32" if dtype in ("float16", "bfloat16") else dtype).eps) / 2.0
 
 
 def _empty_rows(weights: np.ndarray) -> np.ndarray:
@@ -1087,6 +1176,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
                         "as they were (the numbers below are of its outputs all the same)")
     saturated = _saturation(truth["weights"], empty)
     terms = term_scales(inp, truth, empty, dlse)
+    # the rounding of lse in its dtype, through p = exp(s - lse) (module docstring)
+    lse_terms = lse_scales(inp, truth, dlse) if cfg.gradients else {}
+    u_lse = lse_unit(ref["dtypes"]["lse"])
     factors, notes = {}, {}
     for n in _checked(cfg, case, got):
         skip = None
@@ -1095,8 +1187,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         elif n == "dmask":  # -inf entries: zero gradient on both sides, not compared
             skip = ~np.isfinite(inp.options["mask"])
         floor_dtype = ref["dtypes"][n] if ref["dtypes"][n] in FLOORS else cfg.dtype
+        lse_floor = u_lse * lse_terms[n] if n in LSE_ROUNDED else 0.0
         tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, skip,
-                              saturated)
+                              saturated, lse_floor)
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
             tr.note = nan
@@ -1104,7 +1197,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
             # right but for the rows with nothing to attend (where npattn gives zeros)?
             rows = np.broadcast_to(empty[..., None], truth[n].shape)
             rest, _ = _compare(n, got[n], truth[n], ref[n], floor_dtype, terms[n], cfg, rows,
-                               saturated)
+                               saturated, lse_floor)
             if rest.status != "fail":
                 tr.note = "not zero on empty rows"
         if n in dtypes:  # the right numbers in another dtype or library are still not the contract

@@ -298,6 +298,53 @@ def test_dmask_and_dlse_floors_follow_ds():
     assert np.array_equal(VC.case_inputs(case).dout, inp.dout)
 
 
+@pytest.mark.parametrize("seed, lse_grad", [(16, False), (8, True)])
+def test_a_flash_backward_passes_where_lse_is_large(seed, lse_grad):
+    """The example kernel rebuilds p = exp(s - lse) from a float32 lse of ~300 in the case of
+    shifted rows: its dv (dq with dlse) was 1.27 (1.37) budgets over npattn's own error and
+    the floor, which do not hold the rounding of lse; the floor's lse term does."""
+    report = run_kernel(K.attention, "float32", lse_grad=lse_grad, seed=seed, head_dims=(8, 16),
+                        cases=["base-scores8-shift-65x127"])
+    assert report.ok, report.format()
+    r = report.results[0]
+    for n in ("dq", "dk", "dv"):
+        t = r.tensors[n]
+        assert t.status == "pass" and t.ratio < 0.7, (n, t.ratio)
+    inp = VC.case_inputs(r.case, seed)
+    _, cache = F.sdpa_forward(inp.q, inp.k, inp.v)
+    assert np.abs(cache.lse).max() > 200.0  # the case this is about: a large lse
+
+
+def test_the_lse_floor_bounds_a_rounded_lse():
+    """Rebuilding p from lse + d, |d_i| <= u |lse_i|, moves each gradient by at most
+    u * terms_lse; dq_i by exactly -d_i dq_i, so with every d_i = +u |lse_i| dq reaches it."""
+    case = VC.Case("lse", Lq=33, Lk=70, Dh=8, Dv=8, options=("mask_float", "sinks", "gqa"),
+                   Hq=4, Hkv=2, score_std=4.0, score_shift=50.0)
+    inp = VC.case_inputs(case, seed=1)
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+    lse = np.asarray(cache.lse)  # [B, Hq, Lq]
+    g = F.sdpa_backward(inp.dout, cache, dlse=inp.dlse)
+    truth = {"out": out, "lse": lse, "weights": cache.probs, "dq": g.dq}
+    bound = VF.lse_scales(inp, truth, inp.dlse)
+    assert set(bound) == {"dq", "dk", "dv", "dmask", "dsinks"}
+    u = VF.lse_unit("float32")
+    assert u == 2.0**-24 and VF.lse_unit("bfloat16") == u and VF.lse_unit("float64") == 2.0**-53
+    # the example's FlashAttention backward in float64, from its saved lse moved by d
+    _, _, saved = K.attention(inp.q, inp.k, inp.v, **inp.options)
+    exact = K.attention_backward(inp.dout, saved, dlse=inp.dlse)
+    rng = np.random.default_rng(0)
+    for d in (u * np.abs(lse), u * np.abs(lse) * rng.choice([-1.0, 1.0], size=lse.shape)):
+        moved = K.attention_backward(inp.dout, saved._replace(lse=saved.lse + d), dlse=inp.dlse)
+        for n in bound:
+            change = float(np.max(np.abs(getattr(moved, n) - getattr(exact, n))))
+            assert 0.0 < change <= u * bound[n] * (1.0 + 1e-3), (n, change, u * bound[n])
+        if d.min() > 0.0:  # dq_i moves by -d_i dq_i
+            np.testing.assert_allclose(moved.dq - exact.dq, -d[..., None] * exact.dq,
+                                       rtol=1e-3, atol=1e-12 * np.abs(exact.dq).max())
+            change = float(np.max(np.abs(moved.dq - exact.dq)))
+            assert change == pytest.approx(u * bound["dq"], rel=1e-3)
+
+
 def test_a_saturated_softmax_makes_dq_and_dk_degenerate():
     case = VC.Case("saturated", Lq=33, Lk=47, Dh=16, Dv=16, score_std=200.0)
     report = run_kernel(K.attention, "float64", cases=[case], supports=())
