@@ -249,6 +249,8 @@ def sdpa_forward(
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, q_segments=q_segments,
         k_segments=k_segments, impl=impl, need_weights=need_weights, block_q=block_q,
         block_k=block_k, workspace=workspace)
+    # checked there; as Python ints for the tasks and caches that keep them
+    block_q, block_k = (None if n is None else int(n) for n in (block_q, block_k))
     args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                 dropout_mask=dropout_mask, rng=rng, groups=G)
     with exclusive():

@@ -340,9 +340,10 @@ def _mix32(x):
     return x
 
 
-def _check_draw(key: Any, p: Any) -> None:
+def _check_draw(key: Any, p: Any) -> int:
     """``key`` an int in [0, 2**64), ``p`` a real number in [0, 1): a ``TypeError`` /
-    ``ValueError`` naming them (a p of 1.5 overflowed the threshold's uint32)."""
+    ``ValueError`` naming them (a p of 1.5 overflowed the threshold's uint32). Returns the
+    key as a Python int (a NumPy np.uint8 one overflows in ``key & 0xFFFFFFFF``)."""
     if isinstance(key, (bool, np.bool_)) or not isinstance(key, numbers.Integral):
         raise TypeError(f"key: expected an int (from dropout_key), got {type(key).__name__} {key!r}")
     if not 0 <= int(key) < 2**64:
@@ -351,6 +352,7 @@ def _check_draw(key: Any, p: Any) -> None:
         raise TypeError(f"p: expected a drop probability in [0, 1), got {type(p).__name__} {p!r}")
     if not 0.0 <= float(p) < 1.0:
         raise ValueError(f"p: expected a drop probability in [0, 1), got {p!r}")
+    return int(key)
 
 
 #: Entries of the 32-bit hashes ``keyed_keep_mask`` works on at a time (1 MiB in cache): its
@@ -394,7 +396,7 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     The hashes are taken ``KEEP_SLAB`` entries at a time (rows of the block), so
     the memory beyond the mask itself stays small; the mask does not depend on it.
     """
-    _check_draw(key, p)
+    key = _check_draw(key, p)
     for name, c in (("rows", rows), ("cols", cols)):
         if np.ndim(c) != 1:
             raise ValueError(f"{name}: expected a 1-D array of coordinates, got {np.ndim(c)} axes")
@@ -428,7 +430,7 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
     ``keyed_keep_mask`` over the whole grid, moved to ``xp`` on ``device``:
     entry ``(..., i, j)`` is kept with probability ``1 - p``.
     """
-    _check_draw(key, p)
+    key = _check_draw(key, p)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or not all(
             isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_)) for n in shape):
         raise TypeError(f"shape: expected a sequence of ints >= 0, got {shape!r}")

@@ -114,9 +114,11 @@ def _slice_qk(a, i0: int, i1: int, j0: int, j1: int):
     return a[..., rows, cols]
 
 
-def _check_block(name: str, size):
+def _check_block(name: str, size) -> int:
+    """A block length, returned as a Python int (a NumPy one would wrap in ``i0 + size``)."""
     if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
         raise ValueError(f"{name}: expected a positive int, got {size!r}")
+    return int(size)
 
 
 def _grouped_mask(xp, a, ndim: int, G: int):
@@ -445,8 +447,8 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
     if block_k is None:  # a window bounded on the left: key blocks as short as query blocks
         block_k = DEFAULT_BLOCK_K if o.left is None else WINDOW_BLOCK_K
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    block_q = _check_block("block_q", block_q)
+    block_k = _check_block("block_k", block_k)
     G = groups
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     sinks_shape = None if o.sinks is None else (int(o.sinks.shape[-3]),)
@@ -487,8 +489,8 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
         q=q, k=k, v=v, out=None, m=None, l=None, mask=mask, is_causal=bool(is_causal),
         dropout_mask=dropout_mask, dropout_key=key,
         coords=_coords(tuple(q.shape[:-2]), G) if key is not None else None,
-        dropout_p=float(dropout_p), scale=scale, mask_shape=mask_shape, block_q=int(block_q),
-        block_k=int(block_k), groups=G, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
+        dropout_p=float(dropout_p), scale=scale, mask_shape=mask_shape, block_q=block_q,
+        block_k=block_k, groups=G, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
         in_dtype=in_dtype, options=o, lead_shape=lead, shapes_b=shapes_b, sinks_shape=sinks_shape,
     )  # fmt: skip
 

@@ -117,12 +117,14 @@ class TransformerClassifier(BlockStack):
                  dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
                  layer_norm_eps: float = 1e-5, dtype: str = "float32", backend: Any = "numpy",
                  seed: Any = None) -> None:
-        for name, value in (("n_features", n_features), ("seq_len", seq_len),
-                            ("n_classes", n_classes), ("n_layers", n_layers)):
-            V.check_positive_int(name, value)
+        # Python ints from here on (a NumPy int would wrap in the arithmetic on them)
+        n_features = V.check_positive_int("n_features", n_features)
+        seq_len = V.check_positive_int("seq_len", seq_len)
+        n_classes = V.check_positive_int("n_classes", n_classes)
+        n_layers = V.check_positive_int("n_layers", n_layers)
         if seed is not None:
-            V.check_size("seed", seed)
-        own_seq, *block_seqs = np.random.SeedSequence(seed).spawn(int(n_layers) + 1)
+            seed = V.check_size("seed", seed)
+        own_seq, *block_seqs = np.random.SeedSequence(seed).spawn(n_layers + 1)
         # the blocks check d_model, n_head, d_ff, dropout, activation, norm_first, eps, dtype, backend
         self.blocks = [
             TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation=activation,
@@ -132,8 +134,8 @@ class TransformerClassifier(BlockStack):
         ]
         first = self.blocks[0]
         self.xp, self.dtype = first.xp, first.dtype
-        self.n_features, self.seq_len, self.n_classes = int(n_features), int(seq_len), int(n_classes)
-        self.d_model, self.n_head, self.n_layers = first.d_model, first.n_head, int(n_layers)
+        self.n_features, self.seq_len, self.n_classes = n_features, seq_len, n_classes
+        self.d_model, self.n_head, self.n_layers = first.d_model, first.n_head, n_layers
         self.d_ff, self.dropout, self.activation = first.d_ff, first.dropout, first.activation
         self.norm_first, self.layer_norm_eps = first.norm_first, first.layer_norm_eps
         self.training = True

@@ -125,8 +125,7 @@ def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
     -------
     array, shape (Lq, Lk), bool
     """
-    V.check_size("Lq", Lq)
-    V.check_size("Lk", Lk)
+    Lq, Lk = V.check_size("Lq", Lq), V.check_size("Lk", Lk)
     i = xp.arange(Lq, device=device)  # [Lq]
     j = xp.arange(Lk, device=device)  # [Lk]
     return xp.expand_dims(i, axis=1) >= xp.expand_dims(j, axis=0)  # [Lq, Lk]
@@ -275,7 +274,7 @@ def split_heads_forward(x: Any, n_head: int) -> tuple[Any, HeadsCache]:
     V.check_array("x", x)
     if x.ndim != 3:
         raise ValueError(f"x: expected a 3-D array (B, L, D), got shape {V.shape_of(x)}")
-    V.check_positive_int("n_head", n_head)
+    n_head = V.check_positive_int("n_head", n_head)  # a Python int: a NumPy one breaks D // n_head
     if x.shape[-1] % n_head != 0:
         raise ValueError(
             f"n_head: expected a divisor of the last axis D={x.shape[-1]} of x, got {n_head}"
@@ -1276,9 +1275,8 @@ def pad_mask_forward(mask: Any, Lq: int, Lk: int, n_extra: int, *, is_causal: bo
     cache : PadMaskCache
     """
     # [..., Lk] -> [..., Lk + n]
-    V.check_size("Lq", Lq, minimum=1)
-    V.check_size("Lk", Lk, minimum=1)
-    V.check_size("n_extra", n_extra)
+    Lq, Lk = V.check_size("Lq", Lq, minimum=1), V.check_size("Lk", Lk, minimum=1)
+    n_extra = V.check_size("n_extra", n_extra)
     V.check_bool("is_causal", is_causal)
     if like is not None:
         V.check_array("like", like)

@@ -76,13 +76,6 @@ class GPTCache(NamedTuple):
     decoding: bool  #: the forward appended to KV caches: nothing to differentiate
 
 
-def _check_int(name: str, value: Any, *, low: int, allow_none: bool = False) -> None:
-    """``validation.check_size`` (TypeError for a non-integer, ValueError below ``low``), None allowed on request."""
-    if value is None and allow_none:
-        return
-    V.check_size(name, value, minimum=low)
-
-
 def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
     """None, an int >= 0 (or a ``SeedSequence``), and with ``generator`` a ``numpy.random.Generator``."""
     if seed is None or isinstance(seed, np.random.SeedSequence):
@@ -145,14 +138,14 @@ class GPT(BlockStack):
                  d_ff: Optional[int] = None, *, dropout: float = 0.0, layer_norm_eps: float = 1e-5,
                  bias: bool = True, dtype: str = "float32", backend: Any = "numpy",
                  seed: Any = None) -> None:
-        _check_int("vocab_size", vocab_size, low=1)
-        _check_int("block_size", block_size, low=1)
-        _check_int("n_layer", n_layer, low=1)
+        vocab_size = V.check_size("vocab_size", vocab_size, minimum=1)
+        block_size = V.check_size("block_size", block_size, minimum=1)
+        n_layer = V.check_size("n_layer", n_layer, minimum=1)
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
                              f"written for them; the blocks alone take half precision), got {dtype!r}")
         _check_seed("seed", seed)
-        seqs = np.random.SeedSequence(seed).spawn(int(n_layer) + 2)
+        seqs = np.random.SeedSequence(seed).spawn(n_layer + 2)
         # the blocks check d_model, n_head, d_ff, dropout, layer_norm_eps, bias, dtype and backend
         self.blocks = [
             TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation="gelu_tanh",
@@ -162,8 +155,8 @@ class GPT(BlockStack):
         ]
         b0 = self.blocks[0]
         self.xp, self.dtype = b0.xp, b0.dtype
-        self.vocab_size, self.block_size = int(vocab_size), int(block_size)
-        self.d_model, self.n_layer, self.n_head = b0.d_model, int(n_layer), b0.n_head
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.d_model, self.n_layer, self.n_head = b0.d_model, n_layer, b0.n_head
         self.d_ff, self.dropout, self.bias = b0.d_ff, b0.dropout, b0.bias
         self.layer_norm_eps = b0.layer_norm_eps
         rng = np.random.default_rng(seqs[-2])
@@ -301,11 +294,11 @@ class GPT(BlockStack):
     def new_caches(self, batch_size: int, capacity: Optional[int] = None) -> list:
         """One empty ``KVCache`` per block for ``batch_size`` sequences of up to ``capacity`` (T) tokens."""
         capacity = self.block_size if capacity is None else capacity
-        _check_int("capacity", capacity, low=1)
+        capacity = V.check_size("capacity", capacity, minimum=1)
         if capacity > self.block_size:
             raise ValueError(f"capacity: expected at most block_size = {self.block_size}, got {capacity}")
         Dh = self.d_model // self.n_head
-        return [KVCache(batch_size, int(capacity), self.n_head, Dh, dtype=V.dtype_name(self.dtype),
+        return [KVCache(batch_size, capacity, self.n_head, Dh, dtype=V.dtype_name(self.dtype),
                         backend=self.xp, device=self._device()) for _ in self.blocks]
 
     # --------------------------------------------------------------- backward
@@ -465,8 +458,7 @@ class GPT(BlockStack):
             JAX without x64)
         logits : array, shape (B, max_new_tokens, V), only with ``return_logits``
         """
-        _check_int("max_new_tokens", max_new_tokens, low=0)
-        max_new_tokens = int(max_new_tokens)  # a NumPy int would wrap in L0 + max_new_tokens
+        max_new_tokens = V.check_size("max_new_tokens", max_new_tokens)  # a Python int
         self._check_ids("ids", ids, 0)
         B, L0 = ids.shape
         if L0 + max_new_tokens - 1 > self.block_size:
@@ -509,8 +501,7 @@ class GPT(BlockStack):
 def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:
     """The sampling options' checks (``GPT.generate``, ``sample_next``)."""
     V.check_number("temperature", temperature)
-    _check_int("top_k", top_k, low=1, allow_none=True)
-    if top_k is not None and top_k > vocab_size:
+    if top_k is not None and V.check_size("top_k", top_k, minimum=1) > vocab_size:
         raise ValueError(f"top_k: expected at most vocab_size = {vocab_size}, got {top_k}")
 
 

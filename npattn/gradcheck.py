@@ -240,8 +240,8 @@ def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any
     wrt = list(wrt)
     if not wrt:
         raise ValueError("wrt: expected at least one input index to check, got none")
+    wrt = [V.check_size("wrt entry", i) for i in wrt]  # Python ints
     for i in wrt:
-        V.check_size("wrt entry", i)
         if i >= len(inputs) or i not in floating:
             raise ValueError(f"wrt: expected indices of floating array inputs {floating}, got {i}")
     return wrt
@@ -434,7 +434,7 @@ def gradcheck(
         raise ValueError(f"mode: expected 'auto', 'full' or 'vjp', got {mode!r}")
     wrt = _checked_wrt({"forward": forward, "backward": backward}, inputs, eps=eps, rtol=rtol,
                        atol=atol, n_directions=n_directions, seed=seed, wrt=wrt)
-    V.check_size("max_full_size", max_full_size)
+    max_full_size = V.check_size("max_full_size", max_full_size)
     names = _names(names, len(inputs))
     # the inputs in float64, on their own backend and device
     ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])

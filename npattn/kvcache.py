@@ -94,16 +94,18 @@ class KVCache:
                  value_dim: Optional[int] = None, *, dtype: Any, backend: Any = "numpy",
                  device: Any = None):
         xp = resolve_backend(backend)
-        for name, n in (("batch_size", batch_size), ("capacity", capacity),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            V.check_positive_int(name, n)
-        V.check_positive_int("value_dim", value_dim, allow_none=True)
+        # Python ints from here on (a NumPy int would wrap in the arithmetic below)
+        batch_size = V.check_positive_int("batch_size", batch_size)
+        capacity = V.check_positive_int("capacity", capacity)
+        num_kv_heads = V.check_positive_int("num_kv_heads", num_kv_heads)
+        head_dim = V.check_positive_int("head_dim", head_dim)
+        value_dim = V.check_positive_int("value_dim", value_dim, allow_none=True)
         name = V.float_dtype_name(xp, dtype)  # a float dtype xp has and keeps
         self.xp = xp
         self.dtype = getattr(xp, name)
-        self.batch_size, self.capacity = int(batch_size), int(capacity)
-        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
-        self.value_dim = self.head_dim if value_dim is None else int(value_dim)
+        self.batch_size, self.capacity = batch_size, capacity
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.value_dim = self.head_dim if value_dim is None else value_dim
         B, Hkv, C = self.batch_size, self.num_kv_heads, self.capacity
         entries = B * Hkv * C * max(self.head_dim, self.value_dim)
         if entries >= 2**62:  # beyond what any library indexes (NumPy's own message names nothing)
@@ -152,8 +154,7 @@ class KVCache:
     def check_room(self, n: int, *, name: str = "kv_cache") -> None:
         """``ValueError`` (naming ``name``) unless every entry has room for ``n`` more positions
         (``TypeError``/``ValueError`` naming ``n`` unless it is an int >= 0)."""
-        V.check_size("n", n)
-        n = int(n)  # a NumPy int would wrap in L + n (np.uint8(255) + 2 is 1)
+        n = V.check_size("n", n)  # a Python int: a NumPy one would wrap in L + n
         for b, L in enumerate(self._lens):
             if L + n > self.capacity:
                 raise ValueError(
@@ -220,21 +221,21 @@ class KVCache:
         """
         B = self.batch_size
         if isinstance(seqlens, numbers.Integral) and not isinstance(seqlens, (bool, np.bool_)):
-            new = [seqlens] * B
+            given: list = [seqlens] * B
         elif isinstance(seqlens, (list, tuple)) or (isinstance(seqlens, np.ndarray)
                                                      and seqlens.ndim == 1):
-            new = list(seqlens)
+            given = list(seqlens)
         else:
             raise TypeError(f"seqlens: expected an int or {B} ints (a sequence or a 1-D NumPy "
                             f"array), got {V.type_name(seqlens)}")
-        if len(new) != B:
-            raise ValueError(f"seqlens: expected {B} lengths (one per batch entry), got {len(new)}")
+        if len(given) != B:
+            raise ValueError(f"seqlens: expected {B} lengths (one per batch entry), got {len(given)}")
+        new = [V.check_size(f"seqlens[{b}]", s) for b, s in enumerate(given)]  # Python ints
         for b, (s, L) in enumerate(zip(new, self._lens)):
-            V.check_size(f"seqlens[{b}]", s)
-            if int(s) > L:
+            if s > L:
                 raise ValueError(f"seqlens[{b}]: expected at most {L} (entry {b}'s length; "
-                                 f"truncate cannot lengthen), got {int(s)}")
-        self._lens = tuple(int(s) for s in new)
+                                 f"truncate cannot lengthen), got {s}")
+        self._lens = tuple(new)
 
     def reset(self) -> None:
         """Empty every entry (``truncate(0)``)."""
@@ -303,8 +304,8 @@ def unalign_columns(x: Any, shift: Sequence[int]) -> Any:
         raise TypeError(f"shift: expected a sequence of {B} ints, got {V.type_name(shift)}")
     if len(shift) != B:
         raise ValueError(f"shift: expected {B} ints (x's batch), got {len(shift)}")
+    shift = [V.check_size(f"shift[{b}]", n) for b, n in enumerate(shift)]  # Python ints
     for b, n in enumerate(shift):
-        V.check_size(f"shift[{b}]", n)
         if n > Lt:
             raise ValueError(f"shift[{b}]: expected an int in [0, Lt={Lt}], got {n}")
     if not any(shift):

@@ -288,10 +288,8 @@ def from_torch_mha(
     for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if m is not None:
             _check_mask_dtype(src, name, m)
-    for name, n in (("n_head", n_head), ("batch_size", batch_size)):
-        V.check_positive_int(name, n, allow_none=True)
-    n_head = None if n_head is None else int(n_head)
-    batch_size = None if batch_size is None else int(batch_size)
+    n_head = V.check_positive_int("n_head", n_head, allow_none=True)  # Python ints
+    batch_size = V.check_positive_int("batch_size", batch_size, allow_none=True)
     if dtype is not None:  # a dtype of the masks' library: where(ignore, -inf, 0) must hold -inf
         given = dtype
         if isinstance(dtype, str):  # a name, as npattn's modules take: "float32"

@@ -196,9 +196,13 @@ class MultiHeadAttention:
             scale=scale, softcap=softcap, sinks=sinks,
         )
         A.check_impl(impl)
-        for name, size in (("block_q", block_q), ("block_k", block_k)):
-            if size is not None:
-                V.check_positive_int(name, size)
+        block_q = V.check_positive_int("block_q", block_q, allow_none=True)
+        block_k = V.check_positive_int("block_k", block_k, allow_none=True)
+        # the sizes, checked, as Python ints: a NumPy int would wrap in the arithmetic on them
+        # (fan_in + fan_out of np.uint8(200) and np.uint8(128) is 72)
+        d_model, n_head = int(d_model), int(n_head)
+        kdim, vdim, qdim, n_kv_head = (None if n is None else int(n)
+                                       for n in (kdim, vdim, qdim, n_kv_head))
         self.impl = impl
         self.block_q, self.block_k = block_q, block_k
         self.d_model = d_model

@@ -51,7 +51,7 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     in ``embedding_forward``; torch's integer one-hot is ``one_hot(...) == 1.0``).
     """
     xp = resolve_backend(xp, "xp")
-    Vd.check_positive_int("n", n)
+    n = Vd.check_positive_int("n", n)
     Vd.check_ids("ids", ids, n, xp, what="class indices", like="xp")
     dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
     return _one_hot(xp, ids, n, dtype)
@@ -198,8 +198,7 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     float32 where the backend has no float64), on ``device``. # -> [L, D]
     """
     xp = resolve_backend(xp, "xp")
-    Vd.check_size("L", L)
-    Vd.check_positive_int("D", D)
+    L, D = Vd.check_size("L", L), Vd.check_positive_int("D", D)
     Vd.check_device(xp, device)
     if dtype is not None:  # an integer dtype would truncate the sines to 0 and 1
         dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
@@ -426,8 +425,11 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
     """
     check_adam(params, grads, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
-    t = state.t + 1
-    before = state.steps if state.steps is not None else dict.fromkeys(params, state.t)
+    # the counts as Python ints (checked): a NumPy one would wrap in + 1 (np.uint8(255) + 1 is
+    # 0, and 1 - b1**0 = 0 divides the step)
+    t = int(state.t) + 1
+    before = ({k: int(n) for k, n in state.steps.items()} if state.steps is not None
+              else dict.fromkeys(params, int(state.t)))
     steps = dict(before)
     new_p, new_m, new_v = dict(params), dict(state.m), dict(state.v)
     for name, g in grads.items():

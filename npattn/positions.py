@@ -72,13 +72,14 @@ __all__ = [
 # argument checks of this module (the shared vocabulary is npattn.validation)
 
 
-def _check_int(name: str, value: Any) -> None:
+def _check_int(name: str, value: Any) -> int:
     """An int (Python or NumPy, not a bool) of at most 62 bits: positions and offsets are summed
-    in int64."""
+    in int64. Returns it as a Python int (a NumPy int would wrap in that arithmetic)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {V.type_name(value)} {value!r}")
     if not -(2**62) <= int(value) <= 2**62:
         raise ValueError(f"{name}: expected an int within +-2**62 (positions are int64), got {int(value)}")
+    return int(value)
 
 
 def _check_base(value: Any) -> None:
@@ -88,12 +89,14 @@ def _check_base(value: Any) -> None:
         raise ValueError(f"base: expected a finite float > 1, got {value!r}")
 
 
-def _check_max_distance(value: Any) -> None:
-    """A positive int that a float holds: T5's log step divides it in floating point."""
-    V.check_positive_int("max_distance", value)
+def _check_max_distance(value: Any) -> int:
+    """A positive int that a float holds: T5's log step divides it in floating point. Returns
+    it as a Python int."""
+    value = V.check_positive_int("max_distance", value)
     if not math.isfinite(V.real_value(value)):  # (10**400 / 8: OverflowError)
         raise ValueError(f"max_distance: expected a positive int that a float holds, got an int "
-                         f"too large for a float ({int(value).bit_length()} bits)")
+                         f"too large for a float ({value.bit_length()} bits)")
+    return value
 
 
 def _check_table(name: str, table: Any, *, odd_rows: bool = False) -> None:
@@ -154,7 +157,7 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     if not isdtype(xp, positions.dtype, ("integral", "real floating")):
         raise TypeError(f"positions: expected an integer or real floating array, got dtype "
                         f"{V.dtype_name(positions.dtype)}")
-    V.check_positive_int("Dh", Dh)
+    Dh = V.check_positive_int("Dh", Dh)
     _check_base(base)
     if dtype is not None:  # an integer dtype would truncate the angles
         dtype = getattr(xp, V.float_dtype_name(xp, dtype))
@@ -315,9 +318,7 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     namespace) on ``device``. # -> [T] int64 (int32 where ``xp`` has no int64)
     """
     xp = resolve_backend(xp, "xp")
-    V.check_positive_int("Lq", Lq)
-    V.check_positive_int("Lk", Lk)
-    _check_int("offset", offset)
+    Lq, Lk, offset = _check_lengths(Lq, Lk, offset)  # Python ints: Lq + Lk - 1 must not wrap
     V.check_device(xp, device)
     return xp.arange(Lq + Lk - 1, dtype=widest_int(xp), device=device) - (Lq - 1 + offset)  # [T]
 
@@ -328,8 +329,8 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
     A gather with ``xp.take``; its adjoint is ``diagonal_sums``.
     """
     xp = resolve_backend(xp, "xp")
-    V.check_positive_int("Lq", Lq)
-    V.check_positive_int("Lk", Lk)
+    Lq = V.check_positive_int("Lq", Lq)  # Python ints: Lq + Lk - 1 must not wrap
+    Lk = V.check_positive_int("Lk", Lk)
     V.check_array("rows", rows, xp, where="that of rows", library="xp")
     if V.shape_of(rows)[:1] != (Lq + Lk - 1,) or len(V.shape_of(rows)) != 2:
         raise ValueError(f"rows: expected shape (Lq + Lk - 1, E) = ({Lq + Lk - 1}, E), got "
@@ -375,10 +376,9 @@ def _one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     return xp.astype(xp.expand_dims(ids, axis=-1) == classes, dtype)  # [T, n]
 
 
-def _check_lengths(Lq: Any, Lk: Any, offset: Any) -> None:
-    V.check_positive_int("Lq", Lq)
-    V.check_positive_int("Lk", Lk)
-    _check_int("offset", offset)
+def _check_lengths(Lq: Any, Lk: Any, offset: Any) -> tuple[int, int, int]:
+    """Lq, Lk > 0 and an offset, as Python ints (summed as Lq + Lk - 1 and Lq - 1 + offset)."""
+    return V.check_positive_int("Lq", Lq), V.check_positive_int("Lk", Lk), _check_int("offset", offset)
 
 
 # --------------------------------------------------------------------------
@@ -421,7 +421,7 @@ def relative_embedding_forward(table: Any, Lq: int, Lk: int, *, offset: int = 0
     """
     # [N, E] -> [Lq, Lk, E]
     _check_table("table", table, odd_rows=True)
-    _check_lengths(Lq, Lk, offset)
+    Lq, Lk, offset = _check_lengths(Lq, Lk, offset)
     return _relative_embedding(table, Lq, Lk, offset)
 
 
@@ -520,7 +520,7 @@ def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, off
         )
     Lq = q.shape[-2]
     Lk = Lq if Lk is None else Lk
-    _check_lengths(Lq, Lk, offset)
+    Lq, Lk, offset = _check_lengths(Lq, Lk, offset)
     V.check_scale("scale", scale)
     xp = namespace(q, table)
     in_dtype = q.dtype
@@ -617,8 +617,8 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
             f"relative_position: expected a signed integer array, got {V.dtype_name(relative_position.dtype)}"
         )
     V.check_bool("bidirectional", bidirectional)
-    V.check_positive_int("num_buckets", num_buckets)
-    _check_max_distance(max_distance)
+    num_buckets = V.check_positive_int("num_buckets", num_buckets)
+    max_distance = _check_max_distance(max_distance)
     nb = num_buckets // 2 if bidirectional else num_buckets
     max_exact = nb // 2
     if max_exact < 1:
@@ -688,9 +688,9 @@ def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool =
     """
     # [NB, H] -> [1, H, Lq, Lk]
     _check_table("table", table)
-    _check_lengths(Lq, Lk, offset)
+    Lq, Lk, offset = _check_lengths(Lq, Lk, offset)
     V.check_bool("bidirectional", bidirectional)
-    _check_max_distance(max_distance)
+    max_distance = _check_max_distance(max_distance)
     xp = namespace(table)
     NB = table.shape[0]
     nb = NB // 2 if bidirectional else NB

@@ -277,7 +277,7 @@ class _Block:
                  dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
                  layer_norm_eps: float = 1e-5, bias: bool = True, dtype: str = "float32",
                  backend: Any = "numpy", seed: Any = None) -> None:
-        V.check_positive_int("d_ff", d_ff, allow_none=True)
+        d_ff = V.check_positive_int("d_ff", d_ff, allow_none=True)  # Python ints from here on
         _check_choice("activation", activation, ACTIVATIONS)
         V.check_bool("norm_first", norm_first)
         V.check_bool("bias", bias)
@@ -285,7 +285,7 @@ class _Block:
         if layer_norm_eps is None or not float(layer_norm_eps) > 0.0:
             raise ValueError(f"layer_norm_eps: expected a float > 0, got {layer_norm_eps!r}")
         if seed is not None:
-            V.check_size("seed", seed)
+            seed = V.check_size("seed", seed)
         seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)
         attn_seeds = [int(s.generate_state(1)[0]) for s in seqs[: len(self._ATTNS)]]
         # the attention modules check d_model, n_head, dropout, dtype and backend
@@ -297,7 +297,7 @@ class _Block:
         first = self._attn[self._ATTNS[0]]
         self.xp, self.dtype = first.xp, first.dtype
         self.d_model, self.n_head = int(d_model), int(n_head)
-        self.d_ff = 4 * self.d_model if d_ff is None else int(d_ff)
+        self.d_ff = 4 * self.d_model if d_ff is None else d_ff
         self.dropout = float(dropout)
         self.activation = activation
         self.norm_first = bool(norm_first)

@@ -30,7 +30,7 @@ import contextlib
 import math
 import numbers
 import re
-from typing import Any, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overload
 
 import array_api_compat
 import numpy as np
@@ -110,22 +110,36 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name}: expected a bool, got {type_name(value)} {value!r}")
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is > 0."""
+@overload
+def check_positive_int(name: str, value: Any, *, allow_none: Literal[False] = False) -> int: ...
+@overload
+def check_positive_int(name: str, value: Any, *, allow_none: bool) -> Optional[int]: ...
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
+    """``value`` as a Python int: ``TypeError`` unless it is an int (Python or NumPy, not a
+    bool), ``ValueError`` unless it is > 0; None stays None under ``allow_none``.
+
+    Callers use what it returns (``n = check_positive_int("n", n)``): a NumPy int would do
+    the arithmetic that follows in its own dtype and wrap (``np.uint8(255) + 2`` is 1).
+    """
     if value is None and allow_none:
-        return
+        return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected a positive int, got {type_name(value)} {value!r}")
     if value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
 
 
-def check_size(name: str, value: Any, *, minimum: int = 0) -> None:
-    """``TypeError`` unless ``value`` is an int (Python or NumPy, not a bool), ``ValueError`` below ``minimum``."""
+def check_size(name: str, value: Any, *, minimum: int = 0) -> int:
+    """``value`` as a Python int: ``TypeError`` unless it is an int (Python or NumPy, not a
+    bool), ``ValueError`` below ``minimum``. Use what it returns (see ``check_positive_int``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 @contextlib.contextmanager
