@@ -58,6 +58,7 @@ __all__ = [
     "AUTO_BLOCKED_MAX_DENSE_SCORES",
     "select_impl",
     "check_impl",
+    "check_impl_takes",
     "check_forward",
     "sdpa_forward",
     "sdpa_backward",
@@ -113,25 +114,14 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     """
     positional = plain if positional is None else positional
     check_impl(impl, need_weights=need_weights)
-    if (impl == "chunked" and not plain) or (impl == "numpy" and not positional):
-        raise ValueError(
-            f"impl={impl!r}: "
-            + ("the kernel options (align='bottom_right' with is_causal, window, "
-               if impl == "chunked" else "the kernel options ")
-            + "softcap, alibi_slopes, sinks, q_segments/k_segments and leading axes that "
-            "broadcast run on impl='reference' or 'blocked'"
-        )
-    takes_chunks = plain and chunked.accepts(q, k, v, mask, dropout_mask)
-    if impl == "auto" and takes_chunks and not need_weights:
+    chunks = chunked.accepts(q, k, v, mask, dropout_mask)
+    kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
+    check_impl_takes(impl, plain=plain, positional=positional, takes_chunks=chunks,
+                     takes_kernel=kernel,
+                     got=f"{type(q).__module__}.{type(q).__name__} of shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if impl == "auto" and plain and chunks and not need_weights:
         return "chunked"
-    if impl == "chunked" and not takes_chunks:
-        raise ValueError(
-            "impl='chunked': the chunked implementation takes dask arrays q (B, Hq, Lq, Dh), "
-            "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with known chunk sizes, and dask masks "
-            f"broadcastable to (B, Hq, Lq, Lk); got {type(q).__module__}.{type(q).__name__} of "
-            f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; "
-            "use impl='reference' or 'blocked'"
-        )
     if impl == "chunked":
         return impl
     if impl == "auto" and is_dask_array(q):
@@ -141,17 +131,40 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
         n = math.prod(q.shape[:-2]) * Lq * Lk
         large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
         impl = "blocked" if large and not need_weights else "dense"
-    kernel = positional and numpy_kernel.accepts(q, k, v, mask, dropout_mask)
     if impl == "dense":
-        return "numpy" if kernel else "reference"
-    if impl == "numpy" and not kernel:
+        return "numpy" if positional and kernel else "reference"
+    return impl
+
+
+def check_impl_takes(impl: str, *, plain: bool, positional: bool, takes_chunks: bool,
+                     takes_kernel: bool, got: str) -> None:
+    """The ``ValueError`` of ``select_impl`` for an ``impl`` that cannot run the call, from
+    what is known of it: ``plain`` / ``positional`` as there, whether ``chunked.accepts`` /
+    ``numpy_kernel.accepts`` would take its arrays, and ``got``, the arrays in words.
+
+    Apart so that a caller that makes q, k and v itself (``npattn.module``) can refuse
+    the call before it computes them.
+    """
+    if (impl == "chunked" and not plain) or (impl == "numpy" and not positional):
+        raise ValueError(
+            f"impl={impl!r}: "
+            + ("the kernel options (align='bottom_right' with is_causal, window, "
+               if impl == "chunked" else "the kernel options ")
+            + "softcap, alibi_slopes, sinks, q_segments/k_segments and leading axes that "
+            "broadcast run on impl='reference' or 'blocked'"
+        )
+    if impl == "chunked" and not takes_chunks:
+        raise ValueError(
+            "impl='chunked': the chunked implementation takes dask arrays q (B, Hq, Lq, Dh), "
+            "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with known chunk sizes, and dask masks "
+            f"broadcastable to (B, Hq, Lq, Lk); got {got}; use impl='reference' or 'blocked'"
+        )
+    if impl == "numpy" and not takes_kernel:
         raise ValueError(
             "impl='numpy': the NumPy kernel takes NumPy arrays q (B, Hq, Lq, Dh), "
             "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) and masks broadcastable to (B, Hq, Lq, Lk); "
-            f"got {type(q).__module__}.{type(q).__name__} of shapes {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}; use impl='reference' or 'blocked'"
+            f"got {got}; use impl='reference' or 'blocked'"
         )
-    return impl
 
 
 def check_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool = False,

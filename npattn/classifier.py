@@ -180,9 +180,8 @@ class TransformerClassifier(BlockStack):
                 raise ValueError(f"mask: expected shape {V.shape_of(x)[:2]} (B, L), got shape "
                                  f"{V.shape_of(mask)}")
         V.check_bool("need_weights", need_weights)
-        if need_weights:  # every block's attention can form its weights, before block 0 runs
-            for block in self.blocks:
-                A.check_impl(block.self_attn.impl, need_weights=True)
+        # every block's attention takes the call (and forms its weights), before block 0 runs
+        self.check_blocks_impl((x, mask), int(x.shape[0]), L, need_weights=need_weights)
         self.check_dropout_masks(dropout_masks, int(x.shape[0]), L)  # every block's, before block 0 runs
 
     def forward(self, x: Any, mask: Any = None, *, need_weights: bool = False,

@@ -251,6 +251,7 @@ class GPT(BlockStack):
                     raise ValueError(f"kv_caches[{n}]: expected a cache on device {self._device()!r} "
                                      f"(that of the model's parameters), got one on {cache.device!r}")
                 cache.check_room(L, name=f"kv_caches[{n}]")
+        self.check_blocks_impl((ids,), B, L, is_causal=True, kv_caches=kv_caches)
         P = self._own
         state = self._rng.bit_generator.state
         lens = None if kv_caches is None else [[int(n) for n in c.cache_seqlens] for c in kv_caches]

@@ -25,13 +25,13 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, resolve_backend,
-                      to_numpy)
+from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, is_dask_array,
+                      is_numpy_array, pool_threads, resolve_backend, to_numpy)
 from .kvcache import KVCache, unalign_columns
 
 __all__ = [
     "MultiHeadAttention", "ParameterDict", "check_module_args", "check_forward_inputs",
-    "check_backward_inputs", "check_param", "check_kv_cache", "check_softcap",
+    "check_backward_inputs", "check_param", "check_kv_cache", "check_softcap", "check_forward_impl",
 ]
 
 PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "sinks")
@@ -432,8 +432,10 @@ class MultiHeadAttention:
         ------
         TypeError, ValueError
             Before any computation, for inputs of the wrong kind, library,
-            device, dtype or shape (see ``npattn.validation``), or a full
-            ``kv_cache``; the module and the cache are left as they were.
+            device, dtype or shape (see ``npattn.validation``), a full
+            ``kv_cache``, or an ``impl`` that cannot run the call
+            (``check_forward_impl``); the module and the cache are left as
+            they were.
         """
         check_forward_inputs(self, query, key, value, mask=mask, dropout_mask=dropout_mask,
                              is_causal=is_causal, need_weights=need_weights,
@@ -446,7 +448,11 @@ class MultiHeadAttention:
             raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
                              f"first (the module is in training mode with dropout {self.dropout})")
         impl = self.impl if impl is None else impl
-        A.check_impl(impl, need_weights=need_weights)
+        check_forward_impl(self, impl, (query, key, value, mask, dropout_mask),
+                           lengths=(query.shape[0], query.shape[1], key.shape[1]),
+                           need_weights=need_weights, is_causal=is_causal, window=window,
+                           align=align, alibi_slopes=alibi_slopes,
+                           segments=q_segments is not None, kv_cache=kv_cache)
         if align is None:
             align = "top_left" if kv_cache is None else "bottom_right"
         options = dict(window=window, align=align, alibi_slopes=alibi_slopes,
@@ -1108,6 +1114,49 @@ def _check_forward_options(module: Any, query: Any, key: Any, *, n_extra: int, m
     if align == "top_left":
         raise ValueError("align: expected None or 'bottom_right' with kv_cache (the new queries "
                          "are the last positions of each entry), got 'top_left'")
+
+
+def check_forward_impl(module: Any, impl: Any, arrays: Sequence[Any], *, lengths: tuple,
+                       need_weights: bool = False, is_causal: bool = False, window: Any = None,
+                       align: Any = None, alibi_slopes: Any = None, segments: bool = False,
+                       kv_cache: Any = None) -> None:
+    """That ``impl`` can run step 6. of a forward of ``module`` with these checked arguments,
+    refused before steps 1.-5. compute the heads it would be given.
+
+    ``attention.check_impl``, then ``attention.check_impl_takes`` (the refusals of
+    ``attention.select_impl``) for the heads q (B, H, Lq, Dh), k and v (B, Hkv, Lk', Dh)
+    that step 6. gets: Lk' counts the extra keys of ``add_bias_kv`` / ``add_zero_attn``, or
+    with ``kv_cache`` the longest entry's cached keys and the new ones. ``arrays``: the
+    inputs the heads are computed from (query, key, value, masks; a model's token ids),
+    None skipped; ``lengths``: (B, Lq, Lk) of the call; ``segments``: whether
+    ``q_segments`` / ``k_segments`` are given. A bad ``NPATTN_NUM_THREADS`` fails here too.
+    """
+    A.check_impl(impl, need_weights=need_weights)
+    B, Lq, Lk = lengths
+    H, Hkv, P = module.n_head, module.n_kv_head, module.params
+    n_extra = int(module.add_bias_kv) + int(module.add_zero_attn)
+    if kv_cache is not None:
+        Lk = max(int(n) for n in kv_cache.cache_seqlens) + Lk  # Lt = max_b(cache_seqlens[b] + n)
+    Lk += n_extra
+    causal = is_causal and not n_extra  # with extra keys, step 4. folds is_causal into the mask
+    if align is None:
+        align = "top_left" if kv_cache is None else "bottom_right"
+    offset = Lk - Lq if align == "bottom_right" else 0  # query i sits at key position i + offset
+    positional = (module.softcap is None and not module.sinks and alibi_slopes is None
+                  and not segments)
+    windowed = window is not None and (window[0] is not None or window[1] is not None)
+    plain = positional and not windowed and (offset == 0 or not causal)
+    given = [a for a in arrays if a is not None]
+    known = all(not math.isnan(n) for a in given for n in a.shape)  # dask: known chunk sizes
+    shapes = ((B, H, Lq, P["w_q"].shape[0] // H), (B, Hkv, Lk, P["w_k"].shape[0] // Hkv),
+              (B, Hkv, Lk, P["w_v"].shape[0] // Hkv))
+    kind = type(given[0])
+    A.check_impl_takes(impl, plain=plain, positional=positional,
+                       takes_chunks=known and all(is_dask_array(a) for a in given),
+                       takes_kernel=all(is_numpy_array(a) for a in given),
+                       got=f"{kind.__module__}.{kind.__name__} of shapes "
+                           f"{', '.join(str(tuple(s)) for s in shapes)}")
+    pool_threads()
 
 
 def check_kv_cache(module: Any, kv_cache: Any, *, batch_size: int, n_new: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from . import validation as V
 from .backend import backend_name, device_of
 from .transformer import ENCODER_DROPOUT_SITES
-from .module import (check_params_assignment, check_path, model_from_save_file, picklable_state,
+from .module import (check_forward_impl, check_params_assignment, check_path, model_from_save_file, picklable_state,
                      restore_state, set_rng_state, write_save_file)
 
 __all__ = ["BlockStack", "blocks_put_back_on_failure"]
@@ -121,6 +121,16 @@ class BlockStack:
                 V.check_mask(f"dropout_masks[{n}][{site!r}]", keep, self.xp, target=shapes[site],
                              target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
                              bool_only=True)
+
+    def check_blocks_impl(self, arrays: Any, B: int, L: int, *, is_causal: bool = False,
+                          need_weights: bool = False, kv_caches: Any = None) -> None:
+        """That every block's attention implementation (``self_attn.impl``) takes a forward of
+        B sequences of L computed from ``arrays`` (the model's inputs), before block 0 runs
+        (``module.check_forward_impl``; a block checks only its own)."""
+        for n, block in enumerate(self.blocks):
+            check_forward_impl(block.self_attn, block.self_attn.impl, arrays, lengths=(B, L, L),
+                               need_weights=need_weights, is_causal=is_causal,
+                               kv_cache=None if kv_caches is None else kv_caches[n])
 
     def n_params(self) -> int:
         """The number of scalar parameters (a tied weight counted once)."""

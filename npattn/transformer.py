@@ -34,12 +34,11 @@ import numpy as np
 
 from . import functional as F
 from . import layers as Ly
-from .attention import check_impl
 from . import validation as V
 from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace
-from .module import (MultiHeadAttention, check_forward_inputs, check_params_assignment, check_path,
-                     model_from_save_file, picklable_state, restore_state, set_rng_state,
-                     write_save_file)
+from .module import (MultiHeadAttention, check_forward_impl, check_forward_inputs,
+                     check_params_assignment, check_path, model_from_save_file, picklable_state,
+                     restore_state, set_rng_state, write_save_file)
 
 __all__ = [
     "TransformerBlock",
@@ -842,11 +841,12 @@ class TransformerBlock(_Block):
             check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
                                  is_causal=is_causal, need_weights=need_weights,
                                  kv_cache=kv_cache)
-        check_impl(self.self_attn.impl, need_weights=bool(need_weights))
+        B, L, D = x.shape
+        check_forward_impl(self.self_attn, self.self_attn.impl, (x, mask), lengths=(B, L, L),
+                           need_weights=need_weights, is_causal=is_causal, kv_cache=kv_cache)
         if kv_cache is not None and self.training and self.dropout > 0.0:
             raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
                              f"first (the block is in training mode with dropout {self.dropout})")
-        B, L, D = x.shape
         shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, D),
                   "dropout": (B, L, self.d_ff), "dropout2": (B, L, D)}
         self._check_dropout_masks(dropout_masks, shapes)
@@ -963,6 +963,10 @@ class TransformerDecoderBlock(_Block):
                                  dropout_mask=None, is_causal=False, need_weights=False)
         B, L, D = x.shape
         Lm = memory.shape[1]
+        check_forward_impl(self.self_attn, self.self_attn.impl, (x, mask), lengths=(B, L, L),
+                           is_causal=is_causal)
+        check_forward_impl(self.multihead_attn, self.multihead_attn.impl, (x, memory, memory_mask),
+                           lengths=(B, L, Lm))
         shapes = {"self_attn": (B, self.n_head, L, L), "multihead_attn": (B, self.n_head, L, Lm),
                   "dropout1": (B, L, D), "dropout2": (B, L, D), "dropout3": (B, L, D),
                   "dropout": (B, L, self.d_ff)}

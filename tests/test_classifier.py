@@ -363,3 +363,19 @@ def test_loading_another_models_file_is_a_value_error(tmp_path):
     GPT(7, 5, 8, 1, 2).save(str(path))
     with pytest.raises(ValueError, match="npattn.classifier.TransformerClassifier"):
         TransformerClassifier.load(str(path))
+
+
+def test_a_block_impl_that_cannot_run_is_refused_before_the_embedding(monkeypatch):
+    """Block 1's self_attn.impl = "chunked" on NumPy arrays was refused inside block 1, after
+    the embedding and block 0 had run (only need_weights=True checked the impls up front);
+    now before anything is computed."""
+    import npattn.functional as F
+
+    model = small("numpy")
+    model.blocks[1].self_attn.impl = "chunked"
+    calls = []
+    real = F.linear_forward
+    monkeypatch.setattr(F, "linear_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with pytest.raises(ValueError, match="impl='chunked'"):
+        model.forward(np.zeros((B, L, P)))
+    assert calls == []

@@ -506,3 +506,23 @@ def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
     assert [list(c.cache_seqlens) for c in caches] == [[2, 2]] * N
     np.testing.assert_array_equal(model.forward(ids[:, 2:], kv_caches=caches),
                                   twin.forward(ids[:, 2:], kv_caches=twin_caches))
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+@pytest.mark.parametrize("impl, match", [("chunked", "impl='chunked'"), ("fast", "impl: expected one of")])
+def test_a_block_impl_that_cannot_run_is_refused_before_the_embedding(monkeypatch, decoding, impl,
+                                                                      match):
+    """A block's self_attn.impl that cannot run the call (an unknown name, "chunked" on NumPy
+    arrays) was refused inside that block, after the embedding and the blocks before it had
+    run; now before anything is computed, and the KV caches keep their lengths."""
+    model = make().eval()
+    caches = model.new_caches(B) if decoding else None
+    ids = ids_of(0, (B, 3))
+    model.blocks[1].self_attn.impl = impl
+    calls = []
+    real = nn.embedding_forward
+    monkeypatch.setattr(nn, "embedding_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with pytest.raises(ValueError, match=match):
+        model.forward(ids, kv_caches=caches)
+    assert calls == []
+    assert caches is None or [list(c.cache_seqlens) for c in caches] == [[0, 0]] * N

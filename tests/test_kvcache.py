@@ -234,15 +234,36 @@ def test_a_full_cache_is_refused_before_anything_is_written(backend, to_xp, to_n
     assert cache.cache_seqlens.tolist() == [4, 2]
 
 
-def test_a_failure_inside_the_forward_leaves_the_cache():
-    """The cache is written only once the forward has succeeded: the NumPy kernel refuses
-    ALiBi inside the dispatcher, after every module check passed."""
+def test_a_failure_inside_the_forward_leaves_the_cache(monkeypatch):
+    """The cache is written only once the forward has succeeded: step 6. fails (memory, say)
+    after the projections have run."""
     m, cache, rng = _decoding_setup("numpy", np.asarray, lens=(1, 1), capacity=6)
     x = rng.standard_normal((2, 2, D))
-    slopes = np.ones(m.n_head)
-    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy",
-                                          alibi_slopes=slopes),
-                      ValueError, "impl='numpy'", np.asarray)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("step 6.")
+
+    monkeypatch.setattr(npattn.attention, "sdpa_forward", out_of_memory)
+    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True),
+                      MemoryError, "step 6.", np.asarray)
+
+
+def test_an_impl_that_cannot_run_the_call_is_refused_before_the_projections(monkeypatch):
+    """impl="numpy" with ALiBi and a KV cache, impl="chunked" on NumPy arrays: the
+    dispatcher's ValueError before step 1. projects anything (it came from inside step 6.)."""
+    m, cache, rng = _decoding_setup("numpy", np.asarray, lens=(1, 1), capacity=6)
+    x = rng.standard_normal((2, 2, D))
+    calls = []
+    linear = npattn.attention.linear_forward
+    monkeypatch.setattr(npattn.attention, "linear_forward",
+                        lambda *a, **kw: calls.append(1) or linear(*a, **kw))
+    for kwargs, match in [(dict(impl="numpy", alibi_slopes=np.ones(H)), "impl='numpy'"),
+                          (dict(impl="chunked"), "impl='chunked'")]:
+        _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, **kwargs),
+                          ValueError, match, np.asarray)
+        assert calls == []
+    m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy")  # the same call without them runs
+    assert calls
 
 
 def test_decoding_in_training_mode_with_dropout_says_call_eval(backend, to_xp, to_np):

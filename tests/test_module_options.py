@@ -10,6 +10,7 @@ new options, and the torch conversions.
 """
 
 import copy
+import functools
 import json
 import math
 import pickle
@@ -17,7 +18,9 @@ import pickle
 import numpy as np
 import pytest
 
+import npattn
 from npattn import MultiHeadAttention
+from npattn.backend import from_numpy
 from npattn.gradcheck import gradcheck_module
 from npattn.module import SAVE_LATER_OPTIONS
 
@@ -331,7 +334,7 @@ def _bad_calls(to_xp):
         (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK)))), TypeError, "k_segments"),
         (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK + 1), dtype=np.int64))),
          ValueError, "k_segments"),
-        # the NumPy kernel takes windows but no ALiBi: refused inside the dispatcher
+        # the NumPy kernel takes windows but no ALiBi (test_an_impl_that_cannot_run_the_call_...)
         (dict(alibi_slopes=to_xp(np.ones(H)), impl="numpy"), ValueError, "impl"),
     ]
 
@@ -354,6 +357,89 @@ def test_bad_call_options(backend, to_xp):
         if kwargs.get("impl") == "numpy" and backend != "numpy":
             continue
         _expect_unchanged_failure(m, lambda: m(q, k, v, **kwargs), exc, match)
+
+
+def _count_projections(monkeypatch):
+    """The calls of ``attention.linear_forward``: steps 1.-3. (and 8.) of every forward."""
+    calls = []
+    linear = npattn.attention.linear_forward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return linear(*args, **kwargs)
+
+    monkeypatch.setattr(npattn.attention, "linear_forward", spy)
+    return calls
+
+
+# an option, the module's constructor options it needs, and whether it runs on the NumPy
+# kernel / on the chunked path (with dask arrays)
+IMPL_OPTIONS = {
+    "none": (dict(), dict(), True, True),
+    "causal": (dict(is_causal=True), dict(), True, True),
+    "window": (dict(window=(1, 0)), dict(), True, False),
+    "bottom_right": (dict(align="bottom_right"), dict(), True, True),
+    "bottom_right_causal": (dict(align="bottom_right", is_causal=True), dict(), True, False),
+    "alibi": (dict(alibi_slopes=np.linspace(0.25, 1.0, H)), dict(), False, False),
+    "segments": (dict(q_segments=np.zeros((B, LQ), dtype=np.int64),
+                      k_segments=np.zeros((B, LK), dtype=np.int64)), dict(), False, False),
+    "softcap": (dict(), dict(softcap=2.0), False, False),
+    "sinks": (dict(), dict(sinks=True), False, False),
+    "extra_keys_causal": (dict(is_causal=True), dict(add_zero_attn=True), True, True),
+    "kv_cache": (dict(kv_cache=True), dict(), True, True),
+    "kv_cache_causal": (dict(kv_cache=True, is_causal=True), dict(), True, False),
+    "kv_cache_alibi": (dict(kv_cache=True, alibi_slopes=np.linspace(0.25, 1.0, H)), dict(),
+                       False, False),
+}
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "dask"])
+@pytest.mark.parametrize("impl", ["numpy", "chunked"])
+@pytest.mark.parametrize("option", list(IMPL_OPTIONS))
+def test_an_impl_that_cannot_run_the_call_is_refused_before_the_projections(
+        monkeypatch, backend_name, impl, option):
+    """impl="numpy" with ALiBi, segments, softcap or sinks (KV cache or not), impl="chunked" on
+    NumPy arrays or with the options the chunked path does not take: the dispatcher's
+    ValueError, with its message, before step 1. projects anything (it was raised inside
+    step 6., after the projections). A call either runs or is refused with nothing computed."""
+    if backend_name == "dask":
+        pytest.importorskip("dask.array", reason="the chunked path needs dask")
+    kwargs, ctor, on_kernel, on_chunks = IMPL_OPTIONS[option]
+    m = _module(backend_name, **ctor).eval()
+    to_xp = functools.partial(from_numpy, xp=m.xp)
+    kwargs = {n: to_xp(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items()}
+    rng = np.random.default_rng(10)
+    if kwargs.get("kv_cache"):  # self-attention after a cached prompt of 2
+        kwargs["kv_cache"] = m.new_cache(B, 8)
+        prompt = to_xp(rng.standard_normal((B, 2, D)))
+        m(prompt, prompt, prompt, kv_cache=kwargs["kv_cache"])
+        q = k = v = to_xp(rng.standard_normal((B, LQ, D)))
+    else:
+        q, k, v = (to_xp(a) for a in _inputs(rng, m))
+    takes_options = on_kernel if impl == "numpy" else on_chunks
+    takes_arrays = (impl == "numpy") == (backend_name == "numpy")
+    calls = _count_projections(monkeypatch)
+    if takes_options and takes_arrays:
+        m(q, k, v, impl=impl, **kwargs)
+        assert calls
+        return
+    match = (f"impl='{impl}': the kernel options" if not takes_options
+             else f"impl='{impl}': the .* takes {'NumPy' if impl == 'numpy' else 'dask'} arrays")
+    with pytest.raises(ValueError, match=match):
+        m(q, k, v, impl=impl, **kwargs)
+    assert calls == []
+
+
+def test_a_bad_thread_count_is_refused_before_the_projections(monkeypatch):
+    """NPATTN_NUM_THREADS=0 is the dispatcher's ValueError; the module raised it from step 6.,
+    after the projections."""
+    m = _module("numpy")
+    q, k, v = _inputs(np.random.default_rng(11), m)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "0")
+    calls = _count_projections(monkeypatch)
+    with pytest.raises(ValueError, match="NPATTN_NUM_THREADS"):
+        m(q, k, v)
+    assert calls == []
 
 
 @pytest.mark.parametrize("extra", [dict(add_bias_kv=True), dict(add_zero_attn=True)])

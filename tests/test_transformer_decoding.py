@@ -110,3 +110,58 @@ def test_block_argument_errors_name_the_argument():
     assert blk.rng_state == state
     for k, v in blk.params.items():
         np.testing.assert_array_equal(v, before[k])
+
+
+def _count_steps(monkeypatch):
+    """The calls of the layer norm and of the attention projections: the first steps of a
+    block's forward, pre-norm or post-norm."""
+    import npattn.attention as A
+    import npattn.layers as Ly
+
+    calls = []
+    for module, name in ((Ly, "layer_norm_forward"), (A, "linear_forward")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("decoding", [True, False])
+def test_an_attention_impl_that_cannot_run_is_refused_before_the_block_computes(
+        monkeypatch, norm_first, decoding):
+    """self_attn.impl = "chunked" on NumPy arrays: the dispatcher's ValueError came from
+    inside the self-attention, after norm1 (pre-norm) and the projections had run; it is
+    now raised before anything is computed, and the cache keeps its lengths."""
+    blk = TransformerBlock(D, H, 20, norm_first=norm_first, dtype="float64", seed=5).eval()
+    x = np.random.default_rng(4).standard_normal((B, 3, D))
+    cache = KVCache(B, 6, H, D // H, dtype="float64") if decoding else None
+    blk.self_attn.impl = "chunked"
+    calls = _count_steps(monkeypatch)
+    with pytest.raises(ValueError, match="impl='chunked'"):
+        blk.forward(x, is_causal=True, kv_cache=cache)
+    assert calls == []
+    assert cache is None or list(cache.cache_seqlens) == [0, 0]
+    blk.self_attn.impl = "auto"
+    blk.forward(x, is_causal=True, kv_cache=cache)
+    assert calls
+
+
+@pytest.mark.parametrize("attn", ["self_attn", "multihead_attn"])
+def test_a_decoder_block_refuses_an_attention_impl_before_it_computes(monkeypatch, attn):
+    """Either attention's impl is checked up front: "chunked" for the cross-attention was
+    refused after the whole self-attention sublayer had run."""
+    from npattn.transformer import TransformerDecoderBlock
+
+    blk = TransformerDecoderBlock(D, H, 20, dtype="float64", seed=5)
+    rng = np.random.default_rng(5)
+    x, memory = rng.standard_normal((B, 3, D)), rng.standard_normal((B, 4, D))
+    getattr(blk, attn).impl = "chunked"
+    calls = _count_steps(monkeypatch)
+    with pytest.raises(ValueError, match="impl='chunked'"):
+        blk.forward(x, memory)
+    assert calls == []
