@@ -238,18 +238,24 @@ class GPT(BlockStack):
                                  f"first (the model is in training mode with dropout {self.dropout})")
             Dh = self.d_model // self.n_head
             for n, cache in enumerate(kv_caches):  # every block's cache, before any is written
-                layout = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim)
-                if (layout != (B, self.n_head, Dh, Dh) or cache.dtype != self.dtype
-                        or backend_name(cache.xp) != backend_name(self.xp)):
-                    raise ValueError(f"kv_caches[{n}]: expected a {backend_name(self.xp)} cache of batch "
-                                     f"{B}, {self.n_head} heads of {Dh}, dtype "
-                                     f"{V.dtype_name(self.dtype)} (new_caches), got a "
-                                     f"{backend_name(cache.xp)} cache of batch {cache.batch_size}, "
-                                     f"{cache.num_kv_heads} heads of {cache.head_dim}, dtype "
-                                     f"{V.dtype_name(cache.dtype)}")
+                # as module.check_kv_cache: another library or dtype is a TypeError, another
+                # device or layout a ValueError (validation's vocabulary)
+                if backend_name(cache.xp) != backend_name(self.xp):
+                    raise TypeError(f"kv_caches[{n}]: expected a cache of the model's backend "
+                                    f"{backend_name(self.xp)!r} (new_caches), got one of "
+                                    f"{backend_name(cache.xp)!r}")
                 if cache.device != self._device():
                     raise ValueError(f"kv_caches[{n}]: expected a cache on device {self._device()!r} "
                                      f"(that of the model's parameters), got one on {cache.device!r}")
+                if cache.dtype != self.dtype:
+                    raise TypeError(f"kv_caches[{n}]: expected dtype {V.dtype_name(self.dtype)} (the "
+                                    f"model's dtype; new_caches), got {V.dtype_name(cache.dtype)}")
+                layout = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim)
+                if layout != (B, self.n_head, Dh, Dh):
+                    raise ValueError(f"kv_caches[{n}]: expected a cache of batch {B}, {self.n_head} "
+                                     f"heads of {Dh} (new_caches), got one of batch "
+                                     f"{cache.batch_size}, {cache.num_kv_heads} heads of "
+                                     f"{cache.head_dim} (values {cache.value_dim})")
                 cache.check_room(L, name=f"kv_caches[{n}]")
         self.check_blocks_impl((ids,), B, L, is_causal=True, kv_caches=kv_caches)
         P = self._own

@@ -236,11 +236,22 @@ def test_backward_before_forward_and_after_decoding_are_runtime_errors(xp, to_xp
     with pytest.raises(ValueError, match="block_size"):  # 6 cached + 4 new > 9
         model.forward(to_xp(ids_of(0, (B, 4))), kv_caches=caches)
     assert [list(c.cache_seqlens) for c in caches] == [[L, L]] * N
-    # a cache of another layout in the last block: refused before the first block's cache is written
-    mixed = model.new_caches(B)[:-1] + [make(xp, dtype="float32").new_caches(B)[0]]
-    with pytest.raises(ValueError, match=r"kv_caches\[1\]: expected .* dtype float64"):
-        model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=mixed)
-    assert [list(c.cache_seqlens) for c in mixed] == [[0, 0], [0, 0]]
+    # a cache that does not fit in the last block: refused before the first block's cache is
+    # written; another dtype or library is a TypeError, as for MultiHeadAttention's and a
+    # block's kv_cache (validation's vocabulary), another layout a ValueError
+    other = "numpy" if backend_name(xp) != "numpy" else "array_api_strict"
+    for last, error, match in [
+        (make(xp, dtype="float32").new_caches(B)[0], TypeError,
+         r"^kv_caches\[1\]: expected dtype float64 .*got float32$"),
+        (KVCache(B, T, H, D // H, dtype="float64", backend=other), TypeError,
+         rf"^kv_caches\[1\]: expected a cache of the model's backend '{backend_name(xp)}'"),
+        (KVCache(B, T, H + 1, D // H, dtype="float64", backend=xp), ValueError,
+         rf"^kv_caches\[1\]: expected a cache of batch {B}, {H} heads of {D // H} .*{H + 1} heads"),
+    ]:
+        mixed = model.new_caches(B)[:-1] + [last]
+        with pytest.raises(error, match=match):
+            model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=mixed)
+        assert [list(c.cache_seqlens) for c in mixed] == [[0, 0], [0, 0]]
     # a cache on another device (torch's meta device stands for a GPU's): refused before any
     # block runs, and the training forward before it can still be differentiated (the device was
     # checked inside the last block only, after the first had replaced its cache)
