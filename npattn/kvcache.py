@@ -153,7 +153,11 @@ class KVCache:
 
     def check_room(self, n: int, *, name: str = "kv_cache") -> None:
         """``ValueError`` (naming ``name``) unless every entry has room for ``n`` more positions
-        (``TypeError``/``ValueError`` naming ``n`` unless it is an int >= 0)."""
+        (``TypeError``/``ValueError`` naming ``n`` unless it is an int >= 0, ``TypeError``
+        unless ``name`` is a str)."""
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str (the argument the message names), got "
+                            f"{V.type_name(name)} {name!r}")
         n = V.check_size("n", n)  # a Python int: a NumPy one would wrap in L + n
         for b, L in enumerate(self._lens):
             if L + n > self.capacity:

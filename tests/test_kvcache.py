@@ -399,6 +399,13 @@ def test_check_room_and_unalign_columns_check_their_arguments():
                                              rf"\(3 \+ {int(n)} = {3 + int(n)} > 5\)"):
             cache.check_room(n)
     cache.check_room(np.uint8(2))
+    for name in (None, 5, b"kv"):  # (taken, and put at the head of the message: "5: expected room")
+        with pytest.raises(TypeError, match=r"^name: expected a str .*, got"):
+            cache.check_room(1, name=name)
+        with pytest.raises(TypeError, match=r"^name: expected a str"):
+            cache.check_room(3, name=name)  # no room either: the name is checked first
+    with pytest.raises(ValueError, match=r"^kv_caches\[0\]: expected room for 3"):
+        cache.check_room(3, name="kv_caches[0]")
     x = np.arange(12.0).reshape(2, 1, 6)
     bad = [((1,), ValueError, r"^shift: expected 2 ints \(x's batch\), got 1"),  # a batch of 1 came back
            (None, TypeError, r"^shift: expected a sequence of 2 ints, got None"),
