@@ -1142,10 +1142,16 @@ def check_forward_impl(module: Any, impl: Any, arrays: Sequence[Any], *, lengths
     if align is None:
         align = "top_left" if kv_cache is None else "bottom_right"
     offset = Lk - Lq if align == "bottom_right" else 0  # query i sits at key position i + offset
-    positional = (module.softcap is None and not module.sinks and alibi_slopes is None
-                  and not segments)
-    windowed = window is not None and (window[0] is not None or window[1] is not None)
-    plain = positional and not windowed and (offset == 0 or not causal)
+    # the options step 6. passes, as far as the dispatcher reads them (functional.is_plain,
+    # is_positional): which are set, not their arrays (``an_array`` stands for one)
+    an_array = object()
+    left, right = (None, None) if window is None else (window[0], window[1])
+    options = F.PLAIN._replace(offset=offset, left=left, right=right, softcap=module.softcap,
+                               alibi=None if alibi_slopes is None else an_array,
+                               sinks=an_array if module.sinks else None,
+                               q_segments=an_array if segments else None,
+                               k_segments=an_array if segments else None)
+    plain, positional = F.is_plain(options, causal), F.is_positional(options)
     given = [a for a in arrays if a is not None]
     known = all(not math.isnan(n) for a in given for n in a.shape)  # dask: known chunk sizes
     shapes = ((B, H, Lq, P["w_q"].shape[0] // H), (B, Hkv, Lk, P["w_k"].shape[0] // Hkv),
