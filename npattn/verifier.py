@@ -66,9 +66,49 @@ without it. The bound takes every ``|d_i|`` at its largest and with the
 worst signs, as the floor takes the rounding of a dot product, so no factor
 multiplies it; ``floors=`` does not change it. It matters for float32 alone
 (below 2**-40 of the terms for float64 at ``|lse| < 1e3``, far below 2**-10
-for half precision). out has none: a FlashAttention forward divides by its
-running row sum and never rounds lse on the way, nor does npattn; lse's own
-rounding is in its floor already (``FLOORS * max(|lse|, 1)``).
+for half precision). lse's own rounding is in its floor already (``FLOORS *
+max(|lse|, 1)``).
+
+**The merge of partial results.** out adds a term of the same kind, and the
+gradients a second one::
+
+    floor = FLOORS[dtype] * terms + u_lse * (terms_lse + terms_merge)
+
+``terms_merge`` from ``merge_scales``. Why: a split-KV (flash-decoding) or
+ring forward attends to each range s of the keys apart, keeps a partial
+``out_s`` and ``lse_s`` in lse's dtype, and merges them: ``lse =
+logsumexp_s(lse_s)``, ``out = sum_s w_s out_s``, ``w_s = exp(lse_s - lse)``.
+Rounding ``lse_s`` moves it by ``d_s``, ``|d_s| <= u_lse |lse_s|``, and the
+merged lse is rounded too, by ``c``, ``|c| <= u_lse |lse|``: lse moves by
+``sum_t w_t d_t + c``, each ``w_s`` by ``w_s (d_s - sum_t w_t d_t - c)``, and
+out by ``e = sum_s d_s w_s (out_s - out) - c out`` (to first order; ``sum_s
+w_s = 1``).
+With ``w_s out_s = sum_{j in s} a_j v_j`` and ``w_s = sum_{j in s} p_j``,
+``w_s (out_s - out) = sum_{j in s} (a_j v_j - p_j out)``; and ``lse_s`` lies
+between the score ``s_j`` of any of its keys and lse (``s_j <= lse_s <=
+lse``), so ``|lse_s| <= m_j = max(|lse|, |s_j|)`` whatever the splits:
+``|e_i| <= u_lse E_i``, ``E_i = sum_j m_ij |a_ij v_j - p_ij out_i| + |lse_i|
+|out_i|`` (the sink counts as a key that carries no value: ``+ max(|lse_i|,
+|sink|) p_sink_i |out_i|``), whose largest entry is out's ``terms_merge``. A
+backward that takes this out computes ``delta_i = dout_i . out_i`` off by
+``dout_i . e_i = sum_s d_s sum_{j in s} (a_ij dout_i . v_j - p_ij delta_i) -
+c delta_i``, at most ``u_lse D_i``, ``D_i = sum_j m_ij |a_ij dout_i . v_j -
+p_ij delta_i| + |lse_i| |delta_i|`` (and the sink's ``max(|lse_i|, |sink|)
+p_sink_i |delta_i|``), and ``ds_ij`` by ``-p_ij dout_i . e_i``: dq, dk, dmask and dsinks take the
+``delta`` part of their sums with ``D_i`` for ``|delta_i|`` (``merge_scales``
+lists them); dv does not read out. npattn does not merge, and the FLOORS
+term holds this only while ``|lse|`` stays under a few units: in the case of
+shifted rows (``|lse|`` up to ~400) a correct split-KV forward
+(``examples/verify/kernels.py:attention_split_kv``, 2 to 4 splits, float32
+partials) was up to 1.40 budgets over in out at float32 over seeds 0..19,
+and, through delta, up to 2.55 in dq with the FlashAttention backward. The
+bound takes every ``|d_s|`` at its largest with the worst signs; no factor
+multiplies it. lse needs nothing more: its error, ``|sum_s w_s d_s|`` and
+its own rounding, is at most ``u_lse (2 |lse| + sum_j p_j |log p_j|)``
+(``m_j <= |lse| + |log p_j|``), under its floor of 16 ``u_lse max(|lse|,
+1)`` for rows of fewer than about ``e**13`` keys. A kernel that does not
+merge (npattn; a FlashAttention forward, which divides by its running row
+sum and rounds no lse on the way) makes neither error.
 
 A tensor that passes is reported **degenerate** instead when the check could
 not have told a wrong kernel from a right one:
@@ -137,6 +177,7 @@ __all__ = [
     "term_scales",
     "lse_scales",
     "lse_unit",
+    "merge_scales",
     "round_to_bfloat16",
     "case_hint",
     "panel_hints",
@@ -157,8 +198,9 @@ SOFTMAX_GRADS = ("dq", "dk", "dmask", "dsinks")
 #: The smallest ``terms`` a floor is relative to (an all-zero tensor still has a floor).
 FLOOR_SCALE = 1e-6
 #: The tensors whose floor holds the rounding of lse (module docstring): the gradients, which
-#: a FlashAttention backward computes from probabilities rebuilt from the saved lse.
-LSE_ROUNDED = GRADS
+#: a FlashAttention backward computes from probabilities rebuilt from the saved lse, and out,
+#: which a split-KV forward merges from partial results through their lse.
+LSE_ROUNDED = ("out",) + GRADS
 #: A tensor whose largest truth entry is below this many budgets is degenerate.
 DEGENERATE_RATIO = 10.0
 #: The softmax is saturated when more than SATURATED_ROWS of the attended rows put more
@@ -1089,6 +1131,79 @@ def lse_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) 
     return res
 
 
+def merge_scales(inp: CaseInputs, truth: dict) -> dict:
+    """The ``terms_lse`` of a split-KV merge (module docstring, "The merge of partial
+    results"): what rounding each partial log-sum-exp ``lse_s`` by at most ``u_lse |lse_s|``
+    moves out by, and, through ``delta = rowsum(dout * out)``, the gradients of a backward
+    that takes that out; from the float64 truth of the case.
+
+    out: the largest entry of ``E_i = sum_j m_ij |a_ij v_j - p_ij out_i| + |lse_i| |out_i| +
+    m_i,sink p_sink_i |out_i|``, ``m_ij = max(|lse_i|, |s_ij|)`` (``s_ij = lse_i + log p_ij``)
+    bounding the ``|lse_s|`` of any split that holds key j (the sink: a key that carries no
+    value), ``|lse_i|`` the rounding of the merged lse. With ``D_i = sum_j m_ij |a_ij dout_i
+    . v_j - p_ij delta_i| + |lse_i| |delta_i| + m_i,sink p_sink_i |delta_i|``,
+    ``delta_i = dout_i . out_i``, which bounds ``|dout_i . e_i| / u_lse`` (``e_i`` the change
+    of ``out_i``): ``D_i (p_i |k|) * scale`` for dq, ``sum_i p_ij D_i |q_i| * scale``
+    for dk_j (summed over the group), ``p_ij D_i`` summed over the mask's broadcast axes for
+    dmask, ``sum_i p_sink_i D_i`` for dsinks; dv does not read out and gets none.
+    """
+    # host float64: q [B, Hq, Lq, Dh], k [B, Hkv, Lk, Dh], v [B, Hkv, Lk, Dv], weights [B, Hq, Lq, Lk]
+    q, k, v, dout, opts = inp.q, inp.k, inp.v, inp.dout, inp.options
+    G = q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # [B, Hq, Lk, *]
+    p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
+    out = truth["out"]  # [B, Hq, Lq, Dv]
+    lse = truth["lse"]  # [B, Hq, Lq], -inf on rows with nothing to attend
+    finite = np.isfinite(lse)
+    lse_abs = np.where(finite, np.abs(lse), 0.0)  # [B, Hq, Lq]
+    attended = p > 0.0
+    s_abs = np.abs(np.where(finite, lse, 0.0)[..., None]
+                   + np.log(np.where(attended, p, 1.0)))  # [B, Hq, Lq, Lk] |s_ij|
+    m = np.where(attended, np.maximum(lse_abs[..., None], s_abs), 0.0)  # [B, Hq, Lq, Lk]
+    a = p
+    if "dropout_mask" in opts:
+        a = p * opts["dropout_mask"] / (1.0 - opts["dropout_p"])  # [B, Hq, Lq, Lk]
+    # sum_j m_ij |a_ij v_jd - p_ij out_id|, over chunks of Dv (it does not factor)
+    E = np.zeros(out.shape)  # [B, Hq, Lq, Dv]
+    Dv = out.shape[-1]
+    step = max(1, (1 << 22) // max(p.size, 1))
+    for d0 in range(0, Dv, step):
+        d1 = min(d0 + step, Dv)
+        diff = (a[..., None] * vr[:, :, None, :, d0:d1]
+                - p[..., None] * out[:, :, :, None, d0:d1])  # [B, Hq, Lq, Lk, d]
+        E[..., d0:d1] = np.sum(m[..., None] * np.abs(diff), axis=3)
+    sink_w = None  # max(|lse_i|, |sink|) p_sink_i
+    if "sinks" in opts:  # the sink: a key carrying no value, s = sink
+        sink = opts["sinks"][None, :, None]  # [1, Hq, 1]
+        p_sink = np.where(finite, np.exp(sink - np.where(finite, lse, 0.0)), 0.0)  # [B, Hq, Lq]
+        sink_w = np.maximum(lse_abs, np.abs(sink)) * p_sink  # [B, Hq, Lq]
+        E += sink_w[..., None] * np.abs(out)
+    # the merged lse, rounded by at most u_lse |lse_i|, in every w_s = exp(lse_s - lse)
+    E += lse_abs[..., None] * np.abs(out)
+    res = {"out": float(np.max(E, initial=0.0))}
+    if "dq" not in truth:
+        return res
+    scale = opts.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+    # dout_i . e_i = sum_s d_s sum_{j in s} (a_ij dout_i . v_j - p_ij delta_i), delta_i = dout_i . out_i
+    dpv = a * (dout @ np.swapaxes(vr, -1, -2))  # [B, Hq, Lq, Lk] a_ij dout_i . v_j
+    delta = np.sum(dout * out, axis=-1)  # [B, Hq, Lq]
+    D = np.sum(m * np.abs(dpv - p * delta[..., None]), axis=-1)  # [B, Hq, Lq]
+    D += lse_abs * np.abs(delta)  # the merged lse's own rounding
+    if sink_w is not None:
+        D += sink_w * np.abs(delta)
+    D = D[..., None]  # [B, Hq, Lq, 1] bounds |dout_i . e_i| / u_lse
+    pd = p * D  # [B, Hq, Lq, Lk]
+    res["dq"] = float(np.max(D * (p @ np.abs(kr)), initial=0.0)) * scale
+    res["dk"] = float(np.max(_group_sum(np.swapaxes(pd, -1, -2) @ np.abs(q), G), initial=0.0)) * scale
+    res["dv"] = 0.0
+    mask = opts.get("mask")
+    if mask is not None and mask.dtype != bool:
+        res["dmask"] = float(np.max(_sum_to(pd, mask.shape), initial=0.0))
+    if sink_w is not None:
+        res["dsinks"] = float(np.max(np.sum(p_sink * D[..., 0], axis=(0, 2)), initial=0.0))
+    return res
+
+
 def lse_unit(dtype: str) -> float:
     """The unit roundoff of lse's dtype (``"float32"`` or ``"float64"``; float16 and bfloat16
     give lse in float32): half the spacing of the numbers at 1, so that rounding lse to it
@@ -1178,6 +1293,8 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     terms = term_scales(inp, truth, empty, dlse)
     # the rounding of lse in its dtype, through p = exp(s - lse) (module docstring)
     lse_terms = lse_scales(inp, truth, dlse) if cfg.gradients else {}
+    # and of the partial lse of a split-KV merge, into out and through delta the gradients
+    merge_terms = merge_scales(inp, truth)
     u_lse = lse_unit(ref["dtypes"]["lse"])
     factors, notes = {}, {}
     for n in _checked(cfg, case, got):
@@ -1187,7 +1304,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         elif n == "dmask":  # -inf entries: zero gradient on both sides, not compared
             skip = ~np.isfinite(inp.options["mask"])
         floor_dtype = ref["dtypes"][n] if ref["dtypes"][n] in FLOORS else cfg.dtype
-        lse_floor = u_lse * lse_terms[n] if n in LSE_ROUNDED else 0.0
+        lse_floor = 0.0
+        if n in LSE_ROUNDED:
+            lse_floor = u_lse * (lse_terms.get(n, 0.0) + merge_terms.get(n, 0.0))
         tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, skip,
                               saturated, lse_floor)
         nan = _nan_note(n, got.get(n), empty)

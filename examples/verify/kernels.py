@@ -1,4 +1,4 @@
-"""User-style attention kernels for ``npattn verify``: one right, sixteen wrong.
+"""User-style attention kernels for ``npattn verify``: two right, sixteen wrong.
 
 ``attention`` is a blocked (FlashAttention-2 style) NumPy kernel: the keys
 are visited in tiles of ``BLOCK`` with an online softmax, and the backward
@@ -17,6 +17,13 @@ Check it::
 
     npattn verify examples/verify/kernels.py:attention --backward attention_backward \\
         --returns-lse --supports all --mask-grad --lse-grad
+
+``attention_split_kv`` is its split-KV (flash-decoding) forward: the keys cut
+into ``SPLITS`` ranges, each giving a partial output and log-sum-exp in the
+work dtype, merged through their log-sum-exps; same ``saved``, same backward::
+
+    npattn verify examples/verify/kernels.py:attention_split_kv \\
+        --backward attention_backward --returns-lse --supports all --mask-grad --lse-grad
 
 Each ``bug_*`` function is the same kernel with one seeded mistake (see
 ``MUTANTS``); ``npattn verify`` names the tensor it breaks. They share
@@ -182,9 +189,42 @@ def _options(q, k, *, mask, is_causal, align, window, scale, softcap, alibi_slop
                    Lq, Lk, bug)
 
 
+def _row_block(q_t, kp, vp, rows, c0, c1, o: Options, work):
+    """One block of query rows over the keys [c0, c1), in tiles of at most BLOCK, with an
+    online softmax: (running max m, running sum l, unnormalised output acc)."""
+    # [B, Hq, bq, Dh], [B, Hq, nk, Dh], [B, Hq, nk, Dv] -> [B, Hq, bq], [B, Hq, bq], [B, Hq, bq, Dv]
+    B, Hq, bq = q_t.shape[:3]
+    half = o.bug == "float16_sum"
+    m = np.full((B, Hq, bq), -np.inf, dtype=work)  # running row max
+    l = np.zeros((B, Hq, bq), dtype=np.float16 if half else work)  # running row sum
+    acc = np.zeros((B, Hq, bq, vp.shape[-1]), dtype=work)
+    i0 = int(rows[0])
+    for j0 in range(c0, c1, BLOCK):
+        j1 = min(j0 + BLOCK, c1)
+        cols = np.arange(j0, j1)
+        s, allowed, _ = _tile(q_t, kp[:, :, j0:j1], rows, cols, o)
+        m_new = np.maximum(m, s.max(axis=-1))
+        if o.bug == "no_row_max":  # exp of the scores themselves
+            m_new = np.zeros_like(m_new)
+        m_safe = np.where(m_new == -np.inf, 0.0, m_new)  # no -inf - -inf
+        p = np.where(allowed, np.exp(s - m_safe[..., None]), 0.0)  # [B, Hq, bq, bk]
+        alpha = np.exp(m - m_safe)  # rescales what was summed under the old max
+        if half:
+            l = (l * alpha.astype(np.float16)).astype(np.float16)
+            l = (l + np.cumsum(p.astype(np.float16), axis=-1, dtype=np.float16)[..., -1])
+        else:
+            l = l * alpha + p.sum(axis=-1)
+        a = p
+        if o.keep is not None:
+            a = p * o.keep[:, :, i0:i0 + bq, j0:j1] / (1.0 - o.dropout_p)
+        acc = acc * alpha[..., None] + a @ vp[:, :, j0:j1]
+        m = m_new
+    return m, l, acc
+
+
 def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=None, scale=None,
              softcap=None, alibi_slopes=None, sinks=None, q_segments=None, k_segments=None,
-             dropout_p=0.0, dropout_mask=None, enable_gqa=False, bug=None):
+             dropout_p=0.0, dropout_mask=None, enable_gqa=False, bug=None, splits=1):
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv], [B, Hq, Lq], Saved
     in_dtype = q.dtype
     work = np.float32 if in_dtype == np.float16 else in_dtype
@@ -202,43 +242,48 @@ def _forward(q, k, v, *, mask=None, is_causal=False, align="top_left", window=No
     vp = _pad(np.repeat(v, G, axis=1), (2,), (nk,), 0.0)  # [B, Hq, nk, Dv]
     out = np.zeros((B, Hq, nq, Dv), dtype=work)  # [B, Hq, nq, Dv]
     lse = np.zeros((B, Hq, nq), dtype=work)  # [B, Hq, nq]
-    half = bug == "float16_sum"
+    sink = None
+    if sinks is not None and bug != "sink_dropped":  # one more logit, carrying no value
+        sink = np.asarray(sinks, dtype=work)[None, :, None]  # [1, Hq, 1]
+    # split-KV: the keys [0, Lk) cut into `splits` contiguous ranges; 1: all keys at once
+    bounds = [0, nk] if splits == 1 else [round(s * Lk / splits) for s in range(splits + 1)]
     for i0 in range(0, nq, BLOCK):
         rows = np.arange(i0, i0 + BLOCK)
         q_t = qp[:, :, i0:i0 + BLOCK]
-        m = np.full((B, Hq, BLOCK), -np.inf, dtype=work)  # running row max
-        l = np.zeros((B, Hq, BLOCK), dtype=np.float16 if half else work)  # running row sum
-        acc = np.zeros((B, Hq, BLOCK, Dv), dtype=work)
-        for j0 in range(0, nk, BLOCK):
-            cols = np.arange(j0, j0 + BLOCK)
-            s, allowed, _ = _tile(q_t, kp[:, :, j0:j0 + BLOCK], rows, cols, o)
-            m_new = np.maximum(m, s.max(axis=-1))
-            if bug == "no_row_max":  # exp of the scores themselves
-                m_new = np.zeros_like(m_new)
-            m_safe = np.where(m_new == -np.inf, 0.0, m_new)  # no -inf - -inf
-            p = np.where(allowed, np.exp(s - m_safe[..., None]), 0.0)  # [B, Hq, bq, bk]
-            alpha = np.exp(m - m_safe)  # rescales what was summed under the old max
-            if half:
-                l = (l * alpha.astype(np.float16)).astype(np.float16)
-                l = (l + np.cumsum(p.astype(np.float16), axis=-1, dtype=np.float16)[..., -1])
-            else:
-                l = l * alpha + p.sum(axis=-1)
-            a = p
-            if o.keep is not None:
-                a = p * o.keep[:, :, i0:i0 + BLOCK, j0:j0 + BLOCK] / (1.0 - o.dropout_p)
-            acc = acc * alpha[..., None] + a @ vp[:, :, j0:j0 + BLOCK]
-            m = m_new
-        l = l.astype(work)
-        m_safe = np.where(m == -np.inf, 0.0, m)
-        if sinks is not None and bug != "sink_dropped":  # one more logit, carrying no value
-            sink = np.asarray(sinks, dtype=work)[None, :, None]  # [1, Hq, 1]
-            m_tot = np.maximum(m, sink)
-            shift = np.exp(m - m_tot)  # 0 for a row with nothing attended
-            l = l * shift + np.exp(sink - m_tot)
-            acc = acc * shift[..., None]
-            m_safe = m_tot
-        out[:, :, i0:i0 + BLOCK] = acc / np.where(l > 0, l, 1.0)[..., None]
-        lse[:, :, i0:i0 + BLOCK] = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+        if splits == 1:
+            m, l, acc = _row_block(q_t, kp, vp, rows, 0, nk, o, work)
+            l = l.astype(work)
+            m_safe = np.where(m == -np.inf, 0.0, m)
+            if sink is not None:
+                m_tot = np.maximum(m, sink)
+                shift = np.exp(m - m_tot)  # 0 for a row with nothing attended
+                l = l * shift + np.exp(sink - m_tot)
+                acc = acc * shift[..., None]
+                m_safe = m_tot
+            out[:, :, i0:i0 + BLOCK] = acc / np.where(l > 0, l, 1.0)[..., None]
+            lse[:, :, i0:i0 + BLOCK] = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)),
+                                                -np.inf)
+            continue
+        # flash-decoding: each split's partial out_s and lse_s in the work dtype ...
+        outs, lses = [], []
+        for c0, c1 in zip(bounds[:-1], bounds[1:]):
+            m, l, acc = _row_block(q_t, kp, vp, rows, c0, c1, o, work)
+            l = l.astype(work)
+            m_safe = np.where(m == -np.inf, 0.0, m)
+            outs.append(acc / np.where(l > 0, l, 1.0)[..., None])  # [B, Hq, bq, Dv]
+            lses.append(np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf))
+        if sink is not None:  # the sink: one more partial, lse_s = sink and out_s = 0
+            lses.append(np.broadcast_to(sink, lses[0].shape).astype(work))
+            outs.append(np.zeros_like(outs[0]))
+        # ... merged: lse = logsumexp_s(lse_s), out = sum_s exp(lse_s - lse) out_s
+        ls = np.stack(lses)  # [S, B, Hq, bq]
+        top = ls.max(axis=0)  # [B, Hq, bq]
+        top_safe = np.where(top == -np.inf, 0.0, top)
+        total = np.exp(ls - top_safe).sum(axis=0)  # [B, Hq, bq], 0 for a row with nothing attended
+        lse_t = np.where(total > 0, top_safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+        w = np.exp(ls - np.where(total > 0, lse_t, np.inf))  # [S, B, Hq, bq]
+        out[:, :, i0:i0 + BLOCK] = np.sum(w[..., None] * np.stack(outs), axis=0)
+        lse[:, :, i0:i0 + BLOCK] = lse_t
     out, lse = out[:, :, :Lq], lse[:, :, :Lq]
     if bug == "empty_rows_uniform":  # every key the same weight on a row with none to attend
         out = np.where((lse == -np.inf)[..., None], vp[:, :, :Lk].mean(axis=2, keepdims=True), out)
@@ -351,6 +396,26 @@ def attention(q, k, v, **options):
     """Blocked attention with an online softmax: ``(out, lse, saved)`` (see the module)."""
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv], [B, Hq, Lq], Saved
     return _forward(q, k, v, **options)
+
+
+#: The key splits of ``attention_split_kv``.
+SPLITS = 3
+
+
+def attention_split_kv(q, k, v, *, splits: int = SPLITS, **options):
+    """Split-KV (flash-decoding) attention: ``(out, lse, saved)`` as ``attention``.
+
+    The keys are cut into ``splits`` contiguous ranges; each range gives a partial output
+    ``out_s`` and log-sum-exp ``lse_s`` in the work dtype (float32 for float16 inputs), as
+    a flash-decoding kernel keeps them between its two launches, and these are merged:
+    ``lse = logsumexp_s(lse_s)``, ``out = sum_s exp(lse_s - lse) out_s`` (the sink, when
+    given, is one more partial with ``lse_s = sink`` and ``out_s = 0``). ``saved`` is
+    ``attention``'s, so ``attention_backward`` is its backward.
+    """
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv], [B, Hq, Lq], Saved
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
+    return _forward(q, k, v, splits=splits, **options)
 
 
 def _mutant(bug: str, name: str):
