@@ -27,7 +27,9 @@ distances ``j - i`` that occur: (1) one row per distance, ``C @ table`` with
 spread along its diagonal of the ``[Lq, Lk]`` grid. The backward of (2) sums
 ``dout`` along the diagonals, with a pad-and-reshape that turns diagonals into
 columns (``diagonal_sums``); that of (1) is ``C^T @ ...``. ``docs/positions.md``
-derives each step.
+derives each step. The forward computes (1) as the gather ``take(table, row)``
+it equals: the product would turn an ``inf`` entry of the table (a ``-inf``
+bias is a mask) into ``0 * inf = NaN`` in the rows that do not read it.
 
 Shape legend
 ------------
@@ -432,7 +434,8 @@ def _relative_embedding(table, Lq, Lk, offset):
     rel = relative_distances(xp, Lq, Lk, offset, device_of(table))  # 1.      [T]
     row = xp.clip(rel, -K, K) + K  # row of the table for each distance        [T]
     C = _one_hot(xp, row, N, table.dtype)  # 2.                                [T, N]
-    rows = C @ table  # 3.                                                      [T, E]
+    rows = xp.take(table, row, axis=0)  # 3. C @ table, as a gather: an inf entry of an
+    # unread row would make 0 * inf = NaN in every row of the product             [T, E]
     out = diagonal_spread(xp, rows, Lq, Lk)  # 4.                               [Lq, Lk, E]
     return out, RelativeEmbeddingCache(C, int(Lq), int(Lk), int(table.shape[1]))
 
@@ -702,7 +705,8 @@ def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool =
     rel = relative_distances(xp, Lq, Lk, offset, device_of(table))  # 1.         [T]
     bucket = t5_bucket(rel, bidirectional, NB, max_distance)  # [T]
     C = _one_hot(xp, bucket, NB, table.dtype)  # 2.                                [T, NB]
-    rows = C @ table  # 3.                                                          [T, H]
+    rows = xp.take(table, bucket, axis=0)  # 3. C @ table, as a gather (a -inf bias of one
+    # bucket, a mask, would make 0 * -inf = NaN in every other bucket's rows)        [T, H]
     spread = diagonal_spread(xp, rows, Lq, Lk)  # 4.                                [Lq, Lk, H]
     out = xp.expand_dims(xp.permute_dims(spread, (2, 0, 1)), axis=0)  # [1, H, Lq, Lk]
     return out, RelativeBiasCache(C, int(Lq), int(Lk), int(table.shape[1]))

@@ -247,6 +247,26 @@ def test_half_precision_diagonal_sums_run_in_float32():
         np.testing.assert_array_equal(dtable, exact.astype(np.float16))  # each rounded once
 
 
+
+def test_an_infinite_table_entry_is_read_only_where_it_is_looked_up(xp, to_xp, to_np):
+    """A -inf bias of one bucket is a mask (sdpa takes -inf in a float mask): the lookup is
+    ``table[bucket]``, so the other buckets' entries stay finite. As the product
+    ``one_hot @ table`` it was 0 * -inf = NaN in every entry of that head."""
+    Lq, Lk = 3, 5
+    table = np.arange(16.0).reshape(8, 2)  # bidirectional: buckets 0-3 for j <= i, 4-7 for j > i
+    table[0, 0] = -np.inf  # head 0 does not attend to its own position (j - i = 0)
+    out = to_np(P.relative_bias_forward(to_xp(table), Lq, Lk, max_distance=10)[0])
+    buckets = np.array([[t5_bucket_reference(j - i, True, 8, 10) for j in range(Lk)]
+                        for i in range(Lq)])
+    np.testing.assert_array_equal(out, table[buckets].transpose(2, 0, 1)[None])
+    assert np.isneginf(out[0, 0]).sum() == Lq and not np.isnan(out).any()
+    shaw = np.arange(10.0).reshape(5, 2)
+    shaw[0, 1] = np.inf  # the clipped far row, read by j - i <= -2 only
+    emb = to_np(P.relative_embedding_forward(to_xp(shaw), Lq, Lk)[0])
+    np.testing.assert_array_equal(emb, shaw_reference(shaw, Lq, Lk))
+    assert not np.isnan(emb).any()
+
+
 # --------------------------------------------------------------------------
 # Shaw et al.
 
