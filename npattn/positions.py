@@ -465,12 +465,18 @@ def relative_embedding_backward(dout: Any, cache: RelativeEmbeddingCache) -> tup
 
 
 def _relative_embedding_backward(xp, dout, C):
+    # half precision in float32, rounded once: a diagonal's sum rounded to float16 may
+    # overflow where its bucket's total does not
+    work = compute_dtype(xp, dout.dtype)
+    d = dout if work == dout.dtype else xp.astype(dout, work)  # [Lq, Lk, E]
+    Cw = C if work == C.dtype else xp.astype(C, work)  # [T, N]
     # 4. out = diagonal_spread(rows): sum each diagonal of dout (per column e)
-    d_e = xp.permute_dims(dout, (2, 0, 1))  # [E, Lq, Lk]
+    d_e = xp.permute_dims(d, (2, 0, 1))  # [E, Lq, Lk]
     drows = xp.matrix_transpose(diagonal_sums(xp, d_e))  # [T, E]
     # 3. rows = C @ table: the weight gradient of a product
     # (2., 1.: C and rel are functions of integers; no gradient)
-    return xp.matrix_transpose(C) @ drows  # [N, E]
+    dtable = xp.matrix_transpose(Cw) @ drows  # [N, E]
+    return dtable if dtable.dtype == dout.dtype else xp.astype(dtable, dout.dtype)
 
 
 class RelativeScoresCache(NamedTuple):
@@ -735,10 +741,15 @@ def relative_bias_backward(dout: Any, cache: RelativeBiasCache) -> tuple[Any, No
             f"{cache.Lq}, {cache.Lk}) (that of the forward's out, or of a dmask), "
             f"got {V.shape_of(dout)}"
         )
+    # half precision in float32, rounded once: a diagonal's sum rounded to float16 may
+    # overflow where its bucket's total does not
+    work = compute_dtype(xp, dout.dtype)
+    dw = dout if work == dout.dtype else xp.astype(dout, work)  # [B|1, H, Lq, Lk]
+    Cw = C if work == C.dtype else xp.astype(C, work)  # [T, NB]
     # 4. out = diagonal_spread(rows), heads first: sum the batch, then each diagonal
-    d = sum_to_shape(xp, dout, (1, *dout.shape[1:]))[0, ...]  # [H, Lq, Lk]
+    d = sum_to_shape(xp, dw, (1, *dw.shape[1:]))[0, ...]  # [H, Lq, Lk]
     drows = xp.matrix_transpose(diagonal_sums(xp, d))  # [T, H]
     # 3. rows = C @ table
-    dtable = xp.matrix_transpose(C) @ drows  # [NB, H]
+    dtable = xp.matrix_transpose(Cw) @ drows  # [NB, H]
     # 2., 1.: buckets of integers; no gradient
-    return dtable, None, None
+    return (dtable if dtable.dtype == dout.dtype else xp.astype(dtable, dout.dtype)), None, None

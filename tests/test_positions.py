@@ -267,6 +267,39 @@ def test_an_infinite_table_entry_is_read_only_where_it_is_looked_up(xp, to_xp, t
     assert not np.isnan(emb).any()
 
 
+def test_half_precision_table_gradients_are_rounded_once():
+    """The table gradients of half-precision relative biases and embeddings are computed in
+    float32 and rounded once. Rounded per diagonal first, a diagonal of 40000 + 40000
+    overflowed float16 although its bucket's total, with -60000 from the next diagonal, is
+    20000; then 0 * inf in ``C^T @ drows`` made every other bucket NaN."""
+    dout = np.zeros((1, 1, 3, 3), dtype=np.float16)
+    dout[0, 0, 0, 1] = dout[0, 0, 1, 2] = 40000.0  # j - i = 1
+    dout[0, 0, 0, 2] = -60000.0  # j - i = 2, the same bucket (3) of 4 buckets
+    _, cache = P.relative_bias_forward(np.zeros((4, 1), dtype=np.float16), 3, 3, max_distance=10)
+    dtable = P.relative_bias_backward(dout, cache)[0]
+    assert dtable.dtype == np.float16
+    np.testing.assert_array_equal(dtable[:, 0], [0.0, 0.0, 0.0, 20000.0])
+    # Shaw's table of 3 rows: j - i = 1 and 2 both read the clipped row 2
+    _, cache = P.relative_embedding_forward(np.zeros((3, 1), dtype=np.float16), 3, 3)
+    dtable = P.relative_embedding_backward(np.moveaxis(dout[0], 0, -1), cache)[0]
+    np.testing.assert_array_equal(dtable[:, 0], [0.0, 0.0, 20000.0])
+    # random data: each entry is the float64 gradient rounded once to float16
+    rng = np.random.default_rng(4)
+    L = 40
+    table = rng.standard_normal((32, 4)).astype(np.float16)
+    d = (100 * rng.standard_normal((2, 4, L, L))).astype(np.float16)
+    got = P.relative_bias_backward(d, P.relative_bias_forward(table, L, L)[1])[0]
+    exact = P.relative_bias_backward(d.astype(np.float64),
+                                     P.relative_bias_forward(table.astype(np.float64), L, L)[1])[0]
+    np.testing.assert_array_equal(got, exact.astype(np.float16))
+    shaw = rng.standard_normal((9, 8)).astype(np.float16)
+    d = (100 * rng.standard_normal((L, L, 8))).astype(np.float16)
+    got = P.relative_embedding_backward(d, P.relative_embedding_forward(shaw, L, L)[1])[0]
+    exact = P.relative_embedding_backward(
+        d.astype(np.float64), P.relative_embedding_forward(shaw.astype(np.float64), L, L)[1])[0]
+    np.testing.assert_array_equal(got, exact.astype(np.float16))
+
+
 # --------------------------------------------------------------------------
 # Shaw et al.
 
