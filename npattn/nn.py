@@ -21,7 +21,7 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import device_of, float64_namespace, float64_result, namespace, resolve_backend
+from .backend import device_of, float64_namespace, float64_result, namespace, resolve_backend, widest_int
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -77,9 +77,11 @@ class EmbeddingCache(NamedTuple):
 def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     """Look up rows of ``table``: ``out[..., :] = table[ids[...], :]``.
 
-    Written as ``out = one_hot(ids) @ table`` so that the backward is the
+    The math is ``out = one_hot(ids) @ table``, so that the backward is the
     transpose product; only the Array API standard is needed (it has no
-    scatter-add).
+    scatter-add). The forward computes it as the gather it equals (``take``):
+    the product would make ``0 * inf = NaN`` of an infinite entry in the rows
+    that do not read it.
 
     Parameters
     ----------
@@ -98,11 +100,11 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     xp = namespace(table)
     Vd.check_ids("ids", ids, table.shape[0], xp, device_of(table), what="token ids", like="table")
     V = table.shape[0]
-    onehot = _one_hot(xp, ids, V, table.dtype)  # 1.  [..., V]
-    # 2. out = onehot @ table, as one (N, V) x (V, D) GEMM: NumPy's matmul would
-    # otherwise run one small GEMM per batch entry (8x slower at (32, 64, 94))
-    oh2 = xp.reshape(onehot, (-1, V))  # [N, V]
-    out = xp.reshape(oh2 @ table, (*ids.shape, table.shape[1]))  # [..., D]
+    onehot = _one_hot(xp, ids, V, table.dtype)  # 1.  [..., V], for the backward
+    # 2. out = onehot @ table, as the gather it equals; the ids as a 1-D array of the widest
+    # int (torch takes int32 or int64 indices only; the ids are checked to lie in [0, V))
+    flat = xp.astype(xp.reshape(ids, (-1,)), widest_int(xp))  # [N]
+    out = xp.reshape(xp.take(table, flat, axis=0), (*ids.shape, table.shape[1]))  # [..., D]
     return out, EmbeddingCache(onehot, int(table.shape[1]))
 
 

@@ -37,6 +37,17 @@ def test_embedding_forward_is_row_lookup(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(out), table[ids])
 
 
+
+def test_an_infinite_table_entry_is_read_only_by_its_token(xp, to_xp, to_np):
+    """``out = table[ids]``: an inf in a row no id reads changes nothing, and one that is read
+    is inf where it is read only (as torch.nn.functional.embedding). As the product
+    ``one_hot(ids) @ table`` it was 0 * inf = NaN in that column of every position."""
+    table = np.array([[0.5, 1.0], [np.inf, 2.0], [3.0, -np.inf]])
+    ids = np.array([[0, 2, 0], [2, 2, 0]], dtype=np.int16)  # row 1 is never read
+    out = to_np(nn.embedding_forward(to_xp(ids), to_xp(table))[0])
+    np.testing.assert_array_equal(out, table[ids])
+    assert np.isneginf(out).sum() == 3 and not np.isnan(out).any()
+
 def test_embedding_backward_counts_repeated_tokens(xp, to_xp, to_np):
     """dtable[v] = sum of dout over the positions holding v (a token that never occurs: 0)."""
     rng = np.random.default_rng(3)
