@@ -126,9 +126,11 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
         Vd.check_grad("dout", dout, shape=(*Vd.shape_of(oh)[:-1], cache.width), dtype=oh.dtype,
                       xp=namespace(oh), device=device_of(oh), of="the forward's out")
     xp = namespace(dout, cache.onehot)
-    # 2. out = onehot @ table
-    oh2 = xp.reshape(cache.onehot, (-1, cache.onehot.shape[-1]))  # [N, V]
-    d2 = xp.reshape(dout, (-1, dout.shape[-1]))  # [N, D]
+    # 2. out = onehot @ table (N spelled out: a -1 beside a zero width, D = 0 or V = 0, is
+    # ambiguous and NumPy refuses it)
+    n = math.prod(Vd.shape_of(oh)[:-1])
+    oh2 = xp.reshape(oh, (n, oh.shape[-1]))  # [N, V]
+    d2 = xp.reshape(dout, (n, dout.shape[-1]))  # [N, D]
     dtable = xp.matrix_transpose(oh2) @ d2  # [V, D]
     return None, dtable
 

@@ -48,6 +48,18 @@ def test_an_infinite_table_entry_is_read_only_by_its_token(xp, to_xp, to_np):
     np.testing.assert_array_equal(out, table[ids])
     assert np.isneginf(out).sum() == 3 and not np.isnan(out).any()
 
+
+def test_embedding_of_zero_width_runs_both_ways(xp, to_xp, to_np):
+    """A table of width D = 0 (torch.nn.Embedding(4, 0) runs), or of no rows with no ids:
+    the backward's reshape to (-1, 0) is ambiguous and NumPy refused it ('cannot reshape
+    array of size 0 into shape (0)') after the forward had accepted the call."""
+    for ids, shape in (([[0, 2], [1, 1]], (4, 0)), (np.zeros((2, 0), dtype=np.int64), (0, 3))):
+        ids = np.asarray(ids)
+        out, cache = nn.embedding_forward(to_xp(ids), to_xp(np.ones(shape)))
+        assert tuple(out.shape) == (*ids.shape, shape[1])
+        _, dtable = nn.embedding_backward(to_xp(np.ones((*ids.shape, shape[1]))), cache)
+        np.testing.assert_array_equal(to_np(dtable), np.zeros(shape))
+
 def test_embedding_backward_counts_repeated_tokens(xp, to_xp, to_np):
     """dtable[v] = sum of dout over the positions holding v (a token that never occurs: 0)."""
     rng = np.random.default_rng(3)
