@@ -526,6 +526,12 @@ def test_errors_name_the_argument():
                                                P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
          ValueError, "dout: expected shape"),
         (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 3))), ValueError, "table: expected 4"),
+        # E = 0: a ZeroDivisionError from the default scale 1 / sqrt(E), or with scale=1.0 a
+        # NumPy reshape error in the backward, before
+        (lambda: P.relative_scores_forward(np.zeros((2, 3, 0)), np.zeros((5, 0))), ValueError,
+         r"^q: expected shape \(\.\.\., Lq, E\) with E >= 1, got \(2, 3, 0\)"),
+        (lambda: P.relative_scores_forward(np.zeros((2, 3, 0)), np.zeros((5, 0)), scale=1.0), ValueError,
+         r"^q: expected shape \(\.\.\., Lq, E\) with E >= 1"),
         (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 4), np.float32)), TypeError,
          "table: expected dtype"),
         (lambda: P.relative_scores_backward(np.zeros((2, 3, 3)),
