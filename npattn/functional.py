@@ -176,8 +176,9 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, LinearCache]:
     check_linear_inputs(x, w, b)
     xp = namespace(x, w, b)
     # one (N, Din) x (Din, Dout) GEMM over all leading axes: NumPy's matmul
-    # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower)
-    x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
+    # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower). N spelled
+    # out: a -1 beside Din = 0 is ambiguous, and NumPy refuses it
+    x2 = xp.reshape(x, (math.prod(V.shape_of(x)[:-1]), x.shape[-1]))  # [N, Din]
     y = xp.reshape(x2 @ xp.matrix_transpose(w), (*x.shape[:-1], w.shape[0]))  # [..., Dout]
     if b is not None:
         y = y + b  # [..., Dout]
@@ -226,8 +227,9 @@ def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
     xp = namespace(dy, cache.x)
     x, w = cache.x, cache.w
     # forward: y = x @ w.T + b
-    dy2 = xp.reshape(dy, (-1, dy.shape[-1]))  # [N, Dout]
-    x2 = xp.reshape(x, (-1, x.shape[-1]))  # [N, Din]
+    n = math.prod(V.shape_of(x)[:-1])  # N (a -1 beside a zero width is ambiguous)
+    dy2 = xp.reshape(dy, (n, dy.shape[-1]))  # [N, Dout]
+    x2 = xp.reshape(x, (n, x.shape[-1]))  # [N, Din]
     dx = xp.reshape(dy2 @ w, x.shape)  # [..., Din]
     dw = xp.matrix_transpose(dy2) @ x2  # [Dout, Din]
     db = half_sum(xp, dy2, axis=0) if cache.has_bias else None  # [Dout]

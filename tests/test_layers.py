@@ -267,6 +267,25 @@ def test_feed_forward_matches_torch_sequential():
         torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
 
 
+
+def test_feed_forward_of_zero_width_runs_both_ways(xp, to_xp, to_np):
+    """A hidden width F = 0 gives y = b2 (torch's Linear(3, 0) then Linear(0, 3) does), and a
+    model width D = 0 an empty y; both have gradients of their shapes. The linear steps
+    reshaped to (-1, 0), which NumPy refuses ('cannot reshape array of size 0 into shape
+    (0)', naming no argument)."""
+    rng = np.random.default_rng(8)
+    b2 = rng.standard_normal(3)
+    for x, (w1, b1, w2, b2) in (
+        (rng.standard_normal((2, 4, 3)), (np.zeros((0, 3)), np.zeros(0), np.zeros((3, 0)), b2)),
+        (np.zeros((2, 4, 0)), (np.ones((5, 0)), rng.standard_normal(5), np.ones((0, 5)), np.zeros(0))),
+    ):
+        y, cache = L.feed_forward_forward(*map(to_xp, (x, w1, b1, w2, b2)), activation="gelu",
+                                          dropout_p=0.5, rng=3)
+        np.testing.assert_array_equal(to_np(y), np.broadcast_to(b2, y.shape))
+        grads = L.feed_forward_backward(to_xp(rng.standard_normal(y.shape)), cache)
+        assert [tuple(g.shape) for g in grads] == [a.shape for a in (x, w1, b1, w2, b2)]
+        np.testing.assert_array_equal(to_np(grads[0]), np.zeros(x.shape))
+
 def test_feed_forward_dropout_from_rng_is_reused(xp, to_xp, to_np):
     rng = np.random.default_rng(10)
     x = to_xp(rng.standard_normal((2, 5, 4)))
