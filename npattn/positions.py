@@ -160,6 +160,9 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
         raise TypeError(f"positions: expected an integer or real floating array, got dtype "
                         f"{V.dtype_name(positions.dtype)}")
     Dh = V.check_positive_int("Dh", Dh)
+    if Dh % 2:  # rope_forward's Dh; an odd one has no Dh/2 (c < Dh/2 would count ceil(Dh/2))
+        raise ValueError(f"Dh: expected an even int (pairs of coordinates, the last axis that "
+                         f"rope_forward rotates), got {Dh}")
     _check_base(base)
     if dtype is not None:  # an integer dtype would truncate the angles
         dtype = getattr(xp, V.float_dtype_name(xp, dtype))

@@ -551,6 +551,9 @@ def test_errors_name_the_argument():
         (lambda: P.rope_angles("nump", np.arange(3), 4), ValueError, "^xp: expected one of"),
         (lambda: P.rope_angles(np, [0, 1, 2], 4), TypeError, "^positions: expected a numpy array, got list"),
         (lambda: P.rope_angles(np, np.zeros(3, bool), 4), TypeError, "^positions: expected an integer or real"),
+        # an odd Dh gave floor(Dh/2) angles with the step 2/Dh, which no rope_forward uses (it
+        # refuses an odd last axis) and which is not HF's arange(0, Dh, 2) / Dh, ceil(Dh/2) of them
+        (lambda: P.rope_angles(np, np.arange(3), 5), ValueError, r"^Dh: expected an even int .*, got 5$"),
         (lambda: P.relative_distances(3, 3, 1), TypeError, "^xp: expected one of"),
         (lambda: P.diagonal_sums(np, np.zeros(3)), ValueError, r"^a: expected shape \(\.\.\., Lq, Lk\)"),
         (lambda: P.diagonal_sums(np, [[1.0]]), TypeError, "^a: expected a numpy array"),
