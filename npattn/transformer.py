@@ -597,6 +597,15 @@ class _Block:
                 where = "" if a == "self_attn" else f" in {a}"
                 raise ValueError("layer: expected batch_first=True (npattn takes (B, L, D) inputs), "
                                  f"got batch_first=False{where}")
+        for a in cls._ATTNS:  # what the torch layer never sets but its attention modules can hold:
+            m = getattr(layer, a)  # add_zero_attn has no parameter, so no state dict check sees it
+            extra = [f"{o}=True" for o, on in (("add_bias_kv", m.bias_k is not None),
+                                                ("add_zero_attn", bool(m.add_zero_attn))) if on]
+            extra += [f"{o}={getattr(m, o)}" for o in ("kdim", "vdim") if getattr(m, o) != m.embed_dim]
+            if extra:
+                raise ValueError(f"layer: expected {a} without add_bias_kv, add_zero_attn and with "
+                                 f"kdim = vdim = embed_dim={m.embed_dim} (npattn's blocks have "
+                                 f"none of them), got {', '.join(extra)} in {a}")
         import torch
 
         act = layer.activation

@@ -451,6 +451,27 @@ def test_from_torch_refuses_a_layer_whose_modules_differ(kind):
     assert block.dropout == 0.1 and block.layer_norm_eps == 1e-5 and block.n_head == H
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_refuses_attention_options_the_block_lacks(kind):
+    """A torch layer whose attention module was replaced by one with add_zero_attn=True (which
+    has no parameter, so the state dict matched) was copied without it: the block's output
+    differed from the layer's by 0.157 (encoder, D=4, H=2). add_bias_kv and kdim were refused
+    only as a key or shape mismatch of the state dict, without naming the setting."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    sites = ("self_attn",) if kind == "encoder" else ("self_attn", "multihead_attn")
+    for site in sites:
+        for option, text in ((dict(add_zero_attn=True), "add_zero_attn=True"),
+                             (dict(add_bias_kv=True), "add_bias_kv=True"),
+                             (dict(kdim=3), "kdim=3")):
+            t = torch_cls(D, H, FF, dropout=0.0, batch_first=True, dtype=torch.float64)
+            setattr(t, site, torch.nn.MultiheadAttention(D, H, batch_first=True, dtype=torch.float64,
+                                                         **option))
+            with raises(ValueError, "layer", site, "add_zero_attn", text, f"in {site}"):
+                cls.from_torch(t)
+
+
 def test_load_torch_state_dict_names_the_key_as_given():
     """An attention entry's error named the key without its module (state_dict['in_proj_weight'],
     for self_attn's and for multihead_attn's alike)."""
