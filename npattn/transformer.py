@@ -592,6 +592,19 @@ class _Block:
         if not isinstance(layer, torch_cls):
             raise TypeError(f"layer: expected a {torch_cls.__module__}.{torch_cls.__name__}, "
                             f"got {type(layer).__name__}")
+        import torch
+
+        # the modules the layer builds, which a user may have replaced (an nn.RMSNorm for norm1 has
+        # a weight of the same shape, so the state dict matched and a layer norm ran in its place)
+        kinds = {**{a: torch.nn.MultiheadAttention for a in cls._ATTNS},
+                 "linear1": torch.nn.Linear, "linear2": torch.nn.Linear,
+                 **{n: torch.nn.LayerNorm for n in cls._NORMS},
+                 **{s: torch.nn.Dropout for s in cls._SITES if s not in cls._ATTNS}}
+        for name, kind in kinds.items():
+            m = getattr(layer, name, None)
+            if not isinstance(m, kind):
+                raise ValueError(f"layer: expected {name} a torch.nn.{kind.__name__} (as the torch "
+                                 f"layer builds it), got {type(m).__name__}")
         for a in cls._ATTNS:
             if not getattr(layer, a).batch_first:  # torch sets both from one argument
                 where = "" if a == "self_attn" else f" in {a}"
@@ -606,7 +619,6 @@ class _Block:
                 raise ValueError(f"layer: expected {a} without add_bias_kv, add_zero_attn and with "
                                  f"kdim = vdim = embed_dim={m.embed_dim} (npattn's blocks have "
                                  f"none of them), got {', '.join(extra)} in {a}")
-        import torch
 
         act = layer.activation
         gelu_form = None  # "none" or "tanh": F.gelu, nn.GELU or functools.partial(F.gelu, approximate=)

@@ -472,6 +472,30 @@ def test_from_torch_refuses_attention_options_the_block_lacks(kind):
                 cls.from_torch(t)
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_refuses_a_layer_whose_modules_were_replaced(kind):
+    """A bias=False torch layer whose norms were replaced by nn.RMSNorm(D, eps=1e-5) (a weight
+    of the same shape, so the state dict matched) was copied into a block that ran layer norm
+    there: outputs 1.68 apart (encoder, D=4). An RMSNorm of eps=None raised float()'s TypeError,
+    a Dropout replaced by nn.Identity an AttributeError, neither naming the layer."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    norms = ("norm1", "norm2") if kind == "encoder" else ("norm1", "norm2", "norm3")
+    for replace, name, want in (
+            ({n: torch.nn.RMSNorm(D, eps=1e-5, dtype=torch.float64) for n in norms}, "norm1", "LayerNorm"),
+            ({"norm2": torch.nn.RMSNorm(D, dtype=torch.float64)}, "norm2", "LayerNorm"),
+            ({"dropout2": torch.nn.Identity()}, "dropout2", "Dropout"),
+            ({"linear1": torch.nn.Bilinear(D, D, FF, bias=False, dtype=torch.float64)}, "linear1", "Linear"),
+    ):
+        t = torch_cls(D, H, FF, dropout=0.0, bias=False, batch_first=True, dtype=torch.float64)
+        for n, m in replace.items():
+            setattr(t, n, m)
+        got = type(replace[name]).__name__
+        with raises(ValueError, "layer", f"{name} a torch.nn.{want}", got):
+            cls.from_torch(t)
+
+
 def test_load_torch_state_dict_names_the_key_as_given():
     """An attention entry's error named the key without its module (state_dict['in_proj_weight'],
     for self_attn's and for multihead_attn's alike)."""
