@@ -53,6 +53,7 @@ __all__ = [
     "config_from_torch",
     "params_from_torch_state_dict",
     "load_torch_state_dict",
+    "module_dtype",
     "torch_state_dict",
     "torch_state_dict_shapes",
 ]
@@ -252,6 +253,23 @@ def torch_state_dict(mha: Any) -> "OrderedDict":
     return sd
 
 
+def module_dtype(module: Any, name: str = "module") -> str:
+    """The name of the one dtype of a torch module's parameters ("float32", ...).
+
+    A ``ValueError`` naming ``name`` when they have more than one: npattn's
+    modules have one dtype, and casting every parameter to one of them would
+    round the others silently (torch's own forward refuses such a module).
+    """
+    by_dtype: dict = {}
+    for n, p in module.named_parameters():
+        by_dtype.setdefault(V.dtype_name(p.dtype), []).append(n)
+    if len(by_dtype) > 1:
+        got = "; ".join(f"{d} ({', '.join(ns)})" for d, ns in by_dtype.items())
+        raise ValueError(f"{name}: expected parameters of one dtype (npattn's modules have one), "
+                         f"got {got}")
+    return next(iter(by_dtype), "float32")
+
+
 def config_from_torch(module: Any) -> dict:
     """The ``MultiHeadAttention`` keyword arguments that copy the layout of a torch module.
 
@@ -264,8 +282,9 @@ def config_from_torch(module: Any) -> dict:
     dict
         ``d_model``, ``n_head``, ``dropout``, ``bias``, ``qkv_bias``,
         ``out_bias``, ``kdim``, ``vdim``, ``add_bias_kv``, ``add_zero_attn``
-        and ``dtype`` (a name: "float32", ...). ``module.batch_first`` is not
-        among them: npattn always takes (B, L, D) inputs.
+        and ``dtype`` (a name: "float32", ...; a ``ValueError`` when the
+        parameters have more than one, ``module_dtype``). ``module.batch_first``
+        is not among them: npattn always takes (B, L, D) inputs.
     """
     torch = _torch()
     if not isinstance(module, torch.nn.MultiheadAttention):
@@ -284,5 +303,5 @@ def config_from_torch(module: Any) -> dict:
         vdim=module.vdim,
         add_bias_kv=module.bias_k is not None,
         add_zero_attn=bool(module.add_zero_attn),
-        dtype=V.dtype_name(module.out_proj.weight.dtype),
+        dtype=module_dtype(module, "module"),
     )

@@ -594,6 +594,8 @@ class _Block:
                             f"got {type(layer).__name__}")
         import torch
 
+        from .torch_interop import module_dtype
+
         # the modules the layer builds, which a user may have replaced (an nn.RMSNorm for norm1 has
         # a weight of the same shape, so the state dict matched and a layer norm ran in its place)
         kinds = {**{a: torch.nn.MultiheadAttention for a in cls._ATTNS},
@@ -655,7 +657,7 @@ class _Block:
             d_ff=layer.linear1.out_features, dropout=drops["dropout"],
             activation=activation, norm_first=bool(layer.norm_first),
             layer_norm_eps=eps["norm1"], bias=layer.linear1.bias is not None,
-            dtype=V.dtype_name(layer.linear1.weight.dtype),
+            dtype=module_dtype(layer, "layer"),
         )
 
     # ------------------------------------------------------ copy, pickle, save

@@ -71,6 +71,19 @@ def test_dtype_dropout_and_mode_follow_torch(dtype):
     assert mha.torch_state_dict()["in_proj_weight"].dtype == getattr(torch, dtype)
 
 
+def test_a_module_of_mixed_dtypes_is_refused():
+    """from_torch took the dtype of out_proj.weight and cast every other parameter to it: a
+    float64 module whose out_proj.weight was float32 became a float32 copy, its in_proj_weight
+    rounded silently (torch's own forward refuses the module: "expected the same dtype")."""
+    tm = torch.nn.MultiheadAttention(4, 2, dtype=torch.float64)
+    tm.out_proj.weight.data = tm.out_proj.weight.data.float()
+    for call in (lambda: MultiHeadAttention.from_torch(tm), lambda: torch_interop.config_from_torch(tm)):
+        with pytest.raises(ValueError, match=r"^module: expected parameters of one dtype .*got "
+                                             r"float64 \(in_proj_weight, in_proj_bias, out_proj.bias\); "
+                                             r"float32 \(out_proj.weight\)"):
+            call()
+
+
 def test_bfloat16_needs_a_backend_with_it():
     tm = torch.nn.MultiheadAttention(4, 2, dtype=torch.bfloat16)
     mha = MultiHeadAttention.from_torch(tm, backend="torch")

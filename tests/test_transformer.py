@@ -496,6 +496,20 @@ def test_from_torch_refuses_a_layer_whose_modules_were_replaced(kind):
             cls.from_torch(t)
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_refuses_a_layer_of_mixed_dtypes(kind):
+    """The block took the dtype of linear1.weight and cast every other parameter to it: a float64
+    layer whose linear1 was float32 became a float32 block, rounding the rest silently."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    t = torch_cls(D, H, FF, batch_first=True, dtype=torch.float64)
+    t.linear1 = torch.nn.Linear(D, FF, dtype=torch.float32)
+    with raises(ValueError, "layer", "parameters of one dtype", "float64 (self_attn.in_proj_weight",
+                "float32 (linear1.weight, linear1.bias)"):
+        cls.from_torch(t)
+
+
 def test_load_torch_state_dict_names_the_key_as_given():
     """An attention entry's error named the key without its module (state_dict['in_proj_weight'],
     for self_attn's and for multihead_attn's alike)."""
