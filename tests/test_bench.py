@@ -359,6 +359,38 @@ def test_the_documented_shapes_pass_the_memory_check():
     assert "--shapes: expected sizes" in bench.memory_refusal([(big, "dense")], available=4 * 2**30)
 
 
+def test_the_cgroup_room_leaves_out_the_page_cache(tmp_path):
+    """A container's memory.current counts the files it has read, which the kernel drops
+    before it refuses memory: with 7.5 of its 8 GiB "used", 4 GiB of them page cache, the
+    room was 0.5 GiB and a 2 GiB run was refused; it is 4.5 GiB. Missing files, "max" and
+    cgroup v1's huge limit mean no limit; v1's memory.stat counts with total_."""
+    from npattn.tools import limits
+
+    GiB = 2**30
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{8 * GiB}\n")
+    (v2 / "memory.current").write_text(f"{15 * GiB // 2}\n")
+    (v2 / "memory.stat").write_text(f"anon {3 * GiB}\nfile {4 * GiB}\nactive_file {3 * GiB}\n"
+                                    f"inactive_file {GiB}\nshmem 0\n")
+    assert limits.cgroup_room(str(v2)) == 9 * GiB // 2
+    assert limits.memory_error("--shapes", "x", 2 * GiB, "y", limits.cgroup_room(str(v2))) is None
+    (v2 / "memory.stat").unlink()  # no memory.stat: the usage as it is
+    assert limits.cgroup_room(str(v2)) == GiB // 2
+    (v2 / "memory.max").write_text("max\n")
+    assert limits.cgroup_room(str(v2)) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{3 * GiB}\n")
+    (v1 / "memory.stat").write_text(f"active_file 5\ninactive_file 7\ntotal_active_file {GiB}\n"
+                                    f"total_inactive_file {GiB}\n")
+    assert limits.cgroup_room(str(tmp_path / "v1")) == 3 * GiB
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert limits.cgroup_room(str(tmp_path / "v1")) is None
+    assert limits.cgroup_room(str(tmp_path / "none")) is None
+
+
 def test_the_isolated_table_columns_fit_their_longest_entry(monkeypatch):
     """The impl column was 7 characters wide (and shape 18, blocks 9): `reference`, a long shape
     or large blocks pushed the rest of their row out of line with the header."""

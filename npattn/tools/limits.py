@@ -17,8 +17,8 @@ from typing import Optional
 
 from ..attention import AUTO_BLOCKED_MAX_DENSE_SCORES, AUTO_BLOCKED_MIN_SCORES
 
-__all__ = ["MAX_SIZE", "MAX_THREADS", "available_memory", "memory_error", "format_bytes",
-           "dense_probabilities", "gpt_training_bytes"]
+__all__ = ["MAX_SIZE", "MAX_THREADS", "available_memory", "cgroup_room", "memory_error",
+           "format_bytes", "dense_probabilities", "gpt_training_bytes"]
 
 #: The largest size of a shape or of ``--gemm``: BLAS takes 32-bit sizes.
 MAX_SIZE = 2**31 - 1
@@ -37,24 +37,46 @@ def _meminfo_available() -> Optional[int]:
     return None
 
 
-def _cgroup_room() -> Optional[int]:
-    """What this process's cgroup still allows (its limit less its use), or None without a limit."""
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+#: The cgroup files ``cgroup_room`` reads under its root: v2, then v1 (limit, usage, and the
+#: keys of ``memory.stat`` that count the page cache charged to the cgroup).
+CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", ("active_file", "inactive_file")),
+                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                 ("total_active_file", "total_inactive_file")))
+
+
+def _page_cache(path: str, keys: tuple) -> int:
+    """The sum of ``keys`` in a cgroup's ``memory.stat`` (0 where it cannot be read)."""
+    try:
+        with open(path) as f:
+            stat = dict(line.split()[:2] for line in f if len(line.split()) >= 2)
+        return sum(int(stat.get(k, 0)) for k in keys)
+    except (OSError, ValueError):
+        return 0
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """What this process's cgroup still allows, or None without a limit (or without the files).
+
+    Its limit less its use, where the use leaves out the page cache (``active_file`` and
+    ``inactive_file`` of ``memory.stat``): the cgroup's usage counts the files it has read,
+    which the kernel drops before it refuses memory, so a container that had read a few GiB
+    of files would otherwise seem full and refuse runs that fit.
+    """
+    for limit_name, usage_name, stat_name, keys in CGROUP_FILES:
         try:
-            with open(limit_path) as f:
+            with open(os.path.join(root, limit_name)) as f:
                 text = f.read().strip()
             if text == "max":
                 return None
             limit = int(text)
-            with open(usage_path) as f:
+            with open(os.path.join(root, usage_name)) as f:
                 usage = int(f.read().strip())
         except (OSError, ValueError):
             continue
         if limit >= 2**60:  # cgroup v1's "no limit"
             return None
-        return max(limit - usage, 0)
+        held = max(usage - _page_cache(os.path.join(root, stat_name), keys), 0)
+        return max(limit - held, 0)
     return None
 
 
@@ -62,10 +84,10 @@ def available_memory() -> Optional[int]:
     """Bytes this process can allocate without swapping, or None where that cannot be read.
 
     Linux's ``MemAvailable`` (``/proc/meminfo``), lowered to what the process's
-    cgroup still allows when it sets a limit; elsewhere the physical memory
+    cgroup still allows when it sets a limit (``cgroup_room``); elsewhere the physical memory
     (``os.sysconf``).
     """
-    room = [b for b in (_meminfo_available(), _cgroup_room()) if b is not None]
+    room = [b for b in (_meminfo_available(), cgroup_room()) if b is not None]
     if room:
         return min(room)
     try:
