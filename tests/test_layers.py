@@ -267,7 +267,6 @@ def test_feed_forward_matches_torch_sequential():
         torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
 
 
-
 def test_feed_forward_of_zero_width_runs_both_ways(xp, to_xp, to_np):
     """A hidden width F = 0 gives y = b2 (torch's Linear(3, 0) then Linear(0, 3) does), and a
     model width D = 0 an empty y; both have gradients of their shapes. The linear steps
@@ -285,6 +284,7 @@ def test_feed_forward_of_zero_width_runs_both_ways(xp, to_xp, to_np):
         grads = L.feed_forward_backward(to_xp(rng.standard_normal(y.shape)), cache)
         assert [tuple(g.shape) for g in grads] == [a.shape for a in (x, w1, b1, w2, b2)]
         np.testing.assert_array_equal(to_np(grads[0]), np.zeros(x.shape))
+
 
 def test_feed_forward_dropout_from_rng_is_reused(xp, to_xp, to_np):
     rng = np.random.default_rng(10)

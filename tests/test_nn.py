@@ -37,7 +37,6 @@ def test_embedding_forward_is_row_lookup(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(out), table[ids])
 
 
-
 def test_an_infinite_table_entry_is_read_only_by_its_token(xp, to_xp, to_np):
     """``out = table[ids]``: an inf in a row no id reads changes nothing, and one that is read
     is inf where it is read only (as torch.nn.functional.embedding). As the product
@@ -59,6 +58,7 @@ def test_embedding_of_zero_width_runs_both_ways(xp, to_xp, to_np):
         assert tuple(out.shape) == (*ids.shape, shape[1])
         _, dtable = nn.embedding_backward(to_xp(np.ones((*ids.shape, shape[1]))), cache)
         np.testing.assert_array_equal(to_np(dtable), np.zeros(shape))
+
 
 def test_embedding_backward_counts_repeated_tokens(xp, to_xp, to_np):
     """dtable[v] = sum of dout over the positions holding v (a token that never occurs: 0)."""

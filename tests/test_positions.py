@@ -247,7 +247,6 @@ def test_half_precision_diagonal_sums_run_in_float32():
         np.testing.assert_array_equal(dtable, exact.astype(np.float16))  # each rounded once
 
 
-
 def test_an_infinite_table_entry_is_read_only_where_it_is_looked_up(xp, to_xp, to_np):
     """A -inf bias of one bucket is a mask (sdpa takes -inf in a float mask): the lookup is
     ``table[bucket]``, so the other buckets' entries stay finite. As the product
