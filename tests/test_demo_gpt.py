@@ -142,6 +142,15 @@ def test_a_context_or_a_step_too_large_is_a_usage_error(tmp_path, capsys, monkey
     # 32 windows of 20000 characters: their logits alone (94 characters, float32) pass 1 GiB
     needed = float(err.split("needs at least ")[1].split(" GiB")[0])
     assert needed >= 32 * 20000 * len(set(corpus())) * 4 / 2**30
+    # CuPy's arrays live on the device: the host's memory does not refuse them (where CuPy is
+    # missing the run then stops at the backend instead)
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        assert cli.main(["demo", "--task", "gpt", "--seq-len", "20000", "--backend", "cupy",
+                         "--out", str(tmp_path)]) != 0
+        err = capsys.readouterr().err
+        assert "cupy" in err and "memory available" not in err, err
     # the defaults fit in 1 GiB, and in the held-out text
     d = cli.DEMO_TASKS["gpt"]
     assert d["seq_len"] <= n // 10 - 1

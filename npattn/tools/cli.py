@@ -347,7 +347,8 @@ def _check_demo_args(args, parser):
 
 def _check_gpt_demo_sizes(args, parser):
     """``--task gpt``: a context that fits in the held-out tenth of the text, and a training step
-    that fits in memory (``limits.gpt_training_bytes``)."""
+    that fits in the host's memory (``limits.gpt_training_bytes``; not checked for CuPy, whose
+    arrays live on the device)."""
     from . import demo_gpt as dg
     from .limits import gpt_training_bytes, memory_error
 
@@ -357,6 +358,8 @@ def _check_gpt_demo_sizes(args, parser):
         parser.error(f"--seq-len: --task gpt validates on the last 10 % of its {len(text)}-character "
                      f"text, which must hold a window and its shifted targets; expected at most "
                      f"{longest}, got {args.seq_len}")
+    if args.backend == "cupy":  # the device's memory is its own, as in npattn bench
+        return
     need = gpt_training_bytes(args.batch, args.seq_len, args.seq_len, args.d_model, args.layers,
                               args.heads[0], len(set(text)), 4 if args.dtype == "float32" else 8)
     why = memory_error("--batch, --seq-len, --d-model, --layers",
