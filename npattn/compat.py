@@ -1043,6 +1043,12 @@ def dot_product_attention(
       dtype.
     * **The residual's gradient**: JAX stops it (``stop_gradient``); npattn's
       ``vjp`` pullback takes ``dlse=`` and differentiates it.
+    * **A ``bias`` of ``-inf`` on every key a row may attend**: JAX's ``F``
+      replaces only the logits the masks mask, and ``-inf < F``. If they
+      masked ``m`` of the row's keys, ``0 < m < S``, JAX gives the row uniform
+      weights over those ``m`` keys (the mean of their values, ``dout / m`` to
+      each in ``value``, residual ``F``); if they masked none, NaN (residual
+      ``-inf``, NaN gradients whatever the upstream gradient). npattn gives zeros, a residual of ``-inf`` and zero gradients.
     """
     # [B, T, N, H], [B, S, K, H], [B, S, K, Dv] -> [B, T, N, Dv]
     return _dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,

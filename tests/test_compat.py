@@ -926,6 +926,54 @@ def test_dot_product_attention_rows_with_nothing_to_attend_in_jax():
         assert np.isfinite(np.asarray(low, np.float32)[:, :2]).all()
 
 
+def test_dot_product_attention_bias_of_minus_inf_in_jax():
+    """docs/compat.md's "A bias of -inf on every key a row may attend": JAX fills only the logits
+    its masks mask, so with m of S keys masked (0 < m < S) the row gets uniform weights over those
+    m keys (their mean, dout / m into value, residual F), and with none masked NaN (residual
+    -inf); npattn gives zeros, -inf and zero gradients in both. B = 1, T = 4, S = 5, N = 2, K = 1:
+    query 1 has bias -inf everywhere and no key masked; query 2 has keys 0 and 1 masked and bias
+    -inf on keys 2 to 4; queries 0 and 3 attend."""
+    jax = pytest.importorskip("jax", reason="the JAX side of the difference needs JAX")
+    jnp = jax.numpy
+    q, k, v = randn(1, 4, 2, 3), randn(1, 5, 1, 3), randn(1, 5, 1, 3)
+    bias = randn(1, 2, 4, 5)
+    bias[0, :, 1, :] = -np.inf
+    bias[0, :, 2, 2:] = -np.inf
+    mask = np.ones((1, 1, 4, 5), bool)
+    mask[0, 0, 2, :2] = False
+    args = [jnp.asarray(np.float32(t)) for t in (q, k, v, bias)]
+
+    def jf(a, b, c, d):
+        return jax.nn.dot_product_attention(a, b, c, d, jnp.asarray(mask), return_residual=True)
+
+    (j_out, j_lse), j_vjp = jax.vjp(jf, *args)
+    j_out, j_lse = np.asarray(j_out), np.asarray(j_lse)
+    assert np.isnan(j_out[0, 1]).all() and np.isneginf(j_lse[0, 1]).all()  # m = 0
+    mean_v = np.float32(v)[0, :2, 0].mean(axis=0)  # [H]: keys 0 and 1, the masked ones (m = 2)
+    np.testing.assert_allclose(j_out[0, 2], np.stack([mean_v, mean_v]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(j_lse[0, 2], np.full(2, JAX_FILL))
+    zero_ct = (jnp.zeros(j_out.shape), jnp.zeros(j_lse.shape))
+    dq, dk, dv, _ = (np.asarray(g) for g in j_vjp(zero_ct))  # the NaN row poisons them anyway
+    assert np.isnan(dq[0, 1]).all() and np.isnan(dk).all() and np.isnan(dv).all()
+
+    finite = bias.copy()
+    finite[0, :, 1, :] = 0.0  # query 1 attends: JAX's gradients are finite again
+    ct = np.zeros(j_out.shape, np.float32)
+    ct[0, 2] = randn(2, 3)  # an upstream gradient on query 2 only
+    _, j_vjp = jax.vjp(jf, *args[:3], jnp.asarray(np.float32(finite)))
+    dq, dk, dv, dbias = (np.asarray(g) for g in j_vjp((jnp.asarray(ct), jnp.zeros(j_lse.shape))))
+    assert not dq.any() and not dk.any() and not dbias.any()
+    want_dv = np.zeros(v.shape, np.float32)
+    want_dv[0, :2, 0] = ct[0, 2].sum(axis=0) / 2  # dout / m to each masked key, both heads
+    np.testing.assert_allclose(dv, want_dv, rtol=1e-6, atol=1e-7)
+
+    (out, lse), pullback = C.vjp(C.dot_product_attention, q, k, v, bias, mask, return_residual=True)
+    assert not out[0, 1:3].any() and np.isneginf(lse[0, 1:3]).all()
+    np.testing.assert_allclose(j_out[0, ::3], out[0, ::3], rtol=1e-5, atol=1e-6)  # the others agree
+    grads = pullback(np.float64(ct))
+    assert not any(g.any() for g in grads[:4])
+
+
 def test_dot_product_attention_residual_unbatched_and_dropout():
     q, k, v, bias, _, kw = jax_case("causal_window_lengths")
     out, lse = C.dot_product_attention(q, k, v, bias, return_residual=True, **kw)
