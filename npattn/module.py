@@ -805,8 +805,9 @@ class MultiHeadAttention:
             mha = cls(**header["config"], backend=backend)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+        # the dtype the constructor made of the configuration (its default when the file has none)
         mha.params = params_from_save_file(label, entries, mha.params, xp=mha.xp, dtype=mha.dtype,
-                                           saved_dtype=header["config"]["dtype"])
+                                           saved_dtype=V.dtype_name(mha.dtype))
         mha.train(header["training"])
         set_rng_state(label, mha._rng, header["rng_state"])
         return mha

@@ -226,3 +226,25 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
     with pytest.raises(TypeError, match="path"):
         MultiHeadAttention.load(None)
     np.testing.assert_array_equal(MultiHeadAttention.load(good).params["w_k"], m.params["w_k"])
+
+
+def test_load_of_a_config_without_dtype_takes_the_default_dtype(tmp_path):
+    """A configuration without ``dtype`` builds the default (float32) module, as any missing
+    argument: its float64 parameters are then refused by name, not with a KeyError."""
+    def drop_dtype(entries):
+        header = json.loads(str(entries["config"]))
+        del header["config"]["dtype"]
+        entries["config"] = np.array(json.dumps(header))
+
+    for dtype, loads in (("float64", False), ("float32", True)):
+        good = tmp_path / f"{dtype}.npz"
+        m = _module("numpy", dtype=dtype)
+        m.save(good)
+        path = _rewrite(good, tmp_path / f"{dtype} without dtype.npz", drop_dtype)
+        if loads:
+            c = MultiHeadAttention.load(path)
+            for name in m.params:
+                np.testing.assert_array_equal(c.params[name], m.params[name])
+        else:
+            with pytest.raises(ValueError, match="expected dtype float32.*got float64"):
+                MultiHeadAttention.load(path)
