@@ -142,6 +142,7 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
             f"k_segments: expected {q_segments.shape[0]} batch entries like q_segments, got "
             f"shape {tuple(k_segments.shape)}"
         )
+    V.check_segment_dtypes(xp, q_segments, k_segments)
     same = xp.expand_dims(q_segments, axis=2) == xp.expand_dims(k_segments, axis=1)  # [B, Lq, Lk]
     return xp.expand_dims(same, axis=1)  # [B, 1, Lq, Lk]
 

@@ -41,6 +41,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "check_sdpa_inputs",
     "check_kernel_options",
+    "check_segment_dtypes",
     "scores_lead",
     "check_finite_values",
     "check_mask",
@@ -632,6 +633,19 @@ def _check_window_side(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected None or an int >= 0, got {value!r}")
 
 
+def check_segment_dtypes(xp: Any, q_segments: Any, k_segments: Any) -> None:
+    """``TypeError`` naming ``k_segments`` unless the library compares its ids with
+    ``q_segments``' (``xp.result_type`` of the two dtypes: torch and array_api_strict
+    promote no int64 with uint64, NumPy compares them as float64)."""
+    try:
+        xp.result_type(q_segments.dtype, k_segments.dtype)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"k_segments: expected an integer dtype that {xp.__name__} compares with q_segments' "
+            f"{dtype_name(q_segments.dtype)}, got {dtype_name(k_segments.dtype)}"
+        ) from None
+
+
 def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left",
                          window: Any = None, softcap: Any = None, alibi_slopes: Any = None,
                          sinks: Any = None, q_segments: Any = None,
@@ -691,3 +705,5 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
             want = f"(B, {L}) = {(B, L)}" if len(lead) == 2 else \
                 f"(B, L) with q, k, v of 4 axes (B, H, L, Dh) (scores lead {lead})"
             raise ValueError(f"{name}: expected shape {want}, got {shape_of(a)}")
+    if q_segments is not None:
+        check_segment_dtypes(xp, q_segments, k_segments)

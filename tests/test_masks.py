@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from npattn import MultiHeadAttention, masks
 from npattn import functional as F
-from npattn.backend import device_of
+from npattn.backend import device_of, resolve_backend
 
 # --------------------------------------------------------------------------
 # causal
@@ -366,3 +366,30 @@ def test_causal_bottom_right_matches_torch_causal_lower_right():
         ).numpy()
         out, _ = F.sdpa_forward(q, k, v, mask=masks.causal(Lq, Lk, "bottom_right"))
         assert _rel(out, ref) < 1e-12
+
+
+def test_segments_of_dtypes_the_library_does_not_compare_name_k_segments():
+    """int64 against uint64 ids: torch raised its own RuntimeError from the comparison and
+    array_api_strict a TypeError naming nothing; both now name k_segments, in the mask builder
+    and in sdpa_forward's option, before anything is computed. NumPy compares them."""
+    import importlib.util
+
+    from npattn.attention import sdpa_forward
+
+    q_ids, k_ids = np.array([[0, 0, 1]]), np.array([[0, 1, 1, 1]], dtype=np.uint64)
+    same = masks.segments(q_ids, k_ids)[0, 0]
+    np.testing.assert_array_equal(same, q_ids[0][:, None] == k_ids[0][None, :].astype(np.int64))
+    libs = [n for n in ("torch", "array_api_strict") if importlib.util.find_spec(n)]
+    if not libs:
+        pytest.skip("neither torch nor array_api_strict is installed")
+    for name in libs:
+        xp = resolve_backend(name)
+        qs = xp.asarray(np.array([[0, 0, 1]], dtype=np.int64))
+        ks = xp.asarray(np.array([[0, 1, 1, 1]], dtype=np.uint64))
+        with pytest.raises(TypeError, match="^k_segments: expected an integer dtype that .* "
+                                            "compares with q_segments' int64, got uint64"):
+            masks.segments(qs, ks)
+        q = xp.asarray(np.zeros((1, 1, 3, 2)))
+        k = xp.asarray(np.zeros((1, 1, 4, 2)))
+        with pytest.raises(TypeError, match="^k_segments: expected an integer dtype"):
+            sdpa_forward(q, k, k, q_segments=qs, k_segments=ks)
