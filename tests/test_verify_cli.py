@@ -265,6 +265,18 @@ def test_a_kernel_of_the_wrong_signature_is_told_so(tmp_path, capsys):
     assert "helper() takes 1 positional argument" in out and "fn's signature" not in out
 
 
+def test_a_return_verify_cannot_read_is_not_said_to_be_raised_by_the_kernel(tmp_path, capsys):
+    """A kernel that returns a tuple without --returns-lse: the case names what it returned,
+    without an 'at:' frame of verify's own code (it showed verifier.py in a private function)
+    and without "fn raised" (the kernel raised nothing)."""
+    (tmp_path / "tup.py").write_text("def f(q, k, v, **kw):\n    return q, q, q, q\n")
+    assert cli.main(["verify", f"{tmp_path / 'tup.py'}:f", "--case", "base-1x65",
+                     "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "got a tuple of 4" in out and "not what verify reads" in out
+    assert "    at: " not in out and "verifier.py" not in out and "fn raised" not in out
+
+
 def test_json_dash_holds_the_json_alone_when_the_kernel_prints(tmp_path, capsys):
     """What the kernel's file prints (at import, in each call) went to standard output before
     the JSON, which then did not parse."""
