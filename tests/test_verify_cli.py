@@ -152,6 +152,9 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
      "--head-dims: expected two different widths or more under dv_ne_dk"),
     ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"], "autograd: 'jax' needs"),
     ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
+    # a JSON list was looked up as a name in the target's module ("has no attribute '[1]'")
+    ([f"{KERNELS}:attention", "--adapter", '["mask"]'],
+     "--adapter: expected a JSON mapping, got a JSON list: '[\"mask\"]'"),
     ([f"{KERNELS}:attention", "--seed", "-1"], "--seed: expected an int >= 0, got -1"),
     # output paths are checked before the panel runs (not after it, in a traceback)
     ([f"{KERNELS}:attention", "--json", "/nonexistent-npattn/x.json"], "--json: the directory"),

@@ -176,11 +176,14 @@ def _module_of(spec: str) -> Any:
 def _adapter(text: Optional[str], base: Any) -> Any:
     if text is None:
         return None
-    if text.lstrip().startswith("{"):
+    if text.lstrip().startswith(("{", "[")):  # JSON, not a name ('[1]' was looked up as one)
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
             raise UsageError(f"--adapter: expected a JSON mapping, got {text!r} ({exc})") from None
+        if not isinstance(value, dict):
+            raise UsageError(f"--adapter: expected a JSON mapping, got a JSON "
+                             f"{type(value).__name__}: {text!r}")
         return value
     return load_object(text, base=base, what="--adapter")
 
