@@ -1049,7 +1049,8 @@ def dot_product_attention(
       masked ``m`` of the row's keys, ``0 < m < S``, JAX gives the row uniform
       weights over those ``m`` keys (the mean of their values, ``dout / m`` to
       each in ``value``, residual ``F``); if they masked none, NaN (residual
-      ``-inf``, NaN gradients whatever the upstream gradient). npattn gives zeros, a residual of ``-inf`` and zero gradients.
+      ``-inf``, NaN gradients whatever the upstream gradient). npattn gives
+      zeros, a residual of ``-inf`` and zero gradients.
     """
     # [B, T, N, H], [B, S, K, H], [B, S, K, Dv] -> [B, T, N, Dv]
     return _dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,

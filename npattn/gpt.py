@@ -48,9 +48,10 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy,
+from .backend import (device_of, dropout_key, from_numpy, keep_mask, to_numpy,
                       widest_int)
 from .kvcache import KVCache
+from .module import check_kv_cache
 from .stack import BlockStack, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
@@ -236,27 +237,11 @@ class GPT(BlockStack):
             if self.training and self.dropout > 0.0:
                 raise ValueError("kv_caches: decoding is forward only, without dropout; call eval() "
                                  f"first (the model is in training mode with dropout {self.dropout})")
-            Dh = self.d_model // self.n_head
-            for n, cache in enumerate(kv_caches):  # every block's cache, before any is written
-                # as module.check_kv_cache: another library or dtype is a TypeError, another
-                # device or layout a ValueError (validation's vocabulary)
-                if backend_name(cache.xp) != backend_name(self.xp):
-                    raise TypeError(f"kv_caches[{n}]: expected a cache of the model's backend "
-                                    f"{backend_name(self.xp)!r} (new_caches), got one of "
-                                    f"{backend_name(cache.xp)!r}")
-                if cache.device != self._device():
-                    raise ValueError(f"kv_caches[{n}]: expected a cache on device {self._device()!r} "
-                                     f"(that of the model's parameters), got one on {cache.device!r}")
-                if cache.dtype != self.dtype:
-                    raise TypeError(f"kv_caches[{n}]: expected dtype {V.dtype_name(self.dtype)} (the "
-                                    f"model's dtype; new_caches), got {V.dtype_name(cache.dtype)}")
-                layout = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.value_dim)
-                if layout != (B, self.n_head, Dh, Dh):
-                    raise ValueError(f"kv_caches[{n}]: expected a cache of batch {B}, {self.n_head} "
-                                     f"heads of {Dh} (new_caches), got one of batch "
-                                     f"{cache.batch_size}, {cache.num_kv_heads} heads of "
-                                     f"{cache.head_dim} (values {cache.value_dim})")
-                cache.check_room(L, name=f"kv_caches[{n}]")
+            for n, (block, cache) in enumerate(zip(self.blocks, kv_caches)):
+                # every block's cache, before any is written: module.check_kv_cache (its
+                # library, device, dtype, heads, batch size and room), naming kv_caches[n]
+                with V.argument_names({"kv_cache": f"kv_caches[{n}]"}):
+                    check_kv_cache(block.self_attn, cache, batch_size=B, n_new=L)
         self.check_blocks_impl((ids,), B, L, is_causal=True, kv_caches=kv_caches)
         P = self._own
         state = self._rng.bit_generator.state

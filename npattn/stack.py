@@ -17,8 +17,8 @@ from typing import Any, Iterator
 from . import validation as V
 from .backend import backend_name, device_of
 from .transformer import ENCODER_DROPOUT_SITES
-from .module import (check_forward_impl, check_params_assignment, check_path, model_from_save_file, picklable_state,
-                     restore_state, set_rng_state, write_save_file)
+from .module import (check_forward_impl, check_params_assignment, check_path, model_from_save_file,
+                     picklable_state, restore_state, set_rng_state, write_save_file)
 
 __all__ = ["BlockStack", "blocks_put_back_on_failure"]
 

@@ -244,9 +244,10 @@ def test_backward_before_forward_and_after_decoding_are_runtime_errors(xp, to_xp
         (make(xp, dtype="float32").new_caches(B)[0], TypeError,
          r"^kv_caches\[1\]: expected dtype float64 .*got float32$"),
         (KVCache(B, T, H, D // H, dtype="float64", backend=other), TypeError,
-         rf"^kv_caches\[1\]: expected a cache of the model's backend '{backend_name(xp)}'"),
+         rf"^kv_caches\[1\]: expected a cache of the module's backend '{backend_name(xp)}'"),
         (KVCache(B, T, H + 1, D // H, dtype="float64", backend=xp), ValueError,
-         rf"^kv_caches\[1\]: expected a cache of batch {B}, {H} heads of {D // H} .*{H + 1} heads"),
+         rf"^kv_caches\[1\]: expected batch_size={B}, num_kv_heads={H}, head_dim={D // H}, "
+         rf".*got KVCache\(batch_size={B}, .*num_kv_heads={H + 1}, "),
     ]:
         mixed = model.new_caches(B)[:-1] + [last]
         with pytest.raises(error, match=match):
