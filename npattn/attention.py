@@ -56,6 +56,7 @@ __all__ = [
     "IMPLS",
     "AUTO_BLOCKED_MIN_SCORES",
     "AUTO_BLOCKED_MAX_DENSE_SCORES",
+    "auto_blocked",
     "select_impl",
     "check_impl",
     "check_impl_takes",
@@ -82,6 +83,13 @@ AUTO_BLOCKED_MIN_SCORES = 2**25
 #: ``impl="auto"`` also takes the blocked path when the dense probabilities of
 #: all heads, ``B * H * Lq * Lk`` entries, would reach this (1 GiB in float32).
 AUTO_BLOCKED_MAX_DENSE_SCORES = 2**28
+
+
+def auto_blocked(lead: int, Lq: int, Lk: int) -> bool:
+    """Whether ``impl="auto"`` takes the blocked path for ``lead`` heads (all leading axes)
+    of ``Lq x Lk`` scores, weights not requested: a head past ``AUTO_BLOCKED_MIN_SCORES``,
+    or all the heads' dense probabilities past ``AUTO_BLOCKED_MAX_DENSE_SCORES``."""
+    return Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or lead * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES
 
 
 def check_impl(impl, *, need_weights: bool = False) -> None:
@@ -127,9 +135,7 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     if impl == "auto" and is_dask_array(q):
         impl = "dense"  # weights, or a layout the chunked path does not take: the reference
     if impl == "auto":
-        Lq, Lk = q.shape[-2], k.shape[-2]
-        n = math.prod(q.shape[:-2]) * Lq * Lk
-        large = Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES
+        large = auto_blocked(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2])
         impl = "blocked" if large and not need_weights else "dense"
     if impl == "dense":
         return "numpy" if positional and kernel else "reference"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..attention import AUTO_BLOCKED_MAX_DENSE_SCORES, AUTO_BLOCKED_MIN_SCORES
+from ..attention import auto_blocked
 
 __all__ = ["MAX_SIZE", "MAX_THREADS", "available_memory", "cgroup_room", "memory_error",
            "format_bytes", "dense_probabilities", "gpt_training_bytes"]
@@ -128,7 +128,7 @@ def dense_probabilities(B: int, H: int, Lq: int, Lk: int, impl: str = "auto") ->
     n = B * H * Lq * Lk
     if impl == "blocked":
         return 0
-    if impl == "auto" and (Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or n >= AUTO_BLOCKED_MAX_DENSE_SCORES):
+    if impl == "auto" and auto_blocked(B * H, Lq, Lk):
         return 0
     return n
 
