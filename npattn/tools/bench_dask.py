@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from .limits import memory_error
+from .limits import memory_error, repeated_entry
 from .outputs import json_output, output_error
 
 __all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local", "run_bytes"]
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
         workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
         parser.error(f"--workers: expected comma-separated positive integers, got {args.workers!r}")
-    repeated = next((w for i, w in enumerate(workers) if w in workers[:i]), None)
+    repeated = repeated_entry(workers)
     if repeated is not None:
         parser.error(f"--workers: expected each worker count once, got {repeated} more than once "
                      f"in {args.workers!r}")

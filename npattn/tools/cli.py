@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 from .. import __version__
-from .limits import MAX_THREADS
+from .limits import MAX_THREADS, repeated_entry
 
 __all__ = ["main", "build_parser"]
 
@@ -310,7 +310,7 @@ def _parse_heads(text, d_model, parser):
         parser.error(f"--heads: expected integers separated by commas, got {text!r}")
     if not heads or any(h < 1 for h in heads):
         parser.error(f"--heads: expected positive integers, got {text!r}")
-    repeated = next((h for i, h in enumerate(heads) if h in heads[:i]), None)
+    repeated = repeated_entry(heads)
     if repeated is not None:  # the second run wrote over the first's heads{H} pictures
         parser.error(f"--heads: expected each head count once, got {repeated} more than once in {text!r}")
     bad = [h for h in heads if d_model % h]

@@ -13,12 +13,24 @@ that fits, and the message quotes the estimate.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from ..attention import auto_blocked
 
 __all__ = ["MAX_SIZE", "MAX_THREADS", "available_memory", "cgroup_room", "memory_error",
-           "format_bytes", "dense_probabilities", "gpt_training_bytes"]
+           "format_bytes", "dense_probabilities", "gpt_training_bytes", "repeated_entry"]
+
+def repeated_entry(items: Any) -> Any:
+    """The first entry of a comma-separated option's ``items`` that an earlier one repeats, or
+    None: each option's usage error names it (a head count or worker count given twice ran
+    twice, a kernel option given twice was taken once)."""
+    seen: list = []
+    for item in items:
+        if item in seen:
+            return item
+        seen.append(item)
+    return None
+
 
 #: The largest size of a shape or of ``--gemm``: BLAS takes 32-bit sizes.
 MAX_SIZE = 2**31 - 1

@@ -35,6 +35,7 @@ from typing import Any, Optional
 from .. import verifier as VF
 from ..validation import argument_names
 from ..verify_cases import SUPPORTS, check_supports
+from .limits import repeated_entry
 from .outputs import outputs_error
 from .progress import ProgressBar
 
@@ -254,13 +255,10 @@ FLAGS["cases"] = "--case"
 
 def _once(flag: str, text: str, items) -> None:
     """A ``UsageError`` naming ``flag`` and the first entry that ``items`` (the entries of the
-    comma-separated ``text``) repeats."""
-    seen: set = set()
-    for item in items:
-        if item in seen:
-            raise UsageError(f"{flag}: expected each entry once, got {item!r} more than once "
-                             f"in {text!r}")
-        seen.add(item)
+    comma-separated ``text``) repeats (``limits.repeated_entry``)."""
+    item = repeated_entry(items)
+    if item is not None:
+        raise UsageError(f"{flag}: expected each entry once, got {item!r} more than once in {text!r}")
 
 
 def _run(args) -> int:
