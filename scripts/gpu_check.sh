@@ -3,6 +3,9 @@
 #
 #   scripts/gpu_check.sh            # venv in .venv-gpu, install .[test,cupy], run everything
 #   scripts/gpu_check.sh --dry-run  # no GPU: current python, no install, numpy-vs-numpy parity
+#   scripts/gpu_check.sh --no-install --gpu-only
+#                                   # current python, its packages as they are (a machine
+#                                   # with CuPy and no network), the GPU steps alone
 #
 # Steps:
 #   1. create (or reuse) a virtual environment and `pip install -e ".[test,cupy]"`;
@@ -11,7 +14,8 @@
 #      tests/test_gpu.py), then the rest of the suite (the backend suite on
 #      numpy, array-api-strict and torch when installed);
 #   3. check CuPy-vs-NumPy parity of forward and backward on the benchmark
-#      shapes in float32 (scripts/gpu_parity.py).
+#      shapes in float32, then in float64 for every implementation and option
+#      case on the shapes up to L = 1024 (scripts/gpu_parity.py).
 # Exits non-zero on the first failure, including "no GPU tests ran".
 #
 # Environment:
@@ -21,14 +25,19 @@
 #                         (e.g. cupy-cuda11x, or cupy-cuda13x on CUDA 13)
 #   NPATTN_WITH_TORCH=1   also install torch==2.13.0 (CPU build) for the torch backend tests
 #   PIP_ARGS=...          extra pip arguments (e.g. --no-index --find-links wheels/)
+#   PYTEST_ARGS=...       extra pytest arguments (e.g. -n 8 with pytest-xdist)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 DRY_RUN=0
+INSTALL=1
+GPU_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --no-install) INSTALL=0 ;;
+    --gpu-only) GPU_ONLY=1 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -47,20 +56,26 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 
-VENV="${NPATTN_VENV:-.venv-gpu}"
-step "virtual environment $VENV"
-if [ ! -x "$VENV/bin/python" ]; then
-  "${PYTHON:-python3}" -m venv "$VENV"
-fi
-PY="$VENV/bin/python"
-"$PY" -m pip install ${PIP_ARGS:-} -q --upgrade pip
-if [ "${NPATTN_WITH_TORCH:-0}" = 1 ]; then
-  "$PY" -m pip install ${PIP_ARGS:-} -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-fi
-if [ -n "${CUPY_PACKAGE:-}" ]; then
-  "$PY" -m pip install ${PIP_ARGS:-} -q -e ".[test]" "$CUPY_PACKAGE"
+if [ "$INSTALL" = 1 ]; then
+  VENV="${NPATTN_VENV:-.venv-gpu}"
+  step "virtual environment $VENV"
+  if [ ! -x "$VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VENV"
+  fi
+  PY="$VENV/bin/python"
+  "$PY" -m pip install ${PIP_ARGS:-} -q --upgrade pip
+  if [ "${NPATTN_WITH_TORCH:-0}" = 1 ]; then
+    "$PY" -m pip install ${PIP_ARGS:-} -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  fi
+  if [ -n "${CUPY_PACKAGE:-}" ]; then
+    "$PY" -m pip install ${PIP_ARGS:-} -q -e ".[test]" "$CUPY_PACKAGE"
+  else
+    "$PY" -m pip install ${PIP_ARGS:-} -q -e ".[test,cupy]"
+  fi
 else
-  "$PY" -m pip install ${PIP_ARGS:-} -q -e ".[test,cupy]"
+  PY="${PYTHON:-python3}"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  step "no install: $PY as it is, npattn from $PWD"
 fi
 
 step "GPU"
@@ -80,12 +95,18 @@ export CI=1                   # the bounded 'ci' hypothesis profile
 
 step "GPU-marked tests (pytest -m gpu)"
 # pytest exits 5 when nothing was selected: that fails this script too
-"$PY" -m pytest -q -rs -m gpu tests
+"$PY" -m pytest -q -rs ${PYTEST_ARGS:-} -m gpu tests
 
-step "rest of the suite, every backend"
-"$PY" -m pytest -q -rs -m "not gpu" tests
+if [ "$GPU_ONLY" = 0 ]; then
+  step "rest of the suite, every backend"
+  "$PY" -m pytest -q -rs ${PYTEST_ARGS:-} -m "not gpu" tests
+fi
 
 step "CuPy-vs-NumPy parity on the benchmark shapes, float32 forward + backward"
 "$PY" scripts/gpu_parity.py --backend cupy --dtype float32 --reference
+
+step "CuPy-vs-NumPy parity in float64: every implementation and option case, L <= 1024"
+"$PY" scripts/gpu_parity.py --backend cupy --dtype float64 --max-len 1024 \
+  --impl reference,dense,blocked,auto --cases all
 
 step "gpu check ok"

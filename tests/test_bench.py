@@ -422,3 +422,13 @@ def test_the_isolated_table_columns_fit_their_longest_entry(monkeypatch):
     head = right_edges(table[0].replace("RSS before", "RSS_before").replace("peak RSS", "peak_RSS"))
     assert head == rows[0], table
     assert "reference" in table[1] and "65536,65536" in table[2]
+
+
+def test_the_gpu_table_shows_torch_device_memory_in_place_of_host_rss():
+    """backend cupy: the host RSS column gives way to torch's peak device memory, same width."""
+    header = bench.format_header(bench.GPU_COLUMNS)
+    assert "torch MiB" in header and "RSS MiB" not in header
+    line = bench.format_row(_row(rss_mib=None, torch_peak_mib=125.75), bench.GPU_COLUMNS)
+    assert len(line) == len(header)
+    assert line.split()[7] == "125.8"  # the eighth column, where RSS MiB is on the CPU
+    assert bench.format_row(_row(), bench.COLUMNS).split()[7] == "1.3"

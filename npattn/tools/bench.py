@@ -441,15 +441,34 @@ def _rss_rise_mib(step, sync):
 
 
 def _cupy_pool_mib(step, sync):
+    """Peak device memory of one step, MiB: the rise of the bytes CuPy's pool holds.
+
+    The pool keeps every block it has allocated until ``free_all_blocks``, so
+    the bytes it holds after the step, counted from an emptied pool, are the
+    step's peak (rounded up to the pool's block sizes).
+    """
     import cupy
 
     pool = cupy.get_default_memory_pool()
     gc.collect()
     pool.free_all_blocks()
-    before = pool.used_bytes()
+    before = pool.total_bytes()
     step()
     sync()
-    return (pool.used_bytes() - before) / 2**20
+    return (pool.total_bytes() - before) / 2**20
+
+
+def _torch_cuda_peak_mib(step, sync):
+    """Peak device memory torch allocated during one step, MiB (its caching allocator's count)."""
+    import torch
+
+    gc.collect()
+    sync()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    sync()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 # ---------------------------------------------------------------- report
@@ -550,6 +569,11 @@ COLUMNS = (
     ("ratio(min)", "ratio_min", 10, ".2f"),
 )
 
+#: on the GPU (backend cupy): peak MiB is the device memory CuPy's pool held for one step, and
+#: the host RSS column gives way to the device memory torch allocated for its step
+GPU_COLUMNS = tuple(("torch MiB", "torch_peak_mib", 9, ".1f") if col[1] == "rss_mib" else col
+                    for col in COLUMNS)
+
 GEMM_WARNING = ("%GEMM > 100: the reference GEMM was slowed by load (it cannot be slower "
                 "than attention's own matmuls); rerun")
 RSS_NOTE = ("RSS MiB <0.1: the peak resident memory did not rise, because the allocator "
@@ -636,7 +660,8 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
           f"n steps back to back (n chosen so that it lasts >= {min_sample:g} s, torch's "
           "and the GEMM's likewise)", file=out)
     gemm_step, gemm_flops = _gemm_step(xp, dtype, gemm_n)
-    print(format_header(), file=out, flush=True)
+    columns = GPU_COLUMNS if backend_name(xp) == "cupy" else COLUMNS
+    print(format_header(columns), file=out, flush=True)
 
     rows = []
     bar = ProgressBar(len(shapes) * repeat, "bench", enabled=progress, unit="sample")
@@ -667,12 +692,14 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         torch_ms = statistics.median(tt) * 1e3 if tt else None
         rate = flops(shape) / (ms * 1e-3) / 1e9
         gemm_here = gemm_flops / statistics.median(tg) / 1e9
-        peak = rss = None
+        peak = rss = torch_peak = None
         if memory:
             bar.update(0, f"{shape}: memory")
             m.clear_cache()  # the last timed step's cache: not part of the next step's peak
             if backend_name(xp) == "cupy":
                 peak = _cupy_pool_mib(step, sync)
+                if tstep:
+                    torch_peak = _torch_cuda_peak_mib(tstep, sync)
             else:
                 peak = _peak_traced_mib(step, sync)
                 m.clear_cache()
@@ -684,7 +711,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             "number": number, "torch_number": tnumber, "gemm_number": gnumber,
             "gflops": rate, "gemm_gflops": gemm_here, "pct_gemm": 100.0 * rate / gemm_here,
             "peak_mib": peak,
-            "rss_mib": rss, "torch_ms": torch_ms,
+            "rss_mib": rss, "torch_ms": torch_ms, "torch_peak_mib": torch_peak,
             "torch_ms_all": [t * 1e3 for t in tt],
             "ratio": ms / torch_ms if torch_ms else None,
             "ms_min": min(ts) * 1e3,
@@ -694,7 +721,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
         }
         row["notes"] = row_notes(row)
         rows.append(row)
-        for line in _row_lines(row):
+        for line in _row_lines(row, columns):
             bar.write(line, file=out)
         del m, x, dout, step, tstep
         gc.collect()
