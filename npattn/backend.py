@@ -358,6 +358,9 @@ def _check_draw(key: Any, p: Any) -> int:
 #: Entries of the 32-bit hashes ``keyed_keep_mask`` works on at a time (1 MiB in cache): its
 #: temporaries stay this size whatever the block, and only the bool mask is block-sized.
 KEEP_SLAB = 1 << 18
+#: the same on a GPU (CuPy), where each slab is a few kernel launches: larger slabs, fewer launches
+#: (its uint32 temporaries, 4 bytes an entry, stay within a few hundred MiB of device memory)
+DEVICE_KEEP_SLAB = 1 << 26
 
 
 def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any, *,
@@ -400,27 +403,37 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     for name, c in (("rows", rows), ("cols", cols)):
         if np.ndim(c) != 1:
             raise ValueError(f"{name}: expected a 1-D array of coordinates, got {np.ndim(c)} axes")
-    lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
-    r = np.full((), lo, dtype=np.uint32)
-    coords = [np.asarray(c)[..., None, None] for c in lead] + [np.asarray(rows)[:, None]]
-    for c in coords:
-        c = c.astype(np.uint32)  # coordinates wrap at 2^32, as everything here
-        r = _mix32(r + c * np.uint32(_GOLDEN))  # [..., bq, 1] per row: cheap
-    col = _mix32(np.uint32(hi) + np.asarray(cols).astype(np.uint32) * np.uint32(_GOLDEN))  # [bk]
-    threshold = np.uint32(min(int(round(float(p) * 2.0**32)), 2**32 - 1))  # (a float16 p overflows)
-    shape: tuple[int, ...] = (*r.shape[:-1], col.shape[0])  # [..., bq, bk]
+    shape = (*np.broadcast_shapes(*(np.shape(c) for c in lead)), len(rows), len(cols))  # [..., bq, bk]
     if out is None:
         out = np.empty(shape, dtype=np.bool_)
     elif not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == shape):
         raise ValueError(f"out: expected a numpy bool array of shape {shape}, got "
                          f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
+    return _draw_keep(np, key, p, lead, rows, cols, out, KEEP_SLAB)
+
+
+def _draw_keep(lib: Any, key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any, out: Any,
+               slab: int) -> Any:
+    """``keyed_keep_mask``'s draw into the bool array ``out``, in the array library ``lib``:
+    NumPy on the host, or CuPy on the current device (the same integer arithmetic, so the same
+    bits), hashing about ``slab`` entries at a time. ``lead``, ``rows`` and ``cols`` are host
+    coordinate arrays (``lib.asarray`` copies them to the device)."""
+    lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+    r = lib.full((), lo, dtype=lib.uint32)
+    coords = [lib.asarray(c)[..., None, None] for c in lead] + [lib.asarray(rows)[:, None]]
+    for c in coords:
+        c = c.astype(lib.uint32)  # coordinates wrap at 2^32, as everything here
+        r = _mix32(r + c * np.uint32(_GOLDEN))  # [..., bq, 1] per row: cheap
+    col = _mix32(np.uint32(hi) + lib.asarray(cols).astype(lib.uint32) * np.uint32(_GOLDEN))  # [bk]
+    threshold = np.uint32(min(int(round(float(p) * 2.0**32)), 2**32 - 1))  # (a float16 p overflows)
+    shape = out.shape  # [..., bq, bk]
     bq = shape[-2]
     per_row = max(1, math.prod(shape) // max(bq, 1))  # entries of one row across the leading axes
-    step = max(1, KEEP_SLAB // per_row)
+    step = max(1, slab // per_row)
     for i0 in range(0, bq, step):  # [..., step, bk] at a time
-        u = np.bitwise_xor(r[..., i0:i0 + step, :], col)
+        u = lib.bitwise_xor(r[..., i0:i0 + step, :], col)
         _mix32(u)
-        np.greater_equal(u, threshold, out=out[..., i0:i0 + step, :])
+        lib.greater_equal(u, threshold, out=out[..., i0:i0 + step, :])
     return out
 
 
@@ -428,7 +441,9 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
     """The keep-mask of every entry of an array of ``shape`` (coordinates ``0..n-1`` per axis).
 
     ``keyed_keep_mask`` over the whole grid, moved to ``xp`` on ``device``:
-    entry ``(..., i, j)`` is kept with probability ``1 - p``.
+    entry ``(..., i, j)`` is kept with probability ``1 - p``. On CuPy the same
+    integer hash runs on the device (the same bits, without hashing every
+    entry on the host and copying the mask over).
     """
     key = _check_draw(key, p)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or not all(
@@ -442,6 +457,14 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
         return from_numpy(keep.reshape(shape), xp, device)
     lead = [np.arange(n).reshape((n,) + (1,) * (len(shape) - 3 - a))
             for a, n in enumerate(shape[:-2])]  # one coordinate array per leading axis
+    if backend_name(xp) == "cupy":  # drawn on the device: no host hash, no copy of the mask
+        import cupy
+
+        # device: a cupy.cuda.Device, its number, or None (the current one)
+        with cupy.cuda.Device(getattr(device, "id", device)):
+            out = cupy.empty(shape, dtype=cupy.bool_)
+            return _draw_keep(cupy, key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]), out,
+                              DEVICE_KEEP_SLAB)
     keep = keyed_keep_mask(key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]))
     return from_numpy(np.array(np.broadcast_to(keep, shape)), xp, device)  # a writable copy
 

@@ -83,3 +83,80 @@ def test_parity_script_dry_run_numpy():
     errs = gpu_parity.compare(got, f64)
     assert 0.0 < max(errs.values()) <= gpu_parity.TOLERANCE["float32"]
     assert gpu_parity.main(["--backend", "no_such_backend"]) == 2
+
+
+def test_parity_script_every_impl_and_case_on_numpy(tmp_path, monkeypatch):
+    """Every option case and implementation runs through the script (numpy against numpy);
+    the NumPy kernel's refusals are reported, and a zero tolerance fails on rounding alone."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import gpu_parity
+    finally:
+        sys.path.remove(SCRIPTS)
+    import json
+
+    monkeypatch.setattr(gpu_parity, "BENCHMARK_SHAPES", [(2, 16, 32, 4, True)])  # small, causal
+    out = tmp_path / "parity.json"
+    argv = ["--backend", "numpy", "--dtype", "float64", "--max-len", "128",
+            "--impl", "blocked,numpy", "--cases", "all", "--json", str(out)]
+    assert gpu_parity.main(argv) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {(r["case"], r["impl"]) for r in records} == {
+        (c, i) for c in gpu_parity.CASES for i in ("blocked", "numpy")}
+    ran = [r for r in records if "errors" in r]
+    assert all(max(r["errors"].values()) <= 1e-13 for r in ran)
+    refused = {r["case"] for r in records if "refused" in r}
+    assert refused == {"alibi", "softcap", "sinks", "segments"}  # the kernel's documented refusals
+    # the reference against the NumPy kernel differs by rounding: a zero tolerance fails
+    assert gpu_parity.main(["--backend", "numpy", "--dtype", "float64", "--max-len", "128",
+                            "--impl", "reference", "--tol", "0"]) == 1
+    assert gpu_parity.main(["--backend", "numpy", "--cases", "plain,nope"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 8, 300, 260), (4, 1000)])
+def test_cupy_keep_mask_is_drawn_on_the_device_with_the_host_bits(cp_xp, shape, monkeypatch):
+    """keep_mask on CuPy hashes on the device: a CuPy array with exactly NumPy's bits, at the
+    default slab and at slabs of a few rows."""
+    import cupy
+
+    from npattn import backend as npb
+
+    key = (0x1234_5678 << 32) | 0x9ABC_DEF0
+    host = npb.keep_mask(key, 0.3, shape, np)
+    for slab in (npb.DEVICE_KEEP_SLAB, 3 * shape[-1]):
+        monkeypatch.setattr(npb, "DEVICE_KEEP_SLAB", slab)
+        got = npb.keep_mask(key, 0.3, shape, cp_xp, cupy.cuda.Device(0))
+        assert isinstance(got, cupy.ndarray) and got.dtype == cupy.bool_ and got.device.id == 0
+        np.testing.assert_array_equal(got.get(), host)
+
+
+def test_the_device_branch_of_keep_mask_with_numpy_standing_in_for_cupy(monkeypatch):
+    """No GPU needed: keep_mask's CuPy branch run with NumPy in CuPy's place (the same array
+    calls) draws keyed_keep_mask's bits, at the default slab and at slabs of a few rows, and
+    enters the device it is given."""
+    import contextlib
+    import types
+
+    from npattn import backend as npb
+
+    entered = []
+
+    @contextlib.contextmanager
+    def device(n=None):
+        entered.append(n)
+        yield
+
+    fake = types.SimpleNamespace(**{n: getattr(np, n) for n in (
+        "empty", "bool_", "full", "uint32", "asarray", "bitwise_xor", "greater_equal")})
+    fake.cuda = types.SimpleNamespace(Device=device)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(npb, "backend_name", lambda xp: "cupy")
+    key, shape = (0x0BAD_CAFE << 32) | 0xDEAD_BEEF, (2, 3, 9, 4)
+    lead = [np.arange(2)[:, None], np.arange(3)[None, :]]
+    host = npb.keyed_keep_mask(key, 0.45, lead, np.arange(9), np.arange(4))
+    for slab in (npb.DEVICE_KEEP_SLAB, 2 * 3 * 4 * 2):  # the whole mask; two rows at a time
+        monkeypatch.setattr(npb, "DEVICE_KEEP_SLAB", slab)
+        np.testing.assert_array_equal(npb.keep_mask(key, 0.45, shape, np, types.SimpleNamespace(id=1)), host)
+    assert npb.keep_mask(key, 0.45, shape, np).shape == shape
+    assert entered == [1, 1, None]
