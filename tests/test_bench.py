@@ -432,3 +432,30 @@ def test_the_gpu_table_shows_torch_device_memory_in_place_of_host_rss():
     assert len(line) == len(header)
     assert line.split()[7] == "125.8"  # the eighth column, where RSS MiB is on the CPU
     assert bench.format_row(_row(), bench.COLUMNS).split()[7] == "1.3"
+
+
+def test_the_cupy_peak_follows_allocations_and_frees(monkeypatch):
+    """No GPU needed: with a stand-in for CuPy's MemoryHook, the step's peak is the most bytes
+    in use at once above the level before it (frees of older arrays lower that level)."""
+    import sys
+    import types
+
+    active = []
+
+    class MemoryHook:
+        def __enter__(self):
+            active.append(self)
+
+        def __exit__(self, *exc):
+            active.remove(self)
+
+    def step():  # what the pool would report: sizes as it rounds them
+        for event, size in [("malloc", 2**20), ("malloc", 3 * 2**20), ("free", 2**20),
+                            ("free", 5 * 2**20), ("malloc", 4 * 2**20), ("malloc", 2**20)]:
+            for hook in active:
+                getattr(hook, f"{event}_postprocess")(device_id=0, mem_size=size, mem_ptr=0, pmem_id=0)
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(MemoryHook=MemoryHook))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert bench._cupy_peak_mib(step, lambda: None) == 4.0  # 1 + 3 MiB, before the frees
+    assert not active

@@ -440,22 +440,34 @@ def _rss_rise_mib(step, sync):
     return (after - before) / 1024.0
 
 
-def _cupy_pool_mib(step, sync):
-    """Peak device memory of one step, MiB: the rise of the bytes CuPy's pool holds.
-
-    The pool keeps every block it has allocated until ``free_all_blocks``, so
-    the bytes it holds after the step, counted from an emptied pool, are the
-    step's peak (rounded up to the pool's block sizes).
-    """
+def _cupy_peak_mib(step, sync):
+    """Peak device memory of one step, MiB: the most bytes CuPy's pool had handed out to
+    arrays during the step, above what it had handed out before (torch's
+    ``max_memory_allocated`` likewise), followed allocation by allocation with a
+    ``cupy.cuda.MemoryHook``. The pool's held bytes are no measure: blocks freed before the
+    step can stay held, in segments that an array still alive shares."""
     import cupy
 
-    pool = cupy.get_default_memory_pool()
+    class Peak(cupy.cuda.MemoryHook):
+        name = "npattn_bench_peak"
+
+        def __init__(self):
+            self.now = self.peak = 0
+
+        def malloc_postprocess(self, **kw):
+            self.now += kw["mem_size"]
+            self.peak = max(self.peak, self.now)
+
+        def free_postprocess(self, **kw):
+            self.now -= kw["mem_size"]
+
     gc.collect()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
-    step()
     sync()
-    return (pool.total_bytes() - before) / 2**20
+    hook = Peak()
+    with hook:
+        step()
+        sync()
+    return hook.peak / 2**20
 
 
 def _torch_cuda_peak_mib(step, sync):
@@ -697,7 +709,7 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
             bar.update(0, f"{shape}: memory")
             m.clear_cache()  # the last timed step's cache: not part of the next step's peak
             if backend_name(xp) == "cupy":
-                peak = _cupy_pool_mib(step, sync)
+                peak = _cupy_peak_mib(step, sync)
                 if tstep:
                     torch_peak = _torch_cuda_peak_mib(tstep, sync)
             else:
