@@ -581,8 +581,8 @@ COLUMNS = (
     ("ratio(min)", "ratio_min", 10, ".2f"),
 )
 
-#: on the GPU (backend cupy): peak MiB is the device memory CuPy's pool held for one step, and
-#: the host RSS column gives way to the device memory torch allocated for its step
+#: on the GPU (backend cupy): peak MiB is the most device memory npattn's step had in arrays at
+#: once, and the host RSS column gives way to torch's step's peak device memory
 GPU_COLUMNS = tuple(("torch MiB", "torch_peak_mib", 9, ".1f") if col[1] == "rss_mib" else col
                     for col in COLUMNS)
 
