@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import zipfile
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
@@ -793,23 +794,23 @@ class MultiHeadAttention:
 
         Reads with ``np.load(..., allow_pickle=False)``. Raises ``ValueError``
         naming what is wrong when the file is not such a file: no or a
-        malformed ``config`` entry, another format or an unknown format
-        version, a configuration the constructor rejects, a parameter
-        missing, unexpected, of the wrong shape or not floating point.
+        malformed ``config`` entry, another format or a ``format_version``
+        other than the JSON integer ``SAVE_VERSION`` (a newer file is said to
+        be newer), a configuration the constructor rejects, a parameter
+        missing, unexpected, of the wrong shape or not floating point, a
+        malformed generator state. A ``path`` that names a directory is an
+        ``IsADirectoryError``, a missing file a ``FileNotFoundError``.
         """
-        check_path(path)
+        check_path(path, load_of="MultiHeadAttention.save")
         label = save_file_label(path)
         entries = read_npz(label, path)
         header = read_save_header(label, entries.get("config"))
-        try:
-            mha = cls(**header["config"], backend=backend)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+        mha = model_from_config(label, cls, header["config"], backend)
         # the dtype the constructor made of the configuration (its default when the file has none)
         mha.params = params_from_save_file(label, entries, mha.params, xp=mha.xp, dtype=mha.dtype,
                                            saved_dtype=V.dtype_name(mha.dtype))
         mha.train(header["training"])
-        set_rng_state(label, mha._rng, header["rng_state"])
+        set_rng_state(f"{label}: rng_state", mha._rng, header.get("rng_state"))  # None: no state saved
         return mha
 
     def _config(self) -> dict:
@@ -1262,9 +1263,19 @@ def backend_from_ref(ref: str) -> Any:
     return resolve_backend(importlib.import_module(ref))
 
 
-def check_path(path: Any) -> None:
-    """``TypeError`` unless ``path`` is a file name or a binary file object."""
-    if isinstance(path, (str, os.PathLike)) or hasattr(path, "read") or hasattr(path, "write"):
+def check_path(path: Any, *, load_of: Optional[str] = None) -> None:
+    """``TypeError`` unless ``path`` is a file name or a binary file object; ``IsADirectoryError``
+    (an ``OSError``, as a missing file's ``FileNotFoundError``) for the name of a directory.
+
+    ``load_of`` is the ``save`` whose files ``load`` reads (``"GPT.save"``); None for ``save``.
+    """
+    if isinstance(path, (str, os.PathLike)):
+        if os.path.isdir(path):  # raised here: NumPy's own error names neither path nor save
+            expected = f"a file written by {load_of}" if load_of else "a file name to write"
+            raise IsADirectoryError(f"path: expected {expected}, got the directory "
+                                    f"{os.fspath(path)!r}")
+        return
+    if hasattr(path, "read") or hasattr(path, "write"):
         return
     raise TypeError(f"path: expected a file name (str or os.PathLike) or a binary file object, "
                     f"got {V.type_name(path)}")
@@ -1320,9 +1331,9 @@ def model_from_save_file(cls: Any, path: Any, *, backend: Any, fmt: str, version
     ``ValueError`` about the file), the parameters set from the file and the
     mode from the header. ``label`` starts the caller's own error messages.
     """
-    check_path(path)
-    label = save_file_label(path)
     writer = f"{cls.__name__}.save"
+    check_path(path, load_of=writer)
+    label = save_file_label(path)
     entries = read_npz(label, path, writer=writer)
     header = read_save_header(label, entries.get("config"), fmt=fmt, version=version, writer=writer)
     config = header["config"]
@@ -1331,14 +1342,30 @@ def model_from_save_file(cls: Any, path: Any, *, backend: Any, fmt: str, version
     if missing or unexpected:
         raise ValueError(f"{label}: expected the configuration keys {list(config_keys)}, "
                          f"missing {missing}, unexpected {unexpected}")
-    try:
-        model = cls(**config, backend=backend)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
+    model = model_from_config(label, cls, config, backend)
     model.params = params_from_save_file(label, entries, model.params, xp=model.xp, dtype=model.dtype,
                                          saved_dtype=config["dtype"])
     model.train(bool(header.get("training", True)))
     return model, header, label
+
+
+def model_from_config(label: str, cls: Any, config: dict, backend: Any) -> Any:
+    """``cls(**config, backend=backend)``; its error a ``ValueError`` about the file, naming the argument.
+
+    The constructors check their sizes' type and sign, not an upper bound: an int past
+    ``sys.maxsize`` fails inside NumPy ("Maximum allowed dimension exceeded", or an
+    ``OverflowError``), naming no argument; such an error is reported as that key's.
+    """
+    try:
+        return cls(**config, backend=backend)
+    except (TypeError, ValueError, OverflowError) as exc:
+        reason = str(exc)
+        huge = [k for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)
+                and v > sys.maxsize]
+        if huge and (isinstance(exc, OverflowError) or reason.partition(": ")[0] not in config):
+            reason = (f"{huge[0]}: expected an int of at most {sys.maxsize} (an array size), "
+                      f"got {config[huge[0]]}")
+        raise ValueError(f"{label}: the saved configuration is not valid: {reason}") from exc
 
 
 def save_file_label(path: Any) -> str:
@@ -1398,11 +1425,16 @@ def read_save_header(label: str, entry: Any, *, fmt: str = SAVE_FORMAT, version:
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise ValueError(f"{label}: expected format {fmt!r} (a file of {writer}), got {got!r}")
     got_version = header.get("format_version")
-    if got_version != version or isinstance(got_version, bool):
-        raise ValueError(
-            f"{label}: expected format_version {version} (the one this npattn reads), got "
-            f"{got_version!r}; a newer npattn may have written it"
-        )
+    if type(got_version) is not int:  # JSON 1.0 is a float and true a bool, both equal to 1
+        raise ValueError(f"{label}: expected format_version {version} (a JSON integer, the one this "
+                         f"npattn reads), got {got_version!r} ({type(got_version).__name__})")
+    if got_version > version:
+        raise ValueError(f"{label}: expected format_version {version} (the one this npattn reads), "
+                         f"got {got_version}: the file is newer than this npattn; load it with the "
+                         f"npattn that wrote it, or a later one")
+    if got_version != version:
+        raise ValueError(f"{label}: expected format_version {version} (the one this npattn reads), "
+                         f"got {got_version}, which no npattn writes")
     for key, kind in (("config", dict), ("training", bool), ("rng_state", (dict, type(None)))):
         if not isinstance(header.get(key), kind):
             raise ValueError(f"{label}: expected {key!r} in the header to be "

@@ -197,22 +197,27 @@ class BlockStack:
         ``ValueError`` naming what was expected and what the file holds for
         another kind of file (another model's, a block's, a
         ``MultiHeadAttention``'s), another version, configuration keys or
-        parameters missing or unexpected, malformed generator states.
+        parameters missing or unexpected, malformed generator states. A
+        ``path`` that names a directory is an ``IsADirectoryError``, a
+        missing file a ``FileNotFoundError``.
         """
         model, header, label = model_from_save_file(cls, path, backend=backend, fmt=cls.SAVE_FORMAT,
                                                     version=cls.SAVE_VERSION,
                                                     config_keys=(*cls.CONFIG_KEYS, "dtype"))
         own_rng = getattr(model, "_rng", None)
         if own_rng is not None:
-            set_rng_state(label, own_rng, header.get("rng_state"))
+            set_rng_state(f"{label}: rng_state", own_rng, header.get("rng_state"))
         states = header.get("block_rng_states")
         if states is not None:
             if not isinstance(states, list) or len(states) != len(model.blocks):
-                raise ValueError(f"{label}: expected {len(model.blocks)} block generator states, got "
-                                 f"{len(states) if isinstance(states, list) else type(states).__name__}")
-            for block, state in zip(model.blocks, states):
+                got = (f"a list of {len(states)}" if isinstance(states, list)
+                       else f"{states!r} ({type(states).__name__})")
+                raise ValueError(f"{label}: expected 'block_rng_states' in the header to be null or a "
+                                 f"list of {len(model.blocks)} generator states (one per block), got {got}")
+            for n, (block, state) in enumerate(zip(model.blocks, states)):
                 try:
                     block.rng_state = state
-                except ValueError as exc:
-                    raise ValueError(f"{label}: {exc}") from exc
+                except ValueError as exc:  # the setter's message names its argument, rng_state
+                    reason = str(exc).removeprefix("rng_state: ")
+                    raise ValueError(f"{label}: block_rng_states[{n}]: {reason}") from exc
         return model

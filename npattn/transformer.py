@@ -718,11 +718,12 @@ class _Block:
         file), an unknown ``format_version``, configuration keys missing or
         unexpected, a configuration the constructor rejects (bfloat16 on a
         backend without it), a parameter missing, unexpected, of another shape
-        or dtype, a malformed generator state.
+        or dtype, a malformed generator state. A ``path`` that names a
+        directory is an ``IsADirectoryError``, a missing file a ``FileNotFoundError``.
         """
         block, header, label = model_from_save_file(cls, path, backend=backend, fmt=cls.SAVE_FORMAT,
                                                     version=SAVE_VERSION, config_keys=CONFIG_KEYS)
-        set_rng_state(label, block._rng, header.get("rng_state"))
+        set_rng_state(f"{label}: rng_state", block._rng, header.get("rng_state"))
         return block
 
     def _config(self) -> dict:

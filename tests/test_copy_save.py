@@ -248,3 +248,150 @@ def test_load_of_a_config_without_dtype_takes_the_default_dtype(tmp_path):
         else:
             with pytest.raises(ValueError, match="expected dtype float32.*got float64"):
                 MultiHeadAttention.load(path)
+
+
+# ------------------------------------------------------------ malformed files, every model's load
+# MultiHeadAttention, the blocks, GPT and the classifier read one file layout (module.py's
+# helpers); each case below runs against every one of them.
+
+
+def _saving_models():
+    from npattn.classifier import TransformerClassifier
+    from npattn.gpt import GPT
+    from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+
+    return {
+        "MultiHeadAttention": lambda: MultiHeadAttention(8, 2, kdim=5, dropout=0.1, seed=0),
+        "TransformerBlock": lambda: TransformerBlock(8, 2, 16, dropout=0.1, seed=0),
+        "TransformerDecoderBlock": lambda: TransformerDecoderBlock(8, 2, 16, dropout=0.1, seed=0),
+        "GPT": lambda: GPT(7, 5, 8, 2, 2, dropout=0.1, seed=0),
+        "TransformerClassifier": lambda: TransformerClassifier(3, 4, 2, 8, 2, 2, dropout=0.1, seed=0),
+    }
+
+
+SAVING_MODELS = sorted(_saving_models())
+
+
+def _saved(tmp_path, name):
+    """A fresh model of class ``name``, saved: (its class, the file)."""
+    model = _saving_models()[name]()
+    path = tmp_path / f"{name}.npz"
+    model.save(path)
+    return type(model), path
+
+
+def _edit_json(**changes):
+    """An edit for ``_rewrite``: header keys set (``config.<key>`` for the configuration's);
+    the value ``_DROP`` removes the key."""
+    def edit(entries):
+        header = json.loads(str(entries["config"]))
+        for key, value in changes.items():
+            where, key = (header["config"], key[7:]) if key.startswith("config.") else (header, key)
+            if value is _DROP:
+                where.pop(key)
+            else:
+                where[key] = value
+        entries["config"] = np.array(json.dumps(header))
+
+    return edit
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("name", SAVING_MODELS)
+def test_a_directory_path_is_an_is_a_directory_error_naming_path(tmp_path, name):
+    """``load`` of a directory raised NumPy's bare "[Errno 21] Is a directory" from inside
+    ``np.load``; now an IsADirectoryError (an OSError, as a missing file's FileNotFoundError)
+    that names ``path``, the save that writes such files and the directory. ``save`` too."""
+    cls, _ = _saved(tmp_path, name)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for given in (folder, str(folder)):
+        with pytest.raises(IsADirectoryError) as info:
+            cls.load(given)
+        assert str(info.value) == (f"path: expected a file written by {cls.__name__}.save, "
+                                   f"got the directory {str(folder)!r}")
+    with pytest.raises(IsADirectoryError, match="^path: expected a file name to write, got the directory"):
+        _saving_models()[name]().save(folder)
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", SAVING_MODELS)
+@pytest.mark.parametrize("version, fragments", [
+    (1.0, ("a JSON integer", "got 1.0 (float)")),  # json.loads("1.0") == 1 in Python: it loaded
+    (True, ("a JSON integer", "got True (bool)")),  # bool is an int subclass
+    ("1", ("a JSON integer", "got '1' (str)")),
+    (None, ("a JSON integer", "got None")),
+    (_DROP, ("a JSON integer", "got None")),
+    (0, ("got 0", "which no npattn writes")),
+    (-1, ("got -1", "which no npattn writes")),
+    (SAVE_VERSION + 1, (f"got {SAVE_VERSION + 1}", "newer than this npattn")),
+])
+def test_format_version_must_be_the_json_integer_this_npattn_reads(tmp_path, name, version, fragments):
+    cls, good = _saved(tmp_path, name)
+    path = _rewrite(good, tmp_path / "edited.npz", _edit_json(format_version=version))
+    with pytest.raises(ValueError) as info:
+        cls.load(path)
+    msg = str(info.value)
+    assert msg.startswith(f"load: {str(path)!r}: expected format_version {SAVE_VERSION} ("), msg
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg}"
+    cls.load(good)  # the unedited file loads
+
+
+@pytest.mark.parametrize("name, key", [
+    ("MultiHeadAttention", "d_model"), ("MultiHeadAttention", "kdim"), ("TransformerBlock", "d_ff"),
+    ("TransformerDecoderBlock", "d_model"), ("GPT", "n_layer"), ("GPT", "vocab_size"),
+    ("TransformerClassifier", "n_layers"),
+])
+def test_a_saved_size_too_large_for_an_array_is_refused_by_name(tmp_path, name, key):
+    """d_model = 2**70 failed inside NumPy ("Maximum allowed dimension exceeded", no argument
+    named) and GPT's n_layer = 2**70 with an OverflowError from SeedSequence.spawn."""
+    cls, good = _saved(tmp_path, name)
+    path = _rewrite(good, tmp_path / "edited.npz", _edit_json(**{f"config.{key}": 2**70}))
+    with pytest.raises(ValueError, match=rf"configuration is not valid: {key}: expected an int of at "
+                                         rf"most \d+ \(an array size\), got {2**70}$"):
+        cls.load(path)
+
+
+@pytest.mark.parametrize("name", ["GPT", "TransformerClassifier"])
+@pytest.mark.parametrize("states, fragment", [
+    ("x", "got 'x' (str)"),
+    ([{}], "got a list of 1"),
+    ([None, None], "block_rng_states[0]: expected a state read from rng_state, got None"),
+    (["x", "x"], "block_rng_states[0]: the saved dropout generator state is not valid"),
+])
+def test_block_generator_state_errors_name_block_rng_states(tmp_path, name, states, fragment):
+    """They said "expected 2 block generator states, got str" and "rng_state: expected a state
+    read from rng_state": neither names the header's key."""
+    cls, good = _saved(tmp_path, name)
+    path = _rewrite(good, tmp_path / "edited.npz", _edit_json(block_rng_states=states))
+    with pytest.raises(ValueError) as info:
+        cls.load(path)
+    assert "block_rng_states" in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+_WRONG_VALUES = [_DROP, None, "x", 1.5, -3, 2**70, [1], {}]
+
+
+@pytest.mark.parametrize("name", SAVING_MODELS)
+def test_every_malformed_header_value_loads_or_is_a_value_error(tmp_path, name):
+    """A sweep: each key of the header and of the configuration dropped or set to a value of
+    another type. Each file loads (a default, a value the constructor takes) or raises a
+    ValueError naming the file; MultiHeadAttention.load of a header without rng_state raised
+    KeyError('rng_state'), a huge GPT n_layer an OverflowError."""
+    cls, good = _saved(tmp_path, name)
+    header = json.loads(str(np.load(good)["config"]))
+    keys = [k for k in header if k != "config"] + [f"config.{k}" for k in header["config"]]
+    path = tmp_path / "edited.npz"
+    for key in keys:
+        for value in _WRONG_VALUES:
+            _rewrite(good, path, _edit_json(**{key: value}))
+            try:
+                cls.load(path)
+            except ValueError as exc:
+                assert str(exc).startswith(f"load: {str(path)!r}: "), (key, value, exc)
+            except Exception as exc:  # noqa: BLE001 (the point of the sweep)
+                pytest.fail(f"{key}={'dropped' if value is _DROP else repr(value)}: "
+                            f"{type(exc).__name__}: {exc}")
