@@ -162,6 +162,12 @@ class LayerNormCache(NamedTuple):
     dtype: Any  #: dtype of x (and of dx)
 
 
+def _square_safe(xp: Any, dtype: Any, D: int) -> float:
+    """Largest ``max|xc|`` whose ``sum(xc^2)`` over ``D`` entries cannot overflow ``dtype``
+    (halved for rounding)."""
+    return math.sqrt(float(xp.finfo(dtype).max) / (2.0 * D))
+
+
 def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
                        ) -> tuple[Any, LayerNormCache]:
     """Layer normalisation over the last axis, as ``torch.nn.functional.layer_norm(x, (D,), ...)``.
@@ -174,6 +180,13 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     4. ``rstd = 1 / sqrt(var + eps)``                     [..., 1]
     5. ``xhat = xc * rstd``                               [..., D]
     6. ``y = xhat * weight + bias``                       [..., D]
+
+    A row whose squares could overflow (``max|xc| > sqrt(finfo.max / (2 D))``,
+    about 1e17 in float32 at D = 4096) runs steps 3-5 in units of
+    ``s = max|xc|``, with ``eps`` still added in x's units, so a float32 row
+    of 1e20s is normalised as the same row divided by 1e20; every other row
+    computes the steps exactly as written. NaN or inf in a row gives NaN,
+    as does a row whose sum overflows in step 1 (entries near finfo.max / D).
 
     Parameters
     ----------
@@ -194,9 +207,16 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     xc32 = _compute(xp, x)  # [..., D]
     mu = xp.mean(xc32, axis=-1, keepdims=True)  # 1.  [..., 1]
     xc = xc32 - mu  # 2.                                [..., D]
-    var = xp.mean(xc * xc, axis=-1, keepdims=True)  # 3. [..., 1]
-    rstd = 1.0 / xp.sqrt(var + float(eps))  # 4.        [..., 1]
-    xhat = xc * rstd  # 5.                              [..., D]
+    # 3.-5. in units of s, xs = xc / s: s = max|xc| in a row whose xc^2 could overflow (there
+    # mean(xs^2) lies in [1/D, 1], and eps / s^2 underflows only where it is negligible next to
+    # it); s = 1 in every other row, which so computes the quoted lines exactly (a NaN row too)
+    amax = xp.max(xp.abs(xc), axis=-1, keepdims=True)  # [..., 1]
+    s = xp.where(amax > _square_safe(xp, xc.dtype, int(xc.shape[-1])), amax, 1.0)  # [..., 1]
+    xs = xc / s  # [..., D]
+    var_s = xp.mean(xs * xs, axis=-1, keepdims=True)  # 3. var / s^2,       [..., 1]
+    rstd_s = 1.0 / xp.sqrt(var_s + float(eps) / s / s)  # 4. s * rstd,    [..., 1]
+    rstd = rstd_s / s  # [..., 1]
+    xhat = xs * rstd_s  # 5. xc * rstd,                 [..., D]
     y = xhat  # 6.                                      [..., D]
     if weight is not None:
         y = y * _compute(xp, weight)
@@ -254,6 +274,8 @@ def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any
     g = d if w is None else d * _compute(xp, w)  # dxhat = g, [..., D]
     # 5. xhat = xc * rstd; 4. rstd = 1 / sqrt(var + eps); 3. var = mean(xc^2);
     # 2. xc = x - mu; 1. mu = mean(x). Through xc, rstd and mu together (docs/layers.md):
+    # (rstd is in x's units and finite for a finite row, 1e-20 for a row of 1e20s: nothing
+    # below squares x, so nothing overflows)
     g_mean = xp.mean(g, axis=-1, keepdims=True)  # [..., 1]
     gx_mean = xp.mean(g * xhat, axis=-1, keepdims=True)  # [..., 1]
     dx = rstd * (g - g_mean - xhat * gx_mean)  # [..., D]

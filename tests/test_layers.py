@@ -84,6 +84,52 @@ def test_layer_norm_gradients(xp, to_xp, affine):
     assert_ok(report)
 
 
+def test_layer_norm_gradients_of_rows_whose_squares_overflow(xp, to_xp, to_np):
+    # float64 rows of 1e160s (xc^2 ~ 1e320 overflows): a step of 1e-6 of the row's scale
+    rng = np.random.default_rng(11)
+    x1 = 1.5 * rng.standard_normal((2, 3, 5)) + 0.7  # [2, 3, 5]
+    x, w, b = to_xp(1e160 * x1), to_xp(rng.standard_normal(5)), to_xp(rng.standard_normal(5))
+    report = gradcheck(lambda x, w, b: L.layer_norm_forward(x, w, b, eps=1e-5), L.layer_norm_backward,
+                       [x, w, b], names=["x", "weight", "bias"], seed=11, eps=1e154)
+    assert_ok(report)
+    # and the values are those of x / 1e160, with eps / 1e320 (below any rounding of var ~ 1)
+    y, _ = L.layer_norm_forward(x, w, b, eps=1e-5)
+    y1, _ = L.layer_norm_forward(to_xp(x1), w, b, eps=1e-300)
+    np.testing.assert_allclose(to_np(y), to_np(y1), rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e36])
+def test_layer_norm_of_huge_float32_rows_is_that_of_the_rows_rescaled(xp, to_xp, to_np, scale):
+    # a row normalises as the row / scale with eps / scale^2 (which is what layer norm is,
+    # up to rounding); the reference runs in float64 on rows of ordinary size
+    rng = np.random.default_rng(12)
+    base = np.array([[1.0, -1.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0],
+                     [0.5, -4.0, 1.25, 7.0], [-1e-3, 2e-3, 0.0, 1e-3]])  # [4, 4], one constant row
+    dtype = np.float32
+    x = (base * scale).astype(dtype)  # [4, 4]
+    w, b, dout = (rng.standard_normal(n).astype(dtype) for n in (4, 4, (4, 4)))
+    eps = 1e-5
+    y, cache = L.layer_norm_forward(to_xp(x), to_xp(w), to_xp(b), eps=eps)
+    dx, dw, db = L.layer_norm_backward(to_xp(dout), cache)
+    x1, w1, b1, dout1 = (a.astype(np.float64) for a in (x, w, b, dout))
+    y1, c1 = L.layer_norm_forward(to_xp(x1 / scale), to_xp(w1), to_xp(b1), eps=eps / scale**2)
+    dx1, dw1, db1 = L.layer_norm_backward(to_xp(dout1), c1)
+    tol = 8 * 2.0**-23  # 8 float32 ulps
+    np.testing.assert_allclose(to_np(y), to_np(y1), rtol=tol, atol=tol)
+    np.testing.assert_allclose(to_np(cache.rstd).astype(np.float64) * scale, to_np(c1.rstd), rtol=tol)
+    dx, dx1 = to_np(dx).astype(np.float64) * scale, to_np(dx1)  # [4, 4] each
+    assert np.all(np.abs(dx - dx1) <= tol * np.abs(dx1).max(axis=-1, keepdims=True)), (dx, dx1)
+    np.testing.assert_allclose(to_np(dw), to_np(dw1), rtol=tol, atol=tol)
+    np.testing.assert_allclose(to_np(db), to_np(db1), rtol=tol, atol=tol)
+    # a NaN or inf in a row still gives NaN, in that row only
+    for bad in (np.nan, np.inf):
+        xb = x.copy()
+        xb[1, 2] = bad
+        with np.errstate(invalid="ignore"):  # inf - inf in that row's xc
+            yb = to_np(L.layer_norm_forward(to_xp(xb), eps=eps)[0])
+        assert np.isnan(yb[1]).all() and np.isfinite(np.delete(yb, 1, axis=0)).all()
+
+
 def test_layer_norm_backward_formula_sizes(xp, to_xp):
     rng = np.random.default_rng(2)
     x, w, b = to_xp(rng.standard_normal((4, 6))), to_xp(rng.standard_normal(6)), to_xp(rng.standard_normal(6))
