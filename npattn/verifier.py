@@ -150,6 +150,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -315,6 +316,8 @@ class VerifyReport:
 
     config: dict
     results: list
+    #: verify's ``flags``: the summary names the command's flags, not the keywords
+    flags: Optional[Mapping] = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -371,7 +374,9 @@ class VerifyReport:
         n_deg = sum(1 for r in self.results if r.status == "degenerate")
         c = self.config
         what = "out" + (", lse" if c.get("returns_lse") else "") + \
-            (", gradients" if c.get("gradients") else " (no gradients: give backward= or autograd=)")
+            (", gradients" if c.get("gradients") else
+             f" (no gradients: give {_setting('backward', ..., self.flags)} or "
+             f"{_setting('autograd', ..., self.flags)})")
         if c.get("lse_grad"):
             what += " with dlse"
         n_mask = sum(1 for r in self.results if "mask_float" in r.case.options)
@@ -382,7 +387,8 @@ class VerifyReport:
             elif c.get("mask_grad") is False:
                 what += ", no dmask (mask_grad=False)"
             else:
-                what += ", no dmask (none given; mask_grad=True requires it)"
+                what += (f", no dmask (none given; {_setting('mask_grad', True, self.flags)} "
+                         f"requires it)")
         verdict = "FAILED" if n_fail else "passed"
         return (f"{c.get('target', 'fn')}: {verdict}: {n - n_fail}/{n} cases pass ({n_deg} with a "
                 f"degenerate tensor), {what}; {c.get('layout')} {c.get('dtype')} on "
@@ -793,6 +799,7 @@ class _Config:
     supports: tuple = ()
     mask_grad: Optional[bool] = None
     lse_grad: bool = False
+    flags: Optional[Mapping] = None  # verify's flags=: how messages name its keywords
 
     @property
     def gradients(self) -> bool:
@@ -846,7 +853,8 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
         if isinstance(result, (tuple, list)):
             raise TypeError(f"fn: expected it to return out, an array, got a "
                             f"{type(result).__name__} of {len(result)}; "
-                            "a kernel that returns (out, lse) needs returns_lse=True")
+                            "a kernel that returns (out, lse) needs "
+                            f"{_setting('returns_lse', True, cfg.flags)}")
         return _checked_out(result), None, ()
     if not isinstance(result, (tuple, list)) or len(result) < n_head:
         want = "(out, lse" if cfg.returns_lse else "(out"
@@ -854,7 +862,8 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
         raise TypeError(f"fn: expected it to return {want}, got {type(result).__name__}")
     saved = tuple(result[n_head:])
     if cfg.backward is None and saved:
-        raise TypeError(f"fn: expected it to return (out, lse) with returns_lse=True, got a "
+        raise TypeError(f"fn: expected it to return (out, lse) with "
+                        f"{_setting('returns_lse', True, cfg.flags)}, got a "
                         f"{type(result).__name__} of {len(result)}")
     return _checked_out(result[0]), (result[1] if cfg.returns_lse else None), saved
 
@@ -1279,7 +1288,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         result.error = f"{type(exc).__name__}: {exc}"
         if not _rejected_return(exc):  # verify's own frames say nothing about the kernel
             result.traceback = "".join(traceback.format_exception(exc))
-        result.hint = _raise_hint(exc)
+        result.hint = _raise_hint(exc, cfg.flags)
         result.tensors = {n: TensorResult(n, math.inf, 0.0, 0.0, 0.0, 0.0, "fail", "raised")
                           for n in _checked(cfg, case)}
         result.seconds = time.perf_counter() - start
@@ -1357,14 +1366,15 @@ def _rejected_return(exc: BaseException) -> bool:
             and bool(frames) and frames[-1].filename == __file__)
 
 
-def _raise_hint(exc: BaseException) -> str:
+def _raise_hint(exc: BaseException, flags: Optional[Mapping] = None) -> str:
     text = str(exc)
     if isinstance(exc, TypeError) and "'dlse'" in text:
-        return ("backward does not take dlse=: with lse_grad=True it is called as "
-                "backward(dout, *saved, dlse=dlse)")
+        return (f"backward does not take dlse=: with {_setting('lse_grad', True, flags)} it is "
+                "called as backward(dout, *saved, dlse=dlse)")
     if isinstance(exc, TypeError) and "keyword" in text:
-        return ("fn does not take a keyword of this case: rename or drop it with adapter= "
-                "(e.g. adapter={'is_causal': 'causal', 'align': None})")
+        example = {"is_causal": "causal", "align": None}
+        return ("fn does not take a keyword of this case: rename or drop it with "
+                f"{_setting('adapter', ..., flags)} (e.g. {_setting('adapter', example, flags)})")
     if isinstance(exc, TypeError) and text.startswith(("fn: expected", "backward: ")):
         return "what fn or backward returned is not what verify reads: see the error"
     frames = traceback.extract_tb(exc.__traceback__)
@@ -1381,6 +1391,23 @@ def _raise_hint(exc: BaseException) -> str:
 
 # --------------------------------------------------------------------------
 # the entry point
+
+
+def _setting(name: str, value: Any, flags: Optional[Mapping] = None) -> str:
+    """How a message names verify's keyword ``name`` set to ``value`` (``...``: the keyword
+    alone): ``name=value`` for Python callers; with ``flags`` (verify's ``flags=``, the
+    command line's) the flag: ``--name`` for a switch or the keyword alone, else
+    ``--name value`` as a shell would take it."""
+    flag = (flags or {}).get(name)
+    if flag is None:
+        return f"{name}=" if value is ... else f"{name}={value!r}"
+    if value is ... or value is True:
+        return flag
+    if isinstance(value, Mapping):
+        value = json.dumps(value)
+    elif isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    return f"{flag} {shlex.quote(str(value))}"
 
 
 def _describe_callable(f: Any) -> str:
@@ -1441,23 +1468,26 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
 
 
 def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: bool, gradients: bool,
-                     supports: tuple) -> None:
+                     supports: tuple, flags: Optional[Mapping] = None) -> None:
     if not (mask_grad is None or isinstance(mask_grad, bool)):
         raise ValueError(f"mask_grad: expected None, True or False, got {mask_grad!r}")
     if not isinstance(lse_grad, bool):
         raise ValueError(f"lse_grad: expected True or False, got {lse_grad!r}")
+    on = "" if flags else "True "  # "mask_grad: True checks...", "--mask-grad: checks..."
+    gradients_from = f"{_setting('backward', ..., flags)} or {_setting('autograd', ..., flags)}"
     if mask_grad is True and not gradients:
-        raise ValueError("mask_grad: True checks the gradient of the mask, which needs "
-                         "gradients (give backward= or autograd=)")
+        raise ValueError(f"mask_grad: {on}checks the gradient of the mask, which needs "
+                         f"gradients (give {gradients_from})")
     if mask_grad is True and "mask_float" not in supports:
-        raise ValueError(f"mask_grad: True checks the dmask of float masks, but supports does "
-                         f"not declare 'mask_float' (supports={list(supports)})")
+        raise ValueError(f"mask_grad: {on}checks the dmask of float masks, but "
+                         f"{(flags or {}).get('supports', 'supports')} does "
+                         f"not declare 'mask_float' ({_setting('supports', list(supports), flags)})")
     if lse_grad and not gradients:
-        raise ValueError("lse_grad: True passes dlse to the gradients, which needs backward= or "
-                         "autograd=")
+        raise ValueError(f"lse_grad: {on}passes dlse to the gradients, which needs "
+                         f"{gradients_from}")
     if lse_grad and not returns_lse:
-        raise ValueError("lse_grad: True needs returns_lse=True (dlse is the gradient of the "
-                         "lse your function returns)")
+        raise ValueError(f"lse_grad: {on}needs {_setting('returns_lse', True, flags)} (dlse is "
+                         "the gradient of the lse your function returns)")
 
 
 def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any = True,
@@ -1523,6 +1553,7 @@ def verify(
     target: Optional[str] = None,
     backward_target: Optional[str] = None,
     adapter_target: Optional[str] = None,
+    flags: Optional[Mapping] = None,
 ) -> VerifyReport:
     """Check the attention ``fn`` against npattn over a panel of cases.
 
@@ -1608,6 +1639,10 @@ def verify(
         How to name ``backward`` and a callable ``adapter`` in the report
         (default ``module:qualname``; the CLI gives them as its user wrote them,
         a file's path included). A mapping adapter is reported as the mapping.
+    flags : mapping, optional
+        How messages name verify's keywords, e.g. ``{"returns_lse": "--returns-lse"}``
+        (the CLI gives its flags): "needs --returns-lse" where a Python caller reads
+        "needs returns_lse=True". Messages name the keywords by default.
 
     Returns
     -------
@@ -1619,12 +1654,13 @@ def verify(
         raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type(fn).__name__}")
     supports = check_supports(supports)
     _check_grad_args(mask_grad, lse_grad, bool(returns_lse),
-                     backward is not None or autograd is not None, supports)
+                     backward is not None or autograd is not None, supports, flags)
     lib_name = _library_name(backend)
-    if autograd == "torch" and lib_name != "torch":
-        raise ValueError(f"autograd: 'torch' needs backend='torch', got backend={lib_name!r}")
-    if autograd == "jax" and lib_name != "jax":
-        raise ValueError(f"autograd: 'jax' needs backend='jax', got backend={lib_name!r}")
+    for library in ("torch", "jax"):
+        if autograd == library and lib_name != library:
+            head = "" if flags else f"{library!r} "  # "autograd: 'torch' needs", "--autograd: needs"
+            raise ValueError(f"autograd: {head}needs {_setting('backend', library, flags)}, got "
+                             f"{_setting('backend', lib_name, flags)}")
     if device is not None and lib_name == "numpy":
         raise ValueError(f"device: expected None with backend='numpy' (NumPy arrays live on the "
                          f"host), got {device!r}")
@@ -1639,7 +1675,7 @@ def verify(
     chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
                   int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports,
-                  mask_grad, lse_grad)
+                  mask_grad, lse_grad, flags)
     name = target or _describe_callable(fn)
     config = {"target": name, "layout": layout, "dtype": dtype, "supports": list(supports),
               "backend": lib_name, "device": None if device is None else str(device),
@@ -1661,7 +1697,7 @@ def verify(
         results.append(_run_case(case, cfg, rep))
         if progress is not None:
             progress(i + 1, len(chosen), case.name)
-    return VerifyReport(config, results)
+    return VerifyReport(config, results, flags)
 
 
 def _python_ref(desc: str, f: Any, default: str, unbound: list) -> str:

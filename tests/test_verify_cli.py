@@ -74,7 +74,7 @@ def test_mask_grad_and_lse_grad_flags_reach_the_check_and_the_reproducer(capsys)
     assert cli.main([a for a in argv if a != "--lse-grad"]) == 0
     capsys.readouterr()
     assert V.main([f"{KERNELS}:attention", "--lse-grad"]) == 2  # no --returns-lse, no backward
-    assert "--lse-grad: True" in capsys.readouterr().err
+    assert "--lse-grad: passes dlse to the gradients" in capsys.readouterr().err
 
 
 def test_json_to_stdout_and_list(capsys):
@@ -150,7 +150,8 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
     ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints >= 1"),
     ([f"{KERNELS}:attention", "--supports", "dv_ne_dk", "--head-dims", "64"],
      "--head-dims: expected two different widths or more under dv_ne_dk"),
-    ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"], "autograd: 'jax' needs"),
+    ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"],
+     "--autograd: needs --backend jax, got --backend torch"),
     ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
     # a JSON list was looked up as a name in the target's module ("has no attribute '[1]'")
     ([f"{KERNELS}:attention", "--adapter", '["mask"]'],
@@ -278,6 +279,32 @@ def test_a_return_verify_cannot_read_is_not_said_to_be_raised_by_the_kernel(tmp_
     out = capsys.readouterr().out
     assert "got a tuple of 4" in out and "not what verify reads" in out
     assert "    at: " not in out and "verifier.py" not in out and "fn raised" not in out
+
+
+def test_messages_name_the_flags_not_the_keywords(tmp_path, capsys):
+    """Verify's own messages name the flag a CLI user types: 'needs returns_lse=True' was shown
+    in a case, 'lse_grad: True needs returns_lse=True' before the panel, and 'give backward= or
+    autograd=' in the summary; the Python API keeps the keywords (tests/test_verify.py)."""
+    (tmp_path / "pair.py").write_text("def f(q, k, v, **kw):\n    return q, q[..., 0]\n")
+    target = f"{tmp_path / 'pair.py'}:f"
+    assert cli.main(["verify", target, "--case", "base-1x65", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "a kernel that returns (out, lse) needs --returns-lse" in out
+    assert "(no gradients: give --backward or --autograd)" in out
+    assert "returns_lse" not in out and "backward=" not in out
+    for argv, message in (
+            (["--lse-grad", "--backward", "f"], "--lse-grad: needs --returns-lse (dlse"),
+            (["--lse-grad", "--returns-lse"],
+             "--lse-grad: passes dlse to the gradients, which needs --backward or --autograd"),
+            (["--mask-grad", "--backward", "f"],
+             "--mask-grad: checks the dmask of float masks, but --supports does not declare "
+             "'mask_float' (--supports '')"),
+            (["--mask-grad", "--supports", "mask_float"],
+             "--mask-grad: checks the gradient of the mask, which needs gradients (give "
+             "--backward or --autograd)")):
+        assert cli.main(["verify", target, *argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "_lse" not in err and "_grad" not in err, err
 
 
 def test_json_dash_holds_the_json_alone_when_the_kernel_prints(tmp_path, capsys):

@@ -318,7 +318,7 @@ def _run(args) -> int:
                                    command=_command(args), target=args.target,
                                    backward_target=_named(args.backward, args.target),
                                    adapter_target=None if isinstance(adapter, dict)
-                                   else _named(args.adapter, args.target))
+                                   else _named(args.adapter, args.target), flags=FLAGS)
         except ImportError as exc:  # the library of --backend (or of --autograd) is missing
             needs = f"--backend {args.backend}" + (f", --autograd {args.autograd}" if args.autograd else "")
             raise UsageError(f"{needs}: {type(exc).__name__}: {exc}") from None
