@@ -281,6 +281,20 @@ def test_a_return_verify_cannot_read_is_not_said_to_be_raised_by_the_kernel(tmp_
     assert "    at: " not in out and "verifier.py" not in out and "fn raised" not in out
 
 
+def test_usage_errors_read_as_the_others_without_a_class_name(tmp_path, capsys):
+    """An argument verify refuses read 'npattn verify: TypeError: --adapter: ...'; now as every
+    other usage error, 'npattn verify: --adapter: ...', exit 2."""
+    (tmp_path / "adapters.py").write_text("NUMBER = 3\n")
+    for argv, head in (
+            (["--adapter", f"{tmp_path / 'adapters.py'}:NUMBER"], "--adapter: expected None, a mapping"),
+            (["--adapter", '{"nope": "x"}'], "--adapter: expected keys from npattn's keywords"),
+            (["--backend", "torch", "--autograd", "jax"], "--autograd: needs --backend jax")):
+        assert cli.main(["verify", f"{KERNELS}:attention", *argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"npattn verify: {head}"), err
+        assert "Error:" not in err, err
+
+
 def test_messages_name_the_flags_not_the_keywords(tmp_path, capsys):
     """Verify's own messages name the flag a CLI user types: 'needs returns_lse=True' was shown
     in a case, 'lse_grad: True needs returns_lse=True' before the panel, and 'give backward= or

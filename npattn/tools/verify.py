@@ -322,8 +322,8 @@ def _run(args) -> int:
         except ImportError as exc:  # the library of --backend (or of --autograd) is missing
             needs = f"--backend {args.backend}" + (f", --autograd {args.autograd}" if args.autograd else "")
             raise UsageError(f"{needs}: {type(exc).__name__}: {exc}") from None
-        except (ValueError, TypeError) as exc:
-            raise UsageError(f"{type(exc).__name__}: {exc}") from None
+        except (ValueError, TypeError) as exc:  # its message names the flag: no class name
+            raise UsageError(str(exc)) from None
         finally:
             bar.close()
     text = report.format()
