@@ -135,8 +135,8 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([f"{KERNELS}:nope"], f"target: {os.path.relpath(KERNELS)!r} has no attribute 'nope'"),
-    ([f"{KERNELS}:attention", "--backward", "nope"], f"--backward: {os.path.relpath(KERNELS)!r} has no"),
+    ([f"{KERNELS}:nope"], f"target: {KERNELS!r} has no attribute 'nope'"),
+    ([f"{KERNELS}:attention", "--backward", "nope"], f"--backward: {KERNELS!r} has no"),
     (["no_such_module_xyz:attn"], "cannot import 'no_such_module_xyz'"),
     (["attention"], "expected module:attribute"),
     ([f"{KERNELS}:attention", "--supports", "causal,sliding"], "--supports"),
@@ -293,6 +293,26 @@ def test_usage_errors_read_as_the_others_without_a_class_name(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"npattn verify: {head}"), err
         assert "Error:" not in err, err
+
+
+def test_a_file_target_is_named_as_the_user_gave_it(tmp_path, monkeypatch, capsys):
+    """An absolute target with a typo in the attribute was named relative to the current folder
+    ('../../../tmp/.../k.py' has no attribute); now absolute stays absolute, relative relative,
+    for the target and for a bare --backward / --adapter of its module."""
+    (tmp_path / "sub").mkdir()
+    kernel = tmp_path / "sub" / "k.py"
+    kernel.write_text("def f(q, k, v, **kw):\n    return q\n")
+    monkeypatch.chdir(tmp_path / "sub")
+    for given in (str(kernel), os.path.join("..", "sub", "k.py")):
+        for argv, head in (([f"{given}:nope"], "target"),
+                           ([f"{given}:f", "--backward", "nope"], "--backward"),
+                           ([f"{given}:f", "--adapter", "nope"], "--adapter")):
+            assert cli.main(["verify", *argv, "--no-progress"]) == 2
+            err = capsys.readouterr().err
+            assert f"npattn verify: {head}: {given!r} has no attribute 'nope'" in err, err
+    missing = str(tmp_path / "nonexistent_dir" / "kernel.py")
+    assert cli.main(["verify", f"{missing}:f", "--no-progress"]) == 2
+    assert f"target: no such file {missing!r}" in capsys.readouterr().err
 
 
 def test_messages_name_the_flags_not_the_keywords(tmp_path, capsys):

@@ -133,22 +133,27 @@ def _load_file(path: str) -> Any:
 
 
 def _label(module: Any) -> str:
-    """How the user named ``module``: its file for one ``_load_file`` loaded, else its name."""
+    """A name for ``module``: its file (absolute) for one ``_load_file`` loaded, else its name."""
     name = getattr(module, "__name__", str(module))
     if name.startswith("npattn_verify_target_") and getattr(module, "__file__", None):
-        return os.path.relpath(module.__file__)
+        return module.__file__
     return name
 
 
-def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
-    """``module:attr``, ``path/file.py:attr`` or (with ``base``, a module) a bare ``attr``."""
+def load_object(spec: str, *, base: Any = None, what: str = "target",
+                base_label: Optional[str] = None) -> Any:
+    """``module:attr``, ``path/file.py:attr`` or (with ``base``, a module) a bare ``attr``.
+    A missing attribute is said to be missing from the file as ``spec`` spells it, or from
+    ``base_label`` (how the user named ``base``; default its file or name)."""
     if ":" not in spec:
         if base is None:
             raise UsageError(f"{what}: expected module:attribute or path/to/file.py:attribute, "
                              f"got {spec!r}")
         module, attr = base, spec
+        label = base_label or _label(base)
     else:
         mod_name, attr = spec.rsplit(":", 1)
+        label = mod_name  # as the user typed it: relative stays relative, absolute absolute
         if mod_name.endswith(".py") or os.sep in mod_name or "/" in mod_name:
             module = _load_file(mod_name)
         else:
@@ -162,7 +167,7 @@ def load_object(spec: str, *, base: Any = None, what: str = "target") -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise UsageError(f"{what}: {_label(module)!r} has no attribute {attr!r}") from None
+            raise UsageError(f"{what}: {label!r} has no attribute {attr!r}") from None
     return obj
 
 
@@ -174,7 +179,7 @@ def _module_of(spec: str) -> Any:
     return importlib.import_module(mod_name)
 
 
-def _adapter(text: Optional[str], base: Any) -> Any:
+def _adapter(text: Optional[str], base: Any, base_label: Optional[str] = None) -> Any:
     if text is None:
         return None
     if text.lstrip().startswith(("{", "[")):  # JSON, not a name ('[1]' was looked up as one)
@@ -186,7 +191,7 @@ def _adapter(text: Optional[str], base: Any) -> Any:
             raise UsageError(f"--adapter: expected a JSON mapping, got a JSON "
                              f"{type(value).__name__}: {text!r}")
         return value
-    return load_object(text, base=base, what="--adapter")
+    return load_object(text, base=base, what="--adapter", base_label=base_label)
 
 
 def _named(spec: Optional[str], target: str) -> Optional[str]:
@@ -298,9 +303,11 @@ def _run(args) -> int:
     with quiet:
         fn = load_object(args.target)
         base = _module_of(args.target)
+        given = args.target.rsplit(":", 1)[0]  # the target's module as the user gave it
         backward = None if args.backward is None else load_object(args.backward, base=base,
-                                                                    what="--backward")
-        adapter = _adapter(args.adapter, base)
+                                                                    what="--backward",
+                                                                    base_label=given)
+        adapter = _adapter(args.adapter, base, given)
         bar = ProgressBar(len(cases), "verify", enabled=not args.no_progress, unit="case")
 
         def progress(done, total, name):
