@@ -288,7 +288,25 @@ def test_demo_progress_bar_shows_the_training_batch_loss(tmp_path, capsys, monke
 
 def test_demo_progress_bar_is_silent_into_a_pipe(tmp_path, capsys):
     args = [a for a in _demo_args(tmp_path, "--no-plots") if a != "--no-progress"]
+    args = args[:args.index("--out")] + args[args.index("--out") + 2:]  # --out: a warning
     assert cli.main(args) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_demo_out_with_no_plots_is_said_to_be_unused(tmp_path, capsys):
+    """--no-plots with an --out that cannot be written trained and exited 0 in silence (with
+    plots such an --out is refused before training, exit 2): --task reverse then writes nothing
+    there, so the run goes on with a warning that --out is unused; the folder is not made."""
+    out = tmp_path / "afile"
+    out.write_text("")
+    args = ["demo", "--steps", "1", "--seq-len", "2", "--d-model", "4", "--heads", "1",
+            "--batch", "1", "--no-progress", "--no-plots", "--out", str(out / "sub")]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"npattn demo: warning: --out {str(out / 'sub')!r} is unused: with --no-plots" in err
+    assert out.read_text() == ""
+    # without --out nothing is said
+    assert cli.main(args[:-2]) == 0
     assert capsys.readouterr().err == ""
 
 

@@ -332,6 +332,10 @@ def _check_demo_args(args, parser):
                 flag = "--" + dest.replace("_", "-")
                 owners = " and ".join(f"--task {t}" for t, o in DEMO_TASKS.items() if dest in o)
                 parser.error(f"{flag}: an option of {owners}, not of --task {args.task}")
+    if args.no_plots and args.out is not None and args.task != "gpt":  # gpt: samples.txt
+        # a warning, not an error: a script that keeps --out and toggles --no-plots still runs
+        print(f"npattn demo: warning: --out {args.out!r} is unused: with --no-plots, --task "
+              f"{args.task} writes no files", file=sys.stderr)
     for dest, default in own.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
