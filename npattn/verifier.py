@@ -1652,6 +1652,10 @@ def verify(
     _check_args(layout, dtype, backward, autograd, budget_factor, align, adapter, floors)
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type(fn).__name__}")
+    if flags is not None and not (isinstance(flags, Mapping)
+                                  and all(isinstance(v, str) for v in flags.values())):
+        raise TypeError(f"flags: expected None or a mapping of keyword names to flag strings, "
+                        f"got {flags!r}")
     supports = check_supports(supports)
     _check_grad_args(mask_grad, lse_grad, bool(returns_lse),
                      backward is not None or autograd is not None, supports, flags)

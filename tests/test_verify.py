@@ -970,6 +970,9 @@ def test_argument_errors_name_the_argument():
         VF.verify(npattn_kernel, cases=[VC.Case("x", options=("window",))])
     with pytest.raises(TypeError, match="fn: expected a callable"):
         VF.verify("attention")
+    for flags in (["--returns-lse"], {"returns_lse": 1}):
+        with pytest.raises(TypeError, match="flags: expected None or a mapping of keyword names"):
+            VF.verify(npattn_kernel, flags=flags)
     with pytest.raises(ValueError, match="lse_grad: True needs returns_lse=True"):
         VF.verify(npattn_kernel, backward=npattn_backward, lse_grad=True)
     with pytest.raises(ValueError, match="lse_grad: True passes dlse to the gradients"):
