@@ -1061,6 +1061,19 @@ def _sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
     return np.sum(x, axis=axes, keepdims=True).reshape(shape)
 
 
+def _case_scale(inp: CaseInputs) -> float:
+    """The case's score scale: its ``scale`` option, else 1/sqrt(Dh)."""
+    return inp.options.get("scale", 1.0 / math.sqrt(inp.q.shape[-1]))
+
+
+def _dropped(x: Any, opts: dict) -> Any:
+    """``x`` through the case's dropout, ``x * mask / (1 - p)`` (True = keep), or ``x`` when
+    it has none; ``_dropped(1.0, opts)`` is the factor alone, [B, Hq, Lq, Lk] or 1.0."""
+    if "dropout_mask" not in opts:
+        return x
+    return x * opts["dropout_mask"] / (1.0 - opts["dropout_p"])
+
+
 def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray,
                 dlse: Optional[np.ndarray] = None) -> dict:
     """The ``terms`` of each tensor (module docstring): the largest entry of its sums taken
@@ -1071,10 +1084,8 @@ def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray,
     G = q.shape[1] // k.shape[1]
     kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # [B, Hq, Lk, *]
     p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
-    scale = opts.get("scale", 1.0 / math.sqrt(q.shape[-1]))
-    keep = 1.0
-    if "dropout_mask" in opts:
-        keep = opts["dropout_mask"] / (1.0 - opts["dropout_p"])  # [B, Hq, Lq, Lk]
+    scale = _case_scale(inp)
+    keep = _dropped(1.0, opts)  # [B, Hq, Lq, Lk] or 1.0
     a = np.abs(p * keep)  # [B, Hq, Lq, Lk]
     dp = np.abs((dout @ np.swapaxes(vr, -1, -2)) * keep)  # [B, Hq, Lq, Lk]
     delta = np.abs(np.sum(dout * truth["out"], axis=-1, keepdims=True))  # [B, Hq, Lq, 1]
@@ -1116,10 +1127,8 @@ def lse_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) 
     lse = truth["lse"]  # [B, Hq, Lq], -inf on rows with nothing to attend
     w = np.where(np.isfinite(lse), np.abs(lse), 0.0)[..., None]  # [B, Hq, Lq, 1] |lse_i|
     p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
-    scale = opts.get("scale", 1.0 / math.sqrt(q.shape[-1]))
-    keep = 1.0
-    if "dropout_mask" in opts:
-        keep = opts["dropout_mask"] / (1.0 - opts["dropout_p"])  # [B, Hq, Lq, Lk]
+    scale = _case_scale(inp)
+    keep = _dropped(1.0, opts)  # [B, Hq, Lq, Lk] or 1.0
     delta = np.sum(dout * truth["out"], axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
     if dlse is not None:  # ds = p * (dp - delta + dlse)
         delta = delta - dlse[..., None]  # [B, Hq, Lq, 1]
@@ -1169,9 +1178,7 @@ def merge_scales(inp: CaseInputs, truth: dict) -> dict:
     s_abs = np.abs(np.where(finite, lse, 0.0)[..., None]
                    + np.log(np.where(attended, p, 1.0)))  # [B, Hq, Lq, Lk] |s_ij|
     m = np.where(attended, np.maximum(lse_abs[..., None], s_abs), 0.0)  # [B, Hq, Lq, Lk]
-    a = p
-    if "dropout_mask" in opts:
-        a = p * opts["dropout_mask"] / (1.0 - opts["dropout_p"])  # [B, Hq, Lq, Lk]
+    a = _dropped(p, opts)  # [B, Hq, Lq, Lk]
     # sum_j m_ij |a_ij v_jd - p_ij out_id|, over chunks of Dv (it does not factor)
     E = np.zeros(out.shape)  # [B, Hq, Lq, Dv]
     Dv = out.shape[-1]
@@ -1192,7 +1199,7 @@ def merge_scales(inp: CaseInputs, truth: dict) -> dict:
     res = {"out": float(np.max(E, initial=0.0))}
     if "dq" not in truth:
         return res
-    scale = opts.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+    scale = _case_scale(inp)
     # dout_i . e_i = sum_s d_s sum_{j in s} (a_ij dout_i . v_j - p_ij delta_i), delta_i = dout_i . out_i
     dpv = a * (dout @ np.swapaxes(vr, -1, -2))  # [B, Hq, Lq, Lk] a_ij dout_i . v_j
     delta = np.sum(dout * out, axis=-1)  # [B, Hq, Lq]
