@@ -51,6 +51,7 @@ __all__ = [
     "check_state_dict",
     "host_tensor",
     "config_from_torch",
+    "options_from_torch",
     "params_from_torch_state_dict",
     "load_torch_state_dict",
     "module_dtype",
@@ -270,22 +271,13 @@ def module_dtype(module: Any, name: str = "module") -> str:
     return next(iter(by_dtype), "float32")
 
 
-def config_from_torch(module: Any) -> dict:
-    """The ``MultiHeadAttention`` keyword arguments that copy the layout of a torch module.
-
-    Parameters
-    ----------
-    module : torch.nn.MultiheadAttention
-
-    Returns
-    -------
-    dict
-        ``d_model``, ``n_head``, ``dropout``, ``bias``, ``qkv_bias``,
-        ``out_bias``, ``kdim``, ``vdim``, ``add_bias_kv``, ``add_zero_attn``
-        and ``dtype`` (a name: "float32", ...; a ``ValueError`` when the
-        parameters have more than one, ``module_dtype``). ``module.batch_first``
-        is not among them: npattn always takes (B, L, D) inputs.
-    """
+def options_from_torch(module: Any) -> dict:
+    """The ``MultiHeadAttention`` keyword arguments a ``torch.nn.MultiheadAttention``'s
+    attributes give: ``d_model``, ``n_head``, ``dropout``, ``bias``, ``qkv_bias``,
+    ``out_bias``, ``kdim``, ``vdim``, ``add_bias_kv`` and ``add_zero_attn``
+    (``config_from_torch`` without ``dtype``). The transformer blocks' ``from_torch`` read
+    their attention modules with it, and name a mixed dtype for the whole layer
+    (``module_dtype``)."""
     torch = _torch()
     if not isinstance(module, torch.nn.MultiheadAttention):
         raise TypeError(
@@ -303,5 +295,22 @@ def config_from_torch(module: Any) -> dict:
         vdim=module.vdim,
         add_bias_kv=module.bias_k is not None,
         add_zero_attn=bool(module.add_zero_attn),
-        dtype=module_dtype(module, "module"),
     )
+
+
+def config_from_torch(module: Any) -> dict:
+    """The ``MultiHeadAttention`` keyword arguments that copy the layout of a torch module.
+
+    Parameters
+    ----------
+    module : torch.nn.MultiheadAttention
+
+    Returns
+    -------
+    dict
+        The keys of ``options_from_torch`` and ``dtype`` (a name: "float32",
+        ...; a ``ValueError`` when the parameters have more than one,
+        ``module_dtype``). ``module.batch_first`` is not among them: npattn
+        always takes (B, L, D) inputs.
+    """
+    return dict(options_from_torch(module), dtype=module_dtype(module, "module"))

@@ -594,7 +594,7 @@ class _Block:
                             f"got {type(layer).__name__}")
         import torch
 
-        from .torch_interop import module_dtype
+        from .torch_interop import module_dtype, options_from_torch
 
         # the modules the layer builds, which a user may have replaced (an nn.RMSNorm for norm1 has
         # a weight of the same shape, so the state dict matched and a layer norm ran in its place)
@@ -612,14 +612,16 @@ class _Block:
                 where = "" if a == "self_attn" else f" in {a}"
                 raise ValueError("layer: expected batch_first=True (npattn takes (B, L, D) inputs), "
                                  f"got batch_first=False{where}")
-        for a in cls._ATTNS:  # what the torch layer never sets but its attention modules can hold:
-            m = getattr(layer, a)  # add_zero_attn has no parameter, so no state dict check sees it
-            extra = [f"{o}=True" for o, on in (("add_bias_kv", m.bias_k is not None),
-                                                ("add_zero_attn", bool(m.add_zero_attn))) if on]
-            extra += [f"{o}={getattr(m, o)}" for o in ("kdim", "vdim") if getattr(m, o) != m.embed_dim]
+        # the attention modules' options as MultiHeadAttention.from_torch reads them (their dtype
+        # is the layer's, below, so that a mixed one is named by its path in the layer)
+        attn = {a: options_from_torch(getattr(layer, a)) for a in cls._ATTNS}
+        for a, o in attn.items():  # what the torch layer never sets but its attention modules can
+            # hold: add_zero_attn has no parameter, so no state dict check sees it
+            extra = [f"{n}=True" for n in ("add_bias_kv", "add_zero_attn") if o[n]]
+            extra += [f"{n}={o[n]}" for n in ("kdim", "vdim") if o[n] != o["d_model"]]
             if extra:
                 raise ValueError(f"layer: expected {a} without add_bias_kv, add_zero_attn and with "
-                                 f"kdim = vdim = embed_dim={m.embed_dim} (npattn's blocks have "
+                                 f"kdim = vdim = embed_dim={o['d_model']} (npattn's blocks have "
                                  f"none of them), got {', '.join(extra)} in {a}")
 
         act = layer.activation
@@ -639,12 +641,12 @@ class _Block:
             raise ValueError("layer: expected activation relu, gelu, torch.nn.GELU(approximate='tanh') or "
                              f"functools.partial(torch.nn.functional.gelu, approximate='tanh'), got {act!r}")
         # npattn's block has one of each: a layer whose modules differ would copy into other numbers
-        heads = {a: getattr(layer, a).num_heads for a in cls._ATTNS}
+        heads = {a: o["n_head"] for a, o in attn.items()}
         eps = {n: float(getattr(layer, n).eps) for n in cls._NORMS}
         drops = {}
         for site in cls._SITES:  # an attention module's drop probability is its float dropout
             if site in cls._ATTNS:
-                drops[f"{site}.dropout"] = float(getattr(layer, site).dropout)
+                drops[f"{site}.dropout"] = float(attn[site]["dropout"])
             else:
                 drops[site] = float(getattr(layer, site).p)
         for what, values, config in (("num_heads", heads, "n_head"), ("eps", eps, "layer_norm_eps"),
@@ -653,7 +655,7 @@ class _Block:
                 raise ValueError(f"layer: expected one {what} for {', '.join(values)} (npattn's blocks "
                                  f"have one {config}), got {', '.join(map(str, values.values()))}")
         return dict(
-            d_model=layer.self_attn.embed_dim, n_head=layer.self_attn.num_heads,
+            d_model=attn["self_attn"]["d_model"], n_head=attn["self_attn"]["n_head"],
             d_ff=layer.linear1.out_features, dropout=drops["dropout"],
             activation=activation, norm_first=bool(layer.norm_first),
             layer_norm_eps=eps["norm1"], bias=layer.linear1.bias is not None,

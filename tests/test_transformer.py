@@ -510,6 +510,21 @@ def test_from_torch_refuses_a_layer_of_mixed_dtypes(kind):
         cls.from_torch(t)
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_names_a_mixed_dtype_inside_an_attention_module_by_its_path(kind):
+    """The blocks read their attention modules' options with options_from_torch, not
+    config_from_torch, whose dtype check names the attention module alone ("module: ...
+    (out_proj.weight, ...)"): a mixed dtype there is the layer's, named by its path."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    t = torch_cls(D, H, FF, batch_first=True, dtype=torch.float64)
+    t.self_attn.out_proj.float()
+    with raises(ValueError, "layer: ", "parameters of one dtype", "float64 (self_attn.in_proj_weight",
+                "float32 (self_attn.out_proj.weight, self_attn.out_proj.bias)"):
+        cls.from_torch(t)
+
+
 def test_load_torch_state_dict_names_the_key_as_given():
     """An attention entry's error named the key without its module (state_dict['in_proj_weight'],
     for self_attn's and for multihead_attn's alike)."""
