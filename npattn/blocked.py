@@ -70,6 +70,7 @@ __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_BLOCK_K",
     "WINDOW_BLOCK_K",
+    "default_blocks",
     "BlockedSDPACache",
     "sdpa_blocked_forward",
     "sdpa_blocked_backward",
@@ -89,6 +90,17 @@ DEFAULT_BLOCK_K = 512
 #: a query block then meets about ``(bq + left + right) / bk`` key blocks, so shorter
 #: key blocks waste less of each on keys outside the window.
 WINDOW_BLOCK_K = 128
+
+
+def default_blocks(block_q: Optional[int], block_k: Optional[int],
+                   window_left: Optional[int]) -> tuple:
+    """The (block_q, block_k) a blocked call runs with: those given, a None one replaced by
+    ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``, or ``WINDOW_BLOCK_K`` keys when ``window_left``
+    (the ``left`` of ``window=(left, right)``) bounds the left side. Not checked here."""
+    block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
+    if block_k is None:  # a window bounded on the left: key blocks as short as query blocks
+        block_k = DEFAULT_BLOCK_K if window_left is None else WINDOW_BLOCK_K
+    return block_q, block_k
 
 
 # --------------------------------------------------------------------------
@@ -444,9 +456,7 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     """
     xp = namespace(q, k, v, mask, dropout_mask)
     o = F.causal_options(is_causal, options)
-    block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
-    if block_k is None:  # a window bounded on the left: key blocks as short as query blocks
-        block_k = DEFAULT_BLOCK_K if o.left is None else WINDOW_BLOCK_K
+    block_q, block_k = default_blocks(block_q, block_k, o.left)
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     G = groups

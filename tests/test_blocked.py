@@ -414,6 +414,27 @@ def test_isolated_bench_smoke():
     assert r["gemm_gflops"] is None
 
 
+def test_default_blocks_are_the_blocks_a_call_and_the_bench_run_with():
+    """default_blocks states the blocked path's choice once: a call's cache holds its pair for
+    every window and given block, and bench's case_blocks reports the same."""
+    from npattn.tools.bench import Shape, case_blocks
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 9, 4)) for _ in range(3))
+    for window, left in ((None, None), ((3, 0), 3), ((None, 2), None), ((2, None), 2)):
+        for bq, bk in ((None, None), (4, None), (None, 5), (4, 5)):
+            _, cache = Bk.sdpa_blocked_forward(q, k, v, window=window, block_q=bq, block_k=bk)
+            assert (cache.block_q, cache.block_k) == Bk.default_blocks(bq, bk, left)
+    assert Bk.default_blocks(None, None, None) == (Bk.DEFAULT_BLOCK_Q, Bk.DEFAULT_BLOCK_K)
+    assert Bk.default_blocks(None, None, 0) == (Bk.DEFAULT_BLOCK_Q, Bk.WINDOW_BLOCK_K)
+    for window in (None, 3):
+        shape = Shape(1, 40, 16, 2, False, window=window)
+        for impl in ("blocked", "auto"):
+            assert case_blocks(shape, impl) == Bk.default_blocks(None, None, window)
+            assert case_blocks(shape, impl, 16, None) == Bk.default_blocks(16, None, window)
+        assert case_blocks(shape, "dense") == (None, None)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_memory_is_linear_in_length(is_causal):
     """No [B, H, Lq, Lk] array: NumPy reports its allocations to tracemalloc.

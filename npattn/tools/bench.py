@@ -818,8 +818,7 @@ def case_blocks(shape: Shape, impl: str, block_q=None, block_k=None) -> tuple:
         return None, None
     from .. import blocked
 
-    default_k = blocked.DEFAULT_BLOCK_K if shape.window is None else blocked.WINDOW_BLOCK_K
-    return block_q or blocked.DEFAULT_BLOCK_Q, block_k or default_k
+    return blocked.default_blocks(block_q, block_k, shape.window)  # window=(shape.window, 0)
 
 
 def _blocks_text(block_q, block_k) -> str:
