@@ -37,7 +37,7 @@ for arg in "$@"; do
     --dry-run) DRY_RUN=1 ;;
     --no-install) INSTALL=0 ;;
     --gpu-only) GPU_ONLY=1 ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done

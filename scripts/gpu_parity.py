@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from npattn import MultiHeadAttention
+from npattn.attention import IMPLS
 from npattn.backend import from_numpy, resolve_backend, to_numpy
 
 #: (B, L, D, H, causal): the benchmark shapes
@@ -113,6 +114,15 @@ def compare(a: dict, ref: dict):
     return errs
 
 
+def _refused_on_numpy(dtype: str, shape, seed: int, impl: str, case: str) -> bool:
+    """Whether NumPy refuses this implementation and case too (a TypeError or ValueError)."""
+    try:
+        run_module("numpy", dtype, shape, seed, impl, case)
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="CuPy-vs-NumPy parity on the benchmark shapes")
     ap.add_argument("--backend", default="cupy", help="backend compared with numpy (default cupy)")
@@ -135,6 +145,11 @@ def main(argv=None) -> int:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         print(f"--cases: unknown case {unknown[0]!r}; expected 'all' or some of {', '.join(CASES)}",
+              file=sys.stderr)
+        return 2
+    unknown = [i for i in impls if i not in IMPLS]  # the module's impl= choices
+    if unknown:
+        print(f"--impl: unknown implementation {unknown[0]!r}; expected some of {', '.join(IMPLS)}",
               file=sys.stderr)
         return 2
 
@@ -170,9 +185,15 @@ def main(argv=None) -> int:
                 line = f"{B:>3} {L:>5} {D:>4} {H:>3} {str(causal):>6} {case:<10} {impl:<9}"
                 try:
                     got, t_got = run_module(args.backend, args.dtype, shape, args.seed, impl, case)
-                except (TypeError, ValueError) as exc:  # the dispatcher refuses this impl here
-                    print(f"{line}  refused: {exc}", flush=True)
-                    records.append({"shape": shape, "case": case, "impl": impl, "refused": str(exc)})
+                except (TypeError, ValueError) as exc:
+                    # a refusal by the dispatcher passes where NumPy refuses the same call too
+                    # (the NumPy kernel and the kernel options); anything else is a failure
+                    ok = _refused_on_numpy(args.dtype, shape, args.seed, impl, case)
+                    failed |= not ok
+                    print(f"{line}  {'refused' if ok else 'raised'}: {exc}"
+                          + ("" if ok else "   FAIL"), flush=True)
+                    records.append({"shape": shape, "case": case, "impl": impl, "ok": ok,
+                                    "refused" if ok else "raised": str(exc)})
                     continue
                 errs = compare(got, ref)
                 worst = max(errs, key=errs.get)

@@ -111,6 +111,29 @@ def test_parity_script_every_impl_and_case_on_numpy(tmp_path, monkeypatch):
     assert gpu_parity.main(["--backend", "numpy", "--dtype", "float64", "--max-len", "128",
                             "--impl", "reference", "--tol", "0"]) == 1
     assert gpu_parity.main(["--backend", "numpy", "--cases", "plain,nope"]) == 2
+    assert gpu_parity.main(["--backend", "numpy", "--impl", "blokced"]) == 2  # a typo: no run
+
+
+def test_parity_script_fails_an_error_numpy_does_not_raise(monkeypatch, capsys):
+    """A ValueError on the backend under test is a refusal only where NumPy refuses the same
+    implementation and case; else it fails the run (a bug raising on the GPU alone)."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import gpu_parity
+    finally:
+        sys.path.remove(SCRIPTS)
+    monkeypatch.setattr(gpu_parity, "BENCHMARK_SHAPES", [(2, 16, 32, 4, False)])
+    real, calls = gpu_parity.run_module, []
+
+    def flaky(backend, dtype, shape, seed, impl="auto", case="plain"):
+        calls.append(impl)
+        if impl == "blocked" and calls.count("blocked") == 1:  # the backend's run, not NumPy's
+            raise ValueError("blocked: a bug of the backend under test")
+        return real(backend, dtype, shape, seed, impl, case)
+
+    monkeypatch.setattr(gpu_parity, "run_module", flaky)
+    assert gpu_parity.main(["--backend", "numpy", "--dtype", "float64", "--impl", "dense,blocked"]) == 1
+    assert "raised: blocked: a bug of the backend under test   FAIL" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
