@@ -210,9 +210,10 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     # 3.-5. in units of s, xs = xc / s: s = max|xc| in a row whose xc^2 could overflow (there
     # mean(xs^2) lies in [1/D, 1], and eps / s^2 underflows only where it is negligible next to
     # it); s = 1 in every other row, which so computes the quoted lines exactly (a NaN row too)
-    amax = xp.max(xp.abs(xc), axis=-1, keepdims=True)  # [..., 1]
+    amax = xp.maximum(xp.max(xc, axis=-1, keepdims=True),
+                      -xp.min(xc, axis=-1, keepdims=True))  # max|xc|, [..., 1]
     s = xp.where(amax > _square_safe(xp, xc.dtype, int(xc.shape[-1])), amax, 1.0)  # [..., 1]
-    xs = xc / s  # [..., D]
+    xs = xc * (1.0 / s)  # [..., D] (a product: 1 / s is exact where s = 1)
     var_s = xp.mean(xs * xs, axis=-1, keepdims=True)  # 3. var / s^2,       [..., 1]
     rstd_s = 1.0 / xp.sqrt(var_s + float(eps) / s / s)  # 4. s * rstd,    [..., 1]
     rstd = rstd_s / s  # [..., 1]
