@@ -310,6 +310,10 @@ def test_a_file_target_is_named_as_the_user_gave_it(tmp_path, monkeypatch, capsy
             assert cli.main(["verify", *argv, "--no-progress"]) == 2
             err = capsys.readouterr().err
             assert f"npattn verify: {head}: {given!r} has no attribute 'nope'" in err, err
+    (tmp_path / "sub" / "c.py").write_text("x = 3\n")
+    assert cli.main(["verify", "c.py:x", "--no-progress"]) == 2  # not a function: named target
+    err = capsys.readouterr().err
+    assert "npattn verify: target: expected a callable fn(q, k, v, **options), got int" in err, err
     missing = str(tmp_path / "nonexistent_dir" / "kernel.py")
     assert cli.main(["verify", f"{missing}:f", "--no-progress"]) == 2
     assert f"target: no such file {missing!r}" in capsys.readouterr().err

@@ -314,7 +314,7 @@ def _run(args) -> int:
             bar.update(1, name)
 
         try:
-            with argument_names(FLAGS):
+            with argument_names({**FLAGS, "fn": "target"}):  # verify's fn is the target
                 report = VF.verify(fn, layout=args.layout, dtype=args.dtype, supports=supports,
                                    backward=backward, autograd=args.autograd,
                                    returns_lse=args.returns_lse, mask_grad=args.mask_grad,
