@@ -332,6 +332,50 @@ def test_sizes_past_the_memory_are_usage_errors(argv, option, received, lowest, 
     assert _needed_gib(err) >= lowest
 
 
+# the smallest run of each mode, quick but past an available memory of 1 byte, and a line of its table
+SMALLEST_RUNS = {
+    "bench": (["--shapes", "1x4x4x2", "--repeat", "5", "--warmup", "0", "--gemm", "4", "--pause", "0",
+               "--min-sample", "0", "--no-torch", "--no-memory", "--no-progress"], "1x4x4x2"),
+    "gpt": (["--model", "gpt", "--batch", "1", "--seq-len", "4", "--d-model", "8", "--n-layer", "1",
+             "--n-head", "2", "--vocab", "5", "--repeat", "1", "--warmup", "0", "--no-torch"],
+            "median: npattn"),
+    "dask": (["--backend", "dask", "--shape", "1x8x16x2", "--q-chunk", "4", "--k-chunk", "4",
+              "--graph-only"], "pairs"),
+}
+
+
+@pytest.mark.parametrize("mode", list(SMALLEST_RUNS))
+def test_skip_memory_check_runs_what_the_estimate_refuses(mode, capsys, monkeypatch):
+    """A run past the memory available was refused with no way round it (swap is not counted,
+    a container may misreport): every mode takes --skip-memory-check, which skips the check,
+    and the refusal names it."""
+    from npattn.tools import cli, limits
+
+    if mode == "dask":
+        pytest.importorskip("distributed")
+    argv, ran = SMALLEST_RUNS[mode]
+    monkeypatch.setattr(limits, "available_memory", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.rstrip().endswith("choose smaller sizes, or pass --skip-memory-check to run anyway"), err
+    assert cli.main(["bench", *argv, "--skip-memory-check"]) == 0
+    captured = capsys.readouterr()
+    assert "memory available" not in captured.err and ran in captured.out, captured
+
+
+@pytest.mark.parametrize("argv", [[], ["--model", "gpt"], ["--backend", "dask"]],
+                         ids=["bench", "gpt", "dask"])
+def test_every_benchmark_mode_lists_skip_memory_check(argv, capsys):
+    from npattn.tools import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv, "--help"])
+    assert exc.value.code == 0
+    assert "--skip-memory-check" in capsys.readouterr().out
+
+
 def test_a_repeated_worker_count_is_a_usage_error(capsys):
     """--workers 1,1 ran a second cluster of one worker, its "speed-up" 1.0."""
     from npattn.tools import cli

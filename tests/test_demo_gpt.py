@@ -156,3 +156,29 @@ def test_a_context_or_a_step_too_large_is_a_usage_error(tmp_path, capsys, monkey
     assert d["seq_len"] <= n // 10 - 1
     assert limits.gpt_training_bytes(d["batch"], d["seq_len"], d["seq_len"], d["d_model"], d["layers"],
                                      4, len(set(corpus())), 4) < 2**30
+
+
+def test_skip_memory_check_trains_what_the_estimate_refuses(tmp_path, capsys, monkeypatch):
+    """A step past the memory available was refused with no way round it (swap is not counted,
+    a container may misreport): --skip-memory-check skips the check, and the refusal names it.
+    It is gpt's own option, as the demo's help lists it."""
+    from npattn.tools import cli, limits
+
+    small = ["demo", "--task", "gpt", "--seq-len", "4", "--d-model", "8", "--layers", "1",
+             "--heads", "2", "--batch", "2", "--steps", "1", "--no-plots", "--no-progress",
+             "--out", str(tmp_path / "g")]
+    monkeypatch.setattr(limits, "available_memory", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(small)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.rstrip().endswith("choose smaller sizes, or pass --skip-memory-check to run anyway"), err
+    assert cli.main([*small, "--skip-memory-check"]) == 0
+    assert "memory available" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--task", "reverse", "--skip-memory-check"])
+    assert exc.value.code == 2
+    assert "--skip-memory-check: an option of --task gpt, not of --task reverse" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--help"])
+    assert exc.value.code == 0 and "--skip-memory-check" in capsys.readouterr().out

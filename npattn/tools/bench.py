@@ -84,7 +84,8 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..backend import resolve_backend, backend_name, from_numpy
-from .limits import MAX_SIZE, MAX_THREADS, dense_probabilities, memory_error
+from .limits import (MAX_SIZE, MAX_THREADS, SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP,
+                     dense_probabilities, memory_error)
 from .outputs import outputs_error
 
 __all__ = [
@@ -971,6 +972,7 @@ def main(argv=None) -> int:
                         help="no progress bar (it is shown only when stderr is a terminal)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
+    parser.add_argument(SKIP_MEMORY_CHECK, action="store_true", help=SKIP_MEMORY_CHECK_HELP)
     parser.add_argument("--json", metavar="PATH",
                         help="also write the results as JSON; '-': the JSON alone on stdout, "
                              "the table on stderr")
@@ -1046,7 +1048,7 @@ def main(argv=None) -> int:
     if why:
         parser.error(why)
     plan = (ISOLATED_PLAN if isolated and args.shapes is None else [(s, impl) for s in shapes])
-    if args.backend != "cupy":  # the device's memory is its own
+    if args.backend != "cupy" and not args.skip_memory_check:  # the device's memory is its own
         why = memory_refusal(plan, args.dtype, args.scope)
         if why:
             parser.error(why)

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from .limits import memory_error, repeated_entry
+from .limits import SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, memory_error, repeated_entry
 from .outputs import json_output, output_error
 
 __all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local", "run_bytes"]
@@ -264,6 +264,7 @@ def main(argv=None) -> int:
                         help="keep distributed's MALLOC_TRIM_THRESHOLD_=65536 in the workers "
                              "(default: unset, glibc's own trimming)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(SKIP_MEMORY_CHECK, action="store_true", help=SKIP_MEMORY_CHECK_HELP)
     # taken as `npattn bench` takes it, so one command line serves every mode
     parser.add_argument("--no-progress", action="store_true",
                         help="accepted as in npattn bench; this mode draws no progress bar")
@@ -287,11 +288,12 @@ def main(argv=None) -> int:
                         ("repeat", args.repeat), *(("workers", w) for w in workers)):
         if value < 1:
             parser.error(f"--{name}: expected a positive integer, got {value}")
-    need, what = run_bytes(shape, np.dtype(args.dtype).itemsize, min(args.q_chunk, shape[1]),
-                           min(args.k_chunk, shape[1]), local=not (args.no_local or args.graph_only))
-    why = memory_error("--shape", args.shape, need, what)
-    if why:
-        parser.error(why)
+    if not args.skip_memory_check:
+        need, what = run_bytes(shape, np.dtype(args.dtype).itemsize, min(args.q_chunk, shape[1]),
+                               min(args.k_chunk, shape[1]), local=not (args.no_local or args.graph_only))
+        why = memory_error("--shape", args.shape, need, what)
+        if why:
+            parser.error(why)
     try:
         import dask
         import distributed

@@ -25,7 +25,7 @@ from .. import nn
 from ..backend import from_numpy, resolve_backend
 from ..gpt import GPT, training_step
 from .bench import autorange, environment_info
-from .limits import gpt_training_bytes, memory_error
+from .limits import SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, gpt_training_bytes, memory_error
 from .outputs import json_output, output_error
 
 __all__ = ["GPTBenchConfig", "make_steps", "run", "main"]
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default 2)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch side")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument(SKIP_MEMORY_CHECK, action="store_true", help=SKIP_MEMORY_CHECK_HELP)
     # taken as `npattn bench` takes it, so one command line serves every mode
     parser.add_argument("--no-progress", action="store_true",
                         help="accepted as in npattn bench; this mode draws no progress bar")
@@ -173,16 +174,17 @@ def main(argv=None) -> int:
         parser.error(f"--warmup: expected a non-negative integer, got {args.warmup}")
     if args.d_model % args.n_head:
         parser.error(f"--n-head: expected a divisor of --d-model {args.d_model}, got {args.n_head}")
-    need = gpt_training_bytes(args.batch, args.seq_len, args.seq_len, args.d_model, args.n_layer,
-                              args.n_head, args.vocab, np.dtype(args.dtype).itemsize)
-    names = ("batch", "seq_len", "d_model", "n_layer", "n_head", "vocab")
-    flags = [f"--{n.replace('_', '-')}" for n in names]
-    why = memory_error(", ".join(flags),
-                       " ".join(f"{f} {getattr(args, n)}" for f, n in zip(flags, names)), need,
-                       "npattn's training step: the weights with their gradients and Adam's "
-                       "moments, the logits and the activations; the torch side not counted")
-    if why:
-        parser.error(why)
+    if not args.skip_memory_check:
+        need = gpt_training_bytes(args.batch, args.seq_len, args.seq_len, args.d_model, args.n_layer,
+                                  args.n_head, args.vocab, np.dtype(args.dtype).itemsize)
+        names = ("batch", "seq_len", "d_model", "n_layer", "n_head", "vocab")
+        flags = [f"--{n.replace('_', '-')}" for n in names]
+        why = memory_error(", ".join(flags),
+                           " ".join(f"{f} {getattr(args, n)}" for f, n in zip(flags, names)), need,
+                           "npattn's training step: the weights with their gradients and Adam's "
+                           "moments, the logits and the activations; the torch side not counted")
+        if why:
+            parser.error(why)
     torch_compare = not args.no_torch
     if torch_compare:
         try:

@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 from .. import __version__
-from .limits import MAX_THREADS, repeated_entry
+from .limits import MAX_THREADS, SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, repeated_entry
 
 __all__ = ["main", "build_parser"]
 
@@ -41,7 +41,7 @@ DEMO_TASKS = {
     "digits": {"epochs": 20, "layers": 1, "patch": 2, "dropout": 0.1, "d_model": 32, "batch": 32,
                "lr": 1e-2, "out": "npattn-digits"},
     "gpt": {"steps": 1500, "seq_len": 64, "layers": 3, "dropout": 0.0, "d_model": 96, "batch": 32,
-            "lr": 3e-3, "out": "npattn-gpt"},
+            "lr": 3e-3, "out": "npattn-gpt", "skip_memory_check": False},
 }
 
 
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
     demo.add_argument("--no-progress", action="store_true",
                       help="no progress bar (it is shown only when stderr is a terminal)")
+    demo.add_argument(SKIP_MEMORY_CHECK, action="store_const", const=True, default=None,
+                      help="(gpt) " + SKIP_MEMORY_CHECK_HELP)
     _threads_option(demo)
     demo.set_defaults(command_parser=demo)
 
@@ -352,7 +354,7 @@ def _check_demo_args(args, parser):
 def _check_gpt_demo_sizes(args, parser):
     """``--task gpt``: a context that fits in the held-out tenth of the text, and a training step
     that fits in the host's memory (``limits.gpt_training_bytes``; not checked for CuPy, whose
-    arrays live on the device)."""
+    arrays live on the device, nor with ``--skip-memory-check``)."""
     from . import demo_gpt as dg
     from .limits import gpt_training_bytes, memory_error
 
@@ -362,8 +364,8 @@ def _check_gpt_demo_sizes(args, parser):
         parser.error(f"--seq-len: --task gpt validates on the last 10 % of its {len(text)}-character "
                      f"text, which must hold a window and its shifted targets; expected at most "
                      f"{longest}, got {args.seq_len}")
-    if args.backend == "cupy":  # the device's memory is its own, as in npattn bench
-        return
+    if args.backend == "cupy" or args.skip_memory_check:  # cupy: the device's memory is its own,
+        return  # as in npattn bench
     need = gpt_training_bytes(args.batch, args.seq_len, args.seq_len, args.d_model, args.layers,
                               args.heads[0], len(set(text)), 4 if args.dtype == "float32" else 8)
     why = memory_error("--batch, --seq-len, --d-model, --layers",

@@ -7,7 +7,11 @@ allocate, such as the ``B * H * L * L`` attention probabilities that the dense
 paths keep for the backward) and compares it with the memory available to
 this process (``available_memory``). A lower bound refuses only runs that
 could not finish here (they would be killed, or swap for hours), never one
-that fits, and the message quotes the estimate.
+that fits, and the message quotes the estimate. Swap is not counted as
+available (Linux's ``MemAvailable`` leaves it out), and a container may report
+less or more than it can hold: every command that makes the check takes
+``SKIP_MEMORY_CHECK`` (``--skip-memory-check``), which skips it, and the
+refusal names that flag.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any, Optional
 from ..attention import auto_blocked
 
 __all__ = ["MAX_SIZE", "MAX_THREADS", "available_memory", "cgroup_room", "memory_error",
-           "format_bytes", "dense_probabilities", "gpt_training_bytes", "repeated_entry"]
+           "SKIP_MEMORY_CHECK", "SKIP_MEMORY_CHECK_HELP", "format_bytes", "dense_probabilities",
+           "gpt_training_bytes", "repeated_entry"]
 
 def repeated_entry(items: Any) -> Any:
     """The first entry of a comma-separated option's ``items`` that an earlier one repeats, or
@@ -36,6 +41,14 @@ def repeated_entry(items: Any) -> Any:
 MAX_SIZE = 2**31 - 1
 #: The most threads a flag takes (a larger count overflowed the C int of the BLAS call).
 MAX_THREADS = 4096
+
+
+#: The flag, on every command that makes the memory check (``memory_error``), that skips it.
+SKIP_MEMORY_CHECK = "--skip-memory-check"
+#: Its help, the same on every command.
+SKIP_MEMORY_CHECK_HELP = ("run even where the lower-bound estimate of the run's memory exceeds the "
+                          "memory available (MemAvailable, swap not counted, or the cgroup's room): "
+                          "the check is skipped")
 
 
 def _meminfo_available() -> Optional[int]:
@@ -95,9 +108,9 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
 def available_memory() -> Optional[int]:
     """Bytes this process can allocate without swapping, or None where that cannot be read.
 
-    Linux's ``MemAvailable`` (``/proc/meminfo``), lowered to what the process's
-    cgroup still allows when it sets a limit (``cgroup_room``); elsewhere the physical memory
-    (``os.sysconf``).
+    Linux's ``MemAvailable`` (``/proc/meminfo``; swap is not in it), lowered to what the
+    process's cgroup still allows when it sets a limit (``cgroup_room``); elsewhere the physical
+    memory (``os.sysconf``).
     """
     room = [b for b in (_meminfo_available(), cgroup_room()) if b is not None]
     if room:
@@ -123,14 +136,15 @@ def memory_error(option: str, received: str, need: float, what: str,
 
     ``option`` and ``received`` name the flag and the value given, ``what`` says
     which arrays the estimate counts; ``available`` defaults to ``available_memory()``
-    (None there: no check).
+    (None there: no check). The message ends by naming ``SKIP_MEMORY_CHECK``; a command
+    given that flag does not call this.
     """
     available = available_memory() if available is None else available
     if available is None or need <= available:
         return None
     return (f"{option}: expected sizes whose arrays fit in the {format_bytes(available)} of memory "
             f"available here, got {received}, which needs at least {format_bytes(need)} ({what}); "
-            f"choose smaller sizes")
+            f"choose smaller sizes, or pass {SKIP_MEMORY_CHECK} to run anyway")
 
 
 def dense_probabilities(B: int, H: int, Lq: int, Lk: int, impl: str = "auto") -> int:
