@@ -1191,3 +1191,25 @@ def test_the_example_kernel_backward_at_saturated_softcaps_and_with_inf_dlse_on_
     g0 = K.attention_backward(dout, saved, dlse=dlse)
     for a, b in zip(g[:3], g0[:3]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+def test_npattn_passes_and_a_mutant_fails_on_a_device_library(lib):
+    """verify with backend= torch or CuPy (a GPU): the panel's arrays are made in that library
+    and npattn itself, given them, passes with every tensor checked; the same kernel with its
+    output off by 0.1 % fails on out. (CuPy runs where a GPU is, with the gpu mark.)"""
+    from conftest import backend_or_skip
+
+    backend_or_skip(lib)
+
+    def off(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return out * 1.001, lse, cache
+
+    supports = "causal,mask_bool,mask_float,gqa,dv_ne_dk,dropout_mask,scale,empty_rows"
+    report = run_kernel(npattn_kernel, "float64", backend=lib, backward=npattn_backward,
+                        supports=supports, mask_grad=True, lse_grad=True)
+    assert report.ok, report.format()
+    assert report.config["backend"] == lib
+    bad = run_kernel(off, "float64", backend=lib, backward=npattn_backward, supports=supports)
+    assert not bad.ok and failing(bad, "out")
