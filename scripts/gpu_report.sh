@@ -9,11 +9,12 @@
 # on the four benchmark shapes; float64 over every implementation and option
 # case up to L = 1024, and at 1x4096x512x8) as text and JSON, and
 # `npattn bench --backend cupy` against torch CUDA in float32 and float16,
-# dense and blocked. Each step has its own time limit, and the tests get what
-# is left of SECONDS (default 500), so a short lease still returns the rest.
-# Always exits 0 once it has started: read the logs.
+# dense and blocked, and the blocked attention core with blocks of 512 and
+# 2048. Each step has its own time limit, and the tests get what is left of
+# SECONDS (default 500), so a short lease still returns the rest. Always
+# exits 0 once it has started: read the logs.
 set -u
-if [ $# -lt 1 ]; then sed -n '2,13p' "$0"; exit 2; fi
+if [ $# -lt 1 ]; then sed -n '2,15p' "$0"; exit 2; fi
 cd "$(dirname "$0")/.."
 OUTDIR=$1
 LIMIT=${2:-500}
@@ -46,6 +47,12 @@ done
 step "bench blocked float32"
 timeout 90 "$PY" -m npattn bench --backend cupy --impl blocked --no-progress --repeat 5 --pause 0 \
   --min-sample 0.1 --shapes 1x4096x512x8 --json "$OUTDIR/bench_blocked.json"
+for b in 512 2048; do
+  step "blocked attention core, blocks of $b x $b (isolated; for the GPU's default blocks)"
+  timeout 60 "$PY" -m npattn bench --isolated --backend cupy --impl blocked --scope attention \
+    --repeat 3 --warmup 1 --gemm 0 --block-q "$b" --block-k "$b" --shapes 1x4096x512x8,1x16384x512x8 \
+    --json "$OUTDIR/blocked_core_$b.json"
+done
 T=$(( LIMIT - (SECONDS - START) - 10 )); [ "$T" -lt 30 ] && T=30
 step "GPU-marked tests (pytest -m gpu, at most ${T}s)"
 XDIST=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 8")
