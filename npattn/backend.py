@@ -12,9 +12,11 @@ Everything backend-specific lives here, each piece with a standard fallback:
 * ``dropout_key`` / ``keep_mask``: dropout keep-masks from a counter-based
   draw. One 63-bit key is drawn from the caller's generator per forward, and
   the keep decision of entry ``(b, h, i, j)`` is a hash of the key and those
-  coordinates alone, computed on the host. So the reference, the blocked path
-  at any block size, the NumPy kernel at any tile size or thread count, and
-  every backend draw the same mask from one seed;
+  coordinates alone (``keyed_keep_mask`` on the host; ``keyed_keep_mask_on``
+  in the array library of the inputs, where on CuPy the same integer hash runs
+  on the device). So the reference, the blocked path at any block size, the
+  NumPy kernel at any tile size or thread count, and every backend draw the
+  same mask from one seed;
 * ``exclusive`` / ``limit_blas_threads`` / ``run_tasks``: the NumPy kernel's
   tile pool and the BLAS thread count it holds (see "Threads and fork" below).
 
@@ -81,6 +83,7 @@ __all__ = [
     "dropout_key",
     "keep_mask",
     "keyed_keep_mask",
+    "keyed_keep_mask_on",
     "blas_controller",
     "limit_blas_threads",
     "exclusive",
@@ -400,16 +403,58 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     the memory beyond the mask itself stays small; the mask does not depend on it.
     """
     key = _check_draw(key, p)
-    for name, c in (("rows", rows), ("cols", cols)):
-        if np.ndim(c) != 1:
-            raise ValueError(f"{name}: expected a 1-D array of coordinates, got {np.ndim(c)} axes")
-    shape = (*np.broadcast_shapes(*(np.shape(c) for c in lead)), len(rows), len(cols))  # [..., bq, bk]
+    shape = _keep_shape(lead, rows, cols)  # [..., bq, bk]
     if out is None:
         out = np.empty(shape, dtype=np.bool_)
     elif not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == shape):
         raise ValueError(f"out: expected a numpy bool array of shape {shape}, got "
                          f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
     return _draw_keep(np, key, p, lead, rows, cols, out, KEEP_SLAB)
+
+
+def _keep_shape(lead: Sequence[Any], rows: Any, cols: Any) -> tuple:
+    """The shape ``(*broadcast(lead), len(rows), len(cols))`` of a keep-mask block; a
+    ``ValueError`` naming ``rows`` / ``cols`` when one is not 1-D."""
+    for name, c in (("rows", rows), ("cols", cols)):
+        if np.ndim(c) != 1:
+            raise ValueError(f"{name}: expected a 1-D array of coordinates, got {np.ndim(c)} axes")
+    return (*np.broadcast_shapes(*(np.shape(c) for c in lead)), len(rows), len(cols))
+
+
+def keyed_keep_mask_on(key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any, xp: Any,
+                       device: Any = None) -> Any:
+    """``keyed_keep_mask(key, p, lead, rows, cols)`` as a bool array of ``xp`` on ``device``.
+
+    The same bits on every backend. On CuPy the integer hash runs on the
+    device, ``DEVICE_KEEP_SLAB`` entries at a time: only the coordinates go
+    over, not the mask. Elsewhere the mask is drawn on the host and moved with
+    ``from_numpy`` (on NumPy: the host array itself, no copy). This is the one
+    place that chooses between the two draws.
+
+    Parameters
+    ----------
+    key, p, lead, rows, cols
+        As ``keyed_keep_mask``: the key, the drop probability, and host
+        coordinates of the leading axes, the query rows and the key columns.
+    xp : namespace
+        Array library of the result.
+    device : optional
+        Its device (on CuPy a ``cupy.cuda.Device``, its number, or None for
+        the current one).
+
+    Returns
+    -------
+    bool array of ``xp``, shape ``(*broadcast(lead), len(rows), len(cols))``
+    """
+    key = _check_draw(key, p)
+    shape = _keep_shape(lead, rows, cols)  # [..., bq, bk]
+    if backend_name(xp) == "cupy":  # drawn on the device: no host hash, no copy of the mask
+        import cupy
+
+        with cupy.cuda.Device(getattr(device, "id", device)):
+            out = cupy.empty(shape, dtype=cupy.bool_)  # [..., bq, bk]
+            return _draw_keep(cupy, key, p, lead, rows, cols, out, DEVICE_KEEP_SLAB)
+    return from_numpy(keyed_keep_mask(key, p, lead, rows, cols), xp, device)  # [..., bq, bk]
 
 
 def _draw_keep(lib: Any, key: int, p: float, lead: Sequence[Any], rows: Any, cols: Any, out: Any,
@@ -440,7 +485,7 @@ def _draw_keep(lib: Any, key: int, p: float, lead: Sequence[Any], rows: Any, col
 def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = None) -> Any:
     """The keep-mask of every entry of an array of ``shape`` (coordinates ``0..n-1`` per axis).
 
-    ``keyed_keep_mask`` over the whole grid, moved to ``xp`` on ``device``:
+    ``keyed_keep_mask_on`` over the whole grid, in ``xp`` on ``device``:
     entry ``(..., i, j)`` is kept with probability ``1 - p``. On CuPy the same
     integer hash runs on the device (the same bits, without hashing every
     entry on the host and copying the mask over).
@@ -453,20 +498,13 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
         raise ValueError(f"shape: expected a sequence of ints >= 0, got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:  # a vector: its entries are the columns of one row
-        keep = keyed_keep_mask(key, p, [], np.arange(1), np.arange(shape[0] if shape else 1))
-        return from_numpy(keep.reshape(shape), xp, device)
+        keep = keyed_keep_mask_on(key, p, [], np.arange(1), np.arange(shape[0] if shape else 1),
+                                  xp, device)  # [1, n]
+        return xp.reshape(keep, shape)
     lead = [np.arange(n).reshape((n,) + (1,) * (len(shape) - 3 - a))
             for a, n in enumerate(shape[:-2])]  # one coordinate array per leading axis
-    if backend_name(xp) == "cupy":  # drawn on the device: no host hash, no copy of the mask
-        import cupy
-
-        # device: a cupy.cuda.Device, its number, or None (the current one)
-        with cupy.cuda.Device(getattr(device, "id", device)):
-            out = cupy.empty(shape, dtype=cupy.bool_)
-            return _draw_keep(cupy, key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]), out,
-                              DEVICE_KEEP_SLAB)
-    keep = keyed_keep_mask(key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]))
-    return from_numpy(np.array(np.broadcast_to(keep, shape)), xp, device)  # a writable copy
+    # the leading coordinates broadcast to shape[:-2]: the mask is the whole grid, its own array
+    return keyed_keep_mask_on(key, p, lead, np.arange(shape[-2]), np.arange(shape[-1]), xp, device)
 
 
 def is_numpy_array(x: Any) -> bool:

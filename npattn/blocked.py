@@ -54,12 +54,11 @@ from .backend import (
     device_of,
     dropout_key,
     exclusive,
-    from_numpy,
     is_bool,
     is_dask_array,
     is_floating,
     is_numpy_array,
-    keyed_keep_mask,
+    keyed_keep_mask_on,
     limit_blas_threads,
     namespace,
     pool_threads,
@@ -242,13 +241,13 @@ def _block_skipped(xp, c, i0, i1, j0, j1) -> bool:
 
 
 def _block_keep(xp, c, i0, i1, j0, j1, device):
-    """Keep-mask of one block: the caller's, sliced, or drawn from the key (the one mask)."""
+    """Keep-mask of one block: the caller's, sliced, or drawn from the key (the one mask),
+    in ``xp`` on ``device`` (on CuPy hashed there: no host draw, no copy)."""
     if c.dropout_mask is not None:
         return _slice_qk(c.dropout_mask, i0, i1, j0, j1)
     if c.dropout_key is not None:
-        keep = keyed_keep_mask(c.dropout_key, c.dropout_p, c.coords, np.arange(i0, i1),
-                               np.arange(j0, j1))  # [..., bq, bk] host
-        return from_numpy(keep, xp, device)
+        return keyed_keep_mask_on(c.dropout_key, c.dropout_p, c.coords, np.arange(i0, i1),
+                                  np.arange(j0, j1), xp, device)  # [..., bq, bk]
     return None
 
 
@@ -264,10 +263,10 @@ def blocked_keep_mask(cache: BlockedSDPACache, xp: Any = None) -> Any:
         return None
     xp = namespace(c.q) if xp is None else xp
     Lq, Lk = c.q.shape[-2], c.k.shape[-2]
-    keep = keyed_keep_mask(c.dropout_key, c.dropout_p, c.coords, np.arange(Lq), np.arange(Lk))
-    shape = tuple(c.lead_shape) + (Lq, Lk)
-    full = np.array(np.broadcast_to(keep, c.q.shape[:-2] + (Lq, Lk)).reshape(shape))  # writable
-    return from_numpy(full, xp, device_of(c.q))
+    # the coordinates broadcast to q's leading axes: the mask is the whole grid, its own array
+    keep = keyed_keep_mask_on(c.dropout_key, c.dropout_p, c.coords, np.arange(Lq), np.arange(Lk),
+                              xp, device_of(c.q))  # [..., Lq, Lk] in q's (grouped) layout
+    return xp.reshape(keep, tuple(c.lead_shape) + (Lq, Lk))  # [B, Hq, Lq, Lk] under GQA
 
 
 def _pool_split(xp, c: BlockedSDPACache):

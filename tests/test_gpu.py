@@ -5,6 +5,7 @@ too (tests/conftest.py). Without CuPy and a GPU these skip, or fail with
 ``NPATTN_REQUIRE_GPU=1``; ``scripts/gpu_check.sh`` runs them.
 """
 
+import math
 import os
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 
 from npattn import MultiHeadAttention
 from npattn import functional as F
-from npattn.backend import from_numpy, to_numpy
+from npattn.backend import backend_name, from_numpy, to_numpy
 
 from conftest import backend_or_skip
 
@@ -154,10 +155,11 @@ def test_cupy_keep_mask_is_drawn_on_the_device_with_the_host_bits(cp_xp, shape, 
         np.testing.assert_array_equal(got.get(), host)
 
 
-def test_the_device_branch_of_keep_mask_with_numpy_standing_in_for_cupy(monkeypatch):
-    """No GPU needed: keep_mask's CuPy branch run with NumPy in CuPy's place (the same array
-    calls) draws keyed_keep_mask's bits, at the default slab and at slabs of a few rows, and
-    enters the device it is given."""
+@pytest.fixture
+def numpy_as_cupy(monkeypatch):
+    """NumPy standing in for CuPy in npattn.backend: the device branch of the keep-mask draw
+    is taken for every namespace (``backend_name`` says "cupy") and runs the same array calls
+    on NumPy. Returns the list of devices entered (``cupy.cuda.Device(n)``), one per draw."""
     import contextlib
     import types
 
@@ -175,6 +177,17 @@ def test_the_device_branch_of_keep_mask_with_numpy_standing_in_for_cupy(monkeypa
     fake.cuda = types.SimpleNamespace(Device=device)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(npb, "backend_name", lambda xp: "cupy")
+    return entered
+
+
+def test_the_device_branch_of_keep_mask_with_numpy_standing_in_for_cupy(numpy_as_cupy, monkeypatch):
+    """No GPU needed: keep_mask's CuPy branch run with NumPy in CuPy's place (the same array
+    calls) draws keyed_keep_mask's bits, at the default slab and at slabs of a few rows, and
+    enters the device it is given."""
+    import types
+
+    from npattn import backend as npb
+
     key, shape = (0x0BAD_CAFE << 32) | 0xDEAD_BEEF, (2, 3, 9, 4)
     lead = [np.arange(2)[:, None], np.arange(3)[None, :]]
     host = npb.keyed_keep_mask(key, 0.45, lead, np.arange(9), np.arange(4))
@@ -182,4 +195,117 @@ def test_the_device_branch_of_keep_mask_with_numpy_standing_in_for_cupy(monkeypa
         monkeypatch.setattr(npb, "DEVICE_KEEP_SLAB", slab)
         np.testing.assert_array_equal(npb.keep_mask(key, 0.45, shape, np, types.SimpleNamespace(id=1)), host)
     assert npb.keep_mask(key, 0.45, shape, np).shape == shape
-    assert entered == [1, 1, None]
+    assert numpy_as_cupy == [1, 1, None]
+
+
+def test_keyed_keep_mask_on_a_block_with_numpy_standing_in_for_cupy(numpy_as_cupy, monkeypatch):
+    """keyed_keep_mask_on's device branch draws the bits of keyed_keep_mask for a block that
+    starts inside the grid (rows 5..11, cols 3..8), at any slab; a 2-D ``rows`` is refused,
+    naming it, before any device is entered."""
+    from npattn import backend as npb
+
+    key = (0x0123_4567 << 32) | 0x89AB_CDEF
+    lead = [np.arange(1, 3)[:, None], np.arange(4)[None, :]]  # b in 1..2, h in 0..3
+    rows, cols = np.arange(5, 12), np.arange(3, 9)
+    host = npb.keyed_keep_mask(key, 0.3, lead, rows, cols)  # [2, 4, 7, 6]
+    assert 0 < host.mean() < 1
+    for slab in (npb.DEVICE_KEEP_SLAB, 2 * 4 * 6 * 3):  # whole; three rows at a time
+        monkeypatch.setattr(npb, "DEVICE_KEEP_SLAB", slab)
+        got = npb.keyed_keep_mask_on(key, 0.3, lead, rows, cols, np, 2)
+        assert got.dtype == np.bool_ and got.shape == host.shape
+        np.testing.assert_array_equal(got, host)
+    assert numpy_as_cupy == [2, 2]
+    with pytest.raises(ValueError, match="rows: expected a 1-D array"):
+        npb.keyed_keep_mask_on(key, 0.3, lead, rows[None, :], cols, np)
+    assert numpy_as_cupy == [2, 2]
+
+
+# (Hkv, G, Lq, Lk, block_q, block_k): blocks that do not divide the lengths, Lq != Lk, GQA
+BLOCKED_DROPOUT_CASES = [(2, 1, 7, 11, 3, 4), (2, 3, 10, 6, 4, 5), (1, 2, 9, 13, 9, 5)]
+
+
+@pytest.mark.parametrize("Hkv,G,Lq,Lk,bq,bk", BLOCKED_DROPOUT_CASES)
+def test_the_blocked_path_draws_its_tiles_with_the_device_branch(numpy_as_cupy, monkeypatch,
+                                                                 Hkv, G, Lq, Lk, bq, bk):
+    """No GPU needed: with the device branch of the keep-mask draw forced (NumPy standing in for
+    CuPy), the blocked forward and backward draw every tile through it, one draw per tile, and
+    give bitwise the results of the host draw; dropout_keep_mask (one more draw) and
+    blocked_keep_mask are bitwise the reference's host mask."""
+    from npattn import attention as A
+    from npattn import backend as npb
+    from npattn import blocked
+
+    rng = np.random.default_rng(Hkv * 100 + G * 10 + Lq)
+    B, Dh = 2, 3
+    q = rng.standard_normal((B, Hkv * G, Lq, Dh))  # [B, Hq, Lq, Dh]
+    k, v = rng.standard_normal((B, Hkv, Lk, Dh)), rng.standard_normal((B, Hkv, Lk, Dh))
+    dout = rng.standard_normal((B, Hkv * G, Lq, Dh))
+    kw = dict(dropout_p=0.35, rng=17, enable_gqa=G > 1, impl="blocked", block_q=bq, block_k=bk)
+    monkeypatch.setattr(npb, "backend_name", backend_name)  # the host draw first (NumPy's own)
+    ref_keep = A.dropout_keep_mask(F.sdpa_forward(q, k, v, dropout_p=0.35, rng=17,
+                                                  enable_gqa=G > 1)[1])  # [B, Hq, Lq, Lk]
+    assert 0 < ref_keep.mean() < 1
+    ref_out, ref_c = A.sdpa_forward(q, k, v, **kw)
+    ref_grads = A.sdpa_backward(dout, ref_c)
+    np.testing.assert_array_equal(A.dropout_keep_mask(ref_c), ref_keep)
+    assert numpy_as_cupy == []
+    monkeypatch.setattr(npb, "backend_name", lambda xp: "cupy")  # now the device branch
+    tiles = math.ceil(Lq / bq) * math.ceil(Lk / bk)
+    for threads in ("1", "3"):  # the whole leading axes, and the tile pool's slices of them
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        numpy_as_cupy.clear()
+        out, c = A.sdpa_forward(q, k, v, **kw)
+        grads = A.sdpa_backward(dout, c)
+        if threads == "1":
+            assert len(numpy_as_cupy) == 2 * tiles  # each tile once in the forward, once in the backward
+        assert numpy_as_cupy and set(numpy_as_cupy) == {"cpu"}  # on the device of q
+        np.testing.assert_array_equal(out, ref_out)
+        for name, g, ref in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3]):
+            np.testing.assert_array_equal(g, ref, err_msg=f"{name}, {threads} threads")
+        n = len(numpy_as_cupy)
+        keep = A.dropout_keep_mask(c)
+        assert len(numpy_as_cupy) == n + 1  # the whole mask: one draw
+        assert keep.shape == (B, Hkv * G, Lq, Lk)
+        np.testing.assert_array_equal(keep, ref_keep)
+        np.testing.assert_array_equal(blocked.blocked_keep_mask(c), ref_keep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hkv,G,Lq,Lk,bq,bk", BLOCKED_DROPOUT_CASES)
+def test_cupy_blocked_path_draws_its_keep_mask_on_the_device_with_the_host_bits(
+        cp_xp, monkeypatch, Hkv, G, Lq, Lk, bq, bk):
+    """The blocked path on CuPy hashes every tile's keep-mask on the device (CuPy's draw, once
+    per tile in forward and backward); its mask is a CuPy array with exactly NumPy's bits, and
+    its output matches NumPy's."""
+    import cupy
+
+    from npattn import attention as A
+    from npattn import backend as npb
+
+    libs = []
+    draw = npb._draw_keep
+
+    def counted(lib, *args):
+        libs.append(lib)
+        return draw(lib, *args)
+
+    rng = np.random.default_rng(Hkv * 100 + G * 10 + Lq)
+    B, Dh = 2, 3
+    host = [rng.standard_normal(s) for s in [(B, Hkv * G, Lq, Dh), (B, Hkv, Lk, Dh), (B, Hkv, Lk, Dh),
+                                             (B, Hkv * G, Lq, Dh)]]
+    kw = dict(dropout_p=0.35, rng=17, enable_gqa=G > 1, impl="blocked", block_q=bq, block_k=bk)
+    ref_out, ref_c = A.sdpa_forward(*host[:3], **kw)
+    ref_keep = A.dropout_keep_mask(ref_c)
+    ref_grads = A.sdpa_backward(host[3], ref_c)
+    monkeypatch.setattr(npb, "_draw_keep", counted)
+    with cupy.cuda.Device(0):
+        q, k, v, dout = (from_numpy(a, cp_xp) for a in host)
+        out, c = A.sdpa_forward(q, k, v, **kw)
+        grads = A.sdpa_backward(dout, c)
+        keep = A.dropout_keep_mask(c)
+    tiles = math.ceil(Lq / bq) * math.ceil(Lk / bk)
+    assert len(libs) == 2 * tiles + 1 and all(lib is cupy for lib in libs)
+    assert isinstance(keep, cupy.ndarray) and keep.dtype == cupy.bool_ and keep.device.id == 0
+    np.testing.assert_array_equal(keep.get(), ref_keep)
+    for got, ref in zip((out, *grads[:3]), (ref_out, *ref_grads[:3])):
+        assert np.max(np.abs(to_numpy(got) - ref)) <= 1e-12 * max(1.0, np.max(np.abs(ref)))
