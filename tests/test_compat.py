@@ -1019,6 +1019,35 @@ def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
         C.dot_product_attention(**{**args, **kwargs})
 
 
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(bias=np.zeros((4, 6), np.float16)), TypeError, r"^bias: expected a floating mask of dtype float32"),
+    (dict(bias=np.zeros((4, 6), np.int32)), TypeError, r"^bias: expected a real floating dtype"),
+    (dict(bias=np.zeros((4, 6), bool)), TypeError, r"^bias: expected a real floating dtype"),
+    (dict(local_window_size=(-1, 2)), ValueError, r"^local_window_size: expected sides >= 0"),
+    (dict(query_seq_lengths=np.array([-1, 3], np.int32)), ValueError, r"^query_seq_lengths: expected lengths >= 0"),
+    (dict(query=slice(0, 0)), ValueError, r"^query: expected a query length"),
+    (dict(key=slice(0, 0)), ValueError, r"^key: expected a key length"),
+    (dict(is_causal=1), TypeError, r"^is_causal: expected a bool"),
+    (dict(return_residual=1), TypeError, r"^return_residual: expected a bool"),
+])
+def test_dot_product_attention_refuses_what_jax_answers(change, exc, match):
+    """docs/compat.md's "Refused where JAX answers": each call JAX computes and npattn refuses,
+    with an error that names the argument."""
+    jax = pytest.importorskip("jax", reason="what JAX answers needs JAX")
+    q, k, v, _, _, _ = jax_case("bias_mask_gqa")
+    kwargs = dict(query=np.float32(q), key=np.float32(k), value=np.float32(v))
+    for name, cut in change.items():
+        if isinstance(cut, slice):  # no queries (T = 0) or no keys (S = 0)
+            for n in ((name,) if name == "query" else ("key", "value")):
+                kwargs[n] = kwargs[n][:, cut]
+        else:
+            kwargs[name] = cut
+    jax.nn.dot_product_attention(**{n: jax.numpy.asarray(a) if isinstance(a, np.ndarray) else a
+                                    for n, a in kwargs.items()})  # JAX answers
+    with pytest.raises(exc, match=match):
+        C.dot_product_attention(**kwargs)
+
+
 # --------------------------------------------------------------------------
 # vjp itself, and every backend
 
