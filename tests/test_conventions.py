@@ -65,6 +65,13 @@ def test_torch_behaviour_documented_on_the_page():
     with torch.no_grad():
         out, _ = tm(x, y, y, attn_mask=ignore, need_weights=False)
     assert (out[:, 1] == 0).all()
+    # ... NaN on the inference fast path, which takes self-attention only (query is key is value)
+    mask = torch.zeros(3, 3, dtype=torch.bool)
+    mask[1] = True
+    with torch.no_grad():
+        cross, _ = tm(x, x.clone(), x.clone(), attn_mask=mask, need_weights=False)
+        fast, _ = tm(x, x, x, attn_mask=mask, need_weights=False)
+    assert (cross[:, 1] == 0).all() and torch.isnan(fast[:, 1]).all()
     q = torch.randn(1, 2, 3, 4, dtype=torch.float64)
     k = torch.randn(1, 2, 5, 4, dtype=torch.float64)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=~ignore)
