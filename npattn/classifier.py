@@ -38,7 +38,7 @@ from . import layers as Ly
 from . import nn
 from . import validation as V
 from .backend import device_of, from_numpy
-from .stack import BlockStack, blocks_put_back_on_failure
+from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
 __all__ = ["TransformerClassifier", "ClassifierCache"]
@@ -268,15 +268,17 @@ class TransformerClassifier(BlockStack):
         # 4. h = layer_norm(h)
         if c.norm is not None:
             dh, grads["norm.weight"], grads["norm.bias"] = Ly.layer_norm_backward(dh, c.norm)
-        # 3. h = block_n(h), last block first
-        for n in reversed(range(self.n_layers)):
-            block = self.blocks[n]
-            dh = block.backward(dh)  # [B, L, D]
-            grads.update({f"blocks.{n}.{k}": g for k, g in block.grads.items()})
-        # 2. h = e + pos
-        de, grads["pos"] = nn.add_positions_backward(dh, c.pos)  # [B, L, D], [L, D]
-        # 1. e = x @ embed.weight.T + embed.bias
-        dx, grads["embed.weight"], grads["embed.bias"] = F.linear_backward(de, c.embed)  # [B, L, P]
+        # a failure from here on (memory) puts back the grads of the blocks whose backward ran
+        with block_grads_put_back_on_failure(self.blocks):
+            # 3. h = block_n(h), last block first
+            for n in reversed(range(self.n_layers)):
+                block = self.blocks[n]
+                dh = block.backward(dh)  # [B, L, D]
+                grads.update({f"blocks.{n}.{k}": g for k, g in block.grads.items()})
+            # 2. h = e + pos
+            de, grads["pos"] = nn.add_positions_backward(dh, c.pos)  # [B, L, D], [L, D]
+            # 1. e = x @ embed.weight.T + embed.bias
+            dx, grads["embed.weight"], grads["embed.bias"] = F.linear_backward(de, c.embed)  # [B, L, P]
         self.grads = {k: grads[k] for k in self.params}
         self.dx = dx
         return self.grads

@@ -52,7 +52,7 @@ from .backend import (device_of, dropout_key, from_numpy, keep_mask, to_numpy,
                       widest_int)
 from .kvcache import KVCache
 from .module import check_kv_cache
-from .stack import BlockStack, blocks_put_back_on_failure
+from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
 __all__ = ["GPT", "GPTCache", "training_step", "sample_next", "check_sampling", "check_training_options", "SAVE_FORMAT", "SAVE_VERSION",
@@ -324,20 +324,22 @@ class GPT(BlockStack):
         dx, grads["ln_f.weight"], db = Ly.layer_norm_backward(dh, c.ln_f)  # [B, L, D]
         if self.bias:
             grads["ln_f.bias"] = db
-        # 3. x = block_n(x), in reverse
-        for n in reversed(range(self.n_layer)):
-            dx = self.blocks[n].backward(dx)  # [B, L, D]
-            grads.update({f"blocks.{n}.{k}": g for k, g in self.blocks[n].grads.items()})
-        # 2. x = e + wpe[s:s+L]: the rows that were read get the gradient, the others zero
-        de, dpos = nn.add_positions_backward(dx, c.pos)  # [B, L, D], [L, D]
-        T, D = self.block_size, self.d_model
-        dev = self._device()
-        rows = [xp.zeros((c.start, D), dtype=self.dtype, device=dev), dpos,
-                xp.zeros((T - c.start - L, D), dtype=self.dtype, device=dev)]
-        grads["wpe"] = xp.concat(rows, axis=0)  # [T, D]
-        # 1. e = embedding(ids, wte); the tied head's term adds
-        _, dwte_embed = nn.embedding_backward(de, c.embed)  # [V, D]
-        grads["wte"] = dwte_embed + dwte_head
+        # a failure from here on (memory) puts back the grads of the blocks whose backward ran
+        with block_grads_put_back_on_failure(self.blocks):
+            # 3. x = block_n(x), in reverse
+            for n in reversed(range(self.n_layer)):
+                dx = self.blocks[n].backward(dx)  # [B, L, D]
+                grads.update({f"blocks.{n}.{k}": g for k, g in self.blocks[n].grads.items()})
+            # 2. x = e + wpe[s:s+L]: the rows that were read get the gradient, the others zero
+            de, dpos = nn.add_positions_backward(dx, c.pos)  # [B, L, D], [L, D]
+            T, D = self.block_size, self.d_model
+            dev = self._device()
+            rows = [xp.zeros((c.start, D), dtype=self.dtype, device=dev), dpos,
+                    xp.zeros((T - c.start - L, D), dtype=self.dtype, device=dev)]
+            grads["wpe"] = xp.concat(rows, axis=0)  # [T, D]
+            # 1. e = embedding(ids, wte); the tied head's term adds
+            _, dwte_embed = nn.embedding_backward(de, c.embed)  # [V, D]
+            grads["wte"] = dwte_embed + dwte_head
         self.grads = {k: grads[k] for k in self.params}
         return self.grads
 

@@ -20,7 +20,7 @@ from .transformer import ENCODER_DROPOUT_SITES
 from .module import (check_forward_impl, check_params_assignment, check_path, model_from_save_file,
                      picklable_state, restore_state, set_rng_state, write_save_file)
 
-__all__ = ["BlockStack", "blocks_put_back_on_failure"]
+__all__ = ["BlockStack", "blocks_put_back_on_failure", "block_grads_put_back_on_failure"]
 
 
 @contextlib.contextmanager
@@ -34,6 +34,20 @@ def blocks_put_back_on_failure(blocks: Any) -> Iterator[None]:
     except BaseException:
         for block, state in zip(blocks, before):
             block.restore_forward_state(state)
+        raise
+
+
+@contextlib.contextmanager
+def block_grads_put_back_on_failure(blocks: Any) -> Iterator[None]:
+    """Run a model's backward inside; should it raise (memory, say) after some blocks'
+    backwards ran, every block's grads and its attention modules' are put back as they were
+    (``TransformerBlock.backward_state``), then the error goes on: a failed call changes nothing."""
+    before = [block.backward_state() for block in blocks]
+    try:
+        yield
+    except BaseException:
+        for block, state in zip(blocks, before):
+            block.restore_backward_state(state)
         raise
 
 

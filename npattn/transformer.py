@@ -259,6 +259,15 @@ class BlockState(NamedTuple):
     rng_state: Mapping[str, Any]  #: its dropout generator's state
 
 
+class BlockGradState(NamedTuple):
+    """What a block's backward changes, read by ``backward_state`` and put back by
+    ``restore_backward_state``."""
+
+    owner: Any  #: the block it was read from
+    grads: dict  #: its grads
+    attn: dict  #: its attention modules' (grads, dmask, cache), by name
+
+
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
@@ -518,6 +527,40 @@ class _Block:
         for a, m in self._attn.items():
             m.cache = state.attn_caches[a]
         self._cache = state.cache
+
+    def backward_state(self) -> BlockGradState:
+        """What a backward of this block changes, as it is now: its ``grads`` and its
+        attention modules' ``grads``, ``dmask`` and ``cache`` (the backward hands each module
+        the cache of this block's forward, and the modules' backwards run one after another).
+
+        ``restore_backward_state`` puts it back. The block's backward does so
+        when it fails (out of memory, say) after an attention module's backward
+        has run, and a model made of blocks does so for the blocks whose
+        backward ran before another's failed: a failed call changes nothing.
+        """
+        return BlockGradState(self, self.grads,
+                              {a: (m.grads, m.dmask, m.cache) for a, m in self._attn.items()})
+
+    def restore_backward_state(self, state: BlockGradState) -> None:
+        """Put back a ``backward_state`` of this block; a ``TypeError`` for anything else."""
+        if not isinstance(state, BlockGradState) or state.owner is not self:
+            raise TypeError(f"state: expected a BlockGradState read from this block's backward_state(), "
+                            f"got {'one of another block' if isinstance(state, BlockGradState) else V.type_name(state)}")
+        for a, m in self._attn.items():
+            grads, dmask, cache = state.attn[a]
+            m.grads, m.dmask = grads, dmask
+            if m.cache is not cache:  # the backward handed it this block's forward's
+                m.cache = cache
+        self.grads = state.grads
+
+    def _run_backward(self, fn):
+        """Run a backward; on failure put back what it changed (``backward_state``)."""
+        saved = self.backward_state()
+        try:
+            return fn()
+        except BaseException:
+            self.restore_backward_state(saved)
+            raise
 
     def _check_dout(self, dout: Any) -> None:
         c = self._cache
@@ -907,11 +950,15 @@ class TransformerBlock(_Block):
                                "(it keeps nothing to differentiate); run a forward without kv_cache "
                                "before backward")
         grads: dict = {}
-        # 2. x = sublayer(h; ff, norm2)
-        dh = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm2", grads)
-        # 1. h = sublayer(x; self_attn, norm1)
-        dx = self._sublayer_backward(dh, c.attn, self._attn_core_backward("self_attn", grads, []),
-                                     "norm1", grads)
+
+        def run():
+            # 2. x = sublayer(h; ff, norm2)
+            dh = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm2", grads)
+            # 1. h = sublayer(x; self_attn, norm1)
+            return self._sublayer_backward(dh, c.attn, self._attn_core_backward("self_attn", grads, []),
+                                           "norm1", grads)
+
+        dx = self._run_backward(run)  # on failure the attention module's grads are put back
         self.grads = self._ordered(grads)
         return dx
 
@@ -1027,15 +1074,20 @@ class TransformerDecoderBlock(_Block):
         c = self._cache
         grads: dict = {}
         dmemory: list = []
-        # 3. x = sublayer(h2; ff, norm3)
-        dh2 = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm3", grads)
-        # 2. h2 = sublayer(h1; multihead_attn over memory, norm2); memory's gradient is collected
-        dh1 = self._sublayer_backward(dh2, c.cross_attn,
-                                      self._attn_core_backward("multihead_attn", grads, dmemory),
-                                      "norm2", grads)
-        # 1. h1 = sublayer(x; self_attn, norm1)
-        dx = self._sublayer_backward(dh1, c.self_attn,
-                                     self._attn_core_backward("self_attn", grads, []), "norm1", grads)
+
+        def run():
+            # 3. x = sublayer(h2; ff, norm3)
+            dh2 = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm3", grads)
+            # 2. h2 = sublayer(h1; multihead_attn over memory, norm2); memory's gradient is collected
+            dh1 = self._sublayer_backward(dh2, c.cross_attn,
+                                          self._attn_core_backward("multihead_attn", grads, dmemory),
+                                          "norm2", grads)
+            # 1. h1 = sublayer(x; self_attn, norm1)
+            return self._sublayer_backward(dh1, c.self_attn,
+                                           self._attn_core_backward("self_attn", grads, []),
+                                           "norm1", grads)
+
+        dx = self._run_backward(run)  # on failure the attention modules' grads are put back
         self.grads = self._ordered(grads)
         return dx, dmemory[0]
 

@@ -492,6 +492,35 @@ def test_a_training_forward_that_fails_after_the_checks_changes_nothing(monkeypa
     np.testing.assert_array_equal(model.forward(ids), twin.forward(ids))  # the same masks drawn
 
 
+def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(monkeypatch):
+    """Block 1's backward runs, block 0's fails (a MemoryError): the model's grads, block 1's
+    grads and its attention module's grads are those of the last successful backward, and
+    the next backward gives what a model that never failed gives."""
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    dlogits = np.random.default_rng(8).standard_normal((B, L, VOCAB))
+    for m in (model, twin):
+        m.forward(ids_of(0))
+        m.backward(dlogits)
+        m.forward(ids_of(1))
+    model_grads = model.grads
+    held = [(b.grads, b.self_attn.grads, b.self_attn.dmask) for b in model.blocks]
+
+    def fails(dout):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(model.blocks[0], "backward", fails)
+    with pytest.raises(MemoryError):
+        model.backward(dlogits)
+    monkeypatch.undo()
+    assert model.grads is model_grads
+    for n, (block, (grads, attn_grads, dmask)) in enumerate(zip(model.blocks, held)):
+        assert block.grads is grads and block.self_attn.grads is attn_grads, f"block {n}"
+        assert block.self_attn.dmask is dmask, f"block {n}"
+    grads, ref = model.backward(dlogits), twin.backward(dlogits)
+    for k in ref:
+        np.testing.assert_array_equal(grads[k], ref[k], err_msg=k)
+
+
 def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
     """A failure past the checks in the last block's feed-forward (a MemoryError), after the
     first block and the last one's self-attention appended: every cache keeps its length,

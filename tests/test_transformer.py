@@ -583,6 +583,45 @@ def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
         block.params = {"linear1.weight": block.params["linear1.weight"]}
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_first, monkeypatch):
+    """The cross-attention's backward runs, then the self-attention's fails (a MemoryError):
+    the block's grads and both attention modules' grads, dmask and cache are those of the
+    last successful backward (the block's docstring: the modules' grads are its last
+    backward's), and the next backward gives what a block that never failed gives."""
+    rng = np.random.default_rng(26)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    d1, d2 = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
+    mem_mask = np.where(rng.random((B, 1, L, LM)) > 0.3, rng.standard_normal((B, 1, L, LM)), -np.inf)
+    block, twin = (TransformerDecoderBlock(D, H, FF, dropout=0.2, dtype="float64", seed=27,
+                                           norm_first=norm_first) for _ in range(2))
+    for b in (block, twin):
+        b(x, memory, memory_mask=mem_mask)
+        b.backward(d1)
+        b(2.0 * x, memory, memory_mask=mem_mask)
+    before = {a: (m.grads, m.dmask, m.cache) for a, m in (("self", block.self_attn),
+                                                          ("cross", block.multihead_attn))}
+    block_grads = block.grads
+
+    def fails(dout):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(block.self_attn, "backward", fails)
+    with pytest.raises(MemoryError):
+        block.backward(d2)
+    monkeypatch.undo()
+    assert block.grads is block_grads
+    for a, m in (("self", block.self_attn), ("cross", block.multihead_attn)):
+        grads, dmask, cache = before[a]
+        assert m.grads is grads and m.dmask is dmask and m.cache is cache, a
+    for a, b in zip(block.backward(d2), twin.backward(d2)):
+        np.testing.assert_array_equal(a, b)
+    for k in twin.grads:
+        np.testing.assert_array_equal(block.grads[k], twin.grads[k], err_msg=k)
+    with pytest.raises(TypeError, match=r"^state: expected a BlockGradState .* got one of another block"):
+        block.restore_backward_state(twin.backward_state())
+
+
 def test_a_forward_state_put_back_undoes_a_forward(xp, to_xp, to_np, backend):
     """restore_forward_state puts back the cache (backward differentiates the earlier forward),
     the attention modules' caches and the generator; it takes only this block's own states."""
