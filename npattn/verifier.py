@@ -235,6 +235,9 @@ class TensorResult:
     magnitude: float
     status: str
     note: str = ""
+    #: where a failing tensor is wrong: how many entries are over budget, the worst one's
+    #: index (named axes, (B, H, L, D) whatever the layout) and the rows (queries or keys)
+    where: str = ""
 
     @property
     def ratio(self) -> float:
@@ -246,7 +249,8 @@ class TensorResult:
     def to_dict(self) -> dict:
         return {"error": _num(self.error), "budget": _num(self.budget), "ratio": _num(self.ratio),
                 "npattn_error": _num(self.npattn_error), "floor": _num(self.floor),
-                "magnitude": _num(self.magnitude), "status": self.status, "note": self.note}
+                "magnitude": _num(self.magnitude), "status": self.status, "note": self.note,
+                "where": self.where}
 
 
 @dataclass
@@ -410,6 +414,9 @@ class VerifyReport:
                     parts.append(f"    error: {r.error}")
                 if r.raised_at:
                     parts.append(f"    at: {r.raised_at}")
+                for n in r.failing:
+                    if r.tensors[n].where:
+                        parts.append(f"    where: {n}: {r.tensors[n].where}")
                 parts.append(f"    hint: {r.hint}")
                 parts.append(f"    rerun: {r.reproducer}")
             if len(fails) > max_failures:
@@ -625,8 +632,9 @@ def _to_layout(x: np.ndarray, layout: str) -> np.ndarray:
 
 
 def _from_layout(x: np.ndarray, layout: str) -> np.ndarray:
-    """The kernel's layout -> (B, H, L, D)."""
-    return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
+    """The kernel's layout -> (B, H, L, D); an array not 4-D as it is (its shape is wrong
+    whatever the layout, and ``_compare`` says so)."""
+    return x if layout == "bhsd" or x.ndim != 4 else np.swapaxes(x, 1, 2)
 
 
 class _Library:
@@ -1020,12 +1028,12 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
     npattn_err = float(np.max(np.abs(np.where(keep, ref, 0.0) - t))) if t.size else 0.0
     floor = cfg.floors[floor_dtype] * max(terms, FLOOR_SCALE) + lse_floor
     budget = cfg.budget_factor * npattn_err + floor
-    note = ""
+    note = where = ""
     factor = None
     if got is None:
         err, note = math.inf, f"missing: no {name} was returned"
     elif tuple(got.shape) != tuple(truth.shape):
-        err, note = math.inf, f"shape: expected {tuple(truth.shape)}, got {tuple(got.shape)}"
+        err, note = math.inf, _shape_note(name, tuple(truth.shape), tuple(got.shape), cfg.layout)
     else:
         g = np.where(keep, got, 0.0)
         bad = ~np.isfinite(g)
@@ -1035,6 +1043,8 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
         else:
             err = float(np.max(np.abs(g - t))) if g.size else 0.0
             factor = _constant_factor(g, t)
+        if err > budget:
+            where = _where(name, g, t, budget)
     if err <= budget:
         status = "pass"
         if magnitude < DEGENERATE_RATIO * budget:
@@ -1044,7 +1054,70 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
             status, note = "degenerate", saturated
     else:
         status = "fail"
-    return TensorResult(name, err, budget, npattn_err, floor, magnitude, status, note), factor
+    return TensorResult(name, err, budget, npattn_err, floor, magnitude, status, note,
+                        where), factor
+
+
+#: the axes of each tensor as verify holds it ((B, H, L, D) whatever the layout)
+_AXES = {"out": ("b", "h", "query", "d"), "dq": ("b", "h", "query", "d"),
+         "dk": ("b", "h", "key", "d"), "dv": ("b", "h", "key", "d"),
+         "lse": ("b", "h", "query"), "dmask": ("b", "h", "query", "key"), "dsinks": ("h",)}
+#: the same in the kernel's layout, for a message about the shape it returned
+_LAYOUT_AXES = {"bhsd": "(B, H, L, D)", "bshd": "(B, L, H, D)", "bthd": "(B, T, N, H)"}
+
+
+def _kernel_shape(name: str, shape: tuple, layout: str) -> tuple:
+    """``shape`` as verify holds it -> as the kernel gives it (``_run_kernel``'s swaps undone)."""
+    swap = ((name in ("out", "dq", "dk", "dv") and layout != "bhsd" and len(shape) == 4)
+            or (name == "lse" and layout == "bthd" and len(shape) == 3))
+    return (shape[0], shape[2], shape[1], *shape[3:]) if swap else shape
+
+
+def _shape_note(name: str, want: tuple, got: tuple, layout: str) -> str:
+    """The note of a tensor of the wrong shape, both shapes in the kernel's layout."""
+    want, got = _kernel_shape(name, want, layout), _kernel_shape(name, got, layout)
+    axes = ""
+    if name in ("out", "dq", "dk", "dv"):
+        axes = f" {_LAYOUT_AXES[layout]}"
+    elif name == "lse":
+        axes = " (B, T, N)" if layout == "bthd" else " (B, H, Lq)"
+    note = f"shape: expected {want}{axes} in layout {layout!r}, got {got}"
+    if len(got) == len(want) >= 3 and got == (want[0], want[2], want[1], *want[3:]) and got != want:
+        note += " (axes 1 and 2 swapped" + (
+            f": is the kernel's layout not {layout!r}?)" if len(want) == 4 else ")")
+    return note
+
+
+def _ranges(idx: np.ndarray, limit: int = 6) -> str:
+    """Sorted ints -> '0-31, 64, 96-127' (the first ``limit`` runs, then '...')."""
+    runs: list = []
+    for i in (int(x) for x in idx):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    return text + (", ..." if len(runs) > limit else "")
+
+
+def _where(name: str, got: np.ndarray, truth: np.ndarray, budget: float) -> str:
+    """Where ``got`` is over budget (or not finite): how many entries, the worst one's
+    index by axis name, and which rows (queries, or keys for dk and dv)."""
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(got - truth)
+    over = ~np.isfinite(diff) | (diff > budget)
+    if not over.any():
+        return ""
+    worst = np.unravel_index(int(np.argmax(np.where(np.isfinite(diff), diff, np.inf))), diff.shape)
+    axes = _AXES.get(name, tuple(f"axis{i}" for i in range(diff.ndim)))[:diff.ndim]
+    text = (f"{int(over.sum())} of {over.size} entries over budget, the worst at "
+            + ", ".join(f"{a}={int(i)}" for a, i in zip(axes, worst)))
+    row_axis = next((i for i, a in enumerate(axes) if a in ("query", "key")), None)
+    if row_axis is not None:
+        rows = np.nonzero(over.any(axis=tuple(i for i in range(over.ndim) if i != row_axis)))[0]
+        text += (f"; {axes[row_axis]} rows {_ranges(rows)} ({len(rows)} of "
+                 f"{over.shape[row_axis]})")
+    return text
 
 
 def _group_sum(x: np.ndarray, G: int) -> np.ndarray:

@@ -1027,6 +1027,54 @@ def test_outputs_in_another_dtype_fail(wrong):
     assert r.tensors[wrong].error <= r.tensors[wrong].budget  # the numbers themselves are right
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "bthd"])
+def test_a_wrong_shape_is_told_in_the_kernels_layout(layout):
+    """The shapes in the note are the kernel's own: a (B, L, H, D) kernel that returns
+    (B, H, L, D) reads 'expected (B, L, H, D), got (B, H, L, D)', not the other way round;
+    an out that is not 4-D is a wrong shape, not an error of verify's own."""
+    c = VF.plan("", cases=["base-65x128"])[0]
+    want = (c.B, c.Hq, c.Lq, c.Dv) if layout == "bhsd" else (c.B, c.Lq, c.Hq, c.Dv)
+    swapped = (want[0], want[2], want[1], want[3])
+
+    def kernel(q, k, v, **kw):
+        return np.zeros(swapped, dtype=q.dtype)
+
+    def flat(q, k, v, **kw):
+        return np.zeros((q.shape[0], 7), dtype=q.dtype)
+
+    r = VF.verify(kernel, layout=layout, dtype="float64", cases=[c.name]).results[0]
+    assert r.error is None and r.failing == ["out"]
+    assert r.tensors["out"].note.startswith(f"shape: expected {want} ")
+    assert f"got {swapped} (axes 1 and 2 swapped" in r.tensors["out"].note
+    r = VF.verify(flat, layout=layout, dtype="float64", cases=[c.name]).results[0]
+    assert r.error is None and r.failing == ["out"]
+    assert r.tensors["out"].note.startswith(f"shape: expected {want} ")
+    assert r.tensors["out"].note.endswith(f"got {(c.B, 7)}")
+
+
+def test_a_failing_tensor_says_where():
+    """One query row of one head wrong: the report counts its entries, names the worst one
+    and the row, in (B, H, L, D) terms whatever the layout."""
+    c = VF.plan("", cases=["base-65x128"])[0]
+    row = 40
+
+    def kernel(q, k, v, **kw):  # (B, L, H, D)
+        out, _ = F.sdpa_forward(*(np.swapaxes(t, 1, 2) for t in (q, k, v)), **kw)
+        out = np.swapaxes(out, 1, 2).copy()
+        out[1, row, 0, :] += np.linspace(0.1, 1.0, out.shape[-1])  # b=1, h=0: worst at the last d
+        out[0, [row + 1, row + 2, row + 10], 1, 0] += 0.05           # b=0, h=1: one entry each
+        return out
+
+    report = VF.verify(kernel, layout="bshd", dtype="float64", cases=[c.name])
+    t = report.results[0].tensors["out"]
+    assert t.status == "fail"
+    assert t.where == (f"{c.Dv + 3} of {c.B * c.Hq * c.Lq * c.Dv} entries over budget, the worst "
+                       f"at b=1, h=0, query={row}, d={c.Dv - 1}; query rows {row}-{row + 2}, "
+                       f"{row + 10} (4 of {c.Lq})")
+    assert f"    where: out: {t.where}" in report.format()
+    assert json.loads(report.to_json())["cases"][0]["tensors"]["out"]["where"] == t.where
+
+
 def test_report_json_and_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     report = run_kernel(K.bug_gqa_no_sum, "float64", supports="gqa,causal", combos=False)
