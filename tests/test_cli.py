@@ -345,6 +345,17 @@ def test_check_option_errors_print_the_check_usage(capsys):
     assert "usage: npattn check" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["check", "demo"])
+def test_an_unknown_option_is_told_by_its_subcommand(command, capsys):
+    """A misspelt flag prints the subcommand's usage (which lists its flags), not npattn's."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--jsn"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: npattn {command}" in err
+    assert f"npattn {command}: error: unrecognized arguments: --jsn" in err
+
+
 def _must_not_train(*args, **kwargs):
     raise AssertionError("the demo trained before its arguments were checked")
 

@@ -251,7 +251,9 @@ def _main(argv) -> int:
 
         return verify_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage, not by the top-level one
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("check", "demo"):
         if args.command == "demo":
             _check_demo_args(args, args.command_parser)
