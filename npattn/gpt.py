@@ -567,17 +567,31 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
     clipping to ``max_grad_norm`` (None: no clipping). Every argument is
-    checked before the forward.
+    checked before the forward. Should the step fail after that (memory,
+    say), the model is put back as it was before the call (its forward's
+    cache, its and its blocks' generators, its grads): a failed step changes
+    nothing, and running it again draws the same dropout masks.
     """
     check_training_options(model, state, lr=lr, max_grad_norm=max_grad_norm, betas=betas, eps=eps,
                            weight_decay=weight_decay)
-    loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks)
-    grads = model.backward(dlogits)
-    if max_grad_norm is not None:
-        grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))
-    else:
-        norm = math.sqrt(sum(float(model.xp.sum(g * g)) for g in grads.values()))
-    new, state = nn.adam_step(model.params, grads, state, lr=lr, betas=betas, eps=eps,
-                              weight_decay=weight_decay)
-    model.params = new
+    # what the forward and backward below change, put back should a later step fail
+    before = (model._cache, model._rng.bit_generator.state, model.grads,
+              [(b.forward_state(), b.backward_state()) for b in model.blocks])
+    try:
+        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks)
+        grads = model.backward(dlogits)
+        if max_grad_norm is not None:
+            grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))
+        else:
+            norm = math.sqrt(sum(float(model.xp.sum(g * g)) for g in grads.values()))
+        new, state = nn.adam_step(model.params, grads, state, lr=lr, betas=betas, eps=eps,
+                                  weight_decay=weight_decay)
+    except BaseException:
+        model._cache, rng_state, model.grads, blocks = before
+        model._rng.bit_generator.state = rng_state
+        for block, (fwd, bwd) in zip(model.blocks, blocks):
+            block.restore_backward_state(bwd)
+            block.restore_forward_state(fwd)  # (the attention modules' caches: the forward's)
+        raise
+    model.params = new  # checked: nothing fails here
     return loss, norm, state

@@ -521,6 +521,43 @@ def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(monkeypatch):
         np.testing.assert_array_equal(grads[k], ref[k], err_msg=k)
 
 
+@pytest.mark.parametrize("where", ["backward", "adam"])
+def test_a_training_step_that_fails_after_its_forward_changes_nothing(monkeypatch, where):
+    """A training step whose backward (block 0's, after block 1's ran) or Adam step fails (a
+    MemoryError) puts the model back: its cache, grads and every generator as before the call,
+    so that the step run again draws the same dropout masks and gives what a model that never
+    failed gives."""
+    import npattn.gpt as gpt_module
+
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    ids, tgt = ids_of(0), ids_of(1)
+    state = nn.adam_init(model.params)
+    for m in (model, twin):  # a step done: a cache and grads to keep
+        _, _, state_after = training_step(m, state, ids, tgt, lr=0.05)
+    cache, grads = model._cache, model.grads
+    held = [(b.grads, b.self_attn.grads, b.self_attn.cache, b._cache) for b in model.blocks]
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    if where == "backward":
+        monkeypatch.setattr(model.blocks[0], "backward", fails)
+    else:
+        monkeypatch.setattr(gpt_module.nn, "adam_step", fails)
+    with pytest.raises(MemoryError):
+        training_step(model, state_after, ids, tgt, lr=0.05)
+    monkeypatch.undo()
+    assert model._cache is cache and model.grads is grads
+    for n, (block, (g, attn_g, attn_cache, block_cache)) in enumerate(zip(model.blocks, held)):
+        assert block.grads is g and block.self_attn.grads is attn_g, f"block {n}"
+        assert block.self_attn.cache is attn_cache and block._cache is block_cache, f"block {n}"
+    loss, norm, _ = training_step(model, state_after, ids, tgt, lr=0.05)
+    ref_loss, ref_norm, _ = training_step(twin, state_after, ids, tgt, lr=0.05)
+    assert (loss, norm) == (ref_loss, ref_norm)
+    for k, v in twin.params.items():
+        np.testing.assert_array_equal(model.params[k], v, err_msg=k)
+
+
 def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
     """A failure past the checks in the last block's feed-forward (a MemoryError), after the
     first block and the last one's self-attention appended: every cache keeps its length,
