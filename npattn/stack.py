@@ -24,31 +24,30 @@ __all__ = ["BlockStack", "blocks_put_back_on_failure", "block_grads_put_back_on_
 
 
 @contextlib.contextmanager
-def blocks_put_back_on_failure(blocks: Any) -> Iterator[None]:
+def _put_back_on_failure(blocks: Any, read: str, restore: str) -> Iterator[None]:
+    """Run the body; should it raise, put every block back with ``block.<restore>(state)``
+    from the ``block.<read>()`` taken before it, then let the error go on."""
+    before = [getattr(block, read)() for block in blocks]
+    try:
+        yield
+    except BaseException:
+        for block, state in zip(blocks, before):
+            getattr(block, restore)(state)
+        raise
+
+
+def blocks_put_back_on_failure(blocks: Any) -> contextlib.AbstractContextManager:
     """Run a model's forward inside; should it raise (memory, say), every block is put back as
     it was before (``TransformerBlock.forward_state``: its caches and generators), then the
     error goes on: the blocks that ran keep the previous forward for ``backward``."""
-    before = [block.forward_state() for block in blocks]
-    try:
-        yield
-    except BaseException:
-        for block, state in zip(blocks, before):
-            block.restore_forward_state(state)
-        raise
+    return _put_back_on_failure(blocks, "forward_state", "restore_forward_state")
 
 
-@contextlib.contextmanager
-def block_grads_put_back_on_failure(blocks: Any) -> Iterator[None]:
+def block_grads_put_back_on_failure(blocks: Any) -> contextlib.AbstractContextManager:
     """Run a model's backward inside; should it raise (memory, say) after some blocks'
     backwards ran, every block's grads and its attention modules' are put back as they were
     (``TransformerBlock.backward_state``), then the error goes on: a failed call changes nothing."""
-    before = [block.backward_state() for block in blocks]
-    try:
-        yield
-    except BaseException:
-        for block, state in zip(blocks, before):
-            block.restore_backward_state(state)
-        raise
+    return _put_back_on_failure(blocks, "backward_state", "restore_backward_state")
 
 
 class BlockStack:
