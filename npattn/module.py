@@ -1054,9 +1054,12 @@ def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask:
         raise ValueError(
             f"value: expected length {Lk} (that of key), got shape {V.shape_of(value)}"
         )
-    for name, n in (("batch size of query", B), ("query length", Lq), ("key length", Lk)):
-        if n == 0:
-            raise ValueError(f"{name}: expected at least 1, got 0")
+    # "name: ..." first, so that a wrapper's argument_names renames it (a block's x, memory)
+    for name, x, axis, what in (("query", query, 0, "batch size"), ("query", query, 1, "query length"),
+                                ("key", key, 1, "key length")):
+        if x.shape[axis] == 0:
+            raise ValueError(f"{name}: expected a {what} (axis {axis}) of at least 1, "
+                             f"got shape {V.shape_of(x)}")
     target = (B, module.n_head, Lq, Lk)
     V.check_mask("mask", mask, xp, target=target, target_text="(B, H, Lq, Lk)", dtype=dtype,
                device=device, ndims=(2, 4))

@@ -697,3 +697,20 @@ def test_block_errors_name_the_blocks_arguments():
         dec.forward(x, memory[0])
     with pytest.raises(ValueError, match=r"^memory: expected batch size 2 \(that of x\)"):
         dec.forward(x, np.ones((3, 4, 8)))
+
+
+def test_empty_inputs_are_named_as_the_blocks_arguments():
+    """An empty x or memory is named so: the attention check said 'query length: expected at
+    least 1, got 0' and 'key length: ...', which no wrapper could rename to x or memory."""
+    x = np.ones((2, 3, 8))
+    enc = TransformerBlock(8, 2, 16, dtype="float64", seed=0)
+    with pytest.raises(ValueError, match=r"^x: expected a query length \(axis 1\) of at least 1, "
+                                         r"got shape \(2, 0, 8\)"):
+        enc.forward(x[:, :0])
+    with pytest.raises(ValueError, match=r"^x: expected a batch size \(axis 0\) of at least 1, "
+                                         r"got shape \(0, 3, 8\)"):
+        enc.forward(x[:0])
+    dec = TransformerDecoderBlock(8, 2, 16, dtype="float64", seed=0)
+    with pytest.raises(ValueError, match=r"^memory: expected a key length \(axis 1\) of at least 1, "
+                                         r"got shape \(2, 0, 8\)"):
+        dec.forward(x, np.ones((2, 0, 8)))
