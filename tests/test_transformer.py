@@ -133,6 +133,56 @@ def test_decoder_matches_torch(norm_first, activation):
     assert_torch_grads(layer, block, ("self_attn", "multihead_attn"))
 
 
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+def test_blocks_match_torch_without_bias_with_eps_and_2d_masks(norm_first, mask_kind):
+    """The torch options the tests above leave at their defaults: bias=False, layer_norm_eps,
+    a 2-D attn_mask (float added; bool inverted: torch's True = may not attend), one head in the
+    decoder's layers, Lm != L; outputs, input gradients and every parameter gradient."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(5)
+    rng = np.random.default_rng(5)
+
+    def attn_mask(Lq, Lk):  # (npattn mask, torch attn_mask)
+        if mask_kind == "float":
+            f = rng.standard_normal((Lq, Lk))
+            return f, torch.from_numpy(f)
+        allow = rng.random((Lq, Lk)) < 0.6
+        allow[:, 0] = True  # no row with nothing to attend (torch gives NaN there)
+        return allow, torch.from_numpy(~allow)
+
+    kw = dict(dropout=0.0, norm_first=norm_first, bias=False, layer_norm_eps=1e-3, batch_first=True,
+              dtype=torch.float64)
+    enc = torch.nn.TransformerEncoderLayer(D, H, FF, activation="gelu", **kw)
+    block = TransformerBlock.from_torch(enc)
+    assert (block.bias, block.layer_norm_eps) == (False, 1e-3)
+    mask, tmask = attn_mask(L, L)
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    y = enc(x, src_mask=tmask)
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    np.testing.assert_allclose(block.forward(x.detach().numpy(), mask=mask), y.detach().numpy(),
+                               rtol=0, atol=1e-10)
+    np.testing.assert_allclose(block.backward(dout.numpy()), x.grad.numpy(), rtol=0, atol=1e-10)
+    assert_torch_grads(enc, block, ("self_attn",))
+
+    dec = torch.nn.TransformerDecoderLayer(D, 1, FF, **kw)
+    block = TransformerDecoderBlock.from_torch(dec)
+    (mask, tmask), (mmask, tmmask) = attn_mask(L, L), attn_mask(L, LM)
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(B, LM, D, dtype=torch.float64, requires_grad=True)
+    y = dec(x, memory, tgt_mask=tmask, memory_mask=tmmask)
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), memory.detach().numpy(), mask=mask, memory_mask=mmask)
+    dx, dmemory = block.backward(dout.numpy())
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dmemory, memory.grad.numpy(), rtol=0, atol=1e-10)
+    assert_torch_grads(dec, block, ("self_attn", "multihead_attn"))
+
+
 # ------------------------------------------------ torch parity with dropout p > 0
 
 
