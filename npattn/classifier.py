@@ -37,7 +37,7 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import device_of, from_numpy
+from .backend import backend_name, device_of, from_numpy
 from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
@@ -288,4 +288,4 @@ class TransformerClassifier(BlockStack):
                 f"n_classes={self.n_classes}, d_model={self.d_model}, n_head={self.n_head}, "
                 f"n_layers={self.n_layers}, d_ff={self.d_ff}, dropout={self.dropout}, "
                 f"activation={self.activation!r}, norm_first={self.norm_first}, "
-                f"dtype={self.dtype}, backend={self.xp.__name__!r})")
+                f"dtype={V.dtype_name(self.dtype)!r}, backend={backend_name(self.xp)!r})")

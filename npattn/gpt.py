@@ -48,7 +48,7 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import (device_of, dropout_key, from_numpy, keep_mask, to_numpy,
+from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy,
                       widest_int)
 from .kvcache import KVCache
 from .module import check_kv_cache
@@ -175,8 +175,8 @@ class GPT(BlockStack):
     def __repr__(self):
         return (f"GPT(vocab_size={self.vocab_size}, block_size={self.block_size}, "
                 f"d_model={self.d_model}, n_layer={self.n_layer}, n_head={self.n_head}, "
-                f"d_ff={self.d_ff}, dropout={self.dropout}, dtype={V.dtype_name(self.dtype)}, "
-                f"backend={self.xp.__name__!r})")
+                f"d_ff={self.d_ff}, dropout={self.dropout}, dtype={V.dtype_name(self.dtype)!r}, "
+                f"backend={backend_name(self.xp)!r})")
 
     # ---------------------------------------------------------------- checks
 

@@ -145,7 +145,7 @@ class KVCache:
         return (
             f"KVCache(batch_size={self.batch_size}, capacity={self.capacity}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"value_dim={self.value_dim}, dtype={V.dtype_name(self.dtype)}, "
+            f"value_dim={self.value_dim}, dtype={V.dtype_name(self.dtype)!r}, "
             f"backend={backend_name(self.xp)!r}, cache_seqlens={list(self._lens)})"
         )
 

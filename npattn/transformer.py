@@ -780,8 +780,8 @@ class _Block:
     def __repr__(self):
         return (f"{type(self).__name__}(d_model={self.d_model}, n_head={self.n_head}, d_ff={self.d_ff}, "
                 f"dropout={self.dropout}, activation={self.activation!r}, norm_first={self.norm_first}, "
-                f"layer_norm_eps={self.layer_norm_eps}, bias={self.bias}, dtype={self.dtype}, "
-                f"backend={self.xp.__name__!r})")
+                f"layer_norm_eps={self.layer_norm_eps}, bias={self.bias}, dtype={V.dtype_name(self.dtype)!r}, "
+                f"backend={backend_name(self.xp)!r})")
 
 
 #: The arguments of the attention checks, as a block's callers name them: self-attention

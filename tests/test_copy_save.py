@@ -395,3 +395,27 @@ def test_every_malformed_header_value_loads_or_is_a_value_error(tmp_path, name):
             except Exception as exc:  # noqa: BLE001 (the point of the sweep)
                 pytest.fail(f"{key}={'dropped' if value is _DROP else repr(value)}: "
                             f"{type(exc).__name__}: {exc}")
+
+
+def test_each_models_repr_reads_as_the_call_that_builds_it():
+    """repr names dtype and backend as the constructor takes them ('float64', 'numpy'; it
+    printed <class 'numpy.float64'> and 'array_api_compat.numpy'), so evaluating it builds a
+    model of the same configuration."""
+    from npattn import KVCache
+    from npattn.classifier import TransformerClassifier
+    from npattn.gpt import GPT
+    from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+
+    names = {c.__name__: c for c in (MultiHeadAttention, GPT, TransformerBlock,
+                                     TransformerDecoderBlock, TransformerClassifier)}
+    models = [MultiHeadAttention(8, 2, dtype="float64", kdim=6, n_kv_head=1, softcap=2.0),
+              GPT(11, 9, 8, 1, 2, dtype="float64"),
+              TransformerBlock(8, 2, 16, dtype="float64", activation="gelu", norm_first=True),
+              TransformerDecoderBlock(8, 2, 16, dtype="float64", bias=False),
+              TransformerClassifier(4, 3, 5, d_model=8, n_head=2, dtype="float64")]
+    for m in models:
+        text = repr(m)
+        assert "dtype='float64'" in text and "backend='numpy'" in text, text
+        assert repr(eval(text, names)) == text
+    cache = KVCache(2, 5, 3, 4, dtype="float64")
+    assert "dtype='float64', backend='numpy'" in repr(cache)

@@ -358,7 +358,7 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     lens[0] = 0  # a copy
     assert cache.cache_seqlens.tolist() == [3, 4]
     assert repr(cache) == (f"KVCache(batch_size=2, capacity=5, num_kv_heads=3, head_dim=4, "
-                           f"value_dim=2, dtype=float64, backend={backend!r}, cache_seqlens=[3, 4])")
+                           f"value_dim=2, dtype='float64', backend={backend!r}, cache_seqlens=[3, 4])")
     cache.truncate(np.array([2, 4]))
     assert cache.cache_seqlens.tolist() == [2, 4]
     cache.reset()
