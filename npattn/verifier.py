@@ -1746,16 +1746,17 @@ def verify(
             raise ValueError(f"autograd: {head}needs {_setting('backend', library, flags)}, got "
                              f"{_setting('backend', lib_name, flags)}")
     if device is not None and lib_name == "numpy":
-        raise ValueError(f"device: expected None with backend='numpy' (NumPy arrays live on the "
-                         f"host), got {device!r}")
+        raise ValueError(f"device: expected {'none' if flags else 'None'} with "
+                         f"{_setting('backend', 'numpy', flags)} (NumPy arrays live on the host), "
+                         f"got {device!r}")
     lib = _Library(lib_name, device)
     lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
     if device is not None:  # a device the library cannot use: a usage error, not every case failing
         try:
             lib.array(np.zeros(1), dtype)
         except Exception as exc:
-            raise ValueError(f"device: expected a device that backend={lib_name!r} can use, got "
-                             f"{device!r} ({type(exc).__name__}: {exc})") from exc
+            raise ValueError(f"device: expected a device that {_setting('backend', lib_name, flags)} "
+                             f"can use, got {device!r} ({type(exc).__name__}: {exc})") from exc
     chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
                   int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports,

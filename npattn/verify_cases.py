@@ -99,9 +99,13 @@ def check_supports(supports: Any) -> tuple:
     """``supports`` (an iterable of tokens, or a comma-separated string) as a sorted tuple;
     ``ValueError`` naming an unknown token."""
     if isinstance(supports, str):
+        text = supports
         supports = [s.strip() for s in supports.split(",") if s.strip()]
         if supports == ["all"]:
             supports = list(SUPPORTS)
+        elif "all" in supports:  # 'all,causal' was told 'all' is not a name
+            raise ValueError(f"supports: expected 'all' alone or names from {sorted(SUPPORTS)}, "
+                             f"got 'all' with others in {text!r}")
     try:
         items = list(supports)
     except TypeError:

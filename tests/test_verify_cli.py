@@ -147,9 +147,9 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
      "--head-dims: expected each entry once, got 64 more than once"),
     ([f"{KERNELS}:attention", "--case", "nope"], "--case: expected names"),  # the flag, not the keyword
     ([f"{KERNELS}:attention", "--budget-factor", "-1"], "--budget-factor: expected a finite number >= 1"),
-    ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints >= 1"),
+    ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints from 1 to"),
     ([f"{KERNELS}:attention", "--supports", "dv_ne_dk", "--head-dims", "64"],
-     "--head-dims: expected two different widths or more under dv_ne_dk"),
+     "--head-dims: expected two widths or more with --supports dv_ne_dk"),
     ([f"{KERNELS}:attention", "--backend", "torch", "--autograd", "jax"],
      "--autograd: needs --backend jax, got --backend torch"),
     ([f"{KERNELS}:attention", "--adapter", "{not json"], "--adapter: expected a JSON mapping"),
@@ -166,7 +166,7 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
     ([f"{KERNELS}:attention", "--json", "same.out", "--plot", "same.out"],
      "--json and --plot: expected two different outputs, got 'same.out' for both"),
     # a head width whose float64 truth does not fit (a MemoryError traceback)
-    ([f"{KERNELS}:attention", "--head-dims", "100000000"], "--head-dims: expected ints of at most"),
+    ([f"{KERNELS}:attention", "--head-dims", "100000000"], "--head-dims: expected ints from 1 to"),
 ])
 def test_usage_errors_exit_2(argv, message, capsys):
     assert cli.main(["verify", *argv, "--no-progress"]) == 2
@@ -213,8 +213,41 @@ def test_a_device_the_backend_cannot_use_is_a_usage_error(tmp_path, capsys):
                                     "        q, k, v, attn_mask=mask, is_causal=is_causal)\n")
     assert cli.main(["verify", f"{tmp_path / 'tk.py'}:sdpa", "--backend", "torch", "--autograd",
                      "torch", "--supports", "causal", "--device", "nonsense", "--no-progress"]) == 2
-    assert "device: expected a device that backend='torch' can use, got 'nonsense'" in \
+    assert "--device: expected a device that --backend torch can use, got 'nonsense'" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag, received", [
+    # 'npattn verify: --supports: supports: expected ...': the flag, then the keyword
+    (["--supports", "caual"], "--supports", "'caual'"),
+    # 'all' among names was told as a name it does not know
+    (["--supports", "all,causal"], "--supports", "'all' with others in 'all,causal'"),
+    # '--head-dims: ... got (0,)': the tuple verify made of it, not what was typed
+    (["--head-dims", "0"], "--head-dims", "'0'"),
+    (["--head-dims", "64,0"], "--head-dims", "'0' in '64,0'"),
+    (["--head-dims", "100000000"], "--head-dims", "'100000000'"),
+    (["--head-dims", "64", "--supports", "dv_ne_dk"], "--head-dims", "'64'"),
+    (["--head-dims", "x"], "--head-dims", "'x'"),
+    # '--budget-factor: ... got 0.0' for 0
+    (["--budget-factor", "0"], "--budget-factor", "'0'"),
+    (["--budget-factor", "1e400"], "--budget-factor", "'1e400'"),
+    (["--budget-factor", "x"], "--budget-factor", "'x'"),
+    (["--device", "cuda"], "--device", "'cuda'"),
+    (["--case", "nope"], "--case", "'nope'"),
+    (["--adapter", "[1]"], "--adapter", "a JSON list: '[1]'"),
+    (["--seed", "-1"], "--seed", "-1"),
+])
+def test_a_bad_value_is_told_once_by_its_flag_as_typed(argv, flag, received, capsys):
+    """Each flag's bad value: 'npattn verify: FLAG: expected ..., got VALUE', the flag once (not
+    followed by verify's keyword) and the value as the user typed it."""
+    assert cli.main(["verify", f"{KERNELS}:attention", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    head = f"npattn verify: {flag}: "
+    assert err.startswith(head) and err.count("\n") == 1, err
+    rest = err[len(head):]
+    keyword = flag.lstrip("-").replace("-", "_")
+    assert rest.startswith("expected ") and not rest.startswith((f"{keyword}:", f"{flag}:")), err
+    assert f", got {received}" in rest, err
 
 
 def test_argparse_errors_exit_2(capsys):

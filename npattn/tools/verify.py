@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import shlex
 import sys
@@ -34,7 +35,7 @@ from typing import Any, Optional
 
 from .. import verifier as VF
 from ..validation import argument_names
-from ..verify_cases import SUPPORTS, check_supports
+from ..verify_cases import MAX_HEAD_DIM, SUPPORTS, check_supports
 from .limits import repeated_entry
 from .outputs import outputs_error
 from .progress import ProgressBar
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dims", metavar="D[,D...]",
                    help="the head widths the kernel takes, e.g. 64,128: the panel's cases use "
                         "them in turn as Dh (default: the panel's own 8, 16, 32, 64)")
-    p.add_argument("--budget-factor", type=float, default=2.0,
+    p.add_argument("--budget-factor", default="2", metavar="F",
                    help="how many times npattn's own error in the dtype the kernel may make "
                    "(default 2)")
     p.add_argument("--combos", choices=("pairs", "none"), default="pairs",
@@ -266,22 +267,51 @@ def _once(flag: str, text: str, items) -> None:
         raise UsageError(f"{flag}: expected each entry once, got {item!r} more than once in {text!r}")
 
 
+def _budget_factor(text: str) -> float:
+    """``--budget-factor``'s ``text`` as a float, a finite one >= 1 (``verify``'s rule), told
+    as typed ('0', not 0.0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1.0):
+        raise UsageError(f"--budget-factor: expected a finite number >= 1, got {text!r}")
+    return value
+
+
+def _head_dims(text: str, supports: tuple) -> tuple:
+    """``--head-dims``'s ``text`` as a tuple of ints, each checked as typed ('0', not (0,)):
+    ints from 1 to ``MAX_HEAD_DIM``, each once, two different ones under dv_ne_dk (the
+    rules of ``verify_cases.check_head_dims`` and ``panel``)."""
+    entries = [e.strip() for e in text.split(",")]
+    try:
+        dims = tuple(int(e) for e in entries)
+    except ValueError:
+        raise UsageError(f"--head-dims: expected ints like 64,128, got {text!r}") from None
+    _once("--head-dims", text, dims)
+    within = f" in {text!r}" if len(entries) > 1 else ""
+    for e, d in zip(entries, dims):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise UsageError(f"--head-dims: expected ints from 1 to {MAX_HEAD_DIM}, got "
+                             f"{e!r}{within}")
+    if "dv_ne_dk" in supports and len(dims) < 2:
+        raise UsageError(f"--head-dims: expected two widths or more with --supports dv_ne_dk (its "
+                         f"cases take a Dv unlike Dh, both from --head-dims), got {text!r}")
+    return dims
+
+
 def _run(args) -> int:
     if args.seed < 0:
         raise UsageError(f"--seed: expected an int >= 0, got {args.seed}")
+    args.budget_factor = _budget_factor(args.budget_factor)
     _once("--supports", args.supports, [t.strip() for t in args.supports.split(",") if t.strip()])
     try:
-        supports = check_supports(args.supports)
-    except ValueError as exc:
-        raise UsageError(f"--supports: {exc}") from None
+        with argument_names(FLAGS):  # check_supports names 'supports': told once, as the flag
+            supports = check_supports(args.supports)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
     combos = args.combos == "pairs"
-    head_dims = None
-    if args.head_dims is not None:
-        try:
-            head_dims = tuple(int(d) for d in args.head_dims.split(","))
-        except ValueError:
-            raise UsageError(f"--head-dims: expected ints like 64,128, got {args.head_dims!r}") from None
-        _once("--head-dims", args.head_dims, head_dims)
+    head_dims = None if args.head_dims is None else _head_dims(args.head_dims, supports)
     try:
         with argument_names(FLAGS):
             cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case,
