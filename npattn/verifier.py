@@ -264,6 +264,9 @@ class CaseResult:
     reproducer: str = ""
     seconds: float = 0.0
     traceback: str = ""  # where fn (or backward) raised: the traceback, as Python prints it
+    #: the inputs the kernel wrote into (q, k, ..., an option's name): the case fails whatever
+    #: its tensors' numbers
+    written: list = field(default_factory=list)
 
     @property
     def raised_at(self) -> str:
@@ -298,9 +301,35 @@ class CaseResult:
                 "shapes": {"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv, "Lq": c.Lq, "Lk": c.Lk,
                            "Dh": c.Dh, "Dv": c.Dv},
                 "status": self.status, "error": self.error, "hint": self.hint,
+                "written": list(self.written),
                 "traceback": self.traceback or None,
                 "reproducer": self.reproducer, "seconds": round(self.seconds, 4),
                 "tensors": {n: t.to_dict() for n, t in self.tensors.items()}}
+
+
+def _wrong_type(t: TensorResult) -> bool:
+    """Whether ``t`` fails for its dtype or array library (its numbers may be right)."""
+    return t.note.startswith(("dtype:", "library:"))
+
+
+def _failed_as(r: CaseResult) -> str:
+    """How the failing cases' list sums up a failing case: its failing tensors with their
+    ratios, or what failed where a ratio does not tell it (an error, a wrong shape, dtype or
+    library, NaN, a write into the inputs)."""
+    if r.error is not None and r.failing and all(r.tensors[n].note == "raised" for n in r.failing):
+        return "raised" if r.traceback else "what it returned could not be read"
+    parts = []
+    for n in r.failing:
+        t = r.tensors[n]
+        if math.isfinite(t.ratio) and t.ratio > 1.0 and not _wrong_type(t):
+            parts.append(f"{n} {t.ratio:.3g}x")
+        else:  # "shape: expected ...": the note's head; "3 NaN/inf entries" whole
+            parts.append(f"{n} ({t.note.split(':')[0] if t.note else 'fails'})")
+    if r.written:
+        parts.append(f"wrote into {', '.join(r.written)}")
+    if r.written and not r.failing:
+        parts.append("its numbers pass")
+    return ", ".join(parts) or "fails"
 
 
 def _num(x: float) -> Any:
@@ -334,7 +363,11 @@ class VerifyReport:
 
     def table_rows(self) -> list:
         """One row per option (cases holding it; "(none)" for none) and tensor: cases,
-        failures, degenerate ones, and the worst ratio with its error and budget."""
+        failures, degenerate ones, and the worst ratio with its error and budget.
+
+        A case whose kernel wrote into its inputs fails in each of its rows, its tensors'
+        numbers right or not (``wrote``: how many such cases a row counts); ``wrong_type``
+        counts the tensors that fail for their dtype or array library, whatever their error."""
         groups: dict = {}
         for r in self.results:
             for opt in (r.case.options or ("(none)",)):
@@ -346,10 +379,13 @@ class VerifyReport:
                 if not items:
                     continue
                 worst_r, worst = max(items, key=lambda it: (it[1].ratio, it[1].error))
-                n_fail = sum(1 for _, x in items if x.status == "fail")
-                n_deg = sum(1 for _, x in items if x.status == "degenerate")
+                n_fail = sum(1 for r, x in items if x.status == "fail" or r.written)
+                n_deg = sum(1 for r, x in items if x.status == "degenerate" and not r.written)
+                n_wrote = sum(1 for r, _ in items if r.written)
+                n_type = sum(1 for _, x in items if x.status == "fail" and _wrong_type(x))
                 rows.append({"option": opt, "tensor": t, "cases": len(items), "failed": n_fail,
-                             "degenerate": n_deg, "worst_case": worst_r.case.name,
+                             "degenerate": n_deg, "wrote": n_wrote, "wrong_type": n_type,
+                             "worst_case": worst_r.case.name,
                              "error": worst.error, "budget": worst.budget, "ratio": worst.ratio,
                              "status": "FAIL" if n_fail else "pass"})
         return rows
@@ -361,6 +397,10 @@ class VerifyReport:
         lines = [head, "-" * len(head)]
         for row in self.table_rows():
             status = f"FAIL {row['failed']}/{row['cases']}" if row["failed"] else "pass"
+            if row["wrote"]:
+                status += f" ({row['wrote']} wrote into its inputs)"
+            if row["wrong_type"]:
+                status += f" ({row['wrong_type']} of another dtype or library)"
             if row["degenerate"]:
                 status += f" ({row['degenerate']} degenerate)"
             lines.append(f"{row['option']:<20} {row['tensor']:<7} {row['cases']:>5} "
@@ -407,8 +447,7 @@ class VerifyReport:
             parts.append("")
             parts.append(f"failing cases ({len(fails)}):")
             for r in fails[:max_failures]:
-                bad = (", ".join(f"{n} {r.tensors[n].ratio:.3g}x" for n in r.failing)
-                       or ("raised" if r.traceback else "its numbers pass"))
+                bad = _failed_as(r)
                 parts.append(f"  {r.case.describe()}: {bad}")
                 if r.error:
                     parts.append(f"    error: {r.error}")
@@ -560,44 +599,65 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
 def panel_hints(results: list) -> list:
     """Hints across the panel: the options that every failing case holds (or a pair of
     options one of which each holds), whether cases without options fail, and the three
-    commonest case hints with their counts."""
+    commonest case hints with their counts.
+
+    A hint is given only where it says more than the failing cases' own lines: an option
+    (or pair) that every failing case holds only when two cases or more fail and a case
+    that ran lacks it (else it holds for every case, or names the one failing case's
+    options); the options that only the cases holding many together fail with, only when
+    a case that ran lacks one of them; a case hint only when two cases or more share it.
+    """
     fails = [r for r in results if r.status == "fail"]
     if not fails:
         return []
+    several = len(fails) > 1
     hints = []
     raised = [r for r in fails if r.traceback]
-    if raised and len(raised) == len(fails):
+    if several and len(raised) == len(fails):
         hints.append(f"fn raised in every failing case ({raised[0].error.splitlines()[0]})")
-    if all(r.error is not None and not r.traceback and not r.failing for r in fails):
-        return [f"fn wrote into its inputs in every failing case, its numbers right: a kernel "
-                f"must leave q, k, v, dout and the options as they were ({len(fails)} case(s))"]
+    if all(r.written and not r.failing for r in fails):
+        return [] if not several else [
+            f"fn wrote into its inputs in every failing case, its numbers right: a kernel "
+            f"must leave q, k, v, dout and the options as they were ({len(fails)} cases)"]
+
+    def lacking(*opts: str) -> bool:
+        """Whether a case that ran holds none of ``opts`` (it passes: every failing case
+        holds one)."""
+        return any(not set(opts) & set(r.case.options) for r in results)
+
     common = set.intersection(*(set(r.case.options) for r in fails))
     n_pass = {opt: sum(1 for r in results if opt in r.case.options and r.status != "fail")
               for opt in common}
     if len(common) > 3:  # all-options cases alone: a line per option would say nothing
-        least = sorted(common, key=lambda o: (n_pass[o], o))[:3]
-        hints.append(f"only cases holding {len(common)} options together fail: two options "
-                     "meet wrongly (an order of steps), or a step they share; the options least "
-                     "often passing elsewhere: "
-                     + ", ".join(f"{o!r} ({n_pass[o]} case(s) pass)" for o in least))
-    for opt in sorted(common) if len(common) <= 3 else ():
-        note = "" if not n_pass[opt] else f" (and {n_pass[opt]} case(s) with it pass)"
-        hints.append(f"every failing case holds {opt!r}{note}: look at how {opt} is applied")
+        if any(not common <= set(r.case.options) for r in results):
+            least = sorted(common, key=lambda o: (n_pass[o], o))[:3]
+            hints.append(f"only cases holding {len(common)} options together fail: two options "
+                         "meet wrongly (an order of steps), or a step they share; the options "
+                         "least often passing elsewhere: "
+                         + ", ".join(f"{o!r} ({n_pass[o]} case(s) pass)" for o in least))
+    elif several:
+        for opt in sorted(common):
+            if not lacking(opt):  # every case that ran holds it
+                continue
+            note = "" if not n_pass[opt] else f" (and {n_pass[opt]} case(s) with it pass)"
+            hints.append(f"every failing case holds {opt!r}{note}: look at how {opt} is applied")
     if not common:
         held = sorted(set().union(*(set(r.case.options) for r in fails)))
         for a, b in ((a, b) for i, a in enumerate(held) for b in held[i + 1:]):
-            if all(a in r.case.options or b in r.case.options for r in fails):
+            if all(a in r.case.options or b in r.case.options for r in fails) and lacking(a, b):
                 hints.append(f"every failing case holds {a!r} or {b!r}: look at what they share")
                 break
         else:
             if any(not r.case.options for r in fails):
-                hints.append("cases without options fail too: the core (scores, softmax, "
+                too = " too" if any(r.case.options for r in fails) else ""
+                hints.append(f"cases without options fail{too}: the core (scores, softmax, "
                              "P @ V) or its gradient")
     counts: dict = {}
     for r in fails:
         counts[r.hint] = counts.get(r.hint, 0) + 1
     for h, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3]:
-        hints.append(f"{n} case(s): {h}")
+        if n > 1:  # a hint of one case is its own line in the failing cases
+            hints.append(f"{n} cases: {h}")
     return hints
 
 
@@ -1377,8 +1437,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     written = got.pop("written")
     written += [n for n in _written(inp, given) if n not in written]
     if written:  # options: the kernel's own copies, and the case's arrays where they share memory
+        result.written = list(written)
         result.error = (f"fn wrote into its inputs {', '.join(written)}: a kernel must leave them "
-                        "as they were (the numbers below are of its outputs all the same)")
+                        "as they were (its outputs are compared all the same)")
     saturated = _saturation(truth["weights"], empty)
     terms = term_scales(inp, truth, empty, dlse)
     # the rounding of lse in its dtype, through p = exp(s - lse) (module docstring)

@@ -919,8 +919,102 @@ def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
         assert b.hint.startswith("fn wrote into q") and not b.traceback
     # told as a write, not as an exception (it was 'raised', with an empty hint)
     text = dirty.format()
-    assert ": its numbers pass" in text and "fn raised" not in text and "hint: \n" not in text + "\n"
+    assert ": wrote into q" in text and ", its numbers pass" in text
+    assert "fn raised" not in text and "hint: \n" not in text + "\n"
     assert dirty.hints() and dirty.hints()[0].startswith("fn wrote into its inputs in every failing case")
+
+
+def test_the_table_row_of_a_case_that_wrote_into_its_inputs_does_not_say_pass():
+    """A kernel that wrote into q in its causal cases, its numbers right: the failing cases
+    named them, and the table said 'pass' on every row (its tensors pass); now each row of
+    such a case fails and says why, as the failing cases' line does."""
+    def writes_when_causal(q, k, v, **options):
+        result = npattn_kernel(q.copy(), k, v, **options)
+        if options.get("is_causal"):
+            q[...] = 0.0
+        return result
+
+    names = ["base-1x65", "causal-65x129", "causal-128x65"]
+    report = VF.verify(writes_when_causal, backward=npattn_backward, returns_lse=True,
+                       dtype="float64", supports="causal", combos=False, cases=names)
+    assert [r.case.name for r in report.failures] == names[1:]
+    rows = report.table_rows()
+    for row in rows:
+        if row["option"] == "causal":
+            assert row["status"] == "FAIL" and row["failed"] == row["wrote"] == 2, row
+        else:
+            assert row["status"] == "pass" and row["failed"] == row["wrote"] == 0, row
+    causal = [line for line in report.table().splitlines() if line.startswith("causal ")]
+    assert len(causal) == 5  # out, lse, dq, dk, dv
+    assert all(line.endswith("FAIL 2/2 (2 wrote into its inputs)") for line in causal), causal
+    assert "causal-65x129 B=2" in report.format()
+    assert ": wrote into q, its numbers pass" in report.format()
+    assert {r["tensor"]: r["wrote"] for r in json.loads(report.to_json())["table"]
+            if r["option"] == "causal"} == dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 2)
+
+
+def test_a_failure_its_ratio_does_not_tell_is_said_by_what_failed():
+    """The right numbers in float64 for float32 inputs fail out: the failing case's line read
+    'out 0.0161x' (under the budget, as if it passed) and its table row 'FAIL 3/3' beside a
+    ratio under 1; now 'out (dtype)', and the row says why. A kernel that raised reads
+    'raised' (it read 'out infx')."""
+    def float64_when_causal(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return (out.astype(np.float64) if options.get("is_causal") else out), lse, cache
+
+    def raises_when_causal(q, k, v, **options):
+        if options.get("is_causal"):
+            raise NotImplementedError("causal")
+        return npattn_kernel(q, k, v, **options)
+
+    names = ["base-1x65", "causal-65x129", "causal-128x65"]
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float32", supports="causal",
+              combos=False, cases=names)
+    report = VF.verify(float64_when_causal, **kw)
+    text = report.format()
+    assert [r.case.name for r in report.failures] == names[1:]
+    assert "causal-65x129 B=2 Hq=2 Hkv=2 Lq=65 Lk=129 Dh=16 Dv=16: out (dtype)\n" in text, text
+    row = next(r for r in report.table_rows() if (r["option"], r["tensor"]) == ("causal", "out"))
+    assert row["ratio"] < 1.0 and row["wrong_type"] == 2
+    assert "FAIL 2/2 (2 of another dtype or library)" in report.table()
+    text = VF.verify(raises_when_causal, **kw).format()
+    assert "Dh=16 Dv=16: raised\n" in text and "infx" not in text, text
+
+
+def _off_everywhere(q, k, v, **options):
+    """npattn with out 1 % off: wrong in every case, whatever its options."""
+    out, lse, cache = npattn_kernel(q, k, v, **options)
+    return out * 1.01, lse, cache
+
+
+def test_the_panel_hints_say_what_the_failing_cases_do_not():
+    """'every failing case holds X' was said of the one case --case ran, and of the one case
+    that failed (all its options), and '1 case(s): <hint>' repeated that case's own hint;
+    now an option is named only where two cases or more fail and a case that ran lacks it."""
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64", supports="causal",
+              combos=False)
+    one = VF.verify(_off_everywhere, cases=["causal-65x129"], **kw)
+    assert not one.ok and one.hints() == [] and "\nhint: " not in one.format(), one.hints()
+    # every case that ran holds causal: it tells nothing
+    both = VF.verify(_off_everywhere, cases=["causal-65x129", "causal-128x65"], **kw)
+    assert len(both.failures) == 2
+    assert not any("every failing case holds" in h for h in both.hints()), both.hints()
+    assert both.hints() == [f"2 cases: {both.failures[0].hint}"]
+
+    def off_in_one_case(q, k, v, **options):
+        wrong = options.get("is_causal") and q.shape[2] == 65
+        return (_off_everywhere if wrong else npattn_kernel)(q, k, v, **options)
+
+    single = VF.verify(off_in_one_case, cases=["base-1x65", "causal-65x129", "causal-128x65"], **kw)
+    assert [r.case.name for r in single.failures] == ["causal-65x129"]
+    assert single.hints() == [], single.hints()
+
+    def off_when_causal(q, k, v, **options):
+        return (_off_everywhere if options.get("is_causal") else npattn_kernel)(q, k, v, **options)
+
+    told = VF.verify(off_when_causal, cases=["base-1x65", "causal-65x129", "causal-128x65"], **kw)
+    assert len(told.failures) == 2
+    assert "every failing case holds 'causal'" in told.hints()[0], told.hints()
 
 
 def test_a_write_into_the_kernel_s_own_float_mask_or_out_of_another_library_fails():
