@@ -375,7 +375,8 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     1. ``qs = q * scale``                               (once, [..., Lq, Dh])
     2. ``s = qs_i @ k_j^T``, then ``softcap * tanh(s / softcap)`` and ALiBi's
        ``- slope * |i + o - j|``                         [..., bq, bk]
-    3. ``z = s + mask`` or ``where(allowed, s, -inf)``   (mask, window, segments)
+    3. ``z = s + mask`` (floating), then ``where(allowed, z, -inf)`` (boolean mask, window,
+       segments)
     4. ``m' = max(m, rowmax(z))``, shifted by ``m* = m'`` or 0 where ``m' = -inf``
     5. ``e = exp(z - m*)``, ``alpha = exp(m - m*)``     [..., bq, bk], [..., bq, 1]
     6. ``l = alpha * l + rowsum(e)``                      [..., bq, 1]
