@@ -182,7 +182,7 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     6. ``y = xhat * weight + bias``                       [..., D]
 
     A row whose squares could overflow (``max|xc| > sqrt(finfo.max / (2 D))``,
-    about 1e17 in float32 at D = 4096) runs steps 3-5 in units of
+    about 2e17 in float32 at D = 4096) runs steps 3-5 in units of
     ``s = max|xc|``, with ``eps`` still added in x's units, so a float32 row
     of 1e20s is normalised as the same row divided by 1e20; every other row
     computes the steps exactly as written. NaN or inf in a row gives NaN,
@@ -646,7 +646,7 @@ def mean_pool_forward(x: Any, mask: Any = None) -> tuple[Any, MeanPoolCache]:
     Without a mask every token counts: ``out = sum_i x[..., i, :] / L``.
     With one (True = a token, False = padding):
 
-    1. ``count = sum_i m_i``                                [..., 1]
+    1. ``count = sum_i m_i``                                [..., 1, 1]
     2. ``w_i = m_i / max(count, 1)``                        [..., L, 1]
     3. ``out = sum_i w_i x[..., i, :]``                     [..., D]
 
