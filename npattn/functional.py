@@ -641,10 +641,11 @@ def dropout_backward(dy: Any, cache: DropoutCache) -> Any:
 def _dropout_backward(dy, cache):
     """``dropout_backward`` on checked arguments."""
     # [...] -> [...]
-    if cache.keep is None:
+    if cache.keep is None:  # p = 0, no mask: y = x
         return dy
     xp = namespace(dy, cache.keep)
-    return xp.where(cache.keep, dy * cache.scale, 0.0)
+    # y = where(keep, x * scale, 0): linear and diagonal, so dx = where(keep, dy * scale, 0)
+    return xp.where(cache.keep, dy * cache.scale, 0.0)  # [...]
 
 
 # --------------------------------------------------------------------------

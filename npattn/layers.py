@@ -421,12 +421,13 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
     x = cache.x
     d = _compute(xp, dout)  # [...]
     if cache.approximate == "none":
-        phi_cdf = cache.g  # 1. [...]
-        # 2. y = x * phi_cdf, and d phi_cdf / dx = phi(x), the normal density
+        phi_cdf = cache.g  # step 1's Phi(x), kept by the forward [...]
+        # 2. y = x * phi_cdf:                      dy/dx = phi_cdf + x * d phi_cdf / dx
+        # 1. phi_cdf = 0.5 (1 + erf(x / sqrt(2))): d phi_cdf / dx = phi(x), the normal density
         pdf = xp.exp(-0.5 * (x * x)) / math.sqrt(2.0 * math.pi)  # [...]
         dx = d * (phi_cdf + x * pdf)  # [...]
     else:
-        t = cache.g  # 2. [...]
+        t = cache.g  # step 2's tanh(u), kept by the forward [...]
         # 3. y = 0.5 * x * (1 + t):  dy/dx = 0.5 (1 + t) + 0.5 x dt/dx
         # 2. t = tanh(u):            dt/du = 1 - t^2
         # 1. u = sqrt(2/pi) (x + 0.044715 x^3):  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
