@@ -148,6 +148,7 @@ lengths, Dh key width, Dv value width.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import shlex
@@ -160,8 +161,9 @@ import numpy as np
 
 from . import attention as A
 from .backend import to_numpy
-from .validation import dtype_name
-from .verify_cases import OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_supports, panel
+from .validation import check_size, dtype_name, type_name
+from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
+                           check_supports, panel)
 
 __all__ = [
     "verify",
@@ -1586,6 +1588,11 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
     if floors is not None:
         if not isinstance(floors, Mapping) or any(k not in FLOORS for k in floors):
             raise ValueError(f"floors: expected a mapping with keys from {DTYPES}, got {floors!r}")
+        for k, v in floors.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"floors: expected finite numbers >= 0 as values, got {v!r} for "
+                                 f"{k!r}")
 
 
 def _check_adapter_mapping(adapter: Mapping) -> None:
@@ -1608,10 +1615,12 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
                          f"{', '.join(map(repr, twice))} for two of them")
 
 
-def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: bool, gradients: bool,
+def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: Any, gradients: bool,
                      supports: tuple, flags: Optional[Mapping] = None) -> None:
     if not (mask_grad is None or isinstance(mask_grad, bool)):
         raise ValueError(f"mask_grad: expected None, True or False, got {mask_grad!r}")
+    if not isinstance(returns_lse, bool):
+        raise ValueError(f"returns_lse: expected True or False, got {returns_lse!r}")
     if not isinstance(lse_grad, bool):
         raise ValueError(f"lse_grad: expected True or False, got {lse_grad!r}")
     on = "" if flags else "True "  # "mask_grad: True checks...", "--mask-grad: checks..."
@@ -1648,6 +1657,9 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
         return full
     if isinstance(cases, (str, Case)):
         cases = [cases]
+    if not isinstance(cases, Iterable):
+        raise TypeError(f"cases: expected None, a case name, a Case or an iterable of them, got "
+                        f"{type_name(cases)} {cases!r}")
     by_name = {c.name: c for c in full}
     chosen = []
     for c in cases:
@@ -1661,10 +1673,13 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
             if by_name[c] not in chosen:  # a name given twice runs once
                 chosen.append(by_name[c])
         else:
-            near = ", ".join(sorted(by_name)[:6])
+            near = difflib.get_close_matches(c, list(by_name), n=3) if isinstance(c, str) else []
+            told = [repr(n) for n in near]
+            told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
+            maybe = f"did you mean {' or '.join(told)}? " if near else ""
             raise ValueError(f"cases: expected names of the panel's cases or Case objects, got "
-                             f"{c!r} (the panel has {len(by_name)}: {near}, ...; list them with "
-                             "npattn verify ... --list)")
+                             f"{c!r} ({maybe}npattn.verifier.plan(supports, align=..., combos=..., "
+                             f"head_dims=...) returns the panel's {len(by_name)} cases)")
     return chosen
 
 
@@ -1755,7 +1770,7 @@ def verify(
     adapter : mapping or callable, optional
         ``{npattn name: your name, or None to drop it}``, or
         ``adapter(options) -> keywords`` for any other conversion.
-    seed : int
+    seed : int >= 0
         Seeds every case's inputs (with the case's name).
     budget_factor : float >= 1
         The kernel may be this many times less accurate than npattn in ``dtype``.
@@ -1764,11 +1779,14 @@ def verify(
     combos : bool or iterable of tuples
         Option combinations of the panel (``npattn.verify_cases.panel``).
     head_dims : iterable of int, optional
-        The head widths the kernel takes, e.g. ``(64, 128)``: the panel's
-        cases use them in turn (``npattn.verify_cases.panel``).
+        The head widths the kernel takes, e.g. ``(64, 128)``, each from 1 to
+        ``npattn.verify_cases.MAX_HEAD_DIM``: the panel's cases use them in
+        turn (``npattn.verify_cases.panel``); two different ones or more when
+        ``supports`` holds "dv_ne_dk".
     cases : optional
-        Names of panel cases, or ``Case`` objects (e.g. from
-        ``npattn.testing.strategies.attention_cases()``), instead of the panel.
+        Names of panel cases (``plan(supports, ...)`` returns the panel), or
+        ``Case`` objects (e.g. from ``npattn.testing.strategies.attention_cases()``),
+        instead of the panel.
     progress : callable, optional
         ``progress(done, total, case_name)`` after each case.
     command : str, optional
@@ -1798,7 +1816,21 @@ def verify(
         raise TypeError(f"flags: expected None or a mapping of keyword names to flag strings, "
                         f"got {flags!r}")
     supports = check_supports(supports)
-    _check_grad_args(mask_grad, lse_grad, bool(returns_lse),
+    head_dims = check_head_dims(head_dims, supports)  # a tuple: it is read more than once
+    seed = check_size("seed", seed)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected None or a callable progress(done, total, case_name), "
+                        f"got {type_name(progress)} {progress!r}")
+    if command is not None and not isinstance(command, str):
+        raise TypeError(f"command: expected None or a str holding '{{case}}', got "
+                        f"{type_name(command)} {command!r}")
+    if command is not None and "{case}" not in command:  # each case's rerun would be this line
+        raise ValueError(f"command: expected a str holding '{{case}}', got {command!r}")
+    for key, value in (("target", target), ("backward_target", backward_target),
+                       ("adapter_target", adapter_target)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{key}: expected None or a str, got {type_name(value)} {value!r}")
+    _check_grad_args(mask_grad, lse_grad, returns_lse,
                      backward is not None or autograd is not None, supports, flags)
     lib_name = _library_name(backend)
     for library in ("torch", "jax"):

@@ -19,8 +19,10 @@ lengths, Dh key width, Dv value width.
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import math
+import numbers
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional
@@ -361,10 +363,7 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     list of Case, names unique.
     """
     supports = check_supports(supports)
-    dims = check_head_dims(head_dims)
-    if dims is not None and "dv_ne_dk" in supports and len(set(dims)) < 2:
-        raise ValueError(f"head_dims: expected two different widths or more under dv_ne_dk "
-                         f"(its cases take Dv unlike Dh, both of head_dims), got {dims}")
+    dims = check_head_dims(head_dims, supports)
     empty_ok = "empty_rows" in supports
     options = tuple(s for s in supports if s not in PERMISSIONS)
     cases: list = []
@@ -384,8 +383,14 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     elif combos is False or combos is None:
         combo_sets = []
     else:
+        expected = ("combos: expected True, False or an iterable of option tuples such as "
+                    "[('causal', 'window')]")
+        if isinstance(combos, (str, bytes)) or not isinstance(combos, collections.abc.Iterable):
+            raise TypeError(f"{expected}, got {combos!r}")
         combo_sets = []
         for t in combos:
+            if isinstance(t, (str, bytes)) or not isinstance(t, collections.abc.Iterable):
+                raise TypeError(f"{expected}, got {t!r} in {combos!r}")
             t = tuple(sorted(set(t)))
             for o in t:
                 if o not in options:
@@ -412,19 +417,32 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
 MAX_HEAD_DIM = 2**14
 
 
-def check_head_dims(head_dims: Optional[Iterable[int]]) -> Optional[tuple]:
-    """``head_dims`` as a tuple of ints in [1, MAX_HEAD_DIM] (None stays None);
-    ``ValueError``/``TypeError``."""
+def check_head_dims(head_dims: Optional[Iterable[int]],
+                    supports: Iterable[str] = ()) -> Optional[tuple]:
+    """``head_dims`` as a tuple of ints in [1, MAX_HEAD_DIM] (None stays None), two different
+    ones when ``supports`` holds "dv_ne_dk"; ``ValueError``/``TypeError`` telling a list or
+    tuple as the caller wrote it."""
     if head_dims is None:
         return None
-    if isinstance(head_dims, (str, bytes)) or not hasattr(head_dims, "__iter__"):
-        raise TypeError(f"head_dims: expected an iterable of ints >= 1, got {head_dims!r}")
+    if isinstance(head_dims, (str, bytes)) or not isinstance(head_dims, collections.abc.Iterable):
+        raise TypeError(f"head_dims: expected an iterable of ints from 1 to {MAX_HEAD_DIM}, such "
+                        f"as (64, 128), got {head_dims!r}")
     dims = tuple(head_dims)
-    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-        raise ValueError(f"head_dims: expected ints >= 1, at least one, got {dims!r}")
-    if max(dims) > MAX_HEAD_DIM:  # the float64 truth of a case grows with Dh
-        raise ValueError(f"head_dims: expected ints of at most {MAX_HEAD_DIM}, got {max(dims)}")
-    return dims
+    given = head_dims if isinstance(head_dims, (list, tuple)) else dims  # a generator is spent
+    if not dims:
+        raise ValueError(f"head_dims: expected one int or more, got {given!r}")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+            raise TypeError(f"head_dims: expected ints from 1 to {MAX_HEAD_DIM}, got {d!r} in "
+                            f"{given!r}")
+        if not 1 <= d <= MAX_HEAD_DIM:  # the float64 truth of a case grows with Dh
+            raise ValueError(f"head_dims: expected ints from 1 to {MAX_HEAD_DIM}, got {d!r} in "
+                             f"{given!r}")
+    if "dv_ne_dk" in supports and len(set(dims)) < 2:
+        raise ValueError(f"head_dims: expected two different widths or more when supports holds "
+                         f"'dv_ne_dk' (its cases take Dh and a different Dv, both from head_dims), "
+                         f"got {given!r}")
+    return tuple(int(d) for d in dims)
 
 
 def _with_head_dim(case: Case, dims: tuple, index: int) -> Case:

@@ -1081,6 +1081,57 @@ def test_argument_errors_name_the_argument():
         VF.verify(npattn_kernel, device="cuda")
 
 
+def _never_called(q, k, v, **options):
+    raise AssertionError("a bad argument reached the kernel")
+
+
+@pytest.mark.parametrize("kwargs, error, received", [
+    # 'head_dims: ... (its cases take Dv unlike Dh, both of head_dims), got (64,)': 'both of'
+    # one width, and the tuple verify made of the caller's list
+    ({"supports": "dv_ne_dk", "head_dims": [64]}, ValueError, "[64]"),
+    ({"head_dims": [64, 0]}, ValueError, "0 in [64, 0]"),  # was 'got (64, 0)'
+    ({"head_dims": [64.0]}, TypeError, "64.0 in [64.0]"),
+    ({"returns_lse": "yes"}, ValueError, "'yes'"),  # was taken as True
+    ({"seed": -1}, ValueError, "-1"),  # numpy's 'expected non-negative integer' from a case
+    ({"seed": 1.5}, TypeError, "float 1.5"),  # was taken as 1
+    ({"floors": {"float32": "a"}}, ValueError, "'a' for 'float32'"),  # "can't multiply sequence"
+    ({"combos": "pairs"}, TypeError, "'pairs'"),  # "combos: ('p',) holds 'p'"
+    ({"combos": 5}, TypeError, "5"),  # "'int' object is not iterable"
+    ({"cases": 5}, TypeError, "int 5"),  # "'int' object is not iterable"
+    ({"progress": 5}, TypeError, "int 5"),  # "'int' object is not callable" after a case
+    ({"command": 5}, TypeError, "int 5"),  # "'int' object has no attribute 'replace'"
+    ({"command": "npattn verify x"}, ValueError, "'npattn verify x'"),  # each rerun that line
+    ({"target": 5}, TypeError, "int 5"),
+    ({"backward_target": 5, "backward": npattn_backward}, TypeError, "int 5"),
+])
+def test_a_bad_argument_is_told_by_its_keyword_with_what_was_expected_and_received(
+        kwargs, error, received):
+    """Each keyword of ``verify`` with a bad value: 'KEYWORD: expected ..., got VALUE', the
+    keyword as the Python caller wrote it and the value as given, raised before any case."""
+    keyword = next(k for k in kwargs if k not in ("supports", "backward"))
+    with pytest.raises(error) as info:
+        VF.verify(_never_called, **{"cases": ["base-1x65"], **kwargs})
+    message = str(info.value)
+    assert message.startswith(f"{keyword}: expected "), message
+    assert message.endswith(f", got {received}") or f", got {received} (" in message, message
+    assert "both of" not in message
+
+
+def test_an_unknown_case_name_is_told_with_its_close_matches_and_how_to_list_the_panel():
+    """'cases: ... got 'base-1x6' (the panel has 7: base-127x64, ...; list them with npattn
+    verify ... --list)': the first six names by alphabet, and a command-line flag to a Python
+    caller."""
+    with pytest.raises(ValueError) as info:
+        VF.verify(_never_called, cases=["base-1x6"])
+    message = str(info.value)
+    assert message.startswith("cases: expected names of the panel's cases or Case objects, got "
+                              "'base-1x6' (did you mean 'base-1x65'"), message
+    assert "--list" not in message and "npattn verify" not in message
+    n = len(VF.plan())
+    assert f"npattn.verifier.plan(supports, align=..., combos=..., head_dims=...) returns the " \
+           f"panel's {n} cases" in message
+
+
 @pytest.mark.parametrize("adapter, error, message", [
     ({"is_casual": "causal"}, ValueError, r"adapter: expected keys from npattn's keywords .*'is_casual'"),
     ({"is_causal": 1}, TypeError, r"adapter: expected each value to be a keyword name \(str\) or None"),
