@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -145,7 +146,7 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
      "--supports: expected each entry once, got 'causal' more than once"),
     ([f"{KERNELS}:attention", "--head-dims", "64,32,64"],
      "--head-dims: expected each entry once, got 64 more than once"),
-    ([f"{KERNELS}:attention", "--case", "nope"], "--case: expected names"),  # the flag, not the keyword
+    ([f"{KERNELS}:attention", "--case", "nope"], "--case: expected a case name"),  # the flag, not the keyword
     ([f"{KERNELS}:attention", "--budget-factor", "-1"], "--budget-factor: expected a finite number >= 1"),
     ([f"{KERNELS}:attention", "--head-dims", "0"], "--head-dims: expected ints from 1 to"),
     ([f"{KERNELS}:attention", "--supports", "dv_ne_dk", "--head-dims", "64"],
@@ -248,6 +249,44 @@ def test_a_bad_value_is_told_once_by_its_flag_as_typed(argv, flag, received, cap
     keyword = flag.lstrip("-").replace("-", "_")
     assert rest.startswith("expected ") and not rest.startswith((f"{keyword}:", f"{flag}:")), err
     assert f", got {received}" in rest, err
+
+
+def test_a_case_named_twice_is_refused_and_an_unknown_one_points_to_list(capsys):
+    """--case NAME twice ran once, where --supports and --head-dims refuse a repeat; --case of
+    an unknown name said 'names of the panel's cases or Case objects' (Python's words) with
+    the first six names by alphabet."""
+    base = ["verify", f"{KERNELS}:attention", "--supports", "causal,window", "--no-progress"]
+    assert cli.main([*base, "--case", "base-1x65", "--case", "base-1x65"]) == 2
+    assert capsys.readouterr().err == ("npattn verify: --case: expected each case once, got "
+                                       "'base-1x65' more than once\n")
+    assert cli.main([*base, "--case", "window-65x12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npattn verify: --case: expected a case name of this panel, got "
+                          "'window-65x12' (did you mean 'window-65x129'"), err
+    assert "Case objects" not in err and "run with --list in place of --case" in err
+    # which lists the names of that panel, as many as the message says
+    assert cli.main([*base, "--list"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert "window-65x129" in names and f"to list its {len(names)} cases)" in err
+
+
+def test_the_help_says_each_flags_values_and_default(capsys):
+    """--seed had no help at all; --layout, --align, --device, --supports, --backward,
+    --autograd, --adapter, --case, --json and --plot did not say their default."""
+    with pytest.raises(SystemExit):
+        V.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    options = text.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n(?=  -)", options.strip("\n"))
+    assert len(entries) > 20
+    for entry in entries:
+        head, _, rest = entry.strip().partition("  ")
+        if head.startswith("-h"):
+            continue
+        takes_value = " " in head or "{" in head  # "--seed N", "--layout {bhsd,...}"
+        assert rest.strip(), f"{head}: no help"
+        if takes_value:
+            assert "default" in entry, f"{head}: its default is not said: {entry}"
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -54,23 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("target", help="the kernel: module:function or path/to/file.py:function")
     p.add_argument("--layout", choices=VF.LAYOUTS, default="bhsd",
-                   help="bhsd (B, H, L, D), bshd (B, L, H, D, flash-attn), bthd (JAX's B, T, N, H)")
+                   help="the kernel's axes: bhsd (B, H, L, D; the default), bshd (B, L, H, D, "
+                        "flash-attn), bthd (JAX's B, T, N, H)")
     p.add_argument("--dtype", choices=VF.DTYPES, default="float32",
                    help="dtype of the kernel's inputs (default float32); npattn's truth is "
                         "float64 whatever it is")
-    p.add_argument("--supports", default="",
-                   help=f"comma-separated options the kernel implements, or 'all': {tokens}")
+    p.add_argument("--supports", default="", metavar="OPT[,OPT...]",
+                   help=f"the options the kernel implements, comma-separated, or 'all': {tokens} "
+                        "(default: none, the base cases alone)")
     p.add_argument("--backend", choices=VF.LIBRARIES, default="numpy",
                    help="the array library of the kernel's arrays (default numpy)")
-    p.add_argument("--device", default=None, help="torch device (cpu, cuda), cupy device id")
+    p.add_argument("--device", default=None,
+                   help="where the arrays live: a torch device (cpu, cuda, cuda:1) or a cupy "
+                        "device id (default: the library's own, torch's cpu); not with numpy")
     p.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
-                   help="the diagonal of the window and ALiBi cases (flash-attn: bottom_right)")
+                   help="the diagonal of the window and ALiBi cases (default top_left; "
+                        "flash-attn: bottom_right)")
     grads = p.add_mutually_exclusive_group()
-    grads.add_argument("--backward", default=None,
-                       help="backward(dout, *saved) -> (dq, dk, dv[, dsinks]) or (dq, dk, dv, "
-                       "dmask, dsinks); fn then returns (out[, lse], *saved)")
+    grads.add_argument("--backward", default=None, metavar="NAME",
+                       help="the kernel's backward, named as the target is or by a bare name of "
+                       "the target's module: backward(dout, *saved) -> (dq, dk, dv[, dsinks]) or "
+                       "(dq, dk, dv, dmask, dsinks); fn then returns (out[, lse], *saved) "
+                       "(default: none; without it or --autograd the forward alone is checked)")
     grads.add_argument("--autograd", choices=("torch", "jax"), default=None,
-                       help="gradients by torch.autograd.grad or jax.vjp")
+                       help="gradients by torch.autograd.grad or jax.vjp (default: none)")
     p.add_argument("--returns-lse", action="store_true",
                    help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd)")
     p.add_argument("--mask-grad", action="store_true", default=None,
@@ -80,25 +88,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lse-grad", action="store_true",
                    help="the backward takes an upstream gradient of lse: backward(dout, *saved, "
                    "dlse=...), or lse's cotangent under --autograd (needs --returns-lse)")
-    p.add_argument("--adapter", default=None,
-                   help="rename/drop npattn's keywords: a JSON mapping, or module:object (a "
-                   "mapping or a callable(options) -> keywords)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter", default=None, metavar="JSON|NAME",
+                   help="rename/drop npattn's keywords: a JSON mapping such as "
+                   "'{\"mask\": \"attn_mask\", \"align\": null}', or a mapping or "
+                   "callable(options) -> keywords named as --backward is (default: none, the "
+                   "kernel takes npattn's keywords)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="an int >= 0 that seeds every case's inputs, with the case's name "
+                   "(default 0)")
     p.add_argument("--head-dims", metavar="D[,D...]",
-                   help="the head widths the kernel takes, e.g. 64,128: the panel's cases use "
-                        "them in turn as Dh (default: the panel's own 8, 16, 32, 64)")
+                   help=f"the head widths the kernel takes, ints from 1 to {MAX_HEAD_DIM} each "
+                        "once, e.g. 64,128: the panel's cases use them in turn as Dh, two "
+                        "different ones or more with dv_ne_dk (default: the panel's own 8, 16, "
+                        "32, 64)")
     p.add_argument("--budget-factor", default="2", metavar="F",
-                   help="how many times npattn's own error in the dtype the kernel may make "
-                   "(default 2)")
+                   help="how many times npattn's own error in the dtype the kernel may make, "
+                   "a number >= 1 (default 2)")
     p.add_argument("--combos", choices=("pairs", "none"), default="pairs",
-                   help="option combinations: pairs and all together (default), or none")
+                   help="cases of several options besides each option alone: pairs, and all "
+                   "together (pairs, the default), or none")
     p.add_argument("--case", action="append", default=None, metavar="NAME",
-                   help="run only this case (repeatable); the reproducer of a failure")
-    p.add_argument("--list", action="store_true", help="list the panel's cases and exit")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the JSON report ('-': stdout)")
+                   help="run only the case of this name, as --list names it (repeatable, each "
+                   "name once; default: the whole panel); a failure's rerun line uses it")
+    p.add_argument("--list", action="store_true",
+                   help="list the panel's cases (with --case, those), a line each: name and "
+                   "shapes, and exit")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the JSON report there ('-': stdout, the table then goes to stderr; "
+                   "default: none)")
     p.add_argument("--plot", default=None, metavar="PATH",
-                   help="write a PNG of error/budget per case (needs matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                   help="write a PNG of error/budget per case there (needs matplotlib; "
+                   "default: none)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="draw no progress bar (one is drawn on stderr when it is a terminal)")
     return p
 
 
@@ -281,8 +303,8 @@ def _budget_factor(text: str) -> float:
 
 def _head_dims(text: str, supports: tuple) -> tuple:
     """``--head-dims``'s ``text`` as a tuple of ints, each checked as typed ('0', not (0,)):
-    ints from 1 to ``MAX_HEAD_DIM``, each once, two different ones under dv_ne_dk (the
-    rules of ``verify_cases.check_head_dims`` and ``panel``)."""
+    ints from 1 to ``MAX_HEAD_DIM`` and two different ones under dv_ne_dk (the rules of
+    ``verify_cases.check_head_dims``), each once (the rule of every comma-separated flag)."""
     entries = [e.strip() for e in text.split(",")]
     try:
         dims = tuple(int(e) for e in entries)
@@ -300,6 +322,26 @@ def _head_dims(text: str, supports: tuple) -> tuple:
     return dims
 
 
+def _chosen(names: list, cases: list) -> list:
+    """The cases of the panel ``cases`` that ``--case`` ``names``, each named once. A name the
+    panel does not hold is told with its close matches (a typo, a reproducer's name under
+    other flags) and how to list the panel's names: ``--list`` with the same flags."""
+    item = repeated_entry(names)
+    if item is not None:
+        raise UsageError(f"--case: expected each case once, got {item!r} more than once")
+    by_name = {c.name: c for c in cases}
+    for name in names:
+        if name not in by_name:
+            near = difflib.get_close_matches(name, list(by_name), n=3)
+            told = [repr(n) for n in near]
+            told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
+            maybe = f"did you mean {' or '.join(told)}? " if near else ""
+            raise UsageError(f"--case: expected a case name of this panel, got {name!r} ({maybe}"
+                             f"run with --list in place of --case to list its {len(by_name)} "
+                             "cases)")
+    return [by_name[n] for n in names]
+
+
 def _run(args) -> int:
     if args.seed < 0:
         raise UsageError(f"--seed: expected an int >= 0, got {args.seed}")
@@ -314,10 +356,11 @@ def _run(args) -> int:
     head_dims = None if args.head_dims is None else _head_dims(args.head_dims, supports)
     try:
         with argument_names(FLAGS):
-            cases = VF.plan(supports, align=args.align, combos=combos, cases=args.case,
-                            head_dims=head_dims)
+            cases = VF.plan(supports, align=args.align, combos=combos, head_dims=head_dims)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
+    if args.case is not None:
+        cases = _chosen(args.case, cases)
     if args.list:
         for c in cases:
             print(c.describe())
