@@ -16,9 +16,10 @@
 * The docstring examples of the package run (doctest).
 * The Sphinx build is warning-free (skipped when Sphinx is not installed),
   its pages load no remote script (MathJax is served from the build, so the
-  math renders offline), and, where Chromium is installed, a headless
-  browser typesets the math of ``derivations.html``: MathJax's output
-  elements are there and no raw TeX is left in the rendered text.
+  math renders offline), and, where Chromium is installed, one headless
+  browser run typesets the math of every built page that has math: each
+  formula is typeset, without a TeX error or an undefined macro, and no raw
+  TeX is left in the rendered prose.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import doctest
 import os
 import functools
 import html.parser
+import json
 import importlib
 import importlib.util
 import pkgutil
@@ -491,9 +493,10 @@ def test_built_pages_load_no_remote_script(built_docs):
 
 
 class _RenderedText(html.parser.HTMLParser):
-    """The text a reader sees (no script, style or MathJax's hidden MathML) and the tags seen."""
+    """The prose a reader sees and the tags seen: no script, style or MathJax's hidden MathML,
+    and no code (a page may quote TeX in code, as index.md quotes ``$$``)."""
 
-    _HIDDEN = {"script", "style", "mjx-assistive-mml", "math", "template", "noscript"}
+    _HIDDEN = {"script", "style", "mjx-assistive-mml", "math", "template", "noscript", "code", "pre"}
 
     def __init__(self):
         super().__init__()
@@ -521,8 +524,10 @@ def rendered(dom: str):
 
 def test_rendered_text_reader():
     text, tags = rendered("<p>a <script>var s = '$$';</script><mjx-container><math>x</math>"
-                          "<mjx-c>y</mjx-c></mjx-container> $$\\frac{1}{2}$$</p>")
+                          "<mjx-c>y</mjx-c></mjx-container> $$\\frac{1}{2}$$ <code>\\sum</code></p>"
+                          "<pre><span>\\begin{align}</span></pre>")
     assert "mjx-container" in tags and "$$" in text and "\\frac" in text and "var s" not in text
+    assert "\\sum" not in text and "\\begin" not in text
 
 
 def _chromium():
@@ -533,24 +538,111 @@ def _chromium():
     return None
 
 
+# One Chromium run typesets every page with math: a harness page loads them one at a time
+# in an iframe (file:// pages may read each other's documents only with
+# --allow-file-access-from-files), waits for MathJax, and reports per page the body as
+# typeset and the TeX errors, read from MathJax's own math list: an merror node (a TeX
+# error such as a missing argument), or the red mtext that MathJax's noundefined
+# extension puts in place of an undefined macro (no merror there), and any math element
+# MathJax did not typeset (a formula with an unbalanced brace is not even found).
+_HARNESS = """<!doctype html>
+<html><body><script>
+const pages = %(pages)s;
+const report = {};
+function texErrors(w) {
+  const errors = [];
+  for (const item of w.MathJax.startup.document.math) {
+    item.root.walkTree(node => {
+      if (node.isKind("merror")) {
+        errors.push([item.math, node.attributes.get("data-mjx-error") || "merror"]);
+      } else if (node.isKind("mtext") && node.attributes.get("mathcolor") === "red") {
+        const text = node.childNodes.map(c => c.getText ? c.getText() : "").join("");
+        if (text.startsWith("\\\\")) errors.push([item.math, "undefined control sequence " + text]);
+      }
+    });
+  }
+  for (const el of w.document.querySelectorAll(".math")) {
+    if (!el.querySelector("mjx-container")) errors.push([el.textContent, "not typeset"]);
+  }
+  return errors;
+}
+async function typeset(name) {
+  const frame = document.createElement("iframe");
+  const loaded = new Promise(resolve => { frame.onload = resolve; });
+  frame.src = name;
+  document.body.appendChild(frame);
+  await loaded;
+  const w = frame.contentWindow;
+  try {
+    await w.MathJax.startup.promise;
+    report[name] = {errors: texErrors(w), dom: w.document.body.outerHTML};
+  } catch (e) {
+    report[name] = {errors: [["", "MathJax did not run: " + e]], dom: w.document.body.outerHTML};
+  }
+  frame.remove();
+}
+(async () => {
+  const out = document.createElement("script");  // rewritten after each page: a run cut
+  out.type = "application/json";                   // short still says which pages it did
+  out.id = "report";
+  document.body.appendChild(out);
+  for (const name of pages) {
+    await typeset(name);
+    out.textContent = JSON.stringify(report).replace(/</g, "\\\\u003c");
+  }
+})();
+</script></body></html>
+"""
+
+
+def _pages_with_math(html_dir: Path) -> dict:
+    """``{page: number of math elements}`` for each built page with math, as Sphinx wrote it."""
+    found = {}
+    for page in sorted(html_dir.rglob("*.html")):
+        # Sphinx's math spans and divs, not their wrappers
+        n_math = len(re.findall(r'class="math[ "]', page.read_text(encoding="utf-8")))
+        if n_math:
+            found[page.relative_to(html_dir).as_posix()] = n_math
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_chromium() is None,
                     reason="the browser check needs Chromium (Debian: apt-get install -y chromium)")
 def test_math_is_typeset_in_a_headless_browser(built_docs):
-    """derivations.html in headless Chromium, offline: MathJax typesets every formula."""
+    """Every page with math in headless Chromium, offline: MathJax typesets every formula."""
     run, html_dir = built_docs
     assert run.returncode == 0, run.stderr
-    page = html_dir / "derivations.html"
-    source = page.read_text(encoding="utf-8")
-    n_math = len(re.findall(r'class="math[ "]', source))  # Sphinx's math spans and divs, not their wrappers
-    assert n_math > 20
+    pages = _pages_with_math(html_dir)
+    expected = {"derivations.html", "layers.html", "positions.html", "transformer.html", "gpt.html"}
+    assert expected <= set(pages), f"is the reader broken? pages with math: {pages}"
+    assert pages["derivations.html"] > 20
+    source = (html_dir / "derivations.html").read_text(encoding="utf-8")
     assert "\\frac" in rendered(source)[0]  # untypeset, the page is raw TeX: the check can fail
+    harness = html_dir.parent / "typeset-harness.html"  # next to the build, not in it
+    harness.write_text(_HARNESS % {"pages": json.dumps([(html_dir / p).as_uri() for p in pages])},
+                       encoding="utf-8")
     cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-           "--virtual-time-budget=30000", "--dump-dom", page.as_uri()]
+           "--allow-file-access-from-files", "--virtual-time-budget=30000", "--dump-dom",
+           harness.as_uri()]
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
-    text, tags = rendered(dom)
-    assert "article" in tags, "Chromium returned no page:\n" + dom[:500]
-    assert tags.count("mjx-container") >= n_math, (tags.count("mjx-container"), n_math)
-    assert "mjx-merror" not in tags, "MathJax reported a TeX error"
-    for raw in ("$$", "\\frac", "\\mathrm", "\\sum", "\\begin{", "\\(", "\\["):
-        assert raw not in text, f"raw TeX {raw!r} left in the rendered derivations"
+    found = re.search(r'<script type="application/json" id="report">(.*?)</script>', dom, re.S)
+    assert found, "the harness page did not load:\n" + dom[-500:]
+    report = {uri.split(html_dir.as_uri() + "/", 1)[-1]: result
+              for uri, result in json.loads(found.group(1)).items()}
+    assert set(report) == set(pages), \
+        f"pages not reported (did the time budget run out?): {sorted(set(pages) - set(report))}"
+    problems = []
+    for name, n_math in pages.items():
+        text, tags = rendered(report[name]["dom"])
+        if "article" not in tags:
+            problems.append(f"{name}: Chromium returned no page: {report[name]['dom'][:300]}")
+            continue
+        problems += [f"{name}: {error}, in: {' '.join(tex.split())}"
+                     for tex, error in report[name]["errors"]]
+        if tags.count("mjx-container") < n_math:
+            problems.append(f"{name}: {tags.count('mjx-container')} of {n_math} formulas typeset")
+        problems += [f"{name}: raw TeX {raw!r} left in the rendered text"
+                     for raw in ("$$", "\\frac", "\\mathrm", "\\sum", "\\begin{", "\\(", "\\[")
+                     if raw in text]
+    assert not problems, "MathJax did not typeset every formula:\n" + "\n".join(problems)
