@@ -620,8 +620,9 @@ def _after_fork_in_child():
         # left as it stands, and restores what it found when it ends)
         foreign[0][1].restore_original_limits()  # the outermost's: the counts before any hold
         openblas = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
-        if hasattr(openblas, "clear_controlling_thread"):  # setting the counts made this
-            openblas.clear_controlling_thread()  # thread threadpoolctl's controller: give it up
+        clear = getattr(openblas, "clear_controlling_thread", None)
+        if clear is not None:  # setting the counts made this thread threadpoolctl's
+            clear()  # controller: give it up
 
 
 os.register_at_fork(before=_take_control_lock, after_in_parent=_release_control_lock,

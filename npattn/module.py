@@ -229,7 +229,7 @@ class MultiHeadAttention:
         self._params = ParameterDict(self._init_params(np.random.default_rng(init_seq)), xp=xp)
         self.grads: dict = {}
         self.dmask = None
-        self._cache = None
+        self._cache: Optional[MHACache] = None
         self._decoded = False  # the last forward used a kv_cache: it has nothing to differentiate
         self._cache_lent = False  # the cache was read through .cache: never given back
         self._workspace = A.Workspace()  # arrays of finished forwards, for the next ones

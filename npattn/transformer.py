@@ -24,6 +24,7 @@ Code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
+import abc
 import copy
 import functools
 import math
@@ -273,7 +274,7 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 
-class _Block:
+class _Block(abc.ABC):
     """What both blocks share: parameters, modes, dropout masks, torch state dicts."""
 
     _ATTNS: tuple = ()  # names of the MultiHeadAttention submodules
@@ -393,6 +394,10 @@ class _Block:
     def eval(self):
         """Evaluation mode: dropout is off. Returns self."""
         return self.train(False)
+
+    @abc.abstractmethod
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's output; each block defines its own arguments."""
 
     def __call__(self, *args, **kwargs):
         """``forward(*args, **kwargs)``, as a torch module is called."""

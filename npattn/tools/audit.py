@@ -47,7 +47,7 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -224,9 +224,9 @@ def _sdpa_pair(impl=None, **kwargs):
     gradients are audited.
     """
     if impl is not None:
-        blocks = AUDIT_BLOCKS if impl == "blocked" else {}
+        blocks: dict[str, Any] = AUDIT_BLOCKS if impl == "blocked" else {}
 
-        def forward(q, k, v, mask=None, sinks=None):
+        def dispatched_forward(q, k, v, mask=None, sinks=None):
             if impl == "chunked":
                 b, h, i, j = AUDIT_CHUNKS
                 q, k, v = (_chunked(q, (b, h, i, -1)), _chunked(k, (b, h, j, -1)),
@@ -234,15 +234,15 @@ def _sdpa_pair(impl=None, **kwargs):
                 mask = _chunked(mask, AUDIT_CHUNKS)
             return A.sdpa_forward(q, k, v, mask=mask, sinks=sinks, impl=impl, **blocks, **kwargs)
 
-        return forward, A.sdpa_backward
+        return dispatched_forward, A.sdpa_backward
 
-    def forward(q, k, v, mask=None, sinks=None):
+    def reference_forward(q, k, v, mask=None, sinks=None):
         return F.sdpa_forward(q, k, v, mask=mask, sinks=sinks, **kwargs)
 
-    def backward(dout, cache):
+    def reference_backward(dout, cache):
         return F.sdpa_backward(dout, cache)
 
-    return forward, backward
+    return reference_forward, reference_backward
 
 
 def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
@@ -272,7 +272,8 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
         for n, p in zip(names, ps):
             m.params[n] = p
         if m.impl == "chunked":  # dask: batch entries and key/value positions in chunks
-            acts = [_chunked(acts[0], (1, -1, -1))] + [_chunked(a, (1, 3, -1)) for a in acts[1:]]
+            acts = ((_chunked(acts[0], (1, -1, -1)),)
+                    + tuple(_chunked(a, (1, 3, -1)) for a in acts[1:]))
         q, k, v = (acts[0],) * 3 if self_attention else acts
         kw = {key: xp.astype(val, m.dtype) if key == "mask" and val is not None
               and xp.isdtype(val.dtype, "real floating") else val for key, val in fwd_kwargs.items()}
@@ -427,7 +428,7 @@ def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_
     def build(xp, dtype, rng, impl=None):
         m = _Maker(xp, dtype, rng)
         B, Lq, Lk, D, H = 2, 4, (4 if self_attention else 5), 8, 2
-        blocks = AUDIT_BLOCKS if impl == "blocked" else {}
+        blocks: dict[str, Any] = AUDIT_BLOCKS if impl == "blocked" else {}
         mha = MultiHeadAttention(D, H, bias=bias, kdim=kdim, vdim=vdim, dropout=dropout_p,
                                  backend=xp, dtype="float64", impl=impl or "reference", **blocks)
         kwargs = {"is_causal": is_causal}
@@ -600,7 +601,8 @@ def _scheduler(backend: str):
 def _jax_x64():
     import jax
 
-    previous = jax.config.jax_enable_x64
+    previous = jax.config.values["jax_enable_x64"]  # (jax adds the attribute
+    # jax.config.jax_enable_x64 at run time, where type checkers do not see it)
     jax.config.update("jax_enable_x64", True)
     try:
         yield

@@ -316,7 +316,7 @@ def _make_npattn(shape: Shape, dtype: str, backend: str, impl: str, block_q=None
     x = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
     dout = xp.astype(from_numpy(rng.standard_normal((shape.B, shape.L, shape.D)), xp), m.dtype)
 
-    extra = {} if shape.window is None else {"window": (shape.window, 0)}
+    extra: dict[str, Any] = {} if shape.window is None else {"window": (shape.window, 0)}
 
     def step():  # as a training loop runs it: the next forward reuses this one's arrays
         m(x, x, x, is_causal=shape.causal, **extra)
@@ -335,8 +335,8 @@ def _make_core(shape: Shape, dtype: str, backend: str, impl: str, block_q=None, 
     Dh = shape.D // shape.H
     q, k, v, dout = (xp.astype(from_numpy(rng.standard_normal((shape.B, shape.H, shape.L, Dh)), xp),
                                getattr(xp, dtype)) for _ in range(4))
-    extra = {} if shape.window is None else {"window": (shape.window, 0)}
-    blocks = {"block_q": block_q, "block_k": block_k} if impl in ("blocked", "auto") else {}
+    extra: dict[str, Any] = {} if shape.window is None else {"window": (shape.window, 0)}
+    blocks: dict[str, Any] = {"block_q": block_q, "block_k": block_k} if impl in ("blocked", "auto") else {}
 
     def step():
         _, cache = A.sdpa_forward(q, k, v, is_causal=shape.causal, impl=impl, dropout_p=shape.dropout,

@@ -217,8 +217,8 @@ def blas_threads(n, backend="numpy"):
             try:
                 import torch
             except ImportError:
-                torch = None
-            if torch is not None:
+                pass
+            else:
                 before = torch.get_num_threads()
                 torch.set_num_threads(n)
                 stack.callback(torch.set_num_threads, before)
