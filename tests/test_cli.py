@@ -1,9 +1,11 @@
 """The npattn command: check (the gradient audit), demo, bench."""
 
+import argparse
 import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -488,3 +490,137 @@ def test_a_reader_that_goes_away_gives_the_status_of_a_broken_pipe(monkeypatch):
     status = cli.main(["verify", f"{kernels}:attention", "--supports", "all", "--list"])
     assert status == 141
     gone.close()  # its file descriptor now writes to os.devnull
+
+
+# ------------------------------------------------------------------ --help of every parser
+
+#: ``npattn`` and each command (or mode of bench) whose --help a newcomer reads, with the
+#: docs pages that list its options.
+HELP_PAGES = {
+    "npattn": ((), ()),
+    "check": (("check",), ("docs/check.md",)),
+    "demo": (("demo",), ("docs/demo.md", "docs/digits.md", "docs/gpt.md")),
+    "bench": (("bench",), ("docs/performance.md",)),
+    "bench-dask": (("bench", "--backend", "dask"), ("docs/dask.md",)),
+    "bench-gpt": (("bench", "--model", "gpt"), ("docs/gpt.md",)),
+}
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parser_of(argv, monkeypatch):
+    """The argparse parser that reads ``npattn ARGV``; bench's are built inside its ``main``,
+    caught at their ``parse_args``."""
+    if not argv:
+        return cli.build_parser()
+    if argv[0] in ("check", "demo"):
+        return cli.build_parser().parse_known_args(list(argv))[0].command_parser
+
+    def caught(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", caught)
+        with pytest.raises(_Parsed) as exc:
+            cli.main(list(argv))
+    return exc.value.args[0]
+
+
+def _help_entries(text):
+    """``{head: help}`` of every option entry of a --help text, in every section (``--dtype
+    {float32,float64}`` -> its help, continuation lines joined)."""
+    entries, head = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):  # an option's entry: its head, then its help on this line or the next
+            head, _, rest = line.strip().partition("  ")
+            entries[head] = rest.strip()
+        elif head is not None and line.startswith("   "):
+            entries[head] = (entries[head] + " " + line.strip()).strip()
+        else:  # a section's title, a blank line, the epilog
+            head = None
+    return entries
+
+
+@pytest.mark.parametrize("name", list(HELP_PAGES))
+def test_every_flag_says_what_it_takes_and_its_default(name, monkeypatch):
+    """--threads THREADS, --heads HEADS, --seq-len SEQ_LEN, ... (argparse's metavar: the
+    flag's own name) said nothing of the values; demo's --backend, --dtype and --seed had no
+    help; check's --backend, demo's --dtype and --seed, bench's --dtype and --gemm, the dask
+    mode's --dtype and bench --model gpt's --dtype did not say their default."""
+    monkeypatch.setenv("COLUMNS", "100")
+    parser = _parser_of(HELP_PAGES[name][0], monkeypatch)
+    entries = _help_entries(parser.format_help())
+    assert len(entries) >= 2
+    for head, text in entries.items():
+        if head.startswith("-h"):
+            continue
+        assert text, f"{name}: {head}: no help"
+        flag, _, metavar = head.partition(" ")
+        if not metavar:  # a switch
+            continue
+        assert metavar != flag.lstrip("-").upper().replace("-", "_"), \
+            f"{name}: {head}: the metavar does not say what it takes"
+        assert "default" in text or "required" in text, f"{name}: {head}: its default is not said"
+    if name == "npattn":
+        assert "npattn COMMAND --help" in parser.format_help()
+
+
+def test_an_option_of_some_tasks_or_of_isolated_mode_says_so(monkeypatch, capsys):
+    """Each demo option of some tasks only is marked with them in --help (as DEMO_TASKS has
+    it). --block-q, --block-k, --markdown and --scope, refused without --isolated, did not say
+    so: each option of bench's isolated-mode group says it needs --isolated, and is refused
+    without it."""
+    monkeypatch.setenv("COLUMNS", "100")
+    demo = _help_entries(_parser_of(("demo",), monkeypatch).format_help())
+    for dest in {d for options in cli.DEMO_TASKS.values() for d in options}:
+        owners = [t for t, options in cli.DEMO_TASKS.items() if dest in options]
+        if len(owners) == len(cli.DEMO_TASKS):
+            continue
+        text = next(t for h, t in demo.items() if h.split()[0] == "--" + dest.replace("_", "-"))
+        assert text.startswith(f"({', '.join(owners)})"), (dest, text)
+    bench = _parser_of(("bench",), monkeypatch)
+    group = next(g for g in bench._action_groups if g.title == "isolated mode")
+    # small sizes, in case an option ran without --isolated after all
+    tiny = ["bench", "--shapes", "1x2x2x1", "--repeat", "5", "--gemm", "1", "--no-torch",
+            "--no-memory", "--no-progress", "--pause", "0", "--min-sample", "0"]
+    needs = [a for a in group._group_actions
+             if a.help != argparse.SUPPRESS and "--isolated" not in a.option_strings]
+    assert needs
+    for action in needs:
+        flag = action.option_strings[0]
+        assert "needs --isolated" in action.help, f"{flag}: its help does not say it needs --isolated"
+        value = ([c for c in action.choices if c != action.default][0] if action.choices
+                 else os.devnull if action.metavar == "PATH" else "2")
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*tiny, flag, value])
+        assert exc.value.code == 2
+        assert f"{flag}: needs --isolated" in capsys.readouterr().err
+
+
+def _doc_flags(page):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", f.read()))
+
+
+def test_the_docs_list_every_flag_and_no_other(monkeypatch):
+    """docs/dask.md listed none of bench --backend dask's options, docs/performance.md left out
+    --dtype, --gemm, --threads, --blas-threads, --warmup, --no-torch, --no-memory, --block-q,
+    --block-k and --markdown, docs/gpt.md bench --model gpt's sizes, docs/demo.md --no-plots
+    and --no-progress."""
+    from npattn.tools import verify
+
+    every = {f for a in verify.build_parser()._actions for f in a.option_strings}
+    for name, (argv, pages) in HELP_PAGES.items():
+        parser = _parser_of(argv, monkeypatch)
+        flags = {f for a in parser._actions for f in a.option_strings if f.startswith("--")}
+        every |= flags
+        if not pages:
+            continue
+        shown = {f for a in parser._actions if a.help != argparse.SUPPRESS
+                 for f in a.option_strings if f.startswith("--")} - {"--help"}
+        documented = set().union(*(_doc_flags(p) for p in pages))
+        assert not shown - documented, f"{name}: not in {', '.join(pages)}: {sorted(shown - documented)}"
+    for page in {p for _, pages in HELP_PAGES.values() for p in pages}:
+        assert not _doc_flags(page) - every, f"{page}: no such flag: {sorted(_doc_flags(page) - every)}"

@@ -931,6 +931,8 @@ def main(argv=None) -> int:
         from . import bench_dask
 
         return bench_dask.main(argv)
+    from .. import blocked  # the default blocks, said in --help
+
     parser = argparse.ArgumentParser(
         prog="npattn bench",
         description="Time MultiHeadAttention forward+backward (self-attention) against torch, "
@@ -938,54 +940,74 @@ def main(argv=None) -> int:
         epilog="A whole model's training step: npattn bench --model gpt (npattn.tools.bench_gpt; "
                "npattn bench --model gpt --help).",
     )
-    parser.add_argument("--shapes",
+    parser.add_argument("--shapes", metavar="SHAPE[,SHAPE...]",
                         help="comma-separated BxLxDxH with optional suffixes: c causal, wN a "
                              "window of N keys back, dP dropout with drop probability P (e.g. "
                              "4x1024x768x12c, 8x512x768x12d0.1); default: "
                              f"{','.join(str(s) for s in DEFAULT_SHAPES)} (--isolated: its own "
                              "plan of cases, each with its impl)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"],
+                        help="dtype of the inputs and parameters (default float32; float16: "
+                             "not on array_api_strict)")
     parser.add_argument("--backend", default="numpy",
                         choices=["numpy", "cupy", "torch", "array_api_strict", "dask"],
                         help="array library (default: numpy); dask runs the dask benchmark "
                              "(npattn bench --backend dask --help)")
     parser.add_argument("--impl", choices=["auto", "dense", "reference", "numpy", "blocked"],
-                        help="attention implementation passed to the module (default: dense)")
-    parser.add_argument("--repeat", type=int,
-                        help="timed runs per shape (default 7, at least 5; --isolated: default 1)")
-    parser.add_argument("--warmup", type=int, help="untimed runs first (default 2; --isolated: 0)")
-    parser.add_argument("--gemm", type=int, default=2048,
-                        help="size n of the n^3 reference GEMM (--isolated: 0 = none)")
+                        help="attention implementation passed to the module (default: dense); "
+                             "numpy needs --backend numpy; with --isolated, give --shapes too")
+    parser.add_argument("--repeat", type=int, metavar="N",
+                        help="timed runs per shape, at least 5 (default 7; --isolated: at least "
+                             "1, default 1)")
+    parser.add_argument("--warmup", type=int, metavar="N",
+                        help="untimed runs first, >= 0 (default 2; --isolated: default 0)")
+    parser.add_argument("--gemm", type=int, default=2048, metavar="N",
+                        help="size n of the n^3 reference GEMM, >= 1 (default %(default)s; "
+                             "--isolated: 0 = none)")
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="threads of npattn's tile pool (sets NPATTN_NUM_THREADS; "
-                             "default: the usable CPUs)")
+                        help=f"threads of npattn's tile pool, in [1, {MAX_THREADS}] (sets "
+                             "NPATTN_NUM_THREADS; default: the usable CPUs)")
     parser.add_argument("--blas-threads", type=int, metavar="N",
-                        help="hold BLAS to N threads (threadpoolctl; default: BLAS's own setting)")
+                        help=f"hold BLAS to N threads, in [1, {MAX_THREADS}] (threadpoolctl; "
+                             "default: BLAS's own setting)")
     parser.add_argument("--pause", type=float, default=0.1, metavar="S",
                         help="seconds of rest before each timed sample, so that one library's "
-                             "spinning worker threads do not slow the next (default: %(default)s)")
+                             "spinning worker threads do not slow the next, a number >= 0; unused "
+                             "with --isolated "
+                             "(default: %(default)s)")
     parser.add_argument("--min-sample", type=float, default=MIN_SAMPLE_S, metavar="S",
                         help="shortest timed sample: each runs a step back to back as often as "
-                             "it takes to last S seconds, npattn, torch and the GEMM alike "
-                             "(default: %(default)s)")
+                             "it takes to last S seconds, npattn, torch and the GEMM alike, >= 0; "
+                             "unused with --isolated (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (it is shown only when stderr is a terminal)")
-    parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
+                        help="no progress bar (it is shown only when stderr is a terminal; "
+                             "--isolated draws none)")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip the torch comparison (--isolated runs none)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory run (--isolated reads each process's peak RSS "
+                             "instead)")
     parser.add_argument(SKIP_MEMORY_CHECK, action="store_true", help=SKIP_MEMORY_CHECK_HELP)
     parser.add_argument("--json", metavar="PATH",
                         help="also write the results as JSON; '-': the JSON alone on stdout, "
-                             "the table on stderr")
+                             "the table on stderr (default: none)")
     iso = parser.add_argument_group("isolated mode")
     iso.add_argument("--isolated", action="store_true",
                      help="run each case in a fresh process and report its peak RSS "
                           "(no torch, no traced memory)")
-    iso.add_argument("--block-q", type=int, metavar="N", help="query block of the blocked path")
-    iso.add_argument("--block-k", type=int, metavar="N", help="key block of the blocked path")
-    iso.add_argument("--markdown", metavar="PATH", help="append the results as a Markdown table")
+    iso.add_argument("--block-q", type=int, metavar="N",
+                     help=f"query block of the blocked and auto impls, a positive integer "
+                          f"(needs --isolated; default {blocked.DEFAULT_BLOCK_Q})")
+    iso.add_argument("--block-k", type=int, metavar="N",
+                     help=f"key block of the blocked and auto impls, a positive integer (needs "
+                          f"--isolated; default {blocked.DEFAULT_BLOCK_K}, or "
+                          f"{blocked.WINDOW_BLOCK_K} for a shape with a window wN)")
+    iso.add_argument("--markdown", metavar="PATH",
+                     help="append the results as a Markdown table (needs --isolated; default: none)")
     iso.add_argument("--scope", choices=("module", "attention"), default="module",
                      help="what one step times: the module's forward+backward (default), or the "
-                          "attention core's alone on (B, H, L, D/H), without the projections")
+                          "attention core's alone on (B, H, L, D/H), without the projections "
+                          "(needs --isolated)")
     iso.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:  # one isolated case, in the process the parent started for it

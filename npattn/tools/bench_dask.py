@@ -248,22 +248,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="npattn bench --backend dask",
         description="Attention on dask (impl='chunked'): graph size against chunk count, time on "
-                    "LocalClusters of 1 and 2 single-threaded worker processes, peak memory per worker.")
+                    "LocalClusters of single-threaded worker processes (1 and 2 by default: "
+                    "--workers), peak memory per worker.")
     parser.add_argument("--backend", choices=["dask"], default="dask", help=argparse.SUPPRESS)
-    parser.add_argument("--shape", default=DEFAULT_SHAPE, help="BxLxDxH[c] (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, metavar="BxLxDxH[c]",
+                        help="batch x sequence length x model width x heads (H dividing D), a "
+                             "trailing c for causal attention (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                        help="dtype of the inputs (default float32)")
     parser.add_argument("--q-chunk", type=int, default=1024, metavar="N",
-                        help="query rows per chunk (default: %(default)s)")
+                        help="query rows per chunk, >= 1 (default: %(default)s)")
     parser.add_argument("--k-chunk", type=int, default=1024, metavar="N",
-                        help="keys per chunk (key chunking; default: %(default)s)")
-    parser.add_argument("--workers", default="1,2", help="worker counts (default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs per cluster (default: 1)")
+                        help="keys per chunk (key chunking), >= 1 (default: %(default)s)")
+    parser.add_argument("--workers", default="1,2", metavar="N[,N...]",
+                        help="worker counts, one LocalCluster each, each count once "
+                             "(default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="timed runs per cluster, >= 1 (default: 1)")
     parser.add_argument("--graph-only", action="store_true", help="only the graph sizes")
     parser.add_argument("--no-local", action="store_true", help="leave out the in-process run")
     parser.add_argument("--dask-malloc-trim", action="store_true",
                         help="keep distributed's MALLOC_TRIM_THRESHOLD_=65536 in the workers "
                              "(default: unset, glibc's own trimming)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results as JSON; '-': the JSON alone on stdout, "
+                             "the rest on stderr (default: none)")
     parser.add_argument(SKIP_MEMORY_CHECK, action="store_true", help=SKIP_MEMORY_CHECK_HELP)
     # taken as `npattn bench` takes it, so one command line serves every mode
     parser.add_argument("--no-progress", action="store_true",

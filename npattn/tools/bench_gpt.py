@@ -148,17 +148,26 @@ def main(argv=None) -> int:
         prog="npattn bench --model gpt",
         description="Time one GPT training step (forward, loss, backward, clipping, Adam) in npattn "
                     "against the same model in torch eager, alternating, on the CPU.")
-    parser.add_argument("--model", choices=["gpt"], required=True)
+    parser.add_argument("--model", choices=["gpt"], required=True,
+                        help="the model whose training step is timed (required: it selects this "
+                             "mode of npattn bench)")
     d = GPTBenchConfig()
     for name, help_ in (("batch", "B"), ("seq_len", "L"), ("d_model", "width"),
-                        ("n_layer", "blocks"), ("n_head", "heads"), ("vocab", "vocabulary size")):
+                        ("n_layer", "blocks"), ("n_head", "heads, a divisor of --d-model"),
+                        ("vocab", "vocabulary size")):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
-                            help=f"{help_} (default {getattr(d, name)})")
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument("--repeat", type=int, default=7, help="rounds (default 7)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default 2)")
+                            metavar="N", help=f"{help_}, >= 1 (default {getattr(d, name)})")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                        help="dtype of the model and its step, in npattn and torch (default "
+                             "float32)")
+    parser.add_argument("--repeat", type=int, default=7, metavar="N",
+                        help="rounds, >= 1 (default 7)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="untimed steps of each first, >= 0 (default 2)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch side")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write the results as JSON; '-': the JSON alone on stdout, the rest "
+                             "on stderr (default: none)")
     parser.add_argument(SKIP_MEMORY_CHECK, action="store_true", help=SKIP_MEMORY_CHECK_HELP)
     # taken as `npattn bench` takes it, so one command line serves every mode
     parser.add_argument("--no-progress", action="store_true",

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="npattn",
         description="Multi-head attention with hand-derived gradients: audit them, or watch "
         "them train a model.",
+        epilog="Each command has its own options: npattn COMMAND --help (npattn bench --backend "
+        "dask --help and npattn bench --model gpt --help for bench's other modes).",
     )
     parser.add_argument("--version", action="version", version=f"npattn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench,verify}")
@@ -63,13 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
         "configurations. Exit status 1 if any check fails.",
     )
     check.add_argument("--backend", choices=CHECK_BACKENDS, default="numpy",
-                       help="the arrays' library; jax runs with jax_enable_x64 switched on")
+                       help="the arrays' library (default numpy); jax runs with jax_enable_x64 "
+                       "switched on")
     check.add_argument(
         "--dtype", choices=["float64", "float32"], default="float64",
         help="dtype of inputs, parameters and the analytic backward (finite differences "
         "are always float64); default float64",
     )
-    check.add_argument("--json", action="store_true", help="print machine-readable results")
+    check.add_argument("--json", action="store_true",
+                       help="print the results as JSON on stdout, in place of the table")
     check.add_argument("--no-progress", action="store_true",
                        help="no progress bar (it is shown only when stderr is a terminal)")
     _threads_option(check)
@@ -92,41 +96,48 @@ def build_parser() -> argparse.ArgumentParser:
         "error.",
     )
     demo.add_argument("--task", choices=list(DEMO_TASKS), default="reverse",
-                      help="what to train: reverse (digit reversal, default), digits "
-                      "(classify handwritten digits) or gpt (a character-level language model)")
-    demo.add_argument("--heads", default="4",
-                      help="number of heads, or a comma list such as 1,2,4,8 to compare "
-                      "them at the same d_model (default 4)")
-    demo.add_argument("--steps", type=positive_int, default=None,
+                      help="what to train (default reverse): reverse (digit reversal), digits "
+                      "(classify handwritten digits) or gpt (a character-level language model); "
+                      "an option marked (TASK, ...) belongs to those tasks only")
+    demo.add_argument("--heads", default="4", metavar="H[,H...]",
+                      help="heads per attention layer, a divisor of --d-model; reverse and digits "
+                      "also take a comma list such as 1,2,4,8, one model per count, to compare "
+                      "them at the same width (default 4)")
+    demo.add_argument("--steps", type=positive_int, default=None, metavar="N",
                       help="(reverse, gpt) training steps (default 400; gpt: 1500)")
-    demo.add_argument("--seq-len", type=positive_int, default=None,
+    demo.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
                       help="(reverse, gpt) digits per sequence (default 12); gpt: the context "
-                      "length, block_size (default 64)")
+                      "length, block_size, from 2 to what the held-out text holds (default 64)")
     demo.add_argument("--pos", choices=["sinusoidal", "learned"], default=None,
                       help="(reverse) positional encoding (default sinusoidal)")
-    demo.add_argument("--epochs", type=positive_int, default=None,
+    demo.add_argument("--epochs", type=positive_int, default=None, metavar="N",
                       help="(digits) passes over the training images (default 20)")
-    demo.add_argument("--layers", type=positive_int, default=None,
+    demo.add_argument("--layers", type=positive_int, default=None, metavar="N",
                       help="(digits, gpt) Transformer blocks (default 1; gpt: 3)")
     demo.add_argument("--patch", type=int, choices=[1, 2, 4], default=None,
                       help="(digits) side of the square pixel patches that are the tokens: "
                       "2 gives 16 tokens of 4 pixels (default 2)")
-    demo.add_argument("--dropout", type=probability, default=None,
+    demo.add_argument("--dropout", type=probability, default=None, metavar="P",
                       help="(digits, gpt) drop probability at every dropout site of the "
                       "blocks, in [0, 1) (default 0.1; gpt: 0)")
-    demo.add_argument("--d-model", type=positive_int, default=None,
+    demo.add_argument("--d-model", type=positive_int, default=None, metavar="N",
                       help="model width (default 32; gpt: 96)")
-    demo.add_argument("--batch", type=positive_int, default=None,
+    demo.add_argument("--batch", type=positive_int, default=None, metavar="N",
                       help="sequences per step (default 64; digits: 32 images; gpt: 32 windows)")
-    demo.add_argument("--lr", type=positive_float, default=None,
+    demo.add_argument("--lr", type=positive_float, default=None, metavar="RATE",
                       help="Adam learning rate, a positive finite number (default 1e-2; gpt: 3e-3)")
-    demo.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy")
-    demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    demo.add_argument("--seed", type=non_negative_int, default=0)
-    demo.add_argument("--out", default=None,
-                      help="folder for the pictures (default ./npattn-demo; digits: "
-                      "./npattn-digits; gpt: ./npattn-gpt)")
-    demo.add_argument("--no-plots", action="store_true", help="do not write heatmaps")
+    demo.add_argument("--backend", choices=BACKEND_CHOICES, default="numpy",
+                      help="the arrays' library (default numpy)")
+    demo.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                      help="dtype of the parameters and the training (default float32)")
+    demo.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
+                      help="seed of every random draw (initial weights, batches, dropout, "
+                      "digits' validation split, gpt's samples), an integer >= 0 (default 0)")
+    demo.add_argument("--out", default=None, metavar="DIR",
+                      help="folder for the pictures, and gpt's samples.txt (default ./npattn-demo; "
+                      "digits: ./npattn-digits; gpt: ./npattn-gpt)")
+    demo.add_argument("--no-plots", action="store_true",
+                      help="write no pictures (gpt still writes samples.txt)")
     demo.add_argument("--no-progress", action="store_true",
                       help="no progress bar (it is shown only when stderr is a terminal)")
     demo.add_argument(SKIP_MEMORY_CHECK, action="store_const", const=True, default=None,
@@ -193,9 +204,10 @@ def positive_float(text: str) -> float:
 
 def _threads_option(parser):
     parser.add_argument(
-        "--threads", type=thread_count, default=1,
-        help="BLAS threads while it runs (default 1: the arrays are tiny, and extra threads "
-        "only contend); needs threadpoolctl, else the library's own setting is kept",
+        "--threads", type=thread_count, default=1, metavar="N",
+        help=f"BLAS threads while it runs, and torch's own with --backend torch, in [1, "
+        f"{MAX_THREADS}] (default 1: the arrays are tiny, and extra threads only contend); BLAS "
+        "needs threadpoolctl, else the library's own setting is kept",
     )
 
 
