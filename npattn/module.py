@@ -689,7 +689,8 @@ class MultiHeadAttention:
             f"qdim={self.qdim}, qkv_bias={self.qkv_bias}, out_bias={self.out_bias}, "
             f"add_bias_kv={self.add_bias_kv}, add_zero_attn={self.add_zero_attn}, "
             f"n_kv_head={self.n_kv_head}, scale={self.scale}, softcap={self.softcap}, "
-            f"sinks={self.sinks}, dtype={V.dtype_name(self.dtype)!r}, backend={backend_name(self.xp)!r})"
+            f"sinks={self.sinks}, impl={self.impl!r}, block_q={self.block_q}, block_k={self.block_k}, "
+            f"dtype={V.dtype_name(self.dtype)!r}, backend={backend_name(self.xp)!r})"
         )
 
     # ----------------------------------------------------------- torch interop

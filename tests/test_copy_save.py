@@ -409,6 +409,7 @@ def test_each_models_repr_reads_as_the_call_that_builds_it():
     names = {c.__name__: c for c in (MultiHeadAttention, GPT, TransformerBlock,
                                      TransformerDecoderBlock, TransformerClassifier)}
     models = [MultiHeadAttention(8, 2, dtype="float64", kdim=6, n_kv_head=1, softcap=2.0),
+              MultiHeadAttention(8, 2, dtype="float64", impl="blocked", block_q=4, block_k=3),
               GPT(11, 9, 8, 1, 2, dtype="float64"),
               TransformerBlock(8, 2, 16, dtype="float64", activation="gelu", norm_first=True),
               TransformerDecoderBlock(8, 2, 16, dtype="float64", bias=False),
@@ -416,6 +417,11 @@ def test_each_models_repr_reads_as_the_call_that_builds_it():
     for m in models:
         text = repr(m)
         assert "dtype='float64'" in text and "backend='numpy'" in text, text
-        assert repr(eval(text, names)) == text
+        rebuilt = eval(text, names)
+        assert repr(rebuilt) == text
+        assert vars(rebuilt).keys() == vars(m).keys()
+        for k, v in vars(m).items():  # the configuration: every plain setting the same
+            if isinstance(v, (bool, int, float, str, type(None))):
+                assert getattr(rebuilt, k) == v or (v != v and getattr(rebuilt, k) != getattr(rebuilt, k)), (type(m).__name__, k)
     cache = KVCache(2, 5, 3, 4, dtype="float64")
     assert "dtype='float64', backend='numpy'" in repr(cache)

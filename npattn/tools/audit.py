@@ -601,8 +601,8 @@ def _scheduler(backend: str):
 def _jax_x64():
     import jax
 
-    previous = jax.config.values["jax_enable_x64"]  # (jax adds the attribute
-    # jax.config.jax_enable_x64 at run time, where type checkers do not see it)
+    # (getattr: jax adds the documented attribute at run time, where type checkers do not see it)
+    previous = bool(getattr(jax.config, "jax_enable_x64"))
     jax.config.update("jax_enable_x64", True)
     try:
         yield
