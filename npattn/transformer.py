@@ -46,6 +46,7 @@ __all__ = [
     "TransformerDecoderBlock",
     "SublayerCache",
     "BlockState",
+    "BlockGradState",
     "sublayer_forward",
     "sublayer_backward",
     "ENCODER_DROPOUT_SITES",

@@ -372,6 +372,26 @@ def test_the_api_reference_renders_every_public_name():
     assert not undocumented, f"public names missing from docs/api: {undocumented}"
 
 
+def test_the_api_reference_lists_each_state_read_with_its_restore():
+    # a class rendered with a :members: list lists each restore_X method and the X that
+    # reads the state it puts back (the blocks' forward_state and backward_state)
+    documented = _api_documented()
+    checked, unlisted = 0, []
+    for page in sorted((DOCS / "api").glob("*.md")):
+        for m in _DIRECTIVE.finditer(page.read_text()):
+            if m.group("kind") != "autoclass" or not re.search(r":members:\s*\S", m.group("options")):
+                continue
+            target = m.group("target")
+            module, name = target.rsplit(".", 1)
+            cls = getattr(importlib.import_module(module), name)
+            for restore in (n for n in dir(cls) if n.startswith("restore_") and callable(getattr(cls, n))):
+                checked += 1
+                unlisted += [f"{target}.{n}" for n in (restore, restore[len("restore_"):])
+                             if f"{target}.{n}" not in documented]
+    assert checked >= 4, f"only {checked} restore_ methods found: is the reader broken?"
+    assert not unlisted, f"state methods missing from docs/api: {sorted(unlisted)}"
+
+
 # --------------------------------------------------------------------------
 # the caches' fields
 
