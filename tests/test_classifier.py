@@ -302,6 +302,43 @@ def test_a_forward_that_fails_after_the_checks_changes_nothing(xp, to_xp, to_np,
     np.testing.assert_array_equal(nxt, ref_nxt)  # the generators did not move
 
 
+def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(xp, to_xp, to_np, backend,
+                                                                     monkeypatch):
+    """Block 1's backward runs, block 0's fails (a MemoryError): the model's grads and dx,
+    every block's grads and its attention module's grads, dmask and cache are those of the
+    last successful backward, and the next backward gives what a model that never failed gives."""
+    model, twin = (small(backend, dropout=0.3, seed=0) for _ in range(2))
+    assert model.n_layers >= 2
+    rng = np.random.default_rng(13)
+    x0, x1 = (to_xp(rng.standard_normal((B, L, P))) for _ in range(2))
+    dl = to_xp(rng.standard_normal((B, C)))
+    mask = padding_mask(to_xp)
+    for m in (model, twin):  # a backward done (grads to keep), then another forward
+        m.forward(x0, mask)
+        m.backward(dl)
+        m.forward(x1, mask)
+    model_grads, model_dx = model.grads, model.dx
+    held = [(b.grads, b.self_attn.grads, b.self_attn.dmask, b.self_attn.cache) for b in model.blocks]
+
+    def fails(dout):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(model.blocks[0], "backward", fails)
+    with pytest.raises(MemoryError):
+        model.backward(dl)
+    monkeypatch.undo()
+    assert model.grads is model_grads and model.dx is model_dx
+    for n, (block, (grads, attn_grads, dmask, attn_cache)) in enumerate(zip(model.blocks, held)):
+        assert block.grads is grads and block.self_attn.grads is attn_grads, f"block {n}"
+        assert block.self_attn.dmask is dmask and block.self_attn.cache is attn_cache, f"block {n}"
+    grads = {k: to_np(v) for k, v in model.backward(dl).items()}
+    ref = {k: to_np(v) for k, v in twin.backward(dl).items()}
+    assert set(grads) == set(ref) == set(model.params)
+    for k in ref:
+        np.testing.assert_array_equal(grads[k], ref[k], err_msg=k)
+    np.testing.assert_array_equal(to_np(model.dx), to_np(twin.dx))
+
+
 # ------------------------------------------------------------ copies and pickles
 
 
