@@ -598,6 +598,12 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
     return "; ".join(f"{n}: {notes[n]}" for n in bad if notes.get(n)) or "see the table"
 
 
+def _cases_pass(n: int, between: str = "") -> str:
+    """``n`` cases passing, the verb agreeing: "1 case passes", "2 cases pass" (``between``
+    before the verb: "1 case with it passes")."""
+    return f"{n} case {between}passes" if n == 1 else f"{n} cases {between}pass"
+
+
 def panel_hints(results: list) -> list:
     """Hints across the panel: the options that every failing case holds (or a pair of
     options one of which each holds), whether cases without options fail, and the three
@@ -607,7 +613,8 @@ def panel_hints(results: list) -> list:
     (or pair) that every failing case holds only when two cases or more fail and a case
     that ran lacks it (else it holds for every case, or names the one failing case's
     options); the options that only the cases holding many together fail with, only when
-    a case that ran lacks one of them; a case hint only when two cases or more share it.
+    two cases or more fail and a case that ran lacks one of them; a case hint only when two
+    cases or more share it.
     """
     fails = [r for r in results if r.status == "fail"]
     if not fails:
@@ -630,18 +637,18 @@ def panel_hints(results: list) -> list:
     common = set.intersection(*(set(r.case.options) for r in fails))
     n_pass = {opt: sum(1 for r in results if opt in r.case.options and r.status != "fail")
               for opt in common}
-    if len(common) > 3:  # all-options cases alone: a line per option would say nothing
+    if several and len(common) > 3:  # all-options cases alone: a line per option says nothing
         if any(not common <= set(r.case.options) for r in results):
             least = sorted(common, key=lambda o: (n_pass[o], o))[:3]
             hints.append(f"only cases holding {len(common)} options together fail: two options "
                          "meet wrongly (an order of steps), or a step they share; the options "
                          "least often passing elsewhere: "
-                         + ", ".join(f"{o!r} ({n_pass[o]} case(s) pass)" for o in least))
-    elif several:
+                         + ", ".join(f"{o!r} ({_cases_pass(n_pass[o])})" for o in least))
+    elif several:  # (one failing case holds its options trivially: its own line names them)
         for opt in sorted(common):
             if not lacking(opt):  # every case that ran holds it
                 continue
-            note = "" if not n_pass[opt] else f" (and {n_pass[opt]} case(s) with it pass)"
+            note = "" if not n_pass[opt] else f" (and {_cases_pass(n_pass[opt], 'with it ')})"
             hints.append(f"every failing case holds {opt!r}{note}: look at how {opt} is applied")
     if not common:
         held = sorted(set().union(*(set(r.case.options) for r in fails)))

@@ -1017,6 +1017,28 @@ def test_the_panel_hints_say_what_the_failing_cases_do_not():
     assert "every failing case holds 'causal'" in told.hints()[0], told.hints()
 
 
+def test_the_many_options_hint_needs_two_failing_cases_and_counts_passes_in_words():
+    """'only cases holding 4 options together fail' was said when only all4-65x128 failed
+    (the one failing case holds its options trivially), with '(1 case(s) pass)'; now it
+    needs two failing cases, as the option hints do, and says '1 case passes'."""
+    def off_with_all_four(q, k, v, **options):
+        wrong = {"is_causal", "softcap", "scale", "enable_gqa"} <= set(options)
+        return (_off_everywhere if wrong else npattn_kernel)(q, k, v, **options)
+
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64",
+              supports="causal,softcap,gqa,scale")
+    names = ["base-1x65", "gqa-65x129", "scale-65x129", "all4-65x128"]
+    one = VF.verify(off_with_all_four, cases=names, **kw)
+    assert [r.case.name for r in one.failures] == ["all4-65x128"]
+    assert one.hints() == [], one.hints()
+    all4 = next(c for c in VF.plan(kw["supports"]) if c.name == "all4-65x128")
+    two = VF.verify(off_with_all_four, cases=names + [replace(all4, name="all4-again")], **kw)
+    assert len(two.failures) == 2
+    many = [h for h in two.hints() if "options together fail" in h]
+    assert len(many) == 1 and "'gqa' (1 case passes)" in many[0], two.hints()
+    assert "'causal' (0 cases pass)" in many[0] and "case(s)" not in "".join(two.hints())
+
+
 def test_a_write_into_the_kernel_s_own_float_mask_or_out_of_another_library_fails():
     """A float mask reaches the kernel as a copy in its dtype, which shares no memory with the
     case's: a write into it passed unseen (the docs promise it fails). The right numbers as
