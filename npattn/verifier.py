@@ -154,6 +154,7 @@ import math
 import shlex
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -787,6 +788,9 @@ class _Library:
 
 def _library_name(backend: Any) -> str:
     """"numpy", "torch", "cupy" or "jax" from ``backend=`` (a name or the module)."""
+    if not isinstance(backend, (str, types.ModuleType)):
+        raise TypeError(f"backend: expected one of {LIBRARIES} (or the module), got "
+                        f"{type_name(backend)} {backend!r}")
     name = getattr(backend, "__name__", backend)
     if isinstance(name, str):
         name = name.split(".")[-1] if name.startswith("array_api_compat.") else name
@@ -1568,36 +1572,53 @@ def _describe_callable(f: Any) -> str:
     return repr(f)
 
 
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    """``TypeError`` unless ``value`` is a str (or None, where ``choices`` holds None),
+    ``ValueError`` unless it is one of ``choices``."""
+    if not (isinstance(value, str) or (value is None and None in choices)):
+        raise TypeError(f"{name}: expected one of {choices}, got {type_name(value)} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def _is_number(x: Any) -> bool:
+    """A Python int or float, not a bool (the report's JSON holds it as given)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_factor: Any,
                 align: Any, adapter: Any, floors: Any) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
-    if autograd not in AUTOGRADS:
-        raise ValueError(f"autograd: expected one of {AUTOGRADS}, got {autograd!r}")
+    _check_choice("layout", layout, LAYOUTS)
+    _check_choice("dtype", dtype, DTYPES)
+    _check_choice("autograd", autograd, AUTOGRADS)
     if backward is not None and not callable(backward):
         raise TypeError(f"backward: expected a callable backward(dout, *saved), got "
                         f"{type(backward).__name__}")
     if backward is not None and autograd is not None:
         raise ValueError(f"backward, autograd: expected one source of gradients, got both "
                          f"(backward={_describe_callable(backward)}, autograd={autograd!r})")
-    if isinstance(budget_factor, bool) or not isinstance(budget_factor, (int, float)) \
-            or not (math.isfinite(budget_factor) and budget_factor >= 1.0):
+    if not _is_number(budget_factor):
+        raise TypeError(f"budget_factor: expected a finite number >= 1, got "
+                        f"{type_name(budget_factor)} {budget_factor!r}")
+    if not (math.isfinite(budget_factor) and budget_factor >= 1.0):
         raise ValueError(f"budget_factor: expected a finite number >= 1, got {budget_factor!r}")
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"align: expected 'top_left' or 'bottom_right', got {align!r}")
+    _check_choice("align", align, ("top_left", "bottom_right"))
     if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
         raise TypeError(f"adapter: expected None, a mapping {{npattn name: kernel name or None}} "
                         f"or a callable(options) -> keywords, got {type(adapter).__name__}")
     if isinstance(adapter, Mapping):
         _check_adapter_mapping(adapter)
     if floors is not None:
-        if not isinstance(floors, Mapping) or any(k not in FLOORS for k in floors):
+        if not isinstance(floors, Mapping):
+            raise TypeError(f"floors: expected a mapping with keys from {DTYPES}, got "
+                            f"{type_name(floors)} {floors!r}")
+        if any(k not in FLOORS for k in floors):
             raise ValueError(f"floors: expected a mapping with keys from {DTYPES}, got {floors!r}")
         for k, v in floors.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) \
-                    or not (math.isfinite(v) and v >= 0.0):
+            if not _is_number(v):
+                raise TypeError(f"floors: expected finite numbers >= 0 as values, got "
+                                f"{type_name(v)} {v!r} for {k!r}")
+            if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"floors: expected finite numbers >= 0 as values, got {v!r} for "
                                  f"{k!r}")
 
@@ -1607,6 +1628,10 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
     that are strings, or drops them (None); no two keep one name. A misspelt key would
     otherwise rename nothing, silently."""
     names = sorted({n for kws in OPTION_KEYWORDS.values() for n in kws})
+    not_str = [k for k in adapter if not isinstance(k, str)]
+    if not_str:
+        raise TypeError(f"adapter: expected keys from npattn's keywords {names} (str), got "
+                        f"{', '.join(f'{type_name(k)} {k!r}' for k in not_str)}")
     unknown = [k for k in adapter if k not in names]
     if unknown:
         raise ValueError(f"adapter: expected keys from npattn's keywords {names}, got "
@@ -1625,11 +1650,14 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
 def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: Any, gradients: bool,
                      supports: tuple, flags: Optional[Mapping] = None) -> None:
     if not (mask_grad is None or isinstance(mask_grad, bool)):
-        raise ValueError(f"mask_grad: expected None, True or False, got {mask_grad!r}")
+        raise TypeError(f"mask_grad: expected None, True or False, got {type_name(mask_grad)} "
+                        f"{mask_grad!r}")
     if not isinstance(returns_lse, bool):
-        raise ValueError(f"returns_lse: expected True or False, got {returns_lse!r}")
+        raise TypeError(f"returns_lse: expected True or False, got {type_name(returns_lse)} "
+                        f"{returns_lse!r}")
     if not isinstance(lse_grad, bool):
-        raise ValueError(f"lse_grad: expected True or False, got {lse_grad!r}")
+        raise TypeError(f"lse_grad: expected True or False, got {type_name(lse_grad)} "
+                        f"{lse_grad!r}")
     on = "" if flags else "True "  # "mask_grad: True checks...", "--mask-grad: checks..."
     gradients_from = f"{_setting('backward', ..., flags)} or {_setting('autograd', ..., flags)}"
     if mask_grad is True and not gradients:
@@ -1656,7 +1684,8 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
     arguments of those names do.
 
     ``ValueError`` for a name the panel does not hold, or a ``Case`` with an
-    option that ``supports`` does not declare.
+    option that ``supports`` does not declare; ``TypeError`` for an entry that is
+    neither a name (str) nor a ``Case``.
     """
     supports = check_supports(supports)
     full = panel(supports, align, combos=combos, head_dims=head_dims)
@@ -1676,11 +1705,14 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
                 raise ValueError(f"cases: case {c.name!r} turns on {extra}, which supports "
                                  f"does not declare (supports={list(supports)})")
             chosen.append(c)
-        elif isinstance(c, str) and c in by_name:
+        elif not isinstance(c, str):
+            raise TypeError(f"cases: expected names of the panel's cases or Case objects, got "
+                            f"{type_name(c)} {c!r}")
+        elif c in by_name:
             if by_name[c] not in chosen:  # a name given twice runs once
                 chosen.append(by_name[c])
         else:
-            near = difflib.get_close_matches(c, list(by_name), n=3) if isinstance(c, str) else []
+            near = difflib.get_close_matches(c, list(by_name), n=3)
             told = [repr(n) for n in near]
             told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
             maybe = f"did you mean {' or '.join(told)}? " if near else ""

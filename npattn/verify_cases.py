@@ -99,7 +99,7 @@ PERMISSIONS = ("empty_rows",)
 
 def check_supports(supports: Any) -> tuple:
     """``supports`` (an iterable of tokens, or a comma-separated string) as a sorted tuple;
-    ``ValueError`` naming an unknown token."""
+    ``ValueError`` naming an unknown token, ``TypeError`` one that is not a str."""
     if isinstance(supports, str):
         text = supports
         supports = [s.strip() for s in supports.split(",") if s.strip()]
@@ -114,7 +114,10 @@ def check_supports(supports: Any) -> tuple:
         raise TypeError(f"supports: expected an iterable of option names, got "
                         f"{type(supports).__name__}") from None
     for s in items:
-        if not isinstance(s, str) or s not in SUPPORTS:
+        if not isinstance(s, str):
+            raise TypeError(f"supports: expected names from {sorted(SUPPORTS)}, got "
+                            f"{type(s).__name__} {s!r}")
+        if s not in SUPPORTS:
             raise ValueError(f"supports: expected names from {sorted(SUPPORTS)}, got {s!r}")
     return tuple(sorted(set(items)))
 

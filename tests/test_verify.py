@@ -1097,7 +1097,7 @@ def test_argument_errors_name_the_argument():
         VF.verify(npattn_kernel, backward=npattn_backward, mask_grad=True, supports="mask_bool")
     with pytest.raises(ValueError, match="mask_grad: True checks the gradient of the mask"):
         VF.verify(npattn_kernel, mask_grad=True, supports="mask_float")
-    with pytest.raises(ValueError, match="mask_grad: expected None, True or False"):
+    with pytest.raises(TypeError, match="mask_grad: expected None, True or False"):
         VF.verify(npattn_kernel, mask_grad="yes")
     with pytest.raises(ValueError, match="device: expected None with backend='numpy'"):
         VF.verify(npattn_kernel, device="cuda")
@@ -1113,10 +1113,29 @@ def _never_called(q, k, v, **options):
     ({"supports": "dv_ne_dk", "head_dims": [64]}, ValueError, "[64]"),
     ({"head_dims": [64, 0]}, ValueError, "0 in [64, 0]"),  # was 'got (64, 0)'
     ({"head_dims": [64.0]}, TypeError, "64.0 in [64.0]"),
-    ({"returns_lse": "yes"}, ValueError, "'yes'"),  # was taken as True
+    ({"returns_lse": "yes"}, TypeError, "str 'yes'"),  # was taken as True
     ({"seed": -1}, ValueError, "-1"),  # numpy's 'expected non-negative integer' from a case
     ({"seed": 1.5}, TypeError, "float 1.5"),  # was taken as 1
-    ({"floors": {"float32": "a"}}, ValueError, "'a' for 'float32'"),  # "can't multiply sequence"
+    ({"floors": {"float32": "a"}}, TypeError, "str 'a' for 'float32'"),  # "can't multiply sequence"
+    ({"floors": {"float32": -1.0}}, ValueError, "-1.0 for 'float32'"),
+    ({"floors": ["float32"]}, TypeError, "list ['float32']"),
+    # a wrong type is a TypeError, a wrong value of the right type a ValueError: these were
+    # all ValueError
+    ({"mask_grad": "yes"}, TypeError, "str 'yes'"),
+    ({"mask_grad": 1}, TypeError, "int 1"),
+    ({"lse_grad": 1}, TypeError, "int 1"),
+    ({"layout": 3}, TypeError, "int 3"),
+    ({"layout": "bhds"}, ValueError, "'bhds'"),
+    ({"dtype": np.float32}, TypeError, "type <class 'numpy.float32'>"),
+    ({"autograd": 1}, TypeError, "int 1"),
+    ({"align": True}, TypeError, "bool True"),
+    ({"budget_factor": "2"}, TypeError, "str '2'"),
+    ({"budget_factor": 0.5}, ValueError, "0.5"),
+    ({"backend": 5}, TypeError, "int 5"),
+    ({"backend": "nump"}, ValueError, "'nump'"),
+    ({"cases": [5]}, TypeError, "int 5"),
+    ({"supports": [5]}, TypeError, "int 5"),
+    ({"adapter": {5: "x"}}, TypeError, "int 5"),
     ({"combos": "pairs"}, TypeError, "'pairs'"),  # "combos: ('p',) holds 'p'"
     ({"combos": 5}, TypeError, "5"),  # "'int' object is not iterable"
     ({"cases": 5}, TypeError, "int 5"),  # "'int' object is not iterable"
@@ -1130,7 +1149,7 @@ def test_a_bad_argument_is_told_by_its_keyword_with_what_was_expected_and_receiv
         kwargs, error, received):
     """Each keyword of ``verify`` with a bad value: 'KEYWORD: expected ..., got VALUE', the
     keyword as the Python caller wrote it and the value as given, raised before any case."""
-    keyword = next(k for k in kwargs if k not in ("supports", "backward"))
+    keyword = next((k for k in kwargs if k not in ("supports", "backward")), next(iter(kwargs)))
     with pytest.raises(error) as info:
         VF.verify(_never_called, **{"cases": ["base-1x65"], **kwargs})
     message = str(info.value)
