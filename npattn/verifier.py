@@ -151,6 +151,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import numbers
 import shlex
 import time
 import traceback
@@ -1582,8 +1583,9 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 
 
 def _is_number(x: Any) -> bool:
-    """A Python int or float, not a bool (the report's JSON holds it as given)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (a Python or NumPy int or float), not a bool; ``verify`` holds it as a
+    Python float (the report's JSON)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_factor: Any,
@@ -1848,6 +1850,8 @@ def verify(
         ``report.ok``; ``print(report)``; ``report.to_json()``; ``report.plot(path)``.
     """
     _check_args(layout, dtype, backward, autograd, budget_factor, align, adapter, floors)
+    budget_factor = float(budget_factor)  # checked numbers, as Python floats from here on
+    floors = None if floors is None else {k: float(v) for k, v in floors.items()}
     if not callable(fn):
         raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type(fn).__name__}")
     if flags is not None and not (isinstance(flags, Mapping)

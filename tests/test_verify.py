@@ -1107,6 +1107,18 @@ def _never_called(q, k, v, **options):
     raise AssertionError("a bad argument reached the kernel")
 
 
+def test_numpy_numbers_are_numbers_for_budget_factor_and_floors():
+    """As elsewhere in npattn, a NumPy float or int is a number (it was refused), held as a
+    Python float: the report's JSON and reproducer hold it."""
+    report = VF.verify(npattn_kernel, cases=["base-1x65"], dtype="float64", returns_lse=True,
+                       backward=npattn_backward, budget_factor=np.float32(2.5),
+                       floors={"float64": np.float64(4e-16), "float32": np.int64(1)})
+    assert report.ok, str(report)
+    config = json.loads(report.to_json())["config"]
+    assert config["budget_factor"] == 2.5 and config["floors"]["float32"] == 1.0
+    assert type(report.config["budget_factor"]) is float
+
+
 @pytest.mark.parametrize("kwargs, error, received", [
     # 'head_dims: ... (its cases take Dv unlike Dh, both of head_dims), got (64,)': 'both of'
     # one width, and the tuple verify made of the caller's list
