@@ -43,7 +43,9 @@ myst_heading_anchors = 3
 # -- autodoc + napoleon (numpydoc-style docstrings) --------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_default_options = {"members": True, "show-inheritance": False}
+# No "members" here: a default "members" replaces every explicit ``:members:`` list
+# (sphinx-doc/sphinx#9709), so a directive names its members (or says ``:members:``).
+autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
 napoleon_use_rtype = False

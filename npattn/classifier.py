@@ -107,8 +107,12 @@ class TransformerClassifier(BlockStack):
     blocks : list of TransformerBlock
     """
 
+    #: The own parameters ``params`` lists before the blocks' (``norm.*`` and ``head.*`` come
+    #: after them).
     LEADING = ("embed.weight", "embed.bias", "pos")
+    #: The ``format`` of ``save`` files (their ``format_version`` is ``SAVE_VERSION``, 1).
     SAVE_FORMAT = "npattn.classifier.TransformerClassifier"
+    #: The constructor arguments a ``save`` file holds (with ``dtype``).
     CONFIG_KEYS = ("n_features", "seq_len", "n_classes", "d_model", "n_head", "n_layers", "d_ff",
                    "dropout", "activation", "norm_first", "layer_norm_eps")
 

@@ -130,9 +130,13 @@ class GPT(BlockStack):
         Filled by ``backward``: same keys and shapes as ``params``.
     """
 
+    #: The own parameters ``params`` lists before the blocks' (``ln_f.*`` comes after them).
     LEADING = ("wte", "wpe")
+    #: The ``format`` of ``save`` files, ``npattn.gpt.SAVE_FORMAT``.
     SAVE_FORMAT = SAVE_FORMAT
+    #: Their ``format_version``, ``npattn.gpt.SAVE_VERSION``.
     SAVE_VERSION = SAVE_VERSION
+    #: The constructor arguments a ``save`` file holds (with ``dtype``), ``npattn.gpt.CONFIG_KEYS``.
     CONFIG_KEYS = CONFIG_KEYS
 
     def __init__(self, vocab_size: int, block_size: int, d_model: int, n_layer: int, n_head: int,

@@ -957,6 +957,7 @@ class ParameterDict(dict):
         super().__setitem__(name, value)
 
     def update(self, *args, **kwargs):
+        """``dict.update``, checked: every value (as ``params[name] = array``), then all assigned."""
         new = dict(*args, **kwargs)
         for name, value in new.items():
             self._check_item(name, value)
@@ -968,11 +969,14 @@ class ParameterDict(dict):
         return self
 
     def setdefault(self, name, default=None):
+        """``params[name]``; the names are fixed, so another ``name`` is a ``ValueError``."""
         if name in self:
             return self[name]
         self._check_item(name, default)  # raises: the names are fixed
 
     def _fixed(self, *args, **kwargs):
+        """Always ``TypeError``: parameters cannot be removed (``del``, ``pop``, ``popitem``,
+        ``clear``); assign a new array instead."""
         raise TypeError("params: parameters cannot be removed; assign a new array instead")
 
     __delitem__ = pop = popitem = clear = _fixed

@@ -58,11 +58,15 @@ class BlockStack:
     listed before the blocks' in ``params`` (the others come after them).
     """
 
+    #: The own parameters that ``params`` lists before the blocks' (the others come after
+    #: them): set by each subclass.
     LEADING: tuple = ()
-    #: The ``format`` of the subclass's save files, their version, and the constructor
-    #: arguments a file holds (with ``dtype``): set by each subclass.
+    #: The ``format`` of the subclass's ``save`` files, which ``load`` checks: set by each subclass.
     SAVE_FORMAT: str = ""
+    #: The ``format_version`` of the subclass's ``save`` files, which ``load`` checks.
     SAVE_VERSION: int = 1
+    #: The constructor arguments a ``save`` file holds (with ``dtype``) and ``load`` passes
+    #: back: set by each subclass.
     CONFIG_KEYS: tuple = ()
     blocks: list
     _own: dict

@@ -839,8 +839,6 @@ class TransformerBlock(_Block):
 
     Attributes
     ----------
-    params : dict
-        See the property; names follow the torch layer's state dict.
     grads : dict
         Filled by ``backward``: same keys and shapes as ``params``.
 
