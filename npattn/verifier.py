@@ -714,9 +714,9 @@ class _Library:
     mod: Any
     jax: Any
 
-    def __init__(self, name: str, device: Any):
+    def __init__(self, name: str):
         self.name = name
-        self.device = device
+        self.device: Any = None  # the library's own; ``place`` sets ``device=``
         if name == "torch":
             import torch
 
@@ -768,6 +768,62 @@ class _Library:
             with self.mod.cuda.Device(self.device):
                 return self.mod.asarray(a)
         return a if dtype is None else a.astype(self.dtype(dtype))
+
+    def place(self, device: Any, dtype: str, flags: Optional[Mapping] = None) -> None:
+        """Make the arrays from here on in ``device`` (verify's ``device=``), resolved as this
+        library takes it: torch a device or its name ("cpu", "cuda:1"), CuPy a device id, JAX a
+        ``jax.Device`` or "PLATFORM" / "PLATFORM:N" (``jax.devices(PLATFORM)[N]``, N 0 by
+        default), NumPy none. One array in ``dtype`` is placed there first: a device the
+        library cannot use is a ``ValueError`` naming ``device`` before any case runs (every
+        case failing as "fn raised" told the user nothing), and nothing changes."""
+        if device is None:
+            return
+        backend = _setting("backend", self.name, flags)
+        if self.name == "numpy":
+            raise ValueError(f"device: expected {'none' if flags else 'None'} with {backend} "
+                             f"(NumPy arrays live on the host), got {device!r}")
+        resolved = self._jax_device(device, backend, flags) if self.name == "jax" else device
+        before, self.device = self.device, resolved
+        try:
+            x = self.array(np.zeros(1), dtype)
+            if self.name == "jax" and set(x.devices()) != {resolved}:
+                raise RuntimeError(f"the array landed on {sorted(map(str, x.devices()))}")
+        except Exception as exc:
+            self.device = before
+            raise ValueError(f"device: expected a device that {backend} can use, got {device!r} "
+                             f"({type(exc).__name__}: {exc})") from exc
+
+    def _jax_device(self, device: Any, backend: str, flags: Optional[Mapping]) -> Any:
+        """The ``jax.Device`` that ``device`` names: itself, or ``jax.devices(PLATFORM)[N]`` for
+        "PLATFORM" / "PLATFORM:N" (``jax.device_put`` takes no names)."""
+        jax = self.jax
+        if isinstance(device, jax.Device):
+            return device
+        form = "'PLATFORM' or 'PLATFORM:N'"  # the command line has no jax.Device to give
+        form = form if flags else f"a jax.Device, or {form}"
+        if not isinstance(device, str):
+            raise TypeError(f"device: expected {form} with {backend}, got "
+                            f"{type_name(device)} {device!r}")
+        platform, sep, index = device.partition(":")
+        found: list = []
+        error = ""
+        if platform and (not sep or index.isdecimal()):  # jax.devices("") is the default's
+            try:
+                found = jax.devices(platform)
+            except Exception as exc:  # no such platform here: jax says which there are
+                error = f" ({type(exc).__name__}: {exc})"
+        n = int(index) if sep and index.isdecimal() else 0
+        if n < len(found):
+            return found[n]
+        # what jax reports: the default platform's devices, and the host's, which it always has
+        available = []
+        for name in dict.fromkeys((jax.devices()[0].platform, "cpu")):
+            try:
+                available += [f"{name}:{i}" for i in range(len(jax.devices(name)))]
+            except Exception:
+                pass
+        raise ValueError(f"device: expected {form} naming one of the devices jax reports "
+                         f"({', '.join(available)}), got {device!r}{error}")
 
     def host(self, x: Any) -> np.ndarray:
         """A float64 host copy of the kernel's array ``x`` (any library it may return)."""
@@ -1804,7 +1860,10 @@ def verify(
         The array library of ``fn``'s arrays.
     device : optional
         Where the arrays live (torch: "cpu" by default, e.g. "cuda"; cupy: a
-        device id; jax: a ``jax.Device``; numpy: None).
+        device id; jax: a ``jax.Device``, or "PLATFORM" / "PLATFORM:N" for
+        ``jax.devices(PLATFORM)[N]`` such as "cpu", "gpu:1", "tpu:0"; numpy:
+        None). A device the library cannot use is a ``ValueError`` before any
+        case runs.
     align : {"top_left", "bottom_right"}
         Where the window's and ALiBi's diagonal lies in their cases (passed as
         ``align`` when "bottom_right"); causal cases carry their own.
@@ -1881,18 +1940,9 @@ def verify(
             head = "" if flags else f"{library!r} "  # "autograd: 'torch' needs", "--autograd: needs"
             raise ValueError(f"autograd: {head}needs {_setting('backend', library, flags)}, got "
                              f"{_setting('backend', lib_name, flags)}")
-    if device is not None and lib_name == "numpy":
-        raise ValueError(f"device: expected {'none' if flags else 'None'} with "
-                         f"{_setting('backend', 'numpy', flags)} (NumPy arrays live on the host), "
-                         f"got {device!r}")
-    lib = _Library(lib_name, device)
+    lib = _Library(lib_name)
     lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
-    if device is not None:  # a device the library cannot use: a usage error, not every case failing
-        try:
-            lib.array(np.zeros(1), dtype)
-        except Exception as exc:
-            raise ValueError(f"device: expected a device that {_setting('backend', lib_name, flags)} "
-                             f"can use, got {device!r} ({type(exc).__name__}: {exc})") from exc
+    lib.place(device, dtype, flags)  # a device the library cannot use: told before any case
     chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
                   int(seed), float(budget_factor), {**FLOORS, **dict(floors or {})}, supports,

@@ -691,6 +691,86 @@ def test_jax_vjp_with_dlse_and_dmask():
     assert "wrong sign" in bad.results[0].hint
 
 
+def _jax_kernel_on(seen):
+    """jax.nn.dot_product_attention in (B, T, N, H) that adds to ``seen`` the devices of every
+    array it is given and of its output (the forward only: under jax.vjp they are tracers)."""
+    import jax
+
+    def jattn(q, k, v, mask=None, is_causal=False):
+        for t in (q, k, v) + (() if mask is None else (mask,)):
+            seen.update(t.devices())
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+        seen.update(out.devices())
+        return out
+
+    return jattn
+
+
+def test_jax_device_is_a_device_or_its_platform_and_index():
+    """device= with backend='jax' was handed to jax.device_put as given, which takes no
+    strings: 'cpu' failed (ValueError from jax.device_put, told as 'a device that
+    backend='jax' can use'). Now a jax.Device as it is, 'PLATFORM' / 'PLATFORM:N' as
+    jax.devices(PLATFORM)[N], and the kernel's arrays are on it; a name of no device jax
+    reports is a ValueError naming device, what it takes, the devices there are and what it
+    got, before any case."""
+    jax = pytest.importorskip("jax")
+    cpu0 = jax.devices("cpu")[0]
+    kw = dict(layout="bthd", dtype="float32", backend="jax", supports="causal,mask_bool",
+              cases=["causal-128x65", "mask_bool-65x129"])
+    for device in ("cpu", "cpu:0", cpu0):
+        seen: set = set()
+        report = VF.verify(_jax_kernel_on(seen), device=device, **kw)
+        assert report.ok, report.format()
+        assert seen == {cpu0}, (device, seen)
+        assert report.config["device"] == str(device)
+    n_cpu = len(jax.devices("cpu"))
+    platforms = {d.platform for d in jax.devices()} | {"cpu"}
+    wrong = [f"cpu:{n_cpu}", "cpu:", "cpu:-1", "cpu:x", "", "CPU", "cpu:0:0"]
+    wrong += [p for p in ("gpu", "tpu") if p not in platforms]
+    for device in wrong:
+        with pytest.raises(ValueError) as info:
+            VF.verify(_never_called, device=device, **kw)
+        msg = str(info.value)
+        assert msg.startswith("device: expected a jax.Device, or 'PLATFORM' or 'PLATFORM:N' "
+                              "naming one of the devices jax reports ("), msg
+        assert "cpu:0" in msg.split("(", 1)[1].split(")", 1)[0], msg  # the devices there are
+        assert f", got {device!r}" in msg, msg
+    with pytest.raises(TypeError, match=r"device: expected a jax\.Device, or 'PLATFORM' or "
+                                        r"'PLATFORM:N' with backend='jax', got int 0"):
+        VF.verify(_never_called, device=0, **kw)
+
+
+def test_jax_device_by_index_puts_the_arrays_there():
+    """device='cpu:1' with two host devices (XLA's forced count, in a fresh process): every
+    array the kernel gets, and so its output, is on jax.devices('cpu')[1], not the default
+    device 0 (the string was refused before)."""
+    pytest.importorskip("jax")
+    import subprocess
+    import sys
+
+    script = (
+        "import jax\n"
+        "from npattn import verifier as VF\n"
+        "seen = set()\n"
+        "def jattn(q, k, v, mask=None, is_causal=False):\n"
+        "    for t in (q, k, v) + (() if mask is None else (mask,)):\n"
+        "        seen.update(t.devices())\n"
+        "    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)\n"
+        "    seen.update(out.devices())\n"
+        "    return out\n"
+        "r = VF.verify(jattn, layout='bthd', backend='jax', device='cpu:1',\n"
+        "              supports='causal,mask_bool', cases=['causal-128x65', 'mask_bool-65x129'])\n"
+        "assert r.ok, r.format()\n"
+        "print(sorted(d.id for d in seen), jax.devices('cpu')[1].id)\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[1]", "1"], proc.stdout
+
+
 # --------------------------------------------------------------------------
 # adapters, errors, hints
 

@@ -218,6 +218,42 @@ def test_a_device_the_backend_cannot_use_is_a_usage_error(tmp_path, capsys):
         capsys.readouterr().err
 
 
+
+def test_a_jax_device_is_named_by_platform_and_index(tmp_path, capsys):
+    """--device cpu with --backend jax exited 2 ('--device: expected a device that --backend
+    jax can use, got 'cpu' (ValueError: `jax.device_put` only accepts ...)'): jax.device_put
+    takes no strings. Now cpu and cpu:0 put the kernel's arrays on jax.devices('cpu')[0] (the
+    kernel refuses any other), and a name of no device exits 2 naming --device, what it takes,
+    the devices jax reports and what was typed, before any case."""
+    jax = pytest.importorskip("jax")
+    (tmp_path / "jk.py").write_text(
+        "import jax\n"
+        "def attention(q, k, v, mask=None, is_causal=False):\n"
+        "    for t in (q, k, v) + (() if mask is None else (mask,)):\n"
+        "        assert t.devices() == {jax.devices('cpu')[0]}, t.devices()\n"
+        "    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)\n")
+    base = ["verify", f"{tmp_path / 'jk.py'}:attention", "--backend", "jax", "--layout", "bthd",
+            "--supports", "causal,mask_bool", "--case", "causal-128x65", "--case",
+            "mask_bool-65x129", "--no-progress"]
+    for device in ("cpu", "cpu:0"):
+        assert cli.main([*base, "--device", device]) == 0, capsys.readouterr()
+        assert "2/2 cases pass" in capsys.readouterr().out
+    wrong = [f"cpu:{len(jax.devices('cpu'))}", "cpu:x"]
+    wrong += [p for p in ("gpu", "tpu") if p not in {d.platform for d in jax.devices()}]
+    for device in wrong:
+        assert cli.main([*base, "--device", device]) == 2
+        err = capsys.readouterr().err
+        head = ("npattn verify: --device: expected 'PLATFORM' or 'PLATFORM:N' naming one of the "
+                "devices jax reports (")
+        assert err.startswith(head) and err.count("\n") == 1, err
+        assert "cpu:0" in err[len(head):].split(")", 1)[0], err
+        assert f", got {device!r}" in err and "jax.Device" not in err, err
+    # the help says so
+    with pytest.raises(SystemExit):
+        V.build_parser().parse_args(["--help"])
+    assert "a jax PLATFORM or PLATFORM:N" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("argv, flag, received", [
     # 'npattn verify: --supports: supports: expected ...': the flag, then the keyword
     (["--supports", "caual"], "--supports", "'caual'"),

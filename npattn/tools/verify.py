@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=VF.LIBRARIES, default="numpy",
                    help="the array library of the kernel's arrays (default numpy)")
     p.add_argument("--device", default=None,
-                   help="where the arrays live: a torch device (cpu, cuda, cuda:1) or a cupy "
-                        "device id (default: the library's own, torch's cpu); not with numpy")
+                   help="where the arrays live: a torch device (cpu, cuda, cuda:1), a cupy "
+                        "device id, or a jax PLATFORM or PLATFORM:N (cpu, gpu, gpu:1, tpu:0: "
+                        "jax.devices(PLATFORM)[N]) (default: the library's own, torch's cpu); "
+                        "not with numpy")
     p.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
                    help="the diagonal of the window and ALiBi cases (default top_left; "
                         "flash-attn: bottom_right)")
