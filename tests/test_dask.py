@@ -21,8 +21,9 @@ da = pytest.importorskip("dask.array", reason="the dask tests need the dask extr
 dask = pytest.importorskip("dask")
 distributed = pytest.importorskip("distributed")
 
-from npattn import MultiHeadAttention, chunked  # noqa: E402
+from npattn import MultiHeadAttention, blocked, chunked  # noqa: E402
 from npattn import attention as A  # noqa: E402
+from npattn import functional as F  # noqa: E402
 from npattn.backend import backend_name, resolve_backend, to_numpy  # noqa: E402
 from npattn.gradcheck import gradcheck  # noqa: E402
 
@@ -60,15 +61,22 @@ def host(x):
     return None if x is None else to_numpy(x)
 
 
-def run_both(q, k, v, dout, kw, sizes, G, scheduler="sync"):
-    """(out, grads, keep) on NumPy (the kernel) and on dask (chunked), computed."""
+# the cache type tells which implementation ran on dask
+DASK_CACHES = {"auto": chunked.ChunkedSDPACache, "chunked": chunked.ChunkedSDPACache,
+               "reference": F.SDPACache, "blocked": blocked.BlockedSDPACache}
+
+
+def run_both(q, k, v, dout, kw, sizes, G, scheduler="sync", impl="auto"):
+    """(out, grads, keep) on NumPy (the kernel) and on dask (``impl``; auto: chunked), computed."""
     out0, c0 = A.sdpa_forward(q, k, v, impl="numpy", **kw)
     grads0 = A.sdpa_backward(dout, c0)
     keep0 = A.dropout_keep_mask(c0)
     dq, dk, dv, dmask, dkeep, ddout = chunk(q, k, v, kw.get("mask"), kw.get("dropout_mask"), dout, sizes, G)
     dkw = dict(kw, mask=dmask, dropout_mask=dkeep)
+    if impl != "auto":
+        dkw.update(impl=impl, block_q=2, block_k=3)
     out, c = A.sdpa_forward(dq, dk, dv, **dkw)
-    assert isinstance(c, chunked.ChunkedSDPACache), "auto on dask arrays takes the chunked path"
+    assert isinstance(c, DASK_CACHES[impl]), f"impl={impl!r} on dask: {type(c).__name__}"
     grads = A.sdpa_backward(ddout, c)
     assert all(isinstance(g, da.Array) for g in (out, *grads) if g is not None)
     keep = A.dropout_keep_mask(c)
@@ -131,6 +139,18 @@ def test_chunked_equals_numpy_for_drawn_cases(case):
     q, k, v, dout, kw = make_inputs(seed, *dims, **case)
     ref, got = run_both(q, k, v, dout, kw, sizes, G)
     assert_same(ref, got, f"{case} dims={dims} chunks={sizes}")
+
+
+@given(case=chunked_cases(), impl=st.sampled_from(["reference", "blocked"]))
+def test_reference_and_blocked_on_dask_equal_numpy_for_drawn_cases(case, impl):
+    """The other two implementations on chunked dask arrays: the same drawn cases, the same
+    numbers and keep-mask as the NumPy kernel."""
+    case = dict(case)
+    sizes, G = case.pop("sizes"), case["G"]
+    seed, dims = case.pop("seed"), [case.pop(n) for n in ("B", "Hkv", "G", "Lq", "Lk", "Dh", "Dv")]
+    q, k, v, dout, kw = make_inputs(seed, *dims, **case)
+    ref, got = run_both(q, k, v, dout, kw, sizes, G, impl=impl)
+    assert_same(ref, got, f"{impl} {case} dims={dims} chunks={sizes}")
 
 
 @pytest.mark.parametrize("Lq,Lk", [(9, 7), (7, 9)])
@@ -295,29 +315,40 @@ def test_layer_norm_of_float16_on_dask_is_computed_in_float32():
 
 
 # --------------------------------------------------------------------------
-# finite differences through the chunked graph
+# finite differences through the dask graph (chunked, and the reference and blocked paths)
 
 
-@pytest.mark.parametrize("dropout", ["mask", "seed"])
-def test_gradcheck_chunked(dropout):
+# impl: (chunk lengths, block sizes, random directions). The reference and blocked paths build
+# a graph of many small operations per call: rows and keys split (short last chunks) and
+# 3 directions keep each check near a second
+GRADCHECK_RUNS = {"chunked": ((1, 2, 2, 4), {}, 6),
+                  "reference": ((2, 4, 3, 4), {}, 3),
+                  "blocked": ((2, 4, 3, 4), dict(block_q=3, block_k=4), 3)}
+
+
+@pytest.mark.parametrize("impl, dropout", [("chunked", "mask"), ("chunked", "seed"),
+                                           ("reference", "mask"), ("blocked", "mask")])
+def test_gradcheck_chunked(impl, dropout):
     """GQA, Dv != Dh, float mask with -inf and an empty row, causal, dropout, Lq != Lk,
     every axis split into chunks; random upstream gradient and random directions (each
-    evaluation builds and runs a graph: the "full" mode would take a minute)."""
+    evaluation builds and runs a graph: the "full" mode would take a minute). The reference
+    and blocked paths run on the same chunked arrays."""
     q, k, v, _, kw = make_inputs(9, 2, 2, 2, 5, 6, 3, 2, mask_kind="float", mask_form="B1LqLk",
                                  dropout=dropout, causal=True)
     mask = kw.pop("mask")
     keep = kw.pop("dropout_mask", None)
-    sizes = (1, 2, 2, 4)
+    sizes, blocks, n_directions = GRADCHECK_RUNS[impl]
 
     def forward(q, k, v, mask):
         dq, dk, dv, dm, dkeep, _ = chunk(host(q), host(k), host(v), host(mask), keep, None, sizes, 2)
-        out, c = A.sdpa_forward(dq, dk, dv, mask=dm, dropout_mask=dkeep, impl="chunked", **kw)
-        assert isinstance(c, chunked.ChunkedSDPACache)
+        out, c = A.sdpa_forward(dq, dk, dv, mask=dm, dropout_mask=dkeep, impl=impl, **blocks,
+                                **kw)
+        assert isinstance(c, DASK_CACHES[impl])
         return out, c
 
     report = gradcheck(forward, A.sdpa_backward, [da.from_array(a) for a in (q, k, v, mask)],
-                       names=["q", "k", "v", "mask"], mode="vjp", n_directions=6, rtol=1e-6,
-                       seed=3)
+                       names=["q", "k", "v", "mask"], mode="vjp", n_directions=n_directions,
+                       rtol=1e-6, seed=3)
     assert report.ok, str(report)
     assert all(r.scale > 0 for r in report.inputs)  # nothing vanished
 
@@ -393,6 +424,7 @@ def test_blocked_with_segments_on_dask_stays_lazy():
     block pair inside the call: on dask no block is skipped, and nothing is computed."""
     rng = np.random.default_rng(1)
     arrays = [rng.standard_normal((1, 2, 8, 4)) for _ in range(3)]
+    dout = rng.standard_normal((1, 2, 8, 4))  # random, never all ones
     seg = np.array([[0, 0, 0, 0, 1, 1, 1, 1]])
     q, k, v = (da.from_array(a, chunks=(1, 1, 4, 4)) for a in arrays)
     computes = []
@@ -405,10 +437,10 @@ def test_blocked_with_segments_on_dask_stays_lazy():
         dseg = da.from_array(seg, chunks=(1, 4))
         out, c = A.sdpa_forward(q, k, v, q_segments=dseg, k_segments=dseg, impl="blocked",
                                 block_q=2, block_k=2)
-        grads = A.sdpa_backward(da.ones_like(out), c)
+        grads = A.sdpa_backward(da.from_array(dout, chunks=(1, 1, 4, 4)), c)
         assert computes == []
     want, c0 = A.sdpa_forward(*arrays, q_segments=seg, k_segments=seg, impl="reference")
-    want_grads = A.sdpa_backward(np.ones_like(want), c0)
+    want_grads = A.sdpa_backward(dout, c0)
     got, gq, gk, gv = dask.compute(out, grads.dq, grads.dk, grads.dv, scheduler="sync")
     for a, b in ((got, want), (gq, want_grads.dq), (gk, want_grads.dk), (gv, want_grads.dv)):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)

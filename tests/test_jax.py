@@ -10,6 +10,8 @@ float64 needs JAX's x64 mode, switched on for this module's tests only.
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax", reason="the jax backend needs JAX: pip install '.[jax]'")
 jnp = pytest.importorskip("jax.numpy")
@@ -19,6 +21,8 @@ from npattn import attention as A  # noqa: E402
 from npattn import functional as F  # noqa: E402
 from npattn.backend import BACKENDS, backend_name, resolve_backend  # noqa: E402
 from npattn.gradcheck import gradcheck  # noqa: E402
+
+from _attention_cases import assert_close, make_inputs, on  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +92,60 @@ def test_functional_gradients_on_jax():
                        [q, k, v, mask],
                        names=["q", "k", "v", "mask"], seed=0)
     assert report.ok, str(report)
+
+
+# one shape (and mask form) for the finite differences and every drawn case: JAX compiles
+# each operation once per shape (seconds for a new one), so the draws vary values and options
+_JAX_DIMS = (2, 1, 2, 5, 7, 3, 4)  # B, Hkv, G (4 query heads on 2 K/V heads), Lq, Lk, Dh, Dv
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_gradcheck_reference_and_blocked_on_jax(impl):
+    """Finite differences through the dispatcher on JAX, as test_attention's
+    test_gradcheck_every_impl on the fixture's backends: GQA, Lq != Lk, Dv != Dh, a float
+    mask with -inf and a fully masked row, causal, dropout p > 0 with a fixed keep-mask;
+    random upstream gradient and directions."""
+    q, k, v, _, kw = make_inputs(9, *_JAX_DIMS, mask_kind="float", mask_form="B1LqLk",
+                                 dropout="mask", causal=True)
+    mask = kw.pop("mask")
+    kwx = on(jnp.asarray, kw)
+
+    def forward(q, k, v, mask):
+        return A.sdpa_forward(q, k, v, mask=mask, impl=impl, block_q=2, block_k=3, **kwx)
+
+    report = gradcheck(forward, A.sdpa_backward, [jnp.asarray(a) for a in (q, k, v, mask)],
+                       names=["q", "k", "v", "mask"], mode="vjp", rtol=1e-6, seed=3)
+    assert report.ok, str(report)
+    assert all(r.scale > 0 for r in report.inputs)  # nothing vanished
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # x64: a config switch
+@given(seed=st.integers(0, 2**16), mask_kind=st.sampled_from(["none", "bool", "float"]),
+       causal=st.booleans(), dropout=st.sampled_from(["none", "seed", "mask"]))
+def test_reference_and_blocked_on_jax_equal_numpy_for_drawn_cases(seed, mask_kind, causal, dropout):
+    """Outputs, the four gradients and the keep-mask on JAX equal NumPy's reference run,
+    with query row 0 fully masked whenever there is a mask."""
+    q, k, v, dout, kw = make_inputs(seed, *_JAX_DIMS, mask_kind=mask_kind, mask_form="B1LqLk",
+                                    dropout=dropout, causal=causal)
+    out0, c0 = F.sdpa_forward(q, k, v, **kw)
+    grads0 = F.sdpa_backward(dout, c0)
+    keep0 = A.dropout_keep_mask(c0)
+    kwx = on(jnp.asarray, kw)
+    for impl in ("reference", "blocked"):
+        out, c = A.sdpa_forward(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl=impl,
+                                block_q=2, block_k=3, **kwx)
+        grads = A.sdpa_backward(jnp.asarray(dout), c)
+        assert isinstance(out, jax.Array), impl
+        assert_close(out, out0, np.asarray, f"{impl}: out")
+        for name, g, g0 in zip(("dq", "dk", "dv", "dmask"), grads, grads0):
+            assert_close(g, g0, np.asarray, f"{impl}: {name}")
+        keep = A.dropout_keep_mask(c)
+        assert (keep is None) == (keep0 is None), impl
+        if keep0 is not None:
+            np.testing.assert_array_equal(np.asarray(keep), keep0, err_msg=impl)
+        if mask_kind != "none":  # row 0 attends nothing: a zero row and a zero dq row
+            assert np.all(np.asarray(out)[:, :, 0] == 0.0), impl
+            assert np.all(np.asarray(grads.dq)[:, :, 0] == 0.0), impl
 
 
 def test_float64_without_x64_is_a_clear_error():
