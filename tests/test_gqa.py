@@ -98,8 +98,9 @@ def test_gqa_float_mask_gradient(xp, to_xp):
 
 @settings(max_examples=15)
 @given(
-    Hkv=st.integers(1, 3), G=st.integers(1, 3), Lq=st.integers(1, 4), Lk=st.integers(1, 4),
-    Dh=st.integers(1, 3), Dv=st.integers(1, 3), causal=st.booleans(), seed=st.integers(0, 2**16),
+    # sizes of at least 2 (G: grouped), MQA's Hkv = 1 kept
+    Hkv=st.integers(1, 3), G=st.integers(2, 3), Lq=st.integers(2, 5), Lk=st.integers(2, 5),
+    Dh=st.integers(2, 4), Dv=st.integers(2, 4), causal=st.booleans(), seed=st.integers(0, 2**16),
 )
 def test_gqa_equals_repeated_kv(Hkv, G, Lq, Lk, Dh, Dv, causal, seed):
     """enable_gqa equals plain attention with K/V heads repeated (repeat_interleave),
@@ -144,7 +145,7 @@ def _rel(a, b):
 
 @settings(max_examples=10)
 @given(
-    Hkv=st.integers(1, 3), G=st.integers(1, 3), Lq=st.integers(2, 5), Lk=st.integers(2, 5),
+    Hkv=st.integers(1, 3), G=st.integers(2, 3), Lq=st.integers(2, 5), Lk=st.integers(2, 5),
     mask_kind=st.sampled_from(["none", "bool", "float", "causal"]),
     use_scale=st.booleans(), seed=st.integers(0, 2**16),
 )
