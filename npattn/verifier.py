@@ -179,6 +179,7 @@ __all__ = [
     "DEGENERATE_RATIO",
     "FLOOR_SCALE",
     "plan",
+    "did_you_mean",
     "term_scales",
     "lse_scales",
     "lse_unit",
@@ -1733,6 +1734,16 @@ def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: Any, gradients:
                          "the gradient of the lse your function returns)")
 
 
+def did_you_mean(name: str, names: Any) -> str:
+    """The start of an unknown name's hint: ``"did you mean 'a', 'b' or 'c'? "`` with the (up
+    to three) ``names`` closest to ``name`` (``difflib``), or ``""`` when none is close."""
+    told = [repr(n) for n in difflib.get_close_matches(name, list(names), n=3)]
+    if not told:
+        return ""
+    told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
+    return f"did you mean {' or '.join(told)}? "
+
+
 def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any = True,
          cases: Any = None, head_dims: Optional[Iterable[int]] = None) -> list:
     """The cases ``verify`` runs: the panel of ``supports`` (``npattn.verify_cases.panel``),
@@ -1770,10 +1781,7 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
             if by_name[c] not in chosen:  # a name given twice runs once
                 chosen.append(by_name[c])
         else:
-            near = difflib.get_close_matches(c, list(by_name), n=3)
-            told = [repr(n) for n in near]
-            told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
-            maybe = f"did you mean {' or '.join(told)}? " if near else ""
+            maybe = did_you_mean(c, by_name)
             raise ValueError(f"cases: expected names of the panel's cases or Case objects, got "
                              f"{c!r} ({maybe}npattn.verifier.plan(supports, align=..., combos=..., "
                              f"head_dims=...) returns the panel's {len(by_name)} cases)")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -334,10 +333,7 @@ def _chosen(names: list, cases: list) -> list:
     by_name = {c.name: c for c in cases}
     for name in names:
         if name not in by_name:
-            near = difflib.get_close_matches(name, list(by_name), n=3)
-            told = [repr(n) for n in near]
-            told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
-            maybe = f"did you mean {' or '.join(told)}? " if near else ""
+            maybe = VF.did_you_mean(name, by_name)
             raise UsageError(f"--case: expected a case name of this panel, got {name!r} ({maybe}"
                              f"run with --list in place of --case to list its {len(by_name)} "
                              "cases)")
