@@ -755,7 +755,7 @@ class _Library:
             a = a.astype(np.float32 if dtype in ("bfloat16", "float16") else np.dtype(dtype))
         if self.name == "torch":
             t = self.mod.from_numpy(a)
-            t = t.to(device=self.device or "cpu",
+            t = t.to(device="cpu" if self.device is None else self.device,  # (0: cuda:0)
                      dtype=None if dtype is None else self.dtype(dtype))
             return t.requires_grad_(True) if grad else t
         if self.name == "jax":
@@ -787,7 +787,8 @@ class _Library:
         before, self.device = self.device, resolved
         try:
             x = self.array(np.zeros(1), dtype)
-            if self.name == "jax" and set(x.devices()) != {resolved}:
+            want = getattr(resolved, "device_set", {resolved})  # a jax Sharding: its devices
+            if self.name == "jax" and set(x.devices()) != set(want):
                 raise RuntimeError(f"the array landed on {sorted(map(str, x.devices()))}")
         except Exception as exc:
             self.device = before
@@ -798,7 +799,7 @@ class _Library:
         """The ``jax.Device`` that ``device`` names: itself, or ``jax.devices(PLATFORM)[N]`` for
         "PLATFORM" / "PLATFORM:N" (``jax.device_put`` takes no names)."""
         jax = self.jax
-        if isinstance(device, jax.Device):
+        if isinstance(device, (jax.Device, jax.sharding.Sharding)):  # as jax.device_put takes them
             return device
         form = "'PLATFORM' or 'PLATFORM:N'"  # the command line has no jax.Device to give
         form = form if flags else f"a jax.Device, or {form}"

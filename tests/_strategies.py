@@ -27,6 +27,7 @@ def attention_dims(draw, max_b=3, max_h=4, max_l=7, max_dh=8):
     """(B, H, Lq, Lk, Dh), each at least 2 (Dh: unless ``max_dh`` is 1), Lq != Lk: an axis of 1
     or equal lengths would hide a transposed or mis-broadcast gradient (the derandomized
     profile drew an axis of 1 in 23 of 25 examples when 1 was allowed)."""
+    assert min(max_b, max_h) >= 2 and max_l >= 3, "sizes of at least 2, Lq != Lk"
     B = draw(st.integers(2, max_b))
     H = draw(st.integers(2, max_h))
     Lq = draw(st.integers(2, max_l))

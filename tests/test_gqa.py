@@ -105,6 +105,7 @@ def test_gqa_float_mask_gradient(xp, to_xp):
 def test_gqa_equals_repeated_kv(Hkv, G, Lq, Lk, Dh, Dv, causal, seed):
     """enable_gqa equals plain attention with K/V heads repeated (repeat_interleave),
     and its dk/dv equal the repeated gradients summed over each group."""
+    Lk += Lk == Lq  # Lq != Lk
     rng = np.random.default_rng(seed)
     Hq = Hkv * G
     q, k, v = _inputs(rng, 2, Hq, Hkv, Lq, Lk, Dh, Dv)
@@ -151,6 +152,7 @@ def _rel(a, b):
 )
 def test_gqa_torch_parity(Hkv, G, Lq, Lk, mask_kind, use_scale, seed):
     torch = pytest.importorskip("torch")
+    Lk += Lk == Lq  # Lq != Lk
     rng = np.random.default_rng(seed)
     Hq, Dh = Hkv * G, 4
     q, k, v = _inputs(rng, 2, Hq, Hkv, Lq, Lk, Dh)

@@ -706,6 +706,18 @@ def _jax_kernel_on(seen):
     return jattn
 
 
+def test_torch_device_0_is_cuda_0_not_the_cpu():
+    """torch's device 0 is cuda:0; the inputs went to the CPU instead ('0 or "cpu"'), so on
+    a machine without CUDA device=0 passed silently on the CPU. Now it is placed as given:
+    refused where there is no CUDA device, before any case."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is there: device=0 is valid")
+    with pytest.raises(ValueError, match=r"^device: expected a device that backend='torch' can "
+                                         r"use, got 0 \("):
+        VF.verify(_never_called, backend="torch", device=0, cases=["base-1x65"])
+
+
 def test_jax_device_is_a_device_or_its_platform_and_index():
     """device= with backend='jax' was handed to jax.device_put as given, which takes no
     strings: 'cpu' failed (ValueError from jax.device_put, told as 'a device that
@@ -717,7 +729,7 @@ def test_jax_device_is_a_device_or_its_platform_and_index():
     cpu0 = jax.devices("cpu")[0]
     kw = dict(layout="bthd", dtype="float32", backend="jax", supports="causal,mask_bool",
               cases=["causal-128x65", "mask_bool-65x129"])
-    for device in ("cpu", "cpu:0", cpu0):
+    for device in ("cpu", "cpu:0", cpu0, jax.sharding.SingleDeviceSharding(cpu0)):
         seen: set = set()
         report = VF.verify(_jax_kernel_on(seen), device=device, **kw)
         assert report.ok, report.format()

@@ -218,7 +218,6 @@ def test_a_device_the_backend_cannot_use_is_a_usage_error(tmp_path, capsys):
         capsys.readouterr().err
 
 
-
 def test_a_jax_device_is_named_by_platform_and_index(tmp_path, capsys):
     """--device cpu with --backend jax exited 2 ('--device: expected a device that --backend
     jax can use, got 'cpu' (ValueError: `jax.device_put` only accepts ...)'): jax.device_put
