@@ -25,6 +25,7 @@ Code uses only the Python Array API standard through ``xp``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import functools
 import math
@@ -559,11 +560,13 @@ class _Block(abc.ABC):
                 m.cache = cache
         self.grads = state.grads
 
-    def _run_backward(self, fn):
-        """Run a backward; on failure put back what it changed (``backward_state``)."""
+    @contextlib.contextmanager
+    def _backward_put_back(self):
+        """Run a backward's steps inside; on failure put back what they changed
+        (``backward_state``), then let the error go on."""
         saved = self.backward_state()
         try:
-            return fn()
+            yield
         except BaseException:
             self.restore_backward_state(saved)
             raise
@@ -954,15 +957,12 @@ class TransformerBlock(_Block):
                                "(it keeps nothing to differentiate); run a forward without kv_cache "
                                "before backward")
         grads: dict = {}
-
-        def run():
+        with self._backward_put_back():  # on failure the attention module's grads are put back
             # 2. x = sublayer(h; ff, norm2)
             dh = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm2", grads)
             # 1. h = sublayer(x; self_attn, norm1)
-            return self._sublayer_backward(dh, c.attn, self._attn_core_backward("self_attn", grads, []),
-                                           "norm1", grads)
-
-        dx = self._run_backward(run)  # on failure the attention module's grads are put back
+            dx = self._sublayer_backward(dh, c.attn, self._attn_core_backward("self_attn", grads, []),
+                                         "norm1", grads)
         self.grads = self._ordered(grads)
         return dx
 
@@ -1078,8 +1078,7 @@ class TransformerDecoderBlock(_Block):
         c = self._cache
         grads: dict = {}
         dmemory: list = []
-
-        def run():
+        with self._backward_put_back():  # on failure the attention modules' grads are put back
             # 3. x = sublayer(h2; ff, norm3)
             dh2 = self._sublayer_backward(dout, c.ff, self._ff_core_backward(grads), "norm3", grads)
             # 2. h2 = sublayer(h1; multihead_attn over memory, norm2); memory's gradient is collected
@@ -1087,11 +1086,8 @@ class TransformerDecoderBlock(_Block):
                                           self._attn_core_backward("multihead_attn", grads, dmemory),
                                           "norm2", grads)
             # 1. h1 = sublayer(x; self_attn, norm1)
-            return self._sublayer_backward(dh1, c.self_attn,
-                                           self._attn_core_backward("self_attn", grads, []),
-                                           "norm1", grads)
-
-        dx = self._run_backward(run)  # on failure the attention modules' grads are put back
+            dx = self._sublayer_backward(dh1, c.self_attn,
+                                         self._attn_core_backward("self_attn", grads, []), "norm1", grads)
         self.grads = self._ordered(grads)
         return dx, dmemory[0]
 

@@ -796,8 +796,9 @@ class _Library:
                              f"({type(exc).__name__}: {exc})") from exc
 
     def _jax_device(self, device: Any, backend: str, flags: Optional[Mapping]) -> Any:
-        """The ``jax.Device`` that ``device`` names: itself, or ``jax.devices(PLATFORM)[N]`` for
-        "PLATFORM" / "PLATFORM:N" (``jax.device_put`` takes no names)."""
+        """Where ``device`` puts jax arrays: a ``jax.Device`` or ``Sharding`` as it is (as
+        ``jax.device_put`` takes them), "PLATFORM" / "PLATFORM:N" as ``jax.devices(PLATFORM)[N]``
+        (``jax.device_put`` takes no names)."""
         jax = self.jax
         if isinstance(device, (jax.Device, jax.sharding.Sharding)):  # as jax.device_put takes them
             return device
