@@ -22,7 +22,8 @@ function with the implementation ``impl`` names:
 ``"auto"`` (default)
     On dask arrays ``"chunked"`` unless weights are needed; otherwise
     ``"blocked"`` when no weights are needed and the dense probabilities
-    would be large (``select_impl``), else ``"dense"``.
+    would be large (``select_impl``; on a CUDA device, large for its
+    memory), else ``"dense"``.
 
 Every implementation takes the same arguments (masks, causal, scale,
 dropout, GQA, a value width unlike the key width) and gives the same outputs,
@@ -50,12 +51,14 @@ from . import blocked, chunked
 from . import functional as F
 from . import numpy_kernel
 from . import validation as V
-from .backend import device_of, exclusive, is_dask_array, namespace, pool_threads
+from .backend import accelerator_memory, device_of, exclusive, is_dask_array, namespace, pool_threads
 
 __all__ = [
     "IMPLS",
     "AUTO_BLOCKED_MIN_SCORES",
     "AUTO_BLOCKED_MAX_DENSE_SCORES",
+    "AUTO_DEVICE_DENSE_SHARE",
+    "DENSE_PEAK_ARRAYS",
     "auto_blocked",
     "select_impl",
     "check_impl",
@@ -84,11 +87,35 @@ AUTO_BLOCKED_MIN_SCORES = 2**25
 #: all heads, ``B * H * Lq * Lk`` entries, would reach this (1 GiB in float32).
 AUTO_BLOCKED_MAX_DENSE_SCORES = 2**28
 
+#: On an accelerator (a CUDA device under CuPy or torch), ``impl="auto"`` keeps
+#: the dense path while its ``(B, H, Lq, Lk)`` arrays at their peak fit in this
+#: share of the device's memory. There the blocked path runs its blocks from a
+#: Python loop, a few dozen small kernels each, and was 30 times slower than the
+#: dense one at 1x4096x512x8 on an H200 (docs/gpu.md); the CPU thresholds above
+#: do not apply.
+AUTO_DEVICE_DENSE_SHARE = 0.5
 
-def auto_blocked(lead: int, Lq: int, Lk: int) -> bool:
+#: The dense path's ``(B, H, Lq, Lk)`` arrays counted alive at once at its peak
+#: (in the backward: the kept probabilities and the gradients of the dropped
+#: probabilities, the probabilities and the scores). On the H200 of docs/gpu.md,
+#: CuPy's pool held 32 GiB after the 1x16384x512x8 step, four float32 arrays of 8 GiB.
+DENSE_PEAK_ARRAYS = 4
+
+
+def auto_blocked(lead: int, Lq: int, Lk: int, *, device_memory: Optional[int] = None,
+                 itemsize: int = 4) -> bool:
     """Whether ``impl="auto"`` takes the blocked path for ``lead`` heads (all leading axes)
-    of ``Lq x Lk`` scores, weights not requested: a head past ``AUTO_BLOCKED_MIN_SCORES``,
-    or all the heads' dense probabilities past ``AUTO_BLOCKED_MAX_DENSE_SCORES``."""
+    of ``Lq x Lk`` scores, weights not requested.
+
+    In host memory (``device_memory`` None): a head past ``AUTO_BLOCKED_MIN_SCORES``,
+    or all the heads' dense probabilities past ``AUTO_BLOCKED_MAX_DENSE_SCORES``. On an
+    accelerator of ``device_memory`` bytes (``npattn.backend.accelerator_memory``): the
+    dense path's ``DENSE_PEAK_ARRAYS`` arrays of ``lead * Lq * Lk`` entries of
+    ``itemsize`` bytes (at least 4: float16 computes in float32) past
+    ``AUTO_DEVICE_DENSE_SHARE`` of it."""
+    if device_memory is not None:
+        dense = DENSE_PEAK_ARRAYS * lead * Lq * Lk * max(itemsize, 4)
+        return dense > AUTO_DEVICE_DENSE_SHARE * device_memory
     return Lq * Lk >= AUTO_BLOCKED_MIN_SCORES or lead * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES
 
 
@@ -113,7 +140,8 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     ``"auto"`` picks ``"chunked"`` for dask arrays that it takes when no
     weights are needed. Otherwise it picks ``"blocked"`` when no weights are needed and either
     ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
-    AUTO_BLOCKED_MAX_DENSE_SCORES``; otherwise, like ``"dense"``, the NumPy
+    AUTO_BLOCKED_MAX_DENSE_SCORES`` (on a CUDA device: the dense arrays past
+    ``AUTO_DEVICE_DENSE_SHARE`` of its memory, ``auto_blocked``); otherwise, like ``"dense"``, the NumPy
     kernel when it takes the arrays, else the reference. ``"numpy"`` on
     arrays the kernel does not take is a ``ValueError``; so are ``"numpy"`` and
     ``"chunked"`` for a call that is not ``plain`` (kernel options, or leading axes
@@ -135,7 +163,9 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     if impl == "auto" and is_dask_array(q):
         impl = "dense"  # weights, or a layout the chunked path does not take: the reference
     if impl == "auto":
-        large = auto_blocked(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2])
+        large = auto_blocked(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2],
+                             device_memory=accelerator_memory(q),
+                             itemsize=getattr(q.dtype, "itemsize", 4))
         impl = "blocked" if large and not need_weights else "dense"
     if impl == "dense":
         return "numpy" if positional and kernel else "reference"

@@ -74,6 +74,7 @@ __all__ = [
     "resolve_backend",
     "backend_name",
     "device_of",
+    "accelerator_memory",
     "check_same_device",
     "to_numpy",
     "from_numpy",
@@ -175,6 +176,24 @@ def device_of(x: Any) -> Any:
     if not array_api_compat.is_array_api_obj(x):
         raise TypeError(f"x: expected an array, got {type(x).__name__}")
     return array_api_compat.device(x)
+
+
+def accelerator_memory(x: Any) -> Optional[int]:
+    """The memory, in bytes, of the accelerator that holds array ``x``: a CUDA device's
+    total memory for a CuPy array or a torch tensor on CUDA; ``None`` for arrays in host
+    memory (NumPy, dask, array_api_strict, torch on the CPU) and for other libraries'
+    devices (JAX's among them: their memory is not read here).
+
+    The device's total, not what is free now, so that ``impl="auto"`` chooses the
+    same implementation for the same call on the same device whatever else is
+    allocated (``npattn.attention.auto_blocked``).
+    """
+    if array_api_compat.is_cupy_array(x):
+        return int(x.device.mem_info[1])  # cupy.cuda.Device.mem_info: (free, total)
+    if array_api_compat.is_torch_array(x) and x.device.type == "cuda":
+        import torch
+        return int(torch.cuda.get_device_properties(x.device).total_memory)
+    return None
 
 
 def check_same_device(**arrays: Any) -> None:

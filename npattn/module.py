@@ -134,8 +134,8 @@ class MultiHeadAttention:
         FlashAttention-2 style algorithm (memory linear in L, no weights);
         "chunked" its dask form (dask arrays, no weights); "auto" takes
         "chunked" for dask arrays and "blocked" for others when weights are
-        not requested and the dense probabilities would be large
-        (``attention.select_impl``), else "dense". All give the same numbers
+        not requested and the dense probabilities would be large (on a CUDA
+        device, for its memory: ``attention.select_impl``), else "dense". All give the same numbers
         to rounding, dropout included.
     block_q, block_k : int, optional
         Query / key block lengths of the blocked and chunked implementations

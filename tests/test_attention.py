@@ -359,6 +359,33 @@ def test_lse_is_float32_for_half_inputs_on_every_implementation():
         A.sdpa_backward(np.ones_like(out), c, dlse=np.ones((2, 2, 5), np.float32))
 
 
+def test_auto_on_an_accelerator_keeps_dense_while_its_arrays_fit(monkeypatch):
+    """On a CUDA device (accelerator_memory not None) the CPU thresholds do not apply: auto
+    stays dense while DENSE_PEAK_ARRAYS arrays of B H Lq Lk entries, at least 4 bytes
+    each, fit in AUTO_DEVICE_DENSE_SHARE of the device's memory."""
+    gib = 2**30
+    # 1x16384x512x8 in float32 on an H200 (141 GiB): 4 arrays of 8 GiB fit in half of it
+    assert not A.auto_blocked(8, 16384, 16384, device_memory=141 * gib)
+    assert A.auto_blocked(8, 16384, 16384)  # in host memory the same call is blocked
+    assert A.auto_blocked(8, 65536, 65536, device_memory=141 * gib)  # 4 x 128 GiB
+    # the boundary: the arrays of 1 x 10 x 100 float32 entries fill the share exactly
+    mem = int(A.DENSE_PEAK_ARRAYS * 1000 * 4 / A.AUTO_DEVICE_DENSE_SHARE)
+    assert not A.auto_blocked(1, 10, 100, device_memory=mem)
+    assert A.auto_blocked(1, 10, 101, device_memory=mem)
+    assert A.auto_blocked(2, 10, 100, device_memory=mem)
+    assert not A.auto_blocked(1, 10, 100, device_memory=mem, itemsize=2)  # float16: in float32
+    assert A.auto_blocked(1, 10, 100, device_memory=mem, itemsize=8)
+    # host arrays have no accelerator memory; select_impl asks the array's device
+    from npattn.backend import accelerator_memory
+    q = np.broadcast_to(np.zeros((), np.float32), (1, 1, 8192, 8))  # 2**26 scores a head
+    assert accelerator_memory(q) is None
+    assert A.select_impl("auto", q, q, q) == "blocked"
+    monkeypatch.setattr(A, "accelerator_memory", lambda x: 141 * gib)
+    assert A.select_impl("auto", q, q, q) == "numpy"
+    monkeypatch.setattr(A, "accelerator_memory", lambda x: gib)  # 4 x 256 MiB > half a GiB
+    assert A.select_impl("auto", q, q, q) == "blocked"
+
+
 def test_auto_picks_blocked_exactly_at_its_thresholds_and_keeps_block_sizes():
     """select_impl's thresholds count the query heads (under GQA K/V have fewer) and are
     inclusive; blocked keeps the block sizes it was given (q's first)."""

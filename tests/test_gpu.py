@@ -309,3 +309,20 @@ def test_cupy_blocked_path_draws_its_keep_mask_on_the_device_with_the_host_bits(
     np.testing.assert_array_equal(keep.get(), ref_keep)
     for got, ref in zip((out, *grads[:3]), (ref_out, *ref_grads[:3])):
         assert np.max(np.abs(to_numpy(got) - ref)) <= 1e-12 * max(1.0, np.max(np.abs(ref)))
+
+
+@pytest.mark.gpu
+def test_cupy_auto_stays_dense_while_the_device_has_room(cp_xp):
+    """impl="auto" on a CUDA device: the dense path while its (B, H, Lq, Lk) arrays fit in
+    a share of the device's total memory (the blocked path is launch-bound there)."""
+    import cupy as cp
+    from npattn import attention as A
+    from npattn.backend import accelerator_memory
+
+    total = cp.cuda.Device().mem_info[1]
+    q = cp.zeros((1, 1, 8192, 8), cp.float32)  # 2**26 scores: blocked on the CPU
+    assert accelerator_memory(q) == total
+    fits = A.DENSE_PEAK_ARRAYS * 8192 * 8192 * 4 <= A.AUTO_DEVICE_DENSE_SHARE * total
+    assert A.select_impl("auto", q, q, q) == ("reference" if fits else "blocked")
+    huge = cp.zeros((1, 1, 2**20, 1), cp.float32)  # 2**40 scores: past any device
+    assert A.select_impl("auto", huge, huge, huge) == "blocked"
