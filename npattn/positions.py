@@ -524,6 +524,8 @@ def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, off
     V.check_floating_array("q", q, like="q")
     if q.ndim < 2 or q.shape[-1] < 1:  # (E = 0: the default scale 1 / sqrt(E) has no value)
         raise ValueError(f"q: expected shape (..., Lq, E) with E >= 1, got {V.shape_of(q)}")
+    if q.shape[-2] < 1:  # Lq is q's, not an argument: the message names q
+        raise ValueError(f"q: expected shape (..., Lq, E) with Lq >= 1, got {V.shape_of(q)}")
     _check_table("table", table, odd_rows=True)
     V.check_floating_array("table", table, namespace(q), device_of(q), dtype=q.dtype, like="q")
     if table.shape[1] != q.shape[-1]:

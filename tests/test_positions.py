@@ -531,6 +531,9 @@ def test_errors_name_the_argument():
          r"^q: expected shape \(\.\.\., Lq, E\) with E >= 1, got \(2, 3, 0\)"),
         (lambda: P.relative_scores_forward(np.zeros((2, 3, 0)), np.zeros((5, 0)), scale=1.0), ValueError,
          r"^q: expected shape \(\.\.\., Lq, E\) with E >= 1"),
+        # Lq = 0 (q's own axis): "Lq: expected a positive int", an argument it does not have, before
+        (lambda: P.relative_scores_forward(np.zeros((2, 0, 4)), np.zeros((5, 4)), 3), ValueError,
+         r"^q: expected shape \(\.\.\., Lq, E\) with Lq >= 1, got \(2, 0, 4\)"),
         (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 4), np.float32)), TypeError,
          "table: expected dtype"),
         (lambda: P.relative_scores_backward(np.zeros((2, 3, 3)),
