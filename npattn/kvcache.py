@@ -184,7 +184,7 @@ class KVCache:
         if n == 0:
             raise ValueError("k_new: expected at least 1 new position, got 0")
         if int(v_new.shape[2]) != n:
-            raise ValueError(f"v_new: expected {n} positions (those of k_new), got shape "
+            raise ValueError(f"v_new: expected {n} position{'s' if n != 1 else ''} (those of k_new), got shape "
                              f"{V.shape_of(v_new)}")
         self.check_room(n)
 
@@ -230,8 +230,9 @@ class KVCache:
                                                      and seqlens.ndim == 1):
             given = list(seqlens)
         else:
+            shape = f" of shape {V.shape_of(seqlens)}" if isinstance(seqlens, np.ndarray) else ""
             raise TypeError(f"seqlens: expected an int or {B} ints (a sequence or a 1-D NumPy "
-                            f"array), got {V.type_name(seqlens)}")
+                            f"array), got {V.type_name(seqlens)}{shape}")
         if len(given) != B:
             raise ValueError(f"seqlens: expected {B} lengths (one per batch entry), got {len(given)}")
         new = [V.check_size(f"seqlens[{b}]", s) for b, s in enumerate(given)]  # Python ints
