@@ -11,6 +11,8 @@
   means CuPy and a GPU). A block whose requirement is missing is skipped, so a
   block may only use names from earlier blocks that need no more than it does.
 * Every ``{py:...}`` cross-reference in the docs names an object that exists.
+* Every ordered list renders the numbers it is written with (step numbers that
+  skip, as "1. 4. 5.", would be renumbered by Markdown).
 * The API reference (``docs/api/*.md``) renders every name of the library's
   ``__all__`` lists, under one of the names it is exported as.
 * The docstring examples of the package run (doctest).
@@ -299,6 +301,25 @@ def test_every_run_marker_has_a_python_block(page):
     # a marker that is not directly followed by a ```python block would be ignored silently
     markers = len(re.findall(r"^<!--[ \t]*run\b", page.read_text(), re.M))
     assert markers == len(runnable_blocks(page)), f"{page.name}: a <!-- run --> marker has no block"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_ordered_lists_render_their_written_numbers(page):
+    # Markdown numbers a list from its first item on and ignores the others: the steps
+    # "1. 4. 5." of a derivation would be shown as 1. 2. 3., not the code's step numbers
+    markdown_it = pytest.importorskip("markdown_it", reason="needs the docs extra (myst-parser)")
+    renumbered, lists = [], []
+    for tok in markdown_it.MarkdownIt("commonmark").parse(page.read_text()):
+        if tok.type == "ordered_list_open":
+            lists.append((tok.map[0] + 1, []))
+        elif tok.type == "list_item_open" and lists and tok.markup in (".", ")"):
+            lists[-1][1].append(int(tok.info))
+        elif tok.type == "ordered_list_close":
+            line, written = lists.pop()
+            shown = list(range(written[0], written[0] + len(written)))
+            if written != shown:
+                renumbered.append(f"line {line}: written {written}, shown {shown}")
+    assert not renumbered, f"{page.name}: ordered lists renumbered by Markdown: {renumbered}"
 
 
 @pytest.mark.parametrize(
