@@ -319,27 +319,47 @@ def _host(a):
     return to_numpy(a)
 
 
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_encoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first):
+def _set_impl(block, impl):
+    """Every attention module of ``block`` on ``impl``; the blocked one with blocks smaller than
+    the lengths, so that its online softmax merges several key blocks."""
+    attns = ("self_attn", "multihead_attn") if isinstance(block, TransformerDecoderBlock) else ("self_attn",)
+    for name in attns:
+        attn = getattr(block, name)
+        attn.impl = impl
+        if impl == "blocked":
+            attn.block_q, attn.block_k = 2, 3
+
+
+# each norm placement once, and each on one attention implementation (the blocks' own steps
+# do not depend on it): post-norm on the default, pre-norm on the blocked one
+NORM_IMPL = [(False, "auto"), (True, "blocked")]
+
+
+@pytest.mark.parametrize("norm_first, impl", NORM_IMPL)
+def test_encoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first, impl):
     p = 0.3
     block = TransformerBlock(D, H, FF, dropout=p, activation="gelu" if norm_first else "relu",
                              norm_first=norm_first, dtype="float64", backend=backend, seed=7)
+    _set_impl(block, impl)
     rng = np.random.default_rng(8)
     block.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape))) for k, v in block.params.items()}
     keeps = {"self_attn": rng.random((B, H, L, L)) > p, "dropout1": rng.random((B, L, D)) > p,
              "dropout": rng.random((B, L, FF)) > p, "dropout2": rng.random((B, L, D)) > p}
     keeps = {k: to_xp(v) for k, v in keeps.items()}
-    mask = to_xp(rng.standard_normal((B, 1, L, L)))  # a float additive mask, with causal on top
+    mask = rng.standard_normal((B, 1, L, L))  # a float additive mask, with causal on top
+    mask[1, 0, 2, :] = -np.inf  # query 2 of entry 1 attends nothing: zero row, zero gradients
+    mask = to_xp(mask)
     x = rng.standard_normal((B, L, D))
     _fd_check(block, lambda x: block.forward(x, mask=mask, is_causal=True, dropout_masks=keeps),
               block.backward, [x], to_xp, ["x"], seed=9)
 
 
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_decoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first):
+@pytest.mark.parametrize("norm_first, impl", NORM_IMPL)
+def test_decoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first, impl):
     p = 0.3
     block = TransformerDecoderBlock(D, H, FF, dropout=p, activation="relu" if norm_first else "gelu",
                                     norm_first=norm_first, dtype="float64", backend=backend, seed=10)
+    _set_impl(block, impl)
     rng = np.random.default_rng(11)
     block.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape))) for k, v in block.params.items()}
     shapes = {"self_attn": (B, H, L, L), "multihead_attn": (B, H, L, LM), "dropout1": (B, L, D),
@@ -348,8 +368,11 @@ def test_decoder_finite_differences_with_dropout(xp, to_xp, backend, norm_first)
     mem_mask = np.ones((B, 1, 1, LM), dtype=bool)
     mem_mask[0, ..., 1:] = False  # entry 0 sees one memory position
     mem_mask = to_xp(mem_mask)
+    self_mask = rng.random((B, 1, L, L)) > 0.3  # with causal on top
+    self_mask[0, 0, 3, :] = False  # query 3 of entry 0 attends nothing: zero row, zero gradients
+    self_mask = to_xp(self_mask)
     x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
-    _fd_check(block, lambda x, m: block.forward(x, m, memory_mask=mem_mask, is_causal=True,
+    _fd_check(block, lambda x, m: block.forward(x, m, mask=self_mask, memory_mask=mem_mask, is_causal=True,
                                                 dropout_masks=keeps),
               block.backward, [x, memory], to_xp, ["x", "memory"], seed=12)
 
