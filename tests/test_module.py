@@ -86,6 +86,31 @@ def test_module_gradients_random_direction_check(backend, to_xp, c):
     assert report.ok, "\n" + str(report)
 
 
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked", "auto"])
+def test_module_gradients_on_every_impl(backend, to_xp, impl):
+    """The module over each attention implementation, by central differences (random
+    directions, random dout): GQA (4 query heads on 2 K/V heads), kdim/vdim, Lq != Lk, a float
+    mask with -inf and a fully masked query row, causal, dropout p > 0 on a fixed keep-mask;
+    the blocked path with blocks smaller than the lengths."""
+    if impl == "numpy" and backend != "numpy":
+        pytest.skip("the NumPy kernel takes NumPy arrays only")
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 3, 5
+    mha = MultiHeadAttention(8, H, n_kv_head=Hkv, kdim=4, vdim=3, dropout=0.25, dtype="float64",
+                             seed=6, backend=backend, impl=impl, block_q=2, block_k=2)
+    rng = np.random.default_rng(6)
+    mha.params = {n: a + to_xp(0.2 * rng.standard_normal(tuple(a.shape))) for n, a in mha.params.items()}
+    query = rng.standard_normal((B, Lq, 8))
+    key, value = rng.standard_normal((B, Lk, 4)), rng.standard_normal((B, Lk, 3))
+    mask = np.where(rng.random((B, 1, Lq, Lk)) > 0.3, rng.standard_normal((B, 1, Lq, Lk)), -np.inf)
+    mask[1, 0, 2, :] = -np.inf  # query 2 of entry 1 attends nothing
+    keep = rng.random((B, H, Lq, Lk)) >= 0.25
+    fk = dict(mask=to_xp(mask), is_causal=True, dropout_mask=to_xp(keep))
+    report = gradcheck_module(mha, to_xp(query), to_xp(key), to_xp(value), forward_kwargs=fk,
+                              mode="vjp", seed=6)
+    assert report.ok and report.rtol <= RTOL, "\n" + str(report)
+    assert {r.name for r in report.inputs} == {"query", "key", "value", *mha.params}
+
+
 def test_outputs_and_gradients_stay_in_their_namespace(xp, backend, to_xp):
     mha = MultiHeadAttention(8, 2, kdim=3, vdim=5, seed=0, backend=backend)
     rng = np.random.default_rng(0)
