@@ -20,6 +20,7 @@ import pytest
 
 from npattn import compat as C
 from npattn import masks
+from npattn.gradcheck import check_vjp as gradcheck_vjp
 
 RNG = np.random.default_rng(20240611)
 
@@ -1102,7 +1103,7 @@ def test_vjp_refuses_dlse_when_no_lse_was_returned():
 @pytest.mark.parametrize("fn_name", ["flash_attn_func", "flash_attn_varlen_func",
                                      "flash_attn_with_kvcache", "scaled_dot_product_attention",
                                      "dot_product_attention"])
-def test_every_backend_gets_its_own_arrays_back(xp, to_xp, to_np, fn_name):
+def test_every_backend_gets_its_own_arrays_back_and_finite_difference_gradients(xp, to_xp, to_np, fn_name):
     q, k, v, _, _ = flash_inputs((2, 3, 4, 4, 2, 5, 4))
     fn = getattr(C, fn_name)
     if fn_name == "flash_attn_varlen_func":
@@ -1119,12 +1120,28 @@ def test_every_backend_gets_its_own_arrays_back(xp, to_xp, to_np, fn_name):
     else:
         args, extra, kw = [q, k, v], [], dict(causal=True) if fn_name == "flash_attn_func" else {}
     expected = fn(*[a.copy() for a in args], *extra, **kw)
+    before = [a.copy() for a in args]  # (to_xp may share a NumPy array, which the append writes)
     moved = [to_xp(a) for a in args]
     kw = {n: to_xp(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
     out, pullback = C.vjp(fn, *moved, *extra, **kw)
     assert type(out) is type(moved[0])
     np.testing.assert_allclose(to_np(out), expected, rtol=1e-12, atol=1e-12)
-    grads = pullback(to_xp(randn(*expected.shape)))
+    ct = to_xp(randn(*expected.shape))
+    grads = pullback(ct)
     assert type(grads[0]) is type(moved[0]) and grads[0].shape == moved[0].shape
     if fn_name == "flash_attn_with_kvcache":  # appended in place on every backend
         np.testing.assert_array_equal(to_np(moved[1])[0, 2], k[0, 0])
+
+    # every floating argument's gradient on this backend, by central differences along random
+    # directions (the caches as they were before the append; each evaluation appends to copies)
+    def f(*a):
+        if fn_name == "flash_attn_with_kvcache":
+            a = (a[0], a[1] * 1.0, a[2] * 1.0, *a[3:])  # copies: the call writes into them
+        return fn(*a, *extra, **kw)
+
+    inputs = [to_xp(a) for a in before]
+    report = gradcheck_vjp(f, inputs, list(grads[:len(args)]), ct, seed=7)
+    assert report.ok, str(report)
+    floating = [n for n, a in enumerate(args) if a.dtype.kind == "f"]
+    assert [r.name for r in report.inputs] == [f"input{n}" for n in floating]
+    assert all(r.scale > 1e-3 for r in report.inputs)  # nothing vanished
