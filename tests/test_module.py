@@ -17,14 +17,16 @@ RTOL = 1e-6
 
 @st.composite
 def module_cases(draw):
-    B = draw(st.integers(1, 3))
-    H = draw(st.integers(1, 4))
-    Dh = draw(st.integers(1, 8))
-    Lq = draw(st.integers(1, 7))
-    Lk = draw(st.integers(1, 7))
+    # every size at least 2 and, across, Lq != Lk: an axis of 1 or equal lengths would hide a
+    # transposed or mis-broadcast gradient (self-attention has Lk = Lq by definition)
+    B = draw(st.integers(2, 3))
+    H = draw(st.integers(2, 3))
+    Dh = draw(st.integers(2, 4))
+    Lq = draw(st.integers(2, 6))
+    Lk = draw(st.integers(2, 6).filter(lambda n: n != Lq))
     cross = draw(st.booleans())
-    kdim = draw(st.integers(1, 6)) if cross and draw(st.booleans()) else None
-    vdim = draw(st.integers(1, 6)) if cross and draw(st.booleans()) else None
+    kdim = draw(st.integers(2, 6)) if cross and draw(st.booleans()) else None
+    vdim = draw(st.integers(2, 6)) if cross and draw(st.booleans()) else None
     return dict(
         B=B, H=H, Dh=Dh, Lq=Lq, Lk=Lk if cross else Lq, cross=cross, kdim=kdim, vdim=vdim,
         bias=draw(st.booleans()),
