@@ -32,15 +32,18 @@ def keep_masks(rng, to_xp, p, n_layers=2):
     return [{k: to_xp(rng.random(s) > p) for k, s in shapes.items()} for _ in range(n_layers)]
 
 
-def padding_mask(to_xp):
+def padding_mask(to_xp, empty_entry=False):
     m = np.ones((B, L), dtype=bool)
     m[0, 3:] = False  # entry 0: three tokens, two padding
+    if empty_entry:
+        m[1] = False  # entry 1: all padding, every attention row of it has nothing to attend
     return to_xp(m)
 
 
-@pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
-def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_first, activation):
-    """check_vjp over x and every parameter, random dlogits, mask, dropout p = 0.3 with fixed keep-masks."""
+@pytest.mark.parametrize("norm_first, activation, empty_entry", [(False, "relu", False), (True, "gelu", True)])
+def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_first, activation, empty_entry):
+    """check_vjp over x and every parameter, random dlogits, mask, dropout p = 0.3 with fixed keep-masks;
+    with ``empty_entry`` entry 1 is all padding (fully masked attention rows, an empty pooling)."""
     p = 0.3
     model = small(backend, dropout=p, norm_first=norm_first, activation=activation)
     rng = np.random.default_rng(4)
@@ -48,7 +51,7 @@ def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_firs
     model.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape)))
                     for k, v in model.params.items()}
     keeps = keep_masks(rng, to_xp, p)
-    mask = padding_mask(to_xp)
+    mask = padding_mask(to_xp, empty_entry)
     x = to_xp(rng.standard_normal((B, L, P)))
     names = list(model.params)
 
@@ -71,6 +74,8 @@ def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_firs
         assert np.max(np.abs(to_np(g))) > 0.0, f"{name}: a zero gradient checks nothing"
     dx = to_np(model.dx)
     np.testing.assert_array_equal(dx[0, 3:], 0.0)  # padding reaches neither pooling nor attention
+    if empty_entry:
+        np.testing.assert_array_equal(dx[1], 0.0)
 
 
 def test_parameter_names_and_shapes(backend):
