@@ -693,3 +693,24 @@ def test_the_dask_array_module_is_a_backend_like_its_name():
     m = masks.causal(3, 2, xp=da)
     assert isinstance(m, da.Array)
     np.testing.assert_array_equal(m.compute(), np.tril(np.ones((3, 2), bool)))
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"repeat": 0}, ValueError, "repeat: expected a positive int, got 0"),
+    ({"repeat": 1.5}, TypeError, "repeat: expected a positive int, got float 1.5"),
+    ({"workers": [1, 0]}, ValueError, r"workers\[1\]: expected a positive int, got 0"),
+])
+def test_bench_functions_refuse_a_bad_repeat_or_worker_count(kwargs, error, message, monkeypatch):
+    """``run_workers`` and ``run_local`` (public, as the command's ``--repeat`` and
+    ``--workers``) refuse what the command refuses, before a cluster starts: repeat=0 ran
+    no timed run and failed on the median of none (and left the sums undefined)."""
+    from npattn.tools import bench_dask
+
+    shape = bench_dask.parse_shape("1x8x4x2")
+    args = {"workers": [1], "repeat": 1, **kwargs}
+    monkeypatch.setattr(distributed, "LocalCluster", None)  # no cluster may start
+    with pytest.raises(error, match=message):
+        bench_dask.run_workers(shape, np.dtype("float32"), 4, 4, args["workers"], args["repeat"])
+    if "repeat" in kwargs:
+        with pytest.raises(error, match=message):
+            bench_dask.run_local(shape, np.dtype("float32"), args["repeat"])

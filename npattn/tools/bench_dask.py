@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from ..validation import check_positive_int
 from .limits import SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, memory_error, repeated_entry
 from .outputs import json_output, output_error
 
@@ -184,7 +185,12 @@ def _environ_without(names):
 
 def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=False,
                 out=None) -> list:
-    """One fresh LocalCluster per worker count: time and peak memory per worker."""
+    """One fresh LocalCluster per worker count: time and peak memory per worker.
+
+    ``workers`` holds positive ints, ``repeat`` (the timed runs per cluster, whose median is
+    reported) is a positive int; anything else is refused before a cluster starts."""
+    repeat = check_positive_int("repeat", repeat)
+    workers = [check_positive_int(f"workers[{i}]", n) for i, n in enumerate(workers)]
     import dask
 
     out = sys.stdout if out is None else out
@@ -206,10 +212,8 @@ def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=Fal
             client.run(_warm_up)
             before = client.run(_worker_rss_mib)
             _, results = _graph(shape, dtype, q_chunk, k_chunk)
-            times = []
-            for _ in range(repeat):
-                seconds, checks = _compute(results, client)
-                times.append(seconds)
+            runs = [_compute(results, client) for _ in range(repeat)]  # (seconds, sums) each
+            times, checks = [seconds for seconds, _ in runs], runs[-1][1]
             after = client.run(_worker_rss_mib)
         peaks = [after[w].get("VmHWM", math.nan) for w in sorted(after)]
         bases = [before[w].get("VmRSS", math.nan) for w in sorted(after)]
@@ -226,7 +230,9 @@ def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=Fal
 
 
 def run_local(shape, dtype, repeat) -> dict:
-    """The same attention on NumPy arrays in this process (impl="blocked", the tile pool)."""
+    """The same attention on NumPy arrays in this process (impl="blocked", the tile pool);
+    ``repeat`` (a positive int) timed runs, their median reported."""
+    repeat = check_positive_int("repeat", repeat)
     from .. import attention as A
     from ..backend import pool_threads
 
