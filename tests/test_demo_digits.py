@@ -141,6 +141,35 @@ def test_a_short_run_beats_chance_by_a_wide_margin(data):
 
 
 @needs_sklearn
+@pytest.mark.parametrize("n_train,n_val,named", [(0, 8, "data.x_train"), (8, 0, "data.x_val")])
+def test_train_refuses_an_empty_split(data, n_train, n_val, named):
+    """No training image failed on the epoch's mean loss (loss_sum / 0), no validation
+    image on evaluate's; both are refused before a model is built."""
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=1)
+    with pytest.raises(ValueError, match=rf"^{named}: expected at least one image, got shape \(0, 16, 4\)"):
+        dd.train(cfg, subset(data, n_train, n_val), progress=False)
+
+
+@needs_sklearn
+@pytest.mark.parametrize("field,value,error", [("epochs", 0, ValueError), ("batch", 0, ValueError),
+                                               ("epochs", 2.0, TypeError)])
+def test_train_refuses_a_bad_epoch_count_or_batch(data, field, value, error):
+    """epochs=0 failed on the last epoch's entry of an empty history, batch=0 on the batch
+    count (N // 0), epochs=2.0 in range(). The check names the field."""
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, **{field: value})
+    with pytest.raises(error, match=rf"^cfg\.{field}: expected a positive int, got .*{value!r}"):
+        dd.train(cfg, subset(data, 8, 8), progress=False)
+
+
+@needs_sklearn
+@pytest.mark.parametrize("val_fraction,empty", [(0.001, "0 validation"), (0.999, "0 training")])
+def test_load_digits_data_refuses_a_split_with_an_empty_side(val_fraction, empty):
+    """Every class's share rounds to none (or all) of its ~180 images: one side was empty."""
+    with pytest.raises(ValueError, match=rf"^val_fraction: expected a share that leaves .*{empty}"):
+        dd.load_digits_data(2, val_fraction)
+
+
+@needs_sklearn
 def test_untrained_model_is_near_chance(data):
     model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=16), data)
     _, acc = dd.evaluate(model, data.x_val, data.y_val)

@@ -37,6 +37,7 @@ import numpy as np
 from .. import nn
 from ..backend import from_numpy, to_numpy
 from ..classifier import TransformerClassifier
+from ..validation import check_positive_int
 from .demo import heatmap_figure
 from .progress import ProgressBar
 
@@ -134,6 +135,10 @@ def load_digits_data(patch: int = 2, val_fraction: float = 0.2, seed: int = 0) -
     labels = np.asarray(digits.target, dtype=np.int64)  # [1797]
     split_seq = np.random.SeedSequence(seed).spawn(3)[0]
     tr, va = stratified_split(labels, val_fraction, np.random.default_rng(split_seq))
+    if tr.size == 0 or va.size == 0:  # each class's share rounds to all or none of it
+        raise ValueError(f"val_fraction: expected a share that leaves training and validation "
+                         f"images, got {val_fraction!r} ({tr.size} training, {va.size} validation "
+                         f"of {labels.size})")
     x = image_patches(images, patch)  # [1797, L, P]
     return DigitsData(x[tr], labels[tr], x[va], labels[va], images[va], patch)
 
@@ -199,10 +204,16 @@ def train(cfg: DigitsConfig, data: Optional[DigitsData] = None, *, progress: boo
     batches of ``cfg.batch``; validation loss and accuracy are measured after
     every epoch in evaluation mode. The progress bar (on a terminal) shows
     the epoch, the last training batch's loss and the last validation
-    accuracy.
+    accuracy. ``cfg.epochs`` and ``cfg.batch`` are positive ints and ``data`` has
+    training and validation images (else ``TypeError`` / ``ValueError``, before training).
     """
+    check_positive_int("cfg.epochs", cfg.epochs)
+    check_positive_int("cfg.batch", cfg.batch)
     if data is None:
         data = load_digits_data(cfg.patch, cfg.val_fraction, cfg.seed)
+    for name, x in (("data.x_train", data.x_train), ("data.x_val", data.x_val)):
+        if x.shape[0] == 0:
+            raise ValueError(f"{name}: expected at least one image, got shape {x.shape}")
     model = build_model(cfg, data)
     xp = model.xp
     order_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[2])
@@ -213,7 +224,7 @@ def train(cfg: DigitsConfig, data: Optional[DigitsData] = None, *, progress: boo
     state = nn.adam_init(params)
     history: dict = {"train_loss": [], "val_loss": [], "val_accuracy": [], "seconds": []}
     bar = ProgressBar(total_steps, f"digits H={cfg.n_head}", stream=stream, enabled=progress)
-    step, val_acc = 0, float("nan")
+    step, val_acc, batch_loss = 0, float("nan"), float("nan")
     for epoch in range(cfg.epochs):
         order = order_rng.permutation(N)
         loss_sum = 0.0
