@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -78,6 +79,25 @@ def test_heads_are_laid_out_in_rows_of_four(H, grid):
     from npattn.tools.demo import grid_shape
 
     assert grid_shape(H) == grid
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (-4, ValueError), (2.0, TypeError)])
+def test_grid_shape_refuses_a_head_count_that_is_not_positive(value, error):
+    """0 heads divided by zero columns; -4 gave a grid of (1, -4), 2.0 one of (1.0, 2.0)."""
+    from npattn.tools.demo import grid_shape
+
+    with pytest.raises(error, match=rf"^n_head: expected a positive int, got .*{value!r}"):
+        grid_shape(value)
+
+
+@pytest.mark.parametrize("shape", [(0, 6, 6), (6, 6), (2, 6, 5)])
+def test_heatmap_figure_refuses_weights_that_are_not_heads_of_square_maps(shape):
+    """No head at all divided by zero in the grid (and left the colorbar's image undefined)."""
+    from npattn.tools.demo import heatmap_figure
+
+    with pytest.raises(ValueError, match=r"^weights: expected shape \(H, L, L\) with H >= 1, got "
+                                         + re.escape(f"shape {shape}")):
+        heatmap_figure(np.zeros(shape), list(range(6)))
 
 
 def test_combined_heatmap_has_a_grid_a_colorbar_and_position_ticks():

@@ -33,6 +33,7 @@ from .. import functional as F
 from .. import nn
 from ..backend import from_numpy, resolve_backend, to_numpy
 from ..module import MultiHeadAttention
+from ..validation import check_positive_int
 from .progress import ProgressBar
 
 __all__ = ["DemoConfig", "ReverseModel", "TrainResult", "make_batch", "train", "save_heatmaps",
@@ -223,6 +224,7 @@ def have_matplotlib() -> bool:
 
 def grid_shape(n_head: int) -> tuple:
     """(rows, columns) of the per-head grid: one row up to 4 heads, then rows of 4."""
+    n_head = check_positive_int("n_head", n_head)
     cols = min(n_head, 4)
     return -(-n_head // cols), cols
 
@@ -236,6 +238,9 @@ def heatmap_figure(weights, digits, *, title=None):
     the title. Built without pyplot, so the caller's matplotlib backend is
     left alone.
     """
+    shape = tuple(weights.shape)
+    if len(shape) != 3 or shape[0] == 0 or shape[1] != shape[2]:
+        raise ValueError(f"weights: expected shape (H, L, L) with H >= 1, got shape {shape}")
     from matplotlib.figure import Figure
 
     H, L = weights.shape[0], weights.shape[-1]  # [H, L, L]
@@ -243,11 +248,12 @@ def heatmap_figure(weights, digits, *, title=None):
     fig = Figure(figsize=(2.6 * cols + 1.0, 2.6 * rows + 0.8), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     ticks = range(0, L, 1 if L <= 12 else 2)
+    images = []  # one per head, all on the colour scale [0, 1]
     for h, ax in enumerate(axes.flat):
         if h >= H:
             ax.set_axis_off()
             continue
-        im = ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
+        images.append(ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis"))
         ax.set_title(f"head {h}")
         ax.set_xticks(ticks)
         ax.set_yticks(ticks)
@@ -256,7 +262,7 @@ def heatmap_figure(weights, digits, *, title=None):
             ax.set_xlabel("key position")
         if h % cols == 0:
             ax.set_ylabel("query position")
-    fig.colorbar(im, ax=axes, shrink=0.9 if rows > 1 else 0.8, label="attention weight")
+    fig.colorbar(images[0], ax=axes, shrink=0.9 if rows > 1 else 0.8, label="attention weight")
     sequence = " ".join(str(d) for d in digits)
     fig.suptitle(title or f"Attention weights per head; input digits by position: {sequence}")
     return fig
