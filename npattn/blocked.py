@@ -205,6 +205,7 @@ def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
         u = z / o.softcap
         z = o.softcap * xp.tanh(u)  # 2. c = softcap * tanh(s / softcap)
     cut = F.block_cut(o, i0, i1, j0, j1)  # the window crosses this block
+    rows = cols = None  # the block's query and key positions, where ALiBi or the window needs them
     if o.alibi is not None or cut:
         rows = xp.arange(i0, i1, device=device_of(z))  # [bq]
         cols = xp.arange(j0, j1, device=device_of(z))  # [bk]

@@ -473,14 +473,12 @@ def _masked_softmax(x, mask, sink=None):
     m = xp.where(m == -math.inf, 0.0, m)  # fully masked row: no -inf - -inf
     e = xp.exp(z - m)  # 4.                                    [..., Lk]
     s = xp.sum(e, axis=-1, keepdims=True)  # 5.                [..., 1]
-    p_sink = None
-    if sink is not None:
-        e_sink = xp.exp(sink - m)  # [..., 1]
+    e_sink = None if sink is None else xp.exp(sink - m)  # [..., 1]
+    if e_sink is not None:
         s = s + e_sink
     s_safe = xp.where(s == 0.0, 1.0, s)
     p = e / s_safe  # rows with nothing to attend stay 0
-    if sink is not None:
-        p_sink = e_sink / s_safe  # [..., 1]
+    p_sink = None if e_sink is None else e_sink / s_safe  # [..., 1]
     lse = xp.where(s == 0.0, -math.inf, m + xp.log(s_safe))  # [..., 1]
     if work != in_dtype:
         return xp.astype(p, in_dtype), SoftmaxCache(p, mask_shape, in_dtype, p_sink, lse)

@@ -559,14 +559,15 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
         # GEMMs write the merged layout of dq, dk, dv directly (``out=``: BLAS takes its row
         # stride); dk does when one block meets all keys and rows, else it is accumulated
         whole_dk = G == 1 and len(blocks) == 1 and blocks[0][2:] == (0, Lk)
-        if not whole_dk:
-            dk_acc = np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
+        # dk_acc, dv_acc: accumulated block by block below, None where one GEMM writes it whole
+        dk_acc: Any = None if whole_dk else np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
         whole_dv = keep is None and not causal
+        dv_acc: Any = None
         if whole_dv:  # 7. dv = e^T do' in one GEMM over all query rows of the G heads
             eT = np.swapaxes(exps[b0:b1, h0:h1].reshape(nb, hk, G * Lq, Lk), -1, -2)  # [nb, hk, Lk, G Lq]
             np.matmul(eT, dop.reshape(nb, hk, G * Lq, Dv), out=dv[b0:b1, h0:h1, 0])
         else:  # accumulated block by block below
-            dv_acc = np.zeros((nb, hk, Lk, Dv), dtype=work)
+            dv_acc = np.zeros((nb, hk, Lk, Dv), dtype=work)  # [nb, hk, Lk, Dv]
         for i0, i1, c0, c1 in blocks:
             if c1 == c0:  # rows the window leaves nothing: p = 0, so dq = 0
                 dq[b0:b1, h0:h1, :, i0:i1] = 0.0

@@ -1394,7 +1394,7 @@ def merge_scales(inp: CaseInputs, truth: dict) -> dict:
         diff = (a[..., None] * vr[:, :, None, :, d0:d1]
                 - p[..., None] * out[:, :, :, None, d0:d1])  # [B, Hq, Lq, Lk, d]
         E[..., d0:d1] = np.sum(m[..., None] * np.abs(diff), axis=3)
-    sink_w = None  # max(|lse_i|, |sink|) p_sink_i
+    sink_w = p_sink = None  # max(|lse_i|, |sink|) p_sink_i, and p_sink_i
     if "sinks" in opts:  # the sink: a key carrying no value, s = sink
         sink = opts["sinks"][None, :, None]  # [1, Hq, 1]
         p_sink = np.where(finite, np.exp(sink - np.where(finite, lse, 0.0)), 0.0)  # [B, Hq, Lq]

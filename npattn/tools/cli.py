@@ -319,7 +319,7 @@ def _check(args) -> int:
     return 0 if result.ok else 1
 
 
-def _parse_heads(text, d_model, parser):
+def _parse_heads(text, d_model, parser: argparse.ArgumentParser):
     try:
         heads = [int(h) for h in text.split(",") if h.strip()]
     except ValueError:
