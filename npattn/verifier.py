@@ -1889,8 +1889,8 @@ def verify(
     combos : bool or iterable of tuples
         Option combinations of the panel (``npattn.verify_cases.panel``).
     head_dims : iterable of int, optional
-        The head widths the kernel takes, e.g. ``(64, 128)``, each from 1 to
-        ``npattn.verify_cases.MAX_HEAD_DIM``: the panel's cases use them in
+        The head widths the kernel takes, e.g. ``(64, 128)``, each once and from 1
+        to ``npattn.verify_cases.MAX_HEAD_DIM``: the panel's cases use them in
         turn (``npattn.verify_cases.panel``); two different ones or more when
         ``supports`` holds "dv_ne_dk".
     cases : optional

@@ -25,7 +25,7 @@ import math
 import numbers
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -422,9 +422,9 @@ MAX_HEAD_DIM = 2**14
 
 def check_head_dims(head_dims: Optional[Iterable[int]],
                     supports: Iterable[str] = ()) -> Optional[tuple]:
-    """``head_dims`` as a tuple of ints in [1, MAX_HEAD_DIM] (None stays None), two different
-    ones when ``supports`` holds "dv_ne_dk"; ``ValueError``/``TypeError`` telling a list or
-    tuple as the caller wrote it."""
+    """``head_dims`` as a tuple of ints in [1, MAX_HEAD_DIM] (None stays None), each once
+    (``check_each_head_dim_once``), two different ones when ``supports`` holds "dv_ne_dk";
+    ``ValueError``/``TypeError`` telling a list or tuple as the caller wrote it."""
     if head_dims is None:
         return None
     if isinstance(head_dims, (str, bytes)) or not isinstance(head_dims, collections.abc.Iterable):
@@ -441,11 +441,22 @@ def check_head_dims(head_dims: Optional[Iterable[int]],
         if not 1 <= d <= MAX_HEAD_DIM:  # the float64 truth of a case grows with Dh
             raise ValueError(f"head_dims: expected ints from 1 to {MAX_HEAD_DIM}, got {d!r} in "
                              f"{given!r}")
+    check_each_head_dim_once(dims, given)
     if "dv_ne_dk" in supports and len(set(dims)) < 2:
         raise ValueError(f"head_dims: expected two different widths or more when supports holds "
                          f"'dv_ne_dk' (its cases take Dh and a different Dv, both from head_dims), "
                          f"got {given!r}")
     return tuple(int(d) for d in dims)
+
+
+def check_each_head_dim_once(dims: Sequence[int], given: Any) -> None:
+    """``ValueError`` naming ``head_dims`` and the first width that ``dims`` repeats (a repeat
+    only weighted the panel's turns towards it), in ``given``: head_dims as the caller wrote
+    it (``npattn verify --head-dims`` gives its text, and names its flag)."""
+    for i, d in enumerate(dims):
+        if d in dims[:i]:
+            raise ValueError(f"head_dims: expected each entry once, got {d!r} more than once in "
+                             f"{given!r}")
 
 
 def _with_head_dim(case: Case, dims: tuple, index: int) -> Case:

@@ -1445,13 +1445,38 @@ def test_head_dims_draw_the_panel_at_the_widths_a_kernel_takes():
     with pytest.raises(ValueError, match="head_dims"):
         VF.plan(supports, head_dims=(0,))
     # dv_ne_dk needs a second width: one alone gave Dv = Dh + 8, a width the kernel never named
-    for one in ((64,), (64, 64)):
-        with pytest.raises(ValueError, match="head_dims: expected two different widths"):
-            VF.plan(supports, head_dims=one)
+    with pytest.raises(ValueError, match="head_dims: expected two different widths"):
+        VF.plan(supports, head_dims=(64,))
     assert VF.plan("causal,scale", head_dims=(64,))  # one width is enough without dv_ne_dk
-    cases = VF.plan(supports, head_dims=(32, 32, 64))
     dv_cases = [c for c in cases if "dv_ne_dk" in c.options]
     assert dv_cases and all(c.Dv != c.Dh and {c.Dh, c.Dv} == {32, 64} for c in dv_cases)
+
+
+@pytest.mark.parametrize("head_dims, supports", [((64, 64), "causal"), ([32, 64, 32], "causal"),
+                                                 ((64, 64), "causal,dv_ne_dk")])
+def test_a_head_width_given_twice_is_refused_as_the_command_refuses_it(head_dims, supports, capsys):
+    """``npattn verify --head-dims 64,64`` is a usage error; ``npattn.verify(head_dims=(64, 64))``
+    ran, the repeated width taking more of the panel's turns. Both now say so, in the same
+    words (one check), the Python call before any case runs."""
+    calls = []
+
+    def kernel(q, k, v, **options):
+        calls.append(q.shape)
+        return npattn_kernel(q, k, v, **options)
+
+    repeated = next(d for i, d in enumerate(head_dims) if d in head_dims[:i])
+    words = f"expected each entry once, got {repeated} more than once in "
+    with pytest.raises(ValueError, match=re.escape(f"head_dims: {words}{head_dims!r}")):
+        VF.verify(kernel, supports=supports, head_dims=head_dims, combos=False)
+    with pytest.raises(ValueError, match=re.escape(f"head_dims: {words}{head_dims!r}")):
+        VF.plan(supports, head_dims=head_dims)
+    assert not calls
+    from npattn.tools import cli
+
+    text = ",".join(str(d) for d in head_dims)
+    assert cli.main(["verify", f"{KERNELS}:attention", "--supports", supports,
+                     "--head-dims", text, "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"npattn verify: --head-dims: {words}{text!r}\n"
 
 
 def test_a_kernel_that_raises_shows_where():

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from .. import verifier as VF
 from ..validation import argument_names
-from ..verify_cases import MAX_HEAD_DIM, SUPPORTS, check_supports
+from ..verify_cases import MAX_HEAD_DIM, SUPPORTS, check_each_head_dim_once, check_supports
 from .limits import repeated_entry
 from .outputs import outputs_error
 from .progress import ProgressBar
@@ -304,14 +304,18 @@ def _budget_factor(text: str) -> float:
 
 def _head_dims(text: str, supports: tuple) -> tuple:
     """``--head-dims``'s ``text`` as a tuple of ints, each checked as typed ('0', not (0,)):
-    ints from 1 to ``MAX_HEAD_DIM`` and two different ones under dv_ne_dk (the rules of
-    ``verify_cases.check_head_dims``), each once (the rule of every comma-separated flag)."""
+    ints from 1 to ``MAX_HEAD_DIM``, each once and two different ones under dv_ne_dk (the rules
+    of ``verify_cases.check_head_dims``; the once rule is its ``check_each_head_dim_once``)."""
     entries = [e.strip() for e in text.split(",")]
     try:
         dims = tuple(int(e) for e in entries)
     except ValueError:
         raise UsageError(f"--head-dims: expected ints like 64,128, got {text!r}") from None
-    _once("--head-dims", text, dims)
+    try:
+        with argument_names(FLAGS):
+            check_each_head_dim_once(dims, text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     within = f" in {text!r}" if len(entries) > 1 else ""
     for e, d in zip(entries, dims):
         if not 1 <= d <= MAX_HEAD_DIM:
