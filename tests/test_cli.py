@@ -624,3 +624,20 @@ def test_the_docs_list_every_flag_and_no_other(monkeypatch):
         assert not shown - documented, f"{name}: not in {', '.join(pages)}: {sorted(shown - documented)}"
     for page in {p for _, pages in HELP_PAGES.values() for p in pages}:
         assert not _doc_flags(page) - every, f"{page}: no such flag: {sorted(_doc_flags(page) - every)}"
+
+
+def test_an_output_path_under_a_file_is_told_as_such(tmp_path, capsys):
+    """--json FILE/x.json, FILE an existing file, said "the directory 'FILE' does not exist";
+    it exists, as a file."""
+    from npattn.tools.outputs import output_error
+
+    (tmp_path / "afile").write_text("kept")
+    path = str(tmp_path / "afile" / "x.json")
+    want = f"--json: expected a path in a directory, got {path!r}, whose {str(tmp_path / 'afile')!r} is a file"
+    assert output_error("--json", path) == want
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--backend", "dask", "--json", path])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {want}\n") and "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "kept"

@@ -23,6 +23,8 @@ def output_error(option: str, path: Optional[str]) -> Optional[str]:
     if os.path.isdir(path):
         return f"{option}: expected a file path, got the directory {path!r}"
     parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):  # was told "does not exist"
+        return f"{option}: expected a path in a directory, got {path!r}, whose {parent!r} is a file"
     if not os.path.isdir(parent):
         return f"{option}: the directory {parent!r} does not exist (path {path!r})"
     target = path if os.path.exists(path) else parent
