@@ -68,6 +68,21 @@ def test_make_batch_reverses():
     assert ids.shape == (4, 7) and ids.min() >= 0 and ids.max() < 10
 
 
+@pytest.mark.parametrize("field,value,error", [
+    ("steps", -1, ValueError),  # trained nothing and reported steps=-1
+    ("steps", 2.5, TypeError),  # range()'s "'float' object cannot be interpreted as an integer"
+    ("batch", 0, ValueError),  # "query: expected a batch size (axis 0) of at least 1"
+    ("eval_size", 0, ValueError),  # the same, after training
+    ("seq_len", "4", TypeError),
+])
+def test_train_refuses_a_size_that_is_not_a_positive_int(field, value, error):
+    """As the command's flags (and the gpt demo's train): each size a positive int, told by
+    its field before a model is built."""
+    cfg = DemoConfig(**{"seq_len": 4, "d_model": 8, "n_head": 2, "steps": 1, field: value})
+    with pytest.raises(error, match=rf"^cfg\.{field}: expected a positive int, got .*{value!r}"):
+        train(cfg, progress=False)
+
+
 def test_bad_pos_is_rejected():
     with pytest.raises(ValueError, match="pos: expected 'learned' or 'sinusoidal'"):
         ReverseModel(DemoConfig(pos="rotary"))

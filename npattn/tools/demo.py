@@ -177,8 +177,12 @@ def train(cfg: DemoConfig, *, progress: bool = True, stream=None):
 
     The progress bar (on a terminal) shows the loss and token accuracy of the
     last training batch ("batch loss", "batch acc"); the result is measured
-    on a fresh held-out batch of ``cfg.eval_size`` sequences.
+    on a fresh held-out batch of ``cfg.eval_size`` sequences. ``cfg.seq_len``, ``vocab``,
+    ``steps``, ``batch`` and ``eval_size`` are positive ints (else ``TypeError`` /
+    ``ValueError`` naming the field, before a model is built).
     """
+    for name in ("seq_len", "vocab", "steps", "batch", "eval_size"):
+        check_positive_int(f"cfg.{name}", getattr(cfg, name))
     model = ReverseModel(cfg)
     xp = model.xp
     data_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[2])
