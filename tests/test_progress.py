@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import select
 
 import pytest
@@ -109,3 +110,21 @@ def test_a_real_terminal_that_reports_no_size_still_shows_the_bar():
         os.close(master)
         os.close(slave)
     assert "check: 100%" in written and "5/5" in written, repr(written)
+
+
+@pytest.mark.parametrize("total,error", [(-5, ValueError), (2.7, TypeError), ("3", TypeError),
+                                         (True, TypeError)])
+def test_a_total_that_is_not_a_count_is_refused(total, error):
+    """ProgressBar(-5) drew a bar of 1 step, 2.7 one of 2 and "3" one of 3 (int() of each)."""
+    with pytest.raises(error, match=rf"^total: expected an int >= 0, got .*{re.escape(repr(total))}"):
+        ProgressBar(total, "demo", stream=FakeTerminal())
+
+
+def test_a_total_of_zero_or_a_numpy_int_is_a_count():
+    import numpy as np
+
+    for total, drawn in ((0, 1), (np.int64(3), 3)):
+        term = FakeTerminal()
+        with ProgressBar(total, "demo", stream=term) as bar:
+            bar.update(drawn)
+        assert f"{drawn}/{drawn}" in screen(term.getvalue())[-2]

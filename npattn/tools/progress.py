@@ -14,6 +14,8 @@ import sys
 
 from tqdm import tqdm
 
+from ..validation import check_size
+
 __all__ = ["ProgressBar", "is_terminal"]
 
 
@@ -53,8 +55,8 @@ class ProgressBar:
 
     Parameters
     ----------
-    total : int
-        Number of steps.
+    total : int >= 0
+        Number of steps (0 is drawn as one).
     desc : str
         Label in front of the bar.
     stream : file, optional
@@ -67,10 +69,11 @@ class ProgressBar:
 
     def __init__(self, total: int, desc: str = "", *, stream=None, enabled: bool = True,
                  unit: str = "step"):
+        total = check_size("total", total)  # int("3") and int(2.7) were taken, -5 drawn as 1
         self.stream = sys.stderr if stream is None else stream
         self.enabled = bool(enabled) and is_terminal(self.stream)
         self._note = ""
-        self._bar = tqdm(total=max(int(total), 1), desc=desc, file=self.stream, unit=unit,
+        self._bar = tqdm(total=max(total, 1), desc=desc, file=self.stream, unit=unit,
                          disable=not self.enabled, leave=True, mininterval=0.1,
                          **_layout(self.stream))
 
