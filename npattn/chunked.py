@@ -134,8 +134,11 @@ _MASK = ("b", "hq", "i", "j")  # how a mask over (B, Hq, Lq, Lk) is chunked
 
 
 def _pad4(a):
-    """``a`` with leading 1-axes up to 4 axes (a mask that broadcasts)."""
-    return a if a.ndim == 4 else a.reshape((1,) * (4 - a.ndim) + tuple(a.shape))
+    """``a`` with leading 1-axes up to 4 axes (a mask that broadcasts).
+
+    New axes by indexing, not ``reshape``: dask's reshape fails on an axis of
+    length 1 chunked ``(1, 0)`` (an IndexError, or a graph with a missing key)."""
+    return a if a.ndim == 4 else a[(None,) * (4 - a.ndim)]
 
 
 def _causal_skip(i0, i1, j0) -> bool:

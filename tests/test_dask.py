@@ -685,6 +685,29 @@ def test_empty_chunks_and_a_bad_dout():
         A.sdpa_backward(da.from_array(dout[:, :, :4]), c)
 
 
+def test_a_mask_of_fewer_axes_with_an_empty_chunk_on_a_length_1_axis():
+    """A mask or keep-mask (Lq, 1) or (1,) chunked ``(0, 1)`` on its length-1 axis: its leading
+    axes were added by dask's reshape, which failed on such chunks (an IndexError, or "Missing
+    dependency" when computed)."""
+    q, k, v, dout, _ = make_inputs(7, 2, 1, 2, 5, 7, 3, 2)
+    rng = np.random.default_rng(7)
+    for shape, chunks in (((5, 1), ((2, 3), (0, 1))), ((1,), ((1, 0),)), ((1, 1), ((0, 1), (1,)))):
+        for kind in ("bool", "float"):
+            allowed = rng.random(shape) > 0.3
+            mask = allowed if kind == "bool" else np.where(allowed, rng.standard_normal(shape), -np.inf)
+            keep = rng.random(shape) > 0.3
+            kw = dict(mask=mask, is_causal=True, enable_gqa=True, dropout_p=0.3, dropout_mask=keep)
+            out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **kw)
+            grads0 = A.sdpa_backward(dout, c0)
+            dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 2, 2, 3), 2)
+            out, c = A.sdpa_forward(dq, dk, dv, **dict(kw, mask=da.from_array(mask, chunks=chunks),
+                                                       dropout_mask=da.from_array(keep, chunks=chunks)))
+            out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+            assert_close(out, out0, host, f"{shape} {kind}: out")
+            for name, g, g0 in zip(("dq", "dk", "dv", "dmask"), grads, grads0):
+                assert_close(g, g0, host, f"{shape} {kind}: {name}")
+
+
 def test_the_dask_array_module_is_a_backend_like_its_name():
     """``xp=dask.array`` (the module) is the namespace of ``"dask"``: the array API's
     ``arange(..., device=)`` of the compat layer (dask's own has no ``device``)."""
