@@ -51,7 +51,8 @@ from . import blocked, chunked
 from . import functional as F
 from . import numpy_kernel
 from . import validation as V
-from .backend import accelerator_memory, device_of, exclusive, is_dask_array, namespace, pool_threads
+from .backend import (accelerator_memory, device_of, exclusive, is_dask_array, namespace,
+                      pool_threads, without_empty_chunks)
 
 __all__ = [
     "IMPLS",
@@ -292,6 +293,10 @@ def sdpa_forward(
         implementation.
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
+    # dask allows chunks of length 0, and its reshape fails on some: none reach the paths
+    q, k, v, mask, dropout_mask, alibi_slopes, sinks, q_segments, k_segments = (
+        without_empty_chunks(a) for a in (q, k, v, mask, dropout_mask, alibi_slopes, sinks,
+                                          q_segments, k_segments))
     G, options, path = check_forward(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
         dropout_mask=dropout_mask, rng=rng, enable_gqa=enable_gqa, align=align, window=window,
@@ -329,6 +334,7 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
              F.SDPACache)
     if not isinstance(cache, kinds):
         raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+    dout, dlse = without_empty_chunks(dout), without_empty_chunks(dlse)  # as in the forward
     if isinstance(cache, F.SDPACache):  # the reference checks its own arguments
         with exclusive():
             return F.sdpa_backward(dout, cache, dlse=dlse)

@@ -92,6 +92,7 @@ __all__ = [
     "run_tasks",
     "is_numpy_array",
     "is_dask_array",
+    "without_empty_chunks",
     "row_major",
     "row_max",
 ]
@@ -534,6 +535,19 @@ def is_numpy_array(x: Any) -> bool:
 def is_dask_array(x: Any) -> bool:
     """Whether ``x`` is a ``dask.array.Array`` (dask is not imported for the answer)."""
     return array_api_compat.is_dask_array(x)
+
+
+def without_empty_chunks(x: Any) -> Any:
+    """``x`` rechunked without its chunks of length 0 if it is a dask array with some (an
+    axis of length 0 keeps one); anything else as it is.
+
+    dask allows such chunks (a filtered array's ``compute_chunk_sizes`` makes them)
+    and its ``reshape`` fails on some: an ``IndexError``, a graph with a missing key,
+    or a result of the wrong shape.
+    """
+    if not is_dask_array(x) or any(math.isnan(n) for n in x.shape) or all(map(all, x.chunks)):
+        return x
+    return x.rechunk(tuple(tuple(n for n in c if n) or c[:1] for c in x.chunks))
 
 
 _blas_controller = None

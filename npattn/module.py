@@ -27,7 +27,8 @@ from . import attention as A
 from . import functional as F
 from . import validation as V
 from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, is_dask_array,
-                      is_numpy_array, pool_threads, resolve_backend, to_numpy)
+                      is_numpy_array, pool_threads, resolve_backend, to_numpy,
+                      without_empty_chunks)
 from .kvcache import KVCache, unalign_columns
 
 __all__ = [
@@ -461,6 +462,11 @@ class MultiHeadAttention:
         # The generator is advanced, the KV cache appended to and the cache of
         # this forward kept only when the whole forward succeeds: a failed call
         # changes nothing.
+        # dask allows chunks of length 0, and its reshape (the heads' split) fails on some
+        same = {id(a): without_empty_chunks(a) for a in (query, key, value)}  # keeps `is`
+        query, key, value = same[id(query)], same[id(key)], same[id(value)]
+        mask, dropout_mask = without_empty_chunks(mask), without_empty_chunks(dropout_mask)
+        options = {n: without_empty_chunks(a) for n, a in options.items()}
         rng_state = self._rng.bit_generator.state
         try:
             with exclusive():
@@ -641,6 +647,7 @@ class MultiHeadAttention:
         dvalue : array, shape (B, Lk, Dv)
         """
         check_backward_inputs(self, dout)
+        dout = without_empty_chunks(dout)  # as in the forward
         with exclusive():
             grads, dmask, dinputs = self._backward(dout, self._cache)
         self.grads = grads  # assigned only once the whole backward has succeeded

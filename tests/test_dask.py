@@ -708,6 +708,54 @@ def test_a_mask_of_fewer_axes_with_an_empty_chunk_on_a_length_1_axis():
                 assert_close(g, g0, host, f"{shape} {kind}: {name}")
 
 
+@pytest.mark.parametrize("impl", ["auto", "reference", "blocked"])
+def test_empty_chunks_on_the_reference_and_blocked_paths(impl):
+    """Chunks of length 0 in q, k, v, dout and the option arrays: dask's reshape failed on
+    them in the reference and the blocked algorithm ("Missing dependency", an IndexError,
+    or an output of the wrong shape); they are dropped before the call runs."""
+    q, k, v, dout, kw = make_inputs(4, 2, 1, 2, 5, 6, 3, 2, mask_kind="float", mask_form="B11Lk")
+    rng = np.random.default_rng(4)
+    kw.update(window=(2, 1), alibi_slopes=rng.random((2, 2)), sinks=rng.standard_normal(2),
+              q_segments=np.sort(rng.integers(0, 2, (2, 5))), k_segments=np.sort(rng.integers(0, 2, (2, 6))))
+    out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    grads0 = A.sdpa_backward(dout, c0)
+    empty = dict(q=((0, 2), (1, 0, 1), (2, 0, 3), (3,)), k=((2, 0), (1,), (0, 6), (1, 2)),
+                 v=((1, 1, 0), (1,), (3, 3, 0), (2,)), dout=((2,), (0, 2), (5, 0), (1, 1)),
+                 mask=((1, 0, 1), (1,), (1,), (0, 6)), alibi_slopes=((2, 0), (1, 1)),
+                 sinks=((0, 2),), q_segments=((2,), (0, 5)), k_segments=((1, 0, 1), (6,)))
+    arrays = dict(kw, q=q, k=k, v=v, dout=dout)
+    dkw = {n: da.from_array(arrays[n], chunks=c) for n, c in empty.items()}
+    dq, dk, dv, ddout = (dkw.pop(n) for n in ("q", "k", "v", "dout"))
+    out, c = A.sdpa_forward(dq, dk, dv, impl=impl, **dict(kw, **dkw))
+    out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+    assert_close(out, out0, host, f"{impl}: out")
+    for name, g, g0 in zip(("dq", "dk", "dv", "dmask", "dsinks"), grads, grads0):
+        assert_close(g, g0, host, f"{impl}: {name}")
+
+
+def test_empty_chunks_in_the_module_on_dask():
+    """The module's head split (a reshape) failed on inputs with chunks of length 0."""
+    rng = np.random.default_rng(2)
+    B, Lq, Lk, E = 2, 5, 6, 4
+    x, y, dout = (rng.standard_normal(s) for s in ((B, Lq, E), (B, Lk, E), (B, Lq, E)))
+    pad = rng.random((B, 1, 1, Lk)) > 0.3
+    kwargs = dict(seed=3, dtype="float64", n_kv_head=2, dropout=0.2)
+    m0 = MultiHeadAttention(E, 4, **kwargs)
+    out0, _ = m0(x, y, y, mask=pad)
+    g0 = m0.backward(dout)
+    m = MultiHeadAttention(E, 4, backend="dask", **kwargs)
+    dy = da.from_array(y, chunks=((0, 2), (3, 0, 3), (4,)))
+    out, _ = m(da.from_array(x, chunks=((2,), (5, 0), (2, 2))), dy, dy,
+               mask=da.from_array(pad, chunks=((1, 1), 1, 1, (6, 0))))
+    grads = m.backward(da.from_array(dout, chunks=((1, 0, 1), (5,), (4,))))
+    out, grads, pgrads = dask.compute(out, grads, dict(m.grads), scheduler="sync")
+    assert_close(out, out0, host, "out")
+    for name, g, gr in zip(("dquery", "dkey", "dvalue"), grads, g0):
+        assert_close(g, gr, host, name)
+    for name in m0.grads:
+        assert_close(pgrads[name], m0.grads[name], host, name)
+
+
 def test_the_dask_array_module_is_a_backend_like_its_name():
     """``xp=dask.array`` (the module) is the namespace of ``"dask"``: the array API's
     ``arange(..., device=)`` of the compat layer (dask's own has no ``device``)."""
