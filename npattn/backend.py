@@ -92,6 +92,7 @@ __all__ = [
     "run_tasks",
     "is_numpy_array",
     "is_dask_array",
+    "persisted",
     "without_empty_chunks",
     "row_major",
     "row_max",
@@ -535,6 +536,27 @@ def is_numpy_array(x: Any) -> bool:
 def is_dask_array(x: Any) -> bool:
     """Whether ``x`` is a ``dask.array.Array`` (dask is not imported for the answer)."""
     return array_api_compat.is_dask_array(x)
+
+
+def persisted(*arrays: Any) -> tuple:
+    """``arrays`` with the dask ones computed now and kept computed (``dask.persist``, on
+    the current scheduler: in memory, or on a distributed client's workers); the others
+    (and None) as they are.
+
+    A dask array built step by step keeps every step in its task graph: a KV cache
+    written token by token and read at every token would compute each earlier
+    token's keys again at each step, quadratic in the tokens. Persisted, the next
+    step's graph starts from the computed chunks.
+    """
+    lazy = [i for i, a in enumerate(arrays) if is_dask_array(a)]
+    if not lazy:
+        return tuple(arrays)
+    import dask
+    done = dask.persist(*(arrays[i] for i in lazy))
+    out = list(arrays)
+    for i, a in zip(lazy, done):
+        out[i] = a
+    return tuple(out)
 
 
 def without_empty_chunks(x: Any) -> Any:

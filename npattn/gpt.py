@@ -476,6 +476,8 @@ class GPT(BlockStack):
             feed = self.xp.astype(ids, widest_int(self.xp))
             for t in range(max_new_tokens):
                 last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
+                for cache in caches:  # dask: the next step's graph starts from computed keys
+                    cache.persist()
                 steps.append(last)
                 host = np.asarray(to_numpy(last), dtype=np.float64)  # (bfloat16 included)
                 nxt = sample_next(host, rng, temperature=temperature, top_k=top_k,

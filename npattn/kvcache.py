@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from . import validation as V
-from .backend import backend_name, device_of, namespace, resolve_backend
+from .backend import backend_name, device_of, namespace, persisted, resolve_backend
 
 __all__ = ["KVCache", "AlignedKV", "unalign_columns"]
 
@@ -214,6 +214,17 @@ class KVCache:
                 self._k[b, :, L : L + n, :] = k_new[b, ...]  # [Hkv, n, Dh]
                 self._v[b, :, L : L + n, :] = v_new[b, ...]  # [Hkv, n, Dv]
         self._lens = tuple(L + n for L in lens)
+
+    def persist(self) -> None:
+        """On dask, compute the buffers now and keep them computed (``dask.persist``); on
+        other backends nothing happens.
+
+        Each ``append`` on dask adds a step to the buffers' task graph, so a decoding
+        loop that computes every token (sampling reads the logits) would compute
+        every earlier token's keys again at each step, quadratic in the tokens; call
+        this after each step (``GPT.generate`` does). The contents do not change.
+        """
+        self._k, self._v = persisted(self._k, self._v)
 
     def truncate(self, seqlens: Any) -> None:
         """Shorten the entries to ``seqlens``: one int for all, or B ints (a sequence or a

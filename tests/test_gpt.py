@@ -604,3 +604,26 @@ def test_a_block_impl_that_cannot_run_is_refused_before_the_embedding(monkeypatc
         model.forward(ids, kv_caches=caches)
     assert calls == []
     assert caches is None or [list(c.cache_seqlens) for c in caches] == [[0, 0]] * N
+
+
+def test_generate_on_dask_starts_each_step_from_computed_caches(monkeypatch):
+    """GPT.generate on dask persists its KV caches after each step: the graph an append
+    extends stays one size, where it grew by every earlier token before (40 tokens of a
+    2-block model took 36 s against 3.3 s for 10). The tokens are those of NumPy."""
+    pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    sizes = []
+    append = KVCache.append
+
+    def counting_append(self, k_new, v_new):
+        sizes.append(len(self.k.__dask_graph__()))
+        append(self, k_new, v_new)
+
+    monkeypatch.setattr(KVCache, "append", counting_append)
+    lazy = GPT(11, 16, 8, 2, 2, seed=4, dtype="float64", backend="dask")
+    prompt = np.array([[1, 2, 3], [4, 5, 6]])
+    out = lazy.generate(lazy.xp.asarray(prompt), 7, greedy=True)
+    monkeypatch.setattr(KVCache, "append", append)
+    host = GPT(11, 16, 8, 2, 2, seed=4, dtype="float64").generate(prompt, 7, greedy=True)
+    np.testing.assert_array_equal(to_numpy(out), host)
+    later = sizes[2:]  # one append per block and step; the prompt's first ones write zeros
+    assert len(later) == 12 and len(set(later)) == 1, sizes

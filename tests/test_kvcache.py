@@ -511,3 +511,27 @@ def test_kvcache_on_a_device_torch_lacks():
         pytest.skip("this torch has CUDA")
     with pytest.raises(ValueError, match="^device: expected a device of the torch backend, got 'cuda'"):
         KVCache(1, 4, 1, 4, dtype="float32", backend="torch", device="cuda")
+
+
+def test_persist_keeps_a_dask_cache_from_growing_a_step_per_token():
+    """On dask each append adds to the buffers' graph; persist computes them and keeps the
+    results, so a graph read after n appends is as small as after one (the contents kept)."""
+    da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    rng = np.random.default_rng(5)
+    lazy = KVCache(2, 12, 2, 3, value_dim=4, dtype="float64", backend="dask")
+    host = KVCache(2, 12, 2, 3, value_dim=4, dtype="float64")
+    grown, kept = [], []
+    for t in range(6):
+        k, v = rng.standard_normal((2, 2, 1 + t % 2, 3)), rng.standard_normal((2, 2, 1 + t % 2, 4))
+        lazy.append(da.from_array(k), da.from_array(v))
+        host.append(k, v)
+        grown.append(len(lazy.k.__dask_graph__()))
+        lazy.persist()
+        kept.append(len(lazy.k.__dask_graph__()))
+    assert grown[-1] == grown[1] and len(set(kept)) == 1, (grown, kept)
+    np.testing.assert_array_equal(lazy.k.compute(), host.k)
+    np.testing.assert_array_equal(lazy.v.compute(), host.v)
+    assert lazy.cache_seqlens.tolist() == host.cache_seqlens.tolist()
+    before = host.k
+    host.persist()  # NumPy: nothing to do
+    assert host.k is before
