@@ -51,8 +51,8 @@ from . import blocked, chunked
 from . import functional as F
 from . import numpy_kernel
 from . import validation as V
-from .backend import (accelerator_memory, device_of, exclusive, is_dask_array, namespace,
-                      pool_threads, without_empty_chunks)
+from .backend import (accelerator_memory, device_of, exclusive, generator_kept_on_failure,
+                      is_dask_array, namespace, pool_threads, without_empty_chunks)
 
 __all__ = [
     "IMPLS",
@@ -307,7 +307,8 @@ def sdpa_forward(
     block_q, block_k = (None if n is None else int(n) for n in (block_q, block_k))
     args = dict(mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                 dropout_mask=dropout_mask, rng=rng, groups=G)
-    with exclusive():
+    # a call that fails after it drew its dropout key leaves the caller's generator as it was
+    with generator_kept_on_failure(rng), exclusive():
         if path == "reference":
             return F.sdpa_forward_core(q, k, v, options=options, **args)
         if path == "numpy":

@@ -82,6 +82,7 @@ __all__ = [
     "is_bool",
     "make_rng",
     "dropout_key",
+    "generator_kept_on_failure",
     "keep_mask",
     "keyed_keep_mask",
     "keyed_keep_mask_on",
@@ -349,6 +350,27 @@ def dropout_key(rng: Any) -> int:
     so one generator state gives one key, and one key one mask.
     """
     return int(make_rng(rng).integers(0, 2**63))
+
+
+@contextlib.contextmanager
+def generator_kept_on_failure(rng: Any) -> Iterator[None]:
+    """Context manager: should the body raise, ``rng`` (a ``Generator`` or ``BitGenerator``;
+    a seed has no state to change) is put back in the state it had on entering.
+
+    A forward draws its dropout key (``dropout_key``) before the work that can fail
+    (memory, an interrupt); a failed call must leave the caller's generator as it was,
+    so that a retry draws the mask the failed call would have used.
+    """
+    bits = rng.bit_generator if isinstance(rng, np.random.Generator) else rng
+    if not isinstance(bits, np.random.BitGenerator):
+        yield
+        return
+    state = bits.state
+    try:
+        yield
+    except BaseException:
+        bits.state = state
+        raise
 
 
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, odd: spreads consecutive coordinates

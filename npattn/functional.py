@@ -36,8 +36,8 @@ import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
-from .backend import (check_same_device, device_of, dropout_key, is_bool, is_floating, keep_mask,
-                      namespace, row_max)
+from .backend import (check_same_device, device_of, dropout_key, generator_kept_on_failure,
+                      is_bool, is_floating, keep_mask, namespace, row_max)
 
 __all__ = [
     "linear_forward",
@@ -593,7 +593,8 @@ def dropout_forward(x: Any, p: float, *, mask: Any = None, rng: Any = None) -> t
                  dtype=x.dtype, device=device_of(x), bool_only=True, where="like x",
                  library="that of x")
     V.check_rng("rng", rng)
-    return _dropout(x, p, mask, rng)
+    with generator_kept_on_failure(rng):  # a failed call leaves the caller's generator as it was
+        return _dropout(x, p, mask, rng)
 
 
 def _dropout(x, p, mask, rng):
@@ -991,9 +992,10 @@ def sdpa_forward(
     options = checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                               softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                               q_segments=q_segments, k_segments=k_segments)
-    return sdpa_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
-                             dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng, groups=G,
-                             options=options)
+    with generator_kept_on_failure(rng):  # a failed call leaves the caller's generator as it was
+        return sdpa_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                 dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng,
+                                 groups=G, options=options)
 
 
 def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],

@@ -659,3 +659,53 @@ def test_without_threadpoolctl_tiles_run_in_order_whatever_the_variable_says(mon
     if backend.blas_controller() is not None:  # with threadpoolctl the variable is obeyed
         monkeypatch.setenv("NPATTN_NUM_THREADS", "3")
         assert backend.pool_threads() == 3
+
+
+def _fail_after_the_draw(monkeypatch, module, name):
+    """Make ``module.name`` (a step that runs once the dropout key is drawn) raise MemoryError."""
+    def failing(*a, **kw):
+        raise MemoryError("out of memory after the draw")
+
+    monkeypatch.setattr(module, name, failing)
+
+
+# each implementation's step that runs after the forward drew its dropout key
+_AFTER_THE_DRAW = {"reference": (F, "keep_mask"), "numpy": (numpy_kernel, "keyed_keep_mask"),
+                   "blocked": (blocked, "keyed_keep_mask_on")}
+
+
+@pytest.mark.parametrize("rng_kind", ["generator", "bit_generator"])
+@pytest.mark.parametrize("entry, impl", [("attention", "reference"), ("attention", "numpy"),
+                                         ("attention", "blocked"), ("functional", "reference"),
+                                         ("dropout", "reference")])
+def test_a_failed_forward_leaves_the_callers_generator_as_it_was(entry, impl, rng_kind,
+                                                                 monkeypatch):
+    """The caller's generator is the state of a functional call: a forward that fails after
+    it drew its dropout key (memory) puts the generator back, so a retry draws the mask the
+    failed call would have used. ``entry``: ``attention.sdpa_forward``,
+    ``functional.sdpa_forward`` or ``functional.dropout_forward``."""
+    r = np.random.default_rng(3)
+    q, k, v = (r.standard_normal(s) for s in ((2, 2, 9, 4), (2, 2, 11, 4), (2, 2, 11, 3)))
+    gen = np.random.default_rng(21) if rng_kind == "generator" else np.random.PCG64(21)
+    twin = np.random.default_rng(21) if rng_kind == "generator" else np.random.PCG64(21)
+
+    def forward(g):  # (out, keep-mask)
+        if entry == "dropout":
+            out, cache = F.dropout_forward(q, 0.4, rng=g)
+            return out, cache.keep
+        if entry == "functional":
+            out, cache = F.sdpa_forward(q, k, v, dropout_p=0.4, rng=g, is_causal=True)
+        else:
+            out, cache = A.sdpa_forward(q, k, v, dropout_p=0.4, rng=g, is_causal=True, impl=impl,
+                                        **({"block_q": 4, "block_k": 3} if impl == "blocked" else {}))
+        return out, A.dropout_keep_mask(cache)
+
+    with monkeypatch.context() as mp:
+        _fail_after_the_draw(mp, *_AFTER_THE_DRAW[impl])
+        with pytest.raises(MemoryError, match="after the draw"):
+            forward(gen)
+    state = (gen.bit_generator if rng_kind == "generator" else gen).state
+    assert state == (twin.bit_generator if rng_kind == "generator" else twin).state
+    (out, keep), (out_twin, keep_twin) = forward(gen), forward(twin)
+    assert np.array_equal(keep, keep_twin) and not keep.all()  # the mask drops entries
+    assert np.array_equal(out, out_twin)
