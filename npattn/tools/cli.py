@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check the gradient of every primitive (linear, split/merge heads, "
         "masked softmax, dropout, sdpa) and of MultiHeadAttention (inputs and every "
         "parameter) against central finite differences in float64, over a fixed panel of "
-        "configurations. Exit status 1 if any check fails.",
+        "configurations, sdpa and the module on every attention implementation the arrays "
+        "take (reference and blocked; the NumPy kernel on numpy, chunked on dask). Exit "
+        "status 1 if any check fails.",
     )
     check.add_argument("--backend", choices=CHECK_BACKENDS, default="numpy",
                        help="the arrays' library (default numpy); jax runs with jax_enable_x64 "
