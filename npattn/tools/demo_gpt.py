@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from .. import nn
-from ..backend import from_numpy, resolve_backend, to_numpy
+from ..backend import backend_name, from_numpy, resolve_backend, to_numpy
 from ..gpt import GPT, training_step
 from .progress import ProgressBar
 
@@ -200,7 +201,16 @@ def generate_samples(model: GPT, codec: CharCodec, *, prompts=PROMPTS, length: i
     characters as a new prompt (fresh caches: the learned positions start at
     0 again), and so on until ``length`` characters are generated. ``top_k``
     is capped at the vocabulary.
+
+    A model on dask samples from a NumPy copy of itself (``save`` and ``load``:
+    the parameters bit for bit): on dask each token is a graph of its own to
+    build and compute, and the demo's 900 characters took minutes there.
     """
+    if backend_name(model.xp) == "dask":
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "model.npz")
+            model.save(path)
+            model = GPT.load(path, backend="numpy")
     out = []
     rng = np.random.default_rng(seed)
     T = model.block_size
