@@ -41,6 +41,7 @@ floating input, ``wrt=[]``) is refused rather than passed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -328,7 +329,7 @@ def check_vjp(
             scale = float(np.sum(np.abs(g * t)))
             err = abs(analytic - numeric)
             rel = _relative(err, scale, atol)
-            passed = passed and err <= atol + rtol * scale
+            passed = passed and _within(err, scale, atol, rtol)
             if rel >= worst_rel:
                 worst_abs, worst_rel, worst_scale = err, rel, scale
         report.inputs.append(InputReport(names[i], worst_abs, worst_rel, worst_scale, passed))
@@ -340,11 +341,20 @@ def _rounding_floor(out, dout, eps: float) -> float:
     return 16 * 2.0**-52 * float(np.sum(np.abs(_host64(out) * _host64(dout)))) / eps
 
 
+def _within(err: float, scale: float, atol: float, rtol: float) -> bool:
+    """``err <= atol + rtol * scale``, and never for an infinite gradient: an inf entry makes
+    ``err`` and ``scale`` both inf, and ``inf <= inf`` holds."""
+    return math.isfinite(scale) and err <= atol + rtol * scale
+
+
 def _relative(err: float, scale: float, atol: float) -> float:
     """``err / scale``; a gradient of scale <= atol counts as zero (0 when err <= atol too).
-    A NaN scale or atol (a NaN output) gives inf unless ``err <= atol``."""
+    A NaN or infinite error (a NaN output, an inf gradient), or a NaN scale or atol unless
+    ``err <= atol``, gives inf (inf / inf was NaN)."""
+    if not math.isfinite(err):
+        return math.inf
     if not scale > atol:
-        return 0.0 if err <= atol else np.inf
+        return 0.0 if err <= atol else math.inf
     return err / scale
 
 
@@ -490,7 +500,7 @@ def gradcheck(
         err = float(np.max(np.abs(g - n), initial=0.0))
         scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
         rel = _relative(err, scale, atol)
-        report.inputs.append(InputReport(names[i], err, rel, scale, err <= atol + rtol * scale))
+        report.inputs.append(InputReport(names[i], err, rel, scale, _within(err, scale, atol, rtol)))
     return report
 
 

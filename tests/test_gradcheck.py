@@ -277,3 +277,21 @@ def test_bfloat16_torch_inputs_are_checked_in_float64():
     report = gradcheck(A.sdpa_forward, A.sdpa_backward, [q, q, q], mode="full")
     assert report.ok, report
     assert q.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf])
+def test_an_infinite_gradient_entry_fails(mode, bad):
+    """One inf entry made the error and the scale both inf, and ``inf <= atol + rtol * inf``
+    held: the check passed, with a relative error of NaN in full mode and of 0 in vjp mode."""
+    x = np.random.default_rng(0).standard_normal((2, 3))
+
+    def backward(d, x):
+        g = 2.0 * d * x
+        g[0, 1] = bad
+        return g
+
+    report = gradcheck(lambda x: (x * x, x), backward, [x], mode=mode)
+    assert not report.ok
+    assert report["input0"].max_rel_err == np.inf and "FAIL" in str(report)
+    assert not check_vjp(lambda t: t * t, [x], [np.full_like(x, bad)], x).ok
