@@ -110,7 +110,7 @@ class _Float64Evaluator:
         self.dout = dout_host
 
     def loss(self, host) -> float:
-        out = _host64(self.f(*_on_backend(self.like, host)))
+        out = _host64(_real_output("f", self.f(*_on_backend(self.like, host))))
         if out.shape != self.dout.shape:  # no broadcast: dout is the output's gradient
             raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
                              f"got {self.dout.shape}")
@@ -141,14 +141,27 @@ def _is_float_array(x) -> bool:
     return is_floating(xp, x)
 
 
-def _real_dout(dout: Any) -> Any:
-    """``dout``, checked: an array (or NumPy scalar) of a real dtype (a complex one's imaginary
+def _real(name: str, x: Any, what: str) -> Any:
+    """``x``, checked: an array (or NumPy scalar) of a real dtype (a complex one's imaginary
     part would be dropped by the float64 copy)."""
-    V.check_array("dout", dout)
-    if isdtype(namespace(dout), dout.dtype, "complex floating"):
-        raise TypeError(f"dout: expected a real array (the gradient of a real output), got dtype "
-                        f"{V.dtype_name(dout.dtype)}")
-    return dout
+    V.check_array(name, x)
+    if isdtype(namespace(x), x.dtype, "complex floating"):
+        raise TypeError(f"{name}: expected a real array ({what}), got dtype {V.dtype_name(x.dtype)}")
+    return x
+
+
+def _real_dout(dout: Any) -> Any:
+    return _real("dout", dout, "the gradient of a real output")
+
+
+def _real_output(name: str, out: Any) -> Any:
+    """What the function under check returned: a real array (``L = <out, dout>`` is real)."""
+    try:
+        namespace(out)
+    except TypeError:
+        raise TypeError(f"{name}: expected a function returning an array, got one returning "
+                        f"{V.type_name(out)}") from None
+    return _real(name, out, "the output of a real function, whose imaginary part would be dropped")
 
 
 def _host64(x) -> np.ndarray:
@@ -297,11 +310,11 @@ def check_vjp(
                          f"None for those not checked), got {len(grads)}")
     for i in wrt:
         if grads[i] is not None:
-            V.check_array(f"grads[{i}]", grads[i])
+            _real(f"grads[{i}]", grads[i], "that of a real input")
     rng = np.random.default_rng(seed)
     ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
     if atol is None:
-        out = _host64(f(*_on_backend(ev.like, ev.host)))
+        out = _host64(_real_output("f", f(*_on_backend(ev.like, ev.host))))
         if out.shape != ev.dout.shape:  # no broadcast: dout is the output's gradient
             raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
                              f"got {ev.dout.shape}")
@@ -425,10 +438,12 @@ def gradcheck(
     Raises
     ------
     TypeError
-        ``forward`` did not return a pair ``(out, cache)`` with ``out`` an array.
+        ``forward`` did not return a pair ``(out, cache)`` with ``out`` a real
+        array, or ``backward`` a real array for a checked input.
     ValueError
-        ``backward`` returned fewer gradients than the inputs it must cover, or
-        None for a checked input.
+        ``backward`` returned fewer gradients than the inputs it must cover,
+        None for a checked input, or a gradient of another shape than its input
+        (each found before any difference is taken).
 
     Examples
     --------
@@ -449,6 +464,7 @@ def gradcheck(
     # the inputs in float64, on their own backend and device
     ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])
     out, cache = _forward_pair(forward(*ev_inputs))
+    _real_output("forward", out)
     rng = np.random.default_rng(seed)
     if dout is None:
         dout_host = rng.standard_normal(tuple(out.shape))  # [*out.shape]
@@ -472,6 +488,13 @@ def gradcheck(
             f"{len(inputs)} inputs, so {', '.join(names[i] for i in missing)} has none"
         )
     grads = list(grads) + [None] * (len(inputs) - len(grads))
+    for i in wrt:  # before the differences, and in the same words for both modes
+        if grads[i] is None:
+            raise ValueError(f"backward returned None for {names[i]}, which is checked")
+        _real(f"gradient of {names[i]} (what backward returned)", grads[i], "that of a real input")
+        if V.shape_of(grads[i]) != V.shape_of(inputs[i]):
+            raise ValueError(f"gradient of {names[i]}: expected shape {V.shape_of(inputs[i])}, "
+                             f"got {V.shape_of(grads[i])}")
 
     def f(*a):
         return forward(*a)[0]
@@ -490,13 +513,7 @@ def gradcheck(
         atol = _rounding_floor(out, dout, eps)
     report = GradcheckReport("full", rtol=rtol, atol=atol)
     for i in wrt:
-        if grads[i] is None:
-            raise ValueError(f"backward returned None for {names[i]}, which is checked")
-        V.check_array(f"gradient of {names[i]} (what backward returned)", grads[i])
-        g = _host64(grads[i])
-        n = numeric[i]
-        if g.shape != n.shape:
-            raise ValueError(f"gradient of {names[i]}: expected shape {n.shape}, got {g.shape}")
+        g, n = _host64(grads[i]), numeric[i]
         err = float(np.max(np.abs(g - n), initial=0.0))
         scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
         rel = _relative(err, scale, atol)

@@ -295,3 +295,32 @@ def test_an_infinite_gradient_entry_fails(mode, bad):
     assert not report.ok
     assert report["input0"].max_rel_err == np.inf and "FAIL" in str(report)
     assert not check_vjp(lambda t: t * t, [x], [np.full_like(x, bad)], x).ok
+
+
+def test_a_complex_output_or_gradient_is_refused_not_cut_to_its_real_part():
+    """The float64 copies dropped the imaginary part (NumPy's ComplexWarning only): a gradient
+    2 x + 1j passed as 2 x, and an output x^2 + 1j x was checked as x^2. A gradient of the wrong
+    shape is found before the differences run, in the words of full mode in vjp mode too (it
+    was 'grads[0] (input0)', check_vjp's argument)."""
+    x = np.random.default_rng(0).standard_normal((2, 3))
+    calls = []
+
+    def forward(a):
+        calls.append(1)
+        return a * a, a
+
+    for mode in ("full", "vjp"):
+        with raises(TypeError, "gradient of x (what backward returned)", "real", "complex128"):
+            gradcheck(forward, lambda d, a: 2.0 * d * a + 1j, [x], names=["x"], mode=mode)
+        with raises(ValueError, "gradient of x", "(2, 3)", "(3, 2)"):
+            gradcheck(forward, lambda d, a: (2.0 * d * a).T, [x], names=["x"], mode=mode)
+        with raises(TypeError, "forward", "real", "complex128"):
+            gradcheck(lambda a: (a * a + 1j * a, a), lambda d, a: 2.0 * d * a, [x], mode=mode)
+    assert len(calls) == 4  # the analytic forward only: nothing differenced
+    with raises(TypeError, "grads[0]", "real", "complex128"):
+        check_vjp(lambda a: a * a, [x], [2.0 * x + 1j], x)
+    for check in (lambda f: check_vjp(f, [x], [2.0 * x], x), lambda f: numerical_vjp(f, [x], x)):
+        with raises(TypeError, "f", "real", "complex128"):
+            check(lambda a: a * a + 1j * a)
+        with raises(TypeError, "f", "returning an array", "list"):  # was 'x: expected an array'
+            check(lambda a: (a * a).tolist())
