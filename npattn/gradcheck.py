@@ -255,6 +255,8 @@ def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any
     if not wrt:
         raise ValueError("wrt: expected at least one input index to check, got none")
     wrt = [V.check_size("wrt entry", i) for i in wrt]  # Python ints
+    if len(set(wrt)) != len(wrt):  # each would be checked, and reported, twice
+        raise ValueError(f"wrt: expected distinct input indices, got {wrt}")
     for i in wrt:
         if i >= len(inputs) or i not in floating:
             raise ValueError(f"wrt: expected indices of floating array inputs {floating}, got {i}")
@@ -372,12 +374,15 @@ def _relative(err: float, scale: float, atol: float) -> float:
 
 
 def _names(names, n):
+    """One str per input (a str is not a sequence of names: 'xw' would name two inputs)."""
     if names is None:
         return [f"input{i}" for i in range(n)]
-    names = list(names)
+    if not isinstance(names, (list, tuple)) or not all(isinstance(a, str) for a in names):
+        got = V.type_name(names) if not isinstance(names, (list, tuple)) else repr(list(names))
+        raise TypeError(f"names: expected None or a list or tuple of str, one per input, got {got}")
     if len(names) != n:
         raise ValueError(f"names: expected {n} names, got {len(names)}")
-    return names
+    return list(names)
 
 
 def gradcheck(
@@ -461,6 +466,8 @@ def gradcheck(
                        atol=atol, n_directions=n_directions, seed=seed, wrt=wrt)
     max_full_size = V.check_size("max_full_size", max_full_size)
     names = _names(names, len(inputs))
+    if dout is not None:  # an array of a real dtype; its library and shape once out is known
+        _real_dout(dout)
     # the inputs in float64, on their own backend and device
     ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])
     out, cache = _forward_pair(forward(*ev_inputs))
@@ -472,7 +479,6 @@ def gradcheck(
     else:  # the caller's: an array of out's library and shape (its dtype may differ)
         V.check_array("dout", dout, namespace(out), device_of(out), where="that of the forward's out",
                       library="that of the forward's out")
-        _real_dout(dout)
         if V.shape_of(dout) != V.shape_of(out):
             raise ValueError(f"dout: expected shape {V.shape_of(out)} (that of the forward's out), "
                              f"got {V.shape_of(dout)}")

@@ -324,3 +324,34 @@ def test_a_complex_output_or_gradient_is_refused_not_cut_to_its_real_part():
             check(lambda a: a * a + 1j * a)
         with raises(TypeError, "f", "returning an array", "list"):  # was 'x: expected an array'
             check(lambda a: (a * a).tolist())
+
+
+def test_names_wrt_and_dout_are_checked_before_the_forward_runs():
+    """names='xw' named two inputs 'x' and 'w', names=[1] a column 1, names=3 raised Python's
+    "'int' object is not iterable"; wrt=[0, 0] checked input 0 twice (two report rows); a
+    dout that is no array was found after the forward had run."""
+    calls = []
+
+    def forward(x, w):
+        calls.append(1)
+        return x * w, (x, w)
+
+    x = np.random.default_rng(0).standard_normal((2, 3))
+    backward = lambda d, c: (d * c[1], d * c[0])  # noqa: E731
+    cases = [
+        (dict(names="xw"), TypeError, ("names", "list or tuple of str", "str")),
+        (dict(names=[1, 2]), TypeError, ("names", "list or tuple of str", "[1, 2]")),
+        (dict(names=3), TypeError, ("names", "list or tuple of str", "int")),
+        (dict(wrt=[0, 0]), ValueError, ("wrt", "distinct", "[0, 0]")),
+        (dict(dout=[[1.0] * 3] * 2), TypeError, ("dout", "array", "list")),
+        (dict(dout=np.ones((2, 3)) + 0j), TypeError, ("dout", "real", "complex128")),
+    ]
+    for kw, exc, fragments in cases:
+        with raises(exc, *fragments):
+            gradcheck(forward, backward, [x, x], **kw)
+    with raises(ValueError, "wrt", "distinct"):
+        check_vjp(lambda a: 2.0 * a, [x], [2.0 * x], x, wrt=[0, 0])
+    with raises(TypeError, "names", "list or tuple of str"):
+        check_vjp(lambda a: 2.0 * a, [x], [2.0 * x], x, names="x")
+    assert not calls
+    assert gradcheck(forward, backward, [x, x], names=("x", "w"), wrt=(1,)).ok  # tuples are fine
