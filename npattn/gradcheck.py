@@ -105,12 +105,24 @@ class _Float64Evaluator:
 
     def __init__(self, f, inputs, dout_host):
         self.f = f
-        self.like = inputs
+        self.like = _own_copies(inputs)
         self.host = [_host64(x) if _is_float_array(x) else None for x in inputs]
         self.dout = dout_host
+        self.checked = False
+
+    def output(self, host) -> np.ndarray:
+        """``f`` at ``host``, a host float64 array; the first call checks that ``f`` left its
+        arguments as they were (the others reuse them: ``host``'s arrays reach ``f`` uncopied)."""
+        args = _on_backend(self.like, host)
+        before = None if self.checked else _snapshot(args)
+        out = _host64(_real_output("f", self.f(*args)))
+        if before is not None:
+            _check_untouched("f", "its arguments", args, before)
+            self.checked = True
+        return out
 
     def loss(self, host) -> float:
-        out = _host64(_real_output("f", self.f(*_on_backend(self.like, host))))
+        out = self.output(host)
         if out.shape != self.dout.shape:  # no broadcast: dout is the output's gradient
             raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
                              f"got {self.dout.shape}")
@@ -129,6 +141,47 @@ def _on_backend(like, host):
         else:
             out.append(from_numpy(h, namespace(x), device_of(x)))
     return out
+
+
+def _is_array(x) -> bool:
+    if x is None:
+        return False
+    try:
+        namespace(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _own_copies(inputs) -> list:
+    """``inputs`` with each array that is not floating (a mask, token ids) copied: the function
+    under check gets those as they are, and one that writes into them must not reach the
+    caller's (floating ones are copied to float64 anyway)."""
+    return [namespace(x).asarray(x, copy=True)
+            if _is_array(x) and not isinstance(x, np.generic) and not _is_float_array(x) else x
+            for x in inputs]
+
+
+def _snapshot(args) -> list:
+    """Host copies of the arrays among ``args`` (None for the rest), for ``_check_untouched``."""
+    return [_host_copy(a) if _is_array(a) else None for a in args]
+
+
+def _host_copy(a) -> np.ndarray:
+    return _host64(a) if _is_float_array(a) else np.asarray(to_numpy(a))
+
+
+def _check_untouched(who: str, what: str, args, before, labels=None) -> None:
+    """``ValueError`` when an array among ``args`` differs from its copy in ``before``: the
+    function wrote into it, and the check would compare gradients at other values."""
+    for i, (a, b) in enumerate(zip(args, before)):
+        if b is not None and not np.array_equal(_host_copy(a), b, equal_nan=True):
+            name = labels[i] if labels is not None else f"inputs[{i}]"
+            raise ValueError(
+                f"{who}: expected a function that leaves {what} as they are, got one that wrote "
+                f"into {name}; copy an array before changing it in place (a gradient check "
+                "evaluates the function many times at the same inputs)"
+            )
 
 
 def _is_float_array(x) -> bool:
@@ -316,7 +369,7 @@ def check_vjp(
     rng = np.random.default_rng(seed)
     ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
     if atol is None:
-        out = _host64(_real_output("f", f(*_on_backend(ev.like, ev.host))))
+        out = ev.output(ev.host)
         if out.shape != ev.dout.shape:  # no broadcast: dout is the output's gradient
             raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
                              f"got {ev.dout.shape}")
@@ -468,9 +521,12 @@ def gradcheck(
     names = _names(names, len(inputs))
     if dout is not None:  # an array of a real dtype; its library and shape once out is known
         _real_dout(dout)
-    # the inputs in float64, on their own backend and device
-    ev_inputs = _on_backend(inputs, [_host64(x) if _is_float_array(x) else None for x in inputs])
+    # the inputs in float64, on their own backend and device (masks copied)
+    ev_inputs = _on_backend(_own_copies(inputs), [_host64(x) if _is_float_array(x) else None for x in inputs])
+    before = _snapshot(ev_inputs)
     out, cache = _forward_pair(forward(*ev_inputs))
+    labels = [f"inputs[{i}] ({name})" for i, name in enumerate(names)]
+    _check_untouched("forward", "its arguments", ev_inputs, before, labels)
     _real_output("forward", out)
     rng = np.random.default_rng(seed)
     if dout is None:
@@ -482,7 +538,10 @@ def gradcheck(
         if V.shape_of(dout) != V.shape_of(out):
             raise ValueError(f"dout: expected shape {V.shape_of(out)} (that of the forward's out), "
                              f"got {V.shape_of(dout)}")
+    dout_before = _host_copy(dout)
     grads = backward(dout, cache)
+    _check_untouched("backward", "dout and its cache", ev_inputs, before, labels)  # via the cache
+    _check_untouched("backward", "dout and its cache", [dout], [dout_before], ["dout"])
     if not isinstance(grads, (tuple, list)):
         grads = (grads,)
     missing = [i for i in wrt if i >= len(grads)]

@@ -355,3 +355,57 @@ def test_names_wrt_and_dout_are_checked_before_the_forward_runs():
         check_vjp(lambda a: 2.0 * a, [x], [2.0 * x], x, names="x")
     assert not calls
     assert gradcheck(forward, backward, [x, x], names=("x", "w"), wrt=(1,)).ok  # tuples are fine
+
+
+def test_a_function_that_writes_into_its_arguments_is_named_and_the_callers_arrays_stay():
+    """A forward that wrote into its mask argument wrote into the caller's mask (masks were
+    passed uncopied); one that wrote into its floating input, or a backward that wrote into
+    dout or (through its cache) into an input, failed with a relative error of 1 and no word
+    of why: the differences were taken at the changed values, with a zeroed dout."""
+    rng = np.random.default_rng(0)
+    x, mask = rng.standard_normal((2, 3)), rng.random((2, 3)) > 0.3
+    x0, mask0 = x.copy(), mask.copy()
+
+    def forward(a, m):
+        return a * a * m, (a, m)
+
+    def backward(d, c):
+        return 2.0 * d * c[0] * c[1], None
+
+    assert gradcheck(forward, backward, [x, mask], wrt=[0]).ok
+
+    def writes_mask(a, m):
+        out = forward(a, m)
+        m[...] = False
+        return out
+
+    def writes_x(a, m):
+        out = forward(a.copy(), m)
+        a *= 2.0
+        return out
+
+    def writes_dout(d, c):
+        g = backward(d, c)
+        d[...] = 0.0
+        return g
+
+    def writes_cache(d, c):
+        g = backward(d, c)
+        c[0][...] = 0.0  # the cache holds the input itself
+        return g
+
+    for mode in ("full", "vjp"):
+        with raises(ValueError, "forward", "leaves its arguments", "inputs[1] (mask)"):
+            gradcheck(writes_mask, backward, [x, mask], names=["x", "mask"], wrt=[0], mode=mode)
+        with raises(ValueError, "forward", "inputs[0] (x)"):
+            gradcheck(writes_x, backward, [x, mask], names=["x", "mask"], wrt=[0], mode=mode)
+        with raises(ValueError, "backward", "dout"):
+            gradcheck(forward, writes_dout, [x, mask], wrt=[0], mode=mode)
+        with raises(ValueError, "backward", "inputs[0] (x)"):
+            gradcheck(forward, writes_cache, [x, mask], names=["x", "mask"], wrt=[0], mode=mode)
+    with raises(ValueError, "f", "leaves its arguments", "inputs[1]"):
+        check_vjp(lambda a, m: writes_mask(a, m)[0], [x, mask], [2.0 * x, None], x, wrt=[0])
+    with raises(ValueError, "f", "leaves its arguments", "inputs[0]"):
+        numerical_vjp(lambda a, m: writes_x(a, m)[0], [x, mask], x, wrt=[0])
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(mask, mask0)
