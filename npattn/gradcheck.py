@@ -63,6 +63,9 @@ class InputReport:
     max_rel_err: float
     scale: float
     passed: bool
+    where: Optional[tuple] = None
+    """Full mode: the index of the entry with the largest absolute error (None in vjp mode,
+    which compares whole directions, and for an input of no entries)."""
 
 
 @dataclass
@@ -96,7 +99,8 @@ class GradcheckReport:
                  f"err <= {self.atol:.3g} + {self.rtol:.3g} * scale)"]
         for r in self.inputs:
             verdict = "pass" if r.passed else "FAIL"
-            lines.append(f"{r.name:<12} {r.max_abs_err:12.3e} {r.max_rel_err:12.3e}  {verdict}")
+            at = f" at {r.where}" if not r.passed and r.where is not None else ""
+            lines.append(f"{r.name:<12} {r.max_abs_err:12.3e} {r.max_rel_err:12.3e}  {verdict}{at}")
         return "\n".join(lines)
 
 
@@ -579,10 +583,13 @@ def gradcheck(
     report = GradcheckReport("full", rtol=rtol, atol=atol)
     for i in wrt:
         g, n = _host64(grads[i]), numeric[i]
-        err = float(np.max(np.abs(g - n), initial=0.0))
+        diff = np.abs(g - n)  # [*x_i.shape]
+        err = float(np.max(diff, initial=0.0))
+        where = None if diff.size == 0 else tuple(int(j) for j in np.unravel_index(
+            np.argmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape))  # a NaN is the worst
         scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
         rel = _relative(err, scale, atol)
-        report.inputs.append(InputReport(names[i], err, rel, scale, _within(err, scale, atol, rtol)))
+        report.inputs.append(InputReport(names[i], err, rel, scale, _within(err, scale, atol, rtol), where))
     return report
 
 

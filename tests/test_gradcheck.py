@@ -409,3 +409,21 @@ def test_a_function_that_writes_into_its_arguments_is_named_and_the_callers_arra
         numerical_vjp(lambda a, m: writes_x(a, m)[0], [x, mask], x, wrt=[0])
     np.testing.assert_array_equal(x, x0)
     np.testing.assert_array_equal(mask, mask0)
+
+
+def test_a_failing_input_says_where_in_full_mode():
+    """The report named the input but not the entry: one wrong sign in a 4 x 4 gradient was
+    'FAIL' with no index."""
+    rng = np.random.default_rng(3)
+    a, x = rng.standard_normal((4, 4)), rng.standard_normal((4, 4))
+
+    def backward(d, c):
+        da, dx = d @ c[1].T, c[0].T @ d
+        da[2, 1] = -da[2, 1]
+        return da, dx
+
+    report = gradcheck(lambda a, x: (a @ x, (a, x)), backward, [a, x], names=["a", "x"], mode="full")
+    assert not report["a"].passed and report["a"].where == (2, 1)
+    assert report["x"].passed
+    assert "FAIL at (2, 1)" in str(report)
+    assert gradcheck(lambda a, x: (a @ x, (a, x)), backward, [a, x], mode="vjp")["input0"].where is None
