@@ -191,9 +191,10 @@ def accelerator_memory(x: Any) -> Optional[int]:
     same implementation for the same call on the same device whatever else is
     allocated (``npattn.attention.auto_blocked``).
     """
-    if array_api_compat.is_cupy_array(x):
+    library = type(x).__module__.partition(".")[0]  # not a library's import: it may be absent
+    if library == "cupy" and array_api_compat.is_cupy_array(x):
         return int(x.device.mem_info[1])  # cupy.cuda.Device.mem_info: (free, total)
-    if array_api_compat.is_torch_array(x) and x.device.type == "cuda":
+    if library == "torch" and array_api_compat.is_torch_array(x) and x.device.type == "cuda":
         import torch
         return int(torch.cuda.get_device_properties(x.device).total_memory)
     return None
