@@ -329,11 +329,12 @@ def row_max(xp: Any, x: Any) -> Any:
     ``xp.max`` on every backend, but for an array without entries (an empty
     batch): dask's max of a zero-size array fails at compute even over a
     non-empty axis (each chunk's reduction has no identity), so the result,
-    which has no entries either, is taken as the slice ``x[..., :1]``.
+    which has no entries either, is taken as the slice ``x[..., :1]``. A dask
+    array's chunks of length 0 fail there too, so they are left out first.
     """
     if math.prod(x.shape) == 0 and x.shape[-1] > 0:
         return x[..., :1]
-    return xp.max(x, axis=-1, keepdims=True)
+    return xp.max(without_empty_chunks(x), axis=-1, keepdims=True)
 
 
 def make_rng(seed: Any) -> np.random.Generator:

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
 from .backend import (check_same_device, device_of, dropout_key, generator_kept_on_failure,
-                      is_bool, is_floating, keep_mask, namespace, row_max)
+                      is_bool, is_floating, keep_mask, namespace, row_max, without_empty_chunks)
 
 __all__ = [
     "linear_forward",
@@ -175,6 +175,7 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, LinearCache]:
     # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
     check_linear_inputs(x, w, b)
     xp = namespace(x, w, b)
+    x = without_empty_chunks(x)  # dask's reshape fails on some chunks of length 0
     # one (N, Din) x (Din, Dout) GEMM over all leading axes: NumPy's matmul
     # would otherwise run one smaller GEMM per batch entry (1.2-1.5x slower). N spelled
     # out: a -1 beside Din = 0 is ambiguous, and NumPy refuses it
@@ -225,6 +226,7 @@ def linear_backward(dy: Any, cache: LinearCache) -> tuple[Any, Any, Any]:
     # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
     check_linear_grad(dy, cache)
     xp = namespace(dy, cache.x)
+    dy = without_empty_chunks(dy)  # as x in the forward
     x, w = cache.x, cache.w
     # forward: y = x @ w.T + b
     n = math.prod(V.shape_of(x)[:-1])  # N (a -1 beside a zero width is ambiguous)
@@ -986,6 +988,10 @@ def sdpa_forward(
     blocked algorithm and the NumPy kernel, which compute the same function.
     """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
+    # dask allows chunks of length 0, and its reshape and concatenate fail on some
+    q, k, v, mask, dropout_mask, alibi_slopes, sinks, q_segments, k_segments = (
+        without_empty_chunks(a) for a in (q, k, v, mask, dropout_mask, alibi_slopes, sinks,
+                                          q_segments, k_segments))
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, rng=rng)
     G = gqa_groups(q, k, v, enable_gqa)
@@ -1087,6 +1093,7 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     """
     # [B, H, Lq, Dv] -> [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv], mask shape, [H]
     V.check_cache("cache", cache, SDPACache, "sdpa_forward")
+    dout, dlse = without_empty_chunks(dout), without_empty_chunks(dlse)  # as in the forward
     xp_c, dev = namespace(cache.q), device_of(cache.q)
     V.check_grad("dout", dout, shape=(*cache.probs.shape[:-1], cache.v.shape[-1]),
                  dtype=cache.in_dtype, xp=xp_c, device=dev, of="the forward's out")

@@ -21,7 +21,8 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import device_of, float64_namespace, float64_result, namespace, resolve_backend, widest_int
+from .backend import (device_of, float64_namespace, float64_result, namespace, resolve_backend,
+                      row_max, widest_int, without_empty_chunks)
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -100,6 +101,7 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     xp = namespace(table)
     Vd.check_ids("ids", ids, table.shape[0], xp, device_of(table), what="token ids", like="table")
     V = table.shape[0]
+    ids = without_empty_chunks(ids)  # dask's reshape fails on some chunks of length 0
     onehot = _one_hot(xp, ids, V, table.dtype)  # 1.  [..., V], for the backward
     # 2. out = onehot @ table, as the gather it equals; the ids as a 1-D array of the widest
     # int (torch takes int32 or int64 indices only; the ids are checked to lie in [0, V))
@@ -126,6 +128,7 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
         Vd.check_grad("dout", dout, shape=(*Vd.shape_of(oh)[:-1], cache.width), dtype=oh.dtype,
                       xp=namespace(oh), device=device_of(oh), of="the forward's out")
     xp = namespace(dout, cache.onehot)
+    dout = without_empty_chunks(dout)  # as the ids in the forward
     # 2. out = onehot @ table (N spelled out: a -1 beside a zero width, D = 0 or V = 0, is
     # ambiguous and NumPy refuses it)
     n = math.prod(Vd.shape_of(oh)[:-1])
@@ -270,7 +273,7 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     V = logits.shape[-1]
     ct = compute_dtype(xp, logits.dtype)
     z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
-    m = xp.max(z, axis=-1, keepdims=True)  # 1.                         [..., 1]
+    m = row_max(xp, z)  # 1. max over the classes                     [..., 1]
     lse = m + xp.log(xp.sum(xp.exp(z - m), axis=-1, keepdims=True))  # 2. [..., 1]
     logp = z - lse  # 3.                                                [..., V]
     onehot = _one_hot(xp, targets, V, ct)  # [..., V]

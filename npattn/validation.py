@@ -35,7 +35,7 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 import array_api_compat
 import numpy as np
 
-from .backend import backend_name, device_of, isdtype, keeps_dtype
+from .backend import backend_name, device_of, isdtype, keeps_dtype, without_empty_chunks
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -370,7 +370,8 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
                         f"with ({', '.join(dtype_name(d) for d in supported)}), got dtype "
                         f"{dtype_name(ids.dtype)}; cast it to int64 first")
     if math.prod(shape_of(ids)):
-        lo, hi = int(ns.min(ids)), int(ns.max(ids))
+        whole = without_empty_chunks(ids)  # dask's min and max fail on chunks of length 0
+        lo, hi = int(ns.min(whole)), int(ns.max(whole))
         if lo < 0 or hi >= n:
             raise ValueError(f"{name}: expected {what} in [0, {n}), got values in [{lo}, {hi}]")
 

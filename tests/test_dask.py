@@ -708,11 +708,13 @@ def test_a_mask_of_fewer_axes_with_an_empty_chunk_on_a_length_1_axis():
                 assert_close(g, g0, host, f"{shape} {kind}: {name}")
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference", "blocked"])
+@pytest.mark.parametrize("impl", ["auto", "reference", "blocked", "functional"])
 def test_empty_chunks_on_the_reference_and_blocked_paths(impl):
     """Chunks of length 0 in q, k, v, dout and the option arrays: dask's reshape failed on
     them in the reference and the blocked algorithm ("Missing dependency", an IndexError,
-    or an output of the wrong shape); they are dropped before the call runs."""
+    or an output of the wrong shape); they are dropped before the call runs, also by the
+    reference's own entry points (impl "functional": functional.sdpa_forward/backward
+    called directly, which failed with a ValueError from dask's concatenate)."""
     q, k, v, dout, kw = make_inputs(4, 2, 1, 2, 5, 6, 3, 2, mask_kind="float", mask_form="B11Lk")
     rng = np.random.default_rng(4)
     kw.update(window=(2, 1), alibi_slopes=rng.random((2, 2)), sinks=rng.standard_normal(2),
@@ -726,8 +728,12 @@ def test_empty_chunks_on_the_reference_and_blocked_paths(impl):
     arrays = dict(kw, q=q, k=k, v=v, dout=dout)
     dkw = {n: da.from_array(arrays[n], chunks=c) for n, c in empty.items()}
     dq, dk, dv, ddout = (dkw.pop(n) for n in ("q", "k", "v", "dout"))
-    out, c = A.sdpa_forward(dq, dk, dv, impl=impl, **dict(kw, **dkw))
-    out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+    if impl == "functional":
+        out, c = F.sdpa_forward(dq, dk, dv, **dict(kw, **dkw))
+        out, grads = dask.compute(out, F.sdpa_backward(ddout, c), scheduler="sync")
+    else:
+        out, c = A.sdpa_forward(dq, dk, dv, impl=impl, **dict(kw, **dkw))
+        out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
     assert_close(out, out0, host, f"{impl}: out")
     for name, g, g0 in zip(("dq", "dk", "dv", "dmask", "dsinks"), grads, grads0):
         assert_close(g, g0, host, f"{impl}: {name}")
@@ -754,6 +760,99 @@ def test_empty_chunks_in_the_module_on_dask():
         assert_close(g, gr, host, name)
     for name in m0.grads:
         assert_close(pgrads[name], m0.grads[name], host, name)
+
+
+def _with_empty_chunks(x, seed):
+    """``x`` as a dask array whose every axis of length >= 2 has a chunk of length 0 inside."""
+    rng = np.random.default_rng(seed)
+    chunks = []
+    for n in x.shape:
+        cut = int(rng.integers(1, n)) if n >= 2 else n
+        chunks.append((cut, 0, n - cut) if n >= 2 else (n,))
+    return da.from_array(x, chunks=tuple(chunks))
+
+
+def test_empty_chunks_in_the_primitives_and_the_models():
+    """dask's reshape and its max and min fail on some chunks of length 0 (a ValueError from
+    its concatenate at compute, or 'cannot reshape'): the reference's masked softmax, linear,
+    layer norm, cross-entropy and embedding, called directly, and GPT's forward and backward
+    failed on such inputs; each now gives NumPy's numbers (forward and backward)."""
+    from npattn import layers as Ly
+    from npattn import nn
+    from npattn.gpt import GPT
+    rng = np.random.default_rng(5)
+    s, ds = rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 3, 4, 5))
+    x, dx = rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 4, 6))
+    w, b, dy = rng.standard_normal((5, 6)), rng.standard_normal(5), rng.standard_normal((3, 4, 5))
+    gamma, beta, table = rng.standard_normal(6), rng.standard_normal(6), rng.standard_normal((5, 6))
+    ids = rng.integers(0, 5, (3, 4))
+
+    def pair(forward, backward, inputs, grad):  # f: host arrays as they are, or on dask
+        return lambda f: (lambda y, c: (y, *backward(f(grad, 9), c)))(
+            *forward(*(f(a, n) for n, a in enumerate(inputs))))
+
+    cases = {
+        "masked_softmax": pair(F.masked_softmax_forward, F.masked_softmax_backward, [s], ds),
+        "linear": pair(F.linear_forward, F.linear_backward, [x, w, b], dy),
+        "layer_norm": pair(Ly.layer_norm_forward, Ly.layer_norm_backward, [x, gamma, beta], dx),
+        "cross_entropy": lambda f: (lambda y, c: (y, *nn.cross_entropy_backward(0.7, c)))(
+            *nn.cross_entropy_forward(f(dy, 0), f(ids, 1))),
+        "embedding": pair(nn.embedding_forward, nn.embedding_backward, [ids, table], dx),
+    }
+    for name, call in cases.items():
+        ref = call(lambda a, n: a)
+        got = dask.compute(call(_with_empty_chunks), scheduler="sync")[0]
+        assert len(got) == len(ref)
+        for i, (g, r) in enumerate(zip(got, ref)):
+            assert_close(g, r, host, f"{name}: output {i}")
+    model = dict(vocab_size=7, block_size=6, d_model=8, n_layer=2, n_head=2, seed=4, dtype="float64")
+    ids, dlogits = rng.integers(0, 7, (3, 6)), rng.standard_normal((3, 6, 7))
+    m0, m = GPT(**model), GPT(**model, backend="dask")
+    logits0, logits = m0.forward(ids), m.forward(_with_empty_chunks(ids, 2))
+    m0.backward(dlogits)
+    m.backward(_with_empty_chunks(dlogits, 3))
+    logits, grads = dask.compute(logits, dict(m.grads), scheduler="sync")
+    assert_close(logits, logits0, host, "GPT logits")
+    for name in m0.grads:
+        assert_close(grads[name], m0.grads[name], host, f"GPT {name}")
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_empty_chunks_in_the_transformer_blocks_and_the_classifier(norm_first):
+    """The encoder and decoder blocks (causal, dropout 0.2 from a seed) and the classifier
+    (a padding mask) on dask inputs and upstream gradients with chunks of length 0 give
+    NumPy's outputs and gradients."""
+    from npattn.classifier import TransformerClassifier
+    from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+    rng = np.random.default_rng(1)
+    x, memory, dout = (rng.standard_normal(s) for s in ((3, 5, 8), (3, 6, 8), (3, 5, 8)))
+    kw = dict(d_ff=12, dropout=0.2, norm_first=norm_first, seed=3, dtype="float64")
+    for cls, args in ((TransformerBlock, (x,)), (TransformerDecoderBlock, (x, memory))):
+        b0, b = cls(8, 2, **kw), cls(8, 2, backend="dask", **kw)
+        y0 = b0.forward(*args, is_causal=True)
+        g0 = b0.backward(dout)
+        y = b.forward(*(_with_empty_chunks(a, i) for i, a in enumerate(args)), is_causal=True)
+        g = b.backward(_with_empty_chunks(dout, 7))
+        y, g, grads = dask.compute(y, g, dict(b.grads), scheduler="sync")
+        assert_close(y, y0, host, f"{cls.__name__}: out")
+        for i, (a, r) in enumerate(zip(g if isinstance(g, tuple) else (g,),
+                                       g0 if isinstance(g0, tuple) else (g0,))):
+            assert_close(a, r, host, f"{cls.__name__}: input gradient {i}")
+        for name in b0.grads:
+            assert_close(grads[name], b0.grads[name], host, f"{cls.__name__}: {name}")
+    xc, pad = rng.standard_normal((4, 5, 3)), rng.random((4, 5)) > 0.3
+    pad[1] = False  # an entry that is all padding
+    kw = dict(d_model=8, n_head=2, norm_first=norm_first, seed=2, dtype="float64")
+    c0, c = TransformerClassifier(3, 5, 4, **kw), TransformerClassifier(3, 5, 4, backend="dask", **kw)
+    logits0 = c0.forward(xc, pad)
+    dlogits = rng.standard_normal(logits0.shape)
+    c0.backward(dlogits)
+    logits = c.forward(_with_empty_chunks(xc, 1), _with_empty_chunks(pad, 2))
+    c.backward(_with_empty_chunks(dlogits, 3))
+    logits, grads = dask.compute(logits, dict(c.grads), scheduler="sync")
+    assert_close(logits, logits0, host, "classifier logits")
+    for name in c0.grads:
+        assert_close(grads[name], c0.grads[name], host, f"classifier {name}")
 
 
 def test_the_dask_array_module_is_a_backend_like_its_name():
