@@ -156,8 +156,9 @@ import shlex
 import time
 import traceback
 import types
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -187,6 +188,8 @@ __all__ = [
     "round_to_bfloat16",
     "case_hint",
     "panel_hints",
+    "near_miss",
+    "MISS_SEPARATION",
     "plot_report",
 ]
 
@@ -517,12 +520,13 @@ def _constant_factor(got: np.ndarray, truth: np.ndarray) -> Optional[float]:
 
 
 def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
-              lse_grad: bool = False) -> str:
+              lse_grad: bool = False, miss: str = "") -> str:
     """The likeliest first failing step of one case, from which of its tensors fail.
 
     ``factors`` maps a failing tensor to the constant it is off by, when it is
     (``_constant_factor``); ``notes`` to what went wrong with it (NaN, shape);
-    ``lse_grad``: the backward was given a ``dlse``.
+    ``lse_grad``: the backward was given a ``dlse``; ``miss``: the common mistake that the
+    failing out (or lse) is exactly (``near_miss``), which the hint then names.
     """
     bad = {n for n, t in tensors.items() if t.status == "fail"}
     opts = set(case.options)
@@ -544,6 +548,8 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
                     "kernel without 'empty_rows'")
         if n in bad and note.startswith(("shape", "missing", "dtype")):
             return f"{n}: {note}"
+    if ("out" in bad or "lse" in bad) and miss:
+        return f"{' and '.join(n for n in ('out', 'lse') if n in bad)} wrong: {miss}"
     if "out" in bad or "lse" in bad:
         where = "the scores or the softmax"
         if "softcap" in opts and opts & {"mask_float", "alibi"}:
@@ -1464,6 +1470,202 @@ def _nan_note(name: str, got: Any, empty: np.ndarray) -> str:
     return ""
 
 
+# --------------------------------------------------------------------------
+# near misses: the common mistake that a failing out (or lse) is, exactly
+
+#: A mistake is named only when what it gives lies more than this many budgets from npattn's
+#: truth: a kernel within one budget of it is then more than ``MISS_SEPARATION - 1`` budgets
+#: from the truth, and a mistake that moves the case by less (a window edge past the ends of
+#: the keys, a scale in a row of one key) is never named for an output that is wrong otherwise.
+MISS_SEPARATION = 10.0
+
+
+def forward_variants(inp: CaseInputs) -> list:
+    """``(mistake, inputs)`` pairs: npattn inputs whose forward is what a kernel making that
+    common mistake gives for the case ``inp`` (the keys of ``inp.options`` are npattn's:
+    scale, is_causal, align, window, alibi_slopes, enable_gqa, sinks, mask, dropout_p,
+    dropout_mask). The mistakes: scale= ignored, or, without it, a default scale of 1/Dh or
+    1; causal, window and ALiBi aligned the other way (when Lq != Lk); a window edge off by
+    one; query head h reading K/V head h % Hkv under GQA; sinks ignored; a boolean mask's
+    sense inverted; the dropout keep-mask not applied. The texts hold no number of the
+    case, so that the cases making one mistake share one hint (``panel_hints`` counts them).
+    """
+    o = inp.options
+    Hq, Lq = inp.q.shape[1], inp.q.shape[2]
+    Hkv, Lk = inp.k.shape[1], inp.k.shape[2]
+    found: list = []
+
+    def variant(mistake: str, drop: tuple = (), q: Any = None, k: Any = None, v: Any = None,
+                **changes: Any) -> None:
+        """The case with the options ``drop`` removed, ``changes`` set, q, k, v replaced."""
+        opts = {n: a for n, a in o.items() if n not in drop}
+        opts.update(changes)
+        found.append((mistake, CaseInputs(inp.q if q is None else q, inp.k if k is None else k,
+                                          inp.v if v is None else v, inp.dout, opts, inp.dlse)))
+
+    if "scale" in o:
+        variant("scale= ignored: out is npattn's with the default scale 1/sqrt(Dh), not the "
+                "scale passed", drop=("scale",))
+    else:
+        Dh = inp.q.shape[3]
+        variant("the default scale taken as 1/Dh: out is npattn's with scale=1/Dh; without "
+                "scale= it is 1/sqrt(Dh)", scale=1.0 / Dh)
+        variant("the scores not scaled: out is npattn's with scale=1; without scale= the "
+                "scale is 1/sqrt(Dh)", scale=1.0)
+    aligned = [n for n in ("is_causal", "window", "alibi_slopes") if n in o]  # options set
+    if Lq != Lk and aligned:
+        asked = o.get("align", "top_left")
+        other = "top_left" if asked == "bottom_right" else "bottom_right"
+        what = " and ".join({"is_causal": "causal", "alibi_slopes": "ALiBi"}.get(n, n)
+                            for n in aligned)
+        flip = {"align": other} if other == "bottom_right" else {}
+        variant(f"{what} aligned {other} where {asked} is asked: out is npattn's with "
+                f"align={other!r}; query i's diagonal is key i top_left, key i + Lk - Lq "
+                "bottom_right", drop=("align",), **flip)
+    if "window" in o:
+        left, right = o["window"]
+        for side, w in (("left", left), ("right", right)):
+            for d in (-1, 1):
+                if w is None or w + d < 0:
+                    continue
+                new = (w + d, right) if side == "left" else (left, w + d)
+                variant(f"the window's {side} edge off by one ({side} {d:+d}): query i attends "
+                        "keys j with i + o - left <= j <= i + o + right, both ends included",
+                        window=new)
+    if o.get("enable_gqa") and 1 < Hkv < Hq and Hq % Hkv == 0:
+        idx = np.arange(Hq) % Hkv  # [Hq]: the mistaken map, the K/V heads tiled
+        variant("query head h reads K/V head h % Hkv (the K/V heads tiled): under GQA it "
+                "reads head h // G, G = Hq / Hkv query heads per K/V head (repeated)",
+                drop=("enable_gqa",), k=inp.k[:, idx], v=inp.v[:, idx])
+    if "sinks" in o:
+        variant("sinks ignored: out is npattn's without them; each row's softmax denominator "
+                "gains exp(sink - m), a term that carries no value", drop=("sinks",))
+    mask = o.get("mask")
+    if mask is not None and mask.dtype == bool:
+        variant("the boolean mask's sense inverted: out is npattn's with ~mask; True = may "
+                "attend", mask=~mask)
+    if "dropout_mask" in o:
+        variant("the dropout keep-mask not applied: out is npattn's without dropout; A = P * "
+                "keep / (1 - p)", drop=("dropout_p", "dropout_mask"))
+    return found
+
+
+def _within(got: np.ndarray, want: np.ndarray, rows: np.ndarray, budget: float) -> bool:
+    """Whether ``got`` is finite and within ``budget`` of ``want`` on ``rows`` (bool, the
+    leading axes of both: (B, Hq, Lq))."""
+    g, w = got[rows], want[rows]
+    return bool(np.all(np.isfinite(g)) and np.max(np.abs(g - w), initial=0.0) <= budget)
+
+
+def _apart(want: np.ndarray, truth: np.ndarray, rows: np.ndarray, budget: float) -> bool:
+    """Whether ``want`` lies more than ``MISS_SEPARATION`` budgets from ``truth`` on ``rows``."""
+    w, t = want[rows], truth[rows]
+    return bool(np.any(np.abs(w - t) > MISS_SEPARATION * budget))
+
+
+def _out_candidates(inp: CaseInputs, truth: dict) -> Iterator[tuple]:
+    """``(mistake, out, lse, empty)`` for each mistake that ``out_misses`` tries: its out
+    (B, Hq, Lq, Dv), lse (B, Hq, Lq) and rows with nothing to attend (B, Hq, Lq), computed
+    one at a time as they are read; a variant npattn refuses is left out (that mistake is
+    not the kernel's)."""
+    empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
+    p = inp.options.get("dropout_p")
+    if inp.options.get("dropout_mask") is not None and p:  # lse does not see dropout
+        why = "; A = P * keep / (1 - p)"
+        yield ("dropout scaled by (1 - p) where 1/(1 - p) belongs: out is npattn's x "
+               "(1 - p)^2" + why, truth["out"] * (1.0 - p) ** 2, truth["lse"], empty)
+        yield ("dropout's 1/(1 - p) left out: out is npattn's x (1 - p)" + why,
+               truth["out"] * (1.0 - p), truth["lse"], empty)
+    for mistake, var in forward_variants(inp):
+        try:
+            res = _npattn(var, "float64", grads=False, weights=True)
+        except Exception:
+            continue
+        yield mistake, res["out"], res["lse"], _empty_rows(res["weights"])
+
+
+def out_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> list:
+    """The mistakes whose forward the kernel's failing out is, exactly: within out's budget
+    of it, and of lse's too when lse is compared (on the rows where the mistake and npattn
+    have something to attend; a row with nothing to attend under the mistake may hold
+    anything); only mistakes more than ``MISS_SEPARATION`` budgets from the truth count.
+
+    ``got`` and ``truth`` hold host float64 tensors, (B, Hq, Lq, Dv) out and (B, Hq, Lq) lse
+    (``truth`` also the weights); the mistakes are ``forward_variants`` and, with dropout, an
+    out of npattn's x (1 - p) (1/(1 - p) left out) or x (1 - p)^2 ((1 - p) for 1/(1 - p))."""
+    out, t_out = got.get("out"), tensors["out"]
+    if out is None or out.shape != truth["out"].shape:
+        return []
+    t_lse = tensors.get("lse")
+    lse = None if t_lse is None else got.get("lse")  # compared too, when the kernel gives it
+    if t_lse is not None and (lse is None or lse.shape != truth["lse"].shape):
+        return []
+    empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
+    found = []
+    for mistake, alt_out, alt_lse, alt_empty in _out_candidates(inp, truth):
+        rows = ~alt_empty  # [B, Hq, Lq]
+        if not (_apart(alt_out, truth["out"], rows, t_out.budget)
+                and _within(out, alt_out, rows, t_out.budget)):
+            continue
+        if (lse is not None and t_lse is not None
+                and not _within(lse, alt_lse, rows & ~empty, t_lse.budget)):
+            continue
+        found.append(mistake)
+    return found
+
+
+def lse_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> list:
+    """The mistakes that the kernel's failing lse (out right) is, exactly: lse in base 2
+    (``lse / ln 2``), or the log of the row sum without the row max added back (``lse - m``,
+    m the row's largest score, ``lse - m = -log(max_j p_ij)``; with sinks m may hold the sink
+    too, ``max(m, sink)``); within lse's budget on the rows with something to attend, and
+    more than ``MISS_SEPARATION`` budgets from npattn's."""
+    lse, t_lse = got.get("lse"), tensors["lse"]
+    truth_lse = truth["lse"]  # [B, Hq, Lq], -inf on rows with nothing to attend
+    if lse is None or lse.shape != truth_lse.shape:
+        return []
+    rows = ~_empty_rows(truth["weights"])  # [B, Hq, Lq]
+    t = np.where(rows, truth_lse, 0.0)  # [B, Hq, Lq]
+    m = t + np.log(np.where(rows, np.max(truth["weights"], axis=-1), 1.0))  # [B, Hq, Lq]
+    maxes = [m]
+    sinks = inp.options.get("sinks")
+    if sinks is not None:  # the sink counted as a score of the row
+        maxes.append(np.maximum(m, np.asarray(sinks, dtype=np.float64)[None, :, None]))
+    candidates = [(t / math.log(2.0), "lse in base 2: lse is npattn's / ln 2 (log2 of the row "
+                   "sum, as exp2-based kernels keep it); npattn's is the natural log: multiply "
+                   "by ln 2")]
+    candidates += [(t - mx, "lse without the row max: lse is log(l), l = sum_j exp(s_ij - m_i); "
+                    "lse = m_i + log(l)") for mx in maxes]
+    found: list = []
+    for alt, mistake in candidates:
+        if (mistake not in found and _apart(alt, t, rows, t_lse.budget)
+                and _within(lse, alt, rows, t_lse.budget)):
+            found.append(mistake)
+    return found
+
+
+def near_miss(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> str:
+    """The common mistake that a failing case's out (``out_misses``) or, out right, lse
+    (``lse_misses``) is exactly, for the hint; "" when none is, or when the search itself
+    fails (it only diagnoses: the case has failed already). Two mistakes that give the same
+    numbers here (a flipped alignment and a window edge off by one, when Lk - Lq = 1) are
+    named both."""
+    try:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t_out, t_lse = tensors.get("out"), tensors.get("lse")
+            found: list = []
+            if t_out is not None and t_out.status == "fail":
+                found = out_misses(inp, got, truth, tensors)
+            elif t_lse is not None and t_lse.status == "fail":
+                found = lse_misses(inp, got, truth, tensors)
+    except Exception:
+        return ""
+    if len(found) > 1:
+        return "one of these, which give the same numbers here: " + "; or ".join(found)
+    return found[0] if found else ""
+
+
 def _copied(inp: CaseInputs) -> CaseInputs:
     """``inp`` with every array copied."""
     copy = (lambda a: a.copy() if isinstance(a, np.ndarray) else a)
@@ -1550,8 +1752,10 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         notes[n] = tr.note
         if factor is not None:
             factors[n] = factor
-    result.hint = (case_hint(case, result.tensors, factors, notes, lse_grad=cfg.lse_grad)
-                   if result.failing else "")
+    # the common mistake that a failing out (or lse) is exactly: for failing cases only
+    miss = near_miss(inp, got, truth, result.tensors) if result.failing else ""
+    result.hint = (case_hint(case, result.tensors, factors, notes, lse_grad=cfg.lse_grad,
+                             miss=miss) if result.failing else "")
     if written and not result.failing:  # right numbers, but the caller's arrays changed
         result.hint = (f"fn wrote into {', '.join(written)}: compute on new arrays (or copies) "
                        "and leave the inputs as they were")
