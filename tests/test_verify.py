@@ -240,6 +240,178 @@ def test_a_backward_of_zeros_fails_everywhere_it_could():
 
 
 # --------------------------------------------------------------------------
+# near misses: the hint names a common mistake that a failing out or lse is exactly
+
+
+def dense_attention(q, k, v, *, mistake=None, mask=None, is_causal=False, align="top_left",
+                    window=None, scale=None, alibi_slopes=None, sinks=None, enable_gqa=False,
+                    dropout_p=0.0, dropout_mask=None):
+    """Attention as one dense NumPy computation, ``(out, lse)``, written apart from npattn,
+    with one common mistake made on purpose (``mistake``, a key of ``NEAR_MISSES``)."""
+    # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv], [B, Hq, Lq]
+    B, Hq, Lq, Dh = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    heads = np.arange(Hq) % Hkv if mistake == "gqa_h_mod_hkv" else np.arange(Hq) // (Hq // Hkv)
+    k, v = k[:, heads], v[:, heads]  # [B, Hq, Lk, *]
+    if scale is None or mistake == "scale_ignored":
+        scale = {"scale_1/Dh": 1.0 / Dh, "scale_1": 1.0}.get(mistake, 1.0 / math.sqrt(Dh))
+    s = (q @ np.swapaxes(k, -1, -2)) * scale  # [B, Hq, Lq, Lk]
+    bottom = (align == "bottom_right") != str(mistake).startswith("align_flipped")
+    i = np.arange(Lq)[:, None] + (Lk - Lq if bottom else 0)  # [Lq, 1] query i's diagonal key
+    j = np.arange(Lk)[None, :]  # [1, Lk]
+    allowed = np.ones((Lq, Lk), dtype=bool)
+    if is_causal:
+        allowed &= j <= i
+    if window is not None:
+        left, right = window
+        if mistake == "window_left_long" and left is not None:
+            left += 1
+        if mistake == "window_right_short" and right is not None:
+            right -= 1
+        if left is not None:
+            allowed &= j >= i - left
+        if right is not None:
+            allowed &= j <= i + right
+    if alibi_slopes is not None:
+        a = np.asarray(alibi_slopes)
+        s = s - a.reshape((1,) * (2 - a.ndim) + a.shape + (1, 1)) * np.abs(i - j)
+    allowed = np.broadcast_to(allowed, s.shape)  # [B, Hq, Lq, Lk]
+    if mask is not None and mask.dtype == bool:
+        allowed = allowed & (~mask if mistake == "mask_inverted" else mask)
+    elif mask is not None:
+        s = s + mask
+        allowed = allowed & (mask > -np.inf)
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
+    sink = None
+    if sinks is not None and mistake != "sinks_ignored":
+        sink = np.asarray(sinks)[None, :, None, None]  # [1, Hq, 1, 1]
+        m = np.maximum(m, sink)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(allowed, np.exp(s - m), 0.0)  # [B, Hq, Lq, Lk]
+    rowsum = np.sum(e, axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
+    if sink is not None:
+        rowsum = rowsum + np.exp(sink - m)
+    p = e / np.where(rowsum > 0.0, rowsum, 1.0)  # [B, Hq, Lq, Lk]
+    with np.errstate(divide="ignore"):  # -inf on rows with nothing to attend
+        lse = np.log(rowsum[..., 0]) if mistake == "lse_no_max" else (m + np.log(rowsum))[..., 0]
+    if mistake == "lse_base2":
+        lse = lse / math.log(2.0)
+    if dropout_mask is not None and mistake != "dropout_not_applied":
+        factor = {"dropout_times_1-p": 1.0 - dropout_p, "dropout_unscaled": 1.0}.get(
+            mistake, 1.0 / (1.0 - dropout_p))
+        p = p * dropout_mask * factor
+    return p @ v, lse
+
+
+# mistake -> (supports, verify's align, a phrase that the hint of every failing case holds)
+NEAR_MISSES = {
+    "scale_1/Dh": ("", "top_left", "the default scale taken as 1/Dh"),
+    "scale_1": ("", "top_left", "the scores not scaled"),
+    "scale_ignored": ("scale", "top_left", "scale= ignored"),
+    "align_flipped": ("causal_bottom_right", "top_left",
+                      "causal aligned top_left where bottom_right is asked"),
+    "align_flipped_window": ("window", "bottom_right",
+                             "window aligned top_left where bottom_right is asked"),
+    "align_flipped_alibi": ("alibi", "top_left",
+                            "ALiBi aligned bottom_right where top_left is asked"),
+    "window_left_long": ("window", "top_left", "the window's left edge off by one (left +1)"),
+    "window_right_short": ("window", "bottom_right",
+                           "the window's right edge off by one (right -1)"),
+    "gqa_h_mod_hkv": ("gqa", "top_left", "query head h reads K/V head h % Hkv"),
+    "sinks_ignored": ("sinks", "top_left", "sinks ignored"),
+    "mask_inverted": ("mask_bool,empty_rows", "top_left", "the boolean mask's sense inverted"),
+    "dropout_not_applied": ("dropout_mask", "top_left", "the dropout keep-mask not applied"),
+    "dropout_times_1-p": ("dropout_mask", "top_left",
+                          "dropout scaled by (1 - p) where 1/(1 - p) belongs"),
+    "dropout_unscaled": ("dropout_mask", "top_left", "dropout's 1/(1 - p) left out"),
+    "lse_base2": ("", "top_left", "lse wrong: lse in base 2"),
+    "lse_no_max": ("sinks", "top_left", "lse wrong: lse without the row max"),
+}
+
+
+def near_miss_report(mistake, supports, align="top_left", dtype="float64", kernel=None):
+    fn = kernel or (lambda q, k, v, **o: dense_attention(q, k, v, mistake=mistake, **o))
+    return VF.verify(fn, dtype=dtype, supports=supports, align=align, returns_lse=True,
+                     combos=False)
+
+
+def test_the_dense_kernel_of_the_near_misses_passes():
+    supports = ",".join({s for v in NEAR_MISSES.values() for s in v[0].split(",") if s})
+    for align in ("top_left", "bottom_right"):
+        report = near_miss_report(None, supports, align)
+        assert report.ok, report.format()
+
+
+@pytest.mark.parametrize("mistake", sorted(NEAR_MISSES))
+def test_a_common_mistake_is_named_in_the_hint(mistake):
+    supports, align, phrase = NEAR_MISSES[mistake]
+    report = near_miss_report(mistake, supports, align)
+    assert report.failures
+    for r in report.failures:  # (one mistake, so never "one of these")
+        assert phrase in r.hint and "one of these" not in r.hint, (r.case.name, r.hint)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_common_mistake_is_named_in_low_precision_too(dtype):
+    def kernel(q, k, v, **options):  # computed in float32, out in the inputs' dtype
+        up = {n: a.astype(np.float32) if getattr(a, "dtype", None) == q.dtype else a
+              for n, a in options.items()}
+        out, lse = dense_attention(q.astype(np.float32), k.astype(np.float32),
+                                   v.astype(np.float32), mistake="scale_1/Dh", **up)
+        return out.astype(q.dtype), lse.astype(np.float32)
+
+    report = near_miss_report(None, "", dtype=dtype, kernel=kernel)
+    assert report.failures
+    assert all("the default scale taken as 1/Dh" in r.hint for r in report.failures)
+
+
+@pytest.mark.parametrize("mistake, supports", [(None, ""), ("scale_1/Dh", ""),
+                                               ("sinks_ignored", "sinks"),
+                                               ("lse_base2", "")])
+def test_a_kernel_wrong_otherwise_gets_no_mistake_named(mistake, supports):
+    """Noise of 1e-3 on top of the right out, or of a common mistake's out or lse, matches
+    none of them: the hint names none."""
+    rng = np.random.default_rng(0)
+
+    def noisy(q, k, v, **options):
+        out, lse = dense_attention(q, k, v, mistake=mistake, **options)
+        if mistake == "lse_base2":
+            return out, lse + 1e-3 * rng.standard_normal(lse.shape)
+        return out + 1e-3 * rng.standard_normal(out.shape), lse
+
+    report = near_miss_report(mistake, supports, kernel=noisy)
+    assert report.failures
+    phrases = [v[2].removeprefix("lse wrong: ") for v in NEAR_MISSES.values()]
+    for r in report.failures:
+        assert not any(p in r.hint for p in phrases), (r.case.name, r.hint)
+        assert ("the scores or the softmax" in r.hint or "after the softmax" in r.hint
+                or "the log-sum-exp itself" in r.hint), r.hint
+
+
+def test_two_mistakes_that_give_the_same_numbers_are_named_both():
+    # window (None, 7) with Lk - Lq = 1: bottom-right moves the right edge by one key, and
+    # the left edge is unbounded, so a flipped alignment is a right edge one key long
+    case = VC.Case("window-64x65", Lq=64, Lk=65, options=("window",), window=(None, 7))
+    report = VF.verify(lambda q, k, v, **o: dense_attention(q, k, v, mistake="align_flipped", **o),
+                       dtype="float64", supports="window", returns_lse=True, cases=[case])
+    (r,) = report.failures
+    assert "one of these, which give the same numbers here" in r.hint, r.hint
+    assert "window aligned bottom_right where top_left is asked" in r.hint
+    assert "the window's right edge off by one (right +1)" in r.hint
+
+
+def test_a_failing_search_for_the_mistake_leaves_the_generic_hint(monkeypatch):
+    def broken(inp):
+        raise RuntimeError("a variant that cannot be built")
+
+    monkeypatch.setattr(VF, "forward_variants", broken)
+    report = near_miss_report("scale_1/Dh", "")
+    assert report.failures
+    assert all(r.hint == "out and lse wrong: the scores or the softmax" for r in report.failures)
+
+
+# --------------------------------------------------------------------------
 # budgets, floors and the degenerate rule
 
 
