@@ -296,6 +296,27 @@ def test_generator_dropout_is_deterministic_and_matches_dense_with_its_mask(xp, 
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize("q_lead", [(1, 2), (2,)], ids=["batch-of-1", "no-batch-axis"])
+def test_generator_dropout_over_broadcast_leading_axes_is_the_references(q_lead, xp, to_xp, to_np):
+    """q broadcast over the batch (k and v carry it): the keep-mask is drawn over the scores'
+    leading axes (B, H), one mask per batch entry, as the reference draws it from the same
+    seed, and out and every gradient are the reference's."""
+    rng = np.random.default_rng(13)
+    B, H, Lq, Lk, Dh, Dv = 3, 2, 5, 7, 3, 2
+    q = to_xp(rng.standard_normal(q_lead + (Lq, Dh)))  # [1, H, Lq, Dh] or [H, Lq, Dh]
+    k, v = (to_xp(rng.standard_normal((B, H, Lk, d))) for d in (Dh, Dv))  # [B, H, Lk, D]
+    dout = to_xp(rng.standard_normal((B, H, Lq, Dv)))  # [B, H, Lq, Dv]
+    out_b, cache_b = Bk.sdpa_blocked_forward(q, k, v, dropout_p=0.4, rng=11, block_q=2, block_k=3)
+    out_r, cache_r = F.sdpa_forward(q, k, v, dropout_p=0.4, rng=11)
+    kept = to_np(A.dropout_keep_mask(cache_r))  # [B, H, Lq, Lk]
+    assert kept.shape == (B, H, Lq, Lk) and not np.array_equal(kept[0], kept[1])
+    assert_close(out_b, out_r, to_np, "out")
+    np.testing.assert_array_equal(to_np(Bk.blocked_keep_mask(cache_b)), kept)
+    grads_r = F.sdpa_backward(dout, cache_r)
+    for name, gb, gr in zip(("dq", "dk", "dv"), Bk.sdpa_blocked_backward(dout, cache_b), grads_r):
+        assert_close(gb, gr, to_np, name)
+
+
 # --------------------------------------------------------------------------
 # half precision
 
@@ -402,6 +423,15 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="k: expected last axis"):
         Bk.sdpa_blocked_forward(q, k[..., :2], k)
 
+
+
+def test_bool_block_lengths_are_refused():
+    """True is an int to Python but no block length: a ValueError names the argument."""
+    rng = np.random.default_rng(9)
+    q, k = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 5, 3))
+    for name in ("block_q", "block_k"):
+        with pytest.raises(ValueError, match=f"{name}: expected a positive int, got True"):
+            Bk.sdpa_blocked_forward(q, k, k, **{name: True})
 
 def test_isolated_bench_smoke():
     """``npattn bench --isolated`` runs a blocked case in a child process with the block sizes asked for."""
