@@ -205,6 +205,40 @@ def test_row_max_and_row_sum_are_saved(xp, to_xp, to_np):
                                lse[ok], rtol=1e-12, atol=1e-12)
 
 
+def test_a_row_whose_scores_are_all_zero_keeps_its_lse_and_dlse(xp, to_xp, to_np):
+    """A query of zeros scores 0 against every key: its row maximum m is 0, yet it attends all
+    Lk keys (l = Lk). Its lse is log(Lk), not the -inf of a row with nothing to attend, and
+    dlse reaches the gradients: lse against log-sum-exp of the scores, the gradients against
+    central differences of <out, dout> + <lse, dlse> along a random direction, in float64."""
+    rng = np.random.default_rng(14)
+    B, H, Lq, Lk, Dh, Dv = 2, 2, 5, 7, 3, 2
+    q = rng.standard_normal((B, H, Lq, Dh))
+    q[:, :, 2] = 0.0  # query row 2 scores exactly 0 against every key
+    k, v = rng.standard_normal((B, H, Lk, Dh)), rng.standard_normal((B, H, Lk, Dv))
+    dout, dlse = rng.standard_normal((B, H, Lq, Dv)), rng.standard_normal((B, H, Lq))
+
+    def forward(q, k, v):
+        return Bk.sdpa_blocked_forward(to_xp(q), to_xp(k), to_xp(v), block_q=2, block_k=3)
+
+    def loss(q, k, v):
+        out, cache = forward(q, k, v)
+        return float(np.sum(to_np(out) * dout) + np.sum(to_np(cache.lse) * dlse))
+
+    _, cache = forward(q, k, v)
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(Dh)  # [B, H, Lq, Lk]
+    assert np.all(s[:, :, 2] == 0.0)
+    np.testing.assert_allclose(to_np(cache.lse), np.log(np.sum(np.exp(s), axis=-1)), rtol=1e-12)
+    np.testing.assert_allclose(to_np(cache.lse)[:, :, 2], math.log(Lk), rtol=1e-12)
+    grads = Bk.sdpa_blocked_backward(to_xp(dout), cache, dlse=to_xp(dlse))[:3]
+    t = [rng.standard_normal(a.shape) for a in (q, k, v)]  # the direction
+    eps = 1e-6
+    plus = loss(*(a + eps * d for a, d in zip((q, k, v), t)))
+    minus = loss(*(a - eps * d for a, d in zip((q, k, v), t)))
+    numeric = (plus - minus) / (2 * eps)
+    analytic = sum(float(np.sum(to_np(g) * d)) for g, d in zip(grads, t))
+    assert abs(analytic - numeric) <= 1e-7 * max(1.0, abs(numeric)), (analytic, numeric)
+
+
 # --------------------------------------------------------------------------
 # finite differences on the blocked pair itself
 
