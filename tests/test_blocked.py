@@ -205,37 +205,50 @@ def test_row_max_and_row_sum_are_saved(xp, to_xp, to_np):
                                lse[ok], rtol=1e-12, atol=1e-12)
 
 
-def test_a_row_whose_scores_are_all_zero_keeps_its_lse_and_dlse(xp, to_xp, to_np):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_row_whose_scores_are_all_zero_keeps_its_lse_and_dlse(with_sinks, xp, to_xp, to_np):
     """A query of zeros scores 0 against every key: its row maximum m is 0, yet it attends all
-    Lk keys (l = Lk). Its lse is log(Lk), not the -inf of a row with nothing to attend, and
-    dlse reaches the gradients: lse against log-sum-exp of the scores, the gradients against
-    central differences of <out, dout> + <lse, dlse> along a random direction, in float64."""
+    Lk keys (l = Lk, plus exp(sink) beside a sink <= 0). Its lse is log(l), not the -inf of a row
+    with nothing to attend, and dlse reaches the gradients: lse against log-sum-exp of the
+    scores (and sink), the gradients (dsinks too) against central differences of
+    <out, dout> + <lse, dlse> along a random direction, in float64."""
     rng = np.random.default_rng(14)
     B, H, Lq, Lk, Dh, Dv = 2, 2, 5, 7, 3, 2
     q = rng.standard_normal((B, H, Lq, Dh))
     q[:, :, 2] = 0.0  # query row 2 scores exactly 0 against every key
     k, v = rng.standard_normal((B, H, Lk, Dh)), rng.standard_normal((B, H, Lk, Dv))
+    sinks = np.array([0.0, -0.5]) if with_sinks else None  # [H]: row 2's m is 0 in both heads
     dout, dlse = rng.standard_normal((B, H, Lq, Dv)), rng.standard_normal((B, H, Lq))
 
-    def forward(q, k, v):
-        return Bk.sdpa_blocked_forward(to_xp(q), to_xp(k), to_xp(v), block_q=2, block_k=3)
+    def forward(q, k, v, sinks):
+        return Bk.sdpa_blocked_forward(to_xp(q), to_xp(k), to_xp(v), block_q=2, block_k=3,
+                                       sinks=None if sinks is None else to_xp(sinks))
 
-    def loss(q, k, v):
-        out, cache = forward(q, k, v)
+    def loss(q, k, v, sinks):
+        out, cache = forward(q, k, v, sinks)
         return float(np.sum(to_np(out) * dout) + np.sum(to_np(cache.lse) * dlse))
 
-    _, cache = forward(q, k, v)
+    _, cache = forward(q, k, v, sinks)
     s = q @ np.swapaxes(k, -1, -2) / math.sqrt(Dh)  # [B, H, Lq, Lk]
     assert np.all(s[:, :, 2] == 0.0)
-    np.testing.assert_allclose(to_np(cache.lse), np.log(np.sum(np.exp(s), axis=-1)), rtol=1e-12)
-    np.testing.assert_allclose(to_np(cache.lse)[:, :, 2], math.log(Lk), rtol=1e-12)
-    grads = Bk.sdpa_blocked_backward(to_xp(dout), cache, dlse=to_xp(dlse))[:3]
-    t = [rng.standard_normal(a.shape) for a in (q, k, v)]  # the direction
+    e_sink = np.zeros((H, 1)) if sinks is None else np.exp(sinks)[:, None]  # [H, 1]
+    lse = np.log(np.sum(np.exp(s), axis=-1) + e_sink)  # [B, H, Lq]
+    np.testing.assert_allclose(to_np(cache.lse), lse, rtol=1e-12)
+    row2 = np.broadcast_to(np.log(Lk + e_sink[:, 0]), (B, H))  # log(l) with m = 0
+    np.testing.assert_allclose(to_np(cache.lse)[:, :, 2], row2, rtol=1e-12)
+    g = Bk.sdpa_blocked_backward(to_xp(dout), cache, dlse=to_xp(dlse))
+    args, grads = [q, k, v], [g.dq, g.dk, g.dv]
+    if with_sinks:
+        args, grads = args + [sinks], grads + [g.dsinks]
+    t = [rng.standard_normal(a.shape) for a in args]  # the direction
+
+    def loss_at(h):  # the loss at args + h * t
+        moved = [a + h * d for a, d in zip(args, t)]
+        return loss(*moved[:3], moved[3] if with_sinks else None)
+
     eps = 1e-6
-    plus = loss(*(a + eps * d for a, d in zip((q, k, v), t)))
-    minus = loss(*(a - eps * d for a, d in zip((q, k, v), t)))
-    numeric = (plus - minus) / (2 * eps)
-    analytic = sum(float(np.sum(to_np(g) * d)) for g, d in zip(grads, t))
+    numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+    analytic = sum(float(np.sum(to_np(gr) * d)) for gr, d in zip(grads, t))
     assert abs(analytic - numeric) <= 1e-7 * max(1.0, abs(numeric)), (analytic, numeric)
 
 
