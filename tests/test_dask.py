@@ -155,18 +155,20 @@ def test_reference_and_blocked_on_dask_equal_numpy_for_drawn_cases(case, impl):
 
 @pytest.mark.parametrize("Lq,Lk", [(9, 7), (7, 9)])
 def test_causal_chunks_above_the_diagonal_are_left_out(Lq, Lk):
-    """Top-left causal: a key chunk wholly above a query chunk's rows has no task, and the
-    key chunks that no query row reaches (Lk > Lq) get zero gradients."""
+    """Top-left causal: a key chunk wholly above a query chunk's rows has no task, forward or
+    backward, and the key chunks that no query row reaches (Lk > Lq) get zero gradients."""
     q, k, v, dout, kw = make_inputs(3, 1, 2, 1, Lq, Lk, 4, 4, causal=True)
     ref, got = run_both(q, k, v, dout, kw, (1, 2, 2, 2), 1)
     assert_same(ref, got, "causal")
-    dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 2, 2, 2), 1)
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 2, 2, 2), 1)
     out, c = A.sdpa_forward(dq, dk, dv, is_causal=True)
-    pairs = [key for key in dict(out.__dask_graph__()) if isinstance(key, tuple)
-             and key[0].startswith("npattn-pair-forward")]
+    grads = A.sdpa_backward(ddout, c)
     starts_i, starts_j = range(0, Lq, 2), range(0, Lk, 2)
     expected = sum(1 for i0 in starts_i for j0 in starts_j if j0 <= min(i0 + 2, Lq) - 1)
-    assert len(pairs) == expected < len(starts_i) * len(starts_j)
+    for step, arrays in (("forward", [out]), ("backward", grads[:3])):
+        pairs = [key for key in graph_of(*arrays) if isinstance(key, tuple)
+                 and key[0].startswith("npattn-pair-" + step)]
+        assert len(pairs) == expected < len(starts_i) * len(starts_j), step
 
 
 def test_large_scores_stay_exact_across_key_chunks():
