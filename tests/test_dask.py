@@ -171,6 +171,30 @@ def test_causal_chunks_above_the_diagonal_are_left_out(Lq, Lk):
         assert len(pairs) == expected < len(starts_i) * len(starts_j), step
 
 
+# query and key chunk lengths (the batch and heads one chunk each, or one per chunk):
+# short last chunks on both axes (Lq = 7, Lk = 9), and key chunks longer than query chunks
+UNEVEN_CHUNKINGS = [(2, 2, 3, 2), (1, 2, 2, 4), (2, 1, 4, 3), (1, 1, 5, 9)]
+
+
+@pytest.mark.parametrize("sizes", UNEVEN_CHUNKINGS, ids=str)
+def test_lse_of_the_merged_rows_equals_the_reference(sizes):
+    """``cache.lse`` (m + log(l) of the merged rows; -inf for a row with nothing to attend)
+    equals the reference's, with key chunks, causal rows, a float mask blanking row 0 and
+    grouped heads (the other tests compare out and the gradients, which use the merged m and
+    l but not lse)."""
+    q, k, v, dout, kw = make_inputs(12, 2, 2, 2, 7, 9, 4, 3, mask_kind="float", mask_form="B1LqLk",
+                                    causal=True)
+    _, c0 = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    want = c0.lse  # [B, Hq, Lq]
+    assert np.isneginf(want[:, :, 0]).all() and np.isfinite(want[:, :, 1:]).all()
+    dq, dk, dv, dm, _, _ = chunk(q, k, v, kw.pop("mask"), None, dout, sizes, 2)
+    _, c = A.sdpa_forward(dq, dk, dv, mask=dm, impl="chunked", block_q=2, block_k=3, **kw)
+    got = c.lse.compute(scheduler="sync")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    np.testing.assert_allclose(got[:, :, 1:], want[:, :, 1:], rtol=1e-12, atol=1e-12)
+
+
 def test_large_scores_stay_exact_across_key_chunks():
     """Scores of 1e17 (float64) on two equal keys in two key chunks: p = [0.5, 0.5].
     A merged log-sum-exp m + log(l) would round log(2) away against 1e17."""
