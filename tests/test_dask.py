@@ -195,6 +195,26 @@ def test_lse_of_the_merged_rows_equals_the_reference(sizes):
     np.testing.assert_allclose(got[:, :, 1:], want[:, :, 1:], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("sizes", UNEVEN_CHUNKINGS, ids=str)
+def test_rows_of_very_negative_scores_merge_across_key_chunks(sizes):
+    """A float mask of -1000 everywhere (a shift the softmax ignores) with causal rows and a
+    padded key: the rows' scores are near -1000 where they attend, and a key chunk where a row
+    attends nothing must not set the row's maximum (its m = 0 would weigh the other chunks by
+    exp(-1000) = 0 and leave the row empty). Out and every gradient equal the reference's."""
+    q, k, v, dout, kw = make_inputs(13, 2, 2, 1, 7, 9, 4, 3, causal=True)
+    rng = np.random.default_rng(13)
+    mask = -1000.0 + 0.5 * rng.standard_normal((2, 1, 7, 9))  # [B, 1, Lq, Lk]
+    mask[1, :, :, 3] = -np.inf  # a padded key
+    out0, c0 = A.sdpa_forward(q, k, v, mask=mask, impl="reference", **kw)
+    grads0 = A.sdpa_backward(dout, c0)
+    dq, dk, dv, dm, _, ddout = chunk(q, k, v, mask, None, dout, sizes, 1)
+    out, c = A.sdpa_forward(dq, dk, dv, mask=dm, impl="chunked", block_q=2, block_k=3, **kw)
+    out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+    assert_close(out, out0, host, f"{sizes}: out")
+    for name, g, g0 in zip(("dq", "dk", "dv", "dmask"), grads, grads0):
+        assert_close(g, g0, host, f"{sizes}: {name}")
+
+
 def test_large_scores_stay_exact_across_key_chunks():
     """Scores of 1e17 (float64) on two equal keys in two key chunks: p = [0.5, 0.5].
     A merged log-sum-exp m + log(l) would round log(2) away against 1e17."""
