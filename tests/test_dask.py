@@ -215,6 +215,22 @@ def test_rows_of_very_negative_scores_merge_across_key_chunks(sizes):
         assert_close(g, g0, host, f"{sizes}: {name}")
 
 
+@pytest.mark.parametrize("form", sorted(MASK_FORMS))
+def test_every_mask_form_on_key_chunks(form):
+    """Masks of 1 to 4 axes (each broadcast to the scores) are padded to 4 axes and chunked like
+    the scores: bool and float, with key chunks, grouped heads, causal rows and dropout from a
+    seed. Out, the gradients (dmask of the mask's own shape) and the keep-mask equal the
+    reference's."""
+    for kind in ("bool", "float"):
+        q, k, v, dout, kw = make_inputs(14, 2, 2, 2, 7, 9, 4, 3, mask_kind=kind, mask_form=form,
+                                        causal=True, dropout="seed")
+        out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **kw)
+        ref = (out0, A.sdpa_backward(dout, c0), A.dropout_keep_mask(c0))
+        for sizes in ((1, 2, 3, 4), (2, 4, 4, 2)):
+            got = run_both(q, k, v, dout, kw, sizes, 2, impl="chunked")[1]
+            assert_same(ref, got, f"{form} {kind} {sizes}")
+
+
 def test_large_scores_stay_exact_across_key_chunks():
     """Scores of 1e17 (float64) on two equal keys in two key chunks: p = [0.5, 0.5].
     A merged log-sum-exp m + log(l) would round log(2) away against 1e17."""
