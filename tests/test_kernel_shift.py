@@ -113,3 +113,67 @@ def test_tiles_spanning_batch_entries_equal_the_reference(case, min_tasks, monke
         _, c = A.sdpa_forward(q, k, v, impl="numpy", **kw)
         _, ref_c = A.sdpa_forward(q, k, v, impl="reference", **kw)
         np.testing.assert_array_equal(A.dropout_keep_mask(c), A.dropout_keep_mask(ref_c))
+
+
+def _planted(case):
+    """float32 q, k, v [2, 4, 40, Dh] / [2, 2, 9, Dh] (GQA, G = 2) of small scores, the scale,
+    and the rows that a planted large score or a NaN of ``case`` puts in the block of rows
+    16:32 (of TILE_ELEMS = 64: blocks 0:16, 16:32, 32:40, one tile per batch entry and K/V
+    head). The planted score is past float32's exp (88.7) and not the block's first row."""
+    rng = np.random.default_rng(21)
+    Dh = 64 if case == "an outlier key spread over every dimension" else 4
+    q = 0.1 * rng.standard_normal((2, 4, 40, Dh))
+    k = 0.1 * rng.standard_normal((2, 2, 9, Dh))
+    v = rng.standard_normal((2, 2, 9, 3))
+    scale = None
+    u = np.ones(Dh) / np.sqrt(Dh)  # a unit direction
+    if case == "a large score mid-block":  # row 20 of head 3 (K/V head 1): s = 100
+        q[1, 3, 20] = 100.0 * np.sqrt(Dh) * u  # |q * scale| = 100
+        k[1, 1, 5] = u
+    elif case == "an outlier key spread over every dimension":  # |k| = 8 but 1 in each coordinate
+        q[1, 3, 20] = 12.5 * np.sqrt(Dh) * u
+        k[1, 1, 5] = 8.0 * u  # s = 12.5 * 8 = 100
+    elif case == "scale > 1":  # |q| |k| = 12, and with the scale s = 96
+        scale = 8.0
+        q[1, 3, 20] = 4.0 * u
+        k[1, 1, 5] = 3.0 * u
+    else:  # "a NaN query row": row 18 of head 0 is NaN; row 20 of head 1 (same K/V head) s = 100
+        q[0, 0, 18] = np.nan
+        q[0, 1, 20] = 100.0 * np.sqrt(Dh) * u
+        k[0, 0, 5] = u
+    return [a.astype(np.float32) for a in (q, k, v)], scale
+
+
+@pytest.mark.parametrize("case", ["a large score mid-block", "an outlier key spread over every dimension",
+                                  "scale > 1", "a NaN query row"])
+def test_the_bound_of_a_block_covers_every_score_in_it(case, monkeypatch):
+    """A block takes exp(s) unshifted only if |q_i * scale| max_j |k_j| <= EXP_BOUND for every
+    row i of it: a score of ~100 (exp overflows float32) in a row that is not the block's
+    first, behind a key whose norm is spread over 64 coordinates, behind a scale of 8, or in
+    the block of a NaN row (a NaN bound shifts) must be shifted. float32 against the
+    reference in float64 on the same numbers: out, lse and (NaN aside) the gradients."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)  # blocks of 16 rows
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    (q, k, v), scale = _planted(case)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    s = np.einsum("bhgid,bhjd->bhgij", q64.reshape(2, 2, 2, 40, -1), k64)
+    s *= 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    assert np.nanmax(s[..., 16:32, :]) > 89.0 and np.nanmax(s[..., 16, :]) < 16.0  # not row 16
+    dout = np.random.default_rng(4).standard_normal((2, 4, 40, 3))
+    kw = dict(scale=scale, enable_gqa=True)
+    ref_out, ref_c = A.sdpa_forward(q64, k64, v64, impl="reference", **kw)
+    out, c = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    nan = np.isnan(ref_out)  # the NaN row alone, as in the reference
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(np.isnan(c.lse), np.isnan(ref_c.lse))
+    got = {"out": out[~nan], "lse": c.lse[~np.isnan(ref_c.lse)]}
+    want = {"out": ref_out[~nan], "lse": ref_c.lse[~np.isnan(ref_c.lse)]}
+    if not nan.any():
+        for name, g, gr in zip(("dq", "dk", "dv"), A.sdpa_backward(dout.astype(np.float32), c),
+                               A.sdpa_backward(dout, ref_c)):
+            got[name], want[name] = g, gr
+    for name in want:
+        assert np.all(np.isfinite(got[name])), f"{case}: {name} not finite"
+        err = np.max(np.abs(got[name] - want[name])) / max(np.max(np.abs(want[name])), 1.0)
+        assert err < 1e-4, f"{case}: {name} off by {err:.1e}"
