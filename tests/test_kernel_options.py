@@ -663,3 +663,29 @@ def test_slopes_and_sinks_of_shape_h_without_a_batch_axis(xp, to_xp, to_np, impl
     np.testing.assert_allclose(to_np(g.dsinks), to_np(g_b.dsinks), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(2,\) \(H heads of q\), got \(1, 2\)"):
         run(lambda d: d, impl, to_xp(q), to_xp(k), to_xp(v), dict(alibi_slopes=to_xp(slopes[None])))
+
+
+@pytest.mark.parametrize("dtype,sink", [(np.float32, 100.0), (np.float64, 800.0)])
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_a_sink_far_above_every_score_takes_the_whole_row(impl, dtype, sink):
+    """A sink logit S far above the scores z (S - z beyond the exponent range: exp(S - z)
+    overflows) takes the whole row: p = exp(z - S) / (1 + sum exp(z - S)) underflows to 0, so
+    out = 0 (to float32's subnormals), lse = S + log(1 + sum exp(z - S)) = S, and with delta = sum(dp * p) = 0 the
+    sink's gradient is p_sink * dlse = dlse, summed over (b, i): dsinks[h] = sum dlse[:, h].
+    A softmax that did not take the sink into the row's maximum shift overflowed to inf/inf."""
+    rng = np.random.default_rng(14)
+    B, H, Lq, Lk, Dh, Dv = 2, 3, 4, 5, 3, 2
+    q, k = rng.standard_normal((B, H, Lq, Dh)), rng.standard_normal((B, H, Lk, Dh))
+    v, dout = rng.standard_normal((B, H, Lk, Dv)), rng.standard_normal((B, H, Lq, Dv))
+    dlse = rng.standard_normal((B, H, Lq))
+    sinks = np.array([sink, sink + 1.0, sink + 2.0])  # [H]
+    q, k, v, dout, dlse, sinks = (t.astype(dtype) for t in (q, k, v, dout, dlse, sinks))
+    out, cache = A.sdpa_forward(q, k, v, sinks=sinks, is_causal=True, impl=impl,
+                                **(BLOCKS if impl == "blocked" else {}))
+    g = A.sdpa_backward(dout, cache, dlse=dlse)
+    np.testing.assert_allclose(out, 0.0, rtol=0, atol=1e-30)  # float32's subnormals: exp(-100)
+    np.testing.assert_allclose(cache.lse, np.broadcast_to(sinks[:, None], (B, H, Lq)), rtol=1e-6)
+    np.testing.assert_allclose(g.dsinks, dlse.sum(axis=(0, 2), dtype=np.float64), rtol=1e-5)
+    for d in (g.dq, g.dk, g.dv):
+        np.testing.assert_allclose(d, 0.0, rtol=0, atol=1e-30)
+
