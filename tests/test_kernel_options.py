@@ -689,3 +689,30 @@ def test_a_sink_far_above_every_score_takes_the_whole_row(impl, dtype, sink):
     for d in (g.dq, g.dk, g.dv):
         np.testing.assert_allclose(d, 0.0, rtol=0, atol=1e-30)
 
+
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_a_sink_of_minus_inf_is_no_sink_on_rows_with_nothing_to_attend(impl):
+    """A sink of -inf is no sink (exp(-inf) = 0 joins the denominator), also on the rows a
+    bottom-right causal call with Lq > Lk leaves nothing: head 0 gives what the call without
+    sinks gives (zero output and lse -inf on those rows), its dsinks is 0, and nothing is NaN.
+    A sink share e_sink / s divided by the row sum s = 0 there gave 0 / 0."""
+    rng = np.random.default_rng(15)
+    B, H, Lq, Lk = 2, 2, 5, 3  # rows 0 and 1 attend nothing (keys j <= i - 2)
+    q, k = rng.standard_normal((B, H, Lq, 3)), rng.standard_normal((B, H, Lk, 3))
+    v, dout = rng.standard_normal((B, H, Lk, 2)), rng.standard_normal((B, H, Lq, 2))
+    dlse = rng.standard_normal((B, H, Lq))
+    kw = dict(is_causal=True, align="bottom_right")
+    extra = BLOCKS if impl == "blocked" else {}
+    out, c = A.sdpa_forward(q, k, v, impl=impl, sinks=np.array([-np.inf, 0.4]), **kw, **extra)
+    g = A.sdpa_backward(dout, c, dlse=dlse)
+    for t in (out, g.dq, g.dk, g.dv, g.dsinks):
+        assert np.all(np.isfinite(t))
+    assert g.dsinks[0] == 0.0
+    h0 = (slice(None), slice(0, 1))  # head 0, without sinks
+    out0, c0 = F.sdpa_forward(q[h0], k[h0], v[h0], **kw)
+    g0 = F.sdpa_backward(dout[h0], c0, dlse=dlse[h0])
+    np.testing.assert_allclose(out[h0], out0, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(c.lse[h0] == -np.inf, c0.lse == -np.inf)
+    assert np.isneginf(c0.lse[:, :, :2]).all()
+    for a, b in zip(g[:3], g0[:3]):
+        np.testing.assert_allclose(a[h0], b, rtol=1e-12, atol=1e-12)
