@@ -289,7 +289,8 @@ def test_a_numpy_scalar_dropout_p_keeps_the_dtype(p, dtype):
 
 @pytest.mark.parametrize("backend_name,dtype_name", HALF_CASES, ids=[f"{b}-{d}" for b, d in HALF_CASES])
 def test_half_precision_sums_over_rows_run_in_float32(backend_name, dtype_name, monkeypatch):
-    """A bias gradient and a gradient summed back over broadcast axes add thousands of rows:
+    """A bias gradient (a linear layer's, or ``append_kv``'s bias key) and a gradient summed
+    back over broadcast axes add thousands of rows:
     in float32, rounded once (NumPy adds float16 along an axis in float16, where a sum of
     ones stops at 2048). 4096 rows of ones give 4096, which float16 and bfloat16 hold; the
     module's bias gradients over B * L = 5000 rows stay within the module bound."""
@@ -305,7 +306,10 @@ def test_half_precision_sums_over_rows_run_in_float32(backend_name, dtype_name, 
             nn.add_positions_backward(xp.reshape(ones, (4096, 1, 3)),
                                       nn.add_positions_forward(xp.reshape(ones, (4096, 1, 3)),
                                                                ones[:1])[1])[1][0],
-            Ly.residual_backward(ones, Ly.residual_forward(ones, ones[:1])[1])[1][0]]
+            Ly.residual_backward(ones, Ly.residual_forward(ones, ones[:1])[1])[1][0],
+            F.append_kv_backward(xp.ones((4096, 2, 3), dtype=dtype),  # the bias key's row
+                                 F.append_kv_forward(xp.ones((4096, 1, 3), dtype=dtype),
+                                                     ones[0])[1])[1]]
     if backend_name == "numpy":
         monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 0)
         sums.append(A.linear_backward(ones, c)[2])  # the pool's
