@@ -77,6 +77,18 @@ def test_pad_mask_gradcheck_and_values(xp, to_xp, to_np, shape, causal):
     np.testing.assert_array_equal(out[..., :Lk], np.broadcast_to(given, out[..., :Lk].shape))
 
 
+def test_pad_mask_bool_and_causal(xp, to_xp, to_np):
+    """A boolean mask with ``is_causal``: attend where the mask AND the top-left causal
+    mask allow (query i, given keys j <= i), then the extra keys, always attendable."""
+    rng = np.random.default_rng(5)
+    Lq, Lk, n = 3, 4, 2
+    mask = rng.random((2, 1, Lq, Lk)) > 0.4
+    out = to_np(F.pad_mask_forward(to_xp(mask), Lq, Lk, n, is_causal=True)[0])
+    causal = np.arange(Lk)[None, :] <= np.arange(Lq)[:, None]  # [Lq, Lk]
+    want = np.concatenate([mask & causal, np.ones((2, 1, Lq, n), dtype=bool)], axis=-1)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_pad_mask_bool_and_none(xp, to_xp, to_np):
     Lq, Lk = 3, 4
     m = np.zeros((2, 1, 1, Lk), dtype=bool)  # nothing attendable among the given keys
