@@ -257,6 +257,24 @@ def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(dx), to_np(y))
 
 
+def test_dropout_with_p_zero_applies_a_given_keep_mask(xp, to_xp, to_np):
+    """p = 0 with a keep-mask drops the entries it drops, scaled by 1 / (1 - 0) = 1:
+    y = where(keep, x, 0), dx = where(keep, dy, 0), and so do the weights of
+    sdpa_forward(dropout_p=0, dropout_mask=keep). Only p = 0 without a mask is the identity."""
+    rng = np.random.default_rng(6)
+    x, dy, keep = rng.standard_normal((3, 4, 5)), rng.standard_normal((3, 4, 5)), rng.random((3, 4, 5)) >= 0.4
+    y, cache = F.dropout_forward(to_xp(x), 0.0, mask=to_xp(keep))
+    np.testing.assert_array_equal(to_np(y), np.where(keep, x, 0.0))
+    np.testing.assert_array_equal(to_np(F.dropout_backward(to_xp(dy), cache)), np.where(keep, dy, 0.0))
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 2))
+    keep = rng.random((2, 2, 3, 5)) >= 0.4
+    s = q @ np.swapaxes(k, -1, -2) / 2.0  # scale 1 / sqrt(4)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out, _ = F.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), dropout_p=0.0, dropout_mask=to_xp(keep))
+    np.testing.assert_allclose(to_np(out), np.where(keep, p, 0.0) @ v, rtol=1e-12, atol=1e-15)
+
+
 # --------------------------------------------------------------- sdpa
 
 
