@@ -339,6 +339,24 @@ def test_sdpa_matches_direct_formula(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(cache.probs), p, rtol=1e-12, atol=1e-15)
 
 
+def test_sdpa_bool_mask_and_causal_match_direct_formula(xp, to_xp, to_np):
+    """A boolean mask AND is_causal (top-left): out = softmax where both allow, written out
+    with NumPy; row 0 of batch 1 keeps no key and gives zeros."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 3, 6, 5)), rng.standard_normal((2, 3, 6, 2))
+    m = rng.random((2, 1, 4, 6)) > 0.3
+    m[:, :, :, 0] = True  # key 0, the one every causal row sees, kept ...
+    m[1, :, 0, 0] = False  # ... but by row 0 of batch 1: an empty row
+    allowed = m & np.tril(np.ones((4, 6), bool))
+    s = np.where(allowed, q @ np.swapaxes(k, -1, -2) / math.sqrt(5), -np.inf)
+    top = s.max(-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(top), top, 0.0))
+    p = e / np.where(e.sum(-1, keepdims=True) > 0, e.sum(-1, keepdims=True), 1.0)
+    out, cache = F.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), mask=to_xp(m), is_causal=True)
+    np.testing.assert_allclose(to_np(out), p @ v, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(to_np(out)[1, :, 0], 0.0)
+
+
 def test_sdpa_causal_is_top_left(xp, to_xp, to_np):
     rng = np.random.default_rng(2)
     q, k, v = (to_xp(rng.standard_normal((1, 1, L, 3))) for L in (3, 5, 5))
