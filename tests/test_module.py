@@ -298,3 +298,40 @@ def test_average_attn_weights_is_the_mean_over_heads(backend, to_xp, to_np, dtyp
     np.testing.assert_array_equal(to_np(out_a), to_np(out_h))
     _, w_none = mha(q, kv, kv, average_attn_weights=False)
     assert w_none is None
+
+
+def _central_differences(loss, x, eps=1e-6):
+    """d loss / d x by central differences, one element at a time (float64)."""
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        old = x[i]
+        x[i] = old + eps
+        up = loss()
+        x[i] = old - eps
+        down = loss()
+        x[i] = old
+        grad[i] = (up - down) / (2 * eps)
+    return grad
+
+
+def test_query_as_key_with_another_value_projects_the_value():
+    """forward(x, x, value): query is key but value is another array, so the value projection
+    must read ``value``, not x (the one-GEMM path is for query is key is value only).
+    Checked against central differences with a random upstream gradient: d/dx is
+    dquery + dkey, d/dvalue is dvalue (Lq = Lk here: the query is the key)."""
+    B, L, D, H = 2, 3, 4, 2
+    mha = MultiHeadAttention(D, H, dtype="float64", seed=7)
+    rng = np.random.default_rng(7)
+    mha.params = {n: a + 0.3 * rng.standard_normal(a.shape) for n, a in mha.params.items()}
+    x, value = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
+    g = rng.standard_normal((B, L, D))
+
+    def loss():
+        return float(np.sum(mha(x, x, value)[0] * g))
+
+    want_dx = _central_differences(loss, x)
+    want_dvalue = _central_differences(loss, value)
+    mha(x, x, value)
+    dquery, dkey, dvalue = mha.backward(g)
+    np.testing.assert_allclose(dvalue, want_dvalue, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(dquery + dkey, want_dx, rtol=1e-6, atol=1e-8)
