@@ -292,6 +292,29 @@ def test_failed_forward_leaves_module_as_it_was(backend, xp):
     np.testing.assert_array_equal(to_numpy(m(q, k, v)[0]), to_numpy(twin(q, k, v)[0]))
 
 
+
+def test_a_failure_after_the_dropout_draw_leaves_the_generator(monkeypatch):
+    """Step 7. fails (memory, say) after step 6. has drawn its dropout mask: the generator is
+    put back, so the next forward draws the mask a twin that never failed draws; the cache
+    of the previous forward stays the one backward differentiates."""
+    m = make_mha("numpy", dropout=0.5, kdim=6, vdim=4)
+    twin = make_mha("numpy", dropout=0.5, kdim=6, vdim=4)
+    q, k, v = host_inputs(2, 3, 5, 8, 6, 4)
+    d = np.random.default_rng(3).standard_normal((2, 3, 8))
+    m(q, k, v)
+    twin(q, k, v)
+    with monkeypatch.context() as patch:
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError("step 7.")
+
+        patch.setattr(F, "merge_heads_forward", out_of_memory)
+        with pytest.raises(MemoryError, match="step 7."):
+            m(q, k, v)
+    for got, want in zip(m.backward(d), twin.backward(d)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(m(q, k, v)[0], twin(q, k, v)[0])  # the same next mask
+
+
 # --------------------------------------------------------------------------
 # parameters
 
