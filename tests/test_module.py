@@ -234,6 +234,25 @@ def test_given_keep_mask_replaces_the_generator(backend, to_xp, to_np):
                                   to_np(b(x, x, x, dropout_mask=keep)[0]))
 
 
+
+@pytest.mark.parametrize("dropout, training", [(0.4, False), (0.0, True)], ids=["eval", "p=0"])
+def test_given_keep_mask_acts_only_in_training_with_dropout(backend, to_xp, to_np, dropout,
+                                                            training):
+    """A keep-mask that drops keys changes nothing in eval mode, nor in training with
+    dropout 0: output and gradients are those of the call without it."""
+    rng = np.random.default_rng(4)
+    B, Lq, Lk, D, H = 2, 3, 5, 6, 3
+    q, kv = to_xp(rng.standard_normal((B, Lq, D))), to_xp(rng.standard_normal((B, Lk, D)))
+    keep = to_xp(rng.random((B, H, Lq, Lk)) > 0.5)
+    d = to_xp(rng.standard_normal((B, Lq, D)))
+    mha = MultiHeadAttention(D, H, dropout=dropout, dtype="float64", seed=4, backend=backend)
+    mha.train(training)
+    want = to_np(mha(q, kv, kv)[0]), *(to_np(g) for g in mha.backward(d))
+    got = to_np(mha(q, kv, kv, dropout_mask=keep)[0]), *(to_np(g) for g in mha.backward(d))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
     """What runs inside (the gradient checker's forwards and backwards) leaves no trace: the
     params' arrays, the last forward's cache, grads, dmask, the mode and the generator."""
