@@ -205,6 +205,33 @@ def test_a_cache_read_through_the_module_is_never_reused():
     np.testing.assert_array_equal(m.backward(dout)[0], want)
 
 
+
+@pytest.mark.parametrize("how", ["assigned back", "preserve_state"])
+def test_a_held_cache_stays_its_own_after_it_is_the_module_s_again(how):
+    """A cache read through ``module.cache`` stays held when it becomes the module's cache
+    again (assigned back, or put back on leaving ``preserve_state``): the forwards after it
+    do not lend its arrays to the workspace, so its weights and backward stay those of
+    its own forward."""
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=4)
+    rng = np.random.default_rng(6)
+    x1, x2, dout = (rng.standard_normal((2, 9, 8)) for _ in range(3))
+    m(x1, x1, x1)
+    want = m.backward(dout)[0]
+    held = m.cache
+    probs = A.weights(held.sdpa).copy()
+    if how == "assigned back":
+        m(x2, x2, x2)
+        m.cache = held
+    else:
+        with m.preserve_state():
+            m(x2, x2, x2)
+    for x in (x2, x2 + 1.0, x2 - 1.0):  # the first would lend held's arrays, the next reuse them
+        m(x, x, x)
+    np.testing.assert_array_equal(A.weights(held.sdpa), probs)
+    m.cache = held
+    np.testing.assert_array_equal(m.backward(dout)[0], want)
+
+
 def test_a_cache_of_another_module_is_refused():
     """``cache =`` takes this module's caches only, as its docstring says: another module's
     (even one of the same shapes, or this module's copy) would have its backward differentiate
