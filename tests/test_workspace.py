@@ -188,6 +188,35 @@ def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
     assert peak_of_forward() >= probs_bytes
 
 
+
+def test_reading_the_cache_keeps_only_that_cache_from_the_workspace(monkeypatch):
+    """The cache read through ``module.cache`` is never lent, but the forwards after it are
+    lent again: from the fourth forward on (the third's cache lends the second's arrays)
+    each allocates less than one (B, H, Lq, Lk) array, as without the read."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 1 << 14)
+    B, H, L, D = 1, 2, 256, 16
+    probs_bytes = B * H * L * L * 8
+    m = MultiHeadAttention(D, H, dtype="float64", impl="numpy")
+    x = np.random.default_rng(3).standard_normal((B, L, D))
+
+    def peak_of_forward():
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            m(x, x, x)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    m(x, x, x)
+    held = m.cache  # read, and held to the end
+    assert peak_of_forward() >= probs_bytes  # the held cache is not lent
+    assert peak_of_forward() >= probs_bytes  # the second's is still the cache
+    assert peak_of_forward() < probs_bytes / 2
+    assert peak_of_forward() < probs_bytes / 2
+    del held
+
+
 def test_a_cache_read_through_the_module_is_never_reused():
     """``module.cache`` hands out the cache: its arrays stay its own after later forwards, and
     assigning it back makes backward differentiate that forward (the gradient checker's use)."""
