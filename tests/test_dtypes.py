@@ -167,6 +167,27 @@ def test_half_precision_is_float32_rounded_once(backend_name, dtype_name):
         np.testing.assert_array_equal(_host64(xp, a), _host64(xp, xp.astype(r, dtype)))
 
 
+
+@pytest.mark.parametrize("backend_name,dtype_name", HALF_CASES, ids=[f"{b}-{d}" for b, d in HALF_CASES])
+def test_half_precision_module_weights_have_the_module_dtype(backend_name, dtype_name):
+    """The module returns ``need_weights``' weights in its own dtype (step 6. keeps them in
+    float32), per head and averaged, within the half bound of a float64 module's."""
+    xp = backend_or_skip(backend_name)
+    dtype = _dtype_or_skip(xp, backend_name, dtype_name)
+    B, Lq, Lk, D, H = 2, 3, 5, 8, 2
+    rng = np.random.default_rng(7)
+    m = MultiHeadAttention(D, H, dtype=dtype_name, backend=backend_name, seed=7)
+    ref = MultiHeadAttention(D, H, dtype="float64", backend="numpy")
+    ref.params = {k: _host64(xp, v) for k, v in m.params.items()}
+    X = [xp.astype(from_numpy(rng.standard_normal(s), xp), dtype) for s in [(B, Lq, D), (B, Lk, D)]]
+    X64 = [_host64(xp, x) for x in X]
+    for average in (False, True):
+        _, w = m(X[0], X[1], X[1], need_weights=True, average_attn_weights=average)
+        _, w64 = ref(X64[0], X64[1], X64[1], need_weights=True, average_attn_weights=average)
+        assert w.dtype == dtype and tuple(w.shape) == w64.shape
+        assert _rel(_host64(xp, w), w64) <= SDPA_BOUND[dtype_name]
+
+
 # --------------------------------------------------------------------------
 # torch CPU through array-api-compat == npattn on NumPy
 
