@@ -315,6 +315,32 @@ def test_a_failure_after_the_dropout_draw_leaves_the_generator(monkeypatch):
     np.testing.assert_array_equal(m(q, k, v)[0], twin(q, k, v)[0])  # the same next mask
 
 
+
+@pytest.mark.parametrize("impl", ["numpy", "reference"])
+def test_a_failure_after_step_6_leaves_the_last_forward_differentiable(impl, monkeypatch):
+    """Step 7. fails after step 6. has written its probabilities (on NumPy into the arrays
+    of the forward before last, lent to the workspace): backward still differentiates the
+    last forward, with its own numbers; the arrays of the module's cache are never lent."""
+    m = make_mha("numpy", dropout=0.0, kdim=6, vdim=4)
+    m.impl = impl
+    q, k, v = host_inputs(2, 3, 5, 8, 6, 4)
+    q2, k2, v2 = host_inputs(2, 3, 5, 8, 6, 4, seed=2)
+    d = np.random.default_rng(3).standard_normal((2, 3, 8))
+    m(q2, k2, v2)  # its arrays are lent once the next forward has succeeded
+    m(q, k, v)
+    want = [g.copy() for g in m.backward(d)]
+    with monkeypatch.context() as patch:
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError("step 7.")
+
+        patch.setattr(F, "merge_heads_forward", out_of_memory)
+        for _ in range(2):
+            with pytest.raises(MemoryError, match="step 7."):
+                m(q2, k2, v2)
+    for got, w in zip(m.backward(d), want):
+        np.testing.assert_array_equal(got, w)
+
+
 # --------------------------------------------------------------------------
 # parameters
 
