@@ -354,3 +354,29 @@ def test_query_as_key_with_another_value_projects_the_value():
     dquery, dkey, dvalue = mha.backward(g)
     np.testing.assert_allclose(dvalue, want_dvalue, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(dquery + dkey, want_dx, rtol=1e-6, atol=1e-8)
+
+
+def test_self_attention_gradients_against_central_differences():
+    """forward(x, x, x) (the one-GEMM path): d/dx is dquery + dkey + dvalue, and every
+    parameter's gradient, biases of the fused projection included, matches central
+    differences with a random upstream gradient (random nonzero parameters; gradcheck_module
+    perturbs query, key and value as separate arrays, so it never takes this path)."""
+    B, L, D, H = 2, 3, 4, 2
+    mha = MultiHeadAttention(D, H, dtype="float64", seed=8)
+    rng = np.random.default_rng(8)
+    mha.params = {n: a + 0.3 * rng.standard_normal(a.shape) for n, a in mha.params.items()}
+    x = rng.standard_normal((B, L, D))
+    g = rng.standard_normal((B, L, D))
+
+    def loss():
+        return float(np.sum(mha(x, x, x, is_causal=True)[0] * g))
+
+    want = {"x": _central_differences(loss, x)}
+    want.update({n: _central_differences(loss, p) for n, p in mha.params.items()})
+    mha(x, x, x, is_causal=True)
+    dquery, dkey, dvalue = mha.backward(g)
+    np.testing.assert_allclose(dquery + dkey + dvalue, want["x"], rtol=1e-6, atol=1e-8)
+    assert set(mha.grads) == set(mha.params)
+    for name in mha.params:
+        np.testing.assert_allclose(mha.grads[name], want[name], rtol=1e-6, atol=1e-8,
+                                   err_msg=name)
