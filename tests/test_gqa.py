@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from npattn import MultiHeadAttention
 from npattn import functional as F
 from npattn.gradcheck import gradcheck
 
@@ -211,3 +212,30 @@ def test_numpy_kernel_gqa_backward_keeps_no_per_query_head_copy_of_dk(causal):
     ref = F.sdpa_backward(dout, F.sdpa_forward(q, k, v, enable_gqa=True, is_causal=causal,
                                                align="bottom_right")[1])
     np.testing.assert_allclose(dk, ref.dk, rtol=1e-12, atol=1e-12 * np.abs(ref.dk).max())
+
+
+def test_module_takes_a_mask_per_query_head():
+    """MultiHeadAttention with n_kv_head < n_head: a mask of shape (B, H, Lq, Lk) (one per
+    query head, not per key/value head) is taken, and its weights and output are those
+    computed by hand, query head h reading key/value head h // G."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 3, 5, 8
+    Dh, G = D // H, H // Hkv
+    m = MultiHeadAttention(D, H, n_kv_head=Hkv, dtype="float64", seed=3)
+    rng = np.random.default_rng(3)
+    m.params = {n: a + 0.3 * rng.standard_normal(a.shape) for n, a in m.params.items()}
+    x, y = rng.standard_normal((B, Lq, D)), rng.standard_normal((B, Lk, D))
+    mask = rng.random((B, H, Lq, Lk)) < 0.7
+    mask[..., 0] = True  # every row attends something
+    out, w = m(x, y, y, mask=mask, need_weights=True, average_attn_weights=False)
+
+    P = m.params
+    q = (x @ P["w_q"].T + P["b_q"]).reshape(B, Lq, H, Dh).transpose(0, 2, 1, 3)
+    k = (y @ P["w_k"].T + P["b_k"]).reshape(B, Lk, Hkv, Dh).transpose(0, 2, 1, 3)
+    v = (y @ P["w_v"].T + P["b_v"]).reshape(B, Lk, Hkv, Dh).transpose(0, 2, 1, 3)
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # [B, H, Lk, Dh]
+    s = np.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(Dh), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [B, H, Lq, Lk]
+    o = (p @ v).transpose(0, 2, 1, 3).reshape(B, Lq, D)
+    np.testing.assert_allclose(w, p, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(out, o @ P["w_o"].T + P["b_o"], rtol=1e-12, atol=1e-14)
