@@ -289,6 +289,10 @@ def test_backward_after_decoding_is_an_error(backend, to_xp):
     assert m.cache is None
     with pytest.raises(RuntimeError, match="kv_cache"):
         m.backward(dout)
+    with m.preserve_state():  # a plain forward on the side: the decoding is the last one again
+        m(x, x, x)
+    with pytest.raises(RuntimeError, match="the last forward used kv_cache"):
+        m.backward(dout)
     m(x, x, x)
     m.backward(dout)  # and again after a plain forward
 
