@@ -160,14 +160,12 @@ def test_module_steps_reuse_arrays_and_match_a_fresh_module(kw):
         np.testing.assert_array_equal(w, saved)
 
 
-def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
-    """The reuse is real: the previous cache is lent once a new forward has succeeded, so
-    from the third forward on each one allocates less than one (B, H, Lq, Lk) array
-    (it writes into the forward before last's); after ``clear_cache`` it allocates again.
-    (Tiles of 2**14 scores: each tile's scratch array is small next to the weights.)"""
+def module_and_peak(monkeypatch):
+    """A float64 module on the NumPy kernel (tiles of 2**14 scores), its input x (1, 256, 16),
+    the bytes of one (B, H, Lq, Lk) array, and a function giving the peak of the memory that
+    tracemalloc sees allocated during one ``m(x, x, x)``."""
     monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 1 << 14)
     B, H, L, D = 1, 2, 256, 16
-    probs_bytes = B * H * L * L * 8
     m = MultiHeadAttention(D, H, dtype="float64", impl="numpy")
     x = np.random.default_rng(3).standard_normal((B, L, D))
 
@@ -179,6 +177,16 @@ def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
             return tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
+
+    return m, x, B * H * L * L * 8, peak_of_forward
+
+
+def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
+    """The reuse is real: the previous cache is lent once a new forward has succeeded, so
+    from the third forward on each one allocates less than one (B, H, Lq, Lk) array
+    (it writes into the forward before last's); after ``clear_cache`` it allocates again.
+    (Tiles of 2**14 scores: each tile's scratch array is small next to the weights.)"""
+    m, x, probs_bytes, peak_of_forward = module_and_peak(monkeypatch)
 
     assert peak_of_forward() >= probs_bytes
     assert peak_of_forward() >= probs_bytes  # the first forward's cache is still the cache
@@ -188,25 +196,11 @@ def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
     assert peak_of_forward() >= probs_bytes
 
 
-
 def test_reading_the_cache_keeps_only_that_cache_from_the_workspace(monkeypatch):
     """The cache read through ``module.cache`` is never lent, but the forwards after it are
     lent again: from the fourth forward on (the third's cache lends the second's arrays)
     each allocates less than one (B, H, Lq, Lk) array, as without the read."""
-    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 1 << 14)
-    B, H, L, D = 1, 2, 256, 16
-    probs_bytes = B * H * L * L * 8
-    m = MultiHeadAttention(D, H, dtype="float64", impl="numpy")
-    x = np.random.default_rng(3).standard_normal((B, L, D))
-
-    def peak_of_forward():
-        tracemalloc.start()
-        try:
-            tracemalloc.reset_peak()
-            m(x, x, x)
-            return tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+    m, x, probs_bytes, peak_of_forward = module_and_peak(monkeypatch)
 
     m(x, x, x)
     held = m.cache  # read, and held to the end
@@ -232,7 +226,6 @@ def test_a_cache_read_through_the_module_is_never_reused():
     np.testing.assert_array_equal(A.weights(held.sdpa), probs)
     m.cache = held
     np.testing.assert_array_equal(m.backward(dout)[0], want)
-
 
 
 @pytest.mark.parametrize("how", ["assigned back", "preserve_state"])
