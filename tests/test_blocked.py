@@ -207,8 +207,8 @@ def test_row_max_and_row_sum_are_saved(xp, to_xp, to_np):
 
 @pytest.mark.parametrize("impl", ["blocked", "reference", "numpy"])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_a_row_whose_scores_are_all_zero_keeps_its_lse_and_dlse(with_sinks, impl, backend, to_xp,
-                                                                 to_np):
+def test_a_row_whose_scores_are_all_zero_keeps_its_lse_and_dlse(with_sinks, impl, backend,
+                                                                to_xp, to_np):
     """A query of zeros scores 0 against every key: its row maximum m is 0, yet it attends all
     Lk keys (l = Lk, plus exp(sink) beside a sink <= 0). Its lse is log(l), not the -inf of a row
     with nothing to attend, and dlse reaches the gradients: lse against log-sum-exp of the
