@@ -184,8 +184,8 @@ class KVCache:
         if n == 0:
             raise ValueError("k_new: expected at least 1 new position, got 0")
         if int(v_new.shape[2]) != n:
-            raise ValueError(f"v_new: expected {n} position{'s' if n != 1 else ''} (those of k_new), got shape "
-                             f"{V.shape_of(v_new)}")
+            raise ValueError(f"v_new: expected {n} position{'s' if n != 1 else ''} (those of "
+                             f"k_new), got shape {V.shape_of(v_new)}")
         self.check_room(n)
 
     # ------------------------------------------------------------ writing

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 from . import functional as F
 from . import validation as V
-from .backend import device_of, namespace, row_max
+from .backend import device_of, namespace, without_empty_chunks
 
 __all__ = [
     "erf",
@@ -210,7 +210,9 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     # 3.-5. in units of s, xs = xc / s: s = max|xc| in a row whose xc^2 could overflow (there
     # mean(xs^2) lies in [1/D, 1], and eps / s^2 underflows only where it is negligible next to
     # it); s = 1 in every other row, which so computes the quoted lines exactly (a NaN row too)
-    amax = row_max(xp, xp.abs(xc))  # max|xc|,                  [..., 1]
+    xr = without_empty_chunks(xc)  # (dask's max and min fail on chunks of length 0)
+    amax = xp.maximum(xp.max(xr, axis=-1, keepdims=True),
+                      -xp.min(xr, axis=-1, keepdims=True))  # max|xc|, [..., 1]
     s = xp.where(amax > _square_safe(xp, xc.dtype, int(xc.shape[-1])), amax, 1.0)  # [..., 1]
     xs = xc * (1.0 / s)  # [..., D] (a product: 1 / s is exact where s = 1)
     var_s = xp.mean(xs * xs, axis=-1, keepdims=True)  # 3. var / s^2,       [..., 1]
