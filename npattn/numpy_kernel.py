@@ -255,12 +255,14 @@ class Workspace:
 
     def give(self, cache: Any) -> None:
         """Keep the arrays of ``cache`` that the kernel allocated (a NumpySDPACache; anything
-        else is ignored). The cache must not be read afterwards."""
+        else is ignored). The cache must not be read afterwards. An array kept already (the
+        same cache given twice) is kept once, so that two later forwards never share it."""
         if not isinstance(cache, NumpySDPACache):
             return
         arrays = [cache.exps]
         if cache.dropout_key is not None:  # drawn by the kernel; a caller's mask stays theirs
             arrays.append(cache.keep)
+        arrays = [a for a in arrays if not any(a is s for s in self.spares)]
         self.spares = (arrays + self.spares)[: self.SPARES]
 
     def take(self, shape: tuple, dtype: Any) -> Optional[np.ndarray]:

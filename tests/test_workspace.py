@@ -116,6 +116,23 @@ def test_give_keeps_only_the_kernels_own_arrays():
         A.sdpa_forward(q, k, v, impl="numpy", workspace=[], **kw)
 
 
+def test_a_cache_given_twice_is_kept_once():
+    """Giving the same cache back twice keeps its array once: the two forwards that follow
+    get arrays of their own, and each keeps the numbers of a fresh forward."""
+    q, k, v, _, kw = make_inputs(5, 2, 2, 1, 7, 9, 3, 3)
+    q2 = q[::-1].copy()  # other inputs, other probabilities
+    ws = A.Workspace()
+    _, c = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw)
+    ws.give(c)
+    ws.give(c)
+    assert len(ws.spares) == 1
+    _, c1 = A.sdpa_forward(q, k, v, impl="numpy", workspace=ws, **kw)
+    _, c2 = A.sdpa_forward(q2, k, v, impl="numpy", workspace=ws, **kw)
+    assert not np.shares_memory(c1.exps, c2.exps)
+    _, fresh1 = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    np.testing.assert_array_equal(c1.exps, fresh1.exps)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
 def test_a_drawn_keep_mask_outlives_its_cache_given_back(causal):
     """``dropout_keep_mask`` of a cache stays the mask that forward used after the cache goes
