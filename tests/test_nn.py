@@ -147,6 +147,45 @@ def test_cross_entropy_with_minus_inf_logits(xp, to_xp, to_np):
     assert float(loss) == math.inf
 
 
+def _direct_cross_entropy(z, t):
+    """Per-position -log softmax(z)[t] of float64 logits z (N, V) near 0, with math.fsum."""
+    return np.array([-(z[i, t[i]] - math.log(math.fsum(math.exp(v) for v in z[i])))
+                     for i in range(len(t))])
+
+
+def test_cross_entropy_of_logits_past_exp_overflow(xp, to_xp, to_np):
+    """exp overflows past 709.8 in float64 and 88.7 in float32, and underflows to 0 below
+    -745: the loss and dlogits = (softmax - one_hot) / N of logits shifted that far are
+    those of the same logits near 0 (the shift cancels in log-softmax), finite."""
+    rng = np.random.default_rng(13)
+    base = 2.0 * rng.standard_normal((3, 4))
+    t = np.array([0, 3, 1])
+    for dtype, shift, tol in ((np.float64, 1000.0, 1e-12), (np.float64, -1000.0, 1e-12),
+                              (np.float32, 200.0, 1e-5)):
+        z = (base + shift).astype(dtype)
+        near0 = z.astype(np.float64) - shift  # the logits given, less the shift
+        p = np.exp(near0) / np.exp(near0).sum(axis=-1, keepdims=True)
+        expected_d = (p - np.eye(4)[t]) / 3.0
+        loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t))
+        assert float(loss) == pytest.approx(_direct_cross_entropy(near0, t).mean(), rel=tol)
+        dz = to_np(nn.cross_entropy_backward(1.0, cache)[0])
+        np.testing.assert_allclose(dz, expected_d, rtol=tol, atol=tol)
+
+
+def test_cross_entropy_averages_over_every_leading_axis(xp, to_xp, to_np):
+    """Logits (B, L, V) and targets (B, L): the mean runs over all B * L positions, as
+    torch's cross_entropy of the flattened (B * L, V) logits, not over B alone."""
+    rng = np.random.default_rng(14)
+    z = rng.standard_normal((2, 3, 5))
+    t = rng.integers(0, 5, size=(2, 3))
+    loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t))
+    per_position = _direct_cross_entropy(z.reshape(6, 5), t.reshape(6))
+    assert float(loss) == pytest.approx(math.fsum(per_position) / 6.0, rel=1e-12)
+    p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+    dz = to_np(nn.cross_entropy_backward(1.0, cache)[0])
+    np.testing.assert_allclose(dz, (p - np.eye(5)[t]) / 6.0, rtol=1e-12, atol=1e-15)
+
+
 def _adam_reference(w, grads, lr, b1, b2, eps):
     """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1."""
     w = [float(v) for v in w]
