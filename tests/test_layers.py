@@ -158,6 +158,31 @@ def test_layer_norm_against_torch():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_layer_norm_of_tiny_rows_is_centering_over_sqrt_eps(xp, to_xp, to_np):
+    """A row whose variance is far below eps (entries of 1e-200 in float64, 1e-30 in float32)
+    is normalised as the quoted steps say: rstd = 1 / sqrt(var + eps) -> 1 / sqrt(eps), so
+    y = (x - mean(x)) / sqrt(eps) * weight, and the backward is that linear map's:
+    dx = (g - mean(g)) / sqrt(eps) with g = dout * weight, dweight = sum(dout * y_hat).
+    Such rows are not rescaled by max|x - mean(x)|: there eps / s^2 overflows, and y and
+    dx came out 0."""
+    rng = np.random.default_rng(15)
+    eps = 1e-5
+    for dtype, scale, tol in ((np.float64, 1e-200, 1e-12), (np.float32, 1e-30, 1e-5)):
+        x = (scale * rng.standard_normal((3, 6))).astype(dtype)
+        w, dout = rng.standard_normal(6).astype(dtype), rng.standard_normal((3, 6)).astype(dtype)
+        y, cache = L.layer_norm_forward(to_xp(x), to_xp(w), None, eps=eps)
+        dx, dw, _ = L.layer_norm_backward(to_xp(dout), cache)
+        x64, w64, d64 = x.astype(np.float64), w.astype(np.float64), dout.astype(np.float64)
+        xhat = (x64 - x64.mean(axis=-1, keepdims=True)) / math.sqrt(eps)  # [3, 6]
+        g = d64 * w64
+        want = {"y": xhat * w64, "dx": (g - g.mean(axis=-1, keepdims=True)) / math.sqrt(eps),
+                "dw": (d64 * xhat).sum(axis=0)}
+        for name, got in (("y", y), ("dx", dx), ("dw", dw)):
+            ref = want[name]
+            np.testing.assert_allclose(to_np(got), ref, rtol=tol, atol=tol * np.abs(ref).max(),
+                                       err_msg=f"{name}, {dtype.__name__}")
+
+
 @given(rows=st.integers(1, 4), D=st.integers(2, 9), shift=st.floats(-100.0, 100.0),
        scale=st.floats(0.1, 10.0), seed=st.integers(0, 2**16))
 def test_layer_norm_rows_have_zero_mean_unit_variance(xp, to_xp, to_np, rows, D, shift, scale, seed):
