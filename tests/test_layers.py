@@ -237,6 +237,16 @@ def test_relu_gradients_and_values(xp, to_xp, to_np):
     assert np.isnan(to_np(y)[0])
 
 
+def test_relu_derivative_at_zero_is_zero(xp, to_xp, to_np):
+    """At x = 0 (and -0.0) ReLU's derivative is taken as 0, as torch's relu backward
+    (grad where x > 0); finite differences cannot see the kink."""
+    x = np.array([-1.0, -0.0, 0.0, 2.0])
+    y, cache = L.relu_forward(to_xp(x))
+    np.testing.assert_array_equal(to_np(y), [0.0, 0.0, 0.0, 2.0])
+    dx = L.relu_backward(to_xp(np.array([3.0, 5.0, 7.0, 11.0])), cache)
+    np.testing.assert_array_equal(to_np(dx), [0.0, 0.0, 0.0, 11.0])
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_gradients(xp, to_xp, approximate):
     rng = np.random.default_rng(6)
@@ -336,6 +346,23 @@ def test_feed_forward_matches_torch_sequential():
     torch.testing.assert_close(y, ref.detach(), rtol=1e-12, atol=1e-12)
     for got, t in zip(L.feed_forward_backward(dout, cache), (x, w1, b1, w2, b2)):
         torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+def test_feed_forward_runs_the_activation_it_names(xp, to_xp, to_np, activation):
+    """y = act(x @ w1.T + b1) @ w2.T + b2 with act written out: max(h, 0), the exact
+    h Phi(h) with math.erf, or the tanh form (here the two GELUs differ by up to 5e-4, y by 1e-3)."""
+    rng = np.random.default_rng(16)
+    x, w1, b1 = rng.standard_normal((2, 3, 4)), rng.standard_normal((6, 4)), rng.standard_normal(6)
+    w2, b2 = rng.standard_normal((4, 6)), rng.standard_normal(4)
+    h = x @ w1.T + b1  # [2, 3, 6]
+    act = {
+        "relu": lambda h: np.maximum(h, 0.0),
+        "gelu": lambda h: h * 0.5 * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0))),
+        "gelu_tanh": lambda h: 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h**3))),
+    }[activation]
+    y, _ = L.feed_forward_forward(*map(to_xp, (x, w1, b1, w2, b2)), activation=activation)
+    np.testing.assert_allclose(to_np(y), act(h) @ w2.T + b2, rtol=1e-12, atol=1e-12)
 
 
 def test_feed_forward_of_zero_width_runs_both_ways(xp, to_xp, to_np):
