@@ -192,6 +192,24 @@ def test_ragged_view_is_right_aligned(backend, xp, to_xp, to_np):
     np.testing.assert_array_equal(back[2, 0], [4, 5, 0, 0, 0, 0])
 
 
+def test_ragged_view_when_the_first_entry_is_the_longest(backend, xp, to_xp, to_np):
+    """Entry 0 unshifted does not make the lengths equal: entries 1 and 2 still get zero rows
+    in front and a key mask, and none of the stale keys past their lengths."""
+    cache = KVCache(3, 6, 1, 2, dtype="float64", backend=backend)
+    rng = np.random.default_rng(17)
+    first = rng.standard_normal((3, 1, 4, 2))
+    cache.append(to_xp(first), to_xp(first))
+    cache.truncate([4, 1, 0])
+    new = rng.standard_normal((3, 1, 2, 2))
+    view = cache.right_aligned(to_xp(new), to_xp(new))
+    assert view.shift == (0, 3, 4) and view.key_mask is not None  # Lt = 4 + 2
+    k, mask = to_np(view.k), to_np(view.key_mask)
+    np.testing.assert_array_equal(mask[:, 0, 0], np.arange(6)[None] >= np.array([[0], [3], [4]]))
+    np.testing.assert_array_equal(k[0, 0], np.concatenate([first[0, 0], new[0, 0]]))
+    np.testing.assert_array_equal(k[1, 0], np.concatenate([np.zeros((3, 2)), first[1, 0, :1], new[1, 0]]))
+    np.testing.assert_array_equal(k[2, 0], np.concatenate([np.zeros((4, 2)), new[2, 0]]))
+
+
 # --------------------------------------------------------------------------
 # failures: named, and nothing changes
 
@@ -423,6 +441,8 @@ def test_check_room_and_unalign_columns_check_their_arguments():
         unalign_columns(np.ones(3), (1, 0, 0))  # (an IndexError from inside)
     np.testing.assert_array_equal(unalign_columns(x, np.array([2, 0])),
                                   [[[2.0, 3, 4, 5, 0, 0]], [[6.0, 7, 8, 9, 10, 11]]])
+    np.testing.assert_array_equal(unalign_columns(x, (6, 0)),  # shift = Lt: [0, Lt] is allowed
+                                  [[[0.0] * 6], [[6.0, 7, 8, 9, 10, 11]]])
 
 
 def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
@@ -432,6 +452,8 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
     bad_appends = [
         ((np.zeros((2, 1, 1, 3)), good), ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\)"),
         ((good, np.zeros((2, 2, 1, 2))), ValueError, "v_new: expected shape"),
+        # a batch of 1 would broadcast over the cache's 2 in a slice assignment
+        ((np.zeros((1, 1, 1, 2)),) * 2, ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\) = \(2,"),
         ((np.zeros((2, 1, 0, 2)), np.zeros((2, 1, 0, 2))), ValueError, "k_new: expected at least 1"),
         ((good, np.zeros((2, 1, 2, 2))), ValueError, r"v_new: expected 1 position \(those"),
         ((good.astype(np.float32), good), TypeError, "k_new: expected dtype float64"),
