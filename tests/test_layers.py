@@ -130,7 +130,19 @@ def test_layer_norm_of_huge_float32_rows_is_that_of_the_rows_rescaled(xp, to_xp,
         assert np.isnan(yb[1]).all() and np.isfinite(np.delete(yb, 1, axis=0)).all()
 
 
-def test_layer_norm_backward_formula_sizes(xp, to_xp):
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_layer_norm_of_a_float32_row_with_one_huge_entry(xp, to_xp, to_np, sign):
+    """x = (sign * 3e19, 0, ..., 0), D = 16: xc = sign * 3e19 * (15/16, -1/16, ...), whose
+    squares overflow float32 from the big entry's side only. Either sign normalises as the
+    float64 row does: xhat = xc / sqrt(mean(xc^2) + eps)."""
+    D = 16
+    x = np.zeros((1, D))
+    x[0, 0] = sign * 3e19
+    y, _ = L.layer_norm_forward(to_xp(x.astype(np.float32)), None, None, eps=1e-5)
+    xc = x - x.mean(axis=-1, keepdims=True)  # float64 (its squares are finite)
+    want = xc / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(to_np(y), want, rtol=1e-6, atol=1e-6)
+
     rng = np.random.default_rng(2)
     x, w, b = to_xp(rng.standard_normal((4, 6))), to_xp(rng.standard_normal(6)), to_xp(rng.standard_normal(6))
     y, cache = L.layer_norm_forward(x, w, b)
@@ -558,6 +570,9 @@ def test_bad_arguments_name_the_argument(xp, to_xp):
         L.layer_norm_forward(x, w4, w4, eps="1e-5")
     with pytest.raises(TypeError, match=r"^x: expected a real floating dtype"):
         L.layer_norm_forward(to_xp(np.arange(4)), None, None)
+    for shape in ((2, 0), ()):  # no entries to normalise (NumPy's max of none named nothing)
+        with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., D\) with D >= 1"):
+            L.layer_norm_forward(to_xp(np.zeros(shape)), None, None)
     with pytest.raises(TypeError, match=r"^weight: expected dtype float32"):
         L.layer_norm_forward(xp.astype(x, xp.float32), w4, None)
     with pytest.raises(ValueError, match=r"^approximate: expected 'none' or 'tanh', got 'exact'"):
