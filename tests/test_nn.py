@@ -286,6 +286,8 @@ def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, 
     np.testing.assert_array_equal(to_np(grads["a"]), a)  # the input dict's arrays are not written
     kept, _ = nn.clip_grad_norm(grads, 2.0 * total)
     np.testing.assert_array_equal(to_np(kept["a"]), a)
+    kept["a"] = None  # a new dict when nothing is scaled too: the caller's keeps its entries
+    assert kept is not grads and grads["a"] is not None
 
 
 def test_clip_grad_norm_matches_torch():
