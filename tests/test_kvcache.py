@@ -284,6 +284,29 @@ def test_an_impl_that_cannot_run_the_call_is_refused_before_the_projections(monk
     assert calls
 
 
+def test_an_impl_is_judged_on_the_longest_entry(monkeypatch):
+    """impl="chunked" takes no causal bottom-right offset. With lengths (0, 3) a one-token
+    step attends Lt = 3 + 1 keys at offset 3 (the shortest entry alone, 0 + 1 keys at
+    offset 0, would be a plain call): refused before step 1. projects anything."""
+    pytest.importorskip("dask")
+    from npattn.backend import from_numpy, resolve_backend, to_numpy
+
+    def to_dask(a):
+        return from_numpy(a, resolve_backend("dask"))
+
+    m, cache, rng = _decoding_setup("dask", to_dask, lens=(0, 3), capacity=6)
+    x = to_dask(rng.standard_normal((2, 1, D)))
+    calls = []
+    linear = npattn.attention.linear_forward
+    monkeypatch.setattr(npattn.attention, "linear_forward",
+                        lambda *a, **kw: calls.append(1) or linear(*a, **kw))
+    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="chunked"),
+                      ValueError, "impl='chunked'", to_numpy)
+    assert calls == []
+    m(x, x, x, kv_cache=cache, is_causal=True)  # the same call on the default impl runs
+    assert calls and cache.cache_seqlens.tolist() == [1, 4]
+
+
 def test_decoding_in_training_mode_with_dropout_says_call_eval(backend, to_xp, to_np):
     """As the blocks and GPT refuse it: decoding is forward only, without dropout. The module,
     its generator and the cache are unchanged; after eval() the same call decodes."""
