@@ -69,6 +69,19 @@ def test_causal_bad_arguments():
         masks.window(2, 3, 1, 1, xp=5)
 
 
+@settings(max_examples=60)
+@given(Lq=st.integers(0, 6), Lk=st.integers(0, 6), align=st.sampled_from(["top_left", "bottom_right"]),
+       left=st.none() | st.integers(0, 14), right=st.none() | st.integers(0, 14))
+def test_window_is_its_definition_for_sides_of_every_size(Lq, Lk, align, left, right):
+    """Query i at key position i + o sees j with i + o - left <= j <= i + o + right, pair by
+    pair, for sides below, between and past the lengths (a side as long as Lq or Lk, but
+    short of Lq + Lk, still leaves keys out: window(5, 2, 4, None) hides key 0 from query 4)."""
+    o = 0 if align == "top_left" else Lk - Lq
+    want = np.array([[(left is None or j >= i + o - left) and (right is None or j <= i + o + right)
+                      for j in range(Lk)] for i in range(Lq)], dtype=bool).reshape(Lq, Lk)
+    np.testing.assert_array_equal(masks.window(Lq, Lk, left, right, align), want)
+
+
 # --------------------------------------------------------------------------
 # padding
 
@@ -113,9 +126,32 @@ def test_sizes_beyond_the_index_dtype_and_unsigned_sizes(backend, xp, to_np):
     np.testing.assert_array_equal(m.sum(axis=-1).ravel(), [5, 0])
 
 
-def test_segments_name_a_missing_array():
+def test_segments_bad_arguments():
     with pytest.raises(TypeError, match="^q_segments: expected an array, got None"):
         masks.segments(None, np.zeros((1, 2), dtype=np.int64))
+    ids = np.zeros((2, 3), dtype=np.int64)
+    # one sequence of ids (no batch axis) and batch entries that differ in number are refused,
+    # not broadcast: one row of q_segments against two of k_segments would pair them silently
+    with pytest.raises(ValueError, match=r"^q_segments: expected shape \(B, L\), got shape \(3,\)"):
+        masks.segments(ids[0], ids)
+    with pytest.raises(ValueError, match=r"^k_segments: expected shape \(B, L\), got shape \(3,\)"):
+        masks.segments(ids, ids[0])
+    with pytest.raises(ValueError, match=r"^k_segments: expected 1 batch entries like q_segments, "
+                                         r"got shape \(2, 3\)"):
+        masks.segments(ids[:1], ids)
+
+
+def test_padding_takes_unsigned_lengths_on_every_backend(backend, xp, to_np):
+    """Unsigned lengths of every width count keys as a list of ints does: torch promotes
+    no uint16/32/64 with the int64 key positions and array_api_strict no uint64 (a
+    RuntimeError / TypeError from the comparison if the lengths kept their dtype)."""
+    for name in ("uint8", "uint16", "uint32", "uint64"):
+        if not hasattr(xp, name):
+            continue
+        lengths = xp.asarray(np.array([5, 0, 2]), dtype=getattr(xp, name))
+        m = to_np(masks.padding(lengths, 6))
+        np.testing.assert_array_equal(m[:, 0, 0], np.arange(6)[None, :] < np.array([5, 0, 2])[:, None],
+                                      err_msg=name)
 
 
 def test_padding_bad_arguments():
@@ -123,6 +159,10 @@ def test_padding_bad_arguments():
         masks.padding([1, 4], 3)
     with pytest.raises(ValueError, match="lengths"):
         masks.padding(np.array([[1, 2]]), 3)
+    # an array's values are checked as a list's: Lk + 1 would mean Lk keys, -1 none
+    for bad in ([4, 1], [-1, 1]):
+        with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=3\], got"):
+            masks.padding(np.array(bad), 3)
     with pytest.raises(TypeError, match="lengths"):
         masks.padding(np.array([1.0, 2.0]), 3)
     for lengths in (3, None, {1, 2}, {0: 1, 1: 2}):  # a set or a dict has no order
@@ -182,6 +222,11 @@ def test_from_torch_mha_structure(N, H, L, S, seed):
     np.testing.assert_array_equal(masks.from_torch_mha(a3, batch_size=N), m)
     m = masks.from_torch_mha(a2, kpm)
     np.testing.assert_array_equal(m, ~a2[None, None] & ~kpm[:, None, None, :])
+    # an unbatched key_padding_mask, (S,), is one batch entry's: (1, 1, 1, S)
+    m = masks.from_torch_mha(key_padding_mask=kpm[0])
+    assert m.shape == (1, 1, 1, S)
+    np.testing.assert_array_equal(m[0, 0, 0], ~kpm[0])
+    np.testing.assert_array_equal(masks.from_torch_mha(a2, kpm[0]), ~a2[None, None] & ~kpm[0])
     # the floating form of the same masks gives the same softmax
     f = masks.from_torch_mha(a3, kpm, n_head=H, dtype=np.float64)
     b = masks.from_torch_mha(a3, kpm, n_head=H)
@@ -209,6 +254,9 @@ def test_from_torch_mha_bad_arguments():
         masks.from_torch_mha(np.zeros((2, 3), bool), np.zeros((2, 4), bool))
     with pytest.raises(ValueError, match="batch_size"):
         masks.from_torch_mha(key_padding_mask=np.zeros((2, 4), bool), batch_size=3)
+    # N*H = 6 split by n_head=2 is N = 3, against a key_padding_mask of N = 2
+    with pytest.raises(ValueError, match="^key_padding_mask: expected N=3 like attn_mask, got 2"):
+        masks.from_torch_mha(a3, np.zeros((2, 3), bool), n_head=2)
     with pytest.raises(TypeError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((2, 3), dtype=np.int64))
     # not arrays: named, not "libraries mixed"
