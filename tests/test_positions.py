@@ -175,6 +175,35 @@ def test_rope_float32_stays_float32(xp, to_xp):
     assert P.rope_backward(out, cache)[0].dtype == xp.float32
 
 
+def test_rope_half_precision_comes_back_in_half_precision(xp, to_xp, to_np):
+    """float16 is rotated in float32 and rounded once, to float16, forward and backward: out
+    and dx are float16, within float16's rounding of the float64 rotations (by theta, and by
+    -theta for the gradient)."""
+    if not hasattr(xp, "float16"):
+        pytest.skip("the backend has no float16")
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((2, 5, 8)).astype(np.float16)
+    dout = rng.standard_normal((2, 5, 8)).astype(np.float16)
+    pos = 3 + np.arange(5)
+    out, cache = P.rope_forward(to_xp(x), 3)
+    dx, _ = P.rope_backward(to_xp(dout), cache)
+    assert out.dtype == dx.dtype == xp.float16
+    np.testing.assert_allclose(to_np(out).astype(np.float64), rope_reference(x, pos), rtol=0, atol=4e-3)
+    np.testing.assert_allclose(to_np(dx).astype(np.float64), rope_reference(dout, -pos), rtol=0, atol=4e-3)
+
+
+def test_the_default_base_is_10000(xp, to_xp, to_np):
+    """RoFormer's and LLaMA's base, 10000, when none is given: theta = p * 10000^(-2c/Dh)."""
+    x = np.random.default_rng(16).standard_normal((2, 5, 8))
+    out, _ = P.rope_forward(to_xp(x))
+    np.testing.assert_allclose(to_np(out), rope_reference(x, np.arange(5), 10000.0), rtol=1e-12, atol=1e-12)
+    pos = np.array([0.0, 1.0, 7.0, 1000.0])
+    c = np.arange(4)
+    want = pos[:, None] * 10000.0 ** (-2.0 * c[None, :] / 8)  # [4, Dh/2]
+    got = P.rope_angles(xp, to_xp(pos), 8, dtype="float32")
+    np.testing.assert_allclose(to_np(got), want, rtol=1e-6)
+
+
 def test_relative_forms_keep_float32(xp, to_xp):
     rng = np.random.default_rng(14)
     q = to_xp(rng.standard_normal((2, 3, 4)).astype(np.float32))
