@@ -374,6 +374,7 @@ def test_auto_on_an_accelerator_keeps_dense_while_its_arrays_fit(monkeypatch):
     assert A.auto_blocked(1, 10, 101, device_memory=mem)
     assert A.auto_blocked(2, 10, 100, device_memory=mem)
     assert not A.auto_blocked(1, 10, 100, device_memory=mem, itemsize=2)  # float16: in float32
+    assert A.auto_blocked(1, 10, 101, device_memory=mem, itemsize=2)  # (at 2 bytes it would fit)
     assert A.auto_blocked(1, 10, 100, device_memory=mem, itemsize=8)
     # host arrays have no accelerator memory; select_impl asks the array's device
     from npattn.backend import accelerator_memory
@@ -384,6 +385,15 @@ def test_auto_on_an_accelerator_keeps_dense_while_its_arrays_fit(monkeypatch):
     assert A.select_impl("auto", q, q, q) == "numpy"
     monkeypatch.setattr(A, "accelerator_memory", lambda x: gib)  # 4 x 256 MiB > half a GiB
     assert A.select_impl("auto", q, q, q) == "blocked"
+    # the dtype counts: 4 arrays of 2**26 entries are 1 GiB in float32 and float16 (computed in
+    # float32), 2 GiB in float64
+    monkeypatch.setattr(A, "accelerator_memory", lambda x: 3 * gib)  # a share of 1.5 GiB
+    assert A.select_impl("auto", q, q, q) == "numpy"
+    q64 = np.broadcast_to(np.zeros((), np.float64), q.shape)
+    assert A.select_impl("auto", q64, q64, q64) == "blocked"
+    monkeypatch.setattr(A, "accelerator_memory", lambda x: 3 * gib // 2)  # a share of 0.75 GiB
+    q16 = np.broadcast_to(np.zeros((), np.float16), q.shape)
+    assert A.select_impl("auto", q16, q16, q16) == "blocked"
 
 
 def test_auto_picks_blocked_exactly_at_its_thresholds_and_keeps_block_sizes():
@@ -407,6 +417,33 @@ def test_auto_picks_blocked_exactly_at_its_thresholds_and_keeps_block_sizes():
     q, k, v = (r.standard_normal((1, 1, 7, 4)) for _ in range(3))
     _, c = A.sdpa_forward(q, k, v, impl="blocked", block_q=2, block_k=5)
     assert (c.block_q, c.block_k) == (2, 5)
+
+
+def test_keys_and_values_broadcast_over_the_heads_without_gqa():
+    """k and v of one head, (B, 1, Lk, D), broadcast to q's heads as any leading axis does
+    (enable_gqa off): every implementation that takes it gives softmax(q k^T / sqrt(Dh)) v with
+    the one K/V head, written out below, and dk, dv of that head (the sum over the query
+    heads). The NumPy kernel's layout is (B, Hkv, ...) with Hkv dividing Hq only under GQA:
+    "auto" must not take the kernel here (it did fail with a reshape error when the
+    broadcast was not noticed), and impl="numpy" is refused by name."""
+    r = np.random.default_rng(12)
+    q = r.standard_normal((2, 4, 5, 3))  # [B, H, Lq, Dh]
+    k, v = r.standard_normal((2, 1, 6, 3)), r.standard_normal((2, 1, 6, 2))  # [B, 1, Lk, D]
+    s = np.einsum("bhid,bjd->bhij", q, k[:, 0]) / math.sqrt(3)  # [B, H, Lq, Lk]
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    want = np.einsum("bhij,bjd->bhid", p / p.sum(axis=-1, keepdims=True), v[:, 0])
+    dout = r.standard_normal(want.shape)
+    k4, v4 = np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1)  # the heads made explicit
+    _, c4 = A.sdpa_forward(q, k4, v4, impl="reference")
+    dk4, dv4 = A.sdpa_backward(dout, c4)[1:3]
+    for impl in ("auto", "dense", "reference", "blocked"):
+        out, cache = A.sdpa_forward(q, k, v, impl=impl)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12, err_msg=impl)
+        dk, dv = A.sdpa_backward(dout, cache)[1:3]
+        np.testing.assert_allclose(dk, dk4.sum(axis=1, keepdims=True), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dv, dv4.sum(axis=1, keepdims=True), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="^impl='numpy'"):
+        A.sdpa_forward(q, k, v, impl="numpy")
 
 
 def test_a_large_sink_is_exact_on_the_reference_and_blocked():
