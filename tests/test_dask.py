@@ -521,6 +521,12 @@ def test_backend_name_and_impl_choice():
     assert A.select_impl("auto", dq, dk, dv, need_weights=True) == "reference"
     assert A.select_impl("dense", dq, dk, dv) == "reference"
     assert A.select_impl("blocked", dq, dk, dv) == "blocked"
+    # a call the chunked path does not take stays on the reference however large (the blocked
+    # loops would build a graph of their blocks), as a NumPy call of that size would not
+    big = da.zeros((1, 1, 8192, 8), chunks=(1, 1, 1024, 8))  # 2**26 scores a head, lazily
+    assert A.select_impl("auto", big, big, big) == "chunked"
+    assert A.select_impl("auto", big, big, big, plain=False) == "reference"
+    assert A.select_impl("auto", *[np.broadcast_to(0.0, big.shape)] * 3, plain=False) == "blocked"
     with pytest.raises(ValueError, match=r"impl='chunked': the chunked implementation takes dask arrays.*numpy"):
         A.sdpa_forward(q, k, v, impl="chunked")
     with pytest.raises(ValueError, match=r"impl='chunked' cannot return attention weights"):
