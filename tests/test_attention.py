@@ -14,6 +14,7 @@ than the lengths. Upstream gradients are random, never all ones.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -639,6 +640,26 @@ def test_select_impl_on_other_backends(backend, xp, to_xp):
         A.sdpa_forward(q, q, q, impl="numpy")
     mask = np.ones((3, 3), dtype=bool)  # NumPy arrays with a NumPy mask: the kernel
     assert A.select_impl("auto", *[np.zeros((1, 2, 3, 4))] * 3, mask=mask) == "numpy"
+
+
+def test_dout_is_checked_on_every_implementation():
+    """sdpa_backward takes the dout of the forward's out, (B, Hq, Lq, Dv) in its dtype, whichever
+    implementation made the cache: the NumPy kernel's and the blocked backward (which the
+    dispatcher checks for them) promoted a float32 or int64 dout silently and failed on a wrong
+    shape with a NumPy broadcast or reshape error that named nothing."""
+    r = np.random.default_rng(13)
+    q, k, v = r.standard_normal((2, 2, 5, 3)), r.standard_normal((2, 2, 6, 3)), r.standard_normal((2, 2, 6, 4))
+    for impl in ("numpy", "blocked", "reference"):
+        out, cache = A.sdpa_forward(q, k, v, impl=impl)
+        for bad in (out.astype(np.float32), np.ones(out.shape, dtype=np.int64)):
+            with pytest.raises(TypeError, match=f"^dout: expected dtype float64 .*got {bad.dtype}"):
+                A.sdpa_backward(bad, cache)
+        for bad in (out[:, :, :4], out[:1], out[..., :3]):
+            with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 2, 5, 4\) .*got "
+                                                 + re.escape(str(bad.shape))):
+                A.sdpa_backward(bad, cache)
+        with pytest.raises(TypeError, match="^dout: expected a numpy array, got list"):
+            A.sdpa_backward(out.tolist(), cache)
 
 
 def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
