@@ -559,6 +559,9 @@ def test_unknown_chunk_sizes_and_bad_block_lengths_are_refused_at_the_call():
             A.sdpa_forward(q, q, q, block_q=bad)
         with pytest.raises(exc, match="^block_k: expected a positive int"):
             A.sdpa_forward(q, q, q, impl="chunked", block_k=bad)
+    # NumPy ints are the Python ints they hold, also in the cache that keeps them for the tasks
+    _, c = A.sdpa_forward(q, q, q, impl="chunked", block_q=np.uint8(2), block_k=np.int16(3))
+    assert (type(c.block_q), type(c.block_k), c.block_q, c.block_k) == (int, int, 2, 3)
 
 
 # --------------------------------------------------------------------------
