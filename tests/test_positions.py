@@ -328,6 +328,28 @@ def test_half_precision_table_gradients_are_rounded_once():
     np.testing.assert_array_equal(got, exact.astype(np.float16))
 
 
+def test_half_precision_relative_scores_gradients_scale_in_float32():
+    """A float16 dbias is scaled in float32: with scale 4, a dbias of 30000 is 120000 there,
+    past float16's largest value (65504), while dq and dtable (2400 each here) fit. Scaled
+    in float16 it was inf, and so were both gradients."""
+    q = np.full((1, 1, 2, 1), 0.01, dtype=np.float16)  # [B, H, Lq, E]
+    table = np.full((3, 1), 0.01, dtype=np.float16)  # rows for j - i = -1, 0, 1
+    dbias = np.full((1, 1, 2, 2), 30000.0, dtype=np.float16)
+    _, cache = P.relative_scores_forward(q, table, 2, scale=4.0)
+    dq, dtable, _ = P.relative_scores_backward(dbias, cache)
+    q64, t64, d64 = (a.astype(np.float64) for a in (q, table, dbias))
+    # bias[i, j] = 4 q_i . table[j - i + 1]: dq_i = 4 sum_j dbias_ij table[j - i + 1],
+    # dtable[r] = 4 sum over the pairs with j - i + 1 = r of dbias_ij q_i
+    want_dq = 4.0 * np.einsum("bhij,ije->bhie", d64, shaw_reference(t64, 2, 2))
+    want_dtable = np.zeros((3, 1))
+    for i in range(2):
+        for j in range(2):
+            want_dtable[j - i + 1] += 4.0 * d64[0, 0, i, j] * q64[0, 0, i]
+    assert dq.dtype == dtable.dtype == np.float16
+    np.testing.assert_allclose(dq.astype(np.float64), want_dq, rtol=2e-3)
+    np.testing.assert_allclose(dtable.astype(np.float64), want_dtable, rtol=2e-3)
+
+
 # --------------------------------------------------------------------------
 # Shaw et al.
 
@@ -366,6 +388,9 @@ def test_relative_scores_forward_and_gradcheck(xp, to_xp, to_np, Lq, Lk):
     rel = shaw_reference(table, Lq, Lk)
     expected = np.einsum("bhie,ije->bhij", q, rel) / math.sqrt(4)
     np.testing.assert_allclose(to_np(bias), expected, rtol=1e-12, atol=1e-12)
+    square, _ = P.relative_scores_forward(to_xp(q), to_xp(table))  # Lk defaults to Lq
+    expected = np.einsum("bhie,ije->bhij", q, shaw_reference(table, Lq, Lq)) / math.sqrt(4)
+    np.testing.assert_allclose(to_np(square), expected, rtol=1e-12, atol=1e-12)
     report = gradcheck(lambda a, t: P.relative_scores_forward(a, t, Lk, offset=1, scale=0.7),
                        lambda d, c: P.relative_scores_backward(d, c)[:2],
                        [to_xp(q), to_xp(table)], names=["q", "table"], mode="full")
