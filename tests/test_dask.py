@@ -539,6 +539,27 @@ def test_backend_name_and_impl_choice():
                                atol=1e-15)
 
 
+def test_bottom_right_causal_on_dask_is_not_the_chunked_top_left_one():
+    """is_causal with align="bottom_right" and Lq != Lk is not the chunked path's causal mask
+    (top-left): "auto" takes the reference, which gives query i the keys j <= i + Lk - Lq
+    (softmax written out below), and impl="chunked" is refused. With Lq == Lk the two
+    alignments agree and "auto" stays chunked."""
+    r = np.random.default_rng(21)
+    q, k, v = r.standard_normal((1, 2, 3, 4)), r.standard_normal((1, 2, 5, 4)), r.standard_normal((1, 2, 5, 2))
+    i, j = np.arange(3)[:, None], np.arange(5)[None, :]
+    s = np.where(j <= i + 5 - 3, q @ np.swapaxes(k, -1, -2) / 2.0, -np.inf)  # [1, 2, 3, 5], 1/sqrt(4)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    want = (p / p.sum(axis=-1, keepdims=True)) @ v
+    dq, dk, dv = (da.from_array(a, chunks=(1, 1, 2, 4)) for a in (q, k, v))
+    out, c = A.sdpa_forward(dq, dk, dv, is_causal=True, align="bottom_right")
+    assert not isinstance(c, chunked.ChunkedSDPACache)
+    np.testing.assert_allclose(out.compute(), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"^impl='chunked': the kernel options \(align='bottom_right' with is_causal"):
+        A.sdpa_forward(dq, dk, dv, is_causal=True, align="bottom_right", impl="chunked")
+    _, c = A.sdpa_forward(dq, dk[:, :, :3], dv[:, :, :3], is_causal=True, align="bottom_right")
+    assert isinstance(c, chunked.ChunkedSDPACache)
+
+
 def test_mixing_dask_and_numpy_is_refused_before_anything_runs():
     q, k, v, dout, kw = make_inputs(1, 2, 2, 1, 4, 5, 3, 3, mask_kind="bool")
     dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 1, 2, 2), 1)
