@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npattn import MultiHeadAttention
+from npattn import attention as A
 from npattn import functional as F
 from npattn.gradcheck import gradcheck
 
@@ -134,6 +135,11 @@ def test_gqa_bad_head_counts():
         F.sdpa_forward(q, k, v[:, :1], enable_gqa=True)
     with pytest.raises(ValueError, match="batch axes"):  # 3 and 2 do not broadcast
         F.sdpa_forward(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), enable_gqa=True)
+    # fewer K/V heads without enable_gqa: 2 heads do not broadcast to 4, and the error names k
+    for sdpa in (F.sdpa_forward, A.sdpa_forward):
+        with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
+                                             r"of q \(2, 4\)"):
+            sdpa(q, k, v)
 
 
 # --------------------------------------------------------------------------
