@@ -159,6 +159,8 @@ def test_padding_bad_arguments():
         masks.padding([1, 4], 3)
     with pytest.raises(ValueError, match="lengths"):
         masks.padding(np.array([[1, 2]]), 3)
+    with pytest.raises(ValueError, match=r"^lengths: expected shape \(B,\), got shape \(\)"):
+        masks.padding(np.array(3), 4)  # one length, no batch axis
     # an array's values are checked as a list's: Lk + 1 would mean Lk keys, -1 none
     for bad in ([4, 1], [-1, 1]):
         with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=3\], got"):

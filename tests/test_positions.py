@@ -575,6 +575,12 @@ def test_errors_name_the_argument():
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 0, 3), ValueError, "Lq: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2.0), TypeError, "Lk: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=0.5), TypeError, "offset"),
+        # offsets are summed with the lengths in int64: past 2**62 they are refused by name (a
+        # NumPy OverflowError naming nothing, or a wrapped distance, otherwise)
+        (lambda: P.relative_distances("numpy", 3, 2, offset=2**63 - 1), ValueError,
+         r"^offset: expected an int within \+-2\*\*62"),
+        (lambda: P.relative_bias_forward(np.zeros((8, 1)), 3, 2, max_distance=6, offset=-(2**62) - 1),
+         ValueError, r"^offset: expected an int within \+-2\*\*62"),
         (lambda: P.relative_embedding_backward(np.zeros((3, 4, 2)),
                                                P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
          ValueError, "dout: expected shape"),
