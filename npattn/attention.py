@@ -139,7 +139,8 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     ``"blocked"`` or ``"chunked"``.
 
     ``"auto"`` picks ``"chunked"`` for dask arrays that it takes when no
-    weights are needed. Otherwise it picks ``"blocked"`` when no weights are needed and either
+    weights are needed, and the reference for any other dask call (weights, kernel
+    options, a layout the chunked path does not take), whatever its size. Otherwise it picks ``"blocked"`` when no weights are needed and either
     ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
     AUTO_BLOCKED_MAX_DENSE_SCORES`` (on a CUDA device: the dense arrays past
     ``AUTO_DEVICE_DENSE_SHARE`` of its memory, ``auto_blocked``); otherwise, like ``"dense"``, the NumPy
