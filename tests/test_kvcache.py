@@ -46,8 +46,9 @@ def _kv_heads(m, x, to_np):
 
 
 def _state(cache, to_np):
-    """Everything a failed call must leave as it was: the lengths and both buffers."""
-    return cache.cache_seqlens.tolist(), to_np(cache.k), to_np(cache.v)
+    """Everything a failed call must leave as it was: the lengths and copies of both buffers
+    (a ``to_np`` of ``np.asarray`` would hand back the NumPy buffers themselves)."""
+    return cache.cache_seqlens.tolist(), np.array(to_np(cache.k)), np.array(to_np(cache.v))
 
 
 def _assert_state(cache, state, to_np):
