@@ -258,12 +258,14 @@ def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
     params' arrays, the last forward's cache, grads, dmask, the mode and the generator."""
     rng = np.random.default_rng(0)
     x, d = to_xp(rng.standard_normal((2, 4, 6))), to_xp(rng.standard_normal((2, 4, 6)))
+    bias = to_xp(rng.standard_normal((4, 4)))  # a floating mask: dmask is an array, not None
     a, b = (MultiHeadAttention(6, 3, dropout=0.4, dtype="float64", seed=1, backend=backend)
             for _ in range(2))
     for m in (a, b):
-        m(x, x, x)
+        m(x, x, x, mask=bias)
         m.backward(d)
-    params, cache, grads = dict(a.params), a.cache, a.grads
+    params, cache, grads, dmask = dict(a.params), a.cache, a.grads, a.dmask
+    assert dmask is not None
     with pytest.raises(RuntimeError, match="inside"):
         with a.preserve_state() as same:
             assert same is a
@@ -274,7 +276,7 @@ def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
             a.eval()
             raise RuntimeError("inside")
     assert all(a.params[n] is params[n] for n in params)
-    assert a.cache is cache and a.grads is grads and a.dmask is None and a.training
+    assert a.cache is cache and a.grads is grads and a.dmask is dmask and a.training
     np.testing.assert_array_equal(to_np(a(x, x, x)[0]), to_np(b(x, x, x)[0]))  # the same next mask
     for got, want in zip(a.backward(d), b.backward(d)):
         np.testing.assert_array_equal(to_np(got), to_np(want))
