@@ -276,7 +276,7 @@ def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, 
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((3, 4)), rng.standard_normal(5)
     total = float(np.sqrt(np.sum(a * a) + np.sum(b * b)))  # computed here, independently
-    grads = {"a": to_xp(a), "b": to_xp(b), "none": None}
+    grads = {"a": to_xp(a.copy()), "b": to_xp(b.copy()), "none": None}  # (to_xp may share a's memory)
     clipped, norm = nn.clip_grad_norm(grads, 0.5 * total)
     assert abs(norm - total) < 1e-12 * total
     got = math.sqrt(sum(float(np.sum(to_np(clipped[k]) ** 2)) for k in ("a", "b")))
