@@ -657,6 +657,35 @@ def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
+def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, monkeypatch):
+    """Self-attention has run (its dropout drawn, its module's cache replaced), then the
+    feed-forward fails (a MemoryError): the block alone, with no model around it to put it
+    back, keeps its cache, its attention module's cache and its generator, so backward
+    differentiates the last successful forward and the next forward draws what a block that
+    never failed draws."""
+    rng = np.random.default_rng(28)
+    x, d = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
+    block, twin = (TransformerBlock(D, H, FF, dropout=0.2, dtype="float64", seed=29,
+                                    norm_first=norm_first) for _ in range(2))
+    for b in (block, twin):
+        b(x)
+    attn_cache = block.self_attn.cache
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(Ly, "feed_forward_forward", fails)
+    with pytest.raises(MemoryError):
+        block(2.0 * x)
+    monkeypatch.undo()
+    assert block.self_attn.cache is attn_cache
+    np.testing.assert_array_equal(block.backward(d), twin.backward(d))
+    for k in twin.grads:
+        np.testing.assert_array_equal(block.grads[k], twin.grads[k], err_msg=k)
+    np.testing.assert_array_equal(block(x), twin(x))  # the generators did not move
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
 def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_first, monkeypatch):
     """The cross-attention's backward runs, then the self-attention's fails (a MemoryError):
     the block's grads and both attention modules' grads, dmask and cache are those of the
