@@ -690,7 +690,9 @@ def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_fir
     """The cross-attention's backward runs, then the self-attention's fails (a MemoryError):
     the block's grads and both attention modules' grads, dmask and cache are those of the
     last successful backward (the block's docstring: the modules' grads are its last
-    backward's), and the next backward gives what a block that never failed gives."""
+    backward's), the cross-attention's cache is the one of the forward run on it alone (the
+    block's backward handed it the block's forward's), and the next backward gives what a
+    block that never failed gives."""
     rng = np.random.default_rng(26)
     x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
     d1, d2 = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
@@ -701,6 +703,7 @@ def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_fir
         b(x, memory, memory_mask=mem_mask)
         b.backward(d1)
         b(2.0 * x, memory, memory_mask=mem_mask)
+    block.multihead_attn(x, memory, memory)  # on its own: its cache is not the block's forward's
     before = {a: (m.grads, m.dmask, m.cache) for a, m in (("self", block.self_attn),
                                                           ("cross", block.multihead_attn))}
     block_grads = block.grads
