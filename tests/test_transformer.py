@@ -656,6 +656,21 @@ def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
         block.params = {"linear1.weight": block.params["linear1.weight"]}
 
 
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_a_failed_params_assignment_changes_nothing(kind):
+    """Every array is checked before any is assigned: a dict whose attention arrays are fine
+    but whose norm1.weight has the wrong shape leaves every parameter as it was, the
+    attention modules' too."""
+    block = kind(D, H, FF, dtype="float64", seed=30)
+    before = {k: np.array(v) for k, v in block.params.items()}  # copies
+    bad = {k: 2.0 * v for k, v in block.params.items()}
+    bad["norm1.weight"] = np.ones(D + 1)
+    with raises(ValueError, "params['norm1.weight']", f"({D},)", f"({D + 1},)"):
+        block.params = bad
+    for k, v in block.params.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, monkeypatch):
     """Self-attention has run (its dropout drawn, its module's cache replaced), then the
