@@ -627,3 +627,28 @@ def test_generate_on_dask_starts_each_step_from_computed_caches(monkeypatch):
     np.testing.assert_array_equal(to_numpy(out), host)
     later = sizes[2:]  # one append per block and step; the prompt's first ones write zeros
     assert len(later) == 12 and len(set(later)) == 1, sizes
+
+
+def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
+    """Generation runs in eval mode and puts the mode back (the docstring); a failure at the
+    second step (a MemoryError) puts it back too and leaves no decoding forward cached (a
+    model with no forward before: backward asks for one, not about kv_caches)."""
+    import npattn.gpt as gpt_module
+
+    model = make(dropout=0.3)
+    assert model.training
+    real, calls = gpt_module.sample_next, []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "sample_next", fails_second)
+    with pytest.raises(MemoryError):
+        model.generate(ids_of(0, (B, 2)), 3, seed=0)
+    assert len(calls) == 2
+    assert model.training and all(b.training for b in model.blocks)
+    with pytest.raises(RuntimeError, match="expected a forward call first"):
+        model.backward(np.zeros((B, 2, VOCAB)))
