@@ -430,6 +430,8 @@ class GPT(BlockStack):
         ``L0 + t``, and reads the logits of the next one. Dropout is off
         during generation (the mode is restored afterwards). The model's
         cached forward is dropped: ``backward`` needs a new forward after it.
+        A call that fails (memory, say) changes nothing: the mode, the cached
+        forwards and a ``seed`` Generator's state are put back.
 
         Parameters
         ----------
@@ -467,27 +469,22 @@ class GPT(BlockStack):
         V.check_bool("return_logits", return_logits)
         _check_seed("seed", seed, generator=True)
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        mode = self.training
+        # put back should a step fail (memory): the mode, the model's cached forward, the
+        # blocks' (blocks_put_back_on_failure) and the caller's sampling generator
+        mode, cached, drawn = self.training, self._cache, rng.bit_generator.state
         self.eval()
         try:
-            caches = self.new_caches(B, L0 + max(max_new_tokens - 1, 0))
-            tokens = [to_numpy(ids).astype(np.int64)]  # host [B, L0]
-            steps = []
-            feed = self.xp.astype(ids, widest_int(self.xp))
-            for t in range(max_new_tokens):
-                last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
-                for cache in caches:  # dask: the next step's graph starts from computed keys
-                    cache.persist()
-                steps.append(last)
-                host = np.asarray(to_numpy(last), dtype=np.float64)  # (bfloat16 included)
-                nxt = sample_next(host, rng, temperature=temperature, top_k=top_k,
-                                  greedy=greedy)  # host [B]
-                tokens.append(nxt[:, None])
-                if t < max_new_tokens - 1:
-                    feed = from_numpy(nxt[:, None], self.xp, self._device())  # [B, 1]
+            with blocks_put_back_on_failure(self.blocks):
+                tokens, steps = self._sample(ids, max_new_tokens, rng, temperature=temperature,
+                                             top_k=top_k, greedy=greedy)
+        except BaseException:
+            self._cache = cached
+            rng.bit_generator.state = drawn
+            raise
+        else:
+            self._cache = None  # the last forward was a decoding one: nothing to differentiate
         finally:
             self.train(mode)
-            self._cache = None
         out = from_numpy(np.concatenate(tokens, axis=1), self.xp, self._device())
         if not return_logits:
             return out
@@ -496,6 +493,28 @@ class GPT(BlockStack):
         else:
             logits = self.xp.zeros((B, 0, self.vocab_size), dtype=self.dtype, device=self._device())
         return out, logits
+
+    def _sample(self, ids: Any, max_new_tokens: int, rng: np.random.Generator, *,
+                temperature: float, top_k: Optional[int], greedy: bool) -> tuple:
+        """``generate``'s loop, in eval mode: the host tokens [(B, L0), (B, 1), ...] and the
+        logits each new token was chosen from [(B, V), ...]."""
+        B, L0 = ids.shape
+        caches = self.new_caches(B, L0 + max(max_new_tokens - 1, 0))
+        tokens = [to_numpy(ids).astype(np.int64)]  # host [B, L0]
+        steps = []
+        feed = self.xp.astype(ids, widest_int(self.xp))
+        for t in range(max_new_tokens):
+            last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
+            for cache in caches:  # dask: the next step's graph starts from computed keys
+                cache.persist()
+            steps.append(last)
+            host = np.asarray(to_numpy(last), dtype=np.float64)  # (bfloat16 included)
+            nxt = sample_next(host, rng, temperature=temperature, top_k=top_k,
+                              greedy=greedy)  # host [B]
+            tokens.append(nxt[:, None])
+            if t < max_new_tokens - 1:
+                feed = from_numpy(nxt[:, None], self.xp, self._device())  # [B, 1]
+        return tokens, steps
 
 
 def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:

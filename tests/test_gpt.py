@@ -652,3 +652,37 @@ def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
     assert model.training and all(b.training for b in model.blocks)
     with pytest.raises(RuntimeError, match="expected a forward call first"):
         model.backward(np.zeros((B, 2, VOCAB)))
+
+
+def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
+    """A generate that fails at its second step (a MemoryError) puts back the forward cached
+    before it (the model's and its blocks': backward then gives the gradients of a twin
+    model that never generated) and the state of the Generator passed as ``seed`` (the next
+    generate draws what a fresh Generator of that seed draws)."""
+    import npattn.gpt as gpt_module
+
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    x = ids_of(5)
+    dlogits = np.random.default_rng(6).standard_normal((B, L, VOCAB))
+    model.forward(x)
+    twin.forward(x)
+    real, calls = gpt_module.sample_next, []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "sample_next", fails_second)
+    rng = np.random.default_rng(8)
+    with pytest.raises(MemoryError):
+        model.generate(ids_of(0, (B, 2)), 3, seed=rng)
+    assert len(calls) == 2
+    got, want = model.backward(dlogits), twin.backward(dlogits)
+    for name in want:
+        np.testing.assert_array_equal(to_numpy(got[name]), to_numpy(want[name]), err_msg=name)
+    monkeypatch.setattr(gpt_module, "sample_next", real)
+    again = model.generate(ids_of(0, (B, 2)), 3, seed=rng)
+    fresh = model.generate(ids_of(0, (B, 2)), 3, seed=np.random.default_rng(8))
+    np.testing.assert_array_equal(to_numpy(again), to_numpy(fresh))
