@@ -1471,7 +1471,7 @@ def test_a_name_given_twice_runs_once():
     assert names == ["base-65x128"]
 
 
-@pytest.mark.parametrize("wrong", ["out", "dq", "dv"])
+@pytest.mark.parametrize("wrong", ["out", "dq", "dk", "dv"])
 def test_outputs_in_another_dtype_fail(wrong):
     """The right numbers in float64 for float32 inputs are not the kernel's contract."""
     def kernel(q, k, v, **kw):
@@ -1486,7 +1486,8 @@ def test_outputs_in_another_dtype_fail(wrong):
     report = VF.verify(kernel, backward=backward, dtype="float32", cases=["base-65x128"])
     r = report.results[0]
     assert r.failing == [wrong]
-    assert r.tensors[wrong].note == f"dtype: expected float32 (as {'v' if wrong == 'dv' else 'q'}), got float64"
+    of = {"out": "q", "dq": "q", "dk": "k", "dv": "v"}[wrong]  # the input it takes its dtype from
+    assert r.tensors[wrong].note == f"dtype: expected float32 (as {of}), got float64"
     assert r.hint == f"{wrong}: {r.tensors[wrong].note}"
     assert r.tensors[wrong].error <= r.tensors[wrong].budget  # the numbers themselves are right
 
