@@ -472,6 +472,102 @@ def test_dmask_and_dlse_floors_follow_ds():
     assert np.array_equal(VC.case_inputs(case).dout, inp.dout)
 
 
+def test_floors_under_gqa_and_dropout_follow_each_query_heads_own_sums():
+    """Query head h reads K/V head h // G, dv and dk of a K/V head sum over its G query
+    heads, and out and dv take the weights after dropout (npattn's cache.attn): the terms,
+    head by head in loops, from the module docstring's formulas."""
+    case = VC.Case("gqa-dropout", Hq=4, Hkv=2, Lq=9, Lk=13, Dh=8, Dv=6, dropout_p=0.3,
+                   options=("dropout_mask", "gqa", "sinks"))
+    inp = VC.case_inputs(case, seed=3)
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+    truth = {"out": out, "lse": np.asarray(cache.lse), "weights": cache.probs}
+    terms = VF.term_scales(inp, truth, np.zeros(truth["lse"].shape, dtype=bool))
+    G, scale = case.Hq // case.Hkv, 1.0 / math.sqrt(case.Dh)
+    want = {"out": 0.0, "dq": 0.0}
+    dsinks = np.zeros(case.Hq)  # [Hq]: sum over rows of p_sink |delta|
+    dv = np.zeros(inp.v.shape)  # [B, Hkv, Lk, Dv]
+    dk = np.zeros(inp.k.shape)  # [B, Hkv, Lk, Dh]
+    for b in range(case.B):
+        for h in range(case.Hq):
+            g = h // G  # the K/V head of query head h
+            k, v, q, dout = inp.k[b, g], inp.v[b, g], inp.q[b, h], inp.dout[b, h]
+            a, p = np.abs(cache.attn[b, h]), cache.probs[b, h]  # [Lq, Lk] after / before dropout
+            keep = np.abs(cache.attn[b, h]) / np.where(p > 0.0, p, 1.0)  # mask / (1 - p)
+            dp = np.abs(dout @ v.T) * keep  # [Lq, Lk]
+            delta = np.abs(np.sum(dout * out[b, h], axis=-1))[:, None]  # [Lq, 1]
+            ds = p * (dp + delta)  # [Lq, Lk]
+            want["out"] = max(want["out"], (a @ np.abs(v)).max())
+            want["dq"] = max(want["dq"], (ds @ np.abs(k)).max() * scale)
+            dv[b, g] += a.T @ np.abs(dout)
+            dk[b, g] += ds.T @ np.abs(q) * scale
+            p_sink = 1.0 - p.sum(axis=-1)  # [Lq]: the weight the sink takes from each row
+            dsinks[h] += np.sum(p_sink * delta[:, 0])
+    want["dv"], want["dk"], want["dsinks"] = dv.max(), dk.max(), dsinks.max()
+    for n in want:
+        assert terms[n] == pytest.approx(want[n], rel=1e-12), n
+    assert terms["lse"] == pytest.approx(np.abs(truth["lse"]).max(), rel=1e-12)
+    # lse's terms are at least 1: a row of one key with a small score has |lse| < 1
+    one = VC.case_inputs(VC.Case("one-key", Lq=5, Lk=1, Dh=8, Dv=8, score_std=0.1), seed=3)
+    out, cache = F.sdpa_forward(one.q, one.k, one.v)
+    assert np.abs(cache.lse).max() < 0.5
+    small = {"out": out, "lse": np.asarray(cache.lse), "weights": cache.probs}
+    assert VF.term_scales(one, small, np.zeros(cache.lse.shape, dtype=bool))["lse"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_npattn_error_is_npattn_in_dtype_against_float64_on_the_same_rounded_inputs(dtype):
+    """The truth is npattn in float64 on the inputs rounded to dtype (q, k, v, dout, the float
+    mask, sinks, dlse), not on the inputs before rounding: each tensor's npattn_error is
+    max|npattn in dtype - that truth|, bfloat16 computed in float32 and the results (not lse)
+    rounded back; an npattn_error measured from the unrounded inputs would hold the
+    rounding of the inputs and widen every budget."""
+    from npattn import attention as A
+
+    def kernel(q, k, v, mask, sinks):  # npattn in float32, the results in q's dtype
+        up = [x.astype(np.float32) for x in (q, k, v, mask, sinks)]
+        out, lse, cache = npattn_kernel(*up[:3], mask=up[3], sinks=up[4])
+        return out.astype(q.dtype), lse, cache, q.dtype
+
+    def backward(dout, cache, dtype, dlse):
+        g = npattn_backward(dout.astype(np.float32), cache, dlse=dlse)
+        return tuple(x.astype(dtype) for x in g)
+
+    case = VC.Case("rounded", Lq=9, Lk=13, Dh=8, Dv=8, options=("mask_float", "sinks"))
+    report = VF.verify(kernel, backward=backward, dtype=dtype, returns_lse=True, lse_grad=True,
+                       mask_grad=True, supports="mask_float,sinks", cases=[case])
+    assert report.ok, report.format()
+    got = report.results[0].tensors
+    inp = VC.case_inputs(case)
+    if dtype == "bfloat16":
+        def rounded(x):
+            return VF.round_to_bfloat16(x).astype(np.float64)
+    else:
+        def rounded(x):
+            return np.asarray(x, dtype=np.float32).astype(np.float64)
+    mask = np.where(np.isfinite(inp.options["mask"]), rounded(inp.options["mask"]), -np.inf)
+    args = {"q": rounded(inp.q), "k": rounded(inp.k), "v": rounded(inp.v), "mask": mask,
+            "sinks": rounded(inp.options["sinks"]), "dout": rounded(inp.dout),
+            "dlse": rounded(inp.dlse)}
+
+    def npattn_in(work):
+        a = {n: x.astype(work) for n, x in args.items()}
+        out, cache = A.sdpa_forward(a["q"], a["k"], a["v"], mask=a["mask"], sinks=a["sinks"],
+                                    impl="reference")
+        g = A.sdpa_backward(a["dout"], cache, dlse=a["dlse"])
+        res = {"out": out, "lse": cache.lse, "dq": g.dq, "dk": g.dk, "dv": g.dv,
+               "dmask": g.dmask, "dsinks": g.dsinks}
+        return {n: np.asarray(x, dtype=np.float64) for n, x in res.items()}
+
+    truth, ref = npattn_in(np.float64), npattn_in(np.float32)
+    if dtype == "bfloat16":  # the results back in bfloat16; lse stays float32
+        ref = {n: (x if n == "lse" else rounded(x)) for n, x in ref.items()}
+    finite = np.isfinite(mask)  # dmask is compared where the mask is finite
+    for n in VF.TENSORS:
+        diff = np.abs(ref[n] - truth[n])
+        want = float(np.max(diff[finite] if n == "dmask" else diff))
+        assert want > 0.0 and got[n].npattn_error == pytest.approx(want, rel=1e-9), n
+
+
 @pytest.mark.parametrize("seed, lse_grad", [(16, False), (8, True)])
 def test_a_flash_backward_passes_where_lse_is_large(seed, lse_grad):
     """The example kernel rebuilds p = exp(s - lse) from a float32 lse of ~300 in the case of
