@@ -613,6 +613,13 @@ def test_the_lse_floor_bounds_a_rounded_lse():
                                        rtol=1e-3, atol=1e-12 * np.abs(exact.dq).max())
             change = float(np.max(np.abs(moved.dq - exact.dq)))
             assert change == pytest.approx(u * bound["dq"], rel=1e-3)
+    # dsinks = sum_i p_sink_i (dlse_i - delta_i) moves by -sum_i d_i p_sink_i (dlse_i - delta_i):
+    # d_i = u |lse_i| of the sign of delta_i - dlse_i reaches the bound
+    delta = np.sum(inp.dout * out, axis=-1)  # [B, Hq, Lq]
+    d = u * np.abs(lse) * np.sign(delta - inp.dlse)
+    moved = K.attention_backward(inp.dout, saved._replace(lse=saved.lse + d), dlse=inp.dlse)
+    change = float(np.max(np.abs(moved.dsinks - exact.dsinks)))
+    assert change == pytest.approx(u * bound["dsinks"], rel=1e-3)
 
 
 @pytest.mark.parametrize("seed, head_dims, splits", [(13, None, 3), (7, (8, 16), 2)])
