@@ -121,12 +121,38 @@ def test_case_inputs_are_seeded_controlled_and_never_all_ones():
     assert 0.6 < m.mean() < 0.85  # and partly masked ones
 
 
-def test_without_empty_rows_every_row_attends_something():
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_without_empty_rows_every_row_attends_something(align):
+    """Masks keep each query's diagonal key, i + Lk - Lq bottom-right, which the window
+    around it always allows."""
     supports = tuple(s for s in ALL if s != "empty_rows")
-    for c in VC.panel(supports):
-        inp = VC.case_inputs(c)
+    for c in VC.panel(supports, align):
+        inp = VC.case_inputs(c, align=align)
         out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
         assert np.all(cache.probs.sum(axis=-1) > 0), c.name
+
+
+def test_dropout_cases_drop_a_fraction_p_and_undeclared_empty_rows_are_refused():
+    """dropout_p is the probability to drop: about 1 - p of the keep-mask is True. A case
+    that leaves rows with nothing to attend runs only for a kernel that declares
+    'empty_rows' (it is told before the kernel is called, not failed for the rows)."""
+    for p in (0.2, 0.5):
+        case = VC.Case("dropout", Lq=65, Lk=129, options=("dropout_mask",), dropout_p=p)
+        inp = VC.case_inputs(case)
+        keep = inp.options["dropout_mask"]  # [B, Hq, Lq, Lk], True = keep
+        assert inp.options["dropout_p"] == p and keep.dtype == bool
+        assert abs(keep.mean() - (1.0 - p)) < 0.02, (p, keep.mean())  # ~33,000 draws
+    called = []
+
+    def kernel(q, k, v, **options):
+        called.append(1)
+        return npattn_kernel(q, k, v, **options)[0]
+
+    blank = VC.Case("blank", Lq=9, Lk=13, Dh=8, Dv=8, options=("mask_bool",), empty_rows=True)
+    with pytest.raises(ValueError, match="supports does not declare 'empty_rows'"):
+        VF.verify(kernel, dtype="float64", supports="mask_bool", cases=[blank])
+    assert not called
+    assert VF.verify(kernel, dtype="float64", supports="mask_bool,empty_rows", cases=[blank]).ok
 
 
 # --------------------------------------------------------------------------
