@@ -820,8 +820,9 @@ def test_torch_sdpa_passes_with_mask_grads():
         assert "not what verify reads" in r.hint
 
 
-def torch_dense(q, k, v, mask=None, is_causal=False, scale=None):
-    """Dense attention in torch ops that returns (out, lse), for autograd with dlse."""
+def torch_dense(q, k, v, mask=None, is_causal=False, scale=None, sinks=None):
+    """Dense attention in torch ops that returns (out, lse), for autograd with dlse; a sink
+    is one more score in each row, of a key that carries no value."""
     import torch
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -831,7 +832,10 @@ def torch_dense(q, k, v, mask=None, is_causal=False, scale=None):
     if is_causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
         s = s.masked_fill(~keep, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+    if sinks is not None:  # [H] -> one more column: [B, H, Lq, Lk + 1]
+        s = torch.cat([s, sinks[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :v.shape[-2]]  # [B, H, Lq, Lk]: the sink's weight dropped
+    return p @ v, torch.logsumexp(s, dim=-1)
 
 
 def test_torch_autograd_with_dlse_and_dmask():
@@ -850,6 +854,20 @@ def test_torch_autograd_with_dlse_and_dmask():
     lost = VF.verify(lse_detached, lse_grad=True, **kw)
     assert not lost.ok and "+ dlse" in lost.failures[0].hint
     assert VF.verify(lse_detached, **kw).ok  # without lse_grad it cannot be seen
+    # mask_grad=None: the mask is no leaf of autograd, and no dmask is compared
+    plain = VF.verify(torch_dense, **kw)
+    assert plain.ok and not any("dmask" in r.tensors for r in plain.results)
+
+
+def test_torch_autograd_gives_dsinks():
+    """Under autograd the sinks are a leaf too: their gradient is compared with npattn's."""
+    pytest.importorskip("torch")
+    report = VF.verify(torch_dense, dtype="float32", backend="torch", autograd="torch",
+                       returns_lse=True, lse_grad=True, supports="sinks,causal",
+                       combos=[("causal", "sinks")])
+    assert report.ok, report.format()
+    sinks = [r for r in report.results if "sinks" in r.case.options]
+    assert len(sinks) == 3 and all(r.tensors["dsinks"].status == "pass" for r in sinks)
 
 
 @pytest.mark.parametrize("supports", [ALL, ("softcap", "mask_float"), ("alibi", "softcap", "causal")])
