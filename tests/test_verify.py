@@ -1137,6 +1137,18 @@ def test_nan_on_empty_rows_is_named():
                        cases=["mask_bool-65x129"])
     r = report.results[0]
     assert r.status == "fail" and "NaN on rows with nothing to attend" in r.hint
+    assert r.tensors["out"].note == "NaN on empty rows"
+
+    def nan_elsewhere_too(q, k, v, mask=None):  # and on a row that has keys to attend
+        out = no_guard(q, k, v, mask)
+        attended = np.argwhere(mask.any(axis=-1))[0]  # (b, h, i) of a row with keys
+        out[tuple(attended)] = np.nan
+        return out
+
+    r = VF.verify(nan_elsewhere_too, dtype="float64", supports="mask_bool,empty_rows",
+                  combos=False, cases=["mask_bool-65x129"]).results[0]
+    assert r.status == "fail" and "nothing to attend" not in r.hint
+    assert r.tensors["out"].note.endswith("NaN/inf entries")
     ok = VF.verify(no_guard, dtype="float64", supports="mask_bool", combos=False)
     assert ok.ok, ok.format()  # declared without empty_rows, it is not given any
 
@@ -1170,6 +1182,19 @@ def test_dmask_is_compared_when_given_required_with_mask_grad_and_finite_entries
     assert all(r.tensors["dmask"].status == "pass" for r in noisy.results if "dmask" in r.tensors)
     off = VF.verify(kernel, backward=noisy_dmask, mask_grad=False, **kw)
     assert off.ok and "no dmask (mask_grad=False)" in off.summary()
+
+
+def test_a_backward_of_four_gradients_gives_dsinks():
+    """(dq, dk, dv, dsinks): the fourth is read as dsinks, and compared in the sinks cases."""
+    def four(dout, cache):
+        g = npattn_backward(dout, cache)
+        return g.dq, g.dk, g.dv, g.dsinks
+
+    report = VF.verify(npattn_kernel, backward=four, returns_lse=True, dtype="float64",
+                       supports="sinks", combos=False)
+    assert report.ok, report.format()
+    sinks = [r for r in report.results if "sinks" in r.case.options]
+    assert sinks and all(r.tensors["dsinks"].status == "pass" for r in sinks)
 
 
 def test_dlse_is_zero_on_rows_with_nothing_to_attend_and_float32_for_half():
@@ -1335,6 +1360,27 @@ def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
     assert ": wrote into q" in text and ", its numbers pass" in text
     assert "fn raised" not in text and "hint: \n" not in text + "\n"
     assert dirty.hints() and dirty.hints()[0].startswith("fn wrote into its inputs in every failing case")
+
+
+def test_an_adapter_that_converts_an_option_in_place_is_a_write_into_the_inputs():
+    """An adapter that turns the boolean mask into the kernel's convention (True = masked)
+    by writing into it: the numbers are right, and the case's mask is changed all the same
+    (the kernel's own copies, taken after the adapter, cannot show it)."""
+    def masked_is_true(q, k, v, mask):
+        return npattn_kernel(q, k, v, mask=~mask)[0]
+
+    def in_place(options):
+        np.logical_not(options["mask"], out=options["mask"])
+        return options
+
+    def copying(options):
+        return {**options, "mask": ~options["mask"]}
+
+    kw = dict(dtype="float64", supports="mask_bool", cases=["mask_bool-65x129"])
+    r = VF.verify(masked_is_true, adapter=in_place, **kw).results[0]
+    assert r.written == ["mask"] and r.status == "fail"
+    assert all(t.status == "pass" for t in r.tensors.values())
+    assert VF.verify(masked_is_true, adapter=copying, **kw).ok
 
 
 def test_the_table_row_of_a_case_that_wrote_into_its_inputs_does_not_say_pass():
