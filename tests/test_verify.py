@@ -746,6 +746,25 @@ def test_a_saturated_softmax_makes_dq_and_dk_degenerate():
                                dtype="float64", cases=[case], allow_degenerate=False)
 
 
+def test_the_saturated_share_counts_the_rows_that_attend_something():
+    """Two of each head's three rows blanked, the third saturated: all the attended rows put
+    > 0.999 on one key (a third of all rows), and dq and dk are degenerate."""
+    case = VC.Case("few-rows", B=1, Lq=3, Lk=4, Dh=8, Dv=8, score_std=30.0,
+                   options=("mask_bool",), empty_rows=True)
+    inp = VC.case_inputs(case, seed=2)
+    _, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+    attended = cache.probs.sum(axis=-1) > 0.0  # [B, Hq, Lq]
+    top = cache.probs.max(axis=-1) > 0.999  # [B, Hq, Lq]
+    assert np.all(top[attended]) and top.mean() < 0.5  # saturated when empty rows are left out
+    report = run_kernel(K.attention, "float64", cases=[case], supports="mask_bool,empty_rows",
+                        seed=2)
+    r = report.results[0]
+    assert report.ok and r.status == "degenerate"
+    for n in ("dq", "dk"):
+        assert r.tensors[n].status == "degenerate" and "100% of rows" in r.tensors[n].note, n
+    assert r.tensors["dv"].status == r.tensors["out"].status == "pass"
+
+
 def test_bfloat16_rounding_is_round_to_nearest_even():
     x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-3, 3.0e38, np.inf, -np.inf])
     got = VF.round_to_bfloat16(x)
