@@ -543,24 +543,27 @@ def test_floors_under_gqa_and_dropout_follow_each_query_heads_own_sums():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_npattn_error_is_npattn_in_dtype_against_float64_on_the_same_rounded_inputs(dtype):
     """The truth is npattn in float64 on the inputs rounded to dtype (q, k, v, dout, the float
-    mask, sinks, dlse), not on the inputs before rounding: each tensor's npattn_error is
+    mask, sinks, dlse; ALiBi slopes to float32, here 2**(-8/3) and its powers, which float32
+    rounds), not on the inputs before rounding: each tensor's npattn_error is
     max|npattn in dtype - that truth|, bfloat16 computed in float32 and the results (not lse)
     rounded back; an npattn_error measured from the unrounded inputs would hold the
     rounding of the inputs and widen every budget."""
     from npattn import attention as A
 
-    def kernel(q, k, v, mask, sinks):  # npattn in float32, the results in q's dtype
+    def kernel(q, k, v, mask, sinks, alibi_slopes):  # npattn in float32, out in q's dtype
         up = [x.astype(np.float32) for x in (q, k, v, mask, sinks)]
-        out, lse, cache = npattn_kernel(*up[:3], mask=up[3], sinks=up[4])
+        out, lse, cache = npattn_kernel(*up[:3], mask=up[3], sinks=up[4],
+                                        alibi_slopes=alibi_slopes)
         return out.astype(q.dtype), lse, cache, q.dtype
 
     def backward(dout, cache, dtype, dlse):
         g = npattn_backward(dout.astype(np.float32), cache, dlse=dlse)
         return tuple(x.astype(dtype) for x in g)
 
-    case = VC.Case("rounded", Lq=9, Lk=13, Dh=8, Dv=8, options=("mask_float", "sinks"))
+    case = VC.Case("rounded", Hq=3, Hkv=3, Lq=9, Lk=13, Dh=8, Dv=8,
+                   options=("alibi", "mask_float", "sinks"))
     report = VF.verify(kernel, backward=backward, dtype=dtype, returns_lse=True, lse_grad=True,
-                       mask_grad=True, supports="mask_float,sinks", cases=[case])
+                       mask_grad=True, supports="alibi,mask_float,sinks", cases=[case])
     assert report.ok, report.format()
     got = report.results[0].tensors
     inp = VC.case_inputs(case)
@@ -573,12 +576,13 @@ def test_npattn_error_is_npattn_in_dtype_against_float64_on_the_same_rounded_inp
     mask = np.where(np.isfinite(inp.options["mask"]), rounded(inp.options["mask"]), -np.inf)
     args = {"q": rounded(inp.q), "k": rounded(inp.k), "v": rounded(inp.v), "mask": mask,
             "sinks": rounded(inp.options["sinks"]), "dout": rounded(inp.dout),
-            "dlse": rounded(inp.dlse)}
+            "dlse": rounded(inp.dlse),
+            "alibi_slopes": inp.options["alibi_slopes"].astype(np.float32).astype(np.float64)}
 
     def npattn_in(work):
         a = {n: x.astype(work) for n, x in args.items()}
         out, cache = A.sdpa_forward(a["q"], a["k"], a["v"], mask=a["mask"], sinks=a["sinks"],
-                                    impl="reference")
+                                    alibi_slopes=a["alibi_slopes"], impl="reference")
         g = A.sdpa_backward(a["dout"], cache, dlse=a["dlse"])
         res = {"out": out, "lse": cache.lse, "dq": g.dq, "dk": g.dk, "dv": g.dv,
                "dmask": g.dmask, "dsinks": g.dsinks}
