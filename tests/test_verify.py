@@ -1266,6 +1266,36 @@ def test_window_cases_alone_cover_each_unbounded_side():
         assert all(r.case.window[side] is None for r in report.failures)
 
 
+def test_align_is_passed_only_with_the_options_it_aligns():
+    """verify(align='bottom_right'): the window and ALiBi cases and the bottom-right causal
+    ones get align='bottom_right'; the others (no option, a mask, top-left causal) get no
+    align, which a kernel without a window need not take."""
+    given = {}
+
+    def kernel(q, k, v, **options):
+        given[len(given)] = set(options)
+        return npattn_kernel(q, k, v, **options)[0]
+
+    report = VF.verify(kernel, dtype="float64", align="bottom_right",
+                       supports="window,alibi,mask_bool,causal_bottom_right")
+    assert report.ok, report.format()
+    for r, keys in zip(report.results, given.values()):
+        aligned = {"window", "alibi", "causal_bottom_right"} & set(r.case.options)
+        assert ("align" in keys) == bool(aligned), (r.case.name, keys)
+    assert any(not r.case.options for r in report.results)
+
+
+def test_softcap_cases_have_scores_past_the_cap():
+    """tanh saturates past the cap: the softcap cases' scaled scores have a std above it."""
+    cases = [c for c in VC.panel(ALL) if "softcap" in c.options]
+    assert len(cases) >= 3
+    for c in cases:
+        inp = VC.case_inputs(c)
+        k = np.repeat(inp.k, c.Hq // c.Hkv, axis=1)  # [B, Hq, Lk, Dh]
+        s = inp.q @ np.swapaxes(k, -1, -2) * inp.options.get("scale", 1.0 / math.sqrt(c.Dh))
+        assert s.std() > inp.options["softcap"], c.name
+
+
 def test_npattn_itself_passes_sinks_in_bfloat16():
     """dsinks comes back in the input dtype: the budget's floor is bfloat16's (it was
     float32's, and a correct kernel failed its sinks cases)."""
