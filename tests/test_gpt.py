@@ -629,14 +629,10 @@ def test_generate_on_dask_starts_each_step_from_computed_caches(monkeypatch):
     assert len(later) == 12 and len(set(later)) == 1, sizes
 
 
-def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
-    """Generation runs in eval mode and puts the mode back (the docstring); a failure at the
-    second step (a MemoryError) puts it back too and leaves no decoding forward cached (a
-    model with no forward before: backward asks for one, not about kv_caches)."""
+def _fail_the_second_sample(monkeypatch) -> list:
+    """Make generate's second sampling step raise a MemoryError; the list counts the steps."""
     import npattn.gpt as gpt_module
 
-    model = make(dropout=0.3)
-    assert model.training
     real, calls = gpt_module.sample_next, []
 
     def fails_second(*args, **kwargs):
@@ -646,6 +642,16 @@ def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gpt_module, "sample_next", fails_second)
+    return calls
+
+
+def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
+    """Generation runs in eval mode and puts the mode back (the docstring); a failure at the
+    second step (a MemoryError) puts it back too and leaves no decoding forward cached (a
+    model with no forward before: backward asks for one, not about kv_caches)."""
+    model = make(dropout=0.3)
+    assert model.training
+    calls = _fail_the_second_sample(monkeypatch)
     with pytest.raises(MemoryError):
         model.generate(ids_of(0, (B, 2)), 3, seed=0)
     assert len(calls) == 2
@@ -659,22 +665,12 @@ def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
     before it (the model's and its blocks': backward then gives the gradients of a twin
     model that never generated) and the state of the Generator passed as ``seed`` (the next
     generate draws what a fresh Generator of that seed draws)."""
-    import npattn.gpt as gpt_module
-
     model, twin = make(dropout=0.3), make(dropout=0.3)
     x = ids_of(5)
     dlogits = np.random.default_rng(6).standard_normal((B, L, VOCAB))
     model.forward(x)
     twin.forward(x)
-    real, calls = gpt_module.sample_next, []
-
-    def fails_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise MemoryError("no memory")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gpt_module, "sample_next", fails_second)
+    calls = _fail_the_second_sample(monkeypatch)
     rng = np.random.default_rng(8)
     with pytest.raises(MemoryError):
         model.generate(ids_of(0, (B, 2)), 3, seed=rng)
@@ -682,7 +678,7 @@ def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
     got, want = model.backward(dlogits), twin.backward(dlogits)
     for name in want:
         np.testing.assert_array_equal(to_numpy(got[name]), to_numpy(want[name]), err_msg=name)
-    monkeypatch.setattr(gpt_module, "sample_next", real)
+    monkeypatch.undo()
     again = model.generate(ids_of(0, (B, 2)), 3, seed=rng)
     fresh = model.generate(ids_of(0, (B, 2)), 3, seed=np.random.default_rng(8))
     np.testing.assert_array_equal(to_numpy(again), to_numpy(fresh))
