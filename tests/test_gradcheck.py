@@ -427,3 +427,109 @@ def test_a_failing_input_says_where_in_full_mode():
     assert report["x"].passed
     assert "FAIL at (2, 1)" in str(report)
     assert gradcheck(lambda a, x: (a @ x, (a, x)), backward, [a, x], mode="vjp")["input0"].where is None
+
+
+def _scaled_by_3():
+    """f(x) = 3 x elementwise: with dout = d, the gradient of L = <3 x, d> is exactly 3 d."""
+    x = np.arange(4.0)
+    dout = np.array([1.0, -2.0, 0.5, 4.0])
+
+    def forward(t):
+        return 3.0 * t, None
+
+    return forward, x, dout, 3.0 * dout  # true gradient [3, -6, 1.5, 12]
+
+
+def test_full_mode_reports_the_largest_error_and_scale_and_fails_just_past_rtol():
+    """One entry off by 1e-4 in a gradient whose largest entry is 12: the error is that 1e-4
+    (the largest, not the mean 2.5e-5), the scale 12 (the largest |g|), and with rtol = 1e-6
+    the bound is 1.2e-5, so the check fails (a bound 100 times looser would pass it)."""
+    forward, x, dout, true = _scaled_by_3()
+    wrong = true.copy()
+    wrong[0] += 1e-4
+
+    report = gradcheck(forward, lambda d, c: (wrong,), [x], dout=dout, mode="full", rtol=1e-6, atol=0.0)
+    r = report["input0"]
+    assert not r.passed and r.where == (0,)
+    np.testing.assert_allclose(r.max_abs_err, 1e-4, rtol=1e-4)
+    np.testing.assert_allclose(r.scale, 12.0, rtol=1e-8)
+    np.testing.assert_allclose(r.max_rel_err, 1e-4 / 12.0, rtol=1e-4)
+    # within the bound: off by 5e-6 <= 1e-6 * 12 passes
+    close = true.copy()
+    close[0] += 5e-6
+    assert gradcheck(forward, lambda d, c: (close,), [x], dout=dout, mode="full", rtol=1e-6, atol=0.0).ok
+
+
+def test_vjp_mode_scale_is_the_sum_of_the_terms_of_the_product():
+    """vjp mode's scale is sum_j |g_j t_j| for the direction t it took: t is read back from
+    the points the function was evaluated at, x +- eps t."""
+    forward, x, dout, true = _scaled_by_3()
+    seen = []
+
+    def f(t):
+        seen.append(np.array(t))
+        return forward(t)[0]
+
+    eps = 1e-3
+    report = check_vjp(f, [x], [true], dout, eps=eps, n_directions=1, atol=0.0)
+    plus, minus = seen[-2:]
+    t = (plus - minus) / (2 * eps)
+    np.testing.assert_allclose(report["input0"].scale, np.sum(np.abs(true * t)), rtol=1e-9)
+    assert report.ok
+
+
+@pytest.mark.parametrize("bad_direction", [0, 2])
+def test_vjp_mode_fails_when_any_one_of_the_directions_fails(bad_direction):
+    """A function whose slope is 2 instead of 3 for the evaluations of one direction only:
+    the check of that direction fails, so the input fails, whether it is the first or the
+    last of the three."""
+    _, x, dout, true = _scaled_by_3()
+    calls = []
+
+    def f(t):
+        calls.append(None)
+        slope = 2.0 if (len(calls) - 1) // 2 == bad_direction else 3.0  # two calls a direction
+        return slope * t
+
+    report = check_vjp(f, [x], [true], dout, n_directions=3, atol=1e-8)
+    assert len(calls) == 6
+    assert not report.ok
+
+
+def test_a_tiny_wrong_gradient_of_an_unused_input_fails_at_the_default_atol():
+    """y does not enter f, so its gradient is exactly 0; a backward that returns 1e-6 for it is
+    wrong. The default atol is the float64 rounding floor of the differences, about
+    16 * 2**-52 * sum|out * dout| / eps = 4e-9 here, far below 1e-6."""
+    x, y = np.array([0.5, -0.25]), np.array([1.0, 2.0])
+    dout = np.array([1.0, 1.0])  # sum |out * dout| = 0.75
+
+    def forward(a, b):
+        return a + 0.0, None
+
+    report = gradcheck(forward, lambda d, c: (d, np.full(2, 1e-6)), [x, y], dout=dout, mode="full",
+                       names=["x", "y"])
+    assert report["x"].passed
+    assert not report["y"].passed
+    assert report.atol < 1e-8
+
+
+def test_a_zero_gradient_where_there_is_one_is_infinitely_wrong_in_vjp_mode():
+    """A gradient of all zeros has scale 0 in vjp mode; the difference is of order 1, past atol,
+    so its relative error is inf, not 0."""
+    _, x, dout, _ = _scaled_by_3()
+    report = check_vjp(lambda t: 3.0 * t, [x], [np.zeros(4)], dout, atol=1e-8)
+    assert not report.ok
+    assert report["input0"].max_rel_err == np.inf
+
+
+def test_auto_mode_counts_the_entries_of_all_checked_inputs_together():
+    """x (2, 3, 4), w (5, 4), b (5,): 24 + 20 + 5 = 49 entries; full up to max_full_size = 49."""
+    inputs = list(_case(np.asarray))
+    assert gradcheck(F.linear_forward, F.linear_backward, inputs, max_full_size=49).mode == "full"
+    assert gradcheck(F.linear_forward, F.linear_backward, inputs, max_full_size=48).mode == "vjp"
+
+
+def test_wrt_of_a_mask_input_is_refused_naming_wrt():
+    x, mask = np.ones((2, 3)), np.ones((2, 3), dtype=bool)
+    with raises(ValueError, "wrt", "[0]", "1"):
+        gradcheck(lambda a, m: (a * m, None), lambda d, c: (d, None), [x, mask], wrt=[1])
