@@ -177,3 +177,29 @@ def test_config_and_host_params_build_the_module_without_it():
     assert torch.count_nonzero(tm.out_proj.weight) > 0
     with pytest.raises(TypeError, match="module"):
         torch_interop.config_from_torch(torch.nn.Linear(4, 4))
+
+
+def test_bfloat16_state_dict_values_widen_to_float32_exactly():
+    """bfloat16 has float32's exponent range: 2**20 and 2**-20 are bfloat16 numbers, which
+    float32 holds exactly (float16 would make the first inf and the second subnormal)."""
+    values = torch.tensor([2.0**20, -(2.0**-20), 1.5], dtype=torch.bfloat16)
+    a = torch_interop.host_tensor("in_proj_bias", values)
+    assert a.dtype == np.float32
+    np.testing.assert_array_equal(a, np.array([2.0**20, -(2.0**-20), 1.5], dtype=np.float32))
+
+
+def test_options_read_the_output_bias_from_out_proj():
+    """torch has one bias flag, but the output projection's bias is a parameter of its own:
+    one set to None is read as out_bias=False (which npattn then refuses to convert)."""
+    tm = torch.nn.MultiheadAttention(6, 2)
+    tm.out_proj.bias = None
+    opts = torch_interop.options_from_torch(tm)
+    assert opts["qkv_bias"] is True and opts["out_bias"] is False
+
+
+def test_host_params_are_arrays_of_their_own_not_views_of_in_proj():
+    tm = _randomized(torch.nn.MultiheadAttention(6, 2, dtype=torch.float64))
+    mha = MultiHeadAttention.from_torch(tm)
+    params = torch_interop.params_from_torch_state_dict(mha, tm.state_dict())
+    for name in ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v"):
+        assert params[name].base is None, name
