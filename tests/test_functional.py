@@ -217,14 +217,33 @@ def _lowbias32(x):
     return x
 
 
-def _keep_entry(key, p, coords, i, j):
-    """keyed_keep_mask's docstring formula for one entry, written out on Python ints."""
+def _entry_hash(key, coords, i, j):
+    """The hash ``u`` of keyed_keep_mask's docstring for one entry, written out on Python ints."""
     golden = 0x9E3779B9
     r = key & 0xFFFFFFFF
     for c in (*coords, i):
         r = _lowbias32(r + c * golden)
-    u = _lowbias32(r ^ _lowbias32((key >> 32) + j * golden))
-    return u >= min(round(p * 2**32), 2**32 - 1)
+    return _lowbias32(r ^ _lowbias32((key >> 32) + j * golden))
+
+
+def _keep_entry(key, p, coords, i, j):
+    """keyed_keep_mask's docstring formula for one entry: kept when u >= round(p * 2^32)."""
+    return _entry_hash(key, coords, i, j) >= min(round(p * 2**32), 2**32 - 1)
+
+
+def test_keyed_keep_mask_at_the_threshold_keeps_u_equal_and_rounds_p():
+    """The two edges of ``keep = u >= round(p * 2^32)``: with p = u / 2^32 the entry whose hash
+    is u is kept (>=, not >), and with p = (u + 0.6) / 2^32 the threshold rounds up to u + 1
+    and drops it (truncating to u would keep it)."""
+    from npattn import backend as npb
+
+    key = (0x0F0F_1234 << 32) | 0x5555_AAAA
+    lead, rows, cols = [np.array([1])[:, None], np.array([2])[None, :]], np.array([3]), np.array([4])
+    u = _entry_hash(key, (1, 2), 3, 4)
+    assert 1 < u < 2**32 - 2
+    assert npb.keyed_keep_mask(key, u / 2**32, lead, rows, cols)[0, 0, 0, 0]
+    assert not npb.keyed_keep_mask(key, (u + 0.6) / 2**32, lead, rows, cols)[0, 0, 0, 0]
+    assert npb.keyed_keep_mask(key, (u - 0.6) / 2**32, lead, rows, cols)[0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("slab", [1, 3, 1 << 18])
@@ -391,3 +410,31 @@ def test_fully_masked_batch_gives_zeros_and_zero_gradients(xp, to_xp, to_np):
     for a in (out, cache.probs, dq, dk, dv, dmask):
         a = to_np(a)
         assert np.all(a == 0.0) and np.all(np.isfinite(a))
+
+
+def test_keep_mask_of_a_vector_is_row_0_of_the_documented_hash():
+    """A 1-D shape's entries are the columns j of one row, i = 0, with no leading axes."""
+    from npattn import backend as npb
+
+    key, p = (0x0BAD_CAFE << 32) | 0x1357_9BDF, 0.5
+    got = np.asarray(npb.keep_mask(key, p, (9,), np))
+    assert got.shape == (9,)
+    np.testing.assert_array_equal(got, [_keep_entry(key, p, (), 0, j) for j in range(9)])
+
+
+def test_a_drop_probability_of_1_is_refused_by_the_mask_draw():
+    from npattn import backend as npb
+
+    with pytest.raises(ValueError, match=r"^p: expected a drop probability in \[0, 1\), got 1\.0"):
+        npb.keyed_keep_mask(1, 1.0, [], np.arange(2), np.arange(2))
+
+
+def test_dropout_keys_use_the_high_32_bits():
+    """Keys are uniform in [0, 2**63): the high half is what picks the column hash, so keys all
+    below 2**32 would give one column hash for every draw. Of 16 keys, all below 2**32 has
+    probability 2**-496."""
+    from npattn import backend as npb
+
+    keys = [npb.dropout_key(s) for s in range(16)]
+    assert all(0 <= k < 2**63 for k in keys)
+    assert max(keys) >= 2**32
