@@ -533,3 +533,18 @@ def test_wrt_of_a_mask_input_is_refused_naming_wrt():
     x, mask = np.ones((2, 3)), np.ones((2, 3), dtype=bool)
     with raises(ValueError, "wrt", "[0]", "1"):
         gradcheck(lambda a, m: (a * m, None), lambda d, c: (d, None), [x, mask], wrt=[1])
+
+
+def test_gradcheck_module_names_key_and_value_by_their_own_gradients():
+    """kdim 3, vdim 5: each report's scale is the largest entry of that input's gradient, as
+    the module's backward gives it for the same dout (key and value not swapped)."""
+    rng = np.random.default_rng(4)
+    mha = MultiHeadAttention(4, 2, kdim=3, vdim=5, dtype="float64", seed=1)
+    q, k, v = rng.standard_normal((1, 2, 4)), rng.standard_normal((1, 3, 3)), 10.0 * rng.standard_normal((1, 3, 5))
+    dout = rng.standard_normal((1, 2, 4))
+    mha.forward(q, k, v)
+    _, dk, dv = mha.backward(dout)
+    report = gradcheck_module(mha, q, k, v, dout=dout, mode="full")
+    assert report.ok, str(report)
+    np.testing.assert_allclose(report["key"].scale, np.max(np.abs(dk)), rtol=1e-6)
+    np.testing.assert_allclose(report["value"].scale, np.max(np.abs(dv)), rtol=1e-6)
