@@ -264,3 +264,13 @@ def test_bfloat16_arrays_reach_the_host_and_torch():
     ref, _ = P.rope_forward(q, jnp.arange(4))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out, dtype=np.float32), np.asarray(ref, dtype=np.float32))
+
+
+def test_to_numpy_of_a_jax_array_is_a_writable_copy():
+    """JAX arrays are immutable and ``np.asarray`` of one is a read-only view; ``to_numpy``
+    promises a host copy, which the caller may write into."""
+    from npattn.backend import to_numpy
+
+    host = to_numpy(jnp.zeros(3))
+    host[0] = 1.0
+    assert host.tolist() == [1.0, 0.0, 0.0]

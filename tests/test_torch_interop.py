@@ -205,17 +205,6 @@ def test_host_params_are_arrays_of_their_own_not_views_of_in_proj():
         assert params[name].base is None, name
 
 
-def test_torch_state_dict_of_a_jax_bfloat16_module_is_bfloat16():
-    """JAX's bfloat16 parameters reach torch through float32 on the host (exactly) and go
-    back to bfloat16, the module's dtype: the values are the module's own."""
-    pytest.importorskip("jax")
-    mha = MultiHeadAttention(6, 2, dtype="bfloat16", backend="jax", seed=0)
-    sd = torch_interop.torch_state_dict(mha)
-    assert {v.dtype for v in sd.values()} == {torch.bfloat16}
-    w_q = np.asarray(mha.params["w_q"]).astype(np.float32)  # ml_dtypes' bfloat16, widened exactly
-    np.testing.assert_array_equal(sd["in_proj_weight"][:6].float().numpy(), w_q)
-
-
 def test_to_numpy_of_a_tensor_is_a_copy():
     t = torch.zeros(3, dtype=torch.float64)
     a = to_numpy(t)
