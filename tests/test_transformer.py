@@ -834,3 +834,62 @@ def test_empty_inputs_are_named_as_the_blocks_arguments():
     with pytest.raises(ValueError, match=r"^memory: expected a key length \(axis 1\) of at least 1, "
                                          r"got shape \(2, 0, 8\)"):
         dec.forward(x, np.ones((2, 0, 8)))
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_a_backward_state_put_back_restores_the_blocks_grads(kind):
+    """restore_backward_state puts back the block's own grads, not only its attention
+    modules': a model made of blocks relies on it for the blocks whose backward ran before
+    another block's failed."""
+    rng = np.random.default_rng(28)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    d1, d2 = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
+    block = kind(D, H, FF, dtype="float64", seed=29)
+    args = (x,) if kind is TransformerBlock else (x, memory)
+    block(*args)
+    block.backward(d1)
+    first = {k: v.copy() for k, v in block.grads.items()}
+    state = block.backward_state()
+    block.backward(d2)  # a backward undone below
+    assert not np.array_equal(block.grads["linear1.weight"], first["linear1.weight"])
+    block.restore_backward_state(state)
+    assert block.grads is state.grads
+    for k, g in first.items():
+        np.testing.assert_array_equal(block.grads[k], g, err_msg=k)
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_backward_names_a_dout_of_another_dtype_and_changes_nothing(kind):
+    """A float32 dout for a float64 block is a TypeError naming dout, before any gradient is
+    formed: it is never promoted (nor the gradients computed in another dtype)."""
+    rng = np.random.default_rng(30)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    d = rng.standard_normal((B, L, D))
+    block = kind(D, H, FF, dtype="float64", seed=31)
+    block(*((x,) if kind is TransformerBlock else (x, memory)))
+    block.backward(d)
+    grads = block.grads
+    with pytest.raises(TypeError, match=r"^dout: expected dtype float64 \(that of the last "
+                                        r"forward's output\), got float32"):
+        block.backward(d.astype(np.float32))
+    assert block.grads is grads
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_fresh_parameters_follow_torchs_initialisation(kind):
+    """torch's defaults: a LayerNorm starts at weight 1, bias 0; an nn.Linear(fan_in, fan_out)
+    draws weight and bias from U(-b, b) with b = 1/sqrt(fan_in) (kaiming_uniform_ with
+    a = sqrt(5): gain sqrt(2 / (1 + 5)) times sqrt(3 / fan_in)). linear1 maps D -> F and
+    linear2 F -> D, so their bounds differ; with F * D = 1024 draws each, the largest
+    magnitude comes within 5% of its bound."""
+    d_model, d_ff = 16, 64
+    block = kind(d_model, 2, d_ff, dtype="float64", seed=32)
+    p = {k: np.asarray(v) for k, v in block.params.items()}
+    for n in (("norm1", "norm2") if kind is TransformerBlock else ("norm1", "norm2", "norm3")):
+        np.testing.assert_array_equal(p[f"{n}.weight"], np.ones(d_model), err_msg=n)
+        np.testing.assert_array_equal(p[f"{n}.bias"], np.zeros(d_model), err_msg=n)
+    for name, fan_in in (("linear1", d_model), ("linear2", d_ff)):
+        bound = 1.0 / np.sqrt(fan_in)
+        w, b = p[f"{name}.weight"], p[f"{name}.bias"]
+        assert np.abs(w).max() <= bound and np.abs(w).max() >= 0.95 * bound, name
+        assert np.abs(b).max() <= bound, name
