@@ -859,9 +859,10 @@ def test_a_backward_state_put_back_restores_the_blocks_grads(kind):
 
 
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
-def test_backward_names_a_dout_of_another_dtype_and_changes_nothing(kind):
-    """A float32 dout for a float64 block is a TypeError naming dout, before any gradient is
-    formed: it is never promoted (nor the gradients computed in another dtype)."""
+def test_backward_names_a_dout_of_another_dtype_or_shape_and_changes_nothing(kind):
+    """A float32 dout for a float64 block is a TypeError naming dout, and a dout of another
+    shape a ValueError naming the output's shape, both before any gradient is formed: dout is
+    never promoted nor broadcast."""
     rng = np.random.default_rng(30)
     x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
     d = rng.standard_normal((B, L, D))
@@ -872,6 +873,9 @@ def test_backward_names_a_dout_of_another_dtype_and_changes_nothing(kind):
     with pytest.raises(TypeError, match=r"^dout: expected dtype float64 \(that of the last "
                                         r"forward's output\), got float32"):
         block.backward(d.astype(np.float32))
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 5, 8\) \(that of the last "
+                                         r"forward's output\), got \(1, 5, 8\)"):
+        block.backward(d[:1])
     assert block.grads is grads
 
 
