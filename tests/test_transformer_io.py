@@ -522,3 +522,22 @@ def test_rng_state_reads_a_copy_and_restores_the_next_masks(xp, to_xp, to_np):
         with pytest.raises(ValueError, match="rng_state"):  # out of range: was an OverflowError
             block.rng_state = bad
     assert block.rng_state == before  # a failed assignment moves nothing
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_torch_state_dict_of_a_jax_bfloat16_block_is_bfloat16(kind):
+    """JAX's bfloat16 arrays reach torch through NumPy widened to float32; the state dict
+    still holds bfloat16 tensors, as a bfloat16 torch layer's, with the block's values."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    block = BLOCKS[kind](D, H, FF, dtype="bfloat16", backend="jax", seed=33)
+    sd = block.torch_state_dict()
+    theirs = {"encoder": torch.nn.TransformerEncoderLayer,
+              "decoder": torch.nn.TransformerDecoderLayer}[kind](D, H, FF, batch_first=True,
+                                                                 dtype=torch.bfloat16).state_dict()
+    assert list(sd) == list(theirs)
+    for k, v in sd.items():
+        assert v.dtype == torch.bfloat16, k
+    for k in ("linear1.weight", "linear2.bias", "norm1.weight"):
+        np.testing.assert_array_equal(sd[k].float().numpy(),
+                                      np.asarray(block.params[k].astype("float32")), err_msg=k)
