@@ -975,6 +975,21 @@ def test_dot_product_attention_bias_of_minus_inf_in_jax():
     assert not any(g.any() for g in grads[:4])
 
 
+def test_dot_product_attention_residual_gradient_with_t_not_n():
+    """The residual is (B, T, N) and npattn's log-sum-exp (B, N, T): the pullback transposes
+    dlse back. With T = 3 != N = 4 queries and a random dlse (not ones, whose transpose
+    reads the same), checked against finite differences, batched and unbatched."""
+    q, k, v, bias = randn(2, 3, 4, 5), randn(2, 6, 2, 5), randn(2, 6, 2, 5), randn(1, 4, 3, 6)
+    kw = dict(is_causal=True, return_residual=True)
+    for args in ((q, k, v, bias), (q[1], k[1], v[1], bias[0])):
+        (out, lse), pullback = C.vjp(C.dot_product_attention, *args, **kw)
+        assert lse.shape == out.shape[:-1]  # (B, T, N) or (T, N)
+        ct, ct_lse = randn(*out.shape), randn(*lse.shape)
+        grads = pullback(ct, dlse=ct_lse)
+        check_vjp(lambda *a: C.dot_product_attention(*a, **kw), list(args), grads, ct,
+                  ct_lse=ct_lse)
+
+
 def test_dot_product_attention_residual_unbatched_and_dropout():
     q, k, v, bias, _, kw = jax_case("causal_window_lengths")
     out, lse = C.dot_product_attention(q, k, v, bias, return_residual=True, **kw)
