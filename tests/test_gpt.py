@@ -182,6 +182,45 @@ def test_sample_next_frequencies_follow_the_tempered_softmax():
         assert np.all(np.abs(freq - p) <= 5 * sigma + 1e-12), (temperature, top_k, freq, p)
 
 
+def test_greedy_takes_the_first_largest_logit_and_each_row_draws_its_own_number():
+    rng = np.random.default_rng(0)
+    ties = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, -np.inf, 4.0, 4.0]])
+    np.testing.assert_array_equal(sample_next(ties, rng, greedy=True), [1, 0, 2])  # as np.argmax
+    # 400 rows of uniform logits over 5 tokens: independent rows cover all 5 (a token is
+    # missing with probability 5 * 0.8**400); rows sharing one uniform number all agree
+    tokens = sample_next(np.zeros((400, 5)), rng)
+    assert set(tokens.tolist()) == {0, 1, 2, 3, 4}
+    assert np.all(np.abs(np.bincount(tokens, minlength=5) - 80) < 5 * math.sqrt(400 * 0.2 * 0.8))
+    # top_k = V keeps every token: the same draws as no top_k from the same seed
+    logits = np.random.default_rng(1).standard_normal((6, 5))
+    np.testing.assert_array_equal(sample_next(logits, np.random.default_rng(3), top_k=5),
+                                  sample_next(logits, np.random.default_rng(3)))
+
+
+def test_training_step_reports_the_global_norm_before_clipping():
+    """grad_norm is sqrt(sum of every squared gradient entry), with and without clipping."""
+    ids, tgt = ids_of(7), ids_of(8)
+    probe = make()
+    _, dlogits = probe.loss(ids, tgt)  # the gradients the step will see, computed apart
+    grads = probe.backward(dlogits)
+    want = np.linalg.norm(np.concatenate([np.ravel(to_numpy(g)) for g in grads.values()]))
+    assert want > 0.1
+    for max_grad_norm in (None, 0.01, 1e6):
+        model = make()
+        _, norm, _ = training_step(model, nn.adam_init(model.params), ids, tgt, lr=1e-3,
+                                   max_grad_norm=max_grad_norm)
+        assert norm == pytest.approx(want, rel=1e-10), max_grad_norm
+
+
+def test_generate_leaves_the_mode_as_it_found_it(xp, to_xp):
+    model = make(backend=xp)
+    prompt = to_xp(ids_of(2, (B, 3)))
+    model.eval().generate(prompt, 2, greedy=True)
+    assert model.training is False
+    model.train().generate(prompt, 2, greedy=True)
+    assert model.training is True
+
+
 def test_training_reduces_the_loss_on_a_repeated_batch():
     model = make(dtype="float32")
     ids, tgt = ids_of(7), ids_of(8)
