@@ -93,6 +93,45 @@ def test_parameter_names_and_shapes(backend):
     assert not any(k.startswith("norm.") for k in post.params)
 
 
+def test_initial_parameters_follow_torchs_linear_init():
+    """nn.Linear's init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the embedding (fan_in = P) and
+    the head (fan_in = D), with P = 3 != D = 64 so the two bounds differ by a factor 4.6; the
+    head's bias 0, positions N(0, 0.02^2), a final norm of ones and zeros."""
+    d = 64
+    model = TransformerClassifier(P, L, 10, d_model=d, n_head=H, dtype="float64", seed=5,
+                                  norm_first=True)
+    p = {k: np.asarray(v) for k, v in model.params.items()}
+    for name, fan_in in (("embed.weight", P), ("embed.bias", P), ("head.weight", d)):
+        bound = 1.0 / np.sqrt(fan_in)
+        assert np.abs(p[name]).max() <= bound, name
+        assert np.abs(p[name]).max() > 0.85 * bound, name  # 64 or more draws reach near the bound
+    assert not p["head.bias"].any()
+    assert 0.015 < p["pos"].std() < 0.025 and abs(p["pos"].mean()) < 0.005
+    np.testing.assert_array_equal(p["norm.weight"], np.ones(d))
+    np.testing.assert_array_equal(p["norm.bias"], np.zeros(d))
+
+
+def test_block_n_takes_the_keep_masks_of_entry_n():
+    """forward(x, mask, dropout_masks) against the six steps composed here on NumPy: block n
+    runs with dropout_masks[n], the padding mask goes to every block as (B, 1, 1, L), and
+    the pooling averages the tokens only."""
+    rng = np.random.default_rng(11)
+    model = small("numpy", dropout=0.3)
+    x = rng.standard_normal((B, L, P))
+    mask = np.asarray(padding_mask(np.asarray))
+    keeps = keep_masks(rng, np.asarray, 0.3)
+    got = np.asarray(model.forward(x, mask, dropout_masks=keeps))
+    p = {k: np.asarray(v) for k, v in model.params.items()}
+    h = x @ p["embed.weight"].T + p["embed.bias"] + p["pos"]  # [B, L, D]
+    for n, block in enumerate(model.blocks):
+        h = np.asarray(block.forward(h, mask=mask[:, None, None, :], dropout_masks=keeps[n]))
+    w = mask[..., None].astype(float)  # [B, L, 1]
+    z = (h * w).sum(axis=1) / w.sum(axis=1)  # [B, D]
+    np.testing.assert_allclose(got, z @ p["head.weight"].T + p["head.bias"], rtol=1e-12, atol=1e-13)
+    swapped = np.asarray(model.forward(x, mask, dropout_masks=keeps[::-1]))
+    assert np.abs(swapped - got).max() > 1e-3  # the two blocks' masks are not interchangeable
+
+
 def test_attention_weights_per_head_are_the_blocks(xp, to_xp, to_np, backend):
     """need_weights gives each block's (B, H, L, L) probabilities: those its attention module computes."""
     model = small(backend).eval()
