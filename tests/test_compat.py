@@ -564,6 +564,23 @@ def test_flash_attn_with_kvcache_gradients_match_finite_differences():
     assert not grads[1][2].any()
 
 
+def test_flash_attn_with_kvcache_pullback_outlives_a_later_write_into_the_cache():
+    """The forward keeps its own copy of the keys and values it read: a later call that
+    writes over the same cache rows (here from position 0) leaves the first call's output
+    and gradients as they were."""
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
+    kw = dict(cache_seqlens=np.array([2, 4], np.int32), causal=True)
+    out, pullback = C.vjp(C.flash_attn_with_kvcache, q, k_cache, v_cache, k_new, v_new, **kw)
+    ct = randn(*out.shape)
+    before = pullback(ct)
+    out0 = out.copy()
+    C.flash_attn_with_kvcache(q, k_cache, v_cache, 10.0 * randn(*k_new.shape),
+                              10.0 * randn(*v_new.shape), cache_seqlens=0)
+    np.testing.assert_array_equal(out, out0)
+    for g0, g1 in zip(before, pullback(ct)):
+        np.testing.assert_array_equal(g1, g0)
+
+
 @pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
                                   "block_table"])
 def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
