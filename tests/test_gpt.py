@@ -378,6 +378,20 @@ def test_one_cache_shared_by_every_block_is_refused(xp, to_xp):
         model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=model.new_caches(B)[:1])
 
 
+def test_caches_with_ragged_lengths_are_refused(xp, to_xp):
+    """Positions are shared by the batch (wpe[s : s + L]): caches whose entries hold different
+    lengths (a ragged prefill truncated per entry) would put an entry's token at another
+    entry's position, so they are refused, and nothing is appended."""
+    model = make(xp).eval()
+    caches = model.new_caches(B)
+    model.forward(to_xp(ids_of(0, (B, 3))), kv_caches=caches)
+    for c in caches:
+        c.truncate([3, 2])
+    with pytest.raises(ValueError, match="^kv_caches: expected the same cached length"):
+        model.forward(to_xp(ids_of(1, (B, 1))), kv_caches=caches)
+    assert all([int(n) for n in c.cache_seqlens] == [3, 2] for c in caches)
+
+
 def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its_input():
     rng = np.random.default_rng(0)
     logits = np.array([[0.0, 1.0, 5.0, 2.0]] * 50)
