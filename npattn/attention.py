@@ -140,11 +140,12 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
 
     ``"auto"`` picks ``"chunked"`` for dask arrays that it takes when no
     weights are needed, and the reference for any other dask call (weights, kernel
-    options, a layout the chunked path does not take), whatever its size. Otherwise it picks ``"blocked"`` when no weights are needed and either
-    ``Lq * Lk >= AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >=
-    AUTO_BLOCKED_MAX_DENSE_SCORES`` (on a CUDA device: the dense arrays past
-    ``AUTO_DEVICE_DENSE_SHARE`` of its memory, ``auto_blocked``); otherwise, like ``"dense"``, the NumPy
-    kernel when it takes the arrays, else the reference. ``"numpy"`` on
+    options, a layout the chunked path does not take), whatever its size. Otherwise
+    it picks ``"blocked"`` when no weights are needed and either ``Lq * Lk >=
+    AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES``
+    (on a CUDA device: the dense arrays past ``AUTO_DEVICE_DENSE_SHARE`` of its
+    memory, ``auto_blocked``); otherwise, like ``"dense"``, the NumPy kernel when it
+    takes the arrays, else the reference. ``"numpy"`` on
     arrays the kernel does not take is a ``ValueError``; so are ``"numpy"`` and
     ``"chunked"`` for a call that is not ``plain`` (kernel options, or leading axes
     that broadcast: ``functional.is_plain``), except that the NumPy kernel takes a
