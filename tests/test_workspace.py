@@ -228,16 +228,22 @@ def test_reading_the_cache_keeps_only_that_cache_from_the_workspace(monkeypatch)
     del held
 
 
-def test_a_cache_read_through_the_module_is_never_reused():
-    """``module.cache`` hands out the cache: its arrays stay its own after later forwards, and
-    assigning it back makes backward differentiate that forward (the gradient checker's use)."""
+def _a_held_step(seed):
+    """A module after one forward and backward on x1, its cache read through ``module.cache``:
+    the module, x1, x2, dout, dquery of that step, the held cache and a copy of its weights."""
     m = MultiHeadAttention(8, 2, dtype="float64", seed=4)
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     x1, x2, dout = (rng.standard_normal((2, 9, 8)) for _ in range(3))
     m(x1, x1, x1)
     want = m.backward(dout)[0]
     held = m.cache
-    probs = A.weights(held.sdpa).copy()
+    return m, x1, x2, dout, want, held, A.weights(held.sdpa).copy()
+
+
+def test_a_cache_read_through_the_module_is_never_reused():
+    """``module.cache`` hands out the cache: its arrays stay its own after later forwards, and
+    assigning it back makes backward differentiate that forward (the gradient checker's use)."""
+    m, x1, x2, dout, want, held, probs = _a_held_step(5)
     for x in (x2, x2, x1 + 1.0):
         m(x, x, x)
     np.testing.assert_array_equal(A.weights(held.sdpa), probs)
@@ -251,13 +257,7 @@ def test_a_held_cache_stays_its_own_after_it_is_the_module_s_again(how):
     again (assigned back, or put back on leaving ``preserve_state``): the forwards after it
     do not lend its arrays to the workspace, so its weights and backward stay those of
     its own forward."""
-    m = MultiHeadAttention(8, 2, dtype="float64", seed=4)
-    rng = np.random.default_rng(6)
-    x1, x2, dout = (rng.standard_normal((2, 9, 8)) for _ in range(3))
-    m(x1, x1, x1)
-    want = m.backward(dout)[0]
-    held = m.cache
-    probs = A.weights(held.sdpa).copy()
+    m, x1, x2, dout, want, held, probs = _a_held_step(6)
     if how == "assigned back":
         m(x2, x2, x2)
         m.cache = held
