@@ -246,6 +246,27 @@ def test_large_scores_stay_exact_across_key_chunks():
     np.testing.assert_array_equal(gv[0, 0, :, 0], [0.5, 0.5])
 
 
+def test_calls_that_differ_only_in_is_causal_or_scale_computed_together():
+    """Three calls on the same dask arrays that differ only in ``is_causal`` or only in an
+    explicit ``scale``, forward and backward computed in one ``dask.compute``: each gives the
+    NumPy reference's numbers of its own options (their tasks must not share names), and an
+    explicit scale reaches the backward's pairs (the other tests use the default 1/sqrt(Dh))."""
+    q, k, v, dout, kw = make_inputs(15, 2, 2, 2, 7, 9, 4, 3)
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 2, 3, 4), 2)
+    options = [dict(is_causal=False, scale=None), dict(is_causal=True, scale=None),
+               dict(is_causal=True, scale=0.3)]
+    lazy = []
+    for opt in options:
+        out, c = A.sdpa_forward(dq, dk, dv, impl="chunked", **dict(kw, **opt))
+        lazy.append((out, A.sdpa_backward(ddout, c)[:3]))
+    got = dask.compute(lazy, scheduler="sync")[0]
+    for opt, (out, grads) in zip(options, got):
+        out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **dict(kw, **opt))
+        assert_close(out, out0, host, f"{opt}: out")
+        for name, g, g0 in zip(("dq", "dk", "dv"), grads, A.sdpa_backward(dout, c0)):
+            assert_close(g, g0, host, f"{opt}: {name}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_low_precision_dtypes(dtype):
     """float32 stays float32; float16 is computed in float32 and cast back, like the kernel."""
