@@ -781,8 +781,10 @@ def test_the_audit_covers_the_chunked_implementation():
 
 
 def test_empty_chunks_and_a_bad_dout():
-    """dask allows chunks of length 0: they are left out of the plan. A dout of the wrong
-    dtype or shape is refused before a graph is built, as by the reference."""
+    """dask allows chunks of length 0: they are left out of the plan, also when
+    ``chunked.sdpa_forward`` is called directly (the blocked loops inside a pair task need
+    a row). A dout of the wrong dtype or shape is refused before a graph is built, as by
+    the reference."""
     q, k, v, dout, kw = make_inputs(6, 2, 2, 1, 5, 7, 3, 4, causal=True)
     for causal in (False, True):
         out0, c0 = A.sdpa_forward(q, k, v, is_causal=causal, impl="numpy")
@@ -791,10 +793,15 @@ def test_empty_chunks_and_a_bad_dout():
         dv = da.from_array(v, chunks=(1, 1, 3, 4))
         out, c = A.sdpa_forward(dq, dk, dv, is_causal=causal)
         grads = A.sdpa_backward(da.from_array(dout, chunks=2), c)
-        out, grads = dask.compute(out, grads, scheduler="sync")
-        assert_close(out, out0, host, "out")
-        for g, g0 in zip(grads, A.sdpa_backward(dout, c0)):
-            assert_close(g, g0, host, "grad")
+        # the chunked module's own entry points (the dispatcher drops such chunks before)
+        out1, c1 = chunked.sdpa_forward(dq, dk, dv, mask=None, is_causal=causal, scale=None,
+                                        dropout_p=0.0, dropout_mask=None, rng=None, groups=1)
+        grads1 = chunked.sdpa_backward(da.from_array(dout, chunks=2), c1)
+        got = dask.compute([(out, grads), (out1, grads1)], scheduler="sync")[0]
+        for (out, grads), what in zip(got, ("attention", "chunked")):
+            assert_close(out, out0, host, f"{what}: out")
+            for g, g0 in zip(grads, A.sdpa_backward(dout, c0)):
+                assert_close(g, g0, host, f"{what}: grad")
     with pytest.raises(TypeError, match=r"dout: expected dtype float64 .*got float32"):
         A.sdpa_backward(da.from_array(dout.astype(np.float32)), c)
     with pytest.raises(ValueError, match=r"dout: expected shape \(2, 2, 5, 4\)"):
