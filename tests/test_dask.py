@@ -270,6 +270,41 @@ def test_calls_that_differ_only_in_is_causal_or_scale_computed_together():
             assert_close(g, g0, host, f"{opt}: {name}")
 
 
+def test_calls_that_differ_only_in_dropout_dout_or_dlse_computed_together():
+    """Forward calls on the same dask arrays that differ only in the drop probability or only
+    in the seed, and backward calls of one forward that differ only in dout or in dlse
+    (chunked unlike the rows), all computed in one ``dask.compute``: each gives the NumPy
+    reference's numbers and keep-mask of its own arguments."""
+    q, k, v, dout, kw = make_inputs(16, 2, 2, 2, 7, 9, 4, 3, causal=True)
+    rng = np.random.default_rng(16)
+    dout2, dlse = rng.standard_normal(dout.shape), rng.standard_normal(dout.shape[:3])
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 2, 3, 4), 2)
+    ddout2 = da.from_array(dout2, chunks=(1, 2, 3, 3))
+    ddlse = da.from_array(dlse, chunks=(2, 1, 4))
+    # (forward options, [(dout, dlse) of each backward call])
+    calls = [(dict(dropout_p=0.2, rng=1), [(dout, ddout, None, None), (dout2, ddout2, None, None),
+                                           (dout, ddout, dlse, ddlse)]),
+             (dict(dropout_p=0.4, rng=1), [(dout, ddout, None, None)]),
+             (dict(dropout_p=0.2, rng=2), [(dout, ddout, None, None)])]
+    lazy, want = [], []
+    for opt, backwards in calls:
+        out, c = A.sdpa_forward(dq, dk, dv, impl="chunked", **dict(kw, **opt))
+        out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **dict(kw, **opt))
+        lazy.append((out, A.dropout_keep_mask(c)))
+        want.append((out0, A.dropout_keep_mask(c0)))
+        for g, dg, l, dl in backwards:
+            lazy.append(A.sdpa_backward(dg, c, dlse=dl)[:3])
+            want.append(A.sdpa_backward(g, c0, dlse=l)[:3])
+    got = dask.compute(lazy, scheduler="sync")[0]
+    for n, (a, b) in enumerate(zip(got, want)):
+        if len(a) == 2:  # out and keep-mask
+            assert_close(a[0], b[0], host, f"call {n}: out")
+            assert np.array_equal(a[1], b[1]), f"call {n}: keep-mask differs"
+        else:
+            for name, g, g0 in zip(("dq", "dk", "dv"), a, b):
+                assert_close(g, g0, host, f"call {n}: {name}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_low_precision_dtypes(dtype):
     """float32 stays float32; float16 is computed in float32 and cast back, like the kernel."""
