@@ -641,6 +641,10 @@ def test_unknown_chunk_sizes_and_bad_block_lengths_are_refused_at_the_call():
     for impl in ("chunked", "auto", "reference"):
         with pytest.raises(ValueError, match=r"^q: expected an array of known shape.*compute_chunk_sizes"):
             A.sdpa_forward(unknown, q, q, impl=impl)
+    # the chunked module's own test of its arguments, also with the rows or keys unknown
+    rows = q[:, :, da.from_array(np.ones(5, bool))]  # shape (2, 1, nan, 3)
+    assert chunked.accepts(q, q, q)
+    assert not any(chunked.accepts(*a) for a in ((unknown, q, q), (rows, q, q), (q, rows, rows)))
     for bad, exc in ((0, ValueError), (-1, ValueError), (2.5, TypeError), ("x", TypeError)):
         with pytest.raises(exc, match="^block_q: expected a positive int"):
             A.sdpa_forward(q, q, q, block_q=bad)
@@ -844,10 +848,11 @@ def test_empty_chunks_and_a_bad_dout():
             assert_close(out, out0, host, f"{what}: out")
             for g, g0 in zip(grads, A.sdpa_backward(dout, c0)):
                 assert_close(g, g0, host, f"{what}: grad")
-    with pytest.raises(TypeError, match=r"dout: expected dtype float64 .*got float32"):
-        A.sdpa_backward(da.from_array(dout.astype(np.float32)), c)
-    with pytest.raises(ValueError, match=r"dout: expected shape \(2, 2, 5, 4\)"):
-        A.sdpa_backward(da.from_array(dout[:, :, :4]), c)
+    for backward in (A.sdpa_backward, chunked.sdpa_backward):  # the module's own checks too
+        with pytest.raises(TypeError, match=r"dout: expected dtype float64 .*got float32"):
+            backward(da.from_array(dout.astype(np.float32)), c)
+        with pytest.raises(ValueError, match=r"dout: expected shape \(2, 2, 5, 4\)"):
+            backward(da.from_array(dout[:, :, :4]), c)
 
 
 def test_a_mask_of_fewer_axes_with_an_empty_chunk_on_a_length_1_axis():
