@@ -298,6 +298,9 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
     byte order (a big-endian float64 is not the float64 the computation
     uses; convert it first).
     """
+    # first: array_api_compat (1.16) takes no matrix for an array at all, which would hide the hint
+    if isinstance(x, np.matrix):
+        raise TypeError(f"{name}: expected a plain numpy.ndarray, got numpy.matrix; use np.asarray(a)")
     if not array_api_compat.is_array_api_obj(x):
         expected = f"a {backend_name(xp)} array" if xp is not None else "an array"
         raise TypeError(f"{name}: expected {expected}, got {type_name(x)}")
@@ -307,8 +310,6 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
             "ignore its mask); pass its data, np.ma.getdata(a), and express the masked entries "
             "as an attention mask"
         )
-    if isinstance(x, np.matrix):
-        raise TypeError(f"{name}: expected a plain numpy.ndarray, got numpy.matrix; use np.asarray(a)")
     if any(n is None or (isinstance(n, float) and math.isnan(n)) for n in x.shape):
         raise ValueError(
             f"{name}: expected an array of known shape, got shape {tuple(x.shape)} (a dask array "

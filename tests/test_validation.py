@@ -516,6 +516,9 @@ def _sdpa(**replace):
          ("mask", "MaskedArray")),
         (_sdpa(q=np.ma.array(np.ones((2, 2, 3, 4)), mask=np.zeros((2, 2, 3, 4), bool))), TypeError,
          ("q", "MaskedArray")),
+        (lambda: _sdpa(q=np.matrix(np.ones((3, 4))))(), TypeError, ("q", "plain numpy.ndarray", "numpy.matrix", "np.asarray")),
+        (_module_call(lambda q, k, v: dict(mask=np.matrix(np.ones((3, 5), bool)))), TypeError,
+         ("mask", "plain numpy.ndarray", "numpy.matrix")),
         (_sdpa(q=np.ones((2, 2, 3, 0)), k=np.ones((2, 2, 5, 0))), ValueError, ("q", "Dh", "(2, 2, 3, 0)")),
         (_sdpa(q=np.ones((2, 2, 0, 4))), ValueError, ("q", "Lq", "(2, 2, 0, 4)")),
         (_sdpa(k=np.ones((2, 2, 0, 4)), v=np.ones((2, 2, 0, 6))), ValueError, ("k", "Lk", "(2, 2, 0, 4)")),
@@ -524,9 +527,10 @@ def _sdpa(**replace):
         (_sdpa(enable_gqa=None), TypeError, ("enable_gqa", "bool")),
     ],
     ids=["big-endian query", "big-endian mask", "big-endian param", "big-endian k",
-         "masked query", "masked mask", "masked q", "Dh=0", "Lq=0", "Lk=0", "scale=2**1100",
+         "masked query", "masked mask", "masked q", "matrix q", "matrix mask", "Dh=0", "Lq=0", "Lk=0", "scale=2**1100",
          "dropout_p=2**1100", "enable_gqa=None"],
 )
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_numpy_special_arrays_and_empty_axes_are_rejected(call, exc, fragments):
     with raises(exc, *fragments):
         call()
