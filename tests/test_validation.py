@@ -417,6 +417,16 @@ def test_sdpa_rejects(backend, xp):
         ((q, k, v), dict(scale=math.nan), ValueError, ("scale", "finite", "nan")),
         ((q, k, v), dict(scale="1"), TypeError, ("scale", "str")),
         ((q, k, v), dict(is_causal=1), TypeError, ("is_causal", "bool", "int")),
+        # the seed is checked even where no dropout draws from it
+        ((q, k, v), dict(rng=-1), ValueError, ("rng", "non-negative", "-1")),
+        ((q, k, v), dict(rng="seed"), TypeError, ("rng", "str")),
+        # a mask may not add axes to the scores (2, 2, 3, 5), not even one of length 1 ...
+        ((q, k, v), dict(mask=from_numpy(np.ones((1, 2, 2, 3, 5), dtype=bool), xp)), ValueError,
+         ("mask", "(2, 2, 3, 5)", "(1, 2, 2, 3, 5)")),
+        # ... nor grow an axis of length 1 of them: the scores of one head are (2, 1, 3, 5)
+        ((a(2, 1, 3, 4), a(2, 1, 5, 4), a(2, 1, 5, 6)),
+         dict(mask=from_numpy(np.ones((2, 2, 3, 5), dtype=bool), xp)), ValueError,
+         ("mask", "(2, 1, 3, 5)", "(2, 2, 3, 5)")),
     ]
     for args, kwargs, exc, fragments in cases:
         with raises(exc, *fragments):
