@@ -556,6 +556,10 @@ def test_half_precision_sinks_and_slopes(impl):
     (dict(window=(0, 1.5)), TypeError, r"window\[1\] \(right\)"),
     (dict(softcap=0.0), ValueError, "softcap: expected a finite float > 0"),
     (dict(softcap="1"), TypeError, "softcap: expected None or a float"),
+    (dict(softcap=math.inf), ValueError, "softcap: expected a finite float > 0, got inf"),
+    (dict(window=(True, 0)), TypeError, r"window\[0\] \(left\): expected None or an int >= 0, got bool"),
+    (dict(window=(1, 0, 0)), TypeError, r"window: expected None or a pair \(left, right\)"),
+    (dict(align=np.array(["top_left", "bottom_right"])), ValueError, "align: expected one of"),
     (dict(alibi_slopes=np.ones(3)), ValueError, r"alibi_slopes: expected shape \(2,\) or \(2, 2\)"),
     (dict(alibi_slopes=np.ones(2, dtype=np.int64)), TypeError, "alibi_slopes: expected a real floating"),
     (dict(sinks=np.ones((2, 2))), ValueError, r"sinks: expected shape \(2,\)"),
@@ -564,6 +568,8 @@ def test_half_precision_sinks_and_slopes(impl):
     (dict(q_segments=np.zeros((2, 4)), k_segments=np.zeros((2, 5))), TypeError, "q_segments: expected an integer"),
     (dict(q_segments=np.zeros((2, 3), dtype=np.int64), k_segments=np.zeros((2, 5), dtype=np.int64)),
      ValueError, r"q_segments: expected shape \(B, 4\)"),
+    (dict(q_segments=[[0] * 4] * 2, k_segments=np.zeros((2, 5), dtype=np.int64)), TypeError,
+     r"q_segments: expected a \w+ array, got list"),
 ])
 @pytest.mark.parametrize("entry", ["functional", "attention", "blocked"])
 def test_bad_options_are_named_before_any_computation(kw, err, match, entry):
