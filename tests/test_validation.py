@@ -922,3 +922,63 @@ def test_a_device_the_backend_lacks_is_named(backend, xp, device):
                                              rf"got '{device}'"):
             build(device)
         assert getattr(build(here), "device", None) == here, name
+
+
+
+# --------------------------------------------------------------------------
+# the shared checks of npattn.validation at their edges, called directly
+
+
+def test_scalar_checks_refuse_a_bool_and_an_infinity():
+    """A bool is no number, seed or probability; an infinite scale is refused with either sign."""
+    from npattn import validation as V
+
+    with raises(TypeError, "n", "positive int", "None"):
+        V.check_positive_int("n", None)  # None only under allow_none
+    assert V.check_positive_int("n", None, allow_none=True) is None
+    with raises(TypeError, "scale", "float", "bool"):
+        V.check_scale("scale", True)
+    with raises(ValueError, "scale", "finite", "-inf"):
+        V.check_scale("scale", -math.inf)
+    with raises(TypeError, "p", "drop probability", "bool"):
+        V.check_probability("p", False)
+    with raises(TypeError, "rng", "seed", "bool"):
+        V.check_rng("rng", True)
+    for seed in (0, np.random.default_rng(0), np.random.SeedSequence(0), np.random.PCG64(0)):
+        V.check_rng("rng", seed)  # all of what numpy.random.default_rng takes
+    # an int beyond the float range is an infinity of its own sign
+    assert V.real_value(2**1100) == math.inf and V.real_value(-(2**1100)) == -math.inf
+
+
+def test_check_broadcasts_to_neither_adds_nor_grows_an_axis():
+    from npattn import validation as V
+
+    V.check_broadcasts_to("a", (3, 1), (2, 3, 5), "t")  # right-aligned; a 1 stretches
+    with raises(ValueError, "a", "(2, 3, 5)", "(1, 2, 3, 5)"):
+        V.check_broadcasts_to("a", (1, 2, 3, 5), (2, 3, 5), "t")
+    with raises(ValueError, "a", "(2, 1, 5)", "(2, 3, 5)"):
+        V.check_broadcasts_to("a", (2, 3, 5), (2, 1, 5), "t")
+
+
+def test_the_namespace_is_compared_by_library():
+    """numpy itself and the namespace array_api_compat gives a NumPy array are one library."""
+    import array_api_compat
+
+    from npattn import validation as V
+
+    x = np.ones(2)
+    assert array_api_compat.array_namespace(x) is not np
+    V.check_array("x", x, np)
+
+
+def test_heads_layout_is_that_of_its_docstring():
+    """q (B, Hq, Lq, Dh), k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv), Hkv dividing Hq, masks
+    broadcasting to (B, Hq, Lq, Lk) without growing it: what the NumPy kernel takes."""
+    from npattn import validation as V
+
+    q, k, v = np.ones((2, 4, 3, 8)), np.ones((2, 2, 5, 8)), np.ones((2, 2, 5, 6))
+    assert V.heads_layout(q, k, v, np.ones((1, 1, 3, 5), bool), None)
+    assert not V.heads_layout(q, np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 6)))  # 3 does not divide 4
+    assert not V.heads_layout(q, k[:1], v[:1])  # another B
+    assert not V.heads_layout(q, k, v[:, :1])  # k and v of other head counts
+    assert not V.heads_layout(q[:1], k[:1], v[:1], np.ones((2, 1, 3, 5), bool))  # the mask grows B
