@@ -172,7 +172,7 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
     for i, name in enumerate(("query", "key", "value")):
         args = list(mine)
         args[i] = theirs[i]
-        with raises(TypeError, name, module_backend, input_backend):
+        with raises(TypeError, name, module_backend, input_backend, "build the module with that backend"):
             m(*args)
     other = make_mha(input_backend).xp
     mask = from_numpy(np.ones((3, 5), dtype=bool), other)
@@ -185,8 +185,12 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
     out, _ = m(*mine)
     with raises(TypeError, "dout", module_backend, input_backend):
         m.backward(from_numpy(to_numpy(out), other))
-    with raises(TypeError, "v", module_backend, input_backend):
+    with raises(TypeError, "v", module_backend, input_backend, "that of q", "pass every array from one library"):
         F.sdpa_forward(*(from_numpy(np.ones((1, 1, 2, 2)), x) for x in (m.xp, m.xp, other)))
+    # a functional call names the array the others follow, and speaks of no module
+    with pytest.raises(TypeError, match=r"^pos: expected a \S+ array \(that of x\).*one library$"):
+        __import__("npattn").nn.add_positions_forward(from_numpy(np.ones((1, 2, 2)), m.xp),
+                                                     from_numpy(np.ones((2, 2)), other))
 
 
 def test_mixing_devices_is_a_value_error():
@@ -229,6 +233,7 @@ def test_check_finite_names_the_argument(backend, xp):
     mask = np.zeros((3, 5))
     mask[0, 1] = -math.inf  # allowed: a masked entry
     m(q, k, v, mask=from_numpy(mask, xp), check_finite=True)
+    m(q, k, v, mask=from_numpy(mask == 0, xp), check_finite=True)  # a bool mask has nothing to check
     for bad in (math.nan, math.inf):
         mask[2, 2] = bad
         with raises(ValueError, "mask", "+inf"):
