@@ -438,6 +438,34 @@ def test_sdpa_rejects(backend, xp):
             F.sdpa_forward(*args, **kwargs)
 
 
+def test_a_mask_takes_the_batch_that_only_k_and_v_carry():
+    """q (1, 2, 3, 4) against k, v (2, 2, 5, .): the scores are (2, 2, 3, 5) and so may
+    a mask be, one per batch element (the float64 formula of reliability_helpers)."""
+    from reliability_helpers import ref_sdpa
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 2, 3, 4))
+    k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 6))
+    allowed = rng.random((2, 2, 3, 5)) < 0.6
+    allowed[..., 0] = True
+    out, _ = F.sdpa_forward(q, k, v, mask=allowed)
+    np.testing.assert_allclose(out, ref_sdpa(q, k, v, allowed=allowed)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_alibi_slopes_per_batch_follow_the_axis_before_the_heads():
+    """q (3, 2, 4, Lq, Dh): the scores lead (3, 2, 4) ends in B=2, H=4, so per-batch slopes
+    are (2, 4), each slice of the first axis taking them as a 4-D call does."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((3, 2, 4, 5 + i, 8)) for i in (0, 1, 1))
+    slopes = rng.uniform(0.1, 1.0, (2, 4))
+    out, _ = F.sdpa_forward(q, k, v, alibi_slopes=slopes)
+    for i in range(3):
+        np.testing.assert_allclose(out[i], F.sdpa_forward(q[i], k[i], v[i], alibi_slopes=slopes)[0],
+                                   rtol=1e-13, atol=1e-13)
+    with raises(ValueError, "alibi_slopes", "(4,) or (2, 4)", "(3, 4)"):
+        F.sdpa_forward(q, k, v, alibi_slopes=rng.uniform(0.1, 1.0, (3, 4)))
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, fragments",
     [
