@@ -228,6 +228,9 @@ def test_check_finite_names_the_argument(backend, xp):
             args = [from_numpy(a, xp) for a in arrays]
             with raises(ValueError, name, "finite", "1 entries"):
                 m(*args, check_finite=True)
+            arrays[i][0, 1, 0] = bad
+            with raises(ValueError, name, "finite", "2 entries"):  # counted, not only found
+                m(*(from_numpy(a, xp) for a in arrays), check_finite=True)
             m(*args)  # opt-in: without the flag nothing reads the data
     q, k, v = (from_numpy(a, xp) for a in (hq, hk, hv))
     mask = np.zeros((3, 5))
@@ -422,6 +425,9 @@ def test_sdpa_rejects(backend, xp):
         ((q, k, v), dict(scale=math.nan), ValueError, ("scale", "finite", "nan")),
         ((q, k, v), dict(scale="1"), TypeError, ("scale", "str")),
         ((q, k, v), dict(is_causal=1), TypeError, ("is_causal", "bool", "int")),
+        ((q, k, a(2, 2, 5, 6, dtype=np.float32)), {}, TypeError, ("v", "float64", "float32")),
+        ((q, a(4), v), {}, ValueError, ("k", "at least 2 axes", "(4,)")),
+        ((q, k, a(6)), {}, ValueError, ("v", "at least 2 axes", "(6,)")),
         # the seed is checked even where no dropout draws from it
         ((q, k, v), dict(rng=-1), ValueError, ("rng", "non-negative", "-1")),
         ((q, k, v), dict(rng="seed"), TypeError, ("rng", "str")),
@@ -436,6 +442,8 @@ def test_sdpa_rejects(backend, xp):
     for args, kwargs, exc, fragments in cases:
         with raises(exc, *fragments):
             F.sdpa_forward(*args, **kwargs)
+    with pytest.raises(ValueError, match=r"^q: enable_gqa needs a head axis.*got shape \(3, 4\)"):
+        F.sdpa_forward(a(3, 4), a(5, 4), a(5, 6), enable_gqa=True)
 
 
 def test_a_mask_takes_the_batch_that_only_k_and_v_carry():
