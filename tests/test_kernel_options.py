@@ -508,6 +508,22 @@ def test_segments_mask_builder_equals_the_option():
     np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)
 
 
+def test_a_window_given_as_a_list_is_the_pair():
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
+    np.testing.assert_array_equal(F.sdpa_forward(q, k, v, window=[1, 0])[0],
+                                  F.sdpa_forward(q, k, v, window=(1, 0))[0])
+
+
+def test_slopes_and_sinks_of_another_library_are_named():
+    xps = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
+    for name in ("alibi_slopes", "sinks"):
+        with pytest.raises(TypeError, match=rf"^{name}: expected a \S+ array \(that of q\), got a \S*array_api_strict"):
+            F.sdpa_forward(q, k, v, **{name: xps.ones(2, dtype=xps.float64)})
+
+
 def test_dispatcher_runs_options_on_reference_and_blocked():
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
@@ -557,6 +573,7 @@ def test_half_precision_sinks_and_slopes(impl):
     (dict(softcap=0.0), ValueError, "softcap: expected a finite float > 0"),
     (dict(softcap="1"), TypeError, "softcap: expected None or a float"),
     (dict(softcap=math.inf), ValueError, "softcap: expected a finite float > 0, got inf"),
+    (dict(softcap=True), TypeError, "softcap: expected None or a float > 0, got bool"),
     (dict(window=(True, 0)), TypeError, r"window\[0\] \(left\): expected None or an int >= 0, got bool"),
     (dict(window=(1, 0, 0)), TypeError, r"window: expected None or a pair \(left, right\)"),
     (dict(align=np.array(["top_left", "bottom_right"])), ValueError, "align: expected one of"),
@@ -568,6 +585,8 @@ def test_half_precision_sinks_and_slopes(impl):
     (dict(q_segments=np.zeros((2, 4)), k_segments=np.zeros((2, 5))), TypeError, "q_segments: expected an integer"),
     (dict(q_segments=np.zeros((2, 3), dtype=np.int64), k_segments=np.zeros((2, 5), dtype=np.int64)),
      ValueError, r"q_segments: expected shape \(B, 4\)"),
+    (dict(q_segments=np.zeros((3, 4), dtype=np.int64), k_segments=np.zeros((2, 5), dtype=np.int64)),
+     ValueError, r"q_segments: expected shape \(B, 4\) = \(2, 4\), got \(3, 4\)"),
     (dict(q_segments=[[0] * 4] * 2, k_segments=np.zeros((2, 5), dtype=np.int64)), TypeError,
      r"q_segments: expected a \w+ array, got list"),
 ])
