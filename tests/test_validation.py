@@ -166,6 +166,8 @@ def _other_backends():
     [(a, b) for a in _other_backends() for b in _other_backends() if a != b],
 )
 def test_mixing_backends_is_a_type_error(module_backend, input_backend):
+    from npattn import nn
+
     m = make_mha(module_backend)
     mine = inputs(m.xp, 2, 3, 5, 8)
     theirs = inputs(make_mha(input_backend).xp, 2, 3, 5, 8)
@@ -189,8 +191,7 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
         F.sdpa_forward(*(from_numpy(np.ones((1, 1, 2, 2)), x) for x in (m.xp, m.xp, other)))
     # a functional call names the array the others follow, and speaks of no module
     with pytest.raises(TypeError, match=r"^pos: expected a \S+ array \(that of x\).*one library$"):
-        __import__("npattn").nn.add_positions_forward(from_numpy(np.ones((1, 2, 2)), m.xp),
-                                                     from_numpy(np.ones((2, 2)), other))
+        nn.add_positions_forward(from_numpy(np.ones((1, 2, 2)), m.xp), from_numpy(np.ones((2, 2)), other))
 
 
 def test_mixing_devices_is_a_value_error():
