@@ -16,6 +16,7 @@ import pytest
 import npattn
 from npattn.tools import audit, cli
 from npattn.tools import demo as demo_mod
+from npattn import attention as A
 from npattn import functional as F
 from npattn.backend import namespace
 
@@ -198,6 +199,145 @@ def test_crashing_backward_is_reported_not_raised(monkeypatch, capsys):
     bad = [r for r in res["rows"] if not r["passed"]]
     assert any("no backward today" in (r["error"] or "") for r in bad)
     assert all(r["max_abs_err"] is None for r in bad if r["error"])
+
+
+def _linear_check():
+    return next(c for c in audit.panel() if c.name == "linear, bias")
+
+
+@pytest.mark.parametrize("dtype, off", [("float64", 3e-6), ("float32", 3e-4)])
+def test_a_backward_off_by_three_times_the_tolerance_fails(monkeypatch, dtype, off):
+    """dw off by a factor 1 + 3 rtol fails: float64 central differences are good to about
+    1e-9 relative and float32 round-off through one matmul is about 1e-7, so the tolerance
+    (1e-6 in float64, 1e-4 in float32, docs/check.md) is all the room a backward gets."""
+    xp = namespace(np.zeros(1))
+    rows = {r.tensor: r for r in audit.run_check(_linear_check(), xp, dtype)}
+    assert all(r.passed for r in rows.values()), rows
+
+    def off_dw(dy, cache):
+        dx, dw, db = _ORIG["linear_backward"](dy, cache)
+        return dx, dw * (1.0 + off), db
+
+    monkeypatch.setattr(F, "linear_backward", off_dw)
+    rows = {r.tensor: r for r in audit.run_check(_linear_check(), xp, dtype)}
+    assert not rows["w"].passed and rows["w"].max_rel_err > 2 * off / 3, rows["w"]
+    assert rows["x"].passed and rows["b"].passed
+
+
+def _two_scales(wrong_small=0.0, small_grad=None):
+    """A check of f(x, y) = [x, 1e-3 y]: y's gradient is 1e-3 of x's. ``wrong_small`` is added
+    to y's gradient; ``small_grad`` replaces it (a function of it, or "left out": the backward
+    returns dx alone)."""
+
+    def build(xp, dtype, rng):
+        x = xp.asarray(rng.standard_normal((3, 4)), dtype=dtype)
+        y = xp.asarray(rng.standard_normal((3, 4)), dtype=dtype)
+
+        def forward(x, y):
+            return xp.concat([x, 1e-3 * y], axis=0), None
+
+        def backward(dout, cache):
+            dy = 1e-3 * dout[3:] + wrong_small
+            if small_grad == "left out":
+                return (dout[:3],)
+            return dout[:3], (dy if small_grad is None else small_grad(dy))
+
+        return forward, backward, [x, y], ["x", "y"]
+
+    return audit.Check("two scales", "primitive", build)
+
+
+@pytest.mark.parametrize("dtype, wrong", [("float64", 1e-7), ("float32", 1e-5)])
+def test_the_floor_is_a_hundredth_of_the_configuration_s_largest_gradient(dtype, wrong):
+    """y's gradient is about 1e-3 of the largest one S (about 2 here); an error ``wrong`` in
+    it, 1e-4 (float64) or 1e-2 (float32) of y's own size, is judged against rtol times the
+    floor 1e-2 S (module docstring), 2e-8 or 2e-6, and fails; a floor of S, or float32's
+    atol raised to 1e-3, would have passed it."""
+    xp = namespace(np.zeros(1))
+    rows = {r.tensor: r for r in audit.run_check(_two_scales(), xp, dtype)}
+    assert rows["x"].passed and rows["y"].passed, rows
+    rows = {r.tensor: r for r in audit.run_check(_two_scales(wrong), xp, dtype)}
+    assert rows["x"].passed and not rows["y"].passed, rows
+    assert rows["y"].max_abs_err == pytest.approx(wrong, rel=1e-2)
+
+
+@pytest.mark.parametrize("broken, error", [
+    (lambda dy: dy * np.nan, None),
+    (lambda dy: None, "backward returned None"),
+    ("left out", "backward returned None"),
+    (lambda dy: dy[:1], "gradient shape (1, 4), expected (3, 4)"),
+])
+def test_a_nan_missing_or_misshapen_gradient_fails(broken, error):
+    xp = namespace(np.zeros(1))
+    rows = {r.tensor: r for r in audit.run_check(_two_scales(small_grad=broken), xp, "float64")}
+    assert rows["x"].passed and not rows["y"].passed, rows
+    assert rows["y"].error == error
+    if error is not None:  # the numbers are not said, as for a crash
+        assert np.isnan(rows["y"].max_abs_err)
+
+
+def test_a_backward_right_only_for_a_constant_upstream_gradient_fails(monkeypatch):
+    """dx from each row's mean of dy in place of dy agrees with the true dx when dy is
+    constant along the row (all ones): the audit's dout is random (never all ones)."""
+
+    def mean_dy(dy, cache):
+        dx, dw, db = _ORIG["linear_backward"](dy, cache)
+        mean = np.mean(dy, axis=-1, keepdims=True) * np.ones_like(dy)
+        return _ORIG["linear_backward"](mean, cache)[0], dw, db
+
+    monkeypatch.setattr(F, "linear_backward", mean_dy)
+    xp = namespace(np.zeros(1))
+    rows = {r.tensor: r for r in audit.run_check(_linear_check(), xp, "float64")}
+    assert not rows["x"].passed and rows["w"].passed and rows["b"].passed, rows
+
+
+def test_an_audit_of_no_configuration_is_not_a_pass():
+    result = audit.run_audit("numpy", "float64", checks=[])
+    assert not result.ok and result.to_dict()["ok"] is False
+    assert result.to_dict()["n_checked"] == 0
+
+
+def test_run_check_draws_from_its_seed():
+    xp = namespace(np.zeros(1))
+    errs = [[r.max_abs_err for r in audit.run_check(_linear_check(), xp, "float64", seed=s)]
+            for s in (0, 1)]
+    assert errs[0] != errs[1]
+
+
+def test_each_implementation_s_configuration_runs_on_it_across_blocks(monkeypatch):
+    """A configuration marked [blocked] or [numpy kernel] runs sdpa (the module: its attention)
+    on that implementation, in the backward's forward and the differences', the blocked one in blocks that split both
+    lengths (the blocked steps across block edges are what it audits); the reference
+    configurations on the reference."""
+    seen = []
+    original = A.sdpa_forward
+
+    def recording(q, k, v, **kw):
+        seen.append((kw.get("impl"), kw.get("block_q"), kw.get("block_k"), q.shape[-2],
+                     k.shape[-2]))
+        return original(q, k, v, **kw)
+
+    def one_evaluation(f, inputs, dout, *, eps, wrt):  # the differences' own calls: one here
+        f(*inputs)
+        return [np.zeros(tuple(x.shape)) if i in wrt else None for i, x in enumerate(inputs)]
+
+    monkeypatch.setattr(A, "sdpa_forward", recording)
+    monkeypatch.setattr(audit, "numerical_vjp", one_evaluation)
+    xp = namespace(np.zeros(1))
+    checks = audit.panel("numpy")
+    assert {c.impl for c in checks} == {None, "blocked", "numpy"}
+    for c in checks:
+        if not c.name.startswith(("sdpa", "mha")):
+            continue
+        seen.clear()
+        rows = audit.run_check(c, xp, "float64")
+        assert rows and all(r.error is None for r in rows), rows
+        if c.impl is None and c.kind == "primitive":  # functional's reference, not the dispatcher
+            assert seen == [], c.name
+            continue
+        assert len(seen) > 1 and {s[0] for s in seen} == {c.impl or "reference"}, c.name
+        if c.impl == "blocked":
+            assert all(bq < Lq and bk < Lk for _, bq, bk, Lq, Lk in seen), (c.name, seen[0])
 
 
 def test_check_on_jax_runs_in_x64_and_puts_it_back(monkeypatch, capsys):
