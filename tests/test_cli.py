@@ -195,10 +195,14 @@ def test_crashing_backward_is_reported_not_raised(monkeypatch, capsys):
 
     monkeypatch.setattr(F, "split_heads_backward", boom)
     assert cli.main(["check", "--json", "--no-progress"]) == 1
-    res = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
     bad = [r for r in res["rows"] if not r["passed"]]
     assert any("no backward today" in (r["error"] or "") for r in bad)
     assert all(r["max_abs_err"] is None for r in bad if r["error"])
+    # the verdict fields agree with the rows, and the summary goes to stderr
+    assert res["ok"] is False and res["n_failed"] == len(bad) > 0
+    assert f"{len(bad)} FAILED" in captured.err
 
 
 def _linear_check():
@@ -361,6 +365,47 @@ def test_check_on_jax_runs_in_x64_and_puts_it_back(monkeypatch, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["backend"] == "jax" and res["rows"] and all(r["passed"] for r in res["rows"])
     assert {r["config"] for r in res["rows"]} == {c.name for c in part}
+
+
+def test_no_command_prints_the_help_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: npattn") and "{check,demo,bench,verify}" in out
+
+
+def test_threads_reach_the_blas_while_the_audit_runs(monkeypatch, capsys):
+    """--threads N limits BLAS to N threads while the checks run (the audit is replaced by one
+    that reads the limit), and the library's own setting is back afterwards."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+
+    if not blas_threads():
+        pytest.skip("threadpoolctl finds no BLAS here")
+    before = blas_threads()
+    seen = []
+
+    def reading_audit(backend, dtype, *, progress=None, checks=None):
+        seen.append(blas_threads())
+        return audit.AuditResult(backend, dtype, 1e-6, 1e-12, [audit.Row("c", "x", 0.0, 0.0, True)], 0.0)
+
+    monkeypatch.setattr(audit, "run_audit", reading_audit)
+    assert cli.main(["check", "--threads", "3", "--no-progress"]) == 0
+    assert seen and all(n == 3 for n in seen[0])
+    assert blas_threads() == before
+    assert "1/1 passed" in capsys.readouterr().out
+
+
+def test_the_most_threads_are_taken_and_one_more_is_refused(capsys):
+    """The bound of --threads is in: 4096 (the help's [1, 4096]) parses, 4097 exits 2."""
+    parse = cli.build_parser().parse_args
+    assert parse(["check", "--threads", "4096"]).threads == 4096
+    assert parse(["demo", "--threads", "4096"]).threads == 4096
+    with pytest.raises(SystemExit) as exc:
+        parse(["check", "--threads", "4097"])
+    assert exc.value.code == 2
+    assert "expected a number of threads in [1, 4096], got '4097'" in capsys.readouterr().err
 
 
 def test_unavailable_backend_exits_2(monkeypatch, capsys):
