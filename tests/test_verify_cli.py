@@ -483,3 +483,92 @@ def test_a_module_target_in_the_current_folder_without_it_on_sys_path(tmp_path, 
                      "--no-progress"]) == 0
     assert "passed" in capsys.readouterr().out
     assert sys.path == before  # the folder was on it while the command ran, not after
+
+
+class _Report:
+    """What the command reads of ``npattn.verify``'s report."""
+
+    def __init__(self, ok):
+        self.ok = ok
+
+    def format(self):
+        return "the table"
+
+    def to_json(self):
+        return json.dumps({"ok": self.ok})
+
+
+def _called_verify(monkeypatch, argv, ok=True):
+    """The status of ``npattn verify ARGV`` and the keywords it called ``npattn.verify`` with
+    (a stand-in that runs no case)."""
+    from npattn import verifier
+
+    seen = {}
+
+    def stand_in(fn, **kwargs):
+        seen.update(kwargs, fn=fn)
+        return _Report(ok)
+
+    monkeypatch.setattr(verifier, "verify", stand_in)
+    status = cli.main(["verify", *argv, "--no-progress"])
+    return status, seen
+
+
+def test_every_flag_reaches_verify_and_the_rerun_line(monkeypatch, capsys):
+    """Each flag's value is the keyword verify runs with, and the rerun line of a failing case
+    parses back to the same flags (a flag it drops reruns another case than the one that
+    failed: another seed draws other inputs, another alignment another diagonal)."""
+    argv = [f"{KERNELS}:attention", "--layout", "bshd", "--dtype", "float64", "--supports",
+            "window,causal,dv_ne_dk", "--backend", "torch", "--device", "cpu", "--align",
+            "bottom_right", "--backward", "attention_backward", "--returns-lse", "--mask-grad",
+            "--lse-grad", "--adapter", '{"mask": "attn mask"}', "--seed", "5", "--head-dims",
+            "16,32", "--budget-factor", "3", "--combos", "none"]
+    status, seen = _called_verify(monkeypatch, argv, ok=False)
+    assert status == 1
+    assert capsys.readouterr().out == "the table\n"
+    assert seen["fn"].__name__ == "attention" and seen["backward"].__name__ == "attention_backward"
+    expected = {"layout": "bshd", "dtype": "float64", "supports": ("causal", "dv_ne_dk", "window"),
+                "backend": "torch", "device": "cpu", "align": "bottom_right", "autograd": None,
+                "returns_lse": True, "mask_grad": True, "lse_grad": True,
+                "adapter": {"mask": "attn mask"}, "seed": 5, "head_dims": (16, 32),
+                "budget_factor": 3.0, "combos": False, "cases": None}
+    assert {k: seen[k] for k in expected} == expected
+    rerun = shlex.split(seen["command"].replace("{case}", "window-65x129"))
+    assert rerun[:2] == ["npattn", "verify"]
+    parser = V.build_parser()
+    again, first = vars(parser.parse_args(rerun[2:])), vars(parser.parse_args(argv))
+    assert float(again.pop("budget_factor")) == float(first.pop("budget_factor"))
+    assert again == {**first, "case": ["window-65x129"]}
+
+
+def test_verify_runs_with_the_defaults_the_help_says(monkeypatch, capsys):
+    """Without flags: layout bhsd, dtype float32, no options, numpy, the library's device,
+    alignment top_left, seed 0, budget factor 2, pairs of options, the panel's head widths
+    and every case (the defaults --help gives); exit 0 for a report that passes."""
+    status, seen = _called_verify(monkeypatch, [f"{KERNELS}:attention"])
+    assert status == 0
+    expected = {"layout": "bhsd", "dtype": "float32", "supports": (), "backend": "numpy",
+                "device": None, "align": "top_left", "autograd": None, "backward": None,
+                "returns_lse": False, "mask_grad": None, "lse_grad": False, "adapter": None,
+                "seed": 0, "head_dims": None, "budget_factor": 2.0, "combos": True, "cases": None}
+    assert {k: seen[k] for k in expected} == expected
+    help_text = " ".join(V.build_parser().format_help().split())
+    for said in ("(B, H, L, D; the default)", "(default float32)", "(default numpy)",
+                 "(default top_left", "(default 0)", "(default 2)", "(pairs, the default)"):
+        assert said in help_text, said
+
+
+def test_list_takes_case_and_combos(capsys):
+    """--list with --case lists those cases alone; with --combos none, no case of several
+    options (whose names join the options with '+')."""
+    base = ["verify", f"{KERNELS}:attention", "--supports", "causal,window", "--list"]
+    assert cli.main([*base, "--case", "window-65x129", "--case", "base-1x65"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == ["window-65x129", "base-1x65"]
+    assert cli.main(base) == 0
+    pairs = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert any("+" in name for name in pairs)
+    assert cli.main([*base, "--combos", "none"]) == 0
+    alone = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert alone and not any("+" in name for name in alone)
+    assert set(alone) < set(pairs)
