@@ -308,6 +308,27 @@ def test_run_check_draws_from_its_seed():
     assert errs[0] != errs[1]
 
 
+def test_a_configuration_named_for_fully_masked_rows_has_them():
+    """The guarded case of every masked softmax (a row with nothing to attend gives zeros and
+    zero gradients) is in the panel where its name says so: each configuration that names a
+    fully masked row, or an empty sequence, and takes its mask as an input has a row of the
+    mask that attends nothing (all False, or all -inf)."""
+    xp = namespace(np.zeros(1))
+    named = 0
+    for c in audit.panel("numpy"):
+        if not ("fully masked row" in c.name or "empty sequence" in c.name):
+            continue
+        args = (xp, xp.float64, np.random.default_rng(0))
+        fwd, bwd, inputs, names = c.build(*args) if c.impl is None else c.build(*args, impl=c.impl)
+        if "mask" not in names:  # the module's and the sink's masks are not inputs
+            continue
+        mask = np.asarray(inputs[names.index("mask")])
+        nothing = ~mask if mask.dtype == bool else np.isneginf(mask)
+        assert np.all(nothing, axis=-1).any(), c.name
+        named += 1
+    assert named >= 5
+
+
 def test_each_implementation_s_configuration_runs_on_it_across_blocks(monkeypatch):
     """A configuration marked [blocked] or [numpy kernel] runs sdpa (the module: its attention)
     on that implementation, in the backward's forward and the differences', the blocked one in blocks that split both
