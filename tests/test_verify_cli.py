@@ -158,6 +158,10 @@ def test_the_json_config_names_callables_as_the_user_gave_them(tmp_path, monkeyp
     ([f"{KERNELS}:attention", "--adapter", '["mask"]'],
      "--adapter: expected a JSON mapping, got a JSON list: '[\"mask\"]'"),
     ([f"{KERNELS}:attention", "--seed", "-1"], "--seed: expected an int >= 0, got -1"),
+    # --list checks the flags as a run does (a seed or budget factor it took would not run)
+    ([f"{KERNELS}:attention", "--seed", "-1", "--list"], "--seed: expected an int >= 0, got -1"),
+    ([f"{KERNELS}:attention", "--budget-factor", "0.5", "--list"],
+     "--budget-factor: expected a finite number >= 1, got '0.5'"),
     # output paths are checked before the panel runs (not after it, in a traceback)
     ([f"{KERNELS}:attention", "--json", "/nonexistent-npattn/x.json"], "--json: the directory"),
     ([f"{KERNELS}:attention", "--json", "."], "--json: expected a file path, got the directory"),
@@ -266,6 +270,7 @@ def test_a_jax_device_is_named_by_platform_and_index(tmp_path, capsys):
     (["--head-dims", "x"], "--head-dims", "'x'"),
     # '--budget-factor: ... got 0.0' for 0
     (["--budget-factor", "0"], "--budget-factor", "'0'"),
+    (["--budget-factor", "0.5"], "--budget-factor", "'0.5'"),
     (["--budget-factor", "1e400"], "--budget-factor", "'1e400'"),
     (["--budget-factor", "x"], "--budget-factor", "'x'"),
     (["--device", "cuda"], "--device", "'cuda'"),
