@@ -295,6 +295,22 @@ def test_a_backward_right_only_for_a_constant_upstream_gradient_fails(monkeypatc
     assert not rows["x"].passed and rows["w"].passed and rows["b"].passed, rows
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_audit_runs_the_backward_in_its_dtype(monkeypatch, dtype):
+    """--dtype float32 audits the backward computed in float32 (the differences alone are
+    float64): the backward receives dout and its cache in the audited dtype."""
+    seen = []
+
+    def recording(dy, cache):
+        seen.append((dy.dtype, cache.x.dtype, cache.w.dtype))
+        return _ORIG["linear_backward"](dy, cache)
+
+    monkeypatch.setattr(F, "linear_backward", recording)
+    result = audit.run_audit("numpy", dtype, checks=[_linear_check()])
+    assert result.ok and result.dtype == dtype
+    assert seen == [(np.dtype(dtype),) * 3]
+
+
 def test_an_audit_of_no_configuration_is_not_a_pass():
     result = audit.run_audit("numpy", "float64", checks=[])
     assert not result.ok and result.to_dict()["ok"] is False
