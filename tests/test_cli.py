@@ -312,9 +312,16 @@ def test_the_audit_runs_the_backward_in_its_dtype(monkeypatch, dtype):
 
 
 def test_an_audit_of_no_configuration_is_not_a_pass():
+    """An audit that checked nothing is not ok, and its table says so (format_table raised a
+    TypeError on no rows, and the summary said all gradients match)."""
     result = audit.run_audit("numpy", "float64", checks=[])
     assert not result.ok and result.to_dict()["ok"] is False
     assert result.to_dict()["n_checked"] == 0
+    table = audit.format_table(result)
+    assert table.splitlines()[0].split() == ["configuration", "tensor", "max", "abs", "err",
+                                             "max", "rel", "err", "result"]
+    assert table.endswith(": nothing was checked") and "match" not in table
+    assert "0/0 passed over 0 configurations" in audit.summary_line(result)
 
 
 def test_run_check_draws_from_its_seed():

@@ -648,8 +648,8 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
 
 def format_table(result: AuditResult) -> str:
     """The audit as a text table, one row per (configuration, tensor), and a summary line."""
-    cw = max(len("configuration"), *(len(r.config) for r in result.rows))
-    tw = max(len("tensor"), *(len(r.tensor) for r in result.rows))
+    cw = max([len("configuration"), *(len(r.config) for r in result.rows)])
+    tw = max([len("tensor"), *(len(r.tensor) for r in result.rows)])
     head = f"{'configuration':<{cw}}  {'tensor':<{tw}}  {'max abs err':>11}  {'max rel err':>11}  result"
     lines = [head, "-" * len(head)]
     for r in result.rows:
@@ -666,7 +666,8 @@ def format_table(result: AuditResult) -> str:
 def summary_line(result: AuditResult) -> str:
     n, bad = len(result.rows), result.n_failed
     n_cfg = len({r.config for r in result.rows})
-    verdict = "all gradients match finite differences" if bad == 0 else f"{bad} FAILED"
+    verdict = (f"{bad} FAILED" if bad else "all gradients match finite differences" if n
+               else "nothing was checked")  # not ok: see AuditResult.ok
     return (
         f"{n - bad}/{n} passed over {n_cfg} configurations ({result.backend}, {result.dtype}, "
         f"rtol={result.rtol:g}, atol={result.atol:g}) in {result.seconds:.1f}s: {verdict}"
