@@ -354,9 +354,9 @@ def test_a_configuration_named_for_fully_masked_rows_has_them():
 
 def test_each_implementation_s_configuration_runs_on_it_across_blocks(monkeypatch):
     """A configuration marked [blocked] or [numpy kernel] runs sdpa (the module: its attention)
-    on that implementation, in the backward's forward and the differences', the blocked one in blocks that split both
-    lengths (the blocked steps across block edges are what it audits); the reference
-    configurations on the reference."""
+    on that implementation, in the forward and in the differences, the blocked one in blocks
+    that split both lengths (the blocked steps across block edges are what it audits); the
+    reference configurations on the reference."""
     seen = []
     original = A.sdpa_forward
 
@@ -423,7 +423,8 @@ def test_threads_reach_the_blas_while_the_audit_runs(monkeypatch, capsys):
     threadpoolctl = pytest.importorskip("threadpoolctl")
 
     def blas_threads():
-        return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+        return [p["num_threads"] for p in threadpoolctl.threadpool_info()
+                if p["user_api"] == "blas"]
 
     if not blas_threads():
         pytest.skip("threadpoolctl finds no BLAS here")
@@ -432,7 +433,8 @@ def test_threads_reach_the_blas_while_the_audit_runs(monkeypatch, capsys):
 
     def reading_audit(backend, dtype, *, progress=None, checks=None):
         seen.append(blas_threads())
-        return audit.AuditResult(backend, dtype, 1e-6, 1e-12, [audit.Row("c", "x", 0.0, 0.0, True)], 0.0)
+        rows = [audit.Row("c", "x", 0.0, 0.0, True)]
+        return audit.AuditResult(backend, dtype, 1e-6, 1e-12, rows, 0.0)
 
     monkeypatch.setattr(audit, "run_audit", reading_audit)
     assert cli.main(["check", "--threads", "3", "--no-progress"]) == 0
