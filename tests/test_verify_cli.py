@@ -577,3 +577,13 @@ def test_list_takes_case_and_combos(capsys):
     alone = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert alone and not any("+" in name for name in alone)
     assert set(alone) < set(pairs)
+
+
+def test_the_widest_head_the_help_gives_is_taken(capsys):
+    """--head-dims takes ints from 1 to 16384 (docs/verify.md): both ends are in, 16385 out."""
+    base = ["verify", f"{KERNELS}:attention", "--combos", "none", "--list"]
+    assert cli.main([*base, "--head-dims", "1,16384"]) == 0
+    widths = {int(line.split("Dh=")[1].split()[0]) for line in capsys.readouterr().out.splitlines()}
+    assert widths == {1, 16384}
+    assert cli.main([*base, "--head-dims", "16385"]) == 2
+    assert "--head-dims: expected ints from 1 to 16384, got '16385'" in capsys.readouterr().err
