@@ -207,3 +207,30 @@ def test_a_model_on_dask_samples_from_its_numpy_copy(monkeypatch):
     assert ran_on and set(ran_on) == {"numpy"}, ran_on
     assert text == generate_samples(host, codec, prompts=("ab",), length=9, seed=1)
     assert backend_name(lazy.xp) == "dask"  # the caller's model is left on dask
+
+
+def test_the_longest_context_the_held_out_text_takes_is_accepted(tmp_path, capsys, monkeypatch):
+    """The held-out last tenth of the n-character text holds n // 10 characters: a window of
+    n // 10 - 1 and its shifted targets fit, and --seq-len takes that length (training is
+    replaced by a stand-in that stops the run); one more is refused."""
+    from npattn.tools import cli
+    from npattn.tools import demo_gpt
+
+    class Trained(Exception):
+        pass
+
+    def stand_in(cfg, **kwargs):
+        raise Trained(cfg.block_size)
+
+    monkeypatch.setattr(demo_gpt, "train", stand_in)
+    longest = len(corpus()) // 10 - 1
+    small = ["demo", "--task", "gpt", "--d-model", "8", "--heads", "1", "--layers", "1",
+             "--batch", "1", "--skip-memory-check", "--no-plots", "--no-progress",
+             "--out", str(tmp_path)]
+    with pytest.raises(Trained) as exc:
+        cli.main([*small, "--seq-len", str(longest)])
+    assert exc.value.args == (longest,)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*small, "--seq-len", str(longest + 1)])
+    assert exc.value.code == 2
+    assert f"expected at most {longest}, got {longest + 1}" in capsys.readouterr().err
