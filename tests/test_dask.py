@@ -826,6 +826,39 @@ def test_the_audit_covers_the_chunked_implementation():
                                                 else {"x (q=k=v)", "w_q"})
 
 
+def test_the_audit_s_chunked_configurations_split_every_array_they_take(monkeypatch):
+    """Each [chunked] sdpa configuration hands the chunked implementation q, k, v and its mask
+    in several chunks along the query rows and the keys (a mask's query axis of length 1
+    broadcasts), so that the audit crosses chunk edges in every array (a mask in one chunk
+    would leave its split untested)."""
+    from npattn.tools import audit
+
+    seen = []
+    original = A.sdpa_forward
+
+    def recording(q, k, v, mask=None, **kw):
+        seen.append((q, k, v, mask))
+        return original(q, k, v, mask=mask, **kw)
+
+    monkeypatch.setattr(A, "sdpa_forward", recording)
+    xp = resolve_backend("dask")
+    masked = 0
+    for check in audit.panel("dask"):
+        if check.impl != "chunked" or not check.name.startswith("sdpa"):
+            continue
+        seen.clear()
+        fwd, bwd, inputs, names = check.build(xp, xp.float64, np.random.default_rng(0),
+                                              impl=check.impl)
+        fwd(*inputs)
+        ((q, k, v, mask),) = seen
+        assert q.numblocks[-2] > 1 and k.numblocks[-2] > 1 and v.numblocks[-2] > 1, check.name
+        if mask is not None:
+            assert mask.numblocks[-1] > 1, (check.name, mask.chunks)
+            assert mask.shape[-2] == 1 or mask.numblocks[-2] > 1, (check.name, mask.chunks)
+            masked += 1
+    assert masked >= 2
+
+
 def test_empty_chunks_and_a_bad_dout():
     """dask allows chunks of length 0: they are left out of the plan, also when
     ``chunked.sdpa_forward`` is called directly (the blocked loops inside a pair task need
