@@ -612,6 +612,8 @@ def test_demo_checks_out_before_training(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err, err  # one line
         assert err.startswith("npattn demo: --out ") and repr(out) in err, err
+        if out == str(tmp_path / "a_file.png"):  # what is wrong with it, not only that it is
+            assert "expected a folder for the heatmaps, got an existing file" in err, err
     assert (tmp_path / "a_file.png").read_bytes() == b"not a folder"
 
 
