@@ -646,9 +646,15 @@ def test_bench_passes_the_remaining_arguments(monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_threads_option_limits_and_restores_torch_threads():
+@pytest.mark.parametrize("threadpoolctl", ["installed", "missing"])
+def test_threads_option_limits_and_restores_torch_threads(threadpoolctl, monkeypatch):
+    """torch's own pool is put back by blas_threads itself, with threadpoolctl (an optional
+    dependency; leaving its limit put torch's count back too, which hid a missing restore)
+    or without it."""
     import torch
 
+    if threadpoolctl == "missing":
+        monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import -> ImportError
     before = torch.get_num_threads()
     target = 1 if before != 1 else 2
     with cli.blas_threads(target, "torch"):
