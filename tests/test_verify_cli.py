@@ -587,3 +587,29 @@ def test_the_widest_head_the_help_gives_is_taken(capsys):
     assert widths == {1, 16384}
     assert cli.main([*base, "--head-dims", "16385"]) == 2
     assert "--head-dims: expected ints from 1 to 16384, got '16385'" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_any_case(monkeypatch, capsys):
+    """--plot where matplotlib is missing: exit 2 naming --plot before the panel runs (not a
+    traceback from the picture after every case has run)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    status, seen = _called_verify(monkeypatch, [f"{KERNELS}:attention", "--plot", "x.png"])
+    assert status == 2 and seen == {}
+    assert capsys.readouterr().err == ("npattn verify: --plot needs matplotlib: pip install "
+                                       "'.[plot]' from the repository root\n")
+
+
+def test_a_target_whose_import_failed_is_imported_again_next_time(tmp_path, capsys):
+    """A file whose import fails is not kept: fixed, the next run in the same process imports
+    it anew (not the half-made module of the failed import)."""
+    kernel = tmp_path / "fixed_later.py"
+    kernel.write_text("raise RuntimeError('not yet')\n")
+    argv = ["verify", f"{kernel}:attn", "--case", "base-1x65", "--dtype", "float64",
+            "--no-progress"]
+    assert cli.main(argv) == 2
+    assert "RuntimeError: not yet" in capsys.readouterr().err
+    kernel.write_text("from npattn import functional as F\n"
+                      "def attn(q, k, v, **kw):\n"
+                      "    return F.sdpa_forward(q, k, v, **kw)[0]\n")
+    assert cli.main(argv) == 0
+    assert "1/1 cases pass" in capsys.readouterr().out
