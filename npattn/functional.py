@@ -864,7 +864,8 @@ def gqa_groups(q: Any, k: Any, v: Any, enable_gqa: bool) -> int:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.ndim < 3:
             raise ValueError(
-                f"{name}: enable_gqa needs a head axis, shape (..., H, L, Dh); got shape {tuple(t.shape)}"
+                f"{name}: expected shape (..., H, L, Dh), with a head axis for enable_gqa, "
+                f"got shape {tuple(t.shape)}"
             )
     Hq, Hkv = q.shape[-3], k.shape[-3]
     if v.shape[-3] != Hkv:

@@ -520,7 +520,8 @@ def test_slopes_and_sinks_of_another_library_are_named():
     rng = np.random.default_rng(13)
     q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
     for name in ("alibi_slopes", "sinks"):
-        with pytest.raises(TypeError, match=rf"^{name}: expected a \S+ array \(that of q\), got a \S*array_api_strict"):
+        with pytest.raises(TypeError,
+                           match=rf"^{name}: expected a \S+ array \(that of q\), got a \S*array_api_strict"):
             F.sdpa_forward(q, k, v, **{name: xps.ones(2, dtype=xps.float64)})
 
 

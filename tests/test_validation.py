@@ -187,7 +187,8 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
     out, _ = m(*mine)
     with raises(TypeError, "dout", module_backend, input_backend):
         m.backward(from_numpy(to_numpy(out), other))
-    with raises(TypeError, "v", module_backend, input_backend, "that of q", "pass every array from one library"):
+    with raises(TypeError, "v", module_backend, input_backend, "that of q",
+                "pass every array from one library"):
         F.sdpa_forward(*(from_numpy(np.ones((1, 1, 2, 2)), x) for x in (m.xp, m.xp, other)))
     # a functional call names the array the others follow, and speaks of no module
     with pytest.raises(TypeError, match=r"^pos: expected a \S+ array \(that of x\).*one library$"):
@@ -443,7 +444,8 @@ def test_sdpa_rejects(backend, xp):
     for args, kwargs, exc, fragments in cases:
         with raises(exc, *fragments):
             F.sdpa_forward(*args, **kwargs)
-    with pytest.raises(ValueError, match=r"^q: enable_gqa needs a head axis.*got shape \(3, 4\)"):
+    with pytest.raises(ValueError, match=r"^q: expected shape \(\.\.\., H, L, Dh\), with a head axis "
+                                         r"for enable_gqa, got shape \(3, 4\)$"):
         F.sdpa_forward(a(3, 4), a(5, 4), a(5, 6), enable_gqa=True)
 
 
@@ -568,7 +570,8 @@ def _sdpa(**replace):
          ("mask", "MaskedArray")),
         (_sdpa(q=np.ma.array(np.ones((2, 2, 3, 4)), mask=np.zeros((2, 2, 3, 4), bool))), TypeError,
          ("q", "MaskedArray")),
-        (lambda: _sdpa(q=np.matrix(np.ones((3, 4))))(), TypeError, ("q", "plain numpy.ndarray", "numpy.matrix", "np.asarray")),
+        (lambda: _sdpa(q=np.matrix(np.ones((3, 4))))(), TypeError,
+         ("q", "plain numpy.ndarray", "numpy.matrix", "np.asarray")),
         (_module_call(lambda q, k, v: dict(mask=np.matrix(np.ones((3, 5), bool)))), TypeError,
          ("mask", "plain numpy.ndarray", "numpy.matrix")),
         (_sdpa(q=np.ones((2, 2, 3, 0)), k=np.ones((2, 2, 5, 0))), ValueError, ("q", "Dh", "(2, 2, 3, 0)")),
@@ -579,8 +582,8 @@ def _sdpa(**replace):
         (_sdpa(enable_gqa=None), TypeError, ("enable_gqa", "bool")),
     ],
     ids=["big-endian query", "big-endian mask", "big-endian param", "big-endian k",
-         "masked query", "masked mask", "masked q", "matrix q", "matrix mask", "Dh=0", "Lq=0", "Lk=0", "scale=2**1100",
-         "dropout_p=2**1100", "enable_gqa=None"],
+         "masked query", "masked mask", "masked q", "matrix q", "matrix mask", "Dh=0", "Lq=0", "Lk=0",
+         "scale=2**1100", "dropout_p=2**1100", "enable_gqa=None"],
 )
 @pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_numpy_special_arrays_and_empty_axes_are_rejected(call, exc, fragments):
@@ -964,7 +967,6 @@ def test_a_device_the_backend_lacks_is_named(backend, xp, device):
                                              rf"got '{device}'"):
             build(device)
         assert getattr(build(here), "device", None) == here, name
-
 
 
 # --------------------------------------------------------------------------
