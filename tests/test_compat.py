@@ -763,7 +763,8 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
         C.scaled_dot_product_attention(q, k, v, m[..., :5])
     with pytest.raises(TypeError, match=r"^query: expected an array"):
         C.scaled_dot_product_attention(None, k, v)
-    with pytest.raises(TypeError, match=r"^query: expected an array, got numpy.matrix"):  # ("x:")
+    with pytest.raises(TypeError, match=r"^query: expected a plain numpy.ndarray, got numpy.matrix; "
+                                        r"use np.asarray"):  # torch's name, not q
         C.scaled_dot_product_attention(np.asmatrix(q[0, 0]), k[0, 0], v[0, 0], m[0, 0])
     # torch's names, not npattn's q, k, v (the dispatcher's checks named them so)
     with pytest.raises(TypeError, match=r"^query: expected a real floating dtype, got int64"):
