@@ -829,3 +829,27 @@ def test_module_self_attention_fused_projection(impl, backend, xp, to_xp, to_np)
         assert_close(a, b, np.asarray, "dinput")
     for name, g in m.grads.items():
         assert_close(g_fused[name], to_np(g), np.asarray, name)
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+def test_dropout_without_a_generator_still_drops(impl):
+    """``dropout_p > 0`` with ``rng=None`` draws a mask from fresh entropy: some entries are
+    dropped, and out and dv are those of that mask, by the formula written out here:
+    ``a = where(keep, p / (1 - p_drop), 0)``, ``out = a v``, ``dv = a^T dout``."""
+    gen = np.random.default_rng(11)
+    q = gen.standard_normal((2, 2, 5, 3))  # [B, H, Lq, Dh]
+    k = gen.standard_normal((2, 2, 6, 3))  # [B, H, Lk, Dh]
+    v = gen.standard_normal((2, 2, 6, 4))  # [B, H, Lk, Dv]
+    dout = gen.standard_normal((2, 2, 5, 4))  # [B, H, Lq, Dv]
+    extra = dict(block_q=2, block_k=4) if impl == "blocked" else {}
+    out, cache = A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.5, rng=None, **extra)
+    keep = A.dropout_keep_mask(cache)  # [B, H, Lq, Lk]
+    # 120 entries at p = 0.5: all kept (or all dropped) has probability 2**-120
+    assert keep is not None and keep.any() and not keep.all()
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(3)  # [B, H, Lq, Lk]
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    a = np.where(keep, p / 0.5, 0.0)  # [B, H, Lq, Lk]
+    np.testing.assert_allclose(out, a @ v, rtol=1e-12, atol=1e-12)
+    dv = A.sdpa_backward(dout, cache).dv
+    np.testing.assert_allclose(dv, np.swapaxes(a, -1, -2) @ dout, rtol=1e-12, atol=1e-12)
