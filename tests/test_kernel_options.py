@@ -306,6 +306,28 @@ def test_numpy_kernel_window_matches_oracle_and_reference(name, Lq, Lk, dropout)
             np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("L,window,tile_elems", [
+    (18, (3, 0), 1),  # blocks of 16 rows: the last, rows 16:18, cuts one key (13) for row 17
+    (20, (18, 0), None),  # one block of 20 rows, where row 19 alone must not see key 0
+])
+def test_numpy_kernel_window_that_cuts_one_key_of_a_block(L, window, tile_elems, monkeypatch):
+    """A block whose rows differ by one key on the window's left edge: the kernel must still
+    leave that key out of the later row (out and lse from their definitions, gradients
+    against the reference)."""
+    if tile_elems is not None:
+        monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", tile_elems)
+    rng = np.random.default_rng(21)
+    q, k = rng.standard_normal((1, 2, L, 3)), rng.standard_normal((1, 2, L, 3))
+    v, dout = rng.standard_normal((1, 2, L, 2)), rng.standard_normal((1, 2, L, 2))
+    out, c = A.sdpa_forward(q, k, v, impl="numpy", window=window)
+    want, want_lse = oracle(q, k, v, window=window)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(c.lse, want_lse, rtol=1e-12, atol=1e-12)
+    ref_out, ref_c = A.sdpa_forward(q, k, v, impl="reference", window=window)
+    for g, g_ref in zip(A.sdpa_backward(dout, c)[:3], A.sdpa_backward(dout, ref_c)[:3]):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
 def test_numpy_kernel_window_with_a_float_mask_and_empty_rows():
     """Bottom-right window with Lq > Lk: the first rows see no key (their tiles are
     skipped); a floating mask's gradient is summed in the tiles the window leaves."""
