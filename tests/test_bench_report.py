@@ -1,0 +1,228 @@
+"""What ``npattn bench`` reports, computed from known sample times (no timing assertions).
+
+The steps are stand-ins that advance a fake clock by set amounts, so every number of a
+row (median, fastest sample, ms per step, GFLOP/s, %GEMM, ratio) has a value worked out
+here by hand: from the listed sample times and a hand count of the shape's FLOPs.
+"""
+
+import io
+import types
+
+import numpy as np
+import pytest
+
+from npattn.tools import bench
+
+
+class Clock:
+    """``time.perf_counter`` stand-in: it moves only when a fake step advances it."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.sleeps = []
+
+    def perf_counter(self):
+        return self.t
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+
+
+def stepper(clock, per_sample, number, skip=0):
+    """A step whose calls in timed sample i each take ``per_sample[i]`` seconds: the first
+    ``skip`` calls (warm-up) take 1 s, then samples of ``number`` calls follow."""
+    calls = [0]
+
+    def step():
+        c = calls[0] - skip
+        clock.t += 1.0 if c < 0 else per_sample[min(c // number, len(per_sample) - 1)]
+        calls[0] += 1
+
+    step.calls = calls
+    return step
+
+
+# six samples each (an even count: the median is the mean of the middle two)
+NPATTN_S = [0.005, 0.003, 0.009, 0.004, 0.007, 0.006]  # sorted 3 4 5 6 7 9 ms: median 5.5, min 3
+TORCH_S = [0.002, 0.004, 0.003, 0.008, 0.0025, 0.005]  # sorted 2 2.5 3 4 5 8 ms: median 3.5, min 2
+GEMM_S = [0.5, 0.25, 1.0, 2.0, 0.4, 0.1]  # sorted .1 .25 .4 .5 1 2: median 0.45 s
+GEMM_FLOPS = 6e9  # so the GEMM runs at 6 / 0.45 GFLOP/s
+# 2x3x4x2 causal: 4 projections of (6, 4) x (4, 4), each 2*6*4*4 = 192 FLOPs forward and twice
+# that backward: 3 * 4 * 192 = 2304; attention: q k^T and a v forward, dv, da, dq, dk backward,
+# each 2*B*L*L*D = 2*2*3*3*4 = 144, halved when causal: 6 * 72 = 432
+SHAPE = bench.Shape(2, 3, 4, 2, True)
+SHAPE_FLOPS = 2304 + 432
+
+
+def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory=False, pause=0.0):
+    """``bench.run`` over SHAPE with stand-in steps: npattn 3 calls per sample, torch 2, GEMM 4."""
+    clock = Clock()
+    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep)
+    monkeypatch.setattr(bench, "time", fake_time)
+    events = []
+    npattn = stepper(clock, NPATTN_S, 3, skip=warmup)
+    torch = stepper(clock, TORCH_S, 2, skip=warmup)
+    gemm = stepper(clock, GEMM_S, 4)
+    numbers = {npattn: 3, torch: 2, gemm: 4}
+    monkeypatch.setattr(bench, "autorange", lambda fn, sync, min_time=0.2: numbers[fn])
+    module = types.SimpleNamespace(clear_cache=lambda: events.append("clear"))
+    monkeypatch.setattr(bench, "_make_npattn", lambda *a, **k: (module, None, None, npattn))
+
+    def make_torch(*a):
+        if torch_error:
+            raise torch_error
+        return torch, None
+
+    monkeypatch.setattr(bench, "_make_torch", make_torch)
+    monkeypatch.setattr(bench, "_gemm_step", lambda xp, dtype, n: (gemm, GEMM_FLOPS))
+    monkeypatch.setattr(bench, "gemm_gflops", lambda *a, **k: 100.0)
+    monkeypatch.setattr(bench, "_peak_traced_mib", lambda step, sync: events.append("peak") or 7.25)
+    monkeypatch.setattr(bench, "_rss_rise_mib", lambda step, sync: events.append("rss") or 1.5)
+    out = io.StringIO()
+    result = bench.run([SHAPE], repeat=6, warmup=warmup, gemm_n=8, torch_compare=torch_side,
+                       memory=memory, pause=pause, min_sample=0.0, out=out, progress=False)
+    return result, out.getvalue(), events, clock, (npattn, torch)
+
+
+def test_a_row_reports_medians_minimums_rates_and_ratios_of_its_samples(monkeypatch):
+    result, text, events, clock, _ = fake_run(monkeypatch)
+    (row,) = result["rows"]
+    assert row["ms_all"] == pytest.approx([5, 3, 9, 4, 7, 6])  # ms per step, each sample
+    assert row["ms"] == pytest.approx(5.5) and row["ms_min"] == pytest.approx(3.0)
+    assert row["torch_ms_all"] == pytest.approx([2, 4, 3, 8, 2.5, 5])
+    assert row["torch_ms"] == pytest.approx(3.5) and row["torch_ms_min"] == pytest.approx(2.0)
+    assert row["ratio"] == pytest.approx(5.5 / 3.5) and row["ratio_min"] == pytest.approx(3 / 2)
+    assert (row["number"], row["torch_number"], row["gemm_number"]) == (3, 2, 4)
+    rate = SHAPE_FLOPS / 5.5e-3 / 1e9
+    assert row["gflops"] == pytest.approx(rate)
+    assert row["gemm_gflops"] == pytest.approx(6 / 0.45)  # this shape's rounds, not the start's 100
+    assert row["pct_gemm"] == pytest.approx(100 * rate / (6 / 0.45))
+    assert result["gemm_gflops"] == 100.0
+    assert row["torch_note"] is None and row["notes"] == [] and row["peak_mib"] is None
+    assert clock.sleeps == []  # pause 0: no rest
+    cells = text.splitlines()[-1].split()
+    assert cells[:3] == ["2x3x4x2c", "5.50", "3"] and cells[-3:] == ["3.50", "1.57", "1.50"]
+
+
+def test_warm_up_pause_and_memory_runs(monkeypatch):
+    """The warm-up calls come before the first sample, each sample rests ``pause`` first, and
+    the memory readings run after a cleared cache each and land in their own columns."""
+    result, _, events, clock, (npattn, torch) = fake_run(monkeypatch, warmup=2, memory=True,
+                                                         pause=0.25)
+    (row,) = result["rows"]
+    assert row["ms"] == pytest.approx(5.5) and row["torch_ms"] == pytest.approx(3.5)
+    assert npattn.calls[0] == 2 + 6 * 3 and torch.calls[0] == 2 + 6 * 2
+    assert clock.sleeps == [0.25] * (3 * 6)  # npattn, torch and the GEMM, six rounds
+    assert events == ["clear", "peak", "clear", "rss"]
+    assert row["peak_mib"] == 7.25 and row["rss_mib"] == 1.5
+
+
+def test_rows_without_torch_say_why_only_when_it_was_asked_for(monkeypatch):
+    result, text, *_ = fake_run(monkeypatch, torch_side=False)
+    (row,) = result["rows"]
+    assert row["ms"] == pytest.approx(5.5)
+    assert row["torch_ms"] is row["ratio"] is row["ratio_min"] is row["torch_number"] is None
+    assert row["torch_note"] is None and row["notes"] == [] and "torch:" not in text
+    result, text, *_ = fake_run(monkeypatch, torch_error=RuntimeError("no kernel"))
+    (row,) = result["rows"]
+    assert row["ratio"] is None and row["torch_note"] == "RuntimeError: no kernel"
+    assert "(torch: RuntimeError: no kernel)" in text
+
+
+def test_the_gemm_rate_is_2n3_over_the_median_of_at_least_three_samples(monkeypatch):
+    ticks = iter([0.0, 1.0, 10.0, 12.0, 20.0, 24.0, 30.0, 38.0])  # samples of 1, 2, 4, 8 s
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    # repeat 1 still takes three samples (1, 2, 4 s): 2 * 4**3 FLOPs in the median, 2 s
+    assert bench.gemm_gflops(np, "float32", 4, 1, lambda: None) == pytest.approx(128 / 2 / 1e9)
+
+
+def test_the_isolated_child_reports_its_samples_rate_and_rss(monkeypatch):
+    clock = Clock()
+    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep)
+    monkeypatch.setattr(bench, "time", fake_time)
+    shape = bench.Shape(2, 3, 4, 2, True)
+    for scope in ("module", "attention"):
+        step = stepper(clock, [0.004, 0.001, 0.003, 0.005, 0.002], 1, skip=2)
+        if scope == "module":
+            monkeypatch.setattr(bench, "_make_npattn", lambda *a: (types.SimpleNamespace(xp=np),
+                                                                   None, None, step))
+        else:
+            monkeypatch.setattr(bench, "_make_core", lambda *a: (np, step))
+        # the peak RSS grows 10 MiB per step: read before the warm-up, and after the samples
+        monkeypatch.setattr(bench, "_peak_rss_mib", lambda: 100.0 + 10 * step.calls[0])
+        monkeypatch.setattr(bench, "gemm_gflops", lambda *a: 50.0)
+        r = bench.measure_here(shape, repeat=5, warmup=2, gemm_n=8, scope=scope)
+        assert r["ms_all"] == pytest.approx([4, 1, 3, 5, 2])
+        assert r["ms"] == pytest.approx(3.0) and r["ms_min"] == pytest.approx(1.0)
+        # the core alone: only the attention's 432 FLOPs of SHAPE_FLOPS
+        rate = (SHAPE_FLOPS if scope == "module" else 432) / 3e-3 / 1e9
+        assert r["gflops"] == pytest.approx(rate)
+        assert r["gemm_gflops"] == 50.0 and r["pct_gemm"] == pytest.approx(100 * rate / 50)
+        assert r["rss_before_mib"] == 100.0 and r["peak_rss_mib"] == 100.0 + 10 * 7
+
+
+def _isolated_row(**values):
+    r = {"shape": "1x8x8x2", "impl": "blocked", "block_q": 16, "block_k": 32, "ms": 12.3,
+         "ms_min": 9.0, "gflops": 4.5, "gemm_gflops": 60.0, "pct_gemm": 7.5, "rss_before_mib": 111.0,
+         "peak_rss_mib": 999.0, "loadavg": [0.5, 0.25, 0.125], "repeat": 5, "warmup": 2,
+         "blas_threads": None}
+    r.update(values)
+    return r
+
+
+def test_the_isolated_tables_put_each_number_under_its_header():
+    r = _isolated_row()
+    widths = bench.isolated_widths([(bench.Shape(1, 8, 8, 2, False), "blocked")], 16, 32)
+    header = bench.format_isolated_header(widths).replace("RSS before", "RSS_before")
+    header = header.replace("peak RSS", "peak_RSS").split()
+    cells = dict(zip(header, bench.format_isolated_row(r, widths).split()))
+    assert cells == {"shape": "1x8x8x2", "impl": "blocked", "blocks": "16,32", "ms": "12.30",
+                     "GFLOP/s": "4.5", "GEMM": "60.0", "%GEMM": "7.5", "RSS_before": "111.0",
+                     "peak_RSS": "999.0", "load": "0.5"}
+    env = {"cpu": "x", "cpu_count": 2, "memory_gib": 4.0, "threadpools": "none", "numpy": "2",
+           "python": "3", "backend": "numpy"}
+    lines = bench.markdown_table({"env": env, "dtype": "float32", "rows": [r]}).splitlines()
+    head = [c.strip() for c in lines[-3].strip("|").split("|")]
+    cells = dict(zip(head, (c.strip() for c in lines[-1].strip("|").split("|"))))
+    assert cells == {"shape": "1x8x8x2", "impl": "blocked", "blocks (q, k)": "16, 32",
+                     "BLAS threads": "default", "runs": "5 (+2 warm-up)", "ms (median)": "12",
+                     "GFLOP/s": "4.5", "GEMM GFLOP/s": "60", "peak RSS MiB": "999",
+                     "RSS before fwd MiB": "111", "load (1 min)": "0.5"}
+
+
+def test_peak_rss_readings_in_mib(monkeypatch):
+    import resource
+    import sys
+
+    monkeypatch.setattr(bench, "_hwm_kib", lambda: 3072)
+    assert bench._peak_rss_mib() == 3.0
+    monkeypatch.setattr(bench, "_hwm_kib", lambda: None)  # no VmHWM: ru_maxrss
+    monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=4096))
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert bench._peak_rss_mib() == 4.0  # KiB on Linux
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert bench._peak_rss_mib() == 4096 / 2**20  # bytes on macOS
+
+
+def test_the_rss_rise_resets_the_high_water_mark_and_reads_it_in_mib(monkeypatch):
+    written = []
+
+    class File(io.StringIO):
+        def __exit__(self, *exc):
+            written.append(self.getvalue())
+
+    def fake_open(path, mode="r"):
+        assert path == "/proc/self/clear_refs" and mode == "w"
+        return File()
+
+    monkeypatch.setattr(bench, "open", fake_open, raising=False)
+    readings = iter([1000, 3048])  # KiB, before and after the step
+    monkeypatch.setattr(bench, "_hwm_kib", lambda: next(readings))
+    assert bench._rss_rise_mib(lambda: None, lambda: None) == 2.0
+    assert written == ["5"]  # 5 resets VmHWM (Documentation/filesystems/proc.rst)
+
+    def refused(path, mode="r"):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(bench, "open", refused, raising=False)
+    assert bench._rss_rise_mib(lambda: None, lambda: None) is None
