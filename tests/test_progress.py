@@ -128,3 +128,18 @@ def test_a_total_of_zero_or_a_numpy_int_is_a_count():
         with ProgressBar(total, "demo", stream=term) as bar:
             bar.update(drawn)
         assert f"{drawn}/{drawn}" in screen(term.getvalue())[-2]
+
+
+def test_a_terminal_that_reports_one_size_but_not_the_other_gets_the_fallback(monkeypatch):
+    """A terminal of 100 columns and 0 rows gets 24 rows (tqdm hides a bar below the last
+    row); one of 0 x 0 gets 80 x 24; a fully sized one follows its width."""
+    from npattn.tools import progress
+
+    class Tty(FakeTerminal):
+        def fileno(self):
+            return 99
+
+    for size, layout in (((100, 0), {"ncols": 100, "nrows": 24}), ((0, 30), {"ncols": 80, "nrows": 24}),
+                         ((0, 0), {"ncols": 80, "nrows": 24}), ((100, 30), {"dynamic_ncols": True})):
+        monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd, s=size: os.terminal_size(s))
+        assert progress._layout(Tty()) == layout, size
