@@ -226,3 +226,95 @@ def test_the_rss_rise_resets_the_high_water_mark_and_reads_it_in_mib(monkeypatch
 
     monkeypatch.setattr(bench, "open", refused, raising=False)
     assert bench._rss_rise_mib(lambda: None, lambda: None) is None
+
+
+def test_shape_strings_round_trip_through_the_childs_parser():
+    """The isolated child gets its shape as ``str(shape)``: every suffix must parse back."""
+    for shape in (bench.Shape(1, 8, 8, 2, True, 0.25, 4), bench.Shape(3, 5, 6, 3, False, 0.0, 0),
+                  bench.Shape(1, 8, 8, 2, True)):
+        assert bench.parse_shapes(str(shape)) == (shape,)
+
+
+def test_parse_shapes_at_its_limits():
+    (big,) = bench.parse_shapes(f"1x1x{2**31 - 1}x1")  # BLAS's largest 32-bit size is taken
+    assert big.D == 2**31 - 1
+    for bad in ("2x4x4x2d1", "2x4x4x2d0.1.2", "2x4x4x2d."):  # p = 1 drops all; not numbers
+        with pytest.raises(ValueError, match="--shapes: .* the dropout after d must be in"):
+            bench.parse_shapes(bad)
+
+
+def _captured(monkeypatch, name):
+    calls = []
+    monkeypatch.setattr(bench, name, lambda *a, **k: calls.append((a, k)) or {"rows": []})
+    return calls
+
+
+def test_the_command_line_reaches_the_run(monkeypatch):
+    calls = _captured(monkeypatch, "run")
+    assert bench.main(["--shapes", "1x4x4x2"]) == 0
+    (shapes,), kw = calls[-1]
+    assert shapes == (bench.Shape(1, 4, 4, 2, False),)
+    assert {k: kw[k] for k in ("repeat", "warmup", "impl", "gemm_n", "torch_compare", "memory",
+                               "pause", "min_sample", "dtype", "backend")} == {
+        "repeat": 7, "warmup": 2, "impl": "dense", "gemm_n": 2048, "torch_compare": True,
+        "memory": True, "pause": 0.1, "min_sample": 0.2, "dtype": "float32", "backend": "numpy"}
+    assert bench.main(["--shapes", "1x4x4x2c", "--repeat", "5", "--warmup", "0", "--impl", "blocked",
+                       "--gemm", "8", "--no-torch", "--no-memory", "--pause", "0",
+                       "--min-sample", "0.01", "--dtype", "float64", "--no-progress"]) == 0
+    _, kw = calls[-1]
+    assert {k: kw[k] for k in ("repeat", "warmup", "impl", "gemm_n", "torch_compare", "memory",
+                               "pause", "min_sample", "dtype", "progress")} == {
+        "repeat": 5, "warmup": 0, "impl": "blocked", "gemm_n": 8, "torch_compare": False,
+        "memory": False, "pause": 0.0, "min_sample": 0.01, "dtype": "float64", "progress": False}
+
+
+def test_the_isolated_command_line_reaches_its_run(monkeypatch):
+    calls = _captured(monkeypatch, "run_isolated")
+    assert bench.main(["--isolated"]) == 0
+    (plan,), kw = calls[-1]
+    assert list(plan) == list(bench.ISOLATED_PLAN)
+    assert (kw["repeat"], kw["warmup"], kw["gemm_n"]) == (1, 0, 2048)
+    assert kw["block_q"] is None and kw["block_k"] is None
+    assert bench.main(["--isolated", "--shapes", "1x8x8x2", "--impl", "blocked", "--repeat", "3",
+                       "--warmup", "1", "--gemm", "0", "--block-q", "16", "--block-k", "32",
+                       "--scope", "attention"]) == 0
+    (plan,), kw = calls[-1]
+    assert list(plan) == [(bench.Shape(1, 8, 8, 2, False), "blocked")]
+    assert {k: kw[k] for k in ("repeat", "warmup", "gemm_n", "block_q", "block_k", "scope")} == {
+        "repeat": 3, "warmup": 1, "gemm_n": 0, "block_q": 16, "block_k": 32, "scope": "attention"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeat", "4"], "--repeat: expected at least 5, got 4"),
+    (["--isolated", "--repeat", "0"], "--repeat: expected at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup: expected a non-negative integer, got -1"),
+    (["--gemm", "0"], "--gemm: expected a positive size of at most"),
+    (["--isolated", "--gemm", "-1"], "--gemm: expected 0 or a positive size"),
+    (["--blas-threads", "0"], "--blas-threads: expected an integer in [1, 4096], got 0"),
+    (["--isolated", "--block-q", "0"], "--block-q: expected an integer in [1, 2147483647], got 0"),
+])
+def test_counts_just_past_their_limits_are_usage_errors(argv, message, monkeypatch, capsys):
+    _captured(monkeypatch, "run")
+    _captured(monkeypatch, "run_isolated")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_autorange_stops_at_a_sample_of_exactly_the_shortest_time(monkeypatch):
+    """As ``timeit``'s autorange: a sample that lasts exactly ``min_time`` is long enough."""
+    clock = Clock()
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    step = stepper(clock, [0.25], 1)
+    assert bench.autorange(step, lambda: None, 0.5) == 2  # 1 call: 0.25 s, 2 calls: 0.5 s
+    assert bench.autorange(step, lambda: None, 0.25) == 1
+
+
+def test_the_notes_start_just_past_their_thresholds():
+    """%GEMM is warned above 100, not at 100; an RSS rise of 0.05 MiB prints as 0.1 (the
+    ``<0.1`` and its note are for rises that round to 0.0)."""
+    row = {"pct_gemm": 100.0, "rss_mib": 0.05}
+    assert bench.row_notes(row) == []
+    assert bench.format_mib(0.05) == "0.1" and bench.format_mib(0.0499) == "<0.1"
+    assert bench.row_notes({"pct_gemm": 100.01, "rss_mib": 0.0499}) == [bench.GEMM_WARNING,
+                                                                        bench.RSS_NOTE]
