@@ -5,6 +5,7 @@ row (median, fastest sample, ms per step, GFLOP/s, %GEMM, ratio) has a value wor
 here by hand: from the listed sample times and a hand count of the shape's FLOPs.
 """
 
+import inspect
 import io
 import types
 
@@ -299,6 +300,47 @@ def test_counts_just_past_their_limits_are_usage_errors(argv, message, monkeypat
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["2x5x8x2", "2x5x8x2c", "1x6x8x2w2"])
+def test_torch_runs_the_same_attention_as_npattn(text):
+    """The ratio compares like with like: torch's module holds npattn's weights and masks the
+    same keys (causal, or a window of 2 keys back), so in float64 the weight gradients of one
+    step of each agree."""
+    pytest.importorskip("torch")
+    (shape,) = bench.parse_shapes(text)
+    m, x, dout, step = bench._make_npattn(shape, "float64", "numpy", "dense")
+    tstep, why_not = bench._make_torch(shape, "float64", m, x, dout)
+    assert why_not is None
+    step()
+    tstep()
+    mha = inspect.getclosurevars(tstep).nonlocals["mha"]
+    D = shape.D
+    w_in = mha.in_proj_weight.grad.detach().numpy()
+    for name, got in (("w_q", w_in[:D]), ("w_k", w_in[D:2 * D]), ("w_v", w_in[2 * D:]),
+                      ("w_o", mha.out_proj.weight.grad.detach().numpy())):
+        np.testing.assert_allclose(got, np.asarray(m.grads[name]), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+
+
+def test_the_dropout_rows_drop_on_both_sides(monkeypatch):
+    """A dropout row times steps that drop: npattn's module and torch's in training mode with
+    the row's p, and the attention core called with it and a seed."""
+    pytest.importorskip("torch")
+    (shape,) = bench.parse_shapes("1x6x8x2d0.5")
+    m, x, dout, step = bench._make_npattn(shape, "float64", "numpy", "dense")
+    assert m.dropout == 0.5 and m.training
+    tstep, _ = bench._make_torch(shape, "float64", m, x, dout)
+    mha = inspect.getclosurevars(tstep).nonlocals["mha"]
+    assert mha.dropout == 0.5 and mha.training
+    from npattn import attention
+
+    seen = []
+    forward = attention.sdpa_forward
+    monkeypatch.setattr(attention, "sdpa_forward", lambda *a, **k: seen.append(k) or forward(*a, **k))
+    _, core_step = bench._make_core(shape, "float64", "numpy", "dense")
+    core_step()
+    assert seen[0]["dropout_p"] == 0.5 and seen[0]["rng"] is not None
 
 
 def test_autorange_stops_at_a_sample_of_exactly_the_shortest_time(monkeypatch):
