@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from npattn.tools import bench
+from npattn.tools import bench, bench_gpt
 
 
 class Clock:
@@ -341,6 +341,50 @@ def test_the_dropout_rows_drop_on_both_sides(monkeypatch):
     _, core_step = bench._make_core(shape, "float64", "numpy", "dense")
     core_step()
     assert seen[0]["dropout_p"] == 0.5 and seen[0]["rng"] is not None
+
+
+def test_the_gpt_step_reports_medians_and_the_ratio_of_its_rounds(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(bench_gpt, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    npattn = stepper(clock, [0.030, 0.010, 0.020, 0.050], 2, skip=1)  # median 25 ms
+    torch = stepper(clock, [0.010, 0.020, 0.040, 0.015], 3, skip=1)  # median 17.5 ms
+    model = types.SimpleNamespace(n_params=lambda: 123)
+    monkeypatch.setattr(bench_gpt, "make_steps", lambda cfg, torch_side: (npattn, torch, model))
+    monkeypatch.setattr(bench_gpt, "autorange", lambda fn, sync: {npattn: 2, torch: 3}[fn])
+    out = io.StringIO()
+    r = bench_gpt.run(bench_gpt.GPTBenchConfig(), repeat=4, warmup=1, out=out)
+    assert r["numbers"] == {"npattn": 2, "torch": 3}
+    assert r["samples_ms"]["npattn"] == pytest.approx([30, 10, 20, 50])
+    assert r["samples_ms"]["torch"] == pytest.approx([10, 20, 40, 15])
+    assert r["median_ms"] == pytest.approx({"npattn": 25.0, "torch": 17.5})
+    assert r["ratio"] == pytest.approx(25 / 17.5)
+    assert r["round_ratios"] == pytest.approx([3.0, 0.5, 0.5, 50 / 15])
+    text = out.getvalue()
+    assert "round 1: npattn     30.0 ms  torch     10.0 ms  ratio 3.00" in text
+    assert "ratio 1.43 (rounds 0.50 .. 3.33)" in text
+    assert npattn.calls[0] == 1 + 4 * 2 and torch.calls[0] == 1 + 4 * 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeat", "0"], "--repeat: expected a positive integer, got 0"),
+    (["--warmup", "-1"], "--warmup: expected a non-negative integer, got -1"),
+    (["--d-model", "8", "--n-head", "3"], "--n-head: expected a divisor of --d-model 8, got 3"),
+])
+def test_the_gpt_step_refuses_counts_past_their_limits(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(bench_gpt, "run", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        bench_gpt.main(["--model", "gpt", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_gpt_command_line_reaches_its_run(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench_gpt, "run", lambda cfg, **k: calls.append((cfg, k)) or {})
+    assert bench_gpt.main(["--model", "gpt", "--batch", "2", "--seq-len", "4", "--d-model", "8",
+                           "--n-head", "2", "--repeat", "3", "--warmup", "0", "--no-torch"]) == 0
+    cfg, kw = calls[-1]
+    assert (cfg.batch, cfg.seq_len, cfg.d_model, cfg.n_head) == (2, 4, 8, 2)
+    assert kw == {"repeat": 3, "warmup": 0, "torch_compare": False}
 
 
 def test_autorange_stops_at_a_sample_of_exactly_the_shortest_time(monkeypatch):
