@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from npattn.tools import bench, bench_gpt
+from npattn.tools import bench, bench_gpt, limits
 
 
 class Clock:
@@ -385,6 +385,58 @@ def test_the_gpt_command_line_reaches_its_run(monkeypatch):
     cfg, kw = calls[-1]
     assert (cfg.batch, cfg.seq_len, cfg.d_model, cfg.n_head) == (2, 4, 8, 2)
     assert kw == {"repeat": 3, "warmup": 0, "torch_compare": False}
+
+
+def test_the_memory_estimates_at_their_edges(monkeypatch):
+    GiB = 2**30
+    assert limits.memory_error("--x", "y", GiB, "z", available=GiB) is None  # exactly fits
+    assert "needs at least 1.0 GiB" in limits.memory_error("--x", "y", GiB, "z", available=GiB - 1)
+    assert limits.format_bytes(GiB) == "1.0 GiB" and limits.format_bytes(GiB - 2**20) == "1023.0 MiB"
+    # the smaller of MemAvailable and the cgroup's room
+    monkeypatch.setattr(limits, "_meminfo_available", lambda: 8 * GiB)
+    monkeypatch.setattr(limits, "cgroup_room", lambda: 2 * GiB)
+    assert limits.available_memory() == 2 * GiB
+
+
+def test_a_cgroup_used_past_its_limit_has_no_room(tmp_path):
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("5000\n")
+    assert limits.cgroup_room(str(tmp_path)) == 0
+
+
+def test_the_gpt_step_estimate_by_hand():
+    # B=2, L=3, block 5, D=4, F=16, 2 blocks, 2 heads, V=7, float32:
+    # weights 7*4 + 5*4 + 2 * (4*16 + 2*4*16) = 432, held 4 times (values, grads, 2 moments): 1728;
+    # logits and their gradient 2*2*3*7 = 84; per block 2*3*(2*4 + 16) = 144 activations and
+    # 2*2*3*3 = 36 probabilities: 2 * 180 = 360; (1728 + 84 + 360) * 4 bytes
+    assert limits.gpt_training_bytes(2, 3, 5, 4, 2, 2, 7, 4) == (1728 + 84 + 360) * 4
+
+
+def test_auto_counts_the_probabilities_of_all_heads():
+    """impl auto turns blocked when the scores of all B*H heads together pass the dense
+    limit: heads of 1024 x 1024 scores (each below the per-head limit) keep their
+    probabilities up to that limit, and none past it."""
+    from npattn import attention
+
+    L = 1024
+    assert L * L < attention.AUTO_BLOCKED_MIN_SCORES
+    H = attention.AUTO_BLOCKED_MAX_DENSE_SCORES // (L * L)  # all heads at the limit
+    assert limits.dense_probabilities(1, H // 2, L, L, "auto") == H // 2 * L * L
+    assert limits.dense_probabilities(1, H, L, L, "auto") == 0  # one batch entry, H heads
+    assert limits.dense_probabilities(1, H, L, L, "dense") == H * L * L
+
+
+def test_the_step_estimate_by_hand():
+    shape = bench.Shape(2, 3, 4, 2, False)
+    # the module: x, dout, q, k, v and the output kept, 6 * 2*3*4 = 144, four 4x4 weights 64,
+    # and on the dense path 2*2*3*3 = 36 probabilities, float64
+    need, what = bench.step_bytes(shape, "dense", "float64")
+    assert need == (144 + 64 + 36) * 8
+    assert what == ("6 B*L*D activations and 4 D*D weights and 2*2*3*3 attention probabilities "
+                    "of impl dense, float64")
+    # the core alone on the blocked path: q, k, v, dout and the output, 5 * 24, float32
+    assert bench.step_bytes(shape, "blocked", "float32", "attention") == (
+        120 * 4, "5 B*L*D activations, float32")
 
 
 def test_autorange_stops_at_a_sample_of_exactly_the_shortest_time(monkeypatch):
