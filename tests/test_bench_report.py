@@ -456,3 +456,16 @@ def test_the_notes_start_just_past_their_thresholds():
     assert bench.format_mib(0.05) == "0.1" and bench.format_mib(0.0499) == "<0.1"
     assert bench.row_notes({"pct_gemm": 100.01, "rss_mib": 0.0499}) == [bench.GEMM_WARNING,
                                                                         bench.RSS_NOTE]
+
+
+def test_the_traced_peak_is_what_the_step_allocated_in_mib():
+    """A step that holds 8 MiB of float64 (2**20 entries) at its peak reads 8 MiB, whatever
+    was allocated before it."""
+    before = np.ones(2**21)  # 16 MiB live before the step: not counted
+
+    def step():
+        a = np.ones(2**20)
+        del a
+
+    peak = bench._peak_traced_mib(step, lambda: None)
+    assert 8.0 <= peak < 8.1 and before.size == 2**21
