@@ -880,3 +880,13 @@ def test_an_output_path_under_a_file_is_told_as_such(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.endswith(f"error: {want}\n") and "Traceback" not in err
     assert (tmp_path / "afile").read_text() == "kept"
+
+
+def test_two_outputs_on_standard_output_are_refused():
+    """Where two options may each be '-', both on standard output would interleave."""
+    from npattn.tools.outputs import outputs_error
+
+    assert outputs_error(("--a", "-"), ("--b", "-"), stdout=("--a", "--b")) == (
+        "--a and --b: expected two different outputs, got '-' for both (one would overwrite "
+        "the other)")
+    assert outputs_error(("--a", "-"), ("--b", None), stdout=("--a", "--b")) is None
