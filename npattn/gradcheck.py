@@ -19,10 +19,11 @@ largest relative error (each direction has its own scale). ``max_rel_err``
 divides it by the gradient's scale: the largest ``|g_j|`` or ``|n_j|`` in full
 mode, and ``sum_j |g_j t_j|`` in vjp mode (the size of the terms summed, which
 a cancelling sum cannot make small). An input passes when the absolute error
-is at most ``atol + rtol * scale``, in vjp mode in every direction. A gradient
-whose scale is at most ``atol`` is numerically zero (``d b_k`` of attention is, exactly:
-a bias added to every key shifts each score row by a constant); its relative
-error is reported as 0 when the absolute error is within ``atol`` too.
+is at most ``atol + rtol * scale``, in vjp mode in every direction. A
+gradient whose scale is at most ``atol`` is numerically zero (``d b_k`` of
+attention is, exactly: a bias added to every key shifts each score row by a
+constant); its relative error is reported as 0 when the absolute error is
+within ``atol`` too.
 By default ``atol`` is the rounding floor of the differences themselves,
 ``16 * 2**-52 * sum|out * dout| / eps``: what float64 rounding of ``L`` can
 make of a gradient that is exactly zero.

@@ -666,8 +666,12 @@ def format_table(result: AuditResult) -> str:
 def summary_line(result: AuditResult) -> str:
     n, bad = len(result.rows), result.n_failed
     n_cfg = len({r.config for r in result.rows})
-    verdict = (f"{bad} FAILED" if bad else "all gradients match finite differences" if n
-               else "nothing was checked")  # not ok: see AuditResult.ok
+    if bad:
+        verdict = f"{bad} FAILED"
+    elif n:
+        verdict = "all gradients match finite differences"
+    else:  # no rows: not ok either (AuditResult.ok)
+        verdict = "nothing was checked"
     return (
         f"{n - bad}/{n} passed over {n_cfg} configurations ({result.backend}, {result.dtype}, "
         f"rtol={result.rtol:g}, atol={result.atol:g}) in {result.seconds:.1f}s: {verdict}"
