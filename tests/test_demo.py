@@ -1,6 +1,7 @@
 """The demo model: its composed backward against finite differences, and that it learns."""
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 
 from npattn import nn
-from npattn.backend import from_numpy, resolve_backend
-from npattn.tools.demo import DemoConfig, ReverseModel, make_batch, train
+from npattn.backend import from_numpy, resolve_backend, to_numpy
+from npattn.tools import demo
+from npattn.tools.demo import DemoConfig, ReverseModel, TrainResult, make_batch, train
 from npattn.gradcheck import check_vjp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +70,79 @@ def test_make_batch_reverses():
     assert ids.shape == (4, 7) and ids.min() >= 0 and ids.max() < 10
 
 
+def test_make_batch_draws_every_digit():
+    """512 uniform draws of 10 digits: each of 0 .. 9 is among them (a range short by one at
+    either end never drew 0, or 9)."""
+    ids, _ = make_batch(np.random.default_rng(0), 64, 8, 10)
+    assert sorted(np.unique(ids).tolist()) == list(range(10))
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
+def test_parameter_count_by_hand(pos):
+    """V = 10, D = 8, L = 4: embedding and output weight V x D each, output bias V, learned
+    positions L x D, the attention's four D x D weights and four biases of D."""
+    model = ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=2, pos=pos))
+    positions = 4 * 8 if pos == "learned" else 0
+    assert model.n_params() == 10 * 8 + 10 * 8 + 10 + positions + 4 * (8 * 8 + 8)
+
+
+def test_training_steps_rates_and_the_held_out_batch(monkeypatch):
+    """``steps`` Adam steps on batches of ``batch``, each at a rate that falls along a cosine
+    from ``lr`` toward 10 % of it, then one fresh batch of ``eval_size``; the result's
+    accuracy and loss are those of the trained model on that batch, recomputed here."""
+    rates, batches = [], []
+    adam_step, make = nn.adam_step, demo.make_batch
+
+    def recording_adam_step(params, grads, state, *, lr, **kwargs):
+        rates.append(lr)
+        return adam_step(params, grads, state, lr=lr, **kwargs)
+
+    def recording_make_batch(*args):
+        batches.append(make(*args))
+        return batches[-1]
+
+    monkeypatch.setattr(nn, "adam_step", recording_adam_step)
+    monkeypatch.setattr(demo, "make_batch", recording_make_batch)
+    cfg = DemoConfig(seq_len=3, d_model=8, n_head=2, batch=5, steps=4, lr=0.02, eval_size=7,
+                     dtype="float64", seed=2)
+    model, result = train(cfg, progress=False)
+    # at step s of 4 the rate is lr (0.55 + 0.45 cos(pi s / 4)): cos is 1, sqrt(1/2), 0, -sqrt(1/2)
+    h = 0.45 * math.sqrt(0.5)
+    np.testing.assert_allclose(rates, [0.02, 0.02 * (0.55 + h), 0.02 * 0.55, 0.02 * (0.55 - h)],
+                               rtol=1e-12)
+    assert [ids.shape for ids, _ in batches] == [(5, 3)] * 4 + [(7, 3)]
+    assert result.steps == 4
+    ids, tgt = batches[-1]  # [7, 3] each
+    logits = to_numpy(model.forward(from_numpy(ids, model.xp)))  # [7, 3, V]
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    picked = np.take_along_axis(logp, tgt[..., None], axis=-1)  # [7, 3, 1]
+    assert result.final_loss == pytest.approx(-picked.mean(), rel=1e-12)
+    assert result.accuracy == np.mean(logits.argmax(axis=-1) == tgt)
+
+
+def test_the_progress_note_is_the_last_batch_s_at_the_end(monkeypatch):
+    """The note (batch loss and accuracy) is renewed every 10 steps and at the last one, so the
+    bar ends on the last training batch's numbers, not those of step 10."""
+    notes, done = [], [0]
+
+    class RecordingBar(demo.ProgressBar):
+        def update(self, n=1, note=None):
+            if note is not None:
+                notes.append(done[0])  # the steps done before this note
+            done[0] += n
+            super().update(n, note)
+
+    monkeypatch.setattr(demo, "ProgressBar", RecordingBar)
+    train(DemoConfig(seq_len=3, d_model=8, n_head=2, batch=4, steps=12, eval_size=4), progress=False)
+    assert notes == [0, 10, 11]
+
+
+def test_format_table_rows():
+    r = TrainResult(n_head=2, final_loss=0.25, accuracy=0.875, seconds=3.21, n_params=490, steps=600)
+    header, row = demo.format_table([(r, 8)]).splitlines()
+    assert header.split() == ["heads", "head", "dim", "final", "loss", "accuracy", "time", "(s)",
+                              "params"]
+    assert row.split() == ["2", "4", "0.2500", "0.8750", "3.2", "490"]
 @pytest.mark.parametrize("field,value,error", [
     ("steps", -1, ValueError),  # trained nothing and reported steps=-1
     ("steps", 2.5, TypeError),  # range()'s "'float' object cannot be interpreted as an integer"
@@ -88,8 +163,8 @@ def test_bad_pos_is_rejected():
         ReverseModel(DemoConfig(pos="rotary"))
 
 
-@pytest.mark.parametrize("H, grid", [(1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (2, 4)),
-                                     (12, (3, 4))])
+@pytest.mark.parametrize("H, grid", [(1, (1, 1)), (2, (1, 2)), (3, (1, 3)), (4, (1, 4)),
+                                     (5, (2, 4)), (6, (2, 4)), (8, (2, 4)), (12, (3, 4))])
 def test_heads_are_laid_out_in_rows_of_four(H, grid):
     from npattn.tools.demo import grid_shape
 
@@ -135,6 +210,48 @@ def test_combined_heatmap_has_a_grid_a_colorbar_and_position_ticks():
     assert {ax.get_xlabel() for ax in heads} <= {"key position", ""}
     assert {ax.get_ylabel() for ax in heads} <= {"query position", ""}
     assert "3 1 4 1 5 9" in fig.get_suptitle()  # the digits, by position
+
+
+def test_each_head_shows_its_own_weights_on_one_scale():
+    """Head h's panel is weights[h] (rows the queries), titled "head h", coloured on [0, 1];
+    at L = 12 every position is ticked."""
+    pytest.importorskip("matplotlib")
+    from npattn.tools.demo import heatmap_figure
+
+    L = 12
+    w = np.random.default_rng(1).dirichlet(np.ones(L), size=(3, L))  # [H, L, L]
+    heads = [ax for ax in heatmap_figure(w, list(range(L))).axes if ax.get_images()]
+    assert len(heads) == 3
+    for h, ax in enumerate(heads):
+        (im,) = ax.get_images()
+        np.testing.assert_array_equal(im.get_array(), w[h])
+        assert im.get_clim() == (0.0, 1.0)
+        assert ax.get_title() == f"head {h}"
+        assert [t.get_text() for t in ax.get_yticklabels()] == [str(i) for i in range(L)]
+
+
+def test_saved_heatmaps_are_the_model_s_weights_on_the_seeded_sequence(tmp_path, monkeypatch):
+    """Each attention_head{h}.png draws head h, attention_heads.png all heads, of the sequence
+    that ``seed`` draws, recomputed here from the model."""
+    pytest.importorskip("matplotlib")
+    drawn = []
+    figure = demo.heatmap_figure
+
+    def recording_figure(weights, digits, **kwargs):
+        drawn.append((np.array(weights), list(digits)))
+        return figure(weights, digits, **kwargs)
+
+    monkeypatch.setattr(demo, "heatmap_figure", recording_figure)
+    model = ReverseModel(DemoConfig(seq_len=5, d_model=8, n_head=2, seed=4))
+    demo.save_heatmaps(model, str(tmp_path), seed=7)
+    ids, _ = make_batch(np.random.default_rng(7), 1, 5, 10)  # [1, L]
+    _, w = model.forward(from_numpy(ids, model.xp), need_weights=True)  # [1, H, L, L]
+    w = to_numpy(w)[0]
+    assert len(drawn) == 3
+    for h, (weights, digits) in enumerate(drawn[:2]):
+        np.testing.assert_array_equal(weights, w[h:h + 1])
+        assert digits == ids[0].tolist()
+    np.testing.assert_array_equal(drawn[2][0], w)
 
 
 def test_saved_heatmaps_of_eight_heads_are_a_grid(tmp_path):
