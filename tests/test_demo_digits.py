@@ -7,11 +7,15 @@ seeds 0-4, against 0.1 for chance; the bound is 0.6.
 
 import importlib.util
 import io
+import math
 import sys
 
 import numpy as np
 import pytest
 
+from npattn import nn
+from npattn.backend import backend_name, from_numpy, to_numpy
+from npattn.classifier import TransformerClassifier
 from npattn.tools import cli
 from npattn.tools import demo_digits as dd
 
@@ -99,6 +103,13 @@ def test_stratified_split_is_seeded_disjoint_and_keeps_the_class_shares():
     assert not np.array_equal(va, va3)
 
 
+def test_stratified_split_rounds_each_class_s_share():
+    """A fifth of 23, 7 and 12 examples is 4.6, 1.4 and 2.4: 5, 1 and 2 validation examples."""
+    labels = np.repeat(np.arange(3), [23, 7, 12])
+    _, va = dd.stratified_split(labels, 0.2, np.random.default_rng(0))
+    np.testing.assert_array_equal(np.bincount(labels[va], minlength=3), [5, 1, 2])
+
+
 @needs_sklearn
 def test_load_digits_data(data):
     assert data.x_train.shape[1:] == (16, 4) and data.x_val.shape[1:] == (16, 4)
@@ -124,6 +135,95 @@ def test_missing_scikit_learn_names_the_extra(monkeypatch):
 
 
 # -------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("d_ff, width", [(None, 16), (24, 24)])
+def test_build_model_takes_every_setting_of_the_config(d_ff, width):
+    """Width, heads, blocks, feed-forward width (default 2 * d_model), dropout, norm placement,
+    dtype and backend are the config's, as the command passes them on."""
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, n_layers=2, d_ff=d_ff, dropout=0.3, norm_first=False,
+                          dtype="float64", backend="array_api_strict")
+    model = dd.build_model(cfg, _fake_data())
+    assert (model.d_model, model.n_head, model.n_layers, model.d_ff) == (8, 2, 2, width)
+    assert (model.dropout, model.norm_first) == (0.3, False)
+    assert backend_name(model.xp) == "array_api_strict" and model.dtype == model.xp.float64
+    assert (model.n_features, model.seq_len, model.n_classes) == (4, 16, 10)
+
+
+def _loss_and_hits(logits, labels):
+    """Summed cross-entropy and correct count, from host logits [N, C], by log-softmax."""
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return -logp[np.arange(labels.size), labels].sum(), int(np.sum(logits.argmax(axis=-1) == labels))
+
+
+def test_evaluate_weighs_each_batch_by_its_images_and_runs_in_evaluation_mode():
+    """Batches of 3 over 7 images (3, 3, 1): the mean over the images, dropout off, the model's
+    mode left as it was (evaluation here)."""
+    data = _fake_data(n=7)
+    model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=8, dropout=0.5, dtype="float64"), data)
+    model.eval()
+    logits = to_numpy(model.forward(from_numpy(data.x_val, model.xp)))  # [7, C]
+    total, hits = _loss_and_hits(logits, data.y_val)
+    model.train()
+    loss, acc = dd.evaluate(model, data.x_val, data.y_val, batch=3)
+    assert loss == pytest.approx(total / 7, rel=1e-12) and acc == hits / 7
+    assert model.training
+    model.eval()
+    assert dd.evaluate(model, data.x_val, data.y_val, batch=3) == (loss, acc)
+    assert not model.training
+
+
+def test_training_batches_rates_clipping_and_the_reported_losses(monkeypatch):
+    """10 images in batches of 4 for 2 epochs: 6 steps of 4, 4 and 2 images, each epoch every
+    image once in a shuffled order; the rate falls along a cosine from lr toward 10 % of it
+    over the 6 steps, gradients are clipped at cfg.clip; each epoch's training loss is the
+    mean over its images, and the validation loss and accuracy are the model's in evaluation
+    mode, all recomputed here from the logits."""
+    data = _fake_data(n=10)
+    data = dd.DigitsData(data.x_train, data.y_train, data.x_val[:5], data.y_val[:5],
+                         data.images_val[:5], data.patch)
+    seen, rates, norms = [], [], []
+    forward, adam_step, clip = TransformerClassifier.forward, nn.adam_step, nn.clip_grad_norm
+
+    def recording_forward(self, x, *args, **kwargs):
+        logits = forward(self, x, *args, **kwargs)
+        seen.append((self.training, to_numpy(x), to_numpy(logits)))
+        return logits
+
+    def recording_adam_step(params, grads, state, *, lr, **kwargs):
+        rates.append(lr)
+        return adam_step(params, grads, state, lr=lr, **kwargs)
+
+    def recording_clip(grads, max_norm, **kwargs):
+        norms.append(max_norm)
+        return clip(grads, max_norm, **kwargs)
+
+    monkeypatch.setattr(TransformerClassifier, "forward", recording_forward)
+    monkeypatch.setattr(nn, "adam_step", recording_adam_step)
+    monkeypatch.setattr(nn, "clip_grad_norm", recording_clip)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=2, batch=4, lr=0.02, clip=0.5, dropout=0.0,
+                          dtype="float64", seed=3)
+    _, r = dd.train(cfg, data, progress=False)
+    # step s of 6: lr (0.55 + 0.45 cos(pi s / 6)), cos being 1, sqrt(3)/2, 1/2, 0, -1/2, -sqrt(3)/2
+    c = [1.0, math.sqrt(3) / 2, 0.5, 0.0, -0.5, -math.sqrt(3) / 2]
+    np.testing.assert_allclose(rates, [0.02 * (0.55 + 0.45 * x) for x in c], rtol=1e-12)
+    assert norms == [0.5] * 6
+    assert [(training, x.shape[0]) for training, x, _ in seen] == [
+        (True, 4), (True, 4), (True, 2), (False, 5), (True, 4), (True, 4), (True, 2), (False, 5)]
+    for epoch in range(2):
+        steps = seen[4 * epoch:4 * epoch + 3]
+        # which training images each batch held, found by their pixels
+        idx = [[int(np.flatnonzero((data.x_train == xi).all(axis=(1, 2)))[0]) for xi in x]
+               for _, x, _ in steps]
+        order = sum(idx, [])
+        assert sorted(order) == list(range(10)) and order != list(range(10))
+        total = sum(_loss_and_hits(logits, data.y_train[i])[0] for (_, _, logits), i in zip(steps, idx))
+        assert r.history["train_loss"][epoch] == pytest.approx(total / 10, rel=1e-12)
+        val_total, val_hits = _loss_and_hits(seen[4 * epoch + 3][2], data.y_val)
+        assert r.history["val_loss"][epoch] == pytest.approx(val_total / 5, rel=1e-12)
+        assert r.history["val_accuracy"][epoch] == val_hits / 5
+    assert (r.train_loss, r.val_loss, r.val_accuracy) == (
+        r.history["train_loss"][1], r.history["val_loss"][1], r.history["val_accuracy"][1])
 
 
 @needs_sklearn
@@ -226,6 +326,66 @@ def test_pictures_are_pngs_and_leave_matplotlib_alone(data, tmp_path):
     assert [t.get_text() for t in acc_ax.get_legend().get_texts()] == ["1 head (dim 8)",
                                                                      "8 heads (dim 1)"]
     assert matplotlib.get_backend() == backend
+
+
+@needs_matplotlib
+def test_attention_pictures_are_of_the_chosen_image_and_the_first_block(tmp_path, monkeypatch):
+    """The heatmaps are block 0's weights of validation image ``index`` in evaluation mode,
+    titled with its label and the model's prediction; the picture on the image shows that
+    image and, per head, the attention each patch receives (the mean over the queries),
+    each patch's value over its patch x patch pixels."""
+    from matplotlib.figure import Figure
+
+    data = _fake_data(n=4)
+    model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=8, n_layers=2, dropout=0.5,
+                                           dtype="float64"), data)
+    titles, saved = [], []
+    figure, savefig = dd.heatmap_figure, Figure.savefig
+
+    def recording_figure(weights, digits, *, title=None):
+        titles.append((np.array(weights), title))
+        return figure(weights, digits, title=title)
+
+    def recording_savefig(self, *args, **kwargs):
+        saved.append(self)
+        return savefig(self, *args, **kwargs)
+
+    modes = []
+    forward = TransformerClassifier.forward
+
+    def recording_forward(self, *args, **kwargs):
+        modes.append(self.training)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(dd, "heatmap_figure", recording_figure)
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    monkeypatch.setattr(TransformerClassifier, "forward", recording_forward)
+    dd.save_attention_figures(model, data, str(tmp_path), index=2)
+    assert modes == [False] and model.training  # dropout off for the picture, then put back
+    model.eval()
+    logits, weights = model.forward(from_numpy(data.x_val[2:3], model.xp), need_weights=True)
+    w = to_numpy(weights[0])[0]  # [H, L, L] block 0's
+    ((drawn, title),) = titles
+    np.testing.assert_array_equal(drawn, w)
+    label, pred = int(data.y_val[2]), int(to_numpy(logits)[0].argmax())
+    assert f"validation image 2 (a {label}, predicted {pred})" in title
+    image_axes = saved[1].axes
+    np.testing.assert_array_equal(image_axes[0].get_images()[0].get_array(), data.images_val[2])
+    for h in range(2):
+        received = w[h].mean(axis=0).reshape(4, 4)  # per key token, on the 4 x 4 grid of patches
+        pixels = received.repeat(2, axis=0).repeat(2, axis=1)  # [8, 8]
+        np.testing.assert_allclose(image_axes[1 + h].get_images()[0].get_array(), pixels, rtol=1e-12)
+
+
+@needs_matplotlib
+def test_curves_figure_plots_each_run_s_history():
+    history = {"train_loss": [2.0, 1.0, 0.5], "val_loss": [1.9, 1.1, 0.7],
+               "val_accuracy": [0.3, 0.6, 0.9], "seconds": [1.0] * 3}
+    r = dd.DigitsResult(2, 8, 0.5, 0.9, 0.7, 1.0, 100, 3, history)
+    loss_ax, acc_ax = dd.curves_figure([r]).axes
+    ((loss,),), ((acc,),) = [loss_ax.get_lines()], [acc_ax.get_lines()]
+    assert list(loss.get_xdata()) == list(acc.get_xdata()) == [1, 2, 3]
+    assert list(loss.get_ydata()) == [2.0, 1.0, 0.5] and list(acc.get_ydata()) == [0.3, 0.6, 0.9]
 
 
 # --------------------------------------------------------------- command
