@@ -1,14 +1,20 @@
 """npattn demo --task gpt: the corpus, the codec, a short training run, the plot and the samples."""
 
+import inspect
 import math
 
 import numpy as np
 import pytest
 
+from npattn.backend import backend_name, from_numpy, to_numpy
+from npattn.gpt import GPT
+from npattn.tools import demo_gpt
 from npattn.tools.demo_gpt import (
     CharCodec,
     GPTDemoConfig,
+    GPTHistory,
     corpus,
+    evaluate,
     format_summary,
     generate_samples,
     save_loss_plot,
@@ -25,6 +31,19 @@ def test_the_corpus_is_npattns_docstrings():
     assert "Multi-head attention" in text or "multi-head attention" in text
     assert "def " not in text.split("\n")[0]  # prose, not source lines
     assert corpus() == text  # the same text every time: a seeded run is reproducible
+
+
+def test_the_corpus_holds_module_class_and_function_docstrings():
+    text = corpus()
+    for obj in (demo_gpt, CharCodec, generate_samples):
+        assert inspect.cleandoc(obj.__doc__) in text, obj
+
+
+def test_codec_ids_are_the_sorted_characters():
+    """The ids follow the sorted characters, the same in every process (a set's order is not)."""
+    codec = CharCodec("cabbage")
+    assert codec.chars == ["a", "b", "c", "e", "g"]
+    np.testing.assert_array_equal(codec.encode("gcab"), [4, 2, 0, 1])
 
 
 def test_codec_round_trip_and_unknown_characters():
@@ -53,6 +72,152 @@ def test_a_short_run_learns_the_character_statistics(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "validation loss" in format_summary(cfg, hist)
+
+
+TINY = dict(block_size=4, d_model=8, n_layer=1, n_head=2, batch=2, steps=5, lr=0.01, warmup=2,
+            max_grad_norm=0.5, eval_every=2, eval_batches=3, dtype="float64")
+
+
+def _record_training(monkeypatch):
+    """The windows, rates and clipping norms of each training step, and the windows each
+    evaluation-mode loss is taken on."""
+    steps, evaluated = [], []
+    training_step, loss = demo_gpt.training_step, GPT.loss
+
+    def recording_step(model, state, ids, targets, *, lr, max_grad_norm, **kwargs):
+        steps.append((to_numpy(ids), to_numpy(targets), lr, max_grad_norm))
+        return training_step(model, state, ids, targets, lr=lr, max_grad_norm=max_grad_norm,
+                             **kwargs)
+
+    def recording_loss(self, ids, targets, **kwargs):
+        if not self.training:
+            evaluated.append((to_numpy(ids), to_numpy(targets)))
+        return loss(self, ids, targets, **kwargs)
+
+    monkeypatch.setattr(demo_gpt, "training_step", recording_step)
+    monkeypatch.setattr(GPT, "loss", recording_loss)
+    return steps, evaluated
+
+
+def test_training_windows_rates_and_the_held_out_part(monkeypatch):
+    """"abcdefghij" at block_size 4: the held-out part is the last 5 characters (a window and
+    its target), so every training window is "abcd" with targets "bcde" and every validation
+    window "fghi" with "ghij". Warm-up over 2 steps, then a cosine from lr to 10 % of it over
+    the other 3; each step clipped at max_grad_norm; 3 validation batches after steps 2, 4, 5."""
+    steps, evaluated = _record_training(monkeypatch)
+    model, codec, hist = train(GPTDemoConfig(**TINY), text="abcdefghij", progress=False)
+    assert len(steps) == 5
+    for x, y, _, norm in steps:
+        assert [codec.decode(row) for row in x] == ["abcd"] * 2
+        assert [codec.decode(row) for row in y] == ["bcde"] * 2
+        assert norm == 0.5
+    # warm-up: lr / 2, lr; then t = 0, 1/3, 2/3 of the decay: 0.1 + 0.45 (1 + cos(pi t)) of lr
+    np.testing.assert_allclose([lr for *_, lr, _ in steps],
+                               [0.005, 0.01, 0.01, 0.01 * 0.775, 0.01 * 0.325], rtol=1e-12)
+    assert hist.val_steps == [2, 4, 5] and len(evaluated) == 3 * 3
+    for x, y in evaluated:
+        assert [codec.decode(row) for row in x] == ["fghi"] * 2
+        assert [codec.decode(row) for row in y] == ["ghij"] * 2
+    assert (hist.train_chars, hist.val_chars, hist.vocab) == (5, 5, 10)
+    with pytest.raises(ValueError, match=r"^text: expected at least 10 characters for block_size 4 .* got 9"):
+        train(GPTDemoConfig(**TINY), text="abcdefghi", progress=False)
+
+
+def test_validation_batches_differ_and_are_the_same_at_every_evaluation(monkeypatch):
+    """Each of the eval_batches is drawn on its own (one draw repeated would be one batch)."""
+    _, evaluated = _record_training(monkeypatch)
+    text = "".join(chr(97 + i % 23) for i in range(400))
+    hist = train(GPTDemoConfig(**{**TINY, "eval_every": 3}), text=text, progress=False)[2]
+    assert hist.val_steps == [3, 5] and len(evaluated) == 6
+    assert (hist.train_chars, hist.val_chars) == (360, 40)
+    first = [x.tolist() for x, _ in evaluated[:3]]
+    assert first == [x.tolist() for x, _ in evaluated[3:]]
+    assert first[0] != first[1] or first[1] != first[2]
+
+
+def test_train_takes_the_config_s_model_settings():
+    cfg = GPTDemoConfig(**{**TINY, "steps": 1, "eval_every": 1, "dropout": 0.25,
+                           "backend": "array_api_strict"})
+    model = train(cfg, text="abcdefghij" * 3, progress=False)[0]
+    assert (model.block_size, model.d_model, model.n_layer, model.n_head) == (4, 8, 1, 2)
+    assert model.dropout == 0.25 and model.dtype == model.xp.float64
+    assert backend_name(model.xp) == "array_api_strict"
+    other = train(GPTDemoConfig(**{**TINY, "steps": 1, "seed": 1}), text="abcdefghij" * 3,
+                  progress=False)[2]
+    same = train(GPTDemoConfig(**{**TINY, "steps": 1, "seed": 0}), text="abcdefghij" * 3,
+                 progress=False)[2]
+    assert other.train_loss != same.train_loss  # the seed draws the weights and windows
+
+
+@pytest.mark.parametrize("field", ["block_size", "steps", "eval_every", "eval_batches", "batch"])
+def test_train_refuses_a_size_below_one(field):
+    with pytest.raises(ValueError, match=rf"^cfg\.{field}: expected an int >= 1, got 0"):
+        train(GPTDemoConfig(**{**TINY, field: 0}), text="abcdefghij", progress=False)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_is_the_mean_loss_with_dropout_off(training):
+    model = GPT(5, 4, 8, 1, 2, dropout=0.5, dtype="float64", seed=1)
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 5, (2, 4)), rng.integers(0, 5, (2, 4))) for _ in range(3)]
+    model.eval()
+    losses = [model.loss(from_numpy(x, model.xp), from_numpy(y, model.xp))[0] for x, y in batches]
+    model.train(training)
+    assert evaluate(model, batches) == pytest.approx(sum(losses) / 3, rel=1e-12)
+    assert model.training is training
+
+
+def test_samples_go_on_from_the_last_half_context(monkeypatch):
+    """block_size 4: each generate call starts from the last 2 characters of the text so far
+    and adds at most 3 (2 + 3 - 1 = 4 positions)."""
+    codec = CharCodec("abcdefgh")
+    model = GPT(codec.vocab_size, 4, 8, 1, 2, seed=0)
+    calls = []
+    generate = GPT.generate
+
+    def recording_generate(self, ids, n, **kwargs):
+        calls.append((codec.decode(to_numpy(ids)), n))
+        return generate(self, ids, n, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    ((prompt, text),) = generate_samples(model, codec, prompts=("abcdef",), length=7, seed=0)
+    assert text.startswith("abcdef") and len(text) == 13
+    assert [n for _, n in calls] == [3, 3, 1]
+    done = 6
+    for prompt_ids, n in calls:
+        assert prompt_ids == text[done - 2:done]
+        done += n
+    other = generate_samples(model, codec, prompts=("abcdef",), length=7, seed=1)
+    assert other != [(prompt, text)]
+
+
+def test_the_command_s_samples_are_drawn_as_their_heading_says(tmp_path, monkeypatch, capsys):
+    """samples.txt heads each sample "(temperature 0.8, top-k 10)": the values generate got."""
+    from npattn.tools import cli
+
+    seen = []
+    generate = GPT.generate
+
+    def recording_generate(self, ids, n, **kwargs):
+        seen.append((kwargs["temperature"], kwargs["top_k"]))
+        return generate(self, ids, n, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    out = tmp_path / "gpt"
+    assert cli.main(["demo", "--task", "gpt", "--steps", "1", "--seq-len", "64", "--d-model", "8",
+                     "--layers", "1", "--heads", "2", "--batch", "1", "--no-progress",
+                     "--no-plots", "--out", str(out)]) == 0
+    assert set(seen) == {(0.8, 10)}
+    assert (out / "samples.txt").read_text(encoding="utf-8").count("(temperature 0.8, top-k 10)") == 3
+
+
+def test_format_summary_by_hand():
+    """60 steps in 3 s is 50 ms a step; the last 50 training losses are 1.0; ln 8 = 2.079."""
+    hist = GPTHistory(train_loss=[3.0] * 10 + [1.0] * 50, val_steps=[30, 60], val_loss=[2.5, 1.5],
+                      seconds=3.0, n_params=1234, vocab=8)
+    assert format_summary(GPTDemoConfig(), hist) == (
+        "60 steps in 3.0s (50 ms/step), 1234 parameters; final validation loss 1.500 nats/char "
+        "(uniform 2.079), training loss (last 50 steps) 1.000")
 
 
 def test_the_same_seed_gives_the_same_run():
