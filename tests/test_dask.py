@@ -792,7 +792,10 @@ def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
     (["--workers", "0"], "--workers: expected a positive integer, got 0"),
     (["--workers", "a,b"], "--workers: expected comma-separated positive integers"),
     (["--shape", "2x4x6x4"], "--shape: expected positive sizes with H dividing D"),
+    (["--shape", "0x4x8x4"], "--shape: expected positive sizes with H dividing D"),
     (["--q-chunk", "0"], "--q-chunk: expected a positive integer, got 0"),
+    (["--k-chunk", "0"], "--k-chunk: expected a positive integer, got 0"),
+    (["--repeat", "0"], "--repeat: expected a positive integer, got 0"),
 ])
 def test_bench_rejects_bad_options(args, message, capsys):
     from npattn.tools import bench
@@ -801,6 +804,204 @@ def test_bench_rejects_bad_options(args, message, capsys):
         bench.main(["--backend", "dask", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_run_bytes_by_hand():
+    """L = 20 in chunks of 3 queries and 1 key: ceil(20 / 3) = 7 query chunks by 20 key chunks,
+    140 pairs, more than the finest chunking the command adds (L // 8 = 2 a side: 10 x 10);
+    at D = 4096 the in-process run's 8 arrays of B L D float32 values weigh more."""
+    from npattn.tools import bench_dask
+
+    per_pair = bench_dask.GRAPH_BYTES_PER_PAIR
+    need, what = bench_dask.run_bytes((1, 20, 4, 2, False), 4, 3, 1, local=False)
+    assert need == 140 * per_pair and "140 chunk pairs" in what
+    need, what = bench_dask.run_bytes((1, 20, 4096, 2, False), 4, 3, 1)
+    assert need == 8 * 20 * 4096 * 4 > 140 * per_pair and "8 B*L*D arrays" in what
+
+
+def test_bench_chunks_the_inputs_as_documented(monkeypatch):
+    """One batch entry and all heads per chunk; q and dout by --q-chunk query rows, k and v by
+    --k-chunk keys."""
+    from npattn.tools import bench_dask
+
+    seen = []
+    forward, backward = A.sdpa_forward, A.sdpa_backward
+
+    def recording_forward(q, k, v, **kwargs):
+        seen.extend([("q", q.chunks), ("k", k.chunks), ("v", v.chunks)])
+        return forward(q, k, v, **kwargs)
+
+    def recording_backward(dout, cache):
+        seen.append(("dout", dout.chunks))
+        return backward(dout, cache)
+
+    monkeypatch.setattr(A, "sdpa_forward", recording_forward)
+    monkeypatch.setattr(A, "sdpa_backward", recording_backward)
+    bench_dask.graph_sizes(bench_dask.parse_shape("2x6x4x2"), np.dtype("float64"), [(4, 3)])
+    queries = ((1, 1), (2,), (4, 2), (2,))  # B = 2 entries, H = 2 heads, L = 6 rows, Dh = 2
+    keys = ((1, 1), (2,), (3, 3), (2,))
+    assert dict(seen) == {"q": queries, "k": keys, "v": keys, "dout": queries}
+
+
+class _Clock:
+    """perf_counter of a clock that moves only when told to."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _status(rss_mib, hwm_mib):
+    return f"Name:\tpython\nVmHWM:\t{hwm_mib * 1024} kB\nVmRSS:\t{rss_mib * 1024} kB\n"
+
+
+def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monkeypatch):
+    """With a stand-in cluster (no processes) and clock: each cluster is made with n workers of
+    one thread in processes of their own, pinned to one core; each timed run computes the sums
+    of out, dq, dk and dv (a forward and a backward task per chunk pair), its time the clock's
+    advance during the compute; the reported time is the median of the runs, the speed-up the
+    first count's time over each; the peak per worker is VmHWM after the runs and the base VmRSS
+    before, in MiB."""
+    import io
+
+    from npattn.tools import bench_dask
+
+    clock = _Clock()
+    advances = iter([4.0, 1.0, 6.0, 2.0, 3.0, 1.0, 1.0])  # two clusters, three runs each; one
+    made, computed = [], []
+    reads = iter(range(1, 100))
+
+    class Cluster:
+        def __init__(self, **kwargs):
+            self.n = kwargs["n_workers"]
+            made.append((kwargs, dict(dask.config.get("distributed.nanny.pre-spawn-environ"))))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Client(Cluster):
+        def __init__(self, cluster):
+            self.n = cluster.n
+
+        @classmethod
+        def current(cls, allow_global=True):  # asked by dask.compute: there is no client
+            raise ValueError("no client")
+
+        def run(self, fn):
+            return {f"tcp://w{i}": fn() for i in range(self.n)}
+
+        def compute(self, sums, sync):
+            assert sync
+            keys = set().union(*(dict(x.__dask_graph__()) for x in sums))
+            computed.append((len(sums), sum(1 for k in keys if isinstance(k, tuple)
+                                            and str(k[0]).startswith("npattn-pair-"))))
+            clock.now += next(advances)
+            return dask.compute(*sums, scheduler="sync")
+
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/self/status":  # the k-th read: RSS 100 k MiB, peak 100 k + 50 MiB
+            k = next(reads)
+            return io.StringIO(_status(100 * k, 100 * k + 50))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(distributed, "LocalCluster", Cluster)
+    monkeypatch.setattr(distributed, "Client", Client)
+    monkeypatch.setattr(bench_dask, "time", clock)
+    monkeypatch.setattr(bench_dask, "open", fake_open, raising=False)
+    shape = bench_dask.parse_shape("1x8x4x2")
+    rows = bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1, 2], 3, out=io.StringIO())
+    for (kwargs, spawn), n in zip(made, (1, 2)):
+        assert (kwargs["n_workers"], kwargs["threads_per_worker"], kwargs["processes"]) == (n, 1, True)
+        assert kwargs["env"]["NPATTN_NUM_THREADS"] == "1"
+        assert spawn["MALLOC_TRIM_THRESHOLD_"] is None
+    # 2 x 2 chunk pairs of 4 queries and 4 keys: 4 forward and 4 backward tasks
+    assert computed == [(4, 8)] * 6
+    assert [r["times"] for r in rows] == [[4.0, 1.0, 6.0], [2.0, 3.0, 1.0]]
+    assert [(r["seconds"], r["speedup"]) for r in rows] == [(4.0, 1.0), (2.0, 2.0)]
+    assert all(len(r["checks"]) == 4 for r in rows)
+    # reads 1 (before) and 2 (after) for the one worker, then 3, 4 (before) and 5, 6 (after)
+    assert (rows[0]["base_mib"], rows[0]["peak_mib"]) == ([100.0], [250.0])
+    assert (rows[1]["base_mib"], rows[1]["peak_mib"]) == ([300.0, 400.0], [550.0, 650.0])
+    bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1], 1, malloc_trim=True,
+                           out=io.StringIO())
+    assert made[-1][1]["MALLOC_TRIM_THRESHOLD_"] is not None  # distributed's own setting kept
+
+
+def test_bench_run_local_times_forward_and_backward(monkeypatch):
+    """The in-process run: the blocked forward of the shape's q, k, v (B, H, L, D / H), causal
+    as asked, and its backward, both inside each timed run; the median is reported."""
+    from npattn.tools import bench_dask
+
+    clock = _Clock()
+    forward_times = iter([1.0, 5.0, 9.0])
+    seen = []
+    forward, backward = A.sdpa_forward, A.sdpa_backward
+
+    def timed_forward(q, k, v, **kwargs):
+        seen.append((q.shape, q.dtype, kwargs))
+        clock.now += next(forward_times)
+        return forward(q, k, v, **kwargs)
+
+    def timed_backward(dout, cache):
+        clock.now += 2.0
+        return backward(dout, cache)
+
+    monkeypatch.setattr(A, "sdpa_forward", timed_forward)
+    monkeypatch.setattr(A, "sdpa_backward", timed_backward)
+    monkeypatch.setattr(bench_dask, "time", clock)
+    result = bench_dask.run_local(bench_dask.parse_shape("2x8x12x3c"), np.dtype("float64"), 3)
+    assert seen == [((2, 3, 8, 4), np.float64, {"is_causal": True, "impl": "blocked"})] * 3
+    assert result["times"] == [3.0, 7.0, 11.0] and result["seconds"] == 7.0
+
+
+def test_bench_main_passes_its_options_on(tmp_path, monkeypatch):
+    """The command hands its shape, dtype, chunks (at most L), workers, repeat and
+    --dask-malloc-trim to the cluster runs and the in-process run, leaves out what --no-local
+    and --graph-only leave out, and reports one score matrix's MiB: 1024 x 1024 float32 is
+    4 MiB, 8 MiB for the 2 heads of one batch entry."""
+    from npattn.tools import bench_dask, limits
+
+    calls = []
+
+    def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=False):
+        calls.append(("workers", shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim))
+        return [dict(workers=n, seconds=1.0, speedup=1.0) for n in workers]
+
+    def run_local(shape, dtype, repeat):
+        calls.append(("local", shape, dtype, repeat))
+        return dict(seconds=1.0, threads=1)
+
+    monkeypatch.setattr(bench_dask, "run_workers", run_workers)
+    monkeypatch.setattr(bench_dask, "run_local", run_local)
+    path = tmp_path / "r.json"
+    common = ["--shape", "3x1024x16x2c", "--dtype", "float32", "--q-chunk", "2048", "--k-chunk",
+              "256", "--json", str(path)]
+    assert bench_dask.main([*common, "--workers", "3", "--repeat", "2", "--dask-malloc-trim"]) == 0
+    shape = (3, 1024, 16, 2, True)
+    assert calls == [("workers", shape, np.float32, 1024, 256, [3], 2, True),
+                     ("local", shape, np.float32, 2)]
+    result = json.loads(path.read_text())
+    assert (result["scores_one_head_mib"], result["scores_one_entry_mib"]) == (4.0, 8.0)
+    assert result["malloc_trim"] is True and "local" in result
+    calls.clear()
+    assert bench_dask.main([*common, "--no-local"]) == 0
+    assert [c[0] for c in calls] == ["workers"] and calls[0][-1] is False
+    assert "local" not in json.loads(path.read_text())
+    # --graph-only runs nothing, and its memory estimate counts the graph alone: 1 MiB holds
+    # this graph but not the in-process run's eight 3 x 1024 x 16 float32 arrays (1.5 MiB)
+    calls.clear()
+    monkeypatch.setattr(limits, "available_memory", lambda: 2**20)
+    assert bench_dask.main([*common, "--graph-only"]) == 0
+    assert calls == []
+    result = json.loads(path.read_text())
+    assert "workers" not in result and "local" not in result
 
 
 # --------------------------------------------------------------------------
