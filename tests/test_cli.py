@@ -617,6 +617,90 @@ def test_demo_checks_out_before_training(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "a_file.png").read_bytes() == b"not a folder"
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_demo_hands_its_options_to_the_reverse_task(tmp_path, monkeypatch, capsys):
+    """--lr and --seed reach the config and the heatmaps' sequence; "reached 95 %" is said of
+    an accuracy of 0.95 and not of 0.949."""
+    from npattn.tools.demo import DemoConfig, ReverseModel, TrainResult
+
+    seen, drawn = [], []
+    accuracies = iter([0.949, 0.95])
+
+    def train(cfg, **kwargs):
+        seen.append(cfg)
+        return ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=1)), TrainResult(
+            cfg.n_head, 0.5, next(accuracies), 1.0, 10, cfg.steps)
+
+    def save_heatmaps(model, out, *, seed):
+        drawn.append(seed)
+        return []
+
+    monkeypatch.setattr(demo_mod, "train", train)
+    monkeypatch.setattr(demo_mod, "save_heatmaps", save_heatmaps)
+    argv = _demo_args(tmp_path, "--lr", "0.05", "--seed", "3", "--heads", "1,2")
+    if not _has_matplotlib():
+        argv.append("--no-plots")
+    assert cli.main(argv) == 0
+    assert [(c.lr, c.seed, c.n_head) for c in seen] == [(0.05, 3, 1), (0.05, 3, 2)]
+    assert drawn == ([3, 3] if _has_matplotlib() else [])
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("heads=")]
+    assert "(below 95 %)" in out[0] and "(reached 95 %)" in out[1], out
+
+
+def test_demo_hands_its_options_to_the_digits_task(monkeypatch):
+    """--lr, --dropout and --seed reach the config, and --seed the validation split."""
+    from npattn.tools import demo_digits as dd
+
+    split, seen = [], []
+    images = np.random.default_rng(0).random((4, 8, 8))
+    x = dd.image_patches(images, 2)
+    fake = dd.DigitsData(x, np.arange(4), x, np.arange(4), images, 2)
+
+    def load(patch, val_fraction, seed):
+        split.append(seed)
+        return fake
+
+    def train(cfg, data, **kwargs):
+        seen.append(cfg)
+        raise _Stop
+
+    monkeypatch.setattr(dd, "load_digits_data", load)
+    monkeypatch.setattr(dd, "train", train)
+    with pytest.raises(_Stop):
+        cli.main(["demo", "--task", "digits", "--lr", "0.05", "--dropout", "0.3", "--seed", "3",
+                  "--no-plots", "--no-progress"])
+    assert split == [3]
+    assert [(c.lr, c.dropout, c.seed) for c in seen] == [(0.05, 0.3, 3)]
+
+
+def test_demo_hands_its_options_to_the_gpt_task(tmp_path, monkeypatch):
+    """--lr, --dropout and --seed reach the config, and --seed the samples."""
+    from npattn.gpt import GPT
+    from npattn.tools import demo_gpt as dg
+
+    seen, sampled = [], []
+
+    def train(cfg, **kwargs):
+        seen.append(cfg)
+        codec = dg.CharCodec("abc")
+        hist = dg.GPTHistory(train_loss=[1.0], val_steps=[1], val_loss=[1.0], vocab=3)
+        return GPT(3, 4, 8, 1, 2, seed=0), codec, hist
+
+    def generate_samples(model, codec, *, seed):
+        sampled.append(seed)
+        return [("a", "abc")]
+
+    monkeypatch.setattr(dg, "train", train)
+    monkeypatch.setattr(dg, "generate_samples", generate_samples)
+    assert cli.main(["demo", "--task", "gpt", "--lr", "0.05", "--dropout", "0.3", "--seed", "3",
+                     "--no-plots", "--no-progress", "--out", str(tmp_path / "g")]) == 0
+    assert [(c.lr, c.dropout, c.seed) for c in seen] == [(0.05, 0.3, 3)]
+    assert sampled == [3]
+
+
 # ------------------------------------------------------------------ bench
 
 
