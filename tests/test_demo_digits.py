@@ -123,8 +123,9 @@ def test_load_digits_data(data):
     assert not np.array_equal(dd.load_digits_data(2, 0.2, 1).y_val, data.y_val)
     with pytest.raises(ValueError, match=r"^patch: expected one of \[1, 2, 4\], got 3"):
         dd.load_digits_data(3)
-    with pytest.raises(ValueError, match=r"^val_fraction: expected a number in \(0, 1\)"):
-        dd.load_digits_data(2, 1.0)
+    for bad in (0.0, 1.0):  # the ends of the open interval, refused before the data are loaded
+        with pytest.raises(ValueError, match=r"^val_fraction: expected a number in \(0, 1\)"):
+            dd.load_digits_data(2, bad)
 
 
 def test_missing_scikit_learn_names_the_extra(monkeypatch):
