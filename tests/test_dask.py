@@ -916,7 +916,8 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
     monkeypatch.setattr(bench_dask, "time", clock)
     monkeypatch.setattr(bench_dask, "open", fake_open, raising=False)
     shape = bench_dask.parse_shape("1x8x4x2")
-    rows = bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1, 2], 3, out=io.StringIO())
+    printed = io.StringIO()
+    rows = bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1, 2], 3, out=printed)
     for (kwargs, spawn), n in zip(made, (1, 2)):
         assert (kwargs["n_workers"], kwargs["threads_per_worker"], kwargs["processes"]) == (n, 1, True)
         assert kwargs["env"]["NPATTN_NUM_THREADS"] == "1"
@@ -929,6 +930,11 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
     # reads 1 (before) and 2 (after) for the one worker, then 3, 4 (before) and 5, 6 (after)
     assert (rows[0]["base_mib"], rows[0]["peak_mib"]) == ([100.0], [250.0])
     assert (rows[1]["base_mib"], rows[1]["peak_mib"]) == ([300.0, 400.0], [550.0, 650.0])
+    assert printed.getvalue().splitlines() == [
+        "  1 worker(s): 4.00 s (runs 4.00, 1.00, 6.00); peak RSS per worker 250 MiB "
+        "(before the run 100 MiB)",
+        "  2 worker(s): 2.00 s (runs 2.00, 3.00, 1.00); peak RSS per worker 550, 650 MiB "
+        "(before the run 300, 400 MiB)"]
     bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1], 1, malloc_trim=True,
                            out=io.StringIO())
     assert made[-1][1]["MALLOC_TRIM_THRESHOLD_"] is not None  # distributed's own setting kept

@@ -211,6 +211,34 @@ def test_the_command_s_samples_are_drawn_as_their_heading_says(tmp_path, monkeyp
     assert (out / "samples.txt").read_text(encoding="utf-8").count("(temperature 0.8, top-k 10)") == 3
 
 
+def test_the_loss_plot_draws_each_curve_at_its_steps(tmp_path, monkeypatch):
+    """Step s's training loss is s - 1 here: the 50-step mean ending at step s is s - 25.5,
+    drawn from step 50 on; the validation losses at their steps; the uniform level ln 8."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = []
+    savefig = Figure.savefig
+
+    def recording_savefig(self, *args, **kwargs):
+        saved.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    hist = GPTHistory(train_loss=[float(i) for i in range(60)], val_steps=[30, 60],
+                      val_loss=[2.0, 1.0], vocab=8)
+    save_loss_plot(hist, str(tmp_path / "loss.png"))
+    lines = {line.get_label(): line for line in saved[0].axes[0].get_lines()}
+    batch, mean = lines["training batch"], lines["training, 50-step mean"]
+    np.testing.assert_array_equal(batch.get_xdata(), np.arange(1, 61))
+    np.testing.assert_array_equal(batch.get_ydata(), np.arange(60))
+    np.testing.assert_array_equal(mean.get_xdata(), np.arange(50, 61))
+    np.testing.assert_allclose(mean.get_ydata(), np.arange(50, 61) - 25.5, rtol=1e-12)
+    val = lines["validation (held-out 10 %)"]
+    assert list(val.get_xdata()) == [30, 60] and list(val.get_ydata()) == [2.0, 1.0]
+    assert list(lines["uniform, ln 8"].get_ydata()) == [math.log(8)] * 2
+
+
 def test_format_summary_by_hand():
     """60 steps in 3 s is 50 ms a step; the last 50 training losses are 1.0; ln 8 = 2.079."""
     hist = GPTHistory(train_loss=[3.0] * 10 + [1.0] * 50, val_steps=[30, 60], val_loss=[2.5, 1.5],
