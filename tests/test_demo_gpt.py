@@ -150,9 +150,12 @@ def test_train_takes_the_config_s_model_settings():
 
 
 @pytest.mark.parametrize("field", ["block_size", "steps", "eval_every", "eval_batches", "batch"])
-def test_train_refuses_a_size_below_one(field):
-    with pytest.raises(ValueError, match=rf"^cfg\.{field}: expected an int >= 1, got 0"):
-        train(GPTDemoConfig(**{**TINY, field: 0}), text="abcdefghij", progress=False)
+@pytest.mark.parametrize("value, error", [(0, ValueError), (2.5, TypeError)])
+def test_train_refuses_a_size_that_is_not_a_positive_int(field, value, error):
+    """As the reverse demo's train: steps=2.5 failed in the progress bar as "total: expected an
+    int >= 0" after the model was built, eval_every=2.5 evaluated at every fifth step."""
+    with pytest.raises(error, match=rf"^cfg\.{field}: expected a positive int, got .*{value!r}"):
+        train(GPTDemoConfig(**{**TINY, field: value}), text="abcdefghij", progress=False)
 
 
 @pytest.mark.parametrize("training", [True, False])

@@ -31,6 +31,7 @@ import numpy as np
 from .. import nn
 from ..backend import backend_name, from_numpy, resolve_backend, to_numpy
 from ..gpt import GPT, training_step
+from ..validation import check_positive_int
 from .progress import ProgressBar
 
 __all__ = ["GPTDemoConfig", "GPTHistory", "CharCodec", "corpus", "longest_context", "train",
@@ -137,10 +138,13 @@ def _lr(cfg: GPTDemoConfig, step: int) -> float:
 
 
 def train(cfg: GPTDemoConfig, *, text: Optional[str] = None, progress: bool = True, stream=None):
-    """Train a character GPT on ``text`` (default: ``corpus()``); returns ``(model, codec, history)``."""
+    """Train a character GPT on ``text`` (default: ``corpus()``); returns ``(model, codec, history)``.
+
+    ``cfg.block_size``, ``steps``, ``eval_every``, ``eval_batches`` and ``batch`` are positive
+    ints (else ``TypeError`` / ``ValueError`` naming the field, before the text is read).
+    """
     for name in ("block_size", "steps", "eval_every", "eval_batches", "batch"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"cfg.{name}: expected an int >= 1, got {getattr(cfg, name)!r}")
+        check_positive_int(f"cfg.{name}", getattr(cfg, name))
     text = corpus() if text is None else text
     codec = CharCodec(text)
     data = codec.encode(text)
