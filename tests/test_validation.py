@@ -749,6 +749,10 @@ FUNCTIONAL_CASES = [
      ("mask", "(2, 4)")),
     ("softmax x int", lambda: F.masked_softmax_forward(np.ones((2, 3), np.int32)), TypeError,
      ("x", "floating", "int32")),
+    ("softmax sink shape", lambda: F.masked_softmax_forward(_x(2, 3), sink=_x(2, 3)), ValueError,
+     ("sink", "(2, 1)", "(2, 3)")),
+    ("softmax sink dtype", lambda: F.masked_softmax_forward(_x(2, 3), sink=_x(2, 1, dtype=np.float32)),
+     TypeError, ("sink", "float64", "float32")),
     ("softmax dp shape", lambda: F.masked_softmax_backward(_x(2, 4), _cache(lambda: F.masked_softmax_forward(_x(2, 3)))),
      ValueError, ("dp", "(2, 3)", "(2, 4)")),
     # dropout
