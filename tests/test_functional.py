@@ -401,6 +401,25 @@ def test_masked_keys_do_not_change_the_output(xp, to_xp, to_np, dims, kind, form
     np.testing.assert_allclose(to_np(out1), to_np(out2), rtol=1e-12, atol=1e-12)
 
 
+def test_sdpa_scale_zero_is_a_scale_not_the_default(xp, to_xp, to_np):
+    """scale = 0 is taken as given, not as "no scale": every score is 0, so each query
+    weighs the Lk keys alike (1 / Lk), out is the mean of v's rows and lse = log(Lk); the
+    scores do not depend on q or k, so dq = dk = 0, and dv_j = sum_i dout_i / Lk."""
+    rng = np.random.default_rng(8)
+    B, H, Lq, Lk, Dh, Dv = 2, 2, 3, 5, 4, 2
+    q, k = rng.standard_normal((B, H, Lq, Dh)), rng.standard_normal((B, H, Lk, Dh))
+    v, dout = rng.standard_normal((B, H, Lk, Dv)), rng.standard_normal((B, H, Lq, Dv))
+    out, cache = F.sdpa_forward(to_xp(q), to_xp(k), to_xp(v), scale=0.0)
+    want = np.broadcast_to(np.mean(v, axis=-2, keepdims=True), (B, H, Lq, Dv))
+    np.testing.assert_allclose(to_np(out), want, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(to_np(cache.lse), np.full((B, H, Lq), math.log(Lk)), rtol=1e-12)
+    dq, dk, dv, _, _ = F.sdpa_backward(to_xp(dout), cache)
+    np.testing.assert_array_equal(to_np(dq), np.zeros((B, H, Lq, Dh)))
+    np.testing.assert_array_equal(to_np(dk), np.zeros((B, H, Lk, Dh)))
+    want_dv = np.broadcast_to(np.sum(dout, axis=-2, keepdims=True) / Lk, (B, H, Lk, Dv))
+    np.testing.assert_allclose(to_np(dv), want_dv, rtol=1e-12, atol=1e-15)
+
+
 def test_fully_masked_batch_gives_zeros_and_zero_gradients(xp, to_xp, to_np):
     rng = np.random.default_rng(3)
     q, k, v = (to_xp(rng.standard_normal((2, 2, L, 4))) for L in (3, 5, 5))
