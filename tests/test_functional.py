@@ -276,6 +276,32 @@ def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(dx), to_np(y))
 
 
+def test_a_failed_call_leaves_the_generator_as_it_was(xp, to_xp, to_np, monkeypatch):
+    """dropout_forward and sdpa_forward draw their dropout key from the caller's generator
+    before the mask is made; should making it fail (here a MemoryError), the generator is
+    put back, and the retry draws the mask of a fresh generator of the same seed."""
+    rng = np.random.default_rng(9)
+    x = to_xp(rng.standard_normal((3, 4)))
+    q, k, v = (to_xp(rng.standard_normal((1, 2, L, 3))) for L in (3, 4, 4))
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    gen = np.random.default_rng(4)
+    state = gen.bit_generator.state
+    monkeypatch.setattr(F, "keep_mask", out_of_memory)
+    with pytest.raises(MemoryError):
+        F.dropout_forward(x, 0.5, rng=gen)
+    assert gen.bit_generator.state == state
+    with pytest.raises(MemoryError):
+        F.sdpa_forward(q, k, v, dropout_p=0.5, rng=gen)
+    assert gen.bit_generator.state == state
+    monkeypatch.undo()
+    y, _ = F.dropout_forward(x, 0.5, rng=gen)
+    y0, _ = F.dropout_forward(x, 0.5, rng=np.random.default_rng(4))
+    np.testing.assert_array_equal(to_np(y), to_np(y0))
+
+
 def test_dropout_with_p_zero_applies_a_given_keep_mask(xp, to_xp, to_np):
     """p = 0 with a keep-mask drops the entries it drops, scaled by 1 / (1 - 0) = 1:
     y = where(keep, x, 0), dx = where(keep, dy, 0), and so do the weights of
