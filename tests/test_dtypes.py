@@ -308,6 +308,29 @@ def test_a_numpy_scalar_dropout_p_keeps_the_dtype(p, dtype):
     assert compat.flash_attn_func(b, kb, vb, dropout_p=p, softcap=5.0, rng=3).dtype == dtype
 
 
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_float64_slopes_and_a_numpy_softcap_keep_float32(impl):
+    """ALiBi slopes are constants of any real floating dtype, used in the dtype of the
+    scores, and softcap is any real number: float64 slopes and a NumPy float64 softcap
+    (NumPy 2 promotes float32 with either to float64) leave out, lse and the gradients
+    float32, equal to the call with float32 slopes and the Python float."""
+    from npattn import attention as A
+
+    rng = np.random.default_rng(12)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32)
+                     for s in ((2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 4), (2, 2, 3, 4)))
+    slopes = rng.uniform(0.1, 1.0, 2)  # float64
+    got = A.sdpa_forward(q, k, v, impl=impl, alibi_slopes=slopes, softcap=np.float64(2.0))
+    want = A.sdpa_forward(q, k, v, impl=impl, alibi_slopes=slopes.astype(np.float32), softcap=2.0)
+    for (out, cache), name in ((got, "got"), (want, "want")):
+        assert out.dtype == cache.lse.dtype == np.float32, name
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1].lse, want[1].lse)
+    for g, g0 in zip(A.sdpa_backward(dout, got[1])[:3], A.sdpa_backward(dout, want[1])[:3]):
+        assert g.dtype == np.float32
+        np.testing.assert_array_equal(g, g0)
+
+
 @pytest.mark.parametrize("backend_name,dtype_name", HALF_CASES, ids=[f"{b}-{d}" for b, d in HALF_CASES])
 def test_half_precision_sums_over_rows_run_in_float32(backend_name, dtype_name, monkeypatch):
     """A bias gradient (a linear layer's, or ``append_kv``'s bias key) and a gradient summed
