@@ -530,6 +530,24 @@ def test_segments_mask_builder_equals_the_option():
     np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)
 
 
+def test_is_plain_and_is_positional_by_their_definitions():
+    """What the dispatcher reads to refuse the NumPy kernel and the chunked path: plain is
+    no option at all (an alignment counts only with is_causal, the one diagonal it moves
+    without a window); positional allows a window and an alignment, nothing else."""
+    q, k = np.zeros((2, 2, 3, 4)), np.zeros((2, 2, 5, 4))
+    seg = dict(q_segments=np.zeros((2, 3), np.int64), k_segments=np.zeros((2, 5), np.int64))
+    plain, bottom = F.score_options(q, k), F.score_options(q, k, align="bottom_right")
+    assert F.is_plain(plain, False) and F.is_plain(plain, True) and F.is_plain(bottom, False)
+    assert not F.is_plain(bottom, True)
+    assert F.is_positional(plain) and F.is_positional(bottom)
+    for kw in (dict(window=(1, None)), dict(window=(None, 1))):
+        o = F.score_options(q, k, **kw)
+        assert not F.is_plain(o, False) and F.is_positional(o), kw
+    for kw in (dict(softcap=1.0), dict(alibi_slopes=np.ones(2)), dict(sinks=np.zeros(2)), seg):
+        o = F.score_options(q, k, **kw)
+        assert not F.is_plain(o, False) and not F.is_positional(o), kw
+
+
 def test_a_window_given_as_a_list_is_the_pair():
     rng = np.random.default_rng(12)
     q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
