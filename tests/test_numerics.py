@@ -156,6 +156,20 @@ def test_float16_masked_softmax_is_the_float32_computation(xp):
         np.testing.assert_array_equal(to_numpy(dx), to_numpy(xp.astype(dx32, f16)))
         if mask is not None:
             np.testing.assert_array_equal(to_numpy(dmask), to_numpy(xp.astype(dmask32, f16)))
+    # a sink (of x's dtype) and dlse (of lse's, float32): p, dx and dsink come back float16,
+    # the float32 computation rounded once
+    sink = from_numpy((2.0 * rng.standard_normal((2, 3, 1))).astype(np.float16), xp)
+    dlse = from_numpy(rng.standard_normal((2, 3, 1)).astype(np.float32), xp)
+    p, cache = F.masked_softmax_forward(x, sink=sink)
+    p32, cache32 = F.masked_softmax_forward(xp.astype(x, xp.float32), sink=xp.astype(sink, xp.float32))
+    assert p.dtype == f16 and cache.lse.dtype == xp.float32
+    np.testing.assert_array_equal(to_numpy(p), to_numpy(xp.astype(p32, f16)))
+    grads = F.masked_softmax_backward(dp, cache, dlse=dlse)
+    grads32 = F.masked_softmax_backward(xp.astype(dp, xp.float32), cache32, dlse=dlse)
+    for name in ("dx", "dsink"):
+        g, g32 = getattr(grads, name), getattr(grads32, name)
+        assert g.dtype == f16, name
+        np.testing.assert_array_equal(to_numpy(g), to_numpy(xp.astype(g32, f16)))
 
 
 def test_float16_module(backend, xp):
