@@ -276,6 +276,21 @@ def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(dx), to_np(y))
 
 
+def test_dropout_cache_holds_the_drawn_key(xp, to_xp, to_np):
+    """``cache.key`` is the one key drawn from ``rng`` (``backend.dropout_key``), and the
+    keep-mask is that key's (``backend.keep_mask``); a given keep-mask, or p = 0 without
+    one, draws none and keeps None."""
+    from npattn.backend import device_of, dropout_key, keep_mask
+
+    x = to_xp(np.ones((4, 6)))
+    _, cache = F.dropout_forward(x, 0.3, rng=5)
+    assert cache.key == dropout_key(5)
+    want = keep_mask(dropout_key(5), 0.3, (4, 6), xp, device_of(x))
+    np.testing.assert_array_equal(to_np(cache.keep), to_np(want))
+    assert F.dropout_forward(x, 0.3, mask=to_xp(np.ones((4, 6), dtype=bool)))[1].key is None
+    assert F.dropout_forward(x, 0.0, rng=5)[1].key is None
+
+
 def test_a_failed_call_leaves_the_generator_as_it_was(xp, to_xp, to_np, monkeypatch):
     """dropout_forward and sdpa_forward draw their dropout key from the caller's generator
     before the mask is made; should making it fail (here a MemoryError), the generator is
