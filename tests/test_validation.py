@@ -753,6 +753,9 @@ FUNCTIONAL_CASES = [
      ("sink", "(2, 1)", "(2, 3)")),
     ("softmax sink dtype", lambda: F.masked_softmax_forward(_x(2, 3), sink=_x(2, 1, dtype=np.float32)),
      TypeError, ("sink", "float64", "float32")),
+    ("softmax dlse shape", lambda: F.masked_softmax_backward(_x(2, 3), _cache(lambda: F.masked_softmax_forward(_x(2, 3))),
+                                                             dlse=_x(2, 3)),
+     ValueError, ("dlse", "(2, 1)", "(2, 3)")),
     ("softmax dp shape", lambda: F.masked_softmax_backward(_x(2, 4), _cache(lambda: F.masked_softmax_forward(_x(2, 3)))),
      ValueError, ("dp", "(2, 3)", "(2, 4)")),
     # dropout
@@ -767,6 +770,8 @@ FUNCTIONAL_CASES = [
     ("dropout rng < 0", lambda: F.dropout_forward(_x(2, 3), 0.5, rng=-1), ValueError, ("rng", "-1")),
     ("dropout cache", lambda: F.dropout_backward(_x(2, 3), F.SoftmaxCache(None, None)), TypeError,
      ("cache", "DropoutCache", "SoftmaxCache")),
+    ("dropout keep of a cache made by hand", lambda: F.dropout_backward(_x(3, 1), F.DropoutCache(np.ones((3, 4), bool), 2.0)),
+     ValueError, ("cache.keep", "(3, 1)", "(3, 4)")),
     ("dropout dy shape", lambda: F.dropout_backward(_x(2, 2), _cache(lambda: F.dropout_forward(_x(2, 3), 0.5, rng=0))),
      ValueError, ("dy", "(2, 3)", "(2, 2)")),
     # the upstream gradient against the forward: not broadcast, not of another dtype or library
