@@ -625,6 +625,14 @@ def test_select_impl():
         A.select_impl("blocked", small, small, small, need_weights=True)
     with pytest.raises(ValueError, match="impl"):
         A.select_impl("fast", small, small, small)
+    # a dropout mask that would grow the scores is not the kernel's either
+    assert A.select_impl("auto", small, small, small, dropout_mask=_big(3, 2, 4, 8, 8) > 0) == "reference"
+    # kernel options (plain=False): positional defaults to plain, so the kernel is not taken ...
+    assert A.select_impl("auto", small, small, small, plain=False) == "reference"
+    with pytest.raises(ValueError, match="^impl='numpy': the kernel options"):
+        A.select_impl("numpy", small, small, small, plain=False)
+    # ... unless they are a window or align only (positional), which the kernel takes
+    assert A.select_impl("auto", small, small, small, plain=False, positional=True) == "numpy"
 
 
 def test_select_impl_on_other_backends(backend, xp, to_xp):
@@ -695,6 +703,41 @@ def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
             A.sdpa_forward(q, k[0, 0, 0, ...], v, impl=impl)
         with pytest.raises(ValueError, match=r"^v: expected at least 2 axes \(\.\.\., Lk, Dv\), got shape \(\)"):
             A.sdpa_forward(q, k, v[0, 0, 0, 0], impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+def test_dispatcher_names_a_bad_rng_or_dropout_p_and_draws_nothing(impl):
+    """A bad rng or dropout_p is refused by the dispatcher's checks, naming the argument,
+    before the dropout key is drawn: not later by NumPy's seeding (a message that names
+    nothing) or by the keep-mask draw (which names ``p``)."""
+    r = np.random.default_rng(2)
+    q, k, v = r.standard_normal((1, 2, 3, 4)), r.standard_normal((1, 2, 5, 4)), r.standard_normal((1, 2, 5, 3))
+    with pytest.raises(TypeError, match="^rng: expected None, a non-negative int seed"):
+        A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.5, rng="seed")
+    with pytest.raises(TypeError, match="^rng: expected None"):  # whatever dropout_p
+        A.sdpa_forward(q, k, v, impl=impl, rng=1.5)
+    gen = np.random.default_rng(1)
+    state = gen.bit_generator.state
+    for p in (1.5, 1.0, -0.1):
+        with pytest.raises(ValueError, match=r"^dropout_p: expected .*\[0, 1\)"):
+            A.sdpa_forward(q, k, v, impl=impl, dropout_p=p, rng=gen)
+    assert gen.bit_generator.state == state
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked"])
+def test_a_forward_with_dropout_takes_one_64_bit_word_from_the_generator(impl):
+    """One key per forward (docs/conventions.md), a 63-bit integer: one 64-bit word of the
+    caller's bit generator, whichever implementation runs, so the caller's later draws do not
+    depend on it. A forward without dropout takes nothing."""
+    r = np.random.default_rng(6)
+    q, k, v = r.standard_normal((2, 2, 5, 3)), r.standard_normal((2, 2, 7, 3)), r.standard_normal((2, 2, 7, 4))
+    gen, twin = np.random.default_rng(8), np.random.default_rng(8)
+    blocks = dict(block_q=2, block_k=3) if impl == "blocked" else {}
+    A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.3, rng=gen, **blocks)
+    twin.bit_generator.random_raw()  # one word
+    assert gen.bit_generator.state == twin.bit_generator.state
+    A.sdpa_forward(q, k, v, impl=impl, rng=gen, **blocks)
+    assert gen.bit_generator.state == twin.bit_generator.state
 
 
 # --------------------------------------------------------------------------
