@@ -482,6 +482,43 @@ def test_keep_mask_of_a_vector_is_row_0_of_the_documented_hash():
     np.testing.assert_array_equal(got, [_keep_entry(key, p, (), 0, j) for j in range(9)])
 
 
+def _lowbias32_inverse(x):
+    """The inverse of ``_lowbias32``, its steps undone in reverse: an xorshift by 16 is its own
+    inverse, one by 15 is undone by ``x ^ x >> 15 ^ x >> 30``, and a product with an odd
+    constant by the product with its inverse mod 2^32."""
+    x ^= x >> 16
+    x = (x * pow(0x846CA68B, -1, 2**32)) & 0xFFFFFFFF
+    x ^= (x >> 15) ^ (x >> 30)
+    x = (x * pow(0x7FEB352D, -1, 2**32)) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+def test_keep_mask_at_the_edges_of_p_and_of_the_key():
+    """Keys made for entry (0, 0) of a 2-D mask to hash to a chosen u: with its high half 0
+    (hash(0) = 0) u = hash(hash(lo)), so lo = hash^-1(hash^-1(u)). At p = 0 the entry of
+    u = 0 is kept (every entry is). At p = 1 - 2^-40, round(p 2^32) = 2^32 is clipped to
+    2^32 - 1: only u = 2^32 - 1 is kept and u = 2^32 - 2 is dropped (a threshold of 2^32
+    does not fit uint32; one of 2^32 - 2 would keep it). Keys up to 2^64 - 1 are taken, the
+    documented hash of both halves; 2^64 is refused. A 0-d shape is entry (0, 0)."""
+    from npattn import backend as npb
+
+    assert _lowbias32(0) == 0 and all(_lowbias32(_lowbias32_inverse(u)) == u for u in (1, 2**31, 2**32 - 1))
+    near_1 = 1 - 2.0**-40
+    for u, p, kept in ((0, 0.0, True), (2**32 - 1, near_1, True), (2**32 - 2, near_1, False),
+                       (2**32 - 1, 0.5, True), (0, 2.0**-33, True), (0, 2.0**-32, False)):
+        key = _lowbias32_inverse(_lowbias32_inverse(u))
+        assert _entry_hash(key, (), 0, 0) == u
+        assert bool(npb.keep_mask(key, p, (1, 1), np)[0, 0]) is kept, (u, p)
+        assert bool(npb.keep_mask(key, p, (), np)) is kept, (u, p)
+    assert not npb.keep_mask(5, near_1, (4, 6), np).any()  # each kept with probability 2^-32
+    for key in (2**63, 2**64 - 1, (0xFFFF_0000 << 32) | 7):
+        want = [[_keep_entry(key, 0.4, (), i, j) for j in range(5)] for i in range(3)]
+        np.testing.assert_array_equal(npb.keep_mask(key, 0.4, (3, 5), np), want)
+    with pytest.raises(ValueError, match=r"^key: expected an int in \[0, 2\*\*64\)"):
+        npb.keep_mask(2**64, 0.4, (3, 5), np)
+
+
 def test_a_drop_probability_of_1_is_refused_by_the_mask_draw():
     from npattn import backend as npb
 
