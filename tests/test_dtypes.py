@@ -278,6 +278,21 @@ def test_mixing_devices_raises(strict_device1):
     assert device_of(m.params["w_q"]) != dev
 
 
+def test_check_same_device_names_each_array_off_the_first_ones_device(strict_device1):
+    """check_same_device compares every array after the first (None skipped) with the first
+    one's device and names the first that differs, the second included."""
+    from npattn.backend import check_same_device
+
+    xps, dev = strict_device1
+    cpu, other = xps.asarray([1.0, 2.0]), xps.asarray([1.0, 2.0], device=dev)
+    check_same_device(a=cpu, b=None, c=cpu)
+    check_same_device(a=other, b=other)
+    for arrays, name in ((dict(a=cpu, b=other), "b"), (dict(a=other, b=cpu), "b"),
+                         (dict(a=cpu, b=None, c=cpu, d=other), "d")):
+        with pytest.raises(ValueError, match=f"^{name}: expected an array on device .* like a, got device"):
+            check_same_device(**arrays)
+
+
 @pytest.mark.parametrize("p", [np.float64(0.25), np.float32(0.25)], ids=["np.float64", "np.float32"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_numpy_scalar_dropout_p_keeps_the_dtype(p, dtype):

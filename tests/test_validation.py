@@ -61,6 +61,63 @@ def test_construction_rejects_backend(backend_arg, exc, fragment):
         MultiHeadAttention(8, 2, backend=backend_arg)
 
 
+def test_a_library_module_resolves_to_its_array_api_namespace():
+    """backend= a NumPy, torch or dask.array module is the array_api_compat namespace of that
+    library, the one ``namespace`` gives for its arrays (NumPy's own module differs from it);
+    a module missing asarray or matmul is not a namespace and is refused by name."""
+    import types
+
+    import array_api_compat
+
+    from npattn.backend import namespace, resolve_backend
+
+    assert resolve_backend(np) is resolve_backend("numpy") is namespace(np.zeros(2))
+    assert resolve_backend(np) is not np
+    for name, module in (("torch", "torch"), ("dask", "dask.array")):
+        lib = pytest.importorskip(module)
+        assert resolve_backend(lib) is resolve_backend(name)
+        assert resolve_backend(lib).__name__ == "array_api_compat." + module
+    assert array_api_compat.numpy is resolve_backend(np)
+    for attrs in (("asarray",), ("matmul",)):
+        fake = types.ModuleType("half_an_api")
+        for a in attrs:
+            setattr(fake, a, getattr(np, a))
+        with raises(TypeError, "backend: expected an Array API namespace module", "half_an_api"):
+            resolve_backend(fake)
+
+
+def test_mixed_libraries_are_refused_naming_the_odd_array():
+    """namespace(..., names=) names the first array that is not of the first array's library,
+    and that library by the first array's name; without names, every library is listed."""
+    torch = pytest.importorskip("torch")
+    from npattn.backend import namespace
+
+    a, t = np.zeros((2, 3)), torch.zeros((2, 3))
+    with pytest.raises(TypeError, match=r"^v: expected an array of the library of q \(numpy\.ndarray\), "
+                                        r"got torch\.Tensor"):
+        namespace(a, None, t, names=["q", "k", "v"])
+    with pytest.raises(TypeError, match="^arrays from different array libraries were mixed: "
+                                        "numpy.ndarray, torch.Tensor"):
+        namespace(a, t)
+
+
+def test_host_copies_refuse_what_numpy_cannot_hold_and_extension_dtypes_are_no_kind():
+    """to_numpy of a torch bfloat16 tensor is a TypeError naming x and the cast (NumPy has no
+    bfloat16); isdtype says False for ml_dtypes' bfloat16 on NumPy (NumPy's isdtype raises
+    for it) whatever the kind, so it is neither floating, integral nor bool."""
+    from npattn.backend import isdtype, namespace
+
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^x: expected a tensor of a dtype NumPy has, got "
+                                        r"torch\.bfloat16 \(cast it first"):
+        to_numpy(torch.zeros(3, dtype=torch.bfloat16))
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    xp, bf16 = namespace(np.zeros(1)), np.dtype(ml_dtypes.bfloat16)
+    for kind in ("real floating", "integral", "bool", "numeric"):
+        assert isdtype(xp, bf16, kind) is False, kind
+    assert isdtype(xp, np.dtype(np.float32), "real floating") is True
+
+
 def test_float16_on_a_backend_without_it():
     pytest.importorskip("array_api_strict")
     with raises(ValueError, "dtype", "array_api_strict", "float16"):
