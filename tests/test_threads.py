@@ -510,6 +510,82 @@ def test_a_failing_tile_releases_the_pool_blas_and_the_lock(monkeypatch):
 # NPATTN_NUM_THREADS
 
 
+def test_the_pool_is_the_usable_cpus_at_most_8_unless_the_variable_says(monkeypatch):
+    """Without NPATTN_NUM_THREADS (or with it blank) the pool has as many threads as the
+    process may use CPUs, at most 8; the variable overrides the cap."""
+    from npattn import backend
+
+    if backend.blas_controller() is None:
+        pytest.skip("without threadpoolctl the pool has one thread")
+    monkeypatch.delenv("NPATTN_NUM_THREADS", raising=False)
+    for cpus, threads in ((1, 1), (3, 3), (8, 8), (9, 8), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert backend.pool_threads() == threads, cpus
+        monkeypatch.setenv("NPATTN_NUM_THREADS", " ")
+        assert backend.pool_threads() == threads, cpus
+        monkeypatch.delenv("NPATTN_NUM_THREADS")
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "12")
+    assert backend.pool_threads() == 12
+
+
+def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
+    """run_tasks calls fn once per task, at any thread count. Three tasks that each wait for
+    the other two (a barrier of 3) finish only on three threads at once: after a run on two
+    threads the pool is made anew for three, and the old pool's threads end."""
+    from npattn import backend
+
+    done = []
+    lock = threading.Lock()
+
+    def record(i):
+        with lock:
+            done.append(i)
+
+    with backend.exclusive():
+        for threads in (1, 2, 3):
+            done.clear()
+            backend.run_tasks(record, [(i,) for i in range(7)], threads)
+            assert sorted(done) == list(range(7)), threads
+        backend.run_tasks(record, [(0,), (1,)], 2)
+        two = {t for t in threading.enumerate() if t.name.startswith("npattn")}
+        barrier = threading.Barrier(3, timeout=30)
+        met = []
+        backend.run_tasks(lambda i: met.append(barrier.wait()), [(i,) for i in range(3)], 3)
+        assert sorted(met) == [0, 1, 2]
+    for t in two:
+        t.join(30)
+        assert not t.is_alive(), "a pool of an earlier thread count was left running"
+
+
+def test_the_reference_backward_runs_under_the_lock(monkeypatch):
+    """sdpa_backward of the reference's cache runs inside exclusive(), like every other
+    implementation: a thread that asks for the lock meanwhile waits until it returns."""
+    from npattn.backend import exclusive
+
+    q, k, v, dout, kw = _inputs(4, 1, 2, 1, 3, 5, 2, 2)
+    _, cache = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    real, got_in, threads = F.sdpa_backward, [], []
+
+    def probe(*a, **kw):
+        entered = threading.Event()
+
+        def other():
+            with exclusive():
+                entered.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        threads.append(t)
+        got_in.append(entered.wait(0.5))  # False while the backward holds the lock
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "sdpa_backward", probe)
+    A.sdpa_backward(dout, cache)
+    for t in threads:
+        t.join(30)
+    assert got_in == [False]
+
+
 @pytest.mark.parametrize("value", ["0", "x", "-2", "1.5"])
 def test_bad_num_threads_is_refused_before_computing(value, monkeypatch):
     q, k, v, dout, kw = _inputs(3, 2, 2, 2, 5, 6, 3, 2, "float", "none", causal=True)
@@ -661,10 +737,10 @@ def test_without_threadpoolctl_tiles_run_in_order_whatever_the_variable_says(mon
         assert backend.pool_threads() == 3
 
 
-def _fail_after_the_draw(monkeypatch, module, name):
-    """Make ``module.name`` (a step that runs once the dropout key is drawn) raise MemoryError."""
+def _fail_after_the_draw(monkeypatch, module, name, error=MemoryError):
+    """Make ``module.name`` (a step that runs once the dropout key is drawn) raise ``error``."""
     def failing(*a, **kw):
-        raise MemoryError("out of memory after the draw")
+        raise error("out of memory after the draw")
 
     monkeypatch.setattr(module, name, failing)
 
@@ -674,16 +750,17 @@ _AFTER_THE_DRAW = {"reference": (F, "keep_mask"), "numpy": (numpy_kernel, "keyed
                    "blocked": (blocked, "keyed_keep_mask_on")}
 
 
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
 @pytest.mark.parametrize("rng_kind", ["generator", "bit_generator"])
 @pytest.mark.parametrize("entry, impl", [("attention", "reference"), ("attention", "numpy"),
                                          ("attention", "blocked"), ("functional", "reference"),
                                          ("dropout", "reference")])
-def test_a_failed_forward_leaves_the_callers_generator_as_it_was(entry, impl, rng_kind,
+def test_a_failed_forward_leaves_the_callers_generator_as_it_was(entry, impl, rng_kind, error,
                                                                  monkeypatch):
     """The caller's generator is the state of a functional call: a forward that fails after
     it drew its dropout key (memory) puts the generator back, so a retry draws the mask the
-    failed call would have used. ``entry``: ``attention.sdpa_forward``,
-    ``functional.sdpa_forward`` or ``functional.dropout_forward``."""
+    failed call would have used; an interrupt (not an Exception) too. ``entry``:
+    ``attention.sdpa_forward``, ``functional.sdpa_forward`` or ``functional.dropout_forward``."""
     r = np.random.default_rng(3)
     q, k, v = (r.standard_normal(s) for s in ((2, 2, 9, 4), (2, 2, 11, 4), (2, 2, 11, 3)))
     gen = np.random.default_rng(21) if rng_kind == "generator" else np.random.PCG64(21)
@@ -701,8 +778,8 @@ def test_a_failed_forward_leaves_the_callers_generator_as_it_was(entry, impl, rn
         return out, A.dropout_keep_mask(cache)
 
     with monkeypatch.context() as mp:
-        _fail_after_the_draw(mp, *_AFTER_THE_DRAW[impl])
-        with pytest.raises(MemoryError, match="after the draw"):
+        _fail_after_the_draw(mp, *_AFTER_THE_DRAW[impl], error=error)
+        with pytest.raises(error, match="after the draw"):
             forward(gen)
     state = (gen.bit_generator if rng_kind == "generator" else gen).state
     assert state == (twin.bit_generator if rng_kind == "generator" else twin).state
