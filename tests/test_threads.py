@@ -355,6 +355,82 @@ def test_fork_while_another_thread_holds_blas_gives_the_child_its_blas_threads(m
     assert _blas_threads() == before
 
 
+@pytest.mark.filterwarnings(FORK_UNDER_JAX)
+def test_fork_while_another_thread_is_inside_nested_holds():
+    """Another thread is inside two nested BLAS holds at the fork: the child restores the
+    counts from before the outer one (the inner one found them at 1), and gives up
+    threadpoolctl's control of OpenBLAS, so that a hold a new thread takes in the child holds."""
+    from npattn.backend import limit_blas_threads
+
+    before = _blas_threads()
+    if all(n == 1 for _, n in before):
+        pytest.skip("BLAS runs on one thread here: a hold to one thread changes nothing")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with limit_blas_threads(1), limit_blas_threads(1):
+            inside.set()
+            release.wait(120)
+
+    def child():
+        after_fork, seen = dict(_blas_info()), []
+
+        def held():
+            with limit_blas_threads(1):
+                seen.append(dict(_blas_info()))
+
+        t = threading.Thread(target=held)
+        t.start()
+        t.join(30)
+        return after_fork, seen[0], dict(_blas_info())
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert inside.wait(30)
+        after_fork, in_hold, after = _in_forked_child(child, timeout=60)
+    finally:
+        release.set()
+        t.join(30)
+    assert [(path, after_fork.get(path)) for path, _ in before] == before
+    assert [(path, in_hold.get(path)) for path, _ in before] == [(path, 1) for path, _ in before]
+    assert [(path, after.get(path)) for path, _ in before] == before
+    assert _blas_threads() == before
+
+
+@pytest.mark.filterwarnings(FORK_UNDER_JAX)
+@pytest.mark.parametrize("another", [False, True], ids=["alone", "another thread holds too"])
+def test_fork_from_inside_a_hold_of_its_own_keeps_it_in_the_child(another):
+    """The forking thread is inside a BLAS hold (alone, or while another thread holds): in the
+    child that hold stands, BLAS at one thread, and ends as it began; no count is restored
+    under it."""
+    from npattn.backend import limit_blas_threads
+
+    before = _blas_threads()
+    if all(n == 1 for _, n in before):
+        pytest.skip("BLAS runs on one thread here: a hold to one thread changes nothing")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with limit_blas_threads(1):
+            inside.set()
+            release.wait(120)
+
+    t = threading.Thread(target=hold)
+    if another:
+        t.start()
+        assert inside.wait(30)
+    try:
+        with limit_blas_threads(1):
+            counts = _in_forked_child(lambda: dict(_blas_info()), timeout=60)
+    finally:
+        release.set()
+        if another:
+            t.join(30)
+    assert [(path, counts.get(path)) for path, _ in before] == [(path, 1) for path, _ in before]
+    assert _blas_threads() == before
+
+
 def test_a_thread_that_held_blas_leaves_the_hold_to_others():
     """A thread that held BLAS and lives on (a dask worker, say) must not keep threadpoolctl's
     control of OpenBLAS's count: another thread's hold afterwards holds."""
