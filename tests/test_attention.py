@@ -740,6 +740,34 @@ def test_a_forward_with_dropout_takes_one_64_bit_word_from_the_generator(impl):
     assert gen.bit_generator.state == twin.bit_generator.state
 
 
+def test_linear_backwards_hands_the_pooled_pairs_to_the_pool_once_and_the_rest_to_functional(
+        monkeypatch):
+    """Of several projections, those large enough for the tile pool go to it together, in one
+    hand-off, and only the others to ``functional.linear_backward``; every pair's gradients
+    are dx = dy w, dw = dy^T x over all rows, db = the sum of dy over them (by hand)."""
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 60)  # x.size * out features
+    r = np.random.default_rng(9)
+    shapes = [((2, 3, 5), 4), ((1, 2, 5), 3), ((4, 4, 5), 2)]  # 120 and 24 and 160 multiply-adds
+    pairs, hand = [], []
+    for xs, n in shapes:
+        x, w, b = r.standard_normal(xs), r.standard_normal((n, 5)), r.standard_normal(n)
+        y, cache = A.linear_forward(x, w, b)
+        dy = r.standard_normal(y.shape)
+        pairs.append((dy, cache))
+        dy2, x2 = dy.reshape(-1, n), x.reshape(-1, 5)
+        hand.append((dy @ w, dy2.T @ x2, dy2.sum(axis=0)))
+    to_functional, to_pool = [], []
+    real_f, real_pool = F.linear_backward, numpy_kernel.linear_backwards
+    monkeypatch.setattr(F, "linear_backward", lambda dy, c: to_functional.append(c.x.shape) or real_f(dy, c))
+    monkeypatch.setattr(numpy_kernel, "linear_backwards",
+                        lambda ps: to_pool.append([c.x.shape for _, c in ps]) or real_pool(ps))
+    got = A.linear_backwards(pairs)
+    assert to_pool == [[(2, 3, 5), (4, 4, 5)]] and to_functional == [(1, 2, 5)]
+    for g, h in zip(got, hand):
+        for a, e in zip(g, h):
+            np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------
 # the NumPy kernel's hygiene
 
