@@ -1066,6 +1066,26 @@ def test_the_audit_s_chunked_configurations_split_every_array_they_take(monkeypa
     assert masked >= 2
 
 
+def test_without_empty_chunks_drops_them_and_an_empty_axis_keeps_one():
+    """without_empty_chunks leaves out the chunks of length 0 of a dask array, keeps one chunk
+    (of length 0) on an axis of length 0 however many it had, changes no value, and returns
+    anything else (an array without such chunks, a NumPy array, None) as it is."""
+    from npattn.backend import without_empty_chunks
+
+    host = np.arange(12.0).reshape(4, 3)
+    x = da.from_array(host, chunks=((2, 0, 2), (0, 2, 1)))
+    got = without_empty_chunks(x)
+    assert got.chunks == ((2, 2), (2, 1))
+    np.testing.assert_array_equal(got.compute(), host)
+    empty = da.concatenate([x[:0], x[:0]], axis=0)  # an axis of length 0 in two chunks
+    assert empty.chunks[0] == (0, 0)
+    got = without_empty_chunks(empty)
+    assert got.chunks == ((0,), (2, 1)) and got.compute().shape == (0, 3)
+    plain = da.from_array(host, chunks=2)
+    assert without_empty_chunks(plain) is plain
+    assert without_empty_chunks(host) is host and without_empty_chunks(None) is None
+
+
 def test_empty_chunks_and_a_bad_dout():
     """dask allows chunks of length 0: they are left out of the plan, also when
     ``chunked.sdpa_forward`` is called directly (the blocked loops inside a pair task need
