@@ -633,14 +633,17 @@ def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
         assert not t.is_alive(), "a pool of an earlier thread count was left running"
 
 
-def test_the_reference_backward_runs_under_the_lock(monkeypatch):
-    """sdpa_backward of the reference's cache runs inside exclusive(), like every other
-    implementation: a thread that asks for the lock meanwhile waits until it returns."""
+@pytest.mark.parametrize("impl, module, name", [("reference", F, "sdpa_backward"),
+                                                ("numpy", numpy_kernel, "sdpa_backward"),
+                                                ("blocked", blocked, "sdpa_blocked_backward")])
+def test_every_backward_runs_under_the_lock(impl, module, name, monkeypatch):
+    """sdpa_backward runs each implementation's backward inside exclusive(): a thread that
+    asks for the lock meanwhile waits until it returns."""
     from npattn.backend import exclusive
 
     q, k, v, dout, kw = _inputs(4, 1, 2, 1, 3, 5, 2, 2)
-    _, cache = A.sdpa_forward(q, k, v, impl="reference", **kw)
-    real, got_in, threads = F.sdpa_backward, [], []
+    _, cache = A.sdpa_forward(q, k, v, impl=impl, **kw)
+    real, got_in, threads = getattr(module, name), [], []
 
     def probe(*a, **kw):
         entered = threading.Event()
@@ -655,7 +658,7 @@ def test_the_reference_backward_runs_under_the_lock(monkeypatch):
         got_in.append(entered.wait(0.5))  # False while the backward holds the lock
         return real(*a, **kw)
 
-    monkeypatch.setattr(F, "sdpa_backward", probe)
+    monkeypatch.setattr(module, name, probe)
     A.sdpa_backward(dout, cache)
     for t in threads:
         t.join(30)

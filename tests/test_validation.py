@@ -910,6 +910,7 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keyed_keep_mask(1, 2.0, [], np.arange(2), np.arange(3)), ValueError, "^p: expected"),
         (lambda: B.limit_blas_threads("x"), TypeError, "^n: expected None or an int >= 1"),
         (lambda: B.limit_blas_threads(0), ValueError, "^n: expected None or an int >= 1"),
+        (lambda: B.limit_blas_threads(True), TypeError, "^n: expected None or an int >= 1"),
         (lambda: F.causal_mask(np, -2, 3), ValueError, "^Lq: expected an int >= 0, got -2"),
         (lambda: P.rope_angles(np, np.arange(3), 0), ValueError, "^Dh: expected a positive int, got 0"),
         (lambda: P.rope_angles(np, np.arange(3), 4, base="x"), TypeError, "^base: expected a float > 1"),
