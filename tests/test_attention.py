@@ -711,7 +711,7 @@ def test_dispatcher_names_a_bad_rng_or_dropout_p_and_draws_nothing(impl):
     before the dropout key is drawn: not later by NumPy's seeding (a message that names
     nothing) or by the keep-mask draw (which names ``p``)."""
     r = np.random.default_rng(2)
-    q, k, v = r.standard_normal((1, 2, 3, 4)), r.standard_normal((1, 2, 5, 4)), r.standard_normal((1, 2, 5, 3))
+    q, k, v = (r.standard_normal(s) for s in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 3)))
     with pytest.raises(TypeError, match="^rng: expected None, a non-negative int seed"):
         A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.5, rng="seed")
     with pytest.raises(TypeError, match="^rng: expected None"):  # whatever dropout_p
@@ -730,7 +730,7 @@ def test_a_forward_with_dropout_takes_one_64_bit_word_from_the_generator(impl):
     caller's bit generator, whichever implementation runs, so the caller's later draws do not
     depend on it. A forward without dropout takes nothing."""
     r = np.random.default_rng(6)
-    q, k, v = r.standard_normal((2, 2, 5, 3)), r.standard_normal((2, 2, 7, 3)), r.standard_normal((2, 2, 7, 4))
+    q, k, v = (r.standard_normal(s) for s in ((2, 2, 5, 3), (2, 2, 7, 3), (2, 2, 7, 4)))
     gen, twin = np.random.default_rng(8), np.random.default_rng(8)
     blocks = dict(block_q=2, block_k=3) if impl == "blocked" else {}
     A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.3, rng=gen, **blocks)
