@@ -633,36 +633,41 @@ def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
         assert not t.is_alive(), "a pool of an earlier thread count was left running"
 
 
-@pytest.mark.parametrize("impl, module, name", [("reference", F, "sdpa_backward"),
-                                                ("numpy", numpy_kernel, "sdpa_backward"),
-                                                ("blocked", blocked, "sdpa_blocked_backward")])
-def test_every_backward_runs_under_the_lock(impl, module, name, monkeypatch):
-    """sdpa_backward runs each implementation's backward inside exclusive(): a thread that
-    asks for the lock meanwhile waits until it returns."""
+@pytest.mark.parametrize("impl, module, forward, backward", [
+    ("reference", F, "sdpa_forward_core", "sdpa_backward"),
+    ("numpy", numpy_kernel, "sdpa_forward", "sdpa_backward"),
+    ("blocked", blocked, "sdpa_blocked_forward_core", "sdpa_blocked_backward")])
+def test_every_forward_and_backward_runs_under_the_lock(impl, module, forward, backward,
+                                                        monkeypatch):
+    """The dispatcher runs each implementation's forward and backward inside exclusive(): a
+    thread that asks for the lock meanwhile waits until they return."""
     from npattn.backend import exclusive
 
     q, k, v, dout, kw = _inputs(4, 1, 2, 1, 3, 5, 2, 2)
+    got_in, threads = [], []
+
+    def probed(real):
+        def probe(*a, **kw):
+            entered = threading.Event()
+
+            def other():
+                with exclusive():
+                    entered.set()
+
+            t = threading.Thread(target=other)
+            t.start()
+            threads.append(t)
+            got_in.append(entered.wait(0.5))  # False while the call holds the lock
+            return real(*a, **kw)
+        return probe
+
+    for name in (forward, backward):
+        monkeypatch.setattr(module, name, probed(getattr(module, name)))
     _, cache = A.sdpa_forward(q, k, v, impl=impl, **kw)
-    real, got_in, threads = getattr(module, name), [], []
-
-    def probe(*a, **kw):
-        entered = threading.Event()
-
-        def other():
-            with exclusive():
-                entered.set()
-
-        t = threading.Thread(target=other)
-        t.start()
-        threads.append(t)
-        got_in.append(entered.wait(0.5))  # False while the backward holds the lock
-        return real(*a, **kw)
-
-    monkeypatch.setattr(module, name, probe)
     A.sdpa_backward(dout, cache)
     for t in threads:
         t.join(30)
-    assert got_in == [False]
+    assert got_in == [False, False]
 
 
 @pytest.mark.parametrize("value", ["0", "x", "-2", "1.5"])
