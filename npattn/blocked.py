@@ -418,6 +418,9 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> [..., Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, rng=rng)
+    # checked here, before the core draws its dropout key from rng (its own check comes after)
+    block_q = V.check_positive_int("block_q", block_q, allow_none=True)
+    block_k = V.check_positive_int("block_k", block_k, allow_none=True)
     G = F.gqa_groups(q, k, v, enable_gqa)
     options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,

@@ -463,7 +463,7 @@ def test_bad_arguments_name_themselves():
     q, k = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 5, 3))
     with pytest.raises(ValueError, match="block_q"):
         Bk.sdpa_blocked_forward(q, k, k, block_q=0)
-    with pytest.raises(ValueError, match="block_k"):
+    with pytest.raises(TypeError, match="block_k"):  # a float is the wrong kind, as in the dispatcher
         Bk.sdpa_blocked_forward(q, k, k, block_k=2.5)
     with pytest.raises(ValueError, match="mask"):
         Bk.sdpa_blocked_forward(q, k, k, mask=np.ones((4, 4), dtype=bool))
@@ -478,11 +478,12 @@ def test_bad_arguments_name_themselves():
 
 
 def test_bool_block_lengths_are_refused():
-    """True is an int to Python but no block length: a ValueError names the argument."""
+    """True is an int to Python but no block length: a TypeError names the argument (the
+    wrong kind, as n_head=True to the module)."""
     rng = np.random.default_rng(9)
     q, k = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 5, 3))
     for name in ("block_q", "block_k"):
-        with pytest.raises(ValueError, match=f"{name}: expected a positive int, got True"):
+        with pytest.raises(TypeError, match=f"{name}: expected a positive int, got bool True"):
             Bk.sdpa_blocked_forward(q, k, k, **{name: True})
 
 

@@ -1097,3 +1097,28 @@ def test_heads_layout_is_that_of_its_docstring():
     assert not V.heads_layout(q, k[:1], v[:1])  # another B
     assert not V.heads_layout(q, k, v[:, :1])  # k and v of other head counts
     assert not V.heads_layout(q[:1], k[:1], v[:1], np.ones((2, 1, 3, 5), bool))  # the mask grows B
+
+
+@pytest.mark.parametrize(
+    "block, exc, fragments",
+    [
+        (dict(block_q=0), ValueError, ("block_q", "positive int", "0")),
+        (dict(block_k=-1), ValueError, ("block_k", "positive int", "-1")),
+        (dict(block_q="2"), TypeError, ("block_q", "positive int", "str")),
+        (dict(block_k=2.0), TypeError, ("block_k", "positive int", "float")),
+        (dict(block_q=True), TypeError, ("block_q", "positive int", "bool")),
+    ],
+    ids=["block_q=0", "block_k=-1", "block_q='2'", "block_k=2.0", "block_q=True"],
+)
+def test_blocked_forward_checks_its_block_sizes_before_the_dropout_draw(block, exc, fragments):
+    """A bad block size is refused before rng is drawn from: the generator the caller
+    passed is where it was, so the next call draws the mask it would have drawn."""
+    from npattn import blocked
+
+    q, k, v = (np.random.default_rng(0).standard_normal(s) for s in
+               ((2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 6)))
+    rng = np.random.default_rng(7)
+    state = rng.bit_generator.state
+    with raises(exc, *fragments):
+        blocked.sdpa_blocked_forward(q, k, v, dropout_p=0.5, rng=rng, **block)
+    assert rng.bit_generator.state == state
