@@ -140,6 +140,7 @@ def _int_list(name: str, x: Any, what: str) -> list:
         return [int(n) for n in x]
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name}: expected {what}, a 1-D integer array, got {V.type_name(x)}")
+    V.check_array(name, x)  # no masked array (its mask would be ignored), matrix or foreign order
     if len(x.shape) != 1:
         raise ValueError(f"{name}: expected {what}, a 1-D integer array, got shape {V.shape_of(x)}")
     if not isdtype(namespace(x), x.dtype, "integral"):

@@ -1178,3 +1178,35 @@ def test_every_backend_gets_its_own_arrays_back_and_finite_difference_gradients(
     floating = [n for n, a in enumerate(args) if a.dtype.kind == "f"]
     assert [r.name for r in report.inputs] == [f"input{n}" for n in floating]
     assert all(r.scale > 1e-3 for r in report.inputs)  # nothing vanished
+
+
+def _length_calls(lengths):
+    """Each compat entry point that reads host lengths, with ``lengths`` in their place."""
+    r = np.random.default_rng(0)
+    q = r.standard_normal((6, 2, 4))  # varlen: 2 sequences of 2 and 4 tokens
+    cu = np.array([0, 2, 6], dtype=np.int32)
+    qb = r.standard_normal((2, 3, 2, 4))  # (B, T, N, H)
+    kc, vc = r.standard_normal((2, 6, 2, 4)), r.standard_normal((2, 6, 2, 4))
+    new = r.standard_normal((2, 1, 2, 4))
+    return {
+        "cu_seqlens_q": lambda: C.flash_attn_varlen_func(q, q, q, lengths(cu), cu, 4, 4),
+        "cache_seqlens": lambda: C.flash_attn_with_kvcache(
+            new, kc, vc, k=new, v=new, cache_seqlens=lengths(np.array([2, 3], np.int32))),
+        "key_value_seq_lengths": lambda: C.dot_product_attention(
+            qb, qb, qb, key_value_seq_lengths=lengths(np.array([3, 2], np.int32))),
+    }
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cache_seqlens", "key_value_seq_lengths"])
+def test_lengths_as_masked_arrays_are_refused_by_name(name):
+    """A NumPy masked array of lengths is refused as everywhere else in npattn (its mask
+    would be ignored); a masked entry was a numpy.ma.MaskError from reading it."""
+    def hide_first(a):
+        return np.ma.array(a, mask=np.arange(a.size) == 0)
+
+    with pytest.raises(TypeError, match=f"^{name}: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"):
+        _length_calls(hide_first)[name]()
+    with pytest.raises(TypeError, match=f"^{name}: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"):
+        _length_calls(np.ma.array)[name]()  # nothing masked: refused all the same
+    _length_calls(lambda a: a)[name]()  # the plain array is taken
+    _length_calls(lambda a: a.tolist())[name]()  # and so is a list of ints
