@@ -899,6 +899,8 @@ def test_public_helpers_check_their_arguments():
     cases = [
         (lambda: B.keep_mask(1, 1.5, (2, 3), np), ValueError, r"^p: expected a drop probability in \[0, 1\), got 1.5"),
         (lambda: B.keep_mask(1, -0.1, (2, 3), np), ValueError, "^p: expected a drop probability"),
+        (lambda: B.keep_mask(1, 2**1100, (2, 3), np), ValueError, "^p: expected a drop probability"),
+        (lambda: B.keep_mask(1, math.nan, (2, 3), np), ValueError, "^p: expected a drop probability"),
         (lambda: B.keep_mask(-1, 0.1, (2, 3), np), ValueError, r"^key: expected an int in \[0, 2\*\*64\)"),
         (lambda: B.keep_mask("k", 0.1, (2, 3), np), TypeError, "^key: expected an int"),
         (lambda: B.keep_mask(1, 0.1, (2, -3), np), ValueError, "^shape: expected a sequence of ints >= 0"),
