@@ -203,9 +203,12 @@ def _is_float_array(x) -> bool:
 
 def _real(name: str, x: Any, what: str) -> Any:
     """``x``, checked: an array (or NumPy scalar) of a real dtype (a complex one's imaginary
-    part would be dropped by the float64 copy)."""
+    part would be dropped by the float64 copy; an object one holds no numbers)."""
     V.check_array(name, x)
-    if isdtype(namespace(x), x.dtype, "complex floating"):
+    # NumPy's object, string and time kinds: no numbers (an extension float such as
+    # ml_dtypes' bfloat16, kind 'V', is taken: the float64 copy reads it)
+    if (isdtype(namespace(x), x.dtype, "complex floating")
+            or getattr(x.dtype, "kind", None) in ("O", "U", "S", "M", "m")):
         raise TypeError(f"{name}: expected a real array ({what}), got dtype {V.dtype_name(x.dtype)}")
     return x
 

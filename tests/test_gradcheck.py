@@ -548,3 +548,22 @@ def test_gradcheck_module_names_key_and_value_by_their_own_gradients():
     assert report.ok, str(report)
     np.testing.assert_allclose(report["key"].scale, np.max(np.abs(dk)), rtol=1e-6)
     np.testing.assert_allclose(report["value"].scale, np.max(np.abs(dv)), rtol=1e-6)
+
+
+def test_an_object_array_dout_is_refused_by_name():
+    """dout of dtype object holds Python objects, not a gradient: each checker names dout (it
+    was a bare "ufunc 'isnan' not supported" from gradcheck, and taken by the other two)."""
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    bad = (x * 0.5).astype(object)
+
+    def f(a):
+        return a * a
+
+    with raises(TypeError, "dout", "object"):
+        gradcheck(lambda a: (f(a), a), lambda d, a: (2 * a * d,), [x], dout=bad)
+    with raises(TypeError, "dout", "object"):
+        numerical_vjp(f, [x], bad)
+    with raises(TypeError, "dout", "object"):
+        check_vjp(f, [x], [x], bad)
+    assert gradcheck(lambda a: (f(a), a), lambda d, a: (2 * a * d,), [x],
+                     dout=np.ones((3, 4), dtype=np.int64)).ok  # an integer dout is a real one
