@@ -127,7 +127,7 @@ class TransformerClassifier(BlockStack):
         n_classes = V.check_positive_int("n_classes", n_classes)
         n_layers = V.check_positive_int("n_layers", n_layers)
         if seed is not None:
-            seed = V.check_size("seed", seed)
+            seed = V.check_size("seed", seed, maximum=None)
         own_seq, *block_seqs = np.random.SeedSequence(seed).spawn(n_layers + 1)
         # the blocks check d_model, n_head, d_ff, dropout, activation, norm_first, eps, dtype, backend
         self.blocks = [

@@ -94,12 +94,13 @@ class KVCache:
                  value_dim: Optional[int] = None, *, dtype: Any, backend: Any = "numpy",
                  device: Any = None):
         xp = resolve_backend(backend)
-        # Python ints from here on (a NumPy int would wrap in the arithmetic below)
-        batch_size = V.check_positive_int("batch_size", batch_size)
-        capacity = V.check_positive_int("capacity", capacity)
-        num_kv_heads = V.check_positive_int("num_kv_heads", num_kv_heads)
-        head_dim = V.check_positive_int("head_dim", head_dim)
-        value_dim = V.check_positive_int("value_dim", value_dim, allow_none=True)
+        # Python ints from here on (a NumPy int would wrap in the arithmetic below); no bound
+        # here: the buffer-size check below names all five sizes
+        batch_size = V.check_positive_int("batch_size", batch_size, maximum=None)
+        capacity = V.check_positive_int("capacity", capacity, maximum=None)
+        num_kv_heads = V.check_positive_int("num_kv_heads", num_kv_heads, maximum=None)
+        head_dim = V.check_positive_int("head_dim", head_dim, maximum=None)
+        value_dim = V.check_positive_int("value_dim", value_dim, allow_none=True, maximum=None)
         name = V.float_dtype_name(xp, dtype)  # a float dtype xp has and keeps
         self.xp = xp
         self.dtype = getattr(xp, name)
@@ -158,7 +159,7 @@ class KVCache:
         if not isinstance(name, str):
             raise TypeError(f"name: expected a str (the argument the message names), got "
                             f"{V.type_name(name)} {name!r}")
-        n = V.check_size("n", n)  # a Python int: a NumPy one would wrap in L + n
+        n = V.check_size("n", n, maximum=None)  # a Python int: a NumPy one would wrap in L + n
         for b, L in enumerate(self._lens):
             if L + n > self.capacity:
                 raise ValueError(

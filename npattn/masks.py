@@ -46,13 +46,17 @@ def _namespace_or(xp):
     return resolve_backend("numpy" if xp is None else xp, "xp")
 
 
-def _check_length(name: str, n: Any) -> int:
-    """A length: an int (Python or NumPy, not a bool) >= 0, returned as a Python int (NumPy's
+def _check_length(name: str, n: Any, *, axis: bool = True) -> int:
+    """A length: an int (Python or NumPy, not a bool) >= 0, and <= ``MAX_AXIS`` when it is
+    the length of an ``axis`` (a window side is not), returned as a Python int (NumPy's
     unsigned ones would wrap in ``Lk - Lq``); ``TypeError`` / ``ValueError`` otherwise."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # NumPy bools are not Integral
         raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__} {n!r}")
     if n < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
+    if axis and n > V.MAX_AXIS:
+        raise ValueError(f"{name}: expected a non-negative int <= {V.MAX_AXIS} (the longest "
+                         f"array axis), got {n!r}")
     return int(n)
 
 
@@ -104,7 +108,7 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     Lq, Lk = _check_length("Lq", Lq), _check_length("Lk", Lk)
     # a side of Lq + Lk or more leaves nothing out: capped there, so that the comparison
     # below stays within the index dtype on every library
-    left, right = (None if side is None else min(_check_length(name, side), Lq + Lk)
+    left, right = (None if side is None else min(_check_length(name, side, axis=False), Lq + Lk)
                    for name, side in (("left", left), ("right", right)))
     if align not in _ALIGNS:
         raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")

@@ -94,7 +94,7 @@ def _check_base(value: Any) -> None:
 def _check_max_distance(value: Any) -> int:
     """A positive int that a float holds: T5's log step divides it in floating point. Returns
     it as a Python int."""
-    value = V.check_positive_int("max_distance", value)
+    value = V.check_positive_int("max_distance", value, maximum=None)
     if not math.isfinite(V.real_value(value)):  # (10**400 / 8: OverflowError)
         raise ValueError(f"max_distance: expected a positive int that a float holds, got an int "
                          f"too large for a float ({value.bit_length()} bits)")

@@ -296,7 +296,7 @@ class _Block(abc.ABC):
         if layer_norm_eps is None or not float(layer_norm_eps) > 0.0:
             raise ValueError(f"layer_norm_eps: expected a float > 0, got {layer_norm_eps!r}")
         if seed is not None:
-            seed = V.check_size("seed", seed)
+            seed = V.check_size("seed", seed, maximum=None)
         seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)
         attn_seeds = [int(s.generate_state(1)[0]) for s in seqs[: len(self._ATTNS)]]
         # the attention modules check d_model, n_head, dropout, dtype and backend

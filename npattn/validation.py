@@ -49,6 +49,7 @@ __all__ = [
     "check_device",
     "check_bool",
     "check_positive_int",
+    "MAX_AXIS",
     "check_probability",
     "check_size",
     "check_scale",
@@ -105,6 +106,11 @@ def _same_namespace(xp_a: Any, xp_b: Any) -> bool:
     return xp_a is xp_b or backend_name(xp_a) == backend_name(xp_b)
 
 
+#: The longest an array axis can be (NumPy's ``intp``): a size beyond it is refused by the
+#: checks below, where NumPy would say only "Maximum allowed dimension exceeded".
+MAX_AXIS = int(np.iinfo(np.intp).max)
+
+
 def check_bool(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a bool (Python or NumPy)."""
     if not isinstance(value, (bool, np.bool_)):
@@ -112,14 +118,18 @@ def check_bool(name: str, value: Any) -> None:
 
 
 @overload
-def check_positive_int(name: str, value: Any, *, allow_none: Literal[False] = False) -> int: ...
+def check_positive_int(name: str, value: Any, *, allow_none: Literal[False] = False,
+                       maximum: Optional[int] = ...) -> int: ...
 @overload
-def check_positive_int(name: str, value: Any, *, allow_none: bool) -> Optional[int]: ...
+def check_positive_int(name: str, value: Any, *, allow_none: bool,
+                       maximum: Optional[int] = ...) -> Optional[int]: ...
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False,
+                       maximum: Optional[int] = MAX_AXIS) -> Optional[int]:
     """``value`` as a Python int: ``TypeError`` unless it is an int (Python or NumPy, not a
-    bool), ``ValueError`` unless it is > 0; None stays None under ``allow_none``.
+    bool), ``ValueError`` unless 0 < value <= ``maximum`` (None: no bound, for a caller with
+    a check of its own); None stays None under ``allow_none``.
 
     Callers use what it returns (``n = check_positive_int("n", n)``): a NumPy int would do
     the arithmetic that follows in its own dtype and wrap (``np.uint8(255) + 2`` is 1).
@@ -130,16 +140,25 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Op
         raise TypeError(f"{name}: expected a positive int, got {type_name(value)} {value!r}")
     if value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if maximum is not None and value > maximum:
+        what = " (the longest array axis)" if maximum == MAX_AXIS else ""
+        raise ValueError(f"{name}: expected a positive int <= {maximum}{what}, got {value!r}")
     return int(value)
 
 
-def check_size(name: str, value: Any, *, minimum: int = 0) -> int:
+def check_size(name: str, value: Any, *, minimum: int = 0,
+               maximum: Optional[int] = MAX_AXIS) -> int:
     """``value`` as a Python int: ``TypeError`` unless it is an int (Python or NumPy, not a
-    bool), ``ValueError`` below ``minimum``. Use what it returns (see ``check_positive_int``)."""
+    bool), ``ValueError`` below ``minimum`` or above ``maximum`` (None: no bound, for a seed
+    or a caller with a check of its own).
+    Use what it returns (see ``check_positive_int``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        what = " (the longest array axis)" if maximum == MAX_AXIS else ""
+        raise ValueError(f"{name}: expected an int <= {maximum}{what}, got {value!r}")
     return int(value)
 
 

@@ -2133,7 +2133,7 @@ def verify(
                         f"got {flags!r}")
     supports = check_supports(supports)
     head_dims = check_head_dims(head_dims, supports)  # a tuple: it is read more than once
-    seed = check_size("seed", seed)
+    seed = check_size("seed", seed, maximum=None)
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected None or a callable progress(done, total, case_name), "
                         f"got {type_name(progress)} {progress!r}")

@@ -1124,3 +1124,40 @@ def test_blocked_forward_checks_its_block_sizes_before_the_dropout_draw(block, e
     with raises(exc, *fragments):
         blocked.sdpa_blocked_forward(q, k, v, dropout_p=0.5, rng=rng, **block)
     assert rng.bit_generator.state == state
+
+
+def _huge_size_calls():
+    from npattn import masks
+    from npattn import positions as P
+    from npattn.classifier import TransformerClassifier
+    from npattn.gpt import GPT
+    from npattn.transformer import TransformerBlock
+
+    big = 2**70  # beyond any array axis (2**63 - 1)
+    return {
+        "kdim": lambda: MultiHeadAttention(8, 2, kdim=big),
+        "d_ff": lambda: TransformerBlock(8, 2, d_ff=big),
+        "n_layer": lambda: GPT(vocab_size=5, block_size=4, d_model=4, n_layer=big, n_head=1),
+        "vocab_size": lambda: GPT(vocab_size=big, block_size=4, d_model=4, n_layer=1, n_head=1),
+        "n_layers": lambda: TransformerClassifier(2, 3, 2, d_model=4, n_head=1, n_layers=big),
+        "Lq": lambda: masks.causal(big, 3),
+        "Lk": lambda: P.relative_distances("numpy", 3, big),
+        "n_extra": lambda: F.pad_mask_forward(None, 3, 5, big),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_huge_size_calls()))
+def test_a_size_beyond_the_longest_array_axis_is_named(name):
+    """2**70 passes as an int but no axis is that long: NumPy would say only 'Maximum allowed
+    dimension exceeded' (or SeedSequence.spawn raise OverflowError); the check names it."""
+    with raises(ValueError, name, str(2**63 - 1), str(2**70)):
+        _huge_size_calls()[name]()
+
+
+def test_a_seed_beyond_the_longest_array_axis_still_seeds():
+    """Seeds are no sizes: SeedSequence takes any int >= 0, and so do the blocks and models."""
+    from npattn.classifier import TransformerClassifier
+    from npattn.transformer import TransformerBlock
+
+    TransformerBlock(4, 1, seed=2**70)
+    TransformerClassifier(2, 3, 2, d_model=4, n_head=1, seed=2**70)
