@@ -164,7 +164,7 @@ import numpy as np
 
 from . import attention as A
 from .backend import to_numpy
-from .validation import check_size, dtype_name, type_name
+from .validation import check_size, dtype_name, real_value, type_name
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
                            check_supports, panel)
 
@@ -1865,7 +1865,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
     if not _is_number(budget_factor):
         raise TypeError(f"budget_factor: expected a finite number >= 1, got "
                         f"{type_name(budget_factor)} {budget_factor!r}")
-    if not (math.isfinite(budget_factor) and budget_factor >= 1.0):
+    if not (math.isfinite(real_value(budget_factor)) and budget_factor >= 1.0):  # 2**1100: inf
         raise ValueError(f"budget_factor: expected a finite number >= 1, got {budget_factor!r}")
     _check_choice("align", align, ("top_left", "bottom_right"))
     if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
@@ -1883,7 +1883,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
             if not _is_number(v):
                 raise TypeError(f"floors: expected finite numbers >= 0 as values, got "
                                 f"{type_name(v)} {v!r} for {k!r}")
-            if not (math.isfinite(v) and v >= 0.0):
+            if not (math.isfinite(real_value(v)) and v >= 0.0):
                 raise ValueError(f"floors: expected finite numbers >= 0 as values, got {v!r} for "
                                  f"{k!r}")
 

@@ -1592,6 +1592,12 @@ def test_argument_errors_name_the_argument():
         VF.verify(npattn_kernel, autograd="torch")
     with pytest.raises(ValueError, match="budget_factor: expected a finite number >= 1"):
         VF.verify(npattn_kernel, budget_factor=0.5)
+    with pytest.raises(ValueError, match="budget_factor: expected a finite number >= 1"):
+        VF.verify(npattn_kernel, budget_factor=2**1100)  # an int no float holds
+    with pytest.raises(ValueError, match="floors: expected finite numbers >= 0 as values, got -1"):
+        VF.verify(npattn_kernel, floors={"float32": -1})
+    with pytest.raises(ValueError, match="floors: expected finite numbers >= 0 as values"):
+        VF.verify(npattn_kernel, floors={"float32": 2**1100})
     with pytest.raises(ValueError, match="cases: expected names of the panel's cases"):
         VF.verify(npattn_kernel, cases=["no-such-case"])
     with pytest.raises(ValueError, match=r"cases: case 'x' turns on \['window'\]"):
