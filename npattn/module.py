@@ -17,7 +17,6 @@ import json
 import math
 import numbers
 import os
-import sys
 import zipfile
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
@@ -1367,20 +1366,13 @@ def model_from_save_file(cls: Any, path: Any, *, backend: Any, fmt: str, version
 def model_from_config(label: str, cls: Any, config: dict, backend: Any) -> Any:
     """``cls(**config, backend=backend)``; its error a ``ValueError`` about the file, naming the argument.
 
-    The constructors check their sizes' type and sign, not an upper bound: an int past
-    ``sys.maxsize`` fails inside NumPy ("Maximum allowed dimension exceeded", or an
-    ``OverflowError``), naming no argument; such an error is reported as that key's.
+    The constructors' checks name the argument (a size past the longest array axis too,
+    ``validation.MAX_AXIS``); their message follows the file's label.
     """
     try:
         return cls(**config, backend=backend)
-    except (TypeError, ValueError, OverflowError) as exc:
-        reason = str(exc)
-        huge = [k for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)
-                and v > sys.maxsize]
-        if huge and (isinstance(exc, OverflowError) or reason.partition(": ")[0] not in config):
-            reason = (f"{huge[0]}: expected an int of at most {sys.maxsize} (an array size), "
-                      f"got {config[huge[0]]}")
-        raise ValueError(f"{label}: the saved configuration is not valid: {reason}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{label}: the saved configuration is not valid: {exc}") from exc
 
 
 def save_file_label(path: Any) -> str:
