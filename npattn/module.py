@@ -887,17 +887,13 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
     n_kv_head = layer_args.get("n_kv_head")
     if n_kv_head is not None and n_head % n_kv_head != 0:
         raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
-    if seed is not None:
-        if isinstance(seed, (bool, np.bool_)):
-            raise TypeError(f"seed: expected None or a non-negative int, got bool {seed!r}")
-        try:
-            np.random.SeedSequence(seed)
-        except TypeError:
+    if seed is not None:  # an int, as the blocks' and models' seeds (SeedSequence takes lists too)
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
             raise TypeError(
                 f"seed: expected None or a non-negative int, got {V.type_name(seed)} {seed!r}"
-            ) from None
-        except ValueError:
-            raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}") from None
+            )
+        if seed < 0:
+            raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}")
     return V.float_dtype_name(xp, dtype)
 
 

@@ -43,6 +43,7 @@ from reliability_helpers import host_inputs, inputs, make_mha, raises, snapshot
         (dict(seed=-1), ValueError, ("seed", "non-negative", "-1")),
         (dict(seed=1.5), TypeError, ("seed", "float")),
         (dict(seed=True), TypeError, ("seed", "bool")),
+        (dict(seed=[3]), TypeError, ("seed", "list")),  # SeedSequence would take it as entropy
     ],
 )
 def test_construction_rejects(backend, kwargs, exc, fragments):
