@@ -212,6 +212,9 @@ def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype") -> str:
     available = [n for n in FLOAT_DTYPES if hasattr(xp, n)]
     if dtype is None:  # np.dtype(None) would be float64: say so instead of guessing
         raise TypeError(f"{name}: expected one of {available} (a name or a dtype), got None")
+    if isinstance(dtype, (bytes, bytearray)):  # np.dtype(b"float64") would read it as the name
+        raise TypeError(f"{name}: expected one of {available} (a name or a dtype), got "
+                        f"{type_name(dtype)} {dtype!r}")
     if isinstance(dtype, str):
         given = dtype
     else:

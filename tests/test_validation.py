@@ -39,6 +39,7 @@ from reliability_helpers import host_inputs, inputs, make_mha, raises, snapshot
         (dict(dtype="int32"), ValueError, ("dtype", "int32")),
         (dict(dtype=np.int32), TypeError, ("dtype", "float32")),
         (dict(dtype=3), TypeError, ("dtype", "int")),
+        (dict(dtype=b"float64"), TypeError, ("dtype", "bytes")),  # np.dtype reads bytes as a name
         (dict(bias="yes"), TypeError, ("bias", "bool", "str")),
         (dict(seed=-1), ValueError, ("seed", "non-negative", "-1")),
         (dict(seed=1.5), TypeError, ("seed", "float")),
