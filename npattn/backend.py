@@ -398,7 +398,8 @@ def _check_draw(key: Any, p: Any) -> int:
         raise ValueError(f"key: expected an int in [0, 2**64) (from dropout_key), got {int(key)}")
     if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real):
         raise TypeError(f"p: expected a drop probability in [0, 1), got {type(p).__name__} {p!r}")
-    if not 0.0 <= p < 1.0:  # compared as given: float(p) overflows for an int beyond the float range
+    # compared as given (float(p) overflows for an int beyond the float range); NaN fails both
+    if p < 0 or not p < 1:
         raise ValueError(f"p: expected a drop probability in [0, 1), got {p!r}")
     return int(key)
 

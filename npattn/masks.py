@@ -52,12 +52,13 @@ def _check_length(name: str, n: Any, *, axis: bool = True) -> int:
     unsigned ones would wrap in ``Lk - Lq``); ``TypeError`` / ``ValueError`` otherwise."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # NumPy bools are not Integral
         raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__} {n!r}")
-    if n < 0:
+    length = int(n)  # exact for NumPy ints too
+    if length < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
-    if axis and n > V.MAX_AXIS:
+    if axis and length > V.MAX_AXIS:
         raise ValueError(f"{name}: expected a non-negative int <= {V.MAX_AXIS} (the longest "
                          f"array axis), got {n!r}")
-    return int(n)
+    return length
 
 
 def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device: Any = None) -> Any:

@@ -138,12 +138,13 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False,
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected a positive int, got {type_name(value)} {value!r}")
-    if value <= 0:
+    n = int(value)  # exact for NumPy ints too
+    if n <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if maximum is not None and value > maximum:
+    if maximum is not None and n > maximum:
         what = " (the longest array axis)" if maximum == MAX_AXIS else ""
         raise ValueError(f"{name}: expected a positive int <= {maximum}{what}, got {value!r}")
-    return int(value)
+    return n
 
 
 def check_size(name: str, value: Any, *, minimum: int = 0,
@@ -154,12 +155,13 @@ def check_size(name: str, value: Any, *, minimum: int = 0,
     Use what it returns (see ``check_positive_int``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
-    if value < minimum:
+    n = int(value)  # exact for NumPy ints too
+    if n < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
+    if maximum is not None and n > maximum:
         what = " (the longest array axis)" if maximum == MAX_AXIS else ""
         raise ValueError(f"{name}: expected an int <= {maximum}{what}, got {value!r}")
-    return int(value)
+    return n
 
 
 @contextlib.contextmanager
