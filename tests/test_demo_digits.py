@@ -126,6 +126,9 @@ def test_load_digits_data(data):
     for bad in (0.0, 1.0):  # the ends of the open interval, refused before the data are loaded
         with pytest.raises(ValueError, match=r"^val_fraction: expected a number in \(0, 1\)"):
             dd.load_digits_data(2, bad)
+    for bad, kind in (("0.2", "str"), (True, "bool"), (None, "NoneType")):  # not numbers: named
+        with pytest.raises(TypeError, match=rf"^val_fraction: expected a number in \(0, 1\), got {kind}"):
+            dd.load_digits_data(2, bad)
 
 
 def test_missing_scikit_learn_names_the_extra(monkeypatch):

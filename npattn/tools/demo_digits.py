@@ -27,6 +27,7 @@ token, D model width, H heads, C = 10 classes.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -124,6 +125,9 @@ def load_digits_data(patch: int = 2, val_fraction: float = 0.2, seed: int = 0) -
     """
     if patch not in PATCHES:
         raise ValueError(f"patch: expected one of {list(PATCHES)}, got {patch!r}")
+    if isinstance(val_fraction, (bool, np.bool_)) or not isinstance(val_fraction, numbers.Real):
+        raise TypeError(f"val_fraction: expected a number in (0, 1), got "
+                        f"{type(val_fraction).__name__} {val_fraction!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction: expected a number in (0, 1), got {val_fraction!r}")
     try:
