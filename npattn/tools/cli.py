@@ -550,12 +550,14 @@ def _demo_gpt(args, plots: bool) -> int:
               f"{'finite' if params_finite else 'non-finite'} parameters): no samples; try a "
               f"smaller --lr than {cfg.lr}", file=sys.stderr)
         return 1
-    samples = dg.generate_samples(model, codec, seed=args.seed)
+    temperature, top_k = 0.8, 10  # the samples' settings, given to generate and named in each heading
+    samples = dg.generate_samples(model, codec, temperature=temperature, top_k=top_k, seed=args.seed)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "samples.txt"), "w", encoding="utf-8") as f:
         for prompt, sample in samples:
-            print(f"--- prompt {prompt!r} (temperature 0.8, top-k 10):\n{sample}\n")
-            f.write(f"--- prompt {prompt!r} (temperature 0.8, top-k 10):\n{sample}\n\n")
+            heading = f"--- prompt {prompt!r} (temperature {temperature}, top-k {top_k}):"
+            print(f"{heading}\n{sample}\n")
+            f.write(f"{heading}\n{sample}\n\n")
     print(f"samples: {os.path.abspath(os.path.join(args.out, 'samples.txt'))}")
     if plots:
         path = dg.save_loss_plot(hist, os.path.join(args.out, "loss.png"))
