@@ -677,7 +677,8 @@ def test_demo_hands_its_options_to_the_digits_task(monkeypatch):
 
 
 def test_demo_hands_its_options_to_the_gpt_task(tmp_path, monkeypatch):
-    """--lr, --dropout and --seed reach the config, and --seed the samples."""
+    """--lr, --dropout and --seed reach the config, and --seed the samples (their other
+    settings are the heading's, tests/test_demo_gpt.py)."""
     from npattn.gpt import GPT
     from npattn.tools import demo_gpt as dg
 
@@ -689,7 +690,7 @@ def test_demo_hands_its_options_to_the_gpt_task(tmp_path, monkeypatch):
         hist = dg.GPTHistory(train_loss=[1.0], val_steps=[1], val_loss=[1.0], vocab=3)
         return GPT(3, 4, 8, 1, 2, seed=0), codec, hist
 
-    def generate_samples(model, codec, *, seed):
+    def generate_samples(model, codec, *, seed, **settings):
         sampled.append(seed)
         return [("a", "abc")]
 
