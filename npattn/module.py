@@ -888,12 +888,7 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
     if n_kv_head is not None and n_head % n_kv_head != 0:
         raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
     if seed is not None:  # an int, as the blocks' and models' seeds (SeedSequence takes lists too)
-        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-            raise TypeError(
-                f"seed: expected None or a non-negative int, got {V.type_name(seed)} {seed!r}"
-            )
-        if seed < 0:
-            raise ValueError(f"seed: expected None or a non-negative int, got {seed!r}")
+        V.check_size("seed", seed, maximum=None)
     return V.float_dtype_name(xp, dtype)
 
 

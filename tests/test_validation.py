@@ -41,7 +41,7 @@ from reliability_helpers import host_inputs, inputs, make_mha, raises, snapshot
         (dict(dtype=3), TypeError, ("dtype", "int")),
         (dict(dtype=b"float64"), TypeError, ("dtype", "bytes")),  # np.dtype reads bytes as a name
         (dict(bias="yes"), TypeError, ("bias", "bool", "str")),
-        (dict(seed=-1), ValueError, ("seed", "non-negative", "-1")),
+        (dict(seed=-1), ValueError, ("seed", "int >= 0", "-1")),
         (dict(seed=1.5), TypeError, ("seed", "float")),
         (dict(seed=True), TypeError, ("seed", "bool")),
         (dict(seed=[3]), TypeError, ("seed", "list")),  # SeedSequence would take it as entropy
