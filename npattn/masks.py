@@ -50,15 +50,7 @@ def _check_length(name: str, n: Any, *, axis: bool = True) -> int:
     """A length: an int (Python or NumPy, not a bool) >= 0, and <= ``MAX_AXIS`` when it is
     the length of an ``axis`` (a window side is not), returned as a Python int (NumPy's
     unsigned ones would wrap in ``Lk - Lq``); ``TypeError`` / ``ValueError`` otherwise."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):  # NumPy bools are not Integral
-        raise TypeError(f"{name}: expected a non-negative int, got {type(n).__name__} {n!r}")
-    length = int(n)  # exact for NumPy ints too
-    if length < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
-    if axis and length > V.MAX_AXIS:
-        raise ValueError(f"{name}: expected a non-negative int <= {V.MAX_AXIS} (the longest "
-                         f"array axis), got {n!r}")
-    return length
+    return V.check_size(name, n, maximum=V.MAX_AXIS if axis else None)
 
 
 def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device: Any = None) -> Any:
