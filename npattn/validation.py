@@ -78,6 +78,11 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # small pieces
 
 
+def article(word: str) -> str:
+    """'a' or 'an' before ``word`` in a message ('a numpy', 'an array_api_strict')."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def type_name(x: Any) -> str:
     """How to call ``x`` in a message: 'numpy.ndarray', 'list', 'None'..."""
     if x is None:
@@ -326,7 +331,8 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
     if isinstance(x, np.matrix):
         raise TypeError(f"{name}: expected a plain numpy.ndarray, got numpy.matrix; use np.asarray(a)")
     if not array_api_compat.is_array_api_obj(x):
-        expected = f"a {backend_name(xp)} array" if xp is not None else "an array"
+        want = backend_name(xp) if xp is not None else ""
+        expected = f"{article(want)} {want} array" if want else "an array"
         raise TypeError(f"{name}: expected {expected}, got {type_name(x)}")
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
@@ -351,9 +357,10 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
         if not _same_namespace(got, xp):
             hint = ("convert it first, or build the module with that backend"
                     if library == MODULE_LIBRARY else "pass every array from one library")
+            want, have = backend_name(xp), backend_name(got)
             raise TypeError(
-                f"{name}: expected a {backend_name(xp)} array ({library}), "
-                f"got a {backend_name(got)} array ({type_name(x)}); {hint}"
+                f"{name}: expected {article(want)} {want} array ({library}), "
+                f"got {article(have)} {have} array ({type_name(x)}); {hint}"
             )
     if device is not None and device_of(x) != device:
         raise ValueError(

@@ -220,6 +220,15 @@ def _other_backends():
     return [n for n in names if importlib.util.find_spec(n) is not None]
 
 
+def test_a_list_for_an_array_names_the_backend_with_its_article():
+    pytest.importorskip("array_api_strict")
+    for backend, want in (("numpy", "a numpy array"), ("array_api_strict", "an array_api_strict array")):
+        m = make_mha(backend)
+        x = inputs(m.xp, 2, 3, 5, 8)[0]
+        with pytest.raises(TypeError, match=rf"^query: expected {want}, got list$"):
+            m([[0.0] * 8] * 3, x, x)
+
+
 @pytest.mark.parametrize(
     "module_backend, input_backend",
     [(a, b) for a in _other_backends() for b in _other_backends() if a != b],
@@ -235,6 +244,12 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
         args[i] = theirs[i]
         with raises(TypeError, name, module_backend, input_backend, "build the module with that backend"):
             m(*args)
+    # the message reads as English: 'an array_api_strict array', 'a numpy array'
+    with pytest.raises(TypeError) as info:
+        m(theirs[0], *mine[1:])
+    want, have = (("an " if n == "array_api_strict" else "a ") + n + " array"
+                  for n in (module_backend, input_backend))
+    assert f"expected {want} (" in str(info.value) and f"got {have} (" in str(info.value), str(info.value)
     other = make_mha(input_backend).xp
     mask = from_numpy(np.ones((3, 5), dtype=bool), other)
     with raises(TypeError, "mask", module_backend, input_backend):
@@ -250,7 +265,7 @@ def test_mixing_backends_is_a_type_error(module_backend, input_backend):
                 "pass every array from one library"):
         F.sdpa_forward(*(from_numpy(np.ones((1, 1, 2, 2)), x) for x in (m.xp, m.xp, other)))
     # a functional call names the array the others follow, and speaks of no module
-    with pytest.raises(TypeError, match=r"^pos: expected a \S+ array \(that of x\).*one library$"):
+    with pytest.raises(TypeError, match=r"^pos: expected an? \S+ array \(that of x\).*one library$"):
         nn.add_positions_forward(from_numpy(np.ones((1, 2, 2)), m.xp), from_numpy(np.ones((2, 2)), other))
 
 
