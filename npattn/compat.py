@@ -255,7 +255,7 @@ def _check_flash_bshd(q: Any, k: Any, v: Any) -> bool:
                              (2, Hkv, "the heads of k")):
         _check_axis("v", v, axis, size, what)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_sizes(name, t, ((1, "seqlen"), (3, "headdim")))
+        _check_sizes(name, t, ((1, "seqlen"), (2, "nheads"), (3, "headdim")))
     return _gqa(int(Hq), int(Hkv))
 
 
@@ -1114,14 +1114,22 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     for name, t, layout in names:
         _check_rank(name, t, 4 if batched else 3, layout if batched else layout.replace("B, ", ""))
     xp = namespace(query, key, value, names=("query", "key", "value"))
+    # the checks read the arrays as given, in JAX's layout: without B, axis a of (B, T, N, H)
+    # is a - 1 (the core's checks would name the (B, N, T, H) views made below)
+    o = 0 if batched else 1
+    T, N, H = (int(n) for n in query.shape[-3:])
+    S, K = (int(n) for n in key.shape[-3:-1])
+    if batched:
+        for name, t in (("key", key), ("value", value)):
+            _check_axis(name, t, 0, int(query.shape[0]), "the batch of query")
+    _check_axis("key", key, 3 - o, H, "the head width of query")
+    _check_axis("value", value, 1 - o, S, "the length S of key")
+    _check_axis("value", value, 2 - o, K, "the heads K of key")
+    _check_sizes("query", query, ((1 - o, "query length T"), (2 - o, "head count N"),
+                                  (3 - o, "head width H")))
+    _check_sizes("key", key, ((1 - o, "key length S"), (2 - o, "head count K")))
     q, k, v = (t if batched else xp.expand_dims(t, axis=0) for t in (query, key, value))
-    B, T, N, H = (int(n) for n in q.shape)
-    _, S, K, _ = (int(n) for n in k.shape)
-    _check_axis("key", k, 0, B, "the batch of query")
-    _check_axis("key", k, 3, H, "the head width of query")
-    for axis, size, what in ((0, B, "the batch of query"), (1, S, "the length S of key"),
-                             (2, K, "the heads K of key")):
-        _check_axis("value", v, axis, size, what)
+    B = int(q.shape[0])
     gqa = _gqa(N, K, "key")
     window = _jax_window(local_window_size)
     V.check_bool("return_residual", return_residual)

@@ -288,6 +288,9 @@ def test_flash_attn_func_bad_shapes_name_the_argument():
         C.flash_attn_func(q, k[:, :0], v[:, :0])
     with pytest.raises(ValueError, match=r"^q: expected a seqlen \(axis 1\)"):
         C.flash_attn_func(q[:, :0], k, v)
+    # no query heads: it was the core's message, in (B, H, L, D) and naming "q, k, v"
+    with pytest.raises(ValueError, match=r"^q: expected a nheads \(axis 2\) of at least 1, got shape \(2, 3, 0, 4\)"):
+        C.flash_attn_func(q[:, :, :0], k, v)
 
 
 # --------------------------------------------------------------------------
@@ -1051,6 +1054,36 @@ def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
         kwargs = dict(value=v.astype(np.float32))
     with pytest.raises(exc, match=match):
         C.dot_product_attention(**{**args, **kwargs})
+
+
+def test_dot_product_attention_shapes_are_named_in_its_own_layout():
+    """A shape error names the array as given, (B, T, N, H) or (T, N, H) without B: the
+    sizes of 0 were the core's messages about its (B, N, T, H) views (T = 0 read "a query
+    length Lq (axis -2)", axis -2 being N here, with a batch of 1 added to an unbatched
+    query), and an unbatched value of another length was reported with that batch of 1."""
+    q, k, v = randn(2, 4, 4, 5), randn(2, 6, 2, 5), randn(2, 6, 2, 5)
+    with pytest.raises(ValueError, match=r"^query: expected a query length T \(axis 1\) of at least 1, got shape \(2, 0, 4, 5\)$"):
+        C.dot_product_attention(q[:, :0], k, v)
+    with pytest.raises(ValueError, match=r"^query: expected a head count N \(axis 2\) of at least 1, got shape \(2, 4, 0, 5\)$"):
+        C.dot_product_attention(q[:, :, :0], k, v)
+    with pytest.raises(ValueError, match=r"^query: expected a head width H \(axis 3\) of at least 1, got shape \(2, 4, 4, 0\)$"):
+        C.dot_product_attention(q[..., :0], k[..., :0], v)
+    with pytest.raises(ValueError, match=r"^key: expected a key length S \(axis 1\) of at least 1, got shape \(2, 0, 2, 5\)$"):
+        C.dot_product_attention(q, k[:, :0], v[:, :0])
+    # unbatched, (T, N, H): the axes count from T
+    with pytest.raises(ValueError, match=r"^query: expected a query length T \(axis 0\) of at least 1, got shape \(0, 4, 5\)$"):
+        C.dot_product_attention(q[0, :0], k[0], v[0])
+    with pytest.raises(ValueError, match=r"^key: expected a key length S \(axis 0\) of at least 1, got shape \(0, 2, 5\)$"):
+        C.dot_product_attention(q[0], k[0, :0], v[0, :0])
+    with pytest.raises(ValueError, match=r"^value: expected the length S of key = 6 on axis 0, got shape \(5, 2, 5\)$"):
+        C.dot_product_attention(q[0], k[0], v[0, :5])
+    with pytest.raises(ValueError, match=r"^key: expected the head width of query = 5 on axis 2, got shape \(6, 2, 3\)$"):
+        C.dot_product_attention(q[0], k[0, ..., :3], v[0])
+    # the batched forms of the last two, unchanged
+    with pytest.raises(ValueError, match=r"^value: expected the length S of key = 6 on axis 1, got shape \(2, 5, 2, 5\)$"):
+        C.dot_product_attention(q, k, v[:, :5])
+    with pytest.raises(ValueError, match=r"^value: expected the batch of query = 2 on axis 0, got shape \(1, 6, 2, 5\)$"):
+        C.dot_product_attention(q, k, v[:1])
 
 
 @pytest.mark.parametrize("change, exc, match", [
