@@ -966,7 +966,7 @@ def main(argv=None) -> int:
                              "--isolated: 0 = none)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help=f"threads of npattn's tile pool, in [1, {MAX_THREADS}] (sets "
-                             "NPATTN_NUM_THREADS; default: the usable CPUs)")
+                             "NPATTN_NUM_THREADS; default: the usable CPUs, at most 8)")
     parser.add_argument("--blas-threads", type=int, metavar="N",
                         help=f"hold BLAS to N threads, in [1, {MAX_THREADS}] (threadpoolctl; "
                              "default: BLAS's own setting)")

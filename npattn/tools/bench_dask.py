@@ -16,7 +16,7 @@ batch entry, ``--q-chunk`` query rows and ``--k-chunk`` keys:
   first count, and each worker's peak resident memory (``VmHWM``) against
   its resident memory before the run;
 * **in one process**: the same attention on NumPy arrays in this process,
-  ``impl="blocked"`` on the tile pool of all usable CPUs (``--no-local``
+  ``impl="blocked"`` on the tile pool (the usable CPUs, at most 8; ``--no-local``
   leaves it out).
 
 For scale it prints the size of one (Lq, Lk) score matrix of one head and of
