@@ -2003,3 +2003,147 @@ def test_npattn_passes_and_a_mutant_fails_on_a_device_library(lib):
     assert report.config["backend"] == lib
     bad = run_kernel(off, "float64", backend=lib, backward=npattn_backward, supports=supports)
     assert not bad.ok and failing(bad, "out")
+
+
+# --------------------------------------------------------------------------
+# the report: ratios, the table, the summary, the JSON
+
+
+def test_a_tensor_of_a_kernel_that_raised_has_an_infinite_ratio():
+    """A kernel that raised has no budget (0) and an infinite error: its ratio is inf, in the
+    table and the JSON, not 0 (which reads as an exact match). A budget of 0 with no error is
+    an exact match, ratio 0."""
+    assert VF.TensorResult("out", math.inf, 0.0, 0.0, 0.0, 0.0, "fail").ratio == math.inf
+    assert VF.TensorResult("out", 1e-300, 0.0, 0.0, 0.0, 0.0, "fail").ratio == math.inf
+    assert VF.TensorResult("out", 0.0, 0.0, 0.0, 0.0, 0.0, "pass").ratio == 0.0
+    assert VF.TensorResult("out", 3.0, 2.0, 0.0, 0.0, 0.0, "fail").ratio == 1.5
+
+    def raises(q, k, v, **kw):
+        raise RuntimeError("boom")
+
+    report = VF.verify(raises, dtype="float64", combos=False, cases=["base-1x65"])
+    data = json.loads(report.to_json())
+    assert data["cases"][0]["tensors"]["out"]["ratio"] == "inf"
+    assert [row["ratio"] for row in data["table"]] == ["inf"]
+
+
+def test_a_wrong_dtype_is_said_even_where_the_numbers_are_wrong_too():
+    """A tensor in another dtype fails for its dtype whatever its numbers: the failing case's
+    line says 'out (dtype)', not a ratio (the ratio would send the reader to the math)."""
+    def float64_and_off(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return out.astype(np.float64) * 1.5, lse, cache
+
+    report = VF.verify(float64_and_off, backward=npattn_backward, returns_lse=True,
+                       dtype="float32", combos=False, cases=["base-1x65"])
+    r = report.results[0]
+    assert r.tensors["out"].ratio > 1.0 and r.tensors["out"].note.startswith("dtype:")
+    assert "Dh=16 Dv=16: out (dtype)\n" in report.format(), report.format()
+
+
+def test_an_output_of_another_library_is_counted_in_the_table_as_such():
+    torch = pytest.importorskip("torch")
+
+    def as_torch(q, k, v, **options):
+        out, *rest = npattn_kernel(q, k, v, **options)
+        return (torch.from_numpy(out), *rest)
+
+    report = VF.verify(as_torch, backward=npattn_backward, returns_lse=True, dtype="float64",
+                       combos=False, cases=["base-1x65"])
+    row = next(r for r in report.table_rows() if r["tensor"] == "out")
+    assert row["failed"] == 1 and row["wrong_type"] == 1
+    assert "FAIL 1/1 (1 of another dtype or library)" in report.table()
+
+
+def test_a_case_that_passes_with_a_degenerate_tensor_has_no_failing_tensor_and_no_hint():
+    """A degenerate tensor passes: the case lists no failing tensor and gives no hint (a
+    hint is the first step that went wrong)."""
+    case = VC.Case(name="saturated", Lq=9, Lk=17, score_std=40.0)
+    report = VF.verify(npattn_kernel, backward=npattn_backward, returns_lse=True,
+                       dtype="float64", cases=[case])
+    r = report.results[0]
+    assert r.status == "degenerate" and report.ok
+    assert {n for n, t in r.tensors.items() if t.status == "degenerate"} >= {"dq", "dk"}
+    assert r.failing == [] and r.hint == "" and r.to_dict()["hint"] == ""
+
+
+def _off_when_causal(q, k, v, **options):
+    """npattn with out 1 % off in the causal cases."""
+    out, lse, cache = npattn_kernel(q, k, v, **options)
+    return (out * 1.01 if options.get("is_causal") else out), lse, cache
+
+
+def test_the_table_summary_and_json_add_up_the_cases():
+    """Two causal cases fail (out 1 % off), two base cases pass and a saturated case without
+    options passes with dq and dk degenerate: the table has a '(none)' row for the cases
+    without options, each row names its worst case with that case's ratio, counts the
+    failures and the degenerate tensors; the summary and the JSON count the same."""
+    saturated = VC.Case(name="saturated", Lq=9, Lk=17, score_std=40.0)
+    cases = VF.plan("causal", combos=False, cases=["base-1x65", "base-64x129", "causal-65x129",
+                                                  "causal-128x65"]) + [saturated]
+    report = VF.verify(_off_when_causal, backward=npattn_backward, returns_lse=True,
+                       dtype="float64", supports="causal", cases=cases)
+    status = {r.case.name: r.status for r in report.results}
+    assert status == {"base-1x65": "pass", "base-64x129": "pass", "causal-65x129": "fail",
+                      "causal-128x65": "fail", "saturated": "degenerate"}
+    rows = {(row["option"], row["tensor"]): row for row in report.table_rows()}
+    assert set(rows) == {(o, t) for o in ("(none)", "causal") for t in ("out", "lse", "dq", "dk", "dv")}
+    out = rows[("causal", "out")]
+    ratios = {r.case.name: r.tensors["out"].ratio for r in report.results if r.case.options}
+    assert min(ratios.values()) > 1.0
+    assert out["worst_case"] == max(ratios, key=ratios.get) and out["ratio"] == max(ratios.values())
+    assert (out["cases"], out["failed"], out["status"], out["wrong_type"]) == (2, 2, "FAIL", 0)
+    assert (rows[("causal", "lse")]["failed"], rows[("causal", "lse")]["status"]) == (0, "pass")
+    none_dq = rows[("(none)", "dq")]
+    assert (none_dq["cases"], none_dq["failed"], none_dq["degenerate"]) == (3, 0, 1)
+    assert rows[("(none)", "dv")]["degenerate"] == 0
+    assert "FAIL 2/2" in report.table() and "pass (1 degenerate)" in report.table()
+    assert ": FAILED: 3/5 cases pass (1 with a degenerate tensor), out, lse, gradients;" in \
+        report.summary(), report.summary()
+    data = json.loads(report.to_json())
+    assert (data["ok"], data["n_cases"], data["n_failed"], data["n_degenerate"]) == (False, 5, 2, 1)
+    assert data["hints"] == report.hints() and data["hints"]
+    assert [(row["option"], row["tensor"], row["ratio"]) for row in data["table"]] == \
+        [(row["option"], row["tensor"], row["ratio"]) for row in report.table_rows()]
+
+
+def test_the_failing_cases_are_listed_up_to_max_failures():
+    def off(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return out * 1.01, lse, cache
+
+    names = ["base-1x65", "base-64x129", "base-65x128", "base-127x64"]
+    report = VF.verify(off, backward=npattn_backward, returns_lse=True, dtype="float64",
+                       cases=names)
+    assert [r.case.name for r in report.failures] == names
+    text = report.format()
+    assert text.count("\n    rerun: ") == 4 and "more (see the JSON)" not in text
+    short = report.format(max_failures=2)
+    assert short.count("\n    rerun: ") == 2 and "  ... and 2 more (see the JSON)" in short
+
+
+def test_a_degenerate_case_that_wrote_into_its_inputs_is_counted_failed_not_degenerate():
+    def writes_q(q, k, v, **options):
+        res = npattn_kernel(q, k, v, **options)
+        q[...] = 0.0  # after use: the outputs stay right
+        return res
+
+    saturated = VC.Case(name="saturated", Lq=9, Lk=17, score_std=40.0)
+    report = VF.verify(writes_q, backward=npattn_backward, returns_lse=True, dtype="float64",
+                       cases=[saturated])
+    r = report.results[0]
+    assert r.written == ["q"] and r.status == "fail" and r.tensors["dq"].status == "degenerate"
+    row = next(row for row in report.table_rows() if row["tensor"] == "dq")
+    assert (row["failed"], row["degenerate"], row["wrote"]) == (1, 0, 1)
+    assert "FAIL 1/1 (1 wrote into its inputs)" in report.table()
+
+
+def test_the_summary_says_what_was_compared():
+    kw = dict(dtype="float64", cases=["base-1x65"])
+    forward = VF.verify(lambda q, k, v, **o: F.sdpa_forward(q, k, v, **o)[0], **kw).summary()
+    assert ": passed: 1/1 cases pass (0 with a degenerate tensor), out (no gradients: give " \
+        "backward= or autograd=); bhsd float64 on numpy, seed 0," in forward, forward
+    with_dlse = VF.verify(npattn_kernel, backward=npattn_backward, returns_lse=True,
+                          lse_grad=True, **kw).summary()
+    assert "1/1 cases pass (0 with a degenerate tensor), out, lse, gradients with dlse; " in \
+        with_dlse, with_dlse
