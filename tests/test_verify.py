@@ -2147,3 +2147,196 @@ def test_the_summary_says_what_was_compared():
                           lse_grad=True, **kw).summary()
     assert "1/1 cases pass (0 with a degenerate tensor), out, lse, gradients with dlse; " in \
         with_dlse, with_dlse
+
+
+# --------------------------------------------------------------------------
+# hints, and what reaches the kernel
+
+
+def _dq_hint(wrong_dq):
+    """The hint of base-65x128 at float64 with npattn's gradients, dq replaced by
+    ``wrong_dq(dq)``."""
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        return wrong_dq(g.dq), g.dk, g.dv
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  cases=["base-65x128"]).results[0]
+    assert r.failing == ["dq"], r.failing
+    return r.hint
+
+
+def test_the_constant_factor_hint_needs_a_factor_and_a_constant():
+    """'a constant factor (dq x c)' is said of dq = c * npattn's, c away from 1; not of a dq
+    wrong by a part that is not a multiple (2 dq plus 20 % of its size in one column), nor
+    of a dq off by a factor within 1e-3 of 1 (that is no factor of the scale or 1/(1-p))."""
+    assert _dq_hint(lambda dq: 2.0 * dq).startswith("a constant factor (dq x 2):")
+
+    def twice_and_a_column(dq):
+        bad = 2.0 * dq
+        bad[..., 0] += 0.2 * np.max(np.abs(dq))
+        return bad
+
+    plain = "dk right, dq wrong: dq = ds @ k * scale"
+    assert _dq_hint(twice_and_a_column) == plain
+    assert _dq_hint(lambda dq: dq * (1.0 + 1e-6)) == plain
+
+
+def _off_out(q, k, v, **options):
+    out, lse, cache = npattn_kernel(q, k, v, **options)
+    return out * 1.01, lse, cache
+
+
+def test_an_out_wrong_with_lse_right_is_told_after_the_softmax():
+    """out 1 % off (no common mistake): with lse compared and right the hint points after
+    the softmax; without lse it cannot tell, and names the whole forward."""
+    kw = dict(backward=npattn_backward, dtype="float64", cases=["base-65x128"])
+    r = VF.verify(_off_out, returns_lse=True, **kw).results[0]
+    assert r.failing == ["out"] and r.tensors["lse"].status == "pass"
+    assert r.hint.startswith("lse right, out wrong: after the softmax"), r.hint
+
+    def out_only(q, k, v, **options):
+        out, _, cache = _off_out(q, k, v, **options)
+        return out, cache
+
+    r = VF.verify(out_only, **kw).results[0]
+    assert r.failing == ["out"] and r.hint.startswith("out wrong: the forward ("), r.hint
+
+
+def _grad_hint(name, wrong, case="base-65x128", lse_grad=False, **kw):
+    """The hint of ``case`` at float64 with npattn's gradients, ``name`` replaced by
+    ``wrong(g)`` (g npattn's SDPAGrads)."""
+    def backward(dout, cache, **dl):
+        g = F.sdpa_backward(dout, cache, **dl)
+        grads = {n: getattr(g, n) for n in ("dq", "dk", "dv", "dmask", "dsinks")}
+        grads[name] = wrong(g)
+        return grads
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  lse_grad=lse_grad, cases=[case], **kw).results[0]
+    assert r.failing == [name], r.failing
+    return r.hint
+
+
+def _plus_a_column(x):
+    bad = x.copy()
+    bad[..., 0] += 0.2 * np.max(np.abs(x))
+    return bad
+
+
+def test_a_wrong_dk_alone_is_told_by_its_own_formula():
+    assert _grad_hint("dk", lambda g: _plus_a_column(g.dk)) == \
+        "dq right, dk wrong: dk = ds^T @ q * scale (a transpose, or the GQA sum)"
+    assert _grad_hint("dq", lambda g: _plus_a_column(g.dq)) == \
+        "dk right, dq wrong: dq = ds @ k * scale"
+
+
+def test_the_dsinks_hint_follows_lse_grad():
+    """With lse_grad the sink's gradient takes dlse too: the hint gives the formula that
+    the backward was asked for."""
+    kw = dict(case="sinks-65x129", supports="sinks")
+    wrong = lambda g: g.dsinks + 0.5
+    assert _grad_hint("dsinks", wrong, **kw) == \
+        "dsinks wrong, the rest right: dsink = -sum over rows of p_sink * delta"
+    assert _grad_hint("dsinks", wrong, lse_grad=True, **kw) == \
+        "dsinks wrong, the rest right: dsink = sum over rows of p_sink * (dlse - delta)"
+
+
+def test_three_options_every_failing_case_holds_are_named_each():
+    """Two cases holding the same three options fail: each option gets its line (a hint for
+    'many options together' starts at four, where a line per option says nothing)."""
+    supports = "causal,scale,softcap"
+
+    def off_with_all_three(q, k, v, **options):
+        wrong = {"is_causal", "softcap", "scale"} <= set(options)
+        return (_off_out if wrong else npattn_kernel)(q, k, v, **options)
+
+    panel = VF.plan(supports)
+    all3 = next(c for c in panel if len(c.options) == 3)
+    cases = [c for c in panel if c.name in ("base-1x65", "causal-65x129")]
+    report = VF.verify(off_with_all_three, backward=npattn_backward, returns_lse=True,
+                       dtype="float64", supports=supports,
+                       cases=cases + [all3, replace(all3, name="all3-again")])
+    assert [r.case.name for r in report.failures] == [all3.name, "all3-again"]
+    hints = report.hints()
+    assert not any("options together fail" in h for h in hints), hints
+    for opt in ("causal", "scale", "softcap"):
+        assert any(h.startswith(f"every failing case holds {opt!r}") for h in hints), hints
+
+
+def _empty_rows_of(cache):
+    """Bool [B, H, Lq]: the rows with nothing to attend."""
+    return np.asarray(cache.probs).sum(axis=-1) == 0
+
+
+def test_a_dq_wrong_only_on_the_empty_rows_is_told_so():
+    """dq NaN, or not zero, on the rows with nothing to attend and right elsewhere is named
+    as such (out's notes, for dq), also where the softmax is saturated."""
+    kw = dict(supports="mask_bool,empty_rows")
+    case = "mask_bool-65x129"
+
+    def backward_with(fill):
+        def backward(dout, cache):
+            g = F.sdpa_backward(dout, cache)
+            empty = _empty_rows_of(cache)[..., None]  # [B, H, Lq, 1]
+            return np.where(empty, fill, g.dq), g.dk, g.dv
+        return backward
+
+    saturated = VC.Case(name="saturated-empty", Lq=9, Lk=17, options=("mask_bool",),
+                        empty_rows=True, score_std=40.0)
+    for fill, name, note, start in (
+            (np.nan, case, "NaN on empty rows", "dq has NaN on rows with nothing to attend"),
+            (1.0, case, "not zero on empty rows", "dq is not zero on rows with nothing to attend"),
+            (1.0, saturated, "not zero on empty rows", "dq is not zero on rows")):
+        r = VF.verify(npattn_kernel, backward=backward_with(fill), returns_lse=True,
+                      dtype="float64", cases=[name], **kw).results[0]
+        assert r.failing == ["dq"] and r.tensors["dq"].note == note, (r.failing, r.tensors["dq"])
+        assert r.hint.startswith(start), r.hint
+
+
+def test_a_failing_case_that_wrote_into_its_inputs_is_hinted_at_its_failure():
+    """The hint of a case that wrote into its inputs and fails is its failing step; a case
+    whose numbers are right is told to leave its inputs alone."""
+    def writes_q(fn):
+        def kernel(q, k, v, **options):
+            res = fn(q.copy(), k, v, **options)  # the outputs do not see the write
+            q[...] = 0.0
+            return res
+        return kernel
+
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64", cases=["base-65x128"])
+    r = VF.verify(writes_q(_off_out), **kw).results[0]
+    assert r.written == ["q"] and r.failing == ["out"]
+    assert r.hint.startswith("lse right, out wrong"), r.hint
+    r = VF.verify(writes_q(npattn_kernel), **kw).results[0]
+    assert r.written == ["q"] and r.failing == [] and r.hint.startswith("fn wrote into q:")
+
+
+def test_round_to_bfloat16_keeps_nan_and_inf():
+    x = np.array([np.inf, -np.inf, np.nan, 1.0, 3.0e38], dtype=np.float32)
+    payload = np.array([0x7F800001, 0xFF800001], dtype=np.uint32).view(np.float32)  # NaNs
+    y = VF.round_to_bfloat16(np.concatenate([x, payload]))
+    assert y[0] == np.inf and y[1] == -np.inf and y[3] == 1.0
+    assert y[4] == np.float32(np.uint32(0x7F620000).view(np.float32))  # 3.0e38 rounded
+    assert np.isnan(y[2]) and np.isnan(y[5]) and np.isnan(y[6])
+
+
+@pytest.mark.parametrize("dtype, slopes", [("float16", "float32"), ("float32", "float32"),
+                                           ("float64", "float64")])
+def test_the_option_arrays_reach_the_kernel_in_their_documented_dtypes(dtype, slopes):
+    """A float mask and sinks in the kernel's dtype, ALiBi slopes in float32 (float64 for
+    float64), the dropout keep-mask bool and the segment ids int32 (SUPPORTS)."""
+    seen = {}
+
+    def records(q, k, v, **options):
+        for name, x in options.items():
+            if hasattr(x, "dtype"):
+                seen.setdefault(name, set()).add(str(x.dtype))
+        return np.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype)
+
+    VF.verify(records, dtype=dtype, supports="alibi,sinks,mask_float,dropout_mask,segments",
+              combos=[("alibi", "sinks", "mask_float", "dropout_mask", "segments")],
+              cases=["all5-65x128"])
+    assert seen == {"alibi_slopes": {slopes}, "sinks": {dtype}, "mask": {dtype},
+                    "dropout_mask": {"bool"}, "q_segments": {"int32"},
+                    "k_segments": {"int32"}}, seen
