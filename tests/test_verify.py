@@ -2087,7 +2087,8 @@ def test_the_table_summary_and_json_add_up_the_cases():
     assert status == {"base-1x65": "pass", "base-64x129": "pass", "causal-65x129": "fail",
                       "causal-128x65": "fail", "saturated": "degenerate"}
     rows = {(row["option"], row["tensor"]): row for row in report.table_rows()}
-    assert set(rows) == {(o, t) for o in ("(none)", "causal") for t in ("out", "lse", "dq", "dk", "dv")}
+    assert set(rows) == {(o, t) for o in ("(none)", "causal")
+                         for t in ("out", "lse", "dq", "dk", "dv")}
     out = rows[("causal", "out")]
     ratios = {r.case.name: r.tensors["out"].ratio for r in report.results if r.case.options}
     assert min(ratios.values()) > 1.0
@@ -2340,3 +2341,84 @@ def test_the_option_arrays_reach_the_kernel_in_their_documented_dtypes(dtype, sl
     assert seen == {"alibi_slopes": {slopes}, "sinks": {dtype}, "mask": {dtype},
                     "dropout_mask": {"bool"}, "q_segments": {"int32"},
                     "k_segments": {"int32"}}, seen
+
+
+# --------------------------------------------------------------------------
+# what verify reads, and the floors of half precision
+
+
+def test_an_lse_kept_in_float16_fails():
+    """lse is float32 for float16 inputs (npattn's), and so is its floor: an lse rounded to
+    float16 is off by up to half its spacing there (2**-9 at
+    |lse| ~ 4 for float16), far over a float32 floor of 2**-20 |lse| (and npattn's float32
+    error), and fails; out, right, passes."""
+    def half_lse(q, k, v, **options):
+        out, lse, _ = npattn_kernel(q, k, v, **options)
+        return out, np.asarray(lse).astype(q.dtype)
+
+    report = VF.verify(half_lse, dtype="float16", returns_lse=True, cases=["base-65x128"])
+    r = report.results[0]
+    assert r.tensors["out"].status == "pass" and r.tensors["lse"].status == "fail", r.tensors
+    assert r.tensors["lse"].floor <= 2.0**-20 * 10 and r.tensors["lse"].error > 1e-4
+
+
+def test_a_mapping_adapter_passes_the_keywords_it_does_not_name_as_they_are():
+    def renamed(q, k, v, causal=False, **kw):
+        return npattn_kernel(q, k, v, is_causal=causal, **kw)[0]
+
+    report = VF.verify(renamed, dtype="float64", supports="causal,scale",
+                       adapter={"is_causal": "causal"},
+                       cases=["scale-65x129", "causal-65x129"])
+    assert report.ok, report.format()
+
+
+def test_what_fn_backward_and_a_callable_adapter_return_is_read_as_documented():
+    """A backward may return a list, or an object with attributes dq, dk and dv alone; fn
+    returning more than (out, lse) without a backward, and an adapter returning no mapping,
+    fail the case with what was expected."""
+    import types
+
+    def namespace_backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        return types.SimpleNamespace(dq=g.dq, dk=g.dk, dv=g.dv)
+
+    kw = dict(dtype="float64", cases=["base-65x128"])
+    assert VF.verify(npattn_kernel, backward=namespace_backward, returns_lse=True, **kw).ok
+    as_list = lambda dout, cache: list(F.sdpa_backward(dout, cache))[:3]  # [dq, dk, dv]
+    assert VF.verify(npattn_kernel, backward=as_list, returns_lse=True, **kw).ok
+    r = VF.verify(npattn_kernel, returns_lse=True, **kw).results[0]
+    assert r.error == ("TypeError: fn: expected it to return (out, lse) with returns_lse=True, "
+                       "got a tuple of 3"), r.error
+    r = VF.verify(npattn_kernel, returns_lse=True, backward=npattn_backward,
+                  adapter=lambda options: [("scale", 0.5)], **kw).results[0]
+    assert r.error == "TypeError: adapter: expected it to return a mapping of keywords, got list"
+
+
+def test_every_tensor_checked_fails_as_raised_when_fn_raises():
+    def raises(q, k, v, **options):
+        raise TypeError("fn: expected a kernel of its own")  # worded like verify's own checks
+
+    r = VF.verify(raises, backward=npattn_backward, returns_lse=True, dtype="float64",
+                  supports="sinks", cases=["sinks-65x129"]).results[0]
+    assert list(r.tensors) == ["out", "lse", "dq", "dk", "dv", "dsinks"]
+    assert all(t.status == "fail" and t.note == "raised" for t in r.tensors.values())
+    assert r.failing == list(r.tensors)
+    # the kernel's own TypeError keeps its traceback, however it is worded
+    assert "in raises" in r.traceback and r.raised_at.endswith(" in raises")
+
+
+def test_the_magnitude_of_lse_is_taken_over_the_rows_it_is_compared_on():
+    """lse is -inf on the rows with nothing to attend and not compared there: its magnitude
+    (the degenerate rule's, and the JSON's) is the largest |lse| of the other rows."""
+    case = next(c for c in VF.plan("mask_bool,empty_rows") if c.name == "mask_bool-65x129")
+    inp = VC.case_inputs(case, 0)
+    _, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+    lse = np.asarray(cache.lse)
+    assert np.isinf(lse).any()
+    report = VF.verify(npattn_kernel, backward=npattn_backward, returns_lse=True,
+                       dtype="float64", supports="mask_bool,empty_rows", cases=[case])
+    t = report.results[0].tensors["lse"]
+    assert t.status == "pass"
+    assert t.magnitude == pytest.approx(np.max(np.abs(lse[np.isfinite(lse)])))
+    data = json.loads(report.to_json())
+    assert isinstance(data["cases"][0]["tensors"]["lse"]["magnitude"], float)
