@@ -2422,3 +2422,56 @@ def test_the_magnitude_of_lse_is_taken_over_the_rows_it_is_compared_on():
     assert t.magnitude == pytest.approx(np.max(np.abs(lse[np.isfinite(lse)])))
     data = json.loads(report.to_json())
     assert isinstance(data["cases"][0]["tensors"]["lse"]["magnitude"], float)
+
+
+def test_a_tensor_under_ten_budgets_is_degenerate_and_one_over_them_passes():
+    """With a float64 floor of 0.05 (floors=) the budgets are a few percent of the tensors:
+    npattn passes every tensor, and each is degenerate exactly when its largest entry is
+    under DEGENERATE_RATIO = 10 budgets, also where it is over one budget."""
+    report = VF.verify(npattn_kernel, backward=npattn_backward, returns_lse=True,
+                       dtype="float64", floors={"float64": 0.05}, cases=["base-65x128"])
+    tensors = report.results[0].tensors
+    assert VF.DEGENERATE_RATIO == 10.0
+    kinds = set()
+    for n, t in tensors.items():
+        assert t.error <= t.budget
+        under = t.magnitude < 10.0 * t.budget
+        assert t.status == ("degenerate" if under else "pass"), (n, t)
+        if under:
+            assert t.note == (f"max|{n}| {t.magnitude:.2g} < 10 budgets: a zero {n} would "
+                              "nearly pass")
+        kinds.add((under, t.magnitude > t.budget))
+    assert kinds == {(True, True), (False, True)}, kinds
+    assert report.ok and report.results[0].status == "degenerate"
+
+
+def test_a_failing_dk_or_dv_says_its_key_rows():
+    """dk and dv are per key: where they are wrong is told in key rows (of Lk)."""
+    c = VF.plan("", cases=["base-65x128"])[0]
+
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        dk, dv = g.dk.copy(), g.dv.copy()
+        dk[0, 1, 100, 3] += 1.0
+        dv[1, 0, [7, 8], :] += 1.0
+        return g.dq, dk, dv
+
+    report = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                       cases=[c.name])
+    t = report.results[0].tensors
+    assert t["dk"].where == (f"1 of {c.B * c.Hkv * c.Lk * c.Dh} entries over budget, the worst "
+                             f"at b=0, h=1, key=100, d=3; key rows 100 (1 of {c.Lk})")
+    assert t["dv"].where.endswith(f"; key rows 7-8 (2 of {c.Lk})"), t["dv"].where
+
+
+def test_a_wrong_lse_fails_in_a_case_with_empty_rows():
+    """The -inf of lse on the rows with nothing to attend stays out of its floor (an infinite
+    floor passed any lse there): lse 1e-3 off fails, with a finite budget."""
+    def lse_off(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return out, lse + 1e-3, cache
+
+    report = VF.verify(lse_off, backward=npattn_backward, returns_lse=True, dtype="float32",
+                       supports="mask_bool,empty_rows", cases=["mask_bool-65x129"])
+    t = report.results[0].tensors["lse"]
+    assert t.status == "fail" and math.isfinite(t.budget) and t.budget < 1e-4, t
