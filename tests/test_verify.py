@@ -2475,3 +2475,68 @@ def test_a_wrong_lse_fails_in_a_case_with_empty_rows():
                        supports="mask_bool,empty_rows", cases=["mask_bool-65x129"])
     t = report.results[0].tensors["lse"]
     assert t.status == "fail" and math.isfinite(t.budget) and t.budget < 1e-4, t
+
+
+def test_the_lse_and_merge_terms_follow_their_formulas_head_by_head():
+    """lse_scales and merge_scales, head by head in loops from the module docstring's
+    formulas, under GQA, dropout, a float mask, sinks, dlse and a scale not 1/sqrt(Dh)
+    (the bound tests check they hold; these, that they are not larger or smaller)."""
+    case = VC.Case("terms", Hq=4, Hkv=2, Lq=7, Lk=11, Dh=8, Dv=6, dropout_p=0.3, scale=0.9,
+                   score_std=1.0, score_shift=3.0,
+                   options=("dropout_mask", "gqa", "mask_float", "scale", "sinks"))
+    inp = VC.case_inputs(case, seed=5)
+    o = inp.options
+    assert o["scale"] == 0.9 and o["mask"].shape == (case.B, 1, case.Lq, case.Lk)
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **o)
+    lse, p, attn = np.asarray(cache.lse), cache.probs, cache.attn  # p before, attn after dropout
+    g = F.sdpa_backward(inp.dout, cache, dlse=inp.dlse)
+    truth = {"out": out, "lse": lse, "weights": p, "dq": g.dq}
+    got_lse = VF.lse_scales(inp, truth, inp.dlse)
+    got_merge = VF.merge_scales(inp, truth)
+    G, scale = case.Hq // case.Hkv, 0.9
+    lse_dk, lse_dv = np.zeros(inp.k.shape), np.zeros(inp.v.shape)  # [B, Hkv, Lk, *]
+    lse_dmask = np.zeros(o["mask"].shape)  # [B, 1, Lq, Lk]
+    lse_dsinks, m_dsinks = np.zeros(case.Hq), np.zeros(case.Hq)
+    m_dk = np.zeros(inp.k.shape)
+    m_dmask = np.zeros(o["mask"].shape)
+    m_out = m_dq = lse_dq = 0.0
+    for b in range(case.B):
+        for h in range(case.Hq):
+            j = h // G  # the K/V head of query head h
+            q, k, v, dout = inp.q[b, h], inp.k[b, j], inp.v[b, j], inp.dout[b, h]
+            P, A, L, dl = p[b, h], attn[b, h], lse[b, h], inp.dlse[b, h]  # [Lq, Lk], [Lq]
+            keep = o["dropout_mask"][b, h] / (1.0 - o["dropout_p"])  # [Lq, Lk]
+            w = np.abs(L)  # [Lq]: no empty row here
+            delta = np.sum(dout * out[b, h], axis=-1)  # [Lq]
+            p_sink = np.exp(o["sinks"][h] - L)  # [Lq]
+            # lse: ds = p (dp - delta + dlse); the row's |lse_i| times each row's part
+            ds = P * ((dout @ v.T) * keep - delta[:, None] + dl[:, None])  # [Lq, Lk]
+            lse_dq = max(lse_dq, np.max(w[:, None] * np.abs(g.dq[b, h])))
+            lse_dv[b, j] += (np.abs(A) * w[:, None]).T @ np.abs(dout)
+            lse_dk[b, j] += (np.abs(ds) * w[:, None]).T @ np.abs(q) * scale
+            lse_dmask[b, 0] += np.abs(ds) * w[:, None]
+            lse_dsinks[h] += np.sum(p_sink * np.abs(delta - dl) * w)
+            # merge: m_ij = max(|lse_i|, |s_ij|), s_ij = lse_i + log p_ij where p_ij > 0
+            with np.errstate(divide="ignore"):
+                s = L[:, None] + np.log(P)  # [Lq, Lk]
+            m = np.where(P > 0.0, np.maximum(w[:, None], np.abs(s)), 0.0)  # [Lq, Lk]
+            ms = np.maximum(w, abs(o["sinks"][h])) * p_sink  # [Lq]
+            E = (np.einsum("ij,ijd->id", m, np.abs(A[:, :, None] * v[None] -
+                                                   P[:, :, None] * out[b, h][:, None]))
+                 + (w + ms)[:, None] * np.abs(out[b, h]))  # [Lq, Dv]
+            D = np.sum(m * np.abs(A * (dout @ v.T) - P * delta[:, None]), axis=-1) \
+                + (w + ms) * np.abs(delta)  # [Lq]
+            m_out = max(m_out, E.max())
+            m_dq = max(m_dq, np.max(D[:, None] * (P @ np.abs(k))) * scale)
+            m_dk[b, j] += (P * D[:, None]).T @ np.abs(q) * scale
+            m_dmask[b, 0] += P * D[:, None]
+            m_dsinks[h] += np.sum(p_sink * D)
+    want_lse = {"dq": lse_dq, "dv": lse_dv.max(), "dk": lse_dk.max(), "dmask": lse_dmask.max(),
+                "dsinks": lse_dsinks.max()}
+    want_merge = {"out": m_out, "dq": m_dq, "dk": m_dk.max(), "dv": 0.0, "dmask": m_dmask.max(),
+                  "dsinks": m_dsinks.max()}
+    assert set(got_lse) == set(want_lse) and set(got_merge) == set(want_merge)
+    for n in want_lse:
+        assert got_lse[n] == pytest.approx(want_lse[n], rel=1e-12), n
+    for n in want_merge:
+        assert got_merge[n] == pytest.approx(want_merge[n], rel=1e-12), n
