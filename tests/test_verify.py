@@ -2540,3 +2540,47 @@ def test_the_lse_and_merge_terms_follow_their_formulas_head_by_head():
         assert got_lse[n] == pytest.approx(want_lse[n], rel=1e-12), n
     for n in want_merge:
         assert got_merge[n] == pytest.approx(want_merge[n], rel=1e-12), n
+
+
+def test_a_mistake_is_named_only_within_one_budget_of_it():
+    """An out of the scores left unscaled (scale=1) is named so; the same out moved by 3
+    budgets in one entry is not that mistake any more (within 10 budgets is not within 1)."""
+    def unscaled(shift):
+        def kernel(q, k, v, **options):
+            out = F.sdpa_forward(q, k, v, scale=1.0, **options)[0].copy()
+            out[0, 0, 0, 0] += shift
+            return out
+        return kernel
+
+    kw = dict(dtype="float64", cases=["base-65x128"])
+    exact = VF.verify(unscaled(0.0), **kw).results[0]
+    assert exact.hint.startswith("out wrong: the scores not scaled"), exact.hint
+    budget = exact.tensors["out"].budget
+    near = VF.verify(unscaled(3.0 * budget), **kw).results[0]
+    assert near.tensors["out"].budget == budget
+    assert near.hint == "out wrong: the forward (the scores or the softmax, or P @ V)", near.hint
+
+
+def test_a_window_edge_off_by_one_to_zero_is_named():
+    """A left edge of 1 taken as 0 is the window's off-by-one too (the edge may reach 0)."""
+    case = VC.Case("window-1", Lq=9, Lk=17, window=(1, 3), options=("window",))
+
+    def kernel(q, k, v, window, **options):
+        return F.sdpa_forward(q, k, v, window=(window[0] - 1, window[1]), **options)[0]
+
+    r = VF.verify(kernel, dtype="float64", supports="window", cases=[case]).results[0]
+    assert r.hint.startswith("out wrong: the window's left edge off by one (left -1)"), r.hint
+
+
+def test_a_mistake_is_named_whatever_lse_holds_on_the_rows_npattn_leaves_empty():
+    """lse is compared with the mistake's on the rows where both attend something: a kernel
+    that inverts the boolean mask and writes +inf (flash-attn's) on the rows npattn leaves
+    empty, which its inverted mask fills, is still named."""
+    def inverted(q, k, v, mask, **options):
+        out, cache = F.sdpa_forward(q, k, v, mask=~mask, **options)
+        npattn_empty = ~np.broadcast_to(mask, cache.probs.shape).any(axis=-1)  # [B, H, Lq]
+        return out, np.where(npattn_empty, np.inf, cache.lse)
+
+    r = VF.verify(inverted, dtype="float64", returns_lse=True, supports="mask_bool,empty_rows",
+                  cases=["mask_bool-65x129"]).results[0]
+    assert "the boolean mask's sense inverted" in r.hint, r.hint
