@@ -2584,3 +2584,183 @@ def test_a_mistake_is_named_whatever_lse_holds_on_the_rows_npattn_leaves_empty()
     r = VF.verify(inverted, dtype="float64", returns_lse=True, supports="mask_bool,empty_rows",
                   cases=["mask_bool-65x129"]).results[0]
     assert "the boolean mask's sense inverted" in r.hint, r.hint
+
+
+def test_a_mistake_is_named_only_more_than_ten_budgets_from_the_truth():
+    """out_misses names the mistake that an out is exactly only where that mistake lies more
+    than MISS_SEPARATION (10) budgets from the truth: the unscaled scores' out, 5 budgets
+    away with a larger budget, is not named; 20 budgets away it is."""
+    case = VF.plan("", cases=["base-65x128"])[0]
+    inp = VC.case_inputs(case, 0)
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v)
+    truth = {"out": out, "lse": np.asarray(cache.lse), "weights": cache.probs}
+    alt = F.sdpa_forward(inp.q, inp.k, inp.v, scale=1.0)[0]
+    apart = float(np.max(np.abs(alt - out)))
+    assert VF.MISS_SEPARATION == 10.0 and apart > 0.1
+    named = []
+    for budgets in (5.0, 20.0):
+        budget = apart / budgets
+        t = VF.TensorResult("out", apart, budget, 0.0, budget, 1.0, "fail")
+        named.append(VF.out_misses(inp, {"out": alt}, truth, {"out": t}))
+    assert named[0] == [] and len(named[1]) == 1, named
+    assert named[1][0].startswith("the scores not scaled"), named
+
+
+def test_the_seed_draws_the_inputs_and_progress_counts_the_cases():
+    seen, calls = [], []
+
+    def records(q, k, v, **options):
+        seen.append(q.copy())
+        return F.sdpa_forward(q, k, v, **options)[0]
+
+    names = ["base-1x65", "base-64x129", "base-65x128"]
+    for seed in (0, 1):
+        VF.verify(records, dtype="float64", cases=names[:1], seed=seed)
+    assert not np.array_equal(seen[0], seen[1])
+    VF.verify(records, dtype="float64", cases=names,
+              progress=lambda done, total, name: calls.append((done, total, name)))
+    assert calls == [(1, 3, names[0]), (2, 3, names[1]), (3, 3, names[2])]
+
+
+def test_the_python_reproducer_keeps_floors_and_combos():
+    """A case of a panel drawn with combos=False and checked with floors= reruns with both:
+    the rerun gives the same budget (the default floor gives another)."""
+    def off(q, k, v, **options):
+        return F.sdpa_forward(q, k, v, **options)[0] * (1.0 + 1e-9)
+
+    report = VF.verify(off, dtype="float64", supports="causal", combos=False, target="off",
+                       floors={"float64": 2.0**-30}, cases=["causal-65x129"])
+    r = report.failures[0]
+    call = r.reproducer
+    assert "combos=False" in call and "floors={" in call, call
+    again = eval(call[len("print("):-1], {"npattn": npattn, "off": off})
+    assert again.results[0].tensors["out"].budget == r.tensors["out"].budget
+    default = VF.verify(off, dtype="float64", supports="causal", cases=["causal-65x129"])
+    assert default.results[0].tensors["out"].budget < r.tensors["out"].budget
+
+
+def test_the_bounds_of_budget_factor_and_floors_are_taken_and_a_floor_of_no_dtype_refused():
+    """budget_factor 1 (as accurate as npattn) and a floor of 0 are the bounds, taken; a
+    floors key that is not a dtype is a ValueError naming floors (it would change nothing)."""
+    kernel = lambda q, k, v, **options: F.sdpa_forward(q, k, v, **options)[0]
+    kw = dict(dtype="float32", cases=["base-1x65"])
+    report = VF.verify(kernel, budget_factor=1, floors={"float32": 0}, **kw)
+    assert report.config["budget_factor"] == 1.0 and report.config["floors"]["float32"] == 0.0
+    t = report.results[0].tensors["out"]
+    default = VF.verify(kernel, **kw).results[0].tensors["out"]
+    assert t.budget == t.npattn_error + t.floor and t.npattn_error > 0.0
+    assert t.floor < default.floor  # what remains is the rounding of lse, not floors='s
+    with pytest.raises(ValueError, match=r"floors: expected a mapping with keys from .*'fp32'"):
+        VF.verify(kernel, floors={"fp32": 1e-6}, **kw)
+
+
+# --------------------------------------------------------------------------
+# the panel and its inputs
+
+
+def test_a_case_name_alone_is_one_case():
+    assert [c.name for c in VF.plan("", cases="base-1x65")] == ["base-1x65"]
+    report = VF.verify(lambda q, k, v, **o: F.sdpa_forward(q, k, v, **o)[0], dtype="float64",
+                       cases="base-1x65")
+    assert [r.case.name for r in report.results] == ["base-1x65"]
+
+
+def test_all_declares_every_option_and_the_permission_of_empty_rows():
+    assert VC.check_supports("all") == tuple(sorted(VC.SUPPORTS))
+    assert "empty_rows" in VC.check_supports(" all ")
+    assert any(c.empty_rows for c in VC.panel("all"))
+
+
+def test_a_causal_alignment_unlike_align_conflicts_with_window_and_alibi():
+    for aligned in ("window", "alibi"):
+        assert VC.conflicts(("causal", aligned), "bottom_right")
+        assert not VC.conflicts(("causal", aligned), "top_left")
+        assert VC.conflicts(("causal_bottom_right", aligned), "top_left")
+        assert not VC.conflicts(("causal_bottom_right", aligned), "bottom_right")
+    assert not VC.conflicts(("causal", "softcap"), "bottom_right")
+    for c in VC.panel("causal,window,alibi,softcap", "bottom_right"):
+        assert not {"causal", "window"} <= set(c.options), c.name
+        assert not {"causal", "alibi"} <= set(c.options), c.name
+
+
+def test_segment_cases_leave_rows_empty_when_declared():
+    """With 'empty_rows' a segment case gives some queries an id that no key has."""
+    cases = [c for c in VC.panel("segments,empty_rows") if "segments" in c.options]
+    assert cases and all(c.empty_rows for c in cases)
+    for c in cases:
+        o = VC.case_inputs(c).options
+        qs, ks = o["q_segments"], o["k_segments"]  # [B, Lq], [B, Lk]
+        alone = [(b, i) for b in range(c.B) for i in range(c.Lq) if qs[b, i] not in ks[b]]
+        assert alone, c.name
+    assert not any(c.empty_rows for c in VC.panel("segments"))
+
+
+def test_an_options_second_case_has_masks_and_slopes_per_head():
+    """The second case of an option holds a (B, Hq, Lq, Lk) mask and (B, Hq) ALiBi slopes;
+    the first a (B, 1, Lq, Lk) mask broadcast over the heads and (Hq,) slopes."""
+    for option, name in (("mask_bool", "mask"), ("mask_float", "mask"),
+                         ("alibi", "alibi_slopes")):
+        first, second = [c for c in VC.panel(option) if c.options == (option,)]
+        a, b = VC.case_inputs(first).options[name], VC.case_inputs(second).options[name]
+        if name == "mask":
+            assert a.shape == (first.B, 1, first.Lq, first.Lk)
+            assert b.shape == (second.B, second.Hq, second.Lq, second.Lk)
+        else:
+            assert a.shape == (first.Hq,) and b.shape == (second.B, second.Hq)
+            assert not np.array_equal(b[0], b[1])  # a slope per batch entry too
+
+
+def test_the_all_options_cases_take_each_side_of_an_exclusive_pair():
+    for align in ("top_left", "bottom_right"):
+        sets = [set(c.options) for c in VC.panel("all", align) if len(c.options) > 3]
+        assert len(sets) == 2
+        masks = [("mask_bool" in s, "mask_float" in s) for s in sets]
+        assert masks == [(True, False), (False, True)]
+        causal = "causal" if align == "top_left" else "causal_bottom_right"  # align allows it
+        assert any(causal in s for s in sets), sets
+
+
+def test_combos_that_cannot_be_one_call_are_refused():
+    with pytest.raises(ValueError, match=r"combos: \('mask_bool', 'mask_float'\) cannot be one"):
+        VC.panel("mask_bool,mask_float", combos=[("mask_bool", "mask_float")])
+    with pytest.raises(ValueError, match=r"combos: \('causal', 'window'\) cannot be one call"):
+        VC.panel("causal,window", "bottom_right", combos=[("causal", "window")])
+
+
+def test_the_panel_s_dropout_cases_take_two_probabilities():
+    """A kernel that takes the drop probability as 0.2 whatever dropout_p says fails the
+    panel: its two dropout cases draw p = 0.2 and 0.5."""
+    cases = [c for c in VC.panel("dropout_mask") if c.options == ("dropout_mask",)]
+    assert [c.dropout_p for c in cases] == [0.2, 0.5]
+
+    def fixed_p(q, k, v, dropout_p=None, **options):
+        if dropout_p is not None:
+            options["dropout_p"] = 0.2
+        return F.sdpa_forward(q, k, v, **options)[0]
+
+    report = VF.verify(fixed_p, dtype="float64", supports="dropout_mask", combos=False)
+    assert [r.case.name for r in report.failures] == [cases[1].name]
+
+
+def test_head_dims_of_zero_are_refused():
+    with pytest.raises(ValueError, match=r"head_dims: expected ints from 1 to 16384, got 0 in "):
+        VF.plan("", head_dims=(0, 64))
+
+
+def test_a_repeated_combination_gets_names_of_its_own():
+    """Seven cases of one pair cycle back to the first shape: the seventh is named '.2'."""
+    cases = [c for c in VC.panel("causal,softcap", combos=[("causal", "softcap")] * 7)
+             if len(c.options) == 2]
+    names = [c.name for c in cases]
+    assert len(names) == 7 and len(set(names)) == 7
+    assert names[6] == names[0] + ".2"
+
+
+def test_each_case_draws_its_own_inputs_from_its_name():
+    """Two cases of the same shapes and another name get other arrays for one seed; a case's
+    own seed overrides verify's."""
+    a, b = VC.Case("a"), VC.Case("b")
+    assert not np.array_equal(VC.case_inputs(a, 0).q, VC.case_inputs(b, 0).q)
+    assert np.array_equal(VC.case_inputs(a, 0).q, VC.case_inputs(VC.Case("a"), 0).q)
+    own = VC.Case("a", seed=7)
+    assert np.array_equal(VC.case_inputs(own, 0).q, VC.case_inputs(own, 1).q)
