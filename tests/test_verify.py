@@ -2764,3 +2764,54 @@ def test_each_case_draws_its_own_inputs_from_its_name():
     assert np.array_equal(VC.case_inputs(a, 0).q, VC.case_inputs(VC.Case("a"), 0).q)
     own = VC.Case("a", seed=7)
     assert np.array_equal(VC.case_inputs(own, 0).q, VC.case_inputs(own, 1).q)
+
+
+def test_the_shifted_case_moves_each_row_by_an_offset_of_std_score_shift():
+    """The rows' offsets (lse minus the lse of the same scores without the vector added to
+    the keys) have a std near SCORE_SHIFT = 100, and about a third of the rows lie beyond
+    exp's float32 range."""
+    case = next(c for c in VC.panel("") if c.score_shift)
+    assert case.score_shift == VC.SCORE_SHIFT == 100.0
+    inp = VC.case_inputs(case, 0)
+    plain = VC.case_inputs(replace(case, score_shift=0.0), 0)
+    assert np.array_equal(inp.q, plain.q) and not np.array_equal(inp.k, plain.k)
+    lse = np.asarray(F.sdpa_forward(inp.q, inp.k, inp.v)[1].lse)
+    base = np.asarray(F.sdpa_forward(plain.q, plain.k, plain.v)[1].lse)
+    offset = lse - base  # [B, Hq, Lq]
+    assert 60.0 < offset.std() < 160.0, offset.std()
+    assert 0.15 < np.mean(np.abs(lse) > 88.0) < 0.6
+
+
+def test_causal_is_top_left_whatever_align_is():
+    """'causal' is top-left (SUPPORTS): align='bottom_right' aligns the window and ALiBi,
+    not it."""
+    case = next(c for c in VC.panel("causal", "bottom_right") if c.options == ("causal",))
+    assert VC.case_align(case, "bottom_right") == "top_left"
+    assert "align" not in VC.case_inputs(case, 0, "bottom_right").options
+    seen = []
+    VF.verify(lambda q, k, v, **o: seen.append(o) or F.sdpa_forward(q, k, v, **o)[0],
+              dtype="float64", supports="causal", align="bottom_right", cases=[case.name])
+    assert seen == [{"is_causal": True}]
+
+
+def test_a_kernel_that_reads_a_float_mask_as_a_boolean_one_fails():
+    """A float mask adds values to the scores (normal where finite): a kernel that only masks
+    where it is -inf fails every float-mask case."""
+    def as_bool(q, k, v, mask=None, **options):
+        if mask is not None:
+            mask = np.isfinite(mask)
+        return F.sdpa_forward(q, k, v, mask=mask, **options)[0]
+
+    report = VF.verify(as_bool, dtype="float64", supports="mask_float", combos=False)
+    failed = [r.case.name for r in report.failures]
+    assert failed and failed == [r.case.name for r in report.results
+                                 if "mask_float" in r.case.options]
+
+
+def test_empty_rows_are_blanked_in_the_first_row_and_the_middle():
+    """The first query row (where a kernel's running maximum starts) and the middle one."""
+    case = next(c for c in VC.panel("mask_bool,empty_rows") if c.options == ("mask_bool",))
+    keep = VC.case_inputs(case, 0).options["mask"]  # [B, 1|Hq, Lq, Lk]
+    empty = ~keep.any(axis=-1)  # [B, 1|Hq, Lq]
+    rows = sorted({(b, i) for b, _, i in zip(*np.nonzero(empty))})
+    assert rows == [(case.B - 1, 0), (case.B - 1, case.Lq // 2)], rows
