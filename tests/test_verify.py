@@ -2815,3 +2815,14 @@ def test_empty_rows_are_blanked_in_the_first_row_and_the_middle():
     empty = ~keep.any(axis=-1)  # [B, 1|Hq, Lq]
     rows = sorted({(b, i) for b, _, i in zip(*np.nonzero(empty))})
     assert rows == [(case.B - 1, 0), (case.B - 1, case.Lq // 2)], rows
+
+
+def test_the_python_reproducer_gives_a_budget_factor_other_than_the_default():
+    def off(q, k, v, **options):
+        return F.sdpa_forward(q, k, v, **options)[0] * (1.0 + 1e-9)
+
+    kw = dict(dtype="float64", target="off", cases=["base-1x65"])
+    assert "budget_factor=" not in VF.verify(off, **kw).failures[0].reproducer
+    for factor in (1, 3):
+        call = VF.verify(off, budget_factor=factor, **kw).failures[0].reproducer
+        assert f"budget_factor={float(factor)}," in call, call

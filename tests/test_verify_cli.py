@@ -613,3 +613,22 @@ def test_a_target_whose_import_failed_is_imported_again_next_time(tmp_path, caps
                       "    return F.sdpa_forward(q, k, v, **kw)[0]\n")
     assert cli.main(argv) == 0
     assert "1/1 cases pass" in capsys.readouterr().out
+
+
+def test_json_dash_exits_1_when_a_case_fails(tmp_path, capsys):
+    (tmp_path / "off.py").write_text(
+        "from npattn import functional as F\n"
+        "def attn(q, k, v, **kw):\n"
+        "    return F.sdpa_forward(q, k, v, **kw)[0] * 1.01\n")
+    assert cli.main(["verify", f"{tmp_path / 'off.py'}:attn", "--case", "base-1x65",
+                     "--dtype", "float64", "--json", "-", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ok"] is False and "FAILED" in captured.err
+
+
+def test_a_target_that_is_not_callable_is_told_as_the_target(tmp_path, capsys):
+    (tmp_path / "notfn.py").write_text("attn = 3\n")
+    assert cli.main(["verify", f"{tmp_path / 'notfn.py'}:attn", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npattn verify: target: expected a callable fn(q, k, v, **options), "
+                          "got int"), err
