@@ -9,12 +9,12 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from npattn import MultiHeadAttention, masks
 from npattn import functional as F
-from npattn.backend import device_of, resolve_backend
+from npattn.backend import backend_name, device_of, namespace, resolve_backend
 
 # --------------------------------------------------------------------------
 # causal
@@ -72,6 +72,10 @@ def test_causal_bad_arguments():
 @settings(max_examples=60)
 @given(Lq=st.integers(0, 6), Lk=st.integers(0, 6), align=st.sampled_from(["top_left", "bottom_right"]),
        left=st.none() | st.integers(0, 14), right=st.none() | st.integers(0, 14))
+# a side of 0 is a bound (the diagonal only on that side), not "no bound": named explicitly,
+# since the search need not draw it where it matters
+@example(Lq=3, Lk=3, align="top_left", left=0, right=None)
+@example(Lq=2, Lk=4, align="bottom_right", left=0, right=1)
 def test_window_is_its_definition_for_sides_of_every_size(Lq, Lk, align, left, right):
     """Query i at key position i + o sees j with i + o - left <= j <= i + o + right, pair by
     pair, for sides below, between and past the lengths (a side as long as Lq or Lk, but
@@ -95,6 +99,21 @@ def test_padding_properties(lengths, extra):
     np.testing.assert_array_equal(m.sum(axis=-1).ravel(), lengths)
     # a prefix: once a key is padding, every later key is too
     assert np.all(np.diff(m.astype(int), axis=-1) <= 0)
+
+
+def test_padding_of_no_batch_entries():
+    """B = 0 (a sequence or an array of no lengths) is an empty mask, not NumPy's 'zero-size
+    array to reduction operation' from the range check."""
+    for lengths in ([], (), np.zeros(0, dtype=np.int64)):
+        m = np.asarray(masks.padding(lengths, 3))
+        assert m.shape == (0, 1, 1, 3) and m.dtype == np.bool_
+
+
+def test_padding_of_a_sequence_is_made_on_xp(backend, xp, to_np):
+    """A list of lengths is created with ``xp`` (an array keeps its own library)."""
+    m = masks.padding([2, 0, 3], 3, xp=backend)
+    assert backend_name(namespace(m)) == backend_name(xp)
+    np.testing.assert_array_equal(to_np(m)[:, 0, 0], [[True, True, False], [False] * 3, [True] * 3])
 
 
 def test_padding_on_backend_keeps_device(xp, to_xp, to_np):
@@ -167,6 +186,9 @@ def test_padding_bad_arguments():
             masks.padding(np.array(bad), 3)
     with pytest.raises(TypeError, match="lengths"):
         masks.padding(np.array([1.0, 2.0]), 3)
+    # a bool is no length (True would count as one key)
+    with pytest.raises(TypeError, match=r"^lengths: expected ints, got \[True, 2\]"):
+        masks.padding([True, 2], 3)
     for lengths in (3, None, {1, 2}, {0: 1, 1: 2}):  # a set or a dict has no order
         with pytest.raises(TypeError, match="^lengths: expected an integer array of shape"):
             masks.padding(lengths, 3)
@@ -270,6 +292,10 @@ def test_from_torch_mha_bad_arguments():
         masks.from_torch_mha(np.zeros((2, 3), bool), xp="nope")
     with pytest.raises(ValueError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((1, 1, 2, 3), bool))
+    # fewer axes than (L, S) are refused by name too (not an unpacking error)
+    for bad in (np.zeros(3, bool), np.zeros((), bool)):
+        with pytest.raises(ValueError, match=r"^attn_mask: expected shape \(L, S\) or \(N\*H, L, S\)"):
+            masks.from_torch_mha(bad)
     # dtype must be floating (an int or bool additive mask cannot hold -inf)
     additive = np.array([[0.0, -np.inf], [1.5, 0.0]])
     for dtype in (np.bool_, np.int64, np.complex128, "int8", "half-precision"):
