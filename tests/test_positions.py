@@ -335,9 +335,13 @@ def test_half_precision_relative_scores_gradients_scale_in_float32():
     q = np.full((1, 1, 2, 1), 0.01, dtype=np.float16)  # [B, H, Lq, E]
     table = np.full((3, 1), 0.01, dtype=np.float16)  # rows for j - i = -1, 0, 1
     dbias = np.full((1, 1, 2, 2), 30000.0, dtype=np.float16)
-    _, cache = P.relative_scores_forward(q, table, 2, scale=4.0)
+    bias, cache = P.relative_scores_forward(q, table, 2, scale=4.0)
     dq, dtable, _ = P.relative_scores_backward(dbias, cache)
     q64, t64, d64 = (a.astype(np.float64) for a in (q, table, dbias))
+    # the bias comes back in q's dtype too: every entry is 4 * q_i * table[r] = 4 * 0.01 * 0.01
+    assert bias.dtype == np.float16
+    np.testing.assert_allclose(bias.astype(np.float64), np.full((1, 1, 2, 2), 4.0 * q64[0, 0, 0, 0] * t64[0, 0]),
+                               rtol=2e-3)
     # bias[i, j] = 4 q_i . table[j - i + 1]: dq_i = 4 sum_j dbias_ij table[j - i + 1],
     # dtable[r] = 4 sum over the pairs with j - i + 1 = r of dbias_ij q_i
     want_dq = 4.0 * np.einsum("bhij,ije->bhie", d64, shaw_reference(t64, 2, 2))
@@ -431,7 +435,10 @@ def test_relative_scores_through_sdpa_mask(xp, to_xp, to_np):
 # T5
 
 
-T5_CONFIGS = [(True, 32, 128), (False, 32, 128), (True, 8, 20), (False, 6, 9), (True, 64, 256)]
+# (False, 9, 128) and (True, 18, 128): log(8 / 4) / log(128 / 4) * 5 is 1 exactly, which the
+# float32 log step rounds up (bucket 5 at distance 8) and a float64 one down (bucket 4)
+T5_CONFIGS = [(True, 32, 128), (False, 32, 128), (True, 8, 20), (False, 6, 9), (True, 64, 256),
+              (False, 9, 128), (True, 18, 128)]
 
 
 @pytest.mark.parametrize("bidirectional,num_buckets,max_distance", T5_CONFIGS)
@@ -566,12 +573,19 @@ def test_errors_name_the_argument():
         (lambda: P.rope_forward(x, np.zeros(3, dtype=bool)), TypeError, "positions: expected integer"),
         (lambda: P.rope_forward(x, 1.5), TypeError, "positions"),
         (lambda: P.rope_forward(x, base=0.5), ValueError, "base: expected"),
+        # an infinite base is no frequency base (every angle but the first would be 0)
+        (lambda: P.rope_forward(x, base=math.inf), ValueError, "^base: expected a finite float > 1"),
         (lambda: P.rope_forward(x, interleaved=1), TypeError, "interleaved: expected a bool"),
         (lambda: P.rope_backward(x, None), TypeError, "cache: expected a RopeCache"),
         (lambda: P.rope_backward(x.astype(np.float32), P.rope_forward(x)[1]), TypeError, "dout: expected dtype"),
         (lambda: P.rope_backward(np.zeros((2, 3, 2)), P.rope_forward(x)[1]), ValueError, "dout: expected shape"),
         (lambda: P.relative_embedding_forward(np.zeros((6, 2)), 3, 3), ValueError, "table: expected an odd"),
         (lambda: P.relative_embedding_forward(np.zeros(5), 3, 3), ValueError, "table: expected a 2-D"),
+        # more axes than (rows, E) are refused by name too, not looked up as rows of a 3-D array
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2, 1)), 3, 3), ValueError,
+         r"^table: expected a 2-D array, got shape \(5, 2, 1\)"),
+        (lambda: P.relative_bias_forward(np.zeros((8, 3, 1)), 3, 3, max_distance=6), ValueError,
+         r"^table: expected a 2-D array, got shape \(8, 3, 1\)"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 0, 3), ValueError, "Lq: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2.0), TypeError, "Lk: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=0.5), TypeError, "offset"),
@@ -596,10 +610,20 @@ def test_errors_name_the_argument():
          r"^q: expected shape \(\.\.\., Lq, E\) with Lq >= 1, got \(2, 0, 4\)"),
         (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 4), np.float32)), TypeError,
          "table: expected dtype"),
+        # the scale is checked as sdpa's: a NaN or infinite factor, or a str, is refused by name
+        (lambda: P.relative_scores_forward(x, np.zeros((5, 4)), scale=math.nan), ValueError,
+         "^scale: expected a finite float, got nan"),
+        (lambda: P.relative_scores_forward(x, np.zeros((5, 4)), scale=math.inf), ValueError,
+         "^scale: expected a finite float, got inf"),
+        (lambda: P.relative_scores_forward(x, np.zeros((5, 4)), scale="1"), TypeError,
+         "^scale: expected None or a float"),
         (lambda: P.relative_scores_backward(np.zeros((2, 3, 3)),
                                             P.relative_scores_forward(x, np.zeros((5, 4)), 4)[1]),
          ValueError, "dbias: expected shape"),
         (lambda: P.t5_bucket(np.zeros(3)), TypeError, "relative_position: expected a signed integer"),
+        # unsigned positions have no negative side (and uint64's top half would wrap in int64)
+        (lambda: P.t5_bucket(np.arange(3, dtype=np.uint8)), TypeError,
+         "^relative_position: expected a signed integer array, got uint8"),
         (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError, "num_buckets"),
         (lambda: P.t5_bucket(np.arange(3), max_distance=8), ValueError, "max_distance"),
         (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError, "bidirectional"),
@@ -629,6 +653,16 @@ def test_errors_name_the_argument():
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
             call()
+
+
+def test_rope_positions_of_another_library_are_refused(backend, to_xp):
+    """Positions are an array of x's library: NumPy positions with x of another library are a
+    TypeError naming them, not copied over through the host."""
+    if backend == "numpy":
+        pytest.skip("NumPy positions are of x's library here")
+    x = to_xp(np.zeros((2, 3, 4)))
+    with pytest.raises(TypeError, match=r"^positions: expected a .* array \(that of x\), got a numpy array"):
+        P.rope_forward(x, np.arange(3))
 
 
 def test_rope_angles_dtype_is_a_float_dtype_of_the_backend(xp, to_xp, to_np):
