@@ -424,6 +424,7 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     ((1, 2**70, 1, 2), {}, ValueError, r"^batch_size, num_kv_heads, capacity, head_dim and "
      r"value_dim: expected buffers of fewer than 2\*\*62 entries"),
     ((1, 4, 1, 2**70), {}, ValueError, r"head width 1180591620717411303424$"),  # (not "capacity:")
+    ((1, 4, 1, 2, 2**70), {}, ValueError, r"head width 1180591620717411303424$"),  # the wider of Dh, Dv
     ((1, 4, 1, 2), dict(device="cuda"), ValueError, r"^device: expected a device of the numpy backend, got 'cuda'"),
 ])
 def test_kvcache_bad_construction(args, kwargs, exc, match):
@@ -484,10 +485,11 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
         ((np.zeros((2, 1, 3, 2)),) * 2, ValueError, "kv_cache: .*capacity 4"),
     ]
     for (k, v), exc, match in bad_appends:
-        state = _state(cache, to_np)
-        with pytest.raises(exc, match=match):
-            cache.append(to_xp(k), to_xp(v))
-        _assert_state(cache, state, to_np)
+        for method in (cache.append, cache.right_aligned):  # the view checks what append does
+            state = _state(cache, to_np)
+            with pytest.raises(exc, match=match):
+                method(to_xp(k), to_xp(v))
+            _assert_state(cache, state, to_np)
     with pytest.raises(TypeError, match="k_new"):
         cache.append(good.tolist(), good)
     bad_truncates = [
@@ -498,11 +500,39 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
         (True, TypeError, "seqlens"),
         ("1", TypeError, "seqlens"),
         (np.zeros((2, 1), dtype=int), TypeError, r"seqlens: .*got numpy.ndarray of shape \(2, 1\)"),
+        ({1, 2}, TypeError, r"^seqlens: .*got set"),  # a set has no order
     ]
     for seqlens, exc, match in bad_truncates:
         with pytest.raises(exc, match=match):
             cache.truncate(seqlens)
         assert cache.cache_seqlens.tolist() == [2, 2]
+    # every entry needs room, not only the first: entry 0 has room for 3 more, entry 1 does not
+    cache.truncate([0, 2])
+    three = to_xp(np.zeros((2, 1, 3, 2)))
+    for method in (cache.append, cache.right_aligned):
+        state = _state(cache, to_np)
+        with pytest.raises(ValueError, match=r"^kv_cache: .* entry 1 holds 2 of capacity 4 \(2 \+ 3 = 5 > 4\)"):
+            method(three, three)
+        _assert_state(cache, state, to_np)
+
+
+def test_ragged_views_keep_the_cache_dtype(backend, xp, to_xp, to_np):
+    """The zero rows in front of a shorter entry (``right_aligned``) and the zero columns
+    ``unalign_columns`` frees are of the cache's dtype: a float32 cache's view and weights
+    stay float32 (zeros of the library's default dtype would promote them)."""
+    cache = KVCache(2, 5, 1, 2, dtype="float32", backend=backend)
+    ones = to_xp(np.ones((2, 1, 3, 2), np.float32))
+    cache.append(ones, ones)
+    cache.truncate([1, 3])
+    new = to_xp(np.full((2, 1, 1, 2), 2.0, np.float32))
+    view = cache.right_aligned(new, new)
+    assert view.shift == (2, 0)
+    assert view.k.dtype == view.v.dtype == xp.float32
+    np.testing.assert_array_equal(to_np(view.k)[0, 0], [[0, 0], [0, 0], [1, 1], [2, 2]])
+    w = to_xp(np.arange(8, dtype=np.float32).reshape(2, 1, 4))
+    back = unalign_columns(w, view.shift)
+    assert back.dtype == xp.float32
+    np.testing.assert_array_equal(to_np(back)[:, 0], [[2, 3, 0, 0], [4, 5, 6, 7]])
 
 
 @pytest.fixture
