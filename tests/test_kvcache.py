@@ -516,6 +516,19 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
         _assert_state(cache, state, to_np)
 
 
+def test_equal_lengths_view_is_a_concatenation_without_key_mask(backend, to_xp, to_np):
+    """Equal lengths shift nothing: the view is the cached keys followed by the new ones, and
+    ``key_mask`` is None (as documented), so the module adds no mask."""
+    cache = KVCache(2, 5, 1, 2, dtype="float64", backend=backend)
+    rng = np.random.default_rng(23)
+    first, new = rng.standard_normal((2, 1, 2, 2)), rng.standard_normal((2, 1, 1, 2))
+    cache.append(to_xp(first), to_xp(first))
+    view = cache.right_aligned(to_xp(new), to_xp(2.0 * new))
+    assert view.shift == (0, 0) and view.key_mask is None
+    np.testing.assert_array_equal(to_np(view.k), np.concatenate([first, new], axis=2))
+    np.testing.assert_array_equal(to_np(view.v), np.concatenate([first, 2.0 * new], axis=2))
+
+
 def test_ragged_views_keep_the_cache_dtype(backend, xp, to_xp, to_np):
     """The zero rows in front of a shorter entry (``right_aligned``) and the zero columns
     ``unalign_columns`` frees are of the cache's dtype: a float32 cache's view and weights
