@@ -399,6 +399,15 @@ def test_embedding_positions_and_tables_check_their_arguments():
         (lambda: nn.one_hot(np, np.array([7]), 3, np.float64), ValueError,
          r"^ids: expected class indices in \[0, 3\), got values in \[7, 7\]"),
         (lambda: nn.one_hot(np, [1], 3, np.float64), TypeError, "^ids: expected a numpy array"),
+        # no classes is refused by name, even for no ids (a (0, 0) one-hot otherwise)
+        (lambda: nn.one_hot(np, np.zeros(0, np.int64), 0, np.float64), ValueError,
+         "^n: expected a positive int, got 0"),
+        # a table has two axes (V, D): a third is refused, not looked up into a reshape error
+        (lambda: nn.embedding_forward(np.array([0]), np.ones((5, 4, 1), np.float32)), ValueError,
+         r"^table: expected shape \(V, D\), got \(5, 4, 1\)"),
+        # x has a sequence axis: a 1-D x would be added to a 1-D pos of its shape
+        (lambda: nn.add_positions_forward(np.ones(4, np.float32), np.ones(4, np.float32)), ValueError,
+         r"^x: expected shape \(B, L, D\), got \(4,\)"),
         (lambda: nn.adam_init(None), TypeError, "^params: expected a dict of arrays, got None"),
         (lambda: nn.adam_init({"w": [1.0]}), TypeError, r"^params\['w'\]: expected an array, got list"),
         (lambda: nn.clip_grad_norm({"w": [3.0, 4.0]}, 1.0), TypeError,
@@ -474,6 +483,10 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
     d1, _ = nn.cross_entropy_backward(1.0, cache)  # a number, or the loss's own like
     d2, _ = nn.cross_entropy_backward(np.ones_like(loss), cache)
     np.testing.assert_array_equal(d1, d2)
+    # or of shape (1,), as gradcheck passes it; a bool is no number (True would scale by 1)
+    np.testing.assert_array_equal(nn.cross_entropy_backward(np.ones(1), cache)[0], d1)
+    with pytest.raises(TypeError, match="^dloss: expected an array, got bool"):
+        nn.cross_entropy_backward(True, cache)
 
 
 def test_torch_unsigned_ids_without_arithmetic_are_a_type_error():
@@ -508,6 +521,9 @@ def test_cross_entropy_over_no_positions_is_refused(xp, to_xp):
     for shape in ((0, 5), (2, 0, 5)):
         with raises(ValueError, "logits", "at least one position", str(shape)):
             nn.cross_entropy_forward(to_xp(np.zeros(shape)), to_xp(np.zeros(shape[:-1], np.int64)))
+    # no classes (V = 0) is refused as the logits' shape, not as targets no class can hold
+    with raises(ValueError, "logits", "V >= 1", "(2, 0)"):
+        nn.cross_entropy_forward(to_xp(np.zeros((2, 0))), to_xp(np.zeros(2, np.int64)))
     loss, _ = nn.cross_entropy_forward(to_xp(np.zeros(5)), to_xp(np.zeros((), np.int64)))  # one position
     assert float(loss) == pytest.approx(math.log(5.0))
 
