@@ -66,6 +66,27 @@ def test_erf_float32_keeps_dtype(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(e), ref, atol=1e-6)
 
 
+def test_erf_half_precision_keeps_dtype(xp, to_xp, to_np, backend):
+    """float16 is computed in float32 and rounded once, back to float16."""
+    if not hasattr(xp, "float16"):
+        pytest.skip(f"{backend} has no float16")
+    x16 = np.linspace(-4.0, 4.0, 81).astype(np.float16)
+    e = L.erf(xp.astype(to_xp(x16.astype(np.float64)), xp.float16))
+    assert e.dtype == xp.float16
+    ref = np.array([math.erf(float(v)) for v in x16])
+    np.testing.assert_allclose(to_np(xp.astype(e, xp.float64)), ref, atol=1e-3)
+
+
+def test_erf_branches_never_divide_by_zero():
+    """The series and the continued fraction are each fed only |x| they are finite for (the
+    other entries get 2.5, the split, not 0): no division by zero, overflow or invalid operation
+    anywhere, even in the entries the other branch gives (underflow of the series' tail is fine)."""
+    x = np.concatenate([np.linspace(-3.0, 3.0, 61), [0.0, -0.0, 1e-300, 40.0, -np.inf, np.inf]])
+    with np.errstate(divide="raise", over="raise", invalid="raise", under="ignore"):
+        got = L.erf(x)
+    np.testing.assert_allclose(got, [math.erf(v) for v in x], rtol=2e-15, atol=0.0)
+
+
 # ----------------------------------------------------------- layer norm
 
 
@@ -230,6 +251,11 @@ def test_layer_norm_low_precision(xp, to_xp, to_np, backend, dtype):
     assert y.dtype == dt
     dx, dw, db = L.layer_norm_backward(xp.astype(to_xp(np.ones((3, 8)) * 0.5 + x64 * 0.1), dt), cache)
     assert dx.dtype == dt and dw.dtype == dt and db is None
+    # with a bias, dbias = sum(dout) over the rows, in x's dtype as well
+    dout = xp.astype(to_xp(np.full((3, 8), 0.5)), dt)
+    _, db = L.layer_norm_backward(dout, L.layer_norm_forward(x, w, w)[1])[1:]
+    assert db.dtype == dt
+    np.testing.assert_array_equal(to_np(xp.astype(db, xp.float64)), np.full(8, 1.5))
     ref, _ = L.layer_norm_forward(to_xp(to_np(xp.astype(x, xp.float64))), to_xp(to_np(xp.astype(w, xp.float64))))
     tol = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}[dtype]
     np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), to_np(ref), atol=tol * 4, rtol=tol)
@@ -301,6 +327,11 @@ def test_gelu_half_precision_computes_in_float32(xp, to_xp, to_np, backend, appr
     assert dx.dtype == xp.float16
     ref, _ = L.gelu_forward(xp.astype(x, xp.float64), approximate)
     np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), to_np(ref), rtol=1e-3, atol=1e-3)
+    # far from 0 the slope is 0 (x -> -inf) or 1 (x -> +inf); the backward squares x, which in
+    # float16 overflows past 256 (then 0 * inf = NaN in the tanh form): it squares in float32
+    big = xp.astype(to_xp(np.array([-1000.0, -300.0, 300.0, 1000.0])), xp.float16)
+    dbig = L.gelu_backward(xp.astype(to_xp(np.ones(4)), xp.float16), L.gelu_forward(big, approximate)[1])
+    np.testing.assert_array_equal(to_np(xp.astype(dbig, xp.float64)), [0.0, 0.0, 1.0, 1.0])
 
 
 # -------------------------------------------------------- feed-forward
@@ -439,6 +470,17 @@ def test_residual_gradients_with_broadcasting(xp, to_xp, y_shape):
     assert_ok(gradcheck(L.residual_forward, L.residual_backward, [y, x], names=["x", "y"], seed=12))
 
 
+def test_residual_broadcasts_a_zero_length_axis_against_a_one(xp, to_xp, to_np):
+    """An axis of 0 against an axis of 1 broadcasts to 0 (NumPy's rule): out, and so dout,
+    are (0, 3); dy, summed over that empty axis, is zeros of y's shape (1, 3)."""
+    x, y = to_xp(np.zeros((0, 3))), to_xp(np.ones((1, 3)))
+    out, cache = L.residual_forward(x, y)
+    assert tuple(out.shape) == (0, 3)
+    dx, dy = L.residual_backward(to_xp(np.zeros((0, 3))), cache)
+    assert tuple(dx.shape) == (0, 3)
+    np.testing.assert_array_equal(to_np(dy), np.zeros((1, 3)))
+
+
 def test_residual_gradients_are_new_arrays_of_dout_s_kind(xp, to_xp, to_np):
     """dx and dy are not dout itself (adding into one changed the other and the caller's
     dout), and dout must be of out's library and dtype (a float32 one came back float32)."""
@@ -529,6 +571,23 @@ def test_mean_pool_float32_stays_float32(xp, to_xp, to_np):
     assert_same_namespace(xp, out, dx)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_mean_pool_half_precision_keeps_dtype(xp, to_xp, to_np, backend, masked):
+    """float16 is averaged in float32 and rounded once: out and dx are float16. A row of
+    four 30000s averages to 30000 (summed in float16 it would overflow to inf first)."""
+    if not hasattr(xp, "float16"):
+        pytest.skip(f"{backend} has no float16")
+    x = xp.astype(to_xp(np.full((2, 4, 3), 30000.0)), xp.float16)
+    mask = to_xp(np.array([[True] * 4, [True, True, False, False]])) if masked else None
+    out, cache = L.mean_pool_forward(x, mask)
+    assert out.dtype == xp.float16
+    np.testing.assert_array_equal(to_np(xp.astype(out, xp.float64)), np.full((2, 3), 30000.0))
+    dx = L.mean_pool_backward(xp.astype(to_xp(np.ones((2, 3))), xp.float16), cache)
+    assert dx.dtype == xp.float16
+    w = np.array([[0.25] * 4, [0.5, 0.5, 0.0, 0.0]]) if masked else np.full((2, 4), 0.25)
+    np.testing.assert_array_equal(to_np(xp.astype(dx, xp.float64)), np.broadcast_to(w[..., None], (2, 4, 3)))
+
+
 def test_mean_pool_bad_arguments_name_the_argument(xp, to_xp):
     x = to_xp(np.random.default_rng(18).standard_normal((2, 5, 3)))
     with pytest.raises(TypeError, match=r"^x: expected an array"):
@@ -537,6 +596,9 @@ def test_mean_pool_bad_arguments_name_the_argument(xp, to_xp):
         L.mean_pool_forward(to_xp(np.arange(6).reshape(2, 3)))
     with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., L, D\)"):
         L.mean_pool_forward(to_xp(np.ones(3)))
+    # no tokens to average: refused, not 0 / 0 = NaN
+    with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., L, D\) with L >= 1, got shape \(2, 0, 3\)"):
+        L.mean_pool_forward(to_xp(np.ones((2, 0, 3))))
     with pytest.raises(TypeError, match=r"^mask: expected a bool mask"):
         L.mean_pool_forward(x, to_xp(np.ones((2, 5))))
     with pytest.raises(ValueError, match=r"^mask: expected shape \(2, 5\)"):
@@ -568,6 +630,8 @@ def test_bad_arguments_name_the_argument(xp, to_xp):
         L.layer_norm_forward(x, w4, w4, eps=0.0)
     with pytest.raises(TypeError, match=r"^eps: expected a positive float"):
         L.layer_norm_forward(x, w4, w4, eps="1e-5")
+    with pytest.raises(TypeError, match=r"^eps: expected a positive float, got bool True"):
+        L.layer_norm_forward(x, w4, w4, eps=True)  # (taken as 1.0 otherwise)
     with pytest.raises(TypeError, match=r"^x: expected a real floating dtype"):
         L.layer_norm_forward(to_xp(np.arange(4)), None, None)
     for shape in ((2, 0), ()):  # no entries to normalise (NumPy's max of none named nothing)
