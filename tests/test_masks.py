@@ -202,6 +202,9 @@ def test_padding_bad_arguments():
         masks.padding(np.array([1, 2]), 3, xp="nope")
     with pytest.raises(ValueError, match="^device: expected None or the device of lengths"):
         masks.padding(np.array([1, 2]), 3, device="elsewhere")
+    # a sequence is created on device=: one the backend lacks is named (NumPy's own message does not)
+    with pytest.raises(ValueError, match="^device: expected a device of the numpy backend, got 'elsewhere'"):
+        masks.padding([1, 2], 3, device="elsewhere")
     np.testing.assert_array_equal(masks.padding(np.array([1, 2]), 3, xp="numpy", device="cpu"),
                                   masks.padding((1, 2), 3))
 
