@@ -556,6 +556,13 @@ def test_t5_bucket_at_the_ends_of_small_integer_types():
             assert got[0] == got[1] == (15 if bidirectional else 31)
             np.testing.assert_array_equal(got, want)
             assert np.all((got >= 0) & (got < 32))
+    # the log step's bucket before its cap, max_exact + log(n / 32) / log(33 / 32) * 32, is
+    # about 1465 at n = 127: past int8's range, it is capped at the last bucket, not wrapped
+    rp = np.array([-128, -40, 31, 32, 40, 100, 127], dtype=np.int8)
+    got = P.t5_bucket(rp, True, 128, 33)
+    assert got.dtype == np.int8
+    np.testing.assert_array_equal(got, [t5_bucket_reference(int(n), True, 128, 33) for n in rp])
+    np.testing.assert_array_equal(got, [63, 63, 95, 96, 127, 127, 127])
 
 
 def test_errors_name_the_argument():
@@ -641,6 +648,8 @@ def test_errors_name_the_argument():
         # refuses an odd last axis) and which is not HF's arange(0, Dh, 2) / Dh, ceil(Dh/2) of them
         (lambda: P.rope_angles(np, np.arange(3), 5), ValueError, r"^Dh: expected an even int .*, got 5$"),
         (lambda: P.relative_distances(3, 3, 1), TypeError, "^xp: expected one of"),
+        (lambda: P.relative_distances("numpy", 3, 3, device="elsewhere"), ValueError,
+         "^device: expected a device of the numpy backend, got 'elsewhere'"),
         (lambda: P.diagonal_sums(np, np.zeros(3)), ValueError, r"^a: expected shape \(\.\.\., Lq, Lk\)"),
         (lambda: P.diagonal_sums(np, [[1.0]]), TypeError, "^a: expected a numpy array"),
         (lambda: P.diagonal_spread(np, np.zeros((3, 2)), 2, 3), ValueError,
