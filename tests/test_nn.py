@@ -99,6 +99,15 @@ def test_sinusoidal_positions_formula(xp, to_np):
             assert pe[i, 2 * k + 1] == pytest.approx(math.cos(angle), abs=1e-12)
 
 
+def test_sinusoidal_positions_on_a_second_device():
+    """``device=`` is where the table is made (it came back on the default device)."""
+    xps = pytest.importorskip("array_api_strict")
+    dev, cpu = xps.Device("device1"), xps.Device("CPU_DEVICE")
+    pe = nn.sinusoidal_positions(xps, 3, 4, device=dev)
+    assert pe.device == dev
+    np.testing.assert_array_equal(np.asarray(xps.asarray(pe, device=cpu)), nn.sinusoidal_positions(np, 3, 4))
+
+
 def test_cross_entropy_gradcheck(xp, to_xp):
     rng = np.random.default_rng(5)
     V = 4
