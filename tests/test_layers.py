@@ -119,6 +119,16 @@ def test_layer_norm_gradients_of_rows_whose_squares_overflow(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(y), to_np(y1), rtol=1e-15, atol=1e-15)
 
 
+def test_layer_norm_of_a_wide_float32_row_of_large_entries(xp, to_xp, to_np):
+    """Whether a row is rescaled depends on D: 64 entries of +-5e18 have squares of 2.5e37,
+    each below float32's largest value (3.4e38), but summed to 1.6e39 past it. The row is
+    the row of +-1 times 5e18, so y = +-1 / sqrt(1 + eps / 2.5e37) = +-1 (not 0 from an
+    infinite variance)."""
+    x = np.tile(np.array([5e18, -5e18], dtype=np.float32), (2, 32))  # [2, 64]
+    y, _ = L.layer_norm_forward(to_xp(x))
+    np.testing.assert_allclose(to_np(y), np.sign(x), rtol=1e-6)
+
+
 @pytest.mark.parametrize("scale", [1e20, 1e36])
 def test_layer_norm_of_huge_float32_rows_is_that_of_the_rows_rescaled(xp, to_xp, to_np, scale):
     # a row normalises as the row / scale with eps / scale^2 (which is what layer norm is,
@@ -479,6 +489,9 @@ def test_residual_broadcasts_a_zero_length_axis_against_a_one(xp, to_xp, to_np):
     dx, dy = L.residual_backward(to_xp(np.zeros((0, 3))), cache)
     assert tuple(dx.shape) == (0, 3)
     np.testing.assert_array_equal(to_np(dy), np.zeros((1, 3)))
+    # but 0 against 2 does not broadcast: refused by name (not the library's own error)
+    with pytest.raises(ValueError, match=r"^y: expected a shape that broadcasts with x's \(0, 3\), got shape \(2, 3\)"):
+        L.residual_forward(x, to_xp(np.ones((2, 3))))
 
 
 def test_residual_gradients_are_new_arrays_of_dout_s_kind(xp, to_xp, to_np):
