@@ -293,6 +293,10 @@ def test_from_torch_mha_bad_arguments():
         masks.from_torch_mha(np.zeros((2, 3), bool), [[True, False, True]])
     with pytest.raises(ValueError, match="^xp: expected one of"):
         masks.from_torch_mha(np.zeros((2, 3), bool), xp="nope")
+    # a device the target backend lacks is named, with xp= or without
+    for kw in (dict(xp="numpy"), {}):
+        with pytest.raises(ValueError, match="^device: expected a device of the numpy backend, got 'elsewhere'"):
+            masks.from_torch_mha(np.zeros((2, 3), bool), device="elsewhere", **kw)
     with pytest.raises(ValueError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((1, 1, 2, 3), bool))
     # fewer axes than (L, S) are refused by name too (not an unpacking error)
