@@ -320,6 +320,14 @@ def test_clip_grad_norm_rejects_bad_max_norm(bad, exc):
         nn.clip_grad_norm({"a": np.ones(2)}, bad)
 
 
+@pytest.mark.parametrize("bad, exc", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                      (True, TypeError), ("1e-6", TypeError)])
+def test_clip_grad_norm_rejects_bad_eps(bad, exc):
+    """eps is a finite number >= 0 (a negative one could divide by total + eps = 0)."""
+    with pytest.raises(exc, match="^eps: expected"):
+        nn.clip_grad_norm({"a": np.ones(2)}, 1.0, eps=bad)
+
+
 def test_clip_grad_norm_takes_numpy_numbers():
     for max_norm in (np.float32(1.0), np.int64(1)):
         clipped, total = nn.clip_grad_norm({"a": np.full(4, 1.0)}, max_norm)
