@@ -119,6 +119,16 @@ def test_layer_norm_gradients_of_rows_whose_squares_overflow(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(y), to_np(y1), rtol=1e-15, atol=1e-15)
 
 
+def test_layer_norm_of_a_rescaled_row_adds_eps_in_x_units(xp, to_xp, to_np):
+    """A row past the overflow threshold is computed in units of s = max|xc| with eps / s^2:
+    the float32 row [1, -1, 3, 0] * 1e19 with eps = 1e36 is the row [1, -1, 3, 0] with
+    eps = 1e36 / 1e38 = 0.01 (eps / s, say, would be 4e16 there and flatten the row)."""
+    base = np.array([[1.0, -1.0, 3.0, 0.0]])
+    y, _ = L.layer_norm_forward(to_xp((base * 1e19).astype(np.float32)), eps=1e36)
+    xc = base - base.mean()
+    np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), xc / np.sqrt((xc * xc).mean() + 0.01), rtol=1e-5)
+
+
 def test_layer_norm_of_a_wide_float32_row_of_large_entries(xp, to_xp, to_np):
     """Whether a row is rescaled depends on D: 64 entries of +-5e18 have squares of 2.5e37,
     each below float32's largest value (3.4e38), but summed to 1.6e39 past it. The row is
@@ -618,6 +628,9 @@ def test_mean_pool_bad_arguments_name_the_argument(xp, to_xp):
         L.mean_pool_forward(x, to_xp(np.ones((2, 3), dtype=bool)))
     with pytest.raises(TypeError, match=r"^mask: expected a"):
         L.mean_pool_forward(x, [[True] * 5] * 2)
+    if namespace(x) is not namespace(np.ones(1)):  # a mask of another library is named
+        with pytest.raises(TypeError, match=r"^mask: expected a .* array \(that of x\), got a numpy array"):
+            L.mean_pool_forward(x, np.ones((2, 5), dtype=bool))
     _, cache = L.mean_pool_forward(x)
     with pytest.raises(ValueError, match=r"^dout: expected shape \(2, 3\)"):
         L.mean_pool_backward(to_xp(np.ones((2, 5))), cache)
