@@ -482,8 +482,12 @@ def test_params_names_mirror_torch_and_state_dict_round_trips():
         np.testing.assert_array_equal(np.asarray(v), np.asarray(again.params[k]))
     enc = TransformerBlock(D, H, bias=False, seed=17)
     assert enc.d_ff == 4 * D
-    assert sorted(enc.params) == sorted(["self_attn.w_q", "self_attn.w_k", "self_attn.w_v", "self_attn.w_o",
-                                         "linear1.weight", "linear2.weight", "norm1.weight", "norm2.weight"])
+    assert list(enc.params) == ["self_attn.w_q", "self_attn.w_k", "self_attn.w_v", "self_attn.w_o",
+                                "linear1.weight", "linear2.weight", "norm1.weight", "norm2.weight"]
+    assert list(dec.params) == [f"{a}.{k}" for a in ("self_attn", "multihead_attn")
+                                for k in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")] + [
+        "linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias",
+        "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "norm3.weight", "norm3.bias"]
     tl = torch.nn.TransformerEncoderLayer(D, H, 4 * D, bias=False, batch_first=True)
     tl.load_state_dict(enc.torch_state_dict())
     with pytest.raises(ValueError, match="batch_first"):
@@ -870,6 +874,9 @@ def test_backward_names_a_dout_of_another_dtype_or_shape_and_changes_nothing(kin
     block(*((x,) if kind is TransformerBlock else (x, memory)))
     block.backward(d)
     grads = block.grads
+    assert list(grads) == list(block.params)  # the same keys, in the same order
+    with raises(TypeError, "dout", "numpy array", "list"):
+        block.backward(d.tolist())
     with pytest.raises(TypeError, match=r"^dout: expected dtype float64 \(that of the last "
                                         r"forward's output\), got float32"):
         block.backward(d.astype(np.float32))
@@ -897,3 +904,123 @@ def test_fresh_parameters_follow_torchs_initialisation(kind):
         w, b = p[f"{name}.weight"], p[f"{name}.bias"]
         assert np.abs(w).max() <= bound and np.abs(w).max() >= 0.95 * bound, name
         assert np.abs(b).max() <= bound, name
+        # symmetric about 0: both signs reach past half the bound (of 16 or 64 draws)
+        for a in (w, b):
+            assert a.min() < -0.5 * bound and a.max() > 0.5 * bound, name
+
+
+def test_sublayer_backward_names_a_cache_that_is_not_sublayer_forwards(xp, to_xp):
+    """A cache of another pair (a layer norm's), a plain tuple or None is a TypeError naming
+    cache, not an AttributeError from reading its fields."""
+    x = to_xp(np.random.default_rng(40).standard_normal((B, L, D)))
+    w = to_xp(np.ones(D))
+    _, cache = sublayer_forward(x, lambda n: (2.0 * n, None), norm_weight=w, norm_bias=w, eps=1e-5,
+                                norm_first=False, dropout_p=0.0)
+    _, ln_cache = Ly.layer_norm_forward(x, w, w, 1e-5)
+    for bad, got in ((ln_cache, "LayerNormCache"), (tuple(cache), "tuple"), (None, "None")):
+        with raises(TypeError, "cache", "SublayerCache", got):
+            sublayer_backward(x, bad, lambda dc, c: dc)
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_train_with_a_mode_that_is_no_bool_is_a_type_error_and_changes_nothing(kind):
+    """train("no") is refused before anything changes: a block that set its own flag before
+    its attention modules refused the mode would be left in training mode."""
+    block = kind(D, H, FF, dropout=0.2, seed=41).eval()
+    attns = [block.self_attn] + ([block.multihead_attn] if kind is TransformerDecoderBlock else [])
+    for mode in ("no", 1, 0.0, None):
+        with raises(TypeError, "mode", "bool"):
+            block.train(mode)
+        assert block.training is False and not any(m.training for m in attns), mode
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_copies_the_layers_mode(kind):
+    """The block has the layer's mode: a layer in eval mode copied into a block in training
+    mode would compute other outputs with dropout > 0."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    layer = torch_cls(D, H, FF, dropout=0.3, batch_first=True, dtype=torch.float64)
+    for training in (False, True, False):
+        block = cls.from_torch(layer.train(training))
+        assert block.training is training
+        attns = [block.self_attn] + ([block.multihead_attn] if kind == "decoder" else [])
+        assert all(m.training is training for m in attns)
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_a_float_keep_mask_is_named_by_its_site(kind):
+    """A keep-mask of 0.0 / 1.0 floats is refused by the block under its site's name, before
+    it computes (the dropout inside would call it 'dropout_mask')."""
+    rng = np.random.default_rng(43)
+    block = kind(D, H, FF, dropout=0.3, dtype="float64", seed=43)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    args = (x,) if kind is TransformerBlock else (x, memory)
+    shapes = {"self_attn": (B, H, L, L), "multihead_attn": (B, H, L, LM), "dropout": (B, L, FF)}
+    for site in ENCODER_DROPOUT_SITES if kind is TransformerBlock else DECODER_DROPOUT_SITES:
+        keep = np.ones(shapes.get(site, (B, L, D)))  # float64: 1.0 = keep
+        with raises(TypeError, f"dropout_masks['{site}']", "bool", "float64"):
+            block(*args, dropout_masks={site: keep})
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_torch_state_dict_of_a_torch_block_holds_copies(kind):
+    """On the torch backend every entry is a copy (detach() alone would share the block's
+    storage): writing into the state dict leaves the block as it was."""
+    torch = pytest.importorskip("torch")
+    block = kind(D, H, FF, dtype="float64", backend="torch", seed=44)
+    before = {k: v.detach().cpu().numpy().copy() for k, v in block.params.items()}
+    sd = block.torch_state_dict()
+    for v in sd.values():
+        v.add_(1.0)
+    for k, v in block.params.items():
+        np.testing.assert_array_equal(v.detach().cpu().numpy(), before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_load_torch_state_dict_names_an_entry_of_another_shape(kind):
+    """A linear layer's or a norm's entry of another shape is named as the state dict's key,
+    not as the params key the assignment would name, and nothing is assigned."""
+    torch = pytest.importorskip("torch")
+    block = kind(D, H, FF, dtype="float64", seed=45)
+    before = {k: np.array(v) for k, v in block.params.items()}
+    sd = block.torch_state_dict()
+    for key, shape in (("linear1.weight", (FF, D)), ("linear2.bias", (D,)), ("norm2.weight", (D,))):
+        with raises(ValueError, f"state_dict['{key}']", f"{shape}", "(3, 2)"):
+            block.load_torch_state_dict({**sd, key: torch.zeros(3, 2, dtype=torch.float64)})
+    for k, v in block.params.items():  # nothing was assigned
+        np.testing.assert_array_equal(np.asarray(v), before[k])
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_dropout_masks_that_are_no_dict_are_a_type_error(kind):
+    """A list or tuple for dropout_masks is a TypeError naming it (not set()'s 'unhashable
+    type')."""
+    rng = np.random.default_rng(46)
+    block = kind(D, H, FF, dropout=0.3, dtype="float64", seed=46)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    args = (x,) if kind is TransformerBlock else (x, memory)
+    for bad, got in (([np.ones((B, L, D), bool)], "list"), ((("dropout1", None),), "tuple")):
+        with raises(TypeError, "dropout_masks", "dict", got):
+            block(*args, dropout_masks=bad)
+
+
+def test_attention_keep_masks_are_drawn_afresh_from_the_blocks_generator():
+    """With every other site's keep-mask given, two training forwards of a block still differ:
+    the attention probabilities' mask is a new draw from the block's generator each time, and
+    putting the generator's state back replays it."""
+    rng = np.random.default_rng(47)
+    block = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=47)
+    x = rng.standard_normal((B, L, D))
+    keep_all = {"dropout1": np.ones((B, L, D), bool), "dropout": np.ones((B, L, FF), bool),
+                "dropout2": np.ones((B, L, D), bool)}
+    state = block.rng_state
+    y1 = np.asarray(block(x, dropout_masks=keep_all))
+    y2 = np.asarray(block(x, dropout_masks=keep_all))
+    assert not np.allclose(y1, y2)
+    block.rng_state = state
+    np.testing.assert_array_equal(np.asarray(block(x, dropout_masks=keep_all)), y1)
+    other = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=48)
+    other.params = block.params
+    assert not np.allclose(np.asarray(other(x, dropout_masks=keep_all)), y1)
