@@ -74,6 +74,41 @@ def test_finite_differences_with_dropout_from_fixed_masks(xp, to_xp):
     assert np.max(np.abs(a - b)) > 1e-3
 
 
+def test_block_n_takes_the_keep_masks_of_entry_n():
+    """forward(ids, dropout_masks) against its steps composed here on NumPy: block n runs
+    causal with dropout_masks[n], and the final layer norm (eps 0.1, not the default) and
+    the tied head follow."""
+    p = 0.3
+    model = perturbed(make(dropout=p, layer_norm_eps=0.1), lambda a: a, seed=4)
+    rng = np.random.default_rng(21)
+    shapes = {"self_attn": (B, H, L, L), "dropout1": (B, L, D), "dropout": (B, L, FF),
+              "dropout2": (B, L, D)}
+    masks = [{s: rng.random(shape) > p for s, shape in shapes.items()} for _ in range(N)]
+    ids = ids_of(5)
+    got = model.forward(ids, dropout_masks=masks)
+    P = model.params
+    x = P["wte"][ids] + P["wpe"][:L]  # [B, L, D]
+    for n, block in enumerate(model.blocks):
+        x = block.forward(x, is_causal=True, dropout_masks=masks[n])
+    mu, var = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+    h = (x - mu) / np.sqrt(var + 0.1) * P["ln_f.weight"] + P["ln_f.bias"]
+    np.testing.assert_allclose(got, h @ P["wte"].T, rtol=1e-12, atol=1e-12)
+
+
+def test_masks_drawn_for_sites_not_given_drop_at_the_models_rate(monkeypatch):
+    """The keep-masks drawn from the model's generator (every site of every block here) keep
+    an entry with probability 1 - p: 960 draws at p = 0.5, a kept fraction within 0.1."""
+    import npattn.gpt as gpt_module
+
+    drawn, real = [], gpt_module.keep_mask
+    monkeypatch.setattr(gpt_module, "keep_mask", lambda *a, **kw: drawn.append(real(*a, **kw)) or drawn[-1])
+    make(dropout=0.5).forward(ids_of(0))
+    assert len(drawn) == 4 * N  # four sites per block
+    kept = np.concatenate([np.asarray(m).ravel() for m in drawn])
+    assert kept.size == N * (B * H * L * L + 2 * B * L * D + B * L * FF)
+    assert abs(kept.mean() - 0.5) < 0.1, kept.mean()
+
+
 def test_loss_gradient_is_the_cross_entropy_of_the_logits(xp, to_xp):
     model = perturbed(make(xp), to_xp)
     ids, tgt = ids_of(2), ids_of(3)
@@ -92,11 +127,13 @@ def test_loss_gradient_is_the_cross_entropy_of_the_logits(xp, to_xp):
 # ------------------------------------------------------------------ torch parity
 
 
-def test_forward_backward_and_three_training_steps_match_torch():
+@pytest.mark.parametrize("weight_decay, eps", [(0.0, 1e-8), (0.1, 1e-3)])
+def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps):
+    """torch.optim.Adam's weight_decay is the same L2 penalty as nn.adam_step's."""
     torch = pytest.importorskip("torch")
     model = perturbed(make(), lambda a: a)
     tmodel = model.to_torch()
-    opt = torch.optim.Adam(tmodel.parameters(), lr=0.01)
+    opt = torch.optim.Adam(tmodel.parameters(), lr=0.01, eps=eps, weight_decay=weight_decay)
     state = nn.adam_init(model.params)
     named = {"wte": tmodel.wte.weight, "wpe": tmodel.wpe.weight, "ln_f.weight": tmodel.ln_f.weight,
              "ln_f.bias": tmodel.ln_f.bias}
@@ -111,7 +148,8 @@ def test_forward_backward_and_three_training_steps_match_torch():
         grads_t = {k: v.grad.detach().clone().numpy() for k, v in named.items()}  # clipped
         opt.step()
         np.testing.assert_allclose(model.forward(ids), logits_t.detach().numpy(), rtol=0, atol=1e-10)
-        loss, norm, state = training_step(model, state, ids, tgt, lr=0.01, max_grad_norm=0.5)
+        loss, norm, state = training_step(model, state, ids, tgt, lr=0.01, max_grad_norm=0.5, eps=eps,
+                                          weight_decay=weight_decay)
         assert abs(loss - float(loss_t.detach())) < 1e-10
         assert abs(norm - float(norm_t)) < 1e-10 and norm > 0.5
         clipped = nn.clip_grad_norm(model.grads, 0.5)[0]
@@ -212,6 +250,23 @@ def test_training_step_reports_the_global_norm_before_clipping():
         assert norm == pytest.approx(want, rel=1e-10), max_grad_norm
 
 
+def test_generate_of_no_new_tokens_returns_the_prompt_and_no_logits(xp, to_xp):
+    """max_new_tokens=0 runs the prompt and samples nothing: the ids come back, with logits
+    (B, 0, V); a prompt of one token needs no cache room beyond it."""
+    model = make(xp)
+    for L0 in (1, 3):
+        ids = ids_of(L0, (B, L0))
+        out, logits = model.generate(to_xp(ids), 0, return_logits=True)
+        np.testing.assert_array_equal(to_numpy(out), ids)
+        assert tuple(logits.shape) == (B, 0, VOCAB) and logits.dtype == model.dtype
+    # the sampling options are checked even when nothing is sampled, before the prompt runs
+    for kw, error, match in (({"temperature": 0.0}, ValueError, "^temperature"),
+                             ({"top_k": VOCAB + 1}, ValueError, "^top_k"),
+                             ({"greedy": "yes"}, TypeError, "^greedy")):
+        with pytest.raises(error, match=match):
+            model.generate(to_xp(ids_of(0, (B, 2))), 0, **kw)
+
+
 def test_generate_leaves_the_mode_as_it_found_it(xp, to_xp):
     model = make(backend=xp)
     prompt = to_xp(ids_of(2, (B, 3)))
@@ -249,6 +304,8 @@ def test_bad_inputs_name_the_argument_and_change_nothing(xp, to_xp):
         (lambda: model.forward(ids, dropout_masks=[{}]), ValueError, "dropout_masks"),
         (lambda: model.forward(ids, dropout_masks=[{"dropout9": None}, None]), ValueError, "dropout_masks"),
         (lambda: model.backward(to_xp(np.zeros((B, L + 1, VOCAB)))), ValueError, "dlogits"),
+        (lambda: model.backward(to_xp(np.zeros((B, L, VOCAB), dtype=np.float32))), TypeError,
+         r"^dlogits: expected dtype float64, got float32"),
         (lambda: model.generate(ids, T), ValueError, "max_new_tokens"),
         (lambda: model.generate(ids, 1, temperature=0.0), ValueError, "temperature"),
         (lambda: model.generate(ids, 1, top_k=VOCAB + 1), ValueError, "top_k"),
@@ -366,6 +423,27 @@ def test_loading_another_kind_of_file_is_a_value_error(tmp_path):
 # ------------------------------------------------------------ review findings
 
 
+def test_decoding_in_training_mode_with_dropout_is_refused_by_the_model():
+    """kv_caches in training mode with dropout: the model's ValueError naming kv_caches, before
+    the embedding (not a block's naming kv_cache after it), and the caches keep their lengths."""
+    model = make(dropout=0.1)
+    caches = model.new_caches(B)
+    with pytest.raises(ValueError, match=r"^kv_caches: decoding is forward only, without dropout; call eval"):
+        model.forward(ids_of(0, (B, 2)), kv_caches=caches)
+    assert [list(c.cache_seqlens) for c in caches] == [[0, 0]] * N
+
+
+def test_eval_forwards_draw_no_dropout_masks():
+    """In eval mode the model's generator does not move: a training forward after eval
+    forwards draws the masks of a twin that ran none."""
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    model.eval()
+    for seed in range(3):
+        model.forward(ids_of(seed))
+    model.train()
+    np.testing.assert_array_equal(model.forward(ids_of(7)), twin.forward(ids_of(7)))
+
+
 def test_one_cache_shared_by_every_block_is_refused(xp, to_xp):
     from npattn import KVCache
 
@@ -437,14 +515,17 @@ def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its
     assert sample_next(logits, rng, temperature=np.float32(0.5)).shape == (50,)
 
 
-def test_to_torch_matches_in_eval_mode_under_no_grad():
+@pytest.mark.parametrize("eps", [1e-5, 0.2])
+def test_to_torch_matches_in_eval_mode_under_no_grad(eps):
+    """The torch model computes the same logits, with the blocks' and the final norm's eps."""
     torch = pytest.importorskip("torch")
-    model = perturbed(make(), lambda a: a).eval()
+    model = perturbed(make(layer_norm_eps=eps), lambda a: a).eval()
     tmodel = model.to_torch()
     ids = ids_of(3)
     with torch.no_grad():  # torch's fast inference path of the encoder layers
         got = tmodel(torch.from_numpy(ids)).numpy()
     np.testing.assert_allclose(got, model.forward(ids), rtol=0, atol=1e-10)
+    assert tmodel.training is False and model.train().to_torch().training is True  # the mode
 
 
 def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
@@ -477,6 +558,18 @@ def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
     training_step(model, state, ids, tgt, lr=0.1, max_grad_norm=np.float32(1.0))  # NumPy scalars are numbers
 
 
+def test_fresh_parameters_follow_gpt2s_initialisation():
+    """GPT-2's init: the token and position tables N(0, 0.02^2) (800 and 320 draws here: their
+    sample standard deviations within 20%, their means within 0.005), the final norm 1 and 0."""
+    model = GPT(50, 20, 16, 1, 2, dtype="float64", seed=7)
+    p = {k: np.asarray(v) for k, v in model.params.items()}
+    for name in ("wte", "wpe"):
+        assert 0.8 * 0.02 < p[name].std() < 1.2 * 0.02, (name, p[name].std())
+        assert abs(p[name].mean()) < 0.005, name
+    np.testing.assert_array_equal(p["ln_f.weight"], np.ones(16))
+    np.testing.assert_array_equal(p["ln_f.bias"], np.zeros(16))
+
+
 def test_constructor_and_generate_checks(xp, to_xp):
     with pytest.raises(ValueError, match="dtype"):
         make(xp, dtype="float16")
@@ -484,6 +577,9 @@ def test_constructor_and_generate_checks(xp, to_xp):
         GPT(VOCAB, T, D, N, H, seed=1.5)
     with pytest.raises(ValueError, match="seed"):
         GPT(VOCAB, T, D, N, H, seed=-1)
+    for flag in (True, np.bool_(False)):  # a bool is no seed, though Python counts it an int
+        with pytest.raises(TypeError, match=r"^seed: expected None, an int >= 0 or a SeedSequence, got .*bool"):
+            GPT(VOCAB, T, D, N, H, seed=flag)
     with pytest.raises(TypeError, match="vocab_size"):
         GPT(2.0, T, D, N, H)
     model = make(xp)
@@ -491,6 +587,8 @@ def test_constructor_and_generate_checks(xp, to_xp):
         model.forward(to_xp(np.zeros((0, 3), dtype=np.int64)))
     with pytest.raises(TypeError, match="seed"):
         model.generate(to_xp(ids_of(0, (B, 2))), 2, seed="x")
+    with pytest.raises(TypeError, match=r"^seed: expected None, an int >= 0 or a numpy.random.Generator, got bool"):
+        model.generate(to_xp(ids_of(0, (B, 2))), 2, seed=True)
     # a prompt of the whole context still gets one token: the last one chosen is never fed back
     out, logits = model.eval().generate(to_xp(ids_of(2, (B, T))), 1, greedy=True, return_logits=True)
     assert tuple(out.shape) == (B, T + 1)
@@ -735,3 +833,23 @@ def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
     again = model.generate(ids_of(0, (B, 2)), 3, seed=rng)
     fresh = model.generate(ids_of(0, (B, 2)), 3, seed=np.random.default_rng(8))
     np.testing.assert_array_equal(to_numpy(again), to_numpy(fresh))
+
+
+def test_a_chunked_block_is_refused_for_causal_decoding_before_the_embedding(monkeypatch):
+    """On dask, impl='chunked' cannot run bottom-right aligned causal attention, which a
+    decoding forward past the prompt asks of every block: the model refuses it before the
+    embedding (with the blocks' is_causal, as the block itself would), and the KV caches
+    keep their lengths."""
+    pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    model = make(backend="dask").eval()
+    caches = model.new_caches(B)
+    model.forward(model.xp.asarray(ids_of(0, (B, 3))), kv_caches=caches)  # the prompt: aligned
+    model.blocks[1].self_attn.impl = "chunked"
+    calls = []
+    real = nn.embedding_forward
+    monkeypatch.setattr(nn, "embedding_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with pytest.raises(ValueError, match=r"impl='chunked': the kernel options \(align='bottom_right' "
+                                         r"with is_causal"):
+        model.forward(model.xp.asarray(ids_of(1, (B, 1))), kv_caches=caches)
+    assert calls == []
+    assert [list(c.cache_seqlens) for c in caches] == [[3, 3]] * N
