@@ -12,6 +12,8 @@ import pickle
 import numpy as np
 import pytest
 
+from reliability_helpers import raises
+
 from npattn.classifier import TransformerClassifier
 from npattn.gradcheck import check_vjp
 from npattn.transformer import ENCODER_DROPOUT_SITES
@@ -128,6 +130,8 @@ def test_block_n_takes_the_keep_masks_of_entry_n():
     w = mask[..., None].astype(float)  # [B, L, 1]
     z = (h * w).sum(axis=1) / w.sum(axis=1)  # [B, D]
     np.testing.assert_allclose(got, z @ p["head.weight"].T + p["head.bias"], rtol=1e-12, atol=1e-13)
+    # a tuple is a sequence of the same entries
+    np.testing.assert_array_equal(np.asarray(model.forward(x, mask, dropout_masks=tuple(keeps))), got)
     swapped = np.asarray(model.forward(x, mask, dropout_masks=keeps[::-1]))
     assert np.abs(swapped - got).max() > 1e-3  # the two blocks' masks are not interchangeable
 
@@ -193,6 +197,34 @@ def test_dropout_acts_in_training_and_not_in_eval(xp, to_xp, to_np, backend):
     assert model.train().training and all(blk.training for blk in model.blocks)
 
 
+def test_float16_attention_weights_are_float16():
+    """The blocks compute the attention probabilities in float32 for a float16 model; the
+    weights returned are in the model's dtype, as the logits."""
+    model = small("numpy", dtype="float16")
+    x = np.random.default_rng(9).standard_normal((B, L, P)).astype(np.float16)
+    logits, weights = model.forward(x, need_weights=True)
+    assert logits.dtype == np.float16 and [w.dtype for w in weights] == [np.float16] * 2
+
+
+def test_layer_norm_eps_reaches_the_blocks_and_the_final_norm():
+    """Pre-norm with layer_norm_eps = 0.3: the blocks have it, and the final norm before the
+    pooling uses it (the steps composed here on NumPy)."""
+    model = small("numpy", norm_first=True, layer_norm_eps=0.3)
+    p = {k: np.asarray(v) for k, v in model.params.items()}
+    rng = np.random.default_rng(14)
+    p["norm.weight"], p["norm.bias"] = rng.standard_normal(D), rng.standard_normal(D)
+    model.params = p
+    assert [b.layer_norm_eps for b in model.blocks] == [0.3, 0.3]
+    x = rng.standard_normal((B, L, P))
+    got = np.asarray(model.forward(x))
+    h = x @ p["embed.weight"].T + p["embed.bias"] + p["pos"]  # [B, L, D]
+    for block in model.blocks:
+        h = np.asarray(block.forward(h))
+    mu, var = h.mean(axis=-1, keepdims=True), h.var(axis=-1, keepdims=True)
+    z = ((h - mu) / np.sqrt(var + 0.3) * p["norm.weight"] + p["norm.bias"]).mean(axis=1)  # [B, D]
+    np.testing.assert_allclose(got, z @ p["head.weight"].T + p["head.bias"], rtol=1e-12, atol=1e-13)
+
+
 def test_float32_stays_float32(xp, to_xp, backend):
     model = small(backend, dtype="float32", n_layers=1)
     x = xp.astype(to_xp(np.random.default_rng(9).standard_normal((B, L, P))), xp.float32)
@@ -215,6 +247,8 @@ def test_bad_arguments_name_the_argument(xp, to_xp, backend):
         model.forward(to_xp(np.zeros((B, L + 1, P))))
     with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\)"):
         model.forward(to_xp(np.zeros((L, P))))
+    with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\) .* got shape \(0, 5, 3\)"):
+        model.forward(to_xp(np.zeros((0, L, P))))  # no sequence to classify
     with pytest.raises(TypeError, match=r"^mask: expected a bool padding mask"):
         model.forward(x, to_xp(np.ones((B, L))))
     with pytest.raises(ValueError, match=r"^mask: expected shape \(2, 5\)"):
@@ -309,12 +343,12 @@ def test_a_forward_refused_for_block_1s_masks_changes_nothing(xp, to_xp, to_np, 
     np.testing.assert_array_equal(nxt, ref_nxt)  # the generators did not move
 
 
-@pytest.mark.parametrize("where", ["block 1", "pooling"])
+@pytest.mark.parametrize("where", ["block 1", "pooling", "block 1, Ctrl-C"])
 def test_a_forward_that_fails_after_the_checks_changes_nothing(xp, to_xp, to_np, backend, where,
                                                                monkeypatch):
-    """A failure after the checks (memory, say), in block 1 or after every block ran: the blocks
-    that ran are put back, so backward differentiates the previous forward and the generators
-    draw what they would have drawn."""
+    """A failure after the checks (memory, say, or a KeyboardInterrupt, which is no Exception),
+    in block 1 or after every block ran: the blocks that ran are put back, so backward
+    differentiates the previous forward and the generators draw what they would have drawn."""
     import npattn.layers as Ly
 
     model, twin = (small(backend, dropout=0.3, seed=0) for _ in range(2))
@@ -325,14 +359,16 @@ def test_a_forward_that_fails_after_the_checks_changes_nothing(xp, to_xp, to_np,
     twin.forward(x)
     before = [b.forward_state() for b in model.blocks]
 
-    def fail(*args, **kwargs):
-        raise MemoryError("out of memory")
+    error = KeyboardInterrupt if where.endswith("Ctrl-C") else MemoryError
 
-    if where == "block 1":
+    def fail(*args, **kwargs):
+        raise error("out of memory")
+
+    if where.startswith("block 1"):
         monkeypatch.setattr(model.blocks[1], "forward", fail)
     else:
         monkeypatch.setattr(Ly, "mean_pool_forward", fail)
-    with pytest.raises(MemoryError):
+    with pytest.raises(error):
         model.forward(5.0 * x)
     monkeypatch.undo()
     for b, s in zip(model.blocks, before):
@@ -460,3 +496,19 @@ def test_a_block_impl_that_cannot_run_is_refused_before_the_embedding(monkeypatc
     with pytest.raises(ValueError, match="impl='chunked'"):
         model.forward(np.zeros((B, L, P)))
     assert calls == []
+    # an impl that cannot form the weights asked for, likewise before anything is computed
+    model.blocks[1].self_attn.impl = "blocked"
+    with pytest.raises(ValueError, match="impl='blocked' cannot return attention weights"):
+        model.forward(np.zeros((B, L, P)), need_weights=True)
+    assert calls == []
+
+
+def test_train_with_a_mode_that_is_no_bool_is_a_type_error_and_changes_nothing():
+    """train("no") on a model made of blocks (BlockStack.train, GPT's too) is refused before
+    anything changes: a model that set its own flag before its blocks refused the mode would
+    be left in training mode."""
+    model = small("numpy", dropout=0.3).eval()
+    for mode in ("no", 1, None):
+        with raises(TypeError, "mode", "bool"):
+            model.train(mode)
+        assert model.training is False and not any(b.training for b in model.blocks), mode
