@@ -343,6 +343,18 @@ def test_a_forward_refused_for_block_1s_masks_changes_nothing(xp, to_xp, to_np, 
     np.testing.assert_array_equal(nxt, ref_nxt)  # the generators did not move
 
 
+def test_a_keep_mask_on_another_device_is_named_by_block_and_site():
+    """A torch keep-mask on another device than the parameters ("meta" stands in for a GPU
+    here) is refused by the model under dropout_masks[n][site], before block 0 runs (block
+    1's own check would name it dropout_masks[site], after block 0 had run)."""
+    torch = pytest.importorskip("torch")
+    model = small("torch", dropout=0.3)
+    x = torch.zeros((B, L, P), dtype=torch.float64)
+    bad = [None, {"dropout1": torch.ones((B, L, D), dtype=torch.bool, device="meta")}]
+    with pytest.raises(ValueError, match=r"^dropout_masks\[1\]\['dropout1'\]: expected an array on device"):
+        model.forward(x, dropout_masks=bad)
+
+
 @pytest.mark.parametrize("where", ["block 1", "pooling", "block 1, Ctrl-C"])
 def test_a_forward_that_fails_after_the_checks_changes_nothing(xp, to_xp, to_np, backend, where,
                                                                monkeypatch):
