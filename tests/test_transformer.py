@@ -968,7 +968,7 @@ def test_a_float_keep_mask_is_named_by_its_site(kind):
 def test_torch_state_dict_of_a_torch_block_holds_copies(kind):
     """On the torch backend every entry is a copy (detach() alone would share the block's
     storage): writing into the state dict leaves the block as it was."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     block = kind(D, H, FF, dtype="float64", backend="torch", seed=44)
     before = {k: v.detach().cpu().numpy().copy() for k, v in block.params.items()}
     sd = block.torch_state_dict()
