@@ -136,10 +136,13 @@ def test_parameter_layout_and_init(xp, backend, to_np):
         "w_q": (12, 12), "w_k": (12, 5), "w_v": (12, 7), "w_o": (12, 12),
         "b_q": (12,), "b_k": (12,), "b_v": (12,), "b_o": (12,),
     }
-    w_k = to_np(mha.params["w_k"])
-    bound = math.sqrt(6 / (12 + 5))  # Xavier/Glorot uniform
-    assert np.all(np.abs(w_k) <= bound) and np.abs(w_k).max() > 0.8 * bound
-    assert np.all(to_np(mha.params["b_o"]) == 0.0)
+    # Xavier/Glorot uniform U(-a, a), a = sqrt(6 / (fan_in + fan_out)), each weight its own a
+    for name, (fan_out, fan_in) in (("w_q", (12, 12)), ("w_k", (12, 5)), ("w_v", (12, 7)),
+                                    ("w_o", (12, 12))):
+        w, bound = to_np(mha.params[name]), math.sqrt(6 / (fan_in + fan_out))
+        assert np.all(np.abs(w) <= bound) and np.abs(w).max() > 0.8 * bound, name
+    for name in ("b_q", "b_k", "b_v", "b_o"):  # zero biases, as torch's
+        assert np.all(to_np(mha.params[name]) == 0.0), name
     no_bias = MultiHeadAttention(12, 3, bias=False, seed=1, backend=backend)
     assert set(no_bias.params) == {"w_q", "w_k", "w_v", "w_o"}
     same = MultiHeadAttention(12, 3, kdim=5, vdim=7, seed=1, dtype="float64", backend=backend)
