@@ -251,6 +251,25 @@ def test_a_cache_read_through_the_module_is_never_reused():
     np.testing.assert_array_equal(m.backward(dout)[0], want)
 
 
+def test_a_cache_read_after_forwards_that_lent_arrays_is_never_reused():
+    """The same after several forwards, when the workspace already holds arrays: each forward
+    lends the previous cache's arrays, never its own, so the cache read after the third
+    stays that forward's through the forwards after it (which take the second's)."""
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=4, impl="numpy")
+    rng = np.random.default_rng(7)
+    x1, x2, dout = (rng.standard_normal((2, 9, 8)) for _ in range(3))
+    for x in (x2, x2 + 1.0, x1):  # the second lends the first's arrays, the third the second's
+        m(x, x, x)
+    want = m.backward(dout)[0]
+    held = m.cache
+    probs = A.weights(held.sdpa).copy()
+    for x in (x2, x2 - 1.0, x2 + 2.0):
+        m(x, x, x)
+    np.testing.assert_array_equal(A.weights(held.sdpa), probs)
+    m.cache = held
+    np.testing.assert_array_equal(m.backward(dout)[0], want)
+
+
 @pytest.mark.parametrize("how", ["assigned back", "preserve_state"])
 def test_a_held_cache_stays_its_own_after_it_is_the_module_s_again(how):
     """A cache read through ``module.cache`` stays held when it becomes the module's cache
