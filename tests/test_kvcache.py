@@ -339,6 +339,20 @@ def test_backward_after_decoding_is_an_error(backend, to_xp):
     m.backward(dout)  # and again after a plain forward
 
 
+def test_new_cache_fits_the_module(backend, xp, to_xp, to_np):
+    """``new_cache`` makes the cache the module's forward takes: its batch size and capacity,
+    the module's key/value heads and head width, and the parameters' dtype (a float32 module,
+    not the float64 of the tests above)."""
+    m = _decoder(backend, dtype="float32").eval()
+    cache = m.new_cache(3, 7)
+    assert (cache.batch_size, cache.capacity, cache.num_kv_heads, cache.head_dim,
+            cache.value_dim) == (3, 7, HKV, DH, DH)
+    assert cache.dtype == m.dtype == xp.float32 and cache.k.dtype == xp.float32
+    x = to_xp(np.random.default_rng(2).standard_normal((3, 2, D)).astype(np.float32))
+    out, _ = m(x, x, x, is_causal=True, kv_cache=cache)
+    assert out.dtype == xp.float32 and cache.cache_seqlens.tolist() == [2, 2, 2]
+
+
 def test_caches_that_do_not_fit_the_module(backend, xp, to_xp, to_np):
     m, cache, rng = _decoding_setup(backend, to_xp, lens=(1, 1), capacity=6)
     x = to_xp(rng.standard_normal((2, 1, D)))
