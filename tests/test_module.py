@@ -268,6 +268,7 @@ def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
         m(x, x, x, mask=bias)
         m.backward(d)
     params, cache, grads, dmask = dict(a.params), a.cache, a.grads, a.dmask
+    grad_values = {n: np.array(to_np(g)) for n, g in grads.items()}  # copies: the dict's contents
     assert dmask is not None
     with pytest.raises(RuntimeError, match="inside"):
         with a.preserve_state() as same:
@@ -280,6 +281,9 @@ def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
             raise RuntimeError("inside")
     assert all(a.params[n] is params[n] for n in params)
     assert a.cache is cache and a.grads is grads and a.dmask is dmask and a.training
+    assert set(a.grads) == set(grad_values)  # the same dict, holding what it held
+    for n, g in a.grads.items():
+        np.testing.assert_array_equal(to_np(g), grad_values[n], err_msg=n)
     np.testing.assert_array_equal(to_np(a(x, x, x)[0]), to_np(b(x, x, x)[0]))  # the same next mask
     for got, want in zip(a.backward(d), b.backward(d)):
         np.testing.assert_array_equal(to_np(got), to_np(want))
