@@ -196,6 +196,7 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
     cases = {
         "missing parameter": (lambda e: e.pop("param/w_k"), ("w_k", "missing")),
         "unexpected parameter": (lambda e: e.update({"param/w_x": np.zeros(2)}), ("w_x", "unexpected")),
+        "unexpected entry": (lambda e: e.update({"notes": np.zeros(2)}), ("notes", "unexpected")),
         "wrong shape": (lambda e: e.update({"param/w_o": np.zeros((8, 7))}), ("w_o", "(8, 8)", "(8, 7)")),
         "wrong dtype": (lambda e: e.update({"param/b_q": np.zeros(8, np.int64)}), ("b_q", "float64", "int64")),
         "unknown version": (_edit_header(format_version=SAVE_VERSION + 1), ("format_version", str(SAVE_VERSION + 1))),
@@ -226,6 +227,52 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
     with pytest.raises(TypeError, match="path"):
         MultiHeadAttention.load(None)
     np.testing.assert_array_equal(MultiHeadAttention.load(good).params["w_k"], m.params["w_k"])
+
+
+UNPICKLED = []  # what unpickling a _Trap records
+
+
+def _record_unpickling(tag):
+    UNPICKLED.append(tag)
+    return np.zeros((8, 5))
+
+
+class _Trap:
+    """An object whose unpickling runs ``_record_unpickling``: any code could run there."""
+
+    def __reduce__(self):
+        return _record_unpickling, ("param/w_k",)
+
+
+def test_load_never_unpickles(tmp_path):
+    """``load`` reads without pickle: a file whose entry is a pickled object array (which
+    ``np.load(allow_pickle=True)`` would unpickle, running whatever code it names) is a
+    ValueError, and nothing of it runs."""
+    m = _module("numpy")
+    m.save(tmp_path / "good.npz")
+    trap = np.empty(1, dtype=object)
+    trap[0] = _Trap()
+    path = _rewrite(tmp_path / "good.npz", tmp_path / "trap.npz",
+                    lambda e: e.update({"param/w_k": trap}))  # np.savez pickles it
+    UNPICKLED.clear()
+    with pytest.raises(ValueError, match="expected an .npz file written by MultiHeadAttention.save"):
+        MultiHeadAttention.load(path)
+    assert UNPICKLED == []
+
+
+def test_a_pickle_of_an_older_npattn_loads_with_the_defaults():
+    """A module pickled by an npattn from before ``scale``, ``softcap``, ``sinks`` and the
+    cache's bookkeeping has none of those attributes: unpickled, it takes their defaults and
+    computes what the module computed."""
+    m = _module("numpy", dropout=0.0)
+    state = m.__getstate__()
+    for name in ("scale", "softcap", "sinks", "_decoded", "_cache_lent", "_token"):
+        del state[name]
+    old = MultiHeadAttention.__new__(MultiHeadAttention)
+    old.__setstate__(state)  # what pickle.loads does with that state
+    assert (old.scale, old.softcap, old.sinks) == (None, None, False)
+    arrays = _inputs(m, np.asarray)
+    _assert_same(_step(old, arrays, np.asarray), _step(m, arrays, np.asarray))
 
 
 def test_load_of_a_config_without_dtype_takes_the_default_dtype(tmp_path):
