@@ -326,6 +326,7 @@ def test_sinks_gradient_has_the_parameter_dtype(dtype):
     (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(softcap=math.nan), ValueError, "softcap"),
+    (dict(softcap=math.inf), ValueError, "softcap"),  # inf * tanh(s / inf) would be NaN
     (dict(softcap=2**1100), ValueError, "softcap"),
     (dict(softcap=True), TypeError, "softcap"),
     (dict(softcap="1"), TypeError, "softcap"),
