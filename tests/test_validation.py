@@ -150,8 +150,13 @@ def _bad_forward_cases(xp):
         ("query width", (q[..., :6], k, v), {}, ValueError, ("query", "w_q", "8", "(2, 3, 6)")),
         ("key width", (q, k[..., :4], v), {}, ValueError, ("key", "w_k", "6", "(2, 5, 4)")),
         ("value width", (q, k, v[..., :3]), {}, ValueError, ("value", "w_v", "4", "(2, 5, 3)")),
-        ("empty query", (q[:, :0, :], k, v), {}, ValueError, ("query length", "0")),
-        ("empty keys", (q, k[:, :0, :], v[:, :0, :]), {}, ValueError, ("key length", "0")),
+        # named as the module's inputs, not as the heads a later check would see
+        ("empty query", (q[:, :0, :], k, v), {}, ValueError,
+         ("query: ", "query length (axis 1)", "(2, 0, 8)")),
+        ("empty keys", (q, k[:, :0, :], v[:, :0, :]), {}, ValueError,
+         ("key: ", "key length (axis 1)", "(2, 0, 6)")),
+        ("empty batch", (q[:0, ...], k[:0, ...], v[:0, ...]), {}, ValueError,
+         ("query: ", "batch size (axis 0)", "(0, 3, 8)")),
     ]
     masks = [
         ("int mask", np.ones((3, 5), dtype=np.int64), TypeError, ("mask", "bool", "int64", "ambiguous")),
