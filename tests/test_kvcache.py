@@ -253,6 +253,20 @@ def test_a_full_cache_is_refused_before_anything_is_written(backend, to_xp, to_n
     assert cache.cache_seqlens.tolist() == [4, 2]
 
 
+def test_a_cache_without_room_is_refused_before_the_projections(monkeypatch):
+    """Room for fewer positions than the new tokens (entry 0 holds 3 of 4, two new tokens)
+    is the cache's ValueError before step 1. projects anything, not after the forward."""
+    m, cache, rng = _decoding_setup("numpy", np.asarray)
+    x2 = rng.standard_normal((2, 2, D))
+    calls = []
+    linear = npattn.attention.linear_forward
+    monkeypatch.setattr(npattn.attention, "linear_forward",
+                        lambda *a, **kw: calls.append(1) or linear(*a, **kw))
+    _expect_unchanged(m, cache, lambda: m(x2, x2, x2, kv_cache=cache, is_causal=True),
+                      ValueError, r"kv_cache: expected room for 2 new positions", np.asarray)
+    assert calls == []
+
+
 def test_a_failure_inside_the_forward_leaves_the_cache(monkeypatch):
     """The cache is written only once the forward has succeeded: step 6. fails (memory, say)
     after the projections have run."""
