@@ -158,6 +158,30 @@ def test_save_load_across_backends_and_file_objects(tmp_path, to_np):
             np.testing.assert_array_equal(to_np(r.params[name]), m.params[name])
 
 
+def test_save_into_a_write_only_stream():
+    """``save`` takes any binary file object to write, one with ``write`` alone too (a socket's
+    or a pipe's writer), as its docstring says: not only those that can also read."""
+    import io
+
+    class WriteOnly:
+        def __init__(self):
+            self.chunks = []
+
+        def write(self, data):
+            self.chunks.append(bytes(data))
+            return len(data)
+
+        def flush(self):
+            pass
+
+    m = _module("numpy")
+    out = WriteOnly()
+    m.save(out)
+    r = MultiHeadAttention.load(io.BytesIO(b"".join(out.chunks)))
+    for name in m.params:
+        np.testing.assert_array_equal(r.params[name], m.params[name])
+
+
 def test_save_load_bfloat16_on_torch(tmp_path):
     torch = pytest.importorskip("torch")
     m = MultiHeadAttention(4, 2, dtype="bfloat16", backend="torch", seed=1)
