@@ -218,7 +218,7 @@ def test_train_eval_and_seeded_dropout(backend, to_xp, to_np):
     np.testing.assert_array_equal(to_np(out_a), to_np(out_b))  # same seed, same masks
     out_a2, _ = a(x, x, x)
     assert not np.array_equal(to_np(out_a), to_np(out_a2))  # a fresh mask each call
-    a.eval()
+    assert a.eval() is a and not a.training  # returns self, as train() does
     e1, w_e = a(x, x, x, need_weights=True, average_attn_weights=False)
     e2, _ = a(x, x, x)
     np.testing.assert_array_equal(to_np(e1), to_np(e2))  # no dropout in eval
