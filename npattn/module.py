@@ -1270,7 +1270,8 @@ def backend_from_ref(ref: str) -> Any:
 
 
 def check_path(path: Any, *, load_of: Optional[str] = None) -> None:
-    """``TypeError`` unless ``path`` is a file name or a binary file object; ``IsADirectoryError``
+    """``TypeError`` unless ``path`` is a file name or a binary file object (with ``read`` for
+    ``load``, ``write`` for ``save``); ``IsADirectoryError``
     (an ``OSError``, as a missing file's ``FileNotFoundError``) for the name of a directory.
 
     ``load_of`` is the ``save`` whose files ``load`` reads (``"GPT.save"``); None for ``save``.
@@ -1281,10 +1282,11 @@ def check_path(path: Any, *, load_of: Optional[str] = None) -> None:
             raise IsADirectoryError(f"path: expected {expected}, got the directory "
                                     f"{os.fspath(path)!r}")
         return
-    if hasattr(path, "read") or hasattr(path, "write"):
+    method = "read" if load_of else "write"  # what load and save call on a file object
+    if hasattr(path, method):
         return
-    raise TypeError(f"path: expected a file name (str or os.PathLike) or a binary file object, "
-                    f"got {V.type_name(path)}")
+    raise TypeError(f"path: expected a file name (str or os.PathLike) or a binary file object "
+                    f"with {method}(), got {V.type_name(path)}")
 
 
 def picklable_state(obj: Any) -> dict:

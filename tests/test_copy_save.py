@@ -9,6 +9,7 @@ the last forward. ``save`` / ``load`` write and read a portable ``.npz``
 import copy
 import json
 import pickle
+import re
 import types
 
 import numpy as np
@@ -386,6 +387,32 @@ def test_a_directory_path_is_an_is_a_directory_error_naming_path(tmp_path, name)
     with pytest.raises(IsADirectoryError, match="^path: expected a file name to write, got the directory"):
         _saving_models()[name]().save(folder)
     assert list(folder.iterdir()) == []
+
+
+class _WriteOnly:
+    def write(self, data):
+        return len(data)
+
+
+class _ReadOnly:
+    def read(self, *size):
+        return b""
+
+
+@pytest.mark.parametrize("name", SAVING_MODELS)
+def test_a_file_object_without_the_method_needed_is_a_type_error_naming_path(tmp_path, name):
+    """``load`` reads and ``save`` writes: an object with only the other method passed the
+    path check, and NumPy then failed with 'expected str, bytes or os.PathLike object', which
+    names neither ``path`` nor the method missing."""
+    cls, _ = _saved(tmp_path, name)
+    with pytest.raises(TypeError) as info:
+        cls.load(_WriteOnly())
+    assert re.fullmatch(r"path: expected a file name \(str or os\.PathLike\) or a binary file "
+                        r"object with read\(\), got (\w+\.)*_WriteOnly", str(info.value)), str(info.value)
+    with pytest.raises(TypeError) as info:
+        _saving_models()[name]().save(_ReadOnly())
+    assert re.fullmatch(r"path: expected a file name \(str or os\.PathLike\) or a binary file "
+                        r"object with write\(\), got (\w+\.)*_ReadOnly", str(info.value)), str(info.value)
 
 
 @pytest.mark.parametrize("name", SAVING_MODELS)
