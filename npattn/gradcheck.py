@@ -387,7 +387,7 @@ def check_vjp(
     report = GradcheckReport("vjp", rtol=rtol, atol=atol)
     for i in wrt:
         if grads[i] is None:
-            raise ValueError(f"grads[{i}] ({names[i]}) is None but input {i} is checked")
+            raise ValueError(f"grads[{i}] ({names[i]}): expected a gradient (input {i} is checked), got None")
         g = _host64(grads[i])
         base = ev.host[i]
         if g.shape != base.shape:

@@ -567,3 +567,95 @@ def test_an_object_array_dout_is_refused_by_name():
         check_vjp(f, [x], [x], bad)
     assert gradcheck(lambda a: (f(a), a), lambda d, a: (2 * a * d,), [x],
                      dout=np.ones((3, 4), dtype=np.int64)).ok  # an integer dout is a real one
+
+
+def test_check_vjp_catches_a_gradient_of_the_wrong_sign():
+    """For f(x) = x, J^T dout = dout; -dout has the same size of <g, t> in every direction,
+    so only the sign tells them apart (comparing |<g, t>| with |numeric| passed it)."""
+    dout = np.random.default_rng(3).standard_normal((2, 3))
+    x = np.zeros((2, 3))
+    assert check_vjp(lambda t: t, [x], [dout], dout).ok
+    assert not check_vjp(lambda t: t, [x], [-dout], dout).ok
+
+
+def test_check_vjp_catches_a_gradient_right_only_in_its_sum():
+    """A permuted gradient has the right sum: an all-ones direction t gives <g, t> = sum(g),
+    the same for dout and its reversal. Random directions tell them apart."""
+    dout = np.arange(1.0, 7.0).reshape(2, 3)
+    x = np.zeros((2, 3))
+    assert not check_vjp(lambda t: t, [x], [dout[::-1, ::-1].copy()], dout, n_directions=3).ok
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+def test_tolerances_are_absolute_and_relative_as_documented(mode):
+    """An input passes when err <= atol + rtol * scale. For f(x) = x with one entry and dout
+    = 1e-3, a gradient (1 + d) * dout has err = d * |dout t| and scale (1 + d) * |dout t|:
+    with atol = 0 it passes exactly when d / (1 + d) <= rtol, whatever t (atol and rtol
+    swapped, it passed d = 0.1 at rtol = 0.01: err ~ 1e-4 <= 0.01)."""
+    x, dout = np.zeros(1), np.full(1, 1e-3)
+    f = (lambda t: (t, None)) if mode == "full" else None
+
+    def check(d):
+        g = (1.0 + d) * dout
+        if mode == "full":
+            return gradcheck(f, lambda dy, c: g, [x], dout=dout, mode="full", rtol=0.01, atol=0.0)
+        return check_vjp(lambda t: t, [x], [g], dout, rtol=0.01, atol=0.0, n_directions=2)
+
+    assert not check(0.1).ok
+    assert check(0.005).ok
+
+
+def test_full_mode_scale_and_relative_error_are_those_documented():
+    """scale is the largest |g_j| or |n_j|, max_rel_err = max_abs_err / scale. For f(x) = x,
+    n = dout = [1, -3]; g = 2 dout = [2, -6] gives err = 3 and scale 6 (from g, not n), so
+    rel = 0.5 (with atol = 1 as well: atol does not enter the quotient)."""
+    x, dout = np.zeros(2), np.array([1.0, -3.0])
+    r = gradcheck(lambda t: (t, None), lambda dy, c: 2.0 * dy, [x], dout=dout, mode="full",
+                  atol=1.0)["input0"]
+    np.testing.assert_allclose([r.max_abs_err, r.scale, r.max_rel_err], [3.0, 6.0, 0.5], rtol=1e-8)
+    assert r.where == (1,)
+
+
+def test_default_atol_is_the_rounding_floor_of_the_documented_formula():
+    """atol = 16 * 2**-52 * sum|out * dout| / eps, by hand for out = x = [1, 2], dout = [3, -1],
+    eps = 1e-5: 16 * 2**-52 * 5 / 1e-5 (the product of the sums was 8 / 1e-5 times that)."""
+    x, dout = np.array([1.0, 2.0]), np.array([3.0, -1.0])
+    want = 16 * 2.0**-52 * 5.0 / 1e-5
+    for mode in ("full", "vjp"):
+        r = gradcheck(lambda t: (t, None), lambda dy, c: dy, [x], dout=dout, mode=mode, eps=1e-5)
+        assert r.ok and r.atol == pytest.approx(want, rel=1e-12)
+    assert check_vjp(lambda t: t, [x], [dout], dout, eps=1e-5).atol == pytest.approx(want, rel=1e-12)
+
+
+def test_check_vjp_and_numerical_vjp_refuse_mismatched_shapes():
+    """A gradient of shape (1, 3) for an input (3,) has its size, and <g, t> broadcast to the
+    right number: check_vjp passed it. A dout of shape (1,) broadcast against the output in
+    numerical_vjp (and check_vjp with an atol), and a None gradient for a checked input was
+    not named."""
+    x = np.array([1.0, 2.0, 3.0])
+    with raises(ValueError, "grads[0]", "(3,)", "(1, 3)"):
+        check_vjp(lambda t: t, [x], [np.ones((1, 3))], np.ones(3))
+    with raises(ValueError, "grads[0]", "None"):
+        check_vjp(lambda t: t, [x], [None], np.ones(3))
+    with raises(ValueError, "dout", "(3,)", "(1,)"):
+        numerical_vjp(lambda t: t, [x], np.ones(1))
+    with raises(ValueError, "dout", "(3,)", "(1,)"):
+        check_vjp(lambda t: t, [x], [np.ones(3)], np.ones(1), atol=1e-8)
+
+
+def test_more_names_than_inputs_are_refused():
+    x = np.ones(2)
+    with raises(ValueError, "names", "1", "2"):
+        gradcheck(lambda t: (t, None), lambda dy, c: dy, [x], names=["x", "y"])
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+def test_a_numerically_zero_gradient_has_relative_error_zero(mode):
+    """A gradient whose scale is at most atol counts as zero, its relative error 0 when the
+    error is within atol too. f(x) = 1e-12 x with a backward returning zeros: n = 1e-12 dout
+    and g = 0 differ by about 1e-12 <= atol = 1e-9, so rel = 0 (err / scale was 1)."""
+    x, dout = np.array([0.5, 0.5]), np.array([1.0, -2.0])
+    r = gradcheck(lambda t: (1e-12 * t, None), lambda dy, c: 0.0 * dy, [x], dout=dout, mode=mode,
+                  atol=1e-9)
+    assert r.ok and 0.0 < r["input0"].max_abs_err <= 1e-9
+    assert r["input0"].max_rel_err == 0.0
