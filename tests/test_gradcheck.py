@@ -659,3 +659,45 @@ def test_a_numerically_zero_gradient_has_relative_error_zero(mode):
                   atol=1e-9)
     assert r.ok and 0.0 < r["input0"].max_abs_err <= 1e-9
     assert r["input0"].max_rel_err == 0.0
+
+
+def test_gradcheck_module_refuses_float32_and_checks_an_eval_module_with_dropout():
+    """A float32 module is refused (its differences would be taken of float32 parameters
+    cast up, not of the module the caller holds); dropout > 0 needs a fixed mask only in
+    training mode: after eval() no mask is asked for. A dout of the wrong shape is named
+    against the module's output (B, Lq, D) before the first forward."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    with raises(ValueError, "module", "float64", "float32"):
+        gradcheck_module(MultiHeadAttention(4, 2, dtype="float32", seed=0), x, x, x)
+    m = MultiHeadAttention(4, 2, dtype="float64", dropout=0.5, seed=0)
+    m.eval()
+    assert gradcheck_module(m, x, x, x, mode="vjp").ok
+    calls = []
+    m.forward = lambda *a, **k: calls.append(1)  # not reached: dout is refused first
+    with raises(ValueError, "dout", "(2, 3, 4)", "(B, Lq, D)", "(2, 3, 5)"):
+        gradcheck_module(m, x, x, x, dout=np.ones((2, 3, 5)))
+    assert calls == []
+
+
+def test_a_nan_input_fails_the_check_and_is_not_taken_for_a_write():
+    """An input holding NaN compares unequal to its copy unless NaNs are taken as equal: the
+    check must report the failure, not claim that forward wrote into its argument."""
+    x = np.array([1.0, np.nan, 2.0])
+    for mode in ("full", "vjp"):
+        r = gradcheck(lambda t: (t * t, None), lambda d, c: 2.0 * d * x, [x], mode=mode)
+        assert not r.ok and r["input0"].max_rel_err == np.inf
+
+
+def test_max_full_size_and_a_bytes_wrt_are_refused():
+    """bytes iterate as ints: wrt=b'\\x00' was a valid [0]; max_full_size is an int >= 0."""
+    x = np.ones(3)
+
+    def check(**kw):
+        return gradcheck(lambda t: (t * t, None), lambda d, c: 2.0 * d * x, [x], **kw)
+
+    with raises(TypeError, "wrt", "bytes"):
+        check(wrt=b"\x00")
+    with raises(ValueError, "max_full_size", "-1"):
+        check(max_full_size=-1)
+    with raises(TypeError, "max_full_size", "2.5"):
+        check(max_full_size=2.5)
