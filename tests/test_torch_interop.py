@@ -210,3 +210,35 @@ def test_to_numpy_of_a_tensor_is_a_copy():
     a = to_numpy(t)
     a[0] = 1.0
     assert t[0].item() == 0.0
+
+
+def test_host_tensor_is_a_copy_of_the_tensor():
+    """host_tensor is documented as a host copy: writing into it must not reach the tensor
+    (``Tensor.numpy()`` alone shares the tensor's memory)."""
+    t = torch.zeros(3, dtype=torch.float64)
+    a = torch_interop.host_tensor("out_proj.bias", t)
+    a[0] = 1.0
+    assert t[0].item() == 0.0
+
+
+def test_the_functions_themselves_refuse_sinks():
+    """torch has no place for sinks: torch_interop's own functions refuse such a layer, not
+    only the module's methods (a direct call converted it without the parameter)."""
+    mha = MultiHeadAttention(4, 2, sinks=True)
+    with pytest.raises(ValueError, match="^sinks"):
+        torch_interop.torch_state_dict(mha)
+    with pytest.raises(ValueError, match="^sinks"):
+        torch_interop.params_from_torch_state_dict(mha, torch.nn.MultiheadAttention(4, 2).state_dict())
+
+
+def test_a_state_dict_value_of_the_right_size_but_wrong_shape_is_refused():
+    """k_proj_weight is (D, kdim): its transpose (kdim, D) has the same size and would load as
+    a w_k of the wrong layout; bias_k is (1, 1, D), and (D,) is refused too."""
+    tm = torch.nn.MultiheadAttention(4, 2, kdim=3, vdim=5, add_bias_kv=True)
+    mha = MultiHeadAttention.from_torch(tm)
+    sd = tm.state_dict()
+    with pytest.raises(ValueError, match=r"k_proj_weight.*\(4, 3\).*\(3, 4\)"):
+        mha.load_torch_state_dict({**sd, "k_proj_weight": sd["k_proj_weight"].T})
+    with pytest.raises(ValueError, match=r"bias_k.*\(1, 1, 4\).*\(4,\)"):
+        mha.load_torch_state_dict({**sd, "bias_k": sd["bias_k"].reshape(4)})
+
