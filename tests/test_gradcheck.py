@@ -701,3 +701,11 @@ def test_max_full_size_and_a_bytes_wrt_are_refused():
         check(max_full_size=-1)
     with raises(TypeError, "max_full_size", "2.5"):
         check(max_full_size=2.5)
+
+
+def test_a_scale_equal_to_atol_counts_as_numerically_zero():
+    """'At most atol' includes equality: for f(x) = 0.5 x, dout = [1], a gradient [1] has
+    n = 0.5, scale = max(1, 0.5) = 1 = atol and err = 0.5 <= atol, so rel = 0 (it was 0.5)."""
+    r = gradcheck(lambda t: (0.5 * t, None), lambda dy, c: 1.0 * dy, [np.zeros(1)],
+                  dout=np.ones(1), mode="full", atol=1.0)
+    assert r.ok and r["input0"].scale == 1.0 and r["input0"].max_rel_err == 0.0
