@@ -237,6 +237,7 @@ def test_flash_attn_func_deterministic_and_scale():
     (dict(window_size="local"), TypeError, "window_size"),
     (dict(window_size=(1.5, 2)), TypeError, "window_size"),
     (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, r"^softcap: expected 0.0 \(off\) or a finite float"),
     (dict(softcap="on"), TypeError, "softcap"),
     (dict(causal=1), TypeError, "causal"),
     (dict(dropout_p=1.5), ValueError, "dropout_p"),
@@ -281,6 +282,10 @@ def test_flash_attn_func_bad_shapes_name_the_argument():
         C.flash_attn_func(q, k[:1], v)
     with pytest.raises(ValueError, match=r"^v: expected the key length of k = 5"):
         C.flash_attn_func(q, k, v[:, :4])
+    # the head width of k, named in flash's layout (not the core's (B, H, L, D))
+    with pytest.raises(ValueError, match=r"^k: expected the head width of q = 4 on axis 3, "
+                                         r"got shape \(2, 5, 2, 3\)"):
+        C.flash_attn_func(q, k[..., :3], v)
     with pytest.raises(TypeError, match=r"^q: expected an array"):
         C.flash_attn_func(q.tolist(), k, v)
     # sizes named in the function's own layout (batch, seqlen, nheads, headdim)
@@ -374,6 +379,31 @@ def test_flash_attn_varlen_func_dlse_gradient():
     check_vjp(f, [q, k, v], grads, ct, ct_lse=ct_lse)
 
 
+def test_flash_attn_varlen_func_int_seed_draws_each_sequence_in_turn():
+    """An int ``rng`` makes one generator for all sequences: two sequences of the same lengths
+    get different drop patterns (a generator made per sequence from the seed repeats one)."""
+    g = np.random.default_rng(11)  # its own numbers: the later tests' draws stay as they were
+    q, k, v = (g.standard_normal(s) for s in ((8, 2, 4), (12, 2, 4), (12, 2, 4)))
+    cq, ck = np.array([0, 4, 8], np.int32), np.array([0, 6, 12], np.int32)
+    _, _, S = C.flash_attn_varlen_func(q, k, v, cq, ck, 4, 6, 0.5, return_attn_probs=True, rng=0)
+    dropped = np.signbit(S)  # [2, 2, 4, 6]
+    assert dropped.any() and not dropped.all()
+    assert (dropped[0] != dropped[1]).any()
+
+
+def test_flash_attn_varlen_func_long_max_seqlen_with_a_broadcast_keep_mask():
+    """The grid bound is that of int64 indexing: a (1, 2, 2**20, 2**12) keep-mask grid
+    (2**33 entries), broadcast from one entry, is never materialised and is accepted."""
+    g = np.random.default_rng(12)
+    q, k, v = (g.standard_normal(s) for s in ((3, 2, 4), (5, 2, 4), (5, 2, 4)))
+    cq, ck = np.array([0, 3], np.int32), np.array([0, 5], np.int32)
+    out = C.flash_attn_varlen_func(q, k, v, cq, ck, 2**20, 2**12, 0.5,
+                                   dropout_mask=np.ones((1, 1, 1, 1), bool))
+    # every entry kept: the attention scaled by 1 / (1 - 0.5)
+    np.testing.assert_allclose(out, 2.0 * flash_ref(q[None], k[None], v[None])[0][0],
+                               rtol=1e-12)
+
+
 def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
     q, k, v = randn(3, 4, 2, 4), randn(3, 6, 2, 4), randn(3, 6, 2, 4)
     dense = C.flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
@@ -386,8 +416,11 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
 @pytest.mark.parametrize("change, exc, match", [
     (dict(cu_seqlens_q=np.array([1, 3, 7, 8, 8])), ValueError, r"^cu_seqlens_q: expected cumulative"),
     (dict(cu_seqlens_q=np.array([0, 3, 2, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
+    # ends at total_q = 7 and never decreases, but skips token 0
+    (dict(cu_seqlens_q=np.array([1, 3, 6, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
     (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 6])), ValueError, r"^cu_seqlens_k: expected cumulative.*to 7"),
     (dict(cu_seqlens_k=np.array([0, 7])), ValueError, r"^cu_seqlens_k: expected B \+ 1 = 5"),
+    (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 7, 7])), ValueError, r"^cu_seqlens_k: expected B \+ 1 = 5"),
     (dict(cu_seqlens_q=np.array([0.0, 2, 6, 7, 7])), TypeError, r"^cu_seqlens_q: expected an integer"),
     (dict(max_seqlen_q=3), ValueError, r"^max_seqlen_q: expected at least the longest sequence, 4"),
     (dict(max_seqlen_k=2.0), TypeError, r"^max_seqlen_k"),
@@ -597,9 +630,12 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
 
 @pytest.mark.parametrize("change, exc, match", [
     (dict(cache_seqlens=np.array([2, 7], np.int32)), ValueError, r"^cache_seqlens: expected 0 <="),
+    # a negative count would write before the cache's start (NumPy wraps the slice)
+    (dict(cache_seqlens=np.array([-1, 3], np.int32)), ValueError, r"^cache_seqlens: expected 0 <="),
     (dict(cache_seqlens=np.array([2], np.int32)), ValueError, r"^cache_seqlens: expected B = 2"),
     (dict(cache_seqlens=None), ValueError, r"^cache_seqlens: needed with k and v"),
     (dict(v=None), ValueError, r"^k: new keys and values come together"),
+    (dict(k=None), ValueError, r"^v: new keys and values come together"),
     (dict(k=np.zeros((2, 2, 2, 5))), ValueError, r"^k: expected the head width of q = 4"),
     (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError, r"^k_cache: expected at least the batch of q"),
     (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError, r"^k: expected the dtype of q"),
@@ -769,6 +805,10 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
     with pytest.raises(TypeError, match=r"^query: expected a plain numpy.ndarray, got numpy.matrix; "
                                         r"use np.asarray"):  # torch's name, not q
         C.scaled_dot_product_attention(np.asmatrix(q[0, 0]), k[0, 0], v[0, 0], m[0, 0])
+    # fewer K/V heads without enable_gqa: refused as torch refuses them, not grouped
+    with pytest.raises(ValueError, match=r"^key: expected leading axes that broadcast"):
+        C.scaled_dot_product_attention(np.ones((1, 4, 3, 4)), np.ones((1, 2, 5, 4)),
+                                       np.ones((1, 2, 5, 4)))
     # torch's names, not npattn's q, k, v (the dispatcher's checks named them so)
     with pytest.raises(TypeError, match=r"^query: expected a real floating dtype, got int64"):
         C.scaled_dot_product_attention(q.astype(np.int64), k, v)
@@ -877,6 +917,19 @@ def empty_rows_case():
     mask[..., 0] = True
     mask[1, 0, 2] = False
     return q, k, v, randn(2, 4, 4, 5), mask, np.array([4, 3], np.int32)
+
+
+def test_dot_product_attention_query_lengths_with_t_equal_to_s():
+    """``query_seq_lengths`` pads queries, never keys, also when T = S."""
+    g = np.random.default_rng(13)
+    q, k, v = (g.standard_normal(s) for s in ((2, 4, 2, 3), (2, 4, 2, 3), (2, 4, 2, 5)))
+    out = C.dot_product_attention(q, k, v, query_seq_lengths=np.array([2, 3], np.int32))
+    # [B, T, N, S]: every query attends all four keys
+    w = np.exp(np.einsum("btnh,bsnh->btns", q, k) / np.sqrt(3))
+    expect = np.einsum("btns,bsnd->btnd", w / w.sum(axis=-1, keepdims=True), v)
+    np.testing.assert_allclose(out[0, :2], expect[0, :2], rtol=1e-12)
+    np.testing.assert_allclose(out[1, :3], expect[1, :3], rtol=1e-12)
+    assert not out[0, 2:].any() and not out[1, 3:].any()
 
 
 def test_dot_product_attention_rows_with_nothing_to_attend():
@@ -1031,6 +1084,7 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(bias=np.ones((4, 5))), ValueError, r"^bias"),
     (dict(implementation="flash"), ValueError, r"^implementation: expected None, 'xla' or 'cudnn'"),
     (dict(local_window_size=-1), ValueError, r"^local_window_size: expected sides >= 0"),
+    (dict(local_window_size=(2, -1)), ValueError, r"^local_window_size: expected sides >= 0"),
     (dict(local_window_size="wide"), TypeError, r"^local_window_size"),
     (dict(query_seq_lengths=np.array([4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
     (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError, r"^key_value_seq_lengths"),
