@@ -207,6 +207,9 @@ def test_flash_attn_func_dropout_replays_and_draws():
     a = C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=big)
     b = C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=keep)
     np.testing.assert_array_equal(a, b)
+    # one row and one column longer: trimmed as well
+    np.testing.assert_array_equal(
+        C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=big[:, :, :5, :7]), b)
     # drawn: a seed gives one mask, and S_dmask's sign is the mask that was applied
     out, _, S = C.flash_attn_func(q, k, v, 0.4, causal=True, return_attn_probs=True, rng=7)
     again = C.flash_attn_func(q, k, v, 0.4, causal=True, rng=7)
@@ -641,6 +644,9 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError, r"^k: expected the dtype of q"),
     # an integer q is q's error (it was blamed on k_cache: "expected the dtype of q, int64")
     (dict(q=np.zeros((2, 3, 4, 4), np.int64)), TypeError, r"^q: expected a real floating dtype, got int64"),
+    # no queries: named in flash's layout (batch, seqlen, nheads, headdim), before the append
+    (dict(q=np.zeros((2, 0, 4, 4))), ValueError, r"^q: expected a seqlen \(axis 1\) of at least 1, "
+                                                 r"got shape \(2, 0, 4, 4\)"),
     (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
     # checked by the dispatcher: before the append, not after it
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
