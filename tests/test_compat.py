@@ -239,6 +239,7 @@ def test_flash_attn_func_deterministic_and_scale():
     (dict(window_size=(1,)), TypeError, "window_size"),
     (dict(window_size="local"), TypeError, "window_size"),
     (dict(window_size=(1.5, 2)), TypeError, "window_size"),
+    (dict(window_size=(True, -1)), TypeError, "^window_size: expected a pair"),  # a bool is no int
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, r"^softcap: expected 0.0 \(off\) or a finite float"),
     (dict(softcap="on"), TypeError, "softcap"),
@@ -382,6 +383,16 @@ def test_flash_attn_varlen_func_dlse_gradient():
     check_vjp(f, [q, k, v], grads, ct, ct_lse=ct_lse)
 
 
+def test_flash_attn_varlen_func_without_sequences_keeps_the_lse_dtype():
+    """No sequence at all (B = 0): softmax_lse is float32 for float16 inputs, as with sequences."""
+    q = np.zeros((0, 2, 4), np.float16)
+    none = np.array([0], np.int32)
+    out, lse, S = C.flash_attn_varlen_func(q, q, q, none, none, 1, 1, return_attn_probs=True)
+    assert (out.shape, out.dtype) == ((0, 2, 4), np.float16)
+    assert (lse.shape, lse.dtype) == ((2, 0), np.float32)
+    assert (S.shape, S.dtype) == ((0, 2, 1, 1), np.float16)
+
+
 def test_flash_attn_varlen_func_int_seed_draws_each_sequence_in_turn():
     """An int ``rng`` makes one generator for all sequences: two sequences of the same lengths
     get different drop patterns (a generator made per sequence from the seed repeats one)."""
@@ -419,6 +430,9 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
 @pytest.mark.parametrize("change, exc, match", [
     (dict(cu_seqlens_q=np.array([1, 3, 7, 8, 8])), ValueError, r"^cu_seqlens_q: expected cumulative"),
     (dict(cu_seqlens_q=np.array([0, 3, 2, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
+    # a column of the right entries is not the 1-D array flash-attn takes
+    (dict(cu_seqlens_q=np.array([[0], [2], [6], [7], [7]], np.int32)), ValueError,
+     r"^cu_seqlens_q: expected cumulative sequence lengths \(B \+ 1,\), a 1-D integer array, got shape \(5, 1\)"),
     # ends at total_q = 7 and never decreases, but skips token 0
     (dict(cu_seqlens_q=np.array([1, 3, 6, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
     (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 6])), ValueError, r"^cu_seqlens_k: expected cumulative.*to 7"),
@@ -1093,6 +1107,7 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(local_window_size=(2, -1)), ValueError, r"^local_window_size: expected sides >= 0"),
     (dict(local_window_size="wide"), TypeError, r"^local_window_size"),
     (dict(query_seq_lengths=np.array([4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
+    (dict(query_seq_lengths=np.array([4, 4, 4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
     (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError, r"^key_value_seq_lengths"),
     # a negative length: refused (it was taken as 0, rows with nothing to attend)
     (dict(query_seq_lengths=np.array([-1, 3], np.int32)), ValueError,
@@ -1184,12 +1199,21 @@ def test_vjp_contract():
     q, k, v, _, _ = flash_inputs((2, 3, 2, 4, 2, 5, 4))
     with pytest.raises(TypeError, match=r"^fn: expected one of npattn.compat's functions"):
         C.vjp(np.add, q, k)
+
+    def flash_attn_func(*args, **kwargs):  # another library's function of the same name
+        raise AssertionError("not called")
+
+    with pytest.raises(TypeError, match=r"^fn: expected one of npattn.compat's functions"):
+        C.vjp(flash_attn_func, q, k, v)
     out, pullback = C.vjp(C.flash_attn_func, q, k, v, causal=True)
     with pytest.raises(ValueError, match=r"^dout: expected the shape of the output"):
         pullback(out[:, :2])
     (_, lse, _), with_lse = C.vjp(C.flash_attn_func, q, k, v, causal=True, return_attn_probs=True)
     with pytest.raises(ValueError, match=r"^dlse: expected the shape"):
         with_lse(out, dlse=np.zeros((2, 3)))
+    assert lse.shape == (2, 2, 3)  # (B, Hq, Lq)
+    with pytest.raises(ValueError, match=r"^dlse: expected the shape"):
+        with_lse(out, dlse=np.zeros((2, 3, 2)))  # (B, Lq, Hq): q's layout, the same rank
     with pytest.raises(TypeError, match=r"^dlse: expected an array .* got list"):
         with_lse(out, dlse=[0.0])  # a ValueError before: a wrong kind of value is a TypeError
     ct = randn(*out.shape)
