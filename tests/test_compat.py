@@ -1002,7 +1002,8 @@ def test_dot_product_attention_rows_with_nothing_to_attend_in_jax():
     out, lse = C.dot_product_attention(q, k, v, bias, mask, query_seq_lengths=qlen,
                                        return_residual=True)
     np.testing.assert_allclose(j_out[0], out[0], rtol=1e-4, atol=1e-5)  # elsewhere they agree
-    np.testing.assert_allclose(j_lse[:, :2], lse[:, :2], rtol=1e-5)
+    # float32 against float64: an lse near 0 keeps the absolute rounding of its O(1) terms
+    np.testing.assert_allclose(j_lse[:, :2], lse[:, :2], rtol=1e-5, atol=1e-6)
 
     ct = np.zeros(j_out.shape, np.float32)
     ct[1, 2:] = randn(2, 4, 3)
