@@ -172,16 +172,16 @@ def check_size(name: str, value: Any, *, minimum: int = 0,
 @contextlib.contextmanager
 def argument_names(names: dict) -> Iterator[None]:
     """Inside, a ``TypeError`` / ``ValueError`` whose message starts with ``"name: "`` for a key
-    of ``names`` is raised again with ``names[name]`` there, and in its "(that of name)"
-    references: the arguments as the caller of a wrapper calls them (``{"q": "query"}`` for
-    torch's names)."""
+    of ``names`` is raised again with ``names[name]`` there, and in its "that of name",
+    "those of name" and "and name" references: the arguments as the caller of a wrapper
+    calls them (``{"q": "query"}`` for torch's names)."""
     try:
         yield
     except (TypeError, ValueError) as exc:
         head, sep, rest = str(exc).partition(": ")
         if sep and head in names:
-            rest = re.sub(r"\bthat of (\w+)\b",
-                          lambda m: f"that of {names.get(m.group(1), m.group(1))}", rest)
+            rest = re.sub(r"\b(that of|those of|and) (\w+)\b",
+                          lambda m: f"{m.group(1)} {names.get(m.group(2), m.group(2))}", rest)
             raise type(exc)(f"{names[head]}: {rest}") from None
         raise
 

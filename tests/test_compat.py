@@ -826,7 +826,9 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
                                         r"use np.asarray"):  # torch's name, not q
         C.scaled_dot_product_attention(np.asmatrix(q[0, 0]), k[0, 0], v[0, 0], m[0, 0])
     # fewer K/V heads without enable_gqa: refused as torch refuses them, not grouped
-    with pytest.raises(ValueError, match=r"^key: expected leading axes that broadcast"):
+    # (every name torch's: "those of query", not q)
+    with pytest.raises(ValueError, match=r"^key: expected leading axes that broadcast with those of "
+                                         r"query \(1, 4\) \(and key\), got shape \(1, 2, 5, 4\)$"):
         C.scaled_dot_product_attention(np.ones((1, 4, 3, 4)), np.ones((1, 2, 5, 4)),
                                        np.ones((1, 2, 5, 4)))
     # torch's names, not npattn's q, k, v (the dispatcher's checks named them so)
