@@ -89,3 +89,96 @@ def test_each_attention_configuration_is_what_its_name_says(monkeypatch, dtype):
             assert ("b_q" in names) == ("no bias" not in name), name
         seen += 1
     assert seen >= 30
+
+
+def test_run_audit_refuses_an_unknown_dtype_before_running_a_check():
+    ran = []
+
+    def build(xp, dtype, rng):
+        ran.append(dtype)
+        raise AssertionError("ran")
+
+    with pytest.raises(ValueError, match=r"dtype: expected one of .*'float16'"):
+        audit.run_audit("numpy", "float16", checks=[audit.Check("c", "primitive", build)])
+    assert ran == []
+
+
+def _times_three(wrong):
+    """f(x) = 3 x on a (2, 3) array, whose backward returns ``wrong(3 dy)``."""
+
+    def build(xp, dtype, rng):
+        x = xp.asarray(rng.standard_normal((2, 3)), dtype=dtype)
+        return (lambda x: (3.0 * x, None)), (lambda dy, cache: wrong(3.0 * dy)), [x], ["x"]
+
+    return audit.Check("3 x", "primitive", build)
+
+
+def _one_entry_changed(value):
+    def wrong(g):
+        g = np.array(g)
+        g[1, 2] = value if value is not None else g[1, 2] + 0.5
+        return g
+
+    return wrong
+
+
+def test_the_errors_of_a_row_are_the_largest_entry_error_and_it_over_the_scale():
+    """One entry of the gradient off by 0.5: max_abs_err is 0.5 (the differences of a linear
+    function are exact to round-off) and max_rel_err is 0.5 / max(max|g|, max|n|), with the
+    true gradient 3 dout recomputed here from the check's own seed."""
+    xp = namespace(np.zeros(1))
+    (row,) = audit.run_check(_times_three(_one_entry_changed(None)), xp, "float64", seed=5)
+    rng = np.random.default_rng(5)
+    rng.standard_normal((2, 3))  # x
+    n = 3.0 * rng.standard_normal((2, 3))  # 3 dout: the exact gradient
+    g = n.copy()
+    g[1, 2] += 0.5
+    scale = max(np.abs(g).max(), np.abs(n).max())
+    assert not row.passed and row.error is None
+    assert row.max_abs_err == pytest.approx(0.5, rel=1e-8)
+    assert row.max_rel_err == pytest.approx(0.5 / scale, rel=1e-8)
+    (right,) = audit.run_check(_times_three(lambda g: g), xp, "float64", seed=5)
+    assert right.passed and right.max_abs_err < 1e-8
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_a_gradient_with_an_infinite_or_nan_entry_fails(value):
+    """An infinite entry makes both the error and the scale infinite, and inf <= rtol * inf
+    holds: the row must still fail."""
+    xp = namespace(np.zeros(1))
+    (row,) = audit.run_check(_times_three(_one_entry_changed(value)), xp, "float64")
+    assert not row.passed and np.isnan(row.max_abs_err) and np.isnan(row.max_rel_err)
+
+
+def _result():
+    rows = [audit.Row("conf A", "x", 1.5e-9, 2.5e-10, True),
+            audit.Row("conf A", "w", 3.25e-3, 4.5e-2, False),
+            audit.Row("conf B, longer", "q", float("nan"), float("nan"), False,
+                      "RuntimeError: boom")]
+    return audit.AuditResult("torch", "float32", 1e-4, 1e-7, rows, 1.25)
+
+
+def test_the_table_and_the_summary_say_what_the_rows_say():
+    table = audit.format_table(_result()).splitlines()  # header, rule, 3 rows, rule, summary
+    a_x, a_w = table[2].split(), table[3].split()
+    assert a_x[:3] == ["conf", "A", "x"] and a_x[-1] == "pass"
+    assert (float(a_x[3]), float(a_x[4])) == (1.5e-9, 2.5e-10)  # abs, then rel
+    assert a_w[:3] == ["conf", "A", "w"] and a_w[-1] == "FAIL"
+    assert (float(a_w[3]), float(a_w[4])) == (3.25e-3, 4.5e-2)
+    assert table[4].startswith("conf B, longer  q") and table[4].endswith("FAIL  (RuntimeError: boom)")
+    assert table[-1] == ("1/3 passed over 2 configurations (torch, float32, rtol=0.0001, "
+                         "atol=1e-07) in 1.2s: 2 FAILED")
+    one_failure = audit.AuditResult("numpy", "float64", 1e-6, 1e-12, _result().rows[:2], 0.0)
+    assert audit.summary_line(one_failure) == (
+        "1/2 passed over 1 configurations (numpy, float64, rtol=1e-06, atol=1e-12) in 0.0s: "
+        "1 FAILED")
+
+
+def test_the_json_of_a_result_says_its_settings_and_verdict():
+    d = _result().to_dict()
+    assert {k: d[k] for k in ("backend", "dtype", "rtol", "atol", "eps", "n_checked",
+                              "n_failed", "ok", "seconds")} == {
+        "backend": "torch", "dtype": "float32", "rtol": 1e-4, "atol": 1e-7, "eps": 1e-6,
+        "n_checked": 3, "n_failed": 2, "ok": False, "seconds": 1.25}
+    assert d["rows"][2]["max_abs_err"] is None and d["rows"][2]["error"] == "RuntimeError: boom"
+    assert d["rows"][1]["max_rel_err"] == 4.5e-2 and d["rows"][0]["passed"] is True
