@@ -1,6 +1,8 @@
 """npattn.tools.audit: each configuration of the panel is what its name says, and the report
 (table, summary line, JSON) says what the rows say."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -182,3 +184,38 @@ def test_the_json_of_a_result_says_its_settings_and_verdict():
         "n_checked": 3, "n_failed": 2, "ok": False, "seconds": 1.25}
     assert d["rows"][2]["max_abs_err"] is None and d["rows"][2]["error"] == "RuntimeError: boom"
     assert d["rows"][1]["max_rel_err"] == 4.5e-2 and d["rows"][0]["passed"] is True
+
+
+def _linear_only(monkeypatch):
+    linear = next(c for c in audit.panel() if c.name == "linear, bias")
+    monkeypatch.setattr(audit, "panel", lambda backend=None: [linear])
+
+
+def test_check_of_a_passing_panel_prints_json_alone_and_exits_0(monkeypatch, capsys):
+    """--json: stdout is the JSON and nothing else goes out (the summary goes to stderr only
+    when the audit failed); the dtype asked for is the dtype audited, with its tolerances."""
+    from npattn.tools import cli
+
+    _linear_only(monkeypatch)
+    assert cli.main(["check", "--json", "--no-progress", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
+    assert res["ok"] is True and res["dtype"] == "float32" and res["n_checked"] == 3
+    assert (res["rtol"], res["atol"]) == (1e-4, 1e-7)  # float32's, as docs/check.md gives them
+    assert captured.err == ""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_check_of_an_empty_panel_is_no_pass(monkeypatch, capsys, as_json):
+    """A panel that checks nothing (say a filter that matched no configuration) exits 1, as a
+    failure, and says so: no rows have not failed, but nothing was shown to pass."""
+    from npattn.tools import cli
+
+    monkeypatch.setattr(audit, "panel", lambda backend=None: [])
+    assert cli.main(["check", "--no-progress"] + (["--json"] if as_json else [])) == 1
+    captured = capsys.readouterr()
+    if as_json:
+        assert json.loads(captured.out)["ok"] is False
+        assert captured.err.rstrip().endswith("nothing was checked")
+    else:
+        assert captured.out.rstrip().endswith("nothing was checked")
