@@ -219,3 +219,17 @@ def test_check_of_an_empty_panel_is_no_pass(monkeypatch, capsys, as_json):
         assert captured.err.rstrip().endswith("nothing was checked")
     else:
         assert captured.out.rstrip().endswith("nothing was checked")
+
+
+def test_a_backward_that_returns_zeros_is_a_wrong_gradient_not_an_unexercised_one():
+    """Zeros where the exact gradient 3 dout is not zero: the row fails with its numbers (abs
+    error max|3 dout|, relative error 1), not as a configuration that does not exercise the
+    tensor, which is said only when both sides are zero."""
+    xp = namespace(np.zeros(1))
+    (row,) = audit.run_check(_times_three(lambda g: 0.0 * g), xp, "float64", seed=5)
+    rng = np.random.default_rng(5)
+    rng.standard_normal((2, 3))  # x
+    n = 3.0 * rng.standard_normal((2, 3))  # 3 dout: the exact gradient
+    assert not row.passed and row.error is None
+    assert row.max_abs_err == pytest.approx(np.abs(n).max(), rel=1e-8)
+    assert row.max_rel_err == pytest.approx(1.0, rel=1e-8)
