@@ -233,3 +233,14 @@ def test_a_backward_that_returns_zeros_is_a_wrong_gradient_not_an_unexercised_on
     assert not row.passed and row.error is None
     assert row.max_abs_err == pytest.approx(np.abs(n).max(), rel=1e-8)
     assert row.max_rel_err == pytest.approx(1.0, rel=1e-8)
+
+
+def test_progress_is_told_of_each_configuration_and_of_the_end():
+    """progress(i, n, name) before configuration i, then progress(n, n, "") when all are done:
+    the command's bar counts a configuration as done at the next call, so without the last
+    one it would stop one short."""
+    calls = []
+    checks = [_times_three(lambda g: g), _times_three(lambda g: g)]
+    checks[1].name = "3 x again"
+    audit.run_audit("numpy", "float64", checks=checks, progress=lambda *a: calls.append(a))
+    assert calls == [(0, 2, "3 x"), (1, 2, "3 x again"), (2, 2, "")]
