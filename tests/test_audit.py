@@ -244,3 +244,28 @@ def test_progress_is_told_of_each_configuration_and_of_the_end():
     checks[1].name = "3 x again"
     audit.run_audit("numpy", "float64", checks=checks, progress=lambda *a: calls.append(a))
     assert calls == [(0, 2, "3 x"), (1, 2, "3 x again"), (2, 2, "")]
+
+
+def test_each_softmax_configuration_named_for_an_empty_row_has_one(monkeypatch):
+    """The masked softmax configurations' masks as the softmax receives them (the sink's is no
+    input of its check): where the name says a fully masked row or an empty sequence, some
+    row attends nothing."""
+    from npattn import functional as F
+
+    masks = []
+    original = F.masked_softmax_forward
+
+    def recording(x, mask=None, **kw):
+        masks.append(mask)
+        return original(x, mask, **kw)
+
+    monkeypatch.setattr(F, "masked_softmax_forward", recording)
+    xp = namespace(np.zeros(1))
+    named = [c for c in audit.panel("numpy") if c.name.startswith("masked_softmax")
+             and ("fully masked row" in c.name or "empty sequence" in c.name)]
+    assert len(named) >= 4
+    for c in named:
+        masks.clear()
+        fwd, _, inputs, _ = c.build(xp, xp.float64, np.random.default_rng(0))
+        fwd(*inputs)
+        assert masks and masks[0] is not None and np.any(_attends_nothing(masks[0])), c.name
