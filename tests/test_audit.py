@@ -1,7 +1,9 @@
 """npattn.tools.audit: each configuration of the panel is what its name says, and the report
 (table, summary line, JSON) says what the rows say."""
 
+import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -269,3 +271,26 @@ def test_each_softmax_configuration_named_for_an_empty_row_has_one(monkeypatch):
         fwd, _, inputs, _ = c.build(xp, xp.float64, np.random.default_rng(0))
         fwd(*inputs)
         assert masks and masks[0] is not None and np.any(_attends_nothing(masks[0])), c.name
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("no_progress", [False, True])
+def test_check_counts_its_configurations_on_a_terminal_bar(monkeypatch, capsys, no_progress):
+    """On a terminal `npattn check` shows a bar that ends at n/n configurations (one step each,
+    the last at the end); --no-progress shows none."""
+    from npattn.tools import cli
+
+    two = [_times_three(lambda g: g), _times_three(lambda g: g)]
+    monkeypatch.setattr(audit, "panel", lambda backend=None: two)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert cli.main(["check"] + (["--no-progress"] if no_progress else [])) == 0
+    written = term.getvalue()
+    if no_progress:
+        assert written == ""
+    else:
+        assert "check: 100%" in written and "2/2" in written and "3/2" not in written, written
