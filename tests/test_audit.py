@@ -169,7 +169,8 @@ def test_the_table_and_the_summary_say_what_the_rows_say():
     assert (float(a_x[3]), float(a_x[4])) == (1.5e-9, 2.5e-10)  # abs, then rel
     assert a_w[:3] == ["conf", "A", "w"] and a_w[-1] == "FAIL"
     assert (float(a_w[3]), float(a_w[4])) == (3.25e-3, 4.5e-2)
-    assert table[4].startswith("conf B, longer  q") and table[4].endswith("FAIL  (RuntimeError: boom)")
+    assert table[4].startswith("conf B, longer  q")
+    assert table[4].endswith("FAIL  (RuntimeError: boom)")
     assert table[-1] == ("1/3 passed over 2 configurations (torch, float32, rtol=0.0001, "
                          "atol=1e-07) in 1.2s: 2 FAILED")
     one_failure = audit.AuditResult("numpy", "float64", 1e-6, 1e-12, _result().rows[:2], 0.0)
