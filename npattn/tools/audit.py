@@ -621,7 +621,8 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
         ``jax_enable_x64`` is switched on while the audit runs, then put back).
     dtype : {"float64", "float32"}
     progress : callable, optional
-        Called as ``progress(i, n, check_name)`` before each configuration.
+        Called as ``progress(i, n, check_name)`` before each configuration, and
+        as ``progress(n, n, "")`` once all are done.
     checks : list of Check, optional
         Default ``panel()``.
 
