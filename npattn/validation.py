@@ -146,10 +146,7 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False,
     n = int(value)  # exact for NumPy ints too
     if n <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if maximum is not None and n > maximum:
-        what = " (the longest array axis)" if maximum == MAX_AXIS else ""
-        raise ValueError(f"{name}: expected a positive int <= {maximum}{what}, got {value!r}")
-    return n
+    return _at_most(name, n, maximum, "a positive int")
 
 
 def check_size(name: str, value: Any, *, minimum: int = 0,
@@ -163,9 +160,14 @@ def check_size(name: str, value: Any, *, minimum: int = 0,
     n = int(value)  # exact for NumPy ints too
     if n < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return _at_most(name, n, maximum, "an int")
+
+
+def _at_most(name: str, n: int, maximum: Optional[int], expected: str) -> int:
+    """``n``, or ``ValueError`` ("expected {expected} <= maximum") above ``maximum`` (None: no bound)."""
     if maximum is not None and n > maximum:
         what = " (the longest array axis)" if maximum == MAX_AXIS else ""
-        raise ValueError(f"{name}: expected an int <= {maximum}{what}, got {value!r}")
+        raise ValueError(f"{name}: expected {expected} <= {maximum}{what}, got {n!r}")
     return n
 
 
