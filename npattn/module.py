@@ -1380,7 +1380,7 @@ def write_save_file(path: Any, header: dict, params: dict, *, xp: Any, dtype: An
     bfloat16 parameters are stored as float32, which holds them exactly
     (NumPy has no bfloat16). The file is written at ``path`` exactly (NumPy's
     ``savez`` would append ``.npz`` to a name without it), or into a binary
-    file object (one with ``write`` alone too).
+    file object (``write`` is all it needs).
     """
     bf16 = V.dtype_name(dtype) == "bfloat16"
     arrays = {SAVE_PARAM_PREFIX + name: to_numpy(xp.astype(p, xp.float32) if bf16 else p)
@@ -1389,9 +1389,7 @@ def write_save_file(path: Any, header: dict, params: dict, *, xp: Any, dtype: An
     if isinstance(path, (str, os.PathLike)):
         with open(path, "wb") as f:
             np.savez(f, **arrays)  # type: ignore[arg-type]
-    elif hasattr(path, "read"):
-        np.savez(path, **arrays)  # type: ignore[arg-type]
-    else:  # NumPy takes a file object only if it has read(): a write-only stream gets the bytes
+    else:  # NumPy takes a file object only if it has read(): any file object gets the bytes
         buf = io.BytesIO()
         np.savez(buf, **arrays)  # type: ignore[arg-type]
         path.write(buf.getvalue())
