@@ -66,12 +66,24 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
-def _check_eps(value: Any) -> None:
-    """``TypeError`` unless ``eps`` is a real number, ``ValueError`` unless it is finite and > 0."""
+def check_eps(name: str, value: Any, xp: Any = None, dtype: Any = None) -> None:
+    """``TypeError`` unless ``value`` is a real number, ``ValueError`` unless it is finite and > 0
+    and, given ``xp`` and ``dtype``, one that layer norm's compute dtype holds: an ``eps`` that
+    rounds to inf there turns every row into 0, one that rounds to 0 a constant row into NaN."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"eps: expected a positive float, got {V.type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected a positive float, got {V.type_name(value)} {value!r}")
     if not (0.0 < V.real_value(value) < math.inf):
-        raise ValueError(f"eps: expected a positive finite float, got {value!r}")
+        raise ValueError(f"{name}: expected a positive finite float, got {value!r}")
+    if dtype is None:
+        return
+    ct = F.compute_dtype(xp, dtype)
+    fi = xp.finfo(ct)
+    low, high = float(fi.smallest_normal) * float(fi.eps), float(fi.max)  # the least subnormal, max
+    if not low <= V.real_value(value) <= high:
+        within = f"{V.dtype_name(ct)}'s range [{low:.3g}, {high:.3g}]"
+        if V.dtype_name(ct) != V.dtype_name(dtype):
+            within += f" ({V.dtype_name(dtype)} computes layer norm in {V.dtype_name(ct)})"
+        raise ValueError(f"{name}: expected a positive float within {within}, got {value!r}")
 
 
 def _compute(xp: Any, x: Any) -> Any:
@@ -194,7 +206,9 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     weight : array, shape (D,), dtype of ``x``, optional (None: 1)
     bias : array, shape (D,), dtype of ``x``, optional (None: 0)
     eps : float
-        Added to the variance, > 0.
+        Added to the variance, > 0 and within the compute dtype's range (float32's for
+        float32 and half precision: from 1.4e-45 to 3.4e38); past it, eps would round to
+        inf (every row 0) or to 0 (a constant row NaN), so it is refused.
 
     Returns
     -------
@@ -239,7 +253,7 @@ def check_layer_norm_inputs(x: Any, weight: Any = None, bias: Any = None, eps: f
             V.check_floating_array(name, p, namespace(x), device_of(x), dtype=x.dtype, like="x")
             if V.shape_of(p) != (D,):
                 raise ValueError(f"{name}: expected shape ({D},) (D, the last axis of x), got shape {V.shape_of(p)}")
-    _check_eps(eps)
+    check_eps("eps", eps, namespace(x), x.dtype)
 
 
 def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any]:

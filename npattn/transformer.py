@@ -307,6 +307,7 @@ class _Block(abc.ABC):
         }
         first = self._attn[self._ATTNS[0]]
         self.xp, self.dtype = first.xp, first.dtype
+        Ly.check_eps("layer_norm_eps", layer_norm_eps, self.xp, self.dtype)  # held by the dtype
         self.d_model, self.n_head = int(d_model), int(n_head)
         self.d_ff = 4 * self.d_model if d_ff is None else d_ff
         self.dropout = float(dropout)

@@ -7,6 +7,7 @@ keep-mask.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -127,6 +128,34 @@ def test_layer_norm_of_a_rescaled_row_adds_eps_in_x_units(xp, to_xp, to_np):
     y, _ = L.layer_norm_forward(to_xp((base * 1e19).astype(np.float32)), eps=1e36)
     xc = base - base.mean()
     np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), xc / np.sqrt((xc * xc).mean() + 0.01), rtol=1e-5)
+
+
+def test_layer_norm_eps_must_be_held_by_the_compute_dtype(xp, to_xp, to_np):
+    """float32 holds positive numbers from 2^-149 (1.4e-45) to (2 - 2^-23) * 2^127 (3.4e38):
+    an eps past that rounds to inf (every row becomes 0) and one below it to 0 (a constant
+    row becomes 0 * inf = NaN), so both are refused by name; eps = 3e38 is held and the row
+    [1, -1] (mean 0, var 1) normalises to +-1 / sqrt(1 + 3e38); float64 holds 1e39."""
+    x32 = to_xp(np.array([[1.0, -1.0]], dtype=np.float32))
+    for eps in (1e39, 1e-46):
+        with pytest.raises(ValueError, match=r"^eps: .*float32's range .*got " + re.escape(repr(eps))):
+            L.layer_norm_forward(x32, eps=eps)
+    for eps in (3e38, 2.0 ** -149):
+        y, _ = L.layer_norm_forward(x32, eps=eps)
+        np.testing.assert_allclose(to_np(y), [[1.0, -1.0]] / np.sqrt(1.0 + eps), rtol=1e-6)
+    y, _ = L.layer_norm_forward(to_xp(np.full((1, 3), 2.0, dtype=np.float32)), eps=2.0 ** -149)
+    np.testing.assert_array_equal(to_np(y), np.zeros((1, 3)))  # 0 / sqrt(2^-149), not NaN
+    y, _ = L.layer_norm_forward(to_xp(np.array([[1.0, -1.0]])), eps=1e39)
+    np.testing.assert_allclose(to_np(y), [[1.0, -1.0]] / np.sqrt(1.0 + 1e39), rtol=1e-12)
+
+
+def test_layer_norm_eps_of_half_precision_is_held_by_float32():
+    """float16 computes layer norm in float32, so an eps of 1e6 (past float16's 65504, where
+    it would round to inf and give 0) is fine, and 1e39 is refused naming both dtypes."""
+    y, _ = L.layer_norm_forward(np.array([[3.0, -3.0]], dtype=np.float16), eps=1e6)
+    np.testing.assert_allclose(y.astype(np.float64), [[3.0, -3.0]] / np.sqrt(9.0 + 1e6), rtol=1e-3)
+    expected = r"^eps: .*float32's range .*\(float16 computes layer norm in float32\)"
+    with pytest.raises(ValueError, match=expected):
+        L.layer_norm_forward(np.array([[3.0, -3.0]], dtype=np.float16), eps=1e39)
 
 
 def test_layer_norm_of_a_wide_float32_row_of_large_entries(xp, to_xp, to_np):

@@ -656,6 +656,8 @@ def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
         TransformerBlock(D, H, activation="swish")
     with pytest.raises(ValueError, match="layer_norm_eps"):
         TransformerBlock(D, H, layer_norm_eps=0.0)
+    with pytest.raises(ValueError, match=r"^layer_norm_eps: .*float32's range"):
+        TransformerBlock(D, H, layer_norm_eps=1e39)  # rounds to inf in the model's float32
     with pytest.raises(ValueError, match="params"):
         block.params = {"linear1.weight": block.params["linear1.weight"]}
 
