@@ -749,6 +749,7 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
     for axis, size, what in ((0, Bc, "the batch of k_cache"), (1, Lc, "the length of k_cache"),
                              (2, Hkv, "the heads of k_cache")):
         _check_axis("v_cache", v_cache, axis, size, what)
+    _check_sizes("v_cache", v_cache, ((3, "headdim"),))  # as flash_attn_func's v
     gqa = _gqa(Hq, Hkv, "k_cache")
     if (k is None) != (v is None):
         given = "k" if v is None else "v"
@@ -1128,6 +1129,7 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     _check_sizes("query", query, ((1 - o, "query length T"), (2 - o, "head count N"),
                                   (3 - o, "head width H")))
     _check_sizes("key", key, ((1 - o, "key length S"), (2 - o, "head count K")))
+    _check_sizes("value", value, ((3 - o, "value width Dv"),))  # (flash_attn_func's "headdim")
     q, k, v = (t if batched else xp.expand_dims(t, axis=0) for t in (query, key, value))
     B = int(q.shape[0])
     gqa = _gqa(N, K, "key")

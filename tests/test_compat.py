@@ -661,6 +661,9 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     # no queries: named in flash's layout (batch, seqlen, nheads, headdim), before the append
     (dict(q=np.zeros((2, 0, 4, 4))), ValueError, r"^q: expected a seqlen \(axis 1\) of at least 1, "
                                                  r"got shape \(2, 0, 4, 4\)"),
+    # a value width of 0, refused as flash_attn_func's headdim of 0 (it gave an empty output)
+    (dict(v_cache="no width"), ValueError, r"^v_cache: expected a headdim \(axis 3\) of at least 1, "
+                                          r"got shape \(3, 8, 2, 0\)"),
     (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
     # checked by the dispatcher: before the append, not after it
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
@@ -684,6 +687,9 @@ def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, m
     if change.get("v_cache") == "expanded":
         v_cache = np.lib.stride_tricks.as_strided(v_cache[:1], v_cache.shape,
                                                   (0,) + v_cache.strides[1:], writeable=True)
+        change = {}
+    if change.get("v_cache") == "no width":
+        v_cache, v_new = v_cache[..., :0], v_new[..., :0]
         change = {}
     for name in ("q", "v"):
         if isinstance(change.get(name), str) and change[name] == "masked":
@@ -1148,6 +1154,11 @@ def test_dot_product_attention_shapes_are_named_in_its_own_layout():
         C.dot_product_attention(q[..., :0], k[..., :0], v)
     with pytest.raises(ValueError, match=r"^key: expected a key length S \(axis 1\) of at least 1, got shape \(2, 0, 2, 5\)$"):
         C.dot_product_attention(q, k[:, :0], v[:, :0])
+    # a value width of 0, refused as flash_attn_func's headdim of 0 (it gave an empty output)
+    with pytest.raises(ValueError, match=r"^value: expected a value width Dv \(axis 3\) of at least 1, got shape \(2, 6, 2, 0\)$"):
+        C.dot_product_attention(q, k, v[..., :0])
+    with pytest.raises(ValueError, match=r"^value: expected a value width Dv \(axis 2\) of at least 1, got shape \(6, 2, 0\)$"):
+        C.dot_product_attention(q[0], k[0], v[0, ..., :0])
     # unbatched, (T, N, H): the axes count from T
     with pytest.raises(ValueError, match=r"^query: expected a query length T \(axis 0\) of at least 1, got shape \(0, 4, 5\)$"):
         C.dot_product_attention(q[0, :0], k[0], v[0])
