@@ -315,6 +315,11 @@ class CaseResult:
                 "tensors": {n: t.to_dict() for n, t in self.tensors.items()}}
 
 
+def _unmeasured(t: TensorResult) -> bool:
+    """Whether ``t`` has no numbers: ``fn`` raised, or what it returned could not be read."""
+    return t.note == "raised"
+
+
 def _wrong_type(t: TensorResult) -> bool:
     """Whether ``t`` fails for its dtype or array library (its numbers may be right)."""
     return t.note.startswith(("dtype:", "library:"))
@@ -375,7 +380,9 @@ class VerifyReport:
 
         A case whose kernel wrote into its inputs fails in each of its rows, its tensors'
         numbers right or not (``wrote``: how many such cases a row counts); ``wrong_type``
-        counts the tensors that fail for their dtype or array library, whatever their error."""
+        counts the tensors that fail for their dtype or array library, whatever their error;
+        ``raised`` the cases with no numbers (``fn`` raised, or what it returned could not be
+        read), which the worst ratio is taken without where a case has numbers."""
         groups: dict = {}
         for r in self.results:
             for opt in (r.case.options or ("(none)",)):
@@ -386,13 +393,15 @@ class VerifyReport:
                 items = [(r, r.tensors[t]) for r in groups[opt] if t in r.tensors]
                 if not items:
                     continue
-                worst_r, worst = max(items, key=lambda it: (it[1].ratio, it[1].error))
+                measured = [it for it in items if not _unmeasured(it[1])]
+                worst_r, worst = max(measured or items, key=lambda it: (it[1].ratio, it[1].error))
                 n_fail = sum(1 for r, x in items if x.status == "fail" or r.written)
                 n_deg = sum(1 for r, x in items if x.status == "degenerate" and not r.written)
                 n_wrote = sum(1 for r, _ in items if r.written)
                 n_type = sum(1 for _, x in items if x.status == "fail" and _wrong_type(x))
                 rows.append({"option": opt, "tensor": t, "cases": len(items), "failed": n_fail,
                              "degenerate": n_deg, "wrote": n_wrote, "wrong_type": n_type,
+                             "raised": len(items) - len(measured),
                              "worst_case": worst_r.case.name,
                              "error": worst.error, "budget": worst.budget, "ratio": worst.ratio,
                              "status": "FAIL" if n_fail else "pass"})
@@ -411,8 +420,11 @@ class VerifyReport:
                 status += f" ({row['wrong_type']} of another dtype or library)"
             if row["degenerate"]:
                 status += f" ({row['degenerate']} degenerate)"
-            lines.append(f"{row['option']:<20} {row['tensor']:<7} {row['cases']:>5} "
-                         f"{row['error']:>10.2e} {row['budget']:>10.2e} {row['ratio']:>8.3g}  {status}")
+            if row["raised"]:
+                status += f" ({row['raised']} raised or unreadable)"
+            numbers = (f"{'-':>10} {'-':>10} {'-':>8}" if row["raised"] == row["cases"] else
+                       f"{row['error']:>10.2e} {row['budget']:>10.2e} {row['ratio']:>8.3g}")
+            lines.append(f"{row['option']:<20} {row['tensor']:<7} {row['cases']:>5} {numbers}  {status}")
         return "\n".join(lines)
 
     def hints(self) -> list:
@@ -666,7 +678,9 @@ def panel_hints(results: list) -> list:
                 hints.append(f"every failing case holds {a!r} or {b!r}: look at what they share")
                 break
         else:
-            if any(not r.case.options for r in fails):
+            # (a case without numbers says nothing about the core: its own line says why)
+            if any(not r.case.options and r.failing and not all(_unmeasured(r.tensors[n]) for n in r.failing)
+                   for r in fails):
                 too = " too" if any(r.case.options for r in fails) else ""
                 hints.append(f"cases without options fail{too}: the core (scores, softmax, "
                              "P @ V) or its gradient")

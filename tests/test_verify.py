@@ -2108,6 +2108,43 @@ def test_the_table_summary_and_json_add_up_the_cases():
         [(row["option"], row["tensor"], row["ratio"]) for row in report.table_rows()]
 
 
+def test_cases_without_numbers_are_counted_apart_in_the_table():
+    """A case whose kernel raised, or returned what verify cannot read, has no numbers: its
+    row showed an error of inf against a budget of 0 (ratio inf), and the hint blamed the
+    core. Now the row counts such cases apart, prints no numbers when every case is one,
+    takes the worst ratio from the cases that have numbers, and blames the core only for
+    a case without options that has numbers and fails."""
+    cases = ["base-1x65", "base-64x129"]
+
+    def pair(q, k, v, **options):  # (out, lse) without returns_lse: unreadable
+        return q, q[..., 0]
+
+    report = VF.verify(pair, dtype="float64", cases=VF.plan(cases=cases))
+    (row,) = report.table_rows()
+    assert (row["option"], row["tensor"], row["cases"], row["failed"], row["raised"]) == \
+        ("(none)", "out", 2, 2, 2)
+    line = report.table().splitlines()[2]
+    assert line.split()[3:6] == ["-", "-", "-"] and line.endswith("FAIL 2/2 (2 raised or unreadable)"), line
+    assert not any("the core" in h for h in report.hints()), report.hints()
+
+    def raises_on_one_query(q, k, v, **options):  # raises at Lq = 1, 2 % off elsewhere
+        if q.shape[-2] == 1:
+            raise RuntimeError("no single-query path")
+        out, lse, _ = npattn_kernel(q, k, v, **options)
+        return out * 1.02, lse
+
+    report = VF.verify(raises_on_one_query, returns_lse=True, dtype="float64",
+                       cases=VF.plan(cases=cases))
+    rows = {row["tensor"]: row for row in report.table_rows()}
+    measured = next(r for r in report.results if r.case.name == "base-64x129")
+    assert measured.tensors["out"].ratio > 1.0  # out is 2 % off: more than its budget
+    assert (rows["out"]["raised"], rows["out"]["worst_case"], rows["out"]["ratio"]) == \
+        (1, "base-64x129", measured.tensors["out"].ratio)
+    assert "FAIL 2/2 (1 raised or unreadable)" in report.table()
+    assert any(h.startswith("cases without options fail: the core") for h in report.hints()), \
+        report.hints()
+
+
 def test_the_failing_cases_are_listed_up_to_max_failures():
     def off(q, k, v, **options):
         out, lse, cache = npattn_kernel(q, k, v, **options)
