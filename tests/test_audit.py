@@ -3,6 +3,7 @@
 
 import io
 import json
+import re
 import sys
 
 import numpy as np
@@ -23,7 +24,7 @@ def _sdpa_arguments(check, dtype, monkeypatch):
 
     def recording(original):
         def sdpa_forward(q, k, v, **kw):
-            calls.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
+            calls.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape), v_shape=tuple(v.shape)))
             return original(q, k, v, **kw)
 
         return sdpa_forward
@@ -37,7 +38,7 @@ def _sdpa_arguments(check, dtype, monkeypatch):
     fwd(*inputs)
     monkeypatch.undo()
     assert calls, check.name
-    return calls[0], names
+    return dict(calls[0], inputs=dict(zip(names, inputs))), names
 
 
 def _attends_nothing(mask):
@@ -91,8 +92,78 @@ def test_each_attention_configuration_is_what_its_name_says(monkeypatch, dtype):
             assert np.any(~np.isin(qs, ks)), name
         if c.kind == "module":
             assert ("b_q" in names) == ("no bias" not in name), name
+        # the numbers a name gives: p, head counts, widths, the window
+        if (p := re.search(r"p=([0-9.]+)", name)):
+            assert kw.get("dropout_p") == float(p[1]), name
+        if (h := re.search(r"Hq=(\d+) Hkv=(\d+)", name)):
+            assert (kw["q_shape"][1], kw["k_shape"][1]) == (int(h[1]), int(h[2])), name
+        if (dv := re.search(r"Dv=(\d+) != Dh", name)):
+            assert kw["v_shape"][-1] == int(dv[1]) != kw["q_shape"][-1], name
+        if (w := re.search(r"window \((\d+), (\d+)\)", name)):
+            assert tuple(kw.get("window")) == (int(w[1]), int(w[2])), name
+        elif "window" in name:
+            assert kw.get("window") is not None, name
+        if "softcap" in name:
+            assert kw.get("softcap"), name
+        if "ALiBi" in name:
+            assert kw.get("alibi_slopes") is not None, name
+        if (kv := re.search(r"kdim=(\d+) vdim=(\d+)", name)):
+            acts = kw["inputs"]
+            assert (acts["key"].shape[-1], acts["value"].shape[-1]) == (int(kv[1]), int(kv[2])), name
         seen += 1
     assert seen >= 30
+
+
+def test_each_primitive_configuration_is_what_its_name_says(monkeypatch):
+    """The primitives' names are coverage claims too: "linear, bias" has a bias and "no bias"
+    none, "split_heads, H=2" splits into 2 heads, "merge_heads, H=3" merges 3, "no mask" has
+    none, "sink" has a sink, "dropout p=0.3, fixed keep-mask" drops with p = 0.3 and a
+    keep-mask that drops something (a dropout keeping everything checks only a copy)."""
+    from npattn import functional as F
+
+    calls = []
+
+    def recording(fn_name):
+        original = getattr(F, fn_name)
+
+        def fn(*args, **kw):
+            calls.append((fn_name, args, kw))
+            return original(*args, **kw)
+
+        return fn
+
+    for fn_name in ("linear_forward", "split_heads_forward", "merge_heads_forward",
+                    "masked_softmax_forward", "dropout_forward"):
+        monkeypatch.setattr(F, fn_name, recording(fn_name))
+    xp = namespace(np.zeros(1))
+    primitives = [c for c in audit.panel("numpy") if c.kind == "primitive"
+                  and not c.name.startswith("sdpa")]
+    seen = set()
+    for c in primitives:
+        calls.clear()
+        fwd, _, inputs, names = c.build(xp, xp.float64, np.random.default_rng(0))
+        fwd(*inputs)
+        (fn_name, args, kw), name = calls[0], c.name
+        assert name.startswith(fn_name.removesuffix("_forward")), name
+        seen.add(fn_name)
+        if fn_name == "linear_forward":
+            has_bias = len(args) > 2 and args[2] is not None or kw.get("b") is not None
+            assert has_bias == ("no bias" not in name) and ("bias" in name), name
+        if (h := re.search(r"H=(\d+)", name)):
+            if fn_name == "split_heads_forward":
+                assert kw.get("n_head") == int(h[1]), name
+            else:  # merge: x is (B, H, L, d)
+                assert args[0].shape[1] == int(h[1]), name
+        if fn_name == "masked_softmax_forward":
+            mask = args[1] if len(args) > 1 else kw.get("mask")
+            assert (mask is None) == ("no mask" in name), name
+            assert (kw.get("sink") is not None) == ("sink" in name), name
+        if (p := re.search(r"p=([0-9.]+)", name)):
+            assert fn_name == "dropout_forward" and kw.get("p") == float(p[1]), name
+            keep = np.asarray(kw.get("mask"))
+            assert keep.dtype == bool and not keep.all() and keep.any(), name
+    assert seen == {"linear_forward", "split_heads_forward", "merge_heads_forward",
+                    "masked_softmax_forward", "dropout_forward"}, seen
 
 
 def test_run_audit_refuses_an_unknown_dtype_before_running_a_check():
