@@ -226,12 +226,14 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
 class CrossEntropyCache(NamedTuple):
     """What ``cross_entropy_backward`` needs from ``cross_entropy_forward``."""
     p: Any  #: [..., V] softmax of the logits, in the compute dtype
-    onehot: Any  #: [..., V] one-hot targets, in the compute dtype
-    n: int  #: number of positions averaged over
+    onehot: Any  #: [..., V] one-hot targets (rows of zeros where ignored), in the compute dtype
+    n: int  #: number of positions averaged over (those not ignored)
     dtype: Any = None  #: the logits' dtype (that of the loss and of dlogits); None: p's
+    counted: Any = None  #: [..., 1] 1 where the target counts, 0 where ignored; None: all count
 
 
-def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyCache]:
+def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[int] = None
+                          ) -> tuple[Any, CrossEntropyCache]:
     """Mean softmax cross-entropy, ``loss = -mean_n log softmax(logits_n)[t_n]``.
 
     Steps:
@@ -242,6 +244,11 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     4. ``loss = -sum(one_hot(t) * logp) / N``  (the targets' entries picked by a ``where``:
        a ``-inf`` logit elsewhere in the row would make the product ``0 * -inf``)
 
+    With ``ignore_index``, a position whose target equals it (padding, say) is left out:
+    its ``one_hot`` row is zero, ``N`` counts the other positions, and its logits get zero
+    gradient, as torch's ``cross_entropy(..., ignore_index=)``. torch's default is -100;
+    here it is None, every target counts, and a -100 is an out-of-range target.
+
     Half-precision logits are computed in float32 (a float16 sum of ``exp`` overflows
     past 65504, at a vocabulary of 65505 equal logits), and the loss is rounded to
     their dtype.
@@ -250,7 +257,11 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
     ----------
     logits : array, shape (..., V), at least one position (a ``ValueError`` for none, where
         torch's mean gives NaN)
-    targets : integer array, shape (...), values in [0, V)
+    targets : integer array, shape (...), values in [0, V) or ``ignore_index``, at least one
+        of them not ignored (a ``ValueError`` for none, where torch gives NaN)
+    ignore_index : int, optional
+        The target value of positions to leave out; it may lie in [0, V) (a padding
+        token's id) or outside it (torch's -100).
 
     Returns
     -------
@@ -265,23 +276,35 @@ def cross_entropy_forward(logits: Any, targets: Any) -> tuple[Any, CrossEntropyC
         raise ValueError(f"logits: expected at least one position (leading axes of nonzero "
                          f"length), got shape {Vd.shape_of(logits)}")
     xp = namespace(logits)
+    if ignore_index is not None and (isinstance(ignore_index, bool)
+                                     or not isinstance(ignore_index, numbers.Integral)):
+        raise TypeError(f"ignore_index: expected None or an int, got {Vd.type_name(ignore_index)} "
+                        f"{ignore_index!r}")
+    ignore = None if ignore_index is None else int(ignore_index)
     Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
-                 like="logits")
+                 like="logits", ignore=ignore)
     if Vd.shape_of(targets) != Vd.shape_of(logits)[:-1]:
         raise ValueError(f"targets: expected shape {Vd.shape_of(logits)[:-1]} (that of logits "
                          f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
     ct = compute_dtype(xp, logits.dtype)
+    counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts
+    n = math.prod(targets.shape) if counted is None else int(xp.sum(counted))
+    if n == 0:  # a mean over no positions is 0 / 0 (torch: NaN)
+        raise ValueError(f"targets: expected at least one target other than ignore_index = "
+                         f"{ignore}, got only {ignore}s")
     z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
     m = row_max(xp, z)  # 1. max over the classes                     [..., 1]
     lse = m + xp.log(xp.sum(xp.exp(z - m), axis=-1, keepdims=True))  # 2. [..., 1]
     logp = z - lse  # 3.                                                [..., V]
     onehot = _one_hot(xp, targets, V, ct)  # [..., V]
-    n = math.prod(targets.shape)
+    if counted is not None:
+        counted = xp.expand_dims(counted, axis=-1)  # [..., 1]
+        onehot = onehot * counted  # an ignored position's row: zeros (its target may be in range)
     picked = xp.where(onehot == 1.0, logp, xp.zeros_like(logp))  # 4. logp[t], 0 elsewhere
     loss = -xp.sum(picked) / float(n)  # 4.                             []
     loss = xp.astype(xp.asarray(loss), logits.dtype)  # a 0-d array (NumPy reduces to a scalar)
-    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype)
+    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype, counted)
 
 
 def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, None]:
@@ -290,7 +313,9 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     From 4. and 3.: ``dlogp = -dloss * one_hot / N``, and through
     ``logp = logits - lse`` with ``d lse / d logits = softmax``:
     ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - one_hot) / N``
-    (each row of ``one_hot`` sums to 1). ``targets`` get None.
+    (each row of ``one_hot`` sums to 1). An ignored position's ``one_hot`` row is zero,
+    so its ``dlogp`` is and its ``sum(dlogp)``: ``dlogits = 0`` there, which the
+    ``counted`` factor on ``p`` says. ``targets`` get None.
 
     ``dloss`` is a finite Python number, or an array of shape () or (1,) in the loss's dtype.
     Computed in the forward's compute dtype, returned in the logits' dtype.
@@ -316,7 +341,8 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
                    if isinstance(dloss, int) else repr(dloss))
             raise ValueError(f"dloss: expected a finite number, got {got}")
         dloss = float(dloss)
-    dlogits = dloss * (cache.p - cache.onehot) / float(cache.n)  # [..., V]
+    p = cache.p if cache.counted is None else cache.p * cache.counted  # [..., V]
+    dlogits = dloss * (p - cache.onehot) / float(cache.n)  # [..., V]
     return (dlogits if dlogits.dtype == dtype else xp.astype(dlogits, dtype)), None
 
 

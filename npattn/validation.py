@@ -389,9 +389,10 @@ def check_floating_array(name: str, x: Any, xp: Any = None, device: Any = None, 
 
 
 def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *,
-              what: str = "ids", like: str = "") -> None:
+              what: str = "ids", like: str = "", ignore: Optional[int] = None) -> None:
     """``ids``: an integer array (of ``xp`` on ``device``, like ``like``) of ``what``, each
-    in [0, n): a ``TypeError`` / ``ValueError`` naming ``name`` otherwise."""
+    in [0, n) or equal to ``ignore`` (an ``ignore_index``): a ``TypeError`` / ``ValueError``
+    naming ``name`` otherwise."""
     check_array(name, ids, xp, device, where=f"that of {like}" if like else "where the parameters live",
                 library=f"that of {like}" if like else MODULE_LIBRARY)
     ns = array_api_compat.array_namespace(ids)
@@ -403,11 +404,21 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
         raise TypeError(f"{name}: expected an integer array of {what} of a dtype its library computes "
                         f"with ({', '.join(dtype_name(d) for d in supported)}), got dtype "
                         f"{dtype_name(ids.dtype)}; cast it to int64 first")
+    if ignore is not None:  # (one its dtype cannot hold equals no entry: a mistake, not a no-op)
+        low, high = int(ns.iinfo(ids.dtype).min), int(ns.iinfo(ids.dtype).max)
+        if not low <= ignore <= high:
+            raise ValueError(f"ignore_index: expected an int that the {dtype_name(ids.dtype)} of "
+                             f"{name} holds, in [{low}, {high}], got {ignore}")
     if math.prod(shape_of(ids)):
         whole = without_empty_chunks(ids)  # dask's min and max fail on chunks of length 0
+        if ignore is not None:  # the ignored entries read as 0, in range
+            whole = ns.where(whole == ignore, ns.zeros_like(whole), whole)
         lo, hi = int(ns.min(whole)), int(ns.max(whole))
         if lo < 0 or hi >= n:
-            raise ValueError(f"{name}: expected {what} in [0, {n}), got values in [{lo}, {hi}]")
+            if ignore is None:
+                raise ValueError(f"{name}: expected {what} in [0, {n}), got values in [{lo}, {hi}]")
+            raise ValueError(f"{name}: expected {what} in [0, {n}) or ignore_index = {ignore}, "
+                             f"got others in [{lo}, {hi}]")
 
 
 def check_cache(name: str, cache: Any, cls: type, producer: str) -> None:

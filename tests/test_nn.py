@@ -195,6 +195,74 @@ def test_cross_entropy_averages_over_every_leading_axis(xp, to_xp, to_np):
     np.testing.assert_allclose(dz, (p - np.eye(5)[t]) / 6.0, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("ignore", [2, -100])
+def test_cross_entropy_ignore_index_leaves_positions_out(xp, to_xp, to_np, ignore):
+    """Positions whose target is ignore_index (2: a class id, here a padding token's; -100:
+    torch's default, outside [0, V)) add nothing: the loss is the mean over the other
+    positions alone, their dlogits = dloss (p - one_hot) / N_kept, and the ignored rows get
+    exactly zero (with 2 in range, its one-hot row would otherwise count)."""
+    rng = np.random.default_rng(21)
+    z = 2.0 * rng.standard_normal((2, 3, 5))
+    t = np.array([[0, 2, 1], [2, 4, 3]]) if ignore == 2 else np.array([[0, -100, 1], [-100, 4, 3]])
+    kept = (t != ignore).reshape(6)
+    zk, tk = z.reshape(6, 5)[kept], t.reshape(6)[kept]  # the 4 positions that count
+    loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t), ignore_index=ignore)
+    assert float(loss) == pytest.approx(math.fsum(_direct_cross_entropy(zk, tk)) / 4.0, rel=1e-12)
+    dloss = 1.3
+    dz = to_np(nn.cross_entropy_backward(dloss, cache)[0]).reshape(6, 5)
+    p = np.exp(zk) / np.exp(zk).sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(dz[kept], dloss * (p - np.eye(5)[tk]) / 4.0, rtol=1e-12, atol=1e-15)
+    assert np.all(dz[~kept] == 0.0)
+    report = gradcheck(lambda logits: nn.cross_entropy_forward(logits, to_xp(t), ignore_index=ignore),
+                       lambda d, c: nn.cross_entropy_backward(d, c)[0], [to_xp(z)], names=["logits"])
+    assert report.ok, str(report)
+
+
+def test_cross_entropy_ignore_index_matches_torch():
+    """torch.nn.functional.cross_entropy(..., ignore_index=-100) on the flattened (B * L, V)
+    logits: loss and dlogits for an upstream gradient other than 1."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(22)
+    z = rng.standard_normal((3, 4, 6))
+    t = rng.integers(0, 6, size=(3, 4))
+    t[rng.random((3, 4)) < 0.4] = -100
+    t[0, 0] = 1  # at least one target counts
+    zt = torch.tensor(z, requires_grad=True)
+    lt = torch.nn.functional.cross_entropy(zt.reshape(-1, 6), torch.tensor(t).reshape(-1),
+                                           ignore_index=-100)
+    lt.backward(torch.tensor(0.7, dtype=torch.float64))
+    loss, cache = nn.cross_entropy_forward(z, t, ignore_index=-100)
+    assert float(loss) == pytest.approx(lt.item(), rel=1e-13)
+    np.testing.assert_allclose(nn.cross_entropy_backward(0.7, cache)[0], zt.grad.numpy(),
+                               rtol=1e-12, atol=1e-16)
+
+
+def test_cross_entropy_ignore_index_is_checked_before_computing():
+    """ignore_index None or an int its targets' dtype holds; other targets in [0, V); at
+    least one target not ignored (torch gives NaN); each a TypeError / ValueError naming
+    the argument, the targets unchanged. Without ignore_index, -100 is out of range."""
+    rng = np.random.default_rng(23)
+    z, t = rng.standard_normal((2, 3, 5)), np.array([[0, -100, 1], [2, 4, -100]])
+    for bad in (True, 1.0, "x", np.float64(2.0)):
+        with raises(TypeError, "ignore_index", "expected None or an int", type(bad).__name__):
+            nn.cross_entropy_forward(z, t, ignore_index=bad)
+    for kwargs, tgt, words in (
+            ({}, t, ("targets", "class indices in [0, 5)", "[-100, 4]")),
+            (dict(ignore_index=-1), t, ("targets", "[0, 5) or ignore_index = -1", "others in [-100, 4]")),
+            (dict(ignore_index=-100), np.where(t == 4, 5, t),
+             ("targets", "or ignore_index = -100", "[0, 5]")),
+            (dict(ignore_index=-100), np.full((2, 3), -100), ("targets", "at least one target", "-100")),
+            (dict(ignore_index=2**40), t.astype(np.int32),
+             ("ignore_index", "int32 of targets", "1099511627776"))):
+        before = tgt.copy()
+        with raises(ValueError, *words):
+            nn.cross_entropy_forward(z, tgt, **kwargs)
+        np.testing.assert_array_equal(tgt, before)
+    loss, _ = nn.cross_entropy_forward(z, t, ignore_index=np.int16(-100))  # a NumPy int is an int
+    assert float(loss) == pytest.approx(float(nn.cross_entropy_forward(z[t != -100], t[t != -100])[0]),
+                                        rel=1e-14)
+
+
 def _adam_reference(w, grads, lr, b1, b2, eps):
     """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1."""
     w = [float(v) for v in w]
