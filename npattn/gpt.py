@@ -347,22 +347,33 @@ class GPT(BlockStack):
         self.grads = {k: grads[k] for k in self.params}
         return self.grads
 
-    def loss(self, ids: Any, targets: Any, **kwargs) -> tuple[float, Any]:
+    def loss(self, ids: Any, targets: Any, *, ignore_index: Optional[int] = None,
+             **kwargs) -> tuple[float, Any]:
         """Forward and mean cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``.
 
-        ``kwargs`` go to ``forward`` (``dropout_masks``, ``kv_caches``)."""
+        ``ignore_index``: positions whose target equals it (padding) are left out of the mean
+        and get zero ``dlogits`` (``nn.cross_entropy_forward``'s; torch's argument, whose
+        default there is -100; here None, every target counts). ``kwargs`` go to ``forward``
+        (``dropout_masks``, ``kv_caches``)."""
         self._check_ids("ids", ids, 0)
-        self._check_targets(targets, V.shape_of(ids))  # before the forward: a failed call changes nothing
+        # before the forward: a failed call changes nothing
+        self._check_targets(targets, V.shape_of(ids), ignore_index)
         logits = self.forward(ids, **kwargs)
-        loss, ce_c = nn.cross_entropy_forward(logits, targets)  # 6.
+        loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index)  # 6.
         dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
         return float(loss), dlogits
 
-    def _check_targets(self, targets: Any, shape: tuple) -> None:
-        V.check_ids("targets", targets, self.vocab_size, self.xp, self._device(), what="token ids")
+    def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None) -> None:
+        nn.check_ignore_index(ignore_index)
+        ignore_index = None if ignore_index is None else int(ignore_index)
+        V.check_ids("targets", targets, self.vocab_size, self.xp, self._device(), what="token ids",
+                    ignore=ignore_index)
         if V.shape_of(targets) != tuple(shape):
             raise ValueError(f"targets: expected shape {tuple(shape)} (that of ids), got "
                              f"{V.shape_of(targets)}")
+        if ignore_index is not None and not bool(self.xp.any(targets != ignore_index)):
+            raise ValueError(f"targets: expected at least one target other than ignore_index = "
+                             f"{ignore_index}, got only {ignore_index}s")
 
     # ----------------------------------------------------------- torch interop
 
@@ -583,11 +594,12 @@ def check_training_options(model: GPT, state: Any, *, lr: Any, max_grad_norm: An
 def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr: float,
                   max_grad_norm: Optional[float] = 1.0, betas: tuple[float, float] = (0.9, 0.999),
                   eps: float = 1e-8, weight_decay: float = 0.0,
-                  dropout_masks: Optional[Sequence] = None) -> tuple[float, float, nn.AdamState]:
+                  dropout_masks: Optional[Sequence] = None,
+                  ignore_index: Optional[int] = None) -> tuple[float, float, nn.AdamState]:
     """One training step: forward, loss, backward, clipping, Adam; returns ``(loss, grad_norm, state)``.
 
     ``ids`` and ``targets`` (B, L) are token ids and the next tokens
-    (``GPT.loss``); ``dropout_masks`` as ``GPT.forward``'s. ``state`` from
+    (``GPT.loss``, as its ``ignore_index``); ``dropout_masks`` as ``GPT.forward``'s. ``state`` from
     ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
@@ -603,7 +615,7 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     before = (model._cache, model._rng.bit_generator.state, model.grads,
               [(b.forward_state(), b.backward_state()) for b in model.blocks])
     try:
-        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks)
+        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks, ignore_index=ignore_index)
         grads = model.backward(dlogits)
         if max_grad_norm is not None:
             grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))

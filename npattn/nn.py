@@ -34,6 +34,7 @@ __all__ = [
     "sinusoidal_positions",
     "cross_entropy_forward",
     "cross_entropy_backward",
+    "check_ignore_index",
     "AdamState",
     "adam_init",
     "adam_step",
@@ -232,6 +233,14 @@ class CrossEntropyCache(NamedTuple):
     counted: Any = None  #: [..., 1] 1 where the target counts, 0 where ignored; None: all count
 
 
+def check_ignore_index(ignore_index: Any) -> None:
+    """``TypeError`` unless ``ignore_index`` is None or an int (not a bool)."""
+    if ignore_index is not None and (isinstance(ignore_index, bool)
+                                     or not isinstance(ignore_index, numbers.Integral)):
+        raise TypeError(f"ignore_index: expected None or an int, got {Vd.type_name(ignore_index)} "
+                        f"{ignore_index!r}")
+
+
 def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[int] = None
                           ) -> tuple[Any, CrossEntropyCache]:
     """Mean softmax cross-entropy, ``loss = -mean_n log softmax(logits_n)[t_n]``.
@@ -276,10 +285,7 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
         raise ValueError(f"logits: expected at least one position (leading axes of nonzero "
                          f"length), got shape {Vd.shape_of(logits)}")
     xp = namespace(logits)
-    if ignore_index is not None and (isinstance(ignore_index, bool)
-                                     or not isinstance(ignore_index, numbers.Integral)):
-        raise TypeError(f"ignore_index: expected None or an int, got {Vd.type_name(ignore_index)} "
-                        f"{ignore_index!r}")
+    check_ignore_index(ignore_index)
     ignore = None if ignore_index is None else int(ignore_index)
     Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
                  like="logits", ignore=ignore)

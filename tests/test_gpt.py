@@ -124,12 +124,43 @@ def test_loss_gradient_is_the_cross_entropy_of_the_logits(xp, to_xp):
     np.testing.assert_allclose(to_numpy(dlogits), p / (B * L), rtol=0, atol=1e-15)
 
 
+def test_loss_with_ignore_index_leaves_padding_out(xp, to_xp):
+    """Targets of -100 (torch's padding value) with ignore_index=-100: the loss is the mean
+    over the other positions and their dlogits (p - one_hot) / N_kept; padded positions get
+    dlogits of exactly 0. A call whose targets are all ignored, or an ignore_index of
+    another type, fails before the forward."""
+    model = perturbed(make(xp), to_xp)
+    ids, tgt = ids_of(2), ids_of(3)
+    tgt[0, -2:] = -100
+    tgt[1, 0] = -100
+    kept = tgt != -100
+    loss, dlogits = model.loss(to_xp(ids), to_xp(tgt), ignore_index=-100)
+    logits = to_numpy(model.forward(to_xp(ids)))
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # independent: float64 on the host
+    picked = np.take_along_axis(logp, np.where(kept, tgt, 0)[..., None], -1)[..., 0]
+    assert abs(loss - (-picked[kept].sum() / kept.sum())) < 1e-12
+    p = np.exp(logp)
+    p[kept] -= np.eye(VOCAB)[tgt[kept]]
+    d = to_numpy(dlogits)
+    np.testing.assert_allclose(d[kept], p[kept] / kept.sum(), rtol=0, atol=1e-15)
+    assert np.all(d[~kept] == 0.0)
+    with pytest.raises(ValueError, match=r"^targets: expected at least one target other than ignore_index"):
+        model.loss(to_xp(ids), to_xp(np.full_like(tgt, -100)), ignore_index=-100)
+    with pytest.raises(ValueError, match=r"^targets: expected token ids in \[0, \d+\) or ignore_index = -1"):
+        model.loss(to_xp(ids), to_xp(tgt), ignore_index=-1)
+    with pytest.raises(TypeError, match=r"^ignore_index: expected None or an int, got bool"):
+        model.loss(to_xp(ids), to_xp(tgt), ignore_index=True)
+
+
 # ------------------------------------------------------------------ torch parity
 
 
-@pytest.mark.parametrize("weight_decay, eps", [(0.0, 1e-8), (0.1, 1e-3)])
-def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps):
-    """torch.optim.Adam's weight_decay is the same L2 penalty as nn.adam_step's."""
+@pytest.mark.parametrize("weight_decay, eps, pad", [(0.0, 1e-8, False), (0.1, 1e-3, False),
+                                                    (0.0, 1e-8, True)])
+def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps, pad):
+    """torch.optim.Adam's weight_decay is the same L2 penalty as nn.adam_step's; with
+    ``pad``, some targets are -100 and both losses take ignore_index=-100."""
     torch = pytest.importorskip("torch")
     model = perturbed(make(), lambda a: a)
     tmodel = model.to_torch()
@@ -139,17 +170,19 @@ def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps
              "ln_f.bias": tmodel.ln_f.bias}
     for step in range(3):
         ids, tgt = ids_of(10 + step), ids_of(20 + step)
+        if pad:
+            tgt[step % B, step + 1:] = -100
         opt.zero_grad()
         logits_t = tmodel(torch.from_numpy(ids))
         loss_t = torch.nn.functional.cross_entropy(logits_t.reshape(-1, VOCAB),
-                                                   torch.from_numpy(tgt).reshape(-1))
+                                                   torch.from_numpy(tgt).reshape(-1), ignore_index=-100)
         loss_t.backward()
         norm_t = torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 0.5)  # clips: the norm is larger
         grads_t = {k: v.grad.detach().clone().numpy() for k, v in named.items()}  # clipped
         opt.step()
         np.testing.assert_allclose(model.forward(ids), logits_t.detach().numpy(), rtol=0, atol=1e-10)
         loss, norm, state = training_step(model, state, ids, tgt, lr=0.01, max_grad_norm=0.5, eps=eps,
-                                          weight_decay=weight_decay)
+                                          weight_decay=weight_decay, ignore_index=-100 if pad else None)
         assert abs(loss - float(loss_t.detach())) < 1e-10
         assert abs(norm - float(norm_t)) < 1e-10 and norm > 0.5
         clipped = nn.clip_grad_norm(model.grads, 0.5)[0]
