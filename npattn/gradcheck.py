@@ -636,10 +636,14 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     parameters, the cache of its last forward, ``grads``, ``dmask`` and its
     dropout generator (``MultiHeadAttention.preserve_state``).
 
+    Self-attention, ``query is key is value`` (one array passed three times), is checked as
+    the module runs it, through its one-GEMM projection: one input ``x`` whose gradient is
+    ``dquery + dkey + dvalue``.
+
     Returns
     -------
-    GradcheckReport with entries ``query``, ``key``, ``value`` and one per
-    parameter name.
+    GradcheckReport with entries ``query``, ``key``, ``value`` (``x`` alone for
+    self-attention) and one per parameter name.
     """
     params: Any = getattr(module, "params", None)
     if not (callable(getattr(module, "backward", None)) and callable(module)
@@ -675,22 +679,28 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
                              f"got {V.shape_of(dout)}")
     pnames = list(module.params)
     start = dict(module.params)
+    # one array as query, key and value: perturbed once, so the forward sees x three times
+    acts, anames = ([query], ["x"]) if query is key and key is value else (
+        [query, key, value], ["query", "key", "value"])
 
-    def forward(q, k, v, *params):
-        for name, p in zip(pnames, params):
+    def forward(*args):
+        n = len(acts)
+        for name, p in zip(pnames, args[n:]):
             module.params[name] = p
+        q, k, v = args[:n] * (3 // n)  # (x, x, x) or (query, key, value)
         out, _ = module.forward(q, k, v, **fk)
         return out, None
 
     def backward(dout, _cache):
         dq, dk, dv = module.backward(dout)
-        return (dq, dk, dv, *[module.grads[name] for name in pnames])
+        dacts = (dq + dk + dv,) if len(acts) == 1 else (dq, dk, dv)
+        return (*dacts, *[module.grads[name] for name in pnames])
 
     with module.preserve_state():
         return gradcheck(
             forward,
             backward,
-            [query, key, value, *[start[n] for n in pnames]],
-            names=["query", "key", "value", *pnames],
+            [*acts, *[start[n] for n in pnames]],
+            names=[*anames, *pnames],
             **check_kwargs,
         )

@@ -550,6 +550,38 @@ def test_gradcheck_module_names_key_and_value_by_their_own_gradients():
     np.testing.assert_allclose(report["value"].scale, np.max(np.abs(dv)), rtol=1e-6)
 
 
+def test_gradcheck_module_checks_self_attention_through_its_one_gemm_path(monkeypatch):
+    """gradcheck_module(m, x, x, x): one input x whose gradient is dquery + dkey + dvalue, run
+    through the module's one-GEMM projection (a (3 D, D) weight reaches linear_forward). It
+    perturbed three copies of x, which never took that path: a forward of it gone wrong (its
+    output 1 % off, the backward unchanged) passed; now it fails."""
+    from npattn import attention as A
+
+    rng = np.random.default_rng(9)
+    D = 4
+    mha = MultiHeadAttention(D, 2, dtype="float64", seed=3)
+    mha.params = {n: a + 0.3 * rng.standard_normal(a.shape) for n, a in mha.params.items()}
+    x = rng.standard_normal((2, 3, D))
+    original, widths = A.linear_forward, []
+
+    def recording(inp, w, b=None):
+        widths.append(int(w.shape[0]))
+        return original(inp, w, b)
+
+    monkeypatch.setattr(A, "linear_forward", recording)
+    report = gradcheck_module(mha, x, x, x, forward_kwargs=dict(is_causal=True), mode="full")
+    assert report.ok, str(report)
+    assert [r.name for r in report.inputs] == ["x", *mha.params] and 3 * D in widths
+
+    def off(inp, w, b=None):  # the fused projection's output 1 % off
+        out, cache = original(inp, w, b)
+        return (out * 1.01 if w.shape[0] == 3 * D else out), cache
+
+    monkeypatch.setattr(A, "linear_forward", off)
+    assert not gradcheck_module(mha, x, x, x, forward_kwargs=dict(is_causal=True), mode="full").ok
+    assert gradcheck_module(mha, x, x.copy(), x.copy(), mode="full").ok  # three arrays: not that path
+
+
 def test_an_object_array_dout_is_refused_by_name():
     """dout of dtype object holds Python objects, not a gradient: each checker names dout (it
     was a bare "ufunc 'isnan' not supported" from gradcheck, and taken by the other two)."""
