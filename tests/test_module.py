@@ -368,8 +368,8 @@ def test_query_as_key_with_another_value_projects_the_value():
 def test_self_attention_gradients_against_central_differences():
     """forward(x, x, x) (the one-GEMM path): d/dx is dquery + dkey + dvalue, and every
     parameter's gradient, biases of the fused projection included, matches central
-    differences with a random upstream gradient (random nonzero parameters; gradcheck_module
-    perturbs query, key and value as separate arrays, so it never takes this path)."""
+    differences with a random upstream gradient (random nonzero parameters; written out here,
+    independent of gradcheck_module, which takes this path too for one array passed thrice)."""
     B, L, D, H = 2, 3, 4, 2
     mha = MultiHeadAttention(D, H, dtype="float64", seed=8)
     rng = np.random.default_rng(8)
