@@ -39,7 +39,11 @@ or check on rescaled inputs. At a kink (``relu`` at 0) the central
 difference averages the two sides and the check fails there.
 
 The arguments are checked before anything runs, and a check of nothing (no
-floating input, ``wrt=[]``) is refused rather than passed.
+floating input, ``wrt=[]``) is refused rather than passed. The function is
+evaluated twice at the inputs before any difference: a function whose two
+outputs there differ by more than ``eps * rtol`` of the output's scale (dropout
+drawn afresh on each call, say) is refused with a ``ValueError``, since such a
+change would read as a wrong gradient.
 """
 
 from __future__ import annotations
@@ -378,8 +382,9 @@ def check_vjp(
             _real(f"grads[{i}]", grads[i], "that of a real input")
     rng = np.random.default_rng(seed)
     ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
+    out = ev.output(ev.host)
+    _check_deterministic("f", out, ev.output(ev.host), eps=float(eps), rtol=float(rtol))
     if atol is None:
-        out = ev.output(ev.host)
         if out.shape != ev.dout.shape:  # no broadcast: dout is the output's gradient
             raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
                              f"got {ev.dout.shape}")
@@ -412,6 +417,28 @@ def check_vjp(
                 worst_abs, worst_rel, worst_scale = err, rel, scale
         report.inputs.append(InputReport(names[i], worst_abs, worst_rel, worst_scale, passed))
     return report
+
+
+def _check_deterministic(who: str, first: Any, again: Any, *, eps: float, rtol: float) -> None:
+    """``ValueError`` unless two evaluations at the same inputs agree. A change ``d`` of the
+    output between evaluations moves a central difference by ``d / (2 eps)``: past
+    ``eps * rtol`` of the output's scale it would read as a wrong gradient, when the forward
+    draws fresh randomness (dropout without a fixed keep-mask, say) and has none."""
+    a, b = _host64(first), _host64(again)
+    if a.shape != b.shape:
+        raise ValueError(f"{who}: expected the same output for the same inputs, got shape {b.shape} "
+                         f"after {a.shape}")
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    if same.all():
+        return
+    d = np.abs(a - b)[~same]  # NaN where one of the two is NaN
+    change = float(np.max(np.where(np.isnan(d), np.inf, d)))
+    scale = float(np.max(np.abs(a[np.isfinite(a)]), initial=1.0))
+    if change > eps * rtol * scale:
+        raise ValueError(
+            f"{who}: expected the same output for the same inputs (finite differences need a "
+            f"deterministic function), got two evaluations {change:.3g} apart (output scale "
+            f"{scale:.3g}): fix its randomness, e.g. pass a fixed dropout keep-mask")
 
 
 def _rounding_floor(out, dout, eps: float) -> float:
@@ -510,8 +537,9 @@ def gradcheck(
         array, or ``backward`` a real array for a checked input.
     ValueError
         ``backward`` returned fewer gradients than the inputs it must cover,
-        None for a checked input, or a gradient of another shape than its input
-        (each found before any difference is taken).
+        None for a checked input, or a gradient of another shape than its input;
+        or two forwards at the inputs gave other outputs (each found before any
+        difference is taken).
 
     Examples
     --------
@@ -538,6 +566,8 @@ def gradcheck(
     labels = [f"inputs[{i}] ({name})" for i, name in enumerate(names)]
     _check_untouched("forward", "its arguments", ev_inputs, before, labels)
     _real_output("forward", out)
+    first, (out, cache) = out, _forward_pair(forward(*ev_inputs))  # the second evaluation's pair
+    _check_deterministic("forward", first, _real_output("forward", out), eps=float(eps), rtol=float(rtol))
     rng = np.random.default_rng(seed)
     if dout is None:
         dout_host = rng.standard_normal(tuple(out.shape))  # [*out.shape]

@@ -316,7 +316,7 @@ def test_a_complex_output_or_gradient_is_refused_not_cut_to_its_real_part():
             gradcheck(forward, lambda d, a: (2.0 * d * a).T, [x], names=["x"], mode=mode)
         with raises(TypeError, "forward", "real", "complex128"):
             gradcheck(lambda a: (a * a + 1j * a, a), lambda d, a: 2.0 * d * a, [x], mode=mode)
-    assert len(calls) == 4  # the analytic forward only: nothing differenced
+    assert len(calls) == 8  # the analytic forward and its repeat (the same output?) only: nothing differenced
     with raises(TypeError, "grads[0]", "real", "complex128"):
         check_vjp(lambda a: a * a, [x], [2.0 * x + 1j], x)
     for check in (lambda f: check_vjp(f, [x], [2.0 * x], x), lambda f: numerical_vjp(f, [x], x)):
@@ -488,11 +488,12 @@ def test_vjp_mode_fails_when_any_one_of_the_directions_fails(bad_direction):
 
     def f(t):
         calls.append(None)
-        slope = 2.0 if (len(calls) - 1) // 2 == bad_direction else 3.0  # two calls a direction
+        # two calls at x (is f deterministic?), then two calls a direction
+        slope = 2.0 if (len(calls) - 3) // 2 == bad_direction else 3.0
         return slope * t
 
     report = check_vjp(f, [x], [true], dout, n_directions=3, atol=1e-8)
-    assert len(calls) == 6
+    assert len(calls) == 2 + 6
     assert not report.ok
 
 
@@ -580,6 +581,35 @@ def test_gradcheck_module_checks_self_attention_through_its_one_gemm_path(monkey
     monkeypatch.setattr(A, "linear_forward", off)
     assert not gradcheck_module(mha, x, x, x, forward_kwargs=dict(is_causal=True), mode="full").ok
     assert gradcheck_module(mha, x, x.copy(), x.copy(), mode="full").ok  # three arrays: not that path
+
+
+def test_a_forward_that_draws_fresh_randomness_is_refused_by_name():
+    """Dropout drawn from a generator that moves between calls: two evaluations at the same
+    inputs differ, so finite differences of it mean nothing; gradcheck and check_vjp say so
+    (it was a failing report, read as a wrong backward). A change below eps * rtol of the
+    output's scale (1e-12 here) cannot move a central difference past rtol, and passes."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)) for _ in range(3))
+    moving = np.random.default_rng(1)
+    with raises(ValueError, "forward", "same output for the same inputs", "apart"):
+        gradcheck(lambda q, k, v: F.sdpa_forward(q, k, v, dropout_p=0.3, rng=moving), F.sdpa_backward,
+                  [q, k, v])
+    # the same dropout from a seed (the same mask each call) is deterministic, and checks
+    assert gradcheck(lambda q, k, v: F.sdpa_forward(q, k, v, dropout_p=0.3, rng=5), F.sdpa_backward,
+                     [q, k, v]).ok
+    x = rng.standard_normal((3, 4))
+    calls = []
+
+    def wobbly(size):
+        def f(a):  # a * 2 plus +-size on alternate calls
+            calls.append(1)
+            return a * 2.0 + (size if len(calls) % 2 else -size)
+        return f
+
+    with raises(ValueError, "f", "same output for the same inputs", "2e-09 apart"):
+        check_vjp(wobbly(1e-9), [x], [2.0 * np.ones_like(x)], np.ones_like(x), rtol=1e-6)
+    dout = rng.standard_normal((3, 4))
+    assert check_vjp(wobbly(1e-16), [x], [2.0 * dout], dout).ok  # d<2a, dout>/da = 2 dout
 
 
 def test_an_object_array_dout_is_refused_by_name():
