@@ -39,7 +39,7 @@ or check on rescaled inputs. At a kink (``relu`` at 0) the central
 difference averages the two sides and the check fails there.
 
 The arguments are checked before anything runs, and a check of nothing (no
-floating input, ``wrt=[]``) is refused rather than passed. The function is
+floating input, ``wrt=[]``, only inputs without entries) is refused rather than passed. The function is
 evaluated twice at the inputs before any difference: a function whose two
 outputs there differ by more than ``eps * rtol`` of the output's scale (dropout
 drawn afresh on each call, say) is refused with a ``ValueError``, since such a
@@ -261,7 +261,7 @@ def numerical_vjp(f: Callable, inputs: Sequence, dout: Any, *, eps: float = 1e-6
     list of NumPy float64 arrays (None for inputs not in ``wrt``), each of its
     input's shape. Costs two evaluations of ``f`` per entry.
     """
-    wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=0.0, atol=None, wrt=wrt)
+    wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=0.0, atol=None, wrt=wrt, checking=False)
     ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
     grads = [None] * len(inputs)
     for i in wrt:
@@ -287,10 +287,12 @@ def _default_wrt(inputs):
 
 
 def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any,
-                 n_directions: Any = 1, seed: Any = 0, wrt: Any = None) -> list:
+                 n_directions: Any = 1, seed: Any = 0, wrt: Any = None, checking: bool = True) -> list:
     """The arguments shared by the checks, before anything runs: a ``TypeError`` /
     ``ValueError`` naming the argument. Returns the indices of the inputs to check, at
-    least one (a check of nothing would pass whatever the gradients)."""
+    least one, and with ``checking`` (not for ``numerical_vjp``, whose differences of an
+    empty input are just empty) one with entries: a check of nothing would pass whatever
+    the gradients."""
     for name, fn in functions.items():
         if not callable(fn):
             raise TypeError(f"{name}: expected a callable, got {V.type_name(fn)}")
@@ -315,7 +317,7 @@ def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any
         if not floating:
             raise ValueError("inputs: expected at least one floating array to check, got none "
                              f"among {len(inputs)} input{'s' if len(inputs) != 1 else ''}")
-        return floating
+        return _with_entries(inputs, floating) if checking else floating
     if isinstance(wrt, (str, bytes)) or not hasattr(wrt, "__iter__"):
         raise TypeError(f"wrt: expected a sequence of input indices, got {V.type_name(wrt)}")
     wrt = list(wrt)
@@ -327,6 +329,17 @@ def _checked_wrt(functions: dict, inputs: Any, *, eps: Any, rtol: Any, atol: Any
     for i in wrt:
         if i >= len(inputs) or i not in floating:
             raise ValueError(f"wrt: expected indices of floating array inputs {floating}, got {i}")
+    return _with_entries(inputs, wrt) if checking else wrt
+
+
+def _with_entries(inputs: Any, wrt: list) -> list:
+    """``wrt``, unless every input it names is empty: a check of no entries would pass
+    whatever the gradients (a ``ValueError``)."""
+    shapes = [V.shape_of(inputs[i]) for i in wrt]
+    if all(math.prod(shape) == 0 for shape in shapes):
+        raise ValueError(f"inputs: expected a checked input with at least one entry (a check of "
+                         f"no entries passes whatever the gradients), got shapes "
+                         f"{', '.join(str(sh) for sh in shapes)}")
     return wrt
 
 

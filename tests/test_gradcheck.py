@@ -612,6 +612,29 @@ def test_a_forward_that_draws_fresh_randomness_is_refused_by_name():
     assert check_vjp(wobbly(1e-16), [x], [2.0 * dout], dout).ok  # d<2a, dout>/da = 2 dout
 
 
+def test_a_check_of_empty_inputs_only_is_refused():
+    """Inputs with no entries have no differences to compare: a gradient 5x where 2x is right
+    passed, for gradcheck and check_vjp alike. Refused when every checked input is empty; an
+    empty input beside one with entries is checked (the other is), and numerical_vjp of an
+    empty input is an empty gradient."""
+    empty, x = np.zeros((0, 3)), np.random.default_rng(0).standard_normal((2, 3))
+    for mode in ("full", "vjp"):
+        with raises(ValueError, "inputs", "at least one entry", "(0, 3)"):
+            gradcheck(lambda a: (2.0 * a, None), lambda d, c: 5.0 * d, [empty], mode=mode)
+    with raises(ValueError, "inputs", "at least one entry", "(0, 3)"):
+        check_vjp(lambda a: 2.0 * a, [empty], [5.0 * empty], empty)
+    with raises(ValueError, "inputs", "at least one entry", "(0, 3), (0, 3)"):
+        gradcheck(lambda a, b: (a + b, None), lambda d, c: (d, d), [empty, empty])
+
+    def forward(a, b):  # [0, 3], [2, 3] -> [2, 3]
+        return 2.0 * b + a.sum(), None
+
+    report = gradcheck(forward, lambda d, c: (np.zeros((0, 3)), 2.0 * d), [empty, x], names=["a", "b"])
+    assert report.ok and report["b"].scale > 0.0
+    assert not gradcheck(forward, lambda d, c: (np.zeros((0, 3)), 5.0 * d), [empty, x]).ok
+    assert numerical_vjp(lambda a: 2.0 * a, [empty], empty)[0].shape == (0, 3)
+
+
 def test_an_object_array_dout_is_refused_by_name():
     """dout of dtype object holds Python objects, not a gradient: each checker names dout (it
     was a bare "ufunc 'isnan' not supported" from gradcheck, and taken by the other two)."""
