@@ -39,11 +39,12 @@ or check on rescaled inputs. At a kink (``relu`` at 0) the central
 difference averages the two sides and the check fails there.
 
 The arguments are checked before anything runs, and a check of nothing (no
-floating input, ``wrt=[]``, only inputs without entries) is refused rather than passed. The function is
-evaluated twice at the inputs before any difference: a function whose two
-outputs there differ by more than ``eps * rtol`` of the output's scale (dropout
-drawn afresh on each call, say) is refused with a ``ValueError``, since such a
-change would read as a wrong gradient.
+floating input, ``wrt=[]``, only inputs without entries) is refused rather
+than passed. The function is evaluated twice at the inputs before any
+difference: a function whose two outputs there differ by more than
+``eps * rtol`` of the output's scale (dropout drawn afresh on each call, say)
+is refused with a ``ValueError``, since such a change would read as a wrong
+gradient.
 """
 
 from __future__ import annotations
