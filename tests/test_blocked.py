@@ -600,3 +600,27 @@ def test_blocked_gqa_module_passes_finite_differences(backend, to_xp):
     y = to_xp(rng.standard_normal((2, 5, 8)))
     report = gradcheck_module(mha, x, y, y, forward_kwargs=dict(is_causal=True), mode="vjp")
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True, align="bottom_right"), dict(window=(1, 0))],
+                         ids=["causal-bottom-right", "window-top-left"])
+def test_gqa_query_block_that_meets_no_key_block(kw, xp, to_xp, to_np):
+    """Grouped-query attention (Hkv = 2 K/V heads, G = 3 query heads each) where whole query
+    blocks attend nothing: bottom-right causal with Lq > Lk leaves rows 0..2 without keys, a
+    top-left window (1, 0) rows 5..6. Every key block of those query blocks is skipped; their
+    rows are zero and out and the gradients are the reference's."""
+    rng = np.random.default_rng(21)
+    B, Hkv, G, Lq, Lk, Dh, Dv = 2, 2, 3, 7, 4, 3, 2
+    q = to_xp(rng.standard_normal((B, Hkv * G, Lq, Dh)))  # [B, Hq, Lq, Dh]
+    k = to_xp(rng.standard_normal((B, Hkv, Lk, Dh)))  # [B, Hkv, Lk, Dh]
+    v = to_xp(rng.standard_normal((B, Hkv, Lk, Dv)))  # [B, Hkv, Lk, Dv]
+    dout = to_xp(rng.standard_normal((B, Hkv * G, Lq, Dv)))  # [B, Hq, Lq, Dv]
+    out_b, cache_b = Bk.sdpa_blocked_forward(q, k, v, enable_gqa=True, block_q=2, block_k=2, **kw)
+    out_r, cache_r = F.sdpa_forward(q, k, v, enable_gqa=True, **kw)
+    # the rows with no key: by hand from the offset j <= i + (Lk - Lq) or j >= i - 1
+    empty = [0, 1, 2] if kw.get("is_causal") else [5, 6]
+    assert np.all(to_np(out_b)[:, :, empty] == 0.0)
+    assert_close(out_b, out_r, to_np, "out")
+    for name, gb, gr in zip(("dq", "dk", "dv"), Bk.sdpa_blocked_backward(dout, cache_b),
+                            F.sdpa_backward(dout, cache_r)):
+        assert_close(gb, gr, to_np, name)
