@@ -133,6 +133,29 @@ def test_pool_threads_never_change_the_numbers(seed, B, Hkv, G, Lq, Lk, Dv, mask
                                                err_msg=f"{impl} {name}")
 
 
+def test_blocked_half_precision_on_the_pool_keeps_float32_rows(monkeypatch):
+    """float16 inputs on the blocked path's pool: each slice's output and row statistics are
+    float32 (the compute dtype) where the tasks write them, as on one thread, so out and every
+    gradient are bitwise those of one thread (delta = rowsum(dout * out) reads the saved out)."""
+    rng = np.random.default_rng(17)
+    B, H, Lq, Lk, Dh = 2, 3, 7, 6, 4
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float16)
+                     for s in ((B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lk, Dh), (B, H, Lq, Dh)))
+    mask = rng.random((B, 1, Lq, Lk)) > 0.3  # bool: the pool splits (a float mask would not)
+    results = {}
+    for threads in ("1", "2"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        rec = PoolRecorder(monkeypatch)
+        out, cache = blocked.sdpa_blocked_forward(q, k, v, mask=mask, is_causal=True,
+                                                  block_q=3, block_k=4)
+        assert rec.split() == (threads != "1"), rec.calls
+        assert out.dtype == np.float16
+        assert cache.out.dtype == cache.m.dtype == cache.l.dtype == np.float32, threads
+        results[threads] = (out, *blocked.sdpa_blocked_backward(dout, cache)[:3])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["2"], results["1"]):
+        np.testing.assert_array_equal(a, b, err_msg=f"{name}, 2 threads")
+
+
 def _in_layout(a, layout):
     """``a`` (B, H, L, D) with the same values in another memory layout (a view)."""
     if layout == "fortran":  # batch fastest: no unit stride in the last two axes
