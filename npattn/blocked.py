@@ -125,13 +125,6 @@ def _slice_qk(a, i0: int, i1: int, j0: int, j1: int):
     return a[..., rows, cols]
 
 
-def _check_block(name: str, size) -> int:
-    """A block length, returned as a Python int (a NumPy one would wrap in ``i0 + size``)."""
-    if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
-        raise ValueError(f"{name}: expected a positive int, got {size!r}")
-    return int(size)
-
-
 def _grouped_mask(xp, a, ndim: int, G: int):
     """A mask over (..., Hq, Lq, Lk) as a mask over the grouped (..., Hkv, G, Lq, Lk) view."""
     a = _pad_to(xp, a, ndim)  # [..., Hq or 1, Lq or 1, Lk or 1]
@@ -461,8 +454,9 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     xp = namespace(q, k, v, mask, dropout_mask)
     o = F.causal_options(is_causal, options)
     block_q, block_k = default_blocks(block_q, block_k, o.left)
-    block_q = _check_block("block_q", block_q)
-    block_k = _check_block("block_k", block_k)
+    # as Python ints: a NumPy one would do i0 + size in its own dtype and wrap
+    block_q = V.check_positive_int("block_q", block_q)
+    block_k = V.check_positive_int("block_k", block_k)
     G = groups
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     sinks_shape = None if o.sinks is None else (int(o.sinks.shape[-3]),)

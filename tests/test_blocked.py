@@ -487,6 +487,29 @@ def test_bool_block_lengths_are_refused():
             Bk.sdpa_blocked_forward(q, k, k, **{name: True})
 
 
+def test_blocked_cache_checks_block_lengths_as_the_public_entry_does():
+    """``blocked_cache`` (for callers that run the blocked steps on pieces, as npattn.chunked)
+    refuses a bool block length with the public entry's TypeError and a zero with its
+    ValueError, and uses a NumPy int as a Python int: in int8, 100 + np.int8(100) wraps to
+    -56, which would leave query rows 100..149 (and keys 100..149) out of every block."""
+    rng = np.random.default_rng(23)
+    B, H, L, Dh = 1, 2, 150, 2
+    q, k, v, dout = (rng.standard_normal((B, H, L, Dh)) for _ in range(4))
+    kw = dict(mask=None, is_causal=False, scale=None, dropout_p=0.0, dropout_mask=None, groups=1)
+    with pytest.raises(TypeError, match=r"^block_q: expected a positive int, got bool True"):
+        Bk.blocked_cache(q, k, v, block_q=True, **kw)
+    with pytest.raises(ValueError, match=r"^block_k: expected a positive int, got 0"):
+        Bk.blocked_cache(q, k, v, block_k=0, **kw)
+    out_r, cache_r = F.sdpa_forward(q, k, v)
+    _, cache_b = Bk.sdpa_blocked_forward(q, k, v)
+    c = Bk.with_rows(Bk.blocked_cache(q, k, v, block_q=np.int8(100), block_k=np.int8(100), **kw),
+                     *Bk.rows_of(cache_b))
+    assert type(c.block_q) is int and type(c.block_k) is int
+    for name, gb, gr in zip(("dq", "dk", "dv"), Bk.sdpa_blocked_backward(dout, c),
+                            F.sdpa_backward(dout, cache_r)):
+        assert_close(gb, gr, to_np=np.asarray, what=name)
+
+
 def test_isolated_bench_smoke():
     """``npattn bench --isolated`` runs a blocked case in a child process with the block sizes asked for."""
     from npattn.tools.bench import Shape, measure_isolated
