@@ -349,6 +349,21 @@ def test_generator_dropout_is_deterministic_and_matches_dense_with_its_mask(xp, 
     assert report.ok, str(report)
 
 
+def test_blocked_keep_mask_is_none_unless_the_forward_drew_one(xp, to_xp, to_np):
+    """``blocked_keep_mask`` returns the mask a forward drew from its generator, and None for a
+    forward without dropout or with the caller's own ``dropout_mask`` (it drew nothing)."""
+    rng = np.random.default_rng(29)
+    q, k = to_xp(rng.standard_normal((2, 2, 4, 3))), to_xp(rng.standard_normal((2, 2, 5, 3)))
+    keep = to_xp(rng.random((2, 2, 4, 5)) >= 0.5)
+    _, plain = Bk.sdpa_blocked_forward(q, k, k, block_q=3, block_k=2)
+    _, given = Bk.sdpa_blocked_forward(q, k, k, dropout_p=0.5, dropout_mask=keep, block_q=3,
+                                       block_k=2)
+    _, drawn = Bk.sdpa_blocked_forward(q, k, k, dropout_p=0.5, rng=3, block_q=3, block_k=2)
+    assert Bk.blocked_keep_mask(plain) is None
+    assert Bk.blocked_keep_mask(given) is None
+    assert tuple(Bk.blocked_keep_mask(drawn).shape) == (2, 2, 4, 5)
+
+
 @pytest.mark.parametrize("q_lead", [(1, 2), (2,)], ids=["batch-of-1", "no-batch-axis"])
 def test_generator_dropout_over_broadcast_leading_axes_is_the_references(q_lead, xp, to_xp, to_np):
     """q broadcast over the batch (k and v carry it): the keep-mask is drawn over the scores'
