@@ -414,6 +414,28 @@ def test_float16_is_computed_in_float32(xp, to_xp, to_np, backend):
         )
 
 
+def test_float16_softmax_gradient_cancels_in_float32(xp, to_xp, to_np, backend):
+    """Values that share an offset (v = 4 + 0.01 noise) make ``dp - delta`` cancel: both are
+    about ``dout . 4``, their difference hundreds of times smaller. ``delta = rowsum(dout * out)``
+    must use the float32 out the forward saved: from out rounded to float16 (spacing 2^-8 at
+    4) the error of delta is as large as ``dp - delta`` itself. dq, dk and dv are checked
+    against float64 attention of the same float16 values, to float16's rounding."""
+    if not hasattr(xp, "float16"):
+        pytest.skip(f"{backend} has no float16")
+    rng = np.random.default_rng(31)
+    B, H, Lq, Lk, Dh, Dv = 2, 2, 6, 7, 4, 4
+    q, k, dout = (rng.standard_normal(s).astype(np.float16)
+                  for s in ((B, H, Lq, Dh), (B, H, Lk, Dh), (B, H, Lq, Dv)))
+    v = (4.0 + 0.01 * rng.standard_normal((B, H, Lk, Dv))).astype(np.float16)  # [B, H, Lk, Dv]
+    _, cache = Bk.sdpa_blocked_forward(to_xp(q), to_xp(k), to_xp(v), block_q=4, block_k=3)
+    grads = Bk.sdpa_blocked_backward(to_xp(dout), cache)
+    _, c64 = F.sdpa_forward(*(a.astype(np.float64) for a in (q, k, v)))
+    for name, g, g64 in zip(("dq", "dk", "dv"), grads, F.sdpa_backward(dout.astype(np.float64), c64)):
+        assert g.dtype == xp.float16
+        err = np.max(np.abs(to_np(g).astype(np.float64) - g64)) / np.max(np.abs(g64))
+        assert err < 2e-3, f"{name}: relative error {err:.2g}"
+
+
 # --------------------------------------------------------------------------
 # choosing the path, and the module
 
