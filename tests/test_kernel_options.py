@@ -622,7 +622,13 @@ def test_half_precision_sinks_and_slopes(impl):
     (dict(alibi_slopes=np.ones(2, dtype=np.int64)), TypeError, "alibi_slopes: expected a real floating"),
     (dict(sinks=np.ones((2, 2))), ValueError, r"sinks: expected shape \(2,\)"),
     (dict(sinks=np.ones(2, dtype=np.float32)), TypeError, r"sinks: expected dtype float64 \(that of q\)"),
-    (dict(q_segments=np.zeros((2, 4), dtype=np.int64)), ValueError, "packed sequences need both"),
+    (dict(align="Bottom_Right"), ValueError, "align: expected one of"),  # no case folding
+    (dict(q_segments=np.zeros((2, 4), dtype=np.int64)), ValueError,
+     "^q_segments: packed sequences need both q_segments and k_segments, got only q_segments$"),
+    (dict(k_segments=np.zeros((2, 5), dtype=np.int64)), ValueError,
+     "^k_segments: packed sequences need both q_segments and k_segments, got only k_segments$"),
+    (dict(q_segments=np.zeros((2, 4), dtype=bool), k_segments=np.zeros((2, 5), dtype=bool)), TypeError,
+     "q_segments: expected an integer array of segment ids, got dtype bool"),
     (dict(q_segments=np.zeros((2, 4)), k_segments=np.zeros((2, 5))), TypeError, "q_segments: expected an integer"),
     (dict(q_segments=np.zeros((2, 3), dtype=np.int64), k_segments=np.zeros((2, 5), dtype=np.int64)),
      ValueError, r"q_segments: expected shape \(B, 4\)"),
@@ -642,6 +648,29 @@ def test_bad_options_are_named_before_any_computation(kw, err, match, entry):
         fn(q, k, v, **kw)
     for a, b in zip((q, k, v), before):
         np.testing.assert_array_equal(a, b)
+
+
+def test_segments_need_q_k_v_of_four_axes():
+    """Segment ids are (B, L): with a 5-D q (A, B, H, L, Dh) whose lead (A, B, H) ends in a
+    B of their length, they are still refused, not read as one batch axis of several."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 2, 2, n, 3)) for n in (4, 5, 5))
+    seg_q, seg_k = np.zeros((2, 4), dtype=np.int64), np.zeros((2, 5), dtype=np.int64)
+    for fn in (F.sdpa_forward, A.sdpa_forward):
+        with pytest.raises(ValueError, match=r"^q_segments: expected shape \(B, L\) with q, k, v of 4 axes"):
+            fn(q, k, v, q_segments=seg_q, k_segments=seg_k)
+
+
+def test_segment_ids_torch_cannot_compare_name_k_segments():
+    """torch promotes no int64 with uint64 (a RuntimeError of its own): a TypeError naming
+    k_segments, before any computation."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.zeros((2, 2, n, 3), dtype=torch.float64) for n in (4, 5, 5))
+    seg_q = torch.zeros((2, 4), dtype=torch.int64)
+    seg_k = torch.zeros((2, 5), dtype=torch.uint64)
+    with pytest.raises(TypeError, match=r"^k_segments: expected an integer dtype that .* compares with "
+                                        r"q_segments' int64, got uint64$"):
+        F.sdpa_forward(q, k, v, q_segments=seg_q, k_segments=seg_k)
 
 
 def test_dlse_is_checked():
