@@ -795,6 +795,8 @@ FUNCTIONAL_CASES = [
     ("linear x list", lambda: F.linear_forward([[1.0]], _x(2, 1)), TypeError, ("x", "list")),
     ("linear x int", lambda: F.linear_forward(np.ones((2, 3), np.int64), _x(4, 3)), TypeError,
      ("x", "floating", "int64")),
+    ("linear x complex", lambda: F.linear_forward(np.ones((2, 3), np.complex128), _x(4, 3)), TypeError,
+     ("x", "real floating", "complex128")),
     ("linear w dtype", lambda: F.linear_forward(_x(2, 3), _x(4, 3, dtype=np.float32)), TypeError,
      ("w", "float64", "float32")),
     ("linear w 1-D", lambda: F.linear_forward(_x(2, 3), _x(3)), ValueError, ("w", "2-D", "(3,)")),
@@ -847,6 +849,8 @@ FUNCTIONAL_CASES = [
      ValueError, ("mask", "(3, 1)")),
     ("dropout rng", lambda: F.dropout_forward(_x(2, 3), 0.5, rng="seed"), TypeError, ("rng", "str")),
     ("dropout rng < 0", lambda: F.dropout_forward(_x(2, 3), 0.5, rng=-1), ValueError, ("rng", "-1")),
+    ("dropout rng float", lambda: F.dropout_forward(_x(2, 3), 0.5, rng=1.5), TypeError,
+     ("rng", "seed", "float 1.5")),
     ("dropout cache", lambda: F.dropout_backward(_x(2, 3), F.SoftmaxCache(None, None)), TypeError,
      ("cache", "DropoutCache", "SoftmaxCache")),
     ("dropout keep of a cache made by hand", lambda: F.dropout_backward(_x(3, 1), F.DropoutCache(np.ones((3, 4), bool), 2.0)),
@@ -1183,3 +1187,27 @@ def test_a_seed_beyond_the_longest_array_axis_still_seeds():
 
     TransformerBlock(4, 1, seed=2**70)
     TransformerClassifier(2, 3, 2, d_model=4, n_head=1, seed=2**70)
+
+
+def test_a_missing_array_is_called_none():
+    """None where an array belongs is named as the caller wrote it, not as NoneType."""
+    with pytest.raises(TypeError, match=r"^q: expected an array, got None$"):
+        F.sdpa_forward(None, np.ones((2, 3)), np.ones((2, 3)))
+
+
+def test_the_longest_array_axis_itself_is_a_size():
+    """The bound is inclusive: 2**63 - 1 passes the size checks, 2**63 is refused by a
+    public call that takes a size (NumPy has no axis that long)."""
+    from npattn import validation as V
+
+    longest = 2**63 - 1
+    assert V.check_positive_int("n", longest) == longest
+    assert V.check_size("n", longest) == longest
+    with raises(ValueError, "n_extra", str(longest), str(2**63)):
+        F.pad_mask_forward(None, 3, 5, 2**63)
+
+
+def test_a_python_type_numpy_reads_as_a_dtype_is_a_dtype():
+    """dtype=float is NumPy's float64, as np.zeros(..., dtype=float) reads it."""
+    m = MultiHeadAttention(8, 2, dtype=float, backend="numpy")
+    assert all(p.dtype == np.float64 for p in m.params.values())
