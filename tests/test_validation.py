@@ -542,6 +542,32 @@ def test_a_mask_takes_the_batch_that_only_k_and_v_carry():
     np.testing.assert_allclose(out, ref_sdpa(q, k, v, allowed=allowed)[0], rtol=1e-12, atol=1e-12)
 
 
+def test_a_grouped_query_mask_takes_the_batch_that_only_k_and_v_carry():
+    """With enable_gqa, q (1, 4, 3, 4) against k, v (2, 2, 5, .): the scores are
+    (2, 4, 3, 5), and a mask may hold one per batch element; each kv head serves two
+    query heads in turn (k repeated along the heads, as torch's repeat_interleave)."""
+    from reliability_helpers import ref_sdpa
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 4, 3, 4))
+    k, v = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 6))
+    allowed = rng.random((2, 1, 3, 5)) < 0.6
+    allowed[..., 0] = True
+    out, _ = F.sdpa_forward(q, k, v, mask=allowed, enable_gqa=True)
+    want = ref_sdpa(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), allowed=allowed)[0]
+    assert out.shape == (2, 4, 3, 6)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_int_softcap_is_the_float_of_it():
+    """softcap takes any real number > 0, as scale does: 2 caps as 2.0 does."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) * 3.0 for s in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 6)))
+    out_int, _ = F.sdpa_forward(q, k, v, softcap=2)
+    out_float, _ = F.sdpa_forward(q, k, v, softcap=2.0)
+    np.testing.assert_array_equal(out_int, out_float)
+
+
 def test_alibi_slopes_per_batch_follow_the_axis_before_the_heads():
     """q (3, 2, 4, Lq, Dh): the scores lead (3, 2, 4) ends in B=2, H=4, so per-batch slopes
     are (2, 4), each slice of the first axis taking them as a 4-D call does."""
@@ -1125,6 +1151,7 @@ def test_heads_layout_is_that_of_its_docstring():
     assert not V.heads_layout(q, k[:1], v[:1])  # another B
     assert not V.heads_layout(q, k, v[:, :1])  # k and v of other head counts
     assert not V.heads_layout(q[:1], k[:1], v[:1], np.ones((2, 1, 3, 5), bool))  # the mask grows B
+    assert not V.heads_layout(q[:, :1], k[:, :0], v[:, :0])  # no kv head: nothing divides, no ZeroDivisionError
 
 
 @pytest.mark.parametrize(
@@ -1211,3 +1238,16 @@ def test_a_python_type_numpy_reads_as_a_dtype_is_a_dtype():
     """dtype=float is NumPy's float64, as np.zeros(..., dtype=float) reads it."""
     m = MultiHeadAttention(8, 2, dtype=float, backend="numpy")
     assert all(p.dtype == np.float64 for p in m.params.values())
+
+
+def test_scores_lead_refuses_leading_axes_that_do_not_broadcast():
+    """Its docstring's ValueError, with and without grouped-query heads."""
+    from npattn import validation as V
+
+    q, k, v = np.ones((2, 4, 3, 8)), np.ones((3, 2, 5, 8)), np.ones((3, 2, 5, 6))
+    assert V.scores_lead(q, k[:1], v[:1], enable_gqa=True) == (2, 4)
+    with pytest.raises(ValueError, match=r"^q, k, v: expected leading axes that broadcast against "
+                                         r"each other, got shapes \(2, 4, 3, 8\), \(3, 2, 5, 8\)"):
+        V.scores_lead(q, k, v)
+    with pytest.raises(ValueError, match=r"^q, k, v: with enable_gqa the batch axes"):
+        V.scores_lead(q, k, v, enable_gqa=True)
