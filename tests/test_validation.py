@@ -1251,3 +1251,54 @@ def test_scores_lead_refuses_leading_axes_that_do_not_broadcast():
         V.scores_lead(q, k, v)
     with pytest.raises(ValueError, match=r"^q, k, v: with enable_gqa the batch axes"):
         V.scores_lead(q, k, v, enable_gqa=True)
+
+
+def test_arrays_beside_x_on_another_device_are_named():
+    """Weights, upstream gradients, ids and the kernel options' arrays are checked for the
+    device of the array they go with (array_api_strict's second device), not only the
+    library: a ValueError naming each."""
+    aas = pytest.importorskip("array_api_strict")
+    from npattn import nn
+
+    dev = aas.Device("device1")
+
+    def ones(shape, dtype=aas.float64, device=None):
+        return aas.ones(shape, dtype=dtype, device=device)
+
+    x, w = ones((2, 3)), ones((4, 3))
+    q, k, v = ones((2, 2, 3, 4)), ones((2, 2, 5, 4)), ones((2, 2, 5, 4))
+    seg_q, seg_k = ones((2, 3), aas.int64), ones((2, 5), aas.int64)
+    calls = {
+        "w": lambda: F.linear_forward(x, ones((4, 3), device=dev)),
+        "dy": lambda: F.linear_backward(ones((2, 4), device=dev), F.linear_forward(x, w)[1]),
+        "ids": lambda: nn.embedding_forward(aas.asarray([0, 1], device=dev), ones((5, 2))),
+        "alibi_slopes": lambda: F.sdpa_forward(q, k, v, alibi_slopes=ones((2,), device=dev)),
+        "sinks": lambda: F.sdpa_forward(q, k, v, sinks=ones((2,), device=dev)),
+        "k_segments": lambda: F.sdpa_forward(q, k, v, q_segments=seg_q,
+                                             k_segments=ones((2, 5), aas.int64, device=dev)),
+    }
+    for name, call in calls.items():
+        with raises(ValueError, f"{name}: ", "on device", "device1"):
+            call()
+
+
+def test_keys_of_three_axes_against_queries_of_four_take_the_general_path():
+    """q (2, 2, 3, 8) against k, v (2, 2, 8): k's leading axis broadcasts against q's heads
+    (the scores (2, 2, 3, 2)); the dispatcher's default matches the float64 formula."""
+    from npattn import attention as A
+    from npattn import validation as V
+    from reliability_helpers import ref_sdpa
+
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((2, 2, 3, 8)), rng.standard_normal((2, 2, 8)), rng.standard_normal((2, 2, 8))
+    assert not V.heads_layout(q, k, v)  # the kernel takes q, k, v of 4 axes only
+    out, _ = A.sdpa_forward(q, k, v)
+    np.testing.assert_allclose(out, ref_sdpa(q, k, v)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_only_a_3d_mask_gets_the_batch_or_heads_hint():
+    m = make_mha("numpy")
+    q, k, v = inputs(np, 2, 3, 5, 8)
+    with pytest.raises(ValueError, match="mask") as info:
+        m(q, k, v, mask=np.ones((1, 2, 2, 3, 5), dtype=bool))
+    assert "ambiguous" not in str(info.value)
