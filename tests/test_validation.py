@@ -1254,9 +1254,9 @@ def test_scores_lead_refuses_leading_axes_that_do_not_broadcast():
 
 
 def test_arrays_beside_x_on_another_device_are_named():
-    """Weights, upstream gradients, ids and the kernel options' arrays are checked for the
-    device of the array they go with (array_api_strict's second device), not only the
-    library: a ValueError naming each."""
+    """Weights, upstream gradients, ids, a dropout keep-mask and the kernel options' arrays
+    are checked for the device of the array they go with (array_api_strict's second
+    device), not only the library: a ValueError naming each."""
     aas = pytest.importorskip("array_api_strict")
     from npattn import nn
 
@@ -1274,6 +1274,8 @@ def test_arrays_beside_x_on_another_device_are_named():
         "ids": lambda: nn.embedding_forward(aas.asarray([0, 1], device=dev), ones((5, 2))),
         "alibi_slopes": lambda: F.sdpa_forward(q, k, v, alibi_slopes=ones((2,), device=dev)),
         "sinks": lambda: F.sdpa_forward(q, k, v, sinks=ones((2,), device=dev)),
+        "dropout_mask": lambda: F.sdpa_forward(q, k, v, dropout_p=0.5,
+                                               dropout_mask=ones((3, 5), aas.bool, device=dev)),
         "k_segments": lambda: F.sdpa_forward(q, k, v, q_segments=seg_q,
                                              k_segments=ones((2, 5), aas.int64, device=dev)),
     }
