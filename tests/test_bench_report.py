@@ -55,8 +55,11 @@ SHAPE = bench.Shape(2, 3, 4, 2, True)
 SHAPE_FLOPS = 2304 + 432
 
 
-def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory=False, pause=0.0):
-    """``bench.run`` over SHAPE with stand-in steps: npattn 3 calls per sample, torch 2, GEMM 4."""
+def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory=False, pause=0.0,
+             dtype="float32", impl="dense", seen=None):
+    """``bench.run`` over SHAPE with stand-in steps: npattn 3 calls per sample, torch 2, GEMM 4;
+    ``seen`` gets the arguments each stand-in was called with."""
+    seen = {} if seen is None else seen
     clock = Clock()
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep)
     monkeypatch.setattr(bench, "time", fake_time)
@@ -67,21 +70,27 @@ def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory
     numbers = {npattn: 3, torch: 2, gemm: 4}
     monkeypatch.setattr(bench, "autorange", lambda fn, sync, min_time=0.2: numbers[fn])
     module = types.SimpleNamespace(clear_cache=lambda: events.append("clear"))
-    monkeypatch.setattr(bench, "_make_npattn", lambda *a, **k: (module, None, None, npattn))
+    monkeypatch.setattr(bench, "_make_npattn",
+                        lambda *a: seen.__setitem__("_make_npattn", a) or (module, None, None, npattn))
 
     def make_torch(*a):
+        seen["_make_torch"] = a
         if torch_error:
             raise torch_error
         return torch, None
 
     monkeypatch.setattr(bench, "_make_torch", make_torch)
-    monkeypatch.setattr(bench, "_gemm_step", lambda xp, dtype, n: (gemm, GEMM_FLOPS))
-    monkeypatch.setattr(bench, "gemm_gflops", lambda *a, **k: 100.0)
-    monkeypatch.setattr(bench, "_peak_traced_mib", lambda step, sync: events.append("peak") or 7.25)
-    monkeypatch.setattr(bench, "_rss_rise_mib", lambda step, sync: events.append("rss") or 1.5)
+    monkeypatch.setattr(bench, "_gemm_step",
+                        lambda *a: seen.__setitem__("_gemm_step", a) or (gemm, GEMM_FLOPS))
+    monkeypatch.setattr(bench, "gemm_gflops", lambda *a: seen.__setitem__("gemm_gflops", a) or 100.0)
+    monkeypatch.setattr(bench, "_peak_traced_mib",
+                        lambda *a: seen.__setitem__("_peak_traced_mib", a) or events.append("peak") or 7.25)
+    monkeypatch.setattr(bench, "_rss_rise_mib",
+                        lambda *a: seen.__setitem__("_rss_rise_mib", a) or events.append("rss") or 1.5)
     out = io.StringIO()
-    result = bench.run([SHAPE], repeat=6, warmup=warmup, gemm_n=8, torch_compare=torch_side,
-                       memory=memory, pause=pause, min_sample=0.0, out=out, progress=False)
+    result = bench.run([SHAPE], dtype=dtype, impl=impl, repeat=6, warmup=warmup, gemm_n=8,
+                       torch_compare=torch_side, memory=memory, pause=pause, min_sample=0.0, out=out,
+                       progress=False)
     return result, out.getvalue(), events, clock, (npattn, torch)
 
 
@@ -469,3 +478,27 @@ def test_the_traced_peak_is_what_the_step_allocated_in_mib():
 
     peak = bench._peak_traced_mib(step, lambda: None)
     assert 8.0 <= peak < 8.1 and before.size == 2**21
+
+
+# ------------------------------------------------------- figures at their edges, and the plumbing
+
+
+def test_run_refuses_a_dtype_its_backend_lacks_before_it_prints():
+    out = io.StringIO()
+    with pytest.raises(ValueError, match="--dtype float16: the array_api_strict backend has no"):
+        bench.run([SHAPE], dtype="float16", backend="array_api_strict", out=out, progress=False)
+    assert out.getvalue() == ""
+
+
+def test_a_run_times_its_dtype_and_impl_on_every_side(monkeypatch):
+    """The module, torch's step and both GEMMs get the run's dtype; the module its impl;
+    the result says both, with the pause; the memory is read of npattn's step."""
+    seen = {}
+    result, _, _, _, (npattn, torch) = fake_run(monkeypatch, memory=True, pause=0.5,
+                                                 dtype="float64", impl="blocked", seen=seen)
+    assert seen["_make_npattn"][:4] == (SHAPE, "float64", "numpy", "blocked")
+    assert seen["_make_torch"][:2] == (SHAPE, "float64")
+    assert seen["_gemm_step"][1:] == ("float64", 8) and seen["gemm_gflops"][1:3] == ("float64", 8)
+    assert seen["_peak_traced_mib"][0] is npattn and seen["_rss_rise_mib"][0] is npattn
+    assert result["dtype"] == "float64" and result["pause_s"] == 0.5
+    assert result["env"]["impl"] == "blocked"
