@@ -483,6 +483,92 @@ def test_the_traced_peak_is_what_the_step_allocated_in_mib():
 # ------------------------------------------------------- figures at their edges, and the plumbing
 
 
+def test_shapes_are_read_in_either_case():
+    assert bench.parse_shapes("4X1024X768X12C, 1x8x8x2W2D0.5") == (
+        bench.Shape(4, 1024, 768, 12, True), bench.Shape(1, 8, 8, 2, False, 0.5, 2))
+
+
+def test_the_flops_of_a_window_at_its_edges():
+    """w0: each query attends its own key alone, L pairs; a window that reaches back past the
+    first key (w >= L - 1) attends what a causal mask does, 1 + 2 + ... + L = L (L + 1) / 2."""
+    proj = 24.0 * 1 * 8 * 4 * 4  # B=1, L=8, D=4: the projections, as without a window
+    assert bench.flops(bench.Shape(1, 8, 4, 2, False, window=0)) == proj + 12.0 * 8 * 4
+    for w in (7, 100):
+        assert bench.flops(bench.Shape(1, 8, 4, 2, False, window=w)) == proj + 12.0 * 36 * 4
+
+
+def test_the_memory_check_refuses_any_case_that_does_not_fit():
+    """Every case is checked against the memory given, not the first one alone. Float32 on
+    the dense path: 1x4x4x2 holds 6*16 activations, 4*16 weights and 2*4*4 probabilities,
+    192 * 4 = 768 bytes; 1x64x4x2 holds 6*256 + 64 + 2*64*64 = 9792, 39168 bytes."""
+    small, big = bench.parse_shapes("1x4x4x2,1x64x4x2")
+    cases = [(small, "dense"), (big, "dense")]
+    assert bench.memory_refusal(cases, available=39168) is None  # exactly fits
+    why = bench.memory_refusal(cases, available=39167)
+    assert why.startswith("--shapes: expected sizes") and "got 1x64x4x2 (--impl dense)" in why
+    assert bench.memory_refusal(cases[:1], available=768) is None
+    assert "got 1x4x4x2 (--impl dense)" in bench.memory_refusal(cases, available=767)
+
+
+class Device:
+    """A GPU stand-in: a step queues work, ``sync`` waits for it on the clock, and ``sleep``
+    passes on the clock too."""
+
+    def __init__(self, queued=0.0):
+        self.t, self.queued = 0.0, queued
+
+    def perf_counter(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+    def sync(self):
+        self.t, self.queued = self.t + self.queued, 0.0
+
+    def step(self):
+        self.queued += 0.01
+
+
+def test_a_sample_waits_for_the_device_and_not_for_its_pause(monkeypatch):
+    """A sample's time is that of its own steps: their queued work is waited for before the
+    clock stops, work queued before the sample is waited for before it starts, and the rest
+    before a sample (--pause) is not part of it."""
+    device = Device(queued=0.5)  # a previous step's work, still running
+    monkeypatch.setattr(bench, "time", device)
+    assert bench._timed(device.step, device.sync, 4, pause=0.25) == pytest.approx(0.01)
+    assert device.t == pytest.approx(0.5 + 0.25 + 4 * 0.01)
+
+
+def test_autorange_stops_at_its_largest_number(monkeypatch):
+    """A step that takes no time at all gets ``max_number`` calls per sample, not more."""
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    assert bench.autorange(lambda: None, lambda: None, 0.2, max_number=100) == 100
+    assert bench.autorange(lambda: None, lambda: None, 0.2, max_number=7) == 10  # 1, 2, 5, 10
+
+
+def test_the_gemm_step_multiplies_two_matrices_of_the_dtype():
+    for dtype in ("float32", "float64"):
+        step, fl = bench._gemm_step(np, dtype, 3)
+        c = step()
+        assert c.dtype == np.dtype(dtype) and c.shape == (3, 3)
+        assert fl == 2 * 3**3  # 27 multiply-adds
+
+
+def test_the_gemm_is_warmed_up_and_its_samples_autoranged(monkeypatch):
+    """One untimed call, then three samples of the ``autorange`` number of calls each (one
+    call each without ``min_time``); each call takes 0.5 s of 1e9 FLOPs: 2 GFLOP/s."""
+    clock = Clock()
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    step = stepper(clock, [0.5], 1)
+    monkeypatch.setattr(bench, "_gemm_step", lambda xp, dtype, n: (step, 1e9))
+    monkeypatch.setattr(bench, "autorange", lambda fn, sync, min_time: 4)
+    assert bench.gemm_gflops(np, "float32", 8, 1, lambda: None, min_time=0.2) == pytest.approx(2.0)
+    assert step.calls[0] == 1 + 3 * 4
+    assert bench.gemm_gflops(np, "float32", 8, 1, lambda: None) == pytest.approx(2.0)
+    assert step.calls[0] == 13 + 1 + 3
+
+
 def test_run_refuses_a_dtype_its_backend_lacks_before_it_prints():
     out = io.StringIO()
     with pytest.raises(ValueError, match="--dtype float16: the array_api_strict backend has no"):
