@@ -311,23 +311,29 @@ def test_counts_just_past_their_limits_are_usage_errors(argv, message, monkeypat
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text", ["2x5x8x2", "2x5x8x2c", "1x6x8x2w2"])
+@pytest.mark.parametrize("text", ["2x5x8x2", "2x5x8x2c", "1x6x8x2w2", "1x6x8x2cw2"])
 def test_torch_runs_the_same_attention_as_npattn(text):
     """The ratio compares like with like: torch's module holds npattn's weights and masks the
-    same keys (causal, or a window of 2 keys back), so in float64 the weight gradients of one
-    step of each agree."""
+    same keys (causal, a window of 2 keys back, or both), so in float64 the weight and bias
+    gradients of one step of each agree. (The module starts with zero biases: random ones
+    here, so that they count.)"""
     pytest.importorskip("torch")
     (shape,) = bench.parse_shapes(text)
     m, x, dout, step = bench._make_npattn(shape, "float64", "numpy", "dense")
+    rng = np.random.default_rng(3)
+    for name in ("b_q", "b_k", "b_v", "b_o"):
+        m.params[name] = rng.standard_normal(m.params[name].shape)
     tstep, why_not = bench._make_torch(shape, "float64", m, x, dout)
     assert why_not is None
     step()
     tstep()
     mha = inspect.getclosurevars(tstep).nonlocals["mha"]
     D = shape.D
-    w_in = mha.in_proj_weight.grad.detach().numpy()
+    w_in, b_in = mha.in_proj_weight.grad.numpy(), mha.in_proj_bias.grad.numpy()
     for name, got in (("w_q", w_in[:D]), ("w_k", w_in[D:2 * D]), ("w_v", w_in[2 * D:]),
-                      ("w_o", mha.out_proj.weight.grad.detach().numpy())):
+                      ("w_o", mha.out_proj.weight.grad.numpy()), ("b_q", b_in[:D]),
+                      ("b_k", b_in[D:2 * D]), ("b_v", b_in[2 * D:]),
+                      ("b_o", mha.out_proj.bias.grad.numpy())):
         np.testing.assert_allclose(got, np.asarray(m.grads[name]), rtol=1e-10, atol=1e-12,
                                    err_msg=name)
 
@@ -567,6 +573,54 @@ def test_the_gemm_is_warmed_up_and_its_samples_autoranged(monkeypatch):
     assert step.calls[0] == 1 + 3 * 4
     assert bench.gemm_gflops(np, "float32", 8, 1, lambda: None) == pytest.approx(2.0)
     assert step.calls[0] == 13 + 1 + 3
+
+
+def test_the_module_step_runs_the_case_it_is_given():
+    shape = bench.Shape(1, 6, 8, 2, False, window=2)
+    m, x, dout, step = bench._make_npattn(shape, "float64", "array_api_strict", "blocked", 16, 32)
+    assert (m.impl, m.block_q, m.block_k) == ("blocked", 16, 32)
+    assert bench.backend_name(m.xp) == "array_api_strict"
+    assert x.dtype == dout.dtype == m.xp.float64 and x.shape == (1, 6, 8)
+
+
+def test_the_core_step_runs_the_case_it_is_given(monkeypatch):
+    """--scope attention times the core's forward and backward on q, k, v of (B, H, L, D / H),
+    with the shape's mask and the blocks given."""
+    from npattn import attention
+
+    calls = []
+    for name in ("sdpa_forward", "sdpa_backward"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name, **k:
+                            calls.append((_name, a, k)) or _real(*a, **k))
+    shape = bench.Shape(2, 6, 8, 2, True, window=2)
+    xp, step = bench._make_core(shape, "float64", "array_api_strict", "auto", 16, 32)
+    assert bench.backend_name(xp) == "array_api_strict"
+    step()
+    assert [c[0] for c in calls] == ["sdpa_forward", "sdpa_backward"]
+    (_, (q, k, v), kw) = calls[0]
+    assert q.shape == k.shape == v.shape == (2, 2, 6, 4) and q.dtype == xp.float64
+    assert kw["is_causal"] is True and kw["window"] == (2, 0)
+    assert (kw["impl"], kw["block_q"], kw["block_k"]) == ("auto", 16, 32)
+
+
+def test_the_torch_step_computes_what_npattn_does_and_no_more(monkeypatch):
+    """torch's step has the input's gradient to compute, as npattn's has (the sum of the
+    three it returns for x, x, x), and no attention weights to average and return."""
+    pytest.importorskip("torch")
+    (shape,) = bench.parse_shapes("2x5x8x2c")
+    m, x, dout, step = bench._make_npattn(shape, "float64", "numpy", "dense")
+    tstep, _ = bench._make_torch(shape, "float64", m, x, dout)
+    names = inspect.getclosurevars(tstep).nonlocals
+    mha, tx = names["mha"], names["tx"]
+    seen = []
+    forward = mha.forward
+    mha.forward = lambda *a, **k: seen.append(k) or forward(*a, **k)
+    m(x, x, x, is_causal=True)
+    dx = sum(np.asarray(g) for g in m.backward(dout))
+    tstep()
+    np.testing.assert_allclose(tx.grad.numpy(), dx, rtol=1e-10, atol=1e-12)
+    assert seen[0]["need_weights"] is False
 
 
 def test_run_refuses_a_dtype_its_backend_lacks_before_it_prints():
