@@ -192,6 +192,8 @@ def test_the_isolated_tables_put_each_number_under_its_header():
     env = {"cpu": "x", "cpu_count": 2, "memory_gib": 4.0, "threadpools": "none", "numpy": "2",
            "python": "3", "backend": "numpy"}
     lines = bench.markdown_table({"env": env, "dtype": "float32", "rows": [r]}).splitlines()
+    assert lines[:3] == ["- CPU: x, 2 logical cpus, 4.0 GiB RAM", "- BLAS: none",
+                         "- NumPy 2, Python 3, backend numpy, float32"]
     head = [c.strip() for c in lines[-3].strip("|").split("|")]
     cells = dict(zip(head, (c.strip() for c in lines[-1].strip("|").split("|"))))
     assert cells == {"shape": "1x8x8x2", "impl": "blocked", "blocks (q, k)": "16, 32",
@@ -621,6 +623,63 @@ def test_the_torch_step_computes_what_npattn_does_and_no_more(monkeypatch):
     tstep()
     np.testing.assert_allclose(tx.grad.numpy(), dx, rtol=1e-10, atol=1e-12)
     assert seen[0]["need_weights"] is False
+
+
+def test_the_peak_rss_is_read_from_vmhwm(monkeypatch):
+    status = "Name:\tpython\nVmPeak:\t  9000 kB\nVmHWM:\t    700 kB\nVmRSS:\t    500 kB\n"
+    monkeypatch.setattr(bench, "open", lambda path, mode="r": io.StringIO(status), raising=False)
+    assert bench._hwm_kib() == 700  # the high-water mark, not the size now (VmRSS)
+
+    def refused(path, mode="r"):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(bench, "open", refused, raising=False)
+    assert bench._hwm_kib() is None
+
+
+def test_an_rss_rise_without_a_reading_before_is_none(monkeypatch):
+    monkeypatch.setattr(bench, "open", lambda path, mode="r": io.StringIO(), raising=False)
+    for readings in ([None, 3048], [1000, None]):
+        values = iter(readings)
+        monkeypatch.setattr(bench, "_hwm_kib", lambda: next(values))
+        assert bench._rss_rise_mib(lambda: None, lambda: None) is None
+
+
+def test_the_torch_device_peak_is_counted_above_what_was_allocated_before(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 10 * 2**20)
+    assert bench._torch_cuda_peak_mib(lambda: None, lambda: None) == 7.0
+
+
+def test_the_machine_memory_is_in_gib():
+    """/proc/meminfo's MemTotal, in KiB, over 2**20; the same total as the kernel's page count."""
+    import os
+
+    memory = bench.environment_info(np)["memory_gib"]
+    if memory is None:
+        pytest.skip("no /proc/meminfo here")
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    assert memory == pytest.approx(pages, rel=0.01)
+
+
+def test_each_number_of_a_row_sits_under_its_own_header():
+    cells = bench.format_row({"shape": "2x64x64x4", "ms": 1.2345, "number": 200, "gflops": 3.21,
+                              "gemm_gflops": 50.0, "pct_gemm": 6.4, "peak_mib": 0.5,
+                              "rss_mib": 1.26, "torch_ms": 0.66, "ratio": 1.87,
+                              "ratio_min": 1.5}).split()
+    assert cells == ["2x64x64x4", "1.23", "200", "3.2", "50.0", "6.4", "0.5", "1.3", "0.66",
+                     "1.87", "1.50"]
+    assert [c[0] for c in bench.COLUMNS] == ["shape", "ms", "n", "GFLOP/s", "GEMM", "%GEMM",
+                                             "peak MiB", "RSS MiB", "torch ms", "ratio",
+                                             "ratio(min)"]
+
+
+def test_the_rss_note_is_given_once_when_any_row_needs_it():
+    row = {"shape": "1x8x8x2", "ms": 1.0, "number": 1, "rss_mib": 2.0}
+    table = bench.format_table([dict(row, rss_mib=0.0), row])
+    assert table.splitlines()[-1] == f"note: {bench.RSS_NOTE}"
 
 
 def test_run_refuses_a_dtype_its_backend_lacks_before_it_prints():
