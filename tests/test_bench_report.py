@@ -701,3 +701,79 @@ def test_a_run_times_its_dtype_and_impl_on_every_side(monkeypatch):
     assert seen["_peak_traced_mib"][0] is npattn and seen["_rss_rise_mib"][0] is npattn
     assert result["dtype"] == "float64" and result["pause_s"] == 0.5
     assert result["env"]["impl"] == "blocked"
+
+
+def test_the_isolated_child_runs_the_case_it_is_given(monkeypatch):
+    """Its impl, dtype, blocks and BLAS threads reach the step, and the row says them; with
+    --gemm 0 it times no GEMM and has no rate of one."""
+    import contextlib
+
+    clock = Clock()
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    step = stepper(clock, [0.002], 1)
+    made, held = [], []
+    monkeypatch.setattr(bench, "_make_npattn", lambda *a: made.append(("module",) + a)
+                        or (types.SimpleNamespace(xp=np), None, None, step))
+    monkeypatch.setattr(bench, "_make_core", lambda *a: made.append(("attention",) + a) or (np, step))
+    monkeypatch.setattr(bench, "_blas_limit", lambda n: held.append(n) or contextlib.nullcontext())
+    monkeypatch.setattr(bench, "gemm_gflops", lambda *a: pytest.fail("--gemm 0 times a GEMM"))
+    shape = bench.Shape(1, 8, 8, 2, False)
+    for scope in ("module", "attention"):
+        r = bench.measure_here(shape, impl="blocked", dtype="float64", repeat=3, warmup=1, gemm_n=0,
+                               block_q=16, block_k=32, blas_threads=2, scope=scope)
+        assert made[-1] == (scope, shape, "float64", "numpy", "blocked", 16, 32) and held[-1] == 2
+        assert (r["repeat"], r["warmup"], r["dtype"], r["blas_threads"]) == (3, 1, "float64", 2)
+        assert (r["block_q"], r["block_k"]) == (16, 32)
+        assert r["gemm_gflops"] is None and r["pct_gemm"] is None
+
+
+def test_the_auto_impl_runs_with_the_blocks_of_the_blocked_path():
+    from npattn import blocked
+
+    shape, window = bench.Shape(1, 8, 8, 2, False), bench.Shape(1, 8, 8, 2, False, window=2)
+    assert bench.case_blocks(shape, "auto") == (blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K)
+    assert bench.case_blocks(window, "auto") == (blocked.DEFAULT_BLOCK_Q, blocked.WINDOW_BLOCK_K)
+    assert bench.case_blocks(shape, "auto", 16, 32) == bench.case_blocks(shape, "blocked", 16, 32) == (16, 32)
+    assert bench.case_blocks(shape, "dense", 16, 32) == (None, None)
+
+
+def test_the_isolated_child_runs_this_npattn(monkeypatch):
+    """The child imports the npattn that started it, not another one installed on the path."""
+    import subprocess
+    import sys
+
+    import npattn
+
+    started = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **k: started.append((cmd, k)) or
+                        types.SimpleNamespace(returncode=0, stdout='{"ms": 1.0}\n', stderr=""))
+    assert bench.measure_isolated(bench.Shape(1, 8, 8, 2, False), impl="dense") == {"ms": 1.0}
+    (cmd, kw), = started
+    assert cmd[:3] == [sys.executable, "-m", "npattn.tools.bench"] and cmd[3] == "--child"
+    monkeypatch.undo()
+    where = subprocess.run([sys.executable, "-c", "import npattn; print(npattn.__file__)"],
+                           env=kw["env"], capture_output=True, text=True, cwd="/", check=True)
+    assert where.stdout.strip() == npattn.__file__
+
+
+def test_an_isolated_case_that_fails_or_times_out_is_told_on_stderr(monkeypatch, capsys):
+    """The other cases still run; the failures are listed in the result and said on stderr,
+    not in the table."""
+    import subprocess
+
+    def child(shape, **case):
+        if shape.L == 16:
+            raise subprocess.TimeoutExpired(["python"], 3600)
+        if shape.L == 32:
+            raise RuntimeError("npattn bench: the child failed with status -9")
+        return dict(_isolated_row(shape=str(shape)), impl=case["impl"])
+
+    monkeypatch.setattr(bench, "measure_isolated", child)
+    plan = [(bench.Shape(1, n, 8, 2, False), "blocked") for n in (16, 8, 32)]
+    out = io.StringIO()
+    result = bench.run_isolated(plan, gemm_n=0, out=out)
+    assert [r["shape"] for r in result["rows"]] == ["1x8x8x2"]
+    assert [f["shape"] for f in result["failed"]] == ["1x16x8x2", "1x32x8x2"]
+    err = capsys.readouterr().err
+    assert "timed out after 3600 seconds" in err and "failed with status -9" in err
+    assert "timed out" not in out.getvalue() and "status -9" not in out.getvalue()
