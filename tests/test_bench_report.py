@@ -596,12 +596,12 @@ def test_the_core_step_runs_the_case_it_is_given(monkeypatch):
         monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name, **k:
                             calls.append((_name, a, k)) or _real(*a, **k))
     shape = bench.Shape(2, 6, 8, 2, True, window=2)
-    xp, step = bench._make_core(shape, "float64", "array_api_strict", "auto", 16, 32)
+    xp, step = bench._make_core(shape, "float32", "array_api_strict", "auto", 16, 32)
     assert bench.backend_name(xp) == "array_api_strict"
     step()
     assert [c[0] for c in calls] == ["sdpa_forward", "sdpa_backward"]
     (_, (q, k, v), kw) = calls[0]
-    assert q.shape == k.shape == v.shape == (2, 2, 6, 4) and q.dtype == xp.float64
+    assert q.shape == k.shape == v.shape == (2, 2, 6, 4) and q.dtype == xp.float32
     assert kw["is_causal"] is True and kw["window"] == (2, 0)
     assert (kw["impl"], kw["block_q"], kw["block_k"]) == ("auto", 16, 32)
 
