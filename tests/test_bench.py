@@ -291,6 +291,9 @@ def test_float16_without_such_a_dtype_is_a_value_error():
 
     with pytest.raises(ValueError, match="--dtype float16: the array_api_strict backend has no"):
         bench.check_dtype(array_api_strict, "float16")
+    with pytest.raises(ValueError, match=r"\(the Array API standard defines float32 and float64, "
+                                         r"not float16\); choose float32 or float64"):
+        bench.check_dtype(array_api_strict, "float16")
     assert bench.check_dtype(np, "float16") is np.float16
 
 
@@ -503,3 +506,119 @@ def test_the_cupy_peak_follows_allocations_and_frees(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     assert bench._cupy_peak_mib(step, lambda: None) == 4.0  # 1 + 3 MiB, before the frees
     assert not active
+
+
+def _fake_runs(monkeypatch):
+    """``run`` and ``run_isolated`` replaced: their arguments recorded, a result of one row."""
+    calls = []
+    row = {"shape": "1x8x8x2", "impl": "dense", "block_q": None, "block_k": None, "ms": 2.0,
+           "gflops": 1.0, "gemm_gflops": None, "pct_gemm": None, "rss_before_mib": 1.0,
+           "peak_rss_mib": 2.0, "loadavg": [0.5], "repeat": 1, "warmup": 0, "blas_threads": None}
+    env = {"cpu": "x", "cpu_count": 1, "memory_gib": 1.0, "threadpools": "none", "numpy": "2",
+           "python": "3", "backend": "numpy"}
+    for name in ("run", "run_isolated"):
+        monkeypatch.setattr(bench, name, lambda *a, _name=name, **k: calls.append((_name, a, k))
+                            or {"env": env, "dtype": "float32", "rows": [row]})
+    return calls
+
+
+def test_the_markdown_table_is_appended(tmp_path, monkeypatch):
+    _fake_runs(monkeypatch)
+    md = tmp_path / "log.md"
+    md.write_text("# earlier runs\n")
+    for _ in range(2):
+        assert bench.main(["--isolated", "--shapes", "1x8x8x2", "--impl", "dense", "--gemm", "0",
+                           "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("# earlier runs\n") and text.count("| 1x8x8x2 | dense |") == 2
+
+
+def test_the_options_reach_the_run_of_either_mode(monkeypatch):
+    """--blas-threads holds BLAS around the run (and is passed to each isolated child), and
+    --dtype and --backend reach the run in both modes."""
+    import contextlib
+
+    calls, held = _fake_runs(monkeypatch), []
+    monkeypatch.setattr(bench, "_blas_limit", lambda n: held.append(n) or contextlib.nullcontext())
+    options = ["--blas-threads", "2", "--dtype", "float64", "--backend", "array_api_strict"]
+    assert bench.main(["--shapes", "1x8x8x2", *options]) == 0
+    assert held == [2]
+    assert bench.main(["--isolated", "--shapes", "1x8x8x2", "--impl", "dense", *options]) == 0
+    (_, _, run), (_, _, isolated) = calls
+    assert (run["dtype"], run["backend"]) == ("float64", "array_api_strict")
+    assert {k: isolated[k] for k in ("dtype", "backend", "blas_threads")} == {
+        "dtype": "float64", "backend": "array_api_strict", "blas_threads": 2}
+
+
+@pytest.mark.parametrize("argv, fits, refused", [
+    # float32: 1x64x4x2 dense holds 6*256 + 4*16 + 2*64*64 = 9792 numbers, 39168 bytes; float64 twice
+    (["--dtype", "float32"], 39168, 39167),
+    (["--dtype", "float64"], 78336, 78335),
+    # the core alone (--scope attention): 5*256 + 2*64*64 = 9472 numbers, 37888 bytes
+    (["--isolated", "--impl", "dense", "--scope", "attention"], 37888, 37887),
+    (["--isolated", "--impl", "dense"], 39168, 39167),
+])
+def test_the_memory_check_counts_the_dtype_and_scope_of_the_run(argv, fits, refused, monkeypatch, capsys):
+    from npattn.tools import limits
+
+    _fake_runs(monkeypatch)
+    for available, ok in ((fits, True), (refused, False)):
+        monkeypatch.setattr(limits, "available_memory", lambda: available)
+        if ok:
+            assert bench.main(["--shapes", "1x64x4x2", *argv]) == 0
+            continue
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--shapes", "1x64x4x2", *argv])
+        assert exc.value.code == 2 and "got 1x64x4x2 (--impl dense)" in capsys.readouterr().err
+
+
+def test_the_default_shapes_are_checked_against_the_memory(monkeypatch, capsys):
+    from npattn.tools import limits
+
+    _fake_runs(monkeypatch)
+    monkeypatch.setattr(limits, "available_memory", lambda: 1)
+    with pytest.raises(SystemExit):
+        bench.main([])
+    assert f"got {bench.DEFAULT_SHAPES[0]} (--impl dense)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "4097"], "--threads: expected an integer in [1, 4096], got 4097"),
+    (["--threads", "0"], "--threads: expected an integer in [1, 4096], got 0"),
+])
+def test_thread_counts_past_their_limits_are_usage_errors(argv, message, monkeypatch, capsys):
+    _fake_runs(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_missing_backend_or_threadpoolctl_is_exit_status_2(monkeypatch, capsys):
+    import importlib.util
+
+    _fake_runs(monkeypatch)
+
+    def missing(name):
+        raise ImportError(f"{name} is not installed")
+
+    monkeypatch.setattr(bench, "resolve_backend", missing)
+    assert bench.main(["--shapes", "1x8x8x2", "--backend", "cupy"]) == 2
+    assert "npattn bench: cupy is not installed" in capsys.readouterr().err
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert bench.main(["--shapes", "1x8x8x2", "--blas-threads", "2"]) == 2
+    assert "--blas-threads needs threadpoolctl" in capsys.readouterr().err
+
+
+def test_the_default_shapes_are_those_of_the_performance_page():
+    """docs/performance.md gives its results for the default shapes: its table has a row for
+    each (causal ones marked so) and names the dropout one."""
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "performance.md"), encoding="utf-8") as f:
+        page = f.read()
+    for s in bench.DEFAULT_SHAPES:
+        name = f"{s.B}x{s.L}x{s.D}x{s.H}"
+        if s.dropout:
+            assert f"dropout p = {s.dropout:g} at {name}" in page, s
+        else:
+            assert f"| {name}{' causal' if s.causal else ''} |" in page, s
