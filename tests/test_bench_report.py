@@ -653,15 +653,17 @@ def test_the_torch_device_peak_is_counted_above_what_was_allocated_before(monkey
     assert bench._torch_cuda_peak_mib(lambda: None, lambda: None) == 7.0
 
 
-def test_the_machine_memory_is_in_gib():
-    """/proc/meminfo's MemTotal, in KiB, over 2**20; the same total as the kernel's page count."""
-    import os
+def test_the_machine_memory_is_in_gib(monkeypatch):
+    """/proc/meminfo's first line, MemTotal, is in KiB: 25165824 kB is 24 GiB."""
+    real_open = open
 
-    memory = bench.environment_info(np)["memory_gib"]
-    if memory is None:
-        pytest.skip("no /proc/meminfo here")
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    assert memory == pytest.approx(pages, rel=0.01)
+    def fake_open(path, *a, **k):
+        if path == "/proc/meminfo":
+            return io.StringIO("MemTotal:       25165824 kB\nMemFree:         1048576 kB\n")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(bench, "open", fake_open, raising=False)
+    assert bench.environment_info(np)["memory_gib"] == 24.0
 
 
 def test_each_number_of_a_row_sits_under_its_own_header():
