@@ -695,8 +695,8 @@ def test_a_run_times_its_dtype_and_impl_on_every_side(monkeypatch):
     """The module, torch's step and both GEMMs get the run's dtype; the module its impl;
     the result says both, with the pause; the memory is read of npattn's step."""
     seen = {}
-    result, _, _, _, (npattn, torch) = fake_run(monkeypatch, memory=True, pause=0.5,
-                                                 dtype="float64", impl="blocked", seen=seen)
+    result, _, _, _, (npattn, _) = fake_run(monkeypatch, memory=True, pause=0.5, dtype="float64",
+                                            impl="blocked", seen=seen)
     assert seen["_make_npattn"][:4] == (SHAPE, "float64", "numpy", "blocked")
     assert seen["_make_torch"][:2] == (SHAPE, "float64")
     assert seen["_gemm_step"][1:] == ("float64", 8) and seen["gemm_gflops"][1:3] == ("float64", 8)
