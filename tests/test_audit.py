@@ -367,3 +367,44 @@ def test_check_counts_its_configurations_on_a_terminal_bar(monkeypatch, capsys, 
         assert written == ""
     else:
         assert "check: 100%" in written and "2/2" in written and "3/2" not in written, written
+
+
+def _off(fn, index=None, factor=1.001):
+    """``fn``'s backward with one gradient (``index`` of a tuple, or the only one) 0.1 % off."""
+    def wrong(*args, **kwargs):
+        g = fn(*args, **kwargs)
+        if index is None:
+            return g * factor
+        return tuple(x * factor if i == index else x for i, x in enumerate(g))
+
+    return wrong
+
+
+@pytest.mark.parametrize("module_name, fn_name, index, failing", [
+    # a layer's own row, and the models built on it (their parameters' rows)
+    ("layers", "layer_norm_backward", 1, {"layer_norm, weight and bias": {"weight"}}),
+    ("layers", "gelu_backward", None, {"gelu, exact": {"x"}, "gelu, tanh": {"x"}}),
+    ("nn", "embedding_backward", 1, {"embedding, repeated and absent ids": {"table"}}),
+    ("nn", "cross_entropy_backward", 0, {"cross_entropy": {"logits"},
+                                          "cross_entropy, ignore_index=-100": {"logits"}}),
+    ("positions", "rope_backward", 0, {"rope": {"x"}}),
+    ("positions", "relative_bias_backward", 0, {"relative_bias (T5), Lq != Lk": {"table"}}),
+    ("layers", "feed_forward_backward", 3, {
+        "feed_forward, gelu, dropout p=0.25, fixed keep-mask": {"w2"},
+        "encoder block, post-norm, relu, padding mask, dropout p=0.2, fixed keep-masks": {"linear2.weight"},
+        "gpt, 1 layer, tied head": {"blocks.0.linear2.weight"}}),
+])
+def test_a_layer_or_model_backward_off_by_a_bit_fails_its_rows(monkeypatch, module_name, fn_name, index,
+                                                               failing):
+    """One gradient of a layer's backward 0.1 % off (1000 x the float64 tolerance): the rows of
+    that tensor fail in the layer's configuration and in the models that use the layer (a
+    block's linear2.weight is the feed-forward's w2), and the other rows still pass."""
+    import importlib
+
+    module = importlib.import_module(f"npattn.{module_name}")
+    xp = namespace(np.zeros(1))
+    checks = {c.name: c for c in audit.panel("numpy")}
+    monkeypatch.setattr(module, fn_name, _off(getattr(module, fn_name), index))
+    for config, tensors in failing.items():
+        rows = {r.tensor: r for r in audit.run_check(checks[config], xp, "float64")}
+        assert {t for t, r in rows.items() if not r.passed} == tensors, (config, rows)

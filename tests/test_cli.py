@@ -112,9 +112,9 @@ def test_check_float32(capsys):
 
 
 def test_audit_on_every_backend(backend):
-    """A part of the panel (primitives and module) on each backend, in float32."""
+    """A part of the panel (primitives, module, layers and models) on each backend, in float32."""
     checks = audit.panel()[::4]
-    assert {c.kind for c in checks} == {"primitive", "module"}
+    assert {c.kind for c in checks} == {"primitive", "module", "layer", "model"}
     result = audit.run_audit(backend, "float32", checks=checks)
     assert result.ok, audit.format_table(result)
 

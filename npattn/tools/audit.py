@@ -4,7 +4,9 @@ A fixed panel of configurations covers every primitive of
 ``npattn.functional`` and the ``MultiHeadAttention`` module: self- and
 cross-attention (Lq != Lk), kdim/vdim, bias on and off, boolean and floating
 masks (with ``-inf``), padding and causal masks, fully masked rows, and
-dropout with p > 0 and a fixed keep-mask. For every (configuration, tensor)
+dropout with p > 0 and a fixed keep-mask; and the backward passes around
+attention (``npattn.layers``, ``npattn.nn``, ``npattn.positions``) and of the
+models built of them (the Transformer blocks, GPT). For every (configuration, tensor)
 it reports the largest absolute and relative error of the hand-derived
 gradient.
 
@@ -53,9 +55,15 @@ import numpy as np
 
 from .. import attention as A
 from .. import functional as F
+from .. import layers as Ly
+from .. import nn
+from .. import positions as Pos
 from ..backend import from_numpy, resolve_backend, to_numpy
+from ..gpt import GPT
 from ..gradcheck import numerical_vjp
 from ..module import PARAM_NAMES, MultiHeadAttention
+from ..transformer import (DECODER_DROPOUT_SITES, ENCODER_DROPOUT_SITES, TransformerBlock,
+                           TransformerDecoderBlock)
 
 __all__ = [
     "TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit",
@@ -84,7 +92,7 @@ class Check:
     """
 
     name: str
-    kind: str  # "primitive" or "module"
+    kind: str  # "primitive", "module" (attention), "layer" (around attention) or "model"
     build: Callable
     impl: Optional[str] = None  # sdpa/module: the implementation audited (None: the reference)
 
@@ -455,6 +463,172 @@ def _mha(self_attention, *, bias=True, kdim=None, vdim=None, mask_kind=None, is_
     return build
 
 
+# -------------------------------------------------------------------- the layers around attention
+
+
+def _layer_norm(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    x, w, b = m.normal(2, 3, 5), m.normal(5), m.normal(5)  # [B, L, D], [D], [D]
+    return (lambda x, w, b: Ly.layer_norm_forward(x, w, b, eps=1e-5), Ly.layer_norm_backward,
+            [x, w, b], ["x", "weight", "bias"])
+
+
+def _activation(name):
+    def build(xp, dtype, rng):
+        x = _Maker(xp, dtype, rng).normal(2, 3, 5)  # (no entry at relu's kink 0: a normal draw)
+        if name == "relu":
+            return Ly.relu_forward, Ly.relu_backward, [x], ["x"]
+        return (lambda x: Ly.gelu_forward(x, approximate=name), Ly.gelu_backward, [x], ["x"])
+
+    return build
+
+
+def _feed_forward(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    D, FF = 4, 6
+    x = m.normal(2, 3, D)  # [B, L, D]
+    w1, b1, w2, b2 = m.normal(FF, D), m.normal(FF), m.normal(D, FF), m.normal(D)
+    keep = m.keep((2, 3, FF), 0.25)
+
+    def forward(x, w1, b1, w2, b2):
+        return Ly.feed_forward_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=0.25,
+                                       dropout_mask=keep)
+
+    return forward, Ly.feed_forward_backward, [x, w1, b1, w2, b2], ["x", "w1", "b1", "w2", "b2"]
+
+
+def _residual(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    return Ly.residual_forward, Ly.residual_backward, [m.normal(2, 3, 4), m.normal(2, 3, 4)], ["x", "y"]
+
+
+def _mean_pool(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    keep = m.bool(_padding_keep(3, 4, [4, 2, 0]))  # [B, L]: one sequence has no token
+    return (lambda x: Ly.mean_pool_forward(x, keep), Ly.mean_pool_backward, [m.normal(3, 4, 5)], ["x"])
+
+
+def _embedding(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    ids = from_numpy(np.array([[0, 3, 3], [5, 1, 0]]), xp)  # [B, L]: token 3 twice, 2 and 4 absent
+    table = m.normal(6, 4)  # [V, D]
+    return (lambda table: nn.embedding_forward(ids, table),
+            lambda d, c: nn.embedding_backward(d, c)[1], [table], ["table"])
+
+
+def _add_positions(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    return (nn.add_positions_forward, nn.add_positions_backward, [m.normal(2, 3, 4), m.normal(3, 4)],
+            ["x", "pos"])
+
+
+def _cross_entropy(ignore_index):
+    def build(xp, dtype, rng):
+        m = _Maker(xp, dtype, rng)
+        t = np.array([[0, 4, 2], [-100, 1, 4]])  # [B, L]; -100: ignored with ignore_index
+        if ignore_index is None:
+            t[1, 0] = 3
+        targets = from_numpy(t, xp)
+        return (lambda z: nn.cross_entropy_forward(z, targets, ignore_index=ignore_index),
+                lambda d, c: nn.cross_entropy_backward(d, c)[0], [m.normal(2, 3, 5)], ["logits"])
+
+    return build
+
+
+def _rope(xp, dtype, rng):
+    x = _Maker(xp, dtype, rng).normal(2, 2, 3, 4)  # [B, H, L, Dh]
+    return (lambda x: Pos.rope_forward(x, base=100.0), lambda d, c: Pos.rope_backward(d, c)[0], [x], ["x"])
+
+
+def _relative_scores(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    q, table = m.normal(2, 2, 3, 4), m.normal(5, 4)  # [B, H, Lq, Dh], [2 M - 1, Dh], M = 3
+    return (lambda q, table: Pos.relative_scores_forward(q, table, 4),
+            lambda d, c: Pos.relative_scores_backward(d, c)[:2], [q, table], ["q", "table"])
+
+
+def _relative_bias(xp, dtype, rng):
+    table = _Maker(xp, dtype, rng).normal(6, 2)  # [num_buckets, H]
+    return (lambda table: Pos.relative_bias_forward(table, 3, 5, max_distance=8),
+            lambda d, c: Pos.relative_bias_backward(d, c)[0], [table], ["table"])
+
+
+def _model_pair(make, call, backward_acts):
+    """A block or a model as a pure pair over (inputs, parameters), one model per dtype (the
+    differences run in float64). ``call(model, *acts)`` is its forward; ``backward_acts(model,
+    dout)`` the gradients of ``acts`` from its backward (which fills ``model.grads``)."""
+    models: dict = {}
+
+    def model_for(dtype):
+        if dtype not in models:
+            models[dtype] = make(dtype)
+        return models[dtype]
+
+    def pair(n_acts, pnames):
+        def forward(*args):
+            model = model_for(args[-1].dtype)
+            model.params = dict(zip(pnames, args[n_acts:]))
+            return call(model, *args[:n_acts]), model
+
+        def backward(dout, model):
+            dacts = backward_acts(model, dout)
+            return (*dacts, *[model.grads[n] for n in pnames])
+
+        return forward, backward
+
+    return model_for, pair
+
+
+def _block(decoder, *, norm_first, activation, is_causal):
+    def build(xp, dtype, rng):
+        m = _Maker(xp, dtype, rng)
+        B, L, Lm, D, H, FF, p = 2, 3, 4, 4, 2, 6, 0.2
+        kind = TransformerDecoderBlock if decoder else TransformerBlock
+
+        def make(dt):
+            return kind(D, H, FF, dropout=p, activation=activation, norm_first=norm_first,
+                        dtype="float64" if dt == xp.float64 else "float32", backend=xp, seed=0)
+
+        shapes = {"self_attn": (B, H, L, L), "multihead_attn": (B, H, L, Lm), "dropout": (B, L, FF)}
+        sites = DECODER_DROPOUT_SITES if decoder else ENCODER_DROPOUT_SITES
+        keeps = {s: m.keep(shapes.get(s, (B, L, D)), p) for s in sites}
+        pad = m.bool(_padding_keep(B, Lm if decoder else L, [2, Lm if decoder else L])[:, None, None, :])
+
+        def call(block, *acts):  # (x, memory) for the decoder, (x,) for the encoder
+            if decoder:
+                return block.forward(*acts, memory_mask=pad, is_causal=is_causal, dropout_masks=keeps)
+            return block.forward(*acts, mask=pad, is_causal=is_causal, dropout_masks=keeps)
+
+        def backward_acts(block, dout):  # (dx, dmemory), or dx alone
+            return block.backward(dout) if decoder else (block.backward(dout),)
+        model_for, pair = _model_pair(make, call, backward_acts)
+        pnames = list(model_for(getattr(xp, "float64")).params)
+        acts, anames = ([m.normal(B, L, D), m.normal(B, Lm, D)], ["x", "memory"]) if decoder else (
+            [m.normal(B, L, D)], ["x"])
+        params = [m.normal(*model_for(getattr(xp, "float64")).params[n].shape) for n in pnames]
+        return (*pair(len(acts), pnames), acts + params, anames + pnames)
+
+    return build
+
+
+def _gpt(xp, dtype, rng):
+    m = _Maker(xp, dtype, rng)
+    ids = from_numpy(np.array([[1, 0, 4, 4], [2, 6, 3, 1]]), xp)  # [B, L], vocabulary of 7
+
+    def make(dt):
+        return GPT(7, 5, 4, 1, 2, 6, dtype="float64" if dt == xp.float64 else "float32", backend=xp,
+                   seed=0)
+
+    def backward_acts(model, dlogits):  # fills model.grads; ids have no gradient
+        model.backward(dlogits)
+        return ()
+
+    model_for, pair = _model_pair(make, lambda model: model.forward(ids), backward_acts)
+    pnames = list(model_for(getattr(xp, "float64")).params)
+    params = [m.normal(*model_for(getattr(xp, "float64")).params[n].shape) for n in pnames]
+    return (*pair(0, pnames), params, pnames)
+
+
 def panel(backend: Optional[str] = None) -> list:
     """The fixed list of ``Check`` configurations that ``npattn check`` runs.
 
@@ -485,7 +659,7 @@ def panel(backend: Optional[str] = None) -> list:
 
 
 def _reference_panel() -> list:
-    P, M = "primitive", "module"
+    P, M, Lr, Md = "primitive", "module", "layer", "model"
     return [
         Check("linear, bias", P, _linear(True)),
         Check("linear, no bias", P, _linear(False)),
@@ -520,6 +694,28 @@ def _reference_panel() -> list:
               _mha(False, bias=False, mask_kind="float")),
         Check("mha self, causal + bool mask, fully masked row, dropout p=0.2", M,
               _mha(True, mask_kind="bool_full_rows", is_causal=True, dropout_p=0.2)),
+        # the layers, embeddings, positions and loss around attention, and the models
+        Check("layer_norm, weight and bias", Lr, _layer_norm),
+        Check("relu", Lr, _activation("relu")),
+        Check("gelu, exact", Lr, _activation("none")),
+        Check("gelu, tanh", Lr, _activation("tanh")),
+        Check("feed_forward, gelu, dropout p=0.25, fixed keep-mask", Lr, _feed_forward),
+        Check("residual", Lr, _residual),
+        Check("mean_pool, bool mask, a sequence without tokens", Lr, _mean_pool),
+        Check("embedding, repeated and absent ids", Lr, _embedding),
+        Check("add_positions", Lr, _add_positions),
+        Check("cross_entropy", Lr, _cross_entropy(None)),
+        Check("cross_entropy, ignore_index=-100", Lr, _cross_entropy(-100)),
+        Check("rope", Lr, _rope),
+        Check("relative_scores (Shaw), Lq != Lk", Lr, _relative_scores),
+        Check("relative_bias (T5), Lq != Lk", Lr, _relative_bias),
+        Check("encoder block, post-norm, relu, padding mask, dropout p=0.2, fixed keep-masks", Md,
+              _block(False, norm_first=False, activation="relu", is_causal=False)),
+        Check("encoder block, pre-norm, gelu, causal + padding mask, dropout p=0.2, fixed keep-masks", Md,
+              _block(False, norm_first=True, activation="gelu", is_causal=True)),
+        Check("decoder block, post-norm, gelu, causal, memory padding mask, dropout p=0.2, fixed keep-masks",
+              Md, _block(True, norm_first=False, activation="gelu", is_causal=True)),
+        Check("gpt, 1 layer, tied head", Md, _gpt),
     ]
 
 
