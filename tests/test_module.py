@@ -307,6 +307,17 @@ def test_forward_always_returns_out_and_weights(backend, to_xp, to_np):
     assert tuple(w.shape) == (B, L, L)  # averaged over the heads by default, as torch
 
 
+def test_the_block_lengths_reach_the_blocked_kernel(backend, to_xp):
+    """``block_q`` and ``block_k`` are the blocked kernel's query and key block lengths, each
+    its own (the output cannot show them: every split gives the same numbers to rounding)."""
+    mha = MultiHeadAttention(4, 2, dtype="float64", seed=0, backend=backend, impl="blocked",
+                             block_q=2, block_k=3)
+    x = to_xp(np.random.default_rng(0).standard_normal((2, 5, 4)))
+    mha(x, x, x)
+    sdpa = mha.cache.sdpa
+    assert (sdpa.block_q, sdpa.block_k) == (2, 3)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_average_attn_weights_is_the_mean_over_heads(backend, to_xp, to_np, dtype):
     """``average_attn_weights`` (default True) is the mean over heads of the per-head weights,
