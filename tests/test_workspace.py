@@ -213,6 +213,20 @@ def test_module_second_forward_allocates_no_new_probabilities(monkeypatch):
     assert peak_of_forward() >= probs_bytes
 
 
+def test_training_steps_reuse_arrays_too(monkeypatch):
+    """A backward between the forwards (a training step) reads the module's cache without
+    keeping it from being lent: from the third step on each forward allocates less than one
+    (B, H, Lq, Lk) array, as without the backwards."""
+    m, x, probs_bytes, peak_of_forward = module_and_peak(monkeypatch)
+    dout = np.random.default_rng(4).standard_normal(x.shape)
+    peaks = []
+    for _ in range(4):
+        peaks.append(peak_of_forward())
+        m.backward(dout)
+    assert min(peaks[:2]) >= probs_bytes
+    assert max(peaks[2:]) < probs_bytes / 2
+
+
 def test_reading_the_cache_keeps_only_that_cache_from_the_workspace(monkeypatch):
     """The cache read through ``module.cache`` is never lent, but the forwards after it are
     lent again: from the fourth forward on (the third's cache lends the second's arrays)
