@@ -1,5 +1,6 @@
 """MultiHeadAttention: gradients of inputs and parameters, masks, dropout, invariants."""
 
+import copy
 import math
 
 import numpy as np
@@ -288,6 +289,35 @@ def test_preserve_state_puts_everything_back(backend, to_xp, to_np):
     for n, g in a.grads.items():
         np.testing.assert_array_equal(to_np(g), grad_values[n], err_msg=n)
     np.testing.assert_array_equal(to_np(a(x, x, x)[0]), to_np(b(x, x, x)[0]))  # the same next mask
+    for got, want in zip(a.backward(d), b.backward(d)):
+        np.testing.assert_array_equal(to_np(got), to_np(want))
+
+
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
+def test_a_forward_that_fails_after_drawing_its_mask_changes_nothing(backend, to_xp, to_np,
+                                                                      monkeypatch, error):
+    """Step 7. fails (memory, or Ctrl-C) after step 6. drew its dropout mask: the generator
+    is put back, so the next forward draws the mask an untouched twin draws, and the cache
+    and grads are those of the forward before."""
+    import npattn.functional
+
+    rng = np.random.default_rng(3)
+    x, d = to_xp(rng.standard_normal((2, 4, 6))), to_xp(rng.standard_normal((2, 4, 6)))
+    a = MultiHeadAttention(6, 3, dropout=0.5, dtype="float64", seed=2, backend=backend)
+    a(x, x, x)
+    a.backward(d)
+    b = copy.deepcopy(a)  # the same generator state, parameters and grads
+    cache, grads = a.cache, a.grads
+
+    def fails(*args, **kwargs):
+        raise error("step 7.")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(npattn.functional, "merge_heads_forward", fails)
+        with pytest.raises(error, match="step 7."):
+            a(x, x, x)
+    assert a.cache is cache and a.grads is grads
+    np.testing.assert_array_equal(to_np(a(x, x, x)[0]), to_np(b(x, x, x)[0]))
     for got, want in zip(a.backward(d), b.backward(d)):
         np.testing.assert_array_equal(to_np(got), to_np(want))
 
