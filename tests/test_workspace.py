@@ -322,3 +322,30 @@ def test_a_cache_of_another_module_is_refused():
         assert m.cache is None
     a.cache = held  # its own: taken
     assert a.backward(np.ones((2, 3, 8)))[0].shape == (2, 3, 8)
+
+
+def test_only_a_cache_or_none_is_taken():
+    """``cache =`` with anything but an ``MHACache`` or None is a TypeError naming ``cache``
+    and what it got, and the module keeps its cache."""
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    m(x, x, x)
+    held = m.cache
+    for bad in (tuple(held), "cache", 0):
+        with pytest.raises(TypeError, match="^cache: expected an MHACache or None, got"):
+            m.cache = bad
+        assert m.cache is held
+
+
+def test_clear_cache_drops_the_cache():
+    """After ``clear_cache`` there is no cache and ``backward`` needs a new forward, as after
+    no forward at all."""
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    m(x, x, x)
+    m.clear_cache()
+    assert m.cache is None
+    with pytest.raises(RuntimeError, match="^backward: expected a forward call first"):
+        m.backward(np.ones((2, 3, 8)))
+    m(x, x, x)
+    assert m.backward(np.ones((2, 3, 8)))[0].shape == (2, 3, 8)
