@@ -461,6 +461,33 @@ def test_a_bad_thread_count_is_refused_before_the_projections(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("impl", [None, "blocked"], ids=["module's impl", "call's impl"])
+def test_weights_of_the_blocked_path_are_refused_before_the_projections(monkeypatch, impl):
+    """need_weights=True where step 6. would run the blocked path, which keeps no weights:
+    the dispatcher's ValueError before step 1. projects anything, for the module's impl
+    ("blocked") and a call's."""
+    m = _module("numpy", impl="blocked" if impl is None else "auto")
+    q, k, v = _inputs(np.random.default_rng(12), m)
+    calls = _count_projections(monkeypatch)
+    with pytest.raises(ValueError, match="^impl='blocked' cannot return attention weights"):
+        m(q, k, v, need_weights=True, impl=impl)
+    assert calls == []
+    m(q, k, v, impl=impl)  # the same call without weights runs
+    assert calls
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["given keys", "a zero key appended"])
+def test_a_refused_impl_names_the_heads_it_would_get(extra):
+    """The refusal names the heads step 6. would get: q (B, H, Lq, Dh), k and v
+    (B, Hkv, Lk + n, Dh), with Lq != Lk, the appended zero key counted."""
+    m = _module("numpy", add_zero_attn=bool(extra))
+    q, k, v = _inputs(np.random.default_rng(13), m)
+    kv = (B, HKV, LK + extra, D // H)
+    with pytest.raises(ValueError) as info:
+        m(q, k, v, impl="chunked")
+    assert f"got numpy.ndarray of shapes {(B, H, LQ, D // H)}, {kv}, {kv};" in str(info.value)
+
+
 @pytest.mark.parametrize("extra", [dict(add_bias_kv=True), dict(add_zero_attn=True)])
 @pytest.mark.parametrize("kwargs, name", [
     (dict(window=(1, 1)), "window"),
