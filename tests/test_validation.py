@@ -322,6 +322,12 @@ def test_check_finite_names_the_argument(backend, xp):
         mask[2, 2] = bad
         with raises(ValueError, "mask", "+inf"):
             m(q, k, v, mask=from_numpy(mask, xp), check_finite=True)
+    slopes = np.array([0.5, 0.25])  # (H,)
+    m(q, k, v, alibi_slopes=from_numpy(slopes, xp), check_finite=True)
+    for bad in (math.nan, math.inf):
+        slopes[1] = bad
+        with raises(ValueError, "alibi_slopes", "finite", "1 entries"):
+            m(q, k, v, alibi_slopes=from_numpy(slopes, xp), check_finite=True)
     w = to_numpy(m.params["w_v"])
     w[0, 0] = math.nan
     m.params["w_v"] = from_numpy(w, xp)
