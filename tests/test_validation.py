@@ -146,6 +146,8 @@ def _bad_forward_cases(xp):
         ("query list", (to_numpy(q).tolist(), k, v), {}, TypeError, ("query", "list")),
         ("value None", (q, k, None), {}, TypeError, ("value", "None")),
         ("batch", (q, k[:1, ...], v[:1, ...]), {}, ValueError, ("key", "batch size 2", "(1, 5, 6)")),
+        # a value of batch 1 alone would broadcast over the batch inside step 6.
+        ("value batch", (q, k, v[:1, ...]), {}, ValueError, ("value", "batch size 2", "(1, 5, 4)")),
         ("lengths", (q, k, v[:, :4, :]), {}, ValueError, ("value", "length 5", "(2, 4, 4)")),
         ("query width", (q[..., :6], k, v), {}, ValueError, ("query", "w_q", "8", "(2, 3, 6)")),
         ("key width", (q, k[..., :4], v), {}, ValueError, ("key", "w_k", "6", "(2, 5, 4)")),
