@@ -333,6 +333,8 @@ def test_sinks_gradient_has_the_parameter_dtype(dtype):
     (dict(softcap="1"), TypeError, "softcap"),
     (dict(sinks=1), TypeError, "sinks"),
     (dict(sinks=None), TypeError, "sinks"),
+    (dict(impl="fast"), ValueError, "impl"),  # at construction, not at the first forward
+    (dict(impl=None), ValueError, "impl"),
 ])
 def test_bad_constructor_options(kwargs, exc, name):
     with pytest.raises(exc, match=name) as info:
