@@ -884,7 +884,9 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
         elif name == "softcap":
             check_softcap(value)
         else:
-            raise TypeError(f"check_module_args: unexpected argument {name!r}")
+            raise TypeError(f"check_module_args: expected layer arguments among qdim, n_kv_head, "
+                            f"qkv_bias, out_bias, add_bias_kv, add_zero_attn, scale, softcap "
+                            f"and sinks, got the unexpected argument {name!r}")
     n_kv_head = layer_args.get("n_kv_head")
     if n_kv_head is not None and n_head % n_kv_head != 0:
         raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")

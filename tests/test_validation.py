@@ -599,6 +599,7 @@ def test_alibi_slopes_per_batch_follow_the_axis_before_the_heads():
         (dict(n_kv_head=True), TypeError, ("n_kv_head", "bool")),
         (dict(add_bias_kv="no"), TypeError, ("add_bias_kv", "bool", "str")),
         (dict(qkv_bias=1), TypeError, ("qkv_bias", "bool", "int")),
+        (dict(qdims=4), TypeError, ("check_module_args", "unexpected argument 'qdims'")),
     ],
 )
 def test_layer_shape_arguments(kwargs, exc, fragments):
