@@ -121,7 +121,8 @@ def test_copy_of_an_unnamed_namespace_is_a_type_error():
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_save_load_round_trip(backend, to_xp, to_np, tmp_path, dtype):
-    m = _module(backend, dtype=dtype, impl="reference", block_q=3)
+    # qdim != d_model and out_bias != qkv_bias: each must come from its own setting
+    m = _module(backend, dtype=dtype, impl="reference", block_q=3, qdim=6, qkv_bias=False)
     arrays = _inputs(m, to_xp)
     _step(m, arrays, to_np)  # the generator has advanced: load restores that state
     path = tmp_path / "mha"  # no .npz suffix: written at exactly this name
