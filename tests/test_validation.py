@@ -463,6 +463,11 @@ def test_param_assignment_is_checked(backend, xp):
     # update checks every value before assigning any
     with raises(ValueError, "params['b_o']", "(8,)", "(7,)"):
         m.params.update(w_k=from_numpy(good, xp), b_o=from_numpy(np.zeros(7), xp))
+    with raises(ValueError, "params['b_o']", "(8,)", "(7,)"):  # so does |=
+        m.params |= {"w_k": from_numpy(good, xp), "b_o": from_numpy(np.zeros(7), xp)}
+    with raises(ValueError, "params", "w_x"):  # the names are fixed for setdefault too
+        m.params.setdefault("w_x", from_numpy(good, xp))
+    assert "w_x" not in m.params
     with raises(ValueError, "params", "exactly the names"):
         m.params = {"w_q": m.params["w_q"]}
     with raises(TypeError, "params", "list"):
