@@ -230,6 +230,8 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
         "bad config": (_edit_header(config={"d_model": 8, "n_head": 3}), ("configuration", "n_head")),
         "no config": (lambda e: e.pop("config"), ("'config'",)),
         "config not JSON": (lambda e: e.update(config=np.array("{not json")), ("JSON",)),
+        "config a number": (lambda e: e.update(config=np.array(5)), ("one JSON string", "int64")),
+        "config bytes": (lambda e: e.update(config=np.array(b"{}")), ("one JSON string", "S2")),
         "bad training flag": (_edit_header(training="yes"), ("training",)),
     }
     for name, (edit, fragments) in cases.items():
