@@ -324,6 +324,24 @@ def test_a_cache_of_another_module_is_refused():
     assert a.backward(np.ones((2, 3, 8)))[0].shape == (2, 3, 8)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_refuse_each_other_s_caches(how):
+    """Each copy is a module of its own: a cache one copy's forward made is refused by the
+    other copy of the same module, as by the original."""
+    import pickle
+
+    a = MultiHeadAttention(8, 2, dtype="float64", seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    c1, c2 = (copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
+              for _ in range(2))
+    c1(x, x, x)
+    held = c1.cache
+    for m in (c2, a):
+        with pytest.raises(TypeError, match="^cache: expected a cache of this module's own forwards"):
+            m.cache = held
+    c1.cache = held  # its own: taken
+
+
 def test_only_a_cache_or_none_is_taken():
     """``cache =`` with anything but an ``MHACache`` or None is a TypeError naming ``cache``
     and what it got, and the module keeps its cache."""
