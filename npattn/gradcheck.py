@@ -666,6 +666,23 @@ def _forward_pair(result):
     return out, cache
 
 
+def _self_attention_wrt(wrt: Any, n: int) -> Any:
+    """``gradcheck_module``'s ``wrt``, indices of ``(query, key, value, *params)`` (``n`` in
+    all), as indices of self-attention's inputs ``(x, *params)``: 0, 1 and 2 name ``x``, and
+    a parameter's index moves down by 2. A ``wrt`` that is no sequence goes on to ``gradcheck``,
+    whose ``TypeError`` names it."""
+    if isinstance(wrt, (str, bytes)) or not hasattr(wrt, "__iter__"):
+        return wrt
+    wrt = [V.check_size("wrt entry", i) for i in wrt]  # Python ints
+    if len(set(wrt)) != len(wrt):
+        raise ValueError(f"wrt: expected distinct input indices, got {wrt}")
+    for i in wrt:
+        if i >= n:
+            raise ValueError(f"wrt: expected indices of (query, key, value, *params), 0 to {n - 1}, "
+                             f"got {i}")
+    return list(dict.fromkeys(max(i - 2, 0) for i in wrt))  # x once, in the order given
+
+
 def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
                      forward_kwargs: Optional[dict] = None, **check_kwargs: Any) -> GradcheckReport:
     """Check a ``MultiHeadAttention``'s backward: the three inputs and every parameter.
@@ -682,7 +699,8 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
 
     Self-attention, ``query is key is value`` (one array passed three times), is checked as
     the module runs it, through its one-GEMM projection: one input ``x`` whose gradient is
-    ``dquery + dkey + dvalue``.
+    ``dquery + dkey + dvalue``. A ``wrt`` in ``check_kwargs`` indexes ``(query, key, value,
+    *params)`` either way: there 0, 1 and 2 each select ``x``.
 
     Returns
     -------
@@ -726,6 +744,8 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     # one array as query, key and value: perturbed once, so the forward sees x three times
     acts, anames = ([query], ["x"]) if query is key and key is value else (
         [query, key, value], ["query", "key", "value"])
+    if len(acts) == 1 and check_kwargs.get("wrt") is not None:  # wrt still reads (q, k, v, *params)
+        check_kwargs["wrt"] = _self_attention_wrt(check_kwargs["wrt"], 3 + len(pnames))
 
     def forward(*args):
         n = len(acts)

@@ -583,6 +583,25 @@ def test_gradcheck_module_checks_self_attention_through_its_one_gemm_path(monkey
     assert gradcheck_module(mha, x, x.copy(), x.copy(), mode="full").ok  # three arrays: not that path
 
 
+def test_gradcheck_module_wrt_names_the_same_inputs_for_self_attention():
+    """wrt indexes (query, key, value, *params) whether or not the three are one array: with
+    x passed three times, wrt=[3] is w_q and wrt=[1] is x (key's array), not w_q. It indexed
+    the list (x, *params), so the same wrt checked another parameter than the user named."""
+    rng = np.random.default_rng(2)
+    mha = MultiHeadAttention(4, 2, dtype="float64", seed=0)
+    x = rng.standard_normal((2, 3, 4))
+    names = ["query", "key", "value", *mha.params]  # the module's parameter order, as documented
+    for wrt in ([3], [4, 6], [1], [0, 2, 5]):
+        three = gradcheck_module(mha, x, x.copy(), x.copy(), wrt=wrt, mode="vjp")
+        one = gradcheck_module(mha, x, x, x, wrt=wrt, mode="vjp")
+        assert [r.name for r in three.inputs] == [names[i] for i in wrt]
+        want = list(dict.fromkeys("x" if i < 3 else names[i] for i in wrt))
+        assert [r.name for r in one.inputs] == want and one.ok, str(one)
+    for wrt, match in (([3, 3], "^wrt: expected distinct"), ([3 + len(mha.params)], "^wrt: expected indices")):
+        with pytest.raises(ValueError, match=match):
+            gradcheck_module(mha, x, x, x, wrt=wrt)
+
+
 def test_a_forward_that_draws_fresh_randomness_is_refused_by_name():
     """Dropout drawn from a generator that moves between calls: two evaluations at the same
     inputs differ, so finite differences of it mean nothing; gradcheck and check_vjp say so
