@@ -145,8 +145,10 @@ def test_loss_with_ignore_index_leaves_padding_out(xp, to_xp):
     d = to_numpy(dlogits)
     np.testing.assert_allclose(d[kept], p[kept] / kept.sum(), rtol=0, atol=1e-15)
     assert np.all(d[~kept] == 0.0)
+    cache = model._cache  # the last forward's: a refused call runs none
     with pytest.raises(ValueError, match=r"^targets: expected at least one target other than ignore_index"):
         model.loss(to_xp(ids), to_xp(np.full_like(tgt, -100)), ignore_index=-100)
+    assert model._cache is cache, "the all-ignored targets were found after a forward"
     with pytest.raises(ValueError, match=r"^targets: expected token ids in \[0, \d+\) or ignore_index = -1"):
         model.loss(to_xp(ids), to_xp(tgt), ignore_index=-1)
     with pytest.raises(TypeError, match=r"^ignore_index: expected None or an int, got bool"):
