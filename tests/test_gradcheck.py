@@ -631,6 +631,33 @@ def test_a_forward_that_draws_fresh_randomness_is_refused_by_name():
     assert check_vjp(wobbly(1e-16), [x], [2.0 * dout], dout).ok  # d<2a, dout>/da = 2 dout
 
 
+def test_a_forward_whose_nan_comes_and_goes_is_refused():
+    """An entry NaN on one evaluation and a number on the next (its other entries unchanged)
+    is a change of the output, read as an infinite one; NaN in the same entries both times,
+    or the same inf, is no change."""
+    x = np.random.default_rng(3).standard_normal((3, 4))
+    calls = []
+
+    def flicker(a):  # 2 a, with entry [0, 0] NaN on every other call
+        calls.append(1)
+        out = a * 2.0
+        if len(calls) % 2:
+            out[0, 0] = np.nan
+        return out
+
+    with raises(ValueError, "f", "same output for the same inputs", "inf apart"):
+        check_vjp(flicker, [x], [2.0 * np.ones_like(x)], np.ones_like(x))
+    with raises(ValueError, "forward", "same output for the same inputs", "inf apart"):
+        gradcheck(lambda a: (flicker(a), None), lambda d, c: (2.0 * d,), [x])
+    for fixed in (np.nan, np.inf):  # the same non-finite entry each time: not refused
+        def steady(a, fixed=fixed):
+            out = a * 2.0
+            out[0, 0] = fixed
+            return out
+        report = check_vjp(steady, [x], [2.0 * np.ones_like(x)], np.ones_like(x))
+        assert not report.ok  # a NaN / inf loss fails the check itself, after the refusal's test
+
+
 def test_a_check_of_empty_inputs_only_is_refused():
     """Inputs with no entries have no differences to compare: a gradient 5x where 2x is right
     passed, for gradcheck and check_vjp alike. Refused when every checked input is empty; an
