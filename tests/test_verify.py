@@ -2140,6 +2140,8 @@ def test_cases_without_numbers_are_counted_apart_in_the_table():
     assert measured.tensors["out"].ratio > 1.0  # out is 2 % off: more than its budget
     assert (rows["out"]["raised"], rows["out"]["worst_case"], rows["out"]["ratio"]) == \
         (1, "base-64x129", measured.tensors["out"].ratio)
+    out_line = next(ln for ln in report.table().splitlines() if ln.split()[1:2] == ["out"])
+    assert float(out_line.split()[5]) == pytest.approx(measured.tensors["out"].ratio, rel=1e-2), out_line
     assert "FAIL 2/2 (1 raised or unreadable)" in report.table()
     assert any(h.startswith("cases without options fail: the core") for h in report.hints()), \
         report.hints()
