@@ -678,6 +678,11 @@ def test_a_check_of_empty_inputs_only_is_refused():
     report = gradcheck(forward, lambda d, c: (np.zeros((0, 3)), 2.0 * d), [empty, x], names=["a", "b"])
     assert report.ok and report["b"].scale > 0.0
     assert not gradcheck(forward, lambda d, c: (np.zeros((0, 3)), 5.0 * d), [empty, x]).ok
+    # wrt that names only the empty input checks nothing either, whatever the other's gradient
+    with raises(ValueError, "inputs", "at least one entry", "(0, 3)"):
+        gradcheck(forward, lambda d, c: (np.zeros((0, 3)), 5.0 * d), [empty, x], wrt=[0])
+    with raises(ValueError, "inputs", "at least one entry", "(0, 3)"):
+        check_vjp(lambda a, b: 2.0 * b + a.sum(), [empty, x], [empty, 5.0 * x], x, wrt=[0])
     assert numerical_vjp(lambda a: 2.0 * a, [empty], empty)[0].shape == (0, 3)
 
 
