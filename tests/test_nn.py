@@ -237,6 +237,34 @@ def test_cross_entropy_ignore_index_matches_torch():
                                rtol=1e-12, atol=1e-16)
 
 
+@pytest.mark.parametrize("ignore, dtype, all_but_one", [(2, "float64", False), (0, "float64", True),
+                                                     (5, "float64", False), (2, "float16", False),
+                                                     (-100, "float16", True)])
+def test_cross_entropy_ignore_index_in_range_matches_torch(ignore, dtype, all_but_one):
+    """An ignore_index inside [0, V) (a padding token's id; the first and the last class too),
+    every position but one ignored, and float16 logits: loss and dlogits as torch's
+    cross_entropy(ignore_index=) gives them on the same logits in float32 / float64."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(23)
+    z = (3.0 * rng.standard_normal((3, 4, 6))).astype(dtype)
+    t = rng.integers(0, 6, size=(3, 4))
+    t[rng.random((3, 4)) < 0.4] = ignore
+    if all_but_one:
+        t[...] = ignore
+    t[1, 2] = 3  # one target counts
+    zt = torch.tensor(z.astype(np.float64 if dtype == "float64" else np.float32), requires_grad=True)
+    lt = torch.nn.functional.cross_entropy(zt.reshape(-1, 6), torch.tensor(t).reshape(-1),
+                                           ignore_index=ignore)
+    lt.backward(torch.tensor(0.7, dtype=zt.dtype))
+    loss, cache = nn.cross_entropy_forward(z, t, ignore_index=ignore)
+    dz = nn.cross_entropy_backward(0.7, cache)[0]
+    assert loss.dtype == z.dtype and dz.dtype == z.dtype
+    tol = dict(rtol=1e-12, atol=1e-16) if dtype == "float64" else dict(rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(float(loss), lt.item(), **tol)
+    np.testing.assert_allclose(dz.astype(np.float64), zt.grad.numpy(), **tol)
+    assert np.all(dz[t == ignore] == 0)
+
+
 def test_cross_entropy_ignore_index_is_checked_before_computing():
     """ignore_index None or an int its targets' dtype holds; other targets in [0, V); at
     least one target not ignored (torch gives NaN); each a TypeError / ValueError naming
