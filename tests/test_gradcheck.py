@@ -631,6 +631,29 @@ def test_a_forward_that_draws_fresh_randomness_is_refused_by_name():
     assert check_vjp(wobbly(1e-16), [x], [2.0 * dout], dout).ok  # d<2a, dout>/da = 2 dout
 
 
+def test_a_change_of_a_few_roundings_is_not_refused_with_rtol_0():
+    """rtol = 0 with an atol: two evaluations one float64 rounding apart (threads summing in
+    another order) were refused as nondeterministic, the limit being eps * rtol * scale = 0;
+    they pass the check, whose own atol covers far more. A change of 1e-9 is still refused."""
+    x = np.random.default_rng(5).standard_normal((3, 4))
+    dout = np.random.default_rng(6).standard_normal((3, 4))
+
+    def wobbly(size):
+        calls = []
+
+        def f(a):  # 2 a, +-size on alternate calls
+            calls.append(1)
+            return a * 2.0 + (size if len(calls) % 2 else -size)
+        return f
+
+    for atol in (1e-8, None):
+        assert check_vjp(wobbly(2.0**-52), [x], [2.0 * dout], dout, rtol=0.0, atol=atol).ok
+        f = wobbly(2.0**-52)
+        assert gradcheck(lambda a: (f(a), None), lambda d, c: (2.0 * d,), [x], rtol=0.0, atol=atol).ok
+        with raises(ValueError, "f", "same output for the same inputs"):
+            check_vjp(wobbly(1e-9), [x], [2.0 * dout], dout, rtol=0.0, atol=atol)
+
+
 def test_a_forward_whose_nan_comes_and_goes_is_refused():
     """An entry NaN on one evaluation and a number on the next (its other entries unchanged)
     is a change of the output, read as an infinite one; NaN in the same entries both times,
