@@ -295,7 +295,8 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
     V = logits.shape[-1]
     ct = compute_dtype(xp, logits.dtype)
     counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts
-    n = math.prod(targets.shape) if counted is None else int(xp.sum(counted))
+    # (counted as integers: a float32 sum of ones stops growing at 2**24)
+    n = math.prod(targets.shape) if ignore is None else int(xp.sum(xp.astype(targets != ignore, xp.int64)))
     if n == 0:  # a mean over no positions is 0 / 0 (torch: NaN)
         raise ValueError(f"targets: expected at least one target other than ignore_index = "
                          f"{ignore}, got only {ignore}s")
