@@ -459,7 +459,8 @@ def _check_deterministic(who: str, first: Any, again: Any, *, eps: float, rtol: 
         raise ValueError(
             f"{who}: expected the same output for the same inputs (finite differences need a "
             f"deterministic function), got two evaluations {change:.3g} apart (output scale "
-            f"{scale:.3g}): fix its randomness, e.g. pass a fixed dropout keep-mask")
+            f"{scale:.3g}): fix what changes between calls (fresh dropout: pass a fixed "
+            f"keep-mask; state it keeps, as a cache it appends to)")
 
 
 def _rounding_floor(out, dout, eps: float) -> float:
