@@ -7,6 +7,7 @@ here by hand: from the listed sample times and a hand count of the shape's FLOPs
 
 import inspect
 import io
+import sys
 import types
 
 import numpy as np
@@ -779,3 +780,118 @@ def test_an_isolated_case_that_fails_or_times_out_is_told_on_stderr(monkeypatch,
     err = capsys.readouterr().err
     assert "timed out after 3600 seconds" in err and "failed with status -9" in err
     assert "timed out" not in out.getvalue() and "status -9" not in out.getvalue()
+def test_the_gpt_step_prints_every_round_and_the_median_without_torch(monkeypatch):
+    """Each round's line shows that round's samples and ratio (rounds 2 to 4 of the samples
+    above: 10 and 20 ms, 20 and 40, 50 and 15); the model's size is the model's count; with
+    --no-torch the median of npattn's samples alone (30 10 20 50: 25 ms) and no ratio."""
+    clock = Clock()
+    monkeypatch.setattr(bench_gpt, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    npattn = stepper(clock, [0.030, 0.010, 0.020, 0.050], 2, skip=1)
+    torch = stepper(clock, [0.010, 0.020, 0.040, 0.015], 3, skip=1)
+    model = types.SimpleNamespace(n_params=lambda: 123)
+    monkeypatch.setattr(bench_gpt, "make_steps", lambda cfg, torch_side: (npattn, torch, model))
+    monkeypatch.setattr(bench_gpt, "autorange", lambda fn, sync: {npattn: 2, torch: 3}[fn])
+    out = io.StringIO()
+    r = bench_gpt.run(bench_gpt.GPTBenchConfig(), repeat=4, warmup=1, out=out)
+    lines = out.getvalue().splitlines()
+    assert "  model: 123 parameters" in lines and r["n_params"] == 123
+    assert [line for line in lines if line.startswith("  round")] == [
+        "  round 1: npattn     30.0 ms  torch     10.0 ms  ratio 3.00",
+        "  round 2: npattn     10.0 ms  torch     20.0 ms  ratio 0.50",
+        "  round 3: npattn     20.0 ms  torch     40.0 ms  ratio 0.50",
+        "  round 4: npattn     50.0 ms  torch     15.0 ms  ratio 3.33"]
+
+    clock = Clock()
+    monkeypatch.setattr(bench_gpt, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    npattn = stepper(clock, [0.030, 0.010, 0.020, 0.050], 2)
+    monkeypatch.setattr(bench_gpt, "make_steps", lambda cfg, torch_side: (npattn, None, model))
+    monkeypatch.setattr(bench_gpt, "autorange", lambda fn, sync: 2)
+    out = io.StringIO()
+    r = bench_gpt.run(bench_gpt.GPTBenchConfig(), repeat=4, warmup=0, torch_compare=False, out=out)
+    assert r["median_ms"] == pytest.approx({"npattn": 25.0}) and "ratio" not in r
+    assert out.getvalue().splitlines()[-1] == "median: npattn 25.0 ms per step"
+    assert "round 4: npattn     50.0 ms" in out.getvalue() and "torch" not in out.getvalue().split("\n", 1)[1]
+
+
+def test_the_gpt_config_prints_its_sizes_and_defaults_to_the_documented_shape():
+    """docs/gpt.md quotes the default run's first line: B=16 L=128 d_model=128 layers=4
+    heads=4 vocab=96 float32."""
+    assert str(bench_gpt.GPTBenchConfig(2, 3, 8, 1, 2, 5, "float64")) == (
+        "B=2 L=3 d_model=8 layers=1 heads=2 vocab=5 float64")
+    documented = "B=16 L=128 d_model=128 layers=4 heads=4 vocab=96 float32"
+    assert str(bench_gpt.GPTBenchConfig()) == documented
+
+
+def test_the_gpt_command_s_defaults_and_every_size_reach_its_run(monkeypatch):
+    """With no options: the documented shape, 7 rounds after 2 warm-up steps, float32; every
+    size given reaches the config, the dtype too."""
+    calls = []
+    monkeypatch.setattr(bench_gpt, "run", lambda cfg, **k: calls.append((cfg, k)) or {})
+    assert bench_gpt.main(["--model", "gpt", "--no-torch"]) == 0
+    cfg, kw = calls[-1]
+    assert str(cfg) == "B=16 L=128 d_model=128 layers=4 heads=4 vocab=96 float32"
+    assert kw == {"repeat": 7, "warmup": 2, "torch_compare": False}
+    assert bench_gpt.main(["--model", "gpt", "--batch", "3", "--seq-len", "5", "--d-model", "6",
+                           "--n-layer", "2", "--n-head", "3", "--vocab", "11", "--dtype", "float64",
+                           "--no-torch"]) == 0
+    assert str(calls[-1][0]) == "B=3 L=5 d_model=6 layers=2 heads=3 vocab=11 float64"
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--seq-len", "--d-model", "--n-layer", "--n-head",
+                                  "--vocab"])
+def test_the_gpt_step_refuses_a_size_of_zero(flag, monkeypatch, capsys):
+    monkeypatch.setattr(bench_gpt, "run", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        bench_gpt.main(["--model", "gpt", flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag}: expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_the_gpt_step_s_memory_check_estimates_its_own_sizes(monkeypatch):
+    """The memory check is given the estimate of the sizes asked for, in the dtype asked for:
+    B=2, L=3 (the block size too), D=4, F=16, 3 blocks, 2 heads, V=7, float64:
+    weights 7*4 + 3*4 + 3 * (4*16 + 2*4*16) = 616, held 4 times: 2464; logits and their
+    gradient 2*2*3*7 = 84; per block 2*3*(2*4 + 16) + 2*2*3*3 = 180, three blocks 540;
+    (2464 + 84 + 540) * 8 bytes."""
+    seen = []
+    monkeypatch.setattr(bench_gpt, "memory_error", lambda *a: seen.append(a) or None)
+    monkeypatch.setattr(bench_gpt, "run", lambda cfg, **k: {})
+    assert bench_gpt.main(["--model", "gpt", "--batch", "2", "--seq-len", "3", "--d-model", "4",
+                           "--n-layer", "3", "--n-head", "2", "--vocab", "7", "--dtype", "float64",
+                           "--no-torch"]) == 0
+    ((option, received, need, _),) = seen
+    assert option == "--batch, --seq-len, --d-model, --n-layer, --n-head, --vocab"
+    assert received == "--batch 2 --seq-len 3 --d-model 4 --n-layer 3 --n-head 2 --vocab 7"
+    assert need == (2464 + 84 + 540) * 8
+
+
+def test_the_gpt_step_without_torch_is_an_error_that_names_no_torch(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    monkeypatch.setattr(bench_gpt, "run", lambda *a, **k: pytest.fail("ran"))
+    assert bench_gpt.main(["--model", "gpt", "--batch", "1", "--seq-len", "2", "--d-model", "2",
+                           "--n-layer", "1", "--n-head", "1", "--vocab", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "torch is not installed" in err and "or pass --no-torch" in err
+
+
+def test_the_gpt_steps_train_the_same_model_alike():
+    """The two timed steps do the same work: from the same weights and batch, three steps of
+    npattn's and three of torch's (cross-entropy, clipping at 1.0, Adam at lr 1e-4) leave the
+    same weights (float64), which neither the first step alone nor a step of another kind does."""
+    torch = pytest.importorskip("torch")
+    cfg = bench_gpt.GPTBenchConfig(batch=2, seq_len=5, d_model=8, n_layer=1, n_head=2, vocab=7,
+                                   dtype="float64", seed=3)
+    npattn_step, torch_step, model = bench_gpt.make_steps(cfg)
+    torch_model = inspect.getclosurevars(torch_step).nonlocals["torch_model"]
+    before = {k: v.detach().clone() for k, v in torch_model.state_dict().items()}
+    for _ in range(3):
+        npattn_step()
+        torch_step()
+    ours = model.to_torch().state_dict()
+    theirs = torch_model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].dtype == torch.float64
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert any(not torch.equal(before[k], theirs[k]) for k in theirs)  # the steps moved the weights
+
