@@ -895,3 +895,82 @@ def test_the_gpt_steps_train_the_same_model_alike():
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-9, atol=1e-12, msg=name)
     assert any(not torch.equal(before[k], theirs[k]) for k in theirs)  # the steps moved the weights
 
+
+def test_the_available_memory_is_read_from_meminfo_or_the_physical_pages(monkeypatch):
+    """MemAvailable's kB are KiB; a cgroup with no room left (0) is the smaller of the two, not
+    missing; without either, the physical pages times their size."""
+    GiB = 2**30
+    meminfo = "MemTotal:  8000000 kB\nMemFree:  1000 kB\nMemAvailable:  2048 kB\n"
+
+    def fake_open(path, *args, **kwargs):
+        assert path == "/proc/meminfo"
+        return io.StringIO(meminfo)
+
+    monkeypatch.setattr(limits, "open", fake_open, raising=False)
+    monkeypatch.setattr(limits, "cgroup_room", lambda: None)
+    assert limits.available_memory() == 2048 * 1024
+    monkeypatch.setattr(limits, "cgroup_room", lambda: 0)
+    assert limits.available_memory() == 0
+    monkeypatch.setattr(limits, "cgroup_room", lambda: 3 * GiB)
+    assert limits.available_memory() == 2048 * 1024
+    monkeypatch.setattr(limits, "_meminfo_available", lambda: 8 * GiB)
+    monkeypatch.setattr(limits, "cgroup_room", lambda: None)
+    assert limits.available_memory() == 8 * GiB
+    # an unreadable MemAvailable line and no cgroup limit: the physical memory
+    meminfo = "MemAvailable:  many kB\n"
+    monkeypatch.undo()
+    monkeypatch.setattr(limits, "open", fake_open, raising=False)
+    monkeypatch.setattr(limits, "cgroup_room", lambda: None)
+    pages = {"SC_PHYS_PAGES": 1000, "SC_AVPHYS_PAGES": 10, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(limits.os, "sysconf", lambda name: pages[name])
+    assert limits.available_memory() == 1000 * 4096
+
+
+def test_huge_estimates_are_written_in_powers_of_ten():
+    GiB = 2**30
+    assert limits.format_bytes(1e4 * GiB) == "10000.0 GiB"
+    assert limits.format_bytes(1e7 * GiB) == "1e+07 GiB"
+
+
+def test_the_refusal_says_what_it_counted_and_refuses_with_no_memory_at_all():
+    GiB = 2**30
+    assert limits.memory_error("--x", "3", 2 * GiB, "the arrays", available=GiB) == (
+        "--x: expected sizes whose arrays fit in the 1.0 GiB of memory available here, got 3, "
+        "which needs at least 2.0 GiB (the arrays); choose smaller sizes, or pass "
+        "--skip-memory-check to run anyway")
+    assert limits.memory_error("--x", "3", 1, "y", available=0) is not None  # 0 bytes, not unknown
+
+
+def test_the_cgroup_room_never_exceeds_its_limit(tmp_path):
+    """A page cache larger than the usage (the counters are read one after the other) holds
+    nothing, not less than nothing; an unreadable memory.stat counts no page cache."""
+    (tmp_path / "memory.max").write_text("5000\n")
+    (tmp_path / "memory.current").write_text("1000\n")
+    (tmp_path / "memory.stat").write_text("active_file 3000\ninactive_file 0\n")
+    assert limits.cgroup_room(str(tmp_path)) == 5000
+    (tmp_path / "memory.stat").write_text("active_file lots\n")
+    assert limits.cgroup_room(str(tmp_path)) == 4000
+
+
+def test_the_repeated_entry_is_the_one_repeated():
+    assert limits.repeated_entry([3, 1, 2, 1]) == 1
+    assert limits.repeated_entry(["a", "b"]) is None
+
+
+def test_every_dense_impl_keeps_its_probabilities():
+    """Only the blocked path, and auto where it turns blocked, keep none: the reference and
+    NumPy paths keep them where auto would not."""
+    from npattn import attention
+
+    L = 1024
+    H = attention.AUTO_BLOCKED_MAX_DENSE_SCORES // (L * L)
+    assert limits.dense_probabilities(1, H, L, L, "auto") == 0
+    for impl in ("dense", "reference", "numpy"):
+        assert limits.dense_probabilities(1, H, L, L, impl) == H * L * L
+    assert limits.dense_probabilities(2, 3, 4, 5, "blocked") == 0
+
+
+def test_the_gpt_step_estimate_with_its_own_feed_forward_width():
+    # as test_the_gpt_step_estimate_by_hand with F = 6: weights 7*4 + 5*4 + 2 * (4*16 + 2*4*6)
+    # = 272, 4 times 1088; logits 84; per block 2*3*(2*4 + 6) = 84 and 36 probabilities: 2 * 120
+    assert limits.gpt_training_bytes(2, 3, 5, 4, 2, 2, 7, 4, d_ff=6) == (1088 + 84 + 240) * 4
