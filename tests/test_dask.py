@@ -793,6 +793,8 @@ def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
     (["--workers", "a,b"], "--workers: expected comma-separated positive integers"),
     (["--shape", "2x4x6x4"], "--shape: expected positive sizes with H dividing D"),
     (["--shape", "0x4x8x4"], "--shape: expected positive sizes with H dividing D"),
+    (["--shape", "1x4x2x4"], "--shape: expected positive sizes with H dividing D"),
+    (["--workers", "1,0"], "--workers: expected a positive integer, got 0"),
     (["--q-chunk", "0"], "--q-chunk: expected a positive integer, got 0"),
     (["--k-chunk", "0"], "--k-chunk: expected a positive integer, got 0"),
     (["--repeat", "0"], "--repeat: expected a positive integer, got 0"),
@@ -817,6 +819,8 @@ def test_bench_run_bytes_by_hand():
     assert need == 140 * per_pair and "140 chunk pairs" in what
     need, what = bench_dask.run_bytes((1, 20, 4096, 2, False), 4, 3, 1)
     assert need == 8 * 20 * 4096 * 4 > 140 * per_pair and "8 B*L*D arrays" in what
+    need, what = bench_dask.run_bytes((3, 20, 4, 2, False), 8, 3, 1, local=False)  # 3 entries
+    assert need == 420 * per_pair and "a graph of 420 chunk pairs" in what
 
 
 def test_bench_chunks_the_inputs_as_documented(monkeypatch):
@@ -863,20 +867,26 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
     of out, dq, dk and dv (a forward and a backward task per chunk pair), its time the clock's
     advance during the compute; the reported time is the median of the runs, the speed-up the
     first count's time over each; the peak per worker is VmHWM after the runs and the base VmRSS
-    before, in MiB."""
+    before, in MiB. Each cluster has no memory limit of distributed's (which would pause or
+    restart a worker and change its peak) and a scratch folder of its own, removed afterwards;
+    a MALLOC_TRIM_THRESHOLD_ of this process's is kept from the workers unless
+    malloc_trim, and is this process's again afterwards."""
     import io
+    import os
 
     from npattn.tools import bench_dask
 
     clock = _Clock()
     advances = iter([4.0, 1.0, 6.0, 2.0, 3.0, 1.0, 1.0])  # two clusters, three runs each; one
-    made, computed = [], []
+    made, computed, spawned = [], [], []
     reads = iter(range(1, 100))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
 
     class Cluster:
         def __init__(self, **kwargs):
             self.n = kwargs["n_workers"]
             made.append((kwargs, dict(dask.config.get("distributed.nanny.pre-spawn-environ"))))
+            spawned.append((os.environ.get("MALLOC_TRIM_THRESHOLD_"), dask.config.get("temporary-directory")))
 
         def __enter__(self):
             return self
@@ -918,8 +928,10 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
     shape = bench_dask.parse_shape("1x8x4x2")
     printed = io.StringIO()
     rows = bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1, 2], 3, out=printed)
-    for (kwargs, spawn), n in zip(made, (1, 2)):
+    for (kwargs, spawn), n, (trim, scratch) in zip(made, (1, 2), spawned):
         assert (kwargs["n_workers"], kwargs["threads_per_worker"], kwargs["processes"]) == (n, 1, True)
+        assert kwargs["memory_limit"] == 0 and trim is None
+        assert os.path.basename(scratch).startswith("npattn-dask-") and not os.path.exists(scratch)
         assert kwargs["env"]["NPATTN_NUM_THREADS"] == "1"
         assert spawn["MALLOC_TRIM_THRESHOLD_"] is None
     # 2 x 2 chunk pairs of 4 queries and 4 keys: 4 forward and 4 backward tasks
@@ -935,9 +947,11 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
         "(before the run 100 MiB)",
         "  2 worker(s): 2.00 s (runs 2.00, 3.00, 1.00); peak RSS per worker 550, 650 MiB "
         "(before the run 300, 400 MiB)"]
-    bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1], 1, malloc_trim=True,
-                           out=io.StringIO())
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "131072"
+    (row,) = bench_dask.run_workers(shape, np.dtype("float64"), 4, 4, [1], 1, malloc_trim=True,
+                                    out=io.StringIO())
     assert made[-1][1]["MALLOC_TRIM_THRESHOLD_"] is not None  # distributed's own setting kept
+    assert spawned[-1][0] == "131072" and row["speedup"] == 1.0
 
 
 def test_bench_run_local_times_forward_and_backward(monkeypatch):
@@ -965,6 +979,11 @@ def test_bench_run_local_times_forward_and_backward(monkeypatch):
     result = bench_dask.run_local(bench_dask.parse_shape("2x8x12x3c"), np.dtype("float64"), 3)
     assert seen == [((2, 3, 8, 4), np.float64, {"is_causal": True, "impl": "blocked"})] * 3
     assert result["times"] == [3.0, 7.0, 11.0] and result["seconds"] == 7.0
+    from npattn import backend
+
+    monkeypatch.setattr(backend, "pool_threads", lambda: 5)  # the pool's threads are reported
+    forward_times = iter([1.0])
+    assert bench_dask.run_local(bench_dask.parse_shape("1x4x2x1"), np.dtype("float64"), 1)["threads"] == 5
 
 
 def test_bench_main_passes_its_options_on(tmp_path, monkeypatch):
@@ -1314,3 +1333,64 @@ def test_bench_functions_refuse_a_bad_repeat_or_worker_count(kwargs, error, mess
     if "repeat" in kwargs:
         with pytest.raises(error, match=message):
             bench_dask.run_local(shape, np.dtype("float32"), args["repeat"])
+
+
+def test_bench_main_s_chunkings_defaults_and_speed_ups(tmp_path, monkeypatch, capsys):
+    """The graph rows, coarsest first: at L = 64 with --q-chunk 16 --k-chunk 32, whole rows
+    (64, 64), whole query rows by the key chunk (64, 32), the chunks asked for (16, 32) and
+    eighths (8, 8), in the dtype asked for. By default the shape is docs/dask.md's
+    8x4096x512x8 (not causal), queries and keys come in chunks of 1024, one run on 1 and on
+    2 workers, and the speed-up line shows the first count's seconds over each count's (only
+    where there are two counts)."""
+    from npattn.tools import bench_dask
+
+    asked = []
+
+    def graph_sizes(shape, dtype, chunkings):
+        asked.append((shape, dtype, list(chunkings)))
+        return [dict(q_chunk=q, k_chunk=k, pairs=0, tasks=0, pair_tasks=0) for q, k in chunkings]
+
+    monkeypatch.setattr(bench_dask, "graph_sizes", graph_sizes)
+    path = tmp_path / "r.json"
+    assert bench_dask.main(["--shape", "1x64x8x2", "--q-chunk", "16", "--k-chunk", "32",
+                            "--dtype", "float32", "--graph-only", "--json", str(path)]) == 0
+    assert asked[-1] == ((1, 64, 8, 2, False), np.float32, [(64, 64), (64, 32), (16, 32), (8, 8)])
+    assert bench_dask.main(["--graph-only", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert (result["shape"], result["q_chunk"], result["k_chunk"]) == ("8x4096x512x8", 1024, 1024)
+    assert asked[-1][0] == (8, 4096, 512, 8, False) and (1024, 1024) in asked[-1][2]
+
+    calls = []
+
+    def run_workers(shape, dtype, q_chunk, k_chunk, workers, repeat, malloc_trim=False):
+        calls.append((workers, repeat))
+        return [dict(workers=n, seconds=8.0 / n, speedup=float(n)) for n in workers]
+
+    monkeypatch.setattr(bench_dask, "run_workers", run_workers)
+    capsys.readouterr()
+    assert bench_dask.main(["--shape", "1x8x4x2", "--no-local"]) == 0
+    assert calls[-1] == ([1, 2], 1)
+    assert "  speed-up over 1 worker(s): 1: 1.00x, 2: 2.00x" in capsys.readouterr().out.splitlines()
+    assert bench_dask.main(["--shape", "1x8x4x2", "--no-local", "--workers", "2"]) == 0
+    assert "speed-up" not in capsys.readouterr().out
+
+
+def test_bench_main_s_memory_check_counts_the_dtype_and_leaves_out_what_is_not_run(monkeypatch, capsys):
+    """3 x 1024 x 16 in chunks of 256 keys: the finest graph (eighths, 128 a side) has
+    3 * 8 * 8 = 192 pairs, 384 KiB; the in-process run's eight arrays are 1.5 MiB in float32
+    and 3 MiB in float64 (and its scores 8 MiB a head). In 2 MiB, float32 runs and float64 is
+    refused, unless the in-process run is left out (--no-local)."""
+    from npattn.tools import bench_dask, limits
+
+    monkeypatch.setattr(bench_dask, "run_workers", lambda *a, **k: [])
+    monkeypatch.setattr(bench_dask, "run_local", lambda *a, **k: dict(seconds=1.0, threads=1))
+    monkeypatch.setattr(bench_dask, "graph_sizes", lambda *a: [])
+    monkeypatch.setattr(limits, "available_memory", lambda: 2 * 2**20)
+    common = ["--shape", "3x1024x16x2", "--k-chunk", "256", "--workers", "1"]
+    assert bench_dask.main([*common, "--dtype", "float32"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        bench_dask.main([*common, "--dtype", "float64"])
+    assert exc.value.code == 2 and "needs at least 3.0 MiB" in capsys.readouterr().err
+    assert bench_dask.main([*common, "--dtype", "float64", "--no-local", "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["scores_one_head_mib"], result["scores_one_entry_mib"]) == (8.0, 16.0)
