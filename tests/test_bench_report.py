@@ -974,3 +974,21 @@ def test_the_gpt_step_estimate_with_its_own_feed_forward_width():
     # as test_the_gpt_step_estimate_by_hand with F = 6: weights 7*4 + 5*4 + 2 * (4*16 + 2*4*6)
     # = 272, 4 times 1088; logits 84; per block 2*3*(2*4 + 6) = 84 and 36 probabilities: 2 * 120
     assert limits.gpt_training_bytes(2, 3, 5, 4, 2, 2, 7, 4, d_ff=6) == (1088 + 84 + 240) * 4
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(repeat=0), ValueError, ("repeat", "got 0")),
+    (dict(repeat=2.0), TypeError, ("repeat",)),
+    (dict(warmup=-1), ValueError, ("warmup", "got -1")),
+])
+def test_run_refuses_a_bad_repeat_or_warmup_before_timing_anything(monkeypatch, kwargs, exc, words):
+    """bench.run is public: repeat=0 timed the GEMM and then failed in statistics.median with
+    a StatisticsError naming nothing (main checked --repeat, run did not)."""
+    timed = []
+    monkeypatch.setattr(bench, "gemm_gflops", lambda *a: timed.append(a) or 100.0)
+    out = io.StringIO()
+    with pytest.raises(exc) as info:
+        bench.run([SHAPE], gemm_n=8, torch_compare=False, memory=False, pause=0.0, min_sample=0.0,
+                  out=out, progress=False, **kwargs)
+    assert str(info.value).startswith(words[0]) and all(w in str(info.value) for w in words)
+    assert timed == [] and out.getvalue() == ""

@@ -83,6 +83,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from .. import validation as V
 from ..backend import resolve_backend, backend_name, from_numpy
 from .limits import (MAX_SIZE, MAX_THREADS, SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP,
                      dense_probabilities, memory_error)
@@ -658,6 +659,9 @@ def run(shapes, *, dtype="float32", backend="numpy", impl="dense", repeat=7, war
     from .progress import ProgressBar
 
     out = sys.stdout if out is None else out
+    # before the GEMM is timed: a median of no samples failed after it (main checks them too)
+    repeat = V.check_positive_int("repeat", repeat)
+    warmup = V.check_size("warmup", warmup)
     xp = resolve_backend(backend)
     check_dtype(xp, dtype)
     sync = _sync_for(xp)
