@@ -600,10 +600,10 @@ def _block(decoder, *, norm_first, activation, is_causal):
         def backward_acts(block, dout):  # (dx, dmemory), or dx alone
             return block.backward(dout) if decoder else (block.backward(dout),)
         model_for, pair = _model_pair(make, call, backward_acts)
-        pnames = list(model_for(getattr(xp, "float64")).params)
+        pnames = list(model_for(xp.float64).params)
         acts, anames = ([m.normal(B, L, D), m.normal(B, Lm, D)], ["x", "memory"]) if decoder else (
             [m.normal(B, L, D)], ["x"])
-        params = [m.normal(*model_for(getattr(xp, "float64")).params[n].shape) for n in pnames]
+        params = [m.normal(*model_for(xp.float64).params[n].shape) for n in pnames]
         return (*pair(len(acts), pnames), acts + params, anames + pnames)
 
     return build
@@ -622,8 +622,8 @@ def _gpt(xp, dtype, rng):
         return ()
 
     model_for, pair = _model_pair(make, lambda model: model.forward(ids), backward_acts)
-    pnames = list(model_for(getattr(xp, "float64")).params)
-    params = [m.normal(*model_for(getattr(xp, "float64")).params[n].shape) for n in pnames]
+    pnames = list(model_for(xp.float64).params)
+    params = [m.normal(*model_for(xp.float64).params[n].shape) for n in pnames]
     return (*pair(0, pnames), params, pnames)
 
 
