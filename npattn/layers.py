@@ -157,7 +157,7 @@ def _erf(xp, x):
         t = f_in + (0.5 * k) / t  # level k of the fraction: a + (k/2) / (level k+1)
     erfc = xp.exp(-f_in * f_in) / (math.sqrt(math.pi) * t)  # [...]
     e = xp.where(small, series, 1.0 - erfc)  # [...] erf(|x|)
-    e = xp.where(xc < 0.0, -e, e)  # [...]
+    e = xp.where(xp.signbit(xc), -e, e)  # [...] (signbit: erf(-0.0) = -0.0, as math.erf)
     return e if e.dtype == x.dtype else xp.astype(e, x.dtype)
 
 

@@ -59,6 +59,15 @@ def test_erf_special_values_and_oddness(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(L.erf(to_xp(-y))), -to_np(L.erf(to_xp(y))))
 
 
+def test_erf_is_odd_at_zero_too(xp, to_xp, to_np):
+    """erf(-0.0) = -0.0 and erf(+0.0) = +0.0, as math.erf: the sign was set by x < 0, which
+    -0.0 is not, so erf(-0.0) came out +0.0."""
+    y = to_np(L.erf(to_xp(np.array([-0.0, 0.0, -1e-300, 1e-300]))))
+    assert math.copysign(1.0, math.erf(-0.0)) == -1.0
+    np.testing.assert_array_equal(np.signbit(y), [True, False, True, False])
+    np.testing.assert_array_equal(y[:2], [0.0, 0.0])
+
+
 def test_erf_float32_keeps_dtype(xp, to_xp, to_np):
     xs = np.linspace(-6.0, 6.0, 2001)
     e = L.erf(to_xp(xs.astype(np.float32)))
