@@ -364,16 +364,13 @@ class GPT(BlockStack):
         return float(loss), dlogits
 
     def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None) -> None:
-        nn.check_ignore_index(ignore_index)
-        ignore_index = None if ignore_index is None else int(ignore_index)
+        ignore = nn.check_ignore_index(ignore_index)
         V.check_ids("targets", targets, self.vocab_size, self.xp, self._device(), what="token ids",
-                    ignore=ignore_index)
+                    ignore=ignore)
         if V.shape_of(targets) != tuple(shape):
             raise ValueError(f"targets: expected shape {tuple(shape)} (that of ids), got "
                              f"{V.shape_of(targets)}")
-        if ignore_index is not None and not bool(self.xp.any(targets != ignore_index)):
-            raise ValueError(f"targets: expected at least one target other than ignore_index = "
-                             f"{ignore_index}, got only {ignore_index}s")
+        nn.count_targets(self.xp, targets, ignore)  # at least one that counts
 
     # ----------------------------------------------------------- torch interop
 

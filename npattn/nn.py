@@ -35,6 +35,7 @@ __all__ = [
     "cross_entropy_forward",
     "cross_entropy_backward",
     "check_ignore_index",
+    "count_targets",
     "AdamState",
     "adam_init",
     "adam_step",
@@ -233,12 +234,27 @@ class CrossEntropyCache(NamedTuple):
     counted: Any = None  #: [..., 1] 1 where the target counts, 0 where ignored; None: all count
 
 
-def check_ignore_index(ignore_index: Any) -> None:
-    """``TypeError`` unless ``ignore_index`` is None or an int (not a bool)."""
+def check_ignore_index(ignore_index: Any) -> Optional[int]:
+    """``ignore_index`` as None or a Python int: ``TypeError`` unless it is None or an int
+    (not a bool)."""
     if ignore_index is not None and (isinstance(ignore_index, bool)
                                      or not isinstance(ignore_index, numbers.Integral)):
         raise TypeError(f"ignore_index: expected None or an int, got {Vd.type_name(ignore_index)} "
                         f"{ignore_index!r}")
+    return None if ignore_index is None else int(ignore_index)
+
+
+def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
+    """How many of ``targets`` count (all, or those other than ``ignore``): the ``N`` of the
+    mean; a ``ValueError`` for none (a mean over no positions is 0 / 0, torch's NaN)."""
+    if ignore is None:
+        return math.prod(Vd.shape_of(targets))
+    # (counted as integers: a float32 sum of ones stops growing at 2**24)
+    n = int(xp.sum(xp.astype(targets != ignore, xp.int64)))
+    if n == 0:
+        raise ValueError(f"targets: expected at least one target other than ignore_index = "
+                         f"{ignore}, got only {ignore}s")
+    return n
 
 
 def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[int] = None
@@ -285,8 +301,7 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
         raise ValueError(f"logits: expected at least one position (leading axes of nonzero "
                          f"length), got shape {Vd.shape_of(logits)}")
     xp = namespace(logits)
-    check_ignore_index(ignore_index)
-    ignore = None if ignore_index is None else int(ignore_index)
+    ignore = check_ignore_index(ignore_index)
     Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
                  like="logits", ignore=ignore)
     if Vd.shape_of(targets) != Vd.shape_of(logits)[:-1]:
@@ -294,12 +309,8 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
                          f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
     ct = compute_dtype(xp, logits.dtype)
+    n = count_targets(xp, targets, ignore)  # N
     counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts
-    # (counted as integers: a float32 sum of ones stops growing at 2**24)
-    n = math.prod(targets.shape) if ignore is None else int(xp.sum(xp.astype(targets != ignore, xp.int64)))
-    if n == 0:  # a mean over no positions is 0 / 0 (torch: NaN)
-        raise ValueError(f"targets: expected at least one target other than ignore_index = "
-                         f"{ignore}, got only {ignore}s")
     z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
     m = row_max(xp, z)  # 1. max over the classes                     [..., 1]
     lse = m + xp.log(xp.sum(xp.exp(z - m), axis=-1, keepdims=True))  # 2. [..., 1]
