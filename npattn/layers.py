@@ -59,13 +59,6 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 GELU_FORMS = ("none", "tanh")
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    """``ValueError`` unless ``value`` is one of the strings ``choices``."""
-    if not isinstance(value, str) or value not in choices:
-        expected = " or ".join(repr(c) for c in choices)
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
-
-
 def check_eps(name: str, value: Any, xp: Any = None, dtype: Any = None) -> None:
     """``TypeError`` unless ``value`` is a real number, ``ValueError`` unless it is finite and > 0
     and, given ``xp`` and ``dtype``, one that layer norm's compute dtype holds: an ``eps`` that
@@ -398,7 +391,7 @@ def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
     """
     # [...] -> [...]
     V.check_floating_array("x", x)
-    _check_choice("approximate", approximate, GELU_FORMS)
+    V.check_choice("approximate", approximate, GELU_FORMS)
     xp = namespace(x)
     xc = _compute(xp, x)  # [...]
     if approximate == "none":
@@ -521,7 +514,7 @@ def feed_forward_forward(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, *, activati
         raise ValueError(f"x: expected shape (..., D), got shape {V.shape_of(x)}")
     _check_linear("w1", w1, "b1", b1, x, int(x.shape[-1]), "D, the last axis of x")
     _check_linear("w2", w2, "b2", b2, x, int(w1.shape[0]), "F, the first axis of w1")
-    _check_choice("activation", activation, ACTIVATIONS)
+    V.check_choice("activation", activation, ACTIVATIONS)
     V.check_probability("dropout_p", dropout_p)
     hidden = (*V.shape_of(x)[:-1], int(w1.shape[0]))
     V.check_mask("dropout_mask", dropout_mask, namespace(x), target=hidden,

@@ -38,8 +38,6 @@ from .backend import (
 
 __all__ = ["causal", "window", "segments", "padding", "from_torch_mha"]
 
-_ALIGNS = ("top_left", "bottom_right")
-
 
 def _namespace_or(xp):
     """``xp=`` as a namespace: None means NumPy, a string is a backend name."""
@@ -103,8 +101,7 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     # below stays within the index dtype on every library
     left, right = (None if side is None else min(_check_length(name, side, axis=False), Lq + Lk)
                    for name, side in (("left", left), ("right", right)))
-    if align not in _ALIGNS:
-        raise ValueError(f"align: expected one of {_ALIGNS}, got {align!r}")
+    V.check_choice("align", align, V.ALIGNS)
     xp = _namespace_or(xp)
     V.check_device(xp, device)
     offset = 0 if align == "top_left" else Lk - Lq

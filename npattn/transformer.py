@@ -271,11 +271,6 @@ class BlockGradState(NamedTuple):
     attn: dict  #: its attention modules' (grads, dmask, cache), by name
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
-
-
 class _Block(abc.ABC):
     """What both blocks share: parameters, modes, dropout masks, torch state dicts."""
 
@@ -289,7 +284,7 @@ class _Block(abc.ABC):
                  layer_norm_eps: float = 1e-5, bias: bool = True, dtype: str = "float32",
                  backend: Any = "numpy", seed: Any = None) -> None:
         d_ff = V.check_positive_int("d_ff", d_ff, allow_none=True)  # Python ints from here on
-        _check_choice("activation", activation, ACTIVATIONS)
+        V.check_choice("activation", activation, ACTIVATIONS)
         V.check_bool("norm_first", norm_first)
         V.check_bool("bias", bias)
         V.check_scale("layer_norm_eps", layer_norm_eps)

@@ -48,6 +48,7 @@ __all__ = [
     "check_array",
     "check_device",
     "check_bool",
+    "check_choice",
     "check_positive_int",
     "MAX_AXIS",
     "check_probability",
@@ -120,6 +121,18 @@ def check_bool(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a bool (Python or NumPy)."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type_name(value)} {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    """``TypeError`` unless ``value`` is a str (or None, where ``choices`` holds None),
+    ``ValueError`` unless it is one of ``choices``; the message lists them."""
+    listed = [repr(c) for c in choices]
+    expected = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " or " + listed[-1]
+    if not (isinstance(value, str) or (value is None and None in choices)):
+        got = "None" if value is None else f"{type_name(value)} {value!r}"
+        raise TypeError(f"{name}: expected {expected}, got {got}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
 @overload
@@ -703,8 +716,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
     """
     xp = array_api_compat.array_namespace(q)
     device = device_of(q)
-    if not isinstance(align, str) or align not in ALIGNS:
-        raise ValueError(f"align: expected one of {ALIGNS}, got {align!r}")
+    check_choice("align", align, ALIGNS)
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(

@@ -164,7 +164,7 @@ import numpy as np
 
 from . import attention as A
 from .backend import to_numpy
-from .validation import check_size, dtype_name, real_value, type_name
+from .validation import ALIGNS, check_choice, check_size, dtype_name, real_value, type_name
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
                            check_supports, panel)
 
@@ -1850,15 +1850,6 @@ def _describe_callable(f: Any) -> str:
     return repr(f)
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    """``TypeError`` unless ``value`` is a str (or None, where ``choices`` holds None),
-    ``ValueError`` unless it is one of ``choices``."""
-    if not (isinstance(value, str) or (value is None and None in choices)):
-        raise TypeError(f"{name}: expected one of {choices}, got {type_name(value)} {value!r}")
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-
-
 def _is_number(x: Any) -> bool:
     """A real number (a Python or NumPy int or float), not a bool; ``verify`` holds it as a
     Python float (the report's JSON)."""
@@ -1867,9 +1858,9 @@ def _is_number(x: Any) -> bool:
 
 def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_factor: Any,
                 align: Any, adapter: Any, floors: Any) -> None:
-    _check_choice("layout", layout, LAYOUTS)
-    _check_choice("dtype", dtype, DTYPES)
-    _check_choice("autograd", autograd, AUTOGRADS)
+    check_choice("layout", layout, LAYOUTS)
+    check_choice("dtype", dtype, DTYPES)
+    check_choice("autograd", autograd, AUTOGRADS)
     if backward is not None and not callable(backward):
         raise TypeError(f"backward: expected a callable backward(dout, *saved), got "
                         f"{type(backward).__name__}")
@@ -1881,7 +1872,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
                         f"{type_name(budget_factor)} {budget_factor!r}")
     if not (math.isfinite(real_value(budget_factor)) and budget_factor >= 1.0):  # 2**1100: inf
         raise ValueError(f"budget_factor: expected a finite number >= 1, got {budget_factor!r}")
-    _check_choice("align", align, ("top_left", "bottom_right"))
+    check_choice("align", align, ALIGNS)
     if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
         raise TypeError(f"adapter: expected None, a mapping {{npattn name: kernel name or None}} "
                         f"or a callable(options) -> keywords, got {type(adapter).__name__}")

@@ -718,7 +718,7 @@ def test_bad_arguments_name_the_argument(xp, to_xp):
         L.feed_forward_forward(x, w1, w4, w2, None)
     with pytest.raises(ValueError, match=r"^b2: expected shape \(4,\)"):
         L.feed_forward_forward(x, w1, None, w2, w5)
-    with pytest.raises(ValueError, match=r"^activation: expected 'relu' or 'gelu' or 'gelu_tanh'"):
+    with pytest.raises(ValueError, match=r"^activation: expected 'relu', 'gelu' or 'gelu_tanh'"):
         L.feed_forward_forward(x, w1, None, w2, None, activation="swish")
     with pytest.raises(ValueError, match=r"^dropout_p: expected a drop probability"):
         L.feed_forward_forward(x, w1, None, w2, None, dropout_p=1.0)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+import npattn
 from npattn import MultiHeadAttention
 from npattn import functional as F
 from npattn.backend import from_numpy, to_numpy
@@ -1318,3 +1319,25 @@ def test_only_a_3d_mask_gets_the_batch_or_heads_hint():
     with pytest.raises(ValueError, match="mask") as info:
         m(q, k, v, mask=np.ones((1, 2, 2, 3, 5), dtype=bool))
     assert "ambiguous" not in str(info.value)
+
+
+@pytest.mark.parametrize("call,name,choices", [
+    (lambda v: npattn.masks.causal(3, 4, align=v), "align", "'top_left' or 'bottom_right'"),
+    (lambda v: npattn.layers.gelu_forward(np.ones(3), v), "approximate", "'none' or 'tanh'"),
+    (lambda v: npattn.layers.feed_forward_forward(np.ones((2, 3)), np.ones((4, 3)), None,
+                                                  np.ones((3, 4)), None, activation=v),
+     "activation", "'relu', 'gelu' or 'gelu_tanh'"),
+    (lambda v: npattn.transformer.TransformerBlock(4, 2, activation=v), "activation",
+     "'relu', 'gelu' or 'gelu_tanh'"),
+])
+def test_a_choice_of_strings_is_checked_by_type_then_value(call, name, choices):
+    """A string option: TypeError for anything not a str (None, an int, bytes, a NumPy
+    string array), ValueError for a str not among the choices (no case folding); both
+    messages list the choices."""
+    for bad in (None, 3, b"tanh", np.array(["tanh"])):
+        got = "got None" if bad is None else type(bad).__name__
+        with raises(TypeError, f"{name}: expected {choices}, got", got):
+            call(bad)
+    for bad in ("", "TANH", "Bottom_Right", "relu "):
+        with raises(ValueError, f"{name}: expected {choices}, got {bad!r}"):
+            call(bad)

@@ -1582,9 +1582,9 @@ def test_a_write_into_the_kernel_s_own_float_mask_or_out_of_another_library_fail
 
 
 def test_argument_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"layout: expected one of .*got 'bhds'"):
+    with pytest.raises(ValueError, match=r"layout: expected 'bhsd', .*got 'bhds'"):
         VF.verify(npattn_kernel, layout="bhds")
-    with pytest.raises(ValueError, match="dtype: expected one of"):
+    with pytest.raises(ValueError, match=r"dtype: expected 'float.*, got 'half'"):
         VF.verify(npattn_kernel, dtype="half")
     with pytest.raises(ValueError, match="backward, autograd: expected one source"):
         VF.verify(npattn_kernel, backward=npattn_backward, autograd="torch")
