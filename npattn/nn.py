@@ -35,6 +35,8 @@ __all__ = [
     "cross_entropy_forward",
     "cross_entropy_backward",
     "check_ignore_index",
+    "check_label_smoothing",
+    "REDUCTIONS",
     "count_targets",
     "AdamState",
     "adam_init",
@@ -229,9 +231,15 @@ class CrossEntropyCache(NamedTuple):
     """What ``cross_entropy_backward`` needs from ``cross_entropy_forward``."""
     p: Any  #: [..., V] softmax of the logits, in the compute dtype
     onehot: Any  #: [..., V] one-hot targets (rows of zeros where ignored), in the compute dtype
-    n: int  #: number of positions averaged over (those not ignored)
+    n: int  #: what the losses are divided by: N, the positions that count, for "mean"; else 1
     dtype: Any = None  #: the logits' dtype (that of the loss and of dlogits); None: p's
     counted: Any = None  #: [..., 1] 1 where the target counts, 0 where ignored; None: all count
+    smoothing: float = 0.0  #: label_smoothing, epsilon
+    reduction: str = "mean"  #: "mean", "sum" or "none"
+
+
+#: What ``cross_entropy_forward``'s ``reduction`` may be (torch's).
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def check_ignore_index(ignore_index: Any) -> Optional[int]:
@@ -242,6 +250,18 @@ def check_ignore_index(ignore_index: Any) -> Optional[int]:
         raise TypeError(f"ignore_index: expected None or an int, got {Vd.type_name(ignore_index)} "
                         f"{ignore_index!r}")
     return None if ignore_index is None else int(ignore_index)
+
+
+def check_label_smoothing(label_smoothing: Any) -> float:
+    """``label_smoothing`` as a Python float: ``TypeError`` unless a real number (not a bool),
+    ``ValueError`` unless in [0, 1] (torch's range)."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"label_smoothing: expected a real number in [0, 1], got "
+                        f"{Vd.type_name(label_smoothing)} {label_smoothing!r}")
+    eps = Vd.real_value(label_smoothing)
+    if not 0.0 <= eps <= 1.0:  # (False for NaN)
+        raise ValueError(f"label_smoothing: expected a real number in [0, 1], got {label_smoothing!r}")
+    return eps
 
 
 def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
@@ -257,21 +277,28 @@ def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     return n
 
 
-def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[int] = None
+def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[int] = None,
+                          label_smoothing: float = 0.0, reduction: str = "mean"
                           ) -> tuple[Any, CrossEntropyCache]:
-    """Mean softmax cross-entropy, ``loss = -mean_n log softmax(logits_n)[t_n]``.
+    """Softmax cross-entropy, by default the mean ``loss = -mean_n log softmax(logits_n)[t_n]``.
 
-    Steps:
+    Steps, per position ``n`` (``y`` the target distribution, ``one_hot(t)`` by default):
 
     1. ``m = max(logits)``                  (a shift for stability; cancels)
     2. ``lse = m + log(sum(exp(logits - m)))``   log-sum-exp, [..., 1]
     3. ``logp = logits - lse``               log-probabilities, [..., V]
-    4. ``loss = -sum(one_hot(t) * logp) / N``  (the targets' entries picked by a ``where``:
-       a ``-inf`` logit elsewhere in the row would make the product ``0 * -inf``)
+    4. ``l_n = -sum_c y_c logp_c``           the position's loss, [...]
+       ``= (1 - eps) (-logp_t) + (eps / V) (-sum_c logp_c)``  (the target's entry picked by a
+       ``where``: a ``-inf`` logit elsewhere in the row would make ``0 * -inf``)
+    5. ``loss = sum_n l_n / N``               (``reduction``: "mean"; "sum": ``sum_n l_n``;
+       "none": ``l_n`` itself, shape (...))
 
-    With ``ignore_index``, a position whose target equals it (padding, say) is left out:
-    its ``one_hot`` row is zero, ``N`` counts the other positions, and its logits get zero
-    gradient, as torch's ``cross_entropy(..., ignore_index=)``. torch's default is -100;
+    With ``label_smoothing = eps`` the target distribution is
+    ``y = (1 - eps) one_hot(t) + eps / V``, as torch's ``cross_entropy(label_smoothing=)``;
+    a ``-inf`` logit then gives an infinite loss (``y`` puts mass on it) and finite
+    gradients. With ``ignore_index``, a position whose target equals it (padding, say) is
+    left out: its ``y`` row is zero, ``N`` counts the other positions, and its logits get
+    zero gradient, as torch's ``cross_entropy(..., ignore_index=)``. torch's default is -100;
     here it is None, every target counts, and a -100 is an out-of-range target.
 
     Half-precision logits are computed in float32 (a float16 sum of ``exp`` overflows
@@ -280,26 +307,31 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
 
     Parameters
     ----------
-    logits : array, shape (..., V), at least one position (a ``ValueError`` for none, where
-        torch's mean gives NaN)
-    targets : integer array, shape (...), values in [0, V) or ``ignore_index``, at least one
-        of them not ignored (a ``ValueError`` for none, where torch gives NaN)
+    logits : array, shape (..., V); for "mean", at least one position (a ``ValueError`` for
+        none, where torch's mean gives NaN)
+    targets : integer array, shape (...), values in [0, V) or ``ignore_index``; for "mean", at
+        least one of them not ignored (a ``ValueError`` for none, where torch gives NaN)
     ignore_index : int, optional
         The target value of positions to leave out; it may lie in [0, V) (a padding
         token's id) or outside it (torch's -100).
+    label_smoothing : float in [0, 1], default 0
+    reduction : "mean" (default), "sum" or "none"
 
     Returns
     -------
-    loss : 0-d array
+    loss : array, shape () ("mean", "sum") or (...) ("none": 0 where ignored)
     cache : CrossEntropyCache
     """
-    # [..., V], [...] -> []
+    # [..., V], [...] -> [] or [...]
     Vd.check_floating_array("logits", logits)
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits: expected shape (..., V) with V >= 1, got {Vd.shape_of(logits)}")
-    if math.prod(Vd.shape_of(logits)[:-1]) == 0:  # a mean over no positions is 0 / 0 (torch: NaN)
+    Vd.check_choice("reduction", reduction, REDUCTIONS)
+    eps = check_label_smoothing(label_smoothing)
+    mean = reduction == "mean"
+    if mean and math.prod(Vd.shape_of(logits)[:-1]) == 0:  # a mean over none is 0 / 0 (torch: NaN)
         raise ValueError(f"logits: expected at least one position (leading axes of nonzero "
-                         f"length), got shape {Vd.shape_of(logits)}")
+                         f"length) for reduction 'mean', got shape {Vd.shape_of(logits)}")
     xp = namespace(logits)
     ignore = check_ignore_index(ignore_index)
     Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
@@ -309,7 +341,7 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
                          f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
     ct = compute_dtype(xp, logits.dtype)
-    n = count_targets(xp, targets, ignore)  # N
+    n = count_targets(xp, targets, ignore) if mean else 1  # N for the mean
     counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts
     z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
     m = row_max(xp, z)  # 1. max over the classes                     [..., 1]
@@ -320,39 +352,58 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
         counted = xp.expand_dims(counted, axis=-1)  # [..., 1]
         onehot = onehot * counted  # an ignored position's row: zeros (its target may be in range)
     picked = xp.where(onehot == 1.0, logp, xp.zeros_like(logp))  # 4. logp[t], 0 elsewhere
-    loss = -xp.sum(picked) / float(n)  # 4.                             []
-    loss = xp.astype(xp.asarray(loss), logits.dtype)  # a 0-d array (NumPy reduces to a scalar)
-    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype, counted)
+    nll = -xp.sum(picked, axis=-1)  # 4. -logp[t]                       [...]
+    if eps == 0.0:
+        losses = nll  # [...]
+    else:  # 4. + eps / V times the sum over every class; eps = 1: that term alone (0 * inf)
+        smooth = -xp.sum(logp, axis=-1) * (eps / V)  # [...]
+        losses = smooth if eps == 1.0 else (1.0 - eps) * nll + smooth
+        if counted is not None:  # an ignored row's sum may be -inf: where, not a product
+            losses = xp.where(counted[..., 0] == 1.0, losses, xp.zeros_like(losses))
+    if reduction == "none":
+        loss = losses  # 5.                                             [...]
+    else:
+        loss = xp.sum(losses) / float(n)  # 5.                         []
+    loss = xp.astype(xp.asarray(loss), logits.dtype)  # an array (NumPy reduces to a scalar)
+    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype, counted, eps, reduction)
 
 
 def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, None]:
-    """Gradient of the mean cross-entropy: ``dlogits = dloss * (softmax(logits) - one_hot(t)) / N``.
+    """Gradient of the cross-entropy: ``dlogits = dloss * (softmax(logits) - y) / N``.
 
-    From 4. and 3.: ``dlogp = -dloss * one_hot / N``, and through
-    ``logp = logits - lse`` with ``d lse / d logits = softmax``:
-    ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - one_hot) / N``
-    (each row of ``one_hot`` sums to 1). An ignored position's ``one_hot`` row is zero,
-    so its ``dlogp`` is and its ``sum(dlogp)``: ``dlogits = 0`` there, which the
+    From 5. and 4.: ``dlogp = -dloss * y / N`` (``dloss_n`` of each position for "none",
+    ``N = 1`` unless "mean"), and through ``logp = logits - lse`` with
+    ``d lse / d logits = softmax``:
+    ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - y) / N``
+    (each row of ``y`` sums to 1, smoothed or not). An ignored position's ``y`` row is
+    zero, so its ``dlogp`` is and its ``sum(dlogp)``: ``dlogits = 0`` there, which the
     ``counted`` factor on ``p`` says. ``targets`` get None.
 
-    ``dloss`` is a finite Python number, or an array of shape () or (1,) in the loss's dtype.
-    Computed in the forward's compute dtype, returned in the logits' dtype.
+    ``dloss`` is a finite Python number, or an array of the loss's shape and dtype (shape
+    () or (1,) for "mean" and "sum"). Computed in the forward's compute dtype, returned
+    in the logits' dtype.
 
     Returns
     -------
     dlogits : array, shape (..., V)
     dtargets : None
     """
-    # [] -> [..., V], None
+    # [] or [...] -> [..., V], None
     Vd.check_cache("cache", cache, CrossEntropyCache, "cross_entropy_forward")
     xp = namespace(cache.p)
     dtype = cache.p.dtype if cache.dtype is None else cache.dtype  # the loss's
+    per_position = cache.reduction == "none"
     if isinstance(dloss, bool) or not isinstance(dloss, (int, float)):  # a number, or the loss's like
         Vd.check_array("dloss", dloss)
-        shape = Vd.shape_of(dloss) if Vd.shape_of(dloss) == (1,) else ()  # (1,): gradcheck's
+        if per_position:
+            shape = Vd.shape_of(cache.p)[:-1]
+        else:
+            shape = Vd.shape_of(dloss) if Vd.shape_of(dloss) == (1,) else ()  # (1,): gradcheck's
         Vd.check_grad("dloss", dloss, shape=shape, dtype=dtype, xp=xp,
                       device=device_of(cache.p), of="the loss")
         dloss = xp.astype(dloss, cache.p.dtype)
+        if per_position:
+            dloss = xp.expand_dims(dloss, axis=-1)  # [..., 1]
     else:  # a Python float (a NumPy float64, a float subclass, would upcast float32 logits)
         if not math.isfinite(Vd.real_value(dloss)):  # (10**400 has no float: OverflowError)
             got = (f"an int too large for a float ({dloss.bit_length()} bits)"
@@ -360,7 +411,12 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
             raise ValueError(f"dloss: expected a finite number, got {got}")
         dloss = float(dloss)
     p = cache.p if cache.counted is None else cache.p * cache.counted  # [..., V]
-    dlogits = dloss * (p - cache.onehot) / float(cache.n)  # [..., V]
+    y = cache.onehot  # [..., V] the target distribution
+    if cache.smoothing:
+        V = Vd.shape_of(cache.p)[-1]
+        w = 1.0 if cache.counted is None else cache.counted  # [..., 1]
+        y = (1.0 - cache.smoothing) * y + (cache.smoothing / V) * w
+    dlogits = dloss * (p - y) / float(cache.n)  # [..., V]
     return (dlogits if dlogits.dtype == dtype else xp.astype(dlogits, dtype)), None
 
 

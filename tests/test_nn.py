@@ -291,6 +291,161 @@ def test_cross_entropy_ignore_index_is_checked_before_computing():
                                         rel=1e-14)
 
 
+def _smoothed_cross_entropy(z, t, eps, counted):
+    """Per-position -sum_c y_c log softmax(z)_c with y = (1 - eps) one_hot(t) + eps / V, written
+    as a cross-entropy against a target distribution, with math.fsum; 0 where not counted."""
+    N, V = z.shape
+    out = []
+    for i in range(N):
+        if not counted[i]:
+            out.append(0.0)
+            continue
+        lse = math.log(math.fsum(math.exp(v) for v in z[i]))
+        y = [(1.0 - eps) * (c == t[i]) + eps / V for c in range(V)]
+        out.append(-math.fsum(y[c] * (z[i, c] - lse) for c in range(V)))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("ignore", [None, 1])
+def test_cross_entropy_reduction_and_label_smoothing_match_the_direct_formula(xp, to_xp, to_np, reduction,
+                                                                              eps, ignore):
+    """label_smoothing = eps: the cross-entropy against y = (1 - eps) one_hot(t) + eps / V;
+    reduction: the mean over the positions that count, their sum, or each position's loss
+    (0 where ignored). The gradient against a random upstream gradient: finite differences
+    on every backend."""
+    rng = np.random.default_rng(31)
+    z = rng.standard_normal((2, 3, 4))
+    t = rng.integers(0, 4, size=(2, 3))
+    t[0, 0], t[1, 2] = 1, 3  # one ignored when ignore = 1, and one that counts
+    counted = (t != ignore).reshape(-1)
+    per = _smoothed_cross_entropy(z.reshape(6, 4), t.reshape(6), eps, counted)
+    expected = {"mean": math.fsum(per) / counted.sum(), "sum": math.fsum(per), "none": per.reshape(2, 3)}
+    kw = dict(ignore_index=ignore, label_smoothing=eps, reduction=reduction)
+    loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t), **kw)
+    np.testing.assert_allclose(to_np(loss), expected[reduction], rtol=1e-13, atol=1e-15)
+    assert tuple(loss.shape) == ((2, 3) if reduction == "none" else ())
+    # dlogits = dloss (w p - y) / N, from the closed form
+    dloss = rng.standard_normal((2, 3)) if reduction == "none" else np.asarray(rng.standard_normal())
+    p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+    w = (t != ignore)[..., None].astype(float)
+    y = w * ((1.0 - eps) * np.eye(4)[t] + eps / 4)
+    n = counted.sum() if reduction == "mean" else 1
+    d = dloss[..., None] if reduction == "none" else dloss
+    np.testing.assert_allclose(to_np(nn.cross_entropy_backward(to_xp(dloss), cache)[0]),
+                               d * (w * p - y) / n, rtol=1e-12, atol=1e-15)
+    report = gradcheck(lambda logits: nn.cross_entropy_forward(logits, to_xp(t), **kw),
+                       lambda dl, c: nn.cross_entropy_backward(dl, c)[0], [to_xp(z)], names=["logits"])
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 2e-6), ("float16", 2e-3)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore,eps", [(-100, 0.1), (2, 0.25), (0, 1.0), (-100, 0.0)])
+def test_cross_entropy_reduction_and_label_smoothing_match_torch(dtype, tol, reduction, ignore, eps):
+    """torch.nn.functional.cross_entropy(reduction=, label_smoothing=, ignore_index=) on the
+    flattened logits, its gradient against a random upstream gradient; float16 logits
+    against torch's on the same float16 values in float32."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(32)
+    z = (2.0 * rng.standard_normal((3, 4, 6))).astype(dtype)
+    t = rng.integers(0, 6, size=(3, 4))
+    t[0, :2] = 2 if ignore == 2 else -100 if ignore == -100 else 0
+    dl = rng.standard_normal((3, 4) if reduction == "none" else ())
+    ref_dtype = torch.float32 if dtype == "float16" else getattr(torch, dtype)
+    zt = torch.tensor(z.astype(np.float64), dtype=ref_dtype, requires_grad=True)
+    lt = torch.nn.functional.cross_entropy(zt.reshape(-1, 6), torch.tensor(t).reshape(-1),
+                                           ignore_index=ignore, label_smoothing=eps, reduction=reduction)
+    lt.backward(torch.tensor(dl, dtype=ref_dtype).reshape(lt.shape))
+    loss, cache = nn.cross_entropy_forward(z, t, ignore_index=ignore, label_smoothing=eps,
+                                           reduction=reduction)
+    assert loss.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(loss.astype(np.float64).reshape(-1), lt.detach().double().numpy().reshape(-1),
+                               rtol=tol, atol=tol)
+    dz = nn.cross_entropy_backward(np.asarray(dl, dtype=dtype), cache)[0]
+    assert dz.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(dz.astype(np.float64), zt.grad.double().numpy().reshape(3, 4, 6),
+                               rtol=tol, atol=tol)
+
+
+def test_label_smoothing_with_a_minus_inf_logit(xp, to_xp, to_np):
+    """y puts eps / V on every class, a -inf logit's too: the loss is +inf (not NaN), the
+    gradient finite, p - y = -eps / V there; at eps = 1 with the target's logit -inf, +inf
+    too (not 0 * inf). An ignored row with a -inf logit adds nothing."""
+    z = np.array([[0.0, -np.inf, 1.0], [0.5, 0.2, -0.3]])
+    for eps, t in ((0.3, [0, 1]), (1.0, [1, 0])):
+        loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(np.array(t)), label_smoothing=eps,
+                                               reduction="none")
+        assert to_np(loss)[0] == math.inf and math.isfinite(to_np(loss)[1])
+        dz = to_np(nn.cross_entropy_backward(to_xp(np.ones(2)), cache)[0])
+        assert np.all(np.isfinite(dz)) and dz[0, 1] == pytest.approx(-eps / 3 - (1 - eps) * (t[0] == 1))
+    loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(np.array([0, 1])), ignore_index=0,
+                                           label_smoothing=0.3)
+    assert float(loss) == pytest.approx(_smoothed_cross_entropy(z[1:], [1], 0.3, [True])[0], rel=1e-13)
+    dz = to_np(nn.cross_entropy_backward(1.0, cache)[0])
+    assert np.all(dz[0] == 0.0) and np.all(np.isfinite(dz))
+
+
+def test_cross_entropy_sum_and_none_over_no_positions(xp, to_xp, to_np):
+    """A sum over no positions is 0 and "none" gives no losses, as torch; only the mean (0 / 0)
+    is refused. Every target ignored: the sum is 0, each loss 0, every gradient 0."""
+    for shape in ((0, 5), (2, 0, 5)):
+        z, t = to_xp(np.zeros(shape)), to_xp(np.zeros(shape[:-1], np.int64))
+        loss, cache = nn.cross_entropy_forward(z, t, reduction="sum")
+        assert float(loss) == 0.0 and tuple(loss.shape) == ()
+        assert tuple(nn.cross_entropy_backward(1.0, cache)[0].shape) == shape
+        loss, _ = nn.cross_entropy_forward(z, t, reduction="none", label_smoothing=0.5)
+        assert tuple(loss.shape) == shape[:-1]
+    z = np.random.default_rng(33).standard_normal((2, 3, 5))
+    t = np.full((2, 3), 4)
+    for reduction in ("sum", "none"):
+        loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t), ignore_index=4, label_smoothing=0.2,
+                                               reduction=reduction)
+        assert np.all(to_np(loss) == 0.0)
+        assert np.all(to_np(nn.cross_entropy_backward(2.0, cache)[0]) == 0.0)
+    with raises(ValueError, "targets", "at least one target other than ignore_index = 4"):
+        nn.cross_entropy_forward(to_xp(z), to_xp(t), ignore_index=4, reduction="mean")
+
+
+def test_reduction_and_label_smoothing_are_checked_before_computing():
+    """reduction one of the strings, label_smoothing a real number in [0, 1] (torch's range;
+    not a bool); a per-position loss takes a dloss of its shape. Each refusal names the
+    argument, the targets unchanged."""
+    rng = np.random.default_rng(34)
+    z, t = rng.standard_normal((2, 3, 5)), rng.integers(0, 5, size=(2, 3))
+    before = t.copy()
+    for bad, err, words in ((True, TypeError, ("bool",)), ("0.1", TypeError, ("str",)),
+                            (None, TypeError, ("None",)), (-0.1, ValueError, ("-0.1",)),
+                            (1.5, ValueError, ("1.5",)), (math.nan, ValueError, ("nan",)),
+                            (math.inf, ValueError, ("inf",))):
+        with raises(err, "label_smoothing", "real number in [0, 1]", *words):
+            nn.cross_entropy_forward(z, t, label_smoothing=bad)
+    for bad, err in (("avg", ValueError), ("Mean", ValueError), (None, TypeError), (0, TypeError)):
+        with raises(err, "reduction", "'mean', 'sum' or 'none'"):
+            nn.cross_entropy_forward(z, t, reduction=bad)
+    np.testing.assert_array_equal(t, before)
+    # a NumPy float and an int are real numbers
+    for eps in (np.float32(0.5), 1, 0):
+        loss, _ = nn.cross_entropy_forward(z, t, label_smoothing=eps)
+        per = _smoothed_cross_entropy(z.reshape(6, 5), t.reshape(6), float(eps), [True] * 6)
+        expected = math.fsum(per) / 6
+        assert float(loss) == pytest.approx(expected, rel=1e-6)
+    _, cache = nn.cross_entropy_forward(z, t, reduction="none")
+    for bad in (np.ones(()), np.ones(6), np.ones((2, 3, 1))):
+        with raises(ValueError, "dloss", "shape (2, 3)"):
+            nn.cross_entropy_backward(bad, cache)
+    with raises(TypeError, "dloss", "float64"):
+        nn.cross_entropy_backward(np.ones((2, 3), np.float32), cache)
+    d = rng.standard_normal((2, 3))
+    np.testing.assert_allclose(nn.cross_entropy_backward(2.0, cache)[0],  # a number: every position's
+                               nn.cross_entropy_backward(np.full((2, 3), 2.0), cache)[0], rtol=0, atol=0)
+    np.testing.assert_allclose(nn.cross_entropy_backward(d, cache)[0].sum(axis=-1), 0.0, atol=1e-15)
+    _, cache = nn.cross_entropy_forward(z, t, reduction="sum")
+    with raises(ValueError, "dloss", "shape ()"):
+        nn.cross_entropy_backward(np.ones((2, 3)), cache)
+
+
 def _adam_reference(w, grads, lr, b1, b2, eps):
     """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1."""
     w = [float(v) for v in w]
