@@ -348,18 +348,22 @@ class GPT(BlockStack):
         return self.grads
 
     def loss(self, ids: Any, targets: Any, *, ignore_index: Optional[int] = None,
-             **kwargs) -> tuple[float, Any]:
+             label_smoothing: float = 0.0, **kwargs) -> tuple[float, Any]:
         """Forward and mean cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``.
 
         ``ignore_index``: positions whose target equals it (padding) are left out of the mean
         and get zero ``dlogits`` (``nn.cross_entropy_forward``'s; torch's argument, whose
-        default there is -100; here None, every target counts). ``kwargs`` go to ``forward``
+        default there is -100; here None, every target counts). ``label_smoothing``: the
+        targets' one-hot rows mixed with the uniform distribution, as
+        ``nn.cross_entropy_forward``'s and torch's. ``kwargs`` go to ``forward``
         (``dropout_masks``, ``kv_caches``)."""
         self._check_ids("ids", ids, 0)
         # before the forward: a failed call changes nothing
         self._check_targets(targets, V.shape_of(ids), ignore_index)
+        nn.check_label_smoothing(label_smoothing)
         logits = self.forward(ids, **kwargs)
-        loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index)  # 6.
+        loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
+                                              label_smoothing=label_smoothing)  # 6.
         dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
         return float(loss), dlogits
 
@@ -592,11 +596,13 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
                   max_grad_norm: Optional[float] = 1.0, betas: tuple[float, float] = (0.9, 0.999),
                   eps: float = 1e-8, weight_decay: float = 0.0,
                   dropout_masks: Optional[Sequence] = None,
-                  ignore_index: Optional[int] = None) -> tuple[float, float, nn.AdamState]:
+                  ignore_index: Optional[int] = None,
+                  label_smoothing: float = 0.0) -> tuple[float, float, nn.AdamState]:
     """One training step: forward, loss, backward, clipping, Adam; returns ``(loss, grad_norm, state)``.
 
     ``ids`` and ``targets`` (B, L) are token ids and the next tokens
-    (``GPT.loss``, as its ``ignore_index``); ``dropout_masks`` as ``GPT.forward``'s. ``state`` from
+    (``GPT.loss``, as its ``ignore_index`` and ``label_smoothing``); ``dropout_masks`` as
+    ``GPT.forward``'s. ``state`` from
     ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
@@ -612,7 +618,8 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     before = (model._cache, model._rng.bit_generator.state, model.grads,
               [(b.forward_state(), b.backward_state()) for b in model.blocks])
     try:
-        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks, ignore_index=ignore_index)
+        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks, ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing)
         grads = model.backward(dlogits)
         if max_grad_norm is not None:
             grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))

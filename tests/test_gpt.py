@@ -153,16 +153,20 @@ def test_loss_with_ignore_index_leaves_padding_out(xp, to_xp):
         model.loss(to_xp(ids), to_xp(tgt), ignore_index=-1)
     with pytest.raises(TypeError, match=r"^ignore_index: expected None or an int, got bool"):
         model.loss(to_xp(ids), to_xp(tgt), ignore_index=True)
+    with pytest.raises(ValueError, match=r"^label_smoothing: expected a real number in \[0, 1\], got 2"):
+        model.loss(to_xp(ids), to_xp(tgt), ignore_index=-100, label_smoothing=2)
+    assert model._cache is cache, "label_smoothing was checked after a forward"
 
 
 # ------------------------------------------------------------------ torch parity
 
 
-@pytest.mark.parametrize("weight_decay, eps, pad", [(0.0, 1e-8, False), (0.1, 1e-3, False),
-                                                    (0.0, 1e-8, True)])
-def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps, pad):
+@pytest.mark.parametrize("weight_decay, eps, pad, smoothing", [
+    (0.0, 1e-8, False, 0.0), (0.1, 1e-3, False, 0.0), (0.0, 1e-8, True, 0.0), (0.0, 1e-8, True, 0.2)])
+def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps, pad, smoothing):
     """torch.optim.Adam's weight_decay is the same L2 penalty as nn.adam_step's; with
-    ``pad``, some targets are -100 and both losses take ignore_index=-100."""
+    ``pad``, some targets are -100 and both losses take ignore_index=-100; both take
+    label_smoothing."""
     torch = pytest.importorskip("torch")
     model = perturbed(make(), lambda a: a)
     tmodel = model.to_torch()
@@ -177,14 +181,16 @@ def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps
         opt.zero_grad()
         logits_t = tmodel(torch.from_numpy(ids))
         loss_t = torch.nn.functional.cross_entropy(logits_t.reshape(-1, VOCAB),
-                                                   torch.from_numpy(tgt).reshape(-1), ignore_index=-100)
+                                                   torch.from_numpy(tgt).reshape(-1), ignore_index=-100,
+                                                   label_smoothing=smoothing)
         loss_t.backward()
         norm_t = torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 0.5)  # clips: the norm is larger
         grads_t = {k: v.grad.detach().clone().numpy() for k, v in named.items()}  # clipped
         opt.step()
         np.testing.assert_allclose(model.forward(ids), logits_t.detach().numpy(), rtol=0, atol=1e-10)
         loss, norm, state = training_step(model, state, ids, tgt, lr=0.01, max_grad_norm=0.5, eps=eps,
-                                          weight_decay=weight_decay, ignore_index=-100 if pad else None)
+                                          weight_decay=weight_decay, ignore_index=-100 if pad else None,
+                                          label_smoothing=smoothing)
         assert abs(loss - float(loss_t.detach())) < 1e-10
         assert abs(norm - float(norm_t)) < 1e-10 and norm > 0.5
         clipped = nn.clip_grad_norm(model.grads, 0.5)[0]
