@@ -424,9 +424,15 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
                              f"{name} holds, in [{low}, {high}], got {ignore}")
     if math.prod(shape_of(ids)):
         whole = without_empty_chunks(ids)  # dask's min and max fail on chunks of length 0
-        if ignore is not None:  # the ignored entries read as 0, in range
-            whole = ns.where(whole == ignore, ns.zeros_like(whole), whole)
-        lo, hi = int(ns.min(whole)), int(ns.max(whole))
+        if ignore is None:
+            lo, hi = int(ns.min(whole)), int(ns.max(whole))
+        else:  # the range of the others: an ignored entry reads as the dtype's max for the
+            # min and its min for the max; only ignored entries: nothing out of range
+            counts = whole != ignore
+            if not bool(ns.any(counts)):
+                return
+            lo = int(ns.min(ns.where(counts, whole, ns.full_like(whole, high))))
+            hi = int(ns.max(ns.where(counts, whole, ns.full_like(whole, low))))
         if lo < 0 or hi >= n:
             if ignore is None:
                 raise ValueError(f"{name}: expected {what} in [0, {n}), got values in [{lo}, {hi}]")

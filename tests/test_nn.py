@@ -855,3 +855,16 @@ def test_adam_init_keeps_an_infinite_parameter_infinite():
     np.testing.assert_array_equal(state.m["w"], 0.0)
     new, _ = nn.adam_step(params, {"w": np.array([0.0, 1.0])}, state, lr=1e-3)
     assert new["w"][0] == np.inf and abs(new["w"][1] - 0.999) < 1e-10  # eps: 1e-11
+
+
+def test_an_out_of_range_target_is_reported_with_the_range_of_the_others(xp, to_xp):
+    """With ignore_index, the refusal gives the range of the targets that are not ignored (the
+    ignored ones read as 0 made a range of [0, 7] out of others in [3, 7]); targets that are
+    all ignored are in range (the sum over them is 0)."""
+    z = to_xp(np.zeros((4, 5)))
+    for t, got in (([3, 4, -100, 7], "got others in [3, 7]"), ([-2, -100, 2, 3], "got others in [-2, 3]"),
+                   ([6, 6, -100, 6], "got others in [6, 6]")):
+        with raises(ValueError, "targets", "[0, 5) or ignore_index = -100", got):
+            nn.cross_entropy_forward(z, to_xp(np.array(t)), ignore_index=-100)
+    loss, _ = nn.cross_entropy_forward(z, to_xp(np.full(4, -100)), ignore_index=-100, reduction="sum")
+    assert float(loss) == 0.0
