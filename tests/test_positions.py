@@ -8,6 +8,7 @@ formulas (and against torch code for ``rotate_half`` and T5's buckets).
 
 import importlib.util
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -188,8 +189,12 @@ def test_rope_half_precision_comes_back_in_half_precision(xp, to_xp, to_np):
     out, cache = P.rope_forward(to_xp(x), 3)
     dx, _ = P.rope_backward(to_xp(dout), cache)
     assert out.dtype == dx.dtype == xp.float16
-    np.testing.assert_allclose(to_np(out).astype(np.float64), rope_reference(x, pos), rtol=0, atol=4e-3)
-    np.testing.assert_allclose(to_np(dx).astype(np.float64), rope_reference(dout, -pos), rtol=0, atol=4e-3)
+    for got, exact in ((out, rope_reference(x, pos)), (dx, rope_reference(dout, -pos))):
+        # rounded once: within half a float16 spacing of the exact rotation, plus float32's
+        # error (rotating in float16 rounds cos, sin, the products and the sums on top)
+        half_ulp = 0.5 * np.spacing(np.abs(exact).astype(np.float16)).astype(np.float64)
+        err = np.abs(to_np(got).astype(np.float64) - exact)
+        assert np.all(err <= half_ulp + 1e-6 * np.abs(exact)), (err / half_ulp).max()
 
 
 def test_the_default_base_is_10000(xp, to_xp, to_np):
@@ -392,6 +397,10 @@ def test_relative_scores_forward_and_gradcheck(xp, to_xp, to_np, Lq, Lk):
     rel = shaw_reference(table, Lq, Lk)
     expected = np.einsum("bhie,ije->bhij", q, rel) / math.sqrt(4)
     np.testing.assert_allclose(to_np(bias), expected, rtol=1e-12, atol=1e-12)
+    # query i at key position i + offset: the same table, read at j - i - offset
+    shifted, _ = P.relative_scores_forward(to_xp(q), to_xp(table), Lk, offset=2)
+    expected = np.einsum("bhie,ije->bhij", q, shaw_reference(table, Lq, Lk, offset=2)) / math.sqrt(4)
+    np.testing.assert_allclose(to_np(shifted), expected, rtol=1e-12, atol=1e-12)
     square, _ = P.relative_scores_forward(to_xp(q), to_xp(table))  # Lk defaults to Lq
     expected = np.einsum("bhie,ije->bhij", q, shaw_reference(table, Lq, Lq)) / math.sqrt(4)
     np.testing.assert_allclose(to_np(square), expected, rtol=1e-12, atol=1e-12)
@@ -450,6 +459,16 @@ def test_t5_bucket_matches_the_formula(xp, to_xp, to_np, bidirectional, num_buck
     assert got.min() >= 0 and got.max() < num_buckets
 
 
+def test_t5_bucket_takes_no_log_of_a_small_distance(xp, to_xp, to_np):
+    """The double where: the log step reads max_exact in place of the distances below it, so
+    log(0) = -inf, cast to an integer, is never computed (NumPy warned of both)."""
+    rel = np.arange(-12, 13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = to_np(P.t5_bucket(to_xp(rel), True, 8, 20))
+    np.testing.assert_array_equal(got, [t5_bucket_reference(int(n), True, 8, 20) for n in rel])
+
+
 @pytest.mark.parametrize("bidirectional,num_buckets,max_distance", T5_CONFIGS)
 def test_t5_bucket_matches_hf_code_in_torch(bidirectional, num_buckets, max_distance):
     """HF transformers' T5Attention._relative_position_bucket, as written there."""
@@ -502,6 +521,20 @@ def test_relative_bias_forward_and_gradcheck(xp, to_xp, to_np, Lq, Lk, offset, b
                        lambda d, c: P.relative_bias_backward(d, c)[0], [to_xp(table)],
                        names=["table"], mode="full")
     assert_ok(report)
+
+
+def test_relative_bias_defaults_are_t5s(xp, to_xp, to_np):
+    """Without the keywords: bidirectional buckets with max_distance 128 (T5's) and offset 0.
+    150 keys reach distances that a smaller max_distance puts in other buckets."""
+    rng = np.random.default_rng(17)
+    NB, H, Lq, Lk = 32, 2, 3, 150
+    table = rng.standard_normal((NB, H))
+    out, _ = P.relative_bias_forward(to_xp(table), Lq, Lk)
+    expected = np.empty((1, H, Lq, Lk))
+    for i in range(Lq):
+        for j in range(Lk):
+            expected[0, :, i, j] = table[t5_bucket_reference(j - i, True, NB, 128)]
+    np.testing.assert_array_equal(to_np(out), expected)
 
 
 def test_relative_bias_backward_sums_a_batched_dmask(xp, to_xp, to_np):
@@ -672,6 +705,15 @@ def test_rope_positions_of_another_library_are_refused(backend, to_xp):
     x = to_xp(np.zeros((2, 3, 4)))
     with pytest.raises(TypeError, match=r"^positions: expected an? \S+ array \(that of x\), got a numpy array"):
         P.rope_forward(x, np.arange(3))
+
+
+def test_rope_angles_take_the_base(xp, to_xp, to_np):
+    """theta = p * base^(-2c/Dh) with the base given, not the default 10000."""
+    pos = np.array([0.0, 1.0, 7.0, 1000.0])
+    c = np.arange(4)
+    want = pos[:, None] * 500.0 ** (-2.0 * c[None, :] / 8)  # [4, Dh/2]
+    got = P.rope_angles(xp, to_xp(pos), 8, base=500.0, dtype="float32")
+    np.testing.assert_allclose(to_np(got), want, rtol=1e-6)
 
 
 def test_rope_angles_dtype_is_a_float_dtype_of_the_backend(xp, to_xp, to_np):
