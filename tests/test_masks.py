@@ -145,6 +145,17 @@ def test_sizes_beyond_the_index_dtype_and_unsigned_sizes(backend, xp, to_np):
     np.testing.assert_array_equal(m.sum(axis=-1).ravel(), [5, 0])
 
 
+def test_segments_is_its_definition(xp, to_xp, to_np):
+    """mask[b, 0, i, j] = (q_segments[b, i] == k_segments[b, j]), one head axis: (B, 1, Lq, Lk)."""
+    qs = np.array([[0, 0, 1], [2, 2, 2]])  # B = 2, Lq = 3
+    ks = np.array([[0, 1, 1, 1], [2, 3, 3, 2]])  # Lk = 4
+    m = to_np(masks.segments(to_xp(qs), to_xp(ks)))
+    assert m.shape == (2, 1, 3, 4)
+    expected = np.array([[[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 1]],   # entry 0: documents 0 and 1
+                         [[1, 0, 0, 1], [1, 0, 0, 1], [1, 0, 0, 1]]], dtype=bool)  # entry 1: 2
+    np.testing.assert_array_equal(m[:, 0], expected)
+
+
 def test_segments_bad_arguments():
     with pytest.raises(TypeError, match="^q_segments: expected an array, got None"):
         masks.segments(None, np.zeros((1, 2), dtype=np.int64))
@@ -182,8 +193,9 @@ def test_padding_bad_arguments():
         masks.padding(np.array(3), 4)  # one length, no batch axis
     # an array's values are checked as a list's: Lk + 1 would mean Lk keys, -1 none
     for bad in ([4, 1], [-1, 1]):
-        with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=3\], got"):
-            masks.padding(np.array(bad), 3)
+        for lengths in (np.array(bad), bad):
+            with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=3\], got"):
+                masks.padding(lengths, 3)
     with pytest.raises(TypeError, match="lengths"):
         masks.padding(np.array([1.0, 2.0]), 3)
     # a bool is no length (True would count as one key)
@@ -207,6 +219,9 @@ def test_padding_bad_arguments():
         masks.padding([1, 2], 3, device="elsewhere")
     np.testing.assert_array_equal(masks.padding(np.array([1, 2]), 3, xp="numpy", device="cpu"),
                                   masks.padding((1, 2), 3))
+    # a range is a sequence of ints as well
+    np.testing.assert_array_equal(masks.padding(range(1, 3), 3)[:, 0, 0],
+                                  [[True, False, False], [True, True, False]])
 
 
 def test_masks_on_strict_second_device():
@@ -241,6 +256,8 @@ def test_from_torch_mha_structure(N, H, L, S, seed):
     kpm = rng.random((N, S)) < 0.3
     m = masks.from_torch_mha(a2)
     np.testing.assert_array_equal(m, ~a2[None, None])
+    # a 3-D mask of one entry, (1, L, S), needs no n_head
+    np.testing.assert_array_equal(masks.from_torch_mha(a2[None]), ~a2[None, None])
     m = masks.from_torch_mha(a3, n_head=H)
     assert m.shape == (N, H, L, S)
     for n in range(N):
