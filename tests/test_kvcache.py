@@ -417,6 +417,7 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     assert tuple(cache.k.shape) == (2, 3, 5, 4) and tuple(cache.v.shape) == (2, 3, 5, 2)
     assert cache.k.dtype == xp.float64 and cache.cache_seqlens.dtype == np.int64
     assert cache.cache_seqlens.tolist() == [0, 0]
+    assert not to_np(cache.k).any() and not to_np(cache.v).any()  # zeros where nothing was written
     rng = np.random.default_rng(9)
     k1, v1 = rng.standard_normal((2, 3, 2, 4)), rng.standard_normal((2, 3, 2, 2))
     cache.append(to_xp(k1), to_xp(v1))
@@ -428,6 +429,8 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     np.testing.assert_array_equal(K[0, :, :3], np.concatenate([k1[0, :, :1], k2[0]], axis=1))
     np.testing.assert_array_equal(K[1, :, :4], np.concatenate([k1[1], k2[1]], axis=1))
     np.testing.assert_array_equal(Vv[1, :, :4], np.concatenate([v1[1], v2[1]], axis=1))
+    for b, L in enumerate([3, 4]):  # zeros past each entry's length, never written
+        assert not K[b, :, L:].any() and not Vv[b, :, L:].any()
     lens = cache.cache_seqlens
     lens[0] = 0  # a copy
     assert cache.cache_seqlens.tolist() == [3, 4]
@@ -435,6 +438,8 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
                            f"value_dim=2, dtype='float64', backend={backend!r}, cache_seqlens=[3, 4])")
     cache.truncate(np.array([2, 4]))
     assert cache.cache_seqlens.tolist() == [2, 4]
+    cache.truncate(1)  # one int: every entry
+    assert cache.cache_seqlens.tolist() == [1, 1]
     cache.reset()
     assert cache.cache_seqlens.tolist() == [0, 0]
 
