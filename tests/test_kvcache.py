@@ -501,6 +501,8 @@ def test_check_room_and_unalign_columns_check_their_arguments():
                                   [[[2.0, 3, 4, 5, 0, 0]], [[6.0, 7, 8, 9, 10, 11]]])
     np.testing.assert_array_equal(unalign_columns(x, (6, 0)),  # shift = Lt: [0, Lt] is allowed
                                   [[[0.0] * 6], [[6.0, 7, 8, 9, 10, 11]]])
+    np.testing.assert_array_equal(unalign_columns(x, (0, 0)),  # nothing shifted: x as it is
+                                  [[[0.0, 1, 2, 3, 4, 5]], [[6.0, 7, 8, 9, 10, 11]]])
 
 
 def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):

@@ -201,6 +201,11 @@ def test_padding_bad_arguments():
     # a bool is no length (True would count as one key)
     with pytest.raises(TypeError, match=r"^lengths: expected ints, got \[True, 2\]"):
         masks.padding([True, 2], 3)
+    # Lk is checked first, by name (-1 was reported as lengths out of [0, Lk=-1])
+    with pytest.raises(ValueError, match="^Lk: expected an int >= 0, got -1"):
+        masks.padding([1], -1)
+    with pytest.raises(TypeError, match="^Lk: expected an int >= 0, got float 2.0"):
+        masks.padding([1], 2.0)
     for lengths in (3, None, {1, 2}, {0: 1, 1: 2}):  # a set or a dict has no order
         with pytest.raises(TypeError, match="^lengths: expected an integer array of shape"):
             masks.padding(lengths, 3)

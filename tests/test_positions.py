@@ -629,6 +629,11 @@ def test_errors_name_the_argument():
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 0, 3), ValueError, "Lq: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2.0), TypeError, "Lk: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=0.5), TypeError, "offset"),
+        # a bool is no offset (True would shift every distance by one)
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=True), TypeError,
+         "^offset: expected an int, got bool True"),
+        (lambda: P.relative_bias_forward(np.zeros((8, 2)), 3, 2, max_distance=6, offset=np.bool_(True)),
+         TypeError, "^offset: expected an int, got numpy.bool"),
         # offsets are summed with the lengths in int64: past 2**62 they are refused by name (a
         # NumPy OverflowError naming nothing, or a wrapped distance, otherwise)
         (lambda: P.relative_distances("numpy", 3, 2, offset=2**63 - 1), ValueError,
