@@ -113,6 +113,16 @@ def test_rope_offset_equals_the_slice_of_a_longer_sequence(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(tail), to_np(full)[:, :, 5:], rtol=1e-13, atol=1e-13)
 
 
+def test_rope_positions_past_the_integers_of_float32(xp, to_xp, to_np):
+    """The angles are computed from float64 positions: past 2**24, where float32 rounds
+    neighbouring positions to one value, each position keeps its own rotation."""
+    x = np.random.default_rng(18).standard_normal((1, 3, 4))
+    start = 2**24 + 1
+    for positions in (start, to_xp(start + np.arange(3))):
+        out, _ = P.rope_forward(to_xp(x), positions)
+        np.testing.assert_allclose(to_np(out), rope_reference(x, start + np.arange(3)), rtol=0, atol=1e-6)
+
+
 def test_rope_int_start_at_the_ends_of_int64(xp, to_xp, to_np):
     """An int start works while start + L fits int64, on every library, and past it is a
     ValueError naming positions (torch raised OverflowError or RuntimeError, NumPy made an
