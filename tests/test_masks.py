@@ -140,9 +140,9 @@ def test_sizes_beyond_the_index_dtype_and_unsigned_sizes(backend, xp, to_np):
     want = np.array([[False, False], [True, False], [True, True]])  # bottom-right, Lq > Lk
     np.testing.assert_array_equal(to_np(masks.causal(np.uint8(3), np.uint8(2), "bottom_right", xp=backend)),
                                   want)
-    lengths = xp.asarray(np.array([5, 0], dtype=np.uint8))
+    lengths = xp.asarray(np.array([200, 0], dtype=np.uint8))  # (200 is past int8's range)
     m = to_np(masks.padding(lengths, 300))  # arange(300) in uint8 wrapped at 256
-    np.testing.assert_array_equal(m.sum(axis=-1).ravel(), [5, 0])
+    np.testing.assert_array_equal(m.sum(axis=-1).ravel(), [200, 0])
 
 
 def test_segments_is_its_definition(xp, to_xp, to_np):
@@ -308,6 +308,9 @@ def test_from_torch_mha_bad_arguments():
         masks.from_torch_mha(a3, np.zeros((2, 3), bool), n_head=2)
     with pytest.raises(TypeError, match="attn_mask"):
         masks.from_torch_mha(np.zeros((2, 3), dtype=np.int64))
+    for kpm in (np.zeros((2, 3), dtype=np.int64), np.zeros(3, dtype=np.int64)):  # batched or not
+        with pytest.raises(TypeError, match="^key_padding_mask: expected a bool or real floating array"):
+            masks.from_torch_mha(key_padding_mask=kpm)
     # not arrays: named, not "libraries mixed"
     with pytest.raises(TypeError, match="^attn_mask: expected an array, got list"):
         masks.from_torch_mha([[True, False]])
