@@ -444,6 +444,23 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
     assert cache.cache_seqlens.tolist() == [0, 0]
 
 
+def test_append_writes_each_entry_at_its_own_length(backend, xp, to_xp, to_np):
+    """Lengths [1, 3, 1]: the first and last entries agree and the middle one does not; each
+    entry's new position lands at its own length."""
+    cache = KVCache(3, 5, 1, 2, dtype="float64", backend=backend)
+    k1 = np.arange(18.0).reshape(3, 1, 3, 2)
+    cache.append(to_xp(k1), to_xp(-k1))
+    cache.truncate([1, 3, 1])
+    k2 = 100.0 + np.arange(6.0).reshape(3, 1, 1, 2)
+    cache.append(to_xp(k2), to_xp(-k2))
+    assert cache.cache_seqlens.tolist() == [2, 4, 2]
+    K, Vv = to_np(cache.k), to_np(cache.v)
+    for b, L in enumerate([1, 3, 1]):
+        want = np.concatenate([k1[b, :, :L], k2[b]], axis=1)  # [1, L + 1, 2]
+        np.testing.assert_array_equal(K[b, :, :L + 1], want)
+        np.testing.assert_array_equal(Vv[b, :, :L + 1], -want)
+
+
 @pytest.mark.parametrize("args, kwargs, exc, match", [
     ((0, 4, 1, 2), {}, ValueError, "batch_size"),
     ((1, True, 1, 2), {}, TypeError, "capacity"),
