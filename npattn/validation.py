@@ -620,6 +620,9 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
                             ("v", v, "(..., Lk, Dv)")):
         if x.ndim < 2:
             raise ValueError(f"{name}: expected at least 2 axes {layout}, got shape {shape_of(x)}")
+    # enable_gqa chooses the rule for the head axes below: a bool first (an array's truth
+    # value fails naming nothing, and None would pick the rule of plain attention)
+    check_bool("enable_gqa", enable_gqa)
     lead = shape_of(q)[:-2]
     for name, x in (("k", k), ("v", v)):
         if enable_gqa:
@@ -656,7 +659,6 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
     check_probability("dropout_p", dropout_p)
     check_rng("rng", rng)
     check_bool("is_causal", is_causal)
-    check_bool("enable_gqa", enable_gqa)
     check_scale("scale", scale)
 
 

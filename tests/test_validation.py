@@ -713,6 +713,25 @@ def test_numpy_special_arrays_and_empty_axes_are_rejected(call, exc, fragments):
 
 @pytest.mark.parametrize("impl", ["reference", "numpy", "blocked", "auto"])
 @pytest.mark.parametrize(
+    "enable_gqa, Hkv",
+    [(np.ones((2, 2), bool), 4), (np.array([True, True]), 2), (None, 2), (0, 2)],
+    ids=["2x2 array, Hkv = Hq", "2-array, Hkv < Hq", "None, Hkv < Hq", "0, Hkv < Hq"],
+)
+def test_enable_gqa_is_checked_before_it_picks_the_rule_for_the_heads(impl, enable_gqa, Hkv):
+    """enable_gqa decides whether the head axes of k and v may be fewer than q's, so it is
+    checked before that rule is applied: an array of two entries failed with NumPy's "truth
+    value ... is ambiguous", and None or 0 with Hkv < Hq blamed k's shape."""
+    from npattn import attention as A
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 3, 4))  # Hq = 4
+    k, v = rng.standard_normal((1, Hkv, 5, 4)), rng.standard_normal((1, Hkv, 5, 4))
+    with raises(TypeError, "enable_gqa", "a bool"):
+        A.sdpa_forward(q, k, v, enable_gqa=enable_gqa, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked", "auto"])
+@pytest.mark.parametrize(
     "shapes, fragments",
     [
         (((1, 1, 3, 0), (1, 1, 5, 0), (1, 1, 5, 2)), ("q", "Dh")),
