@@ -1092,7 +1092,9 @@ def _seq_valid(xp: Any, name: str, lengths: Any, B: int, L: int, device: Any) ->
     if any(x < 0 for x in n):
         raise ValueError(f"{name}: expected lengths >= 0, got {n}")
     pos = xp.arange(L, device=device)  # [L]
-    lens = xp.asarray(n, device=device)  # [B]
+    # a length past L leaves every position valid, as L does; as L it fits the library's
+    # integers (10**30 was an overflow in torch and an object array in NumPy)
+    lens = xp.asarray([min(x, L) for x in n], device=device)  # [B]
     return xp.expand_dims(pos, axis=0) < xp.expand_dims(lens, axis=1)  # [B, L]
 
 

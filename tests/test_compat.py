@@ -1143,6 +1143,21 @@ def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
         C.dot_product_attention(**{**args, **kwargs})
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_dot_product_attention_lengths_past_the_sequence_mask_nothing(backend):
+    """A sequence length at or past T (S) leaves every query (key) valid, as in JAX's
+    ``arange(T) < length``, whatever the integer: lengths past int64 were an overflow
+    ``ValueError`` from torch naming nothing, and an object array in NumPy."""
+    xp_of = {"numpy": np.asarray, "torch": lambda a: pytest.importorskip("torch").asarray(a)}
+    to = xp_of[backend]
+    r = np.random.default_rng(3)
+    q = r.standard_normal((2, 3, 2, 4))  # (B, T, N, H)
+    k, v = r.standard_normal((2, 5, 2, 4)), r.standard_normal((2, 5, 2, 4))  # (B, S, K, H)
+    out = C.dot_product_attention(to(q), to(k), to(v), query_seq_lengths=[10**30, 3],
+                                  key_value_seq_lengths=np.array([2**64 - 1, 5], np.uint64))
+    np.testing.assert_allclose(np.asarray(out), jax_ref(q, k, v, None, None), rtol=1e-12, atol=1e-12)
+
+
 def test_dot_product_attention_shapes_are_named_in_its_own_layout():
     """A shape error names the array as given, (B, T, N, H) or (T, N, H) without B: the
     sizes of 0 were the core's messages about its (B, N, T, H) views (T = 0 read "a query
