@@ -1106,12 +1106,7 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
                            dropout_mask: Any = None, rng: Any = None) -> tuple[Any, GradsOf]:
     """``dot_product_attention``'s result and its ``grads_of`` (for ``vjp``)."""
     # [B, T, N, H], [B, S, K, H], [B, S, K, Dv] -> [B, T, N, Dv]
-    if implementation is not None and not isinstance(implementation, str):  # (an array's
-        # == against the strings fails naming nothing, or is an array of truth values)
-        raise TypeError(f"implementation: expected None, 'xla' or 'cudnn', got "
-                        f"{V.type_name(implementation)}")
-    if implementation not in (None, "xla", "cudnn"):
-        raise ValueError(f"implementation: expected None, 'xla' or 'cudnn', got {implementation!r}")
+    V.check_choice("implementation", implementation, (None, "xla", "cudnn"))
     names = (("query", query, "(B, T, N, H)"), ("key", key, "(B, S, K, H)"),
              ("value", value, "(B, S, K, Dv)"))
     for name, t, layout in names:

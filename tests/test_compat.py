@@ -1114,7 +1114,7 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(implementation="flash"), ValueError, r"^implementation: expected None, 'xla' or 'cudnn'"),
     # an array: its == against the names was an array, whose truth value failed naming nothing
     (dict(implementation=np.array(["xla", "cudnn"])), TypeError,
-     r"^implementation: expected None, 'xla' or 'cudnn', got numpy.ndarray$"),
+     r"^implementation: expected None, 'xla' or 'cudnn', got numpy.ndarray "),
     (dict(local_window_size=-1), ValueError, r"^local_window_size: expected sides >= 0"),
     (dict(local_window_size=(2, -1)), ValueError, r"^local_window_size: expected sides >= 0"),
     (dict(local_window_size="wide"), TypeError, r"^local_window_size"),
