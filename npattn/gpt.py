@@ -356,15 +356,30 @@ class GPT(BlockStack):
         default there is -100; here None, every target counts). ``label_smoothing``: the
         targets' one-hot rows mixed with the uniform distribution, as
         ``nn.cross_entropy_forward``'s and torch's. ``kwargs`` go to ``forward``
-        (``dropout_masks``, ``kv_caches``)."""
+        (``dropout_masks``, ``kv_caches``). A call that fails after the forward (memory, say)
+        puts back the model's cached forward, its generators and the KV caches' lengths: a
+        failed call changes nothing."""
         self._check_ids("ids", ids, 0)
         # before the forward: a failed call changes nothing
         self._check_targets(targets, V.shape_of(ids), ignore_index)
         nn.check_label_smoothing(label_smoothing)
+        # what the forward changes, put back should the loss after it fail (memory): the
+        # model's cached forward and generator, and each block's (forward_state)
+        before = (self._cache, self._rng.bit_generator.state,
+                  [block.forward_state() for block in self.blocks])
         logits = self.forward(ids, **kwargs)
-        loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
-                                              label_smoothing=label_smoothing)  # 6.
-        dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
+        try:
+            loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
+                                                  label_smoothing=label_smoothing)  # 6.
+            dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
+        except BaseException:
+            self._cache, rng_state, blocks = before
+            self._rng.bit_generator.state = rng_state
+            for block, state in zip(self.blocks, blocks):
+                block.restore_forward_state(state)
+            for cache in kwargs.get("kv_caches") or []:  # the forward appended L positions to each
+                cache.truncate([int(n) - ids.shape[1] for n in cache.cache_seqlens])
+            raise
         return float(loss), dlogits
 
     def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None) -> None:

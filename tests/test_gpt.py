@@ -750,6 +750,56 @@ def test_a_training_step_that_fails_after_its_forward_changes_nothing(monkeypatc
         np.testing.assert_array_equal(model.params[k], v, err_msg=k)
 
 
+@pytest.mark.parametrize("where", ["cross_entropy_forward", "cross_entropy_backward"])
+def test_a_loss_that_fails_after_its_forward_changes_nothing(monkeypatch, where):
+    """GPT.loss whose cross-entropy fails after the forward ran (a MemoryError) puts the model
+    back: backward differentiates the forward before the call, and the next dropout forward
+    draws what a model that never failed draws (the failed loss kept its own forward cached
+    and had advanced the generators)."""
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    ids, tgt = ids_of(0), ids_of(1)
+    for m in (model, twin):
+        m.forward(ids)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(nn, where, fails)
+    with pytest.raises(MemoryError):
+        model.loss(ids_of(2, (B, 4)), ids_of(3, (B, 4)))
+    monkeypatch.undo()
+    dlogits = np.random.default_rng(9).standard_normal((B, L, VOCAB))
+    grads, ref = model.backward(dlogits), twin.backward(dlogits)
+    for k in ref:
+        np.testing.assert_array_equal(grads[k], ref[k], err_msg=k)
+    loss, dl = model.loss(ids, tgt)
+    ref_loss, ref_dl = twin.loss(ids, tgt)  # the same masks drawn
+    assert loss == ref_loss
+    np.testing.assert_array_equal(dl, ref_dl)
+
+
+def test_a_decoding_loss_that_fails_after_its_forward_puts_the_caches_back(monkeypatch):
+    """GPT.loss with kv_caches whose cross-entropy fails (a MemoryError) after every block
+    appended: the caches keep their lengths, and decoding on gives what a model that never
+    failed gives."""
+    model, twin = make().eval(), make().eval()
+    caches, twin_caches = model.new_caches(B), twin.new_caches(B)
+    ids = ids_of(0, (B, 3))
+    model.forward(ids[:, :2], kv_caches=caches)
+    twin.forward(ids[:, :2], kv_caches=twin_caches)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(nn, "cross_entropy_forward", fails)
+    with pytest.raises(MemoryError):
+        model.loss(ids[:, 2:], ids[:, 2:], kv_caches=caches)
+    monkeypatch.undo()
+    assert [list(c.cache_seqlens) for c in caches] == [[2, 2]] * N
+    np.testing.assert_array_equal(model.forward(ids[:, 2:], kv_caches=caches),
+                                  twin.forward(ids[:, 2:], kv_caches=twin_caches))
+
+
 def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
     """A failure past the checks in the last block's feed-forward (a MemoryError), after the
     first block and the last one's self-attention appended: every cache keeps its length,
