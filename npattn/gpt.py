@@ -37,6 +37,7 @@ Code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
@@ -113,8 +114,9 @@ class GPT(BlockStack):
     dtype : str
         "float32" (default) or "float64".
     backend : str or namespace
-    seed : int, optional
-        Seeds the weights and the dropout generator.
+    seed : int or numpy.random.SeedSequence, optional
+        Seeds the weights and the dropout generator (a ``SeedSequence`` is
+        spawned from as it stands, on a copy: the one given is not advanced).
 
     Attributes
     ----------
@@ -150,7 +152,9 @@ class GPT(BlockStack):
             raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
                              f"written for them; the blocks alone take half precision), got {dtype!r}")
         _check_seed("seed", seed)
-        seqs = np.random.SeedSequence(seed).spawn(n_layer + 2)
+        given = isinstance(seed, np.random.SeedSequence)
+        root = copy.deepcopy(seed) if given else np.random.SeedSequence(seed)
+        seqs = root.spawn(n_layer + 2)
         # the blocks check d_model, n_head, d_ff, dropout, layer_norm_eps, bias, dtype and backend
         self.blocks = [
             TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation="gelu_tanh",

@@ -611,6 +611,22 @@ def test_fresh_parameters_follow_gpt2s_initialisation():
     np.testing.assert_array_equal(p["ln_f.bias"], np.zeros(16))
 
 
+def test_a_seed_sequence_seeds_the_model_as_its_entropy_does_and_is_not_advanced():
+    """The seed check takes a numpy SeedSequence, but the constructor then passed it to
+    SeedSequence(), whose TypeError named no argument. A SeedSequence(5) that has spawned
+    nothing is the root seed=5 makes, so the parameters and the dropout draws are those of
+    seed=5; the SeedSequence given is not advanced (a second model from it is the same)."""
+    seq = np.random.SeedSequence(5)
+    models = [GPT(VOCAB, T, D, N, H, FF, dtype="float64", dropout=0.3, seed=s) for s in (seq, seq, 5)]
+    assert seq.n_children_spawned == 0
+    ids = ids_of(0)
+    logits = [np.asarray(m.forward(ids)) for m in models]  # training: dropout drawn
+    for m, out in zip(models[:2], logits[:2]):
+        for k, v in models[2].params.items():
+            np.testing.assert_array_equal(m.params[k], v, err_msg=k)
+        np.testing.assert_array_equal(out, logits[2])
+
+
 def test_constructor_and_generate_checks(xp, to_xp):
     with pytest.raises(ValueError, match="dtype"):
         make(xp, dtype="float16")
