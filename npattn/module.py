@@ -507,6 +507,9 @@ class MultiHeadAttention:
         differentiate). Assigning a cache that an earlier forward of this
         module returned makes ``backward`` differentiate that forward (the
         gradient checker does this); anything else is a ``TypeError``.
+        Assigning back the value read here changes nothing: after decoding,
+        None keeps ``backward``'s error saying so (a block puts its modules
+        back this way when a forward fails).
         A cache read here is never reused for a later forward's arrays (see
         ``clear_cache``), so it stays valid for as long as it is held.
         """
@@ -522,7 +525,8 @@ class MultiHeadAttention:
                             "one another module made (its backward would differentiate that "
                             "module's forward with this module's parameters)")
         self._cache = value
-        self._decoded = False
+        if value is not None:  # a forward's cache: backward differentiates it, decoded or not before
+            self._decoded = False
         self._cache_lent = True
 
     def clear_cache(self) -> None:

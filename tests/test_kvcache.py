@@ -353,6 +353,23 @@ def test_backward_after_decoding_is_an_error(backend, to_xp):
     m.backward(dout)  # and again after a plain forward
 
 
+def test_assigning_back_the_cache_read_after_decoding_changes_nothing(backend, to_xp):
+    """``m.cache = m.cache`` after a decoding forward, as a block puts its attention modules
+    back when a forward fails: backward still says that the last forward decoded. Assigning
+    None made it 'expected a forward call first', as if the module had never run."""
+    m = _decoder(backend)
+    x = to_xp(np.random.default_rng(7).standard_normal((2, 3, D)))
+    dout = to_xp(np.random.default_rng(8).standard_normal((2, 3, D)))
+    m(x, x, x)
+    held = m.cache
+    m(x, x, x, kv_cache=m.new_cache(2, 3))
+    m.cache = m.cache
+    with pytest.raises(RuntimeError, match="the last forward used kv_cache"):
+        m.backward(dout)
+    m.cache = held  # a forward's cache assigned back is differentiated, decoded or not since
+    m.backward(dout)
+
+
 def test_new_cache_fits_the_module(backend, xp, to_xp, to_np):
     """``new_cache`` makes the cache the module's forward takes: its batch size and capacity,
     the module's key/value heads and head width, and the parameters' dtype (a float32 module,
