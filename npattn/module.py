@@ -32,7 +32,7 @@ from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, 
 from .kvcache import KVCache, unalign_columns
 
 __all__ = [
-    "MultiHeadAttention", "ParameterDict", "check_module_args", "check_forward_inputs",
+    "MultiHeadAttention", "AttentionState", "ParameterDict", "check_module_args", "check_forward_inputs",
     "check_backward_inputs", "check_param", "check_kv_cache", "check_softcap", "check_forward_impl",
 ]
 
@@ -60,6 +60,14 @@ class MHACache(NamedTuple):
     out_shape: tuple  #: the output's shape: dout must have it
     out_dtype: Any  #: the output's dtype
     owner: Any = None  #: the token of the module whose forward made it (``cache =`` checks it)
+
+
+class AttentionState(NamedTuple):
+    """What a forward of a ``MultiHeadAttention`` leaves for ``backward``, read by
+    ``forward_state`` and put back by ``restore_forward_state``."""
+    owner: Any  #: the token of the module it was read from
+    cache: Optional[MHACache]  #: the cache of the last forward, or None
+    decoded: bool  #: the last forward used a kv_cache (backward is then an error that says so)
 
 
 class MultiHeadAttention:
@@ -528,6 +536,25 @@ class MultiHeadAttention:
         if value is not None:  # a forward's cache: backward differentiates it, decoded or not before
             self._decoded = False
         self._cache_lent = True
+
+    def forward_state(self) -> AttentionState:
+        """The cache of the last forward and whether that forward decoded, as they are now.
+
+        ``restore_forward_state`` puts them back: a block reads them before its forward and
+        puts them back should a later step fail, which ``cache =`` cannot do after decoding
+        (None then says nothing of it). The cache read is never reused for a later forward's
+        arrays, as one read through ``cache``.
+        """
+        self._cache_lent = True
+        return AttentionState(self._token, self._cache, self._decoded)
+
+    def restore_forward_state(self, state: AttentionState) -> None:
+        """Put back a ``forward_state`` of this module; a ``TypeError`` for anything else."""
+        if not isinstance(state, AttentionState) or state.owner is not self._token:
+            raise TypeError(f"state: expected an AttentionState read from this module's "
+                            f"forward_state(), got "
+                            f"{'one of another module' if isinstance(state, AttentionState) else V.type_name(state)}")
+        self._cache, self._decoded, self._cache_lent = state.cache, state.decoded, True
 
     def clear_cache(self) -> None:
         """Drop the cache of the last forward (its arrays are freed); ``backward`` then needs a new forward.

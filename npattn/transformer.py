@@ -260,6 +260,7 @@ class BlockState(NamedTuple):
     cache: Any  #: its cache (EncoderBlockCache, DecoderBlockCache) or None
     attn_caches: dict  #: its attention modules' caches (MHACache or None), by name
     rng_state: Mapping[str, Any]  #: its dropout generator's state
+    attn_states: dict  #: its attention modules' forward_state() (the cache and whether it decoded), by name
 
 
 class BlockGradState(NamedTuple):
@@ -518,8 +519,9 @@ class _Block(abc.ABC):
         call changes nothing. (The KV caches a decoding forward appended to are
         the caller's to truncate.)
         """
-        return BlockState(self, self._cache, {a: m.cache for a, m in self._attn.items()},
-                          self._rng.bit_generator.state)
+        states = {a: m.forward_state() for a, m in self._attn.items()}
+        return BlockState(self, self._cache, {a: st.cache for a, st in states.items()},
+                          self._rng.bit_generator.state, states)
 
     def restore_forward_state(self, state: BlockState) -> None:
         """Put back a ``forward_state`` of this block; a ``TypeError`` for anything else."""
@@ -528,7 +530,7 @@ class _Block(abc.ABC):
                             f"got {'one of another block' if isinstance(state, BlockState) else V.type_name(state)}")
         self._rng.bit_generator.state = state.rng_state
         for a, m in self._attn.items():
-            m.cache = state.attn_caches[a]
+            m.restore_forward_state(state.attn_states[a])
         self._cache = state.cache
 
     def backward_state(self) -> BlockGradState:

@@ -772,6 +772,37 @@ def test_a_forward_state_put_back_undoes_a_forward(xp, to_xp, to_np, backend):
         block.restore_forward_state({})
 
 
+@pytest.mark.parametrize("before", ["decoded", "never ran"])
+def test_a_failed_forward_leaves_what_the_attention_backward_reports(monkeypatch, before):
+    """A block forward that fails in its feed-forward (a MemoryError) after its self-attention
+    ran puts the module back as it was, whether its last forward decoded or it never ran: its
+    backward is the RuntimeError of before. Putting back through ``cache =`` could not tell
+    the two apart (None either way), so one of them came back as the other."""
+    block = TransformerBlock(D, H, FF, dtype="float64", seed=26).eval()
+    x = np.random.default_rng(27).standard_normal((B, 3, D))
+    if before == "decoded":
+        block(x, is_causal=True, kv_cache=block.self_attn.new_cache(B, 8))
+        match = "the last forward used kv_cache"
+    else:
+        match = "expected a forward call first"
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(Ly, "feed_forward_forward", fails)
+    for kv_cache in (None, block.self_attn.new_cache(B, 8)):  # a plain forward, a decoding one
+        with pytest.raises(MemoryError):
+            block(x, is_causal=True, kv_cache=kv_cache)
+        with pytest.raises(RuntimeError, match=match):
+            block.self_attn.backward(x)
+    monkeypatch.undo()
+    other = TransformerBlock(D, H, FF, dtype="float64", seed=26)
+    with pytest.raises(TypeError, match=r"^state: expected an AttentionState .* got one of another module"):
+        block.self_attn.restore_forward_state(other.self_attn.forward_state())
+    with pytest.raises(TypeError, match=r"^state: expected an AttentionState .* got None$"):
+        block.self_attn.restore_forward_state(None)
+
+
 def test_dropout_sites_are_torchs_module_names():
     torch = pytest.importorskip("torch")
     enc = torch.nn.TransformerEncoderLayer(D, H, FF, batch_first=True)
