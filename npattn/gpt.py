@@ -459,7 +459,8 @@ class GPT(BlockStack):
         The prompt runs through the model once (filling one ``KVCache`` per
         block); then each step feeds only the token just chosen, at position
         ``L0 + t``, and reads the logits of the next one. Dropout is off
-        during generation (the mode is restored afterwards). The model's
+        during generation (the modes are restored afterwards: the model's, each
+        block's and its attention module's). The model's
         cached forward is dropped: ``backward`` needs a new forward after it.
         A call that fails (memory, say) changes nothing: the mode, the cached
         forwards and a ``seed`` Generator's state are put back.
@@ -503,6 +504,8 @@ class GPT(BlockStack):
         # put back should a step fail (memory): the mode, the model's cached forward, the
         # blocks' (blocks_put_back_on_failure) and the caller's sampling generator
         mode, cached, drawn = self.training, self._cache, rng.bit_generator.state
+        # each block's mode and its attention's too: one set apart (block.eval()) keeps its own
+        modes = [(block.training, block.self_attn.training) for block in self.blocks]
         self.eval()
         try:
             with blocks_put_back_on_failure(self.blocks):
@@ -516,6 +519,9 @@ class GPT(BlockStack):
             self._cache = None  # the last forward was a decoding one: nothing to differentiate
         finally:
             self.train(mode)
+            for block, (own, attn) in zip(self.blocks, modes):
+                block.train(own)
+                block.self_attn.train(attn)
         out = from_numpy(np.concatenate(tokens, axis=1), self.xp, self._device())
         if not return_logits:
             return out

@@ -918,6 +918,25 @@ def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
         model.backward(np.zeros((B, 2, VOCAB)))
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_generate_puts_back_a_block_set_apart_in_another_mode(monkeypatch, fails):
+    """A model in training mode with block 0 (and so its attention) set to eval, and block
+    1's attention module alone set to eval: generate, finished or failed at its second step,
+    leaves each of them in its own mode. It used to put every block in the model's mode."""
+    model = make(dropout=0.3)
+    model.blocks[0].eval()
+    model.blocks[1].self_attn.eval()
+    if fails:
+        _fail_the_second_sample(monkeypatch)
+        with pytest.raises(MemoryError):
+            model.generate(ids_of(0, (B, 2)), 3, seed=0)
+    else:
+        model.generate(ids_of(0, (B, 2)), 3, seed=0)
+    assert model.training
+    assert (model.blocks[0].training, model.blocks[0].self_attn.training) == (False, False)
+    assert (model.blocks[1].training, model.blocks[1].self_attn.training) == (True, False)
+
+
 def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
     """A generate that fails at its second step (a MemoryError) puts back the forward cached
     before it (the model's and its blocks': backward then gives the gradients of a twin
