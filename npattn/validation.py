@@ -417,8 +417,8 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
         raise TypeError(f"{name}: expected an integer array of {what} of a dtype its library computes "
                         f"with ({', '.join(dtype_name(d) for d in supported)}), got dtype "
                         f"{dtype_name(ids.dtype)}; cast it to int64 first")
+    low, high = int(ns.iinfo(ids.dtype).min), int(ns.iinfo(ids.dtype).max)
     if ignore is not None:  # (one its dtype cannot hold equals no entry: a mistake, not a no-op)
-        low, high = int(ns.iinfo(ids.dtype).min), int(ns.iinfo(ids.dtype).max)
         if not low <= ignore <= high:
             raise ValueError(f"ignore_index: expected an int that the {dtype_name(ids.dtype)} of "
                              f"{name} holds, in [{low}, {high}], got {ignore}")
