@@ -121,9 +121,9 @@ def auto_blocked(lead: int, Lq: int, Lk: int, *, device_memory: Optional[int] = 
 
 
 def check_impl(impl, *, need_weights: bool = False) -> None:
-    """Raise ``ValueError`` for an unknown ``impl``, or ``"blocked"``/``"chunked"`` with weights requested."""
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    """Raise ``TypeError`` for an ``impl`` that is not a str, ``ValueError`` for an unknown one,
+    or ``"blocked"``/``"chunked"`` with weights requested."""
+    V.check_choice("impl", impl, IMPLS)
     V.check_bool("need_weights", need_weights)
     if impl in ("blocked", "chunked") and need_weights:
         raise ValueError(

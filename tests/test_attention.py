@@ -582,10 +582,14 @@ def test_gradcheck_every_impl(impl, dropout, backend, xp, to_xp, monkeypatch):
 def test_check_impl():
     for impl in A.IMPLS:
         A.check_impl(impl)
-    with pytest.raises(ValueError, match=r"impl: expected one of .*'blocked'.*got 'flash'"):
+    with pytest.raises(ValueError, match=r"impl: expected 'auto', .*'blocked'.* or 'chunked', got 'flash'"):
         A.check_impl("flash")
-    with pytest.raises(ValueError, match="impl"):
-        A.check_impl(None)
+    # not a str: a TypeError, as for any argument of the wrong type (a one-element array
+    # of a name is not the name)
+    for impl, got in ((None, "got None"), (1, "got int 1"), (b"dense", "got bytes b'dense'"),
+                      (np.array(["dense"]), "got numpy.ndarray")):
+        with pytest.raises(TypeError, match=rf"impl: expected 'auto', .* or 'chunked', {got}"):
+            A.check_impl(impl)
     with pytest.raises(ValueError, match="impl='blocked' cannot return attention weights"):
         A.check_impl("blocked", need_weights=True)
     for impl in ("auto", "dense", "reference", "numpy"):

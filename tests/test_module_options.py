@@ -334,7 +334,7 @@ def test_sinks_gradient_has_the_parameter_dtype(dtype):
     (dict(sinks=1), TypeError, "sinks"),
     (dict(sinks=None), TypeError, "sinks"),
     (dict(impl="fast"), ValueError, "impl"),  # at construction, not at the first forward
-    (dict(impl=None), ValueError, "impl"),
+    (dict(impl=None), TypeError, "impl"),
 ])
 def test_bad_constructor_options(kwargs, exc, name):
     with pytest.raises(exc, match=name) as info:
