@@ -573,8 +573,7 @@ def gradcheck(
     >>> gradcheck(F.linear_forward, F.linear_backward, [x, w]).ok
     True
     """
-    if mode not in ("auto", "full", "vjp"):
-        raise ValueError(f"mode: expected 'auto', 'full' or 'vjp', got {mode!r}")
+    V.check_choice("mode", mode, ("auto", "full", "vjp"))
     wrt = _checked_wrt({"forward": forward, "backward": backward}, inputs, eps=eps, rtol=rtol,
                        atol=atol, n_directions=n_directions, seed=seed, wrt=wrt)
     max_full_size = V.check_size("max_full_size", max_full_size)

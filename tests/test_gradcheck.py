@@ -73,6 +73,10 @@ def test_default_upstream_gradient_is_random_not_ones(to_xp, to_np):
 def test_bad_arguments_are_reported():
     with pytest.raises(ValueError, match="mode"):
         gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], mode="fast")
+    # not a str: a TypeError (a one-element array of a name was taken for the name)
+    for mode, got in ((None, "got None"), (np.array(["full"]), "got numpy.ndarray"), (["vjp"], "got list")):
+        with pytest.raises(TypeError, match=rf"^mode: expected 'auto', 'full' or 'vjp', {got}"):
+            gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], mode=mode)
     with pytest.raises(ValueError, match="names"):
         gradcheck(F.linear_forward, F.linear_backward, [np.ones((2, 2)), np.ones((2, 2))], names=["x"])
 
