@@ -64,6 +64,7 @@ from ..gradcheck import numerical_vjp
 from ..module import PARAM_NAMES, MultiHeadAttention
 from ..transformer import (DECODER_DROPOUT_SITES, ENCODER_DROPOUT_SITES, TransformerBlock,
                            TransformerDecoderBlock)
+from ..validation import check_choice
 
 __all__ = [
     "TOLERANCES", "Check", "Row", "AuditResult", "panel", "run_check", "run_audit",
@@ -825,8 +826,7 @@ def run_audit(backend: str = "numpy", dtype: str = "float64", *, progress=None,
     -------
     AuditResult
     """
-    if dtype not in TOLERANCES:
-        raise ValueError(f"dtype: expected one of {sorted(TOLERANCES)}, got {dtype!r}")
+    check_choice("dtype", dtype, tuple(TOLERANCES))
     xp = resolve_backend(backend)
     checks = panel(backend) if checks is None else checks
     rtol, atol = TOLERANCES[dtype]
