@@ -358,8 +358,9 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
     else:  # 4. + eps / V times the sum over every class; eps = 1: that term alone (0 * inf)
         smooth = -xp.sum(logp, axis=-1) * (eps / V)  # [...]
         losses = smooth if eps == 1.0 else (1.0 - eps) * nll + smooth
-        if counted is not None:  # an ignored row's sum may be -inf: where, not a product
-            losses = xp.where(counted[..., 0] == 1.0, losses, xp.zeros_like(losses))
+    if counted is not None:  # an ignored row's loss is +0, by a where: its smoothing sum may
+        # be -inf, and its nll is -0.0 (the negated sum of zeros)
+        losses = xp.where(counted[..., 0] == 1.0, losses, xp.zeros_like(losses))  # [...]
     if reduction == "none":
         loss = losses  # 5.                                             [...]
     else:

@@ -387,6 +387,18 @@ def test_label_smoothing_with_a_minus_inf_logit(xp, to_xp, to_np):
     assert np.all(dz[0] == 0.0) and np.all(np.isfinite(dz))
 
 
+def test_an_ignored_position_loses_plus_zero(xp, to_xp, to_np):
+    """reduction="none": an ignored position's loss is +0.0, as torch's, with or without
+    smoothing (the negated sum of its picked zeros was -0.0, printed "-0.")."""
+    z = np.random.default_rng(35).standard_normal((2, 3, 4))
+    t = np.array([[1, 3, 1], [0, 1, 2]])
+    for eps in (0.0, 0.3):
+        loss, _ = nn.cross_entropy_forward(to_xp(z), to_xp(t), ignore_index=1, label_smoothing=eps,
+                                           reduction="none")
+        ignored = to_np(loss)[t == 1]
+        assert np.all(ignored == 0.0) and not np.any(np.signbit(ignored)), ignored
+
+
 def test_cross_entropy_sum_and_none_over_no_positions(xp, to_xp, to_np):
     """A sum over no positions is 0 and "none" gives no losses, as torch; only the mean (0 / 0)
     is refused. Every target ignored: the sum is 0, each loss 0, every gradient 0."""
