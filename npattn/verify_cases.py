@@ -29,6 +29,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from .validation import ALIGNS, check_choice
+
 __all__ = [
     "SUPPORTS",
     "OPTION_KEYWORDS",
@@ -366,6 +368,7 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     list of Case, names unique.
     """
     supports = check_supports(supports)
+    check_choice("align", align, ALIGNS)
     dims = check_head_dims(head_dims, supports)
     empty_ok = "empty_rows" in supports
     options = tuple(s for s in supports if s not in PERMISSIONS)
@@ -532,6 +535,7 @@ def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInput
     a few rows are blanked.
     """
     # -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], [B, Hq, Lq, Dv], options, [B, Hq, Lq]
+    check_choice("align", align, ALIGNS)
     rng = _rng(case, seed)
     B, Hq, Hkv, Lq, Lk, Dh, Dv = case.B, case.Hq, case.Hkv, case.Lq, case.Lk, case.Dh, case.Dv
     scale = 1.0 / math.sqrt(Dh) if case.scale is None or "scale" not in case.options else case.scale

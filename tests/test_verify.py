@@ -132,6 +132,20 @@ def test_without_empty_rows_every_row_attends_something(align):
         assert np.all(cache.probs.sum(axis=-1) > 0), c.name
 
 
+def test_panel_plan_and_case_inputs_refuse_an_unknown_align():
+    """align is 'top_left' or 'bottom_right' here as in verify: another str, None or an
+    array was taken (panel and plan dropped the causal cases next to a window as for
+    neither alignment, case_inputs took it for 'top_left')."""
+    case = VC.panel(("window",))[-1]
+    for call in (lambda a: VC.panel(("causal", "window"), a), lambda a: VF.plan(("window",), align=a),
+                 lambda a: VC.case_inputs(case, align=a)):
+        with pytest.raises(ValueError, match=r"^align: expected 'top_left' or 'bottom_right', got 'bottom'"):
+            call("bottom")
+        for bad, got in ((None, "got None"), (np.array(["top_left"]), "got numpy.ndarray")):
+            with pytest.raises(TypeError, match=rf"^align: expected 'top_left' or 'bottom_right', {got}"):
+                call(bad)
+
+
 def test_dropout_cases_drop_a_fraction_p_and_undeclared_empty_rows_are_refused():
     """dropout_p is the probability to drop: about 1 - p of the keep-mask is True. A case
     that leaves rows with nothing to attend runs only for a kernel that declares
