@@ -1112,6 +1112,10 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(bias=np.ones((1, 1, 1, 4, 6))), ValueError, r"^bias: expected at most 4 axes"),
     (dict(bias=np.ones((4, 5))), ValueError, r"^bias"),
     (dict(implementation="flash"), ValueError, r"^implementation: expected None, 'xla' or 'cudnn'"),
+    # not a str: a TypeError (a one-element array of a name was taken for the name)
+    (dict(implementation=1), TypeError, r"^implementation: expected None, 'xla' or 'cudnn', got int 1"),
+    (dict(implementation=np.array(["xla"])), TypeError,
+     r"^implementation: expected None, 'xla' or 'cudnn', got numpy.ndarray"),
     # an array: its == against the names was an array, whose truth value failed naming nothing
     (dict(implementation=np.array(["xla", "cudnn"])), TypeError,
      r"^implementation: expected None, 'xla' or 'cudnn', got numpy.ndarray "),
