@@ -49,8 +49,8 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, to_numpy,
-                      widest_int)
+from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, resolve_backend,
+                      to_numpy, widest_int)
 from .kvcache import KVCache
 from .module import check_kv_cache
 from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
@@ -111,8 +111,8 @@ class GPT(BlockStack):
     layer_norm_eps : float
     bias : bool
         Biases in the attention, feed-forward and layer norms.
-    dtype : str
-        "float32" (default) or "float64".
+    dtype : str or dtype
+        "float32" (default) or "float64", as a name or a dtype of any library.
     backend : str or namespace
     seed : int or numpy.random.SeedSequence, optional
         Seeds the weights and the dropout generator (a ``SeedSequence`` is
@@ -148,6 +148,8 @@ class GPT(BlockStack):
         vocab_size = V.check_size("vocab_size", vocab_size, minimum=1)
         block_size = V.check_size("block_size", block_size, minimum=1)
         n_layer = V.check_size("n_layer", n_layer, minimum=1)
+        # a name or a dtype of any library, as MultiHeadAttention's; of those, single or double
+        dtype = V.float_dtype_name(resolve_backend(backend), dtype)
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
                              f"written for them; the blocks alone take half precision), got {dtype!r}")

@@ -10,6 +10,8 @@ from npattn.backend import backend_name, to_numpy
 from npattn.gpt import GPT, sample_next, training_step
 from npattn.gradcheck import check_vjp
 
+from reliability_helpers import raises
+
 VOCAB, T, D, N, H, FF = 11, 9, 8, 2, 2, 12
 B, L = 2, 6  # L < T: the rows of wpe past L get no gradient
 
@@ -630,6 +632,16 @@ def test_a_seed_sequence_seeds_the_model_as_its_entropy_does_and_is_not_advanced
 def test_constructor_and_generate_checks(xp, to_xp):
     with pytest.raises(ValueError, match="dtype"):
         make(xp, dtype="float16")
+    # dtype as MultiHeadAttention reads it: a name or a dtype object (NumPy's type, the backend's
+    # own); None or an integer dtype is a TypeError, half precision a ValueError
+    for bad, err in ((None, TypeError), (np.int64, TypeError), (np.float16, ValueError),
+                     (b"float32", TypeError)):
+        with raises(err, "dtype", "got"):
+            make(xp, dtype=bad)
+    for given in (np.float64, np.dtype("float64"), xp.float64):
+        model = make(xp, dtype=given)
+        assert model.dtype == xp.float64 and model.params["wte"].dtype == xp.float64
+        assert model.forward(to_xp(ids_of(1))).dtype == xp.float64
     with pytest.raises(TypeError, match="seed"):
         GPT(VOCAB, T, D, N, H, seed=1.5)
     with pytest.raises(ValueError, match="seed"):
