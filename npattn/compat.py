@@ -159,7 +159,7 @@ def _flash_window(window_size: Any, causal: Any) -> tuple[bool, Optional[tuple]]
             or not all(_is_int(w) for w in window_size)):
         raise TypeError(
             "window_size: expected a pair (left, right) of ints, -1 for an unbounded side, "
-            f"got {V.type_name(window_size)} {window_size!r}"
+            f"got {V.described(window_size)}"
         )
     left, right = (None if int(w) < 0 else int(w) for w in window_size)
     if causal:
@@ -172,7 +172,7 @@ def _flash_window(window_size: Any, causal: Any) -> tuple[bool, Optional[tuple]]
 def _flash_softcap(softcap: Any) -> Optional[float]:
     """flash-attn's ``softcap`` (0.0 = off) as npattn's (None = off)."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected a float, 0.0 for off, got {V.type_name(softcap)} {softcap!r}")
+        raise TypeError(f"softcap: expected a float, 0.0 for off, got {V.described(softcap)}")
     s = V.real_value(softcap)
     if not (math.isfinite(s) and s >= 0.0):
         raise ValueError(f"softcap: expected 0.0 (off) or a finite float > 0, got {softcap!r}")
@@ -1070,7 +1070,7 @@ def _jax_window(local_window_size: Any) -> Optional[tuple]:
     w = (local_window_size, local_window_size) if _is_int(local_window_size) else local_window_size
     if not isinstance(w, (tuple, list)) or len(w) != 2 or not all(_is_int(n) for n in w):
         raise TypeError(f"local_window_size: expected None, an int or a pair (left, right) of ints, "
-                        f"got {V.type_name(local_window_size)} {local_window_size!r}")
+                        f"got {V.described(local_window_size)}")
     if w[0] < 0 or w[1] < 0:
         raise ValueError(f"local_window_size: expected sides >= 0, got {local_window_size!r}")
     return int(w[0]), int(w[1])

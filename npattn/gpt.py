@@ -86,7 +86,7 @@ def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
         return
     kinds = "None, an int >= 0" + (" or a numpy.random.Generator" if generator else " or a SeedSequence")
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"{name}: expected {kinds}, got {V.type_name(seed)} {seed!r}")
+        raise TypeError(f"{name}: expected {kinds}, got {V.described(seed)}")
     if seed < 0:
         raise ValueError(f"{name}: expected {kinds}, got {seed!r}")
 

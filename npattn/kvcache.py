@@ -158,7 +158,7 @@ class KVCache:
         unless ``name`` is a str)."""
         if not isinstance(name, str):
             raise TypeError(f"name: expected a str (the argument the message names), got "
-                            f"{V.type_name(name)} {name!r}")
+                            f"{V.described(name)}")
         n = V.check_size("n", n, maximum=None)  # a Python int: a NumPy one would wrap in L + n
         for b, L in enumerate(self._lens):
             if L + n > self.capacity:

@@ -64,7 +64,7 @@ def check_eps(name: str, value: Any, xp: Any = None, dtype: Any = None) -> None:
     and, given ``xp`` and ``dtype``, one that layer norm's compute dtype holds: an ``eps`` that
     rounds to inf there turns every row into 0, one that rounds to 0 a constant row into NaN."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a positive float, got {V.type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected a positive float, got {V.described(value)}")
     if not (0.0 < V.real_value(value) < math.inf):
         raise ValueError(f"{name}: expected a positive finite float, got {value!r}")
     if dtype is None:

@@ -931,7 +931,7 @@ def check_softcap(softcap: Any) -> None:
     if softcap is None:
         return
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected None or a float > 0, got {V.type_name(softcap)} {softcap!r}")
+        raise TypeError(f"softcap: expected None or a float > 0, got {V.described(softcap)}")
     try:
         ok = math.isfinite(float(softcap)) and float(softcap) > 0.0
     except OverflowError:  # an int beyond the float range

@@ -257,7 +257,7 @@ def check_label_smoothing(label_smoothing: Any) -> float:
     ``ValueError`` unless in [0, 1] (torch's range)."""
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
         raise TypeError(f"label_smoothing: expected a real number in [0, 1], got "
-                        f"{Vd.type_name(label_smoothing)} {label_smoothing!r}")
+                        f"{Vd.described(label_smoothing)}")
     eps = Vd.real_value(label_smoothing)
     if not 0.0 <= eps <= 1.0:  # (False for NaN)
         raise ValueError(f"label_smoothing: expected a real number in [0, 1], got {label_smoothing!r}")

@@ -78,7 +78,7 @@ def _check_int(name: str, value: Any) -> int:
     """An int (Python or NumPy, not a bool) of at most 62 bits: positions and offsets are summed
     in int64. Returns it as a Python int (a NumPy int would wrap in that arithmetic)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {V.type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected an int, got {V.described(value)}")
     if not -(2**62) <= int(value) <= 2**62:
         raise ValueError(f"{name}: expected an int within +-2**62 (positions are int64), got {int(value)}")
     return int(value)
@@ -86,7 +86,7 @@ def _check_int(name: str, value: Any) -> int:
 
 def _check_base(value: Any) -> None:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"base: expected a float > 1, got {V.type_name(value)} {value!r}")
+        raise TypeError(f"base: expected a float > 1, got {V.described(value)}")
     if not (math.isfinite(V.real_value(value)) and V.real_value(value) > 1.0):
         raise ValueError(f"base: expected a finite float > 1, got {value!r}")
 

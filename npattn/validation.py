@@ -67,6 +67,7 @@ __all__ = [
     "argument_names",
     "check_broadcasts_to",
     "type_name",
+    "described",
     "dtype_name",
     "shape_of",
 ]
@@ -92,6 +93,12 @@ def type_name(x: Any) -> str:
     if t.__module__ in ("builtins",):
         return t.__name__
     return f"{t.__module__.split('.')[0]}.{t.__name__}"
+
+
+def described(x: Any) -> str:
+    """How a message says what it got: the type and the value ('int 3', "str 'a'"), or
+    'None'."""
+    return "None" if x is None else f"{type_name(x)} {x!r}"
 
 
 def dtype_name(dtype: Any) -> str:
@@ -120,7 +127,7 @@ MAX_AXIS = int(np.iinfo(np.intp).max)
 def check_bool(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a bool (Python or NumPy)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected a bool, got {described(value)}")
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -129,8 +136,7 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
     listed = [repr(c) for c in choices]
     expected = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " or " + listed[-1]
     if not (isinstance(value, str) or (value is None and None in choices)):
-        got = "None" if value is None else f"{type_name(value)} {value!r}"
-        raise TypeError(f"{name}: expected {expected}, got {got}")
+        raise TypeError(f"{name}: expected {expected}, got {described(value)}")
     if value not in choices:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
@@ -155,7 +161,7 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False,
     if value is None and allow_none:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int, got {type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected a positive int, got {described(value)}")
     n = int(value)  # exact for NumPy ints too
     if n <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -169,7 +175,7 @@ def check_size(name: str, value: Any, *, minimum: int = 0,
     or a caller with a check of its own).
     Use what it returns (see ``check_positive_int``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {described(value)}")
     n = int(value)  # exact for NumPy ints too
     if n < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -216,7 +222,7 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none:
     if value is None and allow_none:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected a real number, got {described(value)}")
     bound = ">= 0" if allow_zero else "> 0"
     x = real_value(value)
     if not (math.isfinite(x) and (x >= 0.0 if allow_zero else x > 0.0)):
@@ -236,7 +242,7 @@ def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype") -> str:
         raise TypeError(f"{name}: expected one of {available} (a name or a dtype), got None")
     if isinstance(dtype, (bytes, bytearray)):  # np.dtype(b"float64") would read it as the name
         raise TypeError(f"{name}: expected one of {available} (a name or a dtype), got "
-                        f"{type_name(dtype)} {dtype!r}")
+                        f"{described(dtype)}")
     if isinstance(dtype, str):
         given = dtype
     else:
@@ -253,7 +259,7 @@ def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype") -> str:
     if given not in available:
         if not isinstance(dtype, str) and given not in FLOAT_DTYPES:
             raise TypeError(
-                f"{name}: expected one of {available} (a name or a dtype), got {type_name(dtype)} {dtype!r}"
+                f"{name}: expected one of {available} (a name or a dtype), got {described(dtype)}"
             )
         raise ValueError(
             f"{name}: expected one of {available} for backend {backend_name(xp)!r}, got {dtype!r}"
@@ -266,7 +272,7 @@ def check_scale(name: str, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected None or a float, got {type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected None or a float, got {described(value)}")
     try:
         as_float = float(value)
     except OverflowError:  # an int beyond the float range, e.g. 2**1100
@@ -286,7 +292,7 @@ def check_rng(name: str, value: Any) -> None:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{name}: expected None, a non-negative int seed or a numpy.random.Generator, "
-            f"got {type_name(value)} {value!r}"
+            f"got {described(value)}"
         )
     if value < 0:
         raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
@@ -305,7 +311,7 @@ def check_probability(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a real number, ``ValueError`` unless it is in [0, 1)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"{name}: expected a float drop probability in [0, 1), got {type_name(value)} {value!r}"
+            f"{name}: expected a float drop probability in [0, 1), got {described(value)}"
         )
     if not (0.0 <= value < 1.0):  # type: ignore[operator]  # False for NaN; an int may overflow float()
         raise ValueError(f"{name}: expected a drop probability in [0, 1), got {value!r}")
@@ -695,7 +701,7 @@ def _check_window_side(name: str, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected None or an int >= 0, got {type_name(value)} {value!r}")
+        raise TypeError(f"{name}: expected None or an int >= 0, got {described(value)}")
     if value < 0:
         raise ValueError(f"{name}: expected None or an int >= 0, got {value!r}")
 
@@ -729,13 +735,13 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(
                 f"window: expected None or a pair (left, right) of ints >= 0 or None, got "
-                f"{type_name(window)} {window!r}"
+                f"{described(window)}"
             )
         _check_window_side("window[0] (left)", window[0])
         _check_window_side("window[1] (right)", window[1])
     if softcap is not None:
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-            raise TypeError(f"softcap: expected None or a float > 0, got {type_name(softcap)} {softcap!r}")
+            raise TypeError(f"softcap: expected None or a float > 0, got {described(softcap)}")
         if not (math.isfinite(real_value(softcap)) and real_value(softcap) > 0):
             raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
     H = lead[-1] if len(lead) >= 1 else None

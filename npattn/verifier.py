@@ -164,7 +164,7 @@ import numpy as np
 
 from . import attention as A
 from .backend import to_numpy
-from .validation import ALIGNS, check_choice, check_size, dtype_name, real_value, type_name
+from .validation import ALIGNS, check_choice, check_size, described, dtype_name, real_value, type_name
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
                            check_supports, panel)
 
@@ -826,7 +826,7 @@ class _Library:
         form = form if flags else f"a jax.Device, or {form}"
         if not isinstance(device, str):
             raise TypeError(f"device: expected {form} with {backend}, got "
-                            f"{type_name(device)} {device!r}")
+                            f"{described(device)}")
         platform, sep, index = device.partition(":")
         found: list = []
         error = ""
@@ -870,7 +870,7 @@ def _library_name(backend: Any) -> str:
     """"numpy", "torch", "cupy" or "jax" from ``backend=`` (a name or the module)."""
     if not isinstance(backend, (str, types.ModuleType)):
         raise TypeError(f"backend: expected one of {LIBRARIES} (or the module), got "
-                        f"{type_name(backend)} {backend!r}")
+                        f"{described(backend)}")
     name = getattr(backend, "__name__", backend)
     if isinstance(name, str):
         name = name.split(".")[-1] if name.startswith("array_api_compat.") else name
@@ -1869,7 +1869,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
                          f"(backward={_describe_callable(backward)}, autograd={autograd!r})")
     if not _is_number(budget_factor):
         raise TypeError(f"budget_factor: expected a finite number >= 1, got "
-                        f"{type_name(budget_factor)} {budget_factor!r}")
+                        f"{described(budget_factor)}")
     if not (math.isfinite(real_value(budget_factor)) and budget_factor >= 1.0):  # 2**1100: inf
         raise ValueError(f"budget_factor: expected a finite number >= 1, got {budget_factor!r}")
     check_choice("align", align, ALIGNS)
@@ -1881,13 +1881,13 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
     if floors is not None:
         if not isinstance(floors, Mapping):
             raise TypeError(f"floors: expected a mapping with keys from {DTYPES}, got "
-                            f"{type_name(floors)} {floors!r}")
+                            f"{described(floors)}")
         if any(k not in FLOORS for k in floors):
             raise ValueError(f"floors: expected a mapping with keys from {DTYPES}, got {floors!r}")
         for k, v in floors.items():
             if not _is_number(v):
                 raise TypeError(f"floors: expected finite numbers >= 0 as values, got "
-                                f"{type_name(v)} {v!r} for {k!r}")
+                                f"{described(v)} for {k!r}")
             if not (math.isfinite(real_value(v)) and v >= 0.0):
                 raise ValueError(f"floors: expected finite numbers >= 0 as values, got {v!r} for "
                                  f"{k!r}")
@@ -1901,7 +1901,7 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
     not_str = [k for k in adapter if not isinstance(k, str)]
     if not_str:
         raise TypeError(f"adapter: expected keys from npattn's keywords {names} (str), got "
-                        f"{', '.join(f'{type_name(k)} {k!r}' for k in not_str)}")
+                        f"{', '.join(f'{described(k)}' for k in not_str)}")
     unknown = [k for k in adapter if k not in names]
     if unknown:
         raise ValueError(f"adapter: expected keys from npattn's keywords {names}, got "
@@ -1975,7 +1975,7 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
         cases = [cases]
     if not isinstance(cases, Iterable):
         raise TypeError(f"cases: expected None, a case name, a Case or an iterable of them, got "
-                        f"{type_name(cases)} {cases!r}")
+                        f"{described(cases)}")
     by_name = {c.name: c for c in full}
     chosen = []
     for c in cases:
@@ -1987,7 +1987,7 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
             chosen.append(c)
         elif not isinstance(c, str):
             raise TypeError(f"cases: expected names of the panel's cases or Case objects, got "
-                            f"{type_name(c)} {c!r}")
+                            f"{described(c)}")
         elif c in by_name:
             if by_name[c] not in chosen:  # a name given twice runs once
                 chosen.append(by_name[c])
@@ -2141,16 +2141,16 @@ def verify(
     seed = check_size("seed", seed, maximum=None)
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected None or a callable progress(done, total, case_name), "
-                        f"got {type_name(progress)} {progress!r}")
+                        f"got {described(progress)}")
     if command is not None and not isinstance(command, str):
         raise TypeError(f"command: expected None or a str holding '{{case}}', got "
-                        f"{type_name(command)} {command!r}")
+                        f"{described(command)}")
     if command is not None and "{case}" not in command:  # each case's rerun would be this line
         raise ValueError(f"command: expected a str holding '{{case}}', got {command!r}")
     for key, value in (("target", target), ("backward_target", backward_target),
                        ("adapter_target", adapter_target)):
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"{key}: expected None or a str, got {type_name(value)} {value!r}")
+            raise TypeError(f"{key}: expected None or a str, got {described(value)}")
     _check_grad_args(mask_grad, lse_grad, returns_lse,
                      backward is not None or autograd is not None, supports, flags)
     lib_name = _library_name(backend)
