@@ -645,6 +645,12 @@ def test_unknown_chunk_sizes_and_bad_block_lengths_are_refused_at_the_call():
     rows = q[:, :, da.from_array(np.ones(5, bool))]  # shape (2, 1, nan, 3)
     assert chunked.accepts(q, q, q)
     assert not any(chunked.accepts(*a) for a in ((unknown, q, q), (rows, q, q), (q, rows, rows)))
+    # and NumPy arrays among dask ones are not its call either (the dispatcher's input check
+    # refuses such a mix before it asks: only a direct call sees this answer)
+    n = np.ones((2, 1, 5, 3))
+    assert not any(chunked.accepts(*a) for a in ((n, q, q), (q, n, q), (q, q, n), (n, n, n)))
+    assert not chunked.accepts(q, q, q, np.ones((5, 5), bool))
+    assert not chunked.accepts(q, q, q, None, np.ones((5, 5), bool))
     for bad, exc in ((0, ValueError), (-1, ValueError), (2.5, TypeError), ("x", TypeError)):
         with pytest.raises(exc, match="^block_q: expected a positive int"):
             A.sdpa_forward(q, q, q, block_q=bad)
