@@ -198,6 +198,21 @@ def test_lse_of_the_merged_rows_equals_the_reference(sizes):
     np.testing.assert_allclose(got[:, :, 1:], want[:, :, 1:], rtol=1e-12, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("sizes", UNEVEN_CHUNKINGS, ids=str)
+def test_lse_of_rows_whose_largest_score_is_0(sizes):
+    """A query row of zeros scores 0 against every key: its row maximum is m = 0 and its
+    causal row i attends i + 1 keys, so lse = log(i + 1) (by hand), not the -inf of a row
+    with nothing to attend (whose merged m is 0 as well). A float mask of 0 on row 0 keeps
+    the scores of the other rows as they are."""
+    q, k, v, dout, kw = make_inputs(15, 2, 2, 1, 7, 9, 4, 3, causal=True)
+    q[1, 0] = 0.0  # [Lq, Dh]: batch entry 1, head 0 scores 0 everywhere
+    dq, dk, dv, _, _, _ = chunk(q, k, v, None, None, dout, sizes, 1)
+    _, c = A.sdpa_forward(dq, dk, dv, impl="chunked", block_q=2, block_k=3, **kw)
+    got = c.lse.compute(scheduler="sync")  # [B, Hq, Lq]
+    np.testing.assert_allclose(got[1, 0], np.log(np.arange(1, 8)), rtol=1e-14)
+    assert np.isfinite(got).all()
+
 @pytest.mark.parametrize("sizes", UNEVEN_CHUNKINGS, ids=str)
 def test_rows_of_very_negative_scores_merge_across_key_chunks(sizes):
     """A float mask of -1000 everywhere (a shift the softmax ignores) with causal rows and a
