@@ -346,14 +346,18 @@ def test_calls_that_differ_only_in_dropout_dout_or_dlse_computed_together():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_low_precision_dtypes(dtype):
-    """float32 stays float32; float16 is computed in float32 and cast back, like the kernel.
+    """float32 stays float32 (also inside: its lse is float32, as the kernel's); float16 is
+    computed in float32 and cast back, like the kernel.
     Every chunk of the gradients has that dtype, also the zeros of key chunk 8, which no query
     row reaches (causal, Lq = 7): dask's concatenate takes the dtype of one of the chunks."""
     q, k, v, dout, kw = make_inputs(5, 2, 2, 1, 7, 9, 4, 3, mask_kind="float", mask_form="LqLk",
                                     causal=True, dtype=dtype)
     (out0, grads0, _), (out, grads, _) = run_both(q, k, v, dout, kw, CHUNKINGS["everything"], 1)
     dq, dk, dv, dm, _, ddout = chunk(q, k, v, kw["mask"], None, dout, CHUNKINGS["everything"], 1)
-    lazy = A.sdpa_backward(ddout, A.sdpa_forward(dq, dk, dv, **dict(kw, mask=dm))[1])
+    _, c = A.sdpa_forward(dq, dk, dv, **dict(kw, mask=dm))
+    lse = c.lse.compute(scheduler="sync")  # [B, Hq, Lq]
+    assert lse.dtype == np.float32  # float32 is computed in float32, not in float64
+    lazy = A.sdpa_backward(ddout, c)
     for name, g in zip(("dq", "dk", "dv", "dmask"), lazy):
         blocks = dask.compute(*g.to_delayed().ravel(), scheduler="sync")
         assert {b.dtype for b in blocks} == {np.dtype(dtype)}, name
