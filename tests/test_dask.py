@@ -273,6 +273,7 @@ def test_uneven_chunks_that_start_with_a_length_1_chunk(form):
     got = dask.compute(out, grads, A.dropout_keep_mask(c), scheduler="sync")
     assert_same(ref, got, form)
 
+
 def test_large_scores_stay_exact_across_key_chunks():
     """Scores of 1e17 (float64) on two equal keys in two key chunks: p = [0.5, 0.5].
     A merged log-sum-exp m + log(l) would round log(2) away against 1e17."""
@@ -308,6 +309,32 @@ def test_calls_that_differ_only_in_is_causal_or_scale_computed_together():
         for name, g, g0 in zip(("dq", "dk", "dv"), grads, A.sdpa_backward(dout, c0)):
             assert_close(g, g0, host, f"{opt}: {name}")
 
+
+
+def test_calls_that_differ_only_in_a_mask_or_a_keep_mask_computed_together():
+    """Forward calls on the same dask arrays that differ only in their mask (bool or float)
+    or only in the caller's keep-mask, forward and backward computed in one ``dask.compute``:
+    each gives the NumPy kernel's numbers and keep-mask of its own arguments (the names of
+    their tasks must tell them apart)."""
+    q, k, v, dout, kw = make_inputs(17, 2, 2, 1, 7, 9, 4, 3, causal=True)
+    rng = np.random.default_rng(17)
+    shape = (2, 2, 7, 9)  # [B, Hq, Lq, Lk]
+    calls = [dict(mask=rng.random(shape) > 0.3), dict(mask=rng.random(shape) > 0.3),
+             dict(mask=rng.standard_normal(shape)), dict(mask=rng.standard_normal(shape)),
+             dict(dropout_p=0.3, dropout_mask=rng.random(shape) > 0.3),
+             dict(dropout_p=0.3, dropout_mask=rng.random(shape) > 0.3)]
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 2, 3, 4), 1)
+    lazy = []
+    for call in calls:
+        dcall = {n: da.from_array(a, chunks=(1, 2, 3, 4)) if isinstance(a, np.ndarray) else a
+                 for n, a in call.items()}
+        out, c = A.sdpa_forward(dq, dk, dv, impl="chunked", **dict(kw, **dcall))
+        lazy.append((out, A.sdpa_backward(ddout, c), A.dropout_keep_mask(c)))
+    got = dask.compute(lazy, scheduler="sync")[0]
+    for n, (call, (out, grads, keep)) in enumerate(zip(calls, got)):
+        out0, c0 = A.sdpa_forward(q, k, v, impl="numpy", **dict(kw, **call))
+        assert_same((out0, A.sdpa_backward(dout, c0), A.dropout_keep_mask(c0)), (out, grads, keep),
+                    f"call {n}")
 
 def test_calls_that_differ_only_in_dropout_dout_or_dlse_computed_together():
     """Forward calls on the same dask arrays that differ only in the drop probability or only
