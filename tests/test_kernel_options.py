@@ -330,7 +330,8 @@ def test_numpy_kernel_window_that_cuts_one_key_of_a_block(L, window, tile_elems,
 
 def test_numpy_kernel_window_with_a_float_mask_and_empty_rows():
     """Bottom-right window with Lq > Lk: the first rows see no key (their tiles are
-    skipped); a floating mask's gradient is summed in the tiles the window leaves."""
+    skipped, and the cache's row factors there are 1, as documented for an empty row); a
+    floating mask's gradient is summed in the tiles the window leaves."""
     rng = np.random.default_rng(13)
     Lq, Lk = 300, 100  # tiles of 64 rows: the first three see no key at all
     q, k, v, dout = (rng.standard_normal(s) for s in [(2, 2, Lq, 3), (2, 2, Lk, 3), (2, 2, Lk, 2),
@@ -340,6 +341,7 @@ def test_numpy_kernel_window_with_a_float_mask_and_empty_rows():
     out, c = A.sdpa_forward(q, k, v, impl="numpy", **kw)
     ref_out, ref_c = A.sdpa_forward(q, k, v, impl="reference", **kw)
     assert np.all(out[:, :, :Lq - Lk] == 0) and np.isneginf(c.lse[:, :, :Lq - Lk]).all()
+    assert np.all(c.row_scale.reshape(c.lse.shape)[:, :, :Lq - Lk] == 1.0)  # [B, Hq, Lq]
     np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-13)
     for g, g_ref in zip(A.sdpa_backward(dout, c)[:4], A.sdpa_backward(dout, ref_c)[:4]):
         np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-13)
