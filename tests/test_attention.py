@@ -652,6 +652,14 @@ def test_select_impl_on_other_backends(backend, xp, to_xp):
         A.sdpa_forward(q, q, q, impl="numpy")
     mask = np.ones((3, 3), dtype=bool)  # NumPy arrays with a NumPy mask: the kernel
     assert A.select_impl("auto", *[np.zeros((1, 2, 3, 4))] * 3, mask=mask) == "numpy"
+    # NumPy arrays among the backend's are not the kernel's (sdpa_forward's input check refuses
+    # such a mix first; select_impl and the kernel's accepts give their own answer)
+    n = np.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="impl='numpy'"):
+        A.select_impl("numpy", n, q, q)
+    assert not any(numpy_kernel.accepts(*a) for a in ((n, q, q), (q, n, n), (n, n, q)))
+    assert not numpy_kernel.accepts(n, n, n, to_xp(mask))
+    assert not numpy_kernel.accepts(n, n, n, None, to_xp(mask))
 
 
 def test_dout_is_checked_on_every_implementation():
