@@ -45,6 +45,17 @@ def test_pooled_projection_matches_the_reference(lead, bias, pooled):
             np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
 
+
+def test_the_pool_takes_numpy_arrays_only(backend, to_xp, pooled):
+    """``linear_applies`` is true of NumPy ``x`` and ``w`` alone: one array of another library
+    is the reference's (which names it), even where the GEMM is large enough for the pool."""
+    x, w, _, _ = _case(3, (2, 9), 6, 5)
+    assert numpy_kernel.linear_applies(x, w)
+    if backend == "numpy":
+        return
+    assert not any(numpy_kernel.linear_applies(*a) for a in ((to_xp(x), w), (x, to_xp(w)),
+                                                             (to_xp(x), to_xp(w))))
+
 @pytest.mark.parametrize("lead", [(2, 9), (4, 256), (64, 64)])
 def test_pooled_half_precision_dw_is_rounded_once(lead, pooled):
     """In float16 the pool's dw sums its blocks' terms in float32 and rounds once, as the
