@@ -80,7 +80,8 @@ def test_bounded_rows_near_the_bound_keep_float32_precision(monkeypatch):
 
 
 def test_probs_are_the_row_scaled_exps():
-    """``cache.probs`` is ``exps * row_scale`` as a new array; rows sum to 1, an empty row to 0."""
+    """``cache.probs`` is ``exps * row_scale`` as a new array; rows sum to 1, an empty row to 0.
+    ``row_scale`` is ``1 / rowsum(exps)``, and 1 on an empty row (as its field documents)."""
     q, k, v, dout, kw = make_inputs(2, 1, 2, 1, 6, 5, 3, 3, mask_kind="bool")
     _, c = A.sdpa_forward(q, k, v, impl="numpy", **kw)
     p = c.probs
@@ -92,6 +93,9 @@ def test_probs_are_the_row_scaled_exps():
     assert empty.any()
     np.testing.assert_allclose(sums[~empty], 1.0, rtol=1e-12)
     assert np.all(sums[empty] == 0.0)
+    ps = c.row_scale.reshape(sums.shape)  # [B, Hq, Lq]
+    np.testing.assert_allclose(ps[~empty], 1.0 / c.exps.sum(axis=-1)[~empty], rtol=1e-12)
+    assert np.all(ps[empty] == 1.0)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
