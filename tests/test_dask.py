@@ -252,24 +252,25 @@ def test_every_mask_form_on_key_chunks(form):
 
 @pytest.mark.parametrize("form", ["full", "B11Lk"])
 def test_uneven_chunks_that_start_with_a_length_1_chunk(form):
-    """Chunks of unequal lengths whose first is of length 1, on every axis: a pair sums its
-    ``ds`` to the shape of the mask chunk it reads (the causal diagonal broadcasts a B11Lk
-    chunk to the pair's rows), and that shape differs from chunk to chunk; a chunk of length 1
-    is not a broadcast axis. Out, the gradients (dmask of the mask's shape) and the keep-mask
-    equal the NumPy kernel's."""
+    """Chunks of unequal lengths, the first of length 1 on the heads, rows and keys: a pair
+    sums its ``ds`` to the shape of the mask chunk it reads (the causal diagonal broadcasts a
+    B11Lk chunk to the pair's rows), and that shape differs from chunk to chunk; a chunk of
+    length 1 is not a broadcast axis. The batch chunks (2, 1) start the second at entry 2, not
+    at chunk index 1 (the dropout's coordinates). Out, the gradients (dmask of the mask's
+    shape) and the keep-mask equal the NumPy kernel's."""
     q, k, v, dout, kw = make_inputs(21, 3, 2, 1, 7, 6, 4, 3, mask_kind="float", mask_form=form,
                                     causal=True, dropout="seed")
     out0, c0 = A.sdpa_forward(q, k, v, impl="numpy", **kw)
     ref = (out0, A.sdpa_backward(dout, c0), A.dropout_keep_mask(c0))
     rows, keys = (1, 4, 2), (1, 3, 2)
-    dq = da.from_array(q, chunks=((1, 2), (1, 1), rows, (4,)))  # [B, Hq, Lq, Dh]
-    dk = da.from_array(k, chunks=((1, 2), (1, 1), keys, (4,)))  # [B, Hkv, Lk, Dh]
-    dv = da.from_array(v, chunks=((1, 2), (1, 1), keys, (3,)))  # [B, Hkv, Lk, Dv]
+    dq = da.from_array(q, chunks=((2, 1), (1, 1), rows, (4,)))  # [B, Hq, Lq, Dh]
+    dk = da.from_array(k, chunks=((2, 1), (1, 1), keys, (4,)))  # [B, Hkv, Lk, Dh]
+    dv = da.from_array(v, chunks=((2, 1), (1, 1), keys, (3,)))  # [B, Hkv, Lk, Dv]
     mask = kw.pop("mask")
-    dm = da.from_array(mask, chunks=((1, 2), (1, 1), rows, keys) if form == "full"
-                       else ((1, 2), (1,), (1,), keys))
+    dm = da.from_array(mask, chunks=((2, 1), (1, 1), rows, keys) if form == "full"
+                       else ((2, 1), (1,), (1,), keys))
     out, c = A.sdpa_forward(dq, dk, dv, mask=dm, impl="chunked", **kw)
-    grads = A.sdpa_backward(da.from_array(dout, chunks=((1, 2), (1, 1), rows, (3,))), c)
+    grads = A.sdpa_backward(da.from_array(dout, chunks=((2, 1), (1, 1), rows, (3,))), c)
     got = dask.compute(out, grads, A.dropout_keep_mask(c), scheduler="sync")
     assert_same(ref, got, form)
 
