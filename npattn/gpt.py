@@ -633,7 +633,10 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
-    clipping to ``max_grad_norm`` (None: no clipping). Every argument is
+    clipping to ``max_grad_norm`` (None: no clipping). ``model.grads`` keeps
+    the gradients as the backward gave them, before clipping (torch's
+    ``clip_grad_norm_`` scales ``.grad`` in place; the clipped ones are
+    ``nn.clip_grad_norm(model.grads, max_grad_norm)[0]``). Every argument is
     checked before the forward. Should the step fail after that (memory,
     say), the model is put back as it was before the call (its forward's
     cache, its and its blocks' generators, its grads): a failed step changes
