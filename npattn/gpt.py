@@ -84,7 +84,8 @@ def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
         return
     if generator and isinstance(seed, np.random.Generator):
         return
-    kinds = "None, an int >= 0" + (" or a numpy.random.Generator" if generator else " or a SeedSequence")
+    kinds = "None, an int >= 0" + (", a SeedSequence or a numpy.random.Generator" if generator
+                                   else " or a SeedSequence")
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"{name}: expected {kinds}, got {V.described(seed)}")
     if seed < 0:

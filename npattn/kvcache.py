@@ -238,13 +238,13 @@ class KVCache:
         B = self.batch_size
         if isinstance(seqlens, numbers.Integral) and not isinstance(seqlens, (bool, np.bool_)):
             given: list = [seqlens] * B
-        elif isinstance(seqlens, (list, tuple)) or (isinstance(seqlens, np.ndarray)
-                                                     and seqlens.ndim == 1):
+        elif isinstance(seqlens, (list, tuple, range)) or (isinstance(seqlens, np.ndarray)
+                                                            and seqlens.ndim == 1):
             given = list(seqlens)
         else:
             shape = f" of shape {V.shape_of(seqlens)}" if isinstance(seqlens, np.ndarray) else ""
-            raise TypeError(f"seqlens: expected an int or {B} ints (a sequence or a 1-D NumPy "
-                            f"array), got {V.type_name(seqlens)}{shape}")
+            raise TypeError(f"seqlens: expected an int or {B} ints (a list, tuple, range or 1-D "
+                            f"NumPy array), got {V.type_name(seqlens)}{shape}")
         if len(given) != B:
             raise ValueError(f"seqlens: expected {B} lengths (one per batch entry), got {len(given)}")
         new = [V.check_size(f"seqlens[{b}]", s) for b, s in enumerate(given)]  # Python ints

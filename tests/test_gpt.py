@@ -656,7 +656,8 @@ def test_constructor_and_generate_checks(xp, to_xp):
         model.forward(to_xp(np.zeros((0, 3), dtype=np.int64)))
     with pytest.raises(TypeError, match="seed"):
         model.generate(to_xp(ids_of(0, (B, 2))), 2, seed="x")
-    with pytest.raises(TypeError, match=r"^seed: expected None, an int >= 0 or a numpy.random.Generator, got bool"):
+    with pytest.raises(TypeError, match=r"^seed: expected None, an int >= 0, a SeedSequence or a "
+                                        r"numpy.random.Generator, got bool"):
         model.generate(to_xp(ids_of(0, (B, 2))), 2, seed=True)
     # a prompt of the whole context still gets one token: the last one chosen is never fed back
     out, logits = model.eval().generate(to_xp(ids_of(2, (B, T))), 1, greedy=True, return_logits=True)

@@ -455,6 +455,8 @@ def test_kvcache_layout_and_appends(backend, xp, to_xp, to_np):
                            f"value_dim=2, dtype='float64', backend={backend!r}, cache_seqlens=[3, 4])")
     cache.truncate(np.array([2, 4]))
     assert cache.cache_seqlens.tolist() == [2, 4]
+    cache.truncate(range(1, 3))  # a range is a sequence of ints, as masks.padding reads one
+    assert cache.cache_seqlens.tolist() == [1, 2]
     cache.truncate(1)  # one int: every entry
     assert cache.cache_seqlens.tolist() == [1, 1]
     cache.reset()
