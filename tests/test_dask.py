@@ -668,6 +668,11 @@ def test_backend_name_and_impl_choice():
         A.sdpa_forward(q, k, v, impl="chunked")
     with pytest.raises(ValueError, match=r"impl='chunked' cannot return attention weights"):
         A.sdpa_forward(dq, dk, dv, impl="chunked", need_weights=True)
+    # the chunked path forms no weights: asking its cache for them is refused by name
+    _, c = A.sdpa_forward(dq, dk, dv)
+    assert isinstance(c, chunked.ChunkedSDPACache)
+    with pytest.raises(ValueError, match="^cache: the chunked implementation keeps no attention weights"):
+        A.weights(c)
     # weights on dask arrays come from the reference, lazily
     out, c = A.sdpa_forward(dq, dk, dv, need_weights=True)
     w = A.weights(c)
@@ -695,6 +700,30 @@ def test_bottom_right_causal_on_dask_is_not_the_chunked_top_left_one():
         A.sdpa_forward(dq, dk, dv, is_causal=True, align="bottom_right", impl="chunked")
     _, c = A.sdpa_forward(dq, dk[:, :, :3], dv[:, :, :3], is_causal=True, align="bottom_right")
     assert isinstance(c, chunked.ChunkedSDPACache)
+
+
+def test_keys_and_values_broadcast_over_the_heads_on_dask():
+    """k and v of one head, (B, 1, Lk, D), broadcast to q's heads without GQA, as on NumPy
+    (test_attention): the chunked path's layout is (B, Hkv, ...) with Hkv dividing Hq only
+    under GQA, so "auto" takes the reference (softmax written out below) and impl="chunked"
+    is refused by name; the gradients are those of NumPy's reference."""
+    r = np.random.default_rng(22)
+    q = r.standard_normal((2, 4, 5, 3))  # [B, H, Lq, Dh]
+    k, v = r.standard_normal((2, 1, 6, 3)), r.standard_normal((2, 1, 6, 2))  # [B, 1, Lk, D]
+    s = np.einsum("bhid,bjd->bhij", q, k[:, 0]) / math.sqrt(3)  # [B, H, Lq, Lk]
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    want = np.einsum("bhij,bjd->bhid", p / p.sum(axis=-1, keepdims=True), v[:, 0])
+    dout = r.standard_normal(want.shape)
+    grads0 = A.sdpa_backward(dout, A.sdpa_forward(q, k, v, impl="reference")[1])
+    dq, dk, dv, ddout = (da.from_array(a, chunks=(1, 2, 3, a.shape[-1])) for a in (q, k, v, dout))
+    out, c = A.sdpa_forward(dq, dk, dv)
+    assert not isinstance(c, chunked.ChunkedSDPACache)
+    out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    for name, g, g0 in zip(("dq", "dk", "dv"), grads, grads0):
+        np.testing.assert_allclose(g, g0, rtol=1e-12, atol=1e-12, err_msg=name)
+    with pytest.raises(ValueError, match=r"^impl='chunked': the kernel options .*leading axes that broadcast"):
+        A.sdpa_forward(dq, dk, dv, impl="chunked")
 
 
 def test_mixing_dask_and_numpy_is_refused_before_anything_runs():
