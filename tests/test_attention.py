@@ -662,6 +662,22 @@ def test_select_impl_on_other_backends(backend, xp, to_xp):
     assert not numpy_kernel.accepts(n, n, n, None, to_xp(mask))
 
 
+def test_a_numpy_subclass_is_not_the_kernels():
+    """The NumPy kernel and its tile pool take plain numpy.ndarray only (is_numpy_array): an
+    ndarray subclass runs on the reference under "auto" and "dense", and impl="numpy" is
+    refused by name."""
+    Sub = type("Sub", (np.ndarray,), {})
+    q = np.zeros((1, 2, 3, 4))
+    sub = q.view(Sub)
+    assert npb.is_numpy_array(q) and not npb.is_numpy_array(sub)
+    assert A.select_impl("auto", q, q, q) == "numpy"
+    for impl in ("auto", "dense"):
+        assert A.select_impl(impl, sub, q, q) == "reference"
+        assert A.select_impl(impl, q, q, q, mask=np.ones((3, 3), bool).view(Sub)) == "reference"
+    with pytest.raises(ValueError, match="^impl='numpy': the NumPy kernel takes NumPy arrays"):
+        A.sdpa_forward(q, q, sub, impl="numpy")
+
+
 def test_dout_is_checked_on_every_implementation():
     """sdpa_backward takes the dout of the forward's out, (B, Hq, Lq, Dv) in its dtype, whichever
     implementation made the cache: the NumPy kernel's and the blocked backward (which the
