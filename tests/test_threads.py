@@ -511,6 +511,29 @@ def test_a_thread_that_held_blas_leaves_the_hold_to_others():
     assert _blas_threads() == before
 
 
+def test_a_hold_sets_the_count_it_is_given_and_restores_the_one_before():
+    """limit_blas_threads(n) holds BLAS at n threads, not at one whatever n: inside a hold of
+    one, a hold of two gives two threads back, and each hold restores on leaving the count it
+    found."""
+    from npattn.backend import limit_blas_threads
+
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    before = _blas_threads()
+    if any(n < 2 for _, n in before):
+        pytest.skip("BLAS runs on one thread here: a hold of two is not told from one of one")
+    paths = {path for path, _ in before}
+
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
+
+    with limit_blas_threads(1):
+        assert counts() == {1}
+        with limit_blas_threads(2):
+            assert counts() == {2}
+        assert counts() == {1}
+    assert _blas_threads() == before
+
+
 # --------------------------------------------------------------------------
 # two Python threads at once
 
@@ -674,6 +697,26 @@ def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
     for t in two:
         t.join(30)
         assert not t.is_alive(), "a pool of an earlier thread count was left running"
+
+
+def test_the_pool_is_made_once_and_kept_for_its_thread_count():
+    """The tile pool is made on first use and kept: a second run at the same thread count runs
+    on the threads of the first (a pool made anew for every run would start its threads
+    again at every call). Two tasks that wait for each other run on both threads."""
+    from npattn import backend
+
+    barrier = threading.Barrier(2, timeout=30)
+
+    def meet(seen):
+        barrier.wait()
+        seen.append(threading.current_thread())
+
+    first, second = [], []
+    with backend.exclusive():
+        backend.run_tasks(meet, [(first,), (first,)], 2)
+        backend.run_tasks(meet, [(second,), (second,)], 2)
+    assert len(set(first)) == 2 and all(t.name.startswith("npattn") for t in first)
+    assert set(second) == set(first)
 
 
 @pytest.mark.parametrize("impl, module, forward, backward", [
