@@ -535,3 +535,19 @@ def test_dropout_keys_use_the_high_32_bits():
     keys = [npb.dropout_key(s) for s in range(16)]
     assert all(0 <= k < 2**63 for k in keys)
     assert max(keys) >= 2**32
+
+
+def test_a_seeds_key_is_the_top_63_bits_of_the_generators_next_word():
+    """One seed gives one key, hence one mask, from version to version: the key is the high 63
+    bits of the next 64-bit word of the caller's bit generator (NumPy's integers(0, 2**63)
+    maps a word so), read here from the raw word of a twin generator, and the generator
+    advances by that one word. The same for a seed, a Generator and a SeedSequence."""
+    from npattn import backend as npb
+
+    for seed in [*range(32), 2**40 + 3]:
+        word = int(np.random.default_rng(seed).bit_generator.random_raw())  # [0, 2**64)
+        assert npb.dropout_key(seed) == word >> 1
+        assert npb.dropout_key(np.random.SeedSequence(seed)) == word >> 1
+        gen, twin = np.random.default_rng(seed), np.random.default_rng(seed)
+        assert npb.dropout_key(gen) == int(twin.bit_generator.random_raw()) >> 1
+        assert gen.bit_generator.state == twin.bit_generator.state
