@@ -142,7 +142,8 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     weights are needed, and the reference for any other dask call (weights, kernel
     options, a layout the chunked path does not take), whatever its size. Otherwise
     it picks ``"blocked"`` when no weights are needed and either ``Lq * Lk >=
-    AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES``
+    AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES``,
+    B and H those of the scores, q's, k's and v's leading axes broadcast together
     (on a CUDA device: the dense arrays past ``AUTO_DEVICE_DENSE_SHARE`` of its
     memory, ``auto_blocked``); otherwise, like ``"dense"``, the NumPy kernel when it
     takes the arrays, else the reference. ``"numpy"`` on
@@ -166,13 +167,28 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     if impl == "auto" and is_dask_array(q):
         impl = "dense"  # weights, or a layout the chunked path does not take: the reference
     if impl == "auto":
-        large = auto_blocked(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2],
+        large = auto_blocked(math.prod(_scores_lead(q, k, v)), q.shape[-2], k.shape[-2],
                              device_memory=accelerator_memory(q),
                              itemsize=getattr(q.dtype, "itemsize", 4))
         impl = "blocked" if large and not need_weights else "dense"
     if impl == "dense":
         return "numpy" if positional and kernel else "reference"
     return impl
+
+
+def _scores_lead(q: Any, k: Any, v: Any) -> tuple:
+    """The leading axes of the scores, ``(B, Hq)`` in the kernel's layout: those of q, k and v
+    broadcast together (a q of one batch entry against k and v of many has the scores of
+    many), or under grouped-query attention, whose head axes do not broadcast, the batch
+    axes broadcast and q's heads. q's own leading axes where neither holds (a call that
+    the checks refuse)."""
+    # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> the shape of [...] of the scores
+    for enable_gqa in (False, True):
+        try:
+            return V.scores_lead(q, k, v, enable_gqa=enable_gqa)
+        except ValueError:
+            pass
+    return tuple(q.shape[:-2])
 
 
 def check_impl_takes(impl: str, *, plain: bool, positional: bool, takes_chunks: bool,
