@@ -425,14 +425,16 @@ def test_auto_counts_the_scores_of_leading_axes_that_broadcast():
     and v's broadcast together: q of one batch entry against k and v of n entries (leading
     axes broadcast as in torch's SDPA) has n x 512 x 512 scores, as many as the call with q
     broadcast by hand, and "auto" takes the blocked path for both (counting q's axes alone
-    it took the dense one, whose arrays are of n entries too). Under GQA the batch axes
-    broadcast and the query heads count."""
+    it took the dense one, whose arrays are of n entries too); so do heads that broadcast.
+    Under GQA the batch axes broadcast and the query heads count."""
     n = A.AUTO_BLOCKED_MAX_DENSE_SCORES // (512 * 512)  # batch entries of one 512 x 512 head
     one, many, fewer = _big(1, 1, 512, 8), _big(n, 1, 512, 8), _big(n - 1, 1, 512, 8)
     assert A.select_impl("auto", many, many, many) == "blocked"
     assert A.select_impl("auto", one, many, many) == "blocked"
     assert A.select_impl("auto", many, one, one) == "blocked"
     assert A.select_impl("auto", one, fewer, fewer) == "reference"  # one entry short: dense
+    heads = _big(1, n, 512, 8)  # q's one head broadcast over n K/V heads (no GQA): n heads
+    assert A.select_impl("auto", one, heads, heads) == "blocked"
     q = _big(1, 4, 512, 8)  # 4 query heads on 2 K/V heads of n / 4 batch entries: n heads
     assert A.select_impl("auto", q, _big(n // 4, 2, 512, 8), _big(n // 4, 2, 512, 8)) == "blocked"
     assert A.select_impl("auto", q, _big(n // 4 - 1, 2, 512, 8), _big(n // 4 - 1, 2, 512, 8)) == "reference"
