@@ -465,6 +465,9 @@ def test_keys_and_values_broadcast_over_the_heads_without_gqa():
         np.testing.assert_allclose(dv, dv4.sum(axis=1, keepdims=True), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="^impl='numpy'"):
         A.sdpa_forward(q, k, v, impl="numpy")
+    # v alone of one head: its leading axes broadcast too, and the refusal says so
+    with pytest.raises(ValueError, match="^impl='numpy': the kernel options .*leading axes that broadcast"):
+        A.sdpa_forward(q, k4, v, impl="numpy")
 
 
 def test_a_large_sink_is_exact_on_the_reference_and_blocked():
