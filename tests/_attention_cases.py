@@ -1,6 +1,8 @@
 """Attention cases shared by the tests of every implementation (test_attention, test_dask):
 host inputs with masks, GQA and dropout, and a closeness check scaled to each tensor."""
 
+import math
+
 import numpy as np
 
 P_DROP = 0.3
@@ -76,3 +78,16 @@ def assert_close(a, ref, to_np, what, rtol=1e-12):
     assert np.all(np.isfinite(a)), f"{what}: not finite"
     atol = rtol * max(float(np.max(np.abs(ref), initial=0.0)), 1.0)
     np.testing.assert_allclose(a, ref, rtol=rtol, atol=atol, err_msg=what)
+
+
+def one_kv_head_case(seed):
+    """q of 4 heads against k and v of one head, (B, 1, Lk, D), which broadcast to q's heads
+    without GQA: (q, k, v, want, dout), ``want`` softmax(q k^T / sqrt(Dh)) v written out with
+    the one K/V head, ``dout`` a random upstream gradient."""
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((2, 4, 5, 3))  # [B, H, Lq, Dh]
+    k, v = r.standard_normal((2, 1, 6, 3)), r.standard_normal((2, 1, 6, 2))  # [B, 1, Lk, D]
+    s = np.einsum("bhid,bjd->bhij", q, k[:, 0]) / math.sqrt(3)  # [B, H, Lq, Lk]
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    want = np.einsum("bhij,bjd->bhid", p / p.sum(axis=-1, keepdims=True), v[:, 0])  # [B, H, Lq, Dv]
+    return q, k, v, want, r.standard_normal(want.shape)

@@ -27,7 +27,7 @@ from npattn import attention as A
 from npattn import functional as F
 from npattn.gradcheck import gradcheck
 
-from _attention_cases import MASK_FORMS, P_DROP, assert_close, make_inputs, make_mask, on
+from _attention_cases import MASK_FORMS, P_DROP, assert_close, make_inputs, make_mask, on, one_kv_head_case
 
 fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -447,13 +447,7 @@ def test_keys_and_values_broadcast_over_the_heads_without_gqa():
     heads). The NumPy kernel's layout is (B, Hkv, ...) with Hkv dividing Hq only under GQA:
     "auto" must not take the kernel here (it did fail with a reshape error when the
     broadcast was not noticed), and impl="numpy" is refused by name."""
-    r = np.random.default_rng(12)
-    q = r.standard_normal((2, 4, 5, 3))  # [B, H, Lq, Dh]
-    k, v = r.standard_normal((2, 1, 6, 3)), r.standard_normal((2, 1, 6, 2))  # [B, 1, Lk, D]
-    s = np.einsum("bhid,bjd->bhij", q, k[:, 0]) / math.sqrt(3)  # [B, H, Lq, Lk]
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    want = np.einsum("bhij,bjd->bhid", p / p.sum(axis=-1, keepdims=True), v[:, 0])
-    dout = r.standard_normal(want.shape)
+    q, k, v, want, dout = one_kv_head_case(12)
     k4, v4 = np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1)  # the heads made explicit
     _, c4 = A.sdpa_forward(q, k4, v4, impl="reference")
     dk4, dv4 = A.sdpa_backward(dout, c4)[1:3]

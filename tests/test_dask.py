@@ -28,7 +28,7 @@ from npattn import functional as F  # noqa: E402
 from npattn.backend import backend_name, resolve_backend, to_numpy  # noqa: E402
 from npattn.gradcheck import gradcheck  # noqa: E402
 
-from _attention_cases import MASK_FORMS, assert_close, make_inputs  # noqa: E402
+from _attention_cases import MASK_FORMS, assert_close, make_inputs, one_kv_head_case  # noqa: E402
 
 # (batch, query heads, query rows, keys) chunk lengths; K/V heads are chunked as the
 # query heads divided by G. Lengths 7 and 9: chunks of 2, 3, 4 leave short last chunks.
@@ -707,13 +707,7 @@ def test_keys_and_values_broadcast_over_the_heads_on_dask():
     (test_attention): the chunked path's layout is (B, Hkv, ...) with Hkv dividing Hq only
     under GQA, so "auto" takes the reference (softmax written out below) and impl="chunked"
     is refused by name; the gradients are those of NumPy's reference."""
-    r = np.random.default_rng(22)
-    q = r.standard_normal((2, 4, 5, 3))  # [B, H, Lq, Dh]
-    k, v = r.standard_normal((2, 1, 6, 3)), r.standard_normal((2, 1, 6, 2))  # [B, 1, Lk, D]
-    s = np.einsum("bhid,bjd->bhij", q, k[:, 0]) / math.sqrt(3)  # [B, H, Lq, Lk]
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    want = np.einsum("bhij,bjd->bhid", p / p.sum(axis=-1, keepdims=True), v[:, 0])
-    dout = r.standard_normal(want.shape)
+    q, k, v, want, dout = one_kv_head_case(22)
     grads0 = A.sdpa_backward(dout, A.sdpa_forward(q, k, v, impl="reference")[1])
     dq, dk, dv, ddout = (da.from_array(a, chunks=(1, 2, 3, a.shape[-1])) for a in (q, k, v, dout))
     out, c = A.sdpa_forward(dq, dk, dv)
