@@ -231,11 +231,14 @@ class CrossEntropyCache(NamedTuple):
     """What ``cross_entropy_backward`` needs from ``cross_entropy_forward``."""
     p: Any  #: [..., V] softmax of the logits, in the compute dtype
     onehot: Any  #: [..., V] one-hot targets (rows of zeros where ignored), in the compute dtype
-    n: int  #: what the losses are divided by: N, the positions that count, for "mean"; else 1
+    #: what the losses are divided by, for "mean": N, the positions that count (with ``weight``,
+    #: the sum of their targets' weights); else 1
+    n: float
     dtype: Any = None  #: the logits' dtype (that of the loss and of dlogits); None: p's
     counted: Any = None  #: [..., 1] 1 where the target counts, 0 where ignored; None: all count
     smoothing: float = 0.0  #: label_smoothing, epsilon
     reduction: str = "mean"  #: "mean", "sum" or "none"
+    weight: Any = None  #: [V] the classes' weights in the compute dtype; None: all 1
 
 
 #: What ``cross_entropy_forward``'s ``reduction`` may be (torch's).
@@ -277,9 +280,9 @@ def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     return n
 
 
-def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[int] = None,
-                          label_smoothing: float = 0.0, reduction: str = "mean"
-                          ) -> tuple[Any, CrossEntropyCache]:
+def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
+                          ignore_index: Optional[int] = None, label_smoothing: float = 0.0,
+                          reduction: str = "mean") -> tuple[Any, CrossEntropyCache]:
     """Softmax cross-entropy, by default the mean ``loss = -mean_n log softmax(logits_n)[t_n]``.
 
     Steps, per position ``n`` (``y`` the target distribution, ``one_hot(t)`` by default):
@@ -288,8 +291,8 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
     2. ``lse = m + log(sum(exp(logits - m)))``   log-sum-exp, [..., 1]
     3. ``logp = logits - lse``               log-probabilities, [..., V]
     4. ``l_n = -sum_c y_c logp_c``           the position's loss, [...]
-       ``= (1 - eps) (-logp_t) + (eps / V) (-sum_c logp_c)``  (the target's entry picked by a
-       ``where``: a ``-inf`` logit elsewhere in the row would make ``0 * -inf``)
+       ``= (1 - eps) w_t (-logp_t) + (eps / V) sum_c w_c (-logp_c)``  (the target's entry
+       picked by a ``where``: a ``-inf`` logit elsewhere in the row would make ``0 * -inf``)
     5. ``loss = sum_n l_n / N``               (``reduction``: "mean"; "sum": ``sum_n l_n``;
        "none": ``l_n`` itself, shape (...))
 
@@ -300,6 +303,10 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
     left out: its ``y`` row is zero, ``N`` counts the other positions, and its logits get
     zero gradient, as torch's ``cross_entropy(..., ignore_index=)``. torch's default is -100;
     here it is None, every target counts, and a -100 is an out-of-range target.
+    With ``weight`` (class weights ``w``, torch's ``weight=``), class ``c``'s entry of ``y`` is
+    scaled by ``w_c``, and the mean divides by ``N = sum_n w_{t_n}`` over the positions that
+    count; without it every ``w_c`` is 1. ``weight`` is a constant: it gets no gradient.
+    A class of weight 0 adds nothing, also where its logit is ``-inf`` (not ``0 * inf``).
 
     Half-precision logits are computed in float32 (a float16 sum of ``exp`` overflows
     past 65504, at a vocabulary of 65505 equal logits), and the loss is rounded to
@@ -311,6 +318,9 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
         none, where torch's mean gives NaN)
     targets : integer array, shape (...), values in [0, V) or ``ignore_index``; for "mean", at
         least one of them not ignored (a ``ValueError`` for none, where torch gives NaN)
+    weight : array, shape (V,), optional
+        Finite weights of the classes, of the logits' library, device and dtype; for "mean",
+        the weights of the targets that count may not sum to 0 (torch: NaN).
     ignore_index : int, optional
         The target value of positions to leave out; it may lie in [0, V) (a padding
         token's id) or outside it (torch's -100).
@@ -340,23 +350,38 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
         raise ValueError(f"targets: expected shape {Vd.shape_of(logits)[:-1]} (that of logits "
                          f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
+    if weight is not None:
+        Vd.check_floating_array("weight", weight, xp, device_of(logits), dtype=logits.dtype,
+                                like="logits")
+        if Vd.shape_of(weight) != (V,):
+            raise ValueError(f"weight: expected shape ({V},) (one weight per class), got "
+                             f"{Vd.shape_of(weight)}")
+        Vd.check_finite_values("weight", weight, xp)
     ct = compute_dtype(xp, logits.dtype)
-    n = count_targets(xp, targets, ignore) if mean else 1  # N for the mean
+    n: float = count_targets(xp, targets, ignore) if mean else 1  # N for the mean
     counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts
-    z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
-    m = row_max(xp, z)  # 1. max over the classes                     [..., 1]
-    lse = m + xp.log(xp.sum(xp.exp(z - m), axis=-1, keepdims=True))  # 2. [..., 1]
-    logp = z - lse  # 3.                                                [..., V]
+    w = None if weight is None else xp.astype(weight, ct)  # [V] in the compute dtype
     onehot = _one_hot(xp, targets, V, ct)  # [..., V]
     if counted is not None:
         counted = xp.expand_dims(counted, axis=-1)  # [..., 1]
         onehot = onehot * counted  # an ignored position's row: zeros (its target may be in range)
-    picked = xp.where(onehot == 1.0, logp, xp.zeros_like(logp))  # 4. logp[t], 0 elsewhere
-    nll = -xp.sum(picked, axis=-1)  # 4. -logp[t]                       [...]
+    if w is not None and mean:  # N = sum_n w_{t_n} over the targets that count
+        n = float(xp.sum(onehot * w))  # (an ignored row of onehot is 0)
+        if n == 0.0:
+            raise ValueError("weight: expected the weights of the targets that count to have a "
+                             "nonzero sum (the mean divides by it), got 0")
+    z = logits if ct == logits.dtype else xp.astype(logits, ct)  # [..., V] in the compute dtype
+    m = row_max(xp, z)  # 1. max over the classes                     [..., 1]
+    lse = m + xp.log(xp.sum(xp.exp(z - m), axis=-1, keepdims=True))  # 2. [..., 1]
+    logp = z - lse  # 3.                                                [..., V]
+    # 4. w_c logp_c, 0 where w_c = 0 (a -inf logit of such a class: 0, not 0 * inf = NaN)
+    logp_w = logp if w is None else xp.where(w == 0.0, xp.zeros_like(logp), logp) * w  # [..., V]
+    picked = xp.where(onehot == 1.0, logp_w, xp.zeros_like(logp))  # 4. w_t logp[t], 0 elsewhere
+    nll = -xp.sum(picked, axis=-1)  # 4. -w_t logp[t]                   [...]
     if eps == 0.0:
         losses = nll  # [...]
     else:  # 4. + eps / V times the sum over every class; eps = 1: that term alone (0 * inf)
-        smooth = -xp.sum(logp, axis=-1) * (eps / V)  # [...]
+        smooth = -xp.sum(logp_w, axis=-1) * (eps / V)  # [...]
         losses = smooth if eps == 1.0 else (1.0 - eps) * nll + smooth
     if counted is not None:  # an ignored row's loss is +0, by a where: its smoothing sum may
         # be -inf, and its nll is -0.0 (the negated sum of zeros)
@@ -366,7 +391,7 @@ def cross_entropy_forward(logits: Any, targets: Any, *, ignore_index: Optional[i
     else:
         loss = xp.sum(losses) / float(n)  # 5.                         []
     loss = xp.astype(xp.asarray(loss), logits.dtype)  # an array (NumPy reduces to a scalar)
-    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype, counted, eps, reduction)
+    return loss, CrossEntropyCache(xp.exp(logp), onehot, n, logits.dtype, counted, eps, reduction, w)
 
 
 def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, None]:
@@ -375,10 +400,11 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     From 5. and 4.: ``dlogp = -dloss * y / N`` (``dloss_n`` of each position for "none",
     ``N = 1`` unless "mean"), and through ``logp = logits - lse`` with
     ``d lse / d logits = softmax``:
-    ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (p - y) / N``
-    (each row of ``y`` sums to 1, smoothed or not). An ignored position's ``y`` row is
-    zero, so its ``dlogp`` is and its ``sum(dlogp)``: ``dlogits = 0`` there, which the
-    ``counted`` factor on ``p`` says. ``targets`` get None.
+    ``dlogits = dlogp - softmax * sum(dlogp) = dloss * (s p - y) / N``, ``s = sum_c y_c``:
+    1 where the position counts (each row of ``y`` sums to 1, smoothed or not) without
+    ``weight``, and 0 where it is ignored (its ``y`` row is zero, so its ``dlogp`` is and
+    its ``sum(dlogp)``: ``dlogits = 0`` there), which the ``counted`` factor on ``p`` says;
+    with ``weight``, ``s_n = (1 - eps) w_{t_n} + (eps / V) sum_c w_c``. ``targets`` get None.
 
     ``dloss`` is a finite Python number, or an array of the loss's shape and dtype (shape
     () or (1,) for "mean" and "sum"). Computed in the forward's compute dtype, returned
@@ -411,12 +437,16 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
                    if isinstance(dloss, int) else repr(dloss))
             raise ValueError(f"dloss: expected a finite number, got {got}")
         dloss = float(dloss)
-    p = cache.p if cache.counted is None else cache.p * cache.counted  # [..., V]
     y = cache.onehot  # [..., V] the target distribution
     if cache.smoothing:
         V = Vd.shape_of(cache.p)[-1]
-        w = 1.0 if cache.counted is None else cache.counted  # [..., 1]
-        y = (1.0 - cache.smoothing) * y + (cache.smoothing / V) * w
+        rows = 1.0 if cache.counted is None else cache.counted  # [..., 1]
+        y = (1.0 - cache.smoothing) * y + (cache.smoothing / V) * rows
+    if cache.weight is None:  # s = 1 where the position counts, 0 where ignored
+        p = cache.p if cache.counted is None else cache.p * cache.counted  # [..., V]
+    else:  # y_c scaled by w_c; s = sum_c y_c
+        y = y * cache.weight  # [..., V]
+        p = cache.p * xp.sum(y, axis=-1, keepdims=True)  # [..., V]
     dlogits = dloss * (p - y) / float(cache.n)  # [..., V]
     return (dlogits if dlogits.dtype == dtype else xp.astype(dlogits, dtype)), None
 

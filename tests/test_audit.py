@@ -391,7 +391,8 @@ def _off(fn, index=None, factor=1.001):
     ("nn", "embedding_backward", 1, {"embedding, repeated and absent ids": {"table"}}),
     ("nn", "cross_entropy_backward", 0, {
         "cross_entropy": {"logits"},
-        "cross_entropy, ignore_index=2 (a class id), label_smoothing=0.1, reduction='none'": {"logits"}}),
+        "cross_entropy, class weights with a 0, ignore_index=2 (a class id), label_smoothing=0.1, "
+        "reduction='none'": {"logits"}}),
     ("positions", "rope_backward", 0, {"rope": {"x"}}),
     ("positions", "relative_bias_backward", 0, {"relative_bias (T5), Lq != Lk": {"table"}}),
     ("layers", "feed_forward_backward", 3, {

@@ -1,6 +1,7 @@
 """Finite-difference and property tests of npattn.nn (embedding, positions, cross-entropy, Adam)."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -291,74 +292,84 @@ def test_cross_entropy_ignore_index_is_checked_before_computing():
                                         rel=1e-14)
 
 
-def _smoothed_cross_entropy(z, t, eps, counted):
-    """Per-position -sum_c y_c log softmax(z)_c with y = (1 - eps) one_hot(t) + eps / V, written
-    as a cross-entropy against a target distribution, with math.fsum; 0 where not counted."""
+def _smoothed_cross_entropy(z, t, eps, counted, weight=None):
+    """Per-position -sum_c y_c log softmax(z)_c with y_c = ((1 - eps) one_hot(t)_c + eps / V) w_c,
+    written as a cross-entropy against target weights, with math.fsum; 0 where not counted."""
     N, V = z.shape
+    w = [1.0] * V if weight is None else [float(x) for x in weight]
     out = []
     for i in range(N):
         if not counted[i]:
             out.append(0.0)
             continue
         lse = math.log(math.fsum(math.exp(v) for v in z[i]))
-        y = [(1.0 - eps) * (c == t[i]) + eps / V for c in range(V)]
+        y = [((1.0 - eps) * (c == t[i]) + eps / V) * w[c] for c in range(V)]
         out.append(-math.fsum(y[c] * (z[i, c] - lse) for c in range(V)))
     return np.array(out)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("eps", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("ignore", [None, 1])
 def test_cross_entropy_reduction_and_label_smoothing_match_the_direct_formula(xp, to_xp, to_np, reduction,
-                                                                              eps, ignore):
-    """label_smoothing = eps: the cross-entropy against y = (1 - eps) one_hot(t) + eps / V;
-    reduction: the mean over the positions that count, their sum, or each position's loss
+                                                                              eps, ignore, weighted):
+    """label_smoothing = eps: the cross-entropy against y = (1 - eps) one_hot(t) + eps / V,
+    each class's entry scaled by its weight; reduction: the mean over the positions that
+    count (divided by the sum of their targets' weights), their sum, or each position's loss
     (0 where ignored). The gradient against a random upstream gradient: finite differences
     on every backend."""
     rng = np.random.default_rng(31)
     z = rng.standard_normal((2, 3, 4))
     t = rng.integers(0, 4, size=(2, 3))
     t[0, 0], t[1, 2] = 1, 3  # one ignored when ignore = 1, and one that counts
+    wc = np.array([0.5, 2.0, 0.0, 1.25]) if weighted else np.ones(4)  # class 2: weight 0
     counted = (t != ignore).reshape(-1)
-    per = _smoothed_cross_entropy(z.reshape(6, 4), t.reshape(6), eps, counted)
-    expected = {"mean": math.fsum(per) / counted.sum(), "sum": math.fsum(per), "none": per.reshape(2, 3)}
-    kw = dict(ignore_index=ignore, label_smoothing=eps, reduction=reduction)
+    per = _smoothed_cross_entropy(z.reshape(6, 4), t.reshape(6), eps, counted, wc)
+    n_mean = math.fsum(wc[t.reshape(-1)][counted])
+    expected = {"mean": math.fsum(per) / n_mean, "sum": math.fsum(per), "none": per.reshape(2, 3)}
+    kw = dict(ignore_index=ignore, label_smoothing=eps, reduction=reduction,
+              weight=to_xp(wc) if weighted else None)
     loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(t), **kw)
     np.testing.assert_allclose(to_np(loss), expected[reduction], rtol=1e-13, atol=1e-15)
     assert tuple(loss.shape) == ((2, 3) if reduction == "none" else ())
-    # dlogits = dloss (w p - y) / N, from the closed form
+    # dlogits = dloss (s p - y) / N, s = sum_c y_c, from the closed form
     dloss = rng.standard_normal((2, 3)) if reduction == "none" else np.asarray(rng.standard_normal())
     p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
     w = (t != ignore)[..., None].astype(float)
-    y = w * ((1.0 - eps) * np.eye(4)[t] + eps / 4)
-    n = counted.sum() if reduction == "mean" else 1
+    y = w * ((1.0 - eps) * np.eye(4)[t] + eps / 4) * wc
+    n = n_mean if reduction == "mean" else 1
     d = dloss[..., None] if reduction == "none" else dloss
     np.testing.assert_allclose(to_np(nn.cross_entropy_backward(to_xp(dloss), cache)[0]),
-                               d * (w * p - y) / n, rtol=1e-12, atol=1e-15)
+                               d * (y.sum(axis=-1, keepdims=True) * p - y) / n, rtol=1e-12, atol=1e-15)
     report = gradcheck(lambda logits: nn.cross_entropy_forward(logits, to_xp(t), **kw),
                        lambda dl, c: nn.cross_entropy_backward(dl, c)[0], [to_xp(z)], names=["logits"])
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 2e-6), ("float16", 2e-3)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore,eps", [(-100, 0.1), (2, 0.25), (0, 1.0), (-100, 0.0)])
-def test_cross_entropy_reduction_and_label_smoothing_match_torch(dtype, tol, reduction, ignore, eps):
-    """torch.nn.functional.cross_entropy(reduction=, label_smoothing=, ignore_index=) on the
-    flattened logits, its gradient against a random upstream gradient; float16 logits
-    against torch's on the same float16 values in float32."""
+def test_cross_entropy_reduction_and_label_smoothing_match_torch(dtype, tol, reduction, ignore, eps,
+                                                                 weighted):
+    """torch.nn.functional.cross_entropy(weight=, reduction=, label_smoothing=, ignore_index=)
+    on the flattened logits, its gradient against a random upstream gradient; float16 logits
+    (and weights) against torch's on the same float16 values in float32."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(32)
     z = (2.0 * rng.standard_normal((3, 4, 6))).astype(dtype)
     t = rng.integers(0, 6, size=(3, 4))
     t[0, :2] = 2 if ignore == 2 else -100 if ignore == -100 else 0
     dl = rng.standard_normal((3, 4) if reduction == "none" else ())
+    wc = rng.uniform(0.25, 2.0, size=6).astype(dtype) if weighted else None
     ref_dtype = torch.float32 if dtype == "float16" else getattr(torch, dtype)
     zt = torch.tensor(z.astype(np.float64), dtype=ref_dtype, requires_grad=True)
-    lt = torch.nn.functional.cross_entropy(zt.reshape(-1, 6), torch.tensor(t).reshape(-1),
+    wt = None if wc is None else torch.tensor(wc.astype(np.float64), dtype=ref_dtype)
+    lt = torch.nn.functional.cross_entropy(zt.reshape(-1, 6), torch.tensor(t).reshape(-1), weight=wt,
                                            ignore_index=ignore, label_smoothing=eps, reduction=reduction)
     lt.backward(torch.tensor(dl, dtype=ref_dtype).reshape(lt.shape))
-    loss, cache = nn.cross_entropy_forward(z, t, ignore_index=ignore, label_smoothing=eps,
+    loss, cache = nn.cross_entropy_forward(z, t, weight=wc, ignore_index=ignore, label_smoothing=eps,
                                            reduction=reduction)
     assert loss.dtype == np.dtype(dtype)
     np.testing.assert_allclose(loss.astype(np.float64).reshape(-1), lt.detach().double().numpy().reshape(-1),
@@ -867,6 +878,42 @@ def test_adam_init_keeps_an_infinite_parameter_infinite():
     np.testing.assert_array_equal(state.m["w"], 0.0)
     new, _ = nn.adam_step(params, {"w": np.array([0.0, 1.0])}, state, lr=1e-3)
     assert new["w"][0] == np.inf and abs(new["w"][1] - 0.999) < 1e-10  # eps: 1e-11
+
+
+def test_class_weights_of_zero_and_their_checks(xp, to_xp, to_np):
+    """A class of weight 0 adds nothing, also where its logit is -inf under smoothing (0, not
+    0 * inf = NaN, and no warning); a mean whose counted targets' weights sum to 0 is refused
+    (torch: NaN), their sum is 0. weight: the logits' library, dtype and (V,) shape, finite;
+    each refusal names it, before computing, the targets unchanged."""
+    z = np.array([[0.0, -np.inf, 1.0], [0.5, 0.2, -0.3]])
+    wc = np.array([1.0, 0.0, 2.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, cache = nn.cross_entropy_forward(to_xp(z), to_xp(np.array([0, 2])), weight=to_xp(wc),
+                                               label_smoothing=0.3, reduction="none")
+        dz = to_np(nn.cross_entropy_backward(to_xp(np.ones(2)), cache)[0])
+    want = _smoothed_cross_entropy(np.array([[0.0, -50.0, 1.0], [0.5, 0.2, -0.3]]), [0, 2], 0.3,
+                                   [True, True], wc)  # -inf as -50: its weight 0 leaves it out
+    np.testing.assert_allclose(to_np(loss), want, rtol=1e-13)
+    assert np.all(np.isfinite(dz)) and dz[0, 1] == 0.0  # p = 0 there and y = 0
+    t = np.array([1, 1])  # every target of weight 0
+    with raises(ValueError, "weight", "nonzero sum", "got 0"):
+        nn.cross_entropy_forward(to_xp(z[1:].repeat(2, 0)), to_xp(t), weight=to_xp(wc))
+    loss, _ = nn.cross_entropy_forward(to_xp(z[1:].repeat(2, 0)), to_xp(t), weight=to_xp(wc), reduction="sum")
+    assert float(loss) == 0.0
+    zz, tt = np.zeros((2, 3)), np.array([0, 2])
+    before = tt.copy()
+    for bad, err, words in ((np.ones(4), ValueError, ("shape (3,)", "(4,)")),
+                            (np.ones((1, 3)), ValueError, ("shape (3,)", "(1, 3)")),
+                            (np.ones(3, np.float32), TypeError, ("dtype float64", "float32")),
+                            (np.ones(3, np.int64), TypeError, ("real floating", "int64")),
+                            (np.array([1.0, np.nan, 1.0]), ValueError, ("finite", "1 entries")),
+                            (np.array([1.0, np.inf, 1.0]), ValueError, ("finite", "1 entries")),
+                            ([1.0, 1.0, 1.0], TypeError, ("list",))):
+        with raises(err, "weight", *words):
+            given = to_xp(bad) if isinstance(bad, np.ndarray) else bad
+            nn.cross_entropy_forward(to_xp(zz), to_xp(tt), weight=given)
+    np.testing.assert_array_equal(tt, before)
 
 
 def test_an_out_of_range_target_is_reported_with_the_range_of_the_others(xp, to_xp):

@@ -523,13 +523,18 @@ def _add_positions(xp, dtype, rng):
             ["x", "pos"])
 
 
-def _cross_entropy(**options):
+def _cross_entropy(weight=None, **options):
     def build(xp, dtype, rng):
         m = _Maker(xp, dtype, rng)
         t = np.array([[0, 4, 2], [2, 1, 4]])  # [B, L]; 2 (a class id) is ignored with ignore_index=2
         targets = from_numpy(t, xp)
-        return (lambda z: nn.cross_entropy_forward(z, targets, **options),
-                lambda d, c: nn.cross_entropy_backward(d, c)[0], [m.normal(2, 3, 5)], ["logits"])
+        w = None if weight is None else m.put(weight)  # [V] class weights, constants
+
+        def forward(z):  # the weights in the dtype of the logits (the differences run in float64)
+            return nn.cross_entropy_forward(z, targets, **options,
+                                            weight=None if w is None else xp.astype(w, z.dtype))
+
+        return (forward, lambda d, c: nn.cross_entropy_backward(d, c)[0], [m.normal(2, 3, 5)], ["logits"])
 
     return build
 
@@ -704,8 +709,9 @@ def _reference_panel() -> list:
         Check("embedding, repeated and absent ids", Lr, _embedding),
         Check("add_positions", Lr, _add_positions),
         Check("cross_entropy", Lr, _cross_entropy()),
-        Check("cross_entropy, ignore_index=2 (a class id), label_smoothing=0.1, reduction='none'", Lr,
-              _cross_entropy(ignore_index=2, label_smoothing=0.1, reduction="none")),
+        Check("cross_entropy, class weights with a 0, ignore_index=2 (a class id), label_smoothing=0.1, "
+              "reduction='none'", Lr, _cross_entropy(weight=[0.5, 2.0, 1.0, 0.0, 1.5], ignore_index=2,
+                                                     label_smoothing=0.1, reduction="none")),
         Check("rope", Lr, _rope),
         Check("relative_scores (Shaw), Lq != Lk", Lr, _relative_scores),
         Check("relative_bias (T5), Lq != Lk", Lr, _relative_bias),
