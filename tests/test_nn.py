@@ -927,3 +927,41 @@ def test_an_out_of_range_target_is_reported_with_the_range_of_the_others(xp, to_
             nn.cross_entropy_forward(z, to_xp(np.array(t)), ignore_index=-100)
     loss, _ = nn.cross_entropy_forward(z, to_xp(np.full(4, -100)), ignore_index=-100, reduction="sum")
     assert float(loss) == 0.0
+
+
+def test_adam_takes_betas_of_zero():
+    """betas in [0, 1), 0 included, as torch.optim.Adam: with b1 = b2 = 0, m = g and v = g^2 with
+    no bias correction left (1 - 0^t = 1), so with eps = 0 every step is lr times the sign of
+    its gradient."""
+    w0 = np.array([1.0, -2.0, 0.5])
+    grads = [np.array([0.3, -4.0, 2.0]), np.array([-1e-3, -0.2, 7.0]), np.array([5.0, 0.1, -0.4])]
+    params = {"w": w0}
+    state = nn.adam_init(params)
+    for g in grads:
+        params, state = nn.adam_step(params, {"w": g}, state, lr=0.1, betas=(0.0, 0.0), eps=0.0)
+    expected = w0 - 0.1 * np.sum([np.sign(g) for g in grads], axis=0)  # [1 - 0.1, -2 + 0.1, 0.5 - 0.1]
+    np.testing.assert_allclose(params["w"], expected, rtol=1e-14)
+
+
+def test_adam_steps_stays_none_while_every_parameter_gets_a_gradient():
+    """state.steps is None while every parameter has had all t updates (the documented
+    shorthand), and a dict of the counts once one parameter has missed a step."""
+    params = {"a": np.array([1.0]), "b": np.array([2.0])}
+    state = nn.adam_init(params)
+    for _ in range(2):
+        params, state = nn.adam_step(params, {"a": np.array([0.5]), "b": np.array([-1.0])}, state)
+    assert state.t == 2 and state.steps is None
+    params, state = nn.adam_step(params, {"a": np.array([0.5])}, state)
+    assert state.t == 3 and state.steps == {"a": 3, "b": 2}
+
+
+def test_clip_grad_norm_scales_a_norm_just_over_max_norm():
+    """total = |(3, 4)| = 5 over max_norm = 4: the factor is 4 / 5 = 0.8 (with eps = 0), or
+    4 / (5 + 1e-6) with the default eps; a factor near 1 scales as well as a small one."""
+    grads = {"a": np.array([3.0]), "b": np.array([4.0])}
+    clipped, total = nn.clip_grad_norm(grads, 4.0, eps=0.0)
+    assert total == 5.0
+    np.testing.assert_allclose([clipped["a"][0], clipped["b"][0]], [2.4, 3.2], rtol=1e-15)
+    clipped, _ = nn.clip_grad_norm(grads, 4.9)
+    f = 4.9 / (5.0 + 1e-6)  # 0.97999...
+    np.testing.assert_allclose([clipped["a"][0], clipped["b"][0]], [3.0 * f, 4.0 * f], rtol=1e-15)
