@@ -148,7 +148,7 @@ def test_layer_norm_eps_must_be_held_by_the_compute_dtype(xp, to_xp, to_np):
     for eps in (1e39, 1e-46):
         with pytest.raises(ValueError, match=r"^eps: .*float32's range .*got " + re.escape(repr(eps))):
             L.layer_norm_forward(x32, eps=eps)
-    for eps in (3e38, 2.0 ** -149):
+    for eps in (3e38, float(np.finfo(np.float32).max), 2.0 ** -149):  # both ends held
         y, _ = L.layer_norm_forward(x32, eps=eps)
         np.testing.assert_allclose(to_np(y), [[1.0, -1.0]] / np.sqrt(1.0 + eps), rtol=1e-6)
     y, _ = L.layer_norm_forward(to_xp(np.full((1, 3), 2.0, dtype=np.float32)), eps=2.0 ** -149)
@@ -718,6 +718,10 @@ def test_bad_arguments_name_the_argument(xp, to_xp):
         L.feed_forward_forward(x, w1, w4, w2, None)
     with pytest.raises(ValueError, match=r"^b2: expected shape \(4,\)"):
         L.feed_forward_forward(x, w1, None, w2, w5)
+    with pytest.raises(TypeError, match=r"^w1: expected dtype float64"):
+        L.feed_forward_forward(x, xp.astype(w1, xp.float32), None, w2, None)
+    with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., D\), got shape \(\)"):
+        L.feed_forward_forward(to_xp(np.array(1.0)), w1, None, w2, None)
     with pytest.raises(ValueError, match=r"^activation: expected 'relu', 'gelu' or 'gelu_tanh'"):
         L.feed_forward_forward(x, w1, None, w2, None, activation="swish")
     with pytest.raises(ValueError, match=r"^dropout_p: expected a drop probability"):
@@ -766,3 +770,43 @@ def test_backward_leaves_inputs_alone(xp, to_xp, to_np):
         bwd(d, cache)
         np.testing.assert_array_equal(to_np(x), x_host)
         np.testing.assert_array_equal(to_np(d), d_host)
+
+
+def test_half_precision_layer_norm_of_a_row_whose_mean_float16_cannot_hold():
+    """x = [1000, 1000.5] in float16: its mean 1000.25 lies halfway between two float16s
+    (spacing 0.5 there), so the mean must be taken in float32, not rounded to float16 (1000
+    would make xc = [0, 0.5]); likewise the backward's mean of dout = [1, 1 + 2^-10],
+    1 + 2^-11. For D = 2, with h = (x0 - x1) / 2: y0 = h / sqrt(h^2 + eps) = -y1 and
+    dx0 = -dx1 = (dout0 - dout1) / 2 * eps / (h^2 + eps)^1.5 (no weight: dxhat = dout);
+    eps = 1/16 = h^2 keeps dx away from the cancellation of a negligible eps."""
+    eps = 0.0625
+    x = np.array([[1000.0, 1000.5]], dtype=np.float16)
+    y, cache = L.layer_norm_forward(x, eps=eps)
+    h = -0.25
+    y0 = h / math.sqrt(h * h + eps)  # -1 / sqrt(2)
+    np.testing.assert_allclose(y.astype(np.float64), [[y0, -y0]], rtol=1e-3)
+    dout = np.array([[1.0, 1.0 + 2.0 ** -10]], dtype=np.float16)
+    dx, _, _ = L.layer_norm_backward(dout, cache)
+    dx0 = -(2.0 ** -10) / 2.0 * eps / (h * h + eps) ** 1.5  # -2^-11 sqrt(2)
+    np.testing.assert_allclose(dx.astype(np.float64), [[dx0, -dx0]], rtol=2e-3)
+
+
+def test_relu_gradient_where_x_is_off_is_plus_zero(xp, to_xp, to_np):
+    """Where x <= 0 the gradient is +0.0 whatever dout's sign, as torch's relu backward
+    (threshold_backward selects a +0): not -0.0, which prints "-0." and flips signbit."""
+    x = np.array([-1.0, -0.0, 0.0, 2.0])
+    _, cache = L.relu_forward(to_xp(x))
+    dx = to_np(L.relu_backward(to_xp(np.array([-3.0, -5.0, 7.0, -11.0])), cache))
+    np.testing.assert_array_equal(dx, [0.0, 0.0, 0.0, -11.0])
+    assert not np.any(np.signbit(dx[:3])), dx
+
+
+def test_half_precision_masked_mean_pool_rounds_once():
+    """A masked mean of float16 tokens is computed in float32 and rounded to float16 once: the
+    weights 1/3 in float16 (0.33325, 2.4e-4 low) would move the mean of [1, 1, 1 + 2^-9],
+    1 + (2/3) 2^-10, from two thirds of a float16 step above 1 to below the half step, so it
+    would round to 1.0 instead of 1 + 2^-10."""
+    x = np.array([[[1.0], [1.0], [1.0 + 2.0 ** -9]]], dtype=np.float16)  # (1, 3, 1)
+    out, _ = L.mean_pool_forward(x, np.ones((1, 3), dtype=bool))
+    exact = 1.0 + (2.0 / 3.0) * 2.0 ** -10  # the mean, in float64
+    assert out.dtype == np.float16 and out[0, 0] == np.float16(exact) == 1.0 + 2.0 ** -10
