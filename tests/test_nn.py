@@ -965,3 +965,17 @@ def test_clip_grad_norm_scales_a_norm_just_over_max_norm():
     clipped, _ = nn.clip_grad_norm(grads, 4.9)
     f = 4.9 / (5.0 + 1e-6)  # 0.97999...
     np.testing.assert_allclose([clipped["a"][0], clipped["b"][0]], [3.0 * f, 4.0 * f], rtol=1e-15)
+
+
+def test_cross_entropy_mean_counts_more_targets_than_float16_holds():
+    """N, the targets that count, is an exact integer: 2049 (float16 rounds it to 2048) counted
+    positions among 2052. With zero logits over V = 2 every counted loss is log 2, so the mean
+    is log 2 exactly (not log 2 * 2049 / 2048), and dlogits = (1/2 - y) / 2049 there."""
+    t = np.zeros(2052, dtype=np.int64)
+    t[:3] = 1  # ignored
+    z = np.zeros((2052, 2))
+    loss, cache = nn.cross_entropy_forward(z, t, ignore_index=1)
+    assert float(loss) == pytest.approx(math.log(2.0), rel=1e-14)
+    dz = nn.cross_entropy_backward(1.0, cache)[0]
+    np.testing.assert_allclose(dz[3:], np.tile([-0.5 / 2049, 0.5 / 2049], (2049, 1)), rtol=1e-14)
+    np.testing.assert_array_equal(dz[:3], 0.0)
