@@ -979,3 +979,17 @@ def test_cross_entropy_mean_counts_more_targets_than_float16_holds():
     dz = nn.cross_entropy_backward(1.0, cache)[0]
     np.testing.assert_allclose(dz[3:], np.tile([-0.5 / 2049, 0.5 / 2049], (2049, 1)), rtol=1e-14)
     np.testing.assert_array_equal(dz[:3], 0.0)
+
+
+def test_adam_a_none_gradient_first_leaves_the_later_ones_stepped_and_checked():
+    """A None gradient skips its own parameter only: with grads {"a": None, "b": g} the first
+    step moves b by lr times the sign of g (eps = 0) and leaves a, and a wrongly shaped
+    gradient after a None is still refused by name."""
+    params = {"a": np.array([1.0, 2.0]), "b": np.array([3.0, 4.0])}
+    state = nn.adam_init(params)
+    new, state = nn.adam_step(params, {"a": None, "b": np.array([0.2, -5.0])}, state, lr=0.1, eps=0.0)
+    np.testing.assert_array_equal(new["a"], [1.0, 2.0])
+    np.testing.assert_allclose(new["b"], [3.0 - 0.1, 4.0 + 0.1], rtol=1e-15)
+    assert state.steps == {"a": 0, "b": 1}
+    with pytest.raises(ValueError, match=r"^grads\['b'\]: expected shape \(2,\)"):
+        nn.adam_step(params, {"a": None, "b": np.ones(3)}, nn.adam_init(params))
