@@ -254,7 +254,7 @@ def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any
 
     With ``g = dout * weight`` and means over the last axis:
 
-    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``,
+    ``dx = rstd * (gc - xhat * mean(gc * xhat))`` with ``gc = g - mean(g)``,
     ``dweight = sum(dout * xhat)`` and ``dbias = sum(dout)`` over every
     leading axis (None where the forward had no weight or bias).
 
@@ -285,9 +285,11 @@ def layer_norm_backward(dout: Any, cache: LayerNormCache) -> tuple[Any, Any, Any
     # 2. xc = x - mu; 1. mu = mean(x). Through xc, rstd and mu together (docs/layers.md):
     # (rstd is in x's units and finite for a finite row, 1e-20 for a row of 1e20s: nothing
     # below squares x, so nothing overflows)
-    g_mean = xp.mean(g, axis=-1, keepdims=True)  # [..., 1]
-    gx_mean = xp.mean(g * xhat, axis=-1, keepdims=True)  # [..., 1]
-    dx = rstd * (g - g_mean - xhat * gx_mean)  # [..., D]
+    # mean(g * xhat) is taken of the centred gc = g - mean(g), equal since mean(xhat) = 0: a
+    # large common part of g (dout of 1000 + small) cancels there, not in the sum that follows
+    gc = g - xp.mean(g, axis=-1, keepdims=True)  # [..., D]
+    gx_mean = xp.mean(gc * xhat, axis=-1, keepdims=True)  # [..., 1]
+    dx = rstd * (gc - xhat * gx_mean)  # [..., D]
     dx = dx if dx.dtype == cache.dtype else xp.astype(dx, cache.dtype)
     return dx, dweight, dbias
 

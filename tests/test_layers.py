@@ -810,3 +810,19 @@ def test_half_precision_masked_mean_pool_rounds_once():
     out, _ = L.mean_pool_forward(x, np.ones((1, 3), dtype=bool))
     exact = 1.0 + (2.0 / 3.0) * 2.0 ** -10  # the mean, in float64
     assert out.dtype == np.float16 and out[0, 0] == np.float16(exact) == 1.0 + 2.0 ** -10
+
+
+def test_layer_norm_backward_with_a_large_common_part_of_dout(xp, to_xp, to_np):
+    """Rows [a, a + d] with dout = x, in float32: for D = 2 the closed form is
+    dx = -+(d / 2) eps r^3, r = 1 / sqrt(d^2 / 4 + eps) (the xhat-term cancels all of g but
+    eps r^2 of it). mean(g * xhat) of the uncentred g lost that to rounding at a = 1000
+    (dx came out at half its value; torch's float32 is off by half the other way)."""
+    eps = 1e-5
+    for a, d in ((1000.0, 0.5), (-3000.0, 0.25), (10000.0, 1.0)):
+        x = np.array([[a, a + d]], dtype=np.float32)
+        _, cache = L.layer_norm_forward(to_xp(x), None, None, eps=eps)
+        dx = to_np(L.layer_norm_backward(to_xp(x.copy()), cache)[0])
+        dd = float(x[0, 1]) - float(x[0, 0])
+        r = 1.0 / math.sqrt(dd * dd / 4.0 + eps)
+        want = (dd / 2.0) * eps * r ** 3
+        np.testing.assert_allclose(dx[0], [-want, want], rtol=1e-2)
