@@ -430,6 +430,8 @@ def test_sublayer_pair_checks_its_core_and_names_its_own_arguments(xp, to_xp, to
            ({"dropout_p": 1.5}, ValueError, "dropout_p", "[0, 1)", "1.5"),
            ({"dropout_p": 0.5, "dropout_mask": to_xp(np.ones((L + 1, D), bool))}, ValueError,
             "dropout_mask", f"{(B, L, D)}", f"{(L + 1, D)}"),
+           ({"dropout_p": 0.5, "dropout_mask": to_xp(np.ones((B, L, D)))}, TypeError,
+            "dropout_mask", "bool", "float64"),
            ({"dropout_p": 0.5, "rng": "seed"}, TypeError, "rng", "Generator", "str")]
     for kw, exc, *fragments in bad:
         for norm_first in (False, True):
@@ -677,10 +679,11 @@ def test_a_failed_params_assignment_changes_nothing(kind):
         np.testing.assert_array_equal(v, before[k], err_msg=k)
 
 
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, monkeypatch):
+def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, error, monkeypatch):
     """Self-attention has run (its dropout drawn, its module's cache replaced), then the
-    feed-forward fails (a MemoryError): the block alone, with no model around it to put it
+    feed-forward fails (a MemoryError, or Ctrl-C: no Exception): the block alone, with no model around it to put it
     back, keeps its cache, its attention module's cache and its generator, so backward
     differentiates the last successful forward and the next forward draws what a block that
     never failed draws."""
@@ -693,10 +696,10 @@ def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, m
     attn_cache = block.self_attn.cache
 
     def fails(*args, **kwargs):
-        raise MemoryError("no memory")
+        raise error("no memory")
 
     monkeypatch.setattr(Ly, "feed_forward_forward", fails)
-    with pytest.raises(MemoryError):
+    with pytest.raises(error):
         block(2.0 * x)
     monkeypatch.undo()
     assert block.self_attn.cache is attn_cache
@@ -706,9 +709,11 @@ def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, m
     np.testing.assert_array_equal(block(x), twin(x))  # the generators did not move
 
 
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_first, monkeypatch):
-    """The cross-attention's backward runs, then the self-attention's fails (a MemoryError):
+def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_first, error, monkeypatch):
+    """The cross-attention's backward runs, then the self-attention's fails (a MemoryError,
+    or Ctrl-C: no Exception):
     the block's grads and both attention modules' grads, dmask and cache are those of the
     last successful backward (the block's docstring: the modules' grads are its last
     backward's), the cross-attention's cache is the one of the forward run on it alone (the
@@ -730,10 +735,10 @@ def test_a_backward_that_fails_midway_keeps_the_attention_modules_grads(norm_fir
     block_grads = block.grads
 
     def fails(dout):
-        raise MemoryError("no memory")
+        raise error("no memory")
 
     monkeypatch.setattr(block.self_attn, "backward", fails)
-    with pytest.raises(MemoryError):
+    with pytest.raises(error):
         block.backward(d2)
     monkeypatch.undo()
     assert block.grads is block_grads
@@ -1057,3 +1062,104 @@ def test_attention_keep_masks_are_drawn_afresh_from_the_blocks_generator():
     other = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=48)
     other.params = block.params
     assert not np.allclose(np.asarray(other(x, dropout_masks=keep_all)), y1)
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_constructor_flags_that_are_no_bool_are_named(kind):
+    """norm_first and bias are bools: a string "no" is not False (bool("no") is True, a
+    pre-norm block), nor 1 or None a choice."""
+    for name, bad, got in (("norm_first", "no", "str 'no'"), ("norm_first", None, "None"),
+                           ("bias", 1, "int 1"), ("bias", "False", "str 'False'")):
+        with raises(TypeError, f"{name}: expected a bool", got):
+            kind(D, H, **{name: bad})
+
+
+def test_decoder_attention_modules_start_from_independent_draws():
+    """The decoder's self-attention and cross-attention have the same shapes, so one seed
+    handed to both would start them as copies of each other; each gets its own."""
+    block = TransformerDecoderBlock(D, H, FF, dtype="float64", seed=50)
+    p = {k: np.asarray(v) for k, v in block.params.items()}
+    names = [k.split(".", 1)[1] for k in p if k.startswith("self_attn.")]
+    assert names and all(f"multihead_attn.{k}" in p for k in names)
+    for k in names:
+        if not np.all(p[f"self_attn.{k}"] == 0):  # (biases start at zero in both)
+            assert not np.allclose(p[f"self_attn.{k}"], p[f"multihead_attn.{k}"]), k
+
+
+def test_attention_dropout_drawn_by_the_block_is_unbiased():
+    """Inverted dropout keeps each probability with chance 1 - p and scales it by 1 / (1 - p),
+    so the expected output equals the output without dropout. Pre-norm, with linear2 zero,
+    out = x + dropout1(self_attn(norm1(x))), linear in the attention keep-mask; with the
+    other sites' keep-masks all True, dropout1 only scales by 1 / (1 - p). Averaged over many
+    copies of one sequence (each copy draws its own mask) the output comes within a few
+    standard errors of x + a / (1 - p), a the attention's part of the eval output. Keeping
+    with chance 1 - p/2 instead would overshoot a by half."""
+    p, n = 0.5, 3200
+    block = TransformerBlock(D, H, FF, dropout=p, norm_first=True, dtype="float64", seed=51)
+    params = block.params
+    params["linear2.weight"] = params["linear2.weight"] * 0.0
+    params["linear2.bias"] = params["linear2.bias"] * 0.0
+    block.params = params
+    x1 = np.random.default_rng(52).standard_normal((1, L, D))
+    x = np.repeat(x1, n, axis=0)  # [n, L, D]
+    keep_all = {"dropout1": np.ones((n, L, D), bool), "dropout": np.ones((n, L, FF), bool),
+                "dropout2": np.ones((n, L, D), bool)}
+    mean = np.asarray(block(x, dropout_masks=keep_all)).mean(axis=0)  # [L, D]
+    ref = np.asarray(block.eval()(x1))[0]  # [L, D]
+    attn = ref - x1[0]  # a, the attention's part of the output
+    assert np.linalg.norm(attn) > 0.1
+    expected = x1[0] + attn / (1.0 - p)  # dropout1 keeps all and scales
+    assert np.linalg.norm(mean - expected) < 0.1 * np.linalg.norm(attn)
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_a_keep_mask_on_another_device_is_named_by_its_site(kind):
+    """A torch keep-mask on another device than the parameters ("meta" stands in for a GPU
+    here) is refused under its site's name before the block computes: the generator and the
+    cached forward stay as they were."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(53)
+    block = kind(D, H, FF, dropout=0.3, dtype="float64", backend="torch", seed=53)
+    x = torch.randn((B, L, D), dtype=torch.float64, generator=gen)
+    memory = torch.randn((B, LM, D), dtype=torch.float64, generator=gen)
+    args = (x,) if kind is TransformerBlock else (x, memory)
+    block(*args)
+    cache, state = block.forward_state().cache, block.rng_state
+    for site in ("dropout1", "dropout"):
+        shape = (B, L, FF) if site == "dropout" else (B, L, D)
+        keep = torch.ones(shape, dtype=torch.bool, device="meta")
+        with raises(ValueError, f"dropout_masks[{site!r}]", "device(type='cpu')", "meta"):
+            block(*args, dropout_masks={site: keep})
+        assert block.forward_state().cache is cache and block.rng_state == state
+
+
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
+def test_an_encoder_backward_that_fails_in_self_attention_changes_nothing(error, monkeypatch):
+    """The feed-forward's backward runs, then the self-attention's fails: the block's grads
+    and its attention module's grads, dmask and cache are those from before the call (the
+    cache the module's own last forward left, not the block's forward's, which the block's
+    backward handed it), and the next backward gives what a block that never failed gives."""
+    rng = np.random.default_rng(54)
+    x, d1, d2 = (rng.standard_normal((B, L, D)) for _ in range(3))
+    block, twin = (TransformerBlock(D, H, FF, dropout=0.2, dtype="float64", seed=54) for _ in range(2))
+    for b in (block, twin):
+        b(x)
+        b.backward(d1)
+        b(2.0 * x)
+    m = block.self_attn
+    m(x, x, x)  # on its own: its cache is not the block's forward's
+    before = (block.grads, m.grads, m.dmask, m.cache)
+
+    def fails(dout):
+        raise error("no memory")
+
+    monkeypatch.setattr(m, "backward", fails)
+    with pytest.raises(error):
+        block.backward(d2)
+    monkeypatch.undo()
+    after = (block.grads, m.grads, m.dmask, m.cache)
+    for name, a, b in zip(("grads", "self_attn.grads", "self_attn.dmask", "self_attn.cache"), after, before):
+        assert a is b, name
+    np.testing.assert_array_equal(block.backward(d2), twin.backward(d2))
+    for k in twin.grads:
+        np.testing.assert_array_equal(block.grads[k], twin.grads[k], err_msg=k)
