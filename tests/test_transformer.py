@@ -1163,3 +1163,45 @@ def test_an_encoder_backward_that_fails_in_self_attention_changes_nothing(error,
     np.testing.assert_array_equal(block.backward(d2), twin.backward(d2))
     for k in twin.grads:
         np.testing.assert_array_equal(block.grads[k], twin.grads[k], err_msg=k)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_need_weights_with_the_blocked_impl_is_refused_before_the_block_computes(
+        monkeypatch, norm_first):
+    """self_attn.impl = "blocked" forms no weights: need_weights=True is refused up front,
+    before norm1 (pre-norm) or the projections run, not from inside the self-attention."""
+    import npattn.attention as A
+
+    block = TransformerBlock(D, H, FF, norm_first=norm_first, dtype="float64", seed=55)
+    x = np.random.default_rng(55).standard_normal((B, L, D))
+    block.self_attn.impl = "blocked"
+    calls = []
+    for module, name in ((Ly, "layer_norm_forward"), (A, "linear_forward")):
+        monkeypatch.setattr(module, name, lambda *a, _real=getattr(module, name), _name=name, **k:
+                            calls.append(_name) or _real(*a, **k))
+    with pytest.raises(ValueError, match="impl='blocked' cannot return attention weights"):
+        block(x, need_weights=True)
+    assert calls == []
+    block(x)  # without weights the blocked impl runs
+    assert calls
+
+
+def test_need_weights_keeps_the_weights_where_auto_would_take_the_blocked_path(monkeypatch):
+    """need_weights=True at sizes where impl="auto" takes the blocked implementation (here the
+    threshold is lowered instead of the sizes raised): the block asks its self-attention for
+    the weights, so auto keeps them. They are softmax(q k^T / sqrt(Dh)) per head, computed
+    here from the parameters (post-norm: self-attention reads x itself)."""
+    import npattn.attention as A
+
+    monkeypatch.setattr(A, "AUTO_BLOCKED_MAX_DENSE_SCORES", 16)
+    block = TransformerBlock(D, H, FF, dtype="float64", seed=56).eval()
+    x = np.random.default_rng(56).standard_normal((B, L, D))
+    block(x, need_weights=True)
+    w = np.asarray(A.weights(block.self_attn.cache.sdpa))  # [B, H, L, L]
+    p = {k: np.asarray(v) for k, v in block.params.items()}
+    dh = D // H
+    q = (x @ p["self_attn.w_q"].T + p["self_attn.b_q"]).reshape(B, L, H, dh).transpose(0, 2, 1, 3)
+    k = (x @ p["self_attn.w_k"].T + p["self_attn.b_k"]).reshape(B, L, H, dh).transpose(0, 2, 1, 3)
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(dh)  # [B, H, L, L]
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(w, e / e.sum(axis=-1, keepdims=True), rtol=1e-10, atol=1e-14)
