@@ -154,6 +154,11 @@ def test_attention_weights_per_head_are_the_blocks(xp, to_xp, to_np, backend):
     _, ref = model.blocks[0].self_attn.forward(h0, h0, h0, mask=m4, need_weights=True,
                                                average_attn_weights=False)
     np.testing.assert_allclose(w0, to_np(ref), rtol=1e-12, atol=1e-14)
+    # and block 1's from its input, block 0's output (each list entry is its own block's)
+    h1 = model.blocks[0](h0, mask=m4)
+    _, ref1 = model.blocks[1].self_attn.forward(h1, h1, h1, mask=m4, need_weights=True,
+                                                average_attn_weights=False)
+    np.testing.assert_allclose(to_np(weights[1]), to_np(ref1), rtol=1e-12, atol=1e-14)
 
 
 def test_weights_of_shapes_where_auto_would_take_the_blocked_path(monkeypatch):
