@@ -1205,3 +1205,27 @@ def test_need_weights_keeps_the_weights_where_auto_would_take_the_blocked_path(m
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(dh)  # [B, H, L, L]
     e = np.exp(s - s.max(axis=-1, keepdims=True))
     np.testing.assert_allclose(w, e / e.sum(axis=-1, keepdims=True), rtol=1e-10, atol=1e-14)
+
+
+def test_from_torch_reads_every_form_of_the_activation():
+    """A torch layer's activation may be the function, the module or a functools.partial of
+    F.gelu (what GPT.to_torch builds): nn.ReLU() is relu, a partial without approximate= is
+    the exact gelu (F.gelu's default 'none'), with approximate='tanh' the tanh form. The
+    copy's output is the layer's."""
+    torch = pytest.importorskip("torch")
+    tf = torch.nn.functional
+    forms = [(tf.relu, "relu"), (torch.nn.ReLU(), "relu"), (tf.gelu, "gelu"),
+             (torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
+             (functools.partial(tf.gelu), "gelu"),
+             (functools.partial(tf.gelu, approximate="none"), "gelu"),
+             (functools.partial(tf.gelu, approximate="tanh"), "gelu_tanh")]
+    x = np.random.default_rng(57).standard_normal((B, L, D))
+    for act, name in forms:
+        torch.manual_seed(57)
+        layer = torch.nn.TransformerEncoderLayer(D, H, FF, dropout=0.0, activation=act, batch_first=True,
+                                                 dtype=torch.float64).eval()
+        block = TransformerBlock.from_torch(layer)
+        assert block.activation == name, act
+        # (with grad enabled: torch's eval fast path runs the exact gelu for any nn.GELU)
+        ref = layer(torch.from_numpy(x)).detach().numpy()
+        np.testing.assert_allclose(np.asarray(block(x)), ref, rtol=1e-10, atol=1e-12, err_msg=repr(act))
