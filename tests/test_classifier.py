@@ -258,6 +258,8 @@ def test_bad_arguments_name_the_argument(xp, to_xp, backend):
         model.forward(x, to_xp(np.ones((B, L))))
     with pytest.raises(ValueError, match=r"^mask: expected shape \(2, 5\)"):
         model.forward(x, to_xp(np.ones((B, 1, 1, L), dtype=bool)))
+    with pytest.raises(TypeError, match=r"^mask: expected an? .*array, got list"):
+        model.forward(x, np.ones((B, L), dtype=bool).tolist())  # no dtype to check
     with pytest.raises(TypeError, match=r"^need_weights: expected a bool"):
         model.forward(x, need_weights=1)
     with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 dicts or None"):
