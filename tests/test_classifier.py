@@ -42,17 +42,20 @@ def padding_mask(to_xp, empty_entry=False):
     return to_xp(m)
 
 
-@pytest.mark.parametrize("norm_first, activation, empty_entry", [(False, "relu", False), (True, "gelu", True)])
-def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_first, activation, empty_entry):
+@pytest.mark.parametrize("norm_first, activation, empty_entry, n_layers",
+                         [(False, "relu", False, 2), (True, "gelu", True, 2), (True, "gelu_tanh", False, 1)])
+def test_gradients_match_finite_differences(xp, to_xp, to_np, backend, norm_first, activation, empty_entry,
+                                            n_layers):
     """check_vjp over x and every parameter, random dlogits, mask, dropout p = 0.3 with fixed keep-masks;
-    with ``empty_entry`` entry 1 is all padding (fully masked attention rows, an empty pooling)."""
+    with ``empty_entry`` entry 1 is all padding (fully masked attention rows, an empty pooling);
+    one block as well as two (the final norm's backward must not depend on the count)."""
     p = 0.3
-    model = small(backend, dropout=p, norm_first=norm_first, activation=activation)
+    model = small(backend, dropout=p, norm_first=norm_first, activation=activation, n_layers=n_layers)
     rng = np.random.default_rng(4)
     # move the parameters off their init (norms at 1 and 0, the head's bias at 0)
     model.params = {k: v + to_xp(0.2 * rng.standard_normal(tuple(v.shape)))
                     for k, v in model.params.items()}
-    keeps = keep_masks(rng, to_xp, p)
+    keeps = keep_masks(rng, to_xp, p, n_layers)
     mask = padding_mask(to_xp, empty_entry)
     x = to_xp(rng.standard_normal((B, L, P)))
     names = list(model.params)
@@ -111,6 +114,20 @@ def test_initial_parameters_follow_torchs_linear_init():
     assert 0.015 < p["pos"].std() < 0.025 and abs(p["pos"].mean()) < 0.005
     np.testing.assert_array_equal(p["norm.weight"], np.ones(d))
     np.testing.assert_array_equal(p["norm.bias"], np.zeros(d))
+
+
+def test_blocks_start_from_independent_draws():
+    """Every block has the same shapes, so one seed handed to each would start them as copies
+    of one another (and draw the same dropout masks); each block gets its own."""
+    model = small("numpy", n_layers=3, dropout=0.3)
+    p = {k: np.asarray(v) for k, v in model.params.items()}
+    for k in (k.split(".", 2)[2] for k in p if k.startswith("blocks.0.")):
+        if np.all(p[f"blocks.0.{k}"] == p[f"blocks.0.{k}"].flat[0]):
+            continue  # norms start at 1 and 0, attention biases at 0 in every block
+        for n in (1, 2):
+            assert not np.allclose(p[f"blocks.0.{k}"], p[f"blocks.{n}.{k}"]), (n, k)
+    states = [b.rng_state for b in model.blocks]
+    assert all(states[0] != s for s in states[1:])
 
 
 def test_block_n_takes_the_keep_masks_of_entry_n():
