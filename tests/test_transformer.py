@@ -683,10 +683,10 @@ def test_a_failed_params_assignment_changes_nothing(kind):
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, error, monkeypatch):
     """Self-attention has run (its dropout drawn, its module's cache replaced), then the
-    feed-forward fails (a MemoryError, or Ctrl-C: no Exception): the block alone, with no model around it to put it
-    back, keeps its cache, its attention module's cache and its generator, so backward
-    differentiates the last successful forward and the next forward draws what a block that
-    never failed draws."""
+    feed-forward fails (a MemoryError, or Ctrl-C: no Exception): the block alone, with no
+    model around it to put it back, keeps its cache, its attention module's cache and its
+    generator, so backward differentiates the last successful forward and the next forward
+    draws what a block that never failed draws."""
     rng = np.random.default_rng(28)
     x, d = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
     block, twin = (TransformerBlock(D, H, FF, dropout=0.2, dtype="float64", seed=29,
