@@ -551,3 +551,20 @@ def test_a_seeds_key_is_the_top_63_bits_of_the_generators_next_word():
         gen, twin = np.random.default_rng(seed), np.random.default_rng(seed)
         assert npb.dropout_key(gen) == int(twin.bit_generator.random_raw()) >> 1
         assert gen.bit_generator.state == twin.bit_generator.state
+
+
+def test_a_batch_of_one_broadcast_to_an_empty_batch_gets_zero_gradients_of_its_shape(xp, to_xp, to_np):
+    """q and the mask have batch 1, k and v batch 0: the output has batch 0, and the gradient
+    of each batch-1 input is the sum of nothing over the batch axis it was stretched along,
+    zeros of that input's own shape."""
+    rng = np.random.default_rng(4)
+    q = to_xp(rng.standard_normal((1, 2, 3, 4)))
+    k, v = (to_xp(rng.standard_normal((0, 2, 5, 4))) for _ in range(2))
+    m = to_xp(rng.standard_normal((1, 1, 3, 5)))
+    out, cache = F.sdpa_forward(q, k, v, mask=m)
+    assert tuple(out.shape) == (0, 2, 3, 4)
+    dq, dk, dv, dmask, _ = F.sdpa_backward(to_xp(np.zeros((0, 2, 3, 4))), cache)
+    assert tuple(dk.shape) == tuple(dv.shape) == (0, 2, 5, 4)
+    for g, want in ((dq, (1, 2, 3, 4)), (dmask, (1, 1, 3, 5))):
+        assert tuple(g.shape) == want
+        assert np.all(to_np(g) == 0.0)
