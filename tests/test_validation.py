@@ -903,6 +903,13 @@ FUNCTIONAL_CASES = [
     ("dropout p=1", lambda: F.dropout_forward(_x(2, 3), 1), ValueError, ("p", "[0, 1)", "1")),
     ("dropout p=1.5", lambda: F.dropout_forward(_x(2, 3), 1.5), ValueError, ("p", "[0, 1)", "1.5")),
     ("dropout p str", lambda: F.dropout_forward(_x(2, 3), "0.1"), TypeError, ("p", "str")),
+    # with a keep-mask nothing is drawn, so no draw checks p for the forward
+    ("dropout p=1 with a mask", lambda: F.dropout_forward(_x(2, 3), 1.0, mask=np.ones((2, 3), bool)),
+     ValueError, ("p", "[0, 1)", "1.0")),
+    ("dropout p<0 with a mask", lambda: F.dropout_forward(_x(2, 3), -0.5, mask=np.ones((2, 3), bool)),
+     ValueError, ("p", "[0, 1)", "-0.5")),
+    ("dropout p str with a mask", lambda: F.dropout_forward(_x(2, 3), "0.1", mask=np.ones((2, 3), bool)),
+     TypeError, ("p", "str")),
     ("dropout float mask", lambda: F.dropout_forward(_x(2, 3), 0.5, mask=_x(2, 3)), TypeError,
      ("mask", "bool", "float64")),
     ("dropout mask shape", lambda: F.dropout_forward(_x(2, 3), 0.5, mask=np.ones((3,), bool).reshape(3, 1)),
