@@ -568,3 +568,23 @@ def test_a_batch_of_one_broadcast_to_an_empty_batch_gets_zero_gradients_of_its_s
     for g, want in ((dq, (1, 2, 3, 4)), (dmask, (1, 1, 3, 5))):
         assert tuple(g.shape) == want
         assert np.all(to_np(g) == 0.0)
+
+
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(window=(1, 1))])
+def test_dmask_of_a_broadcast_float_mask_under_causal_or_a_window_has_the_masks_shape(
+        xp, to_xp, to_np, options):
+    """The causal mask or the window makes the combined mask [Lq, Lk] even when the float mask
+    is one row [Lk]: dmask is summed back to [Lk]. Expected: the same call with the mask
+    written out to [B, H, Lq, Lk], its dmask summed here over the axes the row was broadcast
+    along (the positions the causal mask or the window forbids have dmask 0 there)."""
+    rng = np.random.default_rng(5)
+    B, H, Lq, Lk, D = 2, 2, 3, 5, 4
+    q, k, v = (rng.standard_normal((B, H, L, D)) for L in (Lq, Lk, Lk))
+    row = rng.standard_normal(Lk)
+    dout = rng.standard_normal((B, H, Lq, D))
+    grads = []
+    for m in (row, np.broadcast_to(row, (B, H, Lq, Lk)).copy()):
+        _, cache = F.sdpa_forward(*(to_xp(a) for a in (q, k, v)), mask=to_xp(m), **options)
+        grads.append(to_np(F.sdpa_backward(to_xp(dout), cache).dmask))
+    assert grads[0].shape == (Lk,)
+    np.testing.assert_allclose(grads[0], grads[1].sum(axis=(0, 1, 2)), rtol=1e-12, atol=1e-14)
