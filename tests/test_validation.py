@@ -965,6 +965,9 @@ FUNCTIONAL_CASES = [
     ("pad is_causal", lambda: F.pad_mask_forward(np.ones((2, 3), bool), 2, 3, 1, is_causal="yes"), TypeError,
      ("is_causal", "bool", "str")),
     ("pad dm cache", lambda: F.pad_mask_backward(_x(2, 4), None), TypeError, ("cache", "PadMaskCache", "None")),
+    ("pad dm narrower than the given keys",
+     lambda: F.pad_mask_backward(_x(3, 3), _cache(lambda: F.pad_mask_forward(_x(3, 4), 3, 4, 2))),
+     ValueError, ("dm", ">= 4", "(3, 3)")),
 ]
 
 
@@ -991,6 +994,8 @@ def test_public_helpers_check_their_arguments():
 
     cases = [
         (lambda: B.keep_mask(1, 1.5, (2, 3), np), ValueError, r"^p: expected a drop probability in \[0, 1\), got 1.5"),
+        (lambda: F.gqa_groups(_x(2, 4, 3, 5), _x(3, 2, 6, 5), _x(3, 2, 6, 5), True), ValueError,
+         r"^q, k, v: with enable_gqa the batch axes .* must broadcast .*\(2, 4, 3, 5\), \(3, 2, 6, 5\)"),
         (lambda: B.keep_mask(1, -0.1, (2, 3), np), ValueError, "^p: expected a drop probability"),
         (lambda: B.keep_mask(1, 2**1100, (2, 3), np), ValueError, "^p: expected a drop probability"),
         (lambda: B.keep_mask(1, math.nan, (2, 3), np), ValueError, "^p: expected a drop probability"),
