@@ -688,8 +688,8 @@ def scores_lead(q: Any, k: Any, v: Any, *, enable_gqa: bool = False) -> tuple:
         batch = np.broadcast_shapes(shape_of(q)[:-3], shape_of(k)[:-3], shape_of(v)[:-3])
     except ValueError:
         raise ValueError(
-            "q, k, v: with enable_gqa the batch axes (before the head axis) must broadcast "
-            f"against each other, got shapes {shape_of(q)}, {shape_of(k)}, {shape_of(v)}"
+            "q, k, v: expected batch axes (before the head axis) that broadcast against each "
+            f"other with enable_gqa, got shapes {shape_of(q)}, {shape_of(k)}, {shape_of(v)}"
         ) from None
     return tuple(batch) + (int(q.shape[-3]),)
 

@@ -995,7 +995,8 @@ def test_public_helpers_check_their_arguments():
     cases = [
         (lambda: B.keep_mask(1, 1.5, (2, 3), np), ValueError, r"^p: expected a drop probability in \[0, 1\), got 1.5"),
         (lambda: F.gqa_groups(_x(2, 4, 3, 5), _x(3, 2, 6, 5), _x(3, 2, 6, 5), True), ValueError,
-         r"^q, k, v: with enable_gqa the batch axes .* must broadcast .*\(2, 4, 3, 5\), \(3, 2, 6, 5\)"),
+         r"^q, k, v: expected batch axes .* that broadcast .* with enable_gqa, got shapes .*"
+         r"\(2, 4, 3, 5\), \(3, 2, 6, 5\)"),
         (lambda: B.keep_mask(1, -0.1, (2, 3), np), ValueError, "^p: expected a drop probability"),
         (lambda: B.keep_mask(1, 2**1100, (2, 3), np), ValueError, "^p: expected a drop probability"),
         (lambda: B.keep_mask(1, math.nan, (2, 3), np), ValueError, "^p: expected a drop probability"),
@@ -1299,7 +1300,7 @@ def test_scores_lead_refuses_leading_axes_that_do_not_broadcast():
     with pytest.raises(ValueError, match=r"^q, k, v: expected leading axes that broadcast against "
                                          r"each other, got shapes \(2, 4, 3, 8\), \(3, 2, 5, 8\)"):
         V.scores_lead(q, k, v)
-    with pytest.raises(ValueError, match=r"^q, k, v: with enable_gqa the batch axes"):
+    with pytest.raises(ValueError, match=r"^q, k, v: expected batch axes .* with enable_gqa"):
         V.scores_lead(q, k, v, enable_gqa=True)
 
 
