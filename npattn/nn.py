@@ -395,7 +395,7 @@ def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
 
 
 def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, None]:
-    """Gradient of the cross-entropy: ``dlogits = dloss * (softmax(logits) - y) / N``.
+    """Gradient of the cross-entropy: ``dlogits = dloss * (s softmax(logits) - y) / N``.
 
     From 5. and 4.: ``dlogp = -dloss * y / N`` (``dloss_n`` of each position for "none",
     ``N = 1`` unless "mean"), and through ``logp = logits - lse`` with
