@@ -551,9 +551,9 @@ class MultiHeadAttention:
     def restore_forward_state(self, state: AttentionState) -> None:
         """Put back a ``forward_state`` of this module; a ``TypeError`` for anything else."""
         if not isinstance(state, AttentionState) or state.owner is not self._token:
+            got = "one of another module" if isinstance(state, AttentionState) else V.type_name(state)
             raise TypeError(f"state: expected an AttentionState read from this module's "
-                            f"forward_state(), got "
-                            f"{'one of another module' if isinstance(state, AttentionState) else V.type_name(state)}")
+                            f"forward_state(), got {got}")
         self._cache, self._decoded, self._cache_lent = state.cache, state.decoded, True
 
     def clear_cache(self) -> None:

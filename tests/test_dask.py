@@ -716,7 +716,8 @@ def test_keys_and_values_broadcast_over_the_heads_on_dask():
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     for name, g, g0 in zip(("dq", "dk", "dv"), grads, grads0):
         np.testing.assert_allclose(g, g0, rtol=1e-12, atol=1e-12, err_msg=name)
-    with pytest.raises(ValueError, match=r"^impl='chunked': the kernel options .*leading axes that broadcast"):
+    with pytest.raises(ValueError,
+                       match=r"^impl='chunked': the kernel options .*leading axes that broadcast"):
         A.sdpa_forward(dq, dk, dv, impl="chunked")
 
 
