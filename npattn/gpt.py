@@ -371,22 +371,21 @@ class GPT(BlockStack):
         self._check_targets(targets, V.shape_of(ids), ignore_index)
         nn.check_label_smoothing(label_smoothing)
         # what the forward changes, put back should the loss after it fail (memory): the
-        # model's cached forward and generator, and each block's (forward_state)
-        before = (self._cache, self._rng.bit_generator.state,
-                  [block.forward_state() for block in self.blocks])
-        logits = self.forward(ids, **kwargs)
-        try:
-            loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
-                                                  label_smoothing=label_smoothing)  # 6.
-            dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
-        except BaseException:
-            self._cache, rng_state, blocks = before
-            self._rng.bit_generator.state = rng_state
-            for block, state in zip(self.blocks, blocks):
-                block.restore_forward_state(state)
-            for cache in kwargs.get("kv_caches") or []:  # the forward appended L positions to each
-                cache.truncate([int(n) - ids.shape[1] for n in cache.cache_seqlens])
-            raise
+        # model's cached forward and generator, the blocks (blocks_put_back_on_failure) and
+        # the KV caches' lengths
+        cached, rng_state = self._cache, self._rng.bit_generator.state
+        with blocks_put_back_on_failure(self.blocks):
+            logits = self.forward(ids, **kwargs)
+            try:
+                loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
+                                                      label_smoothing=label_smoothing)  # 6.
+                dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
+            except BaseException:
+                self._cache = cached
+                self._rng.bit_generator.state = rng_state
+                for cache in kwargs.get("kv_caches") or []:  # the forward appended L positions
+                    cache.truncate([int(n) - ids.shape[1] for n in cache.cache_seqlens])
+                raise
         return float(loss), dlogits
 
     def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None) -> None:
