@@ -228,8 +228,8 @@ class KVCache:
         self._k, self._v = persisted(self._k, self._v)
 
     def truncate(self, seqlens: Any) -> None:
-        """Shorten the entries to ``seqlens``: one int for all, or B ints (a sequence or a
-        NumPy array), each between 0 and the entry's current length.
+        """Shorten the entries to ``seqlens``: one int for all, or B ints (a list, tuple or
+        range, or a 1-D NumPy array), each between 0 and the entry's current length.
 
         Ragged prompts: prefill them right-padded to one length, then
         ``truncate(prompt_lengths)``; each entry's next token is written
