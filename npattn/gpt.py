@@ -481,7 +481,7 @@ class GPT(BlockStack):
         greedy : bool
             Take the largest logit (the first on ties); ``temperature``,
             ``top_k`` and ``seed`` are then unused.
-        seed : int, Generator or None
+        seed : int, SeedSequence, Generator or None
             The host ``numpy.random`` generator (or its seed) sampling draws from.
         return_logits : bool
             Also return the logits each new token was chosen from, (B, n, V).
