@@ -297,7 +297,8 @@ def sdpa_forward(
         The weights will be read from the cache (``weights(cache)``): a dense
         implementation is used.
     block_q, block_k : int, optional
-        Block lengths of the blocked implementation.
+        Block lengths of the blocked implementation (and of the blocked steps inside each
+        task of the chunked one).
     workspace : Workspace, optional
         Arrays of finished forwards that the NumPy kernel may reuse instead
         of allocating (``numpy_kernel.Workspace``); the other implementations
