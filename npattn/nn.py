@@ -224,7 +224,7 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
 
 
 # --------------------------------------------------------------------------
-# softmax cross-entropy, mean over all positions
+# softmax cross-entropy: the mean over the positions that count, their sum, or each one
 
 
 class CrossEntropyCache(NamedTuple):
