@@ -385,7 +385,7 @@ class MultiHeadAttention:
         need_weights : bool
             Also return the attention weights, before dropout, the extra keys
             last; otherwise ``weights`` is None. Not available with
-            ``impl="blocked"`` (ValueError); "auto" then uses the dense path.
+            ``impl="blocked"`` or ``"chunked"`` (ValueError); "auto" then uses the dense path.
         check_finite : bool
             Also check that the inputs and parameters hold no NaN or inf (and
             the mask no NaN or +inf); reads the data, so it is opt-in.
