@@ -511,7 +511,8 @@ class _Block(abc.ABC):
 
     def forward_state(self) -> BlockState:
         """What a forward of this block changes, as it is now: the block's cache, its
-        attention modules' caches and its dropout generator's state.
+        attention modules' ``forward_state`` (their caches and whether they decoded) and its
+        dropout generator's state.
 
         ``restore_forward_state`` puts it back. A model made of blocks reads it
         from each block before its forward, so that a forward failing in a later
