@@ -465,8 +465,8 @@ def test_full_mode_reports_the_largest_error_and_scale_and_fails_just_past_rtol(
 
 
 def test_vjp_mode_scale_is_the_sum_of_the_terms_of_the_product():
-    """vjp mode's scale is sum_j |g_j t_j| for the direction t it took: t is read back from
-    the points the function was evaluated at, x +- eps t."""
+    """vjp mode's scale is sum_j |g_j t_j| for the direction t it took, not |<g, t>|: t is read
+    back from the points the function was evaluated at, x +- eps t."""
     forward, x, dout, true = _scaled_by_3()
     seen = []
 
@@ -475,9 +475,11 @@ def test_vjp_mode_scale_is_the_sum_of_the_terms_of_the_product():
         return forward(t)[0]
 
     eps = 1e-3
-    report = check_vjp(f, [x], [true], dout, eps=eps, n_directions=1, atol=0.0)
+    report = check_vjp(f, [x], [true], dout, eps=eps, n_directions=1, atol=0.0, seed=3)
     plus, minus = seen[-2:]
     t = (plus - minus) / (2 * eps)
+    # terms of both signs: the sum of their sizes is not the size of their sum
+    assert np.sum(np.abs(true * t)) > 1.5 * abs(np.sum(true * t))
     np.testing.assert_allclose(report["input0"].scale, np.sum(np.abs(true * t)), rtol=1e-9)
     assert report.ok
 
@@ -872,3 +874,84 @@ def test_a_scale_equal_to_atol_counts_as_numerically_zero():
     r = gradcheck(lambda t: (0.5 * t, None), lambda dy, c: 1.0 * dy, [np.zeros(1)],
                   dout=np.ones(1), mode="full", atol=1.0)
     assert r.ok and r["input0"].scale == 1.0 and r["input0"].max_rel_err == 0.0
+
+
+def test_a_report_is_false_when_an_input_fails_and_names_only_its_inputs():
+    """bool(report) is report.ok, report[name] is that input's entry and a name not checked is a
+    KeyError; str(report) says where only for an input that failed."""
+    inputs = list(_case(np.asarray))
+
+    def backward(dy, cache):  # dw off by 0.1 %, dx and db right
+        dx, dw, db = F.linear_backward(dy, cache)
+        return dx, dw * 1.001, db
+
+    bad = gradcheck(F.linear_forward, backward, inputs, names=["x", "w", "b"], mode="full")
+    good = gradcheck(F.linear_forward, F.linear_backward, inputs, names=["x", "w", "b"], mode="full")
+    assert not bad and not bad.ok and good and good.ok
+    assert bad["w"] is bad.inputs[1] and not bad["w"].passed and bad["x"].passed
+    with pytest.raises(KeyError):
+        bad["input0"]
+    lines = str(bad).splitlines()
+    assert f"FAIL at {bad['w'].where}" in lines[2]
+    assert " at " not in lines[1] and " at " not in lines[3] and lines[1].rstrip().endswith("pass")
+
+
+def test_the_default_tolerance_step_count_and_full_size_are_those_documented():
+    """rtol = 1e-6 by default: a gradient 1e-5 off (relative) fails and one 1e-7 off passes,
+    in gradcheck's two modes and in check_vjp; vjp mode takes 3 directions by default (two
+    evaluations each, after the two at the inputs); auto mode is full up to 4096 entries."""
+    x, dout = np.array([0.5]), np.array([-1.5])  # one entry: err / scale is the relative error
+
+    def forward(t):
+        return 3.0 * t, None
+
+    for off, ok in ((1e-5, False), (1e-7, True)):
+        g = 3.0 * dout * (1.0 + off)
+        for mode in ("full", "vjp"):
+            assert gradcheck(forward, lambda d, c: g, [x], dout=dout, mode=mode).ok is ok
+        assert check_vjp(lambda t: 3.0 * t, [x], [g], dout).ok is ok
+    calls = []
+
+    def counted(t):
+        calls.append(1)
+        return 3.0 * t
+
+    check_vjp(counted, [x], [3.0 * dout], dout)
+    assert len(calls) == 2 + 2 * 3
+    calls.clear()
+    gradcheck(lambda t: (counted(t), None), lambda d, c: 3.0 * d, [x], mode="vjp")
+    assert len(calls) == 2 + 2 + 2 * 3  # gradcheck's two forwards, then check_vjp's
+    for n, mode in ((4096, "full"), (4097, "vjp")):
+        y = np.linspace(-1.0, 1.0, n)
+        assert gradcheck(lambda t: (2.0 * t, None), lambda d, c: 2.0 * d, [y]).mode == mode
+
+
+def test_the_seed_draws_dout_and_each_direction_afresh():
+    """dout comes from seed (the same seed, the same dout; another seed, another dout), and
+    each of vjp mode's directions is a draw of its own: the points x +- eps t of three
+    directions give three different t, and another seed other ones."""
+    x = np.random.default_rng(0).standard_normal((2, 3))
+    seen = []
+
+    def backward(d, c):
+        seen.append(np.array(d))
+        return 2.0 * d
+
+    for seed in (1, 1, 2):
+        assert gradcheck(lambda t: (2.0 * t, None), backward, [x], seed=seed).ok
+    assert np.array_equal(seen[0], seen[1]) and not np.allclose(seen[0], seen[2])
+    eps, dout = 1e-3, np.random.default_rng(1).standard_normal((2, 3))
+
+    def directions(seed):
+        points = []
+
+        def f(t):
+            points.append(np.array(t))
+            return 2.0 * t
+
+        assert check_vjp(f, [x], [2.0 * dout], dout, eps=eps, n_directions=3, seed=seed).ok
+        return [(points[2 + 2 * k] - points[3 + 2 * k]) / (2 * eps) for k in range(3)]
+
+    t = directions(5)
+    assert not any(np.allclose(t[a], t[b]) for a, b in ((0, 1), (0, 2), (1, 2)))
+    assert not np.allclose(t[0], directions(6)[0])
