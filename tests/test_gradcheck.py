@@ -955,3 +955,60 @@ def test_the_seed_draws_dout_and_each_direction_afresh():
     t = directions(5)
     assert not any(np.allclose(t[a], t[b]) for a, b in ((0, 1), (0, 2), (1, 2)))
     assert not np.allclose(t[0], directions(6)[0])
+
+
+def _alternating(bump):
+    """f(a) = 2 a, plus ``bump`` (an array of the output's shape) on every second call."""
+    calls = []
+
+    def f(a):
+        calls.append(1)
+        return 2.0 * a + (0.0 if len(calls) % 2 else bump)
+    return f
+
+
+def test_the_change_let_through_between_two_evaluations_is_the_documented_one():
+    """Two evaluations at the inputs may differ by eps * (rtol * scale + atol) plus 16
+    roundings of the scale (the largest |output|, at least 1). With rtol = atol = 0 a change of
+    exactly 16 * 2**-52 is let through ("more than" is refused) and twice that is not; an atol
+    widens the limit (a change of 2e-9 passes with atol = 1e-2, eps * atol = 1e-8); and an
+    output that is 0 on one evaluation and one rounding of 1 on the next (a sum of terms of
+    order 1 that cancels, summed in another order) is not refused."""
+    x, dout = np.array([1.0, 0.0]), np.array([0.5, -1.0])
+    step = np.array([0.0, 16 * 2.0**-52])  # the output [2, 0]: scale 2, limit 32 * 2**-52
+    check_vjp(_alternating(2.0 * step), [x], [2.0 * dout], dout, rtol=0.0, atol=0.0)  # not refused
+    with raises(ValueError, "f", "same output for the same inputs"):
+        check_vjp(_alternating(4.0 * step), [x], [2.0 * dout], dout, rtol=0.0, atol=0.0)
+    y = np.random.default_rng(5).standard_normal((3, 4))
+    dy = np.random.default_rng(6).standard_normal((3, 4))
+    wobble = np.full((3, 4), 2e-9)
+    with raises(ValueError, "f", "same output for the same inputs"):
+        check_vjp(_alternating(wobble), [y], [2.0 * dy], dy)
+    assert check_vjp(_alternating(wobble), [y], [2.0 * dy], dy, atol=1e-2).ok
+    f = _alternating(wobble)
+    assert gradcheck(lambda a: (f(a), None), lambda d, c: 2.0 * d, [y], atol=1e-2).ok
+    zero = np.zeros(3)
+    rounding = np.array([2.0**-52, 0.0, 0.0])
+    assert check_vjp(_alternating(rounding), [zero], [2.0 * dy[0, :3]], dy[0, :3]).ok
+    f = _alternating(rounding)
+    assert gradcheck(lambda a: (f(a), None), lambda d, c: 2.0 * d, [zero]).ok
+
+
+def test_a_forward_whose_output_changes_shape_between_calls_is_refused_by_name():
+    """A forward that appends to state it keeps returns a longer output each call: refused as
+    not deterministic, with both shapes, not a broadcasting error of NumPy's."""
+    x = np.random.default_rng(0).standard_normal(3)
+
+    def growing():
+        calls = []
+
+        def f(a):
+            calls.append(1)
+            return np.concatenate([2.0 * a, np.zeros(len(calls))])
+        return f
+
+    with raises(ValueError, "f", "same output for the same inputs", "(5,)", "(4,)"):
+        check_vjp(growing(), [x], [np.ones(3)], np.ones(4))
+    f = growing()
+    with raises(ValueError, "forward", "same output for the same inputs", "(5,)", "(4,)"):
+        gradcheck(lambda a: (f(a), None), lambda d, c: 2.0 * d[:3], [x])
