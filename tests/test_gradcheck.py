@@ -1012,3 +1012,33 @@ def test_a_forward_whose_output_changes_shape_between_calls_is_refused_by_name()
     f = growing()
     with raises(ValueError, "forward", "same output for the same inputs", "(5,)", "(4,)"):
         gradcheck(lambda a: (f(a), None), lambda d, c: 2.0 * d[:3], [x])
+
+
+def test_the_bounds_are_inclusive():
+    """err <= atol + rtol * scale passes, and a scale <= atol is numerically zero. Dyadic
+    numbers keep every difference exact: f(x) = 2 x with eps = 2**-10 gives n = 2 dout
+    exactly, so a gradient one entry off by 2**-8 has err = 2**-8: it passes at atol = 2**-8
+    (rtol 0) and fails at atol = 2**-9. For f(x) = 0 x (n = 0) a gradient [2**-8, 0] has scale
+    2**-8 = atol and err = atol: numerically zero, rel 0."""
+    x, dout = np.array([0.5, -0.25]), np.array([1.0, -2.0])
+    g = 2.0 * dout
+    g[0] += 2.0**-8
+
+    def check(forward, grad, atol):
+        return gradcheck(forward, lambda d, c: grad, [x], dout=dout, mode="full", eps=2.0**-10,
+                         rtol=0.0, atol=atol)
+
+    r = check(lambda t: (2.0 * t, None), g, 2.0**-8)
+    assert r.ok and r["input0"].max_abs_err == 2.0**-8
+    assert not check(lambda t: (2.0 * t, None), g, 2.0**-9).ok
+    r = check(lambda t: (0.0 * t, None), np.array([2.0**-8, 0.0]), 2.0**-8)["input0"]
+    assert r.passed and r.scale == 2.0**-8 and r.max_abs_err == 2.0**-8 and r.max_rel_err == 0.0
+
+
+def test_full_mode_scale_is_the_numerical_gradients_when_backward_returns_zeros():
+    """scale is the largest |g_j| or |n_j|: for f(x) = x, dout = [1, -3], a backward of zeros
+    has err 3 and scale 3 (from n), so rel = 1, not an infinite error over scale 0."""
+    x, dout = np.zeros(2), np.array([1.0, -3.0])
+    r = gradcheck(lambda t: (t, None), lambda dy, c: 0.0 * dy, [x], dout=dout, mode="full")["input0"]
+    assert not r.passed
+    np.testing.assert_allclose([r.max_abs_err, r.scale, r.max_rel_err], [3.0, 3.0, 1.0], rtol=1e-8)
