@@ -1,5 +1,7 @@
 """The gradient checker itself: it passes correct gradients and catches wrong ones."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -597,13 +599,15 @@ def test_gradcheck_module_wrt_names_the_same_inputs_for_self_attention():
     mha = MultiHeadAttention(4, 2, dtype="float64", seed=0)
     x = rng.standard_normal((2, 3, 4))
     names = ["query", "key", "value", *mha.params]  # the module's parameter order, as documented
-    for wrt in ([3], [4, 6], [1], [0, 2, 5]):
+    last = len(names) - 1  # the last parameter
+    for wrt in ([3], [4, 6], [1], [0, 2, 5], [last], [5, 1]):  # [5, 1]: reported in that order
         three = gradcheck_module(mha, x, x.copy(), x.copy(), wrt=wrt, mode="vjp")
         one = gradcheck_module(mha, x, x, x, wrt=wrt, mode="vjp")
         assert [r.name for r in three.inputs] == [names[i] for i in wrt]
         want = list(dict.fromkeys("x" if i < 3 else names[i] for i in wrt))
         assert [r.name for r in one.inputs] == want and one.ok, str(one)
-    for wrt, match in (([3, 3], "^wrt: expected distinct"), ([3 + len(mha.params)], "^wrt: expected indices")):
+    past = rf"^wrt: expected indices of \(query, key, value, \*params\), 0 to {last}, got {last + 1}"
+    for wrt, match in (([3, 3], "^wrt: expected distinct"), ([last + 1], past)):
         with pytest.raises(ValueError, match=match):
             gradcheck_module(mha, x, x, x, wrt=wrt)
 
@@ -1042,3 +1046,78 @@ def test_full_mode_scale_is_the_numerical_gradients_when_backward_returns_zeros(
     r = gradcheck(lambda t: (t, None), lambda dy, c: 0.0 * dy, [x], dout=dout, mode="full")["input0"]
     assert not r.passed
     np.testing.assert_allclose([r.max_abs_err, r.scale, r.max_rel_err], [3.0, 3.0, 1.0], rtol=1e-8)
+
+
+def test_a_dout_of_another_library_is_refused_by_name():
+    """dout must be of the output's library: gradcheck names it (before backward runs), and
+    gradcheck_module names it against query's library before the module's first forward."""
+    xps = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(0)
+    x, d = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
+    called = []
+
+    def backward(dy, c):
+        called.append(1)
+        return 2.0 * dy
+
+    with raises(TypeError, "dout", "numpy", "array_api_strict"):
+        gradcheck(lambda t: (2.0 * t, None), backward, [x], dout=xps.asarray(d))
+    assert called == []
+    m = MultiHeadAttention(4, 2, dtype="float64", seed=0)
+    m.forward = lambda *a, **k: called.append(1)  # not reached
+    with raises(TypeError, "dout", "numpy", "array_api_strict", "that of query"):
+        gradcheck_module(m, x, x, x, dout=xps.asarray(d))
+    assert called == []
+
+
+def test_check_vjp_takes_more_gradients_than_inputs():
+    """sdpa_backward's SDPAGrads ends with dmask and dsinks: a grads longer than the inputs is
+    taken, its extra entries not checked (Lq = 3, Lk = 5)."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, 3, 4))
+    k, v = rng.standard_normal((1, 2, 5, 4)), rng.standard_normal((1, 2, 5, 4))
+    dout = rng.standard_normal((1, 2, 3, 4))
+    grads = F.sdpa_backward(dout, F.sdpa_forward(q, k, v)[1])
+    assert len(grads) > 3
+    report = check_vjp(lambda q, k, v: F.sdpa_forward(q, k, v)[0], [q, k, v], grads, dout,
+                       names=["q", "k", "v"])
+    assert report.ok and [r.name for r in report.inputs] == ["q", "k", "v"]
+
+
+def test_gradcheck_module_refuses_a_lookalike_module_and_keywords_that_are_no_dict():
+    """A module must be an npattn MultiHeadAttention (parameters with w_q), and forward_kwargs a
+    dict: a list of pairs, which dict() would take, is refused naming it."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 4))
+
+    class Lookalike:
+        params = {"weight": np.ones((4, 4))}
+        training = False
+
+        def __call__(self, *a, **k):
+            return self.forward(*a, **k)
+
+        def forward(self, *a, **k):
+            return np.zeros((2, 3, 4)), None
+
+        def backward(self, dout):
+            return dout, dout, dout
+
+        def preserve_state(self):
+            return contextlib.nullcontext()
+
+    with raises(TypeError, "module", "MultiHeadAttention", "Lookalike"):
+        gradcheck_module(Lookalike(), x, x, x)
+    mha = MultiHeadAttention(4, 2, dtype="float64", seed=0)
+    with raises(TypeError, "forward_kwargs", "dict", "list"):
+        gradcheck_module(mha, x, x, x, forward_kwargs=[("is_causal", True)])
+
+
+def test_gradcheck_module_checks_query_as_key_with_another_value_as_three_inputs():
+    """Only query is key is value is self-attention: x as query and key with another value is
+    three inputs, the value's gradient its own (taken for x, the value was never checked)."""
+    rng = np.random.default_rng(3)
+    mha = MultiHeadAttention(4, 2, dtype="float64", seed=1)
+    x, v = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
+    report = gradcheck_module(mha, x, x, v, mode="vjp")
+    assert report.ok, str(report)
+    assert [r.name for r in report.inputs] == ["query", "key", "value", *mha.params]
