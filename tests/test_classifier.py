@@ -418,11 +418,13 @@ def test_a_forward_that_fails_after_the_checks_changes_nothing(xp, to_xp, to_np,
     np.testing.assert_array_equal(nxt, ref_nxt)  # the generators did not move
 
 
+@pytest.mark.parametrize("where", ["block 0", "positions"])
 def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(xp, to_xp, to_np, backend,
-                                                                     monkeypatch):
-    """Block 1's backward runs, block 0's fails (a MemoryError): the model's grads and dx,
-    every block's grads and its attention module's grads, dmask and cache are those of the
-    last successful backward, and the next backward gives what a model that never failed gives."""
+                                                                   monkeypatch, where):
+    """Block 1's backward runs, block 0's fails (a MemoryError), or every block's ran and the
+    positions' backward after them fails: the model's grads and dx, every block's grads and
+    its attention module's grads, dmask and cache are those of the last successful backward,
+    and the next backward gives what a model that never failed gives."""
     model, twin = (small(backend, dropout=0.3, seed=0) for _ in range(2))
     assert model.n_layers >= 2
     rng = np.random.default_rng(13)
@@ -439,7 +441,11 @@ def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(xp, to_xp, to
     def fails(dout):
         raise MemoryError("out of memory")
 
-    monkeypatch.setattr(model.blocks[0], "backward", fails)
+    if where == "block 0":
+        monkeypatch.setattr(model.blocks[0], "backward", fails)
+    else:
+        from npattn import nn
+        monkeypatch.setattr(nn, "add_positions_backward", lambda dh, cache: fails(dh))
     with pytest.raises(MemoryError):
         model.backward(dl)
     monkeypatch.undo()

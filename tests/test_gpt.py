@@ -713,10 +713,12 @@ def test_a_training_forward_that_fails_after_the_checks_changes_nothing(monkeypa
     np.testing.assert_array_equal(model.forward(ids), twin.forward(ids))  # the same masks drawn
 
 
-def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(monkeypatch):
-    """Block 1's backward runs, block 0's fails (a MemoryError): the model's grads, block 1's
-    grads and its attention module's grads are those of the last successful backward, and
-    the next backward gives what a model that never failed gives."""
+@pytest.mark.parametrize("where", ["block 0", "positions"])
+def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(monkeypatch, where):
+    """Block 1's backward runs, block 0's fails (a MemoryError), or every block's ran and the
+    positions' backward after them fails: the model's grads, every block's grads and its
+    attention module's grads are those of the last successful backward, and the next
+    backward gives what a model that never failed gives."""
     model, twin = make(dropout=0.3), make(dropout=0.3)
     dlogits = np.random.default_rng(8).standard_normal((B, L, VOCAB))
     for m in (model, twin):
@@ -729,7 +731,10 @@ def test_a_backward_that_fails_in_block_0_keeps_every_blocks_grads(monkeypatch):
     def fails(dout):
         raise MemoryError("no memory")
 
-    monkeypatch.setattr(model.blocks[0], "backward", fails)
+    if where == "block 0":
+        monkeypatch.setattr(model.blocks[0], "backward", fails)
+    else:
+        monkeypatch.setattr(nn, "add_positions_backward", lambda dx, cache: fails(dx))
     with pytest.raises(MemoryError):
         model.backward(dlogits)
     monkeypatch.undo()
