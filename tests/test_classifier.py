@@ -178,6 +178,21 @@ def test_attention_weights_per_head_are_the_blocks(xp, to_xp, to_np, backend):
     np.testing.assert_allclose(to_np(weights[1]), to_np(ref1), rtol=1e-12, atol=1e-14)
 
 
+def test_calling_the_model_is_its_forward_keywords_included():
+    """model(...) is model.forward(...), keywords and all: need_weights=True returns the
+    weights too, and given keep-masks drop what they say in training mode."""
+    model = small("numpy", dropout=0.3)
+    rng = np.random.default_rng(12)
+    x, mask = rng.standard_normal((B, L, P)), padding_mask(np.asarray)
+    masks = keep_masks(rng, np.asarray, 0.3)
+    logits, weights = model(x, mask, need_weights=True, dropout_masks=masks)
+    ref_logits, ref_weights = model.forward(x, mask, need_weights=True, dropout_masks=masks)
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert len(weights) == 2
+    for w, ref in zip(weights, ref_weights):
+        np.testing.assert_array_equal(w, ref)
+
+
 def test_weights_of_shapes_where_auto_would_take_the_blocked_path(monkeypatch):
     """need_weights at sizes where impl="auto" takes the blocked implementation (which forms no
     weights): the blocks are asked for weights, so auto keeps them (it raised after every block

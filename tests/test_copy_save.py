@@ -459,7 +459,7 @@ def test_a_saved_size_too_large_for_an_array_is_refused_by_name(tmp_path, name, 
 @pytest.mark.parametrize("name", ["GPT", "TransformerClassifier"])
 @pytest.mark.parametrize("states, fragment", [
     ("x", "got 'x' (str)"),
-    ([{}], "got a list of 1"),
+    ([{}], "a list of 2 generator states (one per block), got a list of 1"),
     ([None, None], "block_rng_states[0]: expected a state read from rng_state, got None"),
     (["x", "x"], "block_rng_states[0]: the saved dropout generator state is not valid"),
 ])
@@ -471,6 +471,35 @@ def test_block_generator_state_errors_name_block_rng_states(tmp_path, name, stat
     with pytest.raises(ValueError) as info:
         cls.load(path)
     assert "block_rng_states" in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", ["GPT", "TransformerClassifier"])
+def test_a_bad_generator_state_of_block_1_is_named_by_its_index(tmp_path, name):
+    """Block 0's state as saved, block 1's None: the error names block_rng_states[1]."""
+    cls, good = _saved(tmp_path, name)
+    with np.load(good, allow_pickle=False) as npz:
+        states = json.loads(str(npz["config"]))["block_rng_states"]
+    path = _rewrite(good, tmp_path / "edited.npz", _edit_json(block_rng_states=[states[0], None]))
+    with pytest.raises(ValueError, match=r"block_rng_states\[1\]: expected a state read from rng_state, "
+                                         r"got None"):
+        cls.load(path)
+
+
+@pytest.mark.parametrize("name", ["GPT", "TransformerClassifier"])
+def test_a_models_file_says_which_backend_it_was_saved_from(tmp_path, name):
+    """The header's saved_from_backend (docs/transformer.md) is the model's backend."""
+    pytest.importorskip("array_api_strict")
+    from npattn.classifier import TransformerClassifier
+    from npattn.gpt import GPT
+
+    make = {"GPT": lambda: GPT(7, 5, 8, 2, 2, seed=0, backend="array_api_strict"),
+            "TransformerClassifier": lambda: TransformerClassifier(3, 4, 2, 8, 2, 2, seed=0,
+                                                                   backend="array_api_strict")}
+    model = make[name]()
+    model.save(tmp_path / "model.npz")
+    with np.load(tmp_path / "model.npz", allow_pickle=False) as npz:
+        header = json.loads(str(npz["config"]))
+    assert header["saved_from_backend"] == "array_api_strict"
 
 
 _WRONG_VALUES = [_DROP, None, "x", 1.5, -3, 2**70, [1], {}]
