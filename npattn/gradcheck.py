@@ -42,10 +42,10 @@ The arguments are checked before anything runs, and a check of nothing (no
 floating input, ``wrt=[]``, only inputs without entries) is refused rather
 than passed. The function is evaluated twice at the inputs before any
 difference: a function whose two outputs there differ by more than
-``eps * (rtol * scale + atol)``, ``scale`` the output's (dropout drawn afresh
-on each call, say), is refused with a ``ValueError``, since such a change
-would read as a wrong gradient; a few float64 roundings of the scale are
-always let through.
+``eps * (rtol * scale + atol)``, ``scale`` the output's largest finite
+magnitude and at least 1 (dropout drawn afresh on each call, say), is refused
+with a ``ValueError``, since such a change would read as a wrong gradient; a
+few float64 roundings of the scale are always let through.
 """
 
 from __future__ import annotations
@@ -437,13 +437,14 @@ def check_vjp(
 
 def _check_deterministic(who: str, first: Any, again: Any, *, eps: float, rtol: float,
                          atol: Optional[float]) -> None:
-    """``ValueError`` unless two evaluations at the same inputs agree. A change ``d`` of the
-    output between evaluations moves a central difference by ``d / (2 eps)``: past
-    ``eps * (rtol * scale + atol)`` (``scale`` the output's) it would read as a wrong gradient,
-    when the forward draws fresh randomness (dropout without a fixed keep-mask, say) and has
-    none. A change of a few float64 roundings of the scale (threads summing in another order)
-    is always let through: the default ``atol`` already allows for that much rounding, and
-    with ``rtol = 0`` any change at all was refused."""
+    """``ValueError`` unless two evaluations at the same inputs agree. A change ``d`` of the output
+    between evaluations moves a central difference by ``d / (2 eps)``: past
+    ``eps * (rtol * scale + atol)`` (``scale`` the output's largest finite magnitude, at
+    least 1) it would read as a wrong gradient, when the forward draws fresh randomness
+    (dropout without a fixed keep-mask, say) and has none. A change of a few float64
+    roundings of the scale (threads summing in another order) is always let through: the
+    default ``atol`` already allows for that much rounding, and with ``rtol = 0`` any change
+    at all was refused."""
     a, b = _host64(first), _host64(again)
     if a.shape != b.shape:
         raise ValueError(f"{who}: expected the same output for the same inputs, got shape {b.shape} "
