@@ -210,6 +210,11 @@ def test_flash_attn_func_dropout_replays_and_draws():
     # one row and one column longer: trimmed as well
     np.testing.assert_array_equal(
         C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=big[:, :, :5, :7]), b)
+    # a keep-mask of one axis, (Lk,), broadcasts: the same keys dropped in every row
+    cols = np.array([True, False, True, True, False, True])
+    np.testing.assert_allclose(C.flash_attn_func(q, k, v, 0.4, causal=True, dropout_mask=cols),
+                               flash_ref(q, k, v, causal=True, keep=np.broadcast_to(cols, keep.shape),
+                                         p=0.4)[0], rtol=1e-12, atol=1e-12)
     # drawn: a seed gives one mask, and S_dmask's sign is the mask that was applied
     out, _, S = C.flash_attn_func(q, k, v, 0.4, causal=True, return_attn_probs=True, rng=7)
     again = C.flash_attn_func(q, k, v, 0.4, causal=True, rng=7)
@@ -243,6 +248,7 @@ def test_flash_attn_func_deterministic_and_scale():
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, r"^softcap: expected 0.0 \(off\) or a finite float"),
     (dict(softcap="on"), TypeError, "softcap"),
+    (dict(softcap=True), TypeError, "^softcap: expected a float, 0.0 for off, got bool"),  # not 1.0
     (dict(causal=1), TypeError, "causal"),
     (dict(dropout_p=1.5), ValueError, "dropout_p"),
     (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
@@ -300,6 +306,19 @@ def test_flash_attn_func_bad_shapes_name_the_argument():
     # no query heads: it was the core's message, in (B, H, L, D) and naming "q, k, v"
     with pytest.raises(ValueError, match=r"^q: expected a nheads \(axis 2\) of at least 1, got shape \(2, 3, 0, 4\)"):
         C.flash_attn_func(q[:, :, :0], k, v)
+    # an axis too many, and v's batch, heads and width, each named as given
+    with pytest.raises(ValueError, match=r"^q: expected 4 axes \(batch, seqlen, nheads, headdim\), "
+                                         r"got shape \(1, 2, 3, 4, 4\)$"):
+        C.flash_attn_func(q[None], k, v)
+    with pytest.raises(ValueError, match=r"^v: expected the batch of q = 2 on axis 0, "
+                                         r"got shape \(1, 5, 2, 4\)$"):
+        C.flash_attn_func(q, k, v[:1])
+    with pytest.raises(ValueError, match=r"^v: expected the heads of k = 2 on axis 2, "
+                                         r"got shape \(2, 5, 1, 4\)$"):
+        C.flash_attn_func(q, k, v[:, :, :1])
+    with pytest.raises(ValueError, match=r"^v: expected a headdim \(axis 3\) of at least 1, "
+                                         r"got shape \(2, 5, 2, 0\)$"):
+        C.flash_attn_func(q, k, v[..., :0])
 
 
 # --------------------------------------------------------------------------
