@@ -469,6 +469,24 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
     # a grid no library indexes, before any sequence is computed (NumPy's message came after)
     (dict(max_seqlen_q=10**30, return_attn_probs=True), ValueError,
      r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer"),
+    # a keep-mask spans that grid too, and exactly 2**62 entries (B Hq = 16 = 2**4) is refused
+    (dict(max_seqlen_q=10**30, dropout_p=0.5, dropout_mask=np.ones((1, 1, 1, 1), bool)), ValueError,
+     r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer"),
+    (dict(max_seqlen_q=2**29, max_seqlen_k=2**29, dropout_p=0.5, dropout_mask=np.ones((1, 1, 1, 1), bool)),
+     ValueError, r"^max_seqlen_q, max_seqlen_k: .* fewer than 2\*\*62 entries .* "
+                 r"got \(4, 4, 536870912, 536870912\)"),
+    # the keep-mask itself, before the sequences take their blocks of it
+    (dict(dropout_p=0.5, dropout_mask=np.ones((3, 4, 4, 3), bool)), ValueError,
+     r"^dropout_mask: expected a shape that broadcasts to \(B, Hq, max_seqlen_q, max_seqlen_k\) "
+     r"= \(4, 4, 4, 3\)"),
+    (dict(dropout_p=0.5, dropout_mask=np.ma.masked_array(np.ones((4, 4, 4, 3), bool))), TypeError,
+     r"^dropout_mask: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
+    # a list of lengths holds ints (2.0 is no token count)
+    (dict(cu_seqlens_q=[0, 2.0, 6, 7, 7]), TypeError,
+     r"^cu_seqlens_q: expected cumulative sequence lengths \(B \+ 1,\) as ints, got \[0, 2.0, 6, 7, 7\]"),
+    (dict(cu_seqlens_k=np.array(7, np.int32)), ValueError,
+     r"^cu_seqlens_k: expected cumulative sequence lengths \(B \+ 1,\), a 1-D integer array, "
+     r"got shape \(\)"),
 ])
 def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match):
     q, k, v, cq, ck, _ = varlen_inputs()
@@ -476,6 +494,41 @@ def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match)
     args.update(change)
     with pytest.raises(exc, match=match):
         C.flash_attn_varlen_func(q, k, v, **args)
+
+
+def test_flash_attn_varlen_func_names_shapes_in_its_own_layout():
+    """k and v are checked as given, (total_tokens, nheads, headdim), before any sequence is
+    computed: the attention core sees only one sequence's (1, H, L, D) view, and no view at
+    all of v's tokens past cu_seqlens_k[-1]."""
+    q, k, v, cq, ck, _ = varlen_inputs()  # q (7, 4, 4), k (7, 2, 4), v (7, 2, 3)
+
+    def call(**change):
+        args = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=4, max_seqlen_k=3)
+        return C.flash_attn_varlen_func(**{**args, **change})
+
+    with pytest.raises(ValueError, match=r"^k: expected the head width of q = 4 on axis 2, "
+                                         r"got shape \(7, 2, 3\)$"):
+        call(k=k[..., :3])
+    with pytest.raises(ValueError, match=r"^v: expected the tokens of k = 7 on axis 0, "
+                                         r"got shape \(8, 2, 3\)$"):
+        call(v=np.concatenate([v, v[:1]]))
+    with pytest.raises(ValueError, match=r"^v: expected the heads of k = 2 on axis 1, "
+                                         r"got shape \(7, 1, 3\)$"):
+        call(v=v[:, :1])
+    with pytest.raises(ValueError, match=r"^v: expected a headdim \(axis 2\) of at least 1, "
+                                         r"got shape \(7, 2, 0\)$"):
+        call(v=v[..., :0])
+
+
+def test_flash_attn_varlen_func_lse_dtype_when_no_sequence_has_keys():
+    """Sequences whose queries have no key at all: zero output, softmax_lse +inf in float32 for
+    float16 inputs (the compute dtype, as when a sequence is computed), S_dmask zero."""
+    q, k = np.ones((3, 2, 4), np.float16), np.ones((0, 2, 4), np.float16)
+    out, lse, S = C.flash_attn_varlen_func(q, k, k, np.array([0, 1, 3], np.int32),
+                                           np.array([0, 0, 0], np.int32), 2, 1, return_attn_probs=True)
+    assert (out.shape, out.dtype) == ((3, 2, 4), np.float16) and not out.any()
+    assert (lse.shape, lse.dtype) == ((2, 3), np.float32) and np.isposinf(lse).all()
+    assert (S.shape, S.dtype) == ((2, 2, 2, 1), np.float16) and not S.any()
 
 
 @pytest.mark.parametrize("change, exc, match", [
