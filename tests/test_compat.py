@@ -669,6 +669,40 @@ def test_flash_attn_with_kvcache_without_new_keys_and_int_seqlens():
     assert not empty.any() and np.isposinf(lse).all()
 
 
+def test_flash_attn_with_kvcache_alibi_slopes_per_batch_entry():
+    """ALiBi slopes of shape (B, Hq): batch b's queries use row b, over its own Lk_b keys."""
+    g = np.random.default_rng(15)  # its own numbers: the later tests' draws stay as they were
+    q, k_new, v_new = (g.standard_normal(s) for s in ((2, 3, 4, 4), (2, 2, 2, 4), (2, 2, 2, 3)))
+    k_cache, v_cache = g.standard_normal((2, 8, 2, 4)), g.standard_normal((2, 8, 2, 3))
+    slopes = g.uniform(0.1, 1.0, (2, 4))
+    seqlens = [2, 5]
+    out = C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                    cache_seqlens=np.array(seqlens, np.int32), causal=True,
+                                    alibi_slopes=slopes)
+    for b, s in enumerate(seqlens):
+        L = s + 2  # the cache after the append
+        want = flash_ref(q[b:b + 1], k_cache[b:b + 1, :L], v_cache[b:b + 1, :L], causal=True,
+                         alibi=slopes[b])[0]
+        np.testing.assert_allclose(out[b:b + 1], want, rtol=1e-12, atol=1e-12, err_msg=f"batch {b}")
+
+
+def test_flash_attn_with_kvcache_writes_into_views_whose_entries_have_their_own_memory():
+    """Only an axis of more than one entry with stride 0 makes entries share memory: a cache of
+    one batch entry with stride 0 on that axis, or one whose length axis is reversed (a negative
+    stride), is appended in place like any other."""
+    g = np.random.default_rng(16)
+    q, k_new, v_new = (g.standard_normal(s) for s in ((1, 2, 2, 4), (1, 1, 2, 4), (1, 1, 2, 3)))
+    k_base, v_base = g.standard_normal((1, 6, 2, 4)), g.standard_normal((1, 6, 2, 3))
+    k_cache = np.lib.stride_tricks.as_strided(k_base, k_base.shape, (0,) + k_base.strides[1:],
+                                              writeable=True)  # batch axis of one entry: stride 0
+    v_cache = v_base[:, ::-1]  # a writable view: position j is v_base's 5 - j
+    k_after, v_after = appended(k_cache, k_new, [3]), appended(v_cache, v_new, [3])
+    out = C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=3)
+    np.testing.assert_array_equal(k_base, k_after)
+    np.testing.assert_array_equal(v_base[:, ::-1], v_after)
+    np.testing.assert_allclose(out, flash_ref(q, k_after[:, :4], v_after[:, :4])[0], rtol=1e-12, atol=1e-12)
+
+
 def test_flash_attn_with_kvcache_gradients_match_finite_differences():
     q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
     seqlens = np.array([2, 4], np.int32)
@@ -750,17 +784,39 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     # a writable view whose batch entries share memory: entry 1's append would land in entry 0's
     (dict(v_cache="expanded"), TypeError, r"^v_cache: expected an array whose entries have memory "
                                           r"of their own .* strides \(0, "),
+    # the caches' heads (none, or not dividing q's), named k_cache, the cache's own name
+    (dict(k_cache=np.zeros((3, 8, 3, 4)), v_cache=np.zeros((3, 8, 3, 3))), ValueError,
+     r"^k_cache: the query heads \(4\) must be a multiple of the key/value heads, got 3"),
+    (dict(k_cache=np.zeros((3, 8, 0, 4)), v_cache=np.zeros((3, 8, 0, 3))), ValueError,
+     r"^k_cache: the query heads \(4\) must be a multiple of the key/value heads, got 0"),
+    # every shape against the one it must match, before the append writes into either cache
+    (dict(k_cache=np.zeros((3, 8, 2, 5))), ValueError,
+     r"^k_cache: expected the head width of q = 4 on axis 3"),
+    (dict(v_cache=np.zeros((2, 8, 2, 3))), ValueError,
+     r"^v_cache: expected the batch of k_cache = 3 on axis 0"),
+    (dict(v_cache=np.zeros((3, 7, 2, 3))), ValueError,
+     r"^v_cache: expected the length of k_cache = 8 on axis 1"),
+    (dict(k=np.zeros((3, 2, 2, 4))), ValueError, r"^k: expected the batch of q = 2 on axis 0"),
+    (dict(v=np.zeros((2, 1, 2, 3))), ValueError, r"^v: expected the new length of k = 2 on axis 1"),
+    (dict(v=np.zeros((2, 2, 2, 4))), ValueError, r"^v: expected the value width of v_cache = 3 on axis 3"),
+    (dict(v=np.zeros((2, 2, 2, 3), np.float32)), TypeError,
+     r"^v: expected the dtype of q, float64, got float32"),
+    (dict(return_softmax_lse="yes"), TypeError, r"^return_softmax_lse: expected a bool"),
+    # 2.5 keys is no position to write at: refused, not rounded
+    (dict(cache_seqlens=[2.5, 3]), TypeError,
+     r"^cache_seqlens: expected keys in the cache per batch entry \(B,\) as ints, got \[2.5, 3\]"),
 ])
 def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, match):
     q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
-    if change.get("v_cache") == "read-only":
+    special = change.get("v_cache") if isinstance(change.get("v_cache"), str) else None
+    if special == "read-only":
         v_cache.flags.writeable = False
         change = {}
-    if change.get("v_cache") == "expanded":
+    if special == "expanded":
         v_cache = np.lib.stride_tricks.as_strided(v_cache[:1], v_cache.shape,
                                                   (0,) + v_cache.strides[1:], writeable=True)
         change = {}
-    if change.get("v_cache") == "no width":
+    if special == "no width":
         v_cache, v_new = v_cache[..., :0], v_new[..., :0]
         change = {}
     for name in ("q", "v"):
