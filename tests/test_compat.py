@@ -278,6 +278,14 @@ def test_arrays_of_two_libraries_name_the_argument():
                                  np.array([0, 5], np.int32), 3, 5)
     with pytest.raises(TypeError, match=r"^key: expected an array of the library of query"):
         C.dot_product_attention(q, ks, v)
+    # the masks too, with their own names (not the dtype check's: "got bool")
+    mask = xps.asarray(np.ones((3, 5), bool))
+    with pytest.raises(TypeError, match=r"^mask: expected a numpy array \(that of query\), "
+                                        r"got an array_api_strict"):
+        C.dot_product_attention(q, k, v, mask=mask)
+    with pytest.raises(TypeError, match=r"^attn_mask: expected a numpy array \(that of query\), got an "
+                                        r"array_api_strict"):
+        C.scaled_dot_product_attention(to_bhld(q), to_bhld(k), to_bhld(v), mask)
     with pytest.raises(TypeError, match=r"^k_segments: expected an array of the library of q_segments"):
         masks.segments(np.zeros((2, 3), np.int64), xps.zeros((2, 5), dtype=xps.int64))
 
@@ -1265,6 +1273,18 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(value=np.ones((2, 6, 2))), ValueError,
      r"^value: expected 4 axes \(B, S, K, Dv\), got shape \(2, 6, 2\)"),
     (dict(value="v"), TypeError, r"^value: expected an array \(B, S, K, Dv\) or without B, got str"),
+    # mask and bias together: each checked under its own name before they are combined
+    (dict(bias=np.ones((4, 5)), mask=np.ones((4, 6), bool)), ValueError,
+     r"^bias: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\)"),
+    (dict(mask=np.ones((4, 5), bool), bias=np.ones((4, 6))), ValueError,
+     r"^mask: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\)"),
+    (dict(mask=np.ma.masked_array(np.ones((4, 6), bool)), bias=np.ones((4, 6))), TypeError,
+     r"^mask: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
+    # lengths: a list holds ints, an array has one axis
+    (dict(key_value_seq_lengths=[4.5, 5]), TypeError,
+     r"^key_value_seq_lengths: expected sequence lengths \(B,\) as ints, got \[4.5, 5\]"),
+    (dict(query_seq_lengths=np.array(4, np.int32)), ValueError,
+     r"^query_seq_lengths: expected sequence lengths \(B,\), a 1-D integer array, got shape \(\)"),
 ])
 def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
     q, k, v, _, _, _ = jax_case("bias_mask_gqa")
@@ -1323,6 +1343,22 @@ def test_dot_product_attention_shapes_are_named_in_its_own_layout():
         C.dot_product_attention(q, k, v[:, :5])
     with pytest.raises(ValueError, match=r"^value: expected the batch of query = 2 on axis 0, got shape \(1, 6, 2, 5\)$"):
         C.dot_product_attention(q, k, v[:1])
+    # key's batch and heads, value's heads and an axis too many: as given, not the core's views
+    with pytest.raises(ValueError, match=r"^key: expected the batch of query = 2 on axis 0, "
+                                         r"got shape \(1, 6, 2, 5\)$"):
+        C.dot_product_attention(q, k[:1], v)
+    with pytest.raises(ValueError, match=r"^value: expected the heads K of key = 2 on axis 2, "
+                                         r"got shape \(2, 6, 1, 5\)$"):
+        C.dot_product_attention(q, k, v[:, :, :1])
+    with pytest.raises(ValueError, match=r"^key: expected a head count K \(axis 2\) of at least 1, "
+                                         r"got shape \(2, 6, 0, 5\)$"):
+        C.dot_product_attention(q, k[:, :, :0], v[:, :, :0])
+    with pytest.raises(ValueError, match=r"^key: the query heads \(4\) must be a multiple of the "
+                                         r"key/value heads, got 3$"):
+        C.dot_product_attention(q, np.ones((2, 6, 3, 5)), np.ones((2, 6, 3, 5)))
+    with pytest.raises(ValueError, match=r"^key: expected 4 axes \(B, S, K, H\), "
+                                         r"got shape \(1, 2, 6, 2, 5\)$"):
+        C.dot_product_attention(q, k[None], v)
 
 
 @pytest.mark.parametrize("change, exc, match", [
