@@ -1450,6 +1450,35 @@ def test_vjp_refuses_dlse_when_no_lse_was_returned():
         assert len(with_lse(out, dlse=np.ones(lse_shape))) == len(args)
 
 
+def test_every_pullback_checks_dout():
+    """Each pullback refuses an upstream gradient that is no array, or one token longer than the
+    output (the varlen and kvcache pullbacks slice dout per sequence, and would leave the extra
+    token unread), naming dout, before any gradient is computed."""
+    g = np.random.default_rng(17)
+    q, k, v = (g.standard_normal(s) for s in ((2, 3, 4, 4), (2, 5, 2, 4), (2, 5, 2, 4)))
+    kc = np.concatenate([k, np.zeros((2, 2, 2, 4))], axis=1)
+    vc = np.concatenate([v, np.zeros((2, 2, 2, 4))], axis=1)
+    cases = [
+        (C.flash_attn_func, (q, k, v), {}),
+        (C.flash_attn_varlen_func, (q.reshape(6, 4, 4), k.reshape(10, 2, 4), v.reshape(10, 2, 4),
+                                    np.array([0, 3, 6], np.int32), np.array([0, 5, 10], np.int32),
+                                    3, 5), {}),
+        (C.flash_attn_with_kvcache, (q, kc, vc, k[:, :1], v[:, :1]),
+         dict(cache_seqlens=np.array([2, 4], np.int32))),
+        (C.scaled_dot_product_attention, (to_bhld(q), to_bhld(k), to_bhld(v)), dict(enable_gqa=True)),
+        (C.dot_product_attention, (q, k, v), {}),
+    ]
+    for fn, args, kw in cases:
+        out, pullback = C.vjp(fn, *args, **kw)
+        with pytest.raises(TypeError, match=rf"^dout: expected an array of the output's shape "
+                                            rf"\({out.shape[0]}, .* got list"):
+            pullback(out.tolist())
+        longer = np.concatenate([out, out[:1]])  # one more batch entry, or one more packed token
+        with pytest.raises(ValueError, match=r"^dout: expected the shape of the output"):
+            pullback(longer)
+        assert len(pullback(out)) == len(args), fn.__name__  # the right shape is taken
+
+
 @pytest.mark.parametrize("fn_name", ["flash_attn_func", "flash_attn_varlen_func",
                                      "flash_attn_with_kvcache", "scaled_dot_product_attention",
                                      "dot_product_attention"])
