@@ -1112,6 +1112,8 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     for name, t, layout in names:
         if not (hasattr(t, "shape") and hasattr(t, "dtype")):
             raise TypeError(f"{name}: expected an array {layout} or without B, got {V.type_name(t)}")
+    if len(query.shape) not in (3, 4):
+        raise ValueError(f"query: expected 4 axes (B, T, N, H) or 3 (T, N, H), got shape {V.shape_of(query)}")
     batched = len(query.shape) == 4
     for name, t, layout in names:
         _check_rank(name, t, 4 if batched else 3, layout if batched else layout.replace("B, ", ""))

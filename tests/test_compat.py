@@ -1273,6 +1273,11 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(value=np.ones((2, 6, 2))), ValueError,
      r"^value: expected 4 axes \(B, S, K, Dv\), got shape \(2, 6, 2\)"),
     (dict(value="v"), TypeError, r"^value: expected an array \(B, S, K, Dv\) or without B, got str"),
+    # query's rank decides the layout: a query of neither is told both (it was told 3 axes only)
+    (dict(query=np.ones((1, 2, 4, 4, 5))), ValueError,
+     r"^query: expected 4 axes \(B, T, N, H\) or 3 \(T, N, H\), got shape \(1, 2, 4, 4, 5\)$"),
+    (dict(query=np.ones((4, 5))), ValueError,
+     r"^query: expected 4 axes \(B, T, N, H\) or 3 \(T, N, H\), got shape \(4, 5\)$"),
     # mask and bias together: each checked under its own name before they are combined
     (dict(bias=np.ones((4, 5)), mask=np.ones((4, 6), bool)), ValueError,
      r"^bias: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\)"),
