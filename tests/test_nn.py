@@ -292,6 +292,23 @@ def test_cross_entropy_ignore_index_is_checked_before_computing():
                                         rel=1e-14)
 
 
+def test_ids_of_a_float_dtype_are_refused_and_ignore_index_may_be_a_dtype_bound():
+    """Float targets or token ids are a TypeError naming them; an ignore_index equal to the
+    smallest or the largest value of the targets' dtype is one that dtype holds, and leaves
+    those positions out of the mean: -mean(z[i, t_i] - log sum_c exp z[i, c]) over the others."""
+    z = np.random.default_rng(5).standard_normal((4, 5))
+    with pytest.raises(TypeError, match=r"^targets: expected an integer array of class indices, "
+                                        r"got dtype float64$"):
+        nn.cross_entropy_forward(z, np.array([0.0, 1.0, 2.0, 3.0]))
+    with pytest.raises(TypeError, match=r"^ids: expected an integer array of token ids, got dtype float64$"):
+        nn.embedding_forward(np.array([0.0, 1.0]), np.ones((5, 2)))
+    want = -np.mean([z[i, c] - np.log(np.sum(np.exp(z[i]))) for i, c in ((0, 1), (2, 3))])
+    for ignore in (-128, 127):
+        t = np.array([1, ignore, 3, ignore], dtype=np.int8)
+        loss, _ = nn.cross_entropy_forward(z, t, ignore_index=ignore)
+        assert float(loss) == pytest.approx(want, rel=1e-13), ignore
+
+
 def _smoothed_cross_entropy(z, t, eps, counted, weight=None):
     """Per-position -sum_c y_c log softmax(z)_c with y_c = ((1 - eps) one_hot(t)_c + eps / V) w_c,
     written as a cross-entropy against target weights, with math.fsum; 0 where not counted."""
