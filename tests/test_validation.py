@@ -1254,7 +1254,7 @@ def _huge_size_calls():
 def test_a_size_beyond_the_longest_array_axis_is_named(name):
     """2**70 passes as an int but no axis is that long: NumPy would say only 'Maximum allowed
     dimension exceeded' (or SeedSequence.spawn raise OverflowError); the check names it."""
-    with raises(ValueError, name, str(2**63 - 1), str(2**70)):
+    with raises(ValueError, name, str(2**63 - 1), "(the longest array axis)", str(2**70)):
         _huge_size_calls()[name]()
 
 
@@ -1377,3 +1377,45 @@ def test_a_choice_of_strings_is_checked_by_type_then_value(call, name, choices):
     for bad in ("", "TANH", "Bottom_Right", "relu "):
         with raises(ValueError, f"{name}: expected {choices}, got {bad!r}"):
             call(bad)
+
+
+def test_message_pieces_name_types_values_and_dtypes_as_documented():
+    """type_name: a class by its top-level package ('numpy.Generator', not the private module
+    it is defined in), a builtin by its name, None as 'None'; described: the type and the
+    repr, or 'None'; dtype_name: the bare name of a NumPy dtype of either byte order, of a
+    NumPy scalar type and of another library's dtype."""
+    from npattn import validation as V
+
+    assert V.type_name(np.random.default_rng(0)) == "numpy.Generator"
+    assert V.type_name(np.ones(2)) == "numpy.ndarray"
+    assert V.type_name([1]) == "list" and V.type_name(None) == "None"
+    assert V.described(3) == "int 3" and V.described("a") == "str 'a'" and V.described(None) == "None"
+    with pytest.raises(TypeError, match=r"^is_causal: expected a bool, got None$"):
+        V.check_bool("is_causal", None)
+    assert V.dtype_name(np.dtype(">f8")) == "float64"  # str() of it is '>f8'
+    assert V.dtype_name(np.dtype("<f4")) == "float32"
+    assert V.dtype_name(np.float32) == "float32"
+    aas = pytest.importorskip("array_api_strict")
+    assert V.dtype_name(aas.float32) == "float32"
+
+
+def test_a_bound_is_named_as_the_bound_it_is():
+    """One choice is listed alone; a size above the longest array axis says that is the bound,
+    one above a maximum of the caller's own gives that maximum alone."""
+    from npattn import validation as V
+
+    with pytest.raises(ValueError, match=r"^mode: expected 'full', got 'vjp'$"):
+        V.check_choice("mode", "vjp", ("full",))
+    with pytest.raises(TypeError, match=r"^mode: expected 'full', got int 3$"):
+        V.check_choice("mode", 3, ("full",))
+    with pytest.raises(ValueError, match=r"^n: expected a positive int <= 4, got 5$"):
+        V.check_positive_int("n", 5, maximum=4)
+    with pytest.raises(ValueError, match=r"^n: expected an int <= 6, got 7$"):
+        V.check_size("n", 7, maximum=6)
+    with pytest.raises(ValueError, match=rf"^n: expected an int <= {V.MAX_AXIS} \(the longest array "
+                                         rf"axis\), got {V.MAX_AXIS + 1}$"):
+        V.check_size("n", V.MAX_AXIS + 1)
+    with pytest.raises(ValueError, match=r"^eps: expected a finite number > 0, got 0.0$"):
+        V.check_number("eps", 0.0)
+    with pytest.raises(ValueError, match=r"^lr: expected a finite number >= 0, got -1.0$"):
+        V.check_number("lr", -1.0, allow_zero=True)
