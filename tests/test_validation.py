@@ -1330,10 +1330,15 @@ def test_arrays_beside_x_on_another_device_are_named():
                                                dropout_mask=ones((3, 5), aas.bool, device=dev)),
         "k_segments": lambda: F.sdpa_forward(q, k, v, q_segments=seg_q,
                                              k_segments=ones((2, 5), aas.int64, device=dev)),
+        "mask": lambda: F.sdpa_forward(q, k, v, mask=ones((3, 5), aas.bool, device=dev)),
     }
     for name, call in calls.items():
         with raises(ValueError, f"{name}: ", "on device", "device1"):
             call()
+    # the kernel options' arrays go with q: the message says so
+    for name in ("alibi_slopes", "sinks"):
+        with raises(ValueError, f"{name}: ", "(like q)"):
+            calls[name]()
 
 
 def test_keys_of_three_axes_against_queries_of_four_take_the_general_path():
