@@ -1337,6 +1337,11 @@ def test_arrays_beside_x_on_another_device_are_named():
     for name, call in calls.items():
         with raises(ValueError, f"{name}: ", "on device", "device1"):
             call()
+    # an upstream gradient goes with the forward's input, whose spec the cache keeps (p = 0:
+    # no keep-mask to take the device from)
+    _, cache = F.dropout_forward(x, 0.0)
+    with raises(ValueError, "dy: ", "on device", "device1"):
+        F.dropout_backward(ones((2, 3), device=dev), cache)
     # the kernel options' arrays go with q: the message says so
     for name in ("alibi_slopes", "sinks"):
         with raises(ValueError, f"{name}: ", "(like q)"):
