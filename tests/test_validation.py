@@ -1432,3 +1432,14 @@ def test_a_bound_is_named_as_the_bound_it_is():
         V.check_number("eps", 0.0)
     with pytest.raises(ValueError, match=r"^lr: expected a finite number >= 0, got -1.0$"):
         V.check_number("lr", -1.0, allow_zero=True)
+
+
+def test_a_wrong_cache_names_the_forward_that_makes_it():
+    """A backward given something else than its cache says which cache it takes and which
+    forward returns it, and what it got."""
+    from npattn import layers as Ly
+
+    _, cache = Ly.relu_forward(np.ones((2, 3)))
+    with pytest.raises(TypeError, match=r"^cache: expected a ReluCache \(the cache relu_forward returns\), "
+                                        r"got tuple$"):
+        Ly.relu_backward(np.ones((2, 3)), tuple(cache))
