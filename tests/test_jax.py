@@ -152,6 +152,12 @@ def test_float64_without_x64_is_a_clear_error():
     jax.config.update("jax_enable_x64", False)
     with pytest.raises(ValueError, match="dtype.*jax_enable_x64"):
         npattn.MultiHeadAttention(8, 2, dtype="float64", backend="jax")
+    # the message names the argument float_dtype_name reads, as its other refusals do
+    from npattn.backend import resolve_backend
+    from npattn.validation import float_dtype_name
+
+    with pytest.raises(ValueError, match="^cache_dtype: expected one of .* that backend 'jax' keeps"):
+        float_dtype_name(resolve_backend("jax"), "float64", name="cache_dtype")
     m = npattn.MultiHeadAttention(8, 2, dtype="float32", backend="jax")
     assert m.params["w_q"].dtype == jnp.float32
 
