@@ -1206,6 +1206,7 @@ def test_heads_layout_is_that_of_its_docstring():
     assert not V.heads_layout(q, k, v[:, :1])  # k and v of other head counts
     assert not V.heads_layout(q[:1], k[:1], v[:1], np.ones((2, 1, 3, 5), bool))  # the mask grows B
     assert not V.heads_layout(q[:, :1], k[:, :0], v[:, :0])  # no kv head: nothing divides, no ZeroDivisionError
+    assert not V.heads_layout(q, k, v, np.ones((3, 1, 1, 1), bool))  # a mask that does not broadcast
 
 
 @pytest.mark.parametrize(
