@@ -1444,3 +1444,13 @@ def test_a_wrong_cache_names_the_forward_that_makes_it():
     with pytest.raises(TypeError, match=r"^cache: expected a ReluCache \(the cache relu_forward returns\), "
                                         r"got tuple$"):
         Ly.relu_backward(np.ones((2, 3)), tuple(cache))
+
+
+def test_slopes_and_sinks_without_a_head_axis_say_what_q_needs():
+    """q, k, v of 2 axes (L, Dh) have no head axis for alibi_slopes or sinks of shape (H,):
+    the refusal says q needs at least 3 axes and gives q's shape."""
+    q, k = np.ones((3, 4)), np.ones((5, 4))
+    for name in ("alibi_slopes", "sinks"):
+        with raises(ValueError, f"{name}: ", "(H,) with q of at least 3 axes", "(q has shape (3, 4))",
+                    "(1,)"):
+            F.sdpa_forward(q, k, k, **{name: np.ones(1)})
