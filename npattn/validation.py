@@ -16,9 +16,13 @@ so the caller can act on it. This is the shared vocabulary; the checks of
 ``check_forward_inputs``, ``check_backward_inputs``, ``ParameterDict``) live
 with it in ``npattn.module`` and use these.
 
-Nothing here computes on, copies or writes into its arguments; apart from the
-opt-in finite check, only shapes, dtypes, namespaces and devices are read,
-so the checks cost no device work and no synchronisation.
+Nothing here copies or writes into its arguments. Apart from three checks,
+only shapes, dtypes, namespaces and devices are read, so the checks cost no
+device work and no synchronisation. The three: the opt-in finite check
+(``check_finite_values``); ``check_ids``, which reads the range of the integer
+ids (a min and a max, and with it a synchronisation on a GPU or a computation
+on dask); and ``check_device``, which makes a one-entry array on the device it
+is given.
 
 Shape legend: B batch, H heads, Lq query length, Lk key length,
 D = d_model, Dk = kdim, Dv = vdim, Dh head width.
