@@ -143,3 +143,15 @@ def test_a_terminal_that_reports_one_size_but_not_the_other_gets_the_fallback(mo
                          ((0, 0), {"ncols": 80, "nrows": 24}), ((100, 30), {"dynamic_ncols": True})):
         monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd, s=size: os.terminal_size(s))
         assert progress._layout(Tty()) == layout, size
+
+
+
+def test_the_steps_done_are_counted_with_the_bar_hidden_too():
+    """n is the steps done so far whether or not the bar is drawn: into a pipe, or with
+    enabled=False, it counted nothing (tqdm, disabled, keeps no count)."""
+    for stream, enabled in ((io.StringIO(), True), (FakeTerminal(), False), (FakeTerminal(), True)):
+        with ProgressBar(5, "check", stream=stream, enabled=enabled) as bar:
+            bar.update(2)
+            bar.update(0, "a note only")
+            bar.update(1)
+            assert bar.n == 3, (stream, enabled)

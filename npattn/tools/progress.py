@@ -73,14 +73,15 @@ class ProgressBar:
         self.stream = sys.stderr if stream is None else stream
         self.enabled = bool(enabled) and is_terminal(self.stream)
         self._note = ""
+        self._n = 0  # counted here: a disabled tqdm counts nothing
         self._bar = tqdm(total=max(total, 1), desc=desc, file=self.stream, unit=unit,
                          disable=not self.enabled, leave=True, mininterval=0.1,
                          **_layout(self.stream))
 
     @property
     def n(self) -> int:
-        """Steps done so far."""
-        return self._bar.n
+        """Steps done so far (counted with the bar shown or not)."""
+        return self._n
 
     @property
     def note(self) -> str:
@@ -97,6 +98,7 @@ class ProgressBar:
         if note is not None:
             self.note = note
         if n:
+            self._n += n
             self._bar.update(n)
         elif note is not None:
             self._bar.refresh()
