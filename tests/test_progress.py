@@ -145,6 +145,52 @@ def test_a_terminal_that_reports_one_size_but_not_the_other_gets_the_fallback(mo
         assert progress._layout(Tty()) == layout, size
 
 
+def test_a_closed_stream_is_no_terminal(tmp_path):
+    """is_terminal of a closed file is False (its isatty() raises ValueError), so a bar given
+    one stays silent instead of writing into it."""
+    for stream in (io.StringIO(), open(tmp_path / "log.txt", "w")):
+        stream.close()
+        assert is_terminal(stream) is False
+        with ProgressBar(3, "check", stream=stream) as bar:
+            bar.update(3, "done")
+        assert bar.enabled is False
+
+
+def test_a_terminal_without_a_file_descriptor_still_shows_the_bar():
+    """A stream that says it is a terminal but has no fileno() at all (a wrapper of a
+    terminal's text) gets the bar with the fallback layout, not an AttributeError."""
+
+    class Wrapped:
+        def __init__(self):
+            self.text = io.StringIO()
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            return self.text.write(s)
+
+        def flush(self):
+            pass
+
+    stream = Wrapped()
+    assert not hasattr(stream, "fileno")
+    with ProgressBar(4, "check", stream=stream) as bar:
+        bar.update(4, "done")
+    assert "check: 100%" in stream.text.getvalue() and "4/4" in stream.text.getvalue()
+
+
+def test_write_goes_to_standard_output_by_default(capsys):
+    """write() without a file prints to standard output (the results), the bar's own stream
+    being standard error, on a terminal or not."""
+    for stream in (FakeTerminal(), io.StringIO()):
+        with ProgressBar(2, "bench", stream=stream) as bar:
+            bar.update(1, "2x8x8x2")
+            bar.write("a table row")
+        captured = capsys.readouterr()
+        assert captured.out == "a table row\n" and captured.err == ""
+        assert "a table row" not in stream.getvalue()
+
 
 def test_the_steps_done_are_counted_with_the_bar_hidden_too():
     """n is the steps done so far whether or not the bar is drawn: into a pipe, or with
