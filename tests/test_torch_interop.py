@@ -242,3 +242,41 @@ def test_a_state_dict_value_of_the_right_size_but_wrong_shape_is_refused():
     with pytest.raises(ValueError, match=r"bias_k.*\(1, 1, 4\).*\(4,\)"):
         mha.load_torch_state_dict({**sd, "bias_k": sd["bias_k"].reshape(4)})
 
+
+def test_a_layout_without_params_is_refused_by_name():
+    """An object with every layout attribute but ``params`` is no module: the conversions read
+    its parameters, so it is refused up front with a TypeError naming what it lacks (not an
+    AttributeError once the state dict has been checked)."""
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(d_model=4, n_head=2, n_kv_head=2, qdim=4, kdim=4, vdim=4, qkv_bias=True,
+                             out_bias=True, add_bias_kv=False)
+    sd = torch.nn.MultiheadAttention(4, 2).state_dict()
+    for call in (lambda: torch_interop.torch_state_dict_shapes(layout),
+                 lambda: torch_interop.params_from_torch_state_dict(layout, sd),
+                 lambda: torch_interop.torch_state_dict(layout)):
+        with pytest.raises(TypeError, match=r"^mha: expected an npattn MultiHeadAttention, got "
+                                            r"SimpleNamespace \(without params\)$"):
+            call()
+
+
+def test_a_value_with_a_shape_but_no_dtype_is_no_tensor():
+    """A state dict value needs a shape and a dtype to be a tensor or array: one with a shape
+    alone is refused as such, before any copy to the host is tried."""
+
+    class ShapeOnly:
+        shape = (4,)
+
+    with pytest.raises(TypeError, match=r"^state_dict\['out_proj.bias'\]: expected a tensor or array, "
+                                        r"got ShapeOnly$"):
+        torch_interop.host_tensor("out_proj.bias", ShapeOnly())
+
+
+def test_unexpected_keys_are_listed_in_order():
+    """Several unexpected keys are named sorted, so the message is the same from run to run
+    (a set's order of strings changes with the process's hash seed)."""
+    mha = MultiHeadAttention(4, 2)
+    sd = torch.nn.MultiheadAttention(4, 2).state_dict()
+    extra = ["f", "b", "e", "a", "d", "c"]
+    with pytest.raises(ValueError, match=r"unexpected \['a', 'b', 'c', 'd', 'e', 'f'\]\)$"):
+        mha.load_torch_state_dict({**sd, **{k: torch.zeros(1) for k in extra}})
