@@ -952,9 +952,26 @@ def test_the_cgroup_room_never_exceeds_its_limit(tmp_path):
     assert limits.cgroup_room(str(tmp_path)) == 4000
 
 
+def test_a_cgroup_v2_without_a_limit_is_not_read_as_v1(tmp_path):
+    """cgroup v2's memory.max "max" is no limit: the v1 files are read only where v2's cannot
+    be (missing, or no number), so v1 files beside it do not lower the room."""
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("1000\n")
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("5000\n")
+    (v1 / "memory.usage_in_bytes").write_text("1000\n")
+    assert limits.cgroup_room(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text("a limit\n")  # unreadable as a number: v1's is read
+    assert limits.cgroup_room(str(tmp_path)) == 4000
+    (tmp_path / "memory.max").unlink()  # no v2 limit file: v1's is read
+    assert limits.cgroup_room(str(tmp_path)) == 4000
+
+
 def test_the_repeated_entry_is_the_one_repeated():
     assert limits.repeated_entry([3, 1, 2, 1]) == 1
     assert limits.repeated_entry(["a", "b"]) is None
+    assert limits.repeated_entry([4, 2, 2]) == 2  # one right after the other
 
 
 def test_every_dense_impl_keeps_its_probabilities():
