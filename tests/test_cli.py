@@ -454,6 +454,23 @@ def test_the_most_threads_are_taken_and_one_more_is_refused(capsys):
     assert "expected a number of threads in [1, 4096], got '4097'" in capsys.readouterr().err
 
 
+def test_a_failed_check_prints_its_summary_once(monkeypatch, capsys):
+    """A failed audit prints its summary line once: as the table's last line, or with --json
+    on standard error (standard output holding the JSON alone)."""
+    def failing_audit(backend, dtype, *, progress=None, checks=None):
+        rows = [audit.Row("c", "x", 1.0, 1.0, False), audit.Row("c", "w", 0.0, 0.0, True)]
+        return audit.AuditResult(backend, dtype, 1e-6, 1e-12, rows, 0.0)
+
+    monkeypatch.setattr(audit, "run_audit", failing_audit)
+    assert cli.main(["check", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1].startswith("1/2 passed") and captured.err == ""
+    assert cli.main(["check", "--json", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["n_failed"] == 1
+    assert captured.err.startswith("1/2 passed") and captured.err.count("\n") == 1
+
+
 def test_unavailable_backend_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     assert cli.main(["check", "--backend", "cupy", "--no-progress"]) == 2
@@ -543,7 +560,7 @@ def test_demo_out_with_no_plots_is_said_to_be_unused(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("heads", ["3", "0", "a,b", "2,1,2"])
+@pytest.mark.parametrize("heads", ["3", "0", "a,b", "2,1,2", ","])
 def test_demo_rejects_bad_heads(heads, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(_demo_args(tmp_path, "--heads", heads))
@@ -622,8 +639,8 @@ class _Stop(Exception):
 
 
 def test_demo_hands_its_options_to_the_reverse_task(tmp_path, monkeypatch, capsys):
-    """--lr and --seed reach the config and the heatmaps' sequence; "reached 95 %" is said of
-    an accuracy of 0.95 and not of 0.949."""
+    """--lr, --seed and --pos reach the config and the heatmaps' sequence; "reached 95 %" is said
+    of an accuracy of 0.95 and not of 0.949."""
     from npattn.tools.demo import DemoConfig, ReverseModel, TrainResult
 
     seen, drawn = [], []
@@ -640,14 +657,35 @@ def test_demo_hands_its_options_to_the_reverse_task(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(demo_mod, "train", train)
     monkeypatch.setattr(demo_mod, "save_heatmaps", save_heatmaps)
-    argv = _demo_args(tmp_path, "--lr", "0.05", "--seed", "3", "--heads", "1,2")
+    argv = _demo_args(tmp_path, "--lr", "0.05", "--seed", "3", "--heads", "1,2", "--pos", "learned")
     if not _has_matplotlib():
         argv.append("--no-plots")
     assert cli.main(argv) == 0
-    assert [(c.lr, c.seed, c.n_head) for c in seen] == [(0.05, 3, 1), (0.05, 3, 2)]
+    assert [(c.lr, c.seed, c.n_head, c.pos) for c in seen] == [(0.05, 3, 1, "learned"),
+                                                               (0.05, 3, 2, "learned")]
     assert drawn == ([3, 3] if _has_matplotlib() else [])
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("heads=")]
     assert "(below 95 %)" in out[0] and "(reached 95 %)" in out[1], out
+
+
+def test_demo_with_one_head_count_draws_into_out_itself(tmp_path, monkeypatch):
+    """With one head count the heatmaps go into --out itself; with several, each count has its
+    own heads{H} folder under it."""
+    from npattn.tools.demo import DemoConfig, ReverseModel, TrainResult
+
+    drawn = []
+
+    def train(cfg, **kwargs):
+        return ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=1)), TrainResult(
+            cfg.n_head, 0.5, 0.5, 1.0, 10, cfg.steps)
+
+    monkeypatch.setattr(demo_mod, "have_matplotlib", lambda: True)
+    monkeypatch.setattr(demo_mod, "train", train)
+    monkeypatch.setattr(demo_mod, "save_heatmaps", lambda model, out, *, seed: drawn.append(out) or [])
+    out = str(tmp_path / "out")
+    assert cli.main(_demo_args(tmp_path, "--heads", "2")) == 0
+    assert cli.main(_demo_args(tmp_path, "--heads", "1,2")) == 0
+    assert drawn == [out, os.path.join(out, "heads1"), os.path.join(out, "heads2")]
 
 
 def test_demo_hands_its_options_to_the_digits_task(monkeypatch):
@@ -674,11 +712,18 @@ def test_demo_hands_its_options_to_the_digits_task(monkeypatch):
                   "--no-plots", "--no-progress"])
     assert split == [3]
     assert [(c.lr, c.dropout, c.seed) for c in seen] == [(0.05, 0.3, 3)]
+    # the lower bounds are in: --dropout 0 (not replaced by the task's 0.1) and --seed 0
+    with pytest.raises(_Stop):
+        cli.main(["demo", "--task", "digits", "--dropout", "0", "--seed", "0", "--no-plots",
+                  "--no-progress"])
+    assert split == [3, 0]
+    assert (seen[-1].dropout, seen[-1].seed) == (0.0, 0)
 
 
-def test_demo_hands_its_options_to_the_gpt_task(tmp_path, monkeypatch):
+def test_demo_hands_its_options_to_the_gpt_task(tmp_path, monkeypatch, capsys):
     """--lr, --dropout and --seed reach the config, and --seed the samples (their other
-    settings are the heading's, tests/test_demo_gpt.py)."""
+    settings are the heading's, tests/test_demo_gpt.py). --out with --no-plots is no warning
+    for gpt, which writes its samples.txt there."""
     from npattn.gpt import GPT
     from npattn.tools import demo_gpt as dg
 
@@ -700,6 +745,27 @@ def test_demo_hands_its_options_to_the_gpt_task(tmp_path, monkeypatch):
                      "--no-plots", "--no-progress", "--out", str(tmp_path / "g")]) == 0
     assert [(c.lr, c.dropout, c.seed) for c in seen] == [(0.05, 0.3, 3)]
     assert sampled == [3]
+    assert "unused" not in capsys.readouterr().err
+    assert (tmp_path / "g" / "samples.txt").read_text(encoding="utf-8").count("abc") == 1
+
+
+def test_a_gpt_demo_whose_loss_is_not_finite_says_it_diverged(tmp_path, monkeypatch, capsys):
+    """A last training loss of NaN is a diverged run even where the weights are still finite:
+    exit 1, no samples and no folder."""
+    from npattn.gpt import GPT
+    from npattn.tools import demo_gpt as dg
+
+    def train(cfg, **kwargs):
+        hist = dg.GPTHistory(train_loss=[1.0, float("nan")], val_steps=[1], val_loss=[1.0], vocab=3)
+        return GPT(3, 4, 8, 1, 2, seed=0), dg.CharCodec("abc"), hist
+
+    monkeypatch.setattr(dg, "train", train)
+    monkeypatch.setattr(dg, "generate_samples", lambda *a, **k: pytest.fail("sampled"))
+    out = tmp_path / "g"
+    assert cli.main(["demo", "--task", "gpt", "--no-plots", "--no-progress", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged (last training loss nan, finite parameters)" in err, err
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------ bench
@@ -719,6 +785,30 @@ def test_bench_missing_module_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "npattn.tools.bench", None)
     assert cli.main(["bench", "--anything"]) == 2
     assert "npattn.tools.bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", [["--model", "gpt"], ["--model=gpt"]])
+def test_bench_model_in_either_spelling_runs_the_model_benchmark(model, monkeypatch):
+    """--model gpt and --model=gpt both go to the model's benchmark (bench_gpt), with every
+    argument after "bench"."""
+    from npattn.tools import bench_gpt
+
+    seen = []
+    monkeypatch.setattr(bench_gpt, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, "npattn.tools.bench", None)  # not the kernels' benchmark
+    assert cli.main(["bench", *model, "--batch", "2"]) == 0
+    assert seen == [[*model, "--batch", "2"]]
+
+
+def test_bench_missing_a_dependency_of_its_own_is_not_said_to_be_missing(monkeypatch):
+    """Only npattn.tools.bench itself missing is "not part of this installation"; a module that
+    it imports and that is missing is raised as such, with its name."""
+    def import_module(name):
+        raise ModuleNotFoundError("No module named 'a_dependency'", name="a_dependency")
+
+    monkeypatch.setattr(cli, "importlib", types.SimpleNamespace(import_module=import_module))
+    with pytest.raises(ModuleNotFoundError, match="a_dependency"):
+        cli.main(["bench", "--shapes", "1x4x4x2"])
 
 
 def test_bench_passes_the_remaining_arguments(monkeypatch):

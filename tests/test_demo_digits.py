@@ -456,6 +456,7 @@ def _must_not_train(*args, **kwargs):
     (["--patch", "3"], "argument --patch: invalid choice"),
     (["--dropout", "1"], "argument --dropout: expected a number in [0, 1), got '1'"),
     (["--dropout", "nan"], "argument --dropout"),
+    (["--dropout", "x"], "argument --dropout: expected a number in [0, 1), got 'x'"),
     (["--epochs", "0"], "argument --epochs: expected a positive integer"),
     (["--layers", "-1"], "argument --layers"),
     (["--task", "gpt2"], "argument --task: invalid choice"),
@@ -470,7 +471,7 @@ def test_command_usage_errors_name_the_option(extra, named, tmp_path, capsys, mo
 
 
 @pytest.mark.parametrize("option, value", [("--epochs", "2"), ("--layers", "2"), ("--patch", "4"),
-                                           ("--dropout", "0.2")])
+                                           ("--dropout", "0.2"), ("--dropout", "0")])
 def test_digits_options_are_refused_by_the_reverse_task(option, value, tmp_path, capsys,
                                                         monkeypatch):
     from npattn.tools import demo

@@ -430,3 +430,31 @@ def test_the_longest_context_the_held_out_text_takes_is_accepted(tmp_path, capsy
         cli.main([*small, "--seq-len", str(longest + 1)])
     assert exc.value.code == 2
     assert f"expected at most {longest}, got {longest + 1}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("float32", 4), ("float64", 8)])
+def test_the_command_s_memory_check_estimates_its_own_sizes(dtype, itemsize, tmp_path, monkeypatch):
+    """The memory check of --task gpt is given the estimate of the sizes asked for, in the dtype
+    asked for: B=2, L=4 (the block size too), D=8, F=32, one block of 2 heads, V characters:
+    weights 8 V + 4*8 + (4*8*8 + 2*8*32) = 8 V + 800, held 4 times; logits and their gradient
+    2*2*4*V = 16 V; the block's activations 2*4*(2*8 + 32) = 384 and probabilities 2*2*4*4 = 64."""
+    from npattn.tools import cli, demo_gpt, limits
+
+    class Trained(Exception):
+        pass
+
+    def stand_in(cfg, **kwargs):
+        raise Trained
+
+    seen = []
+    monkeypatch.setattr(limits, "memory_error", lambda *a: seen.append(a) or None)
+    monkeypatch.setattr(demo_gpt, "train", stand_in)
+    with pytest.raises(Trained):
+        cli.main(["demo", "--task", "gpt", "--seq-len", "4", "--d-model", "8", "--layers", "1",
+                  "--heads", "2", "--batch", "2", "--dtype", dtype, "--no-plots", "--no-progress",
+                  "--out", str(tmp_path)])
+    ((option, received, need, _),) = seen
+    V = len(set(corpus()))
+    assert option == "--batch, --seq-len, --d-model, --layers"
+    assert received == "--batch 2 --seq-len 4 --d-model 8 --layers 1"
+    assert need == (4 * (8 * V + 800) + 16 * V + 384 + 64) * itemsize
