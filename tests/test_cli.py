@@ -1065,3 +1065,57 @@ def test_two_outputs_on_standard_output_are_refused():
         "--a and --b: expected two different outputs, got '-' for both (one would overwrite "
         "the other)")
     assert outputs_error(("--a", "-"), ("--b", None), stdout=("--a", "--b")) is None
+
+
+def test_a_dash_is_standard_output_not_a_file_of_that_name(tmp_path, monkeypatch):
+    """``-`` is standard output: no file named '-' is looked at, made or refused (a folder of
+    that name in the working directory would have been taken for the output)."""
+    from npattn.tools.outputs import output_error, outputs_error
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").mkdir()
+    assert output_error("--json", "-") is None
+    assert outputs_error(("--json", "-")) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["-"]
+
+
+def test_checking_an_output_path_leaves_the_file_system_as_it_was(tmp_path):
+    """The check opens the path to learn that it can be written: a file there keeps its
+    contents (the run may still fail before it writes), and a new one is removed again."""
+    from npattn.tools.outputs import output_error
+
+    kept, new = tmp_path / "kept.json", tmp_path / "new.json"
+    kept.write_text("earlier results")
+    assert output_error("--json", str(kept)) is None
+    assert output_error("--json", str(new)) is None
+    assert kept.read_text() == "earlier results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+
+
+def test_one_file_named_two_ways_is_refused_as_two_outputs(tmp_path, monkeypatch):
+    """'r.json' and './sub/../r.json' are one file: the later output would overwrite the
+    earlier one, so the pair is refused as two identical paths are."""
+    from npattn.tools.outputs import outputs_error
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    assert outputs_error(("--json", "r.json"), ("--markdown", "./sub/../r.json")) == (
+        "--json and --markdown: expected two different outputs, got 'r.json' for both (one would "
+        "overwrite the other)")
+    assert outputs_error(("--json", "r.json"), ("--markdown", "sub/r.json")) is None
+
+
+def test_json_output_writes_what_the_body_filled_into_its_file(tmp_path, capsys):
+    """json_output(PATH): the dict the body fills is written to PATH as JSON at the end, and
+    what the body prints stays on standard output; with None nothing is written."""
+    from npattn.tools.outputs import json_output
+
+    path = tmp_path / "r.json"
+    with json_output(str(path)) as result:
+        result["rows"] = [1, 2]
+        print("a table")
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    assert capsys.readouterr().out == "a table\n"
+    with json_output(None) as result:
+        result["rows"] = [3]
+    assert list(tmp_path.iterdir()) == [path] and capsys.readouterr().out == ""
