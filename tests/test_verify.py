@@ -923,6 +923,17 @@ def test_the_order_of_softcap_and_the_additive_terms_has_its_own_pairs(supports,
         assert len(cases) == len(without) + 2 and cases[:len(without)] == without
 
 
+@pytest.mark.parametrize("other", ["alibi", "mask_float"])
+def test_the_hint_of_softcap_applied_last_names_the_order_with_alibi_and_a_float_mask(other):
+    """softcap applied after the additive terms is wrong in the cases of softcap with ALiBi
+    and with a float mask alike; the hint names the order in both."""
+    supports = ("softcap", other)
+    name = next(c.name for c in VC.panel(supports) if set(c.options) == set(supports))
+    r = run_kernel(K.bug_softcap_last, supports=supports, cases=[name]).results[0]
+    assert "out" in r.failing, r.failing
+    assert "(the order: softcap * tanh(s / softcap) of the scaled scores first" in r.hint, r.hint
+
+
 def test_failures_in_the_all_options_cases_alone_give_one_hint_not_one_per_option():
     def wrong_with_many_options(q, k, v, **options):
         out, lse, saved = K.attention(q, k, v, **options)
@@ -1190,6 +1201,27 @@ def test_nan_on_empty_rows_is_named():
     assert ok.ok, ok.format()  # declared without empty_rows, it is not given any
 
 
+def test_a_nan_out_without_large_scores_is_not_told_of_exp_overflow():
+    """The hint of an out with NaN in a case without shifted rows (nothing for exp to overflow
+    on, no empty rows) does not blame large scores; in the case of shifted rows it does."""
+    def nan_out(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        out = out.copy()
+        out[0, 0, 0, 0] = np.nan
+        return out, lse, cache
+
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64")
+    plain = VF.verify(nan_out, cases=["base-65x128"], **kw).results[0]
+    assert plain.failing == ["out"] and plain.tensors["out"].note == "1 NaN/inf entries"
+    assert "large" not in plain.hint and "row's maximum" not in plain.hint, plain.hint
+    c = plain.case  # the NaN entry is where the tensor is over budget
+    assert plain.tensors["out"].where == (f"1 of {c.B * c.Hq * c.Lq * c.Dv} entries over budget, "
+                                          f"the worst at b=0, h=0, query=0, d=0; query rows 0 "
+                                          f"(1 of {c.Lq})"), plain.tensors["out"].where
+    shifted = VF.verify(nan_out, cases=["base-scores8-shift-65x127"], **kw).results[0]
+    assert shifted.hint.startswith("out has inf or NaN where the scores are large"), shifted.hint
+
+
 def test_dmask_is_compared_when_given_required_with_mask_grad_and_finite_entries_only():
     def kernel(q, k, v, **options):
         out, lse, cache = npattn_kernel(q, k, v, **options)
@@ -1396,6 +1428,19 @@ def test_malformed_returns_are_named():
         r = VF.verify(fn, dtype="float64", **kw).results[0]
         assert r.status == "fail" and text in r.error, r.error
         assert "not what verify reads" in r.hint
+
+
+def test_a_return_verify_cannot_read_in_every_failing_case_is_not_said_to_be_raised():
+    """fn returning (out, cache) without returns_lse fails each case with verify's own
+    TypeError and no traceback: the panel hints do not say that fn raised."""
+    def unreadable(q, k, v, **kw):
+        return F.sdpa_forward(q, k, v, **kw)
+
+    report = VF.verify(unreadable, dtype="float64", cases=["base-1x65", "base-65x128"])
+    assert len(report.failures) == 2
+    assert all(r.error.startswith("TypeError: fn: expected") and not r.traceback
+               for r in report.failures)
+    assert not any(h.startswith("fn raised") for h in report.hints()), report.hints()
 
 
 def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
@@ -1936,6 +1981,9 @@ def test_a_kernel_that_raises_shows_where():
     assert r.raised_at.endswith(" in helper") and r.raised_at.split(":")[0].endswith("test_verify.py")
     assert f"    at: {r.raised_at}" in report.format() and "traceback" in r.hint
     assert json.loads(report.to_json())["cases"][0]["traceback"] == r.traceback
+    assert report.hints() == []  # one failing case: its own lines say it raised
+    both = VF.verify(raises, dtype="float64", combos=False, cases=["base-1x65", "base-65x128"])
+    assert both.hints()[0] == "fn raised in every failing case (RuntimeError: boom)", both.hints()
 
 
 def test_the_python_reproducer_gives_two_local_functions_of_one_name_two_names():
@@ -2234,6 +2282,43 @@ def test_the_constant_factor_hint_needs_a_factor_and_a_constant():
     plain = "dk right, dq wrong: dq = ds @ k * scale"
     assert _dq_hint(twice_and_a_column) == plain
     assert _dq_hint(lambda dq: dq * (1.0 + 1e-6)) == plain
+    assert _dq_hint(lambda dq: dq * 1.01).startswith("a constant factor (dq x 1.01):")
+
+    def twice_and_a_smaller_column(dq):  # 5 % of its size: still over 1 % of the largest entry
+        bad = 2.0 * dq
+        bad[..., 0] += 0.05 * np.max(np.abs(dq))
+        return bad
+
+    assert _dq_hint(twice_and_a_smaller_column) == plain
+
+
+def _gqa_hint(wrong):
+    """The hint of the first GQA case alone at float64, npattn's gradients passed through
+    ``wrong(dq, dk, dv) -> (dq, dk, dv)``."""
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        return wrong(g.dq, g.dk, g.dv)
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  supports="gqa", combos=False, cases=["gqa-65x129"]).results[0]
+    assert r.case.Hq // r.case.Hkv == 2
+    return r
+
+
+def test_the_gqa_hint_needs_dq_right_and_a_factor_of_one_over_the_group():
+    """Under GQA, dk and dv x 1/G is a mean over the group; dk and dv x 0.1 (G = 2) is a
+    constant factor, not a mean; dq, dk and dv all wrong is not 'dq right'."""
+    mean = _gqa_hint(lambda dq, dk, dv: (dq, dk / 2.0, dv / 2.0))
+    assert set(mean.failing) == {"dk", "dv"} and "a mean over the group" in mean.hint, mean.hint
+    tenth = _gqa_hint(lambda dq, dk, dv: (dq, dk * 0.1, dv * 0.1))
+    assert tenth.hint.startswith("a constant factor (dk x 0.1, dv x 0.1)"), tenth.hint
+
+    def all_off(dq, dk, dv):  # wrong by a part that is not a multiple of any
+        return tuple(g + 0.1 * np.max(np.abs(g)) * (np.arange(g.shape[-1]) == 0) for g in (dq, dk, dv))
+
+    off = _gqa_hint(all_off)
+    assert set(off.failing) == {"dq", "dk", "dv"}
+    assert "dq right" not in off.hint and "GQA" not in off.hint, off.hint
 
 
 def _off_out(q, k, v, **options):
