@@ -1827,6 +1827,18 @@ def test_a_wrong_shape_is_told_in_the_kernels_layout(layout):
     assert r.tensors["out"].note.startswith(f"shape: expected {want} ")
     assert r.tensors["out"].note.endswith(f"got {(c.B, 7)}")
 
+    def lse_swapped(q, k, v, **kw):  # out right, lse (B, Lq, H) for (B, H, Lq) and back
+        q, k, v = (t if layout == "bhsd" else np.swapaxes(t, 1, 2) for t in (q, k, v))
+        out, cache = F.sdpa_forward(q, k, v, **kw)
+        lse = np.asarray(cache.lse)  # [B, H, Lq]
+        return (out if layout == "bhsd" else np.swapaxes(out, 1, 2),
+                lse if layout == "bthd" else np.swapaxes(lse, 1, 2))
+
+    r = VF.verify(lse_swapped, layout=layout, returns_lse=True, dtype="float64",
+                  cases=[c.name]).results[0]
+    assert r.error is None and r.failing == ["lse"], r.failing
+    assert r.tensors["lse"].note.endswith(" (axes 1 and 2 swapped)"), r.tensors["lse"].note
+
 
 def test_a_failing_tensor_says_where():
     """One query row of one head wrong: the report counts its entries, names the worst one
@@ -1849,6 +1861,22 @@ def test_a_failing_tensor_says_where():
                        f"{row + 10} (4 of {c.Lq})")
     assert f"    where: out: {t.where}" in report.format()
     assert json.loads(report.to_json())["cases"][0]["tensors"]["out"]["where"] == t.where
+
+
+@pytest.mark.parametrize("n_runs", [6, 7])
+def test_where_lists_six_runs_of_rows_and_elides_the_rest(n_runs):
+    """The rows over budget are listed as runs, the first six of them; '...' only when there
+    are more."""
+    rows = [3 * i for i in range(n_runs)]
+
+    def kernel(q, k, v, **kw):
+        out = F.sdpa_forward(q, k, v, **kw)[0].copy()
+        out[0, 0, rows, 0] += 0.5
+        return out
+
+    t = VF.verify(kernel, dtype="float64", cases=["base-65x128"]).results[0].tensors["out"]
+    listed = ", ".join(str(r) for r in rows[:6]) + (", ..." if n_runs > 6 else "")
+    assert t.where.endswith(f"; query rows {listed} ({n_runs} of 65)"), t.where
 
 
 def test_report_json_and_table_and_plot(tmp_path):
@@ -1876,6 +1904,24 @@ def test_the_python_reproducer_reruns_the_case():
     again = eval(call, {"npattn": npattn, "kernels": K})
     assert [x.case.name for x in again.results] == [r.case.name]
     assert again.results[0].tensors["dq"].error == r.tensors["dq"].error
+
+
+def test_the_python_reproducer_gives_a_case_changed_under_a_panel_name_as_the_case():
+    """A Case that bears a panel case's name but other values is rerun as the Case itself:
+    the name alone would rerun the panel's case."""
+    import npattn
+
+    def kernel(q, k, v, **kw):
+        return F.sdpa_forward(q, k, v, **kw)[0] * 1.01
+
+    panel_case = VF.plan("", cases=["base-65x128"])[0]
+    changed = replace(panel_case, score_std=3.0)
+    same = VF.verify(kernel, dtype="float64", cases=[panel_case]).results[0].reproducer
+    assert "cases=['base-65x128']" in same, same
+    rep = VF.verify(kernel, dtype="float64", cases=[changed]).results[0].reproducer
+    assert "cases=[npattn.verify_cases.Case(name='base-65x128'" in rep and "score_std=3.0" in rep, rep
+    again = eval(rep.split("  # ")[0][len("print("):-1], {"npattn": npattn, "kernel": kernel})
+    assert again.results[0].case == changed
 
 
 # --------------------------------------------------------------------------
@@ -2005,6 +2051,23 @@ def test_the_python_reproducer_gives_two_local_functions_of_one_name_two_names()
     assert call.startswith("print(npattn.verify(fn, ") and "backward=f," in call
     assert comment.startswith("f: <function") and "; fn: <function" in comment
     again = eval(call[len("print("):-1], {"npattn": npattn, "fn": fn, "f": bwd})
+    assert again.results[0].failing == report.results[0].failing == ["dq", "dk", "dv"]
+
+    def make_named_fn(scale):
+        def fn(dout, cache):
+            return F.sdpa_backward(scale * dout, cache)
+        return fn
+
+    def make_kernel_fn():
+        def fn(q, k, v, **kw):
+            return F.sdpa_forward(q, k, v, **kw)
+        return fn
+
+    fn, bwd = make_kernel_fn(), make_named_fn(2.0)  # both named fn, the default name of fn too
+    report = VF.verify(fn, backward=bwd, dtype="float64", combos=False, cases=["base-1x65"])
+    call, comment = report.results[0].reproducer.split("  # ")
+    assert call.startswith("print(npattn.verify(fn_, ") and "backward=fn," in call, call
+    again = eval(call[len("print("):-1], {"npattn": npattn, "fn_": fn, "fn": bwd})
     assert again.results[0].failing == report.results[0].failing == ["dq", "dk", "dv"]
 
 
@@ -2222,6 +2285,8 @@ def test_the_failing_cases_are_listed_up_to_max_failures():
     assert text.count("\n    rerun: ") == 4 and "more (see the JSON)" not in text
     short = report.format(max_failures=2)
     assert short.count("\n    rerun: ") == 2 and "  ... and 2 more (see the JSON)" in short
+    exact = report.format(max_failures=4)
+    assert exact.count("\n    rerun: ") == 4 and "more (see the JSON)" not in exact
 
 
 def test_a_degenerate_case_that_wrote_into_its_inputs_is_counted_failed_not_degenerate():
@@ -2444,11 +2509,17 @@ def test_a_failing_case_that_wrote_into_its_inputs_is_hinted_at_its_failure():
         return kernel
 
     kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64", cases=["base-65x128"])
-    r = VF.verify(writes_q(_off_out), **kw).results[0]
+    report = VF.verify(writes_q(_off_out), **kw)
+    r = report.results[0]
     assert r.written == ["q"] and r.failing == ["out"]
     assert r.hint.startswith("lse right, out wrong"), r.hint
-    r = VF.verify(writes_q(npattn_kernel), **kw).results[0]
+    line = next(s for s in report.format().splitlines() if s.startswith("  base-65x128 "))
+    assert line.endswith(f"out {r.tensors['out'].ratio:.3g}x, wrote into q"), line
+    report = VF.verify(writes_q(npattn_kernel), **kw)
+    r = report.results[0]
     assert r.written == ["q"] and r.failing == [] and r.hint.startswith("fn wrote into q:")
+    line = next(s for s in report.format().splitlines() if s.startswith("  base-65x128 "))
+    assert line.endswith(": wrote into q, its numbers pass"), line
 
 
 def test_round_to_bfloat16_keeps_nan_and_inf():
