@@ -488,6 +488,23 @@ def test_floor_follows_the_terms_of_the_tensor():
     assert r.tensors["dv"].status == "pass"
 
 
+def test_a_tensor_whose_terms_are_zero_keeps_a_floor():
+    """Scores of zero (q = k = 0) make dq and dk exactly zero, and their terms too: the floor
+    is then relative to FLOOR_SCALE, so that a dq off by far less than any rounding is
+    degenerate, not failed."""
+    flat = VC.Case(name="flat", Lq=9, Lk=17, score_std=0.0)
+
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        return g.dq + 1e-30, g.dk, g.dv
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  cases=[flat]).results[0]
+    t = r.tensors["dq"]
+    assert t.magnitude == 0.0 and t.floor == VF.FLOORS["float64"] * VF.FLOOR_SCALE, t
+    assert t.status == "degenerate" and r.status == "degenerate", r.tensors
+
+
 def test_dmask_and_dlse_floors_follow_ds():
     """dmask's terms are p (|dp| + |delta|) summed over the heads a (B, 1, Lq, Lk) mask was
     broadcast along; dlse adds |dlse| to |delta| (in dq, dk, dmask and dsinks)."""
@@ -1034,6 +1051,26 @@ def test_jax_dot_product_attention_passes():
     assert isinstance(jnp.zeros(1), jax.Array)
 
 
+def test_backend_is_a_name_or_the_module():
+    """backend= takes the library's module as well as its name: numpy, jax and jax.numpy."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    def jattn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v)
+
+    for backend in (jax, jnp, "jax"):
+        report = VF.verify(jattn, layout="bthd", dtype="float32", backend=backend,
+                           cases=["base-65x128"])
+        assert report.ok and report.config["backend"] == "jax", (backend, report.format())
+
+    def forward(q, k, v):
+        return F.sdpa_forward(q, k, v)[0]
+
+    report = VF.verify(forward, dtype="float64", backend=np, cases=["base-65x128"])
+    assert report.ok and report.config["backend"] == "numpy", report.format()
+
+
 def test_jax_vjp_with_dlse_and_dmask():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
@@ -1173,6 +1210,19 @@ def test_adapter_mapping_and_callable():
     assert [r.status for r in dropped.results] == ["pass", "fail"]
 
 
+def test_a_mapping_adapter_drops_the_keywords_it_maps_to_none():
+    seen = []
+
+    def kernel(q, k, v, **options):
+        seen.append(sorted(options))
+        return npattn_kernel(q, k, v, align="bottom_right", **options)[0]
+
+    report = VF.verify(kernel, dtype="float64", supports="causal_bottom_right", combos=False,
+                       adapter={"align": None}, cases=["causal_bottom_right-65x129"])
+    assert report.ok, report.format()
+    assert seen == [["is_causal"]]
+
+
 def test_nan_on_empty_rows_is_named():
     def no_guard(q, k, v, mask=None):
         s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
@@ -1286,6 +1336,7 @@ def test_dlse_is_zero_on_rows_with_nothing_to_attend_and_float32_for_half():
         assert dlse.dtype == want and dlse.shape == (case.B, case.Hq, case.Lq)
         assert empty.any() and np.all(dlse[empty] == 0.0) and np.all(dlse[~empty] != 0.0)
         assert np.allclose(dlse[~empty], inp.dlse[~empty], rtol=1e-3)
+        assert np.array_equal(dlse.astype(dtype).astype(want), dlse)  # exact in dtype
 
 
 def test_a_backward_without_dlse_is_told_how_it_is_called():
@@ -1472,6 +1523,19 @@ def test_a_kernel_that_writes_into_its_inputs_fails_and_the_budgets_stand():
     assert ": wrote into q" in text and ", its numbers pass" in text
     assert "fn raised" not in text and "hint: \n" not in text + "\n"
     assert dirty.hints() and dirty.hints()[0].startswith("fn wrote into its inputs in every failing case")
+
+
+def test_a_backward_that_writes_into_dout_fails_as_a_write():
+    """dout is the kernel's input too: a backward that overwrites it after use is told so."""
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout.copy(), cache)
+        dout[...] = 0.0
+        return g
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  cases=["base-65x128"]).results[0]
+    assert r.written == ["dout"] and r.status == "fail" and r.failing == [], r.written
+    assert r.hint.startswith("fn wrote into dout:"), r.hint
 
 
 def test_an_adapter_that_converts_an_option_in_place_is_a_write_into_the_inputs():
@@ -2861,6 +2925,17 @@ def test_the_bounds_of_budget_factor_and_floors_are_taken_and_a_floor_of_no_dtyp
     assert t.floor < default.floor  # what remains is the rounding of lse, not floors='s
     with pytest.raises(ValueError, match=r"floors: expected a mapping with keys from .*'fp32'"):
         VF.verify(kernel, floors={"fp32": 1e-6}, **kw)
+
+
+def test_an_error_equal_to_its_budget_passes():
+    """A tensor passes when its error is at most its budget: npattn itself at float64 with a
+    floor of 0 gives lse an error and a budget of exactly 0 (npattn's own error is 0), and
+    it passes."""
+    report = VF.verify(npattn_kernel, backward=npattn_backward, dtype="float64", returns_lse=True,
+                       floors={"float64": 0.0}, cases=["base-65x128"])
+    t = report.results[0].tensors["lse"]
+    assert (t.error, t.npattn_error, t.budget) == (0.0, 0.0, 0.0)
+    assert t.status == "pass" and t.ratio == 0.0 and report.ok, report.format()
 
 
 # --------------------------------------------------------------------------
