@@ -105,6 +105,15 @@ def test_panel_draws_only_declared_options_and_respects_exclusions():
         VC.panel("causal,sliding")
 
 
+def test_the_pairs_cover_every_option_even_past_max_pairs(monkeypatch):
+    """Each declared option is in a pair at least, even where that takes more than
+    MAX_PAIRS pairs."""
+    supports = ("causal", "window", "softcap", "sinks", "gqa")
+    monkeypatch.setattr(VC, "MAX_PAIRS", 1)
+    pairs = [c.options for c in VC.panel(supports) if len(c.options) == 2]
+    assert 1 < len(pairs) < 10 and set().union(*map(set, pairs)) == set(supports), pairs
+
+
 def test_case_inputs_are_seeded_controlled_and_never_all_ones():
     case = next(c for c in VC.panel(ALL) if c.options == ("mask_bool",))
     a, b = VC.case_inputs(case, seed=3), VC.case_inputs(case, seed=3)
@@ -932,7 +941,7 @@ def test_the_order_of_softcap_and_the_additive_terms_has_its_own_pairs(supports,
     cases = VC.panel(supports)
     for pair in VC.ORDER_PAIRS:
         held = [c for c in cases if set(c.options) == set(pair)]
-        assert bool(held) == (set(pair) <= set(supports)), (pair, [c.name for c in cases])
+        assert len(held) == int(set(pair) <= set(supports)), (pair, [c.name for c in cases])
         assert all(c.Lq > 1 and c.Lk > 1 for c in held)
     monkeypatch.setattr(VC, "ORDER_PAIRS", ())
     without = VC.panel(supports)
@@ -2048,6 +2057,16 @@ def test_head_dims_draw_the_panel_at_the_widths_a_kernel_takes():
     assert dv_cases and all(c.Dv != c.Dh and {c.Dh, c.Dv} == {32, 64} for c in dv_cases)
 
 
+def test_under_dv_ne_dk_dv_is_the_next_head_width():
+    """With head_dims, a dv_ne_dk case takes as Dv the width after its Dh in head_dims (the
+    first after the last), not the first width unlike Dh."""
+    dims = (8, 16, 32)
+    cases = [c for c in VC.panel("dv_ne_dk", head_dims=dims) if "dv_ne_dk" in c.options]
+    assert cases
+    for c in cases:
+        assert c.Dv == dims[(dims.index(c.Dh) + 1) % len(dims)], (c.name, c.Dh, c.Dv)
+
+
 @pytest.mark.parametrize("head_dims, supports", [((64, 64), "causal"), ([32, 64, 32], "causal"),
                                                  ((64, 64), "causal,dv_ne_dk")])
 def test_a_head_width_given_twice_is_refused_as_the_command_refuses_it(head_dims, supports, capsys):
@@ -2979,6 +2998,17 @@ def test_segment_cases_leave_rows_empty_when_declared():
     assert not any(c.empty_rows for c in VC.panel("segments"))
 
 
+def test_only_cases_with_a_mask_or_segments_have_empty_rows():
+    """With 'empty_rows' declared, the cases that blank rows are those of a mask or segments
+    (the options that can blank one); the others do not say they have empty rows."""
+    cases = VC.panel(ALL)
+    blanking = {"mask_bool", "mask_float", "segments"}
+    assert any(c.empty_rows for c in cases)
+    for c in cases:
+        assert c.empty_rows == bool(blanking & set(c.options)), c.name
+        assert ("empty rows" in c.describe()) == c.empty_rows
+
+
 def test_an_options_second_case_has_masks_and_slopes_per_head():
     """The second case of an option holds a (B, Hq, Lq, Lk) mask and (B, Hq) ALiBi slopes;
     the first a (B, 1, Lq, Lk) mask broadcast over the heads and (Hq,) slopes."""
@@ -2992,6 +3022,8 @@ def test_an_options_second_case_has_masks_and_slopes_per_head():
         else:
             assert a.shape == (first.Hq,) and b.shape == (second.B, second.Hq)
             assert not np.array_equal(b[0], b[1])  # a slope per batch entry too
+            heads = np.arange(1, first.Hq + 1)
+            assert np.allclose(a, [2.0 ** (-8.0 * h / first.Hq) for h in heads], rtol=1e-15, atol=0)
 
 
 def test_the_all_options_cases_take_each_side_of_an_exclusive_pair():
@@ -3038,6 +3070,13 @@ def test_a_repeated_combination_gets_names_of_its_own():
     names = [c.name for c in cases]
     assert len(names) == 7 and len(set(names)) == 7
     assert names[6] == names[0] + ".2"
+
+
+def test_a_case_of_three_options_is_named_by_them_and_of_more_by_their_count():
+    threes = [c for c in VC.panel(("causal", "softcap", "window")) if len(c.options) == 3]
+    assert threes and all(c.name.startswith("causal+softcap+window-") for c in threes), threes
+    fours = [c for c in VC.panel(("causal", "sinks", "softcap", "window")) if len(c.options) == 4]
+    assert fours and all(c.name.startswith("all4-") for c in fours), fours
 
 
 def test_each_case_draws_its_own_inputs_from_its_name():
@@ -3099,6 +3138,10 @@ def test_empty_rows_are_blanked_in_the_first_row_and_the_middle():
     empty = ~keep.any(axis=-1)  # [B, 1|Hq, Lq]
     rows = sorted({(b, i) for b, _, i in zip(*np.nonzero(empty))})
     assert rows == [(case.B - 1, 0), (case.B - 1, case.Lq // 2)], rows
+    for Lq, want in ((3, [0, 1]), (2, [1])):  # (two rows: the middle alone, one attends)
+        few = replace(case, name=f"few-{Lq}", Lq=Lq)
+        empty = ~VC.case_inputs(few, 0).options["mask"].any(axis=-1)  # [B, 1|Hq, Lq]
+        assert sorted({i for b, _, i in zip(*np.nonzero(empty))}) == want, (Lq, empty)
 
 
 def test_the_python_reproducer_gives_a_budget_factor_other_than_the_default():
