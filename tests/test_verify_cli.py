@@ -49,6 +49,7 @@ def test_mutant_exits_1_and_its_reproducer_reruns_the_case(capsys):
     assert status == 1
     reruns = [line.split("rerun: ", 1)[1] for line in out.splitlines() if "rerun: " in line]
     assert reruns and all("--case" in r for r in reruns)
+    assert not any("--budget-factor" in r or "--combos" in r for r in reruns), reruns[0]
     argv = shlex.split(reruns[0])
     assert argv[:2] == ["npattn", "verify"]
     assert cli.main(argv[1:] + ["--no-progress"]) == 1
@@ -289,6 +290,8 @@ def test_a_bad_value_is_told_once_by_its_flag_as_typed(argv, flag, received, cap
     keyword = flag.lstrip("-").replace("-", "_")
     assert rest.startswith("expected ") and not rest.startswith((f"{keyword}:", f"{flag}:")), err
     assert f", got {received}" in rest, err
+    if flag in ("--head-dims", "--budget-factor", "--seed"):  # these end with the value
+        assert rest.endswith(f", got {received}\n"), err
 
 
 def test_a_case_named_twice_is_refused_and_an_unknown_one_points_to_list(capsys):
@@ -632,3 +635,11 @@ def test_a_target_that_is_not_callable_is_told_as_the_target(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("npattn verify: target: expected a callable fn(q, k, v, **options), "
                           "got int"), err
+
+
+def test_a_budget_factor_of_one_is_taken(capsys):
+    """1 is the smallest --budget-factor (as accurate as npattn), as verify takes it."""
+    status = cli.main(["verify", *GOOD, "--dtype", "float64", "--case", "base-1x65",
+                       "--budget-factor", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert status in (0, 1) and "budget 1.0 x npattn" in out, out
