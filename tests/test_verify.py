@@ -130,6 +130,16 @@ def test_case_inputs_are_seeded_controlled_and_never_all_ones():
     assert 0.6 < m.mean() < 0.85  # and partly masked ones
 
 
+def test_fit_lengths_swaps_only_where_empty_rows_are_not_declared():
+    """Lq > Lk under a window (bottom-right causal, segments) leaves rows empty by structure:
+    the lengths are swapped without 'empty_rows', kept with it; without such an option never."""
+    assert VC.fit_lengths(128, 65, ("window",), empty_ok=False) == (65, 128)
+    assert VC.fit_lengths(128, 65, ("window",), empty_ok=True) == (128, 65)
+    assert VC.fit_lengths(128, 65, ("softcap",), empty_ok=False) == (128, 65)
+    assert VC.fit_lengths(65, 128, ("segments",), empty_ok=False) == (65, 128)
+    assert any(c.Lq > c.Lk for c in VC.panel("window,empty_rows") if c.options == ("window",))
+
+
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 def test_without_empty_rows_every_row_attends_something(align):
     """Masks keep each query's diagonal key, i + Lk - Lq bottom-right, which the window
@@ -653,6 +663,12 @@ def test_a_flash_backward_passes_where_lse_is_large(seed, lse_grad):
     inp = VC.case_inputs(r.case, seed)
     _, cache = F.sdpa_forward(inp.q, inp.k, inp.v)
     assert np.abs(cache.lse).max() > 200.0  # the case this is about: a large lse
+
+
+def test_lse_unit_is_the_unit_roundoff_of_lse_s_dtype():
+    """Half precision keeps lse in float32: its unit roundoff is float32's."""
+    assert VF.lse_unit("float64") == 2.0**-53
+    assert VF.lse_unit("float32") == VF.lse_unit("float16") == VF.lse_unit("bfloat16") == 2.0**-24
 
 
 def test_the_lse_floor_bounds_a_rounded_lse():
@@ -1820,6 +1836,14 @@ def test_a_bad_argument_is_told_by_its_keyword_with_what_was_expected_and_receiv
     assert "both of" not in message
 
 
+def test_did_you_mean_names_up_to_three_close_names():
+    names = ["base-64x129", "base-65x128", "base-65x127", "base-127x64", "causal-65x129"]
+    assert VF.did_you_mean("base-65x12", names) == \
+        "did you mean 'base-65x128', 'base-65x127' or 'base-64x129'? "
+    assert VF.did_you_mean("causal-65x12", ["causal-65x129"]) == "did you mean 'causal-65x129'? "
+    assert VF.did_you_mean("zzz", names) == ""
+
+
 def test_an_unknown_case_name_is_told_with_its_close_matches_and_how_to_list_the_panel():
     """'cases: ... got 'base-1x6' (the panel has 7: base-127x64, ...; list them with npattn
     verify ... --list)': the first six names by alphabet, and a command-line flag to a Python
@@ -1910,6 +1934,8 @@ def test_a_wrong_shape_is_told_in_the_kernels_layout(layout):
     r = VF.verify(lse_swapped, layout=layout, returns_lse=True, dtype="float64",
                   cases=[c.name]).results[0]
     assert r.error is None and r.failing == ["lse"], r.failing
+    want_lse = (c.B, c.Lq, c.Hq) if layout == "bthd" else (c.B, c.Hq, c.Lq)
+    assert r.tensors["lse"].note.startswith(f"shape: expected {want_lse} "), r.tensors["lse"].note
     assert r.tensors["lse"].note.endswith(" (axes 1 and 2 swapped)"), r.tensors["lse"].note
 
 
@@ -2055,6 +2081,13 @@ def test_head_dims_draw_the_panel_at_the_widths_a_kernel_takes():
     assert VF.plan("causal,scale", head_dims=(64,))  # one width is enough without dv_ne_dk
     dv_cases = [c for c in cases if "dv_ne_dk" in c.options]
     assert dv_cases and all(c.Dv != c.Dh and {c.Dh, c.Dv} == {32, 64} for c in dv_cases)
+
+
+def test_the_dv_ne_dk_cases_take_a_wider_and_a_narrower_dv():
+    """A kernel may break on a value head wider than the key head or on one narrower: the
+    option's cases hold both."""
+    cases = [c for c in VC.panel("dv_ne_dk") if "dv_ne_dk" in c.options]
+    assert any(c.Dv > c.Dh for c in cases) and any(c.Dv < c.Dh for c in cases), cases
 
 
 def test_under_dv_ne_dk_dv_is_the_next_head_width():
@@ -3061,6 +3094,8 @@ def test_the_panel_s_dropout_cases_take_two_probabilities():
 def test_head_dims_of_zero_are_refused():
     with pytest.raises(ValueError, match=r"head_dims: expected ints from 1 to 16384, got 0 in "):
         VF.plan("", head_dims=(0, 64))
+    with pytest.raises(TypeError, match=r"head_dims: expected ints from 1 to 16384, got True in "):
+        VF.plan("", head_dims=(True, 64))  # a bool is not a width, though it is an int
 
 
 def test_a_repeated_combination_gets_names_of_its_own():
@@ -3110,6 +3145,8 @@ def test_causal_is_top_left_whatever_align_is():
     not it."""
     case = next(c for c in VC.panel("causal", "bottom_right") if c.options == ("causal",))
     assert VC.case_align(case, "bottom_right") == "top_left"
+    # beside a window too (a case the panel does not draw, where one call has one align)
+    assert VC.case_align(replace(case, options=("causal", "window")), "bottom_right") == "top_left"
     assert "align" not in VC.case_inputs(case, 0, "bottom_right").options
     seen = []
     VF.verify(lambda q, k, v, **o: seen.append(o) or F.sdpa_forward(q, k, v, **o)[0],
