@@ -193,10 +193,12 @@ def test_a_path_the_file_system_refuses_is_a_usage_error(option, capsys):
 def test_a_backend_that_is_not_installed_names_the_flag(capsys):
     import importlib.util
 
-    if importlib.util.find_spec("jax") is not None:
-        pytest.skip("jax is installed")
-    assert cli.main(["verify", f"{KERNELS}:attention", "--backend", "jax", "--no-progress"]) == 2
-    assert "--backend jax: ModuleNotFoundError" in capsys.readouterr().err
+    missing = [lib for lib in ("cupy", "jax", "torch") if importlib.util.find_spec(lib) is None]
+    if not missing:
+        pytest.skip("cupy, jax and torch are all installed")
+    lib = missing[0]
+    assert cli.main(["verify", f"{KERNELS}:attention", "--backend", lib, "--no-progress"]) == 2
+    assert f"--backend {lib}: ModuleNotFoundError" in capsys.readouterr().err
 
 
 def test_the_path_check_leaves_files_as_they_were(tmp_path):
@@ -334,6 +336,7 @@ def test_the_help_says_each_flags_values_and_default(capsys):
 
 def test_argparse_errors_exit_2(capsys):
     assert V.main([f"{KERNELS}:attention", "--layout", "bhds"]) == 2
+    assert V.main(["--help"]) == 0 and "usage: npattn verify" in capsys.readouterr().out
     assert V.main([f"{KERNELS}:attention", "--backward", "x", "--autograd", "torch"]) == 2
     assert "not allowed with" in capsys.readouterr().err
 
@@ -643,3 +646,44 @@ def test_a_budget_factor_of_one_is_taken(capsys):
                        "--budget-factor", "1", "--no-progress"])
     out = capsys.readouterr().out
     assert status in (0, 1) and "budget 1.0 x npattn" in out, out
+
+
+def test_mask_grad_without_mask_float_names_the_supports_as_typed(capsys):
+    """The refusal names --supports with its value as the command line takes it."""
+    status = cli.main(["verify", *GOOD, "--mask-grad", "--supports", "causal,window", "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.rstrip().endswith("(--supports causal,window)"), err
+
+
+def test_a_file_target_imports_its_sibling_modules(tmp_path, capsys):
+    """A kernel file's folder is on sys.path while it loads: its own imports of the files
+    beside it resolve, as they do when it runs as a script."""
+    (tmp_path / "npattn_test_sibling_module.py").write_text(
+        "from npattn import functional as F\n\n\n"
+        "def forward(q, k, v, **options):\n"
+        "    return F.sdpa_forward(q, k, v, **options)[0]\n")
+    (tmp_path / "kernel_with_sibling.py").write_text(
+        "from npattn_test_sibling_module import forward\n\n\n"
+        "def attention(q, k, v, **options):\n"
+        "    return forward(q, k, v, **options)\n")
+    status = cli.main(["verify", f"{tmp_path}/kernel_with_sibling.py:attention", "--dtype", "float64",
+                       "--case", "base-1x65", "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+
+
+def test_load_object_names_a_loaded_file_by_its_path():
+    """A missing bare attribute of a module loaded from a file is told in the file's path,
+    not the name the module was loaded under."""
+    fn = V.load_object(f"{KERNELS}:attention")
+    module = sys.modules[fn.__module__]
+    with pytest.raises(V.UsageError) as info:
+        V.load_object("nope", base=module, what="--backward")
+    assert str(info.value) == f"--backward: {os.path.abspath(KERNELS)!r} has no attribute 'nope'"
+
+
+def test_a_target_path_without_py_is_read_as_a_file(capsys):
+    """A target with a folder in it is a file, .py or not: one that is missing is told as no
+    such file, not as a module that did not import."""
+    assert cli.main(["verify", "no/such/kernel:attention", "--no-progress"]) == 2
+    assert capsys.readouterr().err == "npattn verify: target: no such file 'no/such/kernel'\n"
