@@ -1677,6 +1677,26 @@ def test_the_panel_hints_say_what_the_failing_cases_do_not():
     assert "every failing case holds 'causal'" in told.hints()[0], told.hints()
 
 
+def test_the_panel_hints_count_the_three_commonest_case_hints():
+    """Three mistakes, each in the two cases of one option: each case hint shared by two
+    cases is told with its count, all three."""
+    def kernel(q, k, v, **options):
+        out, lse, _ = npattn_kernel(q, k, v, **options)
+        if options.get("is_causal"):  # out wrong, lse right
+            out = out * 1.01
+        if "window" in options:  # lse wrong, out right
+            lse = lse * 1.01
+        if "softcap" in options:  # both wrong
+            out, lse = out * 1.01, lse * 1.01
+        return out, lse
+
+    report = VF.verify(kernel, returns_lse=True, dtype="float64", supports="causal,window,softcap",
+                       combos=False)
+    assert len(report.failures) == 6
+    hints = [h for h in report.hints() if h.startswith("2 cases: ")]
+    assert len(hints) == 3 and len({r.hint for r in report.failures}) == 3, report.hints()
+
+
 def test_the_many_options_hint_needs_two_failing_cases_and_counts_passes_in_words():
     """'only cases holding 4 options together fail' was said when only all4-65x128 failed
     (the one failing case holds its options trivially), with '(1 case(s) pass)'; now it
