@@ -997,3 +997,60 @@ def test_a_chunked_block_is_refused_for_causal_decoding_before_the_embedding(mon
         model.forward(model.xp.asarray(ids_of(1, (B, 1))), kv_caches=caches)
     assert calls == []
     assert [list(c.cache_seqlens) for c in caches] == [[3, 3]] * N
+
+
+# ------------------------------------------------------- sizes, options and limits
+
+
+def test_constructor_refuses_empty_sizes_and_a_generator_as_seed():
+    """vocab_size, block_size and n_layer are at least 1; the constructor's seed is an int or a
+    SeedSequence (a Generator is generate's alone)."""
+    for pos, name in ((0, "vocab_size"), (1, "block_size"), (3, "n_layer")):
+        sizes = [VOCAB, T, D, N, H]
+        sizes[pos] = 0
+        with raises(ValueError, name, "got 0"):
+            GPT(*sizes)
+    with raises(TypeError, "seed", "SeedSequence", "Generator"):
+        GPT(VOCAB, T, D, N, H, seed=np.random.default_rng(0))
+
+
+def test_repr_names_the_configuration():
+    text = repr(make(dropout=0.25))
+    for part in (f"vocab_size={VOCAB}", f"block_size={T}", f"d_model={D}", f"n_layer={N}", f"n_head={H}",
+                 f"d_ff={FF}", "dropout=0.25", "dtype='float64'", "backend='numpy'"):
+        assert part in text, (part, text)
+
+
+def test_ids_without_positions_and_overlong_requests_name_the_limit_that_applies():
+    model = make().eval()
+    with raises(ValueError, "ids", "L >= 1", "(2, 0)"):
+        model.forward(np.zeros((B, 0), dtype=np.int64))
+    caches = model.new_caches(B)
+    model.forward(ids_of(0, (B, 4)), kv_caches=caches)
+    # 4 cached: 5 positions are left of block_size 9
+    with raises(ValueError, "ids", "at most 5 positions", "4 already cached", "got 6"):
+        model.forward(ids_of(1, (B, 6)), kv_caches=caches)
+    # a prompt of 3: the last token chosen is not fed back, so 9 - 3 + 1 = 7 new tokens fit
+    with raises(ValueError, "max_new_tokens", "= 7", "got 8"):
+        model.generate(ids_of(0, (B, 3)), 8)
+    assert tuple(model.generate(ids_of(0, (B, 3)), 7, greedy=True).shape) == (B, 10)
+    with raises(TypeError, "return_logits"):
+        model.generate(ids_of(0, (B, 3)), 1, return_logits="yes")
+
+
+def test_a_training_forward_without_dropout_draws_no_masks(monkeypatch):
+    """Masks are drawn in training mode with dropout > 0 only: at dropout 0 no keep-mask is drawn
+    (they would all keep, but the draws would cost time and move the model's generator)."""
+    import npattn.gpt
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("a keep-mask was drawn")
+
+    model = make(dropout=0.0)
+    ids = ids_of(0)
+    expected = model.forward(ids)
+    monkeypatch.setattr(npattn.gpt, "keep_mask", drawn)
+    np.testing.assert_array_equal(model.forward(ids), expected)
+    with pytest.raises(AssertionError, match="drawn"):  # the replacement is the one the model calls
+        make(dropout=0.1).forward(ids)
+
