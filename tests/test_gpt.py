@@ -1054,3 +1054,43 @@ def test_a_training_forward_without_dropout_draws_no_masks(monkeypatch):
     with pytest.raises(AssertionError, match="drawn"):  # the replacement is the one the model calls
         make(dropout=0.1).forward(ids)
 
+
+# ------------------------------------------------------------------- KV caches
+
+
+def test_kv_caches_must_be_a_list_with_one_length_for_every_block():
+    model = make().eval()
+    with raises(TypeError, "kv_caches", "list"):
+        model.forward(ids_of(0, (B, 2)), kv_caches=iter(model.new_caches(B)))
+    caches = model.new_caches(B)
+    model.forward(ids_of(0, (B, 3)), kv_caches=caches)
+    caches[1].truncate([2, 2])  # each cache even, but block 1 one position behind block 0
+    with raises(ValueError, "kv_caches", "same cached length"):
+        model.forward(ids_of(1, (B, 1)), kv_caches=caches)
+    assert [list(c.cache_seqlens) for c in caches] == [[3, 3], [2, 2]]
+
+
+def test_new_caches_hold_block_size_tokens_unless_asked_for_fewer():
+    model = make()
+    assert [c.capacity for c in model.new_caches(B)] == [T] * N
+    assert [c.capacity for c in model.new_caches(B, 4)] == [4] * N
+    with raises(ValueError, "capacity", f"at most block_size = {T}", f"got {T + 1}"):
+        model.new_caches(B, T + 1)
+
+
+def test_block_n_appends_its_keys_and_values_to_kv_caches_n():
+    """Entry n of kv_caches is block n's: block 0's keys are those it makes of the embeddings
+    (run here on its own), and block 1's are not."""
+    model = perturbed(make(), np.asarray).eval()
+    ids = ids_of(4, (B, 3))
+    caches = model.new_caches(B)
+    model.forward(ids, kv_caches=caches)
+    x0 = np.asarray(model.params["wte"])[ids] + np.asarray(model.params["wpe"])[:3]  # [B, 3, D]
+    own = KVCache(B, T, H, D // H, dtype="float64")
+    model.blocks[0].forward(x0, is_causal=True, kv_cache=own)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(getattr(caches[0], name))[:, :, :3],
+                                   np.asarray(getattr(own, name))[:, :, :3], rtol=0, atol=1e-12)
+        assert not np.allclose(np.asarray(getattr(caches[1], name))[:, :, :3],
+                               np.asarray(getattr(own, name))[:, :, :3])
+
