@@ -1094,3 +1094,53 @@ def test_block_n_appends_its_keys_and_values_to_kv_caches_n():
         assert not np.allclose(np.asarray(getattr(caches[1], name))[:, :, :3],
                                np.asarray(getattr(own, name))[:, :, :3])
 
+
+# ---------------------------------------------------- backward, loss, training_step
+
+
+def test_backward_refuses_a_non_array_and_logits_of_another_vocabulary():
+    model = make()
+    model.forward(ids_of(0))
+    dout = np.random.default_rng(0).standard_normal((B, L, VOCAB))
+    with raises(TypeError, "dlogits"):
+        model.backward(dout.tolist())
+    with raises(ValueError, "dlogits", f"{(B, L, VOCAB)}", f"{(B, L, VOCAB - 1)}"):
+        model.backward(dout[..., :-1])
+    model.backward(dout)  # the forward is still the one cached
+
+
+def test_grads_list_the_parameters_in_the_order_of_params():
+    model = make()
+    model.forward(ids_of(0))
+    grads = model.backward(np.random.default_rng(1).standard_normal((B, L, VOCAB)))
+    assert list(grads) == list(model.params)
+    assert list(model.grads) == list(model.params)
+
+
+def _forward_refused(*args, **kwargs):
+    raise AssertionError("the forward ran before the arguments were checked")
+
+
+@pytest.mark.parametrize("case", ["ids", "targets shape", "label_smoothing", "every target ignored",
+                                  "weight_decay", "model"])
+def test_loss_and_training_step_check_their_arguments_before_the_forward(monkeypatch, case):
+    """A bad argument is refused, naming it, before the forward runs (the forward is replaced by one
+    that fails the test)."""
+    model = make()
+    monkeypatch.setattr(model, "forward", _forward_refused)
+    ids, tgt = ids_of(0), ids_of(1)
+    state = nn.adam_init(model.params)
+    calls = {
+        "ids": (lambda: model.loss(ids + VOCAB, tgt), ValueError, "ids"),
+        "targets shape": (lambda: model.loss(ids, ids_of(1, (B, L - 1))), ValueError, "targets"),
+        "label_smoothing": (lambda: model.loss(ids, tgt, label_smoothing=1.5), ValueError, "label_smoothing"),
+        "every target ignored": (lambda: model.loss(ids, np.zeros_like(tgt), ignore_index=0), ValueError,
+                                 "targets"),
+        "weight_decay": (lambda: training_step(model, state, ids, tgt, lr=0.1, weight_decay=-1.0), ValueError,
+                         "weight_decay"),
+        "model": (lambda: training_step(object(), state, ids, tgt, lr=0.1), TypeError, "model"),
+    }
+    call, error, name = calls[case]
+    with raises(error, name):
+        call()
+
