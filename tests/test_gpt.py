@@ -1144,3 +1144,45 @@ def test_loss_and_training_step_check_their_arguments_before_the_forward(monkeyp
     with raises(error, name):
         call()
 
+
+# ------------------------------------------------------------------------ generate
+
+
+def test_generate_of_no_new_tokens_drops_the_cached_forward_and_keeps_the_types():
+    """Even with nothing sampled, generate drops the cached forward (backward needs a new one); the
+    ids come back as int64 from an int32 prompt and the empty logits have the model's dtype."""
+    model = make(dtype="float32")
+    model.forward(ids_of(0))
+    out, logits = model.generate(ids_of(1, (B, 3)).astype(np.int32), 0, return_logits=True)
+    assert out.dtype == np.int64 and logits.dtype == np.float32
+    with pytest.raises(RuntimeError, match="forward"):
+        model.backward(np.zeros((B, L, VOCAB), dtype=np.float32))
+
+
+# ---------------------------------------------------------------------- sample_next
+
+
+class _Fixed(np.random.Generator):
+    """A Generator whose uniform numbers are all ``u``."""
+
+    def __init__(self, u):
+        super().__init__(np.random.PCG64(0))
+        self.u = u
+
+    def random(self, size=None, dtype=np.float64, out=None):
+        return np.full(size, self.u)
+
+
+def test_sample_next_never_draws_a_token_of_probability_zero_and_checks_empty_logits():
+    """u = 0 takes the first token of positive probability, u just below 1 the last: tokens at -inf
+    (or left out by top_k) at either end are never drawn."""
+    logits = np.array([[-np.inf, 0.5, 1.0, -np.inf], [2.0, -1.0, 3.0, 0.0]])
+    first = sample_next(logits, _Fixed(0.0))
+    last = sample_next(logits, _Fixed(np.nextafter(1.0, 0.0)))
+    np.testing.assert_array_equal(first, [1, 0])
+    np.testing.assert_array_equal(last, [2, 3])
+    np.testing.assert_array_equal(sample_next(logits, _Fixed(0.0), top_k=2), [1, 0])
+    np.testing.assert_array_equal(sample_next(logits, _Fixed(np.nextafter(1.0, 0.0)), top_k=2), [2, 2])
+    for shape in ((0, 4), (2, 0)):
+        with raises(ValueError, "logits", "B, V >= 1", f"{shape}"):
+            sample_next(np.zeros(shape), np.random.default_rng(0))
