@@ -458,3 +458,35 @@ def test_the_command_s_memory_check_estimates_its_own_sizes(dtype, itemsize, tmp
     assert option == "--batch, --seq-len, --d-model, --layers"
     assert received == "--batch 2 --seq-len 4 --d-model 8 --layers 1"
     assert need == (4 * (8 * V + 800) + 16 * V + 384 + 64) * itemsize
+
+
+def test_the_corpus_runs_file_by_file_in_sorted_order_with_blank_lines_between_docstrings():
+    import ast
+    from pathlib import Path
+
+    import npattn
+
+    text = corpus()
+    root = Path(npattn.__file__).resolve().parent
+    firsts = []
+    for path in sorted(root.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        if doc and len(doc) > 200 and doc not in firsts:  # long enough to be found only where it is
+            firsts.append(doc)
+    assert len(firsts) >= 5
+    where = [text.index(doc + "\n\n") for doc in firsts]
+    assert where == sorted(where)
+
+
+def test_samples_draw_from_one_generator_across_prompts_and_a_context_of_one():
+    """The prompts share one seeded generator: the same prompt twice gives two different
+    continuations (the second draws go on from the first's). A model of block_size 1 keeps one
+    character of context."""
+    codec = CharCodec("abcdefghij")
+    model = GPT(codec.vocab_size, 8, 8, 1, 2, dtype="float64", seed=0)  # near uniform: 10 choices each
+    (_, first), (_, second) = generate_samples(model, codec, prompts=("ab", "ab"), length=30, seed=0,
+                                               temperature=1.0, top_k=None)
+    assert first != second
+    one = GPT(codec.vocab_size, 1, 8, 1, 2, dtype="float64", seed=0)
+    ((prompt, text),) = generate_samples(one, codec, prompts=("abc",), length=5, seed=0)
+    assert text.startswith("abc") and len(text) == 8
