@@ -381,6 +381,7 @@ def test_the_gpt_step_reports_medians_and_the_ratio_of_its_rounds(monkeypatch):
     assert "round 1: npattn     30.0 ms  torch     10.0 ms  ratio 3.00" in text
     assert "ratio 1.43 (rounds 0.50 .. 3.33)" in text
     assert npattn.calls[0] == 1 + 4 * 2 and torch.calls[0] == 1 + 4 * 3
+    assert len(r["loadavg"]) == 3  # the machine's load, next to the samples it may explain
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -894,6 +895,38 @@ def test_the_gpt_steps_train_the_same_model_alike():
         assert ours[name].dtype == torch.float64
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-9, atol=1e-12, msg=name)
     assert any(not torch.equal(before[k], theirs[k]) for k in theirs)  # the steps moved the weights
+
+
+def test_the_gpt_steps_optimise_the_same_mean_loss_when_clipping_does_nothing():
+    """A batch whose gradient norm stays below 1.0: clipping leaves both steps alone, so only the
+    same mean cross-entropy (not a sum, which clipping would hide) leaves the same weights."""
+    torch = pytest.importorskip("torch")
+    cfg = bench_gpt.GPTBenchConfig(batch=4, seq_len=6, d_model=8, n_layer=1, n_head=2, vocab=13,
+                                   dtype="float64", seed=3)
+    npattn_step, torch_step, model = bench_gpt.make_steps(cfg)
+    torch_model = inspect.getclosurevars(torch_step).nonlocals["torch_model"]
+    for _ in range(3):
+        npattn_step()
+        torch_step()
+        norm = np.sqrt(sum(float(np.sum(np.asarray(g) ** 2)) for g in model.grads.values()))
+        assert norm < 0.95, norm
+    ours, theirs = model.to_torch().state_dict(), torch_model.state_dict()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_the_gpt_steps_without_torch_make_no_torch_model(monkeypatch):
+    """--no-torch: make_steps builds no torch copy (torch need not be installed) and gives no torch step."""
+    def refused(self):
+        raise AssertionError("a torch model was made")
+
+    monkeypatch.setattr(bench_gpt.GPT, "to_torch", refused)
+    cfg = bench_gpt.GPTBenchConfig(batch=2, seq_len=5, d_model=8, n_layer=1, n_head=2, vocab=7, seed=3)
+    npattn_step, torch_step, model = bench_gpt.make_steps(cfg, torch_side=False)
+    assert torch_step is None
+    before = {k: np.asarray(v).copy() for k, v in model.params.items()}
+    npattn_step()
+    assert any(not np.array_equal(np.asarray(v), before[k]) for k, v in model.params.items())
 
 
 def test_the_available_memory_is_read_from_meminfo_or_the_physical_pages(monkeypatch):
