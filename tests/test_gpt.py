@@ -1186,3 +1186,30 @@ def test_sample_next_never_draws_a_token_of_probability_zero_and_checks_empty_lo
     for shape in ((0, 4), (2, 0)):
         with raises(ValueError, "logits", "B, V >= 1", f"{shape}"):
             sample_next(np.zeros(shape), np.random.default_rng(0))
+
+
+# ------------------------------------------------------------- without biases, in torch
+
+
+def test_a_model_without_biases_has_no_bias_parameters_and_its_gradients_check(xp, to_xp):
+    model = perturbed(make(xp, bias=False), to_xp)
+    assert "ln_f.bias" not in model.params
+    assert not [k for k in model.params if k.endswith("bias") or ".b_" in k]
+    grads = _check_model_vjp(model, to_xp, to_xp(ids_of(5)), seed=6)
+    assert list(grads) == list(model.params)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_to_torch_keeps_the_models_dtype_and_its_biases(bias):
+    """A float32 model's torch copy is float32, with a final norm bias exactly when the model has one;
+    its logits are the model's to float32 rounding."""
+    torch = pytest.importorskip("torch")
+    model = perturbed(make(dtype="float32", bias=bias), lambda a: a.astype(np.float32)).eval()
+    tmodel = model.to_torch()
+    assert {p.dtype for p in tmodel.parameters()} == {torch.float32}
+    assert ("ln_f.bias" in dict(tmodel.named_parameters())) is bias
+    ids = ids_of(3)
+    with torch.no_grad():
+        got = tmodel(torch.from_numpy(ids)).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, model.forward(ids), rtol=0, atol=1e-5)
