@@ -734,6 +734,27 @@ def test_a_split_kv_forward_passes_where_lse_is_large(seed, head_dims, splits):
     assert not np.array_equal(one, split) and lse.dtype == np.float32
 
 
+def test_a_backward_that_rounds_its_scores_otherwise_than_its_forward_passes(monkeypatch):
+    """A FlashAttention backward recomputes the scores, and where it sums q_i . k_j in another
+    order than its forward did, its p = exp(s - lse) is off by the difference of the two
+    roundings, which npattn (whose softmax divides by the row sum of its own scores) does not
+    make. Here the forward sums the head axis in reverse: in the case of shifted rows (|s| up
+    to ~400) dv is over the budget without the floor's term for recomputed scores, and well
+    within it with the term."""
+    def reordered(q, k, v, **options):
+        out, lse, saved = K.attention(q[..., ::-1], k[..., ::-1], v, **options)
+        return out, lse, saved._replace(q=np.asarray(q, saved.q.dtype), k=np.asarray(k, saved.k.dtype))
+
+    kw = dict(dtype="float32", mask_grad=True, lse_grad=True, seed=5, cases=["base-scores8-shift-65x127"])
+    report = run_kernel(reordered, **kw)
+    assert report.ok, report.format()
+    worst = max(t.ratio for t in report.results[0].tensors.values())
+    assert worst < 0.5, worst
+    monkeypatch.setattr(VF, "SCORE_ROUNDINGS", 0.0)  # the floor without the term
+    without = run_kernel(reordered, **kw)
+    assert not without.ok and without.results[0].tensors["dv"].status == "fail", without.format()
+
+
 def test_the_split_kv_example_passes_at_float16_and_equals_the_one_split_kernel():
     report = run_kernel(K.attention_split_kv, "float16", mask_grad=True, lse_grad=True)
     assert report.ok, report.format()
@@ -2822,8 +2843,8 @@ def test_a_wrong_lse_fails_in_a_case_with_empty_rows():
     assert t.status == "fail" and math.isfinite(t.budget) and t.budget < 1e-4, t
 
 
-def test_the_lse_and_merge_terms_follow_their_formulas_head_by_head():
-    """lse_scales and merge_scales, head by head in loops from the module docstring's
+def test_the_lse_merge_and_score_terms_follow_their_formulas_head_by_head():
+    """lse_scales, merge_scales and score_scales, head by head in loops from the module docstring's
     formulas, under GQA, dropout, a float mask, sinks, dlse and a scale not 1/sqrt(Dh)
     (the bound tests check they hold; these, that they are not larger or smaller)."""
     case = VC.Case("terms", Hq=4, Hkv=2, Lq=7, Lk=11, Dh=8, Dv=6, dropout_p=0.3, scale=0.9,
@@ -2838,7 +2859,11 @@ def test_the_lse_and_merge_terms_follow_their_formulas_head_by_head():
     truth = {"out": out, "lse": lse, "weights": p, "dq": g.dq}
     got_lse = VF.lse_scales(inp, truth, inp.dlse)
     got_merge = VF.merge_scales(inp, truth)
+    got_score = VF.score_scales(inp, truth, inp.dlse)
     G, scale = case.Hq // case.Hkv, 0.9
+    s_dk, s_dv = np.zeros(inp.k.shape), np.zeros(inp.v.shape)  # [B, Hkv, Lk, *]
+    s_dmask = np.zeros(o["mask"].shape)  # [B, 1, Lq, Lk]
+    s_dq = 0.0
     lse_dk, lse_dv = np.zeros(inp.k.shape), np.zeros(inp.v.shape)  # [B, Hkv, Lk, *]
     lse_dmask = np.zeros(o["mask"].shape)  # [B, 1, Lq, Lk]
     lse_dsinks, m_dsinks = np.zeros(case.Hq), np.zeros(case.Hq)
@@ -2861,6 +2886,12 @@ def test_the_lse_and_merge_terms_follow_their_formulas_head_by_head():
             lse_dk[b, j] += (np.abs(ds) * w[:, None]).T @ np.abs(q) * scale
             lse_dmask[b, 0] += np.abs(ds) * w[:, None]
             lse_dsinks[h] += np.sum(p_sink * np.abs(delta - dl) * w)
+            # scores: t_ij = scale |q_i| . |k_j| for each entry, in place of the row's |lse_i|
+            t = scale * (np.abs(q) @ np.abs(k).T)  # [Lq, Lk]
+            s_dq = max(s_dq, np.max((np.abs(ds) * t) @ np.abs(k)) * scale)
+            s_dv[b, j] += (np.abs(A) * t).T @ np.abs(dout)
+            s_dk[b, j] += (np.abs(ds) * t).T @ np.abs(q) * scale
+            s_dmask[b, 0] += np.abs(ds) * t
             # merge: m_ij = max(|lse_i|, |s_ij|), s_ij = lse_i + log p_ij where p_ij > 0
             with np.errstate(divide="ignore"):
                 s = L[:, None] + np.log(P)  # [Lq, Lk]
@@ -2880,7 +2911,11 @@ def test_the_lse_and_merge_terms_follow_their_formulas_head_by_head():
                 "dsinks": lse_dsinks.max()}
     want_merge = {"out": m_out, "dq": m_dq, "dk": m_dk.max(), "dv": 0.0, "dmask": m_dmask.max(),
                   "dsinks": m_dsinks.max()}
+    want_score = {"dq": s_dq, "dv": s_dv.max(), "dk": s_dk.max(), "dmask": s_dmask.max(), "dsinks": 0.0}
     assert set(got_lse) == set(want_lse) and set(got_merge) == set(want_merge)
+    assert set(got_score) == set(want_score)
+    for n in want_score:
+        assert got_score[n] == pytest.approx(want_score[n], rel=1e-12), n
     for n in want_lse:
         assert got_lse[n] == pytest.approx(want_lse[n], rel=1e-12), n
     for n in want_merge:
