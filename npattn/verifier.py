@@ -1379,6 +1379,23 @@ def term_scales(inp: CaseInputs, truth: dict, empty: np.ndarray,
     return res
 
 
+def _weighted_parts(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray], w: np.ndarray) -> tuple:
+    """``(|ds| w, |a| w, delta - dlse)``: the parts of the gradients that the probabilities
+    give, ``ds = p (dp - delta + dlse)`` and ``a`` the weights after dropout, each entry
+    weighted by ``w`` (its row's ``|lse_i|`` or its own ``t_ij``), from the float64 truth."""
+    # [B, Hq, Lq, 1] or [B, Hq, Lq, Lk] -> [B, Hq, Lq, Lk], [B, Hq, Lq, Lk], [B, Hq, Lq, 1]
+    dout, opts = inp.dout, inp.options
+    vr = np.repeat(inp.v, inp.q.shape[1] // inp.v.shape[1], axis=1)  # [B, Hq, Lk, Dv]
+    p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
+    keep = _dropped(1.0, opts)  # [B, Hq, Lq, Lk] or 1.0
+    delta = np.sum(dout * truth["out"], axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
+    if dlse is not None:  # ds = p * (dp - delta + dlse)
+        delta = delta - dlse[..., None]  # [B, Hq, Lq, 1]
+    ds = np.abs(p * ((dout @ np.swapaxes(vr, -1, -2)) * keep - delta)) * w  # [B, Hq, Lq, Lk]
+    a = np.abs(p * keep) * w  # [B, Hq, Lq, Lk]
+    return ds, a, delta
+
+
 def lse_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) -> dict:
     """The ``terms_lse`` of each gradient (module docstring): the largest entry of
     ``sum_i |lse_i| |g_i|``, ``g_i`` the part of the gradient that row i's probabilities
@@ -1393,19 +1410,12 @@ def lse_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) 
     rows of a K/V head's group and the mask's broadcast axes.
     """
     # host float64: q [B, Hq, Lq, Dh], k [B, Hkv, Lk, Dh], v [B, Hkv, Lk, Dv], weights [B, Hq, Lq, Lk]
-    q, v, dout, opts = inp.q, inp.v, inp.dout, inp.options
-    G = q.shape[1] // v.shape[1]
-    vr = np.repeat(v, G, axis=1)  # [B, Hq, Lk, Dv]
+    q, dout, opts = inp.q, inp.dout, inp.options
+    G = q.shape[1] // inp.v.shape[1]
     lse = truth["lse"]  # [B, Hq, Lq], -inf on rows with nothing to attend
     w = np.where(np.isfinite(lse), np.abs(lse), 0.0)[..., None]  # [B, Hq, Lq, 1] |lse_i|
-    p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
     scale = _case_scale(inp)
-    keep = _dropped(1.0, opts)  # [B, Hq, Lq, Lk] or 1.0
-    delta = np.sum(dout * truth["out"], axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
-    if dlse is not None:  # ds = p * (dp - delta + dlse)
-        delta = delta - dlse[..., None]  # [B, Hq, Lq, 1]
-    ds = np.abs(p * ((dout @ np.swapaxes(vr, -1, -2)) * keep - delta)) * w  # [B, Hq, Lq, Lk]
-    a = np.abs(p * keep) * w  # [B, Hq, Lq, Lk]
+    ds, a, delta = _weighted_parts(inp, truth, dlse, w)  # [B, Hq, Lq, Lk] (2), [B, Hq, Lq, 1]
     dv = _group_sum(np.swapaxes(a, -1, -2) @ np.abs(dout), G)  # [B, Hkv, Lk, Dv]
     dk = _group_sum(np.swapaxes(ds, -1, -2) @ np.abs(q), G) * scale  # [B, Hkv, Lk, Dh]
     res = {"dq": float(np.max(w * np.abs(truth["dq"]), initial=0.0)),
@@ -1436,18 +1446,12 @@ def score_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None
     product, ``p_sink = exp(sink - lse)``.
     """
     # host float64: q [B, Hq, Lq, Dh], k [B, Hkv, Lk, Dh], v [B, Hkv, Lk, Dv], weights [B, Hq, Lq, Lk]
-    q, k, v, dout, opts = inp.q, inp.k, inp.v, inp.dout, inp.options
-    G = q.shape[1] // k.shape[1]
-    kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # [B, Hq, Lk, *]
+    q, dout, opts = inp.q, inp.dout, inp.options
+    G = q.shape[1] // inp.k.shape[1]
+    kr = np.repeat(inp.k, G, axis=1)  # [B, Hq, Lk, Dh]
     scale = _case_scale(inp)
     t = (np.abs(q) @ np.swapaxes(np.abs(kr), -1, -2)) * scale  # [B, Hq, Lq, Lk] t_ij
-    p = truth["weights"]  # [B, Hq, Lq, Lk] before dropout
-    keep = _dropped(1.0, opts)  # [B, Hq, Lq, Lk] or 1.0
-    delta = np.sum(dout * truth["out"], axis=-1, keepdims=True)  # [B, Hq, Lq, 1]
-    if dlse is not None:  # ds = p * (dp - delta + dlse)
-        delta = delta - dlse[..., None]  # [B, Hq, Lq, 1]
-    ds = np.abs(p * ((dout @ np.swapaxes(vr, -1, -2)) * keep - delta)) * t  # [B, Hq, Lq, Lk]
-    a = np.abs(p * keep) * t  # [B, Hq, Lq, Lk]
+    ds, a, _ = _weighted_parts(inp, truth, dlse, t)  # [B, Hq, Lq, Lk] each
     res = {"dq": float(np.max(ds @ np.abs(kr), initial=0.0)) * scale,
            "dv": float(np.max(_group_sum(np.swapaxes(a, -1, -2) @ np.abs(dout), G), initial=0.0)),
            "dk": float(np.max(_group_sum(np.swapaxes(ds, -1, -2) @ np.abs(q), G), initial=0.0)) * scale}
