@@ -147,8 +147,9 @@ signs, as the other terms do, and is taken whether or not a kernel recomputes:
 at float32 it raises the budgets of dq and dk by a factor of 1.75 in the
 median case of the panel, dv's by 2.3 and dmask's by 1.5 (up to 8.7, 8.1, 15.8
 and 3.3 in the shifted case); the mistakes of ``examples/verify/kernels.py``
-are still told. For float64 and for half precision it stays far below
-``FLOORS``.
+are still told. At float64 and float16 the budgets barely move (median 1.002
+and 1.001 over the panel at seed 0, the largest rise 1.24 and 1.08, in the
+shifted case).
 
 A tensor that passes is reported **degenerate** instead when the check could
 not have told a wrong kernel from a right one:
