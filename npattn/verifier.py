@@ -1220,8 +1220,9 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
     """The ``TensorResult`` of one tensor, and its constant factor (or None) and note.
 
     ``skip`` (bool, ``truth``'s shape) marks the entries not compared (lse on rows with
-    nothing to attend, dmask where the mask is -inf); ``lse_floor`` is ``u_lse *
-    terms_lse``, what the rounding of lse may move the tensor by (module docstring)."""
+    nothing to attend, dmask where the mask is -inf); ``lse_floor`` is ``u_lse * (terms_lse +
+    terms_merge + SCORE_ROUNDINGS * terms_scores)``, what the rounding of lse, of a merge's
+    partial lse and of recomputed scores may move the tensor by (module docstring)."""
     keep = np.ones(truth.shape, dtype=bool) if skip is None else ~skip
     t = np.where(keep, truth, 0.0)
     magnitude = float(np.max(np.abs(t))) if t.size else 0.0
