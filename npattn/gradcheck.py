@@ -542,7 +542,7 @@ def gradcheck(
         Absolute tolerance; by default the rounding floor of the differences.
     n_directions : int
         Random directions per input in vjp mode.
-    seed : int
+    seed : int, numpy.random.Generator or None
         Seeds ``dout`` and the directions.
     wrt : sequence of int, optional
         Inputs to check; default every floating input.
@@ -556,9 +556,17 @@ def gradcheck(
     Raises
     ------
     TypeError
-        ``forward`` did not return a pair ``(out, cache)`` with ``out`` a real
-        array, or ``backward`` a real array for a checked input.
+        An argument of another type than the above (``inputs`` not a list or
+        tuple, ``mode`` not a str, ``eps`` not a number, ``names`` not str,
+        ...), named in the message, before ``forward`` runs; ``forward`` did
+        not return a pair ``(out, cache)`` with ``out`` a real array, or
+        ``backward`` a real array for a checked input.
     ValueError
+        An argument out of its range (``mode`` none of the three, ``eps <= 0``,
+        ``rtol < 0``, ``n_directions < 1``, ``max_full_size < 0``, ``wrt``
+        empty or naming an input that is not a floating array), or no floating
+        input to check, before ``forward`` runs; ``dout`` of another shape than
+        the forward's ``out``;
         ``backward`` returned fewer gradients than the inputs it must cover,
         None for a checked input, or a gradient of another shape than its input;
         or two forwards at the inputs gave other outputs (each found before any
