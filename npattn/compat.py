@@ -1004,6 +1004,8 @@ def dot_product_attention(
     query_seq_lengths, key_value_seq_lengths : integer arrays (B,), optional
         Queries ``t >= query_seq_lengths[b]`` are padding: their output is 0,
         in JAX and here. Keys ``s >= key_value_seq_lengths[b]`` are masked.
+        A length past T (or S) means the whole length, as in JAX; a negative
+        one is refused.
     local_window_size : int or (left, right), optional
         Query ``t`` attends keys ``t - left <= s <= t + right``; an int ``w``
         is ``(w, w)``. Each side an int >= 0.
