@@ -2922,6 +2922,32 @@ def test_the_lse_merge_and_score_terms_follow_their_formulas_head_by_head():
         assert got_merge[n] == pytest.approx(want_merge[n], rel=1e-12), n
 
 
+def test_the_score_term_under_softcap_carries_tanh_s_factor_for_dq_and_dk():
+    """Under softcap c a score rounded otherwise by e moves s = c tanh(r / c) by T' e and the
+    factor T' = 1 - tanh^2 that dq and dk take by -2 T' tanh / c * e: score_scales gives dq and
+    dk 1 + 2 / c times the bound without softcap (which bounds |T' (T' - 2 tanh / c)|), dv
+    and dmask the same bound (T' <= 1)."""
+    x = np.linspace(-20.0, 20.0, 400001)  # r / c
+    for c in (0.5, 2.0, 5.0):
+        th = np.tanh(x)
+        assert np.max(np.abs((1.0 - th**2) * (1.0 - th**2 - 2.0 * th / c))) <= 1.0 + 2.0 / c
+    case = VC.Case("terms", Hq=2, Hkv=2, Lq=5, Lk=7, Dh=4, Dv=3, softcap=2.0, score_std=1.0,
+                   options=("softcap", "mask_float"))
+    inp = VC.case_inputs(case, seed=1)
+    o = inp.options
+    assert o["softcap"] == 2.0
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **o)
+    g = F.sdpa_backward(inp.dout, cache)
+    truth = {"out": out, "lse": np.asarray(cache.lse), "weights": cache.probs, "dq": g.dq}
+    capped = VF.score_scales(inp, truth)
+    plain = VF.score_scales(replace(inp, options={n: o[n] for n in o if n != "softcap"}), truth)
+    assert set(capped) == {"dq", "dk", "dv", "dmask"}
+    for n in ("dq", "dk"):
+        assert capped[n] == pytest.approx(2.0 * plain[n], rel=1e-14), n
+    for n in ("dv", "dmask"):
+        assert capped[n] == plain[n], n
+
+
 def test_a_mistake_is_named_only_within_one_budget_of_it():
     """An out of the scores left unscaled (scale=1) is named so; the same out moved by 3
     budgets in one entry is not that mistake any more (within 10 budgets is not within 1)."""
