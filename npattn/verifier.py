@@ -1442,7 +1442,7 @@ def lse_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) 
 
 def score_scales(inp: CaseInputs, truth: dict, dlse: Optional[np.ndarray] = None) -> dict:
     """The ``terms_scores`` of each gradient (module docstring, "Recomputed scores"): the
-    largest entry of ``sum_j t_ij |g_ij|``, ``t_ij = scale * |q_i| . |k_j|`` (the sum of
+    largest entry of ``sum t_ij |g_ij|``, ``t_ij = scale * |q_i| . |k_j|`` (the sum of
     absolute values that the score ``s_ij`` rounds in), ``g_ij`` the part of the gradient that
     the probability ``p_ij`` gives, from the float64 truth of the case and its gradients.
 
