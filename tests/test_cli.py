@@ -560,7 +560,7 @@ def test_demo_out_with_no_plots_is_said_to_be_unused(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("heads", ["3", "0", "a,b", "2,1,2", ","])
+@pytest.mark.parametrize("heads", ["3", "0", "a,b", "2,1,2", ",", "2,", "1,,2", ""])
 def test_demo_rejects_bad_heads(heads, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(_demo_args(tmp_path, "--heads", heads))

@@ -323,7 +323,7 @@ def _check(args) -> int:
 
 def _parse_heads(text, d_model, parser: argparse.ArgumentParser):
     try:
-        heads = [int(h) for h in text.split(",") if h.strip()]
+        heads = [int(h) for h in text.split(",")]  # an empty entry ('4,' or '1,,2') is an error
     except ValueError:
         parser.error(f"--heads: expected integers separated by commas, got {text!r}")
     if not heads or any(h < 1 for h in heads):
