@@ -353,9 +353,9 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
         Tokens of ``SUPPORTS``.
     align : {"top_left", "bottom_right"}
         The alignment of the window and ALiBi cases.
-    combos : bool or iterable of tuples
-        True: pairs of options and all options together; False: each option
-        alone only; an iterable of option tuples: exactly those combinations
+    combos : bool, None or iterable of tuples
+        True: pairs of options and all options together; False (or None):
+        each option alone only; an iterable of option tuples: exactly those combinations
         (each must be declared and compatible).
     head_dims : iterable of int, optional
         The head widths the kernel takes (e.g. ``(64, 128)``): the cases use

@@ -98,7 +98,9 @@ def test_panel_draws_only_declared_options_and_respects_exclusions():
         assert not {"mask_bool", "mask_float"} <= set(c.options)
     only = VC.panel("causal,gqa", combos=[("causal", "gqa")])
     assert [c.options for c in only if len(c.options) > 1] == [("causal", "gqa")]
-    assert all(len(c.options) <= 1 for c in VC.panel("causal,gqa", combos=False))
+    alone = VC.panel("causal,gqa", combos=False)
+    assert all(len(c.options) <= 1 for c in alone) and any(c.options for c in alone)
+    assert VC.panel("causal,gqa", combos=None) == alone  # None: each option alone, as documented
     with pytest.raises(ValueError, match="combos: .* 'window', which supports does not declare"):
         VC.panel("causal", combos=[("causal", "window")])
     with pytest.raises(ValueError, match="supports: expected names from"):
