@@ -831,7 +831,7 @@ class TransformerBlock(_Block):
         Biases in the attention, the linear layers and the layer norms (torch's ``bias``).
     dtype : str
         Parameter dtype: "float32" (default), "float64", "float16", or
-        "bfloat16" on a backend that has it (torch). See Notes.
+        "bfloat16" on a backend that has it (torch, JAX). See Notes.
     backend : str or namespace
         "numpy", "cupy", "array_api_strict", "torch", "jax", "dask"
         (``backend.BACKENDS``), or an Array API namespace, as
