@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="audit every backward against finite differences",
         description="Check the gradient of every primitive (linear, split/merge heads, "
-        "masked softmax, dropout, sdpa) and of MultiHeadAttention (inputs and every "
-        "parameter) against central finite differences in float64, over a fixed panel of "
+        "masked softmax, dropout, sdpa), of MultiHeadAttention (inputs and every "
+        "parameter), of the layers, embeddings, positions and losses around attention and "
+        "of the models built of them (the Transformer blocks, GPT) against central finite "
+        "differences in float64, over a fixed panel of "
         "configurations, sdpa and the module on every attention implementation the arrays "
         "take (reference and blocked; the NumPy kernel on numpy, chunked on dask). Exit "
         "status 1 if any check fails.",
