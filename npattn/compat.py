@@ -645,7 +645,7 @@ def flash_attn_with_kvcache(
     q : array, shape (B, Lq, Hq, Dh)
     k_cache : array, shape (Bc, Lc, Hkv, Dh), Bc >= B (batch ``b`` uses row ``b``)
     v_cache : array, shape (Bc, Lc, Hkv, Dv)
-        Writable in place (not a JAX array), of the dtype of ``q``.
+        Of the dtype of ``q``; with ``k`` and ``v``, writable in place (not a JAX array).
     k : array, shape (B, Lnew, Hkv, Dh), optional
     v : array, shape (B, Lnew, Hkv, Dv), optional
         Both or neither.
