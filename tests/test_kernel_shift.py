@@ -119,6 +119,25 @@ def test_tiles_spanning_batch_entries_equal_the_reference(case, min_tasks, monke
         np.testing.assert_array_equal(A.dropout_keep_mask(c), A.dropout_keep_mask(ref_c))
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tiles_of_unequal_head_counts_equal_the_reference(case, monkeypatch):
+    """Three K/V heads in tiles of two heads and one (``TILE_ELEMS`` fits two heads' scores):
+    the last tile holds fewer heads than the others. float64, GQA, Lq != Lk, random dout and
+    dlse, on the pool and in order."""
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 160)  # per K/V head 2 * 5 * 7 = 70 scores
+    q, k, v, dout, kw = make_inputs(17, 2, 3, 2, 5, 7, 4, 3, **CASES[case])
+    ref = _all(q, k, v, dout, kw, "reference")
+    empty = ref["lse"] == -np.inf
+    ref["lse"] = ref["lse"][~empty]
+    for pool_min in (0, 1 << 40):
+        monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", pool_min)
+        got = _all(q, k, v, dout, kw, "numpy")
+        np.testing.assert_array_equal(got["lse"] == -np.inf, empty)
+        got["lse"] = got["lse"][~empty]
+        for name in ref:
+            assert_close(got[name], ref[name], np.asarray, f"{case}, pool min {pool_min}: {name}")
+
+
 def _planted(case):
     """float32 q, k, v [2, 4, 40, Dh] / [2, 2, 9, Dh] (GQA, G = 2) of small scores, the scale,
     and the rows that a planted large score or a NaN of ``case`` puts in the block of rows
