@@ -156,6 +156,10 @@ def _planted(case):
     elif case == "an outlier key spread over every dimension":  # |k| = 8 but 1 in each coordinate
         q[1, 3, 20] = 12.5 * np.sqrt(Dh) * u
         k[1, 1, 5] = 8.0 * u  # s = 12.5 * 8 = 100
+    elif case == "a short query row against a long key":  # |q * scale| = 0.1, |k| = 1000
+        q[1, 2:] *= 0.01  # the block's other rows: |q * scale| about 1e-3
+        q[1, 3, 20] = 0.1 * np.sqrt(Dh) * u  # s = 100, though |q * scale|**2 |k| = 10
+        k[1, 1, 5] = 1000.0 * u
     elif case == "scale > 1":  # |q| |k| = 12, and with the scale s = 96
         scale = 8.0
         q[1, 3, 20] = 4.0 * u
@@ -168,11 +172,13 @@ def _planted(case):
 
 
 @pytest.mark.parametrize("case", ["a large score mid-block", "an outlier key spread over every dimension",
-                                  "scale > 1", "a NaN query row"])
+                                  "a short query row against a long key", "scale > 1",
+                                  "a NaN query row"])
 def test_the_bound_of_a_block_covers_every_score_in_it(case, monkeypatch):
     """A block takes exp(s) unshifted only if |q_i * scale| max_j |k_j| <= EXP_BOUND for every
     row i of it: a score of ~100 (exp overflows float32) in a row that is not the block's
-    first, behind a key whose norm is spread over 64 coordinates, behind a scale of 8, or in
+    first, behind a key whose norm is spread over 64 coordinates, from a short query row
+    (|q * scale| = 0.1: the bound is the norm, not its square), behind a scale of 8, or in
     the block of a NaN row (a NaN bound shifts) must be shifted. float32 against the
     reference in float64 on the same numbers: out, lse and (NaN aside) the gradients."""
     monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)  # blocks of 16 rows
