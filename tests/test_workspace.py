@@ -133,6 +133,23 @@ def test_a_cache_given_twice_is_kept_once():
     np.testing.assert_array_equal(c1.exps, fresh1.exps)
 
 
+def test_the_arrays_given_last_are_kept_first():
+    """Past ``SPARES`` arrays the newest given back are kept: after the caches of a forward of
+    one size and then of another (each with a drawn keep-mask, two arrays), a forward of the
+    second size takes the second cache's arrays instead of allocating."""
+    q1, k1, v1, _, kw1 = make_inputs(6, 2, 2, 1, 5, 6, 3, 3, dropout="seed")
+    q2, k2, v2, _, kw2 = make_inputs(7, 2, 2, 1, 7, 9, 3, 3, dropout="seed")
+    _, c1 = A.sdpa_forward(q1, k1, v1, impl="numpy", **kw1)
+    _, c2 = A.sdpa_forward(q2, k2, v2, impl="numpy", **kw2)
+    ws = A.Workspace()
+    ws.give(c1)
+    ws.give(c2)
+    assert len(ws.spares) == 2
+    _, c = A.sdpa_forward(q2, k2, v2, impl="numpy", workspace=ws, **kw2)
+    assert np.shares_memory(c.exps, c2.exps) and np.shares_memory(c.keep, c2.keep)
+    assert not ws.spares
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
 def test_a_drawn_keep_mask_outlives_its_cache_given_back(causal):
     """``dropout_keep_mask`` of a cache stays the mask that forward used after the cache goes
