@@ -45,6 +45,25 @@ def test_pooled_projection_matches_the_reference(lead, bias, pooled):
             np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
 
+def test_the_pool_takes_a_gemm_of_exactly_pool_min_linear_multiply_adds(monkeypatch):
+    """``linear_applies`` holds from ``POOL_MIN_LINEAR`` multiply-adds (rows x Din x Dout) on:
+    a GEMM of 18 rows, Din 6 and Dout 5 is pooled at 540 and not at 541."""
+    x, w, _, _ = _case(5, (2, 9), 6, 5)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 18 * 6 * 5)
+    assert numpy_kernel.linear_applies(x, w)
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_LINEAR", 18 * 6 * 5 + 1)
+    assert not numpy_kernel.linear_applies(x, w)
+
+
+def test_a_weight_that_is_not_a_matrix_is_named_where_the_pool_would_run(pooled):
+    """A ``w`` of one or three axes gets the reference's ValueError naming ``w``, also where a
+    matrix of its size would be pooled."""
+    x, w, _, _ = _case(4, (2, 9), 6, 5)
+    for bad in (w[0], w[None]):
+        for linear_forward in (A.linear_forward, F.linear_forward):
+            with pytest.raises(ValueError, match=r"w: expected a 2-D weight \(Dout, Din\), got shape"):
+                linear_forward(x, bad, None)
+
 
 def test_the_pool_takes_numpy_arrays_only(backend, to_xp, pooled):
     """``linear_applies`` is true of NumPy ``x`` and ``w`` alone: one array of another library
