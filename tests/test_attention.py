@@ -872,6 +872,20 @@ def test_writing_into_the_output_changes_no_gradient(impl, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_the_kernel_returns_out_and_gradients_in_the_merged_layout(dtype):
+    """The NumPy kernel writes out, dq, dk and dv in the merged (B, L, H, D) layout of the
+    heads (GQA, Lq != Lk, float64 and float16): merging their heads is a reshape that shares
+    their memory, not a copy."""
+    q, k, v, dout, kw = make_inputs(9, 2, 2, 2, 5, 7, 4, 3, mask_kind="bool", dtype=dtype)
+    out, cache = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    dq, dk, dv = A.sdpa_backward(dout, cache)[:3]
+    for name, a in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert a.dtype == dtype, name
+        merged, _ = F.merge_heads_forward(a)  # [B, L, H * D]
+        assert np.shares_memory(merged, a), name
+
+
 # --------------------------------------------------------------------------
 # the module on every implementation
 
