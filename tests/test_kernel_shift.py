@@ -1,6 +1,8 @@
 """The NumPy kernel's softmax without the max shift (``numpy_kernel.EXP_BOUND``) and its
 row factors (``cache.exps``, ``cache.row_scale``): the reference's numbers either way."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -136,6 +138,22 @@ def test_tiles_of_unequal_head_counts_equal_the_reference(case, monkeypatch):
         got["lse"] = got["lse"][~empty]
         for name in ref:
             assert_close(got[name], ref[name], np.asarray, f"{case}, pool min {pool_min}: {name}")
+
+
+def test_a_query_whose_squared_norm_overflows_float32_warns_nothing():
+    """Queries of norm ~1e20 in float32 (their squared norms overflow) against keys of zeros:
+    the bound on the scores is not finite, so the scores are shifted; the weights are the
+    reference's uniform rows, and no RuntimeWarning is raised (the reference raises none)."""
+    rng = np.random.default_rng(6)
+    q = (1e20 * rng.standard_normal((2, 2, 5, 4))).astype(np.float32)
+    k = np.zeros((2, 2, 7, 4), dtype=np.float32)
+    v = rng.standard_normal((2, 2, 7, 3)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, c = A.sdpa_forward(q, k, v, impl="numpy")
+    np.testing.assert_allclose(A.weights(c), 1.0 / 7.0, rtol=1e-6)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=-2, keepdims=True), out.shape),
+                               rtol=1e-5, atol=1e-6)
 
 
 def _planted(case):
