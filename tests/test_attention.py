@@ -271,6 +271,18 @@ def test_a_callers_dropout_mask_is_used_as_given(keep_shape, backend, xp, to_xp,
         assert_same_results(got, ref, to_np, impl)
 
 
+@pytest.mark.parametrize("impl", ["numpy", "reference", "blocked"])
+def test_a_callers_dropout_mask_is_returned_as_it_was_broadcast(impl):
+    """``dropout_keep_mask`` of a forward given a (1, Hq, Lq, Lk) keep-mask is that mask
+    broadcast to (B, Hq, Lq, Lk): a view of the caller's array, not a copy (GQA, Lq != Lk)."""
+    q, k, v, _, kw = make_inputs(8, 2, 2, 2, 5, 7, 3, 4, dropout="mask")
+    _, c = A.sdpa_forward(q, k, v, impl=impl, **kw)
+    got = A.dropout_keep_mask(c)
+    assert got.shape == (2, 4, 5, 7)
+    np.testing.assert_array_equal(got, np.broadcast_to(kw["dropout_mask"], got.shape))
+    assert np.shares_memory(got, kw["dropout_mask"])
+
+
 # --------------------------------------------------------------------------
 # large scores
 
