@@ -65,6 +65,24 @@ def test_a_weight_that_is_not_a_matrix_is_named_where_the_pool_would_run(pooled)
                 linear_forward(x, bad, None)
 
 
+def test_a_pooled_projection_of_no_rows_gives_zero_weight_gradients(pooled):
+    """x and dy of no rows ((0, 6) and (3, 0, 6)) on the pool: y and dx have no rows, and
+    dw and db are zeros, as the reference's sums over no rows."""
+    _, w, b, _ = _case(7, (2, 9), 6, 5)
+    for lead in ((0,), (3, 0)):
+        x, dy = np.ones((*lead, 6)), np.ones((*lead, 5))
+        y, c = A.linear_forward(x, w, b)
+        y_ref, c_ref = F.linear_forward(x, w, b)
+        assert y.shape == y_ref.shape == (*lead, 5)
+        for _ in range(3):  # memory freed by one call is what the next one may get
+            got = A.linear_backward(dy, c)
+            for name, g, want in zip(("dx", "dw", "db"), got, F.linear_backward(dy, c_ref)):
+                assert g.shape == want.shape, name
+                np.testing.assert_array_equal(g, want, err_msg=name)
+            assert not np.any(got[1]) and not np.any(got[2])
+            np.multiply(w, 3.0).sum()  # leaves freed (Dout, Din) arrays that are not zero
+
+
 def test_the_pool_takes_numpy_arrays_only(backend, to_xp, pooled):
     """``linear_applies`` is true of NumPy ``x`` and ``w`` alone: one array of another library
     is the reference's (which names it), even where the GEMM is large enough for the pool."""
