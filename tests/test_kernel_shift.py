@@ -121,6 +121,27 @@ def test_tiles_spanning_batch_entries_equal_the_reference(case, min_tasks, monke
         np.testing.assert_array_equal(A.dropout_keep_mask(c), A.dropout_keep_mask(ref_c))
 
 
+def test_small_heads_share_tiles_while_the_call_keeps_tile_min_tasks_tiles(monkeypatch):
+    """B = 8 entries whose heads all fit in one tile: a tile takes B // TILE_MIN_TASKS = 2
+    batch entries (all their heads), so the pool gets 4 tiles, not 8 nor 1; forward and
+    backward alike, with the reference's numbers."""
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    spans = []
+    real = numpy_kernel.run_tasks
+
+    def recorded(fn, tasks, threads):
+        spans.append(sorted(tasks))  # (b0, b1, h0, h1) each
+        return real(fn, tasks, threads)
+
+    monkeypatch.setattr(numpy_kernel, "run_tasks", recorded)
+    q, k, v, dout, kw = make_inputs(19, 8, 2, 2, 5, 7, 4, 3)
+    got = _all(q, k, v, dout, kw, "numpy")
+    assert spans == [[(0, 2, 0, 2), (2, 4, 0, 2), (4, 6, 0, 2), (6, 8, 0, 2)]] * 2
+    ref = _all(q, k, v, dout, kw, "reference")
+    for name in ref:
+        assert_close(got[name], ref[name], np.asarray, name)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tiles_of_unequal_head_counts_equal_the_reference(case, monkeypatch):
     """Three K/V heads in tiles of two heads and one (``TILE_ELEMS`` fits two heads' scores):
