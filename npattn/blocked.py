@@ -54,6 +54,7 @@ from .backend import (
     device_of,
     dropout_key,
     exclusive,
+    generator_kept_on_failure,
     is_bool,
     is_dask_array,
     is_floating,
@@ -418,9 +419,11 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
     options = F.checked_options(q, k, v, enable_gqa=enable_gqa, align=align, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                 q_segments=q_segments, k_segments=k_segments)
-    return sdpa_blocked_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
-                                     dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng,
-                                     groups=G, block_q=block_q, block_k=block_k, options=options)
+    with generator_kept_on_failure(rng):  # a failed call leaves the caller's generator as it was
+        return sdpa_blocked_forward_core(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                         dropout_p=dropout_p, dropout_mask=dropout_mask, rng=rng,
+                                         groups=G, block_q=block_q, block_k=block_k,
+                                         options=options)
 
 
 def sdpa_blocked_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool,

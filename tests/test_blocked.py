@@ -385,6 +385,30 @@ def test_generator_dropout_over_broadcast_leading_axes_is_the_references(q_lead,
         assert_close(gb, gr, to_np, name)
 
 
+def test_a_failed_forward_leaves_the_callers_generator_as_it_was(monkeypatch):
+    """sdpa_blocked_forward draws its dropout key before the blocks run; should a block fail
+    (here a MemoryError from making its keep-mask), the caller's generator is put back, as
+    ``functional.sdpa_forward`` and the dispatcher put it back, and the retry draws the mask
+    and gives the output of a fresh generator of the same seed."""
+    rng = np.random.default_rng(33)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 5, 3), (2, 2, 7, 3), (2, 2, 7, 2)))
+    kw = dict(dropout_p=0.5, block_q=2, block_k=3)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    gen = np.random.default_rng(4)
+    state = gen.bit_generator.state
+    monkeypatch.setattr(Bk, "keyed_keep_mask_on", out_of_memory)
+    with pytest.raises(MemoryError):
+        Bk.sdpa_blocked_forward(q, k, v, rng=gen, **kw)
+    assert gen.bit_generator.state == state
+    monkeypatch.undo()
+    out, _ = Bk.sdpa_blocked_forward(q, k, v, rng=gen, **kw)
+    out_fresh, _ = Bk.sdpa_blocked_forward(q, k, v, rng=np.random.default_rng(4), **kw)
+    np.testing.assert_array_equal(out, out_fresh)
+
+
 # --------------------------------------------------------------------------
 # half precision
 
