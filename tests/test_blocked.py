@@ -168,6 +168,7 @@ def test_fully_masked_rows_are_zero_without_nan(is_causal, xp, to_xp, to_np):
             q, k, v, mask=to_xp(mask), is_causal=is_causal, block_q=3, block_k=2
         )
         dq, dk, dv, dmask, _ = Bk.sdpa_blocked_backward(dout, cache)
+        lse = to_np(cache.lse)  # -inf on the empty rows, without log(0)
     out, dq, dmask = to_np(out), to_np(dq), to_np(dmask)
     for a in (out, dq, to_np(dk), to_np(dv), dmask, to_np(cache.m), to_np(cache.l)):
         assert np.all(np.isfinite(a))
@@ -176,8 +177,13 @@ def test_fully_masked_rows_are_zero_without_nan(is_causal, xp, to_xp, to_np):
     assert np.all(out[1, :, 4:] == 0.0) and np.all(dq[1, :, 4:] == 0.0)
     assert np.all(dmask[:, :, 1] == 0.0)
     assert np.any(out[0, :, 0] != 0.0)  # the others are not all zero
-    ref = F.sdpa_forward(q, k, v, mask=to_xp(mask), is_causal=is_causal)[0]
+    ref, cache_ref = F.sdpa_forward(q, k, v, mask=to_xp(mask), is_causal=is_causal)
     assert_close(out, ref, to_np, "out")
+    lse_ref = to_np(cache_ref.lse)  # [B, H, Lq]
+    assert np.all(lse[:, :, 1] == -np.inf) and np.all(lse[1, :, 4:] == -np.inf)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    ok = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[ok], lse_ref[ok], rtol=1e-12)
 
 
 def test_row_max_and_row_sum_are_saved(xp, to_xp, to_np):
