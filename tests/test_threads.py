@@ -136,7 +136,8 @@ def test_pool_threads_never_change_the_numbers(seed, B, Hkv, G, Lq, Lk, Dv, mask
 def test_blocked_half_precision_on_the_pool_keeps_float32_rows(monkeypatch):
     """float16 inputs on the blocked path's pool: each slice's output and row statistics are
     float32 (the compute dtype) where the tasks write them, as on one thread, so out and every
-    gradient are bitwise those of one thread (delta = rowsum(dout * out) reads the saved out)."""
+    gradient are bitwise those of one thread (delta = rowsum(dout * out) reads the saved out).
+    The backward hands its slices to the pool as the forward does."""
     rng = np.random.default_rng(17)
     B, H, Lq, Lk, Dh = 2, 3, 7, 6, 4
     q, k, v, dout = (rng.standard_normal(s).astype(np.float16)
@@ -151,7 +152,9 @@ def test_blocked_half_precision_on_the_pool_keeps_float32_rows(monkeypatch):
         assert rec.split() == (threads != "1"), rec.calls
         assert out.dtype == np.float16
         assert cache.out.dtype == cache.m.dtype == cache.l.dtype == np.float32, threads
+        rec = PoolRecorder(monkeypatch)  # the backward's calls alone
         results[threads] = (out, *blocked.sdpa_blocked_backward(dout, cache)[:3])
+        assert rec.split() == (threads != "1"), f"backward: {rec.calls}"
     for name, a, b in zip(("out", "dq", "dk", "dv"), results["2"], results["1"]):
         np.testing.assert_array_equal(a, b, err_msg=f"{name}, 2 threads")
 
