@@ -372,6 +372,50 @@ def test_calls_that_differ_only_in_dropout_dout_or_dlse_computed_together():
                 assert_close(g, g0, host, f"call {n}: {name}")
 
 
+def test_without_key_chunks_each_pair_passes_on_bit_for_bit():
+    """Without key chunking step 2 has one pair per row and passes it on as it is, and each
+    task runs the blocked steps with the block lengths asked for: on dask arrays chunked along
+    the batch and the heads only, out and every gradient (dmask too) of impl="chunked" are bit
+    for bit those of impl="blocked" on the NumPy arrays with the same block_q and block_k,
+    under a float mask and dropout from a seed. The blocked path's numbers do not depend on
+    how the leading axes are split, while its key blocks set how each row's sums are rounded."""
+    q, k, v, dout, kw = make_inputs(19, 2, 2, 1, 7, 9, 4, 3, mask_kind="float", mask_form="B1LqLk",
+                                    dropout="seed")
+    blocks = dict(block_q=2, block_k=3)
+    out0, c0 = A.sdpa_forward(q, k, v, impl="blocked", **blocks, **kw)
+    grads0 = A.sdpa_backward(dout, c0)
+    other = A.sdpa_forward(q, k, v, impl="blocked", block_q=2, block_k=2, **kw)[0]
+    assert not np.array_equal(other, out0)  # the key blocks do change the bits
+    dq, dk, dv, dm, _, ddout = chunk(q, k, v, kw.pop("mask"), None, dout, (1, 1, 7, 9), 1)
+    out, c = A.sdpa_forward(dq, dk, dv, mask=dm, impl="chunked", **blocks, **kw)
+    out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+    np.testing.assert_array_equal(out, out0, err_msg="out")
+    for name, g, g0 in zip(("dq", "dk", "dv", "dmask"), grads, grads0):
+        np.testing.assert_array_equal(g, g0, err_msg=name)
+
+
+def test_calls_that_differ_only_in_block_lengths_computed_together():
+    """Two chunked calls on the same dask arrays that differ only in the block lengths the
+    tasks run with (which set how each row's sums are rounded), forward and backward computed
+    in one ``dask.compute``: each gives bit for bit what it gives computed alone (their tasks
+    must not share names)."""
+    q, k, v, dout, kw = make_inputs(18, 2, 2, 1, 7, 9, 4, 3, causal=True)
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 2, 3, 4), 1)
+    blocks = [dict(block_q=2, block_k=3), dict(block_q=3, block_k=1)]
+
+    def call(b):
+        out, c = A.sdpa_forward(dq, dk, dv, impl="chunked", **b, **kw)
+        return out, A.sdpa_backward(ddout, c)[:3]
+
+    alone = [dask.compute(call(b), scheduler="sync")[0] for b in blocks]
+    assert not np.array_equal(alone[0][0], alone[1][0])  # the block lengths change the bits
+    together = dask.compute([call(b) for b in blocks], scheduler="sync")[0]
+    for b, (out, grads), (out1, grads1) in zip(blocks, together, alone):
+        np.testing.assert_array_equal(out, out1, err_msg=f"{b}: out")
+        for name, g, g1 in zip(("dq", "dk", "dv"), grads, grads1):
+            np.testing.assert_array_equal(g, g1, err_msg=f"{b}: {name}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_low_precision_dtypes(dtype):
     """float32 stays float32 (also inside: its lse is float32, as the kernel's); float16 is
