@@ -53,8 +53,10 @@ def test_each_attention_configuration_is_what_its_name_says(monkeypatch, dtype):
     named causal runs causal, one with dropout drops with a fixed keep-mask that drops
     something, one with sinks has sinks, a cross or Lq != Lk one has different lengths, a
     fully masked row is in the mask that reaches attention (the module's mask is no input of
-    the check, so test_cli's look at the inputs does not see it), in float32 as in float64
-    (where the module audited is a second one, built for float32)."""
+    the check, so test_cli's look at the inputs does not see it) and more than one where it
+    says rows, a padding mask pads some key, a float mask named for -inf has it beside finite
+    entries of a row too, and a [blocked] one runs on blocks shorter than both lengths, in
+    float32 as in float64 (where the module audited is a second one, built for float32)."""
     seen = 0
     for c in audit.panel("numpy"):
         if not c.name.startswith(("sdpa", "mha")):
@@ -84,7 +86,14 @@ def test_each_attention_configuration_is_what_its_name_says(monkeypatch, dtype):
         if "bool" in name:
             assert mask is not None and np.asarray(mask).dtype == bool, name
         if "fully masked row" in name:
-            assert np.any(_attends_nothing(mask)), name
+            assert np.sum(_attends_nothing(mask)) >= (2 if "fully masked rows" in name else 1), name
+        if "padding" in name:  # a padding mask pads some key
+            assert np.any(~np.asarray(mask)), name
+        if "-inf" in name:  # -inf beside finite entries too, not in fully masked rows alone
+            m = np.asarray(mask)
+            assert np.any(np.any(np.isneginf(m), axis=-1) & np.any(np.isfinite(m), axis=-1)), name
+        if c.impl == "blocked":  # blocks that split both lengths, in float32 as in float64
+            assert 0 < kw["block_q"] < Lq and 0 < kw["block_k"] < Lk, name
         if "bottom-right" in name:
             assert kw.get("align") == "bottom_right", name
         if "segments" in name:  # and a query whose segment has no key
