@@ -423,3 +423,100 @@ def test_a_layer_or_model_backward_off_by_a_bit_fails_its_rows(monkeypatch, modu
     for config, tensors in failing.items():
         rows = {r.tensor: r for r in audit.run_check(checks[config], xp, "float64")}
         assert {t for t, r in rows.items() if not r.passed} == tensors, (config, rows)
+
+
+def test_each_layer_and_model_configuration_is_what_its_name_says(monkeypatch):
+    """The names of the configurations around attention are coverage claims too: "gelu, tanh"
+    runs the tanh form and "gelu, exact" the exact one, the feed-forward runs the activation
+    and dropout p its name gives with a keep-mask that drops about a share p, the mean pool's mask
+    leaves a sequence without tokens, the embedding's ids repeat one id and leave another out,
+    the cross-entropy with options receives each option its name lists (and the plain one
+    none), the relative positions have Lq != Lk, and each block is the kind, norm placement
+    and activation its name says, causal when named so, with a padding mask that pads and
+    dropout p with keep-masks that drop about a share p."""
+    import importlib
+
+    from npattn import transformer
+
+    calls = []
+
+    def recording(module, fn_name):
+        original = getattr(module, fn_name)
+
+        def fn(*args, **kw):
+            calls.append((fn_name, args, kw))
+            return original(*args, **kw)
+
+        monkeypatch.setattr(module, fn_name, fn)
+
+    for module_name, fn_names in (
+            ("layers", ("relu_forward", "gelu_forward", "feed_forward_forward", "mean_pool_forward")),
+            ("nn", ("embedding_forward", "cross_entropy_forward")),
+            ("positions", ("relative_scores_forward", "relative_bias_forward"))):
+        for fn_name in fn_names:
+            recording(importlib.import_module(f"npattn.{module_name}"), fn_name)
+    for kind in (transformer.TransformerBlock, transformer.TransformerDecoderBlock):
+        original_forward = kind.forward
+
+        def block_forward(self, *args, _original=original_forward, **kw):
+            calls.append((type(self).__name__, (self,) + args, kw))
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(kind, "forward", block_forward)
+    xp = namespace(np.zeros(1))
+    seen = set()
+    for c in audit.panel("numpy"):
+        if c.kind not in ("layer", "model") or c.name.startswith("gpt"):
+            continue
+        calls.clear()
+        fwd, _, inputs, _ = c.build(xp, xp.float64, np.random.default_rng(0))
+        fwd(*inputs)
+        if not calls:  # layer_norm, residual, add_positions, rope: their names claim no options
+            continue
+        (fn_name, args, kw), name = calls[0], c.name
+        seen.add(fn_name)
+        if name.startswith(("relu", "gelu")):
+            assert fn_name == name.split(",")[0] + "_forward", name
+        if name.startswith("gelu"):
+            assert kw.get("approximate", "none") == ("tanh" if "tanh" in name else "none"), name
+        if fn_name == "feed_forward_forward":
+            assert name.startswith("feed_forward") and kw["activation"] in name, name
+            p = float(re.search(r"p=([0-9.]+)", name)[1])
+            keep = np.asarray(kw["dropout_mask"])
+            assert kw["dropout_p"] == p and abs(1.0 - keep.mean() - p) < 0.2 and keep.any(), name
+        if fn_name == "mean_pool_forward":
+            assert name.startswith("mean_pool") and "without tokens" in name, name
+            keep = np.asarray(args[1])
+            assert keep.dtype == bool and np.any(~keep.any(axis=-1)) and keep.any(), name
+        if fn_name == "embedding_forward":
+            ids, table = np.asarray(args[0]), args[1]
+            counts = np.bincount(ids.ravel(), minlength=table.shape[0])
+            assert counts.max() > 1 and np.any(counts == 0), name  # repeated and absent ids
+        if fn_name == "cross_entropy_forward":
+            options = {k: v for k, v in kw.items() if v is not None}
+            if name == "cross_entropy":
+                assert options == {}, name
+            else:
+                targets = np.asarray(args[1])
+                assert np.any(np.asarray(options["weight"]) == 0.0), name  # "class weights with a 0"
+                ignored = options["ignore_index"]
+                assert f"ignore_index={ignored} (a class id)" in name and np.any(targets == ignored), name
+                assert f"label_smoothing={options['label_smoothing']}" in name, name
+                assert f"reduction={options['reduction']!r}" in name, name
+        if fn_name == "relative_scores_forward":
+            assert "Lq != Lk" in name and args[0].shape[-2] != args[2], name
+        if fn_name == "relative_bias_forward":
+            assert "Lq != Lk" in name and args[1] != args[2], name
+        if fn_name.endswith("Block"):
+            block = args[0]
+            assert name.startswith("decoder" if "Decoder" in fn_name else "encoder"), name
+            assert block.norm_first == ("pre-norm" in name) != ("post-norm" in name), name
+            assert block.activation in name and bool(kw.get("is_causal")) == ("causal" in name), name
+            pad = np.asarray(kw["memory_mask" if "Decoder" in fn_name else "mask"])
+            assert pad.dtype == bool and not pad.all() and "padding mask" in name, name
+            p = float(re.search(r"p=([0-9.]+)", name)[1])
+            keeps = [np.asarray(k) for k in kw["dropout_masks"].values()]
+            assert block.dropout == p and keeps and all(abs(1.0 - k.mean() - p) < 0.2 for k in keeps), name
+    assert seen >= {"relu_forward", "gelu_forward", "feed_forward_forward", "mean_pool_forward",
+                    "embedding_forward", "cross_entropy_forward", "relative_scores_forward",
+                    "relative_bias_forward", "TransformerBlock", "TransformerDecoderBlock"}, seen
