@@ -263,6 +263,21 @@ def test_the_table_and_the_summary_say_what_the_rows_say():
         "1 FAILED")
 
 
+def test_the_table_s_columns_line_up_under_their_headings():
+    """Each row's tensor, errors and verdict start where their headings do, whatever the
+    lengths of the configuration and tensor names (a module's input is named "x (q=k=v)")."""
+    rows = [audit.Row("c", "x (q=k=v)", 1.5e-9, 2.5e-10, True),
+            audit.Row("a longer configuration", "w", 3.25e-3, 4.5e-2, False)]
+    head, _, *lines = audit.format_table(audit.AuditResult("numpy", "float64", 1e-6, 1e-12, rows,
+                                                           0.5)).splitlines()
+    for line, r in zip(lines, rows):
+        assert line.index(r.tensor, len(r.config)) == head.index("tensor"), (head, line)
+        verdict = "pass" if r.passed else "FAIL"
+        assert line.index(verdict) == head.index("result"), (head, line)
+        rel = f"{r.max_rel_err:.2e}"  # right-aligned under its heading
+        assert line.index(rel) + len(rel) == head.index("max rel err") + len("max rel err"), (head, line)
+
+
 def test_the_json_of_a_result_says_its_settings_and_verdict():
     d = _result().to_dict()
     assert {k: d[k] for k in ("backend", "dtype", "rtol", "atol", "eps", "n_checked",
@@ -270,6 +285,8 @@ def test_the_json_of_a_result_says_its_settings_and_verdict():
         "backend": "torch", "dtype": "float32", "rtol": 1e-4, "atol": 1e-7, "eps": 1e-6,
         "n_checked": 3, "n_failed": 2, "ok": False, "seconds": 1.25}
     assert d["rows"][2]["max_abs_err"] is None and d["rows"][2]["error"] == "RuntimeError: boom"
+    assert d["rows"][2]["max_rel_err"] is None  # NaN is no JSON: both errors become null
+    json.loads(json.dumps(d, allow_nan=False))
     assert d["rows"][1]["max_rel_err"] == 4.5e-2 and d["rows"][0]["passed"] is True
 
 
@@ -423,6 +440,51 @@ def test_a_layer_or_model_backward_off_by_a_bit_fails_its_rows(monkeypatch, modu
     for config, tensors in failing.items():
         rows = {r.tensor: r for r in audit.run_check(checks[config], xp, "float64")}
         assert {t for t, r in rows.items() if not r.passed} == tensors, (config, rows)
+
+
+@pytest.mark.parametrize("broken", ["an infinite entry", "missing"])
+def test_a_broken_gradient_fails_its_own_row_and_the_rows_keep_the_input_order(broken):
+    """f(x, y) = 3 [x, y] with y's gradient broken (one entry infinite, or None): y's row
+    fails and x's, exact, still passes; an infinite entry is no largest gradient of the
+    configuration to take the floor from (1e-2 * inf would fail every row). The rows come
+    in the order of the inputs, x then y, whichever of them failed."""
+    def build(xp, dtype, rng):
+        x = xp.asarray(rng.standard_normal((2, 3)), dtype=dtype)
+        y = xp.asarray(rng.standard_normal((2, 3)), dtype=dtype)
+
+        def backward(dout, cache):
+            dy = np.array(3.0 * dout[2:])
+            dy[1, 2] = np.inf
+            return 3.0 * dout[:2], (dy if broken == "an infinite entry" else None)
+
+        return (lambda x, y: (3.0 * xp.concat([x, y], axis=0), None)), backward, [x, y], ["x", "y"]
+
+    xp = namespace(np.zeros(1))
+    rows = audit.run_check(audit.Check("3 [x, y]", "primitive", build), xp, "float64", seed=2)
+    assert [r.tensor for r in rows] == ["x", "y"]
+    assert rows[0].passed and rows[0].max_abs_err < 1e-8, rows[0]
+    assert not rows[1].passed and np.isnan(rows[1].max_abs_err), rows[1]
+
+
+def test_a_jax_audit_puts_x64_back_as_it_found_it():
+    """The checks run with jax_enable_x64 on; afterwards it is what it was before, on as well
+    as off."""
+    jax = pytest.importorskip("jax")
+    before = bool(jax.config.jax_enable_x64)
+    seen = []
+
+    def build(xp, dtype, rng):
+        seen.append(bool(jax.config.jax_enable_x64))
+        raise RuntimeError("only the setting is looked at")
+
+    try:
+        for setting in (True, False):
+            jax.config.update("jax_enable_x64", setting)
+            result = audit.run_audit("jax", "float64", checks=[audit.Check("c", "primitive", build)])
+            assert not result.ok and bool(jax.config.jax_enable_x64) is setting
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    assert seen == [True, True]
 
 
 def test_each_layer_and_model_configuration_is_what_its_name_says(monkeypatch):
