@@ -1539,3 +1539,33 @@ def test_bench_main_s_memory_check_counts_the_dtype_and_leaves_out_what_is_not_r
     assert bench_dask.main([*common, "--dtype", "float64", "--no-local", "--json", "-"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["scores_one_head_mib"], result["scores_one_entry_mib"]) == (8.0, 16.0)
+
+
+def test_the_audit_s_chunked_cross_attention_splits_the_keys(monkeypatch):
+    """Each [chunked] cross-attention module configuration hands the chunked implementation
+    its keys and values in several chunks along the key positions (and one batch entry per
+    chunk), so that the module's audit crosses chunk edges too."""
+    from npattn.tools import audit
+
+    seen = []
+    original = A.sdpa_forward
+
+    def recording(q, k, v, **kw):
+        seen.append((q, k, v))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(A, "sdpa_forward", recording)
+    xp = resolve_backend("dask")
+    crossed = 0
+    for check in audit.panel("dask"):
+        if check.impl != "chunked" or not check.name.startswith("mha cross"):
+            continue
+        seen.clear()
+        fwd, bwd, inputs, names = check.build(xp, xp.float64, np.random.default_rng(0),
+                                              impl=check.impl)
+        fwd(*inputs)
+        ((q, k, v),) = seen
+        assert k.numblocks[-2] > 1 and v.numblocks[-2] > 1, (check.name, k.chunks)
+        assert q.numblocks[0] == k.numblocks[0] == q.shape[0], (check.name, q.chunks)
+        crossed += 1
+    assert crossed >= 2
