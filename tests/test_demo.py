@@ -232,14 +232,16 @@ def test_each_head_shows_its_own_weights_on_one_scale():
 
 def test_saved_heatmaps_are_the_model_s_weights_on_the_seeded_sequence(tmp_path, monkeypatch):
     """Each attention_head{h}.png draws head h, attention_heads.png all heads, of the sequence
-    that ``seed`` draws, recomputed here from the model."""
+    that ``seed`` draws, recomputed here from the model; each head's figure is titled with
+    its head and the sequence's digits, its one panel left untitled."""
     pytest.importorskip("matplotlib")
     drawn = []
     figure = demo.heatmap_figure
 
     def recording_figure(weights, digits, **kwargs):
-        drawn.append((np.array(weights), list(digits)))
-        return figure(weights, digits, **kwargs)
+        fig = figure(weights, digits, **kwargs)
+        drawn.append((np.array(weights), list(digits), fig))
+        return fig
 
     monkeypatch.setattr(demo, "heatmap_figure", recording_figure)
     model = ReverseModel(DemoConfig(seq_len=5, d_model=8, n_head=2, seed=4))
@@ -248,9 +250,13 @@ def test_saved_heatmaps_are_the_model_s_weights_on_the_seeded_sequence(tmp_path,
     _, w = model.forward(from_numpy(ids, model.xp), need_weights=True)  # [1, H, L, L]
     w = to_numpy(w)[0]
     assert len(drawn) == 3
-    for h, (weights, digits) in enumerate(drawn[:2]):
+    sequence = " ".join(str(d) for d in ids[0])
+    for h, (weights, digits, fig) in enumerate(drawn[:2]):
         np.testing.assert_array_equal(weights, w[h:h + 1])
         assert digits == ids[0].tolist()
+        title = fig.get_suptitle()
+        assert title.startswith(f"head {h} of 2") and sequence in title, title
+        assert fig.axes[0].get_title() == ""  # the figure's title names the head, once
     np.testing.assert_array_equal(drawn[2][0], w)
 
 
@@ -294,3 +300,20 @@ def test_save_heatmaps_leaves_the_callers_matplotlib_backend(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["pdf", "[1]", "3"], run.stdout
+
+
+def test_axis_labels_sit_under_each_column_and_left_of_each_row():
+    """Five heads in a 2 x 4 grid: "key position" under the lowest head of each column (heads
+    1-3, whose cell below is empty, and head 4), "query position" left of the first head of
+    each row (heads 0 and 4); the three cells without a head are hidden."""
+    pytest.importorskip("matplotlib")
+    from npattn.tools.demo import heatmap_figure
+
+    w = np.random.default_rng(2).dirichlet(np.ones(4), size=(5, 4))  # [H, L, L]
+    fig = heatmap_figure(w, [1, 2, 3, 4])
+    heads = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_xlabel() for ax in heads] == ["", "key position", "key position", "key position",
+                                                 "key position"]
+    assert [ax.get_ylabel() for ax in heads] == ["query position", "", "", "", "query position"]
+    empty = [ax for ax in fig.axes[:8] if not ax.get_images()]  # the grid's cells, then the colorbar
+    assert len(empty) == 3 and not any(ax.axison for ax in empty)
