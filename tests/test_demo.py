@@ -122,19 +122,42 @@ def test_training_steps_rates_and_the_held_out_batch(monkeypatch):
 
 def test_the_progress_note_is_the_last_batch_s_at_the_end(monkeypatch):
     """The note (batch loss and accuracy) is renewed every 10 steps and at the last one, so the
-    bar ends on the last training batch's numbers, not those of step 10."""
-    notes, done = [], [0]
+    bar ends on the last training batch's numbers, not those of step 10; each note's loss and
+    token accuracy are those of that step's logits against its reversed targets, recomputed
+    here."""
+    notes, done, batches, logits = [], [0], [], []
+    make, forward = demo.make_batch, ReverseModel.forward
 
     class RecordingBar(demo.ProgressBar):
         def update(self, n=1, note=None):
             if note is not None:
-                notes.append(done[0])  # the steps done before this note
+                notes.append((done[0], note))  # the steps done before this note
             done[0] += n
             super().update(n, note)
 
+    def recording_make_batch(*args):
+        batches.append(make(*args))
+        return batches[-1]
+
+    def recording_forward(self, ids, **kwargs):
+        out = forward(self, ids, **kwargs)
+        logits.append(to_numpy(out))
+        return out
+
     monkeypatch.setattr(demo, "ProgressBar", RecordingBar)
-    train(DemoConfig(seq_len=3, d_model=8, n_head=2, batch=4, steps=12, eval_size=4), progress=False)
-    assert notes == [0, 10, 11]
+    monkeypatch.setattr(demo, "make_batch", recording_make_batch)
+    monkeypatch.setattr(ReverseModel, "forward", recording_forward)
+    train(DemoConfig(seq_len=3, d_model=8, n_head=2, batch=4, steps=12, eval_size=4, dtype="float64"),
+          progress=False)
+    assert [step for step, _ in notes] == [0, 10, 11]
+    for step, note in notes:
+        z, tgt = logits[step], batches[step][1]  # [4, 3, V], [4, 3]
+        logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        loss = -np.take_along_axis(logp, tgt[..., None], axis=-1).mean()
+        acc = np.mean(z.argmax(axis=-1) == tgt)
+        shown = re.fullmatch(r"batch loss (\S+)  batch acc (\S+)", note)
+        assert shown and float(shown[1]) == pytest.approx(loss, abs=1e-4), note
+        assert float(shown[2]) == pytest.approx(acc, abs=1e-3), note
 
 
 def test_format_table_rows():
@@ -143,12 +166,15 @@ def test_format_table_rows():
     assert header.split() == ["heads", "head", "dim", "final", "loss", "accuracy", "time", "(s)",
                               "params"]
     assert row.split() == ["2", "4", "0.2500", "0.8750", "3.2", "490"]
+
+
 @pytest.mark.parametrize("field,value,error", [
     ("steps", -1, ValueError),  # trained nothing and reported steps=-1
     ("steps", 2.5, TypeError),  # range()'s "'float' object cannot be interpreted as an integer"
     ("batch", 0, ValueError),  # "query: expected a batch size (axis 0) of at least 1"
     ("eval_size", 0, ValueError),  # the same, after training
     ("seq_len", "4", TypeError),
+    ("vocab", 0, ValueError),  # failed in the first batch's draw, without naming the field
 ])
 def test_train_refuses_a_size_that_is_not_a_positive_int(field, value, error):
     """As the command's flags (and the gpt demo's train): each size a positive int, told by
@@ -300,6 +326,33 @@ def test_save_heatmaps_leaves_the_callers_matplotlib_backend(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["pdf", "[1]", "3"], run.stdout
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
+def test_the_positions_added_are_the_learned_table_or_the_sinusoidal_encoding(monkeypatch, pos):
+    """Step 2, x = e + pos: with learned positions ``pos`` is the parameter (L, D); with
+    sinusoidal ones pe[i, 2k] = sin(i / 10000^(2k/D)) and pe[i, 2k+1] = cos(i / 10000^(2k/D)),
+    recomputed here (a wrong or zero encoding leaves the gradients right but the model blind
+    to positions)."""
+    added = []
+    add_positions = nn.add_positions_forward
+
+    def recording(x, pos):
+        added.append(to_numpy(pos))
+        return add_positions(x, pos)
+
+    monkeypatch.setattr(nn, "add_positions_forward", recording)
+    L, D = 5, 6
+    model = ReverseModel(DemoConfig(seq_len=L, d_model=D, n_head=2, pos=pos, dtype="float64"))
+    ids, _ = make_batch(np.random.default_rng(0), 2, L, 10)
+    model.forward(from_numpy(ids, model.xp))
+    (got,) = added
+    if pos == "learned":
+        np.testing.assert_array_equal(got, to_numpy(model.all_params()["pos"]))
+    else:
+        angle = np.arange(L)[:, None] / 10000.0 ** (2 * (np.arange(D)[None, :] // 2) / D)  # [L, D]
+        expected = np.where(np.arange(D) % 2 == 0, np.sin(angle), np.cos(angle))
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-15)
 
 
 def test_axis_labels_sit_under_each_column_and_left_of_each_row():
