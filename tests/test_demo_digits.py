@@ -8,6 +8,7 @@ seeds 0-4, against 0.1 for chance; the bound is 0.6.
 import importlib.util
 import io
 import math
+import re
 import sys
 
 import numpy as np
@@ -51,6 +52,10 @@ def test_image_patches_are_row_by_row():
     assert dd.image_patches(img, 4).shape == (1, 4, 16)
     with pytest.raises(ValueError, match=r"^images: expected shape \(N, S, S\)"):
         dd.image_patches(img, 3)
+    for shape in ((8, 8), (1, 8, 4), (1, 4, 8)):  # one image without N, images not square
+        got = re.escape(f"got shape {shape}")
+        with pytest.raises(ValueError, match=r"^images: expected shape \(N, S, S\) .*" + got):
+            dd.image_patches(np.zeros(shape), 2)
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match=r"^patch: expected an int >= 1, got " + repr(bad)):
             dd.image_patches(img, bad)
