@@ -159,6 +159,16 @@ def test_build_model_takes_every_setting_of_the_config(d_ff, width):
     assert (model.n_features, model.seq_len, model.n_classes) == (4, 16, 10)
 
 
+def test_build_model_draws_its_parameters_from_the_config_s_seed():
+    """The same seed builds the same parameters, another seed other ones."""
+    data = _fake_data()
+    params = [dd.build_model(dd.DigitsConfig(n_head=2, d_model=8, seed=s), data).params for s in (4, 4, 5)]
+    assert params[0].keys() == params[1].keys() == params[2].keys()
+    for name in params[0]:
+        np.testing.assert_array_equal(to_numpy(params[0][name]), to_numpy(params[1][name]))
+    assert any(not np.array_equal(to_numpy(params[0][n]), to_numpy(params[2][n])) for n in params[0])
+
+
 def _loss_and_hits(logits, labels):
     """Summed cross-entropy and correct count, from host logits [N, C], by log-softmax."""
     logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
@@ -219,6 +229,7 @@ def test_training_batches_rates_clipping_and_the_reported_losses(monkeypatch):
     assert norms == [0.5] * 6
     assert [(training, x.shape[0]) for training, x, _ in seen] == [
         (True, 4), (True, 4), (True, 2), (False, 5), (True, 4), (True, 4), (True, 2), (False, 5)]
+    orders = []
     for epoch in range(2):
         steps = seen[4 * epoch:4 * epoch + 3]
         # which training images each batch held, found by their pixels
@@ -226,6 +237,7 @@ def test_training_batches_rates_clipping_and_the_reported_losses(monkeypatch):
                for _, x, _ in steps]
         order = sum(idx, [])
         assert sorted(order) == list(range(10)) and order != list(range(10))
+        orders.append(order)
         total = sum(_loss_and_hits(logits, data.y_train[i])[0] for (_, _, logits), i in zip(steps, idx))
         assert r.history["train_loss"][epoch] == pytest.approx(total / 10, rel=1e-12)
         val_total, val_hits = _loss_and_hits(seen[4 * epoch + 3][2], data.y_val)
@@ -233,6 +245,7 @@ def test_training_batches_rates_clipping_and_the_reported_losses(monkeypatch):
         assert r.history["val_accuracy"][epoch] == val_hits / 5
     assert (r.train_loss, r.val_loss, r.val_accuracy) == (
         r.history["train_loss"][1], r.history["val_loss"][1], r.history["val_accuracy"][1])
+    assert orders[0] != orders[1]  # a new order each epoch
 
 
 @needs_sklearn
@@ -342,7 +355,8 @@ def test_attention_pictures_are_of_the_chosen_image_and_the_first_block(tmp_path
     """The heatmaps are block 0's weights of validation image ``index`` in evaluation mode,
     titled with its label and the model's prediction; the picture on the image shows that
     image and, per head, the attention each patch receives (the mean over the queries),
-    each patch's value over its patch x patch pixels."""
+    each patch's value over its patch x patch pixels, all heads on one colour scale from 0 to
+    the most any patch receives."""
     from matplotlib.figure import Figure
 
     data = _fake_data(n=4)
@@ -380,10 +394,14 @@ def test_attention_pictures_are_of_the_chosen_image_and_the_first_block(tmp_path
     assert f"validation image 2 (a {label}, predicted {pred})" in title
     image_axes = saved[1].axes
     np.testing.assert_array_equal(image_axes[0].get_images()[0].get_array(), data.images_val[2])
+    most = w.mean(axis=1).max()  # over the heads and the patches
     for h in range(2):
         received = w[h].mean(axis=0).reshape(4, 4)  # per key token, on the 4 x 4 grid of patches
         pixels = received.repeat(2, axis=0).repeat(2, axis=1)  # [8, 8]
-        np.testing.assert_allclose(image_axes[1 + h].get_images()[0].get_array(), pixels, rtol=1e-12)
+        (im,) = image_axes[1 + h].get_images()
+        np.testing.assert_allclose(im.get_array(), pixels, rtol=1e-12)
+        low, high = im.get_clim()
+        assert low == 0.0 and high == pytest.approx(most, rel=1e-12), (low, high, most)
 
 
 @needs_matplotlib
