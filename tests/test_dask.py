@@ -1541,10 +1541,10 @@ def test_bench_main_s_memory_check_counts_the_dtype_and_leaves_out_what_is_not_r
     assert (result["scores_one_head_mib"], result["scores_one_entry_mib"]) == (8.0, 16.0)
 
 
-def test_the_audit_s_chunked_cross_attention_splits_the_keys(monkeypatch):
-    """Each [chunked] cross-attention module configuration hands the chunked implementation
-    its keys and values in several chunks along the key positions (and one batch entry per
-    chunk), so that the module's audit crosses chunk edges too."""
+def test_the_audit_s_chunked_attention_splits_the_queries_and_the_keys(monkeypatch):
+    """Each [chunked] module configuration, self- and cross-attention, hands the chunked
+    implementation its queries, keys and values in several chunks along the positions (and one
+    batch entry per chunk), so that the module's audit crosses chunk edges on both sides."""
     from npattn.tools import audit
 
     seen = []
@@ -1556,16 +1556,17 @@ def test_the_audit_s_chunked_cross_attention_splits_the_keys(monkeypatch):
 
     monkeypatch.setattr(A, "sdpa_forward", recording)
     xp = resolve_backend("dask")
-    crossed = 0
+    crossed = set()
     for check in audit.panel("dask"):
-        if check.impl != "chunked" or not check.name.startswith("mha cross"):
+        if check.impl != "chunked" or not check.name.startswith("mha "):
             continue
         seen.clear()
         fwd, bwd, inputs, names = check.build(xp, xp.float64, np.random.default_rng(0),
                                               impl=check.impl)
         fwd(*inputs)
         ((q, k, v),) = seen
+        assert q.numblocks[-2] > 1, (check.name, q.chunks)
         assert k.numblocks[-2] > 1 and v.numblocks[-2] > 1, (check.name, k.chunks)
         assert q.numblocks[0] == k.numblocks[0] == q.shape[0], (check.name, q.chunks)
-        crossed += 1
-    assert crossed >= 2
+        crossed.add(check.name.split(",")[0])
+    assert crossed == {"mha self", "mha cross"}
