@@ -208,6 +208,18 @@ def test_param_shapes_and_flags():
     assert set(m3.params) == {"w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v"}
 
 
+def test_each_bias_flag_defaults_to_bias_not_to_the_other_flag():
+    """qkv_bias and out_bias each default to ``bias``: setting one of them leaves the other at
+    ``bias``, so ``qkv_bias=False`` alone keeps ``b_o`` and ``out_bias=False`` alone keeps
+    ``b_q b_k b_v``."""
+    weights, qkv, out = {"w_q", "w_k", "w_v", "w_o"}, {"b_q", "b_k", "b_v"}, {"b_o"}
+    for kwargs, biases in [(dict(qkv_bias=False), out), (dict(out_bias=False), qkv),
+                           (dict(bias=False, qkv_bias=True), qkv), (dict(bias=False, out_bias=True), out)]:
+        m = MultiHeadAttention(6, 3, **kwargs)
+        assert set(m.params) == weights | biases, kwargs
+        assert (m.qkv_bias, m.out_bias) == (biases == qkv, biases == out), kwargs
+
+
 def test_same_seed_same_weights_with_or_without_bias_kv():
     """bias_k/bias_v are drawn after the weights, so they do not shift them."""
     a = MultiHeadAttention(4, 2, seed=3, dtype="float64")

@@ -144,7 +144,8 @@ def test_parameter_layout_and_init(xp, backend, to_np):
     for name, (fan_out, fan_in) in (("w_q", (12, 12)), ("w_k", (12, 5)), ("w_v", (12, 7)),
                                     ("w_o", (12, 12))):
         w, bound = to_np(mha.params[name]), math.sqrt(6 / (fan_in + fan_out))
-        assert np.all(np.abs(w) <= bound) and np.abs(w).max() > 0.8 * bound, name
+        assert np.all(np.abs(w) <= bound), name
+        assert w.max() > 0.8 * bound and w.min() < -0.8 * bound, name  # both ends of (-a, a)
     for name in ("b_q", "b_k", "b_v", "b_o"):  # zero biases, as torch's
         assert np.all(to_np(mha.params[name]) == 0.0), name
     no_bias = MultiHeadAttention(12, 3, bias=False, seed=1, backend=backend)
