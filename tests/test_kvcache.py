@@ -370,6 +370,30 @@ def test_assigning_back_the_cache_read_after_decoding_changes_nothing(backend, t
     m.backward(dout)
 
 
+def test_a_cache_assigned_or_cleared_after_decoding_ends_the_decoded_state(backend, to_xp):
+    """After decoding, assigning a plain forward's cache makes that forward the last one, and
+    ``clear_cache`` drops everything: either way ``forward_state`` no longer reports a decoded
+    forward, and once there is no cache backward asks for a forward instead of saying that
+    the last forward decoded."""
+    m = _decoder(backend)
+    x = to_xp(np.random.default_rng(7).standard_normal((2, 3, D)))
+    dout = to_xp(np.random.default_rng(8).standard_normal((2, 3, D)))
+    for how in ("assigned", "cleared"):
+        m(x, x, x)
+        held = m.cache
+        m(x, x, x, kv_cache=m.new_cache(2, 3))
+        assert m.forward_state().decoded
+        if how == "assigned":
+            m.cache = held
+            assert not m.forward_state().decoded and m.forward_state().cache is held
+            m.cache = None
+        else:
+            m.clear_cache()
+        assert not m.forward_state().decoded, how
+        with pytest.raises(RuntimeError, match="^backward: expected a forward call first"):
+            m.backward(dout)
+
+
 def test_new_cache_fits_the_module(backend, xp, to_xp, to_np):
     """``new_cache`` makes the cache the module's forward takes: its batch size and capacity,
     the module's key/value heads and head width, and the parameters' dtype (a float32 module,

@@ -282,6 +282,27 @@ def test_a_cache_read_through_the_module_is_never_reused():
     np.testing.assert_array_equal(m.backward(dout)[0], want)
 
 
+def test_a_cache_read_through_forward_state_is_never_reused():
+    """``forward_state`` hands out the cache as ``cache`` does, and ``restore_forward_state``
+    puts it back still handed out: the forwards after either never lend its arrays to the
+    workspace, so its weights and its backward stay those of its own forward."""
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=4)
+    rng = np.random.default_rng(9)
+    x1, x2, dout = (rng.standard_normal((2, 9, 8)) for _ in range(3))
+    m(x1, x1, x1)
+    want = m.backward(dout)[0]
+    state = m.forward_state()
+    probs = A.weights(state.cache.sdpa).copy()
+    for put_back in (False, True):
+        if put_back:
+            m.restore_forward_state(state)
+        for x in (x2, x2 + 1.0, x2 - 1.0):  # the first would lend its arrays, the next reuse them
+            m(x, x, x)
+        np.testing.assert_array_equal(A.weights(state.cache.sdpa), probs)
+    m.restore_forward_state(state)
+    np.testing.assert_array_equal(m.backward(dout)[0], want)
+
+
 def test_a_cache_read_after_forwards_that_lent_arrays_is_never_reused():
     """The same after several forwards, when the workspace already holds arrays: each forward
     lends the previous cache's arrays, never its own, so the cache read after the third
