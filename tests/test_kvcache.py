@@ -420,6 +420,7 @@ def test_caches_that_do_not_fit_the_module(backend, xp, to_xp, to_np):
          "kv_cache: expected batch_size=2, num_kv_heads=2"),
         (KVCache(3, 6, HKV, DH, dtype="float64", backend=backend), ValueError, "batch_size=2"),
         (KVCache(2, 6, HKV, DH, 3, dtype="float64", backend=backend), ValueError, "value_dim=2"),
+        (KVCache(2, 6, HKV, 3, DH, dtype="float64", backend=backend), ValueError, "head_dim=2"),
         (KVCache(2, 6, HKV, DH, dtype="float64", backend=other), TypeError,
          "kv_cache: expected a cache of the module's backend"),
     ]

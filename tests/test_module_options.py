@@ -463,6 +463,21 @@ def test_a_bad_thread_count_is_refused_before_the_projections(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("flag", ["is_causal", "need_weights", "check_finite", "average_attn_weights"])
+@pytest.mark.parametrize("self_attention", [False, True], ids=["cross", "self"])
+def test_a_flag_that_is_no_bool_is_refused_before_the_projections(monkeypatch, flag, self_attention):
+    """forward's flags take bools only: "yes" is a TypeError naming the flag before step 1.
+    projects anything (a later check of the same flag would come after the projections)."""
+    m = _module("numpy")
+    q, k, v = _inputs(np.random.default_rng(14), m)
+    if self_attention:
+        k = v = q
+    calls = _count_projections(monkeypatch)
+    with pytest.raises(TypeError, match=f"^{flag}: expected a bool"):
+        m(q, k, v, **{flag: "yes"})
+    assert calls == []
+
+
 @pytest.mark.parametrize("impl", [None, "blocked"], ids=["module's impl", "call's impl"])
 def test_weights_of_the_blocked_path_are_refused_before_the_projections(monkeypatch, impl):
     """need_weights=True where step 6. would run the blocked path, which keeps no weights:
@@ -498,7 +513,7 @@ def test_a_refused_impl_names_the_heads_it_would_get(extra):
     (dict(q_segments="q", k_segments="k"), "q_segments"),
     (dict(kv_cache="cache"), "kv_cache"),
 ])
-def test_positional_options_are_refused_with_extra_keys(backend, to_xp, extra, kwargs, name):
+def test_positional_options_are_refused_with_extra_keys(backend, to_xp, to_np, extra, kwargs, name):
     """The extra keys of add_bias_kv / add_zero_attn have no position: a ValueError naming
     the option, before anything is computed."""
     rng = np.random.default_rng(9)
@@ -513,10 +528,13 @@ def test_positional_options_are_refused_with_extra_keys(backend, to_xp, extra, k
     with pytest.raises(ValueError, match=rf"^{name}: .*add_bias_kv / add_zero_attn"):
         m(q, k, v, **kwargs)
     assert m.cache is None
-    # the options that place nothing are fine with extra keys: softcap, sinks, scale
+    # the options that place nothing are fine with extra keys: softcap, sinks, scale, and
+    # align="top_left", the default, given by name
     m2 = _module(backend, softcap=2.0, sinks=True, scale=0.5, **extra)
     out, _ = m2(q, k, v, is_causal=True)
     assert tuple(out.shape) == (B, LQ, D)
+    out_top_left, _ = m2(q, k, v, is_causal=True, align="top_left")
+    np.testing.assert_array_equal(to_np(out_top_left), to_np(out))
 
 
 # --------------------------------------------------------------------------

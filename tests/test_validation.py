@@ -11,6 +11,7 @@ import npattn
 from npattn import MultiHeadAttention
 from npattn import functional as F
 from npattn.backend import from_numpy, to_numpy
+from npattn.module import ParameterDict
 
 from reliability_helpers import host_inputs, inputs, make_mha, raises, snapshot
 
@@ -462,6 +463,8 @@ def test_param_assignment_is_checked(backend, xp):
         m.params.pop("b_q")
     with pytest.raises(TypeError, match="cannot be removed"):
         m.params.clear()
+    with pytest.raises(TypeError, match="cannot be removed"):
+        m.params.popitem()
     # update checks every value before assigning any
     with raises(ValueError, "params['b_o']", "(8,)", "(7,)"):
         m.params.update(w_k=from_numpy(good, xp), b_o=from_numpy(np.zeros(7), xp))
@@ -484,6 +487,11 @@ def test_param_assignment_is_checked(backend, xp):
     new["b_q"] = from_numpy(np.full(8, 0.5), xp)
     m.params = new
     np.testing.assert_array_equal(to_numpy(m.params["b_q"]), np.full(8, 0.5))
+    b_o = from_numpy(np.full(8, -0.5), xp)
+    m.params |= {"b_o": b_o}  # a valid |= takes effect and leaves the checked dict in place
+    assert isinstance(m.params, ParameterDict) and m.params["b_o"] is b_o
+    for default in (None, b_o):  # setdefault of a name there gives its array, as dict's does
+        assert m.params.setdefault("w_k", default) is m.params["w_k"]
 
 
 # --------------------------------------------------------------------------
@@ -778,6 +786,18 @@ def test_the_dtype_hint_never_suggests_a_non_floating_module_dtype(dtype):
     bad = q.astype(dtype)
     with raises(TypeError, "query", "float64") as info:
         m(bad, k, v)
+    assert "build the module with" not in str(info.value), str(info.value)
+    assert "cast the input to float64" in str(info.value)
+
+
+def test_the_dtype_hint_suggests_no_module_dtype_the_backend_lacks():
+    """A bfloat16 NumPy array (ml_dtypes) is floating, but a NumPy module cannot be bfloat16:
+    the hint says to cast the input, not to build a module of that dtype."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    m = make_mha("numpy")
+    q, k, v = _np_inputs()
+    with raises(TypeError, "query", "float64", "bfloat16") as info:
+        m(q.astype(ml_dtypes.bfloat16), k, v)
     assert "build the module with" not in str(info.value), str(info.value)
     assert "cast the input to float64" in str(info.value)
 
