@@ -121,8 +121,10 @@ def test_copy_of_an_unnamed_namespace_is_a_type_error():
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_save_load_round_trip(backend, to_xp, to_np, tmp_path, dtype):
-    # qdim != d_model and out_bias != qkv_bias: each must come from its own setting
-    m = _module(backend, dtype=dtype, impl="reference", block_q=3, qdim=6, qkv_bias=False)
+    # qdim != d_model, out_bias != qkv_bias, bias and block_k not their defaults: each must
+    # come from its own setting
+    m = _module(backend, dtype=dtype, impl="reference", block_q=3, block_k=5, qdim=6, bias=False,
+                out_bias=True)
     arrays = _inputs(m, to_xp)
     _step(m, arrays, to_np)  # the generator has advanced: load restores that state
     path = tmp_path / "mha"  # no .npz suffix: written at exactly this name
@@ -135,7 +137,7 @@ def test_save_load_round_trip(backend, to_xp, to_np, tmp_path, dtype):
 
     r = MultiHeadAttention.load(path, backend=backend)
     assert repr(r) == repr(m) and r.training == m.training
-    assert (r.impl, r.block_q, r.block_k) == ("reference", 3, None)
+    assert (r.impl, r.block_q, r.block_k, r.bias, r.qkv_bias) == ("reference", 3, 5, False, False)
     for name in m.params:
         assert r.params[name].dtype == m.params[name].dtype
         np.testing.assert_array_equal(to_np(r.params[name]), to_np(m.params[name]))
@@ -232,6 +234,8 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
         "config not JSON": (lambda e: e.update(config=np.array("{not json")), ("JSON",)),
         "config a number": (lambda e: e.update(config=np.array(5)), ("one JSON string", "int64")),
         "config bytes": (lambda e: e.update(config=np.array(b"{}")), ("one JSON string", "S2")),
+        "config in an array": (lambda e: e.update(config=np.array([str(e["config"])])),
+                               ("one JSON string", "(1,)")),
         "bad training flag": (_edit_header(training="yes"), ("training",)),
     }
     for name, (edit, fragments) in cases.items():
@@ -255,6 +259,18 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
     with pytest.raises(TypeError, match="path"):
         MultiHeadAttention.load(None)
     np.testing.assert_array_equal(MultiHeadAttention.load(good).params["w_k"], m.params["w_k"])
+
+
+def test_a_file_without_a_generator_state_loads(tmp_path):
+    """rng_state null in the header (no state saved, as the header allows) loads: the
+    parameters and the mode as saved, the generator as the constructor seeds it."""
+    m = _module("numpy").eval()
+    m.save(tmp_path / "good.npz")
+    path = _rewrite(tmp_path / "good.npz", tmp_path / "no state.npz", _edit_header(rng_state=None))
+    r = MultiHeadAttention.load(path)
+    assert not r.training and list(r.params) == list(m.params)
+    for name in m.params:
+        np.testing.assert_array_equal(r.params[name], m.params[name])
 
 
 UNPICKLED = []  # what unpickling a _Trap records
