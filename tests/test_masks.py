@@ -169,6 +169,16 @@ def test_segments_bad_arguments():
     with pytest.raises(ValueError, match=r"^k_segments: expected 1 batch entries like q_segments, "
                                          r"got shape \(2, 3\)"):
         masks.segments(ids[:1], ids)
+    # more axes than (B, L) are refused as well, not compared along a trailing axis
+    with pytest.raises(ValueError, match=r"^q_segments: expected shape \(B, L\), got shape \(2, 3, 1\)"):
+        masks.segments(ids[..., None], ids)
+    with pytest.raises(ValueError, match=r"^k_segments: expected shape \(B, L\), got shape \(2, 3, 1\)"):
+        masks.segments(ids, ids[..., None])
+    # ids are integers: floating ids (which == would compare after rounding) are refused by name
+    with pytest.raises(TypeError, match="^q_segments: expected an integer array, got dtype float64"):
+        masks.segments(ids.astype(np.float64), ids)
+    with pytest.raises(TypeError, match="^k_segments: expected an integer array, got dtype float32"):
+        masks.segments(ids, ids.astype(np.float32))
 
 
 def test_padding_takes_unsigned_lengths_on_every_backend(backend, xp, to_np):
@@ -211,6 +221,8 @@ def test_padding_bad_arguments():
             masks.padding(lengths, 3)
     with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=4\], got"):
         masks.padding([10**30, 1], 4)  # (an OverflowError in asarray before)
+    with pytest.raises(ValueError, match=r"^lengths: expected values in \[0, Lk=4\], got"):
+        masks.padding([-10**30, 1], 4)  # below the index dtype too, refused before asarray
     with pytest.raises(TypeError, match="^lengths: expected a plain numpy.ndarray, got numpy.ma"):
         masks.padding(np.ma.array([1, 2], mask=[False, True]), 3)  # the mask would be ignored
     with pytest.raises(TypeError, match=r"^xp: expected None or the library of lengths \(numpy\)"):
@@ -295,14 +307,20 @@ def test_from_torch_mha_bad_arguments():
     assert masks.from_torch_mha() is None
     with pytest.raises(ValueError, match="n_head"):
         masks.from_torch_mha(a3)
-    with pytest.raises(ValueError, match="N\\*H"):
+    with pytest.raises(ValueError, match=r"^attn_mask: expected first axis N\*H = 1\*4 = 4, "
+                                         r"got shape \(6, 2, 3\)"):
         masks.from_torch_mha(a3, n_head=4)
-    with pytest.raises(ValueError, match="N\\*H"):
+    with pytest.raises(ValueError, match=r"^attn_mask: expected first axis N\*H = 2\*2 = 4, "
+                                         r"got shape \(6, 2, 3\)"):
         masks.from_torch_mha(a3, n_head=2, batch_size=2)
-    with pytest.raises(ValueError, match="S=3"):
+    with pytest.raises(ValueError, match="^key_padding_mask: expected S=3 keys like attn_mask, got 4"):
         masks.from_torch_mha(np.zeros((2, 3), bool), np.zeros((2, 4), bool))
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match=r"^key_padding_mask: expected N=batch_size=3, got shape \(2, 4\)"):
         masks.from_torch_mha(key_padding_mask=np.zeros((2, 4), bool), batch_size=3)
+    # a key_padding_mask of more axes than (N, S) is refused by name (not an unpacking error)
+    with pytest.raises(ValueError, match=r"^key_padding_mask: expected shape \(N, S\) or \(S,\), "
+                                         r"got shape \(2, 1, 4\)"):
+        masks.from_torch_mha(key_padding_mask=np.zeros((2, 1, 4), bool))
     # N*H = 6 split by n_head=2 is N = 3, against a key_padding_mask of N = 2
     with pytest.raises(ValueError, match="^key_padding_mask: expected N=3 like attn_mask, got 2"):
         masks.from_torch_mha(a3, np.zeros((2, 3), bool), n_head=2)
