@@ -383,6 +383,18 @@ def test_from_torch_mha_moves_bfloat16_between_backends():
     assert back.dtype == torch.bfloat16 and back.reshape(-1).tolist() == expected
 
 
+def test_from_torch_mha_moves_bfloat16_values_of_every_magnitude():
+    """A bfloat16 additive mask keeps its values when ``xp=`` moves it: bfloat16 has float32's
+    exponent range, so 2**40 and 2**-30 (past float16's largest value and below its smallest)
+    arrive as they were, not as inf and 0."""
+    torch = pytest.importorskip("torch")
+    values = [2.0**40, -(2.0**-30), -3.0, -math.inf]
+    am = torch.tensor([values, values[::-1]], dtype=torch.bfloat16)  # (L, S) = (2, 4)
+    out = masks.from_torch_mha(am, xp="torch")
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 1, 2, 4)
+    assert out[0, 0].tolist() == [values, values[::-1]]
+
+
 # --------------------------------------------------------------------------
 # from_torch_mha against torch.nn.MultiheadAttention
 
