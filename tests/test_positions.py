@@ -622,7 +622,17 @@ def test_errors_name_the_argument():
         (lambda: P.rope_forward(x, np.zeros(4)), ValueError, "positions"),
         (lambda: P.rope_forward(x, np.zeros(3, dtype=bool)), TypeError, "positions: expected integer"),
         (lambda: P.rope_forward(x, 1.5), TypeError, "positions"),
+        # a bool is no int start (True would shift every position by one) and no base
+        (lambda: P.rope_forward(x, True), TypeError, "^positions: expected a numpy array, got bool"),
+        (lambda: P.rope_forward(x, base=True), TypeError, "^base: expected a float > 1, got bool True"),
         (lambda: P.rope_forward(x, base=0.5), ValueError, "base: expected"),
+        # a base of 1 is no frequency base either (every angle would be the position itself)
+        (lambda: P.rope_forward(x, base=1.0), ValueError, "^base: expected a finite float > 1, got 1.0"),
+        (lambda: P.rope_angles(np, np.arange(3), 4, base=1), ValueError,
+         "^base: expected a finite float > 1"),
+        # one axis is no (..., L, Dh): named, not an IndexError from reading L
+        (lambda: P.rope_forward(np.zeros(4)), ValueError,
+         r"^x: expected an array of shape \(\.\.\., L, Dh\), got shape \(4,\)"),
         # an infinite base is no frequency base (every angle but the first would be 0)
         (lambda: P.rope_forward(x, base=math.inf), ValueError, "^base: expected a finite float > 1"),
         (lambda: P.rope_forward(x, interleaved=1), TypeError, "interleaved: expected a bool"),
@@ -702,6 +712,17 @@ def test_errors_name_the_argument():
         (lambda: P.diagonal_sums(np, [[1.0]]), TypeError, "^a: expected a numpy array"),
         (lambda: P.diagonal_spread(np, np.zeros((3, 2)), 2, 3), ValueError,
          r"^rows: expected shape \(Lq \+ Lk - 1, E\) = \(4, E\), got \(3, 2\)"),
+        (lambda: P.diagonal_spread(np, np.zeros((4, 2, 1)), 2, 3), ValueError,
+         r"^rows: expected shape \(Lq \+ Lk - 1, E\) = \(4, E\), got \(4, 2, 1\)"),
+        (lambda: P.diagonal_spread(np, np.zeros((4, 2)), 0, 5), ValueError,
+         "^Lq: expected a positive int, got 0"),
+        (lambda: P.diagonal_spread(np, np.zeros((4, 2)), 2, 0), ValueError,
+         "^Lk: expected a positive int, got 0"),
+        # an empty grid has no diagonals: refused by name, not summed to zeros
+        (lambda: P.diagonal_sums(np, np.zeros((2, 0, 3))), ValueError,
+         r"^a: expected shape \(\.\.\., Lq, Lk\) with Lq, Lk >= 1, got \(2, 0, 3\)"),
+        (lambda: P.diagonal_sums(np, np.zeros((2, 3, 0))), ValueError,
+         r"^a: expected shape \(\.\.\., Lq, Lk\) with Lq, Lk >= 1, got \(2, 3, 0\)"),
         (lambda: P.relative_bias_forward(np.zeros((2, 3)), 3, 3), ValueError, "table: expected enough rows"),
         (lambda: P.relative_bias_backward(np.zeros((1, 2, 3, 3)),
                                           P.relative_bias_forward(np.zeros((8, 3)), 3, 3, max_distance=6)[1]),
