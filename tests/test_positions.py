@@ -547,6 +547,26 @@ def test_relative_bias_defaults_are_t5s(xp, to_xp, to_np):
     np.testing.assert_array_equal(to_np(out), expected)
 
 
+def test_relative_bias_takes_as_few_buckets_as_t5_bucket(xp, to_xp, to_np):
+    """The table may be as short as t5_bucket allows, max_exact = 1: 2 buckets one way, 4 both
+    ways. One bucket fewer, or a max_distance that is not past max_exact, is refused naming the
+    table (its number of rows is num_buckets)."""
+    rng = np.random.default_rng(19)
+    Lq, Lk = 3, 5
+    for bidirectional, NB in ((False, 2), (True, 4)):
+        table = rng.standard_normal((NB, 2))
+        out, _ = P.relative_bias_forward(to_xp(table), Lq, Lk, bidirectional=bidirectional, max_distance=2)
+        expected = np.empty((1, 2, Lq, Lk))
+        for i in range(Lq):
+            for j in range(Lk):
+                expected[0, :, i, j] = table[t5_bucket_reference(j - i, bidirectional, NB, 2)]
+        np.testing.assert_array_equal(to_np(out), expected)
+        with pytest.raises(ValueError, match=rf"^table: expected enough rows .* got shape \({NB - 1}, 2\)"):
+            P.relative_bias_forward(to_xp(table[:-1]), Lq, Lk, bidirectional=bidirectional, max_distance=2)
+        with pytest.raises(ValueError, match="^table: expected enough rows .* < max_distance = 1, got shape"):
+            P.relative_bias_forward(to_xp(table), Lq, Lk, bidirectional=bidirectional, max_distance=1)
+
+
 def test_relative_bias_backward_sums_a_batched_dmask(xp, to_xp, to_np):
     rng = np.random.default_rng(12)
     table = rng.standard_normal((8, 2))
