@@ -807,3 +807,29 @@ def test_float64_result_keeps_float64_where_the_backend_has_it(xp, to_np):
     assert got.dtype == xp.float64
     np.testing.assert_array_equal(to_np(got), host)
     assert float64_result(host, xp, xp.float32).dtype == xp.float32
+
+
+def test_results_stay_on_the_device_of_the_inputs():
+    """On array_api_strict's second device every forward and backward returns arrays there,
+    with positions given as None, an int start or an array (strict refuses to mix devices)."""
+    xps = pytest.importorskip("array_api_strict")
+    dev = xps.Device("device1")
+    rng = np.random.default_rng(20)
+
+    def put(a):
+        return xps.asarray(a, device=dev)
+
+    pos = put(np.array([3, 0, 2]))
+    assert P.rope_angles(xps, pos, 4).device == dev
+    x = put(rng.standard_normal((2, 3, 4)))
+    for positions in (None, 5, pos):
+        out, cache = P.rope_forward(x, positions)
+        dx, _ = P.rope_backward(put(rng.standard_normal((2, 3, 4))), cache)
+        assert out.device == dx.device == dev
+    assert P.relative_distances(xps, 2, 3, device=dev).device == dev
+    bias, cache = P.relative_scores_forward(x, put(rng.standard_normal((5, 4))), 4)
+    dq, dtable, _ = P.relative_scores_backward(put(rng.standard_normal((2, 3, 4))), cache)
+    assert bias.device == dq.device == dtable.device == dev
+    out, cache = P.relative_bias_forward(put(rng.standard_normal((8, 2))), 3, 4, max_distance=6)
+    dtable, _, _ = P.relative_bias_backward(put(rng.standard_normal((1, 2, 3, 4))), cache)
+    assert out.device == dtable.device == dev
