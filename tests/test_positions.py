@@ -226,6 +226,10 @@ def test_relative_forms_keep_float32(xp, to_xp):
     bias, cache = P.relative_scores_forward(q, table, 6)
     dq, dtable, _ = P.relative_scores_backward(bias, cache)
     assert bias.dtype == dq.dtype == dtable.dtype == xp.float32
+    # a NumPy float64 scale multiplies as a Python float would: float32 stays float32
+    bias, cache = P.relative_scores_forward(q, table, 6, scale=np.float64(0.5))
+    dq, dtable, _ = P.relative_scores_backward(bias, cache)
+    assert bias.dtype == dq.dtype == dtable.dtype == xp.float32
     out, cache = P.relative_bias_forward(to_xp(rng.standard_normal((8, 2)).astype(np.float32)), 3, 5,
                                          max_distance=6)
     assert out.dtype == P.relative_bias_backward(out, cache)[0].dtype == xp.float32
@@ -661,6 +665,18 @@ def test_errors_name_the_argument():
         (lambda: P.rope_backward(np.zeros((2, 3, 2)), P.rope_forward(x)[1]), ValueError, "dout: expected shape"),
         (lambda: P.relative_embedding_forward(np.zeros((6, 2)), 3, 3), ValueError, "table: expected an odd"),
         (lambda: P.relative_embedding_forward(np.zeros(5), 3, 3), ValueError, "table: expected a 2-D"),
+        # an integer table would give integer embeddings and biases, and no gradient
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2), np.int64), 3, 3), TypeError,
+         "^table: expected a real floating dtype, got int64"),
+        (lambda: P.relative_bias_forward(np.zeros((8, 2), np.int64), 3, 3, max_distance=6), TypeError,
+         "^table: expected a real floating dtype, got int64"),
+        # the gradient comes in the forward's dtype (no silent promotion or rounding)
+        (lambda: P.relative_embedding_backward(np.zeros((3, 3, 2), np.float32),
+                                               P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
+         TypeError, "^dout: expected dtype float64"),
+        (lambda: P.relative_bias_backward(np.zeros((1, 3, 3, 3), np.float32),
+                                          P.relative_bias_forward(np.zeros((8, 3)), 3, 3, max_distance=6)[1]),
+         TypeError, "^dout: expected dtype float64"),
         # more axes than (rows, E) are refused by name too, not looked up as rows of a 3-D array
         (lambda: P.relative_embedding_forward(np.zeros((5, 2, 1)), 3, 3), ValueError,
          r"^table: expected a 2-D array, got shape \(5, 2, 1\)"),
