@@ -248,6 +248,18 @@ def test_shape_strings_round_trip_through_the_childs_parser():
         assert bench.parse_shapes(str(shape)) == (shape,)
 
 
+def test_a_dropout_of_any_digits_round_trips_through_the_shape_string():
+    """The shape string gave the dropout in six significant digits, or in an exponent: the
+    isolated child of ``--shapes 1x8x8x2d0.1234567`` ran p = 0.123457, and those of
+    ``d0.00001`` (``d1e-05``) and ``d0.9999999999`` (``d1``) refused their own shape."""
+    for p in (0.1234567, 0.00001, 0.9999999999, 0.1 + 0.2):
+        shape = bench.Shape(1, 8, 8, 2, True, p, 3)
+        assert bench.parse_shapes(str(shape)) == (shape,), str(shape)
+    assert str(bench.Shape(1, 8, 8, 2, False, 0.00001)) == "1x8x8x2d0.00001"
+    assert [str(s) for s in bench.parse_shapes("8x512x768x12d0.1,2x4x4x2cd0.25")] == [
+        "8x512x768x12d0.1", "2x4x4x2cd0.25"]
+
+
 def test_parse_shapes_at_its_limits():
     (big,) = bench.parse_shapes(f"1x1x{2**31 - 1}x1")  # BLAS's largest 32-bit size is taken
     assert big.D == 2**31 - 1

@@ -106,8 +106,8 @@ class Shape(NamedTuple):
     dropout: float = 0.0  # drop probability of the attention weights, both libraries in training
     window: Optional[int] = None  # sliding window: query i attends keys i - window .. i
 
-    def __str__(self):
-        drop = f"d{self.dropout:g}" if self.dropout else ""
+    def __str__(self):  # parse_shapes reads it back: the dropout in all its digits, no exponent
+        drop = f"d{np.format_float_positional(float(self.dropout), trim='-')}" if self.dropout else ""
         win = f"w{self.window}" if self.window is not None else ""
         return f"{self.B}x{self.L}x{self.D}x{self.H}" + ("c" if self.causal else "") + win + drop
 
