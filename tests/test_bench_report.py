@@ -7,6 +7,7 @@ here by hand: from the listed sample times and a hand count of the shape's FLOPs
 
 import inspect
 import io
+import os
 import sys
 import types
 
@@ -57,9 +58,10 @@ SHAPE_FLOPS = 2304 + 432
 
 
 def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory=False, pause=0.0,
-             dtype="float32", impl="dense", seen=None):
+             dtype="float32", impl="dense", seen=None, min_sample=0.0, rss=1.5):
     """``bench.run`` over SHAPE with stand-in steps: npattn 3 calls per sample, torch 2, GEMM 4;
-    ``seen`` gets the arguments each stand-in was called with."""
+    ``seen`` gets the arguments each stand-in was called with (``autorange``: the ``min_time``
+    of each call), the RSS reading is ``rss``."""
     seen = {} if seen is None else seen
     clock = Clock()
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep)
@@ -69,7 +71,8 @@ def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory
     torch = stepper(clock, TORCH_S, 2, skip=warmup)
     gemm = stepper(clock, GEMM_S, 4)
     numbers = {npattn: 3, torch: 2, gemm: 4}
-    monkeypatch.setattr(bench, "autorange", lambda fn, sync, min_time=0.2: numbers[fn])
+    monkeypatch.setattr(bench, "autorange", lambda fn, sync, min_time=0.2:
+                        seen.setdefault("autorange", []).append(min_time) or numbers[fn])
     module = types.SimpleNamespace(clear_cache=lambda: events.append("clear"))
     monkeypatch.setattr(bench, "_make_npattn",
                         lambda *a: seen.__setitem__("_make_npattn", a) or (module, None, None, npattn))
@@ -87,10 +90,10 @@ def fake_run(monkeypatch, *, warmup=0, torch_side=True, torch_error=None, memory
     monkeypatch.setattr(bench, "_peak_traced_mib",
                         lambda *a: seen.__setitem__("_peak_traced_mib", a) or events.append("peak") or 7.25)
     monkeypatch.setattr(bench, "_rss_rise_mib",
-                        lambda *a: seen.__setitem__("_rss_rise_mib", a) or events.append("rss") or 1.5)
+                        lambda *a: seen.__setitem__("_rss_rise_mib", a) or events.append("rss") or rss)
     out = io.StringIO()
     result = bench.run([SHAPE], dtype=dtype, impl=impl, repeat=6, warmup=warmup, gemm_n=8,
-                       torch_compare=torch_side, memory=memory, pause=pause, min_sample=0.0, out=out,
+                       torch_compare=torch_side, memory=memory, pause=pause, min_sample=min_sample, out=out,
                        progress=False)
     return result, out.getvalue(), events, clock, (npattn, torch)
 
@@ -1054,3 +1057,101 @@ def test_run_refuses_a_bad_repeat_or_warmup_before_timing_anything(monkeypatch, 
                   out=out, progress=False, **kwargs)
     assert str(info.value).startswith(words[0]) and all(w in str(info.value) for w in words)
     assert timed == [] and out.getvalue() == ""
+
+
+# ------------------------------------------------------- what the run hands on, and the GPU path
+
+
+def test_the_shortest_sample_reaches_every_autorange_and_the_starting_gemm(monkeypatch):
+    """--min-sample sets how long a sample of npattn's step, torch's and the GEMM's lasts, and
+    how the GEMM timed at the start is sampled; the result says it."""
+    seen = {}
+    result, *_ = fake_run(monkeypatch, min_sample=0.125, seen=seen)
+    assert seen["autorange"] == [0.125] * 3  # npattn, torch, the GEMM of the rounds
+    assert seen["gemm_gflops"][-1] == 0.125 and result["min_sample_s"] == 0.125
+
+
+def test_a_run_that_did_not_raise_the_rss_ends_with_its_note(monkeypatch):
+    """An RSS rise below 0.05 MiB is noted once, under the table, not under its row; the row's
+    other notes sit under it, past the shape column."""
+    result, text, *_ = fake_run(monkeypatch, memory=True, rss=0.0, torch_error=RuntimeError("no kernel"))
+    (row,) = result["rows"]
+    assert row["rss_mib"] == 0.0 and bench.RSS_NOTE in row["notes"]
+    lines = text.splitlines()
+    assert lines[-1] == f"note: {bench.RSS_NOTE}" and text.count(bench.RSS_NOTE) == 1
+    assert lines[-2] == " " * bench.COLUMNS[0][2] + " (torch: RuntimeError: no kernel)"
+
+
+def test_on_the_gpu_the_memory_is_the_device_s_of_each_library(monkeypatch):
+    """backend cupy: npattn's peak is read from CuPy's allocations and torch's from its CUDA
+    allocator, each of its own step, the host RSS is not read, and the table has torch's
+    device memory in place of the RSS column."""
+    read = {}
+
+    def reading(name, mib):
+        return lambda step, sync: read.setdefault(name, step) and mib
+
+    monkeypatch.setattr(bench, "backend_name", lambda xp: "cupy")
+    monkeypatch.setattr(bench, "_sync_for", lambda xp: (lambda: None))
+    monkeypatch.setattr(bench, "_cupy_peak_mib", reading("npattn", 3.5))
+    monkeypatch.setattr(bench, "_torch_cuda_peak_mib", reading("torch", 9.5))
+    result, text, events, _, (npattn, torch) = fake_run(monkeypatch, memory=True)
+    (row,) = result["rows"]
+    assert read == {"npattn": npattn, "torch": torch} and events == ["clear"]
+    assert (row["peak_mib"], row["torch_peak_mib"], row["rss_mib"]) == (3.5, 9.5, None)
+    lines = text.splitlines()
+    assert bench.format_header(bench.GPU_COLUMNS) in lines
+    assert lines[-1].split()[6:8] == ["3.5", "9.5"]  # peak MiB, torch MiB
+
+
+def test_torch_without_cuda_is_no_comparison_for_the_cupy_backend(monkeypatch):
+    """The data of the cupy backend lives on the GPU: where torch has no CUDA, torch's step is
+    left out with the reason, not built on the CPU or failed on a missing device."""
+    torch = pytest.importorskip("torch")
+    (shape,) = bench.parse_shapes("1x4x4x2")
+    m, x, dout, _ = bench._make_npattn(shape, "float32", "numpy", "dense")
+    monkeypatch.setattr(bench, "backend_name", lambda xp: "cupy")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench._make_torch(shape, "float32", m, x, dout) == (None, "torch has no CUDA here (backend cupy)")
+
+
+def test_each_torch_step_starts_from_zero_gradients():
+    """npattn's backward writes its gradients afresh each step; torch's step clears its
+    module's and its input's first, so that it does no accumulating either: two steps in a
+    row leave the gradients of one."""
+    torch = pytest.importorskip("torch")
+    (shape,) = bench.parse_shapes("2x5x8x2c")
+    m, x, dout, _ = bench._make_npattn(shape, "float64", "numpy", "dense")
+    tstep, _ = bench._make_torch(shape, "float64", m, x, dout)
+    names = inspect.getclosurevars(tstep).nonlocals
+    mha, tx = names["mha"], names["tx"]
+    tstep()
+    once = {name: p.grad.clone() for name, p in mha.named_parameters()}
+    dx = tx.grad.clone()
+    tstep()
+    for name, p in mha.named_parameters():
+        assert torch.equal(p.grad, once[name]), name
+    assert torch.equal(tx.grad, dx)
+
+
+def test_the_environment_names_the_cpu_its_affinity_and_npattn_s_pool(monkeypatch):
+    """The CPU is /proc/cpuinfo's model name (not its model number, on the line before); the
+    usable CPUs and npattn's pool threads are reported, and the pool's printed."""
+    from npattn import backend
+
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/cpuinfo":
+            return io.StringIO("processor\t: 0\nmodel\t\t: 17\nmodel name\t: Example CPU 9000: 8-Core\n")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(bench, "open", fake_open, raising=False)
+    env = bench.environment_info(np)
+    assert env["cpu"] == "Example CPU 9000: 8-Core"
+    if hasattr(os, "sched_getaffinity"):
+        assert env["sched_affinity"] == len(os.sched_getaffinity(0))
+    assert env["npattn_pool_threads"] == backend.pool_threads()
+    out = io.StringIO()
+    bench._print_env(env, "", "float32", out)
+    assert f"npattn elementwise pool threads: {backend.pool_threads()}" in out.getvalue()
