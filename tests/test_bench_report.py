@@ -793,6 +793,7 @@ def test_an_isolated_case_that_fails_or_times_out_is_told_on_stderr(monkeypatch,
     result = bench.run_isolated(plan, gemm_n=0, out=out)
     assert [r["shape"] for r in result["rows"]] == ["1x8x8x2"]
     assert [f["shape"] for f in result["failed"]] == ["1x16x8x2", "1x32x8x2"]
+    assert (result["dtype"], result["gemm_n"]) == ("float32", 0)  # the run's settings, in its JSON
     err = capsys.readouterr().err
     assert "timed out after 3600 seconds" in err and "failed with status -9" in err
     assert "timed out" not in out.getvalue() and "status -9" not in out.getvalue()
@@ -1155,3 +1156,86 @@ def test_the_environment_names_the_cpu_its_affinity_and_npattn_s_pool(monkeypatc
     out = io.StringIO()
     bench._print_env(env, "", "float32", out)
     assert f"npattn elementwise pool threads: {backend.pool_threads()}" in out.getvalue()
+
+
+# ------------------------------------------------------- the isolated mode's child and tables
+
+
+def test_a_dense_case_s_blocks_column_is_as_wide_as_its_header():
+    """A plan of dense cases alone has no blocks to show (a ``-``): its column still takes the
+    header's width, so the numbers after it stay under their headers."""
+    widths = bench.isolated_widths([(bench.Shape(1, 8, 8, 2, False), "dense")])
+    header = bench.format_isolated_header(widths)
+    line = bench.format_isolated_row(_isolated_row(impl="dense", block_q=None, block_k=None), widths)
+    import re
+
+    def right_edges(text):  # where each column's text ends (right-aligned: the column's edge)
+        return [m.end() for m in re.finditer(r"\S+", text)]
+
+    header = header.replace("RSS before", "RSS_before").replace("peak RSS", "peak_RSS")
+    assert line.split()[2] == "-" and right_edges(line) == right_edges(header)
+
+
+def test_the_markdown_row_of_a_dense_case_run_without_warm_up():
+    """No blocks is a ``-``, no warm-up adds nothing to the runs, and the BLAS threads held
+    are named; several BLAS pools are each described, one after the other."""
+    pools = [{"internal_api": "openblas", "version": "0.3.27", "threading_layer": "pthreads",
+              "architecture": "Haswell", "num_threads": 4, "user_api": "blas", "prefix": "x"},
+             {"internal_api": "mkl", "version": "2024.1", "threading_layer": "intel",
+              "architecture": "SkylakeX", "num_threads": 8, "user_api": "blas", "prefix": "y"}]
+    env = {"cpu": "x", "cpu_count": 2, "memory_gib": None, "threadpools": pools, "numpy": "2",
+           "python": "3", "backend": "numpy"}
+    r = _isolated_row(impl="dense", block_q=None, block_k=None, repeat=1, warmup=0, blas_threads=2)
+    lines = bench.markdown_table({"env": env, "dtype": "float64", "rows": [r]}).splitlines()
+    assert lines[0] == "- CPU: x, 2 logical cpus, - GiB RAM"
+    assert lines[1] == ("- BLAS: openblas 0.3.27 (pthreads, Haswell, 4 threads); "
+                        "mkl 2024.1 (intel, SkylakeX, 8 threads)")
+    head = [c.strip() for c in lines[-3].strip("|").split("|")]
+    cells = dict(zip(head, (c.strip() for c in lines[-1].strip("|").split("|"))))
+    assert (cells["impl"], cells["blocks (q, k)"], cells["runs"], cells["BLAS threads"]) == (
+        "dense", "-", "1", "2")
+
+
+def _finished(returncode, stdout="", stderr=""):
+    return types.SimpleNamespace(returncode=returncode, stdout=stdout, stderr=stderr)
+
+
+def test_a_child_killed_by_a_signal_has_failed(monkeypatch):
+    """A child the kernel killed (out of memory: status -9) printed nothing; it is a failed
+    case, told with the end of its standard error, not a result read from empty output."""
+    shape = bench.Shape(1, 8, 8, 2, False)
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **k: _finished(-9, "", "Killed\n"))
+    with pytest.raises(RuntimeError, match=r"the child for 1x8x8x2 \(dense\) failed with status -9"):
+        bench.measure_isolated(shape, impl="dense")
+    stderr = "first line\n" + "x" * 5000 + "\nMemoryError: the last line"
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **k: _finished(1, "", stderr))
+    with pytest.raises(RuntimeError) as info:
+        bench.measure_isolated(shape, impl="dense")
+    assert str(info.value).endswith("MemoryError: the last line") and "first line" not in str(info.value)
+
+
+def test_the_child_s_result_is_its_last_line_of_output(monkeypatch):
+    """What a library prints on standard output before the child's JSON line is not the result."""
+    monkeypatch.setattr(bench.subprocess, "run",
+                        lambda cmd, **k: _finished(0, 'a library said something\n{"ms": 2.5}\n'))
+    assert bench.measure_isolated(bench.Shape(1, 8, 8, 2, False), impl="dense") == {"ms": 2.5}
+
+
+def test_the_isolated_child_runs_this_npattn_before_another_on_pythonpath(monkeypatch, tmp_path):
+    """An npattn found on PYTHONPATH is not the one the child imports: this one comes first."""
+    import subprocess
+
+    import npattn
+
+    other = tmp_path / "npattn"
+    other.mkdir()
+    (other / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    started = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **k: started.append(k) or _finished(0, "{}"))
+    bench.measure_isolated(bench.Shape(1, 8, 8, 2, False), impl="dense")
+    (kw,) = started
+    monkeypatch.undo()
+    where = subprocess.run([sys.executable, "-c", "import npattn; print(npattn.__file__)"],
+                           env=kw["env"], capture_output=True, text=True, cwd="/", check=True)
+    assert where.stdout.strip() == npattn.__file__
