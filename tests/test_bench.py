@@ -582,6 +582,20 @@ def test_the_default_shapes_are_checked_against_the_memory(monkeypatch, capsys):
     assert f"got {bench.DEFAULT_SHAPES[0]} (--impl dense)" in capsys.readouterr().err
 
 
+def test_the_cupy_backend_is_not_checked_against_the_host_s_memory(monkeypatch, capsys):
+    """On the GPU the arrays live in the device's memory: a run that the host's memory could
+    not hold is refused on numpy and runs on cupy."""
+    from npattn.tools import limits
+
+    _fake_runs(monkeypatch)
+    monkeypatch.setattr(limits, "available_memory", lambda: 1)
+    monkeypatch.setattr(bench, "resolve_backend", lambda name: np)  # no GPU needed
+    assert bench.main(["--shapes", "1x4x4x2", "--backend", "cupy"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--shapes", "1x4x4x2", "--backend", "numpy"])
+    assert exc.value.code == 2 and "memory available here" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--threads", "4097"], "--threads: expected an integer in [1, 4096], got 4097"),
     (["--threads", "0"], "--threads: expected an integer in [1, 4096], got 0"),

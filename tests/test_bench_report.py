@@ -320,6 +320,8 @@ def test_the_isolated_command_line_reaches_its_run(monkeypatch):
     (["--isolated", "--gemm", "-1"], "--gemm: expected 0 or a positive size"),
     (["--blas-threads", "0"], "--blas-threads: expected an integer in [1, 4096], got 0"),
     (["--isolated", "--block-q", "0"], "--block-q: expected an integer in [1, 2147483647], got 0"),
+    (["--pause", "inf"], "--pause: expected a finite number of seconds >= 0, got inf"),
+    (["--min-sample", "inf"], "--min-sample: expected a finite number of seconds >= 0, got inf"),
 ])
 def test_counts_just_past_their_limits_are_usage_errors(argv, message, monkeypatch, capsys):
     _captured(monkeypatch, "run")
@@ -1239,3 +1241,18 @@ def test_the_isolated_child_runs_this_npattn_before_another_on_pythonpath(monkey
     where = subprocess.run([sys.executable, "-c", "import npattn; print(npattn.__file__)"],
                            env=kw["env"], capture_output=True, text=True, cwd="/", check=True)
     assert where.stdout.strip() == npattn.__file__
+
+
+def test_counts_at_their_limits_are_taken_and_threads_set_the_pool(monkeypatch):
+    """The largest GEMM, tile pool and blocks allowed are taken, not refused; --threads is
+    handed to npattn's tile pool through NPATTN_NUM_THREADS, as its help says."""
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "1")  # restored afterwards
+    calls = _captured(monkeypatch, "run")
+    assert bench.main(["--shapes", "1x4x4x2", "--gemm", str(limits.MAX_SIZE),
+                       "--threads", str(limits.MAX_THREADS)]) == 0
+    assert calls[-1][1]["gemm_n"] == limits.MAX_SIZE
+    assert os.environ["NPATTN_NUM_THREADS"] == str(limits.MAX_THREADS)
+    isolated = _captured(monkeypatch, "run_isolated")
+    assert bench.main(["--isolated", "--shapes", "1x4x4x2", "--impl", "blocked", "--gemm", "0",
+                       "--block-q", str(limits.MAX_SIZE), "--block-k", "1"]) == 0
+    assert (isolated[-1][1]["block_q"], isolated[-1][1]["block_k"]) == (limits.MAX_SIZE, 1)
