@@ -943,6 +943,8 @@ def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
     (["--q-chunk", "0"], "--q-chunk: expected a positive integer, got 0"),
     (["--k-chunk", "0"], "--k-chunk: expected a positive integer, got 0"),
     (["--repeat", "0"], "--repeat: expected a positive integer, got 0"),
+    (["--shape", "2x3"], "--shape: expected BxLxDxH[c] with positive integers, got '2x3'"),
+    (["--shape", "2x4x8x2x"], "--shape: expected BxLxDxH[c] with positive integers, got '2x4x8x2x'"),
 ])
 def test_bench_rejects_bad_options(args, message, capsys):
     from npattn.tools import bench
@@ -966,6 +968,30 @@ def test_bench_run_bytes_by_hand():
     assert need == 8 * 20 * 4096 * 4 > 140 * per_pair and "8 B*L*D arrays" in what
     need, what = bench_dask.run_bytes((3, 20, 4, 2, False), 8, 3, 1, local=False)  # 3 entries
     assert need == 420 * per_pair and "a graph of 420 chunk pairs" in what
+
+
+def test_bench_graph_bytes_per_pair_is_a_lower_bound_of_a_graph_built():
+    """The memory check counts GRAPH_BYTES_PER_PAIR for each chunk pair of the graph: a graph
+    of 256 pairs (256 rows in chunks of 16, 16 x 16 pairs), built and held as graph_sizes
+    holds it, takes at least that much per pair (about 4 KiB in 2026)."""
+    import gc
+    import tracemalloc
+
+    from npattn.tools import bench_dask
+
+    shape = bench_dask.parse_shape("1x256x8x2")
+    bench_dask.graph_sizes(shape, np.dtype("float32"), [(16, 16)])  # its imports, before measuring
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        _, results = bench_dask._graph(shape, np.dtype("float32"), 16, 16)
+        tasks = bench_dask._tasks(*results)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert sum(1 for key in tasks if str(key[0]).startswith("npattn-pair-")) == 2 * 256
+    assert held >= bench_dask.GRAPH_BYTES_PER_PAIR * 256
 
 
 def test_bench_chunks_the_inputs_as_documented(monkeypatch):
@@ -1023,9 +1049,12 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
 
     clock = _Clock()
     advances = iter([4.0, 1.0, 6.0, 2.0, 3.0, 1.0, 1.0])  # two clusters, three runs each; one
-    made, computed, spawned = [], [], []
+    made, computed, spawned, ran = [], [], [], []
     reads = iter(range(1, 100))
+    for name in [n for n in os.environ if n.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
 
     class Cluster:
         def __init__(self, **kwargs):
@@ -1048,6 +1077,7 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
             raise ValueError("no client")
 
         def run(self, fn):
+            ran.append(fn.__name__)
             return {f"tcp://w{i}": fn() for i in range(self.n)}
 
         def compute(self, sums, sync):
@@ -1078,7 +1108,11 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
         assert kwargs["memory_limit"] == 0 and trim is None
         assert os.path.basename(scratch).startswith("npattn-dask-") and not os.path.exists(scratch)
         assert kwargs["env"]["NPATTN_NUM_THREADS"] == "1"
+        assert all(kwargs["env"][f"{name}_NUM_THREADS"] == "1" for name in ("OMP", "OPENBLAS", "MKL"))
         assert spawn["MALLOC_TRIM_THRESHOLD_"] is None
+    # each cluster: its malloc settings, then npattn imported and run once before the baseline
+    assert ran == ["_malloc_env", "_warm_up", "_worker_rss_mib", "_worker_rss_mib"] * 2
+    assert [r["malloc_env"] for r in rows] == [{"MALLOC_ARENA_MAX": "2"}] * 2
     # 2 x 2 chunk pairs of 4 queries and 4 keys: 4 forward and 4 backward tasks
     assert computed == [(4, 8)] * 6
     assert [r["times"] for r in rows] == [[4.0, 1.0, 6.0], [2.0, 3.0, 1.0]]
@@ -1097,6 +1131,43 @@ def test_bench_run_workers_times_the_whole_computation_and_reads_the_peaks(monke
                                     out=io.StringIO())
     assert made[-1][1]["MALLOC_TRIM_THRESHOLD_"] is not None  # distributed's own setting kept
     assert spawned[-1][0] == "131072" and row["speedup"] == 1.0
+
+
+def test_bench_counts_the_tasks_beyond_the_inputs_however_they_are_made(monkeypatch):
+    """The tasks of a graph row are those of the forward+backward: inputs made with more
+    tasks (here each one scaled and shifted) leave the count as it was."""
+    from npattn.tools import bench_dask
+
+    shape = bench_dask.parse_shape("2x8x4x2c")
+    (plain,) = bench_dask.graph_sizes(shape, np.dtype("float64"), [(4, 2)])
+    made = bench_dask._inputs
+    monkeypatch.setattr(bench_dask, "_inputs", lambda *a, **k: tuple(x * 2.0 + 1.0 for x in made(*a, **k)))
+    (scaled,) = bench_dask.graph_sizes(shape, np.dtype("float64"), [(4, 2)])
+    assert scaled == plain and plain["tasks"] >= plain["pair_tasks"] > 0
+
+
+def test_bench_sequences_shorter_than_eight_have_chunks_of_one(tmp_path, monkeypatch):
+    """The finest chunking is an eighth of the sequence, and at least one query or key: a
+    sequence of 4 is built in chunks of 1 (an eighth of it is 0)."""
+    from npattn.tools import bench_dask
+
+    asked = []
+    monkeypatch.setattr(bench_dask, "graph_sizes", lambda shape, dtype, chunkings: asked.append(
+        list(chunkings)) or [])
+    assert bench_dask.main(["--shape", "1x4x8x2", "--q-chunk", "2", "--k-chunk", "3",
+                            "--graph-only", "--json", str(tmp_path / "r.json")]) == 0
+    assert asked == [[(4, 4), (4, 3), (2, 3), (1, 1)]]
+
+
+def test_bench_without_distributed_says_so_and_exits_2(monkeypatch, capsys):
+    import sys
+
+    from npattn.tools import bench_dask
+
+    monkeypatch.setitem(sys.modules, "distributed", None)  # import distributed raises ImportError
+    assert bench_dask.main(["--shape", "1x8x16x2", "--graph-only"]) == 2
+    err = capsys.readouterr().err
+    assert "needs the dask extra (pip install '.[dask]'" in err and "Traceback" not in err
 
 
 def test_bench_run_local_times_forward_and_backward(monkeypatch):
