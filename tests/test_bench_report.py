@@ -1138,26 +1138,53 @@ def test_each_torch_step_starts_from_zero_gradients():
 
 
 def test_the_environment_names_the_cpu_its_affinity_and_npattn_s_pool(monkeypatch):
-    """The CPU is /proc/cpuinfo's model name (not its model number, on the line before); the
-    usable CPUs and npattn's pool threads are reported, and the pool's printed."""
+    """The CPU is /proc/cpuinfo's model name (not its model number, on the line before), with
+    the first processor's family and model numbers; the usable CPUs and npattn's pool threads
+    are reported, and the pool's printed."""
     from npattn import backend
 
     real_open = open
 
     def fake_open(path, *a, **k):
         if path == "/proc/cpuinfo":
-            return io.StringIO("processor\t: 0\nmodel\t\t: 17\nmodel name\t: Example CPU 9000: 8-Core\n")
+            return io.StringIO("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\n"
+                               "model name\t: Example CPU 9000: 8-Core\n\n"
+                               "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n")
         return real_open(path, *a, **k)
 
     monkeypatch.setattr(bench, "open", fake_open, raising=False)
     env = bench.environment_info(np)
     assert env["cpu"] == "Example CPU 9000: 8-Core"
+    assert env["cpu_id"] == "family 25 model 17"  # the first processor's, printed with the name
     if hasattr(os, "sched_getaffinity"):
         assert env["sched_affinity"] == len(os.sched_getaffinity(0))
     assert env["npattn_pool_threads"] == backend.pool_threads()
     out = io.StringIO()
     bench._print_env(env, "", "float32", out)
     assert f"npattn elementwise pool threads: {backend.pool_threads()}" in out.getvalue()
+    assert "cpu: Example CPU 9000: 8-Core, family 25 model 17 (" in out.getvalue()
+
+
+def test_the_cpu_s_family_and_model_are_left_out_where_cpuinfo_does_not_give_them(monkeypatch):
+    """Without /proc/cpuinfo, or without its family line, the CPU has no family and model, and
+    the reports print its name alone; with them, the Markdown report prints them too."""
+    real_open = open
+    text = {"/proc/cpuinfo": None}
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/cpuinfo":
+            if text[path] is None:
+                raise OSError("no cpuinfo")
+            return io.StringIO(text[path])
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(bench, "open", fake_open, raising=False)
+    assert bench._cpu_id() is None
+    text["/proc/cpuinfo"] = "processor\t: 0\nmodel\t\t: 17\nmodel name\t: Example CPU\n"
+    assert bench._cpu_id() is None  # a model number without its family tells nothing
+    env = {"cpu": "Example CPU", "cpu_id": None, "cpu_count": 2}
+    assert bench._cpu_text(env) == "Example CPU"
+    assert bench._cpu_text({**env, "cpu_id": "family 6 model 207"}) == "Example CPU, family 6 model 207"
 
 
 # ------------------------------------------------------- the isolated mode's child and tables

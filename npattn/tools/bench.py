@@ -494,6 +494,7 @@ def environment_info(xp) -> dict:
         "numpy": np.__version__,
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
         "cpu_count": os.cpu_count(),
         "backend": backend_name(xp),
     }
@@ -541,9 +542,35 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _cpu_id() -> Optional[str]:
+    """The first CPU's family and model numbers from /proc/cpuinfo ("family 25 model 17"), or
+    None: a VM often names only the vendor's line ("AMD EPYC") for CPUs of several
+    generations, and these numbers tell them apart."""
+    fields: dict = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip() and fields:  # the end of the first processor's block
+                    break
+                key, _, value = line.partition(":")
+                if key.strip() in ("cpu family", "model"):
+                    fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    if len(fields) < 2:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
+def _cpu_text(env) -> str:
+    """The CPU as the reports print it: its name, and its family and model where known."""
+    cpu_id = env.get("cpu_id")
+    return env["cpu"] if cpu_id is None else f"{env['cpu']}, {cpu_id}"
+
+
 def _print_env(env, settings, dtype, out):
     print(f"npattn bench: backend={env['backend']} dtype={dtype} {settings}", file=out)
-    print(f"cpu: {env['cpu']} ({env['cpu_count']} logical cpus)", file=out)
+    print(f"cpu: {_cpu_text(env)} ({env['cpu_count']} logical cpus)", file=out)
     if isinstance(env["threadpools"], list):
         for p in env["threadpools"]:
             print(f"threadpool: {p['internal_api']} {p['version']} arch={p['architecture']} "
@@ -906,7 +933,7 @@ def markdown_table(result) -> str:
         pools = "; ".join(f"{p['internal_api']} {p['version']} ({p['threading_layer']}, "
                           f"{p['architecture']}, {p['num_threads']} threads)" for p in pools)
     lines = [
-        f"- CPU: {env['cpu']}, {env['cpu_count']} logical cpus, "
+        f"- CPU: {_cpu_text(env)}, {env['cpu_count']} logical cpus, "
         f"{_fmt(env.get('memory_gib'), '.1f')} GiB RAM",
         f"- BLAS: {pools}",
         f"- NumPy {env['numpy']}, Python {env['python']}, backend {env['backend']}, "
