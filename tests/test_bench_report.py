@@ -1250,6 +1250,19 @@ def test_the_child_s_result_is_its_last_line_of_output(monkeypatch):
     assert bench.measure_isolated(bench.Shape(1, 8, 8, 2, False), impl="dense") == {"ms": 2.5}
 
 
+@pytest.mark.parametrize("stdout", ["", "\n", "a library said something\n", '{"ms": 2.5\n', "[1, 2]\n"])
+def test_a_child_that_exits_0_without_a_result_has_failed(monkeypatch, stdout):
+    """A child that exits 0 but whose last line of output is no JSON object is a failed case,
+    told with that output's end (run_isolated then goes on with the other cases), not a
+    JSONDecodeError or IndexError that ends the whole run and loses the cases measured."""
+    shape = bench.Shape(1, 8, 8, 2, False)
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **k: _finished(0, stdout))
+    told = r"the child for 1x8x8x2 \(dense\) exited 0 without a result"
+    with pytest.raises(RuntimeError, match=told) as info:
+        bench.measure_isolated(shape, impl="dense")
+    assert stdout.strip() in str(info.value)
+
+
 def test_the_isolated_child_runs_this_npattn_before_another_on_pythonpath(monkeypatch, tmp_path):
     """An npattn found on PYTHONPATH is not the one the child imports: this one comes first."""
     import subprocess

@@ -894,7 +894,16 @@ def measure_isolated(shape: Shape, *, timeout=3600, **case) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"npattn bench: the child for {shape} ({case.get('impl')}) failed "
                            f"with status {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except ValueError:  # json.JSONDecodeError
+        result = None
+    if not isinstance(result, dict):  # a failed case, as above, not the end of the run
+        raise RuntimeError(f"npattn bench: the child for {shape} ({case.get('impl')}) exited "
+                           f"0 without a result on its last line of output; its last lines:\n"
+                           + "\n".join(lines[-5:]))
+    return result
 
 
 def run_isolated(plan, *, dtype="float32", backend="numpy", repeat=1, warmup=0, gemm_n=2048,
