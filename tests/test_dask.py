@@ -945,6 +945,9 @@ def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
     (["--repeat", "0"], "--repeat: expected a positive integer, got 0"),
     (["--shape", "2x3"], "--shape: expected BxLxDxH[c] with positive integers, got '2x3'"),
     (["--shape", "2x4x8x2x"], "--shape: expected BxLxDxH[c] with positive integers, got '2x4x8x2x'"),
+    (["--shape", "2x4x8x2cc"], "--shape: expected BxLxDxH[c] with positive integers, got '2x4x8x2cc'"),
+    (["--shape", "2x+4x8x2"], "--shape: expected BxLxDxH[c] with positive integers, got '2x+4x8x2'"),
+    (["--shape", "2x1_0x8x2"], "--shape: expected BxLxDxH[c] with positive integers, got '2x1_0x8x2'"),
 ])
 def test_bench_rejects_bad_options(args, message, capsys):
     from npattn.tools import bench
@@ -953,6 +956,15 @@ def test_bench_rejects_bad_options(args, message, capsys):
         bench.main(["--backend", "dask", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_dask_reads_a_shape_as_npattn_bench_reads_its_items():
+    """Either case and surrounding spaces, as ``npattn bench --shapes``; a trailing c (or C)
+    is causal."""
+    from npattn.tools import bench_dask
+
+    assert bench_dask.parse_shape("2X4X8X2C") == bench_dask.parse_shape(" 2x4x8x2c ") == (2, 4, 8, 2, True)
+    assert bench_dask.parse_shape("2x4x8x2") == (2, 4, 8, 2, False)
 
 
 def test_bench_run_bytes_by_hand():

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -49,13 +50,13 @@ ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THR
 
 
 def parse_shape(text: str) -> tuple:
-    """``BxLxDxH`` with an optional trailing ``c`` (causal) -> (B, L, D, H, causal)."""
-    causal = text.endswith("c")
-    parts = text[:-1].split("x") if causal else text.split("x")
-    try:
-        B, L, D, H = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"--shape: expected BxLxDxH[c] with positive integers, got {text!r}") from None
+    """``BxLxDxH`` with an optional trailing ``c`` (causal) -> (B, L, D, H, causal); in either
+    case and with surrounding spaces, as ``npattn bench --shapes`` reads its items."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)", text.strip().lower())
+    if match is None:
+        raise ValueError(f"--shape: expected BxLxDxH[c] with positive integers, got {text!r}")
+    B, L, D, H = (int(g) for g in match.groups()[:4])
+    causal = match.group(5) == "c"
     if min(B, L, D, H) < 1 or D % H:
         raise ValueError(f"--shape: expected positive sizes with H dividing D, got {text!r}")
     return B, L, D, H, causal
