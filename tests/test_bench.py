@@ -409,6 +409,24 @@ def test_the_documented_shapes_pass_the_memory_check():
     assert "--shapes: expected sizes" in bench.memory_refusal([(big, "dense")], available=4 * 2**30)
 
 
+def test_a_gemm_that_cannot_fit_is_refused_before_anything_runs(capsys):
+    """--gemm counts in the memory check: its float64 draw and three n x n arrays in the
+    dtype (2048: 80 MiB in float32); a size past the memory is a usage error naming --gemm,
+    before any step runs, and --skip-memory-check lets it through."""
+    gib = 2**30
+    assert bench.gemm_refusal(2048, "float32", available=80 * 2**20) is None  # 2048^2 (8 + 12) B
+    why = bench.gemm_refusal(2048, "float32", available=80 * 2**20 - 1)
+    assert why.startswith("--gemm: expected sizes") and "got 2048" in why
+    assert bench.gemm_refusal(2048, "float64", available=128 * 2**20 - 1) is not None
+    assert bench.gemm_refusal(2048, "float64", available=128 * 2**20) is None  # 8 + 24 B each
+    assert bench.gemm_refusal(16384, "float16", available=4 * gib - 1) is None  # 14 B: 3.5 GiB
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--gemm", "10000000", "--shapes", "2x8x8x2", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gemm: expected sizes whose arrays fit" in err and "got 10000000" in err
+
+
 def test_the_cgroup_room_leaves_out_the_page_cache(tmp_path):
     """A container's memory.current counts the files it has read, which the kernel drops
     before it refuses memory: with 7.5 of its 8 GiB "used", 4 GiB of them page cache, the
@@ -564,11 +582,11 @@ def test_the_memory_check_counts_the_dtype_and_scope_of_the_run(argv, fits, refu
     _fake_runs(monkeypatch)
     for available, ok in ((fits, True), (refused, False)):
         monkeypatch.setattr(limits, "available_memory", lambda: available)
-        if ok:
-            assert bench.main(["--shapes", "1x64x4x2", *argv]) == 0
+        if ok:  # (a GEMM of 1 x 1: 20 bytes)
+            assert bench.main(["--shapes", "1x64x4x2", "--gemm", "1", *argv]) == 0
             continue
         with pytest.raises(SystemExit) as exc:
-            bench.main(["--shapes", "1x64x4x2", *argv])
+            bench.main(["--shapes", "1x64x4x2", "--gemm", "1", *argv])
         assert exc.value.code == 2 and "got 1x64x4x2 (--impl dense)" in capsys.readouterr().err
 
 

@@ -1284,12 +1284,13 @@ def test_the_isolated_child_runs_this_npattn_before_another_on_pythonpath(monkey
 
 
 def test_counts_at_their_limits_are_taken_and_threads_set_the_pool(monkeypatch):
-    """The largest GEMM, tile pool and blocks allowed are taken, not refused; --threads is
-    handed to npattn's tile pool through NPATTN_NUM_THREADS, as its help says."""
+    """The largest GEMM (past the memory check), tile pool and blocks allowed are taken, not
+    refused by the argument checks; --threads is handed to npattn's tile pool through
+    NPATTN_NUM_THREADS, as its help says."""
     monkeypatch.setenv("NPATTN_NUM_THREADS", "1")  # restored afterwards
     calls = _captured(monkeypatch, "run")
-    assert bench.main(["--shapes", "1x4x4x2", "--gemm", str(limits.MAX_SIZE),
-                       "--threads", str(limits.MAX_THREADS)]) == 0
+    assert bench.main(["--shapes", "1x4x4x2", "--gemm", str(limits.MAX_SIZE), "--skip-memory-check",
+                       "--threads", str(limits.MAX_THREADS)]) == 0  # (its arrays would not fit)
     assert calls[-1][1]["gemm_n"] == limits.MAX_SIZE
     assert os.environ["NPATTN_NUM_THREADS"] == str(limits.MAX_THREADS)
     isolated = _captured(monkeypatch, "run_isolated")

@@ -283,6 +283,15 @@ def _gemm_step(xp, dtype: str, n: int):
     return (lambda: a @ b), 2.0 * n**3
 
 
+def gemm_refusal(n: int, dtype: str = "float32", available: Optional[int] = None) -> Optional[str]:
+    """The usage error of a ``--gemm n`` whose arrays cannot fit in memory, or None: the
+    float64 draw ``_gemm_step`` makes each input from, and the two inputs and the product in
+    ``dtype``."""
+    itemsize = np.dtype(dtype).itemsize
+    return memory_error("--gemm", str(n), n * n * (8 + 3 * itemsize),
+                        f"a float64 draw and three {n}x{n} {dtype} arrays", available)
+
+
 def gemm_gflops(xp, dtype: str, n: int, repeat: int, sync, min_time=0.0) -> float:
     """Median GFLOP/s of an (n, n) @ (n, n) matmul in ``dtype`` on ``xp``.
 
@@ -1111,7 +1120,7 @@ def main(argv=None) -> int:
         parser.error(why)
     plan = (ISOLATED_PLAN if isolated and args.shapes is None else [(s, impl) for s in shapes])
     if args.backend != "cupy" and not args.skip_memory_check:  # the device's memory is its own
-        why = memory_refusal(plan, args.dtype, args.scope)
+        why = memory_refusal(plan, args.dtype, args.scope) or gemm_refusal(args.gemm, args.dtype)
         if why:
             parser.error(why)
     table_out = sys.stderr if args.json == "-" else sys.stdout  # stdout: the JSON alone
