@@ -952,7 +952,7 @@ def markdown_table(result) -> str:
                           f"{p['architecture']}, {p['num_threads']} threads)" for p in pools)
     lines = [
         f"- CPU: {_cpu_text(env)}, {env['cpu_count']} logical cpus, "
-        f"{_fmt(env.get('memory_gib'), '.1f')} GiB RAM",
+        + ("RAM unknown" if env.get("memory_gib") is None else f"{env['memory_gib']:.1f} GiB RAM"),
         f"- BLAS: {pools}",
         f"- NumPy {env['numpy']}, Python {env['python']}, backend {env['backend']}, "
         f"{result['dtype']}",
