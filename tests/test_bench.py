@@ -420,6 +420,16 @@ def test_a_gemm_that_cannot_fit_is_refused_before_anything_runs(capsys):
     assert bench.gemm_refusal(2048, "float64", available=128 * 2**20 - 1) is not None
     assert bench.gemm_refusal(2048, "float64", available=128 * 2**20) is None  # 8 + 24 B each
     assert bench.gemm_refusal(16384, "float16", available=4 * gib - 1) is None  # 14 B: 3.5 GiB
+    # run holds the GEMM's inputs and product while each step runs: a shape and a GEMM that
+    # each fit alone but not together are refused, naming both
+    shape = bench.parse_shapes("1x64x4x2")[0]  # 39168 bytes dense
+    gemm_held = 3 * 64 * 64 * 4  # 49152 bytes
+    alone = max(39168, 64 * 64 * 20)
+    assert bench.memory_refusal([(shape, "dense")], available=alone) is None
+    assert bench.gemm_refusal(64, available=alone) is None
+    why = bench.memory_refusal([(shape, "dense")], available=39168 + gemm_held - 1, gemm_n=64)
+    assert "got 1x64x4x2 (--impl dense)" in why and "--gemm 64's three arrays" in why
+    assert bench.memory_refusal([(shape, "dense")], available=39168 + gemm_held, gemm_n=64) is None
     with pytest.raises(SystemExit) as exc:
         bench.main(["--gemm", "10000000", "--shapes", "2x8x8x2", "--no-progress"])
     assert exc.value.code == 2
@@ -569,10 +579,12 @@ def test_the_options_reach_the_run_of_either_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, fits, refused", [
-    # float32: 1x64x4x2 dense holds 6*256 + 4*16 + 2*64*64 = 9792 numbers, 39168 bytes; float64 twice
-    (["--dtype", "float32"], 39168, 39167),
-    (["--dtype", "float64"], 78336, 78335),
-    # the core alone (--scope attention): 5*256 + 2*64*64 = 9472 numbers, 37888 bytes
+    # float32: 1x64x4x2 dense holds 6*256 + 4*16 + 2*64*64 = 9792 numbers, 39168 bytes, and the
+    # --gemm 1's three numbers beside it, 12 bytes; float64 twice
+    (["--dtype", "float32"], 39180, 39179),
+    (["--dtype", "float64"], 78360, 78359),
+    # the core alone (--scope attention): 5*256 + 2*64*64 = 9472 numbers, 37888 bytes; an
+    # isolated child times the GEMM apart from the step
     (["--isolated", "--impl", "dense", "--scope", "attention"], 37888, 37887),
     (["--isolated", "--impl", "dense"], 39168, 39167),
 ])
@@ -594,9 +606,9 @@ def test_the_default_shapes_are_checked_against_the_memory(monkeypatch, capsys):
     from npattn.tools import limits
 
     _fake_runs(monkeypatch)
-    monkeypatch.setattr(limits, "available_memory", lambda: 1)
+    monkeypatch.setattr(limits, "available_memory", lambda: 1000)  # a GEMM of 1 x 1 fits
     with pytest.raises(SystemExit):
-        bench.main([])
+        bench.main(["--gemm", "1"])
     assert f"got {bench.DEFAULT_SHAPES[0]} (--impl dense)" in capsys.readouterr().err
 
 

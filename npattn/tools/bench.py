@@ -144,7 +144,7 @@ def parse_shapes(text: str):
         item = item.strip().lower()
         if not item:
             continue
-        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)(?:w(\d+))?(?:d([0-9.]+))?", item)
+        match = re.fullmatch(r"([0-9]+)x([0-9]+)x([0-9]+)x([0-9]+)(c?)(?:w([0-9]+))?(?:d([0-9.]+))?", item)
         if match is None:
             raise ValueError(
                 f"--shapes: expected items like 32x128x256x8, 4x1024x768x12c, "
@@ -213,11 +213,16 @@ def step_bytes(shape: Shape, impl: str = "dense", dtype: str = "float32",
 
 
 def memory_refusal(cases, dtype: str = "float32", scope: str = "module",
-                   available: Optional[int] = None) -> Optional[str]:
+                   available: Optional[int] = None, gemm_n: int = 0) -> Optional[str]:
     """The usage error for the first ``(shape, impl)`` case whose step cannot fit in memory
-    (``step_bytes`` against ``limits.available_memory()``), or None."""
+    (``step_bytes`` against ``limits.available_memory()``), or None. ``gemm_n``: the size of
+    a GEMM whose inputs and product are held while each step runs (``run`` times the two in
+    turn), counted with every step."""
+    held = 3 * gemm_n * gemm_n * np.dtype(dtype).itemsize
     for shape, impl in cases:
         need, what = step_bytes(shape, impl, dtype, scope)
+        if held:
+            need, what = need + held, f"{what}, and the --gemm {gemm_n}'s three arrays held beside"
         why = memory_error("--shapes", f"{shape} (--impl {impl})", need, what, available)
         if why:
             return why
@@ -911,7 +916,7 @@ def measure_isolated(shape: Shape, *, timeout=3600, **case) -> dict:
     if not isinstance(result, dict):  # a failed case, as above, not the end of the run
         raise RuntimeError(f"npattn bench: the child for {shape} ({case.get('impl')}) exited "
                            f"0 without a result on its last line of output; its last lines:\n"
-                           + "\n".join(lines[-5:]))
+                           + "\n".join(lines[-5:]) + f"\nits standard error:\n{proc.stderr[-4000:]}")
     return result
 
 
@@ -1120,7 +1125,9 @@ def main(argv=None) -> int:
         parser.error(why)
     plan = (ISOLATED_PLAN if isolated and args.shapes is None else [(s, impl) for s in shapes])
     if args.backend != "cupy" and not args.skip_memory_check:  # the device's memory is its own
-        why = memory_refusal(plan, args.dtype, args.scope) or gemm_refusal(args.gemm, args.dtype)
+        why = (gemm_refusal(args.gemm, args.dtype)  # the GEMM alone, then with each step
+               or memory_refusal(plan, args.dtype, args.scope, gemm_n=0 if isolated else args.gemm))
+        # (an isolated child times the GEMM apart from its step)
         if why:
             parser.error(why)
     table_out = sys.stderr if args.json == "-" else sys.stdout  # stdout: the JSON alone
