@@ -52,7 +52,7 @@ ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THR
 def parse_shape(text: str) -> tuple:
     """``BxLxDxH`` with an optional trailing ``c`` (causal) -> (B, L, D, H, causal); in either
     case and with surrounding spaces, as ``npattn bench --shapes`` reads its items."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)(c?)", text.strip().lower())
+    match = re.fullmatch(r"([0-9]+)x([0-9]+)x([0-9]+)x([0-9]+)(c?)", text.strip().lower())
     if match is None:
         raise ValueError(f"--shape: expected BxLxDxH[c] with positive integers, got {text!r}")
     B, L, D, H = (int(g) for g in match.groups()[:4])
