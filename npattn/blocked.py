@@ -269,8 +269,9 @@ def _pool_split(xp, c: BlockedSDPACache):
 
     The (batch, head) slices of the leading axes are independent: each task
     takes a contiguous range of the longest leading axis that q and k both
-    have at full length (v's leading axes are k's), and writes only its own slices of the outputs, so
-    the result does not depend on the number of threads or their order.
+    have at full length (v's leading axes are k's), and writes only its own
+    slices of the outputs, so the result does not depend on the number of
+    threads or their order.
     NumPy arrays only, and not with a floating mask (its gradient sums over
     broadcast axes across slices): that runs in one piece.
     """

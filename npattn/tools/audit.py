@@ -282,7 +282,7 @@ def _module_pair(mha: MultiHeadAttention, self_attention: bool, **fwd_kwargs):
             m.params[n] = p
         if m.impl == "chunked":  # dask: batch entries, and query and key positions, in chunks
             # (self-attention's x gives the queries, keys and values their chunks alike)
-            acts = ((_chunked(acts[0], (1, 2 if n_in == 3 else 3, -1)),)
+            acts = ((_chunked(acts[0], (1, 3 if self_attention else 2, -1)),)
                     + tuple(_chunked(a, (1, 3, -1)) for a in acts[1:]))
         q, k, v = (acts[0],) * 3 if self_attention else acts
         kw = {key: xp.astype(val, m.dtype) if key == "mask" and val is not None

@@ -328,7 +328,7 @@ def _parse_heads(text, d_model, parser: argparse.ArgumentParser):
         heads = [int(h) for h in text.split(",")]  # an empty entry ('4,' or '1,,2') is an error
     except ValueError:
         parser.error(f"--heads: expected integers separated by commas, got {text!r}")
-    if not heads or any(h < 1 for h in heads):
+    if any(h < 1 for h in heads):
         parser.error(f"--heads: expected positive integers, got {text!r}")
     repeated = repeated_entry(heads)
     if repeated is not None:  # the second run wrote over the first's heads{H} pictures
