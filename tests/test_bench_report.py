@@ -1256,11 +1256,12 @@ def test_a_child_that_exits_0_without_a_result_has_failed(monkeypatch, stdout):
     told with that output's end (run_isolated then goes on with the other cases), not a
     JSONDecodeError or IndexError that ends the whole run and loses the cases measured."""
     shape = bench.Shape(1, 8, 8, 2, False)
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **k: _finished(0, stdout))
+    monkeypatch.setattr(bench.subprocess, "run",
+                        lambda cmd, **k: _finished(0, stdout, "Warning: the reason\n"))
     told = r"the child for 1x8x8x2 \(dense\) exited 0 without a result"
     with pytest.raises(RuntimeError, match=told) as info:
         bench.measure_isolated(shape, impl="dense")
-    assert stdout.strip() in str(info.value)
+    assert stdout.strip() in str(info.value) and "Warning: the reason" in str(info.value)
 
 
 def test_the_isolated_child_runs_this_npattn_before_another_on_pythonpath(monkeypatch, tmp_path):

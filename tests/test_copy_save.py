@@ -263,7 +263,8 @@ def test_load_rejects_foreign_and_corrupt_files(tmp_path):
 
 def test_a_file_without_a_generator_state_loads(tmp_path):
     """rng_state null in the header (no state saved, as the header allows) loads: the
-    parameters and the mode as saved, the generator as the constructor seeds it."""
+    parameters and the mode as saved, and the generator as the constructor seeds it without a
+    seed (the configuration holds none): from fresh entropy, so two loads draw differently."""
     m = _module("numpy").eval()
     m.save(tmp_path / "good.npz")
     path = _rewrite(tmp_path / "good.npz", tmp_path / "no state.npz", _edit_header(rng_state=None))
@@ -271,6 +272,12 @@ def test_a_file_without_a_generator_state_loads(tmp_path):
     assert not r.training and list(r.params) == list(m.params)
     for name in m.params:
         np.testing.assert_array_equal(r.params[name], m.params[name])
+    q, k, v = _inputs(r, np.asarray)[:3]
+    outs = []
+    for loaded in (r, MultiHeadAttention.load(path)):
+        out, _ = loaded.train()(q, k, v)  # dropout 0.3, drawn from the module's generator
+        outs.append(out)
+    assert np.all(np.isfinite(outs[0])) and not np.array_equal(outs[0], outs[1])
 
 
 UNPICKLED = []  # what unpickling a _Trap records
