@@ -398,6 +398,9 @@ def test_the_gpt_step_reports_medians_and_the_ratio_of_its_rounds(monkeypatch):
     assert "round 1: npattn     30.0 ms  torch     10.0 ms  ratio 3.00" in text
     assert "ratio 1.43 (rounds 0.50 .. 3.33)" in text
     assert npattn.calls[0] == 1 + 4 * 2 and torch.calls[0] == 1 + 4 * 3
+    env = bench.environment_info(np)  # the first line names the CPU as npattn bench's cpu: line
+    assert text.splitlines()[0].startswith(f"npattn bench --model gpt: {bench_gpt.GPTBenchConfig()}; "
+                                           f"{bench.cpu_text(env)}, ")
     assert len(r["loadavg"]) == 3  # the machine's load, next to the samples it may explain
 
 
@@ -1183,8 +1186,8 @@ def test_the_cpu_s_family_and_model_are_left_out_where_cpuinfo_does_not_give_the
     text["/proc/cpuinfo"] = "processor\t: 0\nmodel\t\t: 17\nmodel name\t: Example CPU\n"
     assert bench._cpu_id() is None  # a model number without its family tells nothing
     env = {"cpu": "Example CPU", "cpu_id": None, "cpu_count": 2}
-    assert bench._cpu_text(env) == "Example CPU"
-    assert bench._cpu_text({**env, "cpu_id": "family 6 model 207"}) == "Example CPU, family 6 model 207"
+    assert bench.cpu_text(env) == "Example CPU"
+    assert bench.cpu_text({**env, "cpu_id": "family 6 model 207"}) == "Example CPU, family 6 model 207"
 
 
 # ------------------------------------------------------- the isolated mode's child and tables

@@ -92,8 +92,8 @@ from .outputs import outputs_error
 __all__ = [
     "main", "run", "run_isolated", "measure_here", "measure_isolated", "markdown_table",
     "case_blocks", "isolated_widths", "format_isolated_header", "format_isolated_row",
-    "environment_info", "Shape", "parse_shapes", "flops", "step_bytes", "memory_refusal",
-    "DEFAULT_SHAPES", "ISOLATED_PLAN",
+    "environment_info", "cpu_text", "Shape", "parse_shapes", "flops", "step_bytes",
+    "memory_refusal", "gemm_refusal", "DEFAULT_SHAPES", "ISOLATED_PLAN",
 ]
 
 
@@ -576,7 +576,7 @@ def _cpu_id() -> Optional[str]:
     return f"family {fields['cpu family']} model {fields['model']}"
 
 
-def _cpu_text(env) -> str:
+def cpu_text(env) -> str:
     """The CPU as the reports print it: its name, and its family and model where known."""
     cpu_id = env.get("cpu_id")
     return env["cpu"] if cpu_id is None else f"{env['cpu']}, {cpu_id}"
@@ -584,7 +584,7 @@ def _cpu_text(env) -> str:
 
 def _print_env(env, settings, dtype, out):
     print(f"npattn bench: backend={env['backend']} dtype={dtype} {settings}", file=out)
-    print(f"cpu: {_cpu_text(env)} ({env['cpu_count']} logical cpus)", file=out)
+    print(f"cpu: {cpu_text(env)} ({env['cpu_count']} logical cpus)", file=out)
     if isinstance(env["threadpools"], list):
         for p in env["threadpools"]:
             print(f"threadpool: {p['internal_api']} {p['version']} arch={p['architecture']} "
@@ -956,7 +956,7 @@ def markdown_table(result) -> str:
         pools = "; ".join(f"{p['internal_api']} {p['version']} ({p['threading_layer']}, "
                           f"{p['architecture']}, {p['num_threads']} threads)" for p in pools)
     lines = [
-        f"- CPU: {_cpu_text(env)}, {env['cpu_count']} logical cpus, "
+        f"- CPU: {cpu_text(env)}, {env['cpu_count']} logical cpus, "
         + ("RAM unknown" if env.get("memory_gib") is None else f"{env['memory_gib']:.1f} GiB RAM"),
         f"- BLAS: {pools}",
         f"- NumPy {env['numpy']}, Python {env['python']}, backend {env['backend']}, "

@@ -24,7 +24,7 @@ import numpy as np
 from .. import nn
 from ..backend import from_numpy, resolve_backend
 from ..gpt import GPT, training_step
-from .bench import autorange, environment_info
+from .bench import autorange, cpu_text, environment_info
 from .limits import SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, gpt_training_bytes, memory_error
 from .outputs import json_output, output_error
 
@@ -94,7 +94,7 @@ def run(cfg: GPTBenchConfig, *, repeat: int = 7, warmup: int = 2, torch_compare:
     The lines go to ``out`` (default: ``sys.stdout`` at the call)."""
     out = sys.stdout if out is None else out
     env = environment_info(resolve_backend("numpy"))
-    print(f"npattn bench --model gpt: {cfg}; {env['cpu']}, {env.get('sched_affinity')} CPUs, "
+    print(f"npattn bench --model gpt: {cfg}; {cpu_text(env)}, {env.get('sched_affinity')} CPUs, "
           f"numpy {env['numpy']}, torch {env.get('torch')} ({env.get('torch_threads')} threads)",
           file=out)
     if isinstance(env.get("threadpools"), list):
