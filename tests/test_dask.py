@@ -1282,11 +1282,9 @@ def test_the_audit_covers_the_chunked_implementation():
                                                 else {"x (q=k=v)", "w_q"})
 
 
-def test_the_audit_s_chunked_configurations_split_every_array_they_take(monkeypatch):
-    """Each [chunked] sdpa configuration hands the chunked implementation q, k, v and its mask
-    in several chunks along the query rows and the keys (a mask's query axis of length 1
-    broadcasts), so that the audit crosses chunk edges in every array (a mask in one chunk
-    would leave its split untested)."""
+def _chunked_audit_calls(monkeypatch, prefix):
+    """(name, (q, k, v, mask)) of the one ``attention.sdpa_forward`` call that the forward of
+    each [chunked] configuration of the dask audit whose name starts with ``prefix`` makes."""
     from npattn.tools import audit
 
     seen = []
@@ -1298,19 +1296,30 @@ def test_the_audit_s_chunked_configurations_split_every_array_they_take(monkeypa
 
     monkeypatch.setattr(A, "sdpa_forward", recording)
     xp = resolve_backend("dask")
-    masked = 0
+    calls = []
     for check in audit.panel("dask"):
-        if check.impl != "chunked" or not check.name.startswith("sdpa"):
+        if check.impl != "chunked" or not check.name.startswith(prefix):
             continue
         seen.clear()
         fwd, bwd, inputs, names = check.build(xp, xp.float64, np.random.default_rng(0),
                                               impl=check.impl)
         fwd(*inputs)
-        ((q, k, v, mask),) = seen
-        assert q.numblocks[-2] > 1 and k.numblocks[-2] > 1 and v.numblocks[-2] > 1, check.name
+        (call,) = seen
+        calls.append((check.name, call))
+    return calls
+
+
+def test_the_audit_s_chunked_configurations_split_every_array_they_take(monkeypatch):
+    """Each [chunked] sdpa configuration hands the chunked implementation q, k, v and its mask
+    in several chunks along the query rows and the keys (a mask's query axis of length 1
+    broadcasts), so that the audit crosses chunk edges in every array (a mask in one chunk
+    would leave its split untested)."""
+    masked = 0
+    for name, (q, k, v, mask) in _chunked_audit_calls(monkeypatch, "sdpa"):
+        assert q.numblocks[-2] > 1 and k.numblocks[-2] > 1 and v.numblocks[-2] > 1, name
         if mask is not None:
-            assert mask.numblocks[-1] > 1, (check.name, mask.chunks)
-            assert mask.shape[-2] == 1 or mask.numblocks[-2] > 1, (check.name, mask.chunks)
+            assert mask.numblocks[-1] > 1, (name, mask.chunks)
+            assert mask.shape[-2] == 1 or mask.numblocks[-2] > 1, (name, mask.chunks)
             masked += 1
     assert masked >= 2
 
@@ -1630,28 +1639,10 @@ def test_the_audit_s_chunked_attention_splits_the_queries_and_the_keys(monkeypat
     """Each [chunked] module configuration, self- and cross-attention, hands the chunked
     implementation its queries, keys and values in several chunks along the positions (and one
     batch entry per chunk), so that the module's audit crosses chunk edges on both sides."""
-    from npattn.tools import audit
-
-    seen = []
-    original = A.sdpa_forward
-
-    def recording(q, k, v, **kw):
-        seen.append((q, k, v))
-        return original(q, k, v, **kw)
-
-    monkeypatch.setattr(A, "sdpa_forward", recording)
-    xp = resolve_backend("dask")
     crossed = set()
-    for check in audit.panel("dask"):
-        if check.impl != "chunked" or not check.name.startswith("mha "):
-            continue
-        seen.clear()
-        fwd, bwd, inputs, names = check.build(xp, xp.float64, np.random.default_rng(0),
-                                              impl=check.impl)
-        fwd(*inputs)
-        ((q, k, v),) = seen
-        assert q.numblocks[-2] > 1, (check.name, q.chunks)
-        assert k.numblocks[-2] > 1 and v.numblocks[-2] > 1, (check.name, k.chunks)
-        assert q.numblocks[0] == k.numblocks[0] == q.shape[0], (check.name, q.chunks)
-        crossed.add(check.name.split(",")[0])
+    for name, (q, k, v, _) in _chunked_audit_calls(monkeypatch, "mha "):
+        assert q.numblocks[-2] > 1, (name, q.chunks)
+        assert k.numblocks[-2] > 1 and v.numblocks[-2] > 1, (name, k.chunks)
+        assert q.numblocks[0] == k.numblocks[0] == q.shape[0], (name, q.chunks)
+        crossed.add(name.split(",")[0])
     assert crossed == {"mha self", "mha cross"}
