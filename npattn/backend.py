@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import array_api_compat
+import array_api_compat.numpy
 import numpy as np
 
 __all__ = [
@@ -118,6 +119,10 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
     that is not of the first one's library.
     """
     present = [(i, a) for i, a in enumerate(arrays) if a is not None]
+    if present and all(type(a) is np.ndarray for _, a in present):
+        # what array_namespace returns for plain NumPy arrays, without its per-call
+        # inspection: small models call this hundreds of times a step
+        return array_api_compat.numpy
     try:
         return array_api_compat.array_namespace(*(a for _, a in present))
     except TypeError as exc:
@@ -176,6 +181,8 @@ def backend_name(xp: Any) -> str:
 
 def device_of(x: Any) -> Any:
     """The device of array ``x``, as the Array API ``device=`` arguments take it."""
+    if type(x) is np.ndarray:
+        return "cpu"  # array_api_compat.device's answer for a NumPy array
     if not array_api_compat.is_array_api_obj(x):
         raise TypeError(f"x: expected an array, got {type(x).__name__}")
     return array_api_compat.device(x)

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 import array_api_compat
 import numpy as np
 
-from .backend import backend_name, device_of, isdtype, keeps_dtype, without_empty_chunks
+from .backend import backend_name, device_of, isdtype, keeps_dtype, namespace, without_empty_chunks
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -378,7 +378,7 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
             "a.astype(a.dtype.newbyteorder('='))"
         )
     if xp is not None:
-        got = array_api_compat.array_namespace(x)
+        got = namespace(x)
         if not _same_namespace(got, xp):
             hint = ("convert it first, or build the module with that backend"
                     if library == MODULE_LIBRARY else "pass every array from one library")
@@ -400,7 +400,7 @@ def check_floating_array(name: str, x: Any, xp: Any = None, device: Any = None, 
     library = f"that of {like}" if like else MODULE_LIBRARY
     check_array(name, x, xp, device, where=f"like {like}" if like else "where the parameters live",
                 library=library)
-    ns = array_api_compat.array_namespace(x)
+    ns = namespace(x)
     if not _is_floating(ns, x.dtype):
         raise TypeError(f"{name}: expected a real floating dtype, got {dtype_name(x.dtype)}")
     if dtype is not None and x.dtype != dtype:
@@ -418,7 +418,7 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
     naming ``name`` otherwise."""
     check_array(name, ids, xp, device, where=f"that of {like}" if like else "where the parameters live",
                 library=f"that of {like}" if like else MODULE_LIBRARY)
-    ns = array_api_compat.array_namespace(ids)
+    ns = namespace(ids)
     if not isdtype(ns, ids.dtype, "integral"):
         raise TypeError(f"{name}: expected an integer array of {what}, got dtype {dtype_name(ids.dtype)}")
     info = getattr(ns, "__array_namespace_info__", None)
@@ -471,7 +471,7 @@ class ArraySpec(NamedTuple):
 
 def spec_of(x: Any) -> ArraySpec:
     """The ``ArraySpec`` of array ``x``: shape, dtype, namespace and device."""
-    return ArraySpec(shape_of(x), x.dtype, array_api_compat.array_namespace(x), device_of(x))
+    return ArraySpec(shape_of(x), x.dtype, namespace(x), device_of(x))
 
 
 def check_grad(name: str, g: Any, *, shape: Sequence[int], dtype: Any, xp: Any, device: Any,
@@ -614,7 +614,7 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
-    xp = array_api_compat.array_namespace(q)
+    xp = namespace(q)
     device = device_of(q)
     for name, x in (("k", k), ("v", v)):
         check_array(name, x, xp, device, where="like q", library="that of q")
@@ -732,7 +732,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
     ``lead`` is the leading shape of the scores (``scores_lead``): the last
     entry is the head count H, the one before it the batch B.
     """
-    xp = array_api_compat.array_namespace(q)
+    xp = namespace(q)
     device = device_of(q)
     check_choice("align", align, ALIGNS)
     if window is not None:

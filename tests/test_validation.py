@@ -1474,3 +1474,29 @@ def test_slopes_and_sinks_without_a_head_axis_say_what_q_needs():
         with raises(ValueError, f"{name}: ", "(H,) with q of at least 3 axes", "(q has shape (3, 4))",
                     "(1,)"):
             F.sdpa_forward(q, k, k, **{name: np.ones(1)})
+
+
+def test_namespace_and_device_of_numpy_arrays_are_array_api_compats_answers():
+    # plain NumPy arrays take a shortcut in backend.namespace and device_of: it must give what
+    # array_api_compat gives, and leave subclasses, scalars and mixed libraries to it
+    import array_api_compat
+    import array_api_strict
+
+    from npattn.backend import device_of, namespace
+
+    class Sub(np.ndarray):
+        pass
+
+    cases = [np.ones((2, 3)), np.ones((), np.float32), np.zeros((2, 0), bool),
+             np.ones(3).view(Sub), np.ma.masked_array(np.ones(2)), np.float64(1.5)]
+    for x in cases:
+        assert namespace(x) is array_api_compat.array_namespace(x), type(x)
+        assert namespace(None, x, None) is array_api_compat.array_namespace(x), type(x)
+        assert device_of(x) == array_api_compat.device(x), type(x)
+    assert namespace(cases[0], cases[1]) is array_api_compat.array_namespace(cases[0], cases[1])
+    with pytest.raises(TypeError, match="different array libraries"):
+        namespace(np.ones(2), array_api_strict.asarray([1.0, 2.0]))
+    with pytest.raises(TypeError, match="b: expected an array of the library of a"):
+        namespace(np.ones(2), array_api_strict.asarray([1.0]), names=["a", "b"])
+    with pytest.raises(TypeError, match="x: expected an array, got list"):
+        device_of([1.0])
