@@ -116,6 +116,8 @@ def dtype_name(dtype: Any) -> str:
 
 def shape_of(x: Any) -> tuple:
     """The shape of ``x`` as a tuple of Python ints, for messages and comparisons."""
+    if type(x) is np.ndarray:
+        return x.shape  # already a tuple of Python ints
     return tuple(int(n) for n in x.shape)
 
 
@@ -365,7 +367,8 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
             "ignore its mask); pass its data, np.ma.getdata(a), and express the masked entries "
             "as an attention mask"
         )
-    if any(n is None or (isinstance(n, float) and math.isnan(n)) for n in x.shape):
+    if type(x) is not np.ndarray and any(n is None or (isinstance(n, float) and math.isnan(n))
+                                         for n in x.shape):
         raise ValueError(
             f"{name}: expected an array of known shape, got shape {tuple(x.shape)} (a dask array "
             f"of unknown chunk sizes: call its compute_chunk_sizes() first)"

@@ -1500,3 +1500,6 @@ def test_namespace_and_device_of_numpy_arrays_are_array_api_compats_answers():
         namespace(np.ones(2), array_api_strict.asarray([1.0]), names=["a", "b"])
     with pytest.raises(TypeError, match="x: expected an array, got list"):
         device_of([1.0])
+    for x in cases:
+        shape = npattn.validation.shape_of(x)
+        assert shape == tuple(np.shape(x)) and all(type(n) is int for n in shape), type(x)
