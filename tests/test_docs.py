@@ -322,10 +322,11 @@ def test_ordered_lists_render_their_written_numbers(page):
     assert not renumbered, f"{page.name}: ordered lists renumbered by Markdown: {renumbered}"
 
 
-@pytest.mark.parametrize(
-    "page, index", BLOCKS,
-    ids=[f"{p.relative_to(DOCS)}:{runnable_blocks(p)[i][0]}" for p, i in BLOCKS],
-)
+@pytest.mark.parametrize("page, index", [
+    pytest.param(p, i, id=f"{p.relative_to(DOCS)}:{runnable_blocks(p)[i][0]}",
+                 marks=[pytest.mark.gpu] if "cupy" in runnable_blocks(p)[i][1] else [])
+    for p, i in BLOCKS  # `pytest -m gpu` runs the blocks that need CuPy with the rest of the GPU part
+])
 def test_runnable_snippet(page, index):
     status, detail = run_page(page)[index]
     if status == "skip":
@@ -333,6 +334,19 @@ def test_runnable_snippet(page, index):
             pytest.fail(detail + " (NPATTN_REQUIRE_GPU=1)")  # a GPU run must not pass by skipping
         pytest.skip(detail)
     assert status == "ok", f"the block at {page.name}:{runnable_blocks(page)[index][0]} failed:\n{detail}"
+
+
+def test_pytest_m_gpu_selects_the_blocks_that_need_cupy():
+    # scripts/gpu_check.sh and scripts/gpu_report.sh run the GPU part as `pytest -m gpu`: a
+    # block that needs CuPy must be among what it selects, and a block that does not must not
+    wanted = {f"{p.relative_to(DOCS)}:{line}" for p in PAGES_WITH_CODE
+              for line, requires, _ in runnable_blocks(p) if "cupy" in requires}
+    assert wanted, "no page has a block that needs CuPy"
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                          "-p", "no:cacheprovider", "-k", "test_runnable_snippet", __file__],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    selected = set(re.findall(r"test_runnable_snippet\[(.+?)\]", run.stdout))
+    assert selected == wanted, (sorted(selected), sorted(wanted), run.stdout[-2000:], run.stderr[-2000:])
 
 
 # --------------------------------------------------------------------------
