@@ -10,9 +10,10 @@
 # Steps:
 #   1. create (or reuse) a virtual environment and `pip install -e ".[test,cupy]"`;
 #   2. with NPATTN_REQUIRE_GPU=1 (a skipped cupy test is a failure), run the
-#      GPU-marked tests (`pytest -m gpu`: every test parametrized on cupy, and
-#      tests/test_gpu.py), then the rest of the suite (the backend suite on
-#      numpy, array-api-strict and torch when installed);
+#      GPU-marked tests (`pytest -m gpu`: every test parametrized on cupy, the
+#      docs' code blocks that need CuPy, and tests/test_gpu.py's marked ones),
+#      then the rest of the suite (the backend suite on numpy, array-api-strict
+#      and torch when installed);
 #   3. check CuPy-vs-NumPy parity of forward and backward on the benchmark
 #      shapes in float32, then in float64 for every implementation and option
 #      case on the shapes up to L = 1024 (scripts/gpu_parity.py).
