@@ -157,6 +157,19 @@ def test_layer_norm_eps_must_be_held_by_the_compute_dtype(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(y), [[1.0, -1.0]] / np.sqrt(1.0 + 1e39), rtol=1e-12)
 
 
+def test_eps_that_is_not_positive_and_finite_is_refused_as_such():
+    """eps <= 0, inf and NaN are refused as not a positive finite float, with a dtype (as
+    layer_norm_forward checks it) or without one, before any dtype's range is looked at."""
+    x = np.array([[1.0, -1.0, 0.5]])
+    for eps in (0.0, -1e-5, math.inf, -math.inf, math.nan):
+        expected = r"^eps: expected a positive finite float, got " + re.escape(repr(eps)) + "$"
+        with pytest.raises(ValueError, match=expected):
+            L.check_eps("eps", eps)
+        with pytest.raises(ValueError, match=expected):
+            L.layer_norm_forward(x, eps=eps)
+    L.check_eps("eps", 1e-300)  # positive and finite: no dtype, no range to hold it in
+
+
 def test_layer_norm_eps_of_half_precision_is_held_by_float32():
     """float16 computes layer norm in float32, so an eps of 1e6 (past float16's 65504, where
     it would round to inf and give 0) is fine, and 1e39 is refused naming both dtypes."""
@@ -714,6 +727,10 @@ def test_bad_arguments_name_the_argument(xp, to_xp):
         L.feed_forward_forward(x, w2, None, w2, None)
     with pytest.raises(ValueError, match=r"^w2: expected shape \(n, 6\)"):
         L.feed_forward_forward(x, w1, None, w1, None)
+    for w in (w4, to_xp(rng.standard_normal((1, 6, 4)))):  # a weight is a matrix (n, D)
+        with pytest.raises(ValueError, match=r"^w1: expected shape \(n, 4\) .*got shape " + re.escape(
+                str(tuple(w.shape)))):
+            L.feed_forward_forward(x, w, None, w2, None)
     with pytest.raises(ValueError, match=r"^b1: expected shape \(6,\)"):
         L.feed_forward_forward(x, w1, w4, w2, None)
     with pytest.raises(ValueError, match=r"^b2: expected shape \(4,\)"):
