@@ -271,7 +271,11 @@ def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     """How many of ``targets`` count (all, or those other than ``ignore``): the ``N`` of the
     mean; a ``ValueError`` for none (a mean over no positions is 0 / 0, torch's NaN)."""
     if ignore is None:
-        return math.prod(Vd.shape_of(targets))
+        n = math.prod(Vd.shape_of(targets))
+        if n == 0:
+            raise ValueError(f"targets: expected at least one target, got none (shape "
+                             f"{Vd.shape_of(targets)})")
+        return n
     # (counted as integers: a float32 sum of ones stops growing at 2**24)
     n = int(xp.sum(xp.astype(targets != ignore, xp.int64)))
     if n == 0:

@@ -1010,3 +1010,14 @@ def test_adam_a_none_gradient_first_leaves_the_later_ones_stepped_and_checked():
     assert state.steps == {"a": 0, "b": 1}
     with pytest.raises(ValueError, match=r"^grads\['b'\]: expected shape \(2,\)"):
         nn.adam_step(params, {"a": None, "b": np.ones(3)}, nn.adam_init(params))
+
+
+def test_count_targets_refuses_no_targets_with_or_without_ignore_index():
+    """No targets at all is a mean over nothing (0 / 0) as much as only ignored ones: a
+    ValueError naming targets either way (without ignore_index it returned 0)."""
+    for shape in ((2, 0), (0,)):
+        with raises(ValueError, "targets", "at least one target", str(shape)):
+            nn.count_targets(np, np.zeros(shape, dtype=np.int64), None)
+        with raises(ValueError, "targets", "at least one target other than ignore_index = 3"):
+            nn.count_targets(np, np.zeros(shape, dtype=np.int64), 3)
+    assert nn.count_targets(np, np.zeros((2, 3), dtype=np.int64), None) == 6
