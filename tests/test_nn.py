@@ -1012,6 +1012,16 @@ def test_adam_a_none_gradient_first_leaves_the_later_ones_stepped_and_checked():
         nn.adam_step(params, {"a": None, "b": np.ones(3)}, nn.adam_init(params))
 
 
+def test_count_targets_counts_exactly_past_float32s_integers():
+    """N is an exact int: 2**24 + 1 targets that count (float32 holds no 2**24 + 1, so a float32
+    sum of ones gives 2**24), and one fewer once a target is the ignored value."""
+    t = np.zeros(2**24 + 1, dtype=np.int8)
+    assert nn.count_targets(np, t, 1) == 2**24 + 1
+    t[5] = 1
+    assert nn.count_targets(np, t, 1) == 2**24
+    assert nn.count_targets(np, t.reshape(1, -1), None) == 2**24 + 1
+
+
 def test_count_targets_refuses_no_targets_with_or_without_ignore_index():
     """No targets at all is a mean over nothing (0 / 0) as much as only ignored ones: a
     ValueError naming targets either way (without ignore_index it returned 0)."""
