@@ -653,6 +653,12 @@ def test_adam_checks_its_arguments_before_writing_anything():
         (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
         # an int beyond the float range is out of [0, 1) too (it raised OverflowError)
         (dict(betas=(10**400, 0.9)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(1000"),
+        (dict(betas=(False, 0.999)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(False"),
+        (dict(betas=(0.9, 0.999, 0.5)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(0\.9"),
+        # an AdamState, not a plain tuple of its fields; moments of exactly the parameters' names
+        (dict(state=(state.m, state.v, 0)), TypeError, r"^state: expected an npattn\.nn\.AdamState"),
+        (dict(state=state._replace(m={**state.m, "b": np.zeros(2)})), ValueError,
+         "^state: expected the Adam moments"),
     ]
     for change, exc, match in cases:
         args = dict(params=params, grads={"w": np.ones(2)}, state=state)
@@ -958,6 +964,19 @@ def test_adam_takes_betas_of_zero():
         params, state = nn.adam_step(params, {"w": g}, state, lr=0.1, betas=(0.0, 0.0), eps=0.0)
     expected = w0 - 0.1 * np.sum([np.sign(g) for g in grads], axis=0)  # [1 - 0.1, -2 + 0.1, 0.5 - 0.1]
     np.testing.assert_allclose(params["w"], expected, rtol=1e-14)
+
+
+def test_adam_with_lr_zero_moves_no_parameter_and_still_counts_the_step():
+    """lr = 0 is allowed (>= 0, as torch.optim.Adam's): the parameters stay as they are while
+    the moments take the gradient, m = (1 - b1) g and v = (1 - b2) g^2 from zero, and t = 1."""
+    rng = np.random.default_rng(4)
+    params = {"w": rng.standard_normal((2, 3))}
+    g = rng.standard_normal((2, 3))
+    new_params, state = nn.adam_step(params, {"w": g}, nn.adam_init(params), lr=0.0, betas=(0.8, 0.9))
+    np.testing.assert_array_equal(new_params["w"], params["w"])
+    np.testing.assert_allclose(state.m["w"], 0.2 * g, rtol=1e-14)
+    np.testing.assert_allclose(state.v["w"], 0.1 * g * g, rtol=1e-14)
+    assert state.t == 1 and state.steps is None
 
 
 def test_adam_steps_stays_none_while_every_parameter_gets_a_gradient():
