@@ -347,6 +347,15 @@ def test_relu_gradients_and_values(xp, to_xp, to_np):
     assert np.isnan(to_np(y)[0])
 
 
+def test_relu_of_minus_inf_and_negatives_is_plus_zero(xp, to_xp, to_np):
+    """ReLU selects 0 where x <= 0 (no product with a 0/1 mask, which makes -inf * 0 = NaN and
+    -1 * 0 = -0.0): -inf and every negative give +0.0, +inf stays inf and NaN stays NaN."""
+    x = np.array([-np.inf, -1.0, -1e-300, np.inf, np.nan, 2.0])
+    y = to_np(L.relu_forward(to_xp(x))[0])
+    np.testing.assert_array_equal(y, [0.0, 0.0, 0.0, np.inf, np.nan, 2.0])
+    assert not np.signbit(y[:3]).any()
+
+
 def test_relu_derivative_at_zero_is_zero(xp, to_xp, to_np):
     """At x = 0 (and -0.0) ReLU's derivative is taken as 0, as torch's relu backward
     (grad where x > 0); finite differences cannot see the kink."""
@@ -674,8 +683,9 @@ def test_mean_pool_bad_arguments_name_the_argument(xp, to_xp):
     # no tokens to average: refused, not 0 / 0 = NaN
     with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., L, D\) with L >= 1, got shape \(2, 0, 3\)"):
         L.mean_pool_forward(to_xp(np.ones((2, 0, 3))))
-    with pytest.raises(TypeError, match=r"^mask: expected a bool mask"):
-        L.mean_pool_forward(x, to_xp(np.ones((2, 5))))
+    for dtype in (np.float64, np.float32, np.int64, np.uint8):  # 1 = a token is spelled True
+        with pytest.raises(TypeError, match=r"^mask: expected a bool mask .*got dtype "):
+            L.mean_pool_forward(x, to_xp(np.ones((2, 5), dtype=dtype)))
     with pytest.raises(ValueError, match=r"^mask: expected shape \(2, 5\)"):
         L.mean_pool_forward(x, to_xp(np.ones((2, 3), dtype=bool)))
     with pytest.raises(TypeError, match=r"^mask: expected a"):
