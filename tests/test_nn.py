@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npattn import nn
+from npattn.backend import namespace
 from npattn.gradcheck import gradcheck
 
 from reliability_helpers import raises
@@ -36,6 +37,19 @@ def test_embedding_forward_is_row_lookup(xp, to_xp, to_np):
     table = rng.standard_normal((7, 4))
     out, _ = nn.embedding_forward(to_xp(ids), to_xp(table))
     np.testing.assert_array_equal(to_np(out), table[ids])
+
+
+def test_embedding_ids_of_another_library_are_named(xp, to_xp):
+    """ids must come from the table's library: NumPy ids for a table of another library (or
+    ids of another library for a NumPy table) are a TypeError naming ids and both libraries."""
+    table = to_xp(np.ones((3, 2)))
+    if namespace(table) is namespace(np.ones(1)):
+        torch = pytest.importorskip("torch")
+        ids, theirs, ours = torch.tensor([[0, 1]]), "torch", "numpy"
+    else:
+        ids, theirs, ours = np.array([[0, 1]]), "numpy", ""
+    with raises(TypeError, "ids", "(that of table)", f"{ours} array", f"got a {theirs} array"):
+        nn.embedding_forward(ids, table)
 
 
 def test_an_infinite_table_entry_is_read_only_by_its_token(xp, to_xp, to_np):
@@ -1050,3 +1064,24 @@ def test_count_targets_refuses_no_targets_with_or_without_ignore_index():
         with raises(ValueError, "targets", "at least one target other than ignore_index = 3"):
             nn.count_targets(np, np.zeros(shape, dtype=np.int64), 3)
     assert nn.count_targets(np, np.zeros((2, 3), dtype=np.int64), None) == 6
+
+
+def test_adam_takes_numpy_int_counts_past_their_type_s_range():
+    """state.t and state.steps may be NumPy ints: after np.uint8(255) a parameter's step is 256,
+    as after the int 255 (a uint8 count wrapped to 0, and 1 - b1**0 = 0 divided the step).
+    From zero moments a step at t = 256 is w - lr * (0.1 g / c1) / (sqrt(0.001 g^2 / c2) + eps)
+    with c = 1 - beta**256."""
+    rng = np.random.default_rng(9)
+    w, g = rng.standard_normal(3), rng.standard_normal(3)
+    c1, c2 = 1.0 - 0.9**256, 1.0 - 0.999**256
+    expected = w - 1e-3 * (0.1 * g / c1) / (np.sqrt(0.001 * g * g / c2) + 1e-8)
+    params = {"w": w}
+    new, state = nn.adam_step(params, {"w": g}, nn.adam_init(params)._replace(t=np.uint8(255)))
+    np.testing.assert_allclose(new["w"], expected, rtol=1e-12)
+    assert state.t == 256 and type(state.t) is int and state.steps is None
+    params = {"a": w, "b": w}  # a's own count a NumPy int, b left without a gradient
+    start = nn.adam_init(params)._replace(t=255, steps={"a": np.uint8(255), "b": 3})
+    new, state = nn.adam_step(params, {"a": g}, start)
+    np.testing.assert_allclose(new["a"], expected, rtol=1e-12)
+    np.testing.assert_array_equal(new["b"], w)
+    assert state.t == 256 and state.steps == {"a": 256, "b": 3}
