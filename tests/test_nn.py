@@ -500,22 +500,25 @@ def test_reduction_and_label_smoothing_are_checked_before_computing():
         nn.cross_entropy_backward(np.ones((2, 3)), cache)
 
 
-def _adam_reference(w, grads, lr, b1, b2, eps):
-    """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1."""
+def _adam_reference(w, grads, lr, b1, b2, eps, weight_decay=0.0):
+    """Adam written per scalar with plain floats, as in Kingma & Ba, Algorithm 1 (with the L2
+    penalty added to each gradient, as torch.optim.Adam's weight_decay)."""
     w = [float(v) for v in w]
     m = [0.0] * len(w)
     v = [0.0] * len(w)
     for t, g in enumerate(grads, start=1):
         for j in range(len(w)):
-            m[j] = b1 * m[j] + (1 - b1) * g[j]
-            v[j] = b2 * v[j] + (1 - b2) * g[j] ** 2
+            gj = g[j] + weight_decay * w[j]
+            m[j] = b1 * m[j] + (1 - b1) * gj
+            v[j] = b2 * v[j] + (1 - b2) * gj ** 2
             mhat = m[j] / (1 - b1**t)
             vhat = v[j] / (1 - b2**t)
             w[j] -= lr * mhat / (math.sqrt(vhat) + eps)
     return w
 
 
-def test_adam_matches_scalar_reference(xp, to_xp, to_np):
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-3, 0.5])
+def test_adam_matches_scalar_reference(xp, to_xp, to_np, weight_decay):
     rng = np.random.default_rng(6)
     w0 = rng.standard_normal(5)
     grads = [rng.standard_normal(5) for _ in range(4)]
@@ -523,9 +526,9 @@ def test_adam_matches_scalar_reference(xp, to_xp, to_np):
     state = nn.adam_init(params)
     for g in grads:
         params, state = nn.adam_step(params, {"w": to_xp(g)}, state, lr=0.05, betas=(0.8, 0.99),
-                                     eps=1e-8)
+                                     eps=1e-8, weight_decay=weight_decay)
     assert state.t == 4
-    expected = _adam_reference(w0, grads, 0.05, 0.8, 0.99, 1e-8)
+    expected = _adam_reference(w0, grads, 0.05, 0.8, 0.99, 1e-8, weight_decay)
     np.testing.assert_allclose(to_np(params["w"]), expected, rtol=1e-12, atol=1e-12)
 
 
