@@ -280,6 +280,22 @@ def test_cross_entropy_ignore_index_in_range_matches_torch(ignore, dtype, all_bu
     assert np.all(dz[t == ignore] == 0)
 
 
+def test_cross_entropy_takes_a_numpy_int_ignore_index(xp, to_xp, to_np):
+    """ignore_index may be a NumPy int (it is taken as the int it holds): loss and dlogits are
+    those of the Python int, on every backend (one that takes no NumPy scalars included)."""
+    rng = np.random.default_rng(8)
+    z = to_xp(rng.standard_normal((2, 3, 4)))
+    t = to_xp(np.array([[0, 2, 1], [2, 3, 2]]))
+    dloss = 0.7
+    loss, cache = nn.cross_entropy_forward(z, t, ignore_index=2)
+    expected = to_np(nn.cross_entropy_backward(dloss, cache)[0])
+    for ignore in (np.int64(2), np.uint8(2)):
+        got, cache = nn.cross_entropy_forward(z, t, ignore_index=ignore)
+        assert float(got) == float(loss)
+        np.testing.assert_array_equal(to_np(nn.cross_entropy_backward(dloss, cache)[0]), expected)
+    assert np.all(expected[[0, 1, 1], [1, 0, 2]] == 0.0) and np.any(expected != 0.0)
+
+
 def test_cross_entropy_ignore_index_is_checked_before_computing():
     """ignore_index None or an int its targets' dtype holds; other targets in [0, V); at
     least one target not ignored (torch gives NaN); each a TypeError / ValueError naming
