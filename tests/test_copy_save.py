@@ -483,6 +483,7 @@ def test_a_saved_size_too_large_for_an_array_is_refused_by_name(tmp_path, name, 
 @pytest.mark.parametrize("states, fragment", [
     ("x", "got 'x' (str)"),
     ([{}], "a list of 2 generator states (one per block), got a list of 1"),
+    ([{}, {}, {}], "a list of 2 generator states (one per block), got a list of 3"),
     ([None, None], "block_rng_states[0]: expected a state read from rng_state, got None"),
     (["x", "x"], "block_rng_states[0]: the saved dropout generator state is not valid"),
 ])
