@@ -863,12 +863,17 @@ def test_a_decoding_forward_that_fails_midway_puts_the_caches_back(monkeypatch):
 
 
 @pytest.mark.parametrize("decoding", [False, True])
-@pytest.mark.parametrize("impl, match", [("chunked", "impl='chunked'"), ("fast", "impl: expected 'auto'")])
+@pytest.mark.parametrize("impl, match", [
+    ("chunked", r"impl='chunked': the chunked implementation takes dask arrays .* got numpy\.ndarray of "
+                r"shapes \(2, 2, 3, 4\), \(2, 2, 3, 4\), \(2, 2, 3, 4\);"),
+    ("fast", "impl: expected 'auto'")])
 def test_a_block_impl_that_cannot_run_is_refused_before_the_embedding(monkeypatch, decoding, impl,
                                                                       match):
     """A block's self_attn.impl that cannot run the call (an unknown name, "chunked" on NumPy
     arrays) was refused inside that block, after the embedding and the blocks before it had
-    run; now before anything is computed, and the KV caches keep their lengths."""
+    run; now before anything is computed, and the KV caches keep their lengths. The refusal
+    names the heads the block would get: q, k and v (B, H, 3, Dh), as the prompt's three
+    tokens are all the keys there are."""
     model = make().eval()
     caches = model.new_caches(B) if decoding else None
     ids = ids_of(0, (B, 3))
