@@ -284,6 +284,8 @@ def test_bad_arguments_name_the_argument(xp, to_xp, backend):
         model.forward(to_xp(np.zeros((B, L + 1, P))))
     with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\)"):
         model.forward(to_xp(np.zeros((L, P))))
+    with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\) .* got shape \(2, 5, 4\)"):
+        model.forward(to_xp(np.zeros((B, L, P + 1))))  # one feature too many
     with pytest.raises(ValueError, match=r"^x: expected shape \(B, 5, 3\) .* got shape \(0, 5, 3\)"):
         model.forward(to_xp(np.zeros((0, L, P))))  # no sequence to classify
     with pytest.raises(TypeError, match=r"^mask: expected a bool padding mask"):
