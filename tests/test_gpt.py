@@ -99,16 +99,28 @@ def test_block_n_takes_the_keep_masks_of_entry_n():
 
 def test_masks_drawn_for_sites_not_given_drop_at_the_models_rate(monkeypatch):
     """The keep-masks drawn from the model's generator (every site of every block here) keep
-    an entry with probability 1 - p: 960 draws at p = 0.5, a kept fraction within 0.1."""
+    an entry with probability 1 - p: 960 draws at p = 0.25 (not 0.5, where p and 1 - p
+    agree), a kept fraction within 0.1 of 0.75."""
     import npattn.gpt as gpt_module
 
     drawn, real = [], gpt_module.keep_mask
     monkeypatch.setattr(gpt_module, "keep_mask", lambda *a, **kw: drawn.append(real(*a, **kw)) or drawn[-1])
-    make(dropout=0.5).forward(ids_of(0))
+    make(dropout=0.25).forward(ids_of(0))
     assert len(drawn) == 4 * N  # four sites per block
     kept = np.concatenate([np.asarray(m).ravel() for m in drawn])
     assert kept.size == N * (B * H * L * L + 2 * B * L * D + B * L * FF)
-    assert abs(kept.mean() - 0.5) < 0.1, kept.mean()
+    assert abs(kept.mean() - 0.75) < 0.1, kept.mean()
+
+
+def test_a_site_given_as_none_draws_from_the_models_generator_as_one_not_given():
+    """dropout_masks=[{"dropout1": None}, {}] in training mode: block 0's dropout1 mask is drawn
+    from the model's generator, as with no masks at all, so the logits equal a twin's that
+    was given none (a block left to draw its own would give other logits)."""
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    ids = ids_of(4)
+    got = model.forward(ids, dropout_masks=[{"dropout1": None}, {}])
+    np.testing.assert_array_equal(got, twin.forward(ids))
+    assert np.max(np.abs(got - twin.eval().forward(ids))) > 1e-3  # the masks act
 
 
 def test_loss_gradient_is_the_cross_entropy_of_the_logits(xp, to_xp):
