@@ -1172,6 +1172,9 @@ def test_generate_of_no_new_tokens_drops_the_cached_forward_and_keeps_the_types(
     model.forward(ids_of(0))
     out, logits = model.generate(ids_of(1, (B, 3)).astype(np.int32), 0, return_logits=True)
     assert out.dtype == np.int64 and logits.dtype == np.float32
+    # and the logits of sampled tokens: those of the forward, in the model's dtype
+    out, logits = model.generate(ids_of(1, (B, 3)), 2, greedy=True, return_logits=True)
+    assert logits.shape == (B, 2, VOCAB) and logits.dtype == np.float32
     with pytest.raises(RuntimeError, match="forward"):
         model.backward(np.zeros((B, L, VOCAB), dtype=np.float32))
 
