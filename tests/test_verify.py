@@ -1529,6 +1529,18 @@ def test_malformed_returns_are_named():
         assert "not what verify reads" in r.hint
 
 
+def test_a_kernel_s_own_error_worded_as_verify_s_keeps_its_traceback():
+    """Only verify's own check of what was returned, raised in verify, has no traceback: a
+    backward that raises a TypeError starting 'backward: ' itself is shown where it raised."""
+    def backward(dout, cache):
+        raise TypeError("backward: no gradient of this case here")
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  cases=["base-65x128"]).results[0]
+    assert r.error == "TypeError: backward: no gradient of this case here"
+    assert r.traceback and r.raised_at.endswith(" in backward"), (r.raised_at, r.traceback)
+
+
 def test_a_return_verify_cannot_read_in_every_failing_case_is_not_said_to_be_raised():
     """fn returning (out, cache) without returns_lse fails each case with verify's own
     TypeError and no traceback: the panel hints do not say that fn raised."""
@@ -2603,6 +2615,54 @@ def test_the_dsinks_hint_follows_lse_grad():
         "dsinks wrong, the rest right: dsink = -sum over rows of p_sink * delta"
     assert _grad_hint("dsinks", wrong, lse_grad=True, **kw) == \
         "dsinks wrong, the rest right: dsink = sum over rows of p_sink * (dlse - delta)"
+
+
+def test_the_constant_factor_hint_needs_every_wrong_gradient_scaled():
+    """dq x 2 with dk wrong by a part that is no multiple is not 'a constant factor': dq and
+    dk wrong together point below the softmax."""
+    def backward(dout, cache):
+        g = F.sdpa_backward(dout, cache)
+        return g.dq * 2.0, _plus_a_column(g.dk), g.dv
+
+    r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
+                  cases=["base-65x128"]).results[0]
+    assert r.failing == ["dq", "dk"]
+    assert r.hint.startswith("dv right, dq/dk wrong: below the softmax"), r.hint
+
+
+def test_a_wrong_dv_is_told_with_the_dropout_of_its_case():
+    """dv wrong in a case with dropout points at the keep-mask and 1/(1-p) in the backward;
+    in a case without dropout at dv = A^T @ dout alone."""
+    def wrong(g):
+        return _plus_a_column(g.dv)
+
+    assert _grad_hint("dv", wrong) == \
+        "dv wrong: dv = A^T @ dout, A the attention weights after dropout"
+    hint = _grad_hint("dv", wrong, case="dropout_mask-65x129", supports="dropout_mask")
+    assert hint.startswith("dv wrong with dropout: dv = A^T @ dout with A the weights after "
+                           "dropout (the keep-mask and 1/(1-p) belong in the backward too)"), hint
+
+
+def test_an_option_every_failing_case_holds_is_told_with_the_cases_holding_it_that_pass():
+    """'every failing case holds X' counts the cases with X that pass, in words, and says
+    nothing of them when there are none."""
+    kw = dict(backward=npattn_backward, returns_lse=True, dtype="float64", supports="causal",
+              combos=False)
+    causal_65 = next(c for c in VF.plan("causal", combos=False) if c.name == "causal-65x129")
+    again = replace(causal_65, name="causal-65x129-again")
+
+    def off_when_causal_65(q, k, v, **options):
+        wrong = options.get("is_causal") and q.shape[2] == 65
+        return (_off_everywhere if wrong else npattn_kernel)(q, k, v, **options)
+
+    report = VF.verify(off_when_causal_65, cases=["base-1x65", "causal-65x129", "causal-128x65",
+                                                  again], **kw)
+    assert [r.case.name for r in report.failures] == ["causal-65x129", "causal-65x129-again"]
+    assert report.hints()[0] == ("every failing case holds 'causal' (and 1 case with it passes): "
+                                 "look at how causal is applied"), report.hints()
+    report = VF.verify(off_when_causal_65, cases=["base-1x65", "causal-65x129", again], **kw)
+    assert report.hints()[0] == "every failing case holds 'causal': look at how causal is applied", \
+        report.hints()
 
 
 def test_three_options_every_failing_case_holds_are_named_each():
