@@ -2771,6 +2771,30 @@ def test_the_option_arrays_reach_the_kernel_in_their_documented_dtypes(dtype, sl
                     "k_segments": {"int32"}}, seen
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_alibi_slopes_that_float32_rounds_reach_the_kernel_and_the_truth_in_their_dtype(dtype):
+    """With three heads the slopes 2**(-8 h / 3) are not exact in float32: the kernel gets
+    them rounded to float32 (float16 does not round them further), float64 as drawn at
+    float64, and npattn's truth takes the same values, so npattn itself passes."""
+    alibi = next(c for c in VF.plan("alibi", combos=False) if "alibi" in c.options)
+    case = replace(alibi, name="alibi-three-heads", Hq=3, Hkv=3)
+    seen = []
+
+    def kernel(q, k, v, **options):
+        seen.append(np.array(options["alibi_slopes"]))
+        return npattn_kernel(q, k, v, **options)
+
+    report = VF.verify(kernel, backward=npattn_backward, returns_lse=True, dtype=dtype,
+                       supports="alibi", cases=[case])
+    assert report.ok, report.format()
+    drawn = VC.case_inputs(case).options["alibi_slopes"]
+    want = drawn if dtype == "float64" else drawn.astype(np.float32)
+    assert not np.array_equal(drawn.astype(np.float32), drawn)  # float32 rounds them
+    if dtype == "float16":
+        assert not np.array_equal(drawn.astype(np.float16).astype(np.float32), want)
+    np.testing.assert_array_equal(seen[0], want)
+
+
 # --------------------------------------------------------------------------
 # what verify reads, and the floors of half precision
 
@@ -3333,3 +3357,74 @@ def test_the_python_reproducer_gives_a_budget_factor_other_than_the_default():
     for factor in (1, 3):
         call = VF.verify(off, budget_factor=factor, **kw).failures[0].reproducer
         assert f"budget_factor={float(factor)}," in call, call
+
+
+def test_a_tensor_of_exactly_ten_budgets_is_not_degenerate():
+    """Degenerate is under DEGENERATE_RATIO budgets, strictly: npattn's own lse at float64 (its
+    error 0) with a floor of 1/10 has a budget of a tenth of its largest entry (over 1), ten
+    budgets exactly, and it passes."""
+    def forward(q, k, v, **options):
+        return npattn_kernel(q, k, v, **options)[:2]
+
+    report = VF.verify(forward, returns_lse=True, dtype="float64", floors={"float64": 0.1},
+                       cases=["base-65x128"])
+    t = report.results[0].tensors["lse"]
+    assert t.npattn_error == 0.0 and t.magnitude > 1.0
+    assert t.magnitude == VF.DEGENERATE_RATIO * t.budget, (t.magnitude, t.budget)
+    assert t.status == "pass" and t.note == "", t
+
+
+def test_where_counts_only_the_entries_over_budget_not_those_at_it():
+    """With a floor of 0 npattn's own lse at float64 has a budget of exactly 0 and every
+    entry at it; one entry off is the one entry over budget."""
+    row = 3
+
+    def one_lse_off(q, k, v, **options):
+        out, lse, _ = npattn_kernel(q, k, v, **options)
+        lse = np.array(lse)
+        lse[1, 0, row] += 0.25
+        return out, lse
+
+    c = VF.plan("", cases=["base-65x128"])[0]
+    report = VF.verify(one_lse_off, returns_lse=True, dtype="float64", floors={"float64": 0.0},
+                       cases=[c.name])
+    t = report.results[0].tensors["lse"]
+    assert t.status == "fail" and t.budget == 0.0
+    assert t.where == (f"1 of {c.B * c.Hq * c.Lq} entries over budget, the worst at b=1, h=0, "
+                       f"query={row}; query rows {row} (1 of {c.Lq})"), t.where
+
+
+def test_a_softmax_saturated_in_half_the_rows_is_not_saturated():
+    """Saturated means more than half the attended rows put over 0.999 on one key: in a case
+    where exactly half of them do, dq and dk pass, not degenerate."""
+    case = VC.Case("half-saturated", B=2, Hq=2, Hkv=2, Lq=2, Lk=3, Dh=8, Dv=8, score_std=10.0)
+    inp = VC.case_inputs(case, seed=8)
+    _, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **inp.options)
+    assert np.mean(cache.probs.max(axis=-1) > 0.999) == 0.5  # 4 rows of 8
+    r = VF.verify(npattn_kernel, backward=npattn_backward, returns_lse=True, dtype="float64",
+                  cases=[case], seed=8).results[0]
+    for n in ("dq", "dk"):
+        assert r.tensors[n].status == "pass" and r.tensors[n].note == "", (n, r.tensors[n])
+
+
+def test_the_merge_term_of_a_sink_takes_its_logit_where_it_is_larger_than_lse():
+    """A split that holds only the sink has the sink's logit as its partial lse: where
+    |sink| > |lse_i| (a float mask pulls every score down, so lse is near -1, and the sinks
+    are -3 and -4) out's merge term takes max(|lse_i|, |sink|) p_sink_i |out_i|."""
+    case = VC.Case("sink-merge", Hq=2, Hkv=2, Lq=5, Lk=6, Dh=8, Dv=4, options=("sinks",))
+    inp = VC.case_inputs(case, seed=1)
+    sinks = np.array([-3.0, -4.0])  # [Hq]
+    opts = {"mask": np.full((case.B, 1, case.Lq, case.Lk), -math.log(case.Lk) - 1.0),
+            "sinks": sinks}
+    out, cache = F.sdpa_forward(inp.q, inp.k, inp.v, **opts)
+    lse, p = np.asarray(cache.lse), cache.probs  # [B, Hq, Lq], [B, Hq, Lq, Lk]
+    assert np.all(np.abs(sinks)[None, :, None] > np.abs(lse))
+    got = VF.merge_scales(VC.CaseInputs(inp.q, inp.k, inp.v, inp.dout, opts, None),
+                          {"out": out, "lse": lse, "weights": p})["out"]
+    s = lse[..., None] + np.log(p)  # [B, Hq, Lq, Lk]: every key attended
+    m = np.maximum(np.abs(lse)[..., None], np.abs(s))  # [B, Hq, Lq, Lk]
+    parts = np.abs(p[..., None] * (inp.v[:, :, None] - out[:, :, :, None]))  # [B, Hq, Lq, Lk, Dv]
+    p_sink = np.exp(sinks[None, :, None] - lse)  # [B, Hq, Lq]
+    E = (np.einsum("bhij,bhijd->bhid", m, parts)
+         + (np.abs(lse) + np.abs(sinks)[None, :, None] * p_sink)[..., None] * np.abs(out))
+    assert got == pytest.approx(float(E.max()), rel=1e-12)
