@@ -91,6 +91,18 @@ def test_json_to_stdout_and_list(capsys):
     assert any(line.startswith("causal+gqa-") for line in listed) and len(listed) > 10
 
 
+def test_json_to_a_file_is_the_report_ending_with_a_newline(tmp_path, capsys):
+    """--json PATH writes the report's JSON there as a text file: one newline at its end."""
+    js = tmp_path / "r.json"
+    assert cli.main(["verify", *GOOD, "--supports", "gqa", "--json", str(js), "--no-progress",
+                     "--case", "gqa-65x129"]) == 0
+    text = js.read_text()
+    assert text.endswith("}\n") and not text.endswith("\n\n"), text[-20:]
+    data = json.loads(text)
+    assert data["ok"] and [c["name"] for c in data["cases"]] == ["gqa-65x129"]
+    assert "worst err" in capsys.readouterr().out
+
+
 def test_module_target(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_kernels.py").write_text(
         "from npattn import functional as F\n"
