@@ -517,6 +517,8 @@ def test_append_writes_each_entry_at_its_own_length(backend, xp, to_xp, to_np):
     # NumPy's own messages named nothing
     ((1, 2**70, 1, 2), {}, ValueError, r"^batch_size, num_kv_heads, capacity, head_dim and "
      r"value_dim: expected buffers of fewer than 2\*\*62 entries"),
+    ((1, 2**60, 1, 4), {}, ValueError, r"^batch_size, .*fewer than 2\*\*62 entries, got .* x capacity "
+     r"1152921504606846976 x head width 4$"),  # exactly 2**62 entries is one too many
     ((1, 4, 1, 2**70), {}, ValueError, r"head width 1180591620717411303424$"),  # (not "capacity:")
     ((1, 4, 1, 2, 2**70), {}, ValueError, r"head width 1180591620717411303424$"),  # the wider of Dh, Dv
     ((1, 4, 1, 2), dict(device="cuda"), ValueError, r"^device: expected a device of the numpy backend, got 'cuda'"),
@@ -560,6 +562,8 @@ def test_check_room_and_unalign_columns_check_their_arguments():
         unalign_columns(np.ones(3), (1, 0, 0))  # (an IndexError from inside)
     np.testing.assert_array_equal(unalign_columns(x, np.array([2, 0])),
                                   [[[2.0, 3, 4, 5, 0, 0]], [[6.0, 7, 8, 9, 10, 11]]])
+    np.testing.assert_array_equal(unalign_columns(x, (1, 3)),  # one column freed, and three
+                                  [[[1.0, 2, 3, 4, 5, 0]], [[9.0, 10, 11, 0, 0, 0]]])
     np.testing.assert_array_equal(unalign_columns(x, (6, 0)),  # shift = Lt: [0, Lt] is allowed
                                   [[[0.0] * 6], [[6.0, 7, 8, 9, 10, 11]]])
     np.testing.assert_array_equal(unalign_columns(x, (0, 0)),  # nothing shifted: x as it is
@@ -573,6 +577,10 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
     bad_appends = [
         ((np.zeros((2, 1, 1, 3)), good), ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\)"),
         ((good, np.zeros((2, 2, 1, 2))), ValueError, "v_new: expected shape"),
+        # three axes, and five: the new positions' axis is the third of four
+        ((np.zeros((2, 1, 2)), good), ValueError,
+         r"^k_new: expected shape \(B, Hkv, n, Dh\) = \(2, 1, n, 2\), got \(2, 1, 2\)"),
+        ((good, np.zeros((2, 1, 1, 2, 1))), ValueError, r"^v_new: expected shape .*, got \(2, 1, 1, 2, 1\)"),
         # a batch of 1 would broadcast over the cache's 2 in a slice assignment
         ((np.zeros((1, 1, 1, 2)),) * 2, ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\) = \(2,"),
         ((np.zeros((2, 1, 0, 2)), np.zeros((2, 1, 0, 2))), ValueError, "k_new: expected at least 1"),
@@ -598,7 +606,7 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
         ([1], ValueError, "expected 2 lengths"),
         ([-1, 0], ValueError, r"seqlens\[0\]"),
         ([1.0, 0], TypeError, r"seqlens\[0\]"),
-        (True, TypeError, "seqlens"),
+        (True, TypeError, r"^seqlens: expected an int or 2 ints .*got bool"),  # not a length of 1
         ("1", TypeError, "seqlens"),
         (np.zeros((2, 1), dtype=int), TypeError, r"seqlens: .*got numpy.ndarray of shape \(2, 1\)"),
         ({1, 2}, TypeError, r"^seqlens: .*got set"),  # a set has no order
