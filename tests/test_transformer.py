@@ -472,6 +472,23 @@ def test_dropout_from_the_seed_is_replayable_and_off_in_eval(xp, to_xp, to_np, b
     np.testing.assert_array_equal(g1, to_np(a.backward(d)))
 
 
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_keep_masks_do_nothing_without_dropout(kind):
+    """dropout_masks act only in training mode with dropout > 0: with dropout 0 in training
+    mode, or in eval mode, keep-masks that drop everything change nothing."""
+    rng = np.random.default_rng(40)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    args = (x,) if kind is TransformerBlock else (x, memory)
+    sites = ENCODER_DROPOUT_SITES if kind is TransformerBlock else DECODER_DROPOUT_SITES
+    shapes = {"self_attn": (B, H, L, L), "multihead_attn": (B, H, L, LM), "dropout": (B, L, FF)}
+    drop_all = {s: np.zeros(shapes.get(s, (B, L, D)), dtype=bool) for s in sites}
+    for dropout, training in ((0.0, True), (0.3, False)):
+        block = kind(D, H, FF, dropout=dropout, dtype="float64", seed=41).train(training)
+        want = block(*args)
+        assert np.all(np.isfinite(want)) and np.any(want != 0.0)
+        np.testing.assert_array_equal(block(*args, dropout_masks=drop_all), want)
+
+
 def test_params_names_mirror_torch_and_state_dict_round_trips():
     torch = pytest.importorskip("torch")
     dec = TransformerDecoderBlock(D, H, FF, dtype="float64", seed=16)
@@ -1062,6 +1079,24 @@ def test_attention_keep_masks_are_drawn_afresh_from_the_blocks_generator():
     other = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=48)
     other.params = block.params
     assert not np.allclose(np.asarray(other(x, dropout_masks=keep_all)), y1)
+
+
+@pytest.mark.parametrize("site", ["dropout1", "dropout", "dropout2"])
+def test_each_site_without_a_keep_mask_draws_afresh_from_the_blocks_generator(site):
+    """With the keep-masks of every other site given (the attention's keeping everything),
+    two training forwards differ: ``site``'s mask is a new draw from the block's generator
+    each time, and putting the generator's state back replays it."""
+    rng = np.random.default_rng(49)
+    block = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=49)
+    x = rng.standard_normal((B, L, D))
+    shapes = {"self_attn": (B, H, L, L), "dropout1": (B, L, D), "dropout": (B, L, FF), "dropout2": (B, L, D)}
+    others = {s: np.ones(shape, bool) for s, shape in shapes.items() if s != site}
+    state = block.rng_state
+    y1 = np.asarray(block(x, dropout_masks=others))
+    y2 = np.asarray(block(x, dropout_masks=others))
+    assert not np.allclose(y1, y2)
+    block.rng_state = state
+    np.testing.assert_array_equal(np.asarray(block(x, dropout_masks=others)), y1)
 
 
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
