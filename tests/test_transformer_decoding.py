@@ -37,6 +37,31 @@ def test_backward_after_a_decoding_forward_is_a_runtime_error(xp, to_xp):
     assert block.grads == before
 
 
+def test_backward_after_a_decoding_forward_is_refused_before_it_computes(monkeypatch):
+    """The block refuses it up front, with its own message: the feed-forward network's
+    backward does not run first."""
+    import npattn.layers as Ly
+
+    block = _block(np)
+    x = np.random.default_rng(7).standard_normal((B, 2, D))
+    out = block.forward(x, is_causal=True, kv_cache=KVCache(B, 4, H, D // H, dtype="float64"))
+    calls = []
+    real = Ly.feed_forward_backward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Ly, "feed_forward_backward", spy)
+    with pytest.raises(RuntimeError, match=r"^backward: the last forward used kv_cache, .*\(it keeps nothing "
+                                           r"to differentiate\); run a forward without kv_cache"):
+        block.backward(0.5 * out)
+    assert calls == []
+    block.forward(x, is_causal=True)  # a forward without kv_cache: backward runs again
+    block.backward(0.5 * out)
+    assert calls
+
+
 def test_a_full_cache_is_a_value_error_and_changes_nothing(xp, to_xp, to_np):
     block = _block(xp)
     x = to_xp(np.random.default_rng(2).standard_normal((B, 3, D)))
@@ -62,6 +87,19 @@ def test_decoding_in_training_mode_with_dropout_says_call_eval_and_changes_nothi
     blk.eval()
     out = blk(x, is_causal=True, kv_cache=cache)
     assert out.shape == x.shape and list(cache.cache_seqlens) == [3, 3]
+
+
+def test_decoding_in_training_mode_without_dropout_is_allowed(xp, to_xp, to_np):
+    """Only dropout stops decoding: a block in training mode with dropout 0 decodes, and
+    gives what it gives in eval mode."""
+    block = TransformerBlock(D, H, 20, dtype="float64", backend=xp, seed=5)
+    assert block.training and block.dropout == 0.0
+    x = np.random.default_rng(6).standard_normal((B, 3, D))
+    cache = KVCache(B, 4, H, D // H, dtype="float64", backend=xp)
+    out = to_np(block.forward(to_xp(x), is_causal=True, kv_cache=cache))
+    assert list(cache.cache_seqlens) == [3, 3]
+    full = to_np(block.eval().forward(to_xp(x), is_causal=True))
+    np.testing.assert_allclose(out, full, rtol=0, atol=1e-12)
 
 
 def test_a_forward_that_fails_after_self_attention_leaves_the_cache(monkeypatch):
@@ -162,6 +200,8 @@ def test_a_decoder_block_refuses_an_attention_impl_before_it_computes(monkeypatc
     x, memory = rng.standard_normal((B, 3, D)), rng.standard_normal((B, 4, D))
     getattr(blk, attn).impl = "chunked"
     calls = _count_steps(monkeypatch)
-    with pytest.raises(ValueError, match="impl='chunked'"):
+    Lk = 4 if attn == "multihead_attn" else 3  # the cross-attention's keys are memory's positions
+    heads = rf"\(2, {H}, 3, {D // H}\), \(2, {H}, {Lk}, {D // H}\), \(2, {H}, {Lk}, {D // H}\)"
+    with pytest.raises(ValueError, match=rf"^impl='chunked': .*got numpy.ndarray of shapes {heads};"):
         blk.forward(x, memory)
     assert calls == []
