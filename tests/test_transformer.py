@@ -989,6 +989,20 @@ def test_train_with_a_mode_that_is_no_bool_is_a_type_error_and_changes_nothing(k
         assert block.training is False and not any(m.training for m in attns), mode
 
 
+def test_from_torch_names_a_layer_of_the_other_kind_or_no_layer():
+    """An encoder layer's modules are all in a decoder layer too: the encoder block takes only
+    a TransformerEncoderLayer, the decoder block only a TransformerDecoderLayer, by type."""
+    torch = pytest.importorskip("torch")
+    enc = torch.nn.TransformerEncoderLayer(D, H, FF, batch_first=True, dtype=torch.float64)
+    dec = torch.nn.TransformerDecoderLayer(D, H, FF, batch_first=True, dtype=torch.float64)
+    cases = [(TransformerBlock, dec, "TransformerEncoderLayer", "TransformerDecoderLayer"),
+             (TransformerDecoderBlock, enc, "TransformerDecoderLayer", "TransformerEncoderLayer"),
+             (TransformerBlock, "layer", "TransformerEncoderLayer", "str")]
+    for cls, layer, expected, got in cases:
+        with pytest.raises(TypeError, match=rf"^layer: expected a torch\.nn\..*\.{expected}, got {got}$"):
+            cls.from_torch(layer)
+
+
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
 def test_from_torch_copies_the_layers_mode(kind):
     """The block has the layer's mode: a layer in eval mode copied into a block in training
