@@ -445,6 +445,27 @@ def test_flash_attn_varlen_func_long_max_seqlen_with_a_broadcast_keep_mask():
                                rtol=1e-12)
 
 
+def test_flash_attn_varlen_func_keep_mask_longer_than_the_grid_uses_its_leading_block():
+    """A keep-mask as flash-attn's S_dmask gives it, its last two axes rounded up past
+    (max_seqlen_q, max_seqlen_k): sequence b uses its leading [b, :, :Lq_b, :Lk_b] block, as
+    with a mask of exactly that grid."""
+    g = np.random.default_rng(13)  # its own numbers: the later tests' draws stay as they were
+    cq, ck = np.cumsum([0] + LENS_Q).astype(np.int32), np.cumsum([0] + LENS_K).astype(np.int32)
+    q, k, v = (g.standard_normal(s) for s in ((cq[-1], 4, 4), (ck[-1], 2, 4), (ck[-1], 2, 3)))
+    keep = g.random((4, 4, 8, 8)) >= 0.4  # the grid is (4, 4, 5, 4)
+    out, _, S = C.flash_attn_varlen_func(q, k, v, cq, ck, 5, 4, 0.4, return_attn_probs=True,
+                                         dropout_mask=keep)
+    np.testing.assert_allclose(out, varlen_ref(q, k, v, cq, ck, keep=keep, p=0.4)[0],
+                               rtol=1e-12, atol=1e-12)
+    exact = C.flash_attn_varlen_func(q, k, v, cq, ck, 5, 4, 0.4, return_attn_probs=True,
+                                     dropout_mask=keep[:, :, :5, :4])
+    np.testing.assert_array_equal(out, exact[0])
+    assert S.shape == (4, 4, 5, 4)
+    np.testing.assert_array_equal(S, exact[2])
+    for b, (lq, lk) in enumerate(zip(LENS_Q, LENS_K)):
+        np.testing.assert_array_equal(np.signbit(S[b, :, :lq, :lk]), ~keep[b, :, :lq, :lk])
+
+
 def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
     q, k, v = randn(3, 4, 2, 4), randn(3, 6, 2, 4), randn(3, 6, 2, 4)
     dense = C.flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
