@@ -785,6 +785,8 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     # a negative count would write before the cache's start (NumPy wraps the slice)
     (dict(cache_seqlens=np.array([-1, 3], np.int32)), ValueError, r"^cache_seqlens: expected 0 <="),
     (dict(cache_seqlens=np.array([2], np.int32)), ValueError, r"^cache_seqlens: expected B = 2"),
+    # a count per batch entry: one more is refused, not ignored
+    (dict(cache_seqlens=np.array([2, 3, 1], np.int32)), ValueError, r"^cache_seqlens: expected B = 2"),
     (dict(cache_seqlens=None), ValueError, r"^cache_seqlens: needed with k and v"),
     (dict(v=None), ValueError, r"^k: new keys and values come together"),
     (dict(k=None), ValueError, r"^v: new keys and values come together"),
@@ -826,6 +828,9 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(v_cache=np.zeros((3, 7, 2, 3))), ValueError,
      r"^v_cache: expected the length of k_cache = 8 on axis 1"),
     (dict(k=np.zeros((3, 2, 2, 4))), ValueError, r"^k: expected the batch of q = 2 on axis 0"),
+    # fewer heads than the cache: refused, not broadcast into every head of it
+    (dict(k=np.zeros((2, 2, 1, 4))), ValueError, r"^k: expected the heads of k_cache = 2 on axis 2"),
+    (dict(v=np.zeros((2, 2, 1, 3))), ValueError, r"^v: expected the heads of k_cache = 2 on axis 2"),
     (dict(v=np.zeros((2, 1, 2, 3))), ValueError, r"^v: expected the new length of k = 2 on axis 1"),
     (dict(v=np.zeros((2, 2, 2, 4))), ValueError, r"^v: expected the value width of v_cache = 3 on axis 3"),
     (dict(v=np.zeros((2, 2, 2, 3), np.float32)), TypeError,
