@@ -225,6 +225,21 @@ def test_flash_attn_func_dropout_replays_and_draws():
                                rtol=1e-12, atol=1e-12)
 
 
+def test_flash_attn_func_attention_probabilities_of_dask_arrays():
+    """S_dmask and softmax_lse of dask arrays are those of the reference, as on NumPy: the
+    weights are asked for (a plain dask call otherwise goes to an implementation that keeps
+    none)."""
+    da = pytest.importorskip("dask.array")
+    g = np.random.default_rng(15)  # its own numbers: the later tests' draws stay as they were
+    q, k, v = (g.standard_normal(s) for s in ((2, 3, 4, 4), (2, 5, 2, 4), (2, 5, 2, 3)))
+    out, lse, S = C.flash_attn_func(*(da.from_array(t, chunks=(1,) + t.shape[1:]) for t in (q, k, v)),
+                                    return_attn_probs=True)
+    r_out, r_lse, r_probs = flash_ref(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), r_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), r_lse, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(S), r_probs, rtol=1e-12, atol=1e-15)
+
+
 def test_flash_attn_func_half_precision_dtypes():
     q, k, v, _, _ = flash_inputs((2, 3, 2, 8, 2, 5, 8))
     out, lse, S = C.flash_attn_func(*(t.astype(np.float16) for t in (q, k, v)), causal=True,
@@ -464,6 +479,19 @@ def test_flash_attn_varlen_func_keep_mask_longer_than_the_grid_uses_its_leading_
     np.testing.assert_array_equal(S, exact[2])
     for b, (lq, lk) in enumerate(zip(LENS_Q, LENS_K)):
         np.testing.assert_array_equal(np.signbit(S[b, :, :lq, :lk]), ~keep[b, :, :lq, :lk])
+
+
+def test_flash_attn_varlen_func_keep_mask_broadcasts_over_the_sequences():
+    """A keep-mask of one sequence's grid, (1, Hq, max_seqlen_q, max_seqlen_k), is every
+    sequence's: the result of that mask repeated for each of the B sequences."""
+    g = np.random.default_rng(14)  # its own numbers: the later tests' draws stay as they were
+    cq, ck = np.cumsum([0] + LENS_Q).astype(np.int32), np.cumsum([0] + LENS_K).astype(np.int32)
+    q, k, v = (g.standard_normal(s) for s in ((cq[-1], 4, 4), (ck[-1], 2, 4), (ck[-1], 2, 3)))
+    keep = g.random((1, 4, 5, 4)) >= 0.4
+    out = C.flash_attn_varlen_func(q, k, v, cq, ck, 5, 4, 0.4, dropout_mask=keep)
+    every = np.repeat(keep, len(LENS_Q), axis=0)  # [B, Hq, max_q, max_k]
+    np.testing.assert_allclose(out, varlen_ref(q, k, v, cq, ck, keep=every, p=0.4)[0],
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
