@@ -832,6 +832,8 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
     # checked by the dispatcher: before the append, not after it
     (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
+    # slopes per cache row (Bc = 3) rather than per batch entry of q (B = 2)
+    (dict(alibi_slopes=np.ones((3, 4))), ValueError, r"^alibi_slopes: expected the batch of q = 2 on axis 0"),
     (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float"),
     (dict(softmax_scale="x"), TypeError, r"^softmax_scale"),
     (dict(num_splits="x"), TypeError, r"^num_splits: expected an int >= 0"),
