@@ -1617,3 +1617,16 @@ def test_lengths_as_masked_arrays_are_refused_by_name(name):
         _length_calls(np.ma.array)[name]()  # nothing masked: refused all the same
     _length_calls(lambda a: a)[name]()  # the plain array is taken
     _length_calls(lambda a: a.tolist())[name]()  # and so is a list of ints
+
+
+def test_a_value_that_is_no_array_is_named_with_the_layout_expected():
+    """The message says what was expected in the function's own layout, not only "an array"."""
+    x = np.ones((1, 2, 1, 2))
+    with pytest.raises(TypeError, match=r"^q: expected an array of shape \(batch, seqlen, nheads, headdim\), "
+                                        r"got list"):
+        C.flash_attn_func([[1.0]], x, x)
+    with pytest.raises(TypeError, match=r"^query: expected an array \(\.\.\., L, E\), got list"):
+        C.scaled_dot_product_attention([[1.0]], x, x)
+    with pytest.raises(TypeError, match=r"^query_seq_lengths: expected sequence lengths \(B,\), a 1-D "
+                                        r"integer array, got str"):
+        C.dot_product_attention(x, x, x, query_seq_lengths="ab")
