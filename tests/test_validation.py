@@ -105,6 +105,55 @@ def test_mixed_libraries_are_refused_naming_the_odd_array():
         namespace(a, t)
 
 
+def test_resolve_backend_names_the_argument_it_is_given():
+    """resolve_backend speaks of the argument its caller names (``xp`` where a function
+    calls it so) in each of its refusals: a module that is no namespace, a name it does
+    not know, and a value that is neither."""
+    import types
+
+    from npattn.backend import resolve_backend
+
+    fake = types.ModuleType("no_api")
+    for arg, exc, fragment in ((fake, TypeError, "no_api"), ("jax_or_what", ValueError, "'jax_or_what'"),
+                               (3, TypeError, "int")):
+        with pytest.raises(exc, match=f"^xp: expected .*{fragment}"):
+            resolve_backend(arg, name="xp")
+
+
+def test_namespace_names_the_odd_array_when_the_first_argument_is_none():
+    """A None first argument is skipped: the library the others must share is that of the
+    first array given, named by its own name."""
+    torch = pytest.importorskip("torch")
+    from npattn.backend import namespace
+
+    a, t = np.zeros((2, 3)), torch.zeros((2, 3))
+    with pytest.raises(TypeError, match=r"^k: expected an array of the library of q \(numpy\.ndarray\), "
+                                        r"got torch\.Tensor"):
+        namespace(None, a, t, names=["mask", "q", "k"])
+
+
+def test_host_copies_are_copies_and_any_layout_comes_over():
+    """to_numpy of a NumPy array (or scalar) is a new array: writing into it leaves the input
+    as it was. from_numpy takes a host array of any layout (reversed, transposed) to every
+    library with its values, torch included, which refuses negative strides."""
+    import importlib.util
+
+    from npattn.backend import resolve_backend
+
+    a = np.arange(6.0).reshape(2, 3)
+    host = to_numpy(a)
+    host[...] = -1.0
+    np.testing.assert_array_equal(a, np.arange(6.0).reshape(2, 3))
+    assert to_numpy(np.float32(2.5)).shape == () and to_numpy(np.float32(2.5)).dtype == np.float32
+    names = ["numpy", "array_api_strict"] + (["torch"] if importlib.util.find_spec("torch") else [])
+    for name in names:
+        xp = resolve_backend(name)
+        for view in (a[::-1], a.T, a[:, ::-2]):
+            got = from_numpy(view, xp)
+            assert tuple(got.shape) == view.shape
+            np.testing.assert_array_equal(to_numpy(got), view)
+
+
 def test_host_copies_refuse_what_numpy_cannot_hold_and_extension_dtypes_are_no_kind():
     """to_numpy of a torch bfloat16 tensor is a TypeError naming x and the cast (NumPy has no
     bfloat16); isdtype says False for ml_dtypes' bfloat16 on NumPy (NumPy's isdtype raises
