@@ -702,6 +702,18 @@ def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
         assert not t.is_alive(), "a pool of an earlier thread count was left running"
 
 
+def test_run_tasks_on_one_thread_runs_them_in_order_on_the_calling_thread():
+    """With one thread no pool is involved: the tasks run in the order given, on the thread
+    that calls run_tasks."""
+    from npattn import backend
+
+    seen = []
+    with backend.exclusive():
+        backend.run_tasks(lambda i: seen.append((i, threading.current_thread())), [(i,) for i in range(5)], 1)
+    assert [i for i, _ in seen] == list(range(5))
+    assert all(t is threading.current_thread() for _, t in seen)
+
+
 def test_the_pool_is_made_once_and_kept_for_its_thread_count():
     """The tile pool is made on first use and kept: a second run at the same thread count runs
     on the threads of the first (a pool made anew for every run would start its threads
