@@ -519,6 +519,18 @@ def test_keep_mask_at_the_edges_of_p_and_of_the_key():
         npb.keep_mask(2**64, 0.4, (3, 5), np)
 
 
+def test_keep_mask_takes_a_shape_with_empty_axes_and_refuses_bytes():
+    """A shape is a sequence of ints >= 0: a length of 0 gives a mask of that shape with no
+    entries; bytes, whose items are ints, are not taken for a shape."""
+    from npattn import backend as npb
+
+    for shape in ((2, 0, 3), (0, 4), (3, 0), (0,)):
+        got = npb.keep_mask(7, 0.3, shape, np)
+        assert got.shape == shape and got.dtype == np.bool_
+    with pytest.raises(TypeError, match="^shape: expected a sequence of ints >= 0, got b"):
+        npb.keep_mask(7, 0.3, b"\x02\x03", np)
+
+
 def test_a_drop_probability_of_1_is_refused_by_the_mask_draw():
     from npattn import backend as npb
 
