@@ -727,6 +727,24 @@ def test_dout_is_checked_on_every_implementation():
             A.sdpa_backward(out.tolist(), cache)
 
 
+def test_dlse_is_checked_on_every_implementation():
+    """sdpa_backward takes a dlse of cache.lse's shape (B, Hq, Lq) and dtype whichever
+    implementation made the cache, and names it otherwise, as it does dout."""
+    r = np.random.default_rng(14)
+    q, k, v = (r.standard_normal(s) for s in ((2, 2, 5, 3), (2, 2, 6, 3), (2, 2, 6, 4)))
+    for impl in ("numpy", "blocked", "reference"):
+        out, cache = A.sdpa_forward(q, k, v, impl=impl)
+        dout, dlse = r.standard_normal(out.shape), r.standard_normal((2, 2, 5))
+        for bad in (dlse[:, :, :4], dlse[:1], dlse[..., None]):
+            with pytest.raises(ValueError, match=r"^dlse: expected shape \(2, 2, 5\) .*got "
+                                                 + re.escape(str(bad.shape))):
+                A.sdpa_backward(dout, cache, dlse=bad)
+        with pytest.raises(TypeError, match="^dlse: expected dtype float64 .*got float32"):
+            A.sdpa_backward(dout, cache, dlse=dlse.astype(np.float32))
+        with pytest.raises(TypeError, match="^dlse: expected a numpy array, got list"):
+            A.sdpa_backward(dout, cache, dlse=dlse.tolist())
+
+
 def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
     q, k, v, dout, kw = make_inputs(10, 1, 2, 1, 3, 4, 2, 2, dropout="seed")
     q, k, v, dout = to_xp(q), to_xp(k), to_xp(v), to_xp(dout)
@@ -778,6 +796,21 @@ def test_dispatcher_names_a_bad_rng_or_dropout_p_and_draws_nothing(impl):
     for p in (1.5, 1.0, -0.1):
         with pytest.raises(ValueError, match=r"^dropout_p: expected .*\[0, 1\)"):
             A.sdpa_forward(q, k, v, impl=impl, dropout_p=p, rng=gen)
+    assert gen.bit_generator.state == state
+
+
+@pytest.mark.parametrize("impl", ["reference", "numpy", "blocked", "auto"])
+def test_block_sizes_are_checked_on_every_impl_before_the_draw(impl):
+    """block_q and block_k are checked by the dispatcher whatever implementation runs (those
+    that do not use them included), naming the argument, before the dropout key is drawn."""
+    r = np.random.default_rng(3)
+    q, k, v = (r.standard_normal(s) for s in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 3)))
+    gen = np.random.default_rng(1)
+    state = gen.bit_generator.state
+    for name in ("block_q", "block_k"):
+        for bad, exc in ((0, ValueError), (-2, ValueError), (2.5, TypeError), (True, TypeError)):
+            with pytest.raises(exc, match=f"^{name}: expected"):
+                A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.5, rng=gen, **{name: bad})
     assert gen.bit_generator.state == state
 
 
