@@ -644,11 +644,14 @@ def test_memory_is_linear_in_length(is_causal):
 
 
 def test_limit_blas_threads():
-    threadpoolctl = pytest.importorskip("threadpoolctl", reason="limit_blas_threads needs threadpoolctl")
-    from npattn.backend import limit_blas_threads
+    """limit_blas_threads holds the BLAS libraries of npattn's controller (NumPy's among them)
+    and restores their counts; a BLAS loaded after the controller was made (SciPy's own
+    OpenBLAS, by an earlier test) is not among them and keeps its count, so it is not read."""
+    pytest.importorskip("threadpoolctl", reason="limit_blas_threads needs threadpoolctl")
+    from npattn.backend import blas_controller, limit_blas_threads
 
     def blas_threads():
-        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"}
+        return {p["num_threads"] for p in blas_controller().info() if p["user_api"] == "blas"}
 
     before = blas_threads()
     with limit_blas_threads(1):
