@@ -55,6 +55,35 @@ def test_linear_gradients(xp, to_xp, lead, din, dout, bias, seed):
     assert_ok(report)
 
 
+def test_linear_without_bias_gives_no_bias_gradient(xp, to_xp):
+    rng = np.random.default_rng(3)
+    x, w = to_xp(rng.standard_normal((2, 3, 4))), to_xp(rng.standard_normal((5, 4)))
+    y, cache = F.linear_forward(x, w)
+    dx, dw, db = F.linear_backward(to_xp(rng.standard_normal((2, 3, 5))), cache)
+    assert db is None and tuple(dx.shape) == (2, 3, 4) and tuple(dw.shape) == (5, 4)
+
+
+def test_linear_bias_gradient_of_float16_is_summed_past_2048_rows(xp, to_xp, to_np):
+    # float16 counts 1 + 2048 as 2048: db summed in float16 along the rows would stop there
+    if not hasattr(xp, "float16"):
+        pytest.skip("this namespace has no float16")
+    n = 4096
+    x = to_xp(np.zeros((n, 2), dtype=np.float16))
+    w = to_xp(np.ones((3, 2), dtype=np.float16))
+    b = to_xp(np.zeros(3, dtype=np.float16))
+    _, cache = F.linear_forward(x, w, b)
+    _, _, db = F.linear_backward(to_xp(np.ones((n, 3), dtype=np.float16)), cache)
+    assert db.dtype == x.dtype
+    np.testing.assert_array_equal(to_np(db).astype(np.float64), float(n))
+
+
+@pytest.mark.parametrize("Lq, Lk", [(3, 5), (4, 2)])
+def test_causal_mask_lets_query_i_see_keys_up_to_i(xp, to_np, Lq, Lk):
+    m = to_np(F.causal_mask(xp, Lq, Lk))
+    assert m.shape == (Lq, Lk) and m.dtype == np.bool_
+    expected = np.array([[j <= i for j in range(Lk)] for i in range(Lq)])
+    np.testing.assert_array_equal(m, expected)
+
 # --------------------------------------------------------- split / merge
 
 
