@@ -198,6 +198,20 @@ def test_softmax_sink_gradient_matches_finite_differences(xp, to_xp, to_np):
     assert F.masked_softmax_backward(to_xp(rng.standard_normal((2, 3, 5))), cache).dsink is None
 
 
+def test_softmax_sink_far_above_the_scores_stays_finite(xp, to_xp, to_np):
+    """A sink logit of 800 dwarfs the scores: exp(800) overflows float64, yet p, lse and
+    the gradients are finite, p_j = exp(x_j - lse) with lse = sink + log(1 + sum exp(x - sink))."""
+    rng = np.random.default_rng(7)
+    x, dp = rng.standard_normal((2, 4)), rng.standard_normal((2, 4))
+    sink = np.array([[800.0], [-3.0]])
+    p, cache = F.masked_softmax_forward(to_xp(x), sink=to_xp(sink))
+    lse = sink + np.log1p(np.sum(np.exp(x - sink), axis=-1, keepdims=True))
+    np.testing.assert_allclose(to_np(cache.lse), lse, rtol=1e-14)
+    np.testing.assert_allclose(to_np(p), np.exp(x - lse), rtol=1e-12, atol=0)
+    dx, _, dsink = F.masked_softmax_backward(to_xp(dp), cache)
+    assert np.all(np.isfinite(to_np(dx))) and np.all(np.isfinite(to_np(dsink)))
+
+
 def test_softmax_large_scores_stable(xp, to_xp, to_np):
     x = to_xp(np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]]))
     p, cache = F.masked_softmax_forward(x)
