@@ -598,6 +598,13 @@ def test_sdpa_rejects(backend, xp):
     with pytest.raises(ValueError, match=r"^q: expected shape \(\.\.\., H, L, Dh\), with a head axis "
                                          r"for enable_gqa, got shape \(3, 4\)$"):
         F.sdpa_forward(a(3, 4), a(5, 4), a(5, 6), enable_gqa=True)
+    # v has the heads of k, and k has at least one head, under enable_gqa
+    with pytest.raises(ValueError, match=r"^v: expected 2 heads like k with enable_gqa, got shape "
+                                         r"\(1, 1, 5, 6\)$"):
+        F.sdpa_forward(a(1, 4, 3, 4), a(1, 2, 5, 4), a(1, 1, 5, 6), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"^k: with enable_gqa the query heads Hq=4 must be a "
+                                         r"multiple of the key/value heads, got Hkv=0$"):
+        F.sdpa_forward(a(1, 4, 3, 4), a(1, 0, 5, 4), a(1, 0, 5, 6), enable_gqa=True)
 
 
 def test_a_mask_takes_the_batch_that_only_k_and_v_carry():
