@@ -643,3 +643,12 @@ def test_dmask_of_a_broadcast_float_mask_under_causal_or_a_window_has_the_masks_
         grads.append(to_np(F.sdpa_backward(to_xp(dout), cache).dmask))
     assert grads[0].shape == (Lk,)
     np.testing.assert_allclose(grads[0], grads[1].sum(axis=(0, 1, 2)), rtol=1e-12, atol=1e-14)
+
+
+def test_is_plain_only_when_the_alignment_changes_nothing():
+    """Bottom-right alignment (offset Lk - Lq = 2) moves the causal diagonal, so causal
+    attention with it is not the plain one; without is_causal the offset changes nothing."""
+    shifted = F.PLAIN._replace(offset=2)
+    assert F.is_plain(F.PLAIN, True) and F.is_plain(shifted, False)
+    assert not F.is_plain(shifted, True)
+    assert not F.is_plain(F.PLAIN._replace(right=1), False)
