@@ -1075,31 +1075,11 @@ def test_dropout_masks_that_are_no_dict_are_a_type_error(kind):
             block(*args, dropout_masks=bad)
 
 
-def test_attention_keep_masks_are_drawn_afresh_from_the_blocks_generator():
-    """With every other site's keep-mask given, two training forwards of a block still differ:
-    the attention probabilities' mask is a new draw from the block's generator each time, and
-    putting the generator's state back replays it."""
-    rng = np.random.default_rng(47)
-    block = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=47)
-    x = rng.standard_normal((B, L, D))
-    keep_all = {"dropout1": np.ones((B, L, D), bool), "dropout": np.ones((B, L, FF), bool),
-                "dropout2": np.ones((B, L, D), bool)}
-    state = block.rng_state
-    y1 = np.asarray(block(x, dropout_masks=keep_all))
-    y2 = np.asarray(block(x, dropout_masks=keep_all))
-    assert not np.allclose(y1, y2)
-    block.rng_state = state
-    np.testing.assert_array_equal(np.asarray(block(x, dropout_masks=keep_all)), y1)
-    other = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=48)
-    other.params = block.params
-    assert not np.allclose(np.asarray(other(x, dropout_masks=keep_all)), y1)
-
-
-@pytest.mark.parametrize("site", ["dropout1", "dropout", "dropout2"])
+@pytest.mark.parametrize("site", ["self_attn", "dropout1", "dropout", "dropout2"])
 def test_each_site_without_a_keep_mask_draws_afresh_from_the_blocks_generator(site):
-    """With the keep-masks of every other site given (the attention's keeping everything),
+    """With the keep-masks of every other site given, each keeping everything,
     two training forwards differ: ``site``'s mask is a new draw from the block's generator
-    each time, and putting the generator's state back replays it."""
+    each time, putting the generator's state back replays it, and another seed draws another."""
     rng = np.random.default_rng(49)
     block = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=49)
     x = rng.standard_normal((B, L, D))
@@ -1111,6 +1091,9 @@ def test_each_site_without_a_keep_mask_draws_afresh_from_the_blocks_generator(si
     assert not np.allclose(y1, y2)
     block.rng_state = state
     np.testing.assert_array_equal(np.asarray(block(x, dropout_masks=others)), y1)
+    other = TransformerBlock(D, H, FF, dropout=0.5, dtype="float64", seed=50)
+    other.params = block.params
+    assert not np.allclose(np.asarray(other(x, dropout_masks=others)), y1)
 
 
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
