@@ -279,8 +279,9 @@ def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     # (counted as integers: a float32 sum of ones stops growing at 2**24)
     n = int(xp.sum(xp.astype(targets != ignore, xp.int64)))
     if n == 0:
+        got = f"only {ignore}s" if math.prod(Vd.shape_of(targets)) else f"none (shape {Vd.shape_of(targets)})"
         raise ValueError(f"targets: expected at least one target other than ignore_index = "
-                         f"{ignore}, got only {ignore}s")
+                         f"{ignore}, got {got}")
     return n
 
 

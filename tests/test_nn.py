@@ -1080,8 +1080,11 @@ def test_count_targets_refuses_no_targets_with_or_without_ignore_index():
     for shape in ((2, 0), (0,)):
         with raises(ValueError, "targets", "at least one target", str(shape)):
             nn.count_targets(np, np.zeros(shape, dtype=np.int64), None)
-        with raises(ValueError, "targets", "at least one target other than ignore_index = 3"):
+        with raises(ValueError, "targets", "at least one target other than ignore_index = 3",
+                    f"got none (shape {shape})"):
             nn.count_targets(np, np.zeros(shape, dtype=np.int64), 3)
+    with raises(ValueError, "targets", "at least one target other than ignore_index = 3", "got only 3s"):
+        nn.count_targets(np, np.full((2, 3), 3, dtype=np.int64), 3)
     assert nn.count_targets(np, np.zeros((2, 3), dtype=np.int64), None) == 6
 
 
