@@ -388,6 +388,20 @@ def test_sech_squared_is_the_derivative_of_tanh_without_cancelling():
     assert np.max(np.abs(1.0 - np.tanh(u32) ** 2 - exact) / exact) > 0.1  # what it avoids
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sech_squared_beyond_its_clamp_is_four_times_the_smallest_normal_number(dtype):
+    """Past ``C = -log(tiny) / 2`` the value is ``sech^2(C) = 4 tiny / (1 + tiny)^2``, a normal
+    positive number, where the exact ``sech^2(u)`` would underflow to 0."""
+    tiny = float(np.finfo(dtype).smallest_normal)
+    u = np.array([-1e4, -200.0, 60.0, 400.0, 1e4], dtype=dtype)
+    u = u[np.abs(u) > -0.5 * np.log(tiny) + 1.0]  # every entry beyond the clamp of dtype
+    assert u.size >= 2
+    with np.errstate(under="ignore"):
+        got = F.sech_squared(np, u)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got.astype(np.float64), np.full(u.shape, 4.0 * tiny), rtol=1e-4)
+
+
 @pytest.mark.parametrize("impl", ["reference", "blocked"])
 @pytest.mark.parametrize("lo", [4.0, 7.0])
 def test_softcap_gradients_in_float32_where_tanh_saturates(xp, to_xp, to_np, impl, lo):
