@@ -1121,3 +1121,36 @@ def test_gradcheck_module_checks_query_as_key_with_another_value_as_three_inputs
     report = gradcheck_module(mha, x, x, v, mode="vjp")
     assert report.ok, str(report)
     assert [r.name for r in report.inputs] == ["query", "key", "value", *mha.params]
+
+
+def test_inputs_of_a_backend_that_makes_no_float64_are_refused_before_any_call():
+    """JAX without x64 turns float64 requests into float32: the differences could not be taken
+    in float64, so numerical_vjp, check_vjp and gradcheck name the input and call nothing."""
+    jax = pytest.importorskip("jax", reason="the jax backend needs JAX: pip install '.[jax]'")
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    calls = []
+
+    def f(t):
+        calls.append("f")
+        return t * t
+
+    def backward(d, t):
+        calls.append("backward")
+        return [2.0 * t * d]
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        x = jnp.asarray(rng.standard_normal((2, 3)), dtype=jnp.float32)
+        dout = jnp.asarray(rng.standard_normal((2, 3)), dtype=jnp.float32)
+        checks = [lambda: numerical_vjp(f, [x], dout),
+                  lambda: check_vjp(f, [x], [2.0 * x * dout], dout),
+                  lambda: gradcheck(lambda t: (f(t), t), backward, [x])]
+        for check in checks:
+            with raises(ValueError, "inputs[0]", "float64", "float32", "jax_enable_x64"):
+                check()
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    assert calls == []
