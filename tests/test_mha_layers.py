@@ -106,6 +106,21 @@ def test_pad_mask_bool_and_none(xp, to_xp, to_np):
         F.pad_mask_forward(None, Lq, Lk, 1, is_causal=True)
 
 
+def test_pad_mask_backward_of_a_bool_or_no_mask_is_none_whatever_dm(xp, to_xp, to_np):
+    """A boolean mask, or none with is_causal, has no gradient: the padded mask's upstream
+    gradient, given or None, gives None."""
+    Lq, Lk, n = 3, 4, 2
+    rng = np.random.default_rng(7)
+    dm = to_xp(rng.standard_normal((2, 1, Lq, Lk + n)))
+    m = rng.random((2, 1, Lq, Lk)) < 0.5
+    caches = [F.pad_mask_forward(to_xp(m), Lq, Lk, n)[1],
+              F.pad_mask_forward(to_xp(m), Lq, Lk, n, is_causal=True)[1],
+              F.pad_mask_forward(None, Lq, Lk, n, is_causal=True, like=to_xp(np.zeros((1,))))[1]]
+    for cache in caches:
+        assert F.pad_mask_backward(dm, cache) is None
+        assert F.pad_mask_backward(None, cache) is None
+
+
 # --------------------------------------------------------------------------
 # the module, by central differences on every backend
 
