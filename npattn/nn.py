@@ -270,16 +270,15 @@ def check_label_smoothing(label_smoothing: Any) -> float:
 def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     """How many of ``targets`` count (all, or those other than ``ignore``): the ``N`` of the
     mean; a ``ValueError`` for none (a mean over no positions is 0 / 0, torch's NaN)."""
+    shape = Vd.shape_of(targets)
     if ignore is None:
-        n = math.prod(Vd.shape_of(targets))
-        if n == 0:
-            raise ValueError(f"targets: expected at least one target, got none (shape "
-                             f"{Vd.shape_of(targets)})")
-        return n
+        if math.prod(shape) == 0:
+            raise ValueError(f"targets: expected at least one target, got none (shape {shape})")
+        return math.prod(shape)
     # (counted as integers: a float32 sum of ones stops growing at 2**24)
     n = int(xp.sum(xp.astype(targets != ignore, xp.int64)))
     if n == 0:
-        got = f"only {ignore}s" if math.prod(Vd.shape_of(targets)) else f"none (shape {Vd.shape_of(targets)})"
+        got = f"only {ignore}s" if math.prod(shape) else f"none (shape {shape})"
         raise ValueError(f"targets: expected at least one target other than ignore_index = "
                          f"{ignore}, got {got}")
     return n
