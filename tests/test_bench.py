@@ -26,6 +26,21 @@ def test_parse_shapes():
             bench.parse_shapes(bad)
 
 
+@pytest.mark.parametrize("text, number", [
+    ("32x128x256x8,,1x4096x512x8", "number 2 of 3"),
+    ("1x8x8x2,", "number 2 of 2"),
+    (",1x8x8x2", "number 1 of 2"),
+    ("1x8x8x2, ,2x8x8x2", "number 2 of 3"),
+])
+def test_parse_shapes_refuses_an_empty_item(text, number):
+    """A shape left out between commas, or a trailing comma, is named, not skipped."""
+    with pytest.raises(ValueError) as exc:
+        bench.parse_shapes(text)
+    message = str(exc.value)
+    assert message.startswith("--shapes: expected comma-separated shapes")
+    assert f"got an empty item ({number}) in {text!r}" in message
+
+
 def test_flops_counts_projections_and_half_causal_attention():
     # B=2, L=3, D=4: projections 4 GEMMs forward (2*6*4*4 each), twice that backward
     proj = 3 * 4 * (2 * 6 * 4 * 4)
@@ -147,6 +162,9 @@ SMALL = ["--shapes", "1x8x8x2", "--repeat", "5", "--warmup", "0", "--no-torch", 
      "--json and --markdown: expected two different outputs, got 'same.out' for both"),
     (SMALL + ["--isolated", "--markdown", "-"], "--markdown: expected a file path, got '-'"),
     (["--shapes", "", "--no-torch"], "--shapes: no shape in ''"),
+    (["--shapes", "1x8x8x2,,2x8x8x2", "--no-torch"],
+     "--shapes: expected comma-separated shapes such as 32x128x256x8,4x1024x768x12c, got an empty item "
+     "(number 2 of 3) in '1x8x8x2,,2x8x8x2'"),
     (["--shapes", "99999999999x99999999999x4x2"], "needs sizes of at most 2147483647"),
     (SMALL + ["--gemm", "99999999999"], "--gemm: expected a positive size of at most"),
     (SMALL + ["--blas-threads", "99999999999999999999"], "--blas-threads: expected an integer in [1, 4096]"),

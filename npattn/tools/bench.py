@@ -137,13 +137,17 @@ def parse_shapes(text: str):
 
     A trailing ``c`` means causal, ``wN`` a sliding window of N keys back
     (``window=(N, 0)``: query i attends keys i - N .. i), ``dP`` dropout with
-    drop probability P.
+    drop probability P. Every item must be a shape: an empty one (``a,,b``, a trailing
+    comma) is refused, as is a text without any shape.
     """
+    items = [item.strip().lower() for item in text.split(",")]
+    if not any(items):
+        raise ValueError(f"--shapes: no shape in {text!r}")
+    if not all(items):  # "a,,b" or "a,": a shape left out by mistake, not a shorter run
+        raise ValueError(f"--shapes: expected comma-separated shapes such as 32x128x256x8,4x1024x768x12c, "
+                         f"got an empty item (number {items.index('') + 1} of {len(items)}) in {text!r}")
     shapes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
+    for item in items:
         match = re.fullmatch(r"([0-9]+)x([0-9]+)x([0-9]+)x([0-9]+)(c?)(?:w([0-9]+))?(?:d([0-9.]+))?", item)
         if match is None:
             raise ValueError(
@@ -164,8 +168,6 @@ def parse_shapes(text: str):
             raise ValueError(f"--shapes: {item!r}: the dropout after d must be in [0, 1)")
         window = int(match.group(6)) if match.group(6) else None
         shapes.append(Shape(B, L, D, H, bool(match.group(5)), p, window))
-    if not shapes:
-        raise ValueError(f"--shapes: no shape in {text!r}")
     return tuple(shapes)
 
 
