@@ -967,6 +967,31 @@ def test_bench_dask_reads_a_shape_as_npattn_bench_reads_its_items():
     assert bench_dask.parse_shape("2x4x8x2") == (2, 4, 8, 2, False)
 
 
+@pytest.mark.parametrize("text, largest", [
+    ("1x1x99999999999x1", 99999999999),
+    ("2147483648x4x8x2c", 2**31),
+    ("1x4x4294967296x2", 2**32),
+])
+def test_bench_refuses_a_shape_past_the_largest_size_before_any_graph(text, largest, capsys, monkeypatch):
+    """Each size at most 2**31 - 1, as npattn bench --shapes takes them; refused by name even
+    with --skip-memory-check and --graph-only, where no memory estimate would stop the run."""
+    from npattn.tools import bench, bench_dask
+
+    def no_graph(*args, **kwargs):
+        raise AssertionError("a graph was built for an oversized shape")
+
+    monkeypatch.setattr(bench_dask, "graph_sizes", no_graph)
+    with pytest.raises(ValueError) as exc:
+        bench_dask.parse_shape(text)
+    assert str(exc.value) == (f"--shape: {text!r} needs sizes of at most 2147483647 (BLAS takes 32-bit "
+                              f"sizes), got {largest}")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--backend", "dask", "--shape", text, "--skip-memory-check", "--graph-only"])
+    assert stop.value.code == 2
+    assert str(exc.value) in capsys.readouterr().err
+    assert bench_dask.parse_shape("1x1x2147483647x1") == (1, 1, 2**31 - 1, 1, False)  # the largest is taken
+
+
 def test_bench_run_bytes_by_hand():
     """L = 20 in chunks of 3 queries and 1 key: ceil(20 / 3) = 7 query chunks by 20 key chunks,
     140 pairs, more than the finest chunking the command adds (L // 8 = 2 a side: 10 x 10);

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from ..validation import check_positive_int
-from .limits import SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, memory_error, repeated_entry
+from .limits import MAX_SIZE, SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, memory_error, repeated_entry
 from .outputs import json_output, output_error
 
 __all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local", "run_bytes"]
@@ -51,7 +51,8 @@ ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THR
 
 def parse_shape(text: str) -> tuple:
     """``BxLxDxH`` with an optional trailing ``c`` (causal) -> (B, L, D, H, causal); in either
-    case and with surrounding spaces, as ``npattn bench --shapes`` reads its items."""
+    case and with surrounding spaces, each size at most ``limits.MAX_SIZE``, as ``npattn bench
+    --shapes`` reads its items."""
     match = re.fullmatch(r"([0-9]+)x([0-9]+)x([0-9]+)x([0-9]+)(c?)", text.strip().lower())
     if match is None:
         raise ValueError(f"--shape: expected BxLxDxH[c] with positive integers, got {text!r}")
@@ -59,6 +60,9 @@ def parse_shape(text: str) -> tuple:
     causal = match.group(5) == "c"
     if min(B, L, D, H) < 1 or D % H:
         raise ValueError(f"--shape: expected positive sizes with H dividing D, got {text!r}")
+    if max(B, L, D, H) > MAX_SIZE:  # as npattn bench --shapes: refused before any graph is built
+        raise ValueError(f"--shape: {text!r} needs sizes of at most {MAX_SIZE} (BLAS takes 32-bit "
+                         f"sizes), got {max(B, L, D, H)}")
     return B, L, D, H, causal
 
 
