@@ -1913,7 +1913,7 @@ def _raise_hint(exc: BaseException, flags: Optional[Mapping] = None) -> str:
         example = {"is_causal": "causal", "align": None}
         return ("fn does not take a keyword of this case: rename or drop it with "
                 f"{_setting('adapter', ..., flags)} (e.g. {_setting('adapter', example, flags)})")
-    if isinstance(exc, TypeError) and text.startswith(("fn: expected", "backward: ")):
+    if _rejected_return(exc):  # verify's own check, not a TypeError the kernel raised in those words
         return "what fn or backward returned is not what verify reads: see the error"
     frames = traceback.extract_tb(exc.__traceback__)
     if isinstance(exc, TypeError) and "positional argument" in text and frames and \

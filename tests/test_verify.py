@@ -1541,6 +1541,26 @@ def test_a_kernel_s_own_error_worded_as_verify_s_keeps_its_traceback():
     assert r.traceback and r.raised_at.endswith(" in backward"), (r.raised_at, r.traceback)
 
 
+def test_a_kernel_s_own_error_worded_as_verify_s_gets_the_hint_of_an_error_raised():
+    """The hint that what was returned is not what verify reads belongs to verify's own
+    checks: a TypeError the kernel raises itself, starting 'backward: ' or 'fn: expected',
+    is hinted as the kernel's error, with its traceback."""
+    def backward(dout, cache):
+        raise TypeError("backward: no gradient of this case here")
+
+    def fn(q, k, v, **kw):
+        raise TypeError("fn: expected a contiguous q")
+
+    for kw, text in ((dict(fn=npattn_kernel, backward=backward, returns_lse=True),
+                      "TypeError: backward: no gradient of this case here"),
+                     (dict(fn=fn), "TypeError: fn: expected a contiguous q")):
+        report = VF.verify(dtype="float64", cases=["base-65x128"], **kw)
+        r = report.results[0]
+        assert r.error == text and r.traceback
+        assert "not what verify reads" not in r.hint and r.hint.startswith("fn raised"), r.hint
+        assert not any("not what verify reads" in h for h in report.hints()), report.hints()
+
+
 def test_a_return_verify_cannot_read_in_every_failing_case_is_not_said_to_be_raised():
     """fn returning (out, cache) without returns_lse fails each case with verify's own
     TypeError and no traceback: the panel hints do not say that fn raised."""
