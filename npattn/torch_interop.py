@@ -257,18 +257,27 @@ def torch_state_dict(mha: Any) -> "OrderedDict":
 def module_dtype(module: Any, name: str = "module") -> str:
     """The name of the one dtype of a torch module's parameters ("float32", ...).
 
-    A ``ValueError`` naming ``name`` when they have more than one: npattn's
-    modules have one dtype, and casting every parameter to one of them would
-    round the others silently (torch's own forward refuses such a module).
+    A module without parameters is read from its floating-point buffers (weights
+    held as buffers are in its state dict all the same). A ``ValueError`` naming
+    ``name`` when the tensors read have more than one dtype: npattn's modules have
+    one, and casting every tensor to one of them would round the others silently
+    (torch's own forward refuses such a module); and when the module has neither
+    parameters nor floating-point buffers, whose dtype no default should stand for.
     """
+    tensors, what = list(module.named_parameters()), "parameters"
+    if not tensors:
+        tensors, what = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()], "buffers"
+    if not tensors:
+        raise ValueError(f"{name}: expected a module with parameters or floating-point buffers (the "
+                         f"dtype of the copy is theirs), got a {type(module).__name__} with neither")
     by_dtype: dict = {}
-    for n, p in module.named_parameters():
+    for n, p in tensors:
         by_dtype.setdefault(V.dtype_name(p.dtype), []).append(n)
     if len(by_dtype) > 1:
         got = "; ".join(f"{d} ({', '.join(ns)})" for d, ns in by_dtype.items())
-        raise ValueError(f"{name}: expected parameters of one dtype (npattn's modules have one), "
+        raise ValueError(f"{name}: expected {what} of one dtype (npattn's modules have one), "
                          f"got {got}")
-    return next(iter(by_dtype), "float32")
+    return next(iter(by_dtype))
 
 
 def options_from_torch(module: Any) -> dict:

@@ -84,6 +84,43 @@ def test_a_module_of_mixed_dtypes_is_refused():
             call()
 
 
+def _as_buffers(tm):
+    """``tm`` with each parameter moved into a buffer of the same name (same state dict keys)."""
+    for mod in tm.modules():
+        for n in list(mod._parameters):
+            p = mod._parameters.pop(n)
+            if p is not None:
+                mod.register_buffer(n, p.detach())
+    return tm
+
+
+def test_a_module_without_parameters_takes_the_dtype_of_its_floating_buffers():
+    """A float64 module whose weights are buffers (in its state dict all the same) was read as
+    float32: from_torch made a float32 copy, its weights rounded silently."""
+    tm = _as_buffers(_randomized(torch.nn.MultiheadAttention(4, 2, dtype=torch.float64)))
+    assert not list(tm.parameters())
+    assert torch_interop.module_dtype(tm) == "float64"
+    mha = MultiHeadAttention.from_torch(tm)
+    assert str(mha.params["w_q"].dtype) == "float64"
+    np.testing.assert_array_equal(to_numpy(mha.params["w_q"]), tm.in_proj_weight[:4].numpy())
+    tm.out_proj.weight = tm.out_proj.weight.float()  # the mixed buffers are named as parameters are
+    with pytest.raises(ValueError, match=r"^module: expected buffers of one dtype .*got float64 "
+                                         r"\(in_proj_weight, in_proj_bias, out_proj.bias\); "
+                                         r"float32 \(out_proj.weight\)"):
+        torch_interop.module_dtype(tm)
+
+
+def test_a_module_without_parameters_or_floating_buffers_has_no_dtype():
+    """No default dtype stands for a module that holds no floating-point tensor: a ValueError
+    names the argument and the module."""
+    holds_ints = torch.nn.Module()
+    holds_ints.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+    for module, kind in ((torch.nn.ReLU(), "ReLU"), (holds_ints, "Module")):
+        with pytest.raises(ValueError, match=r"^layer: expected a module with parameters or "
+                                             r"floating-point buffers .*got a " + kind + " with neither"):
+            torch_interop.module_dtype(module, "layer")
+
+
 def test_bfloat16_needs_a_backend_with_it():
     tm = torch.nn.MultiheadAttention(4, 2, dtype=torch.bfloat16)
     mha = MultiHeadAttention.from_torch(tm, backend="torch")
