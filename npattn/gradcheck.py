@@ -73,8 +73,9 @@ class InputReport:
     scale: float
     passed: bool
     where: Optional[tuple] = None
-    """Full mode: the index of the entry with the largest absolute error (None in vjp mode,
-    which compares whole directions, and for an input of no entries)."""
+    """Full mode: the index of the entry with the largest absolute error, the first NaN one
+    where ``max_abs_err`` is NaN (None in vjp mode, which compares whole directions, and for
+    an input of no entries)."""
 
 
 @dataclass
@@ -651,9 +652,10 @@ def gradcheck(
     for i in wrt:
         g, n = _host64(grads[i]), numeric[i]
         diff = np.abs(g - n)  # [*x_i.shape]
-        err = float(np.max(diff, initial=0.0))
+        err = float(np.max(diff, initial=0.0))  # NaN where an entry is NaN
+        nan = np.isnan(diff)  # the entry of err: the first NaN one where err is NaN (not an inf before it)
         where = None if diff.size == 0 else tuple(int(j) for j in np.unravel_index(
-            np.argmax(np.where(np.isnan(diff), np.inf, diff)), diff.shape))  # a NaN is the worst
+            np.argmax(nan) if nan.any() else np.argmax(diff), diff.shape))
         scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
         rel = _relative(err, scale, atol)
         report.inputs.append(InputReport(names[i], err, rel, scale, _within(err, scale, atol, rtol), where))

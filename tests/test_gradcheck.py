@@ -774,6 +774,21 @@ def test_tolerances_are_absolute_and_relative_as_documented(mode):
     assert check(0.005).ok
 
 
+@pytest.mark.parametrize("inf_at, nan_at", [(1, 3), (3, 1), (0, 2)])
+def test_full_mode_says_where_the_nan_is_when_the_largest_error_is_nan(inf_at, nan_at):
+    """A gradient with an inf entry and a NaN entry: max_abs_err is NaN, and the entry
+    reported is the NaN one, wherever the inf stands (before it, the inf was reported)."""
+    forward, x, dout, true = _scaled_by_3()
+    wrong = true.copy()
+    wrong[inf_at], wrong[nan_at] = np.inf, np.nan
+    r = gradcheck(forward, lambda d, c: (wrong,), [x], dout=dout, mode="full")["input0"]
+    assert not r.passed and np.isnan(r.max_abs_err)
+    assert r.where == (nan_at,)
+    wrong[nan_at] = true[nan_at] + 1.0  # the inf alone: the largest error is the inf's
+    r = gradcheck(forward, lambda d, c: (wrong,), [x], dout=dout, mode="full")["input0"]
+    assert not r.passed and r.max_abs_err == np.inf and r.where == (inf_at,)
+
+
 def test_full_mode_scale_and_relative_error_are_those_documented():
     """scale is the largest |g_j| or |n_j|, max_rel_err = max_abs_err / scale. For f(x) = x,
     n = dout = [1, -3]; g = 2 dout = [2, -6] gives err = 3 and scale 6 (from g, not n), so
