@@ -344,21 +344,35 @@ def row_max(xp: Any, x: Any) -> Any:
     return xp.max(without_empty_chunks(x), axis=-1, keepdims=True)
 
 
-def make_rng(seed: Any) -> np.random.Generator:
-    """A NumPy ``Generator`` from ``seed`` (int, ``SeedSequence``, ``Generator`` or None)."""
+def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:
+    """A NumPy ``Generator`` from ``seed`` (an int >= 0, ``SeedSequence``, ``BitGenerator``,
+    ``Generator`` or None), as npattn documents a seed.
+
+    A ``TypeError`` naming ``name`` for anything else, a bool or a sequence of ints among
+    them (``numpy.random.default_rng`` takes both, so ``True`` would seed as 1); a
+    ``ValueError`` for a negative int.
+    """
     if isinstance(seed, np.random.Generator):
         return seed
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)):
+        if seed < 0:
+            raise ValueError(f"{name}: expected a non-negative int seed, got {seed!r}")
+        return np.random.default_rng(int(seed))
+    if not (seed is None or isinstance(seed, (np.random.SeedSequence, np.random.BitGenerator))):
+        raise TypeError(f"{name}: expected None, a non-negative int seed, a SeedSequence, a BitGenerator "
+                        f"or a numpy.random.Generator, got {type(seed).__name__} {seed!r}")
     return np.random.default_rng(seed)
 
 
 def dropout_key(rng: Any) -> int:
     """One 63-bit dropout key, in ``[0, 2**63)``, drawn from ``rng`` (a seed, ``SeedSequence``,
-    ``Generator`` or None).
+    ``BitGenerator``, ``Generator`` or None; anything else is refused by ``make_rng``, naming
+    ``rng``).
 
     Every implementation draws exactly one key per forward, in the same way,
     so one generator state gives one key, and one key one mask.
     """
-    return int(make_rng(rng).integers(0, 2**63))
+    return int(make_rng(rng, "rng").integers(0, 2**63))
 
 
 @contextlib.contextmanager

@@ -533,7 +533,7 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
     _check_call(xp, q, k, v, batch=B, alibi_slopes=alibi_slopes, scale=softmax_scale,
                 dropout_p=dropout_p, rng=rng, enable_gqa=gqa, is_causal=is_causal, window=window,
                 softcap=cap)
-    gen = make_rng(rng) if dropout_p and dropout_mask is None else rng  # one stream for all
+    gen = make_rng(rng, "rng") if dropout_p and dropout_mask is None else rng  # one stream for all
 
     caches: list = []
     outs, lses, probs = [], [], []

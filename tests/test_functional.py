@@ -334,6 +334,38 @@ def test_dropout_cache_holds_the_drawn_key(xp, to_xp, to_np):
     assert F.dropout_forward(x, 0.0, rng=5)[1].key is None
 
 
+@pytest.mark.parametrize("seed, kind", [(True, "bool"), (np.True_, "bool"), ([1, 2], "list"),
+                                        ((3,), "tuple"), (np.array([1, 2]), "ndarray"), (1.0, "float"),
+                                        ("7", "str")])
+def test_the_dropout_key_takes_only_a_documented_seed(seed, kind):
+    """A seed is None, an int >= 0, a SeedSequence, a BitGenerator or a Generator, on every
+    public path (``check_rng``) and in ``backend.dropout_key`` and ``make_rng`` alike: a bool
+    (NumPy seeds True as 1) or a sequence of ints is refused, naming the argument."""
+    from npattn.backend import dropout_key, make_rng
+
+    with pytest.raises(TypeError, match=r"^rng: expected None, a non-negative int seed, .*got " + kind):
+        dropout_key(seed)
+    with pytest.raises(TypeError, match=r"^seed: expected None, a non-negative int seed, .*got " + kind):
+        make_rng(seed)
+    with pytest.raises(TypeError, match=r"^rng: expected None, a non-negative int seed"):
+        F.dropout_forward(np.ones((2, 3)), 0.5, rng=seed)
+
+
+def test_the_dropout_key_takes_every_documented_seed():
+    """The same key from an int, a NumPy int, its SeedSequence, BitGenerator and Generator;
+    a negative int is refused by value."""
+    from npattn.backend import dropout_key, make_rng
+
+    key = dropout_key(5)
+    assert dropout_key(np.int64(5)) == dropout_key(np.random.SeedSequence(5)) == key
+    assert dropout_key(np.random.PCG64(5)) == dropout_key(np.random.default_rng(5)) == key
+    assert isinstance(dropout_key(None), int)
+    gen = np.random.default_rng(1)
+    assert make_rng(gen) is gen
+    with pytest.raises(ValueError, match=r"^rng: expected a non-negative int seed, got -1"):
+        dropout_key(-1)
+
+
 def test_a_failed_call_leaves_the_generator_as_it_was(xp, to_xp, to_np, monkeypatch):
     """dropout_forward and sdpa_forward draw their dropout key from the caller's generator
     before the mask is made; should making it fail (here a MemoryError), the generator is
