@@ -465,7 +465,9 @@ class GPT(BlockStack):
         block's and its attention module's). The model's
         cached forward is dropped: ``backward`` needs a new forward after it.
         A call that fails (memory, say) changes nothing: the mode, the cached
-        forwards and a ``seed`` Generator's state are put back.
+        forwards and a ``seed`` Generator's state are put back. Logits with a NaN
+        or +inf, or a row without a finite one, stop it with a ``ValueError`` that
+        names the step.
 
         Parameters
         ----------
@@ -548,12 +550,26 @@ class GPT(BlockStack):
                 cache.persist()
             steps.append(last)
             host = np.asarray(to_numpy(last), dtype=np.float64)  # (bfloat16 included)
+            _check_step_logits(host, t, max_new_tokens)
             nxt = sample_next(host, rng, temperature=temperature, top_k=top_k,
                               greedy=greedy)  # host [B]
             tokens.append(nxt[:, None])
             if t < max_new_tokens - 1:
                 feed = from_numpy(nxt[:, None], self.xp, self._device())  # [B, 1]
         return tokens, steps
+
+
+def _check_step_logits(host: np.ndarray, t: int, max_new_tokens: int) -> None:
+    """What ``sample_next`` refuses in logits (B, V), said in ``generate``'s terms: the model
+    produced them at step ``t`` (0-based), not an argument of the caller."""
+    nan, posinf = np.isnan(host).any(axis=-1), np.isposinf(host).any(axis=-1)  # [B]
+    none = ~nan & ~posinf & ~np.isfinite(host.max(axis=-1))  # every entry -inf
+    for rows, what in ((nan, "NaN"), (posinf, "+inf"), (none, "no finite entry")):
+        if rows.any():
+            raise ValueError(
+                f"generate: the model produced logits with {what} at step {t + 1} of "
+                f"{max_new_tokens} (in {int(rows.sum())} of {host.shape[0]} rows), so no token "
+                "can be drawn: its parameters or the activations they give are not finite")
 
 
 def check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> None:

@@ -996,6 +996,25 @@ def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
     np.testing.assert_array_equal(to_numpy(again), to_numpy(fresh))
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_generate_names_the_step_whose_logits_are_nan(step):
+    """A NaN in the position embedding of the position step ``step`` reads (the first step
+    reads the prompt's positions 0 .. L0 - 1, step s > 1 position L0 + s - 2) makes that
+    step's logits NaN: the error says so in generate's terms, not as a bad ``logits``
+    argument (which the caller never passed), and the sampling generator is put back."""
+    model = make()
+    L0, n = 2, 4
+    model.params["wpe"][L0 - 1 if step == 1 else L0 + step - 2, 0] = np.nan
+    rng = np.random.default_rng(4)
+    drawn = rng.bit_generator.state
+    with pytest.raises(ValueError) as exc:
+        model.generate(ids_of(0, (B, L0)), n, seed=rng)
+    assert str(exc.value) == (f"generate: the model produced logits with NaN at step {step} of {n} "
+                              f"(in {B} of {B} rows), so no token can be drawn: its parameters or "
+                              "the activations they give are not finite")
+    assert rng.bit_generator.state == drawn
+
+
 def test_a_chunked_block_is_refused_for_causal_decoding_before_the_embedding(monkeypatch):
     """On dask, impl='chunked' cannot run bottom-right aligned causal attention, which a
     decoding forward past the prompt asks of every block: the model refuses it before the
