@@ -288,9 +288,7 @@ class _Block(abc.ABC):
         V.check_choice("activation", activation, ACTIVATIONS)
         V.check_bool("norm_first", norm_first)
         V.check_bool("bias", bias)
-        V.check_scale("layer_norm_eps", layer_norm_eps)
-        if layer_norm_eps is None or not float(layer_norm_eps) > 0.0:
-            raise ValueError(f"layer_norm_eps: expected a float > 0, got {layer_norm_eps!r}")
+        Ly.check_eps("layer_norm_eps", layer_norm_eps)  # a positive finite float; the dtype's range below
         if seed is not None:
             seed = V.check_size("seed", seed, maximum=None)
         seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)

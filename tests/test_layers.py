@@ -171,6 +171,17 @@ def test_eps_that_is_not_positive_and_finite_is_refused_as_such():
     L.check_eps("eps", 1e-300)  # positive and finite: no dtype, no range to hold it in
 
 
+def test_an_int_eps_past_the_float_range_is_named_by_its_size():
+    """An int too large for a float is refused as not a positive finite float, said by its
+    bit length rather than its hundreds of digits."""
+    for eps in (2**1100, -(2**1100)):
+        with pytest.raises(ValueError, match=r"^eps: expected a positive finite float, got an int too "
+                                             r"large for a float \(1101 bits\)$"):
+            L.check_eps("eps", eps)
+    with pytest.raises(ValueError, match=r"^eps: expected a positive finite float, got -3$"):
+        L.check_eps("eps", -3)
+
+
 def test_layer_norm_eps_of_half_precision_is_held_by_float32():
     """float16 computes layer norm in float32, so an eps of 1e6 (past float16's 65504, where
     it would round to inf and give 0) is fine, and 1e39 is refused naming both dtypes."""

@@ -12,6 +12,7 @@ masks, fixed keep-masks at p = 0.3) run on every backend.
 """
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -679,6 +680,26 @@ def test_a_failed_call_changes_nothing(xp, to_xp, to_np, backend):
         TransformerBlock(D, H, layer_norm_eps=1e39)  # rounds to inf in the model's float32
     with pytest.raises(ValueError, match="params"):
         block.params = {"linear1.weight": block.params["linear1.weight"]}
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+@pytest.mark.parametrize("eps, error, message", [
+    (None, TypeError, "expected a positive float, got None"),
+    ("1e-5", TypeError, "expected a positive float, got str '1e-5'"),
+    (True, TypeError, "expected a positive float, got bool True"),
+    (0.0, ValueError, "expected a positive finite float, got 0.0"),
+    (-1, ValueError, "expected a positive finite float, got -1"),
+    (math.inf, ValueError, "expected a positive finite float, got inf"),
+    (math.nan, ValueError, "expected a positive finite float, got nan"),
+    (2**1100, ValueError, "expected a positive finite float, got an int too large for a float (1101 bits)"),
+], ids=["None", "str", "bool", "zero", "negative", "inf", "nan", "huge-int"])
+def test_a_layer_norm_eps_that_is_no_positive_float_is_refused_by_name(kind, eps, error, message):
+    """The blocks check layer_norm_eps as layer norm checks its eps, naming the argument: a
+    str or None is a TypeError that does not offer None (it said 'expected None or a float'
+    for a str, and a ValueError for None)."""
+    with pytest.raises(error) as exc:
+        kind(D, H, layer_norm_eps=eps)
+    assert str(exc.value) == f"layer_norm_eps: {message}"
 
 
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
