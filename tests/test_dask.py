@@ -1421,6 +1421,40 @@ def test_a_mask_of_fewer_axes_with_an_empty_chunk_on_a_length_1_axis():
                 assert_close(g, g0, host, f"{shape} {kind}: {name}")
 
 
+def _unknown_rows_with_an_empty_chunk():
+    """A dask array (1, 1, nan, 3) whose rows are three chunks of unknown, 0 and unknown
+    length: map_blocks keeps the rows > 0 of each block of (1, 1, 4, 3) and declares so."""
+    known = da.from_array(np.arange(12.0).reshape(1, 1, 4, 3) - 5.0, chunks=((1,), (1,), (2, 0, 2), (3,)))
+    unknown = da.map_blocks(lambda b: b[:, :, b[0, 0, :, 0] > 0], known,
+                            chunks=((1,), (1,), (math.nan, 0, math.nan), (3,)), dtype=known.dtype)
+    return known, unknown
+
+
+def test_an_array_of_unknown_chunk_sizes_keeps_its_chunks():
+    """without_empty_chunks leaves an array of unknown chunk sizes as it is, a chunk of
+    length 0 among the unknown ones too (dask refuses to rechunk an axis of unknown sizes:
+    "Chunks must be unchanging along dimensions with missing values")."""
+    from npattn.backend import without_empty_chunks
+
+    known, unknown = _unknown_rows_with_an_empty_chunk()
+    assert unknown.chunks[2][1] == 0 and math.isnan(unknown.shape[2])
+    assert without_empty_chunks(unknown) is unknown
+    np.testing.assert_array_equal(unknown.compute(), known.compute()[:, :, 2:])
+    assert without_empty_chunks(known).chunks[2] == (2, 2)  # known sizes: the 0 left out
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference", "blocked", "chunked"])
+def test_unknown_chunk_sizes_with_an_empty_chunk_are_refused_by_name(impl):
+    """Such an array reaches the call's check, which names q and the way out, not dask's
+    error from a rechunk before it."""
+    known, unknown = _unknown_rows_with_an_empty_chunk()
+    k = da.from_array(np.ones((1, 1, 5, 3)), chunks=(1, 1, 5, 3))
+    with pytest.raises(ValueError, match=r"^q: expected an array of known shape.*compute_chunk_sizes"):
+        A.sdpa_forward(unknown, k, k, impl=impl)
+    with pytest.raises(ValueError, match=r"^query: expected an array of known shape.*compute_chunk_sizes"):
+        MultiHeadAttention(3, 1, dtype="float64", backend="dask", seed=0)(unknown[0], unknown[0], unknown[0])
+
+
 @pytest.mark.parametrize("impl", ["auto", "reference", "blocked", "functional"])
 def test_empty_chunks_on_the_reference_and_blocked_paths(impl):
     """Chunks of length 0 in q, k, v, dout and the option arrays: dask's reshape failed on

@@ -199,6 +199,56 @@ def test_t5_buckets_without_x64():
     assert out.shape == (1, 2, 4, 6)
 
 
+def test_a_float64_result_without_x64_is_the_float32_rounding_of_the_host_values():
+    """A step run in float64 on the host comes back to JAX without x64 as float32, each value
+    rounded once to nearest (1 + 2**-30 to 1, 0.1 to float32's 0.1), without a warning; with
+    dtype= it is then cast (bfloat16: from those float32 values)."""
+    import warnings
+
+    from npattn.backend import float64_namespace, float64_result
+
+    jax.config.update("jax_enable_x64", False)
+    assert float64_namespace(jnp) is not jnp  # the host's: JAX makes no float64 here
+    a = np.array([[1.0 + 2.0**-30, 0.1], [-3.0, 2.0**-140]])  # float64 [2, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = float64_result(a, jnp)
+        low = float64_result(a, jnp, jnp.bfloat16)
+    assert out.dtype == jnp.float32 and low.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out), np.array([[1.0, 0.1], [-3.0, 2.0**-140]], np.float32))
+    np.testing.assert_array_equal(np.asarray(low), np.asarray(out.astype(jnp.bfloat16)))
+
+
+class _NoFloat64:
+    """A namespace that makes no float64 arrays and refuses float64 data outright (as a
+    device without float64 does), where JAX without x64 converts it quietly."""
+
+    float32, float64 = np.float32, np.float64
+
+    @staticmethod
+    def zeros(shape, dtype=None):
+        return np.zeros(shape, np.float32 if dtype == np.float64 else dtype)
+
+    @staticmethod
+    def asarray(a, device=None):
+        if np.asarray(a).dtype == np.float64:
+            raise TypeError("no float64 on this device")
+        return np.asarray(a)
+
+
+def test_a_float64_result_is_rounded_to_float32_before_it_reaches_a_namespace_without_float64():
+    """float64_result promises xp's widest float where xp has no float64: the host values are
+    rounded to float32 before xp sees them, so a library that refuses float64 data gets a
+    float32 array rather than raising."""
+    from npattn.backend import float64_result, keeps_dtype
+
+    assert not keeps_dtype(_NoFloat64, _NoFloat64.float64)
+    a = np.array([1.0 + 2.0**-30, 0.1, -3.0])
+    out = float64_result(a, _NoFloat64)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, np.array([1.0, 0.1, -3.0], np.float32))
+
+
 def test_gradient_checks_without_x64_are_refused():
     """The differences are taken in float64; without x64 JAX would run them in float32 and
     report correct gradients wrong: a ValueError naming the input and the switch."""
