@@ -104,7 +104,11 @@ def check_supports(supports: Any) -> tuple:
     ``ValueError`` naming an unknown token, ``TypeError`` one that is not a str."""
     if isinstance(supports, str):
         text = supports
-        supports = [s.strip() for s in supports.split(",") if s.strip()]
+        entries = [s.strip() for s in supports.split(",")]
+        supports = [] if entries == [""] else entries  # '' (or blanks) names no option
+        if "" in supports:  # 'causal,,gqa' or 'causal,' is a typing slip, not one option fewer
+            raise ValueError(f"supports: expected comma-separated option names, got {text!r}, "
+                             f"whose entry {supports.index('') + 1} of {len(supports)} is empty")
         if supports == ["all"]:
             supports = list(SUPPORTS)
         elif "all" in supports:  # 'all,causal' was told 'all' is not a name

@@ -3194,6 +3194,19 @@ def test_all_declares_every_option_and_the_permission_of_empty_rows():
     assert any(c.empty_rows for c in VC.panel("all"))
 
 
+def test_supports_refuses_an_empty_entry_and_takes_no_text_as_no_option():
+    assert VC.check_supports("") == () and VC.check_supports("  ") == ()
+    assert VC.check_supports(" causal , gqa ") == ("causal", "gqa")
+    for text, where in (("causal,,gqa", "2 of 3"), ("causal,", "2 of 2"), (",causal", "1 of 2"),
+                        (" , ", "1 of 2")):
+        with pytest.raises(ValueError) as info:
+            VC.check_supports(text)
+        assert str(info.value) == (f"supports: expected comma-separated option names, got {text!r}, "
+                                   f"whose entry {where} is empty")
+    with pytest.raises(ValueError, match="is empty"):
+        VF.plan("causal,,gqa")
+
+
 def test_a_causal_alignment_unlike_align_conflicts_with_window_and_alibi():
     for aligned in ("window", "alibi"):
         assert VC.conflicts(("causal", aligned), "bottom_right")

@@ -277,6 +277,8 @@ def test_a_jax_device_is_named_by_platform_and_index(tmp_path, capsys):
     (["--supports", "caual"], "--supports", "'caual'"),
     # 'all' among names was told as a name it does not know
     (["--supports", "all,causal"], "--supports", "'all' with others in 'all,causal'"),
+    # an empty entry was skipped: a typing slip ran a panel without the option meant
+    (["--supports", "causal,,gqa"], "--supports", "'causal,,gqa', whose entry 2 of 3 is empty"),
     # '--head-dims: ... got (0,)': the tuple verify made of it, not what was typed
     (["--head-dims", "0"], "--head-dims", "'0'"),
     (["--head-dims", "64,0"], "--head-dims", "'0' in '64,0'"),
