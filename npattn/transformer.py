@@ -897,8 +897,10 @@ class TransformerBlock(_Block):
             the cache and attends the cached ones followed by them,
             bottom-right aligned (``MultiHeadAttention.forward``'s
             ``kv_cache``), in eval mode (or without dropout). ``mask`` must
-            be None: the cache's own lengths say which keys each entry has.
-            ``backward`` after such a forward is a ``RuntimeError``.
+            be None: the cache's own lengths say which keys each entry has,
+            and ``need_weights`` False: a decoding forward keeps no cache to
+            read the weights from. ``backward`` after such a forward is a
+            ``RuntimeError``.
         need_weights : bool
             Keep the self-attention's weights (B, H, L, L) in its cache, read
             by ``attention.weights(block.self_attn.cache.sdpa)``: its
@@ -914,6 +916,10 @@ class TransformerBlock(_Block):
             check_forward_inputs(self.self_attn, x, x, x, mask=mask, dropout_mask=None,
                                  is_causal=is_causal, need_weights=need_weights,
                                  kv_cache=kv_cache)
+        if kv_cache is not None and need_weights:  # decoding keeps no cache: they would be lost
+            raise ValueError("need_weights: expected False with kv_cache (a decoding forward keeps "
+                             "no cache to read the weights from, self_attn.cache is None after "
+                             "it), got True")
         B, L, D = x.shape
         check_forward_impl(self.self_attn, self.self_attn.impl, (x, mask), lengths=(B, L, L),
                            need_weights=need_weights, is_causal=is_causal, kv_cache=kv_cache)

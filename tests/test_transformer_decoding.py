@@ -89,6 +89,24 @@ def test_decoding_in_training_mode_with_dropout_says_call_eval_and_changes_nothi
     assert out.shape == x.shape and list(cache.cache_seqlens) == [3, 3]
 
 
+def test_need_weights_with_a_kv_cache_is_refused_and_changes_nothing():
+    """A decoding forward keeps no attention cache (self_attn.cache is None after it), so the
+    weights need_weights asks to keep could never be read: a ValueError naming need_weights,
+    before anything runs; the cache's lengths, the block's cache and its generator are
+    unchanged, and the same call without need_weights decodes."""
+    block = _block(np)
+    x = np.random.default_rng(8).standard_normal((B, 3, D))
+    block.forward(x, is_causal=True)
+    cached, state = block.self_attn.cache, block.rng_state
+    cache = KVCache(B, 4, H, D // H, dtype="float64")
+    with pytest.raises(ValueError, match=r"^need_weights: expected False with kv_cache .*got True"):
+        block.forward(x, is_causal=True, kv_cache=cache, need_weights=True)
+    assert list(cache.cache_seqlens) == [0, 0]
+    assert block.self_attn.cache is cached and block.rng_state == state
+    out = block.forward(x, is_causal=True, kv_cache=cache)
+    np.testing.assert_allclose(out, block.forward(x, is_causal=True), rtol=0, atol=1e-12)
+
+
 def test_decoding_in_training_mode_without_dropout_is_allowed(xp, to_xp, to_np):
     """Only dropout stops decoding: a block in training mode with dropout 0 decodes, and
     gives what it gives in eval mode."""
