@@ -288,11 +288,12 @@ class GPT(BlockStack):
             raise ValueError(f"kv_caches: expected {self.n_layer} distinct KVCache objects, one per block "
                              f"(new_caches), got {len(kv_caches)} with {len({id(c) for c in kv_caches})} "
                              "distinct (a list like [cache] * n_layer shares one cache)")
-        lens = {tuple(int(n) for n in c.cache_seqlens) for c in kv_caches}
-        if len(lens) != 1 or len(set(next(iter(lens)))) != 1:
+        # the lengths alone: caches of another batch size are module.check_kv_cache's to name
+        lens = [[int(n) for n in c.cache_seqlens] for c in kv_caches]
+        if len({n for held in lens for n in held}) != 1:
             raise ValueError("kv_caches: expected the same cached length for every entry and block "
-                             f"(positions are shared), got cache_seqlens {sorted(lens)}")
-        return next(iter(lens))[0]
+                             f"(positions are shared), got cache_seqlens {lens}")
+        return lens[0][0]
 
     def new_caches(self, batch_size: int, capacity: Optional[int] = None) -> list:
         """One empty ``KVCache`` per block for ``batch_size`` sequences of up to ``capacity`` (T) tokens."""

@@ -1106,6 +1106,18 @@ def test_kv_caches_must_be_a_list_with_one_length_for_every_block():
     assert [list(c.cache_seqlens) for c in caches] == [[3, 3], [2, 2]]
 
 
+def test_kv_caches_of_another_batch_size_are_named_by_their_block_and_batch_size():
+    """Empty caches, one of them for another batch size: every length is 0, so the error is
+    that cache's batch size, named by its place in the list, and nothing is written."""
+    model = make().eval()
+    caches = model.new_caches(B)
+    caches[1] = model.new_caches(B + 1)[1]
+    with pytest.raises(ValueError, match=rf"^kv_caches\[1\]: expected batch_size={B}, .*got KVCache\("
+                                         rf"batch_size={B + 1}, "):
+        model.forward(ids_of(0, (B, 2)), kv_caches=caches)
+    assert [list(c.cache_seqlens) for c in caches] == [[0] * B, [0] * (B + 1)]
+
+
 def test_new_caches_hold_block_size_tokens_unless_asked_for_fewer():
     model = make()
     assert [c.capacity for c in model.new_caches(B)] == [T] * N
