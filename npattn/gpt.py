@@ -606,8 +606,14 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
     z = np.asarray(logits, dtype=np.float64)
     if z.ndim != 2 or z.shape[0] < 1 or z.shape[1] < 1:
         raise ValueError(f"logits: expected shape (B, V) with B, V >= 1, got {z.shape}")
-    if np.isnan(z).any() or np.isposinf(z).any() or not np.isfinite(z.max(axis=-1)).all():
-        raise ValueError("logits: expected no NaN or +inf and a finite largest entry in every row")
+    nan = np.asarray(np.isnan(z).any(axis=-1))  # [B]
+    posinf = np.asarray(np.isposinf(z).any(axis=-1))  # [B]
+    bad = nan | posinf | ~np.isfinite(z.max(axis=-1))  # [B] (an all -inf row: no finite largest)
+    if bad.any():
+        b = int(np.argmax(bad))  # the first bad row, named with what it holds
+        got = "NaN" if nan[b] else "+inf" if posinf[b] else "only -inf"
+        raise ValueError("logits: expected no NaN or +inf and a finite largest entry in every row, "
+                         f"got {got} in row {b}")
     V.check_bool("greedy", greedy)
     # checked with greedy too, as generate checks them: a bad option is an error, not ignored
     check_sampling(temperature, top_k, z.shape[-1])

@@ -533,9 +533,10 @@ def test_sample_next_is_greedy_in_the_limit_of_small_temperatures_and_checks_its
     with_neg_inf = np.array([[-np.inf, 0.0, -np.inf]])
     assert sample_next(with_neg_inf, rng)[0] == 1
     bad = [
-        (np.array([[0.0, np.nan]]), {}, ValueError, "logits"),
-        (np.array([[0.0, np.inf]]), {}, ValueError, "logits"),
-        (np.array([[-np.inf, -np.inf]]), {}, ValueError, "logits"),
+        (np.array([[0.0, np.nan]]), {}, ValueError, "^logits: expected no NaN .* got NaN in row 0$"),
+        (np.array([[0.0, 1.0], [0.0, np.inf]]), {}, ValueError, "^logits: .* got \\+inf in row 1$"),
+        (np.array([[-np.inf, -np.inf]]), {}, ValueError, "^logits: .* got only -inf in row 0$"),
+        (np.array([[0.0, 1.0], [np.inf, np.nan]]), {}, ValueError, "^logits: .* got NaN in row 1$"),
         (np.array([0.0, 1.0]), {}, ValueError, "logits"),
         (np.zeros((2, 3, 4)), {}, ValueError, "logits"),
         (logits, {"greedy": "no"}, TypeError, "greedy"),
