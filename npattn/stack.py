@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from . import validation as V
 from .backend import backend_name, device_of
-from .transformer import ENCODER_DROPOUT_SITES
+from .transformer import ENCODER_DROPOUT_SITES, SITE_SHAPES
 from .module import (check_forward_impl, check_params_assignment, check_path, model_from_save_file,
                      picklable_state, restore_state, set_rng_state, write_save_file)
 
@@ -136,7 +136,7 @@ class BlockStack:
                 raise ValueError(f"dropout_masks[{n}]: expected keys among {list(shapes)}, got {unknown}")
             for site, keep in masks.items():
                 V.check_mask(f"dropout_masks[{n}][{site!r}]", keep, self.xp, target=shapes[site],
-                             target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
+                             target_text=SITE_SHAPES[site], dtype=self.dtype, device=device,
                              bool_only=True)
 
     def check_blocks_impl(self, arrays: Any, B: int, L: int, *, is_causal: bool = False,

@@ -66,6 +66,10 @@ ENCODER_DROPOUT_SITES = ("self_attn", "dropout1", "dropout", "dropout2")
 #: feed-forward (B, L, D); ``dropout`` inside the feed-forward (B, L, F).
 DECODER_DROPOUT_SITES = ("self_attn", "multihead_attn", "dropout1", "dropout2", "dropout3", "dropout")
 
+#: Each dropout site's shape in the legend's letters, as the messages about a keep-mask say it.
+SITE_SHAPES = {"self_attn": "(B, H, L, L)", "multihead_attn": "(B, H, L, Lm)", "dropout1": "(B, L, D)",
+               "dropout2": "(B, L, D)", "dropout3": "(B, L, D)", "dropout": "(B, L, F)"}
+
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 #: The ``format_version`` of the blocks' ``save`` files (their ``format`` is the
@@ -413,7 +417,7 @@ class _Block(abc.ABC):
         device = device_of(self.params["linear1.weight"])
         for site, m in dropout_masks.items():
             V.check_mask(f"dropout_masks[{site!r}]", m, self.xp, target=shapes[site],
-                         target_text=f"{shapes[site]}", dtype=self.dtype, device=device,
+                         target_text=SITE_SHAPES[site], dtype=self.dtype, device=device,
                          bool_only=True)
 
     def _masks(self, dropout_masks: Optional[dict]) -> tuple[float, dict]:

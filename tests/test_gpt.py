@@ -358,6 +358,9 @@ def test_bad_inputs_name_the_argument_and_change_nothing(xp, to_xp):
         (lambda: model.forward(to_xp(ids_of(0)[0])), ValueError, r"ids: expected shape \(B, L\)"),
         (lambda: model.forward(ids, dropout_masks=[{}]), ValueError, "dropout_masks"),
         (lambda: model.forward(ids, dropout_masks=[{"dropout9": None}, None]), ValueError, "dropout_masks"),
+        (lambda: model.forward(ids, dropout_masks=[None, {"dropout": to_xp(np.ones((B, L, D), dtype=bool))}]),
+         ValueError, rf"^dropout_masks\[1\]\['dropout'\]: expected a shape that broadcasts to \(B, L, F\) = "
+                     rf"\({B}, {L}, {FF}\) .* got shape \({B}, {L}, {D}\)$"),
         (lambda: model.backward(to_xp(np.zeros((B, L + 1, VOCAB)))), ValueError, "dlogits"),
         (lambda: model.backward(to_xp(np.zeros((B, L, VOCAB), dtype=np.float32))), TypeError,
          r"^dlogits: expected dtype float64, got float32"),

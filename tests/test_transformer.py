@@ -13,6 +13,7 @@ masks, fixed keep-masks at p = 0.3) run on every backend.
 
 import functools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -1052,6 +1053,27 @@ def test_a_float_keep_mask_is_named_by_its_site(kind):
         keep = np.ones(shapes.get(site, (B, L, D)))  # float64: 1.0 = keep
         with raises(TypeError, f"dropout_masks['{site}']", "bool", "float64"):
             block(*args, dropout_masks={site: keep})
+
+
+@pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
+def test_a_keep_mask_of_another_shape_is_named_with_its_site_shape_in_letters_and_numbers(kind):
+    """A keep-mask one wider than its site: the message says the site's shape by its letters
+    and its numbers, (B, L, F) = (2, 3, 12), and the shape it got, before the block computes."""
+    rng = np.random.default_rng(45)
+    block = kind(D, H, FF, dropout=0.3, dtype="float64", seed=45)
+    x, memory = rng.standard_normal((B, L, D)), rng.standard_normal((B, LM, D))
+    args = (x,) if kind is TransformerBlock else (x, memory)
+    shapes = {"self_attn": ("(B, H, L, L)", (B, H, L, L)), "multihead_attn": ("(B, H, L, Lm)", (B, H, L, LM)),
+              "dropout": ("(B, L, F)", (B, L, FF))}
+    state = block.rng_state
+    for site in ENCODER_DROPOUT_SITES if kind is TransformerBlock else DECODER_DROPOUT_SITES:
+        letters, shape = shapes.get(site, ("(B, L, D)", (B, L, D)))
+        wrong = shape[:-1] + (shape[-1] + 1,)
+        with pytest.raises(ValueError, match=re.escape(f"dropout_masks[{site!r}]: expected a shape that "
+                                                       f"broadcasts to {letters} = {shape} ")
+                           + f".* got shape {re.escape(str(wrong))}$"):
+            block(*args, dropout_masks={site: np.ones(wrong, dtype=bool)})
+    assert block.rng_state == state
 
 
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
