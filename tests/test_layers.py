@@ -426,6 +426,23 @@ def test_gelu_half_precision_computes_in_float32(xp, to_xp, to_np, backend, appr
     np.testing.assert_array_equal(to_np(xp.astype(dbig, xp.float64)), [0.0, 0.0, 1.0, 1.0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gelu_tanh_slope_is_0_or_1_at_finite_inputs_whose_square_overflows(xp, to_xp, to_np, dtype):
+    """x = +-1e20 in float32 and +-1e160 in float64 are finite, but x^2 overflows: the slope
+    was 0 * inf = NaN there. It is 0 (x -> -inf) and 1 (x -> +inf), as at x = +-1e4, where
+    nothing overflows, and the random upstream gradient passes through (or not) unchanged."""
+    if dtype == "float64" and not hasattr(xp, "float64"):
+        pytest.skip("no float64 on this backend")
+    big = 1e20 if dtype == "float32" else 1e160
+    x = xp.astype(to_xp(np.array([-big, -1e4, 1e4, big])), getattr(xp, dtype))
+    dout_host = np.random.default_rng(8).standard_normal(4).astype(dtype)
+    for approximate in ("none", "tanh"):
+        y, cache = L.gelu_forward(x, approximate)
+        np.testing.assert_array_equal(to_np(y), [0.0, 0.0, 1e4, np.asarray(big, dtype)])
+        dx = to_np(L.gelu_backward(xp.astype(to_xp(dout_host), getattr(xp, dtype)), cache))
+        np.testing.assert_array_equal(dx, [0.0, 0.0, dout_host[2], dout_host[3]])
+
+
 # -------------------------------------------------------- feed-forward
 
 
