@@ -311,6 +311,36 @@ def test_large_scores_float64(magnitude, block_k, backend, xp, to_xp, to_np):
         assert np.all(np.isfinite(to_np(dq))), impl
 
 
+def test_one_hot_rows_with_large_values_round_by_the_size_of_the_terms(backend, to_xp, to_np):
+    """Rows whose weight sits on one key (query i meets key i 750 or more above the rest) and
+    values of 1e3: dq and dk are 0. The reference's row sum sum_j dp_j p_j is formed
+    from the dp it is subtracted from and leaves them; the tiled implementations' rowsum(dout
+    * out) is dp summed in another order, and its rounding, at most a few eps |dout| |v| |k|
+    scale, is all of their dq and dk. dv is p^T dout, the same on every path."""
+    rng = np.random.default_rng(0)
+    u = np.linalg.qr(rng.standard_normal((2, 1, 16, 16)))[0][..., :3, :]  # 3 orthonormal rows
+    q, k = 60 * u, np.concatenate([60 * u, -60 * u, rng.standard_normal((2, 1, 1, 16))], axis=2)
+    v = 1e3 * rng.standard_normal((2, 1, 7, 16))
+    dout = rng.standard_normal((2, 1, 3, 16))
+    s = np.einsum("bhid,bhjd->bhij", q, k) / 4
+    top2 = np.sort(s, axis=-1)[..., -2:]
+    assert np.all(top2[..., 1] - top2[..., 0] > 750)  # exp(-750) is 0: p is one-hot exactly
+    bound = 16 * np.finfo(np.float64).eps * np.abs(dout).max() * np.abs(v).max() * np.abs(k).max() / 4
+    impls = [("reference", {}), ("blocked", {}), ("blocked", dict(block_q=2, block_k=3))]
+    if backend == "numpy":
+        impls.append(("numpy", {}))
+    ref = None
+    for impl, extra in impls:
+        _, _, (dq, dk, dv, _, _) = run(impl, to_xp(q), to_xp(k), to_xp(v), to_xp(dout), {}, **extra)
+        dq, dk, dv = to_np(dq), to_np(dk), to_np(dv)
+        if ref is None:
+            ref = dv
+            assert not np.any(dq) and not np.any(dk), impl
+        else:
+            assert np.abs(dq).max() < bound and np.abs(dk).max() < bound, impl
+            np.testing.assert_allclose(dv, ref, rtol=1e-13, err_msg=impl)
+
+
 def _numpy_equals_reference(q, k, v, mask=None, scale=None):
     """The NumPy kernel's out and lse against the reference's on the same float32 call."""
     ref_out, ref_c = A.sdpa_forward(q, k, v, mask=mask, scale=scale, impl="reference")
