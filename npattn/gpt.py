@@ -150,7 +150,12 @@ class GPT(BlockStack):
         block_size = V.check_size("block_size", block_size, minimum=1)
         n_layer = V.check_size("n_layer", n_layer, minimum=1)
         # a name or a dtype of any library, as MultiHeadAttention's; of those, single or double
-        dtype = V.float_dtype_name(resolve_backend(backend), dtype)
+        xp = resolve_backend(backend)
+        try:
+            dtype = V.float_dtype_name(xp, dtype)
+        except (TypeError, ValueError):  # not a float dtype of xp: told with the GPT's two
+            V.float_dtype_name(xp, dtype, choices=("float32", "float64"))
+            raise
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
                              f"written for them; the blocks alone take half precision), got {dtype!r}")

@@ -235,15 +235,17 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none:
         raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
 
 
-def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype") -> str:
-    """The name ("float32", ...) of ``dtype``, one of ``FLOAT_DTYPES`` that ``xp`` has and keeps,
-    given as a name or as a dtype object of any library; the dtype itself is ``getattr(xp, name)``.
+def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype",
+                     choices: Sequence[str] = FLOAT_DTYPES) -> str:
+    """The name ("float32", ...) of ``dtype``, one of ``choices`` (default ``FLOAT_DTYPES``) that
+    ``xp`` has and keeps, given as a name or as a dtype object of any library; the dtype itself
+    is ``getattr(xp, name)``. Messages list only the ``choices`` that ``xp`` has.
 
     ``TypeError`` for None or a dtype of another kind (an integer dtype would truncate),
     ``ValueError`` for a name ``xp`` has no float dtype of, or one it turns into another (JAX
     without x64 makes float32 of float64). How every ``dtype=`` argument is read.
     """
-    available = [n for n in FLOAT_DTYPES if hasattr(xp, n)]
+    available = [n for n in choices if hasattr(xp, n)]
     if dtype is None:  # np.dtype(None) would be float64: say so instead of guessing
         raise TypeError(f"{name}: expected one of {available} (a name or a dtype), got None")
     if isinstance(dtype, (bytes, bytearray)):  # np.dtype(b"float64") would read it as the name

@@ -654,6 +654,10 @@ def test_constructor_and_generate_checks(xp, to_xp):
                      (b"float32", TypeError)):
         with raises(err, "dtype", "got"):
             make(xp, dtype=bad)
+    # a dtype that is no float is told with the two the GPT takes, not the blocks' three
+    for bad, err in (("int64", ValueError), (np.int64, TypeError), (None, TypeError)):
+        with pytest.raises(err, match=r"^dtype: expected one of \['float32', 'float64'\]"):
+            make(xp, dtype=bad)
     for given in (np.float64, np.dtype("float64"), xp.float64):
         model = make(xp, dtype=given)
         assert model.dtype == xp.float64 and model.params["wte"].dtype == xp.float64
