@@ -103,7 +103,14 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     if table.ndim != 2:
         raise ValueError(f"table: expected shape (V, D), got {Vd.shape_of(table)}")
     xp = namespace(table)
-    Vd.check_ids("ids", ids, table.shape[0], xp, device_of(table), what="token ids", like="table")
+    try:
+        Vd.check_ids("ids", ids, table.shape[0], xp, device_of(table), what="token ids", like="table")
+    except ValueError:
+        if table.shape[0] == 0:  # no id is in [0, 0): the table, not the ids, is what is missing
+            raise ValueError(f"table: expected a row for each id to look up, got shape "
+                             f"{Vd.shape_of(table)} (no rows) for ids of shape "
+                             f"{Vd.shape_of(ids)}") from None
+        raise
     V = table.shape[0]
     ids = without_empty_chunks(ids)  # dask's reshape fails on some chunks of length 0
     onehot = _one_hot(xp, ids, V, table.dtype)  # 1.  [..., V], for the backward

@@ -75,6 +75,18 @@ def test_embedding_of_zero_width_runs_both_ways(xp, to_xp, to_np):
         np.testing.assert_array_equal(to_np(dtable), np.zeros(shape))
 
 
+def test_embedding_of_a_table_without_rows_names_the_table(xp, to_xp):
+    """Ids to look up in a table of no rows: the table is what is missing (the ids were told
+    'expected token ids in [0, 0)'); ids of the wrong kind are still told as the ids."""
+    table = to_xp(np.ones((0, 3)))
+    for ids in ([[0]], [[-1, 2]]):
+        with pytest.raises(ValueError, match=r"^table: expected a row for each id to look up, got "
+                           r"shape \(0, 3\) \(no rows\) for ids of shape \(1, \d\)$"):
+            nn.embedding_forward(to_xp(np.asarray(ids)), table)
+    with pytest.raises(TypeError, match="^ids: expected an integer array"):
+        nn.embedding_forward(to_xp(np.zeros((1, 1))), table)
+
+
 def test_embedding_backward_counts_repeated_tokens(xp, to_xp, to_np):
     """dtable[v] = sum of dout over the positions holding v (a token that never occurs: 0)."""
     rng = np.random.default_rng(3)
