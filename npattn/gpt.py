@@ -289,10 +289,11 @@ class GPT(BlockStack):
         if not isinstance(kv_caches, (list, tuple)) or not all(isinstance(c, KVCache) for c in kv_caches):
             raise TypeError(f"kv_caches: expected a list of {self.n_layer} npattn.KVCache (one per "
                             f"block, e.g. from new_caches), got {V.type_name(kv_caches)}")
-        if len(kv_caches) != self.n_layer or len({id(c) for c in kv_caches}) != self.n_layer:
+        distinct = len({id(c) for c in kv_caches})
+        if len(kv_caches) != self.n_layer or distinct != self.n_layer:
+            shared = " (a list like [cache] * n_layer shares one cache)" if distinct < len(kv_caches) else ""
             raise ValueError(f"kv_caches: expected {self.n_layer} distinct KVCache objects, one per block "
-                             f"(new_caches), got {len(kv_caches)} with {len({id(c) for c in kv_caches})} "
-                             "distinct (a list like [cache] * n_layer shares one cache)")
+                             f"(new_caches), got {len(kv_caches)} with {distinct} distinct{shared}")
         # the lengths alone: caches of another batch size are module.check_kv_cache's to name
         lens = [[int(n) for n in c.cache_seqlens] for c in kv_caches]
         if len({n for held in lens for n in held}) != 1:

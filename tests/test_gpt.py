@@ -507,10 +507,13 @@ def test_one_cache_shared_by_every_block_is_refused(xp, to_xp):
 
     model = make(xp).eval()
     cache = KVCache(B, T, H, D // H, dtype="float64", backend=xp)
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(ValueError, match=rf"got {N} with 1 distinct \(a list like \[cache\] \* n_layer "
+                       r"shares one cache\)$"):
         model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=[cache] * N)
     assert list(cache.cache_seqlens) == [0, 0]
-    with pytest.raises(ValueError, match="distinct"):
+    # too few caches, none shared: no word of sharing
+    with pytest.raises(ValueError, match=r"distinct KVCache objects, one per block \(new_caches\), "
+                       r"got 1 with 1 distinct$"):
         model.forward(to_xp(ids_of(0, (B, 2))), kv_caches=model.new_caches(B)[:1])
 
 
