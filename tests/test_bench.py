@@ -328,9 +328,10 @@ def _needed_gib(err):
 
 
 @pytest.mark.parametrize("argv, option, received, lowest", [
-    # the dask graph of (1e11 / 1024)**2 chunk pairs was being built for minutes
-    (["--backend", "dask", "--shape", "1x100000000000x16x2"], "--shape", "1x100000000000x16x2",
-     (1e11 / 1024) ** 2 * 1024 / 2**30),
+    # the dask graph of (2e9 / 1024)**2 chunk pairs was being built for minutes (each size under
+    # limits.MAX_SIZE, which is refused first)
+    (["--backend", "dask", "--shape", "1x2000000000x16x2"], "--shape", "1x2000000000x16x2",
+     (2e9 / 1024) ** 2 * 1024 / 2**30),
     # a GPT step over 16 windows of 1e8 tokens: its position embedding alone is 1e8 x 128 floats
     (["--model", "gpt", "--seq-len", "100000000"], "--seq-len", "100000000", 1e8 * 128 * 4 / 2**30),
     # the dense probabilities of 8 heads of 100000 x 100000
