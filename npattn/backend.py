@@ -265,7 +265,12 @@ def to_numpy(x: Any) -> np.ndarray:
         return np.array(x, copy=True)  # host copy (bfloat16 as ml_dtypes' bfloat16)
     if not array_api_compat.is_array_api_obj(x):
         raise TypeError(f"x: expected an array, got {type(x).__name__}")
-    return np.array(np.from_dlpack(x), copy=True)
+    try:
+        return np.array(np.from_dlpack(x), copy=True)
+    except BufferError:  # NumPy before 2.1 exports no read-only array (array_api_strict's
+        # broadcast views hold one): a writable copy in x's own library crosses instead
+        return np.array(np.from_dlpack(array_api_compat.array_namespace(x).asarray(x, copy=True)),
+                        copy=True)
 
 
 def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:

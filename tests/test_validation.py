@@ -1127,6 +1127,30 @@ def test_to_numpy_and_device_of_name_a_non_array():
             call()
 
 
+def test_to_numpy_copies_an_array_whose_library_refuses_to_export_it(monkeypatch):
+    """NumPy before 2.1 exports no read-only array through DLPack (BufferError), and
+    array_api_strict's broadcast views wrap one: to_numpy takes a writable copy of it in its own
+    library instead. Here NumPy's refusal is played by from_dlpack refusing the array itself."""
+    xps = pytest.importorskip("array_api_strict")
+    x = xps.broadcast_to(xps.asarray([[1.0, 2.0, 3.0]]), (2, 3))
+    real = np.from_dlpack
+    refused = []
+
+    def from_dlpack(obj, *args, **kwargs):
+        if obj is x:
+            refused.append(obj)
+            raise BufferError("Cannot export readonly array since signalling readonly is "
+                              "unsupported by DLPack.")
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(np, "from_dlpack", from_dlpack)
+    got = to_numpy(x)
+    assert refused == [x]
+    np.testing.assert_array_equal(got, [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    got[0, 0] = 7.0  # a copy of its own, writable
+    assert float(x[0, 0]) == 1.0 and float(x[1, 0]) == 1.0
+
+
 def test_caches_do_not_keep_the_forward_input_alive():
     """The caches that check an upstream gradient keep the input's spec (shape, dtype, library,
     device), not the input: an activation the caller drops is freed before the backward."""
