@@ -1416,15 +1416,17 @@ def write_save_file(path: Any, header: dict, params: dict, *, xp: Any, dtype: An
     file object (``write`` is all it needs).
     """
     bf16 = V.dtype_name(dtype) == "bfloat16"
-    arrays = {SAVE_PARAM_PREFIX + name: to_numpy(xp.astype(p, xp.float32) if bf16 else p)
-              for name, p in params.items()}
+    # Any values: NumPy's stubs type savez's **kwds as arrays or as its allow_pickle flag,
+    # depending on the NumPy version
+    arrays: dict[str, Any] = {SAVE_PARAM_PREFIX + name: to_numpy(xp.astype(p, xp.float32) if bf16 else p)
+                              for name, p in params.items()}
     arrays["config"] = np.array(json.dumps(header))
     if isinstance(path, (str, os.PathLike)):
         with open(path, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
+            np.savez(f, **arrays)
     else:  # NumPy takes a file object only if it has read(): any file object gets the bytes
         buf = io.BytesIO()
-        np.savez(buf, **arrays)  # type: ignore[arg-type]
+        np.savez(buf, **arrays)
         path.write(buf.getvalue())
 
 

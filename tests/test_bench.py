@@ -585,6 +585,8 @@ def test_the_options_reach_the_run_of_either_mode(monkeypatch):
     --dtype and --backend reach the run in both modes."""
     import contextlib
 
+    pytest.importorskip("threadpoolctl", reason="--blas-threads needs threadpoolctl")
+
     calls, held = _fake_runs(monkeypatch), []
     monkeypatch.setattr(bench, "_blas_limit", lambda n: held.append(n) or contextlib.nullcontext())
     options = ["--blas-threads", "2", "--dtype", "float64", "--backend", "array_api_strict"]

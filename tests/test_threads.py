@@ -30,6 +30,11 @@ from npattn import functional as F
 
 from _attention_cases import make_inputs
 
+#: The tile pool runs its tiles one after another without threadpoolctl (BLAS cannot be held
+#: to one thread there): the tests that watch it split the work need it (the test extra has it).
+needs_pool = pytest.mark.skipif(npattn.backend.blas_controller() is None,
+                                reason="the tile pool needs threadpoolctl to run tiles on threads")
+
 def _inputs(seed, B, Hkv, G, Lq, Lk, Dh, Dv, mask_kind="none", dropout="none", causal=False,
             dtype=np.float64):
     """The shared cases, with a (B, 1, Lq, Lk) mask (broadcast over heads) that blanks a row."""
@@ -87,6 +92,7 @@ def _run(impl, q, k, v, dout, kw, **extra):
 # the thread count changes nothing
 
 
+@needs_pool
 @given(
     seed=st.integers(0, 2**16),
     B=st.integers(1, 3),
@@ -133,6 +139,7 @@ def test_pool_threads_never_change_the_numbers(seed, B, Hkv, G, Lq, Lk, Dv, mask
                                                err_msg=f"{impl} {name}")
 
 
+@needs_pool
 def test_blocked_half_precision_on_the_pool_keeps_float32_rows(monkeypatch):
     """float16 inputs on the blocked path's pool: each slice's output and row statistics are
     float32 (the compute dtype) where the tasks write them, as on one thread, so out and every
@@ -176,6 +183,7 @@ def _in_layout(a, layout):
     raise AssertionError(layout)
 
 
+@needs_pool
 @pytest.mark.parametrize("layout", ["fortran", "transposed", "reversed", "strided", "heads_first"])
 @pytest.mark.parametrize("Dh", [1, 4])
 @pytest.mark.parametrize("impl", ["numpy", "blocked"])
@@ -295,6 +303,7 @@ def _in_forked_child(fn, timeout=60.0):
     return value
 
 
+@needs_pool
 @pytest.mark.filterwarnings(FORK_UNDER_JAX)
 def test_a_forked_child_runs_the_pool_and_gets_the_same_numbers(monkeypatch):
     monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)
