@@ -233,6 +233,37 @@ def test_rows_of_very_negative_scores_merge_across_key_chunks(sizes):
         assert_close(g, g0, host, f"{sizes}: {name}")
 
 
+@pytest.mark.parametrize("sizes", [(2, 2, 3, 2), (1, 1, 5, 3)], ids=str)
+def test_rows_masked_by_the_most_negative_finite_number_merge_across_key_chunks(sizes):
+    """A float mask of float64's most negative finite number (-1.8e308, as some callers mask
+    with) is not -inf: a row attends the keys that get it, evenly (q k^T rounds away next to
+    it). Row 1 gets it on every key; row 3 only on keys 4 and 5, -inf elsewhere, so some of
+    its key chunks attend nothing and one attends only scores near -1.8e308: those empty
+    chunks must not set the row's maximum. Rows 1 and 3 are the means of their values, lse
+    is the number itself, and out and every gradient equal the reference's."""
+    rng = np.random.default_rng(23)
+    B, H, Lq, Lk, Dh, Dv = 2, 2, 5, 7, 3, 2
+    q, k = rng.standard_normal((B, H, Lq, Dh)), rng.standard_normal((B, H, Lk, Dh))
+    v, dout = rng.standard_normal((B, H, Lk, Dv)), rng.standard_normal((B, H, Lq, Dv))
+    low = float(np.finfo(np.float64).min)
+    mask = 0.5 * rng.standard_normal((Lq, Lk))  # [Lq, Lk]
+    mask[1] = low
+    mask[3] = -np.inf
+    mask[3, [4, 5]] = low
+    out0, c0 = A.sdpa_forward(q, k, v, mask=mask, impl="reference")
+    grads0 = A.sdpa_backward(dout, c0)
+    dq, dk, dv, dm, _, ddout = chunk(q, k, v, mask, None, dout, sizes, 1)
+    out, c = A.sdpa_forward(dq, dk, dv, mask=dm, impl="chunked", block_q=2, block_k=3)
+    out, lse, grads = dask.compute(out, c.lse, A.sdpa_backward(ddout, c), scheduler="sync")
+    np.testing.assert_allclose(out[:, :, 1], np.broadcast_to(v.mean(axis=2), (B, H, Dv)), rtol=1e-12)
+    np.testing.assert_allclose(out[:, :, 3], np.broadcast_to(v[:, :, 4:6].mean(axis=2), (B, H, Dv)),
+                               rtol=1e-12)
+    np.testing.assert_array_equal(lse[:, :, [1, 3]], np.full((B, H, 2), low))
+    assert_close(out, out0, host, f"{sizes}: out")
+    for name, g, g0 in zip(("dq", "dk", "dv", "dmask"), grads, grads0):
+        assert_close(g, g0, host, f"{sizes}: {name}")
+
+
 @pytest.mark.parametrize("form", sorted(MASK_FORMS))
 def test_every_mask_form_on_key_chunks(form):
     """Masks of 1 to 4 axes (each broadcast to the scores) are padded to 4 axes and chunked like
