@@ -796,6 +796,25 @@ def test_keys_and_values_broadcast_over_the_heads_on_dask():
         A.sdpa_forward(dq, dk, dv, impl="chunked")
 
 
+def test_masks_that_would_grow_the_scores_are_not_the_chunked_implementations():
+    """A mask or a keep-mask with a leading axis of its own (3, B, Hq, Lq, Lk) would grow the
+    scores beyond (B, Hq, Lq, Lk): on dask arrays select_impl("auto") answers "reference" for
+    it, as on NumPy it does not answer "numpy", and the call refuses it by name."""
+    q, k, v, dout, _ = make_inputs(5, 2, 2, 1, 4, 5, 3, 2)
+    rng = np.random.default_rng(5)
+    mask = da.from_array(rng.random((3, 2, 2, 4, 5)) > 0.2, chunks=(1, 1, 1, 2, 2))
+    keep = da.from_array(rng.random((3, 2, 2, 4, 5)) >= 0.3, chunks=(1, 1, 1, 2, 2))
+    dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 1, 2, 2), 1)
+    assert A.select_impl("auto", dq, dk, dv, mask=mask[0]) == "chunked"  # (B, Hq, Lq, Lk) fits
+    assert A.select_impl("auto", dq, dk, dv, dropout_mask=keep[0]) == "chunked"
+    assert A.select_impl("auto", dq, dk, dv, mask=mask) == "reference"
+    assert A.select_impl("auto", dq, dk, dv, dropout_mask=keep) == "reference"
+    with pytest.raises(ValueError, match=r"^mask: expected a shape .* got shape \(3, 2, 2, 4, 5\)"):
+        A.sdpa_forward(dq, dk, dv, mask=mask)
+    with pytest.raises(ValueError, match=r"^dropout_mask: .* got shape \(3, 2, 2, 4, 5\)"):
+        A.sdpa_forward(dq, dk, dv, dropout_p=0.3, dropout_mask=keep)
+
+
 def test_mixing_dask_and_numpy_is_refused_before_anything_runs():
     q, k, v, dout, kw = make_inputs(1, 2, 2, 1, 4, 5, 3, 3, mask_kind="bool")
     dq, dk, dv, *_ = chunk(q, k, v, None, None, dout, (1, 1, 2, 2), 1)
