@@ -81,6 +81,33 @@ def test_bounded_rows_near_the_bound_keep_float32_precision(monkeypatch):
         assert got[name].dtype == np.float32 and err < 2e-6, f"{name}: {err:.2e}"
 
 
+def test_keys_shorter_than_1_bound_the_scores_by_their_norm_not_its_square(monkeypatch):
+    """Cauchy-Schwarz bounds |s_ij| by |q_i * scale| |k_j|: with keys of norm 0.1 and
+    |q * scale| = 1000 the scores reach 100, past float32's exp (88.7), so these rows are
+    shifted (|k|^2 would bound them by 10, under EXP_BOUND, and exp(s) would overflow).
+    float32 out, weights, lse and the gradients against the float64 reference."""
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    rng = np.random.default_rng(8)
+    B, H, Lq, Lk, D = 2, 2, 9, 7, 8
+    q = rng.standard_normal((B, H, Lq, D))
+    k = rng.standard_normal((B, H, Lk, D))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    k[..., 0, :] = q[..., 0, :]  # row 0 scores 100 against key 0
+    q *= 1000.0 * np.sqrt(D)  # |q * scale| = 1000
+    k *= 0.1  # |k| = 0.1
+    v, dout = rng.standard_normal((B, H, Lk, 3)), rng.standard_normal((B, H, Lq, 3))
+    ref = _all(q, k, v, dout, {}, "reference")
+    assert float(ref["lse"].max()) > 99.0  # scores of 100: exp overflows float32 unshifted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow, no NaN
+        got = _all(*(a.astype(np.float32) for a in (q, k, v)), dout.astype(np.float32), {}, "numpy")
+    for name in ("out", "weights", "lse", "dq", "dk", "dv"):
+        assert got[name].dtype == np.float32 and np.all(np.isfinite(got[name])), name
+        err = np.max(np.abs(got[name] - ref[name])) / np.max(np.abs(ref[name]))
+        assert err < 1e-4, f"{name}: {err:.2e}"
+
+
 def test_probs_are_the_row_scaled_exps():
     """``cache.probs`` is ``exps * row_scale`` as a new array; rows sum to 1, an empty row to 0.
     ``row_scale`` is ``1 / rowsum(exps)``, and 1 on an empty row (as its field documents)."""
