@@ -140,6 +140,33 @@ def test_pool_threads_never_change_the_numbers(seed, B, Hkv, G, Lq, Lk, Dv, mask
 
 
 @needs_pool
+def test_blocked_segments_on_the_pool_are_each_slices_own(monkeypatch):
+    """Segment ids (B, L) on the blocked path's pool: the work is split along the batch (the
+    longest leading axis), and each slice reads its own batch entries' query and key segments,
+    so 1 and 2 threads give bitwise the same out and gradients, equal to the reference's
+    (float64, Lq != Lk, a random dout)."""
+    rng = np.random.default_rng(29)
+    B, H, Lq, Lk, Dh, Dv = 3, 2, 7, 6, 4, 3
+    q, k, v, dout = (rng.standard_normal(s) for s in ((B, H, Lq, Dh), (B, H, Lk, Dh),
+                                                      (B, H, Lk, Dv), (B, H, Lq, Dv)))
+    q_seg = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 2, 2, 2, 2]])  # [B, Lq]
+    k_seg = np.array([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 2]])  # [B, Lk]
+    seg = dict(q_segments=q_seg, k_segments=k_seg)
+    ref_out, ref_c = A.sdpa_forward(q, k, v, impl="reference", **seg)
+    ref = (ref_out, *A.sdpa_backward(dout, ref_c)[:3])
+    results = {}
+    for threads in ("1", "2"):
+        monkeypatch.setenv("NPATTN_NUM_THREADS", threads)
+        rec = PoolRecorder(monkeypatch)
+        out, cache = A.sdpa_forward(q, k, v, impl="blocked", block_q=3, block_k=4, **seg)
+        results[threads] = (out, *A.sdpa_backward(dout, cache)[:3])
+        assert rec.split() == (threads != "1"), rec.calls
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), results["2"], results["1"], ref):
+        np.testing.assert_array_equal(a, b, err_msg=f"{name}, 2 threads")
+        np.testing.assert_allclose(b, r, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+@needs_pool
 def test_blocked_half_precision_on_the_pool_keeps_float32_rows(monkeypatch):
     """float16 inputs on the blocked path's pool: each slice's output and row statistics are
     float32 (the compute dtype) where the tasks write them, as on one thread, so out and every
