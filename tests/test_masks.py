@@ -5,6 +5,7 @@ its own masks vs npattn with the converted mask); structural properties
 otherwise, on every backend.
 """
 
+import importlib.util
 import math
 
 import numpy as np
@@ -257,6 +258,10 @@ def test_masks_on_strict_second_device():
     assert moved.device == dev
     np.testing.assert_array_equal(np.asarray(xps.asarray(moved, device=here.device)),
                                   [[[[True, False]]]])
+    # a floating result as well: the 0 / -inf of a boolean mask are made on its device
+    f = masks.from_torch_mha(key_padding_mask=kpm, dtype="float64")
+    assert f.device == dev
+    np.testing.assert_array_equal(np.asarray(xps.asarray(f, device=here.device)), [[[[0.0, -np.inf]]]])
 
 
 # --------------------------------------------------------------------------
@@ -361,6 +366,63 @@ def test_from_torch_mha_bad_arguments():
     # NumPy ints are ints
     np.testing.assert_array_equal(masks.from_torch_mha(a3, n_head=np.int64(2)),
                                   masks.from_torch_mha(a3, n_head=2))
+
+
+def test_from_torch_mha_broadcasts_an_unbatched_key_padding_mask_over_a_batched_attn_mask():
+    """A key_padding_mask of shape (S,) is one entry's, (1, 1, 1, S): it broadcasts over the N
+    batch entries of a 3-D attn_mask (N*H, L, S), as it does over a 2-D one."""
+    N, H, L, S = 3, 2, 2, 4
+    rng = np.random.default_rng(22)
+    a3 = rng.random((N * H, L, S)) < 0.4  # True = ignore
+    kpm = np.array([False, True, False, True])
+    m = masks.from_torch_mha(a3, kpm, n_head=H)
+    assert m.shape == (N, H, L, S)
+    np.testing.assert_array_equal(m, ~a3.reshape(N, H, L, S) & ~kpm)
+    f = masks.from_torch_mha(a3.astype(np.float64), kpm, n_head=H)  # additive: the same keys
+    np.testing.assert_array_equal(f, np.where(kpm, -np.inf, a3.reshape(N, H, L, S)))
+
+
+def test_from_torch_mha_sums_floating_masks_in_their_promoted_dtype():
+    """Two floating masks of different dtypes are summed in the dtype they promote to, whichever
+    comes first: a float64 mask's values are not rounded to the other mask's float32."""
+    rng = np.random.default_rng(23)
+    a32 = rng.standard_normal((2, 3)).astype(np.float32)  # (L, S)
+    k64 = rng.standard_normal((4, 3))  # (N, S), values float32 cannot hold
+    for attn, kpm in ((a32, k64), (a32.astype(np.float64), k64.astype(np.float32))):
+        out = masks.from_torch_mha(attn, kpm)
+        assert out.dtype == np.float64
+        want = attn.astype(np.float64)[None, None] + kpm.astype(np.float64)[:, None, None, :]
+        np.testing.assert_array_equal(out, want)
+    # a boolean mask takes the floating one's dtype
+    out = masks.from_torch_mha(a32, np.array([[False, True, False]]))
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, np.where([False, True, False], -np.inf, a32)[None, None])
+
+
+def test_from_torch_mha_refuses_a_dtype_the_masks_library_lacks():
+    """``dtype`` is a floating dtype of the masks' own library, or its name: a NumPy dtype with
+    torch masks (whose isdtype raises on it) or a name JAX lacks (a missing name would be read
+    as JAX's default dtype) is a TypeError naming dtype, before anything is computed."""
+    if importlib.util.find_spec("torch") is None and importlib.util.find_spec("jax") is None:
+        pytest.skip("neither torch nor JAX is installed")
+    if importlib.util.find_spec("torch") is not None:
+        torch = resolve_backend("torch")
+        kpm = torch.asarray([[False, True, False]])
+        for dtype in (np.float64, np.dtype("float32"), "nope", torch.int64):
+            with pytest.raises(TypeError, match=r"^dtype: expected None or a real floating dtype "
+                                                r"of the masks' library \(torch\)"):
+                masks.from_torch_mha(key_padding_mask=kpm, dtype=dtype)
+        out = masks.from_torch_mha(key_padding_mask=kpm, dtype="float64")
+        assert out.dtype == torch.float64 and out.reshape(-1).tolist() == [0.0, -math.inf, 0.0]
+    if importlib.util.find_spec("jax") is not None:
+        jnp = resolve_backend("jax")
+        kpm = jnp.asarray(np.array([[False, True, False]]))
+        for dtype in ("nope", "int8"):
+            with pytest.raises(TypeError, match=r"^dtype: expected None or a real floating dtype "
+                                                r"of the masks' library \(jax\)"):
+                masks.from_torch_mha(key_padding_mask=kpm, dtype=dtype)
+        out = masks.from_torch_mha(key_padding_mask=kpm, dtype="float32")
+        assert out.dtype == jnp.float32 and np.asarray(out).reshape(-1).tolist() == [0.0, -math.inf, 0.0]
 
 
 def test_from_torch_mha_moves_bfloat16_between_backends():
