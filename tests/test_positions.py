@@ -459,9 +459,10 @@ def test_relative_scores_through_sdpa_mask(xp, to_xp, to_np):
 
 
 # (False, 9, 128) and (True, 18, 128): log(8 / 4) / log(128 / 4) * 5 is 1 exactly, which the
-# float32 log step rounds up (bucket 5 at distance 8) and a float64 one down (bucket 4)
+# float32 log step rounds up (bucket 5 at distance 8) and a float64 one down (bucket 4);
+# (True, 33, 128): an odd number both ways is halved down, 16 buckets a side (the 33rd unused)
 T5_CONFIGS = [(True, 32, 128), (False, 32, 128), (True, 8, 20), (False, 6, 9), (True, 64, 256),
-              (False, 9, 128), (True, 18, 128)]
+              (False, 9, 128), (True, 18, 128), (True, 33, 128)]
 
 
 @pytest.mark.parametrize("bidirectional,num_buckets,max_distance", T5_CONFIGS)
@@ -630,6 +631,13 @@ def test_t5_bucket_at_the_ends_of_small_integer_types():
     assert got.dtype == np.int8
     np.testing.assert_array_equal(got, [t5_bucket_reference(int(n), True, 128, 33) for n in rp])
     np.testing.assert_array_equal(got, [63, 63, 95, 96, 127, 127, 127])
+    # every int8 position, in a configuration where the distances 127 and 128 fall in different
+    # buckets (125 and 126): -128 keeps its own bucket, as in int64, not that of -127
+    rp = np.arange(-128, 128, dtype=np.int8)
+    got = P.t5_bucket(rp, False, 128, 130)
+    np.testing.assert_array_equal(got, P.t5_bucket(rp.astype(np.int64), False, 128, 130))
+    np.testing.assert_array_equal(got, [t5_bucket_reference(int(n), False, 128, 130) for n in rp])
+    assert got[0] == 126 and got[1] == 125
 
 
 def test_errors_name_the_argument():
