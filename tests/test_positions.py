@@ -609,6 +609,21 @@ def test_t5_bias_through_sdpa_mask(xp, to_xp):
 # bad input: the message names the argument
 
 
+def test_offsets_at_the_ends_of_their_range():
+    """Offsets within +-2**62 are taken, the ends included, and give the distances
+    j - (i + offset) exactly; one past either end is refused by name."""
+    for offset in (2**62, -(2**62)):
+        rel = P.relative_distances("numpy", 2, 3, offset=offset)
+        assert rel.dtype == np.int64
+        assert rel.tolist() == [t - 1 - offset for t in range(4)]
+        out, _ = P.relative_embedding_forward(np.arange(10.0).reshape(5, 2), 2, 3, offset=offset)
+        far_row = [8.0, 9.0] if offset < 0 else [0.0, 1.0]  # every distance is clipped to one end
+        np.testing.assert_array_equal(out, np.broadcast_to(far_row, (2, 3, 2)))
+    for offset in (2**62 + 1, -(2**62) - 1):
+        with pytest.raises(ValueError, match=r"^offset: expected an int within \+-2\*\*62"):
+            P.relative_distances("numpy", 2, 3, offset=offset)
+
+
 def test_t5_bucket_at_the_ends_of_small_integer_types():
     """|position| of the type's minimum does not overflow: its bucket is that of the same
     distance in int64, in range, in the input's dtype."""
@@ -771,6 +786,14 @@ def test_errors_name_the_argument():
         (lambda: P.relative_bias_backward(np.zeros((1, 2, 3, 3)),
                                           P.relative_bias_forward(np.zeros((8, 3)), 3, 3, max_distance=6)[1]),
          ValueError, "dout: expected shape"),
+        # a dout of (H, Lq, Lk) or of more leading axes than (B, H, Lq, Lk) is refused by name, not
+        # summed over the heads or given a table gradient of another shape
+        (lambda: P.relative_bias_backward(np.zeros((3, 3, 4)),
+                                          P.relative_bias_forward(np.zeros((8, 3)), 3, 4, max_distance=6)[1]),
+         ValueError, r"^dout: expected shape \(1, 3, 3, 4\) or \(B, 3, 3, 4\).*got \(3, 3, 4\)"),
+        (lambda: P.relative_bias_backward(np.zeros((2, 1, 3, 3, 4)),
+                                          P.relative_bias_forward(np.zeros((8, 3)), 3, 4, max_distance=6)[1]),
+         ValueError, r"^dout: expected shape \(1, 3, 3, 4\) or \(B, 3, 3, 4\).*got \(2, 1, 3, 3, 4\)"),
     ]
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
