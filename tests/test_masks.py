@@ -68,6 +68,11 @@ def test_causal_bad_arguments():
         masks.causal(2, 3, xp="nope")
     with pytest.raises(TypeError, match="^xp: expected one of .* or a namespace module, got int"):
         masks.window(2, 3, 1, 1, xp=5)
+    # each side of a window is named as itself
+    with pytest.raises(ValueError, match="^left: expected an int >= 0, got -1"):
+        masks.window(2, 3, -1, 0)
+    with pytest.raises(TypeError, match="^right: expected an int >= 0, got float 1.5"):
+        masks.window(2, 3, 0, 1.5)
 
 
 @settings(max_examples=60)
