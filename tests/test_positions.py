@@ -684,6 +684,15 @@ def test_errors_name_the_argument():
         (lambda: P.rope_forward(x, base=math.inf), ValueError, "^base: expected a finite float > 1"),
         (lambda: P.rope_forward(x, interleaved=1), TypeError, "interleaved: expected a bool"),
         (lambda: P.rope_backward(x, None), TypeError, "cache: expected a RopeCache"),
+        # each backward takes its own forward's cache only (another's has fields of the same names)
+        (lambda: P.relative_embedding_backward(np.zeros((3, 3, 2)), None), TypeError,
+         "^cache: expected a RelativeEmbeddingCache"),
+        (lambda: P.relative_scores_backward(np.zeros((2, 3, 3)),
+                                            P.relative_embedding_forward(np.zeros((5, 4)), 3, 3)[1]),
+         TypeError, "^cache: expected a RelativeScoresCache"),
+        (lambda: P.relative_bias_backward(np.zeros((1, 2, 3, 3)),
+                                          P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
+         TypeError, "^cache: expected a RelativeBiasCache"),
         (lambda: P.rope_backward(x.astype(np.float32), P.rope_forward(x)[1]), TypeError, "dout: expected dtype"),
         (lambda: P.rope_backward(np.zeros((2, 3, 2)), P.rope_forward(x)[1]), ValueError, "dout: expected shape"),
         (lambda: P.relative_embedding_forward(np.zeros((6, 2)), 3, 3), ValueError, "table: expected an odd"),
@@ -751,6 +760,9 @@ def test_errors_name_the_argument():
         (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError, "num_buckets"),
         (lambda: P.t5_bucket(np.arange(3), max_distance=8), ValueError, "max_distance"),
         (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError, "bidirectional"),
+        # checked before the table's rows are counted with it (one way: 2 rows are enough)
+        (lambda: P.relative_bias_forward(np.zeros((2, 2)), 3, 3, bidirectional="yes"), TypeError,
+         "^bidirectional: expected a bool"),
         # an int beyond the float range (OverflowError from the log step, before)
         (lambda: P.t5_bucket(np.arange(3), max_distance=10**400), ValueError,
          r"^max_distance: expected a positive int that a float holds, got an int too large"),
@@ -769,6 +781,7 @@ def test_errors_name_the_argument():
          "^device: expected a device of the numpy backend, got 'elsewhere'"),
         (lambda: P.diagonal_sums(np, np.zeros(3)), ValueError, r"^a: expected shape \(\.\.\., Lq, Lk\)"),
         (lambda: P.diagonal_sums(np, [[1.0]]), TypeError, "^a: expected a numpy array"),
+        (lambda: P.diagonal_spread(np, [[1.0]], 1, 1), TypeError, "^rows: expected a numpy array"),
         (lambda: P.diagonal_spread(np, np.zeros((3, 2)), 2, 3), ValueError,
          r"^rows: expected shape \(Lq \+ Lk - 1, E\) = \(4, E\), got \(3, 2\)"),
         (lambda: P.diagonal_spread(np, np.zeros((4, 2, 1)), 2, 3), ValueError,
