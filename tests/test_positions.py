@@ -741,6 +741,9 @@ def test_errors_name_the_argument():
         # Lq = 0 (q's own axis): "Lq: expected a positive int", an argument it does not have, before
         (lambda: P.relative_scores_forward(np.zeros((2, 0, 4)), np.zeros((5, 4)), 3), ValueError,
          r"^q: expected shape \(\.\.\., Lq, E\) with Lq >= 1, got \(2, 0, 4\)"),
+        # Lk = 0 is refused, not read as "Lk not given" (Lk = Lq)
+        (lambda: P.relative_scores_forward(x, np.zeros((5, 4)), 0), ValueError,
+         "^Lk: expected a positive int, got 0"),
         (lambda: P.relative_scores_forward(np.zeros((2, 3, 4)), np.zeros((5, 4), np.float32)), TypeError,
          "table: expected dtype"),
         # the scale is checked as sdpa's: a NaN or infinite factor, or a str, is refused by name
