@@ -835,6 +835,16 @@ def test_rope_angles_take_the_base(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(got), want, rtol=1e-6)
 
 
+def test_rope_angles_default_to_float64(xp, to_xp, to_np):
+    """Without ``dtype`` the angles are float64 on a backend that has it: a position past 2**24
+    keeps its own angle, where float32 would round it to a neighbour's."""
+    pos = np.array([2**24 + 1, 3])
+    got = P.rope_angles(xp, to_xp(pos), 4)
+    assert got.dtype == xp.float64
+    want = pos[:, None].astype(np.float64) * 10000.0 ** (-2.0 * np.arange(2)[None, :] / 4)  # [2, Dh/2]
+    np.testing.assert_allclose(to_np(got), want, rtol=1e-15, atol=0)
+
+
 def test_rope_angles_dtype_is_a_float_dtype_of_the_backend(xp, to_xp, to_np):
     """As the constructors' dtype=. Before, an integer dtype truncated the angles and an unknown
     name raised NumPy's "data type 'nope' not understood", naming no argument."""
