@@ -28,8 +28,9 @@ function with the implementation ``impl`` names:
 Every implementation takes the same arguments (masks, causal, scale,
 dropout, GQA, a value width unlike the key width) and gives the same outputs,
 ``cache.lse`` and gradients to rounding (the tiled ones take the softmax backward's
-row sum as ``rowsum(dout * out)``, whose rounding, of the size of |dout| |v| |k| scale,
-is all of dq and dk where a row's weights sit on one key; docs/derivations.md). The kernel options (``align``,
+row sum as ``rowsum(dout * out)``, whose rounding, of the size of
+``|dout| |v| |k| scale``, is all of dq and dk where a row's weights sit on one key;
+docs/derivations.md). The kernel options (``align``,
 ``window``, ``softcap``, ``alibi_slopes``, ``sinks``, segments) and
 broadcast leading axes run on the reference and the blocked path; the NumPy
 kernel also takes ``window`` and ``align`` (its tiles meet only the keys the

@@ -354,8 +354,9 @@ def relu_backward(dout: Any, cache: ReluCache) -> Any:
 #: The tanh form's constants (Hendrycks & Gimpel, 2016), as torch's approximate="tanh".
 GELU_TANH_C = 0.044715
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-#: Beyond this |x| the tanh form's t = tanh(u) is +-1 in float32 and float64 (from |x| of 5.4 and 7.2),
-#: so 1 - t^2 = 0: the backward's other factor is computed from x clipped to it, where it is finite.
+#: Beyond this ``|x|`` the tanh form's t = tanh(u) is +-1 in float32 and float64 (from ``|x|`` of 5.4
+#: and 7.2), so 1 - t^2 = 0: the backward's other factor is computed from x clipped to it, where it is
+#: finite.
 GELU_TANH_FLAT = 1e4
 
 
