@@ -532,7 +532,7 @@ def environment_info(xp) -> dict:
             for p in threadpoolctl.threadpool_info()
         ]
     except ImportError:
-        info["threadpools"] = "threadpoolctl not installed (pip install '.[bench]' from the repository root)"
+        info["threadpools"] = "threadpoolctl not installed (a dependency of npattn: pip install threadpoolctl)"
     info["OPENBLAS_CORETYPE"] = os.environ.get("OPENBLAS_CORETYPE")
     try:
         import torch
@@ -1108,7 +1108,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.blas_threads is not None and importlib.util.find_spec("threadpoolctl") is None:
-        print("npattn bench: --blas-threads needs threadpoolctl (pip install '.[bench]' from the repository root)",
+        print("npattn bench: --blas-threads needs threadpoolctl (a dependency of npattn: pip install threadpoolctl)",
               file=sys.stderr)
         return 2
     if args.threads is not None:
