@@ -532,7 +532,8 @@ def environment_info(xp) -> dict:
             for p in threadpoolctl.threadpool_info()
         ]
     except ImportError:
-        info["threadpools"] = "threadpoolctl not installed (a dependency of npattn: pip install threadpoolctl)"
+        info["threadpools"] = ("threadpoolctl not installed (a dependency of npattn: "
+                               "pip install threadpoolctl)")
     info["OPENBLAS_CORETYPE"] = os.environ.get("OPENBLAS_CORETYPE")
     try:
         import torch
@@ -1108,8 +1109,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.blas_threads is not None and importlib.util.find_spec("threadpoolctl") is None:
-        print("npattn bench: --blas-threads needs threadpoolctl (a dependency of npattn: pip install threadpoolctl)",
-              file=sys.stderr)
+        print("npattn bench: --blas-threads needs threadpoolctl (a dependency of npattn: "
+              "pip install threadpoolctl)", file=sys.stderr)
         return 2
     if args.threads is not None:
         os.environ["NPATTN_NUM_THREADS"] = str(args.threads)
