@@ -81,6 +81,7 @@ __all__ = [
     "from_numpy",
     "is_floating",
     "is_bool",
+    "check_rng",
     "make_rng",
     "dropout_key",
     "generator_kept_on_failure",
@@ -349,23 +350,26 @@ def row_max(xp: Any, x: Any) -> Any:
     return xp.max(without_empty_chunks(x), axis=-1, keepdims=True)
 
 
-def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:
-    """A NumPy ``Generator`` from ``seed`` (an int >= 0, ``SeedSequence``, ``BitGenerator``,
-    ``Generator`` or None), as npattn documents a seed.
+def check_rng(name: str, value: Any) -> None:
+    """A seed as npattn documents one: None, an int >= 0, a ``SeedSequence``, ``BitGenerator``
+    or ``Generator``. A ``TypeError`` naming ``name`` for anything else, a bool or a sequence
+    of ints among them (``numpy.random.default_rng`` takes both, so ``True`` would seed as
+    1); a ``ValueError`` for a negative int."""
+    if value is None or isinstance(value, (np.random.Generator, np.random.SeedSequence,
+                                           np.random.BitGenerator)):
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected None, a non-negative int seed, a SeedSequence, a BitGenerator "
+                        f"or a numpy.random.Generator, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
 
-    A ``TypeError`` naming ``name`` for anything else, a bool or a sequence of ints among
-    them (``numpy.random.default_rng`` takes both, so ``True`` would seed as 1); a
-    ``ValueError`` for a negative int.
-    """
+
+def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:
+    """A NumPy ``Generator`` from ``seed``, checked by ``check_rng`` (naming ``name``)."""
     if isinstance(seed, np.random.Generator):
         return seed
-    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)):
-        if seed < 0:
-            raise ValueError(f"{name}: expected a non-negative int seed, got {seed!r}")
-        return np.random.default_rng(int(seed))
-    if not (seed is None or isinstance(seed, (np.random.SeedSequence, np.random.BitGenerator))):
-        raise TypeError(f"{name}: expected None, a non-negative int seed, a SeedSequence, a BitGenerator "
-                        f"or a numpy.random.Generator, got {type(seed).__name__} {seed!r}")
+    check_rng(name, seed)
     return np.random.default_rng(seed)
 
 

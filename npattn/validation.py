@@ -39,7 +39,8 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 import array_api_compat
 import numpy as np
 
-from .backend import backend_name, device_of, isdtype, keeps_dtype, namespace, without_empty_chunks
+from .backend import (backend_name, check_rng, device_of, isdtype, keeps_dtype, namespace,
+                      without_empty_chunks)
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -290,20 +291,6 @@ def check_scale(name: str, value: Any) -> None:
         ) from None
     if not math.isfinite(as_float):
         raise ValueError(f"{name}: expected a finite float, got {value!r}")
-
-
-def check_rng(name: str, value: Any) -> None:
-    """A seed for ``numpy.random.default_rng``: None, an int >= 0, a ``Generator``, ``SeedSequence`` or ``BitGenerator``."""
-    if value is None or isinstance(value, (np.random.Generator, np.random.SeedSequence,
-                                           np.random.BitGenerator)):
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name}: expected None, a non-negative int seed or a numpy.random.Generator, "
-            f"got {described(value)}"
-        )
-    if value < 0:
-        raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
 
 
 def check_broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int],
