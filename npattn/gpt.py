@@ -566,12 +566,19 @@ class GPT(BlockStack):
         return tokens, steps
 
 
+def _logit_faults(z: np.ndarray) -> tuple:
+    """The rows of host logits (B, V) that no token can be drawn from, by what they hold:
+    ``(("NaN", rows), ("+inf", rows), ("only -inf", rows))``, each ``rows`` a [B] bool array
+    (a row is counted under the first that applies)."""
+    nan, posinf = np.isnan(z).any(axis=-1), np.isposinf(z).any(axis=-1)  # [B]
+    none = ~nan & ~posinf & ~np.isfinite(z.max(axis=-1))  # [B] every entry -inf
+    return (("NaN", nan), ("+inf", posinf), ("only -inf", none))
+
+
 def _check_step_logits(host: np.ndarray, t: int, max_new_tokens: int) -> None:
     """What ``sample_next`` refuses in logits (B, V), said in ``generate``'s terms: the model
     produced them at step ``t`` (0-based), not an argument of the caller."""
-    nan, posinf = np.isnan(host).any(axis=-1), np.isposinf(host).any(axis=-1)  # [B]
-    none = ~nan & ~posinf & ~np.isfinite(host.max(axis=-1))  # every entry -inf
-    for rows, what in ((nan, "NaN"), (posinf, "+inf"), (none, "no finite entry")):
+    for what, rows in _logit_faults(host):
         if rows.any():
             raise ValueError(
                 f"generate: the model produced logits with {what} at step {t + 1} of "
@@ -612,12 +619,11 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
     z = np.asarray(logits, dtype=np.float64)
     if z.ndim != 2 or z.shape[0] < 1 or z.shape[1] < 1:
         raise ValueError(f"logits: expected shape (B, V) with B, V >= 1, got {z.shape}")
-    nan = np.asarray(np.isnan(z).any(axis=-1))  # [B]
-    posinf = np.asarray(np.isposinf(z).any(axis=-1))  # [B]
-    bad = nan | posinf | ~np.isfinite(z.max(axis=-1))  # [B] (an all -inf row: no finite largest)
+    faults = _logit_faults(z)
+    bad = faults[0][1] | faults[1][1] | faults[2][1]  # [B]
     if bad.any():
         b = int(np.argmax(bad))  # the first bad row, named with what it holds
-        got = "NaN" if nan[b] else "+inf" if posinf[b] else "only -inf"
+        got = next(what for what, rows in faults if rows[b])
         raise ValueError("logits: expected no NaN or +inf and a finite largest entry in every row, "
                          f"got {got} in row {b}")
     V.check_bool("greedy", greedy)
