@@ -20,12 +20,15 @@ from npattn import attention as A
 from npattn import functional as F
 from npattn.backend import namespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: docs, examples
+# the folder holding the npattn under test (the project, or site-packages when installed),
+# put first on a child process's path so that it imports the same npattn
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
 
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

@@ -10,7 +10,10 @@ import pytest
 
 import npattn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: docs, examples
+# the folder holding the npattn under test (the project, or site-packages when installed),
+# put first on a child process's path so that it imports the same npattn
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
@@ -27,7 +30,7 @@ def _gpu_available():
 
 def run_example(name, *args, cwd=None):
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = IMPORT_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.setdefault("MPLBACKEND", "Agg")
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], cwd=cwd,

@@ -30,7 +30,10 @@ from npattn import verify_cases as VC
 from npattn.testing import assert_attention_close
 from npattn.testing import strategies as S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: docs, examples
+# the folder holding the npattn under test (the project, or site-packages when installed),
+# put first on a child process's path so that it imports the same npattn
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
 KERNELS = os.path.join(ROOT, "examples", "verify", "kernels.py")
 ALL = tuple(VC.SUPPORTS)
 
@@ -1233,7 +1236,7 @@ def test_jax_device_by_index_puts_the_arrays_there():
         "print(sorted(d.id for d in seen), jax.devices('cpu')[1].id)\n")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -16,7 +16,10 @@ import npattn
 from npattn.tools import cli
 from npattn.tools import verify as V
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: docs, examples
+# the folder holding the npattn under test (the project, or site-packages when installed),
+# put first on a child process's path so that it imports the same npattn
+IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
 KERNELS = os.path.join(ROOT, "examples", "verify", "kernels.py")
 GOOD = [f"{KERNELS}:attention", "--backward", "attention_backward", "--returns-lse"]
 
@@ -360,7 +363,7 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_python_m_npattn_verify_in_a_pipe():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "npattn", "verify", f"{KERNELS}:bug_gqa_no_sum",
                            "--backward", "attention_backward", "--returns-lse", "--supports",
                            "gqa", "--dtype", "float64", "--combos", "none"],
