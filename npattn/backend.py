@@ -172,7 +172,8 @@ def resolve_backend(backend: Any, name: str = "backend") -> Any:
 
 
 def backend_name(xp: Any) -> str:
-    """A short name for a namespace: 'numpy', 'cupy', 'torch', 'array_api_strict' or its module name."""
+    """A short name for a namespace: its name in ``BACKENDS`` ('numpy', 'cupy', 'torch',
+    'array_api_strict', 'jax', 'dask') or its module name."""
     name = xp.__name__
     for short, module in BACKENDS.items():
         if name == module or name == short:

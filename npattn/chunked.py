@@ -48,8 +48,9 @@ Backward. With the merged ``out``, ``m``, ``l`` of query chunk ``i``:
 The graph has ``O(chunks)`` tasks, not a layer per array operation. Dropout
 from a generator draws one key on the caller's side; each task draws its own
 part of the one keep-mask from ``npattn.backend.keyed_keep_mask`` with global
-coordinates, so no full-size mask exists anywhere and a dask run equals the
-NumPy run bitwise, whatever the chunking. A caller's keep-mask is chunked
+coordinates, so no full-size mask exists anywhere and the mask is the NumPy
+run's, bit for bit, whatever the chunking (the output, merged across key
+chunks, equals it to rounding). A caller's keep-mask is chunked
 like the inputs.
 
 Results are dask arrays; nothing is computed until the caller computes them.

@@ -319,9 +319,8 @@ def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
     count; without it every ``w_c`` is 1. ``weight`` is a constant: it gets no gradient.
     A class of weight 0 adds nothing, also where its logit is ``-inf`` (not ``0 * inf``).
 
-    Half-precision logits are computed in float32 (a float16 sum of ``exp`` overflows
-    past 65504, at a vocabulary of 65505 equal logits), and the loss is rounded to
-    their dtype.
+    Half-precision logits are computed in float32 (float16 ends at 65504: its sum of
+    ``exp`` over 65520 equal logits is inf), and the loss is rounded to their dtype.
 
     Parameters
     ----------
