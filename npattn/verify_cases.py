@@ -423,7 +423,8 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     return _unique(cases)
 
 
-#: The widest head a case takes (flash-attn's kernels go to 256; a case of 2**16 is 0.5 GiB).
+#: The widest head a case takes (flash-attn's kernels go to 256; at 2**16 the float64 q of a
+#: panel case is up to 1 GiB, and its q, k, v and dout together up to 2.3 GiB).
 MAX_HEAD_DIM = 2**14
 
 
