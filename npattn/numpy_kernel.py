@@ -44,8 +44,9 @@ What is different from the reference, and why it is faster:
   ``[do', -delta ps] @ [v, 1]^T``, and ``ds`` is one multiply by ``e``.
 * **Scale folded into q.** ``s = (q * scale) @ k^T``: one pass over (Lq, Dh)
   instead of one over (Lq, Lk).
-* **dv in one GEMM.** Without dropout and causal mask, ``dv = e^T do'`` is one
-  GEMM over all query rows of a tile instead of a sum of per-block GEMMs.
+* **dv in one GEMM.** Without dropout and without a window (causal included),
+  ``dv = e^T do'`` is one GEMM over all query rows of a tile instead of a sum of
+  per-block GEMMs.
 * **Causal blocks skipped.** A block of query rows ``i0:i1`` only meets keys
   ``0:i1``; the blocks above the diagonal are never computed.
 * **Lean cache.** Only ``e`` and its row factors (the probabilities before
@@ -59,8 +60,9 @@ What is different from the reference, and why it is faster:
   ``k[b, hkv]`` is broadcast over it: K and V are never repeated.
 * **No head copies.** Outputs and gradients are written in the merged
   (B, L, H, D) layout, so ``merge_heads`` is a reshape and not a copy; the
-  backward's GEMMs write dq, dv (and dk when one block meets every row and
-  key) there directly, BLAS taking the layout's row stride (``out=``). A
+  backward's GEMMs write dq there directly, BLAS taking the layout's row stride
+  (``out=``), and dv when it is one GEMM, dk when one block meets every row and
+  key without GQA (else they are summed block by block and copied there). A
   tile copies only its own heads' K and V (and in the backward q and dout)
   into contiguous arrays, scale folded into q and k: (L, Dh) each, against
   the (r, Lk) scores, and BLAS runs faster on them than on strided views.
@@ -559,7 +561,8 @@ def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPA
             delta *= ps  # delta ps
         blocks = list(_blocks(Lq, Lk, r, o))
         # GEMMs write the merged layout of dq, dk, dv directly (``out=``: BLAS takes its row
-        # stride); dk does when one block meets all keys and rows, else it is accumulated
+        # stride); dk does when one block meets all keys and rows (G = 1) and dv when it is one
+        # GEMM, else they are accumulated
         whole_dk = G == 1 and len(blocks) == 1 and blocks[0][2:] == (0, Lk)
         # dk_acc, dv_acc: accumulated block by block below, None where one GEMM writes it whole
         dk_acc: Any = None if whole_dk else np.zeros((nb, hk, Lk, Dh), dtype=work)  # [nb, hk, Lk, Dh]
