@@ -56,6 +56,18 @@ def test_construction_rejects(backend, kwargs, exc, fragments):
         MultiHeadAttention(args.pop("d_model"), args.pop("n_head"), **args)
 
 
+def test_a_scalar_type_as_dtype_is_named_as_written():
+    """dtype=np.int32 (a NumPy scalar type, not a dtype object) is named 'numpy.int32' in the
+    message, not by its repr "<class 'numpy.int32'>"; a built-in class by its bare name."""
+    for dtype, written in ((np.int32, "numpy.int32"), (np.complex128, "numpy.complex128"), (int, "int")):
+        with pytest.raises(TypeError) as info:
+            MultiHeadAttention(8, 2, dtype=dtype)
+        message = str(info.value)
+        assert message.startswith("dtype: expected one of"), message
+        assert message.endswith(f"got type {written}"), message
+        assert "<class" not in message, message
+
+
 @pytest.mark.parametrize(
     "backend_arg, exc, fragment",
     [("jax_or_what", ValueError, "'jax_or_what'"), (3, TypeError, "int"), (math, TypeError, "math")],
