@@ -632,23 +632,28 @@ _blas_controller = None
 
 
 def blas_controller() -> Any:
-    """threadpoolctl's ``ThreadpoolController`` (made once), or None when it is not installed."""
+    """threadpoolctl's ``ThreadpoolController`` (made once), or None when it is not installed
+    or finds no BLAS library (an unknown BLAS, or a threadpoolctl too old for NumPy's): a
+    controller that holds no BLAS could not hold it to one thread, so npattn then does what it
+    does without threadpoolctl (tiles one after another, BLAS at its own threads)."""
     global _blas_controller
     if _blas_controller is None:
         try:
             from threadpoolctl import ThreadpoolController
-
-            _blas_controller = ThreadpoolController()
         except ImportError:
             _blas_controller = False
+        else:
+            ctl = ThreadpoolController()
+            holds_blas = any(lc.user_api == "blas" for lc in ctl.lib_controllers)
+            _blas_controller = ctl if holds_blas else False
     return _blas_controller or None
 
 
 def limit_blas_threads(n: Optional[int]) -> Any:
     """Context manager: host BLAS libraries use at most ``n`` threads inside.
 
-    Uses ``threadpoolctl`` when it is installed; otherwise, or with ``n`` None,
-    it changes nothing. It holds the BLAS libraries that were loaded when
+    Uses ``threadpoolctl`` when it is installed and finds a BLAS library; otherwise, or
+    with ``n`` None, it changes nothing. It holds the BLAS libraries that were loaded when
     npattn first made its controller (``blas_controller``), NumPy's among them,
     which is the one npattn's NumPy code calls; one loaded later (SciPy's own
     OpenBLAS, say) keeps its count. The count is process-wide: npattn calls it only
@@ -757,9 +762,9 @@ def pool_threads() -> int:
     """Threads of the tile pool: ``NPATTN_NUM_THREADS``, else the usable CPUs (at most 8).
 
     The number changes the speed, never the numbers: every tile is computed
-    the same way whichever thread runs it. Without ``threadpoolctl`` BLAS
-    cannot be held to one thread, so tiles then run one after another (1),
-    whatever ``NPATTN_NUM_THREADS`` says.
+    the same way whichever thread runs it. Without ``threadpoolctl``, or when it
+    finds no BLAS library, BLAS cannot be held to one thread, so tiles then run
+    one after another (1), whatever ``NPATTN_NUM_THREADS`` says.
     Raises ``ValueError`` for a ``NPATTN_NUM_THREADS`` that is not a positive
     integer.
     """

@@ -14,6 +14,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -996,6 +997,38 @@ def test_without_threadpoolctl_tiles_run_in_order_whatever_the_variable_says(mon
     if backend.blas_controller() is not None:  # with threadpoolctl the variable is obeyed
         monkeypatch.setenv("NPATTN_NUM_THREADS", "3")
         assert backend.pool_threads() == 3
+
+
+def test_a_threadpoolctl_that_finds_no_blas_is_as_no_threadpoolctl(monkeypatch):
+    """threadpoolctl installed but seeing no BLAS library (an unknown BLAS, or a version too
+    old for NumPy's) cannot hold BLAS to one thread: no controller, one pool thread whatever
+    NPATTN_NUM_THREADS says, and limit_blas_threads changes nothing, as without threadpoolctl.
+    The stand-in sees only an OpenMP library, and fails the test if asked to limit anything."""
+    import types
+
+    from npattn import backend
+
+    class OpenMPOnly:
+        user_api, internal_api, filepath = "openmp", "openmp", "/lib/libgomp.so.1"
+
+    class SeesNoBlas:
+        def __init__(self):
+            self.lib_controllers = [OpenMPOnly()]
+
+        def limit(self, *args, **kwargs):
+            raise AssertionError(f"limit({args}, {kwargs}) on a controller that holds no BLAS")
+
+    monkeypatch.setitem(sys.modules, "threadpoolctl", types.SimpleNamespace(ThreadpoolController=SeesNoBlas))
+    monkeypatch.setattr(backend, "_blas_controller", None)  # made anew, from the stand-in
+    assert backend.blas_controller() is None
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    assert backend.pool_threads() == 1
+    with backend.limit_blas_threads(1):
+        pass
+    ran = []
+    backend.run_tasks(lambda i: ran.append((i, threading.get_ident())), [(0,), (1,), (2,)],
+                      backend.pool_threads())
+    assert ran == [(i, threading.get_ident()) for i in range(3)]  # in order, on this thread
 
 
 def _fail_after_the_draw(monkeypatch, module, name, error=MemoryError):
