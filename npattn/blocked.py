@@ -715,9 +715,7 @@ def _backward_loops(dout, delta, cache: BlockedSDPACache):
     if fmask is not None:
         dmask = _assemble_dmask(xp, dmask_parts, fmask.shape, q_blocks, k_blocks, work, dev)
         dmask = xp.reshape(dmask, c.mask_shape)  # drop the leading axes added in the forward
-        if c.in_dtype != work:
-            dmask = xp.astype(dmask, c.in_dtype)
-    return dq, dk, dv, dmask
+    return dq, dk, dv, dmask  # compute dtype: _backward casts all four to the input's
 
 
 def _assemble_dmask(xp, parts, shape, q_blocks, k_blocks, dtype, device):

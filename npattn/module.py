@@ -715,8 +715,8 @@ class MultiHeadAttention:
             grads["b_o"] = db_o
         if self.add_bias_kv:
             grads.update(bias_k=dbias_k, bias_v=dbias_v)
-        if self.sinks:  # sdpa_backward gives dsinks in q's dtype, the module's; cast should one not
-            grads["sinks"] = dsinks if dsinks.dtype == self.dtype else self.xp.astype(dsinks, self.dtype)
+        if self.sinks:  # sdpa_backward gives dsinks in q's dtype, the module's
+            grads["sinks"] = dsinks
         grads = {name: grads[name] for name in PARAM_NAMES if name in grads}
         return grads, dmask, (dquery, dkey, dvalue)
 
