@@ -452,10 +452,12 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
 
         r = hash(... hash(hash(key_lo + c_0 G) + c_1 G) ... + i G)   per row
         u = hash(r ^ hash(key_hi + j G))                             per entry
-        keep = u >= round(p * 2^32)
+        keep = u >= t,   t = min(round(p * 2^32), 2^32 - 1)
 
-    with ``hash`` a 32-bit mixing bijection and ``G`` an odd constant. So
-    ``P(keep) = 1 - round(p * 2^32) / 2^32`` (within 2^-33 of ``1 - p``).
+    with ``hash`` a 32-bit mixing bijection, ``G`` an odd constant and ``round``
+    Python's (halves to even). So ``P(keep) = 1 - t / 2^32``: within 2^-33 of
+    ``1 - p`` for ``p <= 1 - 2^-33``; above it the cap (``t`` stays a 32-bit number)
+    keeps ``P(keep) = 2^-32`` rather than 0.
 
     Parameters
     ----------
