@@ -894,6 +894,8 @@ def test_the_gpt_step_without_torch_is_an_error_that_names_no_torch(monkeypatch,
                            "--n-layer", "1", "--n-head", "1", "--vocab", "3"]) == 2
     err = capsys.readouterr().err
     assert "torch is not installed" in err and "or pass --no-torch" in err
+    # the CPU build first: the extra alone (torch>=2.5) pulls a multi-GB CUDA build
+    assert "pip install torch==2.13.0" in err, err
 
 
 def test_the_gpt_steps_train_the_same_model_alike():

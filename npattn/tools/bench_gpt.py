@@ -199,8 +199,9 @@ def main(argv=None) -> int:
         try:
             import torch  # noqa: F401
         except ImportError:
-            print("npattn bench --model gpt: torch is not installed; install it (pip install "
-                  "'.[torch]' from the repository root) or pass --no-torch", file=sys.stderr)
+            print("npattn bench --model gpt: torch is not installed; install its CPU build (pip install "
+                  "torch==2.13.0; a plain 'pip install torch' pulls a multi-GB CUDA build) or pass "
+                  "--no-torch", file=sys.stderr)
             return 2
     cfg = GPTBenchConfig(args.batch, args.seq_len, args.d_model, args.n_layer, args.n_head,
                          args.vocab, args.dtype)
