@@ -2,8 +2,7 @@
 
 torch is imported inside the functions only, so ``import npattn`` never
 imports it and torch stays an optional extra: ``pip install torch==2.13.0``
-(the CPU build; a plain ``pip install torch`` pulls a multi-GB CUDA build),
-then ``pip install '.[torch]'`` from the repository root.
+(the CPU build; a plain ``pip install torch`` pulls a multi-GB CUDA build).
 
 Only weights are converted, never data layout: npattn's inputs are
 (B, L, D); torch's are (L, B, D) unless the torch module was built with
@@ -66,8 +65,7 @@ def _torch():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "npattn.torch_interop needs PyTorch: pip install torch==2.13.0 for the CPU "
-            "build (a plain 'pip install torch' pulls a multi-GB CUDA build), then "
-            "pip install '.[torch]' from the npattn checkout"
+            "build (a plain 'pip install torch' pulls a multi-GB CUDA build)"
         ) from exc
     return torch
 

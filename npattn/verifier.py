@@ -2360,7 +2360,8 @@ def plot_report(report: VerifyReport, path: str) -> str:
 
     One column per case (in panel order), the ratio on a log axis, a line at 1
     (the budget); a red cross is a failing tensor (drawn at the top beyond
-    1e8), a hollow grey marker a degenerate one, an exact match sits at 1e-4. Needs matplotlib (``pip install '.[plot]' from the repository root``).
+    1e8), a hollow grey marker a degenerate one, an exact match sits at 1e-4. Needs matplotlib
+    (``pip install matplotlib``, or ``'.[plot]'`` from the repository root).
     Returns ``path``.
     """
     try:
@@ -2369,8 +2370,8 @@ def plot_report(report: VerifyReport, path: str) -> str:
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("plot_report needs matplotlib: pip install '.[plot]' from the repository root (or "
-                          "pip install matplotlib)") from None
+        raise ImportError("plot_report needs matplotlib: pip install matplotlib, or '.[plot]' from the "
+                          "repository root") from None
     res = report.results
     markers = {"out": "o", "lse": "s", "dq": "^", "dk": "v", "dv": "D", "dmask": "*", "dsinks": "P"}
     finite = [t.ratio for r in res for t in r.tensors.values() if math.isfinite(t.ratio)]

@@ -623,7 +623,7 @@ def test_plot_without_matplotlib_is_refused_before_any_case(monkeypatch, capsys)
     status, seen = _called_verify(monkeypatch, [f"{KERNELS}:attention", "--plot", "x.png"])
     assert status == 2 and seen == {}
     assert capsys.readouterr().err == ("npattn verify: --plot needs matplotlib: pip install "
-                                       "'.[plot]' from the repository root\n")
+                                       "matplotlib, or '.[plot]' from the repository root\n")
 
 
 def test_a_target_whose_import_failed_is_imported_again_next_time(tmp_path, capsys):

@@ -318,7 +318,8 @@ def main(argv=None) -> int:
         import dask
         import distributed
     except ImportError as exc:
-        print(f"npattn bench --backend dask: needs the dask extra (pip install '.[dask]' from the repository root): {exc}",
+        print(("npattn bench --backend dask: needs dask and distributed (pip install "
+               f"'dask[array,distributed]', or '.[dask]' from the repository root): {exc}"),
               file=sys.stderr)
         return 2
     with json_output(args.json) as result:  # --json -: the JSON alone on stdout

@@ -87,17 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train a small attention model (digit reversal, handwritten digits, or a "
         "character-level GPT), save its pictures",
-        description="Train a small model whose every gradient is derived by hand, and save "
-        "its pictures (PNG, needs matplotlib: pip install '.[plot]' from the repository root): "
-        "attention heatmaps, or gpt's loss curve. --task reverse (the default): embedding + positional encoding + "
-        "multi-head self-attention + output projection, with softmax cross-entropy and Adam, "
-        "learns to reverse digit sequences. --task digits: a TransformerClassifier (patch "
-        "embedding, learned positions, Transformer blocks, mean pooling, a linear head) "
-        "learns scikit-learn's handwritten digits (pip install '.[demo]': scikit-learn ships "
-        "them, nothing is downloaded). --task gpt: a character-level GPT (npattn.gpt) "
-        "trained on npattn's own docstrings, with a loss curve and generated samples. Options "
-        "marked with tasks belong to those tasks only; giving one to another task is a usage "
-        "error.",
+        description=("Train a small model whose every gradient is derived by hand, and save its pictures "
+                     "(PNG, needs matplotlib: pip install matplotlib, or '.[plot]' from the repository "
+                     "root): attention heatmaps, or gpt's loss curve. --task reverse (the default): "
+                     "embedding + positional encoding + multi-head self-attention + output projection, "
+                     "with softmax cross-entropy and Adam, learns to reverse digit sequences. --task "
+                     "digits: a TransformerClassifier (patch embedding, learned positions, Transformer "
+                     "blocks, mean pooling, a linear head) learns scikit-learn's handwritten digits (pip "
+                     "install scikit-learn, or '.[demo]' from the repository root: scikit-learn ships "
+                     "them, nothing is downloaded). --task gpt: a character-level GPT (npattn.gpt) trained "
+                     "on npattn's own docstrings, with a loss curve and generated samples. Options marked "
+                     "with tasks belong to those tasks only; giving one to another task is a usage error."),
     )
     demo.add_argument("--task", choices=list(DEMO_TASKS), default="reverse",
                       help="what to train (default reverse): reverse (digit reversal), digits "
@@ -443,7 +443,7 @@ def _demo_plots(args) -> bool | None:
         return False
     if not have_matplotlib():
         print("npattn demo: matplotlib is not installed, so no pictures are saved "
-              "(pip install '.[plot]' from the repository root)", file=sys.stderr)
+              "(pip install matplotlib, or '.[plot]' from the repository root)", file=sys.stderr)
         return False
     why = _output_folder_error(args.out)  # before training, not after minutes of it
     if why is not None:

@@ -368,7 +368,8 @@ def _run(args) -> int:
             print(c.describe())
         return 0
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install '.[plot]' from the repository root")
+        raise UsageError("--plot needs matplotlib: pip install matplotlib, or '.[plot]' from the "
+                         "repository root")
     why = outputs_error(("--json", args.json), ("--plot", args.plot))
     if why:
         raise UsageError(why)
