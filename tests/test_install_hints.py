@@ -68,3 +68,19 @@ def test_torch_hints_name_the_cpu_pin():
         text = re.sub(r"[\"']\s*\n\s*[\"']", "", path.read_text())
         if re.search(r"pip install[^\n]*\[torch\]", text):
             assert "torch==2.13.0" in text, f"{rel} suggests the torch extra without the CPU pin"
+
+
+def test_the_hypothesis_strategies_without_hypothesis_say_what_to_install():
+    """``npattn.testing.strategies`` needs hypothesis, a test dependency: without it the import
+    names the package to install, not a bare ModuleNotFoundError from inside npattn."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['hypothesis'] = None\n"  # as if hypothesis were not installed
+            "try:\n    import npattn.testing.strategies\n"
+            "except ImportError as e:\n    print(type(e).__name__, e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ImportError npattn.testing.strategies needs hypothesis: pip install "
+                                 "hypothesis, or '.[test]' from the repository root"), run.stdout
+

@@ -7,7 +7,8 @@ so a failing example is reproduced by the case hypothesis prints. The
 options of a case are a subset of ``supports`` that one call can hold, and,
 unless "empty_rows" is declared, no row is left with nothing to attend.
 
-Needs hypothesis (``pip install '.[test]' from the repository root``).
+Needs hypothesis (``pip install hypothesis``, or ``'.[test]'`` from the repository root);
+without it the import raises ``ImportError`` saying so.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
 lengths, Dh key width, Dv value width.
@@ -19,7 +20,11 @@ import math
 from dataclasses import replace
 from typing import Iterable
 
-from hypothesis import strategies as st
+try:
+    from hypothesis import strategies as st
+except ImportError as exc:  # hypothesis is a test dependency, not npattn's
+    raise ImportError("npattn.testing.strategies needs hypothesis: pip install hypothesis, or '.[test]' "
+                      "from the repository root") from exc
 
 from ..verify_cases import (PERMISSIONS, Case, check_supports, conflicts, fit_lengths)
 
