@@ -196,7 +196,6 @@ lengths, Dh key width, Dv value width.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import numbers
@@ -214,7 +213,7 @@ from . import attention as A
 from .backend import to_numpy
 from .validation import ALIGNS, check_choice, check_size, described, dtype_name, real_value, type_name
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
-                           check_supports, panel)
+                           check_supports, did_you_mean, panel)
 
 __all__ = [
     "verify",
@@ -2049,16 +2048,6 @@ def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: Any, gradients:
     if lse_grad and not returns_lse:
         raise ValueError(f"lse_grad: {on}needs {_setting('returns_lse', True, flags)} (dlse is "
                          "the gradient of the lse your function returns)")
-
-
-def did_you_mean(name: str, names: Any) -> str:
-    """The start of an unknown name's hint: ``"did you mean 'a', 'b' or 'c'? "`` with the (up
-    to three) ``names`` closest to ``name`` (``difflib``), or ``""`` when none is close."""
-    told = [repr(n) for n in difflib.get_close_matches(name, list(names), n=3)]
-    if not told:
-        return ""
-    told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
-    return f"did you mean {' or '.join(told)}? "
 
 
 def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any = True,

@@ -20,6 +20,7 @@ lengths, Dh key width, Dv value width.
 from __future__ import annotations
 
 import collections.abc
+import difflib
 import itertools
 import math
 import numbers
@@ -38,6 +39,7 @@ __all__ = [
     "Case",
     "CaseInputs",
     "check_supports",
+    "did_you_mean",
     "panel",
     "case_inputs",
     "conflicts",
@@ -124,8 +126,20 @@ def check_supports(supports: Any) -> tuple:
             raise TypeError(f"supports: expected names from {sorted(SUPPORTS)}, got "
                             f"{type(s).__name__} {s!r}")
         if s not in SUPPORTS:
-            raise ValueError(f"supports: expected names from {sorted(SUPPORTS)}, got {s!r}")
+            maybe = did_you_mean(s, SUPPORTS).strip()  # 'casual': did you mean 'causal'?
+            raise ValueError(f"supports: expected names from {sorted(SUPPORTS)}, got {s!r}"
+                             + (f" ({maybe})" if maybe else ""))
     return tuple(sorted(set(items)))
+
+
+def did_you_mean(name: str, names: Any) -> str:
+    """The start of an unknown name's hint: ``"did you mean 'a', 'b' or 'c'? "`` with the (up
+    to three) ``names`` closest to ``name`` (``difflib``), or ``""`` when none is close."""
+    told = [repr(n) for n in difflib.get_close_matches(name, list(names), n=3)]
+    if not told:
+        return ""
+    told = [", ".join(told[:-1]), told[-1]] if len(told) > 1 else told
+    return f"did you mean {' or '.join(told)}? "
 
 
 def conflicts(options: Iterable[str], align: str = "top_left") -> bool:

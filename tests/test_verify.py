@@ -110,6 +110,17 @@ def test_panel_draws_only_declared_options_and_respects_exclusions():
         VC.panel("causal,sliding")
 
 
+def test_an_unknown_supports_name_is_told_with_its_close_matches():
+    """A misspelt option ('casual') names the options it is close to; a name close to none
+    gets the list alone."""
+    with pytest.raises(ValueError, match=r"got 'casual' \(did you mean 'causal'\?\)$"):
+        VC.check_supports("gqa,casual")
+    with pytest.raises(ValueError, match=r"got 'mask_boo' \(did you mean 'mask_bool' or 'mask_float'\?\)$"):
+        VF.verify(lambda q, k, v: q, supports=["mask_boo"])
+    with pytest.raises(ValueError, match=r"'window'\], got 'zzz'$"):
+        VC.check_supports("zzz")
+
+
 def test_the_pairs_cover_every_option_even_past_max_pairs(monkeypatch):
     """Each declared option is in a pair at least, even where that takes more than
     MAX_PAIRS pairs."""
