@@ -1,6 +1,7 @@
 """The demo model: its composed backward against finite differences, and that it learns."""
 
 import importlib.util
+import io
 import math
 import os
 import re
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -185,7 +187,7 @@ def test_train_refuses_a_size_that_is_not_a_positive_int(field, value, error):
 
 
 def test_bad_pos_is_rejected():
-    with pytest.raises(ValueError, match="pos: expected 'learned' or 'sinusoidal'"):
+    with pytest.raises(ValueError, match="^pos: expected 'learned' or 'sinusoidal', got 'rotary'$"):
         ReverseModel(DemoConfig(pos="rotary"))
 
 
@@ -370,3 +372,107 @@ def test_axis_labels_sit_under_each_column_and_left_of_each_row():
     assert [ax.get_ylabel() for ax in heads] == ["query position", "", "", "", "query position"]
     empty = [ax for ax in fig.axes[:8] if not ax.get_images()]  # the grid's cells, then the colorbar
     assert len(empty) == 3 and not any(ax.axison for ax in empty)
+
+
+def _recording_make_batch(monkeypatch):
+    """The ids of every batch ``demo.make_batch`` draws, in order."""
+    drawn = []
+    make = demo.make_batch
+
+    def recording(*args):
+        drawn.append(make(*args))
+        return drawn[-1]
+
+    monkeypatch.setattr(demo, "make_batch", recording)
+    return drawn
+
+
+def test_the_seed_draws_the_parameters_and_the_batches(monkeypatch):
+    """One seed gives the same parameters and the same training batches; another seed other
+    parameters of each kind (the embedding, positions and output projection drawn on the host,
+    the attention's from a seed of its own) and other batches."""
+    params = []
+    for seed in (4, 4, 5):
+        model = ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=2, seed=seed))
+        params.append({k: to_numpy(v) for k, v in model.all_params().items()})
+    for name in params[0]:
+        np.testing.assert_array_equal(params[0][name], params[1][name], err_msg=name)
+    for name in ("embed", "pos", "out.w", "attn.w_q", "attn.w_o"):
+        assert not np.array_equal(params[0][name], params[2][name]), name
+    batches = []
+    for seed in (4, 4, 5):
+        drawn = _recording_make_batch(monkeypatch)
+        train(DemoConfig(seq_len=4, d_model=8, n_head=2, batch=3, steps=2, eval_size=3, seed=seed),
+              progress=False)
+        batches.append([ids.tolist() for ids, _ in drawn])
+    assert batches[0] == batches[1] and len(batches[0]) == 3
+    assert all(a != b for a, b in zip(batches[0], batches[2]))
+
+
+def test_the_held_out_batch_is_none_of_the_training_sequences(monkeypatch):
+    """The result is measured on sequences drawn after the training ones, from the same stream:
+    none of them is a sequence the model was trained on (10^6 sequences of 6 digits, 24 drawn)."""
+    drawn = _recording_make_batch(monkeypatch)
+    train(DemoConfig(seq_len=6, d_model=8, n_head=2, batch=4, steps=4, eval_size=8, seed=1),
+          progress=False)
+    *training, (held_out, _) = drawn
+    seen = {tuple(row) for ids, _ in training for row in ids.tolist()}
+    assert len(training) == 4 and len(seen) == 16
+    assert not seen & {tuple(row) for row in held_out.tolist()}
+
+
+def test_one_seed_trains_alike_on_every_backend(backend):
+    """The parameters are drawn and the batches made on the host from the seed, so a run ends
+    with the same loss and accuracy on every backend."""
+    cfg = DemoConfig(seq_len=4, d_model=8, n_head=2, batch=8, steps=5, eval_size=16,
+                     dtype="float64", seed=3)
+    _, ref = train(cfg, progress=False)
+    cfg.backend = backend
+    _, other = train(cfg, progress=False)
+    assert other.final_loss == pytest.approx(ref.final_loss, rel=1e-9)
+    assert other.accuracy == ref.accuracy
+
+
+def test_the_reported_time_is_that_of_the_training_steps(monkeypatch):
+    """``seconds`` is the wall time from the first training step to the last one's end, here on
+    a clock that advances 0.25 s in each of 4 Adam steps."""
+    clock = [1000.0]
+    adam_step = nn.adam_step
+
+    def slow_adam_step(*args, **kwargs):
+        clock[0] += 0.25
+        return adam_step(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(nn, "adam_step", slow_adam_step)
+    _, result = train(DemoConfig(seq_len=3, d_model=8, n_head=2, batch=2, steps=4, eval_size=2),
+                      progress=False)
+    assert result.seconds == 1.0
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_false_draws_no_bar_even_on_a_terminal():
+    cfg = DemoConfig(seq_len=3, d_model=8, n_head=2, batch=2, steps=2, eval_size=2)
+    quiet, shown = _FakeTerminal(), _FakeTerminal()
+    train(cfg, progress=False, stream=quiet)
+    train(cfg, progress=True, stream=shown)
+    assert quiet.getvalue() == ""
+    assert "demo H=2" in shown.getvalue() and "2/2" in shown.getvalue()
+
+
+def test_past_twelve_positions_every_other_one_is_ticked():
+    """At L = 13 the ticks are the even positions 0, 2, ..., 12, on both axes."""
+    pytest.importorskip("matplotlib")
+    from npattn.tools.demo import heatmap_figure
+
+    L = 13
+    w = np.random.default_rng(3).dirichlet(np.ones(L), size=(2, L))  # [H, L, L]
+    heads = [ax for ax in heatmap_figure(w, list(range(L))).axes if ax.get_images()]
+    for ax in heads:
+        even = [str(i) for i in range(0, L, 2)]
+        assert [t.get_text() for t in ax.get_xticklabels()] == even
+        assert [t.get_text() for t in ax.get_yticklabels()] == even
