@@ -8,8 +8,10 @@ seeds 0-4, against 0.1 for chance; the bound is 0.6.
 import importlib.util
 import io
 import math
+import os
 import re
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -413,6 +415,180 @@ def test_curves_figure_plots_each_run_s_history():
     ((loss,),), ((acc,),) = [loss_ax.get_lines()], [acc_ax.get_lines()]
     assert list(loss.get_xdata()) == list(acc.get_xdata()) == [1, 2, 3]
     assert list(loss.get_ydata()) == [2.0, 1.0, 0.5] and list(acc.get_ydata()) == [0.3, 0.6, 0.9]
+
+
+def test_the_config_s_unexposed_defaults_are_the_documented_ones():
+    """What the command does not set comes from the config (docs/digits.md): gradients clipped
+    to a global norm of 1, pre-norm blocks, a feed-forward width of 2 d_model (``d_ff`` None:
+    16 at d_model 8), and the fifth of the images the command holds out for validation."""
+    cfg = dd.DigitsConfig()
+    assert (cfg.clip, cfg.norm_first, cfg.d_ff, cfg.val_fraction) == (1.0, True, None, 0.2)
+    assert dd.build_model(dd.DigitsConfig(n_head=2, d_model=8), _fake_data()).d_ff == 16
+
+
+def test_train_without_data_loads_the_config_s_split(monkeypatch):
+    """``data=None`` loads the digits with the config's patch size, validation share and seed."""
+    asked = []
+
+    def load(patch, val_fraction, seed):
+        asked.append((patch, val_fraction, seed))
+        return _fake_data(n=4, patch=4)
+
+    monkeypatch.setattr(dd, "load_digits_data", load)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, patch=4, val_fraction=0.3, seed=7, epochs=1)
+    model, _ = dd.train(cfg, progress=False)
+    assert asked == [(4, 0.3, 7)] and model.seq_len == 4
+
+
+def _training_inputs(monkeypatch):
+    """The images of each training-mode forward, in order."""
+    seen = []
+    forward = TransformerClassifier.forward
+
+    def recording_forward(self, x, *args, **kwargs):
+        if self.training:
+            seen.append(to_numpy(x))
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerClassifier, "forward", recording_forward)
+    return seen
+
+
+def test_the_seed_draws_the_order_of_the_training_images(monkeypatch):
+    """One seed visits the images in the same order, another seed in another order."""
+    data = _fake_data(n=10)
+    orders = []
+    for seed in (3, 3, 4):
+        seen = _training_inputs(monkeypatch)
+        dd.train(dd.DigitsConfig(n_head=2, d_model=8, epochs=1, batch=4, dropout=0.0, seed=seed),
+                 data, progress=False)
+        orders.append(np.concatenate(seen))  # [10, L, P]
+    np.testing.assert_array_equal(orders[0], orders[1])
+    assert not np.array_equal(orders[0], orders[2])
+    np.testing.assert_array_equal(np.sort(orders[0], axis=0), np.sort(orders[2], axis=0))
+
+
+def test_the_result_and_the_bar_report_the_last_epoch_s_validation(monkeypatch):
+    """Validation accuracy 0.75 after epoch 1 and 0.25 after epoch 2 (the evaluation replaced by
+    these numbers): the result is the last epoch's, not the best one's; the bar's notes in epoch
+    2 show epoch 1's accuracy, and its last note, after the last evaluation, 0.25."""
+    scores = iter([(1.0, 0.75), (2.0, 0.25)])
+    monkeypatch.setattr(dd, "evaluate", lambda model, x, y: next(scores))
+    notes = []
+
+    class RecordingBar(dd.ProgressBar):
+        def update(self, n=1, note=None):
+            if note is not None:
+                notes.append(note)
+            super().update(n, note)
+
+    monkeypatch.setattr(dd, "ProgressBar", RecordingBar)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=2, batch=4, dropout=0.0)
+    _, r = dd.train(cfg, _fake_data(n=10), progress=False)
+    assert (r.val_accuracy, r.val_loss) == (0.25, 2.0)
+    assert r.history["val_accuracy"] == [0.75, 0.25] and r.history["val_loss"] == [1.0, 2.0]
+    epoch2 = [note for note in notes if note.startswith("epoch 2/2")]
+    assert epoch2[0].endswith("val acc 0.750"), notes  # the note of step 5, in epoch 2
+    assert notes[-1].startswith("epoch 2/2") and notes[-1].endswith("val acc 0.250"), notes
+
+
+def test_an_epoch_s_time_is_its_training_steps_without_the_evaluation(monkeypatch):
+    """On a clock that advances 1 s in each Adam step and 100 s in each evaluation, each epoch of
+    3 steps took 3 s (docs/digits.md: "s/epoch" leaves the evaluation out)."""
+    clock = [50.0]
+    adam_step, evaluate = nn.adam_step, dd.evaluate
+
+    def slow_adam_step(*args, **kwargs):
+        clock[0] += 1.0
+        return adam_step(*args, **kwargs)
+
+    def slow_evaluate(*args, **kwargs):
+        clock[0] += 100.0
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(dd, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(nn, "adam_step", slow_adam_step)
+    monkeypatch.setattr(dd, "evaluate", slow_evaluate)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=2, batch=4, dropout=0.0)
+    _, r = dd.train(cfg, _fake_data(n=10), progress=False)
+    assert r.history["seconds"] == [3.0, 3.0] and r.seconds_per_epoch == 3.0
+
+
+def _picture_on_image(model, data, tmp_path, monkeypatch, index=0):
+    """The figure save_attention_figures writes as attention_on_image.png."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    savefig = Figure.savefig
+
+    def recording_savefig(self, path, *args, **kwargs):
+        saved.append((os.path.basename(path), self))
+        return savefig(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    dd.save_attention_figures(model, data, str(tmp_path), index=index)
+    return dict(saved)["attention_on_image.png"]
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("H, grid", [(2, (1, 3)), (4, (1, 5)), (8, (2, 5))])
+def test_the_picture_on_the_image_has_rows_of_five_panels(H, grid, tmp_path, monkeypatch):
+    """The image, then one panel per head: one row up to 4 heads, then rows of 5 panels."""
+    data = _fake_data()
+    model = dd.build_model(dd.DigitsConfig(n_head=H, d_model=8), data)
+    fig = _picture_on_image(model, data, tmp_path, monkeypatch)
+    panels = [ax for ax in fig.axes if ax.get_subplotspec() is not None]
+    assert {ax.get_subplotspec().get_geometry()[:2] for ax in panels} == {grid}
+    assert len(panels) == grid[0] * grid[1]
+    assert sum(bool(ax.get_images()) for ax in panels) == H + 1
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("patch", [1, 2, 4])
+def test_each_patch_number_sits_on_the_pixels_of_its_token(patch, tmp_path, monkeypatch):
+    """Patch number t is drawn inside the pixels that ``image_patches`` puts in token t, so the
+    numbers on the image are the heatmaps' token numbers."""
+    data = _fake_data(patch=patch)
+    model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=8, patch=patch), data)
+    fig = _picture_on_image(model, data, tmp_path, monkeypatch, index=1)
+    image = data.images_val[1]  # [8, 8]
+    labels = fig.axes[0].texts
+    assert sorted(int(t.get_text()) for t in labels) == list(range((8 // patch) ** 2))
+    for text in labels:
+        x, y = text.get_position()  # imshow's pixel (i, j) is centred on (j, i)
+        r, c = int((y + 0.5) // patch), int((x + 0.5) // patch)
+        pixels = image[r * patch:(r + 1) * patch, c * patch:(c + 1) * patch].reshape(-1)
+        np.testing.assert_array_equal(pixels, data.x_val[1, int(text.get_text())])
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("training", [True, False])
+def test_the_pictures_leave_the_model_in_its_mode(training, tmp_path):
+    data = _fake_data()
+    model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=8), data)
+    model.train(training)
+    dd.save_attention_figures(model, data, str(tmp_path))
+    assert model.training is training
+
+
+@needs_matplotlib
+def test_the_pictures_title_names_the_model_s_prediction(tmp_path, monkeypatch):
+    """A head whose bias favours the last class by far predicts it: "predicted 9"."""
+    titles = []
+    figure = dd.heatmap_figure
+
+    def recording_figure(weights, digits, *, title=None):
+        titles.append(title)
+        return figure(weights, digits, title=title)
+
+    monkeypatch.setattr(dd, "heatmap_figure", recording_figure)
+    data = _fake_data()
+    model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=8, dtype="float64"), data)
+    bias = np.zeros(dd.N_CLASSES)
+    bias[-1] = 50.0
+    model.params = {**model.params, "head.bias": from_numpy(bias, model.xp)}
+    dd.save_attention_figures(model, data, str(tmp_path), index=2)
+    assert f"(a {int(data.y_val[2])}, predicted 9)" in titles[0], titles
 
 
 # --------------------------------------------------------------- command
