@@ -2,6 +2,7 @@
 
 import inspect
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -490,3 +491,165 @@ def test_samples_draw_from_one_generator_across_prompts_and_a_context_of_one():
     one = GPT(codec.vocab_size, 1, 8, 1, 2, dtype="float64", seed=0)
     ((prompt, text),) = generate_samples(one, codec, prompts=("abc",), length=5, seed=0)
     assert text.startswith("abc") and len(text) == 8
+
+
+def test_the_last_window_of_the_training_text_is_drawn_too(monkeypatch):
+    """11 characters at block_size 4: the training part "abcdef" holds two windows, "abcd" and
+    "bcde" (whose targets end on the part's last character); both are drawn."""
+    steps, _ = _record_training(monkeypatch)
+    _, codec, _ = train(GPTDemoConfig(**{**TINY, "steps": 6, "batch": 3}), text="abcdefghijk",
+                        progress=False)
+    windows = {codec.decode(row) for x, *_ in steps for row in x}
+    targets = {codec.decode(row) for _, y, *_ in steps for row in y}
+    assert windows == {"abcd", "bcde"} and targets == {"bcde", "cdef"}
+
+
+def test_the_seed_draws_the_weights_and_the_training_windows(monkeypatch):
+    """One seed gives the same initial weights and windows; another seed other weights (seen in
+    the first loss on a text whose every training window is "abcd") and other windows. The
+    history counts the model's parameters."""
+    first = []
+    for seed in (0, 0, 1):
+        model, _, hist = train(GPTDemoConfig(**{**TINY, "steps": 1, "seed": seed}), text="abcdefghij",
+                               progress=False)
+        assert hist.n_params == model.n_params() > 0
+        first.append(hist.train_loss[0])
+    assert first[0] == first[1] != first[2]
+    text = "".join(chr(97 + i * 7 % 23) for i in range(200))
+    windows = []
+    for seed in (0, 0, 1):
+        steps, _ = _record_training(monkeypatch)
+        train(GPTDemoConfig(**{**TINY, "steps": 2, "seed": seed}), text=text, progress=False)
+        windows.append([x.tolist() for x, *_ in steps])
+    assert windows[0] == windows[1] != windows[2]
+
+
+def test_the_progress_note_shows_the_recent_training_and_the_last_validation_loss(monkeypatch):
+    """After each evaluation the note is "train T  val V": T the mean training loss of the steps
+    so far (fewer than 20 here), V the evaluation's loss."""
+    notes = []
+
+    class RecordingBar(demo_gpt.ProgressBar):
+        def update(self, n=1, note=None):
+            if note is not None:
+                notes.append(note)
+            super().update(n, note)
+
+    monkeypatch.setattr(demo_gpt, "ProgressBar", RecordingBar)
+    hist = train(GPTDemoConfig(**TINY), text="abcdefghij" * 3, progress=False)[2]
+    assert hist.val_steps == [2, 4, 5]
+    expected = [f"train {np.mean(hist.train_loss[:s]):.3f}  val {v:.3f}"
+                for s, v in zip(hist.val_steps, hist.val_loss)]
+    assert notes == expected
+
+
+def test_the_history_s_time_is_that_of_the_training_loop(monkeypatch):
+    """On a clock that advances 0.5 s in each of 5 training steps, the run took 2.5 s."""
+    clock = [7.0]
+    step = demo_gpt.training_step
+
+    def slow_step(*args, **kwargs):
+        clock[0] += 0.5
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(demo_gpt, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(demo_gpt, "training_step", slow_step)
+    hist = train(GPTDemoConfig(**TINY), text="abcdefghij", progress=False)[2]
+    assert hist.seconds == 2.5
+
+
+def test_format_summary_averages_the_last_fifty_steps_and_reports_the_last_validation():
+    """12 steps: the training loss is the mean of all 12, and the summary says so; the final
+    validation loss is the last one measured, even where an earlier one was lower."""
+    hist = GPTHistory(train_loss=[2.0] * 6 + [1.0] * 6, val_steps=[6, 12], val_loss=[1.25, 1.75],
+                      seconds=0.6, n_params=99, vocab=8)
+    summary = format_summary(GPTDemoConfig(), hist)
+    assert "final validation loss 1.750 nats/char" in summary
+    assert summary.endswith("training loss (last 12 steps) 1.500")
+    # 70 steps: the mean of the last 50 (25 at 2.0 and 25 at 1.0), not of fewer or more
+    hist.train_loss = [3.0] * 20 + [2.0] * 25 + [1.0] * 25
+    assert format_summary(GPTDemoConfig(), hist).endswith("training loss (last 50 steps) 1.500")
+
+
+def test_the_loss_plot_makes_its_folder_and_draws_no_mean_of_one_step(tmp_path, monkeypatch):
+    """A path in a folder that does not exist yet is written; a one-step run has no running
+    mean to draw, only its one training loss, the validation loss and the uniform level."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = []
+    savefig = Figure.savefig
+
+    def recording_savefig(self, *args, **kwargs):
+        saved.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    hist = GPTHistory(train_loss=[2.0], val_steps=[1], val_loss=[2.1], vocab=8)
+    path = save_loss_plot(hist, str(tmp_path / "new" / "deeper" / "loss.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    labels = sorted(line.get_label() for line in saved[0].axes[0].get_lines())
+    assert labels == ["training batch", "uniform, ln 8", "validation (held-out 10 %)"]
+
+
+def test_samples_of_an_odd_context_go_on_from_its_last_half_rounded_down(monkeypatch):
+    """block_size 5: each generate call starts from the last 5 // 2 = 2 characters and adds at
+    most 4 (2 + 4 - 1 = 5 positions)."""
+    codec = CharCodec("abcdefgh")
+    model = GPT(codec.vocab_size, 5, 8, 1, 2, seed=0)
+    calls = []
+    generate = GPT.generate
+
+    def recording_generate(self, ids, n, **kwargs):
+        calls.append((codec.decode(to_numpy(ids)), n))
+        return generate(self, ids, n, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    ((_, text),) = generate_samples(model, codec, prompts=("abcdef",), length=9, seed=0)
+    assert len(text) == 15 and [n for _, n in calls] == [4, 4, 1]
+    assert [prompt for prompt, _ in calls] == [text[4:6], text[8:10], text[12:14]]
+
+
+def test_samples_default_to_the_command_s_settings(monkeypatch):
+    """Without settings a prompt is continued by 300 characters (the command's 900 for its three
+    prompts) at temperature 0.8 and top-k 10, as the command's samples.txt headings say."""
+    codec = CharCodec("abcdefghijkl")  # more characters than top-k, which is not capped here
+    model = GPT(codec.vocab_size, 64, 8, 1, 2, seed=0)
+    seen = set()
+    generate = GPT.generate
+
+    def recording_generate(self, ids, n, **kwargs):
+        seen.add((kwargs["temperature"], kwargs["top_k"]))
+        return generate(self, ids, n, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    ((_, text),) = generate_samples(model, codec, prompts=("ab",))
+    assert len(text) == 2 + 300 and seen == {(0.8, 10)}
+
+
+def test_the_command_s_defaults_are_the_config_s(tmp_path, monkeypatch):
+    """The command's gpt run is ``GPTDemoConfig()`` (docs/gpt.md: 1500 steps, a warm-up over 100
+    steps, clipping at 1.0, no dropout)."""
+    from npattn.tools import cli
+
+    class Trained(Exception):
+        pass
+
+    seen = []
+
+    def stand_in(cfg, **kwargs):
+        seen.append(cfg)
+        raise Trained
+
+    monkeypatch.setattr(demo_gpt, "train", stand_in)
+    with pytest.raises(Trained):
+        cli.main(["demo", "--task", "gpt", "--no-plots", "--no-progress", "--out", str(tmp_path)])
+    (cfg,) = seen
+    assert cfg == GPTDemoConfig()
+    assert (cfg.steps, cfg.warmup, cfg.max_grad_norm, cfg.dropout) == (1500, 100, 1.0, 0.0)
+
+
+def test_encode_refuses_even_one_unknown_character():
+    codec = CharCodec("hello world")
+    with pytest.raises(ValueError, match=r"^text: expected characters of the training text, got \['x'\]$"):
+        codec.encode("lox")
