@@ -476,3 +476,32 @@ def test_past_twelve_positions_every_other_one_is_ticked():
         even = [str(i) for i in range(0, L, 2)]
         assert [t.get_text() for t in ax.get_xticklabels()] == even
         assert [t.get_text() for t in ax.get_yticklabels()] == even
+
+
+def test_the_gradient_adam_is_given_is_that_of_the_batch_s_mean_loss(monkeypatch):
+    """The first step hands Adam the gradient of the mean cross-entropy of its batch at the
+    initial parameters (Adam would hide a gradient scaled by a constant, the model would still
+    learn): checked here by finite differences in float64."""
+    given, drawn = [], _recording_make_batch(monkeypatch)
+    adam_step = nn.adam_step
+
+    def recording_adam_step(params, grads, state, **kwargs):
+        given.append((dict(params), dict(grads)))
+        return adam_step(params, grads, state, **kwargs)
+
+    monkeypatch.setattr(nn, "adam_step", recording_adam_step)
+    cfg = DemoConfig(seq_len=4, d_model=8, n_head=2, batch=3, steps=1, eval_size=2, dtype="float64",
+                     seed=5)
+    train(cfg, progress=False)
+    (params, grads), (ids_h, tgt_h) = given[0], drawn[0]
+    model = ReverseModel(cfg)
+    ids, tgt = from_numpy(ids_h, model.xp), from_numpy(tgt_h, model.xp)
+    names = sorted(params)
+
+    def loss_of(*ps):
+        model.set_params(dict(zip(names, ps)))
+        return nn.cross_entropy_forward(model.forward(ids), tgt)[0]
+
+    report = check_vjp(loss_of, [params[n] for n in names], [grads[n] for n in names],
+                       from_numpy(np.asarray(1.0), model.xp), names=names, n_directions=2, rtol=1e-6)
+    assert report.ok, str(report)

@@ -61,6 +61,7 @@ def test_image_patches_are_row_by_row():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match=r"^patch: expected an int >= 1, got " + repr(bad)):
             dd.image_patches(img, bad)
+    np.testing.assert_array_equal(dd.image_patches(img, np.int64(2)), p)  # NumPy's ints are ints
 
 
 def test_the_docstring_lists_the_default_models_final_layer_norm():
@@ -133,6 +134,8 @@ def test_load_digits_data(data):
     for bad in (0.0, 1.0):  # the ends of the open interval, refused before the data are loaded
         with pytest.raises(ValueError, match=r"^val_fraction: expected a number in \(0, 1\)"):
             dd.load_digits_data(2, bad)
+    # NumPy's floats are numbers: float32's 0.2 rounds each class's share as 0.2 does
+    np.testing.assert_array_equal(dd.load_digits_data(2, np.float32(0.2), 0).y_val, data.y_val)
     for bad, kind in (("0.2", "str"), (True, "bool"), (None, "NoneType")):  # not numbers: named
         with pytest.raises(TypeError, match=rf"^val_fraction: expected a number in \(0, 1\), got {kind}"):
             dd.load_digits_data(2, bad)
@@ -541,6 +544,7 @@ def test_the_picture_on_the_image_has_rows_of_five_panels(H, grid, tmp_path, mon
     assert {ax.get_subplotspec().get_geometry()[:2] for ax in panels} == {grid}
     assert len(panels) == grid[0] * grid[1]
     assert sum(bool(ax.get_images()) for ax in panels) == H + 1
+    assert all(ax.axison == bool(ax.get_images()) for ax in panels)  # a cell without a head is hidden
 
 
 @needs_matplotlib
@@ -719,3 +723,35 @@ def test_digits_defaults(monkeypatch):
         20, 1, 2, 0.1, 32, 1e-2)
     assert (cfg.n_head, cfg.d_model, cfg.dtype, cfg.backend, cfg.seed) == (4, 32, "float32", "numpy", 0)
     assert cfg == dd.DigitsConfig(n_head=4)  # the command's defaults are the config's
+
+
+def test_the_gradient_clipped_and_given_to_adam_is_that_of_the_batch_s_mean_loss(monkeypatch):
+    """The first step's gradient, before clipping, is the gradient of the mean cross-entropy of
+    its batch at the initial parameters (dropout off), checked by finite differences in float64."""
+    from npattn.gradcheck import check_vjp
+
+    seen, clipped = _training_inputs(monkeypatch), []
+    clip = nn.clip_grad_norm
+
+    def recording_clip(grads, max_norm, **kwargs):
+        clipped.append(dict(grads))
+        return clip(grads, max_norm, **kwargs)
+
+    monkeypatch.setattr(nn, "clip_grad_norm", recording_clip)
+    data = _fake_data(n=10)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=1, batch=4, dropout=0.0, dtype="float64", seed=2)
+    dd.train(cfg, data, progress=False)
+    model = dd.build_model(cfg, data)  # the initial parameters, from the seed
+    x = from_numpy(seen[0], model.xp)  # [4, L, P]: the first batch
+    rows = [int(np.flatnonzero((data.x_train == xi).all(axis=(1, 2)))[0]) for xi in seen[0]]
+    y = from_numpy(data.y_train[rows], model.xp)  # [4]: their labels, the images found by pixels
+    names = sorted(model.params)
+    params = [model.params[n] for n in names]
+
+    def loss_of(*ps):
+        model.params = dict(zip(names, ps))
+        return nn.cross_entropy_forward(model.forward(x), y)[0]
+
+    report = check_vjp(loss_of, params, [clipped[0][n] for n in names],
+                       from_numpy(np.asarray(1.0), model.xp), names=names, n_directions=2, rtol=1e-6)
+    assert report.ok, str(report)
