@@ -653,3 +653,39 @@ def test_encode_refuses_even_one_unknown_character():
     codec = CharCodec("hello world")
     with pytest.raises(ValueError, match=r"^text: expected characters of the training text, got \['x'\]$"):
         codec.encode("lox")
+
+
+def test_progress_false_draws_no_bar_even_on_a_terminal():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    quiet, shown = Terminal(), Terminal()
+    train(GPTDemoConfig(**{**TINY, "steps": 2}), text="abcdefghij", progress=False, stream=quiet)
+    train(GPTDemoConfig(**{**TINY, "steps": 2}), text="abcdefghij", progress=True, stream=shown)
+    assert quiet.getvalue() == ""
+    assert "gpt" in shown.getvalue() and "2/2" in shown.getvalue()
+
+
+@pytest.mark.parametrize("top_k, given", [(None, None), (2, 2), (10, 3)])
+def test_top_k_none_samples_from_every_character_and_a_larger_one_is_capped(top_k, given, monkeypatch):
+    """``top_k=None`` reaches generate as None (no cut), a top-k past the 3 characters as 3."""
+    codec = CharCodec("abcab")
+    model = GPT(codec.vocab_size, 4, 8, 1, 2, seed=0)
+    seen = set()
+    generate = GPT.generate
+
+    def recording_generate(self, ids, n, **kwargs):
+        seen.add(kwargs["top_k"])
+        return generate(self, ids, n, **kwargs)
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    generate_samples(model, codec, prompts=("ab",), length=5, top_k=top_k)
+    assert seen == {given}
+
+
+def test_an_empty_text_is_refused_not_replaced_by_the_corpus():
+    with pytest.raises(ValueError, match=r"^text: expected at least 10 characters .* got 0$"):
+        train(GPTDemoConfig(**TINY), text="", progress=False)
