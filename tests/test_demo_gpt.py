@@ -2,6 +2,7 @@
 
 import inspect
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -272,6 +273,10 @@ def test_the_command_trains_and_writes_the_samples_and_the_loss_curve(tmp_path, 
     assert "Character-level GPT on npattn's docstrings" in text and "12 steps in" in text
     samples = (out / "samples.txt").read_text(encoding="utf-8")
     assert samples.count("--- prompt") == 3 and "Returns the " in samples
+    # the prompts and their headings are those of the samples shown in docs/gpt.md
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "gpt.md").read_text(encoding="utf-8")
+    headings = [line for line in samples.splitlines() if line.startswith("--- prompt")]
+    assert headings == [line for line in docs.splitlines() if line.startswith("--- prompt")]
     if (out / "loss.png").exists() or pytest.importorskip("matplotlib"):
         assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
