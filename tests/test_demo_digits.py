@@ -473,8 +473,9 @@ def test_the_seed_draws_the_order_of_the_training_images(monkeypatch):
 
 def test_the_result_and_the_bar_report_the_last_epoch_s_validation(monkeypatch):
     """Validation accuracy 0.75 after epoch 1 and 0.25 after epoch 2 (the evaluation replaced by
-    these numbers): the result is the last epoch's, not the best one's; the bar's notes in epoch
-    2 show epoch 1's accuracy, and its last note, after the last evaluation, 0.25."""
+    these numbers): the result is the last epoch's, not the best one's. 10 images in batches of
+    2 are 5 steps an epoch, and the bar's notes come at steps 5 and 10 and after each evaluation:
+    no accuracy yet (nan) at step 5, then the last one measured."""
     scores = iter([(1.0, 0.75), (2.0, 0.25)])
     monkeypatch.setattr(dd, "evaluate", lambda model, x, y: next(scores))
     notes = []
@@ -486,13 +487,14 @@ def test_the_result_and_the_bar_report_the_last_epoch_s_validation(monkeypatch):
             super().update(n, note)
 
     monkeypatch.setattr(dd, "ProgressBar", RecordingBar)
-    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=2, batch=4, dropout=0.0)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=2, batch=2, dropout=0.0)
     _, r = dd.train(cfg, _fake_data(n=10), progress=False)
-    assert (r.val_accuracy, r.val_loss) == (0.25, 2.0)
+    assert (r.val_accuracy, r.val_loss, r.epochs) == (0.25, 2.0, 2)
     assert r.history["val_accuracy"] == [0.75, 0.25] and r.history["val_loss"] == [1.0, 2.0]
-    epoch2 = [note for note in notes if note.startswith("epoch 2/2")]
-    assert epoch2[0].endswith("val acc 0.750"), notes  # the note of step 5, in epoch 2
-    assert notes[-1].startswith("epoch 2/2") and notes[-1].endswith("val acc 0.250"), notes
+    shown = [re.fullmatch(r"epoch (\d)/2  batch loss \S+  val acc (\S+)", note) for note in notes]
+    assert all(shown), notes
+    assert [(m[1], m[2]) for m in shown] == [("1", "nan"), ("1", "0.750"), ("2", "0.750"),
+                                             ("2", "0.250")]
 
 
 def test_an_epoch_s_time_is_its_training_steps_without_the_evaluation(monkeypatch):

@@ -576,9 +576,10 @@ def test_format_summary_averages_the_last_fifty_steps_and_reports_the_last_valid
     assert format_summary(GPTDemoConfig(), hist).endswith("training loss (last 50 steps) 1.500")
 
 
-def test_the_loss_plot_makes_its_folder_and_draws_no_mean_of_one_step(tmp_path, monkeypatch):
+def test_the_loss_plot_makes_its_folder_draws_no_mean_of_one_step_and_takes_a_title(tmp_path, monkeypatch):
     """A path in a folder that does not exist yet is written; a one-step run has no running
-    mean to draw, only its one training loss, the validation loss and the uniform level."""
+    mean to draw, only its one training loss, the validation loss and the uniform level; the
+    title is the corpus's unless one is given."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
@@ -595,6 +596,9 @@ def test_the_loss_plot_makes_its_folder_and_draws_no_mean_of_one_step(tmp_path, 
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     labels = sorted(line.get_label() for line in saved[0].axes[0].get_lines())
     assert labels == ["training batch", "uniform, ln 8", "validation (held-out 10 %)"]
+    assert saved[0].axes[0].get_title() == "Character-level GPT on npattn's docstrings"
+    save_loss_plot(hist, str(tmp_path / "titled.png"), title="a run of one step")
+    assert saved[1].axes[0].get_title() == "a run of one step"
 
 
 def test_samples_of_an_odd_context_go_on_from_its_last_half_rounded_down(monkeypatch):
