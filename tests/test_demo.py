@@ -52,7 +52,8 @@ def test_model_gradients_match_finite_differences(backend, pos):
 
 def test_training_learns_to_reverse():
     """A short run must solve a small reversal task: the gradients drive real learning."""
-    cfg = DemoConfig(seq_len=6, d_model=16, n_head=2, batch=32, steps=150, eval_size=256, seed=1)
+    cfg = DemoConfig(seq_len=6, d_model=16, n_head=2, batch=32, steps=150, eval_size=256, seed=1,
+                     pos="learned")
     model, result = train(cfg, progress=False)
     assert result.accuracy >= 0.95, result
     assert result.final_loss < 0.2, result
@@ -61,7 +62,8 @@ def test_training_learns_to_reverse():
 
 def test_untrained_model_is_at_chance():
     """The held-out accuracy starts near 1/10, so the learning test above is not trivial."""
-    cfg = DemoConfig(seq_len=6, d_model=16, n_head=2, batch=32, steps=1, eval_size=256, seed=1)
+    cfg = DemoConfig(seq_len=6, d_model=16, n_head=2, batch=32, steps=1, eval_size=256, seed=1,
+                     pos="learned")
     _, result = train(cfg, progress=False)
     assert result.accuracy < 0.4, result
 
@@ -393,7 +395,7 @@ def test_the_seed_draws_the_parameters_and_the_batches(monkeypatch):
     the attention's from a seed of its own) and other batches."""
     params = []
     for seed in (4, 4, 5):
-        model = ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=2, seed=seed))
+        model = ReverseModel(DemoConfig(seq_len=4, d_model=8, n_head=2, seed=seed, pos="learned"))
         params.append({k: to_numpy(v) for k, v in model.all_params().items()})
     for name in params[0]:
         np.testing.assert_array_equal(params[0][name], params[1][name], err_msg=name)
@@ -505,3 +507,25 @@ def test_the_gradient_adam_is_given_is_that_of_the_batch_s_mean_loss(monkeypatch
     report = check_vjp(loss_of, [params[n] for n in names], [grads[n] for n in names],
                        from_numpy(np.asarray(1.0), model.xp), names=names, n_directions=2, rtol=1e-6)
     assert report.ok, str(report)
+
+
+def test_the_command_s_defaults_are_the_config_s(tmp_path, monkeypatch):
+    """``npattn demo`` with no options trains ``DemoConfig()`` (12 digits, sinusoidal positions,
+    400 steps, as docs/demo.md runs it): a script that builds the config gets the command's run."""
+    from npattn.tools import cli
+
+    class Trained(Exception):
+        pass
+
+    seen = []
+
+    def stand_in(cfg, **kwargs):
+        seen.append(cfg)
+        raise Trained
+
+    monkeypatch.setattr(demo, "train", stand_in)
+    with pytest.raises(Trained):
+        cli.main(["demo", "--no-plots", "--no-progress", "--out", str(tmp_path)])
+    (cfg,) = seen
+    assert cfg == DemoConfig()
+    assert (cfg.seq_len, cfg.pos, cfg.steps, cfg.n_head) == (12, "sinusoidal", 400, 4)

@@ -486,7 +486,7 @@ def _demo_digits(args, plots: bool) -> int:
     from . import demo_digits as dd
 
     try:
-        data = dd.load_digits_data(args.patch, 0.2, args.seed)
+        data = dd.load_digits_data(args.patch, dd.DigitsConfig().val_fraction, args.seed)
     except ImportError as exc:  # no scikit-learn
         print(f"npattn demo: {exc}", file=sys.stderr)
         return 2

@@ -42,16 +42,17 @@ __all__ = ["DemoConfig", "ReverseModel", "TrainResult", "make_batch", "train", "
 
 @dataclass
 class DemoConfig:
-    """Settings of one training run (the ``npattn demo`` options)."""
+    """Settings of one training run (the ``npattn demo`` options); the defaults are the
+    command's (``npattn demo`` with no options trains ``DemoConfig()``)."""
 
-    seq_len: int = 8
+    seq_len: int = 12
     vocab: int = 10
     d_model: int = 32
     n_head: int = 4
     batch: int = 64
-    steps: int = 600
+    steps: int = 400
     lr: float = 1e-2
-    pos: str = "learned"  # or "sinusoidal"
+    pos: str = "sinusoidal"  # or "learned"
     dtype: str = "float32"
     backend: str = "numpy"
     seed: int = 0
