@@ -141,10 +141,11 @@ def test_load_digits_data(data):
             dd.load_digits_data(2, bad)
 
 
-def test_missing_scikit_learn_names_the_extra(monkeypatch):
+def test_missing_scikit_learn_names_the_package_and_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-    with pytest.raises(ImportError, match=r"pip install '\.\[demo\]'"):
+    with pytest.raises(ImportError,
+                       match=r"pip install scikit-learn, or '\.\[demo\]' from the repository root"):
         dd.load_digits_data()
 
 
@@ -646,6 +647,7 @@ def test_command_without_scikit_learn_says_so(tmp_path, capsys, monkeypatch):
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("npattn demo: the digits task needs scikit-learn") and ".[demo]" in err
+    assert "pip install scikit-learn, or '.[demo]'" in err  # what a wheel's user can install first
     assert "Traceback" not in err
 
 

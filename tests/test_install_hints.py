@@ -84,3 +84,18 @@ def test_the_hypothesis_strategies_without_hypothesis_say_what_to_install():
     assert run.stdout.startswith("ImportError npattn.testing.strategies needs hypothesis: pip install "
                                  "hypothesis, or '.[test]' from the repository root"), run.stdout
 
+
+def test_runtime_hints_name_the_packages_first():
+    """A hint that names an extra ('.[plot]', from the repository root) names the packages too,
+    first: an installed wheel has no repository root to install an extra from."""
+    plain = {"plot": "matplotlib", "demo": "scikit-learn", "dask": "dask[array,distributed]",
+             "test": "hypothesis"}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        text = re.sub(r"[\"']\s*\n\s*f?[\"']", "", path.read_text())  # adjacent literals as one
+        for m in re.finditer(r"pip install[^\n]{0,60}?'\.\[(\w+)\]'", text):
+            extra = m.group(1)
+            if extra in plain:
+                assert f"pip install {plain[extra]}" in m.group(0) or \
+                    f"pip install '{plain[extra]}'" in m.group(0) or \
+                    f"pip install ``{plain[extra]}" in m.group(0), f"{rel}: {m.group(0)!r}"

@@ -52,7 +52,8 @@ PATCHES = (1, 2, 4)  # patch sizes that tile an 8 x 8 image into more than one t
 PIXEL_MAX = 16.0  # load_digits' pixels are integers 0..16
 
 MISSING_SKLEARN = ("the digits task needs scikit-learn, whose handwritten digits ship inside the "
-                   "package (nothing is downloaded): pip install '.[demo]' from the repository root")
+                   "package (nothing is downloaded): pip install scikit-learn, or '.[demo]' from the "
+                   "repository root")
 
 
 @dataclass
@@ -121,7 +122,8 @@ def stratified_split(labels: np.ndarray, val_fraction: float, rng: np.random.Gen
 def load_digits_data(patch: int = 2, val_fraction: float = 0.2, seed: int = 0) -> DigitsData:
     """scikit-learn's digits as patch sequences, split into training and validation by ``seed``.
 
-    Raises ``ImportError`` naming ``pip install '.[demo]'`` without scikit-learn.
+    Raises ``ImportError`` naming ``pip install scikit-learn`` (or ``'.[demo]'``) without
+    scikit-learn.
     """
     if patch not in PATCHES:
         raise ValueError(f"patch: expected one of {list(PATCHES)}, got {patch!r}")
