@@ -93,6 +93,31 @@ def to_np():
     return convert
 
 
+@pytest.fixture
+def command_config(monkeypatch):
+    """``command_config(module, argv)``: the config ``npattn argv`` hands ``module.train``, taken
+    by a stand-in that stops the command there (nothing is trained)."""
+    from npattn.tools import cli
+
+    class Trained(Exception):
+        pass
+
+    def run(module, argv):
+        seen = []
+
+        def stand_in(cfg, *args, **kwargs):
+            seen.append(cfg)
+            raise Trained
+
+        monkeypatch.setattr(module, "train", stand_in)
+        with pytest.raises(Trained):
+            cli.main(argv)
+        (cfg,) = seen
+        return cfg
+
+    return run
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test parametrized on the cupy backend as ``gpu`` (``pytest -m gpu`` runs them)."""
     for item in items:

@@ -509,23 +509,9 @@ def test_the_gradient_adam_is_given_is_that_of_the_batch_s_mean_loss(monkeypatch
     assert report.ok, str(report)
 
 
-def test_the_command_s_defaults_are_the_config_s(tmp_path, monkeypatch):
+def test_the_command_s_defaults_are_the_config_s(tmp_path, command_config):
     """``npattn demo`` with no options trains ``DemoConfig()`` (12 digits, sinusoidal positions,
     400 steps, as docs/demo.md runs it): a script that builds the config gets the command's run."""
-    from npattn.tools import cli
-
-    class Trained(Exception):
-        pass
-
-    seen = []
-
-    def stand_in(cfg, **kwargs):
-        seen.append(cfg)
-        raise Trained
-
-    monkeypatch.setattr(demo, "train", stand_in)
-    with pytest.raises(Trained):
-        cli.main(["demo", "--no-plots", "--no-progress", "--out", str(tmp_path)])
-    (cfg,) = seen
+    cfg = command_config(demo, ["demo", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert cfg == DemoConfig()
     assert (cfg.seq_len, cfg.pos, cfg.steps, cfg.n_head) == (12, "sinusoidal", 400, 4)

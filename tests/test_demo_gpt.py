@@ -172,11 +172,8 @@ def test_evaluate_is_the_mean_loss_with_dropout_off(training):
     assert model.training is training
 
 
-def test_samples_go_on_from_the_last_half_context(monkeypatch):
-    """block_size 4: each generate call starts from the last 2 characters of the text so far
-    and adds at most 3 (2 + 3 - 1 = 4 positions)."""
-    codec = CharCodec("abcdefgh")
-    model = GPT(codec.vocab_size, 4, 8, 1, 2, seed=0)
+def _generate_calls(monkeypatch, codec):
+    """The list that every ``GPT.generate`` call from now on appends its (prompt text, n) to."""
     calls = []
     generate = GPT.generate
 
@@ -185,6 +182,15 @@ def test_samples_go_on_from_the_last_half_context(monkeypatch):
         return generate(self, ids, n, **kwargs)
 
     monkeypatch.setattr(GPT, "generate", recording_generate)
+    return calls
+
+
+def test_samples_go_on_from_the_last_half_context(monkeypatch):
+    """block_size 4: each generate call starts from the last 2 characters of the text so far
+    and adds at most 3 (2 + 3 - 1 = 4 positions)."""
+    codec = CharCodec("abcdefgh")
+    model = GPT(codec.vocab_size, 4, 8, 1, 2, seed=0)
+    calls = _generate_calls(monkeypatch, codec)
     ((prompt, text),) = generate_samples(model, codec, prompts=("abcdef",), length=7, seed=0)
     assert text.startswith("abcdef") and len(text) == 13
     assert [n for _, n in calls] == [3, 3, 1]
@@ -216,9 +222,8 @@ def test_the_command_s_samples_are_drawn_as_their_heading_says(tmp_path, monkeyp
     assert (out / "samples.txt").read_text(encoding="utf-8").count("(temperature 0.8, top-k 10)") == 3
 
 
-def test_the_loss_plot_draws_each_curve_at_its_steps(tmp_path, monkeypatch):
-    """Step s's training loss is s - 1 here: the 50-step mean ending at step s is s - 25.5,
-    drawn from step 50 on; the validation losses at their steps; the uniform level ln 8."""
+def _saved_figures(monkeypatch):
+    """The list that every matplotlib Figure saved from now on is appended to (and saved)."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
@@ -230,6 +235,13 @@ def test_the_loss_plot_draws_each_curve_at_its_steps(tmp_path, monkeypatch):
         return savefig(self, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    return saved
+
+
+def test_the_loss_plot_draws_each_curve_at_its_steps(tmp_path, monkeypatch):
+    """Step s's training loss is s - 1 here: the 50-step mean ending at step s is s - 25.5,
+    drawn from step 50 on; the validation losses at their steps; the uniform level ln 8."""
+    saved = _saved_figures(monkeypatch)
     hist = GPTHistory(train_loss=[float(i) for i in range(60)], val_steps=[30, 60],
                       val_loss=[2.0, 1.0], vocab=8)
     save_loss_plot(hist, str(tmp_path / "loss.png"))
@@ -580,17 +592,7 @@ def test_the_loss_plot_makes_its_folder_draws_no_mean_of_one_step_and_takes_a_ti
     """A path in a folder that does not exist yet is written; a one-step run has no running
     mean to draw, only its one training loss, the validation loss and the uniform level; the
     title is the corpus's unless one is given."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
-    saved = []
-    savefig = Figure.savefig
-
-    def recording_savefig(self, *args, **kwargs):
-        saved.append(self)
-        return savefig(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    saved = _saved_figures(monkeypatch)
     hist = GPTHistory(train_loss=[2.0], val_steps=[1], val_loss=[2.1], vocab=8)
     path = save_loss_plot(hist, str(tmp_path / "new" / "deeper" / "loss.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -606,14 +608,7 @@ def test_samples_of_an_odd_context_go_on_from_its_last_half_rounded_down(monkeyp
     most 4 (2 + 4 - 1 = 5 positions)."""
     codec = CharCodec("abcdefgh")
     model = GPT(codec.vocab_size, 5, 8, 1, 2, seed=0)
-    calls = []
-    generate = GPT.generate
-
-    def recording_generate(self, ids, n, **kwargs):
-        calls.append((codec.decode(to_numpy(ids)), n))
-        return generate(self, ids, n, **kwargs)
-
-    monkeypatch.setattr(GPT, "generate", recording_generate)
+    calls = _generate_calls(monkeypatch, codec)
     ((_, text),) = generate_samples(model, codec, prompts=("abcdef",), length=9, seed=0)
     assert len(text) == 15 and [n for _, n in calls] == [4, 4, 1]
     assert [prompt for prompt, _ in calls] == [text[4:6], text[8:10], text[12:14]]
@@ -636,24 +631,11 @@ def test_samples_default_to_the_command_s_settings(monkeypatch):
     assert len(text) == 2 + 300 and seen == {(0.8, 10)}
 
 
-def test_the_command_s_defaults_are_the_config_s(tmp_path, monkeypatch):
+def test_the_command_s_defaults_are_the_config_s(tmp_path, command_config):
     """The command's gpt run is ``GPTDemoConfig()`` (docs/gpt.md: 1500 steps, a warm-up over 100
     steps, clipping at 1.0, no dropout)."""
-    from npattn.tools import cli
-
-    class Trained(Exception):
-        pass
-
-    seen = []
-
-    def stand_in(cfg, **kwargs):
-        seen.append(cfg)
-        raise Trained
-
-    monkeypatch.setattr(demo_gpt, "train", stand_in)
-    with pytest.raises(Trained):
-        cli.main(["demo", "--task", "gpt", "--no-plots", "--no-progress", "--out", str(tmp_path)])
-    (cfg,) = seen
+    cfg = command_config(demo_gpt, ["demo", "--task", "gpt", "--no-plots", "--no-progress",
+                                    "--out", str(tmp_path)])
     assert cfg == GPTDemoConfig()
     assert (cfg.steps, cfg.warmup, cfg.max_grad_norm, cfg.dropout) == (1500, 100, 1.0, 0.0)
 
