@@ -18,7 +18,8 @@ from npattn.tools import verify as V
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: docs, examples
 # the folder holding the npattn under test (the project, or site-packages when installed),
-# put first on a child process's path so that it imports the same npattn
+# put on a child process's path so that it imports the same npattn (CI's second stage sets
+# PYTHONSAFEPATH, so that a child's current folder, the checkout, does not come before it)
 IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(npattn.__file__)))
 KERNELS = os.path.join(ROOT, "examples", "verify", "kernels.py")
 GOOD = [f"{KERNELS}:attention", "--backward", "attention_backward", "--returns-lse"]
