@@ -9,9 +9,9 @@ Masks: torch's boolean masks mean True = *ignore*, npattn's True = *may
 attend*, so they are negated. (A query row with nothing to attend is NaN in
 torch but an all-zero row in npattn, so this example avoids it.)
 
-Needs torch: ``pip install torch==2.13.0`` first for the CPU build (a plain
-``pip install torch`` pulls a multi-GB CUDA build), then, from the repository
-root, ``pip install '.[torch]'``. Without torch it says so and exits 0::
+Needs torch: ``pip install torch==2.13.0``, the CPU build (a plain
+``pip install torch`` pulls a multi-GB CUDA build). Without torch it says so
+and exits 0::
 
     python examples/check_torch_module.py
 """

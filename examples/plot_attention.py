@@ -28,7 +28,7 @@ def main(argv=None):
         from matplotlib.patches import Patch, Rectangle
     except ImportError:
         print("plot_attention: skipped, matplotlib is not installed "
-              "(from the npattn checkout: pip install '.[plot]')")
+              "(pip install matplotlib, or '.[plot]' from the npattn checkout)")
         return 0
 
     L, D, H = 10, 16, 4

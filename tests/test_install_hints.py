@@ -1,10 +1,11 @@
 """Install hints name what a user can install: npattn is not on PyPI.
 
 A hint such as ``pip install 'npattn[plot]'`` would ask pip for a package
-that does not exist. Extras are installed from the checkout instead
-(``pip install '.[plot]'`` in the repository root), and where torch is
-suggested, the hint names the CPU pin first (``pip install torch==2.13.0``),
-since a plain ``pip install torch`` pulls a multi-GB CUDA build.
+that does not exist. A hint names the packages first (``pip install matplotlib``),
+which an installed wheel's user can install too, then the checkout's extra
+(``'.[plot]'`` in the repository root); where torch is suggested, the hint
+names the CPU pin (``pip install torch==2.13.0``), since a plain
+``pip install torch`` pulls a multi-GB CUDA build.
 """
 
 from __future__ import annotations
@@ -90,12 +91,17 @@ def test_runtime_hints_name_the_packages_first():
     first: an installed wheel has no repository root to install an extra from."""
     plain = {"plot": "matplotlib", "demo": "scikit-learn", "dask": "dask[array,distributed]",
              "test": "hypothesis"}
+    found = []
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
         text = re.sub(r"[\"']\s*\n\s*f?[\"']", "", path.read_text())  # adjacent literals as one
-        for m in re.finditer(r"pip install[^\n]{0,60}?'\.\[(\w+)\]'", text):
+        for m in re.finditer(r"pip install[^\n]{0,60}?['\"]\.\[(\w+)\]['\"]", text):
             extra = m.group(1)
             if extra in plain:
+                found.append(rel)
                 assert f"pip install {plain[extra]}" in m.group(0) or \
                     f"pip install '{plain[extra]}'" in m.group(0) or \
                     f"pip install ``{plain[extra]}" in m.group(0), f"{rel}: {m.group(0)!r}"
+    # the hints of the demos, verify, the dask bench, the picture and the strategies were read
+    assert {"npattn/tools/cli.py", "npattn/tools/demo_digits.py", "npattn/tools/verify.py",
+            "npattn/tools/bench_dask.py", "npattn/verifier.py", "npattn/testing/strategies.py"} <= set(found)

@@ -85,7 +85,8 @@ def test_mypy_accepts_the_package(tmp_path):
     read that folder's other top-level modules as the project's."""
     cache = os.environ.get("MYPY_CACHE_DIR", str(ROOT / ".mypy_cache"))
     run = subprocess.run(
-        [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--cache-dir", cache, str(ROOT / "npattn")],
+        [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--cache-dir", cache,
+         str(ROOT / "npattn")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr
