@@ -10,6 +10,7 @@ when ``CI`` is set, ``dev`` otherwise; ``HYPOTHESIS_PROFILE`` overrides both.
 
 import importlib
 import os
+import types
 
 import numpy as np
 import pytest
@@ -116,6 +117,43 @@ def command_config(monkeypatch):
         return cfg
 
     return run
+
+
+@pytest.fixture
+def bar_notes(monkeypatch):
+    """``bar_notes(module)``: the list that every note ``module.ProgressBar`` is updated with from
+    now on is appended to (the bar still draws as before)."""
+    def record(module):
+        notes = []
+
+        class RecordingBar(module.ProgressBar):
+            def update(self, n=1, note=None):
+                if note is not None:
+                    notes.append(note)
+                super().update(n, note)
+
+        monkeypatch.setattr(module, "ProgressBar", RecordingBar)
+        return notes
+
+    return record
+
+
+@pytest.fixture
+def step_clock(monkeypatch):
+    """``step_clock(module, owner, name, seconds)``: ``module.time.perf_counter`` becomes a clock
+    that stands still except that each call of ``owner.name`` advances it by ``seconds``."""
+    def install(module, owner, name, seconds):
+        clock = [1000.0]
+        step = getattr(owner, name)
+
+        def slow_step(*args, **kwargs):
+            clock[0] += seconds
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(owner, name, slow_step)
+
+    return install
 
 
 def pytest_collection_modifyitems(config, items):

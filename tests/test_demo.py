@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -435,18 +434,10 @@ def test_one_seed_trains_alike_on_every_backend(backend):
     assert other.accuracy == ref.accuracy
 
 
-def test_the_reported_time_is_that_of_the_training_steps(monkeypatch):
+def test_the_reported_time_is_that_of_the_training_steps(step_clock):
     """``seconds`` is the wall time from the first training step to the last one's end, here on
     a clock that advances 0.25 s in each of 4 Adam steps."""
-    clock = [1000.0]
-    adam_step = nn.adam_step
-
-    def slow_adam_step(*args, **kwargs):
-        clock[0] += 0.25
-        return adam_step(*args, **kwargs)
-
-    monkeypatch.setattr(demo, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(nn, "adam_step", slow_adam_step)
+    step_clock(demo, nn, "adam_step", 0.25)
     _, result = train(DemoConfig(seq_len=3, d_model=8, n_head=2, batch=2, steps=4, eval_size=2),
                       progress=False)
     assert result.seconds == 1.0

@@ -472,22 +472,14 @@ def test_the_seed_draws_the_order_of_the_training_images(monkeypatch):
     np.testing.assert_array_equal(np.sort(orders[0], axis=0), np.sort(orders[2], axis=0))
 
 
-def test_the_result_and_the_bar_report_the_last_epoch_s_validation(monkeypatch):
+def test_the_result_and_the_bar_report_the_last_epoch_s_validation(monkeypatch, bar_notes):
     """Validation accuracy 0.75 after epoch 1 and 0.25 after epoch 2 (the evaluation replaced by
     these numbers): the result is the last epoch's, not the best one's. 10 images in batches of
     2 are 5 steps an epoch, and the bar's notes come at steps 5 and 10 and after each evaluation:
     no accuracy yet (nan) at step 5, then the last one measured."""
     scores = iter([(1.0, 0.75), (2.0, 0.25)])
     monkeypatch.setattr(dd, "evaluate", lambda model, x, y: next(scores))
-    notes = []
-
-    class RecordingBar(dd.ProgressBar):
-        def update(self, n=1, note=None):
-            if note is not None:
-                notes.append(note)
-            super().update(n, note)
-
-    monkeypatch.setattr(dd, "ProgressBar", RecordingBar)
+    notes = bar_notes(dd)
     cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=2, batch=2, dropout=0.0)
     _, r = dd.train(cfg, _fake_data(n=10), progress=False)
     assert (r.val_accuracy, r.val_loss, r.epochs) == (0.25, 2.0, 2)

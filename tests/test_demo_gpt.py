@@ -3,7 +3,6 @@
 import inspect
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -541,18 +540,10 @@ def test_the_seed_draws_the_weights_and_the_training_windows(monkeypatch):
     assert windows[0] == windows[1] != windows[2]
 
 
-def test_the_progress_note_shows_the_recent_training_and_the_last_validation_loss(monkeypatch):
+def test_the_progress_note_shows_the_recent_training_and_the_last_validation_loss(bar_notes):
     """After each evaluation the note is "train T  val V": T the mean training loss of the steps
     so far (fewer than 20 here), V the evaluation's loss."""
-    notes = []
-
-    class RecordingBar(demo_gpt.ProgressBar):
-        def update(self, n=1, note=None):
-            if note is not None:
-                notes.append(note)
-            super().update(n, note)
-
-    monkeypatch.setattr(demo_gpt, "ProgressBar", RecordingBar)
+    notes = bar_notes(demo_gpt)
     hist = train(GPTDemoConfig(**TINY), text="abcdefghij" * 3, progress=False)[2]
     assert hist.val_steps == [2, 4, 5]
     expected = [f"train {np.mean(hist.train_loss[:s]):.3f}  val {v:.3f}"
@@ -560,17 +551,9 @@ def test_the_progress_note_shows_the_recent_training_and_the_last_validation_los
     assert notes == expected
 
 
-def test_the_history_s_time_is_that_of_the_training_loop(monkeypatch):
+def test_the_history_s_time_is_that_of_the_training_loop(step_clock):
     """On a clock that advances 0.5 s in each of 5 training steps, the run took 2.5 s."""
-    clock = [7.0]
-    step = demo_gpt.training_step
-
-    def slow_step(*args, **kwargs):
-        clock[0] += 0.5
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(demo_gpt, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(demo_gpt, "training_step", slow_step)
+    step_clock(demo_gpt, demo_gpt, "training_step", 0.5)
     hist = train(GPTDemoConfig(**TINY), text="abcdefghij", progress=False)[2]
     assert hist.seconds == 2.5
 
