@@ -109,6 +109,35 @@ def test_the_counts_of_docs_check_md_are_the_panels():
         assert phrase in text, phrase
 
 
+def test_the_sample_table_of_docs_check_md_has_the_layout_check_prints():
+    """Every line of the page's sample (header, rules, rows, summary; "..." stands for rows
+    left out) is a line of format_table for the numpy panel's rows, given the sample's
+    numbers: the column widths come from the longest configuration and tensor names."""
+    text = open(os.path.join(ROOT, "docs", "check.md")).read()
+    block = text.split("$ npattn check ", 1)[1].split("\n```", 1)[0]
+    sample = [line for line in block.splitlines()[1:] if line != "..."]
+    assert len(sample) >= 6, sample  # header, rule, rows, rule, summary
+    numbers = {}  # (config, tensor) -> (abs, rel) of the sample's rows
+    for line in sample[2:-2]:
+        config, tensor, abs_err, rel_err, verdict = re.split(r"  +", line)
+        numbers[config, tensor] = (float(abs_err), float(rel_err))
+    xp = namespace(np.zeros(1))
+    rows = []
+    for c in audit.panel("numpy"):
+        args = (xp, xp.float64, np.random.default_rng(0))
+        _, _, inputs, names = c.build(*args) if c.impl is None else c.build(*args, impl=c.impl)
+        for x, name in zip(inputs, names):
+            if xp.isdtype(x.dtype, "real floating"):
+                rows.append(audit.Row(c.name, name, *numbers.pop((c.name, name), (0.0, 0.0)), True))
+    assert not numbers, f"sample rows that are not in the panel: {sorted(numbers)}"
+    seconds = float(re.search(r" in ([0-9.]+)s: ", sample[-1]).group(1))
+    table = audit.format_table(audit.AuditResult("numpy", "float64", 1e-6, 1e-12, rows, seconds))
+    lines = table.splitlines()
+    assert sample[:2] == lines[:2] and sample[-2:] == lines[-2:]
+    for line in sample[2:-2]:
+        assert line in lines, (line, lines[0])
+
+
 def test_check_float32(capsys):
     assert cli.main(["check", "--dtype", "float32", "--no-progress"]) == 0
     out = capsys.readouterr().out
