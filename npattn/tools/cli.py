@@ -251,7 +251,7 @@ def main(argv=None) -> int:
         print(f"npattn {command}: not enough memory for the sizes asked for "
               f"({type(exc).__name__}: {exc}); choose smaller ones", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # e.g. `npattn check | head`: stop quietly, with the status of a
+    except BrokenPipeError:  # e.g. `npattn check --json | head`: stop quietly, with the status of a
         # process that SIGPIPE ended (128 + 13), not 1, which says a check failed
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
