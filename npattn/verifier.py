@@ -105,8 +105,10 @@ and, through delta, up to 2.55 in dq with the FlashAttention backward. The
 bound takes every ``|d_s|`` at its largest with the worst signs; no factor
 multiplies it. lse needs nothing more: its error, ``|sum_s w_s d_s|`` and
 its own rounding, is at most ``u_lse (2 |lse| + sum_j p_j |log p_j|)``
-(``m_j <= |lse| + |log p_j|``), under its floor of 16 ``u_lse max(|lse|,
-1)`` for rows of fewer than about ``e**13`` keys. A kernel that does not
+(``m_j <= |lse| + |log p_j|``); with ``sum_j p_j |log p_j| <= log n`` for n keys,
+that is under its float32 floor of 16 ``u_lse max(|lse|, 1)`` while ``log n <= 16
+max(|lse|, 1) - 2 |lse|``, at least 14 (at ``|lse| = 1``): for rows of fewer than
+``e**14`` (about 1.2 million) keys. A kernel that does not
 merge (npattn; a FlashAttention forward, which divides by its running row
 sum and rounds no lse on the way) makes neither error.
 
