@@ -64,6 +64,8 @@ import array_api_compat
 import array_api_compat.numpy
 import numpy as np
 
+from .messages import described
+
 __all__ = [
     "isdtype",
     "keeps_dtype",
@@ -361,7 +363,7 @@ def check_rng(name: str, value: Any) -> None:
         return
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected None, a non-negative int seed, a SeedSequence, a BitGenerator "
-                        f"or a numpy.random.Generator, got {type(value).__name__} {value!r}")
+                        f"or a numpy.random.Generator, got {described(value)}")
     if value < 0:
         raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
 
@@ -424,11 +426,11 @@ def _check_draw(key: Any, p: Any) -> int:
     ``ValueError`` naming them (a p of 1.5 overflowed the threshold's uint32). Returns the
     key as a Python int (a NumPy np.uint8 one overflows in ``key & 0xFFFFFFFF``)."""
     if isinstance(key, (bool, np.bool_)) or not isinstance(key, numbers.Integral):
-        raise TypeError(f"key: expected an int (from dropout_key), got {type(key).__name__} {key!r}")
+        raise TypeError(f"key: expected an int (from dropout_key), got {described(key)}")
     if not 0 <= int(key) < 2**64:
         raise ValueError(f"key: expected an int in [0, 2**64) (from dropout_key), got {int(key)}")
     if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Real):
-        raise TypeError(f"p: expected a drop probability in [0, 1), got {type(p).__name__} {p!r}")
+        raise TypeError(f"p: expected a drop probability in [0, 1), got {described(p)}")
     # compared as given (float(p) overflows for an int beyond the float range); NaN fails both
     if p < 0 or not p < 1:
         raise ValueError(f"p: expected a drop probability in [0, 1), got {p!r}")
@@ -662,7 +664,7 @@ def limit_blas_threads(n: Optional[int]) -> Any:
     inside ``exclusive()``, and restores it before leaving.
     """
     if n is not None and (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral)):
-        raise TypeError(f"n: expected None or an int >= 1 (BLAS threads), got {type(n).__name__} {n!r}")
+        raise TypeError(f"n: expected None or an int >= 1 (BLAS threads), got {described(n)}")
     if n is not None and n < 1:
         raise ValueError(f"n: expected None or an int >= 1 (BLAS threads), got {n!r}")
     ctl = blas_controller()

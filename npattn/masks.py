@@ -170,7 +170,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     if lxp is None:
         if not isinstance(lengths, (list, tuple, range)):  # a set or a dict has no order
             raise TypeError(f"lengths: expected an integer array of shape (B,) or a sequence of "
-                            f"ints (list, tuple, range), got {type(lengths).__name__} {lengths!r}")
+                            f"ints (list, tuple, range), got {V.described(lengths)}")
         seq = list(lengths)
         if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in seq):
             raise TypeError(f"lengths: expected ints, got {seq!r}")

@@ -41,6 +41,7 @@ import numpy as np
 
 from .backend import (backend_name, check_rng, device_of, isdtype, keeps_dtype, namespace,
                       without_empty_chunks)
+from .messages import described, type_name
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -88,38 +89,6 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 def article(word: str) -> str:
     """'a' or 'an' before ``word`` in a message ('a numpy', 'an array_api_strict')."""
     return "an" if word[:1].lower() in "aeiou" else "a"
-
-
-def type_name(x: Any) -> str:
-    """How to call ``x`` in a message: 'numpy.ndarray', 'list', 'None'..."""
-    if x is None:
-        return "None"
-    t = type(x)
-    if t.__module__ in ("builtins",):
-        return t.__name__
-    return f"{t.__module__.split('.')[0]}.{t.__name__}"
-
-
-def _class_name(c: type) -> str:
-    """A class as a user writes it: 'numpy.int32', 'jax.numpy.int32', 'int' (the module path up
-    to its first private part, as in 'numpy._core...')."""
-    public = []
-    for part in str(getattr(c, "__module__", "builtins")).split("."):
-        if part.startswith("_"):
-            break
-        public.append(part)
-    module = ".".join(public)
-    return c.__qualname__ if module in ("", "builtins") else f"{module}.{c.__qualname__}"
-
-
-def described(x: Any) -> str:
-    """How a message says what it got: the type and the value ('int 3', "str 'a'"), a class
-    by its name ('type numpy.int32', not its repr "<class 'numpy.int32'>"), or 'None'."""
-    if x is None:
-        return "None"
-    if isinstance(x, type):
-        return f"type {_class_name(x)}"
-    return f"{type_name(x)} {x!r}"
 
 
 def dtype_name(dtype: Any) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .validation import ALIGNS, check_choice
+from .validation import ALIGNS, check_choice, described
 
 __all__ = [
     "SUPPORTS",
@@ -123,8 +123,7 @@ def check_supports(supports: Any) -> tuple:
                         f"{type(supports).__name__}") from None
     for s in items:
         if not isinstance(s, str):
-            raise TypeError(f"supports: expected names from {sorted(SUPPORTS)}, got "
-                            f"{type(s).__name__} {s!r}")
+            raise TypeError(f"supports: expected names from {sorted(SUPPORTS)}, got {described(s)}")
         if s not in SUPPORTS:
             maybe = did_you_mean(s, SUPPORTS).strip()  # 'casual': did you mean 'causal'?
             raise ValueError(f"supports: expected names from {sorted(SUPPORTS)}, got {s!r}"

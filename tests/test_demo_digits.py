@@ -136,7 +136,7 @@ def test_load_digits_data(data):
             dd.load_digits_data(2, bad)
     # NumPy's floats are numbers: float32's 0.2 rounds each class's share as 0.2 does
     np.testing.assert_array_equal(dd.load_digits_data(2, np.float32(0.2), 0).y_val, data.y_val)
-    for bad, kind in (("0.2", "str"), (True, "bool"), (None, "NoneType")):  # not numbers: named
+    for bad, kind in (("0.2", "str"), (True, "bool"), (None, "None")):  # not numbers: named
         with pytest.raises(TypeError, match=rf"^val_fraction: expected a number in \(0, 1\), got {kind}"):
             dd.load_digits_data(2, bad)
 

@@ -334,8 +334,8 @@ def test_dropout_cache_holds_the_drawn_key(xp, to_xp, to_np):
     assert F.dropout_forward(x, 0.0, rng=5)[1].key is None
 
 
-@pytest.mark.parametrize("seed, kind", [(True, "bool"), (np.True_, "bool"), ([1, 2], "list"),
-                                        ((3,), "tuple"), (np.array([1, 2]), "ndarray"), (1.0, "float"),
+@pytest.mark.parametrize("seed, kind", [(True, "bool"), (np.True_, "numpy.bool"), ([1, 2], "list"),
+                                        ((3,), "tuple"), (np.array([1, 2]), "numpy.ndarray"), (1.0, "float"),
                                         ("7", "str")])
 def test_the_dropout_key_takes_only_a_documented_seed(seed, kind):
     """A seed is None, an int >= 0, a SeedSequence, a BitGenerator or a Generator, on every

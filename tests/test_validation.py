@@ -68,6 +68,37 @@ def test_a_scalar_type_as_dtype_is_named_as_written():
         assert "<class" not in message, message
 
 
+def _load_digits_data(val_fraction):
+    from npattn.tools.demo_digits import load_digits_data
+    return load_digits_data(val_fraction=val_fraction)
+
+
+def _check_supports(entry):
+    from npattn.verify_cases import check_supports
+    return check_supports([entry])
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda v: npattn.backend.make_rng(v), "seed"),
+    (lambda v: npattn.backend.keep_mask(v, 0.5, (2, 3), np), "key"),
+    (lambda v: npattn.backend.keep_mask(0, v, (2, 3), np), "p"),
+    (lambda v: npattn.backend.limit_blas_threads(v), "n"),
+    (lambda v: npattn.masks.padding(v, 4), "lengths"),
+    (_check_supports, "supports"),
+    (_load_digits_data, "val_fraction"),
+])
+def test_a_class_given_for_a_value_is_named_as_written(call, name):
+    """A class passed where a value belongs (np.int32 for a seed, a key, a count) is named
+    'type numpy.int32' in the message, as every other message names one, not by its repr
+    "<class 'numpy.int32'>"."""
+    with pytest.raises(TypeError) as info:
+        call(np.int32)
+    message = str(info.value)
+    assert message.startswith(f"{name}: expected "), message
+    assert message.endswith("got type numpy.int32"), message
+    assert "<class" not in message, message
+
+
 @pytest.mark.parametrize(
     "backend_arg, exc, fragment",
     [("jax_or_what", ValueError, "'jax_or_what'"), (3, TypeError, "int"), (math, TypeError, "math")],
@@ -1097,7 +1128,7 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keep_mask(-1, 0.1, (2, 3), np), ValueError, r"^key: expected an int in \[0, 2\*\*64\)"),
         (lambda: B.keep_mask("k", 0.1, (2, 3), np), TypeError, "^key: expected an int"),
         (lambda: B.keep_mask(True, 0.1, (2, 3), np), TypeError, "^key: expected an int .*got bool True"),
-        (lambda: B.keep_mask(np.True_, 0.1, (2, 3), np), TypeError, "^key: expected an int .*got bool"),
+        (lambda: B.keep_mask(np.True_, 0.1, (2, 3), np), TypeError, "^key: expected an int .*got numpy.bool"),
         (lambda: B.keyed_keep_mask(1, 0.1, [], np.arange(2), np.arange(3), out=np.empty((2, 3), np.uint8)),
          ValueError, r"^out: expected a numpy bool array of shape \(2, 3\), got ndarray uint8"),
         (lambda: B.keep_mask(1, 0.1, (2, -3), np), ValueError, "^shape: expected a sequence of ints >= 0"),

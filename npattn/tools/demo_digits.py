@@ -38,7 +38,7 @@ import numpy as np
 from .. import nn
 from ..backend import from_numpy, to_numpy
 from ..classifier import TransformerClassifier
-from ..validation import check_positive_int
+from ..validation import check_positive_int, described
 from .demo import heatmap_figure
 from .progress import ProgressBar
 
@@ -128,8 +128,7 @@ def load_digits_data(patch: int = 2, val_fraction: float = 0.2, seed: int = 0) -
     if patch not in PATCHES:
         raise ValueError(f"patch: expected one of {list(PATCHES)}, got {patch!r}")
     if isinstance(val_fraction, (bool, np.bool_)) or not isinstance(val_fraction, numbers.Real):
-        raise TypeError(f"val_fraction: expected a number in (0, 1), got "
-                        f"{type(val_fraction).__name__} {val_fraction!r}")
+        raise TypeError(f"val_fraction: expected a number in (0, 1), got {described(val_fraction)}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction: expected a number in (0, 1), got {val_fraction!r}")
     try:

@@ -1,0 +1,47 @@
+"""How an error message says what it received.
+
+Every ``TypeError`` / ``ValueError`` of npattn names the argument, what was
+expected and what was received; the last part is written with these two
+functions, so that a value reads the same in every message ('int 3',
+"str 'a'", 'type numpy.int32', 'None'). They import nothing of npattn, so
+the lowest module (``npattn.backend``) words its messages with them too;
+``npattn.validation`` hands them on under the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["type_name", "described"]
+
+
+def type_name(x: Any) -> str:
+    """How to call ``x`` in a message: 'numpy.ndarray', 'list', 'None'..."""
+    if x is None:
+        return "None"
+    t = type(x)
+    if t.__module__ in ("builtins",):
+        return t.__name__
+    return f"{t.__module__.split('.')[0]}.{t.__name__}"
+
+
+def _class_name(c: type) -> str:
+    """A class as a user writes it: 'numpy.int32', 'jax.numpy.int32', 'int' (the module path up
+    to its first private part, as in 'numpy._core...')."""
+    public = []
+    for part in str(getattr(c, "__module__", "builtins")).split("."):
+        if part.startswith("_"):
+            break
+        public.append(part)
+    module = ".".join(public)
+    return c.__qualname__ if module in ("", "builtins") else f"{module}.{c.__qualname__}"
+
+
+def described(x: Any) -> str:
+    """How a message says what it got: the type and the value ('int 3', "str 'a'"), a class
+    by its name ('type numpy.int32', not its repr "<class 'numpy.int32'>"), or 'None'."""
+    if x is None:
+        return "None"
+    if isinstance(x, type):
+        return f"type {_class_name(x)}"
+    return f"{type_name(x)} {x!r}"
