@@ -128,6 +128,12 @@ class TransformerClassifier(BlockStack):
         n_layers = V.check_positive_int("n_layers", n_layers)
         if seed is not None:
             seed = V.check_size("seed", seed, maximum=None)
+        # the embedding, positions and head are drawn in float64: arrays that can exist (the
+        # blocks check their own)
+        D = V.check_positive_int("d_model", d_model)
+        V.check_array_bytes(["d_model", "n_features"], (D, n_features), 8, "the weight embed.weight")
+        V.check_array_bytes(["seq_len", "d_model"], (seq_len, D), 8, "the positions pos")
+        V.check_array_bytes(["n_classes", "d_model"], (n_classes, D), 8, "the weight head.weight")
         own_seq, *block_seqs = np.random.SeedSequence(seed).spawn(n_layers + 1)
         # the blocks check d_model, n_head, d_ff, dropout, activation, norm_first, eps, dtype, backend
         self.blocks = [

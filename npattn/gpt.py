@@ -160,6 +160,11 @@ class GPT(BlockStack):
             raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
                              f"written for them; the blocks alone take half precision), got {dtype!r}")
         _check_seed("seed", seed)
+        # wte (V, D) and wpe (block_size, D) are drawn in float64: arrays that can exist (the
+        # blocks check their own)
+        d_model = V.check_positive_int("d_model", d_model)
+        V.check_array_bytes(["vocab_size", "d_model"], (vocab_size, d_model), 8, "the embedding wte")
+        V.check_array_bytes(["block_size", "d_model"], (block_size, d_model), 8, "the positions wpe")
         given = isinstance(seed, np.random.SeedSequence)
         root = copy.deepcopy(seed) if given else np.random.SeedSequence(seed)
         seqs = root.spawn(n_layer + 2)

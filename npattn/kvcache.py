@@ -95,7 +95,7 @@ class KVCache:
                  device: Any = None):
         xp = resolve_backend(backend)
         # Python ints from here on (a NumPy int would wrap in the arithmetic below); no bound
-        # here: the buffer-size check below names all five sizes
+        # here: the buffer-size checks below name the sizes of a buffer that cannot exist
         batch_size = V.check_positive_int("batch_size", batch_size, maximum=None)
         capacity = V.check_positive_int("capacity", capacity, maximum=None)
         num_kv_heads = V.check_positive_int("num_kv_heads", num_kv_heads, maximum=None)
@@ -108,12 +108,10 @@ class KVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.value_dim = self.head_dim if value_dim is None else value_dim
         B, Hkv, C = self.batch_size, self.num_kv_heads, self.capacity
-        entries = B * Hkv * C * max(self.head_dim, self.value_dim)
-        if entries >= 2**62:  # beyond what any library indexes (NumPy's own message names nothing)
-            raise ValueError(f"batch_size, num_kv_heads, capacity, head_dim and value_dim: expected "
-                             f"buffers of fewer than 2**62 entries, got batch_size "
-                             f"{B} x num_kv_heads {Hkv} x capacity {C} x head width "
-                             f"{max(self.head_dim, self.value_dim)}")
+        itemsize, sizes = xp.finfo(self.dtype).bits // 8, ["batch_size", "num_kv_heads", "capacity"]
+        V.check_array_bytes(sizes + ["head_dim"], (B, Hkv, C, self.head_dim), itemsize, "the key buffer")
+        V.check_array_bytes(sizes + ["head_dim" if value_dim is None else "value_dim"],
+                            (B, Hkv, C, self.value_dim), itemsize, "the value buffer")
         V.check_device(xp, device)  # a device the backend lacks: named, before the buffers are made
         self._k = xp.zeros((B, Hkv, C, self.head_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dh]
         self._v = xp.zeros((B, Hkv, C, self.value_dim), dtype=self.dtype, device=device)  # [B, Hkv, C, Dv]

@@ -923,7 +923,25 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
         raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
     if seed is not None:  # an int, as the blocks' and models' seeds (SeedSequence takes lists too)
         V.check_size("seed", seed, maximum=None)
+    check_weight_sizes(d_model=d_model, n_head=n_head, kdim=kdim, vdim=vdim,
+                       qdim=layer_args.get("qdim"), n_kv_head=n_kv_head)
     return V.float_dtype_name(xp, dtype)
+
+
+def check_weight_sizes(*, d_model: int, n_head: int, kdim: Optional[int], vdim: Optional[int],
+                       qdim: Optional[int], n_kv_head: Optional[int]) -> None:
+    """A ``ValueError`` naming the sizes of a weight that would be an array that cannot exist
+    (``V.check_array_bytes``; drawn in float64, 8 bytes an entry). The sizes are checked ints."""
+    D = int(d_model)
+    Dkv = D if n_kv_head is None else int(n_kv_head) * (D // int(n_head))
+    kv = ["d_model"] if n_kv_head is None else ["d_model", "n_kv_head"]  # what Dkv comes from
+    for weight, rows, row_names, width, width_name in (("w_q", D, ["d_model"], qdim, "qdim"),
+                                                       ("w_k", Dkv, kv, kdim, "kdim"),
+                                                       ("w_v", Dkv, kv, vdim, "vdim"),
+                                                       ("w_o", D, ["d_model"], None, "")):
+        names = row_names if width is None else row_names + [width_name]
+        shape = (rows, D if width is None else int(width))  # [out, in]
+        V.check_array_bytes(names, shape, 8, f"the weight {weight}")
 
 
 def check_softcap(softcap: Any) -> None:

@@ -295,6 +295,10 @@ class _Block(abc.ABC):
         Ly.check_eps("layer_norm_eps", layer_norm_eps)  # a positive finite float; the dtype's range below
         if seed is not None:
             seed = V.check_size("seed", seed, maximum=None)
+        # linear1.weight (F, D) and linear2.weight (D, F) are drawn in float64: arrays that can exist
+        D = V.check_positive_int("d_model", d_model)
+        V.check_array_bytes(["d_model"] if d_ff is None else ["d_model", "d_ff"],
+                            (4 * D if d_ff is None else d_ff, D), 8, "the weight linear1.weight")
         seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)
         attn_seeds = [int(s.generate_state(1)[0]) for s in seqs[: len(self._ATTNS)]]
         # the attention modules check d_model, n_head, dropout, dtype and backend

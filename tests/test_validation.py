@@ -1581,6 +1581,53 @@ def test_a_bound_is_named_as_the_bound_it_is():
         V.check_number("lr", -1.0, allow_zero=True)
 
 
+def test_an_array_that_cannot_exist_is_told_from_one_that_does_not_fit_in_memory():
+    """The largest array holds sys.maxsize bytes: up to it an array can exist (2**20 x 2**20
+    float64, 8 TiB, is left to the library's MemoryError), one byte more is refused, naming
+    the sizes, the shape, the bytes asked for and the limit."""
+    import sys
+
+    from npattn import validation as V
+
+    assert V.MAX_BYTES == sys.maxsize
+    V.check_array_bytes(["n"], (sys.maxsize,), 1, "a byte array")
+    V.check_array_bytes(["Lq", "Lk"], (2**20, 2**20), 8, "a float64 array")
+    with pytest.raises(ValueError, match=rf"^a, b and c: expected sizes for which the buffer of shape "
+                                         rf"\(2, 1, {2**62}\) \(1 byte an entry\) fits in {sys.maxsize} "
+                                         rf"bytes \(the largest array\), got {2**63} bytes$"):
+        V.check_array_bytes(["a", "b", "c"], (2, 1, 2**62), 1, "the buffer")
+
+
+@pytest.mark.parametrize("call, names, nbytes", [
+    (lambda: MultiHeadAttention(2**32, 1), "d_model", 2**32 * 2**32 * 8),  # w_q (D, D)
+    (lambda: MultiHeadAttention(8, 2, qdim=2**62), "d_model and qdim", 8 * 2**62 * 8),
+    (lambda: MultiHeadAttention(8, 2, kdim=2**62), "d_model and kdim", 8 * 2**62 * 8),
+    (lambda: MultiHeadAttention(8, 4, n_kv_head=2, vdim=2**62), "d_model, n_kv_head and vdim",
+     4 * 2**62 * 8),  # w_v (n_kv_head * Dh, vdim)
+    (lambda: npattn.transformer.TransformerBlock(8, 2, 2**61), "d_model and d_ff", 2**61 * 8 * 8),
+    (lambda: npattn.transformer.TransformerDecoderBlock(2**31, 2), "d_model",
+     4 * 2**31 * 2**31 * 8),  # linear1 (4 D, D)
+    (lambda: npattn.gpt.GPT(2**61, 4, 8, 1, 2), "vocab_size and d_model", 2**61 * 8 * 8),
+    (lambda: npattn.gpt.GPT(4, 2**61, 8, 1, 2), "block_size and d_model", 2**61 * 8 * 8),
+    (lambda: npattn.classifier.TransformerClassifier(2**61, 4, 2, 8, 2), "d_model and n_features",
+     8 * 2**61 * 8),
+    (lambda: npattn.classifier.TransformerClassifier(4, 2**61, 2, 8, 2), "seq_len and d_model",
+     2**61 * 8 * 8),
+    (lambda: npattn.classifier.TransformerClassifier(4, 4, 2**61, 8, 2), "n_classes and d_model",
+     2**61 * 8 * 8),
+])
+def test_sizes_whose_parameters_cannot_exist_are_named(call, names, nbytes):
+    """A constructor whose parameters (drawn in float64) would be an array larger than the
+    largest one names the sizes, the bytes and the limit, before it makes anything (NumPy's
+    "array is too big" named no argument)."""
+    import sys
+
+    with pytest.raises(ValueError, match=rf"^{names}: expected sizes for which .* \(8 bytes an entry\) "
+                                         rf"fits in {sys.maxsize} bytes \(the largest array\), "
+                                         rf"got {nbytes} bytes$"):
+        call()
+
+
 def test_a_wrong_cache_names_the_forward_that_makes_it():
     """A backward given something else than its cache says which cache it takes and which
     forward returns it, and what it got."""
