@@ -51,6 +51,20 @@ def _check_length(name: str, n: Any, *, axis: bool = True) -> int:
     return V.check_size(name, n, maximum=V.MAX_AXIS if axis else None)
 
 
+def _index_dtype(xp: Any, **lengths: int) -> Any:
+    """The dtype of the positions ``arange(L)`` on ``xp`` (``widest_int``: int64, int32 on JAX
+    without x64), after a ``ValueError`` naming a length it cannot hold: an ``arange`` past its
+    largest value would wrap, and the mask would be wrong without a word."""
+    index = widest_int(xp)
+    top = int(xp.iinfo(index).max)
+    for name, n in lengths.items():
+        if n > top:
+            raise ValueError(f"{name}: expected a length of at most {top}, the largest "
+                             f"{V.dtype_name(index)} (the positions' dtype on backend "
+                             f"{backend_name(xp)!r}; on JAX, jax_enable_x64 gives int64), got {n}")
+    return index
+
+
 def causal(Lq: int, Lk: int, align: str = "top_left", *, xp: Any = None, device: Any = None) -> Any:
     """Causal mask, True = may attend.  # -> [Lq, Lk] bool
 
@@ -104,9 +118,12 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     V.check_choice("align", align, V.ALIGNS)
     xp = _namespace_or(xp)
     V.check_device(xp, device)
+    index = _index_dtype(xp, Lq=Lq, Lk=Lk)
+    V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), xp.iinfo(index).bits // 8,
+                        "the position differences j - i")  # the largest array made below
     offset = 0 if align == "top_left" else Lk - Lq
-    i = xp.arange(Lq, device=device)  # [Lq]
-    j = xp.arange(Lk, device=device)  # [Lk]
+    i = xp.arange(Lq, dtype=index, device=device)  # [Lq]
+    j = xp.arange(Lk, dtype=index, device=device)  # [Lk]
     d = xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) - offset  # [Lq, Lk]: j - (i + o)
     allowed = xp.ones((Lq, Lk), dtype=xp.bool, device=device)
     if right is not None:
@@ -179,7 +196,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
             raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {seq}")
         xp = _namespace_or(given_xp)
         V.check_device(xp, device)
-        lengths = xp.asarray(seq, dtype=widest_int(xp), device=device)  # [B]
+        lengths = xp.asarray(seq, dtype=_index_dtype(xp, Lk=Lk), device=device)  # [B]
     else:
         V.check_array("lengths", lengths)  # (a masked array's mask would be ignored)
         if given_xp is not None and backend_name(given_xp) != backend_name(lxp):
@@ -194,11 +211,14 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
         device = device_of(lengths)
     if lengths.ndim != 1:
         raise ValueError(f"lengths: expected shape (B,), got shape {tuple(lengths.shape)}")
+    index = _index_dtype(xp, Lk=Lk)
+    V.check_array_bytes(["Lk"], (Lk,), xp.iinfo(index).bits // 8, "the key positions")
+    V.check_array_bytes(["lengths", "Lk"], (int(lengths.shape[0]), 1, 1, Lk), 1, "the mask")
     host = to_numpy(lengths)
     if host.size and (host.min() < 0 or host.max() > Lk):
         raise ValueError(f"lengths: expected values in [0, Lk={Lk}], got {host.tolist()}")
-    lengths = xp.astype(lengths, widest_int(xp))  # a small integer dtype would wrap in arange(Lk)
-    j = xp.arange(Lk, dtype=widest_int(xp), device=device)  # [Lk]
+    lengths = xp.astype(lengths, index)  # a small integer dtype would wrap in arange(Lk)
+    j = xp.arange(Lk, dtype=index, device=device)  # [Lk]
     keep = xp.expand_dims(j, axis=0) < xp.expand_dims(lengths, axis=1)  # [B, Lk]
     return xp.reshape(keep, (lengths.shape[0], 1, 1, Lk))  # [B, 1, 1, Lk]
 

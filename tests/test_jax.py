@@ -162,6 +162,28 @@ def test_float64_without_x64_is_a_clear_error():
     assert m.params["w_q"].dtype == jnp.float32
 
 
+def test_mask_lengths_past_int32_without_x64_are_refused_before_any_array_is_made():
+    """Without x64 JAX's positions are int32: arange(2**31) would wrap and the mask would be
+    wrong without a word. A length past 2**31 - 1 is refused by name, before anything is made
+    (the lengths here fail the size check as well, were this check gone: nothing is allocated);
+    with x64 the positions are int64 and the same lengths fail only as arrays that cannot exist."""
+    from npattn import masks
+
+    jax.config.update("jax_enable_x64", False)
+    past = 2**31  # one past int32's largest value
+    for build, name in ((lambda: masks.causal(past, past, xp="jax"), "Lq"),
+                        (lambda: masks.window(2, 2**61, 1, 1, xp="jax"), "Lk"),
+                        (lambda: masks.padding([0, 1], 2**61, xp="jax"), "Lk"),
+                        (lambda: masks.padding(jnp.asarray([0, 1]), 2**61), "Lk")):
+        with pytest.raises(ValueError, match=rf"^{name}: expected a length of at most {2**31 - 1}, the "
+                                             rf"largest int32 .*jax_enable_x64.*, got \d+$"):
+            build()
+    jax.config.update("jax_enable_x64", True)
+    with pytest.raises(ValueError, match=r"^Lq and Lk: expected sizes for which .* \(8 bytes an entry\)"):
+        masks.causal(past, past, xp="jax")
+    assert masks.causal(3, 4, xp="jax").shape == (3, 4)
+
+
 def test_positions_without_x64_take_their_angles_in_float64():
     """JAX without x64 has no float64: rope's and the sinusoidal encoding's angles are taken
     on the host in float64, so float32 results are as close as NumPy's float32 ones (in

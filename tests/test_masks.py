@@ -247,6 +247,28 @@ def test_padding_bad_arguments():
                                   [[True, False, False], [True, True, False]])
 
 
+@pytest.mark.parametrize("build, match", [
+    (lambda xp: masks.causal(2**40, 2**40, xp=xp),
+     rf"^Lq and Lk: expected sizes for which .* of shape \({2**40}, {2**40}\) \(8 bytes an entry\)"),
+    (lambda xp: masks.causal(3, 2**62, "bottom_right", xp=xp), rf"^Lq and Lk: .*got {3 * 2**62 * 8} bytes$"),
+    (lambda xp: masks.window(2**40, 2**31, 1, None, xp=xp), r"^Lq and Lk: expected sizes"),
+    (lambda xp: masks.padding([1, 1], 2**62, xp=xp),
+     rf"^Lk: expected sizes for which the key positions of shape \({2**62},\) .*got {2**65} bytes$"),
+    (lambda xp: masks.padding([0] * 16, 2**59, xp=xp),  # positions of 2**62 bytes, a mask of 2**63
+     rf"^lengths and Lk: expected sizes for which the mask of shape \(16, 1, 1, {2**59}\) "
+     r"\(1 byte an entry\)"),
+])
+def test_a_mask_that_cannot_exist_is_refused_naming_its_sizes(backend, build, match):
+    """A mask, or the positions it is built from, larger than the largest array (sys.maxsize
+    bytes) is refused before anything is made, naming the sizes (NumPy's "array is too big"
+    named none); the limit is said too."""
+    import sys
+
+    with pytest.raises(ValueError, match=match) as info:
+        build(backend)
+    assert f"fits in {sys.maxsize} bytes (the largest array)" in str(info.value)
+
+
 def test_masks_on_strict_second_device():
     xps = pytest.importorskip("array_api_strict")
     dev = xps.Device("device1")
