@@ -245,7 +245,7 @@ def check_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool =
                         scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, rng=rng)
     if workspace is not None and not isinstance(workspace, numpy_kernel.Workspace):
         raise TypeError(f"workspace: expected an npattn.attention.Workspace or None, "
-                        f"got {type(workspace).__name__}")
+                        f"got {V.type_name(workspace)}")
     V.check_positive_int("block_q", block_q, allow_none=True)  # the blocked and chunked paths';
     V.check_positive_int("block_k", block_k, allow_none=True)  # chunked's tasks run them later
     G = F.gqa_groups(q, k, v, enable_gqa)
@@ -356,7 +356,7 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
     kinds = (numpy_kernel.NumpySDPACache, blocked.BlockedSDPACache, chunked.ChunkedSDPACache,
              F.SDPACache)
     if not isinstance(cache, kinds):
-        raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+        raise TypeError(f"cache: expected the cache of an sdpa_forward, got {V.type_name(cache)}")
     dout, dlse = without_empty_chunks(dout), without_empty_chunks(dlse)  # as in the forward
     if isinstance(cache, F.SDPACache):  # the reference checks its own arguments
         with exclusive():
@@ -411,7 +411,7 @@ def dropout_keep_mask(cache: Any) -> Any:
             return None
         xp = namespace(cache.probs)
         return xp.broadcast_to(keep, tuple(cache.probs.shape))
-    raise TypeError(f"cache: expected the cache of an sdpa_forward, got {type(cache).__name__}")
+    raise TypeError(f"cache: expected the cache of an sdpa_forward, got {V.type_name(cache)}")
 
 
 def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, F.LinearCache]:

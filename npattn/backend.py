@@ -64,7 +64,7 @@ import array_api_compat
 import array_api_compat.numpy
 import numpy as np
 
-from .messages import described
+from .messages import described, type_name
 
 __all__ = [
     "isdtype",
@@ -161,7 +161,7 @@ def resolve_backend(backend: Any, name: str = "backend") -> Any:
     if not isinstance(backend, str):
         raise TypeError(
             f"{name}: expected one of {sorted(BACKENDS)} or a namespace module, "
-            f"got {type(backend).__name__}"
+            f"got {type_name(backend)}"
         )
     if backend not in BACKENDS:
         raise ValueError(f"{name}: expected one of {sorted(BACKENDS)}, got {backend!r}")
@@ -188,7 +188,7 @@ def device_of(x: Any) -> Any:
     if type(x) is np.ndarray:
         return "cpu"  # array_api_compat.device's answer for a NumPy array
     if not array_api_compat.is_array_api_obj(x):
-        raise TypeError(f"x: expected an array, got {type(x).__name__}")
+        raise TypeError(f"x: expected an array, got {type_name(x)}")
     return array_api_compat.device(x)
 
 
@@ -268,7 +268,7 @@ def to_numpy(x: Any) -> np.ndarray:
     if array_api_compat.is_jax_array(x):  # not DLPack, which carries no bfloat16: JAX's own
         return np.array(x, copy=True)  # host copy (bfloat16 as ml_dtypes' bfloat16)
     if not array_api_compat.is_array_api_obj(x):
-        raise TypeError(f"x: expected an array, got {type(x).__name__}")
+        raise TypeError(f"x: expected an array, got {type_name(x)}")
     try:
         return np.array(np.from_dlpack(x), copy=True)
     except BufferError:  # NumPy before 2.1 exports no read-only array (array_api_strict's
@@ -488,8 +488,9 @@ def keyed_keep_mask(key: int, p: float, lead: Sequence[Any], rows: Any, cols: An
     if out is None:
         out = np.empty(shape, dtype=np.bool_)
     elif not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == shape):
-        raise ValueError(f"out: expected a numpy bool array of shape {shape}, got "
-                         f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
+        got = (f"dtype {out.dtype} and shape {out.shape}" if isinstance(out, np.ndarray)
+               else type_name(out))
+        raise ValueError(f"out: expected a numpy bool array of shape {shape}, got {got}")
     return _draw_keep(np, key, p, lead, rows, cols, out, KEEP_SLAB)
 
 

@@ -667,9 +667,9 @@ def _forward_pair(result):
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         if isinstance(result, (tuple, list)):
             n = len(result)
-            got = f"a {type(result).__name__} of {n} item{'s' if n != 1 else ''}"
+            got = f"a {V.type_name(result)} of {n} item{'s' if n != 1 else ''}"
         else:
-            got = type(result).__name__
+            got = V.type_name(result)
             shape = getattr(result, "shape", None)
             if shape is not None:
                 got += f" of shape {tuple(shape)}"
@@ -680,7 +680,7 @@ def _forward_pair(result):
     out, cache = result
     if not hasattr(out, "shape"):
         raise TypeError(
-            f"forward: expected (out, cache) with out an array, got out of type {type(out).__name__}"
+            f"forward: expected (out, cache) with out an array, got out of type {V.type_name(out)}"
         )
     return out, cache
 

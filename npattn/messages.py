@@ -16,9 +16,12 @@ __all__ = ["type_name", "described"]
 
 
 def type_name(x: Any) -> str:
-    """How to call ``x`` in a message: 'numpy.ndarray', 'list', 'None'..."""
+    """How to call ``x`` in a message: 'numpy.ndarray', 'list', 'None'...; a class by its name
+    ('type numpy.int32', where its type alone would read 'type')."""
     if x is None:
         return "None"
+    if isinstance(x, type):
+        return f"type {_class_name(x)}"
     t = type(x)
     if t.__module__ in ("builtins",):
         return t.__name__
@@ -40,8 +43,6 @@ def _class_name(c: type) -> str:
 def described(x: Any) -> str:
     """How a message says what it got: the type and the value ('int 3', "str 'a'"), a class
     by its name ('type numpy.int32', not its repr "<class 'numpy.int32'>"), or 'None'."""
-    if x is None:
-        return "None"
-    if isinstance(x, type):
-        return f"type {_class_name(x)}"
+    if x is None or isinstance(x, type):
+        return type_name(x)
     return f"{type_name(x)} {x!r}"

@@ -527,7 +527,7 @@ class MultiHeadAttention:
     @cache.setter
     def cache(self, value):
         if value is not None and not isinstance(value, MHACache):
-            raise TypeError(f"cache: expected an MHACache or None, got {type(value).__name__}")
+            raise TypeError(f"cache: expected an MHACache or None, got {V.type_name(value)}")
         if value is not None and value.owner is not self._token:
             raise TypeError("cache: expected a cache of this module's own forwards (or None), got "
                             "one another module made (its backward would differentiate that "
@@ -1370,7 +1370,7 @@ def check_params_assignment(new: Any, current: dict, xp: Any) -> None:
     """
     if not isinstance(new, dict):
         raise TypeError(f"params: expected a dict of arrays with the keys {list(current)}, got "
-                        f"{type(new).__name__}")
+                        f"{V.type_name(new)}")
     if set(new) != set(current):
         missing = [k for k in current if k not in new]
         unexpected = sorted(set(new) - set(current), key=str)  # key=str: a key may be no string
@@ -1478,12 +1478,12 @@ def read_save_header(label: str, entry: Any, *, fmt: str = SAVE_FORMAT, version:
         raise ValueError(f"{label}: expected the 'config' entry to be JSON, could not parse it "
                          f"({exc})") from exc
     if not isinstance(header, dict) or header.get("format") != fmt:
-        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        got = header.get("format") if isinstance(header, dict) else V.type_name(header)
         raise ValueError(f"{label}: expected format {fmt!r} (a file of {writer}), got {got!r}")
     got_version = header.get("format_version")
     if type(got_version) is not int:  # JSON 1.0 is a float and true a bool, both equal to 1
         raise ValueError(f"{label}: expected format_version {version} (a JSON integer, the one this "
-                         f"npattn reads), got {got_version!r} ({type(got_version).__name__})")
+                         f"npattn reads), got {got_version!r} ({V.type_name(got_version)})")
     if got_version > version:
         raise ValueError(f"{label}: expected format_version {version} (the one this npattn reads), "
                          f"got {got_version}: the file is newer than this npattn; load it with the "

@@ -613,7 +613,7 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     torch does; 300 squared overflows float16), then scaled in their own dtype.
     """
     if not isinstance(grads, dict):
-        raise TypeError(f"grads: expected a dict of arrays, got {type(grads).__name__}")
+        raise TypeError(f"grads: expected a dict of arrays, got {Vd.type_name(grads)}")
     for k, g in grads.items():
         if g is not None:
             Vd.check_floating_array(f"grads[{k!r}]", g)

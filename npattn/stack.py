@@ -123,7 +123,7 @@ class BlockStack:
                             f"block), got {V.type_name(dropout_masks)}")
         if len(dropout_masks) != n_layers:
             raise ValueError(f"dropout_masks: expected a list of {n_layers} dicts or None (one per "
-                             f"block), got a {type(dropout_masks).__name__} of length {len(dropout_masks)}")
+                             f"block), got a {V.type_name(dropout_masks)} of length {len(dropout_masks)}")
         shapes = self.site_shapes(B, L)
         device = device_of(next(iter(self._own.values())))
         for n, masks in enumerate(dropout_masks):
@@ -228,7 +228,7 @@ class BlockStack:
         if states is not None:
             if not isinstance(states, list) or len(states) != len(model.blocks):
                 got = (f"a list of {len(states)}" if isinstance(states, list)
-                       else f"{states!r} ({type(states).__name__})")
+                       else f"{states!r} ({V.type_name(states)})")
                 raise ValueError(f"{label}: expected 'block_rng_states' in the header to be null or a "
                                  f"list of {len(model.blocks)} generator states (one per block), got {got}")
             for n, (block, state) in enumerate(zip(model.blocks, states)):

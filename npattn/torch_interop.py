@@ -79,7 +79,7 @@ def _check_torch_compatible(mha) -> None:
     """torch's MultiheadAttention has no qdim, no GQA, no sinks and one bias flag."""
     lacking = [a for a in _LAYOUT if not hasattr(mha, a)]
     if lacking:
-        raise TypeError(f"mha: expected an npattn MultiHeadAttention, got {type(mha).__name__} "
+        raise TypeError(f"mha: expected an npattn MultiHeadAttention, got {V.type_name(mha)} "
                         f"(without {', '.join(lacking)})")
     if mha.qdim != mha.d_model:
         raise ValueError(
@@ -147,7 +147,7 @@ def host_tensor(name: str, value: Any) -> np.ndarray:
     """``state_dict[name]`` as a host NumPy copy (bfloat16 widened to float32, exactly); a
     ``TypeError`` naming it unless it is a floating tensor or array."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {type(value).__name__}")
+        raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {V.type_name(value)}")
     try:
         a = _host(value)
     except (NotImplementedError, RuntimeError, TypeError, ValueError) as exc:  # e.g. torch's meta

@@ -414,7 +414,7 @@ class _Block(abc.ABC):
         if dropout_masks is None:
             return
         if not isinstance(dropout_masks, dict):
-            raise TypeError(f"dropout_masks: expected a dict or None, got {type(dropout_masks).__name__}")
+            raise TypeError(f"dropout_masks: expected a dict or None, got {V.type_name(dropout_masks)}")
         unknown = sorted(set(dropout_masks) - set(self._SITES), key=str)  # a key may be no string
         if unknown:
             raise ValueError(f"dropout_masks: expected keys among {list(self._SITES)}, got {unknown}")

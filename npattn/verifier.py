@@ -1052,7 +1052,7 @@ def _kernel_options(inp: CaseInputs, cfg: _Config, sinks: Any, mask: Any = None)
         out = adapter(kw)
         if not isinstance(out, Mapping):
             raise TypeError(f"adapter: expected it to return a mapping of keywords, got "
-                            f"{type(out).__name__}")
+                            f"{type_name(out)}")
         return dict(out)
     renamed = {}
     for name, val in kw.items():
@@ -1068,26 +1068,26 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
     if cfg.backward is None and not cfg.returns_lse:
         if isinstance(result, (tuple, list)):
             raise TypeError(f"fn: expected it to return out, an array, got a "
-                            f"{type(result).__name__} of {len(result)}; "
+                            f"{type_name(result)} of {len(result)}; "
                             "a kernel that returns (out, lse) needs "
                             f"{_setting('returns_lse', True, cfg.flags)}")
         return _checked_out(result), None, ()
     if not isinstance(result, (tuple, list)) or len(result) < n_head:
         want = "(out, lse" if cfg.returns_lse else "(out"
         want += ", *saved)" if cfg.backward is not None else ")"
-        raise TypeError(f"fn: expected it to return {want}, got {type(result).__name__}")
+        raise TypeError(f"fn: expected it to return {want}, got {type_name(result)}")
     saved = tuple(result[n_head:])
     if cfg.backward is None and saved:
         raise TypeError(f"fn: expected it to return (out, lse) with "
                         f"{_setting('returns_lse', True, cfg.flags)}, got a "
-                        f"{type(result).__name__} of {len(result)}")
+                        f"{type_name(result)} of {len(result)}")
     return _checked_out(result[0]), (result[1] if cfg.returns_lse else None), saved
 
 
 def _checked_out(out: Any) -> Any:
     """``out`` when it is an array, else a ``TypeError`` that says what ``fn`` returned."""
     if not (hasattr(out, "shape") and hasattr(out, "dtype")):
-        raise TypeError(f"fn: expected out to be an array, got {type(out).__name__}")
+        raise TypeError(f"fn: expected out to be an array, got {type_name(out)}")
     return out
 
 
@@ -1104,7 +1104,7 @@ def _grads_of(g: Any) -> dict:
         return {**dict.fromkeys(GRADS), **dict(zip(names, g))}
     raise TypeError("backward: expected (dq, dk, dv), (dq, dk, dv, dsinks), (dq, dk, dv, dmask, "
                     "dsinks), a mapping or an object with attributes dq, dk, dv, got "
-                    f"{type(g).__name__}")
+                    f"{type_name(g)}")
 
 
 def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None) -> dict:
@@ -1970,7 +1970,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
     check_choice("autograd", autograd, AUTOGRADS)
     if backward is not None and not callable(backward):
         raise TypeError(f"backward: expected a callable backward(dout, *saved), got "
-                        f"{type(backward).__name__}")
+                        f"{type_name(backward)}")
     if backward is not None and autograd is not None:
         raise ValueError(f"backward, autograd: expected one source of gradients, got both "
                          f"(backward={_describe_callable(backward)}, autograd={autograd!r})")
@@ -1982,7 +1982,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
     check_choice("align", align, ALIGNS)
     if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
         raise TypeError(f"adapter: expected None, a mapping {{npattn name: kernel name or None}} "
-                        f"or a callable(options) -> keywords, got {type(adapter).__name__}")
+                        f"or a callable(options) -> keywords, got {type_name(adapter)}")
     if isinstance(adapter, Mapping):
         _check_adapter_mapping(adapter)
     if floors is not None:
@@ -2228,7 +2228,7 @@ def verify(
     budget_factor = float(budget_factor)  # checked numbers, as Python floats from here on
     floors = None if floors is None else {k: float(v) for k, v in floors.items()}
     if not callable(fn):
-        raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type(fn).__name__}")
+        raise TypeError(f"fn: expected a callable fn(q, k, v, **options), got {type_name(fn)}")
     if flags is not None and not (isinstance(flags, Mapping)
                                   and all(isinstance(v, str) for v in flags.values())):
         raise TypeError(f"flags: expected None or a mapping of keyword names to flag strings, "

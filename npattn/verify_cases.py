@@ -30,7 +30,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .validation import ALIGNS, check_choice, described
+from .validation import ALIGNS, check_choice, described, type_name
 
 __all__ = [
     "SUPPORTS",
@@ -120,7 +120,7 @@ def check_supports(supports: Any) -> tuple:
         items = list(supports)
     except TypeError:
         raise TypeError(f"supports: expected an iterable of option names, got "
-                        f"{type(supports).__name__}") from None
+                        f"{type_name(supports)}") from None
     for s in items:
         if not isinstance(s, str):
             raise TypeError(f"supports: expected names from {sorted(SUPPORTS)}, got {described(s)}")

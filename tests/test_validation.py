@@ -99,6 +99,39 @@ def test_a_class_given_for_a_value_is_named_as_written(call, name):
     assert "<class" not in message, message
 
 
+def _set_attribute(obj, name, value):
+    setattr(obj, name, value)
+
+
+def _torch_interop():
+    from npattn import torch_interop
+    return torch_interop
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda v: MultiHeadAttention(8, 2, backend=v), "backend"),
+    (lambda v: npattn.backend.keyed_keep_mask(1, 0.1, [], np.arange(2), np.arange(3), out=v), "out"),
+    (lambda v: npattn.verify_cases.check_supports(v), "supports"),
+    (lambda v: _set_attribute(MultiHeadAttention(8, 2), "cache", v), "cache"),
+    (lambda v: _set_attribute(MultiHeadAttention(8, 2), "params", v), "params"),
+    (lambda v: npattn.attention.sdpa_backward(np.ones((2, 3, 4)), v), "cache"),
+    (lambda v: npattn.attention.sdpa_forward(*[np.ones((2, 3, 4))] * 3, workspace=v), "workspace"),
+    (lambda v: npattn.attention.dropout_keep_mask(v), "cache"),
+    (lambda v: npattn.nn.clip_grad_norm(v, 1.0), "grads"),
+    (lambda v: npattn.transformer.TransformerBlock(4, 2).forward(np.ones((2, 3, 4), np.float32),
+                                                                 dropout_masks=v), "dropout_masks"),
+    (lambda v: _torch_interop().torch_state_dict_shapes(v), "mha"),
+])
+def test_a_class_given_for_an_object_is_named_as_written(call, name):
+    """A class passed where an object belongs (a backend, an array, a cache, a dict) is named
+    'type numpy.int32', as a class is named everywhere, not 'type' alone."""
+    with pytest.raises((TypeError, ValueError)) as info:  # (a wrong out= is a ValueError)
+        call(np.int32)
+    message = str(info.value)
+    assert message.startswith(f"{name}: expected "), message
+    assert "got type numpy.int32" in message, message
+
+
 @pytest.mark.parametrize(
     "backend_arg, exc, fragment",
     [("jax_or_what", ValueError, "'jax_or_what'"), (3, TypeError, "int"), (math, TypeError, "math")],
@@ -1130,7 +1163,8 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keep_mask(True, 0.1, (2, 3), np), TypeError, "^key: expected an int .*got bool True"),
         (lambda: B.keep_mask(np.True_, 0.1, (2, 3), np), TypeError, "^key: expected an int .*got numpy.bool"),
         (lambda: B.keyed_keep_mask(1, 0.1, [], np.arange(2), np.arange(3), out=np.empty((2, 3), np.uint8)),
-         ValueError, r"^out: expected a numpy bool array of shape \(2, 3\), got ndarray uint8"),
+         ValueError, r"^out: expected a numpy bool array of shape \(2, 3\), got dtype uint8 and shape "
+                     r"\(2, 3\)$"),
         (lambda: B.keep_mask(1, 0.1, (2, -3), np), ValueError, "^shape: expected a sequence of ints >= 0"),
         (lambda: B.keep_mask(1, 0.1, 5, np), TypeError, "^shape: expected a sequence of ints >= 0"),
         (lambda: B.keep_mask(1, 0.1, (2, -1), np), ValueError, "^shape: expected a sequence of ints >= 0"),
@@ -1549,6 +1583,7 @@ def test_message_pieces_name_types_values_and_dtypes_as_documented():
     assert V.type_name(np.random.default_rng(0)) == "numpy.Generator"
     assert V.type_name(np.ones(2)) == "numpy.ndarray"
     assert V.type_name([1]) == "list" and V.type_name(None) == "None"
+    assert V.type_name(np.int32) == "type numpy.int32" and V.type_name(int) == "type int"  # classes
     assert V.described(3) == "int 3" and V.described("a") == "str 'a'" and V.described(None) == "None"
     with pytest.raises(TypeError, match=r"^is_causal: expected a bool, got None$"):
         V.check_bool("is_causal", None)

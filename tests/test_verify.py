@@ -1537,7 +1537,7 @@ def test_malformed_returns_are_named():
         return tuple(npattn_backward(dout, cache))[:4]
 
     for fn, kw, text in ((pair, {}, "got a tuple of 2; a kernel that returns (out, lse) needs returns_lse=True"),
-                         (nothing, {}, "fn: expected out to be an array, got NoneType"),
+                         (nothing, {}, "fn: expected out to be an array, got None"),
                          (npattn_kernel, dict(backward=four, returns_lse=True, supports="mask_float",
                                               cases=["mask_float-65x129"]),
                           "backward: returned 4 gradients in a case without sinks")):
