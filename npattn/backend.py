@@ -76,6 +76,7 @@ __all__ = [
     "namespace",
     "resolve_backend",
     "backend_name",
+    "is_array",
     "device_of",
     "accelerator_memory",
     "check_same_device",
@@ -183,11 +184,18 @@ def backend_name(xp: Any) -> str:
     return name
 
 
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array of an Array API library; a class is not one (NumPy's scalar
+    types, ``np.float64`` and the like, carry ``__array_namespace__`` as their instances do,
+    and ``array_api_compat.is_array_api_obj`` takes them for arrays)."""
+    return not isinstance(x, type) and array_api_compat.is_array_api_obj(x)
+
+
 def device_of(x: Any) -> Any:
     """The device of array ``x``, as the Array API ``device=`` arguments take it."""
     if type(x) is np.ndarray:
         return "cpu"  # array_api_compat.device's answer for a NumPy array
-    if not array_api_compat.is_array_api_obj(x):
+    if not is_array(x):
         raise TypeError(f"x: expected an array, got {type_name(x)}")
     return array_api_compat.device(x)
 
@@ -267,7 +275,7 @@ def to_numpy(x: Any) -> np.ndarray:
         return np.array(x.compute(), copy=True)
     if array_api_compat.is_jax_array(x):  # not DLPack, which carries no bfloat16: JAX's own
         return np.array(x, copy=True)  # host copy (bfloat16 as ml_dtypes' bfloat16)
-    if not array_api_compat.is_array_api_obj(x):
+    if not is_array(x):
         raise TypeError(f"x: expected an array, got {type_name(x)}")
     try:
         return np.array(np.from_dlpack(x), copy=True)

@@ -36,10 +36,9 @@ import numbers
 import re
 from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overload
 
-import array_api_compat
 import numpy as np
 
-from .backend import (backend_name, check_rng, device_of, isdtype, keeps_dtype, namespace,
+from .backend import (backend_name, check_rng, device_of, is_array, isdtype, keeps_dtype, namespace,
                       without_empty_chunks)
 from .messages import described, type_name
 
@@ -350,7 +349,7 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
     # first: array_api_compat (1.16) takes no matrix for an array at all, which would hide the hint
     if isinstance(x, np.matrix):
         raise TypeError(f"{name}: expected a plain numpy.ndarray, got numpy.matrix; use np.asarray(a)")
-    if not array_api_compat.is_array_api_obj(x):
+    if not is_array(x):
         want = backend_name(xp) if xp is not None else ""
         expected = f"{article(want)} {want} array" if want else "an array"
         raise TypeError(f"{name}: expected {expected}, got {type_name(x)}")

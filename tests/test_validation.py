@@ -111,6 +111,12 @@ def _torch_interop():
 @pytest.mark.parametrize("call, name", [
     (lambda v: MultiHeadAttention(8, 2, backend=v), "backend"),
     (lambda v: npattn.backend.keyed_keep_mask(1, 0.1, [], np.arange(2), np.arange(3), out=v), "out"),
+    # a NumPy scalar type carries __array_namespace__ as its instances do: no array all the same
+    (lambda v: npattn.backend.to_numpy(v), "x"),
+    (lambda v: npattn.backend.device_of(v), "x"),
+    (lambda v: F.sdpa_forward(v, np.ones((2, 3, 4)), np.ones((2, 3, 4))), "q"),
+    (lambda v: MultiHeadAttention(8, 2)(np.ones((2, 3, 8), np.float32), v, v), "key"),
+    (lambda v: _torch_interop().host_tensor("w", v), "state_dict['w']"),
     (lambda v: npattn.verify_cases.check_supports(v), "supports"),
     (lambda v: _set_attribute(MultiHeadAttention(8, 2), "cache", v), "cache"),
     (lambda v: _set_attribute(MultiHeadAttention(8, 2), "params", v), "params"),
