@@ -221,6 +221,7 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     if dtype is not None:  # an integer dtype would truncate the sines to 0 and 1
         dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
     fx = float64_namespace(xp)  # xp, or NumPy on the host
+    Vd.check_array_bytes(["L", "D"], (L, D), 8, "the float64 encoding")  # (the largest array made)
     dev = device if fx is xp else None
     i = fx.astype(fx.arange(L, device=dev), fx.float64)  # [L]
     k = fx.astype(fx.arange(D, device=dev) // 2, fx.float64)  # [D]

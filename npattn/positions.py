@@ -325,6 +325,8 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     xp = resolve_backend(xp, "xp")
     Lq, Lk, offset = _check_lengths(Lq, Lk, offset)  # Python ints: Lq + Lk - 1 must not wrap
     V.check_device(xp, device)
+    V.check_array_bytes(["Lq", "Lk"], (Lq + Lk - 1,), xp.iinfo(widest_int(xp)).bits // 8,
+                        "the relative positions")
     return xp.arange(Lq + Lk - 1, dtype=widest_int(xp), device=device) - (Lq - 1 + offset)  # [T]
 
 
@@ -386,6 +388,15 @@ def _check_lengths(Lq: Any, Lk: Any, offset: Any) -> tuple[int, int, int]:
     return V.check_positive_int("Lq", Lq), V.check_positive_int("Lk", Lk), _check_int("offset", offset)
 
 
+def _check_made(names: list, xp: Any, Lq: int, Lk: int, table: Any, width: int, dtype: Any) -> None:
+    """``V.check_array_bytes`` of what a forward makes from the lengths ``names`` (checked ints):
+    the relative positions [T], the one-hot C [T, N] and the spread rows [Lq, Lk, width]."""
+    T, N, itemsize = Lq + Lk - 1, int(table.shape[0]), xp.finfo(dtype).bits // 8
+    V.check_array_bytes(names, (T,), xp.iinfo(widest_int(xp)).bits // 8, "the relative positions")
+    V.check_array_bytes(names, (T, N), itemsize, "the one-hot rows C")
+    V.check_array_bytes(names, (Lq, Lk, width), itemsize, "the spread rows")
+
+
 # --------------------------------------------------------------------------
 # Shaw et al.: a table of relative embeddings, looked up at the clipped distance
 
@@ -427,6 +438,7 @@ def relative_embedding_forward(table: Any, Lq: int, Lk: int, *, offset: int = 0
     # [N, E] -> [Lq, Lk, E]
     _check_table("table", table, odd_rows=True)
     Lq, Lk, offset = _check_lengths(Lq, Lk, offset)
+    _check_made(["Lq", "Lk"], namespace(table), Lq, Lk, table, int(table.shape[1]), table.dtype)
     return _relative_embedding(table, Lq, Lk, offset)
 
 
@@ -539,6 +551,7 @@ def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, off
     xp = namespace(q, table)
     in_dtype = q.dtype
     work = compute_dtype(xp, in_dtype)
+    _check_made(["q", "Lk"], xp, Lq, Lk, table, int(table.shape[1]), work)  # (Lq is q's)
     if work != in_dtype:
         q, table = xp.astype(q, work), xp.astype(table, work)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -713,6 +726,7 @@ def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool =
             f"table: expected enough rows (num_buckets) for max_exact = {'num_buckets // 4' if bidirectional else 'num_buckets // 2'}"
             f" >= 1 and < max_distance = {max_distance}, got shape {V.shape_of(table)}"
         )
+    _check_made(["Lq", "Lk"], xp, Lq, Lk, table, int(table.shape[1]), table.dtype)
     rel = relative_distances(xp, Lq, Lk, offset, device_of(table))  # 1.         [T]
     bucket = t5_bucket(rel, bidirectional, NB, max_distance)  # [T]
     C = _one_hot(xp, bucket, NB, table.dtype)  # 2.                                [T, NB]

@@ -906,3 +906,43 @@ def test_results_stay_on_the_device_of_the_inputs():
     out, cache = P.relative_bias_forward(put(rng.standard_normal((8, 2))), 3, 4, max_distance=6)
     dtable, _, _ = P.relative_bias_backward(put(rng.standard_normal((1, 2, 3, 4))), cache)
     assert out.device == dtable.device == dev
+
+
+@pytest.mark.parametrize("call, match", [
+    # NumPy's arange(2**63 - 1) is empty: the relative positions came back with no entry at all
+    (lambda: P.relative_distances(np, 2**62, 2**62),
+     rf"^Lq and Lk: expected sizes for which the relative positions of shape \({2**63 - 1},\) "
+     rf"\(8 bytes an entry\) .*got {(2**63 - 1) * 8} bytes$"),
+    (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 2**39, 2**39),
+     rf"^Lq and Lk: expected sizes for which the spread rows of shape \({2**39}, {2**39}, 2\) "
+     rf"\(8 bytes an entry\)"),
+    (lambda: P.relative_bias_forward(np.zeros((32, 3), np.float32), 2**39, 2**39),
+     rf"^Lq and Lk: expected sizes for which the spread rows of shape \({2**39}, {2**39}, 3\) "
+     rf"\(4 bytes an entry\)"),
+    (lambda: P.relative_scores_forward(np.zeros((1, 3, 2), np.float32), np.zeros((2**21 + 1, 2), np.float32),
+                                       2**41),  # (Lq = 3 is q's)
+     rf"^q and Lk: expected sizes for which the one-hot rows C of shape \({2**41 + 2}, {2**21 + 1}\)"),
+])
+def test_relative_positions_that_cannot_exist_are_refused_naming_the_lengths(call, match):
+    """Lengths whose relative positions, one-hot rows or spread rows would be larger than the
+    largest array (sys.maxsize bytes) are refused by name before anything is made: NumPy named
+    nothing, or made no relative position at all."""
+    import sys
+
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert f"fits in {sys.maxsize} bytes (the largest array)" in str(info.value)
+
+
+def test_a_sinusoidal_encoding_that_cannot_exist_is_refused_naming_l_and_d():
+    """An encoding (L, D) of float64 larger than the largest array is refused by name (NumPy's
+    "array is too big" named neither)."""
+    import sys
+
+    from npattn import nn
+
+    with pytest.raises(ValueError, match=rf"^L and D: expected sizes for which the float64 encoding of "
+                                         rf"shape \({2**61}, 1\) \(8 bytes an entry\) fits in {sys.maxsize} "
+                                         rf"bytes \(the largest array\), got {2**64} bytes$"):
+        nn.sinusoidal_positions("numpy", 2**61, 1)
+    assert nn.sinusoidal_positions("numpy", 3, 4).shape == (3, 4)
