@@ -84,6 +84,8 @@ __all__ = [
     "from_numpy",
     "is_floating",
     "is_bool",
+    "MAX_BYTES",
+    "check_array_bytes",
     "check_rng",
     "make_rng",
     "dropout_key",
@@ -361,6 +363,24 @@ def row_max(xp: Any, x: Any) -> Any:
     return xp.max(without_empty_chunks(x), axis=-1, keepdims=True)
 
 
+#: The most bytes one array can hold (NumPy's ``intp``, Python's ``sys.maxsize``): a
+#: larger array cannot exist at all, where NumPy says only "array is too big".
+MAX_BYTES = int(np.iinfo(np.intp).max)
+
+
+def check_array_bytes(names: Sequence[str], shape: Sequence[int], itemsize: int, what: str) -> None:
+    """``ValueError`` naming the size arguments ``names`` when ``what``, an array of ``shape``
+    (Python ints, checked) with ``itemsize`` bytes an entry, would hold more than
+    ``MAX_BYTES``: an array that cannot exist at all. Called before the array is made; one
+    that can exist but does not fit in memory is left to the library's ``MemoryError``."""
+    nbytes = math.prod(shape) * itemsize
+    if nbytes > MAX_BYTES:
+        named = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        raise ValueError(f"{named}: expected sizes for which {what} of shape {tuple(shape)} "
+                         f"({itemsize} byte{'s' if itemsize != 1 else ''} an entry) fits in "
+                         f"{MAX_BYTES} bytes (the largest array), got {nbytes} bytes")
+
+
 def check_rng(name: str, value: Any) -> None:
     """A seed as npattn documents one: None, an int >= 0, a ``SeedSequence``, ``BitGenerator``
     or ``Generator``. A ``TypeError`` naming ``name`` for anything else, a bool or a sequence
@@ -587,6 +607,8 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
     if any(n < 0 for n in shape):
         raise ValueError(f"shape: expected a sequence of ints >= 0, got {shape!r}")
     shape = tuple(int(s) for s in shape)
+    check_array_bytes(["shape"], shape, 1, "the keep-mask")
+    check_array_bytes(["shape"], (max(shape, default=1),), 8, "the coordinates of its longest axis")
     if len(shape) < 2:  # a vector: its entries are the columns of one row
         keep = keyed_keep_mask_on(key, p, [], np.arange(1), np.arange(shape[0] if shape else 1),
                                   xp, device)  # [1, n]

@@ -38,8 +38,8 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 
 import numpy as np
 
-from .backend import (backend_name, check_rng, device_of, is_array, isdtype, keeps_dtype, namespace,
-                      without_empty_chunks)
+from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_rng, device_of, is_array,
+                      isdtype, keeps_dtype, namespace, without_empty_chunks)
 from .messages import described, type_name
 
 __all__ = [
@@ -115,23 +115,6 @@ def _same_namespace(xp_a: Any, xp_b: Any) -> bool:
 #: The longest an array axis can be (NumPy's ``intp``): a size beyond it is refused by the
 #: checks below, where NumPy would say only "Maximum allowed dimension exceeded".
 MAX_AXIS = int(np.iinfo(np.intp).max)
-
-#: The most bytes one array can hold (NumPy's ``intp`` again, Python's ``sys.maxsize``): a
-#: larger array cannot exist at all, where NumPy says only "array is too big".
-MAX_BYTES = int(np.iinfo(np.intp).max)
-
-
-def check_array_bytes(names: Sequence[str], shape: Sequence[int], itemsize: int, what: str) -> None:
-    """``ValueError`` naming the size arguments ``names`` when ``what``, an array of ``shape``
-    (Python ints, checked) with ``itemsize`` bytes an entry, would hold more than
-    ``MAX_BYTES``: an array that cannot exist at all. Called before the array is made; one
-    that can exist but does not fit in memory is left to the library's ``MemoryError``."""
-    nbytes = math.prod(shape) * itemsize
-    if nbytes > MAX_BYTES:
-        named = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        raise ValueError(f"{named}: expected sizes for which {what} of shape {tuple(shape)} "
-                         f"({itemsize} byte{'s' if itemsize != 1 else ''} an entry) fits in "
-                         f"{MAX_BYTES} bytes (the largest array), got {nbytes} bytes")
 
 
 def check_bool(name: str, value: Any) -> None:

@@ -1175,6 +1175,12 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keep_mask(1, 0.1, 5, np), TypeError, "^shape: expected a sequence of ints >= 0"),
         (lambda: B.keep_mask(1, 0.1, (2, -1), np), ValueError, "^shape: expected a sequence of ints >= 0"),
         (lambda: B.keep_mask(1, 0.1, (True, 3), np), TypeError, "^shape: expected a sequence of ints >= 0"),
+        # a mask, or coordinates of an axis, larger than the largest array (NumPy named nothing)
+        (lambda: B.keep_mask(1, 0.1, (2**40, 2**40), np), ValueError,
+         rf"^shape: expected sizes for which the keep-mask of shape \({2**40}, {2**40}\) \(1 byte an entry\) "
+         rf"fits in {2**63 - 1} bytes \(the largest array\), got {2**80} bytes$"),
+        (lambda: B.keep_mask(1, 0.1, (0, 2**61), np), ValueError,
+         rf"^shape: expected sizes for which the coordinates of its longest axis of shape \({2**61},\)"),
         (lambda: B.keep_mask(1, False, (2, 3), np), TypeError, r"^p: expected a drop probability in \[0, 1\), got bool"),
         (lambda: B.keep_mask(1, True, (2, 3), np), TypeError, r"^p: expected a drop probability in \[0, 1\), got bool"),
         (lambda: B.keyed_keep_mask(1, 2.0, [], np.arange(2), np.arange(3)), ValueError, "^p: expected"),
