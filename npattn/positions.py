@@ -49,8 +49,8 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import validation as V
-from .backend import (check_same_device, device_of, float64_namespace, float64_result, is_floating, isdtype,
-                      namespace, resolve_backend, to_numpy, widest_int)
+from .backend import (backend_name, check_same_device, device_of, float64_namespace, float64_result,
+                      is_floating, isdtype, namespace, resolve_backend, to_numpy, widest_int)
 from .functional import compute_dtype, half_sum, sum_to_shape
 
 __all__ = [
@@ -325,6 +325,7 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     xp = resolve_backend(xp, "xp")
     Lq, Lk, offset = _check_lengths(Lq, Lk, offset)  # Python ints: Lq + Lk - 1 must not wrap
     V.check_device(xp, device)
+    _check_positions_fit(xp, Lq, Lk, offset)
     V.check_array_bytes(["Lq", "Lk"], (Lq + Lk - 1,), xp.iinfo(widest_int(xp)).bits // 8,
                         "the relative positions")
     return xp.arange(Lq + Lk - 1, dtype=widest_int(xp), device=device) - (Lq - 1 + offset)  # [T]
@@ -388,9 +389,27 @@ def _check_lengths(Lq: Any, Lk: Any, offset: Any) -> tuple[int, int, int]:
     return V.check_positive_int("Lq", Lq), V.check_positive_int("Lk", Lk), _check_int("offset", offset)
 
 
-def _check_made(names: list, xp: Any, Lq: int, Lk: int, table: Any, width: int, dtype: Any) -> None:
-    """``V.check_array_bytes`` of what a forward makes from the lengths ``names`` (checked ints):
-    the relative positions [T], the one-hot C [T, N] and the spread rows [Lq, Lk, width]."""
+def _check_positions_fit(xp: Any, Lq: int, Lk: int, offset: int) -> None:
+    """``ValueError`` naming Lq, Lk and offset unless the relative positions ``t - (Lq - 1 +
+    offset)``, ``t < Lq + Lk - 1``, and the counts that make them, fit the positions' dtype
+    (``widest_int``: int32 on JAX without x64, where they would wrap or fail naming nothing)."""
+    index = widest_int(xp)
+    lo, hi = int(xp.iinfo(index).min), int(xp.iinfo(index).max)
+    c = Lq - 1 + offset  # rel[t] = t - c
+    if not (Lq + Lk - 2 <= hi and lo <= c <= hi and lo <= -c and Lq + Lk - 2 - c <= hi):
+        raise ValueError(
+            f"Lq, Lk and offset: expected Lq - 1 + offset and the relative positions t - (Lq - 1 + "
+            f"offset), 0 <= t < Lq + Lk - 1, within [{lo}, {hi}] ({V.dtype_name(index)}, the "
+            f"positions' dtype on backend {backend_name(xp)!r}; on JAX, jax_enable_x64 gives int64), "
+            f"got Lq={Lq}, Lk={Lk}, offset={offset}")
+
+
+def _check_made(names: list, xp: Any, Lq: int, Lk: int, offset: int, table: Any, width: int,
+                dtype: Any) -> None:
+    """What a forward makes from the lengths ``names`` (checked ints) can exist: relative
+    positions that fit their dtype (``_check_positions_fit``), and by ``V.check_array_bytes`` the
+    relative positions [T], the one-hot C [T, N] and the spread rows [Lq, Lk, width]."""
+    _check_positions_fit(xp, Lq, Lk, offset)
     T, N, itemsize = Lq + Lk - 1, int(table.shape[0]), xp.finfo(dtype).bits // 8
     V.check_array_bytes(names, (T,), xp.iinfo(widest_int(xp)).bits // 8, "the relative positions")
     V.check_array_bytes(names, (T, N), itemsize, "the one-hot rows C")
@@ -438,7 +457,7 @@ def relative_embedding_forward(table: Any, Lq: int, Lk: int, *, offset: int = 0
     # [N, E] -> [Lq, Lk, E]
     _check_table("table", table, odd_rows=True)
     Lq, Lk, offset = _check_lengths(Lq, Lk, offset)
-    _check_made(["Lq", "Lk"], namespace(table), Lq, Lk, table, int(table.shape[1]), table.dtype)
+    _check_made(["Lq", "Lk"], namespace(table), Lq, Lk, offset, table, int(table.shape[1]), table.dtype)
     return _relative_embedding(table, Lq, Lk, offset)
 
 
@@ -551,7 +570,7 @@ def relative_scores_forward(q: Any, table: Any, Lk: Optional[int] = None, *, off
     xp = namespace(q, table)
     in_dtype = q.dtype
     work = compute_dtype(xp, in_dtype)
-    _check_made(["q", "Lk"], xp, Lq, Lk, table, int(table.shape[1]), work)  # (Lq is q's)
+    _check_made(["q", "Lk"], xp, Lq, Lk, offset, table, int(table.shape[1]), work)  # (Lq is q's)
     if work != in_dtype:
         q, table = xp.astype(q, work), xp.astype(table, work)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -726,7 +745,7 @@ def relative_bias_forward(table: Any, Lq: int, Lk: int, *, bidirectional: bool =
             f"table: expected enough rows (num_buckets) for max_exact = {'num_buckets // 4' if bidirectional else 'num_buckets // 2'}"
             f" >= 1 and < max_distance = {max_distance}, got shape {V.shape_of(table)}"
         )
-    _check_made(["Lq", "Lk"], xp, Lq, Lk, table, int(table.shape[1]), table.dtype)
+    _check_made(["Lq", "Lk"], xp, Lq, Lk, offset, table, int(table.shape[1]), table.dtype)
     rel = relative_distances(xp, Lq, Lk, offset, device_of(table))  # 1.         [T]
     bucket = t5_bucket(rel, bidirectional, NB, max_distance)  # [T]
     C = _one_hot(xp, bucket, NB, table.dtype)  # 2.                                [T, NB]

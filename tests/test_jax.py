@@ -184,6 +184,27 @@ def test_mask_lengths_past_int32_without_x64_are_refused_before_any_array_is_mad
     assert masks.causal(3, 4, xp="jax").shape == (3, 4)
 
 
+def test_relative_positions_past_int32_without_x64_are_refused_by_name():
+    """Without x64 the relative positions t - (Lq - 1 + offset) are int32: an offset or lengths
+    that take them past its range are refused naming Lq, Lk and offset (an offset of 2**40 was
+    JAX's OverflowError naming nothing), before anything is made; positions at its very end
+    are still made, exactly."""
+    from npattn import positions as P
+
+    jax.config.update("jax_enable_x64", False)
+    match = r"^Lq, Lk and offset: expected .* within \[-2147483648, 2147483647\] \(int32, .*offset=OFF$"
+    table, bias_table = jnp.zeros((5, 2)), jnp.zeros((32, 2))
+    for call, offset in ((lambda: P.relative_distances("jax", 3, 4, offset=2**40), 2**40),
+                         (lambda: P.relative_distances("jax", 2**61, 2**61), 0),
+                         (lambda: P.relative_bias_forward(bias_table, 3, 4, offset=-(2**40)), -(2**40)),
+                         (lambda: P.relative_embedding_forward(table, 3, 4, offset=2**31), 2**31)):
+        with pytest.raises(ValueError, match=match.replace("OFF", str(offset))):
+            call()
+    rel = P.relative_distances("jax", 3, 4, offset=5 - 2**31)  # t - (7 - 2**31): up to 2**31 - 2
+    assert rel.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(rel), np.arange(6) - (7 - 2**31))
+
+
 def test_positions_without_x64_take_their_angles_in_float64():
     """JAX without x64 has no float64: rope's and the sinusoidal encoding's angles are taken
     on the host in float64, so float32 results are as close as NumPy's float32 ones (in
