@@ -302,7 +302,7 @@ def _attention_on_image_figure(weights: np.ndarray, image: np.ndarray, patch: in
                 va="center", fontsize=7 if patch > 1 else 5, color="tab:red",
                 bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
     ax.set_title("image, patch numbers")
-    vmax = max(float(received.max()), 1e-12)
+    vmax = max(float(np.max(received)), 1e-12)
     im = None
     for h, ax in enumerate(list(axes.flat)[1:]):
         if h >= H:
