@@ -376,8 +376,8 @@ def check_array_bytes(names: Sequence[str], shape: Sequence[int], itemsize: int,
     nbytes = math.prod(shape) * itemsize
     if nbytes > MAX_BYTES:
         named = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        raise ValueError(f"{named}: expected sizes for which {what} of shape {tuple(shape)} "
-                         f"({itemsize} byte{'s' if itemsize != 1 else ''} an entry) fits in "
+        raise ValueError(f"{named}: expected sizes for which {what}, an array of shape {tuple(shape)} "
+                         f"({itemsize} byte{'s' if itemsize != 1 else ''} an entry), fits in "
                          f"{MAX_BYTES} bytes (the largest array), got {nbytes} bytes")
 
 

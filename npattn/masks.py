@@ -111,16 +111,17 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     mask : bool array, shape (Lq, Lk); broadcasts to (B, H, Lq, Lk).
     """
     Lq, Lk = _check_length("Lq", Lq), _check_length("Lk", Lk)
-    # a side of Lq + Lk or more leaves nothing out: capped there, so that the comparison
-    # below stays within the index dtype on every library
-    left, right = (None if side is None else min(_check_length(name, side, axis=False), Lq + Lk)
+    # |j - (i + o)| < max(Lq, Lk) in both aligns, so a side of max(Lq, Lk) or more leaves
+    # nothing out: capped there, a length the index dtype holds (checked below), so that
+    # the comparison stays within that dtype on every library (Lq + Lk may not)
+    left, right = (None if side is None else min(_check_length(name, side, axis=False), max(Lq, Lk))
                    for name, side in (("left", left), ("right", right)))
     V.check_choice("align", align, V.ALIGNS)
     xp = _namespace_or(xp)
     V.check_device(xp, device)
     index = _index_dtype(xp, Lq=Lq, Lk=Lk)
     V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), xp.iinfo(index).bits // 8,
-                        "the position differences j - i")  # the largest array made below
+                        "the mask's position differences j - i")  # the largest array made below
     offset = 0 if align == "top_left" else Lk - Lq
     i = xp.arange(Lq, dtype=index, device=device)  # [Lq]
     j = xp.arange(Lk, dtype=index, device=device)  # [Lk]

@@ -408,12 +408,15 @@ def _check_made(names: list, xp: Any, Lq: int, Lk: int, offset: int, table: Any,
                 dtype: Any) -> None:
     """What a forward makes from the lengths ``names`` (checked ints) can exist: relative
     positions that fit their dtype (``_check_positions_fit``), and by ``V.check_array_bytes`` the
-    relative positions [T], the one-hot C [T, N] and the spread rows [Lq, Lk, width]."""
+    relative positions [T], the one-hot C [T, N], the spread rows [Lq, Lk, width] and the gather
+    indices [Lq, Lk] that spread them (larger than the rows when width * itemsize < 8)."""
     _check_positions_fit(xp, Lq, Lk, offset)
     T, N, itemsize = Lq + Lk - 1, int(table.shape[0]), xp.finfo(dtype).bits // 8
-    V.check_array_bytes(names, (T,), xp.iinfo(widest_int(xp)).bits // 8, "the relative positions")
+    index_size = xp.iinfo(widest_int(xp)).bits // 8
+    V.check_array_bytes(names, (T,), index_size, "the relative positions")
     V.check_array_bytes(names, (T, N), itemsize, "the one-hot rows C")
     V.check_array_bytes(names, (Lq, Lk, width), itemsize, "the spread rows")
+    V.check_array_bytes(names, (Lq, Lk), index_size, "the gather indices of the spread")
 
 
 # --------------------------------------------------------------------------

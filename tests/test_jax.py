@@ -179,8 +179,10 @@ def test_mask_lengths_past_int32_without_x64_are_refused_before_any_array_is_mad
                                              rf"largest int32 .*jax_enable_x64.*, got \d+$"):
             build()
     jax.config.update("jax_enable_x64", True)
+    # refused by the size check alone: lengths whose positions alone cannot be mapped, so that
+    # without the check the call fails at once instead of filling memory
     with pytest.raises(ValueError, match=r"^Lq and Lk: expected sizes for which .* \(8 bytes an entry\)"):
-        masks.causal(past, past, xp="jax")
+        masks.causal(2**56, 2**56, xp="jax")
     assert masks.causal(3, 4, xp="jax").shape == (3, 4)
 
 

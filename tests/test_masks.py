@@ -84,8 +84,9 @@ def test_causal_bad_arguments():
 @example(Lq=2, Lk=4, align="bottom_right", left=0, right=1)
 def test_window_is_its_definition_for_sides_of_every_size(Lq, Lk, align, left, right):
     """Query i at key position i + o sees j with i + o - left <= j <= i + o + right, pair by
-    pair, for sides below, between and past the lengths (a side as long as Lq or Lk, but
-    short of Lq + Lk, still leaves keys out: window(5, 2, 4, None) hides key 0 from query 4)."""
+    pair, for sides below, between and past the lengths (a side longer than the shorter length
+    can still leave keys out: window(5, 2, 3, None) hides key 0 from query 4; one of
+    max(Lq, Lk) - 1 or more leaves none out, whatever the align)."""
     o = 0 if align == "top_left" else Lk - Lq
     want = np.array([[(left is None or j >= i + o - left) and (right is None or j <= i + o + right)
                       for j in range(Lk)] for i in range(Lq)], dtype=bool).reshape(Lq, Lk)
@@ -248,14 +249,14 @@ def test_padding_bad_arguments():
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda xp: masks.causal(2**40, 2**40, xp=xp),
-     rf"^Lq and Lk: expected sizes for which .* of shape \({2**40}, {2**40}\) \(8 bytes an entry\)"),
+    (lambda xp: masks.causal(2**56, 2**56, xp=xp),
+     rf"^Lq and Lk: expected sizes for which .*, an array of shape \({2**56}, {2**56}\) \(8 bytes an entry\)"),
     (lambda xp: masks.causal(3, 2**62, "bottom_right", xp=xp), rf"^Lq and Lk: .*got {3 * 2**62 * 8} bytes$"),
-    (lambda xp: masks.window(2**40, 2**31, 1, None, xp=xp), r"^Lq and Lk: expected sizes"),
+    (lambda xp: masks.window(2**56, 2**31, 1, None, xp=xp), r"^Lq and Lk: expected sizes"),
     (lambda xp: masks.padding([1, 1], 2**62, xp=xp),
-     rf"^Lk: expected sizes for which the key positions of shape \({2**62},\) .*got {2**65} bytes$"),
+     rf"^Lk: expected sizes for which the key positions, an array of shape \({2**62},\) .*got {2**65} bytes$"),
     (lambda xp: masks.padding([0] * 16, 2**59, xp=xp),  # positions of 2**62 bytes, a mask of 2**63
-     rf"^lengths and Lk: expected sizes for which the mask of shape \(16, 1, 1, {2**59}\) "
+     rf"^lengths and Lk: expected sizes for which the mask, an array of shape \(16, 1, 1, {2**59}\) "
      r"\(1 byte an entry\)"),
 ])
 def test_a_mask_that_cannot_exist_is_refused_naming_its_sizes(backend, build, match):

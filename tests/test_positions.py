@@ -911,17 +911,17 @@ def test_results_stay_on_the_device_of_the_inputs():
 @pytest.mark.parametrize("call, match", [
     # NumPy's arange(2**63 - 1) is empty: the relative positions came back with no entry at all
     (lambda: P.relative_distances(np, 2**62, 2**62),
-     rf"^Lq and Lk: expected sizes for which the relative positions of shape \({2**63 - 1},\) "
-     rf"\(8 bytes an entry\) .*got {(2**63 - 1) * 8} bytes$"),
+     rf"^Lq and Lk: expected sizes for which the relative positions, an array of shape \({2**63 - 1},\) "
+     rf"\(8 bytes an entry\), .*got {(2**63 - 1) * 8} bytes$"),
     (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 2**39, 2**39),
-     rf"^Lq and Lk: expected sizes for which the spread rows of shape \({2**39}, {2**39}, 2\) "
+     rf"^Lq and Lk: expected sizes for which the spread rows, an array of shape \({2**39}, {2**39}, 2\) "
      rf"\(8 bytes an entry\)"),
     (lambda: P.relative_bias_forward(np.zeros((32, 3), np.float32), 2**39, 2**39),
-     rf"^Lq and Lk: expected sizes for which the spread rows of shape \({2**39}, {2**39}, 3\) "
+     rf"^Lq and Lk: expected sizes for which the spread rows, an array of shape \({2**39}, {2**39}, 3\) "
      rf"\(4 bytes an entry\)"),
     (lambda: P.relative_scores_forward(np.zeros((1, 3, 2), np.float32), np.zeros((2**21 + 1, 2), np.float32),
                                        2**41),  # (Lq = 3 is q's)
-     rf"^q and Lk: expected sizes for which the one-hot rows C of shape \({2**41 + 2}, {2**21 + 1}\)"),
+     rf"^q and Lk: expected sizes for which the one-hot rows C, an array of shape \({2**41 + 2}, {2**21 + 1}\)"),
 ])
 def test_relative_positions_that_cannot_exist_are_refused_naming_the_lengths(call, match):
     """Lengths whose relative positions, one-hot rows or spread rows would be larger than the
@@ -934,6 +934,23 @@ def test_relative_positions_that_cannot_exist_are_refused_naming_the_lengths(cal
     assert f"fits in {sys.maxsize} bytes (the largest array)" in str(info.value)
 
 
+def test_the_spread_s_gather_indices_are_held_to_the_largest_array_too(monkeypatch):
+    """The spread's gather indices [Lq, Lk] are int64, larger than the spread rows themselves
+    when a row is narrower than 8 bytes (one head of T5's bias in float32): they are checked as
+    well. Shown with the largest array made small, so that nothing large is made either way:
+    at 500 bytes the 10 x 10 indices (800 bytes) cannot exist, the rows (400) and the rest can."""
+    import npattn.backend
+
+    table = np.zeros((4, 1), np.float32)  # 4 buckets, one head
+    monkeypatch.setattr(npattn.backend, "MAX_BYTES", 500)
+    with pytest.raises(ValueError, match=r"^Lq and Lk: expected sizes for which the gather indices of the "
+                                         r"spread, an array of shape \(10, 10\) \(8 bytes an entry\), fits "
+                                         r"in 500 bytes .*got 800 bytes$"):
+        P.relative_bias_forward(table, 10, 10, max_distance=3)
+    out, _ = P.relative_bias_forward(table, 10, 6, max_distance=3)  # 480 bytes of indices
+    assert out.shape == (1, 1, 10, 6)
+
+
 def test_a_sinusoidal_encoding_that_cannot_exist_is_refused_naming_l_and_d():
     """An encoding (L, D) of float64 larger than the largest array is refused by name (NumPy's
     "array is too big" named neither)."""
@@ -941,8 +958,8 @@ def test_a_sinusoidal_encoding_that_cannot_exist_is_refused_naming_l_and_d():
 
     from npattn import nn
 
-    with pytest.raises(ValueError, match=rf"^L and D: expected sizes for which the float64 encoding of "
-                                         rf"shape \({2**61}, 1\) \(8 bytes an entry\) fits in {sys.maxsize} "
+    with pytest.raises(ValueError, match=rf"^L and D: expected sizes for which the float64 encoding, an array of "
+                                         rf"shape \({2**61}, 1\) \(8 bytes an entry\), fits in {sys.maxsize} "
                                          rf"bytes \(the largest array\), got {2**64} bytes$"):
         nn.sinusoidal_positions("numpy", 2**61, 1)
     assert nn.sinusoidal_positions("numpy", 3, 4).shape == (3, 4)
