@@ -670,7 +670,7 @@ def _forward_pair(result):
             got = f"a {V.type_name(result)} of {n} item{'s' if n != 1 else ''}"
         else:
             got = V.type_name(result)
-            shape = getattr(result, "shape", None)
+            shape = None if isinstance(result, type) else getattr(result, "shape", None)
             if shape is not None:
                 got += f" of shape {tuple(shape)}"
         raise TypeError(
@@ -678,9 +678,9 @@ def _forward_pair(result):
             f"contract (out the output array, cache what backward needs), got {got}"
         )
     out, cache = result
-    if not hasattr(out, "shape"):
+    if isinstance(out, type) or not hasattr(out, "shape"):  # (NumPy's scalar types carry shape)
         raise TypeError(
-            f"forward: expected (out, cache) with out an array, got out of type {V.type_name(out)}"
+            f"forward: expected (out, cache) with out an array, got {V.type_name(out)} as out"
         )
     return out, cache
 

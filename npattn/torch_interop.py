@@ -140,13 +140,14 @@ def check_state_dict(state_dict: Any) -> None:
     """``TypeError`` unless ``state_dict`` is a mapping (of names to tensors)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a mapping of names to tensors (a torch "
-                        f"state_dict), got {type(state_dict).__name__}")
+                        f"state_dict), got {V.type_name(state_dict)}")
 
 
 def host_tensor(name: str, value: Any) -> np.ndarray:
     """``state_dict[name]`` as a host NumPy copy (bfloat16 widened to float32, exactly); a
     ``TypeError`` naming it unless it is a floating tensor or array."""
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+    # a class is none (NumPy's scalar types carry shape and dtype as descriptors)
+    if isinstance(value, type) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {V.type_name(value)}")
     try:
         a = _host(value)

@@ -1086,7 +1086,8 @@ def _split_result(result: Any, cfg: _Config) -> tuple:
 
 def _checked_out(out: Any) -> Any:
     """``out`` when it is an array, else a ``TypeError`` that says what ``fn`` returned."""
-    if not (hasattr(out, "shape") and hasattr(out, "dtype")):
+    # a class is none (NumPy's scalar types carry shape and dtype as descriptors)
+    if isinstance(out, type) or not (hasattr(out, "shape") and hasattr(out, "dtype")):
         raise TypeError(f"fn: expected out to be an array, got {type_name(out)}")
     return out
 

@@ -3,6 +3,7 @@ argument, what was expected and what was received (``npattn.validation`` and
 the module's own checks in ``npattn.module``)."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -127,6 +128,7 @@ def _torch_interop():
     (lambda v: npattn.transformer.TransformerBlock(4, 2).forward(np.ones((2, 3, 4), np.float32),
                                                                  dropout_masks=v), "dropout_masks"),
     (lambda v: _torch_interop().torch_state_dict_shapes(v), "mha"),
+    (lambda v: _torch_interop().check_state_dict(v), "state_dict"),
 ])
 def test_a_class_given_for_an_object_is_named_as_written(call, name):
     """A class passed where an object belongs (a backend, an array, a cache, a dict) is named
@@ -135,7 +137,8 @@ def test_a_class_given_for_an_object_is_named_as_written(call, name):
         call(np.int32)
     message = str(info.value)
     assert message.startswith(f"{name}: expected "), message
-    assert "got type numpy.int32" in message, message
+    # what it got is the class itself, not another check's message quoted
+    assert message.split(" got ", 1)[1].startswith("type numpy.int32"), message
 
 
 @pytest.mark.parametrize(
@@ -1176,11 +1179,11 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keep_mask(1, 0.1, (2, -1), np), ValueError, "^shape: expected a sequence of ints >= 0"),
         (lambda: B.keep_mask(1, 0.1, (True, 3), np), TypeError, "^shape: expected a sequence of ints >= 0"),
         # a mask, or coordinates of an axis, larger than the largest array (NumPy named nothing)
-        (lambda: B.keep_mask(1, 0.1, (2**40, 2**40), np), ValueError,
-         rf"^shape: expected sizes for which the keep-mask of shape \({2**40}, {2**40}\) \(1 byte an entry\) "
-         rf"fits in {2**63 - 1} bytes \(the largest array\), got {2**80} bytes$"),
+        (lambda: B.keep_mask(1, 0.1, (2**56, 2**56), np), ValueError,
+         rf"^shape: expected sizes for which the keep-mask, an array of shape \({2**56}, {2**56}\) \(1 byte an entry\), "
+         rf"fits in {sys.maxsize} bytes \(the largest array\), got {2**112} bytes$"),
         (lambda: B.keep_mask(1, 0.1, (0, 2**61), np), ValueError,
-         rf"^shape: expected sizes for which the coordinates of its longest axis of shape \({2**61},\)"),
+         rf"^shape: expected sizes for which the coordinates of its longest axis, an array of shape \({2**61},\)"),
         (lambda: B.keep_mask(1, False, (2, 3), np), TypeError, r"^p: expected a drop probability in \[0, 1\), got bool"),
         (lambda: B.keep_mask(1, True, (2, 3), np), TypeError, r"^p: expected a drop probability in \[0, 1\), got bool"),
         (lambda: B.keyed_keep_mask(1, 2.0, [], np.arange(2), np.arange(3)), ValueError, "^p: expected"),
@@ -1639,8 +1642,8 @@ def test_an_array_that_cannot_exist_is_told_from_one_that_does_not_fit_in_memory
     assert V.MAX_BYTES == sys.maxsize
     V.check_array_bytes(["n"], (sys.maxsize,), 1, "a byte array")
     V.check_array_bytes(["Lq", "Lk"], (2**20, 2**20), 8, "a float64 array")
-    with pytest.raises(ValueError, match=rf"^a, b and c: expected sizes for which the buffer of shape "
-                                         rf"\(2, 1, {2**62}\) \(1 byte an entry\) fits in {sys.maxsize} "
+    with pytest.raises(ValueError, match=rf"^a, b and c: expected sizes for which the buffer, an array of shape "
+                                         rf"\(2, 1, {2**62}\) \(1 byte an entry\), fits in {sys.maxsize} "
                                          rf"bytes \(the largest array\), got {2**63} bytes$"):
         V.check_array_bytes(["a", "b", "c"], (2, 1, 2**62), 1, "the buffer")
 
@@ -1669,7 +1672,7 @@ def test_sizes_whose_parameters_cannot_exist_are_named(call, names, nbytes):
     "array is too big" named no argument)."""
     import sys
 
-    with pytest.raises(ValueError, match=rf"^{names}: expected sizes for which .* \(8 bytes an entry\) "
+    with pytest.raises(ValueError, match=rf"^{names}: expected sizes for which .* \(8 bytes an entry\), "
                                          rf"fits in {sys.maxsize} bytes \(the largest array\), "
                                          rf"got {nbytes} bytes$"):
         call()

@@ -1533,11 +1533,15 @@ def test_malformed_returns_are_named():
     def nothing(q, k, v, **kw):
         return None
 
+    def a_class(q, k, v, **kw):  # NumPy's scalar types carry shape and dtype as descriptors
+        return np.float64
+
     def four(dout, cache):  # (dq, dk, dv, dmask): four are read as (dq, dk, dv, dsinks)
         return tuple(npattn_backward(dout, cache))[:4]
 
     for fn, kw, text in ((pair, {}, "got a tuple of 2; a kernel that returns (out, lse) needs returns_lse=True"),
                          (nothing, {}, "fn: expected out to be an array, got None"),
+                         (a_class, {}, "fn: expected out to be an array, got type numpy.float64"),
                          (npattn_kernel, dict(backward=four, returns_lse=True, supports="mask_float",
                                               cases=["mask_float-65x129"]),
                           "backward: returned 4 gradients in a case without sinks")):
