@@ -186,6 +186,24 @@ def test_mask_lengths_past_int32_without_x64_are_refused_before_any_array_is_mad
     assert masks.causal(3, 4, xp="jax").shape == (3, 4)
 
 
+def test_a_window_side_past_int32_without_x64_is_capped_within_the_positions_dtype():
+    """A window side of any size leaves out nothing a side of max(Lq, Lk) would not, and is
+    capped there: within int32 for lengths that are (a cap of Lq + Lk, 2**31 here, overflowed
+    into JAX's OverflowError naming nothing). Traced with eval_shape: nothing is made."""
+    from npattn import masks
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        for Lq, Lk, align in ((1, 2**31 - 1, "top_left"), (2**31 - 1, 1, "bottom_right")):
+            made = jax.eval_shape(lambda: masks.window(Lq, Lk, 2**40, 2**40, align, xp="jax"))
+            assert made.shape == (Lq, Lk) and made.dtype == jnp.bool_
+        np.testing.assert_array_equal(np.asarray(masks.window(3, 5, 2**40, 1, xp="jax")),
+                                      masks.window(3, 5, None, 1))
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
 def test_relative_positions_past_int32_without_x64_are_refused_by_name():
     """Without x64 the relative positions t - (Lq - 1 + offset) are int32: an offset or lengths
     that take them past its range are refused naming Lq, Lk and offset (an offset of 2**40 was
