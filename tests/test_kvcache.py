@@ -516,7 +516,8 @@ def test_append_writes_each_entry_at_its_own_length(backend, xp, to_xp, to_np):
     ((1, 4, 1, 2), dict(backend="nope"), ValueError, "backend"),
     # a buffer larger than the largest array (sys.maxsize bytes): NumPy's own messages named nothing
     ((1, 2**70, 1, 2), {}, ValueError, r"^batch_size, num_kv_heads, capacity and head_dim: expected "
-     r"sizes for which the key buffer, an array of shape \(1, 1, 1180591620717411303424, 2\) \(4 bytes an entry\)"),
+     r"sizes for which the key buffer, "
+     r"an array of shape \(1, 1, 1180591620717411303424, 2\) \(4 bytes an entry\)"),
     ((1, 2**60, 1, 4), {}, ValueError, r"^batch_size, .*key buffer, .*got 18446744073709551616 bytes$"),
     # 2**61 float32 entries are 2**63 bytes, one too many (fewer than 2**62 entries was let through)
     ((1, 2**61, 1, 1), {}, ValueError, r"^batch_size, .*key buffer, .*got 9223372036854775808 bytes$"),

@@ -250,11 +250,13 @@ def test_padding_bad_arguments():
 
 @pytest.mark.parametrize("build, match", [
     (lambda xp: masks.causal(2**56, 2**56, xp=xp),
-     rf"^Lq and Lk: expected sizes for which .*, an array of shape \({2**56}, {2**56}\) \(8 bytes an entry\)"),
+     rf"^Lq and Lk: expected sizes for which .*, "
+     rf"an array of shape \({2**56}, {2**56}\) \(8 bytes an entry\)"),
     (lambda xp: masks.causal(3, 2**62, "bottom_right", xp=xp), rf"^Lq and Lk: .*got {3 * 2**62 * 8} bytes$"),
     (lambda xp: masks.window(2**56, 2**31, 1, None, xp=xp), r"^Lq and Lk: expected sizes"),
     (lambda xp: masks.padding([1, 1], 2**62, xp=xp),
-     rf"^Lk: expected sizes for which the key positions, an array of shape \({2**62},\) .*got {2**65} bytes$"),
+     rf"^Lk: expected sizes for which the key positions, "
+     rf"an array of shape \({2**62},\) .*got {2**65} bytes$"),
     (lambda xp: masks.padding([0] * 16, 2**59, xp=xp),  # positions of 2**62 bytes, a mask of 2**63
      rf"^lengths and Lk: expected sizes for which the mask, an array of shape \(16, 1, 1, {2**59}\) "
      r"\(1 byte an entry\)"),

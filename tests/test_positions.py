@@ -921,7 +921,8 @@ def test_results_stay_on_the_device_of_the_inputs():
      rf"\(4 bytes an entry\)"),
     (lambda: P.relative_scores_forward(np.zeros((1, 3, 2), np.float32), np.zeros((2**21 + 1, 2), np.float32),
                                        2**41),  # (Lq = 3 is q's)
-     rf"^q and Lk: expected sizes for which the one-hot rows C, an array of shape \({2**41 + 2}, {2**21 + 1}\)"),
+     rf"^q and Lk: expected sizes for which the one-hot rows C, "
+     rf"an array of shape \({2**41 + 2}, {2**21 + 1}\)"),
 ])
 def test_relative_positions_that_cannot_exist_are_refused_naming_the_lengths(call, match):
     """Lengths whose relative positions, one-hot rows or spread rows would be larger than the
@@ -958,7 +959,8 @@ def test_a_sinusoidal_encoding_that_cannot_exist_is_refused_naming_l_and_d():
 
     from npattn import nn
 
-    with pytest.raises(ValueError, match=rf"^L and D: expected sizes for which the float64 encoding, an array of "
+    with pytest.raises(ValueError, match=rf"^L and D: expected sizes for which the float64 encoding, "
+                                         rf"an array of "
                                          rf"shape \({2**61}, 1\) \(8 bytes an entry\), fits in {sys.maxsize} "
                                          rf"bytes \(the largest array\), got {2**64} bytes$"):
         nn.sinusoidal_positions("numpy", 2**61, 1)

@@ -1180,10 +1180,12 @@ def test_public_helpers_check_their_arguments():
         (lambda: B.keep_mask(1, 0.1, (True, 3), np), TypeError, "^shape: expected a sequence of ints >= 0"),
         # a mask, or coordinates of an axis, larger than the largest array (NumPy named nothing)
         (lambda: B.keep_mask(1, 0.1, (2**56, 2**56), np), ValueError,
-         rf"^shape: expected sizes for which the keep-mask, an array of shape \({2**56}, {2**56}\) \(1 byte an entry\), "
+         rf"^shape: expected sizes for which the keep-mask, "
+         rf"an array of shape \({2**56}, {2**56}\) \(1 byte an entry\), "
          rf"fits in {sys.maxsize} bytes \(the largest array\), got {2**112} bytes$"),
         (lambda: B.keep_mask(1, 0.1, (0, 2**61), np), ValueError,
-         rf"^shape: expected sizes for which the coordinates of its longest axis, an array of shape \({2**61},\)"),
+         rf"^shape: expected sizes for which the coordinates of its longest axis, "
+         rf"an array of shape \({2**61},\)"),
         (lambda: B.keep_mask(1, False, (2, 3), np), TypeError, r"^p: expected a drop probability in \[0, 1\), got bool"),
         (lambda: B.keep_mask(1, True, (2, 3), np), TypeError, r"^p: expected a drop probability in \[0, 1\), got bool"),
         (lambda: B.keyed_keep_mask(1, 2.0, [], np.arange(2), np.arange(3)), ValueError, "^p: expected"),
@@ -1642,7 +1644,8 @@ def test_an_array_that_cannot_exist_is_told_from_one_that_does_not_fit_in_memory
     assert V.MAX_BYTES == sys.maxsize
     V.check_array_bytes(["n"], (sys.maxsize,), 1, "a byte array")
     V.check_array_bytes(["Lq", "Lk"], (2**20, 2**20), 8, "a float64 array")
-    with pytest.raises(ValueError, match=rf"^a, b and c: expected sizes for which the buffer, an array of shape "
+    with pytest.raises(ValueError, match=rf"^a, b and c: expected sizes for which the buffer, "
+                                         rf"an array of shape "
                                          rf"\(2, 1, {2**62}\) \(1 byte an entry\), fits in {sys.maxsize} "
                                          rf"bytes \(the largest array\), got {2**63} bytes$"):
         V.check_array_bytes(["a", "b", "c"], (2, 1, 2**62), 1, "the buffer")
