@@ -84,6 +84,7 @@ __all__ = [
     "from_numpy",
     "is_floating",
     "is_bool",
+    "scalar",
     "MAX_BYTES",
     "check_array_bytes",
     "check_rng",
@@ -256,6 +257,20 @@ def is_floating(xp: Any, x: Any) -> bool:
 def is_bool(xp: Any, x: Any) -> bool:
     """Whether array ``x`` (any shape) is boolean."""
     return isdtype(xp, x.dtype, "bool")
+
+
+def scalar(xp: Any, value: float, like: Any) -> Any:
+    """``value`` as a 0-d array of ``like``'s dtype on ``like``'s device: a constant operand
+    of ``where`` and of elementwise functions (``minimum``, ``maximum``).
+
+    The Array API standard takes Python scalars as operands of operators (``x * 0.5``) in
+    every revision, but as arguments of functions only from its 2024.12 revision; a 0-d
+    array of ``like``'s dtype promotes with ``like`` as the scalar would (to ``like``'s
+    dtype), so ``xp.where(keep, x, scalar(xp, 0.0, x))`` is ``xp.where(keep, x, 0.0)`` on
+    2023.12 namespaces too.
+    """
+    # [] (0-d)
+    return xp.asarray(value, dtype=like.dtype, device=device_of(like))
 
 
 def to_numpy(x: Any) -> np.ndarray:

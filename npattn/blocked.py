@@ -64,6 +64,7 @@ from .backend import (
     namespace,
     pool_threads,
     run_tasks,
+    scalar,
 )
 
 __all__ = [
@@ -185,7 +186,9 @@ class BlockedSDPACache(NamedTuple):
         """(..., Lq) natural log-sum-exp of each row's final scores (sink included),
         ``m + log(l)``; -inf for a row with nothing to attend."""
         xp = namespace(self.q)
-        lse = xp.where(self.l == 0.0, -math.inf, self.m + xp.log(xp.where(self.l == 0.0, 1.0, self.l)))
+        empty = self.l == 0.0  # [..., Lq, 1]
+        l_safe = xp.where(empty, scalar(xp, 1.0, self.l), self.l)
+        lse = xp.where(empty, scalar(xp, -math.inf, self.l), self.m + xp.log(l_safe))
         return xp.reshape(lse, tuple(self.lead_shape) + (self.q.shape[-2],))
 
 
@@ -218,7 +221,7 @@ def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
         same = o.q_segments[..., i0:i1, :] == o.k_segments[..., j0:j1]  # [..., bq, bk]
         allowed = F.combine_allowed(xp, allowed, same)
     if allowed is not None:
-        z = xp.where(allowed, z, -math.inf)  # 3. z = where(allowed, z, -inf)
+        z = xp.where(allowed, z, scalar(xp, -math.inf, z))  # 3. z = where(allowed, z, -inf)
     return z, u
 
 
@@ -317,6 +320,7 @@ def _forward_loops(xp, c):
     batch = tuple(np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2])))
     Lq, Lk, Dv = q.shape[-2], k.shape[-2], v.shape[-1]
     drop_scale = 1.0 / (1.0 - c.dropout_p)
+    zero, one = scalar(xp, 0.0, q), scalar(xp, 1.0, q)  # [] the constants of the wheres below
     qs = q * c.scale  # 1.                                          [..., Lq, Dh]
     outs, ms, ls = [], [], []
     sinks = c.options.sinks  # [..., 1, 1] or None
@@ -333,18 +337,18 @@ def _forward_loops(xp, c):
                 continue  # window, causal or segments: nothing in this block is attended
             z, _ = _block_scores(xp, c, qs_i, k[..., j0:j1, :], i0, i1, j0, j1)  # 2.-3.
             m_new = xp.maximum(m, row_max(xp, z))  # 4.                       [..., bq, 1]
-            shift = xp.where(m_new == -math.inf, 0.0, m_new)  # no -inf - -inf on empty rows
+            shift = xp.where(m_new == -math.inf, zero, m_new)  # no -inf - -inf on empty rows
             e = xp.exp(z - shift)  # 5.                                   [..., bq, bk]
             alpha = xp.exp(m - shift)  # 0 on the first block (m = -inf)  [..., bq, 1]
             l = alpha * l + xp.sum(e, axis=-1, keepdims=True)  # 6.       [..., bq, 1]
             keep = _block_keep(xp, c, i0, i1, j0, j1, dev)
             if keep is not None:
-                e = xp.where(keep, e * drop_scale, 0.0)  # 7. dropout(e)   [..., bq, bk]
+                e = xp.where(keep, e * drop_scale, zero)  # 7. dropout(e)  [..., bq, bk]
             acc = alpha * acc + e @ v[..., j0:j1, :]  # 7.                  [..., bq, Dv]
             m = m_new
         empty = l == 0.0  # a row with nothing to attend                  [..., bq, 1]
-        outs.append(acc / xp.where(empty, 1.0, l))  # 8.                   [..., bq, Dv]
-        ms.append(xp.where(empty, 0.0, m))  # 9. the final row maximum    [..., bq, 1]
+        outs.append(acc / xp.where(empty, one, l))  # 8.                   [..., bq, Dv]
+        ms.append(xp.where(empty, zero, m))  # 9. the final row maximum   [..., bq, 1]
         ls.append(l)  # 9.                                                [..., bq, 1]
     out = xp.concat(outs, axis=-2)  # [..., Lq, Dv]
     return out, xp.concat(ms, axis=-2), xp.concat(ls, axis=-2)  # [..., Lq, 1] each
@@ -613,7 +617,8 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
     delta = xp.sum(dout * c.out, axis=-1, keepdims=True)  # [..., Lq, 1]
     if dlse is not None:  # a row with nothing to attend (l = 0) has lse = -inf whatever its
         #                   scores: its dlse does not matter, and an inf there would give 0 * inf
-        delta = delta - xp.where(c.l == 0.0, 0.0, xp.reshape(xp.astype(dlse, work), rows + (1,)))
+        dlse_rows = xp.reshape(xp.astype(dlse, work), rows + (1,))  # [..., Lq, 1]
+        delta = delta - xp.where(c.l == 0.0, scalar(xp, 0.0, dlse_rows), dlse_rows)
     split = _pool_split(xp, c)
     if split is None:
         with limit_blas_threads(1 if is_numpy_array(c.q) else None):
@@ -630,7 +635,8 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
     dsinks = None
     if c.options.sinks is not None:  # the sink: a logit with no value, dp_sink = 0
         # l >= exp(sink - m) > 0, except under a sink of -inf on a row with nothing to attend
-        p_sink = xp.exp(c.options.sinks - c.m) / xp.where(c.l == 0.0, 1.0, c.l)  # [..., Lq, 1]
+        l_safe = xp.where(c.l == 0.0, scalar(xp, 1.0, c.l), c.l)  # [..., Lq, 1]
+        p_sink = xp.exp(c.options.sinks - c.m) / l_safe  # [..., Lq, 1]
         dsink = -(p_sink * delta)  # dz_sink = p_sink * (0 - delta)
         dsinks = xp.reshape(F.sum_to_shape(xp, dsink, tuple(c.options.sinks.shape)), c.sinks_shape)
     qb, kb, vb = c.shapes_b
@@ -658,8 +664,9 @@ def _backward_loops(dout, delta, cache: BlockedSDPACache):
     dev = device_of(q)
     drop_scale = 1.0 / (1.0 - c.dropout_p)
     q_blocks, k_blocks = _blocks(Lq, c.block_q), _blocks(Lk, c.block_k)
+    zero = scalar(xp, 0.0, q)  # [] the constant of the dropout wheres below
     qs = q * c.scale  # 1.                                           [..., Lq, Dh]
-    l_safe = xp.where(c.l == 0.0, 1.0, c.l)  # rows with nothing to attend: p = 0 anyway
+    l_safe = xp.where(c.l == 0.0, scalar(xp, 1.0, c.l), c.l)  # rows with nothing to attend: p = 0 anyway
 
     fmask = None if c.mask_shape is None else c.mask  # floating mask, in q's layout
     dmask_parts: dict = {}  # (row block, column block) -> dmask block
@@ -678,11 +685,11 @@ def _backward_loops(dout, delta, cache: BlockedSDPACache):
             p = xp.exp(z - c.m[..., i0:i1, :]) / l_safe[..., i0:i1, :]  # [..., bq, bk]
             # 7. acc += dropout(p) @ v_j: dv_j += a^T @ dout_i, da = dout_i @ v_j^T
             keep = _block_keep(xp, c, i0, i1, j0, j1, dev)
-            a = p if keep is None else xp.where(keep, p * drop_scale, 0.0)  # [..., bq, bk]
+            a = p if keep is None else xp.where(keep, p * drop_scale, zero)  # [..., bq, bk]
             dv_j = dv_j + F.sum_to_shape(xp, xp.matrix_transpose(a) @ do_i, dv_j.shape)
             dp = do_i @ xp.matrix_transpose(v_j)  # [..., bq, bk]
             if keep is not None:
-                dp = xp.where(keep, dp * drop_scale, 0.0)  # dropout backward
+                dp = xp.where(keep, dp * drop_scale, zero)  # dropout backward
             # 4.-6. p = softmax(z): dz = p * (dp - sum_j dp_j p_j + dlse) = p * (dp - delta)
             ds = p * (dp - delta[..., i0:i1, :])  # [..., bq, bk]
             # 3. z = s + mask: dmask = dz, summed to the mask's shape (0 where masked: p = 0)

@@ -74,7 +74,7 @@ import numpy as np
 
 from . import blocked
 from . import validation as V
-from .backend import device_of, dropout_key, is_dask_array, keyed_keep_mask, namespace
+from .backend import device_of, dropout_key, is_dask_array, keyed_keep_mask, namespace, scalar
 from .functional import SDPAGrads, sum_to_shape
 
 __all__ = ["ChunkPlan", "ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of"]
@@ -278,7 +278,8 @@ class ChunkedSDPACache(NamedTuple):
         with nothing to attend."""
         xp = namespace(self.m)
         empty = self.l == 0.0
-        lse = xp.where(empty, -math.inf, self.m + xp.log(xp.where(empty, 1.0, self.l)))
+        l_safe = xp.where(empty, scalar(xp, 1.0, self.l), self.l)
+        lse = xp.where(empty, scalar(xp, -math.inf, self.l), self.m + xp.log(l_safe))
         return xp.reshape(lse, tuple(self.m.shape[:-1]))
 
 

@@ -42,7 +42,7 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import device_of, isdtype, make_rng, namespace
+from .backend import device_of, isdtype, make_rng, namespace, scalar
 
 __all__ = [
     "flash_attn_func",
@@ -182,7 +182,7 @@ def _flash_softcap(softcap: Any) -> Optional[float]:
 def _flash_lse(xp: Any, lse: Any) -> Any:
     """npattn's log-sum-exp in flash-attn's convention: ``+inf`` for a row with nothing to attend."""
     # [...] -> [...]
-    return xp.where(lse == -math.inf, math.inf, lse)
+    return xp.where(lse == -math.inf, scalar(xp, math.inf, lse), lse)
 
 
 def _s_dmask(xp: Any, cache: Any, dtype: Any) -> Any:
@@ -1167,7 +1167,7 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
         V.check_floating_array("bias", bias, xp, dev, like="query")
         bias4 = _to_4d("bias", bias, xp)
         V.check_broadcasts_to("bias", V.shape_of(bias4), target, "(B, N, T, S)")
-        a_mask = bias4 if allowed is None else xp.where(allowed, bias4, -math.inf)
+        a_mask = bias4 if allowed is None else xp.where(allowed, bias4, scalar(xp, -math.inf, bias4))
     renames = {"q": "query", "k": "key", "v": "value", "mask": "bias" if bias is not None else "mask"}
     with V.argument_names(renames):
         out, cache = A.sdpa_forward(

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
 from .backend import (check_same_device, device_of, dropout_key, generator_kept_on_failure,
-                      is_bool, is_floating, keep_mask, namespace, row_max, without_empty_chunks)
+                      is_bool, is_floating, keep_mask, namespace, row_max, scalar, without_empty_chunks)
 
 __all__ = [
     "linear_forward",
@@ -468,20 +468,20 @@ def _masked_softmax(x, mask, sink=None):
         z = x + mask  # 1.                                     [..., Lk]
         mask_shape = tuple(mask.shape)
     elif mask is not None:
-        z = xp.where(mask, z, -math.inf)  # 2.                 [..., Lk]
+        z = xp.where(mask, z, scalar(xp, -math.inf, z))  # 2.  [..., Lk]
     m = row_max(xp, z)  # 3.                                   [..., 1]
     if sink is not None:
         m = xp.maximum(m, sink)  # the sink is one more logit of the row
-    m = xp.where(m == -math.inf, 0.0, m)  # fully masked row: no -inf - -inf
+    m = xp.where(m == -math.inf, scalar(xp, 0.0, m), m)  # fully masked row: no -inf - -inf
     e = xp.exp(z - m)  # 4.                                    [..., Lk]
     s = xp.sum(e, axis=-1, keepdims=True)  # 5.                [..., 1]
     e_sink = None if sink is None else xp.exp(sink - m)  # [..., 1]
     if e_sink is not None:
         s = s + e_sink
-    s_safe = xp.where(s == 0.0, 1.0, s)
+    s_safe = xp.where(s == 0.0, scalar(xp, 1.0, s), s)
     p = e / s_safe  # rows with nothing to attend stay 0
     p_sink = None if e_sink is None else e_sink / s_safe  # [..., 1]
-    lse = xp.where(s == 0.0, -math.inf, m + xp.log(s_safe))  # [..., 1]
+    lse = xp.where(s == 0.0, scalar(xp, -math.inf, s), m + xp.log(s_safe))  # [..., 1]
     if work != in_dtype:
         return xp.astype(p, in_dtype), SoftmaxCache(p, mask_shape, in_dtype, p_sink, lse)
     return p, SoftmaxCache(p, mask_shape, None, p_sink, lse)
@@ -538,7 +538,7 @@ def _masked_softmax_backward(dp, cache, dlse=None):
     delta = xp.sum(dp * p, axis=-1, keepdims=True)  # [..., 1]
     if dlse is not None:  # a row with nothing to attend has lse = -inf whatever its scores
         #                   (p = 0): its dlse does not matter, and an inf there would give 0 * inf
-        delta = delta - xp.where(cache.lse == -math.inf, 0.0, dlse)  # [..., 1]
+        delta = delta - xp.where(cache.lse == -math.inf, scalar(xp, 0.0, dlse), dlse)  # [..., 1]
     dz = p * (dp - delta)  # [..., Lk]
     # 2. z = where(mask, x, -inf): dx = where(mask, dz, 0), already 0 since p = 0 there
     # 1. z = x + mask: dx = dz, dmask = dz summed to the mask's shape
@@ -610,7 +610,7 @@ def _dropout(x, p, mask, rng):
         key = dropout_key(rng)
         keep = keep_mask(key, p, x.shape, xp, device_of(x))  # [...] bool
     scale = 1.0 / (1.0 - float(p))  # a Python float: a NumPy float64 p would upcast x
-    y = xp.where(keep, x * scale, 0.0)  # [...]
+    y = xp.where(keep, x * scale, scalar(xp, 0.0, x))  # [...]
     return y, DropoutCache(keep, scale, key, V.spec_of(x))
 
 
@@ -646,7 +646,7 @@ def _dropout_backward(dy, cache):
         return dy
     xp = namespace(dy, cache.keep)
     # y = where(keep, x * scale, 0): linear and diagonal, so dx = where(keep, dy * scale, 0)
-    return xp.where(cache.keep, dy * cache.scale, 0.0)  # [...]
+    return xp.where(cache.keep, dy * cache.scale, scalar(xp, 0.0, dy))  # [...]
 
 
 # --------------------------------------------------------------------------
@@ -823,7 +823,7 @@ def sech_squared(xp: Any, u: Any) -> Any:
     finite: beyond it the result is ``4 tiny`` instead of a smaller number.
     """
     clamp = -0.5 * math.log(float(xp.finfo(u.dtype).smallest_normal))
-    r = 1.0 / xp.cosh(xp.minimum(xp.abs(u), clamp))
+    r = 1.0 / xp.cosh(xp.minimum(xp.abs(u), scalar(xp, clamp, u)))
     return r * r
 
 
@@ -1051,7 +1051,7 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
     if mask is not None and is_floating(xp, mask):
         mask_shape = tuple(mask.shape)
         if allowed is not None:
-            a_mask = xp.where(allowed, mask, -math.inf)
+            a_mask = xp.where(allowed, mask, scalar(xp, -math.inf, mask))
     elif allowed is not None:
         a_mask = combine_allowed(xp, mask, allowed)
 
@@ -1120,7 +1120,8 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     # 5. p = softmax(z, a_mask, sink): ds = p * (dp - delta + dlse), delta = rowsum(dp * p)
     dlse_rows = None  # [B, H, Lq, 1]; 0 on rows with nothing to attend (lse = -inf, p = 0)
     if dlse is not None:
-        dlse_rows = xp.where(cache.softmax.lse == -math.inf, 0.0, xp.expand_dims(dlse, axis=-1))
+        dlse_col = xp.expand_dims(dlse, axis=-1)  # [B, H, Lq, 1]
+        dlse_rows = xp.where(cache.softmax.lse == -math.inf, scalar(xp, 0.0, dlse_col), dlse_col)
     ds, da_mask, dsink = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
     # 4. a_mask = where(allowed, mask, -inf): dmask = da_mask where allowed, and
     #    da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
@@ -1321,7 +1322,7 @@ def pad_mask_forward(mask: Any, Lq: int, Lk: int, n_extra: int, *, is_causal: bo
         if mask is None:
             m = causal
         elif floating:
-            m = xp.where(causal, mask, -math.inf)  # [..., Lq, Lk]
+            m = xp.where(causal, mask, scalar(xp, -math.inf, mask))  # [..., Lq, Lk]
         else:
             m = xp.logical_and(mask, causal)  # [..., Lq, Lk]
         causal = causal if floating else None
@@ -1357,6 +1358,6 @@ def pad_mask_backward(dm: Any, cache: PadMaskCache) -> Any:
     d = dm[..., : cache.n_given]  # [..., Lk]
     # 1. m = where(causal, mask, -inf): no gradient where causal forbids
     if cache.causal is not None:
-        d = xp.where(cache.causal, d, 0.0)  # [..., Lq, Lk]
+        d = xp.where(cache.causal, d, scalar(xp, 0.0, d))  # [..., Lq, Lk]
     # 2. and 1.: sum over what broadcasting added
     return sum_to_shape(xp, d, cache.mask_shape)

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 from . import functional as F
 from . import validation as V
-from .backend import device_of, namespace, without_empty_chunks
+from .backend import device_of, namespace, scalar, without_empty_chunks
 
 __all__ = [
     "erf",
@@ -136,17 +136,17 @@ def _erf(xp, x):
     """``erf`` on a checked argument."""
     # [...] -> [...]
     xc = _compute(xp, x)  # [...]
-    a = xp.minimum(xp.abs(xc), ERF_CLAMP)  # [...] NaN stays NaN
+    a = xp.minimum(xp.abs(xc), scalar(xp, ERF_CLAMP, xc))  # [...] NaN stays NaN
     # double where: each branch only meets the |x| it is accurate (and finite) for
     small = a < ERF_SPLIT  # [...] bool
-    s_in = xp.where(small, a, 0.0)  # [...]
+    s_in = xp.where(small, a, scalar(xp, 0.0, a))  # [...]
     s2 = s_in * s_in
     term, total = s_in, s_in  # k = 0: a
     for k in range(1, ERF_SERIES_TERMS):
         term = term * (2.0 * s2) / float(2 * k + 1)  # (2 a^2)^k a / (1 * 3 * ... * (2k+1))
         total = total + term
     series = (2.0 / math.sqrt(math.pi)) * xp.exp(-s2) * total  # [...]
-    f_in = xp.where(small, ERF_SPLIT, a)  # [...]
+    f_in = xp.where(small, scalar(xp, ERF_SPLIT, a), a)  # [...]
     t = f_in
     for k in range(ERF_FRACTION_TERMS, 0, -1):
         t = f_in + (0.5 * k) / t  # level k of the fraction: a + (k/2) / (level k+1)
@@ -222,7 +222,8 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     xr = without_empty_chunks(xc)  # (dask's max and min fail on chunks of length 0)
     amax = xp.maximum(xp.max(xr, axis=-1, keepdims=True),
                       -xp.min(xr, axis=-1, keepdims=True))  # max|xc|, [..., 1]
-    s = xp.where(amax > _square_safe(xp, xc.dtype, int(xc.shape[-1])), amax, 1.0)  # [..., 1]
+    overflows = amax > _square_safe(xp, xc.dtype, int(xc.shape[-1]))  # [..., 1] bool
+    s = xp.where(overflows, amax, scalar(xp, 1.0, amax))  # [..., 1]
     xs = xc * (1.0 / s)  # [..., D] (a product: 1 / s is exact where s = 1)
     var_s = xp.mean(xs * xs, axis=-1, keepdims=True)  # 3. var / s^2,       [..., 1]
     rstd_s = 1.0 / xp.sqrt(var_s + float(eps) / s / s)  # 4. s * rstd,    [..., 1]
@@ -322,7 +323,7 @@ def relu_forward(x: Any) -> tuple[Any, ReluCache]:
     V.check_floating_array("x", x)
     xp = namespace(x)
     off = x <= 0.0  # 1.            [...] bool
-    y = xp.where(off, 0.0, x)  # 2.  [...]
+    y = xp.where(off, scalar(xp, 0.0, x), x)  # 2.  [...]
     return y, ReluCache(off, x.dtype)
 
 
@@ -344,7 +345,7 @@ def relu_backward(dout: Any, cache: ReluCache) -> Any:
                  xp=namespace(cache.off), device=device_of(cache.off), of="the forward's y")
     xp = namespace(dout, cache.off)
     # 2. y = where(off, 0, x)
-    return xp.where(cache.off, 0.0, dout)  # [...]
+    return xp.where(cache.off, scalar(xp, 0.0, dout), dout)  # [...]
 
 
 # --------------------------------------------------------------------------
@@ -705,7 +706,7 @@ def mean_pool_forward(x: Any, mask: Any = None) -> tuple[Any, MeanPoolCache]:
                              f"got shape {V.shape_of(mask)}")
         m = xp.astype(xp.expand_dims(mask, axis=-1), xc.dtype)  # [..., L, 1]
         count = xp.sum(m, axis=-2, keepdims=True)  # 1.                  [..., 1, 1]
-        weights = m / xp.maximum(count, 1.0)  # 2.                        [..., L, 1]
+        weights = m / xp.maximum(count, scalar(xp, 1.0, count))  # 2.     [..., L, 1]
         out = xp.sum(weights * xc, axis=-2)  # 3.                         [..., D]
     out = out if out.dtype == x.dtype else xp.astype(out, x.dtype)
     return out, MeanPoolCache(weights, xs, x.dtype, V.spec_of(x))

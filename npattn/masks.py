@@ -32,6 +32,7 @@ from .backend import (
     isdtype,
     namespace,
     resolve_backend,
+    scalar,
     to_numpy,
     widest_int,
 )
@@ -351,7 +352,7 @@ def from_torch_mha(
         for m in parts:
             if is_bool(src, m):
                 zeros = src.zeros(m.shape, dtype=dtype, device=device_of(m))
-                add = src.where(m, -math.inf, zeros)  # True = ignore -> -inf
+                add = src.where(m, scalar(src, -math.inf, zeros), zeros)  # True = ignore -> -inf
             else:
                 add = src.astype(m, dtype)
             out = add if out is None else out + add  # broadcast [B, H, Lq, Lk]
