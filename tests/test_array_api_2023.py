@@ -19,6 +19,7 @@ from npattn import functional as F  # noqa: E402
 from npattn import layers as Ly  # noqa: E402
 from npattn import masks, nn, positions  # noqa: E402
 from npattn.backend import from_numpy, resolve_backend, to_numpy  # noqa: E402
+from npattn.classifier import TransformerClassifier  # noqa: E402
 from npattn.gpt import GPT  # noqa: E402
 from npattn.transformer import TransformerBlock, TransformerDecoderBlock  # noqa: E402
 
@@ -198,6 +199,18 @@ def test_gpt_forward_backward_loss_and_decoding():
     both(run)
 
 
+def test_transformer_classifier_with_padding():
+    def run(backend, to_xp):
+        model = TransformerClassifier(3, Lq, 4, d_model=D, n_head=H, n_layers=2, dropout=0.2,
+                                      activation="gelu", dtype="float64", backend=backend, seed=1)
+        tokens = np.array([[True] * Lq, [True, True] + [False] * (Lq - 2)])
+        logits = model.forward(to_xp(rand(1, B, Lq, 3)), mask=to_xp(tokens))
+        grads = model.backward(to_xp(rand(2, B, 4)))
+        return [logits] + [grads[name] for name in sorted(grads)]
+
+    both(run)
+
+
 def test_mask_builders():
     def run(backend, to_xp):
         xp = resolve_backend(backend)
@@ -254,5 +267,23 @@ def test_flash_attn_and_torch_sdpa_entry_points():
                                           return_residual=True)
         grads = pullback(to_xp(rand(11, B, Lq, H, Dh)), dlse=to_xp(rand(12, B, Lq, H)))
         return [out, lse, s_dmask, y, z, lse_j, *grads]
+
+    both(run)
+
+
+def test_flash_attn_varlen_and_kvcache_entry_points():
+    def run(backend, to_xp):
+        q, k, v = to_xp(rand(1, 7, H, Dh)), to_xp(rand(2, 9, H, Dh)), to_xp(rand(3, 9, H, Dv))
+        cu_q, cu_k = to_xp(np.array([0, 3, 7], dtype=np.int32)), to_xp(np.array([0, 4, 9], dtype=np.int32))
+        (out, lse, s_dmask), pullback = compat.vjp(
+            compat.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 4, 5, dropout_p=0.2, causal=True,
+            softcap=3.0, return_attn_probs=True, rng=np.random.default_rng(4))
+        grads = pullback(to_xp(rand(5, 7, H, Dv)), dlse=to_xp(rand(6, H, 7)))
+        k_cache, v_cache = to_xp(rand(7, B, 8, H, Dh)), to_xp(rand(8, B, 8, H, Dv))
+        o, lse_c = compat.flash_attn_with_kvcache(
+            to_xp(rand(9, B, 3, H, Dh)), k_cache, v_cache, to_xp(rand(10, B, 3, H, Dh)),
+            to_xp(rand(11, B, 3, H, Dv)), cache_seqlens=to_xp(np.array([1, 4], dtype=np.int32)),
+            causal=True, softcap=2.0, return_softmax_lse=True)
+        return [out, lse, s_dmask, *grads[:3], o, lse_c, k_cache, v_cache]
 
     both(run)
