@@ -1201,7 +1201,11 @@ def test_jax_device_is_a_device_or_its_platform_and_index():
     cpu0 = jax.devices("cpu")[0]
     kw = dict(layout="bthd", dtype="float32", backend="jax", supports="causal,mask_bool",
               cases=["causal-128x65", "mask_bool-65x129"])
-    for device in ("cpu", "cpu:0", cpu0, jax.sharding.SingleDeviceSharding(cpu0)):
+    # (JAX 0.12 deprecates constructing SingleDeviceSharding: its maker where there is one)
+    maker = "make_single_device_sharding"
+    sharding = (getattr(jax.sharding, maker) if hasattr(jax.sharding, maker)
+                else jax.sharding.SingleDeviceSharding)
+    for device in ("cpu", "cpu:0", cpu0, sharding(cpu0)):
         seen: set = set()
         report = VF.verify(_jax_kernel_on(seen), device=device, **kw)
         assert report.ok, report.format()
