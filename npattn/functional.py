@@ -730,9 +730,10 @@ def score_options(q: Any, k: Any, *, align: str = "top_left", window: Any = None
     if q_segments is not None:
         qs = xp.reshape(q_segments, (q_segments.shape[0], 1, Lq, 1))  # [B, 1, Lq, 1]
         ks = xp.reshape(k_segments, (k_segments.shape[0], 1, 1, Lk))  # [B, 1, 1, Lk]
-    # |j - (i + offset)| < Lq + Lk for every pair: a wider side allows the same keys, and as
-    # Lq + Lk it stays within the integers every library compares its positions with
-    reach = int(Lq + Lk)
+    # |j - (i + offset)| < max(Lq, Lk) for every pair, in both aligns: a wider side allows the
+    # same keys, and as max(Lq, Lk) it stays within the integers every library compares its
+    # positions with (Lq + Lk overflowed int32 on JAX without x64)
+    reach = int(max(Lq, Lk))
     return ScoreOptions(offset=0 if align == "top_left" else int(Lk - Lq),
                         left=None if left is None else min(int(left), reach),
                         right=None if right is None else min(int(right), reach),

@@ -200,6 +200,13 @@ def test_a_window_side_past_int32_without_x64_is_capped_within_the_positions_dty
             assert made.shape == (Lq, Lk) and made.dtype == jnp.bool_
         np.testing.assert_array_equal(np.asarray(masks.window(3, 5, 2**40, 1, xp="jax")),
                                       masks.window(3, 5, None, 1))
+        # sdpa_forward's window= caps its sides the same way (the reference: the blocked one
+        # would trace a loop over 2**31 keys)
+        q = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
+        k = jax.ShapeDtypeStruct((1, 1, 2**31 - 1, 1), jnp.float32)
+        made = jax.eval_shape(
+            lambda q, k: A.sdpa_forward(q, k, k, window=(2**40, 2**40), impl="reference")[0], q, k)
+        assert made.shape == (1, 1, 1, 1)
     finally:
         jax.config.update("jax_enable_x64", previous)
 
