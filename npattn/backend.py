@@ -260,19 +260,22 @@ def is_bool(xp: Any, x: Any) -> bool:
 
 
 def scalar(xp: Any, value: float, like: Any) -> Any:
-    """``value`` as a 0-d array of ``like``'s dtype on ``like``'s device: a constant operand
-    of ``where`` and of elementwise functions (``minimum``, ``maximum``).
+    """``value`` as a constant operand of ``where`` and of the elementwise functions
+    (``minimum``, ``maximum``) next to ``like``: the Python float itself where the namespace
+    takes one, else a 0-d array of ``like``'s dtype on ``like``'s device.
 
     The Array API standard takes Python scalars as operands of operators (``x * 0.5``) in
-    every revision, but as arguments of functions only from its 2024.12 revision; a 0-d
-    array of ``like``'s dtype promotes with ``like`` as the scalar would (to ``like``'s
-    dtype), so ``xp.where(keep, x, scalar(xp, 0.0, x))`` is ``xp.where(keep, x, 0.0)`` on
-    2023.12 namespaces too.
+    every revision, but as arguments of ``where`` and the elementwise functions only from its
+    2024.12 revision. A namespace of that revision or later (NumPy's, torch's, CuPy's and
+    dask's through array-api-compat, JAX's) gets the float, as npattn's constants are
+    everywhere else, with nothing made or copied to a device per call; an older one (as
+    array-api-strict set to 2023.12) gets a 0-d array, which promotes with ``like`` as the
+    float would (to ``like``'s dtype): ``xp.where(keep, x, scalar(xp, 0.0, x))`` is
+    ``xp.where(keep, x, 0.0)`` either way.
     """
-    # [] (0-d)
-    if type(like) is np.ndarray:  # xp.asarray's answer without its per-call checks: the small
-        return np.asarray(value, dtype=like.dtype)  # layers make a few of these every call
-    return xp.asarray(value, dtype=like.dtype, device=device_of(like))
+    if str(getattr(xp, "__array_api_version__", "2021.12")) >= "2024.12":  # 'YYYY.MM' in order
+        return value
+    return xp.asarray(value, dtype=like.dtype, device=device_of(like))  # [] (0-d)
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -464,24 +464,25 @@ def _masked_softmax(x, mask, sink=None):
             mask = xp.astype(mask, work)
     mask_shape = None
     z = x
+    neg_inf, zero, one = (scalar(xp, c, z) for c in (-math.inf, 0.0, 1.0))  # in z's dtype
     if mask is not None and is_floating(xp, mask):
         z = x + mask  # 1.                                     [..., Lk]
         mask_shape = tuple(mask.shape)
     elif mask is not None:
-        z = xp.where(mask, z, scalar(xp, -math.inf, z))  # 2.  [..., Lk]
+        z = xp.where(mask, z, neg_inf)  # 2.                   [..., Lk]
     m = row_max(xp, z)  # 3.                                   [..., 1]
     if sink is not None:
         m = xp.maximum(m, sink)  # the sink is one more logit of the row
-    m = xp.where(m == -math.inf, scalar(xp, 0.0, m), m)  # fully masked row: no -inf - -inf
+    m = xp.where(m == -math.inf, zero, m)  # fully masked row: no -inf - -inf
     e = xp.exp(z - m)  # 4.                                    [..., Lk]
     s = xp.sum(e, axis=-1, keepdims=True)  # 5.                [..., 1]
     e_sink = None if sink is None else xp.exp(sink - m)  # [..., 1]
     if e_sink is not None:
         s = s + e_sink
-    s_safe = xp.where(s == 0.0, scalar(xp, 1.0, s), s)
+    s_safe = xp.where(s == 0.0, one, s)
     p = e / s_safe  # rows with nothing to attend stay 0
     p_sink = None if e_sink is None else e_sink / s_safe  # [..., 1]
-    lse = xp.where(s == 0.0, scalar(xp, -math.inf, s), m + xp.log(s_safe))  # [..., 1]
+    lse = xp.where(s == 0.0, neg_inf, m + xp.log(s_safe))  # [..., 1]
     if work != in_dtype:
         return xp.astype(p, in_dtype), SoftmaxCache(p, mask_shape, in_dtype, p_sink, lse)
     return p, SoftmaxCache(p, mask_shape, None, p_sink, lse)
