@@ -409,7 +409,8 @@ def _check_made(names: list, xp: Any, Lq: int, Lk: int, offset: int, table: Any,
     """What a forward makes from the lengths ``names`` (checked ints) can exist: relative
     positions that fit their dtype (``_check_positions_fit``), and by ``V.check_array_bytes`` the
     relative positions [T], the one-hot C [T, N], the spread rows [Lq, Lk, width] and the gather
-    indices [Lq, Lk] that spread them (larger than the rows when width * itemsize < 8)."""
+    indices [Lq, Lk] that spread them (larger than the rows when a row, width * itemsize bytes,
+    is narrower than an index)."""
     _check_positions_fit(xp, Lq, Lk, offset)
     T, N, itemsize = Lq + Lk - 1, int(table.shape[0]), xp.finfo(dtype).bits // 8
     index_size = xp.iinfo(widest_int(xp)).bits // 8

@@ -1174,4 +1174,3 @@ def test_inputs_of_a_backend_that_makes_no_float64_are_refused_before_any_call()
     finally:
         jax.config.update("jax_enable_x64", previous)
     assert calls == []
-
