@@ -287,3 +287,21 @@ def test_flash_attn_varlen_and_kvcache_entry_points():
         return [out, lse, s_dmask, *grads[:3], o, lse_c, k_cache, v_cache]
 
     both(run)
+
+
+def test_a_constant_is_a_python_float_from_2024_12_and_a_0d_array_before():
+    """backend.scalar hands a namespace of 2024.12 or later the float itself (nothing made,
+    nothing copied to a device per call) and an older one a 0-d array of the other
+    operand's dtype; where() gives the same either way."""
+    from npattn.backend import namespace, scalar
+
+    x = np.asarray([1.0, -2.0], np.float32)
+    assert scalar(namespace(x), -math.inf, x) == -math.inf and type(scalar(namespace(x), 0.5, x)) is float
+    with api_2023():
+        xs = array_api_strict.asarray([1.0, -2.0], dtype=array_api_strict.float32)
+        xp = namespace(xs)
+        c = scalar(xp, 0.5, xs)
+        assert c.shape == () and c.dtype == array_api_strict.float32 and float(c) == 0.5
+        got = xp.where(xs > 0, xs, scalar(xp, 0.0, xs))
+        assert got.dtype == array_api_strict.float32
+        np.testing.assert_array_equal(to_numpy(got), np.where(x > 0, x, 0.0))
