@@ -296,12 +296,15 @@ def test_a_constant_is_a_python_float_from_2024_12_and_a_0d_array_before():
     from npattn.backend import namespace, scalar
 
     x = np.asarray([1.0, -2.0], np.float32)
-    assert scalar(namespace(x), -math.inf, x) == -math.inf and type(scalar(namespace(x), 0.5, x)) is float
-    with api_2023():
-        xs = array_api_strict.asarray([1.0, -2.0], dtype=array_api_strict.float32)
-        xp = namespace(xs)
-        c = scalar(xp, 0.5, xs)
-        assert c.shape == () and c.dtype == array_api_strict.float32 and float(c) == 0.5
-        got = xp.where(xs > 0, xs, scalar(xp, 0.0, xs))
-        assert got.dtype == array_api_strict.float32
-        np.testing.assert_array_equal(to_numpy(got), np.where(x > 0, x, 0.0))
+    for version in ("2024.12", "2023.12"):
+        with array_api_strict.ArrayAPIStrictFlags(api_version=version):
+            xs = array_api_strict.asarray(x)
+            xp = namespace(xs)
+            c = scalar(xp, 0.5, xs)
+            if version == "2024.12":
+                assert type(c) is float and c == 0.5
+            else:
+                assert c.shape == () and c.dtype == array_api_strict.float32 and float(c) == 0.5
+            got = xp.where(xs > 0, xs, scalar(xp, 0.0, xs))
+            assert got.dtype == array_api_strict.float32, version
+            np.testing.assert_array_equal(to_numpy(got), np.where(x > 0, x, 0.0))
