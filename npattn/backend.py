@@ -267,9 +267,10 @@ def scalar(xp: Any, value: float, like: Any) -> Any:
     The Array API standard takes Python scalars as operands of operators (``x * 0.5``) in
     every revision, but as arguments of ``where`` and the elementwise functions only from its
     2024.12 revision. A namespace of that revision or later (NumPy's, torch's, CuPy's and
-    dask's through array-api-compat, JAX's) gets the float, as npattn's constants are
-    everywhere else, with nothing made or copied to a device per call; an older one (as
-    array-api-strict set to 2023.12) gets a 0-d array, which promotes with ``like`` as the
+    dask's through a recent array-api-compat, JAX's) gets the float, as npattn's constants
+    are everywhere else, with nothing made or copied to a device per call; an older one
+    (array-api-strict set to 2023.12; array-api-compat 1.9's NumPy namespace, which reports
+    an older revision) gets a 0-d array, which promotes with ``like`` as the
     float would (to ``like``'s dtype): ``xp.where(keep, x, scalar(xp, 0.0, x))`` is
     ``xp.where(keep, x, 0.0)`` either way.
     """
