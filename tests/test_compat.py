@@ -14,6 +14,7 @@ a fixed keep-mask, and rows with nothing to attend.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -27,6 +28,22 @@ RNG = np.random.default_rng(20240611)
 
 def randn(*shape):
     return RNG.standard_normal(shape)
+
+
+#: The JAX releases whose ``jax.nn.dot_product_attention`` the JAX comparisons need: 0.8.1 added
+#: ``return_residual``; before 0.8.2 JAX ignored ``local_window_size`` when no mask, ``is_causal`` or
+#: sequence length was given (jax-ml/jax#32300). Older releases skip these comparisons.
+JAX_RESIDUAL = (0, 8, 1)
+JAX_WINDOW_ALONE = (0, 8, 2)
+
+
+def jax_since(release, what):
+    """``jax``, or a skip that names ``what`` and the release it needs."""
+    jax = pytest.importorskip("jax", reason=f"{what} needs JAX")
+    found = tuple(int(n) for n in re.findall(r"\d+", jax.__version__)[:3])
+    if found < release:
+        pytest.skip(f"{what} needs JAX {'.'.join(map(str, release))} or later, found {jax.__version__}")
+    return jax
 
 
 # --------------------------------------------------------------------------
@@ -1103,9 +1120,10 @@ def test_dot_product_attention_matches_the_reference_and_finite_differences(name
 
 @pytest.mark.parametrize("name", JAX_CASES)
 def test_dot_product_attention_matches_jax(name):
-    jax = pytest.importorskip("jax", reason="comparing with jax.nn.dot_product_attention needs JAX")
-    jnp = jax.numpy
     q, k, v, bias, mask, kw = jax_case(name)
+    jax = jax_since(JAX_WINDOW_ALONE if "local_window_size" in kw else (0,),
+                    "comparing with jax.nn.dot_product_attention")
+    jnp = jax.numpy
     f32 = [None if t is None else jnp.asarray(np.asarray(t, np.float32)) for t in (q, k, v, bias)]
     jkw = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
     jmask = None if mask is None else jnp.asarray(mask)
@@ -1183,7 +1201,7 @@ def test_dot_product_attention_rows_with_nothing_to_attend_in_jax():
     which in float32 is the fill itself (-inf in float16, bfloat16's rounding in bfloat16); the
     masked row's gradient reaches v only (dout / S to every key), and the residual has no
     gradient (JAX stops it)."""
-    jax = pytest.importorskip("jax", reason="the JAX side of the difference needs JAX")
+    jax = jax_since(JAX_RESIDUAL, "the JAX side of the difference (return_residual)")
     jnp = jax.numpy
     q, k, v, bias, mask, qlen = empty_rows_case()
     args = [jnp.asarray(np.float32(t)) for t in (q, k, v, bias)]
@@ -1229,7 +1247,7 @@ def test_dot_product_attention_bias_of_minus_inf_in_jax():
     -inf); npattn gives zeros, -inf and zero gradients in both. B = 1, T = 4, S = 5, N = 2, K = 1:
     query 1 has bias -inf everywhere and no key masked; query 2 has keys 0 and 1 masked and bias
     -inf on keys 2 to 4; queries 0 and 3 attend."""
-    jax = pytest.importorskip("jax", reason="the JAX side of the difference needs JAX")
+    jax = jax_since(JAX_RESIDUAL, "the JAX side of the difference (return_residual)")
     jnp = jax.numpy
     q, k, v = randn(1, 4, 2, 3), randn(1, 5, 1, 3), randn(1, 5, 1, 3)
     bias = randn(1, 2, 4, 5)
@@ -1437,7 +1455,7 @@ def test_dot_product_attention_shapes_are_named_in_its_own_layout():
 def test_dot_product_attention_refuses_what_jax_answers(change, exc, match):
     """docs/compat.md's "Refused where JAX answers": each call JAX computes and npattn refuses,
     with an error that names the argument."""
-    jax = pytest.importorskip("jax", reason="what JAX answers needs JAX")
+    jax = jax_since(JAX_RESIDUAL if "return_residual" in change else (0,), "what JAX answers")
     q, k, v, _, _, _ = jax_case("bias_mask_gqa")
     kwargs = dict(query=np.float32(q), key=np.float32(k), value=np.float32(v))
     for name, cut in change.items():
