@@ -85,6 +85,7 @@ __all__ = [
     "is_floating",
     "is_bool",
     "scalar",
+    "zero_d",
     "MAX_BYTES",
     "check_array_bytes",
     "check_rng",
@@ -277,6 +278,14 @@ def scalar(xp: Any, value: float, like: Any) -> Any:
     if str(getattr(xp, "__array_api_version__", "2021.12")) >= "2024.12":  # 'YYYY.MM' in order
         return value
     return xp.asarray(value, dtype=like.dtype, device=device_of(like))  # [] (0-d)
+
+
+def zero_d(y: Any) -> Any:
+    """``y``, an elementwise result, as an array: NumPy's arithmetic on 0-d arrays gives a
+    NumPy scalar (``np.float64``), which comes back as the 0-d array of its dtype that the
+    caller passed. Every other result, and every other library's (they keep 0-d arrays), is
+    ``y`` itself: no copy, and no cost beyond one ``isinstance``."""
+    return np.asarray(y) if isinstance(y, np.generic) else y  # [] a NumPy scalar -> a 0-d array
 
 
 def to_numpy(x: Any) -> np.ndarray:

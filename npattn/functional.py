@@ -37,7 +37,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
 from .backend import (check_same_device, device_of, dropout_key, generator_kept_on_failure,
-                      is_bool, is_floating, keep_mask, namespace, row_max, scalar, without_empty_chunks)
+                      is_bool, is_floating, keep_mask, namespace, row_max, scalar, without_empty_chunks,
+                      zero_d)
 
 __all__ = [
     "linear_forward",
@@ -113,7 +114,8 @@ def sum_to_shape(xp: Any, g: Any, shape: Sequence[int]) -> Any:
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
     if stretched:
         g = xp.sum(g, axis=stretched, keepdims=True, **kw)
-    return g if g.dtype == in_dtype else xp.astype(g, in_dtype)
+    # (a sum to shape () is a NumPy scalar: zero_d makes it the 0-d array it stands for)
+    return zero_d(g if g.dtype == in_dtype else xp.astype(g, in_dtype))
 
 
 def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:

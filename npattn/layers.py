@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 from . import functional as F
 from . import validation as V
-from .backend import device_of, namespace, scalar, without_empty_chunks
+from .backend import device_of, namespace, scalar, without_empty_chunks, zero_d
 
 __all__ = [
     "erf",
@@ -411,7 +411,7 @@ def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
         g = xp.tanh(u)  # 2. t                                          [...]
         y = 0.5 * xc * (1.0 + g)  # 3.                                  [...]
     y = y if y.dtype == x.dtype else xp.astype(y, x.dtype)
-    return y, GeluCache(xc, approximate, x.dtype, g)
+    return zero_d(y), GeluCache(xc, approximate, x.dtype, g)  # (a 0-d x: a 0-d y, not a scalar)
 
 
 def gelu_backward(dout: Any, cache: GeluCache) -> Any:
@@ -465,7 +465,7 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
         dx += 0.5 * t
         dx += 0.5  # dy/dx
         dx *= d
-    return dx if dx.dtype == cache.dtype else xp.astype(dx, cache.dtype)
+    return zero_d(dx if dx.dtype == cache.dtype else xp.astype(dx, cache.dtype))
 
 
 # --------------------------------------------------------------------------
@@ -618,7 +618,7 @@ def residual_forward(x: Any, y: Any) -> tuple[Any, ResidualCache]:
     xs, ys = V.shape_of(x), V.shape_of(y)
     if _broadcast_shape(xs, ys) is None:
         raise ValueError(f"y: expected a shape that broadcasts with x's {xs}, got shape {ys}")
-    return x + y, ResidualCache(xs, ys, V.spec_of(x))  # 1. [...]
+    return zero_d(x + y), ResidualCache(xs, ys, V.spec_of(x))  # 1. [...]
 
 
 def residual_backward(dout: Any, cache: ResidualCache) -> tuple[Any, Any]:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
 from .backend import (device_of, float64_namespace, float64_result, namespace, resolve_backend,
-                      row_max, widest_int, without_empty_chunks)
+                      row_max, widest_int, without_empty_chunks, zero_d)
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -592,8 +592,8 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
             g = g + float(weight_decay) * w
         m = b1 * state.m[name] + (1.0 - b1) * g
         v = b2 * state.v[name] + (1.0 - b2) * (g * g)
-        new_p[name] = w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps))
-        new_m[name], new_v[name] = m, v
+        new_p[name] = zero_d(w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps)))
+        new_m[name], new_v[name] = zero_d(m), zero_d(v)  # (a 0-d parameter's: 0-d arrays)
     same = all(n == t for n in steps.values())
     return new_p, AdamState(new_m, new_v, t, None if same else steps)
 
@@ -631,4 +631,4 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     scale = min(float(max_norm) / (total + float(eps)), 1.0)
     if scale == 1.0:
         return dict(grads), total
-    return {k: (None if g is None else g * scale) for k, g in grads.items()}, total
+    return {k: (None if g is None else zero_d(g * scale)) for k, g in grads.items()}, total

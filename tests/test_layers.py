@@ -426,6 +426,47 @@ def test_gelu_half_precision_computes_in_float32(xp, to_xp, to_np, backend, appr
     np.testing.assert_array_equal(to_np(xp.astype(dbig, xp.float64)), [0.0, 0.0, 1.0, 1.0])
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_elementwise_layers_keep_a_0_d_array_an_array(xp, to_xp, to_np, backend, dtype):
+    """A 0-d array in gives a 0-d array of its library and dtype out, forward and backward:
+    NumPy's arithmetic on 0-d arrays gives a NumPy scalar (np.float64), which GELU and the
+    residual connection returned in place of the array."""
+    if not hasattr(xp, dtype):
+        pytest.skip(f"{backend} has no {dtype}")
+    dt = getattr(xp, dtype)
+    x, d = (xp.astype(to_xp(np.asarray(v)), dt) for v in (0.75, -1.25))
+    tol = {"float64": 1e-14, "float32": 1e-6, "float16": 2e-3}[dtype]
+
+    def check(a, expected):
+        assert type(a) is type(x) and tuple(a.shape) == () and a.dtype == dt, (type(a), a)
+        assert abs(float(to_np(a)) - expected) <= tol * abs(expected), (float(to_np(a)), expected)
+
+    # the textbook forms at x = 0.75 (Hendrycks & Gimpel): Phi, phi the normal CDF and density
+    phi_cdf = 0.5 * (1.0 + math.erf(0.75 / math.sqrt(2.0)))
+    pdf = math.exp(-0.5 * 0.75**2) / math.sqrt(2.0 * math.pi)
+    c, u = math.sqrt(2.0 / math.pi), math.sqrt(2.0 / math.pi) * (0.75 + 0.044715 * 0.75**3)
+    t = math.tanh(u)
+    slope_tanh = 0.5 * (1.0 + t) + 0.5 * 0.75 * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * 0.75**2)
+    for approximate, value, slope in (("none", 0.75 * phi_cdf, phi_cdf + 0.75 * pdf),
+                                      ("tanh", 0.375 * (1.0 + t), slope_tanh)):
+        y, cache = L.gelu_forward(x, approximate)
+        check(y, value)
+        check(L.gelu_backward(d, cache), -1.25 * slope)
+    y, cache = L.relu_forward(x)
+    check(y, 0.75)
+    check(L.relu_backward(d, cache), -1.25)
+    check(L.erf(x), math.erf(0.75))
+    out, cache = L.residual_forward(x, d)
+    check(out, -0.5)
+    for g in L.residual_backward(d, cache):
+        check(g, -1.25)
+    # a 0-d x against a (2, 3) y: dx is dout summed to shape ()
+    dout_host = np.random.default_rng(15).standard_normal((2, 3))
+    _, cache = L.residual_forward(x, xp.astype(to_xp(np.ones((2, 3))), dt))
+    dx, _ = L.residual_backward(xp.astype(to_xp(dout_host), dt), cache)
+    check(dx, float(np.sum(dout_host.astype(dtype).astype(np.float64))))
+
+
 # the forward's x^3 and the exact slope's x^2 overflow to inf there, which tanh and exp take
 # to their limits (NumPy warns as they overflow; the numbers are checked below)
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")

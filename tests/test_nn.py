@@ -635,6 +635,27 @@ def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, 
     assert kept is not grads and grads["a"] is not None
 
 
+def test_clip_grad_norm_and_adam_keep_a_0_d_array_an_array(xp, to_xp, to_np):
+    """A 0-d gradient or parameter comes back as a 0-d array of its library and dtype: NumPy's
+    arithmetic on 0-d arrays gives a NumPy scalar (np.float64), which clipping and Adam's
+    parameter and moments returned in place of the array."""
+    w, g = to_xp(np.asarray(0.5)), to_xp(np.asarray(-3.0))
+
+    def check(a, expected):
+        assert type(a) is type(w) and tuple(a.shape) == () and a.dtype == w.dtype, (type(a), a)
+        assert abs(float(to_np(a)) - expected) <= 1e-12 * abs(expected), (float(to_np(a)), expected)
+
+    clipped, total = nn.clip_grad_norm({"g": g}, 2.0, eps=0.0)
+    assert total == 3.0
+    check(clipped["g"], -2.0)
+    params, state = {"w": w}, nn.adam_init({"w": w})
+    for t in (1, 2):  # the second step takes the first's state; Adam's first step is lr * sign(g)
+        params, state = nn.adam_step(params, {"w": g}, state, lr=0.1, betas=(0.5, 0.75), eps=0.0)
+        check(state.m["w"], -3.0 * (1.0 - 0.5**t))
+        check(state.v["w"], 9.0 * (1.0 - 0.75**t))
+        check(params["w"], 0.5 + 0.1 * t)
+
+
 def test_clip_grad_norm_matches_torch():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
