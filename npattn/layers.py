@@ -355,9 +355,11 @@ def relu_backward(dout: Any, cache: ReluCache) -> Any:
 #: The tanh form's constants (Hendrycks & Gimpel, 2016), as torch's approximate="tanh".
 GELU_TANH_C = 0.044715
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-#: Beyond this ``|x|`` the tanh form's t = tanh(u) is +-1 in float32 and float64 (from ``|x|`` of 5.4
-#: and 7.2), so 1 - t^2 = 0: the backward's other factor is computed from x clipped to it, where it is
-#: finite.
+#: Beyond this ``|x|`` GELU is flat in float32 and float64: the tanh form's t = tanh(u) is +-1 (from
+#: ``|x|`` of 5.4 and 7.2), so 1 - t^2 = 0, and the exact form's exp(-x^2/2) is 0 (from 14.4 and 38.6).
+#: The powers of x that these multiply (x^3 in u, x^2 in the slopes) are computed from x clipped to
+#: it, where they are finite: unclipped, they overflow (x^3 past 7e12 in float32) to inf, which gives
+#: the same numbers but sets NumPy's overflow flag, and 0 * inf = NaN in the tanh form's slope.
 GELU_TANH_FLAT = 1e4
 
 
@@ -385,6 +387,10 @@ def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
 
     ``erf`` is :func:`erf` (accurate to 1.2e-15 in float64).
 
+    A finite ``x`` of any size gives a finite ``y`` (``x`` itself past 1e4, -0 past -1e4),
+    with no overflow on the way (``GELU_TANH_FLAT``); ``x = +inf`` gives ``+inf`` and
+    ``x = -inf`` NaN (``-inf * Phi(-inf) = -inf * 0``), in both forms, as torch's float64 gelu.
+
     Parameters
     ----------
     x : array, any shape, real floating
@@ -407,9 +413,17 @@ def gelu_forward(x: Any, approximate: str = "none") -> tuple[Any, GeluCache]:
         g = 0.5 * (1.0 + _erf(xp, xc / math.sqrt(2.0)))  # 1. phi_cdf [...]
         y = xc * g  # 2.                                               [...]
     else:
-        u = SQRT_2_OVER_PI * (xc + GELU_TANH_C * (xc * xc * xc))  # 1. [...]
+        # 1. from x clipped to GELU_TANH_FLAT, past which t = +-1 clipped or not (x^3
+        # overflows past 7e12 in float32), built in place: fewer new arrays pay for most of the clip
+        xs = xp.clip(xc, -GELU_TANH_FLAT, GELU_TANH_FLAT)  # [...] x itself for |x| <= 1e4
+        u = xs * xs  # [...]
+        u *= xs
+        u *= GELU_TANH_C
+        u += xs
+        u *= SQRT_2_OVER_PI  # 1. u = sqrt(2/pi) (x + 0.044715 x^3)    [...]
         g = xp.tanh(u)  # 2. t                                          [...]
-        y = 0.5 * xc * (1.0 + g)  # 3.                                  [...]
+        y = 0.5 * xc  # [...]
+        y *= 1.0 + g  # 3. y = 0.5 x (1 + t)
     y = y if y.dtype == x.dtype else xp.astype(y, x.dtype)
     return zero_d(y), GeluCache(xc, approximate, x.dtype, g)  # (a 0-d x: a 0-d y, not a scalar)
 
@@ -420,6 +434,10 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
     Exact: ``dx = dout * (Phi(x) + x * exp(-x^2/2) / sqrt(2 pi))``.
 
     Tanh: ``dx = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2))``.
+
+    The slope of a finite ``x`` is finite in both forms, 1 past 1e4 and 0 past -1e4, with
+    no overflow on the way. At ``x = +-inf`` it is NaN in the exact form (``inf * 0``, as
+    torch's) and 1 or 0 in the tanh form (torch's is NaN there too).
 
     Parameters
     ----------
@@ -441,7 +459,11 @@ def gelu_backward(dout: Any, cache: GeluCache) -> Any:
         phi_cdf = cache.g  # step 1's Phi(x), kept by the forward [...]
         # 2. y = x * phi_cdf:                      dy/dx = phi_cdf + x * d phi_cdf / dx
         # 1. phi_cdf = 0.5 (1 + erf(x / sqrt(2))): d phi_cdf / dx = phi(x), the normal density
-        pdf = xp.exp(-0.5 * (x * x)) / math.sqrt(2.0 * math.pi)  # [...]
+        # (x^2 from x clipped to GELU_TANH_FLAT, past which pdf is 0 either way: x^2 overflows
+        # past 1.8e19 in float32, 1.3e154 in float64; x * pdf takes x itself, so +-inf gives
+        # inf * 0 = NaN, as torch's)
+        xs = xp.clip(x, -GELU_TANH_FLAT, GELU_TANH_FLAT)  # [...] x itself for |x| <= 1e4
+        pdf = xp.exp(-0.5 * (xs * xs)) / math.sqrt(2.0 * math.pi)  # [...]
         dx = d * (phi_cdf + x * pdf)  # [...]
     else:
         t = cache.g  # step 2's tanh(u), kept by the forward [...]

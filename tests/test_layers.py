@@ -467,24 +467,52 @@ def test_elementwise_layers_keep_a_0_d_array_an_array(xp, to_xp, to_np, backend,
     check(dx, float(np.sum(dout_host.astype(dtype).astype(np.float64))))
 
 
-# the forward's x^3 and the exact slope's x^2 overflow to inf there, which tanh and exp take
-# to their limits (NumPy warns as they overflow; the numbers are checked below)
-@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+# x^3 (the tanh form's u) and x^2 (both slopes) would overflow to inf there; tanh and exp take
+# inf to the same limits as the clipped powers, but NumPy warns as they overflow: no warning now
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gelu_tanh_slope_is_0_or_1_at_finite_inputs_whose_square_overflows(xp, to_xp, to_np, dtype):
-    """x = +-1e20 in float32 and +-1e160 in float64 are finite, but x^2 overflows: the slope
-    was 0 * inf = NaN there. It is 0 (x -> -inf) and 1 (x -> +inf), as at x = +-1e4, where
-    nothing overflows, and the random upstream gradient passes through (or not) unchanged."""
+    """x = +-1e13 and +-3e38 in float32 (x^3 past 7e12 overflows) and +-1e160, +-1e300 in float64
+    are finite, but x^2 or x^3 overflows: the tanh slope was 0 * inf = NaN there, and NumPy
+    warned of the overflow in both forms. GELU is x past +1e4 and -0 past -1e4, its slope 1
+    and 0, as at x = +-1e4, where nothing overflows, and the random upstream gradient passes
+    through (or not) unchanged, without a warning."""
     if dtype == "float64" and not hasattr(xp, "float64"):
         pytest.skip("no float64 on this backend")
-    big = 1e20 if dtype == "float32" else 1e160
-    x = xp.astype(to_xp(np.array([-big, -1e4, 1e4, big])), getattr(xp, dtype))
-    dout_host = np.random.default_rng(8).standard_normal(4).astype(dtype)
+    big = [1e13, 3e38] if dtype == "float32" else [1e13, 1e160, 1e300]
+    x_host = np.array([-v for v in big[::-1]] + [-1e4, 1e4] + big, dtype=dtype)
+    n = len(big)
+    x = xp.astype(to_xp(x_host), getattr(xp, dtype))
+    dout_host = np.random.default_rng(8).standard_normal(x_host.size).astype(dtype)
     for approximate in ("none", "tanh"):
         y, cache = L.gelu_forward(x, approximate)
-        np.testing.assert_array_equal(to_np(y), [0.0, 0.0, 1e4, np.asarray(big, dtype)])
+        np.testing.assert_array_equal(to_np(y), np.where(x_host > 0, x_host, 0.0))
+        assert not np.signbit(to_np(y)[x_host > 0]).any()
         dx = to_np(L.gelu_backward(xp.astype(to_xp(dout_host), getattr(xp, dtype)), cache))
-        np.testing.assert_array_equal(dx, [0.0, 0.0, dout_host[2], dout_host[3]])
+        np.testing.assert_array_equal(dx, np.where(x_host > 0, dout_host, 0.0))
+        assert dx.size == 2 * n + 2
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # the NaNs
+def test_gelu_at_infinities_is_torch_s():
+    """GELU(+inf) = +inf and GELU(-inf) = -inf * Phi(-inf) = NaN in both forms, as torch's
+    float64 gelu; the exact form's slope at +-inf is NaN (inf * pdf = inf * 0), as torch's,
+    and the tanh form's 1 and 0, its limits (torch's is NaN)."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([-math.inf, -1.0, 2.0, math.inf], dtype=torch.float64)
+    dout = torch.tensor([0.5, -1.5, 2.5, 0.75], dtype=torch.float64)
+    for approximate in ("none", "tanh"):
+        ref = torch.nn.functional.gelu(x, approximate=approximate)
+        y, cache = L.gelu_forward(x.numpy(), approximate)
+        np.testing.assert_array_equal(y[[0, 3]], ref.numpy()[[0, 3]])
+        np.testing.assert_allclose(y[1:3], ref.numpy()[1:3], rtol=1e-14, atol=0.0)
+        assert np.isnan(y[0]) and y[3] == math.inf
+        dx = L.gelu_backward(dout.numpy(), cache)
+        if approximate == "none":
+            assert np.isnan(dx[[0, 3]]).all()
+        else:
+            np.testing.assert_array_equal(dx[[0, 3]], [0.0, 0.75])
+        assert np.isfinite(dx[1:3]).all()
 
 
 # -------------------------------------------------------- feed-forward
