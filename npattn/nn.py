@@ -612,6 +612,15 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     and the norm before clipping as a Python float. ``None`` entries are
     kept as they are. Half-precision gradients are squared and summed in float32 (as
     torch does; 300 squared overflows float16), then scaled in their own dtype.
+
+    Where a square or a sum of squares overflows though every entry is finite (float32
+    entries past 1.8e19, float64 ones past 1.3e154), ``total`` is still the norm whenever a
+    Python float holds it: the sum is taken again with each array divided by its largest
+    ``|g|`` first, ``total = hypot_k(amax_k * sqrt(sum((g_k / amax_k)^2)))``, and the
+    gradients are scaled by ``c`` as above. torch's total is inf there, which scales every
+    gradient to 0. Non-finite entries give torch's result: an infinite one (and no NaN)
+    makes ``total`` inf and ``c = 0``, so the finite entries become 0 and the infinite
+    ones NaN (``inf * 0``); a NaN entry makes ``total`` and every gradient NaN.
     """
     if not isinstance(grads, dict):
         raise TypeError(f"grads: expected a dict of arrays, got {Vd.type_name(grads)}")
@@ -628,7 +637,30 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
             g = g if ct == g.dtype else xp.astype(g, ct)
             sq += float(xp.sum(g * g))
     total = math.sqrt(sq)
+    if math.isinf(sq):  # a square or a sum overflowed, or an entry is infinite
+        total = _scaled_norm(grads)
     scale = min(float(max_norm) / (total + float(eps)), 1.0)
     if scale == 1.0:
         return dict(grads), total
     return {k: (None if g is None else zero_d(g * scale)) for k, g in grads.items()}, total
+
+
+def _scaled_norm(grads: dict) -> float:
+    """The joint 2-norm of ``grads`` (no NaN entry) with each array divided by its largest
+    ``|g|`` before it is squared, so that no square overflows: ``math.hypot`` of each array's
+    ``amax * sqrt(sum((g / amax)^2))``. inf when an entry is infinite, or the norm is past
+    float64's range."""
+    norms = []
+    for g in grads.values():
+        if g is None or math.prod(Vd.shape_of(g)) == 0:
+            continue
+        xp = namespace(g)
+        ct = compute_dtype(xp, g.dtype)
+        g = g if ct == g.dtype else xp.astype(g, ct)
+        amax = float(xp.max(xp.abs(without_empty_chunks(g))))  # (dask's max fails on empty chunks)
+        if math.isinf(amax):
+            return math.inf
+        if amax > 0.0:
+            gs = g / amax  # [...] entries in [-1, 1]
+            norms.append(amax * math.sqrt(float(xp.sum(gs * gs))))
+    return math.hypot(*norms)

@@ -1,5 +1,6 @@
 """Finite-difference and property tests of npattn.nn (embedding, positions, cross-entropy, Adam)."""
 
+import decimal
 import math
 import warnings
 
@@ -668,6 +669,64 @@ def test_clip_grad_norm_matches_torch():
     assert abs(norm - float(norm_t)) < 1e-12
     for t, k in zip(ts, ("a", "b")):
         np.testing.assert_allclose(clipped[k], t.grad.numpy(), rtol=1e-14, atol=0)
+
+
+def _norm_of(arrays):
+    """The 2-norm of the entries of ``arrays``, in 60-digit decimals: no square overflows."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        return float(sum((decimal.Decimal(float(v)) ** 2 for a in arrays for v in np.ravel(a)),
+                         decimal.Decimal(0)).sqrt())
+
+
+# the squares overflow before the sum is taken again from the scaled arrays (NumPy warns of them)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype, big", [("float32", 1e20), ("float32", 3e38), ("float64", 1e200)])
+def test_clip_grad_norm_of_finite_gradients_whose_squares_overflow(xp, to_xp, to_np, dtype, big):
+    """Entries of 1e20 in float32 (their squares overflow past 3.4e38) or 1e200 in float64: the
+    sum of squares is inf, which gave total = inf and scaled every gradient to 0 (as torch's).
+    total is the norm, and the gradients are scaled by max_norm / total, a float16 one too."""
+    if dtype == "float64" and not hasattr(xp, "float64"):
+        pytest.skip("no float64 on this backend")
+    rng = np.random.default_rng(16)
+    a = (big * rng.uniform(0.25, 1.0, (3, 4)) * rng.choice([-1.0, 1.0], (3, 4))).astype(dtype)
+    b = rng.standard_normal(5).astype(dtype)
+    arrays = {"a": a, "b": b}
+    if hasattr(xp, "float16"):
+        arrays["h"] = rng.standard_normal(4).astype(np.float16) * 1000.0
+    grads = {k: xp.astype(to_xp(v), getattr(xp, v.dtype.name)) for k, v in arrays.items()}
+    expected = _norm_of(arrays.values())
+    assert math.isfinite(expected) and expected > big
+    clipped, total = nn.clip_grad_norm(grads, 2.0)
+    rtol = 1e-6 if dtype == "float32" else 1e-14
+    assert abs(total - expected) <= rtol * expected, (total, expected)
+    for k, v in arrays.items():  # each scaled by 2 / total, to within its dtype's rounding
+        got = to_np(clipped[k])
+        assert got.dtype == v.dtype
+        fi = np.finfo(v.dtype)
+        np.testing.assert_allclose(got.astype(np.float64), v.astype(np.float64) * (2.0 / expected),
+                                   rtol=rtol if v.dtype != np.float16 else 1e-3,
+                                   atol=4.0 * float(fi.smallest_subnormal))  # (the float16 one's are 0)
+    assert abs(_norm_of(to_np(clipped[k]) for k in ("a", "b")) - 2.0) <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf * 0, and NumPy's NaN warnings
+def test_clip_grad_norm_of_infinite_or_nan_gradients_is_torch_s():
+    """An infinite entry makes total inf and the factor 0: finite entries become 0 and the
+    infinite one NaN (inf * 0); a NaN entry makes total and every gradient NaN, as torch's
+    clip_grad_norm_ (error_if_nonfinite=False) on the same gradients."""
+    torch = pytest.importorskip("torch")
+    for bad in (math.inf, -math.inf, math.nan):
+        arrays = [np.array([bad, 1.0, 1e20], np.float32), np.array([3.0, -2.0], np.float32)]
+        ts = [torch.zeros(2 if i else 3, requires_grad=True) for i in range(2)]
+        for t, x in zip(ts, arrays):
+            t.grad = torch.from_numpy(x.copy())
+        norm_t = float(torch.nn.utils.clip_grad_norm_(ts, 1.0))
+        clipped, total = nn.clip_grad_norm({"a": arrays[0], "b": arrays[1]}, 1.0)
+        assert total == norm_t or (math.isnan(total) and math.isnan(norm_t)), (total, norm_t)
+        assert (math.isnan(total) if math.isnan(bad) else total == math.inf)
+        for t, k in zip(ts, ("a", "b")):
+            np.testing.assert_array_equal(clipped[k], t.grad.numpy())
 
 
 @pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
