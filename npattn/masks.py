@@ -140,7 +140,8 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
 
     Query ``i`` of batch entry ``b`` may attend key ``j`` when
     ``q_segments[b, i] == k_segments[b, j]`` (the same document): the mask that
-    ``sdpa_forward(..., q_segments=, k_segments=)`` applies.
+    ``sdpa_forward(..., q_segments=, k_segments=)`` applies. Sizes whose mask could not
+    exist at all (more bytes than the largest array) are a ``ValueError`` naming both.
     """
     for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
         V.check_array(name, a)
@@ -156,6 +157,8 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
             f"shape {tuple(k_segments.shape)}"
         )
     V.check_segment_dtypes(xp, q_segments, k_segments)
+    V.check_array_bytes(["q_segments", "k_segments"], (int(q_segments.shape[0]), 1, int(q_segments.shape[1]),
+                                                       int(k_segments.shape[1])), 1, "the mask")
     same = xp.expand_dims(q_segments, axis=2) == xp.expand_dims(k_segments, axis=1)  # [B, Lq, Lk]
     return xp.expand_dims(same, axis=1)  # [B, 1, Lq, Lk]
 

@@ -54,11 +54,16 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     ``torch.nn.functional.one_hot`` raises too), ``dtype`` a floating dtype of ``xp``
     or its name, as the constructors' ``dtype=`` (the rows multiply floating tables, as
     in ``embedding_forward``; torch's integer one-hot is ``one_hot(...) == 1.0``).
+    Sizes whose rows (or classes ``0, ..., n - 1``) could not exist at all, more bytes than
+    the largest array, are a ``ValueError`` naming ``ids`` and ``n``, before anything is made.
     """
     xp = resolve_backend(xp, "xp")
     n = Vd.check_positive_int("n", n)
     Vd.check_ids("ids", ids, n, xp, what="class indices", like="xp")
     dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
+    Vd.check_array_bytes(["n"], (n,), xp.iinfo(widest_int(xp)).bits // 8, "the classes 0, ..., n - 1")
+    Vd.check_array_bytes(["ids", "n"], (*Vd.shape_of(ids), n), xp.finfo(dtype).bits // 8,
+                         "the one-hot rows")  # (the largest array made; the bool rows of == are smaller)
     return _one_hot(xp, ids, n, dtype)
 
 
@@ -86,7 +91,8 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
     transpose product; only the Array API standard is needed (it has no
     scatter-add). The forward computes it as the gather it equals (``take``):
     the product would make ``0 * inf = NaN`` of an infinite entry in the rows
-    that do not read it.
+    that do not read it. Sizes whose one-hot rows or looked-up rows could not exist at all
+    (more bytes than the largest array) are a ``ValueError`` naming ``ids`` and ``table``.
 
     Parameters
     ----------
@@ -112,6 +118,10 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
                              f"{Vd.shape_of(ids)}") from None
         raise
     V = table.shape[0]
+    itemsize = xp.finfo(table.dtype).bits // 8
+    Vd.check_array_bytes(["ids", "table"], (*Vd.shape_of(ids), int(V)), itemsize, "the one-hot rows of ids")
+    Vd.check_array_bytes(["ids", "table"], (*Vd.shape_of(ids), int(table.shape[1])), itemsize,
+                         "the rows looked up")
     ids = without_empty_chunks(ids)  # dask's reshape fails on some chunks of length 0
     onehot = _one_hot(xp, ids, V, table.dtype)  # 1.  [..., V], for the backward
     # 2. out = onehot @ table, as the gather it equals; the ids as a 1-D array of the widest

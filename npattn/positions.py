@@ -334,7 +334,9 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
 def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
     """``out[i, j, :] = rows[j - i + Lq - 1, :]``: row ``t`` along diagonal ``t``. # [T, E] -> [Lq, Lk, E]
 
-    A gather with ``xp.take``; its adjoint is ``diagonal_sums``.
+    A gather with ``xp.take``; its adjoint is ``diagonal_sums``. Sizes whose spread rows or
+    gather indices could not exist at all (more bytes than the largest array) are a
+    ``ValueError`` naming them, before anything is made.
     """
     xp = resolve_backend(xp, "xp")
     Lq = V.check_positive_int("Lq", Lq)  # Python ints: Lq + Lk - 1 must not wrap
@@ -343,12 +345,27 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
     if V.shape_of(rows)[:1] != (Lq + Lk - 1,) or len(V.shape_of(rows)) != 2:
         raise ValueError(f"rows: expected shape (Lq + Lk - 1, E) = ({Lq + Lk - 1}, E), got "
                          f"{V.shape_of(rows)}")
+    # the largest arrays made below: the spread rows (the gather's, then reshaped) and the indices
+    V.check_array_bytes(["Lq", "Lk", "rows"], (Lq, Lk, int(rows.shape[1])), _entry_bytes(xp, rows.dtype),
+                        "the spread rows")
+    V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), xp.iinfo(widest_int(xp)).bits // 8,
+                        "the gather indices of the spread")
     dev = device_of(rows)
     i = xp.arange(Lq, dtype=widest_int(xp), device=dev)  # [Lq]
     j = xp.arange(Lk, dtype=widest_int(xp), device=dev)  # [Lk]
     t = xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) + (Lq - 1)  # [Lq, Lk] in [0, T)
     out = xp.take(rows, xp.reshape(t, (-1,)), axis=0)  # [Lq * Lk, E]
     return xp.reshape(out, (Lq, Lk, rows.shape[-1]))  # [Lq, Lk, E]
+
+
+def _entry_bytes(xp: Any, dtype: Any) -> int:
+    """The bytes an entry of ``dtype`` holds: 1 for bool, else from its ``iinfo`` or ``finfo``
+    (twice that of its real part for a complex dtype)."""
+    if isdtype(xp, dtype, "bool"):
+        return 1
+    if isdtype(xp, dtype, "integral"):
+        return xp.iinfo(dtype).bits // 8
+    return xp.finfo(dtype).bits // 8 * (2 if isdtype(xp, dtype, "complex floating") else 1)
 
 
 def diagonal_sums(xp: Any, a: Any) -> Any:

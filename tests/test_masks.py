@@ -248,6 +248,13 @@ def test_padding_bad_arguments():
                                   [[True, False, False], [True, True, False]])
 
 
+def _zero_view(backend, shape, dtype="int8"):
+    """Zeros of ``shape``, a broadcast view of one entry: an array of any size, in no memory."""
+    xp = resolve_backend(backend)
+    one = xp.zeros((1,) * len(shape), dtype=getattr(xp, dtype))
+    return xp.broadcast_to(one, shape)
+
+
 @pytest.mark.parametrize("build, match", [
     (lambda xp: masks.causal(2**56, 2**56, xp=xp),
      rf"^Lq and Lk: expected sizes for which .*, "
@@ -260,6 +267,10 @@ def test_padding_bad_arguments():
     (lambda xp: masks.padding([0] * 16, 2**59, xp=xp),  # positions of 2**62 bytes, a mask of 2**63
      rf"^lengths and Lk: expected sizes for which the mask, an array of shape \(16, 1, 1, {2**59}\) "
      r"\(1 byte an entry\)"),
+    # segment ids of (1, 2**32) each, as views: a mask of 2**64 bytes
+    (lambda xp: masks.segments(_zero_view(xp, (1, 2**32)), _zero_view(xp, (1, 2**32))),
+     rf"^q_segments and k_segments: expected sizes for which the mask, an array of shape "
+     rf"\(1, 1, {2**32}, {2**32}\) \(1 byte an entry\), .*got {2**64} bytes$"),
 ])
 def test_a_mask_that_cannot_exist_is_refused_naming_its_sizes(backend, build, match):
     """A mask, or the positions it is built from, larger than the largest array (sys.maxsize

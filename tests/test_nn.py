@@ -636,6 +636,37 @@ def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, 
     assert kept is not grads and grads["a"] is not None
 
 
+def _zero_view(xp, shape):
+    """float32 zeros of ``shape``, a broadcast view of one entry: an array of any size, in no memory."""
+    return xp.broadcast_to(xp.zeros((1,) * len(shape), dtype=xp.float32), shape)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda xp: nn.one_hot(xp, xp.zeros(64, dtype=xp.int64), 2**56, "float32"),
+     rf"^ids and n: expected sizes for which the one-hot rows, an array of shape \(64, {2**56}\) "
+     rf"\(4 bytes an entry\), .*got {2**64} bytes$"),
+    # no ids, but the classes 0, ..., n - 1 they are compared with are made all the same
+    (lambda xp: nn.one_hot(xp, xp.zeros(0, dtype=xp.int64), 2**61, "float64"),
+     rf"^n: expected sizes for which the classes 0, \.\.\., n - 1, an array of shape \({2**61},\) "
+     rf"\(8 bytes an entry\)"),
+    (lambda xp: nn.embedding_forward(xp.zeros(64, dtype=xp.int64), _zero_view(xp, (2**56, 1))),
+     rf"^ids and table: expected sizes for which the one-hot rows of ids, an array of shape "
+     rf"\(64, {2**56}\) \(4 bytes an entry\)"),
+    (lambda xp: nn.embedding_forward(xp.zeros(64, dtype=xp.int64), _zero_view(xp, (1, 2**56))),
+     rf"^ids and table: expected sizes for which the rows looked up, an array of shape "
+     rf"\(64, {2**56}\) \(4 bytes an entry\)"),
+])
+def test_a_one_hot_or_lookup_that_cannot_exist_is_refused_naming_its_sizes(xp, build, match):
+    """One-hot rows (..., n), their classes, or looked-up rows larger than the largest array
+    (sys.maxsize bytes) are refused by name before anything is made (the tables are broadcast
+    views in no memory; the library's own error came from the classes, n long, or named nothing)."""
+    import sys
+
+    with pytest.raises(ValueError, match=match) as info:
+        build(xp)
+    assert f"fits in {sys.maxsize} bytes (the largest array)" in str(info.value)
+
+
 def test_clip_grad_norm_and_adam_keep_a_0_d_array_an_array(xp, to_xp, to_np):
     """A 0-d gradient or parameter comes back as a 0-d array of its library and dtype: NumPy's
     arithmetic on 0-d arrays gives a NumPy scalar (np.float64), which clipping and Adam's

@@ -952,6 +952,29 @@ def test_the_spread_s_gather_indices_are_held_to_the_largest_array_too(monkeypat
     assert out.shape == (1, 1, 10, 6)
 
 
+@pytest.mark.parametrize("dtype, E, match", [
+    ("float32", 1, rf"^Lq, Lk and rows: expected sizes for which the spread rows, an array of shape "
+                   rf"\({2**56}, {2**56}, 1\) \(4 bytes an entry\)"),
+    ("bool", 1, rf"^Lq, Lk and rows: expected sizes for which the spread rows, an array of shape "
+                rf"\({2**56}, {2**56}, 1\) \(1 byte an entry\)"),
+    # rows of no width: nothing to spread, but the [Lq, Lk] gather indices are made all the same
+    ("float32", 0, rf"^Lq and Lk: expected sizes for which the gather indices of the spread, an array "
+                   rf"of shape \({2**56}, {2**56}\) \(8 bytes an entry\)"),
+])
+def test_a_diagonal_spread_that_cannot_exist_is_refused_naming_its_sizes(xp, dtype, E, match):
+    """diagonal_spread of rows (Lq + Lk - 1, E), a broadcast view in no memory, to (Lq, Lk, E)
+    larger than the largest array (sys.maxsize bytes): refused by name before anything is made
+    (the library's own error came from its first index array, Lq long)."""
+    import sys
+
+    L = 2**56
+    one = xp.zeros((1, min(E, 1)), dtype=getattr(xp, dtype))
+    rows = xp.broadcast_to(one, (2 * L - 1, E))  # [T, E]
+    with pytest.raises(ValueError, match=match) as info:
+        P.diagonal_spread(xp, rows, L, L)
+    assert f"fits in {sys.maxsize} bytes (the largest array)" in str(info.value)
+
+
 def test_a_sinusoidal_encoding_that_cannot_exist_is_refused_naming_l_and_d():
     """An encoding (L, D) of float64 larger than the largest array is refused by name (NumPy's
     "array is too big" named neither)."""
