@@ -521,7 +521,7 @@ class GPT(BlockStack):
         # blocks' (blocks_put_back_on_failure) and the caller's sampling generator
         mode, cached, drawn = self.training, self._cache, rng.bit_generator.state
         # each block's mode and its attention's too: one set apart (block.eval()) keeps its own
-        modes = [(block.training, block.self_attn.training) for block in self.blocks]
+        modes = [block.modes for block in self.blocks]
         self.eval()
         try:
             with blocks_put_back_on_failure(self.blocks):
@@ -535,9 +535,8 @@ class GPT(BlockStack):
             self._cache = None  # the last forward was a decoding one: nothing to differentiate
         finally:
             self.train(mode)
-            for block, (own, attn) in zip(self.blocks, modes):
-                block.train(own)
-                block.self_attn.train(attn)
+            for block, block_modes in zip(self.blocks, modes):
+                block.modes = block_modes
         out = from_numpy(np.concatenate(tokens, axis=1), self.xp, self._device())
         if not return_logits:
             return out

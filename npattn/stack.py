@@ -191,7 +191,10 @@ class BlockStack:
         One array per parameter (``param/`` + the ``params`` names; bfloat16
         stored as float32) and an entry ``config`` holding one JSON string:
         ``format`` (the class's ``SAVE_FORMAT``), ``format_version``, the
-        constructor arguments (``CONFIG_KEYS`` and ``dtype``), the mode and
+        constructor arguments (``CONFIG_KEYS`` and ``dtype``), the mode
+        (``training``), each block's modes (``block_modes``, a list of
+        ``TransformerBlock.modes``: a block set apart with ``blocks[n].eval()``,
+        or its attention with ``blocks[n].self_attn.eval()``, stays apart) and
         the states of the dropout generators (the model's own, ``rng_state``,
         and each block's, ``block_rng_states``), so the next training forward
         after ``load`` draws the masks this model would. Nothing is pickled.
@@ -204,17 +207,19 @@ class BlockStack:
                   "training": self.training,
                   "rng_state": None if own_rng is None else own_rng.bit_generator.state,
                   "block_rng_states": [block.rng_state for block in self.blocks],
+                  "block_modes": [block.modes for block in self.blocks],
                   "saved_from_backend": backend_name(self.xp)}
         write_save_file(path, header, self.params, xp=self.xp, dtype=self.dtype)
 
     @classmethod
     def load(cls, path: Any, *, backend: Any = "numpy") -> Any:
-        """A model rebuilt from a file of ``save`` on ``backend``: parameters bit for bit, mode, generators.
+        """A model rebuilt from a file of ``save`` on ``backend``: parameters bit for bit, modes, generators.
 
+        A file without ``block_modes`` puts every block in the model's mode.
         ``ValueError`` naming what was expected and what the file holds for
         another kind of file (another model's, a block's, a
         ``MultiHeadAttention``'s), another version, configuration keys or
-        parameters missing or unexpected, malformed generator states. A
+        parameters missing or unexpected, malformed modes or generator states. A
         ``path`` that names a directory is an ``IsADirectoryError``, a
         missing file a ``FileNotFoundError``.
         """
@@ -224,6 +229,19 @@ class BlockStack:
         own_rng = getattr(model, "_rng", None)
         if own_rng is not None:
             set_rng_state(f"{label}: rng_state", own_rng, header.get("rng_state"))
+        block_modes = header.get("block_modes")
+        if block_modes is not None:  # a file without them: every block in the model's mode
+            if not isinstance(block_modes, list) or len(block_modes) != len(model.blocks):
+                got = (f"a list of {len(block_modes)}" if isinstance(block_modes, list)
+                       else f"{block_modes!r} ({V.type_name(block_modes)})")
+                raise ValueError(f"{label}: expected 'block_modes' in the header to be null or a "
+                                 f"list of {len(model.blocks)} dicts of modes (one per block), got {got}")
+            for n, (block, modes) in enumerate(zip(model.blocks, block_modes)):
+                try:
+                    block.modes = modes
+                except ValueError as exc:  # the setter's message names its argument, modes
+                    reason = str(exc).removeprefix("modes: ")
+                    raise ValueError(f"{label}: block_modes[{n}]: {reason}") from exc
         states = header.get("block_rng_states")
         if states is not None:
             if not isinstance(states, list) or len(states) != len(model.blocks):

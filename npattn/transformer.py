@@ -384,6 +384,29 @@ class _Block(abc.ABC):
         set_rng_state("rng_state", self._rng, state)
 
     @property
+    def modes(self) -> dict:
+        """The block's mode and its attention modules': ``{"training": ..., "self_attn": ...}``.
+
+        A new dict of bools (``"multihead_attn"`` too in the decoder). ``train``
+        and ``eval`` set them all alike; ``block.self_attn.eval()`` sets one
+        apart (its dropout on the attention probabilities is off while the
+        block's other sites drop). Assign a dict read here to restore them
+        (``ValueError`` naming ``modes`` for another, before any is set);
+        ``save`` and ``load`` keep them, so do the models made of blocks.
+        """
+        return {"training": self.training, **{name: m.training for name, m in self._attn.items()}}
+
+    @modes.setter
+    def modes(self, new: dict):
+        keys = ["training", *self._ATTNS]
+        if (not isinstance(new, dict) or sorted(new, key=str) != sorted(keys)
+                or not all(isinstance(v, (bool, np.bool_)) for v in new.values())):
+            raise ValueError(f"modes: expected a dict of bools with the keys {keys}, got {new!r}")
+        self.training = bool(new["training"])
+        for name, m in self._attn.items():
+            m.train(bool(new[name]))
+
+    @property
     def self_attn(self) -> MultiHeadAttention:
         """The self-attention module (its ``params`` are this block's ``self_attn.*``)."""
         return self._attn["self_attn"]
@@ -744,7 +767,9 @@ class _Block(abc.ABC):
         bfloat16 stored as float32, exactly), and an entry ``config`` holding
         one JSON string: ``format`` (the class's ``SAVE_FORMAT``),
         ``format_version`` (``SAVE_VERSION``), the constructor arguments
-        (``config``, the keys ``CONFIG_KEYS``), the mode (``training``) and the
+        (``config``, the keys ``CONFIG_KEYS``), the mode (``training``), the
+        modes of the block and of its attention modules (``modes``: one set
+        apart with ``block.self_attn.eval()`` stays apart) and the
         state of the block's dropout generator (``rng_state``). Every dropout
         site draws from that one generator (the attention modules get their
         keep-masks from it and never draw from their own), so it is the only
@@ -759,6 +784,7 @@ class _Block(abc.ABC):
             "format_version": SAVE_VERSION,
             "config": self._config(),
             "training": self.training,
+            "modes": self.modes,
             "rng_state": self._rng.bit_generator.state,
             "saved_from_backend": backend_name(self.xp),
         }
@@ -768,20 +794,31 @@ class _Block(abc.ABC):
     def load(cls, path: Any, *, backend: Any = "numpy") -> Any:
         """A block rebuilt from a file of ``save``, on ``backend`` (any backend, not only the saving one).
 
-        Parameters bit for bit, the configuration, the mode and the dropout
-        generator's state: the next forward in training mode draws the
-        dropout masks the saved block would have drawn. Reads with
+        Parameters bit for bit, the configuration, the modes (the block's and
+        its attention modules'; a file without ``modes`` puts them all in the
+        mode ``training``) and the dropout generator's state: the next forward
+        in training mode draws the dropout masks the saved block would have drawn. Reads with
         ``np.load(..., allow_pickle=False)``. Raises ``ValueError`` naming
         what was expected and what the file holds when it is not such a file:
         another format (a ``MultiHeadAttention`` file, the other block's
         file), an unknown ``format_version``, configuration keys missing or
         unexpected, a configuration the constructor rejects (bfloat16 on a
         backend without it), a parameter missing, unexpected, of another shape
-        or dtype, a malformed generator state. A ``path`` that names a
+        or dtype, malformed ``modes`` or a malformed generator state. A ``path`` that names a
         directory is an ``IsADirectoryError``, a missing file a ``FileNotFoundError``.
         """
         block, header, label = model_from_save_file(cls, path, backend=backend, fmt=cls.SAVE_FORMAT,
                                                     version=SAVE_VERSION, config_keys=CONFIG_KEYS)
+        modes = header.get("modes")
+        if modes is not None:  # a file without them: every module in the mode ``training``
+            try:
+                block.modes = modes
+            except ValueError as exc:  # the setter's message names its argument, modes
+                reason = str(exc).removeprefix("modes: ")
+                raise ValueError(f"{label}: 'modes' in the header: {reason}") from exc
+            if modes["training"] != header["training"]:
+                raise ValueError(f"{label}: expected 'modes' in the header to hold the block's mode "
+                                 f"'training' ({header['training']!r}), got {modes!r}")
         set_rng_state(f"{label}: rng_state", block._rng, header.get("rng_state"))
         return block
 

@@ -579,3 +579,121 @@ def test_each_models_repr_reads_as_the_call_that_builds_it():
                 assert getattr(rebuilt, k) == v or (v != v and getattr(rebuilt, k) != getattr(rebuilt, k)), (type(m).__name__, k)
     cache = KVCache(2, 5, 3, 4, dtype="float64")
     assert "dtype='float64', backend='numpy'" in repr(cache)
+
+
+def _models_with_modes_set_apart():
+    """One model of each kind that holds blocks, float64 with dropout 0.3, in training mode but
+    with one block's (or attention module's) mode set apart, and a forward of it on fixed inputs."""
+    from npattn.classifier import TransformerClassifier
+    from npattn.gpt import GPT
+    from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+
+    rng = np.random.default_rng(7)
+    x, memory, features = (rng.standard_normal(s) for s in ((2, 3, 8), (2, 5, 8), (2, 4, 3)))
+    ids = np.array([[1, 2, 3, 4], [5, 6, 0, 1]])
+    gpt = GPT(7, 5, 8, 3, 2, dropout=0.3, dtype="float64", seed=0)
+    gpt.blocks[1].eval()  # block 1 drops nowhere
+    gpt.blocks[2].self_attn.eval()  # block 2 drops everywhere but on its attention probabilities
+    clf = TransformerClassifier(3, 4, 2, 8, 2, 3, dropout=0.3, dtype="float64", seed=0)
+    clf.blocks[0].self_attn.eval()
+    clf.blocks[2].eval()
+    enc = TransformerBlock(8, 2, 16, dropout=0.3, dtype="float64", seed=0)
+    enc.self_attn.eval()
+    dec = TransformerDecoderBlock(8, 2, 16, dropout=0.3, dtype="float64", seed=0)
+    dec.multihead_attn.eval()
+    return {
+        "GPT": (gpt, lambda m: m(ids)),
+        "TransformerClassifier": (clf, lambda m: m(features)),
+        "TransformerBlock": (enc, lambda m: m(x, is_causal=True)),
+        "TransformerDecoderBlock": (dec, lambda m: m(x, memory, is_causal=True)),
+    }
+
+
+def _modes(model):
+    """Every mode a model holds: its own, then each block's and its attention modules', in order."""
+    modes = [model.training]
+    for block in getattr(model, "blocks", [model]):
+        attns = [block.self_attn] + ([block.multihead_attn] if hasattr(block, "multihead_attn") else [])
+        modes.append((block.training, *(a.training for a in attns)))
+    return modes
+
+
+MODEL_KINDS = ["GPT", "TransformerBlock", "TransformerClassifier", "TransformerDecoderBlock"]
+
+
+@pytest.mark.parametrize("name", MODEL_KINDS)
+def test_save_load_keeps_the_modes_of_blocks_and_attention_modules_set_apart(tmp_path, name):
+    """A block put in eval mode apart from its model, or an attention module apart from its
+    block, came back in the model's mode: the next training forward of the loaded model
+    dropped where the saved one did not."""
+    model, forward = _models_with_modes_set_apart()[name]
+    before = _modes(model)
+    assert before[0] and not all(all(m) for m in before[1:]), before  # something is set apart
+    model.save(tmp_path / "model.npz")
+    loaded = type(model).load(tmp_path / "model.npz")
+    assert _modes(loaded) == before
+    np.testing.assert_array_equal(forward(loaded), forward(model))  # dropout 0.3 where training
+    assert _modes(loaded) == _modes(model) == before
+
+
+@pytest.mark.parametrize("name", MODEL_KINDS)
+def test_a_file_without_the_modes_puts_every_module_in_the_models_mode(tmp_path, name):
+    """Files written before the modes were saved load as they did: blocks and attention
+    modules all in the header's mode ``training``."""
+    for training in (True, False):
+        model, forward = _models_with_modes_set_apart()[name]
+        model.save(tmp_path / "model.npz")
+        key = "block_modes" if hasattr(model, "blocks") else "modes"
+        path = _rewrite(tmp_path / "model.npz", tmp_path / "old.npz",
+                        _edit_json(**{key: _DROP, "training": training}))
+        loaded = type(model).load(path)
+        modes = _modes(loaded)
+        assert modes[0] is training and all(m == (training,) * len(m) for m in modes[1:]), modes
+        np.testing.assert_array_equal(forward(loaded), forward(model.train(training)))
+
+
+@pytest.mark.parametrize("name, key, value, fragment", [
+    ("TransformerBlock", "modes", "x", "'modes' in the header: expected a dict of bools with the keys "
+                                       "['training', 'self_attn'], got 'x'"),
+    ("TransformerBlock", "modes", {"training": True}, "'modes' in the header: expected a dict of bools"),
+    ("TransformerBlock", "modes", {"training": True, "self_attn": 1}, "'modes' in the header: expected"),
+    ("TransformerBlock", "modes", {"training": False, "self_attn": True},
+     "expected 'modes' in the header to hold the block's mode 'training' (True)"),
+    ("TransformerDecoderBlock", "modes", {"training": True, "self_attn": True},
+     "'modes' in the header: expected a dict of bools with the keys ['training', 'self_attn', "
+     "'multihead_attn']"),
+    ("GPT", "block_modes", "x", "expected 'block_modes' in the header to be null or a list of 3"),
+    ("GPT", "block_modes", [{"training": True, "self_attn": True}] * 2, "got a list of 2"),
+    ("GPT", "block_modes", [{"training": True, "self_attn": True}, {"training": "no", "self_attn": True},
+                            {"training": True, "self_attn": True}],
+     "block_modes[1]: expected a dict of bools"),
+    ("TransformerClassifier", "block_modes", [{"training": True, "self_attn": True}] * 2 + [[True, True]],
+     "block_modes[2]: expected a dict of bools with the keys ['training', 'self_attn'], got [True, True]"),
+])
+def test_malformed_modes_in_a_file_are_a_value_error_naming_them(tmp_path, name, key, value, fragment):
+    model, _ = _models_with_modes_set_apart()[name]
+    model.save(tmp_path / "model.npz")
+    path = _rewrite(tmp_path / "model.npz", tmp_path / "edited.npz", _edit_json(**{key: value}))
+    with pytest.raises(ValueError) as info:
+        type(model).load(path)
+    msg = str(info.value)
+    assert msg.startswith(f"load: {str(path)!r}: ") and fragment in msg, msg
+    assert _modes(type(model).load(tmp_path / "model.npz")) == _modes(model)  # the good file loads
+
+
+def test_a_blocks_modes_read_and_restore_each_module_and_refuse_another_dict_whole():
+    from npattn.transformer import TransformerDecoderBlock
+
+    block = TransformerDecoderBlock(8, 2, 16, dtype="float64", seed=0)
+    block.self_attn.eval()
+    assert block.modes == {"training": True, "self_attn": False, "multihead_attn": True}
+    saved = block.modes
+    block.eval()
+    block.modes = saved
+    assert (block.training, block.self_attn.training, block.multihead_attn.training) == (True, False, True)
+    for bad in ({"training": False, "self_attn": False}, {**saved, "multihead_attn": "no"},
+                {**saved, "norm1": True}, [True, False, True]):
+        with pytest.raises(ValueError, match=r"^modes: expected a dict of bools with the keys \['training', "
+                                             r"'self_attn', 'multihead_attn'\], got "):
+            block.modes = bad
+        assert block.modes == saved  # nothing set
