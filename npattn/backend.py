@@ -76,6 +76,8 @@ __all__ = [
     "namespace",
     "resolve_backend",
     "backend_name",
+    "backend_ref",
+    "backend_from_ref",
     "is_array",
     "device_of",
     "accelerator_memory",
@@ -186,6 +188,33 @@ def backend_name(xp: Any) -> str:
         if name == module or name == short:
             return short
     return name
+
+
+def backend_ref(xp: Any) -> str:
+    """The name that ``backend_from_ref`` turns back into ``xp``; TypeError if there is none.
+
+    How ``pickle`` and ``copy.deepcopy`` carry a backend: by name, resolved again on load.
+    """
+    name = backend_name(xp)
+    if name in BACKENDS:
+        return name
+    try:
+        if importlib.import_module(name) is xp:
+            return name  # a namespace module importable by its name, e.g. "jax.numpy"
+    except ImportError:
+        pass
+    raise TypeError(
+        f"backend: expected a backend that can be named, to copy or pickle the object: one of "
+        f"{sorted(BACKENDS)} or an importable namespace module, got the namespace {name!r}, "
+        f"which cannot be imported by that name"
+    )
+
+
+def backend_from_ref(ref: str) -> Any:
+    """The namespace named by ``backend_ref``."""
+    if ref in BACKENDS:
+        return resolve_backend(ref)
+    return resolve_backend(importlib.import_module(ref))
 
 
 def is_array(x: Any) -> bool:

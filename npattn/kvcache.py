@@ -24,7 +24,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from . import validation as V
-from .backend import backend_name, device_of, namespace, persisted, resolve_backend
+from .backend import (backend_from_ref, backend_name, backend_ref, device_of, namespace, persisted,
+                      resolve_backend)
 
 __all__ = ["KVCache", "AlignedKV", "unalign_columns"]
 
@@ -76,6 +77,13 @@ class KVCache:
     The buffers ``k`` (B, Hkv, C, Dh) and ``v`` (B, Hkv, C, Dv) are zeros
     where nothing was written; read them, write through ``append`` only.
     ``cache_seqlens`` is a host copy of the lengths.
+
+    ``copy.deepcopy`` and ``pickle`` give a cache with buffers of its own
+    (the backend travels by name and is resolved again): fork a prefilled
+    cache with ``copy.deepcopy`` to decode two continuations of one prompt.
+    ``copy.copy`` is shallow, as Python's convention is: the copy has its own
+    lengths but shares the buffers, so an ``append`` to one writes into the
+    other's buffers on a backend that writes in place (NumPy, torch, ...).
 
     Examples
     --------
@@ -147,6 +155,27 @@ class KVCache:
             f"value_dim={self.value_dim}, dtype={V.dtype_name(self.dtype)!r}, "
             f"backend={backend_name(self.xp)!r}, cache_seqlens={list(self._lens)})"
         )
+
+    # ------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict:
+        """What ``pickle`` and ``copy.deepcopy`` keep: the buffers, the lengths and the layout.
+
+        The namespace and the dtype travel by name (``backend.backend_ref``) and are
+        resolved again on load; the device is read again from the buffers.
+        """
+        state = dict(self.__dict__)
+        state["xp"] = backend_ref(self.xp)
+        state["dtype"] = V.dtype_name(self.dtype)
+        del state["device"]  # a device object need not pickle (JAX's); the buffers know it
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        xp = backend_from_ref(state["xp"])
+        state["xp"], state["dtype"] = xp, getattr(xp, state["dtype"])
+        self.__dict__.update(state)
+        self.device = device_of(self._k)
 
     # ------------------------------------------------------------ checks
 

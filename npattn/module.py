@@ -12,7 +12,6 @@ cache, Lt keys attended (``kvcache.AlignedKV``).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
 import math
@@ -26,8 +25,8 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import (BACKENDS, backend_name, device_of, exclusive, from_numpy, is_dask_array,
-                      is_numpy_array, pool_threads, resolve_backend, to_numpy,
+from .backend import (backend_from_ref, backend_name, backend_ref, device_of, exclusive, from_numpy,
+                      is_dask_array, is_numpy_array, pool_threads, resolve_backend, to_numpy,
                       without_empty_chunks)
 from .kvcache import KVCache, unalign_columns
 
@@ -1291,33 +1290,6 @@ SAVE_LATER_OPTIONS = {"scale": None, "softcap": None, "sinks": False}
 
 #: Attributes a pickle of an older npattn lacks, with the values that keep its behaviour.
 _LATER_ATTRIBUTES = {**SAVE_LATER_OPTIONS, "_decoded": False, "_cache_lent": False}
-
-
-def backend_ref(xp: Any) -> str:
-    """The name that ``backend_from_ref`` turns back into ``xp``; TypeError if there is none.
-
-    How ``pickle`` and ``copy.deepcopy`` carry a backend: by name, resolved again on load.
-    """
-    name = backend_name(xp)
-    if name in BACKENDS:
-        return name
-    try:
-        if importlib.import_module(name) is xp:
-            return name  # a namespace module importable by its name, e.g. "jax.numpy"
-    except ImportError:
-        pass
-    raise TypeError(
-        f"backend: expected a backend that can be named, to copy or pickle the module: one of "
-        f"{sorted(BACKENDS)} or an importable namespace module, got the namespace {name!r}, "
-        f"which cannot be imported by that name"
-    )
-
-
-def backend_from_ref(ref: str) -> Any:
-    """The namespace named by ``backend_ref``."""
-    if ref in BACKENDS:
-        return resolve_backend(ref)
-    return resolve_backend(importlib.import_module(ref))
 
 
 def check_path(path: Any, *, load_of: Optional[str] = None) -> None:

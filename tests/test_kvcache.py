@@ -10,6 +10,8 @@ options a cache does not take, a backward after decoding; each is named and
 changes neither the module nor the cache.
 """
 
+import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -740,3 +742,70 @@ def test_persist_keeps_a_dask_cache_from_growing_a_step_per_token():
     before = host.k
     host.persist()  # NumPy: nothing to do
     assert host.k is before
+
+
+# --------------------------------------------------------------------------
+# copies: a prefilled cache forked to decode two continuations
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}
+
+
+def _check_forked_continuations(backend, to_xp, to_np, how):
+    """Prompts of lengths 3 and 1 prefilled, the cache forked, each copy extended by other
+    tokens (2 then 1): each copy's outputs and keys are those of one causal forward of its own
+    sequence, entry by entry, so neither write reached the other's buffers."""
+    m = _decoder(backend).eval()
+    rng = np.random.default_rng(6)
+    prompts, S = [3, 1], 3
+    x = rng.standard_normal((2, 3, D))
+    ys = [rng.standard_normal((2, S, D)) for _ in range(2)]  # the two continuations
+    cache = m.new_cache(2, 3 + S)
+    m(to_xp(x), to_xp(x), to_xp(x), kv_cache=cache, is_causal=True)
+    cache.truncate(prompts)
+    fork = COPIES[how](cache)
+    assert type(fork) is KVCache and repr(fork) == repr(cache) and fork.xp is cache.xp
+    assert fork.dtype == cache.dtype and fork.device == cache.device
+    outs = {0: [], 1: []}
+    for t0, n in ((0, 2), (2, 1)):  # interleaved: each step of one copy, then the other's
+        for i, c in ((0, cache), (1, fork)):
+            yt = to_xp(ys[i][:, t0 : t0 + n])
+            outs[i].append(to_np(m(yt, yt, yt, kv_cache=c, is_causal=True)[0]))
+    for i, c in ((0, cache), (1, fork)):
+        assert c.cache_seqlens.tolist() == [p + S for p in prompts]
+        decoded = np.concatenate(outs[i], axis=1)  # [B, S, D]
+        for b, p in enumerate(prompts):
+            seq = np.concatenate([x[b, :p], ys[i][b]])[None]  # [1, p + S, D]
+            full, _ = m(to_xp(seq), to_xp(seq), to_xp(seq), is_causal=True)
+            np.testing.assert_allclose(decoded[b], to_np(full)[0, p:], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"copy {i}, entry {b}")
+            k, v = _kv_heads(m, seq, to_np)
+            np.testing.assert_allclose(to_np(c.k)[b, :, : p + S], k[0], rtol=1e-14, atol=1e-14)
+            np.testing.assert_allclose(to_np(c.v)[b, :, : p + S], v[0], rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copied_cache_decodes_its_own_continuation(backend, to_xp, to_np, how):
+    _check_forked_continuations(backend, to_xp, to_np, how)
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copied_cache_decodes_its_own_continuation_on_jax(jax_x64, how):
+    _check_forked_continuations("jax", jax_x64.numpy.asarray, np.asarray, how)
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copied_cache_decodes_its_own_continuation_on_dask(how):
+    da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    _check_forked_continuations("dask", da.from_array, lambda a: np.asarray(a.compute()), how)
+
+
+def test_a_shallow_copy_of_a_cache_shares_its_buffers():
+    """copy.copy is shallow (the class docstring says so): its own lengths, the same buffers."""
+    cache = KVCache(2, 4, 1, 3, dtype="float64")
+    cache.append(np.ones((2, 1, 1, 3)), np.ones((2, 1, 1, 3)))
+    twin = copy.copy(cache)
+    assert twin.k is cache.k and twin.v is cache.v
+    twin.append(np.full((2, 1, 1, 3), 2.0), np.full((2, 1, 1, 3), 2.0))
+    assert twin.cache_seqlens.tolist() == [2, 2] and cache.cache_seqlens.tolist() == [1, 1]
+    np.testing.assert_array_equal(cache.k[:, 0, 1], 2.0)  # written through the copy
