@@ -713,13 +713,16 @@ class _Block(abc.ABC):
         elif (isinstance(act, functools.partial) and act.func is torch.nn.functional.gelu and not act.args
               and set(act.keywords) <= {"approximate"}):
             gelu_form = act.keywords.get("approximate", "none")  # what GPT.to_torch builds
-        if act is torch.nn.functional.relu or isinstance(act, torch.nn.ReLU):
+        # F.relu is a Python function around torch.relu: the same computation, not the same object
+        if act is torch.nn.functional.relu or act is torch.relu or isinstance(act, torch.nn.ReLU):
             activation = "relu"
         elif gelu_form in ("none", "tanh"):
             activation = "gelu" if gelu_form == "none" else "gelu_tanh"
         else:
-            raise ValueError("layer: expected activation relu, gelu, torch.nn.GELU(approximate='tanh') or "
-                             f"functools.partial(torch.nn.functional.gelu, approximate='tanh'), got {act!r}")
+            raise ValueError("layer: expected activation 'relu', 'gelu', torch.nn.functional.relu, "
+                             "torch.relu, a torch.nn.ReLU, torch.nn.functional.gelu, a torch.nn.GELU "
+                             "(either approximate) or functools.partial(torch.nn.functional.gelu, "
+                             f"approximate=...), got {act!r}")
         # npattn's block has one of each: a layer whose modules differ would copy into other numbers
         heads = {a: o["n_head"] for a, o in attn.items()}
         eps = {n: float(getattr(layer, n).eps) for n in cls._NORMS}

@@ -1284,12 +1284,13 @@ def test_need_weights_keeps_the_weights_where_auto_would_take_the_blocked_path(m
 
 def test_from_torch_reads_every_form_of_the_activation():
     """A torch layer's activation may be the function, the module or a functools.partial of
-    F.gelu (what GPT.to_torch builds): nn.ReLU() is relu, a partial without approximate= is
+    F.gelu (what GPT.to_torch builds): torch.relu (the function F.relu calls, not the same
+    object) and nn.ReLU() are relu, a partial without approximate= is
     the exact gelu (F.gelu's default 'none'), with approximate='tanh' the tanh form. The
     copy's output is the layer's."""
     torch = pytest.importorskip("torch")
     tf = torch.nn.functional
-    forms = [(tf.relu, "relu"), (torch.nn.ReLU(), "relu"), (tf.gelu, "gelu"),
+    forms = [(tf.relu, "relu"), (torch.relu, "relu"), (torch.nn.ReLU(), "relu"), (tf.gelu, "gelu"),
              (torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
              (functools.partial(tf.gelu), "gelu"),
              (functools.partial(tf.gelu, approximate="none"), "gelu"),
@@ -1304,3 +1305,21 @@ def test_from_torch_reads_every_form_of_the_activation():
         # (with grad enabled: torch's eval fast path runs the exact gelu for any nn.GELU)
         ref = layer(torch.from_numpy(x)).detach().numpy()
         np.testing.assert_allclose(np.asarray(block(x)), ref, rtol=1e-10, atol=1e-12, err_msg=repr(act))
+
+
+@pytest.mark.parametrize("cls", [TransformerBlock, TransformerDecoderBlock])
+def test_from_torch_refuses_another_activation_listing_the_forms_it_reads(cls):
+    """torch.relu is read in the decoder too; torch.tanh, a function torch's layer takes, is
+    refused naming activation and the forms from_torch reads."""
+    torch = pytest.importorskip("torch")
+    torch_cls = {TransformerBlock: torch.nn.TransformerEncoderLayer,
+                 TransformerDecoderBlock: torch.nn.TransformerDecoderLayer}[cls]
+    layer = torch_cls(D, H, FF, activation=torch.relu, batch_first=True, dtype=torch.float64)
+    assert cls.from_torch(layer).activation == "relu"
+    layer.activation = torch.tanh
+    with pytest.raises(ValueError) as info:
+        cls.from_torch(layer)
+    msg = str(info.value)
+    assert msg.startswith("layer: expected activation 'relu', 'gelu', torch.nn.functional.relu, "
+                          "torch.relu, a torch.nn.ReLU, "), msg
+    assert msg.endswith(f"got {torch.tanh!r}"), msg
