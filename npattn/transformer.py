@@ -704,6 +704,34 @@ class _Block(abc.ABC):
                                  f"kdim = vdim = embed_dim={o['d_model']} (npattn's blocks have "
                                  f"none of them), got {', '.join(extra)} in {a}")
 
+        # the sub-modules' sizes and biases, read before the state dict is: a replaced module built
+        # otherwise would fail there, in a message about keys or shapes of an argument never passed
+        D, Fd = attn["self_attn"]["d_model"], layer.linear1.out_features
+        width, inner = "self_attn's embed_dim", "linear1's out_features"
+        sizes = [*((a, "embed_dim", o["d_model"], D, width) for a, o in attn.items() if a != "self_attn"),
+                 ("linear1", "in_features", layer.linear1.in_features, D, width),
+                 ("linear2", "in_features", layer.linear2.in_features, Fd, inner),
+                 ("linear2", "out_features", layer.linear2.out_features, D, width),
+                 *((n, "normalized_shape", tuple(getattr(layer, n).normalized_shape), (D,), width)
+                   for n in cls._NORMS)]
+        for name, what, got, want, whose in sizes:
+            if got != want:
+                raise ValueError(f"layer: expected {name} with {what} {want} ({whose}), got {got}")
+        for n in cls._NORMS:
+            if getattr(layer, n).weight is None:  # elementwise_affine=False
+                raise ValueError(f"layer: expected {n} with a weight (elementwise_affine=True: npattn's "
+                                 f"norms have one), got {n}.weight None")
+        has_bias = {**{f"{a}.in_proj": o["qkv_bias"] for a, o in attn.items()},
+                    **{f"{a}.out_proj": o["out_bias"] for a, o in attn.items()},
+                    "linear1": layer.linear1.bias is not None, "linear2": layer.linear2.bias is not None,
+                    **{n: getattr(layer, n).bias is not None for n in cls._NORMS}}
+        if len(set(has_bias.values())) > 1:
+            with_bias = [n for n, b in has_bias.items() if b]
+            without = [n for n, b in has_bias.items() if not b]
+            raise ValueError(f"layer: expected every projection, linear layer and norm with a bias or "
+                             f"none with one (npattn's blocks have one setting, bias), got "
+                             f"{', '.join(without)} without a bias and {', '.join(with_bias)} with one")
+
         act = layer.activation
         gelu_form = None  # "none" or "tanh": F.gelu, nn.GELU or functools.partial(F.gelu, approximate=)
         if act is torch.nn.functional.gelu:

@@ -595,6 +595,58 @@ def test_from_torch_refuses_a_layer_whose_modules_were_replaced(kind):
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_names_a_sub_module_built_with_other_sizes_or_biases(kind):
+    """A layer with one sub-module built otherwise (linear1 without a bias among biases, a norm
+    without a weight or bias, linear2 of another width) failed while its state dict was read,
+    with 'state_dict: expected keys ...' or a shape, an argument the caller never passed: now
+    the layer's sub-module and the setting are named, before any block is built."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    last = "norm2" if kind == "encoder" else "norm3"
+    f64 = dict(dtype=torch.float64)
+    cases = [  # (the layer's bias, the sub-modules replaced, the fragments of the message)
+        (True, {"linear1": torch.nn.Linear(D, FF, bias=False, **f64)},
+         ("with a bias or none with one", "bias", "linear1 without a bias and self_attn.in_proj, ")),
+        (False, {"linear2": torch.nn.Linear(FF, D, **f64)},
+         ("with a bias or none with one", ", linear1, norm1, ", "without a bias and linear2 with one")),
+        (True, {last: torch.nn.LayerNorm(D, bias=False, **f64)}, (f"got {last} without a bias and ",)),
+        (True, {"norm1": torch.nn.LayerNorm(D, elementwise_affine=False, **f64)},
+         ("norm1 with a weight", "elementwise_affine=True", "norm1.weight None")),
+        (False, {last: torch.nn.LayerNorm(D, elementwise_affine=False, bias=False, **f64)},
+         (f"{last} with a weight", "elementwise_affine=True", f"{last}.weight None")),
+        (True, {"linear2": torch.nn.Linear(FF + 1, D, **f64)},
+         (f"linear2 with in_features {FF} (linear1's out_features)", f"got {FF + 1}")),
+        (True, {"linear2": torch.nn.Linear(FF, D + 1, **f64)},
+         (f"linear2 with out_features {D} (self_attn's embed_dim)", f"got {D + 1}")),
+        (True, {"linear1": torch.nn.Linear(D + 1, FF, **f64)},
+         (f"linear1 with in_features {D}", f"got {D + 1}")),
+        (True, {"norm2": torch.nn.LayerNorm(D + 1, **f64)}, (f"norm2 with normalized_shape ({D},)",)),
+    ]
+    if kind == "decoder":
+        cases += [
+            (True, {"multihead_attn": torch.nn.MultiheadAttention(D, H, bias=False, batch_first=True, **f64)},
+             ("got multihead_attn.in_proj, multihead_attn.out_proj without a bias and self_attn.in_proj",)),
+            (True, {"multihead_attn": torch.nn.MultiheadAttention(2 * D, H, batch_first=True, **f64)},
+             (f"multihead_attn with embed_dim {D} (self_attn's embed_dim)", f"got {2 * D}")),
+        ]
+    for bias, replace, fragments in cases:
+        t = torch_cls(D, H, FF, dropout=0.0, bias=bias, batch_first=True, **f64)
+        for n, m in replace.items():
+            setattr(t, n, m)
+        with raises(ValueError, "layer: expected ", *fragments) as info:
+            cls.from_torch(t)
+        assert "state_dict" not in str(info.value), str(info.value)
+    t = torch_cls(D, H, FF, dropout=0.0, batch_first=True, **f64)
+    t.self_attn.out_proj.bias = None  # one bias removed from a module torch built
+    with raises(ValueError, "layer: expected ",
+                "got self_attn.out_proj without a bias and self_attn.in_proj"):
+        cls.from_torch(t)
+    for bias in (True, False):  # a layer as torch builds it: copied
+        assert cls.from_torch(torch_cls(D, H, FF, bias=bias, batch_first=True, **f64)).bias is bias
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
 def test_from_torch_refuses_a_layer_of_mixed_dtypes(kind):
     """The block took the dtype of linear1.weight and cast every other parameter to it: a float64
     layer whose linear1 was float32 became a float32 block, rounding the rest silently."""
