@@ -272,6 +272,9 @@ def test_row_major_copies_any_matrix_that_is_not_row_major_two_axes_included():
 # the child; the children here use neither JAX nor its threads, and _in_forked_child kills a
 # child that does not finish, failing the test rather than hanging it.
 FORK_UNDER_JAX = "ignore:os.fork\\(\\) was called.*JAX:RuntimeWarning"
+# Python 3.12 and later warn at a fork in a process with threads, which these tests make on
+# purpose: the tile pool's, and the threads inside npattn or holding BLAS while the fork happens.
+FORK_WITH_THREADS = "ignore:This process .* is multi-threaded, use of fork\\(\\):DeprecationWarning"
 
 
 def _in_forked_child(fn, timeout=60.0):
@@ -333,6 +336,7 @@ def _in_forked_child(fn, timeout=60.0):
 
 @needs_pool
 @pytest.mark.filterwarnings(FORK_UNDER_JAX)
+@pytest.mark.filterwarnings(FORK_WITH_THREADS)
 def test_a_forked_child_runs_the_pool_and_gets_the_same_numbers(monkeypatch):
     monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 64)
     monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
@@ -366,6 +370,7 @@ def test_a_forked_child_runs_the_pool_and_gets_the_same_numbers(monkeypatch):
 
 
 @pytest.mark.filterwarnings(FORK_UNDER_JAX)
+@pytest.mark.filterwarnings(FORK_WITH_THREADS)
 def test_fork_while_another_thread_is_inside_npattn(monkeypatch):
     """A thread holds npattn's lock (it is computing) when the process forks: the child has no
     such thread, so it must not inherit the lock held; its forward finishes."""
@@ -397,6 +402,7 @@ def test_fork_while_another_thread_is_inside_npattn(monkeypatch):
 
 
 @pytest.mark.filterwarnings(FORK_UNDER_JAX)
+@pytest.mark.filterwarnings(FORK_WITH_THREADS)
 def test_fork_while_another_thread_holds_blas_gives_the_child_its_blas_threads(monkeypatch):
     """A thread inside npattn holds BLAS to one thread when the process forks: that thread is
     not in the child and never gives the count back, so the child restores it; its BLAS
@@ -439,6 +445,7 @@ def test_fork_while_another_thread_holds_blas_gives_the_child_its_blas_threads(m
 
 
 @pytest.mark.filterwarnings(FORK_UNDER_JAX)
+@pytest.mark.filterwarnings(FORK_WITH_THREADS)
 def test_fork_while_another_thread_is_inside_nested_holds():
     """Another thread is inside two nested BLAS holds at the fork: the child restores the
     counts from before the outer one (the inner one found them at 1), and gives up
@@ -482,6 +489,7 @@ def test_fork_while_another_thread_is_inside_nested_holds():
 
 
 @pytest.mark.filterwarnings(FORK_UNDER_JAX)
+@pytest.mark.filterwarnings(FORK_WITH_THREADS)
 @pytest.mark.parametrize("another", [False, True], ids=["alone", "another thread holds too"])
 def test_fork_from_inside_a_hold_of_its_own_keeps_it_in_the_child(another):
     """The forking thread is inside a BLAS hold (alone, or while another thread holds): in the
