@@ -418,8 +418,10 @@ class GPT(BlockStack):
         computed by torch's own layers: ``nn.Embedding`` for ``wte`` and
         ``wpe``, ``nn.TransformerEncoderLayer(norm_first=True, batch_first=True,
         activation=partial(F.gelu, approximate="tanh"))`` per block with a causal
-        mask, ``nn.LayerNorm``, and the head tied to ``wte``. For checking
-        npattn against torch's autograd, or the other way round. Needs torch.
+        mask, ``nn.LayerNorm``, and the head tied to ``wte``. In the model's
+        mode, each layer in its block's and its ``self_attn`` in the block's
+        attention module's. For checking npattn against torch's autograd, or the
+        other way round. Needs torch.
         """
         import torch
 
@@ -461,7 +463,12 @@ class GPT(BlockStack):
             module.ln_f.weight.copy_(torch.from_numpy(np.array(to_numpy(self._own["ln_f.weight"]))))
             if self.bias:
                 module.ln_f.bias.copy_(torch.from_numpy(np.array(to_numpy(self._own["ln_f.bias"]))))
-        return module.train(self.training)
+        module.train(self.training)
+        layers: Any = module.blocks
+        for block, layer in zip(self.blocks, layers):  # a block set apart keeps its modes
+            layer.train(block.training)
+            layer.self_attn.train(block.self_attn.training)
+        return module
 
     # --------------------------------------------------------------- generate
 

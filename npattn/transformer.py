@@ -668,6 +668,18 @@ class _Block(abc.ABC):
         return self
 
     @classmethod
+    def _modes_from_torch(cls, layer: Any) -> dict:
+        """The modes of a checked torch layer as ``modes`` holds them: the layer's (which its
+        dropout modules share) and each attention module's. A dropout module in another mode
+        than its layer is a ValueError: the block has one mode for its sites outside attention."""
+        for site in cls._SITES:
+            if site not in cls._ATTNS and getattr(layer, site).training != layer.training:
+                raise ValueError(f"layer: expected {site} in the layer's mode (training={layer.training}; "
+                                 "a block has one mode for its dropout outside attention), got "
+                                 f"{site}.training={getattr(layer, site).training}")
+        return {"training": bool(layer.training), **{a: bool(getattr(layer, a).training) for a in cls._ATTNS}}
+
+    @classmethod
     def _config_from_torch(cls, layer: Any, torch_cls: Any) -> dict:
         if not isinstance(layer, torch_cls):
             raise TypeError(f"layer: expected a {torch_cls.__module__}.{torch_cls.__name__}, "
@@ -1047,13 +1059,16 @@ class TransformerBlock(_Block):
 
     @classmethod
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerBlock":
-        """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, mode,
-        on ``backend`` (the constructor's ``backend``)."""
+        """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, modes
+        (the layer's and its attention module's), on ``backend`` (the constructor's ``backend``)."""
         import torch
 
-        block = cls(**cls._config_from_torch(layer, torch.nn.TransformerEncoderLayer), backend=backend)
+        config = cls._config_from_torch(layer, torch.nn.TransformerEncoderLayer)
+        modes = cls._modes_from_torch(layer)
+        block = cls(**config, backend=backend)
         block.load_torch_state_dict(layer.state_dict())
-        return block.train(layer.training)
+        block.modes = modes
+        return block
 
 
 class TransformerDecoderBlock(_Block):
@@ -1172,11 +1187,14 @@ class TransformerDecoderBlock(_Block):
 
     @classmethod
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerDecoderBlock":
-        """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, mode,
-        on ``backend`` (the constructor's ``backend``)."""
+        """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, modes
+        (the layer's and its attention modules'), on ``backend`` (the constructor's ``backend``)."""
         import torch
 
-        block = cls(**cls._config_from_torch(layer, torch.nn.TransformerDecoderLayer), backend=backend)
+        config = cls._config_from_torch(layer, torch.nn.TransformerDecoderLayer)
+        modes = cls._modes_from_torch(layer)
+        block = cls(**config, backend=backend)
         block.load_torch_state_dict(layer.state_dict())
-        return block.train(layer.training)
+        block.modes = modes
+        return block
 

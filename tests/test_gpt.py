@@ -1261,6 +1261,24 @@ def test_a_model_without_biases_has_no_bias_parameters_and_its_gradients_check(x
     assert list(grads) == list(model.params)
 
 
+def test_to_torch_keeps_the_modes_of_blocks_set_apart():
+    """A block in eval mode inside a training model, and an attention module set apart inside
+    a training block, are so in the torch copy too: its layers and their dropout modules take the
+    block's mode, their ``self_attn`` the attention module's."""
+    pytest.importorskip("torch")
+    model = GPT(VOCAB, T, D, 3, H, FF, dtype="float64", dropout=0.2, seed=3)
+    model.blocks[1].eval()
+    model.blocks[2].self_attn.eval()
+    tmodel = model.to_torch()
+    assert tmodel.training is True
+    expected = [(True, True), (False, False), (True, False)]  # (layer, self_attn)
+    for layer, (mode, attn) in zip(tmodel.blocks, expected):
+        assert layer.training is mode
+        assert all(getattr(layer, s).training is mode for s in ("dropout", "dropout1", "dropout2"))
+        assert layer.self_attn.training is attn
+    assert tmodel.ln_f.training is True and tmodel.wte.training is True
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_to_torch_keeps_the_models_dtype_and_its_biases(bias):
     """A float32 model's torch copy is float32, with a final norm bias exactly when the model has one;

@@ -1092,6 +1092,33 @@ def test_from_torch_copies_the_layers_mode(kind):
         assert all(m.training is training for m in attns)
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_copies_an_attention_modules_mode_set_apart(kind):
+    """torch's layer drops on an attention module's probabilities in that module's mode, so an
+    attention module set apart (``layer.self_attn.eval()``) is one in the block too; a dropout
+    module set apart has no place in the block (one mode for its other sites) and is refused by
+    name, before a block is made."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    attns = ["self_attn"] + (["multihead_attn"] if kind == "decoder" else [])
+    for training in (True, False):
+        for apart in attns:
+            layer = torch_cls(D, H, FF, dropout=0.3, batch_first=True, dtype=torch.float64).train(training)
+            getattr(layer, apart).train(not training)
+            block = cls.from_torch(layer)
+            assert block.modes == {"training": training,
+                                   **{a: (not training) if a == apart else training for a in attns}}
+        sites = ["dropout", "dropout1", "dropout2"] + (["dropout3"] if kind == "decoder" else [])
+        for site in sites:
+            layer = torch_cls(D, H, FF, dropout=0.3, batch_first=True, dtype=torch.float64).train(training)
+            getattr(layer, site).train(not training)
+            match = (rf"^layer: expected {site} in the layer's mode \(training={training}; "
+                     rf".*got {site}\.training={not training}$")
+            with pytest.raises(ValueError, match=match):
+                cls.from_torch(layer)
+
+
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
 def test_a_float_keep_mask_is_named_by_its_site(kind):
     """A keep-mask of 0.0 / 1.0 floats is refused by the block under its site's name, before
