@@ -239,7 +239,7 @@ class BlockStack:
             for n, (block, modes) in enumerate(zip(model.blocks, block_modes)):
                 try:
                     block.modes = modes
-                except ValueError as exc:  # the setter's message names its argument, modes
+                except (TypeError, ValueError) as exc:  # the setter's message names its argument, modes
                     reason = str(exc).removeprefix("modes: ")
                     raise ValueError(f"{label}: block_modes[{n}]: {reason}") from exc
         states = header.get("block_rng_states")

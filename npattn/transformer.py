@@ -391,7 +391,8 @@ class _Block(abc.ABC):
         and ``eval`` set them all alike; ``block.self_attn.eval()`` sets one
         apart (its dropout on the attention probabilities is off while the
         block's other sites drop). Assign a dict read here to restore them
-        (``ValueError`` naming ``modes`` for another, before any is set);
+        (``TypeError`` naming ``modes`` for another type, ``ValueError`` for other
+        keys, before any is set);
         ``save`` and ``load`` keep them, so do the models made of blocks.
         """
         return {"training": self.training, **{name: m.training for name, m in self._attn.items()}}
@@ -399,8 +400,9 @@ class _Block(abc.ABC):
     @modes.setter
     def modes(self, new: dict):
         keys = ["training", *self._ATTNS]
-        if (not isinstance(new, dict) or sorted(new, key=str) != sorted(keys)
-                or not all(isinstance(v, (bool, np.bool_)) for v in new.values())):
+        if not isinstance(new, dict) or not all(isinstance(v, (bool, np.bool_)) for v in new.values()):
+            raise TypeError(f"modes: expected a dict of bools with the keys {keys}, got {new!r}")
+        if sorted(new, key=str) != sorted(keys):
             raise ValueError(f"modes: expected a dict of bools with the keys {keys}, got {new!r}")
         self.training = bool(new["training"])
         for name, m in self._attn.items():
@@ -671,9 +673,11 @@ class _Block(abc.ABC):
     def _modes_from_torch(cls, layer: Any) -> dict:
         """The modes of a checked torch layer as ``modes`` holds them: the layer's (which its
         dropout modules share) and each attention module's. A dropout module in another mode
-        than its layer is a ValueError: the block has one mode for its sites outside attention."""
-        for site in cls._SITES:
-            if site not in cls._ATTNS and getattr(layer, site).training != layer.training:
+        than its layer, with a drop probability above 0, is a ValueError: the block has one mode
+        for its sites outside attention."""
+        for site in cls._SITES:  # (a dropout module that drops nothing may be in either mode)
+            module = getattr(layer, site)
+            if site not in cls._ATTNS and module.p > 0 and module.training != layer.training:
                 raise ValueError(f"layer: expected {site} in the layer's mode (training={layer.training}; "
                                  "a block has one mode for its dropout outside attention), got "
                                  f"{site}.training={getattr(layer, site).training}")
@@ -856,7 +860,7 @@ class _Block(abc.ABC):
         if modes is not None:  # a file without them: every module in the mode ``training``
             try:
                 block.modes = modes
-            except ValueError as exc:  # the setter's message names its argument, modes
+            except (TypeError, ValueError) as exc:  # the setter's message names its argument, modes
                 reason = str(exc).removeprefix("modes: ")
                 raise ValueError(f"{label}: 'modes' in the header: {reason}") from exc
             if modes["training"] != header["training"]:

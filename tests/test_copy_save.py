@@ -691,9 +691,11 @@ def test_a_blocks_modes_read_and_restore_each_module_and_refuse_another_dict_who
     block.eval()
     block.modes = saved
     assert (block.training, block.self_attn.training, block.multihead_attn.training) == (True, False, True)
-    for bad in ({"training": False, "self_attn": False}, {**saved, "multihead_attn": "no"},
-                {**saved, "norm1": True}, [True, False, True]):
-        with pytest.raises(ValueError, match=r"^modes: expected a dict of bools with the keys \['training', "
-                                             r"'self_attn', 'multihead_attn'\], got "):
+    for bad, error in (({"training": False, "self_attn": False}, ValueError),
+                       ({**saved, "norm1": True}, ValueError),
+                       ({**saved, "multihead_attn": "no"}, TypeError), ([True, False, True], TypeError),
+                       ({**saved, "training": 1}, TypeError)):
+        with pytest.raises(error, match=r"^modes: expected a dict of bools with the keys \['training', "
+                                        r"'self_attn', 'multihead_attn'\], got "):
             block.modes = bad
         assert block.modes == saved  # nothing set

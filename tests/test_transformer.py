@@ -1097,7 +1097,7 @@ def test_from_torch_copies_an_attention_modules_mode_set_apart(kind):
     """torch's layer drops on an attention module's probabilities in that module's mode, so an
     attention module set apart (``layer.self_attn.eval()``) is one in the block too; a dropout
     module set apart has no place in the block (one mode for its other sites) and is refused by
-    name, before a block is made."""
+    name, before a block is made, unless it drops nothing."""
     torch = pytest.importorskip("torch")
     cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
                       else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
@@ -1117,6 +1117,9 @@ def test_from_torch_copies_an_attention_modules_mode_set_apart(kind):
                      rf".*got {site}\.training={not training}$")
             with pytest.raises(ValueError, match=match):
                 cls.from_torch(layer)
+            layer = torch_cls(D, H, FF, dropout=0.0, batch_first=True, dtype=torch.float64).train(training)
+            getattr(layer, site).train(not training)  # drops nothing in either mode
+            assert cls.from_torch(layer).modes == {"training": training, **{a: training for a in attns}}
 
 
 @pytest.mark.parametrize("kind", [TransformerBlock, TransformerDecoderBlock])
