@@ -311,9 +311,10 @@ def scalar(xp: Any, value: float, like: Any) -> Any:
 
 def zero_d(y: Any) -> Any:
     """``y``, an elementwise result, as an array: NumPy's arithmetic on 0-d arrays gives a
-    NumPy scalar (``np.float64``), which comes back as the 0-d array of its dtype that the
-    caller passed. Every other result, and every other library's (they keep 0-d arrays), is
-    ``y`` itself: no copy, and no cost beyond one ``isinstance``."""
+    NumPy scalar (``np.float64``), which comes back as a 0-d array of its dtype (also where the
+    caller passed a NumPy scalar, which npattn takes as an array). Every other result, and every
+    other library's (they keep 0-d arrays), is ``y`` itself: no copy, and no cost beyond one
+    ``isinstance``."""
     return np.asarray(y) if isinstance(y, np.generic) else y  # [] a NumPy scalar -> a 0-d array
 
 
