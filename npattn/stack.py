@@ -50,6 +50,26 @@ def block_grads_put_back_on_failure(blocks: Any) -> contextlib.AbstractContextMa
     return _put_back_on_failure(blocks, "backward_state", "restore_backward_state")
 
 
+def set_per_block(label: str, blocks: Any, header: dict, key: str, attr: str, what: str) -> None:
+    """Set ``attr`` of each block from the list ``header[key]`` (one entry per block) of a
+    saved model; nothing where the key is null or missing. A list of another length, or an
+    entry the block's setter refuses, is a ValueError naming the file (``label``) and the key."""
+    values = header.get(key)
+    if values is None:
+        return
+    if not isinstance(values, list) or len(values) != len(blocks):
+        got = (f"a list of {len(values)}" if isinstance(values, list)
+               else f"{values!r} ({V.type_name(values)})")
+        raise ValueError(f"{label}: expected '{key}' in the header to be null or a list of "
+                         f"{len(blocks)} {what} (one per block), got {got}")
+    for n, (block, value) in enumerate(zip(blocks, values)):
+        try:
+            setattr(block, attr, value)
+        except (TypeError, ValueError) as exc:  # the setter's message names its argument, attr
+            reason = str(exc).removeprefix(f"{attr}: ")
+            raise ValueError(f"{label}: {key}[{n}]: {reason}") from exc
+
+
 class BlockStack:
     """Base of a model with ``blocks`` (TransformerBlocks) and its own parameters ``_own``.
 
@@ -229,30 +249,7 @@ class BlockStack:
         own_rng = getattr(model, "_rng", None)
         if own_rng is not None:
             set_rng_state(f"{label}: rng_state", own_rng, header.get("rng_state"))
-        block_modes = header.get("block_modes")
-        if block_modes is not None:  # a file without them: every block in the model's mode
-            if not isinstance(block_modes, list) or len(block_modes) != len(model.blocks):
-                got = (f"a list of {len(block_modes)}" if isinstance(block_modes, list)
-                       else f"{block_modes!r} ({V.type_name(block_modes)})")
-                raise ValueError(f"{label}: expected 'block_modes' in the header to be null or a "
-                                 f"list of {len(model.blocks)} dicts of modes (one per block), got {got}")
-            for n, (block, modes) in enumerate(zip(model.blocks, block_modes)):
-                try:
-                    block.modes = modes
-                except (TypeError, ValueError) as exc:  # the setter's message names its argument, modes
-                    reason = str(exc).removeprefix("modes: ")
-                    raise ValueError(f"{label}: block_modes[{n}]: {reason}") from exc
-        states = header.get("block_rng_states")
-        if states is not None:
-            if not isinstance(states, list) or len(states) != len(model.blocks):
-                got = (f"a list of {len(states)}" if isinstance(states, list)
-                       else f"{states!r} ({V.type_name(states)})")
-                raise ValueError(f"{label}: expected 'block_rng_states' in the header to be null or a "
-                                 f"list of {len(model.blocks)} generator states (one per block), got {got}")
-            for n, (block, state) in enumerate(zip(model.blocks, states)):
-                try:
-                    block.rng_state = state
-                except ValueError as exc:  # the setter's message names its argument, rng_state
-                    reason = str(exc).removeprefix("rng_state: ")
-                    raise ValueError(f"{label}: block_rng_states[{n}]: {reason}") from exc
+        # a file without them: every block in the model's mode, with its generator as made
+        set_per_block(label, model.blocks, header, "block_modes", "modes", "dicts of modes")
+        set_per_block(label, model.blocks, header, "block_rng_states", "rng_state", "generator states")
         return model
