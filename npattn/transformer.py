@@ -680,7 +680,7 @@ class _Block(abc.ABC):
             if site not in cls._ATTNS and module.p > 0 and module.training != layer.training:
                 raise ValueError(f"layer: expected {site} in the layer's mode (training={layer.training}; "
                                  "a block has one mode for its dropout outside attention), got "
-                                 f"{site}.training={getattr(layer, site).training}")
+                                 f"{site}.training={module.training}")
         return {"training": bool(layer.training), **{a: bool(getattr(layer, a).training) for a in cls._ATTNS}}
 
     @classmethod
@@ -1064,7 +1064,8 @@ class TransformerBlock(_Block):
     @classmethod
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerBlock":
         """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, modes
-        (the layer's and its attention module's), on ``backend`` (the constructor's ``backend``)."""
+        (the layer's and its attention module's; a dropout module in another mode than the layer, with
+        ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``)."""
         import torch
 
         config = cls._config_from_torch(layer, torch.nn.TransformerEncoderLayer)
@@ -1192,7 +1193,8 @@ class TransformerDecoderBlock(_Block):
     @classmethod
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerDecoderBlock":
         """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, modes
-        (the layer's and its attention modules'), on ``backend`` (the constructor's ``backend``)."""
+        (the layer's and its attention modules'; a dropout module in another mode than the layer, with
+        ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``)."""
         import torch
 
         config = cls._config_from_torch(layer, torch.nn.TransformerDecoderLayer)

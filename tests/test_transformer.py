@@ -1097,7 +1097,7 @@ def test_from_torch_copies_an_attention_modules_mode_set_apart(kind):
     """torch's layer drops on an attention module's probabilities in that module's mode, so an
     attention module set apart (``layer.self_attn.eval()``) is one in the block too; a dropout
     module set apart has no place in the block (one mode for its other sites) and is refused by
-    name, before a block is made, unless it drops nothing."""
+    name, unless it drops nothing."""
     torch = pytest.importorskip("torch")
     cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
                       else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
