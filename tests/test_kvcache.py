@@ -769,7 +769,7 @@ def _check_forked_continuations(backend, to_xp, to_np, how):
     outs = {0: [], 1: []}
     for t0, n in ((0, 2), (2, 1)):  # interleaved: each step of one copy, then the other's
         for i, c in ((0, cache), (1, fork)):
-            yt = to_xp(ys[i][:, t0 : t0 + n])
+            yt = to_xp(ys[i][:, t0:t0 + n])
             outs[i].append(to_np(m(yt, yt, yt, kv_cache=c, is_causal=True)[0]))
     for i, c in ((0, cache), (1, fork)):
         assert c.cache_seqlens.tolist() == [p + S for p in prompts]
