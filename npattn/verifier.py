@@ -212,7 +212,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 import numpy as np
 
 from . import attention as A
-from .backend import to_numpy
+from .backend import backend_name, device_of, is_array, resolve_backend, to_numpy
 from .validation import ALIGNS, check_choice, check_size, described, dtype_name, real_value, type_name
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
                            check_supports, did_you_mean, panel)
@@ -273,6 +273,8 @@ SATURATED_WEIGHT = 0.999
 SATURATED_ROWS = 0.5
 AUTOGRADS = (None, "torch", "jax")
 LIBRARIES = ("numpy", "torch", "cupy", "jax")
+#: The names ``backend=`` takes (the module of any other Array API namespace is taken too).
+BACKEND_NAMES = LIBRARIES + ("array_api_strict",)
 
 
 # --------------------------------------------------------------------------
@@ -785,12 +787,16 @@ def _from_layout(x: np.ndarray, layout: str) -> np.ndarray:
 
 
 class _Library:
-    """The kernel's array library: host NumPy arrays in, its arrays out, and back."""
+    """The kernel's array library: host NumPy arrays in, its arrays out, and back.
+
+    torch, CuPy and JAX have branches of their own (torch's autograd, CuPy's and JAX's
+    devices); NumPy and every other Array API namespace (array_api_strict, ...) share one:
+    ``xp.asarray(host, dtype=xp.<dtype>, device=...)``."""
 
     mod: Any
     jax: Any
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, namespace: Any = None):
         self.name = name
         self.device: Any = None  # the library's own; ``place`` sets ``device=``
         if name == "torch":
@@ -806,25 +812,34 @@ class _Library:
             import jax.numpy as jnp
 
             self.mod, self.jax = jnp, jax
-        else:
+        elif name == "numpy":
             self.mod = np
+        else:  # an Array API namespace: the module given, or the one BACKENDS names
+            self.mod = resolve_backend(name if namespace is None else namespace)
 
     def dtype(self, dtype: str) -> Any:
-        if self.name == "torch":
+        """The library's ``dtype``; a ``ValueError`` naming dtype and backend where it has none."""
+        if self.name in ("torch", "jax"):
             return getattr(self.mod, dtype)
-        if self.name == "jax":
-            return getattr(self.mod, dtype)
-        if dtype == "bfloat16":
+        if self.name in ("numpy", "cupy") and dtype == "bfloat16":
             try:
                 import ml_dtypes
             except ImportError:
                 raise ValueError(f"dtype: bfloat16 on backend {self.name!r} needs ml_dtypes "
                                  "(or use backend='torch' or 'jax')") from None
             return ml_dtypes.bfloat16
-        return np.dtype(dtype)
+        if self.name in ("numpy", "cupy"):
+            return np.dtype(dtype)
+        if not hasattr(self.mod, dtype):  # array_api_strict has neither float16 nor bfloat16
+            has = [d for d in DTYPES if hasattr(self.mod, d)]
+            raise ValueError(f"dtype: expected a dtype that backend {self.name!r} has "
+                             f"({', '.join(has) or 'none of ' + ', '.join(DTYPES)}), got {dtype!r}")
+        return getattr(self.mod, dtype)
 
     def array(self, a: np.ndarray, dtype: Optional[str] = None, grad: bool = False) -> Any:
-        """Host ``a`` as the library's array, floats in ``dtype`` (exact: ``a`` is rounded)."""
+        """Host ``a`` as the library's array, floats in ``dtype`` (exact: ``a`` is rounded);
+        ``a``'s memory where the library shares it (NumPy's for a mask or ids: a write into
+        them is seen in the case's arrays)."""
         a = np.ascontiguousarray(a)
         if dtype is not None:
             a = a.astype(np.float32 if dtype in ("bfloat16", "float16") else np.dtype(dtype))
@@ -843,15 +858,18 @@ class _Library:
                 return self.mod.asarray(a)
             with self.mod.cuda.Device(self.device):
                 return self.mod.asarray(a)
-        return a if dtype is None else a.astype(self.dtype(dtype))
+        where = {} if self.device is None else {"device": self.device}
+        return self.mod.asarray(a, dtype=None if dtype is None else self.dtype(dtype), **where)
 
     def place(self, device: Any, dtype: str, flags: Optional[Mapping] = None) -> None:
         """Make the arrays from here on in ``device`` (verify's ``device=``), resolved as this
         library takes it: torch a device or its name ("cpu", "cuda:1"), CuPy a device id, JAX a
         ``jax.Device`` or "PLATFORM" / "PLATFORM:N" (``jax.devices(PLATFORM)[N]``, N 0 by
-        default), NumPy none. One array in ``dtype`` is placed there first: a device the
-        library cannot use is a ``ValueError`` naming ``device`` before any case runs (every
-        case failing as "fn raised" told the user nothing), and nothing changes."""
+        default), NumPy none, another namespace what its ``asarray(device=)`` takes (one of
+        its ``__array_namespace_info__().devices()``). One array in ``dtype`` is placed there
+        first: a device the library cannot use is a ``ValueError`` naming ``device`` before any
+        case runs (every case failing as "fn raised" told the user nothing), and nothing
+        changes."""
         if device is None:
             return
         backend = _setting("backend", self.name, flags)
@@ -859,16 +877,32 @@ class _Library:
             raise ValueError(f"device: expected {'none' if flags else 'None'} with {backend} "
                              f"(NumPy arrays live on the host), got {device!r}")
         resolved = self._jax_device(device, backend, flags) if self.name == "jax" else device
+        if self.name not in LIBRARIES and isinstance(device, str):  # as the report writes it
+            resolved = next((d for d in self._namespace_devices() if str(d) == device), device)
         before, self.device = self.device, resolved
         try:
             x = self.array(np.zeros(1), dtype)
             want = getattr(resolved, "device_set", {resolved})  # a jax Sharding: its devices
             if self.name == "jax" and set(x.devices()) != set(want):
                 raise RuntimeError(f"the array landed on {sorted(map(str, x.devices()))}")
+            if self.name not in LIBRARIES and device_of(x) != resolved:
+                raise RuntimeError(f"the array landed on {device_of(x)!r}")
         except Exception as exc:
             self.device = before
-            raise ValueError(f"device: expected a device that {backend} can use, got {device!r} "
-                             f"({type(exc).__name__}: {exc})") from exc
+            raise ValueError(f"device: expected a device that {backend} can use{self._devices()}, "
+                             f"got {device!r} ({type(exc).__name__}: {exc})") from exc
+
+    def _namespace_devices(self) -> list:
+        """The devices an Array API namespace reports (none where it has no inspection API)."""
+        try:
+            return list(self.mod.__array_namespace_info__().devices())
+        except Exception:
+            return []
+
+    def _devices(self) -> str:
+        """' (one of ...)': the devices an Array API namespace reports, or ''."""
+        devices = self._namespace_devices() if self.name not in LIBRARIES else []
+        return f" (one of {', '.join(map(repr, devices))})" if devices else ""
 
     def _jax_device(self, device: Any, backend: str, flags: Optional[Mapping]) -> Any:
         """Where ``device`` puts jax arrays: a ``jax.Device`` or ``Sharding`` as it is (as
@@ -905,34 +939,38 @@ class _Library:
 
     def host(self, x: Any) -> np.ndarray:
         """A float64 host copy of the kernel's array ``x`` (any library it may return)."""
-        mod = type(x).__module__
-        if mod.startswith("torch"):
+        if type(x).__module__.startswith("torch"):
             x = x.detach()
             if x.is_floating_point():
                 x = x.double()  # bfloat16 has no NumPy dtype
             return x.cpu().numpy().astype(np.float64)
-        if mod.startswith("cupy"):
-            return x.get().astype(np.float64)
-        if isinstance(x, np.ndarray) or np.isscalar(x):
+        if isinstance(x, np.ndarray) or not is_array(x):  # a Python number, a list, ...
             return np.asarray(x).astype(np.float64)
-        try:
-            return np.asarray(x).astype(np.float64)
-        except Exception:
-            return to_numpy(x).astype(np.float64)
+        # CuPy's, JAX's and other namespaces' arrays (array_api_strict's have no __array__
+        # off its CPU device, and none at all in newer versions)
+        return to_numpy(x).astype(np.float64)
 
 
 def _library_name(backend: Any) -> str:
-    """"numpy", "torch", "cupy" or "jax" from ``backend=`` (a name or the module)."""
+    """The name of the kernel's array library from ``backend=``: one of ``BACKEND_NAMES``
+    (a name, or the module: numpy, torch, cupy, jax or jax.numpy, their array_api_compat
+    namespaces, array_api_strict), or the ``__name__`` of another Array API namespace module."""
     if not isinstance(backend, (str, types.ModuleType)):
-        raise TypeError(f"backend: expected one of {LIBRARIES} (or the module), got "
-                        f"{described(backend)}")
-    name = getattr(backend, "__name__", backend)
-    if isinstance(name, str):
-        name = name.split(".")[-1] if name.startswith("array_api_compat.") else name
-        name = "jax" if name in ("jax.numpy", "jax") else name
-    if name not in LIBRARIES:
-        raise ValueError(f"backend: expected one of {LIBRARIES} (or the module), got {backend!r}")
-    return name
+        raise TypeError(f"backend: expected one of {BACKEND_NAMES} or an Array API namespace "
+                        f"module, got {described(backend)}")
+    if isinstance(backend, str):
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend: expected one of {BACKEND_NAMES} or an Array API namespace "
+                             f"module, got {backend!r}")
+        return backend
+    if backend.__name__ in ("jax", "jax.numpy"):
+        return "jax"
+    name = backend.__name__
+    name = name.split(".")[-1] if name.startswith("array_api_compat.") else name
+    if name in LIBRARIES:
+        return name
+    xp = resolve_backend(backend)  # a module that is no namespace: a TypeError
+    return backend_name(xp) if backend_name(xp) in BACKEND_NAMES else xp.__name__
 
 
 # --------------------------------------------------------------------------
@@ -2158,7 +2196,8 @@ def verify(
         is random normal, in ``layout`` and ``dtype``. With ``lse_grad`` it is
         called ``backward(dout, *saved, dlse=dlse)``.
     autograd : {None, "torch", "jax"}
-        Gradients by ``torch.autograd.grad`` or ``jax.vjp`` instead.
+        Gradients by ``torch.autograd.grad`` or ``jax.vjp`` instead (with
+        ``backend`` "torch" or "jax"; ``backward`` serves every library).
     returns_lse : bool
         ``fn`` returns the natural log-sum-exp of each row too.
     mask_grad : {None, True, False}
@@ -2173,14 +2212,21 @@ def verify(
         ``backward(dout, *saved, dlse=dlse)`` or is lse's cotangent under
         autograd; npattn's gradients are ``sdpa_backward(dout, cache,
         dlse=dlse)``'s. Needs ``returns_lse``.
-    backend : {"numpy", "torch", "cupy", "jax"} or the module
-        The array library of ``fn``'s arrays.
+    backend : {"numpy", "torch", "cupy", "jax", "array_api_strict"} or a module
+        The array library of ``fn``'s arrays: one of those names, its module,
+        or any other Array API namespace module (e.g. ``array_api_compat.numpy``,
+        whose arrays are NumPy's), whose inputs are made as
+        ``xp.asarray(host, dtype=xp.<dtype>, device=device)``. A ``dtype`` the
+        namespace does not have (array_api_strict has no float16 nor bfloat16)
+        is a ``ValueError`` before any case runs.
     device : optional
         Where the arrays live (torch: "cpu" by default, e.g. "cuda"; cupy: a
         device id; jax: a ``jax.Device``, or "PLATFORM" / "PLATFORM:N" for
         ``jax.devices(PLATFORM)[N]`` such as "cpu", "gpu:1", "tpu:0"; numpy:
-        None). A device the library cannot use is a ``ValueError`` before any
-        case runs.
+        None; another namespace: what its ``asarray(device=)`` takes, one of
+        its ``__array_namespace_info__().devices()``, such as
+        ``array_api_strict.Device("device1")``). A device the library cannot
+        use (or not in ``dtype``) is a ``ValueError`` before any case runs.
     align : {"top_left", "bottom_right"}
         Where the window's and ALiBi's diagonal lies in their cases (passed as
         ``align`` when "bottom_right"); causal cases carry their own.
@@ -2257,8 +2303,8 @@ def verify(
             head = "" if flags else f"{library!r} "  # "autograd: 'torch' needs", "--autograd: needs"
             raise ValueError(f"autograd: {head}needs {_setting('backend', library, flags)}, got "
                              f"{_setting('backend', lib_name, flags)}")
-    lib = _Library(lib_name)
-    lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes fails here
+    lib = _Library(lib_name, backend if isinstance(backend, types.ModuleType) else None)
+    lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes, float16 on array_api_strict fail here
     lib.place(device, dtype, flags)  # a device the library cannot use: told before any case
     chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,
@@ -2323,7 +2369,9 @@ def _reproducer(command: Optional[str], case: Case, name: str, config: dict, *, 
                "returns_lse": False, "mask_grad": None, "lse_grad": False, "head_dims": None,
                "budget_factor": 2.0}
     for key in default:
-        if config[key] != default[key]:
+        if key == "backend" and config[key] not in BACKEND_NAMES:  # a namespace: its module
+            args.append(f"backend={config[key]}")
+        elif config[key] != default[key]:
             args.append(f"{key}={config[key]!r}")
     if config["floors"] != FLOORS:
         args.append(f"floors={config['floors']!r}")
