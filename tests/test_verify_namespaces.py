@@ -3,12 +3,14 @@ written with the standard's functions alone, checked on array_api_strict."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 
 from npattn import functional as F
 from npattn import verifier as VF
+from npattn.tools import cli
 
 xs = pytest.importorskip("array_api_strict")
 
@@ -171,3 +173,26 @@ def test_reproducer_reruns_the_case_on_the_namespace():
     again = eval(call, {"verify": VF.verify, "ignores_mask": ignores_mask, "backward": backward})
     assert again.results[0].status == "fail" and again.config["backend"] == "array_api_strict"
     assert again.results[0].tensors["out"].error == report.results[0].tensors["out"].error
+
+
+def test_command_line_takes_array_api_strict(tmp_path, capsys):
+    path = tmp_path / "portable.py"
+    kernels = (attention, backward, ignores_mask)
+    path.write_text("import math\n\n" + "\n".join(inspect.getsource(f) for f in kernels))
+    flags = ["--backend", "array_api_strict", "--backward", "backward", "--supports", "mask_bool",
+             "--combos", "none", "--no-progress"]
+    assert cli.main(["verify", f"{path}:attention", "--dtype", "float32", *flags]) == 0, \
+        capsys.readouterr().out
+    capsys.readouterr()
+    assert cli.main(["verify", f"{path}:ignores_mask", "--dtype", "float32", *flags]) == 1
+    reruns = [ln.split("rerun: ", 1)[1] for ln in capsys.readouterr().out.splitlines() if "rerun: " in ln]
+    assert reruns and all("--backend array_api_strict" in r for r in reruns), reruns
+    device = "array_api_strict.Device('device1')"  # as the report and its rerun lines write it
+    assert cli.main(["verify", f"{path}:attention", "--device", device, *flags]) == 0
+    capsys.readouterr()
+    assert cli.main(["verify", f"{path}:attention", "--device", "device1", *flags]) == 2
+    assert "--device: expected a device that --backend array_api_strict can use (one of " \
+           f"array_api_strict.Device('CPU_DEVICE'), {device}, " in capsys.readouterr().err
+    assert cli.main(["verify", f"{path}:attention", "--dtype", "float16", *flags]) == 2
+    assert "dtype: expected a dtype that backend 'array_api_strict' has (float64, float32), got " \
+           "'float16'" in capsys.readouterr().err

@@ -62,13 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--supports", default="", metavar="OPT[,OPT...]",
                    help=f"the options the kernel implements, comma-separated, or 'all': {tokens} "
                         "(default: none, the base cases alone)")
-    p.add_argument("--backend", choices=VF.LIBRARIES, default="numpy",
-                   help="the array library of the kernel's arrays (default numpy)")
+    p.add_argument("--backend", choices=VF.BACKEND_NAMES, default="numpy",
+                   help="the array library of the kernel's arrays (default numpy); "
+                        "array_api_strict: the Array API standard alone, float32 and float64")
     p.add_argument("--device", default=None,
                    help="where the arrays live: a torch device (cpu, cuda, cuda:1), a cupy "
-                        "device id, or a jax PLATFORM or PLATFORM:N (cpu, gpu, gpu:1, tpu:0: "
-                        "jax.devices(PLATFORM)[N]) (default: the library's own, torch's cpu); "
-                        "not with numpy")
+                        "device id, a jax PLATFORM or PLATFORM:N (cpu, gpu, gpu:1, tpu:0: "
+                        "jax.devices(PLATFORM)[N]), or an array_api_strict device as Python "
+                        "prints it (\"array_api_strict.Device('device1')\") (default: the "
+                        "library's own, torch's cpu); not with numpy")
     p.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
                    help="the diagonal of the window and ALiBi cases (default top_left; "
                         "flash-attn: bottom_right)")
