@@ -212,7 +212,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 import numpy as np
 
 from . import attention as A
-from .backend import backend_name, device_of, is_array, resolve_backend, to_numpy
+from .backend import backend_name, is_array, resolve_backend, to_numpy
 from .validation import ALIGNS, check_choice, check_size, described, dtype_name, real_value, type_name
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
                            check_supports, did_you_mean, panel)
@@ -817,8 +817,9 @@ class _Library:
         else:  # an Array API namespace: the module given, or the one BACKENDS names
             self.mod = resolve_backend(name if namespace is None else namespace)
 
-    def dtype(self, dtype: str) -> Any:
-        """The library's ``dtype``; a ``ValueError`` naming dtype and backend where it has none."""
+    def dtype(self, dtype: str, flags: Optional[Mapping] = None) -> Any:
+        """The library's ``dtype``; a ``ValueError`` naming dtype and backend (as ``flags`` name
+        them) where it has none."""
         if self.name in ("torch", "jax"):
             return getattr(self.mod, dtype)
         if self.name in ("numpy", "cupy") and dtype == "bfloat16":
@@ -832,7 +833,7 @@ class _Library:
             return np.dtype(dtype)
         if not hasattr(self.mod, dtype):  # array_api_strict has neither float16 nor bfloat16
             has = [d for d in DTYPES if hasattr(self.mod, d)]
-            raise ValueError(f"dtype: expected a dtype that backend {self.name!r} has "
+            raise ValueError(f"dtype: expected a dtype that {_setting('backend', self.name, flags)} has "
                              f"({', '.join(has) or 'none of ' + ', '.join(DTYPES)}), got {dtype!r}")
         return getattr(self.mod, dtype)
 
@@ -885,8 +886,6 @@ class _Library:
             want = getattr(resolved, "device_set", {resolved})  # a jax Sharding: its devices
             if self.name == "jax" and set(x.devices()) != set(want):
                 raise RuntimeError(f"the array landed on {sorted(map(str, x.devices()))}")
-            if self.name not in LIBRARIES and device_of(x) != resolved:
-                raise RuntimeError(f"the array landed on {device_of(x)!r}")
         except Exception as exc:
             self.device = before
             raise ValueError(f"device: expected a device that {backend} can use{self._devices()}, "
@@ -946,9 +945,12 @@ class _Library:
             return x.cpu().numpy().astype(np.float64)
         if isinstance(x, np.ndarray) or not is_array(x):  # a Python number, a list, ...
             return np.asarray(x).astype(np.float64)
-        # CuPy's, JAX's and other namespaces' arrays (array_api_strict's have no __array__
-        # off its CPU device, and none at all in newer versions)
-        return to_numpy(x).astype(np.float64)
+        # CuPy's, JAX's and other namespaces' arrays, through DLPack (array_api_strict's have no
+        # __array__ off its CPU device); an array without DLPack through __array__
+        try:
+            return to_numpy(x).astype(np.float64)
+        except (TypeError, AttributeError, BufferError):
+            return np.asarray(x).astype(np.float64)
 
 
 def _library_name(backend: Any) -> str:
@@ -970,7 +972,8 @@ def _library_name(backend: Any) -> str:
     if name in LIBRARIES:
         return name
     xp = resolve_backend(backend)  # a module that is no namespace: a TypeError
-    return backend_name(xp) if backend_name(xp) in BACKEND_NAMES else xp.__name__
+    # another namespace by the name it was given as (the name a rerun line writes)
+    return backend_name(xp) if backend_name(xp) in BACKEND_NAMES else backend.__name__
 
 
 # --------------------------------------------------------------------------
@@ -2304,7 +2307,7 @@ def verify(
             raise ValueError(f"autograd: {head}needs {_setting('backend', library, flags)}, got "
                              f"{_setting('backend', lib_name, flags)}")
     lib = _Library(lib_name, backend if isinstance(backend, types.ModuleType) else None)
-    lib.dtype(dtype)  # bfloat16 on NumPy without ml_dtypes, float16 on array_api_strict fail here
+    lib.dtype(dtype, flags)  # bfloat16 on NumPy without ml_dtypes, float16 on array_api_strict fail here
     lib.place(device, dtype, flags)  # a device the library cannot use: told before any case
     chosen = plan(supports, align=align, combos=combos, cases=cases, head_dims=head_dims)
     cfg = _Config(fn, layout, dtype, backward, autograd, bool(returns_lse), lib, align, adapter,

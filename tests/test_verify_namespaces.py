@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
+import sys
+import types
 
 import pytest
 
@@ -110,7 +113,7 @@ def test_planted_mistakes_fail_in_the_cases_of_their_option(fn, option):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_dtype_the_namespace_lacks_is_refused_before_any_case(dtype):
-    with pytest.raises(ValueError, match=rf"^dtype: expected a dtype that backend 'array_api_strict' "
+    with pytest.raises(ValueError, match=rf"^dtype: expected a dtype that backend='array_api_strict' "
                                          rf"has \(float64, float32\), got '{dtype}'$"):
         run(never_called, dtype)
 
@@ -152,9 +155,47 @@ def test_autograd_needs_its_own_library():
             VF.verify(never_called, autograd=autograd, backend="array_api_strict")
 
 
-def test_backend_takes_any_namespace_module_and_refuses_other_modules():
-    compat = pytest.importorskip("array_api_compat.numpy")
-    assert VF._library_name(compat) == "numpy" and VF._library_name(xs) == "array_api_strict"
+def portable_namespace(name):
+    """A namespace module of another name: array_api_strict's functions on a module of its own,
+    as a library verify knows nothing of would be (its arrays are array_api_strict's)."""
+    ns = types.ModuleType(name)
+    for attr in dir(xs):
+        if not attr.startswith("_") or attr in ("__array_api_version__", "__array_namespace_info__"):
+            setattr(ns, attr, getattr(xs, attr))
+    sys.modules[name] = ns  # importable by its name, as a namespace module is
+    return ns
+
+
+def test_a_namespace_verify_does_not_know_is_taken_and_named_as_given():
+    """A kernel on an Array API namespace module that is none of verify's names passes, runs on
+    that module's arrays, and its failures' rerun lines name the module as it was given."""
+    ns = portable_namespace("portable_ns")
+    try:
+        seen = set()
+
+        def kernel(q, k, v, **options):
+            seen.add(type(q).__module__.split(".")[0])
+            return attention(q, k, v, **options)
+
+        report = VF.verify(kernel, backward=backward, backend=ns, dtype="float64", supports=SUPPORTS,
+                           combos=False)
+        assert report.ok, report
+        assert seen == {"array_api_strict"}
+        report = VF.verify(ignores_mask, backward=backward, backend=ns, dtype="float64",
+                           supports=SUPPORTS, cases=["mask_bool-65x129"])
+        assert not report.ok
+        line = report.results[0].reproducer
+        assert re.search(r"\bbackend=portable_ns\b", line) and "array_api_strict" not in line, line
+    finally:
+        del sys.modules["portable_ns"]
+
+
+def test_backend_takes_namespace_modules_and_refuses_other_modules():
+    compat = pytest.importorskip("array_api_compat.numpy")  # NumPy's namespace: verify's "numpy"
+    report = VF.verify(ignores_mask, backward=backward, backend=compat, dtype="float64",
+                       supports=SUPPORTS, cases=["mask_bool-65x129"])
+    assert not report.ok
+    assert "backend=" not in report.results[0].reproducer  # numpy, the default, goes unwritten
     with pytest.raises(TypeError, match=r"^backend: expected an Array API namespace module, got "
                                         r"module 'math'$"):
         VF.verify(never_called, backend=math)
@@ -194,5 +235,35 @@ def test_command_line_takes_array_api_strict(tmp_path, capsys):
     assert "--device: expected a device that --backend array_api_strict can use (one of " \
            f"array_api_strict.Device('CPU_DEVICE'), {device}, " in capsys.readouterr().err
     assert cli.main(["verify", f"{path}:attention", "--dtype", "float16", *flags]) == 2
-    assert "dtype: expected a dtype that backend 'array_api_strict' has (float64, float32), got " \
+    assert "dtype: expected a dtype that --backend array_api_strict has (float64, float32), got " \
            "'float16'" in capsys.readouterr().err
+
+
+class HostOnly:
+    """An array that speaks the Array API's namespace but has no DLPack: ``__array__`` only."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+
+    def __array_namespace__(self, api_version=None):
+        import numpy
+        return numpy
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a if dtype is None else self.a.astype(dtype)
+
+
+def test_an_output_without_dlpack_is_read_through_its_array_method():
+    """verify reads a kernel's output through DLPack, and through ``__array__`` where it has no
+    DLPack: its values are compared (exact here), and it fails only as an array of another
+    library than the inputs', not as an error in reading it."""
+    import numpy as np
+
+    def kernel(q, k, v, **options):
+        out = F.sdpa_forward(q, k, v, **options)[0]
+        return HostOnly(np.asarray(out))
+
+    report = VF.verify(kernel, dtype="float64", supports="causal", combos=False)
+    for r in report.results:
+        out = r.tensors["out"]
+        assert out.error == 0.0 and out.status == "fail" and "library" in out.note, (r.case.name, out)
