@@ -134,10 +134,21 @@ def test_arrays_are_on_the_device_given():
         assert report.config["device"] == str(device1)
 
 
+def strict_device(name):
+    """array_api_strict's device of that name, or None where this version has none."""
+    try:
+        return xs.Device(name)
+    except ValueError:  # "no_float64" came after array_api_strict 2.5
+        return None
+
+
 @pytest.mark.parametrize("device,why", [
     ("cpu", "Unsupported device 'cpu'"),
     (0, "Unsupported device 0"),
-    (xs.Device("no_float64"), "does not support dtype=array_api_strict.float64"),
+    pytest.param(strict_device("no_float64"), "does not support dtype=array_api_strict.float64",
+                 marks=pytest.mark.skipif(strict_device("no_float64") is None,
+                                          reason="this array_api_strict has no 'no_float64' device"),
+                 id="no_float64"),
 ])
 def test_a_device_the_namespace_cannot_use_is_refused_before_any_case(device, why):
     with pytest.raises(ValueError) as info:
