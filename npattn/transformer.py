@@ -670,6 +670,17 @@ class _Block(abc.ABC):
         return self
 
     @classmethod
+    def _copy_of_torch(cls, layer: Any, torch_cls: Any, backend: Any) -> Any:
+        """``from_torch``'s block: the layer's layout and modes, checked before a block is made,
+        then its weights."""
+        config = cls._config_from_torch(layer, torch_cls)
+        modes = cls._modes_from_torch(layer)
+        block = cls(**config, backend=backend)
+        block.load_torch_state_dict(layer.state_dict())
+        block.modes = modes
+        return block
+
+    @classmethod
     def _modes_from_torch(cls, layer: Any) -> dict:
         """The modes of a checked torch layer as ``modes`` holds them: the layer's (which its
         dropout modules share) and each attention module's. A dropout module in another mode
@@ -1068,12 +1079,7 @@ class TransformerBlock(_Block):
         ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``)."""
         import torch
 
-        config = cls._config_from_torch(layer, torch.nn.TransformerEncoderLayer)
-        modes = cls._modes_from_torch(layer)
-        block = cls(**config, backend=backend)
-        block.load_torch_state_dict(layer.state_dict())
-        block.modes = modes
-        return block
+        return cls._copy_of_torch(layer, torch.nn.TransformerEncoderLayer, backend)
 
 
 class TransformerDecoderBlock(_Block):
@@ -1197,10 +1203,5 @@ class TransformerDecoderBlock(_Block):
         ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``)."""
         import torch
 
-        config = cls._config_from_torch(layer, torch.nn.TransformerDecoderLayer)
-        modes = cls._modes_from_torch(layer)
-        block = cls(**config, backend=backend)
-        block.load_torch_state_dict(layer.state_dict())
-        block.modes = modes
-        return block
+        return cls._copy_of_torch(layer, torch.nn.TransformerDecoderLayer, backend)
 
