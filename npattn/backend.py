@@ -90,6 +90,7 @@ __all__ = [
     "zero_d",
     "MAX_BYTES",
     "check_array_bytes",
+    "entry_bytes",
     "check_rng",
     "make_rng",
     "dropout_key",
@@ -426,6 +427,16 @@ def row_max(xp: Any, x: Any) -> Any:
 #: The most bytes one array can hold (NumPy's ``intp``, Python's ``sys.maxsize``): a
 #: larger array cannot exist at all, where NumPy says only "array is too big".
 MAX_BYTES = int(np.iinfo(np.intp).max)
+
+
+def entry_bytes(xp: Any, dtype: Any) -> int:
+    """The bytes an entry of ``dtype`` (of namespace ``xp``) holds: 1 for bool, else from its
+    ``iinfo`` or ``finfo`` (twice that of its real part for a complex dtype)."""
+    if isdtype(xp, dtype, "bool"):
+        return 1
+    if isdtype(xp, dtype, "integral"):
+        return xp.iinfo(dtype).bits // 8
+    return xp.finfo(dtype).bits // 8 * (2 if isdtype(xp, dtype, "complex floating") else 1)
 
 
 def check_array_bytes(names: Sequence[str], shape: Sequence[int], itemsize: int, what: str) -> None:

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from . import validation as V
-from .backend import (backend_from_ref, backend_name, backend_ref, device_of, namespace, persisted,
-                      resolve_backend)
+from .backend import (backend_from_ref, backend_name, backend_ref, device_of, entry_bytes, namespace,
+                      persisted, resolve_backend)
 
 __all__ = ["KVCache", "AlignedKV", "unalign_columns"]
 
@@ -116,7 +116,7 @@ class KVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.value_dim = self.head_dim if value_dim is None else value_dim
         B, Hkv, C = self.batch_size, self.num_kv_heads, self.capacity
-        itemsize, sizes = xp.finfo(self.dtype).bits // 8, ["batch_size", "num_kv_heads", "capacity"]
+        itemsize, sizes = entry_bytes(xp, self.dtype), ["batch_size", "num_kv_heads", "capacity"]
         V.check_array_bytes(sizes + ["head_dim"], (B, Hkv, C, self.head_dim), itemsize, "the key buffer")
         V.check_array_bytes(sizes + ["head_dim" if value_dim is None else "value_dim"],
                             (B, Hkv, C, self.value_dim), itemsize, "the value buffer")

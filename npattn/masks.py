@@ -26,6 +26,7 @@ from . import validation as V
 from .backend import (
     backend_name,
     device_of,
+    entry_bytes,
     from_numpy,
     is_bool,
     is_floating,
@@ -121,7 +122,7 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     xp = _namespace_or(xp)
     V.check_device(xp, device)
     index = _index_dtype(xp, Lq=Lq, Lk=Lk)
-    V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), xp.iinfo(index).bits // 8,
+    V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), entry_bytes(xp, index),
                         "the mask's position differences j - i")  # the largest array made below
     offset = 0 if align == "top_left" else Lk - Lq
     i = xp.arange(Lq, dtype=index, device=device)  # [Lq]
@@ -217,7 +218,7 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
     if lengths.ndim != 1:
         raise ValueError(f"lengths: expected shape (B,), got shape {tuple(lengths.shape)}")
     index = _index_dtype(xp, Lk=Lk)
-    V.check_array_bytes(["Lk"], (Lk,), xp.iinfo(index).bits // 8, "the key positions")
+    V.check_array_bytes(["Lk"], (Lk,), entry_bytes(xp, index), "the key positions")
     V.check_array_bytes(["lengths", "Lk"], (int(lengths.shape[0]), 1, 1, Lk), 1, "the mask")
     host = to_numpy(lengths)
     if host.size and (host.min() < 0 or host.max() > Lk):

@@ -21,8 +21,8 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import (device_of, float64_namespace, float64_result, namespace, resolve_backend,
-                      row_max, widest_int, without_empty_chunks, zero_d)
+from .backend import (device_of, entry_bytes, float64_namespace, float64_result, namespace,
+                      resolve_backend, row_max, widest_int, without_empty_chunks, zero_d)
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -61,8 +61,8 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     n = Vd.check_positive_int("n", n)
     Vd.check_ids("ids", ids, n, xp, what="class indices", like="xp")
     dtype = getattr(xp, Vd.float_dtype_name(xp, dtype))
-    Vd.check_array_bytes(["n"], (n,), xp.iinfo(widest_int(xp)).bits // 8, "the classes 0, ..., n - 1")
-    Vd.check_array_bytes(["ids", "n"], (*Vd.shape_of(ids), n), xp.finfo(dtype).bits // 8,
+    Vd.check_array_bytes(["n"], (n,), entry_bytes(xp, widest_int(xp)), "the classes 0, ..., n - 1")
+    Vd.check_array_bytes(["ids", "n"], (*Vd.shape_of(ids), n), entry_bytes(xp, dtype),
                          "the one-hot rows")  # (the largest array made; the bool rows of == are smaller)
     return _one_hot(xp, ids, n, dtype)
 
@@ -118,7 +118,7 @@ def embedding_forward(ids: Any, table: Any) -> tuple[Any, EmbeddingCache]:
                              f"{Vd.shape_of(ids)}") from None
         raise
     V = table.shape[0]
-    itemsize = xp.finfo(table.dtype).bits // 8
+    itemsize = entry_bytes(xp, table.dtype)
     Vd.check_array_bytes(["ids", "table"], (*Vd.shape_of(ids), int(V)), itemsize, "the one-hot rows of ids")
     Vd.check_array_bytes(["ids", "table"], (*Vd.shape_of(ids), int(table.shape[1])), itemsize,
                          "the rows looked up")

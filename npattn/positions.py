@@ -49,8 +49,9 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import validation as V
-from .backend import (backend_name, check_same_device, device_of, float64_namespace, float64_result,
-                      is_floating, isdtype, namespace, resolve_backend, to_numpy, widest_int)
+from .backend import (backend_name, check_same_device, device_of, entry_bytes, float64_namespace,
+                      float64_result, is_floating, isdtype, namespace, resolve_backend, to_numpy,
+                      widest_int)
 from .functional import compute_dtype, half_sum, sum_to_shape
 
 __all__ = [
@@ -326,7 +327,7 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     Lq, Lk, offset = _check_lengths(Lq, Lk, offset)  # Python ints: Lq + Lk - 1 must not wrap
     V.check_device(xp, device)
     _check_positions_fit(xp, Lq, Lk, offset)
-    V.check_array_bytes(["Lq", "Lk"], (Lq + Lk - 1,), xp.iinfo(widest_int(xp)).bits // 8,
+    V.check_array_bytes(["Lq", "Lk"], (Lq + Lk - 1,), entry_bytes(xp, widest_int(xp)),
                         "the relative positions")
     return xp.arange(Lq + Lk - 1, dtype=widest_int(xp), device=device) - (Lq - 1 + offset)  # [T]
 
@@ -346,9 +347,9 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
         raise ValueError(f"rows: expected shape (Lq + Lk - 1, E) = ({Lq + Lk - 1}, E), got "
                          f"{V.shape_of(rows)}")
     # the largest arrays made below: the spread rows (the gather's, then reshaped) and the indices
-    V.check_array_bytes(["Lq", "Lk", "rows"], (Lq, Lk, int(rows.shape[1])), _entry_bytes(xp, rows.dtype),
+    V.check_array_bytes(["Lq", "Lk", "rows"], (Lq, Lk, int(rows.shape[1])), entry_bytes(xp, rows.dtype),
                         "the spread rows")
-    V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), xp.iinfo(widest_int(xp)).bits // 8,
+    V.check_array_bytes(["Lq", "Lk"], (Lq, Lk), entry_bytes(xp, widest_int(xp)),
                         "the gather indices of the spread")
     dev = device_of(rows)
     i = xp.arange(Lq, dtype=widest_int(xp), device=dev)  # [Lq]
@@ -356,16 +357,6 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
     t = xp.expand_dims(j, axis=0) - xp.expand_dims(i, axis=1) + (Lq - 1)  # [Lq, Lk] in [0, T)
     out = xp.take(rows, xp.reshape(t, (-1,)), axis=0)  # [Lq * Lk, E]
     return xp.reshape(out, (Lq, Lk, rows.shape[-1]))  # [Lq, Lk, E]
-
-
-def _entry_bytes(xp: Any, dtype: Any) -> int:
-    """The bytes an entry of ``dtype`` holds: 1 for bool, else from its ``iinfo`` or ``finfo``
-    (twice that of its real part for a complex dtype)."""
-    if isdtype(xp, dtype, "bool"):
-        return 1
-    if isdtype(xp, dtype, "integral"):
-        return xp.iinfo(dtype).bits // 8
-    return xp.finfo(dtype).bits // 8 * (2 if isdtype(xp, dtype, "complex floating") else 1)
 
 
 def diagonal_sums(xp: Any, a: Any) -> Any:
@@ -429,8 +420,8 @@ def _check_made(names: list, xp: Any, Lq: int, Lk: int, offset: int, table: Any,
     indices [Lq, Lk] that spread them (larger than the rows when a row, width * itemsize bytes,
     is narrower than an index)."""
     _check_positions_fit(xp, Lq, Lk, offset)
-    T, N, itemsize = Lq + Lk - 1, int(table.shape[0]), xp.finfo(dtype).bits // 8
-    index_size = xp.iinfo(widest_int(xp)).bits // 8
+    T, N, itemsize = Lq + Lk - 1, int(table.shape[0]), entry_bytes(xp, dtype)
+    index_size = entry_bytes(xp, widest_int(xp))
     V.check_array_bytes(names, (T,), index_size, "the relative positions")
     V.check_array_bytes(names, (T, N), itemsize, "the one-hot rows C")
     V.check_array_bytes(names, (Lq, Lk, width), itemsize, "the spread rows")
