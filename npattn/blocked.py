@@ -339,7 +339,7 @@ def _forward_loops(xp, c):
             m_new = xp.maximum(m, row_max(xp, z))  # 4.                       [..., bq, 1]
             shift = xp.where(m_new == -math.inf, zero, m_new)  # no -inf - -inf on empty rows
             e = xp.exp(z - shift)  # 5.                                   [..., bq, bk]
-            alpha = xp.exp(m - shift)  # 0 on the first block (m = -inf)  [..., bq, 1]
+            alpha = xp.exp(m - shift)  # 0 on a row's first block unless a sink set m  [..., bq, 1]
             l = alpha * l + xp.sum(e, axis=-1, keepdims=True)  # 6.       [..., bq, 1]
             keep = _block_keep(xp, c, i0, i1, j0, j1, dev)
             if keep is not None:
@@ -411,8 +411,8 @@ def sdpa_blocked_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal:
 
     Notes
     -----
-    Memory beyond inputs and output: ``O(B H (bq bk + Lq))``. float16 and
-    bfloat16 inputs are computed in float32, the output cast back.
+    Memory beyond inputs and output: ``O(B H (bq bk + Lq Dh))`` (the scaled copy
+    of ``q``). float16 and bfloat16 inputs are computed in float32, the output cast back.
     """
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> [..., Lq, Dv]
     V.check_sdpa_inputs(q, k, v, mask=mask, dropout_mask=dropout_mask, dropout_p=dropout_p,

@@ -390,7 +390,7 @@ def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
 
 class SoftmaxCache(NamedTuple):
     """What ``masked_softmax_backward`` needs from ``masked_softmax_forward``."""
-    p: Any  #: [..., Lk] probabilities, the only array the backward needs (compute dtype)
+    p: Any  #: [..., Lk] probabilities (compute dtype); the backward reads p, lse and p_sink
     mask_shape: Optional[tuple]  #: shape of an additive mask, for dmask; else None
     in_dtype: Any = None  #: dtype of x when it differs from p's (float16 -> float32)
     p_sink: Any = None  #: [..., 1] the sink's share of each row (attention sinks), else None
