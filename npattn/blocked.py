@@ -691,18 +691,17 @@ def _backward_loops(dout, delta, cache: BlockedSDPACache):
             if keep is not None:
                 dp = xp.where(keep, dp * drop_scale, zero)  # dropout backward
             # 4.-6. p = softmax(z): dz = p * (dp - sum_j dp_j p_j + dlse) = p * (dp - delta)
-            ds = p * (dp - delta[..., i0:i1, :])  # [..., bq, bk]
+            dz = p * (dp - delta[..., i0:i1, :])  # [..., bq, bk]
             # 3. z = s + mask: dmask = dz, summed to the mask's shape (0 where masked: p = 0)
             if fmask is not None:
                 mq, mk = fmask.shape[-2] != 1, fmask.shape[-1] != 1
                 target = tuple(fmask.shape[:-2]) + (i1 - i0 if mq else 1, j1 - j0 if mk else 1)
-                g = F.sum_to_shape(xp, ds, target)
+                g = F.sum_to_shape(xp, dz, target)
                 where_ = (ib if mq else 0, jb if mk else 0)
                 prev = dmask_parts.get(where_)
                 dmask_parts[where_] = g if prev is None else prev + g
             # 2. z = softcap * tanh(u) + alibi, u = s / softcap: ds = dz * sech^2(u) (= 1 - tanh^2)
-            if u is not None:
-                ds = ds * F.sech_squared(xp, u)
+            ds = dz if u is None else dz * F.sech_squared(xp, u)  # [..., bq, bk]
             # 2. s = qs_i @ k_j^T: dqs_i = ds @ k_j, dk_j = ds^T @ qs_i; 1. qs = q * scale
             dq_i = (ds @ k_j) * c.scale  # [..., bq, Dh]
             dq_parts[ib] = dq_i if dq_parts[ib] is None else dq_parts[ib] + dq_i

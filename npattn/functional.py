@@ -16,18 +16,24 @@ steps with the same names.
 Shape legend
 ------------
 B batch, H heads, Lq query length, Lk key length, D model width,
-Dh head width (D = H * Dh), Din / Dout the two sides of a linear layer.
+Dh head width (D = H * Dh), Dv value head width (may differ from Dh),
+Hq / Hkv query and key/value heads under grouped-query attention, G = Hq // Hkv,
+bq / bk the query / key block lengths of the tiled algorithms,
+Din / Dout the two sides of a linear layer.
 
 All code below uses only the Python Array API standard through ``xp``, the
 namespace of the inputs; what is backend-specific lives in ``npattn.backend``.
 
 Every ``*_forward`` / ``*_backward`` pair checks its arguments on its first
 line (``npattn.validation``): a ``TypeError`` or ``ValueError`` that names
-the argument, what was expected and what was received. The helpers that take
-``xp`` first (``sum_to_shape``, ``causal_mask``, ``compute_dtype``, ``half_sum``,
-``group_heads``, ``ungroup_heads``) and ``sdpa_forward_core`` are the
-unchecked building blocks of the other implementations, called on arguments
-checked already.
+the argument, what was expected and what was received; so does ``causal_mask``
+(its lengths). The other helpers that take ``xp`` first (``sum_to_shape``,
+``compute_dtype``, ``half_sum``, ``group_heads``, ``ungroup_heads``,
+``positions_allowed``, ``alibi_bias``, ``sech_squared``, ``combine_allowed``),
+those of the kernel options (``score_options``, ``is_plain``, ``is_positional``,
+``causal_options``, ``block_visible``, ``block_cut``) and ``sdpa_forward_core``
+are the unchecked building blocks of the other implementations, called on
+arguments checked already.
 """
 
 from __future__ import annotations
@@ -1039,12 +1045,13 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
 
     qg = group_heads(xp, q, G)  # 0.                              [B, Hkv, G*Lq, Dh]
     s = ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
-    capped = None
+    c, capped = s, None  # 2. c = softcap * tanh(s / softcap), or s without a softcap
     if o.softcap is not None:
-        capped = s / o.softcap  # 2.                                [B, H, Lq, Lk]
-        s = o.softcap * xp.tanh(capped)  # c = softcap * tanh(s / softcap)
+        capped = s / o.softcap  # [B, H, Lq, Lk]
+        c = o.softcap * xp.tanh(capped)  # [B, H, Lq, Lk]
+    z = c  # 3. z = c + alibi, or c without ALiBi
     if o.alibi is not None:
-        s = s + alibi_bias(xp, o.alibi, rows, cols, o.offset)  # 3. [B, H, Lq, Lk]
+        z = c + alibi_bias(xp, o.alibi, rows, cols, o.offset)  # [B, H, Lq, Lk]
 
     # 4. what may be attended: the window (causal included) AND the segments, then the mask
     allowed = positions_allowed(xp, rows, cols, o)  # [Lq, Lk] or None
@@ -1059,10 +1066,10 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
     elif allowed is not None:
         a_mask = combine_allowed(xp, mask, allowed)
 
-    sink = None if o.sinks is None else o.sinks  # [1, H, 1, 1], broadcast over rows
+    sink = o.sinks  # [1, H, 1, 1] or None, broadcast over rows
     if sink is not None:
-        sink = xp.broadcast_to(sink, tuple(s.shape[:-1]) + (1,))  # [B, H, Lq, 1]
-    p, sm_cache = _masked_softmax(s, a_mask, sink)  # 5.           [B, H, Lq, Lk]
+        sink = xp.broadcast_to(sink, tuple(z.shape[:-1]) + (1,))  # [B, H, Lq, 1]
+    p, sm_cache = _masked_softmax(z, a_mask, sink)  # 5.           [B, H, Lq, Lk]
     a, do_cache = _dropout(p, dropout_p, dropout_mask, rng)  # 6.
     out = ungroup_heads(xp, group_heads(xp, a, G) @ v, G)  # 7.   [B, H, Lq, Dv]
 
@@ -1121,12 +1128,12 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
     dv = xp.matrix_transpose(group_heads(xp, a, G)) @ dout_g  # [B, Hkv, Lk, Dv]
     # 6. a = dropout(p)
     dp = dropout_backward(da, cache.dropout)  # [B, H, Lq, Lk]
-    # 5. p = softmax(z, a_mask, sink): ds = p * (dp - delta + dlse), delta = rowsum(dp * p)
+    # 5. p = softmax(z, a_mask, sink): dz = p * (dp - delta + dlse), delta = rowsum(dp * p)
     dlse_rows = None  # [B, H, Lq, 1]; 0 on rows with nothing to attend (lse = -inf, p = 0)
     if dlse is not None:
         dlse_col = xp.expand_dims(dlse, axis=-1)  # [B, H, Lq, 1]
         dlse_rows = xp.where(cache.softmax.lse == -math.inf, scalar(xp, 0.0, dlse_col), dlse_col)
-    ds, da_mask, dsink = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
+    dz, da_mask, dsink = masked_softmax_backward(dp, cache.softmax, dlse=dlse_rows)  # [B, H, Lq, Lk]
     # 4. a_mask = where(allowed, mask, -inf): dmask = da_mask where allowed, and
     #    da_mask is already 0 where it forbids (p = 0 there); sum to mask's shape
     dmask = None
@@ -1137,10 +1144,10 @@ def sdpa_backward(dout: Any, cache: SDPACache, *, dlse: Any = None) -> SDPAGrads
         #                      so dsink = p_sink * (0 - delta + dlse), [B, H, Lq, 1]; summed to (H,)
         dsinks = xp.reshape(sum_to_shape(xp, dsink, tuple(o.sinks.shape)), cache.shapes[3])
     # 3. z = c + alibi: dc = dz (the bias is a constant)
+    dc = dz  # [B, H, Lq, Lk]
     # 2. c = softcap * tanh(s / softcap): ds = dc * (1 - tanh^2(s / softcap)) = dc * sech^2(...)
-    #    (sech^2 from s / softcap: 1 - tanh^2 cancels where tanh rounds to 1)
-    if cache.capped is not None:
-        ds = ds * sech_squared(xp, cache.capped)  # [B, H, Lq, Lk]
+    #    (sech^2 from s / softcap: 1 - tanh^2 cancels where tanh rounds to 1); ds = dc without one
+    ds = dc if cache.capped is None else dc * sech_squared(xp, cache.capped)  # [B, H, Lq, Lk]
     # 1. s = ungroup(qg @ k^T) * scale: dqg = ds_g @ k * scale, and
     #    dk = ds_g^T @ qg * scale, again summed over the G query heads of a group
     ds_g = group_heads(xp, ds, G)  # [B, Hkv, G*Lq, Lk]
