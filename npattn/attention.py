@@ -220,8 +220,8 @@ def check_impl_takes(impl: str, *, plain: bool, positional: bool, takes_chunks: 
     if impl == "numpy" and not takes_kernel:
         raise ValueError(
             "impl='numpy': the NumPy kernel takes NumPy arrays q (B, Hq, Lq, Dh), "
-            "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) and masks broadcastable to (B, Hq, Lq, Lk); "
-            f"got {got}; use impl='reference' or 'blocked'"
+            "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with Hkv >= 1 dividing Hq, and masks "
+            f"broadcastable to (B, Hq, Lq, Lk); got {got}; use impl='reference' or 'blocked'"
         )
 
 

@@ -137,7 +137,7 @@ EXP_BOUND = 16.0
 
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
     """Whether the kernel takes these arguments: NumPy arrays q (B, Hq, Lq, Dh),
-    k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with one B, and masks that broadcast
+    k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with one B and Hkv >= 1 dividing Hq, and masks that broadcast
     to (B, Hq, Lq, Lk) without growing it."""
     arrays = (q, k, v, mask, dropout_mask)
     return all(a is None or is_numpy_array(a) for a in arrays) and V.heads_layout(q, k, v, mask,

@@ -737,6 +737,17 @@ def test_a_numpy_subclass_is_not_the_kernels():
         A.sdpa_forward(q, q, sub, impl="numpy")
 
 
+def test_numpy_kernel_refusal_names_the_head_count():
+    """Zero heads run on the other implementations (empty outputs); impl="numpy" needs at least
+    one K/V head, and its refusal says so rather than list a layout the arrays already have."""
+    q, k = np.zeros((2, 0, 3, 4)), np.zeros((2, 0, 5, 4))
+    for impl in ("reference", "dense", "blocked"):
+        assert A.sdpa_forward(q, k, k, impl=impl)[0].shape == (2, 0, 3, 4)
+    with pytest.raises(ValueError, match=r"^impl='numpy': .* with Hkv >= 1 dividing Hq, .*"
+                       r"got numpy\.ndarray of shapes \(2, 0, 3, 4\), \(2, 0, 5, 4\)"):
+        A.sdpa_forward(q, k, k, impl="numpy")
+
+
 def test_dout_is_checked_on_every_implementation():
     """sdpa_backward takes the dout of the forward's out, (B, Hq, Lq, Dv) in its dtype, whichever
     implementation made the cache: the NumPy kernel's and the blocked backward (which the
