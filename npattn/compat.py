@@ -313,7 +313,8 @@ def flash_attn_func(
         npattn's extension: the keep-mask (True = keep) to apply in place of a
         drawn one, e.g. a kernel's own (``S_dmask >= 0``). Its last two axes
         may be longer (flash-attn's ``S_dmask`` is rounded up to multiples of
-        128); the leading ``(Lq, Lk)`` block is used.
+        128); the leading ``(Lq, Lk)`` block is used. Applied whenever given, also
+        at ``dropout_p = 0`` (scale 1), where the kernels drop nothing.
     rng : int, numpy.random.Generator or None
         npattn's extension: draws the keep-mask when ``dropout_p > 0`` and no
         ``dropout_mask`` is given (None: fresh entropy, as a kernel's RNG).

@@ -951,7 +951,9 @@ def sdpa_forward(
     dropout_p : float
         Drop probability on the attention probabilities.
     dropout_mask : bool array broadcastable to (B, H, Lq, Lk), optional
-        Keep-mask (True = keep); replaces the generator.
+        Keep-mask (True = keep); replaces the generator. Applied whenever given,
+        also at ``dropout_p = 0`` (scale 1), where torch's SDPA drops nothing;
+        ``MultiHeadAttention`` applies it only in training mode with dropout > 0.
     rng : int, numpy.random.Generator or None
         Draws the keep-mask when ``dropout_p > 0`` and no mask is given.
     enable_gqa : bool
