@@ -50,6 +50,7 @@ while npattn holds BLAS at one thread (it runs, with one BLAS thread).
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import math
 import numbers
@@ -93,6 +94,7 @@ __all__ = [
     "entry_bytes",
     "check_rng",
     "make_rng",
+    "seed_sequence",
     "dropout_key",
     "generator_kept_on_failure",
     "keep_mask",
@@ -473,6 +475,15 @@ def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:
         return seed
     check_rng(name, seed)
     return np.random.default_rng(seed)
+
+
+def seed_sequence(seed: Any) -> np.random.SeedSequence:
+    """The root ``SeedSequence`` a constructor spawns its parts' seeds from, for a ``seed``
+    checked by ``validation.check_seed``: ``SeedSequence(seed)`` for None or an int, a copy
+    of a ``SeedSequence`` (spawned from as it stands; the caller's is not advanced)."""
+    if isinstance(seed, np.random.SeedSequence):
+        return copy.deepcopy(seed)
+    return np.random.SeedSequence(seed)
 
 
 def dropout_key(rng: Any) -> int:

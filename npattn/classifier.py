@@ -37,7 +37,7 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import backend_name, device_of, from_numpy
+from .backend import backend_name, device_of, from_numpy, seed_sequence
 from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
 from .transformer import TransformerBlock
 
@@ -84,9 +84,11 @@ class TransformerClassifier(BlockStack):
     layer_norm_eps : float
     dtype : str
     backend : str or namespace
-    seed : int >= 0, optional
-        Seeds every parameter and the blocks' dropout generators (None: fresh
-        entropy).
+    seed : int or numpy.random.SeedSequence, optional
+        Seeds every parameter and the blocks' dropout generators:
+        None (fresh entropy), an int >= 0 or a ``numpy.random.SeedSequence``
+        (spawned from as it stands, on a copy: the one given is not advanced),
+        as every constructor's seed (``validation.check_seed``).
 
     Attributes
     ----------
@@ -126,15 +128,14 @@ class TransformerClassifier(BlockStack):
         seq_len = V.check_positive_int("seq_len", seq_len)
         n_classes = V.check_positive_int("n_classes", n_classes)
         n_layers = V.check_positive_int("n_layers", n_layers)
-        if seed is not None:
-            seed = V.check_size("seed", seed, maximum=None)
+        V.check_seed("seed", seed)
         # the embedding, positions and head are drawn in float64: arrays that can exist (the
         # blocks check their own)
         D = V.check_positive_int("d_model", d_model)
         V.check_array_bytes(["d_model", "n_features"], (D, n_features), 8, "the weight embed.weight")
         V.check_array_bytes(["seq_len", "d_model"], (seq_len, D), 8, "the positions pos")
         V.check_array_bytes(["n_classes", "d_model"], (n_classes, D), 8, "the weight head.weight")
-        own_seq, *block_seqs = np.random.SeedSequence(seed).spawn(n_layers + 1)
+        own_seq, *block_seqs = seed_sequence(seed).spawn(n_layers + 1)
         # the blocks check d_model, n_head, d_ff, dropout, activation, norm_first, eps, dtype, backend
         self.blocks = [
             TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation=activation,

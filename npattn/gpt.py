@@ -37,10 +37,8 @@ Code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
-import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -49,8 +47,8 @@ from . import functional as F
 from . import layers as Ly
 from . import nn
 from . import validation as V
-from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, resolve_backend,
-                      to_numpy, widest_int)
+from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, make_rng,
+                      resolve_backend, seed_sequence, to_numpy, widest_int)
 from .kvcache import KVCache
 from .module import check_kv_cache
 from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
@@ -78,20 +76,6 @@ class GPTCache(NamedTuple):
     decoding: bool  #: the forward appended to KV caches: nothing to differentiate
 
 
-def _check_seed(name: str, seed: Any, *, generator: bool = False) -> None:
-    """None, an int >= 0 (or a ``SeedSequence``), and with ``generator`` a ``numpy.random.Generator``."""
-    if seed is None or isinstance(seed, np.random.SeedSequence):
-        return
-    if generator and isinstance(seed, np.random.Generator):
-        return
-    kinds = "None, an int >= 0" + (", a SeedSequence or a numpy.random.Generator" if generator
-                                   else " or a SeedSequence")
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"{name}: expected {kinds}, got {V.described(seed)}")
-    if seed < 0:
-        raise ValueError(f"{name}: expected {kinds}, got {seed!r}")
-
-
 class GPT(BlockStack):
     """A GPT-2-style language model with hand-derived gradients.
 
@@ -116,8 +100,10 @@ class GPT(BlockStack):
         "float32" (default) or "float64", as a name or a dtype of any library.
     backend : str or namespace
     seed : int or numpy.random.SeedSequence, optional
-        Seeds the weights and the dropout generator (a ``SeedSequence`` is
-        spawned from as it stands, on a copy: the one given is not advanced).
+        Seeds the weights and the dropout generator: None (fresh entropy),
+        an int >= 0 or a ``numpy.random.SeedSequence`` (spawned from as it
+        stands, on a copy: the one given is not advanced), as every
+        constructor's seed (``validation.check_seed``).
 
     Attributes
     ----------
@@ -159,15 +145,13 @@ class GPT(BlockStack):
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype: expected 'float32' or 'float64' (the GPT's Adam and sampling are "
                              f"written for them; the blocks alone take half precision), got {dtype!r}")
-        _check_seed("seed", seed)
+        V.check_seed("seed", seed)
         # wte (V, D) and wpe (block_size, D) are drawn in float64: arrays that can exist (the
         # blocks check their own)
         d_model = V.check_positive_int("d_model", d_model)
         V.check_array_bytes(["vocab_size", "d_model"], (vocab_size, d_model), 8, "the embedding wte")
         V.check_array_bytes(["block_size", "d_model"], (block_size, d_model), 8, "the positions wpe")
-        given = isinstance(seed, np.random.SeedSequence)
-        root = copy.deepcopy(seed) if given else np.random.SeedSequence(seed)
-        seqs = root.spawn(n_layer + 2)
+        seqs = seed_sequence(seed).spawn(n_layer + 2)
         # the blocks check d_model, n_head, d_ff, dropout, layer_norm_eps, bias, dtype and backend
         self.blocks = [
             TransformerBlock(d_model, n_head, d_ff, dropout=dropout, activation="gelu_tanh",
@@ -502,8 +486,9 @@ class GPT(BlockStack):
         greedy : bool
             Take the largest logit (the first on ties); ``temperature``,
             ``top_k`` and ``seed`` are then unused.
-        seed : int, SeedSequence, Generator or None
-            The host ``numpy.random`` generator (or its seed) sampling draws from.
+        seed : int, SeedSequence, BitGenerator, Generator or None
+            The host ``numpy.random`` generator (or its seed) sampling draws from
+            (``check_rng``'s seeds, as the dropout functions' ``rng``).
         return_logits : bool
             Also return the logits each new token was chosen from, (B, n, V).
 
@@ -522,8 +507,7 @@ class GPT(BlockStack):
         check_sampling(temperature, top_k, self.vocab_size)
         V.check_bool("greedy", greedy)
         V.check_bool("return_logits", return_logits)
-        _check_seed("seed", seed, generator=True)
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        rng = make_rng(seed)  # checked by check_rng, naming seed
         # put back should a step fail (memory): the mode, the model's cached forward, the
         # blocks' (blocks_put_back_on_failure) and the caller's sampling generator
         mode, cached, drawn = self.training, self._cache, rng.bit_generator.state

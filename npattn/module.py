@@ -26,8 +26,8 @@ from . import attention as A
 from . import functional as F
 from . import validation as V
 from .backend import (backend_from_ref, backend_name, backend_ref, device_of, exclusive, from_numpy,
-                      is_dask_array, is_numpy_array, pool_threads, resolve_backend, to_numpy,
-                      without_empty_chunks)
+                      is_dask_array, is_numpy_array, pool_threads, resolve_backend, seed_sequence,
+                      to_numpy, without_empty_chunks)
 from .kvcache import KVCache, unalign_columns
 
 __all__ = [
@@ -130,8 +130,11 @@ class MultiHeadAttention:
     dtype : str or dtype
         Parameter dtype, a name or a dtype object: "float32" (default),
         "float64", "float16", or "bfloat16" on a backend that has it (torch, JAX).
-    seed : int, optional
-        Seeds the Xavier-uniform initialisation and the dropout generator.
+    seed : int or numpy.random.SeedSequence, optional
+        Seeds the Xavier-uniform initialisation and the dropout generator:
+        None (fresh entropy), an int >= 0 or a ``numpy.random.SeedSequence``
+        (spawned from as it stands, on a copy: the one given is not advanced),
+        as every constructor's seed (``validation.check_seed``).
     backend : str or namespace module
         "numpy", "cupy", "array_api_strict", "torch", "jax", "dask"
         (``backend.BACKENDS``), or an Array API namespace.
@@ -232,7 +235,7 @@ class MultiHeadAttention:
         self.sinks = bool(sinks)
         self.dtype = getattr(xp, dtype)
         self.training = True
-        init_seq, dropout_seq = np.random.SeedSequence(seed).spawn(2)
+        init_seq, dropout_seq = seed_sequence(seed).spawn(2)
         self._rng = np.random.default_rng(dropout_seq)
         self._params = ParameterDict(self._init_params(np.random.default_rng(init_seq)), xp=xp)
         self.grads: dict = {}
@@ -920,8 +923,7 @@ def check_module_args(xp: Any, *, d_model: Any, n_head: Any, dropout: Any, bias:
     n_kv_head = layer_args.get("n_kv_head")
     if n_kv_head is not None and n_head % n_kv_head != 0:
         raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
-    if seed is not None:  # an int, as the blocks' and models' seeds (SeedSequence takes lists too)
-        V.check_size("seed", seed, maximum=None)
+    V.check_seed("seed", seed)  # as the blocks' and models' seeds
     check_weight_sizes(d_model=d_model, n_head=n_head, kdim=kdim, vdim=vdim,
                        qdim=layer_args.get("qdim"), n_kv_head=n_kv_head)
     return V.float_dtype_name(xp, dtype)

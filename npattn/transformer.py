@@ -37,7 +37,7 @@ import numpy as np
 from . import functional as F
 from . import layers as Ly
 from . import validation as V
-from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace
+from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace, seed_sequence
 from .module import (MultiHeadAttention, check_forward_impl, check_forward_inputs,
                      check_params_assignment, check_path, model_from_save_file, picklable_state,
                      restore_state, set_rng_state, write_save_file)
@@ -293,13 +293,12 @@ class _Block(abc.ABC):
         V.check_bool("norm_first", norm_first)
         V.check_bool("bias", bias)
         Ly.check_eps("layer_norm_eps", layer_norm_eps)  # a positive finite float; the dtype's range below
-        if seed is not None:
-            seed = V.check_size("seed", seed, maximum=None)
+        V.check_seed("seed", seed)
         # linear1.weight (F, D) and linear2.weight (D, F) are drawn in float64: arrays that can exist
         D = V.check_positive_int("d_model", d_model)
         V.check_array_bytes(["d_model"] if d_ff is None else ["d_model", "d_ff"],
                             (4 * D if d_ff is None else d_ff, D), 8, "the weight linear1.weight")
-        seqs = np.random.SeedSequence(seed).spawn(len(self._ATTNS) + 2)
+        seqs = seed_sequence(seed).spawn(len(self._ATTNS) + 2)
         attn_seeds = [int(s.generate_state(1)[0]) for s in seqs[: len(self._ATTNS)]]
         # the attention modules check d_model, n_head, dropout, dtype and backend
         self._attn = {
@@ -937,8 +936,11 @@ class TransformerBlock(_Block):
         "numpy", "cupy", "array_api_strict", "torch", "jax", "dask"
         (``backend.BACKENDS``), or an Array API namespace, as
         ``MultiHeadAttention``'s.
-    seed : int, optional
-        Seeds the weights and the dropout generator.
+    seed : int or numpy.random.SeedSequence, optional
+        Seeds the weights and the dropout generator: None (fresh entropy),
+        an int >= 0 or a ``numpy.random.SeedSequence`` (spawned from as it
+        stands, on a copy: the one given is not advanced), as every
+        constructor's seed (``validation.check_seed``).
 
     Attributes
     ----------

@@ -68,6 +68,7 @@ __all__ = [
     "ArraySpec",
     "spec_of",
     "check_rng",
+    "check_seed",
     "check_number",
     "float_dtype_name",
     "real_value",
@@ -173,6 +174,24 @@ def check_size(name: str, value: Any, *, minimum: int = 0,
     if n < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return _at_most(name, n, maximum, "an int")
+
+
+def check_seed(name: str, value: Any) -> Any:
+    """A model's seed, as every constructor takes one: None (fresh entropy), an int >= 0
+    (Python or NumPy, returned as a Python int) or a ``numpy.random.SeedSequence`` (returned
+    as given; ``backend.seed_sequence`` spawns from a copy). A ``TypeError`` naming ``name``
+    for anything else, a bool (NumPy would seed ``True`` as 1), a sequence of ints (which
+    ``SeedSequence`` takes as entropy) or a ``Generator`` (a stream to draw from, which
+    ``check_rng`` takes where one is drawn from); a ``ValueError`` for a negative int, worded
+    as ``check_rng``'s."""
+    if value is None or isinstance(value, np.random.SeedSequence):
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected None, a non-negative int seed or a SeedSequence, "
+                        f"got {described(value)}")
+    if value < 0:
+        raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
+    return int(value)  # exact for NumPy ints too
 
 
 def _at_most(name: str, n: int, maximum: Optional[int], expected: str) -> int:

@@ -329,7 +329,7 @@ def test_a_failed_params_assignment_changes_nothing(xp, to_xp, to_np, backend):
     ({"seq_len": 2.0}, TypeError, r"^seq_len: expected a positive int"),
     ({"n_classes": -1}, ValueError, r"^n_classes: expected a positive int"),
     ({"n_layers": 0}, ValueError, r"^n_layers: expected a positive int"),
-    ({"seed": -1}, ValueError, r"^seed: expected an int >= 0"),
+    ({"seed": -1}, ValueError, r"^seed: expected a non-negative int seed, got -1"),
     ({"n_head": 3}, ValueError, r"n_head"),
     ({"dropout": 1.0}, ValueError, r"dropout"),
     ({"activation": "swish"}, ValueError, r"^activation"),

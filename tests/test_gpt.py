@@ -254,6 +254,11 @@ def test_sampling_is_reproducible_from_a_seed_and_top_1_is_greedy(xp, to_xp):
     np.testing.assert_array_equal(a, b)
     c = to_numpy(model.generate(prompt, 5, seed=np.random.default_rng(42)))
     np.testing.assert_array_equal(a, c)
+    # every seed the dropout functions' rng takes: a SeedSequence and a BitGenerator too
+    bits = np.random.PCG64(42)
+    for seed in (np.random.SeedSequence(42), bits):
+        np.testing.assert_array_equal(to_numpy(model.generate(prompt, 5, seed=seed)), a)
+    assert bits.state != np.random.PCG64(42).state  # drawn from, as a Generator is
     g = to_numpy(model.generate(prompt, 5, greedy=True))
     np.testing.assert_array_equal(to_numpy(model.generate(prompt, 5, top_k=1, seed=7)), g)
 
@@ -670,7 +675,8 @@ def test_constructor_and_generate_checks(xp, to_xp):
     with pytest.raises(ValueError, match="seed"):
         GPT(VOCAB, T, D, N, H, seed=-1)
     for flag in (True, np.bool_(False)):  # a bool is no seed, though Python counts it an int
-        with pytest.raises(TypeError, match=r"^seed: expected None, an int >= 0 or a SeedSequence, got .*bool"):
+        with pytest.raises(TypeError, match=r"^seed: expected None, a non-negative int seed or a "
+                                            r"SeedSequence, got .*bool"):
             GPT(VOCAB, T, D, N, H, seed=flag)
     with pytest.raises(TypeError, match="vocab_size"):
         GPT(2.0, T, D, N, H)
@@ -679,8 +685,8 @@ def test_constructor_and_generate_checks(xp, to_xp):
         model.forward(to_xp(np.zeros((0, 3), dtype=np.int64)))
     with pytest.raises(TypeError, match="seed"):
         model.generate(to_xp(ids_of(0, (B, 2))), 2, seed="x")
-    with pytest.raises(TypeError, match=r"^seed: expected None, an int >= 0, a SeedSequence or a "
-                                        r"numpy.random.Generator, got bool"):
+    with pytest.raises(TypeError, match=r"^seed: expected None, a non-negative int seed, a SeedSequence, "
+                                        r"a BitGenerator or a numpy.random.Generator, got bool"):
         model.generate(to_xp(ids_of(0, (B, 2))), 2, seed=True)
     # a prompt of the whole context still gets one token: the last one chosen is never fed back
     out, logits = model.eval().generate(to_xp(ids_of(2, (B, T))), 1, greedy=True, return_logits=True)

@@ -44,7 +44,7 @@ from reliability_helpers import host_inputs, inputs, make_mha, raises, snapshot
         (dict(dtype=3), TypeError, ("dtype", "int")),
         (dict(dtype=b"float64"), TypeError, ("dtype", "bytes")),  # np.dtype reads bytes as a name
         (dict(bias="yes"), TypeError, ("bias", "bool", "str")),
-        (dict(seed=-1), ValueError, ("seed", "int >= 0", "-1")),
+        (dict(seed=-1), ValueError, ("seed", "non-negative int", "-1")),
         (dict(seed=1.5), TypeError, ("seed", "float")),
         (dict(seed=True), TypeError, ("seed", "bool")),
         (dict(seed=[3]), TypeError, ("seed", "list")),  # SeedSequence would take it as entropy
@@ -1729,3 +1729,105 @@ def test_namespace_and_device_of_numpy_arrays_are_array_api_compats_answers():
     for x in cases:
         shape = npattn.validation.shape_of(x)
         assert shape == tuple(np.shape(x)) and all(type(n) is int for n in shape), type(x)
+
+
+def _seeded_models():
+    """Every constructor that takes ``seed=``, with small float64 shapes, as (name, make)."""
+    from npattn.classifier import TransformerClassifier
+    from npattn.gpt import GPT
+    from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+
+    return [
+        ("MultiHeadAttention",
+         lambda seed: MultiHeadAttention(8, 2, dropout=0.5, dtype="float64", seed=seed)),
+        ("TransformerBlock", lambda seed: TransformerBlock(8, 2, dropout=0.5, dtype="float64", seed=seed)),
+        ("TransformerDecoderBlock",
+         lambda seed: TransformerDecoderBlock(8, 2, dropout=0.5, dtype="float64", seed=seed)),
+        ("TransformerClassifier",
+         lambda seed: TransformerClassifier(3, 4, 2, 8, 2, dropout=0.5, dtype="float64", seed=seed)),
+        ("GPT", lambda seed: GPT(5, 4, 8, 2, 2, dropout=0.5, dtype="float64", seed=seed)),
+    ]
+
+
+def _seed_digest(model):
+    """A digest of a model's parameters and its blocks' dropout generator states."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for name, value in model.params.items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(to_numpy(value), dtype=np.float64).tobytes())
+    for block in getattr(model, "blocks", [model]):
+        if hasattr(block, "rng_state"):
+            h.update(json.dumps(block.rng_state, sort_keys=True, default=int).encode())
+    return h.hexdigest()[:16]
+
+
+#: The digests of seed=3 and seed=np.uint8(200), as the constructors have drawn them since their
+#: seeds were ints only: accepting more kinds of seed must not change what an int gives.
+_INT_SEED_DIGESTS = {
+    "MultiHeadAttention": ("26c98e3858c264a3", "7fe55a793b67cc22"),
+    "TransformerBlock": ("e10a3b2abcf4ec70", "7f6e38d7576cf7aa"),
+    "TransformerDecoderBlock": ("f5fa0ef678cfc887", "560fb31d7029441d"),
+    "TransformerClassifier": ("328f904327e3f0a4", "a91d22eb862980c6"),
+    "GPT": ("9113fb5e0607850f", "e1e64b014f48e341"),
+}
+
+
+@pytest.mark.parametrize("name, make", _seeded_models(), ids=[n for n, _ in _seeded_models()])
+def test_every_constructor_takes_an_int_or_a_seed_sequence_as_seed(name, make):
+    """MultiHeadAttention, both blocks, the classifier and the GPT take the same seeds: None,
+    an int >= 0 (Python or NumPy) and a SeedSequence, which seeds as its entropy does while
+    the one given is not advanced. An int seeds as it always has (the digests), and the
+    dropout generators agree too (the model's next training forward)."""
+    seq = np.random.SeedSequence(3)
+    models = [make(s) for s in (3, np.int64(3), seq, seq)]
+    assert seq.n_children_spawned == 0
+    assert {_seed_digest(m) for m in models} == {_INT_SEED_DIGESTS[name][0]}
+    assert _seed_digest(make(np.uint8(200))) == _INT_SEED_DIGESTS[name][1]
+    assert _seed_digest(make(None)) != _seed_digest(make(None))  # fresh entropy
+    child = np.random.SeedSequence(3).spawn(2)[1]  # spawned from as it stands
+    assert _seed_digest(make(child)) == _seed_digest(make(copy_of_seq(child)))
+    assert _seed_digest(make(child)) != _INT_SEED_DIGESTS[name][0]
+    rng = np.random.default_rng(0)
+    if name == "MultiHeadAttention":
+        x = rng.standard_normal((2, 3, 8))
+        outs = [to_numpy(m.forward(x, x, x)[0]) for m in models]
+    elif name == "TransformerDecoderBlock":
+        x, memory = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8))
+        outs = [to_numpy(m.forward(x, memory)) for m in models]
+    elif name == "TransformerClassifier":
+        x = rng.standard_normal((2, 4, 3))
+        outs = [to_numpy(m.forward(x)) for m in models]
+    elif name == "GPT":
+        ids = rng.integers(0, 5, size=(2, 4))
+        outs = [to_numpy(m.forward(ids)) for m in models]
+    else:
+        x = rng.standard_normal((2, 3, 8))
+        outs = [to_numpy(m.forward(x)) for m in models]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+def copy_of_seq(seq):
+    """A new SeedSequence in the state of ``seq`` (entropy, spawn key, children spawned)."""
+    import copy
+
+    return copy.deepcopy(seq)
+
+
+@pytest.mark.parametrize("name, make", _seeded_models(), ids=[n for n, _ in _seeded_models()])
+def test_every_constructor_refuses_the_same_seeds_in_the_same_words(name, make):
+    """A bool (NumPy would seed True as 1), a float, a list (SeedSequence's entropy), a string,
+    a Generator and a BitGenerator (streams, which only the functions that draw take) are a
+    TypeError, and a negative int a ValueError, in one message form on every constructor."""
+    bad = [(True, "bool"), (np.False_, "numpy.bool"), (1.5, "float"), ([3], "list"), ("3", "str"),
+           (np.random.default_rng(0), "numpy.Generator"), (np.random.PCG64(0), "numpy.PCG64")]
+    for seed, kind in bad:
+        with pytest.raises(TypeError, match=r"^seed: expected None, a non-negative int seed or a "
+                                            r"SeedSequence, got " + kind):
+            make(seed)
+    for seed in (-1, np.int8(-1)):
+        with pytest.raises(ValueError, match=r"^seed: expected a non-negative int seed, got (np.int8\()?-1"):
+            make(seed)
