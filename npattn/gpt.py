@@ -350,21 +350,30 @@ class GPT(BlockStack):
         self.grads = {k: grads[k] for k in self.params}
         return self.grads
 
-    def loss(self, ids: Any, targets: Any, *, ignore_index: Optional[int] = None,
-             label_smoothing: float = 0.0, **kwargs) -> tuple[float, Any]:
-        """Forward and mean cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``.
+    def loss(self, ids: Any, targets: Any, *, weight: Any = None, ignore_index: Optional[int] = None,
+             label_smoothing: float = 0.0, reduction: str = "mean", **kwargs) -> tuple[float, Any]:
+        """Forward and cross-entropy against ``targets`` (B, L): ``(loss, dlogits)`` for ``backward``.
 
+        The loss is ``nn.cross_entropy_forward``'s, with its arguments and torch's
+        ``cross_entropy``'s. ``weight`` (V,): the classes' weights, of the model's library,
+        device and dtype; the mean then divides by the weights of the targets that count.
         ``ignore_index``: positions whose target equals it (padding) are left out of the mean
-        and get zero ``dlogits`` (``nn.cross_entropy_forward``'s; torch's argument, whose
-        default there is -100; here None, every target counts). ``label_smoothing``: the
-        targets' one-hot rows mixed with the uniform distribution, as
-        ``nn.cross_entropy_forward``'s and torch's. ``kwargs`` go to ``forward``
-        (``dropout_masks``, ``kv_caches``). A call that fails after the forward (memory, say)
+        and get zero ``dlogits`` (torch's default there is -100; here None, every target
+        counts). ``label_smoothing``: the targets' one-hot rows mixed with the uniform
+        distribution. ``reduction``: "mean" (default) or "sum" over the positions; ``loss``
+        is one number and ``dlogits`` its gradient, so the per-position losses of "none" are
+        ``nn.cross_entropy_forward``'s alone. ``kwargs`` go to ``forward``
+        (``dropout_masks``, ``kv_caches``). Every argument is checked before the forward but
+        one: weights of the counted targets that sum to 0 (the mean divides by them) are
+        found by the cross-entropy. A call that fails after the forward (that, or memory)
         puts back the model's cached forward, its generators and the KV caches' lengths: a
         failed call changes nothing."""
         self._check_ids("ids", ids, 0)
         # before the forward: a failed call changes nothing
-        self._check_targets(targets, V.shape_of(ids), ignore_index)
+        V.check_choice("reduction", reduction, ("mean", "sum"))
+        self._check_targets(targets, V.shape_of(ids), ignore_index, count=reduction == "mean")
+        if weight is not None:
+            nn.check_class_weight(weight, self.vocab_size, self.xp, self._device(), self.dtype)
         nn.check_label_smoothing(label_smoothing)
         # what the forward changes, put back should the loss after it fail (memory): the
         # model's cached forward and generator, the blocks (blocks_put_back_on_failure) and
@@ -373,8 +382,9 @@ class GPT(BlockStack):
         with blocks_put_back_on_failure(self.blocks):
             logits = self.forward(ids, **kwargs)
             try:
-                loss, ce_c = nn.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
-                                                      label_smoothing=label_smoothing)  # 6.
+                loss, ce_c = nn.cross_entropy_forward(logits, targets, weight=weight,  # 6.
+                                                      ignore_index=ignore_index,
+                                                      label_smoothing=label_smoothing, reduction=reduction)
                 dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)
             except BaseException:
                 self._cache = cached
@@ -384,14 +394,16 @@ class GPT(BlockStack):
                 raise
         return float(loss), dlogits
 
-    def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None) -> None:
+    def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None, *,
+                       count: bool = True) -> None:
         ignore = nn.check_ignore_index(ignore_index)
         V.check_ids("targets", targets, self.vocab_size, self.xp, self._device(), what="token ids",
                     ignore=ignore)
         if V.shape_of(targets) != tuple(shape):
             raise ValueError(f"targets: expected shape {tuple(shape)} (that of ids), got "
                              f"{V.shape_of(targets)}")
-        nn.count_targets(self.xp, targets, ignore)  # at least one that counts
+        if count:  # a mean: at least one that counts
+            nn.count_targets(self.xp, targets, ignore)
 
     # ----------------------------------------------------------- torch interop
 
@@ -653,12 +665,13 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
                   max_grad_norm: Optional[float] = 1.0, betas: tuple[float, float] = (0.9, 0.999),
                   eps: float = 1e-8, weight_decay: float = 0.0,
                   dropout_masks: Optional[Sequence] = None,
-                  ignore_index: Optional[int] = None,
-                  label_smoothing: float = 0.0) -> tuple[float, float, nn.AdamState]:
+                  weight: Any = None, ignore_index: Optional[int] = None,
+                  label_smoothing: float = 0.0, reduction: str = "mean") -> tuple[float, float, nn.AdamState]:
     """One training step: forward, loss, backward, clipping, Adam; returns ``(loss, grad_norm, state)``.
 
     ``ids`` and ``targets`` (B, L) are token ids and the next tokens
-    (``GPT.loss``, as its ``ignore_index`` and ``label_smoothing``); ``dropout_masks`` as
+    (``GPT.loss``, as its ``weight``, ``ignore_index``, ``label_smoothing`` and
+    ``reduction``); ``dropout_masks`` as
     ``GPT.forward``'s. ``state`` from
     ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
@@ -678,8 +691,9 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     before = (model._cache, model._rng.bit_generator.state, model.grads,
               [(b.forward_state(), b.backward_state()) for b in model.blocks])
     try:
-        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks, ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing)
+        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks, weight=weight,
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   reduction=reduction)
         grads = model.backward(dlogits)
         if max_grad_norm is not None:
             grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))

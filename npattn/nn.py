@@ -36,6 +36,7 @@ __all__ = [
     "cross_entropy_backward",
     "check_ignore_index",
     "check_label_smoothing",
+    "check_class_weight",
     "REDUCTIONS",
     "count_targets",
     "AdamState",
@@ -285,6 +286,17 @@ def check_label_smoothing(label_smoothing: Any) -> float:
     return eps
 
 
+def check_class_weight(weight: Any, V: int, xp: Any, device: Any, dtype: Any, like: str = "") -> None:
+    """``weight``, the classes' weights of ``cross_entropy_forward``: a finite floating array of
+    shape (V,), of ``xp`` on ``device`` with dtype ``dtype`` (those of ``like``, the logits, when
+    named; else the parameters'): a ``TypeError`` / ``ValueError`` naming ``weight`` otherwise."""
+    Vd.check_floating_array("weight", weight, xp, device, dtype=dtype, like=like)
+    if Vd.shape_of(weight) != (V,):
+        raise ValueError(f"weight: expected shape ({V},) (one weight per class), got "
+                         f"{Vd.shape_of(weight)}")
+    Vd.check_finite_values("weight", weight, xp)
+
+
 def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     """How many of ``targets`` count (all, or those other than ``ignore``): the ``N`` of the
     mean; a ``ValueError`` for none (a mean over no positions is 0 / 0, torch's NaN)."""
@@ -372,12 +384,7 @@ def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
                          f"without its last axis), got {Vd.shape_of(targets)}")
     V = logits.shape[-1]
     if weight is not None:
-        Vd.check_floating_array("weight", weight, xp, device_of(logits), dtype=logits.dtype,
-                                like="logits")
-        if Vd.shape_of(weight) != (V,):
-            raise ValueError(f"weight: expected shape ({V},) (one weight per class), got "
-                             f"{Vd.shape_of(weight)}")
-        Vd.check_finite_values("weight", weight, xp)
+        check_class_weight(weight, V, xp, device_of(logits), logits.dtype, like="logits")
     ct = compute_dtype(xp, logits.dtype)
     n: float = count_targets(xp, targets, ignore) if mean else 1  # N for the mean
     counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts

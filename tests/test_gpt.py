@@ -172,17 +172,109 @@ def test_loss_with_ignore_index_leaves_padding_out(xp, to_xp):
     assert model._cache is cache, "label_smoothing was checked after a forward"
 
 
+@pytest.mark.parametrize("reduction, smoothing, pad", [("mean", 0.0, False), ("mean", 0.2, True),
+                                                       ("sum", 0.1, True), ("sum", 0.0, False)])
+def test_weighted_loss_gradient_against_finite_differences(xp, to_xp, reduction, smoothing, pad):
+    """GPT.loss with class weights (and padding, label smoothing, "mean" or "sum"): every
+    parameter's gradient from backward(dlogits) against central differences of the loss, in
+    random directions, scaled by a random upstream gradient (not 1)."""
+    model = perturbed(make(xp), to_xp)
+    ids, tgt = ids_of(2), ids_of(3)
+    if pad:
+        tgt[0, -2:] = -100
+    weight = to_xp(np.random.default_rng(6).uniform(0.2, 3.0, VOCAB))
+    kw = dict(weight=weight, ignore_index=-100 if pad else None, label_smoothing=smoothing,
+              reduction=reduction)
+    names = list(model.params)
+    inputs = [model.params[k] for k in names]
+
+    def f(*arrays):
+        model.params = dict(zip(names, arrays))
+        return xp.asarray(model.loss(to_xp(ids), to_xp(tgt), **kw)[0], dtype=xp.float64)
+
+    f(*inputs)
+    model.params = dict(zip(names, inputs))
+    _, dlogits = model.loss(to_xp(ids), to_xp(tgt), **kw)
+    c = float(np.random.default_rng(8).standard_normal())
+    grads = model.backward(c * dlogits)
+    report = check_vjp(f, inputs, [grads[k] for k in names], xp.asarray(c, dtype=xp.float64), names=names,
+                       n_directions=2, seed=7)
+    assert report.ok, str(report)
+    unweighted, _ = model.loss(to_xp(ids), to_xp(tgt), **{**kw, "weight": None})
+    assert abs(model.loss(to_xp(ids), to_xp(tgt), **kw)[0] - unweighted) > 1e-3  # the weights act
+
+
+def test_sum_of_only_ignored_targets_is_zero_and_a_bad_weight_or_reduction_is_refused():
+    """With reduction "sum" every target may be ignored (a loss of 0, zero dlogits, as torch's
+    sum); the mean of none is refused before the forward. weight is an array (V,) of the
+    model's dtype; reduction "mean" or "sum" ("none" has no one number to differentiate)."""
+    model = make()
+    ids, tgt = ids_of(0), np.full((B, L), -100)
+    loss, dlogits = model.loss(ids, tgt, ignore_index=-100, reduction="sum")
+    assert loss == 0.0 and np.all(dlogits == 0.0) and dlogits.shape == (B, L, VOCAB)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(model, "forward", _forward_refused)
+    try:
+        with raises(ValueError, "targets", "other than ignore_index"):
+            model.loss(ids, tgt, ignore_index=-100)
+        good = ids_of(1)
+        for weight, error, words in ((np.ones(VOCAB - 1), ValueError, ("weight", f"({VOCAB},)")),
+                                     (np.ones(VOCAB, np.float32), TypeError, ("weight", "float64")),
+                                     (np.full(VOCAB, np.nan), ValueError, ("weight", "finite")),
+                                     ([1.0] * VOCAB, TypeError, ("weight", "list"))):
+            with raises(error, *words):
+                model.loss(ids, good, weight=weight)
+        for reduction, error in (("none", ValueError), (None, TypeError), ("Sum", ValueError)):
+            with raises(error, "reduction", "'mean' or 'sum'"):
+                model.loss(ids, good, reduction=reduction)
+            state = nn.adam_init(model.params)
+            with raises(error, "reduction"):
+                training_step(model, state, ids, good, lr=0.1, reduction=reduction)
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_weighted_mean_over_weights_of_zero_fails_and_changes_nothing():
+    """Weights of the counted targets that sum to 0 are found by the cross-entropy, after
+    the forward: the call is refused naming weight, and the model is as before it (the same
+    dropout masks drawn next, the same gradients of the earlier forward)."""
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    ids, tgt = ids_of(0), ids_of(1)
+    for m in (model, twin):
+        m.forward(ids)
+    weight = np.ones(VOCAB)
+    weight[np.unique(tgt)] = 0.0
+    with raises(ValueError, "weight", "nonzero sum"):
+        model.loss(ids, tgt, weight=weight)
+    dlogits = np.random.default_rng(9).standard_normal((B, L, VOCAB))
+    grads, ref = model.backward(dlogits), twin.backward(dlogits)
+    for k in ref:
+        np.testing.assert_array_equal(grads[k], ref[k], err_msg=k)
+    weight[tgt[0, 0]] = 2.0
+    loss, dl = model.loss(ids, tgt, weight=weight)
+    ref_loss, ref_dl = twin.loss(ids, tgt, weight=weight)  # the same masks drawn
+    assert loss == ref_loss
+    np.testing.assert_array_equal(dl, ref_dl)
+
+
 # ------------------------------------------------------------------ torch parity
 
 
-@pytest.mark.parametrize("weight_decay, eps, pad, smoothing", [
-    (0.0, 1e-8, False, 0.0), (0.1, 1e-3, False, 0.0), (0.0, 1e-8, True, 0.0), (0.0, 1e-8, True, 0.2)])
-def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps, pad, smoothing):
+@pytest.mark.parametrize("weight_decay, eps, pad, smoothing, weighted, reduction", [
+    (0.0, 1e-8, False, 0.0, False, "mean"), (0.1, 1e-3, False, 0.0, False, "mean"),
+    (0.0, 1e-8, True, 0.0, False, "mean"), (0.0, 1e-8, True, 0.2, False, "mean"),
+    (0.0, 1e-8, True, 0.2, True, "mean"), (0.0, 1e-8, False, 0.0, True, "mean"),
+    (0.0, 1e-8, True, 0.1, True, "sum"), (0.0, 1e-8, False, 0.0, False, "sum")])
+def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps, pad, smoothing,
+                                                               weighted, reduction):
     """torch.optim.Adam's weight_decay is the same L2 penalty as nn.adam_step's; with
     ``pad``, some targets are -100 and both losses take ignore_index=-100; both take
-    label_smoothing."""
+    label_smoothing, class weights (``weighted``: the mean divides by the weights of the
+    targets that count) and reduction."""
     torch = pytest.importorskip("torch")
     model = perturbed(make(), lambda a: a)
+    weight = np.random.default_rng(4).uniform(0.2, 3.0, VOCAB) if weighted else None
+    weight_t = None if weight is None else torch.from_numpy(weight)
     tmodel = model.to_torch()
     opt = torch.optim.Adam(tmodel.parameters(), lr=0.01, eps=eps, weight_decay=weight_decay)
     state = nn.adam_init(model.params)
@@ -196,7 +288,8 @@ def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps
         logits_t = tmodel(torch.from_numpy(ids))
         loss_t = torch.nn.functional.cross_entropy(logits_t.reshape(-1, VOCAB),
                                                    torch.from_numpy(tgt).reshape(-1), ignore_index=-100,
-                                                   label_smoothing=smoothing)
+                                                   label_smoothing=smoothing, reduction=reduction,
+                                                   weight=weight_t)
         loss_t.backward()
         norm_t = torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 0.5)  # clips: the norm is larger
         grads_t = {k: v.grad.detach().clone().numpy() for k, v in named.items()}  # clipped
@@ -204,7 +297,7 @@ def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps
         np.testing.assert_allclose(model.forward(ids), logits_t.detach().numpy(), rtol=0, atol=1e-10)
         loss, norm, state = training_step(model, state, ids, tgt, lr=0.01, max_grad_norm=0.5, eps=eps,
                                           weight_decay=weight_decay, ignore_index=-100 if pad else None,
-                                          label_smoothing=smoothing)
+                                          label_smoothing=smoothing, weight=weight, reduction=reduction)
         assert abs(loss - float(loss_t.detach())) < 1e-10
         assert abs(norm - float(norm_t)) < 1e-10 and norm > 0.5
         clipped = nn.clip_grad_norm(model.grads, 0.5)[0]
