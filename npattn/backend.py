@@ -97,6 +97,7 @@ __all__ = [
     "seed_sequence",
     "dropout_key",
     "generator_kept_on_failure",
+    "overflow_unreported",
     "keep_mask",
     "keyed_keep_mask",
     "keyed_keep_mask_on",
@@ -495,6 +496,17 @@ def dropout_key(rng: Any) -> int:
     so one generator state gives one key, and one key one mask.
     """
     return int(make_rng(rng, "rng").integers(0, 2**63))
+
+
+@contextlib.contextmanager
+def overflow_unreported() -> Iterator[None]:
+    """Context manager: NumPy's ``RuntimeWarning`` on a float overflow is off inside (for NumPy
+    arrays and the libraries computing with NumPy: array_api_strict, dask), for a computation
+    whose caller finds an overflow by its result (an inf) and handles it, where the warning
+    would be a false alarm. Other libraries do not warn of overflow. ``numpy.errstate``: the
+    setting is the current context's (thread-safe), and is put back on leaving."""
+    with np.errstate(over="ignore"):
+        yield
 
 
 @contextlib.contextmanager

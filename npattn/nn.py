@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
 from .backend import (device_of, entry_bytes, float64_namespace, float64_result, namespace,
-                      resolve_backend, row_max, widest_int, without_empty_chunks, zero_d)
+                      overflow_unreported, resolve_backend, row_max, widest_int, without_empty_chunks,
+                      zero_d)
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -634,7 +635,8 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     entries past 1.8e19, float64 ones past 1.3e154), ``total`` is still the norm whenever a
     Python float holds it: the sum is taken again with each array divided by its largest
     ``|g|`` first, ``total = hypot_k(amax_k * sqrt(sum((g_k / amax_k)^2)))``, and the
-    gradients are scaled by ``c`` as above. torch's total is inf there, which scales every
+    gradients are scaled by ``c`` as above, without a warning (NumPy's of the first sum's
+    overflow would be a false alarm). torch's total is inf there, which scales every
     gradient to 0. Non-finite entries give torch's result: an infinite one (and no NaN)
     makes ``total`` inf and ``c = 0``, so the finite entries become 0 and the infinite
     ones NaN (``inf * 0``); a NaN entry makes ``total`` and every gradient NaN.
@@ -652,7 +654,8 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
             xp = namespace(g)
             ct = compute_dtype(xp, g.dtype)
             g = g if ct == g.dtype else xp.astype(g, ct)
-            sq += float(xp.sum(g * g))
+            with overflow_unreported():  # an overflow is an inf, found below: no false alarm
+                sq += float(xp.sum(g * g))
     total = math.sqrt(sq)
     if math.isinf(sq):  # a square or a sum overflowed, or an entry is infinite
         total = _scaled_norm(grads)

@@ -710,13 +710,17 @@ def _norm_of(arrays):
                          decimal.Decimal(0)).sqrt())
 
 
-# the squares overflow before the sum is taken again from the scaled arrays (NumPy warns of them)
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("dtype, big", [("float32", 1e20), ("float32", 3e38), ("float64", 1e200)])
+# warnings are errors: the overflow of the squares or of their sum is what the sum taken
+# again from the scaled arrays is for, so NumPy's overflow warning would be a false alarm
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("dtype, big", [("float32", 1e20), ("float32", 3e38), ("float32", 1.5e19),
+                                        ("float64", 1e200), ("float64", 1.2e154)])
 def test_clip_grad_norm_of_finite_gradients_whose_squares_overflow(xp, to_xp, to_np, dtype, big):
     """Entries of 1e20 in float32 (their squares overflow past 3.4e38) or 1e200 in float64: the
     sum of squares is inf, which gave total = inf and scaled every gradient to 0 (as torch's).
-    total is the norm, and the gradients are scaled by max_norm / total, a float16 one too."""
+    total is the norm, and the gradients are scaled by max_norm / total, a float16 one too.
+    With 1.5e19 (float32) or 1.2e154 (float64) no square overflows, but their sum does. No
+    warning is raised on any backend."""
     if dtype == "float64" and not hasattr(xp, "float64"):
         pytest.skip("no float64 on this backend")
     rng = np.random.default_rng(16)
