@@ -345,6 +345,9 @@ def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
 
     Half-precision logits are computed in float32 (float16 ends at 65504: its sum of
     ``exp`` over 65520 equal logits is inf), and the loss is rounded to their dtype.
+    Sizes for which that float32 copy, or the classes ``0, ..., V - 1`` the targets are
+    compared with, could not exist at all (more bytes than the largest array) are a
+    ``ValueError`` naming ``logits``, before the targets are read.
 
     Parameters
     ----------
@@ -377,6 +380,15 @@ def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
         raise ValueError(f"logits: expected at least one position (leading axes of nonzero "
                          f"length) for reduction 'mean', got shape {Vd.shape_of(logits)}")
     xp = namespace(logits)
+    # the arrays made below whose size the logits' own does not vouch for, refused before the
+    # targets are read when they cannot exist: the classes 0, ..., V - 1 of the one-hot rows,
+    # and for half-precision logits their float32 copy (and the float32 one-hot rows, as large)
+    Vd.check_array_bytes(["logits"], (Vd.shape_of(logits)[-1],), entry_bytes(xp, widest_int(xp)),
+                         "the classes 0, ..., V - 1")
+    ct = compute_dtype(xp, logits.dtype)
+    if ct != logits.dtype:
+        Vd.check_array_bytes(["logits"], Vd.shape_of(logits), entry_bytes(xp, ct),
+                             "the float32 copy of the logits")
     ignore = check_ignore_index(ignore_index)
     Vd.check_ids("targets", targets, logits.shape[-1], xp, device_of(logits), what="class indices",
                  like="logits", ignore=ignore)
@@ -386,7 +398,6 @@ def cross_entropy_forward(logits: Any, targets: Any, *, weight: Any = None,
     V = logits.shape[-1]
     if weight is not None:
         check_class_weight(weight, V, xp, device_of(logits), logits.dtype, like="logits")
-    ct = compute_dtype(xp, logits.dtype)
     n: float = count_targets(xp, targets, ignore) if mean else 1  # N for the mean
     counted = None if ignore is None else xp.astype(targets != ignore, ct)  # [...] 1 = counts
     w = None if weight is None else xp.astype(weight, ct)  # [V] in the compute dtype

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npattn import nn
+from npattn import validation as Vd
 from npattn.backend import namespace
 from npattn.gradcheck import gradcheck
 
@@ -665,6 +666,44 @@ def test_a_one_hot_or_lookup_that_cannot_exist_is_refused_naming_its_sizes(xp, b
     with pytest.raises(ValueError, match=match) as info:
         build(xp)
     assert f"fits in {sys.maxsize} bytes (the largest array)" in str(info.value)
+
+
+def _targets_not_read(*args, **kwargs):
+    raise AssertionError("the targets were read before the sizes were checked")
+
+
+def test_a_cross_entropy_whose_float32_copy_cannot_exist_is_refused_naming_logits(xp, monkeypatch):
+    """float16 logits of 3 * 2**60 entries (a broadcast view in no memory) could exist, in
+    3 * 2**61 bytes, but their float32 copy, 3 * 2**62 bytes, could not: refused naming logits
+    before anything is made or the targets are read (their check is replaced by one that fails
+    the test: reading 2**60 targets takes hours)."""
+    import sys
+
+    if not hasattr(xp, "float16"):
+        pytest.skip("no float16 on this backend")
+    shape = (2**60, 3)
+    logits = xp.broadcast_to(xp.zeros((1, 1), dtype=xp.float16), shape)
+    targets = xp.broadcast_to(xp.zeros((1,), dtype=xp.int8), shape[:1])
+    monkeypatch.setattr(Vd, "check_ids", _targets_not_read)
+    for reduction in ("mean", "none"):
+        with pytest.raises(ValueError, match=rf"^logits: expected sizes for which the float32 copy of the "
+                                             rf"logits, an array of shape \({2**60}, 3\) \(4 bytes an "
+                                             rf"entry\), fits in {sys.maxsize} bytes \(the largest "
+                                             rf"array\), got {3 * 2**62} bytes$"):
+            nn.cross_entropy_forward(logits, targets, reduction=reduction)
+
+
+def test_a_cross_entropy_whose_classes_cannot_exist_is_refused_naming_logits(xp):
+    """float32 logits of one position and V = 2**60 classes (a broadcast view) could exist, but
+    not the classes 0, ..., V - 1 the targets are compared with, 8 bytes each: refused naming
+    logits before anything is made (the library's own error named nothing)."""
+    import sys
+
+    logits = _zero_view(xp, (1, 2**60))
+    with pytest.raises(ValueError, match=rf"^logits: expected sizes for which the classes 0, \.\.\., "
+                                         rf"V - 1, an array of shape \({2**60},\) \(8 bytes an "
+                                         rf"entry\), fits in {sys.maxsize} bytes"):
+        nn.cross_entropy_forward(logits, xp.zeros((1,), dtype=xp.int64))
 
 
 def test_clip_grad_norm_and_adam_keep_a_0_d_array_an_array(xp, to_xp, to_np):
