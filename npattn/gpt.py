@@ -38,7 +38,6 @@ Code uses only the Python Array API standard through ``xp``.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -676,7 +675,7 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
-    clipping to ``max_grad_norm`` (None: no clipping). ``model.grads`` keeps
+    clipping to ``max_grad_norm`` (None: no clipping), ``nn.global_norm``. ``model.grads`` keeps
     the gradients as the backward gave them, before clipping (torch's
     ``clip_grad_norm_`` scales ``.grad`` in place; the clipped ones are
     ``nn.clip_grad_norm(model.grads, max_grad_norm)[0]``). Every argument is
@@ -698,7 +697,7 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
         if max_grad_norm is not None:
             grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))
         else:
-            norm = math.sqrt(sum(float(model.xp.sum(g * g)) for g in grads.values()))
+            norm = nn.global_norm(grads)  # clip_grad_norm's total
         new, state = nn.adam_step(model.params, grads, state, lr=lr, betas=betas, eps=eps,
                                   weight_decay=weight_decay)
     except BaseException:

@@ -45,6 +45,7 @@ __all__ = [
     "adam_step",
     "check_adam",
     "clip_grad_norm",
+    "global_norm",
 ]
 
 
@@ -652,13 +653,36 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     makes ``total`` inf and ``c = 0``, so the finite entries become 0 and the infinite
     ones NaN (``inf * 0``); a NaN entry makes ``total`` and every gradient NaN.
     """
+    _check_grads(grads)
+    Vd.check_number("max_norm", max_norm)
+    Vd.check_number("eps", eps, allow_zero=True)
+    total = _global_norm(grads)
+    scale = min(float(max_norm) / (total + float(eps)), 1.0)
+    if scale == 1.0:
+        return dict(grads), total
+    return {k: (None if g is None else zero_d(g * scale)) for k, g in grads.items()}, total
+
+
+def global_norm(grads: dict) -> float:
+    """The joint 2-norm of ``grads`` (a dict of arrays; ``None`` entries are skipped), a Python
+    float: ``clip_grad_norm``'s ``total``, as its docstring says (the true norm where the
+    squares overflow, inf or NaN for an infinite or NaN entry), without clipping."""
+    _check_grads(grads)
+    return _global_norm(grads)
+
+
+def _check_grads(grads: Any) -> None:
+    """``grads``: a dict of floating arrays or None, a ``TypeError`` naming the entry otherwise."""
     if not isinstance(grads, dict):
         raise TypeError(f"grads: expected a dict of arrays, got {Vd.type_name(grads)}")
     for k, g in grads.items():
         if g is not None:
             Vd.check_floating_array(f"grads[{k!r}]", g)
-    Vd.check_number("max_norm", max_norm)
-    Vd.check_number("eps", eps, allow_zero=True)
+
+
+def _global_norm(grads: dict) -> float:
+    """``global_norm`` of checked ``grads``: ``sqrt(sum_k sum(g_k^2))``, taken again by
+    ``_scaled_norm`` where that sum overflows."""
     sq = 0.0
     for g in grads.values():
         if g is not None:
@@ -667,13 +691,9 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
             g = g if ct == g.dtype else xp.astype(g, ct)
             with overflow_unreported():  # an overflow is an inf, found below: no false alarm
                 sq += float(xp.sum(g * g))
-    total = math.sqrt(sq)
     if math.isinf(sq):  # a square or a sum overflowed, or an entry is infinite
-        total = _scaled_norm(grads)
-    scale = min(float(max_norm) / (total + float(eps)), 1.0)
-    if scale == 1.0:
-        return dict(grads), total
-    return {k: (None if g is None else zero_d(g * scale)) for k, g in grads.items()}, total
+        return _scaled_norm(grads)
+    return math.sqrt(sq)
 
 
 def _scaled_norm(grads: dict) -> float:

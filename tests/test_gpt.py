@@ -1,6 +1,7 @@
 """npattn.gpt: finite differences, torch parity (a whole training step), KV-cache decoding, sampling."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -401,6 +402,33 @@ def test_training_step_reports_the_global_norm_before_clipping():
         _, norm, _ = training_step(model, nn.adam_init(model.params), ids, tgt, lr=1e-3,
                                    max_grad_norm=max_grad_norm)
         assert norm == pytest.approx(want, rel=1e-10), max_grad_norm
+
+
+# Adam's second moment, g * g in float32, overflows (a true inf there): NumPy warns of it
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+def test_training_step_reports_the_norm_of_gradients_whose_squares_overflow_without_clipping():
+    """A float32 model whose final layer norm weight is 1e20 has gradients past 1.8e19, whose
+    squares overflow: with max_grad_norm=None the step summed them as they are and reported
+    inf, with a NumPy overflow warning, where clipping reports the norm (nn.clip_grad_norm's
+    total, summed again from the scaled arrays). Both report the norm now, nn.global_norm."""
+    def big():
+        model = make(dtype="float32")
+        model.params = {**model.params, "ln_f.weight": model.params["ln_f.weight"] * np.float32(1e20)}
+        return model
+
+    ids, tgt = ids_of(0), ids_of(1)
+    probe = big()
+    grads = probe.backward(probe.loss(ids, tgt)[1])
+    want = np.linalg.norm(np.concatenate([np.ravel(g).astype(np.float64) for g in grads.values()]))
+    assert want > 1e20 and math.isfinite(want)  # (float32 squares end at 3.4e38)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the overflow of the first sum is no news: none is raised
+        assert abs(nn.global_norm(grads) - want) <= 1e-6 * want
+    for max_grad_norm in (None, 1e30):  # 1e30: the norm of clip_grad_norm, which does not clip
+        model = big()
+        _, norm, _ = training_step(model, nn.adam_init(model.params), ids, tgt, lr=0.0,
+                                   max_grad_norm=max_grad_norm)
+        assert abs(norm - want) <= 1e-6 * want, (max_grad_norm, norm, want)
 
 
 def test_generate_of_no_new_tokens_returns_the_prompt_and_no_logits(xp, to_xp):
