@@ -315,7 +315,7 @@ def flash_attn_func(
         may be longer (flash-attn's ``S_dmask`` is rounded up to multiples of
         128); the leading ``(Lq, Lk)`` block is used. Applied whenever given, also
         at ``dropout_p = 0`` (scale 1), where the kernels drop nothing.
-    rng : int, numpy.random.Generator or None
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
         npattn's extension: draws the keep-mask when ``dropout_p > 0`` and no
         ``dropout_mask`` is given (None: fresh entropy, as a kernel's RNG).
 
@@ -435,7 +435,7 @@ def flash_attn_varlen_func(
     dropout_mask : bool array broadcastable to (B, Hq, max_seqlen_q, max_seqlen_k), optional
         Keep-mask (True = keep) in ``S_dmask``'s layout: sequence ``b`` uses
         ``dropout_mask[b, :, :Lq_b, :Lk_b]``. The last two axes may be longer.
-    rng : int, numpy.random.Generator or None
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
         Without ``dropout_mask``: one generator, made once, draws each
         sequence's keep-mask in turn.
 
@@ -918,7 +918,7 @@ def scaled_dot_product_attention(
         ``Hkv`` divides ``Hq``; query head ``h`` uses K/V head ``h // (Hq // Hkv)``.
     dropout_mask : bool array broadcastable to (..., Hq, Lq, Lk), optional
         npattn's extension: the keep-mask (True = keep) in place of a drawn one.
-    rng : int, numpy.random.Generator or None
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
         npattn's extension: draws the keep-mask when ``dropout_p > 0`` without one.
 
     Returns

@@ -589,7 +589,7 @@ def dropout_forward(x: Any, p: float, *, mask: Any = None, rng: Any = None) -> t
     p : float
         Drop probability, in [0, 1).
     mask : bool array broadcastable to ``x.shape``, optional
-    rng : int, numpy.random.Generator or None
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
 
     Returns
     -------
@@ -954,7 +954,7 @@ def sdpa_forward(
         Keep-mask (True = keep); replaces the generator. Applied whenever given,
         also at ``dropout_p = 0`` (scale 1), where torch's SDPA drops nothing;
         ``MultiHeadAttention`` applies it only in training mode with dropout > 0.
-    rng : int, numpy.random.Generator or None
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
         Draws the keep-mask when ``dropout_p > 0`` and no mask is given.
     enable_gqa : bool
         Grouped-query attention, as SDPA's ``enable_gqa``: Hq is a multiple of

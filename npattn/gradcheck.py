@@ -377,7 +377,7 @@ def check_vjp(
     names : sequence of str, optional
     eps, rtol, atol : float
     n_directions : int
-    seed : int or numpy.random.Generator
+    seed : int, numpy.random.SeedSequence, BitGenerator, Generator or None
     wrt : sequence of int, optional
 
     Returns
@@ -543,7 +543,7 @@ def gradcheck(
         Absolute tolerance; by default the rounding floor of the differences.
     n_directions : int
         Random directions per input in vjp mode.
-    seed : int, numpy.random.Generator or None
+    seed : int, numpy.random.SeedSequence, BitGenerator, Generator or None
         Seeds ``dout`` and the directions.
     wrt : sequence of int, optional
         Inputs to check; default every floating input.

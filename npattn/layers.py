@@ -530,7 +530,7 @@ def feed_forward_forward(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, *, activati
         Drop probability in [0, 1) of the hidden activations.
     dropout_mask : bool array broadcastable to (..., F), optional
         Keep-mask (True = keep); without one it is drawn from ``rng``.
-    rng : int, numpy.random.Generator or None
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
 
     Returns
     -------

@@ -127,7 +127,7 @@ def sublayer_forward(x: Any, core: Callable, *, norm_weight: Any, norm_bias: Any
         Drop probability after the core (0 turns it off).
     dropout_mask : bool array broadcastable to (B, L, D), optional
         Keep-mask; otherwise drawn from ``rng`` when ``dropout_p > 0``.
-    rng : numpy.random.Generator, optional
+    rng : int, numpy.random.SeedSequence, BitGenerator, Generator or None
 
     Returns
     -------
