@@ -94,15 +94,14 @@ AUTO_BLOCKED_MAX_DENSE_SCORES = 2**28
 #: On an accelerator (a CUDA device under CuPy or torch), ``impl="auto"`` keeps
 #: the dense path while its ``(B, H, Lq, Lk)`` arrays at their peak fit in this
 #: share of the device's memory. There the blocked path runs its blocks from a
-#: Python loop, a few dozen small kernels each, and was 30 times slower than the
-#: dense one at 1x4096x512x8 on an H200 (docs/gpu.md); the CPU thresholds above
-#: do not apply.
+#: Python loop, a few dozen small kernels each, and is many times slower than the
+#: dense one (docs/gpu.md has the measurement); the CPU thresholds above do not
+#: apply.
 AUTO_DEVICE_DENSE_SHARE = 0.5
 
 #: The dense path's ``(B, H, Lq, Lk)`` arrays counted alive at once at its peak
 #: (in the backward: the kept probabilities and the gradients of the dropped
-#: probabilities, the probabilities and the scores). On the H200 of docs/gpu.md,
-#: CuPy's pool held 32 GiB after the 1x16384x512x8 step, four float32 arrays of 8 GiB.
+#: probabilities, the probabilities and the scores).
 DENSE_PEAK_ARRAYS = 4
 
 

@@ -67,8 +67,8 @@ What is different from the reference, and why it is faster:
   into contiguous arrays, scale folded into q and k: (L, Dh) each, against
   the (r, Lk) scores, and BLAS runs faster on them than on strided views.
 * **Backward blocks of their own size.** The backward's blocks hold
-  ``BACKWARD_TILE_FACTOR`` times the forward's scores (1 on the machine of
-  docs/performance.md, where both are best at 2**20), except where a window
+  ``BACKWARD_TILE_FACTOR`` times the forward's scores (1; docs/performance.md
+  has the measurements), except where a window
   (causal included) cuts the blocks: the forward wrote ``e`` only in the
   columns of its own blocks, and the backward takes those blocks.
 * **Arrays lent by the caller.** With a ``Workspace`` a forward writes its
@@ -129,7 +129,7 @@ TILE_MIN_TASKS = 4
 POOL_MIN_SCORES = 1 << 21
 
 #: A block of rows whose scores are all at most this large in magnitude, by
-#: Cauchy-Schwarz ``|s_ij| <= |q_i| |k_j|``, takes ``exp(s)`` without subtracting
+#: Cauchy-Schwarz ``|s_ij| <= |q_i * scale| |k_j|``, takes ``exp(s)`` without subtracting
 #: each row's maximum: ``exp`` of ``[-16, 16]`` neither overflows nor underflows
 #: (float32 included), and a row's sum stays far from the largest float.
 EXP_BOUND = 16.0
@@ -236,8 +236,8 @@ class Workspace:
     A forward's ``e`` (its probabilities before normalisation) and a dropout
     keep-mask it drew are the one large allocation of the kernel, 512 MiB
     for 8 heads of 4096 x 4096 scores in float32; memory that is fresh to
-    the process costs page faults to touch (about 20 ms per 512 MiB, and on
-    some virtual machines half a second). A caller that owns its caches gives
+    the process costs page faults to touch, one per page on first write. A
+    caller that owns its caches gives
     a cache back with ``give(cache)`` once nothing can read that cache again, and passes the
     workspace to the next forwards (``workspace=``): one of the same size
     and dtype takes the arrays instead of allocating. What a forward writes

@@ -1166,7 +1166,7 @@ def test_the_environment_names_the_cpu_its_affinity_and_npattn_s_pool(monkeypatc
     assert env["npattn_pool_threads"] == backend.pool_threads()
     out = io.StringIO()
     bench._print_env(env, "", "float32", out)
-    assert f"npattn elementwise pool threads: {backend.pool_threads()}" in out.getvalue()
+    assert f"npattn tile pool threads: {backend.pool_threads()}" in out.getvalue()
     assert "cpu: Example CPU 9000: 8-Core, family 25 model 17 (" in out.getvalue()
 
 

@@ -21,8 +21,10 @@ runs after warm-up, and prints:
   GEMM was slowed by other load, and the row says so;
 * ``peak MiB``: peak traced allocation during one forward+backward, above
   what was live before it (``tracemalloc``, which traces NumPy's array
-  allocations; for CuPy the memory pool's bytes in use after the run, an
-  upper bound of the cache and gradients). ``RSS MiB`` is the rise of the
+  allocations; on CuPy the most bytes the memory pool handed out to arrays
+  during the step, followed with a ``cupy.cuda.MemoryHook``, where the table
+  shows torch's ``max_memory_allocated`` as ``torch MiB`` in place of
+  ``RSS MiB``). ``RSS MiB`` is the rise of the
   process's peak resident memory (Linux ``VmHWM``, reset through
   ``/proc/self/clear_refs`` before the run), shown when the kernel allows it;
   memory the allocator reuses without asking the kernel does not show there,
@@ -39,8 +41,9 @@ runs after warm-up, and prints:
 alone on stdout and the table on stderr. A progress bar runs on stderr when
 it is a terminal.
 
-Shapes are written ``BxLxDxH`` with a trailing ``c`` for causal, e.g.
-``--shapes 32x128x256x8,4x1024x768x12c``.
+Shapes are written ``BxLxDxH`` with optional suffixes: ``c`` causal, ``wN`` a
+window of N keys back, ``dP`` dropout with drop probability P, e.g.
+``--shapes 32x128x256x8,4x1024x768x12c,8x512x768x12d0.1``.
 
 Isolated mode (``--isolated``) runs each case in a fresh Python process
 (``python -m npattn.tools.bench --child SPEC``, which prints one JSON line),
@@ -597,7 +600,7 @@ def _print_env(env, settings, dtype, out):
     if env.get("torch"):
         print(f"torch {env['torch']} threads={env['torch_threads']}", file=out)
     if "npattn_pool_threads" in env:
-        print(f"npattn elementwise pool threads: {env['npattn_pool_threads']}", file=out)
+        print(f"npattn tile pool threads: {env['npattn_pool_threads']}", file=out)
 
 
 def _fmt(v, spec):

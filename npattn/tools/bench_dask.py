@@ -67,8 +67,7 @@ def parse_shape(text: str) -> tuple:
 
 
 #: Bytes of graph per chunk pair, at least: each pair is two tasks (forward and backward),
-#: and a task of dask's graph takes more than 1 KiB (about 3.3 KiB a pair measured at
-#: 8x4096x512x8 in chunks of 256, dask 2024-2026).
+#: and a task of dask's graph takes more than 1 KiB (docs/dask.md has a measurement).
 GRAPH_BYTES_PER_PAIR = 2048
 
 
