@@ -1,5 +1,6 @@
 """npattn.gpt: finite differences, torch parity (a whole training step), KV-cache decoding, sampling."""
 
+import copy
 import math
 import warnings
 
@@ -466,6 +467,35 @@ def test_training_reduces_the_loss_on_a_repeated_batch():
         loss, _, state = training_step(model, state, ids, tgt, lr=0.02)
     assert math.log(VOCAB) - 0.1 < first < math.log(VOCAB) + 0.3  # about uniform at the start
     assert loss < 0.5 * first
+
+
+def test_training_step_defaults_clip_at_1_and_adam_eps_1e8():
+    """Without them, training_step clips the gradients' norm to max_grad_norm = 1 and steps
+    Adam with eps = 1e-8, betas (0.9, 0.999) and no weight decay (torch's defaults): the
+    same bits as those steps taken by hand on a twin model. The gradients' norm is above 1,
+    so the clipping acts, and Adam's first step g / (|g| + eps) depends on eps in its last
+    bits."""
+    model = perturbed(make(), np.asarray, scale=1.0)
+    twin = copy.deepcopy(model)
+    ids, tgt = ids_of(7), ids_of(8)
+    state = nn.adam_init(model.params)
+    loss, norm, _ = training_step(model, state, ids, tgt, lr=0.01)
+
+    want_loss, dlogits = twin.loss(ids, tgt)
+    grads = twin.backward(dlogits)
+    clipped, want_norm = nn.clip_grad_norm(grads, 1.0)
+    want, _ = nn.adam_step(twin.params, clipped, nn.adam_init(twin.params), lr=0.01,
+                           betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert want_norm > 1.0 and (loss, norm) == (want_loss, want_norm)
+    for k in want:
+        np.testing.assert_array_equal(model.params[k], want[k], err_msg=k)
+
+
+def test_layer_norm_eps_defaults_to_torchs():
+    """GPT's layer norms (every block's two and ln_f) default to torch's eps, 1e-5."""
+    model = make()
+    assert model.layer_norm_eps == 1e-5
+    assert all(b.layer_norm_eps == 1e-5 for b in model.blocks)
 
 
 # --------------------------------------------------------------------- bad input

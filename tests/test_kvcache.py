@@ -676,13 +676,14 @@ def jax_x64():
 def test_kvcache_on_immutable_arrays_makes_new_buffers(jax_x64, ragged):
     """JAX's arrays refuse slice assignment: each append makes new buffers with the same
     contents as NumPy's in-place writes, and a buffer read before the append keeps its
-    contents."""
+    contents. Ragged: lengths [1, 3, 1], whose first and last entries agree and middle one
+    does not, so each entry must be written at its own length."""
     jnp = jax_x64.numpy
     rng = np.random.default_rng(5)
-    frozen = KVCache(2, 7, 2, 3, value_dim=4, dtype="float64", backend="jax")
-    plain = KVCache(2, 7, 2, 3, value_dim=4, dtype="float64")
+    frozen = KVCache(3, 7, 2, 3, value_dim=4, dtype="float64", backend="jax")
+    plain = KVCache(3, 7, 2, 3, value_dim=4, dtype="float64")
     for n in (3, 2, 1):
-        k_new, v_new = rng.standard_normal((2, 2, n, 3)), rng.standard_normal((2, 2, n, 4))
+        k_new, v_new = rng.standard_normal((3, 2, n, 3)), rng.standard_normal((3, 2, n, 4))
         before = frozen.k
         snapshot = np.asarray(before).copy()
         frozen.append(jnp.asarray(k_new), jnp.asarray(v_new))
@@ -692,8 +693,9 @@ def test_kvcache_on_immutable_arrays_makes_new_buffers(jax_x64, ragged):
         np.testing.assert_array_equal(np.asarray(frozen.v), plain.v)
         if ragged and n == 3:
             for c in (frozen, plain):
-                c.truncate([1, 3])
-    assert frozen.cache_seqlens.tolist() == plain.cache_seqlens.tolist() == ([4, 6] if ragged else [6, 6])
+                c.truncate([1, 3, 1])
+    assert frozen.cache_seqlens.tolist() == plain.cache_seqlens.tolist() == ([4, 6, 4] if ragged
+                                                                             else [6, 6, 6])
 
 
 def test_generate_on_jax_equals_numpy(jax_x64):

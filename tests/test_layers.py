@@ -954,3 +954,28 @@ def test_layer_norm_backward_with_a_large_common_part_of_dout(xp, to_xp, to_np):
         r = 1.0 / math.sqrt(dd * dd / 4.0 + eps)
         want = (dd / 2.0) * eps * r ** 3
         np.testing.assert_allclose(dx[0], [-want, want], rtol=1e-2)
+
+
+def test_defaults_are_torchs(xp, to_xp, to_np):
+    """Called without them, the options take torch's defaults: layer norm's eps = 1e-5 (rows
+    of entries +-1e-3, whose variance 1e-6 eps changes by a tenth), GELU's exact form
+    x Phi(x), and the feed-forward network's ReLU; each against its formula."""
+    rng = np.random.default_rng(21)
+    x = 1e-3 * np.array([[1.0, -1.0, 1.0, -1.0], [2.0, -2.0, 0.0, 0.0]])  # [2, 4], mean 0
+    y, _ = L.layer_norm_forward(to_xp(x))
+    want = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(to_np(y), want, rtol=1e-12, atol=0)
+
+    h = np.array([-3.0, -0.5, 0.0, 0.7, 2.5])
+    g, _ = L.gelu_forward(to_xp(h))
+    exact = [v * 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in h]
+    np.testing.assert_allclose(to_np(g), exact, rtol=1e-12, atol=1e-14)  # tanh form: ~1e-4 off
+
+    D, F_ = 3, 4
+    xs = rng.standard_normal((2, 5, D))
+    w1, b1 = rng.standard_normal((F_, D)), rng.standard_normal(F_)
+    w2, b2 = rng.standard_normal((D, F_)), rng.standard_normal(D)
+    out, _ = L.feed_forward_forward(*(to_xp(a) for a in (xs, w1, b1, w2, b2)))
+    want = np.maximum(xs @ w1.T + b1, 0.0) @ w2.T + b2  # [2, 5, D]
+    assert (xs @ w1.T + b1 < 0).any() and (xs @ w1.T + b1 > 0).any()  # ReLU cuts somewhere
+    np.testing.assert_allclose(to_np(out), want, rtol=1e-12, atol=1e-12)
