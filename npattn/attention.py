@@ -83,8 +83,9 @@ Workspace = numpy_kernel.Workspace
 IMPLS = ("auto", "dense", "reference", "numpy", "blocked", "chunked")
 
 #: ``impl="auto"`` takes the blocked path when one head has this many scores
-#: (``Lq * Lk``; 2**25 = 33.5 M, e.g. 8192 x 4096): there it is as fast as the
-#: dense one in a fraction of the memory (docs/performance.md).
+#: (``Lq * Lk``; 2**25 = 33.5 M, e.g. 8192 x 4096): past it the dense path's
+#: arrays grow large, and the blocked one needs a fraction of their memory (it
+#: is slower in time: docs/performance.md).
 AUTO_BLOCKED_MIN_SCORES = 2**25
 
 #: ``impl="auto"`` also takes the blocked path when the dense probabilities of
