@@ -666,9 +666,11 @@ def test_errors_name_the_argument():
         (lambda: P.t5_bucket(np.arange(3, dtype=np.int8), num_buckets=300), ValueError,
          "num_buckets: expected at most 128"),
         (lambda: P.rope_forward(np.zeros((2, 3, 4), dtype=np.int64)), TypeError, "x: expected a real floating"),
-        (lambda: P.rope_forward(x, np.zeros(4)), ValueError, "positions"),
+        (lambda: P.rope_forward(x, np.zeros(4)), ValueError,
+         r"^positions: expected a shape that broadcasts to x\.shape\[:-1\] = \(\.\.\., L\) = \(2, 3\) .*, "
+         r"got shape \(4,\)$"),
         (lambda: P.rope_forward(x, np.zeros(3, dtype=bool)), TypeError, "positions: expected integer"),
-        (lambda: P.rope_forward(x, 1.5), TypeError, "positions"),
+        (lambda: P.rope_forward(x, 1.5), TypeError, "^positions: expected a numpy array, got float$"),
         # a bool is no int start (True would shift every position by one) and no base
         (lambda: P.rope_forward(x, True), TypeError, "^positions: expected a numpy array, got bool"),
         (lambda: P.rope_forward(x, base=True), TypeError, "^base: expected a float > 1, got bool True"),
@@ -716,7 +718,8 @@ def test_errors_name_the_argument():
          r"^table: expected a 2-D array, got shape \(8, 3, 1\)"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 0, 3), ValueError, "Lq: expected a positive"),
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2.0), TypeError, "Lk: expected a positive"),
-        (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=0.5), TypeError, "offset"),
+        (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=0.5), TypeError,
+         "^offset: expected an int, got float 0.5$"),
         # a bool is no offset (True would shift every distance by one)
         (lambda: P.relative_embedding_forward(np.zeros((5, 2)), 3, 2, offset=True), TypeError,
          "^offset: expected an int, got bool True"),
@@ -760,9 +763,12 @@ def test_errors_name_the_argument():
         # unsigned positions have no negative side (and uint64's top half would wrap in int64)
         (lambda: P.t5_bucket(np.arange(3, dtype=np.uint8)), TypeError,
          "^relative_position: expected a signed integer array, got uint8"),
-        (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError, "num_buckets"),
-        (lambda: P.t5_bucket(np.arange(3), max_distance=8), ValueError, "max_distance"),
-        (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError, "bidirectional"),
+        (lambda: P.t5_bucket(np.arange(3), num_buckets=2), ValueError,
+         r"^num_buckets: expected at least 4 \(max_exact = num_buckets // 2 // 2 >= 1\), got 2$"),
+        (lambda: P.t5_bucket(np.arange(3), max_distance=5), ValueError,
+         "^max_distance: expected an int > max_exact = 8, got 5$"),
+        (lambda: P.t5_bucket(np.arange(3), bidirectional="yes"), TypeError,
+         "^bidirectional: expected a bool, got str 'yes'$"),
         # checked before the table's rows are counted with it (one way: 2 rows are enough)
         (lambda: P.relative_bias_forward(np.zeros((2, 2)), 3, 3, bidirectional="yes"), TypeError,
          "^bidirectional: expected a bool"),
