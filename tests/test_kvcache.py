@@ -170,23 +170,32 @@ def test_ragged_lengths_match_each_entry_alone(backend, to_xp, to_np, chunks, op
         np.testing.assert_allclose(to_np(cache.v)[b, :, : p + S], v[0], rtol=1e-14, atol=1e-14)
 
 
+def _right_aligned_entries(old, new, lens, Lt):
+    """Entry b of a right-aligned view, every head: Lt - (lens[b] + n) zero rows, then the
+    entry's first lens[b] cached rows, then its n new ones."""
+    B, H, n, X = new.shape
+    return np.stack([np.concatenate([np.zeros((H, Lt - L - n, X)), old[b, :, :L], new[b]], axis=1)
+                     for b, L in enumerate(lens)])  # [B, H, Lt, X]
+
+
 def test_ragged_view_is_right_aligned(backend, xp, to_xp, to_np):
     """``right_aligned``: every entry's newest key in the last column, zero rows in front hidden
-    by the key mask; ``unalign_columns`` puts columns back at the entries' positions."""
-    cache = KVCache(3, 6, 1, 2, dtype="float64", backend=backend)
+    by the key mask; ``unalign_columns`` puts columns back at the entries' positions. Two heads,
+    and values of another width and other numbers than the keys: keys and values, and the heads,
+    each stay in their own place."""
+    cache = KVCache(3, 6, 2, 2, 3, dtype="float64", backend=backend)
     rng = np.random.default_rng(5)
-    first = rng.standard_normal((3, 1, 4, 2))
-    cache.append(to_xp(first), to_xp(first))
+    first_k, first_v = rng.standard_normal((3, 2, 4, 2)), rng.standard_normal((3, 2, 4, 3))
+    cache.append(to_xp(first_k), to_xp(first_v))
     cache.truncate([1, 4, 0])
-    new = rng.standard_normal((3, 1, 2, 2))
-    view = cache.right_aligned(to_xp(new), to_xp(new))
+    new_k, new_v = rng.standard_normal((3, 2, 2, 2)), rng.standard_normal((3, 2, 2, 3))
+    view = cache.right_aligned(to_xp(new_k), to_xp(new_v))
     assert view.shift == (3, 0, 4)  # Lt = 4 + 2
-    k, mask = to_np(view.k), to_np(view.key_mask)
-    assert k.shape == (3, 1, 6, 2) and mask.shape == (3, 1, 1, 6)
+    k, v, mask = to_np(view.k), to_np(view.v), to_np(view.key_mask)
+    assert k.shape == (3, 2, 6, 2) and v.shape == (3, 2, 6, 3) and mask.shape == (3, 1, 1, 6)
     np.testing.assert_array_equal(mask[:, 0, 0], np.arange(6)[None] >= np.array([[3], [0], [4]]))
-    np.testing.assert_array_equal(k[0, 0], np.concatenate([np.zeros((3, 2)), first[0, 0, :1], new[0, 0]]))
-    np.testing.assert_array_equal(k[1, 0], np.concatenate([first[1, 0], new[1, 0]]))
-    np.testing.assert_array_equal(k[2, 0], np.concatenate([np.zeros((4, 2)), new[2, 0]]))
+    np.testing.assert_array_equal(k, _right_aligned_entries(first_k, new_k, [1, 4, 0], 6))
+    np.testing.assert_array_equal(v, _right_aligned_entries(first_v, new_v, [1, 4, 0], 6))
     assert cache.cache_seqlens.tolist() == [1, 4, 0]  # the view changes nothing
     cols = to_xp(np.broadcast_to(np.arange(6.0), (3, 2, 6)).copy())
     back = to_np(unalign_columns(cols, view.shift))
@@ -197,20 +206,20 @@ def test_ragged_view_is_right_aligned(backend, xp, to_xp, to_np):
 
 def test_ragged_view_when_the_first_entry_is_the_longest(backend, xp, to_xp, to_np):
     """Entry 0 unshifted does not make the lengths equal: entries 1 and 2 still get zero rows
-    in front and a key mask, and none of the stale keys past their lengths."""
-    cache = KVCache(3, 6, 1, 2, dtype="float64", backend=backend)
+    in front and a key mask, and none of the stale keys or values past their lengths; two heads,
+    values of their own width and numbers."""
+    cache = KVCache(3, 6, 2, 2, 3, dtype="float64", backend=backend)
     rng = np.random.default_rng(17)
-    first = rng.standard_normal((3, 1, 4, 2))
-    cache.append(to_xp(first), to_xp(first))
+    first_k, first_v = rng.standard_normal((3, 2, 4, 2)), rng.standard_normal((3, 2, 4, 3))
+    cache.append(to_xp(first_k), to_xp(first_v))
     cache.truncate([4, 1, 0])
-    new = rng.standard_normal((3, 1, 2, 2))
-    view = cache.right_aligned(to_xp(new), to_xp(new))
+    new_k, new_v = rng.standard_normal((3, 2, 2, 2)), rng.standard_normal((3, 2, 2, 3))
+    view = cache.right_aligned(to_xp(new_k), to_xp(new_v))
     assert view.shift == (0, 3, 4) and view.key_mask is not None  # Lt = 4 + 2
-    k, mask = to_np(view.k), to_np(view.key_mask)
+    k, v, mask = to_np(view.k), to_np(view.v), to_np(view.key_mask)
     np.testing.assert_array_equal(mask[:, 0, 0], np.arange(6)[None] >= np.array([[0], [3], [4]]))
-    np.testing.assert_array_equal(k[0, 0], np.concatenate([first[0, 0], new[0, 0]]))
-    np.testing.assert_array_equal(k[1, 0], np.concatenate([np.zeros((3, 2)), first[1, 0, :1], new[1, 0]]))
-    np.testing.assert_array_equal(k[2, 0], np.concatenate([np.zeros((4, 2)), new[2, 0]]))
+    np.testing.assert_array_equal(k, _right_aligned_entries(first_k, new_k, [4, 1, 0], 6))
+    np.testing.assert_array_equal(v, _right_aligned_entries(first_v, new_v, [4, 1, 0], 6))
 
 
 # --------------------------------------------------------------------------
@@ -248,9 +257,11 @@ def test_a_full_cache_is_refused_before_anything_is_written(backend, to_xp, to_n
     m(x1, x1, x1, kv_cache=cache)  # one more fits
     assert cache.cache_seqlens.tolist() == [4, 2]
     _expect_unchanged(m, cache, lambda: m(x1, x1, x1, kv_cache=cache), ValueError,
-                      "capacity", to_np)
+                      r"^kv_cache: expected room for 1 new position in every batch entry, but entry 0 "
+                      r"holds 4 of capacity 4 \(4 \+ 1 = 5 > 4\); nothing was written$", to_np)
     k = to_xp(rng.standard_normal((2, HKV, 1, DH)))
-    with pytest.raises(ValueError, match="kv_cache"):  # append itself checks first too
+    with pytest.raises(ValueError, match=r"^kv_cache: expected room for 1 new position .*, but entry 0 "
+                       r"holds 4 of capacity 4 \(4 \+ 1 = 5 > 4\)"):  # append itself checks first too
         cache.append(k, k)
     assert cache.cache_seqlens.tolist() == [4, 2]
 
@@ -508,14 +519,17 @@ def test_append_writes_each_entry_at_its_own_length(backend, xp, to_xp, to_np):
 
 
 @pytest.mark.parametrize("args, kwargs, exc, match", [
-    ((0, 4, 1, 2), {}, ValueError, "batch_size"),
-    ((1, True, 1, 2), {}, TypeError, "capacity"),
-    ((1, 4, 1.0, 2), {}, TypeError, "num_kv_heads"),
-    ((1, 4, 1, -2), {}, ValueError, "head_dim"),
-    ((1, 4, 1, 2, 0), {}, ValueError, "value_dim"),
-    ((1, 4, 1, 2), dict(dtype="int32"), ValueError, "dtype"),
-    ((1, 4, 1, 2), dict(dtype=None), TypeError, "dtype"),
-    ((1, 4, 1, 2), dict(backend="nope"), ValueError, "backend"),
+    ((0, 4, 1, 2), {}, ValueError, "^batch_size: expected a positive int, got 0$"),
+    ((1, True, 1, 2), {}, TypeError, "^capacity: expected a positive int, got bool True$"),
+    ((1, 4, 1.0, 2), {}, TypeError, "^num_kv_heads: expected a positive int, got float 1.0$"),
+    ((1, 4, 1, -2), {}, ValueError, "^head_dim: expected a positive int, got -2$"),
+    ((1, 4, 1, 2, 0), {}, ValueError, "^value_dim: expected a positive int, got 0$"),
+    ((1, 4, 1, 2), dict(dtype="int32"), ValueError,
+     r"^dtype: expected one of \['float16', 'float32', 'float64'\] for backend 'numpy', got 'int32'$"),
+    ((1, 4, 1, 2), dict(dtype=None), TypeError,
+     r"^dtype: expected one of \['float16', 'float32', 'float64'\] \(a name or a dtype\), got None$"),
+    ((1, 4, 1, 2), dict(backend="nope"), ValueError,
+     r"^backend: expected one of \[.*'numpy'.*\], got 'nope'$"),
     # a buffer larger than the largest array (sys.maxsize bytes): NumPy's own messages named nothing
     ((1, 2**70, 1, 2), {}, ValueError, r"^batch_size, num_kv_heads, capacity and head_dim: expected "
      r"sizes for which the key buffer, "
