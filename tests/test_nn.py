@@ -154,7 +154,8 @@ def test_cross_entropy_gradcheck(xp, to_xp):
     seed=st.integers(0, 2**16),
 )
 def test_cross_entropy_matches_direct_formula(n, V, shift, seed):
-    """Mean of -log(exp(x_t) / sum exp(x)), computed in a different way; a large shift must not overflow."""
+    """Mean of -log(exp(x_t) / sum exp(x)), computed in a different way; a large shift must not overflow.
+    dlogits is (softmax(x) - onehot(t)) * dloss / n, entry by entry, for a random dloss."""
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((n, V)) * 2.0
     targets = rng.integers(0, V, size=n)
@@ -164,9 +165,15 @@ def test_cross_entropy_matches_direct_formula(n, V, shift, seed):
         for i in range(n)
     ])
     assert float(loss) == pytest.approx(expected, rel=1e-9, abs=1e-9)
-    dlogits, dtargets = nn.cross_entropy_backward(1.0, cache)
+    dloss = float(rng.uniform(0.5, 2.0) * rng.choice([-1.0, 1.0]))
+    dlogits, dtargets = nn.cross_entropy_backward(dloss, cache)
     assert dtargets is None
     np.testing.assert_allclose(np.sum(dlogits, axis=-1), 0.0, atol=1e-12)  # rows sum to 0
+    softmax = np.array([[math.exp(v - math.log(math.fsum(math.exp(u) for u in row))) for v in row]
+                        for row in logits])  # [n, V], of the unshifted logits (softmax ignores the shift)
+    expected_dlogits = (softmax - np.eye(V)[targets]) * dloss / n  # [n, V]
+    # the shift of up to 500 rounds the logits by up to 2**-44 each: within 1e-11 in softmax
+    np.testing.assert_allclose(dlogits, expected_dlogits, rtol=1e-9, atol=1e-11)
 
 
 def test_cross_entropy_with_minus_inf_logits(xp, to_xp, to_np):
