@@ -635,6 +635,11 @@ def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, 
     assert abs(norm - total) < 1e-12 * total
     got = math.sqrt(sum(float(np.sum(to_np(clipped[k]) ** 2)) for k in ("a", "b")))
     assert abs(got - 0.5 * total) < 1e-6 * total  # eps = 1e-6 in the denominator
+    # each gradient times max_norm / (total + eps) with the default eps = 1e-6: it moves the
+    # factor by eps / total, about 2.5e-7 here, far beyond float64's rounding (1e-14)
+    scale = 0.5 * total / (total + 1e-6)
+    np.testing.assert_allclose(to_np(clipped["a"]), a * scale, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(to_np(clipped["b"]), b * scale, rtol=1e-14, atol=0)
     np.testing.assert_allclose(to_np(clipped["a"]) / a, (to_np(clipped["b"]) / b)[0])  # one factor
     assert clipped["none"] is None
     np.testing.assert_array_equal(to_np(grads["a"]), a)  # the input dict's arrays are not written
