@@ -114,7 +114,7 @@ def test_add_positions_gradcheck(xp, to_xp):
 
 
 def test_add_positions_rejects_wrong_shape():
-    with pytest.raises(ValueError, match="pos: expected shape"):
+    with pytest.raises(ValueError, match=r"^pos: expected shape \(4, 3\) \(L, D\) to match x, got \(5, 3\)$"):
         nn.add_positions_forward(np.zeros((2, 4, 3)), np.zeros((5, 3)))
 
 
@@ -818,7 +818,9 @@ def test_clip_grad_norm_of_infinite_or_nan_gradients_is_torch_s():
 @pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
                                       (True, TypeError), ("1", TypeError), (None, TypeError)])
 def test_clip_grad_norm_rejects_bad_max_norm(bad, exc):
-    with pytest.raises(exc, match="^max_norm"):
+    received = {0: "0", -1.0: "-1.0", True: "bool True", "1": "str '1'", None: "None"}.get(bad, "nan")
+    expected = "a real number" if exc is TypeError else "a finite number > 0"
+    with pytest.raises(exc, match=rf"^max_norm: expected {expected}, got {received}$"):
         nn.clip_grad_norm({"a": np.ones(2)}, bad)
 
 
