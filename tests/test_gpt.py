@@ -356,6 +356,24 @@ def test_sampling_is_reproducible_from_a_seed_and_top_1_is_greedy(xp, to_xp):
     assert bits.state != np.random.PCG64(42).state  # drawn from, as a Generator is
     g = to_numpy(model.generate(prompt, 5, greedy=True))
     np.testing.assert_array_equal(to_numpy(model.generate(prompt, 5, top_k=1, seed=7)), g)
+    # each draw is sample_next's documented inverse CDF of softmax(logits / temperature) (top-k
+    # kept): u ~ U[0, 1) from the seeded generator, one per row and step, and the token is the
+    # first v with cumsum(p)[v] > u; the logits are those of a full forward of the ids so far.
+    # Four prompts, seven steps each
+    prompts = to_xp(ids_of(8, (4, 2)))
+    for temperature, top_k in ((1.0, None), (0.5, 2), (2.0, None)):
+        drawn = to_numpy(model.generate(prompts, 7, seed=42, temperature=temperature, top_k=top_k))
+        u = np.random.default_rng(42).random((7, 4))  # [steps, rows]
+        for t in range(7):
+            z = to_numpy(model.forward(to_xp(drawn[:, :2 + t])))[:, -1] / temperature  # [B, V]
+            if top_k is not None:
+                z = np.where(z >= np.sort(z, axis=-1)[:, -top_k:][:, :1], z, -np.inf)
+            p = np.exp(z - z.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)  # [B, V]
+            want = [int(np.searchsorted(np.cumsum(p[i]), u[t, i], side="right")) for i in range(4)]
+            assert drawn[:, 2 + t].tolist() == want, (temperature, top_k, t, drawn[:, 2 + t], want)
+            if top_k is not None:  # among the two largest logits
+                assert all(np.isfinite(z[i, drawn[i, 2 + t]]) for i in range(4))
 
 
 def test_sample_next_frequencies_follow_the_tempered_softmax():
