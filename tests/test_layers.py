@@ -332,8 +332,29 @@ def test_layer_norm_low_precision(xp, to_xp, to_np, backend, dtype):
     x, w = xp.astype(to_xp(x64), dt), xp.astype(to_xp(w64), dt)
     y, cache = L.layer_norm_forward(x, w, None)
     assert y.dtype == dt
-    dx, dw, db = L.layer_norm_backward(xp.astype(to_xp(np.ones((3, 8)) * 0.5 + x64 * 0.1), dt), cache)
+    dout_h = xp.astype(to_xp(rng.standard_normal((3, 8))), dt)
+    dx, dw, db = L.layer_norm_backward(dout_h, cache)
     assert dx.dtype == dt and dw.dtype == dt and db is None
+    # dx and dw from the formulas in float64 at the inputs as rounded to dt (eps = 1e-5)
+    xh, wh, dh = (to_np(xp.astype(a, xp.float64)) for a in (x, w, dout_h))
+    xc = xh - xh.mean(axis=-1, keepdims=True)  # [3, 8]
+    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + 1e-5)  # [3, 1]
+    xhat, g = xc * rstd, dh * wh  # [3, 8]
+    gc = g - g.mean(axis=-1, keepdims=True)
+    want_dx = rstd * (gc - xhat * (gc * xhat).mean(axis=-1, keepdims=True))  # [3, 8]
+    want_dw = (dh * xhat).sum(axis=0)  # [8]
+    # Computed in float32 and rounded to dt once: within half an ulp of dt at the value, plus
+    # float32's own error, measured up to 5 float32 ulps (torch) of the terms' size (a row's
+    # largest |dx|; the sum of |dout * xhat| for dw): x - mean cancels mean(x) = 3 against std 1;
+    # eight of them. For half precision that is far below its ulps; an intermediate rounded to dt
+    # (a second rounding), a step taken in dt, or a term left out, does not fit
+    eps = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    for got, want, size in ((dx, want_dx, np.abs(want_dx).max(axis=-1, keepdims=True)),
+                            (dw, want_dw, np.abs(dh * xhat).sum(axis=0))):
+        half_ulp = 0.5 * eps * 2.0 ** np.floor(np.log2(np.abs(want)))  # of dt at each value
+        tol = half_ulp + 8.0 * 2.0**-23 * size
+        err = np.abs(to_np(xp.astype(got, xp.float64)) - want)
+        assert np.all(err <= tol), (dtype, np.max(err / tol))
     # with a bias, dbias = sum(dout) over the rows, in x's dtype as well
     dout = xp.astype(to_xp(np.full((3, 8), 0.5)), dt)
     _, db = L.layer_norm_backward(dout, L.layer_norm_forward(x, w, w)[1])[1:]
