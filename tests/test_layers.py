@@ -436,10 +436,28 @@ def test_gelu_half_precision_computes_in_float32(xp, to_xp, to_np, backend, appr
     x = xp.astype(to_xp(np.linspace(-4.0, 4.0, 41)), xp.float16)
     y, cache = L.gelu_forward(x, approximate)
     assert y.dtype == xp.float16
-    dx = L.gelu_backward(xp.astype(to_xp(np.full(41, 0.5)), xp.float16), cache)
+    dout = xp.astype(to_xp(np.random.default_rng(12).standard_normal(41)), xp.float16)
+    dx = L.gelu_backward(dout, cache)
     assert dx.dtype == xp.float16
     ref, _ = L.gelu_forward(xp.astype(x, xp.float64), approximate)
     np.testing.assert_allclose(to_np(xp.astype(y, xp.float64)), to_np(ref), rtol=1e-3, atol=1e-3)
+    # dx = dout * GELU'(x), the slope from its formula in float64 at the float16 inputs
+    xh, dh = (to_np(xp.astype(a, xp.float64)) for a in (x, dout))
+    if approximate == "none":
+        slope = np.array([0.5 * (1.0 + math.erf(v / math.sqrt(2.0)))
+                          + v * math.exp(-0.5 * v * v) / math.sqrt(2.0 * math.pi) for v in xh])
+    else:
+        k = math.sqrt(2.0 / math.pi)
+        t = np.tanh(k * (xh + 0.044715 * xh**3))
+        slope = 0.5 * (1.0 + t) + 0.5 * xh * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * xh**2)
+    want = dh * slope  # [41]
+    # computed in float32 and rounded to float16 once: within half a float16 ulp of want, plus
+    # the float32 slope's own error, a few float32 ulps (6e-8) of its terms (up to about 5 at
+    # |x| <= 4, where 1 - t^2 cancels): 2e-6 of |dout| covers it. A slope or product taken in
+    # float16, or rounded twice, is off by up to a float16 ulp (1e-3 relative)
+    half_ulp = 0.5 * np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+    err = np.abs(to_np(xp.astype(dx, xp.float64)) - want)
+    assert np.all(err <= half_ulp + 2e-6 * np.abs(dh)), np.max(err / (half_ulp + 2e-6 * np.abs(dh)))
     # far from 0 the slope is 0 (x -> -inf) or 1 (x -> +inf); the backward squares x, which in
     # float16 overflows past 256 (then 0 * inf = NaN in the tanh form): it squares in float32
     big = xp.astype(to_xp(np.array([-1000.0, -300.0, 300.0, 1000.0])), xp.float16)
