@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npattn import layers as L
-from npattn.backend import namespace
+from npattn.backend import dropout_key, keep_mask, namespace
 from npattn.gradcheck import gradcheck
 
 RTOL = 1e-6
@@ -658,6 +658,13 @@ def test_feed_forward_dropout_from_rng_is_reused(xp, to_xp, to_np):
     y3, _ = L.feed_forward_forward(x, w1, None, w2, None, dropout_p=0.5, dropout_mask=keep)
     np.testing.assert_array_equal(to_np(y1), to_np(y3))
     assert 0 < int(to_np(keep).sum()) < 60
+    # the mask is keep_mask of the one key drawn from rng = 3, and y is the formula: the kept
+    # ReLU activations scaled by 1 / (1 - p) = 2, through w2
+    want_keep = keep_mask(dropout_key(3), 0.5, (2, 5, 6), np)  # [2, 5, 6]
+    np.testing.assert_array_equal(to_np(keep), want_keep)
+    xh, w1h, w2h = to_np(x), to_np(w1), to_np(w2)
+    hidden = np.maximum(xh @ w1h.T, 0.0) * want_keep / (1.0 - 0.5)  # [2, 5, 6]
+    np.testing.assert_allclose(to_np(y1), hidden @ w2h.T, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
