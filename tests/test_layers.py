@@ -804,7 +804,8 @@ def test_mean_pool_float32_stays_float32(xp, to_xp, to_np):
 @pytest.mark.parametrize("masked", [False, True])
 def test_mean_pool_half_precision_keeps_dtype(xp, to_xp, to_np, backend, masked):
     """float16 is averaged in float32 and rounded once: out and dx are float16. A row of
-    four 30000s averages to 30000 (summed in float16 it would overflow to inf first)."""
+    four 30000s averages to 30000 (summed in float16 it would overflow to inf first); dx is
+    each token's weight times a random dout."""
     if not hasattr(xp, "float16"):
         pytest.skip(f"{backend} has no float16")
     x = xp.astype(to_xp(np.full((2, 4, 3), 30000.0)), xp.float16)
@@ -812,10 +813,14 @@ def test_mean_pool_half_precision_keeps_dtype(xp, to_xp, to_np, backend, masked)
     out, cache = L.mean_pool_forward(x, mask)
     assert out.dtype == xp.float16
     np.testing.assert_array_equal(to_np(xp.astype(out, xp.float64)), np.full((2, 3), 30000.0))
-    dx = L.mean_pool_backward(xp.astype(to_xp(np.ones((2, 3))), xp.float16), cache)
+    dout = xp.astype(to_xp(np.random.default_rng(13).standard_normal((2, 3))), xp.float16)
+    dx = L.mean_pool_backward(dout, cache)
     assert dx.dtype == xp.float16
+    # dx[b, i, :] = w[b, i] * dout[b, :]: the weights are 1/4 and 1/2, powers of two, so the
+    # products of float16 numbers are float16 numbers, exactly
     w = np.array([[0.25] * 4, [0.5, 0.5, 0.0, 0.0]]) if masked else np.full((2, 4), 0.25)
-    np.testing.assert_array_equal(to_np(xp.astype(dx, xp.float64)), np.broadcast_to(w[..., None], (2, 4, 3)))
+    want = w[..., None] * to_np(xp.astype(dout, xp.float64))[:, None, :]  # [2, 4, 3]
+    np.testing.assert_array_equal(to_np(xp.astype(dx, xp.float64)), want)
 
 
 def test_mean_pool_bad_arguments_name_the_argument(xp, to_xp):
