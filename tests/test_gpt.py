@@ -774,24 +774,28 @@ def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
     state = nn.adam_init(model.params)
     other = nn.adam_init(GPT(VOCAB, T, D, 1, H, FF, dtype="float64", backend=xp).params)  # one block
     cases = [
-        (dict(lr=-1.0), ValueError, "lr"), (dict(lr="a"), TypeError, "lr"),
-        (dict(lr=0.1, max_grad_norm=0), ValueError, "max_grad_norm"),
-        (dict(lr=0.1, betas=(0.9,)), ValueError, "betas"),
-        (dict(lr=0.1, eps=-1e-8), ValueError, "eps"),
-        (dict(lr=0.1, weight_decay=-1.0), ValueError, "weight_decay"),
+        (dict(lr=-1.0), ValueError, "^lr: expected a finite number >= 0, got -1.0$"),
+        (dict(lr="a"), TypeError, "^lr: expected a real number, got str 'a'$"),
+        (dict(lr=0.1, max_grad_norm=0), ValueError, "^max_grad_norm: expected a finite number > 0, got 0$"),
+        (dict(lr=0.1, betas=(0.9,)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(0\.9,\)$"),
+        (dict(lr=0.1, eps=-1e-8), ValueError, "^eps: expected a finite number >= 0, got -1e-08$"),
+        (dict(lr=0.1, weight_decay=-1.0), ValueError,
+         "^weight_decay: expected a finite number >= 0, got -1.0$"),
         (dict(lr=0.1, state=nn.AdamState(state.m, state.v, "x")), TypeError, r"^state\.t: expected an int"),
     ]
     for kw, error, match in cases:
         kw = dict(kw)
         with pytest.raises(error, match=match):
             training_step(model, kw.pop("state", state), ids, tgt, **kw)
-    with pytest.raises(ValueError, match="state"):
+    with pytest.raises(ValueError, match=r"^state: expected the Adam moments of these parameters "
+                                         r"\(nn\.adam_init\(params\)\), got moments of other names$"):
         training_step(model, other, ids, tgt, lr=0.1)
     lower = nn.adam_init({k: v[...] * 0.0 for k, v in model.params.items()})  # a float32 Adam state
     lower = lower._replace(m={k: xp.astype(v, xp.float32) for k, v in lower.m.items()})
     with pytest.raises(TypeError, match=r"state\.m\['wte'\]: expected dtype float64"):
         training_step(model, lower, ids, tgt, lr=0.1)  # refused before the forward, not by Adam after it
-    with pytest.raises(TypeError, match="state"):
+    with pytest.raises(TypeError, match=r"^state: expected an npattn\.nn\.AdamState "
+                                        r"\(nn\.adam_init\(params\)\), got None$"):
         training_step(model, None, ids, tgt, lr=0.1)
     assert model.grads == {}  # nothing ran
     np.testing.assert_array_equal(to_numpy(model.forward(ids)), to_numpy(twin.forward(ids)))
