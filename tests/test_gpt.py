@@ -1150,7 +1150,7 @@ def test_a_generate_that_fails_midway_restores_the_mode(monkeypatch):
         model.generate(ids_of(0, (B, 2)), 3, seed=0)
     assert len(calls) == 2
     assert model.training and all(b.training for b in model.blocks)
-    with pytest.raises(RuntimeError, match="expected a forward call first"):
+    with pytest.raises(RuntimeError, match=NO_FORWARD):
         model.backward(np.zeros((B, 2, VOCAB)))
 
 
@@ -1407,7 +1407,7 @@ def test_generate_of_no_new_tokens_drops_the_cached_forward_and_keeps_the_types(
     # and the logits of sampled tokens: those of the forward, in the model's dtype
     out, logits = model.generate(ids_of(1, (B, 3)), 2, greedy=True, return_logits=True)
     assert logits.shape == (B, 2, VOCAB) and logits.dtype == np.float32
-    with pytest.raises(RuntimeError, match="forward"):
+    with pytest.raises(RuntimeError, match=NO_FORWARD):
         model.backward(np.zeros((B, L, VOCAB), dtype=np.float32))
 
 
