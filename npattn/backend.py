@@ -475,16 +475,19 @@ def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:
     if isinstance(seed, np.random.Generator):
         return seed
     check_rng(name, seed)
+    if isinstance(seed, numbers.Integral):  # any Integral as its int: NumPy takes only its own
+        seed = int(seed)
     return np.random.default_rng(seed)
 
 
 def seed_sequence(seed: Any) -> np.random.SeedSequence:
     """The root ``SeedSequence`` a constructor spawns its parts' seeds from, for a ``seed``
     checked by ``validation.check_seed``: ``SeedSequence(seed)`` for None or an int, a copy
-    of a ``SeedSequence`` (spawned from as it stands; the caller's is not advanced)."""
+    of a ``SeedSequence`` (spawned from as it stands; the caller's is not advanced). Any
+    ``numbers.Integral`` seeds as its int (NumPy's ``SeedSequence`` takes only its own)."""
     if isinstance(seed, np.random.SeedSequence):
         return copy.deepcopy(seed)
-    return np.random.SeedSequence(seed)
+    return np.random.SeedSequence(None if seed is None else int(seed))
 
 
 def dropout_key(rng: Any) -> int:

@@ -3,6 +3,7 @@ argument, what was expected and what was received (``npattn.validation`` and
 the module's own checks in ``npattn.module``)."""
 
 import math
+import numbers
 import sys
 
 import numpy as np
@@ -1808,6 +1809,40 @@ def test_every_constructor_takes_an_int_or_a_seed_sequence_as_seed(name, make):
         outs = [to_numpy(m.forward(x)) for m in models]
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
+
+
+class _Integral:
+    """An integer type of another library (registered as ``numbers.Integral``, as sympy's and
+    gmpy2's are): it converts with ``int()`` but is no Python or NumPy int."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __int__(self):
+        return self.n
+
+    __index__ = __int__
+
+    def __lt__(self, other):
+        return self.n < other
+
+    def __repr__(self):
+        return f"_Integral({self.n})"
+
+
+numbers.Integral.register(_Integral)
+
+
+@pytest.mark.parametrize("name, make", _seeded_models(), ids=[n for n, _ in _seeded_models()])
+def test_every_constructor_seeds_any_integral_as_its_int(name, make):
+    """A ``numbers.Integral`` of another library seeds every constructor as the int it stands
+    for (NumPy's SeedSequence refused it with a message that named no argument), and seeds a
+    dropout function's rng= as that int does."""
+    assert _seed_digest(make(_Integral(3))) == _INT_SEED_DIGESTS[name][0]
+    x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    want, _ = F.dropout_forward(x, 0.5, rng=3)
+    got, _ = F.dropout_forward(x, 0.5, rng=_Integral(3))
+    np.testing.assert_array_equal(got, want)
 
 
 def copy_of_seq(seq):
