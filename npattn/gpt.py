@@ -479,7 +479,7 @@ class GPT(BlockStack):
         block's and its attention module's). The model's
         cached forward is dropped: ``backward`` needs a new forward after it.
         A call that fails (memory, say) changes nothing: the mode, the cached
-        forwards and a ``seed`` Generator's state are put back. Logits with a NaN
+        forwards and a ``seed`` Generator's or BitGenerator's state are put back. Logits with a NaN
         or +inf, or a row without a finite one, stop it with a ``ValueError`` that
         names the step.
 
@@ -675,14 +675,16 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     ``nn.adam_init(model.params)``; ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are ``nn.adam_step``'s. The model's ``params`` are
     replaced by the updated ones. ``grad_norm`` is the global norm before
-    clipping to ``max_grad_norm`` (None: no clipping), ``nn.global_norm``. ``model.grads`` keeps
-    the gradients as the backward gave them, before clipping (torch's
-    ``clip_grad_norm_`` scales ``.grad`` in place; the clipped ones are
-    ``nn.clip_grad_norm(model.grads, max_grad_norm)[0]``). Every argument is
-    checked before the forward. Should the step fail after that (memory,
-    say), the model is put back as it was before the call (its forward's
-    cache, its and its blocks' generators, its grads): a failed step changes
-    nothing, and running it again draws the same dropout masks.
+    clipping to ``max_grad_norm`` (None: no clipping), ``nn.global_norm``.
+    ``model.grads`` keeps the gradients as the backward gave them, before
+    clipping (torch's ``clip_grad_norm_`` scales ``.grad`` in place; the clipped
+    ones are ``nn.clip_grad_norm(model.grads, max_grad_norm)[0]``). Every
+    argument is checked before the forward but one, as in ``GPT.loss``: class
+    weights of the counted targets that sum to 0 are found by the cross-entropy.
+    Should the step fail after the forward (that, or memory, say), the model is
+    put back as it was before the call (its forward's cache, its and its blocks'
+    generators, its grads): a failed step changes nothing, and running it again
+    draws the same dropout masks.
     """
     check_training_options(model, state, lr=lr, max_grad_norm=max_grad_norm, betas=betas, eps=eps,
                            weight_decay=weight_decay)
