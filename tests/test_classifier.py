@@ -572,3 +572,18 @@ def test_train_with_a_mode_that_is_no_bool_is_a_type_error_and_changes_nothing()
         with raises(TypeError, "mode", "bool"):
             model.train(mode)
         assert model.training is False and not any(b.training for b in model.blocks), mode
+
+
+def test_defaults_of_the_signature_reach_every_block():
+    """Without them, the classifier is the documented one: width 32, 4 heads, one block with a
+    feed-forward width of 4 * 32, no dropout, and torch's encoder-layer defaults (ReLU, post-norm,
+    layer-norm eps 1e-5), in the model and in every block it builds (the digits demo relies on
+    them)."""
+    m = TransformerClassifier(3, 5, 4, seed=0)
+    assert (m.d_model, m.n_head, m.n_layers, m.d_ff, m.dropout) == (32, 4, 1, 128, 0.0)
+    assert (m.activation, m.norm_first, m.layer_norm_eps) == ("relu", False, 1e-5)
+    assert np.dtype(m.dtype) == np.float32
+    assert len(m.blocks) == 1
+    for b in m.blocks:
+        got = (b.d_model, b.n_head, b.d_ff, b.activation, b.norm_first, b.layer_norm_eps)
+        assert got == (32, 4, 128, "relu", False, 1e-5)

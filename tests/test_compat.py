@@ -273,18 +273,19 @@ def test_flash_attn_func_deterministic_and_scale():
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
-    (dict(window_size=(1,)), TypeError, "window_size"),
-    (dict(window_size="local"), TypeError, "window_size"),
-    (dict(window_size=(1.5, 2)), TypeError, "window_size"),
+    (dict(window_size=(1,)), TypeError, r"^window_size: expected a pair \(left, right\) of ints, -1 for "
+                                        r"an unbounded side, got tuple \(1,\)$"),
+    (dict(window_size="local"), TypeError, r"^window_size: expected a pair .*, got str 'local'$"),
+    (dict(window_size=(1.5, 2)), TypeError, r"^window_size: expected a pair .*, got tuple \(1\.5, 2\)$"),
     (dict(window_size=(True, -1)), TypeError, "^window_size: expected a pair"),  # a bool is no int
-    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=-1.0), ValueError, r"^softcap: expected 0\.0 \(off\) or a finite float > 0, got -1\.0$"),
     (dict(softcap=float("inf")), ValueError, r"^softcap: expected 0.0 \(off\) or a finite float"),
-    (dict(softcap="on"), TypeError, "softcap"),
+    (dict(softcap="on"), TypeError, "^softcap: expected a float, 0.0 for off, got str 'on'$"),
     (dict(softcap=True), TypeError, "^softcap: expected a float, 0.0 for off, got bool"),  # not 1.0
-    (dict(causal=1), TypeError, "causal"),
-    (dict(dropout_p=1.5), ValueError, "dropout_p"),
-    (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
-    (dict(return_attn_probs="yes"), TypeError, "return_attn_probs"),
+    (dict(causal=1), TypeError, "^causal: expected a bool, got int 1$"),
+    (dict(dropout_p=1.5), ValueError, r"^dropout_p: expected a drop probability in \[0, 1\), got 1\.5$"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, r"^alibi_slopes: expected shape \(\d+,\) or .*, got \(3,\)$"),
+    (dict(return_attn_probs="yes"), TypeError, "^return_attn_probs: expected a bool, got str 'yes'$"),
     (dict(softmax_scale="x"), TypeError, "^softmax_scale: expected None or a float"),
     (dict(softmax_scale=float("nan")), ValueError, "^softmax_scale: expected a finite float"),
     (dict(dropout_p=0.1, rng="x"), TypeError, "^rng: expected None, a non-negative int seed"),

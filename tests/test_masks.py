@@ -351,7 +351,8 @@ def test_from_torch_mha_structure(N, H, L, S, seed):
 def test_from_torch_mha_bad_arguments():
     a3 = np.zeros((6, 2, 3), dtype=bool)
     assert masks.from_torch_mha() is None
-    with pytest.raises(ValueError, match="n_head"):
+    with pytest.raises(ValueError, match=r"^attn_mask: a 3-D mask of shape \(6, 2, 3\) needs n_head= "
+                                         r"\(or batch_size=\) to split its first axis N\*H$"):
         masks.from_torch_mha(a3)
     with pytest.raises(ValueError, match=r"^attn_mask: expected first axis N\*H = 1\*4 = 4, "
                                          r"got shape \(6, 2, 3\)"):
@@ -370,7 +371,8 @@ def test_from_torch_mha_bad_arguments():
     # N*H = 6 split by n_head=2 is N = 3, against a key_padding_mask of N = 2
     with pytest.raises(ValueError, match="^key_padding_mask: expected N=3 like attn_mask, got 2"):
         masks.from_torch_mha(a3, np.zeros((2, 3), bool), n_head=2)
-    with pytest.raises(TypeError, match="attn_mask"):
+    with pytest.raises(TypeError,
+                       match="^attn_mask: expected a bool or real floating array, got dtype int64$"):
         masks.from_torch_mha(np.zeros((2, 3), dtype=np.int64))
     for kpm in (np.zeros((2, 3), dtype=np.int64), np.zeros(3, dtype=np.int64)):  # batched or not
         with pytest.raises(TypeError, match="^key_padding_mask: expected a bool or real floating array"):

@@ -345,16 +345,22 @@ def test_bad_constructor_options(kwargs, exc, name):
 def _bad_calls(to_xp):
     good_seg = to_xp(np.zeros((B, LQ), dtype=np.int64))
     return [
-        (dict(window=3), TypeError, "window"),
-        (dict(window=(-1, 0)), ValueError, r"window\[0\]"),
-        (dict(window=(0, 1.5)), TypeError, r"window\[1\]"),
-        (dict(align="left"), ValueError, "align"),
-        (dict(alibi_slopes=to_xp(np.ones(H + 1))), ValueError, "alibi_slopes"),
-        (dict(alibi_slopes=np.ones(H).tolist()), TypeError, "alibi_slopes"),
-        (dict(q_segments=good_seg), ValueError, "q_segments"),
-        (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK)))), TypeError, "k_segments"),
+        (dict(window=3), TypeError,
+         r"^window: expected None or a pair \(left, right\) of ints >= 0 or None, got int 3$"),
+        (dict(window=(-1, 0)), ValueError, r"^window\[0\] \(left\): expected None or an int >= 0, got -1$"),
+        (dict(window=(0, 1.5)), TypeError,
+         r"^window\[1\] \(right\): expected None or an int >= 0, got float 1\.5$"),
+        (dict(align="left"), ValueError, r"^align: expected 'top_left' or 'bottom_right', got 'left'$"),
+        (dict(alibi_slopes=to_xp(np.ones(H + 1))), ValueError,
+         rf"^alibi_slopes: expected shape \({H},\) or \({B}, {H}\) \(H heads of q\), got \({H + 1},\)$"),
+        (dict(alibi_slopes=np.ones(H).tolist()), TypeError,
+         r"^alibi_slopes: expected an? .*array.*, got list"),
+        (dict(q_segments=good_seg), ValueError,
+         r"^q_segments: packed sequences need both q_segments and k_segments, got only q_segments$"),
+        (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK)))), TypeError,
+         r"^k_segments: expected an integer array of segment ids, got dtype float64$"),
         (dict(q_segments=good_seg, k_segments=to_xp(np.zeros((B, LK + 1), dtype=np.int64))),
-         ValueError, "k_segments"),
+         ValueError, rf"^k_segments: expected shape \(B, {LK}\) = \({B}, {LK}\), got \({B}, {LK + 1}\)$"),
         # the NumPy kernel takes windows but no ALiBi (test_an_impl_that_cannot_run_the_call_...)
         (dict(alibi_slopes=to_xp(np.ones(H)), impl="numpy"), ValueError, "impl"),
     ]
