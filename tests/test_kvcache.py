@@ -594,18 +594,26 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
     cache.append(to_xp(np.ones((2, 1, 2, 2))), to_xp(np.ones((2, 1, 2, 2))))
     good = np.zeros((2, 1, 1, 2))
     bad_appends = [
-        ((np.zeros((2, 1, 1, 3)), good), ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\)"),
-        ((good, np.zeros((2, 2, 1, 2))), ValueError, "v_new: expected shape"),
+        ((np.zeros((2, 1, 1, 3)), good), ValueError,
+         r"^k_new: expected shape \(B, Hkv, n, Dh\) = \(2, 1, n, 2\), got \(2, 1, 1, 3\)$"),
+        ((good, np.zeros((2, 2, 1, 2))), ValueError,
+         r"^v_new: expected shape \(B, Hkv, n, Dv\) = \(2, 1, n, 2\), got \(2, 2, 1, 2\)$"),
         # three axes, and five: the new positions' axis is the third of four
         ((np.zeros((2, 1, 2)), good), ValueError,
-         r"^k_new: expected shape \(B, Hkv, n, Dh\) = \(2, 1, n, 2\), got \(2, 1, 2\)"),
-        ((good, np.zeros((2, 1, 1, 2, 1))), ValueError, r"^v_new: expected shape .*, got \(2, 1, 1, 2, 1\)"),
+         r"^k_new: expected shape \(B, Hkv, n, Dh\) = \(2, 1, n, 2\), got \(2, 1, 2\)$"),
+        ((good, np.zeros((2, 1, 1, 2, 1))), ValueError, r"^v_new: expected shape .*, got \(2, 1, 1, 2, 1\)$"),
         # a batch of 1 would broadcast over the cache's 2 in a slice assignment
-        ((np.zeros((1, 1, 1, 2)),) * 2, ValueError, r"k_new: expected shape \(B, Hkv, n, Dh\) = \(2,"),
-        ((np.zeros((2, 1, 0, 2)), np.zeros((2, 1, 0, 2))), ValueError, "k_new: expected at least 1"),
-        ((good, np.zeros((2, 1, 2, 2))), ValueError, r"v_new: expected 1 position \(those"),
-        ((good.astype(np.float32), good), TypeError, "k_new: expected dtype float64"),
-        ((np.zeros((2, 1, 3, 2)),) * 2, ValueError, "kv_cache: .*capacity 4"),
+        ((np.zeros((1, 1, 1, 2)),) * 2, ValueError,
+         r"^k_new: expected shape \(B, Hkv, n, Dh\) = \(2, 1, n, 2\), got \(1, 1, 1, 2\)$"),
+        ((np.zeros((2, 1, 0, 2)), np.zeros((2, 1, 0, 2))), ValueError,
+         "^k_new: expected at least 1 new position, got 0$"),
+        ((good, np.zeros((2, 1, 2, 2))), ValueError,
+         r"^v_new: expected 1 position \(those of k_new\), got shape \(2, 1, 2, 2\)$"),
+        ((good.astype(np.float32), good), TypeError,
+         r"^k_new: expected dtype float64 \(that of the cache\), got float32 .*$"),
+        ((np.zeros((2, 1, 3, 2)),) * 2, ValueError,
+         r"^kv_cache: expected room for 3 new positions .*, but entry 0 holds 2 of capacity 4 "
+         r"\(2 \+ 3 = 5 > 4\); nothing was written$"),
     ]
     for (k, v), exc, match in bad_appends:
         for method in (cache.append, cache.right_aligned):  # the view checks what append does
@@ -613,7 +621,7 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
             with pytest.raises(exc, match=match):
                 method(to_xp(k), to_xp(v))
             _assert_state(cache, state, to_np)
-    with pytest.raises(TypeError, match="k_new"):
+    with pytest.raises(TypeError, match=r"^k_new: expected an? \S+ array, got list$"):
         cache.append(good.tolist(), good)
     if backend != "numpy":  # keys of another library are refused by name, not copied in
         state = _state(cache, to_np)
@@ -621,14 +629,16 @@ def test_kvcache_bad_appends_and_truncates(backend, xp, to_xp, to_np):
             cache.append(good, good)
         _assert_state(cache, state, to_np)
     bad_truncates = [
-        ([1, 3], ValueError, r"seqlens\[1\]: expected at most 2"),
-        ([1], ValueError, "expected 2 lengths"),
-        ([-1, 0], ValueError, r"seqlens\[0\]"),
-        ([1.0, 0], TypeError, r"seqlens\[0\]"),
-        (True, TypeError, r"^seqlens: expected an int or 2 ints .*got bool"),  # not a length of 1
-        ("1", TypeError, "seqlens"),
-        (np.zeros((2, 1), dtype=int), TypeError, r"seqlens: .*got numpy.ndarray of shape \(2, 1\)"),
-        ({1, 2}, TypeError, r"^seqlens: .*got set"),  # a set has no order
+        ([1, 3], ValueError,
+         r"^seqlens\[1\]: expected at most 2 \(entry 1's length; truncate cannot lengthen\), got 3$"),
+        ([1], ValueError, r"^seqlens: expected 2 lengths \(one per batch entry\), got 1$"),
+        ([-1, 0], ValueError, r"^seqlens\[0\]: expected an int >= 0, got -1$"),
+        ([1.0, 0], TypeError, r"^seqlens\[0\]: expected an int >= 0, got float 1\.0$"),
+        (True, TypeError, r"^seqlens: expected an int or 2 ints .*, got bool$"),  # not a length of 1
+        ("1", TypeError, r"^seqlens: expected an int or 2 ints .*, got str$"),
+        (np.zeros((2, 1), dtype=int), TypeError,
+         r"^seqlens: expected an int or 2 ints .*, got numpy\.ndarray of shape \(2, 1\)$"),
+        ({1, 2}, TypeError, r"^seqlens: expected an int or 2 ints .*, got set$"),  # a set has no order
     ]
     for seqlens, exc, match in bad_truncates:
         with pytest.raises(exc, match=match):
