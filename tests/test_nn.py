@@ -2,6 +2,7 @@
 
 import decimal
 import math
+import re
 import warnings
 
 import numpy as np
@@ -828,7 +829,9 @@ def test_clip_grad_norm_rejects_bad_max_norm(bad, exc):
                                       (True, TypeError), ("1e-6", TypeError)])
 def test_clip_grad_norm_rejects_bad_eps(bad, exc):
     """eps is a finite number >= 0 (a negative one could divide by total + eps = 0)."""
-    with pytest.raises(exc, match="^eps: expected"):
+    received = {True: "bool True", "1e-6": "str '1e-6'"}.get(bad, repr(bad))
+    expected = "a real number" if exc is TypeError else "a finite number >= 0"
+    with pytest.raises(exc, match=rf"^eps: expected {expected}, got {re.escape(received)}$"):
         nn.clip_grad_norm({"a": np.ones(2)}, 1.0, eps=bad)
 
 
@@ -984,23 +987,31 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
     rng = np.random.default_rng(0)
     table, logits = rng.standard_normal((5, 2)), rng.standard_normal((2, 3, 5))
     good = np.array([[0, 4, 1], [2, 3, 0]])
-    for ids, err, match in ((np.array([[0, 5, 1]]), ValueError, r"ids: expected token ids in \[0, 5\)"),
-                            (np.array([-1]), ValueError, r"ids: expected token ids in \[0, 5\)"),
-                            (good.astype(np.float64), TypeError, "ids: expected an integer array of token ids")):
+    for ids, err, match in (
+            (np.array([[0, 5, 1]]), ValueError,
+             r"^ids: expected token ids in \[0, 5\), got values in \[0, 5\]$"),
+            (np.array([-1]), ValueError, r"^ids: expected token ids in \[0, 5\), got values in \[-1, -1\]$"),
+            (good.astype(np.float64), TypeError,
+             "^ids: expected an integer array of token ids, got dtype float64$")):
         with pytest.raises(err, match=match):
             nn.embedding_forward(ids, table)
-    for tgt, err, match in ((np.where(good == 4, 5, good), ValueError, r"targets: expected class indices in \[0, 5\)"),
-                            (np.where(good == 4, -1, good), ValueError, r"targets: expected class indices in \[0, 5\)"),
-                            (good > 0, TypeError, "targets: expected an integer array of class indices"),
-                            (good[:, :2], ValueError, r"targets: expected shape \(2, 3\)")):
+    for tgt, err, match in (
+            (np.where(good == 4, 5, good), ValueError,
+             r"^targets: expected class indices in \[0, 5\), got values in \[0, 5\]$"),
+            (np.where(good == 4, -1, good), ValueError,
+             r"^targets: expected class indices in \[0, 5\), got values in \[-1, 3\]$"),
+            (good > 0, TypeError, "^targets: expected an integer array of class indices, got dtype bool$"),
+            (good[:, :2], ValueError,
+             r"^targets: expected shape \(2, 3\) \(that of logits without its last axis\), got \(2, 2\)$")):
         before = tgt.copy()
         with pytest.raises(err, match=match):
             nn.cross_entropy_forward(logits, tgt)
         np.testing.assert_array_equal(tgt, before)
     loss, cache = nn.cross_entropy_forward(logits, good)
-    with pytest.raises(ValueError, match=r"dloss: expected shape \(\)"):
+    with pytest.raises(ValueError, match=r"^dloss: expected shape \(\) \(that of the loss\), got \(3,\)$"):
         nn.cross_entropy_backward(np.ones(3), cache)
-    with pytest.raises(TypeError, match="dloss: expected dtype float64"):
+    with pytest.raises(TypeError, match=r"^dloss: expected dtype float64 \(that of the loss\), got float32 "
+                       r"\(no silent promotion\)$"):
         nn.cross_entropy_backward(np.ones((), dtype=np.float32), cache)
     # a number a float holds, and finite (10**400 raised OverflowError; inf and NaN gave NaN)
     for bad, text in ((10**400, "an int too large for a float (1329 bits)"), (math.inf, "inf"),
@@ -1012,7 +1023,7 @@ def test_ids_targets_and_dloss_are_checked_before_computing():
     np.testing.assert_array_equal(d1, d2)
     # or of shape (1,), as gradcheck passes it; a bool is no number (True would scale by 1)
     np.testing.assert_array_equal(nn.cross_entropy_backward(np.ones(1), cache)[0], d1)
-    with pytest.raises(TypeError, match="^dloss: expected an array, got bool"):
+    with pytest.raises(TypeError, match="^dloss: expected an array, got bool$"):
         nn.cross_entropy_backward(True, cache)
 
 
