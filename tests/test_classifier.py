@@ -209,7 +209,11 @@ def test_weights_of_shapes_where_auto_would_take_the_blocked_path(monkeypatch):
     model.blocks[1].self_attn.impl = "blocked"  # asked for weights it cannot give: before any block
     with pytest.raises(ValueError, match="impl='blocked' cannot return attention weights"):
         model.forward(x, need_weights=True)
-    model.backward(np.ones((B, model.params["head.weight"].shape[0])))  # the kept forward's
+    dlogits = np.random.default_rng(8).standard_normal((B, C))  # random, never all ones
+    model.backward(dlogits)  # the kept forward's: the gradient of the logits it gave
+    report = check_vjp(model.forward, [x], [model.dx], dlogits, names=["x"], n_directions=2, seed=9)
+    assert report.ok, str(report)
+    assert np.max(np.abs(model.dx)) > 0.0
 
 
 def test_one_seed_gives_the_same_numbers_on_every_backend(xp, to_xp, to_np, backend):
