@@ -522,46 +522,60 @@ def test_flash_attn_varlen_func_matches_flash_attn_func_on_equal_lengths():
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(cu_seqlens_q=np.array([1, 3, 7, 8, 8])), ValueError, r"^cu_seqlens_q: expected cumulative"),
-    (dict(cu_seqlens_q=np.array([0, 3, 2, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
+    (dict(cu_seqlens_q=np.array([1, 3, 7, 8, 8])), ValueError,
+     r"^cu_seqlens_q: expected cumulative lengths, non-decreasing from 0 to 7 \(the tokens of q\), "
+     r"got \[1, 3, 7, 8, 8\]$"),
+    (dict(cu_seqlens_q=np.array([0, 3, 2, 7, 7])), ValueError,
+     r"^cu_seqlens_q: expected cumulative lengths, .*, got \[0, 3, 2, 7, 7\]$"),
     # a column of the right entries is not the 1-D array flash-attn takes
     (dict(cu_seqlens_q=np.array([[0], [2], [6], [7], [7]], np.int32)), ValueError,
-     r"^cu_seqlens_q: expected cumulative sequence lengths \(B \+ 1,\), a 1-D integer array, got shape \(5, 1\)"),
+     r"^cu_seqlens_q: expected cumulative sequence lengths \(B \+ 1,\), a 1-D integer array, "
+     r"got shape \(5, 1\)$"),
     # ends at total_q = 7 and never decreases, but skips token 0
-    (dict(cu_seqlens_q=np.array([1, 3, 6, 7, 7])), ValueError, r"^cu_seqlens_q: expected cumulative"),
-    (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 6])), ValueError, r"^cu_seqlens_k: expected cumulative.*to 7"),
-    (dict(cu_seqlens_k=np.array([0, 7])), ValueError, r"^cu_seqlens_k: expected B \+ 1 = 5"),
-    (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 7, 7])), ValueError, r"^cu_seqlens_k: expected B \+ 1 = 5"),
-    (dict(cu_seqlens_q=np.array([0.0, 2, 6, 7, 7])), TypeError, r"^cu_seqlens_q: expected an integer"),
-    (dict(max_seqlen_q=3), ValueError, r"^max_seqlen_q: expected at least the longest sequence, 4"),
-    (dict(max_seqlen_k=2.0), TypeError, r"^max_seqlen_k"),
+    (dict(cu_seqlens_q=np.array([1, 3, 6, 7, 7])), ValueError,
+     r"^cu_seqlens_q: expected cumulative lengths, .*, got \[1, 3, 6, 7, 7\]$"),
+    (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 6])), ValueError,
+     r"^cu_seqlens_k: expected cumulative lengths, non-decreasing from 0 to 7 \(the tokens of k\), "
+     r"got \[0, 3, 5, 5, 6\]$"),
+    (dict(cu_seqlens_k=np.array([0, 7])), ValueError,
+     r"^cu_seqlens_k: expected B \+ 1 = 5 entries like cu_seqlens_q, got 2$"),
+    (dict(cu_seqlens_k=np.array([0, 3, 5, 5, 7, 7])), ValueError,
+     r"^cu_seqlens_k: expected B \+ 1 = 5 entries like cu_seqlens_q, got 6$"),
+    (dict(cu_seqlens_q=np.array([0.0, 2, 6, 7, 7])), TypeError,
+     r"^cu_seqlens_q: expected an integer dtype \(cumulative sequence lengths \(B \+ 1,\)\), got float64$"),
+    (dict(max_seqlen_q=3), ValueError, r"^max_seqlen_q: expected at least the longest sequence, 4, got 3$"),
+    (dict(max_seqlen_k=2.0), TypeError, r"^max_seqlen_k: expected an int >= 0, got float 2\.0$"),
     (dict(block_table=np.zeros((4, 1), np.int32)), NotImplementedError, r"^block_table"),
-    (dict(alibi_slopes=np.ones((3, 4))), ValueError, r"^alibi_slopes: expected the number of sequences"),
-    (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(4, 4\)"),
-    (dict(softmax_scale="x"), TypeError, r"^softmax_scale: expected None or a float"),
-    (dict(dropout_p=1.5), ValueError, r"^dropout_p"),
-    (dict(deterministic="yes"), TypeError, r"^deterministic: expected a bool"),
+    (dict(alibi_slopes=np.ones((3, 4))), ValueError,
+     r"^alibi_slopes: expected the number of sequences B = 4 on axis 0, got shape \(3, 4\)$"),
+    (dict(alibi_slopes=np.ones(5)), ValueError,
+     r"^alibi_slopes: expected shape \(4,\) or \(4, 4\) \(nheads of q, or batch and nheads\), got \(5,\)$"),
+    (dict(softmax_scale="x"), TypeError, r"^softmax_scale: expected None or a float, got str 'x'$"),
+    (dict(dropout_p=1.5), ValueError, r"^dropout_p: expected a drop probability in \[0, 1\), got 1\.5$"),
+    (dict(deterministic="yes"), TypeError, r"^deterministic: expected a bool, got str 'yes'$"),
     # a grid no library indexes, before any sequence is computed (NumPy's message came after)
     (dict(max_seqlen_q=10**30, return_attn_probs=True), ValueError,
-     r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer"),
+     r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer "
+     rf"than 2\*\*62 entries \(S_dmask, dropout_mask\), got \(4, 4, {10**30}, 3\)$"),
     # a keep-mask spans that grid too, and exactly 2**62 entries (B Hq = 16 = 2**4) is refused
     (dict(max_seqlen_q=10**30, dropout_p=0.5, dropout_mask=np.ones((1, 1, 1, 1), bool)), ValueError,
-     r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer"),
+     r"^max_seqlen_q, max_seqlen_k: expected a \(B, Hq, max_seqlen_q, max_seqlen_k\) grid of fewer "
+     rf"than 2\*\*62 entries \(S_dmask, dropout_mask\), got \(4, 4, {10**30}, 3\)$"),
     (dict(max_seqlen_q=2**29, max_seqlen_k=2**29, dropout_p=0.5, dropout_mask=np.ones((1, 1, 1, 1), bool)),
      ValueError, r"^max_seqlen_q, max_seqlen_k: .* fewer than 2\*\*62 entries .* "
-                 r"got \(4, 4, 536870912, 536870912\)"),
+                 r"got \(4, 4, 536870912, 536870912\)$"),
     # the keep-mask itself, before the sequences take their blocks of it
     (dict(dropout_p=0.5, dropout_mask=np.ones((3, 4, 4, 3), bool)), ValueError,
      r"^dropout_mask: expected a shape that broadcasts to \(B, Hq, max_seqlen_q, max_seqlen_k\) "
-     r"= \(4, 4, 4, 3\)"),
+     r"= \(4, 4, 4, 3\) \(each axis 1 or equal to it\), got shape \(3, 4, 4, 3\)$"),
     (dict(dropout_p=0.5, dropout_mask=np.ma.masked_array(np.ones((4, 4, 4, 3), bool))), TypeError,
      r"^dropout_mask: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
     # a list of lengths holds ints (2.0 is no token count)
     (dict(cu_seqlens_q=[0, 2.0, 6, 7, 7]), TypeError,
-     r"^cu_seqlens_q: expected cumulative sequence lengths \(B \+ 1,\) as ints, got \[0, 2.0, 6, 7, 7\]"),
+     r"^cu_seqlens_q: expected cumulative sequence lengths \(B \+ 1,\) as ints, got \[0, 2\.0, 6, 7, 7\]$"),
     (dict(cu_seqlens_k=np.array(7, np.int32)), ValueError,
      r"^cu_seqlens_k: expected cumulative sequence lengths \(B \+ 1,\), a 1-D integer array, "
-     r"got shape \(\)"),
+     r"got shape \(\)$"),
 ])
 def test_flash_attn_varlen_func_bad_input_names_the_argument(change, exc, match):
     q, k, v, cq, ck, _ = varlen_inputs()
@@ -607,10 +621,11 @@ def test_flash_attn_varlen_func_lse_dtype_when_no_sequence_has_keys():
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(q=np.ones((2, 2, 3), np.int64)), TypeError, r"^q: expected a real floating"),
-    (dict(k=np.ones((2, 2, 3), np.float32)), TypeError, r"^k: "),
-    (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale: expected a finite float"),
-    (dict(dropout_p=7.0), ValueError, r"^dropout_p"),
+    (dict(q=np.ones((2, 2, 3), np.int64)), TypeError, r"^q: expected a real floating dtype, got int64$"),
+    (dict(k=np.ones((2, 2, 3), np.float32)), TypeError,
+     r"^k: expected dtype float64 \(that of q\), got float32 \(no silent promotion\)$"),
+    (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale: expected a finite float, got inf$"),
+    (dict(dropout_p=7.0), ValueError, r"^dropout_p: expected a drop probability in \[0, 1\), got 7\.0$"),
 ])
 def test_flash_attn_varlen_func_checks_without_any_sequence_to_compute(change, exc, match):
     # sequence 0 has no queries and sequence 1 no keys: nothing is computed, all is checked
@@ -827,36 +842,48 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(cache_seqlens=np.array([2, 7], np.int32)), ValueError, r"^cache_seqlens: expected 0 <="),
+    (dict(cache_seqlens=np.array([2, 7], np.int32)), ValueError,
+     r"^cache_seqlens: expected 0 <= cache_seqlens\[b\] <= Lc - Lnew = 8 - 2, got \[2, 7\]$"),
     # a negative count would write before the cache's start (NumPy wraps the slice)
-    (dict(cache_seqlens=np.array([-1, 3], np.int32)), ValueError, r"^cache_seqlens: expected 0 <="),
-    (dict(cache_seqlens=np.array([2], np.int32)), ValueError, r"^cache_seqlens: expected B = 2"),
+    (dict(cache_seqlens=np.array([-1, 3], np.int32)), ValueError,
+     r"^cache_seqlens: expected 0 <= cache_seqlens\[b\] <= Lc - Lnew = 8 - 2, got \[-1, 3\]$"),
+    (dict(cache_seqlens=np.array([2], np.int32)), ValueError,
+     r"^cache_seqlens: expected B = 2 entries \(the batch of q\), got 1$"),
     # a count per batch entry: one more is refused, not ignored
-    (dict(cache_seqlens=np.array([2, 3, 1], np.int32)), ValueError, r"^cache_seqlens: expected B = 2"),
+    (dict(cache_seqlens=np.array([2, 3, 1], np.int32)), ValueError,
+     r"^cache_seqlens: expected B = 2 entries \(the batch of q\), got 3$"),
     (dict(cache_seqlens=None), ValueError, r"^cache_seqlens: needed with k and v"),
     (dict(v=None), ValueError, r"^k: new keys and values come together"),
     (dict(k=None), ValueError, r"^v: new keys and values come together"),
-    (dict(k=np.zeros((2, 2, 2, 5))), ValueError, r"^k: expected the head width of q = 4"),
-    (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError, r"^k_cache: expected at least the batch of q"),
-    (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError, r"^k: expected the dtype of q"),
+    (dict(k=np.zeros((2, 2, 2, 5))), ValueError,
+     r"^k: expected the head width of q = 4 on axis 3, got shape \(2, 2, 2, 5\)$"),
+    (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError,
+     r"^k_cache: expected at least the batch of q, 2, on axis 0, got shape \(1, 8, 2, 4\)$"),
+    (dict(k=np.zeros((2, 2, 2, 4), np.float32)), TypeError,
+     r"^k: expected the dtype of q, float64, got float32 \(no silent promotion\)$"),
     # an integer q is q's error (it was blamed on k_cache: "expected the dtype of q, int64")
-    (dict(q=np.zeros((2, 3, 4, 4), np.int64)), TypeError, r"^q: expected a real floating dtype, got int64"),
+    (dict(q=np.zeros((2, 3, 4, 4), np.int64)), TypeError, r"^q: expected a real floating dtype, got int64$"),
     # no queries: named in flash's layout (batch, seqlen, nheads, headdim), before the append
     (dict(q=np.zeros((2, 0, 4, 4))), ValueError, r"^q: expected a seqlen \(axis 1\) of at least 1, "
-                                                 r"got shape \(2, 0, 4, 4\)"),
+                                                 r"got shape \(2, 0, 4, 4\)$"),
     # a value width of 0, refused as flash_attn_func's headdim of 0 (it gave an empty output)
     (dict(v_cache="no width"), ValueError, r"^v_cache: expected a headdim \(axis 3\) of at least 1, "
-                                          r"got shape \(3, 8, 2, 0\)"),
-    (dict(window_size=(-1, -1, 0)), TypeError, r"^window_size"),
+                                          r"got shape \(3, 8, 2, 0\)$"),
+    (dict(window_size=(-1, -1, 0)), TypeError,
+     r"^window_size: expected a pair \(left, right\) of ints, -1 for an unbounded side, "
+     r"got tuple \(-1, -1, 0\)$"),
     # checked by the dispatcher: before the append, not after it
-    (dict(alibi_slopes=np.ones(5)), ValueError, r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
+    (dict(alibi_slopes=np.ones(5)), ValueError,
+     r"^alibi_slopes: expected shape \(4,\) or \(2, 4\) \(nheads of q, or batch and nheads\), got \(5,\)$"),
     # slopes per cache row (Bc = 3) rather than per batch entry of q (B = 2)
-    (dict(alibi_slopes=np.ones((3, 4))), ValueError, r"^alibi_slopes: expected the batch of q = 2 on axis 0"),
-    (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float"),
-    (dict(softmax_scale="x"), TypeError, r"^softmax_scale"),
-    (dict(num_splits="x"), TypeError, r"^num_splits: expected an int >= 0"),
-    (dict(rotary_interleaved="x"), TypeError, r"^rotary_interleaved: expected a bool"),
-    (dict(v_cache="read-only"), TypeError, r"^v_cache: expected an array that can be written in place"),
+    (dict(alibi_slopes=np.ones((3, 4))), ValueError,
+     r"^alibi_slopes: expected the batch of q = 2 on axis 0, got shape \(3, 4\)$"),
+    (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a finite float, got nan$"),
+    (dict(softmax_scale="x"), TypeError, r"^softmax_scale: expected None or a float, got str 'x'$"),
+    (dict(num_splits="x"), TypeError, r"^num_splits: expected an int >= 0, got str 'x'$"),
+    (dict(rotary_interleaved="x"), TypeError, r"^rotary_interleaved: expected a bool, got str 'x'$"),
+    (dict(v_cache="read-only"), TypeError,
+     r"^v_cache: expected an array that can be written in place \(.*\), got a read-only numpy\.ndarray$"),
     # the arrays themselves: checked before the append, not by the attention after it
     (dict(q="masked"), TypeError, r"^q: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
     (dict(v="masked"), TypeError, r"^v: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
@@ -870,23 +897,28 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
      r"^k_cache: the query heads \(4\) must be a multiple of the key/value heads, got 0"),
     # every shape against the one it must match, before the append writes into either cache
     (dict(k_cache=np.zeros((3, 8, 2, 5))), ValueError,
-     r"^k_cache: expected the head width of q = 4 on axis 3"),
+     r"^k_cache: expected the head width of q = 4 on axis 3, got shape \(3, 8, 2, 5\)$"),
     (dict(v_cache=np.zeros((2, 8, 2, 3))), ValueError,
-     r"^v_cache: expected the batch of k_cache = 3 on axis 0"),
+     r"^v_cache: expected the batch of k_cache = 3 on axis 0, got shape \(2, 8, 2, 3\)$"),
     (dict(v_cache=np.zeros((3, 7, 2, 3))), ValueError,
-     r"^v_cache: expected the length of k_cache = 8 on axis 1"),
-    (dict(k=np.zeros((3, 2, 2, 4))), ValueError, r"^k: expected the batch of q = 2 on axis 0"),
+     r"^v_cache: expected the length of k_cache = 8 on axis 1, got shape \(3, 7, 2, 3\)$"),
+    (dict(k=np.zeros((3, 2, 2, 4))), ValueError,
+     r"^k: expected the batch of q = 2 on axis 0, got shape \(3, 2, 2, 4\)$"),
     # fewer heads than the cache: refused, not broadcast into every head of it
-    (dict(k=np.zeros((2, 2, 1, 4))), ValueError, r"^k: expected the heads of k_cache = 2 on axis 2"),
-    (dict(v=np.zeros((2, 2, 1, 3))), ValueError, r"^v: expected the heads of k_cache = 2 on axis 2"),
-    (dict(v=np.zeros((2, 1, 2, 3))), ValueError, r"^v: expected the new length of k = 2 on axis 1"),
-    (dict(v=np.zeros((2, 2, 2, 4))), ValueError, r"^v: expected the value width of v_cache = 3 on axis 3"),
+    (dict(k=np.zeros((2, 2, 1, 4))), ValueError,
+     r"^k: expected the heads of k_cache = 2 on axis 2, got shape \(2, 2, 1, 4\)$"),
+    (dict(v=np.zeros((2, 2, 1, 3))), ValueError,
+     r"^v: expected the heads of k_cache = 2 on axis 2, got shape \(2, 2, 1, 3\)$"),
+    (dict(v=np.zeros((2, 1, 2, 3))), ValueError,
+     r"^v: expected the new length of k = 2 on axis 1, got shape \(2, 1, 2, 3\)$"),
+    (dict(v=np.zeros((2, 2, 2, 4))), ValueError,
+     r"^v: expected the value width of v_cache = 3 on axis 3, got shape \(2, 2, 2, 4\)$"),
     (dict(v=np.zeros((2, 2, 2, 3), np.float32)), TypeError,
-     r"^v: expected the dtype of q, float64, got float32"),
-    (dict(return_softmax_lse="yes"), TypeError, r"^return_softmax_lse: expected a bool"),
+     r"^v: expected the dtype of q, float64, got float32 \(no silent promotion\)$"),
+    (dict(return_softmax_lse="yes"), TypeError, r"^return_softmax_lse: expected a bool, got str 'yes'$"),
     # 2.5 keys is no position to write at: refused, not rounded
     (dict(cache_seqlens=[2.5, 3]), TypeError,
-     r"^cache_seqlens: expected keys in the cache per batch entry \(B,\) as ints, got \[2.5, 3\]"),
+     r"^cache_seqlens: expected keys in the cache per batch entry \(B,\) as ints, got \[2\.5, 3\]$"),
 ])
 def test_flash_attn_with_kvcache_bad_input_leaves_the_cache_alone(change, exc, match):
     q, k_cache, v_cache, k_new, v_new = kvcache_inputs()
@@ -1320,35 +1352,48 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(mask=np.ones((1, 1, 4, 6))), TypeError, r"^mask: expected a bool array"),
-    (dict(bias=np.ones((1, 1, 1, 4, 6))), ValueError, r"^bias: expected at most 4 axes"),
-    (dict(bias=np.ones((4, 5))), ValueError, r"^bias"),
-    (dict(implementation="flash"), ValueError, r"^implementation: expected None, 'xla' or 'cudnn'"),
+    (dict(mask=np.ones((1, 1, 4, 6))), TypeError,
+     r"^mask: expected a bool array \(True = takes part; an additive mask goes to bias\), "
+     r"got dtype float64$"),
+    (dict(bias=np.ones((1, 1, 1, 4, 6))), ValueError,
+     r"^bias: expected at most 4 axes, broadcastable to \(B, N, T, S\), got shape \(1, 1, 1, 4, 6\)$"),
+    (dict(bias=np.ones((4, 5))), ValueError,
+     r"^bias: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\) .*, "
+     r"got shape \(1, 1, 4, 5\)$"),
+    (dict(implementation="flash"), ValueError,
+     r"^implementation: expected None, 'xla' or 'cudnn', got 'flash'$"),
     # not a str: a TypeError (a one-element array of a name was taken for the name)
-    (dict(implementation=1), TypeError, r"^implementation: expected None, 'xla' or 'cudnn', got int 1"),
+    (dict(implementation=1), TypeError, r"^implementation: expected None, 'xla' or 'cudnn', got int 1$"),
     (dict(implementation=np.array(["xla"])), TypeError,
      r"^implementation: expected None, 'xla' or 'cudnn', got numpy.ndarray"),
     # an array: its == against the names was an array, whose truth value failed naming nothing
     (dict(implementation=np.array(["xla", "cudnn"])), TypeError,
      r"^implementation: expected None, 'xla' or 'cudnn', got numpy.ndarray "),
-    (dict(local_window_size=-1), ValueError, r"^local_window_size: expected sides >= 0"),
-    (dict(local_window_size=(2, -1)), ValueError, r"^local_window_size: expected sides >= 0"),
-    (dict(local_window_size="wide"), TypeError, r"^local_window_size"),
-    (dict(query_seq_lengths=np.array([4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
-    (dict(query_seq_lengths=np.array([4, 4, 4], np.int32)), ValueError, r"^query_seq_lengths: expected shape"),
-    (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError, r"^key_value_seq_lengths"),
+    (dict(local_window_size=-1), ValueError, r"^local_window_size: expected sides >= 0, got -1$"),
+    (dict(local_window_size=(2, -1)), ValueError, r"^local_window_size: expected sides >= 0, got \(2, -1\)$"),
+    (dict(local_window_size="wide"), TypeError,
+     r"^local_window_size: expected None, an int or a pair \(left, right\) of ints, got str 'wide'$"),
+    (dict(query_seq_lengths=np.array([4], np.int32)), ValueError,
+     r"^query_seq_lengths: expected shape \(B,\) = \(2,\), got 1 entries$"),
+    (dict(query_seq_lengths=np.array([4, 4, 4], np.int32)), ValueError,
+     r"^query_seq_lengths: expected shape \(B,\) = \(2,\), got 3 entries$"),
+    (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError,
+     r"^key_value_seq_lengths: expected an integer dtype \(sequence lengths \(B,\)\), got float64$"),
     # a negative length: refused (it was taken as 0, rows with nothing to attend)
     (dict(query_seq_lengths=np.array([-1, 3], np.int32)), ValueError,
-     r"^query_seq_lengths: expected lengths >= 0, got \[-1, 3\]"),
-    (dict(key_value_seq_lengths=[-5, 3]), ValueError, r"^key_value_seq_lengths: expected lengths >= 0"),
+     r"^query_seq_lengths: expected lengths >= 0, got \[-1, 3\]$"),
+    (dict(key_value_seq_lengths=[-5, 3]), ValueError,
+     r"^key_value_seq_lengths: expected lengths >= 0, got \[-5, 3\]$"),
     # the attention core's checks, named as this function's arguments (q, k, v, mask before)
     (dict(bias=np.ones((1, 1, 4, 6), np.float32)), TypeError,
-     r"^bias: expected a floating mask of dtype float64 \(that of query\), got float32"),
-    (dict(value=np.float32), TypeError, r"^value: expected dtype float64 \(that of query\), got float32"),
+     r"^bias: expected a floating mask of dtype float64 \(that of query\), got float32; cast it first "
+     r"\(no silent promotion\)$"),
+    (dict(value=np.float32), TypeError,
+     r"^value: expected dtype float64 \(that of query\), got float32 \(no silent promotion\)$"),
     # value's layout ends in its own width Dv, which may differ from H (it said (B, S, K, H))
     (dict(value=np.ones((2, 6, 2))), ValueError,
-     r"^value: expected 4 axes \(B, S, K, Dv\), got shape \(2, 6, 2\)"),
-    (dict(value="v"), TypeError, r"^value: expected an array \(B, S, K, Dv\) or without B, got str"),
+     r"^value: expected 4 axes \(B, S, K, Dv\), got shape \(2, 6, 2\)$"),
+    (dict(value="v"), TypeError, r"^value: expected an array \(B, S, K, Dv\) or without B, got str$"),
     # query's rank decides the layout: a query of neither is told both (it was told 3 axes only)
     (dict(query=np.ones((1, 2, 4, 4, 5))), ValueError,
      r"^query: expected 4 axes \(B, T, N, H\) or 3 \(T, N, H\), got shape \(1, 2, 4, 4, 5\)$"),
@@ -1356,16 +1401,18 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
      r"^query: expected 4 axes \(B, T, N, H\) or 3 \(T, N, H\), got shape \(4, 5\)$"),
     # mask and bias together: each checked under its own name before they are combined
     (dict(bias=np.ones((4, 5)), mask=np.ones((4, 6), bool)), ValueError,
-     r"^bias: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\)"),
+     r"^bias: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\) .*, "
+     r"got shape \(1, 1, 4, 5\)$"),
     (dict(mask=np.ones((4, 5), bool), bias=np.ones((4, 6))), ValueError,
-     r"^mask: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\)"),
+     r"^mask: expected a shape that broadcasts to \(B, N, T, S\) = \(2, 4, 4, 6\) .*, "
+     r"got shape \(1, 1, 4, 5\)$"),
     (dict(mask=np.ma.masked_array(np.ones((4, 6), bool)), bias=np.ones((4, 6))), TypeError,
      r"^mask: expected a plain numpy.ndarray, got numpy.ma.MaskedArray"),
     # lengths: a list holds ints, an array has one axis
     (dict(key_value_seq_lengths=[4.5, 5]), TypeError,
-     r"^key_value_seq_lengths: expected sequence lengths \(B,\) as ints, got \[4.5, 5\]"),
+     r"^key_value_seq_lengths: expected sequence lengths \(B,\) as ints, got \[4\.5, 5\]$"),
     (dict(query_seq_lengths=np.array(4, np.int32)), ValueError,
-     r"^query_seq_lengths: expected sequence lengths \(B,\), a 1-D integer array, got shape \(\)"),
+     r"^query_seq_lengths: expected sequence lengths \(B,\), a 1-D integer array, got shape \(\)$"),
 ])
 def test_dot_product_attention_bad_input_names_the_argument(kwargs, exc, match):
     q, k, v, _, _, _ = jax_case("bias_mask_gqa")
