@@ -122,7 +122,7 @@ def _gqa(q_heads: int, kv_heads: int, name: str = "k") -> bool:
     """Whether the K/V heads are fewer (grouped-query attention); ``ValueError`` unless they divide."""
     if kv_heads == 0 or q_heads % kv_heads != 0:
         raise ValueError(
-            f"{name}: the query heads ({q_heads}) must be a multiple of the key/value heads, "
+            f"{name}: expected key/value heads that divide the query heads ({q_heads}), "
             f"got {kv_heads}"
         )
     return q_heads != kv_heads
@@ -754,7 +754,7 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
     gqa = _gqa(Hq, Hkv, "k_cache")
     if (k is None) != (v is None):
         given = "k" if v is None else "v"
-        raise ValueError(f"{given}: new keys and values come together, got only {given}")
+        raise ValueError(f"{given}: expected k and v together (new keys and values), got only {given}")
     Lnew = 0
     if k is not None:
         _check_rank("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
@@ -774,7 +774,8 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                             f"got {V.dtype_name(a.dtype)} (no silent promotion)")
     if cache_seqlens is None:
         if k is not None:
-            raise ValueError("cache_seqlens: needed with k and v (where to write them), got None")
+            raise ValueError("cache_seqlens: expected the cache's lengths with k and v (where to write "
+                             "them), got None")
         seqlens = [Lc] * B
     elif _is_int(cache_seqlens):
         seqlens = [int(cache_seqlens)] * B
@@ -1092,7 +1093,7 @@ def _seq_valid(xp: Any, name: str, lengths: Any, B: int, L: int, device: Any) ->
     """Bool [B, L]: position ``l < lengths[b]``."""
     n = _int_list(name, lengths, "sequence lengths (B,)")
     if len(n) != B:
-        raise ValueError(f"{name}: expected shape (B,) = ({B},), got {len(n)} entries")
+        raise ValueError(f"{name}: expected shape (B,) = ({B},), got ({len(n)},)")
     if any(x < 0 for x in n):
         raise ValueError(f"{name}: expected lengths >= 0, got {n}")
     pos = xp.arange(L, device=device)  # [L]

@@ -688,8 +688,8 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
         raise ValueError(f"max_distance: expected an int > max_exact = {max_exact}, got {max_distance}")
     top = int(xp.iinfo(relative_position.dtype).max)
     if num_buckets - 1 > top:
-        raise ValueError(f"num_buckets: expected at most {top + 1}, the buckets of a "
-                         f"{V.dtype_name(relative_position.dtype)} relative_position, got {num_buckets}")
+        raise ValueError(f"num_buckets: expected at most {top + 1}, the buckets a relative_position of "
+                         f"dtype {V.dtype_name(relative_position.dtype)} can hold, got {num_buckets}")
     rp = xp.astype(relative_position, widest_int(xp))  # [...] (int32 on JAX without x64)
     # the minimum has no abs; one more lands in the same bucket (both far past max_distance)
     lo = int(xp.iinfo(rp.dtype).min)

@@ -92,8 +92,8 @@ def _check_torch_compatible(mha) -> None:
         )
     if getattr(mha, "sinks", False):
         raise ValueError(
-            "sinks: torch.nn.MultiheadAttention has no attention sinks (no place for the "
-            "parameter 'sinks'), got sinks=True"
+            "sinks: expected a module without attention sinks (torch.nn.MultiheadAttention has "
+            "none, no place for the parameter 'sinks'), got sinks=True"
         )
     if mha.qkv_bias != mha.out_bias:
         raise ValueError(

@@ -327,7 +327,8 @@ def test_flash_attn_func_bad_shapes_name_the_argument():
     q, k, v, _, _ = flash_inputs((2, 3, 4, 4, 2, 5, 4))
     with pytest.raises(ValueError, match=r"^q: expected 4 axes \(batch, seqlen, nheads, headdim\)"):
         C.flash_attn_func(q[0], k, v)
-    with pytest.raises(ValueError, match=r"^k: the query heads \(3\) must be a multiple"):
+    with pytest.raises(ValueError,
+                       match=r"^k: expected key/value heads that divide the query heads \(3\), got"):
         C.flash_attn_func(q[:, :, :3], k, v)
     with pytest.raises(ValueError, match=r"^k: expected the batch of q = 2"):
         C.flash_attn_func(q, k[:1], v)
@@ -852,9 +853,10 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
     # a count per batch entry: one more is refused, not ignored
     (dict(cache_seqlens=np.array([2, 3, 1], np.int32)), ValueError,
      r"^cache_seqlens: expected B = 2 entries \(the batch of q\), got 3$"),
-    (dict(cache_seqlens=None), ValueError, r"^cache_seqlens: needed with k and v"),
-    (dict(v=None), ValueError, r"^k: new keys and values come together"),
-    (dict(k=None), ValueError, r"^v: new keys and values come together"),
+    (dict(cache_seqlens=None), ValueError,
+     r"^cache_seqlens: expected the cache's lengths with k and v \(where to write them\), got None$"),
+    (dict(v=None), ValueError, r"^k: expected k and v together \(new keys and values\), got only k$"),
+    (dict(k=None), ValueError, r"^v: expected k and v together \(new keys and values\), got only v$"),
     (dict(k=np.zeros((2, 2, 2, 5))), ValueError,
      r"^k: expected the head width of q = 4 on axis 3, got shape \(2, 2, 2, 5\)$"),
     (dict(k_cache=np.zeros((1, 8, 2, 4))), ValueError,
@@ -892,9 +894,9 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
                                           r"of their own .* strides \(0, "),
     # the caches' heads (none, or not dividing q's), named k_cache, the cache's own name
     (dict(k_cache=np.zeros((3, 8, 3, 4)), v_cache=np.zeros((3, 8, 3, 3))), ValueError,
-     r"^k_cache: the query heads \(4\) must be a multiple of the key/value heads, got 3"),
+     r"^k_cache: expected key/value heads that divide the query heads \(4\), got 3$"),
     (dict(k_cache=np.zeros((3, 8, 0, 4)), v_cache=np.zeros((3, 8, 0, 3))), ValueError,
-     r"^k_cache: the query heads \(4\) must be a multiple of the key/value heads, got 0"),
+     r"^k_cache: expected key/value heads that divide the query heads \(4\), got 0$"),
     # every shape against the one it must match, before the append writes into either cache
     (dict(k_cache=np.zeros((3, 8, 2, 5))), ValueError,
      r"^k_cache: expected the head width of q = 4 on axis 3, got shape \(3, 8, 2, 5\)$"),
@@ -1374,9 +1376,9 @@ def test_dot_product_attention_residual_unbatched_and_dropout():
     (dict(local_window_size="wide"), TypeError,
      r"^local_window_size: expected None, an int or a pair \(left, right\) of ints, got str 'wide'$"),
     (dict(query_seq_lengths=np.array([4], np.int32)), ValueError,
-     r"^query_seq_lengths: expected shape \(B,\) = \(2,\), got 1 entries$"),
+     r"^query_seq_lengths: expected shape \(B,\) = \(2,\), got \(1,\)$"),
     (dict(query_seq_lengths=np.array([4, 4, 4], np.int32)), ValueError,
-     r"^query_seq_lengths: expected shape \(B,\) = \(2,\), got 3 entries$"),
+     r"^query_seq_lengths: expected shape \(B,\) = \(2,\), got \(3,\)$"),
     (dict(key_value_seq_lengths=np.array([4.0, 5.0])), TypeError,
      r"^key_value_seq_lengths: expected an integer dtype \(sequence lengths \(B,\)\), got float64$"),
     # a negative length: refused (it was taken as 0, rows with nothing to attend)
@@ -1481,8 +1483,8 @@ def test_dot_product_attention_shapes_are_named_in_its_own_layout():
     with pytest.raises(ValueError, match=r"^key: expected a head count K \(axis 2\) of at least 1, "
                                          r"got shape \(2, 6, 0, 5\)$"):
         C.dot_product_attention(q, k[:, :, :0], v[:, :, :0])
-    with pytest.raises(ValueError, match=r"^key: the query heads \(4\) must be a multiple of the "
-                                         r"key/value heads, got 3$"):
+    with pytest.raises(ValueError, match=r"^key: expected key/value heads that divide the query heads "
+                                         r"\(4\), got 3$"):
         C.dot_product_attention(q, np.ones((2, 6, 3, 5)), np.ones((2, 6, 3, 5)))
     with pytest.raises(ValueError, match=r"^key: expected 4 axes \(B, S, K, H\), "
                                          r"got shape \(1, 2, 6, 2, 5\)$"):

@@ -666,7 +666,8 @@ def test_errors_name_the_argument():
                                                P.relative_embedding_forward(np.zeros((5, 2)), 3, 3)[1]),
          ValueError, r"^dout: expected shape \(3, 3, 2\) \(that of the forward's out\), got \(3, 3, 5\)$"),
         (lambda: P.t5_bucket(np.arange(3, dtype=np.int8), num_buckets=300), ValueError,
-         "^num_buckets: expected at most 128, the buckets of a int8 relative_position, got 300$"),
+         "^num_buckets: expected at most 128, the buckets a relative_position of dtype int8 can hold, "
+     "got 300$"),
         (lambda: P.rope_forward(np.zeros((2, 3, 4), dtype=np.int64)), TypeError,
          "^x: expected a real floating dtype, got int64$"),
         (lambda: P.rope_forward(x, np.zeros(4)), ValueError,
