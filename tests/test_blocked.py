@@ -609,6 +609,19 @@ def test_default_blocks_are_the_blocks_a_call_and_the_bench_run_with():
         assert case_blocks(shape, "dense") == (None, None)
 
 
+def test_default_blocks_are_the_documented_ones():
+    """128 query rows by 512 keys per block, 128 by 128 with a bounded window (the sizes
+    docs/dask.md gives), as a call's cache records them."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 1, 4, 2)) for _ in range(3))
+    assert Bk.default_blocks(None, None, None) == (128, 512)
+    assert Bk.default_blocks(None, None, 3) == (128, 128)
+    _, cache = Bk.sdpa_blocked_forward(q, k, v)
+    assert (cache.block_q, cache.block_k) == (128, 512)
+    _, cache = Bk.sdpa_blocked_forward(q, k, v, window=(3, 0))
+    assert (cache.block_q, cache.block_k) == (128, 128)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_memory_is_linear_in_length(is_causal):
     """No [B, H, Lq, Lk] array: NumPy reports its allocations to tracemalloc.

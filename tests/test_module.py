@@ -163,21 +163,43 @@ def test_assigning_a_parameter_replaces_it(backend, to_xp, to_np):
     np.testing.assert_array_equal(to_np(out), np.broadcast_to(np.arange(4.0), (2, 3, 4)))
 
 
-def test_need_weights_matches_direct_recomputation(backend, to_xp, to_np):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_need_weights_matches_direct_recomputation(backend, to_xp, to_np, is_causal):
+    """The weights against attention computed by hand, Lq = 3 != Lk = 5; with is_causal, query
+    i sees keys j <= i (top-left, SDPA's default: bottom-right would let it see j <= i + 2)."""
     D, H = 8, 2
     mha = MultiHeadAttention(D, H, dtype="float64", seed=3, backend=backend)
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((2, 3, D)), rng.standard_normal((2, 5, D))
     m = rng.random((3, 5)) > 0.3
-    _, w = mha(to_xp(x), to_xp(y), to_xp(y), mask=to_xp(m), need_weights=True,
+    m[:, 0] = True  # every query keeps key 0, causal or not
+    _, w = mha(to_xp(x), to_xp(y), to_xp(y), mask=to_xp(m), is_causal=is_causal, need_weights=True,
                average_attn_weights=False)
+    allowed = m & np.tril(np.ones((3, 5), dtype=bool)) if is_causal else m  # [Lq, Lk]
     P = {k: to_np(v) for k, v in mha.params.items()}
     q = (x @ P["w_q"].T + P["b_q"]).reshape(2, 3, H, D // H).transpose(0, 2, 1, 3)
     k = (y @ P["w_k"].T + P["b_k"]).reshape(2, 5, H, D // H).transpose(0, 2, 1, 3)
-    s = np.where(m, q @ k.transpose(0, 1, 3, 2) / math.sqrt(D // H), -np.inf)
+    s = np.where(allowed, q @ k.transpose(0, 1, 3, 2) / math.sqrt(D // H), -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(to_np(w), p, rtol=1e-12, atol=1e-15)
+
+
+def test_the_default_impl_is_auto(monkeypatch):
+    """Without impl=, the module dispatches per call ("auto"): small NumPy inputs run on the NumPy
+    kernel, and past AUTO_BLOCKED_MIN_SCORES scores per head on the blocked path."""
+    from npattn import attention as A
+    from npattn.blocked import BlockedSDPACache
+    from npattn.numpy_kernel import NumpySDPACache
+
+    mha = MultiHeadAttention(8, 2, dtype="float64", seed=0)
+    assert mha.impl == "auto"
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    mha(x, x, x)
+    assert type(mha.cache.sdpa) is NumpySDPACache
+    monkeypatch.setattr(A, "AUTO_BLOCKED_MIN_SCORES", 9)  # 3 x 3 scores per head
+    mha(x, x, x)
+    assert type(mha.cache.sdpa) is BlockedSDPACache
 
 
 @given(seed=st.integers(0, 2**16), B=st.integers(1, 3), L=st.integers(2, 6))
@@ -240,7 +262,6 @@ def test_given_keep_mask_replaces_the_generator(backend, to_xp, to_np):
     b.params.update(a.params)
     np.testing.assert_array_equal(to_np(a(x, x, x, dropout_mask=keep)[0]),
                                   to_np(b(x, x, x, dropout_mask=keep)[0]))
-
 
 
 @pytest.mark.parametrize("dropout, training", [(0.4, False), (0.0, True)], ids=["eval", "p=0"])
