@@ -508,19 +508,23 @@ def test_keys_and_values_broadcast_over_the_heads_without_gqa():
 
 def test_a_large_sink_is_exact_on_the_reference_and_blocked():
     """A sink logit of 100 in float32 (800 in float64) sets the row maximum: exp of the sink
-    taken without it overflows (lse inf, p_sink NaN)."""
+    taken without it overflows (lse inf, p_sink NaN). In head 0 the sink takes all the mass
+    (to rounding): lse = big, out = 0, and dsink = sum_i p_sink (dlse_i - delta_i) = sum_i dlse_i
+    for random dout and dlse."""
     r = np.random.default_rng(4)
     for dtype, big in ((np.float32, 100.0), (np.float64, 800.0)):
         q, k, v = (r.standard_normal((1, 2, 3, 4)).astype(dtype) for _ in range(3))
+        dout, dlse = r.standard_normal((1, 2, 3, 4)).astype(dtype), r.standard_normal((1, 2, 3)).astype(dtype)
         sinks = np.array([big, 0.0], dtype)
         results = {}
         for impl in ("reference", "blocked"):
             out, c = A.sdpa_forward(q, k, v, sinks=sinks, impl=impl)
-            g = A.sdpa_backward(np.ones_like(out), c, dlse=np.ones((1, 2, 3), dtype))
+            g = A.sdpa_backward(dout, c, dlse=dlse)
             assert np.all(np.isfinite(c.lse)) and np.all(np.isfinite(g.dsinks)), (impl, dtype)
             results[impl] = (out, c.lse, g.dsinks)
-            # head 0: the sink takes (almost) all the mass: lse = big, out = 0
             np.testing.assert_allclose(c.lse[0, 0], big, rtol=1e-6)
+            np.testing.assert_allclose(out[0, 0], 0.0, atol=1e-30)
+            np.testing.assert_allclose(g.dsinks[0], dlse[0, 0].sum(dtype=np.float64), rtol=1e-6)
         for a, b in zip(results["reference"], results["blocked"]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
