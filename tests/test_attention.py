@@ -664,6 +664,11 @@ def _big(*shape):
     return np.broadcast_to(np.zeros((), dtype=np.float32), shape)
 
 
+# impl='blocked' with need_weights=True: the message whole (argument, value received, what to pass)
+BLOCKED_KEEPS_NO_WEIGHTS = (r"^impl='blocked' cannot return attention weights \(it never forms them\); "
+                            r"use need_weights=False, or impl='dense', 'reference', 'numpy' or 'auto'$")
+
+
 def test_select_impl():
     small = _big(2, 4, 8, 8)
     assert A.select_impl("auto", small, small, small) == "numpy"
@@ -688,9 +693,10 @@ def test_select_impl():
     assert A.select_impl("auto", *[_big(1, heads, 512, 8)] * 3) == "blocked"
     assert A.select_impl("auto", *[_big(2, heads // 2, 512, 8)] * 3) == "blocked"
     assert A.select_impl("auto", *[_big(1, heads, 512, 8)] * 3, need_weights=True) == "numpy"
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match=BLOCKED_KEEPS_NO_WEIGHTS):
         A.select_impl("blocked", small, small, small, need_weights=True)
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(ValueError, match="^impl: expected 'auto', 'dense', 'reference', 'numpy', 'blocked' "
+                                         "or 'chunked', got 'fast'$"):
         A.select_impl("fast", small, small, small)
     # a dropout mask that would grow the scores is not the kernel's either
     assert A.select_impl("auto", small, small, small, dropout_mask=_big(3, 2, 4, 8, 8) > 0) == "reference"
@@ -793,13 +799,14 @@ def test_dlse_is_checked_on_every_implementation():
 def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
     q, k, v, dout, kw = make_inputs(10, 1, 2, 1, 3, 4, 2, 2, dropout="seed")
     q, k, v, dout = to_xp(q), to_xp(k), to_xp(v), to_xp(dout)
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match=BLOCKED_KEEPS_NO_WEIGHTS):
         A.sdpa_forward(q, k, v, impl="blocked", need_weights=True, **kw)
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(ValueError, match="^impl: expected 'auto', 'dense', 'reference', 'numpy', 'blocked' "
+                                         "or 'chunked', got 'flash'$"):
         A.sdpa_forward(q, k, v, impl="flash", **kw)
     gen = np.random.default_rng(1)
     state = gen.bit_generator.state
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match=BLOCKED_KEEPS_NO_WEIGHTS):
         A.sdpa_forward(q, k, v, impl="blocked", need_weights=True, dropout_p=0.5, rng=gen)
     assert gen.bit_generator.state == state  # refused before the dropout key was drawn
     _, c = A.sdpa_forward(q, k, v, impl="blocked", **kw)
@@ -808,10 +815,12 @@ def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
     for impl in ("reference", "dense", "auto"):
         _, c = A.sdpa_forward(q, k, v, impl=impl, **kw)
         assert tuple(A.weights(c).shape) == (1, 2, 3, 4)
-    for bad in (None, (1, 2), F.SoftmaxCache(None, None, None)):
-        with pytest.raises(TypeError, match="cache"):
+    softmax_cache = F.SoftmaxCache(None, None, None)
+    for bad, name in ((None, "None"), ((1, 2), "tuple"), (softmax_cache, "npattn.SoftmaxCache")):
+        expected = "^cache: expected the cache of an sdpa_forward, got " + re.escape(name) + "$"
+        with pytest.raises(TypeError, match=expected):
             A.sdpa_backward(dout, bad)
-        with pytest.raises(TypeError, match="cache"):
+        with pytest.raises(TypeError, match=expected):
             A.dropout_keep_mask(bad)
     _, c = A.sdpa_forward(q, k, v, impl="blocked")
     assert A.dropout_keep_mask(c) is None
