@@ -469,6 +469,10 @@ def test_float16_softmax_gradient_cancels_in_float32(xp, to_xp, to_np, backend):
 # --------------------------------------------------------------------------
 # choosing the path, and the module
 
+# impl='blocked' with need_weights=True: the message whole (argument, value received, what to pass)
+BLOCKED_KEEPS_NO_WEIGHTS = (r"^impl='blocked' cannot return attention weights \(it never forms them\); "
+                            r"use need_weights=False, or impl='dense', 'reference', 'numpy' or 'auto'$")
+
 
 def test_select_impl():
     """The rule of ``impl="auto"``, on arrays that hold no memory (broadcast views)."""
@@ -490,9 +494,10 @@ def test_select_impl():
     assert select("dense", (1, 1, n, 8)) == "numpy"
     assert select("auto", (1, 512, 8)) == "reference"  # 3-D: not the kernel's layout
     assert select("blocked", (2, 3)) == "blocked"
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(ValueError, match="^impl: expected 'auto', 'dense', 'reference', 'numpy', 'blocked' "
+                                         "or 'chunked', got 'flash'$"):
         select("flash", (2, 3))
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match=BLOCKED_KEEPS_NO_WEIGHTS):
         select("blocked", (2, 3), need_weights=True)
 
 
@@ -517,30 +522,36 @@ def test_module_blocked_matches_dense(xp, backend, to_xp, to_np):
         assert_close(gb, gd, to_np, "input grad")
     for name in params_b:
         assert_close(params_b[name], mha.grads[name], to_np, name)
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match=BLOCKED_KEEPS_NO_WEIGHTS):
         mha(x, kv, kv, need_weights=True)
     out_w, w = mha(x, kv, kv, need_weights=True, impl="auto", average_attn_weights=False)  # auto: dense
     assert tuple(w.shape) == (2, 3, 7, 5)
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(ValueError, match="^impl: expected 'auto', 'dense', 'reference', 'numpy', 'blocked' "
+                                         "or 'chunked', got 'fast'$"):
         npattn.MultiHeadAttention(12, 3, impl="fast")
 
 
 def test_bad_arguments_name_themselves():
     rng = np.random.default_rng(9)
     q, k = rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 5, 3))
-    with pytest.raises(ValueError, match="block_q"):
+    with pytest.raises(ValueError, match="^block_q: expected a positive int, got 0$"):
         Bk.sdpa_blocked_forward(q, k, k, block_q=0)
-    with pytest.raises(TypeError, match="block_k"):  # a float is the wrong kind, as in the dispatcher
+    # a float is the wrong kind, as in the dispatcher
+    with pytest.raises(TypeError, match=r"^block_k: expected a positive int, got float 2\.5$"):
         Bk.sdpa_blocked_forward(q, k, k, block_k=2.5)
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(ValueError, match=r"^mask: expected a shape that broadcasts to the scores "
+                                         r".*= \(2, 2, 4, 5\) .*got shape \(4, 4\)$"):
         Bk.sdpa_blocked_forward(q, k, k, mask=np.ones((4, 4), dtype=bool))
-    with pytest.raises(ValueError, match="dropout_mask"):
+    with pytest.raises(ValueError, match=r"^dropout_mask: expected a shape that broadcasts to the scores "
+                                         r".*= \(2, 2, 4, 5\) .*got shape \(3, 4, 5\)$"):
         Bk.sdpa_blocked_forward(q, k, k, dropout_p=0.1, dropout_mask=np.ones((3, 4, 5), dtype=bool))
-    with pytest.raises(TypeError, match="dropout_mask"):
+    with pytest.raises(TypeError, match=r"^dropout_mask: expected a bool keep-mask \(True = keep\), "
+                                        r"got dtype float64$"):
         Bk.sdpa_blocked_forward(q, k, k, dropout_p=0.1, dropout_mask=np.ones((4, 5)))
-    with pytest.raises(ValueError, match="dropout_p"):
+    with pytest.raises(ValueError, match=r"^dropout_p: expected a drop probability in \[0, 1\), got 1\.0$"):
         Bk.sdpa_blocked_forward(q, k, k, dropout_p=1.0)
-    with pytest.raises(ValueError, match="k: expected last axis"):
+    with pytest.raises(ValueError, match=r"^k: expected last axis 3 \(that of q\), "
+                                         r"got shape \(2, 2, 5, 2\)$"):
         Bk.sdpa_blocked_forward(q, k[..., :2], k)
 
 
