@@ -126,7 +126,8 @@ def test_bfloat16_needs_a_backend_with_it():
     mha = MultiHeadAttention.from_torch(tm, backend="torch")
     assert mha.params["w_q"].dtype == torch.bfloat16
     assert torch.equal(mha.torch_state_dict()["in_proj_weight"], tm.in_proj_weight.detach())
-    with pytest.raises(ValueError, match="bfloat16"):
+    with pytest.raises(ValueError, match=r"^dtype: expected one of \['float16', 'float32', 'float64'\] "
+                                         r"for backend 'numpy', got 'bfloat16'$"):
         MultiHeadAttention.from_torch(tm, backend="numpy")
 
 
@@ -161,7 +162,7 @@ def test_bad_state_dicts_are_named():
         mha.load_torch_state_dict(bad)
     for k in before:  # nothing was assigned by a failed load
         np.testing.assert_array_equal(mha.params[k], before[k])
-    with pytest.raises(TypeError, match="module"):
+    with pytest.raises(TypeError, match=r"^module: expected a torch\.nn\.MultiheadAttention, got Linear$"):
         MultiHeadAttention.from_torch(torch.nn.Linear(4, 4))
     with pytest.raises(TypeError, match="^state_dict: expected a mapping"):
         mha.load_torch_state_dict(None)
@@ -183,14 +184,17 @@ def test_bad_state_dicts_are_named():
 
 
 @pytest.mark.parametrize(
-    "kwargs, words",
-    [(dict(qdim=3), "qdim"), (dict(n_kv_head=1), "n_kv_head"), (dict(qkv_bias=False), "qkv_bias")],
+    "kwargs, message",
+    [(dict(qdim=3), r"^qdim: torch\.nn\.MultiheadAttention needs qdim == d_model=4, got 3$"),
+     (dict(n_kv_head=1), r"^n_kv_head: torch\.nn\.MultiheadAttention needs n_kv_head == n_head=2, got 1$"),
+     (dict(qkv_bias=False), r"^qkv_bias, out_bias: torch\.nn\.MultiheadAttention has one bias flag for both, "
+                            r"got qkv_bias=False, out_bias=True$")],
 )
-def test_layers_torch_cannot_express(kwargs, words):
+def test_layers_torch_cannot_express(kwargs, message):
     mha = MultiHeadAttention(4, 2, **kwargs)
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(ValueError, match=message):
         mha.torch_state_dict()
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(ValueError, match=message):
         mha.load_torch_state_dict(torch.nn.MultiheadAttention(4, 2).state_dict())
 
 
@@ -212,7 +216,7 @@ def test_config_and_host_params_build_the_module_without_it():
     np.testing.assert_array_equal(host["bias_v"], tm.bias_v.detach().numpy().reshape(6))
     host["w_o"][...] = 0.0  # copies: the torch module is untouched
     assert torch.count_nonzero(tm.out_proj.weight) > 0
-    with pytest.raises(TypeError, match="module"):
+    with pytest.raises(TypeError, match=r"^module: expected a torch\.nn\.MultiheadAttention, got Linear$"):
         torch_interop.config_from_torch(torch.nn.Linear(4, 4))
 
 
