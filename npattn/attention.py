@@ -380,7 +380,9 @@ def weights(cache: Any) -> Any:
     """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache."""
     for kind, name in ((blocked.BlockedSDPACache, "blocked"), (chunked.ChunkedSDPACache, "chunked")):
         if isinstance(cache, kind):
-            raise ValueError(f"cache: the {name} implementation keeps no attention weights")
+            raise ValueError(f"cache: expected the cache of a dense implementation (it keeps the "
+                             f"attention weights), got {type(cache).__name__}: the {name} "
+                             "implementation keeps no attention weights")
     return cache.probs
 
 
