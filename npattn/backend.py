@@ -93,6 +93,7 @@ __all__ = [
     "check_array_bytes",
     "entry_bytes",
     "check_rng",
+    "check_int_seed",
     "make_rng",
     "seed_sequence",
     "dropout_key",
@@ -463,11 +464,19 @@ def check_rng(name: str, value: Any) -> None:
     if value is None or isinstance(value, (np.random.Generator, np.random.SeedSequence,
                                            np.random.BitGenerator)):
         return
+    check_int_seed(name, value, "None, a non-negative int seed, a SeedSequence, a BitGenerator or a "
+                                "numpy.random.Generator")
+
+
+def check_int_seed(name: str, value: Any, kinds: str) -> int:
+    """``value`` as a Python int seed >= 0 (any ``numbers.Integral``), the int part of
+    ``check_rng`` and ``validation.check_seed``: a ``TypeError`` "``name``: expected ``kinds``,
+    got ..." for a bool or a non-integer, a ``ValueError`` for a negative int."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected None, a non-negative int seed, a SeedSequence, a BitGenerator "
-                        f"or a numpy.random.Generator, got {described(value)}")
+        raise TypeError(f"{name}: expected {kinds}, got {described(value)}")
     if value < 0:
         raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
+    return int(value)  # exact for NumPy ints and other Integrals
 
 
 def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:

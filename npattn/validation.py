@@ -38,8 +38,8 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 
 import numpy as np
 
-from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_rng, device_of, is_array,
-                      isdtype, keeps_dtype, namespace, without_empty_chunks)
+from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_int_seed, check_rng, device_of,
+                      is_array, isdtype, keeps_dtype, namespace, without_empty_chunks)
 from .messages import described, type_name
 
 __all__ = [
@@ -186,12 +186,7 @@ def check_seed(name: str, value: Any) -> Any:
     as ``check_rng``'s."""
     if value is None or isinstance(value, np.random.SeedSequence):
         return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected None, a non-negative int seed or a SeedSequence, "
-                        f"got {described(value)}")
-    if value < 0:
-        raise ValueError(f"{name}: expected a non-negative int seed, got {value!r}")
-    return int(value)  # exact for NumPy ints too
+    return check_int_seed(name, value, "None, a non-negative int seed or a SeedSequence")
 
 
 def _at_most(name: str, n: int, maximum: Optional[int], expected: str) -> int:
