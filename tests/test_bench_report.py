@@ -751,14 +751,28 @@ def test_the_isolated_child_runs_the_case_it_is_given(monkeypatch):
         assert r["gemm_gflops"] is None and r["pct_gemm"] is None
 
 
-def test_the_auto_impl_runs_with_the_blocks_of_the_blocked_path():
+def test_the_auto_impl_has_blocks_where_it_takes_the_blocked_path():
+    """An auto case reports the blocked path's blocks where auto's rule takes that path (a
+    head of 2**25 scores in host memory, 4 dense arrays past half a device's memory), and
+    none where it runs dense."""
     from npattn import blocked
 
-    shape, window = bench.Shape(1, 8, 8, 2, False), bench.Shape(1, 8, 8, 2, False, window=2)
-    assert bench.case_blocks(shape, "auto") == (blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K)
-    assert bench.case_blocks(window, "auto") == (blocked.DEFAULT_BLOCK_Q, blocked.WINDOW_BLOCK_K)
-    assert bench.case_blocks(shape, "auto", 16, 32) == bench.case_blocks(shape, "blocked", 16, 32) == (16, 32)
-    assert bench.case_blocks(shape, "dense", 16, 32) == (None, None)
+    small, window = bench.Shape(1, 8, 8, 2, False), bench.Shape(1, 8, 8, 2, False, window=2)
+    long, long_window = bench.Shape(1, 2**13, 8, 2, False), bench.Shape(1, 2**13, 8, 2, False, window=2)
+    just_short = bench.Shape(1, 2**12, 8, 2, False)  # 2**24 scores a head, 2**25 in all
+    assert bench.case_blocks(long, "auto") == (blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K)
+    assert bench.case_blocks(long_window, "auto") == (blocked.DEFAULT_BLOCK_Q, blocked.WINDOW_BLOCK_K)
+    assert bench.case_blocks(long, "auto", 16, 32) == bench.case_blocks(small, "blocked", 16, 32) == (16, 32)
+    for shape in (small, window, just_short):
+        assert bench.case_blocks(shape, "auto") == bench.case_blocks(shape, "auto", 16, 32) == (None, None)
+    assert bench.case_blocks(window, "blocked") == (blocked.DEFAULT_BLOCK_Q, blocked.WINDOW_BLOCK_K)
+    assert bench.case_blocks(long, "dense", 16, 32) == bench.case_blocks(long, "reference") == (None, None)
+    # on a device: 4 arrays of 2 * 8 * 8 float32 entries are 2048 bytes, past half of 4000
+    assert bench.case_blocks(small, "auto", device_memory=4000) == (blocked.DEFAULT_BLOCK_Q,
+                                                                     blocked.DEFAULT_BLOCK_K)
+    assert bench.case_blocks(small, "auto", device_memory=4200) == (None, None)
+    assert bench.case_blocks(small, "auto", device_memory=8000, itemsize=8) == (blocked.DEFAULT_BLOCK_Q,
+                                                                                blocked.DEFAULT_BLOCK_K)
 
 
 def test_the_isolated_child_runs_this_npattn(monkeypatch):

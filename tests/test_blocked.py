@@ -615,11 +615,12 @@ def test_default_blocks_are_the_blocks_a_call_and_the_bench_run_with():
     assert Bk.default_blocks(None, None, None) == (Bk.DEFAULT_BLOCK_Q, Bk.DEFAULT_BLOCK_K)
     assert Bk.default_blocks(None, None, 0) == (Bk.DEFAULT_BLOCK_Q, Bk.WINDOW_BLOCK_K)
     for window in (None, 3):
-        shape = Shape(1, 40, 16, 2, False, window=window)
-        for impl in ("blocked", "auto"):
-            assert case_blocks(shape, impl) == Bk.default_blocks(None, None, window)
-            assert case_blocks(shape, impl, 16, None) == Bk.default_blocks(16, None, window)
-        assert case_blocks(shape, "dense") == (None, None)
+        for shape, impls in ((Shape(1, 40, 16, 2, False, window=window), ("blocked",)),
+                             (Shape(1, 2**13, 16, 2, False, window=window), ("blocked", "auto"))):
+            for impl in impls:  # auto: where it takes the blocked path
+                assert case_blocks(shape, impl) == Bk.default_blocks(None, None, window)
+                assert case_blocks(shape, impl, 16, None) == Bk.default_blocks(16, None, window)
+            assert case_blocks(shape, "dense") == (None, None)
 
 
 def test_default_blocks_are_the_documented_ones():

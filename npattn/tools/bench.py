@@ -87,7 +87,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .. import validation as V
-from ..backend import resolve_backend, backend_name, from_numpy
+from ..backend import accelerator_memory, resolve_backend, backend_name, from_numpy
 from .limits import (MAX_SIZE, MAX_THREADS, SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP,
                      dense_probabilities, memory_error)
 from .outputs import outputs_error
@@ -833,7 +833,11 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     whole process. The block sizes go to the module (blocked implementation).
     ``scope="attention"`` times the attention core alone (no projections).
     """
-    block_q, block_k = case_blocks(shape, impl, block_q, block_k)
+    xp = resolve_backend(backend)
+    probe = xp.zeros((1,), dtype=getattr(xp, dtype))  # the device and entry size auto's rule reads
+    block_q, block_k = case_blocks(shape, impl, block_q, block_k, device_memory=accelerator_memory(probe),
+                                   itemsize=getattr(probe.dtype, "itemsize", 4))
+    del probe
     with _blas_limit(blas_threads):
         if scope == "attention":
             xp, step = _make_core(shape, dtype, backend, impl, block_q, block_k)
@@ -863,12 +867,21 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     }
 
 
-def case_blocks(shape: Shape, impl: str, block_q=None, block_k=None) -> tuple:
-    """The (block_q, block_k) a case runs with: those given, else the blocked path's defaults
-    for the blocked and auto impls; (None, None) for the dense ones."""
-    if impl not in ("blocked", "auto"):
+def case_blocks(shape: Shape, impl: str, block_q=None, block_k=None, *,
+                device_memory: Optional[int] = None, itemsize: int = 4) -> tuple:
+    """The (block_q, block_k) a case runs with: those given, else the blocked path's defaults,
+    for the blocked impl and for an auto one that takes the blocked path
+    (``attention.auto_blocked`` for the case's scores, on an accelerator of
+    ``device_memory`` bytes, None in host memory, with entries of ``itemsize`` bytes);
+    (None, None) for the dense ones."""
+    from .. import attention, blocked
+
+    if impl == "auto":
+        large = attention.auto_blocked(shape.B * shape.H, shape.L, shape.L,
+                                       device_memory=device_memory, itemsize=itemsize)
+        impl = "blocked" if large else "dense"
+    if impl != "blocked":
         return None, None
-    from .. import blocked
 
     return blocked.default_blocks(block_q, block_k, shape.window)  # window=(shape.window, 0)
 
@@ -883,8 +896,9 @@ def isolated_widths(plan, block_q=None, block_k=None) -> dict:
     return {
         "shape": max([len("shape")] + [len(str(s)) for s, _ in plan]),
         "impl": max([len("impl")] + [len(impl) for _, impl in plan]),
-        "blocks": max([len("blocks")] + [len(_blocks_text(*case_blocks(s, impl, block_q, block_k)))
-                                         for s, impl in plan]),
+        "blocks": max([len("blocks")]  # auto as blocked: it may take the blocked path on a device
+                      + [len(_blocks_text(*case_blocks(s, "blocked" if impl == "auto" else impl,
+                                                       block_q, block_k))) for s, impl in plan]),
     }
 
 
