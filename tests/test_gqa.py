@@ -126,19 +126,24 @@ def test_gqa_equals_repeated_kv(Hkv, G, Lq, Lk, Dh, Dv, causal, seed):
 
 
 def test_gqa_bad_head_counts():
+    """Each refusal names the argument, what was expected and what was received."""
     rng = np.random.default_rng(0)
     q, k, v = _inputs(rng, Hq=4, Hkv=3)
-    with pytest.raises(ValueError, match="Hq=4.*Hkv=3"):
+    with pytest.raises(ValueError, match=r"^k: with enable_gqa the query heads Hq=4 must be a multiple of "
+                                         r"the key/value heads, got Hkv=3$"):
         F.sdpa_forward(q, k, v, enable_gqa=True)
-    q, k, v = _inputs(rng, Hq=4, Hkv=2)
-    with pytest.raises(ValueError, match="v: expected 2 heads"):
+    q, k, v = _inputs(rng, Hq=4, Hkv=2, Dv=2)  # v's shape differs from k's: the message names both
+    with pytest.raises(ValueError, match=r"^v: expected 2 heads like k with enable_gqa, got shape "
+                                         r"\(2, 1, 5, 2\)$"):
         F.sdpa_forward(q, k, v[:, :1], enable_gqa=True)
-    with pytest.raises(ValueError, match="batch axes"):  # 3 and 2 do not broadcast
-        F.sdpa_forward(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"^q, k, v: expected batch axes \(before the head axis\) that "
+                                         r"broadcast against each other with enable_gqa, got shapes "
+                                         r"\(2, 4, 3, 3\), \(3, 2, 5, 3\), \(3, 2, 5, 2\)$"):
+        F.sdpa_forward(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), enable_gqa=True)  # 2 vs 3
     # fewer K/V heads without enable_gqa: 2 heads do not broadcast to 4, and the error names k
     for sdpa in (F.sdpa_forward, A.sdpa_forward):
         with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
-                                             r"of q \(2, 4\)"):
+                                             r"of q \(2, 4\) \(and k\), got shape \(2, 2, 5, 3\)$"):
             sdpa(q, k, v)
 
 
