@@ -313,10 +313,15 @@ def test_keyed_keep_mask_is_the_documented_hash_at_any_slab(slab, monkeypatch):
 
 
 def test_dropout_backward_reuses_the_forward_mask(xp, to_xp, to_np):
-    x = to_xp(np.ones((6, 7)))
-    y, cache = F.dropout_forward(x, 0.5, rng=3)
-    dx = F.dropout_backward(to_xp(np.ones((6, 7))), cache)
-    np.testing.assert_array_equal(to_np(dx), to_np(y))
+    """A drawn mask: the entries the forward dropped (the zeros of y, x has none) get dx = 0,
+    the others dx = dy / (1 - p), for a random dy (all ones would not tell dy from 1)."""
+    rng = np.random.default_rng(3)
+    x, dy, p = rng.standard_normal((6, 7)), rng.standard_normal((6, 7)), 0.4
+    y, cache = F.dropout_forward(to_xp(x), p, rng=3)
+    kept = to_np(y) != 0.0
+    assert kept.any() and not kept.all()
+    dx = F.dropout_backward(to_xp(dy), cache)
+    np.testing.assert_allclose(to_np(dx), np.where(kept, dy / (1.0 - p), 0.0), rtol=1e-15, atol=0)
 
 
 def test_dropout_cache_holds_the_drawn_key(xp, to_xp, to_np):
