@@ -130,21 +130,29 @@ def test_pooled_projection_does_not_depend_on_the_thread_count(size, monkeypatch
             np.testing.assert_array_equal(a, b_)
 
 
+#: the reference's refusals of a dy of (2, 2, 5) after a forward of y (2, 3, 5), and of a tuple for a cache
+DY_SHAPE = r"^dy: expected shape \(2, 3, 5\) \(that of the forward's y\), got \(2, 2, 5\)$"
+NOT_A_CACHE = r"^cache: expected a LinearCache \(the cache linear_forward returns\), got tuple$"
+
+
 def test_pooled_projection_checks_like_the_reference(pooled):
     """Bad input gets the reference's error, naming the argument, and changes nothing."""
     x, w, b, dy = _case(5, (2, 3), 4, 5)
     x0 = x.copy()
-    with pytest.raises(TypeError, match="b"):
+    with pytest.raises(TypeError, match=r"^b: expected dtype float64 \(that of x\), got float32 "
+                                        r"\(no silent promotion\)$"):
         A.linear_forward(x, w, b.astype(np.float32))
-    with pytest.raises(ValueError, match="b: expected shape"):
+    with pytest.raises(ValueError, match=r"^b: expected shape \(5,\) \(Dout, the output width of w\), "
+                                         r"got shape \(2,\)$"):
         A.linear_forward(x, w, b[:2])
-    with pytest.raises(ValueError, match="x: expected shape"):
+    with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., 3\) \(Din, the input width of w\), "
+                                         r"got shape \(2, 3, 4\)$"):
         A.linear_forward(x, w[:, :3], b)
     np.testing.assert_array_equal(x, x0)
     _, c = A.linear_forward(x, w, b)
-    with pytest.raises(ValueError, match="dy"):
+    with pytest.raises(ValueError, match=DY_SHAPE):
         A.linear_backward(dy[:, :2], c)
-    with pytest.raises(TypeError, match="cache"):
+    with pytest.raises(TypeError, match=NOT_A_CACHE):
         A.linear_backward(dy, (x, w, True))
 
 
@@ -202,9 +210,9 @@ def test_several_projections_are_all_checked_before_any_runs(pooled, monkeypatch
     ran = []
     real = numpy_kernel.linear_backwards
     monkeypatch.setattr(numpy_kernel, "linear_backwards", lambda p: ran.append(p) or real(p))
-    with pytest.raises(ValueError, match="dy: expected shape"):
+    with pytest.raises(ValueError, match=DY_SHAPE):
         A.linear_backwards([(dy, c), (dy[:, :2], c)])
-    with pytest.raises(TypeError, match="cache"):
+    with pytest.raises(TypeError, match=NOT_A_CACHE):
         A.linear_backwards([(dy, c), (dy, (x, w, True))])
     assert ran == []
     assert len(A.linear_backwards([(dy, c), (dy, c)])) == 2 and len(ran) == 1
