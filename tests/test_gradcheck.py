@@ -172,7 +172,8 @@ def test_a_check_of_nothing_or_with_bad_settings_is_refused_before_any_call():
     for kw, exc, match in cases:
         with pytest.raises(exc, match=match):
             gradcheck(forward, backward, [x], **kw)
-    with pytest.raises(ValueError, match="at least one floating array"):  # complex: nothing checked
+    with pytest.raises(ValueError, match=r"^inputs: expected at least one floating array to check, "
+                                         r"got none among 1 input$"):  # complex: nothing checked
         gradcheck(forward, backward, [x + 1j])
     with pytest.raises(TypeError, match="inputs: expected a list or tuple"):
         gradcheck(forward, backward, x)
@@ -612,7 +613,7 @@ def test_gradcheck_module_wrt_names_the_same_inputs_for_self_attention():
         want = list(dict.fromkeys("x" if i < 3 else names[i] for i in wrt))
         assert [r.name for r in one.inputs] == want and one.ok, str(one)
     past = rf"^wrt: expected indices of \(query, key, value, \*params\), 0 to {last}, got {last + 1}"
-    for wrt, match in (([3, 3], "^wrt: expected distinct"), ([last + 1], past)):
+    for wrt, match in (([3, 3], r"^wrt: expected distinct input indices, got \[3, 3\]$"), ([last + 1], past)):
         with pytest.raises(ValueError, match=match):
             gradcheck_module(mha, x, x, x, wrt=wrt)
 
@@ -1169,8 +1170,66 @@ def test_inputs_of_a_backend_that_makes_no_float64_are_refused_before_any_call()
                   lambda: check_vjp(f, [x], [2.0 * x * dout], dout),
                   lambda: gradcheck(lambda t: (f(t), t), backward, [x])]
         for check in checks:
-            with raises(ValueError, "inputs[0]", "float64", "float32", "jax_enable_x64"):
+            with raises(ValueError, "inputs[0]", "float64", "got one of 'jax', which makes float32",
+                        "jax_enable_x64"):
                 check()
     finally:
         jax.config.update("jax_enable_x64", previous)
     assert calls == []
+
+
+def test_the_default_step_is_1e_6_in_every_check():
+    """eps = 1e-6 unless given: at x = 0, numerical_vjp and gradcheck's full mode evaluate the
+    function at +-1e-6 in one entry at a time, and check_vjp's default atol is the rounding
+    floor 16 * 2**-52 * sum|out * dout| / eps at that step (out = 2 x = [2, -4], dout = [3, 1]:
+    sum = 10)."""
+    points = []
+
+    def f(t):
+        points.append(np.array(t))
+        return 2.0 * t
+
+    zero, dout = np.zeros(2), np.array([3.0, 1.0])
+    numerical_vjp(f, [zero], dout)
+    assert {float(np.max(np.abs(p))) for p in points} == {1e-6} and len(points) == 4
+    points.clear()
+    assert gradcheck(lambda t: (f(t), None), lambda d, c: 2.0 * d, [zero], dout=dout, mode="full").ok
+    assert {float(np.max(np.abs(p))) for p in points} == {0.0, 1e-6}  # the inputs, twice; then the steps
+    x = np.array([1.0, -2.0])
+    r = check_vjp(lambda t: 2.0 * t, [x], [2.0 * dout], dout)
+    assert r.ok and r.atol == pytest.approx(16 * 2.0**-52 * 10.0 / 1e-6, rel=1e-12)
+
+
+def test_vjp_mode_draws_its_directions_after_dout_not_the_same_numbers_again():
+    """gradcheck's default dout and vjp mode's directions come from one generator seeded once:
+    the first direction is a draw of its own, not dout's numbers drawn again (an integer seed
+    handed on to check_vjp as it was restarted the stream, and for a function whose output has
+    the input's shape, the first direction was dout itself)."""
+    eps, x = 1e-3, np.random.default_rng(0).standard_normal((2, 3))
+    points, seen = [], []
+
+    def forward(t):
+        points.append(np.array(t))
+        return 2.0 * t, None
+
+    def backward(d, c):
+        seen.append(np.array(d))
+        return 2.0 * d
+
+    assert gradcheck(forward, backward, [x], mode="vjp", eps=eps, seed=4).ok
+    # two forwards at x (gradcheck's), two at x (check_vjp's), then x + eps t and x - eps t per direction
+    t = [(points[4 + 2 * k] - points[5 + 2 * k]) / (2 * eps) for k in range(3)]
+    assert not any(np.allclose(d, seen[0], rtol=1e-3) for d in t)
+
+
+def test_the_change_let_through_grows_with_the_output_scale():
+    """The limit on the change between two evaluations is eps * (rtol * scale + atol) plus 16
+    roundings of the scale, the scale being the output's largest magnitude: for the output
+    [2000, 0] with rtol = 1e-6 and atol = 0, 1e-6 * 1e-6 * 2000 = 2e-9 (and 16 * 2**-52 * 2000,
+    about 7e-12): a change of 1.9e-9 is let through and one of 2.1e-9 is refused (with rtol
+    not multiplied by the scale the limit was about 8e-12, and both were refused)."""
+    x, dout = np.array([1000.0, 0.0]), np.array([0.5, -1.0])
+    for change, refused in ((1.9e-9, False), (2.1e-9, True)):
+        f = _alternating(np.array([0.0, change]))
+        with pytest.raises(ValueError, match="same output") if refused else contextlib.nullcontext():
+            check_vjp(f, [x], [2.0 * dout], dout, rtol=1e-6, atol=0.0)
