@@ -112,7 +112,8 @@ def test_give_keeps_only_the_kernels_own_arrays():
     assert len(ws.spares) == A.Workspace.SPARES
     ws.clear()
     assert ws.spares == []
-    with pytest.raises(TypeError, match="workspace: expected an npattn.attention.Workspace"):
+    refused = r"^workspace: expected an npattn\.attention\.Workspace or None, got list$"
+    with pytest.raises(TypeError, match=refused):
         A.sdpa_forward(q, k, v, impl="numpy", workspace=[], **kw)
 
 
@@ -342,6 +343,12 @@ def test_a_held_cache_stays_its_own_after_it_is_the_module_s_again(how):
     np.testing.assert_array_equal(m.backward(dout)[0], want)
 
 
+#: The refusal of a cache that another module's forward made: what is expected, and what was given.
+ANOTHER_MODULES_CACHE = (r"^cache: expected a cache of this module's own forwards \(or None\), got one "
+                         r"another module made \(its backward would differentiate that module's forward "
+                         r"with this module's parameters\)$")
+
+
 def test_a_cache_of_another_module_is_refused():
     """``cache =`` takes this module's caches only, as its docstring says: another module's
     (even one of the same shapes, or this module's copy) would have its backward differentiate
@@ -355,7 +362,7 @@ def test_a_cache_of_another_module_is_refused():
     a(x, x, x)
     held = a.cache
     for m in (twin, other, copy.deepcopy(a)):
-        with pytest.raises(TypeError, match="^cache: expected a cache of this module's own forwards"):
+        with pytest.raises(TypeError, match=ANOTHER_MODULES_CACHE):
             m.cache = held
         assert m.cache is None
     a.cache = held  # its own: taken
@@ -375,7 +382,7 @@ def test_copies_refuse_each_other_s_caches(how):
     c1(x, x, x)
     held = c1.cache
     for m in (c2, a):
-        with pytest.raises(TypeError, match="^cache: expected a cache of this module's own forwards"):
+        with pytest.raises(TypeError, match=ANOTHER_MODULES_CACHE):
             m.cache = held
     c1.cache = held  # its own: taken
 
@@ -387,8 +394,8 @@ def test_only_a_cache_or_none_is_taken():
     x = np.random.default_rng(0).standard_normal((2, 3, 8))
     m(x, x, x)
     held = m.cache
-    for bad in (tuple(held), "cache", 0):
-        with pytest.raises(TypeError, match="^cache: expected an MHACache or None, got"):
+    for bad, got in ((tuple(held), "tuple"), ("cache", "str"), (0, "int")):
+        with pytest.raises(TypeError, match=f"^cache: expected an MHACache or None, got {got}$"):
             m.cache = bad
         assert m.cache is held
 
