@@ -12,6 +12,7 @@ keeps its cache, gradients and dropout generator as they were.
 
 import os
 import pickle
+import re
 import select
 import signal
 import sys
@@ -718,6 +719,35 @@ def test_the_pool_is_the_usable_cpus_at_most_8_unless_the_variable_says(monkeypa
     assert backend.pool_threads() == 12
 
 
+@needs_pool
+def test_the_kernel_takes_the_pool_from_2_to_the_21_scores_on(monkeypatch):
+    """The NumPy kernel's tiles go to the pool when the call has at least POOL_MIN_SCORES =
+    2**21 scores in all (B * Hq * Lq * Lk, as docs/performance.md states) and run in order
+    below (a tile per batch entry here): 2 x 1024 x 1024 scores go to the pool, 2 x 1023 x 1024
+    do not."""
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    rng = np.random.default_rng(8)
+    k, v = rng.standard_normal((2, 1, 1024, 2)), rng.standard_normal((2, 1, 1024, 3))
+    for Lq, pooled in ((1024, True), (1023, False)):
+        rec = PoolRecorder(monkeypatch)
+        A.sdpa_forward(rng.standard_normal((2, 1, Lq, 2)), k, v, impl="numpy")
+        assert bool(rec.where["numpy"]) is pooled, (Lq, rec.calls)
+        if pooled:
+            assert rec.split("numpy"), rec.calls
+
+
+def test_limit_blas_threads_refusals_name_what_they_got():
+    """limit_blas_threads(n) refuses what is no int >= 1 (or None) with the argument, what was
+    expected and the value given: its type as well for a TypeError."""
+    from npattn.backend import limit_blas_threads
+
+    for n, exc, got in (("x", TypeError, "str 'x'"), (True, TypeError, "bool True"),
+                        (1.5, TypeError, "float 1.5"), (0, ValueError, "0"), (-3, ValueError, "-3")):
+        with pytest.raises(exc, match=re.escape(f"n: expected None or an int >= 1 (BLAS threads), got {got}")
+                           + "$"):
+            limit_blas_threads(n)
+
+
 def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
     """run_tasks calls fn once per task, at any thread count. Three tasks that each wait for
     the other two (a barrier of 3) finish only on three threads at once: after a run on two
@@ -863,7 +893,9 @@ def test_bad_num_threads_is_refused_before_computing(value, monkeypatch):
     state = gen.bit_generator.state
     monkeypatch.setenv("NPATTN_NUM_THREADS", value)
     for impl in ("auto", "dense", "reference", "numpy", "blocked"):
-        with pytest.raises(ValueError, match=f"NPATTN_NUM_THREADS.*{value!r}"):
+        with pytest.raises(ValueError, match=re.escape(
+                "NPATTN_NUM_THREADS: expected a positive integer (threads of npattn's tile pool), "
+                f"got {value!r}") + "$"):
             A.sdpa_forward(q, k, v, impl=impl, dropout_p=0.5, rng=gen, **kw)
     assert gen.bit_generator.state == state  # no dropout key was drawn
     monkeypatch.setenv("NPATTN_NUM_THREADS", "")  # empty: the default
