@@ -132,6 +132,28 @@ def test_nothing_passed_in_is_written(backend, xp):
         np.testing.assert_array_equal(g, first_params[name])
 
 
+@pytest.mark.parametrize("impl", ["reference", "numpy"])
+def test_weights_per_head_are_the_callers_own(impl):
+    """The weights returned per head (``average_attn_weights=False``), as the averaged ones,
+    are an array of the caller's: writing into them changes neither the weights a second
+    forward returns nor the gradients of a later backward (the reference keeps the weights
+    themselves in its cache)."""
+    rng = np.random.default_rng(3)
+    m = make_mha("numpy", dropout=0.3)
+    query, key, value = host_inputs(2, 3, 5, 8)
+    keep = rng.random((2, 2, 3, 5)) > 0.3
+    dout = rng.standard_normal((2, 3, 8))
+    _, w = m(query, key, value, dropout_mask=keep, need_weights=True, average_attn_weights=False, impl=impl)
+    want_w = w.copy()
+    want = [g.copy() for g in m.backward(dout)]
+    w[...] = 123.0
+    for got, ref in zip(m.backward(dout), want):
+        np.testing.assert_array_equal(got, ref)
+    _, again = m(query, key, value, dropout_mask=keep, need_weights=True, average_attn_weights=False,
+                 impl=impl)
+    np.testing.assert_array_equal(again, want_w)
+
+
 # --------------------------------------------------------------------------
 # determinism
 
