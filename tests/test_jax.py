@@ -79,9 +79,13 @@ def test_sdpa_on_jax_with_dropout_and_mask(impl):
 
 
 def test_numpy_kernel_refuses_jax_with_a_clear_error():
-    q = jnp.ones((1, 1, 2, 2))
-    with pytest.raises(ValueError, match="impl='numpy'"):
-        A.sdpa_forward(q, q, q, impl="numpy")
+    """impl='numpy' on JAX arrays: the refusal says what the kernel takes, what it got (JAX's
+    array type and the three shapes) and what to use instead."""
+    q, k, v = jnp.zeros((2, 1, 2, 3)), jnp.zeros((2, 1, 4, 3)), jnp.zeros((2, 1, 4, 5))
+    with pytest.raises(ValueError, match=r"^impl='numpy': the NumPy kernel takes NumPy arrays .*; got "
+                                         r"\S*jax\S* of shapes \(2, 1, 2, 3\), \(2, 1, 4, 3\), "
+                                         r"\(2, 1, 4, 5\); use impl='reference' or 'blocked'$"):
+        A.sdpa_forward(q, k, v, impl="numpy")
 
 
 def test_functional_gradients_on_jax():
@@ -150,13 +154,16 @@ def test_reference_and_blocked_on_jax_equal_numpy_for_drawn_cases(seed, mask_kin
 
 def test_float64_without_x64_is_a_clear_error():
     jax.config.update("jax_enable_x64", False)
-    with pytest.raises(ValueError, match="dtype.*jax_enable_x64"):
+    refused = (r"^{}: expected one of \[.*'float32'.*\] that backend 'jax' keeps, got 'float64', which it "
+               r"turns into another dtype \(JAX: float64 needs jax\.config\.update\('jax_enable_x64', "
+               r"True\) first\)$")
+    with pytest.raises(ValueError, match=refused.format("dtype")):
         npattn.MultiHeadAttention(8, 2, dtype="float64", backend="jax")
     # the message names the argument float_dtype_name reads, as its other refusals do
     from npattn.backend import resolve_backend
     from npattn.validation import float_dtype_name
 
-    with pytest.raises(ValueError, match="^cache_dtype: expected one of .* that backend 'jax' keeps"):
+    with pytest.raises(ValueError, match=refused.format("cache_dtype")):
         float_dtype_name(resolve_backend("jax"), "float64", name="cache_dtype")
     m = npattn.MultiHeadAttention(8, 2, dtype="float32", backend="jax")
     assert m.params["w_q"].dtype == jnp.float32
