@@ -248,12 +248,17 @@ def test_any_memory_layout_gets_the_bits_of_c_order_on_any_pool(impl, Dh, layout
 def test_row_major_copies_any_matrix_that_is_not_row_major_two_axes_included():
     """row_major looks at the last two axes only: a (Lq, Dh) matrix with no leading axes
     (which every implementation takes) is copied when it is not row-major, like one of
-    (B, H, Lq, Dh); a row-major one, a vector and a broadcast batch are left as they are."""
+    (B, H, Lq, Dh); a row-major one, a vector and a broadcast batch are left as they are.
+    Rows that overlap (each one entry after the last, unit stride along them) are not apart:
+    copied too."""
+    from numpy.lib.stride_tricks import as_strided
+
     from npattn.backend import row_major
 
     a = np.arange(12.0).reshape(3, 4)
+    overlapping = as_strided(np.arange(6.0), shape=(3, 4), strides=(8, 8), writeable=False)
     for name, m in (("fortran", np.asfortranarray(a)), ("reversed", a[::-1]),
-                    ("strided", np.repeat(a, 2, axis=1)[:, ::2])):
+                    ("strided", np.repeat(a, 2, axis=1)[:, ::2]), ("overlapping", overlapping)):
         got = row_major(m)
         assert got.flags.c_contiguous and np.array_equal(got, m), name
     rows_apart = np.zeros((3, 6))[:, :4]  # unit stride along the rows, the rows 6 apart: row-major
