@@ -747,8 +747,8 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
         )
     if module.training and module.dropout > 0 and fk.get("dropout_mask") is None:
         raise ValueError(
-            "forward_kwargs: dropout is active, so a fixed 'dropout_mask' is needed "
-            "(or call module.eval())"
+            "forward_kwargs: expected a fixed 'dropout_mask' while dropout is active "
+            f"(dropout={module.dropout}, training mode), got none; pass one, or call module.eval() first"
         )
     dout = check_kwargs.get("dout")
     if dout is not None:  # out is (B, Lq, D), of query's library and device

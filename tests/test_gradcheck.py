@@ -854,6 +854,22 @@ def test_a_numerically_zero_gradient_has_relative_error_zero(mode):
     assert r["input0"].max_rel_err == 0.0
 
 
+def test_gradcheck_module_asks_a_training_module_with_dropout_for_a_fixed_mask_before_any_forward():
+    """In training mode with dropout > 0 every forward would draw another mask: without a
+    fixed 'dropout_mask' in forward_kwargs the check is refused by name, saying what it
+    expected and what it got, before the first forward (a None mask counts as none)."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    m = MultiHeadAttention(4, 2, dtype="float64", dropout=0.5, seed=0)
+    calls = []
+    m.forward = lambda *a, **k: calls.append(1)
+    for fk in (None, {"dropout_mask": None, "is_causal": True}):
+        with pytest.raises(ValueError, match=r"^forward_kwargs: expected a fixed 'dropout_mask' while "
+                                             r"dropout is active \(dropout=0\.5, training mode\), got none; "
+                                             r"pass one, or call module\.eval\(\) first$"):
+            gradcheck_module(m, x, x, x, forward_kwargs=fk)
+    assert calls == []
+
+
 def test_gradcheck_module_refuses_float32_and_checks_an_eval_module_with_dropout():
     """A float32 module is refused (its differences would be taken of float32 parameters
     cast up, not of the module the caller holds); dropout > 0 needs a fixed mask only in
