@@ -12,6 +12,8 @@ Errors are ``max|x - x64| / max|x64|`` per array, with the inputs first
 rounded to the dtype under test, so that only the computation is measured.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -261,19 +263,25 @@ def test_mixing_devices_raises(strict_device1):
     a = rng.standard_normal((2, 2, 3, 2))
     q1, k1, v1 = (xps.asarray(a, device=dev) for _ in range(3))
     k0 = xps.asarray(a)
-    with pytest.raises(ValueError, match="k: expected an array on device"):
+    cpu = k0.device  # the default device
+    like_q = rf"{re.escape(repr(dev))} \(like q\), got one on device {re.escape(repr(cpu))}$"
+    with pytest.raises(ValueError, match=rf"^k: expected an array on device {like_q}"):
         F.sdpa_forward(q1, k0, v1)
-    with pytest.raises(ValueError, match="mask: expected an array on device"):
+    with pytest.raises(ValueError, match=rf"^mask: expected an array on device {like_q}"):
         F.sdpa_forward(q1, k1, v1, mask=xps.asarray(np.ones((3, 3), dtype=bool)))
-    with pytest.raises(ValueError, match="dropout_mask: expected an array on device"):
+    with pytest.raises(ValueError, match=rf"^dropout_mask: expected an array on device {like_q}"):
         F.sdpa_forward(q1, k1, v1, dropout_p=0.5, dropout_mask=xps.asarray(np.ones((3, 3), dtype=bool)))
     _, c = F.sdpa_forward(q1, k1, v1)
-    with pytest.raises(ValueError, match="dout: expected an array on device"):
+    with pytest.raises(ValueError, match=rf"^dout: expected an array on device {re.escape(repr(dev))} "
+                                         rf"\(that of the forward's out\), got one on device "
+                                         rf"{re.escape(repr(cpu))}$"):
         F.sdpa_backward(xps.asarray(a), c)
     # the module's parameters live on the default device: device1 inputs are refused, not copied
     m = MultiHeadAttention(4, 2, backend="array_api_strict")
     x1 = xps.asarray(rng.standard_normal((2, 3, 4)), dtype=xps.float32, device=dev)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=rf"^query: expected an array on device {re.escape(repr(cpu))} "
+                                         rf"\(where the parameters live\), got one on device "
+                                         rf"{re.escape(repr(dev))}$"):
         m(x1, x1, x1)
     assert device_of(m.params["w_q"]) != dev
 
@@ -289,7 +297,10 @@ def test_check_same_device_names_each_array_off_the_first_ones_device(strict_dev
     check_same_device(a=other, b=other)
     for arrays, name in ((dict(a=cpu, b=other), "b"), (dict(a=other, b=cpu), "b"),
                          (dict(a=cpu, b=None, c=cpu, d=other), "d")):
-        with pytest.raises(ValueError, match=f"^{name}: expected an array on device .* like a, got device"):
+        first, bad = arrays["a"].device, arrays[name].device
+        with pytest.raises(ValueError, match=rf"^{name}: expected an array on device "
+                                             rf"{re.escape(repr(first))} like a, got device "
+                                             rf"{re.escape(repr(bad))}$"):
             check_same_device(**arrays)
 
 
