@@ -2,6 +2,7 @@
 rows, length-1 sequences, one query against many keys."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -353,24 +354,35 @@ def test_one_query_many_keys(backend, xp, dtype):
 
 def test_ints_beyond_the_float_range_are_value_errors():
     """An int such as 2**1100 where a finite float is expected: a ValueError naming the
-    argument (float() raised OverflowError out of the checks)."""
+    argument, what was expected and the int received (float() raised OverflowError out of the
+    checks)."""
     from npattn import attention as A, compat as C, gradcheck as G, layers as Ly, nn
     from npattn import positions as P
 
     huge = 2**1100
     x = np.ones((1, 1, 2, 4))
+    digits = str(huge)
     calls = [
-        ("softcap", lambda: A.sdpa_forward(x, x, x, softcap=huge)),
-        ("softcap", lambda: C.flash_attn_func(x, x, x, softcap=huge)),
-        ("eps", lambda: Ly.layer_norm_forward(np.ones((2, 4)), np.ones(4), np.zeros(4), eps=huge)),
-        ("base", lambda: P.rope_forward(np.ones((2, 4)), base=huge)),
-        ("offset", lambda: P.relative_embedding_forward(np.ones((5, 2)), 2, 2, offset=2**70)),
-        ("max_norm", lambda: nn.clip_grad_norm({"a": np.ones(2)}, huge)),
-        ("lr", lambda: nn.adam_step({"a": np.ones(2)}, {"a": np.ones(2)}, nn.adam_init({"a": np.ones(2)}),
-                                    lr=huge)),
-        ("eps", lambda: G.gradcheck(lambda a: (a * 2.0, None), lambda d, c: (2.0 * d,), [np.ones(2)],
-                                    eps=huge)),
+        ("softcap: expected a finite float > 0", digits,
+         lambda: A.sdpa_forward(x, x, x, softcap=huge)),
+        ("softcap: expected 0.0 (off) or a finite float > 0", digits,
+         lambda: C.flash_attn_func(x, x, x, softcap=huge)),
+        ("eps: expected a positive finite float", "an int too large for a float (1101 bits)",
+         lambda: Ly.layer_norm_forward(np.ones((2, 4)), np.ones(4), np.zeros(4), eps=huge)),
+        ("base: expected a finite float > 1", digits, lambda: P.rope_forward(np.ones((2, 4)), base=huge)),
+        ("offset: expected an int within +-2**62 (positions are int64)", str(2**70),
+         lambda: P.relative_embedding_forward(np.ones((5, 2)), 2, 2, offset=2**70)),
+        ("max_norm: expected a finite number > 0", digits,
+         lambda: nn.clip_grad_norm({"a": np.ones(2)}, huge)),
+        ("lr: expected a finite number >= 0", digits,
+         lambda: nn.adam_step({"a": np.ones(2)}, {"a": np.ones(2)}, nn.adam_init({"a": np.ones(2)}),
+                              lr=huge)),
+        ("eps: expected a finite number > 0", digits,
+         lambda: G.gradcheck(lambda a: (a * 2.0, None), lambda d, c: (2.0 * d,), [np.ones(2)],
+                             eps=huge)),
     ]
-    for name, call in calls:
-        with pytest.raises(ValueError, match=f"^{name}: expected"):
+    for expected, got, call in calls:
+        # the int received, whole or by its size
+        got = re.escape(got) if got != digits else rf"({digits}|an int too large for a float \(1101 bits\))"
+        with pytest.raises(ValueError, match=f"^{re.escape(expected)}, got {got}$"):
             call()
