@@ -8,6 +8,7 @@ zero key contributes.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -296,17 +297,18 @@ def test_bool_mask_gives_no_dmask_float_mask_does(xp, to_xp):
 
 
 @pytest.mark.parametrize(
-    "kwargs, exc, words",
+    "kwargs, exc, message",
     [
-        (dict(qdim=0), ValueError, "qdim"),
-        (dict(qdim=2.5), TypeError, "qdim"),
-        (dict(n_kv_head=3), ValueError, "n_kv_head"),
-        (dict(n_kv_head=0), ValueError, "n_kv_head"),
-        (dict(n_kv_head=True), TypeError, "n_kv_head"),
+        (dict(qdim=0), ValueError, "qdim: expected a positive int, got 0"),
+        (dict(qdim=2.5), TypeError, "qdim: expected a positive int, got float 2.5"),
+        (dict(n_kv_head=3), ValueError, "n_kv_head: expected a divisor of n_head=4, got 3"),
+        (dict(n_kv_head=0), ValueError, "n_kv_head: expected a positive int, got 0"),
+        (dict(n_kv_head=True), TypeError, "n_kv_head: expected a positive int, got bool True"),
     ],
 )
-def test_bad_layer_arguments(kwargs, exc, words):
-    with pytest.raises(exc, match=words):
+def test_bad_layer_arguments(kwargs, exc, message):
+    """Each message names the argument, what was expected and the value received, whole."""
+    with pytest.raises(exc, match=f"^{re.escape(message)}$"):
         MultiHeadAttention(8, 4, **kwargs)
 
 
