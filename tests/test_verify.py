@@ -145,6 +145,10 @@ def test_case_inputs_are_seeded_controlled_and_never_all_ones():
     m = a.options["mask"]
     assert m.any(axis=-1).sum() < m.shape[0] * m.shape[1] * m.shape[2]  # fully masked rows
     assert 0.6 < m.mean() < 0.85  # and partly masked ones
+    # the rows not blanked keep about 3/4 of their keys (docs/verify.md), the diagonal key
+    # always: 1/4 of the others dropped, ~16,000 draws
+    kept = m[m.any(axis=-1)]  # [rows, Lk]
+    assert kept.shape[-1] == case.Lk and abs(kept.mean() - (0.75 + 0.25 / case.Lk)) < 0.02
 
 
 def test_fit_lengths_swaps_only_where_empty_rows_are_not_declared():
