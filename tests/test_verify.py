@@ -695,6 +695,27 @@ def test_lse_unit_is_the_unit_roundoff_of_lse_s_dtype():
     assert VF.lse_unit("float32") == VF.lse_unit("float16") == VF.lse_unit("bfloat16") == 2.0**-24
 
 
+@pytest.mark.parametrize("dtype, phi", [("float64", 2.0**-40), ("float32", 2.0**-20),
+                                        ("float16", 2.0**-10), ("bfloat16", 2.0**-7)])
+def test_the_default_floor_is_the_documented_unit_of_the_dtype_times_the_terms(dtype, phi):
+    """floor = phi_dtype * terms + the rounding of lse, with phi 2**-40 for float64, 2**-20 for
+    float32, 2**-10 for float16 and 2**-7 for bfloat16 (docs/verify.md): floors= of 0 leaves
+    the lse part alone and floors= of 1 adds the terms to it, so the default floor gives phi."""
+    if dtype == "bfloat16":  # NumPy's bfloat16 is ml_dtypes' (the jax extra installs it)
+        pytest.importorskip("ml_dtypes")
+
+    def kernel(q, k, v, **options):  # npattn in float32, out in q's dtype
+        up = (x.astype(np.float32) for x in (q, k, v))
+        return F.sdpa_forward(*up, **options)[0].astype(q.dtype)
+
+    kw = dict(dtype=dtype, cases=["base-65x128"])
+    default, zero, one = (VF.verify(kernel, floors=floors, **kw).results[0].tensors["out"].floor
+                          for floors in (None, {dtype: 0.0}, {dtype: 1.0}))
+    terms = one - zero
+    assert terms > 0.5 and zero < phi * terms
+    assert (default - zero) / terms == pytest.approx(phi, rel=1e-9, abs=0.0)  # 2**-40 < 1e-12
+
+
 def test_the_lse_floor_bounds_a_rounded_lse():
     """Rebuilding p from lse + d, |d_i| <= u |lse_i|, moves each gradient by at most
     u * terms_lse; dq_i by exactly -d_i dq_i, so with every d_i = +u |lse_i| dq reaches it."""
