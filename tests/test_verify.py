@@ -2531,6 +2531,27 @@ def test_the_failing_cases_are_listed_up_to_max_failures():
     assert exact.count("\n    rerun: ") == 4 and "more (see the JSON)" not in exact
 
 
+def test_a_failing_cases_line_gives_each_failing_tensors_ratio_to_three_digits():
+    """'dk 252x, dv 319x' (docs/verify.md): the line of a failing case names its failing
+    tensors with their ratios, error / budget, to three significant digits."""
+    def off(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        return out * 1.01, lse * 1.001, cache
+
+    report = VF.verify(off, backward=npattn_backward, returns_lse=True, dtype="float32",
+                       cases=["base-65x128", "base-127x64"])
+    text = report.format()
+    assert len(report.failures) == 2, text
+    for r in report.failures:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"  {r.case.name} B="))
+        listed = dict(part.split(" ") for part in line.rsplit(": ", 1)[1].split(", "))
+        assert set(listed) == set(r.failing) == {"out", "lse"}, line
+        for n, shown in listed.items():
+            ratio = r.tensors[n].ratio
+            unit = 10.0 ** (math.floor(math.log10(ratio)) - 2)  # of the third significant digit
+            assert shown.endswith("x") and abs(float(shown[:-1]) - ratio) <= 0.5001 * unit, (line, ratio)
+
+
 def test_a_degenerate_case_that_wrote_into_its_inputs_is_counted_failed_not_degenerate():
     def writes_q(q, k, v, **options):
         res = npattn_kernel(q, k, v, **options)
