@@ -3331,6 +3331,18 @@ def test_an_options_second_case_has_masks_and_slopes_per_head():
             assert np.allclose(a, [2.0 ** (-8.0 * h / first.Hq) for h in heads], rtol=1e-15, atol=0)
 
 
+def test_an_options_two_cases_alone_take_two_values_of_it():
+    """Each option alone runs twice, with two values of it (docs/verify.md): two softcaps, and
+    two scales, one below the default 1/sqrt(Dh) and one above it, so that a kernel that
+    ignores scale= fails both."""
+    caps = [VC.case_inputs(c).options["softcap"] for c in VC.panel("softcap")
+            if c.options == ("softcap",)]
+    assert len(caps) == 2 and len(set(caps)) == 2 and min(caps) > 0.0, caps
+    factors = sorted(VC.case_inputs(c).options["scale"] * math.sqrt(c.Dh) for c in VC.panel("scale")
+                     if c.options == ("scale",))
+    assert len(factors) == 2 and factors[0] < 1.0 < factors[1], factors
+
+
 def test_the_all_options_cases_take_each_side_of_an_exclusive_pair():
     for align in ("top_left", "bottom_right"):
         sets = [set(c.options) for c in VC.panel("all", align) if len(c.options) > 3]
