@@ -1329,7 +1329,8 @@ def pad_mask_forward(mask: Any, Lq: int, Lk: int, n_extra: int, *, is_causal: bo
     if is_causal:  # 1.
         ref = mask if mask is not None else like
         if ref is None:
-            raise ValueError("pad_mask_forward: is_causal with mask=None needs like= (an array)")
+            raise ValueError("like: expected an array (the namespace and device of the causal mask) "
+                             "with is_causal=True and mask=None, got None")
         xp = namespace(ref)
         causal = causal_mask(xp, Lq, Lk, device_of(ref))  # [Lq, Lk]
         if mask is None:
