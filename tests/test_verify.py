@@ -2578,6 +2578,17 @@ def test_the_summary_says_what_was_compared():
     assert "1/1 cases pass (0 with a degenerate tensor), out, lse, gradients with dlse; " in \
         with_dlse, with_dlse
 
+    def dmask_of_one_case(dout, cache):  # a dmask for the (B, 1, Lq, Lk) mask only
+        g = npattn_backward(dout, cache)
+        return g.dq, g.dk, g.dv, (g.dmask if g.dmask.shape[1] == 1 else None), g.dsinks
+
+    masks = dict(dtype="float64", supports="mask_float", returns_lse=True,
+                 cases=["mask_float-65x129", "mask_float-128x65"])
+    for backward, counted in ((npattn_backward, "2/2"), (dmask_of_one_case, "1/2")):
+        line = VF.verify(npattn_kernel, backward=backward, **masks).summary()
+        assert f"2/2 cases pass (0 with a degenerate tensor), out, lse, gradients, dmask in {counted} " \
+               "float-mask cases; " in line, line
+
 
 # --------------------------------------------------------------------------
 # hints, and what reaches the kernel
