@@ -175,7 +175,7 @@ def _flash_softcap(softcap: Any) -> Optional[float]:
         raise TypeError(f"softcap: expected a float, 0.0 for off, got {V.described(softcap)}")
     s = V.real_value(softcap)
     if not (math.isfinite(s) and s >= 0.0):
-        raise ValueError(f"softcap: expected 0.0 (off) or a finite float > 0, got {softcap!r}")
+        raise ValueError(f"softcap: expected 0.0 (off) or a finite float > 0, got {V.real_text(softcap)}")
     return s if s > 0.0 else None
 
 

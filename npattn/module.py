@@ -951,12 +951,8 @@ def check_softcap(softcap: Any) -> None:
         return
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected None or a float > 0, got {V.described(softcap)}")
-    try:
-        ok = math.isfinite(float(softcap)) and float(softcap) > 0.0
-    except OverflowError:  # an int beyond the float range
-        ok = False
-    if not ok:
-        raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
+    if not (math.isfinite(V.real_value(softcap)) and V.real_value(softcap) > 0.0):
+        raise ValueError(f"softcap: expected a finite float > 0, got {V.real_text(softcap)}")
 
 
 # --------------------------------------------------------------------------

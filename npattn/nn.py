@@ -284,7 +284,8 @@ def check_label_smoothing(label_smoothing: Any) -> float:
                         f"{Vd.described(label_smoothing)}")
     eps = Vd.real_value(label_smoothing)
     if not 0.0 <= eps <= 1.0:  # (False for NaN)
-        raise ValueError(f"label_smoothing: expected a real number in [0, 1], got {label_smoothing!r}")
+        raise ValueError(f"label_smoothing: expected a real number in [0, 1], got "
+                         f"{Vd.real_text(label_smoothing)}")
     return eps
 
 
@@ -474,9 +475,7 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
             dloss = xp.expand_dims(dloss, axis=-1)  # [..., 1]
     else:  # a Python float (a NumPy float64, a float subclass, would upcast float32 logits)
         if not math.isfinite(Vd.real_value(dloss)):  # (10**400 has no float: OverflowError)
-            got = (f"an int too large for a float ({dloss.bit_length()} bits)"
-                   if isinstance(dloss, int) else repr(dloss))
-            raise ValueError(f"dloss: expected a finite number, got {got}")
+            raise ValueError(f"dloss: expected a finite number, got {Vd.real_text(dloss)}")
         dloss = float(dloss)
     y = cache.onehot  # [..., V] the target distribution
     if cache.smoothing:

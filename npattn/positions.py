@@ -89,7 +89,7 @@ def _check_base(value: Any) -> None:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"base: expected a float > 1, got {V.described(value)}")
     if not (math.isfinite(V.real_value(value)) and V.real_value(value) > 1.0):
-        raise ValueError(f"base: expected a finite float > 1, got {value!r}")
+        raise ValueError(f"base: expected a finite float > 1, got {V.real_text(value)}")
 
 
 def _check_max_distance(value: Any) -> int:

@@ -71,7 +71,7 @@ __all__ = [
     "check_seed",
     "check_number",
     "float_dtype_name",
-    "real_value",
+    "real_value", "real_text",
     "argument_names",
     "check_broadcasts_to",
     "type_name",
@@ -223,6 +223,15 @@ def real_value(value: Any) -> float:
         return math.inf if value > 0 else -math.inf
 
 
+def real_text(value: Any) -> str:
+    """A real number as a message's "got" part: its ``repr``, or for an int beyond the float
+    range (``real_value`` +-inf) "an int too large for a float (N bits)", not its hundreds of
+    digits."""
+    if isinstance(value, numbers.Integral) and math.isinf(real_value(value)):
+        return f"an int too large for a float ({int(value).bit_length()} bits)"
+    return repr(value)
+
+
 def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> None:
     """``TypeError`` unless a real number (Python or NumPy, not a bool), ``ValueError`` unless
     finite and > 0 (>= 0 with ``allow_zero``)."""
@@ -233,7 +242,7 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none:
     bound = ">= 0" if allow_zero else "> 0"
     x = real_value(value)
     if not (math.isfinite(x) and (x >= 0.0 if allow_zero else x > 0.0)):
-        raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
+        raise ValueError(f"{name}: expected a finite number {bound}, got {real_text(value)}")
 
 
 def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype",
@@ -739,7 +748,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
         if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap: expected None or a float > 0, got {described(softcap)}")
         if not (math.isfinite(real_value(softcap)) and real_value(softcap) > 0):
-            raise ValueError(f"softcap: expected a finite float > 0, got {softcap!r}")
+            raise ValueError(f"softcap: expected a finite float > 0, got {real_text(softcap)}")
     H = lead[-1] if len(lead) >= 1 else None
     B = lead[-2] if len(lead) >= 2 else None
     Lq, Lk = int(q.shape[-2]), int(k.shape[-2])

@@ -213,7 +213,8 @@ import numpy as np
 
 from . import attention as A
 from .backend import backend_name, is_array, resolve_backend, to_numpy
-from .validation import ALIGNS, check_choice, check_size, described, dtype_name, real_value, type_name
+from .validation import (ALIGNS, check_choice, check_size, described, dtype_name, real_text,
+                         real_value, type_name)
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
                            check_supports, did_you_mean, panel)
 
@@ -2020,7 +2021,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
         raise TypeError(f"budget_factor: expected a finite number >= 1, got "
                         f"{described(budget_factor)}")
     if not (math.isfinite(real_value(budget_factor)) and budget_factor >= 1.0):  # 2**1100: inf
-        raise ValueError(f"budget_factor: expected a finite number >= 1, got {budget_factor!r}")
+        raise ValueError(f"budget_factor: expected a finite number >= 1, got {real_text(budget_factor)}")
     check_choice("align", align, ALIGNS)
     if adapter is not None and not callable(adapter) and not isinstance(adapter, Mapping):
         raise TypeError(f"adapter: expected None, a mapping {{npattn name: kernel name or None}} "
@@ -2038,7 +2039,7 @@ def _check_args(layout: Any, dtype: Any, backward: Any, autograd: Any, budget_fa
                 raise TypeError(f"floors: expected finite numbers >= 0 as values, got "
                                 f"{described(v)} for {k!r}")
             if not (math.isfinite(real_value(v)) and v >= 0.0):
-                raise ValueError(f"floors: expected finite numbers >= 0 as values, got {v!r} for "
+                raise ValueError(f"floors: expected finite numbers >= 0 as values, got {real_text(v)} for "
                                  f"{k!r}")
 
 

@@ -354,35 +354,44 @@ def test_one_query_many_keys(backend, xp, dtype):
 
 def test_ints_beyond_the_float_range_are_value_errors():
     """An int such as 2**1100 where a finite float is expected: a ValueError naming the
-    argument, what was expected and the int received (float() raised OverflowError out of the
-    checks)."""
+    argument, what was expected and the int received, by its size rather than its 332 digits
+    (float() raised OverflowError out of the checks)."""
     from npattn import attention as A, compat as C, gradcheck as G, layers as Ly, nn
     from npattn import positions as P
+    from npattn.module import MultiHeadAttention
+    from npattn.verifier import verify
 
     huge = 2**1100
     x = np.ones((1, 1, 2, 4))
-    digits = str(huge)
+    bits = "an int too large for a float (1101 bits)"
+
+    def kernel(q, k, v, **kw):  # never called: the options are checked first
+        raise AssertionError("the kernel ran")
+
     calls = [
-        ("softcap: expected a finite float > 0", digits,
-         lambda: A.sdpa_forward(x, x, x, softcap=huge)),
-        ("softcap: expected 0.0 (off) or a finite float > 0", digits,
+        ("softcap: expected a finite float > 0", bits, lambda: A.sdpa_forward(x, x, x, softcap=huge)),
+        ("softcap: expected a finite float > 0", bits, lambda: MultiHeadAttention(8, 2, softcap=huge)),
+        ("softcap: expected 0.0 (off) or a finite float > 0", bits,
          lambda: C.flash_attn_func(x, x, x, softcap=huge)),
-        ("eps: expected a positive finite float", "an int too large for a float (1101 bits)",
+        ("eps: expected a positive finite float", bits,
          lambda: Ly.layer_norm_forward(np.ones((2, 4)), np.ones(4), np.zeros(4), eps=huge)),
-        ("base: expected a finite float > 1", digits, lambda: P.rope_forward(np.ones((2, 4)), base=huge)),
+        ("base: expected a finite float > 1", bits, lambda: P.rope_forward(np.ones((2, 4)), base=huge)),
         ("offset: expected an int within +-2**62 (positions are int64)", str(2**70),
          lambda: P.relative_embedding_forward(np.ones((5, 2)), 2, 2, offset=2**70)),
-        ("max_norm: expected a finite number > 0", digits,
+        ("max_norm: expected a finite number > 0", bits,
          lambda: nn.clip_grad_norm({"a": np.ones(2)}, huge)),
-        ("lr: expected a finite number >= 0", digits,
+        ("lr: expected a finite number >= 0", bits,
          lambda: nn.adam_step({"a": np.ones(2)}, {"a": np.ones(2)}, nn.adam_init({"a": np.ones(2)}),
                               lr=huge)),
-        ("eps: expected a finite number > 0", digits,
+        ("label_smoothing: expected a real number in [0, 1]", bits,
+         lambda: nn.cross_entropy_forward(np.ones((2, 3)), np.array([0, 1]), label_smoothing=huge)),
+        ("eps: expected a finite number > 0", bits,
          lambda: G.gradcheck(lambda a: (a * 2.0, None), lambda d, c: (2.0 * d,), [np.ones(2)],
                              eps=huge)),
+        ("budget_factor: expected a finite number >= 1", bits, lambda: verify(kernel, budget_factor=huge)),
+        ("floors: expected finite numbers >= 0 as values", bits + " for 'float64'",
+         lambda: verify(kernel, floors={"float64": huge})),
     ]
     for expected, got, call in calls:
-        # the int received, whole or by its size
-        got = re.escape(got) if got != digits else rf"({digits}|an int too large for a float \(1101 bits\))"
-        with pytest.raises(ValueError, match=f"^{re.escape(expected)}, got {got}$"):
+        with pytest.raises(ValueError, match=f"^{re.escape(expected)}, got {re.escape(got)}$"):
             call()
