@@ -627,7 +627,8 @@ def gradcheck(
     grads = list(grads) + [None] * (len(inputs) - len(grads))
     for i in wrt:  # before the differences, and in the same words for both modes
         if grads[i] is None:
-            raise ValueError(f"backward returned None for {names[i]}, which is checked")
+            raise ValueError(f"gradient of {names[i]} (what backward returned): expected an array "
+                             f"({names[i]} is checked), got None")
         _real(f"gradient of {names[i]} (what backward returned)", grads[i], "that of a real input")
         if V.shape_of(grads[i]) != V.shape_of(inputs[i]):
             raise ValueError(f"gradient of {names[i]}: expected shape {V.shape_of(inputs[i])}, "
