@@ -40,8 +40,12 @@ def test_npattn_weights_before_dropout_and_empty_rows():
     sums = w.sum(axis=-1)
     np.testing.assert_allclose(np.delete(sums, 1, axis=-1), 1.0, rtol=1e-12)
     assert np.all(w[:, :, 1] == 0.0) and np.all(np.isfinite(out))
+    # the empty row attends nothing: its heads are zeros, so its output is the output bias
+    np.testing.assert_allclose(out[:, 1], np.broadcast_to(mha.params["b_o"], (2, 8)), rtol=0, atol=1e-15)
     dq, dk, dv = mha.backward(rng.standard_normal(out.shape))
     assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+    # ... and its query gets a zero gradient (the others do not)
+    assert np.all(dq[:, 1] == 0.0) and np.all(np.abs(np.delete(dq, 1, axis=1)).sum(axis=-1) > 0)
 
 
 def test_torch_behaviour_documented_on_the_page():
