@@ -222,7 +222,8 @@ class GPT(BlockStack):
         dropout_masks : list of N dicts, optional
             Keep-masks by site for each block (``TransformerBlock.forward``'s
             ``dropout_masks``); sites not given draw from the model's
-            generator. Used only in training mode with ``dropout > 0``.
+            generator. Used only in training mode with ``dropout > 0``; None
+            with ``kv_caches``.
         kv_caches : list of N KVCache, optional
             Decoding, forward only: ``ids`` are the next L tokens after the
             ``cache_seqlens`` cached ones (equal for every entry); their
@@ -236,6 +237,9 @@ class GPT(BlockStack):
         start = 0 if kv_caches is None else self._check_kv_caches(kv_caches)
         self._check_ids("ids", ids, start)
         B, L = ids.shape
+        if kv_caches is not None and dropout_masks is not None:  # as the blocks' dropout_masks
+            raise ValueError(f"dropout_masks: expected None with kv_caches (decoding is forward only, "
+                             f"without dropout), got {V.type_name(dropout_masks)}")
         self.check_dropout_masks(dropout_masks, B, L)
         if kv_caches is not None:
             if self.training and self.dropout > 0.0:

@@ -32,7 +32,8 @@ from .kvcache import KVCache, unalign_columns
 
 __all__ = [
     "MultiHeadAttention", "AttentionState", "ParameterDict", "check_module_args", "check_forward_inputs",
-    "check_backward_inputs", "check_param", "check_kv_cache", "check_softcap", "check_forward_impl",
+    "check_backward_inputs", "check_param", "check_kv_cache", "check_no_masks_with_cache", "check_softcap",
+    "check_forward_impl",
 ]
 
 PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "bias_k", "bias_v", "sinks")
@@ -1111,6 +1112,9 @@ def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask:
         if x.shape[axis] == 0:
             raise ValueError(f"{name}: expected a {what} (axis {axis}) of at least 1, "
                              f"got shape {V.shape_of(x)}")
+    if kv_cache is not None:  # before the masks' shapes, which would ask for the new keys' alone
+        check_no_masks_with_cache(mask=mask, dropout_mask=dropout_mask, q_segments=q_segments,
+                                  k_segments=k_segments)
     target = (B, module.n_head, Lq, Lk)
     V.check_mask("mask", mask, xp, target=target, target_text="(B, H, Lq, Lk)", dtype=dtype,
                device=device, ndims=(2, 4))
@@ -1160,16 +1164,20 @@ def _check_forward_options(module: Any, query: Any, key: Any, *, n_extra: int, m
     if kv_cache is None:
         return
     check_kv_cache(module, kv_cache, batch_size=B, n_new=Lk)
-    for name, a in (("mask", mask), ("dropout_mask", dropout_mask), ("q_segments", q_segments),
-                    ("k_segments", k_segments)):
+    if align == "top_left":
+        raise ValueError("align: expected None or 'bottom_right' with kv_cache (the new queries "
+                         "are the last positions of each entry), got 'top_left'")
+
+
+def check_no_masks_with_cache(**given: Any) -> None:
+    """The ``ValueError`` for a mask, keep-mask or segments given with ``kv_cache``: entry b
+    attends its ``cache_seqlens[b]`` cached keys and the new ones, nothing else."""
+    for name, a in given.items():
         if a is not None:
             raise ValueError(
                 f"{name}: expected None with kv_cache (entry b attends its cache_seqlens[b] "
                 f"cached keys and the new ones), got {V.type_name(a)}"
             )
-    if align == "top_left":
-        raise ValueError("align: expected None or 'bottom_right' with kv_cache (the new queries "
-                         "are the last positions of each entry), got 'top_left'")
 
 
 def check_forward_impl(module: Any, impl: Any, arrays: Sequence[Any], *, lengths: tuple,

@@ -1001,9 +1001,9 @@ class TransformerBlock(_Block):
             of each entry; self-attention appends their keys and values to
             the cache and attends the cached ones followed by them,
             bottom-right aligned (``MultiHeadAttention.forward``'s
-            ``kv_cache``), in eval mode (or without dropout). ``mask`` must
-            be None: the cache's own lengths say which keys each entry has,
-            and ``need_weights`` False: a decoding forward keeps no cache to
+            ``kv_cache``), in eval mode (or without dropout). ``mask`` and
+            ``dropout_masks`` must be None: the cache's own lengths say which
+            keys each entry has, and ``need_weights`` False: a decoding forward keeps no cache to
             read the weights from. ``backward`` after such a forward is a
             ``RuntimeError``.
         need_weights : bool
@@ -1031,6 +1031,9 @@ class TransformerBlock(_Block):
         if kv_cache is not None and self.training and self.dropout > 0.0:
             raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
                              f"first (the block is in training mode with dropout {self.dropout})")
+        if kv_cache is not None and dropout_masks is not None:  # as the module's dropout_mask
+            raise ValueError(f"dropout_masks: expected None with kv_cache (decoding is forward only, "
+                             f"without dropout), got {V.type_name(dropout_masks)}")
         shapes = {"self_attn": (B, self.n_head, L, L), "dropout1": (B, L, D),
                   "dropout": (B, L, self.d_ff), "dropout2": (B, L, D)}
         self._check_dropout_masks(dropout_masks, shapes)

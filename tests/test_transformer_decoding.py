@@ -228,3 +228,49 @@ def test_a_decoder_block_refuses_an_attention_impl_before_it_computes(monkeypatc
     with pytest.raises(ValueError, match=rf"^impl='chunked': .*got numpy.ndarray of shapes {heads};"):
         blk.forward(x, memory)
     assert calls == []
+
+
+def test_masks_with_a_kv_cache_are_refused_as_such_whatever_their_shape():
+    """A mask, keep-mask or segments with kv_cache: 'expected None with kv_cache', also for a
+    mask over the cached and the new keys (its shape was checked first, against the new keys
+    alone, so the message asked for another shape that was then refused too); the block's
+    and the model's dropout_masks the same. Nothing is written to the caches."""
+    from npattn import MultiHeadAttention
+    from npattn.gpt import GPT
+
+    rng = np.random.default_rng(8)
+    mha = MultiHeadAttention(D, H, dtype="float64", seed=1).eval()
+    cache = mha.new_cache(B, 6)
+    mha(*(rng.standard_normal((B, 2, D)),) * 3, kv_cache=cache)  # 2 cached keys, then 1 new one
+    y = rng.standard_normal((B, 1, D))
+    none = (r"expected None with kv_cache \(entry b attends its cache_seqlens\[b\] cached keys and the "
+            r"new ones\), ")
+    for name, kw in (("mask", {"mask": np.ones((1, 3), bool)}),  # the cached and the new keys
+                     ("mask", {"mask": np.zeros((1, 1))}),  # the new key alone
+                     ("dropout_mask", {"dropout_mask": np.ones((B, H, 1, 3), bool)}),
+                     ("q_segments", {"q_segments": np.zeros((B, 1), int),
+                                     "k_segments": np.zeros((B, 3), int)}),
+                     ("k_segments", {"k_segments": np.zeros((B, 3), int)})):
+        with pytest.raises(ValueError, match=rf"^{name}: {none}got numpy.ndarray$"):
+            mha(y, y, y, kv_cache=cache, **kw)
+    assert list(cache.cache_seqlens) == [2, 2]
+
+    block, x = _block(np), rng.standard_normal((B, 2, D))
+    cache = KVCache(B, 6, H, D // H, dtype="float64")
+    block.forward(x, is_causal=True, kv_cache=cache)
+    with pytest.raises(ValueError, match=rf"^mask: {none}got numpy.ndarray$"):
+        block.forward(x[:, :1], mask=np.ones((1, 3), bool), kv_cache=cache)
+    drop = r"expected None with kv_cache \(decoding is forward only, without dropout\), got dict$"
+    for masks in ({"self_attn": np.ones((B, H, 1, 3), bool)}, {}):
+        with pytest.raises(ValueError, match=rf"^dropout_masks: {drop}"):
+            block.forward(x[:, :1], dropout_masks=masks, kv_cache=cache)
+    assert list(cache.cache_seqlens) == [2, 2]
+
+    model = GPT(11, 8, D, 2, H, dtype="float64", seed=2).eval()
+    caches = model.new_caches(B)
+    ids = rng.integers(0, 11, (B, 2))
+    model.forward(ids, kv_caches=caches)
+    with pytest.raises(ValueError, match=r"^dropout_masks: expected None with kv_caches \(decoding is "
+                                         r"forward only, without dropout\), got list$"):
+        model.forward(ids[:, :1], dropout_masks=[{}, {}], kv_caches=caches)
+    assert [list(c.cache_seqlens) for c in caches] == [[2, 2], [2, 2]]
