@@ -147,6 +147,37 @@ def test_save_load_round_trip(backend, to_xp, to_np, tmp_path, dtype):
     assert not MultiHeadAttention.load(path, backend=backend).training
 
 
+@pytest.mark.parametrize("bias, qkv_bias, out_bias", [
+    (True, False, None), (False, True, None), (True, None, False), (False, None, True),
+    (True, False, True), (False, True, False),
+])
+def test_save_load_keeps_qkv_bias_and_out_bias_apart_from_bias(tmp_path, bias, qkv_bias, out_bias):
+    """qkv_bias and out_bias set apart from bias (None follows it) are written as their own
+    settings and read back: the loaded module has the flags and the parameters saved, b_q, b_k,
+    b_v with qkv_bias only and b_o with out_bias only."""
+    want_qkv = bias if qkv_bias is None else qkv_bias
+    want_out = bias if out_bias is None else out_bias
+    biases = sorted(["b_q", "b_k", "b_v"] * want_qkv + ["b_o"] * want_out)
+    m = MultiHeadAttention(8, 2, bias=bias, qkv_bias=qkv_bias, out_bias=out_bias, dtype="float64", seed=2)
+    rng = np.random.default_rng(3)
+    for name in ("b_q", "b_k", "b_v", "b_o"):  # nonzero, so a bias lost or swapped shows
+        if name in m.params:
+            m.params[name] = rng.standard_normal(8)
+    path = tmp_path / "m.npz"
+    m.save(path)
+    with np.load(path, allow_pickle=False) as npz:
+        config = json.loads(str(npz["config"]))["config"]
+        files = set(npz.files)
+    assert (config["bias"], config["qkv_bias"], config["out_bias"]) == (bias, want_qkv, want_out)
+    assert sorted(n for n in ("b_q", "b_k", "b_v", "b_o") if "param/" + n in files) == biases
+
+    r = MultiHeadAttention.load(path)
+    assert (r.bias, r.qkv_bias, r.out_bias) == (bias, want_qkv, want_out)
+    assert sorted(r.params) == sorted(["w_q", "w_k", "w_v", "w_o"] + biases)
+    for name in m.params:
+        np.testing.assert_array_equal(r.params[name], m.params[name], err_msg=name)
+
+
 def test_save_load_across_backends_and_file_objects(tmp_path, to_np):
     import io
 
