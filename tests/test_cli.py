@@ -593,15 +593,28 @@ def test_demo_out_with_no_plots_is_said_to_be_unused(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("heads", ["3", "0", "a,b", "2,1,2", ",", "2,", "1,,2", ""])
-def test_demo_rejects_bad_heads(heads, tmp_path, capsys):
+@pytest.mark.parametrize("heads, message", [
+    ("3", "each must divide --d-model 8; [3] do not"),
+    ("2,3,4,6", "each must divide --d-model 8; [3, 6] do not"),
+    ("0", "expected positive integers, got '0'"),
+    ("2,-1", "expected positive integers, got '2,-1'"),
+    ("a,b", "expected integers separated by commas, got 'a,b'"),
+    # trained twice, the second writing over the first's heads2 pictures
+    ("2,1,2", "expected each head count once, got 2 more than once in '2,1,2'"),
+    (",", "expected integers separated by commas, got ','"),
+    ("2,", "expected integers separated by commas, got '2,'"),
+    ("1,,2", "expected integers separated by commas, got '1,,2'"),
+    ("", "expected integers separated by commas, got ''"),
+])
+def test_demo_rejects_bad_heads(heads, message, tmp_path, capsys):
+    """The error names --heads, what it takes and the value given (the head counts that do
+    not divide --d-model, the one given twice)."""
     with pytest.raises(SystemExit) as exc:
         cli.main(_demo_args(tmp_path, "--heads", heads))
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: npattn demo" in err and "--heads" in err  # the demo's usage, not npattn's
-    if heads == "2,1,2":  # trained twice, the second writing over the first's heads2 pictures
-        assert "got 2 more than once" in err
+    assert err.startswith("usage: npattn demo")  # the demo's usage, not npattn's
+    assert err.endswith(f"npattn demo: error: --heads: {message}\n"), err
 
 
 @pytest.mark.parametrize(
