@@ -261,6 +261,35 @@ def test_a_backward_off_by_three_times_the_tolerance_fails(monkeypatch, dtype, o
     assert rows["x"].passed and rows["b"].passed
 
 
+def _documented_tolerances():
+    """{dtype: (rtol, atol)} of the table in docs/check.md."""
+    text = open(os.path.join(ROOT, "docs", "check.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (float64|float32) \| ([0-9.e+-]+) \| ([0-9.e+-]+) \|", text, re.M)
+    assert len(rows) == 2, rows
+    return {dtype: (float(rtol), float(atol)) for dtype, rtol, atol in rows}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_row_passes_within_the_documented_rtol_and_fails_past_it(monkeypatch, dtype):
+    """docs/check.md's rtol is the bound itself: dw off by a factor 1 + rtol / 2 passes and by
+    1 + 3 rtol / 2 fails (float64 differences are good to about 1e-9 relative and float32
+    round-off through one matmul is about 1e-7, far inside rtol / 2). A comparison against a
+    multiple of rtol, or a TOLERANCES entry other than the page's, would pass both."""
+    rtol, atol = _documented_tolerances()[dtype]
+    assert audit.TOLERANCES[dtype] == (rtol, atol)
+    xp = namespace(np.zeros(1))
+    for factor, passes in ((0.5, True), (1.5, False)):
+        def off_dw(dy, cache):
+            dx, dw, db = _ORIG["linear_backward"](dy, cache)
+            return dx, dw * (1.0 + factor * rtol), db
+
+        monkeypatch.setattr(F, "linear_backward", off_dw)
+        rows = {r.tensor: r for r in audit.run_check(_linear_check(), xp, dtype)}
+        assert rows["w"].passed is passes, (factor, rows["w"])
+        assert rows["w"].max_rel_err == pytest.approx(factor * rtol, rel=0.1), (factor, rows["w"])
+        assert rows["x"].passed and rows["b"].passed
+
+
 def _two_scales(wrong_small=0.0, small_grad=None):
     """A check of f(x, y) = [x, 1e-3 y]: y's gradient is 1e-3 of x's. ``wrong_small`` is added
     to y's gradient; ``small_grad`` replaces it (a function of it, or "left out": the backward
