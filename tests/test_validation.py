@@ -475,6 +475,45 @@ def test_check_finite_names_the_argument(backend, xp):
         m(q, k, v, check_finite=True)
 
 
+def test_a_kv_cache_that_does_not_fit_the_module_is_named_with_what_it_is(backend, xp):
+    """Each refusal of a kv_cache names kv_cache, what the module needs and what the cache
+    is: the type given, the cache's backend, device, dtype, or its whole layout; the cache and
+    the module's state are as before."""
+    from npattn import KVCache
+
+    m = MultiHeadAttention(8, 4, n_kv_head=2, dtype="float64", backend=backend, seed=0)  # Dh 2
+    x = from_numpy(np.random.default_rng(3).standard_normal((2, 1, 8)), xp)
+    other = "array_api_strict" if backend == "numpy" else "numpy"
+    cases = [
+        ("a cache", TypeError, r"^kv_cache: expected an npattn\.KVCache \(module\.new_cache\(batch_size, "
+                               r"capacity\)\), got str$"),
+        (KVCache(2, 6, 2, 2, dtype="float32", backend=backend), TypeError,
+         r"^kv_cache: expected dtype float64 \(the parameters' dtype\), got float32$"),
+        (KVCache(3, 6, 2, 2, dtype="float64", backend=backend), ValueError,
+         r"^kv_cache: expected batch_size=2, num_kv_heads=2, head_dim=2, value_dim=2 \(the query's "
+         r"batch size and the module's heads\), got KVCache\(batch_size=3, capacity=6, num_kv_heads=2, "
+         r"head_dim=2, value_dim=2, .*\)$"),
+        (KVCache(2, 6, 4, 2, dtype="float64", backend=backend), ValueError,
+         r"^kv_cache: expected batch_size=2, num_kv_heads=2, .* got KVCache\(batch_size=2, capacity=6, "
+         r"num_kv_heads=4, "),
+        (KVCache(2, 6, 2, 2, 3, dtype="float64", backend=backend), ValueError,
+         r"^kv_cache: expected .*value_dim=2 .* got KVCache\(.*, value_dim=3, "),
+        (KVCache(2, 6, 2, 2, dtype="float64", backend=other), TypeError,
+         rf"^kv_cache: expected a cache of the module's backend '{backend}', got one of '{other}'$"),
+    ]
+    if backend == "torch":  # a device the parameters are not on
+        cases.append((KVCache(2, 6, 2, 2, dtype="float64", backend=backend, device="meta"), ValueError,
+                      r"^kv_cache: expected a cache on device device\(type='cpu'\) \(where the "
+                      r"parameters live\), got one on device device\(type='meta'\)$"))
+    for bad, exc, match in cases:
+        lens = None if isinstance(bad, str) else list(bad.cache_seqlens.tolist())
+        with pytest.raises(exc, match=match):
+            m(x, x, x, kv_cache=bad)
+        assert m.cache is None
+        if lens is not None:
+            assert list(bad.cache_seqlens.tolist()) == lens  # nothing was written
+
+
 # --------------------------------------------------------------------------
 # backward
 
