@@ -1642,6 +1642,9 @@ def test_message_pieces_name_types_values_and_dtypes_as_documented():
     assert V.type_name(np.ones(2)) == "numpy.ndarray"
     assert V.type_name([1]) == "list" and V.type_name(None) == "None"
     assert V.type_name(np.int32) == "type numpy.int32" and V.type_name(int) == "type int"  # classes
+    # a class by its module path up to the first private part, public parts after it dropped
+    nested = type("Kind", (), {"__module__": "pkg.sub._impl.more"})
+    assert V.type_name(nested) == "type pkg.sub.Kind" and V.described(nested) == "type pkg.sub.Kind"
     assert V.described(3) == "int 3" and V.described("a") == "str 'a'" and V.described(None) == "None"
     with pytest.raises(TypeError, match=r"^is_causal: expected a bool, got None$"):
         V.check_bool("is_causal", None)
