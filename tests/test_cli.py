@@ -1132,6 +1132,22 @@ def test_an_output_path_under_a_file_is_told_as_such(tmp_path, capsys):
     assert (tmp_path / "afile").read_text() == "kept"
 
 
+def test_an_output_path_that_cannot_be_made_names_the_option_and_the_path(tmp_path, monkeypatch):
+    """A path in a folder that does not exist names the folder and the path given; one the
+    user may not write (os.access says no, as it does for a user who is not root) names the
+    path; in both cases nothing is made."""
+    from npattn.tools import outputs
+
+    path = str(tmp_path / "missing" / "x.json")
+    assert outputs.output_error("--json", path) == (
+        f"--json: the directory {str(tmp_path / 'missing')!r} does not exist (path {path!r})")
+    path = str(tmp_path / "x.json")
+    monkeypatch.setattr(outputs.os, "access", lambda *args, **kwargs: False)
+    assert outputs.output_error("--markdown", path) == (
+        f"--markdown: {path!r} cannot be written (no permission)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_two_outputs_on_standard_output_are_refused():
     """Where two options may each be '-', both on standard output would interleave."""
     from npattn.tools.outputs import outputs_error
