@@ -332,6 +332,9 @@ def test_the_floor_is_a_hundredth_of_the_configuration_s_largest_gradient(dtype,
     (lambda dy: None, "backward returned None"),
     ("left out", "backward returned None"),
     (lambda dy: dy[:1], "gradient shape (1, 4), expected (3, 4)"),
+    # as many entries as the input, laid out otherwise: an axis of 1 not summed away, a transpose
+    (lambda dy: dy[None], "gradient shape (1, 3, 4), expected (3, 4)"),
+    (lambda dy: dy.T, "gradient shape (4, 3), expected (3, 4)"),
 ])
 def test_a_nan_missing_or_misshapen_gradient_fails(broken, error):
     xp = namespace(np.zeros(1))
