@@ -989,10 +989,10 @@ def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--workers", "0"], "--workers: expected a positive integer, got 0"),
-    (["--workers", "a,b"], "--workers: expected comma-separated positive integers"),
-    (["--shape", "2x4x6x4"], "--shape: expected positive sizes with H dividing D"),
-    (["--shape", "0x4x8x4"], "--shape: expected positive sizes with H dividing D"),
-    (["--shape", "1x4x2x4"], "--shape: expected positive sizes with H dividing D"),
+    (["--workers", "a,b"], "--workers: expected comma-separated positive integers, got 'a,b'"),
+    (["--shape", "2x4x6x4"], "--shape: expected positive sizes with H dividing D, got '2x4x6x4'"),
+    (["--shape", "0x4x8x4"], "--shape: expected positive sizes with H dividing D, got '0x4x8x4'"),
+    (["--shape", "1x4x2x4"], "--shape: expected positive sizes with H dividing D, got '1x4x2x4'"),
     (["--workers", "1,0"], "--workers: expected a positive integer, got 0"),
     (["--q-chunk", "0"], "--q-chunk: expected a positive integer, got 0"),
     (["--k-chunk", "0"], "--k-chunk: expected a positive integer, got 0"),
