@@ -653,7 +653,7 @@ def test_demo_rejects_bad_heads(heads, message, tmp_path, capsys):
     "option, value",
     [("--lr", "-1"), ("--lr", "0"), ("--lr", "nan"), ("--lr", "inf"), ("--lr", "x"),
      ("--steps", "0"), ("--steps", "-3"), ("--seq-len", "0"), ("--d-model", "-8"),
-     ("--batch", "0"), ("--seed", "-1"), ("--threads", "0")],
+     ("--batch", "0"), ("--seed", "-1"), ("--threads", "0"), ("--steps", "x"), ("--seed", "1.5")],
 )
 def test_demo_rejects_non_positive_or_non_finite_numbers(option, value, tmp_path, capsys,
                                                          monkeypatch):
@@ -664,6 +664,24 @@ def test_demo_rejects_non_positive_or_non_finite_numbers(option, value, tmp_path
     err = capsys.readouterr().err
     assert "usage: npattn demo" in err
     assert f"argument {option}" in err and repr(value) in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "1"], "--seq-len: --task gpt needs a context of at least 2 characters, got 1"),
+    (["--heads", "1,2"], "--heads: --task gpt trains one model, expected one head count, got 1,2"),
+])
+def test_a_gpt_demo_it_cannot_train_is_refused_naming_the_value(extra, message, tmp_path, capsys,
+                                                                monkeypatch):
+    from npattn.tools import demo_gpt
+
+    monkeypatch.setattr(demo_gpt, "train", _must_not_train)
+    out = str(tmp_path / "g")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--task", "gpt", "--no-progress", "--no-plots", "--out", out, *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: npattn demo") and err.endswith(f"npattn demo: error: {message}\n"), err
+    assert not (tmp_path / "g").exists()
 
 
 def test_check_option_errors_print_the_check_usage(capsys):
