@@ -686,13 +686,18 @@ def test_a_file_without_the_modes_puts_every_module_in_the_models_mode(tmp_path,
 @pytest.mark.parametrize("name, key, value, fragment", [
     ("TransformerBlock", "modes", "x", "'modes' in the header: expected a dict of bools with the keys "
                                        "['training', 'self_attn'], got 'x'"),
-    ("TransformerBlock", "modes", {"training": True}, "'modes' in the header: expected a dict of bools"),
-    ("TransformerBlock", "modes", {"training": True, "self_attn": 1}, "'modes' in the header: expected"),
+    ("TransformerBlock", "modes", {"training": True}, "'modes' in the header: expected a dict of bools "
+                                                      "with the keys ['training', 'self_attn'], got "
+                                                      "{'training': True}"),
+    ("TransformerBlock", "modes", {"training": True, "self_attn": 1},
+     "'modes' in the header: expected a dict of bools with the keys ['training', 'self_attn'], got "
+     "{'training': True, 'self_attn': 1}"),
     ("TransformerBlock", "modes", {"training": False, "self_attn": True},
-     "expected 'modes' in the header to hold the block's mode 'training' (True)"),
+     "expected 'modes' in the header to hold the block's mode 'training' (True), got "
+     "{'training': False, 'self_attn': True}"),
     ("TransformerDecoderBlock", "modes", {"training": True, "self_attn": True},
      "'modes' in the header: expected a dict of bools with the keys ['training', 'self_attn', "
-     "'multihead_attn']"),
+     "'multihead_attn'], got {'training': True, 'self_attn': True}"),
     ("GPT", "block_modes", "x", "expected 'block_modes' in the header to be null or a list of 3"),
     ("GPT", "block_modes", [{"training": True, "self_attn": True}] * 2, "got a list of 2"),
     ("GPT", "block_modes", [{"training": True, "self_attn": True}, {"training": "no", "self_attn": True},
@@ -726,7 +731,8 @@ def test_a_blocks_modes_read_and_restore_each_module_and_refuse_another_dict_who
                        ({**saved, "norm1": True}, ValueError),
                        ({**saved, "multihead_attn": "no"}, TypeError), ([True, False, True], TypeError),
                        ({**saved, "training": 1}, TypeError)):
-        with pytest.raises(error, match=r"^modes: expected a dict of bools with the keys \['training', "
-                                        r"'self_attn', 'multihead_attn'\], got "):
+        expected = (r"^modes: expected a dict of bools with the keys "
+                    r"\['training', 'self_attn', 'multihead_attn'\]")
+        with pytest.raises(error, match=expected + ", got " + re.escape(repr(bad)) + "$"):
             block.modes = bad
         assert block.modes == saved  # nothing set
