@@ -647,7 +647,7 @@ def test_param_assignment_is_checked(backend, xp):
     with raises(ValueError, "params", "w_x"):  # the names are fixed for setdefault too
         m.params.setdefault("w_x", from_numpy(good, xp))
     assert "w_x" not in m.params
-    with raises(ValueError, "params", "exactly the names"):
+    with raises(ValueError, "params: expected exactly the names ['b_k', ", "got ['w_q']"):
         m.params = {"w_q": m.params["w_q"]}
     with raises(TypeError, "params", "list"):
         m.params = [1, 2]
