@@ -514,6 +514,35 @@ def test_a_kv_cache_that_does_not_fit_the_module_is_named_with_what_it_is(backen
             assert list(bad.cache_seqlens.tolist()) == lens  # nothing was written
 
 
+def test_options_a_forward_cannot_combine_are_refused_naming_the_ones_given():
+    """Positional options with add_bias_kv (its extra key has no position) name each one given;
+    a mask, keep-mask or segment ids with kv_cache name the argument and what was given. Nothing
+    is written to the cache."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 8))
+    m = MultiHeadAttention(8, 2, add_bias_kv=True, dtype="float64", seed=0)
+    listed = r"\(window, align='bottom_right', alibi_slopes, q_segments, k_segments, kv_cache\)"
+    for kw, given in ((dict(window=(1, 0)), "window"),
+                      (dict(window=(1, 0), alibi_slopes=np.array([0.5, 0.25])), "window, alibi_slopes"),
+                      (dict(alibi_slopes=np.array([0.5, 0.25]), align="bottom_right"),
+                       "align='bottom_right', alibi_slopes")):
+        first = given.split(",")[0].split("=")[0]
+        with pytest.raises(ValueError, match=rf"^{first}: expected none of the positional options {listed} "
+                                             rf"with add_bias_kv / add_zero_attn, .*; got {given}$"):
+            m(x, x, x, **kw)
+    m = MultiHeadAttention(8, 2, dtype="float64", seed=0)
+    cache = m.new_cache(2, 6)
+    x1 = x[:, :1]
+    for name, a in (("mask", np.ones((1, 1), bool)), ("dropout_mask", np.ones((2, 2, 1, 1), bool)),
+                    ("q_segments", np.zeros((2, 1), np.int64))):
+        kw = {name: a, **({"k_segments": np.zeros((2, 1), np.int64)} if name == "q_segments" else {})}
+        with pytest.raises(ValueError, match=rf"^{name}: expected None with kv_cache \(entry b attends its "
+                                             r"cache_seqlens\[b\] cached keys and the new ones\), got "
+                                             r"numpy\.ndarray$"):
+            m(x1, x1, x1, kv_cache=cache, **kw)
+    assert cache.cache_seqlens.tolist() == [0, 0]
+
+
 # --------------------------------------------------------------------------
 # backward
 
