@@ -1259,7 +1259,10 @@ def vjp(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Callable[..., tup
         argument (``len(args)``), in order: the gradient of ``q``/``query``,
         ``k``, ``v``, ``k_cache``, ``v_cache``, a floating ``attn_mask`` or
         ``bias``; None for every other (``cu_seqlens_*``, a bool mask,
-        ``alibi_slopes``, numbers).
+        ``alibi_slopes``, numbers). An argument passed by keyword is a
+        constant of the pullback and gets no entry: pass ``attn_mask`` /
+        ``bias``, or ``flash_attn_with_kvcache``'s ``k`` and ``v``,
+        positionally for their gradients.
 
     Notes
     -----

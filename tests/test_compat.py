@@ -1699,3 +1699,35 @@ def test_a_value_that_is_no_array_is_named_with_the_layout_expected():
     with pytest.raises(TypeError, match=r"^query_seq_lengths: expected sequence lengths \(B,\), a 1-D "
                                         r"integer array, got str"):
         C.dot_product_attention(x, x, x, query_seq_lengths="ab")
+
+
+def test_vjp_gives_no_entry_for_arguments_passed_by_keyword():
+    """The pullback has one entry per positional argument: a floating attn_mask passed by
+    keyword is a constant (docs/compat.md), passed positionally it gets its gradient; the
+    gradients of q, k, v are the same either way, and the flash_attn_with_kvcache new k and v
+    likewise."""
+    q, k, v, m = randn(2, 3, 4, 5), randn(2, 3, 6, 5), randn(2, 3, 6, 4), randn(4, 6)
+    dout = randn(2, 3, 4, 4)
+    out_kw, by_keyword = C.vjp(C.scaled_dot_product_attention, q, k, v, attn_mask=m)
+    out_pos, positional = C.vjp(C.scaled_dot_product_attention, q, k, v, m)
+    np.testing.assert_array_equal(out_kw, out_pos)
+    grads_kw, grads_pos = by_keyword(dout), positional(dout)
+    assert len(grads_kw) == 3 and len(grads_pos) == 4 and grads_pos[3].shape == (4, 6)
+    for a, b in zip(grads_kw, grads_pos):
+        np.testing.assert_array_equal(a, b)
+    assert C.vjp(C.scaled_dot_product_attention, query=q, key=k, value=v)[1](dout) == ()
+
+    q1, knew, vnew = randn(2, 1, 3, 4), randn(2, 1, 3, 4), randn(2, 1, 3, 4)
+    seqlens = np.array([2, 3], np.int32)
+    caches = [randn(2, 5, 3, 4) for _ in range(2)]
+    _, by_keyword = C.vjp(C.flash_attn_with_kvcache, q1, *(c.copy() for c in caches), k=knew, v=vnew,
+                          cache_seqlens=seqlens)
+    _, positional = C.vjp(C.flash_attn_with_kvcache, q1, *(c.copy() for c in caches), knew, vnew,
+                          cache_seqlens=seqlens)
+    d = randn(2, 1, 3, 4)
+    grads_kw, grads_pos = by_keyword(d), positional(d)
+    assert len(grads_kw) == 3 and len(grads_pos) == 5
+    assert grads_pos[3].shape == knew.shape and grads_pos[4].shape == vnew.shape
+    assert np.abs(grads_pos[4]).sum() > 0  # the new value is attended: it has a gradient
+    for a, b in zip(grads_kw, grads_pos):
+        np.testing.assert_array_equal(a, b)
