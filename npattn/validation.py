@@ -641,9 +641,17 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
         try:  # leading (batch) axes broadcast against each other, as in torch's SDPA
             lead = tuple(np.broadcast_shapes(lead, shape_of(x)[:-2]))
         except ValueError:
+            hint = ""
+            if x.ndim >= 3 and q.ndim >= 3 and x.shape[-3] and q.shape[-3] % x.shape[-3] == 0:
+                try:  # fewer heads that divide q's and batch axes that broadcast: grouped-query
+                    np.broadcast_shapes(shape_of(q)[:-3], shape_of(x)[:-3])
+                    hint = (f"; with enable_gqa=True, {x.shape[-3]} key/value heads would serve "
+                            f"{q.shape[-3]} query heads")
+                except ValueError:
+                    pass
             raise ValueError(
                 f"{name}: expected leading axes that broadcast with those of q "
-                f"{shape_of(q)[:-2]} (and k), got shape {shape_of(x)}"
+                f"{shape_of(q)[:-2]} (and k), got shape {shape_of(x)}{hint}"
             ) from None
     if enable_gqa:
         lead = scores_lead(q, k, v, enable_gqa=True)

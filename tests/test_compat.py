@@ -1078,7 +1078,8 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
     # fewer K/V heads without enable_gqa: refused as torch refuses them, not grouped
     # (every name torch's: "those of query", not q)
     with pytest.raises(ValueError, match=r"^key: expected leading axes that broadcast with those of "
-                                         r"query \(1, 4\) \(and key\), got shape \(1, 2, 5, 4\)$"):
+                                         r"query \(1, 4\) \(and key\), got shape \(1, 2, 5, 4\); with "
+                                         r"enable_gqa=True, 2 key/value heads would serve 4 query heads$"):
         C.scaled_dot_product_attention(np.ones((1, 4, 3, 4)), np.ones((1, 2, 5, 4)),
                                        np.ones((1, 2, 5, 4)))
     # torch's names, not npattn's q, k, v (the dispatcher's checks named them so)

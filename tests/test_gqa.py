@@ -143,8 +143,18 @@ def test_gqa_bad_head_counts():
     # fewer K/V heads without enable_gqa: 2 heads do not broadcast to 4, and the error names k
     for sdpa in (F.sdpa_forward, A.sdpa_forward):
         with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
-                                             r"of q \(2, 4\) \(and k\), got shape \(2, 2, 5, 3\)$"):
+                                             r"of q \(2, 4\) \(and k\), got shape \(2, 2, 5, 3\); "
+                                             r"with enable_gqa=True, 2 key/value heads would serve 4 "
+                                             r"query heads$"):
             sdpa(q, k, v)
+    # heads that do not divide q's: no such hint (3 heads cannot serve 4)
+    with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
+                                         r"of q \(2, 4\) \(and k\), got shape \(2, 3, 5, 3\)$"):
+        F.sdpa_forward(q, np.concatenate([k, k[:, :1]], axis=1), np.concatenate([v, v[:, :1]], axis=1))
+    # ... nor batch axes that do not broadcast (enable_gqa would not help)
+    with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
+                                         r"of q \(2, 4\) \(and k\), got shape \(3, 2, 5, 3\)$"):
+        F.sdpa_forward(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]))
 
 
 # --------------------------------------------------------------------------
