@@ -626,8 +626,8 @@ def test_demo_out_with_no_plots_is_said_to_be_unused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("heads, message", [
-    ("3", "each must divide --d-model 8; [3] do not"),
-    ("2,3,4,6", "each must divide --d-model 8; [3, 6] do not"),
+    ("3", "expected divisors of --d-model 8, got '3', where 3 does not divide it"),
+    ("2,3,4,6", "expected divisors of --d-model 8, got '2,3,4,6', where 3, 6 do not divide it"),
     ("0", "expected positive integers, got '0'"),
     ("2,-1", "expected positive integers, got '2,-1'"),
     ("a,b", "expected integers separated by commas, got 'a,b'"),
@@ -667,7 +667,8 @@ def test_demo_rejects_non_positive_or_non_finite_numbers(option, value, tmp_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--seq-len", "1"], "--seq-len: --task gpt needs a context of at least 2 characters, got 1"),
+    (["--seq-len", "1"],
+     "--seq-len: expected at least 2 with --task gpt (a context of 2 characters or more), got 1"),
     (["--heads", "1,2"], "--heads: --task gpt trains one model, expected one head count, got 1,2"),
 ])
 def test_a_gpt_demo_it_cannot_train_is_refused_naming_the_value(extra, message, tmp_path, capsys,

@@ -651,7 +651,7 @@ def _must_not_train(*args, **kwargs):
     (["--steps", "10"], "--steps: an option of --task reverse and --task gpt, not of --task digits"),
     (["--seq-len", "6"], "--seq-len: an option of --task reverse"),
     (["--pos", "learned"], "--pos: an option of --task reverse"),
-    (["--heads", "3"], "--heads: each must divide --d-model 8"),
+    (["--heads", "3"], "--heads: expected divisors of --d-model 8, got '3', where 3 does not divide it"),
     (["--patch", "3"], "argument --patch: invalid choice"),
     (["--dropout", "1"], "argument --dropout: expected a number in [0, 1), got '1'"),
     (["--dropout", "nan"], "argument --dropout"),

@@ -296,7 +296,7 @@ def test_the_command_trains_and_writes_the_samples_and_the_loss_curve(tmp_path, 
     (["--epochs", "2"], "--epochs: an option of --task digits, not of --task gpt"),
     (["--pos", "learned"], "--pos: an option of --task reverse, not of --task gpt"),
     (["--heads", "1,2"], "--heads: --task gpt trains one model"),
-    (["--heads", "5"], "--heads: each must divide --d-model 96"),
+    (["--heads", "5"], "--heads: expected divisors of --d-model 96, got '5', where 5 does not divide it"),
 ])
 def test_the_command_refuses_options_of_other_tasks(extra, named, tmp_path, capsys):
     from npattn.tools import cli

@@ -335,7 +335,8 @@ def _parse_heads(text, d_model, parser: argparse.ArgumentParser):
         parser.error(f"--heads: expected each head count once, got {repeated} more than once in {text!r}")
     bad = [h for h in heads if d_model % h]
     if bad:
-        parser.error(f"--heads: each must divide --d-model {d_model}; {bad} do not")
+        parser.error(f"--heads: expected divisors of --d-model {d_model}, got {text!r}, where "
+                     f"{', '.join(map(str, bad))} {'does' if len(bad) == 1 else 'do'} not divide it")
     return heads
 
 
@@ -364,7 +365,8 @@ def _check_demo_args(args, parser):
         parser.error(f"--heads: --task gpt trains one model, expected one head count, got "
                      f"{','.join(str(h) for h in args.heads)}")
     if args.task == "gpt" and args.seq_len < 2:
-        parser.error(f"--seq-len: --task gpt needs a context of at least 2 characters, got {args.seq_len}")
+        parser.error(f"--seq-len: expected at least 2 with --task gpt (a context of 2 characters or "
+                     f"more), got {args.seq_len}")
     if args.task == "gpt":
         _check_gpt_demo_sizes(args, parser)
 
