@@ -1508,10 +1508,14 @@ def params_from_save_file(label: str, entries: dict, current: dict, *, xp: Any, 
 
 
 def set_rng_state(label: str, rng: np.random.Generator, state: Any) -> None:
-    """Restore a saved dropout generator state (None: leave ``rng`` as it is); ``ValueError`` if invalid."""
+    """Restore a saved dropout generator state (None: leave ``rng`` as it is); ``ValueError`` if
+    NumPy refuses it, naming ``label``, the generator and the state received."""
     if state is None:
         return
     try:
         rng.bit_generator.state = state
     except (TypeError, ValueError, KeyError, OverflowError) as exc:  # integers out of range: OverflowError
-        raise ValueError(f"{label}: the saved dropout generator state is not valid ({exc})") from exc
+        got = repr(state) if isinstance(state, dict) else V.type_name(state)
+        raise ValueError(f"{label}: expected a state of the dropout generator "
+                         f"({type(rng.bit_generator).__name__}, as rng_state reads it), got {got}, "
+                         f"which NumPy refuses: {exc}") from exc

@@ -516,7 +516,8 @@ def test_a_saved_size_too_large_for_an_array_is_refused_by_name(tmp_path, name, 
     ([{}], "a list of 2 generator states (one per block), got a list of 1"),
     ([{}, {}, {}], "a list of 2 generator states (one per block), got a list of 3"),
     ([None, None], "block_rng_states[0]: expected a state read from rng_state, got None"),
-    (["x", "x"], "block_rng_states[0]: the saved dropout generator state is not valid"),
+    (["x", "x"], "block_rng_states[0]: expected a state of the dropout generator (PCG64, as rng_state reads "
+                 "it), got str, which NumPy refuses: "),
 ])
 def test_block_generator_state_errors_name_block_rng_states(tmp_path, name, states, fragment):
     """They said "expected 2 block generator states, got str" and "rng_state: expected a state
