@@ -271,7 +271,8 @@ def check_same_device(**arrays: Any) -> None:
     for name, a in items[1:]:
         d = device_of(a)
         if d != d0:
-            raise ValueError(f"{name}: expected an array on device {d0!r} like {first}, got device {d!r}")
+            raise ValueError(f"{name}: expected an array on device {d0!r} (like {first}), got one on "
+                             f"device {d!r}")
 
 
 def isdtype(xp: Any, dtype: Any, kind: Any) -> bool:

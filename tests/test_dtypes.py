@@ -299,7 +299,7 @@ def test_check_same_device_names_each_array_off_the_first_ones_device(strict_dev
                          (dict(a=cpu, b=None, c=cpu, d=other), "d")):
         first, bad = arrays["a"].device, arrays[name].device
         with pytest.raises(ValueError, match=rf"^{name}: expected an array on device "
-                                             rf"{re.escape(repr(first))} like a, got device "
+                                             rf"{re.escape(repr(first))} \(like a\), got one on device "
                                              rf"{re.escape(repr(bad))}$"):
             check_same_device(**arrays)
 
