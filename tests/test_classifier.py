@@ -300,11 +300,13 @@ def test_bad_arguments_name_the_argument(xp, to_xp, backend):
         model.forward(x, np.ones((B, L), dtype=bool).tolist())  # no dtype to check
     with pytest.raises(TypeError, match=r"^need_weights: expected a bool"):
         model.forward(x, need_weights=1)
-    with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 dicts or None"):
+    with pytest.raises(TypeError, match=r"^dropout_masks: expected a list of 1 dicts or None "
+                                        r"\(one per block\), got dict$"):
         model.forward(x, dropout_masks={"dropout1": None})
-    with pytest.raises(ValueError, match=r"^dropout_masks: expected a list of 1 .* length 2"):
+    with pytest.raises(ValueError, match=r"^dropout_masks: expected a list of 1 dicts or None "
+                                         r"\(one per block\), got a list of length 2$"):
         model.forward(x, dropout_masks=[None, None])
-    with pytest.raises(TypeError, match=r"^dropout_masks\[0\]: expected a dict or None"):
+    with pytest.raises(TypeError, match=r"^dropout_masks\[0\]: expected a dict or None, got str$"):
         model.forward(x, dropout_masks=["self_attn"])
     model.forward(x)
     with pytest.raises(ValueError, match=r"^dlogits: expected shape \(2, 4\)"):

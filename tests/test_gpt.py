@@ -531,7 +531,12 @@ def test_bad_inputs_name_the_argument_and_change_nothing(xp, to_xp):
         (lambda: model.forward(to_xp(ids_of(0) + VOCAB)), ValueError, r"ids: expected token ids in \[0, 11\)"),
         (lambda: model.forward(to_xp(ids_of(0, (B, T + 1)))), ValueError, "block_size"),
         (lambda: model.forward(to_xp(ids_of(0)[0])), ValueError, r"ids: expected shape \(B, L\)"),
-        (lambda: model.forward(ids, dropout_masks=[{}]), ValueError, "dropout_masks"),
+        (lambda: model.forward(ids, dropout_masks=[{}]), ValueError,
+         r"^dropout_masks: expected a list of 2 dicts or None \(one per block\), got a list of length 1$"),
+        (lambda: model.forward(ids, dropout_masks={"dropout": None}), TypeError,
+         r"^dropout_masks: expected a list of 2 dicts or None \(one per block\), got dict$"),
+        (lambda: model.forward(ids, dropout_masks=[None, "dropout"]), TypeError,
+         r"^dropout_masks\[1\]: expected a dict or None, got str$"),
         (lambda: model.forward(ids, dropout_masks=[{"dropout9": None}, None]), ValueError, "dropout_masks"),
         (lambda: model.forward(ids, dropout_masks=[None, {"dropout": to_xp(np.ones((B, L, D), dtype=bool))}]),
          ValueError, rf"^dropout_masks\[1\]\['dropout'\]: expected a shape that broadcasts to \(B, L, F\) = "
