@@ -703,6 +703,27 @@ def test_load_torch_state_dict_names_the_key_as_given():
             np.testing.assert_array_equal(np.asarray(v), before[k])
 
 
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_load_torch_state_dict_names_the_keys_expected_received_missing_and_unexpected(kind):
+    """A state dict with a key dropped and one added is refused with the torch layer's keys in
+    its order, the keys received (sorted), and the ones missing and unexpected; nothing is set."""
+    torch = pytest.importorskip("torch")
+    cls, torch_cls = ((TransformerBlock, torch.nn.TransformerEncoderLayer) if kind == "encoder"
+                      else (TransformerDecoderBlock, torch.nn.TransformerDecoderLayer))
+    block = cls(D, H, FF, dtype="float64", seed=33)
+    want = list(torch_cls(D, H, FF, batch_first=True, dtype=torch.float64).state_dict())
+    before = {k: np.array(v) for k, v in block.params.items()}
+    sd = {k: v for k, v in block.torch_state_dict().items() if k != "norm2.bias"}
+    sd["norm9.bias"] = torch.zeros(D, dtype=torch.float64)
+    got = sorted(sd)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"state_dict: expected keys {want}, got {got} (missing ['norm2.bias'], "
+            "unexpected ['norm9.bias'])") + "$"):
+        block.load_torch_state_dict(sd)
+    for k, v in block.params.items():
+        np.testing.assert_array_equal(np.asarray(v), before[k])
+
+
 def test_a_key_that_is_no_string_is_named():
     """A key such as 0 in a state dict, a params dict or dropout_masks stopped sorted() with
     "'<' not supported between instances of 'str' and 'int'"."""
