@@ -163,12 +163,15 @@ def test_a_check_of_nothing_or_with_bad_settings_is_refused_before_any_call():
     x = np.ones((2, 3))
     backward = lambda d, c: 2.0 * d  # noqa: E731
     cases = [
-        (dict(n_directions=0, mode="vjp"), ValueError, "n_directions"),
-        (dict(wrt=[]), ValueError, "wrt: expected at least one"),
-        (dict(wrt=[3]), ValueError, r"wrt: expected indices of floating array inputs \[0\], got 3"),
-        (dict(eps=0.0), ValueError, "eps"), (dict(eps=float("nan")), ValueError, "eps"),
-        (dict(rtol=-1.0), ValueError, "rtol"), (dict(atol=float("nan")), ValueError, "atol"),
-        (dict(seed="abc"), TypeError, "seed"),
+        (dict(n_directions=0, mode="vjp"), ValueError, "^n_directions: expected a positive int, got 0$"),
+        (dict(wrt=[]), ValueError, "^wrt: expected at least one input index to check, got none$"),
+        (dict(wrt=[3]), ValueError, r"^wrt: expected indices of floating array inputs \[0\], got 3$"),
+        (dict(eps=0.0), ValueError, r"^eps: expected a finite number > 0, got 0\.0$"),
+        (dict(eps=float("nan")), ValueError, "^eps: expected a finite number > 0, got nan$"),
+        (dict(rtol=-1.0), ValueError, r"^rtol: expected a finite number >= 0, got -1\.0$"),
+        (dict(atol=float("nan")), ValueError, "^atol: expected a finite number >= 0, got nan$"),
+        (dict(seed="abc"), TypeError, "^seed: expected None, a non-negative int seed, a SeedSequence, a "
+                                      "BitGenerator or a numpy.random.Generator, got str 'abc'$"),
     ]
     for kw, exc, match in cases:
         with pytest.raises(exc, match=match):
