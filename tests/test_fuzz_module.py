@@ -3,11 +3,13 @@
 Only the documented exceptions may come out (TypeError and ValueError for bad
 arguments, RuntimeError for backward before forward); an IndexError,
 AssertionError, AttributeError or any other exception fails the test, as does
-a NaN in an output or a gradient. A failed call leaves the module as it was
-and usable.
+a NaN in an output or a gradient. Each refusal names the argument
+("query: expected ..., got ..."), not an array inside the computation (a ``v`` or an
+``x`` the caller never passed). A failed call leaves the module as it was and usable.
 """
 
 import importlib.util
+import re
 
 import numpy as np
 from hypothesis import settings
@@ -19,6 +21,14 @@ from npattn.backend import from_numpy, resolve_backend, to_numpy
 
 BACKENDS = [n for n in ("numpy", "array_api_strict", "torch") if importlib.util.find_spec(n)]
 DOCUMENTED = (TypeError, ValueError)
+#: the argument each forward corruption must be refused by name
+NAMED = {
+    "query 2-D": "query", "key batch": "key", "value length": "value", "query width": "query",
+    "key width": "key", "value width": "value", "dtype": "value", "int mask": "mask",
+    "3-D mask": "mask", "mask shape": "mask", "float keep mask": "dropout_mask",
+    "keep shape": "dropout_mask", "nan checked": "key", "list": "query", "empty": "query",
+    "flag": "is_causal", "mask dtype": "mask", "other backend": "query", "other mask": "mask",
+}
 
 
 def _finite(a):
@@ -59,14 +69,16 @@ class ModuleMachine(RuleBasedStateMachine):
         return (self._arr((B, Lq, m.d_model)), self._arr((B, Lk, m.kdim)),
                 self._arr((B, Lk, m.vdim)))
 
-    def _expect_failure(self, call, exceptions=DOCUMENTED):
-        """``call`` must raise one of ``exceptions`` and change nothing."""
+    def _expect_failure(self, call, name, exceptions=DOCUMENTED, match=None):
+        """``call`` must raise one of ``exceptions`` with a message that names ``name``, says what
+        was expected and what it got (or matches ``match``), and change nothing."""
         cache, params, training = self.m._cache, dict(self.m.params), self.m.training
         rng_state = self.m._rng.bit_generator.state
+        pattern = match or rf"^{re.escape(name)}: expected .+, got "
         try:
             call()
-        except exceptions:
-            pass
+        except exceptions as e:
+            assert re.search(pattern, str(e), re.DOTALL), f"{pattern!r} not in {type(e).__name__}: {e}"
         else:
             raise AssertionError("a bad call did not raise")
         assert self.m._cache is cache and self.m.training == training
@@ -166,7 +178,7 @@ class ModuleMachine(RuleBasedStateMachine):
             q = from_numpy(to_numpy(q), self.other)
         elif corruption == "other mask":
             kw["mask"] = from_numpy(np.ones((Lq, Lk), dtype=bool), self.other)
-        self._expect_failure(lambda: m(q, k, v, **kw))
+        self._expect_failure(lambda: m(q, k, v, **kw), NAMED[corruption])
 
     # ----------------------------------------------------------- backward
 
@@ -190,7 +202,7 @@ class ModuleMachine(RuleBasedStateMachine):
     def backward_invalid(self, kind):
         if self.out_shape is None:
             self._expect_failure(lambda: self.m.backward(self._arr((1, 1, self.m.d_model))),
-                                 RuntimeError)
+                                 "backward", RuntimeError, match="^backward: expected a forward call first")
             return
         shape = self.out_shape
         other_dtype = np.float32 if self.np_dtype == np.float64 else np.float64
@@ -201,7 +213,7 @@ class ModuleMachine(RuleBasedStateMachine):
             "list": lambda: np.zeros(shape).tolist(),
         }[kind]()
         grads_before = dict(self.m.grads)
-        self._expect_failure(lambda: self.m.backward(d))
+        self._expect_failure(lambda: self.m.backward(d), "dout")
         assert all(self.m.grads[n] is g for n, g in grads_before.items())
 
     # ------------------------------------------------------ mode, params
@@ -217,7 +229,7 @@ class ModuleMachine(RuleBasedStateMachine):
     def assign_param(self, name, kind):
         m = self.m
         if name not in m.params:  # no biases
-            self._expect_failure(lambda: m.params.__setitem__(name, self._arr((m.d_model,))))
+            self._expect_failure(lambda: m.params.__setitem__(name, self._arr((m.d_model,))), "params")
             return
         shape = self.shapes[name]
         other_dtype = np.float32 if self.np_dtype == np.float64 else np.float64
@@ -229,10 +241,11 @@ class ModuleMachine(RuleBasedStateMachine):
         if kind == "replace all":
             new = dict(m.params)
             new.pop(name)
-            self._expect_failure(lambda: setattr(m, "params", new))
+            self._expect_failure(lambda: setattr(m, "params", new), "params")
             return
         if kind == "delete":
-            self._expect_failure(lambda: m.params.pop(name))
+            self._expect_failure(lambda: m.params.pop(name), "params",
+                                 match="^params: parameters cannot be removed")
             return
         bad = {
             "shape": lambda: self._arr(shape[:-1] + (shape[-1] + 1,)),
@@ -242,7 +255,8 @@ class ModuleMachine(RuleBasedStateMachine):
             "list": lambda: np.zeros(shape).tolist(),
         }[kind]()
         key = name + "_x" if kind == "unknown" else name
-        self._expect_failure(lambda: m.params.__setitem__(key, bad))
+        self._expect_failure(lambda: m.params.__setitem__(key, bad),
+                             "params" if kind == "unknown" else f"params[{name!r}]")
 
     # ---------------------------------------------------------- invariant
 
