@@ -229,6 +229,65 @@ def test_the_errors_of_a_row_are_the_largest_entry_error_and_it_over_the_scale()
     assert right.passed and right.max_abs_err < 1e-8
 
 
+def test_a_float64_row_passes_up_to_1e_12_plus_1e_6_of_its_scale_and_fails_beyond():
+    """float64's tolerances are rtol 1e-6 and atol 1e-12 (docs/check.md): one entry of the
+    gradient of 3 x off by half the bound atol + rtol * scale passes, off by twice it fails,
+    and the result and its summary carry those tolerances."""
+    rng = np.random.default_rng(5)
+    rng.standard_normal((2, 3))  # x
+    n = 3.0 * rng.standard_normal((2, 3))  # 3 dout: the exact gradient
+    at = np.unravel_index(np.argmin(np.abs(n)), n.shape)  # not the largest entry: the scale stays
+    bound = 1e-12 + 1e-6 * np.abs(n).max()
+
+    def off_by(delta):
+        def wrong(g):
+            g = np.array(g)
+            g[at] += delta
+            return g
+
+        return wrong
+
+    xp = namespace(np.zeros(1))
+    for factor, passed in ((0.5, True), (2.0, False)):
+        (row,) = audit.run_check(_times_three(off_by(factor * bound)), xp, "float64", seed=5)
+        assert row.passed is passed and row.error is None, (factor, row)
+        assert row.max_abs_err == pytest.approx(factor * bound, rel=1e-3)  # differences: ~1e-10
+    result = audit.run_audit("numpy", "float64", checks=[_times_three(lambda g: g)])
+    assert (result.rtol, result.atol) == (1e-6, 1e-12)
+    assert "(numpy, float64, rtol=1e-06, atol=1e-12)" in audit.summary_line(result)
+
+
+def test_a_small_gradient_is_judged_against_1e_2_of_the_configuration_s_largest():
+    """f(x, y) = [3 x, 1e-4 y]: y's gradient is far smaller than x's, so its scale is the floor
+    1e-2 S, S the largest gradient entry of the configuration (x's): an error in y's gradient
+    of 0.5e-6 of the floor passes, 2e-6 of it fails, and the relative error is over the floor."""
+    def build_with(delta):
+        def build(xp, dtype, rng):
+            x = xp.asarray(rng.standard_normal((2, 3)), dtype=dtype)
+            y = xp.asarray(rng.standard_normal((2, 3)), dtype=dtype)
+
+            def backward(dout, cache):
+                dy = np.array(1e-4 * dout[2:])
+                dy[0, 1] += delta
+                return 3.0 * dout[:2], dy
+
+            forward = (lambda x, y: (xp.concat([3.0 * x, 1e-4 * y], axis=0), None))
+            return forward, backward, [x, y], ["x", "y"]
+
+        return audit.Check("[3 x, 1e-4 y]", "primitive", build)
+
+    rng = np.random.default_rng(2)
+    rng.standard_normal((2, 3)), rng.standard_normal((2, 3))  # x, y
+    dout = rng.standard_normal((4, 3))
+    floor = 1e-2 * np.abs(3.0 * dout[:2]).max()
+    xp = namespace(np.zeros(1))
+    for factor, passed in ((0.5, True), (2.0, False)):
+        rows = audit.run_check(build_with(factor * 1e-6 * floor), xp, "float64", seed=2)
+        assert [r.tensor for r in rows] == ["x", "y"] and rows[0].passed, rows
+        assert rows[1].passed is passed, (factor, rows[1])
+        assert rows[1].max_rel_err == pytest.approx(factor * 1e-6, rel=5e-2), rows[1]  # round-off
+
+
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
 def test_a_gradient_with_an_infinite_or_nan_entry_fails(value):
     """An infinite entry makes both the error and the scale infinite, and inf <= rtol * inf
