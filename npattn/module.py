@@ -1021,12 +1021,24 @@ class ParameterDict(dict):
             return self[name]
         self._check_item(name, default)  # raises: the names are fixed
 
-    def _fixed(self, *args, **kwargs):
+    def _refuse_removal(self, call: str) -> None:
         """Always ``TypeError``: parameters cannot be removed (``del``, ``pop``, ``popitem``,
         ``clear``); assign a new array instead."""
-        raise TypeError("params: parameters cannot be removed; assign a new array instead")
+        raise TypeError(f"params: expected every parameter to stay (the names are fixed: "
+                        f"{', '.join(self)}), got {call}; parameters cannot be removed, assign a "
+                        f"new array instead")
 
-    __delitem__ = pop = popitem = clear = _fixed
+    def __delitem__(self, name):
+        self._refuse_removal(f"del params[{name!r}]")
+
+    def pop(self, name, *default):
+        self._refuse_removal(f"params.pop({name!r})")
+
+    def popitem(self):
+        self._refuse_removal("params.popitem()")
+
+    def clear(self):
+        self._refuse_removal("params.clear()")
 
     def replace_all(self, new: Any) -> None:
         """``module.params = new``: ``new`` must hold exactly the same names; all checked first."""

@@ -245,7 +245,9 @@ class ModuleMachine(RuleBasedStateMachine):
             return
         if kind == "delete":
             self._expect_failure(lambda: m.params.pop(name), "params",
-                                 match="^params: parameters cannot be removed")
+                                 match=rf"^params: expected every parameter to stay \(the names are "
+                                       rf"fixed: .*\), got params.pop\({name!r}\); parameters cannot be "
+                                       rf"removed")
             return
         bad = {
             "shape": lambda: self._arr(shape[:-1] + (shape[-1] + 1,)),
