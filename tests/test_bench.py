@@ -21,8 +21,15 @@ def test_parse_shapes():
         bench.Shape(2, 4, 4, 2, True, 0.25),
     )
     assert str(bench.Shape(2, 4, 4, 2, True, 0.25)) == "2x4x4x2cd0.25"  # what the child parses
-    for bad in ("2x3", "2x4x6x4", "axbxcxd", "0x4x8x2", "", "2x4x4x2d1.5", "2x4x4x2d"):
-        with pytest.raises(ValueError, match="--shapes"):
+    # each refusal names --shapes, what it expected and the item it got
+    like = "expected items like 32x128x256x8, 4x1024x768x12c, 1x16384x512x8w256 or 8x512x768x12d0.1, got "
+    for bad, message in [("2x3", like + "'2x3'"), ("axbxcxd", like + "'axbxcxd'"),
+                         ("2x4x4x2d", like + "'2x4x4x2d'"),
+                         ("2x4x6x4", "'2x4x6x4' needs positive sizes and D divisible by H"),
+                         ("0x4x8x2", "'0x4x8x2' needs positive sizes and D divisible by H"),
+                         ("", "no shape in ''"),
+                         ("2x4x4x2d1.5", "'2x4x4x2d1.5': the dropout after d must be in [0, 1)")]:
+        with pytest.raises(ValueError, match=re.escape(f"--shapes: {message}")):
             bench.parse_shapes(bad)
 
 
@@ -153,7 +160,7 @@ SMALL = ["--shapes", "1x8x8x2", "--repeat", "5", "--warmup", "0", "--no-torch", 
     (SMALL + ["--json", "."], "--json: expected a file path, got the directory"),
     (SMALL + ["--isolated", "--markdown", "/nonexistent-npattn/m.md"], "--markdown: the directory"),
     (SMALL + ["--impl", "numpy", "--backend", "array_api_strict"],
-     "--impl numpy: the NumPy kernel needs --backend numpy"),
+     "--impl numpy: the NumPy kernel needs --backend numpy, got --backend array_api_strict"),
     (["--model", "gpt", "--json", "/nonexistent-npattn/g.json"], "--json: the directory"),
     # two outputs on one file (the later overwrote the earlier), '-' for a file-only output
     # (a file named '-'), an empty --shapes (the whole default benchmark ran), sizes past
@@ -166,7 +173,8 @@ SMALL = ["--shapes", "1x8x8x2", "--repeat", "5", "--warmup", "0", "--no-torch", 
      "--shapes: expected comma-separated shapes such as 32x128x256x8,4x1024x768x12c, got an empty item "
      "(number 2 of 3) in '1x8x8x2,,2x8x8x2'"),
     (["--shapes", "99999999999x99999999999x4x2"], "needs sizes of at most 2147483647"),
-    (SMALL + ["--gemm", "99999999999"], "--gemm: expected a positive size of at most"),
+    (SMALL + ["--gemm", "99999999999"],
+     "--gemm: expected a positive size of at most 2147483647, got 99999999999"),
     (SMALL + ["--blas-threads", "99999999999999999999"], "--blas-threads: expected an integer in [1, 4096]"),
 ])
 def test_unusable_outputs_and_impls_are_refused_before_any_timing(argv, message, capsys):
