@@ -40,7 +40,9 @@ def screen(text):
 def test_a_short_note_after_a_long_one_leaves_no_stale_characters():
     term = FakeTerminal()
     bar = ProgressBar(10, "demo", stream=term)
-    bar.update(0, "batch loss 2.3026  batch acc 0.100  a long note indeed")
+    long = "batch loss 2.3026  batch acc 0.100  a long note indeed"
+    bar.update(0, long)
+    assert screen(term.getvalue())[-1].endswith(f"{long}]")  # drawn whole, not cut short
     bar.update(0, "short")
     visible = screen(term.getvalue())[-1]
     assert visible.endswith("short]"), visible
