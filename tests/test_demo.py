@@ -506,3 +506,6 @@ def test_the_command_s_defaults_are_the_config_s(tmp_path, command_config):
     cfg = command_config(demo, ["demo", "--no-plots", "--no-progress", "--out", str(tmp_path)])
     assert cfg == DemoConfig()
     assert (cfg.seq_len, cfg.pos, cfg.steps, cfg.n_head) == (12, "sinusoidal", 400, 4)
+    # and the rest of docs/demo.md's defaults: 10 digits, batches of 64, 1024 held-out sequences
+    assert (cfg.vocab, cfg.d_model, cfg.batch, cfg.lr, cfg.dtype, cfg.backend, cfg.seed, cfg.eval_size) == (
+        10, 32, 64, 1e-2, "float32", "numpy", 0, 1024)
