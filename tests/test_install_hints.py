@@ -71,6 +71,22 @@ def test_torch_hints_name_the_cpu_pin():
             assert "torch==2.13.0" in text, f"{rel} suggests the torch extra without the CPU pin"
 
 
+def test_every_torch_install_hint_is_the_cpu_pin():
+    """Each ``pip install torch...`` in the package names the pin, but for the warning that a
+    plain ``pip install torch`` pulls a CUDA build; the two runtime hints are among those read."""
+    pinned = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        text = re.sub(r"[\"']\s*\n\s*f?[\"']", "", path.read_text())  # adjacent literals as one
+        for m in re.finditer(r"(.{0,8})pip install ([^\s;,)`'\"]*torch[^\s;,)`'\"]*)", text):
+            if m.group(2) == "torch==2.13.0":
+                pinned.add(rel)
+            else:
+                assert m.group(1).endswith("plain ``") or m.group(1).endswith("plain '"), \
+                    f"{rel}: expected pip install torch==2.13.0, got {m.group(0)!r}"
+    assert {"npattn/torch_interop.py", "npattn/tools/bench_gpt.py"} <= pinned
+
+
 def test_the_hypothesis_strategies_without_hypothesis_say_what_to_install():
     """``npattn.testing.strategies`` needs hypothesis, a test dependency: without it the import
     names the package to install, not a bare ModuleNotFoundError from inside npattn."""
