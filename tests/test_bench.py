@@ -147,8 +147,11 @@ def test_main_rejects_bad_options(capsys):
     for isolated_only in (["--block-q", "16"], ["--markdown", "x.md"]):
         with pytest.raises(SystemExit):
             bench.main(isolated_only)
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         bench.main(["--isolated", "--impl", "dense"])  # the default plan sets its own impl
+    assert ("--impl: with --isolated, expected --shapes too (ISOLATED_PLAN sets the impl of each "
+            "of its cases), got --impl dense without --shapes") in capsys.readouterr().err
 
 
 SMALL = ["--shapes", "1x8x8x2", "--repeat", "5", "--warmup", "0", "--no-torch", "--no-memory",

@@ -1116,8 +1116,8 @@ def main(argv=None) -> int:
             if getattr(args, name) is not None:
                 parser.error(f"--{name.replace('_', '-')}: needs --isolated")
     if isolated and args.shapes is None and args.impl is not None:
-        parser.error("--impl: with --isolated, give --shapes too (ISOLATED_PLAN sets the impl "
-                     "of each of its cases)")
+        parser.error("--impl: with --isolated, expected --shapes too (ISOLATED_PLAN sets the impl "
+                     f"of each of its cases), got --impl {args.impl} without --shapes")
     impl = args.impl or "dense"
     if impl == "numpy" and args.backend != "numpy":
         parser.error(f"--impl numpy: the NumPy kernel needs --backend numpy, got --backend {args.backend}")
