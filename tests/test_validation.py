@@ -1575,7 +1575,8 @@ def test_scores_lead_refuses_leading_axes_that_do_not_broadcast():
     q, k, v = np.ones((2, 4, 3, 8)), np.ones((3, 2, 5, 8)), np.ones((3, 2, 5, 6))
     assert V.scores_lead(q, k[:1], v[:1], enable_gqa=True) == (2, 4)
     with pytest.raises(ValueError, match=r"^q, k, v: expected leading axes that broadcast against "
-                                         r"each other, got shapes \(2, 4, 3, 8\), \(3, 2, 5, 8\), \(3, 2, 5, 6\)$"):
+                                         r"each other, got shapes \(2, 4, 3, 8\), \(3, 2, 5, 8\), "
+                                         r"\(3, 2, 5, 6\)$"):
         V.scores_lead(q, k, v)
     with pytest.raises(ValueError, match=r"^q, k, v: expected batch axes .* with enable_gqa, got shapes "
                                          r"\(2, 4, 3, 8\), \(3, 2, 5, 8\), \(3, 2, 5, 6\)$"):
