@@ -228,7 +228,8 @@ def real_text(value: Any) -> str:
     range (``real_value`` +-inf) "an int too large for a float (N bits)", not its hundreds of
     digits."""
     if isinstance(value, numbers.Integral) and math.isinf(real_value(value)):
-        return f"an int too large for a float ({int(value).bit_length()} bits)"
+        sign = "a negative int" if value < 0 else "an int"
+        return f"{sign} too large for a float ({int(value).bit_length()} bits)"
     return repr(value)
 
 
@@ -318,7 +319,7 @@ def check_probability(name: str, value: Any) -> None:
             f"{name}: expected a float drop probability in [0, 1), got {described(value)}"
         )
     if not (0.0 <= value < 1.0):  # type: ignore[operator]  # False for NaN; an int may overflow float()
-        raise ValueError(f"{name}: expected a drop probability in [0, 1), got {value!r}")
+        raise ValueError(f"{name}: expected a drop probability in [0, 1), got {real_text(value)}")
 
 
 #: The module's arrays come from its backend; functional code takes that of q (or x).
@@ -642,9 +643,10 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
             lead = tuple(np.broadcast_shapes(lead, shape_of(x)[:-2]))
         except ValueError:
             hint = ""
-            if x.ndim >= 3 and q.ndim >= 3 and x.shape[-3] and q.shape[-3] % x.shape[-3] == 0:
+            if (q.ndim >= 3 and k.ndim >= 3 and v.ndim >= 3 and k.shape[-3] == v.shape[-3]
+                    and 0 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0):
                 try:  # fewer heads that divide q's and batch axes that broadcast: grouped-query
-                    np.broadcast_shapes(shape_of(q)[:-3], shape_of(x)[:-3])
+                    np.broadcast_shapes(shape_of(q)[:-3], shape_of(k)[:-3], shape_of(v)[:-3])
                     hint = (f"; with enable_gqa=True, {x.shape[-3]} key/value heads would serve "
                             f"{q.shape[-3]} query heads")
                 except ValueError:

@@ -151,6 +151,12 @@ def test_gqa_bad_head_counts():
     with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
                                          r"of q \(2, 4\) \(and k\), got shape \(2, 3, 5, 3\)$"):
         F.sdpa_forward(q, np.concatenate([k, k[:, :1]], axis=1), np.concatenate([v, v[:, :1]], axis=1))
+    # ... nor heads of k and v that differ, or v's batch axes that do not broadcast
+    for k2, v2 in ((np.concatenate([k, k], axis=1), v), (k, np.concatenate([v, v], axis=1)),
+                   (k[:, :1], v), (k, np.concatenate([v, v[:1]]))):
+        with pytest.raises(ValueError, match=r"^[kv]: expected leading axes that broadcast with those "
+                                             r"of q \(2, 4\) \(and k\), got shape \([0-9, ]+\)$"):
+            F.sdpa_forward(q, k2, v2)
     # ... nor batch axes that do not broadcast (enable_gqa would not help)
     with pytest.raises(ValueError, match=r"^k: expected leading axes that broadcast with those "
                                          r"of q \(2, 4\) \(and k\), got shape \(3, 2, 5, 3\)$"):

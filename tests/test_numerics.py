@@ -389,6 +389,12 @@ def test_ints_beyond_the_float_range_are_value_errors():
          lambda: G.gradcheck(lambda a: (a * 2.0, None), lambda d, c: (2.0 * d,), [np.ones(2)],
                              eps=huge)),
         ("budget_factor: expected a finite number >= 1", bits, lambda: verify(kernel, budget_factor=huge)),
+        ("softcap: expected a finite float > 0", "a negative " + bits[3:],
+         lambda: A.sdpa_forward(x, x, x, softcap=-huge)),
+        ("dropout_p: expected a drop probability in [0, 1)", bits,
+         lambda: A.sdpa_forward(x, x, x, dropout_p=huge)),
+        ("max_norm: expected a finite number > 0", "a negative " + bits[3:],
+         lambda: nn.clip_grad_norm({"a": np.ones(2)}, -huge)),
         ("floors: expected finite numbers >= 0 as values", bits + " for 'float64'",
          lambda: verify(kernel, floors={"float64": huge})),
     ]
