@@ -237,14 +237,14 @@ class GPT(BlockStack):
         start = 0 if kv_caches is None else self._check_kv_caches(kv_caches)
         self._check_ids("ids", ids, start)
         B, L = ids.shape
+        if kv_caches is not None and self.training and self.dropout > 0.0:
+            raise ValueError("kv_caches: decoding is forward only, without dropout; call eval() "
+                             f"first (the model is in training mode with dropout {self.dropout})")
         if kv_caches is not None and dropout_masks is not None:  # as the blocks' dropout_masks
             raise ValueError(f"dropout_masks: expected None with kv_caches (decoding is forward only, "
                              f"without dropout), got {V.type_name(dropout_masks)}")
         self.check_dropout_masks(dropout_masks, B, L)
         if kv_caches is not None:
-            if self.training and self.dropout > 0.0:
-                raise ValueError("kv_caches: decoding is forward only, without dropout; call eval() "
-                                 f"first (the model is in training mode with dropout {self.dropout})")
             for n, (block, cache) in enumerate(zip(self.blocks, kv_caches)):
                 # every block's cache, before any is written: module.check_kv_cache (its
                 # library, device, dtype, heads, batch size and room), naming kv_caches[n]

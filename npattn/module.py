@@ -1029,15 +1029,20 @@ class ParameterDict(dict):
                         f"new array instead")
 
     def __delitem__(self, name):
+        """Always ``TypeError``: ``del params[name]`` would remove a parameter; assign a new array instead."""
         self._refuse_removal(f"del params[{name!r}]")
 
     def pop(self, name, *default):
-        self._refuse_removal(f"params.pop({name!r})")
+        """Always ``TypeError``: ``params.pop(name)`` would remove a parameter; assign a new array instead."""
+        given = ", ".join(repr(a) for a in (name, *default))
+        self._refuse_removal(f"params.pop({given})")
 
     def popitem(self):
+        """Always ``TypeError``: ``params.popitem()`` would remove a parameter; assign a new array instead."""
         self._refuse_removal("params.popitem()")
 
     def clear(self):
+        """Always ``TypeError``: ``params.clear()`` would remove a parameter; assign a new array instead."""
         self._refuse_removal("params.clear()")
 
     def replace_all(self, new: Any) -> None:
@@ -1124,7 +1129,7 @@ def check_forward_inputs(module: Any, query: Any, key: Any, value: Any, *, mask:
         if x.shape[axis] == 0:
             raise ValueError(f"{name}: expected a {what} (axis {axis}) of at least 1, "
                              f"got shape {V.shape_of(x)}")
-    if kv_cache is not None:  # before the masks' shapes, which would ask for the new keys' alone
+    if isinstance(kv_cache, KVCache):  # before the masks' shapes, which would ask for the new keys' alone
         check_no_masks_with_cache(mask=mask, dropout_mask=dropout_mask, q_segments=q_segments,
                                   k_segments=k_segments)
     target = (B, module.n_head, Lq, Lk)

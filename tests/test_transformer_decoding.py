@@ -254,6 +254,8 @@ def test_masks_with_a_kv_cache_are_refused_as_such_whatever_their_shape():
         with pytest.raises(ValueError, match=rf"^{name}: {none}got numpy.ndarray$"):
             mha(y, y, y, kv_cache=cache, **kw)
     assert list(cache.cache_seqlens) == [2, 2]
+    with pytest.raises(TypeError, match=r"^kv_cache: expected an npattn.KVCache .*, got str$"):
+        mha(y, y, y, kv_cache="cache", mask=np.ones((1, 1), bool))  # the cache is the bad argument
 
     block, x = _block(np), rng.standard_normal((B, 2, D))
     cache = KVCache(B, 6, H, D // H, dtype="float64")

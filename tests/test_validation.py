@@ -664,7 +664,7 @@ def test_param_assignment_is_checked(backend, xp):
     names = ", ".join(m.params)
     for remove, call in ((lambda: m.params.__delitem__("w_q"), "del params['w_q']"),
                          (lambda: m.params.pop("b_q"), "params.pop('b_q')"),
-                         (lambda: m.params.pop("b_q", None), "params.pop('b_q')"),
+                         (lambda: m.params.pop("b_q", None), "params.pop('b_q', None)"),
                          (m.params.clear, "params.clear()"), (m.params.popitem, "params.popitem()")):
         with pytest.raises(TypeError, match=rf"^params: expected every parameter to stay \(the names are "
                                             rf"fixed: {names}\), got {re.escape(call)}; parameters cannot "
