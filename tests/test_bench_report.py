@@ -768,11 +768,10 @@ def test_the_auto_impl_has_blocks_where_it_takes_the_blocked_path():
     assert bench.case_blocks(window, "blocked") == (blocked.DEFAULT_BLOCK_Q, blocked.WINDOW_BLOCK_K)
     assert bench.case_blocks(long, "dense", 16, 32) == bench.case_blocks(long, "reference") == (None, None)
     # on a device: 4 arrays of 2 * 8 * 8 float32 entries are 2048 bytes, past half of 4000
-    assert bench.case_blocks(small, "auto", device_memory=4000) == (blocked.DEFAULT_BLOCK_Q,
-                                                                     blocked.DEFAULT_BLOCK_K)
+    defaults = (blocked.DEFAULT_BLOCK_Q, blocked.DEFAULT_BLOCK_K)
+    assert bench.case_blocks(small, "auto", device_memory=4000) == defaults
     assert bench.case_blocks(small, "auto", device_memory=4200) == (None, None)
-    assert bench.case_blocks(small, "auto", device_memory=8000, itemsize=8) == (blocked.DEFAULT_BLOCK_Q,
-                                                                                blocked.DEFAULT_BLOCK_K)
+    assert bench.case_blocks(small, "auto", device_memory=8000, itemsize=8) == defaults
 
 
 def test_the_isolated_child_runs_this_npattn(monkeypatch):

@@ -834,7 +834,7 @@ def measure_here(shape: Shape, *, impl="dense", dtype="float32", backend="numpy"
     ``scope="attention"`` times the attention core alone (no projections).
     """
     xp = resolve_backend(backend)
-    probe = xp.zeros((1,), dtype=getattr(xp, dtype))  # the device and entry size auto's rule reads
+    probe = xp.zeros((1,), dtype=check_dtype(xp, dtype))  # the device and entry size auto's rule reads
     block_q, block_k = case_blocks(shape, impl, block_q, block_k, device_memory=accelerator_memory(probe),
                                    itemsize=getattr(probe.dtype, "itemsize", 4))
     del probe
