@@ -1316,3 +1316,12 @@ def test_counts_at_their_limits_are_taken_and_threads_set_the_pool(monkeypatch):
     assert bench.main(["--isolated", "--shapes", "1x4x4x2", "--impl", "blocked", "--gemm", "0",
                        "--block-q", str(limits.MAX_SIZE), "--block-k", "1"]) == 0
     assert (isolated[-1][1]["block_q"], isolated[-1][1]["block_k"]) == (limits.MAX_SIZE, 1)
+
+
+def test_the_isolated_child_refuses_a_dtype_its_backend_lacks_by_name():
+    """measure_here resolves auto's blocks with an array of the case's dtype: one the backend
+    lacks is the ValueError naming --dtype, not an AttributeError of the namespace."""
+    pytest.importorskip("array_api_strict")
+    with pytest.raises(ValueError, match=r"^--dtype float16: the array_api_strict backend has no float16 "):
+        bench.measure_here(bench.Shape(1, 8, 8, 2, False), impl="auto", dtype="float16",
+                           backend="array_api_strict")
