@@ -174,9 +174,9 @@ def test_eps_that_is_not_positive_and_finite_is_refused_as_such():
 def test_an_int_eps_past_the_float_range_is_named_by_its_size():
     """An int too large for a float is refused as not a positive finite float, said by its
     bit length rather than its hundreds of digits."""
-    for eps in (2**1100, -(2**1100)):
-        with pytest.raises(ValueError, match=r"^eps: expected a positive finite float, got an int too "
-                                             r"large for a float \(1101 bits\)$"):
+    for eps, sign in ((2**1100, "an"), (-(2**1100), "a negative")):
+        with pytest.raises(ValueError, match=rf"^eps: expected a positive finite float, got {sign} int too "
+                                             rf"large for a float \(1101 bits\)$"):
             L.check_eps("eps", eps)
     with pytest.raises(ValueError, match=r"^eps: expected a positive finite float, got -3$"):
         L.check_eps("eps", -3)
