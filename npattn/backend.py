@@ -65,7 +65,7 @@ import array_api_compat
 import array_api_compat.numpy
 import numpy as np
 
-from .messages import described, type_name
+from .messages import described, real_text, type_name
 
 __all__ = [
     "isdtype",
@@ -568,7 +568,7 @@ def _check_draw(key: Any, p: Any) -> int:
         raise TypeError(f"p: expected a drop probability in [0, 1), got {described(p)}")
     # compared as given (float(p) overflows for an int beyond the float range); NaN fails both
     if p < 0 or not p < 1:
-        raise ValueError(f"p: expected a drop probability in [0, 1), got {p!r}")
+        raise ValueError(f"p: expected a drop probability in [0, 1), got {real_text(p)}")
     return int(key)
 
 

@@ -1,18 +1,20 @@
 """How an error message says what it received.
 
 Every ``TypeError`` / ``ValueError`` of npattn names the argument, what was
-expected and what was received; the last part is written with these two
+expected and what was received; the last part is written with these
 functions, so that a value reads the same in every message ('int 3',
-"str 'a'", 'type numpy.int32', 'None'). They import nothing of npattn, so
+"str 'a'", 'type numpy.int32', 'None', 'an int too large for a float (1101
+bits)'). They import nothing of npattn, so
 the lowest module (``npattn.backend``) words its messages with them too;
 ``npattn.validation`` hands them on under the same names.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
-__all__ = ["type_name", "described"]
+__all__ = ["type_name", "described", "real_text"]
 
 
 def type_name(x: Any) -> str:
@@ -46,3 +48,16 @@ def described(x: Any) -> str:
     if x is None or isinstance(x, type):
         return type_name(x)
     return f"{type_name(x)} {x!r}"
+
+
+def real_text(value: Any) -> str:
+    """A real number as a message's "got" part: its ``repr``, or for an int beyond the float
+    range "an int too large for a float (N bits)" ("a negative int ..." below it), not its
+    hundreds of digits."""
+    if isinstance(value, numbers.Integral):
+        try:
+            float(value)
+        except OverflowError:
+            sign = "a negative int" if value < 0 else "an int"
+            return f"{sign} too large for a float ({int(value).bit_length()} bits)"
+    return repr(value)

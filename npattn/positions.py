@@ -97,8 +97,8 @@ def _check_max_distance(value: Any) -> int:
     it as a Python int."""
     value = V.check_positive_int("max_distance", value, maximum=None)
     if not math.isfinite(V.real_value(value)):  # (10**400 / 8: OverflowError)
-        raise ValueError(f"max_distance: expected a positive int that a float holds, got an int "
-                         f"too large for a float ({value.bit_length()} bits)")
+        raise ValueError(f"max_distance: expected a positive int that a float holds, got "
+                         f"{V.real_text(value)}")
     return value
 
 

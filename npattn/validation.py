@@ -40,7 +40,7 @@ import numpy as np
 
 from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_int_seed, check_rng, device_of,
                       is_array, isdtype, keeps_dtype, namespace, without_empty_chunks)
-from .messages import described, type_name
+from .messages import described, real_text, type_name
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -221,16 +221,6 @@ def real_value(value: Any) -> float:
         return float(value)
     except OverflowError:
         return math.inf if value > 0 else -math.inf
-
-
-def real_text(value: Any) -> str:
-    """A real number as a message's "got" part: its ``repr``, or for an int beyond the float
-    range (``real_value`` +-inf) "an int too large for a float (N bits)", not its hundreds of
-    digits."""
-    if isinstance(value, numbers.Integral) and math.isinf(real_value(value)):
-        sign = "a negative int" if value < 0 else "an int"
-        return f"{sign} too large for a float ({int(value).bit_length()} bits)"
-    return repr(value)
 
 
 def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> None:
