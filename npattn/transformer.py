@@ -378,8 +378,9 @@ class _Block(abc.ABC):
 
     @rng_state.setter
     def rng_state(self, state: dict):
-        if state is None:  # (a save file without one leaves the generator: not this setter)
-            raise ValueError("rng_state: expected a state read from rng_state, got None")
+        if not isinstance(state, dict):  # (None included: a save file without one leaves
+            # the generator as it is, not this setter)
+            raise TypeError(f"rng_state: expected a dict read from rng_state, got {V.type_name(state)}")
         set_rng_state("rng_state", self._rng, state)
 
     @property

@@ -520,11 +520,13 @@ def test_rng_state_reads_a_copy_and_restores_the_next_masks(xp, to_xp, to_np):
     before = block.rng_state
     expected = r"^rng_state: expected a state of the dropout generator \(PCG64, as rng_state reads it\), got "
     for bad in ({"bit_generator": "nope"},
-                {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0, "state": {"state": -5, "inc": 1}},
-                "PCG64"):
-        got = re.escape(repr(bad) if isinstance(bad, dict) else "str")  # then NumPy's own words
+                {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0, "state": {"state": -5, "inc": 1}}):
+        got = re.escape(repr(bad))  # then NumPy's own words
         with pytest.raises(ValueError, match=f"{expected}{got}, which NumPy refuses: .+$"):
             block.rng_state = bad  # out of range: was an OverflowError
+    for bad, got in (("PCG64", "str"), ([("state", 1)], "list")):  # not a dict: the type, first
+        with pytest.raises(TypeError, match=f"^rng_state: expected a dict read from rng_state, got {got}$"):
+            block.rng_state = bad
     assert block.rng_state == before  # a failed assignment moves nothing
 
 
