@@ -371,8 +371,9 @@ class _Block(abc.ABC):
     def rng_state(self) -> dict:
         """The state of the block's dropout generator (every site draws from it), a copy.
 
-        Assign a state read here to restore it (a ``ValueError`` if it is not
-        one); models made of blocks save and load it (``npattn.stack``).
+        Assign a state read here to restore it (a ``TypeError`` for what is not a
+        dict, a ``ValueError`` for a dict NumPy refuses); models made of blocks
+        save and load it (``npattn.stack``).
         """
         return copy.deepcopy(dict(self._rng.bit_generator.state))
 
