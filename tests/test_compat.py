@@ -1094,6 +1094,31 @@ def test_scaled_dot_product_attention_bad_input_names_the_argument():
         pullback(out, dlse=out[..., 0])
 
 
+def test_device_refusals_name_the_callers_arguments():
+    """An array on another device than the first: "(like q)" was npattn's name in torch's and
+    JAX's signatures, which have no q."""
+    xp = pytest.importorskip("array_api_strict")
+    if not hasattr(xp, "Device"):
+        pytest.skip("this array_api_strict has one device")
+    q = xp.asarray(randn(1, 2, 3, 4))
+    other = xp.Device("device1")
+    k = xp.asarray(randn(1, 2, 5, 4), device=other)
+    here = re.escape(repr(q.device))
+    there = re.escape(repr(other))
+    got = rf"expected an array on device {here} \(like query\), got one on device {there}$"
+    with pytest.raises(ValueError, match="^key: " + got):
+        C.scaled_dot_product_attention(q, k, xp.asarray(randn(1, 2, 5, 4)))
+    with pytest.raises(ValueError, match="^attn_mask: " + got):
+        C.scaled_dot_product_attention(q, q, q, xp.asarray(np.ones((3, 3), dtype=bool), device=other))
+    blth = (0, 2, 1, 3)  # JAX's (B, T, N, H)
+    with pytest.raises(ValueError, match="^value: " + got):
+        C.dot_product_attention(xp.permute_dims(q, blth), xp.permute_dims(q, blth),
+                                xp.permute_dims(xp.asarray(randn(1, 2, 3, 4), device=other), blth))
+    got_q = got.replace("like query", "like q")  # flash-attn's own names are q, k, v
+    with pytest.raises(ValueError, match="^k: " + got_q):
+        C.flash_attn_func(xp.permute_dims(q, blth), xp.permute_dims(k, blth), xp.permute_dims(k, blth))
+
+
 # --------------------------------------------------------------------------
 # dot_product_attention (JAX)
 
