@@ -572,10 +572,15 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
     Vd.check_number("lr", lr, allow_zero=True)  # >= 0, as torch.optim.Adam's
     Vd.check_number("eps", eps, allow_zero=True)
     Vd.check_number("weight_decay", weight_decay, allow_zero=True)
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool)  # (np.bool_ is no Real)
-                       and 0.0 <= Vd.real_value(b) < 1.0 for b in betas)):  # (10**400: no float)
-        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+    if not isinstance(betas, (tuple, list)):
+        raise TypeError(f"betas: expected a tuple of two numbers in [0, 1), got {Vd.described(betas)}")
+    if len(betas) != 2:
+        raise ValueError(f"betas: expected two numbers in [0, 1), got {len(betas)}: {betas!r}")
+    for i, b in enumerate(betas):
+        if isinstance(b, bool) or not isinstance(b, numbers.Real):  # (np.bool_ is no Real)
+            raise TypeError(f"betas[{i}]: expected a real number in [0, 1), got {Vd.described(b)}")
+        if not 0.0 <= Vd.real_value(b) < 1.0:  # (10**400: no float, out of range too)
+            raise ValueError(f"betas[{i}]: expected a number in [0, 1), got {Vd.real_text(b)}")
 
 
 def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,

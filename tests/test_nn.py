@@ -866,11 +866,21 @@ def test_adam_checks_its_arguments_before_writing_anything():
         (dict(state=state._replace(steps={"w": -1})), ValueError, r"^state\.steps\['w'\]: expected an int >= 0"),
         (dict(state=state._replace(steps={"v": 1})), ValueError, r"^state\.steps: expected None or a dict"),
         (dict(lr=-0.1), ValueError, "^lr"), (dict(eps=float("inf")), ValueError, "^eps"),
-        (dict(betas=(0.9, 1.0)), ValueError, "^betas"), (dict(weight_decay="0"), TypeError, "^weight_decay"),
-        # an int beyond the float range is out of [0, 1) too (it raised OverflowError)
-        (dict(betas=(10**400, 0.9)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(1000"),
-        (dict(betas=(False, 0.999)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(False"),
-        (dict(betas=(0.9, 0.999, 0.5)), ValueError, r"^betas: expected two numbers in \[0, 1\), got \(0\.9"),
+        (dict(betas=(0.9, 1.0)), ValueError, r"^betas\[1\]: expected a number in \[0, 1\), got 1\.0$"),
+        (dict(weight_decay="0"), TypeError, "^weight_decay"),
+        # an int beyond the float range is out of [0, 1) too (it raised OverflowError), told
+        # by its size, not its 401 digits
+        (dict(betas=(10**400, 0.9)), ValueError,
+         r"^betas\[0\]: expected a number in \[0, 1\), got an int too large for a float \(1329 bits\)$"),
+        (dict(betas=(-1, 0.9)), ValueError, r"^betas\[0\]: expected a number in \[0, 1\), got -1$"),
+        # a wrong type is a TypeError, naming the entry
+        (dict(betas=(False, 0.999)), TypeError, r"^betas\[0\]: expected a real number in \[0, 1\), got bool False$"),
+        (dict(betas=(0.9, np.bool_(True))), TypeError,
+         r"^betas\[1\]: expected a real number in \[0, 1\), got numpy\.bool np\.True_$"),
+        (dict(betas=(0.9, "0.99")), TypeError, r"^betas\[1\]: expected a real number in \[0, 1\), got str '0\.99'$"),
+        (dict(betas=0.9), TypeError, r"^betas: expected a tuple of two numbers in \[0, 1\), got float 0\.9$"),
+        (dict(betas=(0.9, 0.999, 0.5)), ValueError,
+         r"^betas: expected two numbers in \[0, 1\), got 3: \(0\.9, 0\.999, 0\.5\)$"),
         # an AdamState, not a plain tuple of its fields; moments of exactly the parameters' names
         (dict(state=(state.m, state.v, 0)), TypeError, r"^state: expected an npattn\.nn\.AdamState"),
         (dict(state=state._replace(m={**state.m, "b": np.zeros(2)})), ValueError,
