@@ -53,11 +53,14 @@ def described(x: Any) -> str:
 def real_text(value: Any) -> str:
     """A real number as a message's "got" part: its ``repr``, or for an int beyond the float
     range "an int too large for a float (N bits)" ("a negative int ..." below it), not its
-    hundreds of digits."""
-    if isinstance(value, numbers.Integral):
+    hundreds of digits; another number beyond it (a ``Fraction``) by its type."""
+    if isinstance(value, numbers.Real):
         try:
             float(value)
         except OverflowError:
-            sign = "a negative int" if value < 0 else "an int"
-            return f"{sign} too large for a float ({int(value).bit_length()} bits)"
+            negative = value < 0
+            if isinstance(value, numbers.Integral):
+                sign = "a negative int" if negative else "an int"
+                return f"{sign} too large for a float ({int(value).bit_length()} bits)"
+            return f"{'a negative ' if negative else 'a '}{type_name(value)} too large for a float"
     return repr(value)

@@ -1713,6 +1713,15 @@ def test_a_bound_is_named_as_the_bound_it_is():
         V.check_number("eps", 0.0)
     with pytest.raises(ValueError, match=r"^lr: expected a finite number >= 0, got -1.0$"):
         V.check_number("lr", -1.0, allow_zero=True)
+    # a number beyond the float range by its size or type, not its hundreds of digits
+    from fractions import Fraction
+    for value, got in ((10**400, "an int too large for a float (1329 bits)"),
+                       (-(10**400), "a negative int too large for a float (1329 bits)"),
+                       (Fraction(10**400, 3), "a fractions.Fraction too large for a float"),
+                       (Fraction(-(10**400), 3), "a negative fractions.Fraction too large for a float")):
+        with pytest.raises(ValueError, match=rf"^lr: expected a finite number > 0, got {re.escape(got)}$"):
+            V.check_number("lr", value)
+    assert V.real_text(Fraction(1, 3)) == "Fraction(1, 3)"  # one a float holds: as written
 
 
 def test_an_array_that_cannot_exist_is_told_from_one_that_does_not_fit_in_memory():
