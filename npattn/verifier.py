@@ -611,7 +611,9 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
             return (f"{n} has inf or NaN where the scores are large (each row shifted by an "
                     f"offset of std {case.score_shift:g}, which the softmax does not see): exp "
                     "overflows or underflows; subtract each row's maximum before exp")
-        if n in bad and note == "not zero on empty rows":
+        if n in bad and note == "not zero on empty rows" and not (miss and "out" in bad):
+            # (a mistake that leaves these rows keys, such as a flipped alignment, gives the
+            # same pattern, in dq too; where out is exactly that mistake's, the miss names it)
             return (f"{n} is not zero on rows with nothing to attend, where npattn gives zeros, "
                     "and right elsewhere: guard fully masked rows (a large negative number in "
                     "place of -inf gives each masked key the same weight there), or declare the "

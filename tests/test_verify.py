@@ -481,6 +481,20 @@ def test_two_mistakes_that_give_the_same_numbers_are_named_both():
     assert "the window's right edge off by one (right +1)" in r.hint
 
 
+def test_a_mistake_that_empties_no_row_is_named_before_the_empty_rows_guard():
+    # Lq = 5, Lk = 1, bottom-right causal: rows 0-3 have no key, row 4 sees key 0. Aligned
+    # top-left, every row sees key 0: out is not zero on the empty rows and right on row 4,
+    # which looks like a missing guard, but it is exactly the flipped alignment
+    case = VC.Case("causal_bottom_right-5x1", Lq=5, Lk=1, options=("causal_bottom_right",))
+    report = VF.verify(lambda q, k, v, **o: dense_attention(q, k, v, mistake="align_flipped", **o),
+                       dtype="float64", supports="causal_bottom_right,empty_rows",
+                       returns_lse=True, cases=[case])
+    (r,) = report.failures
+    assert r.tensors["out"].note == "not zero on empty rows"
+    assert "causal aligned top_left where bottom_right is asked" in r.hint, r.hint
+    assert "guard fully masked rows" not in r.hint, r.hint
+
+
 def test_a_failing_search_for_the_mistake_leaves_the_generic_hint(monkeypatch):
     def broken(inp):
         raise RuntimeError("a variant that cannot be built")
