@@ -631,8 +631,9 @@ def case_hint(case: Case, tensors: dict, factors: dict, notes: dict, *,
             return f"out and lse wrong: {where}"
         if "lse" in bad:
             return ("lse wrong, out right: the log-sum-exp itself (natural log, the row max added "
-                    "back, the sink's term) or its precision (a row sum accumulated in low "
-                    "precision shows in lse first)")
+                    "back, the sink's term) or its precision (the scores q @ k^T rounded to the "
+                    "inputs' low precision, or a row sum accumulated in it, show in lse "
+                    "first: flash-attn keeps both in float32)")
         if "lse" in tensors:
             return ("lse right, out wrong: after the softmax: the dropout keep-mask or its 1/(1-p), "
                     "or P @ V")

@@ -305,6 +305,27 @@ def test_float16_sum_is_caught_by_out_alone_without_lse():
     assert failing(report, "out") and not report.ok
 
 
+def test_scores_rounded_to_float16_are_named_in_the_lse_hint():
+    # q @ k^T taken in float16 (as a float16 matmul returns it), the softmax in float32:
+    # lse moves by about |s| 2^-11, hundreds of its budgets, while out stays within its
+    # own in the cases without large scores. The hint must point at the scores too, not
+    # only at a row sum accumulated in low precision (this kernel's row sum is float32)
+    def scores_in_float16(q, k, v, **options):
+        s = (q @ np.swapaxes(k, -1, -2)).astype(np.float32) / math.sqrt(q.shape[-1])
+        m = np.max(s, axis=-1, keepdims=True)  # [B, H, Lq, 1]
+        e = np.exp(s - m)
+        rowsum = np.sum(e, axis=-1, keepdims=True)
+        out = (e / rowsum) @ v.astype(np.float32)
+        return out.astype(q.dtype), (m + np.log(rowsum))[..., 0]
+
+    report = VF.verify(scores_in_float16, dtype="float16", supports="", returns_lse=True)
+    assert failing(report, "lse") and not report.ok
+    lse_only = [r for r in report.failures if r.failing == ["lse"]]
+    assert lse_only, report.format()
+    for r in lse_only:
+        assert "lse wrong, out right" in r.hint and "the scores" in r.hint, r.hint
+
+
 def test_a_backward_of_zeros_fails_everywhere_it_could():
     def zeros(dout, saved, dlse=None):
         g = K.attention_backward(dout, saved, dlse=dlse)
