@@ -152,15 +152,18 @@ def test_missing_scikit_learn_names_the_package_and_the_extra(monkeypatch):
 # -------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("d_ff, width", [(None, 16), (24, 24)])
-def test_build_model_takes_every_setting_of_the_config(d_ff, width):
-    """Width, heads, blocks, feed-forward width (default 2 * d_model), dropout, norm placement,
-    dtype and backend are the config's, as the command passes them on."""
-    cfg = dd.DigitsConfig(n_head=2, d_model=8, n_layers=2, d_ff=d_ff, dropout=0.3, norm_first=False,
+@pytest.mark.parametrize("d_ff, width, norm_first", [(None, 16, False), (24, 24, True)])
+def test_build_model_takes_every_setting_of_the_config(d_ff, width, norm_first):
+    """Width, heads, blocks, feed-forward width (default 2 * d_model), dropout, norm placement
+    (both ways: the classifier's own default is post-norm, the config's pre-norm), dtype and
+    backend are the config's, as the command passes them on."""
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, n_layers=2, d_ff=d_ff, dropout=0.3, norm_first=norm_first,
                           dtype="float64", backend="array_api_strict")
     model = dd.build_model(cfg, _fake_data())
     assert (model.d_model, model.n_head, model.n_layers, model.d_ff) == (8, 2, 2, width)
-    assert (model.dropout, model.norm_first) == (0.3, False)
+    assert (model.dropout, model.norm_first) == (0.3, norm_first)
+    assert all(block.norm_first is norm_first for block in model.blocks)
+    assert ("norm.weight" in model.params) is norm_first  # pre-norm's final layer norm
     assert backend_name(model.xp) == "array_api_strict" and model.dtype == model.xp.float64
     assert (model.n_features, model.seq_len, model.n_classes) == (4, 16, 10)
 
