@@ -257,6 +257,40 @@ def test_training_batches_rates_clipping_and_the_reported_losses(monkeypatch):
     assert orders[0] != orders[1]  # a new order each epoch
 
 
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_adam_is_given_the_gradients_clipped_to_the_global_norm(clip, monkeypatch):
+    """clip 1e-3, far below the gradients' norm: each step Adam gets the backward's gradients
+    scaled by clip / (norm + 1e-6), the norm recomputed here over all of them in float64
+    (Adam's update barely changes when every gradient is scaled by one factor, so the loss
+    alone would not show a clipping that was computed and then left unused); clip 1e6, far
+    above it: the backward's gradients themselves, not scaled up."""
+    backward, adam_step = TransformerClassifier.backward, nn.adam_step
+    raw, given = [], []
+
+    def recording_backward(self, dlogits):
+        grads = backward(self, dlogits)
+        raw.append({k: to_numpy(g) for k, g in grads.items()})
+        return grads
+
+    def recording_adam_step(params, grads, state, **kwargs):
+        given.append({k: to_numpy(g) for k, g in grads.items()})
+        return adam_step(params, grads, state, **kwargs)
+
+    monkeypatch.setattr(TransformerClassifier, "backward", recording_backward)
+    monkeypatch.setattr(nn, "adam_step", recording_adam_step)
+    cfg = dd.DigitsConfig(n_head=2, d_model=8, epochs=1, batch=4, clip=clip, dropout=0.0,
+                          dtype="float64", seed=1)
+    dd.train(cfg, _fake_data(n=10), progress=False)
+    assert len(raw) == len(given) == 3
+    for before, after in zip(raw, given):
+        norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in before.values()))
+        assert norm > 10 * clip if clip < 1.0 else norm < clip / 10
+        scale = clip / (norm + 1e-6) if clip < 1.0 else 1.0
+        assert after.keys() == before.keys()
+        for name, g in before.items():
+            np.testing.assert_allclose(after[name], g * scale, rtol=1e-10, atol=0, err_msg=name)
+
+
 @needs_sklearn
 def test_a_short_run_beats_chance_by_a_wide_margin(data):
     cfg = dd.DigitsConfig(n_head=2, d_model=16, epochs=4, seed=0)
