@@ -579,6 +579,37 @@ def test_the_picture_on_the_image_has_rows_of_five_panels(H, grid, tmp_path, mon
     assert all(ax.axison == bool(ax.get_images()) for ax in panels)  # a cell without a head is hidden
 
 
+def _bilinear(image, x, y):
+    """The image interpolated between its pixel centres at column x, row y (imshow's axes)."""
+    i0, j0 = min(int(y), image.shape[0] - 2), min(int(x), image.shape[1] - 2)
+    fy, fx = y - i0, x - j0
+    return ((1 - fy) * (1 - fx) * image[i0, j0] + (1 - fy) * fx * image[i0, j0 + 1]
+            + fy * (1 - fx) * image[i0 + 1, j0] + fy * fx * image[i0 + 1, j0 + 1])
+
+
+@needs_matplotlib
+def test_each_head_s_panel_outlines_the_digit_at_half_intensity(tmp_path, monkeypatch):
+    """The white outline over each head's panel is the image's 0.5 level: every vertex of it
+    lies where the image, interpolated between pixel centres, is 0.5 (an outline of the
+    transposed image would lie elsewhere on this image, which is not symmetric)."""
+    from matplotlib.path import Path as MplPath
+
+    data = _fake_data()
+    model = dd.build_model(dd.DigitsConfig(n_head=2, d_model=8), data)
+    fig = _picture_on_image(model, data, tmp_path, monkeypatch, index=1)
+    image = data.images_val[1]  # [8, 8]
+    assert not np.allclose(image, image.T)
+    for ax in fig.axes[1:3]:  # the two heads' panels
+        (outline,) = ax.collections
+        vertices = [v for path in outline.get_paths()
+                    for v, code in zip(path.vertices, path.codes if path.codes is not None
+                                       else [MplPath.LINETO] * len(path.vertices))
+                    if code != MplPath.CLOSEPOLY]
+        assert len(vertices) > 4
+        for x, y in vertices:
+            assert _bilinear(image, x, y) == pytest.approx(0.5, abs=1e-9), (x, y)
+
+
 @needs_matplotlib
 @pytest.mark.parametrize("patch", [1, 2, 4])
 def test_each_patch_number_sits_on_the_pixels_of_its_token(patch, tmp_path, monkeypatch):
