@@ -789,6 +789,26 @@ def test_digits_defaults(monkeypatch):
     assert cfg == dd.DigitsConfig(n_head=4)  # the command's defaults are the config's
 
 
+def test_the_command_hands_every_option_to_the_config_and_the_data(tmp_path, monkeypatch):
+    """Each option given reaches the run's config, none dropped for its default, and the
+    images are split by --seed with --patch's tokens (the fifth held out, the config's)."""
+    seen, loaded = [], []
+
+    def load(patch, val_fraction, seed):
+        loaded.append((patch, val_fraction, seed))
+        return _fake_data(n=4, patch=patch)
+
+    monkeypatch.setattr(dd, "load_digits_data", load)
+    monkeypatch.setattr(dd, "train", _capture(seen))
+    with pytest.raises(_Stop):
+        cli.main(["demo", "--task", "digits", "--heads", "2", "--d-model", "8", "--layers", "2",
+                  "--patch", "4", "--epochs", "3", "--batch", "16", "--lr", "0.05", "--dropout",
+                  "0.2", "--dtype", "float64", "--seed", "7", "--no-plots", "--no-progress"])
+    assert loaded == [(4, 0.2, 7)]
+    assert seen == [dd.DigitsConfig(n_head=2, d_model=8, n_layers=2, patch=4, epochs=3, batch=16,
+                                    lr=0.05, dropout=0.2, dtype="float64", seed=7)]
+
+
 def test_the_gradient_clipped_and_given_to_adam_is_that_of_the_batch_s_mean_loss(monkeypatch):
     """The first step's gradient, before clipping, is the gradient of the mean cross-entropy of
     its batch at the initial parameters (dropout off), checked by finite differences in float64."""
