@@ -130,7 +130,7 @@ def test_validation_batches_differ_and_are_the_same_at_every_evaluation(monkeypa
     text = "".join(chr(97 + i % 23) for i in range(400))
     hist = train(GPTDemoConfig(**{**TINY, "eval_every": 3}), text=text, progress=False)[2]
     assert hist.val_steps == [3, 5] and len(evaluated) == 6
-    assert (hist.train_chars, hist.val_chars) == (360, 40)
+    assert (hist.train_chars, hist.val_chars, hist.vocab) == (360, 40, 23)  # 23 distinct characters
     first = [x.tolist() for x, _ in evaluated[:3]]
     assert first == [x.tolist() for x, _ in evaluated[3:]]
     assert first[0] != first[1] or first[1] != first[2]
