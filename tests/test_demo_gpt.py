@@ -201,6 +201,26 @@ def test_samples_go_on_from_the_last_half_context(monkeypatch):
     assert other != [(prompt, text)]
 
 
+def test_a_sample_is_its_prompt_then_the_tokens_each_generate_call_added(monkeypatch):
+    """block_size 4, 7 characters after "abcdef": three generate calls add 3, 3 and 1 tokens
+    after their prompts, and the sample is the prompt followed by exactly those, in order
+    (not a prompt token again, nor one added token short)."""
+    codec = CharCodec("abcdefgh")
+    model = GPT(codec.vocab_size, 4, 8, 1, 2, seed=0)
+    added = []
+    generate = GPT.generate
+
+    def recording_generate(self, ids, n, **kwargs):
+        out = generate(self, ids, n, **kwargs)
+        added.append(codec.decode(to_numpy(out)[0, ids.shape[1]:]))
+        return out
+
+    monkeypatch.setattr(GPT, "generate", recording_generate)
+    ((prompt, text),) = generate_samples(model, codec, prompts=("abcdef",), length=7, seed=0)
+    assert [len(a) for a in added] == [3, 3, 1]
+    assert text == "abcdef" + "".join(added)
+
+
 def test_the_command_s_samples_are_drawn_as_their_heading_says(tmp_path, monkeypatch, capsys):
     """samples.txt heads each sample "(temperature 0.8, top-k 10)": the values generate got."""
     from npattn.tools import cli
