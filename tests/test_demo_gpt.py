@@ -273,6 +273,7 @@ def test_the_loss_plot_draws_each_curve_at_its_steps(tmp_path, monkeypatch):
     val = lines["validation (held-out 10 %)"]
     assert list(val.get_xdata()) == [30, 60] and list(val.get_ydata()) == [2.0, 1.0]
     assert list(lines["uniform, ln 8"].get_ydata()) == [math.log(8)] * 2
+    assert saved[0].axes[0].get_ylim()[0] == 0.0  # the loss axis starts at 0
 
 
 def test_format_summary_by_hand():
