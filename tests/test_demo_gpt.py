@@ -572,6 +572,20 @@ def test_the_progress_note_shows_the_recent_training_and_the_last_validation_los
     assert notes == expected
 
 
+def test_the_progress_note_s_training_loss_is_the_mean_of_the_last_twenty_steps(bar_notes):
+    """25 steps, one evaluation after the last: the note's training loss is the mean of steps
+    6 to 25 (the last 20), neither all 25 nor fewer; here those means differ in the third
+    decimal, as the loss falls."""
+    notes = bar_notes(demo_gpt)
+    hist = train(GPTDemoConfig(**{**TINY, "steps": 25, "eval_every": 25}), text="abcdefghij" * 3,
+                 progress=False)[2]
+    losses = hist.train_loss
+    assert len(losses) == 25 and hist.val_steps == [25]
+    last20 = f"{sum(losses[5:]) / 20:.3f}"
+    assert last20 != f"{sum(losses) / 25:.3f}" and last20 != f"{sum(losses[15:]) / 10:.3f}"
+    assert notes == [f"train {last20}  val {hist.val_loss[0]:.3f}"]
+
+
 def test_the_history_s_time_is_that_of_the_training_loop(step_clock):
     """On a clock that advances 0.5 s in each of 5 training steps, the run took 2.5 s."""
     step_clock(demo_gpt, demo_gpt, "training_step", 0.5)
