@@ -658,6 +658,17 @@ def test_the_command_s_defaults_are_the_config_s(tmp_path, command_config):
     assert (cfg.steps, cfg.warmup, cfg.max_grad_norm, cfg.dropout) == (1500, 100, 1.0, 0.0)
 
 
+def test_the_command_hands_every_option_to_the_config(tmp_path, command_config):
+    """Each option given reaches the run's config: none is dropped for its default."""
+    cfg = command_config(demo_gpt, ["demo", "--task", "gpt", "--seq-len", "8", "--d-model", "16",
+                                    "--layers", "2", "--heads", "2", "--batch", "4", "--steps", "7",
+                                    "--lr", "0.02", "--dropout", "0.1", "--dtype", "float64",
+                                    "--seed", "3", "--no-plots", "--no-progress",
+                                    "--out", str(tmp_path)])
+    assert cfg == GPTDemoConfig(block_size=8, d_model=16, n_layer=2, n_head=2, batch=4, steps=7,
+                                lr=0.02, dropout=0.1, dtype="float64", seed=3)
+
+
 def test_encode_refuses_even_one_unknown_character():
     codec = CharCodec("hello world")
     with pytest.raises(ValueError, match=r"^text: expected characters of the training text, got \['x'\]$"):
