@@ -118,12 +118,17 @@ def _check_call(xp: Any, q: Any, k: Any, v: Any, *, batch: int, alibi_slopes: An
                     align="bottom_right", **options)
 
 
-def _gqa(q_heads: int, kv_heads: int, name: str = "k") -> bool:
-    """Whether the K/V heads are fewer (grouped-query attention); ``ValueError`` unless they divide."""
+def _gqa(q: Any, kv: Any, *, name: str, axis: int, layout: str, q_axis: int,
+         q_name: str = "q") -> bool:
+    """Whether the K/V heads (axis ``axis`` of ``kv``) are fewer than the query heads (axis
+    ``q_axis`` of ``q``): grouped-query attention. ``ValueError`` unless they divide them; the
+    message names the axes it read in ``layout``, so that arrays passed in another layout
+    ((B, H, L, D) to a (B, L, H, D) function) show which of their axes was taken for heads."""
+    q_heads, kv_heads = int(q.shape[q_axis]), int(kv.shape[axis])
     if kv_heads == 0 or q_heads % kv_heads != 0:
         raise ValueError(
-            f"{name}: expected key/value heads that divide the query heads ({q_heads}), "
-            f"got {kv_heads}"
+            f"{name}: expected key/value heads (axis {axis} of {layout}) that divide the query "
+            f"heads ({q_heads}, axis {q_axis} of {q_name}), got {kv_heads} in shape {V.shape_of(kv)}"
         )
     return q_heads != kv_heads
 
@@ -256,7 +261,7 @@ def _check_flash_bshd(q: Any, k: Any, v: Any) -> bool:
         _check_axis("v", v, axis, size, what)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_sizes(name, t, ((1, "seqlen"), (2, "nheads"), (3, "headdim")))
-    return _gqa(int(Hq), int(Hkv))
+    return _gqa(q, k, name="k", axis=2, layout=layout, q_axis=2)
 
 
 # --------------------------------------------------------------------------
@@ -496,7 +501,7 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
     _check_axis("k", k, 2, Dh, "the head width of q")
     _check_axis("v", v, 0, total_k, "the tokens of k")
     _check_axis("v", v, 1, Hkv, "the heads of k")
-    gqa = _gqa(Hq, Hkv)
+    gqa = _gqa(q, k, name="k", axis=1, layout=layout, q_axis=1)
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "q")
     ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "k")
     if len(ck) != len(cq):
@@ -751,7 +756,8 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                              (2, Hkv, "the heads of k_cache")):
         _check_axis("v_cache", v_cache, axis, size, what)
     _check_sizes("v_cache", v_cache, ((3, "headdim"),))  # as flash_attn_func's v
-    gqa = _gqa(Hq, Hkv, "k_cache")
+    gqa = _gqa(q, k_cache, name="k_cache", axis=2,
+               layout="(batch_cache, seqlen_cache, nheads_k, headdim)", q_axis=2)
     if (k is None) != (v is None):
         given = "k" if v is None else "v"
         raise ValueError(f"{given}: expected k and v together (new keys and values), got only {given}")
@@ -1140,7 +1146,8 @@ def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, m
     _check_sizes("value", value, ((3 - o, "value width Dv"),))  # (flash_attn_func's "headdim")
     q, k, v = (t if batched else xp.expand_dims(t, axis=0) for t in (query, key, value))
     B = int(q.shape[0])
-    gqa = _gqa(N, K, "key")
+    gqa = _gqa(query, key, name="key", axis=2 - o, layout="(B, S, K, H)" if batched else "(S, K, H)",
+               q_axis=2 - o, q_name="query")
     window = _jax_window(local_window_size)
     V.check_bool("return_residual", return_residual)
     dev = device_of(q)

@@ -327,9 +327,16 @@ def test_flash_attn_func_bad_shapes_name_the_argument():
     q, k, v, _, _ = flash_inputs((2, 3, 4, 4, 2, 5, 4))
     with pytest.raises(ValueError, match=r"^q: expected 4 axes \(batch, seqlen, nheads, headdim\)"):
         C.flash_attn_func(q[0], k, v)
-    with pytest.raises(ValueError,
-                       match=r"^k: expected key/value heads that divide the query heads \(3\), got"):
+    with pytest.raises(ValueError, match=r"^k: expected key/value heads \(axis 2 of \(batch, seqlen, "
+                                         r"nheads, headdim\)\) that divide the query heads \(3, axis 2 "
+                                         r"of q\), got 2 in shape \(2, 5, 2, 4\)$"):
         C.flash_attn_func(q[:, :, :3], k, v)
+    # arrays in torch's (B, H, L, D): the lengths were read as heads, and the message says which
+    # axis it read ("got 5" alone named no axis, and 5 is no head count of these arrays)
+    with pytest.raises(ValueError, match=r"^k: expected key/value heads \(axis 2 of \(batch, seqlen, "
+                                         r"nheads, headdim\)\) that divide the query heads \(3, axis 2 "
+                                         r"of q\), got 5 in shape \(2, 2, 5, 4\)$"):
+        C.flash_attn_func(to_bhld(q), to_bhld(k), to_bhld(v))
     with pytest.raises(ValueError, match=r"^k: expected the batch of q = 2"):
         C.flash_attn_func(q, k[:1], v)
     with pytest.raises(ValueError, match=r"^v: expected the key length of k = 5"):
@@ -608,6 +615,11 @@ def test_flash_attn_varlen_func_names_shapes_in_its_own_layout():
     with pytest.raises(ValueError, match=r"^v: expected a headdim \(axis 2\) of at least 1, "
                                          r"got shape \(7, 2, 0\)$"):
         call(v=v[..., :0])
+    # heads that do not divide q's, named by the axis read in this layout
+    with pytest.raises(ValueError, match=r"^k: expected key/value heads \(axis 1 of \(total_tokens, "
+                                         r"nheads, headdim\)\) that divide the query heads \(4, axis 1 "
+                                         r"of q\), got 3 in shape \(7, 3, 4\)$"):
+        call(k=np.ones((7, 3, 4)), v=np.ones((7, 3, 3)))
 
 
 def test_flash_attn_varlen_func_lse_dtype_when_no_sequence_has_keys():
@@ -894,9 +906,11 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
                                           r"of their own .* strides \(0, "),
     # the caches' heads (none, or not dividing q's), named k_cache, the cache's own name
     (dict(k_cache=np.zeros((3, 8, 3, 4)), v_cache=np.zeros((3, 8, 3, 3))), ValueError,
-     r"^k_cache: expected key/value heads that divide the query heads \(4\), got 3$"),
+     r"^k_cache: expected key/value heads \(axis 2 of \(batch_cache, seqlen_cache, nheads_k, headdim\)\) "
+     r"that divide the query heads \(4, axis 2 of q\), got 3 in shape \(3, 8, 3, 4\)$"),
     (dict(k_cache=np.zeros((3, 8, 0, 4)), v_cache=np.zeros((3, 8, 0, 3))), ValueError,
-     r"^k_cache: expected key/value heads that divide the query heads \(4\), got 0$"),
+     r"^k_cache: expected key/value heads \(axis 2 of \(batch_cache, seqlen_cache, nheads_k, headdim\)\) "
+     r"that divide the query heads \(4, axis 2 of q\), got 0 in shape \(3, 8, 0, 4\)$"),
     # every shape against the one it must match, before the append writes into either cache
     (dict(k_cache=np.zeros((3, 8, 2, 5))), ValueError,
      r"^k_cache: expected the head width of q = 4 on axis 3, got shape \(3, 8, 2, 5\)$"),
@@ -1509,9 +1523,14 @@ def test_dot_product_attention_shapes_are_named_in_its_own_layout():
     with pytest.raises(ValueError, match=r"^key: expected a head count K \(axis 2\) of at least 1, "
                                          r"got shape \(2, 6, 0, 5\)$"):
         C.dot_product_attention(q, k[:, :, :0], v[:, :, :0])
-    with pytest.raises(ValueError, match=r"^key: expected key/value heads that divide the query heads "
-                                         r"\(4\), got 3$"):
+    with pytest.raises(ValueError, match=r"^key: expected key/value heads \(axis 2 of \(B, S, K, H\)\) "
+                                         r"that divide the query heads \(4, axis 2 of query\), got 3 in "
+                                         r"shape \(2, 6, 3, 5\)$"):
         C.dot_product_attention(q, np.ones((2, 6, 3, 5)), np.ones((2, 6, 3, 5)))
+    with pytest.raises(ValueError, match=r"^key: expected key/value heads \(axis 1 of \(S, K, H\)\) "
+                                         r"that divide the query heads \(4, axis 1 of query\), got 3 in "
+                                         r"shape \(6, 3, 5\)$"):
+        C.dot_product_attention(q[0], np.ones((6, 3, 5)), np.ones((6, 3, 5)))
     with pytest.raises(ValueError, match=r"^key: expected 4 axes \(B, S, K, H\), "
                                          r"got shape \(1, 2, 6, 2, 5\)$"):
         C.dot_product_attention(q, k[None], v)
