@@ -1,13 +1,18 @@
 """Drop-in entry points with the signatures of flash-attn, torch's SDPA and JAX's attention.
 
 A kernel's test that calls ``flash_attn.flash_attn_func`` (or
-``flash_attn_varlen_func``, ``flash_attn_with_kvcache``,
+``flash_attn_varlen_func``, ``flash_attn_with_kvcache``, the packed forms
+``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``,
+``flash_attn_varlen_qkvpacked_func``, ``flash_attn_varlen_kvpacked_func``,
 ``torch.nn.functional.scaled_dot_product_attention``,
 ``jax.nn.dot_product_attention``) swaps one import and gets npattn's numbers:
 the same positional order, defaults, tensor layout and return values, on any
 Array API backend (a torch tensor in, a torch tensor out). Each function
 validates its arguments in its own layout and calls
-``npattn.attention.sdpa_forward`` on the (B, H, L, D) layout.
+``npattn.attention.sdpa_forward`` on the (B, H, L, D) layout; a packed form
+checks its packed array in its own layout, takes q, k and v out of it by
+indexing (views in NumPy and torch: no copy) and calls the unpacked
+function's forward.
 
 ``vjp(fn, *args, **kwargs)`` runs one of them and returns ``(result, pullback)``;
 ``pullback(dout)`` gives the gradients of the positional arguments by
@@ -25,8 +30,9 @@ or says so in its docstring (``docs/compat.md`` lists every difference):
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Lq/Lk query/key
 lengths, Dh key width, Dv value width; total_q/total_k packed tokens
-(varlen); Lc cache length, Lnew appended tokens (kvcache). JAX names them
-T = Lq, S = Lk, N = Hq, K = Hkv, H = Dh.
+(varlen); Lc cache length, Lnew appended tokens (kvcache); the 3 of qkv and
+the 2 of kv are the packed axis (q, k, v; k, v), and D = Dh = Dv. JAX names
+them T = Lq, S = Lk, N = Hq, K = Hkv, H = Dh.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "scaled_dot_product_attention",
     "dot_product_attention",
     "vjp",
@@ -356,8 +366,10 @@ def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
                      softmax_scale: Optional[float] = None, causal: bool = False,
                      window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
                      deterministic: bool = False, return_attn_probs: bool = False, *,
-                     dropout_mask: Any = None, rng: Any = None) -> tuple[Any, GradsOf]:
-    """``flash_attn_func``'s result and its ``grads_of`` (for ``vjp``)."""
+                     dropout_mask: Any = None, rng: Any = None,
+                     caller: str = "flash_attn_func") -> tuple[Any, GradsOf]:
+    """``flash_attn_func``'s result and its ``grads_of`` (for ``vjp``); ``caller`` is the public
+    function the pullback's messages name (a packed form calls this one)."""
     # [B, Lq, Hq, Dh], [B, Lk, Hkv, Dh], [B, Lk, Hkv, Dv] -> [B, Lq, Hq, Dv]
     gqa = _check_flash_bshd(q, k, v)
     is_causal, window = _flash_window(window_size, causal)
@@ -383,7 +395,7 @@ def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
         # [B, Lq, Hq, Dv], [B, Hq, Lq] -> [B, Lq, Hq, Dh], [B, Lk, Hkv, Dh], [B, Lk, Hkv, Dv]
         _check_dout(dout, out)
         _check_dlse(dlse, V.shape_of(cache.lse), returned=bool(return_attn_probs),
-                    fn="flash_attn_func", flag="return_attn_probs=True")
+                    fn=caller, flag="return_attn_probs=True")
         g = A.sdpa_backward(_swap_lh(xp, dout), cache, dlse=dlse)
         return {"q": _swap_lh(xp, g.dq), "k": _swap_lh(xp, g.dk), "v": _swap_lh(xp, g.dv)}
 
@@ -483,8 +495,10 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
                             window_size: Any = (-1, -1), softcap: float = 0.0,
                             alibi_slopes: Any = None, deterministic: bool = False,
                             return_attn_probs: bool = False, block_table: Any = None, *,
-                            dropout_mask: Any = None, rng: Any = None) -> tuple[Any, GradsOf]:
-    """``flash_attn_varlen_func``'s result and its ``grads_of`` (for ``vjp``)."""
+                            dropout_mask: Any = None, rng: Any = None,
+                            caller: str = "flash_attn_varlen_func") -> tuple[Any, GradsOf]:
+    """``flash_attn_varlen_func``'s result and its ``grads_of`` (for ``vjp``); ``caller`` is the
+    public function the pullback's messages name (a packed form calls this one)."""
     # [total_q, Hq, Dh], [total_k, Hkv, Dh], [total_k, Hkv, Dv] -> [total_q, Hq, Dv]
     if block_table is not None:
         raise NotImplementedError(
@@ -584,7 +598,7 @@ def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlen
         # [total_q, Hq, Dv], [Hq, total_q] -> [total_q, Hq, Dh], [total_k, Hkv, Dh], [total_k, Hkv, Dv]
         _check_dout(dout, out)
         _check_dlse(dlse, (Hq, total_q), returned=bool(return_attn_probs),
-                    fn="flash_attn_varlen_func", flag="return_attn_probs=True")
+                    fn=caller, flag="return_attn_probs=True")
         dqs, dks, dvs = [], [], []
         for b, cache in enumerate(caches):
             if cache is None:
@@ -881,6 +895,366 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
         return grads
 
     return result, grads_of
+
+
+# --------------------------------------------------------------------------
+# flash-attn 2.x, packed forms: q, k and v (or k and v) stacked on one axis
+
+_QKV = "(batch, seqlen, 3, nheads, headdim)"
+_KV = "(batch, seqlen_k, 2, nheads_k, headdim)"
+_VARLEN_QKV = "(total_tokens, 3, nheads, headdim)"
+_VARLEN_KV = "(total_k, 2, nheads_k, headdim)"
+
+
+def _check_packed(name: str, x: Any, layout: str, axis: int, count: int, sizes: tuple) -> None:
+    """``TypeError`` unless ``x`` is an array, ``ValueError`` unless it has the axes of ``layout``
+    with exactly ``count`` entries on the packed ``axis`` and each ``(axis, what)`` of ``sizes``
+    at least 1: named in the packed layout, before it is unpacked."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name}: expected an array of shape {layout}, got {V.type_name(x)}")
+    V.check_array(name, x)
+    ndim = layout.count(",") + 1  # the axes the layout names
+    if len(x.shape) != ndim or int(x.shape[axis]) != count:
+        raise ValueError(f"{name}: expected shape {layout}, got shape {V.shape_of(x)}")
+    _check_sizes(name, x, sizes)
+
+
+def _check_kv_of(q: Any, kv: Any, *, layout: str, batched: bool) -> bool:
+    """``kv``'s checks against ``q`` (batch, head width, heads), as ``flash_attn_func``'s of k and
+    v, named in the packed layout; whether K/V have fewer heads (GQA)."""
+    o = 0 if batched else 1  # varlen: no batch axis
+    q_layout = "(batch, seqlen, nheads, headdim)" if batched else "(total_tokens, nheads, headdim)"
+    _check_rank("q", q, 4 - o, q_layout)
+    _check_packed("kv", kv, layout, 2 - o, 2,
+                  ((1 - o, "seqlen_k"), (3 - o, "nheads_k"), (4 - o, "headdim")))
+    if batched:
+        _check_axis("kv", kv, 0, int(q.shape[0]), "the batch of q")
+    _check_axis("kv", kv, 4 - o, int(q.shape[3 - o]), "the head width of q")
+    sizes = ((1, "seqlen"), (2, "nheads"), (3, "headdim")) if batched else \
+        ((1, "nheads"), (2, "headdim"))
+    _check_sizes("q", q, sizes)
+    return _gqa(q, kv, name="kv", axis=3 - o, layout=layout, q_axis=2 - o)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Any = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    dropout_mask: Any = None,
+    rng: Any = None,
+) -> Any:
+    """flash-attn 2.x's ``flash_attn_qkvpacked_func``: ``flash_attn_func`` on q, k and v stacked.
+
+    ``flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...)``, with the
+    three taken as views (no copy); ``vjp`` gives the gradient of ``qkv`` itself,
+    ``dq``, ``dk`` and ``dv`` stacked on axis 2, as flash-attn's backward returns it.
+
+    Parameters
+    ----------
+    qkv : array, shape (B, L, 3, H, D)
+        Queries, keys and values on axis 2 (exactly 3 entries): one length and
+        one head count for all (for grouped-query attention, flash-attn points
+        to ``flash_attn_kvpacked_func``).
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+        As ``flash_attn_func`` (``causal``'s bottom-right alignment is top-left here:
+        Lq = Lk).
+    return_attn_probs : bool
+        Also return ``softmax_lse`` and ``S_dmask``.
+    dropout_mask, rng
+        npattn's extensions, as ``flash_attn_func``'s: a keep-mask broadcastable
+        to (B, H, L, L), or the generator that draws one.
+
+    Returns
+    -------
+    out : array, shape (B, L, H, D)
+    softmax_lse : array, shape (B, H, L) (``return_attn_probs`` only)
+    S_dmask : array, shape (B, H, L, L) (``return_attn_probs`` only)
+        As ``flash_attn_func``'s.
+    """
+    # [B, L, 3, H, D] -> [B, L, H, D]
+    return _flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size, softcap,
+                                      alibi_slopes, deterministic, return_attn_probs,
+                                      dropout_mask=dropout_mask, rng=rng)[0]
+
+
+def _flash_attn_qkvpacked_func(qkv: Any, dropout_p: float = 0.0,
+                               softmax_scale: Optional[float] = None, causal: bool = False,
+                               window_size: Any = (-1, -1), softcap: float = 0.0,
+                               alibi_slopes: Any = None, deterministic: bool = False,
+                               return_attn_probs: bool = False, *, dropout_mask: Any = None,
+                               rng: Any = None) -> tuple[Any, GradsOf]:
+    """``flash_attn_qkvpacked_func``'s result and its ``grads_of`` (for ``vjp``)."""
+    # [B, L, 3, H, D] -> [B, L, H, D]
+    _check_packed("qkv", qkv, _QKV, 2, 3, ((1, "seqlen"), (3, "nheads"), (4, "headdim")))
+    q, k, v = qkv[:, :, 0, ...], qkv[:, :, 1, ...], qkv[:, :, 2, ...]  # 3 x [B, L, H, D] views
+    with V.argument_names({"q": "qkv", "k": "qkv", "v": "qkv"}):
+        result, grads_of = _flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                            softcap, alibi_slopes, deterministic, return_attn_probs,
+                                            dropout_mask=dropout_mask, rng=rng,
+                                            caller="flash_attn_qkvpacked_func")
+    xp = namespace(qkv)
+
+    def packed_grads_of(dout: Any, dlse: Any) -> dict:
+        # [B, L, H, D], [B, H, L] -> [B, L, 3, H, D]
+        g = grads_of(dout, dlse)
+        return {"qkv": xp.stack([g["q"], g["k"], g["v"]], axis=2)}
+
+    return result, packed_grads_of
+
+
+def flash_attn_kvpacked_func(
+    q: Any,
+    kv: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Any = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    dropout_mask: Any = None,
+    rng: Any = None,
+) -> Any:
+    """flash-attn 2.x's ``flash_attn_kvpacked_func``: ``flash_attn_func`` with k and v stacked.
+
+    ``flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...)``, k and v taken as views
+    (no copy); ``vjp`` gives the gradients of ``q`` and of ``kv`` itself, ``dk``
+    and ``dv`` stacked on axis 2.
+
+    Parameters
+    ----------
+    q : array, shape (B, Lq, Hq, D)
+    kv : array, shape (B, Lk, 2, Hkv, D)
+        Keys and values on axis 2 (exactly 2 entries). ``Hkv`` divides ``Hq``
+        (multi- and grouped-query attention).
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+        As ``flash_attn_func``: ``causal`` and the window bottom-right aligned.
+    return_attn_probs : bool
+        Also return ``softmax_lse`` and ``S_dmask``.
+    dropout_mask, rng
+        npattn's extensions, as ``flash_attn_func``'s: a keep-mask broadcastable
+        to (B, Hq, Lq, Lk), or the generator that draws one.
+
+    Returns
+    -------
+    out : array, shape (B, Lq, Hq, D)
+    softmax_lse : array, shape (B, Hq, Lq) (``return_attn_probs`` only)
+    S_dmask : array, shape (B, Hq, Lq, Lk) (``return_attn_probs`` only)
+        As ``flash_attn_func``'s.
+    """
+    # [B, Lq, Hq, D], [B, Lk, 2, Hkv, D] -> [B, Lq, Hq, D]
+    return _flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
+                                     alibi_slopes, deterministic, return_attn_probs,
+                                     dropout_mask=dropout_mask, rng=rng)[0]
+
+
+def _flash_attn_kvpacked_func(q: Any, kv: Any, dropout_p: float = 0.0,
+                              softmax_scale: Optional[float] = None, causal: bool = False,
+                              window_size: Any = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Any = None, deterministic: bool = False,
+                              return_attn_probs: bool = False, *, dropout_mask: Any = None,
+                              rng: Any = None) -> tuple[Any, GradsOf]:
+    """``flash_attn_kvpacked_func``'s result and its ``grads_of`` (for ``vjp``)."""
+    # [B, Lq, Hq, D], [B, Lk, 2, Hkv, D] -> [B, Lq, Hq, D]
+    _check_kv_of(q, kv, layout=_KV, batched=True)
+    xp = namespace(q, kv, names=("q", "kv"))
+    k, v = kv[:, :, 0, ...], kv[:, :, 1, ...]  # 2 x [B, Lk, Hkv, D] views
+    with V.argument_names({"k": "kv", "v": "kv"}):
+        result, grads_of = _flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                            softcap, alibi_slopes, deterministic, return_attn_probs,
+                                            dropout_mask=dropout_mask, rng=rng,
+                                            caller="flash_attn_kvpacked_func")
+
+    def packed_grads_of(dout: Any, dlse: Any) -> dict:
+        # [B, Lq, Hq, D], [B, Hq, Lq] -> [B, Lq, Hq, D], [B, Lk, 2, Hkv, D]
+        g = grads_of(dout, dlse)
+        return {"q": g["q"], "kv": xp.stack([g["k"], g["v"]], axis=2)}
+
+    return result, packed_grads_of
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Any,
+    cu_seqlens: Any,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Any = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    dropout_mask: Any = None,
+    rng: Any = None,
+) -> Any:
+    """flash-attn 2.x's ``flash_attn_varlen_qkvpacked_func``: ``flash_attn_varlen_func`` on q, k
+    and v stacked, one ``cu_seqlens`` for queries and keys.
+
+    ``flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens,
+    cu_seqlens, max_seqlen, max_seqlen, ...)``, the three taken as views (no copy);
+    ``vjp`` gives the gradient of ``qkv`` itself, ``dq``, ``dk`` and ``dv`` stacked
+    on axis 1. Like flash-attn's, it has no ``block_table``.
+
+    Parameters
+    ----------
+    qkv : array, shape (total_tokens, 3, H, D)
+        Queries, keys and values on axis 1 (exactly 3 entries).
+    cu_seqlens : integer array, shape (B + 1,)
+        Cumulative lengths of the sequences, from 0 to total_tokens, of the
+        queries and the keys alike. No gradient.
+    max_seqlen : int
+        At least the longest sequence (checked; flash-attn trusts it).
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+        As ``flash_attn_varlen_func``.
+    return_attn_probs : bool
+        Also return ``softmax_lse`` and ``S_dmask``.
+    dropout_mask, rng
+        npattn's extensions, as ``flash_attn_varlen_func``'s: a keep-mask
+        broadcastable to (B, H, max_seqlen, max_seqlen), or the generator that
+        draws each sequence's in turn.
+
+    Returns
+    -------
+    out : array, shape (total_tokens, H, D)
+    softmax_lse : array, shape (H, total_tokens) (``return_attn_probs`` only)
+    S_dmask : array, shape (B, H, max_seqlen, max_seqlen) (``return_attn_probs`` only)
+        As ``flash_attn_varlen_func``'s.
+    """
+    # [total, 3, H, D] -> [total, H, D]
+    return _flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p,
+                                             softmax_scale, causal, window_size, softcap,
+                                             alibi_slopes, deterministic, return_attn_probs,
+                                             dropout_mask=dropout_mask, rng=rng)[0]
+
+
+#: the names of a packed varlen function's own arguments, for the messages of the unpacked one
+_VARLEN_RENAMES = {"cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
+                   "max_seqlen_q": "max_seqlen", "max_seqlen_k": "max_seqlen",
+                   "max_seqlen_q, max_seqlen_k": "max_seqlen"}
+
+
+def _flash_attn_varlen_qkvpacked_func(qkv: Any, cu_seqlens: Any, max_seqlen: int,
+                                      dropout_p: float = 0.0,
+                                      softmax_scale: Optional[float] = None, causal: bool = False,
+                                      window_size: Any = (-1, -1), softcap: float = 0.0,
+                                      alibi_slopes: Any = None, deterministic: bool = False,
+                                      return_attn_probs: bool = False, *, dropout_mask: Any = None,
+                                      rng: Any = None) -> tuple[Any, GradsOf]:
+    """``flash_attn_varlen_qkvpacked_func``'s result and its ``grads_of`` (for ``vjp``)."""
+    # [total, 3, H, D] -> [total, H, D]
+    _check_packed("qkv", qkv, _VARLEN_QKV, 1, 3, ((2, "nheads"), (3, "headdim")))
+    _check_cu_seqlens("cu_seqlens", cu_seqlens, int(qkv.shape[0]), "qkv")
+    q, k, v = qkv[:, 0, ...], qkv[:, 1, ...], qkv[:, 2, ...]  # 3 x [total, H, D] views
+    with V.argument_names({"q": "qkv", "k": "qkv", "v": "qkv", **_VARLEN_RENAMES}):
+        result, grads_of = _flash_attn_varlen_func(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+            dropout_mask=dropout_mask, rng=rng, caller="flash_attn_varlen_qkvpacked_func")
+    xp = namespace(qkv)
+
+    def packed_grads_of(dout: Any, dlse: Any) -> dict:
+        # [total, H, D], [H, total] -> [total, 3, H, D]
+        g = grads_of(dout, dlse)
+        return {"qkv": xp.stack([g["q"], g["k"], g["v"]], axis=1)}
+
+    return result, packed_grads_of
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Any,
+    kv: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Any = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    dropout_mask: Any = None,
+    rng: Any = None,
+) -> Any:
+    """flash-attn 2.x's ``flash_attn_varlen_kvpacked_func``: ``flash_attn_varlen_func`` with k
+    and v stacked.
+
+    ``flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, ...)``, k and v taken as views (no copy); ``vjp``
+    gives the gradients of ``q`` and of ``kv`` itself, ``dk`` and ``dv`` stacked
+    on axis 1. Like flash-attn's, it has no ``block_table``.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, Hq, D)
+    kv : array, shape (total_k, 2, Hkv, D)
+        Keys and values on axis 1 (exactly 2 entries); ``Hkv`` divides ``Hq``.
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As ``flash_attn_varlen_func``'s.
+    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+        As ``flash_attn_varlen_func``: each sequence bottom-right aligned on its
+        own lengths.
+    return_attn_probs : bool
+        Also return ``softmax_lse`` and ``S_dmask``.
+    dropout_mask, rng
+        npattn's extensions, as ``flash_attn_varlen_func``'s.
+
+    Returns
+    -------
+    out : array, shape (total_q, Hq, D)
+    softmax_lse : array, shape (Hq, total_q) (``return_attn_probs`` only)
+    S_dmask : array, shape (B, Hq, max_seqlen_q, max_seqlen_k) (``return_attn_probs`` only)
+        As ``flash_attn_varlen_func``'s.
+    """
+    # [total_q, Hq, D], [total_k, 2, Hkv, D] -> [total_q, Hq, D]
+    return _flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, dropout_p, softmax_scale, causal,
+                                            window_size, softcap, alibi_slopes, deterministic,
+                                            return_attn_probs, dropout_mask=dropout_mask,
+                                            rng=rng)[0]
+
+
+def _flash_attn_varlen_kvpacked_func(q: Any, kv: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: Any = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Any = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False, *, dropout_mask: Any = None,
+                                     rng: Any = None) -> tuple[Any, GradsOf]:
+    """``flash_attn_varlen_kvpacked_func``'s result and its ``grads_of`` (for ``vjp``)."""
+    # [total_q, Hq, D], [total_k, 2, Hkv, D] -> [total_q, Hq, D]
+    _check_kv_of(q, kv, layout=_VARLEN_KV, batched=False)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, int(q.shape[0]), "q")  # in the order of the
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(kv.shape[0]), "kv")  # arguments; kv by name
+    xp = namespace(q, kv, names=("q", "kv"))
+    k, v = kv[:, 0, ...], kv[:, 1, ...]  # 2 x [total_k, Hkv, D] views
+    with V.argument_names({"k": "kv", "v": "kv"}):
+        result, grads_of = _flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs, dropout_mask=dropout_mask, rng=rng,
+            caller="flash_attn_varlen_kvpacked_func")
+
+    def packed_grads_of(dout: Any, dlse: Any) -> dict:
+        # [total_q, Hq, D], [Hq, total_q] -> [total_q, Hq, D], [total_k, 2, Hkv, D]
+        g = grads_of(dout, dlse)
+        return {"q": g["q"], "kv": xp.stack([g["k"], g["v"]], axis=1)}
+
+    return result, packed_grads_of
 
 
 # --------------------------------------------------------------------------
@@ -1222,6 +1596,10 @@ _FORWARDS: dict = {
     flash_attn_func: _flash_attn_func,
     flash_attn_varlen_func: _flash_attn_varlen_func,
     flash_attn_with_kvcache: _flash_attn_with_kvcache,
+    flash_attn_qkvpacked_func: _flash_attn_qkvpacked_func,
+    flash_attn_kvpacked_func: _flash_attn_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func: _flash_attn_varlen_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func: _flash_attn_varlen_kvpacked_func,
     scaled_dot_product_attention: _scaled_dot_product_attention,
     dot_product_attention: _dot_product_attention,
 }
@@ -1241,7 +1619,9 @@ def vjp(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Callable[..., tup
     ----------
     fn : callable
         One of ``flash_attn_func``, ``flash_attn_varlen_func``,
-        ``flash_attn_with_kvcache``, ``scaled_dot_product_attention``,
+        ``flash_attn_with_kvcache``, ``flash_attn_qkvpacked_func``,
+        ``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func``,
+        ``flash_attn_varlen_kvpacked_func``, ``scaled_dot_product_attention``,
         ``dot_product_attention``.
     *args, **kwargs
         Its arguments, as in a direct call.
@@ -1256,8 +1636,9 @@ def vjp(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Callable[..., tup
         gradient of the output ``out``, the first entry when ``fn`` returns a
         tuple (``S_dmask`` gets no gradient). ``dlse``, optional, is that of
         the log-sum-exp, in the layout and dtype in which ``fn`` returns it:
-        (B, Hq, Lq) for ``flash_attn_func`` and ``flash_attn_with_kvcache``,
-        (Hq, total_q) for ``flash_attn_varlen_func``, (B, T, N) for
+        (B, Hq, Lq) for ``flash_attn_func``, ``flash_attn_with_kvcache`` and the
+        packed forms of ``flash_attn_func``, (Hq, total_q) for
+        ``flash_attn_varlen_func`` and its packed forms, (B, T, N) for
         ``dot_product_attention``; its entries in rows with nothing to
         attend do not matter. A ``dlse`` for a call that returned no
         log-sum-exp (``scaled_dot_product_attention``, or one without
@@ -1265,7 +1646,9 @@ def vjp(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Callable[..., tup
         is a ``ValueError``. The tuple has one entry per positional
         argument (``len(args)``), in order: the gradient of ``q``/``query``,
         ``k``, ``v``, ``k_cache``, ``v_cache``, a floating ``attn_mask`` or
-        ``bias``; None for every other (``cu_seqlens_*``, a bool mask,
+        ``bias``, of ``qkv`` (``kv``) in its own shape, ``dq``, ``dk`` and
+        ``dv`` (``dk`` and ``dv``) stacked on the packed axis; None for every
+        other (``cu_seqlens*``, ``max_seqlen*``, a bool mask,
         ``alibi_slopes``, numbers). An argument passed by keyword is a
         constant of the pullback and gets no entry: pass ``attn_mask`` /
         ``bias``, or ``flash_attn_with_kvcache``'s ``k`` and ``v``,

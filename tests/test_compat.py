@@ -13,6 +13,7 @@ direction with a random upstream gradient, with Lq != Lk, dropout p > 0 on
 a fixed keep-mask, and rows with nothing to attend.
 """
 
+import inspect
 import math
 import re
 
@@ -1776,3 +1777,408 @@ def test_vjp_gives_no_entry_for_arguments_passed_by_keyword():
     assert np.abs(grads_pos[4]).sum() > 0  # the new value is attended: it has a gradient
     for a, b in zip(grads_kw, grads_pos):
         np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# flash-attn's packed forms: q, k and v (or k and v) stacked on one axis
+
+
+def assert_bitwise(a, b):
+    """The same dtype, shape and bytes: equal values, the sign of every zero included."""
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_array_equal(a, b)  # a readable report first
+    assert (a.dtype, a.shape) == (b.dtype, b.shape)
+    assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+#: options of the packed tests; "alibi" and "p" as in FLASH_CASES
+PACKED_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window_softcap": dict(window_size=(1, 2), softcap=2.0),
+    "causal_alibi_h": dict(causal=True, alibi="h"),
+    "left_window_alibi_bh": dict(window_size=(2, -1), alibi="bh"),
+    "causal_window_dropout": dict(causal=True, window_size=(3, -1), p=0.3),
+}
+
+
+def packed_case(name, shape):
+    """``q, k, v`` (each an array of its own), the slopes, the keep-mask, ``p`` and the other
+    keyword arguments of case ``name`` on ``flash_inputs``'s ``shape``."""
+    case = dict(PACKED_CASES[name])
+    alibi, p = case.pop("alibi", None), case.pop("p", 0.0)
+    q, k, v, slopes, keep = flash_inputs(shape, alibi=alibi, p=p)
+    return q, k, v, slopes, keep, p, case
+
+
+@pytest.mark.parametrize("name", PACKED_CASES)
+def test_flash_attn_qkvpacked_func_is_flash_attn_func_of_its_parts(name):
+    """out, softmax_lse and S_dmask are flash_attn_func's on q, k and v bit for bit (each given
+    to it as an array of its own, qkv their stack on axis 2), and out is the reference's."""
+    q, k, v, slopes, keep, p, kw = packed_case(name, (2, 5, 4, 4, 4, 5, 4))
+    qkv = np.stack([q, k, v], axis=2)  # [B, L, 3, H, D]
+    packed = C.flash_attn_qkvpacked_func(qkv, p, alibi_slopes=slopes, return_attn_probs=True,
+                                         dropout_mask=keep, **kw)
+    parts = C.flash_attn_func(q, k, v, p, alibi_slopes=slopes, return_attn_probs=True,
+                              dropout_mask=keep, **kw)
+    assert len(packed) == 3
+    for a, b in zip(packed, parts):
+        assert_bitwise(a, b)
+    np.testing.assert_allclose(packed[0], flash_ref(q, k, v, alibi=slopes, keep=keep, p=p, **kw)[0],
+                               rtol=1e-12, atol=1e-12)
+    # without return_attn_probs: out alone, the same
+    assert_bitwise(C.flash_attn_qkvpacked_func(qkv, p, alibi_slopes=slopes, dropout_mask=keep, **kw),
+                   parts[0])
+
+
+@pytest.mark.parametrize("lengths", [(3, 6), (5, 3)], ids=["lq_lt_lk", "lq_gt_lk"])
+@pytest.mark.parametrize("name", PACKED_CASES)
+def test_flash_attn_kvpacked_func_is_flash_attn_func_of_its_parts(name, lengths):
+    """Grouped-query (4 query heads, 2 key/value heads), Lq != Lk (with causal and Lq > Lk the
+    first rows attend nothing): flash_attn_func's out, softmax_lse and S_dmask bit for bit."""
+    Lq, Lk = lengths
+    q, k, v, slopes, keep, p, kw = packed_case(name, (2, Lq, 4, 4, 2, Lk, 4))
+    kv = np.stack([k, v], axis=2)  # [B, Lk, 2, Hkv, D]
+    packed = C.flash_attn_kvpacked_func(q, kv, p, alibi_slopes=slopes, return_attn_probs=True,
+                                        dropout_mask=keep, **kw)
+    parts = C.flash_attn_func(q, k, v, p, alibi_slopes=slopes, return_attn_probs=True,
+                              dropout_mask=keep, **kw)
+    for a, b in zip(packed, parts):
+        assert_bitwise(a, b)
+    np.testing.assert_allclose(packed[0], flash_ref(q, k, v, alibi=slopes, keep=keep, p=p, **kw)[0],
+                               rtol=1e-12, atol=1e-12)
+    if kw.get("causal") and Lq > Lk:  # bottom-right: Lq - Lk rows see no key
+        assert np.isposinf(packed[1][:, :, :Lq - Lk]).all() and not packed[0][:, :Lq - Lk].any()
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+@pytest.mark.parametrize("name", ["causal", "window_softcap", "left_window_alibi_bh",
+                                  "causal_window_dropout"])
+def test_packed_gradients_match_finite_differences(packing, name):
+    """vjp's gradient of qkv (kv) is one array of its shape, by central differences along a
+    random direction with a random upstream gradient, and it is flash_attn_func's dq, dk, dv
+    (dk, dv) stacked on the packed axis, bit for bit."""
+    if packing == "qkv":
+        q, k, v, slopes, keep, p, kw = packed_case(name, (2, 5, 4, 4, 4, 5, 4))
+        fn, args = C.flash_attn_qkvpacked_func, [np.stack([q, k, v], axis=2)]
+    else:
+        q, k, v, slopes, keep, p, kw = packed_case(name, (2, 5, 4, 4, 2, 3, 4))
+        fn, args = C.flash_attn_kvpacked_func, [q, np.stack([k, v], axis=2)]
+    kw = dict(alibi_slopes=slopes, dropout_mask=keep, **kw)
+    out, pullback = C.vjp(fn, *args, p, **kw)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == len(args) + 1 and grads[-1] is None  # dropout_p has none
+    assert [g.shape for g in grads[:-1]] == [a.shape for a in args]
+    check_vjp(lambda *a: fn(*a, p, **kw), args, grads[:-1], ct)
+    dq, dk, dv, _ = C.vjp(C.flash_attn_func, q, k, v, p, **kw)[1](ct)
+    expected = [np.stack([dq, dk, dv], axis=2)] if packing == "qkv" else [dq, np.stack([dk, dv], axis=2)]
+    for a, b in zip(grads[:-1], expected):
+        assert_bitwise(a, b)
+
+
+def test_packed_dlse_gradient():
+    """The pullback of a packed form takes dlse, the gradient of the returned softmax_lse, into
+    the packed gradient (finite differences of out and lse together)."""
+    q, k, v, _, _, _, _ = packed_case("plain", (2, 5, 2, 4, 2, 5, 4))
+    qkv = np.stack([q, k, v], axis=2)
+    kw = dict(causal=True, softcap=1.5, return_attn_probs=True)
+    (out, lse, _), pullback = C.vjp(C.flash_attn_qkvpacked_func, qkv, **kw)
+    ct, ct_lse = randn(*out.shape), randn(*lse.shape)
+    grads = pullback(ct, dlse=ct_lse)
+    check_vjp(lambda a: C.flash_attn_qkvpacked_func(a, **kw)[:2], [qkv], grads, ct, ct_lse=ct_lse)
+    # and its refusal without return_attn_probs names the packed function
+    out, pullback = C.vjp(C.flash_attn_qkvpacked_func, qkv, causal=True)
+    with pytest.raises(ValueError, match=r"^dlse: flash_attn_qkvpacked_func returned no log-sum-exp "
+                                         r"\(it returns one with return_attn_probs=True\); pass None, "
+                                         r"or call it with return_attn_probs=True$"):
+        pullback(ct, dlse=ct_lse)
+
+
+# unequal sequences: for qkv one length each (with one empty sequence); for kv LENS_Q, LENS_K
+PACKED_LENS = [2, 5, 1, 0]
+
+
+def test_flash_attn_varlen_qkvpacked_func_is_the_varlen_func_of_its_parts():
+    """One cu_seqlens and max_seqlen for queries and keys: flash_attn_varlen_func's out,
+    softmax_lse and S_dmask bit for bit, and the reference's out per sequence; its gradient
+    by finite differences, the varlen dq, dk, dv stacked on axis 1."""
+    cu = np.cumsum([0] + PACKED_LENS).astype(np.int32)
+    q, k, v = randn(cu[-1], 4, 4), randn(cu[-1], 4, 4), randn(cu[-1], 4, 4)
+    qkv = np.stack([q, k, v], axis=1)  # [total, 3, H, D]
+    keep = RNG.random((len(PACKED_LENS), 4, 5, 5)) >= 0.3
+    slopes = RNG.uniform(0.1, 1.0, (len(PACKED_LENS), 4))
+    kw = dict(causal=True, window_size=(2, -1), softcap=3.0, alibi_slopes=slopes, dropout_mask=keep)
+    packed = C.flash_attn_varlen_qkvpacked_func(qkv, cu, 5, 0.3, return_attn_probs=True, **kw)
+    parts = C.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, 0.3, return_attn_probs=True, **kw)
+    for a, b in zip(packed, parts):
+        assert_bitwise(a, b)
+    r_out = varlen_ref(q, k, v, cu, cu, alibi=slopes, keep=keep, p=0.3, causal=True,
+                       window_size=(2, -1), softcap=3.0)[0]
+    np.testing.assert_allclose(packed[0], r_out, rtol=1e-12, atol=1e-12)
+    assert packed[1].shape == (4, cu[-1]) and packed[2].shape == (4, 4, 5, 5)
+
+    out, pullback = C.vjp(C.flash_attn_varlen_qkvpacked_func, qkv, cu, 5, 0.3, **kw)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == 4 and all(g is None for g in grads[1:])  # cu_seqlens, max_seqlen, p
+    check_vjp(lambda a: C.flash_attn_varlen_qkvpacked_func(a, cu, 5, 0.3, **kw), [qkv], grads[:1], ct)
+    dq, dk, dv = C.vjp(C.flash_attn_varlen_func, q, k, v, cu, cu, 5, 5, 0.3, **kw)[1](ct)[:3]
+    assert_bitwise(grads[0], np.stack([dq, dk, dv], axis=1))
+
+
+def test_flash_attn_varlen_kvpacked_func_is_the_varlen_func_of_its_parts():
+    """Sequences of unequal lengths (Lq < Lk, Lq > Lk with causal, no keys, no queries) and
+    grouped-query heads: flash_attn_varlen_func's out, softmax_lse and S_dmask bit for bit, the
+    reference's out; the gradients of q and kv by finite differences, dk and dv stacked."""
+    q, k, v, cq, ck, keep = varlen_inputs(Dv=4, p=0.25)
+    kv = np.stack([k, v], axis=1)  # [total_k, 2, Hkv, D]
+    slopes = RNG.uniform(0.1, 1.0, 4)
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, dropout_mask=keep)
+    packed = C.flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 5, 4, 0.25, return_attn_probs=True, **kw)
+    parts = C.flash_attn_varlen_func(q, k, v, cq, ck, 5, 4, 0.25, return_attn_probs=True, **kw)
+    for a, b in zip(packed, parts):
+        assert_bitwise(a, b)
+    r_out = varlen_ref(q, k, v, cq, ck, alibi=np.broadcast_to(slopes, (4, 4)), keep=keep, p=0.25,
+                       causal=True, softcap=3.0)[0]
+    np.testing.assert_allclose(packed[0], r_out, rtol=1e-12, atol=1e-12)
+
+    out, pullback = C.vjp(C.flash_attn_varlen_kvpacked_func, q, kv, cq, ck, 5, 4, 0.25, **kw)
+    ct = randn(*out.shape)
+    grads = pullback(ct)
+    assert len(grads) == 7 and all(g is None for g in grads[2:])
+    check_vjp(lambda a, b: C.flash_attn_varlen_kvpacked_func(a, b, cq, ck, 5, 4, 0.25, **kw),
+              [q, kv], grads[:2], ct)
+    dq, dk, dv = C.vjp(C.flash_attn_varlen_func, q, k, v, cq, ck, 5, 4, 0.25, **kw)[1](ct)[:3]
+    assert_bitwise(grads[0], dq)
+    assert_bitwise(grads[1], np.stack([dk, dv], axis=1))
+
+
+@pytest.mark.parametrize("fn_name", ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                                     "flash_attn_varlen_qkvpacked_func",
+                                     "flash_attn_varlen_kvpacked_func"])
+def test_packed_forms_hand_on_views_of_the_packed_array(monkeypatch, fn_name):
+    """The arrays that reach the unpacked function are q itself and views into the packed
+    array (NumPy's basic indexing), no copies: each shares the packed array's memory."""
+    seen = []
+    private = "_flash_attn_varlen_func" if "varlen" in fn_name else "_flash_attn_func"
+    unpacked = getattr(C, private)
+
+    def spy(*args, **kwargs):
+        seen.append(args[:3])
+        return unpacked(*args, **kwargs)
+
+    monkeypatch.setattr(C, private, spy)
+    g = np.random.default_rng(32)
+    q, kv = g.standard_normal((5, 4, 4)), g.standard_normal((5, 2, 2, 4))
+    qkv, cu = g.standard_normal((5, 3, 4, 4)), np.array([0, 2, 5], np.int32)
+    if fn_name == "flash_attn_qkvpacked_func":
+        C.flash_attn_qkvpacked_func(qkv[None])
+        packed = qkv
+    elif fn_name == "flash_attn_kvpacked_func":
+        C.flash_attn_kvpacked_func(q[None], kv[None])
+        packed = kv
+    elif fn_name == "flash_attn_varlen_qkvpacked_func":
+        C.flash_attn_varlen_qkvpacked_func(qkv, cu, 3)
+        packed = qkv
+    else:
+        C.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 3, 3)
+        packed = kv
+    (args,) = seen
+    for n, a in enumerate(args):
+        if packed is kv and n == 0:  # q is passed on as it came
+            assert np.shares_memory(a, q) and a.size == q.size
+        else:
+            assert np.shares_memory(a, packed) and a.base is not None, n
+    # and they are the packed entries, in order (packed axis 1 of the unbatched arrays here)
+    for i, a in enumerate(args[1 if packed is kv else 0:]):
+        np.testing.assert_array_equal(a if "varlen" in fn_name else a[0], np.take(packed, i, axis=1))
+
+
+#: flash-attn 2.x's signatures (flash_attn/flash_attn_interface.py): the positional parameters
+#: and their defaults; npattn adds the keyword-only dropout_mask and rng to each
+_FLASH_OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+                  ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+                  ("deterministic", False), ("return_attn_probs", False)]
+FLASH_PACKED_SIGNATURES = {
+    "flash_attn_qkvpacked_func": ["qkv"],
+    "flash_attn_kvpacked_func": ["q", "kv"],
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen"],
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                        "max_seqlen_k"],
+}
+
+
+@pytest.mark.parametrize("fn_name", FLASH_PACKED_SIGNATURES)
+def test_packed_forms_have_flash_attns_signatures(fn_name):
+    params = list(inspect.signature(getattr(C, fn_name)).parameters.values())
+    positional = [(p.name, p.default) for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    required = [(n, inspect.Parameter.empty) for n in FLASH_PACKED_SIGNATURES[fn_name]]
+    assert positional == required + _FLASH_OPTIONS
+    assert [(p.name, p.default) for p in params if p.kind is p.KEYWORD_ONLY] == \
+        [("dropout_mask", None), ("rng", None)]
+    assert fn_name in C.__all__
+
+
+def _packed_call(fn_name, **change):
+    """A call of ``fn_name`` on small arrays (q (2, 3, 4, 4), kv (2, 5, 2, 2, 4), qkv
+    (2, 5, 3, 4, 4); varlen: 2 sequences of 2 and 3 tokens), with ``change`` applied."""
+    g = np.random.default_rng(33)
+    cu = np.array([0, 2, 5], np.int32)
+    args = {
+        "flash_attn_qkvpacked_func": dict(qkv=g.standard_normal((2, 5, 3, 4, 4))),
+        "flash_attn_kvpacked_func": dict(q=g.standard_normal((2, 3, 4, 4)),
+                                         kv=g.standard_normal((2, 5, 2, 2, 4))),
+        "flash_attn_varlen_qkvpacked_func": dict(qkv=g.standard_normal((5, 3, 4, 4)), cu_seqlens=cu,
+                                                 max_seqlen=3),
+        "flash_attn_varlen_kvpacked_func": dict(q=g.standard_normal((5, 4, 4)),
+                                                kv=g.standard_normal((5, 2, 2, 4)), cu_seqlens_q=cu,
+                                                cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3),
+    }[fn_name]
+    return getattr(C, fn_name)(**{**args, **change})
+
+
+QKV = r"\(batch, seqlen, 3, nheads, headdim\)"
+KV = r"\(batch, seqlen_k, 2, nheads_k, headdim\)"
+VQKV = r"\(total_tokens, 3, nheads, headdim\)"
+VKV = r"\(total_k, 2, nheads_k, headdim\)"
+
+
+@pytest.mark.parametrize("fn_name, change, exc, match", [
+    ("flash_attn_qkvpacked_func", dict(qkv=[[1.0]]), TypeError,
+     rf"^qkv: expected an array of shape {QKV}, got list$"),
+    # the packed axis holds exactly 3 (q, k, v)
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ones((2, 5, 2, 4, 4))), ValueError,
+     rf"^qkv: expected shape {QKV}, got shape \(2, 5, 2, 4, 4\)$"),
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ones((2, 5, 4, 4, 4))), ValueError,
+     rf"^qkv: expected shape {QKV}, got shape \(2, 5, 4, 4, 4\)$"),
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ones((2, 5, 3, 4))), ValueError,
+     rf"^qkv: expected shape {QKV}, got shape \(2, 5, 3, 4\)$"),
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ones((2, 0, 3, 4, 4))), ValueError,
+     r"^qkv: expected a seqlen \(axis 1\) of at least 1, got shape \(2, 0, 3, 4, 4\)$"),
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ones((2, 5, 3, 0, 4))), ValueError,
+     r"^qkv: expected a nheads \(axis 3\) of at least 1, got shape \(2, 5, 3, 0, 4\)$"),
+    # the core's checks of the unpacked views name qkv too
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ones((2, 5, 3, 4, 4), np.int64)), TypeError,
+     r"^qkv: expected a real floating dtype, got int64$"),
+    ("flash_attn_qkvpacked_func", dict(qkv=np.ma.masked_array(np.ones((2, 5, 3, 4, 4)))), TypeError,
+     r"^qkv: expected a plain numpy.ndarray, got numpy.ma.MaskedArray \(npattn would ignore its "
+     r"mask\); pass its data, np.ma.getdata\(a\), and express the masked entries as an attention mask$"),
+    ("flash_attn_qkvpacked_func", dict(causal=1), TypeError, r"^causal: expected a bool, got int 1$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((2, 5, 3, 2, 4))), ValueError,
+     rf"^kv: expected shape {KV}, got shape \(2, 5, 3, 2, 4\)$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((2, 5, 2, 4))), ValueError,
+     rf"^kv: expected shape {KV}, got shape \(2, 5, 2, 4\)$"),
+    ("flash_attn_kvpacked_func", dict(kv=(1.0, 2.0)), TypeError,
+     rf"^kv: expected an array of shape {KV}, got tuple$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((1, 5, 2, 2, 4))), ValueError,
+     r"^kv: expected the batch of q = 2 on axis 0, got shape \(1, 5, 2, 2, 4\)$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((2, 5, 2, 2, 3))), ValueError,
+     r"^kv: expected the head width of q = 4 on axis 4, got shape \(2, 5, 2, 2, 3\)$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((2, 5, 2, 3, 4))), ValueError,
+     rf"^kv: expected key/value heads \(axis 3 of {KV}\) that divide the query heads \(4, axis 2 of "
+     r"q\), got 3 in shape \(2, 5, 2, 3, 4\)$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((2, 0, 2, 2, 4))), ValueError,
+     r"^kv: expected a seqlen_k \(axis 1\) of at least 1, got shape \(2, 0, 2, 2, 4\)$"),
+    ("flash_attn_kvpacked_func", dict(kv=np.ones((2, 5, 2, 2, 4), np.float32)), TypeError,
+     r"^kv: expected dtype float64 \(that of q\), got float32 \(no silent promotion\)$"),
+    ("flash_attn_kvpacked_func", dict(q=np.ones((3, 4, 4))), ValueError,
+     r"^q: expected 4 axes \(batch, seqlen, nheads, headdim\), got shape \(3, 4, 4\)$"),
+    ("flash_attn_varlen_qkvpacked_func", dict(qkv=np.ones((5, 2, 4, 4))), ValueError,
+     rf"^qkv: expected shape {VQKV}, got shape \(5, 2, 4, 4\)$"),
+    ("flash_attn_varlen_qkvpacked_func", dict(qkv=np.ones((2, 5, 3, 4, 4))), ValueError,
+     rf"^qkv: expected shape {VQKV}, got shape \(2, 5, 3, 4, 4\)$"),
+    ("flash_attn_varlen_qkvpacked_func", dict(cu_seqlens=np.array([0, 2, 6], np.int32)), ValueError,
+     r"^cu_seqlens: expected cumulative lengths, non-decreasing from 0 to 5 \(the tokens of qkv\), "
+     r"got \[0, 2, 6\]$"),
+    ("flash_attn_varlen_qkvpacked_func", dict(max_seqlen=2), ValueError,
+     r"^max_seqlen: expected at least the longest sequence, 3, got 2$"),
+    ("flash_attn_varlen_qkvpacked_func", dict(max_seqlen=3.0), TypeError,
+     r"^max_seqlen: expected an int >= 0, got float 3\.0$"),
+    ("flash_attn_varlen_qkvpacked_func", dict(block_table=None), TypeError,
+     r"got an unexpected keyword argument 'block_table'$"),  # as flash-attn's: no paged cache
+    ("flash_attn_varlen_kvpacked_func", dict(kv=np.ones((5, 3, 2, 4))), ValueError,
+     rf"^kv: expected shape {VKV}, got shape \(5, 3, 2, 4\)$"),
+    ("flash_attn_varlen_kvpacked_func", dict(kv=np.ones((5, 2, 4))), ValueError,
+     rf"^kv: expected shape {VKV}, got shape \(5, 2, 4\)$"),
+    ("flash_attn_varlen_kvpacked_func", dict(kv=np.ones((5, 2, 2, 3))), ValueError,
+     r"^kv: expected the head width of q = 4 on axis 3, got shape \(5, 2, 2, 3\)$"),
+    ("flash_attn_varlen_kvpacked_func", dict(kv=np.ones((5, 2, 3, 4))), ValueError,
+     rf"^kv: expected key/value heads \(axis 2 of {VKV}\) that divide the query heads \(4, axis 1 of "
+     r"q\), got 3 in shape \(5, 2, 3, 4\)$"),
+    ("flash_attn_varlen_kvpacked_func", dict(kv=np.ones((6, 2, 2, 4))), ValueError,
+     r"^cu_seqlens_k: expected cumulative lengths, non-decreasing from 0 to 6 \(the tokens of kv\), "
+     r"got \[0, 2, 5\]$"),
+    ("flash_attn_varlen_kvpacked_func", dict(cu_seqlens_q=np.array([0, 5, 4], np.int32)), ValueError,
+     r"^cu_seqlens_q: expected cumulative lengths, non-decreasing from 0 to 5 \(the tokens of q\), "
+     r"got \[0, 5, 4\]$"),
+    ("flash_attn_varlen_kvpacked_func", dict(kv=np.ones((5, 2, 2, 4), np.float16)), TypeError,
+     r"^kv: expected dtype float64 \(that of q\), got float16 \(no silent promotion\)$"),
+    ("flash_attn_varlen_kvpacked_func", dict(max_seqlen_k=2), ValueError,
+     r"^max_seqlen_k: expected at least the longest sequence, 3, got 2$"),
+])
+def test_packed_forms_bad_input_names_the_packed_argument(fn_name, change, exc, match):
+    _packed_call(fn_name)  # the unchanged call is taken
+    with pytest.raises(exc, match=match):
+        _packed_call(fn_name, **change)
+
+
+def test_kv_of_another_library_is_named_kv():
+    xps = pytest.importorskip("array_api_strict")
+    g = np.random.default_rng(34)
+    q, kv = g.standard_normal((2, 3, 4, 4)), g.standard_normal((2, 5, 2, 2, 4))
+    with pytest.raises(TypeError, match=r"^kv: expected an array of the library of q \(numpy.ndarray\), "
+                                        r"got array_api_strict"):
+        C.flash_attn_kvpacked_func(q, xps.asarray(kv))
+    cu = np.array([0, 2, 5], np.int32)
+    with pytest.raises(TypeError, match=r"^kv: expected an array of the library of q"):
+        C.flash_attn_varlen_kvpacked_func(q.reshape(6, 4, 4)[:5],
+                                          xps.asarray(kv.reshape(10, 2, 2, 4)[:5]), cu, cu, 3, 3)
+
+
+def _packed_and_unpacked(fn_name, g):
+    """``(packed args, extra args, unpacked function, its args, kwargs, packed axis)`` on
+    arrays of ``g``: q, k, v drawn apart and then stacked."""
+    cu = np.array([0, 2, 5], np.int32)
+    if fn_name == "flash_attn_qkvpacked_func":
+        q, k, v = (g.standard_normal((2, 5, 2, 4)) for _ in range(3))
+        return ([np.stack([q, k, v], axis=2)], [], C.flash_attn_func, [q, k, v], dict(causal=True), 2)
+    if fn_name == "flash_attn_kvpacked_func":
+        q, k, v = (g.standard_normal(s) for s in ((2, 3, 4, 4), (2, 5, 2, 4), (2, 5, 2, 4)))
+        return ([q, np.stack([k, v], axis=2)], [], C.flash_attn_func, [q, k, v],
+                dict(window_size=(1, 1)), 2)
+    if fn_name == "flash_attn_varlen_qkvpacked_func":
+        q, k, v = (g.standard_normal((5, 2, 4)) for _ in range(3))
+        return ([np.stack([q, k, v], axis=1)], [cu, 3], C.flash_attn_varlen_func,
+                [q, k, v, cu, cu, 3, 3], dict(causal=True), 1)
+    cq = np.array([0, 3, 5], np.int32)
+    q, k, v = (g.standard_normal(s) for s in ((5, 4, 4), (5, 2, 4), (5, 2, 4)))
+    return ([q, np.stack([k, v], axis=1)], [cq, cu, 3, 3], C.flash_attn_varlen_func,
+            [q, k, v, cq, cu, 3, 3], dict(causal=True), 1)
+
+
+@pytest.mark.parametrize("fn_name", list(FLASH_PACKED_SIGNATURES))
+def test_packed_forms_on_every_backend(xp, to_xp, to_np, fn_name):
+    """On every backend: the backend's arrays back, out bit for bit that of the unpacked function
+    on q, k and v of their own on the same backend, the packed gradient its gradients stacked,
+    and that gradient by central differences along random directions."""
+    g = np.random.default_rng(35)
+    packed, extra, unpacked_fn, unpacked, kw, axis = _packed_and_unpacked(fn_name, g)
+    fn = getattr(C, fn_name)
+    moved = [to_xp(a) for a in packed]
+    out, pullback = C.vjp(fn, *moved, *extra, **kw)
+    assert type(out) is type(moved[0])
+    arrays = [to_xp(a) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a for a in unpacked]
+    out_u, pullback_u = C.vjp(unpacked_fn, *arrays, **kw)
+    assert_bitwise(to_np(out), to_np(out_u))
+    ct = to_xp(randn(*to_np(out).shape))
+    grads, grads_u = pullback(ct), pullback_u(ct)
+    assert all(type(d) is type(moved[0]) for d in grads[:len(packed)])
+    stacked = np.stack([to_np(d) for d in grads_u[len(packed) - 1:3]], axis=axis)  # dk, dv (dq)
+    assert_bitwise(to_np(grads[len(packed) - 1]), stacked)
+    if len(packed) == 2:
+        assert_bitwise(to_np(grads[0]), to_np(grads_u[0]))
+    report = gradcheck_vjp(lambda *a: fn(*a, *extra, **kw), [to_xp(a) for a in packed],
+                           list(grads[:len(packed)]), ct, seed=7)
+    assert report.ok, str(report)
+    assert all(r.scale > 1e-3 for r in report.inputs)  # nothing vanished
