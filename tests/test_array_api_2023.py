@@ -289,6 +289,25 @@ def test_flash_attn_varlen_and_kvcache_entry_points():
     both(run)
 
 
+def test_flash_attn_packed_entry_points():
+    """The packed forms unpack by indexing and stack their gradients with the namespace's
+    stack, on 2023.12 as on NumPy."""
+    def run(backend, to_xp):
+        qkv = to_xp(rand(1, B, Lq, 3, H, Dh))
+        (out, lse, s_dmask), pullback = compat.vjp(
+            compat.flash_attn_qkvpacked_func, qkv, 0.2, causal=True, window_size=(2, 0),
+            return_attn_probs=True, rng=np.random.default_rng(4))
+        grads = pullback(to_xp(rand(2, B, Lq, H, Dh)), dlse=to_xp(rand(3, B, H, Lq)))
+        q, kv = to_xp(rand(4, 7, H, Dh)), to_xp(rand(5, 9, 2, 1, Dh))
+        cu_q, cu_k = to_xp(np.array([0, 3, 7], dtype=np.int32)), to_xp(np.array([0, 4, 9], dtype=np.int32))
+        o, pullback_v = compat.vjp(compat.flash_attn_varlen_kvpacked_func, q, kv, cu_q, cu_k, 4, 5,
+                                   causal=True, softcap=3.0)
+        grads_v = pullback_v(to_xp(rand(6, 7, H, Dh)))
+        return [out, lse, s_dmask, grads[0], o, *grads_v[:2]]
+
+    both(run)
+
+
 def test_a_constant_is_a_python_float_from_2024_12_and_a_0d_array_before():
     """backend.scalar hands a namespace of 2024.12 or later the float itself (nothing made,
     nothing copied to a device per call) and an older one a 0-d array of the other
