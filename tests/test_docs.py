@@ -32,6 +32,7 @@ import os
 import functools
 import html.parser
 import json
+import math
 import importlib
 import importlib.util
 import pkgutil
@@ -756,3 +757,313 @@ def test_math_is_typeset_in_a_headless_browser(built_docs):
                      for raw in ("$$", "\\frac", "\\mathrm", "\\sum", "\\begin{", "\\(", "\\[")
                      if raw in text]
     assert not problems, "MathJax did not typeset every formula:\n" + "\n".join(problems)
+
+
+# --------------------------------------------------------------------------
+# the conventions as the docs word them, against code written from the words
+
+
+def _documented_attention(q, k, v, *, align, window, softcap, alibi, sinks, q_seg, k_seg, scale):
+    """docs/conventions.md, "Windows, softcap, ALiBi, sinks, segments and the log-sum-exp",
+    one score at a time: query i sits at key position i + o (o = Lk - Lq bottom-right),
+    may attend key j if i + o - left <= j <= i + o + right and their segments are equal;
+    z = softcap * tanh(s / softcap) - slope * |i + o - j|; the sink joins each denominator."""
+    B, H, Lq, Dh = q.shape
+    Lk = k.shape[2]
+    o = Lk - Lq if align == "bottom_right" else 0
+    left, right = window
+    out = np.zeros((B, H, Lq, v.shape[-1]))
+    lse = np.full((B, H, Lq), -np.inf)
+    for b, h, i in np.ndindex(B, H, Lq):
+        z, keys = [], []
+        for j in range(Lk):
+            if (left is not None and j < i + o - left) or (right is not None and j > i + o + right):
+                continue
+            if q_seg[b, i] != k_seg[b, j]:
+                continue
+            s = scale * float(q[b, h, i] @ k[b, h, j])
+            c = s if softcap is None else softcap * math.tanh(s / softcap)
+            z.append(c - alibi[h] * abs(i + o - j))
+            keys.append(j)
+        denominator = math.exp(sinks[h]) + sum(math.exp(t) for t in z)
+        lse[b, h, i] = math.log(denominator)
+        for t, j in zip(z, keys):
+            out[b, h, i] += math.exp(t) / denominator * v[b, h, j]
+    return out, lse
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked", "numpy"])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_kernel_options_follow_the_documented_formulas(impl, align):
+    # each option's formula, as docs/conventions.md states it, computed score by score:
+    # a window off by one on either side, ALiBi of the other sign, a softcap without its
+    # factor, a bottom-right offset of the other sign or a sink left out of lse all differ
+    from npattn import attention as A
+
+    rng = np.random.default_rng(11)
+    B, H, Lq, Lk, Dh = 2, 2, 5, 7, 4
+    q, k, v = (rng.standard_normal((B, H, n, Dh)) for n in (Lq, Lk, Lk))
+    plain = dict(softcap=None, alibi=np.zeros(H), sinks=np.full(H, -np.inf),
+                 q_seg=np.zeros((B, Lq)), k_seg=np.zeros((B, Lk)))
+    # a window, and is_causal, which is right = 0, each about the diagonal that align moves
+    for window, kwargs in [((2, 1), dict(window=(2, 1))), ((None, 1), dict(window=(None, 1))),
+                           ((1, None), dict(window=(1, None))), ((None, 0), dict(is_causal=True))]:
+        out, cache = A.sdpa_forward(q, k, v, align=align, scale=0.7, impl=impl, **kwargs)
+        want, want_lse = _documented_attention(q, k, v, align=align, window=window, scale=0.7, **plain)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14, err_msg=str(window))
+        np.testing.assert_allclose(cache.lse, want_lse, rtol=1e-12, atol=1e-14, err_msg=str(window))
+    if impl == "numpy":  # the NumPy kernel takes windows, not the other kernel options
+        return
+    alibi, sinks = rng.random(H), rng.standard_normal(H)
+    q_seg = np.array([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    k_seg = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    out, cache = A.sdpa_forward(q, k, v, align=align, window=(2, 1), softcap=1.5, scale=0.7,
+                                alibi_slopes=alibi, sinks=sinks, q_segments=q_seg,
+                                k_segments=k_seg, impl=impl)
+    want, want_lse = _documented_attention(q, k, v, align=align, window=(2, 1), softcap=1.5,
+                                           scale=0.7, alibi=alibi, sinks=sinks, q_seg=q_seg,
+                                           k_seg=k_seg)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(cache.lse, want_lse, rtol=1e-12, atol=1e-14)
+
+
+def test_dropout_p_is_the_drop_probability():
+    # docs/conventions.md: `p` is the probability of dropping an entry, as torch's; the
+    # keep-mask every implementation and backend shares keeps 1 - p of the entries
+    from npattn.backend import dropout_key, keep_mask
+
+    n = 400_000
+    for p in (0.1, 0.25, 0.7):
+        kept = keep_mask(dropout_key(np.random.default_rng(3)), p, (4, 2, 250, 200), np).mean()
+        assert abs(kept - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), (p, kept)
+    # and the kept entries are scaled by 1 / (1 - p), the dropped ones are 0
+    x = np.random.default_rng(4).standard_normal((2, 3, 40, 50))
+    y, cache = F.dropout_forward(x, 0.25, rng=5)
+    keep = keep_mask(cache.key, 0.25, x.shape, np)
+    np.testing.assert_array_equal(y == 0, ~keep)
+    np.testing.assert_allclose(y, np.where(keep, x / 0.75, 0.0), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_follows_the_documented_rotation(interleaved):
+    # docs/positions.md: pair c, (x_c, x_{c + Dh/2}) half-split or (x_2c, x_2c+1)
+    # interleaved, is rotated by theta = p * base^(-2c / Dh), y1 = x1 cos - x2 sin,
+    # y2 = x2 cos + x1 sin; an int start gives positions start + arange(L)
+    from npattn import positions as P
+
+    rng = np.random.default_rng(7)
+    L, Dh, start, base = 6, 8, 3, 500.0
+    x = rng.standard_normal((2, 3, L, Dh))
+    out, _ = P.rope_forward(x, start, interleaved=interleaved, base=base)
+    want = np.empty_like(x)
+    for pos, c in np.ndindex(L, Dh // 2):
+        theta = (start + pos) * base ** (-2 * c / Dh)
+        i1, i2 = (2 * c, 2 * c + 1) if interleaved else (c, c + Dh // 2)
+        x1, x2 = x[..., pos, i1], x[..., pos, i2]
+        want[..., pos, i1] = x1 * math.cos(theta) - x2 * math.sin(theta)
+        want[..., pos, i2] = x2 * math.cos(theta) + x1 * math.sin(theta)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_shaw_relative_scores_follow_the_documented_rows(offset):
+    # docs/positions.md: pair (i, j) reads row clip(j - i - o, -K, K) + K of the table
+    # (K = M - 1, farther pairs share the end rows), and the bias of the scores is
+    # scale * q_i . r_{j - i - o}, scale = 1 / sqrt(E) by default
+    from npattn import positions as P
+
+    rng = np.random.default_rng(9)
+    Lq, Lk, E, M = 4, 6, 3, 3
+    K = M - 1
+    table = rng.standard_normal((2 * M - 1, E))
+    q = rng.standard_normal((2, 2, Lq, E))
+    rel, _ = P.relative_embedding_forward(table, Lq, Lk, offset=offset)
+    bias, _ = P.relative_scores_forward(q, table, Lk, offset=offset)
+    for i, j in np.ndindex(Lq, Lk):
+        row = table[min(max(j - i - offset, -K), K) + K]
+        np.testing.assert_array_equal(rel[i, j], row)
+        np.testing.assert_allclose(bias[..., i, j], q[..., i, :] @ row / math.sqrt(E), rtol=1e-12)
+
+
+def test_gelu_follows_the_documented_forms():
+    # docs/layers.md: exact y = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2; tanh form
+    # y = x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) / 2; and dx = dy (Phi(x) + x phi(x))
+    from npattn import layers
+
+    x = np.random.default_rng(3).standard_normal(50) * 3.0
+    dy = np.random.default_rng(4).standard_normal(50)
+    exact = np.array([t * (1 + math.erf(t / math.sqrt(2))) / 2 for t in x])
+    tanh_form = np.array([t * (1 + math.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t**3))) / 2
+                          for t in x])
+    y, cache = layers.gelu_forward(x)
+    np.testing.assert_allclose(y, exact, rtol=1e-13, atol=1e-15)
+    pdf = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    np.testing.assert_allclose(layers.gelu_backward(dy, cache), dy * (exact / x + x * pdf),
+                               rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(layers.gelu_forward(x, "tanh")[0], tanh_form, rtol=1e-13, atol=1e-15)
+
+
+def test_adam_and_clipping_follow_the_documented_updates():
+    # docs/derivations.md (adam-derivation): m_t = b1 m + (1 - b1) g, v_t = b2 v + (1 - b2) g^2,
+    # w <- w - lr (m_t / (1 - b1^t)) / (sqrt(v_t / (1 - b2^t)) + eps), g + weight_decay w first;
+    # docs/gpt.md: clipping multiplies every gradient by min(1, c / (||g|| + 1e-6))
+    from npattn import nn
+
+    rng = np.random.default_rng(5)
+    w = {"a": rng.standard_normal((3, 2)), "b": rng.standard_normal(4)}
+    state = nn.adam_init(w)
+    m = {k: np.zeros_like(p) for k, p in w.items()}
+    v = {k: np.zeros_like(p) for k, p in w.items()}
+    want = dict(w)
+    lr, (b1, b2), eps, wd = 0.01, (0.8, 0.95), 1e-3, 0.1
+    for t in (1, 2, 3):
+        g = {k: rng.standard_normal(p.shape) for k, p in w.items()}
+        w, state = nn.adam_step(w, g, state, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+        for k in want:
+            gk = g[k] + wd * want[k]
+            m[k] = b1 * m[k] + (1 - b1) * gk
+            v[k] = b2 * v[k] + (1 - b2) * gk**2
+            want[k] = want[k] - lr * (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2**t)) + eps)
+            np.testing.assert_allclose(w[k], want[k], rtol=1e-13, atol=1e-15)
+    g = {"a": np.full((3, 2), 2.0), "b": np.full(4, -1.0)}  # ||g|| = sqrt(6 * 4 + 4) = sqrt(28)
+    clipped, total = nn.clip_grad_norm(g, 1.5)
+    assert math.isclose(total, math.sqrt(28), rel_tol=1e-15)
+    for k in g:
+        np.testing.assert_allclose(clipped[k], g[k] * 1.5 / (math.sqrt(28) + 1e-6), rtol=1e-15)
+    small, _ = nn.clip_grad_norm(g, 10.0)  # under the cap: unchanged
+    assert all(np.array_equal(small[k], g[k]) for k in g)
+
+
+def test_sampling_follows_the_documented_steps():
+    # docs/gpt.md, sample_next: z = logits / tau; top-k keeps the entries not below the k-th
+    # largest; p = softmax(z); the token is the first v whose cumulative p exceeds u ~ U[0, 1)
+    from npattn.gpt import sample_next
+
+    logits = np.array([[1.0, 3.0, 2.0, -1.0, 2.5]])
+    n = 20_000
+    for tau, top_k in [(1.0, None), (0.5, None), (2.0, 3), (1.0, 1)]:
+        z = logits[0] / tau
+        if top_k is not None:
+            z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        # the same draws u as the sampler's, one per row, from the same seed
+        u = np.random.default_rng(8).random(n)
+        want = np.minimum(np.searchsorted(np.cumsum(p), u, side="right"), len(p) - 1)
+        got = sample_next(np.repeat(logits, n, axis=0), np.random.default_rng(8),
+                          temperature=tau, top_k=top_k)
+        assert np.mean(got == want) > 0.999, (tau, top_k)  # a u on a rounded CDF boundary may differ
+        freq = np.bincount(got, minlength=len(p)) / n
+        np.testing.assert_allclose(freq, p, atol=5 * math.sqrt(0.25 / n))
+    assert (sample_next(logits, np.random.default_rng(0), greedy=True) == [1]).all()
+
+
+def test_from_torch_mha_follows_the_documented_conversion():
+    # docs/conventions.md: torch's True = ignore; all boolean: a boolean npattn mask (True = may
+    # attend) of what no mask ignores; otherwise each boolean becomes -inf / 0 and the masks add
+    from npattn import masks
+
+    rng = np.random.default_rng(6)
+    N, H, L, S = 2, 3, 4, 5
+    attn = rng.random((L, S)) < 0.3
+    pad = np.array([[False] * S, [False] * 3 + [True] * 2])
+    keep = masks.from_torch_mha(attn, pad, n_head=H)
+    np.testing.assert_array_equal(np.broadcast_to(keep, (N, H, L, S)),
+                                  np.broadcast_to(~attn & ~pad[:, None, None, :], (N, H, L, S)))
+    add = rng.standard_normal((N, S))
+    out = masks.from_torch_mha(attn, add, n_head=H)
+    np.testing.assert_array_equal(np.broadcast_to(out, (N, H, L, S)),
+                                  np.broadcast_to(np.where(attn, -np.inf, 0.0) + add[:, None, None, :],
+                                                  (N, H, L, S)))
+    forced = masks.from_torch_mha(attn, pad, dtype="float64")
+    np.testing.assert_array_equal(np.broadcast_to(forced, (N, 1, L, S)),
+                                  np.where(attn[None, None] | pad[:, None, None, :], -np.inf, 0.0))
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+def test_the_oracle_check_fails_a_gradient_off_by_a_little(mode):
+    # docs/oracle.md trusts gradcheck's "pass": a dq off by a relative 1e-4 (a wrong
+    # constant in a kernel's backward) is well past its rtol = 1e-6, and a right one passes
+    from npattn.gradcheck import gradcheck
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)) for _ in range(3))
+
+    def nudged(dout, cache):
+        dq, dk, dv, _, _ = F.sdpa_backward(dout, cache)
+        return dq * (1 + 1e-4), dk, dv
+
+    def right(dout, cache):
+        return F.sdpa_backward(dout, cache)[:3]
+
+    bad = gradcheck(F.sdpa_forward, nudged, [q, k, v], names=["q", "k", "v"], mode=mode)
+    assert not bad.ok and [r.passed for r in bad.inputs] == [False, True, True], bad
+    good = gradcheck(F.sdpa_forward, right, [q, k, v], names=["q", "k", "v"], mode=mode)
+    assert good.ok, good
+    if mode == "full":  # entry by entry, the error it reports is the nudge, 1e-4 max |dq|
+        out, cache = F.sdpa_forward(q, k, v)
+        dq = right(rng.standard_normal(out.shape), cache)[0]
+        assert 0.2e-4 < bad.inputs[0].max_rel_err < 5e-4, bad
+        assert bad.inputs[0].max_abs_err < 1e-4 * 10 * np.abs(dq).max() + 1e-7, bad
+
+
+def test_mean_pool_follows_the_documented_weights():
+    # docs/layers.md (mean-pool-derivation): out is the mean of the tokens (m True), 1 / L
+    # each without a mask; dx_i = w_i dout; a row with no token gives out = 0 and dx = 0
+    from npattn import layers
+
+    rng = np.random.default_rng(2)
+    x, dout = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 4))
+    m = np.array([[True] * 5, [True, False, True, True, False], [False] * 5])
+    out, cache = layers.mean_pool_forward(x, m)
+    want = np.stack([x[0].mean(axis=0), x[1, [0, 2, 3]].mean(axis=0), np.zeros(4)])
+    np.testing.assert_allclose(out, want, rtol=1e-14, atol=0)
+    dx = layers.mean_pool_backward(dout, cache)
+    np.testing.assert_allclose(dx, m[..., None] * dout[:, None, :] / np.array([5, 3, 1])[:, None, None],
+                               rtol=1e-14, atol=0)
+    out, cache = layers.mean_pool_forward(x)
+    np.testing.assert_allclose(out, x.mean(axis=1), rtol=1e-14)
+    np.testing.assert_allclose(layers.mean_pool_backward(dout, cache),
+                               np.broadcast_to(dout[:, None, :] / 5, x.shape), rtol=1e-14)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+@pytest.mark.parametrize("dims", [{}, {"kdim": 3, "vdim": 5}])
+def test_torch_state_dict_round_trip(dims):
+    # docs/oracle.md ends with "npattn's parameters as a state dict that torch accepts":
+    # torch then computes what npattn computes, every parameter random (biases included,
+    # so that a q/k/v bias landing in another's slot shows)
+    import torch
+
+    from npattn import MultiHeadAttention
+
+    D, H = 8, 2
+    mha = MultiHeadAttention(D, H, add_bias_kv=True, dtype="float64", seed=0, **dims)
+    rng = np.random.default_rng(12)
+    mha.params = {k: rng.standard_normal(p.shape) for k, p in mha.params.items()}
+    tmha = torch.nn.MultiheadAttention(D, H, add_bias_kv=True, batch_first=True,
+                                       dtype=torch.float64, **dims).eval()
+    tmha.load_state_dict(mha.torch_state_dict())
+    query = rng.standard_normal((2, 3, D))
+    key = rng.standard_normal((2, 4, dims.get("kdim", D)))
+    value = rng.standard_normal((2, 4, dims.get("vdim", D)))
+    out, _ = mha.eval()(query, key, value)
+    t_out, _ = tmha(*(torch.tensor(a) for a in (query, key, value)), need_weights=False)
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window_size", [(0, 0), (1, 0), (0, 2), (-1, 1), (2, -1), (-1, -1)])
+def test_flash_attn_window_size_as_documented(window_size):
+    # docs/compat.md and conventions.md: flash-attn's window_size=(left, right), -1 = unbounded
+    # (npattn's None), 0 = no key on that side, about the bottom-right diagonal
+    from npattn.compat import flash_attn_func
+
+    rng = np.random.default_rng(13)
+    B, Lq, Lk, H, Dh = 2, 4, 6, 2, 3
+    q, k, v = (rng.standard_normal((B, n, H, Dh)) for n in (Lq, Lk, Lk))  # (B, L, H, Dh)
+    out = flash_attn_func(q, k, v, softmax_scale=0.6, window_size=window_size)
+    window = tuple(None if w < 0 else w for w in window_size)
+    want, _ = _documented_attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)), align="bottom_right",
+                                    window=window, softcap=None, alibi=np.zeros(H),
+                                    sinks=np.full(H, -np.inf), q_seg=np.zeros((B, Lq)),
+                                    k_seg=np.zeros((B, Lk)), scale=0.6)
+    np.testing.assert_allclose(out, want.transpose(0, 2, 1, 3), rtol=1e-12, atol=1e-14)
