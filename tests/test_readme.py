@@ -88,6 +88,18 @@ def test_the_errors_section_holds():
     first = mha.backward(dout)  # the cache is still the first forward's: the same gradients
     mha(x, x, x)
     assert all(np.array_equal(a, b) for a, b in zip(first, mha.backward(dout)))
+    # check_finite=True: NaN or inf in an input, NaN or +inf in a floating mask is a ValueError;
+    # -inf in the mask is a masked entry
+    bad = x.copy()
+    bad[1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match="^value"):
+        mha(x, x, bad, check_finite=True)
+    mask = np.zeros((3, 3), dtype=np.float32)
+    mask[0, 1] = -np.inf
+    mha(x, x, x, mask=mask, check_finite=True)
+    mask[2, 0] = np.inf
+    with pytest.raises(ValueError, match="^mask"):
+        mha(x, x, x, mask=mask, check_finite=True)
     with pytest.raises(ValueError):
         npattn.MultiHeadAttention(2**32, 1)
     with pytest.raises(ValueError):
