@@ -1067,3 +1067,74 @@ def test_flash_attn_window_size_as_documented(window_size):
                                     sinks=np.full(H, -np.inf), q_seg=np.zeros((B, Lq)),
                                     k_seg=np.zeros((B, Lk)), scale=0.6)
     np.testing.assert_allclose(out, want.transpose(0, 2, 1, 3), rtol=1e-12, atol=1e-14)
+
+
+def test_the_quoted_causal_masks_are_what_masks_causal_builds():
+    # docs/conventions.md prints masks.causal(2, 5) top-left and bottom-right (1 = may attend)
+    from npattn import masks
+
+    text = (DOCS / "conventions.md").read_text()
+    block = re.search(r"```\ntop_left +bottom_right\n(.*?)```", text, re.S).group(1)
+    rows = [line.split() for line in block.strip().splitlines()]
+    quoted = np.array(rows, dtype=int).astype(bool)  # [2, 10]: the two masks side by side
+    top, bottom = quoted[:, :5], quoted[:, 5:]
+    # the words beside them: j <= i top-left, j <= i + Lk - Lq bottom-right
+    i, j = np.arange(2)[:, None], np.arange(5)[None, :]
+    np.testing.assert_array_equal(top, j <= i)
+    np.testing.assert_array_equal(bottom, j <= i + 5 - 2)
+    np.testing.assert_array_equal(masks.causal(2, 5), top)
+    np.testing.assert_array_equal(masks.causal(2, 5, "bottom_right"), bottom)
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_masks_window_follows_the_documented_bounds(align):
+    # conventions.md: query i may attend key j only if i + o - left <= j <= i + o + right,
+    # o = 0 top-left, Lk - Lq bottom-right; None = unbounded
+    from npattn import masks
+
+    for Lq, Lk in [(4, 7), (6, 3)]:
+        o = 0 if align == "top_left" else Lk - Lq
+        i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+        for left, right in [(1, 0), (2, 1), (None, 1), (0, None), (0, 0)]:
+            want = np.ones((Lq, Lk), dtype=bool)
+            if left is not None:
+                want &= j >= i + o - left
+            if right is not None:
+                want &= j <= i + o + right
+            np.testing.assert_array_equal(masks.window(Lq, Lk, left, right, align), want,
+                                          err_msg=f"{(Lq, Lk, left, right)}")
+
+
+def test_the_dask_example_with_heads_split_across_chunks():
+    # docs/dask.md: "a seed gives one keep-mask on every implementation and backend"; its
+    # example keeps the heads of a batch entry in one chunk, here they are split in two and
+    # the queries and keys in chunks of unequal sizes, so each chunk's keep-mask is drawn at
+    # its own offsets
+    da = pytest.importorskip("dask.array")
+    import dask
+
+    from npattn import attention
+
+    rng = np.random.default_rng(1)
+    B, H, L, Dh = 2, 4, 24, 8
+    q, k, v, dout = (rng.standard_normal((B, H, L, Dh)) for _ in range(4))
+    chunks = (1, 2, (10, 14), Dh)
+    lazy = [da.from_array(a, chunks=chunks) for a in (q, k, v, dout)]
+    out, cache = attention.sdpa_forward(*lazy[:3], is_causal=True, dropout_p=0.3, rng=7)
+    out, grads = dask.compute(out, attention.sdpa_backward(lazy[3], cache))
+    ref, ref_cache = attention.sdpa_forward(q, k, v, is_causal=True, dropout_p=0.3, rng=7)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    # and the mask that README.md says dropout_keep_mask returns is the one used, the same
+    np.testing.assert_array_equal(np.asarray(attention.dropout_keep_mask(cache)),
+                                  attention.dropout_keep_mask(ref_cache))
+    for g, g_ref in zip(grads[:3], attention.sdpa_backward(dout, ref_cache)[:3]):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_the_documented_budget_factor_is_the_default():
+    # docs/verify.md: "`budget_factor` is 2 by default"
+    import inspect
+
+    stated = re.search(r"`budget_factor` is (\d+(?:\.\d+)?) by default", (DOCS / "verify.md").read_text())
+    assert stated, "docs/verify.md no longer states the default budget_factor"
+    assert inspect.signature(npattn.verify).parameters["budget_factor"].default == float(stated.group(1))
