@@ -10,6 +10,11 @@
   dotted attribute such as ``npattn.MultiHeadAttention.from_torch``; ``cupy``
   means CuPy and a GPU). A block whose requirement is missing is skipped, so a
   block may only use names from earlier blocks that need no more than it does.
+* The formulas and conventions the pages state (the kernel options' window, ALiBi, softcap,
+  sinks, segments and lse; flash-attn's ``window_size``; dropout's ``p``; RoPE; Shaw's rows;
+  GELU; mean pooling; Adam and clipping; sampling; ``from_torch_mha``; the printed causal
+  masks) are written out as code from their words, entry by entry, and compared with the
+  library's results.
 * Every ``{py:...}`` cross-reference in the docs names an object that exists.
 * Every ordered list renders the numbers it is written with (step numbers that
   skip, as "1. 4. 5.", would be renumbered by Markdown).
