@@ -651,11 +651,13 @@ def test_samples_default_to_the_command_s_settings(monkeypatch):
 
 def test_the_command_s_defaults_are_the_config_s(tmp_path, command_config):
     """The command's gpt run is ``GPTDemoConfig()`` (docs/gpt.md: 1500 steps, a warm-up over 100
-    steps, clipping at 1.0, no dropout)."""
+    steps, clipping at 1.0, no dropout, the validation loss every 100 steps over 8 batches of 32
+    windows: the documented loss depends on them)."""
     cfg = command_config(demo_gpt, ["demo", "--task", "gpt", "--no-plots", "--no-progress",
                                     "--out", str(tmp_path)])
     assert cfg == GPTDemoConfig()
     assert (cfg.steps, cfg.warmup, cfg.max_grad_norm, cfg.dropout) == (1500, 100, 1.0, 0.0)
+    assert (cfg.eval_every, cfg.eval_batches, cfg.batch) == (100, 8, 32)
 
 
 def test_the_command_hands_every_option_to_the_config(tmp_path, command_config):
