@@ -925,14 +925,14 @@ def _check_kv_of(q: Any, kv: Any, *, layout: str, batched: bool) -> bool:
     o = 0 if batched else 1  # varlen: no batch axis
     q_layout = "(batch, seqlen, nheads, headdim)" if batched else "(total_tokens, nheads, headdim)"
     _check_rank("q", q, 4 - o, q_layout)
+    sizes = ((1, "seqlen"), (2, "nheads"), (3, "headdim")) if batched else \
+        ((1, "nheads"), (2, "headdim"))
+    _check_sizes("q", q, sizes)  # q on its own first: kv is checked against its axes
     _check_packed("kv", kv, layout, 2 - o, 2,
                   ((1 - o, "seqlen_k"), (3 - o, "nheads_k"), (4 - o, "headdim")))
     if batched:
         _check_axis("kv", kv, 0, int(q.shape[0]), "the batch of q")
     _check_axis("kv", kv, 4 - o, int(q.shape[3 - o]), "the head width of q")
-    sizes = ((1, "seqlen"), (2, "nheads"), (3, "headdim")) if batched else \
-        ((1, "nheads"), (2, "headdim"))
-    _check_sizes("q", q, sizes)
     return _gqa(q, kv, name="kv", axis=3 - o, layout=layout, q_axis=2 - o)
 
 

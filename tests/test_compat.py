@@ -2123,6 +2123,27 @@ def test_packed_forms_bad_input_names_the_packed_argument(fn_name, change, exc, 
         _packed_call(fn_name, **change)
 
 
+@pytest.mark.parametrize("fn_name", ["flash_attn_kvpacked_func", "flash_attn_varlen_kvpacked_func"])
+def test_kvpacked_q_without_heads_or_width_is_named_q(fn_name):
+    """q, the first argument, is checked on its own before kv is checked against it: a q of
+    head width 0 (or no heads) is q's fault, not kv's ("kv: expected the head width of q = 0"
+    named the valid argument; flash_attn_varlen_func names q there), also when kv has the same
+    empty axis."""
+    lead = (2, 3) if fn_name == "flash_attn_kvpacked_func" else (5,)
+    kv_lead = (2, 5, 2) if fn_name == "flash_attn_kvpacked_func" else (5, 2)
+    q_axes = len(lead) + 1  # the axis of q's head width (heads: one before)
+    cu = ([] if fn_name == "flash_attn_kvpacked_func"
+          else [np.array([0, 2, 5], np.int32), np.array([0, 2, 5], np.int32), 3, 3])
+    fn = getattr(C, fn_name)
+    for q_shape, kv_shape, axis, what in (
+            (lead + (4, 0), kv_lead + (2, 4), q_axes, "headdim"),
+            (lead + (4, 0), kv_lead + (2, 0), q_axes, "headdim"),
+            (lead + (0, 4), kv_lead + (0, 4), q_axes - 1, "nheads")):
+        with pytest.raises(ValueError, match=rf"^q: expected a {what} \(axis {axis}\) of at least 1, "
+                                             rf"got shape {re.escape(str(q_shape))}$"):
+            fn(np.ones(q_shape), np.ones(kv_shape), *cu)
+
+
 def test_kv_of_another_library_is_named_kv():
     xps = pytest.importorskip("array_api_strict")
     g = np.random.default_rng(34)
