@@ -906,6 +906,12 @@ _VARLEN_QKV = "(total_tokens, 3, nheads, headdim)"
 _VARLEN_KV = "(total_k, 2, nheads_k, headdim)"
 
 
+#: q, k and v are qkv to a qkvpacked function's caller; the other arguments keep their names,
+#: listed so that their messages' "(that of q)", "(like q)" name qkv too
+_QKV_RENAMES = {"q": "qkv", "k": "qkv", "v": "qkv", "dropout_mask": "dropout_mask",
+                "alibi_slopes": "alibi_slopes"}
+
+
 def _check_packed(name: str, x: Any, layout: str, axis: int, count: int, sizes: tuple) -> None:
     """``TypeError`` unless ``x`` is an array, ``ValueError`` unless it has the axes of ``layout``
     with exactly ``count`` entries on the packed ``axis`` and each ``(axis, what)`` of ``sizes``
@@ -994,7 +1000,7 @@ def _flash_attn_qkvpacked_func(qkv: Any, dropout_p: float = 0.0,
     # [B, L, 3, H, D] -> [B, L, H, D]
     _check_packed("qkv", qkv, _QKV, 2, 3, ((1, "seqlen"), (3, "nheads"), (4, "headdim")))
     q, k, v = qkv[:, :, 0, ...], qkv[:, :, 1, ...], qkv[:, :, 2, ...]  # 3 x [B, L, H, D] views
-    with V.argument_names({"q": "qkv", "k": "qkv", "v": "qkv"}):
+    with V.argument_names(_QKV_RENAMES):
         result, grads_of = _flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                             softcap, alibi_slopes, deterministic, return_attn_probs,
                                             dropout_mask=dropout_mask, rng=rng,
@@ -1156,7 +1162,7 @@ def _flash_attn_varlen_qkvpacked_func(qkv: Any, cu_seqlens: Any, max_seqlen: int
     _check_packed("qkv", qkv, _VARLEN_QKV, 1, 3, ((2, "nheads"), (3, "headdim")))
     _check_cu_seqlens("cu_seqlens", cu_seqlens, int(qkv.shape[0]), "qkv")
     q, k, v = qkv[:, 0, ...], qkv[:, 1, ...], qkv[:, 2, ...]  # 3 x [total, H, D] views
-    with V.argument_names({"q": "qkv", "k": "qkv", "v": "qkv", **_VARLEN_RENAMES}):
+    with V.argument_names({**_QKV_RENAMES, **_VARLEN_RENAMES}):
         result, grads_of = _flash_attn_varlen_func(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
             causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,

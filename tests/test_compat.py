@@ -2144,6 +2144,25 @@ def test_kvpacked_q_without_heads_or_width_is_named_q(fn_name):
             fn(np.ones(q_shape), np.ones(kv_shape), *cu)
 
 
+@pytest.mark.parametrize("fn_name", ["flash_attn_qkvpacked_func", "flash_attn_varlen_qkvpacked_func"])
+def test_qkvpacked_messages_of_other_arguments_name_qkv(fn_name):
+    """A qkvpacked function has no q: a dropout_mask or alibi_slopes of another library is
+    refused "(that of qkv)" ("(that of q)" named an argument the caller does not have)."""
+    torch = pytest.importorskip("torch")
+    g = np.random.default_rng(35)
+    if fn_name == "flash_attn_qkvpacked_func":
+        args, grid = [g.standard_normal((2, 5, 3, 2, 4))], (2, 2, 5, 5)
+    else:
+        args, grid = [g.standard_normal((5, 3, 2, 4)), np.array([0, 2, 5], np.int32), 3], (2, 2, 3, 3)
+    fn = getattr(C, fn_name)
+    for kw, name in ((dict(dropout_p=0.5, dropout_mask=torch.ones(grid, dtype=torch.bool)), "dropout_mask"),
+                     (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), "alibi_slopes")):
+        with pytest.raises(TypeError, match=rf"^{name}: expected a numpy array \(that of qkv\), got a "
+                                            r"torch array \(torch\.Tensor\); pass every array from one "
+                                            r"library$"):
+            fn(*args, **kw)
+
+
 def test_kv_of_another_library_is_named_kv():
     xps = pytest.importorskip("array_api_strict")
     g = np.random.default_rng(34)
