@@ -573,9 +573,11 @@ def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps:
     Vd.check_number("eps", eps, allow_zero=True)
     Vd.check_number("weight_decay", weight_decay, allow_zero=True)
     if not isinstance(betas, (tuple, list)):
-        raise TypeError(f"betas: expected a tuple of two numbers in [0, 1), got {Vd.described(betas)}")
+        raise TypeError(f"betas: expected a tuple (or list) of two numbers in [0, 1), got "
+                        f"{Vd.described(betas)}")
     if len(betas) != 2:
-        raise ValueError(f"betas: expected two numbers in [0, 1), got {len(betas)}: {betas!r}")
+        raise ValueError(f"betas: expected two numbers in [0, 1), got a {type(betas).__name__} of "
+                         f"{len(betas)}: {betas!r}")
     for i, b in enumerate(betas):
         if isinstance(b, bool) or not isinstance(b, numbers.Real):  # (np.bool_ is no Real)
             raise TypeError(f"betas[{i}]: expected a real number in [0, 1), got {Vd.described(b)}")

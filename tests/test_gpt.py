@@ -784,7 +784,7 @@ def test_training_step_checks_its_arguments_before_the_forward(xp, to_xp):
         (dict(lr="a"), TypeError, "^lr: expected a real number, got str 'a'$"),
         (dict(lr=0.1, max_grad_norm=0), ValueError, "^max_grad_norm: expected a finite number > 0, got 0$"),
         (dict(lr=0.1, betas=(0.9,)), ValueError,
-         r"^betas: expected two numbers in \[0, 1\), got 1: \(0\.9,\)$"),
+         r"^betas: expected two numbers in \[0, 1\), got a tuple of 1: \(0\.9,\)$"),
         (dict(lr=0.1, eps=-1e-8), ValueError, "^eps: expected a finite number >= 0, got -1e-08$"),
         (dict(lr=0.1, weight_decay=-1.0), ValueError,
          "^weight_decay: expected a finite number >= 0, got -1.0$"),
