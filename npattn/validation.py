@@ -201,14 +201,14 @@ def _at_most(name: str, n: int, maximum: Optional[int], expected: str) -> int:
 def argument_names(names: dict) -> Iterator[None]:
     """Inside, a ``TypeError`` / ``ValueError`` whose message starts with ``"name: "`` for a key
     of ``names`` is raised again with ``names[name]`` there, and in its "that of name",
-    "those of name", "and name" and "like name" references: the arguments as the caller of a wrapper
-    calls them (``{"q": "query"}`` for torch's names)."""
+    "those of name", "heads of name", "and name" and "like name" references: the arguments
+    as the caller of a wrapper calls them (``{"q": "query"}`` for torch's names)."""
     try:
         yield
     except (TypeError, ValueError) as exc:
         head, sep, rest = str(exc).partition(": ")
         if sep and head in names:
-            rest = re.sub(r"\b(that of|those of|and|like) (\w+)\b",
+            rest = re.sub(r"\b(that of|those of|n?heads of|and|like) (\w+)\b",
                           lambda m: f"{m.group(1)} {names.get(m.group(2), m.group(2))}", rest)
             raise type(exc)(f"{names[head]}: {rest}") from None
         raise

@@ -2161,6 +2161,12 @@ def test_qkvpacked_messages_of_other_arguments_name_qkv(fn_name):
                                             r"torch array \(torch\.Tensor\); pass every array from one "
                                             r"library$"):
             fn(*args, **kw)
+    # the slopes' shape is told in heads of qkv too ("heads of q" before)
+    heads = (r"H heads of qkv" if fn_name == "flash_attn_qkvpacked_func"
+             else r"nheads of qkv, or batch and nheads")
+    with pytest.raises(ValueError, match=rf"^alibi_slopes: expected shape \(2,\) or \(2, 2\) \({heads}\), "
+                                         r"got \(3,\)$"):
+        fn(*args, alibi_slopes=np.ones(3))
 
 
 def test_kv_of_another_library_is_named_kv():
