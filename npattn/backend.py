@@ -111,6 +111,7 @@ __all__ = [
     "is_dask_array",
     "persisted",
     "without_empty_chunks",
+    "copy_array",
     "row_major",
     "row_max",
 ]
@@ -392,6 +393,20 @@ def float64_result(a: Any, xp: Any, dtype: Any = None, device: Any = None) -> An
             host = host.astype(np.float32)  # xp's widest float: no truncation warning
         a = from_numpy(host, xp, device)
     return a if dtype is None else xp.astype(a, dtype)
+
+
+def copy_array(xp: Any, a: Any) -> Any:
+    """A copy of ``a`` that shares no memory with it, in ``a``'s library, dtype and device:
+    ``xp.asarray(a, copy=True)``, and ``a.clone()`` for a torch tensor.
+
+    ``clone`` keeps the copy on ``a``'s autograd graph on every torch release, so
+    torch's autograd through a forward that copies reaches ``a``. ``torch.asarray``'s
+    copy of a tensor that requires grad does only from torch 2.13, which warns
+    there that its default changed from ``requires_grad=False``.
+    """
+    if array_api_compat.is_torch_array(a):
+        return a.clone()
+    return xp.asarray(a, copy=True)
 
 
 def row_major(a: Any) -> Any:

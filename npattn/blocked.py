@@ -49,6 +49,7 @@ import numpy as np
 from . import functional as F
 from . import validation as V
 from .backend import (
+    copy_array,
     row_major,
     row_max,
     device_of,
@@ -556,7 +557,7 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
 
     cache = c._replace(out=out, m=m, l=l)
     # the caller's layout, as a copy: the cache's out must not change if the caller writes into it
-    out = xp.reshape(xp.asarray(out, copy=True), c.lead_shape + (q.shape[-2], v_shape[-1]))
+    out = xp.reshape(copy_array(xp, out), c.lead_shape + (q.shape[-2], v_shape[-1]))
     if work != in_dtype:
         out = xp.astype(out, in_dtype)
     return out, cache

@@ -48,7 +48,7 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import device_of, isdtype, make_rng, namespace, scalar
+from .backend import copy_array, device_of, isdtype, make_rng, namespace, scalar
 
 __all__ = [
     "flash_attn_func",
@@ -845,8 +845,8 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                                 device=device_of(q)))
             continue
         # copies: the cache changes under the next decoding step, the forward cache must not
-        kb = _swap_lh(xp, xp.asarray(k_cache[b:b + 1, :Lk, ...], copy=True))  # [1, Hkv, Lk_b, Dh]
-        vb = _swap_lh(xp, xp.asarray(v_cache[b:b + 1, :Lk, ...], copy=True))  # [1, Hkv, Lk_b, Dv]
+        kb = _swap_lh(xp, copy_array(xp, k_cache[b:b + 1, :Lk, ...]))  # [1, Hkv, Lk_b, Dh]
+        vb = _swap_lh(xp, copy_array(xp, v_cache[b:b + 1, :Lk, ...]))  # [1, Hkv, Lk_b, Dv]
         slopes = alibi_slopes
         if slopes is not None and hasattr(slopes, "shape") and len(slopes.shape) == 2:
             slopes = slopes[b:b + 1, ...]  # [1, Hq]
