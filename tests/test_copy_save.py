@@ -515,9 +515,8 @@ def test_a_saved_size_too_large_for_an_array_is_refused_by_name(tmp_path, name, 
     ("x", "got 'x' (str)"),
     ([{}], "a list of 2 generator states (one per block), got a list of 1"),
     ([{}, {}, {}], "a list of 2 generator states (one per block), got a list of 3"),
-    ([None, None], "block_rng_states[0]: expected a state read from rng_state, got None"),
-    (["x", "x"], "block_rng_states[0]: expected a state of the dropout generator (PCG64, as rng_state reads "
-                 "it), got str, which NumPy refuses: "),
+    ([None, None], "block_rng_states[0]: expected a dict read from rng_state, got None"),
+    (["x", "x"], "block_rng_states[0]: expected a dict read from rng_state, got str"),
 ])
 def test_block_generator_state_errors_name_block_rng_states(tmp_path, name, states, fragment):
     """They said "expected 2 block generator states, got str" and "rng_state: expected a state
@@ -536,8 +535,8 @@ def test_a_bad_generator_state_of_block_1_is_named_by_its_index(tmp_path, name):
     with np.load(good, allow_pickle=False) as npz:
         states = json.loads(str(npz["config"]))["block_rng_states"]
     path = _rewrite(good, tmp_path / "edited.npz", _edit_json(block_rng_states=[states[0], None]))
-    with pytest.raises(ValueError, match=r"block_rng_states\[1\]: expected a state read from rng_state, "
-                                         r"got None"):
+    with pytest.raises(ValueError, match=r"block_rng_states\[1\]: expected a dict read from rng_state, "
+                                         r"got None$"):
         cls.load(path)
 
 
