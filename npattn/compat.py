@@ -262,6 +262,9 @@ def _check_flash_bshd(q: Any, k: Any, v: Any) -> bool:
     layout = "(batch, seqlen, nheads, headdim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(name, t, 4, layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):  # each on its own first, as the varlen
+        # function does: k and v are checked against q's axes below
+        _check_sizes(name, t, ((1, "seqlen"), (2, "nheads"), (3, "headdim")))
     B, _, Hq, Dh = q.shape
     _, Lk, Hkv, _ = k.shape
     _check_axis("k", k, 0, B, "the batch of q")
@@ -269,8 +272,6 @@ def _check_flash_bshd(q: Any, k: Any, v: Any) -> bool:
     for axis, size, what in ((0, B, "the batch of q"), (1, Lk, "the key length of k"),
                              (2, Hkv, "the heads of k")):
         _check_axis("v", v, axis, size, what)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_sizes(name, t, ((1, "seqlen"), (2, "nheads"), (3, "headdim")))
     return _gqa(q, k, name="k", axis=2, layout=layout, q_axis=2)
 
 

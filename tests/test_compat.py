@@ -2144,6 +2144,17 @@ def test_kvpacked_q_without_heads_or_width_is_named_q(fn_name):
             fn(np.ones(q_shape), np.ones(kv_shape), *cu)
 
 
+def test_flash_attn_func_q_without_heads_or_width_is_named_q():
+    """As the packed and varlen forms: each of q, k, v is checked on its own before k and v are
+    checked against q's axes ("k: expected the head width of q = 0" named the valid k)."""
+    for q_shape, kv_shape, axis, what in (((2, 5, 2, 0), (2, 3, 2, 8), 3, "headdim"),
+                                          ((2, 5, 0, 4), (2, 3, 2, 4), 2, "nheads"),
+                                          ((2, 0, 2, 4), (2, 3, 2, 4), 1, "seqlen")):
+        with pytest.raises(ValueError, match=rf"^q: expected a {what} \(axis {axis}\) of at least 1, "
+                                             rf"got shape {re.escape(str(q_shape))}$"):
+            C.flash_attn_func(np.ones(q_shape), np.ones(kv_shape), np.ones(kv_shape))
+
+
 @pytest.mark.parametrize("fn_name", ["flash_attn_qkvpacked_func", "flash_attn_varlen_qkvpacked_func"])
 def test_qkvpacked_messages_of_other_arguments_name_qkv(fn_name):
     """A qkvpacked function has no q: a dropout_mask or alibi_slopes of another library is
