@@ -208,8 +208,9 @@ def check_impl_takes(impl: str, *, plain: bool, positional: bool, takes_chunks: 
             f"impl={impl!r}: "
             + ("the kernel options (align='bottom_right' with is_causal, window, "
                if impl == "chunked" else "the kernel options ")
-            + "softcap, alibi_slopes, sinks, q_segments/k_segments and leading axes that "
-            "broadcast run on impl='reference' or 'blocked'"
+            + "softcap, alibi_slopes, sinks, q_segments/k_segments"
+            + (")" if impl == "chunked" else "")
+            + " and leading axes that broadcast run on impl='reference' or 'blocked'"
         )
     if impl == "chunked" and not takes_chunks:
         raise ValueError(

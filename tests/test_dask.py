@@ -779,6 +779,19 @@ def test_bottom_right_causal_on_dask_is_not_the_chunked_top_left_one():
     assert isinstance(c, chunked.ChunkedSDPACache)
 
 
+def test_chunked_refuses_a_window_with_the_options_listed_in_closed_parentheses():
+    """The refusal names the kernel options that impl='chunked' does not take in one
+    parenthesis, closed before what follows it (it was left open, so "and leading axes that
+    broadcast" read as one more option in the list)."""
+    q = da.zeros((1, 1, 4, 2), chunks=(1, 1, 2, 2))
+    with pytest.raises(ValueError) as info:
+        A.sdpa_forward(q, q, q, window=(1, 0), impl="chunked")
+    assert str(info.value) == (
+        "impl='chunked': the kernel options (align='bottom_right' with is_causal, window, "
+        "softcap, alibi_slopes, sinks, q_segments/k_segments) and leading axes that broadcast "
+        "run on impl='reference' or 'blocked'")
+
+
 def test_keys_and_values_broadcast_over_the_heads_on_dask():
     """k and v of one head, (B, 1, Lk, D), broadcast to q's heads without GQA, as on NumPy
     (test_attention): the chunked path's layout is (B, Hkv, ...) with Hkv dividing Hq only
