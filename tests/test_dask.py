@@ -792,6 +792,24 @@ def test_chunked_refuses_a_window_with_the_options_listed_in_closed_parentheses(
         "run on impl='reference' or 'blocked'")
 
 
+def test_a_nan_hidden_by_is_causal_or_a_window_on_dask():
+    """docs/conventions.md: the chunked path skips the chunk pairs that is_causal leaves out,
+    so a NaN in a value no row before it may see stays out of those rows; a window on dask
+    arrays runs on the reference, which reads every key, so the NaN reaches every row (as
+    0 * NaN is NaN). The page said the chunked path skipped what a window leaves out too."""
+    rng = np.random.default_rng(23)
+    q, k, v = (rng.standard_normal((1, 1, 8, 2)) for _ in range(3))
+    v[0, 0, 7] = np.nan  # the last key: causal hides it from rows 0-6, the window (2, 0) from rows 0-4
+    dq, dk, dv = (da.from_array(a, chunks=(1, 1, 4, 2)) for a in (q, k, v))
+    out, c = A.sdpa_forward(dq, dk, dv, is_causal=True)
+    assert isinstance(c, chunked.ChunkedSDPACache)
+    # rows 0-3 meet only the first key chunk (keys 0-3); rows 4-7 meet the chunk holding key 7
+    assert np.isnan(out.compute()[0, 0, :, 0]).tolist() == [False] * 4 + [True] * 4
+    out, c = A.sdpa_forward(dq, dk, dv, window=(2, 0))
+    assert isinstance(c, F.SDPACache)
+    assert np.isnan(out.compute()).all()
+
+
 def test_keys_and_values_broadcast_over_the_heads_on_dask():
     """k and v of one head, (B, 1, Lk, D), broadcast to q's heads without GQA, as on NumPy
     (test_attention): the chunked path's layout is (B, Hkv, ...) with Hkv dividing Hq only
