@@ -979,6 +979,63 @@ def test_module_on_a_local_cluster(client):
         assert_close(pgrads[name], m0.grads[name], host, name)
 
 
+def test_persisting_the_cache_runs_each_forward_pair_once_on_a_local_cluster(client):
+    """docs/dask.md, "Computing the forward once": ``dask.persist(out, cache)`` (and for the
+    module ``mha.cache`` persisted and assigned back) keeps the forward's results, so the
+    backward runs no forward task again; persisting ``out`` alone leaves them in the backward's
+    graph. Counted on the workers' task stream; the gradients are NumPy's."""
+    def forward_tasks(stream):
+        return sum("npattn-pair-forward" in str(t["key"]) for t in stream.data)
+
+    def graph_has_forward(a):
+        return any("npattn-pair-forward" in str(key) for key in dict(a.__dask_graph__()))
+
+    q, k, v, dout, kw = make_inputs(13, 2, 2, 1, 7, 9, 4, 3, mask_kind="bool", mask_form="B11Lk",
+                                    causal=True, dropout="seed")
+    out0, c0 = A.sdpa_forward(q, k, v, impl="numpy", **kw)
+    grads0 = A.sdpa_backward(dout, c0)
+    dq, dk, dv, dmask, _, ddout = chunk(q, k, v, kw["mask"], None, dout, (1, 2, 3, 4), 1)
+    dkw = dict(kw, mask=dmask)
+    out, c = A.sdpa_forward(dq, dk, dv, **dkw)
+    out = out.persist()
+    assert graph_has_forward(A.sdpa_backward(ddout, c).dk)  # out alone: the cache is still lazy
+    out, c = A.sdpa_forward(dq, dk, dv, **dkw)
+    # chunks (1, 2, 3, 4) of (B, H, Lq, Lk) = (2, 2, 7, 9): query rows 0-2, 3-5, 6 against keys
+    # 0-3, 4-7, 8; causal leaves out the key chunks that start past a chunk's last row: 1 + 2 + 2
+    # pairs per batch entry
+    pairs = 2 * (1 + 2 + 2)
+    with distributed.get_task_stream(client) as stream:
+        out, c = dask.persist(out, c)
+        distributed.wait([out, c.out, c.m, c.l])
+        grads = A.sdpa_backward(ddout, c)
+        assert not graph_has_forward(grads.dk)
+        out, grads = dask.compute(out, grads)
+    assert forward_tasks(stream) == pairs
+    assert_close(out, out0, host, "out")
+    for name, g, g0 in zip(("dq", "dk", "dv"), grads, grads0):
+        assert_close(g, g0, host, name)
+
+    x = np.random.default_rng(14).standard_normal((4, 6, 8))
+    m0 = MultiHeadAttention(8, 2, seed=3, dtype="float64", dropout=0.2)
+    m = MultiHeadAttention(8, 2, seed=3, dtype="float64", dropout=0.2, backend="dask")
+    out0, _ = m0(x, x, x, is_causal=True)
+    g0 = m0.backward(x)
+    dx = da.from_array(x, chunks=(1, 6, 8))
+    with distributed.get_task_stream(client) as stream:
+        out, _ = m(dx, dx, dx, is_causal=True)
+        out, m.cache = dask.persist(out, m.cache)
+        distributed.wait(out)
+        grads = m.backward(dx)
+        assert not graph_has_forward(grads[1])
+        out, grads, pgrads = dask.compute(out, grads, dict(m.grads))
+    assert forward_tasks(stream) == 4  # one pair per batch entry
+    assert_close(out, out0, host, "module out")
+    for g, gr in zip(grads, g0):
+        assert_close(g, gr, host, "module grad")
+    for name in m0.grads:
+        assert_close(pgrads[name], m0.grads[name], host, name)
+
+
 # --------------------------------------------------------------------------
 # the benchmark (no timing assertions)
 
