@@ -46,6 +46,75 @@ def test_the_sdist_ships_what_the_tests_read():
     assert {"LICENSE", "README.md", "npattn/py.typed"} <= included
 
 
+def _requirements(text):
+    from packaging.requirements import Requirement
+
+    return [Requirement(line) for line in text.strip().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def test_python_requires_is_the_oldest_classified_python():
+    """``python_requires``, the classifiers and mypy's target name the same oldest Python."""
+    cfg = _setup_cfg()
+    versions = [c.rsplit("::", 1)[1].strip() for c in cfg["metadata"]["classifiers"].splitlines()
+                if c.strip().startswith("Programming Language :: Python :: 3.")]
+    oldest = min(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
+    assert cfg["options"]["python_requires"].strip() == f">={oldest}"
+    assert cfg["mypy"]["python_version"].strip() == oldest
+
+
+def test_install_requires_names_every_module_level_import_and_not_torch():
+    """Each third-party package that a module of npattn imports at its top (the ``npattn``
+    command's tools included: they ship with it) is a runtime dependency; torch, imported only
+    inside the functions that need it (tests/test_no_torch_dependency.py), is an extra."""
+    import ast
+
+    imported = set()
+    for path in PKG.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                imported.update(a.name.partition(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.partition(".")[0])
+    third_party = {n.replace("_", "-") for n in imported - set(sys.stdlib_module_names)} - {"npattn"}
+    cfg = _setup_cfg()
+    required = {r.name for r in _requirements(cfg["options"]["install_requires"])}
+    assert {"numpy", "array-api-compat"} <= third_party  # what the check runs on
+    assert third_party <= required, third_party - required
+    assert "torch" not in required and "torch" not in third_party
+    assert [r.name for r in _requirements(cfg["options.extras_require"]["torch"])] == ["torch"]
+
+
+def test_console_script_names_a_function():
+    line = _setup_cfg()["options.entry_points"]["console_scripts"].strip()
+    name, _, target = (w.strip() for w in line.partition("="))
+    module, _, attr = target.partition(":")
+    assert name == "npattn"
+    assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_the_sdist_leaves_out_bytecode_and_caches():
+    excluded = [line.split()[1:] for line in (ROOT / "MANIFEST.in").read_text().splitlines()
+                if line.startswith("global-exclude ")]
+    patterns = {w for words in excluded for w in words}
+    assert {"__pycache__", "*.py[cod]", ".hypothesis"} <= patterns
+
+
+def test_the_oldest_pins_are_the_floors_of_setup_cfg():
+    """.ci/oldest.txt pins every runtime and test dependency (and what an extra in brackets
+    brings: distributed with dask[distributed]), each at a version its floor allows."""
+    cfg = _setup_cfg()
+    reqs = (_requirements(cfg["options"]["install_requires"])
+            + _requirements(cfg["options.extras_require"]["test"]))
+    pins = {r.name: r for r in _requirements((ROOT / ".ci" / "oldest.txt").read_text())}
+    wanted = {r.name for r in reqs} | {x for r in reqs for x in r.extras if x == "distributed"}
+    assert set(pins) == wanted, (sorted(set(pins) ^ wanted))
+    for r in reqs:
+        (spec,) = pins[r.name].specifier
+        assert spec.operator == "==", pins[r.name]
+        assert r.specifier.contains(spec.version, prereleases=True), (str(r), str(pins[r.name]))
+
+
 def test_gradcheck_has_one_plain_function_name():
     import types
 
