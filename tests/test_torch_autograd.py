@@ -91,10 +91,16 @@ def _options(name, rng):
     keep = torch.tensor(rng.random((B, H, Lq, Lk)) > 0.3)
     slopes = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
     fm, sinks = t64(float_mask), t64(rng.standard_normal(H))
+    # a float mask of fewer axes, broadcast over the batch and the query rows: its gradient
+    # is summed over both (on the blocked path across its query blocks too)
+    row_bias = rng.standard_normal((H, 1, Lk))
+    row_bias[1, 0, 4] = -np.inf
+    fm_rows = t64(row_bias)
     cases = {
         "plain": ({}, []),
         "bool mask, a row masked": (dict(mask=torch.tensor(bool_mask)), []),
         "float mask, -inf rows": (dict(mask=fm), ["mask"]),
+        "float mask (H, 1, Lk)": (dict(mask=fm_rows), ["mask"]),
         "causal": (dict(is_causal=True), []),
         "causal, bottom-right": (dict(is_causal=True, align="bottom_right"), []),
         "window": (dict(window=(1, 1)), []),
@@ -113,7 +119,7 @@ def _options(name, rng):
 
 SDPA_CASES = ["plain", "bool mask, a row masked", "float mask, -inf rows", "causal",
               "causal, bottom-right", "window", "softcap", "alibi", "sinks", "dropout mask",
-              "segments", "everything"]
+              "segments", "everything", "float mask (H, 1, Lk)"]
 IMPLS = ["reference", "blocked", "auto", "functional"]
 
 
@@ -175,6 +181,29 @@ def test_drawn_dropout_and_a_nan_dlse_on_empty_rows(impl):
     for g, name in zip(got, ("dq", "dk", "dv")):
         assert_same(g, getattr(want, name), name)
     assert not got[0][:, :, 1].any()
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_a_sink_of_minus_inf_on_rows_with_nothing_to_attend(impl):
+    # bottom-right causal with Lq > Lk leaves queries 0 and 1 no key (on the blocked path every
+    # block of theirs is skipped), and a sink of -inf is no sink: in head 0 those rows give
+    # zeros and lse = -inf, and the sink, exp(-inf) = 0 in every denominator, has gradient 0
+    rng = np.random.default_rng(31)
+    Lq_, Lk_ = 7, 5
+    q = t64(rng.standard_normal((B, H, Lq_, Dh)))
+    k = t64(rng.standard_normal((B, H, Lk_, Dh)))
+    v = t64(rng.standard_normal((B, H, Lk_, Dv)))
+    sinks = t64([-np.inf, 0.3, -0.2])
+    out, cache = _sdpa(impl, q, k, v, is_causal=True, align="bottom_right", sinks=sinks)
+    assert not out[:, 0, :2].any() and torch.isneginf(cache.lse[:, 0, :2]).all()
+    assert (cache.lse[:, 1, :2] == 0.3).all()  # a row with only its sink: lse = sink
+    dout = torch.tensor(rng.standard_normal(tuple(out.shape)))
+    dlse = finite_dlse(rng, cache.lse)
+    want = A.sdpa_backward(dout, cache, dlse=dlse)
+    assert want.dsinks[0] == 0.0
+    got = torch.autograd.grad([out, cache.lse], [q, k, v, sinks], [dout, dlse])
+    for g, name in zip(got, ("dq", "dk", "dv", "dsinks")):
+        assert_same(g, getattr(want, name), name)
 
 
 _COPIES = """
