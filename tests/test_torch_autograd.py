@@ -161,6 +161,31 @@ def test_sdpa_forward_autograd_equals_sdpa_backward(impl, case, gqa):
     check_fd(fn, inputs, [dout, dlse], rng)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_leading_axes_that_broadcast(impl):
+    # q of one batch entry against k and v of B, and k and v of one head against q's H: each
+    # gradient is summed back over the axes its input was broadcast along
+    rng = np.random.default_rng([41, IMPLS.index(impl)])
+    q = t64(rng.standard_normal((1, H, Lq, Dh)))
+    k = t64(rng.standard_normal((B, 1, Lk, Dh)))
+    v = t64(rng.standard_normal((B, 1, Lk, Dv)))
+    mask = t64(rng.standard_normal((Lq, Lk)))
+    out, cache = _sdpa(impl, q, k, v, mask=mask, is_causal=True)
+    assert tuple(out.shape) == (B, H, Lq, Dv)
+    dout = torch.tensor(rng.standard_normal(tuple(out.shape)))
+    dlse = finite_dlse(rng, cache.lse)
+    want = A.sdpa_backward(dout, cache, dlse=dlse)
+    got = torch.autograd.grad([out, cache.lse], [q, k, v, mask], [dout, dlse])
+    for g, name in zip(got, ("dq", "dk", "dv", "dmask")):
+        assert_same(g, getattr(want, name), name)
+
+    def fn(q, k, v, mask):
+        o, c = _sdpa(impl, q, k, v, mask=mask, is_causal=True)
+        return o, c.lse
+
+    check_fd(fn, [q, k, v, mask], [dout, dlse], rng)
+
+
 @pytest.mark.parametrize("impl", ["reference", "blocked"])
 def test_drawn_dropout_and_a_nan_dlse_on_empty_rows(impl):
     # a keep-mask drawn from rng is a constant of the graph, as the backward reuses it; the
