@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import math
-import numbers
 import os
 import zipfile
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
@@ -946,14 +945,8 @@ def check_weight_sizes(*, d_model: int, n_head: int, kdim: Optional[int], vdim: 
         V.check_array_bytes(names, shape, 8, f"the weight {weight}")
 
 
-def check_softcap(softcap: Any) -> None:
-    """``softcap``: None or a finite float > 0 (``TypeError`` for a non-number or a bool)."""
-    if softcap is None:
-        return
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected None or a float > 0, got {V.described(softcap)}")
-    if not (math.isfinite(V.real_value(softcap)) and V.real_value(softcap) > 0.0):
-        raise ValueError(f"softcap: expected a finite float > 0, got {V.real_text(softcap)}")
+# the kernel options' own check (npattn.validation), also for a module's softcap attribute
+check_softcap = V.check_softcap
 
 
 # --------------------------------------------------------------------------

@@ -70,6 +70,7 @@ __all__ = [
     "check_rng",
     "check_seed",
     "check_number",
+    "check_softcap",
     "float_dtype_name",
     "real_value", "real_text",
     "argument_names",
@@ -234,6 +235,16 @@ def check_number(name: str, value: Any, *, allow_zero: bool = False, allow_none:
     x = real_value(value)
     if not (math.isfinite(x) and (x >= 0.0 if allow_zero else x > 0.0)):
         raise ValueError(f"{name}: expected a finite number {bound}, got {real_text(value)}")
+
+
+def check_softcap(softcap: Any) -> None:
+    """``softcap``: None or a finite float > 0 (``TypeError`` for a non-number or a bool)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected None or a float > 0, got {described(softcap)}")
+    if not (math.isfinite(real_value(softcap)) and real_value(softcap) > 0.0):
+        raise ValueError(f"softcap: expected a finite float > 0, got {real_text(softcap)}")
 
 
 def float_dtype_name(xp: Any, dtype: Any, name: str = "dtype",
@@ -744,11 +755,7 @@ def check_kernel_options(q: Any, k: Any, *, lead: tuple, align: Any = "top_left"
             )
         _check_window_side("window[0] (left)", window[0])
         _check_window_side("window[1] (right)", window[1])
-    if softcap is not None:
-        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-            raise TypeError(f"softcap: expected None or a float > 0, got {described(softcap)}")
-        if not (math.isfinite(real_value(softcap)) and real_value(softcap) > 0):
-            raise ValueError(f"softcap: expected a finite float > 0, got {real_text(softcap)}")
+    check_softcap(softcap)
     H = lead[-1] if len(lead) >= 1 else None
     B = lead[-2] if len(lead) >= 2 else None
     Lq, Lk = int(q.shape[-2]), int(k.shape[-2])
