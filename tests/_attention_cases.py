@@ -91,3 +91,49 @@ def one_kv_head_case(seed):
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     want = np.einsum("bhij,bjd->bhid", p / p.sum(axis=-1, keepdims=True), v[:, 0])  # [B, H, Lq, Dv]
     return q, k, v, want, r.standard_normal(want.shape)
+
+
+#: the kernel-option cases of make_option_case
+OPTION_CASES = ["window", "window_left", "causal_bottom_right", "softcap", "alibi", "alibi_bh",
+                "sinks", "segments", "broadcast", "all"]
+
+
+def make_option_case(name, Lq, Lk, seed=0):
+    """Host q, k, v, dout, dlse and the keyword arguments of the kernel-option case ``name``
+    (``OPTION_CASES``): (B, H, Dh, Dv) = (2, 4, 3, 2), 2 K/V heads under GQA ("all")."""
+    rng = np.random.default_rng(seed)
+    B, H, Dh, Dv = 2, 4, 3, 2
+    Hkv = H // 2 if name == "all" else H
+    q_lead, k_lead = (B, H), (B, Hkv)
+    if name == "broadcast":  # leading axes broadcast: q over the batch, k and v over heads
+        q_lead, k_lead = (1, H), (B, 1)
+    q = rng.standard_normal(q_lead + (Lq, Dh))
+    k = rng.standard_normal(k_lead + (Lk, Dh))
+    v = rng.standard_normal(k_lead + (Lk, Dv))
+    out_lead = (B, H)
+    dout = rng.standard_normal(out_lead + (Lq, Dv))
+    dlse = rng.standard_normal(out_lead + (Lq,))
+    qseg = np.stack([np.repeat([0, 1], [2, Lq - 2]), np.repeat([3, 5], [Lq - 1, 1])])  # [B, Lq]
+    kseg = np.stack([np.repeat([0, 1], [Lk - 2, 2]), np.repeat([3, 4], [Lk - 1, 1])])  # [B, Lk]
+    # batch 1's last query (segment 5) has no key: a row with nothing to attend
+    kw = {
+        "window": dict(window=(2, 1)),
+        "window_left": dict(window=(1, None), align="bottom_right"),
+        "causal_bottom_right": dict(is_causal=True, align="bottom_right"),
+        "softcap": dict(softcap=1.5, scale=2.0),
+        "alibi": dict(alibi_slopes=rng.random(H)),
+        "alibi_bh": dict(alibi_slopes=rng.random((B, H)), align="bottom_right"),
+        "sinks": dict(sinks=rng.standard_normal(H),
+                      mask=np.where(rng.random((B, 1, Lq, Lk)) > 0.3, 0.0, -np.inf)),
+        "segments": dict(q_segments=qseg, k_segments=kseg),
+        "broadcast": dict(is_causal=True),
+        "all": dict(window=(3, 1), align="bottom_right", is_causal=True, softcap=2.0,
+                    alibi_slopes=rng.random(H), sinks=rng.standard_normal(H),
+                    q_segments=qseg, k_segments=kseg, enable_gqa=True, dropout_p=0.25,
+                    dropout_mask=rng.random((B, H, Lq, Lk)) >= 0.25,
+                    mask=np.where(rng.random((B, H, Lq, Lk)) > 0.2,
+                                  rng.standard_normal((B, H, Lq, Lk)), -np.inf)),
+    }[name]
+    if "mask" in kw:
+        kw["mask"][0, :, 1, :] = -np.inf  # query row 1 of batch 0 attends nothing
+    return q, k, v, dout, dlse, kw

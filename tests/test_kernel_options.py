@@ -25,6 +25,9 @@ from npattn import attention as A
 from npattn import functional as F
 from npattn import masks, numpy_kernel
 
+from _attention_cases import OPTION_CASES as CASES
+from _attention_cases import make_option_case as make_case
+
 # --------------------------------------------------------------------------
 # the oracle: the documented semantics, written out on NumPy float64
 
@@ -81,49 +84,6 @@ def oracle(q, k, v, *, mask=None, is_causal=False, scale=None, dropout_p=0.0, dr
 # --------------------------------------------------------------------------
 # cases
 
-
-def make_case(name, Lq, Lk, seed=0):
-    """Host q, k, v, dout, dlse and the keyword arguments of one case."""
-    rng = np.random.default_rng(seed)
-    B, H, Dh, Dv = 2, 4, 3, 2
-    Hkv = H // 2 if name == "all" else H
-    q_lead, k_lead = (B, H), (B, Hkv)
-    if name == "broadcast":  # leading axes broadcast: q over the batch, k and v over heads
-        q_lead, k_lead = (1, H), (B, 1)
-    q = rng.standard_normal(q_lead + (Lq, Dh))
-    k = rng.standard_normal(k_lead + (Lk, Dh))
-    v = rng.standard_normal(k_lead + (Lk, Dv))
-    out_lead = (B, H)
-    dout = rng.standard_normal(out_lead + (Lq, Dv))
-    dlse = rng.standard_normal(out_lead + (Lq,))
-    qseg = np.stack([np.repeat([0, 1], [2, Lq - 2]), np.repeat([3, 5], [Lq - 1, 1])])  # [B, Lq]
-    kseg = np.stack([np.repeat([0, 1], [Lk - 2, 2]), np.repeat([3, 4], [Lk - 1, 1])])  # [B, Lk]
-    # batch 1's last query (segment 5) has no key: a row with nothing to attend
-    kw = {
-        "window": dict(window=(2, 1)),
-        "window_left": dict(window=(1, None), align="bottom_right"),
-        "causal_bottom_right": dict(is_causal=True, align="bottom_right"),
-        "softcap": dict(softcap=1.5, scale=2.0),
-        "alibi": dict(alibi_slopes=rng.random(H)),
-        "alibi_bh": dict(alibi_slopes=rng.random((B, H)), align="bottom_right"),
-        "sinks": dict(sinks=rng.standard_normal(H),
-                      mask=np.where(rng.random((B, 1, Lq, Lk)) > 0.3, 0.0, -np.inf)),
-        "segments": dict(q_segments=qseg, k_segments=kseg),
-        "broadcast": dict(is_causal=True),
-        "all": dict(window=(3, 1), align="bottom_right", is_causal=True, softcap=2.0,
-                    alibi_slopes=rng.random(H), sinks=rng.standard_normal(H),
-                    q_segments=qseg, k_segments=kseg, enable_gqa=True, dropout_p=0.25,
-                    dropout_mask=rng.random((B, H, Lq, Lk)) >= 0.25,
-                    mask=np.where(rng.random((B, H, Lq, Lk)) > 0.2,
-                                  rng.standard_normal((B, H, Lq, Lk)), -np.inf)),
-    }[name]
-    if "mask" in kw:
-        kw["mask"][0, :, 1, :] = -np.inf  # query row 1 of batch 0 attends nothing
-    return q, k, v, dout, dlse, kw
-
-
-CASES = ["window", "window_left", "causal_bottom_right", "softcap", "alibi", "alibi_bh", "sinks",
-         "segments", "broadcast", "all"]
 SHAPES = [(5, 7), (6, 4)]  # Lq < Lk and Lq > Lk
 IMPLS = ["reference", "blocked"]
 BLOCKS = dict(block_q=2, block_k=3)  # blocks cross every boundary of these small shapes
