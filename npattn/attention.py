@@ -31,11 +31,12 @@ dropout, GQA, a value width unlike the key width) and gives the same outputs,
 row sum as ``rowsum(dout * out)``, whose rounding, of the size of
 ``|dout| |v| |k| scale``, is all of dq and dk where a row's weights sit on one key;
 docs/derivations.md). The kernel options (``align``,
-``window``, ``softcap``, ``alibi_slopes``, ``sinks``, segments) and
-broadcast leading axes run on the reference and the blocked path; the NumPy
-kernel also takes ``window`` and ``align`` (its tiles meet only the keys the
-window leaves). With the others ``"dense"`` is the reference and ``"numpy"`` /
-``"chunked"`` are a ``ValueError``; a dropout generator draws one key per forward and
+``window``, ``softcap``, ``alibi_slopes``, ``sinks``, segments) run on the
+reference, the blocked and the chunked paths, and broadcast leading axes on the
+first two; the NumPy kernel takes ``window`` and ``align`` (its tiles meet only
+the keys the window leaves). With the others ``"dense"`` is the reference and
+``"numpy"`` (and ``"chunked"`` for broadcast leading axes) a ``ValueError``; a
+dropout generator draws one key per forward and
 every implementation derives the same keep-mask from it
 (``dropout_keep_mask`` returns it). The arguments are checked once, here,
 before anything is computed; then the implementation's unchecked core runs
@@ -137,33 +138,35 @@ def check_impl(impl, *, need_weights: bool = False) -> None:
 
 def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
                 dropout_mask: Any = None, need_weights: bool = False, plain: bool = True,
-                positional: Optional[bool] = None) -> str:
+                positional: Optional[bool] = None, same_lead: Optional[bool] = None) -> str:
     """The implementation ``impl`` resolves to for these arrays: ``"reference"``, ``"numpy"``,
     ``"blocked"`` or ``"chunked"``.
 
     ``"auto"`` picks ``"chunked"`` for dask arrays that it takes when no
-    weights are needed, and the reference for any other dask call (weights, kernel
-    options, a layout the chunked path does not take), whatever its size. Otherwise
+    weights are needed, and the reference for any other dask call (weights, leading
+    axes that broadcast, a layout the chunked path does not take), whatever its size. Otherwise
     it picks ``"blocked"`` when no weights are needed and either ``Lq * Lk >=
     AUTO_BLOCKED_MIN_SCORES`` or ``B * H * Lq * Lk >= AUTO_BLOCKED_MAX_DENSE_SCORES``,
     B and H those of the scores, q's, k's and v's leading axes broadcast together
     (on a CUDA device: the dense arrays past ``AUTO_DEVICE_DENSE_SHARE`` of its
     memory, ``auto_blocked``); otherwise, like ``"dense"``, the NumPy kernel when it
-    takes the arrays, else the reference. ``"numpy"`` on
-    arrays the kernel does not take is a ``ValueError``; so are ``"numpy"`` and
-    ``"chunked"`` for a call that is not ``plain`` (kernel options, or leading axes
-    that broadcast: ``functional.is_plain``), except that the NumPy kernel takes a
-    window and ``align`` (``positional``: ``functional.is_positional``; default ``plain``).
+    takes the arrays, else the reference. ``"numpy"`` and ``"chunked"`` on
+    arrays they do not take are a ``ValueError``; so are ``"numpy"`` for a call that is not
+    ``positional`` (kernel options beyond a window and ``align``:
+    ``functional.is_positional``, or leading axes that broadcast) and ``"chunked"`` for
+    leading axes of q, k and v that broadcast (``same_lead`` False). ``plain``: a call
+    without kernel options; ``positional`` and ``same_lead`` default to it.
     """
     positional = plain if positional is None else positional
+    same_lead = plain if same_lead is None else same_lead
     check_impl(impl, need_weights=need_weights)
     chunks = chunked.accepts(q, k, v, mask, dropout_mask)
     kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
-    check_impl_takes(impl, plain=plain, positional=positional, takes_chunks=chunks,
+    check_impl_takes(impl, positional=positional, same_lead=same_lead, takes_chunks=chunks,
                      takes_kernel=kernel,
                      got=f"{type(q).__module__}.{type(q).__name__} of shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if impl == "auto" and plain and chunks and not need_weights:
+    if impl == "auto" and same_lead and chunks and not need_weights:
         return "chunked"
     if impl == "chunked":
         return impl
@@ -194,23 +197,25 @@ def _scores_lead(q: Any, k: Any, v: Any) -> tuple:
     return tuple(q.shape[:-2])
 
 
-def check_impl_takes(impl: str, *, plain: bool, positional: bool, takes_chunks: bool,
+def check_impl_takes(impl: str, *, positional: bool, same_lead: bool, takes_chunks: bool,
                      takes_kernel: bool, got: str) -> None:
     """The ``ValueError`` of ``select_impl`` for an ``impl`` that cannot run the call, from
-    what is known of it: ``plain`` / ``positional`` as there, whether ``chunked.accepts`` /
+    what is known of it: ``positional`` / ``same_lead`` as there, whether ``chunked.accepts`` /
     ``numpy_kernel.accepts`` would take its arrays, and ``got``, the arrays in words.
 
     Apart so that a caller that makes q, k and v itself (``npattn.module``) can refuse
     the call before it computes them.
     """
-    if (impl == "chunked" and not plain) or (impl == "numpy" and not positional):
+    if impl == "numpy" and not positional:
         raise ValueError(
-            f"impl={impl!r}: "
-            + ("the kernel options (align='bottom_right' with is_causal, window, "
-               if impl == "chunked" else "the kernel options ")
-            + "softcap, alibi_slopes, sinks, q_segments/k_segments"
-            + (")" if impl == "chunked" else "")
-            + " and leading axes that broadcast run on impl='reference' or 'blocked'"
+            "impl='numpy': the kernel options softcap, alibi_slopes, sinks, "
+            "q_segments/k_segments and leading axes that broadcast run on impl='reference' "
+            "or 'blocked'"
+        )
+    if impl == "chunked" and not same_lead:
+        raise ValueError(
+            "impl='chunked': leading axes of q, k and v that broadcast (k and v of one head "
+            "for many query heads without enable_gqa) run on impl='reference' or 'blocked'"
         )
     if impl == "chunked" and not takes_chunks:
         raise ValueError(
@@ -258,7 +263,8 @@ def check_forward(q: Any, k: Any, v: Any, *, mask: Any = None, is_causal: bool =
     plain = same_lead and F.is_plain(options, is_causal)
     positional = same_lead and F.is_positional(options)
     path = select_impl(impl, q, k, v, mask=mask, dropout_mask=dropout_mask,
-                       need_weights=need_weights, plain=plain, positional=positional)
+                       need_weights=need_weights, plain=plain, positional=positional,
+                       same_lead=same_lead)
     pool_threads()  # a bad NPATTN_NUM_THREADS fails here, before anything is computed
     return G, options, path
 
@@ -337,7 +343,8 @@ def sdpa_forward(
         if path == "numpy":
             return numpy_kernel.sdpa_forward(q, k, v, options=options, workspace=workspace, **args)
         if path == "chunked":
-            return chunked.sdpa_forward(q, k, v, block_q=block_q, block_k=block_k, **args)
+            return chunked.sdpa_forward(q, k, v, block_q=block_q, block_k=block_k,
+                                        options=options, **args)
         return blocked.sdpa_blocked_forward_core(q, k, v, block_q=block_q, block_k=block_k,
                                                  options=options, **args)
 

@@ -14,15 +14,23 @@ already) and the head widths are one chunk each. A task sees one chunk of
 queries against one chunk of keys, as NumPy arrays, and runs
 ``npattn.blocked`` on them: its scores are formed one block of ``bq x bk``
 per head at a time, whatever the chunk lengths. What a task forms whole is
-boolean: the causal diagonal of a pair that crosses it (``ri x ck``) and its
-part of a drawn dropout mask (``Bc x Hc x ri x ck``, hashed a slab of rows at
-a time), a quarter of the pair's float32 scores; a floating mask arrives as a
-chunk of that size (and with ``is_causal`` is combined with the diagonal into
-one more array of the pair's size).
+its part of a drawn dropout mask (``Bc x Hc x ri x ck`` booleans, hashed a
+slab of rows at a time), a quarter of the pair's float32 scores; a floating
+mask arrives as a chunk of that size.
+
+The kernel options of ``npattn.functional.sdpa_forward`` (``is_causal`` in
+either alignment, a window, softcap, ALiBi, sinks, segments) are the blocked
+algorithm's, with the task's chunks at their global positions: a pair of
+chunks starting at query row ``i0`` and key ``j0`` is the blocked forward of
+its chunks with the diagonal ``j = i + offset`` moved to ``offset + i0 - j0``
+(the window and ALiBi read ``j - (i + offset)``), and with its chunks of
+ALiBi's slopes (heads) and of the segment ids (queries, keys). A sink is one
+logit per row, not per pair: the pairs run without it, and the merge (step
+2.) counts it once.
 
 Forward. For every chunk ``(b, h, i)`` of the output and every key chunk
-``j`` it meets (with ``is_causal``, the key chunks wholly above the diagonal
-are left out of the graph):
+``j`` it meets (the pairs that ``is_causal`` or the window leave out whole,
+``functional.block_visible``, are left out of the graph):
 
 1. task ``(b, h, i, j)``: the blocked forward of query chunk ``i`` against key
    chunk ``j``: ``o_ij`` (normalised by its own row sum), the row maximum
@@ -30,7 +38,9 @@ are left out of the graph):
 2. task ``(b, h, i)``, the blocked algorithm's merge across chunks:
    ``m = max_j m_ij`` over the chunks where the row attends something,
    ``w_ij = l_ij exp(m_ij - m)``, ``l = sum_j w_ij``,
-   ``out = sum_j w_ij o_ij / l`` (0 for a row with nothing to attend).
+   ``out = sum_j w_ij o_ij / l`` (0 for a row with nothing to attend). A sink
+   is one more part, ``o = 0``, ``m = sink``, ``l = 1`` (``l = 0`` for a sink
+   of -inf), as in the blocked forward, which starts each row from it.
 
 ``m`` and ``l`` are kept apart, as in ``npattn.blocked`` (exact at large
 scores). Without key chunking step 2 has one pair and passes it on as it is
@@ -43,7 +53,10 @@ Backward. With the merged ``out``, ``m``, ``l`` of query chunk ``i``:
    ``dq_ij``, ``dk_ij``, ``dv_ij`` are the pair's exact shares;
 4. ``dq(b, h, i) = sum_j dq_ij``; ``dk(b, h, j) = sum_i dk_ij`` and
    ``dv`` likewise: one task per output chunk. A floating mask's gradient is
-   the ``ds`` of each pair, summed to the mask's own shape.
+   the ``ds`` of each pair, summed to the mask's own shape;
+5. with sinks, task ``(b, h, i)``: the rows' ``dsink = p_sink * (-delta)``,
+   ``p_sink = exp(sink - m) / l`` (the blocked backward's), summed over the
+   chunk's batch entries and rows, and one task per head chunk sums those.
 
 The graph has ``O(chunks)`` tasks, not a layer per array operation. Dropout
 from a generator draws one key on the caller's side; each task draws its own
@@ -73,9 +86,10 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import blocked
+from . import functional as F
 from . import validation as V
 from .backend import device_of, dropout_key, is_dask_array, keyed_keep_mask, namespace, scalar
-from .functional import SDPAGrads, sum_to_shape
+from .functional import SDPAGrads
 
 __all__ = ["ChunkPlan", "ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_backward", "keep_mask_of"]
 
@@ -142,11 +156,6 @@ def _pad4(a):
     return a if a.ndim == 4 else a[(None,) * (4 - a.ndim)]
 
 
-def _causal_skip(i0, i1, j0) -> bool:
-    """Key chunk starting at ``j0`` lies wholly above the diagonal of query rows ``i0:i1``."""
-    return j0 > i1 - 1
-
-
 def _mask_key(mask4, b, h, i, j):
     """Key of the mask chunk that pair ``(b, h, i, j)`` reads (0 on a broadcast axis)."""
     idx = [b, h, i, j]
@@ -163,7 +172,7 @@ class _Pair(NamedTuple):
     h0: int  #: first query head
     i0: int  #: first query row
     j0: int  #: first key
-    is_causal: bool  #: causal attention (top-left)
+    options: F.ScoreOptions  #: the call's window (causal folded in), offset and softcap; no arrays
     scale: float  #: the factor of the scores
     dropout_p: float  #: the drop probability
     key: Optional[int]  #: dropout key (a generated keep-mask), or None
@@ -172,46 +181,68 @@ class _Pair(NamedTuple):
     block_k: Optional[int]  #: (its defaults)
 
 
-def _pair_masks(pair: _Pair, q, k, mask, keep):
-    """The pair's mask (the caller's, with the causal diagonal at global positions) and keep-mask."""
-    ri, ck = q.shape[2], k.shape[2]
-    if pair.is_causal and pair.j0 + ck - 1 > pair.i0:  # the pair crosses the diagonal
-        allowed = (pair.i0 + np.arange(ri))[:, None] >= (pair.j0 + np.arange(ck))[None, :]
-        if mask is None:
-            mask = allowed
-        elif mask.dtype == np.bool_:
-            mask = np.logical_and(mask, allowed)
-        else:
-            mask = np.where(allowed, mask, -math.inf).astype(mask.dtype, copy=False)  # [.., ri, ck]
-    if pair.key is not None:  # this pair's part of the one mask: global coordinates
-        Bc, Hc = q.shape[0], q.shape[1]
-        lead = [np.arange(pair.b0, pair.b0 + Bc)[:, None], np.arange(pair.h0, pair.h0 + Hc)[None, :]]
-        keep = keyed_keep_mask(pair.key, pair.dropout_p, lead, pair.i0 + np.arange(ri),
-                               pair.j0 + np.arange(ck))  # [Bc, Hc, ri, ck]
-    return mask, keep
+def _pair_keep(pair: _Pair, q, k, keep):
+    """The pair's keep-mask: the caller's chunk, or its part of the drawn one (global coordinates)."""
+    if pair.key is None:
+        return keep
+    Bc, Hc, ri, ck = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    lead = [np.arange(pair.b0, pair.b0 + Bc)[:, None], np.arange(pair.h0, pair.h0 + Hc)[None, :]]
+    return keyed_keep_mask(pair.key, pair.dropout_p, lead, pair.i0 + np.arange(ri),
+                           pair.j0 + np.arange(ck))  # [Bc, Hc, ri, ck]
 
 
-def _pair_cache(pair: _Pair, q, k, v, mask, keep):
-    mask, keep = _pair_masks(pair, q, k, mask, keep)
+def _pair_options(pair: _Pair, alibi, q_segments, k_segments) -> F.ScoreOptions:
+    """The call's options for the pair's chunks: local row ``r`` is query ``i0 + r`` and local
+    column ``c`` key ``j0 + c``, so ``j - (i + offset) = c - (r + offset + i0 - j0)``; the
+    chunks of the slopes [Bc|1, Hc, 1, 1] and segment ids [Bc, 1, ri, 1], [Bc, 1, 1, ck]."""
+    o = pair.options
+    return o._replace(offset=o.offset + pair.i0 - pair.j0, alibi=alibi, q_segments=q_segments,
+                      k_segments=k_segments)
+
+
+def _pair_cache(pair: _Pair, q, k, v, mask, keep, alibi, q_segments, k_segments):
+    keep = _pair_keep(pair, q, k, keep)
     return blocked.blocked_cache(q, k, v, mask=mask, is_causal=False, scale=pair.scale,
                                  dropout_p=pair.dropout_p if keep is not None else 0.0,
                                  dropout_mask=keep, groups=pair.G, block_q=pair.block_q,
-                                 block_k=pair.block_k)
+                                 block_k=pair.block_k,
+                                 options=_pair_options(pair, alibi, q_segments, k_segments))
 
 
-def _pair_forward(pair: _Pair, q, k, v, mask, keep):
+def _pair_forward(pair: _Pair, q, k, v, mask, keep, alibi, q_segments, k_segments):
     """1. One query chunk against one key chunk: ``(o_ij, m_ij, l_ij)`` (compute dtype)."""
     # [Bc, Hc, ri, Dh], [Bc, Hkc, ck, Dh], [Bc, Hkc, ck, Dv] -> [Bc, Hc, ri, Dv], [.., 1], [.., 1]
-    mask, keep = _pair_masks(pair, q, k, mask, keep)
+    keep = _pair_keep(pair, q, k, keep)
     _, c = blocked.sdpa_blocked_forward_core(
         q, k, v, mask=mask, is_causal=False, scale=pair.scale,
         dropout_p=pair.dropout_p if keep is not None else 0.0, dropout_mask=keep, rng=None,
-        groups=pair.G, block_q=pair.block_q, block_k=pair.block_k)
+        groups=pair.G, block_q=pair.block_q, block_k=pair.block_k,
+        options=_pair_options(pair, alibi, q_segments, k_segments))
     return blocked.rows_of(c)
 
 
-def _merge(parts):
-    """2. The merge across key chunks: ``(out, m, l)`` of the whole row from its pairs."""
+def _sink_part(sinks, like):
+    """The sink [1, Hc, 1, 1] as one more part of a row's merge: ``o = 0``, ``m = sink``,
+    ``l = exp(sink - m) = 1`` (0 for a sink of -inf: no sink), shaped like part ``like``."""
+    o, m, l = like
+    s = np.broadcast_to(sinks.astype(m.dtype, copy=False), m.shape)  # [Bc, Hc, ri, 1]
+    none = s == -np.inf
+    return np.zeros_like(o), np.where(none, 0.0, s).astype(m.dtype), np.where(none, 0.0, 1.0).astype(l.dtype)
+
+
+def _empty_rows(shape, Dv, dtype, sinks=None):
+    """2. The rows of a chunk ``shape`` (Bc, Hc, ri) that no key chunk meets: out 0, and
+    ``m = 0, l = 0`` (nothing to attend) or the sink's part."""
+    o = np.zeros(shape + (Dv,), dtype=dtype)
+    m, l = np.zeros(shape + (1,), dtype=dtype), np.zeros(shape + (1,), dtype=dtype)
+    return (o, m, l) if sinks is None else _sink_part(sinks, (o, m, l))
+
+
+def _merge(parts, sinks=None):
+    """2. The merge across key chunks: ``(out, m, l)`` of the whole row from its pairs, and
+    from its sink [1, Hc, 1, 1] (None: no sinks)."""
+    if sinks is not None:
+        parts = [*parts, _sink_part(sinks, parts[0])]
     if len(parts) == 1:
         return parts[0]
     # a pair where the row attends nothing has l = 0 (and m = 0): it must not set the maximum
@@ -225,14 +256,27 @@ def _merge(parts):
     return out.astype(parts[0][0].dtype), m, l.astype(parts[0][2].dtype)
 
 
-def _pair_backward(pair: _Pair, q, k, v, mask, keep, dout, out, m, l, dlse, mask_shape):
+def _pair_backward(pair: _Pair, q, k, v, mask, keep, alibi, q_segments, k_segments, dout, out,
+                   m, l, dlse):
     """3. The pair's shares ``(dq_ij, dk_ij, dv_ij, dmask_ij)`` from the merged row statistics
-    (and the rows' ``dlse``, [Bc, Hc, ri, 1], or None)."""
-    c = blocked.with_rows(_pair_cache(pair, q, k, v, mask, keep), out, m, l)
-    dq, dk, dv, dmask, _ = blocked.sdpa_blocked_backward(dout, c, dlse=dlse)
-    if dmask is not None:  # the causal diagonal may have broadcast the caller's mask chunk
-        dmask = sum_to_shape(np, dmask, mask_shape)
+    (sink included) and the rows' ``dlse`` ([Bc, Hc, ri, 1], or None)."""
+    c = _pair_cache(pair, q, k, v, mask, keep, alibi, q_segments, k_segments)
+    dq, dk, dv, dmask, _ = blocked.sdpa_blocked_backward(dout, blocked.with_rows(c, out, m, l),
+                                                         dlse=dlse)
     return dq, dk, dv, dmask
+
+
+def _sink_grad(sinks, dout, out, m, l, dlse):
+    """5. ``dsink`` of one chunk of rows, summed over its batch entries and rows: [Hc].
+
+    ``delta = rowsum(dout * out) - dlse`` (dlse 0 on a row with nothing to attend, l = 0)
+    and ``p_sink = exp(sink - m) / l``, as in the blocked backward."""
+    # [1, Hc, 1, 1], [Bc, Hc, ri, Dv], [Bc, Hc, ri, Dv], [Bc, Hc, ri, 1] x 2 (and dlse) -> [Hc]
+    delta = np.sum(dout * out, axis=-1, keepdims=True)  # [Bc, Hc, ri, 1]
+    if dlse is not None:
+        delta = delta - np.where(l == 0.0, 0.0, dlse).astype(delta.dtype)
+    p_sink = np.exp(sinks - m) / np.where(l == 0.0, 1.0, l).astype(l.dtype)  # [Bc, Hc, ri, 1]
+    return np.sum(-(p_sink * delta), axis=(0, 2, 3))
 
 
 def _sum(parts, field, shape, dtype):
@@ -263,7 +307,8 @@ class ChunkedSDPACache(NamedTuple):
     m: Any  #: [B, Hq, Lq, 1] merged row maximum
     l: Any  #: [B, Hq, Lq, 1] merged row sum
     plan: ChunkPlan  #: the chunks of the forward, which the backward takes again
-    is_causal: bool  #: causal attention (top-left)
+    is_causal: bool  #: causal attention (also folded into ``options``)
+    options: F.ScoreOptions  #: causal folded in; arrays as dask chunked to the plan (_OPTION_KINDS)
     scale: float  #: the factor of the scores
     dropout_p: float  #: the drop probability
     dropout_key: Optional[int]  #: key of the drawn keep-mask, or None
@@ -274,8 +319,8 @@ class ChunkedSDPACache(NamedTuple):
 
     @property
     def lse(self) -> Any:
-        """[B, Hq, Lq] dask: natural log-sum-exp of each row, ``m + log(l)``; -inf for a row
-        with nothing to attend."""
+        """[B, Hq, Lq] dask: natural log-sum-exp of each row (sink included), ``m + log(l)``;
+        -inf for a row with nothing to attend."""
         xp = namespace(self.m)
         empty = self.l == 0.0
         l_safe = xp.where(empty, scalar(xp, 1.0, self.l), self.l)
@@ -283,21 +328,23 @@ class ChunkedSDPACache(NamedTuple):
         return xp.reshape(lse, tuple(self.m.shape[:-1]))
 
 
-def _pairs(plan: ChunkPlan, is_causal: bool):
-    """``(b, h, i, j)`` of every pair of chunks in the graph, in order."""
+def _pairs(plan: ChunkPlan, options: F.ScoreOptions):
+    """``(b, h, i, j)`` of every pair of chunks in the graph, in order: those where some query
+    may attend some key by the window (causal folded in)."""
     si, sj = plan.starts("i"), plan.starts("j")
     for b in range(len(plan.b)):
         for h in range(len(plan.h)):
             for i in range(len(plan.i)):
                 for j in range(len(plan.j)):
-                    if not (is_causal and _causal_skip(si[i], si[i + 1], sj[j])):
+                    if F.block_visible(options, si[i], si[i + 1], sj[j], sj[j + 1]):
                         yield b, h, i, j
 
 
 def _pair_of(c, b, h, i, j) -> _Pair:
     plan = c.plan
+    scalars = c.options._replace(alibi=None, sinks=None, q_segments=None, k_segments=None)
     return _Pair(b0=plan.starts("b")[b], h0=plan.G * plan.starts("h")[h], i0=plan.starts("i")[i],
-                 j0=plan.starts("j")[j], is_causal=c.is_causal, scale=c.scale,
+                 j0=plan.starts("j")[j], options=scalars, scale=c.scale,
                  dropout_p=c.dropout_p, key=c.dropout_key, G=plan.G, block_q=c.block_q,
                  block_k=c.block_k)
 
@@ -311,22 +358,35 @@ def _array(graph, name, deps, chunks, dtype):
 
 
 def _inputs(c, b, h, i, j):
-    """Keys of the chunks that pair ``(b, h, i, j)`` reads: q, k, v, mask, keep."""
+    """Keys of the chunks that pair ``(b, h, i, j)`` reads: q, k, v, mask, keep, ALiBi's
+    slopes, the query and key segment ids (None for an array not given)."""
+    o = c.options
     return ((c.q.name, b, h, i, 0), (c.k.name, b, h, j, 0), (c.v.name, b, h, j, 0),
-            None if c.mask is None else _mask_key(c.mask, b, h, i, j),
-            None if c.keep is None else _mask_key(c.keep, b, h, i, j))
+            *(None if a is None else _mask_key(a, b, h, i, j)
+              for a in (c.mask, c.keep, o.alibi, o.q_segments, o.k_segments)))
+
+
+def _row_keys(c, b, h, i, *arrays):
+    """Keys of chunk ``(b, h, i)`` of arrays over the rows (B, Hq, Lq, n) (None: not given)."""
+    return tuple(None if a is None else (a.name, b, h, i, 0) for a in arrays)
+
+
+#: How each option array of ``functional.ScoreOptions`` (over the scores (B, Hq, Lq, Lk)) is
+#: chunked to the plan, as ``_rechunk``'s kinds
+_OPTION_KINDS = {"alibi": ("b", "hq", None, None), "sinks": (None, "hq", None, None),
+                 "q_segments": ("b", None, "i", None), "k_segments": ("b", None, None, "j")}
 
 
 def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: Optional[float],
                  dropout_p: float, dropout_mask: Any, rng: Any, groups: int,
-                 block_q: Optional[int] = None, block_k: Optional[int] = None
-                 ) -> tuple[Any, ChunkedSDPACache]:
+                 block_q: Optional[int] = None, block_k: Optional[int] = None,
+                 options: Optional[F.ScoreOptions] = None) -> tuple[Any, ChunkedSDPACache]:
     """Chunk-parallel ``softmax(q k^T * scale + mask) v`` on checked dask arguments (``accepts``).
 
-    The arguments are those of ``functional.sdpa_forward_core`` plus the
-    blocked algorithm's block lengths inside each task. Returns
-    ``(out, ChunkedSDPACache)``; ``out`` is a dask array chunked like ``q``
-    (its last axis one chunk).
+    The arguments are those of ``functional.sdpa_forward_core`` (``options`` its kernel
+    options, their arrays dask arrays) plus the blocked algorithm's block lengths inside
+    each task. Returns ``(out, ChunkedSDPACache)``; ``out`` is a dask array chunked like
+    ``q`` (its last axis one chunk).
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     from dask.base import tokenize
@@ -347,26 +407,38 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
         mask = _rechunk(_pad4(mask), plan, _MASK)
     keep = None if dropout_mask is None else _rechunk(_pad4(dropout_mask), plan, _MASK)
     key = dropout_key(rng) if dropout_p != 0.0 and dropout_mask is None else None
+    o = F.causal_options(is_causal, options)  # the arrays rechunked to the plan
+    o = o._replace(**{name: _rechunk(getattr(o, name), plan, kinds)
+                      for name, kinds in _OPTION_KINDS.items() if getattr(o, name) is not None})
     c = ChunkedSDPACache(q=q, k=k, v=v, mask=mask, keep=keep, out=None, m=None, l=None, plan=plan,
-                         is_causal=bool(is_causal), scale=scale, dropout_p=float(dropout_p),
-                         dropout_key=key, mask_shape=mask_shape, in_dtype=in_dtype,
-                         block_q=block_q, block_k=block_k)
+                         is_causal=bool(is_causal), options=o, scale=scale,
+                         dropout_p=float(dropout_p), dropout_key=key, mask_shape=mask_shape,
+                         in_dtype=in_dtype, block_q=block_q, block_k=block_k)
 
-    token = tokenize(q, k, v, mask, keep, is_causal, scale, dropout_p, key, G, block_q, block_k)
+    token = tokenize(q, k, v, mask, keep, is_causal, tuple(o), scale, dropout_p, key, G, block_q,
+                     block_k)
     part, rows = "npattn-pair-forward-" + token, "npattn-merge-" + token
     names = {x: f"npattn-{x}-" + token for x in ("out", "m", "l")}
     graph: dict = {}
     parts: dict = {}
-    for b, h, i, j in _pairs(plan, c.is_causal):
+    for b, h, i, j in _pairs(plan, o):
         graph[(part, b, h, i, j)] = (functools.partial(_pair_forward, _pair_of(c, b, h, i, j)),
                                      *_inputs(c, b, h, i, j))
         parts.setdefault((b, h, i), []).append((part, b, h, i, j))
-    for (b, h, i), keys in parts.items():
-        graph[(rows, b, h, i)] = (_merge, keys)
+    hq = tuple(G * n for n in plan.h)
+    for b, h, i in np.ndindex(len(plan.b), len(hq), len(plan.i)):
+        # a chunk of rows that no key chunk meets (a window) merges its sink alone, or is empty
+        sink = None if o.sinks is None else (o.sinks.name, 0, h, 0, 0)
+        keys = parts.get((b, h, i), [])
+        if keys:
+            graph[(rows, b, h, i)] = (_merge, keys, sink)
+        else:
+            shape = (plan.b[b], hq[h], plan.i[i])
+            graph[(rows, b, h, i)] = (_empty_rows, shape, v.shape[3], work, sink)
         for field, x in enumerate(("out", "m", "l")):
             graph[(names[x], b, h, i, 0)] = (operator.getitem, (rows, b, h, i), field)
-    deps = [q, k, v, mask, keep]
-    lead = (plan.b, tuple(G * n for n in plan.h), plan.i)
+    deps = [q, k, v, mask, keep, o.alibi, o.sinks, o.q_segments, o.k_segments]
+    lead = (plan.b, hq, plan.i)
     out = _array(graph, names["out"], deps, lead + ((v.shape[3],),), work)
     m = _array(graph, names["m"], deps, lead + ((1,),), work)
     l = _array(graph, names["l"], deps, lead + ((1,),), work)
@@ -399,8 +471,9 @@ def keep_mask_of(cache: ChunkedSDPACache) -> Any:
 
 
 def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SDPAGrads:
-    """Gradients ``SDPAGrads(dq, dk, dv, dmask, None)`` of ``sdpa_forward`` as dask arrays,
-    pair by pair; ``dlse`` [B, Hq, Lq] is an upstream gradient of ``cache.lse``."""
+    """Gradients ``SDPAGrads(dq, dk, dv, dmask, dsinks)`` of ``sdpa_forward`` as dask arrays,
+    pair by pair (``dsinks`` (Hq,) with sinks, else None); ``dlse`` [B, Hq, Lq] is an upstream
+    gradient of ``cache.lse``."""
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
     from dask.base import tokenize
 
@@ -412,27 +485,23 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SD
     dout = dout.astype(work).rechunk(c.out.chunks)  # [B, Hq, Lq, Dv]
     if dlse is not None:
         dlse = dlse.astype(work).reshape(tuple(c.m.shape)).rechunk(c.m.chunks)  # [B, Hq, Lq, 1]
-    token = tokenize(dout, c.out, c.q, c.k, c.v, c.mask, c.keep, c.dropout_key, dlse)
+    token = tokenize(dout, c.out, c.q, c.k, c.v, c.mask, c.keep, tuple(c.options), c.dropout_key,
+                     dlse)
     part = "npattn-pair-backward-" + token
-    names = {x: f"npattn-{x}-" + token for x in ("dq", "dk", "dv", "dmask")}
+    names = {x: f"npattn-{x}-" + token for x in ("dq", "dk", "dv", "dmask", "dsink-rows", "dsinks")}
     graph: dict = {}
     to_dq: dict = {}
     to_dkv: dict = {}
     to_dmask: dict = {}
-    for b, h, i, j in _pairs(plan, c.is_causal):
-        qk, kk, vk, mk, kp = _inputs(c, b, h, i, j)
-        mask_chunk = None
-        if c.mask_shape is not None:
-            mask_chunk = tuple(c.mask.chunks[a][mk[1 + a]] for a in range(4))
-        row = ((dout.name, b, h, i, 0), (c.out.name, b, h, i, 0), (c.m.name, b, h, i, 0),
-               (c.l.name, b, h, i, 0), None if dlse is None else (dlse.name, b, h, i, 0))
-        graph[(part, b, h, i, j)] = (
-            functools.partial(_pair_backward, _pair_of(c, b, h, i, j), mask_shape=mask_chunk),
-            qk, kk, vk, mk, kp, *row)
+    for b, h, i, j in _pairs(plan, c.options):
+        inputs = _inputs(c, b, h, i, j)
+        row = _row_keys(c, b, h, i, dout, c.out, c.m, c.l, dlse)
+        graph[(part, b, h, i, j)] = (functools.partial(_pair_backward, _pair_of(c, b, h, i, j)),
+                                     *inputs, *row)
         to_dq.setdefault((b, h, i), []).append((part, b, h, i, j))
         to_dkv.setdefault((b, h, j), []).append((part, b, h, i, j))
-        if mask_chunk is not None:
-            to_dmask.setdefault(mk[1:], []).append((part, b, h, i, j))
+        if c.mask_shape is not None:
+            to_dmask.setdefault(inputs[3][1:], []).append((part, b, h, i, j))
     Dh, Dv = c.q.shape[3], c.v.shape[3]
     hq = tuple(plan.G * n for n in plan.h)
     for b in range(len(plan.b)):
@@ -444,7 +513,19 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SD
                 kv = to_dkv.get((b, h, j), [])
                 graph[(names["dk"], b, h, j, 0)] = (_sum, kv, 1, (plan.b[b], plan.h[h], plan.j[j], Dh), work)
                 graph[(names["dv"], b, h, j, 0)] = (_sum, kv, 2, (plan.b[b], plan.h[h], plan.j[j], Dv), work)
-    deps = [dout, c.out, c.m, c.l, c.q, c.k, c.v, c.mask, c.keep, dlse]
+    o = c.options
+    deps = [dout, c.out, c.m, c.l, c.q, c.k, c.v, c.mask, c.keep, dlse, o.alibi, o.sinks,
+            o.q_segments, o.k_segments]
+    dsinks = None
+    if o.sinks is not None:  # 5. per chunk of rows, then per head chunk
+        for b, h, i in np.ndindex(len(plan.b), len(hq), len(plan.i)):
+            graph[(names["dsink-rows"], b, h, i)] = (
+                _sink_grad, (o.sinks.name, 0, h, 0, 0),
+                *_row_keys(c, b, h, i, dout, c.out, c.m, c.l, dlse))
+        for h in range(len(hq)):
+            rows = [(names["dsink-rows"], b, h, i) for b, i in np.ndindex(len(plan.b), len(plan.i))]
+            graph[(names["dsinks"], h)] = (functools.reduce, operator.add, rows)
+        dsinks = _array(graph, names["dsinks"], deps, (hq,), work)
     dq = _array(graph, names["dq"], deps, (plan.b, hq, plan.i, (Dh,)), work)
     dk = _array(graph, names["dk"], deps, (plan.b, plan.h, plan.j, (Dh,)), work)
     dv = _array(graph, names["dv"], deps, (plan.b, plan.h, plan.j, (Dv,)), work)
@@ -455,7 +536,7 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SD
             shape = tuple(mchunks[a][idx[a]] for a in range(4))
             graph[(names["dmask"],) + idx] = (_sum, to_dmask.get(idx, []), 3, shape, work)
         dmask = _array(graph, names["dmask"], deps, mchunks, work).reshape(c.mask_shape)
-    grads = [dq, dk, dv, dmask]
+    grads = [dq, dk, dv, dmask, dsinks]
     if c.in_dtype != work:
         grads = [None if g is None else g.astype(c.in_dtype) for g in grads]
-    return SDPAGrads(grads[0], grads[1], grads[2], grads[3], None)
+    return SDPAGrads(*grads)

@@ -462,8 +462,7 @@ class MultiHeadAttention:
         impl = self.impl if impl is None else impl
         check_forward_impl(self, impl, (query, key, value, mask, dropout_mask),
                            lengths=(query.shape[0], query.shape[1], key.shape[1]),
-                           need_weights=need_weights, is_causal=is_causal, window=window,
-                           align=align, alibi_slopes=alibi_slopes,
+                           need_weights=need_weights, alibi_slopes=alibi_slopes,
                            segments=q_segments is not None, kv_cache=kv_cache)
         if align is None:
             align = "top_left" if kv_cache is None else "bottom_right"
@@ -1191,9 +1190,8 @@ def check_no_masks_with_cache(**given: Any) -> None:
 
 
 def check_forward_impl(module: Any, impl: Any, arrays: Sequence[Any], *, lengths: tuple,
-                       need_weights: bool = False, is_causal: bool = False, window: Any = None,
-                       align: Any = None, alibi_slopes: Any = None, segments: bool = False,
-                       kv_cache: Any = None) -> None:
+                       need_weights: bool = False, alibi_slopes: Any = None,
+                       segments: bool = False, kv_cache: Any = None) -> None:
     """That ``impl`` can run step 6. of a forward of ``module`` with these checked arguments,
     refused before steps 1.-5. compute the heads it would be given.
 
@@ -1212,26 +1210,22 @@ def check_forward_impl(module: Any, impl: Any, arrays: Sequence[Any], *, lengths
     if kv_cache is not None:
         Lk = max(int(n) for n in kv_cache.cache_seqlens) + Lk  # Lt = max_b(cache_seqlens[b] + n)
     Lk += n_extra
-    causal = is_causal and not n_extra  # with extra keys, step 4. folds is_causal into the mask
-    if align is None:
-        align = "top_left" if kv_cache is None else "bottom_right"
-    offset = Lk - Lq if align == "bottom_right" else 0  # query i sits at key position i + offset
-    # the options step 6. passes, as far as the dispatcher reads them (functional.is_plain,
-    # is_positional): which are set, not their arrays (``an_array`` stands for one)
+    # the options step 6. passes, as far as the dispatcher reads them (functional.is_positional:
+    # the NumPy kernel takes a window and an alignment, the other paths every option): which
+    # are set, not their arrays (``an_array`` stands for one)
     an_array = object()
-    left, right = (None, None) if window is None else (window[0], window[1])
-    options = F.PLAIN._replace(offset=offset, left=left, right=right, softcap=module.softcap,
+    options = F.PLAIN._replace(softcap=module.softcap,
                                alibi=None if alibi_slopes is None else an_array,
                                sinks=an_array if module.sinks else None,
                                q_segments=an_array if segments else None,
                                k_segments=an_array if segments else None)
-    plain, positional = F.is_plain(options, causal), F.is_positional(options)
+    positional = F.is_positional(options)
     given = [a for a in arrays if a is not None]
     known = all(not math.isnan(n) for a in given for n in a.shape)  # dask: known chunk sizes
     shapes = ((B, H, Lq, P["w_q"].shape[0] // H), (B, Hkv, Lk, P["w_k"].shape[0] // Hkv),
               (B, Hkv, Lk, P["w_v"].shape[0] // Hkv))
     kind = type(given[0])
-    A.check_impl_takes(impl, plain=plain, positional=positional,
+    A.check_impl_takes(impl, positional=positional, same_lead=True,  # q (B, H), k, v (B, Hkv)
                        takes_chunks=known and all(is_dask_array(a) for a in given),
                        takes_kernel=all(is_numpy_array(a) for a in given),
                        got=f"{kind.__module__}.{kind.__name__} of shapes "

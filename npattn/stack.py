@@ -166,7 +166,7 @@ class BlockStack:
         (``module.check_forward_impl``; a block checks only its own)."""
         for n, block in enumerate(self.blocks):
             check_forward_impl(block.self_attn, block.self_attn.impl, arrays, lengths=(B, L, L),
-                               need_weights=need_weights, is_causal=is_causal,
+                               need_weights=need_weights,
                                kv_cache=None if kv_caches is None else kv_caches[n])
 
     def n_params(self) -> int:

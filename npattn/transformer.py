@@ -1029,7 +1029,7 @@ class TransformerBlock(_Block):
                              "it), got True")
         B, L, D = x.shape
         check_forward_impl(self.self_attn, self.self_attn.impl, (x, mask), lengths=(B, L, L),
-                           need_weights=need_weights, is_causal=is_causal, kv_cache=kv_cache)
+                           need_weights=need_weights, kv_cache=kv_cache)
         if kv_cache is not None and self.training and self.dropout > 0.0:
             raise ValueError("kv_cache: decoding is forward only, without dropout; call eval() "
                              f"first (the block is in training mode with dropout {self.dropout})")
@@ -1152,8 +1152,7 @@ class TransformerDecoderBlock(_Block):
                                  dropout_mask=None, is_causal=False, need_weights=False)
         B, L, D = x.shape
         Lm = memory.shape[1]
-        check_forward_impl(self.self_attn, self.self_attn.impl, (x, mask), lengths=(B, L, L),
-                           is_causal=is_causal)
+        check_forward_impl(self.self_attn, self.self_attn.impl, (x, mask), lengths=(B, L, L))
         check_forward_impl(self.multihead_attn, self.multihead_attn.impl, (x, memory, memory_mask),
                            lengths=(B, L, Lm))
         shapes = {"self_attn": (B, self.n_head, L, L), "multihead_attn": (B, self.n_head, L, Lm),

@@ -104,7 +104,7 @@ def test_the_counts_of_docs_check_md_are_the_panels():
                    f"({n_ref + n_blocked} configurations, {rows_ref + rows_blocked} rows)",
                    f"and window ones ({n_kernel}) run a third time",
                    f"({n_total} configurations, {rows_total} rows)",
-                   f"the {n_chunked - n_mha} plain sdpa and {n_mha} module configurations run on the chunked",
+                   f"the {n_chunked - n_mha} sdpa and {n_mha} module configurations run on the chunked",
                    f"{rows_total}/{rows_total} passed over {n_total} configurations (numpy, float64"):
         assert phrase in text, phrase
 

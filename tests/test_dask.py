@@ -28,7 +28,8 @@ from npattn import functional as F  # noqa: E402
 from npattn.backend import backend_name, resolve_backend, to_numpy  # noqa: E402
 from npattn.gradcheck import gradcheck  # noqa: E402
 
-from _attention_cases import MASK_FORMS, assert_close, make_inputs, one_kv_head_case  # noqa: E402
+from _attention_cases import (MASK_FORMS, OPTION_CASES, assert_close, make_inputs,  # noqa: E402
+                              make_option_case, one_kv_head_case)
 
 # (batch, query heads, query rows, keys) chunk lengths; K/V heads are chunked as the
 # query heads divided by G. Lengths 7 and 9: chunks of 2, 3, 4 leave short last chunks.
@@ -170,6 +171,162 @@ def test_causal_chunks_above_the_diagonal_are_left_out(Lq, Lk):
         pairs = [key for key in graph_of(*arrays) if isinstance(key, tuple)
                  and key[0].startswith("npattn-pair-" + step)]
         assert len(pairs) == expected < len(starts_i) * len(starts_j), step
+
+
+# --------------------------------------------------------------------------
+# the kernel options on chunks
+
+
+def to_dask_options(kw):
+    """``kw`` with its arrays as dask arrays in chunks of 1 on every axis but the last (2 there):
+    unlike any plan, so the chunked path rechunks them."""
+    def arr(a):
+        return da.from_array(a, chunks=(1,) * (a.ndim - 1) + (2,)) if isinstance(a, np.ndarray) else a
+    return {n: arr(a) for n, a in kw.items()}
+
+
+def run_options(q, k, v, dout, dlse, kw, sizes):
+    """(out, lse, grads, keep) of NumPy's reference and of dask ("auto", which must be the
+    chunked path) with q, k, v, dout, dlse chunked by ``sizes`` (batch, query heads, query
+    rows, keys; K/V heads as the query heads divided by G), computed."""
+    out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    ref = (out0, c0.lse, A.sdpa_backward(dout, c0, dlse=dlse), A.dropout_keep_mask(c0))
+    G = q.shape[1] // k.shape[1]
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, sizes, G)
+    ddlse = da.from_array(dlse, chunks=tuple(min(c, n) for c, n in zip(sizes[:3], dlse.shape)))
+    out, c = A.sdpa_forward(dq, dk, dv, **to_dask_options(kw))
+    assert isinstance(c, chunked.ChunkedSDPACache), type(c).__name__
+    got = dask.compute(out, c.lse, A.sdpa_backward(ddout, c, dlse=ddlse), A.dropout_keep_mask(c),
+                       scheduler="sync")
+    return ref, got
+
+
+def assert_same_options(ref, got, what):
+    """out, the finite lse (and -inf at the same rows), dq, dk, dv, dmask, dsinks to 1e-12, and
+    the keep-mask bit for bit."""
+    (out0, lse0, grads0, keep0), (out, lse, grads, keep) = ref, got
+    assert_close(out, out0, host, f"{what}: out")
+    assert np.array_equal(np.isfinite(lse), np.isfinite(lse0)), f"{what}: rows of lse -inf"
+    assert_close(np.where(np.isfinite(lse0), lse, 0.0), np.where(np.isfinite(lse0), lse0, 0.0),
+                 host, f"{what}: lse")
+    for name, g, g0 in zip(("dq", "dk", "dv", "dmask", "dsinks"), grads, grads0):
+        assert_close(g, g0, host, f"{what}: {name}")
+    if keep0 is None:
+        assert keep is None, what
+    else:
+        assert np.array_equal(np.broadcast_to(keep0, keep.shape), keep), f"{what}: keep-mask differs"
+
+
+# (batch, query heads, query rows, keys) chunk lengths: every pair small and uneven; keys in
+# chunks of one (every pair a single key); queries in chunks of one
+OPTION_CHUNKINGS = {"small": (1, 1, 2, 3), "keys of 1": (2, 2, 99, 1), "rows of 1": (1, 2, 1, 99)}
+
+
+@pytest.mark.parametrize("chunking", sorted(OPTION_CHUNKINGS))
+@pytest.mark.parametrize("Lq,Lk", [(5, 7), (6, 4)])
+@pytest.mark.parametrize("name", [n for n in OPTION_CASES if n != "broadcast"])
+def test_kernel_options_on_chunks_equal_numpys_reference(name, Lq, Lk, chunking):
+    """Every kernel option (a window, bottom-right causal, softcap, ALiBi (H) and (B, H),
+    sinks with a floating mask and an empty row, segments with a query that has no key, and
+    all of them with GQA and a keep-mask) on the chunked path: out, lse and every gradient
+    (dlse random) equal NumPy's reference in float64 to 1e-12."""
+    q, k, v, dout, dlse, kw = make_option_case(name, Lq, Lk)
+    ref, got = run_options(q, k, v, dout, dlse, kw, OPTION_CHUNKINGS[chunking])
+    assert_same_options(ref, got, f"{name} {Lq}x{Lk} {chunking}")
+
+
+@st.composite
+def option_cases(draw):
+    Lq = draw(st.integers(2, 9))
+    G = draw(st.integers(1, 2))
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    window = draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 4)),
+                                                 st.one_of(st.none(), st.integers(0, 4)))))
+    return dict(
+        seed=draw(st.integers(0, 2**16)), B=B, Hkv=Hkv, G=G, Lq=Lq,
+        Lk=draw(st.integers(2, 9).filter(lambda n: n != Lq)),
+        window=window, align=draw(st.sampled_from(["top_left", "bottom_right"])),
+        causal=draw(st.booleans()), softcap=draw(st.one_of(st.none(), st.floats(0.5, 5.0))),
+        alibi=draw(st.sampled_from([None, "H", "BH"])), sinks=draw(st.booleans()),
+        segments=draw(st.booleans()), mask=draw(st.sampled_from(["none", "bool", "float"])),
+        dropout=draw(st.sampled_from(["none", "seed", "mask"])),
+        sizes=(draw(st.integers(1, 2)), G * draw(st.integers(1, 2)), draw(st.integers(1, 9)),
+               draw(st.integers(1, 9))),
+    )
+
+
+@given(case=option_cases())
+def test_kernel_options_on_chunks_for_drawn_cases(case):
+    """Options, shapes (Lq != Lk), GQA, masks with an empty row, dropout from a seed or a
+    keep-mask and chunk lengths drawn together: the chunked path equals NumPy's reference
+    to 1e-12, with the same keep-mask."""
+    c = case
+    r = np.random.default_rng(c["seed"])
+    B, Hq, Hkv, Lq, Lk = c["B"], c["G"] * c["Hkv"], c["Hkv"], c["Lq"], c["Lk"]
+    q, k = r.standard_normal((B, Hq, Lq, 3)), r.standard_normal((B, Hkv, Lk, 3))
+    v = r.standard_normal((B, Hkv, Lk, 2))
+    dout, dlse = r.standard_normal((B, Hq, Lq, 2)), r.standard_normal((B, Hq, Lq))
+    kw = dict(is_causal=c["causal"], enable_gqa=c["G"] > 1, window=c["window"], align=c["align"],
+              softcap=c["softcap"])
+    if c["alibi"]:
+        kw["alibi_slopes"] = r.random(Hq if c["alibi"] == "H" else (B, Hq))
+    if c["sinks"]:
+        kw["sinks"] = r.standard_normal(Hq)
+    if c["segments"]:
+        kw["q_segments"], kw["k_segments"] = r.integers(0, 2, (B, Lq)), r.integers(0, 2, (B, Lk))
+    if c["mask"] != "none":
+        allowed = r.random((B, 1, Lq, Lk)) > 0.3
+        allowed[0, 0, 0] = False  # query 0 of batch 0 attends nothing by the mask
+        kw["mask"] = (allowed if c["mask"] == "bool"
+                      else np.where(allowed, r.standard_normal(allowed.shape), -np.inf))
+    if c["dropout"] == "seed":
+        kw.update(dropout_p=0.3, rng=c["seed"])
+    elif c["dropout"] == "mask":
+        kw.update(dropout_p=0.3, dropout_mask=r.random((B, Hq, Lq, Lk)) >= 0.3)
+    ref, got = run_options(q, k, v, dout, dlse, kw, c["sizes"])
+    assert_same_options(ref, got, str(case))
+
+
+@pytest.mark.parametrize("window,align", [((1, 0), "top_left"), ((0, 2), "top_left"),
+                                          ((1, 1), "bottom_right")])
+def test_pairs_outside_a_window_are_left_out(window, align):
+    """The pairs of chunks where no query may attend any key by the window (counted here
+    position by position: |window| keys about j = i + offset) have no task, forward or
+    backward; the keys no query reaches get zero gradients (NumPy's reference)."""
+    Lq, Lk, n = 8, 10, 2
+    r = np.random.default_rng(31)
+    q, k, v = (r.standard_normal(shape) for shape in ((1, 1, Lq, 3), (1, 1, Lk, 3), (1, 1, Lk, 2)))
+    dout, dlse = r.standard_normal((1, 1, Lq, 2)), r.standard_normal((1, 1, Lq))
+    kw = dict(window=window, align=align)
+    ref, got = run_options(q, k, v, dout, dlse, kw, (1, 1, n, n))
+    assert_same_options(ref, got, f"{window} {align}")
+    offset = Lk - Lq if align == "bottom_right" else 0
+    i, j = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+    seen = (j - (i + offset) >= -window[0]) & (j - (i + offset) <= window[1])  # [Lq, Lk]
+    expected = sum(bool(seen[a:a + n, b:b + n].any()) for a in range(0, Lq, n) for b in range(0, Lk, n))
+    dq, dk, dv, _, _, ddout = chunk(q, k, v, None, None, dout, (1, 1, n, n), 1)
+    out, c = A.sdpa_forward(dq, dk, dv, **kw)
+    for step, arrays in (("forward", [out]), ("backward", A.sdpa_backward(ddout, c)[:3])):
+        pairs = [key for key in graph_of(*arrays) if isinstance(key, tuple)
+                 and key[0].startswith("npattn-pair-" + step)]
+        assert len(pairs) == expected < (Lq // n) * (Lk // n), (step, len(pairs), expected)
+
+
+def test_a_sink_alone_on_query_chunks_that_meet_no_key():
+    """Bottom-right causal with Lq > Lk leaves the first Lq - Lk queries nothing to attend:
+    with the queries in chunks of 2 the first chunk meets no key chunk at all. Its rows give
+    out 0; with sinks their lse is the sink and dsinks gets their dlse (d lse / d sink = 1),
+    as on NumPy's reference; a sink of -inf is no sink (lse -inf, dsinks 0 from those rows)."""
+    r = np.random.default_rng(32)
+    q, k, v = (r.standard_normal(shape) for shape in ((1, 2, 6, 3), (1, 2, 3, 3), (1, 2, 3, 2)))
+    dout, dlse = r.standard_normal((1, 2, 6, 2)), r.standard_normal((1, 2, 6))
+    sinks = np.array([0.7, -np.inf])
+    kw = dict(is_causal=True, align="bottom_right", sinks=sinks)
+    ref, got = run_options(q, k, v, dout, dlse, kw, (1, 2, 2, 3))
+    assert_same_options(ref, got, "sink alone")
+    out, lse, grads, _ = got
+    assert np.array_equal(out[0, :, :3], np.zeros((2, 3, 2)))  # rows 0-2 see no key (offset -3)
+    assert np.array_equal(lse[0, 0, :3], np.full(3, 0.7)) and np.all(lse[0, 1, :3] == -np.inf)
 
 
 # query and key chunk lengths (the batch and heads one chunk each, or one per chunk):
@@ -758,56 +915,56 @@ def test_backend_name_and_impl_choice():
                                atol=1e-15)
 
 
-def test_bottom_right_causal_on_dask_is_not_the_chunked_top_left_one():
-    """is_causal with align="bottom_right" and Lq != Lk is not the chunked path's causal mask
-    (top-left): "auto" takes the reference, which gives query i the keys j <= i + Lk - Lq
-    (softmax written out below), and impl="chunked" is refused. With Lq == Lk the two
-    alignments agree and "auto" stays chunked."""
+def test_bottom_right_causal_on_dask_runs_chunked_on_the_bottom_right_diagonal():
+    """is_causal with align="bottom_right" and Lq != Lk on dask arrays: "auto" takes the chunked
+    path, which gives query i the keys j <= i + Lk - Lq (softmax written out below), as
+    impl="chunked" does; the gradients are those of NumPy's reference."""
     r = np.random.default_rng(21)
     q, k, v = r.standard_normal((1, 2, 3, 4)), r.standard_normal((1, 2, 5, 4)), r.standard_normal((1, 2, 5, 2))
+    dout = r.standard_normal((1, 2, 3, 2))
     i, j = np.arange(3)[:, None], np.arange(5)[None, :]
     s = np.where(j <= i + 5 - 3, q @ np.swapaxes(k, -1, -2) / 2.0, -np.inf)  # [1, 2, 3, 5], 1/sqrt(4)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     want = (p / p.sum(axis=-1, keepdims=True)) @ v
-    dq, dk, dv = (da.from_array(a, chunks=(1, 1, 2, 4)) for a in (q, k, v))
-    out, c = A.sdpa_forward(dq, dk, dv, is_causal=True, align="bottom_right")
-    assert not isinstance(c, chunked.ChunkedSDPACache)
-    np.testing.assert_allclose(out.compute(), want, rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match=r"^impl='chunked': the kernel options \(align='bottom_right' with is_causal"):
-        A.sdpa_forward(dq, dk, dv, is_causal=True, align="bottom_right", impl="chunked")
-    _, c = A.sdpa_forward(dq, dk[:, :, :3], dv[:, :, :3], is_causal=True, align="bottom_right")
-    assert isinstance(c, chunked.ChunkedSDPACache)
+    grads0 = A.sdpa_backward(dout, A.sdpa_forward(q, k, v, is_causal=True, align="bottom_right",
+                                                  impl="reference")[1])
+    dq, dk, dv, ddout = (da.from_array(a, chunks=(1, 1, 2, 4)) for a in (q, k, v, dout))
+    for impl in ("auto", "chunked"):
+        out, c = A.sdpa_forward(dq, dk, dv, is_causal=True, align="bottom_right", impl=impl)
+        assert isinstance(c, chunked.ChunkedSDPACache), impl
+        out, grads = dask.compute(out, A.sdpa_backward(ddout, c), scheduler="sync")
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+        for name, g, g0 in zip(("dq", "dk", "dv"), grads, grads0):
+            np.testing.assert_allclose(g, g0, rtol=1e-12, atol=1e-12, err_msg=f"{impl} {name}")
 
 
-def test_chunked_refuses_a_window_with_the_options_listed_in_closed_parentheses():
-    """The refusal names the kernel options that impl='chunked' does not take in one
-    parenthesis, closed before what follows it (it was left open, so "and leading axes that
-    broadcast" read as one more option in the list)."""
-    q = da.zeros((1, 1, 4, 2), chunks=(1, 1, 2, 2))
+def test_chunked_refuses_leading_axes_that_broadcast_by_name():
+    """impl="chunked" takes every kernel option; what it refuses is k and v of one head for
+    q's many without enable_gqa (its layout has the K/V heads dividing q's only under
+    GQA), and the message says so whole."""
+    q = da.zeros((1, 2, 4, 2), chunks=(1, 1, 2, 2))
     with pytest.raises(ValueError) as info:
-        A.sdpa_forward(q, q, q, window=(1, 0), impl="chunked")
+        A.sdpa_forward(q, q[:, :1], q[:, :1], window=(1, 0), impl="chunked")
     assert str(info.value) == (
-        "impl='chunked': the kernel options (align='bottom_right' with is_causal, window, "
-        "softcap, alibi_slopes, sinks, q_segments/k_segments) and leading axes that broadcast "
-        "run on impl='reference' or 'blocked'")
+        "impl='chunked': leading axes of q, k and v that broadcast (k and v of one head for "
+        "many query heads without enable_gqa) run on impl='reference' or 'blocked'")
 
 
 def test_a_nan_hidden_by_is_causal_or_a_window_on_dask():
-    """docs/conventions.md: the chunked path skips the chunk pairs that is_causal leaves out,
-    so a NaN in a value no row before it may see stays out of those rows; a window on dask
-    arrays runs on the reference, which reads every key, so the NaN reaches every row (as
-    0 * NaN is NaN). The page said the chunked path skipped what a window leaves out too."""
+    """docs/conventions.md: the chunked path skips the chunk pairs that is_causal or a window
+    leaves out, so a NaN in a value that no row of a query chunk may see stays out of those
+    rows; the reference reads every key, so there the NaN reaches every row (0 * NaN is NaN)."""
     rng = np.random.default_rng(23)
     q, k, v = (rng.standard_normal((1, 1, 8, 2)) for _ in range(3))
     v[0, 0, 7] = np.nan  # the last key: causal hides it from rows 0-6, the window (2, 0) from rows 0-4
     dq, dk, dv = (da.from_array(a, chunks=(1, 1, 4, 2)) for a in (q, k, v))
-    out, c = A.sdpa_forward(dq, dk, dv, is_causal=True)
-    assert isinstance(c, chunked.ChunkedSDPACache)
-    # rows 0-3 meet only the first key chunk (keys 0-3); rows 4-7 meet the chunk holding key 7
-    assert np.isnan(out.compute()[0, 0, :, 0]).tolist() == [False] * 4 + [True] * 4
-    out, c = A.sdpa_forward(dq, dk, dv, window=(2, 0))
-    assert isinstance(c, F.SDPACache)
-    assert np.isnan(out.compute()).all()
+    for kw in (dict(is_causal=True), dict(window=(2, 0))):
+        out, c = A.sdpa_forward(dq, dk, dv, **kw)
+        assert isinstance(c, chunked.ChunkedSDPACache)
+        # rows 0-3 meet only the first key chunk (keys 0-3); rows 4-7 meet the chunk holding key 7
+        assert np.isnan(out.compute()[0, 0, :, 0]).tolist() == [False] * 4 + [True] * 4, kw
+        out, c = A.sdpa_forward(dq, dk, dv, impl="reference", **kw)
+        assert np.isnan(out.compute()).all(), kw
 
 
 def test_keys_and_values_broadcast_over_the_heads_on_dask():
@@ -824,8 +981,7 @@ def test_keys_and_values_broadcast_over_the_heads_on_dask():
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     for name, g, g0 in zip(("dq", "dk", "dv"), grads, grads0):
         np.testing.assert_allclose(g, g0, rtol=1e-12, atol=1e-12, err_msg=name)
-    with pytest.raises(ValueError,
-                       match=r"^impl='chunked': the kernel options .*leading axes that broadcast"):
+    with pytest.raises(ValueError, match=r"^impl='chunked': leading axes of q, k and v that broadcast"):
         A.sdpa_forward(dq, dk, dv, impl="chunked")
 
 
@@ -917,6 +1073,39 @@ def test_module_on_dask_equals_numpy(cross):
     assert_close(out, out0, host, "out")
     for name, g, gr in zip(("dquery", "dkey", "dvalue"), grads, g0):
         assert_close(g, gr, host, name)
+    for name in m0.grads:
+        assert_close(pgrads[name], m0.grads[name], host, name)
+
+
+def test_module_with_kernel_options_on_dask_equals_numpy():
+    """MultiHeadAttention(backend="dask") with softcap and sinks, called with a window,
+    bottom-right causal, ALiBi slopes and segments, GQA and dropout: the chunked path runs
+    step 6. and the outputs, input gradients and parameter gradients (the sinks' included)
+    equal the NumPy module's in float64."""
+    rng = np.random.default_rng(7)
+    B, Lq, Lk, E, H = 2, 5, 7, 8, 4
+    x, y = rng.standard_normal((B, Lq, E)), rng.standard_normal((B, Lk, E))
+    dout = rng.standard_normal((B, Lq, E))
+    seg_q, seg_k = rng.integers(0, 2, (B, Lq)), rng.integers(0, 2, (B, Lk))
+    call = dict(window=(3, 0), align="bottom_right", is_causal=True,
+                alibi_slopes=rng.random(H), q_segments=seg_q, k_segments=seg_k)
+    kwargs = dict(seed=3, dtype="float64", n_kv_head=2, dropout=0.2, softcap=2.5, sinks=True)
+    m0 = MultiHeadAttention(E, H, **kwargs)
+    out0, _ = m0(x, y, y, **call)
+    g0 = m0.backward(dout)
+    m = MultiHeadAttention(E, H, backend="dask", **kwargs)
+    dx, dy = da.from_array(x, chunks=(1, 2, E)), da.from_array(y, chunks=(1, 3, E))
+    dcall = dict(call, alibi_slopes=da.from_array(call["alibi_slopes"], chunks=2),
+                 q_segments=da.from_array(seg_q, chunks=(1, 2)),
+                 k_segments=da.from_array(seg_k, chunks=(1, 3)))
+    out, _ = m(dx, dy, dy, **dcall)
+    assert isinstance(m.cache.sdpa, chunked.ChunkedSDPACache)
+    grads = m.backward(da.from_array(dout, chunks=(1, 2, E)))
+    out, grads, pgrads = dask.compute(out, grads, dict(m.grads))
+    assert_close(out, out0, host, "out")
+    for name, g, gr in zip(("dquery", "dkey", "dvalue"), grads, g0):
+        assert_close(g, gr, host, name)
+    assert "sinks" in m0.grads
     for name in m0.grads:
         assert_close(pgrads[name], m0.grads[name], host, name)
 

@@ -402,23 +402,22 @@ def _count_projections(monkeypatch):
 
 
 # an option, the module's constructor options it needs, and whether it runs on the NumPy
-# kernel / on the chunked path (with dask arrays)
+# kernel (the chunked path, with dask arrays, takes every option)
 IMPL_OPTIONS = {
-    "none": (dict(), dict(), True, True),
-    "causal": (dict(is_causal=True), dict(), True, True),
-    "window": (dict(window=(1, 0)), dict(), True, False),
-    "bottom_right": (dict(align="bottom_right"), dict(), True, True),
-    "bottom_right_causal": (dict(align="bottom_right", is_causal=True), dict(), True, False),
-    "alibi": (dict(alibi_slopes=np.linspace(0.25, 1.0, H)), dict(), False, False),
+    "none": (dict(), dict(), True),
+    "causal": (dict(is_causal=True), dict(), True),
+    "window": (dict(window=(1, 0)), dict(), True),
+    "bottom_right": (dict(align="bottom_right"), dict(), True),
+    "bottom_right_causal": (dict(align="bottom_right", is_causal=True), dict(), True),
+    "alibi": (dict(alibi_slopes=np.linspace(0.25, 1.0, H)), dict(), False),
     "segments": (dict(q_segments=np.zeros((B, LQ), dtype=np.int64),
-                      k_segments=np.zeros((B, LK), dtype=np.int64)), dict(), False, False),
-    "softcap": (dict(), dict(softcap=2.0), False, False),
-    "sinks": (dict(), dict(sinks=True), False, False),
-    "extra_keys_causal": (dict(is_causal=True), dict(add_zero_attn=True), True, True),
-    "kv_cache": (dict(kv_cache=True), dict(), True, True),
-    "kv_cache_causal": (dict(kv_cache=True, is_causal=True), dict(), True, False),
-    "kv_cache_alibi": (dict(kv_cache=True, alibi_slopes=np.linspace(0.25, 1.0, H)), dict(),
-                       False, False),
+                      k_segments=np.zeros((B, LK), dtype=np.int64)), dict(), False),
+    "softcap": (dict(), dict(softcap=2.0), False),
+    "sinks": (dict(), dict(sinks=True), False),
+    "extra_keys_causal": (dict(is_causal=True), dict(add_zero_attn=True), True),
+    "kv_cache": (dict(kv_cache=True), dict(), True),
+    "kv_cache_causal": (dict(kv_cache=True, is_causal=True), dict(), True),
+    "kv_cache_alibi": (dict(kv_cache=True, alibi_slopes=np.linspace(0.25, 1.0, H)), dict(), False),
 }
 
 
@@ -427,13 +426,14 @@ IMPL_OPTIONS = {
 @pytest.mark.parametrize("option", list(IMPL_OPTIONS))
 def test_an_impl_that_cannot_run_the_call_is_refused_before_the_projections(
         monkeypatch, backend_name, impl, option):
-    """impl="numpy" with ALiBi, segments, softcap or sinks (KV cache or not), impl="chunked" on
-    NumPy arrays or with the options the chunked path does not take: the dispatcher's
-    ValueError, with its message, before step 1. projects anything (it was raised inside
-    step 6., after the projections). A call either runs or is refused with nothing computed."""
+    """impl="numpy" with ALiBi, segments, softcap or sinks (KV cache or not) or on dask arrays,
+    impl="chunked" on NumPy arrays: the dispatcher's ValueError, with its message, before
+    step 1. projects anything (it was raised inside step 6., after the projections). Every
+    option runs on impl="chunked" with dask arrays. A call either runs or is refused with
+    nothing computed."""
     if backend_name == "dask":
         pytest.importorskip("dask.array", reason="the chunked path needs dask")
-    kwargs, ctor, on_kernel, on_chunks = IMPL_OPTIONS[option]
+    kwargs, ctor, on_kernel = IMPL_OPTIONS[option]
     m = _module(backend_name, **ctor).eval()
     to_xp = functools.partial(from_numpy, xp=m.xp)
     kwargs = {n: to_xp(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items()}
@@ -445,7 +445,7 @@ def test_an_impl_that_cannot_run_the_call_is_refused_before_the_projections(
         q = k = v = to_xp(rng.standard_normal((B, LQ, D)))
     else:
         q, k, v = (to_xp(a) for a in _inputs(rng, m))
-    takes_options = on_kernel if impl == "numpy" else on_chunks
+    takes_options = on_kernel or impl == "chunked"
     takes_arrays = (impl == "numpy") == (backend_name == "numpy")
     calls = _count_projections(monkeypatch)
     if takes_options and takes_arrays:

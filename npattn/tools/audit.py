@@ -654,12 +654,10 @@ def panel(backend: Optional[str] = None) -> list:
     else:
         impls = [("blocked", "blocked")] + ([("numpy", "numpy kernel")] if backend == "numpy" else [])
     for impl, label in impls:
-        takes_options = impl == "blocked"  # the NumPy kernel takes windows, chunked plain calls
-        takes_window = impl in ("blocked", "numpy")
+        takes_options = impl != "numpy"  # the NumPy kernel takes the window ones
         checks += [Check(f"{c.name} [{label}]", c.kind, c.build, impl=impl)
                    for c in _reference_panel() if c.name.startswith(("sdpa", "mha"))
-                   and (takes_options or not c.name.startswith("sdpa options"))
-                   and (takes_window or not c.name.startswith("sdpa window"))]
+                   and (takes_options or not c.name.startswith("sdpa options"))]
     return checks
 
 
