@@ -155,10 +155,11 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     ``positional`` (kernel options beyond a window and ``align``:
     ``functional.is_positional``, or leading axes that broadcast) and ``"chunked"`` for
     leading axes of q, k and v that broadcast (``same_lead`` False). ``plain``: a call
-    without kernel options; ``positional`` and ``same_lead`` default to it.
+    without kernel options, the default of ``positional``; ``same_lead``: q, k and v
+    with the same leading axes (default True: the chunked path takes every kernel option).
     """
     positional = plain if positional is None else positional
-    same_lead = plain if same_lead is None else same_lead
+    same_lead = True if same_lead is None else same_lead
     check_impl(impl, need_weights=need_weights)
     chunks = chunked.accepts(q, k, v, mask, dropout_mask)
     kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
@@ -214,8 +215,9 @@ def check_impl_takes(impl: str, *, positional: bool, same_lead: bool, takes_chun
         )
     if impl == "chunked" and not same_lead:
         raise ValueError(
-            "impl='chunked': leading axes of q, k and v that broadcast (k and v of one head "
-            "for many query heads without enable_gqa) run on impl='reference' or 'blocked'"
+            "impl='chunked': leading axes of q, k and v that broadcast (k and v of one batch "
+            "entry for q's many, or of one head for many query heads without enable_gqa) run "
+            "on impl='reference' or 'blocked'"
         )
     if impl == "chunked" and not takes_chunks:
         raise ValueError(

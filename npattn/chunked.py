@@ -43,8 +43,9 @@ Forward. For every chunk ``(b, h, i)`` of the output and every key chunk
    of -inf), as in the blocked forward, which starts each row from it.
 
 ``m`` and ``l`` are kept apart, as in ``npattn.blocked`` (exact at large
-scores). Without key chunking step 2 has one pair and passes it on as it is
-(the task stays in the graph).
+scores). Without key chunking and without sinks step 2 has one pair and passes
+it on as it is (the task stays in the graph); with sinks it merges that pair
+with the sink.
 
 Backward. With the merged ``out``, ``m``, ``l`` of query chunk ``i``:
 

@@ -894,8 +894,12 @@ def test_backend_name_and_impl_choice():
     # loops would build a graph of their blocks), as a NumPy call of that size would not
     big = da.zeros((1, 1, 8192, 8), chunks=(1, 1, 1024, 8))  # 2**26 scores a head, lazily
     assert A.select_impl("auto", big, big, big) == "chunked"
-    assert A.select_impl("auto", big, big, big, plain=False) == "reference"
+    assert A.select_impl("auto", big, big, big, same_lead=False) == "reference"
     assert A.select_impl("auto", *[np.broadcast_to(0.0, big.shape)] * 3, plain=False) == "blocked"
+    # kernel options (plain=False) run on the chunked path, as sdpa_forward takes them there
+    assert A.select_impl("auto", big, big, big, plain=False) == "chunked"
+    assert A.select_impl("chunked", big, big, big, plain=False) == "chunked"
+    assert isinstance(A.sdpa_forward(big, big, big, softcap=2.0)[1], chunked.ChunkedSDPACache)
     with pytest.raises(ValueError, match=r"impl='chunked': the chunked implementation takes dask arrays.*numpy"):
         A.sdpa_forward(q, k, v, impl="chunked")
     with pytest.raises(ValueError, match=r"impl='chunked' cannot return attention weights"):
@@ -939,15 +943,22 @@ def test_bottom_right_causal_on_dask_runs_chunked_on_the_bottom_right_diagonal()
 
 
 def test_chunked_refuses_leading_axes_that_broadcast_by_name():
-    """impl="chunked" takes every kernel option; what it refuses is k and v of one head for
-    q's many without enable_gqa (its layout has the K/V heads dividing q's only under
-    GQA), and the message says so whole."""
+    """impl="chunked" takes every kernel option; what it refuses is leading axes that
+    broadcast: k and v of one head for q's many without enable_gqa (its layout has the K/V
+    heads dividing q's only under GQA), or of one batch entry for q's many (the message
+    named only the heads, also for a call whose heads were GQA's), and the message says so
+    whole."""
     q = da.zeros((1, 2, 4, 2), chunks=(1, 1, 2, 2))
     with pytest.raises(ValueError) as info:
         A.sdpa_forward(q, q[:, :1], q[:, :1], window=(1, 0), impl="chunked")
     assert str(info.value) == (
-        "impl='chunked': leading axes of q, k and v that broadcast (k and v of one head for "
-        "many query heads without enable_gqa) run on impl='reference' or 'blocked'")
+        "impl='chunked': leading axes of q, k and v that broadcast (k and v of one batch entry "
+        "for q's many, or of one head for many query heads without enable_gqa) run on "
+        "impl='reference' or 'blocked'")
+    # k and v of one batch entry against q's two, with GQA: the same refusal, by the batch
+    q2 = da.zeros((2, 2, 4, 2), chunks=(1, 1, 2, 2))
+    with pytest.raises(ValueError, match=r"^impl='chunked': .*\(k and v of one batch entry for q's many"):
+        A.sdpa_forward(q2, q2[:1, :1], q2[:1, :1], enable_gqa=True, impl="chunked")
 
 
 def test_a_nan_hidden_by_is_causal_or_a_window_on_dask():
