@@ -250,7 +250,7 @@ class GPT(BlockStack):
                 # library, device, dtype, heads, batch size and room), naming kv_caches[n]
                 with V.argument_names({"kv_cache": f"kv_caches[{n}]"}):
                     check_kv_cache(block.self_attn, cache, batch_size=B, n_new=L)
-        self.check_blocks_impl((ids,), B, L, is_causal=True, kv_caches=kv_caches)
+        self.check_blocks_impl((ids,), B, L, kv_caches=kv_caches)
         P = self._own
         state = self._rng.bit_generator.state
         lens = None if kv_caches is None else [[int(n) for n in c.cache_seqlens] for c in kv_caches]

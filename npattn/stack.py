@@ -159,8 +159,8 @@ class BlockStack:
                              target_text=SITE_SHAPES[site], dtype=self.dtype, device=device,
                              bool_only=True)
 
-    def check_blocks_impl(self, arrays: Any, B: int, L: int, *, is_causal: bool = False,
-                          need_weights: bool = False, kv_caches: Any = None) -> None:
+    def check_blocks_impl(self, arrays: Any, B: int, L: int, *, need_weights: bool = False,
+                          kv_caches: Any = None) -> None:
         """That every block's attention implementation (``self_attn.impl``) takes a forward of
         B sequences of L computed from ``arrays`` (the model's inputs), before block 0 runs
         (``module.check_forward_impl``; a block checks only its own)."""

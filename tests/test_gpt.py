@@ -1222,24 +1222,23 @@ def test_generate_names_the_step_whose_logits_are_nan(step):
     assert rng.bit_generator.state == drawn
 
 
-def test_a_chunked_block_is_refused_for_causal_decoding_before_the_embedding(monkeypatch):
-    """On dask, impl='chunked' cannot run bottom-right aligned causal attention, which a
-    decoding forward past the prompt asks of every block: the model refuses it before the
-    embedding (with the blocks' is_causal, as the block itself would), and the KV caches
-    keep their lengths."""
+def test_a_chunked_block_decodes_past_the_prompt_as_the_numpy_model():
+    """On dask, impl='chunked' runs the bottom-right aligned causal attention that a decoding
+    forward past the prompt asks of every block (it was refused before the chunked path took
+    the kernel options): the logits of the prompt and of the next token equal the NumPy
+    model's (float64), and the KV caches grow by the token."""
     pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    ref = make().eval()
     model = make(backend="dask").eval()
-    caches = model.new_caches(B)
-    model.forward(model.xp.asarray(ids_of(0, (B, 3))), kv_caches=caches)  # the prompt: aligned
-    model.blocks[1].self_attn.impl = "chunked"
-    calls = []
-    real = nn.embedding_forward
-    monkeypatch.setattr(nn, "embedding_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with pytest.raises(ValueError, match=r"impl='chunked': the kernel options \(align='bottom_right' "
-                                         r"with is_causal"):
-        model.forward(model.xp.asarray(ids_of(1, (B, 1))), kv_caches=caches)
-    assert calls == []
-    assert [list(c.cache_seqlens) for c in caches] == [[3, 3]] * N
+    for block in model.blocks:
+        block.self_attn.impl = "chunked"
+    caches, ref_caches = model.new_caches(B), ref.new_caches(B)
+    for seed, n in ((0, 3), (1, 1)):  # the prompt, then one token past it
+        ids = ids_of(seed, (B, n))
+        got = model.forward(model.xp.asarray(ids), kv_caches=caches)
+        want = ref.forward(ids, kv_caches=ref_caches)
+        np.testing.assert_allclose(np.asarray(got.compute()), want, rtol=1e-12, atol=1e-12)
+    assert [list(c.cache_seqlens) for c in caches] == [[4, 4]] * N
 
 
 # ------------------------------------------------------- sizes, options and limits

@@ -313,9 +313,10 @@ def test_an_impl_that_cannot_run_the_call_is_refused_before_the_projections(monk
 
 
 def test_an_impl_is_judged_on_the_longest_entry(monkeypatch):
-    """impl="chunked" takes no causal bottom-right offset. With lengths (0, 3) a one-token
-    step attends Lt = 3 + 1 keys at offset 3 (the shortest entry alone, 0 + 1 keys at
-    offset 0, would be a plain call): refused before step 1. projects anything."""
+    """With lengths (0, 3) a one-token step attends Lt = 3 + 1 keys (the shortest entry alone
+    would give 0 + 1): impl="numpy" on dask arrays is refused before step 1. projects anything,
+    with k and v of 4 keys in its message; impl="chunked" runs the step (causal bottom-right,
+    offset 3 for entry 1) and gives the NumPy module's output."""
     pytest.importorskip("dask")
     from npattn.backend import from_numpy, resolve_backend, to_numpy
 
@@ -323,15 +324,20 @@ def test_an_impl_is_judged_on_the_longest_entry(monkeypatch):
         return from_numpy(a, resolve_backend("dask"))
 
     m, cache, rng = _decoding_setup("dask", to_dask, lens=(0, 3), capacity=6)
+    m0, cache0, rng0 = _decoding_setup("numpy", np.asarray, lens=(0, 3), capacity=6)
+    x0 = rng0.standard_normal((2, 1, D))
     x = to_dask(rng.standard_normal((2, 1, D)))
     calls = []
     linear = npattn.attention.linear_forward
     monkeypatch.setattr(npattn.attention, "linear_forward",
                         lambda *a, **kw: calls.append(1) or linear(*a, **kw))
-    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="chunked"),
-                      ValueError, "impl='chunked'", to_numpy)
+    _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy"),
+                      ValueError, r"^impl='numpy': .*got dask\.array\.core\.Array of shapes "
+                      r"\(2, 4, 1, 2\), \(2, 2, 4, 2\), \(2, 2, 4, 2\)", to_numpy)
     assert calls == []
-    m(x, x, x, kv_cache=cache, is_causal=True)  # the same call on the default impl runs
+    out, _ = m(x, x, x, kv_cache=cache, is_causal=True, impl="chunked")
+    out0, _ = m0(x0, x0, x0, kv_cache=cache0, is_causal=True)
+    np.testing.assert_allclose(to_numpy(out), out0, rtol=1e-12, atol=1e-12)
     assert calls and cache.cache_seqlens.tolist() == [1, 4]
 
 
