@@ -249,8 +249,12 @@ __all__ = [
 FLOORS = {"float64": 2.0**-40, "float32": 2.0**-20, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 DTYPES = tuple(FLOORS)
 #: "bhsd": (B, H, L, D), torch's; "bshd": (B, L, H, D), flash-attn's, lse (B, H, Lq);
-#: "bthd": JAX's (B, T, N, H), the same axes as "bshd", lse (B, T, N).
-LAYOUTS = ("bhsd", "bshd", "bthd")
+#: "bthd": JAX's (B, T, N, H), the same axes as "bshd", lse (B, T, N); "thd": flash-attn's
+#: varlen kernels, the B sequences packed one after another, (B * L, H, D), lse (H, B * Lq).
+LAYOUTS = ("bhsd", "bshd", "bthd", "thd")
+#: The options that a varlen kernel cannot take with its sequences packed (layout "thd"):
+#: they are arrays over the batch's (Lq, Lk) grid, which the packed form does not have.
+UNPACKED_OPTIONS = ("mask_bool", "mask_float", "segments")
 TENSORS = ("out", "lse", "dq", "dk", "dv", "dmask", "dsinks")
 #: The gradients, in the order of npattn's ``SDPAGrads`` (the forward's inputs).
 GRADS = ("dq", "dk", "dv", "dmask", "dsinks")
@@ -780,14 +784,54 @@ def _host_dtype(dtype: str) -> Any:
 
 
 def _to_layout(x: np.ndarray, layout: str) -> np.ndarray:
-    """(B, H, L, D) -> the kernel's layout."""
+    """(B, H, L, D) -> the kernel's layout; "thd": the B sequences packed, (B * L, H, D)."""
+    if layout == "thd":
+        B, H, L, D = x.shape
+        return np.swapaxes(x, 1, 2).reshape(B * L, H, D)  # [B * L, H, D]
     return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
 
 
-def _from_layout(x: np.ndarray, layout: str) -> np.ndarray:
-    """The kernel's layout -> (B, H, L, D); an array not 4-D as it is (its shape is wrong
-    whatever the layout, and ``_compare`` says so)."""
+def _from_layout(x: np.ndarray, layout: str, shape: tuple) -> np.ndarray:
+    """The kernel's layout -> (B, H, L, D), ``shape`` the one verify expects; an array not 4-D
+    (not (B * L, H, D) for "thd") as it is (its shape is wrong whatever the layout, and
+    ``_compare`` says so)."""
+    if layout == "thd":
+        B, H, L, D = shape
+        if x.shape != (B * L, H, D):
+            return x
+        return np.swapaxes(x.reshape(B, L, H, D), 1, 2)  # [B, H, L, D]
     return x if layout == "bhsd" or x.ndim != 4 else np.swapaxes(x, 1, 2)
+
+
+def _lse_to_layout(x: np.ndarray, layout: str) -> np.ndarray:
+    """(B, H, Lq) -> lse's layout in the kernel's: JAX's (B, T, N), flash-attn varlen's
+    (H, B * Lq)."""
+    if layout == "thd":
+        B, H, L = x.shape
+        return np.swapaxes(x, 0, 1).reshape(H, B * L)  # [H, B * Lq]
+    return np.swapaxes(x, 1, 2) if layout == "bthd" else x
+
+
+def _lse_from_layout(x: np.ndarray, layout: str, shape: tuple) -> np.ndarray:
+    """lse's layout in the kernel's -> (B, H, Lq), ``shape``; an array not of the layout's
+    shape as it is."""
+    if layout == "thd":
+        B, H, L = shape
+        if x.shape != (H, B * L):
+            return x
+        return np.swapaxes(x.reshape(H, B, L), 0, 1)  # [B, H, Lq]
+    return np.swapaxes(x, 1, 2) if layout == "bthd" and x.ndim == 3 else x
+
+
+def _varlen_keywords(inp: CaseInputs, lib: "_Library") -> dict:
+    """Layout "thd": the keywords of flash-attn's varlen kernels that say where each packed
+    sequence lies: ``cu_seqlens_q`` [0, Lq, 2 Lq, ..., B Lq] and ``cu_seqlens_k`` (int32
+    arrays of the kernel's library), ``max_seqlen_q`` Lq, ``max_seqlen_k`` Lk (ints)."""
+    B, _, Lq, _ = inp.q.shape
+    Lk = inp.k.shape[2]
+    return {"cu_seqlens_q": lib.array(np.arange(B + 1, dtype=np.int32) * Lq),  # [B + 1]
+            "cu_seqlens_k": lib.array(np.arange(B + 1, dtype=np.int32) * Lk),  # [B + 1]
+            "max_seqlen_q": int(Lq), "max_seqlen_k": int(Lk)}
 
 
 class _Library:
@@ -1169,13 +1213,15 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     if float_mask and cfg.autograd is not None and cfg.mask_grad is True:
         mask = lib.array(inp.options["mask"], cfg.dtype, grad=grad)
     kw = _kernel_options(inp, cfg, sinks, mask)
+    if L == "thd":  # where each packed sequence lies, by flash-attn's names (no adapter)
+        kw.update(_varlen_keywords(inp, lib))
     # the kernel's own copies of the option arrays (a float mask, sinks, slopes), as they were:
     # a write into them shares no memory with the case's arrays, so it is seen only here
     before = {n: (x, lib.host(x)) for n, x in kw.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
     dout = lib.array(_to_layout(inp.dout, L), cfg.dtype)
     dlse_k: Any = None
-    if dlse is not None:  # lse's layout: (B, H, Lq), JAX's (B, T, N)
-        dlse_k = lib.array(np.swapaxes(dlse, 1, 2) if L == "bthd" else dlse, cfg.lse_dtype)
+    if dlse is not None:  # lse's layout: (B, H, Lq), JAX's (B, T, N), varlen's (H, B * Lq)
+        dlse_k = lib.array(_lse_to_layout(dlse, L), cfg.lse_dtype)
     # what autograd differentiates with respect to, beyond q, k, v: [(name, array)]
     leaves = [("dsinks", sinks)] if sinks is not None else []
     leaves += [("dmask", mask)] if mask is not None else []
@@ -1235,7 +1281,8 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     # q, k, v and dout as the kernel holds them after its calls: the case's values still
     res["written"] = [n for n, x, want in (("q", q, inp.q), ("k", k, inp.k), ("v", v, inp.v),
                                            ("dout", dout, inp.dout))
-                      if not np.array_equal(_from_layout(lib.host(x), L), want, equal_nan=True)]
+                      if not np.array_equal(_from_layout(lib.host(x), L, want.shape), want,
+                                            equal_nan=True)]
     res["written"] += [n for n, (x, was) in before.items()
                        if not np.array_equal(lib.host(x), was, equal_nan=True)]
     # {name: note} for out, dq, dk, dv of another library or dtype than q (k, v) as the kernel got them
@@ -1251,10 +1298,19 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
                                 f"{type(t).__module__}.{type(t).__name__}")
         elif dtype_name(got_dtype) != dtype_name(x.dtype):
             res["dtypes"][n] = f"dtype: expected {dtype_name(x.dtype)} (as {of}), got {dtype_name(got_dtype)}"
-    res["out"] = _from_layout(lib.host(out), L)
+    # "thd": {name: shape} of a tensor not of the packed shape, as the kernel gave it (read as
+    # it is, such a tensor could have the shape of verify's own (B, H, L, D))
+    res["shapes"] = {}
+
+    def read(name: str, x: Any, shape: tuple) -> np.ndarray:
+        h = lib.host(x)
+        if L == "thd" and tuple(h.shape) != _kernel_shape(name, shape, L):
+            res["shapes"][name] = tuple(h.shape)
+        return _lse_from_layout(h, L, shape) if name == "lse" else _from_layout(h, L, shape)
+
+    res["out"] = read("out", out, inp.dout.shape)
     if cfg.returns_lse:
-        h = lib.host(lse)
-        res["lse"] = np.swapaxes(h, 1, 2) if L == "bthd" and h.ndim == 3 else h
+        res["lse"] = read("lse", lse, inp.dout.shape[:3])
     for n, t in grads.items():
         if (n == "dsinks" and sinks is None) or (n == "dmask" and not float_mask) or \
                 (n == "dmask" and cfg.mask_grad is False):
@@ -1263,15 +1319,18 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
             res[n] = None
         elif n in ("dsinks", "dmask"):  # (Hq,); the mask's own shape, in every layout
             res[n] = lib.host(t)
-        else:
-            res[n] = _from_layout(lib.host(t), L)
+        else:  # dq, dk, dv: the shapes of q, k, v
+            res[n] = read(n, t, getattr(inp, n[1:]).shape)
     return res
 
 
 def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtype: str,
              terms: float, cfg: _Config, skip: Optional[np.ndarray],
-             saturated: Optional[str], lse_floor: float = 0.0) -> tuple:
+             saturated: Optional[str], lse_floor: float = 0.0,
+             shape: Optional[tuple] = None) -> tuple:
     """The ``TensorResult`` of one tensor, and its constant factor (or None) and note.
+
+    ``shape``: the kernel gave the tensor in this shape, not its layout's (``got`` is None).
 
     ``skip`` (bool, ``truth``'s shape) marks the entries not compared (lse on rows with
     nothing to attend, dmask where the mask is -inf); ``lse_floor`` is ``u_lse * (terms_lse +
@@ -1285,7 +1344,9 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
     budget = cfg.budget_factor * npattn_err + floor
     note = where = ""
     factor = None
-    if got is None:
+    if shape is not None:
+        err, note = math.inf, _shape_note(name, tuple(truth.shape), shape, cfg.layout)
+    elif got is None:
         err, note = math.inf, f"missing: no {name} was returned"
     elif tuple(got.shape) != tuple(truth.shape):
         err, note = math.inf, _shape_note(name, tuple(truth.shape), tuple(got.shape), cfg.layout)
@@ -1318,28 +1379,40 @@ _AXES = {"out": ("b", "h", "query", "d"), "dq": ("b", "h", "query", "d"),
          "dk": ("b", "h", "key", "d"), "dv": ("b", "h", "key", "d"),
          "lse": ("b", "h", "query"), "dmask": ("b", "h", "query", "key"), "dsinks": ("h",)}
 #: the same in the kernel's layout, for a message about the shape it returned
-_LAYOUT_AXES = {"bhsd": "(B, H, L, D)", "bshd": "(B, L, H, D)", "bthd": "(B, T, N, H)"}
+_LAYOUT_AXES = {"bhsd": "(B, H, L, D)", "bshd": "(B, L, H, D)", "bthd": "(B, T, N, H)",
+                "thd": "(B * L, H, D)"}
+#: lse's axes in the kernel's layout
+_LSE_AXES = {"bhsd": "(B, H, Lq)", "bshd": "(B, H, Lq)", "bthd": "(B, T, N)", "thd": "(H, B * Lq)"}
 
 
 def _kernel_shape(name: str, shape: tuple, layout: str) -> tuple:
-    """``shape`` as verify holds it -> as the kernel gives it (``_run_kernel``'s swaps undone)."""
-    swap = ((name in ("out", "dq", "dk", "dv") and layout != "bhsd" and len(shape) == 4)
+    """``shape`` as verify holds it -> as the kernel gives it (``_run_kernel``'s swaps undone).
+    For "thd" only the shape verify expects: one that ``_from_layout`` read is that shape,
+    any other was left as the kernel gave it."""
+    if layout == "thd" and name in ("out", "dq", "dk", "dv") and len(shape) == 4:
+        return (shape[0] * shape[2], shape[1], shape[3])
+    if layout == "thd" and name == "lse" and len(shape) == 3:
+        return (shape[1], shape[0] * shape[2])
+    swap = ((name in ("out", "dq", "dk", "dv") and layout not in ("bhsd", "thd") and len(shape) == 4)
             or (name == "lse" and layout == "bthd" and len(shape) == 3))
     return (shape[0], shape[2], shape[1], *shape[3:]) if swap else shape
 
 
 def _shape_note(name: str, want: tuple, got: tuple, layout: str) -> str:
     """The note of a tensor of the wrong shape, both shapes in the kernel's layout."""
-    want, got = _kernel_shape(name, want, layout), _kernel_shape(name, got, layout)
+    want = _kernel_shape(name, want, layout)
+    got = got if layout == "thd" else _kernel_shape(name, got, layout)  # "thd": as given
     axes = ""
     if name in ("out", "dq", "dk", "dv"):
         axes = f" {_LAYOUT_AXES[layout]}"
     elif name == "lse":
-        axes = " (B, T, N)" if layout == "bthd" else " (B, H, Lq)"
+        axes = f" {_LSE_AXES[layout]}"
     note = f"shape: expected {want}{axes} in layout {layout!r}, got {got}"
     if len(got) == len(want) >= 3 and got == (want[0], want[2], want[1], *want[3:]) and got != want:
         note += " (axes 1 and 2 swapped" + (
             f": is the kernel's layout not {layout!r}?)" if len(want) == 4 else ")")
+    elif layout == "thd" and name == "lse" and len(want) == 2 and got == want[::-1] != want:
+        note += " (axes swapped: flash-attn's varlen lse is (H, total_q))"
     return note
 
 
@@ -1874,6 +1947,9 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         return result
     dtypes = got.pop("dtypes")
     written = got.pop("written")
+    shapes = got.pop("shapes")  # not of the layout's shape: compared as missing, told by shape
+    for n in shapes:
+        got.pop(n)
     written += [n for n in _written(inp, given) if n not in written]
     if written:  # options: the kernel's own copies, and the case's arrays where they share memory
         result.written = list(written)
@@ -1901,7 +1977,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
             lse_floor = u_lse * (lse_terms.get(n, 0.0) + merge_terms.get(n, 0.0)
                                  + SCORE_ROUNDINGS * score_terms.get(n, 0.0))
         tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, skip,
-                              saturated, lse_floor)
+                              saturated, lse_floor, shapes.get(n))
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
             tr.note = nan
@@ -1956,6 +2032,10 @@ def _raise_hint(exc: BaseException, flags: Optional[Mapping] = None) -> str:
     if isinstance(exc, TypeError) and "'dlse'" in text:
         return (f"backward does not take dlse=: with {_setting('lse_grad', True, flags)} it is "
                 "called as backward(dout, *saved, dlse=dlse)")
+    if isinstance(exc, TypeError) and "keyword" in text and ("cu_seqlens" in text or "max_seqlen" in text):
+        return (f"fn does not take the keywords of {_setting('layout', 'thd', flags)}: it is called "
+                "fn(q, k, v, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=, "
+                "**options), flash-attn's varlen names")
     if isinstance(exc, TypeError) and "keyword" in text:
         example = {"is_causal": "causal", "align": None}
         return ("fn does not take a keyword of this case: rename or drop it with "
@@ -2068,6 +2148,20 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
     if twice:
         raise ValueError(f"adapter: expected each keyword to keep a name of its own, got "
                          f"{', '.join(map(repr, twice))} for two of them")
+
+
+def _check_layout_supports(layout: str, supports: tuple, flags: Optional[Mapping] = None) -> None:
+    """Layout "thd" passes the batch's sequences packed one after another, as flash-attn's
+    varlen kernels take them: a mask over each sequence's (Lq, Lk) grid or segment ids over
+    its positions have no place in that call. A ``ValueError`` names them before any case
+    runs (a panel that left their cases out would check less than ``supports`` declares)."""
+    refused = [s for s in supports if s in UNPACKED_OPTIONS]
+    if layout == "thd" and refused:
+        listed = ", ".join(map(repr, UNPACKED_OPTIONS[:-1])) + f" or {UNPACKED_OPTIONS[-1]!r}"
+        raise ValueError(f"supports: expected options that {_setting('layout', 'thd', flags)} can "
+                         f"pass, not {listed} (a varlen kernel takes its sequences packed one "
+                         "after another, each attending its own keys, with no mask nor segment "
+                         f"ids), got {', '.join(map(repr, refused))}")
 
 
 def _check_grad_args(mask_grad: Any, lse_grad: Any, returns_lse: Any, gradients: bool,
@@ -2185,9 +2279,15 @@ def verify(
         ``mask`` (B, 1 or Hq, Lq, Lk) in every layout, ``scale``. Returns
         ``out`` in ``layout``, or ``(out, lse)`` with ``returns_lse``; with
         ``backward`` a tuple ``(out, *saved)`` / ``(out, lse, *saved)``.
-    layout : {"bhsd", "bshd", "bthd"}
+    layout : {"bhsd", "bshd", "bthd", "thd"}
         (B, H, L, D); (B, L, H, D) with lse (B, H, Lq) (flash-attn); JAX's
-        (B, T, N, H) with lse (B, T, N).
+        (B, T, N, H) with lse (B, T, N); "thd", flash-attn's varlen kernels:
+        the B sequences packed one after another, q (B * Lq, Hq, Dh), k and v
+        (B * Lk, Hkv, D), lse and dlse (Hq, B * Lq), and ``fn`` also gets
+        ``cu_seqlens_q`` [0, Lq, 2 Lq, ..., B Lq] and ``cu_seqlens_k`` (int32
+        arrays of ``backend``), ``max_seqlen_q=Lq``, ``max_seqlen_k=Lk``
+        (by those names, whatever ``adapter``); ``supports`` may not hold
+        "mask_bool", "mask_float" or "segments" there (a ``ValueError``).
     dtype : {"float64", "float32", "float16", "bfloat16"}
         Of q, k, v, dout, a float mask and sinks (ALiBi slopes are float32,
         float64 for float64).
@@ -2288,6 +2388,7 @@ def verify(
         raise TypeError(f"flags: expected None or a mapping of keyword names to flag strings, "
                         f"got {flags!r}")
     supports = check_supports(supports)
+    _check_layout_supports(layout, supports, flags)
     head_dims = check_head_dims(head_dims, supports)  # a tuple: it is read more than once
     seed = check_size("seed", seed, maximum=None)
     if progress is not None and not callable(progress):

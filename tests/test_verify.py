@@ -6,7 +6,8 @@ seeded mistakes fails, with the tensor that the mistake breaks named and
 only in the cases that hold the option it is about (the dlse one only with
 lse_grad, the dmask one only with a float mask). torch's SDPA (autograd,
 with mask gradients too) and npattn.compat's flash_attn_func pass with the
-options they declare.
+options they declare, and its flash_attn_varlen_func in layout "thd", the
+sequences packed (where a kernel that attends across them fails).
 """
 
 from __future__ import annotations
@@ -1162,6 +1163,193 @@ def test_layouts(layout):
     wrong = VF.verify(kernel, layout="bhsd", dtype="float32", returns_lse=True,
                       cases=["base-65x128"])
     assert not wrong.ok and wrong.results[0].error is not None  # npattn refuses the shapes
+
+
+# --------------------------------------------------------------------------
+# layout "thd": flash-attn's varlen kernels, the sequences packed one after another
+
+
+def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 is_causal=False, align=None, window=None, softcap=None, alibi_slopes=None,
+                 dropout_p=0.0, dropout_mask=None, scale=None, enable_gqa=False):
+    """npattn.compat.flash_attn_varlen_func in verify's terms: (out, lse, pullback)."""
+    ws = (-1, -1) if window is None else tuple(-1 if w is None else w for w in window)
+    (out, lse, _), pullback = compat.vjp(
+        compat.flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, dropout_p=dropout_p, softmax_scale=scale, causal=is_causal,
+        window_size=ws, softcap=softcap or 0.0, alibi_slopes=alibi_slopes,
+        return_attn_probs=True, dropout_mask=dropout_mask)
+    return out, lse, pullback
+
+
+def flash_varlen_backward(dout, pullback, dlse=None):
+    return pullback(dout, dlse=dlse)[:3]
+
+
+VARLEN_SUPPORTS = "causal_bottom_right,window,softcap,alibi,gqa,dv_ne_dk,dropout_mask,scale,empty_rows"
+
+
+@pytest.mark.parametrize("dtype,backend", [("float64", "numpy"), ("float16", "numpy"),
+                                           ("bfloat16", "torch")])
+def test_compat_flash_attn_varlen_func_passes_in_layout_thd(dtype, backend):
+    """npattn.compat's varlen kernel, called on each case's B sequences packed, passes the
+    panel of every option it takes, its lse (H, total_q) and dlse too; and it was called as
+    flash-attn's varlen kernels are: (B * L, H, D) arrays, int32 cumulative lengths of the
+    kernel's library."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    calls = []
+
+    def kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+        host = [c.numpy().copy() if hasattr(c, "numpy") else c.copy()  # (torch's, on the CPU)
+                for c in (cu_seqlens_q, cu_seqlens_k)]
+        assert all(type(c) is type(q) for c in (cu_seqlens_q, cu_seqlens_k))
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), *host, max_seqlen_q,
+                      max_seqlen_k))
+        return flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            **options)
+
+    report = VF.verify(kernel, layout="thd", dtype=dtype, backend=backend, returns_lse=True,
+                       lse_grad=True, backward=flash_varlen_backward, align="bottom_right",
+                       supports=VARLEN_SUPPORTS)
+    assert report.ok, report.format()
+    options = {o for r in report.results for o in r.case.options}
+    assert options == set(VARLEN_SUPPORTS.split(",")) - {"empty_rows"}
+    assert all(set(r.tensors) == {"out", "lse", "dq", "dk", "dv"} for r in report.results)
+    # rows with nothing to attend (bottom-right causal, Lq > Lk): +inf in the varlen lse
+    assert any("causal_bottom_right" in r.case.options and r.case.Lq > r.case.Lk
+               for r in report.results)
+    for r, (qs, ks, vs, cq, ck, mq, mk) in zip(report.results, calls):
+        c = r.case
+        assert (qs, ks, vs) == ((c.B * c.Lq, c.Hq, c.Dh), (c.B * c.Lk, c.Hkv, c.Dh),
+                                (c.B * c.Lk, c.Hkv, c.Dv))
+        assert cq.dtype == np.int32 and ck.dtype == np.int32
+        assert cq.tolist() == [b * c.Lq for b in range(c.B + 1)]
+        assert ck.tolist() == [b * c.Lk for b in range(c.B + 1)]
+        assert (mq, mk) == (c.Lq, c.Lk) and c.B == 2
+
+
+def numpy_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 per_sequence=True):
+    """Dense attention on packed sequences, in NumPy: q (T, H, Dh), k (S, H, Dh), v (S, H, Dv)
+    -> out (T, H, Dv), lse (H, T). Query t attends the keys of its own sequence (its index in
+    cu_seqlens); with per_sequence False every key of the packed batch, cu_seqlens ignored."""
+    T, S = q.shape[0], k.shape[0]
+    s = np.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])  # [H, T, S]
+    if per_sequence:
+        seq_q = np.searchsorted(cu_seqlens_q, np.arange(T), side="right")  # [T]
+        seq_k = np.searchsorted(cu_seqlens_k, np.arange(S), side="right")  # [S]
+        s = np.where(seq_q[:, None] == seq_k[None, :], s, -np.inf)  # [H, T, S]
+    m = np.max(s, axis=-1, keepdims=True)  # [H, T, 1]
+    e = np.exp(s - m)  # [H, T, S]
+    total = np.sum(e, axis=-1, keepdims=True)  # [H, T, 1]
+    out = np.einsum("hts,shd->thd", e / total, v)  # [T, H, Dv]
+    return out, (m + np.log(total))[..., 0]  # [T, H, Dv], [H, T]
+
+
+def test_layout_thd_fails_a_kernel_that_attends_across_the_packed_sequences():
+    """The same NumPy kernel passes when each query attends its own sequence, and fails, out
+    and lse, in every case when it ignores cu_seqlens and attends the whole packed batch."""
+    good = VF.verify(numpy_varlen, layout="thd", dtype="float64", returns_lse=True)
+    assert good.ok, good.format()
+
+    def across(q, k, v, **layout):
+        return numpy_varlen(q, k, v, **layout, per_sequence=False)
+
+    bad = VF.verify(across, layout="thd", dtype="float64", returns_lse=True)
+    assert len(bad.failures) == len(bad.results) == len(good.results) >= 7
+    assert all(set(r.failing) == {"out", "lse"} for r in bad.results), bad.format()
+
+
+def test_layout_thd_fails_an_lse_in_another_layout():
+    """lse is flash-attn varlen's (H, total_q): transposed, in flash_attn_func's (B, H, Lq), or
+    of the right shape with the batch axis read as heads, it fails; out passes each time."""
+    case = VC.panel()[2]  # base-65x128
+    B, H, Lq = case.B, case.Hq, case.Lq
+
+    def kernel_with(lse_of):
+        def kernel(q, k, v, **layout):
+            out, lse = numpy_varlen(q, k, v, **layout)  # [T, H, Dv], [H, T]
+            return out, lse_of(lse)
+        return kernel
+
+    per_batch = lambda lse: np.swapaxes(lse.reshape(H, B, Lq), 0, 1)  # [B, H, Lq]  # noqa: E731
+    wrong = {"transposed": lambda lse: lse.T, "bshd": per_batch,
+             "reshaped": lambda lse: per_batch(lse).reshape(H, B * Lq)}
+    for name, lse_of in wrong.items():
+        r = VF.verify(kernel_with(lse_of), layout="thd", dtype="float64", returns_lse=True,
+                      cases=[case.name]).results[0]
+        assert r.failing == ["lse"], (name, r.failing)
+        assert r.tensors["out"].status == "pass"
+    r = VF.verify(kernel_with(lambda lse: lse.T), layout="thd", dtype="float64",
+                  returns_lse=True, cases=[case.name]).results[0]
+    assert r.tensors["lse"].note == (
+        f"shape: expected ({H}, {B * Lq}) (H, B * Lq) in layout 'thd', got ({B * Lq}, {H}) "
+        "(axes swapped: flash-attn's varlen lse is (H, total_q))")
+
+
+def test_layout_thd_names_an_unpacked_out_a_write_into_cu_seqlens_and_its_keywords():
+    case = VC.panel()[2]  # base-65x128
+    B, H, Lq, Dv = case.B, case.Hq, case.Lq, case.Dv
+
+    def unpacked(q, k, v, **layout):
+        out, lse = numpy_varlen(q, k, v, **layout)
+        return out.reshape(B, Lq, H, Dv), lse  # flash_attn_func's (B, Lq, H, Dv)
+
+    r = VF.verify(unpacked, layout="thd", dtype="float64", returns_lse=True,
+                  cases=[case.name]).results[0]
+    assert r.failing == ["out"] and r.tensors["out"].note == (
+        f"shape: expected ({B * Lq}, {H}, {Dv}) (B * L, H, D) in layout 'thd', got "
+        f"({B}, {Lq}, {H}, {Dv})")
+
+    def writes(q, k, v, cu_seqlens_q, **layout):
+        result = numpy_varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, **layout)
+        cu_seqlens_q[-1] += 1
+        return result
+
+    r = VF.verify(writes, layout="thd", dtype="float64", returns_lse=True,
+                  cases=[case.name]).results[0]
+    assert r.status == "fail" and r.written == ["cu_seqlens_q"] and not r.failing
+
+    def dense(q, k, v):  # a kernel of another layout: the call of "thd" names what it lacks
+        raise AssertionError("not called")
+
+    r = VF.verify(dense, layout="thd", cases=[case.name]).results[0]
+    assert "unexpected keyword argument 'cu_seqlens_q'" in r.error, r.error
+    assert r.hint == ("fn does not take the keywords of layout='thd': it is called fn(q, k, v, "
+                      "cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=, **options), "
+                      "flash-attn's varlen names")
+
+
+def test_layout_thd_compares_each_sequences_gradients():
+    """A backward that gives dk of the two sequences in each other's place fails dk alone."""
+    def swapped_dk(dout, pullback, dlse=None):
+        dq, dk, dv = flash_varlen_backward(dout, pullback, dlse)
+        return dq, np.roll(dk, dk.shape[0] // 2, axis=0), dv  # B = 2: the sequences swapped
+
+    report = VF.verify(flash_varlen, layout="thd", dtype="float64", returns_lse=True,
+                       backward=swapped_dk, align="bottom_right", supports="gqa", combos=False)
+    assert report.results and all(r.failing == ["dk"] for r in report.results), report.format()
+
+
+@pytest.mark.parametrize("supports,refused", [
+    ("causal,mask_bool,segments", "'mask_bool', 'segments'"),
+    ("all", "'mask_bool', 'mask_float', 'segments'"),
+    ("mask_float", "'mask_float'")])
+def test_layout_thd_refuses_masks_and_segments(supports, refused):
+    """A varlen kernel takes no mask nor segment ids with its sequences packed: declared with
+    layout='thd' they are refused before any case runs."""
+    def never(*args, **kw):
+        raise AssertionError("called")
+
+    message = ("supports: expected options that layout='thd' can pass, not 'mask_bool', "
+               "'mask_float' or 'segments' (a varlen kernel takes its sequences packed one after "
+               f"another, each attending its own keys, with no mask nor segment ids), got {refused}")
+    with pytest.raises(ValueError) as info:
+        VF.verify(never, layout="thd", supports=supports)
+    assert str(info.value) == message
+    assert VF.verify(numpy_varlen, layout="thd", dtype="float64", returns_lse=True,
+                     supports="causal", cases=["base-1x65"]).ok  # what the layout can pass
 
 
 def test_jax_dot_product_attention_passes():

@@ -709,3 +709,50 @@ def test_a_target_path_without_py_is_read_as_a_file(capsys):
     such file, not as a module that did not import."""
     assert cli.main(["verify", "no/such/kernel:attention", "--no-progress"]) == 2
     assert capsys.readouterr().err == "npattn verify: target: no such file 'no/such/kernel'\n"
+
+
+VARLEN = '''\
+from npattn import compat
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+              is_causal=False, align=None, window=None, enable_gqa=False):
+    ws = (-1, -1) if window is None else tuple(-1 if w is None else w for w in window)
+    (out, lse, _), pullback = compat.vjp(
+        compat.flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, causal=is_causal, window_size=ws, return_attn_probs=True)
+    return out{scale}, lse, pullback
+
+
+def backward(dout, pullback):
+    return pullback(dout)[:3]
+'''
+
+
+def test_layout_thd_checks_a_varlen_kernel_and_reruns_its_cases(tmp_path, capsys):
+    """--layout thd calls the kernel on the packed sequences (npattn.compat's varlen kernel
+    passes, the same kernel with out off by 1 % fails, and its rerun line keeps --layout thd);
+    a mask declared with it exits 2, the refusal naming --supports and --layout thd."""
+    (tmp_path / "varlen.py").write_text(VARLEN.format(scale=""))
+    (tmp_path / "off.py").write_text(VARLEN.format(scale=" * 1.01"))
+    flags = ["--layout", "thd", "--dtype", "float64", "--returns-lse", "--backward", "backward",
+             "--align", "bottom_right", "--supports", "causal_bottom_right,window,gqa",
+             "--no-progress"]
+    assert cli.main(["verify", f"{tmp_path / 'varlen.py'}:attention", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "; thd float64 on numpy" in out, out
+    assert cli.main(["verify", f"{tmp_path / 'off.py'}:attention", *flags]) == 1
+    out = capsys.readouterr().out
+    rerun = next(line.split("rerun: ", 1)[1] for line in out.splitlines() if "rerun: " in line)
+    assert "--layout thd" in rerun
+    assert cli.main(shlex.split(rerun)[1:] + ["--no-progress"]) == 1
+    assert "0/1 cases pass" in capsys.readouterr().out
+    for extra in ([], ["--list"]):  # refused before the panel is listed, too
+        argv = ["verify", f"{tmp_path / 'varlen.py'}:attention", "--layout", "thd",
+                "--supports", "causal,mask_float", *extra]
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err == (
+            "npattn verify: --supports: expected options that --layout thd can pass, not "
+            "'mask_bool', 'mask_float' or 'segments' (a varlen kernel takes its sequences packed "
+            "one after another, each attending its own keys, with no mask nor segment ids), got "
+            "'mask_float'\n")

@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="the kernel: module:function or path/to/file.py:function")
     p.add_argument("--layout", choices=VF.LAYOUTS, default="bhsd",
                    help="the kernel's axes: bhsd (B, H, L, D; the default), bshd (B, L, H, D, "
-                        "flash-attn), bthd (JAX's B, T, N, H)")
+                        "flash-attn), bthd (JAX's B, T, N, H), thd (flash-attn's varlen: the "
+                        "sequences packed, (B * L, H, D), lse (H, B * Lq), called with "
+                        "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k; no masks nor "
+                        "segments)")
     p.add_argument("--dtype", choices=VF.DTYPES, default="float32",
                    help="dtype of the kernel's inputs (default float32); npattn's truth is "
                         "float64 whatever it is")
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     grads.add_argument("--autograd", choices=("torch", "jax"), default=None,
                        help="gradients by torch.autograd.grad or jax.vjp (default: none)")
     p.add_argument("--returns-lse", action="store_true",
-                   help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd)")
+                   help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd, (H, B * Lq) "
+                        "for thd)")
     p.add_argument("--mask-grad", action="store_true", default=None,
                    help="require and check dmask, the gradient of a float mask (with --autograd "
                    "the mask requires grad); without it dmask is checked where the backward "
@@ -354,6 +358,7 @@ def _run(args) -> int:
     try:
         with argument_names(FLAGS):  # check_supports names 'supports': told once, as the flag
             supports = check_supports(args.supports)
+            VF._check_layout_supports(args.layout, supports, FLAGS)  # --list too
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     combos = args.combos == "pairs"
