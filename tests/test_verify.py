@@ -1229,6 +1229,33 @@ def test_compat_flash_attn_varlen_func_passes_in_layout_thd(dtype, backend):
         assert (mq, mk) == (c.Lq, c.Lk) and c.B == 2
 
 
+def test_layout_thd_under_jax_vjp_with_dlse():
+    """Under autograd="jax" the packed q, k, v are the primals and dlse, lse's cotangent, is
+    in varlen's (H, total_q); the varlen keywords pass through jax.vjp as constants."""
+    pytest.importorskip("jax")
+
+    def kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+               is_causal=False, align=None, enable_gqa=False):
+        out, lse, _ = compat.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=is_causal,
+            return_attn_probs=True)
+        return out, lse
+
+    report = VF.verify(kernel, layout="thd", dtype="float32", backend="jax", autograd="jax",
+                       returns_lse=True, lse_grad=True, align="bottom_right",
+                       supports="causal_bottom_right,gqa", cases=["gqa-128x65"])
+    assert report.ok and set(report.results[0].tensors) == {"out", "lse", "dq", "dk", "dv"}, \
+        report.format()
+
+    def lse_per_batch(q, k, v, **layout):  # flash_attn_func's (B, H, Lq): of another shape
+        out, lse = kernel(q, k, v, **layout)
+        B = layout["cu_seqlens_q"].shape[0] - 1
+        return out, lse.reshape(lse.shape[0], B, -1).swapaxes(0, 1)
+
+    bad = VF.verify(lse_per_batch, layout="thd", dtype="float32", backend="jax", autograd="jax",
+                    returns_lse=True, supports="gqa", cases=["gqa-128x65"])
+    assert bad.results[0].failing == ["lse"], bad.format()
+
 def numpy_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  per_sequence=True):
     """Dense attention on packed sequences, in NumPy: q (T, H, Dh), k (S, H, Dh), v (S, H, Dv)
