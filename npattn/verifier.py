@@ -2150,7 +2150,7 @@ def _check_adapter_mapping(adapter: Mapping) -> None:
                          f"{', '.join(map(repr, twice))} for two of them")
 
 
-def _check_layout_supports(layout: str, supports: tuple, flags: Optional[Mapping] = None) -> None:
+def check_layout_supports(layout: str, supports: tuple, flags: Optional[Mapping] = None) -> None:
     """Layout "thd" passes the batch's sequences packed one after another, as flash-attn's
     varlen kernels take them: a mask over each sequence's (Lq, Lk) grid or segment ids over
     its positions have no place in that call. A ``ValueError`` names them before any case
@@ -2388,7 +2388,7 @@ def verify(
         raise TypeError(f"flags: expected None or a mapping of keyword names to flag strings, "
                         f"got {flags!r}")
     supports = check_supports(supports)
-    _check_layout_supports(layout, supports, flags)
+    check_layout_supports(layout, supports, flags)
     head_dims = check_head_dims(head_dims, supports)  # a tuple: it is read more than once
     seed = check_size("seed", seed, maximum=None)
     if progress is not None and not callable(progress):

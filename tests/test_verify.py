@@ -1256,6 +1256,7 @@ def test_layout_thd_under_jax_vjp_with_dlse():
                     returns_lse=True, supports="gqa", cases=["gqa-128x65"])
     assert bad.results[0].failing == ["lse"], bad.format()
 
+
 def numpy_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  per_sequence=True):
     """Dense attention on packed sequences, in NumPy: q (T, H, Dh), k (S, H, Dh), v (S, H, Dv)

@@ -358,7 +358,7 @@ def _run(args) -> int:
     try:
         with argument_names(FLAGS):  # check_supports names 'supports': told once, as the flag
             supports = check_supports(args.supports)
-            VF._check_layout_supports(args.layout, supports, FLAGS)  # --list too
+            VF.check_layout_supports(args.layout, supports, FLAGS)  # --list too
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     combos = args.combos == "pairs"
