@@ -226,10 +226,11 @@ def check_impl_takes(impl: str, *, positional: bool, same_lead: bool, takes_chun
             f"broadcastable to (B, Hq, Lq, Lk); got {got}; use impl='reference' or 'blocked'"
         )
     if impl == "numpy" and not takes_kernel:
+        instead = "'chunked', 'reference' or 'blocked'" if takes_chunks else "'reference' or 'blocked'"
         raise ValueError(
             "impl='numpy': the NumPy kernel takes NumPy arrays q (B, Hq, Lq, Dh), "
             "k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with Hkv >= 1 dividing Hq, and masks "
-            f"broadcastable to (B, Hq, Lq, Lk); got {got}; use impl='reference' or 'blocked'"
+            f"broadcastable to (B, Hq, Lq, Lk); got {got}; use impl={instead}"
         )
 
 

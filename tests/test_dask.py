@@ -961,6 +961,23 @@ def test_chunked_refuses_leading_axes_that_broadcast_by_name():
         A.sdpa_forward(q2, q2[:1, :1], q2[:1, :1], enable_gqa=True, impl="chunked")
 
 
+def test_the_numpy_kernel_on_dask_arrays_points_to_the_chunked_path():
+    """impl="numpy" on dask arrays that the chunked path takes names it first among the
+    implementations to use (it named only 'reference' and 'blocked'); NumPy arrays the
+    kernel does not take (3 axes) are pointed to those two alone."""
+    q = da.zeros((1, 2, 4, 2), chunks=(1, 1, 2, 2))
+    with pytest.raises(ValueError) as info:
+        A.sdpa_forward(q, q, q, impl="numpy")
+    assert str(info.value) == (
+        "impl='numpy': the NumPy kernel takes NumPy arrays q (B, Hq, Lq, Dh), k (B, Hkv, Lk, Dh), "
+        "v (B, Hkv, Lk, Dv) with Hkv >= 1 dividing Hq, and masks broadcastable to (B, Hq, Lq, Lk); "
+        "got dask.array.core.Array of shapes (1, 2, 4, 2), (1, 2, 4, 2), (1, 2, 4, 2); "
+        "use impl='chunked', 'reference' or 'blocked'")
+    x = np.zeros((2, 4, 2))
+    with pytest.raises(ValueError, match=r"\(2, 4, 2\); use impl='reference' or 'blocked'$"):
+        A.sdpa_forward(x, x, x, impl="numpy")
+
+
 def test_a_nan_hidden_by_is_causal_or_a_window_on_dask():
     """docs/conventions.md: the chunked path skips the chunk pairs that is_causal or a window
     leaves out, so a NaN in a value that no row of a query chunk may see stays out of those

@@ -333,7 +333,8 @@ def test_an_impl_is_judged_on_the_longest_entry(monkeypatch):
                         lambda *a, **kw: calls.append(1) or linear(*a, **kw))
     _expect_unchanged(m, cache, lambda: m(x, x, x, kv_cache=cache, is_causal=True, impl="numpy"),
                       ValueError, r"^impl='numpy': .*got dask\.array\.core\.Array of shapes "
-                      r"\(2, 4, 1, 2\), \(2, 2, 4, 2\), \(2, 2, 4, 2\)", to_numpy)
+                      r"\(2, 4, 1, 2\), \(2, 2, 4, 2\), \(2, 2, 4, 2\); use impl='chunked', "
+                      r"'reference' or 'blocked'$", to_numpy)
     assert calls == []
     out, _ = m(x, x, x, kv_cache=cache, is_causal=True, impl="chunked")
     out0, _ = m0(x0, x0, x0, kv_cache=cache0, is_causal=True)
