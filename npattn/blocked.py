@@ -81,6 +81,9 @@ __all__ = [
     "blocked_cache",
     "with_rows",
     "rows_of",
+    "sink_start",
+    "row_delta",
+    "sink_grad_rows",
 ]
 
 #: Default query / key block lengths. A block of scores holds B*H*bq*bk
@@ -330,8 +333,7 @@ def _forward_loops(xp, c):
         m = xp.full(batch + (i1 - i0, 1), -math.inf, dtype=work, device=dev)  # [..., bq, 1]
         l = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev)  # [..., bq, 1]
         if sinks is not None:  # the sink is a first key with score `sink` and no value
-            m = xp.zeros(batch + (i1 - i0, 1), dtype=work, device=dev) + sinks  # m = sink
-            l = xp.where(sinks == -math.inf, l, l + 1.0)  # l = exp(sink - m) = 1; 0 for no sink
+            m, l = sink_start(xp, sinks, l)
         acc = xp.zeros(batch + (i1 - i0, Dv), dtype=work, device=dev)  # [..., bq, Dv]
         for j0, j1 in _blocks(Lk, c.block_k):
             if _block_skipped(xp, c, i0, i1, j0, j1):
@@ -605,6 +607,35 @@ def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache, *, dlse: Any = Non
         return _backward(dout, cache, dlse)
 
 
+def sink_start(xp: Any, sinks: Any, zeros: Any) -> tuple[Any, Any]:
+    """A row's statistics after its sink, the first key (score ``sink``, no value): ``m = sink``,
+    ``l = exp(sink - m) = 1``, and ``l = 0`` for a sink of -inf (no sink); ``sinks`` [..., 1, 1],
+    ``zeros`` [..., bq, 1] of the rows' shape and dtype. The blocked forward starts each row
+    here; ``npattn.chunked`` merges it once per row."""
+    return zeros + sinks, xp.where(sinks == -math.inf, zeros, zeros + 1.0)  # [..., bq, 1] x 2
+
+
+def row_delta(xp: Any, dout: Any, out: Any, l: Any, dlse: Any = None) -> Any:
+    """``delta = rowsum(dout * out) - dlse`` [..., Lq, 1] of the softmax backward; ``dlse``
+    [..., Lq, 1] or None.
+
+    8. ``out = acc / l = a @ v`` row by row, so ``sum_j dp_j p_j = rowsum(dout * out)``; ``lse =
+    m + log(l)`` adds ``d lse / dz_j = p_j``. A row with nothing to attend (``l = 0``) has
+    lse -inf whatever its scores: its dlse does not count (an inf there would give 0 * inf)."""
+    delta = xp.sum(dout * out, axis=-1, keepdims=True)  # [..., Lq, 1]
+    if dlse is not None:
+        delta = delta - xp.where(l == 0.0, scalar(xp, 0.0, dlse), dlse)
+    return delta
+
+
+def sink_grad_rows(xp: Any, sinks: Any, m: Any, l: Any, delta: Any) -> Any:
+    """Each row's gradient of its sink, a logit with no value (``dp_sink = 0``):
+    ``dz_sink = p_sink * (0 - delta)``, ``p_sink = exp(sink - m) / l`` [..., Lq, 1]. ``l >=
+    exp(sink - m) > 0``, except under a sink of -inf on a row with nothing to attend."""
+    l_safe = xp.where(l == 0.0, scalar(xp, 1.0, l), l)  # [..., Lq, 1]
+    return -(xp.exp(sinks - m) / l_safe * delta)
+
+
 def _backward(dout, cache: BlockedSDPACache, dlse=None):
     c = cache
     xp = namespace(dout, c.q)
@@ -613,13 +644,8 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
     work = c.q.dtype
     if dout.dtype != work:
         dout = xp.astype(dout, work)
-    # 8. out = acc / l = a @ v row by row, so sum_j dp_j p_j = rowsum(dout * out);
-    #    lse = m + log(l) adds d lse / dz_j = p_j: delta = rowsum(dout * out) - dlse
-    delta = xp.sum(dout * c.out, axis=-1, keepdims=True)  # [..., Lq, 1]
-    if dlse is not None:  # a row with nothing to attend (l = 0) has lse = -inf whatever its
-        #                   scores: its dlse does not matter, and an inf there would give 0 * inf
-        dlse_rows = xp.reshape(xp.astype(dlse, work), rows + (1,))  # [..., Lq, 1]
-        delta = delta - xp.where(c.l == 0.0, scalar(xp, 0.0, dlse_rows), dlse_rows)
+    dlse_rows = None if dlse is None else xp.reshape(xp.astype(dlse, work), rows + (1,))
+    delta = row_delta(xp, dout, c.out, c.l, dlse_rows)  # [..., Lq, 1]
     split = _pool_split(xp, c)
     if split is None:
         with limit_blas_threads(1 if is_numpy_array(c.q) else None):
@@ -634,11 +660,8 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
         run_tasks(task, split, len(split))
         dmask = None  # split only without a floating mask
     dsinks = None
-    if c.options.sinks is not None:  # the sink: a logit with no value, dp_sink = 0
-        # l >= exp(sink - m) > 0, except under a sink of -inf on a row with nothing to attend
-        l_safe = xp.where(c.l == 0.0, scalar(xp, 1.0, c.l), c.l)  # [..., Lq, 1]
-        p_sink = xp.exp(c.options.sinks - c.m) / l_safe  # [..., Lq, 1]
-        dsink = -(p_sink * delta)  # dz_sink = p_sink * (0 - delta)
+    if c.options.sinks is not None:
+        dsink = sink_grad_rows(xp, c.options.sinks, c.m, c.l, delta)  # [..., Lq, 1]
         dsinks = xp.reshape(F.sum_to_shape(xp, dsink, tuple(c.options.sinks.shape)), c.sinks_shape)
     qb, kb, vb = c.shapes_b
     dq = F.sum_to_shape(xp, xp.reshape(dq, qb), c.q_shape)  # broadcast leading axes summed back

@@ -225,10 +225,9 @@ def _pair_forward(pair: _Pair, q, k, v, mask, keep, alibi, q_segments, k_segment
 def _sink_part(sinks, like):
     """The sink [1, Hc, 1, 1] as one more part of a row's merge: ``o = 0``, ``m = sink``,
     ``l = exp(sink - m) = 1`` (0 for a sink of -inf: no sink), shaped like part ``like``."""
-    o, m, l = like
-    s = np.broadcast_to(sinks.astype(m.dtype, copy=False), m.shape)  # [Bc, Hc, ri, 1]
-    none = s == -np.inf
-    return np.zeros_like(o), np.where(none, 0.0, s).astype(m.dtype), np.where(none, 0.0, 1.0).astype(l.dtype)
+    o, m, _ = like
+    m_s, l_s = blocked.sink_start(np, sinks.astype(m.dtype, copy=False), np.zeros_like(m))
+    return np.zeros_like(o), np.where(l_s == 0.0, 0.0, m_s).astype(m.dtype), l_s  # 9.: m = 0 if empty
 
 
 def _empty_rows(shape, Dv, dtype, sinks=None):
@@ -270,14 +269,10 @@ def _pair_backward(pair: _Pair, q, k, v, mask, keep, alibi, q_segments, k_segmen
 def _sink_grad(sinks, dout, out, m, l, dlse):
     """5. ``dsink`` of one chunk of rows, summed over its batch entries and rows: [Hc].
 
-    ``delta = rowsum(dout * out) - dlse`` (dlse 0 on a row with nothing to attend, l = 0)
-    and ``p_sink = exp(sink - m) / l``, as in the blocked backward."""
+    The blocked backward's ``delta`` and per-row sink gradient, with the merged rows."""
     # [1, Hc, 1, 1], [Bc, Hc, ri, Dv], [Bc, Hc, ri, Dv], [Bc, Hc, ri, 1] x 2 (and dlse) -> [Hc]
-    delta = np.sum(dout * out, axis=-1, keepdims=True)  # [Bc, Hc, ri, 1]
-    if dlse is not None:
-        delta = delta - np.where(l == 0.0, 0.0, dlse).astype(delta.dtype)
-    p_sink = np.exp(sinks - m) / np.where(l == 0.0, 1.0, l).astype(l.dtype)  # [Bc, Hc, ri, 1]
-    return np.sum(-(p_sink * delta), axis=(0, 2, 3))
+    delta = blocked.row_delta(np, dout, out, l, dlse)  # [Bc, Hc, ri, 1]
+    return np.sum(blocked.sink_grad_rows(np, sinks, m, l, delta), axis=(0, 2, 3))
 
 
 def _sum(parts, field, shape, dtype):
