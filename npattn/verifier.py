@@ -215,8 +215,8 @@ from . import attention as A
 from .backend import backend_name, is_array, resolve_backend, to_numpy
 from .validation import (ALIGNS, check_choice, check_size, described, dtype_name, real_text,
                          real_value, type_name)
-from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, case_inputs, check_head_dims,
-                           check_supports, did_you_mean, panel)
+from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, Packing, case_inputs,
+                           check_head_dims, check_supports, did_you_mean, packing, panel)
 
 __all__ = [
     "verify",
@@ -250,7 +250,8 @@ FLOORS = {"float64": 2.0**-40, "float32": 2.0**-20, "float16": 2.0**-10, "bfloat
 DTYPES = tuple(FLOORS)
 #: "bhsd": (B, H, L, D), torch's; "bshd": (B, L, H, D), flash-attn's, lse (B, H, Lq);
 #: "bthd": JAX's (B, T, N, H), the same axes as "bshd", lse (B, T, N); "thd": flash-attn's
-#: varlen kernels, the B sequences packed one after another, (B * L, H, D), lse (H, B * Lq).
+#: varlen kernels, B sequences of different lengths packed one after another, (total, H, D),
+#: lse (H, total_q) (``npattn.verify_cases.packing``).
 LAYOUTS = ("bhsd", "bshd", "bthd", "thd")
 #: The options that a varlen kernel cannot take with its sequences packed (layout "thd"):
 #: they are arrays over the batch's (Lq, Lk) grid, which the packed form does not have.
@@ -337,6 +338,8 @@ class CaseResult:
     #: the inputs the kernel wrote into (q, k, ..., an option's name): the case fails whatever
     #: its tensors' numbers
     written: list = field(default_factory=list)
+    #: layout "thd": the (Lq_b, Lk_b) of each packed sequence; None in the other layouts
+    sequences: Optional[list] = None
 
     @property
     def raised_at(self) -> str:
@@ -372,6 +375,7 @@ class CaseResult:
                            "Dh": c.Dh, "Dv": c.Dv},
                 "status": self.status, "error": self.error, "hint": self.hint,
                 "written": list(self.written),
+                "sequences": None if self.sequences is None else [list(x) for x in self.sequences],
                 "traceback": self.traceback or None,
                 "reproducer": self.reproducer, "seconds": round(self.seconds, 4),
                 "tensors": {n: t.to_dict() for n, t in self.tensors.items()}}
@@ -531,6 +535,9 @@ class VerifyReport:
             for r in fails[:max_failures]:
                 bad = _failed_as(r)
                 parts.append(f"  {r.case.describe()}: {bad}")
+                if r.sequences is not None:
+                    pairs = ", ".join(f"({a}, {b})" for a, b in r.sequences)
+                    parts.append(f"    sequences (Lq, Lk): {pairs}")
                 if r.error:
                     parts.append(f"    error: {r.error}")
                 if r.raised_at:
@@ -783,55 +790,78 @@ def _host_dtype(dtype: str) -> Any:
     return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
 
 
-def _to_layout(x: np.ndarray, layout: str) -> np.ndarray:
-    """(B, H, L, D) -> the kernel's layout; "thd": the B sequences packed, (B * L, H, D)."""
+def _to_layout(x: np.ndarray, layout: str, rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """(B, H, L, D) -> the kernel's layout; "thd": the B sequences packed, (total, H, D), the
+    rows of each sequence those of ``rows`` [B, L] (None: all)."""
     if layout == "thd":
         B, H, L, D = x.shape
-        return np.swapaxes(x, 1, 2).reshape(B * L, H, D)  # [B * L, H, D]
+        x = np.swapaxes(x, 1, 2)  # [B, L, H, D]
+        return x.reshape(B * L, H, D) if rows is None else x[rows]  # [total, H, D]
     return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
 
 
-def _from_layout(x: np.ndarray, layout: str, shape: tuple) -> np.ndarray:
-    """The kernel's layout -> (B, H, L, D), ``shape`` the one verify expects; an array not 4-D
-    (not (B * L, H, D) for "thd") as it is (its shape is wrong whatever the layout, and
+def _from_layout(x: np.ndarray, layout: str, shape: tuple,
+                 rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """The kernel's layout -> (B, H, L, D), ``shape`` the one verify expects, zeros in the
+    padding of "thd" (its sequences' rows ``rows`` [B, L], None: all); an array not 4-D
+    (not (total, H, D) for "thd") as it is (its shape is wrong whatever the layout, and
     ``_compare`` says so)."""
     if layout == "thd":
         B, H, L, D = shape
-        if x.shape != (B * L, H, D):
+        rows = np.ones((B, L), dtype=bool) if rows is None else rows
+        if x.shape != (int(rows.sum()), H, D):
             return x
-        return np.swapaxes(x.reshape(B, L, H, D), 1, 2)  # [B, H, L, D]
+        out = np.zeros((B, L, H, D), dtype=x.dtype)
+        out[rows] = x
+        return np.swapaxes(out, 1, 2)  # [B, H, L, D]
     return x if layout == "bhsd" or x.ndim != 4 else np.swapaxes(x, 1, 2)
 
 
-def _lse_to_layout(x: np.ndarray, layout: str) -> np.ndarray:
+def _lse_to_layout(x: np.ndarray, layout: str, rows: Optional[np.ndarray] = None) -> np.ndarray:
     """(B, H, Lq) -> lse's layout in the kernel's: JAX's (B, T, N), flash-attn varlen's
-    (H, B * Lq)."""
+    (H, total_q) (the query rows of each sequence ``rows`` [B, Lq], None: all)."""
     if layout == "thd":
         B, H, L = x.shape
-        return np.swapaxes(x, 0, 1).reshape(H, B * L)  # [H, B * Lq]
+        x = np.swapaxes(x, 0, 1)  # [H, B, Lq]
+        return x.reshape(H, B * L) if rows is None else x[:, rows]  # [H, total_q]
     return np.swapaxes(x, 1, 2) if layout == "bthd" else x
 
 
-def _lse_from_layout(x: np.ndarray, layout: str, shape: tuple) -> np.ndarray:
-    """lse's layout in the kernel's -> (B, H, Lq), ``shape``; an array not of the layout's
-    shape as it is."""
+def _lse_from_layout(x: np.ndarray, layout: str, shape: tuple,
+                     rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """lse's layout in the kernel's -> (B, H, Lq), ``shape``, -inf in the padding of "thd"
+    (not compared: those rows attend nothing); an array not of the layout's shape as it is."""
     if layout == "thd":
         B, H, L = shape
-        if x.shape != (H, B * L):
+        rows = np.ones((B, L), dtype=bool) if rows is None else rows
+        if x.shape != (H, int(rows.sum())):
             return x
-        return np.swapaxes(x.reshape(H, B, L), 0, 1)  # [B, H, Lq]
+        out = np.full((H, B, L), -np.inf, dtype=x.dtype)
+        out[:, rows] = x
+        return np.swapaxes(out, 0, 1)  # [B, H, Lq]
     return np.swapaxes(x, 1, 2) if layout == "bthd" and x.ndim == 3 else x
 
 
-def _varlen_keywords(inp: CaseInputs, lib: "_Library") -> dict:
+def _varlen_keywords(pack: Packing, lib: "_Library") -> dict:
     """Layout "thd": the keywords of flash-attn's varlen kernels that say where each packed
-    sequence lies: ``cu_seqlens_q`` [0, Lq, 2 Lq, ..., B Lq] and ``cu_seqlens_k`` (int32
-    arrays of the kernel's library), ``max_seqlen_q`` Lq, ``max_seqlen_k`` Lk (ints)."""
-    B, _, Lq, _ = inp.q.shape
-    Lk = inp.k.shape[2]
-    return {"cu_seqlens_q": lib.array(np.arange(B + 1, dtype=np.int32) * Lq),  # [B + 1]
-            "cu_seqlens_k": lib.array(np.arange(B + 1, dtype=np.int32) * Lk),  # [B + 1]
-            "max_seqlen_q": int(Lq), "max_seqlen_k": int(Lk)}
+    sequence lies: ``cu_seqlens_q`` [0, Lq_0, Lq_0 + Lq_1, ...] and ``cu_seqlens_k`` (int32
+    arrays of the kernel's library), ``max_seqlen_q``, ``max_seqlen_k`` (ints)."""
+    cu_q = np.concatenate([[0], np.cumsum(pack.lq)]).astype(np.int32)  # [B + 1]
+    cu_k = np.concatenate([[0], np.cumsum(pack.lk)]).astype(np.int32)  # [B + 1]
+    return {"cu_seqlens_q": lib.array(cu_q), "cu_seqlens_k": lib.array(cu_k),
+            "max_seqlen_q": int(max(pack.lq)), "max_seqlen_k": int(max(pack.lk))}
+
+
+def _packed_inputs(inp: CaseInputs, pack: Packing) -> tuple:
+    """Layout "thd": (the inputs npattn's reference runs on, the kernel's). The reference's
+    mask is the packing's (each sequence attends itself; the padding's rows nothing), so its
+    tensors are each sequence's own; the kernel's dropout keep-mask is in varlen's layout."""
+    truth = CaseInputs(inp.q, inp.k, inp.v, inp.dout, {**inp.options, "mask": pack.pad_mask()},
+                       inp.dlse)
+    opts = dict(inp.options)
+    if "dropout_mask" in opts:
+        opts["dropout_mask"] = pack.keep_mask(opts["dropout_mask"])
+    return truth, CaseInputs(inp.q, inp.k, inp.v, inp.dout, opts, inp.dlse)
 
 
 class _Library:
@@ -1197,14 +1227,20 @@ def _grads_of(g: Any) -> dict:
                     f"{type_name(g)}")
 
 
-def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None) -> dict:
+def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None,
+                pack: Optional[Packing] = None) -> dict:
     """Call the kernel on the case; host float64 (B, H, L, D) copies of what it gives.
 
     ``dlse`` (B, Hq, Lq), with ``lse_grad``, is the upstream gradient of lse (zero on rows
-    whose lse is not finite)."""
+    whose lse is not finite); ``pack``, in layout "thd", where the packed sequences lie."""
     lib, L = cfg.lib, cfg.layout
     grad = cfg.autograd == "torch"
-    q, k, v = (lib.array(_to_layout(t, L), cfg.dtype, grad=grad) for t in (inp.q, inp.k, inp.v))
+    # [B, Lq], [B, Lk]: each packed sequence's rows ("thd"; None: every row)
+    rows = {"q": None, "k": None} if pack is None else {"q": pack.q_rows, "k": pack.k_rows}
+    rows_of = {"q": rows["q"], "k": rows["k"], "v": rows["k"], "dout": rows["q"], "out": rows["q"],
+               "lse": rows["q"], "dq": rows["q"], "dk": rows["k"], "dv": rows["k"]}
+    q, k, v = (lib.array(_to_layout(getattr(inp, n), L, rows_of[n]), cfg.dtype, grad=grad)
+               for n in ("q", "k", "v"))
     sinks = None
     if "sinks" in inp.options:
         sinks = lib.array(inp.options["sinks"], cfg.dtype, grad=grad)
@@ -1213,15 +1249,15 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     if float_mask and cfg.autograd is not None and cfg.mask_grad is True:
         mask = lib.array(inp.options["mask"], cfg.dtype, grad=grad)
     kw = _kernel_options(inp, cfg, sinks, mask)
-    if L == "thd":  # where each packed sequence lies, by flash-attn's names (no adapter)
-        kw.update(_varlen_keywords(inp, lib))
+    if pack is not None:  # where each packed sequence lies, by flash-attn's names (no adapter)
+        kw.update(_varlen_keywords(pack, lib))
     # the kernel's own copies of the option arrays (a float mask, sinks, slopes), as they were:
     # a write into them shares no memory with the case's arrays, so it is seen only here
     before = {n: (x, lib.host(x)) for n, x in kw.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
-    dout = lib.array(_to_layout(inp.dout, L), cfg.dtype)
+    dout = lib.array(_to_layout(inp.dout, L, rows["q"]), cfg.dtype)
     dlse_k: Any = None
-    if dlse is not None:  # lse's layout: (B, H, Lq), JAX's (B, T, N), varlen's (H, B * Lq)
-        dlse_k = lib.array(_lse_to_layout(dlse, L), cfg.lse_dtype)
+    if dlse is not None:  # lse's layout: (B, H, Lq), JAX's (B, T, N), varlen's (H, total_q)
+        dlse_k = lib.array(_lse_to_layout(dlse, L, rows["q"]), cfg.lse_dtype)
     # what autograd differentiates with respect to, beyond q, k, v: [(name, array)]
     leaves = [("dsinks", sinks)] if sinks is not None else []
     leaves += [("dmask", mask)] if mask is not None else []
@@ -1281,7 +1317,7 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
     # q, k, v and dout as the kernel holds them after its calls: the case's values still
     res["written"] = [n for n, x, want in (("q", q, inp.q), ("k", k, inp.k), ("v", v, inp.v),
                                            ("dout", dout, inp.dout))
-                      if not np.array_equal(_from_layout(lib.host(x), L, want.shape), want,
+                      if not np.array_equal(lib.host(x), _to_layout(want, L, rows_of[n]),
                                             equal_nan=True)]
     res["written"] += [n for n, (x, was) in before.items()
                        if not np.array_equal(lib.host(x), was, equal_nan=True)]
@@ -1304,9 +1340,11 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
 
     def read(name: str, x: Any, shape: tuple) -> np.ndarray:
         h = lib.host(x)
-        if L == "thd" and tuple(h.shape) != _kernel_shape(name, shape, L):
+        if L == "thd" and tuple(h.shape) != _kernel_shape(name, shape, L, pack):
             res["shapes"][name] = tuple(h.shape)
-        return _lse_from_layout(h, L, shape) if name == "lse" else _from_layout(h, L, shape)
+        if name == "lse":
+            return _lse_from_layout(h, L, shape, rows_of[name])
+        return _from_layout(h, L, shape, rows_of[name])
 
     res["out"] = read("out", out, inp.dout.shape)
     if cfg.returns_lse:
@@ -1327,10 +1365,11 @@ def _run_kernel(inp: CaseInputs, cfg: _Config, dlse: Optional[np.ndarray] = None
 def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtype: str,
              terms: float, cfg: _Config, skip: Optional[np.ndarray],
              saturated: Optional[str], lse_floor: float = 0.0,
-             shape: Optional[tuple] = None) -> tuple:
+             shape: Optional[tuple] = None, pack: Optional[Packing] = None) -> tuple:
     """The ``TensorResult`` of one tensor, and its constant factor (or None) and note.
 
-    ``shape``: the kernel gave the tensor in this shape, not its layout's (``got`` is None).
+    ``shape``: the kernel gave the tensor in this shape, not its layout's (``got`` is None;
+    ``pack``: in layout "thd", the case's packed sequences, which the note's shape counts).
 
     ``skip`` (bool, ``truth``'s shape) marks the entries not compared (lse on rows with
     nothing to attend, dmask where the mask is -inf); ``lse_floor`` is ``u_lse * (terms_lse +
@@ -1345,7 +1384,7 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
     note = where = ""
     factor = None
     if shape is not None:
-        err, note = math.inf, _shape_note(name, tuple(truth.shape), shape, cfg.layout)
+        err, note = math.inf, _shape_note(name, tuple(truth.shape), shape, cfg.layout, pack)
     elif got is None:
         err, note = math.inf, f"missing: no {name} was returned"
     elif tuple(got.shape) != tuple(truth.shape):
@@ -1360,7 +1399,7 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
             err = float(np.max(np.abs(g - t))) if g.size else 0.0
             factor = _constant_factor(g, t)
         if err > budget:
-            where = _where(name, g, t, budget)
+            where = _where(name, g, t, budget, pack)
     if err <= budget:
         status = "pass"
         if magnitude < DEGENERATE_RATIO * budget:
@@ -1380,31 +1419,39 @@ _AXES = {"out": ("b", "h", "query", "d"), "dq": ("b", "h", "query", "d"),
          "lse": ("b", "h", "query"), "dmask": ("b", "h", "query", "key"), "dsinks": ("h",)}
 #: the same in the kernel's layout, for a message about the shape it returned
 _LAYOUT_AXES = {"bhsd": "(B, H, L, D)", "bshd": "(B, L, H, D)", "bthd": "(B, T, N, H)",
-                "thd": "(B * L, H, D)"}
+                "thd": "(total, H, D)"}
 #: lse's axes in the kernel's layout
-_LSE_AXES = {"bhsd": "(B, H, Lq)", "bshd": "(B, H, Lq)", "bthd": "(B, T, N)", "thd": "(H, B * Lq)"}
+_LSE_AXES = {"bhsd": "(B, H, Lq)", "bshd": "(B, H, Lq)", "bthd": "(B, T, N)", "thd": "(H, total_q)"}
 
 
-def _kernel_shape(name: str, shape: tuple, layout: str) -> tuple:
+def _kernel_shape(name: str, shape: tuple, layout: str, pack: Optional[Packing] = None) -> tuple:
     """``shape`` as verify holds it -> as the kernel gives it (``_run_kernel``'s swaps undone).
-    For "thd" only the shape verify expects: one that ``_from_layout`` read is that shape,
-    any other was left as the kernel gave it."""
-    if layout == "thd" and name in ("out", "dq", "dk", "dv") and len(shape) == 4:
-        return (shape[0] * shape[2], shape[1], shape[3])
-    if layout == "thd" and name == "lse" and len(shape) == 3:
-        return (shape[1], shape[0] * shape[2])
+    For "thd" only the shape verify expects (``pack``: the case's sequences; None: B of
+    length L): one that ``_from_layout`` read is that shape, any other was left as the
+    kernel gave it."""
+    if layout == "thd" and len(shape) in (3, 4):
+        total = shape[0] * shape[2]
+        if pack is not None:
+            total = sum(pack.lk if name in ("dk", "dv") else pack.lq)
+        if name in ("out", "dq", "dk", "dv") and len(shape) == 4:
+            return (total, shape[1], shape[3])
+        if name == "lse" and len(shape) == 3:
+            return (shape[1], total)
     swap = ((name in ("out", "dq", "dk", "dv") and layout not in ("bhsd", "thd") and len(shape) == 4)
             or (name == "lse" and layout == "bthd" and len(shape) == 3))
     return (shape[0], shape[2], shape[1], *shape[3:]) if swap else shape
 
 
-def _shape_note(name: str, want: tuple, got: tuple, layout: str) -> str:
+def _shape_note(name: str, want: tuple, got: tuple, layout: str,
+                pack: Optional[Packing] = None) -> str:
     """The note of a tensor of the wrong shape, both shapes in the kernel's layout."""
-    want = _kernel_shape(name, want, layout)
+    want = _kernel_shape(name, want, layout, pack)
     got = got if layout == "thd" else _kernel_shape(name, got, layout)  # "thd": as given
     axes = ""
     if name in ("out", "dq", "dk", "dv"):
         axes = f" {_LAYOUT_AXES[layout]}"
+        if layout == "thd":
+            axes = " (total_k, H, D)" if name in ("dk", "dv") else " (total_q, H, D)"
     elif name == "lse":
         axes = f" {_LSE_AXES[layout]}"
     note = f"shape: expected {want}{axes} in layout {layout!r}, got {got}"
@@ -1428,19 +1475,38 @@ def _ranges(idx: np.ndarray, limit: int = 6) -> str:
     return text + (", ..." if len(runs) > limit else "")
 
 
-def _where(name: str, got: np.ndarray, truth: np.ndarray, budget: float) -> str:
+def _where(name: str, got: np.ndarray, truth: np.ndarray, budget: float,
+           pack: Optional[Packing] = None) -> str:
     """Where ``got`` is over budget (or not finite): how many entries, the worst one's
-    index by axis name, and which rows (queries, or keys for dk and dv)."""
+    index by axis name, and which rows (queries, or keys for dk and dv). With ``pack``
+    (layout "thd") out, lse and the gradients are told in the kernel's packed layout: the
+    token, and the worst one's sequence and position in it."""
+    axes = _AXES.get(name, tuple(f"axis{i}" for i in range(got.ndim)))[:got.ndim]
+    lengths = None
+    if pack is not None and name in ("out", "dq", "dk", "dv", "lse"):
+        lengths = pack.lk if name in ("dk", "dv") else pack.lq
+        rows = pack.k_rows if name in ("dk", "dv") else pack.q_rows
+        if name == "lse":  # [B, H, Lq] -> [H, total_q]
+            got, truth = (_lse_to_layout(x, "thd", rows) for x in (got, truth))
+            axes = ("h", "token")
+        else:  # [B, H, L, D] -> [total, H, D]
+            got, truth = (_to_layout(x, "thd", rows) for x in (got, truth))
+            axes = ("token", "h", "d")
     with np.errstate(invalid="ignore"):
         diff = np.abs(got - truth)
     over = ~np.isfinite(diff) | (diff > budget)
     if not over.any():
         return ""
     worst = np.unravel_index(int(np.argmax(np.where(np.isfinite(diff), diff, np.inf))), diff.shape)
-    axes = _AXES.get(name, tuple(f"axis{i}" for i in range(diff.ndim)))[:diff.ndim]
     text = (f"{int(over.sum())} of {over.size} entries over budget, the worst at "
             + ", ".join(f"{a}={int(i)}" for a, i in zip(axes, worst)))
-    row_axis = next((i for i, a in enumerate(axes) if a in ("query", "key")), None)
+    if lengths is not None:  # the worst token's sequence, and its place there
+        token = int(worst[axes.index("token")])
+        starts = np.concatenate([[0], np.cumsum(lengths)])  # [B + 1]
+        b = int(np.searchsorted(starts, token, side="right")) - 1
+        what = "key" if name in ("dk", "dv") else "query"
+        text += f" (sequence {b}, its {what} {token - int(starts[b])} of {lengths[b]})"
+    row_axis = next((i for i, a in enumerate(axes) if a in ("query", "key", "token")), None)
     if row_axis is not None:
         rows = np.nonzero(over.any(axis=tuple(i for i in range(over.ndim) if i != row_axis)))[0]
         text += (f"; {axes[row_axis]} rows {_ranges(rows)} ({len(rows)} of "
@@ -1923,19 +1989,27 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     start = time.perf_counter()
     raw = case_inputs(case, cfg.seed, cfg.align)
     inp = _rounded_inputs(raw, cfg.dtype)
+    kernel_inp, pack = inp, None  # what the kernel is given; "thd": where its sequences lie
+    padding = np.zeros((case.B, 1, case.Lq), dtype=bool)  # [B, 1, Lq]: rows of no sequence
+    if cfg.layout == "thd":
+        pack = packing(case, cfg.align)
+        inp, kernel_inp = _packed_inputs(inp, pack)
+        padding = ~pack.q_rows[:, None, :]
     dlse = inp.dlse if cfg.lse_grad else None
     truth = _npattn(inp, "float64", grads=cfg.gradients, weights=True, dlse=dlse)
     dlse = truth.get("dlse")  # zero on rows whose lse is not finite
     ref = _npattn(inp, cfg.dtype, grads=cfg.gradients, dlse=dlse)
     empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
-    if empty.any() and "empty_rows" not in cfg.supports:
+    if (empty & ~padding).any() and "empty_rows" not in cfg.supports:
         raise ValueError(f"cases: case {case.name!r} leaves rows with nothing to attend, but "
                          "supports does not declare 'empty_rows' (the kernel is not asked to "
                          "handle them): declare it, or change the case")
     result = CaseResult(case, reproducer=reproducer)
-    given = _copied(inp)  # the kernel's own arrays: what it writes cannot change the budgets
+    if pack is not None:
+        result.sequences = list(zip(pack.lq, pack.lk))
+    given = _copied(kernel_inp)  # the kernel's own arrays: what it writes cannot change the budgets
     try:
-        got = _run_kernel(given, cfg, dlse)
+        got = _run_kernel(given, cfg, dlse, pack)
     except (Exception, SystemExit) as exc:  # the kernel's failure (sys.exit too) is this case's result
         result.error = f"{type(exc).__name__}: {exc}"
         if not _rejected_return(exc):  # verify's own frames say nothing about the kernel
@@ -1950,7 +2024,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
     shapes = got.pop("shapes")  # not of the layout's shape: compared as missing, told by shape
     for n in shapes:
         got.pop(n)
-    written += [n for n in _written(inp, given) if n not in written]
+    written += [n for n in _written(kernel_inp, given) if n not in written]
     if written:  # options: the kernel's own copies, and the case's arrays where they share memory
         result.written = list(written)
         result.error = (f"fn wrote into its inputs {', '.join(written)}: a kernel must leave them "
@@ -1977,7 +2051,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
             lse_floor = u_lse * (lse_terms.get(n, 0.0) + merge_terms.get(n, 0.0)
                                  + SCORE_ROUNDINGS * score_terms.get(n, 0.0))
         tr, factor = _compare(n, got.get(n), truth[n], ref[n], floor_dtype, terms[n], cfg, skip,
-                              saturated, lse_floor, shapes.get(n))
+                              saturated, lse_floor, shapes.get(n), pack)
         nan = _nan_note(n, got.get(n), empty)
         if nan and tr.status == "fail":
             tr.note = nan
@@ -2282,11 +2356,14 @@ def verify(
     layout : {"bhsd", "bshd", "bthd", "thd"}
         (B, H, L, D); (B, L, H, D) with lse (B, H, Lq) (flash-attn); JAX's
         (B, T, N, H) with lse (B, T, N); "thd", flash-attn's varlen kernels:
-        the B sequences packed one after another, q (B * Lq, Hq, Dh), k and v
-        (B * Lk, Hkv, D), lse and dlse (Hq, B * Lq), and ``fn`` also gets
-        ``cu_seqlens_q`` [0, Lq, 2 Lq, ..., B Lq] and ``cu_seqlens_k`` (int32
-        arrays of ``backend``), ``max_seqlen_q=Lq``, ``max_seqlen_k=Lk``
-        (by those names, whatever ``adapter``); ``supports`` may not hold
+        the B sequences, of lengths that differ (``npattn.verify_cases.packing``:
+        the last of the case's (Lq, Lk), the others shorter), packed one after
+        another, q (total_q, Hq, Dh), k and v (total_k, Hkv, D), lse and dlse
+        (Hq, total_q), ``dropout_mask`` (B, Hq, Lq, Lk) with sequence b's keep
+        decisions in ``[b, :, :Lq_b, :Lk_b]``; ``fn`` also gets ``cu_seqlens_q``
+        [0, Lq_0, Lq_0 + Lq_1, ..., total_q] and ``cu_seqlens_k`` (int32 arrays
+        of ``backend``), ``max_seqlen_q=Lq``, ``max_seqlen_k=Lk`` (by those
+        names, whatever ``adapter``); ``supports`` may not hold
         "mask_bool", "mask_float" or "segments" there (a ``ValueError``).
     dtype : {"float64", "float32", "float16", "bfloat16"}
         Of q, k, v, dout, a float mask and sinks (ALiBi slopes are float32,

@@ -48,6 +48,8 @@ __all__ = [
     "offset",
     "STRUCTURAL",
     "PERMISSIONS",
+    "Packing",
+    "packing",
 ]
 
 #: Option tokens a kernel may declare in ``supports=``, and what each turns on.
@@ -539,6 +541,75 @@ def _blank_rows(case: Case) -> list:
     if case.Lq > 2:
         rows.append((case.B - 1, 0))
     return rows
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Layout "thd": where each of a case's B packed sequences lies in its (B, H, L, D) arrays.
+
+    Sequence b has ``lq[b]`` queries and ``lk[b]`` keys. Its rows are the first ones of
+    batch entry b (``left`` False) or the last ones (``left`` True, for bottom-right
+    alignment): either way the alignment offset of the padded (Lq, Lk) problem,
+    0 or Lk - Lq, puts every sequence's diagonal where its own (Lq_b, Lk_b) put it
+    (0 or Lk_b - Lq_b), so npattn's reference on the padded arrays, with the padding
+    masked out, is each sequence's attention.
+    """
+
+    lq: tuple
+    lk: tuple
+    Lq: int
+    Lk: int
+    left: bool
+
+    @staticmethod
+    def _rows(lengths: tuple, L: int, left: bool) -> np.ndarray:
+        at = np.arange(L)[None, :]  # [1, L]
+        n = np.array(lengths)[:, None]  # [B, 1]
+        return at >= L - n if left else at < n  # [B, L]
+
+    @property
+    def q_rows(self) -> np.ndarray:
+        """[B, Lq] bool: the query rows of each sequence."""
+        return self._rows(self.lq, self.Lq, self.left)
+
+    @property
+    def k_rows(self) -> np.ndarray:
+        """[B, Lk] bool: the key rows of each sequence."""
+        return self._rows(self.lk, self.Lk, self.left)
+
+    def pad_mask(self) -> np.ndarray:
+        """[B, 1, Lq, Lk] bool: True where query and key belong to the same sequence (the
+        padding's query rows attend nothing)."""
+        return self.q_rows[:, None, :, None] & self.k_rows[:, None, None, :]
+
+    def keep_mask(self, keep: np.ndarray) -> np.ndarray:
+        """A keep-mask (B, Hq, Lq, Lk) of the padded problem -> the kernel's, in flash-attn
+        varlen's layout: sequence b's entries in ``[b, :, :Lq_b, :Lk_b]``, False elsewhere."""
+        out = np.zeros_like(keep)
+        for b, (lq, lk) in enumerate(zip(self.lq, self.lk)):
+            i0, j0 = (self.Lq - lq, self.Lk - lk) if self.left else (0, 0)
+            out[b, :, :lq, :lk] = keep[b, :, i0:i0 + lq, j0:j0 + lk]
+        return out
+
+
+def packing(case: Case, align: str = "top_left") -> Packing:
+    """The packed sequences of ``case`` in layout "thd": lengths that differ from sequence
+    to sequence, and so do their alignment offsets ``Lk_b - Lq_b``.
+
+    The last sequence has the case's (Lq, Lk); sequence b < B - 1 is shorter by
+    ``d = Lq (B - 1 - b) // (2 B)`` queries and ``min(d // 2, Lk - 1)`` keys. Fewer keys
+    go than queries, from the end that the alignment keeps away from the diagonal, so a
+    query that the case's structure (causal, a window) lets see a key sees one in its
+    sequence too: no row becomes empty that the case's own lengths do not leave empty.
+    """
+    check_choice("align", align, ALIGNS)
+    B, Lq, Lk = case.B, case.Lq, case.Lk
+    lq, lk = [], []
+    for b in range(B):
+        d = Lq * (B - 1 - b) // (2 * B)
+        lq.append(Lq - d)
+        lk.append(Lk - min(d // 2, Lk - 1))
+    return Packing(tuple(lq), tuple(lk), Lq, Lk, case_align(case, align) == "bottom_right")
 
 
 def case_inputs(case: Case, seed: int = 0, align: str = "top_left") -> CaseInputs:

@@ -22,6 +22,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 import npattn
 from npattn import compat
@@ -1219,14 +1220,24 @@ def test_compat_flash_attn_varlen_func_passes_in_layout_thd(dtype, backend):
     # rows with nothing to attend (bottom-right causal, Lq > Lk): +inf in the varlen lse
     assert any("causal_bottom_right" in r.case.options and r.case.Lq > r.case.Lk
                for r in report.results)
+    offsets_differ = 0
     for r, (qs, ks, vs, cq, ck, mq, mk) in zip(report.results, calls):
         c = r.case
-        assert (qs, ks, vs) == ((c.B * c.Lq, c.Hq, c.Dh), (c.B * c.Lk, c.Hkv, c.Dh),
-                                (c.B * c.Lk, c.Hkv, c.Dv))
+        assert c.B == 2
+        # two sequences of their own lengths: the first shorter by Lq // 4 queries and half
+        # as many keys (at least one key left), the second of the case's (Lq, Lk)
+        lq = [c.Lq - c.Lq // 4, c.Lq]
+        lk = [c.Lk - min(c.Lq // 8, c.Lk - 1), c.Lk]
+        assert (qs, ks, vs) == ((sum(lq), c.Hq, c.Dh), (sum(lk), c.Hkv, c.Dh),
+                                (sum(lk), c.Hkv, c.Dv))
         assert cq.dtype == np.int32 and ck.dtype == np.int32
-        assert cq.tolist() == [b * c.Lq for b in range(c.B + 1)]
-        assert ck.tolist() == [b * c.Lk for b in range(c.B + 1)]
-        assert (mq, mk) == (c.Lq, c.Lk) and c.B == 2
+        assert cq.tolist() == [0, lq[0], lq[0] + lq[1]]
+        assert ck.tolist() == [0, lk[0], lk[0] + lk[1]]
+        assert (mq, mk) == (c.Lq, c.Lk)
+        # the bottom-right offsets Lk_b - Lq_b differ wherever a query is taken off
+        assert (lk[0] - lq[0] != lk[1] - lq[1]) == (c.Lq >= 4)
+        offsets_differ += c.Lq >= 4
+    assert offsets_differ >= len(report.results) // 2
 
 
 def test_layout_thd_under_jax_vjp_with_dlse():
@@ -1275,6 +1286,122 @@ def numpy_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return out, (m + np.log(total))[..., 0]  # [T, H, Dv], [H, T]
 
 
+def numpy_varlen_options(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         is_causal=False, align=None, window=None, softcap=None,
+                         alibi_slopes=None, dropout_p=0.0, dropout_mask=None, scale=None,
+                         enable_gqa=False, offset="own", keep_at="start"):
+    """flash-attn's varlen semantics in plain NumPy, one packed sequence at a time: causal,
+    the window and ALiBi bottom-right on the sequence's own (Lq_b, Lk_b) (top-left when
+    align is not "bottom_right"), the keep-mask of sequence b in dropout_mask[b, :, :Lq_b,
+    :Lk_b] -> out (T, Hq, Dv), lse (Hq, T).
+
+    The mistakes it can make: ``offset="max"`` aligns every sequence by max_seqlen_k -
+    max_seqlen_q; ``keep_at="end"`` reads the keep-mask in [b, :, -Lq_b:, -Lk_b:]."""
+    T, Hq, Dh = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    scale = 1.0 / math.sqrt(Dh) if scale is None else scale
+    out, lse = np.zeros((T, Hq, Dv)), np.full((Hq, T), -np.inf)
+    heads = np.arange(Hq) // (Hq // Hkv)  # [Hq]: the K/V head of each query head
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1, k0, k1 = cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]
+        lq, lk = q1 - q0, k1 - k0
+        o = lk - lq if offset == "own" else max_seqlen_k - max_seqlen_q
+        o = o if align == "bottom_right" else 0  # top-left: verify's align="top_left" cases
+        qb = np.swapaxes(q[q0:q1], 0, 1)  # [Hq, lq, Dh]
+        kb, vb = (np.swapaxes(t[k0:k1], 0, 1)[heads] for t in (k, v))  # [Hq, lk, D]
+        s = qb @ np.swapaxes(kb, 1, 2) * scale  # [Hq, lq, lk]
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        d = np.arange(lq)[:, None] + o - np.arange(lk)[None, :]  # [lq, lk]: i + o - j
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b]  # [Hq]
+            s = s - slopes[:, None, None] * np.abs(d)
+        allowed = np.ones((lq, lk), dtype=bool)  # [lq, lk]
+        if is_causal:
+            allowed &= d >= 0
+        if window is not None:
+            left, right = window
+            allowed &= (d <= left if left is not None else True) & (-d <= right if right is not None else True)
+        s = np.where(allowed, s, -np.inf)  # [Hq, lq, lk]
+        m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # [Hq, lq, 1]
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m)  # [Hq, lq, lk]
+        total = np.sum(e, axis=-1, keepdims=True)  # [Hq, lq, 1]
+        p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+        if dropout_mask is not None:
+            keep = dropout_mask[b, :, :lq, :lk] if keep_at == "start" else \
+                dropout_mask[b, :, dropout_mask.shape[2] - lq:, dropout_mask.shape[3] - lk:]
+            p = p * keep / (1.0 - dropout_p)
+        out[q0:q1] = np.swapaxes(p @ vb, 0, 1)
+        with np.errstate(divide="ignore"):
+            lse[:, q0:q1] = (m + np.log(total))[..., 0]
+    return out, lse
+
+
+VARLEN_FORWARD = "causal_bottom_right,window,softcap,alibi,gqa,dv_ne_dk,dropout_mask,scale,empty_rows"
+
+
+@given(case=S.attention_cases(supports=VARLEN_FORWARD, align="bottom_right", max_batch=3,
+                              max_len=40))
+def test_hypothesis_layout_thd_packs_sequences_of_their_own_lengths(case):
+    """Sequences of different lengths, each aligned on its own: a NumPy varlen kernel written
+    from flash-attn's semantics passes every case (so no row that verify asks about is empty
+    where the case's own lengths are not: the kernel declares empty rows, and a case whose
+    packing blanked a row it should not would fail on verify's refusal with the next test)."""
+    report = VF.verify(numpy_varlen_options, layout="thd", dtype="float64", returns_lse=True,
+                       supports=VARLEN_FORWARD, align="bottom_right", cases=[case])
+    assert report.ok, report.format()
+
+
+@pytest.mark.parametrize("align,supports", [("bottom_right", "causal_bottom_right,window,alibi"),
+                                            ("top_left", "causal,window,alibi")])
+@given(data=st.data())
+def test_hypothesis_layout_thd_leaves_no_row_empty_that_the_case_does_not(align, supports, data):
+    """Without "empty_rows" declared the packing keeps every query's diagonal key, in either
+    alignment: verify does not refuse the case (it would, naming the rows), and the kernel
+    passes."""
+    case = data.draw(S.attention_cases(supports=supports, align=align, max_batch=3, max_len=40))
+    report = VF.verify(numpy_varlen_options, layout="thd", dtype="float64", returns_lse=True,
+                       supports=supports, align=align, cases=[case])
+    assert report.ok, report.format()
+
+
+def test_layout_thd_fails_an_offset_of_the_longest_sequences():
+    """Aligning every packed sequence by max_seqlen_k - max_seqlen_q, not its own
+    Lk_b - Lq_b, fails out in the cases of causal, a window or ALiBi whose sequences'
+    offsets differ; and passes the others."""
+    kw = dict(layout="thd", dtype="float64", returns_lse=True, align="bottom_right",
+              supports="causal_bottom_right,window,alibi,scale")
+    good = VF.verify(numpy_varlen_options, **kw)
+    assert good.ok, good.format()
+    bad = VF.verify(lambda q, k, v, **o: numpy_varlen_options(q, k, v, **o, offset="max"), **kw)
+    aligned = {"causal_bottom_right", "window", "alibi"}
+    for r in bad.results:
+        shifted = bool(aligned & set(r.case.options)) and r.case.Lq >= 4  # offsets differ
+        assert ("out" in r.failing) == shifted, (r.case.describe(), r.failing)
+    assert sum("out" in r.failing for r in bad.results) >= 5
+    # the report names each sequence's lengths, and the worst token by sequence and position
+    text = bad.format()
+    assert "    sequences (Lq, Lk): (49, 121), (65, 129)\n" in text, text  # Lq 65 - 16, Lk 129 - 8
+    first = next(r for r in bad.results if r.case.name == "causal_bottom_right-65x129")
+    where = first.tensors["out"].where
+    assert "token rows 0-48 (49 of 114)" in where and "(sequence 0, its query " in where, where
+    assert first.to_dict()["sequences"] == [[49, 121], [65, 129]]
+
+
+def test_layout_thd_fails_a_keep_mask_read_at_the_wrong_corner():
+    """Sequence b's keep-mask is dropout_mask[b, :, :Lq_b, :Lk_b]: read at the grid's far
+    corner it fails out in the dropout cases whose first sequence is shorter."""
+    kw = dict(layout="thd", dtype="float64", returns_lse=True, align="bottom_right",
+              supports="dropout_mask,causal_bottom_right")
+    good = VF.verify(numpy_varlen_options, **kw)
+    assert good.ok, good.format()
+    bad = VF.verify(lambda q, k, v, **o: numpy_varlen_options(q, k, v, **o, keep_at="end"), **kw)
+    dropout = [r for r in bad.results if "dropout_mask" in r.case.options]
+    assert dropout and all("out" in r.failing for r in dropout if r.case.Lq >= 4), bad.format()
+    assert all(not r.failing for r in bad.results if "dropout_mask" not in r.case.options)
+
+
 def test_layout_thd_fails_a_kernel_that_attends_across_the_packed_sequences():
     """The same NumPy kernel passes when each query attends its own sequence, and fails, out
     and lse, in every case when it ignores cu_seqlens and attends the whole packed batch."""
@@ -1289,45 +1416,62 @@ def test_layout_thd_fails_a_kernel_that_attends_across_the_packed_sequences():
     assert all(set(r.failing) == {"out", "lse"} for r in bad.results), bad.format()
 
 
+def per_sequence_lse(lse, cu_seqlens_q, max_seqlen_q):
+    """Varlen's lse (H, T) -> flash_attn_func's (B, H, max_seqlen_q), zeros past each end."""
+    cu = np.asarray(cu_seqlens_q)
+    out = np.zeros((len(cu) - 1, lse.shape[0], max_seqlen_q))  # [B, H, Lq]
+    for b in range(len(cu) - 1):
+        out[b, :, :cu[b + 1] - cu[b]] = lse[:, cu[b]:cu[b + 1]]
+    return out
+
+
 def test_layout_thd_fails_an_lse_in_another_layout():
     """lse is flash-attn varlen's (H, total_q): transposed, in flash_attn_func's (B, H, Lq), or
-    of the right shape with the batch axis read as heads, it fails; out passes each time."""
+    a (total_q, H) array reshaped (not transposed) to (H, total_q), it fails; out passes each
+    time."""
     case = VC.panel()[2]  # base-65x128
-    B, H, Lq = case.B, case.Hq, case.Lq
+    H, Lq = case.Hq, case.Lq
+    T = (Lq - Lq // 4) + Lq  # the two packed sequences' queries
 
     def kernel_with(lse_of):
         def kernel(q, k, v, **layout):
             out, lse = numpy_varlen(q, k, v, **layout)  # [T, H, Dv], [H, T]
-            return out, lse_of(lse)
+            return out, lse_of(lse, layout)
         return kernel
 
-    per_batch = lambda lse: np.swapaxes(lse.reshape(H, B, Lq), 0, 1)  # [B, H, Lq]  # noqa: E731
-    wrong = {"transposed": lambda lse: lse.T, "bshd": per_batch,
-             "reshaped": lambda lse: per_batch(lse).reshape(H, B * Lq)}
+    wrong = {"transposed": lambda lse, _: lse.T,
+             "bshd": lambda lse, kw: per_sequence_lse(lse, kw["cu_seqlens_q"], kw["max_seqlen_q"]),
+             "reshaped": lambda lse, _: np.ascontiguousarray(lse.T).reshape(H, T)}
     for name, lse_of in wrong.items():
         r = VF.verify(kernel_with(lse_of), layout="thd", dtype="float64", returns_lse=True,
                       cases=[case.name]).results[0]
         assert r.failing == ["lse"], (name, r.failing)
         assert r.tensors["out"].status == "pass"
-    r = VF.verify(kernel_with(lambda lse: lse.T), layout="thd", dtype="float64",
+    r = VF.verify(kernel_with(lambda lse, _: lse.T), layout="thd", dtype="float64",
                   returns_lse=True, cases=[case.name]).results[0]
     assert r.tensors["lse"].note == (
-        f"shape: expected ({H}, {B * Lq}) (H, B * Lq) in layout 'thd', got ({B * Lq}, {H}) "
+        f"shape: expected ({H}, {T}) (H, total_q) in layout 'thd', got ({T}, {H}) "
         "(axes swapped: flash-attn's varlen lse is (H, total_q))")
 
 
 def test_layout_thd_names_an_unpacked_out_a_write_into_cu_seqlens_and_its_keywords():
     case = VC.panel()[2]  # base-65x128
     B, H, Lq, Dv = case.B, case.Hq, case.Lq, case.Dv
+    T = (Lq - Lq // 4) + Lq  # the two packed sequences' queries
 
-    def unpacked(q, k, v, **layout):
-        out, lse = numpy_varlen(q, k, v, **layout)
-        return out.reshape(B, Lq, H, Dv), lse  # flash_attn_func's (B, Lq, H, Dv)
+    def unpacked(q, k, v, cu_seqlens_q, max_seqlen_q, **layout):
+        out, lse = numpy_varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                **layout)
+        padded = np.zeros((B, max_seqlen_q, H, Dv))  # flash_attn_func's (B, Lq, H, Dv)
+        for b in range(B):
+            n = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+            padded[b, :n] = out[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
+        return padded, lse
 
     r = VF.verify(unpacked, layout="thd", dtype="float64", returns_lse=True,
                   cases=[case.name]).results[0]
     assert r.failing == ["out"] and r.tensors["out"].note == (
-        f"shape: expected ({B * Lq}, {H}, {Dv}) (B * L, H, D) in layout 'thd', got "
+        f"shape: expected ({T}, {H}, {Dv}) (total_q, H, D) in layout 'thd', got "
         f"({B}, {Lq}, {H}, {Dv})")
 
     def writes(q, k, v, cu_seqlens_q, **layout):

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=VF.LAYOUTS, default="bhsd",
                    help="the kernel's axes: bhsd (B, H, L, D; the default), bshd (B, L, H, D, "
                         "flash-attn), bthd (JAX's B, T, N, H), thd (flash-attn's varlen: the "
-                        "sequences packed, (B * L, H, D), lse (H, B * Lq), called with "
+                        "sequences, of different lengths, packed (total, H, D), lse (H, total_q), called with "
                         "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k; no masks nor "
                         "segments)")
     p.add_argument("--dtype", choices=VF.DTYPES, default="float32",
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     grads.add_argument("--autograd", choices=("torch", "jax"), default=None,
                        help="gradients by torch.autograd.grad or jax.vjp (default: none)")
     p.add_argument("--returns-lse", action="store_true",
-                   help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd, (H, B * Lq) "
+                   help="fn returns (out, lse), lse (B, H, Lq) ((B, T, N) for bthd, (H, total_q) "
                         "for thd)")
     p.add_argument("--mask-grad", action="store_true", default=None,
                    help="require and check dmask, the gradient of a float mask (with --autograd "
