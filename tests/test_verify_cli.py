@@ -747,6 +747,12 @@ def test_layout_thd_checks_a_varlen_kernel_and_reruns_its_cases(tmp_path, capsys
     assert "--layout thd" in rerun
     assert cli.main(shlex.split(rerun)[1:] + ["--no-progress"]) == 1
     assert "0/1 cases pass" in capsys.readouterr().out
+    # --list names each case's packed sequences: the first shorter by Lq // 4 queries and
+    # half as many keys, the second of the case's lengths
+    assert cli.main(["verify", f"{tmp_path / 'varlen.py'}:attention", *flags, "--list",
+                     "--case", "causal_bottom_right-65x129"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        "Lq=65 Lk=129 Dh=16 Dv=16 sequences (Lq, Lk) (49, 121), (65, 129)")
     for extra in ([], ["--list"]):  # refused before the panel is listed, too
         argv = ["verify", f"{tmp_path / 'varlen.py'}:attention", "--layout", "thd",
                 "--supports", "causal,mask_float", *extra]

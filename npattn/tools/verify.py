@@ -35,7 +35,8 @@ from typing import Any, Optional
 
 from .. import verifier as VF
 from ..validation import argument_names
-from ..verify_cases import MAX_HEAD_DIM, SUPPORTS, check_each_head_dim_once, check_supports
+from ..verify_cases import (MAX_HEAD_DIM, SUPPORTS, check_each_head_dim_once, check_supports,
+                            packing)
 from .limits import repeated_entry
 from .outputs import outputs_error
 from .progress import ProgressBar
@@ -372,7 +373,12 @@ def _run(args) -> int:
         cases = _chosen(args.case, cases)
     if args.list:
         for c in cases:
-            print(c.describe())
+            line = c.describe()
+            if args.layout == "thd":  # the packed sequences' own lengths
+                pack = packing(c, args.align)
+                line += " sequences (Lq, Lk) " + ", ".join(f"({a}, {b})"
+                                                           for a, b in zip(pack.lq, pack.lk))
+            print(line)
         return 0
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install matplotlib, or '.[plot]' from the "
