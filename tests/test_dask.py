@@ -1326,11 +1326,11 @@ def test_bench_runs_on_clusters_of_one_and_two_workers(tmp_path):
     (["--q-chunk", "0"], "--q-chunk: expected a positive integer, got 0"),
     (["--k-chunk", "0"], "--k-chunk: expected a positive integer, got 0"),
     (["--repeat", "0"], "--repeat: expected a positive integer, got 0"),
-    (["--shape", "2x3"], "--shape: expected BxLxDxH[c] with positive integers, got '2x3'"),
-    (["--shape", "2x4x8x2x"], "--shape: expected BxLxDxH[c] with positive integers, got '2x4x8x2x'"),
-    (["--shape", "2x4x8x2cc"], "--shape: expected BxLxDxH[c] with positive integers, got '2x4x8x2cc'"),
-    (["--shape", "2x+4x8x2"], "--shape: expected BxLxDxH[c] with positive integers, got '2x+4x8x2'"),
-    (["--shape", "2x1_0x8x2"], "--shape: expected BxLxDxH[c] with positive integers, got '2x1_0x8x2'"),
+    (["--shape", "2x3"], "--shape: expected BxLxDxH[c][wN] with positive integers, got '2x3'"),
+    (["--shape", "2x4x8x2x"], "--shape: expected BxLxDxH[c][wN] with positive integers, got '2x4x8x2x'"),
+    (["--shape", "2x4x8x2cc"], "--shape: expected BxLxDxH[c][wN] with positive integers, got '2x4x8x2cc'"),
+    (["--shape", "2x+4x8x2"], "--shape: expected BxLxDxH[c][wN] with positive integers, got '2x+4x8x2'"),
+    (["--shape", "2x1_0x8x2"], "--shape: expected BxLxDxH[c][wN] with positive integers, got '2x1_0x8x2'"),
 ])
 def test_bench_rejects_bad_options(args, message, capsys):
     from npattn.tools import bench
@@ -1342,12 +1342,42 @@ def test_bench_rejects_bad_options(args, message, capsys):
 
 
 def test_bench_dask_reads_a_shape_as_npattn_bench_reads_its_items():
-    """Either case and surrounding spaces, as ``npattn bench --shapes``; a trailing c (or C)
-    is causal."""
+    """Either case and surrounding spaces, as ``npattn bench --shapes``; a c (or C) is
+    causal, wN a window of N keys back, as in npattn bench."""
     from npattn.tools import bench_dask
 
-    assert bench_dask.parse_shape("2X4X8X2C") == bench_dask.parse_shape(" 2x4x8x2c ") == (2, 4, 8, 2, True)
-    assert bench_dask.parse_shape("2x4x8x2") == (2, 4, 8, 2, False)
+    assert bench_dask.parse_shape("2X4X8X2C") == bench_dask.parse_shape(" 2x4x8x2c ") == \
+        (2, 4, 8, 2, True, None)
+    assert bench_dask.parse_shape("2x4x8x2") == (2, 4, 8, 2, False, None)
+    assert bench_dask.parse_shape("1x64x8x2w16") == (1, 64, 8, 2, False, 16)
+    assert bench_dask.parse_shape("1x64x8x2CW0") == (1, 64, 8, 2, True, 0)
+    for bad in ("1x64x8x2w", "1x64x8x2wc", "1x64x8x2w-1"):
+        with pytest.raises(ValueError, match=r"^--shape: expected BxLxDxH\[c\]\[wN\]"):
+            bench_dask.parse_shape(bad)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 5), (True, 12),
+                                            (False, 0), (False, 100)])
+def test_bench_dask_visible_pairs_are_the_pairs_of_the_graph(causal, window):
+    """visible_pairs (the memory check's count) is the number of pair tasks the chunked graph
+    holds, and the count by brute force over every (query, key) of the chunks: a pair is in
+    the graph when one of its queries may attend one of its keys."""
+    from npattn.tools import bench_dask
+
+    text = "2x30x4x2" + ("c" if causal else "") + ("" if window is None else f"w{window}")
+    shape = bench_dask.parse_shape(text)
+    for qc, kc in ((7, 4), (30, 30), (1, 3), (10, 10)):
+        i, j = np.arange(30)[:, None], np.arange(30)[None, :]
+        may = np.ones((30, 30), dtype=bool)
+        if causal or window is not None:
+            may &= j <= i
+        if window is not None:
+            may &= j >= i - window
+        brute = sum(may[i0:i0 + qc, j0:j0 + kc].any() for i0 in range(0, 30, qc)
+                    for j0 in range(0, 30, kc))
+        assert bench_dask.visible_pairs(30, qc, kc, causal, window) == brute
+        (row,) = bench_dask.graph_sizes(shape, np.dtype("float64"), [(qc, kc)])
+        assert row["pairs"] == 2 * brute  # two batch entries
 
 
 @pytest.mark.parametrize("text, largest", [
@@ -1372,7 +1402,7 @@ def test_bench_refuses_a_shape_past_the_largest_size_before_any_graph(text, larg
         bench.main(["--backend", "dask", "--shape", text, "--skip-memory-check", "--graph-only"])
     assert stop.value.code == 2
     assert str(exc.value) in capsys.readouterr().err
-    assert bench_dask.parse_shape("1x1x2147483647x1") == (1, 1, 2**31 - 1, 1, False)  # the largest is taken
+    assert bench_dask.parse_shape("1x1x2147483647x1") == (1, 1, 2**31 - 1, 1, False, None)  # the largest
 
 
 def test_bench_run_bytes_by_hand():
@@ -1617,13 +1647,18 @@ def test_bench_run_local_times_forward_and_backward(monkeypatch):
     monkeypatch.setattr(A, "sdpa_backward", timed_backward)
     monkeypatch.setattr(bench_dask, "time", clock)
     result = bench_dask.run_local(bench_dask.parse_shape("2x8x12x3c"), np.dtype("float64"), 3)
-    assert seen == [((2, 3, 8, 4), np.float64, {"is_causal": True, "impl": "blocked"})] * 3
+    assert seen == [((2, 3, 8, 4), np.float64, {"is_causal": True, "window": None,
+                                                "impl": "blocked"})] * 3
     assert result["times"] == [3.0, 7.0, 11.0] and result["seconds"] == 7.0
     from npattn import backend
 
     monkeypatch.setattr(backend, "pool_threads", lambda: 5)  # the pool's threads are reported
     forward_times = iter([1.0])
     assert bench_dask.run_local(bench_dask.parse_shape("1x4x2x1"), np.dtype("float64"), 1)["threads"] == 5
+    seen.clear()
+    forward_times = iter([1.0])
+    bench_dask.run_local(bench_dask.parse_shape("1x4x2x1w3"), np.dtype("float64"), 1)  # wN: (N, 0)
+    assert seen[0][2] == {"is_causal": False, "window": (3, 0), "impl": "blocked"}
 
 
 def test_bench_main_passes_its_options_on(tmp_path, monkeypatch):
@@ -1649,7 +1684,7 @@ def test_bench_main_passes_its_options_on(tmp_path, monkeypatch):
     common = ["--shape", "3x1024x16x2c", "--dtype", "float32", "--q-chunk", "2048", "--k-chunk",
               "256", "--json", str(path)]
     assert bench_dask.main([*common, "--workers", "3", "--repeat", "2", "--dask-malloc-trim"]) == 0
-    shape = (3, 1024, 16, 2, True)
+    shape = (3, 1024, 16, 2, True, None)
     assert calls == [("workers", shape, np.float32, 1024, 256, [3], 2, True),
                      ("local", shape, np.float32, 2)]
     result = json.loads(path.read_text())
@@ -2039,11 +2074,11 @@ def test_bench_main_s_chunkings_defaults_and_speed_ups(tmp_path, monkeypatch, ca
     path = tmp_path / "r.json"
     assert bench_dask.main(["--shape", "1x64x8x2", "--q-chunk", "16", "--k-chunk", "32",
                             "--dtype", "float32", "--graph-only", "--json", str(path)]) == 0
-    assert asked[-1] == ((1, 64, 8, 2, False), np.float32, [(64, 64), (64, 32), (16, 32), (8, 8)])
+    assert asked[-1] == ((1, 64, 8, 2, False, None), np.float32, [(64, 64), (64, 32), (16, 32), (8, 8)])
     assert bench_dask.main(["--graph-only", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert (result["shape"], result["q_chunk"], result["k_chunk"]) == ("8x4096x512x8", 1024, 1024)
-    assert asked[-1][0] == (8, 4096, 512, 8, False) and (1024, 1024) in asked[-1][2]
+    assert asked[-1][0] == (8, 4096, 512, 8, False, None) and (1024, 1024) in asked[-1][2]
 
     calls = []
 

@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -42,7 +43,8 @@ from ..validation import check_positive_int
 from .limits import MAX_SIZE, SKIP_MEMORY_CHECK, SKIP_MEMORY_CHECK_HELP, memory_error, repeated_entry
 from .outputs import json_output, output_error
 
-__all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local", "run_bytes"]
+__all__ = ["main", "parse_shape", "graph_sizes", "run_workers", "run_local", "run_bytes",
+           "visible_pairs"]
 
 DEFAULT_SHAPE = "8x4096x512x8"  # B x L x d_model x H, as npattn bench
 ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
@@ -50,20 +52,47 @@ ONE_CORE = {"NPATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THR
 
 
 def parse_shape(text: str) -> tuple:
-    """``BxLxDxH`` with an optional trailing ``c`` (causal) -> (B, L, D, H, causal); in either
-    case and with surrounding spaces, each size at most ``limits.MAX_SIZE``, as ``npattn bench
-    --shapes`` reads its items."""
-    match = re.fullmatch(r"([0-9]+)x([0-9]+)x([0-9]+)x([0-9]+)(c?)", text.strip().lower())
+    """``BxLxDxH`` with an optional ``c`` (causal) and ``wN`` (a sliding window of N keys
+    back, ``window=(N, 0)``) -> (B, L, D, H, causal, N or None); in either case and with
+    surrounding spaces, each size at most ``limits.MAX_SIZE``, as ``npattn bench --shapes``
+    reads its items."""
+    match = re.fullmatch(r"([0-9]+)x([0-9]+)x([0-9]+)x([0-9]+)(c?)(?:w([0-9]+))?", text.strip().lower())
     if match is None:
-        raise ValueError(f"--shape: expected BxLxDxH[c] with positive integers, got {text!r}")
+        raise ValueError(f"--shape: expected BxLxDxH[c][wN] with positive integers, got {text!r}")
     B, L, D, H = (int(g) for g in match.groups()[:4])
     causal = match.group(5) == "c"
+    window = None if match.group(6) is None else int(match.group(6))
     if min(B, L, D, H) < 1 or D % H:
         raise ValueError(f"--shape: expected positive sizes with H dividing D, got {text!r}")
     if max(B, L, D, H) > MAX_SIZE:  # as npattn bench --shapes: refused before any graph is built
         raise ValueError(f"--shape: {text!r} needs sizes of at most {MAX_SIZE} (BLAS takes 32-bit "
                          f"sizes), got {max(B, L, D, H)}")
-    return B, L, D, H, causal
+    if window is not None and window > MAX_SIZE:
+        raise ValueError(f"--shape: {text!r} needs a window of at most {MAX_SIZE} keys, got {window}")
+    return B, L, D, H, causal, window
+
+
+def _window(shape: tuple) -> Optional[tuple]:
+    """The ``window=`` of a parsed shape: (N, 0) for ``wN``, None without."""
+    return None if len(shape) < 6 or shape[5] is None else (shape[5], 0)
+
+
+def visible_pairs(L: int, q_chunk: int, k_chunk: int, causal: bool = False,
+                  window: Optional[int] = None) -> int:
+    """The (query chunk, key chunk) pairs of one batch entry that hold a key some query may
+    attend: all of them, or with causal those at or below the diagonal, with a window of N
+    keys back those that reach back at most N keys as well."""
+    n = 0
+    for i0 in range(0, L, q_chunk):
+        i1 = min(i0 + q_chunk, L)  # queries i0 .. i1 - 1
+        for j0 in range(0, L, k_chunk):
+            j1 = min(j0 + k_chunk, L)  # keys j0 .. j1 - 1
+            if (causal or window is not None) and j0 > i1 - 1:  # every key after every query
+                continue
+            if window is not None and j1 - 1 < i0 - window:  # every key too far back
+                continue
+            n += 1
+    return n
 
 
 #: Bytes of graph per chunk pair, at least: each pair is two tasks (forward and backward),
@@ -81,12 +110,15 @@ def run_bytes(shape, itemsize, q_chunk, k_chunk, local=True) -> tuple[int, str]:
     """A lower bound of the bytes ``main`` holds at once in this process, and what it counts.
 
     The largest graph it builds (``GRAPH_BYTES_PER_PAIR`` for each of its
-    ``B * ceil(L / q_chunk) * ceil(L / k_chunk)`` chunk pairs) and, with the
+    chunk pairs: ``B * ceil(L / q_chunk) * ceil(L / k_chunk)``, fewer with causal or a
+    window, which leave pairs out of the graph: ``visible_pairs``) and, with the
     in-process run (``local``), that run's NumPy arrays: q, k, v, dout, out,
     dq, dk, dv, ``8 B L D`` values. The workers' memory is not counted.
     """
-    B, L, D, _, _ = shape
-    pairs = max(B * -(-L // qc) * -(-L // kc) for qc, kc in _chunkings(L, q_chunk, k_chunk))
+    B, L, D, _, causal = shape[:5]
+    window = shape[5] if len(shape) > 5 else None
+    pairs = max(B * visible_pairs(L, qc, kc, causal, window)
+                for qc, kc in _chunkings(L, q_chunk, k_chunk))
     graph = GRAPH_BYTES_PER_PAIR * pairs
     arrays = 8 * B * L * D * itemsize if local else 0
     what = (f"a graph of {pairs} chunk pairs at {GRAPH_BYTES_PER_PAIR} bytes each"
@@ -98,7 +130,7 @@ def _inputs(shape, dtype, q_chunk, k_chunk, seed=0):
     """q, k, v, dout as dask arrays drawn chunk by chunk (on the workers when there is a client)."""
     import dask.array as da
 
-    B, L, D, H, _ = shape
+    B, L, D, H = shape[:4]
     Dh = D // H
     rng = da.random.default_rng(seed)
     q_chunks = (1, H, min(q_chunk, L), Dh)
@@ -115,7 +147,7 @@ def _graph(shape, dtype, q_chunk, k_chunk):
     from .. import attention as A
 
     q, k, v, dout = _inputs(shape, dtype, q_chunk, k_chunk)
-    out, cache = A.sdpa_forward(q, k, v, is_causal=shape[4], impl="chunked")
+    out, cache = A.sdpa_forward(q, k, v, is_causal=shape[4], window=_window(shape), impl="chunked")
     dq, dk, dv, _, _ = A.sdpa_backward(dout, cache)
     return (q, k, v, dout), (out, dq, dk, dv)
 
@@ -240,14 +272,14 @@ def run_local(shape, dtype, repeat) -> dict:
     from .. import attention as A
     from ..backend import pool_threads
 
-    B, L, D, H, causal = shape
+    B, L, D, H, causal = shape[:5]
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, H, L, D // H), dtype=np.float32).astype(dtype)
                      for _ in range(4))
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        o, c = A.sdpa_forward(q, k, v, is_causal=causal, impl="blocked")
+        o, c = A.sdpa_forward(q, k, v, is_causal=causal, window=_window(shape), impl="blocked")
         A.sdpa_backward(dout, c)
         times.append(time.perf_counter() - t0)
         del o, c
@@ -261,9 +293,10 @@ def main(argv=None) -> int:
                     "LocalClusters of single-threaded worker processes (1 and 2 by default: "
                     "--workers), peak memory per worker.")
     parser.add_argument("--backend", choices=["dask"], default="dask", help=argparse.SUPPRESS)
-    parser.add_argument("--shape", default=DEFAULT_SHAPE, metavar="BxLxDxH[c]",
-                        help="batch x sequence length x model width x heads (H dividing D), a "
-                             "trailing c for causal attention (default: %(default)s)")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, metavar="BxLxDxH[c][wN]",
+                        help="batch x sequence length x model width x heads (H dividing D), then "
+                             "c for causal attention, wN for a sliding window of N keys back "
+                             "(window=(N, 0)) (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                         help="dtype of the inputs (default float32)")
     parser.add_argument("--q-chunk", type=int, default=1024, metavar="N",
@@ -322,14 +355,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     with json_output(args.json) as result:  # --json -: the JSON alone on stdout
-        B, L, D, H, causal = shape
+        B, L, D, H, causal, window = shape
         itemsize = np.dtype(args.dtype).itemsize
         q_chunk, k_chunk = min(args.q_chunk, L), min(args.k_chunk, L)  # as the inputs are chunked
         result.update(
             shape=args.shape, dtype=args.dtype, q_chunk=q_chunk, k_chunk=k_chunk,
+            causal=causal, window=_window(shape),
             dask=dask.__version__, distributed=distributed.__version__, cpus=os.cpu_count(),
             scores_one_head_mib=L * L * itemsize / 2**20, scores_one_entry_mib=H * L * L * itemsize / 2**20)
-        print(f"npattn bench --backend dask: shape {args.shape} ({'causal, ' if causal else ''}{args.dtype}), "
+        what = ("causal, " if causal else "") + (f"window ({window}, 0), " if window is not None else "")
+        print(f"npattn bench --backend dask: shape {args.shape} ({what}{args.dtype}), "
               f"chunks: 1 batch entry x {H} heads x {q_chunk} queries x {k_chunk} keys; "
               f"dask {dask.__version__}, {os.cpu_count()} CPUs")
         print(f"one head's (Lq, Lk) scores: {result['scores_one_head_mib']:.0f} MiB; one batch entry's "
