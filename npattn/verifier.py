@@ -855,9 +855,12 @@ def _varlen_keywords(pack: Packing, lib: "_Library") -> dict:
 def _packed_inputs(inp: CaseInputs, pack: Packing) -> tuple:
     """Layout "thd": (the inputs npattn's reference runs on, the kernel's). The reference's
     mask is the packing's (each sequence attends itself; the padding's rows nothing), so its
-    tensors are each sequence's own; the kernel's dropout keep-mask is in varlen's layout."""
+    tensors are each sequence's own; its dlse is zero on the padding's rows, whose lse is
+    finite with sinks (the sink's) and which the kernel does not have; the kernel's dropout
+    keep-mask is in varlen's layout."""
+    dlse = None if inp.dlse is None else np.where(pack.q_rows[:, None, :], inp.dlse, 0.0)
     truth = CaseInputs(inp.q, inp.k, inp.v, inp.dout, {**inp.options, "mask": pack.pad_mask()},
-                       inp.dlse)
+                       dlse)  # [B, Hq, Lq] dlse
     opts = dict(inp.options)
     if "dropout_mask" in opts:
         opts["dropout_mask"] = pack.keep_mask(opts["dropout_mask"])

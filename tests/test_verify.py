@@ -1504,6 +1504,61 @@ def test_layout_thd_compares_each_sequences_gradients():
     assert report.results and all(r.failing == ["dk"] for r in report.results), report.format()
 
 
+def numpy_varlen_sinks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                       sinks=None):
+    """Packed sequences with a sink per head, in plain NumPy, one sequence at a time:
+    -> (out (T, H, Dv), lse (H, T), what the backward needs). Row i's softmax denominator
+    gains exp(sink_h - m_i)."""
+    T, H, _ = q.shape
+    given, sinks = sinks, np.full(H, -np.inf) if sinks is None else sinks  # [H]
+    out, lse = np.zeros((T, H, v.shape[2])), np.zeros((H, T))
+    for b in range(len(cu_seqlens_q) - 1):
+        rq = slice(cu_seqlens_q[b], cu_seqlens_q[b + 1])
+        rk = slice(cu_seqlens_k[b], cu_seqlens_k[b + 1])
+        s = np.einsum("thd,shd->hts", q[rq], k[rk]) / math.sqrt(q.shape[-1])  # [H, lq, lk]
+        m = np.maximum(np.max(s, axis=-1), sinks[:, None])  # [H, lq]
+        total = np.sum(np.exp(s - m[..., None]), axis=-1) + np.exp(sinks[:, None] - m)  # [H, lq]
+        lse[:, rq] = m + np.log(total)
+        out[rq] = np.einsum("hts,shd->thd", np.exp(s - lse[:, rq, None]), v[rk])
+    return out, lse, (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, given)
+
+
+def numpy_varlen_sinks_backward(dout, saved, dlse=None):
+    """dq, dk, dv, dsinks of sum(out * dout) + sum(lse * dlse): ds = p (dp - delta + dlse),
+    delta_i = dout_i . out_i, and d lse_i / d sink = p_sink_i = exp(sink - lse_i)."""
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, given = saved
+    sinks = np.full(q.shape[1], -np.inf) if given is None else given  # [H]
+    dlse = np.zeros_like(lse) if dlse is None else dlse  # [H, T]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsinks = np.zeros(q.shape[1])  # [H]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for b in range(len(cu_seqlens_q) - 1):
+        rq = slice(cu_seqlens_q[b], cu_seqlens_q[b + 1])
+        rk = slice(cu_seqlens_k[b], cu_seqlens_k[b + 1])
+        p = np.exp(np.einsum("thd,shd->hts", q[rq], k[rk]) * scale - lse[:, rq, None])  # [H, lq, lk]
+        dp = np.einsum("thd,shd->hts", dout[rq], v[rk])  # [H, lq, lk]
+        delta = np.einsum("thd,thd->ht", dout[rq], out[rq])  # [H, lq]
+        ds = p * (dp - delta[..., None] + dlse[:, rq, None])  # [H, lq, lk]
+        dq[rq] = np.einsum("hts,shd->thd", ds, k[rk]) * scale
+        dk[rk] = np.einsum("hts,thd->shd", ds, q[rq]) * scale
+        dv[rk] = np.einsum("hts,thd->shd", p, dout[rq])
+        dsinks += np.sum(np.exp(sinks[:, None] - lse[:, rq]) * (dlse[:, rq] - delta), axis=1)
+    return dq, dk, dv, (None if given is None else dsinks)
+
+
+def test_layout_thd_sinks_with_dlse_count_only_the_sequences_rows():
+    """With sinks and lse_grad, dsinks sums p_sink (dlse - delta) over the packed sequences'
+    query rows alone: a NumPy kernel written so passes. (A padding row of the padded truth
+    attends no key, but its lse is the sink's, finite: given a dlse there, the truth's dsinks
+    counted rows the kernel never has.)"""
+    report = VF.verify(numpy_varlen_sinks, layout="thd", dtype="float64", returns_lse=True,
+                       lse_grad=True, backward=numpy_varlen_sinks_backward, supports="sinks")
+    sinks = [r for r in report.results if "sinks" in r.case.options]
+    assert sinks and all("dsinks" in r.tensors for r in sinks)
+    assert any(len(set(r.sequences)) > 1 for r in sinks)  # sequences of different lengths
+    assert report.ok, report.format()
+
+
 @pytest.mark.parametrize("supports,refused", [
     ("causal,mask_bool,segments", "'mask_bool', 'segments'"),
     ("all", "'mask_bool', 'mask_float', 'segments'"),
