@@ -206,7 +206,7 @@ import time
 import traceback
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
@@ -1869,11 +1869,32 @@ def _apart(want: np.ndarray, truth: np.ndarray, rows: np.ndarray, budget: float)
     return bool(np.any(np.abs(w - t) > MISS_SEPARATION * budget))
 
 
-def _out_candidates(inp: CaseInputs, truth: dict) -> Iterator[tuple]:
+def _moved(x: np.ndarray, src: np.ndarray, dst: np.ndarray, fill: Any, axis: int = 2) -> np.ndarray:
+    """Layout "thd": each packed sequence's rows of ``x`` [B, H, L, ...] on ``axis`` moved from
+    ``src`` [B, L] to ``dst`` [B, L] (the same count in each batch entry), ``fill`` elsewhere."""
+    out = np.full_like(x, fill)
+    np.moveaxis(out, axis, 1)[dst] = np.moveaxis(x, axis, 1)[src]  # [total, H, ...]
+    return out
+
+
+def _repacked(inp: CaseInputs, pack: Packing, there: Packing) -> CaseInputs:
+    """Layout "thd": the reference's inputs ``inp`` of the packing ``pack`` with each sequence
+    moved to the rows of ``there`` (the other end of its batch entry), masked by its own."""
+    q_at, k_at = (pack.q_rows, there.q_rows), (pack.k_rows, there.k_rows)
+    opts = {**inp.options, "mask": there.pad_mask()}
+    if "dropout_mask" in opts:  # [B, Hq, Lq, Lk]: both axes
+        opts["dropout_mask"] = _moved(_moved(opts["dropout_mask"], *q_at, False), *k_at, False, 3)
+    return CaseInputs(_moved(inp.q, *q_at, 0.0), _moved(inp.k, *k_at, 0.0),
+                      _moved(inp.v, *k_at, 0.0), _moved(inp.dout, *q_at, 0.0), opts, inp.dlse)
+
+
+def _out_candidates(inp: CaseInputs, truth: dict, pack: Optional[Packing] = None) -> Iterator[tuple]:
     """``(mistake, out, lse, empty)`` for each mistake that ``out_misses`` tries: its out
     (B, Hq, Lq, Dv), lse (B, Hq, Lq) and rows with nothing to attend (B, Hq, Lq), computed
     one at a time as they are read; a variant npattn refuses is left out (that mistake is
-    not the kernel's)."""
+    not the kernel's). ``pack``, in layout "thd": a variant aligned the other way aligns
+    each sequence on its own lengths, computed with the sequences at the other end of their
+    batch entries (where the padded diagonal is theirs in that alignment)."""
     empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
     p = inp.options.get("dropout_p")
     if inp.options.get("dropout_mask") is not None and p:  # lse does not see dropout
@@ -1883,14 +1904,23 @@ def _out_candidates(inp: CaseInputs, truth: dict) -> Iterator[tuple]:
         yield ("dropout's 1/(1 - p) left out: out is npattn's x (1 - p)" + why,
                truth["out"] * (1.0 - p), truth["lse"], empty)
     for mistake, var in forward_variants(inp):
+        there = None
+        if pack is not None and var.options.get("align") != inp.options.get("align"):
+            there = replace(pack, left=not pack.left)
+            var = _repacked(var, pack, there)
         try:
             res = _npattn(var, "float64", grads=False, weights=True)
         except Exception:
             continue
-        yield mistake, res["out"], res["lse"], _empty_rows(res["weights"])
+        out, lse, empty = res["out"], res["lse"], _empty_rows(res["weights"])
+        if there is not None:  # back to the rows of ``pack``
+            out, lse, empty = (_moved(x, there.q_rows, pack.q_rows, fill)
+                               for x, fill in ((out, 0.0), (lse, -np.inf), (empty, True)))
+        yield mistake, out, lse, empty
 
 
-def out_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> list:
+def out_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict,
+               pack: Optional[Packing] = None) -> list:
     """The mistakes whose forward the kernel's failing out is, exactly: within out's budget
     of it, and of lse's too when lse is compared (on the rows where the mistake and npattn
     have something to attend; a row with nothing to attend under the mistake may hold
@@ -1898,7 +1928,8 @@ def out_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> list:
 
     ``got`` and ``truth`` hold host float64 tensors, (B, Hq, Lq, Dv) out and (B, Hq, Lq) lse
     (``truth`` also the weights); the mistakes are ``forward_variants`` and, with dropout, an
-    out of npattn's x (1 - p) (1/(1 - p) left out) or x (1 - p)^2 ((1 - p) for 1/(1 - p))."""
+    out of npattn's x (1 - p) (1/(1 - p) left out) or x (1 - p)^2 ((1 - p) for 1/(1 - p)).
+    ``pack``: in layout "thd", where the packed sequences lie (``_out_candidates``)."""
     out, t_out = got.get("out"), tensors["out"]
     if out is None or out.shape != truth["out"].shape:
         return []
@@ -1908,7 +1939,7 @@ def out_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> list:
         return []
     empty = _empty_rows(truth["weights"])  # [B, Hq, Lq]
     found = []
-    for mistake, alt_out, alt_lse, alt_empty in _out_candidates(inp, truth):
+    for mistake, alt_out, alt_lse, alt_empty in _out_candidates(inp, truth, pack):
         rows = ~alt_empty  # [B, Hq, Lq]
         if not (_apart(alt_out, truth["out"], rows, t_out.budget)
                 and _within(out, alt_out, rows, t_out.budget)):
@@ -1950,7 +1981,8 @@ def lse_misses(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> list:
     return found
 
 
-def near_miss(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> str:
+def near_miss(inp: CaseInputs, got: dict, truth: dict, tensors: dict,
+              pack: Optional[Packing] = None) -> str:
     """The common mistake that a failing case's out (``out_misses``) or, out right, lse
     (``lse_misses``) is exactly, for the hint; "" when none is, or when the search itself
     fails (it only diagnoses: the case has failed already). Two mistakes that give the same
@@ -1962,7 +1994,7 @@ def near_miss(inp: CaseInputs, got: dict, truth: dict, tensors: dict) -> str:
             t_out, t_lse = tensors.get("out"), tensors.get("lse")
             found: list = []
             if t_out is not None and t_out.status == "fail":
-                found = out_misses(inp, got, truth, tensors)
+                found = out_misses(inp, got, truth, tensors, pack)
             elif t_lse is not None and t_lse.status == "fail":
                 found = lse_misses(inp, got, truth, tensors)
     except Exception:
@@ -2073,7 +2105,7 @@ def _run_case(case: Case, cfg: _Config, reproducer: str) -> CaseResult:
         if factor is not None:
             factors[n] = factor
     # the common mistake that a failing out (or lse) is exactly: for failing cases only
-    miss = near_miss(inp, got, truth, result.tensors) if result.failing else ""
+    miss = near_miss(inp, got, truth, result.tensors, pack) if result.failing else ""
     result.hint = (case_hint(case, result.tensors, factors, notes, lse_grad=cfg.lse_grad,
                              miss=miss) if result.failing else "")
     if written and not result.failing:  # right numbers, but the caller's arrays changed

@@ -1389,6 +1389,28 @@ def test_layout_thd_fails_an_offset_of_the_longest_sequences():
     assert first.to_dict()["sequences"] == [[49, 121], [65, 129]]
 
 
+@pytest.mark.parametrize("align,supports", [("bottom_right", "causal_bottom_right,window,alibi"),
+                                            ("top_left", "causal,window,alibi")])
+def test_layout_thd_names_each_sequence_aligned_the_other_way(align, supports):
+    """A varlen kernel that aligns causal, the window and ALiBi the other way, each sequence
+    on its own (Lq_b, Lk_b), fails out and lse, and the hint names the flipped alignment, as
+    it does in the other layouts, though the sequences' offsets Lk_b - Lq_b differ."""
+    other = "top_left" if align == "bottom_right" else "bottom_right"
+
+    def flipped(q, k, v, align=None, **options):
+        return numpy_varlen_options(q, k, v, align=None if other == "top_left" else other,
+                                    **options)
+
+    report = VF.verify(flipped, layout="thd", dtype="float64", returns_lse=True,
+                       supports=supports, align=align)
+    differ = [r for r in report.results if len({b - a for a, b in r.sequences}) > 1
+              and {"causal", "causal_bottom_right", "window", "alibi"} & set(r.case.options)]
+    assert len(differ) >= 5
+    for r in differ:
+        assert set(r.failing) == {"out", "lse"}, (r.case.name, r.failing)
+        assert f"aligned {other} where {align} is asked" in r.hint, (r.case.name, r.hint)
+
+
 def test_layout_thd_fails_a_keep_mask_read_at_the_wrong_corner():
     """Sequence b's keep-mask is dropout_mask[b, :, :Lq_b, :Lk_b]: read at the grid's far
     corner it fails out in the dropout cases whose first sequence is shorter."""
