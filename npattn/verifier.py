@@ -1786,7 +1786,7 @@ def _nan_note(name: str, got: Any, empty: np.ndarray) -> str:
 MISS_SEPARATION = 10.0
 
 
-def forward_variants(inp: CaseInputs) -> list:
+def forward_variants(inp: CaseInputs, pack: Optional[Packing] = None) -> list:
     """``(mistake, inputs)`` pairs: npattn inputs whose forward is what a kernel making that
     common mistake gives for the case ``inp`` (the keys of ``inp.options`` are npattn's:
     scale, is_causal, align, window, alibi_slopes, enable_gqa, sinks, mask, dropout_p,
@@ -1795,6 +1795,7 @@ def forward_variants(inp: CaseInputs) -> list:
     one; query head h reading K/V head h % Hkv under GQA; sinks ignored; a boolean mask's
     sense inverted; the dropout keep-mask not applied. The texts hold no number of the
     case, so that the cases making one mistake share one hint (``panel_hints`` counts them).
+    ``pack``: layout "thd"'s sequences, whose own Lq_b != Lk_b also make the alignment count.
     """
     o = inp.options
     Hq, Lq = inp.q.shape[1], inp.q.shape[2]
@@ -1819,7 +1820,7 @@ def forward_variants(inp: CaseInputs) -> list:
         variant("the scores not scaled: out is npattn's with scale=1; without scale= the "
                 "scale is 1/sqrt(Dh)", scale=1.0)
     aligned = [n for n in ("is_causal", "window", "alibi_slopes") if n in o]  # options set
-    if Lq != Lk and aligned:
+    if aligned and (Lq != Lk or (pack is not None and pack.lq != pack.lk)):
         asked = o.get("align", "top_left")
         other = "top_left" if asked == "bottom_right" else "bottom_right"
         what = " and ".join({"is_causal": "causal", "alibi_slopes": "ALiBi"}.get(n, n)
@@ -1903,7 +1904,7 @@ def _out_candidates(inp: CaseInputs, truth: dict, pack: Optional[Packing] = None
                "(1 - p)^2" + why, truth["out"] * (1.0 - p) ** 2, truth["lse"], empty)
         yield ("dropout's 1/(1 - p) left out: out is npattn's x (1 - p)" + why,
                truth["out"] * (1.0 - p), truth["lse"], empty)
-    for mistake, var in forward_variants(inp):
+    for mistake, var in forward_variants(inp, pack):
         there = None
         if pack is not None and var.options.get("align") != inp.options.get("align"):
             there = replace(pack, left=not pack.left)

@@ -519,7 +519,7 @@ def test_a_mistake_that_empties_no_row_is_named_before_the_empty_rows_guard():
 
 
 def test_a_failing_search_for_the_mistake_leaves_the_generic_hint(monkeypatch):
-    def broken(inp):
+    def broken(inp, pack=None):
         raise RuntimeError("a variant that cannot be built")
 
     monkeypatch.setattr(VF, "forward_variants", broken)
@@ -1406,6 +1406,12 @@ def test_layout_thd_names_each_sequence_aligned_the_other_way(align, supports):
     differ = [r for r in report.results if len({b - a for a, b in r.sequences}) > 1
               and {"causal", "causal_bottom_right", "window", "alibi"} & set(r.case.options)]
     assert len(differ) >= 5
+    # Lq = Lk: the padded batch's two alignments agree, its sequences' (Lk_b - Lq_b = 3, 1, 0) not
+    square = VC.Case("window+alibi-16x16", B=3, Lq=16, Lk=16, options=("window", "alibi"),
+                     window=(2, 0))
+    differ += VF.verify(flipped, layout="thd", dtype="float64", returns_lse=True,
+                        supports=supports, align=align, cases=[square]).results
+    assert differ[-1].sequences == [(11, 14), (14, 15), (16, 16)]
     for r in differ:
         assert set(r.failing) == {"out", "lse"}, (r.case.name, r.failing)
         assert f"aligned {other} where {align} is asked" in r.hint, (r.case.name, r.hint)
