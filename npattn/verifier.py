@@ -1904,10 +1904,19 @@ def _out_candidates(inp: CaseInputs, truth: dict, pack: Optional[Packing] = None
                "(1 - p)^2" + why, truth["out"] * (1.0 - p) ** 2, truth["lse"], empty)
         yield ("dropout's 1/(1 - p) left out: out is npattn's x (1 - p)" + why,
                truth["out"] * (1.0 - p), truth["lse"], empty)
-    for mistake, var in forward_variants(inp, pack):
-        there = None
-        if pack is not None and var.options.get("align") != inp.options.get("align"):
+    variants = [(mistake, var, None) for mistake, var in forward_variants(inp, pack)]
+    aligned = [n for n in ("is_causal", "window", "alibi_slopes") if n in inp.options]
+    offsets = set() if pack is None else {k - q for q, k in zip(pack.lq, pack.lk)}
+    if pack is not None and pack.left and aligned and len(offsets) > 1:
+        # bottom-right on the longest lengths: the padding at the end, the padded diagonal
+        # (offset max_seqlen_k - max_seqlen_q) each sequence's
+        variants.append(("every packed sequence aligned by max_seqlen_k - max_seqlen_q: "
+                         "bottom-right aligns each on its own lengths, query i's diagonal key "
+                         "i + Lk_b - Lq_b", inp, replace(pack, left=False)))
+    for mistake, var, there in variants:
+        if pack is not None and there is None and var.options.get("align") != inp.options.get("align"):
             there = replace(pack, left=not pack.left)
+        if there is not None:
             var = _repacked(var, pack, there)
         try:
             res = _npattn(var, "float64", grads=False, weights=True)

@@ -1387,6 +1387,9 @@ def test_layout_thd_fails_an_offset_of_the_longest_sequences():
     where = first.tensors["out"].where
     assert "token rows 0-48 (49 of 114)" in where and "(sequence 0, its query " in where, where
     assert first.to_dict()["sequences"] == [[49, 121], [65, 129]]
+    # and the hint names the mistake in each failing case
+    assert all("aligned by max_seqlen_k - max_seqlen_q" in r.hint for r in bad.failures), \
+        [r.hint for r in bad.failures]
 
 
 @pytest.mark.parametrize("align,supports", [("bottom_right", "causal_bottom_right,window,alibi"),
