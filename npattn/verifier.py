@@ -1904,7 +1904,9 @@ def _out_candidates(inp: CaseInputs, truth: dict, pack: Optional[Packing] = None
                "(1 - p)^2" + why, truth["out"] * (1.0 - p) ** 2, truth["lse"], empty)
         yield ("dropout's 1/(1 - p) left out: out is npattn's x (1 - p)" + why,
                truth["out"] * (1.0 - p), truth["lse"], empty)
-    variants = [(mistake, var, None) for mistake, var in forward_variants(inp, pack)]
+    # (mistake, its inputs, the packing they are computed in: None, ``pack``'s own)
+    variants: list[tuple[str, CaseInputs, Optional[Packing]]] = [
+        (mistake, var, None) for mistake, var in forward_variants(inp, pack)]
     aligned = [n for n in ("is_causal", "window", "alibi_slopes") if n in inp.options]
     offsets = set() if pack is None else {k - q for q, k in zip(pack.lq, pack.lk)}
     if pack is not None and pack.left and aligned and len(offsets) > 1:
@@ -1916,14 +1918,14 @@ def _out_candidates(inp: CaseInputs, truth: dict, pack: Optional[Packing] = None
     for mistake, var, there in variants:
         if pack is not None and there is None and var.options.get("align") != inp.options.get("align"):
             there = replace(pack, left=not pack.left)
-        if there is not None:
+        if pack is not None and there is not None:
             var = _repacked(var, pack, there)
         try:
             res = _npattn(var, "float64", grads=False, weights=True)
         except Exception:
             continue
         out, lse, empty = res["out"], res["lse"], _empty_rows(res["weights"])
-        if there is not None:  # back to the rows of ``pack``
+        if pack is not None and there is not None:  # back to the rows of ``pack``
             out, lse, empty = (_moved(x, there.q_rows, pack.q_rows, fill)
                                for x, fill in ((out, 0.0), (lse, -np.inf), (empty, True)))
         yield mistake, out, lse, empty
