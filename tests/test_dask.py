@@ -1380,6 +1380,33 @@ def test_bench_dask_visible_pairs_are_the_pairs_of_the_graph(causal, window):
         assert row["pairs"] == 2 * brute  # two batch entries
 
 
+def test_bench_dask_visible_pairs_by_brute_force_and_at_sizes_too_large_to_build():
+    """Over small lengths, chunkings and windows the count is the brute-force one; at L = 2e9
+    (the memory check's refusal of such a shape must come at once) causal in square chunks
+    is the triangle n (n + 1) / 2 of n chunks a side, and a window within one chunk two
+    chunks a row but the first."""
+    from npattn.tools import bench_dask
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        L, qc, kc = (int(x) for x in rng.integers(1, 40, size=3))
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(3) == 0 else int(rng.integers(0, 45))
+        i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+        may = np.ones((L, L), dtype=bool)
+        if causal or window is not None:
+            may &= j <= i
+        if window is not None:
+            may &= j >= i - window
+        brute = sum(may[i0:i0 + qc, j0:j0 + kc].any() for i0 in range(0, L, qc)
+                    for j0 in range(0, L, kc))
+        assert bench_dask.visible_pairs(L, qc, kc, causal, window) == brute, (L, qc, kc, causal, window)
+    n = -(-2 * 10**9 // 1024)
+    assert bench_dask.visible_pairs(2 * 10**9, 1024, 1024, True) == n * (n + 1) // 2
+    assert bench_dask.visible_pairs(2 * 10**9, 1024, 1024, False, 1000) == 2 * n - 1
+    assert bench_dask.visible_pairs(2 * 10**9, 1024, 1024) == n * n
+
+
 @pytest.mark.parametrize("text, largest", [
     ("1x1x99999999999x1", 99999999999),
     ("2147483648x4x8x2c", 2**31),

@@ -77,22 +77,45 @@ def _window(shape: tuple) -> Optional[tuple]:
     return None if len(shape) < 6 or shape[5] is None else (shape[5], 0)
 
 
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """sum over i = 0 .. n - 1 of floor((a i + b) / m), for n >= 0, m >= 1, a, b >= 0, in
+    O(log m) steps (the Euclid-like reduction of floor sums)."""
+    total = 0
+    while True:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y_max = a * n + b
+        if y_max < m:
+            return total
+        n, b = divmod(y_max, m)
+        m, a = a, m
+
+
 def visible_pairs(L: int, q_chunk: int, k_chunk: int, causal: bool = False,
                   window: Optional[int] = None) -> int:
     """The (query chunk, key chunk) pairs of one batch entry that hold a key some query may
     attend: all of them, or with causal those at or below the diagonal, with a window of N
-    keys back those that reach back at most N keys as well."""
-    n = 0
-    for i0 in range(0, L, q_chunk):
-        i1 = min(i0 + q_chunk, L)  # queries i0 .. i1 - 1
-        for j0 in range(0, L, k_chunk):
-            j1 = min(j0 + k_chunk, L)  # keys j0 .. j1 - 1
-            if (causal or window is not None) and j0 > i1 - 1:  # every key after every query
-                continue
-            if window is not None and j1 - 1 < i0 - window:  # every key too far back
-                continue
-            n += 1
-    return n
+    keys back those that reach back at most N keys as well.
+
+    Query chunk c (rows c q_chunk .. hi_c) sees the key chunks from lo_c // k_chunk to
+    hi_c // k_chunk, lo_c = max(0, c q_chunk - N) (0 without a window); the sums over c are
+    floor sums, so the count takes no time at any L (the memory check runs it on shapes
+    too large to build)."""
+    n_q, n_k = -(-L // q_chunk), -(-L // k_chunk)
+    if not causal and window is None:
+        return n_q * n_k
+    # sum of hi_c // k_chunk: hi_c = c q_chunk + q_chunk - 1 but for the last chunk, L - 1
+    his = _floor_sum(n_q - 1, k_chunk, q_chunk, q_chunk - 1) + (L - 1) // k_chunk
+    los = 0
+    if window is not None:  # lo_c > 0 from c0 = N // q_chunk + 1 on
+        c0 = window // q_chunk + 1
+        if c0 < n_q:
+            los = _floor_sum(n_q - c0, k_chunk, q_chunk, q_chunk * c0 - window)
+    return his - los + n_q
 
 
 #: Bytes of graph per chunk pair, at least: each pair is two tasks (forward and backward),
