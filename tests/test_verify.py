@@ -1366,6 +1366,19 @@ def test_hypothesis_layout_thd_leaves_no_row_empty_that_the_case_does_not(align,
     assert report.ok, report.format()
 
 
+@given(case=S.attention_cases(supports=VARLEN_SUPPORTS, align="bottom_right", max_batch=3,
+                              max_len=40))
+def test_hypothesis_layout_thd_gradients_of_sequences_of_their_own_lengths(case):
+    """npattn.compat's varlen kernel and its pullback, with dlse, pass every drawn case: the
+    gradients of B <= 3 packed sequences of different lengths (dq of each sequence's queries,
+    dk and dv of its keys, none of another's) are compared where each lies in the packing."""
+    report = VF.verify(flash_varlen, layout="thd", dtype="float64", returns_lse=True,
+                       lse_grad=True, backward=flash_varlen_backward, align="bottom_right",
+                       supports=VARLEN_SUPPORTS, cases=[case])
+    assert report.ok, report.format()
+    assert set(report.results[0].tensors) == {"out", "lse", "dq", "dk", "dv"}
+
+
 def test_layout_thd_fails_an_offset_of_the_longest_sequences():
     """Aligning every packed sequence by max_seqlen_k - max_seqlen_q, not its own
     Lk_b - Lq_b, fails out in the cases of causal, a window or ALiBi whose sequences'
