@@ -792,11 +792,9 @@ def _host_dtype(dtype: str) -> Any:
 
 def _to_layout(x: np.ndarray, layout: str, rows: Optional[np.ndarray] = None) -> np.ndarray:
     """(B, H, L, D) -> the kernel's layout; "thd": the B sequences packed, (total, H, D), the
-    rows of each sequence those of ``rows`` [B, L] (None: all)."""
+    rows of each sequence those of ``rows`` [B, L] (``Packing.q_rows`` or ``k_rows``)."""
     if layout == "thd":
-        B, H, L, D = x.shape
-        x = np.swapaxes(x, 1, 2)  # [B, L, H, D]
-        return x.reshape(B * L, H, D) if rows is None else x[rows]  # [total, H, D]
+        return np.swapaxes(x, 1, 2)[rows]  # [B, L, H, D] -> [total, H, D]
     return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
 
 
@@ -808,7 +806,7 @@ def _from_layout(x: np.ndarray, layout: str, shape: tuple,
     ``_compare`` says so)."""
     if layout == "thd":
         B, H, L, D = shape
-        rows = np.ones((B, L), dtype=bool) if rows is None else rows
+        assert rows is not None  # "thd" is read with its packing's rows
         if x.shape != (int(rows.sum()), H, D):
             return x
         out = np.zeros((B, L, H, D), dtype=x.dtype)
@@ -819,11 +817,9 @@ def _from_layout(x: np.ndarray, layout: str, shape: tuple,
 
 def _lse_to_layout(x: np.ndarray, layout: str, rows: Optional[np.ndarray] = None) -> np.ndarray:
     """(B, H, Lq) -> lse's layout in the kernel's: JAX's (B, T, N), flash-attn varlen's
-    (H, total_q) (the query rows of each sequence ``rows`` [B, Lq], None: all)."""
+    (H, total_q) (the query rows of each sequence ``rows`` [B, Lq])."""
     if layout == "thd":
-        B, H, L = x.shape
-        x = np.swapaxes(x, 0, 1)  # [H, B, Lq]
-        return x.reshape(H, B * L) if rows is None else x[:, rows]  # [H, total_q]
+        return np.swapaxes(x, 0, 1)[:, rows]  # [H, B, Lq] -> [H, total_q]
     return np.swapaxes(x, 1, 2) if layout == "bthd" else x
 
 
@@ -833,7 +829,7 @@ def _lse_from_layout(x: np.ndarray, layout: str, shape: tuple,
     (not compared: those rows attend nothing); an array not of the layout's shape as it is."""
     if layout == "thd":
         B, H, L = shape
-        rows = np.ones((B, L), dtype=bool) if rows is None else rows
+        assert rows is not None  # "thd" is read with its packing's rows
         if x.shape != (H, int(rows.sum())):
             return x
         out = np.full((H, B, L), -np.inf, dtype=x.dtype)
@@ -862,8 +858,8 @@ def _packed_inputs(inp: CaseInputs, pack: Packing) -> tuple:
     truth = CaseInputs(inp.q, inp.k, inp.v, inp.dout, {**inp.options, "mask": pack.pad_mask()},
                        dlse)  # [B, Hq, Lq] dlse
     opts = dict(inp.options)
-    if "dropout_mask" in opts:
-        opts["dropout_mask"] = pack.keep_mask(opts["dropout_mask"])
+    if "dropout_mask" in opts:  # sequence b's in [b, :, :Lq_b, :Lk_b], False elsewhere
+        opts["dropout_mask"] = _moved_keep(opts["dropout_mask"], pack, replace(pack, left=False))
     return truth, CaseInputs(inp.q, inp.k, inp.v, inp.dout, opts, inp.dlse)
 
 
@@ -1391,7 +1387,8 @@ def _compare(name: str, got: Any, truth: np.ndarray, ref: np.ndarray, floor_dtyp
     elif got is None:
         err, note = math.inf, f"missing: no {name} was returned"
     elif tuple(got.shape) != tuple(truth.shape):
-        err, note = math.inf, _shape_note(name, tuple(truth.shape), tuple(got.shape), cfg.layout)
+        err, note = math.inf, _shape_note(name, tuple(truth.shape), tuple(got.shape), cfg.layout,
+                                          pack)
     else:
         g = np.where(keep, got, 0.0)
         bad = ~np.isfinite(g)
@@ -1429,13 +1426,10 @@ _LSE_AXES = {"bhsd": "(B, H, Lq)", "bshd": "(B, H, Lq)", "bthd": "(B, T, N)", "t
 
 def _kernel_shape(name: str, shape: tuple, layout: str, pack: Optional[Packing] = None) -> tuple:
     """``shape`` as verify holds it -> as the kernel gives it (``_run_kernel``'s swaps undone).
-    For "thd" only the shape verify expects (``pack``: the case's sequences; None: B of
-    length L): one that ``_from_layout`` read is that shape, any other was left as the
-    kernel gave it."""
-    if layout == "thd" and len(shape) in (3, 4):
-        total = shape[0] * shape[2]
-        if pack is not None:
-            total = sum(pack.lk if name in ("dk", "dv") else pack.lq)
+    For "thd" only the shape verify expects (``pack``: the case's sequences): one that
+    ``_from_layout`` read is that shape, any other was left as the kernel gave it."""
+    if layout == "thd" and pack is not None and len(shape) in (3, 4):
+        total = sum(pack.lk if name in ("dk", "dv") else pack.lq)
         if name in ("out", "dq", "dk", "dv") and len(shape) == 4:
             return (total, shape[1], shape[3])
         if name == "lse" and len(shape) == 3:
@@ -1784,6 +1778,8 @@ def _nan_note(name: str, got: Any, empty: np.ndarray) -> str:
 #: from the truth, and a mistake that moves the case by less (a window edge past the ends of
 #: the keys, a scale in a row of one key) is never named for an output that is wrong otherwise.
 MISS_SEPARATION = 10.0
+#: npattn's keywords whose effect depends on the alignment of queries and keys
+_ALIGNED_KEYWORDS = ("is_causal", "window", "alibi_slopes")
 
 
 def forward_variants(inp: CaseInputs, pack: Optional[Packing] = None) -> list:
@@ -1819,7 +1815,7 @@ def forward_variants(inp: CaseInputs, pack: Optional[Packing] = None) -> list:
                 "scale= it is 1/sqrt(Dh)", scale=1.0 / Dh)
         variant("the scores not scaled: out is npattn's with scale=1; without scale= the "
                 "scale is 1/sqrt(Dh)", scale=1.0)
-    aligned = [n for n in ("is_causal", "window", "alibi_slopes") if n in o]  # options set
+    aligned = [n for n in _ALIGNED_KEYWORDS if n in o]  # options set
     if aligned and (Lq != Lk or (pack is not None and pack.lq != pack.lk)):
         asked = o.get("align", "top_left")
         other = "top_left" if asked == "bottom_right" else "bottom_right"
@@ -1878,13 +1874,20 @@ def _moved(x: np.ndarray, src: np.ndarray, dst: np.ndarray, fill: Any, axis: int
     return out
 
 
+def _moved_keep(keep: np.ndarray, pack: Packing, there: Packing) -> np.ndarray:
+    """Layout "thd": a keep-mask [B, Hq, Lq, Lk] with each sequence's block moved from the
+    rows and keys of ``pack`` to those of ``there``, False elsewhere."""
+    keep = _moved(keep, pack.q_rows, there.q_rows, False)  # the queries' axis
+    return _moved(keep, pack.k_rows, there.k_rows, False, axis=3)  # the keys'
+
+
 def _repacked(inp: CaseInputs, pack: Packing, there: Packing) -> CaseInputs:
     """Layout "thd": the reference's inputs ``inp`` of the packing ``pack`` with each sequence
     moved to the rows of ``there`` (the other end of its batch entry), masked by its own."""
     q_at, k_at = (pack.q_rows, there.q_rows), (pack.k_rows, there.k_rows)
     opts = {**inp.options, "mask": there.pad_mask()}
-    if "dropout_mask" in opts:  # [B, Hq, Lq, Lk]: both axes
-        opts["dropout_mask"] = _moved(_moved(opts["dropout_mask"], *q_at, False), *k_at, False, 3)
+    if "dropout_mask" in opts:
+        opts["dropout_mask"] = _moved_keep(opts["dropout_mask"], pack, there)
     return CaseInputs(_moved(inp.q, *q_at, 0.0), _moved(inp.k, *k_at, 0.0),
                       _moved(inp.v, *k_at, 0.0), _moved(inp.dout, *q_at, 0.0), opts, inp.dlse)
 
@@ -1907,7 +1910,7 @@ def _out_candidates(inp: CaseInputs, truth: dict, pack: Optional[Packing] = None
     # (mistake, its inputs, the packing they are computed in: None, ``pack``'s own)
     variants: list[tuple[str, CaseInputs, Optional[Packing]]] = [
         (mistake, var, None) for mistake, var in forward_variants(inp, pack)]
-    aligned = [n for n in ("is_causal", "window", "alibi_slopes") if n in inp.options]
+    aligned = [n for n in _ALIGNED_KEYWORDS if n in inp.options]
     offsets = set() if pack is None else {k - q for q, k in zip(pack.lq, pack.lk)}
     if pack is not None and pack.left and aligned and len(offsets) > 1:
         # bottom-right on the longest lengths: the padding at the end, the padded diagonal

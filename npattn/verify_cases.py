@@ -582,15 +582,6 @@ class Packing:
         padding's query rows attend nothing)."""
         return self.q_rows[:, None, :, None] & self.k_rows[:, None, None, :]
 
-    def keep_mask(self, keep: np.ndarray) -> np.ndarray:
-        """A keep-mask (B, Hq, Lq, Lk) of the padded problem -> the kernel's, in flash-attn
-        varlen's layout: sequence b's entries in ``[b, :, :Lq_b, :Lk_b]``, False elsewhere."""
-        out = np.zeros_like(keep)
-        for b, (lq, lk) in enumerate(zip(self.lq, self.lk)):
-            i0, j0 = (self.Lq - lq, self.Lk - lk) if self.left else (0, 0)
-            out[b, :, :lq, :lk] = keep[b, :, i0:i0 + lq, j0:j0 + lk]
-        return out
-
 
 def packing(case: Case, align: str = "top_left") -> Packing:
     """The packed sequences of ``case`` in layout "thd": lengths that differ from sequence
