@@ -211,7 +211,7 @@ class Case:
 
     @property
     def shapes(self) -> str:
-        """``"B=2 Hq=4 Hkv=2 Lq=65 Lk=129 Dh=16 Dv=16"``."""
+        """``"B=2 Hq=6 Hkv=2 Lq=65 Lk=129 Dh=16 Dv=16"``."""
         return (f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Lq={self.Lq} Lk={self.Lk} "
                 f"Dh={self.Dh} Dv={self.Dv}")
 
@@ -296,7 +296,10 @@ def _make_case(name: str, options: tuple, Lq: int, Lk: int, Dh: int, *, index: i
     Lq, Lk = fit_lengths(Lq, Lk, opts, empty_ok)
     Hq, Hkv = 2, 2
     if "gqa" in opts:
-        Hq, Hkv = (4, 2) if index % 2 == 0 else (4, 1)
+        # groups of G = 3 query heads over Hkv = 2 K/V heads, then all 4 over one: with G = Hkv
+        # (4 over 2) a kernel that repeats each K/V head Hkv times, or maps query head h to
+        # h // Hkv, where G = Hq // Hkv belongs, would be right
+        Hq, Hkv = (6, 2) if index % 2 == 0 else (4, 1)
     Dv = Dh
     if "dv_ne_dk" in opts:
         Dv = Dh + 8 if index % 2 == 0 else max(Dh // 2 + 1, 1)

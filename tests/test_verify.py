@@ -97,6 +97,47 @@ def test_panel_covers_lengths_shapes_and_each_option():
     assert all(not c.options for c in VC.panel(()))
 
 
+def test_panel_tells_the_group_size_from_the_kv_heads():
+    """A GQA case whose group G = Hq // Hkv differs from Hkv > 1 (with Hq = 4, Hkv = 2
+    alone, G = Hkv and a kernel that confuses them is right)."""
+    gqa = [c for c in VC.panel(ALL) if "gqa" in c.options]
+    assert any(c.Hkv > 1 and c.Hq // c.Hkv != c.Hkv for c in gqa), [(c.Hq, c.Hkv) for c in gqa]
+    assert any(c.Hkv == 1 for c in gqa)
+
+
+def dense_gqa(q, k, v, *, enable_gqa=False, is_causal=False, repeats=None):
+    """Dense attention on (B, H, L, D) NumPy arrays, GQA by repeating each K/V head ``repeats``
+    times (default Hq // Hkv; NumPy broadcasts a single head that is left): (out, lse)."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if enable_gqa:
+        n = Hq // Hkv if repeats is None else repeats
+        k, v = np.repeat(k, n, axis=1), np.repeat(v, n, axis=1)  # [B, Hkv * n, Lk, D]
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])  # [B, Hq, Lq, Lk]
+    if is_causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    total = np.sum(e, axis=-1, keepdims=True)
+    return e / total @ v, (m + np.log(total))[..., 0]
+
+
+def test_a_gqa_kernel_that_repeats_each_kv_head_hkv_times_fails():
+    """Repeating each K/V head Hkv times (the count of K/V heads where the group size
+    Hq // Hkv belongs) is right when the two are equal (Hq = 4, Hkv = 2) and when one K/V head
+    is left to broadcast (Hkv = 1): it passed every case of the panel when its GQA cases were
+    (4, 2) and (4, 1). It fails the GQA cases with Hkv = 2, now of 6 query heads."""
+    kw = dict(returns_lse=True, dtype="float64", supports="gqa,causal")
+    good = VF.verify(dense_gqa, **kw)
+    assert good.ok, good.format()
+
+    def by_kv_heads(q, k, v, **options):
+        return dense_gqa(q, k, v, repeats=k.shape[1], **options)
+
+    bad = VF.verify(by_kv_heads, **kw)
+    want = {r.case.name for r in bad.results if "gqa" in r.case.options and r.case.Hkv > 1}
+    assert want and {r.case.name for r in bad.failures} == want, bad.format()
+
+
 def test_panel_draws_only_declared_options_and_respects_exclusions():
     cases = VC.panel("causal,mask_bool,mask_float,gqa", combos=True)
     for c in cases:
@@ -3026,7 +3067,7 @@ def test_the_failing_cases_are_listed_up_to_max_failures():
 
 
 def test_a_failing_cases_line_gives_each_failing_tensors_ratio_to_three_digits():
-    """'dk 252x, dv 319x' (docs/verify.md): the line of a failing case names its failing
+    """'dk 304x, dv 306x' (docs/verify.md): the line of a failing case names its failing
     tensors with their ratios, error / budget, to three significant digits."""
     def off(q, k, v, **options):
         out, lse, cache = npattn_kernel(q, k, v, **options)
@@ -3134,14 +3175,14 @@ def _gqa_hint(wrong):
 
     r = VF.verify(npattn_kernel, backward=backward, returns_lse=True, dtype="float64",
                   supports="gqa", combos=False, cases=["gqa-65x129"]).results[0]
-    assert r.case.Hq // r.case.Hkv == 2
+    assert r.case.Hq // r.case.Hkv == 3
     return r
 
 
 def test_the_gqa_hint_needs_dq_right_and_a_factor_of_one_over_the_group():
-    """Under GQA, dk and dv x 1/G is a mean over the group; dk and dv x 0.1 (G = 2) is a
+    """Under GQA, dk and dv x 1/G is a mean over the group; dk and dv x 0.1 (G = 3) is a
     constant factor, not a mean; dq, dk and dv all wrong is not 'dq right'."""
-    mean = _gqa_hint(lambda dq, dk, dv: (dq, dk / 2.0, dv / 2.0))
+    mean = _gqa_hint(lambda dq, dk, dv: (dq, dk / 3.0, dv / 3.0))
     assert set(mean.failing) == {"dk", "dv"} and "a mean over the group" in mean.hint, mean.hint
     tenth = _gqa_hint(lambda dq, dk, dv: (dq, dk * 0.1, dv * 0.1))
     assert tenth.hint.startswith("a constant factor (dk x 0.1, dv x 0.1)"), tenth.hint
