@@ -264,6 +264,10 @@ SCORE_SHIFT = 100.0
 #: (Lq, Lk, Dh) of the cases without options.
 BASE_SHAPES = ((1, 65, 16), (64, 129, 32), (65, 128, 16), (127, 64, 8), (129, 257, 16),
                (257, 127, 64))
+#: (Lq, Lk, Dh) of the case without options that has 3 heads, not 2: everywhere else B = Hq = 2
+#: (or Hq = 4 under GQA), and a kernel that takes the batch's stride for the heads' (reads row
+#: b * B + h of q viewed as (B * H, L, D), where b * H + h belongs) is right wherever B = H.
+THREE_HEADS = (127, 64, 8)
 #: (Lq, Lk, Dh) of an option alone: the first and the second case.
 ALONE_SHAPES = ((65, 129, 16), (128, 65, 8))
 #: (Lq, Lk, Dh) cycled through by the pairs and the all-options cases.
@@ -396,7 +400,8 @@ def panel(supports: Iterable[str] = (), align: str = "top_left", *, combos: Any 
     options = tuple(s for s in supports if s not in PERMISSIONS)
     cases: list = []
     for i, (Lq, Lk, Dh) in enumerate(BASE_SHAPES):
-        cases.append(Case(name=f"base-{Lq}x{Lk}", Lq=Lq, Lk=Lk, Dh=Dh, Dv=Dh))
+        H = 3 if (Lq, Lk, Dh) == THREE_HEADS else 2
+        cases.append(Case(name=f"base-{Lq}x{Lk}", Hq=H, Hkv=H, Lq=Lq, Lk=Lk, Dh=Dh, Dv=Dh))
     cases.append(Case(name="base-scores8-shift-65x127", Lq=65, Lk=127, Dh=16, Dv=16, score_std=8.0,
                       score_shift=SCORE_SHIFT))
     for o in options:

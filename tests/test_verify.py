@@ -97,12 +97,16 @@ def test_panel_covers_lengths_shapes_and_each_option():
     assert all(not c.options for c in VC.panel(()))
 
 
-def test_panel_tells_the_group_size_from_the_kv_heads():
+def test_panel_tells_the_group_size_from_the_kv_heads_and_the_batch_from_the_heads():
     """A GQA case whose group G = Hq // Hkv differs from Hkv > 1 (with Hq = 4, Hkv = 2
-    alone, G = Hkv and a kernel that confuses them is right)."""
+    alone, G = Hkv and a kernel that confuses them is right), and, among the cases every
+    panel holds, one whose B differs from its H (B = H = 2 hides a batch stride taken for a
+    head stride)."""
     gqa = [c for c in VC.panel(ALL) if "gqa" in c.options]
     assert any(c.Hkv > 1 and c.Hq // c.Hkv != c.Hkv for c in gqa), [(c.Hq, c.Hkv) for c in gqa]
     assert any(c.Hkv == 1 for c in gqa)
+    base = VC.panel(())
+    assert any(c.B != c.Hq for c in base), [(c.B, c.Hq) for c in base]
 
 
 def dense_gqa(q, k, v, *, enable_gqa=False, is_causal=False, repeats=None):
@@ -136,6 +140,46 @@ def test_a_gqa_kernel_that_repeats_each_kv_head_hkv_times_fails():
     bad = VF.verify(by_kv_heads, **kw)
     want = {r.case.name for r in bad.results if "gqa" in r.case.options and r.case.Hkv > 1}
     assert want and {r.case.name for r in bad.failures} == want, bad.format()
+
+
+def flat_attention(q, k, v, *, is_causal=False, mask=None, batch_stride=None):
+    """Dense attention as a kernel over (b, h) programs on flat buffers, as a Triton grid
+    runs it: program (b, h) reads row ``b * batch_stride + h`` of q, k, v viewed as
+    (B * H, L, D) (``batch_stride`` H; the mistake: B) -> (out, lse)."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    stride = H if batch_stride is None else batch_stride
+    qf, kf, vf = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (q, k, v))  # [B * H, L, D]
+    out, lse = np.zeros((B * H, Lq, v.shape[3])), np.zeros((B * H, Lq))
+    for b in range(B):
+        for h in range(H):
+            i, at = b * H + h, b * stride + h  # where the program writes, and where it reads
+            s = qf[at] @ kf[at].T / math.sqrt(D)  # [Lq, Lk]
+            allowed = np.tril(np.ones((Lq, Lk), dtype=bool)) if is_causal else np.ones((Lq, Lk), dtype=bool)
+            if mask is not None:
+                allowed &= mask[b, 0 if mask.shape[1] == 1 else h]
+            s = np.where(allowed, s, -np.inf)
+            m = np.max(s, axis=-1, keepdims=True)
+            e = np.exp(s - m)
+            total = np.sum(e, axis=-1, keepdims=True)
+            out[i], lse[i] = e / total @ vf[at], (m + np.log(total))[:, 0]
+    return out.reshape(B, H, Lq, -1), lse.reshape(B, H, Lq)
+
+
+def test_a_kernel_that_takes_the_batch_count_for_the_head_stride_fails():
+    """Reading row b * B + h of the flattened (B * H) heads, where b * H + h belongs, is right
+    whenever B = H: it passed every case while all of them had B = H = 2 (GQA aside). It
+    fails, out and lse, in the case without options that has 3 heads, and only there."""
+    kw = dict(returns_lse=True, dtype="float64", supports="causal,mask_bool")
+    good = VF.verify(flat_attention, **kw)
+    assert good.ok, good.format()
+
+    def batch_stride_of_b(q, k, v, **options):
+        return flat_attention(q, k, v, batch_stride=q.shape[0], **options)
+
+    bad = VF.verify(batch_stride_of_b, **kw)
+    assert [(r.case.name, r.failing) for r in bad.failures] == [("base-127x64", ["out", "lse"])], \
+        bad.format()
 
 
 def test_panel_draws_only_declared_options_and_respects_exclusions():
