@@ -182,6 +182,32 @@ def test_a_kernel_that_takes_the_batch_count_for_the_head_stride_fails():
         bad.format()
 
 
+def test_lse_is_compared_on_a_row_whose_only_logit_is_its_sink():
+    """A row with no key to attend but a sink has lse = sink (finite): npattn's, and the
+    log of exp(sink) alone. A kernel that gives -inf there, as if the sink were not in the
+    row, passed when lse was never compared on rows with no key; it fails lse in the cases
+    with sinks and such a row, and only lse."""
+    supports = "sinks,mask_bool,empty_rows"
+    good = VF.verify(npattn_kernel, backward=npattn_backward, returns_lse=True,
+                     dtype="float64", supports=supports)
+    assert good.ok, good.format()
+
+    def sink_forgotten_on_empty_rows(q, k, v, **options):
+        out, lse, cache = npattn_kernel(q, k, v, **options)
+        no_key = ~np.any(cache.probs != 0.0, axis=-1)  # [B, H, Lq]: every key's weight 0
+        return out, np.where(no_key, -np.inf, lse), cache
+
+    bad = VF.verify(sink_forgotten_on_empty_rows, backward=npattn_backward, returns_lse=True,
+                    dtype="float64", supports=supports)
+    want = [r.case.name for r in bad.results if "sinks" in r.case.options and r.case.empty_rows]
+    assert want and [(r.case.name, r.failing) for r in bad.failures] == [(n, ["lse"]) for n in want], \
+        bad.format()
+    # without sinks such a row's lse is -inf (flash-attn: +inf) and still not compared
+    plain = VF.verify(sink_forgotten_on_empty_rows, backward=npattn_backward, returns_lse=True,
+                      dtype="float64", supports="mask_bool,empty_rows")
+    assert plain.ok, plain.format()
+
+
 def test_panel_draws_only_declared_options_and_respects_exclusions():
     cases = VC.panel("causal,mask_bool,mask_float,gqa", combos=True)
     for c in cases:
