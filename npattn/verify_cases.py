@@ -265,7 +265,7 @@ SCORE_SHIFT = 100.0
 BASE_SHAPES = ((1, 65, 16), (64, 129, 32), (65, 128, 16), (127, 64, 8), (129, 257, 16),
                (257, 127, 64))
 #: (Lq, Lk, Dh) of the case without options that has 3 heads, not 2: everywhere else B = Hq = 2
-#: (or Hq = 4 under GQA), and a kernel that takes the batch's stride for the heads' (reads row
+#: (Hq = 6 or 4 under GQA), and a kernel that takes the batch's stride for the heads' (reads row
 #: b * B + h of q viewed as (B * H, L, D), where b * H + h belongs) is right wherever B = H.
 THREE_HEADS = (127, 64, 8)
 #: (Lq, Lk, Dh) of an option alone: the first and the second case.
