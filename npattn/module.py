@@ -482,6 +482,9 @@ class MultiHeadAttention:
                 out, cache, aligned, new_kv = self._forward(
                     query, key, value, mask, is_causal, dropout_mask, impl, need_weights,
                     options, kv_cache)
+            weights = None  # formed before anything is kept: a failure here changes nothing too
+            if need_weights:
+                weights = self._weights(cache, aligned, average_attn_weights, out.dtype)
             if kv_cache is not None:
                 kv_cache.append(*new_kv)  # checked before the forward: it does not fail
         except BaseException:
@@ -493,14 +496,16 @@ class MultiHeadAttention:
         self._cache_lent = False
         if old is not None and not lent:  # nothing reads the previous cache again: lend its arrays
             self._workspace.give(old.sdpa)
-        if not need_weights:
-            return out, None
+        return out, weights
+
+    def _weights(self, cache: MHACache, aligned: Any, average: bool, dtype: Any) -> Any:
+        """The attention weights of a forward's ``cache``, as ``forward`` returns them."""
         w = A.weights(cache.sdpa)  # [B, H, Lq, Lk + n] ([B, H, Lq, Lt] with a KV cache)
         if aligned is not None:
             w = unalign_columns(w, aligned.shift)  # column j: position j of each entry
-        if average_attn_weights:
+        if average:
             w = self.xp.mean(w, axis=1)  # [B, Lq, Lk + n], in the weights' own precision
-        return out, self.xp.astype(w, out.dtype)
+        return self.xp.astype(w, dtype)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty ``KVCache`` for this module: ``batch_size`` sequences of up to ``capacity``

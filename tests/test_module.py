@@ -344,6 +344,54 @@ def test_a_forward_that_fails_after_drawing_its_mask_changes_nothing(backend, to
         np.testing.assert_array_equal(to_np(got), to_np(want))
 
 
+@pytest.mark.parametrize("decoding", [False, True])
+def test_a_forward_whose_weights_fail_changes_nothing(backend, to_xp, to_np, monkeypatch, decoding):
+    """need_weights: the weights are formed after the attention ran; should that fail (memory),
+    the module keeps the forward before (its cache, its generator) and a KV cache its lengths
+    and keys, so that the next calls give what an untouched twin gives."""
+    import npattn.attention
+
+    rng = np.random.default_rng(4)
+    x, d = to_xp(rng.standard_normal((2, 3, 6))), to_xp(rng.standard_normal((2, 3, 6)))
+    y = to_xp(rng.standard_normal((2, 1, 6)))
+    a = MultiHeadAttention(6, 3, dropout=0.0 if decoding else 0.5, dtype="float64", seed=2,
+                           backend=backend)
+    kv = kv_b = None
+    if decoding:
+        a.eval()
+        kv = a.new_cache(2, 4)
+        a(x, x, x, kv_cache=kv)
+        b, kv_b = copy.deepcopy((a, kv))  # the same parameters and keys
+    else:
+        a(x, x, x)
+        a.backward(d)
+        b = copy.deepcopy(a)  # the same generator state, parameters and grads (a copy has no cache)
+        a(x, x, x)  # a cache to keep
+        b(x, x, x)
+    cache, lens = a.cache, None if kv is None else kv.cache_seqlens
+    keys = None if kv is None else to_np(kv.k)[:, :, :3]
+
+    def fails(*args, **kwargs):
+        raise MemoryError("weights")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(npattn.attention, "weights", fails)
+        with pytest.raises(MemoryError, match="weights"):
+            a(y if decoding else x, y if decoding else x, y if decoding else x, need_weights=True,
+              kv_cache=kv)
+    assert a.cache is cache
+    if decoding:
+        np.testing.assert_array_equal(kv.cache_seqlens, lens)
+        np.testing.assert_array_equal(to_np(kv.k)[:, :, :3], keys)
+        got, want = a(y, y, y, kv_cache=kv), b(y, y, y, kv_cache=kv_b)
+        np.testing.assert_array_equal(to_np(got[0]), to_np(want[0]))
+        np.testing.assert_array_equal(kv.cache_seqlens, kv_b.cache_seqlens)
+        return
+    for got, want in zip(a.backward(d), b.backward(d)):  # the forward before, differentiated
+        np.testing.assert_array_equal(to_np(got), to_np(want))
+    np.testing.assert_array_equal(to_np(a(x, x, x)[0]), to_np(b(x, x, x)[0]))  # the same next mask
+
+
 def test_forward_always_returns_out_and_weights(backend, to_xp, to_np):
     """torch's habit ``out, _ = mha(x, x, x)`` gives the output, not a split batch axis."""
     B, L, D, H = 2, 5, 16, 4
