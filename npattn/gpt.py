@@ -533,6 +533,14 @@ class GPT(BlockStack):
             with blocks_put_back_on_failure(self.blocks):
                 tokens, steps = self._sample(ids, max_new_tokens, rng, temperature=temperature,
                                              top_k=top_k, greedy=greedy)
+                # the results made before anything is kept: a failure here changes nothing too
+                out = from_numpy(np.concatenate(tokens, axis=1), self.xp, self._device())
+                logits = None
+                if return_logits and steps:
+                    logits = self.xp.stack(steps, axis=1)  # [B, n, V]
+                elif return_logits:
+                    logits = self.xp.zeros((B, 0, self.vocab_size), dtype=self.dtype,
+                                           device=self._device())
         except BaseException:
             self._cache = cached
             rng.bit_generator.state = drawn
@@ -543,14 +551,7 @@ class GPT(BlockStack):
             self.train(mode)
             for block, block_modes in zip(self.blocks, modes):
                 block.modes = block_modes
-        out = from_numpy(np.concatenate(tokens, axis=1), self.xp, self._device())
-        if not return_logits:
-            return out
-        if steps:
-            logits = self.xp.stack(steps, axis=1)  # [B, n, V]
-        else:
-            logits = self.xp.zeros((B, 0, self.vocab_size), dtype=self.dtype, device=self._device())
-        return out, logits
+        return (out, logits) if return_logits else out
 
     def _sample(self, ids: Any, max_new_tokens: int, rng: np.random.Generator, *,
                 temperature: float, top_k: Optional[int], greedy: bool) -> tuple:

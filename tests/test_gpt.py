@@ -1203,6 +1203,45 @@ def test_a_generate_that_fails_midway_changes_nothing(monkeypatch):
     np.testing.assert_array_equal(to_numpy(again), to_numpy(fresh))
 
 
+@pytest.mark.parametrize("where", ["from_numpy", "stack"])
+def test_a_generate_that_fails_making_its_results_changes_nothing(monkeypatch, where):
+    """Every token drawn, generate makes its results (the ids as a backend array, the logits
+    stacked); should that fail (a MemoryError), the model keeps the forward cached before it
+    (backward gives the gradients of a twin that never generated) and the Generator passed
+    as ``seed`` its state. They were made after both had been given up."""
+    import npattn.gpt as gpt_module
+
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    x = ids_of(5)
+    dlogits = np.random.default_rng(6).standard_normal((B, L, VOCAB))
+    model.forward(x)
+    twin.forward(x)
+    rng = np.random.default_rng(8)
+    drawn = copy.deepcopy(rng.bit_generator.state)
+
+    real, failed = gpt_module.from_numpy, []
+
+    def fails(*args, **kwargs):
+        failed.append(1)
+        raise MemoryError("no memory")
+
+    def fails_on_the_ids(a, *args, **kwargs):  # the prompt and the 3 tokens: (B, 2 + 3)
+        return fails() if a.shape == (B, 5) else real(a, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        if where == "stack":
+            patch.setattr(model.xp, "stack", fails)
+        else:
+            patch.setattr(gpt_module, "from_numpy", fails_on_the_ids)
+        with pytest.raises(MemoryError):
+            model.generate(ids_of(0, (B, 2)), 3, seed=rng, return_logits=True)
+    assert failed == [1]
+    assert rng.bit_generator.state == drawn
+    got, want = model.backward(dlogits), twin.backward(dlogits)
+    for name in want:
+        np.testing.assert_array_equal(to_numpy(got[name]), to_numpy(want[name]), err_msg=name)
+
+
 @pytest.mark.parametrize("step", [1, 3])
 def test_generate_names_the_step_whose_logits_are_nan(step):
     """A NaN in the position embedding of the position step ``step`` reads (the first step
