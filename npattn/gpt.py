@@ -707,6 +707,7 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
             norm = nn.global_norm(grads)  # clip_grad_norm's total
         new, state = nn.adam_step(model.params, grads, state, lr=lr, betas=betas, eps=eps,
                                   weight_decay=weight_decay)
+        model.params = new  # checked; a failure in it (an interrupt) puts every block back
     except BaseException:
         model._cache, rng_state, model.grads, blocks = before
         model._rng.bit_generator.state = rng_state
@@ -714,5 +715,4 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
             block.restore_backward_state(bwd)
             block.restore_forward_state(fwd)  # (the attention modules' caches: the forward's)
         raise
-    model.params = new  # checked: nothing fails here
     return loss, norm, state

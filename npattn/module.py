@@ -1005,8 +1005,7 @@ class ParameterDict(dict):
         new = dict(*args, **kwargs)
         for name, value in new.items():
             self._check_item(name, value)
-        for name, value in new.items():
-            super().__setitem__(name, value)
+        super().update(new)  # one call: all assigned, or (an interrupt before it) none
 
     def __ior__(self, other):  # type: ignore[misc]
         self.update(other)

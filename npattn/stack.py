@@ -112,9 +112,17 @@ class BlockStack:
     @params.setter
     def params(self, new: dict):
         check_params_assignment(new, self.params, self.xp)
-        for n, block in enumerate(self.blocks):  # all checked: nothing below fails
-            prefix = f"blocks.{n}."
-            block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
+        # all checked; should a block's assignment fail all the same (an interrupt, memory),
+        # the blocks assigned before it are put back: a failed assignment changes nothing
+        before = [block.params for block in self.blocks]
+        try:
+            for n, block in enumerate(self.blocks):
+                prefix = f"blocks.{n}."
+                block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
+        except BaseException:
+            for block, old in zip(self.blocks, before):
+                block.params = old
+            raise
         self._own = {k: new[k] for k in self._own}
 
     # ---------------------------------------------------------------- dropout

@@ -362,9 +362,17 @@ class _Block(abc.ABC):
     @params.setter
     def params(self, new: dict):
         check_params_assignment(new, self.params, self.xp)
-        for a in self._ATTNS:  # all checked: nothing below fails
-            sub = {k.split(".", 1)[1]: v for k, v in new.items() if k.startswith(a + ".")}
-            self._attn[a].params = sub
+        # all checked; should a module's assignment fail all the same (an interrupt, memory),
+        # the modules assigned before it are put back: a failed assignment changes nothing
+        before = {a: dict(self._attn[a].params) for a in self._ATTNS}
+        try:
+            for a in self._ATTNS:
+                sub = {k.split(".", 1)[1]: v for k, v in new.items() if k.startswith(a + ".")}
+                self._attn[a].params = sub
+        except BaseException:
+            for a, old in before.items():
+                self._attn[a].params = old
+            raise
         self._own = {k: new[k] for k in self._own}
 
     @property

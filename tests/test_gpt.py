@@ -1242,6 +1242,42 @@ def test_a_generate_that_fails_making_its_results_changes_nothing(monkeypatch, w
         np.testing.assert_array_equal(to_numpy(got[name]), to_numpy(want[name]), err_msg=name)
 
 
+def test_a_training_step_whose_assignment_fails_changes_nothing(monkeypatch):
+    """training_step assigns the updated parameters last; should block 1's assignment fail
+    (an interrupt, say, after block 0's was made), every parameter is the one before the
+    call, and so are the model's cache and grads: the step run again gives what a twin that
+    never failed gives."""
+    import npattn.transformer as transformer_module
+
+    model, twin = make(dropout=0.3), make(dropout=0.3)
+    ids, tgt = ids_of(0), ids_of(1)
+    state = nn.adam_init(model.params)
+    for m in (model, twin):  # a step done: a cache and grads to keep
+        _, _, state_after = training_step(m, state, ids, tgt, lr=0.05)
+    params = {k: np.array(v, copy=True) for k, v in model.params.items()}
+    cache, grads = model._cache, model.grads
+    real, calls = transformer_module.check_params_assignment, []
+
+    def fails_second(*args, **kwargs):  # block 0's assignment, then block 1's
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformer_module, "check_params_assignment", fails_second)
+        with pytest.raises(KeyboardInterrupt):
+            training_step(model, state_after, ids, tgt, lr=0.05)
+    assert len(calls) >= 2  # it failed where it was meant to (putting block 0 back calls it again)
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(v, params[k], err_msg=k)
+    assert model._cache is cache and model.grads is grads
+    loss, norm, _ = training_step(model, state_after, ids, tgt, lr=0.05)
+    assert (loss, norm) == training_step(twin, state_after, ids, tgt, lr=0.05)[:2]
+    for k, v in twin.params.items():
+        np.testing.assert_array_equal(model.params[k], v, err_msg=k)
+
+
 @pytest.mark.parametrize("step", [1, 3])
 def test_generate_names_the_step_whose_logits_are_nan(step):
     """A NaN in the position embedding of the position step ``step`` reads (the first step

@@ -807,6 +807,28 @@ def test_a_failed_params_assignment_changes_nothing(kind):
         np.testing.assert_array_equal(v, before[k], err_msg=k)
 
 
+def test_a_params_assignment_interrupted_between_the_attention_modules_changes_nothing(monkeypatch):
+    """The decoder block assigns its self-attention's parameters, then its cross-attention's;
+    should the second fail all the same (an interrupt, after every check passed), the
+    self-attention's are put back: every parameter is the one before the call."""
+    block = TransformerDecoderBlock(D, H, FF, dtype="float64", seed=30)
+    before = {k: np.array(v) for k, v in block.params.items()}  # copies
+    new = {k: 2.0 * v for k, v in block.params.items()}
+
+    def fails(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(block.multihead_attn.params, "replace_all", fails)
+    with pytest.raises(KeyboardInterrupt):
+        block.params = new
+    monkeypatch.undo()
+    for k, v in block.params.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    block.params = new  # and the block takes the assignment afterwards
+    for k, v in block.params.items():
+        np.testing.assert_array_equal(v, 2.0 * before[k], err_msg=k)
+
+
 @pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_a_forward_that_fails_after_self_attention_changes_nothing(norm_first, error, monkeypatch):
