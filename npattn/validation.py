@@ -338,6 +338,8 @@ def check_device(xp: Any, device: Any, name: str = "device") -> None:
         return
     try:
         xp.zeros((1,), device=device)
+    except MemoryError:  # not the device's fault: the error goes on as it is
+        raise
     except Exception as exc:
         raise ValueError(f"{name}: expected a device of the {backend_name(xp)} backend, got "
                          f"{device!r} ({type(exc).__name__}: {exc})") from exc

@@ -1956,3 +1956,20 @@ def test_every_constructor_refuses_the_same_seeds_in_the_same_words(name, make):
     for seed in (-1, np.int8(-1)):
         with pytest.raises(ValueError, match=r"^seed: expected a non-negative int seed, got (np.int8\()?-1"):
             make(seed)
+
+
+def test_check_device_lets_a_memory_error_through(monkeypatch):
+    """check_device makes a one-entry array on the device to see that the backend has it; a
+    MemoryError there is no fault of the device and goes on as it is, not as a ValueError
+    that blames the argument."""
+    from npattn import validation
+    from npattn.backend import namespace
+
+    xp = namespace(np.zeros(1))
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no memory")
+
+    monkeypatch.setattr(xp, "zeros", fails)
+    with pytest.raises(MemoryError, match="no memory"):
+        validation.check_device(xp, "cpu")
