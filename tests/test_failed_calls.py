@@ -1,0 +1,234 @@
+"""A failed call changes nothing, checked at every step: each stateful call is run once to
+count the steps it takes (npattn's own functions and the array namespace's), then again
+from the same start with one step raising a MemoryError, for a spread of steps from the
+first to the last. Afterwards every object holds what it held before (its parameters,
+grads, cached forward, mode, generators, a KV cache's keys and lengths, an optimizer's
+state, the caller's arrays and generator: compared bit for bit with copies taken before),
+and the next call gives what it gives on a twin that never failed.
+"""
+
+import sys
+import types
+
+import array_api_compat.numpy as xp_numpy
+import numpy as np
+import pytest
+
+import npattn
+from npattn import nn
+from npattn.classifier import TransformerClassifier
+from npattn.gpt import GPT, training_step
+from npattn.kvcache import KVCache
+from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+
+B, L, D, H, VOCAB, T = 2, 4, 8, 2, 11, 8
+STEPS = 40  # failing steps tried per call, spread over all of its steps
+
+
+class Steps:
+    """Counts the wrapped calls while armed; raises a MemoryError at call number ``fail_at``."""
+
+    def __init__(self):
+        self.count, self.fail_at, self.armed = 0, None, False
+
+    def hit(self):
+        if self.armed:
+            self.count += 1
+            if self.count == self.fail_at:
+                raise MemoryError(f"step {self.count}")
+
+
+def _counted(steps, f):
+    def counted(*args, **kwargs):
+        steps.hit()
+        return f(*args, **kwargs)
+    return counted
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every module-level function of npattn's modules (but validation's) and every function
+    of NumPy's array namespace, counted."""
+    steps, done = Steps(), {}
+    modules = [m for n, m in list(sys.modules.items())
+               if n.startswith("npattn.") and not n.startswith(("npattn.tools", "npattn.validation"))]
+    for mod in modules:
+        for name, f in list(vars(mod).items()):
+            if (isinstance(f, types.FunctionType) and not name.startswith("__")
+                    and f.__module__.startswith("npattn") and f.__module__ != "npattn.validation"):
+                done.setdefault(id(f), _counted(steps, f))
+                monkeypatch.setattr(mod, name, done[id(f)])
+    for name, f in list(vars(xp_numpy).items()):
+        if callable(f) and not isinstance(f, type) and not name.startswith("_"):
+            monkeypatch.setattr(xp_numpy, name, _counted(steps, f))
+    return steps
+
+
+def state_of(obj, seen=None):
+    """Everything ``obj`` holds, as plain values: arrays by their bytes, generators by their
+    state, objects by their attributes (a KV cache by the keys within each entry's length,
+    all it holds)."""
+    seen = set() if seen is None else seen
+    if obj is None or isinstance(obj, (bool, int, float, str, complex, np.generic, np.dtype)):
+        return repr(obj)
+    if isinstance(obj, np.ndarray):
+        return ("array", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
+    if isinstance(obj, np.random.Generator):
+        return ("generator", repr(obj.bit_generator.state))
+    if isinstance(obj, (types.ModuleType, types.FunctionType, type)) or id(obj) in seen:
+        return ("seen", type(obj).__name__)
+    seen.add(id(obj))
+    if isinstance(obj, KVCache):
+        n = obj.cache_seqlens
+        held = [np.asarray(a)[b, :, :n[b]] for b in range(len(n)) for a in (obj.k, obj.v)]
+        return ("kv", tuple(n), [state_of(a) for a in held])
+    if isinstance(obj, npattn.attention.Workspace):  # arrays free for reuse, holding nothing
+        return ("workspace",)
+    if isinstance(obj, dict):
+        return ("dict", [(repr(k), state_of(v, seen)) for k, v in obj.items()])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [state_of(v, seen) for v in obj])
+    if hasattr(obj, "__dict__"):
+        return (type(obj).__name__, [(k, state_of(v, seen)) for k, v in sorted(vars(obj).items())])
+    return ("other", type(obj).__name__)
+
+
+def rnd(seed, shape):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def mha(impl, need_weights):
+    """A module with a cache, grads and a generator to keep; a forward (with a boolean mask
+    that leaves a row fully masked, dropout drawn) to fail."""
+    def start():
+        kw = dict(block_q=2, block_k=3) if impl == "blocked" else {}
+        m = npattn.MultiHeadAttention(D, H, dropout=0.25, n_kv_head=1, dtype="float64", seed=0,
+                                      impl=impl, **kw)
+        x, kv = rnd(1, (B, L, D)), rnd(2, (B, L + 1, D))
+        mask = np.random.default_rng(3).random((B, 1, L, L + 1)) > 0.3
+        mask[0, 0, 1] = False
+        out, _ = m(x, kv, kv, mask=mask)
+        m.backward(rnd(4, out.shape))
+        m(rnd(5, (B, L, D)), kv, kv, mask=mask)
+        return dict(m=m, x=x, kv=kv, mask=mask)
+
+    def call(s):
+        return s["m"](s["x"], s["kv"], s["kv"], mask=s["mask"], need_weights=need_weights)
+    return start, call
+
+
+def mha_backward():
+    start, _ = mha("reference", False)
+    return start, lambda s: s["m"].backward(rnd(6, (B, L, D)))
+
+
+def mha_decoding():
+    def start():
+        m = npattn.MultiHeadAttention(D, H, dtype="float64", seed=0).eval()
+        cache = m.new_cache(B, 6)
+        x = rnd(1, (B, 2, D))
+        m(x, x, x, kv_cache=cache)
+        return dict(m=m, cache=cache, y=rnd(2, (B, 1, D)))
+    return start, lambda s: s["m"](s["y"], s["y"], s["y"], kv_cache=s["cache"], need_weights=True)
+
+
+def block(decoder, norm_first, what):
+    def start():
+        kind = TransformerDecoderBlock if decoder else TransformerBlock
+        b = kind(D, H, 16, dropout=0.2, norm_first=norm_first, dtype="float64", seed=0)
+        args = (rnd(1, (B, L, D)),) + ((rnd(2, (B, L + 1, D)),) if decoder else ())
+        b(*args, is_causal=True)
+        b.backward(rnd(3, (B, L, D)))
+        b(rnd(4, (B, L, D)), *args[1:], is_causal=True)
+        return dict(b=b, args=args, new={k: 0.5 * v for k, v in b.params.items()})
+
+    def call(s):
+        if what == "forward":
+            return s["b"](*s["args"], is_causal=True)
+        if what == "backward":
+            return s["b"].backward(rnd(5, (B, L, D)))
+        s["b"].params = s["new"]
+    return start, call
+
+
+def gpt(what):
+    def start():
+        g = GPT(VOCAB, T, D, 2, H, 16, dropout=0.2, dtype="float64", seed=0)
+        ids = np.random.default_rng(1).integers(0, VOCAB, (B, L))
+        tgt = np.random.default_rng(2).integers(0, VOCAB, (B, L))
+        state = nn.adam_init(g.params)
+        _, _, state = training_step(g, state, ids, tgt, lr=0.05)
+        g(np.random.default_rng(3).integers(0, VOCAB, (B, L)))
+        return dict(g=g, ids=ids, tgt=tgt, state=state, rng=np.random.default_rng(4))
+
+    def call(s):
+        if what == "training_step":
+            return training_step(s["g"], s["state"], s["ids"], s["tgt"], lr=0.05)
+        if what == "generate":
+            return s["g"].generate(s["ids"][:, :2], 3, seed=s["rng"], top_k=4, return_logits=True)
+        return s["g"].backward(rnd(5, (B, L, VOCAB)))
+    return start, call
+
+
+def gpt_decoding():
+    def start():
+        g = GPT(VOCAB, T, D, 2, H, 16, dtype="float64", seed=0).eval()
+        caches = g.new_caches(B)
+        g(np.random.default_rng(1).integers(0, VOCAB, (B, 2)), kv_caches=caches)
+        return dict(g=g, caches=caches)
+    return start, lambda s: s["g"](np.random.default_rng(2).integers(0, VOCAB, (B, 1)), kv_caches=s["caches"])
+
+
+def classifier():
+    def start():
+        c = TransformerClassifier(4, L, 3, d_model=D, n_head=H, n_layers=2, d_ff=16, dropout=0.2,
+                                  dtype="float64", seed=0)
+        c(rnd(1, (B, L, 4)))
+        c.backward(rnd(2, (B, 3)))
+        c(rnd(3, (B, L, 4)))
+        return dict(c=c, new={k: 0.5 * v for k, v in c.params.items()})
+
+    def call(s):
+        s["c"].params = s["new"]
+    return start, call
+
+
+CALLS = {
+    "mha reference forward, weights": mha("reference", True),
+    "mha blocked forward": mha("blocked", False),
+    "mha backward": mha_backward(),
+    "mha decoding, weights": mha_decoding(),
+    "encoder post-norm forward": block(False, False, "forward"),
+    "decoder pre-norm backward": block(True, True, "backward"),
+    "decoder params assignment": block(True, False, "params"),
+    "gpt training_step": gpt("training_step"),
+    "gpt generate": gpt("generate"),
+    "gpt backward": gpt("backward"),
+    "gpt decoding": gpt_decoding(),
+    "classifier params assignment": classifier(),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_a_call_failing_at_any_step_changes_nothing(steps, name):
+    start, call = CALLS[name]
+    s = start()
+    steps.count, steps.armed = 0, True
+    call(s)
+    steps.armed = False
+    n = steps.count
+    assert n > 10, f"{name}: only {n} steps counted"
+    tried = sorted({1, n} | {1 + (n - 1) * i // (STEPS - 1) for i in range(STEPS)})
+    for k in tried:
+        s = start()
+        before = state_of(s)
+        steps.count, steps.fail_at, steps.armed = 0, k, True
+        try:
+            with pytest.raises(MemoryError, match=f"^step {k}$"):
+                call(s)
+        finally:
+            steps.armed, steps.fail_at = False, None
+        assert state_of(s) == before, f"{name}: the state changed when step {k} of {n} failed"
+        twin = start()
+        assert state_of(call(s)) == state_of(call(twin)), f"{name}: the call after step {k} failed"
+        assert state_of(s) == state_of(twin), f"{name}: the state after the call after step {k} failed"
