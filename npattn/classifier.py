@@ -290,7 +290,8 @@ class TransformerClassifier(BlockStack):
             de, grads["pos"] = nn.add_positions_backward(dh, c.pos)  # [B, L, D], [L, D]
             # 1. e = x @ embed.weight.T + embed.bias
             dx, grads["embed.weight"], grads["embed.bias"] = F.linear_backward(de, c.embed)  # [B, L, P]
-        self.grads = {k: grads[k] for k in self.params}
+            grads = {k: grads[k] for k in self.params}  # (in params' order; a failure here puts back too)
+        self.grads = grads
         self.dx = dx
         return self.grads
 

@@ -350,7 +350,8 @@ class GPT(BlockStack):
             # 1. e = embedding(ids, wte); the tied head's term adds
             _, dwte_embed = nn.embedding_backward(de, c.embed)  # [V, D]
             grads["wte"] = dwte_embed + dwte_head
-        self.grads = {k: grads[k] for k in self.params}
+            grads = {k: grads[k] for k in self.params}  # (in params' order; a failure here puts back too)
+        self.grads = grads
         return self.grads
 
     def loss(self, ids: Any, targets: Any, *, weight: Any = None, ignore_index: Optional[int] = None,

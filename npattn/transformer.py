@@ -1084,7 +1084,8 @@ class TransformerBlock(_Block):
             # 1. h = sublayer(x; self_attn, norm1)
             dx = self._sublayer_backward(dh, c.attn, self._attn_core_backward("self_attn", grads, []),
                                          "norm1", grads)
-        self.grads = self._ordered(grads)
+            grads = self._ordered(grads)  # (in params' order; a failure here puts back too)
+        self.grads = grads
         return dx
 
     @classmethod
@@ -1207,7 +1208,8 @@ class TransformerDecoderBlock(_Block):
             # 1. h1 = sublayer(x; self_attn, norm1)
             dx = self._sublayer_backward(dh1, c.self_attn,
                                          self._attn_core_backward("self_attn", grads, []), "norm1", grads)
-        self.grads = self._ordered(grads)
+            grads = self._ordered(grads)  # (in params' order; a failure here puts back too)
+        self.grads = grads
         return dx, dmemory[0]
 
     @classmethod

@@ -23,6 +23,11 @@ from npattn.transformer import TransformerBlock, TransformerDecoderBlock
 
 B, L, D, H, VOCAB, T = 2, 4, 8, 2, 11, 8
 STEPS = 40  # failing steps tried per call, spread over all of its steps
+#: Methods that also run once a call has succeeded, to put things back or away: the module
+#: lends its previous cache's arrays to its workspace (``Workspace.give``) after keeping the
+#: new one, and ``generate`` puts the modes back (``train``) whether it failed or not. A
+#: failure inside them is one of putting back, which nothing can undo; they are not failed.
+AFTER_SUCCESS = {"give", "train", "eval"}
 
 
 class Steps:
@@ -47,8 +52,8 @@ def _counted(steps, f):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every module-level function of npattn's modules (but validation's) and every function
-    of NumPy's array namespace, counted."""
+    """Every module-level function of npattn's modules (but validation's), every method and
+    property of their classes and every function of NumPy's array namespace, counted."""
     steps, done = Steps(), {}
     modules = [m for n, m in list(sys.modules.items())
                if n.startswith("npattn.") and not n.startswith(("npattn.tools", "npattn.validation"))]
@@ -58,6 +63,16 @@ def steps(monkeypatch):
                     and f.__module__.startswith("npattn") and f.__module__ != "npattn.validation"):
                 done.setdefault(id(f), _counted(steps, f))
                 monkeypatch.setattr(mod, name, done[id(f)])
+    for mod in modules:  # and the methods and property reads of npattn's classes
+        for cls in [c for c in vars(mod).values() if isinstance(c, type) and c.__module__ == mod.__name__]:
+            for name, f in list(vars(cls).items()):
+                if name in AFTER_SUCCESS:
+                    continue
+                if isinstance(f, types.FunctionType) and not name.startswith("__"):
+                    monkeypatch.setattr(cls, name, _counted(steps, f))
+                elif isinstance(f, property) and f.fget is not None:
+                    counted = property(_counted(steps, f.fget), f.fset, f.fdel, f.__doc__)
+                    monkeypatch.setattr(cls, name, counted)
     for name, f in list(vars(xp_numpy).items()):
         if callable(f) and not isinstance(f, type) and not name.startswith("_"):
             monkeypatch.setattr(xp_numpy, name, _counted(steps, f))
@@ -179,7 +194,7 @@ def gpt_decoding():
     return start, lambda s: s["g"](np.random.default_rng(2).integers(0, VOCAB, (B, 1)), kv_caches=s["caches"])
 
 
-def classifier():
+def classifier(what):
     def start():
         c = TransformerClassifier(4, L, 3, d_model=D, n_head=H, n_layers=2, d_ff=16, dropout=0.2,
                                   dtype="float64", seed=0)
@@ -189,6 +204,8 @@ def classifier():
         return dict(c=c, new={k: 0.5 * v for k, v in c.params.items()})
 
     def call(s):
+        if what == "backward":
+            return s["c"].backward(rnd(4, (B, 3)))
         s["c"].params = s["new"]
     return start, call
 
@@ -204,8 +221,10 @@ CALLS = {
     "gpt training_step": gpt("training_step"),
     "gpt generate": gpt("generate"),
     "gpt backward": gpt("backward"),
+    "encoder pre-norm backward": block(False, True, "backward"),
     "gpt decoding": gpt_decoding(),
-    "classifier params assignment": classifier(),
+    "classifier backward": classifier("backward"),
+    "classifier params assignment": classifier("params"),
 }
 
 
