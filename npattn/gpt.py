@@ -529,8 +529,8 @@ class GPT(BlockStack):
         mode, cached, drawn = self.training, self._cache, rng.bit_generator.state
         # each block's mode and its attention's too: one set apart (block.eval()) keeps its own
         modes = [block.modes for block in self.blocks]
-        self.eval()
         try:
+            self.eval()  # inside: a failure after some blocks were switched puts their modes back
             with blocks_put_back_on_failure(self.blocks):
                 tokens, steps = self._sample(ids, max_new_tokens, rng, temperature=temperature,
                                              top_k=top_k, greedy=greedy)

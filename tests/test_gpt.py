@@ -1242,6 +1242,27 @@ def test_a_generate_that_fails_making_its_results_changes_nothing(monkeypatch, w
         np.testing.assert_array_equal(to_numpy(got[name]), to_numpy(want[name]), err_msg=name)
 
 
+def test_a_generate_that_fails_switching_to_eval_puts_the_modes_back(monkeypatch):
+    """generate switches the model to eval mode block by block; should block 1's switch fail
+    (an interrupt, after the model's and block 0's were made), the model and every block are
+    left in training mode, as before the call."""
+    model = make(dropout=0.3)
+    real, calls = model.blocks[1].train, []
+
+    def fails_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model.blocks[1], "train", fails_first)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(ids_of(0, (B, 2)), 3, seed=0)
+    assert model.training
+    for n, block in enumerate(model.blocks):
+        assert block.training and block.self_attn.training, f"block {n}"
+
+
 def test_a_training_step_whose_assignment_fails_changes_nothing(monkeypatch):
     """training_step assigns the updated parameters last; should block 1's assignment fail
     (an interrupt, say, after block 0's was made), every parameter is the one before the
