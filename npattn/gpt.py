@@ -529,6 +529,12 @@ class GPT(BlockStack):
         mode, cached, drawn = self.training, self._cache, rng.bit_generator.state
         # each block's mode and its attention's too: one set apart (block.eval()) keeps its own
         modes = [block.modes for block in self.blocks]
+
+        def put_back_modes():
+            self.train(mode)
+            for block, block_modes in zip(self.blocks, modes):
+                block.modes = block_modes
+
         try:
             self.eval()  # inside: a failure after some blocks were switched puts their modes back
             with blocks_put_back_on_failure(self.blocks):
@@ -542,16 +548,13 @@ class GPT(BlockStack):
                 elif return_logits:
                     logits = self.xp.zeros((B, 0, self.vocab_size), dtype=self.dtype,
                                            device=self._device())
+                put_back_modes()  # still guarded: should it fail, everything else is put back too
         except BaseException:
             self._cache = cached
             rng.bit_generator.state = drawn
+            put_back_modes()
             raise
-        else:
-            self._cache = None  # the last forward was a decoding one: nothing to differentiate
-        finally:
-            self.train(mode)
-            for block, block_modes in zip(self.blocks, modes):
-                block.modes = block_modes
+        self._cache = None  # the last forward was a decoding one: nothing to differentiate
         return (out, logits) if return_logits else out
 
     def _sample(self, ids: Any, max_new_tokens: int, rng: np.random.Generator, *,

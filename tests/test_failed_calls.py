@@ -23,11 +23,10 @@ from npattn.transformer import TransformerBlock, TransformerDecoderBlock
 
 B, L, D, H, VOCAB, T = 2, 4, 8, 2, 11, 8
 STEPS = 40  # failing steps tried per call, spread over all of its steps
-#: Methods that also run once a call has succeeded, to put things back or away: the module
-#: lends its previous cache's arrays to its workspace (``Workspace.give``) after keeping the
-#: new one, and ``generate`` puts the modes back (``train``) whether it failed or not. A
-#: failure inside them is one of putting back, which nothing can undo; they are not failed.
-AFTER_SUCCESS = {"give", "train", "eval"}
+#: A method that runs once a call has succeeded, to put things away: the module lends its
+#: previous cache's arrays to its workspace (``Workspace.give``) after keeping the new one
+#: (lent before, a failure after it would leave them both lent and kept).
+AFTER_SUCCESS = {"give"}
 
 
 class Steps:
