@@ -32,6 +32,9 @@ torch state dict and get a ``ValueError`` naming the setting. ``scale`` and
 ``softcap`` change no parameter: their weights convert, but torch's module
 computes without them (its scale is always ``1 / sqrt(Dh)``, with no cap).
 A module built by ``from_torch`` has the defaults (``sinks=False``).
+A subclass of ``torch.nn.MultiheadAttention`` with its own ``forward``
+computes something else and is a ``ValueError`` (``own_methods``); forward
+hooks are not read.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
     "params_from_torch_state_dict",
     "load_torch_state_dict",
     "module_dtype",
+    "own_methods",
     "torch_state_dict",
     "torch_state_dict_shapes",
 ]
@@ -279,6 +283,13 @@ def module_dtype(module: Any, name: str = "module") -> str:
     return next(iter(by_dtype))
 
 
+def own_methods(module: Any, kind: Any, methods: tuple) -> list:
+    """The ``methods`` of the torch class ``kind`` that the class of ``module`` (an instance of
+    ``kind``) defines anew. npattn copies the weights and computes as ``kind`` does: a subclass
+    with its own ``forward`` computes something else, which no copy of its weights reproduces."""
+    return [m for m in methods if getattr(type(module), m, None) is not getattr(kind, m)]
+
+
 def options_from_torch(module: Any) -> dict:
     """The ``MultiHeadAttention`` keyword arguments a ``torch.nn.MultiheadAttention``'s
     attributes give: ``d_model``, ``n_head``, ``dropout``, ``bias``, ``qkv_bias``,
@@ -291,6 +302,12 @@ def options_from_torch(module: Any) -> dict:
         raise TypeError(
             f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}"
         )
+    own = own_methods(module, torch.nn.MultiheadAttention, ("forward",))
+    if own:
+        cls = type(module)
+        raise ValueError(f"module: expected torch.nn.MultiheadAttention's {', '.join(own)} (npattn "
+                         f"computes as torch's module does), got a {cls.__module__}.{cls.__qualname__} "
+                         "with its own")
     bias = module.in_proj_bias is not None
     return dict(
         d_model=module.embed_dim,

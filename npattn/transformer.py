@@ -282,6 +282,7 @@ class _Block(abc.ABC):
     _ATTNS: tuple = ()  # names of the MultiHeadAttention submodules
     _NORMS: tuple = ()  # names of the layer norms
     _SITES: tuple = ()  # dropout sites
+    _TORCH_METHODS: tuple = ()  # the torch layer's methods that compute its output
     SAVE_FORMAT: str = ""  # the ``format`` of the class's save files
 
     def __init__(self, d_model: int, n_head: int, d_ff: Optional[int] = None, *,
@@ -710,7 +711,15 @@ class _Block(abc.ABC):
                             f"got {type(layer).__name__}")
         import torch
 
-        from .torch_interop import module_dtype, options_from_torch
+        from .torch_interop import module_dtype, options_from_torch, own_methods
+
+        # a subclass computing otherwise (its own _ff_block, say) would be copied into torch's computation
+        own = own_methods(layer, torch_cls, cls._TORCH_METHODS)
+        if own:
+            sub = type(layer)
+            raise ValueError(f"layer: expected torch.nn.{torch_cls.__name__}'s {', '.join(own)} (npattn's "
+                             f"blocks compute as torch's layer does), got a {sub.__module__}."
+                             f"{sub.__qualname__} with its own")
 
         # the modules the layer builds, which a user may have replaced (an nn.RMSNorm for norm1 has
         # a weight of the same shape, so the state dict matched and a layer norm ran in its place)
@@ -723,6 +732,11 @@ class _Block(abc.ABC):
             if not isinstance(m, kind):
                 raise ValueError(f"layer: expected {name} a torch.nn.{kind.__name__} (as the torch "
                                  f"layer builds it), got {type(m).__name__}")
+            if own_methods(m, kind, ("forward",)):  # e.g. an nn.Linear subclass that adds a LoRA term
+                sub = type(m)
+                raise ValueError(f"layer: expected {name} with torch.nn.{kind.__name__}'s forward (as the "
+                                 f"torch layer builds it), got a {sub.__module__}.{sub.__qualname__} with "
+                                 "its own")
         for a in cls._ATTNS:
             if not getattr(layer, a).batch_first:  # torch sets both from one argument
                 where = "" if a == "self_attn" else f" in {a}"
@@ -982,6 +996,7 @@ class TransformerBlock(_Block):
 
     _ATTNS = ("self_attn",)
     _NORMS = ("norm1", "norm2")
+    _TORCH_METHODS = ("forward", "_sa_block", "_ff_block")  # a subclass must keep them to be copied
     _SITES = ENCODER_DROPOUT_SITES
     #: The ``format`` of this class's ``save`` files.
     SAVE_FORMAT = "npattn.TransformerBlock"
@@ -1120,6 +1135,7 @@ class TransformerDecoderBlock(_Block):
 
     _ATTNS = ("self_attn", "multihead_attn")
     _NORMS = ("norm1", "norm2", "norm3")
+    _TORCH_METHODS = ("forward", "_sa_block", "_mha_block", "_ff_block")
     _SITES = DECODER_DROPOUT_SITES
     #: The ``format`` of this class's ``save`` files.
     SAVE_FORMAT = "npattn.TransformerDecoderBlock"

@@ -321,3 +321,35 @@ def test_unexpected_keys_are_listed_in_order():
     extra = ["f", "b", "e", "a", "d", "c"]
     with pytest.raises(ValueError, match=r"unexpected \['a', 'b', 'c', 'd', 'e', 'f'\]\)$"):
         mha.load_torch_state_dict({**sd, **{k: torch.zeros(1) for k in extra}})
+
+
+def test_a_subclass_with_its_own_forward_is_refused():
+    """A subclass of torch.nn.MultiheadAttention with its own forward (here one that doubles the
+    output) was copied as torch's module: the copy computed half the subclass's output, without a
+    word. A subclass that only adds a method computes as torch does, and is copied."""
+
+    class Doubled(torch.nn.MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return 2.0 * out, weights
+
+    class Described(torch.nn.MultiheadAttention):
+        def describe(self):
+            return f"{self.num_heads} heads"
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    tm = _randomized(Doubled(4, 2, batch_first=True, dtype=torch.float64))
+    plain = torch.nn.MultiheadAttention(4, 2, batch_first=True, dtype=torch.float64)
+    plain.load_state_dict(tm.state_dict())
+    assert not torch.allclose(tm(x, x, x)[0], plain(x, x, x)[0])  # it does compute otherwise
+    message = (r"^module: expected torch\.nn\.MultiheadAttention's forward \(npattn computes as torch's "
+               r"module does\), got a .*Doubled with its own$")
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention.from_torch(tm)
+    with pytest.raises(ValueError, match=message):
+        torch_interop.config_from_torch(tm)
+
+    td = _randomized(Described(4, 2, batch_first=True, dtype=torch.float64)).eval()
+    out, _ = MultiHeadAttention.from_torch(td)(*(x.numpy(),) * 3)
+    np.testing.assert_allclose(out, td(x, x, x)[0].detach().numpy(), rtol=0, atol=1e-12)

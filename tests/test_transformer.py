@@ -657,6 +657,73 @@ def test_from_torch_names_a_sub_module_built_with_other_sizes_or_biases(kind):
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_refuses_a_layer_or_sub_module_that_computes_otherwise(kind):
+    """A subclass of the torch layer with its own _ff_block, or a sub-module of the right kind with
+    its own forward (an nn.Linear subclass adding a low-rank term, a LayerNorm or Dropout that
+    scales, a MultiheadAttention that doubles), passed every check and was copied as torch's
+    computation: the block's output differed from the layer's, without a word. A subclass that
+    only changes the constructor's defaults computes as torch does, and is copied."""
+    torch = pytest.importorskip("torch")
+    torch_cls = torch.nn.TransformerEncoderLayer if kind == "encoder" else torch.nn.TransformerDecoderLayer
+    cls = TransformerBlock if kind == "encoder" else TransformerDecoderBlock
+    f64 = dict(dtype=torch.float64)
+
+    class OwnFF(torch_cls):
+        def _ff_block(self, x):
+            return 2.0 * super()._ff_block(x)
+
+    class LowRank(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 0.5 * x[..., :1]
+
+    class Scaled(torch.nn.LayerNorm):
+        def forward(self, x):
+            return 3.0 * super().forward(x)
+
+    class Scaling(torch.nn.Dropout):
+        def forward(self, x):
+            return 1.5 * super().forward(x)
+
+    class Doubled(torch.nn.MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return 2.0 * out, weights
+
+    class Defaults(torch_cls):  # torch's computation, other defaults
+        def __init__(self, d_model, nhead, **kwargs):
+            super().__init__(d_model, nhead, FF, dropout=0.0, batch_first=True, **kwargs)
+
+    def run(t):
+        torch.manual_seed(1)
+        x, memory = torch.randn(B, L, D, **f64), torch.randn(B, LM, D, **f64)
+        return (t(x) if kind == "encoder" else t(x, memory)).detach().numpy(), x.numpy(), memory.numpy()
+
+    torch.manual_seed(0)
+    cases = [(OwnFF(D, H, FF, dropout=0.0, batch_first=True, **f64), {}, "_ff_block", "OwnFF"),
+             (None, {"linear1": LowRank(D, FF, **f64)}, "linear1 with torch.nn.Linear's forward", "LowRank"),
+             (None, {"norm2": Scaled(D, **f64)}, "norm2 with torch.nn.LayerNorm's forward", "Scaled"),
+             (None, {"dropout2": Scaling(0.0)}, "dropout2 with torch.nn.Dropout's forward", "Scaling"),
+             (None, {"self_attn": Doubled(D, H, batch_first=True, **f64)},
+              "self_attn with torch.nn.MultiheadAttention's forward", "Doubled")]
+    for t, replace, what, name in cases:
+        t = t if t is not None else torch_cls(D, H, FF, dropout=0.0, batch_first=True, **f64)
+        for n, m in replace.items():
+            setattr(t, n, m)
+        t.eval()
+        plain = torch_cls(D, H, FF, dropout=0.0, batch_first=True, **f64).eval()
+        plain.load_state_dict(t.state_dict())
+        assert np.abs(run(t)[0] - run(plain)[0]).max() > 1e-3  # the layer does compute otherwise
+        with raises(ValueError, "layer: expected ", what, "got a test_transformer.", f".{name} with its own"):
+            cls.from_torch(t)
+
+    t = Defaults(D, H, **f64).eval()
+    want, x, memory = run(t)
+    block = cls.from_torch(t)
+    got = block(x) if kind == "encoder" else block(x, memory)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
 def test_from_torch_refuses_a_layer_of_mixed_dtypes(kind):
     """The block took the dtype of linear1.weight and cast every other parameter to it: a float64
     layer whose linear1 was float32 became a float32 block, rounding the rest silently."""
