@@ -756,7 +756,9 @@ class MultiHeadAttention:
         from . import torch_interop
 
         mha = cls(**torch_interop.config_from_torch(module), backend=backend)
-        torch_interop.load_torch_state_dict(mha, module.state_dict())
+        # its weights held otherwise (a parametrization, pruning) give other keys: named as the module's
+        with V.argument_names({"state_dict": "module.state_dict()"}):
+            torch_interop.load_torch_state_dict(mha, module.state_dict())
         return mha.train(module.training)
 
     def load_torch_state_dict(self, state_dict: Any) -> "MultiHeadAttention":

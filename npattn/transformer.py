@@ -686,7 +686,9 @@ class _Block(abc.ABC):
         config = cls._config_from_torch(layer, torch_cls)
         modes = cls._modes_from_torch(layer)
         block = cls(**config, backend=backend)
-        block.load_torch_state_dict(layer.state_dict())
+        # weights held otherwise (a parametrization, pruning) give other keys: named as the layer's
+        with V.argument_names({"state_dict": "layer.state_dict()"}):
+            block.load_torch_state_dict(layer.state_dict())
         block.modes = modes
         return block
 

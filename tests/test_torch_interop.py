@@ -353,3 +353,22 @@ def test_a_subclass_with_its_own_forward_is_refused():
     td = _randomized(Described(4, 2, batch_first=True, dtype=torch.float64)).eval()
     out, _ = MultiHeadAttention.from_torch(td)(*(x.numpy(),) * 3)
     np.testing.assert_allclose(out, td(x, x, x)[0].detach().numpy(), rtol=0, atol=1e-12)
+
+
+def test_weights_held_otherwise_are_named_as_the_modules():
+    """A module whose in_proj_weight is parametrized (or pruned) has other state dict keys:
+    from_torch refused it as 'state_dict: expected keys ...', an argument its caller never
+    passed; the message now names the module's state dict."""
+    import torch.nn.utils.prune  # noqa: F401  (torch.nn.utils does not import it)
+
+    tm = torch.nn.MultiheadAttention(4, 2, batch_first=True, dtype=torch.float64)
+    torch.nn.utils.parametrize.register_parametrization(tm, "in_proj_weight", torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"^module\.state_dict\(\): expected keys \['in_proj_weight', .*"
+                                         r"unexpected \['parametrizations\.in_proj_weight\.original'\]\)$"):
+        MultiHeadAttention.from_torch(tm)
+    tm = torch.nn.MultiheadAttention(4, 2, batch_first=True, dtype=torch.float64)
+    torch.nn.utils.prune.random_unstructured(tm, "in_proj_weight", 0.5)
+    with pytest.raises(ValueError, match=r"^module\.state_dict\(\): expected keys .*missing "
+                                         r"\['in_proj_weight'\], unexpected \['in_proj_weight_mask', "
+                                         r"'in_proj_weight_orig'\]\)$"):
+        MultiHeadAttention.from_torch(tm)

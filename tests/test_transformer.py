@@ -724,6 +724,21 @@ def test_from_torch_refuses_a_layer_or_sub_module_that_computes_otherwise(kind):
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_from_torch_names_the_layers_state_dict_when_weights_are_held_otherwise(kind):
+    """A layer whose linear1 has weight_norm keeps its weight under other keys: from_torch refused
+    it as 'state_dict: expected keys ...', an argument its caller never passed; the message now
+    names the layer's state dict."""
+    torch = pytest.importorskip("torch")
+    torch_cls = torch.nn.TransformerEncoderLayer if kind == "encoder" else torch.nn.TransformerDecoderLayer
+    cls = TransformerBlock if kind == "encoder" else TransformerDecoderBlock
+    t = torch_cls(D, H, FF, dropout=0.0, batch_first=True, dtype=torch.float64)
+    torch.nn.utils.parametrizations.weight_norm(t.linear1)
+    with raises(ValueError, "layer.state_dict(): expected keys", "missing ['linear1.weight']",
+                "'linear1.parametrizations.weight.original0', 'linear1.parametrizations.weight.original1'"):
+        cls.from_torch(t)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
 def test_from_torch_refuses_a_layer_of_mixed_dtypes(kind):
     """The block took the dtype of linear1.weight and cast every other parameter to it: a float64
     layer whose linear1 was float32 became a float32 block, rounding the rest silently."""
