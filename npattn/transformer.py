@@ -785,6 +785,11 @@ class _Block(abc.ABC):
                              f"{', '.join(without)} without a bias and {', '.join(with_bias)} with one")
 
         act = layer.activation
+        for kind in (torch.nn.ReLU, torch.nn.GELU):  # read by their class below, so their forward must be it
+            if isinstance(act, kind) and own_methods(act, kind, ("forward",)):
+                sub = type(act)
+                raise ValueError(f"layer: expected activation with torch.nn.{kind.__name__}'s forward, got "
+                                 f"a {sub.__module__}.{sub.__qualname__} with its own")
         gelu_form = None  # "none" or "tanh": F.gelu, nn.GELU or functools.partial(F.gelu, approximate=)
         if act is torch.nn.functional.gelu:
             gelu_form = "none"

@@ -660,9 +660,10 @@ def test_from_torch_names_a_sub_module_built_with_other_sizes_or_biases(kind):
 def test_from_torch_refuses_a_layer_or_sub_module_that_computes_otherwise(kind):
     """A subclass of the torch layer with its own _ff_block, or a sub-module of the right kind with
     its own forward (an nn.Linear subclass adding a low-rank term, a LayerNorm or Dropout that
-    scales, a MultiheadAttention that doubles), passed every check and was copied as torch's
-    computation: the block's output differed from the layer's, without a word. A subclass that
-    only changes the constructor's defaults computes as torch does, and is copied."""
+    scales, a MultiheadAttention that doubles, an nn.ReLU activation that leaks), passed every
+    check and was copied as torch's computation: the block's output differed from the layer's,
+    without a word. A subclass that only changes the constructor's defaults computes as torch
+    does, and is copied."""
     torch = pytest.importorskip("torch")
     torch_cls = torch.nn.TransformerEncoderLayer if kind == "encoder" else torch.nn.TransformerDecoderLayer
     cls = TransformerBlock if kind == "encoder" else TransformerDecoderBlock
@@ -684,6 +685,10 @@ def test_from_torch_refuses_a_layer_or_sub_module_that_computes_otherwise(kind):
         def forward(self, x):
             return 1.5 * super().forward(x)
 
+    class Leaky(torch.nn.ReLU):
+        def forward(self, x):
+            return torch.nn.functional.leaky_relu(x, 0.5)
+
     class Doubled(torch.nn.MultiheadAttention):
         def forward(self, *args, **kwargs):
             out, weights = super().forward(*args, **kwargs)
@@ -704,7 +709,8 @@ def test_from_torch_refuses_a_layer_or_sub_module_that_computes_otherwise(kind):
              (None, {"norm2": Scaled(D, **f64)}, "norm2 with torch.nn.LayerNorm's forward", "Scaled"),
              (None, {"dropout2": Scaling(0.0)}, "dropout2 with torch.nn.Dropout's forward", "Scaling"),
              (None, {"self_attn": Doubled(D, H, batch_first=True, **f64)},
-              "self_attn with torch.nn.MultiheadAttention's forward", "Doubled")]
+              "self_attn with torch.nn.MultiheadAttention's forward", "Doubled"),
+             (None, {"activation": Leaky()}, "activation with torch.nn.ReLU's forward", "Leaky")]
     for t, replace, what, name in cases:
         t = t if t is not None else torch_cls(D, H, FF, dropout=0.0, batch_first=True, **f64)
         for n, m in replace.items():
