@@ -287,6 +287,120 @@ def test_kernel_options_on_chunks_for_drawn_cases(case):
     assert_same_options(ref, got, str(case))
 
 
+@st.composite
+def chunk_lengths(draw, n):
+    """Chunk lengths along an axis of length ``n``: one chunk, chunks of 1, or uneven cuts
+    such as (3, 1, 5), sometimes with an empty chunk among them."""
+    kind = draw(st.sampled_from(["one", "ones", "cuts"]))
+    if kind == "one" or n == 1:
+        lengths = [n]
+    elif kind == "ones":
+        lengths = [1] * n
+    else:
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1)))
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+    if draw(st.integers(0, 4)) == 0:
+        lengths.insert(draw(st.integers(0, len(lengths))), 0)
+    return tuple(lengths)
+
+
+@st.composite
+def independently_chunked_cases(draw):
+    G, Hkv, B = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    Lq, Lk, Dh, Dv = (draw(st.integers(1, n)) for n in (10, 10, 3, 3))
+    shapes = dict(q=(B, G * Hkv, Lq, Dh), k=(B, Hkv, Lk, Dh), v=(B, Hkv, Lk, Dv),
+                  dout=(B, G * Hkv, Lq, Dv), dlse=(B, G * Hkv, Lq))
+    return dict(
+        seed=draw(st.integers(0, 2**16)), G=G, shapes=shapes,
+        # every axis of every array chunked on its own, the head widths too
+        chunks={name: tuple(draw(chunk_lengths(n)) for n in shape) for name, shape in shapes.items()},
+        dtype=draw(st.sampled_from([np.float64, np.float64, np.float32])),
+        magnitude=draw(st.sampled_from([1.0, 1.0, 30.0])),  # large scores across the merge
+        causal=draw(st.booleans()), align=draw(st.sampled_from(["top_left", "bottom_right"])),
+        window=draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 4)),
+                                                   st.one_of(st.none(), st.integers(0, 4))))),
+        softcap=draw(st.one_of(st.none(), st.floats(0.5, 5.0))),
+        scale=draw(st.one_of(st.none(), st.floats(0.1, 3.0))),
+        alibi=draw(st.sampled_from([None, "H", "BH"])),
+        sinks=draw(st.sampled_from([None, "drawn", "head 0 -inf"])),
+        segments=draw(st.booleans()), mask=draw(st.sampled_from(["none", "bool", "float"])),
+        mask_form=draw(st.sampled_from(sorted(MASK_FORMS))),
+        fill=draw(st.sampled_from([-math.inf, -1e30, "min"])),  # a float mask's "not allowed"
+        dropout=draw(st.sampled_from(["none", "seed", "mask"])),
+        blocks=draw(st.sampled_from([(None, None), (1, 1), (2, 3)])),
+        dlse=draw(st.booleans()),
+    )
+
+
+@given(case=independently_chunked_cases())
+def test_every_input_chunked_on_its_own_equals_numpys_reference(case):
+    """q, k, v, dout, dlse, the masks and the option arrays each chunked on its own (uneven
+    chunks, chunks of 1, an empty chunk, the head widths split; a mask unlike the scores'
+    plan), with every kernel option, a float mask whose "not allowed" is -inf or a large
+    finite number, a fully masked row and a masked block, float32 and float64: out, lse and
+    every gradient equal NumPy's reference (1e-12 in float64), and the keep-mask is the same."""
+    c = case
+    r = np.random.default_rng(c["seed"])
+    dt = np.dtype(c["dtype"])
+    B, Hq, Lq = c["shapes"]["q"][:3]
+    Lk = c["shapes"]["k"][2]
+    q, k, v, dout, dlse = (r.standard_normal(c["shapes"][n]).astype(dt)
+                           for n in ("q", "k", "v", "dout", "dlse"))
+    q = q * dt.type(c["magnitude"])
+    kw = dict(is_causal=c["causal"], enable_gqa=c["G"] > 1, align=c["align"], window=c["window"],
+              softcap=c["softcap"], scale=c["scale"])
+    arrays = {}
+    if c["alibi"]:
+        arrays["alibi_slopes"] = r.random(Hq if c["alibi"] == "H" else (B, Hq)).astype(dt)
+    if c["sinks"] is not None:
+        arrays["sinks"] = r.standard_normal(Hq).astype(dt)
+        if c["sinks"] == "head 0 -inf":
+            arrays["sinks"][0] = -np.inf  # no sink on head 0
+    if c["segments"]:
+        arrays["q_segments"], arrays["k_segments"] = r.integers(0, 2, (B, Lq)), r.integers(0, 2, (B, Lk))
+    if c["mask"] != "none":
+        shape = MASK_FORMS[c["mask_form"]](B, Hq, Lq, Lk)
+        allowed = r.random(shape) > 0.3
+        if len(shape) >= 2:
+            allowed[..., 0, :] = shape[-2] == 1  # query row 0 attends nothing (with a query axis)
+            allowed[..., 2:5, 1:4] = False  # a block masked whole: whole pairs of small chunks
+        fill = np.finfo(dt).min if c["fill"] == "min" else c["fill"]
+        arrays["mask"] = allowed if c["mask"] == "bool" else np.where(
+            allowed, r.standard_normal(shape), fill).astype(dt)
+    if c["dropout"] == "seed":
+        kw.update(dropout_p=0.3, rng=c["seed"])
+    elif c["dropout"] == "mask":
+        kw["dropout_p"], arrays["dropout_mask"] = 0.3, r.random((1, Hq, Lq, Lk)) >= 0.3
+    dlse = dlse if c["dlse"] else None
+    out0, c0 = A.sdpa_forward(q, k, v, impl="reference", **kw, **arrays)
+    want = (out0, c0.lse, *A.sdpa_backward(dout, c0, dlse=dlse), A.dropout_keep_mask(c0))
+
+    def own_chunks(a):  # a mask or an option array: cuts of its own, unlike q's and k's
+        cuts = [np.unique(r.integers(0, n + 1, size=n)) for n in a.shape]
+        return da.from_array(a, chunks=tuple(tuple(np.diff([0, *x, n]).tolist())
+                                             for x, n in zip(cuts, a.shape)))
+
+    dd = {n: None if a is None else da.from_array(a, chunks=c["chunks"][n])
+          for n, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dlse", dlse))}
+    out, cache = A.sdpa_forward(dd["q"], dd["k"], dd["v"], block_q=c["blocks"][0], block_k=c["blocks"][1],
+                                **kw, **{n: own_chunks(a) for n, a in arrays.items()})
+    assert isinstance(cache, chunked.ChunkedSDPACache), type(cache).__name__
+    got = dask.compute(out, cache.lse, *A.sdpa_backward(dd["dout"], cache, dlse=dd["dlse"]),
+                       A.dropout_keep_mask(cache), scheduler="sync")
+    # float32: rounding of the scores grows with their size (a gradient that is 0 exactly came
+    # out 1e-5 at magnitude 30, as a difference of two rounded sums)
+    rtol = 1e-12 if dt == np.float64 else 1e-5 * c["magnitude"]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dmask", "dsinks"), got, want):
+        if name == "lse":  # -inf on the rows with nothing to attend, on both
+            assert np.array_equal(np.isfinite(a), np.isfinite(b)), f"{case}: rows of lse -inf"
+            a, b = np.where(np.isfinite(b), a, 0.0).astype(dt), np.where(np.isfinite(b), b, 0.0).astype(dt)
+        assert_close(a, b, host, f"{case}: {name}", rtol=rtol)  # finite, where the reference is
+    keep, keep0 = got[-1], want[-1]
+    assert (keep is None) == (keep0 is None), str(case)
+    if keep0 is not None:
+        assert np.array_equal(np.broadcast_to(keep0, keep.shape), keep), f"{case}: keep-mask differs"
+
+
 @pytest.mark.parametrize("window,align", [((1, 0), "top_left"), ((0, 2), "top_left"),
                                           ((1, 1), "bottom_right")])
 def test_pairs_outside_a_window_are_left_out(window, align):
