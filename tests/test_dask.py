@@ -1177,6 +1177,62 @@ def test_mixing_dask_and_numpy_is_refused_before_anything_runs():
         A.sdpa_forward(dq, dk, dv, mask=kw["mask"])
 
 
+def _unknown_along(a, axis):
+    """``a`` as a dask array whose length along ``axis`` is unknown (NaN) until computed."""
+    keep = [slice(None)] * a.ndim
+    keep[axis] = da.from_array(np.ones(a.shape[axis], bool), chunks=2)
+    return da.from_array(a, chunks=2)[tuple(keep)]
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (dict(v=(2, 2, 7, 3)), ValueError, r"^v: expected length 6 \(that of k\)"),
+    (dict(mask=(2, 2, 5, 7)), ValueError, r"^mask: expected a shape that broadcasts to the scores"),
+    (dict(mask="int"), TypeError, r"^mask: expected dtype bool"),
+    (dict(mask="unknown"), ValueError, r"^mask: expected an array of known shape, got shape \(2, 2, nan, 6\)"),
+    (dict(dropout_mask="float"), TypeError, r"^dropout_mask: expected a bool keep-mask"),
+    (dict(dropout_mask="unknown"), ValueError, r"^dropout_mask: expected an array of known shape"),
+    (dict(sinks="unknown"), ValueError, r"^sinks: expected an array of known shape, got shape \(nan,\)"),
+    (dict(alibi_slopes=(3, 2)), ValueError, r"^alibi_slopes: expected shape \(2,\) or \(2, 2\)"),
+    (dict(q_segments="unknown"), ValueError, r"^q_segments: expected an array of known shape"),
+    (dict(k="float32"), TypeError, r"^k: expected dtype float64 \(that of q\), got float32"),
+], ids=lambda x: str(x) if isinstance(x, dict) else "")
+def test_bad_dask_arguments_are_refused_by_name_before_anything_is_computed(bad, error, message):
+    """Each bad argument of a dask call (q, k, v in uneven chunks) is named in a TypeError or
+    ValueError raised at the call, and no task of any input's graph runs to find it: the
+    scheduler is never asked."""
+    r = np.random.default_rng(5)
+    B, H, Lq, Lk, D = 2, 2, 5, 6, 3
+    host_arrays = dict(q=r.standard_normal((B, H, Lq, D)), k=r.standard_normal((B, H, Lk, D)),
+                       v=r.standard_normal((B, H, Lk, D)), mask=r.random((B, H, Lq, Lk)) > 0.3,
+                       dropout_mask=r.random((B, H, Lq, Lk)) > 0.3, sinks=r.standard_normal(H),
+                       alibi_slopes=r.random(H), q_segments=r.integers(0, 2, (B, Lq)),
+                       k_segments=r.integers(0, 2, (B, Lk)))
+    (name, how), = bad.items()
+    a = host_arrays[name]
+    if isinstance(how, tuple):
+        a = r.standard_normal(how) if a.dtype != bool else r.random(how) > 0.3
+    elif how in ("int", "float", "float32"):
+        a = a.astype({"int": np.int64, "float": np.float64, "float32": np.float32}[how])
+    args = {n: da.from_array(x, chunks=(1, 1, 2, 3)[4 - x.ndim:] if x.ndim > 1 else 1)
+            for n, x in dict(host_arrays, **{name: a}).items()}
+    if how == "unknown":
+        args[name] = _unknown_along(a, 2 if a.ndim == 4 else a.ndim - 1)
+    kw = {n: args[n] for n in (name, "k_segments" if name == "q_segments" else name)
+          if n not in ("q", "k", "v")}
+    if name == "dropout_mask":
+        kw["dropout_p"] = 0.3
+    computes = []
+
+    def counting(dsk, keys, **kwargs):
+        computes.append(keys)
+        return dask.get(dsk, keys, **kwargs)
+
+    with dask.config.set(scheduler=counting):
+        with pytest.raises(error, match=message):
+            A.sdpa_forward(args["q"], args["k"], args["v"], **kw)
+    assert computes == []
+
+
 def test_unknown_chunk_sizes_and_bad_block_lengths_are_refused_at_the_call():
     """Both were accepted into the graph and failed in a task (an unnamed int(nan) error, or
     the block check on a worker)."""
