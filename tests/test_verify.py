@@ -119,6 +119,11 @@ def dense_gqa(q, k, v, *, enable_gqa=False, is_causal=False, repeats=None):
     s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])  # [B, Hq, Lq, Lk]
     if is_causal:
         s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    return softmax_times(s, v)
+
+
+def softmax_times(s, v):
+    """(softmax(s) @ v, the rows' log-sum-exp) of scores s [..., Lq, Lk] with no empty row."""
     m = np.max(s, axis=-1, keepdims=True)
     e = np.exp(s - m)
     total = np.sum(e, axis=-1, keepdims=True)
@@ -158,11 +163,7 @@ def flat_attention(q, k, v, *, is_causal=False, mask=None, batch_stride=None):
             allowed = np.tril(np.ones((Lq, Lk), dtype=bool)) if is_causal else np.ones((Lq, Lk), dtype=bool)
             if mask is not None:
                 allowed &= mask[b, 0 if mask.shape[1] == 1 else h]
-            s = np.where(allowed, s, -np.inf)
-            m = np.max(s, axis=-1, keepdims=True)
-            e = np.exp(s - m)
-            total = np.sum(e, axis=-1, keepdims=True)
-            out[i], lse[i] = e / total @ vf[at], (m + np.log(total))[:, 0]
+            out[i], lse[i] = softmax_times(np.where(allowed, s, -np.inf), vf[at])
     return out.reshape(B, H, Lq, -1), lse.reshape(B, H, Lq)
 
 
