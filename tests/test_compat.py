@@ -2239,3 +2239,36 @@ def test_packed_forms_on_every_backend(xp, to_xp, to_np, fn_name):
                            list(grads[:len(packed)]), ct, seed=7)
     assert report.ok, str(report)
     assert all(r.scale > 1e-3 for r in report.inputs)  # nothing vanished
+
+
+def _prefix_means(v, counts):
+    """Row ``i`` of the result is the mean of ``v``'s first ``counts[i]`` keys (axis -3 of (B, L, H, D))."""
+    return np.stack([v[:, :n].mean(axis=1) for n in counts], axis=1)  # [B, len(counts), H, D]
+
+
+def test_a_scale_of_zero_is_zero_not_the_default():
+    # softmax_scale / scale = 0.0 makes every score 0: each row weighs the keys it sees equally and
+    # q gets no gradient. flash-attn (`if softmax_scale is None`), torch and JAX all read 0.0 as 0;
+    # a default taken with `scale or 1 / sqrt(D)` would give the scaled attention instead.
+    q, k, v = randn(2, 3, 2, 4), randn(2, 5, 2, 4), randn(2, 5, 2, 4)  # (B, L, H, D), Lq < Lk
+    bottom_right = _prefix_means(v, [3, 4, 5])  # causal, aligned bottom-right: row i sees i + 3 keys
+    top_left = _prefix_means(v, [1, 2, 3])      # causal, aligned top-left: row i sees i + 1 keys
+    ct = randn(2, 3, 2, 4)
+    calls = [
+        (C.flash_attn_func, (q, k, v, 0.0, 0.0, True), {}, bottom_right),
+        (C.flash_attn_with_kvcache, (q, k, v), {"softmax_scale": 0.0, "causal": True}, bottom_right),
+        (C.dot_product_attention, (q, k, v), {"scale": 0.0, "is_causal": True}, top_left),
+    ]
+    for fn, args, kw, expected in calls:
+        out, pullback = C.vjp(fn, *args, **kw)
+        np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12, err_msg=fn.__name__)
+        assert not pullback(ct)[0].any(), fn.__name__
+    sq, sk, sv = (np.swapaxes(t, 1, 2) for t in (q, k, v))  # (B, H, L, D)
+    out, pullback = C.vjp(C.scaled_dot_product_attention, sq, sk, sv, None, 0.0, True, 0.0)
+    np.testing.assert_allclose(out, np.swapaxes(top_left, 1, 2), rtol=1e-12, atol=1e-12)
+    assert not pullback(np.swapaxes(ct, 1, 2))[0].any()
+    cu = np.array([0, 3, 6], dtype=np.int32)
+    cu_k = np.array([0, 5, 10], dtype=np.int32)
+    out = C.flash_attn_varlen_func(q.reshape(6, 2, 4), k.reshape(10, 2, 4), v.reshape(10, 2, 4),
+                                   cu, cu_k, 3, 5, 0.0, 0.0, True)
+    np.testing.assert_allclose(out, bottom_right.reshape(6, 2, 4), rtol=1e-12, atol=1e-12)
