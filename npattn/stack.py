@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import validation as V
 from .backend import backend_name, device_of
@@ -24,15 +24,16 @@ __all__ = ["BlockStack", "blocks_put_back_on_failure", "block_grads_put_back_on_
 
 
 @contextlib.contextmanager
-def _put_back_on_failure(blocks: Any, read: str, restore: str) -> Iterator[None]:
-    """Run the body; should it raise, put every block back with ``block.<restore>(state)``
-    from the ``block.<read>()`` taken before it, then let the error go on."""
-    before = [getattr(block, read)() for block in blocks]
+def _put_back_on_failure(blocks: Any, read: Callable[[Any], Any],
+                         restore: Callable[[Any, Any], None]) -> Iterator[None]:
+    """Run the body; should it raise, put every block back with ``restore(block, state)``
+    from the ``read(block)`` taken before it, then let the error go on."""
+    before = [read(block) for block in blocks]
     try:
         yield
     except BaseException:
         for block, state in zip(blocks, before):
-            getattr(block, restore)(state)
+            restore(block, state)
         raise
 
 
@@ -40,14 +41,16 @@ def blocks_put_back_on_failure(blocks: Any) -> contextlib.AbstractContextManager
     """Run a model's forward inside; should it raise (memory, say), every block is put back as
     it was before (``TransformerBlock.forward_state``: its caches and generators), then the
     error goes on: the blocks that ran keep the previous forward for ``backward``."""
-    return _put_back_on_failure(blocks, "forward_state", "restore_forward_state")
+    return _put_back_on_failure(blocks, lambda b: b.forward_state(),
+                                lambda b, state: b.restore_forward_state(state))
 
 
 def block_grads_put_back_on_failure(blocks: Any) -> contextlib.AbstractContextManager:
     """Run a model's backward inside; should it raise (memory, say) after some blocks'
     backwards ran, every block's grads and its attention modules' are put back as they were
     (``TransformerBlock.backward_state``), then the error goes on: a failed call changes nothing."""
-    return _put_back_on_failure(blocks, "backward_state", "restore_backward_state")
+    return _put_back_on_failure(blocks, lambda b: b.backward_state(),
+                                lambda b, state: b.restore_backward_state(state))
 
 
 def set_per_block(label: str, blocks: Any, header: dict, key: str, attr: str, what: str) -> None:
@@ -114,15 +117,11 @@ class BlockStack:
         check_params_assignment(new, self.params, self.xp)
         # all checked; should a block's assignment fail all the same (an interrupt, memory),
         # the blocks assigned before it are put back: a failed assignment changes nothing
-        before = [block.params for block in self.blocks]
-        try:
+        with _put_back_on_failure(self.blocks, lambda b: b.params,
+                                  lambda b, params: setattr(b, "params", params)):
             for n, block in enumerate(self.blocks):
                 prefix = f"blocks.{n}."
                 block.params = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
-        except BaseException:
-            for block, old in zip(self.blocks, before):
-                block.params = old
-            raise
         self._own = {k: new[k] for k in self._own}
 
     # ---------------------------------------------------------------- dropout
