@@ -543,6 +543,9 @@ def gradcheck(
         Absolute tolerance; by default the rounding floor of the differences.
     n_directions : int
         Random directions per input in vjp mode.
+    max_full_size : int
+        Entries of the checked inputs together up to which "auto" takes
+        "full" (default 4096), an int >= 0; unused with another ``mode``.
     seed : int, numpy.random.SeedSequence, BitGenerator, Generator or None
         Seeds ``dout`` and the directions.
     wrt : sequence of int, optional
