@@ -179,6 +179,10 @@ def padding(lengths: Any, Lk: int, *, xp: Any = None, device: Any = None) -> Any
         created with ``xp`` on ``device``.
     Lk : int
         Key length; every length must lie in ``[0, Lk]``.
+    xp : namespace or backend name, optional
+        Where to create the mask from a sequence; default NumPy.
+    device : optional
+        Device of the mask, as the Array API's ``device=``.
 
     Returns
     -------
