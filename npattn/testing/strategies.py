@@ -53,7 +53,10 @@ def attention_cases(draw, supports: Iterable[str] = (), *, align: str = "top_lef
     align : {"top_left", "bottom_right"}
         verify's ``align`` (the case's window and ALiBi follow it).
     max_batch, max_heads, max_len, max_dim : int
-        Upper bounds of B, Hq, Lq and Lk, Dh (lower bounds are 1).
+        Upper bounds of B, Hq, Lq and Lk, Dh and Dv (lower bounds are 1), but
+        for the two options that need two values: a "gqa" case has Hq >= 2
+        (Hq = 2 over Hkv = 1 with ``max_heads=1``) and a "dv_ne_dk" one
+        Dv != Dh (Dv = 2 with ``max_dim=1``).
     options : strategy of option tuples, optional
         Default ``option_sets(supports, align)``.
     """
