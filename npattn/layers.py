@@ -199,9 +199,11 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     weight : array, shape (D,), dtype of ``x``, optional (None: 1)
     bias : array, shape (D,), dtype of ``x``, optional (None: 0)
     eps : float
-        Added to the variance, > 0 and within the compute dtype's range (float32's for
-        float32 and half precision: from 1.4e-45 to 3.4e38); past it, eps would round to
-        inf (every row 0) or to 0 (a constant row NaN), so it is refused.
+        Added to the variance, > 0 and within the compute dtype's range, from its least
+        subnormal to its largest value (float32's for float32 and half precision: 2**-149,
+        about 1.401e-45, to 3.403e38); far enough past it, eps would round to inf (every
+        row 0) or to 0 (a constant row NaN), so it is refused (and so are the slivers just
+        past the ends, which round to the ends).
 
     Returns
     -------
