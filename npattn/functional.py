@@ -536,7 +536,7 @@ def masked_softmax_backward(dp: Any, cache: SoftmaxCache, *, dlse: Any = None) -
 
 def _masked_softmax_backward(dp, cache, dlse=None):
     """``masked_softmax_backward`` on checked arguments."""
-    # [..., Lk], [..., 1] -> [..., Lk], mask shape
+    # [..., Lk], [..., 1] -> [..., Lk], mask shape, [..., 1]
     xp = namespace(dp, cache.p)
     p = cache.p
     if dp.dtype != p.dtype:  # half-precision input: the sums run in float32 too
