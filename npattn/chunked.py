@@ -470,7 +470,7 @@ def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SD
     """Gradients ``SDPAGrads(dq, dk, dv, dmask, dsinks)`` of ``sdpa_forward`` as dask arrays,
     pair by pair (``dsinks`` (Hq,) with sinks, else None); ``dlse`` [B, Hq, Lq] is an upstream
     gradient of ``cache.lse``."""
-    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
+    # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape, [Hq]
     from dask.base import tokenize
 
     c = cache
