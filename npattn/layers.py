@@ -73,7 +73,7 @@ def check_eps(name: str, value: Any, xp: Any = None, dtype: Any = None) -> None:
     fi = xp.finfo(ct)
     low, high = float(fi.smallest_normal) * float(fi.eps), float(fi.max)  # the least subnormal, max
     if not low <= V.real_value(value) <= high:
-        within = f"{V.dtype_name(ct)}'s range [{low:.3g}, {high:.3g}]"
+        within = f"{V.dtype_name(ct)}'s range [{low!r}, {high!r}]"  # exact: 1.4e-45 lies below 2**-149
         if V.dtype_name(ct) != V.dtype_name(dtype):
             within += f" ({V.dtype_name(dtype)} computes layer norm in {V.dtype_name(ct)})"
         raise ValueError(f"{name}: expected a positive float within {within}, got {value!r}")

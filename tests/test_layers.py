@@ -146,8 +146,9 @@ def test_layer_norm_eps_must_be_held_by_the_compute_dtype(xp, to_xp, to_np):
     row becomes 0 * inf = NaN), so both are refused by name; eps = 3e38 is held and the row
     [1, -1] (mean 0, var 1) normalises to +-1 / sqrt(1 + 3e38); float64 holds 1e39."""
     x32 = to_xp(np.array([[1.0, -1.0]], dtype=np.float32))
-    for eps in (1e39, 1e-46):
-        with pytest.raises(ValueError, match=r"^eps: .*float32's range .*got " + re.escape(repr(eps))):
+    for eps in (1e39, 1e-46, 1.4e-45):  # 1.4e-45 lies below 2^-149 = 1.401298464324817e-45
+        with pytest.raises(ValueError, match=r"^eps: .*float32's range \[1\.401298464324817e-45, "
+                                             r"3\.4028234663852886e\+38\], got " + re.escape(repr(eps)) + "$"):
             L.layer_norm_forward(x32, eps=eps)
     for eps in (3e38, float(np.finfo(np.float32).max), 2.0 ** -149):  # both ends held
         y, _ = L.layer_norm_forward(x32, eps=eps)
