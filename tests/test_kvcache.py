@@ -15,9 +15,13 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import npattn
 from npattn import KVCache, MultiHeadAttention
+from npattn import functional as F
+from npattn import positions as Pos
 from npattn.kvcache import unalign_columns
 
 D, H, HKV = 8, 4, 2
@@ -168,6 +172,139 @@ def test_ragged_lengths_match_each_entry_alone(backend, to_xp, to_np, chunks, op
         k, v = _kv_heads(m, seq, to_np)
         np.testing.assert_allclose(to_np(cache.k)[b, :, : p + S], k[0], rtol=1e-14, atol=1e-14)
         np.testing.assert_allclose(to_np(cache.v)[b, :, : p + S], v[0], rtol=1e-14, atol=1e-14)
+
+
+@st.composite
+def _decoding_cases(draw, numpy_kernel):
+    """A module, its per-call options and a decoding schedule: ragged prompts of 1-4 tokens,
+    then chunks of 1-3 new tokens, whose queries are all of them or the last one."""
+    H = draw(st.sampled_from([2, 4]))
+    impl = draw(st.sampled_from(["reference", "blocked", "dense"] + (["numpy"] if numpy_kernel else [])))
+    rich = impl != "numpy"  # the NumPy kernel takes window and align, nothing else
+    window = draw(st.none() | st.tuples(st.sampled_from([None, 0, 1, 3]), st.sampled_from([None, 0, 2])))
+    B = draw(st.integers(1, 3))
+    return dict(
+        H=H, Hkv=draw(st.sampled_from([h for h in (1, 2, H) if H % h == 0])), Dh=draw(st.sampled_from([2, 3])),
+        impl=impl, block=draw(st.sampled_from([None, 1, 2])),
+        sinks=rich and draw(st.booleans()), softcap=draw(st.sampled_from([None, 0.7])) if rich else None,
+        alibi=draw(st.sampled_from([None, "H", "BH"])) if rich else None, window=window,
+        causal=draw(st.booleans()), prompts=draw(st.lists(st.integers(1, 4), min_size=B, max_size=B)),
+        chunks=draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)), last_query_only=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(data=st.data())
+def test_decoding_with_any_options_equals_a_forward_of_each_entry_alone(backend, to_xp, to_np, data):
+    """Ragged prompts prefilled right-padded and truncated, then chunks of 1-3 tokens (all
+    their queries, or the last one only), any impl, GQA, sinks, softcap, ALiBi, a window of
+    either or both sides, causal or not: at every step entry b's outputs are the last rows of
+    a bottom-right forward over its own tokens so far, with the reference impl."""
+    c = data.draw(_decoding_cases(numpy_kernel=backend == "numpy"))
+    H, Hkv, Dh = c["H"], c["Hkv"], c["Dh"]
+    kw = dict(n_kv_head=Hkv, dtype="float64", seed=c["seed"], backend=backend, sinks=c["sinks"],
+              softcap=c["softcap"])
+    m = MultiHeadAttention(H * Dh, H, impl=c["impl"], block_q=c["block"], block_k=c["block"], **kw).eval()
+    ref = MultiHeadAttention(H * Dh, H, impl="reference", **kw).eval()
+    rng = np.random.default_rng(c["seed"])
+    if c["sinks"]:
+        m.params["sinks"] = to_xp(rng.standard_normal(H))
+    ref.params = m.params
+    prompts, chunks = c["prompts"], c["chunks"]
+    B, P, S = len(prompts), max(prompts), sum(chunks)
+    x = rng.standard_normal((B, P, H * Dh))  # entry b's prompt is x[b, :prompts[b]]
+    y = rng.standard_normal((B, S, H * Dh))  # the tokens decoded after it
+    slopes = {None: None, "H": rng.uniform(0.1, 1.0, H), "BH": rng.uniform(0.1, 1.0, (B, H))}[c["alibi"]]
+
+    def options(b=None):
+        if slopes is None:
+            return dict(window=c["window"])
+        own = slopes if b is None or slopes.ndim == 1 else slopes[b:b + 1]
+        return dict(window=c["window"], alibi_slopes=to_xp(own))
+
+    cache = m.new_cache(B, P + S)
+    prefill = to_np(m(*(to_xp(x),) * 3, kv_cache=cache, is_causal=True, **options())[0])
+    cache.truncate(prompts)
+    steps, t = [], 0
+    for n in chunks:
+        nq = 1 if c["last_query_only"] else n  # the queries: the last nq of the n new tokens
+        new = to_xp(y[:, t:t + n])
+        out, _ = m(to_xp(y[:, t + n - nq:t + n]), new, new, kv_cache=cache, is_causal=c["causal"],
+                   **options())
+        steps.append((t + n, nq, to_np(out)))
+        t += n
+    assert cache.cache_seqlens.tolist() == [p + S for p in prompts]
+    for b, p in enumerate(prompts):
+        seq = np.concatenate([x[b, :p], y[b]])[None]  # [1, p + S, D]
+        full = to_np(ref(*(to_xp(seq),) * 3, is_causal=True, **options(b))[0])
+        np.testing.assert_allclose(prefill[b, :p], full[0, :p], rtol=RTOL, atol=ATOL)
+        for end, nq, out in steps:  # the tokens so far: p + end; the queries: their last nq
+            so_far = to_xp(seq[:, : p + end])
+            want, _ = ref(to_xp(seq[:, p + end - nq:p + end]), so_far, so_far, is_causal=c["causal"],
+                          align="bottom_right", **options(b))
+            np.testing.assert_allclose(out[b], to_np(want)[0], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"entry {b}, tokens {p + end}")
+
+
+@given(prompts=st.lists(st.integers(1, 4), min_size=1, max_size=3), went=st.integers(1, 3),
+       data=st.data(), impl=st.sampled_from(["reference", "blocked", "numpy"]))
+def test_a_cache_truncated_and_appended_again_equals_one_that_never_went_past(prompts, went, data, impl):
+    """Decoding ``went`` tokens, truncating below them and appending others: the same outputs and
+    cached keys as a cache truncated straight to those lengths (the stale rows past an
+    entry's length are never read)."""
+    B, P = len(prompts), max(prompts)
+    back = [data.draw(st.integers(0, p), label=f"back[{b}]") for b, p in enumerate(prompts)]
+    m = _decoder("numpy", impl=impl, block_k=2, sinks=impl != "numpy").eval()  # (the kernel takes none)
+    rng = np.random.default_rng(sum(prompts) + went)
+    if m.sinks:
+        m.params["sinks"] = rng.standard_normal(H)
+    x, past, y = (rng.standard_normal((B, n, D)) for n in (P, went, 3))
+    went_past, fresh = m.new_cache(B, P + went + 3), m.new_cache(B, P + 3)
+    m(x, x, x, kv_cache=went_past, is_causal=True)
+    went_past.truncate(prompts)
+    m(past, past, past, kv_cache=went_past, is_causal=True)
+    went_past.truncate(back)
+    m(x, x, x, kv_cache=fresh, is_causal=True)
+    fresh.truncate(back)
+    out, _ = m(y, y, y, kv_cache=went_past, is_causal=True)
+    want, _ = m(y, y, y, kv_cache=fresh, is_causal=True)
+    np.testing.assert_array_equal(out, want)
+    assert went_past.cache_seqlens.tolist() == fresh.cache_seqlens.tolist() == [s + 3 for s in back]
+    for b, s in enumerate(back):
+        np.testing.assert_array_equal(went_past.k[b, :, : s + 3], fresh.k[b, :, : s + 3])
+        np.testing.assert_array_equal(went_past.v[b, :, : s + 3], fresh.v[b, :, : s + 3])
+    for b, p in enumerate(back):  # and a forward of the entry's own tokens
+        seq = np.concatenate([x[b, :p], y[b]])[None]
+        full, _ = m(seq, seq, seq, is_causal=True)
+        np.testing.assert_allclose(out[b], full[0, p:], rtol=RTOL, atol=ATOL)
+
+
+@given(interleaved=st.booleans(), base=st.sampled_from([10000.0, 100.0]), prompt=st.integers(1, 3),
+       chunks=st.lists(st.integers(1, 3), min_size=1, max_size=3), gqa=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rope_keys_cached_at_their_positions_decode_as_the_full_sequence(interleaved, base, prompt, chunks,
+                                                                         gqa, seed):
+    """RoPE with a KV cache: each chunk's queries and keys rotated with ``positions`` = the
+    cached length, the rotated keys appended; the outputs are those of causal attention over
+    the whole rotated sequence."""
+    rng = np.random.default_rng(seed)
+    B, Hq, Hkv, Dh, L = 2, 2, 1 if gqa else 2, 4, prompt + sum(chunks)
+    q = rng.standard_normal((B, Hq, L, Dh))
+    k, v = rng.standard_normal((B, Hkv, L, Dh)), rng.standard_normal((B, Hkv, L, Dh))
+    rot = dict(base=base, interleaved=interleaved)
+    full, _ = F.sdpa_forward(Pos.rope_forward(q, **rot)[0], Pos.rope_forward(k, **rot)[0], v,
+                             is_causal=True, enable_gqa=gqa)
+    cache = KVCache(B, L, Hkv, Dh, dtype="float64")
+    outs, t = [], 0
+    for n in [prompt] + chunks:
+        qt, _ = Pos.rope_forward(q[:, :, t:t + n], t, **rot)
+        kt, _ = Pos.rope_forward(k[:, :, t:t + n], t, **rot)
+        view = cache.right_aligned(kt, v[:, :, t:t + n])
+        out, _ = F.sdpa_forward(qt, view.k, view.v, is_causal=True, align="bottom_right", enable_gqa=gqa)
+        cache.append(kt, v[:, :, t:t + n])
+        outs.append(out)
+        t += n
+    np.testing.assert_allclose(np.concatenate(outs, axis=2), full, rtol=RTOL, atol=ATOL)
 
 
 def _right_aligned_entries(old, new, lens, Lt):
