@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from npattn import KVCache
 from npattn.transformer import TransformerBlock
@@ -276,3 +278,33 @@ def test_masks_with_a_kv_cache_are_refused_as_such_whatever_their_shape():
                                          r"forward only, without dropout\), got list$"):
         model.forward(ids[:, :1], dropout_masks=[{}, {}], kv_caches=caches)
     assert [list(c.cache_seqlens) for c in caches] == [[2, 2], [2, 2]]
+
+
+@given(norm_first=st.booleans(), activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]), bias=st.booleans(),
+       impl=st.sampled_from(["reference", "blocked", "numpy", "dense"]),
+       prompts=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       chunks=st.lists(st.integers(1, 3), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_decoding_ragged_entries_in_chunks_equals_each_entry_alone(norm_first, activation, bias, impl,
+                                                                   prompts, chunks, seed):
+    """Post- or pre-norm, any activation, with or without biases, any attention impl: prompts
+    of 1-4 tokens prefilled right-padded and truncated, then chunks of 1-3 tokens; entry b's
+    outputs are those of a causal forward of its own tokens with the reference impl."""
+    block = TransformerBlock(D, H, 20, norm_first=norm_first, activation=activation, bias=bias,
+                             dtype="float64", seed=seed).eval()
+    rng = np.random.default_rng(seed)
+    B, P, S = len(prompts), max(prompts), sum(chunks)
+    x, y = rng.standard_normal((B, P, D)), rng.standard_normal((B, S, D))
+    cache = KVCache(B, P + S, H, D // H, dtype="float64")
+    block.self_attn.impl = impl
+    prefill = block.forward(x, is_causal=True, kv_cache=cache)
+    cache.truncate(prompts)
+    steps, t = [], 0
+    for n in chunks:
+        steps.append(block.forward(y[:, t:t + n], is_causal=True, kv_cache=cache))
+        t += n
+    decoded = np.concatenate(steps, axis=1)  # [B, S, D]
+    block.self_attn.impl = "reference"
+    for b, p in enumerate(prompts):
+        full = block.forward(np.concatenate([x[b, :p], y[b]])[None], is_causal=True)[0]  # [p + S, D]
+        np.testing.assert_allclose(prefill[b, :p], full[:p], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(decoded[b], full[p:], rtol=0, atol=1e-12, err_msg=f"entry {b}")
