@@ -6,6 +6,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from npattn import KVCache, nn
 from npattn.backend import backend_name, to_numpy
@@ -339,6 +341,36 @@ def test_greedy_generation_is_the_argmax_chain_of_full_forwards(xp, to_xp):
     for _ in range(4):  # no cache: the whole sequence each time
         logits = to_numpy(model.forward(to_xp(seq)))
         seq = np.concatenate([seq, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(got, seq)
+
+
+@given(prompt=st.integers(1, 3), chunks=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+       back=st.integers(0, T - 2), seed=st.integers(0, 2**16))
+def test_decoding_in_chunks_and_after_a_truncate_equals_full_forwards(prompt, chunks, back, seed):
+    """A prompt of 1-3 tokens and chunks of 1-3 through the caches give the logits of one
+    forward over the same tokens; caches then filled to block_size and truncated to ``back``
+    give, for the next 2 tokens, those of a forward over the first ``back`` tokens and them.
+    Greedy generation from a 1-token prompt up to block_size is the argmax chain of full
+    forwards."""
+    model = perturbed(make(), np.asarray, scale=1.0, seed=seed).eval()
+    rng = np.random.default_rng(seed)
+    ids, nxt = rng.integers(0, VOCAB, (B, T)), rng.integers(0, VOCAB, (B, 2))
+    caches = model.new_caches(B)
+    logits, t = [], 0
+    for n in [prompt] + chunks:  # at most 3 + 2 * 3 = T tokens
+        logits.append(model.forward(ids[:, t:t + n], kv_caches=caches))
+        t += n
+    np.testing.assert_allclose(np.concatenate(logits, axis=1), model.forward(ids[:, :t]), rtol=0, atol=1e-12)
+    if t < T:
+        model.forward(ids[:, t:], kv_caches=caches)  # every cache full
+    for cache in caches:
+        cache.truncate(back)
+    want = model.forward(np.concatenate([ids[:, :back], nxt], axis=1))[:, back:]
+    np.testing.assert_allclose(model.forward(nxt, kv_caches=caches), want, rtol=0, atol=1e-12)
+    seq = ids[:, :1]
+    got = model.generate(seq, T, greedy=True)  # the last token chosen is not fed back: 1 + T - 1 <= T
+    for _ in range(T):
+        seq = np.concatenate([seq, model.forward(seq)[:, -1].argmax(-1)[:, None]], axis=1)
     np.testing.assert_array_equal(got, seq)
 
 
