@@ -149,9 +149,11 @@ def test_rope_backward_is_the_rotation_by_minus_theta(xp, to_xp, to_np, interlea
     np.testing.assert_allclose(to_np(dx), to_np(back), rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("base, start", [(10000.0, 4), (10000.0, 0), (500000.0, 1021), (37.5, 9)])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_matches_torch_rotate_half(interleaved):
-    """HF LLaMA's rotate_half (half-split) and GPT-J's rotate_every_two (interleaved), in torch."""
+def test_rope_matches_torch_rotate_half(interleaved, base, start):
+    """HF LLaMA's rotate_half (half-split) and GPT-J's rotate_every_two (interleaved), in torch,
+    with LLaMA 3's base and another, from positions 0 and past 1000."""
     torch = pytest.importorskip("torch")
     if importlib.util.find_spec("transformers") is not None:
         from transformers.models.llama.modeling_llama import rotate_half  # the library's own
@@ -164,7 +166,7 @@ def test_rope_matches_torch_rotate_half(interleaved):
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
-    B, H, L, Dh, base, start = 2, 3, 5, 8, 10000.0, 4
+    B, H, L, Dh = 2, 3, 5, 8
     q = torch.randn(B, H, L, Dh, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, dtype=torch.float64) / Dh))
     t = torch.arange(start, start + L, dtype=torch.float64)
@@ -177,6 +179,35 @@ def test_rope_matches_torch_rotate_half(interleaved):
         expected = q * emb.cos() + rotate_half(q) * emb.sin()
     out, _ = P.rope_forward(q, start, base=base, interleaved=interleaved)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_in_attention_backward_by_central_differences(interleaved):
+    """Queries at odd positions 5, 7, 9 (the last of Lk = 8 keys, at positions -3, -1, ..., 11:
+    an offset to each side) and keys at their own; rotated, then causal bottom-right attention.
+    The gradients of q and k through rope_backward, contracted with a random direction, match
+    float64 central differences of <out, dout> for a random dout."""
+    rng = np.random.default_rng(21)
+    Lq, Lk, Dh = 3, 8, 6
+    q, k, v = (rng.standard_normal((2, 2, n, Dh)) for n in (Lq, Lk, Lk))
+    dout = rng.standard_normal((2, 2, Lq, Dh))
+    pq, pk = np.array([5, 7, 9]), np.arange(-3, 13, 2)  # [Lq], [Lk]
+    rot = dict(interleaved=interleaved, base=100.0)
+
+    def forward(q, k):
+        qr, q_c = P.rope_forward(q, pq, **rot)
+        kr, k_c = P.rope_forward(k, pk, **rot)
+        out, c = F.sdpa_forward(qr, kr, v, is_causal=True, align="bottom_right")
+        return out, (q_c, k_c, c)
+
+    out, (q_c, k_c, c) = forward(q, k)
+    dqr, dkr = F.sdpa_backward(dout, c)[:2]
+    dq, dk = P.rope_backward(dqr, q_c)[0], P.rope_backward(dkr, k_c)[0]
+    tq, tk, eps = rng.standard_normal(q.shape), rng.standard_normal(k.shape), 1e-6
+    plus = np.sum(forward(q + eps * tq, k + eps * tk)[0] * dout)
+    minus = np.sum(forward(q - eps * tq, k - eps * tk)[0] * dout)
+    np.testing.assert_allclose(np.sum(dq * tq) + np.sum(dk * tk), (plus - minus) / (2 * eps), rtol=1e-8)
+    assert np.abs(dq).max() > 1e-3 and np.abs(dk).max() > 1e-3
 
 
 def test_rope_float32_stays_float32(xp, to_xp):
@@ -607,6 +638,33 @@ def test_t5_bias_through_sdpa_mask(xp, to_xp):
 
 # --------------------------------------------------------------------------
 # bad input: the message names the argument
+
+
+@given(L=st.integers(1, 8), n=st.integers(1, 3), M=st.integers(1, 5), bidirectional=st.booleans(),
+       max_distance=st.integers(5, 20), seed=st.integers(0, 2**16))
+def test_relative_positions_of_decoded_queries_are_the_last_rows_of_the_full_grid(
+        L, n, M, bidirectional, max_distance, seed):
+    """Decoding n queries after L cached positions (offset = Lk - Lq = L): T5's bias and Shaw's
+    embeddings and scores are the last n rows of those of the whole Lk = L + n grid, each row
+    the formula's (T5's bucket and Shaw's clipped lookup of j - (L + i))."""
+    rng = np.random.default_rng(seed)
+    Lk = L + n
+    table = rng.standard_normal((8, 2))
+    bias, _ = P.relative_bias_forward(table, n, Lk, bidirectional=bidirectional, max_distance=max_distance,
+                                      offset=L)
+    full, _ = P.relative_bias_forward(table, Lk, Lk, bidirectional=bidirectional, max_distance=max_distance)
+    np.testing.assert_array_equal(bias, full[:, :, L:])
+    for i in range(n):
+        for j in range(Lk):
+            b = t5_bucket_reference(j - (L + i), bidirectional, 8, max_distance)
+            np.testing.assert_array_equal(bias[0, :, i, j], table[b])
+    shaw = rng.standard_normal((2 * M - 1, 3))
+    emb, _ = P.relative_embedding_forward(shaw, n, Lk, offset=L)
+    np.testing.assert_array_equal(emb, shaw_reference(shaw, Lk, Lk)[L:])
+    q = rng.standard_normal((2, 2, Lk, 3))
+    scores, _ = P.relative_scores_forward(q[:, :, L:], shaw, Lk, offset=L)
+    whole, _ = P.relative_scores_forward(q, shaw, Lk)
+    np.testing.assert_allclose(scores, whole[:, :, L:], rtol=1e-13, atol=1e-13)
 
 
 def test_offsets_at_the_ends_of_their_range():
