@@ -19,9 +19,12 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from npattn import compat as C
 from npattn import masks
+from npattn import positions as P
 from npattn.gradcheck import check_vjp as gradcheck_vjp
 
 RNG = np.random.default_rng(20240611)
@@ -853,6 +856,174 @@ def test_flash_attn_with_kvcache_unimplemented_options_say_so(name):
         C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=1,
                                   **{name: np.zeros(2, np.int32)})
     np.testing.assert_array_equal(k_cache, before)
+
+
+# flash-attn's own reference for flash_attn_with_kvcache, transcribed to NumPy from its
+# tests/test_flash_attn.py (construct_local_mask, attn_bias_from_alibi_slopes, attention_ref with
+# upcast off, and test_flash_attn_kvcache's key_padding_mask and apply_rotary_emb offsets)
+
+
+def fa_local_mask(Lq, Lk, window_size, key_padding_mask):
+    """construct_local_mask: True where query row i may not attend key column j."""
+    row, col = np.arange(Lq)[:, None], np.arange(Lk)
+    sk = key_padding_mask.sum(-1)[:, None, None, None]  # "b -> b 1 1 1"
+    if window_size[0] < 0:
+        return col > row + sk - Lq + window_size[1]
+    return np.logical_or(col > np.minimum(row + sk - Lq + window_size[1], sk),
+                         col < row + sk - Lq - window_size[0])
+
+
+def fa_alibi_bias(slopes, Lq, Lk, key_padding_mask, causal):
+    """attn_bias_from_alibi_slopes, slopes (b, h)."""
+    slopes = slopes[:, :, None, None]
+    if causal:
+        return np.arange(-Lk + 1, 1, dtype=np.float64) * slopes
+    row, col = np.arange(Lq)[:, None], np.arange(Lk)
+    sk = key_padding_mask.sum(-1)[:, None, None, None]
+    return -slopes * np.abs(row + sk - Lq - col)
+
+
+def fa_attention_ref(q, k, v, key_padding_mask, attn_bias=None, causal=False, window_size=(-1, -1),
+                     softcap=0.0):
+    """attention_ref on (b, s, h, d); also the log-sum-exp of each row's masked scores."""
+    if causal:
+        window_size = (window_size[0], 0)
+    Lq, Lk, g = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # "b s h d -> b s (h g) d"
+    scores = np.einsum("bthd,bshd->bhts", q / math.sqrt(q.shape[-1]), k)
+    if softcap > 0:
+        scores = np.tanh(scores / softcap) * softcap
+    scores = np.where(key_padding_mask[:, None, None, :], scores, -np.inf)
+    local = None
+    if window_size[0] >= 0 or window_size[1] >= 0:
+        local = fa_local_mask(Lq, Lk, window_size, key_padding_mask)
+        scores = np.where(local, -np.inf, scores)
+    if attn_bias is not None:
+        scores = scores + attn_bias
+    with np.errstate(invalid="ignore"):  # a row with nothing to attend: NaN, then zeros
+        top = scores.max(-1, keepdims=True)
+        e = np.exp(scores - top)
+        attention = e / e.sum(-1, keepdims=True)
+        lse = np.where(np.isneginf(top), -np.inf, top + np.log(e.sum(-1, keepdims=True)))[..., 0]
+    if local is not None:
+        attention = np.where(np.all(local, axis=-1, keepdims=True), 0.0, attention)
+    return np.einsum("bhts,bshd->bthd", attention, v), lse
+
+
+def fa_rotate_half(x, interleaved):
+    if not interleaved:
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([-x2, x1], axis=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return np.stack([-x2, x1], axis=-1).reshape(x.shape)  # "... d two -> ... (d two)"
+
+
+def fa_apply_rotary_emb(x, cos, sin, seqlen_offsets, interleaved):
+    """apply_rotary_emb on x (b, s, h, d): position seqlen_offsets[b] + s reads row of cos, sin."""
+    rows = seqlen_offsets[:, None] + np.arange(x.shape[1])  # [b, s]
+    c, si = cos[rows], sin[rows]  # [b, s, d/2]
+    if interleaved:
+        c, si = np.repeat(c, 2, axis=-1), np.repeat(si, 2, axis=-1)  # "... d -> ... 1 (d 2)"
+    else:
+        c, si = np.concatenate([c, c], axis=-1), np.concatenate([si, si], axis=-1)  # "(2 d)"
+    return x * c[:, :, None] + fa_rotate_half(x, interleaved) * si[:, :, None]
+
+
+@st.composite
+def kvcache_cases(draw):
+    Hkv, B, Lc = draw(st.sampled_from([1, 2])), draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    Lnew = draw(st.integers(0, min(3, Lc)))
+    seqlens = draw(st.lists(st.integers(0 if Lnew else 1, Lc - Lnew), min_size=B, max_size=B))
+    local = draw(st.booleans())  # flash-attn's test: (-1, -1), or both sides drawn >= 0
+    return dict(
+        Hkv=Hkv, Hq=Hkv * draw(st.sampled_from([1, 2])), B=B, Bc=B + draw(st.integers(0, 2)), Lc=Lc,
+        Lnew=Lnew, seqlens=seqlens,
+        Lq=Lnew if Lnew and draw(st.booleans()) else draw(st.integers(1, Lc + 1)),  # (Lq <= Lc + 1)
+        causal=draw(st.booleans()),
+        window=(draw(st.integers(0, 4)), draw(st.integers(0, 4))) if local else (-1, -1),
+        softcap=draw(st.sampled_from([0.0, 0.8])), alibi=draw(st.sampled_from([None, "H", "BH"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(c=kvcache_cases())
+def test_flash_attn_with_kvcache_equals_flash_attns_own_reference(c):
+    """flash-attn's test_flash_attn_kvcache, in float64: the cache after the append and the
+    output equal attention_ref over the whole cache with key_padding_mask = arange(Lc) <
+    cache_seqlens + Lnew (and the ALiBi bias, the window and the softcap of that test), for
+    ragged lengths, GQA, spare cache rows and more queries than new keys; softmax_lse is the
+    log-sum-exp of each row's scores (+inf for a row with nothing to attend)."""
+    rng = np.random.default_rng(c["seed"])
+    B, Bc, Lq, Hq, Hkv, Lc, Lnew, Dh = c["B"], c["Bc"], c["Lq"], c["Hq"], c["Hkv"], c["Lc"], c["Lnew"], 3
+    seqlens = np.array(c["seqlens"], dtype=np.int32)
+    q = rng.standard_normal((B, Lq, Hq, Dh))
+    k_cache, v_cache = rng.standard_normal((Bc, Lc, Hkv, Dh)), rng.standard_normal((Bc, Lc, Hkv, Dh))
+    k_new = v_new = None
+    if Lnew:
+        k_new, v_new = rng.standard_normal((B, Lnew, Hkv, Dh)), rng.standard_normal((B, Lnew, Hkv, Dh))
+    slopes = {None: None, "H": rng.uniform(0.1, 1.0, Hq), "BH": rng.uniform(0.1, 1.0, (B, Hq))}[c["alibi"]]
+    k_ref, v_ref = k_cache[:B].copy(), v_cache[:B].copy()  # k_cache_ref: the cache after the append
+    for b, s in enumerate(seqlens):
+        if Lnew:
+            k_ref[b, s:s + Lnew], v_ref[b, s:s + Lnew] = k_new[b], v_new[b]
+    key_padding_mask = np.arange(Lc)[None] < (seqlens + Lnew)[:, None]  # [B, Lc]
+    bias = None
+    if slopes is not None:
+        bias = fa_alibi_bias(np.broadcast_to(slopes, (B, Hq)), Lq, Lc, key_padding_mask, c["causal"])
+    want, want_lse = fa_attention_ref(q, k_ref, v_ref, key_padding_mask, bias, c["causal"], c["window"],
+                                      c["softcap"])
+    spare = k_cache[B:].copy()
+    out, lse = C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                         causal=c["causal"], window_size=c["window"], softcap=c["softcap"],
+                                         alibi_slopes=slopes, return_softmax_lse=True)
+    np.testing.assert_array_equal(k_cache[:B], k_ref)
+    np.testing.assert_array_equal(v_cache[:B], v_ref)
+    np.testing.assert_array_equal(k_cache[B:], spare)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    if slopes is None:  # (the reference's causal ALiBi bias is its own shifted by a constant per row)
+        np.testing.assert_allclose(lse, np.where(np.isneginf(want_lse), np.inf, want_lse), rtol=1e-12,
+                                   atol=1e-12)
+
+
+@given(B=st.integers(1, 3), Lc=st.integers(2, 7), data=st.data(), causal=st.booleans(),
+       interleaved=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_at_each_entrys_length_then_kvcache_equals_flash_attns_rotary_reference(
+        B, Lc, data, causal, interleaved, seed):
+    """flash_attn_with_kvcache takes no rotary_cos/sin; rope_forward with each entry's positions
+    does what they do. flash-attn's test rotates the new keys, and the queries when causal, at
+    cache_seqlens[b] + s, and every query at cache_seqlens[b] otherwise, reading the rows of a
+    cos/sin table; with the table of angles p * 10000^(-2c/Dh), rope_forward at those positions
+    then flash_attn_with_kvcache equals its attention_ref of the rotated inputs."""
+    Lnew = data.draw(st.integers(1, min(3, Lc)), label="Lnew")
+    seqlens = np.array(data.draw(st.lists(st.integers(0, Lc - Lnew), min_size=B, max_size=B), label="seqlens"))
+    rng = np.random.default_rng(seed)
+    H, Dh = 2, 4
+    q, k_new, v_new = (rng.standard_normal((B, Lnew, H, Dh)) for _ in range(3))
+    k_cache, v_cache = rng.standard_normal((B, Lc, H, Dh)), rng.standard_normal((B, Lc, H, Dh))
+    angle = np.arange(Lc)[:, None] * 10000.0 ** (-np.arange(0, Dh, 2) / Dh)  # [Lc, Dh/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+    if causal:
+        q_ro = fa_apply_rotary_emb(q, cos, sin, seqlens, interleaved)
+    else:  # "b s h d -> b 1 (s h) d": every query at cache_seqlens[b]
+        q_ro = fa_apply_rotary_emb(q.reshape(B, 1, Lnew * H, Dh), cos, sin, seqlens, interleaved)
+        q_ro = q_ro.reshape(B, Lnew, H, Dh)
+    k_ro = fa_apply_rotary_emb(k_new, cos, sin, seqlens, interleaved)
+    k_ref, v_ref = k_cache.copy(), v_cache.copy()
+    for b, s in enumerate(seqlens):
+        k_ref[b, s:s + Lnew], v_ref[b, s:s + Lnew] = k_ro[b], v_new[b]
+    key_padding_mask = np.arange(Lc)[None] < (seqlens + Lnew)[:, None]
+    want, _ = fa_attention_ref(q_ro, k_ref, v_ref, key_padding_mask, causal=causal)
+
+    def rotated(x, positions):  # (B, L, H, Dh) -> rope on (B, H, L, Dh) -> (B, L, H, Dh)
+        out, _ = P.rope_forward(x.transpose(0, 2, 1, 3), positions, interleaved=interleaved)
+        return np.ascontiguousarray(out.transpose(0, 2, 1, 3))
+
+    steps = np.arange(Lnew) if causal else np.zeros(Lnew, dtype=np.int64)
+    q_pos, k_pos = seqlens[:, None, None] + steps, seqlens[:, None, None] + np.arange(Lnew)  # [B, 1, Lnew]
+    out = C.flash_attn_with_kvcache(rotated(q, q_pos), k_cache, v_cache, rotated(k_new, k_pos), v_new,
+                                    cache_seqlens=seqlens, causal=causal)
+    np.testing.assert_allclose(k_cache, k_ref, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("change, exc, match", [
