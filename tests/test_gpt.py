@@ -315,6 +315,83 @@ def test_forward_backward_and_three_training_steps_match_torch(weight_decay, eps
         np.testing.assert_allclose(model.params[f"blocks.{n}.linear1.weight"], w, rtol=0, atol=1e-10)
 
 
+def _torch_gpt(torch, P, ids, keeps, p, eps):
+    """docs/gpt.md's model in torch ops on the parameters ``P`` (npattn's names): token rows
+    of wte plus the first L rows of wpe, pre-norm causal blocks (heads as contiguous Dh slices,
+    scores / sqrt(Dh), the tanh GELU, ``keeps[n]`` replayed at the four dropout sites), the
+    final norm, the head tied to wte; no dropout on the embeddings."""
+    F = torch.nn.functional
+    Dh = D // H
+    Bt, Lt = ids.shape
+    future = ~torch.tril(torch.ones(Lt, Lt, dtype=torch.bool))  # [L, L] True = later position
+
+    def drop(z, keep):  # inverted dropout with a given keep-mask
+        return torch.where(torch.from_numpy(keep), z / (1.0 - p), torch.zeros_like(z))
+
+    def heads(z):  # [B, L, D] -> [B, H, L, Dh]
+        return z.reshape(Bt, Lt, H, Dh).transpose(1, 2)
+
+    x = P["wte"][torch.from_numpy(ids)] + P["wpe"][:Lt]
+    for n in range(N):
+        w, k = (lambda name, n=n: P[f"blocks.{n}.{name}"]), keeps[n]
+        h = F.layer_norm(x, (D,), w("norm1.weight"), w("norm1.bias"), eps)
+        q, kk, v = (heads(F.linear(h, w(f"self_attn.w_{c}"), w(f"self_attn.b_{c}"))) for c in "qkv")
+        s = (q @ kk.transpose(-1, -2) / math.sqrt(Dh)).masked_fill(future, -math.inf)
+        a = drop(torch.softmax(s, dim=-1), k["self_attn"])
+        o = F.linear((a @ v).transpose(1, 2).reshape(Bt, Lt, D), w("self_attn.w_o"), w("self_attn.b_o"))
+        x = x + drop(o, k["dropout1"])
+        h = F.layer_norm(x, (D,), w("norm2.weight"), w("norm2.bias"), eps)
+        f = drop(F.gelu(F.linear(h, w("linear1.weight"), w("linear1.bias")), approximate="tanh"), k["dropout"])
+        x = x + drop(F.linear(f, w("linear2.weight"), w("linear2.bias")), k["dropout2"])
+    return F.layer_norm(x, (D,), P["ln_f.weight"], P["ln_f.bias"], eps) @ P["wte"].T
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e3, 0.05])
+def test_three_training_steps_with_dropout_match_a_torch_transcription_of_the_docs(max_grad_norm):
+    """training_step with dropout p = 0.25 from given keep-masks, betas (0.8, 0.95), eps 1e-6,
+    weight decay 0.05 and a layer-norm eps of 0.1, against docs/gpt.md's model written in torch
+    ops with the same masks, torch.optim.Adam and clip_grad_norm_ (no clipping, a bound the
+    norm stays under, one it passes): loss, norm, every unclipped gradient and every parameter
+    after each step. The test above runs torch's own layers, without dropout and with Adam's
+    default betas."""
+    torch = pytest.importorskip("torch")
+    p, ln_eps = 0.25, 0.1
+    model = perturbed(make(dropout=p, layer_norm_eps=ln_eps), lambda a: a)
+    P = {k: torch.tensor(v, requires_grad=True) for k, v in model.params.items()}
+    hyper = dict(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+    opt = torch.optim.Adam(list(P.values()), **hyper)
+    state = nn.adam_init(model.params)
+    rng = np.random.default_rng(8)
+    for step in range(3):
+        ids, tgt = ids_of(30 + step), ids_of(40 + step)
+        tgt[0, 0], tgt[1, 0] = 0, VOCAB - 1  # the ends of the vocabulary
+        keeps = [{"self_attn": rng.random((B, H, L, L)) > p, "dropout1": rng.random((B, L, D)) > p,
+                  "dropout": rng.random((B, L, FF)) > p, "dropout2": rng.random((B, L, D)) > p}
+                 for _ in range(N)]
+        opt.zero_grad()
+        logits_t = _torch_gpt(torch, P, ids, keeps, p, ln_eps)
+        loss_t = torch.nn.functional.cross_entropy(logits_t.reshape(-1, VOCAB),
+                                                   torch.from_numpy(tgt).reshape(-1))
+        loss_t.backward()
+        grads_t = {k: v.grad.detach().clone().numpy() for k, v in P.items()}  # before clipping
+        if max_grad_norm is None:
+            norm_t = math.sqrt(sum(float(np.sum(g * g)) for g in grads_t.values()))
+        else:
+            norm_t = float(torch.nn.utils.clip_grad_norm_(list(P.values()), max_grad_norm))
+        opt.step()
+        loss, norm, state = training_step(model, state, ids, tgt, max_grad_norm=max_grad_norm,
+                                          dropout_masks=keeps, **hyper)
+        assert abs(loss - float(loss_t.detach())) < 1e-12 * abs(loss)
+        assert abs(norm - norm_t) < 1e-12 * norm
+        assert max_grad_norm is None or (norm > max_grad_norm) == (max_grad_norm == 0.05)
+        scale = max(float(np.abs(g).max()) for g in grads_t.values())
+        for k, g in grads_t.items():  # (b_k's is 0 but for rounding: it shifts a row's scores)
+            np.testing.assert_allclose(model.grads[k], g, rtol=1e-11, atol=1e-13 * scale, err_msg=k)
+        for k, v in P.items():  # b_k: Adam steps by its gradient's rounding noise over eps
+            tol = 1e-9 if k.endswith("self_attn.b_k") else 1e-12
+            np.testing.assert_allclose(model.params[k], v.detach().numpy(), rtol=0, atol=tol, err_msg=k)
+
+
 # -------------------------------------------------------------- KV-cache decoding
 
 
