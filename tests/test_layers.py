@@ -6,6 +6,7 @@ fixture, for inputs and parameters alike; dropout runs at p > 0 with a fixed
 keep-mask.
 """
 
+import decimal
 import math
 import re
 
@@ -1006,6 +1007,47 @@ def test_layer_norm_backward_with_a_large_common_part_of_dout(xp, to_xp, to_np):
         r = 1.0 / math.sqrt(dd * dd / 4.0 + eps)
         want = (dd / 2.0) * eps * r ** 3
         np.testing.assert_allclose(dx[0], [-want, want], rtol=1e-2)
+
+
+def _layer_norm_in_decimal(x, w, b, eps, dout):
+    """Layer norm of one float64 row and its backward in 60-digit decimal arithmetic (a float
+    converts to a Decimal exactly): the quoted steps, then dx = r (g - mean(g) - xhat mean(g xhat))."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        X, W, Bs, G = ([decimal.Decimal(float(v)) for v in a] for a in (x, w, b, dout))
+        n = decimal.Decimal(len(X))
+        mu = sum(X) / n
+        xc = [v - mu for v in X]
+        r = 1 / (sum(v * v for v in xc) / n + decimal.Decimal(eps)).sqrt()
+        xhat = [v * r for v in xc]
+        g = [d * wi for d, wi in zip(G, W)]
+        mg, mgx = sum(g) / n, sum(gi * h for gi, h in zip(g, xhat)) / n
+        y = [h * wi + bi for h, wi, bi in zip(xhat, W, Bs)]
+        dx = [r * (gi - mg - h * mgx) for gi, h in zip(g, xhat)]
+        return np.array([float(v) for v in y]), np.array([float(v) for v in dx])
+
+
+def test_layer_norm_of_rows_with_a_large_common_offset_against_decimal_arithmetic(xp, to_xp, to_np):
+    """Rows 1e8 + N(0, 1), 1e8 + N(0, 1e-3^2), a constant row of 1e8 and a constant row with
+    eps 1e-300, in float64, against the same steps in 60-digit decimals: y and dx within 1e-7
+    of each row's largest entry (a variance taken as mean(x^2) - mean(x)^2 loses all of the
+    spread), but for y of the second row, within 1e-5: its float64 mean is off by up to half
+    an ulp of 1e8 (7e-9), which shifts xhat by 7e-9 / 1e-3, in torch as here. torch's float64
+    dx is off by 3e-7 on that row (its backward takes x, not xhat) and NaN on the last
+    (0 * 1e150^3)."""
+    rng = np.random.default_rng(21)
+    D = 16
+    rows = [(1e8 + rng.standard_normal(D), 1e-5, 1e-7), (1e8 + 1e-3 * rng.standard_normal(D), 1e-5, 1e-5),
+            (np.full(D, 1e8), 1e-5, 1e-7), (np.full(D, 3.7), 1e-300, 1e-7)]
+    for i, (x, eps, tol_y) in enumerate(rows):
+        w, b, dout = 1.0 + 0.3 * rng.standard_normal(D), rng.standard_normal(D), rng.standard_normal(D)
+        y, cache = L.layer_norm_forward(to_xp(x[None]), to_xp(w), to_xp(b), eps=eps)
+        dx = L.layer_norm_backward(to_xp(dout[None]), cache)[0]
+        want_y, want_dx = _layer_norm_in_decimal(x, w, b, eps, dout)
+        for name, got, want, tol in (("y", y, want_y, tol_y), ("dx", dx, want_dx, 1e-7)):
+            got = to_np(got)[0]
+            assert np.all(np.isfinite(got)), (i, name, got)
+            assert np.abs(got - want).max() <= tol * np.abs(want).max(), (i, name, got, want)
 
 
 def test_defaults_are_torchs(xp, to_xp, to_np):
