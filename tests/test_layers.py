@@ -1033,7 +1033,7 @@ def test_layer_norm_of_rows_with_a_large_common_offset_against_decimal_arithmeti
     of each row's largest entry (a variance taken as mean(x^2) - mean(x)^2 loses all of the
     spread), but for y of the second row, within 1e-5: its float64 mean is off by up to half
     an ulp of 1e8 (7e-9), which shifts xhat by 7e-9 / 1e-3, in torch as here. torch's float64
-    dx is off by 3e-7 on that row (its backward takes x, not xhat) and NaN on the last
+    dx is off by 6e-7 on that row (its backward takes x, not xhat) and NaN on the last
     (0 * 1e150^3)."""
     rng = np.random.default_rng(21)
     D = 16
