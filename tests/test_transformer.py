@@ -151,7 +151,7 @@ def test_blocks_match_torch_without_bias_with_eps_and_2d_masks(norm_first, mask_
             f = rng.standard_normal((Lq, Lk))
             return f, torch.from_numpy(f)
         allow = rng.random((Lq, Lk)) < 0.6
-        allow[:, 0] = True  # no row with nothing to attend (torch gives NaN there)
+        allow[:, 0] = True  # no row with nothing to attend (the test below has them)
         return allow, torch.from_numpy(~allow)
 
     kw = dict(dropout=0.0, norm_first=norm_first, bias=False, layer_norm_eps=1e-3, batch_first=True,
@@ -179,6 +179,60 @@ def test_blocks_match_torch_without_bias_with_eps_and_2d_masks(norm_first, mask_
     y.backward(dout)
     out = block.forward(x.detach().numpy(), memory.detach().numpy(), mask=mask, memory_mask=mmask)
     dx, dmemory = block.backward(dout.numpy())
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dmemory, memory.grad.numpy(), rtol=0, atol=1e-10)
+    assert_torch_grads(dec, block, ("self_attn", "multihead_attn"))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_rows_with_nothing_to_attend_match_torchs_autograd_path(norm_first):
+    """Query rows with nothing to attend: in the encoder, an entry whose keys are all padded
+    and a 2-D mask with a fully masked row; in the decoder, an entry whose memory is all
+    padded (Lm != L) and a target row masked entirely. torch's autograd path gives them
+    zeros from attention (torch 2.13; a torch that gives NaN there is skipped), as npattn's
+    convention does: outputs, input gradients and every parameter gradient agree, all
+    finite."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(7)
+    rng = np.random.default_rng(7)
+    kw = dict(dropout=0.0, norm_first=norm_first, batch_first=True, dtype=torch.float64)
+    pad = np.zeros((B, L), dtype=bool)
+    pad[1] = True  # entry 1: every key padded
+    allow = rng.random((L, L)) < 0.6
+    allow[:, 0] = True
+    allow[2] = False  # row 2: nothing to attend
+    enc = torch.nn.TransformerEncoderLayer(D, H, FF, **kw)
+    block = TransformerBlock.from_torch(enc)
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    y = enc(x, src_mask=torch.from_numpy(~allow), src_key_padding_mask=torch.from_numpy(pad))
+    if not torch.isfinite(y).all():
+        pytest.skip(f"torch {torch.__version__} gives NaN for a row with nothing to attend")
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), mask=allow & ~pad[:, None, None, :])
+    dx = block.backward(dout.numpy())
+    assert np.isfinite(out).all() and np.isfinite(dx).all()
+    np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
+    assert_torch_grads(enc, block, ("self_attn",))
+
+    dec = torch.nn.TransformerDecoderLayer(D, H, FF, **kw)
+    block = TransformerDecoderBlock.from_torch(dec)
+    mpad = np.zeros((B, LM), dtype=bool)
+    mpad[0] = True  # entry 0: all of its memory padded
+    mpad[1, 2:] = True
+    tallow = np.tril(np.ones((L, L), dtype=bool))
+    tallow[3] = False  # target row 3: nothing to attend
+    x = torch.randn(B, L, D, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(B, LM, D, dtype=torch.float64, requires_grad=True)
+    y = dec(x, memory, tgt_mask=torch.from_numpy(~tallow), memory_key_padding_mask=torch.from_numpy(mpad))
+    dout = torch.randn_like(y)
+    y.backward(dout)
+    out = block.forward(x.detach().numpy(), memory.detach().numpy(), mask=tallow,
+                        memory_mask=~mpad[:, None, None, :])
+    dx, dmemory = block.backward(dout.numpy())
+    assert np.isfinite(out).all() and np.isfinite(dx).all() and np.isfinite(dmemory).all()
     np.testing.assert_allclose(out, y.detach().numpy(), rtol=0, atol=1e-10)
     np.testing.assert_allclose(dx, x.grad.numpy(), rtol=0, atol=1e-10)
     np.testing.assert_allclose(dmemory, memory.grad.numpy(), rtol=0, atol=1e-10)
