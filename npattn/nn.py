@@ -658,12 +658,18 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     gradient to 0. Non-finite entries give torch's result: an infinite one (and no NaN)
     makes ``total`` inf and ``c = 0``, so the finite entries become 0 and the infinite
     ones NaN (``inf * 0``); a NaN entry makes ``total`` and every gradient NaN.
+
+    ``max_norm`` must be > 0: torch takes 0 and sets every gradient to 0, which
+    no training wants, so it is refused by name. With ``eps=0`` and gradients
+    that are all 0 (or none), ``c = max_norm / 0`` is inf, as in torch's
+    tensor arithmetic: nothing is scaled.
     """
     _check_grads(grads)
     Vd.check_number("max_norm", max_norm)
     Vd.check_number("eps", eps, allow_zero=True)
     total = _global_norm(grads)
-    scale = min(float(max_norm) / (total + float(eps)), 1.0)
+    denom = total + float(eps)
+    scale = 1.0 if denom == 0.0 else min(float(max_norm) / denom, 1.0)  # (Python's x / 0.0 raises)
     if scale == 1.0:
         return dict(grads), total
     return {k: (None if g is None else zero_d(g * scale)) for k, g in grads.items()}, total

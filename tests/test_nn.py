@@ -740,6 +740,17 @@ def test_clip_grad_norm_and_adam_keep_a_0_d_array_an_array(xp, to_xp, to_np):
         check(params["w"], 0.5 + 0.1 * t)
 
 
+def test_clip_grad_norm_of_zero_gradients_with_eps_0_keeps_them():
+    """A joint norm of 0 with eps = 0: c = max_norm / 0 is inf (torch's tensor division), so
+    nothing is scaled and the total is 0.0; also with no gradient at all. Before, Python's
+    float division raised ZeroDivisionError."""
+    for grads in ({"a": np.zeros((2, 3)), "b": np.zeros(4), "c": None}, {}, {"c": None}):
+        clipped, total = nn.clip_grad_norm(grads, 1.0, eps=0.0)
+        assert total == 0.0 and clipped.keys() == grads.keys()
+        for k, g in grads.items():
+            assert (clipped[k] is None) if g is None else np.array_equal(clipped[k], g)
+
+
 def test_clip_grad_norm_matches_torch():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
