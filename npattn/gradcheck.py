@@ -24,9 +24,16 @@ gradient whose scale is at most ``atol`` is numerically zero (``d b_k`` of
 attention is, exactly: a bias added to every key shifts each score row by a
 constant); its relative error is reported as 0 when the absolute error is
 within ``atol`` too.
-By default ``atol`` is the rounding floor of the differences themselves,
-``16 * 2**-52 * sum|out * dout| / eps``: what float64 rounding of ``L`` can
-make of a gradient that is exactly zero.
+
+The differences are summed entry by entry of the output,
+``<f(x + eps t) - f(x - eps t), dout>``, so the entries a step leaves as they
+were add no rounding. By default each input's ``atol`` is the rounding floor of
+its own differences, ``16 * 2**-52 * sum|out * dout| / eps`` over the entries of
+``out`` that its steps move (the largest such sum among its steps): what float64
+rounding can make of a gradient that is exactly zero. The report's ``atol`` is
+the floor of the whole output, the largest an input's can be; an input that
+moves a small part of a large output is held to its own (held to the whole
+output's, ``y`` of ``[1e8 x, x y^2]`` passed with a gradient 1 % wrong).
 
 The function under test is called with arrays of the inputs' own backend and
 device, cast to float64; the arithmetic of the differences is done on the host.
@@ -76,6 +83,9 @@ class InputReport:
     """Full mode: the index of the entry with the largest absolute error, the first NaN one
     where ``max_abs_err`` is NaN (None in vjp mode, which compares whole directions, and for
     an input of no entries)."""
+    atol: float = 0.0
+    """The absolute tolerance this input was held to: the caller's ``atol``, or by default the
+    rounding floor of the entries of the output that it moves."""
 
 
 @dataclass
@@ -83,7 +93,9 @@ class GradcheckReport:
     """Per-input results of a gradient check; ``ok`` is True when all passed.
 
     ``rtol`` and ``atol`` are the tolerances the check ran with: an input
-    passed when its ``max_abs_err <= atol + rtol * scale``.
+    passed when its ``max_abs_err <= atol + rtol * scale``, with its own
+    ``InputReport.atol`` (the default ``atol`` is the floor of the whole output,
+    the largest an input's own floor can be).
     """
 
     mode: str
@@ -105,12 +117,13 @@ class GradcheckReport:
         raise KeyError(name)
 
     def __str__(self) -> str:
-        lines = [f"{'input':<12} {'max abs err':>12} {'max rel err':>12}  result   ({self.mode}: "
-                 f"err <= {self.atol:.3g} + {self.rtol:.3g} * scale)"]
+        lines = [f"{'input':<12} {'max abs err':>12} {'max rel err':>12} {'atol':>10}  result   "
+                 f"({self.mode}: err <= atol + {self.rtol:.3g} * scale)"]
         for r in self.inputs:
             verdict = "pass" if r.passed else "FAIL"
             at = f" at {r.where}" if not r.passed and r.where is not None else ""
-            lines.append(f"{r.name:<12} {r.max_abs_err:12.3e} {r.max_rel_err:12.3e}  {verdict}{at}")
+            lines.append(f"{r.name:<12} {r.max_abs_err:12.3e} {r.max_rel_err:12.3e} {r.atol:10.3g}  "
+                         f"{verdict}{at}")
         return "\n".join(lines)
 
 
@@ -135,12 +148,20 @@ class _Float64Evaluator:
             self.checked = True
         return out
 
-    def loss(self, host) -> float:
-        out = self.output(host)
-        if out.shape != self.dout.shape:  # no broadcast: dout is the output's gradient
-            raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
+    def difference(self, plus, minus) -> tuple[float, float]:
+        """``L(plus) - L(minus)``, summed entry by entry of ``out`` (``<out+ - out-, dout>``: the
+        entries the step leaves as they were add nothing, where a difference of the two sums
+        ``L`` would carry their rounding), and ``sum |out * dout|`` over the entries it moves
+        (the larger ``|out|`` of the two), the size the rounding floor is taken of."""
+        a, b = self.output(plus), self.output(minus)
+        if a.shape != self.dout.shape:  # no broadcast: dout is the output's gradient
+            raise ValueError(f"dout: expected shape {a.shape} (that of the function's output), "
                              f"got {self.dout.shape}")
-        return float(np.sum(out * self.dout))
+        moved = a != b  # [*out.shape]; NaN != NaN: a NaN entry counts as moved
+        step = np.subtract(a, b, out=np.zeros_like(a), where=moved)  # (inf - inf only where unmoved)
+        size = np.multiply(np.maximum(np.abs(a), np.abs(b)), np.abs(self.dout), out=np.zeros_like(a),
+                           where=moved)
+        return float(np.sum(step * self.dout)), float(np.sum(size))
 
 
 def _on_backend(like, host):
@@ -265,24 +286,28 @@ def numerical_vjp(f: Callable, inputs: Sequence, dout: Any, *, eps: float = 1e-6
     input's shape. Costs two evaluations of ``f`` per entry.
     """
     wrt = _checked_wrt({"f": f}, inputs, eps=eps, rtol=0.0, atol=None, wrt=wrt, checking=False)
-    ev = _Float64Evaluator(f, inputs, _host64(_real_dout(dout)))
-    grads = [None] * len(inputs)
+    return _differences(_Float64Evaluator(f, inputs, _host64(_real_dout(dout))), eps, wrt)[0]
+
+
+def _differences(ev: _Float64Evaluator, eps: float, wrt: list) -> tuple[list, list]:
+    """``numerical_vjp``'s gradients, and per input the largest ``sum |out * dout|`` over the
+    entries of ``out`` that one of its steps moved (None for inputs not in ``wrt``)."""
+    grads: list = [None] * len(ev.host)
+    moved: list = [None] * len(ev.host)
     for i in wrt:
         base = ev.host[i]
         g = np.zeros_like(base)  # [*x_i.shape]
+        moved[i] = 0.0
         for j in np.ndindex(base.shape):
-            host = list(ev.host)
-            plus = base.copy()
-            plus[j] += eps
-            host[i] = plus
-            lp = ev.loss(host)
-            minus = base.copy()
-            minus[j] -= eps
-            host[i] = minus
-            lm = ev.loss(host)
-            g[j] = (lp - lm) / (2.0 * eps)
+            plus, minus = list(ev.host), list(ev.host)
+            plus[i], minus[i] = base.copy(), base.copy()
+            plus[i][j] += eps
+            minus[i][j] -= eps
+            d, size = ev.difference(plus, minus)
+            g[j] = d / (2.0 * eps)
+            moved[i] = max(moved[i], size)
         grads[i] = g
-    return grads
+    return grads, moved
 
 
 def _default_wrt(inputs):
@@ -401,12 +426,11 @@ def check_vjp(
     out = ev.output(ev.host)
     _check_deterministic("f", out, ev.output(ev.host), eps=float(eps), rtol=float(rtol),
                          atol=None if atol is None else float(atol))
-    if atol is None:
-        if out.shape != ev.dout.shape:  # no broadcast: dout is the output's gradient
-            raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
-                             f"got {ev.dout.shape}")
-        atol = _rounding_floor(out, ev.dout, eps)
-    report = GradcheckReport("vjp", rtol=rtol, atol=atol)
+    if out.shape != ev.dout.shape:  # no broadcast: dout is the output's gradient
+        raise ValueError(f"dout: expected shape {out.shape} (that of the function's output), "
+                         f"got {ev.dout.shape}")
+    whole = _rounding_floor(out, ev.dout, eps) if atol is None else atol  # the floor of the whole output
+    report = GradcheckReport("vjp", rtol=rtol, atol=whole)
     for i in wrt:
         if grads[i] is None:
             raise ValueError(f"grads[{i}] ({names[i]}): expected a gradient (input {i} is checked), got None")
@@ -416,23 +440,24 @@ def check_vjp(
             raise ValueError(
                 f"grads[{i}] ({names[i]}): expected shape {base.shape}, got {g.shape}"
             )
-        worst_abs, worst_rel, worst_scale, passed = 0.0, 0.0, 0.0, True
+        found, moved = [], 0.0  # (err, scale) per direction; the largest size the steps moved
         for _ in range(n_directions):
             t = rng.standard_normal(base.shape)  # [*x_i.shape]
-            host = list(ev.host)
-            host[i] = base + eps * t
-            lp = ev.loss(host)
-            host[i] = base - eps * t
-            lm = ev.loss(host)
-            numeric = (lp - lm) / (2.0 * eps)
+            plus, minus = list(ev.host), list(ev.host)
+            plus[i], minus[i] = base + eps * t, base - eps * t
+            d, size = ev.difference(plus, minus)
+            numeric = d / (2.0 * eps)
             analytic = float(np.sum(g * t))
-            scale = float(np.sum(np.abs(g * t)))
-            err = abs(analytic - numeric)
-            rel = _relative(err, scale, atol)
-            passed = passed and _within(err, scale, atol, rtol)
+            found.append((abs(analytic - numeric), float(np.sum(np.abs(g * t)))))
+            moved = max(moved, size)
+        tol = report.atol if atol is not None else _floor_of(moved, report.atol, eps)
+        worst_abs, worst_rel, worst_scale = 0.0, 0.0, 0.0
+        for err, scale in found:
+            rel = _relative(err, scale, tol)
             if rel >= worst_rel:
                 worst_abs, worst_rel, worst_scale = err, rel, scale
-        report.inputs.append(InputReport(names[i], worst_abs, worst_rel, worst_scale, passed))
+        passed = all(_within(err, scale, tol, rtol) for err, scale in found)
+        report.inputs.append(InputReport(names[i], worst_abs, worst_rel, worst_scale, passed, atol=tol))
     return report
 
 
@@ -468,6 +493,12 @@ def _check_deterministic(who: str, first: Any, again: Any, *, eps: float, rtol: 
 def _rounding_floor(out, dout, eps: float) -> float:
     """Absolute error that float64 rounding of ``L = <out, dout>`` alone puts into a central difference."""
     return 16 * 2.0**-52 * float(np.sum(np.abs(_host64(out) * _host64(dout)))) / eps
+
+
+def _floor_of(moved: float, whole: float, eps: float) -> float:
+    """An input's own rounding floor: that of the entries of out its steps moved (``moved``, their
+    ``sum |out * dout|``), never above the whole output's ``whole``."""
+    return min(16 * 2.0**-52 * moved / eps, whole)
 
 
 def _within(err: float, scale: float, atol: float, rtol: float) -> bool:
@@ -649,11 +680,10 @@ def gradcheck(
             rtol=rtol, atol=atol, seed=rng, wrt=wrt,
         )
 
-    numeric = numerical_vjp(f, ev_inputs, dout, eps=eps, wrt=wrt)
-    if atol is None:
-        atol = _rounding_floor(out, dout, eps)
-    report = GradcheckReport("full", rtol=rtol, atol=atol)
+    numeric, moved = _differences(_Float64Evaluator(f, ev_inputs, _host64(dout)), eps, wrt)
+    report = GradcheckReport("full", rtol=rtol, atol=_rounding_floor(out, dout, eps) if atol is None else atol)
     for i in wrt:
+        tol = report.atol if atol is not None else _floor_of(moved[i], report.atol, eps)
         g, n = _host64(grads[i]), numeric[i]
         diff = np.abs(g - n)  # [*x_i.shape]
         err = float(np.max(diff, initial=0.0))  # NaN where an entry is NaN
@@ -661,8 +691,9 @@ def gradcheck(
         where = None if diff.size == 0 else tuple(int(j) for j in np.unravel_index(
             np.argmax(nan) if nan.any() else np.argmax(diff), diff.shape))
         scale = float(max(np.max(np.abs(g), initial=0.0), np.max(np.abs(n), initial=0.0)))
-        rel = _relative(err, scale, atol)
-        report.inputs.append(InputReport(names[i], err, rel, scale, _within(err, scale, atol, rtol), where))
+        rel = _relative(err, scale, tol)
+        report.inputs.append(InputReport(names[i], err, rel, scale, _within(err, scale, tol, rtol), where,
+                                         atol=tol))
     return report
 
 

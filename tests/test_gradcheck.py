@@ -1256,3 +1256,44 @@ def test_the_change_let_through_grows_with_the_output_scale():
         f = _alternating(np.array([0.0, change]))
         with pytest.raises(ValueError, match="same output") if refused else contextlib.nullcontext():
             check_vjp(f, [x], [2.0 * dout], dout, rtol=1e-6, atol=0.0)
+
+
+def _wide_and_small(dy_factor=1.0):
+    """out = [1e8 x, x y^2] for x, y of shape (3, 4): y moves only the second half of the
+    output, of size 1 next to the first half's 1e8. Its backward: dx = 1e8 dout1 + y^2 dout2,
+    dy = 2 x y dout2, times ``dy_factor`` (1.01: wrong by 1 %)."""
+    def forward(a, b):
+        return np.concatenate([1e8 * a, a * b**2]), (a, b)  # [6, 4]
+
+    def backward(d, cache):
+        a, b = cache
+        return 1e8 * d[:3] + d[3:] * b**2, dy_factor * 2.0 * a * b * d[3:]
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+def test_a_wrong_gradient_of_an_input_that_moves_a_small_part_of_the_output_fails(mode):
+    """A dy 1 % too large fails, and only y. The floor of the whole output, 16 * 2**-52 *
+    sum|out * dout| / eps (about 1 here, from the 1e8 half), held y to that and let its 1 % error
+    pass; y's own differences round to about 1e-9, so y is held to the floor of the entries of
+    out that it moves, and report.atol stays the whole output's, the largest an input's can be."""
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal((3, 4)), rng.standard_normal((3, 4))]
+    good = gradcheck(*_wide_and_small(), inputs, names=["x", "y"], mode=mode)
+    assert good.ok, str(good)
+    bad = gradcheck(*_wide_and_small(1.01), inputs, names=["x", "y"], mode=mode)
+    assert bad["x"].passed and not bad["y"].passed, str(bad)
+    assert bad["y"].atol < 1e-6 < bad.atol and bad["x"].atol <= bad.atol
+
+
+def test_numerical_vjp_of_an_input_beside_a_large_output_is_not_lost_in_its_rounding():
+    """numerical_vjp of out = [1e8 x, x y^2] with respect to y is 2 x y dout2 to 1e-7: the
+    differences are taken entry by entry of out, so the 1e8 half, which y does not move, adds
+    no rounding (as a difference of the two sums <out, dout> it was off by about 1e-2)."""
+    rng = np.random.default_rng(6)
+    x, y, dout = rng.standard_normal((3, 4)), rng.standard_normal((3, 4)), rng.standard_normal((6, 4))
+    forward, _ = _wide_and_small()
+    _, g = numerical_vjp(lambda a, b: forward(a, b)[0], [x, y], dout)
+    np.testing.assert_allclose(g, 2.0 * x * y * dout[3:], rtol=1e-7, atol=1e-9)
+
