@@ -1297,3 +1297,32 @@ def test_numerical_vjp_of_an_input_beside_a_large_output_is_not_lost_in_its_roun
     _, g = numerical_vjp(lambda a, b: forward(a, b)[0], [x, y], dout)
     np.testing.assert_allclose(g, 2.0 * x * y * dout[3:], rtol=1e-7, atol=1e-9)
 
+
+class _SquareWithWorkspace:
+    """out = x^2, whose forward keeps 2 x in one preallocated buffer and whose backward scales
+    that buffer by dout in place and returns it: the gradient 2 x dout, right when returned,
+    which the next forward overwrites (kernels reuse their buffers so)."""
+
+    def __init__(self, shape):
+        self.ws = np.zeros(shape)
+
+    def forward(self, x):
+        np.multiply(x, 2.0, out=self.ws)  # [*x.shape]
+        return x * x, None
+
+    def backward(self, d, cache):
+        self.ws *= d
+        return self.ws
+
+
+@pytest.mark.parametrize("mode", ["full", "vjp"])
+def test_a_gradient_in_a_buffer_the_forward_reuses_is_read_when_returned(mode):
+    """The gradients are read as backward returns them, before the differences call the forward
+    again: read after them, this right gradient was 2 x at the last step's x, and failed."""
+    rng = np.random.default_rng(9)
+    x, dout = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
+    square = _SquareWithWorkspace(x.shape)
+    assert gradcheck(square.forward, square.backward, [x], mode=mode).ok
+    square.forward(x)
+    grads = [square.backward(dout, None)]
+    assert check_vjp(lambda t: square.forward(t)[0], [x], grads, dout).ok
