@@ -35,15 +35,30 @@ the floor of the whole output, the largest an input's can be; an input that
 moves a small part of a large output is held to its own (held to the whole
 output's, ``y`` of ``[1e8 x, x y^2]`` passed with a gradient 1 % wrong).
 
+The default ``rtol = 1e-6`` lets through an error below it: a gradient
+scaled by ``1 + 1e-7``, or one computed in float32 from the float64 inputs
+(about 6e-8). Near 1 the differences are good to about 1e-9, so
+``rtol=1e-8`` finds those. In vjp mode a direction sums every entry of an
+input, so an error confined to a few entries counts in proportion to their
+share: one entry of ``n`` wrong by a fraction ``r`` gives a relative error
+of about ``r / n`` (one of 5120 entries 0.1 % wrong passes). "auto" takes
+vjp mode past ``max_full_size`` entries; check a gradient that may be wrong
+in a few entries (an edge, one masked row) in full mode, on a small case.
+
 The function under test is called with arrays of the inputs' own backend and
 device, cast to float64; the arithmetic of the differences is done on the host.
 
 ``eps`` is an absolute step, the same for every entry. Near 1 it leaves
 the differences accurate to about 1e-9 relative; for inputs of size ``s``
-far from 1 pass an ``eps`` of about ``1e-6 * s`` (layer norm of inputs near
-1e5 fails the default ``rtol`` at ``eps = 1e-6``: the step is rounded away),
-or check on rescaled inputs. At a kink (``relu`` at 0) the central
-difference averages the two sides and the check fails there.
+far from 1, on which the function also varies at the scale ``s``, pass an
+``eps`` of about ``1e-6 * s``, or check on rescaled inputs. Inputs near a
+large offset that vary on a scale of 1 need a step in between: layer norm of
+rows near 1e5 spread by 1 fails the default ``rtol`` at ``eps = 1e-6`` (the
+step is rounded: ``x + eps`` is off by up to ``2**-53 * 1e5``, about 1e-11)
+and at ``1e-6 * 1e5 = 0.1`` (the function bends within the step), and passes
+at ``eps = 1e-4``; or subtract the offset first. At a kink (``relu`` at 0)
+the central difference averages the two sides and the check fails there:
+keep the inputs further than ``eps`` from it.
 
 The arguments are checked before anything runs, and a check of nothing (no
 floating input, ``wrt=[]``, only inputs without entries) is refused rather
