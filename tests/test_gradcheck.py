@@ -1298,6 +1298,42 @@ def test_numerical_vjp_of_an_input_beside_a_large_output_is_not_lost_in_its_roun
     np.testing.assert_allclose(g, 2.0 * x * y * dout[3:], rtol=1e-7, atol=1e-9)
 
 
+def _attention_case():
+    """q (2, 2, 3, 4), k and v (2, 2, 5, 4), a boolean mask whose row (1, :, 2) is all False."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 2, n, 4)) for n in (3, 5, 5))
+    mask = rng.random((2, 1, 3, 5)) > 0.3
+    mask[..., 0] = True
+    mask[1, :, 2] = False
+    return [q, k, v, mask]
+
+
+def _with_masked_row_dq(g):
+    dq = np.array(g.dq, copy=True)
+    dq[1, :, 2] = 1e-3  # the row attends to nothing: its output is 0 whatever q, so dq is 0 there
+    return dq, g.dk, g.dv, None
+
+
+@pytest.mark.parametrize("wrong, bad", [
+    (lambda g, d, c: (g.dq, g.dv, g.dk, None), {"k", "v"}),  # two gradients of one shape swapped
+    (lambda g, d, c: _with_masked_row_dq(g), {"q"}),
+    (lambda g, d, c: (g.dq, g.dk, np.concatenate([g.dv[:1], 0.9 * g.dv[1:]]), None), {"v"}),  # batch 0 only
+    (lambda g, d, c: (F.sdpa_backward(np.ones_like(d), c).dq, g.dk, g.dv, None), {"q"}),  # right for dout = 1
+], ids=["dk-dv-swapped", "fully-masked-row", "first-batch-only", "all-ones-dout-only"])
+def test_attention_mistakes_fail_and_name_only_the_wrong_inputs(wrong, bad):
+    """Each backward is sdpa_backward's with one mistake; the report fails exactly the inputs it
+    made wrong (the mask is not checked)."""
+    def forward(q, k, v, mask):
+        return F.sdpa_forward(q, k, v, mask=mask)
+
+    def backward(d, cache):
+        return wrong(F.sdpa_backward(d, cache), d, cache)
+
+    report = gradcheck(forward, backward, _attention_case(), names=["q", "k", "v", "mask"])
+    assert {r.name for r in report.inputs if not r.passed} == bad, str(report)
+    assert [r.name for r in report.inputs] == ["q", "k", "v"]
+
+
 class _SquareWithWorkspace:
     """out = x^2, whose forward keeps 2 x in one preallocated buffer and whose backward scales
     that buffer by dout in place and returns it: the gradient 2 x dout, right when returned,
