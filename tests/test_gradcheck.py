@@ -1362,3 +1362,22 @@ def test_a_gradient_in_a_buffer_the_forward_reuses_is_read_when_returned(mode):
     square.forward(x)
     grads = [square.backward(dout, None)]
     assert check_vjp(lambda t: square.forward(t)[0], [x], grads, dout).ok
+
+
+def test_an_output_entry_that_is_inf_wherever_the_inputs_are_is_not_a_nan_difference():
+    """Masked scores, where(mask, x y, -inf): a -inf entry stays -inf at every step, and adds
+    nothing to the differences taken entry by entry (as a difference of two sums <out, dout>,
+    -inf - -inf was NaN, and a right gradient failed for every input); a dy 1 % wrong fails."""
+    rng = np.random.default_rng(11)
+    x, y = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    mask = rng.random((3, 4)) > 0.4
+
+    def forward(a, b, m):
+        return np.where(m, a * b, -np.inf), m
+
+    def backward(d, m, dy_factor=1.0):
+        return np.where(m, d * y, 0.0), np.where(m, dy_factor * d * x, 0.0), None
+
+    assert gradcheck(forward, backward, [x, y, mask], names=["x", "y", "mask"]).ok
+    bad = gradcheck(forward, lambda d, m: backward(d, m, 1.01), [x, y, mask], names=["x", "y", "mask"])
+    assert bad["x"].passed and not bad["y"].passed
