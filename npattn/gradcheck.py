@@ -577,7 +577,11 @@ def gradcheck(
         Arrays of any supported backend. Floating ones of any dtype (float32
         and float16 included) are cast to float64, on their own backend and
         device, and ``forward`` and ``backward`` are called with those: the
-        check is of the float64 computation, never of float32 rounding.
+        check is of the float64 computation, never of float32 rounding (a
+        forward that casts to float32 inside is checked with its rounding, and
+        fails). Other inputs (masks, token ids, None) are passed as they are
+        and not checked; so is a complex array, which is not a real floating
+        one: pass its real and imaginary parts as two inputs to check it.
     dout : array, optional
         Upstream gradient; by default random normal from ``seed``.
     names : sequence of str, optional
