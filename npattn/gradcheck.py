@@ -29,11 +29,12 @@ The differences are summed entry by entry of the output,
 ``<f(x + eps t) - f(x - eps t), dout>``, so the entries a step leaves as they
 were add no rounding. By default each input's ``atol`` is the rounding floor of
 its own differences, ``16 * 2**-52 * sum|out * dout| / eps`` over the entries of
-``out`` that its steps move (the largest such sum among its steps): what float64
-rounding can make of a gradient that is exactly zero. The report's ``atol`` is
-the floor of the whole output, the largest an input's can be; an input that
-moves a small part of a large output is held to its own (held to the whole
-output's, ``y`` of ``[1e8 x, x y^2]`` passed with a gradient 1 % wrong).
+``out`` that its steps move (the largest such sum among its steps; the whole
+output's where they move none): what float64 rounding can make of a gradient
+that is exactly zero. The report's ``atol`` is the floor of the whole output,
+the largest an input's can be; an input that moves a small part of a large
+output is held to its own (held to the whole output's, ``y`` of
+``[1e8 x, x y^2]`` passed with a gradient 1 % wrong).
 
 The default ``rtol = 1e-6`` lets through an error below it: a gradient
 scaled by ``1 + 1e-7``, or one computed in float32 from the float64 inputs
@@ -514,8 +515,11 @@ def _rounding_floor(out, dout, eps: float) -> float:
 
 def _floor_of(moved: float, whole: float, eps: float) -> float:
     """An input's own rounding floor: that of the entries of out its steps moved (``moved``, their
-    ``sum |out * dout|``), never above the whole output's ``whole``."""
-    return min(16 * 2.0**-52 * moved / eps, whole)
+    ``sum |out * dout|``), never above the whole output's ``whole``. Where its steps moved no
+    entry, the differences are exactly 0 and the gradient is zero up to the rounding of the
+    backward, which the whole output's floor allows for (``d b_k`` of a deeper block's
+    attention: its 0 had no floor, and a backward's 1e-17 failed)."""
+    return whole if moved == 0.0 else min(16 * 2.0**-52 * moved / eps, whole)
 
 
 def _within(err: float, scale: float, atol: float, rtol: float) -> bool:

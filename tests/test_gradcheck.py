@@ -1381,3 +1381,25 @@ def test_an_output_entry_that_is_inf_wherever_the_inputs_are_is_not_a_nan_differ
     assert gradcheck(forward, backward, [x, y, mask], names=["x", "y", "mask"]).ok
     bad = gradcheck(forward, lambda d, m: backward(d, m, 1.01), [x, y, mask], names=["x", "y", "mask"])
     assert bad["x"].passed and not bad["y"].passed
+
+
+def test_an_input_whose_steps_move_nothing_is_held_to_the_whole_outputs_floor():
+    """f(x, c) = x + (c - c) x: a step in c moves no entry of the output, so its difference is
+    exactly 0, and dc = 0. A backward that forms it as ((0.1 + 0.2) - 0.3) <dout, x>, zero up to
+    its rounding (5.6e-17 <dout, x>, as d b_k of a deeper block's attention is), passes: held to
+    the floor of the entries it moves, none, it failed. A dc of 1e-6 fails."""
+    rng = np.random.default_rng(12)
+    x, c, dout = rng.standard_normal((3, 4)), np.array([0.5]), rng.standard_normal((3, 4))
+
+    def forward(a, b):
+        return a + (b - b) * a, a
+
+    def backward(d, a, dc=None):
+        return d.copy(), np.array([((0.1 + 0.2) - 0.3) * float(np.sum(d * a)) if dc is None else dc])
+
+    for mode in ("full", "vjp"):
+        report = gradcheck(forward, backward, [x, c], dout=dout, names=["x", "c"], mode=mode)
+        assert report.ok and report["c"].atol == report.atol, str(report)
+        wrong = gradcheck(forward, lambda d, a: backward(d, a, 1e-6), [x, c], dout=dout, names=["x", "c"],
+                          mode=mode)
+        assert wrong["x"].passed and not wrong["c"].passed
