@@ -34,7 +34,12 @@ output's where they move none): what float64 rounding can make of a gradient
 that is exactly zero. The report's ``atol`` is the floor of the whole output,
 the largest an input's can be; an input that moves a small part of a large
 output is held to its own (held to the whole output's, ``y`` of
-``[1e8 x, x y^2]`` passed with a gradient 1 % wrong).
+``[1e8 x, x y^2]`` passed with a gradient 1 % wrong). An entry that depends on
+an input so weakly that no step of ``eps`` changes its float64 value (below
+half its ulp) counts as not moved and adds nothing to the differences: where
+such entries carry a share of the gradient (``[1e12 + 1e-5 y, 1e-2 y]``: the
+first entry's ``1e-5`` is lost), the check fails; pass ``atol=report.atol``,
+the whole output's floor, which allows for it.
 
 The default ``rtol = 1e-6`` lets through an error below it: a gradient
 scaled by ``1 + 1e-7``, or one computed in float32 from the float64 inputs
