@@ -63,6 +63,7 @@ from .backend import (
     keyed_keep_mask_on,
     limit_blas_threads,
     namespace,
+    overflow_unreported,
     pool_threads,
     run_tasks,
     scalar,
@@ -203,7 +204,8 @@ def _block_scores(xp, c, qs_i, k_j, i0, i1, j0, j1):
     z = qs_i @ xp.matrix_transpose(k_j)  # 2. s = (q * scale) @ k^T      [..., bq, bk]
     u = None
     if o.softcap is not None:
-        u = z / o.softcap
+        with overflow_unreported():  # s / softcap = +-inf (a tiny softcap) gives tanh = +-1: the limit
+            u = z / o.softcap
         z = o.softcap * xp.tanh(u)  # 2. c = softcap * tanh(s / softcap)
     cut = F.block_cut(o, i0, i1, j0, j1)  # the window crosses this block
     rows = cols = None  # the block's query and key positions, where ALiBi or the window needs them

@@ -43,8 +43,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
 from .backend import (check_same_device, device_of, dropout_key, generator_kept_on_failure,
-                      is_bool, is_floating, keep_mask, namespace, row_max, scalar, without_empty_chunks,
-                      zero_d)
+                      is_bool, is_floating, keep_mask, namespace, overflow_unreported, row_max, scalar,
+                      without_empty_chunks, zero_d)
 
 __all__ = [
     "linear_forward",
@@ -1049,7 +1049,8 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
     s = ungroup_heads(xp, (qg @ xp.matrix_transpose(k)) * scale, G)  # 1. [B, H, Lq, Lk]
     c, capped = s, None  # 2. c = softcap * tanh(s / softcap), or s without a softcap
     if o.softcap is not None:
-        capped = s / o.softcap  # [B, H, Lq, Lk]
+        with overflow_unreported():  # s / softcap = +-inf (a tiny softcap) gives tanh = +-1: the limit
+            capped = s / o.softcap  # [B, H, Lq, Lk]
         c = o.softcap * xp.tanh(capped)  # [B, H, Lq, Lk]
     z = c  # 3. z = c + alibi, or c without ALiBi
     if o.alibi is not None:

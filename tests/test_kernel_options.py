@@ -14,6 +14,7 @@ blocked implementation:
 """
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -382,6 +383,25 @@ def test_softcap_gradients_in_float32_where_tanh_saturates(xp, to_xp, to_np, imp
     for name in ("dq", "dk", "dv"):
         g, w = to_np(getattr(got, name)).astype(np.float64), getattr(want, name)
         assert np.max(np.abs(g - w)) <= 2e-5 * np.max(np.abs(w)), name
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked"])
+def test_softcap_as_small_as_a_float_gets_without_a_warning(impl):
+    """``softcap`` = 5e-324 (the least subnormal, a finite float > 0 as the docs allow):
+    s / softcap overflows to +-inf and tanh of it is +-1, so every capped score is
+    +-5e-324, the weights are uniform over the keys, out is the mean of v and dv is the
+    sum of dout over the queries / Lk; dq and dk are 0 to 1e-300 (sech^2 at its clamp).
+    NumPy's overflow warning there was a false alarm (an error under -W error)."""
+    rng = np.random.default_rng(15)
+    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 2))
+    dout = rng.standard_normal((2, 2, 3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, c = A.sdpa_forward(q, k, v, softcap=5e-324, impl=impl, **(BLOCKS if impl == "blocked" else {}))
+        g = A.sdpa_backward(dout, c)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=-2, keepdims=True), out.shape), rtol=1e-13)
+    np.testing.assert_allclose(g.dv, np.broadcast_to(dout.sum(axis=-2, keepdims=True) / 5, v.shape), rtol=1e-13)
+    assert np.max(np.abs(g.dq)) < 1e-300 and np.max(np.abs(g.dk)) < 1e-300
 
 
 @pytest.mark.parametrize("block_q", [1, 2, 5])
