@@ -438,8 +438,12 @@ def row_max(xp: Any, x: Any) -> Any:
     non-empty axis (each chunk's reduction has no identity), so the result,
     which has no entries either, is taken as the slice ``x[..., :1]``. A dask
     array's chunks of length 0 fail there too, so they are left out first.
+    Rows of length 0 give ``-inf``, the identity of the max (every backend's max
+    raises there): a softmax row with nothing in it is one with nothing to attend.
     """
-    if math.prod(x.shape) == 0 and x.shape[-1] > 0:
+    if x.shape[-1] == 0:
+        return xp.full(tuple(x.shape[:-1]) + (1,), -math.inf, dtype=x.dtype, device=device_of(x))
+    if math.prod(x.shape) == 0:
         return x[..., :1]
     return xp.max(without_empty_chunks(x), axis=-1, keepdims=True)
 

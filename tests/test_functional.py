@@ -212,6 +212,23 @@ def test_softmax_sink_far_above_the_scores_stays_finite(xp, to_xp, to_np):
     assert np.all(np.isfinite(to_np(dx))) and np.all(np.isfinite(to_np(dsink)))
 
 
+def test_softmax_over_rows_of_length_zero(xp, to_xp, to_np):
+    """x of shape (..., 0): rows with nothing in them have nothing to attend. As torch's
+    softmax, p is empty, and lse is -inf (torch.logsumexp over an empty axis); with a sink,
+    the sink is the row's only logit, so p_sink = 1, lse = sink and dsink = dlse (d sink /
+    d sink), while dx is empty. Every backend's max over the empty axis raised instead."""
+    p, c = F.masked_softmax_forward(to_xp(np.zeros((2, 3, 0))))
+    assert to_np(p).shape == (2, 3, 0)
+    np.testing.assert_array_equal(to_np(c.lse), np.full((2, 3, 1), -np.inf))
+    sink, dlse = np.array([[0.3], [-1.0]]), np.array([[2.0], [-3.0]])
+    p, c = F.masked_softmax_forward(to_xp(np.zeros((2, 0))), sink=to_xp(sink))
+    np.testing.assert_array_equal(to_np(c.p_sink), np.ones((2, 1)))
+    np.testing.assert_allclose(to_np(c.lse), sink, rtol=1e-15)
+    g = F.masked_softmax_backward(to_xp(np.zeros((2, 0))), c, dlse=to_xp(dlse))
+    assert to_np(g.dx).shape == (2, 0)
+    np.testing.assert_allclose(to_np(g.dsink), dlse, rtol=1e-15)
+
+
 def test_softmax_large_scores_stable(xp, to_xp, to_np):
     x = to_xp(np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]]))
     p, cache = F.masked_softmax_forward(x)
