@@ -416,7 +416,8 @@ def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tup
     ``mask`` is either boolean (True = may attend; False entries get
     probability exactly 0) or floating (added to ``x``; ``-inf`` entries get
     probability exactly 0). Entries of ``x + mask`` equal to ``-inf`` are
-    masked too. A row with nothing to attend gives an all-zero row.
+    masked too. A row with nothing to attend gives an all-zero row; a last
+    axis of length 0 gives an empty ``p`` and ``lse = -inf`` (``lse = sink`` with a sink).
     float16 and bfloat16 ``x`` are computed in float32 (the max, the
     exponentials and their sum) and ``p`` is cast back to the input dtype.
 
