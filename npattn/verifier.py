@@ -2325,9 +2325,10 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
     ``align``, ``combos`` and ``head_dims`` shape the panel as ``verify``'s
     arguments of those names do.
 
-    ``ValueError`` for a name the panel does not hold, or a ``Case`` with an
-    option that ``supports`` does not declare; ``TypeError`` for an entry that is
-    neither a name (str) nor a ``Case``.
+    ``ValueError`` for a name the panel does not hold, a ``Case`` with an
+    option that ``supports`` does not declare, or ``cases`` that hold none (a
+    verification of no case would pass whatever the kernel does); ``TypeError`` for
+    an entry that is neither a name (str) nor a ``Case``.
     """
     supports = check_supports(supports)
     full = panel(supports, align, combos=combos, head_dims=head_dims)
@@ -2358,6 +2359,8 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
             raise ValueError(f"cases: expected names of the panel's cases or Case objects, got "
                              f"{c!r} ({maybe}npattn.verifier.plan(supports, align=..., combos=..., "
                              f"head_dims=...) returns the panel's {len(by_name)} cases)")
+    if not chosen:  # as head_dims: a verification of no case would pass whatever the kernel does
+        raise ValueError("cases: expected one case or more (None for the panel), got none")
     return chosen
 
 
@@ -2484,7 +2487,8 @@ def verify(
     cases : optional
         Names of panel cases (``plan(supports, ...)`` returns the panel), or
         ``Case`` objects (e.g. from ``npattn.testing.strategies.attention_cases()``),
-        instead of the panel.
+        instead of the panel; one or more (none is a ``ValueError``: it would pass
+        whatever ``fn`` does).
     progress : callable, optional
         ``progress(done, total, case_name)`` after each case.
     command : str, optional

@@ -2606,6 +2606,18 @@ def test_adapter_mapping_is_checked(adapter, error, message):
         adapter={"is_causal": None, "align": None}, cases=["base-65x128"]).ok
 
 
+@pytest.mark.parametrize("cases", [[], (), iter([])])
+def test_an_empty_selection_of_cases_is_refused(cases):
+    """cases=[] ran no case and reported "passed: 0/0 cases pass" (ok True) whatever the kernel
+    does; as head_dims=[], an empty selection is a ValueError naming cases, before any case."""
+    def wrong(q, k, v, **kw):
+        return q * 0.0
+    with pytest.raises(ValueError, match=r"^cases: expected one case or more"):
+        VF.plan("causal", cases=cases)
+    with pytest.raises(ValueError, match=r"^cases: expected one case or more"):
+        VF.verify(wrong, supports="causal", cases=cases)
+
+
 def test_a_name_given_twice_runs_once():
     names = [c.name for c in VF.plan("causal", cases=["base-65x128", "base-65x128"])]
     assert names == ["base-65x128"]
