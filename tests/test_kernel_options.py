@@ -393,14 +393,16 @@ def test_softcap_as_small_as_a_float_gets_without_a_warning(impl):
     sum of dout over the queries / Lk; dq and dk are 0 to 1e-300 (sech^2 at its clamp).
     NumPy's overflow warning there was a false alarm (an error under -W error)."""
     rng = np.random.default_rng(15)
-    q, k, v = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 5, 2))
+    q, k = rng.standard_normal((2, 2, 3, 4)), rng.standard_normal((2, 2, 5, 4))
+    v = rng.standard_normal((2, 2, 5, 2))
     dout = rng.standard_normal((2, 2, 3, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, c = A.sdpa_forward(q, k, v, softcap=5e-324, impl=impl, **(BLOCKS if impl == "blocked" else {}))
         g = A.sdpa_backward(dout, c)
     np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=-2, keepdims=True), out.shape), rtol=1e-13)
-    np.testing.assert_allclose(g.dv, np.broadcast_to(dout.sum(axis=-2, keepdims=True) / 5, v.shape), rtol=1e-13)
+    dv = np.broadcast_to(dout.sum(axis=-2, keepdims=True) / 5, v.shape)  # [B, H, Lk, Dv]
+    np.testing.assert_allclose(g.dv, dv, rtol=1e-13)
     assert np.max(np.abs(g.dq)) < 1e-300 and np.max(np.abs(g.dk)) < 1e-300
 
 
