@@ -628,6 +628,34 @@ def test_causal_bottom_right_matches_torch_causal_lower_right():
         assert _rel(out, ref) < 1e-12
 
 
+def test_causal_and_window_match_jax_local_window_size():
+    """JAX's top-left is_causal and local_window_size=(left, right) (query i sees keys
+    i - left <= j <= i + right), read off jax.nn.dot_product_attention itself, against
+    causal() and window(..., "top_left") for Lq < Lk, Lq = Lk and Lq > Lk (rows left with
+    no key included): zero scores and value = identity make row i of out the weights of
+    query i, uniform over the keys it may attend; JAX gives an empty row uniform weights
+    from a finite fill value, which its lse (about -2.4e38) tells apart."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def allowed(Lq, Lk, **kw):  # -> [Lq, Lk] bool
+        q = jnp.zeros((1, Lq, 1, Lk), dtype=jnp.float32)  # [B, Lq, H, Dh] (JAX's layout)
+        k = jnp.zeros((1, Lk, 1, Lk), dtype=jnp.float32)  # [B, Lk, H, Dh]
+        v = jnp.eye(Lk, dtype=jnp.float32)[None, :, None, :]  # [B, Lk, H, Lk]
+        out, lse = jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                                return_residual=True, **kw)
+        weights = np.asarray(out)[0, :, 0, :]  # [Lq, Lk]: 1/count where allowed, 0 elsewhere
+        empty = np.asarray(lse).reshape(Lq) < -1e30  # [Lq]
+        return (weights > 0.5 / Lk) & ~empty[:, None]
+
+    for Lq, Lk in [(3, 7), (5, 5), (7, 3), (1, 4), (4, 1)]:
+        np.testing.assert_array_equal(masks.causal(Lq, Lk), allowed(Lq, Lk, is_causal=True))
+        for left, right in [(0, 0), (1, 0), (3, 0), (0, 2), (2, 1), (1, 9), (9, 9)]:
+            np.testing.assert_array_equal(masks.window(Lq, Lk, left, right, "top_left"),
+                                          allowed(Lq, Lk, local_window_size=(left, right)),
+                                          err_msg=f"Lq={Lq} Lk={Lk} window=({left}, {right})")
+
+
 def test_segments_of_dtypes_the_library_does_not_compare_name_k_segments():
     """int64 against uint64 ids: torch raised its own RuntimeError from the comparison and
     array_api_strict a TypeError naming nothing; both now name k_segments, in the mask builder
