@@ -78,3 +78,29 @@ def test_attention_cases_draw_windows_that_leave_keys_out(align):
         sliding += left is not None and right == 0
     assert hiding > len(windows) / 2
     assert sliding > len(windows) / 10
+
+
+def test_attention_cases_check_their_arguments():
+    """Bounds, align and options= were used unchecked: max_len=0 raised hypothesis's
+    "Cannot have max_value=0 < min_value=1" at the first draw, naming no argument; an align
+    of "bottom-right" drew cases as if it were not top-left; and a caller's options strategy
+    gave cases holding options beyond supports, or both causal alignments (a case verify ran
+    as bottom-right alone and reported under both)."""
+    with pytest.raises(ValueError, match=r"^max_len: expected a positive int, got 0$"):
+        S.attention_cases("causal", max_len=0)
+    with pytest.raises(TypeError, match=r"^max_dim: expected a positive int, got float"):
+        S.attention_cases("causal", max_dim=2.5)
+    for make in (S.attention_cases, S.option_sets):
+        with pytest.raises(ValueError,
+                           match=r"^align: expected 'top_left' or 'bottom_right', got 'bottom-right'$"):
+            make("causal,window", align="bottom-right")
+    with pytest.raises(TypeError, match=r"^options: expected None or a hypothesis strategy"):
+        S.attention_cases("causal", options=("causal",))
+    for supports, opts in [("causal,causal_bottom_right", ("causal", "causal_bottom_right")),
+                           ("causal", ("mask_bool",)), ("causal,mask_bool,empty_rows", ("empty_rows",)),
+                           ("causal", ("causal", "causal"))]:
+        with pytest.raises(ValueError, match=r"^options: expected tuples of distinct options of"):
+            drawn(S.attention_cases(supports, options=st.just(opts)), 1)
+    # what options= may draw: options of supports that one call holds, in any order
+    cases = drawn(S.attention_cases("causal,mask_bool,window", options=st.just(("window", "causal"))), 5)
+    assert {c.options for c in cases} == {("causal", "window")}

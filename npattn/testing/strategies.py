@@ -26,6 +26,7 @@ except ImportError as exc:  # hypothesis is a test dependency, not npattn's
     raise ImportError("npattn.testing.strategies needs hypothesis: pip install hypothesis, or '.[test]' "
                       "from the repository root") from exc
 
+from ..validation import ALIGNS, check_choice, check_positive_int, described
 from ..verify_cases import (PERMISSIONS, Case, check_supports, conflicts, fit_lengths)
 
 __all__ = ["attention_cases", "option_sets"]
@@ -40,6 +41,7 @@ def option_sets(supports: Iterable[str] = (), align: str = "top_left") -> st.Sea
     drew no option at all in about half of the cases under ``@given``, and some pairs of
     ``supports="all"`` in fewer than one case in a hundred.)
     """
+    check_choice("align", align, ALIGNS)
     opts = [s for s in check_supports(supports) if s not in PERMISSIONS]
     if not opts:
         return st.just(())
@@ -49,11 +51,10 @@ def option_sets(supports: Iterable[str] = (), align: str = "top_left") -> st.Sea
     return st.one_of(alone, each.filter(lambda t: not conflicts(t, align)))
 
 
-@st.composite
-def attention_cases(draw, supports: Iterable[str] = (), *, align: str = "top_left",
+def attention_cases(supports: Iterable[str] = (), *, align: str = "top_left",
                     max_batch: int = 2, max_heads: int = 4, max_len: int = 70,
-                    max_dim: int = 16, options=None) -> Case:
-    """A ``Case`` for a kernel that declares ``supports``.
+                    max_dim: int = 16, options=None) -> st.SearchStrategy:
+    """``Case`` objects for a kernel that declares ``supports``.
 
     Parameters
     ----------
@@ -67,11 +68,43 @@ def attention_cases(draw, supports: Iterable[str] = (), *, align: str = "top_lef
         (Hq = 2 over Hkv = 1 with ``max_heads=1``) and a "dv_ne_dk" one
         Dv != Dh (Dv = 2 with ``max_dim=1``).
     options : strategy of option tuples, optional
-        Default ``option_sets(supports, align)``.
+        Default ``option_sets(supports, align)``. Each tuple it draws must hold options
+        of ``supports`` that one call can hold (a ``ValueError`` naming it otherwise).
+
+    Arguments are checked when it is called: ``TypeError`` / ``ValueError`` naming one.
     """
     supports = check_supports(supports)
+    check_choice("align", align, ALIGNS)
+    max_batch = check_positive_int("max_batch", max_batch)
+    max_heads = check_positive_int("max_heads", max_heads)
+    max_len = check_positive_int("max_len", max_len)
+    max_dim = check_positive_int("max_dim", max_dim)
+    if options is not None and not isinstance(options, st.SearchStrategy):
+        raise TypeError(f"options: expected None or a hypothesis strategy of option tuples, "
+                        f"got {described(options)}")
+    return _cases(supports, align, max_batch, max_heads, max_len, max_dim, options)
+
+
+def _checked_options(opts, supports: tuple, align: str) -> tuple:
+    """A tuple drawn by a caller's ``options`` strategy, sorted, after a ``ValueError`` unless
+    it holds options of ``supports`` that one call can hold."""
+    allowed = [s for s in supports if s not in PERMISSIONS]
+    if (not isinstance(opts, (tuple, list)) or not all(isinstance(o, str) and o in allowed for o in opts)
+            or len(set(opts)) != len(opts) or conflicts(opts, align)):
+        raise ValueError(f"options: expected tuples of distinct options of {allowed} that one call "
+                         f"can hold (align={align!r}), got {opts!r}")
+    return tuple(sorted(opts))
+
+
+@st.composite
+def _cases(draw, supports: tuple, align: str, max_batch: int, max_heads: int, max_len: int,
+           max_dim: int, options) -> Case:
+    """The strategy of ``attention_cases``, on checked arguments."""
     empty_ok = "empty_rows" in supports
-    opts = draw(option_sets(supports, align) if options is None else options)
+    if options is None:
+        opts = draw(option_sets(supports, align))
+    else:
+        opts = _checked_options(draw(options), supports, align)
     B = draw(st.integers(1, max_batch))
     Hkv = draw(st.integers(1, max_heads))
     Hq = Hkv
