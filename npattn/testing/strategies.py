@@ -37,9 +37,7 @@ def option_sets(supports: Iterable[str] = (), align: str = "top_left") -> st.Sea
 
     About half of the draws hold no option or one (each option alone as often as the
     others); the rest take each option with probability 1/2, so that every pair one call
-    can hold comes together, less the sets that cannot be one call. (Lists of options
-    drew no option at all in about half of the cases under ``@given``, and some pairs of
-    ``supports="all"`` in fewer than one case in a hundred.)
+    can hold comes together, less the sets that cannot be one call.
     """
     check_choice("align", align, ALIGNS)
     opts = [s for s in check_supports(supports) if s not in PERMISSIONS]
