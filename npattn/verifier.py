@@ -216,7 +216,7 @@ from .backend import backend_name, is_array, resolve_backend, to_numpy
 from .validation import (ALIGNS, check_choice, check_size, described, dtype_name, real_text,
                          real_value, type_name)
 from .verify_cases import (OPTION_KEYWORDS, Case, CaseInputs, Packing, case_inputs,
-                           check_head_dims, check_supports, did_you_mean, packing, panel)
+                           check_head_dims, check_supports, conflicts, did_you_mean, packing, panel)
 
 __all__ = [
     "verify",
@@ -2326,7 +2326,9 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
     arguments of those names do.
 
     ``ValueError`` for a name the panel does not hold, a ``Case`` with an
-    option that ``supports`` does not declare, or ``cases`` that hold none (a
+    option that ``supports`` does not declare or with options that one call
+    cannot hold (both causal alignments, both kinds of mask, a causal
+    alignment unlike ``align`` beside a window or ALiBi), or ``cases`` that hold none (a
     verification of no case would pass whatever the kernel does); ``TypeError`` for
     an entry that is neither a name (str) nor a ``Case``.
     """
@@ -2347,6 +2349,9 @@ def plan(supports: Iterable[str] = (), *, align: str = "top_left", combos: Any =
             if extra:
                 raise ValueError(f"cases: case {c.name!r} turns on {extra}, which supports "
                                  f"does not declare (supports={list(supports)})")
+            if conflicts(c.options, align):  # both causal alignments ran as one, and passed as both
+                raise ValueError(f"cases: expected options that one call can hold (align={align!r}), "
+                                 f"got case {c.name!r} with {sorted(c.options)}")
             chosen.append(c)
         elif not isinstance(c, str):
             raise TypeError(f"cases: expected names of the panel's cases or Case objects, got "

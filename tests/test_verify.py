@@ -2606,6 +2606,33 @@ def test_adapter_mapping_is_checked(adapter, error, message):
         adapter={"is_causal": None, "align": None}, cases=["base-65x128"]).ok
 
 
+@pytest.mark.parametrize("options, align", [
+    (("causal", "causal_bottom_right"), "top_left"),
+    (("mask_bool", "mask_float"), "top_left"),
+    (("causal_bottom_right", "window"), "top_left"),  # one call has one align: the window's
+    (("causal", "alibi"), "bottom_right"),
+])
+def test_a_case_with_options_one_call_cannot_hold_is_refused(options, align):
+    """A Case of the caller's own with both causal alignments ran as bottom-right alone and was
+    reported as a pass under "causal" and "causal_bottom_right" both; such a case (and the other
+    sets no call can hold) is a ValueError naming it, before the kernel runs."""
+    calls = []
+
+    def kernel(q, k, v, **kw):
+        calls.append(kw)
+        return npattn_kernel(q, k, v, **kw)[0]
+
+    supports = ",".join(options)
+    case = VF.Case(name="mine", B=1, Hq=1, Hkv=1, Lq=4, Lk=6, Dh=4, Dv=4, options=options, seed=1)
+    message = (rf"^cases: expected options that one call can hold \(align='{align}'\), got case 'mine' "
+               rf"with {re.escape(str(sorted(options)))}$")
+    with pytest.raises(ValueError, match=message):
+        VF.plan(supports, align=align, cases=[case])
+    with pytest.raises(ValueError, match=message):
+        VF.verify(kernel, supports=supports, align=align, cases=[case])
+    assert calls == []
+
+
 @pytest.mark.parametrize("cases", [[], (), iter([])])
 def test_an_empty_selection_of_cases_is_refused(cases):
     """cases=[] ran no case and reported "passed: 0/0 cases pass" (ok True) whatever the kernel
