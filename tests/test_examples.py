@@ -63,7 +63,7 @@ def test_numpy_forward_backward():
     np.testing.assert_allclose(w.sum(axis=1), 1.0, atol=2e-3)
     # the check of the functional pair: every input's error is that of rounding in float64
     for name in ("q", "k", "v", "mask"):
-        err = float(re.search(rf"^{name} +(\S+) +\S+ +pass$", out, re.M).group(1))
+        err = float(re.search(rf"^{name} +(\S+) +\S+ +\S+ +pass$", out, re.M).group(1))  # abs, rel, atol
         assert err < 1e-6, (name, err)
 
 
