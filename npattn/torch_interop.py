@@ -33,7 +33,7 @@ torch state dict and get a ``ValueError`` naming the setting. ``scale`` and
 computes without them (its scale is always ``1 / sqrt(Dh)``, with no cap).
 A module built by ``from_torch`` has the defaults (``sinks=False``).
 A subclass of ``torch.nn.MultiheadAttention`` with its own ``forward``
-computes something else and is a ``ValueError`` (``own_methods``); forward
+computes something else and is a ``ValueError`` (``check_torch_methods``); forward
 hooks are not read.
 """
 
@@ -57,7 +57,7 @@ __all__ = [
     "params_from_torch_state_dict",
     "load_torch_state_dict",
     "module_dtype",
-    "own_methods",
+    "check_torch_methods",
     "torch_state_dict",
     "torch_state_dict_shapes",
 ]
@@ -283,11 +283,17 @@ def module_dtype(module: Any, name: str = "module") -> str:
     return next(iter(by_dtype))
 
 
-def own_methods(module: Any, kind: Any, methods: tuple) -> list:
-    """The ``methods`` of the torch class ``kind`` that the class of ``module`` (an instance of
-    ``kind``) defines anew. npattn copies the weights and computes as ``kind`` does: a subclass
-    with its own ``forward`` computes something else, which no copy of its weights reproduces."""
-    return [m for m in methods if getattr(type(module), m, None) is not getattr(kind, m)]
+def check_torch_methods(name: str, module: Any, kind: Any, methods: tuple = ("forward",), *,
+                        part: str = "", why: str = "") -> None:
+    """``ValueError`` naming ``name`` if the class of ``module`` (an instance of the torch class
+    ``kind``) defines any of ``kind``'s ``methods`` anew: npattn copies the weights and computes
+    as ``kind`` does, and a subclass with its own ``forward`` computes something else, which no
+    copy of its weights reproduces. ``part`` ("linear1 with ") and ``why`` (" (...)") word it."""
+    own = [m for m in methods if getattr(type(module), m, None) is not getattr(kind, m)]
+    if own:
+        cls = type(module)
+        raise ValueError(f"{name}: expected {part}torch.nn.{kind.__name__}'s {', '.join(own)}{why}, "
+                         f"got a {cls.__module__}.{cls.__qualname__} with its own")
 
 
 def options_from_torch(module: Any) -> dict:
@@ -302,12 +308,8 @@ def options_from_torch(module: Any) -> dict:
         raise TypeError(
             f"module: expected a torch.nn.MultiheadAttention, got {type(module).__name__}"
         )
-    own = own_methods(module, torch.nn.MultiheadAttention, ("forward",))
-    if own:
-        cls = type(module)
-        raise ValueError(f"module: expected torch.nn.MultiheadAttention's {', '.join(own)} (npattn "
-                         f"computes as torch's module does), got a {cls.__module__}.{cls.__qualname__} "
-                         "with its own")
+    check_torch_methods("module", module, torch.nn.MultiheadAttention,
+                        why=" (npattn computes as torch's module does)")
     bias = module.in_proj_bias is not None
     return dict(
         d_model=module.embed_dim,

@@ -713,15 +713,11 @@ class _Block(abc.ABC):
                             f"got {type(layer).__name__}")
         import torch
 
-        from .torch_interop import module_dtype, options_from_torch, own_methods
+        from .torch_interop import check_torch_methods, module_dtype, options_from_torch
 
         # a subclass computing otherwise (its own _ff_block, say) would be copied into torch's computation
-        own = own_methods(layer, torch_cls, cls._TORCH_METHODS)
-        if own:
-            sub = type(layer)
-            raise ValueError(f"layer: expected torch.nn.{torch_cls.__name__}'s {', '.join(own)} (npattn's "
-                             f"blocks compute as torch's layer does), got a {sub.__module__}."
-                             f"{sub.__qualname__} with its own")
+        check_torch_methods("layer", layer, torch_cls, cls._TORCH_METHODS,
+                            why=" (npattn's blocks compute as torch's layer does)")
 
         # the modules the layer builds, which a user may have replaced (an nn.RMSNorm for norm1 has
         # a weight of the same shape, so the state dict matched and a layer norm ran in its place)
@@ -734,11 +730,8 @@ class _Block(abc.ABC):
             if not isinstance(m, kind):
                 raise ValueError(f"layer: expected {name} a torch.nn.{kind.__name__} (as the torch "
                                  f"layer builds it), got {type(m).__name__}")
-            if own_methods(m, kind, ("forward",)):  # e.g. an nn.Linear subclass that adds a LoRA term
-                sub = type(m)
-                raise ValueError(f"layer: expected {name} with torch.nn.{kind.__name__}'s forward (as the "
-                                 f"torch layer builds it), got a {sub.__module__}.{sub.__qualname__} with "
-                                 "its own")
+            # e.g. an nn.Linear subclass that adds a LoRA term
+            check_torch_methods("layer", m, kind, part=f"{name} with ", why=" (as the torch layer builds it)")
         for a in cls._ATTNS:
             if not getattr(layer, a).batch_first:  # torch sets both from one argument
                 where = "" if a == "self_attn" else f" in {a}"
@@ -786,10 +779,8 @@ class _Block(abc.ABC):
 
         act = layer.activation
         for kind in (torch.nn.ReLU, torch.nn.GELU):  # read by their class below, so their forward must be it
-            if isinstance(act, kind) and own_methods(act, kind, ("forward",)):
-                sub = type(act)
-                raise ValueError(f"layer: expected activation with torch.nn.{kind.__name__}'s forward, got "
-                                 f"a {sub.__module__}.{sub.__qualname__} with its own")
+            if isinstance(act, kind):
+                check_torch_methods("layer", act, kind, part="activation with ")
         gelu_form = None  # "none" or "tanh": F.gelu, nn.GELU or functools.partial(F.gelu, approximate=)
         if act is torch.nn.functional.gelu:
             gelu_form = "none"
