@@ -149,10 +149,15 @@ def check_state_dict(state_dict: Any) -> None:
 
 def host_tensor(name: str, value: Any) -> np.ndarray:
     """``state_dict[name]`` as a host NumPy copy (bfloat16 widened to float32, exactly); a
-    ``TypeError`` naming it unless it is a floating tensor or array."""
+    ``TypeError`` naming it unless it is a floating tensor or array (a NumPy masked array is
+    none: its mask would be lost)."""
     # a class is none (NumPy's scalar types carry shape and dtype as descriptors)
     if isinstance(value, type) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {V.type_name(value)}")
+    if isinstance(value, np.ma.MaskedArray):  # the copy would keep the data and drop the mask
+        raise TypeError(f"state_dict[{name!r}]: expected a tensor or a plain array, got "
+                        "numpy.ma.MaskedArray (npattn would ignore its mask); pass its data, "
+                        "np.ma.getdata(a), with the masked entries filled in")
     try:
         a = _host(value)
     except (NotImplementedError, RuntimeError, TypeError, ValueError) as exc:  # e.g. torch's meta
@@ -168,8 +173,9 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     """A ``torch.nn.MultiheadAttention`` state dict as npattn parameters: host NumPy arrays.
 
     ``mha`` gives the layout (the attributes ``torch_state_dict_shapes``
-    reads). Values may be torch tensors or arrays of any backend; they keep
-    their dtype (bfloat16 widened to float32, exactly). All keys are checked
+    reads). Values may be torch tensors or arrays of any backend (not NumPy
+    masked arrays, whose mask would be lost); they keep their dtype (bfloat16
+    widened to float32, exactly). All keys are checked
     (missing, unexpected, shape) first. Returns ``{name: array}``, e.g.
     ``w_q`` (D, D), ``b_q`` (D,), ``bias_k`` (D,), in ``mha.params``' order
     where it has them.

@@ -313,6 +313,27 @@ def test_a_value_with_a_shape_but_no_dtype_is_no_tensor():
         torch_interop.host_tensor("out_proj.bias", ShapeOnly())
 
 
+def test_a_masked_array_value_is_refused_and_nothing_is_loaded():
+    """A NumPy masked array in a state dict: its host copy kept the data and dropped the mask,
+    so the masked entries were loaded as whatever numbers lay under them. Refused by name,
+    as npattn refuses masked arrays everywhere, before any parameter changes."""
+    tm = _randomized(torch.nn.MultiheadAttention(4, 2, dtype=torch.float64))
+    mha = MultiHeadAttention(4, 2, dtype="float64")
+    before = {k: v.copy() for k, v in mha.params.items()}
+    sd = {k: v.numpy().copy() for k, v in tm.state_dict().items()}
+    w = sd["in_proj_weight"]
+    sd["in_proj_weight"] = np.ma.MaskedArray(w, mask=np.eye(12, 4, dtype=bool))
+    with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a tensor or a plain "
+                                        r"array, got numpy\.ma\.MaskedArray \(npattn would ignore its mask\)"):
+        mha.load_torch_state_dict(sd)
+    for k in before:
+        np.testing.assert_array_equal(mha.params[k], before[k])
+    np.testing.assert_array_equal(np.ma.getdata(sd["in_proj_weight"]), w)  # the argument unchanged
+    sd["in_proj_weight"] = np.ma.getdata(sd["in_proj_weight"])  # its data, as the message says
+    mha.load_torch_state_dict(sd)
+    np.testing.assert_array_equal(mha.params["w_k"], w[4:8])
+
+
 def test_unexpected_keys_are_listed_in_order():
     """Several unexpected keys are named sorted, so the message is the same from run to run
     (a set's order of strings changes with the process's hash seed)."""
