@@ -112,6 +112,7 @@ __all__ = [
     "persisted",
     "without_empty_chunks",
     "copy_array",
+    "may_share_memory",
     "row_major",
     "row_max",
 ]
@@ -407,6 +408,29 @@ def copy_array(xp: Any, a: Any) -> Any:
     if array_api_compat.is_torch_array(a):
         return a.clone()
     return xp.asarray(a, copy=True)
+
+
+def may_share_memory(a: Any, b: Any) -> bool:
+    """Whether writing into ``b`` may change ``a``: NumPy's and CuPy's ``may_share_memory``,
+    torch's storages compared, NumPy's test on the host memory a library exports through
+    DLPack (array_api_strict's); for arrays that export none (dask's, whose assignments
+    replace a graph), whether they are one object.
+
+    torch refuses an assignment whose source overlaps its destination (a ``RuntimeError``
+    that names no argument), and a writer of two buffers would read the second's source
+    after writing the first: a writer copies a source that may share memory first.
+    """
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    if array_api_compat.is_torch_array(a) and array_api_compat.is_torch_array(b):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    if array_api_compat.is_cupy_array(a) and array_api_compat.is_cupy_array(b):
+        import cupy  # present: a and b are its arrays
+        return bool(cupy.may_share_memory(a, b))
+    try:
+        return bool(np.may_share_memory(np.from_dlpack(a), np.from_dlpack(b)))
+    except (AttributeError, TypeError, ValueError, BufferError, RuntimeError):
+        return a is b
 
 
 def row_major(a: Any) -> Any:

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from . import validation as V
-from .backend import (backend_from_ref, backend_name, backend_ref, device_of, entry_bytes, namespace,
-                      persisted, resolve_backend)
+from .backend import (backend_from_ref, backend_name, backend_ref, copy_array, device_of, entry_bytes,
+                      may_share_memory, namespace, persisted, resolve_backend)
 
 __all__ = ["KVCache", "AlignedKV", "unalign_columns"]
 
@@ -233,7 +233,13 @@ class KVCache:
         if not self._in_place:
             self._k, self._v = (_written(self.xp, buf, new, lens)
                                 for buf, new in ((self._k, k_new), (self._v, v_new)))
-        elif len(set(lens)) == 1:  # one slice for the whole batch
+            self._lens = tuple(L + n for L in lens)
+            return
+        # new keys that are a view of the buffers themselves (their unused tail included) are
+        # copied first: torch refuses a write whose source overlaps it, NumPy copies one itself
+        k_new, v_new = (copy_array(self.xp, a) if may_share_memory(a, self._k)
+                        or may_share_memory(a, self._v) else a for a in (k_new, v_new))
+        if len(set(lens)) == 1:  # one slice for the whole batch
             L = lens[0]
             self._k[:, :, L : L + n, :] = k_new  # [B, Hkv, n, Dh]
             self._v[:, :, L : L + n, :] = v_new  # [B, Hkv, n, Dv]

@@ -662,6 +662,31 @@ def test_append_writes_each_entry_at_its_own_length(backend, xp, to_xp, to_np):
         np.testing.assert_array_equal(Vv[b, :, :L + 1], -want)
 
 
+@pytest.mark.parametrize("lens", [[2, 2], [1, 3]], ids=["equal", "ragged"])
+def test_new_keys_that_are_views_of_the_cache_itself_are_written_as_they_were(backend, xp, to_xp, to_np, lens):
+    """New keys and values read from the cache's own key buffer, overlapping the positions
+    the keys are written to: each entry gets what the views held before the call, as a copy
+    would give. torch refused the write from overlapping memory with a RuntimeError naming
+    nothing; a view of the keys as the values would also have read the keys just written."""
+    cache = KVCache(2, 8, 1, 2, dtype="float64", backend=backend)
+    k1 = np.arange(16.0).reshape(2, 1, 4, 2)
+    cache.append(to_xp(k1), to_xp(-k1))
+    cache.truncate(lens)
+    # [2, 1, 3, 2] views of the key buffer: k_new overlaps the keys' destination, v_new the
+    # keys' destination too, which is written before the values
+    k_new, v_new = cache.k[:, :, 1:4, :], cache.k[:, :, 0:3, :]
+    want_k, want_v = to_np(k_new).copy(), to_np(v_new).copy()  # what they hold before the call
+    K0, V0 = to_np(cache.k).copy(), to_np(cache.v).copy()
+    cache.append(k_new, v_new)
+    assert cache.cache_seqlens.tolist() == [L + 3 for L in lens]
+    K, Vv = to_np(cache.k), to_np(cache.v)
+    for b, L in enumerate(lens):
+        np.testing.assert_array_equal(K[b, :, :L], K0[b, :, :L])  # the entry's old keys stay
+        np.testing.assert_array_equal(Vv[b, :, :L], V0[b, :, :L])
+        np.testing.assert_array_equal(K[b, :, L:L + 3], want_k[b])
+        np.testing.assert_array_equal(Vv[b, :, L:L + 3], want_v[b])
+
+
 @pytest.mark.parametrize("args, kwargs, exc, match", [
     ((0, 4, 1, 2), {}, ValueError, "^batch_size: expected a positive int, got 0$"),
     ((1, True, 1, 2), {}, TypeError, "^capacity: expected a positive int, got bool True$"),
