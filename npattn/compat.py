@@ -48,7 +48,7 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import copy_array, device_of, isdtype, make_rng, namespace, scalar
+from .backend import copy_array, device_of, isdtype, make_rng, may_share_memory, namespace, scalar
 
 __all__ = [
     "flash_attn_func",
@@ -666,7 +666,9 @@ def flash_attn_with_kvcache(
     q : array, shape (B, Lq, Hq, Dh)
     k_cache : array, shape (Bc, Lc, Hkv, Dh), Bc >= B (batch ``b`` uses row ``b``)
     v_cache : array, shape (Bc, Lc, Hkv, Dv)
-        Of the dtype of ``q``; with ``k`` and ``v``, writable in place (not a JAX array).
+        Of the dtype of ``q``; with ``k`` and ``v``, writable in place (not a JAX array),
+        and not sharing memory with each other (``k`` and ``v`` may be views of either:
+        they are read before anything is written).
     k : array, shape (B, Lnew, Hkv, Dh), optional
     v : array, shape (B, Lnew, Hkv, Dv), optional
         Both or neither.
@@ -829,6 +831,14 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                                 f"{V.shape_of(a)} (an expanded or broadcast view); pass a copy")
             if array_api_compat.is_torch_array(a):  # an empty write: torch refuses a leaf
                 _write_in_place(name, a, 0, 0, new[:, :0, ...])  # that requires grad here
+        if may_share_memory(v_cache, k_cache):  # the values would land on the new keys
+            raise ValueError("v_cache: expected a buffer apart from k_cache (the new keys and values "
+                             "are written into each), got one sharing memory with it")
+        # new keys or values that are views of the caches (their free space included) are
+        # copied first: torch refuses a write from memory it overlaps, and the values would
+        # otherwise be read after the keys were written
+        k, v = (copy_array(xp, a) if may_share_memory(a, k_cache) or may_share_memory(a, v_cache)
+                else a for a in (k, v))
 
     if k is not None:  # 1. the in-place append
         for b in range(B):

@@ -1150,6 +1150,40 @@ def test_flash_attn_with_kvcache_on_torch_refuses_before_writing():
         assert torch.equal(k_cache, before)
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_flash_attn_with_kvcache_new_keys_read_from_the_caches_are_taken_as_they_were(lib):
+    """k a view of k_cache overlapping the positions it is written to, v a view of those very
+    positions: the call equals one with copies of k and v, the caches included. torch refused
+    the overlapping write as a cache that cannot be written in place; NumPy read v after the
+    keys had been written over it."""
+    conv = (lambda t: t) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    q, k_cache, v_cache, _, _ = kvcache_inputs(Dv=4)
+    want_kc, want_vc = k_cache.copy(), v_cache.copy()
+    want = C.flash_attn_with_kvcache(q, want_kc, want_vc, k_cache[:2, 1:3].copy(),
+                                     k_cache[:2, 2:4].copy(), cache_seqlens=2)
+    q, k_cache, v_cache = conv(q), conv(k_cache), conv(v_cache)
+    out = C.flash_attn_with_kvcache(q, k_cache, v_cache, k_cache[:2, 1:3], k_cache[:2, 2:4], cache_seqlens=2)
+    np.testing.assert_array_equal(np.asarray(k_cache), want_kc)
+    np.testing.assert_array_equal(np.asarray(v_cache), want_vc)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12, atol=1e-12)
+
+
+def test_flash_attn_with_kvcache_refuses_one_buffer_for_keys_and_values():
+    """k_cache and v_cache sharing memory: the values were written over the new keys and the
+    call attended values as keys. A ValueError naming v_cache, before anything is written."""
+    q, k_cache, _, k_new, v_new = kvcache_inputs(Dv=4)
+    before = k_cache.copy()
+    for v_cache in (k_cache, k_cache[:, :, ::-1]):
+        with pytest.raises(ValueError, match=r"^v_cache: expected a buffer apart from k_cache \(the new "
+                                             r"keys and values are written into each\), got one sharing"):
+            C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=1)
+        np.testing.assert_array_equal(k_cache, before)
+    # without new keys nothing is written: one buffer for both is a cache whose keys are its values
+    out = C.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=4)
+    want = C.flash_attn_with_kvcache(q, k_cache, k_cache.copy(), cache_seqlens=4)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_flash_attn_with_kvcache_appends_into_dask_caches():
     """dask arrays take the in-place append (item assignment); the checks before it must not
     refuse them (an empty test write did: dask refuses an empty slice's assignment)."""
