@@ -42,7 +42,7 @@ import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
-from .backend import (check_same_device, device_of, dropout_key, generator_kept_on_failure,
+from .backend import (check_same_device, copy_array, device_of, dropout_key, generator_kept_on_failure,
                       is_bool, is_floating, keep_mask, namespace, overflow_unreported, row_max, scalar,
                       without_empty_chunks, zero_d)
 
@@ -457,7 +457,10 @@ def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tup
                 f"sink: expected shape {V.shape_of(x)[:-1] + (1,)} (that of x with the last "
                 f"axis 1), got {V.shape_of(sink)}"
             )
-    return _masked_softmax(x, mask, sink)
+    p, cache = _masked_softmax(x, mask, sink)
+    # the caller's p as a copy where the cache holds it: the cache's p must not change if the
+    # caller writes into p (as blocked's out)
+    return (copy_array(namespace(x), p) if p is cache.p else p), cache
 
 
 def _masked_softmax(x, mask, sink=None):

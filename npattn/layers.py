@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 from . import functional as F
 from . import validation as V
-from .backend import device_of, namespace, scalar, without_empty_chunks, zero_d
+from .backend import copy_array, device_of, namespace, scalar, without_empty_chunks, zero_d
 
 __all__ = [
     "erf",
@@ -235,6 +235,8 @@ def layer_norm_forward(x: Any, weight: Any = None, bias: Any = None, eps: float 
     if bias is not None:
         y = y + _compute(xp, bias)
     y = y if y.dtype == x.dtype else xp.astype(y, x.dtype)
+    if y is xhat:  # no weight, no bias, no cast: a copy, so that the cache's xhat does not
+        y = copy_array(xp, y)  # change if the caller writes into y
     return y, LayerNormCache(xhat, rstd, weight, bias is not None, x.dtype)
 
 

@@ -153,6 +153,29 @@ def test_softmax_backward_matches_documented_formula(xp, to_xp, to_np):
     np.testing.assert_allclose(to_np(ds), np.einsum("...ij,...i->...j", jac, dp), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "bool mask"])
+def test_softmax_output_written_into_by_the_caller_leaves_the_backward(masked):
+    """The caller scales p in place after the forward (NumPy's ``p *= ...``): the backward is
+    still that of the forward's p, ds = p * (dp - sum(dp * p)) with p = exp(z) / sum(exp(z))
+    computed here. The returned p was the array the cache kept, so the edit changed the
+    gradient without a word."""
+    rng = np.random.default_rng(0)
+    x, dp = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 3, 5))
+    mask = rng.random((2, 3, 5)) > 0.3 if masked else None
+    if masked:
+        mask[..., 0] = True
+    z = np.where(mask, x, -np.inf) if masked else x
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    p_want = e / e.sum(axis=-1, keepdims=True)
+    p, cache = F.masked_softmax_forward(x.copy(), mask)
+    np.testing.assert_allclose(p, p_want, rtol=1e-13)
+    p *= 3.0
+    p -= 1.0
+    ds, _, _ = F.masked_softmax_backward(dp, cache)
+    want = p_want * (dp - (dp * p_want).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(ds, want, rtol=1e-12, atol=1e-14)
+
+
 def test_softmax_dlse_on_a_row_with_nothing_to_attend_does_not_matter(xp, to_xp, to_np):
     """lse = -inf on a fully masked row whatever its scores: an inf or NaN dlse there
     gives the gradient of 0 (not 0 * inf), and dlse moves the other rows by p * dlse."""

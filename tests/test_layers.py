@@ -117,6 +117,24 @@ def test_layer_norm_gradients(xp, to_xp, affine):
     assert_ok(report)
 
 
+def test_layer_norm_output_written_into_by_the_caller_leaves_the_backward():
+    """Without weight and bias y is xhat, which the backward reads: the caller adding to y in
+    place (``y += residual``) changed the gradient without a word. The backward is still
+    dx = rstd (dy - mean(dy) - xhat mean(dy xhat)), with xhat and rstd computed here."""
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((2, 3, 6)), rng.standard_normal((2, 3, 6))
+    eps = 1e-5
+    rstd = 1.0 / np.sqrt(x.var(axis=-1, keepdims=True) + eps)
+    xhat = (x - x.mean(axis=-1, keepdims=True)) * rstd
+    y, cache = L.layer_norm_forward(x.copy(), eps=eps)
+    np.testing.assert_allclose(y, xhat, rtol=1e-12, atol=1e-14)
+    y += rng.standard_normal(y.shape)
+    dx, dw, db = L.layer_norm_backward(dy, cache)
+    want = rstd * (dy - dy.mean(axis=-1, keepdims=True) - xhat * (dy * xhat).mean(axis=-1, keepdims=True))
+    np.testing.assert_allclose(dx, want, rtol=1e-10, atol=1e-12)
+    assert dw is None and db is None
+
+
 def test_layer_norm_gradients_of_rows_whose_squares_overflow(xp, to_xp, to_np):
     # float64 rows of 1e160s (xc^2 ~ 1e320 overflows): a step of 1e-6 of the row's scale
     rng = np.random.default_rng(11)
