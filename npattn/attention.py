@@ -165,8 +165,7 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
     check_impl_takes(impl, positional=positional, same_lead=same_lead, takes_chunks=chunks,
                      takes_kernel=kernel,
-                     got=f"{type(q).__module__}.{type(q).__name__} of shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+                     got=_arrays_in_words(q, k, v, mask, dropout_mask))
     if impl == "auto" and same_lead and chunks and not need_weights:
         return "chunked"
     if impl == "chunked":
@@ -181,6 +180,18 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     if impl == "dense":
         return "numpy" if positional and kernel else "reference"
     return impl
+
+
+def _arrays_in_words(q: Any, k: Any, v: Any, mask: Any, dropout_mask: Any) -> str:
+    """q, k and v in words for ``select_impl``'s refusals: their type and shapes, and each
+    array's own type (masks included) where they differ: a refusal for the type of one
+    names that one, not q's."""
+    given = {"q": q, "k": k, "v": v, "mask": mask, "dropout_mask": dropout_mask}
+    types = {name: f"{type(a).__module__}.{type(a).__name__}" for name, a in given.items() if a is not None}
+    shapes = f"of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if len(set(types.values())) == 1:
+        return f"{types['q']} {shapes}"
+    return ", ".join(f"{name} {kind}" for name, kind in types.items()) + f"; q, k, v {shapes}"
 
 
 def _scores_lead(q: Any, k: Any, v: Any) -> tuple:
@@ -388,7 +399,8 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
 
 
 def weights(cache: Any) -> Any:
-    """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache."""
+    """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache:
+    the cache's own array, which ``sdpa_backward`` reads; write into a copy of it."""
     for kind, name in ((blocked.BlockedSDPACache, "blocked"), (chunked.ChunkedSDPACache, "chunked")):
         if isinstance(cache, kind):
             raise ValueError(f"cache: expected the cache of a dense implementation (it keeps the "

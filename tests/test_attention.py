@@ -731,7 +731,7 @@ def test_select_impl_on_other_backends(backend, xp, to_xp):
     assert not numpy_kernel.accepts(n, n, n, None, to_xp(mask))
 
 
-def test_a_numpy_subclass_is_not_the_kernels():
+def test_a_numpy_subclass_is_not_the_kernels(tmp_path):
     """The NumPy kernel and its tile pool take plain numpy.ndarray only (is_numpy_array): an
     ndarray subclass runs on the reference under "auto" and "dense", and impl="numpy" is
     refused by name."""
@@ -745,6 +745,15 @@ def test_a_numpy_subclass_is_not_the_kernels():
         assert A.select_impl(impl, q, q, q, mask=np.ones((3, 3), bool).view(Sub)) == "reference"
     with pytest.raises(ValueError, match="^impl='numpy': the NumPy kernel takes NumPy arrays"):
         A.sdpa_forward(q, q, sub, impl="numpy")
+    # the refusal names the array of the other type (it said "got numpy.ndarray of shapes ...",
+    # q's type, for a memmap k or a subclass mask)
+    mm = np.memmap(tmp_path / "k.dat", dtype=q.dtype, mode="w+", shape=q.shape)
+    with pytest.raises(ValueError, match=r"got q numpy\.ndarray, k numpy\.memmap, v numpy\.ndarray; q, k, v "
+                                         r"of shapes \(1, 2, 3, 4\), \(1, 2, 3, 4\), \(1, 2, 3, 4\); use"):
+        A.sdpa_forward(q, mm, q, impl="numpy")
+    with pytest.raises(ValueError, match=r"got q numpy\.ndarray, k numpy\.ndarray, v numpy\.ndarray, "
+                                         r"mask \S*Sub; q, k, v of shapes"):
+        A.sdpa_forward(q, q, q, mask=np.ones((3, 3), bool).view(Sub), impl="numpy")
 
 
 def test_numpy_kernel_refusal_names_the_head_count():
