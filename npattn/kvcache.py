@@ -225,6 +225,8 @@ class KVCache:
         ``L_b = cache_seqlens[b]``, and its length becomes ``L_b + n``.
         Everything is checked first (``check_new``: a full entry is a
         ``ValueError`` naming ``kv_cache``); a failed call writes nothing.
+        ``k_new`` and ``v_new`` may be views of the cache's own buffers: they
+        are read before anything is written.
         """
         # [B, Hkv, n, Dh], [B, Hkv, n, Dv] -> k[b, :, L_b : L_b + n], v[b, :, L_b : L_b + n]
         self.check_new(k_new, v_new)
