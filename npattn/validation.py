@@ -103,6 +103,17 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+def not_floating(name: str, dtype: Any) -> TypeError:
+    """The refusal of an array of ``dtype`` where a real floating one is expected. A NumPy
+    extension dtype (ml_dtypes' bfloat16, which JAX installs) is floating to its own library
+    but not to NumPy's arithmetic: the message says which dtypes to use instead."""
+    hint = ""
+    if isinstance(dtype, np.dtype) and dtype.kind == "V":
+        hint = (" (a NumPy extension dtype: on NumPy npattn takes float16, float32 and float64; "
+                "bfloat16 on torch or JAX)")
+    return TypeError(f"{name}: expected a real floating dtype, got {dtype_name(dtype)}{hint}")
+
+
 def shape_of(x: Any) -> tuple:
     """The shape of ``x`` as a tuple of Python ints, for messages and comparisons."""
     if type(x) is np.ndarray:
@@ -407,7 +418,7 @@ def check_floating_array(name: str, x: Any, xp: Any = None, device: Any = None, 
                 library=library)
     ns = namespace(x)
     if not _is_floating(ns, x.dtype):
-        raise TypeError(f"{name}: expected a real floating dtype, got {dtype_name(x.dtype)}")
+        raise not_floating(name, x.dtype)
     if dtype is not None and x.dtype != dtype:
         source = f" (that of {like})" if like else ""
         raise TypeError(
@@ -624,7 +635,7 @@ def check_sdpa_inputs(q: Any, k: Any, v: Any, *, mask: Any, dropout_mask: Any, d
     for name, x in (("k", k), ("v", v)):
         check_array(name, x, xp, device, where="like q", library="that of q")
     if not _is_floating(xp, q.dtype):
-        raise TypeError(f"q: expected a real floating dtype, got {dtype_name(q.dtype)}")
+        raise not_floating("q", q.dtype)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(

@@ -1376,7 +1376,7 @@ def test_numpy_extension_dtypes_are_named_not_crashed_on():
 
     bf = np.zeros((2, 2, 3, 4), dtype=ml_dtypes.bfloat16)
     x = np.ones((2, 2, 3, 4))
-    with raises(TypeError, "q", "real floating", "bfloat16"):
+    with raises(TypeError, "q", "real floating", "bfloat16", "extension dtype", "float32", "on torch or JAX"):
         A.sdpa_forward(bf, x, x, impl="auto")
     with raises(TypeError, "q", "real floating", "bfloat16"):
         compat.flash_attn_func(bf.transpose(0, 2, 1, 3), x.transpose(0, 2, 1, 3), x.transpose(0, 2, 1, 3))
