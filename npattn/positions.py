@@ -130,6 +130,14 @@ def _check_positions(positions: Any, x: Any) -> None:
         )
     V.check_broadcasts_to("positions", V.shape_of(positions), tuple(x.shape[:-1]),
                           "x.shape[:-1] = (..., L)")
+    L = int(x.shape[-2])
+    if L > 1 and (positions.ndim == 0 or int(positions.shape[-1]) == 1):
+        # broadcast along L, every token of a row would sit at one position: a start per
+        # sequence, (B, 1, 1), read as the positions themselves
+        raise ValueError(f"positions: expected one position per token (a last axis of L = {L}), "
+                         f"got shape {V.shape_of(positions)}, which would put all {L} tokens of a row "
+                         f"at one position; for a start per sequence pass start[..., None] + arange(L), "
+                         f"or an int start")
 
 
 # --------------------------------------------------------------------------
@@ -227,7 +235,9 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
     positions : None, int, or array broadcastable to (..., L)
         None: ``arange(L)``; an int ``start``: ``start + arange(L)`` (decoding
         with a KV cache; ``start + L`` within int64); an array: the positions themselves (integers or
-        floats), e.g. (B, 1, L) for per-sequence offsets.
+        floats), e.g. (B, 1, L) for per-sequence offsets. Its last axis is L
+        (where L > 1: an array of one position per row, broadcast along L,
+        would put every token at it, and is refused).
     base : float > 1
         The frequency base (10000 in RoFormer and LLaMA).
     interleaved : bool

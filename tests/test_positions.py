@@ -137,6 +137,27 @@ def test_rope_int_start_at_the_ends_of_int64(xp, to_xp, to_np):
             P.rope_forward(x, start)
 
 
+def test_rope_positions_broadcast_along_the_sequence_are_refused(xp, to_xp, to_np):
+    """A start per sequence given as an array of shape (B, 1, 1) (or a 0-d array) would put
+    every token of a row at that one position, where an int start counts up from it: refused by
+    name where L > 1; the per-token positions start[..., None] + arange(L) rotate as the
+    loop over pairs does, and with L = 1 one position per row is what it says."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 1, 3, 4))
+    starts = np.array([4, 9])
+    for x_in, positions in ((to_xp(x), to_xp(starts[:, None, None])), (to_xp(x), to_xp(np.array(4))),
+                            (x, np.float64(4.0))):  # NumPy's float scalar is a 0-d array to it
+        with pytest.raises(ValueError, match=r"^positions: expected one position per token \(a last "
+                                             r"axis of L = 3\), got shape \((2, 1, 1|)\)"):
+            P.rope_forward(x_in, positions)
+    per_token = starts[:, None, None] + np.arange(3)  # [2, 1, 3]
+    out, _ = P.rope_forward(to_xp(x), to_xp(per_token))
+    np.testing.assert_allclose(to_np(out), rope_reference(x, per_token), rtol=0, atol=1e-12)
+    one = rng.standard_normal((2, 1, 1, 4))
+    out, _ = P.rope_forward(to_xp(one), to_xp(starts[:, None, None]))
+    np.testing.assert_allclose(to_np(out), rope_reference(one, starts[:, None, None]), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_backward_is_the_rotation_by_minus_theta(xp, to_xp, to_np, interleaved):
     rng = np.random.default_rng(4)
