@@ -30,7 +30,10 @@ path hold BLAS to one thread while their tiles run on the pool, so npattn's
 attention calls (``npattn.attention``, ``npattn.blocked``, the module) take
 one process-wide lock (``exclusive``): two threads that run them at once run
 one after the other, each exactly as it would run alone, and the BLAS thread
-count is restored before the lock is released. The pool is created in the
+count is restored before the lock is released. A hold takes threadpoolctl's
+control of OpenBLAS's count (from 3.8 on, one thread at a time has it) from
+another thread that has it, inside a ``threadpool_limits`` of its own, say, and
+gives it back when it ends; meanwhile that thread's own changes are ignored. The pool is created in the
 process that uses it and dropped in a forked child
 (``os.register_at_fork``), so a child makes its own; a BLAS hold of a
 parent's thread that was inside npattn at the fork (and is not in the child)
@@ -856,18 +859,25 @@ def limit_blas_threads(n: Optional[int]) -> Any:
 
 @contextlib.contextmanager
 def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
-    limiter = ctl.limit(limits=n, user_api="blas")  # held from here
-    hold = (threading.get_ident(), limiter)
-    _blas_holds.append(hold)
+    # threadpoolctl (3.8 on) lets one Python thread at a time change OpenBLAS's count and
+    # silently ignores the others: a caller's thread inside its own threadpool_limits (or one
+    # that called it without a `with`) would turn this hold into nothing, and the tiles would
+    # run on that caller's BLAS threads. The hold takes that control and gives it back after.
+    owner = _take_openblas_control()
     try:
-        # entered and left as threadpoolctl's context manager: leaving restores the counts and
-        # gives up this thread's control of OpenBLAS's count (threadpoolctl lets one Python
-        # thread at a time change it; a thread that kept it would turn every other thread's
-        # hold into nothing)
-        with limiter:
-            yield
+        limiter = ctl.limit(limits=n, user_api="blas")  # held from here
+        hold = (threading.get_ident(), limiter)
+        _blas_holds.append(hold)
+        try:
+            # entered and left as threadpoolctl's context manager: leaving restores the counts
+            # and gives up this thread's control of OpenBLAS's count (a thread that kept it
+            # would turn every other thread's hold into nothing)
+            with limiter:
+                yield
+        finally:
+            _blas_holds.remove(hold)
     finally:
-        _blas_holds.remove(hold)
+        _give_openblas_control(owner)
 
 
 # --------------------------------------------------------------------------
@@ -883,12 +893,43 @@ _pool = None  # (pid, n, ThreadPoolExecutor) of this process, made on first use
 _blas_holds: list = []
 
 
+def _openblas_control() -> Any:
+    """threadpoolctl's record of which Python thread may change OpenBLAS's count, with its lock
+    (from 3.8 on; None before, or when threadpoolctl is not in use)."""
+    return getattr(getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None),
+                   "_SHARED_STATE", None)
+
+
 def _openblas_control_lock() -> Any:
     """threadpoolctl's lock over which Python thread may change OpenBLAS's count (from 3.8 on;
     None before, or when threadpoolctl is not in use)."""
-    state = getattr(getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None),
-                    "_SHARED_STATE", None)
-    return getattr(state, "lock", None)
+    return getattr(_openblas_control(), "lock", None)
+
+
+def _take_openblas_control() -> Any:
+    """Make this thread the one that threadpoolctl lets change OpenBLAS's count; returns the
+    live thread that had that control (to be given back), or None when none other had it."""
+    state = _openblas_control()
+    if state is None or getattr(state, "lock", None) is None:
+        return None
+    me = threading.current_thread()
+    with state.lock:
+        owner = getattr(state, "controlling_thread", None)
+        if owner is None or owner is me or not owner.is_alive():
+            return None
+        state.controlling_thread = me
+    return owner
+
+
+def _give_openblas_control(owner: Any) -> None:
+    """Give the control ``_take_openblas_control`` took back to ``owner``, if it still lives and
+    no other thread has taken the control since."""
+    state = _openblas_control()
+    if owner is None or state is None:
+        return
+    with state.lock:
+        if state.controlling_thread in (None, threading.current_thread()) and owner.is_alive():
+            state.controlling_thread = owner
 
 
 def _take_control_lock():

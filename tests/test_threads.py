@@ -565,6 +565,51 @@ def test_a_thread_that_held_blas_leaves_the_hold_to_others():
     assert _blas_threads() == before
 
 
+@needs_pool
+def test_a_pool_call_holds_blas_while_another_thread_is_inside_its_own_limit(monkeypatch):
+    """The caller's thread holds BLAS at 3 threads (``threadpool_limits``, which from
+    threadpoolctl 3.8 on makes it the one thread allowed to change OpenBLAS's count) and runs
+    npattn in a worker thread: the tiles still run with BLAS at one thread (a hold that did
+    nothing ran them on 3, whose last bits differ), the numbers are those of the call alone,
+    the caller's count is 3 again after it, and the caller's own limit restores the count
+    it found when it ends."""
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    before = _blas_threads()
+    paths = {path for path, _ in before}
+
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
+
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 256)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "2")
+    q, k, v, dout, kw = _inputs(7, 2, 2, 1, 9, 11, 4, 3, mask_kind="bool", causal=True)
+    rec = PoolRecorder(monkeypatch, probe_blas=True)
+    alone = _run("numpy", q, k, v, dout, kw)
+    assert rec.split("numpy") and rec.blas_in_tasks == {1}
+    rec.blas_in_tasks.clear()
+    got, errors = [], []
+
+    def worker():
+        try:
+            got.append(_run("numpy", q, k, v, dout, kw))
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    with threadpoolctl.threadpool_limits(limits=3, user_api="blas"):
+        assert counts() == {3}
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the worker did not finish"
+        assert counts() == {3}, "the caller's count was not given back"
+    assert not errors, "\n".join(errors)
+    assert rec.blas_in_tasks == {1}, "tiles ran on the caller's BLAS threads"
+    for i, (a, b) in enumerate(zip(got[0], alone)):
+        np.testing.assert_array_equal(a, b, err_msg=f"output/gradient #{i}")
+    assert _blas_threads() == before
+
+
 def test_a_hold_sets_the_count_it_is_given_and_restores_the_one_before():
     """limit_blas_threads(n) holds BLAS at n threads, not at one whatever n: inside a hold of
     one, a hold of two gives two threads back, and each hold restores on leaving the count it
