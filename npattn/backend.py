@@ -1022,7 +1022,9 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], threads: int) -> None:
 
     With ``threads <= 1`` or one task they run in order, BLAS still held to
     one thread, so the numbers are the same for every thread count. Each task
-    must write only its own output slices. Call inside ``exclusive()``.
+    must write only its own output slices. Call inside ``exclusive()``. A task's
+    exception is raised once every task has run; an interrupt of the waiting
+    thread once the running tasks have ended, the others never started.
     """
     global _pool
     with limit_blas_threads(1):
@@ -1035,7 +1037,16 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], threads: int) -> None:
             if _pool is not None and _pool[0] == pid:
                 _pool[2].shutdown(wait=False)
             _pool = (pid, threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="npattn"))
-        futures = [_pool[2].submit(fn, *t) for t in tasks]
-        wait(futures)  # every one, even when one fails, before BLAS threads come back
+        futures: list = []
+        try:
+            for t in tasks:
+                futures.append(_pool[2].submit(fn, *t))
+            wait(futures)  # every one, even when one fails, before BLAS threads come back
+        except BaseException:  # an interrupt in this thread: the tiles not started never
+            # start, and the running ones end before BLAS, the lock and the pool are released
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
     for f in futures:
         f.result()  # raises a tile's exception

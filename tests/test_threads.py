@@ -827,6 +827,51 @@ def test_run_tasks_runs_each_task_once_on_as_many_threads_as_asked():
         assert not t.is_alive(), "a pool of an earlier thread count was left running"
 
 
+@needs_pool
+def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
+    """Ctrl-C reaches the thread that waits for the pool (``wait`` raises KeyboardInterrupt):
+    run_tasks raises it only once the running tasks have ended, and the tasks not started
+    never start. Tasks left on the pool ran after the call had released BLAS and the lock,
+    on the caller's BLAS threads, and kept the interpreter from exiting until all of them
+    had run. Then the pool runs the next call's tasks."""
+    from npattn import backend
+
+    before = _blas_threads()
+    real_wait = backend.wait
+    calls = []
+
+    def interrupted(futures, *a, **kw):
+        calls.append(len(futures))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(futures, *a, **kw)
+
+    monkeypatch.setattr(backend, "wait", interrupted)
+    lock = threading.Lock()
+    started, ended = [], []
+
+    def task(i):
+        with lock:
+            started.append(i)
+        time.sleep(0.05)
+        with lock:
+            ended.append(i)
+
+    with pytest.raises(KeyboardInterrupt):
+        backend.run_tasks(task, [(i,) for i in range(8)], 2)
+    with lock:
+        at_return = (sorted(started), sorted(ended))
+    assert at_return[0] == at_return[1], f"tasks still running after the call: {at_return}"
+    assert len(at_return[0]) < 8, "every task ran before the interrupt came back"
+    time.sleep(0.3)
+    with lock:
+        assert sorted(started) == at_return[0], f"tasks started after the call: {started}"
+    assert _blas_threads() == before
+    seen = []
+    backend.run_tasks(lambda i: seen.append(i), [(i,) for i in range(3)], 2)
+    assert sorted(seen) == [0, 1, 2]
+
+
 def test_run_tasks_on_one_thread_runs_them_in_order_on_the_calling_thread():
     """With one thread no pool is involved: the tasks run in the order given, on the thread
     that calls run_tasks."""
