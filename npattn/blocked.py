@@ -557,7 +557,7 @@ def _forward(q, k, v, *, mask, is_causal, scale, dropout_p, dropout_mask, rng, g
         def task(index):
             out[index], m[index], l[index] = _forward_loops(xp, _slice_cache(c, index))
 
-        run_tasks(task, split, len(split))
+        run_tasks(task, split, pool_threads())  # fewer slices than threads: the same pool, not a new one
 
     cache = c._replace(out=out, m=m, l=l)
     # the caller's layout, as a copy: the cache's out must not change if the caller writes into it
@@ -659,7 +659,7 @@ def _backward(dout, cache: BlockedSDPACache, dlse=None):
             dq[index], dk[index], dv[index], _ = _backward_loops(dout[index], delta[index],
                                                                  _slice_cache(c, index))
 
-        run_tasks(task, split, len(split))
+        run_tasks(task, split, pool_threads())  # fewer slices than threads: the same pool, not a new one
         dmask = None  # split only without a floating mask
     dsinks = None
     if c.options.sinks is not None:

@@ -872,6 +872,36 @@ def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
     assert sorted(seen) == [0, 1, 2]
 
 
+@needs_pool
+def test_the_kernel_and_the_blocked_path_share_one_pool(monkeypatch):
+    """The blocked path hands the pool fewer slices than it has threads (3 pool threads, a
+    leading axis of 2): it runs them on the pool that the kernel uses, rather than making a
+    pool of 2 threads and, at the kernel's next call, one of 3 again (a pool made anew at
+    each call, its threads started and stopped every time)."""
+    from npattn import backend
+
+    monkeypatch.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+    monkeypatch.setattr(numpy_kernel, "TILE_ELEMS", 256)
+    monkeypatch.setenv("NPATTN_NUM_THREADS", "3")
+    q, k, v, dout, kw = _inputs(3, 1, 2, 1, 24, 20, 4, 4)  # (1, 2, L, D): two blocked slices
+    rec = PoolRecorder(monkeypatch)
+    _run("numpy", q, k, v, dout, kw)  # the pool of 3, made now if it was not
+    made = []
+    real = backend.ThreadPoolExecutor
+
+    class Counted(real):
+        def __init__(self, *a, **kw):
+            made.append(kw.get("max_workers"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(backend, "ThreadPoolExecutor", Counted)
+    for _ in range(2):
+        _run("blocked", q, k, v, dout, kw)
+        _run("numpy", q, k, v, dout, kw)
+    assert rec.split("numpy") and rec.split("blocked"), rec.where
+    assert made == [], f"pools made anew: {made}"
+
+
 def test_run_tasks_on_one_thread_runs_them_in_order_on_the_calling_thread():
     """With one thread no pool is involved: the tasks run in the order given, on the thread
     that calls run_tasks."""
