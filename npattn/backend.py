@@ -864,7 +864,10 @@ def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
     # that called it without a `with`) would turn this hold into nothing, and the tiles would
     # run on that caller's BLAS threads. The hold takes that control and gives it back after.
     owner = _take_openblas_control()
+    before = None
     try:
+        # the counts to put back should an interrupt keep threadpoolctl from restoring them
+        before = [lib.num_threads for lib in ctl.lib_controllers]
         limiter = ctl.limit(limits=n, user_api="blas")  # held from here
         hold = (threading.get_ident(), limiter)
         _blas_holds.append(hold)
@@ -877,7 +880,28 @@ def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
         finally:
             _blas_holds.remove(hold)
     finally:
+        if before is not None:
+            _put_back_counts(ctl, before)
         _give_openblas_control(owner)
+
+
+def _put_back_counts(ctl: Any, before: list) -> None:
+    """The counts ``before`` (one per library of ``ctl``) set again where they differ now.
+
+    An interrupt (Ctrl-C) that lands inside threadpoolctl, after it has set a count and
+    before it returns the limiter, or inside the limiter's restore, would otherwise leave
+    BLAS held at one thread for the rest of the process."""
+    changed = False
+    for lib, n in zip(ctl.lib_controllers, before):
+        if lib.num_threads != n:
+            lib.set_num_threads(n)
+            changed = True
+    if changed and not any(h[0] == threading.get_ident() for h in _blas_holds):
+        # setting the count made this thread threadpoolctl's controller: give it up
+        openblas = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
+        clear = getattr(openblas, "clear_controlling_thread", None)
+        if clear is not None:
+            clear()
 
 
 # --------------------------------------------------------------------------

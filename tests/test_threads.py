@@ -610,6 +610,48 @@ def test_a_pool_call_holds_blas_while_another_thread_is_inside_its_own_limit(mon
     assert _blas_threads() == before
 
 
+@pytest.mark.parametrize("where", ["setting", "restoring"])
+def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypatch):
+    """Ctrl-C lands inside threadpoolctl while a hold sets BLAS to one thread (once the count is
+    set, before the limiter comes back) or while it restores it (before the count is set back):
+    the KeyboardInterrupt comes out, and BLAS's count is the one before the call, not one
+    thread for the rest of the process; the next hold holds and restores as before."""
+    from npattn import backend
+
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    before = _blas_threads()
+    if all(n == 1 for _, n in before):
+        pytest.skip("BLAS runs on one thread here: a count left at one is not told apart")
+    ctl = backend.blas_controller()
+    real_limit = ctl.limit
+
+    def interrupted_limit(*a, **kw):
+        limiter = real_limit(*a, **kw)  # the count is one thread from here
+        if where == "setting":
+            raise KeyboardInterrupt
+
+        def restore():  # interrupted before it sets anything back
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(limiter, "restore_original_limits", restore)
+        return limiter
+
+    monkeypatch.setattr(ctl, "limit", interrupted_limit)
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        backend.run_tasks(lambda i: ran.append(i), [(0,), (1,)], 2)
+    assert sorted(ran) == ([] if where == "setting" else [0, 1])  # the tasks run inside the hold
+    assert _blas_threads() == before
+    monkeypatch.setattr(ctl, "limit", real_limit)
+    ownership = getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None)  # (3.8 on)
+    if where == "restoring" and ownership is not None:  # the interrupted exit skipped its count
+        ownership.decrement()  # of this thread's limits: put it right for the tests after this
+    paths = {path for path, _ in before}
+    with backend.limit_blas_threads(1):
+        assert {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths} == {1}
+    assert _blas_threads() == before
+
+
 def test_a_hold_sets_the_count_it_is_given_and_restores_the_one_before():
     """limit_blas_threads(n) holds BLAS at n threads, not at one whatever n: inside a hold of
     one, a hold of two gives two threads back, and each hold restores on leaving the count it
