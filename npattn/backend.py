@@ -33,8 +33,8 @@ one after the other, each exactly as it would run alone, and the BLAS thread
 count is restored before the lock is released. A hold takes threadpoolctl's
 control of OpenBLAS's count (from 3.8 on, one thread at a time has it) from
 another thread that has it, inside a ``threadpool_limits`` of its own, say, and
-gives it back when it ends; meanwhile that thread's own changes are ignored. The pool is created in the
-process that uses it and dropped in a forked child
+gives it back when it ends; meanwhile that thread's own changes are ignored.
+The pool is created in the process that uses it and dropped in a forked child
 (``os.register_at_fork``), so a child makes its own; a BLAS hold of a
 parent's thread that was inside npattn at the fork (and is not in the child)
 is undone there (unless the forking thread is itself inside a hold: its hold
