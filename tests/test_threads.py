@@ -567,12 +567,12 @@ def test_a_thread_that_held_blas_leaves_the_hold_to_others():
 
 @needs_pool
 def test_a_pool_call_holds_blas_while_another_thread_is_inside_its_own_limit(monkeypatch):
-    """The caller's thread holds BLAS at 3 threads (``threadpool_limits``, which from
+    """The caller's thread holds BLAS at n threads (``threadpool_limits``, which from
     threadpoolctl 3.8 on makes it the one thread allowed to change OpenBLAS's count) and runs
     npattn in a worker thread: the tiles still run with BLAS at one thread (a hold that did
-    nothing ran them on 3, whose last bits differ), the numbers are those of the call alone,
-    the caller's count is 3 again after it, and the caller's own limit restores the count
-    it found when it ends."""
+    nothing ran them on n, whose last bits can differ), the numbers are those of the call
+    alone, the caller's count is n again after it, and the caller's own limit restores the
+    count it found when it ends."""
     threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
     before = _blas_threads()
     paths = {path for path, _ in before}
@@ -596,13 +596,15 @@ def test_a_pool_call_holds_blas_while_another_thread_is_inside_its_own_limit(mon
         except BaseException:
             errors.append(traceback.format_exc())
 
-    with threadpoolctl.threadpool_limits(limits=3, user_api="blas"):
-        assert counts() == {3}
+    n = max(n for _, n in before) + 1  # a count npattn does not hold at, nor BLAS has at start
+    with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
+        if counts() != {n}:
+            pytest.skip(f"BLAS does not take {n} threads here")
         t = threading.Thread(target=worker)
         t.start()
         t.join(60)
         assert not t.is_alive(), "the worker did not finish"
-        assert counts() == {3}, "the caller's count was not given back"
+        assert counts() == {n}, "the caller's count was not given back"
     assert not errors, "\n".join(errors)
     assert rec.blas_in_tasks == {1}, "tiles ran on the caller's BLAS threads"
     for i, (a, b) in enumerate(zip(got[0], alone)):
@@ -895,7 +897,7 @@ def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
     def task(i):
         with lock:
             started.append(i)
-        time.sleep(0.05)
+        time.sleep(0.2)
         with lock:
             ended.append(i)
 
