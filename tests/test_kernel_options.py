@@ -11,6 +11,9 @@ blocked implementation:
   differences of the loss ``<out, dout> + <lse, dlse>`` along a random
   direction, in float64, with random upstream gradients;
 * blocked against the reference to 1e-12.
+
+``joint_cases`` draws the options together with GQA, masks, dropout and a scale, and
+checks every implementation against the oracle and the reference.
 """
 
 import math
@@ -26,6 +29,7 @@ from npattn import attention as A
 from npattn import functional as F
 from npattn import masks, numpy_kernel
 
+from _attention_cases import MASK_FORMS, assert_close, make_inputs
 from _attention_cases import OPTION_CASES as CASES
 from _attention_cases import make_option_case as make_case
 
@@ -233,6 +237,108 @@ def test_blocked_equals_reference_property(Lq, Lk, left, right, align, softcap, 
         assert (g_r is None) == (g_b is None)
         if g_r is not None:
             np.testing.assert_allclose(g_b, g_r, rtol=1e-12, atol=1e-12)
+
+
+@st.composite
+def joint_cases(draw):
+    """Every option of the dispatcher drawn together, where the fixed cases take a few at a
+    time: GQA, masks of every form with an empty row, dropout from a seed, a keep-mask or a
+    keep-mask at p = 0, a scale, and the kernel options, on shapes with Lq > Lk and Lq < Lk.
+    Now and then one of Lq, Lk, Dh, Dv is 1 (``one``; None, the first, is what the
+    derandomized profile draws most), and sinks as large as 1e4 either way."""
+    Lq, Lk = draw(st.integers(2, 7)), draw(st.integers(2, 6))
+    return dict(
+        seed=draw(st.integers(0, 2**16)), B=draw(st.integers(1, 2)), Hkv=draw(st.integers(1, 2)),
+        G=draw(st.integers(1, 3)), Lq=Lq, Lk=Lk + (Lk >= Lq),  # 2 to 7, not Lq
+        Dh=draw(st.integers(2, 4)), Dv=draw(st.integers(2, 4)),
+        one=draw(st.sampled_from([None, "Lq", "Lk", "Dh", "Dv"])),
+        mask=draw(st.sampled_from(["none", "bool", "float"])),
+        mask_form=draw(st.sampled_from(sorted(MASK_FORMS))),
+        causal=draw(st.booleans()), align=draw(st.sampled_from(["top_left", "bottom_right"])),
+        window=draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 3)),
+                                                   st.one_of(st.none(), st.integers(0, 3))))),
+        softcap=draw(st.one_of(st.none(), st.floats(0.5, 5.0))),
+        alibi=draw(st.sampled_from([None, "H", "BH"])),
+        sinks=draw(st.sampled_from([None, "drawn", "head 0 none", "+1e4", "-1e4"])),
+        segments=draw(st.booleans()),
+        dropout=draw(st.sampled_from(["none", "seed", "mask", "mask at p = 0"])),
+        scale=draw(st.one_of(st.none(), st.floats(0.25, 2.0))),
+        blocks=(draw(st.sampled_from([None, 1, 2, 3, 8])), draw(st.sampled_from([None, 1, 2, 3, 8]))),
+        dlse_empty=draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan])),
+    )
+
+
+def joint_inputs(c):
+    """Host q, k, v, dout, dlse and the keyword arguments of case ``c`` (``joint_cases``)."""
+    dims = {n: c[n] for n in ("B", "Hkv", "G", "Lq", "Lk", "Dh", "Dv")}
+    if c["one"] is not None:
+        dims[c["one"]] = 1
+    B, Hq, Lq, Lk = dims["B"], dims["Hkv"] * dims["G"], dims["Lq"], dims["Lk"]
+    dropout = "mask" if c["dropout"] == "mask at p = 0" else c["dropout"]
+    q, k, v, dout, kw = make_inputs(c["seed"], *dims.values(), mask_kind=c["mask"],
+                                    mask_form=c["mask_form"], dropout=dropout, causal=c["causal"])
+    if c["dropout"] == "mask at p = 0":  # a keep-mask applies at p = 0 too, with scale 1
+        del kw["dropout_p"]
+    r = np.random.default_rng(c["seed"] + 1)
+    dlse = r.standard_normal((B, Hq, Lq))
+    kw.update(align=c["align"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
+    if c["alibi"]:
+        kw["alibi_slopes"] = r.random(Hq if c["alibi"] == "H" else (B, Hq))
+    if c["sinks"] is not None:
+        kw["sinks"] = {"drawn": r.standard_normal(Hq), "+1e4": np.full(Hq, 1e4),
+                       "-1e4": np.full(Hq, -1e4),
+                       "head 0 none": np.concatenate([[-np.inf], r.standard_normal(Hq - 1)])}[c["sinks"]]
+    if c["segments"]:
+        kw["q_segments"], kw["k_segments"] = r.integers(0, 2, (B, Lq)), r.integers(0, 2, (B, Lk))
+    return q, k, v, dout, dlse, kw
+
+
+@given(case=joint_cases())
+def test_every_impl_equals_the_oracle_and_the_reference_with_options_drawn_together(case):
+    """The reference's out and lse against the oracle; then the dense, auto, blocked (drawn
+    blocks, and blocks of 1) and, where the call holds no option beyond a window, the NumPy
+    kernel's (1 and 2 threads, tiles of 16 scores): out, lse, every gradient and the weights
+    to 1e-12 of their scale, the same keep-mask, and finite gradients whatever dlse holds on
+    the rows with nothing to attend (inf and NaN there do not count)."""
+    q, k, v, dout, dlse, kw = joint_inputs(case)
+    out, cache = A.sdpa_forward(q, k, v, impl="reference", **kw)
+    keep = A.dropout_keep_mask(cache)
+    drawn = {n: a for n, a in kw.items() if n != "rng"}  # the oracle takes the keep-mask drawn
+    want, want_lse = oracle(q, k, v, **dict(drawn, dropout_mask=keep))
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(cache.lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(cache.lse[fin], want_lse[fin], rtol=1e-12, atol=1e-12)
+    dlse = np.where(fin, dlse, case["dlse_empty"])
+    grads = A.sdpa_backward(dout, cache, dlse=dlse)
+    for g in grads:
+        assert g is None or np.all(np.isfinite(g))
+    bq, bk = case["blocks"]
+    variants = [("dense", {}, None), ("auto", {}, None), ("blocked", dict(block_q=bq, block_k=bk), "2"),
+                ("blocked", dict(block_q=1, block_k=1), "1")]
+    if not any(kw.get(n) is not None for n in ("softcap", "alibi_slopes", "sinks", "q_segments")):
+        variants += [("numpy", {}, "1"), ("numpy", {}, "2")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(numpy_kernel, "TILE_ELEMS", 16)
+        mp.setattr(numpy_kernel, "POOL_MIN_SCORES", 0)
+        for impl, extra, threads in variants:
+            what = f"{impl} {extra} {threads} threads"
+            if threads is not None:
+                mp.setenv("NPATTN_NUM_THREADS", threads)
+            got, c = A.sdpa_forward(q, k, v, impl=impl, **extra, **kw)
+            got_grads = A.sdpa_backward(dout, c, dlse=dlse)
+            mp.delenv("NPATTN_NUM_THREADS", raising=False)
+            assert_close(got, out, np.asarray, f"{what}: out")
+            np.testing.assert_array_equal(np.isneginf(c.lse), np.isneginf(cache.lse), err_msg=what)
+            np.testing.assert_allclose(c.lse[fin], cache.lse[fin], rtol=1e-12, atol=1e-12, err_msg=what)
+            for name, g, g_ref in zip(F.SDPAGrads._fields, got_grads, grads):
+                assert_close(g, g_ref, np.asarray, f"{what}: {name}")
+            got_keep = A.dropout_keep_mask(c)
+            assert (got_keep is None) == (keep is None), what
+            if keep is not None:
+                np.testing.assert_array_equal(np.broadcast_to(got_keep, keep.shape), keep, err_msg=what)
+            if impl != "blocked":
+                assert_close(A.weights(c), A.weights(cache), np.asarray, f"{what}: weights")
 
 
 # --------------------------------------------------------------------------
