@@ -13,7 +13,8 @@ blocked implementation:
 * blocked against the reference to 1e-12.
 
 ``joint_cases`` draws the options together with GQA, masks, dropout and a scale, and
-checks every implementation against the oracle and the reference.
+checks every implementation against the oracle and the reference, and, in half
+precision, against its own float32 run rounded once.
 """
 
 import math
@@ -28,10 +29,12 @@ import npattn
 from npattn import attention as A
 from npattn import functional as F
 from npattn import masks, numpy_kernel
+from npattn.backend import from_numpy, to_numpy
 
 from _attention_cases import MASK_FORMS, assert_close, make_inputs
 from _attention_cases import OPTION_CASES as CASES
 from _attention_cases import make_option_case as make_case
+from conftest import backend_or_skip
 
 # --------------------------------------------------------------------------
 # the oracle: the documented semantics, written out on NumPy float64
@@ -339,6 +342,59 @@ def test_every_impl_equals_the_oracle_and_the_reference_with_options_drawn_toget
                 np.testing.assert_array_equal(np.broadcast_to(got_keep, keep.shape), keep, err_msg=what)
             if impl != "blocked":
                 assert_close(A.weights(c), A.weights(cache), np.asarray, f"{what}: weights")
+
+
+HALVES = [("numpy", "float16"), ("torch", "float16"), ("torch", "bfloat16")]
+
+
+@pytest.mark.parametrize("backend_name,dtype_name", HALVES, ids=[f"{b}-{d}" for b, d in HALVES])
+@given(case=joint_cases())
+def test_half_precision_with_options_drawn_together_is_float32_rounded_once(backend_name, dtype_name,
+                                                                            case):
+    """Half-precision inputs with the options of ``joint_cases``: each implementation's out
+    and gradients are, bit for bit, its own float32 run on the upcast inputs rounded once
+    (docs/dtypes.md), its lse that run's float32 lse, and its keep-mask the reference's."""
+    xp = backend_or_skip(backend_name)
+    half = getattr(xp, dtype_name)
+    q, k, v, dout, dlse, kw = joint_inputs(case)
+    floating = ("q", "k", "v", "dout", "mask", "sinks")
+
+    def on(a, name):  # float64 host -> the backend, rounded to half where it is an input
+        a = from_numpy(a, xp)
+        return xp.astype(a, half) if name in floating and a.dtype == xp.float64 else a
+
+    args = {n: on(a, n) for n, a in dict(kw, q=q, k=k, v=v, dout=dout).items()
+            if isinstance(a, np.ndarray)}
+    up = {n: xp.astype(a, xp.float32) if a.dtype == half else a for n, a in args.items()}
+    dlse = from_numpy(dlse.astype(np.float32), xp)
+    bq, bk = case["blocks"]
+    impls = [("reference", {}), ("blocked", dict(block_q=bq, block_k=bk))]
+    if backend_name == "numpy" and not any(n in args for n in ("alibi_slopes", "sinks", "q_segments")) \
+            and kw["softcap"] is None:
+        impls.append(("numpy", {}))
+    keeps = []
+    for impl, extra in impls:
+        runs = []
+        for arrays in (args, up):
+            call = dict(kw, **{n: a for n, a in arrays.items() if n in kw})
+            out, c = A.sdpa_forward(arrays["q"], arrays["k"], arrays["v"], impl=impl, **extra, **call)
+            runs.append((out, c.lse, *A.sdpa_backward(arrays["dout"], c, dlse=dlse)))
+            keeps.append(A.dropout_keep_mask(c))
+        for name, a, a32 in zip(("out", "lse") + F.SDPAGrads._fields, *runs):
+            if a32 is None:
+                assert a is None, f"{impl}: {name}"
+                continue
+            want = a32 if name == "lse" else xp.astype(a32, half)
+            assert a.dtype == want.dtype, f"{impl}: {name}"
+            # via float32, exact for halves: NumPy holds no bfloat16
+            np.testing.assert_array_equal(to_numpy(xp.astype(a, xp.float32)),
+                                          to_numpy(xp.astype(want, xp.float32)),
+                                          err_msg=f"{impl}: {name} is not float32 rounded once")
+    for keep in keeps[1:]:
+        assert (keep is None) == (keeps[0] is None)
+        if keep is not None:
+            first = to_numpy(keeps[0])
+            np.testing.assert_array_equal(np.broadcast_to(to_numpy(keep), first.shape), first)
 
 
 # --------------------------------------------------------------------------
