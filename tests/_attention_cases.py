@@ -1,9 +1,11 @@
 """Attention cases shared by the tests of every implementation (test_attention, test_dask):
-host inputs with masks, GQA and dropout, and a closeness check scaled to each tensor."""
+host inputs with masks, GQA and dropout, the kernel options alone (``make_option_case``)
+or drawn together (``joint_cases``), and a closeness check scaled to each tensor."""
 
 import math
 
 import numpy as np
+from hypothesis import strategies as st
 
 P_DROP = 0.3
 # mask shapes, relative to the scores (B, Hq, Lq, Lk); each broadcasts to them
@@ -136,4 +138,58 @@ def make_option_case(name, Lq, Lk, seed=0):
     }[name]
     if "mask" in kw:
         kw["mask"][0, :, 1, :] = -np.inf  # query row 1 of batch 0 attends nothing
+    return q, k, v, dout, dlse, kw
+
+
+@st.composite
+def joint_cases(draw):
+    """Every option of the dispatcher drawn together, where the fixed cases take a few at a
+    time: GQA, masks of every form with an empty row, dropout from a seed, a keep-mask or a
+    keep-mask at p = 0, a scale, and the kernel options, on shapes with Lq > Lk and Lq < Lk.
+    Now and then one of Lq, Lk, Dh, Dv is 1 (``one``; None, the first, is what the
+    derandomized profile draws most), and sinks as large as 1e4 either way."""
+    Lq, Lk = draw(st.integers(2, 7)), draw(st.integers(2, 6))
+    return dict(
+        seed=draw(st.integers(0, 2**16)), B=draw(st.integers(1, 2)), Hkv=draw(st.integers(1, 2)),
+        G=draw(st.integers(1, 3)), Lq=Lq, Lk=Lk + (Lk >= Lq),  # 2 to 7, not Lq
+        Dh=draw(st.integers(2, 4)), Dv=draw(st.integers(2, 4)),
+        one=draw(st.sampled_from([None, "Lq", "Lk", "Dh", "Dv"])),
+        mask=draw(st.sampled_from(["none", "bool", "float"])),
+        mask_form=draw(st.sampled_from(sorted(MASK_FORMS))),
+        causal=draw(st.booleans()), align=draw(st.sampled_from(["top_left", "bottom_right"])),
+        window=draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 3)),
+                                                   st.one_of(st.none(), st.integers(0, 3))))),
+        softcap=draw(st.one_of(st.none(), st.floats(0.5, 5.0))),
+        alibi=draw(st.sampled_from([None, "H", "BH"])),
+        sinks=draw(st.sampled_from([None, "drawn", "head 0 none", "+1e4", "-1e4"])),
+        segments=draw(st.booleans()),
+        dropout=draw(st.sampled_from(["none", "seed", "mask", "mask at p = 0"])),
+        scale=draw(st.one_of(st.none(), st.floats(0.25, 2.0))),
+        blocks=(draw(st.sampled_from([None, 1, 2, 3, 8])), draw(st.sampled_from([None, 1, 2, 3, 8]))),
+        dlse_empty=draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan])),
+    )
+
+
+def joint_inputs(c):
+    """Host q, k, v, dout, dlse and the keyword arguments of case ``c`` (``joint_cases``)."""
+    dims = {n: c[n] for n in ("B", "Hkv", "G", "Lq", "Lk", "Dh", "Dv")}
+    if c["one"] is not None:
+        dims[c["one"]] = 1
+    B, Hq, Lq, Lk = dims["B"], dims["Hkv"] * dims["G"], dims["Lq"], dims["Lk"]
+    dropout = "mask" if c["dropout"] == "mask at p = 0" else c["dropout"]
+    q, k, v, dout, kw = make_inputs(c["seed"], *dims.values(), mask_kind=c["mask"],
+                                    mask_form=c["mask_form"], dropout=dropout, causal=c["causal"])
+    if c["dropout"] == "mask at p = 0":  # a keep-mask applies at p = 0 too, with scale 1
+        del kw["dropout_p"]
+    r = np.random.default_rng(c["seed"] + 1)
+    dlse = r.standard_normal((B, Hq, Lq))
+    kw.update(align=c["align"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
+    if c["alibi"]:
+        kw["alibi_slopes"] = r.random(Hq if c["alibi"] == "H" else (B, Hq))
+    if c["sinks"] is not None:
+        kw["sinks"] = {"drawn": r.standard_normal(Hq), "+1e4": np.full(Hq, 1e4),
+                       "-1e4": np.full(Hq, -1e4),
+                       "head 0 none": np.concatenate([[-np.inf], r.standard_normal(Hq - 1)])}[c["sinks"]]
+    if c["segments"]:
+        kw["q_segments"], kw["k_segments"] = r.integers(0, 2, (B, Lq)), r.integers(0, 2, (B, Lk))
     return q, k, v, dout, dlse, kw

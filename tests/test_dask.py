@@ -28,8 +28,8 @@ from npattn import functional as F  # noqa: E402
 from npattn.backend import backend_name, resolve_backend, to_numpy  # noqa: E402
 from npattn.gradcheck import gradcheck  # noqa: E402
 
-from _attention_cases import (MASK_FORMS, OPTION_CASES, assert_close, make_inputs,  # noqa: E402
-                              make_option_case, one_kv_head_case)
+from _attention_cases import (MASK_FORMS, OPTION_CASES, assert_close, joint_cases,  # noqa: E402
+                              joint_inputs, make_inputs, make_option_case, one_kv_head_case)
 
 # (batch, query heads, query rows, keys) chunk lengths; K/V heads are chunked as the
 # query heads divided by G. Lengths 7 and 9: chunks of 2, 3, 4 leave short last chunks.
@@ -285,6 +285,22 @@ def test_kernel_options_on_chunks_for_drawn_cases(case):
         kw.update(dropout_p=0.3, dropout_mask=r.random((B, Hq, Lq, Lk)) >= 0.3)
     ref, got = run_options(q, k, v, dout, dlse, kw, c["sizes"])
     assert_same_options(ref, got, str(case))
+
+
+@given(case=joint_cases(), sizes=st.tuples(*(st.integers(1, 3) for _ in range(4))))
+def test_options_drawn_together_on_chunks(case, sizes):
+    """The draws of ``joint_cases`` (every option at once, sinks of +-1e4, a keep-mask at
+    p = 0, a scale, an axis of 1 now and then) on chunks of 1 to 3 along (batch, query
+    heads, query rows, keys): the chunked path equals NumPy's reference to 1e-12, with the
+    same keep-mask; inf or NaN in dlse on the rows with nothing to attend changes nothing."""
+    q, k, v, dout, dlse, kw = joint_inputs(case)
+    G = q.shape[1] // k.shape[1]
+    lse = A.sdpa_forward(q, k, v, impl="reference", **kw)[1].lse
+    dlse = np.where(np.isneginf(lse), case["dlse_empty"], dlse)
+    ref, got = run_options(q, k, v, dout, dlse, kw, (sizes[0], G * sizes[1], *sizes[2:]))
+    assert_same_options(ref, got, f"{case} chunks={sizes}")
+    for g in ref[2]:
+        assert g is None or np.all(np.isfinite(g))
 
 
 @st.composite

@@ -12,9 +12,9 @@ blocked implementation:
   direction, in float64, with random upstream gradients;
 * blocked against the reference to 1e-12.
 
-``joint_cases`` draws the options together with GQA, masks, dropout and a scale, and
-checks every implementation against the oracle and the reference, and, in half
-precision, against its own float32 run rounded once.
+``_attention_cases.joint_cases`` draws the options together with GQA, masks, dropout
+and a scale, and checks every implementation against the oracle and the reference,
+and, in half precision, against its own float32 run rounded once.
 """
 
 import math
@@ -31,7 +31,7 @@ from npattn import functional as F
 from npattn import masks, numpy_kernel
 from npattn.backend import from_numpy, to_numpy
 
-from _attention_cases import MASK_FORMS, assert_close, make_inputs
+from _attention_cases import assert_close, joint_cases, joint_inputs
 from _attention_cases import OPTION_CASES as CASES
 from _attention_cases import make_option_case as make_case
 from conftest import backend_or_skip
@@ -240,60 +240,6 @@ def test_blocked_equals_reference_property(Lq, Lk, left, right, align, softcap, 
         assert (g_r is None) == (g_b is None)
         if g_r is not None:
             np.testing.assert_allclose(g_b, g_r, rtol=1e-12, atol=1e-12)
-
-
-@st.composite
-def joint_cases(draw):
-    """Every option of the dispatcher drawn together, where the fixed cases take a few at a
-    time: GQA, masks of every form with an empty row, dropout from a seed, a keep-mask or a
-    keep-mask at p = 0, a scale, and the kernel options, on shapes with Lq > Lk and Lq < Lk.
-    Now and then one of Lq, Lk, Dh, Dv is 1 (``one``; None, the first, is what the
-    derandomized profile draws most), and sinks as large as 1e4 either way."""
-    Lq, Lk = draw(st.integers(2, 7)), draw(st.integers(2, 6))
-    return dict(
-        seed=draw(st.integers(0, 2**16)), B=draw(st.integers(1, 2)), Hkv=draw(st.integers(1, 2)),
-        G=draw(st.integers(1, 3)), Lq=Lq, Lk=Lk + (Lk >= Lq),  # 2 to 7, not Lq
-        Dh=draw(st.integers(2, 4)), Dv=draw(st.integers(2, 4)),
-        one=draw(st.sampled_from([None, "Lq", "Lk", "Dh", "Dv"])),
-        mask=draw(st.sampled_from(["none", "bool", "float"])),
-        mask_form=draw(st.sampled_from(sorted(MASK_FORMS))),
-        causal=draw(st.booleans()), align=draw(st.sampled_from(["top_left", "bottom_right"])),
-        window=draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 3)),
-                                                   st.one_of(st.none(), st.integers(0, 3))))),
-        softcap=draw(st.one_of(st.none(), st.floats(0.5, 5.0))),
-        alibi=draw(st.sampled_from([None, "H", "BH"])),
-        sinks=draw(st.sampled_from([None, "drawn", "head 0 none", "+1e4", "-1e4"])),
-        segments=draw(st.booleans()),
-        dropout=draw(st.sampled_from(["none", "seed", "mask", "mask at p = 0"])),
-        scale=draw(st.one_of(st.none(), st.floats(0.25, 2.0))),
-        blocks=(draw(st.sampled_from([None, 1, 2, 3, 8])), draw(st.sampled_from([None, 1, 2, 3, 8]))),
-        dlse_empty=draw(st.sampled_from([0.0, math.inf, -math.inf, math.nan])),
-    )
-
-
-def joint_inputs(c):
-    """Host q, k, v, dout, dlse and the keyword arguments of case ``c`` (``joint_cases``)."""
-    dims = {n: c[n] for n in ("B", "Hkv", "G", "Lq", "Lk", "Dh", "Dv")}
-    if c["one"] is not None:
-        dims[c["one"]] = 1
-    B, Hq, Lq, Lk = dims["B"], dims["Hkv"] * dims["G"], dims["Lq"], dims["Lk"]
-    dropout = "mask" if c["dropout"] == "mask at p = 0" else c["dropout"]
-    q, k, v, dout, kw = make_inputs(c["seed"], *dims.values(), mask_kind=c["mask"],
-                                    mask_form=c["mask_form"], dropout=dropout, causal=c["causal"])
-    if c["dropout"] == "mask at p = 0":  # a keep-mask applies at p = 0 too, with scale 1
-        del kw["dropout_p"]
-    r = np.random.default_rng(c["seed"] + 1)
-    dlse = r.standard_normal((B, Hq, Lq))
-    kw.update(align=c["align"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
-    if c["alibi"]:
-        kw["alibi_slopes"] = r.random(Hq if c["alibi"] == "H" else (B, Hq))
-    if c["sinks"] is not None:
-        kw["sinks"] = {"drawn": r.standard_normal(Hq), "+1e4": np.full(Hq, 1e4),
-                       "-1e4": np.full(Hq, -1e4),
-                       "head 0 none": np.concatenate([[-np.inf], r.standard_normal(Hq - 1)])}[c["sinks"]]
-    if c["segments"]:
-        kw["q_segments"], kw["k_segments"] = r.integers(0, 2, (B, Lq)), r.integers(0, 2, (B, Lk))
-    return q, k, v, dout, dlse, kw
 
 
 @given(case=joint_cases())
