@@ -401,3 +401,32 @@ def test_ints_beyond_the_float_range_are_value_errors():
     for expected, got, call in calls:
         with pytest.raises(ValueError, match=f"^{re.escape(expected)}, got {re.escape(got)}$"):
             call()
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked", "numpy"])
+def test_scores_near_the_float64_threshold_are_exact_or_nan_never_a_wrong_number(impl):
+    """docs/derivations.md: the implementations apply the scale at different points (the
+    product, q, k), so with a scale far from 1 and operands within a factor of it of the
+    float64 threshold one may overflow where another does not; the result is then NaN, never
+    a finite wrong number. Scores 5e299 and 1e300 (weights 0, 1: out 3, dv [0, 1]); and
+    scores 1e150 twice (weights 1/2 each: out 2, dv [0.5, 0.5]); worked by hand."""
+    from npattn import attention as A
+
+    v = np.array([1.0, 3.0]).reshape(1, 1, 2, 1)
+    cases = [(np.full((1, 1, 1, 1), 1e306), np.array([5e-10, 1e-9]).reshape(1, 1, 2, 1), 1e3, 3.0, [0.0, 1.0]),
+             (np.full((1, 1, 1, 1), 1e200), np.full((1, 1, 2, 1), 1e200), 1e-250, 2.0, [0.5, 0.5])]
+    for q, k, scale, want_out, want_dv in cases:
+        with np.errstate(all="ignore"):
+            out, cache = A.sdpa_forward(q, k, v, scale=scale, impl=impl)
+            dv = A.sdpa_backward(np.ones((1, 1, 1, 1)), cache).dv
+        if np.isnan(out).any():
+            assert np.isnan(out).all() and np.isnan(dv).all(), (scale, out, dv)
+        else:
+            np.testing.assert_allclose(out.ravel(), [want_out], rtol=1e-15)
+            np.testing.assert_allclose(dv.ravel(), want_dv, rtol=1e-15, atol=0)
+    # the default scale (1/sqrt(Dh) <= 1) with finite products: exact on every implementation
+    q, k = np.full((1, 1, 1, 1), 1e153), np.array([5e146, 1e147]).reshape(1, 1, 2, 1)
+    out, cache = A.sdpa_forward(q, k, v, impl=impl)  # scores 5e299, 1e300
+    dv = A.sdpa_backward(np.ones((1, 1, 1, 1)), cache).dv
+    np.testing.assert_allclose(out.ravel(), [3.0], rtol=1e-15)
+    np.testing.assert_allclose(dv.ravel(), [0.0, 1.0], rtol=1e-15, atol=0)
