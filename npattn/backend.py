@@ -415,9 +415,11 @@ def copy_array(xp: Any, a: Any) -> Any:
 
 def may_share_memory(a: Any, b: Any) -> bool:
     """Whether writing into ``b`` may change ``a``: NumPy's and CuPy's ``may_share_memory``,
-    torch's storages compared, NumPy's test on the host memory a library exports through
-    DLPack (array_api_strict's); for arrays that export none (dask's, whose assignments
-    replace a graph), whether they are one object.
+    for torch the same test on the bytes each tensor spans (two views of one storage that
+    span apart, a packed key-value buffer's halves, share none), NumPy's test on the host
+    memory a library exports through DLPack (array_api_strict's); for arrays that export
+    none (dask's, whose assignments replace a graph, torch's on the meta device), whether
+    they are one object.
 
     torch refuses an assignment whose source overlaps its destination (a ``RuntimeError``
     that names no argument), and a writer of two buffers would read the second's source
@@ -426,7 +428,12 @@ def may_share_memory(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         return bool(np.may_share_memory(a, b))
     if array_api_compat.is_torch_array(a) and array_api_compat.is_torch_array(b):
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        if a.device.type == "meta" or b.device.type == "meta":  # no memory to share
+            return a is b
+        if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+            return False
+        (a_lo, a_hi), (b_lo, b_hi) = _torch_bytes(a), _torch_bytes(b)
+        return a_lo < b_hi and b_lo < a_hi
     if array_api_compat.is_cupy_array(a) and array_api_compat.is_cupy_array(b):
         import cupy  # present: a and b are its arrays
         return bool(cupy.may_share_memory(a, b))
@@ -434,6 +441,14 @@ def may_share_memory(a: Any, b: Any) -> bool:
         return bool(np.may_share_memory(np.from_dlpack(a), np.from_dlpack(b)))
     except (AttributeError, TypeError, ValueError, BufferError, RuntimeError):
         return a is b
+
+
+def _torch_bytes(t: Any) -> tuple:
+    """The addresses ``[lo, hi)`` from the first to past the last byte that a non-empty torch
+    tensor's elements span (NumPy's bounds: strides of torch are never negative)."""
+    lo, size = t.data_ptr(), t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # the last element's offset
+    return lo, lo + (last + 1) * size
 
 
 def row_major(a: Any) -> Any:

@@ -1184,6 +1184,47 @@ def test_flash_attn_with_kvcache_refuses_one_buffer_for_keys_and_values():
     np.testing.assert_array_equal(out, want)
 
 
+def test_flash_attn_with_kvcache_on_torch_takes_the_halves_of_one_key_value_buffer():
+    """k_cache and v_cache the two halves kv[0], kv[1] of one torch buffer (a packed cache): one
+    storage, no byte in common. The call appends and attends as with two buffers, as it does on
+    NumPy; comparing storages refused it as caches sharing memory. Two tensors of two storages
+    over overlapping bytes (torch.from_numpy of overlapping NumPy views) do share memory, and
+    are refused before anything is written."""
+    torch = pytest.importorskip("torch")
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs(Dv=4)
+    seqlens = [1, 3]
+    kv = torch.from_numpy(np.stack([k_cache, v_cache]))  # [2, B + 1, Lc, Hkv, Dh]
+    t = torch.from_numpy
+    out = C.flash_attn_with_kvcache(t(q), kv[0], kv[1], t(k_new), t(v_new),
+                                    cache_seqlens=np.array(seqlens), causal=True)
+    want_k, want_v = appended(k_cache, k_new, seqlens), appended(v_cache, v_new, seqlens)
+    np.testing.assert_array_equal(kv[0].numpy(), want_k)
+    np.testing.assert_array_equal(kv[1].numpy(), want_v)
+    want, _ = kvcache_ref(q, want_k, want_v, k_new, seqlens, causal=True)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
+    # two storages, overlapping bytes: v_cache starts one row of batch entry 0 into k_cache
+    flat = np.stack([k_cache, k_cache]).reshape(-1)
+    n, row = k_cache.size, k_cache[0, 0].size
+    kc, vc = t(flat[:n]).reshape(k_cache.shape), t(flat[row:row + n]).reshape(k_cache.shape)
+    before = flat.copy()
+    with pytest.raises(ValueError, match=r"^v_cache: expected a buffer apart from k_cache"):
+        C.flash_attn_with_kvcache(t(q), kc, vc, t(k_new), t(k_new), cache_seqlens=np.array(seqlens))
+    np.testing.assert_array_equal(flat, before)
+
+
+def test_flash_attn_with_kvcache_on_torch_meta_caches_share_no_memory():
+    """torch's meta tensors have no memory: two meta caches are two buffers, and a call with
+    new keys gives the output's shape and device (all their data pointers are 0, so comparing
+    addresses called them one buffer and refused the call)."""
+    torch = pytest.importorskip("torch")
+    kw = dict(device="meta", dtype=torch.float64)
+    q, k_cache = torch.empty(2, 3, 4, 4, **kw), torch.empty(3, 8, 2, 4, **kw)
+    v_cache = torch.empty(3, 8, 2, 5, **kw)
+    k_new, v_new = torch.empty(2, 2, 2, 4, **kw), torch.empty(2, 2, 2, 5, **kw)
+    out = C.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=np.array([1, 3]))
+    assert out.shape == (2, 3, 4, 5) and out.device.type == "meta"
+
+
 def test_flash_attn_with_kvcache_appends_into_dask_caches():
     """dask arrays take the in-place append (item assignment); the checks before it must not
     refuse them (an empty test write did: dask refuses an empty slice's assignment)."""
