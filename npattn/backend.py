@@ -116,6 +116,7 @@ __all__ = [
     "without_empty_chunks",
     "copy_array",
     "may_share_memory",
+    "shares_memory",
     "row_major",
     "row_max",
 ]
@@ -441,6 +442,41 @@ def may_share_memory(a: Any, b: Any) -> bool:
         return bool(np.may_share_memory(np.from_dlpack(a), np.from_dlpack(b)))
     except (AttributeError, TypeError, ValueError, BufferError, RuntimeError):
         return a is b
+
+
+def shares_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have a byte in common: ``may_share_memory``'s test made exact
+    (NumPy's ``shares_memory``) for NumPy arrays, torch's CPU tensors and the host memory a
+    library exports through DLPack; elsewhere (CuPy, torch on a GPU) ``may_share_memory``.
+
+    Two interleaved views of one buffer share no byte though each spans the other: the
+    keys ``kv[:, :, 0]`` and values ``kv[:, :, 1]`` of flash-attn's packed cache
+    (B, L, 2, H, D). NumPy solves it exactly, at a cost that grows with the axes (a cache's
+    four or five are nothing).
+    """
+    if not may_share_memory(a, b):
+        return False
+    host = _host_views(a, b)
+    return True if host is None else bool(np.shares_memory(host[0], host[1]))
+
+
+def _host_views(a: Any, b: Any) -> Optional[tuple]:
+    """NumPy views of the host memory of ``a`` and ``b`` (torch's as integers of the same
+    width, so bfloat16 has one), or None where either has none."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a, b
+    if array_api_compat.is_torch_array(a) and array_api_compat.is_torch_array(b):
+        ints = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+        if {a.device.type, b.device.type} != {"cpu"} or not {a.element_size(), b.element_size()} <= set(ints):
+            return None
+        import torch  # present: a and b are its tensors
+        return tuple(t.detach().view(getattr(torch, ints[t.element_size()])).numpy() for t in (a, b))
+    if array_api_compat.is_cupy_array(a) or array_api_compat.is_cupy_array(b):
+        return None
+    try:
+        return np.from_dlpack(a), np.from_dlpack(b)
+    except (AttributeError, TypeError, ValueError, BufferError, RuntimeError):
+        return None
 
 
 def _torch_bytes(t: Any) -> tuple:

@@ -48,7 +48,8 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import copy_array, device_of, isdtype, make_rng, may_share_memory, namespace, scalar
+from .backend import (copy_array, device_of, isdtype, make_rng, may_share_memory, namespace, scalar,
+                      shares_memory)
 
 __all__ = [
     "flash_attn_func",
@@ -831,7 +832,7 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
                                 f"{V.shape_of(a)} (an expanded or broadcast view); pass a copy")
             if array_api_compat.is_torch_array(a):  # an empty write: torch refuses a leaf
                 _write_in_place(name, a, 0, 0, new[:, :0, ...])  # that requires grad here
-        if may_share_memory(v_cache, k_cache):  # the values would land on the new keys
+        if shares_memory(v_cache, k_cache):  # the values would land on the new keys
             raise ValueError("v_cache: expected a buffer apart from k_cache (the new keys and values "
                              "are written into each), got one sharing memory with it")
         # new keys or values that are views of the caches (their free space included) are

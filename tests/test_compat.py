@@ -1212,6 +1212,25 @@ def test_flash_attn_with_kvcache_on_torch_takes_the_halves_of_one_key_value_buff
     np.testing.assert_array_equal(flat, before)
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_flash_attn_with_kvcache_takes_the_keys_and_values_of_flash_attns_packed_cache(lib):
+    """flash-attn's packed cache kv of shape (B, Lc, 2, Hkv, Dh): k_cache = kv[:, :, 0] and
+    v_cache = kv[:, :, 1] interleave, each spanning the other's bytes without sharing one. The
+    call appends and attends as kvcache_ref says, as it did before caches sharing memory were
+    refused; a test of bounds alone refused it."""
+    conv = (lambda a: a) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs(Dv=4)
+    seqlens = [2, 0]
+    kv = conv(np.stack([k_cache, v_cache], axis=2))  # [B + 1, Lc, 2, Hkv, Dh]
+    out = C.flash_attn_with_kvcache(conv(q), kv[:, :, 0], kv[:, :, 1], conv(k_new), conv(v_new),
+                                    cache_seqlens=np.array(seqlens), causal=True)
+    want_k, want_v = appended(k_cache, k_new, seqlens), appended(v_cache, v_new, seqlens)
+    np.testing.assert_array_equal(np.asarray(kv[:, :, 0]), want_k)
+    np.testing.assert_array_equal(np.asarray(kv[:, :, 1]), want_v)
+    want, _ = kvcache_ref(q, want_k, want_v, k_new, seqlens, causal=True)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12, atol=1e-12)
+
+
 def test_flash_attn_with_kvcache_on_torch_meta_caches_share_no_memory():
     """torch's meta tensors have no memory: two meta caches are two buffers, and a call with
     new keys gives the output's shape and device (all their data pointers are 0, so comparing
