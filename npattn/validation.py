@@ -106,9 +106,10 @@ def dtype_name(dtype: Any) -> str:
 def not_floating(name: str, dtype: Any) -> TypeError:
     """The refusal of an array of ``dtype`` where a real floating one is expected. A NumPy
     extension dtype (ml_dtypes' bfloat16, which JAX installs) is floating to its own library
-    but not to NumPy's arithmetic: the message says which dtypes to use instead."""
+    but not to NumPy's arithmetic: the message says which dtypes to use instead (not for a
+    structured dtype or raw bytes, also of kind 'V', whose type is numpy.void)."""
     hint = ""
-    if isinstance(dtype, np.dtype) and dtype.kind == "V":
+    if isinstance(dtype, np.dtype) and dtype.kind == "V" and not issubclass(dtype.type, np.void):
         hint = (" (a NumPy extension dtype: on NumPy npattn takes float16, float32 and float64; "
                 "bfloat16 on torch or JAX)")
     return TypeError(f"{name}: expected a real floating dtype, got {dtype_name(dtype)}{hint}")

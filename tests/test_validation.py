@@ -1389,6 +1389,19 @@ def test_numpy_extension_dtypes_are_named_not_crashed_on():
         m(np.zeros((2, 3, 8), dtype=ml_dtypes.bfloat16), np.ones((2, 3, 8)), np.ones((2, 3, 8)))
 
 
+def test_a_structured_or_void_dtype_is_not_called_an_extension_dtype():
+    """A structured array (or raw bytes, 'V8') is of kind 'V' as ml_dtypes' bfloat16 is, but no
+    extension dtype: its refusal says what was expected and what came, without the hint that
+    points a bfloat16 user to torch or JAX."""
+    from npattn import attention as A
+
+    x = np.ones((2, 2, 3, 4))
+    for dtype in (np.dtype([("a", "f8")]), np.dtype("V8")):
+        a = np.zeros((2, 2, 3, 4), dtype=dtype)
+        with pytest.raises(TypeError, match=r"^q: expected a real floating dtype, got \S+$"):
+            A.sdpa_forward(a, x, x)
+
+
 # --------------------------------------------------------------------------
 # device= of the array builders
 
