@@ -33,7 +33,8 @@ one after the other, each exactly as it would run alone, and the BLAS thread
 count is restored before the lock is released. A hold takes threadpoolctl's
 control of OpenBLAS's count (from 3.8 on, one thread at a time has it) from
 another thread that has it, inside a ``threadpool_limits`` of its own, say, and
-gives it back when it ends; meanwhile that thread's own changes are ignored.
+gives it up when it ends (to the next thread that sets the count); meanwhile that
+thread's own changes are ignored.
 The pool is created in the process that uses it and dropped in a forked child
 (``os.register_at_fork``), so a child makes its own; a BLAS hold of a
 parent's thread that was inside npattn at the fork (and is not in the child)
@@ -913,7 +914,7 @@ def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
     # threadpoolctl (3.8 on) lets one Python thread at a time change OpenBLAS's count and
     # silently ignores the others: a caller's thread inside its own threadpool_limits (or one
     # that called it without a `with`) would turn this hold into nothing, and the tiles would
-    # run on that caller's BLAS threads. The hold takes that control and gives it back after.
+    # run on that caller's BLAS threads. The hold takes that control, and gives it up after.
     owner = _take_openblas_control()
     before = None
     try:
@@ -933,7 +934,8 @@ def _blas_hold(ctl: Any, n: int) -> Iterator[None]:
     finally:
         if before is not None:
             _put_back_counts(ctl, before)
-        _give_openblas_control(owner)
+        if owner is not None:
+            _leave_openblas_control()
 
 
 def _put_back_counts(ctl: Any, before: list) -> None:
@@ -983,7 +985,7 @@ def _openblas_control_lock() -> Any:
 
 def _take_openblas_control() -> Any:
     """Make this thread the one that threadpoolctl lets change OpenBLAS's count; returns the
-    live thread that had that control (to be given back), or None when none other had it."""
+    live thread that had that control, or None when none other had it."""
     state = _openblas_control()
     if state is None or getattr(state, "lock", None) is None:
         return None
@@ -996,15 +998,21 @@ def _take_openblas_control() -> Any:
     return owner
 
 
-def _give_openblas_control(owner: Any) -> None:
-    """Give the control ``_take_openblas_control`` took back to ``owner``, if it still lives and
-    no other thread has taken the control since."""
+def _leave_openblas_control() -> None:
+    """Give up the control ``_take_openblas_control`` took, to no thread: the next thread that
+    sets the count takes it, the one it was taken from included.
+
+    Not back to that thread: its ``threadpool_limits`` may have ended during the hold (its
+    restore, ignored then, cannot clear the control it no longer has), and the control given
+    back would stay with it for good, every other thread's limit ignored without a word. A
+    thread still inside its limit takes the control again when it next sets the count (its
+    restore at the end included)."""
     state = _openblas_control()
-    if owner is None or state is None:
+    if state is None or any(h[0] == threading.get_ident() for h in _blas_holds):
         return
     with state.lock:
-        if state.controlling_thread in (None, threading.current_thread()) and owner.is_alive():
-            state.controlling_thread = owner
+        if state.controlling_thread is threading.current_thread():
+            state.controlling_thread = None
 
 
 def _take_control_lock():

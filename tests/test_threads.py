@@ -612,6 +612,67 @@ def test_a_pool_call_holds_blas_while_another_thread_is_inside_its_own_limit(mon
     assert _blas_threads() == before
 
 
+@needs_pool
+def test_a_limit_that_ends_while_npattn_holds_blas_leaves_the_count_to_other_threads():
+    """The caller's threadpool_limits ends while a worker thread's npattn call holds BLAS (its
+    restore is ignored then, as documented). The caller has left its limit, so it has no turn
+    to keep: another thread's threadpool_limits(n) afterwards holds BLAS at n, as it would had
+    npattn not run. Handing the turn back to the caller's thread after the call kept it there
+    for the rest of the process (the main thread never ends), and every other thread's limit
+    did nothing without a word."""
+    from npattn import backend
+
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
+        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
+    before = _blas_threads()
+    paths = {path for path, _ in before}
+
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
+
+    n = max(m for _, m in before) + 1
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def task(i):
+        inside.set()
+        release.wait(10)
+
+    def worker():
+        try:
+            with backend.exclusive():
+                backend.run_tasks(task, [(0,), (1,)], 2)
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
+        if counts() != {n}:
+            pytest.skip(f"BLAS does not take {n} threads here")
+        t = threading.Thread(target=worker)
+        t.start()
+        assert inside.wait(10), "the worker's tiles did not start"
+    release.set()
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    seen = []
+
+    def other():
+        with threadpoolctl.threadpool_limits(limits=n + 1, user_api="blas"):
+            seen.append(counts())
+
+    try:
+        o = threading.Thread(target=other)
+        o.start()
+        o.join(30)
+        assert seen == [{n + 1}], f"another thread's limit of {n + 1} was ignored: {seen}"
+    finally:  # the counts at start again (the caller's restore was ignored), and no turn kept
+        for lib in backend.blas_controller().lib_controllers:
+            if lib.filepath in paths:
+                lib.set_num_threads(dict(before)[lib.filepath])
+        threadpoolctl.OpenBLASController.clear_controlling_thread()
+    assert _blas_threads() == before
+
+
 @pytest.mark.parametrize("where", ["setting", "restoring"])
 def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypatch):
     """Ctrl-C lands inside threadpoolctl while a hold sets BLAS to one thread (once the count is
