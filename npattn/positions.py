@@ -137,7 +137,7 @@ def _check_positions(positions: Any, x: Any) -> None:
         raise ValueError(f"positions: expected one position per token (a last axis of L = {L}), "
                          f"got shape {V.shape_of(positions)}, which would put all {L} tokens of a row "
                          f"at one position; for a start per sequence pass start[..., None] + arange(L), "
-                         f"or an int start")
+                         f"or an int start; to put them at one position, broadcast it to (..., L)")
 
 
 # --------------------------------------------------------------------------
@@ -237,7 +237,9 @@ def rope_forward(x: Any, positions: Any = None, *, base: float = 10000.0,
         with a KV cache; ``start + L`` within int64); an array: the positions themselves (integers or
         floats), e.g. (B, 1, L) for per-sequence offsets. Its last axis is L
         (where L > 1: an array of one position per row, broadcast along L,
-        would put every token at it, and is refused).
+        would put every token at it, and is refused; where that is meant, as
+        flash-attn's non-causal rotary with a KV cache puts every new query at
+        ``cache_seqlens[b]``, broadcast it to (..., L) first).
     base : float > 1
         The frequency base (10000 in RoFormer and LLaMA).
     interleaved : bool

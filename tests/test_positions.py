@@ -156,6 +156,10 @@ def test_rope_positions_broadcast_along_the_sequence_are_refused(xp, to_xp, to_n
     one = rng.standard_normal((2, 1, 1, 4))
     out, _ = P.rope_forward(to_xp(one), to_xp(starts[:, None, None]))
     np.testing.assert_allclose(to_np(out), rope_reference(one, starts[:, None, None]), rtol=0, atol=1e-12)
+    # one position for every token, meant (flash-attn's non-causal rotary): broadcast explicitly
+    same = np.broadcast_to(starts[:, None, None], (2, 1, 3))
+    out, _ = P.rope_forward(to_xp(x), to_xp(np.ascontiguousarray(same)))
+    np.testing.assert_allclose(to_np(out), rope_reference(x, same), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
