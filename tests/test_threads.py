@@ -945,10 +945,14 @@ def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
     real_wait = backend.wait
     calls = []
 
+    release, both_busy = threading.Event(), threading.Event()
+
     def interrupted(futures, *a, **kw):
         calls.append(len(futures))
         if len(calls) == 1:
+            both_busy.wait(10)  # the interrupt lands while both workers run a task
             raise KeyboardInterrupt
+        release.set()  # run_tasks waits again once it has cancelled: the running tasks may end
         return real_wait(futures, *a, **kw)
 
     monkeypatch.setattr(backend, "wait", interrupted)
@@ -958,7 +962,9 @@ def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
     def task(i):
         with lock:
             started.append(i)
-        time.sleep(0.2)
+            if len(started) == 2:
+                both_busy.set()
+        release.wait(10)  # held until the tasks not started are cancelled: no race with them
         with lock:
             ended.append(i)
 
@@ -967,10 +973,9 @@ def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
     with lock:
         at_return = (sorted(started), sorted(ended))
     assert at_return[0] == at_return[1], f"tasks still running after the call: {at_return}"
-    assert len(at_return[0]) < 8, "every task ran before the interrupt came back"
-    time.sleep(0.3)
+    assert at_return[0] == [0, 1], f"expected the two running tasks alone to have run, got {at_return[0]}"
     with lock:
-        assert sorted(started) == at_return[0], f"tasks started after the call: {started}"
+        assert sorted(started) == [0, 1], f"tasks started after the call: {started}"
     assert _blas_threads() == before
     seen = []
     backend.run_tasks(lambda i: seen.append(i), [(i,) for i in range(3)], 2)
