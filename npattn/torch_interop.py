@@ -149,15 +149,15 @@ def check_state_dict(state_dict: Any) -> None:
 
 def host_tensor(name: str, value: Any) -> np.ndarray:
     """``state_dict[name]`` as a host NumPy copy (bfloat16 widened to float32, exactly); a
-    ``TypeError`` naming it unless it is a floating tensor or array (a NumPy masked array is
-    none: its mask would be lost)."""
+    ``TypeError`` naming it unless it is a floating tensor or array (a NumPy masked array, or
+    dask's of masked chunks, is none: its mask would be lost)."""
     # a class is none (NumPy's scalar types carry shape and dtype as descriptors)
     if isinstance(value, type) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {V.type_name(value)}")
-    if isinstance(value, np.ma.MaskedArray):  # the copy would keep the data and drop the mask
+    if V.masked_array_kind(value):  # the copy would keep the data and drop the mask
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or a plain array, got "
-                        "numpy.ma.MaskedArray (npattn would ignore its mask); pass its data, "
-                        "np.ma.getdata(a), with the masked entries filled in")
+                        f"{V.masked_array_kind(value)} (npattn would ignore its mask); pass its data, "
+                        f"{V.masked_data_call(value)}, with the masked entries filled in")
     try:
         a = _host(value)
     except (NotImplementedError, RuntimeError, TypeError, ValueError) as exc:  # e.g. torch's meta

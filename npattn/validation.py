@@ -39,7 +39,7 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 import numpy as np
 
 from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_int_seed, check_rng, device_of,
-                      is_array, isdtype, keeps_dtype, namespace, without_empty_chunks)
+                      is_array, is_dask_array, isdtype, keeps_dtype, namespace, without_empty_chunks)
 from .messages import described, real_text, type_name
 
 __all__ = [
@@ -357,14 +357,29 @@ def check_device(xp: Any, device: Any, name: str = "device") -> None:
                          f"{device!r} ({type(exc).__name__}: {exc})") from exc
 
 
+def masked_array_kind(x: Any) -> str:
+    """'numpy.ma.MaskedArray', or 'a dask array of numpy.ma.MaskedArray chunks' (dask.array.ma),
+    for an array whose mask npattn would drop; '' for any other."""
+    if isinstance(x, np.ma.MaskedArray):
+        return "numpy.ma.MaskedArray"
+    if is_dask_array(x) and isinstance(getattr(x, "_meta", None), np.ma.MaskedArray):
+        return "a dask array of numpy.ma.MaskedArray chunks"
+    return ""
+
+
+def masked_data_call(x: Any) -> str:
+    """How to take the data of an array ``masked_array_kind`` names, for the messages."""
+    return "dask.array.ma.getdata(a)" if is_dask_array(x) else "np.ma.getdata(a)"
+
+
 def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
                 where: str = "where the parameters live", library: str = MODULE_LIBRARY) -> None:
     """``x`` is an array of namespace ``xp`` on ``device`` (each when given).
 
     ``where`` says where ``device`` comes from and ``library`` where ``xp``
     comes from, for the messages ("the module's backend", "that of q").
-    NumPy masked arrays and matrices are refused (npattn would ignore the
-    mask, and a matrix is 2-D only), and so are NumPy arrays of non-native
+    NumPy masked arrays (dask's of masked chunks too) and matrices are refused
+    (npattn would ignore the mask, and a matrix is 2-D only), and so are NumPy arrays of non-native
     byte order (a big-endian float64 is not the float64 the computation
     uses; convert it first).
     """
@@ -375,10 +390,11 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
         want = backend_name(xp) if xp is not None else ""
         expected = f"{article(want)} {want} array" if want else "an array"
         raise TypeError(f"{name}: expected {expected}, got {type_name(x)}")
-    if isinstance(x, np.ma.MaskedArray):
+    if masked_array_kind(x):
+        plain = "dask array of plain numpy.ndarray chunks" if is_dask_array(x) else "plain numpy.ndarray"
         raise TypeError(
-            f"{name}: expected a plain numpy.ndarray, got numpy.ma.MaskedArray (npattn would "
-            "ignore its mask); pass its data, np.ma.getdata(a), and express the masked entries "
+            f"{name}: expected a {plain}, got {masked_array_kind(x)} (npattn would ignore "
+            f"its mask); pass its data, {masked_data_call(x)}, and express the masked entries "
             "as an attention mask"
         )
     if type(x) is not np.ndarray and any(n is None or (isinstance(n, float) and math.isnan(n))

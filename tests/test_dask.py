@@ -2340,3 +2340,21 @@ def test_the_audit_s_chunked_attention_splits_the_queries_and_the_keys(monkeypat
         assert q.numblocks[0] == k.numblocks[0] == q.shape[0], (name, q.chunks)
         crossed.add(name.split(",")[0])
     assert crossed == {"mha self", "mha cross"}
+
+
+def test_dask_arrays_of_masked_chunks_are_refused_by_name_not_their_masks_dropped():
+    """dask.array.ma's arrays (chunks of numpy.ma.MaskedArray) went through every entry point,
+    their masks ignored: a q whose every entry is masked attended as if none were. Refused
+    by name, as NumPy's masked arrays are, before anything runs; the data alone is taken."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, s, 4)) for s in (3, 5, 5))
+    masked = da.ma.masked_array(da.from_array(q, chunks=2), mask=da.ones(q.shape, dtype=bool, chunks=2))
+    message = (r"^q: expected a dask array of plain numpy\.ndarray chunks, got a dask array of "
+               r"numpy\.ma\.MaskedArray chunks \(npattn would ignore its mask\); pass its data, "
+               r"dask\.array\.ma\.getdata\(a\)")
+    for forward in (A.sdpa_forward, F.sdpa_forward):
+        with pytest.raises(TypeError, match=message):
+            forward(masked, da.from_array(k), da.from_array(v))
+    out, _ = A.sdpa_forward(da.ma.getdata(masked), da.from_array(k), da.from_array(v))
+    want, _ = F.sdpa_forward(q, k, v)
+    np.testing.assert_allclose(to_numpy(out), want, rtol=1e-12, atol=1e-14)

@@ -329,6 +329,15 @@ def test_a_masked_array_value_is_refused_and_nothing_is_loaded():
     for k in before:
         np.testing.assert_array_equal(mha.params[k], before[k])
     np.testing.assert_array_equal(np.ma.getdata(sd["in_proj_weight"]), w)  # the argument unchanged
+    da = pytest.importorskip("dask.array")  # a dask array of masked chunks keeps its mask as well
+    sd["in_proj_weight"] = da.ma.masked_array(da.from_array(w, chunks=4),
+                                              mask=da.from_array(np.eye(12, 4, dtype=bool), chunks=4))
+    with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a tensor or a plain "
+                                        r"array, got a dask array of numpy\.ma\.MaskedArray chunks"):
+        mha.load_torch_state_dict(sd)
+    for k in before:
+        np.testing.assert_array_equal(mha.params[k], before[k])
+    sd["in_proj_weight"] = np.ma.MaskedArray(w, mask=np.eye(12, 4, dtype=bool))
     sd["in_proj_weight"] = np.ma.getdata(sd["in_proj_weight"])  # its data, as the message says
     mha.load_torch_state_dict(sd)
     np.testing.assert_array_equal(mha.params["w_k"], w[4:8])
