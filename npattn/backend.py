@@ -949,12 +949,8 @@ def _put_back_counts(ctl: Any, before: list) -> None:
         if lib.num_threads != n:
             lib.set_num_threads(n)
             changed = True
-    if changed and not any(h[0] == threading.get_ident() for h in _blas_holds):
-        # setting the count made this thread threadpoolctl's controller: give it up
-        openblas = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
-        clear = getattr(openblas, "clear_controlling_thread", None)
-        if clear is not None:
-            clear()
+    if changed:  # setting the count made this thread threadpoolctl's controller: give it up
+        _leave_openblas_control()
 
 
 # --------------------------------------------------------------------------
@@ -1006,13 +1002,13 @@ def _leave_openblas_control() -> None:
     restore, ignored then, cannot clear the control it no longer has), and the control given
     back would stay with it for good, every other thread's limit ignored without a word. A
     thread still inside its limit takes the control again when it next sets the count (its
-    restore at the end included)."""
-    state = _openblas_control()
-    if state is None or any(h[0] == threading.get_ident() for h in _blas_holds):
+    restore at the end included). A thread still inside a hold of its own keeps it."""
+    if any(h[0] == threading.get_ident() for h in _blas_holds):
         return
-    with state.lock:
-        if state.controlling_thread is threading.current_thread():
-            state.controlling_thread = None
+    openblas = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
+    clear = getattr(openblas, "clear_controlling_thread", None)  # 3.8 on: only where this thread has it
+    if clear is not None:
+        clear()
 
 
 def _take_control_lock():

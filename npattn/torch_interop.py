@@ -154,9 +154,10 @@ def host_tensor(name: str, value: Any) -> np.ndarray:
     # a class is none (NumPy's scalar types carry shape and dtype as descriptors)
     if isinstance(value, type) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or array, got {V.type_name(value)}")
-    if V.masked_array_kind(value):  # the copy would keep the data and drop the mask
+    masked = V.masked_array_kind(value)
+    if masked:  # the copy would keep the data and drop the mask
         raise TypeError(f"state_dict[{name!r}]: expected a tensor or a plain array, got "
-                        f"{V.masked_array_kind(value)} (npattn would ignore its mask); pass its data, "
+                        f"{masked} (npattn would ignore its mask); pass its data, "
                         f"{V.masked_data_call(value)}, with the masked entries filled in")
     try:
         a = _host(value)

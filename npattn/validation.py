@@ -390,12 +390,12 @@ def check_array(name: str, x: Any, xp: Any = None, device: Any = None,
         want = backend_name(xp) if xp is not None else ""
         expected = f"{article(want)} {want} array" if want else "an array"
         raise TypeError(f"{name}: expected {expected}, got {type_name(x)}")
-    if masked_array_kind(x):
+    masked = masked_array_kind(x)
+    if masked:
         plain = "dask array of plain numpy.ndarray chunks" if is_dask_array(x) else "plain numpy.ndarray"
         raise TypeError(
-            f"{name}: expected a {plain}, got {masked_array_kind(x)} (npattn would ignore "
-            f"its mask); pass its data, {masked_data_call(x)}, and express the masked entries "
-            "as an attention mask"
+            f"{name}: expected a {plain}, got {masked} (npattn would ignore its mask); pass its "
+            f"data, {masked_data_call(x)}, and express the masked entries as an attention mask"
         )
     if type(x) is not np.ndarray and any(n is None or (isinstance(n, float) and math.isnan(n))
                                          for n in x.shape):
