@@ -1071,15 +1071,14 @@ def pool_threads() -> int:
     finds no BLAS library, BLAS cannot be held to one thread, so tiles then run
     one after another (1), whatever ``NPATTN_NUM_THREADS`` says.
     Raises ``ValueError`` for a ``NPATTN_NUM_THREADS`` that is not a positive
-    integer.
+    integer written in ASCII digits (surrounding spaces allowed; no sign, no
+    ``_``, none of the other digits Python's ``int`` reads).
     """
     env = os.environ.get("NPATTN_NUM_THREADS")
     n = None
     if env is not None and env.strip() != "":
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
+        digits = env.strip()
+        n = int(digits) if digits.isascii() and digits.isdigit() else 0
         if n < 1:
             raise ValueError(
                 f"NPATTN_NUM_THREADS: expected a positive integer (threads of npattn's tile pool), "

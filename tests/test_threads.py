@@ -29,6 +29,7 @@ import npattn.attention
 from npattn import MultiHeadAttention, blocked, numpy_kernel
 from npattn import attention as A
 from npattn import functional as F
+from npattn.backend import blas_controller, pool_threads
 
 from _attention_cases import make_inputs
 
@@ -1121,7 +1122,7 @@ def test_pooled_projections_run_on_the_pool_under_the_lock(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
 
 
-@pytest.mark.parametrize("value", ["0", "x", "-2", "1.5"])
+@pytest.mark.parametrize("value", ["0", "x", "-2", "1.5", "+2", "1_0", "\u0663", "00"])
 def test_bad_num_threads_is_refused_before_computing(value, monkeypatch):
     q, k, v, dout, kw = _inputs(3, 2, 2, 2, 5, 6, 3, 2, "float", "none", causal=True)
     gen = np.random.default_rng(0)
@@ -1135,6 +1136,14 @@ def test_bad_num_threads_is_refused_before_computing(value, monkeypatch):
     assert gen.bit_generator.state == state  # no dropout key was drawn
     monkeypatch.setenv("NPATTN_NUM_THREADS", "")  # empty: the default
     A.sdpa_forward(q, k, v, impl="numpy", **kw)
+
+
+@pytest.mark.parametrize("value, want", [("2", 2), (" 3 ", 3), ("007", 7), ("\t1\n", 1)])
+def test_num_threads_reads_ascii_digits(value, want, monkeypatch):
+    monkeypatch.setenv("NPATTN_NUM_THREADS", value)
+    if blas_controller() is None:
+        pytest.skip("without a BLAS threadpoolctl finds, the pool runs one thread")
+    assert pool_threads() == want
 
 
 def _module_pair(impl, **kw):
