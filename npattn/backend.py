@@ -49,6 +49,9 @@ Safe to share between threads: the functions, read-only input arrays.
 Not safe: one ``MultiHeadAttention`` used by two threads at once (its cache
 and generator are its state), and your own BLAS work in another thread
 while npattn holds BLAS at one thread (it runs, with one BLAS thread).
+The lock is re-entrant in its own thread only: do not compute a dask graph
+that holds npattn's tasks inside ``with exclusive():`` (dask's threaded
+scheduler runs the tasks in other threads, which wait for the lock forever).
 """
 
 from __future__ import annotations
@@ -1054,9 +1057,12 @@ os.register_at_fork(before=_take_control_lock, after_in_parent=_release_control_
 def exclusive() -> Iterator[None]:
     """Context manager: npattn's computations in this process run one at a time inside.
 
-    Re-entrant. The NumPy kernel and the blocked path change the process-wide
-    BLAS thread count while their tiles run; under this lock no other npattn
-    computation sees that change, and the count is restored before release.
+    Re-entrant in the thread that holds it. The NumPy kernel and the blocked
+    path change the process-wide BLAS thread count while their tiles run;
+    under this lock no other npattn computation sees that change, and the
+    count is restored before release. Work that runs npattn in other threads
+    and waits for them inside the lock (``dask.compute`` of npattn's tasks on
+    the threaded scheduler) waits forever.
     """
     lock = _lock
     with lock:
