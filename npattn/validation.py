@@ -110,8 +110,8 @@ def not_floating(name: str, dtype: Any) -> TypeError:
     structured dtype or raw bytes, also of kind 'V', whose type is numpy.void)."""
     hint = ""
     if isinstance(dtype, np.dtype) and dtype.kind == "V" and not issubclass(dtype.type, np.void):
-        hint = (" (a NumPy extension dtype: on NumPy npattn takes float16, float32 and float64; "
-                "bfloat16 on torch or JAX)")
+        where = "; bfloat16 on torch or JAX" if dtype.name == "bfloat16" else ""
+        hint = f" (a NumPy extension dtype: on NumPy npattn takes float16, float32 and float64{where})"
     return TypeError(f"{name}: expected a real floating dtype, got {dtype_name(dtype)}{hint}")
 
 

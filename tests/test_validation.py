@@ -1389,6 +1389,20 @@ def test_numpy_extension_dtypes_are_named_not_crashed_on():
         m(np.zeros((2, 3, 8), dtype=ml_dtypes.bfloat16), np.ones((2, 3, 8)), np.ones((2, 3, 8)))
 
 
+def test_a_float8_extension_dtype_is_not_sent_to_bfloat16():
+    # ml_dtypes' float8 types are extension dtypes too, but neither torch nor JAX runs
+    # npattn in them: the refusal names NumPy's dtypes without the bfloat16 pointer
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from npattn import attention as A
+
+    x = np.ones((2, 2, 3, 4))
+    f8 = np.zeros((2, 2, 3, 4), dtype=ml_dtypes.float8_e4m3fn)
+    with pytest.raises(TypeError, match=re.escape(
+            "q: expected a real floating dtype, got float8_e4m3fn (a NumPy extension dtype: on NumPy "
+            "npattn takes float16, float32 and float64)") + "$"):
+        A.sdpa_forward(f8, x, x)
+
+
 def test_a_structured_or_void_dtype_is_not_called_an_extension_dtype():
     """A structured array (or raw bytes, 'V8') is of kind 'V' as ml_dtypes' bfloat16 is, but no
     extension dtype: its refusal says what was expected and what came, without the hint that
