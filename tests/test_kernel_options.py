@@ -290,6 +290,100 @@ def test_every_impl_equals_the_oracle_and_the_reference_with_options_drawn_toget
                 assert_close(A.weights(c), A.weights(cache), np.asarray, f"{what}: weights")
 
 
+def torch_attention(torch, *, q, k, v, mask=None, is_causal=False, scale=None, dropout_p=0.0,
+                    dropout_mask=None, enable_gqa=False, align="top_left", window=None, softcap=None,
+                    alibi_slopes=None, sinks=None, q_segments=None, k_segments=None):
+    """``(out, weights, lse)`` in torch float64, differentiable, from the options' sources:
+    flash-attn's ``tests/test_flash_attn.py::attention_ref`` (scaled scores, softcap, positions
+    that may not attend set to -inf, then the bias ``-slope * |i + Lk - Lq - j|`` of its
+    ``attn_bias_from_alibi_slopes``), gpt-oss's ``sdpa`` (the sink a last softmax column,
+    dropped after the softmax) and SDPA's ``enable_gqa`` (``repeat_interleave`` of k and v).
+    A row with nothing to attend gets weights 0 and lse -inf."""
+    G = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    k, v = k.repeat_interleave(G, dim=-3), v.repeat_interleave(G, dim=-3)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    o = Lk - Lq if align == "bottom_right" else 0
+    i, j = torch.arange(Lq)[:, None] + o, torch.arange(Lk)[None, :]  # i: the query's key position
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & (j <= i)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (j >= i - window[0])
+    if window is not None and window[1] is not None:
+        allowed = allowed & (j <= i + window[1])
+    if q_segments is not None:
+        allowed = allowed & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    s = torch.where(allowed, s, -math.inf)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes[..., None, None]  # (H,) or (B, H) -> (..., H, 1, 1)
+        s = s - slopes * (i - j).abs().to(s.dtype)
+    if mask is not None and mask.dtype != torch.bool:
+        s = s + mask
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(s.shape[:-1] + (1,))], dim=-1)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    s = torch.where(empty, 0.0, s)  # a finite row, so that nothing below is NaN; zeroed after
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.where(empty, 0.0, torch.exp(s - lse))
+    lse = torch.where(empty, -math.inf, lse)[..., 0]
+    if sinks is not None:
+        p = p[..., :-1]
+    a = p if dropout_mask is None else torch.where(dropout_mask, p / (1.0 - dropout_p), 0.0)
+    return a @ v, p, lse
+
+
+@given(case=joint_cases(), impl=st.sampled_from(["reference", "blocked"]))
+def test_options_drawn_together_match_torch_autograd_of_their_definitions(case, impl):
+    """Out, weights, lse and every gradient (q, k, v, a floating mask, sinks), with a random
+    upstream gradient of out and of lse, against ``torch_attention`` and torch's autograd.
+    The joint test above checks the implementations against the reference; this checks the
+    reference's gradients with the options together (sinks next to masks, dropout, GQA, ALiBi)
+    against definitions written apart from it."""
+    torch = pytest.importorskip("torch")
+    q, k, v, dout, dlse, kw = joint_inputs(case)
+    bq, bk = case["blocks"]
+    extra = dict(block_q=bq, block_k=bk) if impl == "blocked" else {}
+    out, cache = A.sdpa_forward(q, k, v, impl=impl, **extra, **kw)
+    keep = A.dropout_keep_mask(cache)  # the oracle takes the keep-mask a seed drew
+    empty = np.isneginf(cache.lse)  # anything on these rows' dlse is ignored, NaN and inf included
+    grads = A.sdpa_backward(dout, cache, dlse=np.where(empty, case["dlse_empty"], dlse))
+
+    # the arrays as torch tensors; q, k, v, a floating mask and the sinks are differentiated
+    tkw = {n: a for n, a in dict(kw, q=q, k=k, v=v, dropout_mask=keep).items() if n != "rng"}
+    leaves = {}
+    for name, a in tkw.items():
+        if isinstance(a, np.ndarray):
+            tkw[name] = torch.tensor(a)
+            if name in ("q", "k", "v", "mask", "sinks") and a.dtype != bool:
+                leaves[name] = tkw[name].requires_grad_()
+    t_out, t_p, t_lse = torch_attention(torch, **tkw)
+    finite = torch.isfinite(t_lse)
+    loss = (t_out * torch.from_numpy(dout)).sum()
+    loss = loss + torch.where(finite, t_lse * torch.from_numpy(dlse), 0.0).sum()
+    loss.backward()
+
+    np.testing.assert_allclose(out, t_out.detach().numpy(), rtol=1e-11, atol=1e-11)
+    np.testing.assert_array_equal(empty, ~finite.numpy())
+    np.testing.assert_allclose(cache.lse[~empty], t_lse.detach().numpy()[~empty], rtol=1e-12, atol=1e-11)
+    if impl == "reference":
+        np.testing.assert_allclose(A.weights(cache), t_p.detach().numpy(), rtol=1e-11, atol=1e-13)
+    want = dict(dq=leaves["q"].grad, dk=leaves["k"].grad, dv=leaves["v"].grad,
+                dmask=leaves["mask"].grad if "mask" in leaves else None,
+                dsinks=leaves["sinks"].grad if "sinks" in leaves else None)
+    for name, g in want.items():
+        got = getattr(grads, name)
+        assert (got is None) == (g is None), name
+        if g is not None:
+            scale = max(1.0, float(g.abs().max()))
+            np.testing.assert_allclose(got, g.numpy(), rtol=1e-10, atol=1e-10 * scale, err_msg=name)
+
+
 HALVES = [("numpy", "float16"), ("torch", "float16"), ("torch", "bfloat16")]
 
 
