@@ -246,6 +246,94 @@ def test_decoding_with_any_options_equals_a_forward_of_each_entry_alone(backend,
                                        err_msg=f"entry {b}, tokens {p + end}")
 
 
+def kvcache_attention_by_hand(P, cached, new, query, *, H, Hkv, causal, window, slopes, softcap, sinks):
+    """One entry's decoding step as ``flash_attn_with_kvcache`` defines it, in NumPy float64:
+    the keys are the entry's cached tokens then the ``n`` new ones (``Lk = len(cached) + n``),
+    query ``i`` stands at position ``Lk - Lq + i`` (bottom-right), ``causal`` keeps keys up to
+    it, ``window = (left, right)`` keeps ``[pos - left, pos + right]`` (None unbounded), ALiBi
+    adds ``-slope * |pos - j|`` after the softcap, and a sink is one more logit in the
+    denominator with no value (gpt-oss). Returns the output [Lq, D] and the weights [H, Lq, Lk]."""
+    seq = np.concatenate([cached, new])  # [Lk, D]
+    Lq, Lk, Dh = len(query), len(seq), P["w_q"].shape[0] // H
+    q = (query @ P["w_q"].T + P["b_q"]).reshape(Lq, H, Dh)
+    k = (seq @ P["w_k"].T + P["b_k"]).reshape(Lk, Hkv, Dh)
+    v = (seq @ P["w_v"].T + P["b_v"]).reshape(Lk, Hkv, Dh)
+    pos = np.arange(Lq)[:, None] + Lk - Lq  # [Lq, 1]
+    j = np.arange(Lk)[None, :]
+    allowed = np.ones((Lq, Lk), dtype=bool)
+    if causal:
+        allowed &= j <= pos
+    if window is not None and window[0] is not None:
+        allowed &= j >= pos - window[0]
+    if window is not None and window[1] is not None:
+        allowed &= j <= pos + window[1]
+    heads, weights = [], []
+    for h in range(H):
+        g = h // (H // Hkv)  # the K/V head of query head h
+        s = q[:, h] @ k[:, g].T / np.sqrt(Dh)
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
+        if slopes is not None:
+            s = s - slopes[h] * np.abs(pos - j)
+        e = np.where(allowed, np.exp(s), 0.0)  # the scores are small: no shift needed
+        den = e.sum(axis=1, keepdims=True) + (0.0 if sinks is None else np.exp(sinks[h]))
+        w = np.divide(e, den, out=np.zeros_like(e), where=den > 0)
+        heads.append(w @ v[:, g])
+        weights.append(w)
+    o = np.concatenate(heads, axis=1)  # [Lq, H * Dh]
+    return o @ P["w_o"].T + P["b_o"], np.stack(weights)
+
+
+@given(data=st.data())
+def test_ragged_decoding_matches_flash_attn_with_kvcache_by_hand(data):
+    """Entries with 0-4 cached tokens each decode n = 1-3 new ones with Lq = 1-3 queries (not
+    always n): each entry's output and per-head weights are ``kvcache_attention_by_hand`` on its
+    own tokens, the weights' column j at position j and zero past the entry's end (reference
+    impl; the blocked one keeps none). The tests
+    above compare decoding with npattn's own forward; this one with the definition."""
+    H = data.draw(st.sampled_from([2, 4]), label="H")
+    Hkv = data.draw(st.sampled_from([h for h in (1, 2, H) if H % h == 0]), label="Hkv")
+    Dh, B = 2, data.draw(st.integers(1, 3), label="B")
+    lens = data.draw(st.lists(st.integers(0, 4), min_size=B, max_size=B), label="cached")
+    n, Lq = data.draw(st.integers(1, 3), label="n"), data.draw(st.integers(1, 3), label="Lq")
+    softcap = data.draw(st.sampled_from([None, 0.7]), label="softcap")
+    sinks = data.draw(st.booleans(), label="sinks")
+    causal = data.draw(st.booleans(), label="causal")
+    window = data.draw(st.none() | st.tuples(st.sampled_from([None, 0, 1, 3]), st.sampled_from([None, 0, 2])),
+                       label="window")
+    alibi = data.draw(st.sampled_from([None, "H", "BH"]), label="alibi")
+    impl = data.draw(st.sampled_from(["reference", "blocked"]), label="impl")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    rng = np.random.default_rng(seed)
+    m = MultiHeadAttention(H * Dh, H, n_kv_head=Hkv, dtype="float64", seed=seed, softcap=softcap,
+                           sinks=sinks, impl=impl, block_q=2, block_k=2).eval()
+    if sinks:
+        m.params["sinks"] = rng.standard_normal(H)
+    slopes = {None: None, "H": rng.uniform(0.1, 1.0, H), "BH": rng.uniform(0.1, 1.0, (B, H))}[alibi]
+    x = rng.standard_normal((B, max(lens), H * Dh))  # entry b's cached tokens: x[b, :lens[b]]
+    new, query = rng.standard_normal((B, n, H * Dh)), rng.standard_normal((B, Lq, H * Dh))
+    cache = m.new_cache(B, max(lens) + n)
+    if max(lens) > 0:
+        m(x, x, x, kv_cache=cache)
+        cache.truncate(lens)
+    call = dict(is_causal=causal, window=window)
+    if slopes is not None:
+        call["alibi_slopes"] = slopes
+    out, w = m(query, new, new, kv_cache=cache, need_weights=impl == "reference", average_attn_weights=False,
+               **call)  # (the blocked path keeps no weights)
+    P = {name: np.asarray(a) for name, a in m.params.items()}
+    for b, length in enumerate(lens):
+        own = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+        want, want_w = kvcache_attention_by_hand(P, x[b, :length], new[b], query[b], H=H, Hkv=Hkv,
+                                                 causal=causal, window=window, slopes=own,
+                                                 softcap=softcap, sinks=P.get("sinks"))
+        end = length + n
+        np.testing.assert_allclose(out[b], want, rtol=RTOL, atol=ATOL, err_msg=f"entry {b}")
+        if w is not None:
+            np.testing.assert_allclose(w[b, :, :, :end], want_w, rtol=RTOL, atol=1e-14, err_msg=f"entry {b}")
+            assert np.all(w[b, :, :, end:] == 0.0)
+
+
 @given(prompts=st.lists(st.integers(1, 4), min_size=1, max_size=3), went=st.integers(1, 3),
        data=st.data(), impl=st.sampled_from(["reference", "blocked", "numpy"]))
 def test_a_cache_truncated_and_appended_again_equals_one_that_never_went_past(prompts, went, data, impl):
