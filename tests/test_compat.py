@@ -1244,6 +1244,34 @@ def test_flash_attn_with_kvcache_on_torch_meta_caches_share_no_memory():
     assert out.shape == (2, 3, 4, 5) and out.device.type == "meta"
 
 
+def test_may_share_memory_on_torch_compares_the_bytes_each_tensor_spans():
+    """backend.may_share_memory on views of one torch buffer is NumPy's bounds test on the same
+    views: views whose spans meet in one element share memory, views side by side (a key-value
+    buffer's halves) do not, and neither does an empty view; shares_memory is NumPy's exact test.
+    On a GPU the refusal of caches that share memory rests on the bounds alone, so a bound off
+    by one element or one byte refused a packed cache's halves there or missed an overlap."""
+    torch = pytest.importorskip("torch")
+    from npattn.backend import may_share_memory, shares_memory
+
+    t = torch.arange(24, dtype=torch.float64)
+    m = t.reshape(4, 6)
+    cases = [  # (a, b, spans meet, a byte in common), counted on the elements each view covers
+        (t[0:2], t[1:3], True, True),  # element 1
+        (t[0:2], t[2:4], False, False),  # side by side
+        (t[:12], t[12:], False, False),  # the halves
+        (m[:, :2], m[3, 1:], True, True),  # element 19
+        (m[:, :2], m[:, 2:], True, False),  # interleaved: the spans [0, 20) and [2, 24) meet
+        (t[5:5], t, False, False),  # an empty view
+        (t[23:], t[:23], False, False),
+        (t.view(torch.int32)[3:5], t[2:3], True, True),  # bytes 12 to 20 and 16 to 24
+    ]
+    for i, (a, b, meet, common) in enumerate(cases):
+        for x, y in ((a, b), (b, a)):
+            assert may_share_memory(x, y) is meet, i
+            assert may_share_memory(x, y) == np.may_share_memory(x.numpy(), y.numpy()), i
+            assert shares_memory(x, y) is common, i
+
+
 def test_flash_attn_with_kvcache_appends_into_dask_caches():
     """dask arrays take the in-place append (item assignment); the checks before it must not
     refuse them (an empty test write did: dask refuses an empty slice's assignment)."""
