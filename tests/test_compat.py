@@ -1244,6 +1244,20 @@ def test_flash_attn_with_kvcache_on_torch_meta_caches_share_no_memory():
     assert out.shape == (2, 3, 4, 5) and out.device.type == "meta"
 
 
+def test_flash_attn_with_kvcache_refuses_one_dask_array_for_keys_and_values():
+    """One dask array as both k_cache and v_cache, with new keys: a dask array exports no memory
+    to compare, so one object is one buffer, and the values would replace the new keys. A
+    ValueError naming v_cache, the cache's entries as they were; a test that called two dask
+    arrays apart whatever they were let it through."""
+    da = pytest.importorskip("dask.array")
+    q, k_cache, _, k_new, v_new = kvcache_inputs(Dv=4)
+    kc = da.from_array(k_cache.copy(), chunks=2)
+    with pytest.raises(ValueError, match=r"^v_cache: expected a buffer apart from k_cache"):
+        C.flash_attn_with_kvcache(da.from_array(q), kc, kc, da.from_array(k_new), da.from_array(v_new),
+                                  cache_seqlens=1)
+    np.testing.assert_array_equal(np.asarray(kc), k_cache)
+
+
 def test_may_share_memory_on_torch_compares_the_bytes_each_tensor_spans():
     """backend.may_share_memory on views of one torch buffer is NumPy's bounds test on the same
     views: views whose spans meet in one element share memory, views side by side (a key-value
