@@ -1212,23 +1212,25 @@ def test_flash_attn_with_kvcache_on_torch_takes_the_halves_of_one_key_value_buff
     np.testing.assert_array_equal(flat, before)
 
 
-@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("lib", ["numpy", "torch", "array_api_strict"])
 def test_flash_attn_with_kvcache_takes_the_keys_and_values_of_flash_attns_packed_cache(lib):
     """flash-attn's packed cache kv of shape (B, Lc, 2, Hkv, Dh): k_cache = kv[:, :, 0] and
     v_cache = kv[:, :, 1] interleave, each spanning the other's bytes without sharing one. The
     call appends and attends as kvcache_ref says, as it did before caches sharing memory were
-    refused; a test of bounds alone refused it."""
-    conv = (lambda a: a) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    refused; a test of bounds alone refused it (array_api_strict's arrays included, whose host
+    memory is compared through DLPack)."""
+    conv = {"numpy": lambda a: a, "torch": lambda a: pytest.importorskip("torch").from_numpy(a),
+            "array_api_strict": lambda a: pytest.importorskip("array_api_strict").asarray(a)}[lib]
     q, k_cache, v_cache, k_new, v_new = kvcache_inputs(Dv=4)
     seqlens = [2, 0]
     kv = conv(np.stack([k_cache, v_cache], axis=2))  # [B + 1, Lc, 2, Hkv, Dh]
-    out = C.flash_attn_with_kvcache(conv(q), kv[:, :, 0], kv[:, :, 1], conv(k_new), conv(v_new),
+    out = C.flash_attn_with_kvcache(conv(q), kv[:, :, 0, ...], kv[:, :, 1, ...], conv(k_new), conv(v_new),
                                     cache_seqlens=np.array(seqlens), causal=True)
     want_k, want_v = appended(k_cache, k_new, seqlens), appended(v_cache, v_new, seqlens)
-    np.testing.assert_array_equal(np.asarray(kv[:, :, 0]), want_k)
-    np.testing.assert_array_equal(np.asarray(kv[:, :, 1]), want_v)
+    np.testing.assert_array_equal(np.from_dlpack(kv[:, :, 0, ...]), want_k)
+    np.testing.assert_array_equal(np.from_dlpack(kv[:, :, 1, ...]), want_v)
     want, _ = kvcache_ref(q, want_k, want_v, k_new, seqlens, causal=True)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.from_dlpack(out), want, rtol=1e-12, atol=1e-12)
 
 
 def test_flash_attn_with_kvcache_on_torch_meta_caches_share_no_memory():
@@ -1256,6 +1258,28 @@ def test_flash_attn_with_kvcache_refuses_one_dask_array_for_keys_and_values():
         C.flash_attn_with_kvcache(da.from_array(q), kc, kc, da.from_array(k_new), da.from_array(v_new),
                                   cache_seqlens=1)
     np.testing.assert_array_equal(np.asarray(kc), k_cache)
+
+
+def test_flash_attn_with_kvcache_on_torch_bfloat16_takes_flash_attns_packed_cache():
+    """flash-attn's packed cache (B, Lc, 2, Hkv, Dh) in bfloat16, whose host memory NumPy has no
+    dtype for: its interleaved halves share no byte, and the call appends and attends as it does
+    into two buffers (the new entries land bit for bit; the outputs are equal)."""
+    torch = pytest.importorskip("torch")
+    q, k_cache, v_cache, k_new, v_new = kvcache_inputs(Dv=4)
+    seqlens = np.array([2, 0])
+
+    def bf(a):
+        return torch.from_numpy(a).to(torch.bfloat16)
+
+    kv = torch.stack([bf(k_cache), bf(v_cache)], dim=2)  # [B + 1, Lc, 2, Hkv, Dh]
+    kc, vc = kv[:, :, 0].clone(), kv[:, :, 1].clone()  # two buffers of the same entries
+    want = C.flash_attn_with_kvcache(bf(q), kc, vc, bf(k_new), bf(v_new), cache_seqlens=seqlens, causal=True)
+    out = C.flash_attn_with_kvcache(bf(q), kv[:, :, 0], kv[:, :, 1], bf(k_new), bf(v_new),
+                                    cache_seqlens=seqlens, causal=True)
+    as_np = (lambda t: t.to(torch.float32).numpy())
+    np.testing.assert_array_equal(as_np(kv[:, :, 0]), appended(as_np(bf(k_cache)), as_np(bf(k_new)), seqlens))
+    np.testing.assert_array_equal(as_np(kv[:, :, 1]), appended(as_np(bf(v_cache)), as_np(bf(v_new)), seqlens))
+    assert torch.equal(out, want)
 
 
 def test_may_share_memory_on_torch_compares_the_bytes_each_tensor_spans():
