@@ -1246,6 +1246,24 @@ def test_flash_attn_with_kvcache_on_torch_meta_caches_share_no_memory():
     assert out.shape == (2, 3, 4, 5) and out.device.type == "meta"
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_flash_attn_with_kvcache_new_keys_read_from_the_value_cache_are_taken_as_they_were(lib):
+    """k a view of the memory v_cache lies in, batch entry 1 of k over the positions batch
+    entry 0's values are written to (v_cache = buf[1:], k = buf[:2, 1:3]): the keys of entry 1
+    are written after the values of entry 0, so k must be read first. The call equals one with
+    a copy of k, caches included; copying only what shares memory with k_cache was not enough."""
+    conv = (lambda t: t) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    q, k_cache, _, _, v_new = kvcache_inputs(Dv=4)
+    buf = randn(1 + k_cache.shape[0], *k_cache.shape[1:])  # [B + 2, Lc, Hkv, Dv]
+    want_kc, want_buf = k_cache.copy(), buf.copy()
+    want = C.flash_attn_with_kvcache(q, want_kc, want_buf[1:], buf[:2, 1:3].copy(), v_new, cache_seqlens=2)
+    q, k_cache, buf, v_new = conv(q), conv(k_cache), conv(buf), conv(v_new)
+    out = C.flash_attn_with_kvcache(q, k_cache, buf[1:], buf[:2, 1:3], v_new, cache_seqlens=2)
+    np.testing.assert_array_equal(np.asarray(k_cache), want_kc)
+    np.testing.assert_array_equal(np.asarray(buf), want_buf)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-12, atol=1e-12)
+
+
 def test_flash_attn_with_kvcache_refuses_one_dask_array_for_keys_and_values():
     """One dask array as both k_cache and v_cache, with new keys: a dask array exports no memory
     to compare, so one object is one buffer, and the values would replace the new keys. A
