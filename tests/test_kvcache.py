@@ -775,6 +775,27 @@ def test_new_keys_that_are_views_of_the_cache_itself_are_written_as_they_were(ba
         np.testing.assert_array_equal(Vv[b, :, L:L + 3], want_v[b])
 
 
+def test_new_keys_that_are_a_view_of_the_value_buffer_are_written_as_they_were(backend, xp, to_xp, to_np):
+    """New keys read from the cache's value buffer, both entries from entry 0's values
+    (broadcast along the batch), entries of different lengths: entry 0's values are written
+    before entry 1's keys are read, so the keys must be read first. Each entry gets what the
+    view held before the call, as a copy would give; copying only views of the key buffer
+    wrote entry 0's new values into entry 1's keys."""
+    cache = KVCache(2, 8, 1, 2, dtype="float64", backend=backend)
+    k1 = np.arange(16.0).reshape(2, 1, 4, 2)
+    cache.append(to_xp(k1), to_xp(-k1))
+    cache.truncate([1, 3])
+    k_new = xp.broadcast_to(cache.v[0:1, :, 0:3, :], (2, 1, 3, 2))  # [2, 1, 3, 2]: entry 0's values
+    v_new = to_xp(100.0 + np.arange(12.0).reshape(2, 1, 3, 2))
+    want_k, want_v = to_np(k_new).copy(), to_np(v_new).copy()
+    assert (want_k[1] == -k1[0, :, 0:3]).all()  # the values appended above, before the call
+    cache.append(k_new, v_new)
+    K, Vv = to_np(cache.k), to_np(cache.v)
+    for b, L in enumerate([1, 3]):
+        np.testing.assert_array_equal(K[b, :, L:L + 3], want_k[b])
+        np.testing.assert_array_equal(Vv[b, :, L:L + 3], want_v[b])
+
+
 @pytest.mark.parametrize("args, kwargs, exc, match", [
     ((0, 4, 1, 2), {}, ValueError, "^batch_size: expected a positive int, got 0$"),
     ((1, True, 1, 2), {}, TypeError, "^capacity: expected a positive int, got bool True$"),
