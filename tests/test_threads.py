@@ -674,12 +674,16 @@ def test_a_limit_that_ends_while_npattn_holds_blas_leaves_the_count_to_other_thr
     assert _blas_threads() == before
 
 
+
+
 @pytest.mark.parametrize("where", ["setting", "restoring"])
 def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypatch):
     """Ctrl-C lands inside threadpoolctl while a hold sets BLAS to one thread (once the count is
     set, before the limiter comes back) or while it restores it (before the count is set back):
     the KeyboardInterrupt comes out, and BLAS's count is the one before the call, not one
-    thread for the rest of the process; the next hold holds and restores as before."""
+    thread for the rest of the process; another thread's limit takes effect afterwards (the hold
+    keeps no turn to change the count: one that kept it ignored every other thread's limit); the
+    next hold holds and restores as before."""
     from npattn import backend
 
     threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
@@ -706,11 +710,22 @@ def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypa
         backend.run_tasks(lambda i: ran.append(i), [(0,), (1,)], 2)
     assert sorted(ran) == ([] if where == "setting" else [0, 1])  # the tasks run inside the hold
     assert _blas_threads() == before
+    paths = {path for path, _ in before}
+    seen = []
+
+    def other():  # the interrupted hold kept no turn to change the count: another thread's limit holds
+        with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+            seen.append({p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths})
+
+    o = threading.Thread(target=other)
+    o.start()
+    o.join(30)
+    assert seen == [{1}], f"another thread's limit of 1 was ignored after the interrupt: {seen}"
+    assert _blas_threads() == before
     monkeypatch.setattr(ctl, "limit", real_limit)
     ownership = getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None)  # (3.8 on)
     if where == "restoring" and ownership is not None:  # the interrupted exit skipped its count
         ownership.decrement()  # of this thread's limits: put it right for the tests after this
-    paths = {path for path, _ in before}
     with backend.limit_blas_threads(1):
         assert {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths} == {1}
     assert _blas_threads() == before
