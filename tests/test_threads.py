@@ -674,6 +674,48 @@ def test_a_limit_that_ends_while_npattn_holds_blas_leaves_the_count_to_other_thr
     assert _blas_threads() == before
 
 
+def test_a_hold_inside_the_callers_own_limit_leaves_the_caller_its_turn():
+    """The caller's thread is inside its own threadpool_limits (from threadpoolctl 3.8 on, the
+    one thread whose changes to OpenBLAS's count take effect) and runs npattn's tasks in that
+    thread: afterwards the caller still has that turn, as threadpoolctl gave it, so another
+    thread's limit is ignored as it is without npattn, and the caller's limit restores the count
+    it found. A hold that gave up a turn it had not taken let the other thread's limit through
+    in the middle of the caller's."""
+    from npattn import backend
+
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
+        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
+    before = _blas_threads()
+    paths = {path for path, _ in before}
+
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
+
+    n = max(m for _, m in before) + 1
+
+    def another_threads_limit_sees():
+        seen = []
+
+        def other():
+            with threadpoolctl.threadpool_limits(limits=n + 1, user_api="blas"):
+                seen.append(counts())
+
+        o = threading.Thread(target=other)
+        o.start()
+        o.join(30)
+        return seen
+
+    with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
+        if counts() != {n}:
+            pytest.skip(f"BLAS does not take {n} threads here")
+        assert another_threads_limit_sees() == [{n}]  # threadpoolctl's rule, npattn aside
+        with backend.exclusive():
+            backend.run_tasks(lambda i: None, [(0,), (1,)], 2)
+        assert counts() == {n}
+        assert another_threads_limit_sees() == [{n}], "npattn's hold gave up the caller's turn"
+    assert _blas_threads() == before
+
 
 
 @pytest.mark.parametrize("where", ["setting", "restoring"])
