@@ -717,6 +717,64 @@ def test_a_hold_inside_the_callers_own_limit_leaves_the_caller_its_turn():
     assert _blas_threads() == before
 
 
+def test_a_hold_in_a_thread_inside_its_own_ignored_limit_gives_up_the_turn_it_took():
+    """A worker thread inside its own threadpool_limits (ignored: the caller's thread, inside its
+    limit, has the turn to change OpenBLAS's count) runs npattn's tasks, whose hold takes the turn
+    from the caller. The hold gives it up when it ends although the worker is still inside its
+    own limit (which does not give it up until it ends): the caller's limit then restores the
+    count it found, and a third thread's limit takes effect. A hold that left the turn with the
+    worker ignored the caller's restore and every other thread's limit until the worker's ended."""
+    from npattn import backend
+
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
+        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
+    before = _blas_threads()
+    paths = {path for path, _ in before}
+
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
+
+    n = max(m for _, m in before) + 1
+    ran, release, errors, seen = threading.Event(), threading.Event(), [], []
+
+    def worker():
+        try:
+            with threadpoolctl.threadpool_limits(limits=n + 1, user_api="blas"):  # ignored
+                with backend.exclusive():
+                    backend.run_tasks(lambda i: None, [(0,), (1,)], 2)
+                ran.set()
+                release.wait(10)
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    def other():
+        with threadpoolctl.threadpool_limits(limits=n + 2, user_api="blas"):
+            seen.append(counts())
+
+    w = threading.Thread(target=worker)
+    try:
+        with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
+            if counts() != {n}:
+                pytest.skip(f"BLAS does not take {n} threads here")
+            w.start()
+            assert ran.wait(10), "the worker's tasks did not run"
+            assert counts() == {n}  # the worker's own limit was ignored; its hold restored n
+        assert _blas_threads() == before, "the caller's limit did not restore the count it found"
+        o = threading.Thread(target=other)
+        o.start()
+        o.join(30)
+        assert seen == [{n + 2}], f"another thread's limit of {n + 2} was ignored: {seen}"
+    finally:  # the worker's limit restores the count it found (n) when it ends: put back the one
+        release.set()  # at start, and leave no turn behind
+        w.join(30)
+        for lib in backend.blas_controller().lib_controllers:
+            if lib.filepath in paths:
+                lib.set_num_threads(dict(before)[lib.filepath])
+        threadpoolctl.OpenBLASController.clear_controlling_thread(force=True)
+    assert not w.is_alive() and not errors, errors
+    assert _blas_threads() == before
+
 
 @pytest.mark.parametrize("where", ["setting", "restoring"])
 def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypatch):
