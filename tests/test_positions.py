@@ -141,7 +141,8 @@ def test_rope_positions_broadcast_along_the_sequence_are_refused(xp, to_xp, to_n
     """A start per sequence given as an array of shape (B, 1, 1) (or a 0-d array) would put
     every token of a row at that one position, where an int start counts up from it: refused by
     name where L > 1; the per-token positions start[..., None] + arange(L) rotate as the
-    loop over pairs does, and with L = 1 one position per row is what it says."""
+    loop over pairs does, and with L = 1 one position per row is what it says (L = 2 is refused:
+    a bound of L > 2 let two tokens sit at one position)."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 1, 3, 4))
     starts = np.array([4, 9])
@@ -150,6 +151,9 @@ def test_rope_positions_broadcast_along_the_sequence_are_refused(xp, to_xp, to_n
         with pytest.raises(ValueError, match=r"^positions: expected one position per token \(a last "
                                              r"axis of L = 3\), got shape \((2, 1, 1|)\)"):
             P.rope_forward(x_in, positions)
+    with pytest.raises(ValueError, match=r"^positions: expected one position per token \(a last "
+                                         r"axis of L = 2\), got shape \(2, 1, 1\)"):
+        P.rope_forward(to_xp(x[:, :, :2]), to_xp(starts[:, None, None]))  # L = 2, the least refused
     per_token = starts[:, None, None] + np.arange(3)  # [2, 1, 3]
     out, _ = P.rope_forward(to_xp(x), to_xp(per_token))
     np.testing.assert_allclose(to_np(out), rope_reference(x, per_token), rtol=0, atol=1e-12)
