@@ -316,7 +316,8 @@ def test_a_value_with_a_shape_but_no_dtype_is_no_tensor():
 def test_a_masked_array_value_is_refused_and_nothing_is_loaded():
     """A NumPy masked array in a state dict: its host copy kept the data and dropped the mask,
     so the masked entries were loaded as whatever numbers lay under them. Refused by name,
-    as npattn refuses masked arrays everywhere, before any parameter changes."""
+    as npattn refuses masked arrays everywhere, before any parameter changes; the message says
+    how to take the data of each kind (NumPy's np.ma.getdata would not take dask's)."""
     tm = _randomized(torch.nn.MultiheadAttention(4, 2, dtype=torch.float64))
     mha = MultiHeadAttention(4, 2, dtype="float64")
     before = {k: v.copy() for k, v in mha.params.items()}
@@ -324,7 +325,8 @@ def test_a_masked_array_value_is_refused_and_nothing_is_loaded():
     w = sd["in_proj_weight"]
     sd["in_proj_weight"] = np.ma.MaskedArray(w, mask=np.eye(12, 4, dtype=bool))
     with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a tensor or a plain "
-                                        r"array, got numpy\.ma\.MaskedArray \(npattn would ignore its mask\)"):
+                                        r"array, got numpy\.ma\.MaskedArray \(npattn would ignore its mask\); "
+                                        r"pass its data, np\.ma\.getdata\(a\), with the masked entries"):
         mha.load_torch_state_dict(sd)
     for k in before:
         np.testing.assert_array_equal(mha.params[k], before[k])
@@ -333,7 +335,9 @@ def test_a_masked_array_value_is_refused_and_nothing_is_loaded():
     sd["in_proj_weight"] = da.ma.masked_array(da.from_array(w, chunks=4),
                                               mask=da.from_array(np.eye(12, 4, dtype=bool), chunks=4))
     with pytest.raises(TypeError, match=r"^state_dict\['in_proj_weight'\]: expected a tensor or a plain "
-                                        r"array, got a dask array of numpy\.ma\.MaskedArray chunks"):
+                                        r"array, got a dask array of numpy\.ma\.MaskedArray chunks "
+                                        r"\(npattn would ignore its mask\); pass its data, "
+                                        r"dask\.array\.ma\.getdata\(a\),"):
         mha.load_torch_state_dict(sd)
     for k in before:
         np.testing.assert_array_equal(mha.params[k], before[k])
