@@ -754,6 +754,10 @@ def test_a_numpy_subclass_is_not_the_kernels(tmp_path):
     with pytest.raises(ValueError, match=r"got q numpy\.ndarray, k numpy\.ndarray, v numpy\.ndarray, "
                                          r"mask \S*Sub; q, k, v of shapes"):
         A.sdpa_forward(q, q, q, mask=np.ones((3, 3), bool).view(Sub), impl="numpy")
+    keep = np.ones((1, 2, 3, 3), bool).view(Sub)  # a dropout_mask of the other type is named as well
+    with pytest.raises(ValueError, match=r"got q numpy\.ndarray, k numpy\.ndarray, v numpy\.ndarray, "
+                                         r"dropout_mask \S*Sub; q, k, v of shapes"):
+        A.sdpa_forward(q, q, q, dropout_p=0.5, dropout_mask=keep, impl="numpy")
 
 
 def test_numpy_kernel_refusal_names_the_head_count():
