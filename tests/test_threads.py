@@ -1098,6 +1098,60 @@ def test_an_interrupt_while_run_tasks_waits_leaves_no_task_behind(monkeypatch):
     assert sorted(seen) == [0, 1, 2]
 
 
+def test_an_interrupt_while_run_tasks_hands_out_tasks_leaves_no_task_behind(monkeypatch):
+    """Ctrl-C lands while run_tasks hands the tasks to the pool (the third ``submit`` raises
+    KeyboardInterrupt once the first two run): run_tasks raises it only once those two have
+    ended, as for an interrupt while it waits, and no other task starts. Handing the tasks out
+    before the cancelling took effect left the two running after the call had released BLAS
+    and the lock."""
+    from npattn import backend
+
+    before = _blas_threads()
+    backend.run_tasks(lambda i: None, [(0,), (1,)], 2)  # the pool at 2 threads: the call below makes one
+    lock, both_busy, release = threading.Lock(), threading.Event(), threading.Event()
+    started, ended = [], []
+    real_wait = backend.wait
+
+    class InterruptedPool(backend.ThreadPoolExecutor):
+        handed = 0
+
+        def submit(self, *a, **kw):
+            type(self).handed += 1
+            if type(self).handed == 3:  # once: a later call on this pool is not interrupted
+                both_busy.wait(10)
+                raise KeyboardInterrupt
+            return super().submit(*a, **kw)
+
+    def waiting(futures, *a, **kw):  # run_tasks waits for what it handed out: those may end now
+        release.set()
+        return real_wait(futures, *a, **kw)
+
+    def task(i):
+        with lock:
+            started.append(i)
+            if len(started) == 2:
+                both_busy.set()
+        release.wait(10)
+        with lock:
+            ended.append(i)
+
+    monkeypatch.setattr(backend, "ThreadPoolExecutor", InterruptedPool)
+    monkeypatch.setattr(backend, "wait", waiting)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            backend.run_tasks(task, [(i,) for i in range(6)], 3)
+        with lock:
+            at_return = (sorted(started), sorted(ended))
+    finally:
+        release.set()
+    assert at_return == ([0, 1], [0, 1]), f"tasks still running after the call (started, ended): {at_return}"
+    assert _blas_threads() == before
+    monkeypatch.undo()  # the next call, at 2 threads, makes a plain pool and runs every task
+    seen = []
+    backend.run_tasks(lambda i: seen.append(i), [(i,) for i in range(3)], 2)
+    assert sorted(seen) == [0, 1, 2]
+
+
 @needs_pool
 def test_the_kernel_and_the_blocked_path_share_one_pool(monkeypatch):
     """The blocked path hands the pool fewer slices than it has threads (3 pool threads, a
