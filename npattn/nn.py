@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
 from .backend import (device_of, entry_bytes, float64_namespace, float64_result, namespace,
-                      overflow_unreported, resolve_backend, row_max, widest_int, without_empty_chunks,
-                      zero_d)
+                      overflow_unreported, persisted, resolve_backend, row_max, widest_int,
+                      without_empty_chunks, zero_d)
 from .functional import compute_dtype, sum_to_shape
 
 __all__ = [
@@ -607,6 +607,10 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
     float16 the default ``eps=1e-8`` rounds to 0, so an entry whose gradient and second
     moment are 0 (or underflow) gets ``0 / 0 = NaN``, in torch as here: pass an ``eps``
     float16 can hold (1e-4, say) or keep float32 parameters.
+
+    On dask the updated parameters and moments are computed by this call and kept computed
+    (``dask.persist``, in one graph): the next step's graph starts from them, where it would
+    hold every earlier step and compute them all again at each step that reads a number.
     """
     check_adam(params, grads, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
@@ -630,6 +634,12 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
         v = b2 * state.v[name] + (1.0 - b2) * (g * g)
         new_p[name] = zero_d(w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps)))
         new_m[name], new_v[name] = zero_d(m), zero_d(v)  # (a 0-d parameter's: 0-d arrays)
+    # dask: the step computed now, in one persist (one per array would run the backward again
+    # for each); the arrays of another library come back as they are
+    updated = [name for name, g in grads.items() if g is not None]
+    done = iter(persisted(*(d[name] for d in (new_p, new_m, new_v) for name in updated)))
+    for d in (new_p, new_m, new_v):
+        d.update((name, next(done)) for name in updated)
     same = all(n == t for n in steps.values())
     return new_p, AdamState(new_m, new_v, t, None if same else steps)
 

@@ -627,6 +627,34 @@ def test_adam_minimises_a_quadratic():
     np.testing.assert_allclose(params["w"], target, atol=1e-3)
 
 
+def test_adam_on_dask_returns_computed_parameters_and_moments():
+    # a training loop on dask: unless each step's parameters and moments are computed and kept
+    # (persisted), the next step's graph holds every earlier step, and every step that reads a
+    # number (the loss, the gradient norm) computes them all again, quadratic in the steps
+    # (npattn demo --backend dask: 20 steps in 11 s, 80 in 180 s)
+    da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    rng = np.random.default_rng(7)
+    w0, target = rng.standard_normal(6), rng.standard_normal(6)
+    params = {"w": da.from_array(w0, chunks=3)}
+    state = nn.adam_init(params)
+    for _ in range(4):
+        grad = 2.0 * (params["w"] - da.from_array(target, chunks=3))  # of |w - target|^2
+        params, state = nn.adam_step(params, {"w": grad}, state, lr=0.1, betas=(0.8, 0.99))
+        for name, a in (("w", params["w"]), ("m", state.m["w"]), ("v", state.v["w"])):
+            # a persisted array's graph holds its two chunks and no task that makes them
+            assert len(dict(a.__dask_graph__())) == 2, name
+    # the values: Adam per scalar with plain floats (Kingma & Ba, Algorithm 1)
+    w, m, v = [float(x) for x in w0], [0.0] * 6, [0.0] * 6
+    for t in range(1, 5):
+        for j in range(6):
+            g = 2.0 * (w[j] - target[j])
+            m[j] = 0.8 * m[j] + 0.2 * g
+            v[j] = 0.99 * v[j] + 0.01 * g * g
+            w[j] -= 0.1 * (m[j] / (1 - 0.8**t)) / (math.sqrt(v[j] / (1 - 0.99**t)) + 1e-8)
+    np.testing.assert_allclose(params["w"].compute(), w, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(state.m["w"].compute(), m, rtol=1e-12, atol=1e-12)
+
+
 def test_clip_grad_norm_scales_to_max_norm_and_keeps_small_gradients(xp, to_xp, to_np):
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((3, 4)), rng.standard_normal(5)
