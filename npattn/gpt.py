@@ -47,7 +47,7 @@ from . import layers as Ly
 from . import nn
 from . import validation as V
 from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, make_rng,
-                      resolve_backend, seed_sequence, to_numpy, widest_int)
+                      persisted, resolve_backend, seed_sequence, to_numpy, widest_int)
 from .kvcache import KVCache
 from .module import check_kv_cache
 from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
@@ -705,6 +705,8 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
                                    reduction=reduction)
         grads = model.backward(dlogits)
+        grads = dict(zip(grads, persisted(*grads.values())))  # dask: computed once, in one graph,
+        # for the norm and the step (each of the norm's sums would compute the backward again)
         if max_grad_norm is not None:
             grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))
         else:

@@ -657,7 +657,10 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     ``(new_grads, total)``: a new dict (the arrays given are not written)
     and the norm before clipping as a Python float. ``None`` entries are
     kept as they are. Half-precision gradients are squared and summed in float32 (as
-    torch does; 300 squared overflows float16), then scaled in their own dtype.
+    torch does; 300 squared overflows float16), then scaled in their own dtype. On dask the
+    gradients are computed first, in one graph, and kept computed (``dask.persist``): the
+    norm and ``new_grads`` are taken from those, where each of the norm's sums would
+    compute the gradients' graph again.
 
     Where a square or a sum of squares overflows though every entry is finite (float32
     entries past 1.8e19, float64 ones past 1.3e154), ``total`` is still the norm whenever a
@@ -677,6 +680,7 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     _check_grads(grads)
     Vd.check_number("max_norm", max_norm)
     Vd.check_number("eps", eps, allow_zero=True)
+    grads = _computed(grads)
     total = _global_norm(grads)
     denom = total + float(eps)
     scale = 1.0 if denom == 0.0 else min(float(max_norm) / denom, 1.0)  # (Python's x / 0.0 raises)
@@ -690,7 +694,14 @@ def global_norm(grads: dict) -> float:
     float: ``clip_grad_norm``'s ``total``, as its docstring says (the true norm where the
     squares overflow, inf or NaN for an infinite or NaN entry), without clipping."""
     _check_grads(grads)
-    return _global_norm(grads)
+    return _global_norm(_computed(grads))
+
+
+def _computed(grads: dict) -> dict:
+    """``grads`` with its dask arrays computed now, in one graph, and kept computed
+    (``backend.persisted``); the others as they are. The norm reads one sum per array as a
+    Python float: on lazy dask arrays each of those would compute the whole backward again."""
+    return dict(zip(grads, persisted(*grads.values())))
 
 
 def _check_grads(grads: Any) -> None:
