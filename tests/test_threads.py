@@ -613,6 +613,37 @@ def test_a_pool_call_holds_blas_while_another_thread_is_inside_its_own_limit(mon
     assert _blas_threads() == before
 
 
+def _turns():
+    """threadpoolctl from 3.8 on (one thread at a time has the turn to change OpenBLAS's
+    count; skipped before), the BLAS counts at the start, their libraries' paths, and a reader
+    of those libraries' counts now."""
+    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
+    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
+        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
+    before = _blas_threads()
+    paths = {path for path, _ in before}
+
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
+
+    return threadpoolctl, before, paths, counts
+
+
+def _seen_by_another_thread(threadpoolctl, counts, limit):
+    """What the counts are inside ``threadpool_limits(limit)`` in a new thread: ``[{limit}]``
+    where that thread gets the turn, the counts as they were where another thread has it."""
+    seen = []
+
+    def other():
+        with threadpoolctl.threadpool_limits(limits=limit, user_api="blas"):
+            seen.append(counts())
+
+    o = threading.Thread(target=other)
+    o.start()
+    o.join(30)
+    return seen
+
+
 @needs_pool
 def test_a_limit_that_ends_while_npattn_holds_blas_leaves_the_count_to_other_threads():
     """The caller's threadpool_limits ends while a worker thread's npattn call holds BLAS (its
@@ -623,15 +654,7 @@ def test_a_limit_that_ends_while_npattn_holds_blas_leaves_the_count_to_other_thr
     did nothing without a word."""
     from npattn import backend
 
-    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
-    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
-        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
-    before = _blas_threads()
-    paths = {path for path, _ in before}
-
-    def counts():
-        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
-
+    threadpoolctl, before, paths, counts = _turns()
     n = max(m for _, m in before) + 1
     inside, release, errors = threading.Event(), threading.Event(), []
 
@@ -655,16 +678,8 @@ def test_a_limit_that_ends_while_npattn_holds_blas_leaves_the_count_to_other_thr
     release.set()
     t.join(30)
     assert not t.is_alive() and not errors, errors
-    seen = []
-
-    def other():
-        with threadpoolctl.threadpool_limits(limits=n + 1, user_api="blas"):
-            seen.append(counts())
-
     try:
-        o = threading.Thread(target=other)
-        o.start()
-        o.join(30)
+        seen = _seen_by_another_thread(threadpoolctl, counts, n + 1)
         assert seen == [{n + 1}], f"another thread's limit of {n + 1} was ignored: {seen}"
     finally:  # the counts at start again (the caller's restore was ignored), and no turn kept
         for lib in backend.blas_controller().lib_controllers:
@@ -683,37 +698,18 @@ def test_a_hold_inside_the_callers_own_limit_leaves_the_caller_its_turn():
     in the middle of the caller's."""
     from npattn import backend
 
-    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
-    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
-        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
-    before = _blas_threads()
-    paths = {path for path, _ in before}
-
-    def counts():
-        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
-
+    threadpoolctl, before, paths, counts = _turns()
     n = max(m for _, m in before) + 1
-
-    def another_threads_limit_sees():
-        seen = []
-
-        def other():
-            with threadpoolctl.threadpool_limits(limits=n + 1, user_api="blas"):
-                seen.append(counts())
-
-        o = threading.Thread(target=other)
-        o.start()
-        o.join(30)
-        return seen
 
     with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
         if counts() != {n}:
             pytest.skip(f"BLAS does not take {n} threads here")
-        assert another_threads_limit_sees() == [{n}]  # threadpoolctl's rule, npattn aside
+        assert _seen_by_another_thread(threadpoolctl, counts, n + 1) == [{n}]  # threadpoolctl's rule
         with backend.exclusive():
             backend.run_tasks(lambda i: None, [(0,), (1,)], 2)
         assert counts() == {n}
-        assert another_threads_limit_sees() == [{n}], "npattn's hold gave up the caller's turn"
+        seen = _seen_by_another_thread(threadpoolctl, counts, n + 1)
+        assert seen == [{n}], "npattn's hold gave up the caller's turn"
     assert _blas_threads() == before
 
 
@@ -726,17 +722,9 @@ def test_a_hold_in_a_thread_inside_its_own_ignored_limit_gives_up_the_turn_it_to
     worker ignored the caller's restore and every other thread's limit until the worker's ended."""
     from npattn import backend
 
-    threadpoolctl = pytest.importorskip("threadpoolctl", reason="BLAS thread counts need threadpoolctl")
-    if getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None) is None:
-        pytest.skip("threadpoolctl before 3.8 lets every thread change the count: no turn to keep")
-    before = _blas_threads()
-    paths = {path for path, _ in before}
-
-    def counts():
-        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
-
+    threadpoolctl, before, paths, counts = _turns()
     n = max(m for _, m in before) + 1
-    ran, release, errors, seen = threading.Event(), threading.Event(), [], []
+    ran, release, errors = threading.Event(), threading.Event(), []
 
     def worker():
         try:
@@ -748,10 +736,6 @@ def test_a_hold_in_a_thread_inside_its_own_ignored_limit_gives_up_the_turn_it_to
         except BaseException:
             errors.append(traceback.format_exc())
 
-    def other():
-        with threadpoolctl.threadpool_limits(limits=n + 2, user_api="blas"):
-            seen.append(counts())
-
     w = threading.Thread(target=worker)
     try:
         with threadpoolctl.threadpool_limits(limits=n, user_api="blas"):
@@ -761,9 +745,7 @@ def test_a_hold_in_a_thread_inside_its_own_ignored_limit_gives_up_the_turn_it_to
             assert ran.wait(10), "the worker's tasks did not run"
             assert counts() == {n}  # the worker's own limit was ignored; its hold restored n
         assert _blas_threads() == before, "the caller's limit did not restore the count it found"
-        o = threading.Thread(target=other)
-        o.start()
-        o.join(30)
+        seen = _seen_by_another_thread(threadpoolctl, counts, n + 2)
         assert seen == [{n + 2}], f"another thread's limit of {n + 2} was ignored: {seen}"
     finally:  # the worker's limit restores the count it found (n) when it ends: put back the one
         release.set()  # at start, and leave no turn behind
@@ -811,15 +793,12 @@ def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypa
     assert sorted(ran) == ([] if where == "setting" else [0, 1])  # the tasks run inside the hold
     assert _blas_threads() == before
     paths = {path for path, _ in before}
-    seen = []
 
-    def other():  # the interrupted hold kept no turn to change the count: another thread's limit holds
-        with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-            seen.append({p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths})
+    def counts():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths}
 
-    o = threading.Thread(target=other)
-    o.start()
-    o.join(30)
+    # the interrupted hold kept no turn to change the count: another thread's limit holds
+    seen = _seen_by_another_thread(threadpoolctl, counts, 1)
     assert seen == [{1}], f"another thread's limit of 1 was ignored after the interrupt: {seen}"
     assert _blas_threads() == before
     monkeypatch.setattr(ctl, "limit", real_limit)
@@ -827,7 +806,7 @@ def test_an_interrupt_inside_threadpoolctl_leaves_blas_as_it_was(where, monkeypa
     if where == "restoring" and ownership is not None:  # the interrupted exit skipped its count
         ownership.decrement()  # of this thread's limits: put it right for the tests after this
     with backend.limit_blas_threads(1):
-        assert {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["filepath"] in paths} == {1}
+        assert counts() == {1}
     assert _blas_threads() == before
 
 
