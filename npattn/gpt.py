@@ -48,7 +48,7 @@ from . import nn
 from . import validation as V
 from .backend import (backend_name, device_of, dropout_key, from_numpy, keep_mask, make_rng,
                       persisted, resolve_backend, seed_sequence, to_numpy, widest_int)
-from .kvcache import KVCache
+from .kvcache import KVCache, persist_with
 from .module import check_kv_cache
 from .stack import BlockStack, block_grads_put_back_on_failure, blocks_put_back_on_failure
 from .transformer import TransformerBlock
@@ -568,8 +568,9 @@ class GPT(BlockStack):
         feed = self.xp.astype(ids, widest_int(self.xp))
         for t in range(max_new_tokens):
             last = self.forward(feed, kv_caches=caches)[:, -1, :]  # [B, V]
-            for cache in caches:  # dask: the next step's graph starts from computed keys
-                cache.persist()
+            # dask: the next step's graph starts from computed keys, and the logits are computed
+            # with them (one persist per cache and the read below ran the blocks again for each)
+            last, = persist_with(caches, last)
             steps.append(last)
             host = np.asarray(to_numpy(last), dtype=np.float64)  # (bfloat16 included)
             _check_step_logits(host, t, max_new_tokens)

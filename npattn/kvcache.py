@@ -338,6 +338,21 @@ class KVCache:
         return xp.concat(parts, axis=2) if len(parts) > 1 else parts[0]
 
 
+def persist_with(caches: Sequence[KVCache], *arrays: Any) -> tuple:
+    """``arrays`` computed with the buffers of every cache in ``caches``, in one
+    ``dask.persist``, and kept computed (``KVCache.persist`` for each cache); on other
+    backends everything is left as it is and ``arrays`` come back as given.
+
+    A decoding step's logits and the keys of block ``n`` share the blocks before ``n``:
+    a persist per cache and then a read of the logits compute those blocks once for each
+    (a 2-block GPT: the first block's attention twice a step, its keys three times).
+    """
+    done = persisted(*(buf for cache in caches for buf in (cache._k, cache._v)), *arrays)
+    for i, cache in enumerate(caches):
+        cache._k, cache._v = done[2 * i], done[2 * i + 1]
+    return done[2 * len(caches):]
+
+
 def unalign_columns(x: Any, shift: Sequence[int]) -> Any:
     """Undo ``right_aligned`` on the last axis: column ``j`` of the result is position
     ``j`` of entry ``b``; the ``shift[b]`` columns freed at the end are zeros.
