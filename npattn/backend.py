@@ -117,6 +117,7 @@ __all__ = [
     "is_numpy_array",
     "is_dask_array",
     "persisted",
+    "computed",
     "without_empty_chunks",
     "copy_array",
     "may_share_memory",
@@ -852,6 +853,24 @@ def persisted(*arrays: Any) -> tuple:
         return tuple(arrays)
     import dask
     done = dask.persist(*(arrays[i] for i in lazy))
+    out = list(arrays)
+    for i, a in zip(lazy, done):
+        out[i] = a
+    return tuple(out)
+
+
+def computed(*arrays: Any) -> tuple:
+    """``arrays`` with the dask ones computed now, in one graph (``dask.compute``: NumPy
+    arrays); the others (and None) as they are.
+
+    Values read one at a time (``float(x)``) each run their own graph: two sums of one
+    lazy array read that way compute it twice, where one ``dask.compute`` shares it.
+    """
+    lazy = [i for i, a in enumerate(arrays) if is_dask_array(a)]
+    if not lazy:
+        return tuple(arrays)
+    import dask
+    done = dask.compute(*(arrays[i] for i in lazy))
     out = list(arrays)
     for i, a in zip(lazy, done):
         out[i] = a

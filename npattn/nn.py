@@ -21,7 +21,7 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import (device_of, entry_bytes, float64_namespace, float64_result, namespace,
+from .backend import (computed, device_of, entry_bytes, float64_namespace, float64_result, namespace,
                       overflow_unreported, persisted, resolve_backend, row_max, widest_int,
                       without_empty_chunks, zero_d)
 from .functional import compute_dtype, sum_to_shape
@@ -660,7 +660,7 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     torch does; 300 squared overflows float16), then scaled in their own dtype. On dask the
     gradients are computed first, in one graph, and kept computed (``dask.persist``): the
     norm and ``new_grads`` are taken from those, where each of the norm's sums would
-    compute the gradients' graph again.
+    compute the gradients' graph again; the sums are then computed together, in one more.
 
     Where a square or a sum of squares overflows though every entry is finite (float32
     entries past 1.8e19, float64 ones past 1.3e154), ``total`` is still the norm whenever a
@@ -716,14 +716,18 @@ def _check_grads(grads: Any) -> None:
 def _global_norm(grads: dict) -> float:
     """``global_norm`` of checked ``grads``: ``sqrt(sum_k sum(g_k^2))``, taken again by
     ``_scaled_norm`` where that sum overflows."""
-    sq = 0.0
+    sums = []
     for g in grads.values():
         if g is not None:
             xp = namespace(g)
             ct = compute_dtype(xp, g.dtype)
             g = g if ct == g.dtype else xp.astype(g, ct)
             with overflow_unreported():  # an overflow is an inf, found below: no false alarm
-                sq += float(xp.sum(g * g))
+                sums.append(xp.sum(g * g))  # []
+    sq = 0.0
+    with overflow_unreported():  # dask: every sum in one graph (one read each runs its own)
+        for s in computed(*sums):
+            sq += float(s)
     if math.isinf(sq):  # a square or a sum overflowed, or an entry is infinite
         return _scaled_norm(grads)
     return math.sqrt(sq)

@@ -783,6 +783,31 @@ def test_clip_grad_norm_on_dask_computes_the_gradients_once(max_norm):
         assert len(calls) == 4, calls  # global_norm's: one more pass, none from the steps above
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_global_norm_on_dask_reads_its_sums_in_one_graph(clip):
+    """The norm of gradients on dask, once they are computed, read one sum per array, each
+    in a graph of its own: a training step of a 2-block GPT ran 36 (85 ms of a step on a
+    2-core machine, 49 ms in one graph). The scheduler now runs twice: the gradients, then
+    every sum; the norm is NumPy's."""
+    da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    import dask
+
+    rng = np.random.default_rng(12)
+    host = {k: rng.standard_normal(n) for k, n in zip("abcde", (3, 4, 5, 6, 7))}
+    runs = []
+
+    def counting_scheduler(dsk, keys, **kwargs):
+        runs.append(keys)
+        return dask.get(dsk, keys, **kwargs)
+
+    grads = {k: da.from_array(g, chunks=2) * 1.0 for k, g in host.items()}
+    want = math.sqrt(sum(math.fsum(float(x) ** 2 for x in g) for g in host.values()))
+    with dask.config.set(scheduler=counting_scheduler):
+        got = nn.clip_grad_norm(grads, 1e6)[1] if clip else nn.global_norm(grads)
+    assert len(runs) == 2, runs
+    assert got == pytest.approx(want, rel=1e-14)
+
+
 def test_clip_grad_norm_and_adam_keep_a_0_d_array_an_array(xp, to_xp, to_np):
     """A 0-d gradient or parameter comes back as a 0-d array of its library and dtype: NumPy's
     arithmetic on 0-d arrays gives a NumPy scalar (np.float64), which clipping and Adam's
