@@ -38,8 +38,9 @@ from typing import Any, Iterator, Literal, NamedTuple, Optional, Sequence, overl
 
 import numpy as np
 
-from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_int_seed, check_rng, device_of,
-                      is_array, is_dask_array, isdtype, keeps_dtype, namespace, without_empty_chunks)
+from .backend import (MAX_BYTES, backend_name, check_array_bytes, check_int_seed, check_rng, computed,
+                      device_of, is_array, is_dask_array, isdtype, keeps_dtype, namespace,
+                      without_empty_chunks)
 from .messages import described, real_text, type_name
 
 __all__ = [
@@ -468,14 +469,15 @@ def check_ids(name: str, ids: Any, n: int, xp: Any = None, device: Any = None, *
     if math.prod(shape_of(ids)):
         whole = without_empty_chunks(ids)  # dask's min and max fail on chunks of length 0
         if ignore is None:
-            lo, hi = int(ns.min(whole)), int(ns.max(whole))
+            least, most = ns.min(whole), ns.max(whole)  # []
         else:  # the range of the others: an ignored entry reads as the dtype's max for the
-            # min and its min for the max; only ignored entries: nothing out of range
+            # min and its min for the max
             counts = whole != ignore
-            if not bool(ns.any(counts)):
-                return
-            lo = int(ns.min(ns.where(counts, whole, ns.full_like(whole, high))))
-            hi = int(ns.max(ns.where(counts, whole, ns.full_like(whole, low))))
+            least = ns.min(ns.where(counts, whole, ns.full_like(whole, high)))  # []
+            most = ns.max(ns.where(counts, whole, ns.full_like(whole, low)))  # []
+        lo, hi = (int(a) for a in computed(least, most))  # dask: both in one graph, one pass over ids
+        if lo > hi:  # only ignored entries (the dtype's max > its min): nothing out of range
+            return
         if lo < 0 or hi >= n:
             if ignore is None:
                 raise ValueError(f"{name}: expected {what} in [0, {n}), got values in [{lo}, {hi}]")

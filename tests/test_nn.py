@@ -808,6 +808,44 @@ def test_global_norm_on_dask_reads_its_sums_in_one_graph(clip):
     assert got == pytest.approx(want, rel=1e-14)
 
 
+@pytest.mark.parametrize("ignore_index", [None, 3])
+def test_ids_on_dask_are_read_in_one_pass(ignore_index):
+    """The range check of ids on dask read their smallest and largest value in two graphs
+    (with ignore_index: whether any counts, the smallest and the largest in three), each a
+    pass over the ids and whatever computes them. Each chunk of the ids now runs once in
+    embedding_forward's check (and once more in the cross-entropy's count of the targets
+    that count, with ignore_index); the results are NumPy's, and out of range is still
+    refused."""
+    da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    import dask
+
+    rng = np.random.default_rng(13)
+    host = rng.integers(0, 5, (4, 6))
+    host[0, :2] = 3
+    w = rng.standard_normal((5, 2))
+    logits = rng.standard_normal((4, 6, 5))
+    calls = []
+
+    def counted(block):
+        calls.append(block.shape)
+        return block
+
+    ids = da.from_array(host, chunks=(2, 6)).map_blocks(counted, meta=host[:0])  # 2 chunks
+    with dask.config.set(scheduler="sync"):  # the calls are counted in this process
+        e, _ = nn.embedding_forward(ids, da.from_array(w))
+        assert len(calls) == 2, calls
+        np.testing.assert_array_equal(e.compute(), w[host])
+        calls.clear()
+        loss, _ = nn.cross_entropy_forward(da.from_array(logits), ids, ignore_index=ignore_index)
+        assert len(calls) == (2 if ignore_index is None else 4), calls
+        z = logits - logits.max(axis=-1, keepdims=True)
+        nll = np.log(np.exp(z).sum(axis=-1)) - np.take_along_axis(z, host[..., None], -1)[..., 0]
+        keep = np.ones(host.shape, bool) if ignore_index is None else host != ignore_index
+        np.testing.assert_allclose(float(loss), nll[keep].mean(), rtol=1e-12)
+        with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 4\), got values in \[0, 4\]"):
+            nn.embedding_forward(ids, da.from_array(w[:4]))
+
+
 def test_clip_grad_norm_and_adam_keep_a_0_d_array_an_array(xp, to_xp, to_np):
     """A 0-d gradient or parameter comes back as a 0-d array of its library and dtype: NumPy's
     arithmetic on 0-d arrays gives a NumPy scalar (np.float64), which clipping and Adam's
