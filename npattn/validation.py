@@ -50,6 +50,7 @@ __all__ = [
     "check_segment_dtypes",
     "scores_lead",
     "check_finite_values",
+    "check_finite_arrays",
     "check_mask",
     "check_array",
     "check_device",
@@ -619,17 +620,28 @@ def heads_layout(q: Any, k: Any, v: Any, *masks: Any) -> bool:
 
 def check_finite_values(name: str, x: Any, xp: Any, *, allow_neg_inf: bool = False) -> None:
     """``ValueError`` when ``x`` holds NaN or an infinity (``-inf`` allowed when asked)."""
-    if x is None or not _is_floating(xp, x.dtype):
-        return
-    if allow_neg_inf:
-        bad = xp.logical_or(xp.isnan(x), x == math.inf)
-        what = "NaN or +inf (-inf is allowed in an additive mask)"
-    else:
-        bad = xp.logical_not(xp.isfinite(x))
-        what = "NaN or inf"
-    n_bad = int(xp.sum(xp.astype(bad, xp.int64)))
-    if n_bad:
-        raise ValueError(f"{name}: expected finite values, got {n_bad} entries that are {what}")
+    check_finite_arrays([(name, x, allow_neg_inf)], xp)
+
+
+def check_finite_arrays(entries: Sequence[tuple], xp: Any) -> None:
+    """``check_finite_values`` of each ``(name, x, allow_neg_inf)`` in ``entries``, the first
+    one with a NaN or an infinity named. The counts are read together: on dask in one
+    graph, where a read per array runs a graph each (and reads an array given twice twice)."""
+    counts = []
+    for name, x, allow_neg_inf in entries:
+        if x is None or not _is_floating(xp, x.dtype):
+            continue
+        if allow_neg_inf:
+            bad = xp.logical_or(xp.isnan(x), x == math.inf)
+            what = "NaN or +inf (-inf is allowed in an additive mask)"
+        else:
+            bad = xp.logical_not(xp.isfinite(x))
+            what = "NaN or inf"
+        counts.append((name, what, xp.sum(xp.astype(bad, xp.int64))))  # []
+    for (name, what, _), n in zip(counts, computed(*(n for _, _, n in counts))):
+        n_bad = int(n)
+        if n_bad:
+            raise ValueError(f"{name}: expected finite values, got {n_bad} entries that are {what}")
 
 
 # --------------------------------------------------------------------------

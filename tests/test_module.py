@@ -503,3 +503,35 @@ def test_self_attention_gradients_against_central_differences():
     for name in mha.params:
         np.testing.assert_allclose(mha.grads[name], want[name], rtol=1e-6, atol=1e-8,
                                    err_msg=name)
+
+
+def test_check_finite_on_dask_reads_every_array_in_one_graph():
+    """check_finite on dask read one count per array, each in a graph of its own: 11 for a
+    self-attention call (query, key and value, each a pass over x, and 8 parameters; 45 ms
+    where the forward's graph takes 7 ms). Now one graph and one pass over each chunk of x;
+    the output is NumPy's, and a NaN is still named."""
+    da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    import dask
+
+    rng = np.random.default_rng(14)
+    host = rng.standard_normal((4, 5, 8))
+    calls, runs = [], []
+
+    def counted(block):
+        calls.append(block.shape)
+        return block
+
+    def counting_scheduler(dsk, keys, **kwargs):
+        runs.append(keys)
+        return dask.get(dsk, keys, **kwargs)
+
+    want, _ = MultiHeadAttention(8, 2, dtype="float64", seed=3).forward(host, host, host)
+    mha = MultiHeadAttention(8, 2, dtype="float64", seed=3, backend="dask")
+    x = da.from_array(host, chunks=(2, 5, 8)).map_blocks(counted, meta=host[:0])  # 2 chunks
+    with dask.config.set(scheduler=counting_scheduler):
+        out, _ = mha.forward(x, x, x, check_finite=True)
+        assert (len(runs), len(calls)) == (1, 2), (runs, calls)
+        np.testing.assert_allclose(out.compute(), want, rtol=1e-12, atol=1e-14)
+        bad = da.from_array(np.where(np.arange(8) == 3, np.nan, host), chunks=(2, 5, 8))
+        with pytest.raises(ValueError, match=r"value: expected finite values, got 20 entries that are NaN"):
+            mha.forward(x, x, bad, check_finite=True)
