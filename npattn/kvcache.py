@@ -27,7 +27,7 @@ from . import validation as V
 from .backend import (backend_from_ref, backend_name, backend_ref, copy_array, device_of, entry_bytes,
                       may_share_memory, namespace, persisted, resolve_backend)
 
-__all__ = ["KVCache", "AlignedKV", "unalign_columns"]
+__all__ = ["KVCache", "AlignedKV", "unalign_columns", "persist_with"]
 
 
 class AlignedKV(NamedTuple):
