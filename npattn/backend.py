@@ -848,15 +848,7 @@ def persisted(*arrays: Any) -> tuple:
     token's keys again at each step, quadratic in the tokens. Persisted, the next
     step's graph starts from the computed chunks.
     """
-    lazy = [i for i, a in enumerate(arrays) if is_dask_array(a)]
-    if not lazy:
-        return tuple(arrays)
-    import dask
-    done = dask.persist(*(arrays[i] for i in lazy))
-    out = list(arrays)
-    for i, a in zip(lazy, done):
-        out[i] = a
-    return tuple(out)
+    return _dask_call("persist", arrays)
 
 
 def computed(*arrays: Any) -> tuple:
@@ -866,11 +858,16 @@ def computed(*arrays: Any) -> tuple:
     Values read one at a time (``float(x)``) each run their own graph: two sums of one
     lazy array read that way compute it twice, where one ``dask.compute`` shares it.
     """
+    return _dask_call("compute", arrays)
+
+
+def _dask_call(name: str, arrays: tuple) -> tuple:
+    """``arrays`` with the dask ones replaced by ``dask.<name>`` of them all, one call."""
     lazy = [i for i, a in enumerate(arrays) if is_dask_array(a)]
     if not lazy:
         return tuple(arrays)
     import dask
-    done = dask.compute(*(arrays[i] for i in lazy))
+    done = getattr(dask, name)(*(arrays[i] for i in lazy))
     out = list(arrays)
     for i, a in zip(lazy, done):
         out[i] = a

@@ -1215,6 +1215,22 @@ def test_a_block_impl_that_cannot_run_is_refused_before_the_embedding(monkeypatc
     assert caches is None or [list(c.cache_seqlens) for c in caches] == [[0, 0]] * N
 
 
+def _count_reads_of_w_q(model) -> list:
+    """Make block 0's w_q of a dask GPT (one chunk) a task that records each run in the list
+    returned: one entry per pass over the graph that needs it (sync scheduler)."""
+    calls = []
+
+    def counted(block):
+        calls.append(block.shape)
+        return block
+
+    params = dict(model.params)
+    w = params["blocks.0.self_attn.w_q"]
+    params["blocks.0.self_attn.w_q"] = w.map_blocks(counted, meta=np.asarray(w)[:0])
+    model.params = params
+    return calls
+
+
 def test_generate_on_dask_starts_each_step_from_computed_caches(monkeypatch):
     """GPT.generate on dask persists its KV caches after each step: the graph an append
     extends stays one size, where it grew by every earlier token before (40 tokens of a
@@ -1246,20 +1262,11 @@ def test_generate_on_dask_computes_each_step_once():
     da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
     import dask
 
-    calls = []
-
-    def counted(block):
-        calls.append(block.shape)
-        return block
-
     prompt = np.array([[1, 2, 3], [4, 5, 6]])
-    want, want_logits = GPT(11, 16, 8, 2, 2, seed=4, dtype="float64").generate(prompt, 5, greedy=True,
-                                                                                return_logits=True)
+    host = GPT(11, 16, 8, 2, 2, seed=4, dtype="float64")
+    want, want_logits = host.generate(prompt, 5, greedy=True, return_logits=True)
     lazy = GPT(11, 16, 8, 2, 2, seed=4, dtype="float64", backend="dask")
-    params = dict(lazy.params)
-    w = params["blocks.0.self_attn.w_q"]  # one chunk
-    params["blocks.0.self_attn.w_q"] = w.map_blocks(counted, meta=np.asarray(w)[:0])
-    lazy.params = params
+    calls = _count_reads_of_w_q(lazy)
     with dask.config.set(scheduler="sync"):  # the calls are counted in this process
         out, logits = lazy.generate(da.from_array(prompt), 5, greedy=True, return_logits=True)
         assert len(calls) == 5, calls
@@ -1281,19 +1288,10 @@ def test_training_step_on_dask_computes_the_backward_once(max_grad_norm):
 
     rng = np.random.default_rng(3)
     ids, targets = rng.integers(0, 11, (2, 8)), rng.integers(0, 11, (2, 8))
-    calls = []
-
-    def counted(block):
-        calls.append(block.shape)
-        return block
-
     host = GPT(11, 8, 8, 2, 2, seed=4, dtype="float64")
     want = training_step(host, nn.adam_init(host.params), ids, targets, lr=1e-2, max_grad_norm=max_grad_norm)
     lazy = GPT(11, 8, 8, 2, 2, seed=4, dtype="float64", backend="dask")
-    params = dict(lazy.params)
-    w = params["blocks.0.self_attn.w_q"]  # one chunk
-    params["blocks.0.self_attn.w_q"] = w.map_blocks(counted, meta=np.asarray(w)[:0])
-    lazy.params = params
+    calls = _count_reads_of_w_q(lazy)
     with dask.config.set(scheduler="sync"):  # the calls are counted in this process
         got = training_step(lazy, nn.adam_init(lazy.params), da.from_array(ids, chunks=(1, 8)),
                             da.from_array(targets, chunks=(1, 8)), lr=1e-2, max_grad_norm=max_grad_norm)
