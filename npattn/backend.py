@@ -423,9 +423,11 @@ def may_share_memory(a: Any, b: Any) -> bool:
     """Whether writing into ``b`` may change ``a``: NumPy's and CuPy's ``may_share_memory``,
     for torch the same test on the bytes each tensor spans (two views of one storage that
     span apart, a packed key-value buffer's halves, share none), NumPy's test on the host
-    memory a library exports through DLPack (array_api_strict's); for arrays that export
-    none (dask's, whose assignments replace a graph, torch's on the meta device), whether
-    they are one object.
+    memory a library exports through DLPack (array_api_strict's); for arrays that have no
+    memory to export (dask's, whose assignments replace a graph, torch's on the meta
+    device), whether they are one object; True for an array whose library will not export
+    its memory (``BufferError``: a read-only view, a broadcast one say, before NumPy 2.1),
+    as the writers then copy it, which is always safe.
 
     torch refuses an assignment whose source overlaps its destination (a ``RuntimeError``
     that names no argument), and a writer of two buffers would read the second's source
@@ -445,7 +447,9 @@ def may_share_memory(a: Any, b: Any) -> bool:
         return bool(cupy.may_share_memory(a, b))
     try:
         return bool(np.may_share_memory(np.from_dlpack(a), np.from_dlpack(b)))
-    except (AttributeError, TypeError, ValueError, BufferError, RuntimeError):
+    except BufferError:  # memory its library would not hand over: it may be the other's
+        return True
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return a is b
 
 

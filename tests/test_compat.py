@@ -1300,6 +1300,28 @@ def test_flash_attn_with_kvcache_on_torch_bfloat16_takes_flash_attns_packed_cach
     assert torch.equal(out, want)
 
 
+def test_may_share_memory_of_memory_not_exported_is_true():
+    """An array whose library will not export its memory (NumPy before 2.1 refuses a read-only
+    view, as array_api_strict's broadcast_to gives, with a BufferError) may share it: the
+    writers then copy it. Taking it for memory apart wrote a KV cache's new values into the
+    new keys broadcast from its value buffer (array_api_strict 2.5 with NumPy 2.0). Arrays
+    with no memory at all (dask's) are one buffer only when they are one object."""
+    from npattn.backend import may_share_memory, shares_memory
+
+    class Unexported:
+        def __dlpack_device__(self):
+            return (1, 0)  # the CPU
+
+        def __dlpack__(self, **kwargs):
+            raise BufferError("Cannot export readonly array since signalling readonly is unsupported")
+
+    x, y = Unexported(), np.zeros(3)
+    assert may_share_memory(x, y) and may_share_memory(y, x) and shares_memory(x, y)
+    da = pytest.importorskip("dask.array")
+    a, b = da.zeros(3), da.zeros(3)
+    assert may_share_memory(a, a) and not may_share_memory(a, b)
+
+
 def test_may_share_memory_on_torch_compares_the_bytes_each_tensor_spans():
     """backend.may_share_memory on views of one torch buffer is NumPy's bounds test on the same
     views: views whose spans meet in one element share memory, views side by side (a key-value
