@@ -1425,6 +1425,7 @@ def test_persisting_the_cache_runs_each_forward_pair_once_on_a_local_cluster(cli
     dkw = dict(kw, mask=dmask)
     out, c = A.sdpa_forward(dq, dk, dv, **dkw)
     out = out.persist()
+    distributed.wait(out)  # (its tasks ended: none is counted in the task stream below)
     assert graph_has_forward(A.sdpa_backward(ddout, c).dk)  # out alone: the cache is still lazy
     out, c = A.sdpa_forward(dq, dk, dv, **dkw)
     # chunks (1, 2, 3, 4) of (B, H, Lq, Lk) = (2, 2, 7, 9): query rows 0-2, 3-5, 6 against keys
