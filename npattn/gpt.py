@@ -372,6 +372,15 @@ class GPT(BlockStack):
         found by the cross-entropy. A call that fails after the forward (that, or memory)
         puts back the model's cached forward, its generators and the KV caches' lengths: a
         failed call changes nothing."""
+        loss, dlogits = self._loss(ids, targets, weight=weight, ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, reduction=reduction, **kwargs)
+        return float(loss), dlogits
+
+    def _loss(self, ids: Any, targets: Any, *, weight: Any, ignore_index: Optional[int],
+              label_smoothing: float, reduction: str, **kwargs) -> tuple[Any, Any]:
+        """``loss``'s work, its loss left an array (0-d): on dask, still to be computed, so
+        that ``training_step`` computes it in one graph with the gradients (read on its own
+        it runs the forward, and the gradients' graph would run it again)."""
         self._check_ids("ids", ids, 0)
         # before the forward: a failed call changes nothing
         V.check_choice("reduction", reduction, ("mean", "sum"))
@@ -396,7 +405,7 @@ class GPT(BlockStack):
                 for cache in kwargs.get("kv_caches") or []:  # the forward appended L positions
                     cache.truncate([int(n) - ids.shape[1] for n in cache.cache_seqlens])
                 raise
-        return float(loss), dlogits
+        return loss, dlogits
 
     def _check_targets(self, targets: Any, shape: tuple, ignore_index: Any = None, *,
                        count: bool = True) -> None:
@@ -702,12 +711,15 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     before = (model._cache, model._rng.bit_generator.state, model.grads,
               [(b.forward_state(), b.backward_state()) for b in model.blocks])
     try:
-        loss, dlogits = model.loss(ids, targets, dropout_masks=dropout_masks, weight=weight,
-                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                   reduction=reduction)
+        loss, dlogits = model._loss(ids, targets, dropout_masks=dropout_masks, weight=weight,
+                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                    reduction=reduction)
         grads = model.backward(dlogits)
-        grads = dict(zip(grads, persisted(*grads.values())))  # dask: computed once, in one graph,
+        # dask: the loss and the gradients computed in one graph, the forward once, and kept
         # for the norm and the step (each of the norm's sums would compute the backward again)
+        loss, *values = persisted(loss, *grads.values())
+        grads = model.grads = dict(zip(grads, values))  # (the same numbers; on dask, computed)
+        loss = float(loss)
         if max_grad_norm is not None:
             grads, norm = nn.clip_grad_norm(grads, float(max_grad_norm))
         else:
