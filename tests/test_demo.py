@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from npattn import nn
-from npattn.backend import from_numpy, resolve_backend, to_numpy
+from npattn.backend import from_numpy, is_dask_array, resolve_backend, to_numpy
 from npattn.tools import demo
 from npattn.tools.demo import DemoConfig, ReverseModel, TrainResult, make_batch, train
 from npattn.gradcheck import check_vjp
@@ -509,3 +509,33 @@ def test_the_command_s_defaults_are_the_config_s(tmp_path, command_config):
     # and the rest of docs/demo.md's defaults: 10 digits, batches of 64, 1024 held-out sequences
     assert (cfg.vocab, cfg.d_model, cfg.batch, cfg.lr, cfg.dtype, cfg.backend, cfg.seed, cfg.eval_size) == (
         10, 32, 64, 1e-2, "float32", "numpy", 0, 1024)
+
+
+def test_on_dask_a_printed_step_and_the_result_run_the_forward_once_each(monkeypatch):
+    """On dask the loss and the accuracy a step prints, and the result's, are read in one
+    graph: each ran its own forward before (five passes over the logits for this one step,
+    where three: the step's gradients and update, the printed numbers, the result's).
+    The numbers are NumPy's."""
+    pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    import dask
+
+    calls = []
+
+    def counted(block):
+        calls.append(block.shape)
+        return block
+
+    forward = ReverseModel.forward
+
+    def forward_counted(self, ids):
+        logits = forward(self, ids)  # on dask, a task that records each run of the forward
+        return logits.map_blocks(counted, meta=np.asarray(logits)[:0]) if is_dask_array(logits) else logits
+
+    monkeypatch.setattr(ReverseModel, "forward", forward_counted)
+    kw = dict(seq_len=4, vocab=5, d_model=8, n_head=2, batch=3, steps=1, eval_size=4, dtype="float64")
+    _, want = train(DemoConfig(**kw), progress=False)
+    with dask.config.set(scheduler="sync"):  # the calls are counted in this process
+        _, got = train(DemoConfig(backend="dask", **kw), progress=False)
+    assert len(calls) == 3, calls
+    np.testing.assert_allclose(got.final_loss, want.final_loss, rtol=1e-12)
+    assert got.accuracy == want.accuracy

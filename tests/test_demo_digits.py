@@ -839,3 +839,36 @@ def test_the_gradient_clipped_and_given_to_adam_is_that_of_the_batch_s_mean_loss
     report = check_vjp(loss_of, params, [clipped[0][n] for n in names],
                        from_numpy(np.asarray(1.0), model.xp), names=names, n_directions=2, rtol=1e-6)
     assert report.ok, str(report)
+
+
+def test_on_dask_a_step_and_the_evaluation_run_the_forward_once_each(monkeypatch):
+    """On dask a step computes its loss with its gradients, and the evaluation reads the
+    loss and the predictions in one graph: the loss read after the step, and the loss and
+    the predictions read apart, each ran the forward again (six passes over the logits for
+    two steps and one evaluation batch, where three). The numbers are NumPy's."""
+    pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
+    import dask
+
+    from npattn.backend import is_dask_array
+
+    calls = []
+
+    def counted(block):
+        calls.append(block.shape)
+        return block
+
+    forward = TransformerClassifier.forward
+
+    def forward_counted(self, x, *args, **kwargs):
+        logits = forward(self, x, *args, **kwargs)  # on dask, a task that records each run
+        return logits.map_blocks(counted, meta=np.asarray(logits)[:0]) if is_dask_array(logits) else logits
+
+    monkeypatch.setattr(TransformerClassifier, "forward", forward_counted)
+    data = _fake_data(8)
+    kw = dict(d_model=8, n_head=2, epochs=1, batch=4, dtype="float64")
+    _, want = dd.train(dd.DigitsConfig(**kw), data, progress=False)
+    with dask.config.set(scheduler="sync"):  # the calls are counted in this process
+        _, got = dd.train(dd.DigitsConfig(backend="dask", **kw), data, progress=False)
+    assert len(calls) == 3, calls
+    np.testing.assert_allclose([got.train_loss, got.val_loss], [want.train_loss, want.val_loss], rtol=1e-12)
+    assert got.val_accuracy == want.val_accuracy

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import functional as F
 from .. import nn
-from ..backend import from_numpy, resolve_backend, to_numpy
+from ..backend import computed, from_numpy, resolve_backend, to_numpy
 from ..module import MultiHeadAttention
 from ..validation import check_positive_int
 from .progress import ProgressBar
@@ -168,9 +168,10 @@ class TrainResult:
         return asdict(self)
 
 
-def _accuracy(xp, logits, targets) -> float:
-    pred = to_numpy(xp.argmax(logits, axis=-1))
-    return float(np.mean(pred == to_numpy(targets)))
+def _loss_and_accuracy(xp, loss, logits, targets) -> tuple[float, float]:
+    """The loss and the token accuracy of ``logits``, as numbers: on dask, one forward for both."""
+    loss, pred = computed(loss, xp.argmax(logits, axis=-1))
+    return float(loss), float(np.mean(to_numpy(pred) == to_numpy(targets)))
 
 
 def train(cfg: DemoConfig, *, progress: bool = True, stream=None):
@@ -203,8 +204,8 @@ def train(cfg: DemoConfig, *, progress: bool = True, stream=None):
         params, state = nn.adam_step(params, grads, state, lr=lr)
         model.set_params(params)
         if step % 10 == 0 or step == cfg.steps - 1:
-            acc = _accuracy(xp, logits, tgt)
-            bar.update(0, f"batch loss {float(loss):.4f}  batch acc {acc:.3f}")
+            batch_loss, acc = _loss_and_accuracy(xp, loss, logits, tgt)
+            bar.update(0, f"batch loss {batch_loss:.4f}  batch acc {acc:.3f}")
         bar.update(1)
     seconds = time.perf_counter() - start
     bar.close()
@@ -213,9 +214,8 @@ def train(cfg: DemoConfig, *, progress: bool = True, stream=None):
     ids, tgt = from_numpy(ids_h, xp), from_numpy(tgt_h, xp)
     logits = model.forward(ids)
     loss, _ = nn.cross_entropy_forward(logits, tgt)
-    result = TrainResult(
-        cfg.n_head, float(loss), _accuracy(xp, logits, tgt), seconds, model.n_params(), cfg.steps
-    )
+    result = TrainResult(cfg.n_head, *_loss_and_accuracy(xp, loss, logits, tgt), seconds, model.n_params(),
+                         cfg.steps)
     return model, result
 
 

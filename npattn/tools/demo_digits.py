@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .. import nn
-from ..backend import from_numpy, to_numpy
+from ..backend import computed, from_numpy, persisted, to_numpy
 from ..classifier import TransformerClassifier
 from ..validation import check_positive_int, described
 from .demo import heatmap_figure
@@ -194,8 +194,9 @@ def evaluate(model: TransformerClassifier, x: np.ndarray, y: np.ndarray, *, batc
             yb = from_numpy(y[i:i + batch], xp)  # [b]
             logits = model.forward(xb)  # [b, C]
             loss, _ = nn.cross_entropy_forward(logits, yb)
+            loss, pred = computed(loss, xp.argmax(logits, axis=-1))  # dask: one forward for both
             total += float(loss) * yb.shape[0]
-            correct += int(np.sum(to_numpy(xp.argmax(logits, axis=-1)) == y[i:i + batch]))
+            correct += int(np.sum(to_numpy(pred) == y[i:i + batch]))
     finally:
         model.train(was_training)
     return total / x.shape[0], correct / x.shape[0]
@@ -241,7 +242,11 @@ def train(cfg: DigitsConfig, data: Optional[DigitsData] = None, *, progress: boo
             logits = model.forward(x)  # [B, C]
             loss, ce_c = nn.cross_entropy_forward(logits, y)
             dlogits, _ = nn.cross_entropy_backward(1.0, ce_c)  # [B, C]
-            grads, _ = nn.clip_grad_norm(model.backward(dlogits), cfg.clip)
+            grads = model.backward(dlogits)
+            # dask: the loss computed with the gradients, in one graph (read after the step, it
+            # ran the forward again)
+            loss, *values = persisted(loss, *grads.values())
+            grads, _ = nn.clip_grad_norm(dict(zip(grads, values)), cfg.clip)
             # cosine decay of the learning rate to 10 % over the run
             lr = cfg.lr * (0.55 + 0.45 * math.cos(math.pi * step / total_steps))
             params, state = nn.adam_step(params, grads, state, lr=lr)
