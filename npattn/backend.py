@@ -96,6 +96,7 @@ __all__ = [
     "is_bool",
     "scalar",
     "zero_d",
+    "elementwise",
     "MAX_BYTES",
     "check_array_bytes",
     "entry_bytes",
@@ -324,6 +325,32 @@ def scalar(xp: Any, value: float, like: Any) -> Any:
     if str(getattr(xp, "__array_api_version__", "2021.12")) >= "2024.12":  # 'YYYY.MM' in order
         return value
     return xp.asarray(value, dtype=like.dtype, device=device_of(like))  # [] (0-d)
+
+
+def elementwise(fn: Callable[..., tuple], n_out: int, *arrays: Any) -> tuple:
+    """``fn(*arrays)``: a tuple of ``n_out`` arrays, for an ``fn`` made of elementwise
+    operations on arrays of one shape (each entry of an output a function of the inputs'
+    entries at its place). On dask arrays, one task per chunk runs ``fn`` on the chunks
+    and one per chunk and output takes that output (``dask.array.blockwise``): the
+    operations one by one would build a layer of tasks each, whose building costs more
+    than the arithmetic on small arrays (an Adam step's dozen per parameter). The numbers
+    are the same: ``fn`` runs on the chunks the operations dask's would. Elsewhere,
+    ``fn(*arrays)`` as it is.
+    """
+    if not any(is_dask_array(a) for a in arrays):
+        return fn(*arrays)
+    import operator
+
+    import dask.array as da
+    from dask.array.utils import meta_from_array
+    chunks = next(a.chunks for a in arrays if is_dask_array(a))  # one chunking for all
+    arrays = tuple(a if getattr(a, "chunks", None) == chunks else da.asarray(a).rechunk(chunks)
+                   for a in arrays)
+    # the outputs' types: fn on empty arrays of the chunks' types
+    metas = [meta_from_array(o, ndim=len(chunks)) for o in fn(*(meta_from_array(a, ndim=1) for a in arrays))]
+    ind = tuple(range(len(chunks)))
+    parts = da.blockwise(fn, ind, *(x for a in arrays for x in (a, ind)), meta=metas[0])  # tuples
+    return tuple(parts.map_blocks(operator.getitem, i, meta=m) for i, m in enumerate(metas))
 
 
 def zero_d(y: Any) -> Any:

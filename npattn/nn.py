@@ -21,8 +21,8 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 from . import validation as Vd
-from .backend import (computed, device_of, entry_bytes, float64_namespace, float64_result, namespace,
-                      overflow_unreported, persisted, resolve_backend, row_max, widest_int,
+from .backend import (computed, device_of, elementwise, entry_bytes, float64_namespace, float64_result,
+                      namespace, overflow_unreported, persisted, resolve_backend, row_max, widest_int,
                       without_empty_chunks, zero_d)
 from .functional import compute_dtype, sum_to_shape
 
@@ -621,19 +621,24 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
               else dict.fromkeys(params, int(state.t)))
     steps = dict(before)
     new_p, new_m, new_v = dict(params), dict(state.m), dict(state.v)
+    lr, eps, weight_decay = float(lr), float(eps), float(weight_decay)
     for name, g in grads.items():
         if g is None:
             continue
-        xp = namespace(g)
-        w = params[name]
         steps[name] = tk = before[name] + 1  # this parameter's step
         c1, c2 = 1.0 - b1**tk, 1.0 - b2**tk
-        if weight_decay:
-            g = g + float(weight_decay) * w
-        m = b1 * state.m[name] + (1.0 - b1) * g
-        v = b2 * state.v[name] + (1.0 - b2) * (g * g)
-        new_p[name] = zero_d(w - float(lr) * (m / c1) / (xp.sqrt(v / c2) + float(eps)))
-        new_m[name], new_v[name] = zero_d(m), zero_d(v)  # (a 0-d parameter's: 0-d arrays)
+
+        def update(w, g, m, v, c1=c1, c2=c2):  # -> (w, m, v)
+            if weight_decay:
+                g = g + weight_decay * w
+            m = b1 * m + (1.0 - b1) * g
+            v = b2 * v + (1.0 - b2) * (g * g)
+            w = w - lr * (m / c1) / (namespace(g).sqrt(v / c2) + eps)
+            return zero_d(w), zero_d(m), zero_d(v)  # (a 0-d parameter's: 0-d arrays)
+
+        # on dask one task per chunk for the whole update (backend.elementwise)
+        new_p[name], new_m[name], new_v[name] = elementwise(update, 3, params[name], g, state.m[name],
+                                                            state.v[name])
     # dask: the step computed now, in one persist (one per array would run the backward again
     # for each); the arrays of another library come back as they are
     updated = [name for name, g in grads.items() if g is not None]
