@@ -16,6 +16,7 @@ Code uses only the Python Array API standard through ``xp``.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple, Optional
@@ -626,17 +627,9 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
         if g is None:
             continue
         steps[name] = tk = before[name] + 1  # this parameter's step
-        c1, c2 = 1.0 - b1**tk, 1.0 - b2**tk
-
-        def update(w, g, m, v, c1=c1, c2=c2):  # -> (w, m, v)
-            if weight_decay:
-                g = g + weight_decay * w
-            m = b1 * m + (1.0 - b1) * g
-            v = b2 * v + (1.0 - b2) * (g * g)
-            w = w - lr * (m / c1) / (namespace(g).sqrt(v / c2) + eps)
-            return zero_d(w), zero_d(m), zero_d(v)  # (a 0-d parameter's: 0-d arrays)
-
-        # on dask one task per chunk for the whole update (backend.elementwise)
+        update = functools.partial(_adam_update, b1=b1, b2=b2, c1=1.0 - b1**tk, c2=1.0 - b2**tk, lr=lr,
+                                   eps=eps, weight_decay=weight_decay)
+        # (on dask one task per chunk for the whole update, backend.elementwise)
         new_p[name], new_m[name], new_v[name] = elementwise(update, 3, params[name], g, state.m[name],
                                                             state.v[name])
     # dask: the step computed now, in one persist (one per array would run the backward again
@@ -647,6 +640,18 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
         d.update((name, next(done)) for name in updated)
     same = all(n == t for n in steps.values())
     return new_p, AdamState(new_m, new_v, t, None if same else steps)
+
+
+def _adam_update(w: Any, g: Any, m: Any, v: Any, *, b1: float, b2: float, c1: float, c2: float,
+                 lr: float, eps: float, weight_decay: float) -> tuple[Any, Any, Any]:
+    """One parameter's Adam update (``adam_step``'s formulas, ``c1 = 1 - b1^t``, ``c2 = 1 - b2^t``):
+    its new ``(w, m, v)``."""
+    if weight_decay:
+        g = g + weight_decay * w
+    m = b1 * m + (1.0 - b1) * g
+    v = b2 * v + (1.0 - b2) * (g * g)
+    w = w - lr * (m / c1) / (namespace(g).sqrt(v / c2) + eps)
+    return zero_d(w), zero_d(m), zero_d(v)  # (a 0-d parameter's: 0-d arrays)
 
 
 # --------------------------------------------------------------------------
