@@ -670,7 +670,7 @@ def test_adam_on_dask_is_one_task_per_chunk_and_numpy_s_bits(monkeypatch, weight
     host_state, lazy_state = nn.adam_init(host), nn.adam_init(lazy)
     real, made, inputs = nn.persisted, [], []
 
-    def recording(*arrays):  # the tasks each array's graph adds to its parameter's and gradient's
+    def recording(*arrays):  # the number of tasks in each array's graph, before the persist
         if hasattr(arrays[0], "dask"):
             made.append([len(dict(a.__dask_graph__())) for a in arrays])
         return real(*arrays)
