@@ -130,3 +130,25 @@ def module_pair(m, wrt_params=(), **kwargs):
         return (*m.backward(dout), *(m.grads[n] for n in wrt_params))
 
     return forward, backward
+
+
+def count_forward_runs(monkeypatch, cls) -> list:
+    """Make ``cls.forward``'s output, where a dask array, a task that records each of its runs
+    in the list returned: one entry per pass over a graph that needs it (run the graphs on the
+    sync scheduler, so that the runs are in this process)."""
+    from npattn.backend import is_dask_array
+
+    calls: list = []
+
+    def counted(block):
+        calls.append(block.shape)
+        return block
+
+    forward = cls.forward
+
+    def forward_counted(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return out.map_blocks(counted, meta=np.asarray(out)[:0]) if is_dask_array(out) else out
+
+    monkeypatch.setattr(cls, "forward", forward_counted)
+    return calls

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from npattn import nn
-from npattn.backend import from_numpy, is_dask_array, resolve_backend, to_numpy
+from npattn.backend import from_numpy, resolve_backend, to_numpy
 from npattn.tools import demo
 from npattn.tools.demo import DemoConfig, ReverseModel, TrainResult, make_batch, train
 from npattn.gradcheck import check_vjp
+from reliability_helpers import count_forward_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -519,19 +520,7 @@ def test_on_dask_a_printed_step_and_the_result_run_the_forward_once_each(monkeyp
     pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
     import dask
 
-    calls = []
-
-    def counted(block):
-        calls.append(block.shape)
-        return block
-
-    forward = ReverseModel.forward
-
-    def forward_counted(self, ids):
-        logits = forward(self, ids)  # on dask, a task that records each run of the forward
-        return logits.map_blocks(counted, meta=np.asarray(logits)[:0]) if is_dask_array(logits) else logits
-
-    monkeypatch.setattr(ReverseModel, "forward", forward_counted)
+    calls = count_forward_runs(monkeypatch, ReverseModel)  # the logits' runs
     kw = dict(seq_len=4, vocab=5, d_model=8, n_head=2, batch=3, steps=1, eval_size=4, dtype="float64")
     _, want = train(DemoConfig(**kw), progress=False)
     with dask.config.set(scheduler="sync"):  # the calls are counted in this process

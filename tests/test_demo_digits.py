@@ -21,6 +21,7 @@ from npattn.backend import backend_name, from_numpy, to_numpy
 from npattn.classifier import TransformerClassifier
 from npattn.tools import cli
 from npattn.tools import demo_digits as dd
+from reliability_helpers import count_forward_runs
 
 needs_sklearn = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
                                    reason="needs scikit-learn (the demo extra)")
@@ -849,21 +850,7 @@ def test_on_dask_a_step_and_the_evaluation_run_the_forward_once_each(monkeypatch
     pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
     import dask
 
-    from npattn.backend import is_dask_array
-
-    calls = []
-
-    def counted(block):
-        calls.append(block.shape)
-        return block
-
-    forward = TransformerClassifier.forward
-
-    def forward_counted(self, x, *args, **kwargs):
-        logits = forward(self, x, *args, **kwargs)  # on dask, a task that records each run
-        return logits.map_blocks(counted, meta=np.asarray(logits)[:0]) if is_dask_array(logits) else logits
-
-    monkeypatch.setattr(TransformerClassifier, "forward", forward_counted)
+    calls = count_forward_runs(monkeypatch, TransformerClassifier)  # the logits' runs
     data = _fake_data(8)
     kw = dict(d_model=8, n_head=2, epochs=1, batch=4, dtype="float64")
     _, want = dd.train(dd.DigitsConfig(**kw), data, progress=False)
