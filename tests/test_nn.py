@@ -659,7 +659,7 @@ def test_adam_on_dask_returns_computed_parameters_and_moments():
 def test_adam_on_dask_is_one_task_per_chunk_and_numpy_s_bits(monkeypatch, weight_decay):
     """On dask a parameter's update (its new value and moments) is one task per chunk and
     output (backend.elementwise), where its dozen operations one by one made a dozen each
-    (the Adam step of a 2-block GPT's 36 parameters on dask: 240-290 ms, 100 ms so). The numbers
+    (the Adam step of a 2-block GPT's 36 parameters on dask: 236-293 ms, 96-124 ms so). The numbers
     are NumPy's bit for bit, in float32, with a 0-d parameter and a gradient whose chunks
     are not the parameter's."""
     da = pytest.importorskip("dask.array", reason="needs dask: pip install '.[dask]'")
