@@ -327,8 +327,8 @@ def scalar(xp: Any, value: float, like: Any) -> Any:
     return xp.asarray(value, dtype=like.dtype, device=device_of(like))  # [] (0-d)
 
 
-def elementwise(fn: Callable[..., tuple], n_out: int, *arrays: Any) -> tuple:
-    """``fn(*arrays)``: a tuple of ``n_out`` arrays, for an ``fn`` made of elementwise
+def elementwise(fn: Callable[..., tuple], *arrays: Any) -> tuple:
+    """``fn(*arrays)``: the tuple of arrays ``fn`` returns, for an ``fn`` made of elementwise
     operations on arrays of one shape (each entry of an output a function of the inputs'
     entries at its place). On dask arrays, one task per chunk runs ``fn`` on the chunks
     and one per chunk and output takes that output (``dask.array.blockwise``): the

@@ -630,7 +630,7 @@ def adam_step(params: dict, grads: dict, state: AdamState, *, lr: float = 1e-3,
         update = functools.partial(_adam_update, b1=b1, b2=b2, c1=1.0 - b1**tk, c2=1.0 - b2**tk, lr=lr,
                                    eps=eps, weight_decay=weight_decay)
         # (on dask one task per chunk for the whole update, backend.elementwise)
-        new_p[name], new_m[name], new_v[name] = elementwise(update, 3, params[name], g, state.m[name],
+        new_p[name], new_m[name], new_v[name] = elementwise(update, params[name], g, state.m[name],
                                                             state.v[name])
     # dask: the step computed now, in one persist (one per array would run the backward again
     # for each); the arrays of another library come back as they are
