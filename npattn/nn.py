@@ -60,6 +60,21 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     in ``embedding_forward``; torch's integer one-hot is ``one_hot(...) == 1.0``).
     Sizes whose rows (or classes ``0, ..., n - 1``) could not exist at all, more bytes than
     the largest array, are a ``ValueError`` naming ``ids`` and ``n``, before anything is made.
+
+    Parameters
+    ----------
+    xp : str or namespace
+        The backend, as ``backend=``.
+    ids : integer array of ``xp``, shape (...)
+        Class indices in [0, n).
+    n : int > 0
+        Number of classes.
+    dtype : floating dtype of ``xp``, or its name
+
+    Returns
+    -------
+    onehot : array, shape (..., n)
+        In ``dtype``, on the device of ``ids``.
     """
     xp = resolve_backend(xp, "xp")
     n = Vd.check_positive_int("n", n)
@@ -141,6 +156,12 @@ def embedding_backward(dout: Any, cache: EmbeddingCache) -> tuple[None, Any]:
     Row ``v`` of ``dtable`` is the sum of ``dout`` over the positions that
     hold token ``v``. ``ids`` are integers and get no gradient (None).
 
+    Parameters
+    ----------
+    dout : array, shape (..., D)
+        The gradient of the forward's ``out``, in the table's dtype.
+    cache : EmbeddingCache
+
     Returns
     -------
     dids : None
@@ -205,7 +226,20 @@ def add_positions_backward(dout: Any, cache: PositionsCache) -> tuple[Any, Any]:
     """``dx = dout``; ``dpos = sum_b dout[b]`` (the adjoint of broadcasting over the batch).
 
     Both are new arrays (never ``dout`` itself): a caller that adds into one changes
-    neither the other nor ``dout``."""
+    neither the other nor ``dout``.
+
+    Parameters
+    ----------
+    dout : array, shape (B, L, D)
+        The gradient of the forward's ``out``, of its shape and dtype.
+    cache : PositionsCache
+
+    Returns
+    -------
+    dx : array, shape (B, L, D)
+        A copy of ``dout``.
+    dpos : array, shape (L, D)
+    """
     # [B, L, D] -> [B, L, D], [L, D]
     Vd.check_cache("cache", cache, PositionsCache, "add_positions_forward")
     like = cache.like
@@ -228,6 +262,23 @@ def sinusoidal_positions(xp: Any, L: int, D: int, dtype: Any = None, device: Any
     no float64, as JAX without x64), returned in ``dtype`` (a floating dtype of
     ``xp`` or its name, as the constructors' ``dtype=``; default float64, or
     float32 where the backend has no float64), on ``device``. # -> [L, D]
+
+    Parameters
+    ----------
+    xp : str or namespace
+        The backend, as ``backend=``.
+    L : int >= 0
+        Number of positions.
+    D : int > 0
+        Width of the encoding.
+    dtype : floating dtype of ``xp``, or its name, optional
+        Default float64, or float32 where the backend has no float64.
+    device : optional
+        A device of ``xp``; None: its default.
+
+    Returns
+    -------
+    pe : array, shape (L, D)
     """
     xp = resolve_backend(xp, "xp")
     L, D = Vd.check_size("L", L), Vd.check_positive_int("D", D)
@@ -303,7 +354,26 @@ def check_class_weight(weight: Any, V: int, xp: Any, device: Any, dtype: Any, li
 
 def count_targets(xp: Any, targets: Any, ignore: Optional[int]) -> int:
     """How many of ``targets`` count (all, or those other than ``ignore``): the ``N`` of the
-    mean; a ``ValueError`` for none (a mean over no positions is 0 / 0, torch's NaN)."""
+    mean; a ``ValueError`` for none (a mean over no positions is 0 / 0, torch's NaN).
+
+    Parameters
+    ----------
+    xp : namespace
+        That of ``targets``.
+    targets : integer array, shape (...)
+    ignore : int or None
+        The ``ignore_index``; None: every target counts (their values are not read).
+
+    Returns
+    -------
+    n : int
+        A Python int.
+
+    Raises
+    ------
+    ValueError
+        When no target counts.
+    """
     shape = Vd.shape_of(targets)
     if ignore is None:
         if math.prod(shape) == 0:
@@ -453,6 +523,14 @@ def cross_entropy_backward(dloss: Any, cache: CrossEntropyCache) -> tuple[Any, N
     () or (1,) for "mean" and "sum"). Computed in the forward's compute dtype, returned
     in the logits' dtype.
 
+    Parameters
+    ----------
+    dloss : number or array
+        The gradient of the loss: an array of shape () or (1,) ("mean", "sum") or (...)
+        ("none"), in the loss's dtype; or a finite Python number (for "none", that of every
+        position).
+    cache : CrossEntropyCache
+
     Returns
     -------
     dlogits : array, shape (..., V)
@@ -508,7 +586,19 @@ class AdamState(NamedTuple):
 
 
 def adam_init(params: dict) -> AdamState:
-    """Zero moments for every parameter in ``params`` (a dict of floating arrays)."""
+    """Zero moments for every parameter in ``params`` (a dict of floating arrays).
+
+    Parameters
+    ----------
+    params : dict of floating arrays
+        Keyed by the parameters' names.
+
+    Returns
+    -------
+    state : AdamState
+        ``m`` and ``v``: zeros like each parameter (its shape, library, device and dtype);
+        ``t = 0``; ``steps`` None.
+    """
     if not isinstance(params, dict):
         raise TypeError(f"params: expected a dict of arrays, got {Vd.type_name(params)}")
     for k, p in params.items():
@@ -686,6 +776,22 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
     no training wants, so it is refused by name. With ``eps=0`` and gradients
     that are all 0 (or none), ``c = max_norm / 0`` is inf, as in torch's
     tensor arithmetic: nothing is scaled.
+
+    Parameters
+    ----------
+    grads : dict of floating arrays or None
+    max_norm : float > 0
+        Finite.
+    eps : float >= 0
+        Added to ``total`` in ``c``; default 1e-6.
+
+    Returns
+    -------
+    new_grads : dict
+        Keyed like ``grads``: each gradient times ``min(c, 1)`` (where that is 1, the array
+        as given; on dask, computed), None entries kept.
+    total : float
+        The norm before clipping.
     """
     _check_grads(grads)
     Vd.check_number("max_norm", max_norm)
@@ -702,7 +808,16 @@ def clip_grad_norm(grads: dict, max_norm: float, *, eps: float = 1e-6) -> tuple[
 def global_norm(grads: dict) -> float:
     """The joint 2-norm of ``grads`` (a dict of arrays; ``None`` entries are skipped), a Python
     float: ``clip_grad_norm``'s ``total``, as its docstring says (the true norm where the
-    squares overflow, inf or NaN for an infinite or NaN entry), without clipping."""
+    squares overflow, inf or NaN for an infinite or NaN entry), without clipping.
+
+    Parameters
+    ----------
+    grads : dict of floating arrays or None
+
+    Returns
+    -------
+    total : float
+    """
     _check_grads(grads)
     return _global_norm(_computed(grads))
 
