@@ -162,6 +162,23 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     default float64, or float32 where the backend has no float64). ``xp`` a
     backend (a name or a namespace, as ``backend=``), ``positions`` a real
     array of it. # [..., L] -> [..., L, Dh/2]
+
+    Parameters
+    ----------
+    xp : str or namespace
+        The backend, as ``backend=``.
+    positions : integer or real floating array of ``xp``, shape (..., L)
+    Dh : int > 0, even
+        The head width whose pairs ``rope_forward`` rotates.
+    base : float > 1
+        The frequency base.
+    dtype : floating dtype of ``xp``, or its name, optional
+        Default float64, or float32 where the backend has no float64.
+
+    Returns
+    -------
+    theta : array, shape (..., L, Dh/2)
+        On the device of ``positions``.
     """
     xp = resolve_backend(xp, "xp")
     V.check_array("positions", positions, xp, where="that of positions", library="xp")
@@ -296,6 +313,12 @@ def rope_backward(dout: Any, cache: RopeCache) -> tuple[Any, None]:
     ``dx1 = dy1 cos + dy2 sin``, ``dx2 = -dy1 sin + dy2 cos``. Positions get
     no gradient (None).
 
+    Parameters
+    ----------
+    dout : array, shape (..., L, Dh)
+        The gradient of the forward's ``out``, of its shape and dtype.
+    cache : RopeCache
+
     Returns
     -------
     dx : array, shape (..., L, Dh)
@@ -335,6 +358,21 @@ def relative_distances(xp: Any, Lq: int, Lk: int, offset: int = 0, device: Any =
     query ``i`` sits at key position ``i + offset``, so their relative
     position is ``j - (i + offset)``. Made by ``xp`` (a backend name or
     namespace) on ``device``. # -> [T] int64 (int32 where ``xp`` has no int64)
+
+    Parameters
+    ----------
+    xp : str or namespace
+        The backend, as ``backend=``.
+    Lq, Lk : int > 0
+    offset : int
+        Query ``i`` sits at key position ``i + offset``.
+    device : optional
+        A device of ``xp``; None: its default.
+
+    Returns
+    -------
+    rel : array, shape (T,), T = Lq + Lk - 1
+        int64 (int32 where ``xp`` has no int64).
     """
     xp = resolve_backend(xp, "xp")
     Lq, Lk, offset = _check_lengths(Lq, Lk, offset)  # Python ints: Lq + Lk - 1 must not wrap
@@ -351,6 +389,18 @@ def diagonal_spread(xp: Any, rows: Any, Lq: int, Lk: int) -> Any:
     A gather with ``xp.take``; its adjoint is ``diagonal_sums``. Sizes whose spread rows or
     gather indices could not exist at all (more bytes than the largest array) are a
     ``ValueError`` naming them, before anything is made.
+
+    Parameters
+    ----------
+    xp : str or namespace
+        The backend, as ``backend=``.
+    rows : array of ``xp``, shape (T, E), T = Lq + Lk - 1
+    Lq, Lk : int > 0
+
+    Returns
+    -------
+    out : array, shape (Lq, Lk, E)
+        In the dtype of ``rows``.
     """
     xp = resolve_backend(xp, "xp")
     Lq = V.check_positive_int("Lq", Lq)  # Python ints: Lq + Lk - 1 must not wrap
@@ -385,6 +435,18 @@ def diagonal_sums(xp: Any, a: Any) -> Any:
        ``i' (Lk + Lq) + j = i' (Lk + Lq - 1) + (i' + j)``, so it lands in column
        ``i' + j = t``; every other entry of the new rows is a pad zero;
     4. sum over the rows.
+
+    Parameters
+    ----------
+    xp : str or namespace
+        The backend, as ``backend=``.
+    a : array of ``xp``, shape (..., Lq, Lk), Lq, Lk >= 1
+
+    Returns
+    -------
+    sums : array, shape (..., T), T = Lq + Lk - 1
+        In the dtype of a floating ``a`` (float16 and bfloat16 summed in float32 and
+        rounded once).
     """
     xp = resolve_backend(xp, "xp")
     V.check_array("a", a, xp, where="that of a", library="xp")
@@ -505,6 +567,12 @@ def relative_embedding_backward(dout: Any, cache: RelativeEmbeddingCache) -> tup
     ``drows = diagonal_sums(dout)`` (the adjoint of the spread), then
     ``dtable = C^T @ drows``. The lengths get None.
 
+    Parameters
+    ----------
+    dout : array, shape (Lq, Lk, E)
+        The gradient of the forward's ``out``, in the table's dtype.
+    cache : RelativeEmbeddingCache
+
     Returns
     -------
     dtable : array, shape (2 M - 1, E)
@@ -613,6 +681,12 @@ def relative_scores_backward(dbias: Any, cache: RelativeScoresCache) -> tuple[An
 
     ``drel[i] = scale * sum over the leading axes of dbias[..., i, :]^T q[..., i, :]``,
     then ``dtable = relative_embedding_backward(drel)``.
+
+    Parameters
+    ----------
+    dbias : array, shape (..., Lq, Lk)
+        The gradient of the forward's ``bias``, of its shape and dtype.
+    cache : RelativeScoresCache
 
     Returns
     -------
@@ -787,6 +861,13 @@ def relative_bias_backward(dout: Any, cache: RelativeBiasCache) -> tuple[Any, No
     ``dtable[b, h]`` is the sum of ``dout[..., h, i, j]`` over the pairs whose
     relative position falls in bucket ``b`` (and over a leading batch axis,
     if ``dout`` has one, e.g. a ``dmask`` of shape (B, H, Lq, Lk)).
+
+    Parameters
+    ----------
+    dout : array, shape (1, H, Lq, Lk) or (B, H, Lq, Lk)
+        The gradient of the forward's ``out`` (or ``sdpa_backward``'s ``dmask`` where ``out``
+        was the mask), in the table's dtype.
+    cache : RelativeBiasCache
 
     Returns
     -------
