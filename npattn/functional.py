@@ -129,6 +129,13 @@ def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
 
     This is SDPA's ``is_causal`` convention. Made by namespace ``xp`` on ``device``.
 
+    Parameters
+    ----------
+    xp : namespace
+    Lq, Lk : int >= 0
+    device : optional
+        A device of ``xp``; None: its default.
+
     Returns
     -------
     array, shape (Lq, Lk), bool
@@ -140,7 +147,19 @@ def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
 
 
 def compute_dtype(xp: Any, dtype: Any) -> Any:
-    """Scores and softmax of half-precision inputs are computed in float32."""
+    """Scores and softmax of half-precision inputs are computed in float32.
+
+    Parameters
+    ----------
+    xp : namespace
+    dtype : dtype
+        The inputs' dtype.
+
+    Returns
+    -------
+    work : dtype
+        ``xp.float32`` for float16 and bfloat16, else ``dtype`` itself.
+    """
     # by name: dask's namespace (array_api_compat.dask.array) has no float16 to compare with
     return xp.float32 if V.dtype_name(dtype) in ("float16", "bfloat16") else dtype
 
@@ -148,7 +167,19 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
 def half_sum(xp: Any, x: Any, axis: Any) -> Any:
     """``xp.sum(x, axis=axis)`` in ``x``'s dtype, summed in ``compute_dtype`` (float32 for
     float16 / bfloat16) and rounded once: NumPy adds float16 along an axis in float16, where
-    a sum of ones stops growing at 2048."""
+    a sum of ones stops growing at 2048.
+
+    Parameters
+    ----------
+    xp : namespace
+    x : array, real floating
+    axis : int or tuple of int
+        The axes summed, as ``xp.sum``'s.
+
+    Returns
+    -------
+    array, the shape of ``x`` without ``axis``, in ``x``'s dtype
+    """
     work = compute_dtype(xp, x.dtype)
     if work == x.dtype:
         return xp.sum(x, axis=axis)
@@ -726,7 +757,29 @@ def score_options(q: Any, k: Any, *, align: str = "top_left", window: Any = None
                   softcap: Optional[float] = None, alibi_slopes: Any = None, sinks: Any = None,
                   q_segments: Any = None, k_segments: Any = None) -> ScoreOptions:
     """The ``ScoreOptions`` of checked arguments (``validation.check_kernel_options``),
-    their arrays in the compute dtype and the layout of the scores [B, H, Lq, Lk]."""
+    their arrays in the compute dtype and the layout of the scores [B, H, Lq, Lk].
+
+    Parameters
+    ----------
+    q : array, shape (B, Hq, Lq, Dh)
+    k : array, shape (B, Hkv, Lk, Dh)
+        Only their lengths, numbers of axes, namespace and ``q``'s dtype are read.
+    align : {"top_left", "bottom_right"}
+    window : (left, right), optional
+        Each side an int >= 0 or None (unbounded).
+    softcap : float > 0, optional
+    alibi_slopes : array, shape (Hq,) or (B, Hq), optional
+    sinks : array, shape (Hq,), optional
+    q_segments, k_segments : integer arrays, shapes (B, Lq) and (B, Lk), optional
+        Both or neither.
+
+    Returns
+    -------
+    ScoreOptions
+        ``offset`` 0 (top-left) or ``Lk - Lq`` (bottom-right); ``left`` and ``right`` capped
+        at ``max(Lq, Lk)``; ``alibi`` (B or 1, Hq, 1, 1) and ``sinks`` (1, Hq, 1, 1) in the
+        compute dtype; the segments as (B, 1, Lq, 1) and (B, 1, 1, Lk), in their own dtype.
+    """
     xp = namespace(q)
     work = compute_dtype(xp, q.dtype)
     Lq, Lk = q.shape[-2], k.shape[-2]
@@ -787,7 +840,19 @@ def is_positional(options: ScoreOptions) -> bool:
 
 
 def causal_options(is_causal: bool, options: Optional[ScoreOptions]) -> ScoreOptions:
-    """``options`` with ``is_causal`` folded in: causal is the window's ``right = 0``."""
+    """``options`` with ``is_causal`` folded in: causal is the window's ``right = 0``.
+
+    Parameters
+    ----------
+    is_causal : bool
+    options : ScoreOptions or None
+        None: ``PLAIN``.
+
+    Returns
+    -------
+    ScoreOptions
+        ``options``, with ``right = 0`` where ``is_causal`` and its ``right`` is None or > 0.
+    """
     o = PLAIN if options is None else options
     if is_causal and (o.right is None or o.right > 0):
         o = o._replace(right=0)
@@ -796,7 +861,24 @@ def causal_options(is_causal: bool, options: Optional[ScoreOptions]) -> ScoreOpt
 
 def positions_allowed(xp: Any, rows: Any, cols: Any, o: ScoreOptions) -> Any:
     """Bool [bq, bk]: query rows ``rows`` [bq] may attend key columns ``cols`` [bk] by the
-    window about the diagonal ``j = i + offset``; None when the window is unbounded."""
+    window about the diagonal ``j = i + offset``; None when the window is unbounded.
+
+    Parameters
+    ----------
+    xp : namespace
+    rows : integer array, shape (bq,)
+        Query positions ``i``.
+    cols : integer array, shape (bk,)
+        Key positions ``j``.
+    o : ScoreOptions
+        Its ``offset``, ``left`` and ``right`` are read.
+
+    Returns
+    -------
+    allowed : bool array, shape (bq, bk), or None
+        True where ``-left <= j - (i + offset) <= right`` (a side None: unbounded); None
+        when both sides are None.
+    """
     if o.left is None and o.right is None:
         return None
     d = xp.expand_dims(cols, axis=0) - (xp.expand_dims(rows, axis=1) + o.offset)  # j - (i + o)
@@ -821,7 +903,23 @@ def block_cut(o: ScoreOptions, i0: int, i1: int, j0: int, j1: int) -> bool:
 
 def alibi_bias(xp: Any, slopes: Any, rows: Any, cols: Any, offset: int) -> Any:
     """ALiBi's ``-slope * |i + offset - j|`` for rows [bq] and columns [bk]: [..., bq, bk]
-    with the leading axes of ``slopes`` [..., 1, 1]."""
+    with the leading axes of ``slopes`` [..., 1, 1].
+
+    Parameters
+    ----------
+    xp : namespace
+    slopes : array, shape (..., 1, 1), real floating
+    rows : integer array, shape (bq,)
+        Query positions ``i``.
+    cols : integer array, shape (bk,)
+        Key positions ``j``.
+    offset : int
+
+    Returns
+    -------
+    bias : array, shape (..., bq, bk)
+        In the dtype of ``slopes``.
+    """
     d = xp.expand_dims(cols, axis=0) - (xp.expand_dims(rows, axis=1) + offset)  # [bq, bk]
     return slopes * (-xp.astype(xp.abs(d), slopes.dtype))  # [..., bq, bk]
 
@@ -853,6 +951,18 @@ def group_heads(xp: Any, x: Any, G: int) -> Any:
 
     Query head ``h = hkv * G + g`` lands in K/V head ``hkv = h // G``, at rows
     ``g*L : (g+1)*L``. A row-major reshape: no data is repeated.
+
+    Parameters
+    ----------
+    xp : namespace
+    x : array, shape (..., Hq, L, X)
+    G : int > 0
+        Query heads per K/V head; divides Hq.
+
+    Returns
+    -------
+    array, shape (..., Hkv, G*L, X), Hkv = Hq // G
+        ``x`` itself when ``G == 1``.
     """
     if G == 1:
         return x
@@ -863,7 +973,19 @@ def group_heads(xp: Any, x: Any, G: int) -> Any:
 
 
 def ungroup_heads(xp: Any, x: Any, G: int) -> Any:
-    """Inverse of ``group_heads``: ``[..., Hkv, G*L, X] -> [..., Hq, L, X]``."""
+    """Inverse of ``group_heads``: ``[..., Hkv, G*L, X] -> [..., Hq, L, X]``.
+
+    Parameters
+    ----------
+    xp : namespace
+    x : array, shape (..., Hkv, G*L, X)
+    G : int > 0
+
+    Returns
+    -------
+    array, shape (..., Hq, L, X), Hq = Hkv * G
+        ``x`` itself when ``G == 1``.
+    """
     if G == 1:
         return x
     *lead, Hkv, GL, X = x.shape
@@ -872,7 +994,26 @@ def ungroup_heads(xp: Any, x: Any, G: int) -> Any:
 
 
 def gqa_groups(q: Any, k: Any, v: Any, enable_gqa: bool) -> int:
-    """Number of query heads per K/V head, with the shape checks of grouped-query attention."""
+    """Number of query heads per K/V head, with the shape checks of grouped-query attention.
+
+    Parameters
+    ----------
+    q : array, shape (..., Hq, Lq, Dh)
+    k : array, shape (..., Hkv, Lk, Dh)
+    v : array, shape (..., Hkv, Lk, Dv)
+    enable_gqa : bool
+
+    Returns
+    -------
+    G : int
+        ``Hq // Hkv``; 1 without ``enable_gqa`` (nothing is checked then).
+
+    Raises
+    ------
+    ValueError
+        With ``enable_gqa``: q, k or v without a head axis, v's heads other than k's, Hq
+        not a multiple of Hkv (or Hkv = 0), or batch axes that do not broadcast.
+    """
     if not enable_gqa:
         return 1
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -1025,7 +1166,23 @@ def sdpa_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, sca
                       dropout_p: float, dropout_mask: Any, rng: Any, groups: int,
                       options: Optional[ScoreOptions] = None) -> tuple[Any, SDPACache]:
     """``sdpa_forward`` on arguments that are already checked (``groups`` = G, ``options``
-    from ``score_options``); for the dispatcher."""
+    from ``score_options``); for the dispatcher.
+
+    Parameters
+    ----------
+    q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, rng
+        As in ``sdpa_forward``, checked.
+    groups : int
+        G, from ``gqa_groups``: 1 without grouped-query attention.
+    options : ScoreOptions, optional
+        None: ``PLAIN``.
+
+    Returns
+    -------
+    out : array, shape (B, H, Lq, Dv)
+    cache : SDPACache
+        As ``sdpa_forward``'s.
+    """
     # [B, H, Lq, Dh], [B, H, Lk, Dh], [B, H, Lk, Dv] -> [B, H, Lq, Dv]
     xp = namespace(q, k, v, mask, dropout_mask)
     G = groups
@@ -1239,6 +1396,12 @@ def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
     the gradient of the bias position summed over the leading axes it was
     broadcast along (None without a bias).
 
+    Parameters
+    ----------
+    dy : array, shape (..., Lk + n, D)
+        The gradient of the forward's ``y``.
+    cache : AppendKVCache
+
     Returns
     -------
     dx : array, shape (..., Lk, D)
@@ -1361,6 +1524,16 @@ def pad_mask_backward(dm: Any, cache: PadMaskCache) -> Any:
     """Gradient of ``pad_mask`` for a floating mask: ``dmask`` of the mask's own shape.
 
     None for a boolean or no mask (``dm`` may then be None too).
+
+    Parameters
+    ----------
+    dm : array, shape (..., Lk + n_extra), or None
+        The gradient of the forward's ``m``; read only for a floating mask.
+    cache : PadMaskCache
+
+    Returns
+    -------
+    dmask : array of the floating mask's shape, or None
     """
     # [..., Lk + n] -> mask shape
     V.check_cache("cache", cache, PadMaskCache, "pad_mask_forward")
