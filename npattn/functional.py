@@ -1425,7 +1425,8 @@ def append_kv_backward(dy: Any, cache: AppendKVCache) -> tuple[Any, Any]:
     dbias = None
     if cache.has_bias:
         db = dy[..., Lk, :]  # [..., D]
-        dbias = half_sum(xp, xp.reshape(db, (-1, db.shape[-1])), axis=0)  # [D]
+        n = math.prod(V.shape_of(db)[:-1])  # N (a -1 beside D = 0 is ambiguous)
+        dbias = half_sum(xp, xp.reshape(db, (n, db.shape[-1])), axis=0)  # [D]
     dx = dy[..., :Lk, :]  # [..., Lk, D]
     return dx, dbias
 

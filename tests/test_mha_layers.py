@@ -41,6 +41,16 @@ def test_append_kv_gradcheck(xp, to_xp, bias, zero):
     assert rep.ok, str(rep)
 
 
+def test_append_kv_with_no_width(xp, to_xp, to_np):
+    """D = 0 with a bias: the forward takes it, and so does the backward (empty gradients of
+    the forward's shapes; the bias row was reshaped with a -1 beside D = 0, which is ambiguous)."""
+    x, b = to_xp(np.zeros((2, 3, 0))), to_xp(np.zeros(0))
+    y, cache = F.append_kv_forward(x, b, add_zero_attn=True)
+    assert tuple(y.shape) == (2, 5, 0)
+    dx, dbias = F.append_kv_backward(to_xp(np.zeros((2, 5, 0))), cache)
+    assert to_np(dx).shape == (2, 3, 0) and to_np(dbias).shape == (0,)
+
+
 def test_append_kv_layout(xp, to_xp, to_np):
     """Given keys first, then the bias row, then the zero row, as torch concatenates."""
     rng = np.random.default_rng(1)
