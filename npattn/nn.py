@@ -596,15 +596,16 @@ def adam_init(params: dict) -> AdamState:
     Returns
     -------
     state : AdamState
-        ``m`` and ``v``: zeros like each parameter (its shape, library, device and dtype);
-        ``t = 0``; ``steps`` None.
+        ``m`` and ``v``: zeros like each parameter (its shape, library, device and dtype),
+        arrays of their own; ``t = 0``; ``steps`` None.
     """
     if not isinstance(params, dict):
         raise TypeError(f"params: expected a dict of arrays, got {Vd.type_name(params)}")
     for k, p in params.items():
         Vd.check_floating_array(f"params[{k!r}]", p)
-    zeros = {k: namespace(p).zeros_like(p) for k, p in params.items()}
-    return AdamState(zeros, dict(zeros), 0)
+    # two sets of arrays: a caller who writes into one moment in place leaves the other as it was
+    m, v = ({k: namespace(p).zeros_like(p) for k, p in params.items()} for _ in range(2))
+    return AdamState(m, v, 0)
 
 
 def check_adam(params: Any, grads: Any, state: Any, *, lr: Any, betas: Any, eps: Any,

@@ -570,6 +570,20 @@ def test_adam_matches_scalar_reference(xp, to_xp, to_np, weight_decay):
     np.testing.assert_allclose(to_np(params["w"]), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_adam_init_gives_each_moment_arrays_of_its_own():
+    """Zero moments of the parameter's shape and dtype, m and v apart: a caller who writes
+    into one in place (as torch.optim.Adam's own state is written) leaves the other at 0."""
+    params = {"w": np.ones((2, 3), dtype=np.float32), "b": np.ones(3)}
+    state = nn.adam_init(params)
+    for k, p in params.items():
+        for moment in (state.m[k], state.v[k]):
+            assert moment.shape == p.shape and moment.dtype == p.dtype
+            np.testing.assert_array_equal(moment, 0.0)
+        state.m[k][...] = 1.0
+        np.testing.assert_array_equal(state.v[k], 0.0)
+    assert state.t == 0 and state.m is not state.v
+
+
 def test_adam_first_step_is_lr_times_sign_and_writes_nothing():
     g = np.array([3.0, -0.01, 1e-3])
     w = np.array([1.0, 2.0, 3.0])
