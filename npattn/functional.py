@@ -1012,7 +1012,7 @@ def gqa_groups(q: Any, k: Any, v: Any, enable_gqa: bool) -> int:
     ------
     ValueError
         With ``enable_gqa``: q, k or v without a head axis, v's heads other than k's, Hq
-        not a multiple of Hkv (or Hkv = 0), or batch axes that do not broadcast.
+        not a positive multiple of Hkv (or Hkv = 0), or batch axes that do not broadcast.
     """
     if not enable_gqa:
         return 1
@@ -1026,6 +1026,11 @@ def gqa_groups(q: Any, k: Any, v: Any, enable_gqa: bool) -> int:
     if v.shape[-3] != Hkv:
         raise ValueError(
             f"v: expected {Hkv} heads like k with enable_gqa, got shape {tuple(v.shape)}"
+        )
+    if Hq == 0 and Hkv != 0:  # G = 0 query heads per K/V head: nothing to group
+        raise ValueError(
+            f"q: expected at least one query head per key/value head with enable_gqa "
+            f"(Hkv={Hkv}), got Hq=0"
         )
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(

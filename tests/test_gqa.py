@@ -132,6 +132,10 @@ def test_gqa_bad_head_counts():
     with pytest.raises(ValueError, match=r"^k: with enable_gqa the query heads Hq=4 must be a multiple of "
                                          r"the key/value heads, got Hkv=3$"):
         F.sdpa_forward(q, k, v, enable_gqa=True)
+    q, k, v = _inputs(rng, Hq=4, Hkv=2)
+    with pytest.raises(ValueError, match=r"^q: expected at least one query head per key/value head "
+                                         r"with enable_gqa \(Hkv=2\), got Hq=0$"):
+        F.sdpa_forward(q[:, :0], k, v, enable_gqa=True)  # (0 is a multiple of 2, but G = 0)
     q, k, v = _inputs(rng, Hq=4, Hkv=2, Dv=2)  # v's shape differs from k's: the message names both
     with pytest.raises(ValueError, match=r"^v: expected 2 heads like k with enable_gqa, got shape "
                                          r"\(2, 1, 5, 2\)$"):
