@@ -117,7 +117,24 @@ def auto_blocked(lead: int, Lq: int, Lk: int, *, device_memory: Optional[int] = 
     accelerator of ``device_memory`` bytes (``npattn.backend.accelerator_memory``): the
     dense path's ``DENSE_PEAK_ARRAYS`` arrays of ``lead * Lq * Lk`` entries of
     ``itemsize`` bytes (at least 4: float16 computes in float32) past
-    ``AUTO_DEVICE_DENSE_SHARE`` of it."""
+    ``AUTO_DEVICE_DENSE_SHARE`` of it.
+
+    Parameters
+    ----------
+    lead : int
+        The product of the scores' leading axes (B * Hq).
+    Lq, Lk : int
+        Query and key lengths.
+    device_memory : int, optional
+        The accelerator's memory in bytes; None (default) for host memory.
+    itemsize : int
+        Bytes per entry of the inputs' dtype (default 4); read only with ``device_memory``.
+
+    Returns
+    -------
+    blocked : bool
+        True where ``"auto"`` takes the blocked path.
+    """
     if device_memory is not None:
         dense = DENSE_PEAK_ARRAYS * lead * Lq * Lk * max(itemsize, 4)
         return dense > AUTO_DEVICE_DENSE_SHARE * device_memory
@@ -157,6 +174,29 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     leading axes of q, k and v that broadcast (``same_lead`` False). ``plain``: a call
     without kernel options, the default of ``positional``; ``same_lead``: q, k and v
     with the same leading axes (default True: the chunked path takes every kernel option).
+
+    Parameters
+    ----------
+    impl : {"auto", "dense", "reference", "numpy", "blocked", "chunked"}
+    q : array, shape (B, Hq, Lq, Dh)
+    k : array, shape (B, Hkv, Lk, Dh)
+    v : array, shape (B, Hkv, Lk, Dv)
+    mask, dropout_mask : array, optional
+        Only their types and layouts are read (whether the NumPy kernel or the
+        chunked path takes them).
+    need_weights : bool
+        The weights will be read from the cache: neither ``"blocked"`` nor ``"chunked"``.
+    plain : bool
+        A call without kernel options (default True); the default of ``positional``.
+    positional : bool, optional
+        The NumPy kernel may run the call (no kernel options beyond a window and
+        ``align``, leading axes that do not broadcast); None: ``plain``.
+    same_lead : bool, optional
+        q, k and v have the same leading axes; None: True.
+
+    Returns
+    -------
+    impl : {"reference", "numpy", "blocked", "chunked"}
     """
     positional = plain if positional is None else positional
     same_lead = True if same_lead is None else same_lead
@@ -373,6 +413,21 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
     ``cache.lse``; its entries on rows with nothing to attend and no sink (lse =
     -inf, a constant there) do not matter, inf and NaN included (with ``sinks``
     such a row's lse is its sink's, and its dlse reaches ``dsinks``).
+
+    Parameters
+    ----------
+    dout : array, shape (B, Hq, Lq, Dv)
+        Upstream gradient of ``out``, in its dtype.
+    cache : SDPACache, NumpySDPACache, BlockedSDPACache or ChunkedSDPACache
+        The cache ``sdpa_forward`` returned.
+    dlse : array, shape (B, Hq, Lq), optional
+        Upstream gradient of ``cache.lse``, as above; None: zero.
+
+    Returns
+    -------
+    grads : SDPAGrads
+        ``dq``, ``dk``, ``dv`` of the shapes of q, k and v; ``dmask`` of the floating
+        mask's shape or None; ``dsinks`` (Hq,) or None.
     """
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape, [H]
     kinds = (numpy_kernel.NumpySDPACache, blocked.BlockedSDPACache, chunked.ChunkedSDPACache,
@@ -400,7 +455,18 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
 
 def weights(cache: Any) -> Any:
     """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache:
-    the cache's own array, which ``sdpa_backward`` reads; write into a copy of it."""
+    the cache's own array, which ``sdpa_backward`` reads; write into a copy of it.
+
+    Parameters
+    ----------
+    cache : SDPACache or NumpySDPACache
+        The cache of a dense forward (``impl`` "reference" or "numpy"); a blocked or
+        chunked cache is a ``ValueError``.
+
+    Returns
+    -------
+    weights : array, shape (B, Hq, Lq, Lk)
+    """
     for kind, name in ((blocked.BlockedSDPACache, "blocked"), (chunked.ChunkedSDPACache, "chunked")):
         if isinstance(cache, kind):
             raise ValueError(f"cache: expected the cache of a dense implementation (it keeps the "
@@ -416,6 +482,16 @@ def dropout_keep_mask(cache: Any) -> Any:
     entry ``(b, h, i, j)`` depends only on the drawn key and its coordinates.
     A caller's ``dropout_mask`` is returned as it was broadcast; a drawn mask
     is an array of its own, which a later forward does not change.
+
+    Parameters
+    ----------
+    cache : SDPACache, NumpySDPACache, BlockedSDPACache or ChunkedSDPACache
+        The cache ``sdpa_forward`` returned.
+
+    Returns
+    -------
+    keep : bool array, shape (B, Hq, Lq, Lk), or None
+        True = kept; a dask array for a chunked cache.
     """
     if isinstance(cache, numpy_kernel.NumpySDPACache):
         return numpy_kernel.keep_mask_of(cache)
@@ -442,7 +518,19 @@ def dropout_keep_mask(cache: Any) -> Any:
 def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, F.LinearCache]:
     """``functional.linear_forward`` (``y = x @ w.T + b``), checked; a large GEMM on NumPy
     arrays runs on the tile pool (``numpy_kernel.linear_forward``), the same numbers to
-    rounding. The module's projections go through here."""
+    rounding. The module's projections go through here.
+
+    Parameters
+    ----------
+    x : array, shape (..., Din)
+    w : array, shape (Dout, Din)
+    b : array, shape (Dout,), optional
+
+    Returns
+    -------
+    y : array, shape (..., Dout)
+    cache : LinearCache
+    """
     if not numpy_kernel.linear_applies(x, w):
         return F.linear_forward(x, w, b)
     F.check_linear_inputs(x, w, b)
@@ -451,7 +539,20 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, F.LinearCache]:
 
 def linear_backward(dy: Any, cache: F.LinearCache) -> tuple[Any, Any, Any]:
     """``functional.linear_backward``: ``(dx, dw, db)``, on the tile pool where
-    ``linear_forward`` would run there."""
+    ``linear_forward`` would run there.
+
+    Parameters
+    ----------
+    dy : array, shape (..., Dout)
+    cache : LinearCache
+
+    Returns
+    -------
+    dx : array, shape (..., Din)
+    dw : array, shape (Dout, Din)
+    db : array, shape (Dout,) or None
+        None without bias.
+    """
     return linear_backwards([(dy, cache)])[0]
 
 
@@ -463,6 +564,16 @@ def linear_backwards(pairs: Any) -> list:
     run on the tile pool run there together, in one run (the module's q, k and
     v projections: one hand-off to the pool instead of three); the others run
     ``functional.linear_backward``.
+
+    Parameters
+    ----------
+    pairs : iterable of (dy, LinearCache)
+        Each ``dy`` of shape (..., Dout) of its cache's forward.
+
+    Returns
+    -------
+    grads : list of (dx, dw, db)
+        In the order of ``pairs``, each as ``linear_backward`` returns it.
     """
     pairs = list(pairs)
     for dy, cache in pairs:  # the reference's own checks, all before anything is computed
