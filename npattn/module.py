@@ -304,6 +304,15 @@ class MultiHeadAttention:
 
         ``mode`` must be a bool (``TypeError`` otherwise: ``train("no")``
         would otherwise mean training).
+
+        Parameters
+        ----------
+        mode : bool
+            True (default) for training, False for evaluation (``eval``).
+
+        Returns
+        -------
+        self : MultiHeadAttention
         """
         V.check_bool("mode", mode)
         self.training = bool(mode)
@@ -509,7 +518,20 @@ class MultiHeadAttention:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty ``KVCache`` for this module: ``batch_size`` sequences of up to ``capacity``
-        positions, ``n_kv_head`` heads of width ``head_dim``, the module's dtype, backend and device."""
+        positions, ``n_kv_head`` heads of width ``head_dim``, the module's dtype, backend and device.
+
+        Parameters
+        ----------
+        batch_size : int
+            B, the sequences the cache holds.
+        capacity : int
+            The most positions each sequence may hold.
+
+        Returns
+        -------
+        cache : KVCache
+            Empty; its keys and values (B, Hkv, capacity, Dh).
+        """
         return KVCache(batch_size, capacity, self.n_kv_head, self.head_dim, dtype=self.dtype,
                        backend=self.xp, device=device_of(self.params["w_q"]))
 
@@ -555,7 +577,13 @@ class MultiHeadAttention:
         return AttentionState(self._token, self._cache, self._decoded)
 
     def restore_forward_state(self, state: AttentionState) -> None:
-        """Put back a ``forward_state`` of this module; a ``TypeError`` for anything else."""
+        """Put back a ``forward_state`` of this module; a ``TypeError`` for anything else.
+
+        Parameters
+        ----------
+        state : AttentionState
+            What this module's ``forward_state()`` returned.
+        """
         if not isinstance(state, AttentionState) or state.owner is not self._token:
             got = "one of another module" if isinstance(state, AttentionState) else V.type_name(state)
             raise TypeError(f"state: expected an AttentionState read from this module's "
@@ -762,7 +790,18 @@ class MultiHeadAttention:
         return mha.train(module.training)
 
     def load_torch_state_dict(self, state_dict: Any) -> "MultiHeadAttention":
-        """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self."""
+        """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to tensor or array
+            The keys and shapes of a ``torch.nn.MultiheadAttention`` of this module's
+            layout (``torch_interop.load_torch_state_dict``).
+
+        Returns
+        -------
+        self : MultiHeadAttention
+        """
         from .torch_interop import load_torch_state_dict
 
         load_torch_state_dict(self, state_dict)
@@ -823,6 +862,11 @@ class MultiHeadAttention:
         written at ``path`` exactly (NumPy's ``savez``
         would append ``.npz`` to a name without it); ``path`` may also be a
         binary file object. Read it back with ``MultiHeadAttention.load``.
+
+        Parameters
+        ----------
+        path : str, os.PathLike or binary file object
+            A file name (not a directory's), or an object with ``write``.
         """
         check_path(path)
         header = {
@@ -847,6 +891,26 @@ class MultiHeadAttention:
         missing, unexpected, of the wrong shape or not floating point, a
         malformed generator state. A ``path`` that names a directory is an
         ``IsADirectoryError``, a missing file a ``FileNotFoundError``.
+
+        Parameters
+        ----------
+        path : str, os.PathLike or binary file object
+            A file written by ``save``, or an object with ``read``.
+        backend : str or namespace module
+            npattn backend of the module (default "numpy").
+
+        Returns
+        -------
+        module : MultiHeadAttention
+            The saved configuration, parameters (in the saved dtype), mode and
+            dropout generator state.
+
+        Raises
+        ------
+        ValueError
+            For a file that is not one ``save`` wrote, as above.
+        IsADirectoryError, FileNotFoundError
+            For a ``path`` that names a directory, or no file.
         """
         check_path(path, load_of="MultiHeadAttention.save")
         label = save_file_label(path)

@@ -107,7 +107,21 @@ def _check_torch_compatible(mha) -> None:
 
 
 def torch_state_dict_shapes(mha: Any) -> "OrderedDict[str, tuple]":
-    """The keys and shapes of the torch state dict of ``mha``, in torch's order."""
+    """The keys and shapes of the torch state dict of ``mha``, in torch's order.
+
+    Parameters
+    ----------
+    mha : MultiHeadAttention
+        A layout torch has (``qdim == d_model``, ``n_kv_head == n_head``, no sinks, and
+        ``qkv_bias == out_bias``); another is a ``ValueError`` naming the setting.
+
+    Returns
+    -------
+    shapes : OrderedDict of str to tuple of int
+        As the module docstring's table: ``in_proj_weight`` (3D, D) when ``kdim ==
+        vdim == D``, else ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``; the
+        biases and ``bias_k``/``bias_v`` (1, 1, D) where the module has them.
+    """
     _check_torch_compatible(mha)
     D = mha.d_model
     shapes: "OrderedDict[str, tuple]" = OrderedDict()
@@ -180,6 +194,19 @@ def params_from_torch_state_dict(mha: Any, state_dict: Any) -> dict:
     (missing, unexpected, shape) first. Returns ``{name: array}``, e.g.
     ``w_q`` (D, D), ``b_q`` (D,), ``bias_k`` (D,), in ``mha.params``' order
     where it has them.
+
+    Parameters
+    ----------
+    mha : MultiHeadAttention
+        The layout, as ``torch_state_dict_shapes``'; its parameters are not changed.
+    state_dict : mapping of str to tensor or array
+        Exactly the keys ``torch_state_dict_shapes(mha)`` lists, of those shapes,
+        floating.
+
+    Returns
+    -------
+    params : dict of str to numpy.ndarray
+        New host arrays (copies), ``w_k`` (D, kdim) and ``w_v`` (D, vdim).
     """
     expected = torch_state_dict_shapes(mha)
     check_state_dict(state_dict)
@@ -226,6 +253,13 @@ def load_torch_state_dict(mha: Any, state_dict: Any) -> None:
     Values may be torch tensors or arrays of any backend; they are cast to
     ``mha.dtype`` on ``mha``'s backend. All keys are checked (missing,
     unexpected, shape) before anything is assigned.
+
+    Parameters
+    ----------
+    mha : MultiHeadAttention
+        Its ``params`` are replaced (every one it has a torch key for).
+    state_dict : mapping of str to tensor or array
+        As ``params_from_torch_state_dict``'s.
     """
     host = params_from_torch_state_dict(mha, state_dict)
     mha.params = {n: mha.xp.astype(from_numpy(a, mha.xp), mha.dtype) for n, a in host.items()}
@@ -237,6 +271,16 @@ def torch_state_dict(mha: Any) -> "OrderedDict":
     CPU tensors of the torch dtype matching ``mha.dtype``, copies (not views
     of the parameters), keys in torch's order; ``module.load_state_dict`` of
     a torch module built with the same settings accepts it.
+
+    Parameters
+    ----------
+    mha : MultiHeadAttention
+        Of a layout torch has (``torch_state_dict_shapes``).
+
+    Returns
+    -------
+    state_dict : OrderedDict of str to torch.Tensor
+        The keys and shapes of ``torch_state_dict_shapes(mha)``.
     """
     torch = _torch()
     shapes = torch_state_dict_shapes(mha)
@@ -309,7 +353,21 @@ def options_from_torch(module: Any) -> dict:
     ``out_bias``, ``kdim``, ``vdim``, ``add_bias_kv`` and ``add_zero_attn``
     (``config_from_torch`` without ``dtype``). The transformer blocks' ``from_torch`` read
     their attention modules with it, and name a mixed dtype for the whole layer
-    (``module_dtype``)."""
+    (``module_dtype``).
+
+    Parameters
+    ----------
+    module : torch.nn.MultiheadAttention
+        Not a subclass with its own ``forward`` (a ``ValueError``).
+
+    Returns
+    -------
+    options : dict
+        ``d_model`` (``embed_dim``), ``n_head`` (``num_heads``), ``dropout``,
+        ``bias`` and ``qkv_bias`` (``in_proj_bias`` present), ``out_bias``
+        (``out_proj.bias`` present), ``kdim``, ``vdim``, ``add_bias_kv`` (``bias_k``
+        present), ``add_zero_attn``.
+    """
     torch = _torch()
     if not isinstance(module, torch.nn.MultiheadAttention):
         raise TypeError(
