@@ -227,6 +227,12 @@ class KVCache:
         ``ValueError`` naming ``kv_cache``); a failed call writes nothing.
         ``k_new`` and ``v_new`` may be views of the cache's own buffers: they
         are read before anything is written.
+
+        Parameters
+        ----------
+        k_new : array, shape (B, Hkv, n, Dh)
+        v_new : array, shape (B, Hkv, n, Dv)
+            n >= 1 new positions of every entry, of the cache's dtype, backend and device.
         """
         # [B, Hkv, n, Dh], [B, Hkv, n, Dv] -> k[b, :, L_b : L_b + n], v[b, :, L_b : L_b + n]
         self.check_new(k_new, v_new)
@@ -269,6 +275,11 @@ class KVCache:
         Ragged prompts: prefill them right-padded to one length, then
         ``truncate(prompt_lengths)``; each entry's next token is written
         after its own prompt. Checked before anything changes.
+
+        Parameters
+        ----------
+        seqlens : int, or list, tuple, range or 1-D NumPy array of B ints
+            The new lengths, each in [0, cache_seqlens[b]].
         """
         B = self.batch_size
         if isinstance(seqlens, numbers.Integral) and not isinstance(seqlens, (bool, np.bool_)):
@@ -302,6 +313,18 @@ class KVCache:
         With equal lengths this is ``concat([k[:, :, :L], k_new])``; otherwise
         entry ``b`` gets ``shift[b] = Lt - (cache_seqlens[b] + n)`` zero rows in
         front, which ``key_mask`` hides.
+
+        Parameters
+        ----------
+        k_new : array, shape (B, Hkv, n, Dh)
+        v_new : array, shape (B, Hkv, n, Dv)
+            Checked as ``append``'s (room in the cache included).
+
+        Returns
+        -------
+        aligned : AlignedKV
+            ``k`` (B, Hkv, Lt, Dh), ``v`` (B, Hkv, Lt, Dv), ``key_mask`` (B, 1, 1, Lt) or
+            None, ``shift`` (B ints).
         """
         # [B, Hkv, n, Dh], [B, Hkv, n, Dv] -> [B, Hkv, Lt, Dh], [B, Hkv, Lt, Dv], [B, 1, 1, Lt]
         self.check_new(k_new, v_new)
@@ -346,6 +369,18 @@ def persist_with(caches: Sequence[KVCache], *arrays: Any) -> tuple:
     A decoding step's logits and the keys of block ``n`` share the blocks before ``n``:
     a persist per cache and then a read of the logits compute those blocks once for each
     (a 2-block GPT: the first block's attention twice a step, its keys three times).
+
+    Parameters
+    ----------
+    caches : sequence of KVCache
+    *arrays : array
+        Arrays to compute with the buffers (a step's logits).
+
+    Returns
+    -------
+    arrays : tuple
+        ``arrays`` in their order: dask arrays persisted (still dask arrays, their
+        chunks computed), the others as given.
     """
     done = persisted(*(buf for cache in caches for buf in (cache._k, cache._v)), *arrays)
     for i, cache in enumerate(caches):

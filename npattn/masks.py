@@ -108,6 +108,18 @@ def window(Lq: int, Lk: int, left: Optional[int], right: Optional[int],
     applies (``window=(None, 0)`` is ``causal``). ``xp`` and ``device``: where
     to create the mask, as ``causal``'s (default NumPy).
 
+    Parameters
+    ----------
+    Lq, Lk : int
+        Query and key lengths.
+    left, right : int >= 0 or None
+        Keys attended before and after the query's own position; None: unbounded.
+    align : {"top_left", "bottom_right"}
+    xp : namespace or backend name, optional
+        Where to create the mask; default NumPy.
+    device : optional
+        Device of the mask, as the Array API's ``device=``.
+
     Returns
     -------
     mask : bool array, shape (Lq, Lk); broadcasts to (B, H, Lq, Lk).
@@ -143,6 +155,17 @@ def segments(q_segments: Any, k_segments: Any) -> Any:
     ``q_segments[b, i] == k_segments[b, j]`` (the same document): the mask that
     ``sdpa_forward(..., q_segments=, k_segments=)`` applies. Sizes whose mask could not
     exist at all (more bytes than the largest array) are a ``ValueError`` naming both.
+
+    Parameters
+    ----------
+    q_segments : integer array, shape (B, Lq)
+        The segment (document) id of each query.
+    k_segments : integer array, shape (B, Lk)
+        The segment id of each key, of q_segments' library and a dtype it compares with.
+
+    Returns
+    -------
+    mask : bool array, shape (B, 1, Lq, Lk); broadcasts to (B, H, Lq, Lk).
     """
     for name, a in (("q_segments", q_segments), ("k_segments", k_segments)):
         V.check_array(name, a)
