@@ -294,7 +294,21 @@ class GPT(BlockStack):
         return lens[0][0]
 
     def new_caches(self, batch_size: int, capacity: Optional[int] = None) -> list:
-        """One empty ``KVCache`` per block for ``batch_size`` sequences of up to ``capacity`` (T) tokens."""
+        """One empty ``KVCache`` per block for ``batch_size`` sequences of up to ``capacity`` (T) tokens.
+
+        Parameters
+        ----------
+        batch_size : int
+            B, the sequences decoded together.
+        capacity : int, optional
+            The most tokens of each sequence, at most ``block_size``; default ``block_size``.
+
+        Returns
+        -------
+        caches : list of N KVCache
+            Keys and values (B, H, capacity, D / H) each, of the model's dtype, backend and
+            device; pass them to ``forward(..., kv_caches=)``.
+        """
         capacity = self.block_size if capacity is None else capacity
         capacity = V.check_size("capacity", capacity, minimum=1)
         if capacity > self.block_size:
@@ -311,6 +325,23 @@ class GPT(BlockStack):
         ``RuntimeError`` before any forward or after a decoding forward;
         ``ValueError`` / ``TypeError`` for ``dlogits`` of another shape / dtype
         than the logits'.
+
+        Parameters
+        ----------
+        dlogits : array, shape (B, L, V)
+            Upstream gradient of the logits, of the model's dtype, library and device.
+
+        Returns
+        -------
+        grads : dict
+            ``grads``: the keys and shapes of ``params``, in its order. ``wte`` (V, D) sums
+            the embedding's and the tied head's terms; ``wpe`` (T, D) is zero on the rows
+            the forward did not read.
+
+        Raises
+        ------
+        RuntimeError
+            Before any forward, or after a forward with ``kv_caches``.
         """
         c = self._cache
         if c is None:
@@ -371,7 +402,27 @@ class GPT(BlockStack):
         one: weights of the counted targets that sum to 0 (the mean divides by them) are
         found by the cross-entropy. A call that fails after the forward (that, or memory)
         puts back the model's cached forward, its generators and the KV caches' lengths: a
-        failed call changes nothing."""
+        failed call changes nothing.
+
+        Parameters
+        ----------
+        ids : integer array, shape (B, L), values in [0, V)
+        targets : integer array, shape (B, L)
+            The next token at each position, in [0, V) (or ``ignore_index``).
+        weight : array, shape (V,), optional
+        ignore_index : int, optional
+        label_smoothing : float
+            In [0, 1]; default 0.
+        reduction : {"mean", "sum"}
+        **kwargs
+            ``forward``'s ``dropout_masks`` and ``kv_caches``.
+
+        Returns
+        -------
+        loss : float
+        dlogits : array, shape (B, L, V)
+            The gradient of ``loss`` with respect to the logits, of the model's dtype.
+        """
         loss, dlogits = self._loss(ids, targets, weight=weight, ignore_index=ignore_index,
                                    label_smoothing=label_smoothing, reduction=reduction, **kwargs)
         return float(loss), dlogits
@@ -631,6 +682,24 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, temperature: fl
 
     Shapes: ``logits`` (B, V) -> tokens (B,) int64. Each row needs a finite
     largest logit (entries may be -inf, none NaN or +inf).
+
+    Parameters
+    ----------
+    logits : numpy.ndarray, shape (B, V)
+        Real floating, on the host; computed in float64.
+    rng : numpy.random.Generator
+        Draws ``u``; checked with ``greedy`` too, which draws nothing.
+    temperature : float
+        A finite number > 0 that divides the shifted logits (step 1); default 1.
+    top_k : int, optional
+        In [1, V]; None: every token.
+    greedy : bool
+        The first largest logit of each row, nothing drawn; ``temperature`` and
+        ``top_k`` are still checked.
+
+    Returns
+    -------
+    tokens : numpy.ndarray of int64, shape (B,)
     """
     # [B, V] -> [B]
     if isinstance(logits, (np.ma.MaskedArray, np.matrix)):  # a mask would be ignored
@@ -704,6 +773,33 @@ def training_step(model: GPT, state: nn.AdamState, ids: Any, targets: Any, *, lr
     put back as it was before the call (its forward's cache, its and its blocks'
     generators, its grads): a failed step changes nothing, and running it again
     draws the same dropout masks.
+
+    Parameters
+    ----------
+    model : GPT
+    state : nn.AdamState
+        The optimiser's state before the step.
+    ids, targets : integer arrays, shape (B, L)
+    lr : float
+    max_grad_norm : float, optional
+        A finite number > 0 to clip the gradients' global norm to (default 1.0); None: no
+        clipping.
+    betas : (float, float)
+        Default (0.9, 0.999).
+    eps, weight_decay : float
+        Defaults 1e-8 and 0.
+    dropout_masks : list of N dicts, optional
+    weight, ignore_index, label_smoothing, reduction
+        As ``GPT.loss``'s.
+
+    Returns
+    -------
+    loss : float
+        The loss of the forward, before the update.
+    grad_norm : float
+        The gradients' global norm before clipping.
+    state : nn.AdamState
+        The optimiser's next state.
     """
     check_training_options(model, state, lr=lr, max_grad_norm=max_grad_norm, betas=betas, eps=eps,
                            weight_decay=weight_decay)

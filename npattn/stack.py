@@ -127,7 +127,19 @@ class BlockStack:
     # ---------------------------------------------------------------- dropout
 
     def site_shapes(self, B: int, L: int) -> dict:
-        """The shape of each block's dropout site (``ENCODER_DROPOUT_SITES``) for a batch of B sequences of L."""
+        """The shape of each block's dropout site (``ENCODER_DROPOUT_SITES``) for a batch of B sequences of L.
+
+        Parameters
+        ----------
+        B, L : int
+            Batch size and sequence length.
+
+        Returns
+        -------
+        shapes : dict
+            ``"self_attn"`` (B, H, L, L), ``"dropout1"`` (B, L, D), ``"dropout"``
+            (B, L, d_ff), ``"dropout2"`` (B, L, D), of the blocks' H, D and d_ff.
+        """
         b = self.blocks[0]
         shapes = {"self_attn": (B, b.n_head, L, L), "dropout1": (B, L, b.d_model),
                   "dropout": (B, L, b.d_ff), "dropout2": (B, L, b.d_model)}
@@ -181,7 +193,18 @@ class BlockStack:
         return sum(math.prod(p.shape) for p in self.params.values())
 
     def train(self, mode: bool = True) -> Any:
-        """Training mode: dropout acts (when ``dropout > 0``). Returns self."""
+        """Training mode: dropout acts (when ``dropout > 0``). Returns self.
+
+        Parameters
+        ----------
+        mode : bool
+            True (default) for training, False for evaluation (``eval``); every
+            block is set to it too.
+
+        Returns
+        -------
+        self : BlockStack
+        """
         V.check_bool("mode", mode)
         self.training = bool(mode)
         for block in self.blocks:
@@ -225,6 +248,11 @@ class BlockStack:
         the states of the dropout generators (the model's own, ``rng_state``,
         and each block's, ``block_rng_states``), so the next training forward
         after ``load`` draws the masks this model would. Nothing is pickled.
+
+        Parameters
+        ----------
+        path : str, os.PathLike or binary file object
+            A file name (not a directory's), or an object with ``write``.
         """
         check_path(path)
         config = {k: getattr(self, k) for k in self.CONFIG_KEYS}
@@ -249,6 +277,25 @@ class BlockStack:
         parameters missing or unexpected, malformed modes or generator states. A
         ``path`` that names a directory is an ``IsADirectoryError``, a
         missing file a ``FileNotFoundError``.
+
+        Parameters
+        ----------
+        path : str, os.PathLike or binary file object
+            A file written by this class's ``save``, or an object with ``read``.
+        backend : str or namespace module
+            npattn backend of the model (default "numpy").
+
+        Returns
+        -------
+        model : GPT or TransformerClassifier
+            An instance of the class ``load`` is called on.
+
+        Raises
+        ------
+        ValueError
+            For a file that is not one this class's ``save`` wrote, as above.
+        IsADirectoryError, FileNotFoundError
+            For a ``path`` that names a directory, or no file.
         """
         model, header, label = model_from_save_file(cls, path, backend=backend, fmt=cls.SAVE_FORMAT,
                                                     version=cls.SAVE_VERSION,
