@@ -264,6 +264,21 @@ class TransformerClassifier(BlockStack):
         (B, L, P). Raises ``RuntimeError`` before any forward, ``ValueError``
         / ``TypeError`` for a ``dlogits`` of another shape / dtype than the
         logits'.
+
+        Parameters
+        ----------
+        dlogits : array, shape (B, C)
+            Upstream gradient of the logits, of the model's dtype, library and device.
+
+        Returns
+        -------
+        grads : dict
+            ``grads``: the keys and shapes of ``params``, in its order.
+
+        Raises
+        ------
+        RuntimeError
+            Before any forward.
         """
         # [B, C] -> {name: [shape of the parameter]}
         c = self._cache

@@ -790,10 +790,25 @@ def gradcheck_module(module: Any, query: Any, key: Any, value: Any, *,
     ``dquery + dkey + dvalue``. A ``wrt`` in ``check_kwargs`` indexes ``(query, key, value,
     *params)`` either way: there 0, 1 and 2 each select ``x``.
 
+    Parameters
+    ----------
+    module : MultiHeadAttention
+        With float64 parameters.
+    query : array, shape (B, Lq, Dq)
+    key : array, shape (B, Lk, Dk)
+    value : array, shape (B, Lk, Dv)
+        Cast to float64 by :func:`gradcheck`, as every floating input.
+    forward_kwargs : dict, optional
+        Keywords of every ``module.forward`` (``mask``, ``is_causal``,
+        ``dropout_mask``, ...); no ``kv_cache``.
+    **check_kwargs
+        Keywords of :func:`gradcheck`; ``dout`` is (B, Lq, D).
+
     Returns
     -------
-    GradcheckReport with entries ``query``, ``key``, ``value`` (``x`` alone for
-    self-attention) and one per parameter name.
+    report : GradcheckReport
+        Entries ``query``, ``key``, ``value`` (``x`` alone for self-attention) and
+        one per parameter name.
     """
     params: Any = getattr(module, "params", None)
     if not (callable(getattr(module, "backward", None)) and callable(module)

@@ -1083,6 +1083,20 @@ class TransformerBlock(_Block):
         ``TypeError`` for a ``dout`` of another shape / dtype than the
         output's. Afterwards the attention modules' ``cache`` and ``grads`` are
         those of this block's last forward and backward.
+
+        Parameters
+        ----------
+        dout : array, shape (B, L, D)
+            Upstream gradient of the output, of its dtype, library and device.
+
+        Returns
+        -------
+        dx : array, shape (B, L, D)
+
+        Raises
+        ------
+        RuntimeError
+            Before any forward, or after a forward with ``kv_cache``.
         """
         self._check_dout(dout)
         c = self._cache
@@ -1105,7 +1119,19 @@ class TransformerBlock(_Block):
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerBlock":
         """A copy of a ``torch.nn.TransformerEncoderLayer(batch_first=True)``: layout, weights, modes
         (the layer's and its attention module's; a dropout module in another mode than the layer, with
-        ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``)."""
+        ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``).
+
+        Parameters
+        ----------
+        layer : torch.nn.TransformerEncoderLayer
+            With ``batch_first=True``.
+        backend : str or namespace module
+            npattn backend of the copy (default "numpy").
+
+        Returns
+        -------
+        block : TransformerBlock
+        """
         import torch
 
         return cls._copy_of_torch(layer, torch.nn.TransformerEncoderLayer, backend)
@@ -1207,6 +1233,21 @@ class TransformerDecoderBlock(_Block):
         """Backpropagate ``dout`` (B, L, D); fills ``grads``, returns ``(dx, dmemory)``, (B, L, D) and (B, Lm, D).
 
         Errors and the attention modules' state as ``TransformerBlock.backward``.
+
+        Parameters
+        ----------
+        dout : array, shape (B, L, D)
+            Upstream gradient of the output, of its dtype, library and device.
+
+        Returns
+        -------
+        dx : array, shape (B, L, D)
+        dmemory : array, shape (B, Lm, D)
+
+        Raises
+        ------
+        RuntimeError
+            Before any forward.
         """
         self._check_dout(dout)
         c = self._cache
@@ -1230,7 +1271,19 @@ class TransformerDecoderBlock(_Block):
     def from_torch(cls, layer: Any, *, backend: Any = "numpy") -> "TransformerDecoderBlock":
         """A copy of a ``torch.nn.TransformerDecoderLayer(batch_first=True)``: layout, weights, modes
         (the layer's and its attention modules'; a dropout module in another mode than the layer, with
-        ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``)."""
+        ``p > 0``, is a ``ValueError``), on ``backend`` (the constructor's ``backend``).
+
+        Parameters
+        ----------
+        layer : torch.nn.TransformerDecoderLayer
+            With ``batch_first=True``.
+        backend : str or namespace module
+            npattn backend of the copy (default "numpy").
+
+        Returns
+        -------
+        block : TransformerDecoderBlock
+        """
         import torch
 
         return cls._copy_of_torch(layer, torch.nn.TransformerDecoderLayer, backend)
