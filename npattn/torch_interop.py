@@ -257,7 +257,7 @@ def load_torch_state_dict(mha: Any, state_dict: Any) -> None:
     Parameters
     ----------
     mha : MultiHeadAttention
-        Its ``params`` are replaced (every one it has a torch key for).
+        Its ``params`` are replaced, all of them, once every key and shape is checked.
     state_dict : mapping of str to tensor or array
         As ``params_from_torch_state_dict``'s.
     """
