@@ -454,8 +454,11 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
 
 
 def weights(cache: Any) -> Any:
-    """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache:
-    the cache's own array, which ``sdpa_backward`` reads; write into a copy of it.
+    """The attention weights (B, Hq, Lq, Lk) before dropout, from a dense implementation's cache.
+
+    For the reference's cache, the cache's own array, which ``sdpa_backward`` reads: write into
+    a copy of it. The NumPy kernel keeps ``e`` and its row factors, and forms a new array at
+    each call (``NumpySDPACache.probs``).
 
     Parameters
     ----------
@@ -472,6 +475,8 @@ def weights(cache: Any) -> Any:
             raise ValueError(f"cache: expected the cache of a dense implementation (it keeps the "
                              f"attention weights), got {type(cache).__name__}: the {name} "
                              "implementation keeps no attention weights")
+    if not isinstance(cache, (F.SDPACache, numpy_kernel.NumpySDPACache)):
+        raise TypeError(f"cache: expected the cache of an sdpa_forward, got {V.type_name(cache)}")
     return cache.probs
 
 

@@ -837,6 +837,8 @@ def test_dispatcher_refuses_before_computing(backend, xp, to_xp, to_np):
             A.sdpa_backward(dout, bad)
         with pytest.raises(TypeError, match=expected):
             A.dropout_keep_mask(bad)
+        with pytest.raises(TypeError, match=expected):  # (None.probs raised AttributeError)
+            A.weights(bad)
     _, c = A.sdpa_forward(q, k, v, impl="blocked")
     assert A.dropout_keep_mask(c) is None
     with pytest.raises(TypeError, match="^need_weights: expected a bool, got str 'no'"):
