@@ -102,7 +102,21 @@ def default_blocks(block_q: Optional[int], block_k: Optional[int],
                    window_left: Optional[int]) -> tuple:
     """The (block_q, block_k) a blocked call runs with: those given, a None one replaced by
     ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``, or ``WINDOW_BLOCK_K`` keys when ``window_left``
-    (the ``left`` of ``window=(left, right)``) bounds the left side. Not checked here."""
+    (the ``left`` of ``window=(left, right)``) bounds the left side. Not checked here.
+
+    Parameters
+    ----------
+    block_q, block_k : int, optional
+        The caller's block lengths; None takes the default.
+    window_left : int, optional
+        ``ScoreOptions.left`` of the call, the ``left`` of its window; None when the
+        window is unbounded on the left.
+
+    Returns
+    -------
+    block_q, block_k : int
+        The given values as they are, a None one replaced.
+    """
     block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
     if block_k is None:  # a window bounded on the left: key blocks as short as query blocks
         block_k = DEFAULT_BLOCK_K if window_left is None else WINDOW_BLOCK_K
@@ -261,6 +275,20 @@ def blocked_keep_mask(cache: BlockedSDPACache, xp: Any = None) -> Any:
     For checking against the other implementations on small inputs: this
     builds the array that the blocked path avoids. Returns None when that
     forward drew no mask (no dropout, or a caller's ``dropout_mask``).
+
+    Parameters
+    ----------
+    cache : BlockedSDPACache
+        Of ``sdpa_blocked_forward`` (or ``sdpa_blocked_forward_core``).
+    xp : namespace, optional
+        Array library of the result; None: that of ``cache.q``. The mask is made on
+        the device of ``cache.q``.
+
+    Returns
+    -------
+    keep : bool array, shape (..., Lq, Lk), or None
+        True = kept. The leading axes are ``cache.lead_shape``, those of the scores:
+        (B, Hq) under grouped-query attention.
     """
     c = cache
     if c.dropout_key is None:
@@ -443,7 +471,25 @@ def sdpa_blocked_forward_core(q: Any, k: Any, v: Any, *, mask: Any, is_causal: b
                               options: Optional[F.ScoreOptions] = None
                               ) -> tuple[Any, BlockedSDPACache]:
     """``sdpa_blocked_forward`` on arguments that are already checked (``options`` from
-    ``functional.score_options``); for the dispatcher."""
+    ``functional.score_options``); for the dispatcher.
+
+    Parameters
+    ----------
+    q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, rng
+        As ``sdpa_blocked_forward``; a key is drawn from ``rng`` when ``dropout_p > 0``
+        and no ``dropout_mask`` is given.
+    groups : int
+        G = Hq // Hkv under grouped-query attention (``functional.gqa_groups``), else 1.
+    block_q, block_k : int, optional
+        As ``sdpa_blocked_forward``; None: the defaults (``default_blocks``).
+    options : ScoreOptions, optional
+        The kernel options; None: none (``is_causal`` is folded in either way).
+
+    Returns
+    -------
+    out : array, shape (..., Lq, Dv), dtype of ``q``
+    cache : BlockedSDPACache
+    """
     # [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv] -> [..., Lq, Dv]
     with exclusive():  # BLAS is held to one thread inside (npattn.backend: threads)
         return _forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -463,6 +509,18 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
     hand each piece's back with ``with_rows`` before calling ``sdpa_blocked_backward``.
     Arguments as ``sdpa_blocked_forward_core``, checked already; ``key`` is
     the key drawn for a generated keep-mask (None: ``dropout_mask`` or no dropout).
+
+    Parameters
+    ----------
+    q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, groups, block_q, block_k, options
+        As ``sdpa_blocked_forward_core`` (``rng`` aside: the key stands for it).
+    key : int, optional
+        From ``backend.dropout_key``.
+
+    Returns
+    -------
+    cache : BlockedSDPACache
+        With ``out``, ``m`` and ``l`` None.
     """
     xp = namespace(q, k, v, mask, dropout_mask)
     o = F.causal_options(is_causal, options)

@@ -98,7 +98,23 @@ __all__ = ["ChunkPlan", "ChunkedSDPACache", "accepts", "sdpa_forward", "sdpa_bac
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
     """Whether this implementation takes these arguments: dask arrays q (B, Hq, Lq, Dh),
     k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) of one B and known chunk sizes, and masks
-    that broadcast to (B, Hq, Lq, Lk) without growing it."""
+    that broadcast to (B, Hq, Lq, Lk) without growing it.
+
+    Parameters
+    ----------
+    q : array, shape (B, Hq, Lq, Dh)
+    k : array, shape (B, Hkv, Lk, Dh)
+    v : array, shape (B, Hkv, Lk, Dv)
+        Hkv >= 1 divides Hq.
+    mask, dropout_mask : array, optional
+        None: not given.
+
+    Returns
+    -------
+    bool
+        False for an array that is not a dask array, one of unknown chunk sizes (a NaN in
+        its shape) or shapes other than these.
+    """
     arrays = (q, k, v, mask, dropout_mask)
     if not all(a is None or is_dask_array(a) for a in arrays):
         return False
@@ -383,6 +399,37 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     options, their arrays dask arrays) plus the blocked algorithm's block lengths inside
     each task. Returns ``(out, ChunkedSDPACache)``; ``out`` is a dask array chunked like
     ``q`` (its last axis one chunk).
+
+    Parameters
+    ----------
+    q : dask array, shape (B, Hq, Lq, Dh)
+    k : dask array, shape (B, Hkv, Lk, Dh)
+    v : dask array, shape (B, Hkv, Lk, Dv)
+        Their chunks make the plan (module docstring); the others are rechunked to it.
+    mask : dask array, broadcastable to (B, Hq, Lq, Lk), or None
+        Boolean (True = may attend) or floating (added to the scores).
+    is_causal : bool
+    scale : float or None
+        None: ``1 / sqrt(Dh)``.
+    dropout_p : float
+        Drop probability.
+    dropout_mask : dask bool array, broadcastable to (B, Hq, Lq, Lk), or None
+        The keep-mask to apply; None: drawn when ``dropout_p`` is not 0.
+    rng : int, SeedSequence, BitGenerator, Generator or None
+        One key is drawn from it (``backend.dropout_key``) when a mask is drawn.
+    groups : int
+        G = Hq // Hkv.
+    block_q, block_k : int, optional
+        Block lengths of the blocked algorithm inside each task; None: its defaults.
+    options : ScoreOptions, optional
+        The kernel options; None: none (``is_causal`` is folded in either way).
+
+    Returns
+    -------
+    out : dask array, shape (B, Hq, Lq, Dv), dtype of ``q``
+        Chunked as ``cache.q``, the plan's: ``q``'s batch and row chunks, the heads in
+        ``k``'s head chunks times G.
+    cache : ChunkedSDPACache
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     from dask.base import tokenize
@@ -443,7 +490,18 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
 
 
 def keep_mask_of(cache: ChunkedSDPACache) -> Any:
-    """The keep-mask (B, Hq, Lq, Lk) a forward used, as a dask array, or None without dropout."""
+    """The keep-mask (B, Hq, Lq, Lk) a forward used, as a dask array, or None without dropout.
+
+    Parameters
+    ----------
+    cache : ChunkedSDPACache
+
+    Returns
+    -------
+    keep : dask bool array, shape (B, Hq, Lq, Lk), or None
+        True = kept: the caller's ``dropout_mask`` broadcast, or the drawn mask, one task
+        per chunk of the plan; None when the forward was given no mask and drew none.
+    """
     import dask.array as da
     from dask.base import tokenize
 
@@ -469,7 +527,23 @@ def keep_mask_of(cache: ChunkedSDPACache) -> Any:
 def sdpa_backward(dout: Any, cache: ChunkedSDPACache, *, dlse: Any = None) -> SDPAGrads:
     """Gradients ``SDPAGrads(dq, dk, dv, dmask, dsinks)`` of ``sdpa_forward`` as dask arrays,
     pair by pair (``dsinks`` (Hq,) with sinks, else None); ``dlse`` [B, Hq, Lq] is an upstream
-    gradient of ``cache.lse``."""
+    gradient of ``cache.lse``.
+
+    Parameters
+    ----------
+    dout : dask array, shape (B, Hq, Lq, Dv), dtype of ``q``
+        Checked against ``cache.out``.
+    cache : ChunkedSDPACache
+    dlse : dask array, shape (B, Hq, Lq), optional
+        None: no gradient reaches ``lse``.
+
+    Returns
+    -------
+    SDPAGrads
+        Dask arrays in the dtype of ``q``: ``dq`` (B, Hq, Lq, Dh), ``dk`` (B, Hkv, Lk, Dh),
+        ``dv`` (B, Hkv, Lk, Dv), ``dmask`` in the floating mask's shape as given (None for a
+        boolean mask or none), ``dsinks`` (Hq,) or None.
+    """
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape, [Hq]
     from dask.base import tokenize
 
