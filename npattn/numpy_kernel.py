@@ -138,7 +138,22 @@ EXP_BOUND = 16.0
 def accepts(q, k, v, mask=None, dropout_mask=None) -> bool:
     """Whether the kernel takes these arguments: NumPy arrays q (B, Hq, Lq, Dh),
     k (B, Hkv, Lk, Dh), v (B, Hkv, Lk, Dv) with one B and Hkv >= 1 dividing Hq, and masks that broadcast
-    to (B, Hq, Lq, Lk) without growing it."""
+    to (B, Hq, Lq, Lk) without growing it.
+
+    Parameters
+    ----------
+    q : array, shape (B, Hq, Lq, Dh)
+    k : array, shape (B, Hkv, Lk, Dh)
+    v : array, shape (B, Hkv, Lk, Dv)
+    mask, dropout_mask : array, optional
+        None: not given.
+
+    Returns
+    -------
+    bool
+        False for an array that is not a plain ``numpy.ndarray`` (a subclass neither) or
+        shapes other than these.
+    """
     arrays = (q, k, v, mask, dropout_mask)
     return all(a is None or is_numpy_array(a) for a in arrays) and V.heads_layout(q, k, v, mask,
                                                                                   dropout_mask)
@@ -258,7 +273,14 @@ class Workspace:
     def give(self, cache: Any) -> None:
         """Keep the arrays of ``cache`` that the kernel allocated (a NumpySDPACache; anything
         else is ignored). The cache must not be read afterwards. An array kept already (the
-        same cache given twice) is kept once, so that two later forwards never share it."""
+        same cache given twice) is kept once, so that two later forwards never share it.
+
+        Parameters
+        ----------
+        cache : NumpySDPACache
+            Its ``exps`` are kept, and its keep-mask when the kernel drew it; the newest
+            arrays first, at most ``SPARES`` in all (the oldest let go).
+        """
         if not isinstance(cache, NumpySDPACache):
             return
         arrays = [cache.exps]
@@ -268,7 +290,19 @@ class Workspace:
         self.spares = (arrays + self.spares)[: self.SPARES]
 
     def take(self, shape: tuple, dtype: Any) -> Optional[np.ndarray]:
-        """A kept array of ``shape`` and ``dtype`` (reshaped; it holds stale numbers), or None."""
+        """A kept array of ``shape`` and ``dtype`` (reshaped; it holds stale numbers), or None.
+
+        Parameters
+        ----------
+        shape : tuple of int
+        dtype : numpy dtype
+
+        Returns
+        -------
+        numpy.ndarray or None
+            The first kept array with as many entries and that dtype, taken out of the
+            workspace; None when none has them.
+        """
         size = math.prod(shape)
         for i, a in enumerate(self.spares):
             if a.size == size and a.dtype == dtype:
@@ -343,6 +377,35 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     ``workspace`` (a ``Workspace``) lends arrays instead of new ones.
     Returns ``(out, NumpySDPACache)``; ``cache.probs`` forms the weights
     before dropout, ``cache.exps * cache.row_scale``.
+
+    Parameters
+    ----------
+    q : numpy.ndarray, shape (B, Hq, Lq, Dh)
+    k : numpy.ndarray, shape (B, Hkv, Lk, Dh)
+    v : numpy.ndarray, shape (B, Hkv, Lk, Dv)
+    mask : numpy.ndarray, broadcastable to (B, Hq, Lq, Lk), or None
+        Boolean (True = may attend) or floating (added to the scores).
+    is_causal : bool
+    scale : float or None
+        None: ``1 / sqrt(Dh)``.
+    dropout_p : float
+        Drop probability.
+    dropout_mask : numpy bool array, broadcastable to (B, Hq, Lq, Lk), or None
+        The keep-mask to apply; None: drawn when ``dropout_p`` is not 0.
+    rng : int, SeedSequence, BitGenerator, Generator or None
+        One key is drawn from it (``backend.dropout_key``) when a mask is drawn.
+    groups : int
+        G = Hq // Hkv.
+    options : ScoreOptions, optional
+        None: no window beyond ``is_causal``.
+    workspace : Workspace, optional
+        None: new arrays.
+
+    Returns
+    -------
+    out : numpy.ndarray, shape (B, Hq, Lq, Dv), dtype of ``q``
+        A view of an array in the merged layout (B, Lq, Hq * Dv) (float16: a copy).
+    cache : NumpySDPACache
     """
     # [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv] -> [B, Hq, Lq, Dv]
     in_dtype = q.dtype
@@ -474,7 +537,17 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
 def keep_mask_of(cache: NumpySDPACache) -> Any:
     """The keep-mask (B, Hq, Lq, Lk) a forward used, or None without dropout. A mask the
     kernel drew is a new array (the cache's may go back to a ``Workspace`` and be drawn
-    over); a caller's is returned as it was broadcast."""
+    over); a caller's is returned as it was broadcast.
+
+    Parameters
+    ----------
+    cache : NumpySDPACache
+
+    Returns
+    -------
+    keep : numpy bool array, shape (B, Hq, Lq, Lk), or None
+        True = kept; None when the forward was given no mask and drew none.
+    """
     if cache.keep is None:
         return None
     B, Hq, Lq, Lk = cache.exps.shape
@@ -491,7 +564,23 @@ def keep_mask_of(cache: NumpySDPACache) -> Any:
 
 def sdpa_backward(dout: Any, cache: NumpySDPACache, *, dlse: Any = None) -> SDPAGrads:
     """Gradients ``SDPAGrads(dq, dk, dv, dmask, None)`` of ``sdpa_forward``, tile by tile;
-    ``dlse`` [B, Hq, Lq] is an upstream gradient of ``cache.lse`` (checked by the dispatcher)."""
+    ``dlse`` [B, Hq, Lq] is an upstream gradient of ``cache.lse`` (checked by the dispatcher).
+
+    Parameters
+    ----------
+    dout : numpy.ndarray, shape (B, Hq, Lq, Dv), dtype of ``q``
+        Checked by the dispatcher, as ``dlse``.
+    cache : NumpySDPACache
+    dlse : numpy.ndarray, shape (B, Hq, Lq), optional
+        None: no gradient reaches ``lse``.
+
+    Returns
+    -------
+    SDPAGrads
+        In the dtype of ``q``: ``dq`` (B, Hq, Lq, Dh), ``dk`` (B, Hkv, Lk, Dh),
+        ``dv`` (B, Hkv, Lk, Dv), ``dmask`` in the floating mask's shape as given (None for a
+        boolean mask or none), ``dsinks`` None (the kernel takes no sinks).
+    """
     # [B, Hq, Lq, Dv] -> [B, Hq, Lq, Dh], [B, Hkv, Lk, Dh], [B, Hkv, Lk, Dv], mask shape
     q, k, v = cache.q, cache.k, cache.v
     work = q.dtype
@@ -632,7 +721,17 @@ LINEAR_PARTS = 4
 def linear_applies(x: Any, w: Any) -> bool:
     """Whether ``linear_forward`` runs ``x @ w.T`` on the tile pool: NumPy arrays of matching
     widths and a GEMM of at least ``POOL_MIN_LINEAR`` multiply-adds. (With one pool thread
-    the blocks run in order, BLAS still at one thread: the same numbers as on more.)"""
+    the blocks run in order, BLAS still at one thread: the same numbers as on more.)
+
+    Parameters
+    ----------
+    x : array, shape (..., Din)
+    w : array, shape (Dout, Din)
+
+    Returns
+    -------
+    bool
+    """
     if not (is_numpy_array(x) and is_numpy_array(w) and x.ndim >= 1 and w.ndim == 2):
         return False
     return x.shape[-1] == w.shape[1] and x.size * w.shape[0] >= POOL_MIN_LINEAR
@@ -650,6 +749,17 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, Any]:
     BLAS's own threads would otherwise keep spinning after the GEMM and take
     the cores from the attention tiles that follow. Returns
     ``(y, functional.LinearCache)``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, shape (..., Din)
+    w : numpy.ndarray, shape (Dout, Din)
+    b : numpy.ndarray, shape (Dout,), optional
+
+    Returns
+    -------
+    y : numpy.ndarray, shape (..., Dout), dtype of ``x``
+    cache : LinearCache
     """
     # [..., Din], [Dout, Din], [Dout] -> [..., Dout]
     x2 = x.reshape(-1, x.shape[-1])  # [N, Din]
@@ -668,7 +778,20 @@ def linear_forward(x: Any, w: Any, b: Any = None) -> tuple[Any, Any]:
 def linear_backward(dy: Any, cache: Any) -> tuple[Any, Any, Any]:
     """``functional.linear_backward`` on checked NumPy arrays: ``dx = dy @ w`` and
     ``dw = dy^T x`` in ``LINEAR_PARTS`` blocks of rows on the tile pool; ``db = sum(dy)``.
-    One projection of ``linear_backwards``."""
+    One projection of ``linear_backwards``.
+
+    Parameters
+    ----------
+    dy : numpy.ndarray, shape (..., Dout)
+    cache : LinearCache
+        Of ``linear_forward`` or ``functional.linear_forward``.
+
+    Returns
+    -------
+    dx : numpy.ndarray, shape (..., Din)
+    dw : numpy.ndarray, shape (Dout, Din)
+    db : numpy.ndarray, shape (Dout,) or None
+    """
     # [..., Dout] -> [..., Din], [Dout, Din], [Dout]
     return linear_backwards([(dy, cache)])[0]
 
@@ -681,6 +804,17 @@ def linear_backwards(pairs: Any) -> list:
     blocks' ``dy[i0:i1]^T x[i0:i1]``, added in block order (fixed blocks: the numbers
     do not depend on the pool's threads); ``db = sum(dy)``. Returns a list of
     ``(dx, dw, db)``, one per pair, each what ``linear_backward`` returns for it.
+
+    Parameters
+    ----------
+    pairs : sequence of (dy, cache)
+        ``dy`` (..., Dout) and the ``LinearCache`` of its forward, as ``linear_backward``
+        takes them.
+
+    Returns
+    -------
+    list of (dx, dw, db)
+        In the order of ``pairs``.
     """
     # [(..., Dout), LinearCache] -> [(..., Din), (Dout, Din), (Dout)]
     jobs = []  # per pair: dy2 [N, Dout], x2 [N, Din], w, dx2 [N, Din], dw [Dout, Din], parts
