@@ -144,6 +144,23 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
     Raises ``TypeError`` when the arrays come from different libraries; with
     ``names`` (the arguments' names, one per array) it names the first array
     that is not of the first one's library.
+
+    Parameters
+    ----------
+    *arrays : array or None
+    names : sequence of str, optional
+        The arguments' names, one per array, for the message.
+
+    Returns
+    -------
+    xp : namespace
+        ``array_api_compat.numpy`` for plain NumPy arrays, else
+        ``array_api_compat.array_namespace``'s.
+
+    Raises
+    ------
+    TypeError
+        For arrays of different libraries (see above).
     """
     present = [(i, a) for i, a in enumerate(arrays) if a is not None]
     if present and all(type(a) is np.ndarray for _, a in present):
@@ -173,7 +190,25 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
 
 def resolve_backend(backend: Any, name: str = "backend") -> Any:
     """Turn ``backend=`` (a name in ``BACKENDS`` or a namespace module) into a namespace;
-    ``name`` is the argument the messages name (``xp`` where a function calls it so)."""
+    ``name`` is the argument the messages name (``xp`` where a function calls it so).
+
+    Parameters
+    ----------
+    backend : str or module
+        A key of ``BACKENDS``, or a namespace module: ``numpy``, ``cupy``, ``torch`` and
+        ``dask.array`` themselves become array-api-compat's namespaces of them, any other
+        module with ``asarray`` and ``matmul`` is taken as it is.
+    name : str
+
+    Returns
+    -------
+    xp : namespace
+
+    Raises
+    ------
+    ImportError
+        When the package of a named backend is not installed.
+    """
     if isinstance(backend, types.ModuleType):
         if backend.__name__ in ("numpy", "cupy", "torch", "dask.array"):  # their compat namespaces
             return importlib.import_module("array_api_compat." + backend.__name__)
@@ -242,7 +277,17 @@ def is_array(x: Any) -> bool:
 
 
 def device_of(x: Any) -> Any:
-    """The device of array ``x``, as the Array API ``device=`` arguments take it."""
+    """The device of array ``x``, as the Array API ``device=`` arguments take it.
+
+    Parameters
+    ----------
+    x : array
+
+    Returns
+    -------
+    device
+        ``"cpu"`` for a NumPy array, else ``array_api_compat.device(x)``.
+    """
     if type(x) is np.ndarray:
         return "cpu"  # array_api_compat.device's answer for a NumPy array
     if not is_array(x):
@@ -259,6 +304,14 @@ def accelerator_memory(x: Any) -> Optional[int]:
     The device's total, not what is free now, so that ``impl="auto"`` chooses the
     same implementation for the same call on the same device whatever else is
     allocated (``npattn.attention.auto_blocked``).
+
+    Parameters
+    ----------
+    x : array
+
+    Returns
+    -------
+    int or None
     """
     library = type(x).__module__.partition(".")[0]  # not a library's import: it may be absent
     if library == "cupy" and array_api_compat.is_cupy_array(x):
@@ -321,6 +374,19 @@ def scalar(xp: Any, value: float, like: Any) -> Any:
     an older revision) gets a 0-d array, which promotes with ``like`` as the
     float would (to ``like``'s dtype): ``xp.where(keep, x, scalar(xp, 0.0, x))`` is
     ``xp.where(keep, x, 0.0)`` either way.
+
+    Parameters
+    ----------
+    xp : namespace
+        The namespace of ``like``.
+    value : float
+    like : array
+        The other operand.
+
+    Returns
+    -------
+    float or array, shape ()
+        ``value`` itself, or a 0-d array of ``like``'s dtype on its device.
     """
     if str(getattr(xp, "__array_api_version__", "2021.12")) >= "2024.12":  # 'YYYY.MM' in order
         return value
@@ -336,6 +402,19 @@ def elementwise(fn: Callable[..., tuple], *arrays: Any) -> tuple:
     than the arithmetic on small arrays (an Adam step's dozen per parameter). The numbers
     are the same: ``fn`` runs on the chunks the operations dask's would. Elsewhere,
     ``fn(*arrays)`` as it is.
+
+    Parameters
+    ----------
+    fn : callable
+        Takes the arrays, returns a tuple of arrays of their shape.
+    *arrays : array
+        Of one shape. With a dask array among them, every one is made a dask array
+        chunked as the first dask array.
+
+    Returns
+    -------
+    tuple of arrays
+        What ``fn`` returns; on dask, one dask array per output.
     """
     if not any(is_dask_array(a) for a in arrays):
         return fn(*arrays)
@@ -367,6 +446,22 @@ def to_numpy(x: Any) -> np.ndarray:
 
     A JAX bfloat16 array comes back as ml_dtypes' bfloat16 (JAX's own host type); a torch
     bfloat16 tensor, which NumPy cannot hold, is a ``TypeError``: cast it first.
+
+    Parameters
+    ----------
+    x : array
+        Of NumPy (a NumPy scalar too), CuPy, torch, dask, JAX or a library that exports
+        its memory through DLPack (a dask array is computed).
+
+    Returns
+    -------
+    numpy.ndarray
+        A new array, shared with nothing (a NumPy scalar gives a 0-d array).
+
+    Raises
+    ------
+    TypeError
+        For a torch bfloat16 tensor (see above).
     """
     if isinstance(x, (np.ndarray, np.generic)):  # a NumPy scalar too, np.sum's result
         return np.array(x, copy=True)
@@ -392,7 +487,22 @@ def to_numpy(x: Any) -> np.ndarray:
 
 
 def from_numpy(a: np.ndarray, xp: Any, device: Any = None) -> Any:
-    """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype."""
+    """Host array ``a`` as an array of namespace ``xp`` on ``device``, of the same shape and dtype.
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        Or what ``numpy.asarray`` takes; one that is not C-contiguous is copied first.
+    xp : namespace
+    device : optional
+        None: the library's default device.
+
+    Returns
+    -------
+    array of ``xp``
+        ``xp.asarray`` of it, which keeps the dtype where the library has it (JAX without
+        ``jax_enable_x64`` makes float64 float32).
+    """
     a = np.asarray(a)
     return xp.asarray(a if a.flags.c_contiguous else a.copy(order="C"), device=device)  # 0-d stays 0-d
 
@@ -459,6 +569,14 @@ def may_share_memory(a: Any, b: Any) -> bool:
     torch refuses an assignment whose source overlaps its destination (a ``RuntimeError``
     that names no argument), and a writer of two buffers would read the second's source
     after writing the first: a writer copies a source that may share memory first.
+
+    Parameters
+    ----------
+    a, b : array
+
+    Returns
+    -------
+    bool
     """
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         return bool(np.may_share_memory(a, b))
@@ -614,7 +732,21 @@ def check_int_seed(name: str, value: Any, kinds: str) -> int:
 
 
 def make_rng(seed: Any, name: str = "seed") -> np.random.Generator:
-    """A NumPy ``Generator`` from ``seed``, checked by ``check_rng`` (naming ``name``)."""
+    """A NumPy ``Generator`` from ``seed``, checked by ``check_rng`` (naming ``name``).
+
+    Parameters
+    ----------
+    seed : int, SeedSequence, BitGenerator, Generator or None
+        None: fresh entropy.
+    name : str
+        The argument the messages name.
+
+    Returns
+    -------
+    numpy.random.Generator
+        A ``Generator`` given is returned itself and a ``BitGenerator`` wrapped, not copied:
+        drawing from the result advances the caller's state.
+    """
     if isinstance(seed, np.random.Generator):
         return seed
     check_rng(name, seed)
@@ -640,6 +772,15 @@ def dropout_key(rng: Any) -> int:
 
     Every implementation draws exactly one key per forward, in the same way,
     so one generator state gives one key, and one key one mask.
+
+    Parameters
+    ----------
+    rng : int, SeedSequence, BitGenerator, Generator or None
+
+    Returns
+    -------
+    int
+        A Python int; a ``Generator`` or ``BitGenerator`` given is advanced by the draw.
     """
     return int(make_rng(rng, "rng").integers(0, 2**63))
 
@@ -839,6 +980,24 @@ def keep_mask(key: int, p: float, shape: Sequence[int], xp: Any, device: Any = N
     entry ``(..., i, j)`` is kept with probability ``1 - p``. On CuPy the same
     integer hash runs on the device (the same bits, without hashing every
     entry on the host and copying the mask over).
+
+    Parameters
+    ----------
+    key : int
+        From ``dropout_key``.
+    p : float
+        Drop probability, in [0, 1).
+    shape : sequence of int
+        Any number of axes; a 0- or 1-D mask is the columns of one row.
+    xp : namespace
+        Array library of the result.
+    device : optional
+        Its device, as ``keyed_keep_mask_on`` takes it.
+
+    Returns
+    -------
+    bool array of ``xp``, shape ``shape``
+        True = kept.
     """
     key = _check_draw(key, p)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or not all(
@@ -948,6 +1107,15 @@ def limit_blas_threads(n: Optional[int]) -> Any:
     which is the one npattn's NumPy code calls; one loaded later (SciPy's own
     OpenBLAS, say) keeps its count. The count is process-wide: npattn calls it only
     inside ``exclusive()``, and restores it before leaving.
+
+    Parameters
+    ----------
+    n : int >= 1 or None
+        The most threads; None changes nothing.
+
+    Returns
+    -------
+    context manager
     """
     if n is not None and (isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral)):
         raise TypeError(f"n: expected None or an int >= 1 (BLAS threads), got {described(n)}")
@@ -1156,6 +1324,15 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], threads: int) -> None:
     must write only its own output slices. Call inside ``exclusive()``. A task's
     exception is raised once every task has run; an interrupt of the waiting
     thread once the running tasks have ended, the others never started.
+
+    Parameters
+    ----------
+    fn : callable
+    tasks : sequence of tuple
+        The arguments of each call.
+    threads : int
+        Threads of the pool (``pool_threads()``); a pool of another size replaces the
+        process's.
     """
     global _pool
     with limit_blas_threads(1):
