@@ -526,7 +526,19 @@ class VerifyReport:
                 f"+ floor")
 
     def format(self, *, max_failures: int = 20) -> str:
-        """The table, the failing cases (hint and reproducer each) and the summary."""
+        """The table, the failing cases (hint and reproducer each) and the summary.
+
+        Parameters
+        ----------
+        max_failures : int
+            Failing cases shown in full; the others are counted in one line (the JSON
+            has them all). Default 20, as ``str(report)``.
+
+        Returns
+        -------
+        str
+            Also the degenerate cases, between the failing ones and the summary.
+        """
         parts = [self.table()]
         fails = self.failures
         if fails:
@@ -580,7 +592,22 @@ class VerifyReport:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
 
     def plot(self, path: str) -> str:
-        """Save the error/budget picture to ``path`` (PNG); see ``plot_report``."""
+        """Save the error/budget picture to ``path`` (PNG); see ``plot_report``.
+
+        Parameters
+        ----------
+        path : str
+
+        Returns
+        -------
+        str
+            ``path``.
+
+        Raises
+        ------
+        ImportError
+            Without matplotlib.
+        """
         return plot_report(self, path)
 
 
@@ -2648,6 +2675,22 @@ def plot_report(report: VerifyReport, path: str) -> str:
     1e8), a hollow grey marker a degenerate one, an exact match sits at 1e-4. Needs matplotlib
     (``pip install matplotlib``, or ``'.[plot]'`` from the repository root).
     Returns ``path``.
+
+    Parameters
+    ----------
+    report : VerifyReport
+    path : str
+        Where the PNG is written, whatever its suffix.
+
+    Returns
+    -------
+    str
+        ``path``.
+
+    Raises
+    ------
+    ImportError
+        Without matplotlib.
     """
     try:
         import matplotlib
