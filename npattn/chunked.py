@@ -405,7 +405,8 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
     q : dask array, shape (B, Hq, Lq, Dh)
     k : dask array, shape (B, Hkv, Lk, Dh)
     v : dask array, shape (B, Hkv, Lk, Dv)
-        Their chunks make the plan (module docstring); the others are rechunked to it.
+        The chunks of ``q`` (batch, rows) and ``k`` (heads, keys) make the plan (module
+        docstring); the other arrays are rechunked to it.
     mask : dask array, broadcastable to (B, Hq, Lq, Lk), or None
         Boolean (True = may attend) or floating (added to the scores).
     is_causal : bool
