@@ -160,7 +160,8 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
     Raises
     ------
     TypeError
-        For arrays of different libraries (see above).
+        For arrays of different libraries (see above), for no array (only None), and
+        for something that is not an array of any library.
     """
     present = [(i, a) for i, a in enumerate(arrays) if a is not None]
     if present and all(type(a) is np.ndarray for _, a in present):
@@ -173,6 +174,12 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
         def kind(a: Any) -> str:
             return type(a).__module__ + "." + type(a).__name__
 
+        kinds = sorted({kind(a) for _, a in present})
+        if not present or len(kinds) == 1:  # nothing to mix: no array, or not an array at all
+            who = "arrays" if names is None or not present else names[present[0][0]]
+            got = "nothing (or only None)" if not present else kinds[0]
+            raise TypeError(f"{who}: expected an array of an array library (NumPy, CuPy, torch, "
+                            f"dask, JAX or an Array API one), got {got}") from exc
         if names is not None:
             i0, a0 = present[0]
             for i, a in present[1:]:
@@ -181,7 +188,6 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
                 except TypeError:
                     raise TypeError(f"{names[i]}: expected an array of the library of {names[i0]} "
                                     f"({kind(a0)}), got {kind(a)}") from exc
-        kinds = sorted({kind(a) for _, a in present})
         raise TypeError(
             f"arrays from different array libraries were mixed: {', '.join(kinds)}; "
             "pass every array from one backend"
@@ -1321,9 +1327,10 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], threads: int) -> None:
 
     With ``threads <= 1`` or one task they run in order, BLAS still held to
     one thread, so the numbers are the same for every thread count. Each task
-    must write only its own output slices. Call inside ``exclusive()``. A task's
-    exception is raised once every task has run; an interrupt of the waiting
-    thread once the running tasks have ended, the others never started.
+    must write only its own output slices. Call inside ``exclusive()``. On the
+    pool a task's exception is raised once every task has run; in order, at once
+    (the tasks after it do not run). An interrupt of the waiting thread is raised
+    once the running tasks have ended, the others never started.
 
     Parameters
     ----------

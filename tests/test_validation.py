@@ -192,6 +192,22 @@ def test_mixed_libraries_are_refused_naming_the_odd_array():
         namespace(a, t)
 
 
+def test_namespace_of_no_array_or_of_no_library_says_so():
+    """Nothing but None, or values of no array library, are refused as such (the message
+    spoke of libraries "mixed": and an empty list, or builtins.list alone)."""
+    from npattn.backend import namespace
+
+    expected = r"expected an array of an array library \(NumPy, CuPy, torch, dask, JAX or an Array API one\), got "
+    with pytest.raises(TypeError, match="^arrays: " + expected + r"nothing \(or only None\)$"):
+        namespace()
+    with pytest.raises(TypeError, match="^arrays: " + expected + r"nothing \(or only None\)$"):
+        namespace(None, None)
+    with pytest.raises(TypeError, match="^arrays: " + expected + "builtins.list$"):
+        namespace([1.0, 2.0])
+    with pytest.raises(TypeError, match="^k: " + expected + "builtins.list$"):
+        namespace(None, [1.0], [2.0], names=["q", "k", "v"])  # the first value given is named
+
+
 def test_resolve_backend_names_the_argument_it_is_given():
     """resolve_backend speaks of the argument its caller names (``xp`` where a function
     calls it so) in each of its refusals: a module that is no namespace, a name it does
