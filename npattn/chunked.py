@@ -397,8 +397,9 @@ def sdpa_forward(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: O
 
     The arguments are those of ``functional.sdpa_forward_core`` (``options`` its kernel
     options, their arrays dask arrays) plus the blocked algorithm's block lengths inside
-    each task. Returns ``(out, ChunkedSDPACache)``; ``out`` is a dask array chunked like
-    ``q`` (its last axis one chunk).
+    each task. Returns ``(out, ChunkedSDPACache)``; ``out`` is a dask array chunked as the
+    plan: ``q``'s batch and row chunks, the heads in ``k``'s head chunks times G, its last
+    axis one chunk.
 
     Parameters
     ----------

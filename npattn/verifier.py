@@ -2672,7 +2672,8 @@ def plot_report(report: VerifyReport, path: str) -> str:
 
     One column per case (in panel order), the ratio on a log axis, a line at 1
     (the budget); a red cross is a failing tensor (drawn at the top beyond
-    1e8), a hollow grey marker a degenerate one, an exact match sits at 1e-4. Needs matplotlib
+    1e8), a hollow grey marker a degenerate one; ratios below 1e-4 (an exact match among them)
+    are drawn at 1e-4. Needs matplotlib
     (``pip install matplotlib``, or ``'.[plot]'`` from the repository root).
     Returns ``path``.
 
