@@ -790,7 +790,7 @@ class MultiHeadAttention:
         return mha.train(module.training)
 
     def load_torch_state_dict(self, state_dict: Any) -> "MultiHeadAttention":
-        """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``). Returns self.
+        """Load a ``torch.nn.MultiheadAttention`` state dict into ``params`` (cast to ``self.dtype``).
 
         Parameters
         ----------

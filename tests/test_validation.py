@@ -197,7 +197,8 @@ def test_namespace_of_no_array_or_of_no_library_says_so():
     spoke of libraries "mixed": and an empty list, or builtins.list alone)."""
     from npattn.backend import namespace
 
-    expected = r"expected an array of an array library \(NumPy, CuPy, torch, dask, JAX or an Array API one\), got "
+    expected = (r"expected an array of an array library \(NumPy, CuPy, torch, dask, JAX or an Array API "
+                r"one\), got ")
     with pytest.raises(TypeError, match="^arrays: " + expected + r"nothing \(or only None\)$"):
         namespace()
     with pytest.raises(TypeError, match="^arrays: " + expected + r"nothing \(or only None\)$"):
