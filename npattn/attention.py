@@ -580,9 +580,14 @@ def linear_backwards(pairs: Any) -> list:
     grads : list of (dx, dw, db)
         In the order of ``pairs``, each as ``linear_backward`` returns it.
     """
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+        raise TypeError(f"pairs: expected an iterable of (dy, cache) pairs, got {V.type_name(pairs)}")
     pairs = list(pairs)
-    for dy, cache in pairs:  # the reference's own checks, all before anything is computed
-        F.check_linear_grad(dy, cache)
+    for i, pair in enumerate(pairs):  # the reference's own checks, all before anything is computed
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"pairs[{i}]: expected a (dy, cache) pair, got {V.type_name(pair)}"
+                            + (f" of length {len(pair)}" if isinstance(pair, (tuple, list)) else ""))
+        F.check_linear_grad(*pair)
     pooled = [i for i, (_, c) in enumerate(pairs) if numpy_kernel.linear_applies(c.x, c.w)]
     results: list = [None] * len(pairs)
     for i, grads in zip(pooled, numpy_kernel.linear_backwards([pairs[i] for i in pooled])):

@@ -929,6 +929,23 @@ def test_linear_backwards_hands_the_pooled_pairs_to_the_pool_once_and_the_rest_t
             np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12)
 
 
+def test_linear_backwards_names_what_is_not_a_pair(monkeypatch):
+    """What is not an iterable of (dy, cache) pairs is refused by name, before any pair is
+    computed (a 3-tuple raised Python's "too many values to unpack")."""
+    r = np.random.default_rng(10)
+    y, cache = A.linear_forward(r.standard_normal((2, 3)), r.standard_normal((4, 3)))
+    ran = []
+    monkeypatch.setattr(F, "linear_backward", lambda dy, c: ran.append(c))
+    good = (r.standard_normal(y.shape), cache)
+    for pairs, expected in ((None, r"^pairs: expected an iterable of \(dy, cache\) pairs, got None$"),
+                            ([good, good + (1,)], r"^pairs\[1\]: expected a \(dy, cache\) pair, got tuple "
+                                                  r"of length 3$"),
+                            ([good, y], r"^pairs\[1\]: expected a \(dy, cache\) pair, got numpy.ndarray")):
+        with pytest.raises(TypeError, match=expected):
+            A.linear_backwards(pairs)
+    assert ran == []
+
+
 # --------------------------------------------------------------------------
 # the NumPy kernel's hygiene
 
