@@ -615,6 +615,10 @@ class _Block(abc.ABC):
         c = self._cache
         if c is None:
             raise RuntimeError("backward: expected a forward call first (there is no cached forward)")
+        if getattr(c, "decoding", False):  # (an encoder block's): refused whatever dout is
+            raise RuntimeError("backward: the last forward used kv_cache, and decoding is forward only "
+                               "(it keeps nothing to differentiate); run a forward without kv_cache "
+                               "before backward")
         V.check_array("dout", dout, self.xp, device_of(self.params["linear1.weight"]))
         if V.shape_of(dout) != tuple(c.out_shape):
             raise ValueError(f"dout: expected shape {tuple(c.out_shape)} (that of the last forward's "
@@ -1100,10 +1104,6 @@ class TransformerBlock(_Block):
         """
         self._check_dout(dout)
         c = self._cache
-        if c.decoding:
-            raise RuntimeError("backward: the last forward used kv_cache, and decoding is forward only "
-                               "(it keeps nothing to differentiate); run a forward without kv_cache "
-                               "before backward")
         grads: dict = {}
         with self._backward_put_back():  # on failure the attention module's grads are put back
             # 2. x = sublayer(h; ff, norm2)

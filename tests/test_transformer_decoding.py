@@ -39,6 +39,8 @@ def test_backward_after_a_decoding_forward_is_a_runtime_error(xp, to_xp):
                      r"before backward$")
     with pytest.raises(RuntimeError, match=used_kv_cache):
         block.backward(out * 0.5)
+    with pytest.raises(RuntimeError, match=used_kv_cache):  # not a shape error: no dout would do
+        block.backward(to_xp(np.zeros((B, 3, D))))
     assert block.grads == before
 
 
