@@ -175,9 +175,10 @@ def namespace(*arrays: Any, names: Optional[Sequence[str]] = None) -> Any:
             return type(a).__module__ + "." + type(a).__name__
 
         kinds = sorted({kind(a) for _, a in present})
-        if not present or len(kinds) == 1:  # nothing to mix: no array, or not an array at all
-            who = "arrays" if names is None or not present else names[present[0][0]]
-            got = "nothing (or only None)" if not present else kinds[0]
+        odd = [(i, a) for i, a in present if not array_api_compat.is_array_api_obj(a)]
+        if not present or odd:  # no array at all, or a value that is no array: nothing mixed
+            who = "arrays" if names is None or not present else names[odd[0][0]]
+            got = "nothing (or only None)" if not present else kind(odd[0][1])
             raise TypeError(f"{who}: expected an array of an array library (NumPy, CuPy, torch, "
                             f"dask, JAX or an Array API one), got {got}") from exc
         if names is not None:
@@ -212,6 +213,11 @@ def resolve_backend(backend: Any, name: str = "backend") -> Any:
 
     Raises
     ------
+    TypeError
+        For a value that is neither a name nor a namespace module, or a module without
+        ``asarray`` and ``matmul``.
+    ValueError
+        For a name that is not a key of ``BACKENDS``.
     ImportError
         When the package of a named backend is not installed.
     """
@@ -467,7 +473,7 @@ def to_numpy(x: Any) -> np.ndarray:
     Raises
     ------
     TypeError
-        For a torch bfloat16 tensor (see above).
+        For a value that is not an array, and for a torch bfloat16 tensor (see above).
     """
     if isinstance(x, (np.ndarray, np.generic)):  # a NumPy scalar too, np.sum's result
         return np.array(x, copy=True)

@@ -207,6 +207,10 @@ def test_namespace_of_no_array_or_of_no_library_says_so():
         namespace([1.0, 2.0])
     with pytest.raises(TypeError, match="^k: " + expected + "builtins.list$"):
         namespace(None, [1.0], [2.0], names=["q", "k", "v"])  # the first value given is named
+    with pytest.raises(TypeError, match="^k: " + expected + "builtins.list$"):
+        namespace(np.ones(2), [1.0], names=["q", "k"])  # the value that is no array, not q
+    with pytest.raises(TypeError, match="^q: " + expected + "builtins.tuple$"):
+        namespace((1.0,), np.ones(2), names=["q", "k"])  # (k, the array, was named)
 
 
 def test_resolve_backend_names_the_argument_it_is_given():
