@@ -512,10 +512,12 @@ def blocked_cache(q: Any, k: Any, v: Any, *, mask: Any, is_causal: bool, scale: 
 
     Parameters
     ----------
-    q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, groups, block_q, block_k, options
+    q, k, v, mask, is_causal, scale, dropout_p, dropout_mask, groups
         As ``sdpa_blocked_forward_core`` (``rng`` aside: the key stands for it).
     key : int, optional
         From ``backend.dropout_key``.
+    block_q, block_k, options
+        As ``sdpa_blocked_forward_core``.
 
     Returns
     -------

@@ -279,6 +279,8 @@ class TransformerClassifier(BlockStack):
         ------
         RuntimeError
             Before any forward.
+        ValueError, TypeError
+            For a ``dlogits`` of another shape, dtype or library than the logits'.
         """
         # [B, C] -> {name: [shape of the parameter]}
         c = self._cache

@@ -179,6 +179,7 @@ def half_sum(xp: Any, x: Any, axis: Any) -> Any:
     Returns
     -------
     array, the shape of ``x`` without ``axis``, in ``x``'s dtype
+        On NumPy a sum over every axis is a NumPy scalar, not a 0-d array.
     """
     work = compute_dtype(xp, x.dtype)
     if work == x.dtype:

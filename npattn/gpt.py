@@ -342,6 +342,8 @@ class GPT(BlockStack):
         ------
         RuntimeError
             Before any forward, or after a forward with ``kv_caches``.
+        ValueError, TypeError
+            For ``dlogits`` of another shape, dtype or library than the logits'.
         """
         c = self._cache
         if c is None:

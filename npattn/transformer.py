@@ -1101,6 +1101,8 @@ class TransformerBlock(_Block):
         ------
         RuntimeError
             Before any forward, or after a forward with ``kv_cache``.
+        ValueError, TypeError
+            For a ``dout`` of another shape, dtype or library than the output's.
         """
         self._check_dout(dout)
         c = self._cache
@@ -1248,6 +1250,8 @@ class TransformerDecoderBlock(_Block):
         ------
         RuntimeError
             Before any forward.
+        ValueError, TypeError
+            For a ``dout`` of another shape, dtype or library than the output's.
         """
         self._check_dout(dout)
         c = self._cache
