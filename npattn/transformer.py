@@ -615,7 +615,7 @@ class _Block(abc.ABC):
         c = self._cache
         if c is None:
             raise RuntimeError("backward: expected a forward call first (there is no cached forward)")
-        if getattr(c, "decoding", False):  # (an encoder block's): refused whatever dout is
+        if getattr(c, "decoding", False):  # (only an encoder block decodes): whatever dout is
             raise RuntimeError("backward: the last forward used kv_cache, and decoding is forward only "
                                "(it keeps nothing to differentiate); run a forward without kv_cache "
                                "before backward")
