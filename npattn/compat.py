@@ -444,9 +444,11 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k : int
         At least the longest sequence (checked; flash-attn trusts them). They
         set the last two axes of ``S_dmask`` and ``dropout_mask``.
-    dropout_p, softmax_scale, causal, window_size, softcap, deterministic
+    dropout_p, softmax_scale, causal, window_size, softcap
         As ``flash_attn_func``.
     alibi_slopes : array, shape (Hq,) or (B, Hq), optional
+    deterministic : bool
+        As ``flash_attn_func``.
     return_attn_probs : bool
         Also return ``softmax_lse`` and ``S_dmask``.
     block_table : None
@@ -673,16 +675,20 @@ def flash_attn_with_kvcache(
     k : array, shape (B, Lnew, Hkv, Dh), optional
     v : array, shape (B, Lnew, Hkv, Dv), optional
         Both or neither.
-    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table : None
-        Rotary embeddings, cache indirection, left padding and the paged
-        cache are not implemented: ``NotImplementedError`` if given.
+    rotary_cos, rotary_sin : None
+        Rotary embeddings are not implemented: ``NotImplementedError`` if given.
     cache_seqlens : int or integer array (B,), optional
         Keys already in the cache per batch entry; None: all ``Lc`` (then no
         ``k``/``v`` may be given). ``cache_seqlens[b] + Lnew <= Lc`` is checked.
-    softmax_scale, causal, window_size, softcap, alibi_slopes
+    cache_batch_idx, cache_leftpad, block_table : None
+        Cache indirection, left padding and the paged cache are not implemented:
+        ``NotImplementedError`` if given.
+    softmax_scale, causal, window_size, softcap
         As ``flash_attn_func``.
     rotary_interleaved : bool
         Ignored (no rotary embedding).
+    alibi_slopes
+        As ``flash_attn_func``.
     num_splits : int
         Ignored: npattn splits nothing.
     return_softmax_lse : bool

@@ -421,8 +421,13 @@ def check_vjp(
     grads : sequence of arrays, each of its input's shape (None where not checked)
     dout : array, shape of ``out``
     names : sequence of str, optional
-    eps, rtol, atol : float
+    eps : float
+        The step along each direction.
     n_directions : int
+    rtol : float
+    atol : float, optional
+        None: the error float64 rounding of ``<f(*inputs), dout>`` alone puts into a
+        central difference.
     seed : int, numpy.random.SeedSequence, BitGenerator, Generator or None
     wrt : sequence of int, optional
 
