@@ -78,6 +78,7 @@ __all__ = [
     "sdpa_blocked_forward",
     "sdpa_blocked_backward",
     "sdpa_blocked_forward_core",
+    "sdpa_blocked_backward_core",
     "blocked_keep_mask",
     "blocked_cache",
     "with_rows",
@@ -664,6 +665,23 @@ def sdpa_blocked_backward(dout: Any, cache: BlockedSDPACache, *, dlse: Any = Non
         floating mask's own shape, None for a boolean or no mask; ``dsinks``
         (H,) with sinks, else None.
     """
+    # [..., Lq, Dv] -> [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv], mask shape, [H]
+    V.check_cache("cache", cache, BlockedSDPACache, "sdpa_blocked_forward")
+    xp, device = namespace(cache.q), device_of(cache.q)
+    rows = tuple(cache.lead_shape) + (int(cache.q.shape[-2]),)  # that of cache.lse: [..., Lq]
+    V.check_grad("dout", dout, shape=rows + (int(cache.v.shape[-1]),), dtype=cache.in_dtype,
+                 xp=xp, device=device, of="the forward's out")
+    if dlse is not None:
+        V.check_grad("dlse", dlse, shape=rows, dtype=cache.m.dtype, xp=xp, device=device,
+                     of="cache.lse")
+    return sdpa_blocked_backward_core(dout, cache, dlse=dlse)
+
+
+def sdpa_blocked_backward_core(dout: Any, cache: BlockedSDPACache, *,
+                               dlse: Any = None) -> F.SDPAGrads:
+    """``sdpa_blocked_backward`` on arguments that are already checked; for
+    ``npattn.chunked``, whose pairs hand each piece's rows (``with_rows``) and ``dlse``
+    [..., Lq, 1]."""
     # [..., Lq, Dv] -> [..., Lq, Dh], [..., Lk, Dh], [..., Lk, Dv], mask shape, [H]
     with exclusive():  # BLAS is held to one thread inside (npattn.backend: threads)
         return _backward(dout, cache, dlse)

@@ -277,8 +277,8 @@ def _pair_backward(pair: _Pair, q, k, v, mask, keep, alibi, q_segments, k_segmen
     """3. The pair's shares ``(dq_ij, dk_ij, dv_ij, dmask_ij)`` from the merged row statistics
     (sink included) and the rows' ``dlse`` ([Bc, Hc, ri, 1], or None)."""
     c = _pair_cache(pair, q, k, v, mask, keep, alibi, q_segments, k_segments)
-    dq, dk, dv, dmask, _ = blocked.sdpa_blocked_backward(dout, blocked.with_rows(c, out, m, l),
-                                                         dlse=dlse)
+    dq, dk, dv, dmask, _ = blocked.sdpa_blocked_backward_core(
+        dout, blocked.with_rows(c, out, m, l), dlse=dlse)
     return dq, dk, dv, dmask
 
 

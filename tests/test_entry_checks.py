@@ -1,0 +1,82 @@
+"""Public entry points that took bad input without a check of their own: each raises a
+TypeError or ValueError that names the argument before any computation, and a failed call
+leaves the caller's arrays and the cache as they were."""
+
+import re
+
+import array_api_strict
+import numpy as np
+import pytest
+
+from npattn import blocked
+from npattn import functional as F
+
+B, H, LQ, LK, DH, DV = 2, 3, 4, 5, 6, 7
+
+
+def _rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def _copies(tree):
+    return [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in tree]
+
+
+def _same(a, b):
+    return all((x is y) if not isinstance(x, np.ndarray) else np.array_equal(x, y, equal_nan=True)
+               for x, y in zip(a, b))
+
+
+@pytest.fixture
+def blocked_pair():
+    q, k, v = _rand(B, H, LQ, DH, seed=1), _rand(B, H, LK, DH, seed=2), _rand(B, H, LK, DV, seed=3)
+    out, cache = blocked.sdpa_blocked_forward(q, k, v, is_causal=True, block_q=2, block_k=2)
+    return out, cache
+
+
+@pytest.mark.parametrize("make, exc, pattern", [
+    (lambda out, c: [out.tolist(), c], TypeError, r"^dout: expected .*array.*got list"),
+    (lambda out, c: [out[..., :-1], c], ValueError,
+     rf"^dout: expected shape \({B}, {H}, {LQ}, {DV}\) \(that of the forward's out\), "
+     rf"got \({B}, {H}, {LQ}, {DV - 1}\)"),
+    (lambda out, c: [out[0], c], ValueError, r"^dout: expected shape .* got \(3, 4, 7\)"),
+    (lambda out, c: [np.ones(out.shape, dtype=np.int64), c], TypeError,
+     r"^dout: expected dtype float64 .* got int64"),
+    (lambda out, c: [out.astype(np.complex128), c], TypeError, r"^dout: expected dtype float64"),
+    (lambda out, c: [out.astype(np.float32), c], TypeError, r"^dout: expected dtype float64 .*float32"),
+    (lambda out, c: [array_api_strict.asarray(out), c], TypeError, r"^dout: expected"),
+    (lambda out, c: [out, None], TypeError,
+     r"^cache: expected a BlockedSDPACache \(the cache sdpa_blocked_forward returns\), got None"),
+    (lambda out, c: [out, tuple(c)], TypeError, r"^cache: expected a BlockedSDPACache"),
+    # the reference's cache, from the same q, k, v: another implementation's
+    (lambda out, c: [out, F.sdpa_forward(c.q, c.k, c.v)[1]], TypeError,
+     r"^cache: expected a BlockedSDPACache .* got npattn\.SDPACache"),
+    (lambda out, c: [out, c, [0.0] * (B * H * LQ)], TypeError, r"^dlse: expected .*array.*got list"),
+    (lambda out, c: [out, c, np.zeros((B, H, LQ, 1))], ValueError,
+     rf"^dlse: expected shape \({B}, {H}, {LQ}\) \(that of cache\.lse\), got \({B}, {H}, {LQ}, 1\)"),
+    (lambda out, c: [out, c, np.zeros((B, H, LQ), dtype=np.float32)], TypeError,
+     r"^dlse: expected dtype float64 .*float32"),
+])
+def test_blocked_backward_checks_its_arguments(blocked_pair, make, exc, pattern):
+    # sdpa_blocked_backward had no check of its own (only the dispatcher checked): a cache
+    # of another function gave an AttributeError, a dout of the wrong shape NumPy's reshape
+    # message, an int or complex dout and a float32 dlse ran without a word
+    out, cache = blocked_pair
+    args = make(out, cache)
+    dout, c = args[0], args[1]
+    kwargs = {"dlse": args[2]} if len(args) > 2 else {}
+    before, cache_before = _copies(args), _copies(cache)
+    with pytest.raises(exc, match=pattern):
+        blocked.sdpa_blocked_backward(dout, c, **kwargs)
+    assert _same(before, args) and _same(cache_before, cache)
+
+
+def test_blocked_backward_with_its_checks_still_gives_the_reference_gradients():
+    q, k, v = _rand(B, H, LQ, DH, seed=1), _rand(B, H, LK, DH, seed=2), _rand(B, H, LK, DV, seed=3)
+    dout, dlse = _rand(B, H, LQ, DV, seed=4), _rand(B, H, LQ, seed=5)
+    _, cache = blocked.sdpa_blocked_forward(q, k, v, is_causal=True, block_q=2, block_k=2)
+    _, ref_cache = F.sdpa_forward(q, k, v, is_causal=True)
+    got = blocked.sdpa_blocked_backward(dout, cache, dlse=dlse)
+    want = F.sdpa_backward(dout, ref_cache, dlse=dlse)
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
