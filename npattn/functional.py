@@ -298,6 +298,16 @@ class HeadsCache(NamedTuple):
     like: Any = None
 
 
+def _check_heads_cache(cache: HeadsCache, producer: str, ndim: int, axes: str) -> None:
+    """``TypeError`` for the HeadsCache of the other function: split_heads_forward and
+    merge_heads_forward share the class, and their x has 3 and 4 axes."""
+    if cache.like is not None and len(cache.like.shape) != ndim:
+        raise TypeError(
+            f"cache: expected the HeadsCache {producer} returns (of an x {axes}), got one of "
+            f"an x of shape {tuple(cache.like.shape)}"
+        )
+
+
 def split_heads_forward(x: Any, n_head: int) -> tuple[Any, HeadsCache]:
     """Split the feature axis into heads: ``[B, L, H*Dh] -> [B, H, L, Dh]``.
 
@@ -356,6 +366,7 @@ def split_heads_backward(dout: Any, cache: HeadsCache) -> Any:
     """
     # [B, H, L, Dh] -> [B, L, D]
     V.check_cache("cache", cache, HeadsCache, "split_heads_forward")
+    _check_heads_cache(cache, "split_heads_forward", 3, "(B, L, D)")
     V.check_array("dout", dout)
     if cache.like is not None:  # the forward's output: [B, H, L, Dh]
         B, L, D = cache.like.shape
@@ -410,6 +421,7 @@ def merge_heads_backward(dout: Any, cache: HeadsCache) -> Any:
     """
     # [B, L, D] -> [B, H, L, Dh]
     V.check_cache("cache", cache, HeadsCache, "merge_heads_forward")
+    _check_heads_cache(cache, "merge_heads_forward", 4, "(B, H, L, Dh)")
     V.check_array("dout", dout)
     if cache.like is not None:  # the forward's output: [B, L, H*Dh]
         B, H, L, Dh = cache.like.shape

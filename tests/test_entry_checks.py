@@ -80,3 +80,22 @@ def test_blocked_backward_with_its_checks_still_gives_the_reference_gradients():
     want = F.sdpa_backward(dout, ref_cache, dlse=dlse)
     for g, w in zip(got[:3], want[:3]):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_split_and_merge_heads_backward_refuse_each_others_cache():
+    # both return a HeadsCache; the other function's cache gave Python's "too many values
+    # to unpack" (split) or "not enough values to unpack" (merge), naming nothing
+    x = _rand(B, LQ, H * DH)
+    xh, split_cache = F.split_heads_forward(x, H)
+    merged, merge_cache = F.merge_heads_forward(xh)
+    with pytest.raises(TypeError, match=re.escape(
+            f"cache: expected the HeadsCache split_heads_forward returns (of an x (B, L, D)), "
+            f"got one of an x of shape {(B, H, LQ, DH)}")):
+        F.split_heads_backward(xh, merge_cache)
+    with pytest.raises(TypeError, match=re.escape(
+            f"cache: expected the HeadsCache merge_heads_forward returns (of an x (B, H, L, Dh)), "
+            f"got one of an x of shape {(B, LQ, H * DH)}")):
+        F.merge_heads_backward(merged, split_cache)
+    # each with its own cache: the inverse reshapes, by hand
+    np.testing.assert_array_equal(F.split_heads_backward(xh, split_cache), x)
+    np.testing.assert_array_equal(F.merge_heads_backward(merged, merge_cache), xh)
