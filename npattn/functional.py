@@ -491,6 +491,8 @@ def masked_softmax_forward(x: Any, mask: Any = None, *, sink: Any = None) -> tup
     """
     # [..., Lk], mask broadcastable, [..., 1] -> [..., Lk]
     V.check_floating_array("x", x)
+    if x.ndim == 0:  # the softmax runs over the last axis
+        raise ValueError(f"x: expected an array of shape (..., Lk), got shape {V.shape_of(x)}")
     V.check_mask("mask", mask, namespace(x), target=V.shape_of(x), target_text="x",
                  dtype=x.dtype, device=device_of(x), where="like x", library="that of x",
                  dtype_source="that of x")

@@ -99,3 +99,12 @@ def test_split_and_merge_heads_backward_refuse_each_others_cache():
     # each with its own cache: the inverse reshapes, by hand
     np.testing.assert_array_equal(F.split_heads_backward(xh, split_cache), x)
     np.testing.assert_array_equal(F.merge_heads_backward(merged, merge_cache), xh)
+
+
+@pytest.mark.parametrize("x", [np.array(1.5), np.float64(1.5)])
+def test_masked_softmax_refuses_an_x_without_axes(x):
+    # the softmax runs over the last axis: a 0-d x gave an IndexError from row_max
+    with pytest.raises(ValueError, match=re.escape("x: expected an array of shape (..., Lk), got shape ()")):
+        F.masked_softmax_forward(x)
+    with pytest.raises(ValueError, match="^x: expected an array of shape"):
+        F.masked_softmax_forward(x, np.array(True))
