@@ -108,3 +108,20 @@ def test_masked_softmax_refuses_an_x_without_axes(x):
         F.masked_softmax_forward(x)
     with pytest.raises(ValueError, match="^x: expected an array of shape"):
         F.masked_softmax_forward(x, np.array(True))
+
+
+@pytest.mark.parametrize("value, got", [("no", "str 'no'"), (0, "int 0"), (None, "None")])
+def test_assert_attention_close_checks_allow_degenerate_before_verifying(value, got):
+    # allow_degenerate went unchecked: "no" (truthy) allowed degenerate cases, and a bad
+    # value was only read after every case of verify had run
+    from npattn.testing import assert_attention_close
+
+    calls = []
+
+    def fn(q, k, v, **options):
+        calls.append(1)
+        return F.sdpa_forward(q, k, v, **options)[0]
+
+    with pytest.raises(TypeError, match=re.escape(f"allow_degenerate: expected a bool, got {got}")):
+        assert_attention_close(fn, allow_degenerate=value, dtype="float64", cases=["base-1x65"])
+    assert calls == []

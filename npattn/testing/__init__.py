@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..validation import check_bool
 from ..verifier import VerifyReport, verify
 
 __all__ = ["assert_attention_close"]
@@ -48,6 +49,7 @@ def assert_attention_close(fn: Callable, *, allow_degenerate: bool = True,
     >>> report.ok
     True
     """
+    check_bool("allow_degenerate", allow_degenerate)  # before verify's cases run
     report = verify(fn, **verify_kwargs)
     degenerate = [r for r in report.results if r.status == "degenerate"]
     if report.ok and (allow_degenerate or not degenerate):
