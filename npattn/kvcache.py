@@ -382,6 +382,11 @@ def persist_with(caches: Sequence[KVCache], *arrays: Any) -> tuple:
         ``arrays`` in their order: dask arrays persisted (still dask arrays, their
         chunks computed), the others as given.
     """
+    if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+        raise TypeError(f"caches: expected a sequence of npattn.KVCache, got {V.type_name(caches)}")
+    for i, cache in enumerate(caches):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"caches[{i}]: expected an npattn.KVCache, got {V.type_name(cache)}")
     done = persisted(*(buf for cache in caches for buf in (cache._k, cache._v)), *arrays)
     for i, cache in enumerate(caches):
         cache._k, cache._v = done[2 * i], done[2 * i + 1]

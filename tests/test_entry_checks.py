@@ -125,3 +125,31 @@ def test_assert_attention_close_checks_allow_degenerate_before_verifying(value, 
     with pytest.raises(TypeError, match=re.escape(f"allow_degenerate: expected a bool, got {got}")):
         assert_attention_close(fn, allow_degenerate=value, dtype="float64", cases=["base-1x65"])
     assert calls == []
+
+
+@pytest.mark.parametrize("caches, pattern", [
+    ([1.0, 2.0], r"^caches\[0\]: expected an npattn\.KVCache, got float$"),
+    (None, r"^caches: expected a sequence of npattn\.KVCache, got None"),
+    ("kv", r"^caches: expected a sequence of npattn\.KVCache, got str"),
+])
+def test_persist_with_names_caches_that_are_not_kv_caches(caches, pattern):
+    # each entry's buffers were read first: an AttributeError ('float' object has no
+    # attribute '_k'), or a TypeError about iterating None that named nothing
+    from npattn.kvcache import persist_with
+
+    with pytest.raises(TypeError, match=pattern):
+        persist_with(caches, np.ones(3))
+
+
+def test_persist_with_names_the_entry_after_a_good_cache():
+    from npattn.kvcache import KVCache, persist_with
+
+    good = KVCache(1, 4, 1, 2, dtype="float64")
+    k_before = np.array(good.k, copy=True)
+    with pytest.raises(TypeError, match=r"^caches\[1\]: expected an npattn\.KVCache, got dict$"):
+        persist_with([good, {}], np.ones(3))
+    np.testing.assert_array_equal(good.k, k_before)
+    # with caches only: the arrays come back as given on NumPy
+    x = np.arange(3.0)
+    (y,) = persist_with([good], x)
+    assert y is x
