@@ -192,6 +192,8 @@ def rope_angles(xp: Any, positions: Any, Dh: int, base: float = 10000.0, dtype: 
     _check_base(base)
     if dtype is not None:  # an integer dtype would truncate the angles
         dtype = getattr(xp, V.float_dtype_name(xp, dtype))
+    # theta [..., L, Dh/2], made in float64: one that cannot exist is named here
+    V.check_array_bytes(["Dh"], V.shape_of(positions) + (Dh // 2,), 8, "theta")
     fx = float64_namespace(xp)
     return float64_result(_angles(fx, positions, Dh, base), xp, dtype, device_of(positions))
 
@@ -203,8 +205,11 @@ def _angles(fx: Any, positions: Any, Dh: int, base: float) -> Any:
         positions = fx.asarray(to_numpy(positions))
     pos = fx.astype(positions, fx.float64)  # [..., L]
     # [Dh/2] base^(-2c/Dh) by Python's pow, within an ulp (exp(-2c ln(base) / Dh) was up to 7 off)
-    inv_freq = fx.asarray([float(base) ** (-2.0 * c / Dh) for c in range(Dh // 2)],
-                          dtype=fx.float64, device=device_of(pos))
+    # (allocated whole first: a Dh too large for memory is NumPy's MemoryError at once, where
+    # a list grew entry by entry until the process ran out of memory)
+    inv_freq = np.fromiter((float(base) ** (-2.0 * c / Dh) for c in range(Dh // 2)),
+                           dtype=np.float64, count=Dh // 2)
+    inv_freq = fx.asarray(inv_freq, dtype=fx.float64, device=device_of(pos))
     return fx.expand_dims(pos, axis=-1) * inv_freq  # [..., L, Dh/2]
 
 

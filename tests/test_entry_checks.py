@@ -153,3 +153,19 @@ def test_persist_with_names_the_entry_after_a_good_cache():
     x = np.arange(3.0)
     (y,) = persist_with([good], x)
     assert y is x
+
+
+def test_rope_angles_names_a_head_width_no_array_can_hold():
+    # Dh passed the positive-even check and its frequencies were built as a Python list,
+    # one float at a time, before any array: Dh = 2**62 grew it until the process ran out
+    # of memory (killed, no exception) where theta (3, 2**61) cannot exist at all
+    from npattn import positions as P
+
+    with pytest.raises(ValueError, match=re.escape(
+            f"Dh: expected sizes for which theta, an array of shape (3, {2**61}) (8 bytes an "
+            f"entry), fits in")):
+        P.rope_angles(np, np.arange(3), 2**62)
+    # a head width that fits: theta[l, c] = l * base^(-2c/Dh), by Python's pow
+    Dh, base = 6, 500.0
+    want = np.array([[l * base ** (-2.0 * c / Dh) for c in range(Dh // 2)] for l in range(4)])
+    np.testing.assert_array_equal(P.rope_angles(np, np.arange(4), Dh, base=base), want)
