@@ -43,8 +43,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from . import validation as V
 from .backend import (check_same_device, copy_array, device_of, dropout_key, generator_kept_on_failure,
-                      is_bool, is_floating, keep_mask, namespace, overflow_unreported, row_max, scalar,
-                      without_empty_chunks, zero_d)
+                      is_bool, is_floating, keep_mask, namespace, overflow_unreported, resolve_backend,
+                      row_max, scalar, without_empty_chunks, zero_d)
 
 __all__ = [
     "linear_forward",
@@ -127,11 +127,13 @@ def sum_to_shape(xp: Any, g: Any, shape: Sequence[int]) -> Any:
 def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
     """Top-left aligned causal mask, True = may attend: query i sees keys j <= i.
 
-    This is SDPA's ``is_causal`` convention. Made by namespace ``xp`` on ``device``.
+    This is SDPA's ``is_causal`` convention. Made by ``xp`` (a backend name or
+    namespace) on ``device``.
 
     Parameters
     ----------
-    xp : namespace
+    xp : str or namespace
+        The backend, as ``backend=``.
     Lq, Lk : int >= 0
     device : optional
         A device of ``xp``; None: its default.
@@ -140,6 +142,7 @@ def causal_mask(xp: Any, Lq: int, Lk: int, device: Any = None) -> Any:
     -------
     array, shape (Lq, Lk), bool
     """
+    xp = resolve_backend(xp, "xp")
     Lq, Lk = V.check_size("Lq", Lq), V.check_size("Lk", Lk)
     i = xp.arange(Lq, device=device)  # [Lq]
     j = xp.arange(Lk, device=device)  # [Lk]

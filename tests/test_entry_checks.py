@@ -169,3 +169,21 @@ def test_rope_angles_names_a_head_width_no_array_can_hold():
     Dh, base = 6, 500.0
     want = np.array([[l * base ** (-2.0 * c / Dh) for c in range(Dh // 2)] for l in range(4)])
     np.testing.assert_array_equal(P.rope_angles(np, np.arange(4), Dh, base=base), want)
+
+
+@pytest.mark.parametrize("xp, exc, pattern", [
+    ("nump", ValueError, r"^xp: expected one of \[.*'numpy'.*\], got 'nump'"),
+    (1, TypeError, r"^xp: expected one of \[.*\] or a namespace module, got int"),
+])
+def test_causal_mask_names_an_xp_that_is_no_backend(xp, exc, pattern):
+    # xp was used as a namespace at once: a str gave "'str' object has no attribute 'arange'"
+    with pytest.raises(exc, match=pattern):
+        F.causal_mask(xp, 2, 3)
+
+
+def test_causal_mask_takes_a_backend_name_as_relative_distances_does():
+    want = np.array([[True, False, False], [True, True, False]])  # j <= i
+    np.testing.assert_array_equal(F.causal_mask("numpy", 2, 3), want)
+    got = F.causal_mask("array_api_strict", 2, 3)
+    assert isinstance(got, type(array_api_strict.asarray(True)))
+    np.testing.assert_array_equal(np.asarray(got), want)
