@@ -449,7 +449,7 @@ def sdpa_backward(dout: Any, cache: Any, *, dlse: Any = None) -> F.SDPAGrads:
         if isinstance(cache, numpy_kernel.NumpySDPACache):
             return numpy_kernel.sdpa_backward(dout, cache, dlse=dlse)
         if isinstance(cache, blocked.BlockedSDPACache):
-            return blocked.sdpa_blocked_backward(dout, cache, dlse=dlse)
+            return blocked.sdpa_blocked_backward_core(dout, cache, dlse=dlse)  # (checked above)
         return chunked.sdpa_backward(dout, cache, dlse=dlse)
 
 
