@@ -167,7 +167,7 @@ def test_rope_angles_names_a_head_width_no_array_can_hold():
         P.rope_angles(np, np.arange(3), 2**62)
     # a head width that fits: theta[l, c] = l * base^(-2c/Dh), by Python's pow
     Dh, base = 6, 500.0
-    want = np.array([[l * base ** (-2.0 * c / Dh) for c in range(Dh // 2)] for l in range(4)])
+    want = np.array([[pos * base ** (-2.0 * c / Dh) for c in range(Dh // 2)] for pos in range(4)])
     np.testing.assert_array_equal(P.rope_angles(np, np.arange(4), Dh, base=base), want)
 
 
