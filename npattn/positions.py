@@ -742,9 +742,11 @@ def t5_bucket(relative_position: Any, bidirectional: bool = True, num_buckets: i
 
     .. math::
 
-        b(n) = n \\quad (n < m), \\qquad
-        b(n) = \\min\\left(n_b - 1,\\ m + \\left\\lfloor
-        \\frac{\\log(n / m)}{\\log(d_{max} / m)} (n_b - m) \\right\\rfloor\\right) \\quad (n \\ge m),
+        b(n) = \\begin{cases}
+        n, & n < m, \\\\
+        \\min\\left(n_b - 1,\\ m + \\left\\lfloor
+        \\dfrac{\\log(n / m)}{\\log(d_{max} / m)} (n_b - m) \\right\\rfloor\\right), & n \\ge m,
+        \\end{cases}
 
     with ``m = max_exact``, ``n_b = nb`` and ``d_max = max_distance``.
 
