@@ -847,37 +847,47 @@ def _flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, 
         k, v = (copy_array(xp, a) if may_share_memory(a, k_cache) or may_share_memory(a, v_cache)
                 else a for a in (k, v))
 
-    if k is not None:  # 1. the in-place append
-        for b in range(B):
-            _write_in_place("k_cache", k_cache, b, seqlens[b], k)
-            _write_in_place("v_cache", v_cache, b, seqlens[b], v)
+    # (cache, b, the entries a write overwrote [1, Lnew, Hkv, Dh or Dv]) of each write done: a
+    # call that fails after them (out of memory, an interrupt) puts them back, changing nothing
+    written: list = []
+    try:
+        if k is not None:  # 1. the in-place append
+            for b in range(B):
+                for name, kv_cache, new in (("k_cache", k_cache, k), ("v_cache", v_cache, v)):
+                    old = copy_array(xp, kv_cache[b:b + 1, seqlens[b]:seqlens[b] + Lnew, ...])
+                    _write_in_place(name, kv_cache, b, seqlens[b], new)
+                    written.append((kv_cache, b, old))
 
-    caches: list = []
-    outs, lses = [], []
-    for b in range(B):  # 2. attention of batch b over its first Lk_b keys
-        Lk = seqlens[b] + Lnew
-        if Lk == 0:
-            caches.append(None)
-            outs.append(_zeros(xp, (1, Lq, Hq, Dv), q))  # [1, Lq, Hq, Dv]
-            lses.append(xp.full((1, Hq, Lq), math.inf, dtype=F.compute_dtype(xp, q.dtype),
-                                device=device_of(q)))
-            continue
-        # copies: the cache changes under the next decoding step, the forward cache must not
-        kb = _swap_lh(xp, copy_array(xp, k_cache[b:b + 1, :Lk, ...]))  # [1, Hkv, Lk_b, Dh]
-        vb = _swap_lh(xp, copy_array(xp, v_cache[b:b + 1, :Lk, ...]))  # [1, Hkv, Lk_b, Dv]
-        slopes = alibi_slopes
-        if slopes is not None and hasattr(slopes, "shape") and len(slopes.shape) == 2:
-            slopes = slopes[b:b + 1, ...]  # [1, Hq]
-        out_b, cache = A.sdpa_forward(
-            _swap_lh(xp, q[b:b + 1, ...]), kb, vb, scale=softmax_scale, enable_gqa=gqa,
-            align="bottom_right", is_causal=is_causal, window=window, softcap=cap,
-            alibi_slopes=slopes,
-        )  # [1, Hq, Lq, Dv]
-        caches.append(cache)
-        outs.append(_swap_lh(xp, out_b))  # [1, Lq, Hq, Dv]
-        lses.append(_flash_lse(xp, cache.lse))  # [1, Hq, Lq]
-    out = xp.concat(outs, axis=0)  # [B, Lq, Hq, Dv]
-    result = (out, xp.concat(lses, axis=0)) if return_softmax_lse else out
+        caches: list = []
+        outs, lses = [], []
+        for b in range(B):  # 2. attention of batch b over its first Lk_b keys
+            Lk = seqlens[b] + Lnew
+            if Lk == 0:
+                caches.append(None)
+                outs.append(_zeros(xp, (1, Lq, Hq, Dv), q))  # [1, Lq, Hq, Dv]
+                lses.append(xp.full((1, Hq, Lq), math.inf, dtype=F.compute_dtype(xp, q.dtype),
+                                    device=device_of(q)))
+                continue
+            # copies: the cache changes under the next decoding step, the forward cache must not
+            kb = _swap_lh(xp, copy_array(xp, k_cache[b:b + 1, :Lk, ...]))  # [1, Hkv, Lk_b, Dh]
+            vb = _swap_lh(xp, copy_array(xp, v_cache[b:b + 1, :Lk, ...]))  # [1, Hkv, Lk_b, Dv]
+            slopes = alibi_slopes
+            if slopes is not None and hasattr(slopes, "shape") and len(slopes.shape) == 2:
+                slopes = slopes[b:b + 1, ...]  # [1, Hq]
+            out_b, cache = A.sdpa_forward(
+                _swap_lh(xp, q[b:b + 1, ...]), kb, vb, scale=softmax_scale, enable_gqa=gqa,
+                align="bottom_right", is_causal=is_causal, window=window, softcap=cap,
+                alibi_slopes=slopes,
+            )  # [1, Hq, Lq, Dv]
+            caches.append(cache)
+            outs.append(_swap_lh(xp, out_b))  # [1, Lq, Hq, Dv]
+            lses.append(_flash_lse(xp, cache.lse))  # [1, Hq, Lq]
+        out = xp.concat(outs, axis=0)  # [B, Lq, Hq, Dv]
+        result = (out, xp.concat(lses, axis=0)) if return_softmax_lse else out
+    except BaseException:
+        for kv_cache, b, old in reversed(written):
+            kv_cache[b, seqlens[b]:seqlens[b] + Lnew, ...] = old[0, ...]
+        raise
 
     def grads_of(dout: Any, dlse: Any) -> dict:
         # [B, Lq, Hq, Dv], [B, Hq, Lq] -> q, k_cache, v_cache, k, v shapes

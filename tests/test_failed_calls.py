@@ -3,8 +3,9 @@ count the steps it takes (npattn's own functions and the array namespace's), the
 from the same start with one step raising a MemoryError, for a spread of steps from the
 first to the last. Afterwards every object holds what it held before (its parameters,
 grads, cached forward, mode, generators, a KV cache's keys and lengths, an optimizer's
-state, the caller's arrays and generator: compared bit for bit with copies taken before),
-and the next call gives what it gives on a twin that never failed.
+state, the caller's arrays (flash-attn's KV caches included) and generator: compared bit for
+bit with copies taken before), and the next call gives what it gives on a twin that never
+failed.
 """
 
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import nn
+from npattn import compat, nn
 from npattn.classifier import TransformerClassifier
 from npattn.gpt import GPT, training_step
 from npattn.kvcache import KVCache
@@ -209,6 +210,21 @@ def classifier(what):
     return start, call
 
 
+def flash_kvcache():
+    """flash-attn's decoding step writes the new keys and values into the caller's caches, then
+    attends: a failure after the write puts back what it overwrote."""
+    def start():
+        k_cache, v_cache = rnd(1, (B + 1, 6, 1, D)), rnd(2, (B + 1, 6, 1, D))
+        return dict(q=rnd(3, (B, 2, H, D)), k_cache=k_cache, v_cache=v_cache,
+                    k=rnd(4, (B, 2, 1, D)), v=rnd(5, (B, 2, 1, D)), seqlens=np.array([3, 0]))
+
+    def call(s):
+        return compat.flash_attn_with_kvcache(s["q"], s["k_cache"], s["v_cache"], s["k"], s["v"],
+                                              cache_seqlens=s["seqlens"], causal=True,
+                                              return_softmax_lse=True)
+    return start, call
+
+
 CALLS = {
     "mha reference forward, weights": mha("reference", True),
     "mha blocked forward": mha("blocked", False),
@@ -224,6 +240,7 @@ CALLS = {
     "gpt decoding": gpt_decoding(),
     "classifier backward": classifier("backward"),
     "classifier params assignment": classifier("params"),
+    "flash_attn_with_kvcache with new keys": flash_kvcache(),
 }
 
 
