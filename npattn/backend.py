@@ -47,8 +47,11 @@ hang in OpenBLAS's own fork handler (plain NumPy too).
 
 Safe to share between threads: the functions, read-only input arrays.
 Not safe: one ``MultiHeadAttention`` used by two threads at once (its cache
-and generator are its state), and your own BLAS work in another thread
-while npattn holds BLAS at one thread (it runs, with one BLAS thread).
+and generator are its state), one ``Generator`` given as ``rng`` to calls
+in two threads at once (a call that fails puts it back in the state it
+found, undoing the draws of the other thread's calls in between, which the
+next draws then repeat), and your own BLAS work in another thread while
+npattn holds BLAS at one thread (it runs, with one BLAS thread).
 The lock is re-entrant in its own thread only: do not compute a dask graph
 that holds npattn's tasks inside ``with exclusive():`` (dask's threaded
 scheduler runs the tasks in other threads, which wait for the lock forever).
