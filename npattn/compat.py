@@ -37,6 +37,7 @@ them T = Lq, S = Lk, N = Hq, K = Hkv, H = Dh.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -48,8 +49,8 @@ import numpy as np
 from . import attention as A
 from . import functional as F
 from . import validation as V
-from .backend import (copy_array, device_of, isdtype, make_rng, may_share_memory, namespace, scalar,
-                      shares_memory)
+from .backend import (copy_array, device_of, generator_kept_on_failure, isdtype, make_rng,
+                      may_share_memory, namespace, scalar, shares_memory)
 
 __all__ = [
     "flash_attn_func",
@@ -364,6 +365,19 @@ def flash_attn_func(
                             dropout_mask=dropout_mask, rng=rng)[0]
 
 
+def _keeps_callers_generator(forward: Callable) -> Callable:
+    """``forward`` (a function below that takes ``rng=``) putting the caller's generator back in
+    the state it found should the call fail: the draws of its dropout keys come before steps
+    that can fail (forming ``S_dmask``, another sequence's attention: out of memory, an
+    interrupt), and a failed call changes nothing."""
+    @functools.wraps(forward)
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        with generator_kept_on_failure(kwargs.get("rng")):  # rng is keyword-only everywhere
+            return forward(*args, **kwargs)
+    return kept
+
+
+@_keeps_callers_generator
 def _flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0,
                      softmax_scale: Optional[float] = None, causal: bool = False,
                      window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
@@ -493,6 +507,7 @@ def _check_cu_seqlens(name: str, cu: Any, total: int, of: str) -> list:
     return c
 
 
+@_keeps_callers_generator
 def _flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                             softmax_scale: Optional[float] = None, causal: bool = False,
@@ -1018,6 +1033,7 @@ def flash_attn_qkvpacked_func(
                                       dropout_mask=dropout_mask, rng=rng)[0]
 
 
+@_keeps_callers_generator
 def _flash_attn_qkvpacked_func(qkv: Any, dropout_p: float = 0.0,
                                softmax_scale: Optional[float] = None, causal: bool = False,
                                window_size: Any = (-1, -1), softcap: float = 0.0,
@@ -1091,6 +1107,7 @@ def flash_attn_kvpacked_func(
                                      dropout_mask=dropout_mask, rng=rng)[0]
 
 
+@_keeps_callers_generator
 def _flash_attn_kvpacked_func(q: Any, kv: Any, dropout_p: float = 0.0,
                               softmax_scale: Optional[float] = None, causal: bool = False,
                               window_size: Any = (-1, -1), softcap: float = 0.0,
@@ -1178,6 +1195,7 @@ _VARLEN_RENAMES = {"cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
                    "max_seqlen_q, max_seqlen_k": "max_seqlen"}
 
 
+@_keeps_callers_generator
 def _flash_attn_varlen_qkvpacked_func(qkv: Any, cu_seqlens: Any, max_seqlen: int,
                                       dropout_p: float = 0.0,
                                       softmax_scale: Optional[float] = None, causal: bool = False,
@@ -1262,6 +1280,7 @@ def flash_attn_varlen_kvpacked_func(
                                             rng=rng)[0]
 
 
+@_keeps_callers_generator
 def _flash_attn_varlen_kvpacked_func(q: Any, kv: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                                      max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
@@ -1346,6 +1365,7 @@ def scaled_dot_product_attention(
                                          scale, enable_gqa, dropout_mask=dropout_mask, rng=rng)[0]
 
 
+@_keeps_callers_generator
 def _scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
                                   dropout_p: float = 0.0, is_causal: bool = False,
                                   scale: Optional[float] = None, enable_gqa: bool = False, *,
@@ -1517,6 +1537,7 @@ def _seq_valid(xp: Any, name: str, lengths: Any, B: int, L: int, device: Any) ->
     return xp.expand_dims(pos, axis=0) < xp.expand_dims(lens, axis=1)  # [B, L]
 
 
+@_keeps_callers_generator
 def _dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
                            scale: Optional[float] = None, is_causal: bool = False,
                            query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
@@ -1697,8 +1718,8 @@ def vjp(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Callable[..., tup
     if forward is None:
         known = ", ".join(f.__name__ for f in _FORWARDS)
         raise TypeError(f"fn: expected one of npattn.compat's functions ({known}), got {fn!r}")
+    names = _positional_names(fn)[:len(args)]  # (before the forward: nothing fails after it)
     result, grads_of = forward(*args, **kwargs)
-    names = _positional_names(fn)[:len(args)]
 
     def pullback(dout: Any, *, dlse: Any = None) -> tuple:
         grads = grads_of(dout, dlse)

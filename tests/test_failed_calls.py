@@ -225,6 +225,40 @@ def flash_kvcache():
     return start, call
 
 
+def flash_dropout(varlen):
+    """flash-attn's forwards with dropout drawn from the caller's generator: one draw for the
+    batch, or one per packed sequence; forming S_dmask (``return_attn_probs``) comes after."""
+    def start():
+        return dict(q=rnd(1, (B, L, H, D)), k=rnd(2, (B, L + 1, 1, D)), v=rnd(3, (B, L + 1, 1, D)),
+                    rng=np.random.default_rng(4))
+
+    def call(s):
+        if not varlen:
+            return compat.flash_attn_func(s["q"], s["k"], s["v"], dropout_p=0.3, causal=True,
+                                          rng=s["rng"], return_attn_probs=True)
+        q, k, v = (s[n].reshape((-1,) + s[n].shape[2:]) for n in "qkv")  # sequences of L, L + 1
+        cu_q, cu_k = np.array([0, L, 2 * L], np.int32), np.array([0, L + 1, 2 * L + 2], np.int32)
+        return compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, L, L + 1, dropout_p=0.3,
+                                             causal=True, rng=s["rng"], return_attn_probs=True)
+    return start, call
+
+
+def packed_and_jax_dropout(which):
+    """A packed form and JAX's signature, with dropout: steps after the draw (the packed
+    array's namespace, the residual's layout) may fail too."""
+    def start():
+        return dict(qkv=rnd(1, (B, L, 3, H, D)), rng=np.random.default_rng(4))
+
+    def call(s):
+        if which == "qkvpacked":
+            return compat.flash_attn_qkvpacked_func(s["qkv"], dropout_p=0.3, causal=True,
+                                                    rng=s["rng"], return_attn_probs=True)
+        q, k, v = (s["qkv"][:, :, i] for i in range(3))
+        return compat.dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, rng=s["rng"],
+                                            return_residual=True)
+    return start, call
+
+
 CALLS = {
     "mha reference forward, weights": mha("reference", True),
     "mha blocked forward": mha("blocked", False),
@@ -241,6 +275,10 @@ CALLS = {
     "classifier backward": classifier("backward"),
     "classifier params assignment": classifier("params"),
     "flash_attn_with_kvcache with new keys": flash_kvcache(),
+    "flash_attn_func with dropout": flash_dropout(False),
+    "flash_attn_varlen_func with dropout": flash_dropout(True),
+    "flash_attn_qkvpacked_func with dropout": packed_and_jax_dropout("qkvpacked"),
+    "dot_product_attention with dropout": packed_and_jax_dropout("jax"),
 }
 
 
