@@ -36,7 +36,8 @@ from typing import Any, NamedTuple, Optional
 
 from . import functional as F
 from . import validation as V
-from .backend import copy_array, device_of, namespace, scalar, without_empty_chunks, zero_d
+from .backend import (copy_array, device_of, generator_kept_on_failure, namespace, scalar,
+                      without_empty_chunks, zero_d)
 
 __all__ = [
     "erf",
@@ -558,8 +559,9 @@ def feed_forward_forward(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, *, activati
         a, act = relu_forward(h)  # 2.          [..., F]
     else:
         a, act = gelu_forward(h, "none" if activation == "gelu" else "tanh")  # 2. [..., F]
-    d, drop = F.dropout_forward(a, dropout_p, mask=dropout_mask, rng=rng)  # 3. [..., F]
-    y, lin2 = F.linear_forward(d, w2, b2)  # 4. [..., D]
+    with generator_kept_on_failure(rng):  # a failed step 4 puts back the draw of step 3
+        d, drop = F.dropout_forward(a, dropout_p, mask=dropout_mask, rng=rng)  # 3. [..., F]
+        y, lin2 = F.linear_forward(d, w2, b2)  # 4. [..., D]
     return y, FeedForwardCache(lin1, act, drop, lin2)
 
 

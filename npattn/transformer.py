@@ -37,7 +37,8 @@ import numpy as np
 from . import functional as F
 from . import layers as Ly
 from . import validation as V
-from .backend import backend_name, device_of, dropout_key, from_numpy, keep_mask, namespace, seed_sequence
+from .backend import (backend_name, device_of, dropout_key, from_numpy, generator_kept_on_failure, keep_mask,
+                      namespace, seed_sequence)
 from .module import (MultiHeadAttention, check_forward_impl, check_forward_inputs,
                      check_params_assignment, check_path, model_from_save_file, picklable_state,
                      restore_state, set_rng_state, write_save_file)
@@ -138,16 +139,17 @@ def sublayer_forward(x: Any, core: Callable, *, norm_weight: Any, norm_bias: Any
     _check_sublayer_inputs(x, core, norm_weight, norm_bias, eps, norm_first, dropout_p,
                            dropout_mask, rng)
     like = V.spec_of(x)
-    if norm_first:
-        n, norm_c = Ly.layer_norm_forward(x, norm_weight, norm_bias, eps)  # 1. [B, L, D]
-        c, core_c = _core_pair(core(n), like)  # 2.                            [B, L, D]
-        y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 3. [B, L, D]
-        out, res_c = Ly.residual_forward(x, y)  # 4.                           [B, L, D]
-    else:
-        c, core_c = _core_pair(core(x), like)  # 1.                            [B, L, D]
-        y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 2. [B, L, D]
-        s, res_c = Ly.residual_forward(x, y)  # 3.                             [B, L, D]
-        out, norm_c = Ly.layer_norm_forward(s, norm_weight, norm_bias, eps)  # 4. [B, L, D]
+    with generator_kept_on_failure(rng):  # a step failing after the draw puts rng back
+        if norm_first:
+            n, norm_c = Ly.layer_norm_forward(x, norm_weight, norm_bias, eps)  # 1. [B, L, D]
+            c, core_c = _core_pair(core(n), like)  # 2.                            [B, L, D]
+            y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 3. [B, L, D]
+            out, res_c = Ly.residual_forward(x, y)  # 4.                           [B, L, D]
+        else:
+            c, core_c = _core_pair(core(x), like)  # 1.                            [B, L, D]
+            y, drop_c = F.dropout_forward(c, dropout_p, mask=dropout_mask, rng=rng)  # 2. [B, L, D]
+            s, res_c = Ly.residual_forward(x, y)  # 3.                             [B, L, D]
+            out, norm_c = Ly.layer_norm_forward(s, norm_weight, norm_bias, eps)  # 4. [B, L, D]
     return out, SublayerCache(norm_c, core_c, drop_c, res_c, bool(norm_first))
 
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import compat, nn
+from npattn import compat, functional, layers, nn
 from npattn.classifier import TransformerClassifier
 from npattn.gpt import GPT, training_step
 from npattn.kvcache import KVCache
-from npattn.transformer import TransformerBlock, TransformerDecoderBlock
+from npattn.transformer import TransformerBlock, TransformerDecoderBlock, sublayer_forward
 
 B, L, D, H, VOCAB, T = 2, 4, 8, 2, 11, 8
 STEPS = 40  # failing steps tried per call, spread over all of its steps
@@ -259,6 +259,24 @@ def packed_and_jax_dropout(which):
     return start, call
 
 
+def dropout_layer(which):
+    """The stateless layers with dropout drawn from the caller's generator, and steps after
+    the draw (the second linear; the residual and the norm) that may fail."""
+    def start():
+        return dict(x=rnd(1, (B, L, D)), w1=rnd(2, (16, D)), b1=rnd(3, (16,)), w2=rnd(4, (D, 16)),
+                    b2=rnd(5, (D,)), rng=np.random.default_rng(6))
+
+    def call(s):
+        if which == "ffn":
+            return layers.feed_forward_forward(s["x"], s["w1"], s["b1"], s["w2"], s["b2"],
+                                               dropout_p=0.3, rng=s["rng"])[0]
+        return sublayer_forward(s["x"], lambda n: functional.linear_forward(n, s["w2"][:, :D], None),
+                                norm_weight=s["b2"], norm_bias=s["b1"][:D], eps=1e-5,
+                                norm_first=which == "pre-norm sublayer", dropout_p=0.3,
+                                rng=s["rng"])[0]
+    return start, call
+
+
 CALLS = {
     "mha reference forward, weights": mha("reference", True),
     "mha blocked forward": mha("blocked", False),
@@ -279,6 +297,9 @@ CALLS = {
     "flash_attn_varlen_func with dropout": flash_dropout(True),
     "flash_attn_qkvpacked_func with dropout": packed_and_jax_dropout("qkvpacked"),
     "dot_product_attention with dropout": packed_and_jax_dropout("jax"),
+    "feed_forward_forward with dropout": dropout_layer("ffn"),
+    "post-norm sublayer_forward with dropout": dropout_layer("post-norm sublayer"),
+    "pre-norm sublayer_forward with dropout": dropout_layer("pre-norm sublayer"),
 }
 
 
