@@ -1196,7 +1196,7 @@ def test_the_pool_is_made_once_and_kept_for_its_thread_count():
 @pytest.mark.parametrize("impl, module, forward, backward", [
     ("reference", F, "sdpa_forward_core", "sdpa_backward"),
     ("numpy", numpy_kernel, "sdpa_forward", "sdpa_backward"),
-    ("blocked", blocked, "sdpa_blocked_forward_core", "sdpa_blocked_backward")])
+    ("blocked", blocked, "sdpa_blocked_forward_core", "sdpa_blocked_backward_core")])
 def test_every_forward_and_backward_runs_under_the_lock(impl, module, forward, backward,
                                                         monkeypatch):
     """The dispatcher runs each implementation's forward and backward inside exclusive(): a
