@@ -201,6 +201,10 @@ def select_impl(impl: str, q: Any, k: Any, v: Any, *, mask: Any = None,
     positional = plain if positional is None else positional
     same_lead = True if same_lead is None else same_lead
     check_impl(impl, need_weights=need_weights)
+    for name, a in (("q", q), ("k", k), ("v", v)):  # (the forwards check them before; called alone)
+        V.check_array(name, a)
+        if len(a.shape) < 2:
+            raise ValueError(f"{name}: expected an array of shape (..., L, D), got shape {V.shape_of(a)}")
     chunks = chunked.accepts(q, k, v, mask, dropout_mask)
     kernel = numpy_kernel.accepts(q, k, v, mask, dropout_mask)
     check_impl_takes(impl, positional=positional, same_lead=same_lead, takes_chunks=chunks,

@@ -187,3 +187,23 @@ def test_causal_mask_takes_a_backend_name_as_relative_distances_does():
     got = F.causal_mask("array_api_strict", 2, 3)
     assert isinstance(got, type(array_api_strict.asarray(True)))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("which, bad, exc, pattern", [
+    ("q", lambda a: a.tolist(), TypeError, r"^q: expected an array, got list"),
+    ("k", lambda a: None, TypeError, r"^k: expected an array, got None"),
+    ("v", lambda a: a[0, 0, 0], ValueError,
+     r"^v: expected an array of shape \(\.\.\., L, D\), got shape \(7,\)"),
+    ("q", lambda a: array_api_strict.asarray(a[0, 0, 0, 0]), ValueError,
+     r"^q: expected an array of shape \(\.\.\., L, D\), got shape \(\)"),
+])
+def test_select_impl_names_what_is_no_attention_input(which, bad, exc, pattern):
+    # select_impl read q.shape[-2] and the others' at once: a list gave AttributeError
+    from npattn import attention as A
+
+    args = {"q": _rand(B, H, LQ, DH, seed=1), "k": _rand(B, H, LK, DH, seed=2),
+            "v": _rand(B, H, LK, DV, seed=3)}
+    assert A.select_impl("auto", **args) == "numpy"  # the arrays as given: the NumPy kernel
+    args[which] = bad(args[which])
+    with pytest.raises(exc, match=pattern):
+        A.select_impl("auto", **args)
