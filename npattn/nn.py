@@ -88,7 +88,11 @@ def one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
 
 def _one_hot(xp: Any, ids: Any, n: int, dtype: Any) -> Any:
     """``one_hot`` on checked arguments. # [...] -> [..., n]"""
-    classes = xp.arange(n, device=device_of(ids))  # [n]
+    classes = xp.arange(n, dtype=widest_int(xp), device=device_of(ids))  # [n]
+    # ids compared in the classes' dtype: the standard does not promote uint64 with int64
+    # (array-api-strict refuses the ==); the ids are checked to lie in [0, n) (an ignore_index
+    # past int64's range wraps to a negative value, no class, and its row is zeroed anyway)
+    ids = ids if ids.dtype == classes.dtype else xp.astype(ids, classes.dtype)  # [...]
     hit = xp.expand_dims(ids, axis=-1) == classes  # [..., n] bool
     return xp.astype(hit, dtype)  # [..., n]
 

@@ -1262,6 +1262,34 @@ def test_torch_unsigned_ids_without_arithmetic_are_a_type_error():
         assert tuple(model.forward(ids).shape) == (1, 2, 5)
 
 
+def test_uint64_ids_on_a_strict_namespace_match_int64_ids():
+    """array-api-strict computes with uint64 (the range check takes it) but does not promote it
+    with int64: the one-hot rows of embedding_forward, cross_entropy_forward and a GPT compared
+    uint64 ids with int64 classes and raised the library's TypeError from inside. The ids are
+    compared in the classes' dtype now; every number equals that of the same ids in int64."""
+    xps = pytest.importorskip("array_api_strict")
+    from npattn.gpt import GPT
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 5, size=(2, 3))
+    table = xps.asarray(rng.standard_normal((5, 4)))
+    logits = xps.asarray(rng.standard_normal((2, 3, 5)))
+    model = GPT(5, 4, 4, 1, 2, dtype="float64", seed=0, backend="array_api_strict")
+    results = []
+    for dtype in (xps.int64, xps.uint64):
+        t = xps.asarray(ids, dtype=dtype)
+        out, cache = nn.embedding_forward(t, table)
+        _, dtable = nn.embedding_backward(xps.asarray(np.arange(24.0).reshape(2, 3, 4)), cache)
+        loss, ce = nn.cross_entropy_forward(logits, t, ignore_index=int(ids[0, 0]), label_smoothing=0.1)
+        dlogits, _ = nn.cross_entropy_backward(1.5, ce)
+        gpt_loss, dgpt = model.loss(t, t)
+        results.append([np.asarray(a) for a in (nn.one_hot(xps, t, 5, "float64"), out, dtable, loss,
+                                                 dlogits, model.forward(t), gpt_loss, dgpt)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    assert results[0][0].sum() == ids.size  # one 1 per id
+
+
 def test_cross_entropy_over_no_positions_is_refused(xp, to_xp):
     """A mean over no positions is 0 / 0: torch returns NaN; npattn refuses it rather than give
     NaN from input it accepted (it returned NaN too)."""
