@@ -2728,6 +2728,9 @@ def plot_report(report: VerifyReport, path: str) -> str:
         if fx:
             ax.scatter(fx, fy, marker="x", s=60, color="red", linewidths=2)
     ax.axhline(1.0, color="k", lw=1, ls="--")
+    # one slot per case: with a single case matplotlib's own limits hug its point, and the
+    # label below (and tight_layout, with a warning) would fall outside the axes
+    ax.set_xlim(-0.5, len(res) - 0.5)
     ax.text(len(res) - 0.5, 1.15, "budget", ha="right", va="bottom", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylim(lo / 2, hi * 2)

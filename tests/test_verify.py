@@ -2765,6 +2765,27 @@ def test_report_json_and_table_and_plot(tmp_path):
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("cases", [["base-1x65"], ["base-1x65", "base-64x129"]])
+def test_the_plot_of_a_few_cases_keeps_its_budget_label_in_the_axes(tmp_path, monkeypatch, cases):
+    # a failing case's rerun line runs one case (--case NAME): its plot's x-axis once hugged the
+    # one point, so the "budget" label fell outside the axes and tight_layout warned
+    import warnings
+
+    plt = pytest.importorskip("matplotlib.pyplot")
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    report = run_kernel(K.attention, "float64", supports="", cases=cases)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report.plot(str(tmp_path / "r.png"))
+    (ax,) = figures[0].axes
+    (label,) = [t for t in ax.texts if t.get_text() == "budget"]
+    lo, hi = ax.get_xlim()
+    assert (lo, hi) == (-0.5, len(cases) - 0.5)
+    assert lo <= label.get_position()[0] <= hi
+
+
 def test_the_python_reproducer_reruns_the_case():
     report = run_kernel(K.bug_scale_twice, "float64", supports="causal", combos=False)
     r = report.failures[0]
