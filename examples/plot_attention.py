@@ -61,7 +61,10 @@ def main(argv=None):
                               label="masked (causal or padding): weight exactly 0")],
                loc="outside lower center")
     fig.suptitle("Attention weights with a causal and a padding mask (keys 8, 9 are padding)")
-    fig.savefig(args.out, dpi=100)
+    try:  # a PNG at exactly --out, whatever its suffix (matplotlib would add .png to "attn")
+        fig.savefig(args.out, dpi=100, format="png")
+    except OSError as e:
+        parser.error(f"--out {args.out!r}: cannot write the picture there ({e.strerror or e})")
     print(f"wrote {args.out}")
     return 0
 

@@ -113,6 +113,26 @@ def test_plot_attention(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_plot_attention_writes_the_file_it_names(tmp_path):
+    # "wrote PATH" is the file written: without a suffix matplotlib used to add ".png"
+    target = tmp_path / "attention"
+    out = run_example("plot_attention.py", "--out", str(target))
+    assert f"wrote {target}" in out
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["attention"]
+    # a path that cannot be written is a usage error naming --out (status 2), not a traceback
+    env = dict(os.environ, PYTHONPATH=IMPORT_ROOT, MPLBACKEND="Agg", OPENBLAS_NUM_THREADS="1")
+    for bad in (tmp_path / "missing" / "a.png", tmp_path):
+        proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "plot_attention.py"),
+                               "--out", str(bad)], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.splitlines()[-1].startswith(
+            f"plot_attention.py: error: --out {str(bad)!r}: cannot write the picture there")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
 def test_plot_attention_draws_what_its_title_says(tmp_path, monkeypatch):
     # "a causal and a padding mask (keys 8, 9 are padding)": per head, the cells shown are the
     # weights of query i on key j <= i, j < 8, each row summing to 1, and the other 48 of the
