@@ -731,6 +731,33 @@ def test_demo_checks_out_before_training(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "a_file.png").read_bytes() == b"not a folder"
 
 
+@pytest.mark.parametrize("task, extra, what", [
+    ("reverse", [], "the heatmaps"),
+    ("digits", ["--epochs", "1"], "the pictures"),
+    ("gpt", ["--steps", "1"], "samples.txt and the loss curve"),
+    ("gpt", ["--steps", "1", "--no-plots"], "samples.txt"),
+])
+def test_demo_out_errors_name_what_the_task_writes(task, extra, what, tmp_path, capsys, monkeypatch):
+    """gpt writes samples.txt (and its loss curve), digits its pictures: a message about
+    "the heatmaps" there sent the reader to look for an option of another task."""
+    from npattn.tools import demo_digits, demo_gpt
+
+    if "--no-plots" not in extra and not _has_matplotlib():
+        pytest.skip("--out is used for pictures only with matplotlib")
+    if task == "digits" and importlib.util.find_spec("sklearn") is None:
+        pytest.skip("--task digits needs scikit-learn")
+    for module in (demo_mod, demo_digits, demo_gpt):
+        monkeypatch.setattr(module, "train", _must_not_train)
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(b"not a folder")
+    for out, said in ((a_file, f"expected a folder for {what}, got an existing file"),
+                      (a_file / "sub", f"cannot write {what} there")):
+        assert cli.main(["demo", "--task", task, *extra, "--no-progress", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"npattn demo: --out {str(out)!r}: " + err.split(": ", 2)[2], err
+        assert said in err and err.count("\n") == 1, err
+
+
 class _Stop(Exception):
     pass
 

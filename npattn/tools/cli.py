@@ -397,12 +397,17 @@ def _check_gpt_demo_sizes(args, parser):
         parser.error(why)
 
 
-def _output_folder_error(path) -> str | None:
-    """Why the heatmaps cannot be written into folder ``path``, or None. A folder that is
-    missing is made for the probe and removed again (the demo makes it when it writes: a
-    failed run leaves no empty folder behind)."""
+#: What each ``npattn demo --task`` writes into ``--out``, as its messages say it.
+DEMO_OUTPUTS = {"reverse": "the heatmaps", "digits": "the pictures",
+                "gpt": "samples.txt and the loss curve"}
+
+
+def _output_folder_error(path, what: str = "the heatmaps") -> str | None:
+    """Why ``what`` (the demo's files) cannot be written into folder ``path``, or None. A
+    folder that is missing is made for the probe and removed again (the demo makes it when it
+    writes: a failed run leaves no empty folder behind)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"--out {path!r}: expected a folder for the heatmaps, got an existing file"
+        return f"--out {path!r}: expected a folder for {what}, got an existing file"
     missing = []  # the folders the probe makes, deepest first
     folder = os.path.abspath(path)
     while not os.path.exists(folder) and os.path.dirname(folder) != folder:
@@ -413,7 +418,7 @@ def _output_folder_error(path) -> str | None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        return (f"--out {path!r}: cannot write the heatmaps there "
+        return (f"--out {path!r}: cannot write {what} there "
                 f"({exc.strerror or type(exc).__name__})")
     finally:
         for made in missing:
@@ -447,7 +452,7 @@ def _demo_plots(args) -> bool | None:
         print("npattn demo: matplotlib is not installed, so no pictures are saved "
               "(pip install matplotlib, or '.[plot]' from the repository root)", file=sys.stderr)
         return False
-    why = _output_folder_error(args.out)  # before training, not after minutes of it
+    why = _output_folder_error(args.out, DEMO_OUTPUTS[args.task])  # before training, not after
     if why is not None:
         print(f"npattn demo: {why}", file=sys.stderr)
         return None
@@ -527,7 +532,8 @@ def _demo_digits(args, plots: bool) -> int:
 def _demo_gpt(args, plots: bool) -> int:
     from . import demo_gpt as dg
 
-    why = _output_folder_error(args.out)  # samples.txt is written even without plots
+    # samples.txt is written even without plots
+    why = _output_folder_error(args.out, DEMO_OUTPUTS["gpt"] if plots else "samples.txt")
     if why is not None:
         print(f"npattn demo: {why}", file=sys.stderr)
         return 2
