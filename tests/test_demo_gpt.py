@@ -329,6 +329,28 @@ def test_the_command_refuses_options_of_other_tasks(extra, named, tmp_path, caps
     assert named in err, err
 
 
+def test_the_largest_finite_lr_warms_up_without_overflow(monkeypatch, tmp_path, capsys):
+    """--lr takes any positive finite number: the warm-up rate is a fraction of it, never
+    lr * (step + 1), which overflowed to inf at the second step (1e308 * 2) and stopped the run
+    with "--seq-len 64: lr: expected a finite number" (the wrong option named)."""
+    from npattn.tools import cli
+
+    steps, _ = _record_training(monkeypatch)
+    with np.errstate(all="ignore"):  # such steps overflow the weights
+        train(GPTDemoConfig(**{**TINY, "lr": 1e308}), text="abcdefghij", progress=False)
+    np.testing.assert_allclose([lr for *_, lr, _ in steps],
+                               [5e307, 1e308, 1e308, 0.775e308, 0.325e308], rtol=1e-12)
+    # the command: the run diverges and says so, naming --lr (status 1), not --seq-len
+    monkeypatch.undo()
+    with np.errstate(all="ignore"):  # the weights overflow: that is the divergence reported
+        status = cli.main(["demo", "--task", "gpt", "--lr", "1e308", "--steps", "3", "--d-model",
+                           "8", "--layers", "1", "--heads", "2", "--batch", "2", "--seq-len", "8",
+                           "--no-plots", "--no-progress", "--out", str(tmp_path / "g")])
+    err = capsys.readouterr().err
+    assert status == 1 and "training diverged" in err and "smaller --lr than 1e+308" in err, err
+    assert "--seq-len" not in err
+
+
 def test_edge_settings_do_not_fail_after_training(tmp_path, capsys):
     from npattn.tools import cli
 

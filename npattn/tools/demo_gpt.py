@@ -133,7 +133,7 @@ def _windows(data: np.ndarray, rng: np.random.Generator, batch: int, L: int):
 def _lr(cfg: GPTDemoConfig, step: int) -> float:
     """Linear warm-up over ``warmup`` steps, then a cosine decay to 10 % of ``lr``."""
     if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+        return cfg.lr * ((step + 1) / cfg.warmup)  # a fraction of lr: lr * (step + 1) can overflow
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * t)))
 
