@@ -1013,6 +1013,23 @@ def test_a_gpt_demo_that_diverges_says_so_and_leaves_no_folder(tmp_path, capsys)
     assert not (tmp_path / "new").exists()
 
 
+def test_a_setting_the_gpt_demo_refuses_late_is_not_blamed_on_seq_len(tmp_path, capsys, monkeypatch):
+    """A ValueError from training was printed as "--seq-len N: ..." whatever setting it named
+    (an lr that overflowed to inf read "--seq-len 64: lr: ..."); the message is its own now."""
+    from npattn.tools import demo_gpt
+
+    def refuse(*args, **kwargs):
+        raise ValueError("lr: expected a finite number >= 0, got inf")
+
+    monkeypatch.setattr(demo_gpt, "train", refuse)
+    assert cli.main(["demo", "--task", "gpt", "--steps", "2", "--seq-len", "4", "--d-model", "8",
+                     "--heads", "1", "--layers", "1", "--batch", "2", "--no-plots", "--no-progress",
+                     "--out", str(tmp_path / "gpt")]) == 2
+    err = capsys.readouterr().err
+    assert "npattn demo: lr: expected a finite number >= 0, got inf" in err
+    assert "--seq-len" not in err and "Traceback" not in err
+
+
 def test_a_reader_that_goes_away_gives_the_status_of_a_broken_pipe(monkeypatch):
     """`npattn ... | head`: when the pipe's reader is gone the command stops quietly with 141 (a
     process that SIGPIPE ends), not 1, which says a check failed."""
