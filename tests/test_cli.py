@@ -1013,6 +1013,23 @@ def test_a_gpt_demo_that_diverges_says_so_and_leaves_no_folder(tmp_path, capsys)
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflow that makes the NaN
+@pytest.mark.parametrize("task", ["reverse", "digits"])
+def test_a_demo_that_diverges_exits_1_and_draws_nothing(task, tmp_path, capsys):
+    """The reverse and digits demos finished a run whose loss was NaN with status 0 and drew
+    its pictures; as the GPT demo, they say the run diverged and exit 1."""
+    if task == "digits":
+        pytest.importorskip("sklearn")
+    length = ["--steps", "2", "--seq-len", "4"] if task == "reverse" else ["--epochs", "1"]
+    out = tmp_path / "new" / task
+    assert cli.main(["demo", "--task", task, *length, "--lr", "1e300", "--d-model", "8",
+                     "--heads", "2", "--batch", "8", "--no-progress", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "nan" in captured.out  # the run's own line, as printed before
+    assert "training diverged (last loss nan)" in captured.err and "smaller --lr" in captured.err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_setting_the_gpt_demo_refuses_late_is_not_blamed_on_seq_len(tmp_path, capsys, monkeypatch):
     """A ValueError from training was printed as "--seq-len N: ..." whatever setting it named
     (an lr that overflowed to inf read "--seq-len 64: lr: ..."); the message is its own now."""

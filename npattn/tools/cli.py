@@ -478,6 +478,8 @@ def _demo_reverse(args, plots: bool) -> int:
         reached = "reached" if r.accuracy >= 0.95 else "below"
         print(f"heads={H}: held-out token accuracy {r.accuracy:.4f} ({reached} 95 %), "
               f"held-out loss {r.final_loss:.4f}, {r.seconds:.1f}s, {r.n_params} parameters")
+        if not math.isfinite(r.final_loss):
+            return _diverged(r.final_loss, args.lr)
         if plots:
             out = args.out if len(heads) == 1 else os.path.join(args.out, f"heads{H}")
             paths = save_heatmaps(model, out, seed=args.seed)
@@ -514,6 +516,8 @@ def _demo_digits(args, plots: bool) -> int:
         results.append(r)
         print(f"heads={H}: validation accuracy {r.val_accuracy:.4f}, training loss "
               f"{r.train_loss:.4f}, {r.seconds_per_epoch:.2f} s/epoch, {r.n_params} parameters")
+        if not math.isfinite(r.train_loss):
+            return _diverged(r.train_loss, args.lr)
         if plots:
             out = args.out if len(args.heads) == 1 else os.path.join(args.out, f"heads{H}")
             paths = dd.save_attention_figures(model, data, out)
@@ -527,6 +531,14 @@ def _demo_digits(args, plots: bool) -> int:
         print()
         print(dd.format_table(results))
     return 0
+
+
+def _diverged(loss: float, lr: float) -> int:
+    """Say that a demo's training diverged (a loss that is not finite); the exit status, 1,
+    as the GPT demo's (which also checks its weights, since it samples from them)."""
+    print(f"npattn demo: training diverged (last loss {loss}): no pictures; try a smaller --lr "
+          f"than {lr}", file=sys.stderr)
+    return 1
 
 
 def _demo_gpt(args, plots: bool) -> int:
