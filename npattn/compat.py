@@ -977,8 +977,9 @@ def _check_kv_of(q: Any, kv: Any, *, layout: str, batched: bool) -> bool:
     sizes = ((1, "seqlen"), (2, "nheads"), (3, "headdim")) if batched else \
         ((1, "nheads"), (2, "headdim"))
     _check_sizes("q", q, sizes)  # q on its own first: kv is checked against its axes
-    _check_packed("kv", kv, layout, 2 - o, 2,
-                  ((1 - o, "seqlen_k"), (3 - o, "nheads_k"), (4 - o, "headdim")))
+    # varlen: total_k may be 0 (every sequence without keys), as flash_attn_varlen_func's k
+    kv_sizes = ((1, "seqlen_k"),) if batched else ()
+    _check_packed("kv", kv, layout, 2 - o, 2, kv_sizes + ((3 - o, "nheads_k"), (4 - o, "headdim")))
     if batched:
         _check_axis("kv", kv, 0, int(q.shape[0]), "the batch of q")
     _check_axis("kv", kv, 4 - o, int(q.shape[3 - o]), "the head width of q")

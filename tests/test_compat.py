@@ -2325,6 +2325,29 @@ def test_flash_attn_varlen_kvpacked_func_is_the_varlen_func_of_its_parts():
     assert_bitwise(grads[1], np.stack([dk, dv], axis=1))
 
 
+def test_flash_attn_varlen_kvpacked_func_takes_no_keys_at_all():
+    """total_k = 0 (every sequence without keys), which flash_attn_varlen_func takes: the same
+    zeros, +inf softmax_lse and gradients as the varlen function of its parts, not a refusal
+    of kv's axis 0 (it was checked as a seqlen_k of at least 1)."""
+    cq = np.array([0, 2, 5], dtype=np.int32)
+    ck = np.zeros(3, dtype=np.int32)
+    q, kv = randn(5, 4, 3), randn(0, 2, 2, 3)  # [total_q, Hq, D], [0, 2, Hkv, D]
+    k, v = kv[:, 0], kv[:, 1]
+    packed, pullback = C.vjp(C.flash_attn_varlen_kvpacked_func, q, kv, cq, ck, 3, 0,
+                             causal=True, return_attn_probs=True)
+    parts, parts_pullback = C.vjp(C.flash_attn_varlen_func, q, k, v, cq, ck, 3, 0,
+                                  causal=True, return_attn_probs=True)
+    for a, b in zip(packed, parts):
+        assert_bitwise(a, b)
+    assert not packed[0].any() and np.isposinf(packed[1]).all()
+    ct = randn(*packed[0].shape)
+    dq, dkv = pullback(ct)[:2]
+    pq, pk, pv = parts_pullback(ct)[:3]
+    assert_bitwise(dq, pq)
+    assert_bitwise(dkv, np.stack([pk, pv], axis=1))
+    assert dq.shape == q.shape and not dq.any() and dkv.shape == kv.shape
+
+
 @pytest.mark.parametrize("fn_name", ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                                      "flash_attn_varlen_qkvpacked_func",
                                      "flash_attn_varlen_kvpacked_func"])
