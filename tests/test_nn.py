@@ -1283,8 +1283,9 @@ def test_uint64_ids_on_a_strict_namespace_match_int64_ids():
         loss, ce = nn.cross_entropy_forward(logits, t, ignore_index=int(ids[0, 0]), label_smoothing=0.1)
         dlogits, _ = nn.cross_entropy_backward(1.5, ce)
         gpt_loss, dgpt = model.loss(t, t)
-        results.append([np.asarray(a) for a in (nn.one_hot(xps, t, 5, "float64"), out, dtable, loss,
-                                                 dlogits, model.forward(t), gpt_loss, dgpt)])
+        outputs = (nn.one_hot(xps, t, 5, "float64"), out, dtable, loss, dlogits, model.forward(t),
+                   gpt_loss, dgpt)
+        results.append([np.asarray(a) for a in outputs])
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
     assert results[0][0].sum() == ids.size  # one 1 per id
